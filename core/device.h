@@ -1,0 +1,79 @@
+// fy_device: one backend behind a table of functions (DESIGN.md, "The objects", "Streams and events").
+//
+// The engine, the memory manager and the communication layer are written once against this table,
+// in CUDA's model: work in a stream runs in order; an event marks a point in a stream; another
+// stream may wait for it; the host may block on it. On `cpu`, streams run work at once on the
+// caller. Every byte a device hands out is counted (current and peak).
+#ifndef FY_DEVICE_H
+#define FY_DEVICE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "core/status.h"
+
+enum fy_device_kind { FY_DEVICE_CPU, FY_DEVICE_SIM, FY_DEVICE_CUDA };
+
+struct fy_device;
+typedef struct fy_stream fy_stream;
+typedef struct fy_event fy_event;
+typedef void (*fy_host_fn)(void *arg);
+
+struct fy_device_ops {
+  fy_status (*alloc)(struct fy_device *dev, size_t nbytes, void **out);
+  void (*free)(struct fy_device *dev, void *ptr, size_t nbytes);  // nbytes as given to alloc
+  fy_status (*stream_create)(struct fy_device *dev, fy_stream **out);
+  void (*stream_free)(struct fy_device *dev, fy_stream *s);
+  // Copies and host functions run in stream order; memory on either side may be host or device.
+  fy_status (*copy_async)(fy_stream *s, void *dst, const void *src, size_t nbytes);
+  fy_status (*memset_async)(fy_stream *s, void *dst, int value, size_t nbytes);
+  fy_status (*enqueue)(fy_stream *s, fy_host_fn fn, void *arg);
+  fy_status (*stream_sync)(fy_stream *s);
+  fy_status (*event_create)(struct fy_device *dev, fy_event **out);
+  void (*event_free)(struct fy_device *dev, fy_event *e);
+  fy_status (*event_record)(fy_event *e, fy_stream *s);
+  fy_status (*stream_wait)(fy_stream *s, fy_event *e);
+  fy_status (*event_sync)(fy_event *e);
+  void (*destroy)(struct fy_device *dev);
+};
+
+struct fy_device {
+  enum fy_device_kind kind;
+  const char *name;
+  const struct fy_device_ops *ops;
+  size_t cap;          // bytes the device may hand out; 0 = unlimited
+  size_t bytes_in_use; // counted by alloc/free
+  size_t bytes_peak;
+  void *impl;          // backend state
+};
+
+// The cpu device: host memory (64-byte aligned), streams that run work at once.
+fy_status fy_device_cpu_create(size_t cap, struct fy_device **out);
+void fy_device_free(struct fy_device *dev);
+
+static inline fy_status fy_device_alloc(struct fy_device *dev, size_t n, void **out) {
+  return dev->ops->alloc(dev, n, out);
+}
+static inline void fy_device_dealloc(struct fy_device *dev, void *p, size_t n) {
+  dev->ops->free(dev, p, n);
+}
+// Every backend's stream and event begin with these headers, so the forwarders below find the
+// table; the backend extends them (struct sim_stream { struct fy_stream base; ... }).
+struct fy_stream { struct fy_device *dev; };
+struct fy_event { struct fy_device *dev; };
+static inline fy_status fy_copy_async(fy_stream *s, void *dst, const void *src, size_t n) {
+  return s->dev->ops->copy_async(s, dst, src, n);
+}
+static inline fy_status fy_stream_enqueue(fy_stream *s, fy_host_fn fn, void *arg) {
+  return s->dev->ops->enqueue(s, fn, arg);
+}
+static inline fy_status fy_stream_sync(fy_stream *s) { return s->dev->ops->stream_sync(s); }
+static inline fy_status fy_event_record(fy_event *e, fy_stream *s) {
+  return s->dev->ops->event_record(e, s);
+}
+static inline fy_status fy_stream_wait(fy_stream *s, fy_event *e) {
+  return s->dev->ops->stream_wait(s, e);
+}
+static inline fy_status fy_event_sync(fy_event *e) { return e->dev->ops->event_sync(e); }
+
+#endif

@@ -1,0 +1,49 @@
+// The OPT model family (Hugging Face's OPTForCausalLM): its configuration, the built-in presets,
+// reading config.json, and building the operator graph with its parameters.
+#ifndef FY_OPT_H
+#define FY_OPT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/status.h"
+
+struct fy_opt_config {
+  char name[64];                 // preset name or "custom"
+  int64_t vocab_size;
+  int64_t hidden_size;           // D
+  int64_t word_embed_proj_dim;   // embedding width; != hidden_size adds project_in/project_out
+  int64_t ffn_dim;
+  int64_t num_hidden_layers;
+  int64_t num_attention_heads;
+  int64_t max_position_embeddings;
+  bool do_layer_norm_before;     // pre-LN (true) or post-LN (OPT-350m)
+  bool remove_final_layer_norm;  // config._remove_final_layer_norm
+  bool enable_bias;
+  bool layer_norm_elementwise_affine;
+  bool tie_word_embeddings;
+  float init_std;
+  float layer_norm_eps;          // 1e-5 (not in OPT's config.json; nn.LayerNorm's default)
+  float dropout, attention_dropout, activation_dropout, layerdrop;  // read to warn: ferry has none
+  int64_t pad_token_id, bos_token_id, eos_token_id;
+  char torch_dtype[16];          // as written in config.json ("float16", "float32", ...)
+};
+
+// Fills `cfg` with a preset: "opt-125m", "opt-350m", "opt-1.3b", "opt-2.7b", "opt-6.7b",
+// "opt-13b", "opt-30b", "opt-66b", "opt-175b", and the small ones "opt-tiny" (tests) and
+// "opt-demo" (the bundled corpus' byte-level vocabulary). The "facebook/" prefix is accepted.
+fy_status fy_opt_preset(const char *name, struct fy_opt_config *cfg);
+// A NULL-terminated list of preset names, for --help.
+const char *const *fy_opt_preset_names(void);
+// Reads a Hugging Face config.json (path to the file or to the directory holding it), with HF's
+// defaults for absent keys, and checks it (positive sizes, heads divide hidden_size, model_type
+// "opt" when given, activation "relu").
+fy_status fy_opt_config_read(const char *path, struct fy_opt_config *cfg);
+// Writes config.json as transformers' save_pretrained would for this config.
+fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *cfg);
+// Checks the fields for consistency (used by both of the above).
+fy_status fy_opt_config_check(const struct fy_opt_config *cfg);
+// Number of parameters (tied embeddings counted once).
+int64_t fy_opt_num_params(const struct fy_opt_config *cfg);
+
+#endif

@@ -1,0 +1,113 @@
+// Operator kernels (DESIGN.md "Conventions"): <op>_forward / <op>_backward, outputs first, then
+// inputs, then sizes, each with a shape comment. Backward kernels ACCUMULATE into their gradient
+// outputs (+=) unless a comment says otherwise. These are the CPU (fp32) kernels; they run on the
+// calling thread with OpenMP threads. Sizes are int64_t where a product may pass 2^31.
+//
+// Naming inside this header: B batch, T sequence, C channels in, OC channels out, V vocabulary,
+// NH heads, HS head size (C = NH * HS), BT = B * T rows.
+#ifndef FY_OPS_H
+#define FY_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/status.h"
+
+// ---- matrix products (ops/cpu/matmul.c, oneDNN; one primitive cached per shape) ----
+
+// c (M,N) = alpha * op(a) @ op(b) + beta * c, row-major; op(a) is (M,K): a is (M,K) or, with
+// ta, (K,M); op(b) is (K,N): b is (K,N) or, with tb, (N,K). beta is 0 or 1 (1 accumulates).
+// lda/ldb/ldc are the row strides in elements (0 means packed). Safe to call from one thread at a
+// time; parallel inside.
+fy_status fy_matmul(float *c, const float *a, const float *b, int64_t M, int64_t N, int64_t K,
+                    bool ta, bool tb, float alpha, float beta);
+// Same, with strided batches (for attention): `batch` products, each matrix at a + i*stride_a...
+fy_status fy_matmul_batched(float *c, const float *a, const float *b, int64_t batch, int64_t M,
+                            int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta,
+                            int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
+                            int64_t stride_b, int64_t stride_c);
+// Frees the cached primitives (at exit; tests call it to stay leak-free).
+void fy_matmul_cache_clear(void);
+
+// ---- embedding: row lookup; used for tokens and for learned positions ----
+
+// ids (BT) int32, table (V,C) -> out (BT,C). out = table[ids].
+void fy_embedding_forward(float *out, const int32_t *ids, const float *table, int64_t BT,
+                          int64_t C);
+// dout (BT,C) -> dtable (V,C) += scatter-add by ids. Deterministic (no atomics on floats).
+void fy_embedding_backward(float *dtable, const float *dout, const int32_t *ids, int64_t BT,
+                           int64_t C, int64_t V);
+
+// ---- layernorm (eps as given by the model, OPT uses 1e-5); weight/bias may be NULL ----
+
+// inp (BT,C), weight (C), bias (C) -> out (BT,C), mean (BT), rstd (BT)
+void fy_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                          const float *weight, const float *bias, int64_t BT, int64_t C, float eps);
+// dout (BT,C), inp, mean, rstd -> dinp (BT,C) +=, dweight (C) +=, dbias (C) += (NULL if absent)
+void fy_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                           const float *inp, const float *weight, const float *mean,
+                           const float *rstd, int64_t BT, int64_t C);
+
+// ---- linear: out = inp @ weight^T + bias (PyTorch's nn.Linear); bias may be NULL ----
+
+// inp (BT,C), weight (OC,C), bias (OC) -> out (BT,OC)
+fy_status fy_linear_forward(float *out, const float *inp, const float *weight, const float *bias,
+                            int64_t BT, int64_t C, int64_t OC);
+// dout (BT,OC) -> dinp (BT,C) +=, dweight (OC,C) +=, dbias (OC) +=. Any of dinp/dweight/dbias may
+// be NULL to skip it.
+fy_status fy_linear_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                             const float *inp, const float *weight, int64_t BT, int64_t C,
+                             int64_t OC);
+
+// ---- causal multi-head attention with a padding mask ----
+
+// qkv (B,T,3C) holds q, k, v side by side per row (q at [0,C), k at [C,2C), v at [2C,3C)), head h
+// at columns [h*HS,(h+1)*HS) of each. mask (B,T) int32, 1 = real token, 0 = padding; NULL = all 1.
+// Query t of batch b attends to keys s <= t with mask[b,s] = 1. scores = q.k * scale. A query with
+// no key to attend to (only possible with left padding) gets a zero output and zero gradient.
+// -> out (B,T,C) (heads concatenated), att (B,NH,T,T) the softmax probabilities (kept for backward;
+// entries for s > t are 0).
+fy_status fy_attention_forward(float *out, float *att, const float *qkv, const int32_t *mask,
+                               int64_t B, int64_t T, int64_t C, int64_t NH, float scale);
+// dout (B,T,C), qkv, att -> dqkv (B,T,3C) +=. scratch holds B*NH*T*T floats.
+fy_status fy_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv,
+                                const float *att, int64_t B, int64_t T, int64_t C, int64_t NH,
+                                float scale);
+
+// ---- elementwise ----
+
+// inp (N) -> out (N) = max(inp, 0)
+void fy_relu_forward(float *out, const float *inp, int64_t N);
+// dout (N), out (N) (the forward output) -> dinp (N) += dout * (out > 0)
+void fy_relu_backward(float *dinp, const float *dout, const float *out, int64_t N);
+// a (N), b (N) -> out (N) = a + b
+void fy_add_forward(float *out, const float *a, const float *b, int64_t N);
+// dout (N) -> da (N) +=, db (N) += (either may be NULL)
+void fy_add_backward(float *da, float *db, const float *dout, int64_t N);
+
+// ---- softmax cross-entropy over the vocabulary ----
+
+// logits (BT,V), targets (BT) int32 (-100 = ignored) -> losses (BT) (0 where ignored).
+// Returns the number of targets not ignored. A target outside [0,V) other than -100 is a caller
+// error (the data loader checks tokens).
+int64_t fy_crossentropy_forward(float *losses, const float *logits, const int32_t *targets,
+                                int64_t BT, int64_t V);
+// logits (BT,V), targets -> dlogits (BT,V) = dloss * (softmax(logits) - onehot(target)), and 0 on
+// ignored rows. OVERWRITES (not +=), and dlogits may be the same buffer as logits (in place).
+void fy_crossentropy_backward(float *dlogits, const float *logits, const int32_t *targets,
+                              int64_t BT, int64_t V, float dloss);
+
+// ---- optimizer ----
+
+// AdamW with PyTorch's semantics (torch.optim.AdamW): decoupled weight decay
+// p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+// p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). t counts from 1. grad_scale
+// multiplies g first (clipping and gradient averaging without another pass).
+void fy_adamw_update(float *param, float *m, float *v, const float *grad, int64_t n, float lr,
+                     float beta1, float beta2, float eps, float weight_decay, int64_t t,
+                     float grad_scale);
+// Sum of squares of x (N), accumulated in double for a placement-independent norm.
+double fy_sumsq(const float *x, int64_t n);
+
+#endif

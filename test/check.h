@@ -1,0 +1,74 @@
+// A minimal test harness: CHECK records a failure and goes on; a test program returns
+// check_summary() from main, which prints the counts and is non-zero when anything failed.
+#ifndef FY_TEST_CHECK_H
+#define FY_TEST_CHECK_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int check_failed_ = 0, check_total_ = 0;
+
+#define CHECK(cond)                                                          \
+  do {                                                                       \
+    check_total_++;                                                          \
+    if (!(cond)) {                                                           \
+      check_failed_++;                                                       \
+      fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);        \
+    }                                                                        \
+  } while (0)
+
+#define CHECKF(cond, ...)                                                    \
+  do {                                                                       \
+    check_total_++;                                                          \
+    if (!(cond)) {                                                           \
+      check_failed_++;                                                       \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);        \
+      fprintf(stderr, __VA_ARGS__);                                          \
+      fputc('\n', stderr);                                                   \
+    }                                                                        \
+  } while (0)
+
+// A call returning fy_status that must succeed; prints the library's message if not.
+#define CHECK_OK(expr)                                                       \
+  do {                                                                       \
+    check_total_++;                                                          \
+    fy_status st_ = (expr);                                                  \
+    if (st_ != FY_OK) {                                                      \
+      check_failed_++;                                                       \
+      fprintf(stderr, "FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #expr, fy_error_msg()); \
+    }                                                                        \
+  } while (0)
+
+// A call that must fail with `want`; its message is printed so a reader sees what users see.
+#define CHECK_ERR(expr, want)                                                \
+  do {                                                                       \
+    check_total_++;                                                          \
+    fy_status st_ = (expr);                                                  \
+    if (st_ != (want)) {                                                     \
+      check_failed_++;                                                       \
+      fprintf(stderr, "FAIL %s:%d: %s returned %d, wanted %d\n", __FILE__, __LINE__, #expr, \
+              (int)st_, (int)(want));                                        \
+    } else {                                                                 \
+      fprintf(stderr, "  expected error: %s\n", fy_error_msg());             \
+    }                                                                        \
+  } while (0)
+
+// Normalised error ||a - b|| / max(||b||, tiny), the measure of DESIGN.md's op tests.
+static inline double check_rel_err(const float *a, const float *b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double d = (double)a[i] - (double)b[i];
+    num += d * d;
+    den += (double)b[i] * (double)b[i];
+  }
+  return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
+}
+
+static inline int check_summary(const char *name) {
+  fprintf(stderr, "%s: %d checks, %d failed\n", name, check_total_, check_failed_);
+  return check_failed_ ? 1 : 0;
+}
+
+#endif
