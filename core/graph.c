@@ -1,1 +1,199 @@
-// placeholder: being written
+#include "core/graph.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FY_ALIGN_ELEMS 16  // 64 bytes
+
+static int64_t align_up(int64_t x) { return (x + FY_ALIGN_ELEMS - 1) / FY_ALIGN_ELEMS * FY_ALIGN_ELEMS; }
+
+// Grows *arr (of *cap elements of size sz) to hold n elements; returns false when out of memory.
+static bool grow(void **arr, int *cap, int n, size_t sz) {
+  if (n <= *cap) return true;
+  int nc = *cap ? *cap * 2 : 64;
+  while (nc < n) nc *= 2;
+  void *p = realloc(*arr, (size_t)nc * sz);
+  if (!p) return false;
+  memset((char *)p + (size_t)*cap * sz, 0, (size_t)(nc - *cap) * sz);
+  *arr = p;
+  *cap = nc;
+  return true;
+}
+
+struct graph_caps { int ops, params, slots; };
+
+// The capacities live just after the public struct, so fy_graph stays a plain description.
+struct graph_box {
+  struct fy_graph g;
+  struct graph_caps caps;
+};
+
+fy_status fy_graph_create(int64_t B, int64_t T, struct fy_graph **out) {
+  struct graph_box *box = calloc(1, sizeof *box);
+  if (!box) return fy_error_set(FY_ERR_NOMEM, "cannot allocate a graph");
+  box->g.B = B;
+  box->g.T = T;
+  box->g.loss_slot = box->g.logits_slot = -1;
+  *out = &box->g;
+  return FY_OK;
+}
+
+void fy_graph_free(struct fy_graph *g) {
+  if (!g) return;
+  free(g->ops);
+  free(g->params);
+  free(g->slots);
+  free((struct graph_box *)g);
+}
+
+int fy_graph_add_param(struct fy_graph *g, const char *name, int rank, const int64_t *shape,
+                       bool decay) {
+  struct graph_box *box = (struct graph_box *)g;
+  if (!grow((void **)&g->params, &box->caps.params, g->n_params + 1, sizeof *g->params)) return -1;
+  struct fy_param *p = &g->params[g->n_params];
+  memset(p, 0, sizeof *p);
+  snprintf(p->name, sizeof p->name, "%s", name);
+  p->rank = rank;
+  p->numel = 1;
+  for (int i = 0; i < rank; i++) {
+    p->shape[i] = shape[i];
+    p->numel *= shape[i];
+  }
+  p->decay = decay;
+  p->first_use = -1;
+  p->offset = -1;
+  p->padding_idx = -1;
+  return g->n_params++;
+}
+
+int fy_graph_add_slot(struct fy_graph *g, int64_t numel) {
+  struct graph_box *box = (struct graph_box *)g;
+  if (!grow((void **)&g->slots, &box->caps.slots, g->n_slots + 1, sizeof *g->slots)) return -1;
+  struct fy_slot *s = &g->slots[g->n_slots];
+  memset(s, 0, sizeof *s);
+  s->numel = numel;
+  s->producer = -1;
+  s->last_consumer = -1;
+  s->grad_offset = -1;
+  return g->n_slots++;
+}
+
+int fy_graph_add_op(struct fy_graph *g, const struct fy_op *op) {
+  struct graph_box *box = (struct graph_box *)g;
+  if (!grow((void **)&g->ops, &box->caps.ops, g->n_ops + 1, sizeof *g->ops)) return -1;
+  g->ops[g->n_ops] = *op;
+  if (op->out >= 0) g->slots[op->out].producer = g->n_ops;
+  for (int i = 0; i < op->n_aux; i++) g->slots[op->aux[i]].producer = g->n_ops;
+  return g->n_ops++;
+}
+
+int fy_graph_find_param(const struct fy_graph *g, const char *name) {
+  for (int i = 0; i < g->n_params; i++)
+    if (strcmp(g->params[i].name, name) == 0) return i;
+  return -1;
+}
+
+const char *fy_op_kind_name(enum fy_op_kind k) {
+  static const char *const names[] = {"embedding", "layernorm", "linear", "attention",
+                                      "relu", "add", "cross_entropy"};
+  return k < FY_OP_KIND_COUNT ? names[k] : "unknown";
+}
+
+// First-fit allocation of gradient slots over the backward walk.
+struct live_block { int64_t off, len; int slot; };
+
+static int64_t first_fit(struct live_block *live, int n, int64_t len) {
+  // live[] is kept sorted by offset.
+  int64_t at = 0;
+  for (int i = 0; i < n; i++) {
+    if (live[i].off - at >= len) return at;
+    if (live[i].off + live[i].len > at) at = live[i].off + live[i].len;
+  }
+  return at;
+}
+
+static void live_insert(struct live_block *live, int *n, struct live_block b) {
+  int i = *n;
+  while (i > 0 && live[i - 1].off > b.off) { live[i] = live[i - 1]; i--; }
+  live[i] = b;
+  (*n)++;
+}
+
+static void live_remove(struct live_block *live, int *n, int slot) {
+  for (int i = 0; i < *n; i++)
+    if (live[i].slot == slot) {
+      memmove(&live[i], &live[i + 1], (size_t)(*n - i - 1) * sizeof *live);
+      (*n)--;
+      return;
+    }
+}
+
+fy_status fy_graph_finalize(struct fy_graph *g) {
+  // Parameters in first-use order; an op's own list stays contiguous (fused weights).
+  int64_t off = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    struct fy_op *op = &g->ops[o];
+    bool group_started = false;
+    for (int k = 0; k < op->n_params; k++) {
+      struct fy_param *p = &g->params[op->params[k]];
+      if (p->first_use >= 0) continue;
+      p->first_use = o;
+      if (!group_started) off = align_up(off);
+      group_started = true;
+      p->offset = off;
+      off += p->numel;
+    }
+  }
+  for (int i = 0; i < g->n_params; i++)
+    if (g->params[i].first_use < 0)
+      return fy_error_set(FY_ERR_INTERNAL, "parameter %s is used by no operator", g->params[i].name);
+  g->n_param_elems = align_up(off);
+
+  // Activations: every slot is kept through the step (no recomputation here).
+  off = 0;
+  for (int s = 0; s < g->n_slots; s++) {
+    g->slots[s].offset = off;
+    off += align_up(g->slots[s].numel);
+    g->slots[s].last_consumer = -1;
+  }
+  g->act_elems = off;
+  for (int o = 0; o < g->n_ops; o++)
+    for (int k = 0; k < g->ops[o].n_in; k++) g->slots[g->ops[o].in[k]].last_consumer = o;
+
+  // Activation gradients: a slot's gradient is live from its last consumer's backward (where it
+  // is zeroed, then accumulated into) to its producer's backward (its last reader).
+  struct live_block *live = calloc((size_t)g->n_slots + 1, sizeof *live);
+  if (!live) return fy_error_set(FY_ERR_NOMEM, "cannot plan the gradient arena");
+  int n_live = 0;
+  int64_t top = 0;
+  for (int o = g->n_ops - 1; o >= 0; o--) {
+    struct fy_op *op = &g->ops[o];
+    op->n_zero = 0;
+    for (int k = 0; k < op->n_in; k++) {
+      struct fy_slot *s = &g->slots[op->in[k]];
+      if (s->last_consumer != o || s->grad_in_place || s->producer < 0) continue;
+      bool seen = false;  // the same slot twice in one op (x + x)
+      for (int j = 0; j < op->n_zero; j++) seen |= op->zero[j] == op->in[k];
+      if (seen) continue;
+      int64_t len = align_up(s->numel);
+      s->grad_offset = first_fit(live, n_live, len);
+      live_insert(live, &n_live, (struct live_block){s->grad_offset, len, op->in[k]});
+      if (s->grad_offset + len > top) top = s->grad_offset + len;
+      op->zero[op->n_zero++] = op->in[k];
+    }
+    if (op->out >= 0 && g->slots[op->out].grad_offset >= 0) live_remove(live, &n_live, op->out);
+  }
+  free(live);
+  g->grad_elems = top;
+
+  g->scratch_elems = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    struct fy_op *op = &g->ops[o];
+    if (op->kind == FY_OP_ATTENTION) {
+      int64_t need = g->B * op->NH * g->T * g->T;
+      if (need > g->scratch_elems) g->scratch_elems = need;
+    }
+  }
+  return FY_OK;
+}

@@ -1,1 +1,279 @@
-// placeholder: being written
+// OPT presets, parameter counts and the graph builder (OPTForCausalLM of transformers).
+#include "core/opt.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/graph.h"
+
+struct opt_preset {
+  const char *name;
+  int64_t hidden, layers, heads, ffn, proj, vocab, max_pos;
+  bool pre_ln;
+};
+
+// The public sizes are those of facebook/opt-* config.json files.
+static const struct opt_preset fy_opt_presets[] = {
+    {"opt-tiny", 32, 2, 4, 64, 32, 97, 64, true},
+    {"opt-demo", 256, 4, 4, 1024, 256, 512, 256, true},
+    {"opt-125m", 768, 12, 12, 3072, 768, 50272, 2048, true},
+    {"opt-350m", 1024, 24, 16, 4096, 512, 50272, 2048, false},
+    {"opt-1.3b", 2048, 24, 32, 8192, 2048, 50272, 2048, true},
+    {"opt-2.7b", 2560, 32, 32, 10240, 2560, 50272, 2048, true},
+    {"opt-6.7b", 4096, 32, 32, 16384, 4096, 50272, 2048, true},
+    {"opt-13b", 5120, 40, 40, 20480, 5120, 50272, 2048, true},
+    {"opt-30b", 7168, 48, 56, 28672, 7168, 50272, 2048, true},
+    {"opt-66b", 9216, 64, 72, 36864, 9216, 50272, 2048, true},
+    {"opt-175b", 12288, 96, 96, 49152, 12288, 50272, 2048, true},
+};
+#define N_PRESETS (int)(sizeof fy_opt_presets / sizeof *fy_opt_presets)
+
+const char *const *fy_opt_preset_names(void) {
+  static const char *names[N_PRESETS + 1];
+  for (int i = 0; i < N_PRESETS; i++) names[i] = fy_opt_presets[i].name;
+  names[N_PRESETS] = NULL;
+  return names;
+}
+
+fy_status fy_opt_preset(const char *name, struct fy_opt_config *cfg) {
+  if (strncmp(name, "facebook/", 9) == 0) name += 9;
+  for (int i = 0; i < N_PRESETS; i++) {
+    const struct opt_preset *p = &fy_opt_presets[i];
+    if (strcmp(p->name, name) != 0) continue;
+    memset(cfg, 0, sizeof *cfg);
+    snprintf(cfg->name, sizeof cfg->name, "%s", p->name);
+    cfg->vocab_size = p->vocab;
+    cfg->hidden_size = p->hidden;
+    cfg->word_embed_proj_dim = p->proj;
+    cfg->ffn_dim = p->ffn;
+    cfg->num_hidden_layers = p->layers;
+    cfg->num_attention_heads = p->heads;
+    cfg->max_position_embeddings = p->max_pos;
+    cfg->do_layer_norm_before = p->pre_ln;
+    cfg->enable_bias = true;
+    cfg->layer_norm_elementwise_affine = true;
+    cfg->tie_word_embeddings = true;
+    cfg->init_std = 0.02f;
+    cfg->layer_norm_eps = 1e-5f;
+    // Published configs say dropout 0.1; ferry trains without dropout (as llm.c does), so the
+    // presets say what is run.
+    cfg->pad_token_id = 1;
+    cfg->bos_token_id = 2;
+    cfg->eos_token_id = 2;
+    snprintf(cfg->torch_dtype, sizeof cfg->torch_dtype, "float32");
+    return FY_OK;
+  }
+  return fy_error_set(FY_ERR_NOT_FOUND, "unknown model preset '%s' (see ferry train --help)", name);
+}
+
+int64_t fy_opt_num_params(const struct fy_opt_config *c) {
+  int64_t D = c->hidden_size, W = c->word_embed_proj_dim, F = c->ffn_dim, V = c->vocab_size;
+  int64_t bias = c->enable_bias, ln = c->layer_norm_elementwise_affine ? 2 : 0;
+  int64_t layer = 4 * D * D + 2 * D * F + bias * (4 * D + F + D) + 2 * ln * D;
+  int64_t n = V * W + (c->max_position_embeddings + 2) * D + c->num_hidden_layers * layer;
+  if (W != D) n += 2 * D * W;
+  if (c->do_layer_norm_before && !c->remove_final_layer_norm) n += ln * D;
+  if (!c->tie_word_embeddings) n += V * W;
+  return n;
+}
+
+double fy_opt_step_flops(const struct fy_opt_config *c, int64_t B, int64_t T) {
+  // Parameters that take part in matrix products: everything but the positional table (a lookup)
+  // and the norms and biases (negligible, but counted as llm.c does: all parameters). The token
+  // embedding counts once, for the output projection it is tied to.
+  double n = (double)fy_opt_num_params(c) - (double)(c->max_position_embeddings + 2) * c->hidden_size;
+  double tokens = (double)B * T;
+  double attn = 12.0 * c->num_hidden_layers * c->hidden_size * (double)T * T * B;
+  return 6.0 * n * tokens + attn;
+}
+
+// ---- the graph of OPTForCausalLM ----
+
+struct builder {
+  struct fy_graph *g;
+  const struct fy_opt_config *c;
+  int64_t BT;
+  fy_status st;
+};
+
+static int param(struct builder *b, const char *name, int64_t d0, int64_t d1) {
+  char full[FY_NAME_MAX];
+  snprintf(full, sizeof full, "model.decoder.%s", name);
+  int64_t shape[2] = {d0, d1};
+  int id = fy_graph_add_param(b->g, full, d1 ? 2 : 1, shape, d1 != 0);
+  if (id < 0) b->st = fy_error_set(FY_ERR_NOMEM, "cannot grow the graph");
+  return id;
+}
+
+static int slot(struct builder *b, int64_t numel) {
+  int s = fy_graph_add_slot(b->g, numel);
+  if (s < 0) b->st = fy_error_set(FY_ERR_NOMEM, "cannot grow the graph");
+  return s;
+}
+
+static int add_op(struct builder *b, struct fy_op *op) {
+  if (b->st != FY_OK) return -1;
+  if (fy_graph_add_op(b->g, op) < 0) b->st = fy_error_set(FY_ERR_NOMEM, "cannot grow the graph");
+  return op->out;
+}
+
+static int embedding(struct builder *b, const char *name, int table, enum fy_index_source src,
+                     int64_t V, int64_t C) {
+  struct fy_op op = {.kind = FY_OP_EMBEDDING, .layer = -1, .n_params = 1, .params = {table},
+                     .out = slot(b, b->BT * C), .C = C, .V = V, .index = src};
+  snprintf(op.name, sizeof op.name, "%s", name);
+  return add_op(b, &op);
+}
+
+static int layernorm(struct builder *b, const char *name, int layer, int in) {
+  int64_t C = b->c->hidden_size;
+  struct fy_op op = {.kind = FY_OP_LAYERNORM, .layer = layer, .n_in = 1, .in = {in},
+                     .out = slot(b, b->BT * C), .n_aux = 2, .aux = {slot(b, b->BT), slot(b, b->BT)},
+                     .C = C, .eps = b->c->layer_norm_eps};
+  snprintf(op.name, sizeof op.name, "%s", name);
+  if (b->c->layer_norm_elementwise_affine) {
+    char pn[FY_NAME_MAX];
+    snprintf(pn, sizeof pn, "%s.weight", name);
+    op.params[0] = param(b, pn, C, 0);
+    snprintf(pn, sizeof pn, "%s.bias", name);
+    op.params[1] = param(b, pn, C, 0);
+    op.n_params = 2;
+  }
+  return add_op(b, &op);
+}
+
+// A linear layer over `n` fused projections named names[i] (each OC x C), with or without biases.
+static int linear(struct builder *b, const char *label, int layer, int in, const char *const *names,
+                  int n, int64_t C, int64_t OC, bool bias, int shared_weight) {
+  struct fy_op op = {.kind = FY_OP_LINEAR, .layer = layer, .n_in = 1, .in = {in},
+                     .out = slot(b, b->BT * OC * n), .C = C, .OC = OC * n, .has_bias = bias};
+  snprintf(op.name, sizeof op.name, "%s", label);
+  char pn[FY_NAME_MAX];
+  if (shared_weight >= 0) {
+    op.params[op.n_params++] = shared_weight;
+  } else {
+    for (int i = 0; i < n; i++) {
+      snprintf(pn, sizeof pn, "%s.weight", names[i]);
+      op.params[op.n_params++] = param(b, pn, OC, C);
+    }
+  }
+  if (bias)
+    for (int i = 0; i < n; i++) {
+      snprintf(pn, sizeof pn, "%s.bias", names[i]);
+      op.params[op.n_params++] = param(b, pn, OC, 0);
+    }
+  return add_op(b, &op);
+}
+
+static int binary(struct builder *b, enum fy_op_kind kind, const char *name, int layer, int x,
+                  int y, int64_t numel) {
+  struct fy_op op = {.kind = kind, .layer = layer, .n_in = y >= 0 ? 2 : 1, .in = {x, y},
+                     .out = slot(b, numel)};
+  snprintf(op.name, sizeof op.name, "%s", name);
+  return add_op(b, &op);
+}
+
+static int decoder_layer(struct builder *b, int l, int h) {
+  const struct fy_opt_config *c = b->c;
+  int64_t D = c->hidden_size, F = c->ffn_dim, NH = c->num_attention_heads;
+  bool bias = c->enable_bias, pre = c->do_layer_norm_before;
+  char p[64], n1[FY_NAME_MAX], n2[FY_NAME_MAX], n3[FY_NAME_MAX], label[64];
+  snprintf(p, sizeof p, "layers.%d", l);
+
+  // Self-attention block.
+  snprintf(n1, sizeof n1, "%s.self_attn_layer_norm", p);
+  int x = pre ? layernorm(b, n1, l, h) : h;
+  snprintf(n1, sizeof n1, "%s.self_attn.q_proj", p);
+  snprintf(n2, sizeof n2, "%s.self_attn.k_proj", p);
+  snprintf(n3, sizeof n3, "%s.self_attn.v_proj", p);
+  const char *qkv_names[3] = {n1, n2, n3};
+  snprintf(label, sizeof label, "%s.self_attn.qkv", p);
+  int qkv = linear(b, label, l, x, qkv_names, 3, D, D, bias, -1);
+  struct fy_op att = {.kind = FY_OP_ATTENTION, .layer = l, .n_in = 1, .in = {qkv},
+                      .out = slot(b, b->BT * D), .n_aux = 1,
+                      .aux = {slot(b, b->g->B * NH * b->g->T * b->g->T)}, .C = D, .NH = NH,
+                      .scale = 1.0f / sqrtf((float)(D / NH))};
+  snprintf(att.name, sizeof att.name, "%s.self_attn", p);
+  int a = add_op(b, &att);
+  snprintf(n1, sizeof n1, "%s.self_attn.out_proj", p);
+  const char *out_names[1] = {n1};
+  int o = linear(b, n1, l, a, out_names, 1, D, D, bias, -1);
+  snprintf(label, sizeof label, "%s.attn_residual", p);
+  h = binary(b, FY_OP_ADD, label, l, h, o, b->BT * D);
+  snprintf(n1, sizeof n1, "%s.self_attn_layer_norm", p);
+  if (!pre) h = layernorm(b, n1, l, h);
+
+  // Feed-forward block.
+  snprintf(n1, sizeof n1, "%s.final_layer_norm", p);
+  x = pre ? layernorm(b, n1, l, h) : h;
+  snprintf(n1, sizeof n1, "%s.fc1", p);
+  const char *fc1[1] = {n1};
+  int f = linear(b, n1, l, x, fc1, 1, D, F, bias, -1);
+  snprintf(label, sizeof label, "%s.relu", p);
+  f = binary(b, FY_OP_RELU, label, l, f, -1, b->BT * F);
+  snprintf(n1, sizeof n1, "%s.fc2", p);
+  const char *fc2[1] = {n1};
+  f = linear(b, n1, l, f, fc2, 1, F, D, bias, -1);
+  snprintf(label, sizeof label, "%s.ffn_residual", p);
+  h = binary(b, FY_OP_ADD, label, l, h, f, b->BT * D);
+  snprintf(n1, sizeof n1, "%s.final_layer_norm", p);
+  if (!pre) h = layernorm(b, n1, l, h);
+  return h;
+}
+
+fy_status fy_opt_build_graph(const struct fy_opt_config *c, int64_t B, int64_t T,
+                             struct fy_graph **out) {
+  FY_TRY(fy_opt_config_check(c));
+  if (B < 1 || T < 1) return fy_error_set(FY_ERR_INVALID, "batch and sequence must be positive");
+  if (T > c->max_position_embeddings)
+    return fy_error_set(FY_ERR_INVALID,
+                        "sequence length %lld is longer than the model allows "
+                        "(max_position_embeddings = %lld)",
+                        (long long)T, (long long)c->max_position_embeddings);
+  struct fy_graph *g;
+  FY_TRY(fy_graph_create(B, T, &g));
+  struct builder b = {.g = g, .c = c, .BT = B * T, .st = FY_OK};
+  int64_t D = c->hidden_size, W = c->word_embed_proj_dim, V = c->vocab_size;
+
+  int wte = param(&b, "embed_tokens.weight", V, W);
+  if (wte >= 0 && c->pad_token_id >= 0 && c->pad_token_id < V) g->params[wte].padding_idx = c->pad_token_id;
+  int wpe = param(&b, "embed_positions.weight", c->max_position_embeddings + 2, D);
+  int x = embedding(&b, "embed_tokens", wte, FY_INDEX_TOKENS, V, W);
+  if (W != D) {
+    const char *n[1] = {"project_in"};
+    x = linear(&b, "project_in", -1, x, n, 1, W, D, false, -1);
+  }
+  int pos = embedding(&b, "embed_positions", wpe, FY_INDEX_POSITIONS, c->max_position_embeddings + 2, D);
+  int h = binary(&b, FY_OP_ADD, "embed_sum", -1, x, pos, b.BT * D);
+  for (int l = 0; l < c->num_hidden_layers && b.st == FY_OK; l++) h = decoder_layer(&b, l, h);
+  if (c->do_layer_norm_before && !c->remove_final_layer_norm) h = layernorm(&b, "final_layer_norm", -1, h);
+  if (W != D) {
+    const char *n[1] = {"project_out"};
+    h = linear(&b, "project_out", -1, h, n, 1, D, W, false, -1);
+  }
+  int head = wte;
+  if (!c->tie_word_embeddings) {
+    int64_t shape[2] = {V, W};
+    head = fy_graph_add_param(g, "lm_head.weight", 2, shape, true);
+  }
+  int logits = linear(&b, "lm_head", -1, h, NULL, 1, W, V, false, head);
+  struct fy_op ce = {.kind = FY_OP_CROSS_ENTROPY, .layer = -1, .n_in = 1, .in = {logits},
+                     .out = slot(&b, b.BT), .V = V};
+  snprintf(ce.name, sizeof ce.name, "loss");
+  int loss = add_op(&b, &ce);
+  if (b.st != FY_OK) {
+    fy_graph_free(g);
+    return b.st;
+  }
+  g->slots[logits].grad_in_place = true;
+  g->logits_slot = logits;
+  g->loss_slot = loss;
+  fy_status st = fy_graph_finalize(g);
+  if (st != FY_OK) {
+    fy_graph_free(g);
+    return st;
+  }
+  *out = g;
+  return FY_OK;
+}

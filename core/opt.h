@@ -46,4 +46,15 @@ fy_status fy_opt_config_check(const struct fy_opt_config *cfg);
 // Number of parameters (tied embeddings counted once).
 int64_t fy_opt_num_params(const struct fy_opt_config *cfg);
 
+// Builds the graph of OPTForCausalLM for micro-batches of B x T tokens: parameters named as in
+// Hugging Face's state dict, the fused QKV projection of each layer laid out as q, k, v, and the
+// loss (softmax cross-entropy over already-shifted targets) as the last operator.
+struct fy_graph;
+fy_status fy_opt_build_graph(const struct fy_opt_config *cfg, int64_t B, int64_t T,
+                             struct fy_graph **out);
+// Forward FLOPs of one B x T micro-batch counted as Megatron and llm.c count them, times 3 for
+// forward and backward: 6 x (non-embedding-lookup parameters) x tokens plus attention's
+// 12 x layers x hidden x T^2 x B (QK^T and AV, 2 FLOPs per multiply-add, causal mask ignored).
+double fy_opt_step_flops(const struct fy_opt_config *cfg, int64_t B, int64_t T);
+
 #endif

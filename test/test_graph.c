@@ -1,1 +1,123 @@
-int main(void){return 0;}
+// The OPT graph builder and the graph's layout: parameter counts, first-use order, fused QKV
+// adjacency, and that no two activation gradients that are live at once share memory.
+#include <string.h>
+
+#include "check.h"
+#include "core/graph.h"
+#include "core/opt.h"
+
+// Simulates the backward walk and checks the gradient arena's liveness plan.
+static void check_grad_plan(const struct fy_graph *g, const char *name) {
+  int n = g->n_slots;
+  char *live = calloc((size_t)n, 1);
+  int bad = 0;
+  for (int o = g->n_ops - 1; o >= 0; o--) {
+    const struct fy_op *op = &g->ops[o];
+    for (int k = 0; k < op->n_zero; k++) live[op->zero[k]] = 1;
+    // Every input's gradient that is written here must be live.
+    for (int k = 0; k < op->n_in; k++) {
+      const struct fy_slot *s = &g->slots[op->in[k]];
+      if (s->grad_offset >= 0 && !live[op->in[k]]) bad++;
+    }
+    if (op->out >= 0 && g->slots[op->out].grad_offset >= 0 && !live[op->out]) bad++;
+    // No two live gradients overlap.
+    for (int a = 0; a < n; a++) {
+      if (!live[a]) continue;
+      for (int b = a + 1; b < n; b++) {
+        if (!live[b]) continue;
+        const struct fy_slot *x = &g->slots[a], *y = &g->slots[b];
+        if (x->grad_offset < y->grad_offset + y->numel && y->grad_offset < x->grad_offset + x->numel) bad++;
+      }
+    }
+    if (op->out >= 0) live[op->out] = 0;
+  }
+  CHECKF(bad == 0, "%s: %d liveness violations", name, bad);
+  free(live);
+}
+
+static void check_model(const char *preset, int64_t B, int64_t T) {
+  struct fy_opt_config c;
+  CHECK_OK(fy_opt_preset(preset, &c));
+  struct fy_graph *g;
+  fy_status st = fy_opt_build_graph(&c, B, T, &g);
+  CHECK_OK(st);
+  if (st != FY_OK) return;
+  int64_t total = 0;
+  for (int i = 0; i < g->n_params; i++) total += g->params[i].numel;
+  CHECKF(total == fy_opt_num_params(&c), "%s: graph has %lld parameters, formula %lld", preset,
+         (long long)total, (long long)fy_opt_num_params(&c));
+  // Offsets follow first use, do not overlap, fit in the flat buffer.
+  int64_t prev_end = 0;
+  int prev_first = -1, disorder = 0, overlap = 0;
+  for (int o = 0; o < g->n_ops; o++)
+    for (int k = 0; k < g->ops[o].n_params; k++) {
+      const struct fy_param *p = &g->params[g->ops[o].params[k]];
+      if (p->first_use != o) continue;
+      if (p->offset < prev_end) overlap++;
+      if (p->first_use < prev_first) disorder++;
+      prev_end = p->offset + p->numel;
+      prev_first = p->first_use;
+    }
+  CHECK(overlap == 0 && disorder == 0);
+  CHECK(prev_end <= g->n_param_elems);
+  // The fused QKV of each layer: weights q, k, v adjacent, then the three biases adjacent.
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_LINEAR || op->n_params < 3) continue;
+    int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+    for (int k = 1; k < n_w; k++)
+      CHECK(g->params[op->params[k]].offset ==
+            g->params[op->params[k - 1]].offset + g->params[op->params[k - 1]].numel);
+    for (int k = n_w + 1; k < op->n_params; k++)
+      CHECK(g->params[op->params[k]].offset ==
+            g->params[op->params[k - 1]].offset + g->params[op->params[k - 1]].numel);
+    CHECK(op->OC == 3 * op->C);
+  }
+  // HF names.
+  CHECK(fy_graph_find_param(g, "model.decoder.embed_tokens.weight") >= 0);
+  CHECK(fy_graph_find_param(g, "model.decoder.layers.0.self_attn.k_proj.bias") >= 0);
+  CHECK(fy_graph_find_param(g, "model.decoder.layers.0.fc2.weight") >= 0);
+  bool proj = c.word_embed_proj_dim != c.hidden_size;
+  CHECK((fy_graph_find_param(g, "model.decoder.project_in.weight") >= 0) == proj);
+  CHECK((fy_graph_find_param(g, "model.decoder.final_layer_norm.weight") >= 0) == c.do_layer_norm_before);
+  CHECK(g->ops[g->n_ops - 1].kind == FY_OP_CROSS_ENTROPY);
+  // Activation gradients are reused: far less than one per activation for deep models.
+  if (c.num_hidden_layers >= 12)
+    CHECKF(g->grad_elems * 4 < g->act_elems, "%s: gradient arena %lld vs activations %lld", preset,
+           (long long)g->grad_elems, (long long)g->act_elems);
+  check_grad_plan(g, preset);
+  fy_graph_free(g);
+}
+
+int main(void) {
+  for (const char *const *p = fy_opt_preset_names(); *p; p++) {
+    bool huge = strstr(*p, "66b") || strstr(*p, "175b") || strstr(*p, "30b");
+    check_model(*p, 2, huge ? 32 : 64);
+  }
+  // Published sizes (rounded as the model names are).
+  struct fy_opt_config c;
+  fy_opt_preset("opt-125m", &c);
+  CHECKF(llabs(fy_opt_num_params(&c) - 125239296) == 0, "opt-125m: %lld", (long long)fy_opt_num_params(&c));
+  fy_opt_preset("facebook/opt-350m", &c);
+  CHECKF(llabs(fy_opt_num_params(&c) - 331196416) == 0, "opt-350m: %lld", (long long)fy_opt_num_params(&c));
+  fy_opt_preset("opt-175b", &c);
+  CHECK(fy_opt_num_params(&c) > 174e9 && fy_opt_num_params(&c) < 176e9);
+  CHECK_ERR(fy_opt_preset("opt-7b", &c), FY_ERR_NOT_FOUND);
+  // A sequence longer than the positions.
+  struct fy_graph *g;
+  fy_opt_preset("opt-tiny", &c);
+  CHECK_ERR(fy_opt_build_graph(&c, 1, c.max_position_embeddings + 1, &g), FY_ERR_INVALID);
+  // Model variants: no bias, no affine layer norms, untied head, post-LN without projections.
+  c.enable_bias = false;
+  c.layer_norm_elementwise_affine = false;
+  c.tie_word_embeddings = false;
+  CHECK_OK(fy_opt_build_graph(&c, 2, 8, &g));
+  int64_t total = 0;
+  for (int i = 0; i < g->n_params; i++) total += g->params[i].numel;
+  CHECK(total == fy_opt_num_params(&c));
+  CHECK(fy_graph_find_param(g, "lm_head.weight") >= 0);
+  CHECK(fy_graph_find_param(g, "model.decoder.layers.0.fc1.bias") < 0);
+  check_grad_plan(g, "variant");
+  fy_graph_free(g);
+  return check_summary("graph");
+}

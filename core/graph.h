@@ -1,0 +1,105 @@
+// fy_graph: the model as an ordered list of operators (DESIGN.md, "The objects").
+//
+// Forward walks `ops` in order, backward in reverse. Parameters live in one flat buffer laid out
+// in first-use order (so chunks, later, are contiguous ranges of it); activations are slots at
+// offsets in one arena. Gradients of activations live in a second arena whose slots are reused
+// once dead (liveness over the backward walk, as ggml-alloc does), so backward needs about one
+// layer's worth of activation gradients. The gradient of a slot marked `grad_in_place` (the
+// logits) is written over its value by its consumer's backward.
+#ifndef FY_GRAPH_H
+#define FY_GRAPH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/status.h"
+
+enum fy_op_kind {
+  FY_OP_EMBEDDING,      // in: token or position ids; param: table (V,C) -> out (BT,C)
+  FY_OP_LAYERNORM,      // in (BT,C); params: weight, bias (or none) -> out (BT,C); aux: mean, rstd
+  FY_OP_LINEAR,         // in (BT,C); params: weight (OC,C) [, bias (OC)] -> out (BT,OC)
+  FY_OP_ATTENTION,      // in qkv (BT,3C) -> out (BT,C); aux: probabilities (B,NH,T,T)
+  FY_OP_RELU,           // in (N) -> out (N)
+  FY_OP_ADD,            // in a, b (N) -> out (N)
+  FY_OP_CROSS_ENTROPY,  // in logits (BT,V), targets -> out: per-row losses (BT)
+  FY_OP_KIND_COUNT,
+};
+
+enum fy_index_source { FY_INDEX_TOKENS, FY_INDEX_POSITIONS };
+
+#define FY_OP_MAX_PARAMS 6
+#define FY_OP_MAX_IN 2
+#define FY_OP_MAX_AUX 2
+#define FY_NAME_MAX 96
+
+struct fy_param {
+  char name[FY_NAME_MAX];  // Hugging Face name, e.g. model.decoder.layers.3.fc1.weight
+  int rank;
+  int64_t shape[2];
+  int64_t numel;
+  int64_t offset;          // elements from the start of the flat parameter buffer
+  bool decay;              // weight decay applies (matrices and embeddings, not biases or norms)
+  int first_use;           // index of the first op that reads it
+  int64_t padding_idx;     // embedding row whose gradient stays zero (nn.Embedding), or -1
+};
+
+struct fy_slot {
+  int64_t numel;           // floats
+  int64_t offset;          // in the activation arena (floats)
+  int64_t grad_offset;     // in the gradient arena (floats); -1 when no gradient is kept
+  int producer;            // op index
+  int last_consumer;       // highest op index reading it (-1: none)
+  bool grad_in_place;
+};
+
+struct fy_op {
+  enum fy_op_kind kind;
+  char name[64];           // short, for messages: "layers.3.fc1"
+  int layer;               // decoder layer, -1 outside the stack
+  int n_params;
+  int params[FY_OP_MAX_PARAMS];  // LINEAR: weight ids first, then bias ids (a fused QKV has 3+3)
+  int n_in;
+  int in[FY_OP_MAX_IN];
+  int out;
+  int n_aux;
+  int aux[FY_OP_MAX_AUX];
+  // Sizes; which are used depends on the kind.
+  int64_t C, OC, V, NH;
+  float eps, scale;
+  bool has_bias;
+  enum fy_index_source index;
+  // Slots whose gradient becomes live (is zeroed) just before this op's backward.
+  int n_zero;
+  int zero[FY_OP_MAX_IN];
+};
+
+struct fy_graph {
+  int n_ops, n_params, n_slots;
+  struct fy_op *ops;
+  struct fy_param *params;
+  struct fy_slot *slots;
+  int64_t B, T;            // the micro-batch the slots are sized for
+  int64_t n_param_elems;   // size of each flat parameter-sized buffer (floats)
+  int64_t act_elems;       // activation arena (floats)
+  int64_t grad_elems;      // activation-gradient arena (floats)
+  int64_t scratch_elems;   // workspace for one backward op (attention's)
+  int loss_slot;           // per-row losses of the cross-entropy op
+  int logits_slot;
+};
+
+// Construction (used by model builders): ops, params and slots are appended in forward order.
+fy_status fy_graph_create(int64_t B, int64_t T, struct fy_graph **out);
+void fy_graph_free(struct fy_graph *g);
+int fy_graph_add_param(struct fy_graph *g, const char *name, int rank, const int64_t *shape,
+                       bool decay);
+int fy_graph_add_slot(struct fy_graph *g, int64_t numel);
+// Appends an op (copied); returns its index. Sets the producer of op->out.
+int fy_graph_add_op(struct fy_graph *g, const struct fy_op *op);
+// Lays parameters out in first-use order (params listed by one op stay in the order listed, so a
+// fused QKV's weights are adjacent) and sizes the arenas with liveness-based reuse for gradients.
+fy_status fy_graph_finalize(struct fy_graph *g);
+// Index of the parameter with this name, or -1.
+int fy_graph_find_param(const struct fy_graph *g, const char *name);
+const char *fy_op_kind_name(enum fy_op_kind k);
+
+#endif
