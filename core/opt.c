@@ -79,13 +79,13 @@ int64_t fy_opt_num_params(const struct fy_opt_config *c) {
 }
 
 double fy_opt_step_flops(const struct fy_opt_config *c, int64_t B, int64_t T) {
-  // Parameters that take part in matrix products: everything but the positional table (a lookup)
-  // and the norms and biases (negligible, but counted as llm.c does: all parameters). The token
-  // embedding counts once, for the output projection it is tied to.
-  double n = (double)fy_opt_num_params(c) - (double)(c->max_position_embeddings + 2) * c->hidden_size;
+  // All parameters count, as llm.c and the PaLM appendix count them (the positional table is a
+  // lookup, but it is 1% of opt-125m and counting it keeps figures comparable with theirs).
+  // Attention: QK^T and AV are 2 x T^2 x D multiply-adds per layer and sequence forward, so
+  // 4 T^2 D FLOPs, and twice that backward: 12 x L x D x T^2 per sequence.
   double tokens = (double)B * T;
   double attn = 12.0 * c->num_hidden_layers * c->hidden_size * (double)T * T * B;
-  return 6.0 * n * tokens + attn;
+  return 6.0 * (double)fy_opt_num_params(c) * tokens + attn;
 }
 
 // ---- the graph of OPTForCausalLM ----

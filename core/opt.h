@@ -52,9 +52,9 @@ int64_t fy_opt_num_params(const struct fy_opt_config *cfg);
 struct fy_graph;
 fy_status fy_opt_build_graph(const struct fy_opt_config *cfg, int64_t B, int64_t T,
                              struct fy_graph **out);
-// Forward FLOPs of one B x T micro-batch counted as Megatron and llm.c count them, times 3 for
-// forward and backward: 6 x (non-embedding-lookup parameters) x tokens plus attention's
-// 12 x layers x hidden x T^2 x B (QK^T and AV, 2 FLOPs per multiply-add, causal mask ignored).
+// FLOPs of forward and backward of one B x T micro-batch, counted as llm.c and PaLM count them:
+// 6 x parameters x tokens plus attention's 12 x layers x hidden x T^2 x B (QK^T and AV, the
+// causal mask ignored), so that model-FLOPs utilisation compares with published figures.
 double fy_opt_step_flops(const struct fy_opt_config *cfg, int64_t B, int64_t T);
 
 #endif
