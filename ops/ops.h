@@ -19,14 +19,21 @@
 // c (M,N) = alpha * op(a) @ op(b) + beta * c, row-major; op(a) is (M,K): a is (M,K) or, with
 // ta, (K,M); op(b) is (K,N): b is (K,N) or, with tb, (N,K). beta is 0 or 1 (1 accumulates).
 // lda/ldb/ldc are the row strides in elements (0 means packed). Safe to call from one thread at a
-// time; parallel inside.
+// time; parallel inside. beta 0 never reads c; c must not overlap a or b.
 fy_status fy_matmul(float *c, const float *a, const float *b, int64_t M, int64_t N, int64_t K,
                     bool ta, bool tb, float alpha, float beta);
 // Same, with strided batches (for attention): `batch` products, each matrix at a + i*stride_a...
+// (a stride of 0 means packed: M*K, K*N, M*N).
 fy_status fy_matmul_batched(float *c, const float *a, const float *b, int64_t batch, int64_t M,
                             int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta,
                             int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
                             int64_t stride_b, int64_t stride_c);
+// The general form behind both: `bias` (N), when not NULL, is added to every row of every
+// product (nn.Linear's bias fused into the product).
+fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *bias, int64_t batch,
+                         int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta,
+                         int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a, int64_t stride_b,
+                         int64_t stride_c);
 // Frees the cached primitives (at exit; tests call it to stay leak-free).
 void fy_matmul_cache_clear(void);
 
@@ -44,7 +51,7 @@ void fy_embedding_backward(float *dtable, const float *dout, const int32_t *ids,
 // inp (BT,C), weight (C), bias (C) -> out (BT,C), mean (BT), rstd (BT)
 void fy_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                           const float *weight, const float *bias, int64_t BT, int64_t C, float eps);
-// dout (BT,C), inp, mean, rstd -> dinp (BT,C) +=, dweight (C) +=, dbias (C) += (NULL if absent)
+// dout (BT,C), inp, mean, rstd -> dinp (BT,C) +=, dweight (C) +=, dbias (C) += (any may be NULL)
 void fy_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                            const float *inp, const float *weight, const float *mean,
                            const float *rstd, int64_t BT, int64_t C);

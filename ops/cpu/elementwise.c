@@ -1,1 +1,37 @@
-// placeholder: being written
+// Elementwise kernels: relu and add. Memory-bound; threads only pay off on large arrays. Outputs
+// may alias inputs (in-place relu, residual add); `omp simd` vectorises without restrict.
+#include "ops/ops.h"
+
+#define FY_EW_PAR (1 << 16)
+
+// inp (N) -> out (N)
+void fy_relu_forward(float *out, const float *inp, int64_t N) {
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+  for (int64_t i = 0; i < N; i++) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];  // NaN passes through, as in PyTorch
+}
+
+// dout (N), out (N) -> dinp (N) +=
+void fy_relu_backward(float *dinp, const float *dout, const float *out,
+                      int64_t N) {
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+  for (int64_t i = 0; i < N; i++) dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
+}
+
+// a (N), b (N) -> out (N)
+void fy_add_forward(float *out, const float *a, const float *b, int64_t N) {
+  // out may alias a or b (a residual added in place), so no restrict here.
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+  for (int64_t i = 0; i < N; i++) out[i] = a[i] + b[i];
+}
+
+// dout (N) -> da (N) +=, db (N) +=
+void fy_add_backward(float *da, float *db, const float *dout, int64_t N) {
+  if (da) {
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+    for (int64_t i = 0; i < N; i++) da[i] += dout[i];
+  }
+  if (db) {
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+    for (int64_t i = 0; i < N; i++) db[i] += dout[i];
+  }
+}
