@@ -1,1 +1,161 @@
-// placeholder: being written
+#include "runtime/engine.h"
+
+#include <string.h>
+
+#include "ops/ops.h"
+
+static inline float *act(const struct fy_model *m, int slot) {
+  return m->acts + m->graph->slots[slot].offset;
+}
+
+static inline float *dact(const struct fy_model *m, int slot) {
+  const struct fy_slot *s = &m->graph->slots[slot];
+  return s->grad_in_place ? m->acts + s->offset : m->dacts + s->grad_offset;
+}
+
+// The gradient of an op's input, or NULL when nothing upstream needs it.
+static inline float *dinput(const struct fy_model *m, const struct fy_op *op, int k) {
+  const struct fy_slot *s = &m->graph->slots[op->in[k]];
+  return s->grad_offset >= 0 || s->grad_in_place ? dact(m, op->in[k]) : NULL;
+}
+
+void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T) {
+  for (int64_t b = 0; b < B; b++) {
+    int32_t run = 0;
+    for (int64_t t = 0; t < T; t++) {
+      int32_t mk = mask ? (mask[b * T + t] != 0) : 1;
+      run += mk;
+      pos[b * T + t] = run * mk - 1 + 2;
+    }
+  }
+}
+
+static fy_status check_ids(const struct fy_model *m, const struct fy_batch *batch) {
+  const struct fy_graph *g = m->graph;
+  if (batch->B != g->B || batch->T != g->T)
+    return fy_error_set(FY_ERR_INVALID, "batch is %lld x %lld but the model was built for %lld x %lld",
+                        (long long)batch->B, (long long)batch->T, (long long)g->B, (long long)g->T);
+  int64_t V = m->cfg.vocab_size, n = g->B * g->T;
+  for (int64_t i = 0; i < n; i++) {
+    int32_t x = batch->inputs[i], y = batch->targets[i];
+    if (x < 0 || x >= V)
+      return fy_error_set(FY_ERR_INVALID, "token id %d at row %lld, position %lld is not below the "
+                          "vocabulary size %lld", x, (long long)(i / g->T), (long long)(i % g->T), (long long)V);
+    if (y != -100 && (y < 0 || y >= V))
+      return fy_error_set(FY_ERR_INVALID, "target id %d at row %lld, position %lld is neither -100 "
+                          "nor below the vocabulary size %lld", y, (long long)(i / g->T),
+                          (long long)(i % g->T), (long long)V);
+  }
+  return FY_OK;
+}
+
+fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
+  FY_TRY(check_ids(m, batch));
+  const struct fy_graph *g = m->graph;
+  const int64_t B = g->B, T = g->T, BT = B * T;
+  fy_engine_positions(m->positions, batch->mask, B, T);
+  loss->sum = 0;
+  loss->count = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    float *out = act(m, op->out);
+    const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+    fy_status st = FY_OK;
+    switch (op->kind) {
+      case FY_OP_EMBEDDING: {
+        const int32_t *ids = op->index == FY_INDEX_TOKENS ? batch->inputs : m->positions;
+        fy_embedding_forward(out, ids, fy_model_param(m, op->params[0]), BT, op->C);
+        break;
+      }
+      case FY_OP_LAYERNORM:
+        fy_layernorm_forward(out, act(m, op->aux[0]), act(m, op->aux[1]), in0,
+                             op->n_params ? fy_model_param(m, op->params[0]) : NULL,
+                             op->n_params ? fy_model_param(m, op->params[1]) : NULL, BT, op->C, op->eps);
+        break;
+      case FY_OP_LINEAR: {
+        int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+        st = fy_linear_forward(out, in0, fy_model_param(m, op->params[0]),
+                               op->has_bias ? fy_model_param(m, op->params[n_w]) : NULL, BT, op->C, op->OC);
+        break;
+      }
+      case FY_OP_ATTENTION:
+        st = fy_attention_forward(out, act(m, op->aux[0]), in0, batch->mask, B, T, op->C, op->NH, op->scale);
+        break;
+      case FY_OP_RELU:
+        fy_relu_forward(out, in0, g->slots[op->out].numel);
+        break;
+      case FY_OP_ADD:
+        fy_add_forward(out, in0, act(m, op->in[1]), g->slots[op->out].numel);
+        break;
+      case FY_OP_CROSS_ENTROPY: {
+        loss->count += fy_crossentropy_forward(out, in0, batch->targets, BT, op->V);
+        double s = 0;
+        for (int64_t i = 0; i < BT; i++) s += out[i];
+        loss->sum += s;
+        break;
+      }
+      case FY_OP_KIND_COUNT: FY_ASSERT(0);
+    }
+    if (st != FY_OK) return fy_error_wrap(st, "forward of %s", op->name);
+  }
+  return FY_OK;
+}
+
+fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {
+  const struct fy_graph *g = m->graph;
+  const int64_t B = g->B, T = g->T, BT = B * T;
+  for (int o = g->n_ops - 1; o >= 0; o--) {
+    const struct fy_op *op = &g->ops[o];
+    for (int k = 0; k < op->n_zero; k++) {
+      const struct fy_slot *s = &g->slots[op->zero[k]];
+      memset(m->dacts + s->grad_offset, 0, (size_t)s->numel * 4);
+    }
+    const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : dact(m, op->out);
+    const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+    fy_status st = FY_OK;
+    switch (op->kind) {
+      case FY_OP_EMBEDDING: {
+        const struct fy_param *p = &g->params[op->params[0]];
+        float *dtable = fy_model_grad(m, op->params[0]);
+        const int32_t *ids = op->index == FY_INDEX_TOKENS ? batch->inputs : m->positions;
+        // nn.Embedding(padding_idx=...) gives its padding row no gradient from the lookup; the
+        // tied output projection's gradient to that row (already in) stays.
+        float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
+        float keep[op->C > 0 && row ? op->C : 1];
+        if (row) memcpy(keep, row, (size_t)op->C * 4);
+        fy_embedding_backward(dtable, dout, ids, BT, op->C, op->V);
+        if (row) memcpy(row, keep, (size_t)op->C * 4);
+        break;
+      }
+      case FY_OP_LAYERNORM:
+        fy_layernorm_backward(dinput(m, op, 0), op->n_params ? fy_model_grad(m, op->params[0]) : NULL,
+                              op->n_params ? fy_model_grad(m, op->params[1]) : NULL, dout, in0,
+                              op->n_params ? fy_model_param(m, op->params[0]) : NULL,
+                              act(m, op->aux[0]), act(m, op->aux[1]), BT, op->C);
+        break;
+      case FY_OP_LINEAR: {
+        int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+        st = fy_linear_backward(dinput(m, op, 0), fy_model_grad(m, op->params[0]),
+                                op->has_bias ? fy_model_grad(m, op->params[n_w]) : NULL, dout, in0,
+                                fy_model_param(m, op->params[0]), BT, op->C, op->OC);
+        break;
+      }
+      case FY_OP_ATTENTION:
+        st = fy_attention_backward(dinput(m, op, 0), m->scratch, dout, in0, act(m, op->aux[0]), B, T,
+                                   op->C, op->NH, op->scale);
+        break;
+      case FY_OP_RELU:
+        fy_relu_backward(dinput(m, op, 0), dout, act(m, op->out), g->slots[op->out].numel);
+        break;
+      case FY_OP_ADD:
+        fy_add_backward(dinput(m, op, 0), dinput(m, op, 1), dout, g->slots[op->out].numel);
+        break;
+      case FY_OP_CROSS_ENTROPY:
+        fy_crossentropy_backward(dact(m, op->in[0]), in0, batch->targets, BT, op->V, loss_scale);
+        break;
+      case FY_OP_KIND_COUNT: FY_ASSERT(0);
+    }
+    if (st != FY_OK) return fy_error_wrap(st, "backward of %s", op->name);
+  }
+  return FY_OK;
+}

@@ -1,1 +1,225 @@
-int main(void){return 0;}
+// ferry: the command line. `ferry train`, `ferry eval`, `ferry --help`.
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/opt.h"
+#include "ops/ops.h"
+#include "runtime/trainer.h"
+
+#define FERRY_VERSION "0.1.0"
+
+static void usage_main(FILE *f) {
+  fprintf(f,
+          "usage: ferry <command> [options]\n"
+          "\n"
+          "Trains OPT language models (Hugging Face's OPTForCausalLM) on the CPU.\n"
+          "\n"
+          "commands:\n"
+          "  train     train a model (with no options: the demo model on the bundled corpus)\n"
+          "  eval      mean loss of a model on token shards\n"
+          "  presets   list the built-in model presets\n"
+          "  version   print the version\n"
+          "\n"
+          "Run 'ferry <command> --help' for a command's options.\n");
+}
+
+static void usage_train(FILE *f, bool eval) {
+  struct fy_train_opts d;
+  fy_train_opts_defaults(&d);
+  if (eval)
+    fprintf(f, "usage: ferry eval [--model M] [--init DIR] [--data PATH] [options]\n\n"
+               "Prints the mean loss over --batches batches of the data, taken in order.\n\n");
+  else
+    fprintf(f, "usage: ferry train [options]\n\n"
+               "Trains with AdamW, a linear warmup and a cosine decay of the learning rate.\n"
+               "With no options it trains the demo model on the bundled corpus for a few minutes.\n\n");
+  fprintf(f,
+          "model and data:\n"
+          "  --model M          a preset (ferry presets) or a directory with config.json\n"
+          "                     (default: the --init checkpoint's config, else opt-demo)\n"
+          "  --init I           'random' (OPT's initialisation, default) or a Hugging Face model\n"
+          "                     directory (model.safetensors or a sharded index)\n"
+          "  --data PATH        a token shard, a directory of *.bin shards or a glob\n"
+          "                     (default: %s)\n"
+          "  --batch B          sequences per micro-batch (default %lld)\n"
+          "  --seq T            tokens per sequence (default %lld)\n"
+          "  --threads N        OpenMP threads (default: all cores)\n"
+          "  --seed S           seed for initialisation and shuffling (default %llu)\n",
+          d.data, (long long)d.batch, (long long)d.seq, (unsigned long long)d.seed);
+  if (eval) {
+    fprintf(f,
+            "  --batches N        batches to average over (default %lld)\n"
+            "  --dump FILE        write the first batch's input_ids and logits (safetensors)\n",
+            (long long)d.eval_batches);
+    return;
+  }
+  fprintf(f,
+          "\ntraining:\n"
+          "  --steps N          optimizer steps (default %lld)\n"
+          "  --grad-accum K     micro-batches per step (default 1)\n"
+          "  --lr X             peak learning rate (default %g)\n"
+          "  --min-lr X         final learning rate of the cosine decay (default lr/10)\n"
+          "  --warmup N         linear warmup steps (default steps/20)\n"
+          "  --weight-decay X   AdamW decoupled weight decay on matrices and embeddings (default %g)\n"
+          "  --beta1 X, --beta2 X, --eps X   AdamW (defaults %g, %g, %g)\n"
+          "  --clip X           clip the global gradient norm to X; 0 disables (default %g)\n"
+          "  --no-shuffle       take batches in order instead of a seeded shuffle\n"
+          "  --save DIR         write a Hugging Face checkpoint (config.json, model.safetensors)\n"
+          "                     at the end\n"
+          "  --log FILE         one JSON line per step\n"
+          "  --quiet            no step lines\n"
+          "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
+          "(6 x parameters x tokens plus attention, per second), peak resident memory, step time.\n",
+          (long long)d.steps, d.lr, d.adamw.weight_decay, d.adamw.beta1, d.adamw.beta2, d.adamw.eps,
+          d.adamw.clip);
+}
+
+static bool parse_i64(const char *flag, const char *s, int64_t min, int64_t *out) {
+  char *end;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  if (errno || end == s || *end || v < min) {
+    fprintf(stderr, "ferry: %s needs a whole number >= %lld, got '%s'\n", flag, (long long)min, s);
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+static bool parse_f32(const char *flag, const char *s, float min, float *out) {
+  char *end;
+  errno = 0;
+  float v = strtof(s, &end);
+  if (errno || end == s || *end || !isfinite(v) || v < min) {
+    fprintf(stderr, "ferry: %s needs a number >= %g, got '%s'\n", flag, min, s);
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+enum {
+  OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
+  OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
+  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_HELP,
+};
+
+static int cmd_train(int argc, char **argv, bool eval) {
+  static const struct option train_opts[] = {
+      {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
+      {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},
+      {"seq", required_argument, 0, OPT_SEQ}, {"grad-accum", required_argument, 0, OPT_ACCUM},
+      {"steps", required_argument, 0, OPT_STEPS}, {"lr", required_argument, 0, OPT_LR},
+      {"min-lr", required_argument, 0, OPT_MIN_LR}, {"warmup", required_argument, 0, OPT_WARMUP},
+      {"weight-decay", required_argument, 0, OPT_WD}, {"beta1", required_argument, 0, OPT_B1},
+      {"beta2", required_argument, 0, OPT_B2}, {"eps", required_argument, 0, OPT_EPS},
+      {"clip", required_argument, 0, OPT_CLIP}, {"seed", required_argument, 0, OPT_SEED},
+      {"no-shuffle", no_argument, 0, OPT_NO_SHUFFLE}, {"threads", required_argument, 0, OPT_THREADS},
+      {"save", required_argument, 0, OPT_SAVE}, {"log", required_argument, 0, OPT_LOG},
+      {"quiet", no_argument, 0, OPT_QUIET}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+  static const struct option eval_opts[] = {
+      {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
+      {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},
+      {"seq", required_argument, 0, OPT_SEQ}, {"seed", required_argument, 0, OPT_SEED},
+      {"threads", required_argument, 0, OPT_THREADS}, {"batches", required_argument, 0, OPT_BATCHES},
+      {"dump", required_argument, 0, OPT_DUMP}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  const char *cmd = eval ? "eval" : "train";
+  int64_t v;
+  int c;
+  optind = 1;
+  opterr = 0;
+  while ((c = getopt_long(argc, argv, "", eval ? eval_opts : train_opts, NULL)) != -1) {
+    bool ok = true;
+    switch (c) {
+      case OPT_MODEL: o.model = optarg; break;
+      case OPT_INIT: o.init = optarg; break;
+      case OPT_DATA: o.data = optarg; break;
+      case OPT_BATCH: ok = parse_i64("--batch", optarg, 1, &o.batch); break;
+      case OPT_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
+      case OPT_ACCUM: ok = parse_i64("--grad-accum", optarg, 1, &o.grad_accum); break;
+      case OPT_STEPS: ok = parse_i64("--steps", optarg, 0, &o.steps); break;
+      case OPT_LR: ok = parse_f32("--lr", optarg, 0, &o.lr); break;
+      case OPT_MIN_LR: ok = parse_f32("--min-lr", optarg, 0, &o.min_lr); break;
+      case OPT_WARMUP: ok = parse_i64("--warmup", optarg, 0, &o.warmup); break;
+      case OPT_WD: ok = parse_f32("--weight-decay", optarg, 0, &o.adamw.weight_decay); break;
+      case OPT_B1: ok = parse_f32("--beta1", optarg, 0, &o.adamw.beta1) && o.adamw.beta1 < 1; break;
+      case OPT_B2: ok = parse_f32("--beta2", optarg, 0, &o.adamw.beta2) && o.adamw.beta2 < 1; break;
+      case OPT_EPS: ok = parse_f32("--eps", optarg, 0, &o.adamw.eps); break;
+      case OPT_CLIP: ok = parse_f32("--clip", optarg, 0, &o.adamw.clip); break;
+      case OPT_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
+      case OPT_NO_SHUFFLE: o.shuffle = false; break;
+      case OPT_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
+      case OPT_SAVE: o.save = optarg; break;
+      case OPT_LOG: o.log_path = optarg; break;
+      case OPT_QUIET: o.quiet = true; break;
+      case OPT_BATCHES: ok = parse_i64("--batches", optarg, 1, &o.eval_batches); break;
+      case OPT_DUMP: o.dump = optarg; break;
+      case OPT_HELP: usage_train(stdout, eval); return 0;
+      case ':':
+        fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]);
+        return 2;
+      default:
+        fprintf(stderr, "ferry %s: unknown option '%s' (see 'ferry %s --help')\n", cmd,
+                argv[optind - 1], cmd);
+        return 2;
+    }
+    if (!ok) {
+      if (c == OPT_B1 || c == OPT_B2) fprintf(stderr, "ferry: betas must be in [0, 1)\n");
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "ferry %s: unexpected argument '%s' (see 'ferry %s --help')\n", cmd, argv[optind], cmd);
+    return 2;
+  }
+  fy_status st;
+  if (eval) {
+    double loss;
+    st = fy_eval(&o, &loss);
+    if (st == FY_OK) printf("eval loss %.6f over %lld batches of %lld x %lld\n", loss,
+                            (long long)o.eval_batches, (long long)o.batch, (long long)o.seq);
+  } else {
+    struct fy_train_result r;
+    st = fy_train(&o, &r);
+  }
+  fy_matmul_cache_clear();
+  if (st != FY_OK) {
+    fprintf(stderr, "ferry %s: error: %s\n", cmd, fy_error_msg());
+    return 1;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) return cmd_train(argc, argv, false);  // `ferry` alone: the demo
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "train") == 0) return cmd_train(argc - 1, argv + 1, false);
+  if (strcmp(cmd, "eval") == 0) return cmd_train(argc - 1, argv + 1, true);
+  if (strcmp(cmd, "presets") == 0) {
+    for (const char *const *p = fy_opt_preset_names(); *p; p++) {
+      struct fy_opt_config c;
+      fy_opt_preset(*p, &c);
+      printf("%-10s %9.1fM parameters, %2lld layers, hidden %5lld, %3lld heads, %s\n", *p,
+             fy_opt_num_params(&c) / 1e6, (long long)c.num_hidden_layers, (long long)c.hidden_size,
+             (long long)c.num_attention_heads, c.do_layer_norm_before ? "pre-LN" : "post-LN");
+    }
+    return 0;
+  }
+  if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
+    printf("ferry %s\n", FERRY_VERSION);
+    return 0;
+  }
+  if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {
+    usage_main(stdout);
+    return 0;
+  }
+  fprintf(stderr, "ferry: unknown command '%s'\n\n", cmd);
+  usage_main(stderr);
+  return 2;
+}

@@ -1,1 +1,215 @@
-// placeholder: being written
+#include "runtime/model.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "core/log.h"
+#include "core/safetensors.h"
+
+static fy_status buf_alloc(struct fy_device *dev, int64_t elems, size_t esize, void **out) {
+  size_t n = (size_t)(elems > 0 ? elems : 1) * esize;
+  FY_TRY(fy_device_alloc(dev, n, out));
+  memset(*out, 0, n);
+  return FY_OK;
+}
+
+fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
+                          struct fy_device *dev, struct fy_model **out) {
+  struct fy_model *m = calloc(1, sizeof *m);
+  if (!m) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the model");
+  m->cfg = *cfg;
+  m->dev = dev;
+  fy_status st = fy_opt_build_graph(cfg, B, T, &m->graph);
+  if (st != FY_OK) {
+    free(m);
+    return st;
+  }
+  const struct fy_graph *g = m->graph;
+  int64_t np = g->n_param_elems;
+  if ((st = buf_alloc(dev, np, 4, (void **)&m->params)) != FY_OK ||
+      (st = buf_alloc(dev, np, 4, (void **)&m->grads)) != FY_OK ||
+      (st = buf_alloc(dev, np, 4, (void **)&m->m)) != FY_OK ||
+      (st = buf_alloc(dev, np, 4, (void **)&m->v)) != FY_OK ||
+      (st = buf_alloc(dev, g->act_elems, 4, (void **)&m->acts)) != FY_OK ||
+      (st = buf_alloc(dev, g->grad_elems, 4, (void **)&m->dacts)) != FY_OK ||
+      (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
+      (st = buf_alloc(dev, B * T, 4, (void **)&m->positions)) != FY_OK) {
+    fy_model_free(m);
+    return fy_error_wrap(st, "allocating the model's state (%.2f GiB of parameter state)",
+                         4.0 * 4 * (double)np / (1 << 30));
+  }
+  m->state_bytes = 16 * np;
+  m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
+  *out = m;
+  return FY_OK;
+}
+
+void fy_model_free(struct fy_model *m) {
+  if (!m) return;
+  const struct fy_graph *g = m->graph;
+  if (g) {
+    int64_t np = g->n_param_elems;
+    struct { void *p; int64_t n; } bufs[] = {
+        {m->params, np}, {m->grads, np}, {m->m, np}, {m->v, np}, {m->acts, g->act_elems},
+        {m->dacts, g->grad_elems}, {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T}};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+      if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
+  }
+  fy_graph_free(m->graph);
+  free(m);
+}
+
+// ---- initialisation ----
+
+static uint64_t splitmix64(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static uint64_t fnv1a(const char *s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
+  return h;
+}
+
+static void fill_normal(float *x, int64_t n, float std, uint64_t state) {
+  for (int64_t i = 0; i < n; i += 2) {
+    // Box-Muller on two uniforms in (0, 1].
+    double u1 = ((splitmix64(&state) >> 11) + 1.0) * 0x1.0p-53;
+    double u2 = (splitmix64(&state) >> 11) * 0x1.0p-53;
+    double r = sqrt(-2.0 * log(u1));
+    x[i] = (float)(std * r * cos(2 * M_PI * u2));
+    if (i + 1 < n) x[i + 1] = (float)(std * r * sin(2 * M_PI * u2));
+  }
+}
+
+void fy_model_init_random(struct fy_model *m, uint64_t seed) {
+  const struct fy_graph *g = m->graph;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    float *x = fy_model_param(m, i);
+    const char *suffix = strrchr(p->name, '.');
+    bool is_norm = strstr(p->name, "layer_norm") != NULL;
+    if (p->rank == 2) {
+      fill_normal(x, p->numel, m->cfg.init_std, seed ^ fnv1a(p->name));
+      if (p->padding_idx >= 0) memset(x + p->padding_idx * p->shape[1], 0, (size_t)p->shape[1] * 4);
+    } else if (is_norm && suffix && strcmp(suffix, ".weight") == 0) {
+      for (int64_t k = 0; k < p->numel; k++) x[k] = 1.0f;
+    } else {
+      memset(x, 0, (size_t)p->numel * 4);
+    }
+  }
+  memset(m->m, 0, (size_t)g->n_param_elems * 4);
+  memset(m->v, 0, (size_t)g->n_param_elems * 4);
+}
+
+// ---- Hugging Face checkpoints ----
+
+static const struct fy_st_tensor *find_tensor(const fy_safetensors *st, const char *name) {
+  const struct fy_st_tensor *t = fy_safetensors_find(st, name);
+  // Older OPT checkpoints (and OPTModel) name the decoder without the "model." prefix.
+  if (!t && strncmp(name, "model.", 6) == 0) t = fy_safetensors_find(st, name + 6);
+  return t;
+}
+
+fy_status fy_model_load(struct fy_model *m, const char *dir) {
+  fy_safetensors *st;
+  FY_TRY(fy_safetensors_open_dir(dir, &st));
+  const struct fy_graph *g = m->graph;
+  fy_status status = FY_OK;
+  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
+    const struct fy_param *p = &g->params[i];
+    const struct fy_st_tensor *t = find_tensor(st, p->name);
+    if (!t) {
+      status = fy_error_set(FY_ERR_NOT_FOUND, "%s: the checkpoint has no tensor %s", dir, p->name);
+      break;
+    }
+    bool same = t->rank == p->rank;
+    for (int k = 0; same && k < p->rank; k++) same = t->shape[k] == p->shape[k];
+    if (!same) {
+      char want[64], got[64] = "";
+      snprintf(want, sizeof want, p->rank == 2 ? "(%lld, %lld)" : "(%lld)", (long long)p->shape[0],
+               (long long)p->shape[1]);
+      for (int k = 0; k < t->rank; k++)
+        snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", k ? ", " : "",
+                 (long long)t->shape[k]);
+      status = fy_error_set(FY_ERR_INVALID, "%s: tensor %s has shape (%s), the config needs %s",
+                            dir, p->name, got, want);
+      break;
+    }
+    if (t->dtype != FY_F32 && t->dtype != FY_BF16 && t->dtype != FY_F16) {
+      status = fy_error_set(FY_ERR_UNSUPPORTED, "%s: tensor %s has dtype %s; ferry reads f32, bf16, f16",
+                            dir, p->name, fy_dtype_name(t->dtype));
+      break;
+    }
+    fy_convert_to_f32(fy_model_param(m, i), t->data, t->dtype, (size_t)p->numel);
+  }
+  if (status == FY_OK && m->cfg.tie_word_embeddings) {
+    // A checkpoint may carry lm_head.weight even when tied; it must then equal the embedding.
+    const struct fy_st_tensor *head = fy_safetensors_find(st, "lm_head.weight");
+    if (head) fy_log_debug("%s: lm_head.weight ignored (tied to embed_tokens)", dir);
+  }
+  fy_safetensors_close(st);
+  return status;
+}
+
+static fy_status mkdir_p(const char *dir) {
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s", dir);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+      return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+    return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+  return FY_OK;
+}
+
+fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
+                        size_t max_shard_bytes) {
+  const struct fy_graph *g = m->graph;
+  FY_TRY(mkdir_p(dir));
+  struct fy_st_tensor *ts = calloc((size_t)g->n_params, sizeof *ts);
+  void *conv = NULL;
+  if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the tensor list");
+  if (dtype != FY_F32) {
+    conv = malloc((size_t)g->n_param_elems * 2);
+    if (!conv) {
+      free(ts);
+      return fy_error_set(FY_ERR_NOMEM, "cannot allocate a %s copy of the weights", fy_dtype_name(dtype));
+    }
+  }
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    ts[i].name = p->name;
+    ts[i].dtype = dtype;
+    ts[i].rank = p->rank;
+    ts[i].shape[0] = p->shape[0];
+    ts[i].shape[1] = p->shape[1];
+    ts[i].nbytes = (size_t)p->numel * fy_dtype_size(dtype);
+    if (dtype == FY_F32) {
+      ts[i].data = fy_model_param(m, i);
+    } else {
+      uint16_t *d = (uint16_t *)conv + p->offset;
+      fy_convert_from_f32(d, dtype, fy_model_param(m, i), (size_t)p->numel);
+      ts[i].data = d;
+    }
+  }
+  struct fy_opt_config cfg = m->cfg;
+  snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "%s",
+           dtype == FY_F32 ? "float32" : dtype == FY_BF16 ? "bfloat16" : "float16");
+  fy_status st = fy_safetensors_write_dir(dir, ts, g->n_params, max_shard_bytes);
+  if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
+  free(conv);
+  free(ts);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "saving the model to %s", dir);
+}

@@ -1,0 +1,53 @@
+// fy_model: an OPT model's state on one device, one flat buffer per kind of state (as llm.c):
+// parameters, their gradients, AdamW's m and v, the activation arena and the activation-gradient
+// arena of the graph. On the cpu device the fp32 parameters are also the master weights.
+#ifndef FY_MODEL_H
+#define FY_MODEL_H
+
+#include <stdint.h>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/graph.h"
+#include "core/opt.h"
+
+struct fy_model {
+  struct fy_opt_config cfg;
+  struct fy_graph *graph;
+  struct fy_device *dev;  // not owned
+  float *params, *grads, *m, *v;  // graph->n_param_elems each
+  float *acts;            // graph->act_elems
+  float *dacts;           // graph->grad_elems
+  float *scratch;         // graph->scratch_elems
+  int32_t *positions;     // (B,T) position ids of the current micro-batch (offset included)
+  int64_t state_bytes;    // bytes of params + grads + m + v
+  int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
+};
+
+// Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until
+// fy_model_init_random or fy_model_load.
+fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
+                          struct fy_device *dev, struct fy_model **out);
+void fy_model_free(struct fy_model *m);
+
+// OPT's initialisation: weights of linear layers and embeddings ~ N(0, init_std), biases 0,
+// layer norms weight 1 and bias 0, the padding row of the token embedding 0. Each parameter draws
+// from its own stream (seed, parameter name), so the result does not depend on the layout.
+void fy_model_init_random(struct fy_model *m, uint64_t seed);
+// Loads weights from a Hugging Face model directory (model.safetensors or a sharded index), any of
+// f32/f16/bf16. Names are matched with or without the "model." prefix; a missing tensor or a shape
+// that differs is an error naming it; lm_head.weight is ignored when tied.
+fy_status fy_model_load(struct fy_model *m, const char *dir);
+// Writes config.json and the weights (f32, or bf16/f16 when dtype says so) as transformers'
+// save_pretrained does, sharding files above max_shard_bytes (0 = one file).
+fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
+                        size_t max_shard_bytes);
+
+static inline float *fy_model_param(const struct fy_model *m, int id) {
+  return m->params + m->graph->params[id].offset;
+}
+static inline float *fy_model_grad(const struct fy_model *m, int id) {
+  return m->grads + m->graph->params[id].offset;
+}
+
+#endif

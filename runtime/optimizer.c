@@ -1,0 +1,34 @@
+#include "runtime/optimizer.h"
+
+#include <math.h>
+
+#include "ops/ops.h"
+
+struct fy_adamw fy_adamw_defaults(void) {
+  return (struct fy_adamw){.beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .clip = 1.0f};
+}
+
+double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
+  const struct fy_graph *g = m->graph;
+  double s = 0;
+  for (int i = 0; i < g->n_params; i++) s += fy_sumsq(fy_model_grad(m, i), g->params[i].numel);
+  return sqrt(s) * fabs((double)grad_scale);
+}
+
+fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
+                            float grad_scale, double norm) {
+  if (!isfinite(norm))
+    return fy_error_set(FY_ERR_NUMERIC, "the gradient norm is %f; no parameter was updated", norm);
+  float scale = grad_scale;
+  if (h->clip > 0) {
+    double coef = h->clip / (norm + 1e-6);
+    if (coef < 1.0) scale = (float)((double)grad_scale * coef);
+  }
+  const struct fy_graph *g = m->graph;
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    fy_adamw_update(fy_model_param(m, i), m->m + p->offset, m->v + p->offset, fy_model_grad(m, i),
+                    p->numel, lr, h->beta1, h->beta2, h->eps, p->decay ? h->weight_decay : 0.0f, t, scale);
+  }
+  return FY_OK;
+}

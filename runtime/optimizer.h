@@ -1,0 +1,26 @@
+// AdamW over the model's parameters with gradient clipping by global norm (DESIGN.md, "One
+// training step", step 4). The norm is the sum of per-parameter sums of squares taken in parameter
+// order, so it does not depend on how parameters are laid out or placed; clipping is decided from
+// it before any parameter is updated.
+#ifndef FY_OPTIMIZER_H
+#define FY_OPTIMIZER_H
+
+#include "runtime/model.h"
+
+struct fy_adamw {
+  float beta1, beta2, eps, weight_decay;  // decay applies to matrices and embeddings only
+  float clip;                             // max global norm; <= 0 disables clipping
+};
+
+// torch.optim.AdamW's defaults except weight decay 0.1 (OPT's), with clipping at 1.0.
+struct fy_adamw fy_adamw_defaults(void);
+
+// The global L2 norm of the gradients scaled by grad_scale (a tied parameter counted once).
+double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale);
+// One AdamW step (t counts from 1) at learning rate lr on grads x grad_scale, clipped to the global
+// norm `norm` as torch.nn.utils.clip_grad_norm_ does (coefficient clip / (norm + 1e-6), at most 1).
+// Refuses a non-finite norm (nothing is updated then).
+fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
+                            float grad_scale, double norm);
+
+#endif

@@ -1,0 +1,49 @@
+// The trainer: `ferry train` and `ferry eval` without the command-line parsing. It builds the
+// model (a preset or a config.json), initialises or loads it, streams batches from token shards,
+// and runs steps of forward, backward and AdamW with a warmup + cosine learning-rate schedule.
+#ifndef FY_TRAINER_H
+#define FY_TRAINER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/status.h"
+#include "runtime/optimizer.h"
+
+struct fy_train_opts {
+  const char *model;      // preset name or a directory/file with config.json
+  const char *init;       // "random" or a Hugging Face model directory
+  const char *data;       // shard, directory of shards, or glob
+  int64_t batch, seq, grad_accum, steps;
+  float lr, min_lr;       // peak and final learning rate of the cosine schedule
+  int64_t warmup;         // steps of linear warmup from 0
+  struct fy_adamw adamw;
+  uint64_t seed;
+  bool shuffle;
+  int threads;            // 0 = OpenMP's default
+  const char *save;       // write a Hugging Face checkpoint here at the end (NULL: none)
+  const char *log_path;   // JSON lines, one per step (NULL: none)
+  bool quiet;             // no step lines (tests)
+  // eval only
+  int64_t eval_batches;
+  const char *dump;       // write the first batch's inputs and logits here (safetensors)
+};
+
+// Defaults: the demo model on the bundled corpus (see README.md).
+void fy_train_opts_defaults(struct fy_train_opts *o);
+// The learning rate at step t (0-based) of `steps`.
+float fy_lr_at(const struct fy_train_opts *o, int64_t t);
+
+struct fy_train_result {
+  int64_t steps;
+  float first_loss, last_loss;
+  double tokens_per_s, gflops;  // medians over the steps after the first
+  double peak_rss_bytes;
+  double model_state_bytes, activation_bytes;
+};
+
+fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res);
+// Mean loss over eval_batches batches of the data (in order), optionally dumping logits.
+fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss);
+
+#endif
