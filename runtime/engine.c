@@ -1,5 +1,6 @@
 #include "runtime/engine.h"
 
+#include <omp.h>
 #include <string.h>
 
 #include "ops/ops.h"
@@ -60,6 +61,7 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
     const struct fy_op *op = &g->ops[o];
     float *out = act(m, op->out);
     const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+    double t0 = m->profile ? omp_get_wtime() : 0;
     fy_status st = FY_OK;
     switch (op->kind) {
       case FY_OP_EMBEDDING: {
@@ -96,6 +98,7 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
       }
       case FY_OP_KIND_COUNT: FY_ASSERT(0);
     }
+    if (m->profile) m->op_seconds[op->kind][0] += omp_get_wtime() - t0;
     if (st != FY_OK) return fy_error_wrap(st, "forward of %s", op->name);
   }
   return FY_OK;
@@ -106,6 +109,7 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
   const int64_t B = g->B, T = g->T, BT = B * T;
   for (int o = g->n_ops - 1; o >= 0; o--) {
     const struct fy_op *op = &g->ops[o];
+    double t0 = m->profile ? omp_get_wtime() : 0;
     for (int k = 0; k < op->n_zero; k++) {
       const struct fy_slot *s = &g->slots[op->zero[k]];
       memset(m->dacts + s->grad_offset, 0, (size_t)s->numel * 4);
@@ -155,6 +159,7 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
         break;
       case FY_OP_KIND_COUNT: FY_ASSERT(0);
     }
+    if (m->profile) m->op_seconds[op->kind][1] += omp_get_wtime() - t0;
     if (st != FY_OK) return fy_error_wrap(st, "backward of %s", op->name);
   }
   return FY_OK;

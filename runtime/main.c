@@ -72,6 +72,7 @@ static void usage_train(FILE *f, bool eval) {
           "                     at the end\n"
           "  --log FILE         one JSON line per step\n"
           "  --quiet            no step lines\n"
+          "  --profile          at the end, where a step's time went (per op kind and phase)\n"
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
           "(6 x parameters x tokens plus attention, per second), peak resident memory, step time.\n",
           (long long)d.steps, d.lr, d.adamw.weight_decay, d.adamw.beta1, d.adamw.beta2, d.adamw.eps,
@@ -105,7 +106,7 @@ static bool parse_f32(const char *flag, const char *s, float min, float *out) {
 enum {
   OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
-  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_HELP,
+  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -120,7 +121,8 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"clip", required_argument, 0, OPT_CLIP}, {"seed", required_argument, 0, OPT_SEED},
       {"no-shuffle", no_argument, 0, OPT_NO_SHUFFLE}, {"threads", required_argument, 0, OPT_THREADS},
       {"save", required_argument, 0, OPT_SAVE}, {"log", required_argument, 0, OPT_LOG},
-      {"quiet", no_argument, 0, OPT_QUIET}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+      {"quiet", no_argument, 0, OPT_QUIET}, {"profile", no_argument, 0, OPT_PROFILE},
+      {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
       {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},
@@ -158,6 +160,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_SAVE: o.save = optarg; break;
       case OPT_LOG: o.log_path = optarg; break;
       case OPT_QUIET: o.quiet = true; break;
+      case OPT_PROFILE: o.profile = true; break;
       case OPT_BATCHES: ok = parse_i64("--batches", optarg, 1, &o.eval_batches); break;
       case OPT_DUMP: o.dump = optarg; break;
       case OPT_HELP: usage_train(stdout, eval); return 0;

@@ -4,6 +4,7 @@
 #ifndef FY_MODEL_H
 #define FY_MODEL_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "core/device.h"
@@ -20,6 +21,9 @@ struct fy_model {
   float *dacts;           // graph->grad_elems
   float *scratch;         // graph->scratch_elems
   int32_t *positions;     // (B,T) position ids of the current micro-batch (offset included)
+  // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
+  bool profile;
+  double op_seconds[FY_OP_KIND_COUNT][2];
   int64_t state_bytes;    // bytes of params + grads + m + v
   int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
 };

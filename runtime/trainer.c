@@ -22,7 +22,7 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
   snprintf(demo_data, sizeof demo_data, "%s/data/demo", FY_SOURCE_DIR);
   *o = (struct fy_train_opts){
       .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 128,
-      .grad_accum = 1, .steps = 400, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
+      .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
       .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0,
       .eval_batches = 8};
 }
@@ -160,10 +160,12 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
     fflush(stdout);
   }
-  double t_start = now_s();
+  model->profile = o->profile;
+  double t_start = now_s(), t_zero = 0, t_opt = 0;
   for (int64_t step = 0; step < o->steps; step++) {
     double t0 = now_s();
     memset(model->grads, 0, (size_t)model->graph->n_param_elems * 4);
+    t_zero += now_s() - t0;
     double loss_acc = 0;
     for (int64_t micro = 0; micro < o->grad_accum; micro++) {
       struct fy_batch *batch;
@@ -181,11 +183,13 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
         goto step_failed;
     }
     float lr = fy_lr_at(o, step);
+    double t_opt0 = now_s();
     double norm = fy_optimizer_grad_norm(model, 1.0f);
     if ((st = fy_optimizer_step(model, &o->adamw, lr, step + 1, 1.0f, norm)) != FY_OK) {
       fy_error_wrap(st, "step %lld", (long long)step + 1);
       goto done;
     }
+    t_opt += now_s() - t_opt0;
     double dt = now_s() - t0;
     step_times[step] = dt;
     double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9, rss = peak_rss_bytes();
@@ -211,6 +215,18 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     goto done;
   }
   if (!o->quiet && tty) printf("\r\033[K");
+  if (o->profile && res->steps) {
+    double total = 0;
+    for (int i = 0; i < res->steps; i++) total += step_times[i];
+    printf("profile over %lld steps (%.3f s/step):\n", (long long)res->steps, total / res->steps);
+    for (int k = 0; k < FY_OP_KIND_COUNT; k++)
+      for (int ph = 0; ph < 2; ph++)
+        if (model->op_seconds[k][ph] > 0)
+          printf("  %-14s %-8s %8.1f ms/step %5.1f%%\n", fy_op_kind_name(k), ph ? "backward" : "forward",
+                 1e3 * model->op_seconds[k][ph] / res->steps, 100 * model->op_seconds[k][ph] / total);
+    printf("  %-23s %8.1f ms/step %5.1f%%\n", "zero gradients", 1e3 * t_zero / res->steps, 100 * t_zero / total);
+    printf("  %-23s %8.1f ms/step %5.1f%%\n", "clip + AdamW", 1e3 * t_opt / res->steps, 100 * t_opt / total);
+  }
   // Medians skip the first step (it creates the GEMM primitives and touches fresh pages).
   if (res->steps > 1) {
     double med = median(step_times + 1, res->steps - 1);

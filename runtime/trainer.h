@@ -24,6 +24,7 @@ struct fy_train_opts {
   const char *save;       // write a Hugging Face checkpoint here at the end (NULL: none)
   const char *log_path;   // JSON lines, one per step (NULL: none)
   bool quiet;             // no step lines (tests)
+  bool profile;           // print where a step's time goes, per op kind and phase
   // eval only
   int64_t eval_batches;
   const char *dump;       // write the first batch's inputs and logits here (safetensors)
