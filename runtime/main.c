@@ -136,7 +136,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
   int c;
   optind = 1;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, "", eval ? eval_opts : train_opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":", eval ? eval_opts : train_opts, NULL)) != -1) {
     bool ok = true;
     switch (c) {
       case OPT_MODEL: o.model = optarg; break;

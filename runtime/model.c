@@ -29,6 +29,18 @@ fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
   }
   const struct fy_graph *g = m->graph;
   int64_t np = g->n_param_elems;
+  double state = 16.0 * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
+  if (dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
+    fy_graph_free(m->graph);
+    free(m);
+    return fy_error_set(FY_ERR_NOMEM,
+                        "%s with micro-batch %lld x %lld needs %.2f GiB (%.2f GiB of parameters, "
+                        "gradients and AdamW state at 16 bytes per parameter, %.2f GiB of activations) "
+                        "but the %s device has %.2f GiB",
+                        cfg->name, (long long)B, (long long)T, (state + acts) / 1073741824.0,
+                        state / 1073741824.0, acts / 1073741824.0, dev->name,
+                        (double)(dev->cap - dev->bytes_in_use) / 1073741824.0);
+  }
   if ((st = buf_alloc(dev, np, 4, (void **)&m->params)) != FY_OK ||
       (st = buf_alloc(dev, np, 4, (void **)&m->grads)) != FY_OK ||
       (st = buf_alloc(dev, np, 4, (void **)&m->m)) != FY_OK ||

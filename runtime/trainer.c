@@ -86,7 +86,10 @@ static fy_status setup(const struct fy_train_opts *o, struct fy_opt_config *cfg,
   if (o->seq > cfg->max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
                         (long long)o->seq, (long long)cfg->max_position_embeddings);
-  FY_TRY(fy_device_cpu_create(0, dev));
+  // The cpu device may hand out what the machine has; a model that cannot fit is refused before
+  // anything is allocated, with what it would need.
+  size_t ram = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
+  FY_TRY(fy_device_cpu_create(ram, dev));
   fy_status st = fy_model_create(cfg, o->batch, o->seq, *dev, model);
   if (st != FY_OK) return st;
   if (!o->init || strcmp(o->init, "random") == 0) {

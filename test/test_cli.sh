@@ -1,2 +1,105 @@
-#!/bin/sh
-exit 0
+#!/usr/bin/env bash
+# The ferry command line as a user meets it: help, a short run that saves and logs, and bad input
+# of every kind named in the issue — each must give a clear message and a non-zero exit, never a
+# crash (an exit status above 128 means a signal).
+# usage: test/test_cli.sh path/to/ferry
+set -u
+ferry="$1"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+
+# expect CODE DESCRIPTION PATTERN -- ARGS...: runs ferry, checks the exit code and that stderr or
+# stdout matches PATTERN.
+expect() {
+  local want="$1" what="$2" pattern="$3"; shift 4
+  local out code
+  out="$("$ferry" "$@" 2>&1)"; code=$?
+  if [ "$code" -eq "$want" ] && printf '%s' "$out" | grep -qiE -- "$pattern"; then
+    pass=$((pass + 1)); printf 'ok    %s\n' "$what"
+  else
+    fail=$((fail + 1)); printf 'FAIL  %s (exit %d, wanted %d)\n%s\n' "$what" "$code" "$want" "$(printf '%s' "$out" | tail -5)"
+  fi
+}
+
+# A shard of N tokens below V (python3 is a test dependency; the format is llm.c's).
+make_shard() {  # path n vocab [magic]
+  python3 - "$@" <<'PY'
+import random, struct, sys
+path, n, v = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+magic = int(sys.argv[4]) if len(sys.argv) > 4 else 20240520
+random.seed(1)
+toks = [random.randrange(v) for _ in range(n)]
+with open(path, "wb") as f:
+    f.write(struct.pack("<256i", magic, 1, n, *([0] * 253)))
+    f.write(struct.pack("<%dH" % n, *toks))
+PY
+}
+
+make_shard "$tmp/ok.bin" 5000 97
+make_shard "$tmp/magic.bin" 5000 97 12345
+make_shard "$tmp/vocab.bin" 5000 200
+make_shard "$tmp/small.bin" 20 97
+tiny=(--model opt-tiny --data "$tmp/ok.bin" --batch 2 --seq 16)
+
+expect 0 "ferry --help lists the commands" "train" -- --help
+expect 0 "ferry train --help lists the flags" "--grad-accum" -- train --help
+expect 0 "ferry presets lists opt-175b" "opt-175b" -- presets
+expect 2 "an unknown command" "unknown command" -- fly
+expect 2 "an unknown flag" "unknown option '--bogus'" -- train --bogus
+expect 2 "a flag without its value" "needs a value" -- train --batch
+expect 2 "a flag with a bad number" "whole number" -- train --batch two
+expect 2 "a negative learning rate" "--lr" -- train --lr -1
+expect 2 "a stray argument" "unexpected argument" -- train extra
+
+expect 0 "a short run saves and logs" "saved a Hugging Face checkpoint" -- train "${tiny[@]}" --steps 3 \
+  --save "$tmp/ckpt" --log "$tmp/log.jsonl"
+lines=$(wc -l < "$tmp/log.jsonl" 2>/dev/null || echo 0)
+if [ "$lines" -eq 3 ] && grep -q '"tokens_per_s"' "$tmp/log.jsonl"; then pass=$((pass + 1)); echo "ok    the log has one JSON line per step"
+else fail=$((fail + 1)); echo "FAIL  the log has $lines lines"; fi
+expect 0 "eval of the saved checkpoint" "eval loss" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --batch 2 --seq 16
+
+# Configs.
+expect 1 "a missing config" "neither a preset nor" -- train --model "$tmp/none" --data "$tmp/ok.bin"
+mkdir -p "$tmp/badjson" && printf '{"hidden_size": 32,' > "$tmp/badjson/config.json"
+expect 1 "a malformed config.json" "config.json" -- train --model "$tmp/badjson" --data "$tmp/ok.bin"
+mkdir -p "$tmp/badheads" && printf '{"model_type":"opt","hidden_size":30,"num_attention_heads":4}' > "$tmp/badheads/config.json"
+expect 1 "heads that do not divide hidden_size" "num_attention_heads" -- train --model "$tmp/badheads" --data "$tmp/ok.bin"
+
+# Checkpoints: truncated, lying header, missing tensor.
+for kind in truncated lying missing; do
+  mkdir -p "$tmp/$kind" && cp "$tmp/ckpt/config.json" "$tmp/$kind/"
+done
+size=$(stat -c %s "$tmp/ckpt/model.safetensors")
+head -c $((size - 100)) "$tmp/ckpt/model.safetensors" > "$tmp/truncated/model.safetensors"
+expect 1 "a truncated safetensors file" "safetensors" -- train "${tiny[@]}" --init "$tmp/truncated"
+python3 - "$tmp/ckpt/model.safetensors" "$tmp/lying/model.safetensors" "$tmp/missing/model.safetensors" <<'PY'
+import json, struct, sys
+src, lying, missing = sys.argv[1:]
+raw = open(src, "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+hdr = json.loads(raw[8:8 + n]); data = raw[8 + n:]
+def write(path, h, d):
+    b = json.dumps(h).encode(); b += b" " * (-len(b) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(b)) + b + d)
+h = json.loads(json.dumps(hdr))
+name = next(k for k in h if k != "__metadata__")
+h[name]["data_offsets"] = [len(data) - 4, len(data) + 4096]   # past the end of the data
+write(lying, h, data)
+h = json.loads(json.dumps(hdr)); del h["model.decoder.layers.1.fc1.weight"]
+write(missing, h, data)
+PY
+expect 1 "a header that lies about offsets" "offset|outside|past|beyond" -- train "${tiny[@]}" --init "$tmp/lying"
+expect 1 "a checkpoint that lacks a tensor" "no tensor model.decoder.layers.1.fc1.weight" -- train "${tiny[@]}" --init "$tmp/missing"
+
+# Data.
+expect 1 "a shard with the wrong magic" "magic" -- train --model opt-tiny --data "$tmp/magic.bin" --batch 2 --seq 16
+expect 1 "a token id not below the vocabulary" "vocab" -- train --model opt-tiny --data "$tmp/vocab.bin" --batch 2 --seq 16
+expect 1 "a data set smaller than one batch" "token|window" -- train --model opt-tiny --data "$tmp/small.bin" --batch 2 --seq 16
+expect 1 "no shards at all" "no .*shard|not found|no such" -- train --model opt-tiny --data "$tmp/nothing/*.bin" --batch 2 --seq 16
+expect 1 "a sequence longer than the model allows" "longer than the model allows" -- train "${tiny[@]:0:4}" --batch 2 --seq 65
+expect 1 "a model the memory cannot hold" "needs .* GiB .* but the cpu device has" -- train --model opt-175b --data "$tmp/ok.bin" --batch 1 --seq 16
+expect 1 "a batch the memory cannot hold" "needs .* GiB .* activations" -- train --model opt-tiny --data "$tmp/ok.bin" --batch 1000000 --seq 64
+
+echo "cli: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds ferry, and runs every test: the unit, integration and reference
+# tests (meson test), the same again under AddressSanitizer and UndefinedBehaviorSanitizer, and the
+# transformers round trip of a saved checkpoint (when torch and transformers are installed).
+# Ends with one line: "N passed, N failed[, N skipped]".
+#
+# usage: ./test.sh [--no-sanitize] [--sanitize-only]
+set -uo pipefail
+cd "$(dirname "$0")"
+. tools/bootstrap.sh
+
+sanitize=1 plain=1
+for a in "$@"; do
+  case "$a" in
+    --no-sanitize) sanitize=0 ;;
+    --sanitize-only) plain=0 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "test.sh: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+
+fy_install_deps || { echo "0 passed, 1 failed"; exit 1; }
+fy_demo_data || { echo "0 passed, 1 failed"; exit 1; }
+passed=0 failed=0 skipped=0
+
+# Runs meson's tests in build dir $1 and adds their results to the counts.
+run_suite() {
+  local dir="$1" label="$2"
+  echo "== $label: meson test in $dir"
+  meson test -C "$dir" --print-errorlogs --num-processes 1 --timeout-multiplier 3 >"$dir.test.log" 2>&1
+  tail -n 12 "$dir.test.log"
+  read -r p f s < <(python3 - "$dir/meson-logs/testlog.json" <<'PY'
+import json, sys
+p = f = s = 0
+for line in open(sys.argv[1]):
+    r = json.loads(line).get("result")
+    if r in ("OK", "EXPECTEDFAIL"): p += 1
+    elif r == "SKIP": s += 1
+    else: f += 1
+print(p, f, s)
+PY
+)
+  passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+  [ "$f" -eq 0 ] || grep -E "^(FAIL|  expected)|error" "$dir.test.log" | head -40
+}
+
+if [ "$plain" = 1 ]; then
+  if fy_build build; then
+    run_suite build "release build"
+    # A checkpoint ferry saves loads in transformers and gives ferry's logits.
+    if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+      echo "== transformers loads a ferry checkpoint"
+      if test/reference/check_export.sh build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+    else
+      echo "== skipped: the transformers round trip (pip install torch transformers safetensors)"
+      skipped=$((skipped + 1))
+    fi
+  else
+    failed=$((failed + 1))
+  fi
+fi
+
+if [ "$sanitize" = 1 ]; then
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+  export LSAN_OPTIONS="suppressions=$PWD/test/lsan.supp"
+  if fy_build build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized; then
+    run_suite build-asan "AddressSanitizer + UndefinedBehaviorSanitizer"
+  else
+    failed=$((failed + 1))
+  fi
+fi
+
+if [ "$skipped" -gt 0 ]; then
+  echo "$passed passed, $failed failed, $skipped skipped"
+else
+  echo "$passed passed, $failed failed"
+fi
+[ "$failed" -eq 0 ]
