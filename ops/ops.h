@@ -55,8 +55,17 @@ void fy_layernorm_forward(float *out, float *mean, float *rstd, const float *inp
 void fy_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                            const float *inp, const float *weight, const float *mean,
                            const float *rstd, int64_t BT, int64_t C);
+// The parameter half alone: dweight (C), dbias (C) (NULL to skip), += when accumulate, else =;
+// does not read the weights, so the gradients may be written over them.
+void fy_layernorm_backward_params(float *dweight, float *dbias, const float *dout,
+                                  const float *inp, const float *mean, const float *rstd,
+                                  int64_t BT, int64_t C, bool accumulate);
 
 // ---- linear: out = inp @ weight^T + bias (PyTorch's nn.Linear); bias may be NULL ----
+//
+// Parameter gradients may also be written (=) instead of accumulated: the first gradient a
+// parameter receives in a backward pass overwrites, so that it can land over the weights in the
+// same memory (chunks, DESIGN.md) without a zeroing pass. The weights are not read then.
 
 // inp (BT,C), weight (OC,C), bias (OC) -> out (BT,OC)
 fy_status fy_linear_forward(float *out, const float *inp, const float *weight, const float *bias,
@@ -66,6 +75,11 @@ fy_status fy_linear_forward(float *out, const float *inp, const float *weight, c
 fy_status fy_linear_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                              const float *inp, const float *weight, int64_t BT, int64_t C,
                              int64_t OC);
+// dout (BT,OC), inp (BT,C) -> dweight (OC,C), dbias (OC) (NULL to skip): += when accumulate,
+// else =. dweight and dbias may be the memory of the weights and bias themselves.
+fy_status fy_linear_backward_params(float *dweight, float *dbias, const float *dout,
+                                    const float *inp, int64_t BT, int64_t C, int64_t OC,
+                                    bool accumulate);
 
 // ---- causal multi-head attention with a padding mask ----
 

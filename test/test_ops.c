@@ -921,6 +921,31 @@ static void test_sumsq(void) {
   free(x);
 }
 
+// The parameter halves that may overwrite: = gives what += gives on zeros, bit for bit, and the
+// gradient may be written over the weights it replaces (they are not read).
+static void test_params_overwrite(void) {
+  const int64_t BT = 11, C = 13, OC = 7;
+  float inp[11 * 13], dout[11 * 7], w[7 * 13], b[7], dw0[7 * 13] = {0}, db0[7] = {0};
+  for (int i = 0; i < BT * C; i++) inp[i] = sinf(0.3f * i);
+  for (int i = 0; i < BT * OC; i++) dout[i] = cosf(0.7f * i);
+  for (int i = 0; i < OC * C; i++) w[i] = 100.0f + i;  // garbage that must not leak in
+  for (int i = 0; i < OC; i++) b[i] = -50.0f;
+  CHECK_OK(fy_linear_backward_params(dw0, db0, dout, inp, BT, C, OC, true));
+  CHECK_OK(fy_linear_backward_params(w, b, dout, inp, BT, C, OC, false));
+  CHECK(memcmp(w, dw0, sizeof w) == 0 && memcmp(b, db0, sizeof b) == 0);
+  // Accumulate on top doubles.
+  CHECK_OK(fy_linear_backward_params(w, b, dout, inp, BT, C, OC, true));
+  CHECK(fabsf(w[5] - 2 * dw0[5]) <= 1e-5f * fabsf(dw0[5]) && fabsf(b[3] - 2 * db0[3]) <= 1e-5f * fabsf(db0[3]));
+
+  float x[11 * 13], g[11 * 13], mean[11], rstd[11], out[11 * 13], lw[13], lb[13], dlw[13] = {0}, dlb[13] = {0};
+  for (int i = 0; i < BT * C; i++) { x[i] = sinf(1.1f * i) * 2; g[i] = cosf(0.13f * i); }
+  for (int i = 0; i < C; i++) { lw[i] = 1 + 0.1f * i; lb[i] = 0.5f; }
+  fy_layernorm_forward(out, mean, rstd, x, lw, lb, BT, C, 1e-5f);
+  fy_layernorm_backward_params(dlw, dlb, g, x, mean, rstd, BT, C, true);
+  fy_layernorm_backward_params(lw, lb, g, x, mean, rstd, BT, C, false);
+  CHECK(memcmp(lw, dlw, sizeof lw) == 0 && memcmp(lb, dlb, sizeof lb) == 0);
+}
+
 int main(void) {
   test_matmul();
   test_embedding();
@@ -931,6 +956,7 @@ int main(void) {
   test_crossentropy();
   test_adamw();
   test_sumsq();
+  test_params_overwrite();
   fy_matmul_cache_clear();
   return check_summary("ops");
 }

@@ -72,25 +72,30 @@ void fy_layernorm_backward(float *dinp, float *dweight, float *dbias, const floa
       }
     }
   }
-  if (dweight || dbias) {
-    const int64_t blk = 64;
-    int64_t nblk = (C + blk - 1) / blk;
+  fy_layernorm_backward_params(dweight, dbias, dout, inp, mean, rstd, BT, C, true);}
+
+// dout (BT,C), inp, mean, rstd -> dweight (C) (+)=, dbias (C) (+)=
+void fy_layernorm_backward_params(float *dweight, float *dbias, const float *dout,
+                                  const float *inp, const float *mean, const float *rstd,
+                                  int64_t BT, int64_t C, bool accumulate) {
+  if (!dweight && !dbias) return;
+  const int64_t blk = 64;
+  int64_t nblk = (C + blk - 1) / blk;
 #pragma omp parallel for schedule(static) if (BT * C > (1 << 14))
-    for (int64_t cb = 0; cb < nblk; cb++) {
-      int64_t c0 = cb * blk, c1 = c0 + blk < C ? c0 + blk : C;
-      float accw[64] = {0}, accb[64] = {0};
-      for (int64_t i = 0; i < BT; i++) {
-        const float *x = inp + i * C + c0, *g = dout + i * C + c0;
-        float m = mean[i], r = rstd[i];
-        for (int64_t c = 0; c < c1 - c0; c++) {
-          accw[c] += (x[c] - m) * r * g[c];
-          accb[c] += g[c];
-        }
+  for (int64_t cb = 0; cb < nblk; cb++) {
+    int64_t c0 = cb * blk, c1 = c0 + blk < C ? c0 + blk : C;
+    float accw[64] = {0}, accb[64] = {0};
+    for (int64_t i = 0; i < BT; i++) {
+      const float *x = inp + i * C + c0, *g = dout + i * C + c0;
+      float m = mean[i], r = rstd[i];
+      for (int64_t c = 0; c < c1 - c0; c++) {
+        accw[c] += (x[c] - m) * r * g[c];
+        accb[c] += g[c];
       }
-      for (int64_t c = c0; c < c1; c++) {
-        if (dweight) dweight[c] += accw[c - c0];
-        if (dbias) dbias[c] += accb[c - c0];
-      }
+    }
+    for (int64_t c = c0; c < c1; c++) {
+      if (dweight) dweight[c] = accumulate ? dweight[c] + accw[c - c0] : accw[c - c0];
+      if (dbias) dbias[c] = accumulate ? dbias[c] + accb[c - c0] : accb[c - c0];
     }
   }
 }

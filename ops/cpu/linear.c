@@ -16,8 +16,15 @@ fy_status fy_linear_backward(float *dinp, float *dweight, float *dbias, const fl
                              int64_t OC) {
   // dinp (BT,C) += dout (BT,OC) @ weight (OC,C)
   if (dinp) FY_TRY(fy_matmul(dinp, dout, weight, BT, C, OC, false, false, 1.0f, 1.0f));
-  // dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C)
-  if (dweight) FY_TRY(fy_matmul(dweight, dout, inp, OC, C, BT, true, false, 1.0f, 1.0f));
+  return fy_linear_backward_params(dweight, dbias, dout, inp, BT, C, OC, true);
+}
+
+// dout (BT,OC), inp (BT,C) -> dweight (OC,C) (+)=, dbias (OC) (+)=
+fy_status fy_linear_backward_params(float *dweight, float *dbias, const float *dout,
+                                    const float *inp, int64_t BT, int64_t C, int64_t OC,
+                                    bool accumulate) {
+  // dweight (OC,C) (+)= dout^T (OC,BT) @ inp (BT,C)
+  if (dweight) FY_TRY(fy_matmul(dweight, dout, inp, OC, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f));
   if (dbias) {
     // Column sums: threads split the columns and walk the rows in order (deterministic).
     const int64_t blk = 64;
@@ -30,7 +37,7 @@ fy_status fy_linear_backward(float *dinp, float *dweight, float *dbias, const fl
         const float *g = dout + i * OC + o0;
         for (int64_t o = 0; o < o1 - o0; o++) acc[o] += g[o];
       }
-      for (int64_t o = o0; o < o1; o++) dbias[o] += acc[o - o0];
+      for (int64_t o = o0; o < o1; o++) dbias[o] = accumulate ? dbias[o] + acc[o - o0] : acc[o - o0];
     }
   }
   return FY_OK;
