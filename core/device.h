@@ -9,6 +9,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core/status.h"
 
@@ -18,6 +19,9 @@ struct fy_device;
 typedef struct fy_stream fy_stream;
 typedef struct fy_event fy_event;
 typedef void (*fy_host_fn)(void *arg);
+
+// Bytes moved and seconds the copy engines were busy, per direction (0 = to device, 1 = to host).
+struct fy_copy_stats { double bytes[2], busy_s[2]; };
 
 struct fy_device_ops {
   fy_status (*alloc)(struct fy_device *dev, size_t nbytes, void **out);
@@ -35,6 +39,10 @@ struct fy_device_ops {
   fy_status (*stream_wait)(fy_stream *s, fy_event *e);
   fy_status (*event_sync)(fy_event *e);
   void (*destroy)(struct fy_device *dev);
+  // Optional: NULL means the device has no memory of its own that a pointer could point into
+  // (cpu: device memory is host memory), and no copy engines to count.
+  bool (*owns)(const struct fy_device *dev, const void *p);
+  void (*copy_stats)(const struct fy_device *dev, struct fy_copy_stats *out);
 };
 
 struct fy_device {
@@ -50,6 +58,31 @@ struct fy_device {
 // The cpu device: host memory (64-byte aligned), streams that run work at once.
 fy_status fy_device_cpu_create(size_t cap, struct fy_device **out);
 void fy_device_free(struct fy_device *dev);
+
+// The sim device: a CPU device with its own memory pool of `cap` bytes (one mapping, handed out by
+// a first-fit allocator, 64-byte aligned; every byte counted in bytes_in_use / bytes_peak), one
+// worker thread per stream, and one copy engine per direction (host->device, device->host; a copy
+// within the device or within the host uses neither). link_gbps > 0 throttles each engine to that
+// many GB/s (1e9 bytes/s), so a copy of n bytes occupies its engine for n / (link_gbps*1e9) s, as
+// on a PCIe link; 0 = unthrottled. Kernels are the CPU kernels: device memory is host-addressable.
+// Events follow CUDA: a wait captures the event's latest record when it is enqueued; an event never
+// recorded does not block. Freeing an event waits until no queued work refers to it.
+fy_status fy_device_sim_create(size_t cap, double link_gbps, struct fy_device **out);
+// For stress tests: before each work item a stream sleeps a random 0..max_us microseconds
+// (seeded; each stream draws from its own sequence, fixed when the stream is created, so set this
+// before creating streams); 0 turns it off.
+void fy_device_sim_set_jitter(struct fy_device *dev, int max_us, uint64_t seed);
+
+// True when p points into this device's memory (the pool for sim; never for cpu).
+static inline bool fy_device_owns(const struct fy_device *dev, const void *p) {
+  return dev->ops->owns ? dev->ops->owns(dev, p) : false;
+}
+static inline void fy_device_copy_stats(const struct fy_device *dev, struct fy_copy_stats *out) {
+  if (dev->ops->copy_stats)
+    dev->ops->copy_stats(dev, out);
+  else
+    *out = (struct fy_copy_stats){{0, 0}, {0, 0}};
+}
 
 static inline fy_status fy_device_alloc(struct fy_device *dev, size_t n, void **out) {
   return dev->ops->alloc(dev, n, out);

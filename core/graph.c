@@ -129,6 +129,53 @@ static void live_remove(struct live_block *live, int *n, int slot) {
     }
 }
 
+// Activation offsets. Without recomputation every slot is kept through the step. With it, the
+// slots a decoder layer makes for itself (all but its output, which is the next layer's input)
+// share one region: a layer's forward is run again just before its backward.
+static void plan_activations(struct fy_graph *g, bool recompute) {
+  int64_t off = 0;
+  for (int s = 0; s < g->n_slots; s++) g->slots[s].offset = -1;
+  if (recompute) {
+    // The output of each layer is the output of its last op.
+    int64_t region = 0;
+    for (int o = 0; o < g->n_ops;) {
+      int l = g->ops[o].layer, end = o;
+      if (l < 0) { o++; continue; }
+      while (end + 1 < g->n_ops && g->ops[end + 1].layer == l) end++;
+      int64_t local = 0;
+      for (int k = o; k <= end; k++) {
+        const struct fy_op *op = &g->ops[k];
+        int made[1 + FY_OP_MAX_AUX], n = 0;
+        if (k != end) made[n++] = op->out;
+        for (int a = 0; a < op->n_aux; a++) made[n++] = op->aux[a];
+        for (int j = 0; j < n; j++) {
+          g->slots[made[j]].offset = -2 - local;  // region-relative, resolved below
+          local += align_up(g->slots[made[j]].numel);
+        }
+      }
+      if (local > region) region = local;
+      o = end + 1;
+    }
+    for (int s = 0; s < g->n_slots; s++)
+      if (g->slots[s].offset <= -2) g->slots[s].offset = -2 - g->slots[s].offset;
+    off = region;
+    for (int s = 0; s < g->n_slots; s++)
+      if (g->slots[s].offset < 0) {
+        g->slots[s].offset = off;
+        off += align_up(g->slots[s].numel);
+      }
+  } else {
+    for (int s = 0; s < g->n_slots; s++) {
+      g->slots[s].offset = off;
+      off += align_up(g->slots[s].numel);
+    }
+  }
+  g->act_elems = off;
+  g->recompute = recompute;
+}
+
+void fy_graph_set_recompute(struct fy_graph *g, bool on) { plan_activations(g, on); }
+
 fy_status fy_graph_finalize(struct fy_graph *g) {
   // Parameters in first-use order; an op's own list stays contiguous (fused weights).
   int64_t off = 0;
@@ -141,26 +188,22 @@ fy_status fy_graph_finalize(struct fy_graph *g) {
       p->first_use = o;
       if (!group_started) off = align_up(off);
       group_started = true;
-      p->offset = off;
+      p->offset = p->chunk_offset = off;
+      p->chunk = 0;
       off += p->numel;
     }
   }
+  for (int o = 0; o < g->n_ops; o++)
+    for (int k = 0; k < g->ops[o].n_params; k++) g->params[g->ops[o].params[k]].last_use = o;
   for (int i = 0; i < g->n_params; i++)
     if (g->params[i].first_use < 0)
       return fy_error_set(FY_ERR_INTERNAL, "parameter %s is used by no operator", g->params[i].name);
-  g->n_param_elems = align_up(off);
+  g->n_param_elems = g->chunk_elems = align_up(off);
 
-  // Activations: every slot is kept through the step (no recomputation here).
-  off = 0;
-  for (int s = 0; s < g->n_slots; s++) {
-    g->slots[s].offset = off;
-    off += align_up(g->slots[s].numel);
-    g->slots[s].last_consumer = -1;
-  }
-  g->act_elems = off;
+  plan_activations(g, false);
+  for (int s = 0; s < g->n_slots; s++) g->slots[s].last_consumer = -1;
   for (int o = 0; o < g->n_ops; o++)
     for (int k = 0; k < g->ops[o].n_in; k++) g->slots[g->ops[o].in[k]].last_consumer = o;
-
   // Activation gradients: a slot's gradient is live from its last consumer's backward (where it
   // is zeroed, then accumulated into) to its producer's backward (its last reader).
   struct live_block *live = calloc((size_t)g->n_slots + 1, sizeof *live);

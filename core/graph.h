@@ -38,8 +38,12 @@ struct fy_param {
   int64_t shape[2];
   int64_t numel;
   int64_t offset;          // elements from the start of the flat parameter buffer
+                           //   (= chunk * chunk_elems + chunk_offset once packed into chunks)
+  int chunk;               // the chunk holding it (memory/chunk.h); 0 before packing
+  int64_t chunk_offset;    // elements from the start of its chunk
   bool decay;              // weight decay applies (matrices and embeddings, not biases or norms)
   int first_use;           // index of the first op that reads it
+  int last_use;            // index of the last one: the first to write its gradient in backward
   int64_t padding_idx;     // embedding row whose gradient stays zero (nn.Embedding), or -1
 };
 
@@ -80,7 +84,10 @@ struct fy_graph {
   struct fy_slot *slots;
   int64_t B, T;            // the micro-batch the slots are sized for
   int64_t n_param_elems;   // size of each flat parameter-sized buffer (floats)
+  int64_t chunk_elems;     // parameters are packed in chunks of this many floats (one chunk:
+                           //   n_param_elems) — see memory/chunk.h
   int64_t act_elems;       // activation arena (floats)
+  bool recompute;          // decoder layers' activations are recomputed in backward
   int64_t grad_elems;      // activation-gradient arena (floats)
   int64_t scratch_elems;   // workspace for one backward op (attention's)
   int loss_slot;           // per-row losses of the cross-entropy op
@@ -98,6 +105,9 @@ int fy_graph_add_op(struct fy_graph *g, const struct fy_op *op);
 // Lays parameters out in first-use order (params listed by one op stay in the order listed, so a
 // fused QKV's weights are adjacent) and sizes the arenas with liveness-based reuse for gradients.
 fy_status fy_graph_finalize(struct fy_graph *g);
+// Recomputation per decoder layer: on, the activations a layer makes for itself share one region
+// (a layer's forward runs again just before its backward) and only layer inputs are kept.
+void fy_graph_set_recompute(struct fy_graph *g, bool on);
 // Index of the parameter with this name, or -1.
 int fy_graph_find_param(const struct fy_graph *g, const char *name);
 const char *fy_op_kind_name(enum fy_op_kind k);

@@ -31,7 +31,7 @@ void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T
   }
 }
 
-static fy_status check_ids(const struct fy_model *m, const struct fy_batch *batch) {
+fy_status fy_engine_check_batch(const struct fy_model *m, const struct fy_batch *batch) {
   const struct fy_graph *g = m->graph;
   if (batch->B != g->B || batch->T != g->T)
     return fy_error_set(FY_ERR_INVALID, "batch is %lld x %lld but the model was built for %lld x %lld",
@@ -50,117 +50,180 @@ static fy_status check_ids(const struct fy_model *m, const struct fy_batch *batc
   return FY_OK;
 }
 
-fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
-  FY_TRY(check_ids(m, batch));
+int64_t fy_engine_count_targets(const struct fy_batch *batch) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < batch->B * batch->T; i++) n += batch->targets[i] != -100;
+  return n;
+}
+
+int fy_engine_layer_first_op(const struct fy_graph *g, int o) {
+  int l = g->ops[o].layer;
+  if (l < 0 || (o + 1 < g->n_ops && g->ops[o + 1].layer == l)) return -1;
+  while (o > 0 && g->ops[o - 1].layer == l) o--;
+  return o;
+}
+
+void fy_op_call_forward(void *arg) {
+  struct fy_op_call *c = arg;
+  struct fy_model *m = c->m;
   const struct fy_graph *g = m->graph;
+  const struct fy_op *op = &g->ops[c->op];
   const int64_t B = g->B, T = g->T, BT = B * T;
-  fy_engine_positions(m->positions, batch->mask, B, T);
-  loss->sum = 0;
-  loss->count = 0;
-  for (int o = 0; o < g->n_ops; o++) {
-    const struct fy_op *op = &g->ops[o];
-    float *out = act(m, op->out);
-    const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
-    double t0 = m->profile ? omp_get_wtime() : 0;
-    fy_status st = FY_OK;
-    switch (op->kind) {
-      case FY_OP_EMBEDDING: {
-        const int32_t *ids = op->index == FY_INDEX_TOKENS ? batch->inputs : m->positions;
-        fy_embedding_forward(out, ids, fy_model_param(m, op->params[0]), BT, op->C);
-        break;
-      }
-      case FY_OP_LAYERNORM:
-        fy_layernorm_forward(out, act(m, op->aux[0]), act(m, op->aux[1]), in0,
-                             op->n_params ? fy_model_param(m, op->params[0]) : NULL,
-                             op->n_params ? fy_model_param(m, op->params[1]) : NULL, BT, op->C, op->eps);
-        break;
-      case FY_OP_LINEAR: {
-        int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-        st = fy_linear_forward(out, in0, fy_model_param(m, op->params[0]),
-                               op->has_bias ? fy_model_param(m, op->params[n_w]) : NULL, BT, op->C, op->OC);
-        break;
-      }
-      case FY_OP_ATTENTION:
-        st = fy_attention_forward(out, act(m, op->aux[0]), in0, batch->mask, B, T, op->C, op->NH, op->scale);
-        break;
-      case FY_OP_RELU:
-        fy_relu_forward(out, in0, g->slots[op->out].numel);
-        break;
-      case FY_OP_ADD:
-        fy_add_forward(out, in0, act(m, op->in[1]), g->slots[op->out].numel);
-        break;
-      case FY_OP_CROSS_ENTROPY: {
-        loss->count += fy_crossentropy_forward(out, in0, batch->targets, BT, op->V);
-        double s = 0;
-        for (int64_t i = 0; i < BT; i++) s += out[i];
-        loss->sum += s;
-        break;
-      }
-      case FY_OP_KIND_COUNT: FY_ASSERT(0);
+  float *out = act(m, op->out);
+  const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+  double t0 = m->profile ? omp_get_wtime() : 0;
+  fy_status st = FY_OK;
+  switch (op->kind) {
+    case FY_OP_EMBEDDING:
+      fy_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
+                           c->w[0], BT, op->C);
+      break;
+    case FY_OP_LAYERNORM:
+      fy_layernorm_forward(out, act(m, op->aux[0]), act(m, op->aux[1]), in0, op->n_params ? c->w[0] : NULL,
+                           op->n_params ? c->w[1] : NULL, BT, op->C, op->eps);
+      break;
+    case FY_OP_LINEAR: {
+      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+      st = fy_linear_forward(out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, BT, op->C, op->OC);
+      break;
     }
-    if (m->profile) m->op_seconds[op->kind][0] += omp_get_wtime() - t0;
-    if (st != FY_OK) return fy_error_wrap(st, "forward of %s", op->name);
+    case FY_OP_ATTENTION:
+      st = fy_attention_forward(out, act(m, op->aux[0]), in0, c->batch->mask, B, T, op->C, op->NH, op->scale);
+      break;
+    case FY_OP_RELU:
+      fy_relu_forward(out, in0, g->slots[op->out].numel);
+      break;
+    case FY_OP_ADD:
+      fy_add_forward(out, in0, act(m, op->in[1]), g->slots[op->out].numel);
+      break;
+    case FY_OP_CROSS_ENTROPY: {
+      fy_crossentropy_forward(out, in0, c->batch->targets, BT, op->V);
+      double s = 0;
+      for (int64_t i = 0; i < BT; i++) s += out[i];
+      if (c->loss_sum) *c->loss_sum += s;
+      break;
+    }
+    case FY_OP_KIND_COUNT: FY_ASSERT(0);
+  }
+  if (m->profile) m->op_seconds[op->kind][0] += omp_get_wtime() - t0;
+  if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s", op->name);
+}
+
+void fy_op_call_backward(void *arg) {
+  struct fy_op_call *c = arg;
+  struct fy_model *m = c->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = &g->ops[c->op];
+  const int64_t B = g->B, T = g->T, BT = B * T;
+  double t0 = m->profile ? omp_get_wtime() : 0;
+  for (int k = 0; k < op->n_zero; k++) {
+    const struct fy_slot *s = &g->slots[op->zero[k]];
+    memset(m->dacts + s->grad_offset, 0, (size_t)s->numel * 4);
+  }
+  // Whether each parameter's gradient is written (its first in this pass) or added.
+  bool first[FY_OP_MAX_PARAMS];
+  for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
+  const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : dact(m, op->out);
+  const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+  fy_status st = FY_OK;
+  switch (op->kind) {
+    case FY_OP_EMBEDDING: {
+      const struct fy_param *p = &g->params[op->params[0]];
+      float *dtable = c->g[0];
+      if (first[0]) memset(dtable, 0, (size_t)p->numel * 4);
+      // nn.Embedding(padding_idx=...) gives its padding row no gradient from the lookup; the
+      // tied output projection's gradient to that row (already in) stays.
+      float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
+      float keep[op->C > 0 && row ? op->C : 1];
+      if (row) memcpy(keep, row, (size_t)op->C * 4);
+      fy_embedding_backward(dtable, dout, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
+                            BT, op->C, op->V);
+      if (row) memcpy(row, keep, (size_t)op->C * 4);
+      break;
+    }
+    case FY_OP_LAYERNORM:
+      // The input gradient first: it reads the weights the parameter gradients may overwrite.
+      fy_layernorm_backward(dinput(m, op, 0), NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
+                            act(m, op->aux[0]), act(m, op->aux[1]), BT, op->C);
+      if (op->n_params)
+        fy_layernorm_backward_params(c->g[0], c->g[1], dout, in0, act(m, op->aux[0]), act(m, op->aux[1]),
+                                     BT, op->C, !first[0]);
+      break;
+    case FY_OP_LINEAR: {
+      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+      st = fy_linear_backward(dinput(m, op, 0), NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
+      if (st == FY_OK)
+        st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C,
+                                       op->OC, !first[0]);
+      break;
+    }
+    case FY_OP_ATTENTION:
+      st = fy_attention_backward(dinput(m, op, 0), m->scratch, dout, in0, act(m, op->aux[0]), B, T, op->C,
+                                 op->NH, op->scale);
+      break;
+    case FY_OP_RELU:
+      fy_relu_backward(dinput(m, op, 0), dout, act(m, op->out), g->slots[op->out].numel);
+      break;
+    case FY_OP_ADD:
+      fy_add_backward(dinput(m, op, 0), dinput(m, op, 1), dout, g->slots[op->out].numel);
+      break;
+    case FY_OP_CROSS_ENTROPY:
+      fy_crossentropy_backward(dact(m, op->in[0]), in0, c->batch->targets, BT, op->V, c->loss_scale);
+      break;
+    case FY_OP_KIND_COUNT: FY_ASSERT(0);
+  }
+  if (m->profile) m->op_seconds[op->kind][1] += omp_get_wtime() - t0;
+  if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s", op->name);
+}
+
+// ---- resident parameters ----
+
+static void resident_call(struct fy_model *m, int o, const struct fy_dev_batch *b, struct fy_op_call *c) {
+  const struct fy_op *op = &m->graph->ops[o];
+  *c = (struct fy_op_call){.m = m, .op = o, .batch = b, .st = FY_OK};
+  for (int k = 0; k < op->n_params; k++) {
+    c->w[k] = fy_model_param(m, op->params[k]);
+    c->g[k] = fy_model_grad(m, op->params[k]);
+  }
+}
+
+static struct fy_dev_batch host_batch(struct fy_model *m, const struct fy_batch *batch) {
+  return (struct fy_dev_batch){.inputs = batch->inputs, .targets = batch->targets, .mask = batch->mask,
+                               .positions = m->positions};
+}
+
+fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
+  FY_TRY(fy_engine_check_batch(m, batch));
+  const struct fy_graph *g = m->graph;
+  fy_engine_positions(m->positions, batch->mask, g->B, g->T);
+  struct fy_dev_batch b = host_batch(m, batch);
+  loss->sum = 0;
+  loss->count = fy_engine_count_targets(batch);
+  for (int o = 0; o < g->n_ops; o++) {
+    struct fy_op_call c;
+    resident_call(m, o, &b, &c);
+    c.loss_sum = &loss->sum;
+    fy_op_call_forward(&c);
+    if (c.st != FY_OK) return c.st;
   }
   return FY_OK;
 }
 
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {
   const struct fy_graph *g = m->graph;
-  const int64_t B = g->B, T = g->T, BT = B * T;
+  struct fy_dev_batch b = host_batch(m, batch);
   for (int o = g->n_ops - 1; o >= 0; o--) {
-    const struct fy_op *op = &g->ops[o];
-    double t0 = m->profile ? omp_get_wtime() : 0;
-    for (int k = 0; k < op->n_zero; k++) {
-      const struct fy_slot *s = &g->slots[op->zero[k]];
-      memset(m->dacts + s->grad_offset, 0, (size_t)s->numel * 4);
+    struct fy_op_call c;
+    int first = g->recompute ? fy_engine_layer_first_op(g, o) : -1;
+    for (int r = first; r >= 0 && r <= o; r++) {  // recompute the layer's activations
+      resident_call(m, r, &b, &c);
+      fy_op_call_forward(&c);
+      if (c.st != FY_OK) return c.st;
     }
-    const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : dact(m, op->out);
-    const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
-    fy_status st = FY_OK;
-    switch (op->kind) {
-      case FY_OP_EMBEDDING: {
-        const struct fy_param *p = &g->params[op->params[0]];
-        float *dtable = fy_model_grad(m, op->params[0]);
-        const int32_t *ids = op->index == FY_INDEX_TOKENS ? batch->inputs : m->positions;
-        // nn.Embedding(padding_idx=...) gives its padding row no gradient from the lookup; the
-        // tied output projection's gradient to that row (already in) stays.
-        float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
-        float keep[op->C > 0 && row ? op->C : 1];
-        if (row) memcpy(keep, row, (size_t)op->C * 4);
-        fy_embedding_backward(dtable, dout, ids, BT, op->C, op->V);
-        if (row) memcpy(row, keep, (size_t)op->C * 4);
-        break;
-      }
-      case FY_OP_LAYERNORM:
-        fy_layernorm_backward(dinput(m, op, 0), op->n_params ? fy_model_grad(m, op->params[0]) : NULL,
-                              op->n_params ? fy_model_grad(m, op->params[1]) : NULL, dout, in0,
-                              op->n_params ? fy_model_param(m, op->params[0]) : NULL,
-                              act(m, op->aux[0]), act(m, op->aux[1]), BT, op->C);
-        break;
-      case FY_OP_LINEAR: {
-        int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-        st = fy_linear_backward(dinput(m, op, 0), fy_model_grad(m, op->params[0]),
-                                op->has_bias ? fy_model_grad(m, op->params[n_w]) : NULL, dout, in0,
-                                fy_model_param(m, op->params[0]), BT, op->C, op->OC);
-        break;
-      }
-      case FY_OP_ATTENTION:
-        st = fy_attention_backward(dinput(m, op, 0), m->scratch, dout, in0, act(m, op->aux[0]), B, T,
-                                   op->C, op->NH, op->scale);
-        break;
-      case FY_OP_RELU:
-        fy_relu_backward(dinput(m, op, 0), dout, act(m, op->out), g->slots[op->out].numel);
-        break;
-      case FY_OP_ADD:
-        fy_add_backward(dinput(m, op, 0), dinput(m, op, 1), dout, g->slots[op->out].numel);
-        break;
-      case FY_OP_CROSS_ENTROPY:
-        fy_crossentropy_backward(dact(m, op->in[0]), in0, batch->targets, BT, op->V, loss_scale);
-        break;
-      case FY_OP_KIND_COUNT: FY_ASSERT(0);
-    }
-    if (m->profile) m->op_seconds[op->kind][1] += omp_get_wtime() - t0;
-    if (st != FY_OK) return fy_error_wrap(st, "backward of %s", op->name);
+    resident_call(m, o, &b, &c);
+    c.loss_scale = loss_scale;
+    fy_op_call_backward(&c);
+    if (c.st != FY_OK) return c.st;
   }
   return FY_OK;
 }

@@ -1,5 +1,13 @@
 // The step engine (DESIGN.md, "One training step", steps 2 and 3): forward walks the graph's
 // operators in order, backward in reverse, each op calling its kernel on the model's buffers.
+//
+// An op call carries everything one kernel invocation needs, with the parameter pointers already
+// resolved, so that the same calls run on resident parameters (the flat buffers of fy_model) and
+// on chunks in the device cache (runtime/offload.c), where they may be enqueued on a stream.
+//
+// Gradients: within one backward pass the first gradient a parameter receives (at its last
+// forward user) overwrites, later ones accumulate. Gradients of several micro-batches are summed
+// apart from that, by the caller, in the same order on every placement.
 #ifndef FY_ENGINE_H
 #define FY_ENGINE_H
 
@@ -11,14 +19,41 @@ struct fy_loss {
   int64_t count;   // number of targets not ignored
 };
 
-// Runs the forward pass on a micro-batch (its B and T must be those the model was built for).
-// Checks every token and target id against the vocabulary first.
+// A micro-batch as the kernels read it (device memory on an offloading device).
+struct fy_dev_batch {
+  int32_t *inputs, *targets, *mask, *positions;  // (B,T); mask may be NULL
+};
+
+struct fy_op_call {
+  struct fy_model *m;
+  int op;
+  const struct fy_dev_batch *batch;
+  float *w[FY_OP_MAX_PARAMS];  // the op's parameters, in op->params order
+  float *g[FY_OP_MAX_PARAMS];  // where their gradients go (may be the same memory as w)
+  float loss_scale;            // backward of the loss: d(loss_scale x sum of losses)
+  double *loss_sum;            // forward of the loss adds the sum of its per-row losses here
+  fy_status st;                // the kernel's status
+};
+
+// Run one op's forward or backward kernel (signature of a stream host function).
+void fy_op_call_forward(void *call);
+void fy_op_call_backward(void *call);
+
+// Resident parameters (m->params, gradients into m->grads): run the forward pass of a micro-batch
+// (its B and T must be those the model was built for) after checking every id against the
+// vocabulary, and the backward pass of the last forward, which writes into m->grads the gradient
+// of `loss_scale` x (sum of per-token losses); callers pass 1/count for a mean.
 fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss);
-// Runs the backward pass of the last forward, adding into m->grads the gradient of
-// `loss_scale` x (sum of per-token losses). Callers pass 1/count for a mean.
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale);
+// Checks a batch's shape and ids against the model.
+fy_status fy_engine_check_batch(const struct fy_model *m, const struct fy_batch *batch);
+// Number of targets that are not -100.
+int64_t fy_engine_count_targets(const struct fy_batch *batch);
 // Positions as OPTLearnedPositionalEmbedding computes them, offset 2 included:
 // cumsum(mask) * mask - 1 + 2 (all ones when mask is NULL).
 void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T);
+// Layer boundaries for recomputation: the first op of the decoder layer that op o belongs to, or
+// -1 when o is outside the stack or is not the layer's last op.
+int fy_engine_layer_first_op(const struct fy_graph *g, int o);
 
 #endif

@@ -68,6 +68,8 @@ static void usage_train(FILE *f, bool eval) {
           "  --beta1 X, --beta2 X, --eps X   AdamW (defaults %g, %g, %g)\n"
           "  --clip X           clip the global gradient norm to X; 0 disables (default %g)\n"
           "  --no-shuffle       take batches in order instead of a seeded shuffle\n"
+          "  --recompute        keep only each decoder layer's input and run its forward again in\n"
+          "                     backward (activation memory of one layer instead of all)\n"
           "  --save DIR         write a Hugging Face checkpoint (config.json, model.safetensors)\n"
           "                     at the end\n"
           "  --log FILE         one JSON line per step\n"
@@ -106,7 +108,7 @@ static bool parse_f32(const char *flag, const char *s, float min, float *out) {
 enum {
   OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
-  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_HELP,
+  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -122,6 +124,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"no-shuffle", no_argument, 0, OPT_NO_SHUFFLE}, {"threads", required_argument, 0, OPT_THREADS},
       {"save", required_argument, 0, OPT_SAVE}, {"log", required_argument, 0, OPT_LOG},
       {"quiet", no_argument, 0, OPT_QUIET}, {"profile", no_argument, 0, OPT_PROFILE},
+      {"recompute", no_argument, 0, OPT_RECOMPUTE},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -161,6 +164,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_LOG: o.log_path = optarg; break;
       case OPT_QUIET: o.quiet = true; break;
       case OPT_PROFILE: o.profile = true; break;
+      case OPT_RECOMPUTE: o.recompute = true; break;
       case OPT_BATCHES: ok = parse_i64("--batches", optarg, 1, &o.eval_batches); break;
       case OPT_DUMP: o.dump = optarg; break;
       case OPT_HELP: usage_train(stdout, eval); return 0;

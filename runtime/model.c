@@ -18,6 +18,12 @@ static fy_status buf_alloc(struct fy_device *dev, int64_t elems, size_t esize, v
 
 fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
                           struct fy_device *dev, struct fy_model **out) {
+  return fy_model_create_with(cfg, B, T, dev, NULL, out);
+}
+
+fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64_t T,
+                               struct fy_device *dev, const struct fy_model_opts *opts,
+                               struct fy_model **out) {
   struct fy_model *m = calloc(1, sizeof *m);
   if (!m) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the model");
   m->cfg = *cfg;
@@ -27,6 +33,7 @@ fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
     free(m);
     return st;
   }
+  if (opts && opts->recompute) fy_graph_set_recompute(m->graph, true);
   const struct fy_graph *g = m->graph;
   int64_t np = g->n_param_elems;
   double state = 16.0 * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
@@ -59,6 +66,13 @@ fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
   return FY_OK;
 }
 
+fy_status fy_model_enable_accumulation(struct fy_model *m) {
+  if (m->grad_acc) return FY_OK;
+  FY_TRY(buf_alloc(m->dev, m->graph->n_param_elems, 4, (void **)&m->grad_acc));
+  m->state_bytes += 4 * m->graph->n_param_elems;
+  return FY_OK;
+}
+
 void fy_model_free(struct fy_model *m) {
   if (!m) return;
   const struct fy_graph *g = m->graph;
@@ -66,7 +80,8 @@ void fy_model_free(struct fy_model *m) {
     int64_t np = g->n_param_elems;
     struct { void *p; int64_t n; } bufs[] = {
         {m->params, np}, {m->grads, np}, {m->m, np}, {m->v, np}, {m->acts, g->act_elems},
-        {m->dacts, g->grad_elems}, {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T}};
+        {m->dacts, g->grad_elems}, {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
+        {m->grad_acc, np}};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }

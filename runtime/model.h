@@ -17,6 +17,7 @@ struct fy_model {
   struct fy_graph *graph;
   struct fy_device *dev;  // not owned
   float *params, *grads, *m, *v;  // graph->n_param_elems each
+  float *grad_acc;        // the sum over micro-batches (NULL without gradient accumulation)
   float *acts;            // graph->act_elems
   float *dacts;           // graph->grad_elems
   float *scratch;         // graph->scratch_elems
@@ -28,11 +29,20 @@ struct fy_model {
   int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
 };
 
+struct fy_model_opts {
+  bool recompute;  // recompute each decoder layer's activations in backward (core/graph.h)
+};
+
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until
-// fy_model_init_random or fy_model_load.
+// fy_model_init_random or fy_model_load. opts may be NULL (defaults: no recomputation).
 fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
                           struct fy_device *dev, struct fy_model **out);
+fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64_t T,
+                               struct fy_device *dev, const struct fy_model_opts *opts,
+                               struct fy_model **out);
 void fy_model_free(struct fy_model *m);
+// Allocates the buffer that sums gradients over micro-batches.
+fy_status fy_model_enable_accumulation(struct fy_model *m);
 
 // OPT's initialisation: weights of linear layers and embeddings ~ N(0, init_std), biases 0,
 // layer norms weight 1 and bias 0, the padding row of the token embedding 0. Each parameter draws

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "ops/ops.h"
 #include "core/safetensors.h"
 #include "fy_config.h"
 #include "runtime/data.h"
@@ -90,8 +91,10 @@ static fy_status setup(const struct fy_train_opts *o, struct fy_opt_config *cfg,
   // anything is allocated, with what it would need.
   size_t ram = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
   FY_TRY(fy_device_cpu_create(ram, dev));
-  fy_status st = fy_model_create(cfg, o->batch, o->seq, *dev, model);
+  struct fy_model_opts mo = {.recompute = o->recompute};
+  fy_status st = fy_model_create_with(cfg, o->batch, o->seq, *dev, &mo, model);
   if (st != FY_OK) return st;
+  if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(*model));
   if (!o->init || strcmp(o->init, "random") == 0) {
     fy_model_init_random(*model, o->seed);
   } else {
@@ -167,9 +170,8 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
   double t_start = now_s(), t_zero = 0, t_opt = 0;
   for (int64_t step = 0; step < o->steps; step++) {
     double t0 = now_s();
-    memset(model->grads, 0, (size_t)model->graph->n_param_elems * 4);
-    t_zero += now_s() - t0;
     double loss_acc = 0;
+    int64_t n_with_grads = 0;
     for (int64_t micro = 0; micro < o->grad_accum; micro++) {
       struct fy_batch *batch;
       struct fy_loss loss;
@@ -184,6 +186,26 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
       loss_acc += mean / (double)o->grad_accum;
       if ((st = fy_engine_backward(model, batch, (float)(1.0 / ((double)loss.count * o->grad_accum)))) != FY_OK)
         goto step_failed;
+      // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
+      // the same order and with the same adds on every placement.
+      if (o->grad_accum > 1) {
+        double tz = now_s();
+        if (n_with_grads == 0)
+          memcpy(model->grad_acc, model->grads, (size_t)model->graph->n_param_elems * 4);
+        else
+          fy_add_forward(model->grad_acc, model->grad_acc, model->grads, model->graph->n_param_elems);
+        t_zero += now_s() - tz;
+      }
+      n_with_grads++;
+    }
+    if (n_with_grads == 0) {
+      fy_log_warn("step %lld: every target of the batch is ignored; no update", (long long)step + 1);
+      continue;
+    }
+    if (o->grad_accum > 1) {  // the optimizer reads m->grads
+      float *t = model->grads;
+      model->grads = model->grad_acc;
+      model->grad_acc = t;
     }
     float lr = fy_lr_at(o, step);
     double t_opt0 = now_s();
@@ -227,7 +249,7 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
         if (model->op_seconds[k][ph] > 0)
           printf("  %-14s %-8s %8.1f ms/step %5.1f%%\n", fy_op_kind_name(k), ph ? "backward" : "forward",
                  1e3 * model->op_seconds[k][ph] / res->steps, 100 * model->op_seconds[k][ph] / total);
-    printf("  %-23s %8.1f ms/step %5.1f%%\n", "zero gradients", 1e3 * t_zero / res->steps, 100 * t_zero / total);
+    printf("  %-23s %8.1f ms/step %5.1f%%\n", "sum micro-batches", 1e3 * t_zero / res->steps, 100 * t_zero / total);
     printf("  %-23s %8.1f ms/step %5.1f%%\n", "clip + AdamW", 1e3 * t_opt / res->steps, 100 * t_opt / total);
   }
   // Medians skip the first step (it creates the GEMM primitives and touches fresh pages).

@@ -21,6 +21,7 @@ struct fy_train_opts {
   uint64_t seed;
   bool shuffle;
   int threads;            // 0 = OpenMP's default
+  bool recompute;         // recompute decoder layers' activations in backward
   const char *save;       // write a Hugging Face checkpoint here at the end (NULL: none)
   const char *log_path;   // JSON lines, one per step (NULL: none)
   bool quiet;             // no step lines (tests)

@@ -86,6 +86,27 @@ static void check_model(const char *preset, int64_t B, int64_t T) {
     CHECKF(g->grad_elems * 4 < g->act_elems, "%s: gradient arena %lld vs activations %lld", preset,
            (long long)g->grad_elems, (long long)g->act_elems);
   check_grad_plan(g, preset);
+  // Every activation that is read and has a producer has a gradient (or takes it in place).
+  int missing = 0;
+  for (int s = 0; s < g->n_slots; s++) {
+    const struct fy_slot *sl = &g->slots[s];
+    if (sl->producer >= 0 && sl->last_consumer >= 0 && !sl->grad_in_place && sl->grad_offset < 0) missing++;
+  }
+  CHECKF(missing == 0, "%s: %d activations without a gradient slot", preset, missing);
+  // Recomputation: a layer's own activations share one region, layer inputs are kept apart.
+  int64_t full = g->act_elems;
+  fy_graph_set_recompute(g, true);
+  if (c.num_hidden_layers >= 12) CHECKF(g->act_elems * 2 < full, "%s: %lld vs %lld", preset, (long long)g->act_elems, (long long)full);
+  int clash = 0;
+  for (int a = 0; a < g->n_slots && g->n_slots < 1000; a++)  // quadratic: the smaller models
+    for (int b = a + 1; b < g->n_slots; b++) {
+      const struct fy_slot *x = &g->slots[a], *y = &g->slots[b];
+      bool overlap = x->offset < y->offset + y->numel && y->offset < x->offset + x->numel;
+      int la = x->producer >= 0 ? g->ops[x->producer].layer : -1, lb = y->producer >= 0 ? g->ops[y->producer].layer : -1;
+      // Overlap is allowed only between slots made inside two different layers.
+      if (overlap && !(la >= 0 && lb >= 0 && la != lb)) clash++;
+    }
+  CHECKF(clash == 0, "%s: %d overlapping activations with recomputation", preset, clash);
   fy_graph_free(g);
 }
 

@@ -77,6 +77,17 @@ int main(void) {
   CHECKF(fabsf(ra.last_loss - rb.last_loss) <= 1e-5f * fabsf(ra.last_loss), "accum: %.8f vs %.8f",
          ra.last_loss, rb.last_loss);
 
+  // Recomputation changes memory, never the numbers: bit for bit the same losses.
+  struct fy_train_opts rc = tiny_opts(shard);
+  rc.steps = 6;
+  struct fy_train_result r_rc;
+  CHECK_OK(fy_train(&rc, &ra));
+  rc.recompute = true;
+  CHECK_OK(fy_train(&rc, &r_rc));
+  CHECKF(ra.last_loss == r_rc.last_loss && ra.first_loss == r_rc.first_loss, "recompute: %.9g vs %.9g",
+         ra.last_loss, r_rc.last_loss);
+  CHECK(r_rc.activation_bytes < ra.activation_bytes);
+
   // The checkpoint round-trips: loading it gives the trained weights back bit for bit, and
   // a bf16, sharded save loads back within bf16 rounding.
   struct fy_opt_config cfg;
