@@ -108,5 +108,17 @@ static inline fy_status fy_stream_wait(fy_stream *s, fy_event *e) {
   return s->dev->ops->stream_wait(s, e);
 }
 static inline fy_status fy_event_sync(fy_event *e) { return e->dev->ops->event_sync(e); }
+static inline fy_status fy_stream_create(struct fy_device *dev, fy_stream **out) {
+  return dev->ops->stream_create(dev, out);
+}
+static inline void fy_stream_free(fy_stream *s) {
+  if (s) s->dev->ops->stream_free(s->dev, s);
+}
+static inline fy_status fy_event_create(struct fy_device *dev, fy_event **out) {
+  return dev->ops->event_create(dev, out);
+}
+static inline void fy_event_free(fy_event *e) {
+  if (e) e->dev->ops->event_free(e->dev, e);
+}
 
 #endif
