@@ -8,12 +8,28 @@
 
 #include "core/log.h"
 #include "core/safetensors.h"
+#include "memory/tier.h"
 
 static fy_status buf_alloc(struct fy_device *dev, int64_t elems, size_t esize, void **out) {
   size_t n = (size_t)(elems > 0 ? elems : 1) * esize;
   FY_TRY(fy_device_alloc(dev, n, out));
   memset(*out, 0, n);
   return FY_OK;
+}
+
+// Parameter-sized buffers: from the host tier when offloading (zeroed, untouched pages), else
+// from the device.
+static fy_status home_alloc(struct fy_model *m, int64_t elems, float **out) {
+  if (m->host) return fy_host_alloc(m->host, (size_t)elems * 4, (void **)out);
+  return buf_alloc(m->dev, elems, 4, (void **)out);
+}
+
+static void home_free(struct fy_model *m, float *p, int64_t elems) {
+  if (!p) return;
+  if (m->host)
+    fy_host_dealloc(m->host, p, (size_t)elems * 4);
+  else
+    fy_device_dealloc(m->dev, p, (size_t)(elems > 0 ? elems : 1) * 4);
 }
 
 fy_status fy_model_create(const struct fy_opt_config *cfg, int64_t B, int64_t T,
@@ -34,10 +50,18 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     return st;
   }
   if (opts && opts->recompute) fy_graph_set_recompute(m->graph, true);
+  m->host = opts ? opts->host : NULL;
+  st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
+  if (st != FY_OK) {
+    fy_graph_free(m->graph);
+    free(m);
+    return st;
+  }
   const struct fy_graph *g = m->graph;
   int64_t np = g->n_param_elems;
   double state = 16.0 * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
-  if (dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
+  if (!m->host && dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
+    fy_chunk_layout_free(m->layout);
     fy_graph_free(m->graph);
     free(m);
     return fy_error_set(FY_ERR_NOMEM,
@@ -48,10 +72,9 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
                         state / 1073741824.0, acts / 1073741824.0, dev->name,
                         (double)(dev->cap - dev->bytes_in_use) / 1073741824.0);
   }
-  if ((st = buf_alloc(dev, np, 4, (void **)&m->params)) != FY_OK ||
-      (st = buf_alloc(dev, np, 4, (void **)&m->grads)) != FY_OK ||
-      (st = buf_alloc(dev, np, 4, (void **)&m->m)) != FY_OK ||
-      (st = buf_alloc(dev, np, 4, (void **)&m->v)) != FY_OK ||
+  if ((st = home_alloc(m, np, &m->params)) != FY_OK || (st = home_alloc(m, np, &m->grads)) != FY_OK ||
+      (!m->host && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
+      (!m->host && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
       (st = buf_alloc(dev, g->act_elems, 4, (void **)&m->acts)) != FY_OK ||
       (st = buf_alloc(dev, g->grad_elems, 4, (void **)&m->dacts)) != FY_OK ||
       (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
@@ -60,7 +83,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     return fy_error_wrap(st, "allocating the model's state (%.2f GiB of parameter state)",
                          4.0 * 4 * (double)np / (1 << 30));
   }
-  m->state_bytes = 16 * np;
+  m->state_bytes = (m->host ? 8 : 16) * np;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
   *out = m;
   return FY_OK;
@@ -68,7 +91,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
 
 fy_status fy_model_enable_accumulation(struct fy_model *m) {
   if (m->grad_acc) return FY_OK;
-  FY_TRY(buf_alloc(m->dev, m->graph->n_param_elems, 4, (void **)&m->grad_acc));
+  FY_TRY(home_alloc(m, m->graph->n_param_elems, &m->grad_acc));
   m->state_bytes += 4 * m->graph->n_param_elems;
   return FY_OK;
 }
@@ -78,13 +101,14 @@ void fy_model_free(struct fy_model *m) {
   const struct fy_graph *g = m->graph;
   if (g) {
     int64_t np = g->n_param_elems;
-    struct { void *p; int64_t n; } bufs[] = {
-        {m->params, np}, {m->grads, np}, {m->m, np}, {m->v, np}, {m->acts, g->act_elems},
-        {m->dacts, g->grad_elems}, {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
-        {m->grad_acc, np}};
+    float *home[] = {m->params, m->grads, m->m, m->v, m->grad_acc};
+    for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], np);
+    struct { void *p; int64_t n; } bufs[] = {{m->acts, g->act_elems}, {m->dacts, g->grad_elems},
+                                            {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T}};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }
+  fy_chunk_layout_free(m->layout);
   fy_graph_free(m->graph);
   free(m);
 }
@@ -132,8 +156,8 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
       memset(x, 0, (size_t)p->numel * 4);
     }
   }
-  memset(m->m, 0, (size_t)g->n_param_elems * 4);
-  memset(m->v, 0, (size_t)g->n_param_elems * 4);
+  if (m->m) memset(m->m, 0, (size_t)g->n_param_elems * 4);
+  if (m->v) memset(m->v, 0, (size_t)g->n_param_elems * 4);
 }
 
 // ---- Hugging Face checkpoints ----

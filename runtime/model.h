@@ -11,11 +11,14 @@
 #include "core/dtype.h"
 #include "core/graph.h"
 #include "core/opt.h"
+#include "memory/chunk.h"
 
 struct fy_model {
   struct fy_opt_config cfg;
   struct fy_graph *graph;
+  struct fy_chunk_layout *layout;  // parameters packed into chunks (memory/chunk.h)
   struct fy_device *dev;  // not owned
+  struct fy_host_tier *host;  // not owned; NULL when everything is on dev
   float *params, *grads, *m, *v;  // graph->n_param_elems each
   float *grad_acc;        // the sum over micro-batches (NULL without gradient accumulation)
   float *acts;            // graph->act_elems
@@ -29,8 +32,13 @@ struct fy_model {
   int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
 };
 
+struct fy_host_tier;
+
 struct fy_model_opts {
-  bool recompute;  // recompute each decoder layer's activations in backward (core/graph.h)
+  bool recompute;             // recompute each decoder layer's activations in backward (core/graph.h)
+  int64_t chunk_elems;        // pack parameters into chunks of this many floats (0: one chunk)
+  struct fy_host_tier *host;  // when set, parameters and gradients live there (offloading), not
+                              // on dev, and AdamW's m and v are left to the caller (NULL here)
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

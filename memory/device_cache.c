@@ -1,0 +1,225 @@
+#include "memory/device_cache.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct block {
+  float *ptr;
+  int chunk;                 // -1 when free
+  fy_event *loaded;          // copy_in: the chunk's weights are in
+  fy_event *used;            // compute: the last op reading the block is done
+  fy_event *saved;           // copy_out: the block's gradients have left
+  struct accumulate *acc;    // the write-back's host add (lives as long as the block)
+};
+
+struct accumulate {
+  float *dst;
+  const float *src;
+  int64_t n;
+};
+
+struct fy_device_cache {
+  struct fy_device_cache_opts o;
+  struct fy_chunk_layout *layout;
+  struct block *blocks;
+  int *bwd_done;             // per chunk: backward uses so far in this pass
+  bool *prefetched;          // per chunk: loaded ahead and not used yet
+  bool *pinned;              // scratch for victim choice
+  int32_t *resident;         // scratch
+  struct fy_device_cache_stats stats;
+};
+
+// dst += src: the same float adds the resident path makes when summing micro-batches.
+static void accumulate_fn(void *arg) {
+  struct accumulate *a = arg;
+  for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + a->src[i];
+}
+
+fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy_device_cache_opts *o,
+                                 struct fy_device_cache **out) {
+  if (o->n_blocks < 1) return fy_error_set(FY_ERR_INVALID, "the device cache needs at least one block");
+  struct fy_device_cache *c = calloc(1, sizeof *c);
+  if (!c) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
+  c->o = *o;
+  c->layout = layout;
+  int nc = layout->n_chunks;
+  c->blocks = calloc((size_t)o->n_blocks, sizeof *c->blocks);
+  c->bwd_done = calloc((size_t)nc, sizeof *c->bwd_done);
+  c->prefetched = calloc((size_t)nc, sizeof *c->prefetched);
+  c->pinned = calloc((size_t)nc, sizeof *c->pinned);
+  c->resident = calloc((size_t)o->n_blocks, sizeof *c->resident);
+  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident) {
+    fy_device_cache_free(c);
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
+  }
+  size_t bytes = (size_t)layout->chunk_elems * 4;
+  for (int b = 0; b < o->n_blocks; b++) {
+    struct block *bl = &c->blocks[b];
+    bl->chunk = -1;
+    fy_status st = fy_device_alloc(o->dev, bytes, (void **)&bl->ptr);
+    if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->loaded);
+    if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->used);
+    if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->saved);
+    if (st == FY_OK && !(bl->acc = calloc(1, sizeof *bl->acc))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    if (st != FY_OK) {
+      fy_device_cache_free(c);
+      return fy_error_wrap(st, "allocating block %d of %d of the device cache (%.1f MiB each)", b,
+                           o->n_blocks, bytes / 1048576.0);
+    }
+  }
+  *out = c;
+  return FY_OK;
+}
+
+void fy_device_cache_free(struct fy_device_cache *c) {
+  if (!c) return;
+  struct fy_device *dev = c->o.dev;
+  for (int b = 0; c->blocks && b < c->o.n_blocks; b++) {
+    struct block *bl = &c->blocks[b];
+    if (bl->ptr) fy_device_dealloc(dev, bl->ptr, (size_t)c->layout->chunk_elems * 4);
+    if (bl->loaded) dev->ops->event_free(dev, bl->loaded);
+    if (bl->used) dev->ops->event_free(dev, bl->used);
+    if (bl->saved) dev->ops->event_free(dev, bl->saved);
+    free(bl->acc);
+  }
+  free(c->blocks);
+  free(c->bwd_done);
+  free(c->prefetched);
+  free(c->pinned);
+  free(c->resident);
+  free(c);
+}
+
+static bool is_pinned(const struct fy_device_cache *c, int chunk, bool for_prefetch) {
+  enum fy_chunk_state s = c->layout->chunks[chunk].state;
+  if (s != FY_CHUNK_HOLD) return true;  // in use, or holding gradients
+  return for_prefetch && c->prefetched[chunk];
+}
+
+// A block for a chunk needed `dist` accesses after pos: a free one, else Belady's victim (for a
+// prefetch only when the victim is needed later than the chunk to load). -1 when none.
+static int find_block(struct fy_device_cache *c, int64_t pos, int64_t dist, bool for_prefetch) {
+  int n = 0;
+  for (int b = 0; b < c->o.n_blocks; b++) {
+    if (c->blocks[b].chunk < 0) return b;
+    int ch = c->blocks[b].chunk;
+    c->resident[n++] = ch;
+    c->pinned[ch] = is_pinned(c, ch, for_prefetch);
+  }
+  int victim = fy_cache_victim(c->o.trace, pos, c->resident, n, c->pinned);
+  for (int i = 0; i < n; i++) c->pinned[c->resident[i]] = false;
+  if (victim < 0) return -1;
+  if (for_prefetch && fy_trace_next_use(c->o.trace, pos, victim) <= dist) return -1;
+  struct fy_chunk *v = &c->layout->chunks[victim];
+  int b = v->block;
+  fy_chunk_set_state(v, FY_CHUNK_FREE);  // clean: its weights are still at home
+  v->block = -1;
+  c->blocks[b].chunk = -1;
+  c->prefetched[victim] = false;
+  c->stats.evictions++;
+  return b;
+}
+
+static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk_state to) {
+  struct block *bl = &c->blocks[b];
+  struct fy_chunk *ch = &c->layout->chunks[chunk];
+  fy_stream *s = c->o.copy_in;
+  // The block's previous occupant must be done with: its readers and its write-back.
+  FY_TRY(fy_stream_wait(s, bl->used));
+  FY_TRY(fy_stream_wait(s, bl->saved));
+  if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
+  FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * 4));
+  FY_TRY(fy_event_record(bl->loaded, s));
+  bl->chunk = chunk;
+  ch->block = b;
+  fy_chunk_set_state(ch, to);
+  c->stats.loads++;
+  return FY_OK;
+}
+
+fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int chunk, float **block) {
+  struct fy_chunk *ch = &c->layout->chunks[chunk];
+  if (ch->block < 0) {
+    int b = find_block(c, pos, 0, false);
+    if (b < 0)
+      return fy_error_set(FY_ERR_NOMEM,
+                          "the device cache's %d blocks are all in use at access %lld (chunk %d); "
+                          "give the device more memory or use smaller chunks",
+                          c->o.n_blocks, (long long)pos, chunk);
+    FY_TRY(load(c, chunk, b, FY_CHUNK_COMPUTE));
+  } else {
+    fy_chunk_set_state(ch, FY_CHUNK_COMPUTE);
+  }
+  c->prefetched[chunk] = false;
+  struct block *bl = &c->blocks[ch->block];
+  FY_TRY(fy_stream_wait(c->o.compute, bl->loaded));
+  *block = bl->ptr;
+  return FY_OK;
+}
+
+enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk, bool backward) {
+  struct fy_chunk *ch = &c->layout->chunks[chunk];
+  FY_ASSERT(ch->state == FY_CHUNK_COMPUTE && ch->block >= 0);
+  fy_event_record(c->blocks[ch->block].used, c->o.compute);
+  enum fy_chunk_state to;
+  if (backward) {
+    c->bwd_done[chunk]++;
+    to = c->bwd_done[chunk] == ch->n_users_bwd ? FY_CHUNK_READY_FOR_REDUCE : FY_CHUNK_HOLD_AFTER_BWD;
+  } else {
+    to = c->bwd_done[chunk] > 0 ? FY_CHUNK_HOLD_AFTER_BWD : FY_CHUNK_HOLD;
+  }
+  fy_chunk_set_state(ch, to);
+  return to;
+}
+
+fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
+                                     fy_event *done) {
+  struct fy_chunk *ch = &c->layout->chunks[chunk];
+  FY_ASSERT(ch->state == FY_CHUNK_READY_FOR_REDUCE);
+  struct block *bl = &c->blocks[ch->block];
+  fy_stream *s = c->o.copy_out;
+  size_t bytes = (size_t)ch->used * 4;
+  FY_TRY(fy_stream_wait(s, bl->used));
+  if (accumulate) {
+    FY_TRY(fy_copy_async(s, c->o.staging, bl->ptr, bytes));
+    *bl->acc = (struct accumulate){.dst = dst, .src = c->o.staging, .n = ch->used};
+    FY_TRY(fy_stream_enqueue(s, accumulate_fn, bl->acc));
+  } else {
+    FY_TRY(fy_copy_async(s, dst, bl->ptr, bytes));
+  }
+  FY_TRY(fy_event_record(bl->saved, s));
+  if (done) FY_TRY(fy_event_record(done, s));
+  fy_chunk_set_state(ch, FY_CHUNK_FREE);
+  bl->chunk = -1;
+  ch->block = -1;
+  c->stats.write_backs++;
+  return FY_OK;
+}
+
+fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos) {
+  int64_t n = fy_trace_length(c->o.trace), pass_end = (pos / n + 1) * n;
+  int seen = 0;
+  // Only within this pass: the next pass may read weights the optimizer has yet to update.
+  for (int64_t j = pos + 1; j < pass_end && seen < c->o.prefetch; j++) {
+    int chunk = fy_trace_at(c->o.trace, j);
+    bool dup = false;
+    for (int64_t k = pos + 1; k < j && !dup; k++) dup = fy_trace_at(c->o.trace, k) == chunk;
+    if (dup) continue;
+    seen++;
+    if (c->layout->chunks[chunk].block >= 0) continue;
+    int b = find_block(c, pos, j - pos, true);
+    if (b < 0) break;
+    FY_TRY(load(c, chunk, b, FY_CHUNK_HOLD));
+    c->prefetched[chunk] = true;
+    c->stats.prefetches++;
+  }
+  return FY_OK;
+}
+
+void fy_device_cache_begin_pass(struct fy_device_cache *c) {
+  memset(c->bwd_done, 0, (size_t)c->layout->n_chunks * sizeof *c->bwd_done);
+}
+
+void fy_device_cache_stats(const struct fy_device_cache *c, struct fy_device_cache_stats *out) {
+  *out = c->stats;
+}

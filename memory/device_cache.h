@@ -1,0 +1,60 @@
+// The device chunk cache (DESIGN.md, "Chunks"): a fixed number of chunk-sized blocks on the
+// device; chunks are loaded into them on a copy stream ahead of use and evicted by Belady's rule
+// over the recorded access trace. Everything is ordered with events, in CUDA's model: the host
+// only decides (deterministically, following the trace) and enqueues; it never waits here.
+//
+// Streams: loads run on `copy_in`, write-backs on `copy_out`, ops on `compute`. A block is reused
+// only after the compute work that read its previous chunk and any write-back of it are done.
+//
+// A chunk's life in one pass (memory/chunk.h states): FREE -> (load) -> HOLD or COMPUTE; an op
+// acquires it (COMPUTE) and releases it: HOLD in forward (clean, evictable), HOLD_AFTER_BWD while
+// backward has written some gradients over its weights (pinned), READY_FOR_REDUCE after its last
+// backward use, when the caller writes its gradients back and the block is freed.
+#ifndef FY_DEVICE_CACHE_H
+#define FY_DEVICE_CACHE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/device.h"
+#include "memory/cache.h"
+#include "memory/chunk.h"
+
+struct fy_device_cache_opts {
+  struct fy_device *dev;
+  fy_stream *compute, *copy_in, *copy_out;
+  int n_blocks;
+  int prefetch;                 // distinct chunks to load ahead of use (0: on demand only)
+  const struct fy_trace *trace; // chunk accesses of one pass (a micro-batch), repeating
+  const float *const *home;     // home[c]: host memory a chunk's weights are loaded from
+  fy_event *const *home_ready;  // home_ready[c]: recorded when home[c] may be read (or NULL)
+  float *staging;               // host memory of chunk_elems floats for accumulating write-backs
+};
+
+struct fy_device_cache;
+
+fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy_device_cache_opts *o,
+                                 struct fy_device_cache **out);
+void fy_device_cache_free(struct fy_device_cache *c);
+
+// Access `pos` of the trace: makes `chunk` resident (loading it if needed), makes the compute
+// stream wait for it, and marks it COMPUTE. Returns the address of its block.
+fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int chunk, float **block);
+// The op that acquired `chunk` has been enqueued on compute. backward: it was one of the chunk's
+// backward uses. Returns the chunk's new state; READY_FOR_REDUCE asks for fy_device_cache_write_back.
+enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk, bool backward);
+// Moves a READY_FOR_REDUCE chunk's block (its gradients) to host memory dst on copy_out: dst = block,
+// or dst += block with accumulate (through the staging buffer); records `done` on copy_out when dst
+// holds the result. The chunk becomes FREE.
+fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
+                                     fy_event *done);
+// Loads up to `prefetch` chunks used after access pos that are not resident, while a block is free
+// or Belady's victim is next used later than the chunk to load.
+fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos);
+// A new pass begins (the next micro-batch): backward use counts restart.
+void fy_device_cache_begin_pass(struct fy_device_cache *c);
+
+struct fy_device_cache_stats { int64_t loads, prefetches, evictions, write_backs; };
+void fy_device_cache_stats(const struct fy_device_cache *c, struct fy_device_cache_stats *out);
+
+#endif
