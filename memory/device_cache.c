@@ -9,7 +9,6 @@ struct block {
   fy_event *loaded;          // copy_in: the chunk's weights are in
   fy_event *used;            // compute: the last op reading the block is done
   fy_event *saved;           // copy_out: the block's gradients have left
-  struct accumulate *acc;    // the write-back's host add (lives as long as the block)
 };
 
 struct accumulate {
@@ -26,6 +25,10 @@ struct fy_device_cache {
   bool *prefetched;          // per chunk: loaded ahead and not used yet
   bool *pinned;              // scratch for victim choice
   int32_t *resident;         // scratch
+  // Per chunk: the accumulating write-back's host add. The copy stream may run passes behind the
+  // host, so the argument must stay as it was enqueued: it is written only when it changes (the
+  // destination of a chunk's gradients never does in practice).
+  struct accumulate *acc;
   struct fy_device_cache_stats stats;
 };
 
@@ -48,7 +51,8 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   c->prefetched = calloc((size_t)nc, sizeof *c->prefetched);
   c->pinned = calloc((size_t)nc, sizeof *c->pinned);
   c->resident = calloc((size_t)o->n_blocks, sizeof *c->resident);
-  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident) {
+  c->acc = calloc((size_t)nc, sizeof *c->acc);
+  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc) {
     fy_device_cache_free(c);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
   }
@@ -60,7 +64,6 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
     if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->loaded);
     if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->used);
     if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->saved);
-    if (st == FY_OK && !(bl->acc = calloc(1, sizeof *bl->acc))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
     if (st != FY_OK) {
       fy_device_cache_free(c);
       return fy_error_wrap(st, "allocating block %d of %d of the device cache (%.1f MiB each)", b,
@@ -80,8 +83,8 @@ void fy_device_cache_free(struct fy_device_cache *c) {
     if (bl->loaded) dev->ops->event_free(dev, bl->loaded);
     if (bl->used) dev->ops->event_free(dev, bl->used);
     if (bl->saved) dev->ops->event_free(dev, bl->saved);
-    free(bl->acc);
   }
+  free(c->acc);
   free(c->blocks);
   free(c->bwd_done);
   free(c->prefetched);
@@ -182,8 +185,12 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
   FY_TRY(fy_stream_wait(s, bl->used));
   if (accumulate) {
     FY_TRY(fy_copy_async(s, c->o.staging, bl->ptr, bytes));
-    *bl->acc = (struct accumulate){.dst = dst, .src = c->o.staging, .n = ch->used};
-    FY_TRY(fy_stream_enqueue(s, accumulate_fn, bl->acc));
+    struct accumulate *a = &c->acc[chunk];
+    if (a->dst != dst || a->src != c->o.staging || a->n != ch->used) {
+      FY_TRY(fy_stream_sync(s));  // nothing queued may still read the old argument
+      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = ch->used};
+    }
+    FY_TRY(fy_stream_enqueue(s, accumulate_fn, a));
   } else {
     FY_TRY(fy_copy_async(s, dst, bl->ptr, bytes));
   }

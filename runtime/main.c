@@ -70,6 +70,19 @@ static void usage_train(FILE *f, bool eval) {
           "  --no-shuffle       take batches in order instead of a seeded shuffle\n"
           "  --recompute        keep only each decoder layer's input and run its forward again in\n"
           "                     backward (activation memory of one layer instead of all)\n"
+          "\nwhere the model state lives:\n"
+          "  --device D         cpu (default: everything in host memory) or sim (a device with its\n"
+          "                     own memory that holds only a cache of parameter chunks)\n"
+          "  --device-mem SIZE  sim: the device's memory, e.g. 512MiB (default 1GiB)\n"
+          "  --sim-link-gbps X  sim: throttle host<->device copies to X GB/s, like PCIe (default: off)\n"
+          "  --host-mem SIZE    sim: host memory for parameters, gradients and AdamW state\n"
+          "                     (default: the machine's)\n"
+          "  --disk-dir DIR     sim: put the AdamW state that --host-mem cannot hold under DIR\n"
+          "  --disk-chunks N    sim: put the AdamW state of the last N chunks on disk (default: auto)\n"
+          "  --prefetch N       sim: chunks loaded ahead of use (default 2)\n"
+          "  --blocks N         sim: device cache blocks (default: as many as fit)\n"
+          "  --chunk-mib X      sim: chunk size (default: the smallest that holds the largest\n"
+          "                     parameter group, the token embedding)\n"
           "  --save DIR         write a Hugging Face checkpoint (config.json, model.safetensors)\n"
           "                     at the end\n"
           "  --log FILE         one JSON line per step\n"
@@ -105,10 +118,32 @@ static bool parse_f32(const char *flag, const char *s, float min, float *out) {
   return true;
 }
 
+// Sizes: a number with an optional unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary).
+static bool parse_size(const char *flag, const char *s, size_t *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  double mult = 1;
+  const char *u = end;
+  if (*u == 'K' || *u == 'k') mult = 1024.0, u++;
+  else if (*u == 'M' || *u == 'm') mult = 1048576.0, u++;
+  else if (*u == 'G' || *u == 'g') mult = 1073741824.0, u++;
+  else if (*u == 'T' || *u == 't') mult = 1099511627776.0, u++;
+  if (mult > 1 && *u == 'i') u++;
+  if (*u == 'B' || *u == 'b') u++;
+  if (errno || end == s || *u || !isfinite(v) || v <= 0 || v * mult > 1e18) {
+    fprintf(stderr, "ferry: %s needs a size such as 512MiB or 8GiB, got '%s'\n", flag, s);
+    return false;
+  }
+  *out = (size_t)(v * mult);
+  return true;
+}
+
 enum {
   OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
-  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_HELP,
+  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
+  OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -124,7 +159,12 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"no-shuffle", no_argument, 0, OPT_NO_SHUFFLE}, {"threads", required_argument, 0, OPT_THREADS},
       {"save", required_argument, 0, OPT_SAVE}, {"log", required_argument, 0, OPT_LOG},
       {"quiet", no_argument, 0, OPT_QUIET}, {"profile", no_argument, 0, OPT_PROFILE},
-      {"recompute", no_argument, 0, OPT_RECOMPUTE},
+      {"recompute", no_argument, 0, OPT_RECOMPUTE}, {"device", required_argument, 0, OPT_DEVICE},
+      {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"sim-link-gbps", required_argument, 0, OPT_LINK},
+      {"sim-jitter-us", required_argument, 0, OPT_JITTER}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
+      {"disk-dir", required_argument, 0, OPT_DISK_DIR}, {"disk-chunks", required_argument, 0, OPT_DISK_CHUNKS},
+      {"prefetch", required_argument, 0, OPT_PREFETCH}, {"blocks", required_argument, 0, OPT_BLOCKS},
+      {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -165,6 +205,32 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_QUIET: o.quiet = true; break;
       case OPT_PROFILE: o.profile = true; break;
       case OPT_RECOMPUTE: o.recompute = true; break;
+      case OPT_DEVICE:
+        o.device = optarg;
+        if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "sim") != 0) {
+          fprintf(stderr, "ferry: --device is cpu or sim, got '%s'\n", optarg);
+          ok = false;
+        }
+        break;
+      case OPT_DEVICE_MEM: ok = parse_size("--device-mem", optarg, &o.device_mem); break;
+      case OPT_LINK: {
+        float f;
+        ok = parse_f32("--sim-link-gbps", optarg, 0, &f);
+        o.sim_link_gbps = f;
+        break;
+      }
+      case OPT_JITTER: ok = parse_i64("--sim-jitter-us", optarg, 0, &v); o.sim_jitter_us = (int)v; break;
+      case OPT_HOST_MEM: ok = parse_size("--host-mem", optarg, &o.host_mem); break;
+      case OPT_DISK_DIR: o.disk_dir = optarg; break;
+      case OPT_DISK_CHUNKS: ok = parse_i64("--disk-chunks", optarg, 0, &v); o.disk_chunks = (int)v; break;
+      case OPT_PREFETCH: ok = parse_i64("--prefetch", optarg, 0, &v); o.prefetch = (int)v; break;
+      case OPT_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v); o.blocks = (int)v; break;
+      case OPT_CHUNK_MIB: {
+        float f;
+        ok = parse_f32("--chunk-mib", optarg, 0, &f);
+        o.chunk_mib = f;
+        break;
+      }
       case OPT_BATCHES: ok = parse_i64("--batches", optarg, 1, &o.eval_batches); break;
       case OPT_DUMP: o.dump = optarg; break;
       case OPT_HELP: usage_train(stdout, eval); return 0;

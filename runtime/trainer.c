@@ -17,6 +17,8 @@
 #include "runtime/data.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
+#include "runtime/offload.h"
+#include "memory/tier.h"
 
 void fy_train_opts_defaults(struct fy_train_opts *o) {
   static char demo_data[4096];
@@ -24,7 +26,8 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
   *o = (struct fy_train_opts){
       .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 128,
       .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
-      .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0,
+      .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0, .device = "cpu",
+      .disk_chunks = -1, .prefetch = 2,
       .eval_batches = 8};
 }
 
@@ -78,30 +81,97 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
   return FY_OK;
 }
 
-static fy_status setup(const struct fy_train_opts *o, struct fy_opt_config *cfg, struct fy_device **dev,
-                       struct fy_model **model, fy_data **data, bool shuffle) {
+// Everything one run holds; torn down in reverse.
+struct run {
+  struct fy_opt_config cfg;
+  struct fy_device *dev;
+  struct fy_host_tier *host;
+  struct fy_disk_tier *disk;
+  struct fy_model *model;
+  struct fy_offload *x;  // NULL: parameters resident on a cpu device
+  fy_data *data;
+};
+
+static size_t machine_ram(void) {
+  return (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
+}
+
+// The offloading setup: sim device, host tier, optional disk tier, chunked model, offload engine.
+static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
+  const struct fy_opt_config *cfg = &r->cfg;
+  size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
+  FY_TRY(fy_device_sim_create(dev_mem, o->sim_link_gbps, &r->dev));
+  if (o->sim_jitter_us > 0) fy_device_sim_set_jitter(r->dev, o->sim_jitter_us, o->seed);
+  size_t host_cap = o->host_mem ? o->host_mem : machine_ram();
+  FY_TRY(fy_host_tier_create(host_cap, -1, NULL, NULL, &r->host));
+  int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4);
+  size_t need, chunk_bytes0;
+  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, chunk, &need, &chunk_bytes0));
+  if (need > dev_mem)
+    return fy_error_set(FY_ERR_NOMEM,
+                        "--device-mem %.1f MiB cannot hold the smallest working set of %s with micro-batch "
+                        "%lld x %lld (the chunks one operator needs at once, %.1f MiB each, plus the "
+                        "activations): it needs at least %.1f MiB%s",
+                        dev_mem / 1048576.0, cfg->name, (long long)o->batch, (long long)o->seq,
+                        chunk_bytes0 / 1048576.0, need / 1048576.0,
+                        o->recompute ? "" : " (--recompute lowers it)");
+  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = chunk, .host = r->host};
+  FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+  const struct fy_chunk_layout *l = r->model->layout;
+  // AdamW's m and v go to the host tier while they fit (after parameters and gradients), the
+  // rest of the chunks' to disk.
+  size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
+  size_t spare = host_cap > in_use + 3 * chunk_bytes ? host_cap - in_use - 3 * chunk_bytes : 0;
+  int fit = (int)(spare / (2 * chunk_bytes));
+  int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
+  if (n_disk > l->n_chunks) n_disk = l->n_chunks;
+  if (n_disk > 0 && !o->disk_dir)
+    return fy_error_set(FY_ERR_NOMEM,
+                        "the AdamW state of %d of %d chunks (%.2f GiB) does not fit in the host memory "
+                        "(--host-mem %.2f GiB, %.2f GiB of it for parameters and gradients); give a "
+                        "disk tier with --disk-dir",
+                        n_disk, l->n_chunks, 2.0 * n_disk * chunk_bytes / 1073741824.0,
+                        host_cap / 1073741824.0, in_use / 1073741824.0);
+  if (n_disk > 0) {
+    fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
+    if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
+  }
+  struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
+                               .disk = r->disk, .n_disk_chunks = n_disk};
+  return fy_offload_create(r->model, &xo, &r->x);
+}
+
+static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle) {
+  memset(r, 0, sizeof *r);
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
-  FY_TRY(resolve_config(o, cfg));
-  if (o->seq > cfg->max_position_embeddings)
+  FY_TRY(resolve_config(o, &r->cfg));
+  if (o->seq > r->cfg.max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
-                        (long long)o->seq, (long long)cfg->max_position_embeddings);
-  // The cpu device may hand out what the machine has; a model that cannot fit is refused before
-  // anything is allocated, with what it would need.
-  size_t ram = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
-  FY_TRY(fy_device_cpu_create(ram, dev));
-  struct fy_model_opts mo = {.recompute = o->recompute};
-  fy_status st = fy_model_create_with(cfg, o->batch, o->seq, *dev, &mo, model);
-  if (st != FY_OK) return st;
-  if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(*model));
-  if (!o->init || strcmp(o->init, "random") == 0) {
-    fy_model_init_random(*model, o->seed);
+                        (long long)o->seq, (long long)r->cfg.max_position_embeddings);
+  fy_status st;
+  const char *device = o->device ? o->device : "cpu";
+  if (strcmp(device, "sim") == 0) {
+    FY_TRY(setup_offload(o, r));
+  } else if (strcmp(device, "cpu") == 0) {
+    // The cpu device may hand out what the machine has; a model that cannot fit is refused before
+    // anything is allocated, with what it would need.
+    FY_TRY(fy_device_cpu_create(machine_ram(), &r->dev));
+    struct fy_model_opts mo = {.recompute = o->recompute};
+    FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+    if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
   } else {
-    st = fy_model_load(*model, o->init);
+    return fy_error_set(FY_ERR_INVALID, "--device %s: ferry knows cpu and sim%s", device,
+                        FY_HAVE_CUDA ? " (cuda comes with the CUDA backend)" : "");
+  }
+  if (!o->init || strcmp(o->init, "random") == 0) {
+    fy_model_init_random(r->model, o->seed);
+  } else {
+    st = fy_model_load(r->model, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
-  st = fy_data_open(o->data, cfg->vocab_size, o->batch, o->seq, shuffle, o->seed, 0, 1, data);
+  st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, 0, 1, &r->data);
   if (st != FY_OK) {
     if (strstr(o->data, "/data/demo"))
       return fy_error_wrap(st, "the demo data is made by ./run.sh (python3 tools/tokenize.py "
@@ -111,10 +181,23 @@ static fy_status setup(const struct fy_train_opts *o, struct fy_opt_config *cfg,
   return FY_OK;
 }
 
-static void teardown(struct fy_device *dev, struct fy_model *model, fy_data *data) {
-  fy_data_close(data);
-  fy_model_free(model);
-  fy_device_free(dev);
+static void teardown(struct run *r) {
+  fy_data_close(r->data);
+  fy_offload_free(r->x);
+  fy_model_free(r->model);
+  if (r->disk) fy_disk_tier_close(r->disk);
+  if (r->host) fy_host_tier_free(r->host);
+  fy_device_free(r->dev);
+}
+
+// Over the parameters in their graph order, so that runs with different chunk layouts compare.
+static uint64_t hash_params(const struct fy_model *m) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int i = 0; i < m->graph->n_params; i++) {
+    const uint8_t *b = (const uint8_t *)fy_model_param(m, i);
+    for (size_t k = 0; k < (size_t)m->graph->params[i].numel * 4; k++) h = (h ^ b[k]) * 0x100000001b3ull;
+  }
+  return h;
 }
 
 static void format_duration(char *buf, size_t n, double s) {
@@ -133,112 +216,157 @@ static void progress_bar(int64_t done, int64_t total, double eta_s) {
   fflush(stdout);
 }
 
+// One optimizer step on resident parameters: micro-batches, their sum, norm, AdamW.
+static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double *loss_out,
+                               double *norm_out, double *t_sum, double *t_opt) {
+  struct fy_model *model = r->model;
+  double loss_acc = 0;
+  int64_t n_with_grads = 0;
+  for (int64_t micro = 0; micro < o->grad_accum; micro++) {
+    struct fy_batch *batch;
+    struct fy_loss loss;
+    FY_TRY(fy_data_next(r->data, &batch));
+    FY_TRY(fy_engine_forward(model, batch, &loss));
+    if (loss.count == 0) continue;  // every target ignored: nothing to learn from this one
+    double mean = loss.sum / (double)loss.count;
+    if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
+    loss_acc += mean / (double)o->grad_accum;
+    FY_TRY(fy_engine_backward(model, batch, (float)(1.0 / ((double)loss.count * o->grad_accum))));
+    // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
+    // the same order and with the same adds on every placement.
+    if (o->grad_accum > 1) {
+      double tz = now_s();
+      if (n_with_grads == 0)
+        memcpy(model->grad_acc, model->grads, (size_t)model->graph->n_param_elems * 4);
+      else
+        fy_add_forward(model->grad_acc, model->grad_acc, model->grads, model->graph->n_param_elems);
+      *t_sum += now_s() - tz;
+    }
+    n_with_grads++;
+  }
+  *loss_out = loss_acc;
+  if (n_with_grads == 0) return FY_ERR_NOT_FOUND;  // nothing to update
+  if (o->grad_accum > 1) {  // the optimizer reads m->grads
+    float *t = model->grads;
+    model->grads = model->grad_acc;
+    model->grad_acc = t;
+  }
+  double t0 = now_s();
+  *norm_out = fy_optimizer_grad_norm(model, 1.0f);
+  fy_status st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), step + 1, 1.0f, *norm_out);
+  *t_opt += now_s() - t0;
+  return st;
+}
+
+// The same step with the model state offloaded: enqueue, then wait for the norm only.
+static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int64_t step, double *loss_out,
+                              double *norm_out) {
+  int64_t counts[o->grad_accum];
+  double sums[o->grad_accum];
+  int n = 0;
+  for (int64_t micro = 0; micro < o->grad_accum; micro++) {
+    struct fy_batch *batch;
+    FY_TRY(fy_data_next(r->data, &batch));
+    int64_t count = fy_engine_count_targets(batch);
+    if (count == 0) continue;
+    counts[n] = count;
+    FY_TRY(fy_offload_micro(r->x, batch, n, (float)(1.0 / ((double)count * o->grad_accum))));
+    n++;
+  }
+  if (n == 0) return FY_ERR_NOT_FOUND;
+  FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), step + 1, norm_out, sums));
+  double loss_acc = 0;
+  for (int i = 0; i < n; i++) {
+    double mean = sums[i] / (double)counts[i];
+    if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
+    loss_acc += mean / (double)o->grad_accum;
+  }
+  *loss_out = loss_acc;
+  return FY_OK;
+}
+
 fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
   memset(res, 0, sizeof *res);
   if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
   if (o->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
   if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");
-  struct fy_opt_config cfg;
-  struct fy_device *dev = NULL;
-  struct fy_model *model = NULL;
-  fy_data *data = NULL;
+  struct run r;
   FILE *log = NULL;
   double *step_times = NULL;
-  fy_status st = setup(o, &cfg, &dev, &model, &data, o->shuffle);
+  fy_status st = setup(o, &r, o->shuffle);
   if (st == FY_OK && o->log_path && !(log = fopen(o->log_path, "w")))
     st = fy_error_set(FY_ERR_IO, "cannot open the log %s for writing", o->log_path);
   if (st == FY_OK && !(step_times = calloc((size_t)o->steps + 1, sizeof *step_times)))
     st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the step timings");
   if (st != FY_OK) goto done;
 
+  struct fy_model *model = r.model;
   const int64_t tokens_per_step = o->batch * o->seq * o->grad_accum;
-  const double flops_per_step = fy_opt_step_flops(&cfg, o->batch, o->seq) * (double)o->grad_accum;
+  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq) * (double)o->grad_accum;
   res->model_state_bytes = (double)model->state_bytes;
   res->activation_bytes = (double)model->act_bytes;
+  if (r.x) {
+    struct fy_offload_stats xs;
+    fy_offload_stats(r.x, &xs);
+    res->n_blocks = xs.n_blocks;
+    res->n_chunks = xs.n_chunks;
+    res->n_disk_chunks = xs.n_disk_chunks;
+    res->chunk_bytes = xs.chunk_bytes;
+  }
   bool tty = isatty(STDOUT_FILENO);
   if (!o->quiet) {
     printf("ferry: %s, %.2fM parameters, %d threads | batch %lld x %lld x %lld accum = %lld tokens/step | "
            "%lld tokens in %s\n",
-           cfg.name, fy_opt_num_params(&cfg) / 1e6, omp_get_max_threads(), (long long)o->batch,
+           r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, omp_get_max_threads(), (long long)o->batch,
            (long long)o->seq, (long long)o->grad_accum, (long long)tokens_per_step,
-           (long long)fy_data_num_tokens(data), o->data);
-    printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
-           model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
+           (long long)fy_data_num_tokens(r.data), o->data);
+    if (r.x)
+      printf("ferry: sim device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
+             "host tier %.1f MiB; AdamW state of %d chunks on disk\n",
+             r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
+             model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, res->n_disk_chunks);
+    else
+      printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
+             model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
     fflush(stdout);
   }
   model->profile = o->profile;
-  double t_start = now_s(), t_zero = 0, t_opt = 0;
+  double t_start = now_s(), t_sum = 0, t_opt = 0;
   for (int64_t step = 0; step < o->steps; step++) {
-    double t0 = now_s();
-    double loss_acc = 0;
-    int64_t n_with_grads = 0;
-    for (int64_t micro = 0; micro < o->grad_accum; micro++) {
-      struct fy_batch *batch;
-      struct fy_loss loss;
-      if ((st = fy_data_next(data, &batch)) != FY_OK) goto step_failed;
-      if ((st = fy_engine_forward(model, batch, &loss)) != FY_OK) goto step_failed;
-      if (loss.count == 0) continue;  // every target ignored: nothing to learn from this one
-      double mean = loss.sum / (double)loss.count;
-      if (!isfinite(mean)) {
-        st = fy_error_set(FY_ERR_NUMERIC, "the loss is %f at step %lld", mean, (long long)step + 1);
-        goto step_failed;
-      }
-      loss_acc += mean / (double)o->grad_accum;
-      if ((st = fy_engine_backward(model, batch, (float)(1.0 / ((double)loss.count * o->grad_accum)))) != FY_OK)
-        goto step_failed;
-      // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
-      // the same order and with the same adds on every placement.
-      if (o->grad_accum > 1) {
-        double tz = now_s();
-        if (n_with_grads == 0)
-          memcpy(model->grad_acc, model->grads, (size_t)model->graph->n_param_elems * 4);
-        else
-          fy_add_forward(model->grad_acc, model->grad_acc, model->grads, model->graph->n_param_elems);
-        t_zero += now_s() - tz;
-      }
-      n_with_grads++;
-    }
-    if (n_with_grads == 0) {
+    double t0 = now_s(), loss = 0, norm = 0;
+    st = r.x ? step_offload(o, &r, step, &loss, &norm) : step_resident(o, &r, step, &loss, &norm, &t_sum, &t_opt);
+    if (st == FY_ERR_NOT_FOUND) {
       fy_log_warn("step %lld: every target of the batch is ignored; no update", (long long)step + 1);
+      st = FY_OK;
       continue;
     }
-    if (o->grad_accum > 1) {  // the optimizer reads m->grads
-      float *t = model->grads;
-      model->grads = model->grad_acc;
-      model->grad_acc = t;
-    }
-    float lr = fy_lr_at(o, step);
-    double t_opt0 = now_s();
-    double norm = fy_optimizer_grad_norm(model, 1.0f);
-    if ((st = fy_optimizer_step(model, &o->adamw, lr, step + 1, 1.0f, norm)) != FY_OK) {
+    if (st != FY_OK) {
       fy_error_wrap(st, "step %lld", (long long)step + 1);
       goto done;
     }
-    t_opt += now_s() - t_opt0;
+    float lr = fy_lr_at(o, step);
     double dt = now_s() - t0;
     step_times[step] = dt;
     double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9, rss = peak_rss_bytes();
-    if (step == 0) res->first_loss = (float)loss_acc;
-    res->last_loss = (float)loss_acc;
+    if (res->steps == 0) res->first_loss = (float)loss;
+    res->last_loss = (float)loss;
     res->steps = step + 1;
     if (log)
       fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
-              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f}\n",
-              (long long)step + 1, loss_acc, lr, norm, dt, tok_s, gflops, rss / 1048576.0);
+              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f}\n",
+              (long long)step + 1, loss, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
+              r.dev->bytes_peak / 1048576.0);
     if (!o->quiet) {
       if (tty) printf("\r\033[K");
       printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
              "peak %.2f GiB | %.0f ms\n",
-             (long long)step + 1, (long long)o->steps, loss_acc, lr, norm, tok_s, gflops,
-             rss / 1073741824.0, dt * 1e3);
+             (long long)step + 1, (long long)o->steps, loss, lr, norm, tok_s, gflops,
+             (r.x ? r.dev->bytes_peak : rss) / 1073741824.0, dt * 1e3);
       if (tty) progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1) * (o->steps - step - 1));
       fflush(stdout);
     }
-    continue;
-  step_failed:
-    fy_error_wrap(st, "step %lld", (long long)step + 1);
-    goto done;
   }
+  if (r.x && (st = fy_offload_sync(r.x)) != FY_OK) goto done;
   if (!o->quiet && tty) printf("\r\033[K");
   if (o->profile && res->steps) {
     double total = 0;
@@ -249,8 +377,10 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
         if (model->op_seconds[k][ph] > 0)
           printf("  %-14s %-8s %8.1f ms/step %5.1f%%\n", fy_op_kind_name(k), ph ? "backward" : "forward",
                  1e3 * model->op_seconds[k][ph] / res->steps, 100 * model->op_seconds[k][ph] / total);
-    printf("  %-23s %8.1f ms/step %5.1f%%\n", "sum micro-batches", 1e3 * t_zero / res->steps, 100 * t_zero / total);
-    printf("  %-23s %8.1f ms/step %5.1f%%\n", "clip + AdamW", 1e3 * t_opt / res->steps, 100 * t_opt / total);
+    if (!r.x) {
+      printf("  %-23s %8.1f ms/step %5.1f%%\n", "sum micro-batches", 1e3 * t_sum / res->steps, 100 * t_sum / total);
+      printf("  %-23s %8.1f ms/step %5.1f%%\n", "clip + AdamW", 1e3 * t_opt / res->steps, 100 * t_opt / total);
+    }
   }
   // Medians skip the first step (it creates the GEMM primitives and touches fresh pages).
   if (res->steps > 1) {
@@ -262,48 +392,49 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     res->gflops = flops_per_step / step_times[0] / 1e9;
   }
   res->peak_rss_bytes = peak_rss_bytes();
+  res->device_peak_bytes = (double)r.dev->bytes_peak;
+  res->params_hash = hash_params(model);
   if (o->save) {
     st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
     if (st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
   }
   if (!o->quiet && st == FY_OK && res->steps)
-    printf("ferry: %lld steps, loss %.4f -> %.4f, median %.0f tok/s, %.1f GFLOP/s, peak RSS %.2f GiB\n",
+    printf("ferry: %lld steps, loss %.4f -> %.4f, median %.0f tok/s, %.1f GFLOP/s, peak RSS %.2f GiB%s\n",
            (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops,
-           res->peak_rss_bytes / 1073741824.0);
+           res->peak_rss_bytes / 1073741824.0, "");
 done:
   if (log) fclose(log);
   free(step_times);
-  teardown(dev, model, data);
+  teardown(&r);
   return st;
 }
 
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
-  struct fy_opt_config cfg;
-  struct fy_device *dev = NULL;
-  struct fy_model *model = NULL;
-  fy_data *data = NULL;
-  fy_status st = setup(o, &cfg, &dev, &model, &data, false);
+  struct fy_train_opts e = *o;
+  e.device = "cpu";  // evaluation keeps the model resident
+  struct run r;
+  fy_status st = setup(&e, &r, false);
   double sum = 0;
   int64_t count = 0;
   for (int64_t i = 0; st == FY_OK && i < o->eval_batches; i++) {
     struct fy_batch *batch;
     struct fy_loss loss;
-    if ((st = fy_data_next(data, &batch)) != FY_OK) break;
-    if ((st = fy_engine_forward(model, batch, &loss)) != FY_OK) break;
+    if ((st = fy_data_next(r.data, &batch)) != FY_OK) break;
+    if ((st = fy_engine_forward(r.model, batch, &loss)) != FY_OK) break;
     sum += loss.sum;
     count += loss.count;
     if (i == 0 && o->dump) {
-      const struct fy_graph *g = model->graph;
+      const struct fy_graph *g = r.model->graph;
       struct fy_st_tensor ts[2] = {
           {.name = "input_ids", .dtype = FY_I32, .rank = 2, .shape = {g->B, g->T},
            .data = batch->inputs, .nbytes = (size_t)(g->B * g->T) * 4},
-          {.name = "logits", .dtype = FY_F32, .rank = 3, .shape = {g->B, g->T, cfg.vocab_size},
-           .data = model->acts + g->slots[g->logits_slot].offset,
-           .nbytes = (size_t)(g->B * g->T * cfg.vocab_size) * 4}};
+          {.name = "logits", .dtype = FY_F32, .rank = 3, .shape = {g->B, g->T, r.cfg.vocab_size},
+           .data = r.model->acts + g->slots[g->logits_slot].offset,
+           .nbytes = (size_t)(g->B * g->T * r.cfg.vocab_size) * 4}};
       st = fy_safetensors_write(o->dump, ts, 2, NULL);
     }
   }
   *mean_loss = count ? sum / (double)count : NAN;
-  teardown(dev, model, data);
+  teardown(&r);
   return st;
 }

@@ -1,0 +1,527 @@
+#include "runtime/offload.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "memory/cache.h"
+#include "memory/device_cache.h"
+#include "ops/ops.h"
+
+enum action_kind { ACT_FORWARD, ACT_RECOMPUTE, ACT_BACKWARD };
+
+struct action {
+  int op;
+  enum action_kind kind;
+};
+
+// One chunk's part of the optimizer, as a host function on the optimizer stream.
+struct chunk_job {
+  struct fy_offload *x;
+  int chunk;
+  int q;  // which step arguments
+};
+
+struct step_args {
+  struct fy_adamw h;
+  float lr, scale;
+  int64_t t;
+  double norm;
+  bool skip;  // the norm is not finite: no chunk is updated
+};
+
+struct fy_offload {
+  struct fy_model *m;
+  struct fy_device *dev;
+  fy_stream *compute, *copy_in, *copy_out, *optim;
+  struct fy_device_cache *cache;
+  struct fy_trace *trace;
+  struct action *actions;
+  int n_actions, n_blocks, prefetch, max_micro;
+  int64_t pos;
+  // Per parity of the micro-batch: the op calls and the batch, reused every other pass.
+  struct fy_op_call *calls[2];
+  struct fy_dev_batch dbatch[2];
+  int32_t *dbatch_mem[2], *staging[2];
+  fy_event *batch_ready[2], *pass_done[2];
+  int parity;
+  double *loss_sums;  // per micro-batch of the step
+  // Per chunk.
+  const float **home;
+  fy_event **home_ready, **grad_ready;
+  float *wb_staging;
+  int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
+  // Optimizer state.
+  float **m_home, **v_home;       // host tier, NULL for disk chunks
+  int64_t *disk_handle;           // disk chunks: m then v, 2 x chunk bytes
+  struct fy_disk_tier *disk;
+  float *disk_m, *disk_v;         // host buffers for one disk chunk's m and v
+  struct fy_disk_req *req_m, *req_v;
+  int n_disk_chunks;
+  double *sumsq;                  // per parameter
+  struct chunk_job *jobs[2];
+  struct step_args args[2];
+  fy_event *norm_ready, *updates_done[2];
+  int step_parity;
+  // The first error a host function met (its message: fy_error is per thread).
+  pthread_mutex_t err_lock;
+  fy_status async_st;
+  char async_msg[512];
+};
+
+static void async_fail(struct fy_offload *x, fy_status st) {
+  pthread_mutex_lock(&x->err_lock);
+  if (x->async_st == FY_OK) {
+    x->async_st = st;
+    snprintf(x->async_msg, sizeof x->async_msg, "%s", fy_error_msg());
+  }
+  pthread_mutex_unlock(&x->err_lock);
+}
+
+static fy_status async_status(struct fy_offload *x) {
+  pthread_mutex_lock(&x->err_lock);
+  fy_status st = x->async_st;
+  if (st != FY_OK) fy_error_set(st, "%s", x->async_msg);
+  pthread_mutex_unlock(&x->err_lock);
+  return st;
+}
+
+// ---- the pass: actions and their chunk accesses ----
+
+static int build_actions(const struct fy_graph *g, struct action *out) {
+  int n = 0;
+  for (int o = 0; o < g->n_ops; o++) out[n++] = (struct action){o, ACT_FORWARD};
+  for (int o = g->n_ops - 1; o >= 0; o--) {
+    int first = g->recompute ? fy_engine_layer_first_op(g, o) : -1;
+    for (int r = first; r >= 0 && r <= o; r++) out[n++] = (struct action){r, ACT_RECOMPUTE};
+    out[n++] = (struct action){o, ACT_BACKWARD};
+  }
+  return n;
+}
+
+static int max_actions(const struct fy_graph *g) { return 3 * g->n_ops; }
+
+// The blocks the pass needs at once: each op's chunks plus the chunks that backward has started
+// writing gradients into and not finished (they cannot leave the device).
+int fy_offload_min_blocks(const struct fy_model *m) {
+  const struct fy_graph *g = m->graph;
+  const struct fy_chunk_layout *l = m->layout;
+  struct action *acts = calloc((size_t)max_actions(g), sizeof *acts);
+  int *done = calloc((size_t)l->n_chunks, sizeof *done);
+  if (!acts || !done) {
+    free(acts);
+    free(done);
+    return l->n_chunks;
+  }
+  int n = build_actions(g, acts), need = 1;
+  for (int a = 0; a < n; a++) {
+    int o = acts[a].op, count = 0;
+    for (int c = 0; c < l->n_chunks; c++) {
+      bool in_op = false;
+      for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) in_op |= l->op_chunks[k] == c;
+      bool open = done[c] > 0 && done[c] < l->chunks[c].n_users_bwd;
+      count += in_op || open;
+    }
+    if (count > need) need = count;
+    if (acts[a].kind == ACT_BACKWARD)
+      for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) done[l->op_chunks[k]]++;
+  }
+  free(acts);
+  free(done);
+  return need;
+}
+
+static size_t device_fixed_bytes(const struct fy_model *m) {
+  const struct fy_graph *g = m->graph;
+  size_t round = 64, bt = (size_t)(g->B * g->T) * 4;
+  size_t acts = (size_t)(g->act_elems + g->grad_elems + g->scratch_elems) * 4 + bt;
+  return acts + 2 * 4 * bt + 8 * round;  // two micro-batches of ids, targets, mask, positions
+}
+
+size_t fy_offload_min_device_bytes(const struct fy_model *m) {
+  return device_fixed_bytes(m) + (size_t)fy_offload_min_blocks(m) * (size_t)m->layout->chunk_elems * 4;
+}
+
+fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
+                                    int64_t chunk_elems, size_t *min_bytes, size_t *chunk_bytes) {
+  struct fy_model m = {.cfg = *cfg};
+  FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
+  if (recompute) fy_graph_set_recompute(m.graph, true);
+  fy_status st = fy_chunk_layout_create(m.graph, chunk_elems, &m.layout);
+  if (st == FY_OK) {
+    *min_bytes = fy_offload_min_device_bytes(&m);
+    *chunk_bytes = (size_t)m.layout->chunk_elems * 4;
+  }
+  fy_chunk_layout_free(m.layout);
+  fy_graph_free(m.graph);
+  return st;
+}
+
+// ---- creation ----
+
+static fy_status create_streams(struct fy_offload *x) {
+  FY_TRY(fy_stream_create(x->dev, &x->compute));
+  FY_TRY(fy_stream_create(x->dev, &x->copy_in));
+  FY_TRY(fy_stream_create(x->dev, &x->copy_out));
+  FY_TRY(fy_stream_create(x->dev, &x->optim));
+  for (int p = 0; p < 2; p++) {
+    FY_TRY(fy_event_create(x->dev, &x->batch_ready[p]));
+    FY_TRY(fy_event_create(x->dev, &x->pass_done[p]));
+    FY_TRY(fy_event_create(x->dev, &x->updates_done[p]));
+  }
+  return fy_event_create(x->dev, &x->norm_ready);
+}
+
+static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opts *o) {
+  struct fy_model *m = x->m;
+  const struct fy_graph *g = m->graph;
+  int nc = m->layout->n_chunks;
+  int64_t ce = m->layout->chunk_elems;
+  x->home = calloc((size_t)nc, sizeof *x->home);
+  x->home_ready = calloc((size_t)nc, sizeof *x->home_ready);
+  x->grad_ready = calloc((size_t)nc, sizeof *x->grad_ready);
+  x->m_home = calloc((size_t)nc, sizeof *x->m_home);
+  x->v_home = calloc((size_t)nc, sizeof *x->v_home);
+  x->disk_handle = calloc((size_t)nc, sizeof *x->disk_handle);
+  x->param_first = calloc((size_t)nc + 1, sizeof *x->param_first);
+  x->param_ids = calloc((size_t)g->n_params, sizeof *x->param_ids);
+  x->sumsq = calloc((size_t)g->n_params, sizeof *x->sumsq);
+  x->wb_staging = malloc((size_t)ce * 4);
+  for (int q = 0; q < 2; q++) x->jobs[q] = calloc((size_t)nc, sizeof *x->jobs[q]);
+  if (!x->home || !x->home_ready || !x->grad_ready || !x->m_home || !x->v_home || !x->disk_handle ||
+      !x->param_first || !x->param_ids || !x->sumsq || !x->wb_staging || !x->jobs[0] || !x->jobs[1])
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the chunk tables");
+  int k = 0;
+  for (int c = 0; c < nc; c++) {
+    x->param_first[c] = k;
+    for (int i = 0; i < g->n_params; i++)
+      if (g->params[i].chunk == c) x->param_ids[k++] = i;
+    x->home[c] = m->params + (int64_t)c * ce;
+    FY_TRY(fy_event_create(x->dev, &x->home_ready[c]));
+    FY_TRY(fy_event_create(x->dev, &x->grad_ready[c]));
+    for (int q = 0; q < 2; q++) x->jobs[q][c] = (struct chunk_job){x, c, q};
+  }
+  x->param_first[nc] = k;
+  // AdamW state: the first chunks in the host tier, the last n_disk_chunks on disk.
+  x->n_disk_chunks = o->n_disk_chunks < nc ? o->n_disk_chunks : nc;
+  x->disk = o->disk;
+  if (x->n_disk_chunks > 0 && !x->disk)
+    return fy_error_set(FY_ERR_INVALID, "optimizer state on disk needs a disk tier (--disk-dir)");
+  size_t bytes = (size_t)ce * 4;
+  for (int c = 0; c < nc; c++) {
+    if (c >= nc - x->n_disk_chunks) {
+      FY_TRY(fy_disk_alloc(x->disk, 2 * bytes, &x->disk_handle[c]));
+    } else {
+      FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->m_home[c]));
+      FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->v_home[c]));
+    }
+  }
+  if (x->n_disk_chunks > 0) {
+    FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->disk_m));
+    FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->disk_v));
+    FY_TRY(fy_disk_req_create(&x->req_m));
+    FY_TRY(fy_disk_req_create(&x->req_v));
+  }
+  return FY_OK;
+}
+
+static fy_status create_pass(struct fy_offload *x) {
+  struct fy_model *m = x->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_chunk_layout *l = m->layout;
+  x->actions = calloc((size_t)max_actions(g), sizeof *x->actions);
+  if (!x->actions) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
+  x->n_actions = build_actions(g, x->actions);
+  int64_t n = 0;
+  for (int a = 0; a < x->n_actions; a++) n += l->op_first[x->actions[a].op + 1] - l->op_first[x->actions[a].op];
+  int32_t *trace = calloc((size_t)n + 1, sizeof *trace);
+  if (!trace) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the trace");
+  n = 0;
+  for (int a = 0; a < x->n_actions; a++) {
+    int o = x->actions[a].op;
+    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) trace[n++] = l->op_chunks[k];
+  }
+  fy_status st = fy_trace_create(trace, n, l->n_chunks, &x->trace);
+  free(trace);
+  FY_TRY(st);
+  size_t bt = (size_t)(g->B * g->T);
+  for (int p = 0; p < 2; p++) {
+    x->calls[p] = calloc((size_t)x->n_actions, sizeof *x->calls[p]);
+    x->staging[p] = malloc(4 * bt * sizeof(int32_t));
+    if (!x->calls[p] || !x->staging[p]) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
+    FY_TRY(fy_device_alloc(x->dev, 4 * bt * sizeof(int32_t), (void **)&x->dbatch_mem[p]));
+    int32_t *d = x->dbatch_mem[p];
+    x->dbatch[p] = (struct fy_dev_batch){.inputs = d, .targets = d + bt, .mask = d + 2 * bt, .positions = d + 3 * bt};
+  }
+  x->loss_sums = calloc((size_t)x->max_micro, sizeof *x->loss_sums);
+  if (!x->loss_sums) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
+  return FY_OK;
+}
+
+fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o, struct fy_offload **out) {
+  if (!m->host) return fy_error_set(FY_ERR_INVALID, "offloading needs the model state in a host tier");
+  struct fy_offload *x = calloc(1, sizeof *x);
+  if (!x) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the offload engine");
+  x->m = m;
+  x->dev = m->dev;
+  x->prefetch = o->prefetch;
+  x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
+  pthread_mutex_init(&x->err_lock, NULL);
+  fy_status st = create_streams(x);
+  if (st == FY_OK) st = create_chunks(x, o);
+  if (st == FY_OK) st = create_pass(x);
+  if (st != FY_OK) {
+    fy_offload_free(x);
+    return st;
+  }
+  // The cache gets what is left of the device.
+  size_t block = (size_t)m->layout->chunk_elems * 4;
+  int min_blocks = fy_offload_min_blocks(m), n_blocks = o->n_blocks;
+  struct fy_device *dev = x->dev;
+  if (n_blocks <= 0) {
+    size_t left = dev->cap > dev->bytes_in_use ? dev->cap - dev->bytes_in_use : 0;
+    n_blocks = (int)(left / (block + 64));
+    if (n_blocks > m->layout->n_chunks) n_blocks = m->layout->n_chunks;
+  }
+  if (n_blocks < min_blocks) {
+    fy_offload_free(x);
+    return fy_error_set(FY_ERR_NOMEM,
+                        "the %s device memory (%.1f MiB) cannot hold the smallest working set: %d "
+                        "blocks of %.1f MiB (the chunks one operator needs at once) plus %.1f MiB of "
+                        "activations; it needs at least %.1f MiB (try --recompute, a smaller batch "
+                        "or sequence, or smaller chunks)",
+                        dev->name, dev->cap / 1048576.0, min_blocks, block / 1048576.0,
+                        device_fixed_bytes(m) / 1048576.0, fy_offload_min_device_bytes(m) / 1048576.0);
+  }
+  x->n_blocks = n_blocks;
+  struct fy_device_cache_opts co = {.dev = dev, .compute = x->compute, .copy_in = x->copy_in,
+                                    .copy_out = x->copy_out, .n_blocks = n_blocks, .prefetch = o->prefetch,
+                                    .trace = x->trace, .home = x->home, .home_ready = x->home_ready,
+                                    .staging = x->wb_staging};
+  st = fy_device_cache_create(m->layout, &co, &x->cache);
+  if (st != FY_OK) {
+    fy_offload_free(x);
+    return st;
+  }
+  *out = x;
+  return FY_OK;
+}
+
+void fy_offload_free(struct fy_offload *x) {
+  if (!x) return;
+  fy_offload_sync(x);
+  struct fy_model *m = x->m;
+  fy_device_cache_free(x->cache);
+  fy_stream_free(x->compute);
+  fy_stream_free(x->copy_in);
+  fy_stream_free(x->copy_out);
+  fy_stream_free(x->optim);
+  int nc = m->layout->n_chunks;
+  size_t bytes = (size_t)m->layout->chunk_elems * 4, bt = (size_t)(m->graph->B * m->graph->T);
+  for (int c = 0; c < nc; c++) {
+    if (x->home_ready) fy_event_free(x->home_ready[c]);
+    if (x->grad_ready) fy_event_free(x->grad_ready[c]);
+    if (x->m_home && x->m_home[c]) fy_host_dealloc(m->host, x->m_home[c], bytes);
+    if (x->v_home && x->v_home[c]) fy_host_dealloc(m->host, x->v_home[c], bytes);
+  }
+  if (x->disk_m) fy_host_dealloc(m->host, x->disk_m, bytes);
+  if (x->disk_v) fy_host_dealloc(m->host, x->disk_v, bytes);
+  fy_disk_req_free(x->req_m);
+  fy_disk_req_free(x->req_v);
+  for (int p = 0; p < 2; p++) {
+    fy_event_free(x->batch_ready[p]);
+    fy_event_free(x->pass_done[p]);
+    fy_event_free(x->updates_done[p]);
+    if (x->dbatch_mem[p]) fy_device_dealloc(x->dev, x->dbatch_mem[p], 4 * bt * sizeof(int32_t));
+    free(x->calls[p]);
+    free(x->staging[p]);
+    free(x->jobs[p]);
+  }
+  fy_event_free(x->norm_ready);
+  fy_trace_free(x->trace);
+  free(x->actions);
+  free(x->home);
+  free(x->home_ready);
+  free(x->grad_ready);
+  free(x->m_home);
+  free(x->v_home);
+  free(x->disk_handle);
+  free(x->param_first);
+  free(x->param_ids);
+  free(x->sumsq);
+  free(x->wb_staging);
+  free(x->loss_sums);
+  pthread_mutex_destroy(&x->err_lock);
+  free(x);
+}
+
+// ---- one micro-batch ----
+
+fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
+  struct fy_model *m = x->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_chunk_layout *l = m->layout;
+  FY_TRY(fy_engine_check_batch(m, batch));
+  if (micro >= x->max_micro) return fy_error_set(FY_ERR_INVALID, "micro-batch %d of at most %d", micro, x->max_micro);
+  int p = x->parity;
+  x->parity ^= 1;
+  // The op calls, batch and staging of this parity were used two passes ago.
+  FY_TRY(fy_event_sync(x->pass_done[p]));
+  FY_TRY(async_status(x));
+  int64_t bt = g->B * g->T;
+  int32_t *s = x->staging[p];
+  memcpy(s, batch->inputs, (size_t)bt * 4);
+  memcpy(s + bt, batch->targets, (size_t)bt * 4);
+  if (batch->mask) memcpy(s + 2 * bt, batch->mask, (size_t)bt * 4);
+  fy_engine_positions(s + 3 * bt, batch->mask, g->B, g->T);
+  FY_TRY(fy_copy_async(x->copy_in, x->dbatch_mem[p], s, (size_t)(4 * bt) * 4));
+  FY_TRY(fy_event_record(x->batch_ready[p], x->copy_in));
+  FY_TRY(fy_stream_wait(x->compute, x->batch_ready[p]));
+  struct fy_dev_batch *db = &x->dbatch[p];
+  db->mask = batch->mask ? x->dbatch_mem[p] + 2 * bt : NULL;
+  x->loss_sums[micro] = 0;
+  fy_device_cache_begin_pass(x->cache);
+
+  float *base[FY_OP_MAX_PARAMS];
+  int chunk_of[FY_OP_MAX_PARAMS];
+  for (int a = 0; a < x->n_actions; a++) {
+    const struct action *act = &x->actions[a];
+    const struct fy_op *op = &g->ops[act->op];
+    struct fy_op_call *c = &x->calls[p][a];
+    *c = (struct fy_op_call){.m = m, .op = act->op, .batch = db, .loss_scale = loss_scale, .st = FY_OK};
+    int nk = 0;
+    for (int k = l->op_first[act->op]; k < l->op_first[act->op + 1]; k++) {
+      chunk_of[nk] = l->op_chunks[k];
+      FY_TRY(fy_device_cache_acquire(x->cache, x->pos++, chunk_of[nk], &base[nk]));
+      nk++;
+    }
+    for (int k = 0; k < op->n_params; k++) {
+      const struct fy_param *pp = &g->params[op->params[k]];
+      for (int j = 0; j < nk; j++)
+        if (chunk_of[j] == pp->chunk) c->w[k] = c->g[k] = base[j] + pp->chunk_offset;
+    }
+    if (act->kind == ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
+    FY_TRY(fy_stream_enqueue(x->compute, act->kind == ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
+    for (int j = 0; j < nk; j++) {
+      enum fy_chunk_state st = fy_device_cache_release(x->cache, chunk_of[j], act->kind == ACT_BACKWARD);
+      if (st == FY_CHUNK_READY_FOR_REDUCE) {
+        int ch = chunk_of[j];
+        FY_TRY(fy_device_cache_write_back(x->cache, ch, m->grads + (int64_t)ch * l->chunk_elems, micro > 0,
+                                          x->grad_ready[ch]));
+      }
+    }
+    FY_TRY(fy_device_cache_prefetch(x->cache, x->pos - 1));
+  }
+  FY_TRY(fy_event_record(x->pass_done[p], x->compute));
+  return FY_OK;
+}
+
+// ---- the optimizer, per chunk on the optimizer stream ----
+
+static void sumsq_fn(void *arg) {
+  struct chunk_job *j = arg;
+  struct fy_offload *x = j->x;
+  const struct fy_graph *g = x->m->graph;
+  for (int k = x->param_first[j->chunk]; k < x->param_first[j->chunk + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    x->sumsq[x->param_ids[k]] = fy_sumsq(x->m->grads + p->offset, p->numel);
+  }
+}
+
+// The same sum, order and clipping rule as fy_optimizer_grad_norm and fy_optimizer_step.
+static void norm_fn(void *arg) {
+  struct chunk_job *j = arg;
+  struct fy_offload *x = j->x;
+  struct step_args *a = &x->args[j->q];
+  double s = 0;
+  for (int i = 0; i < x->m->graph->n_params; i++) s += x->sumsq[i];
+  a->norm = sqrt(s);
+  a->skip = !isfinite(a->norm);
+  a->scale = 1.0f;
+  if (!a->skip && a->h.clip > 0) {
+    double coef = a->h.clip / (a->norm + 1e-6);
+    if (coef < 1.0) a->scale = (float)coef;
+  }
+}
+
+static void adamw_fn(void *arg) {
+  struct chunk_job *j = arg;
+  struct fy_offload *x = j->x;
+  const struct step_args *a = &x->args[j->q];
+  if (a->skip) return;
+  const struct fy_graph *g = x->m->graph;
+  int c = j->chunk;
+  size_t used = (size_t)x->m->layout->chunks[c].used * 4;
+  float *mm = x->m_home[c], *vv = x->v_home[c];
+  if (!mm) {  // state on disk: read m and v, update, write them back
+    mm = x->disk_m;
+    vv = x->disk_v;
+    fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], 0, mm, used, x->req_m);
+    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], used, vv, used, x->req_v);
+    fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
+    if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
+    if (st != FY_OK) {
+      async_fail(x, st);
+      return;
+    }
+  }
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    fy_adamw_update(x->m->params + p->offset, mm + p->chunk_offset, vv + p->chunk_offset,
+                    x->m->grads + p->offset, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
+                    p->decay ? a->h.weight_decay : 0.0f, a->t, a->scale);
+  }
+  if (!x->m_home[c]) {
+    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], 0, mm, used, x->req_m);
+    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], used, vv, used, x->req_v);
+    fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
+    if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
+    if (st != FY_OK) async_fail(x, st);
+  }
+}
+
+fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
+                            double *norm, double *loss_sum) {
+  int q = x->step_parity;
+  x->step_parity ^= 1;
+  FY_TRY(fy_event_sync(x->updates_done[q]));  // the arguments of two steps ago are free
+  x->args[q] = (struct step_args){.h = *h, .lr = lr, .t = t};
+  int nc = x->m->layout->n_chunks;
+  for (int c = 0; c < nc; c++) {
+    FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
+    FY_TRY(fy_stream_enqueue(x->optim, sumsq_fn, &x->jobs[q][c]));
+  }
+  FY_TRY(fy_stream_enqueue(x->optim, norm_fn, &x->jobs[q][0]));
+  FY_TRY(fy_event_record(x->norm_ready, x->optim));
+  for (int c = 0; c < nc; c++) {
+    FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
+    FY_TRY(fy_event_record(x->home_ready[c], x->optim));
+  }
+  FY_TRY(fy_event_record(x->updates_done[q], x->optim));
+  FY_TRY(fy_event_sync(x->norm_ready));
+  FY_TRY(async_status(x));
+  *norm = x->args[q].norm;
+  for (int i = 0; i < x->max_micro; i++) loss_sum[i] = x->loss_sums[i];
+  for (int a = 0; a < x->n_actions; a++)
+    for (int p = 0; p < 2; p++)
+      if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
+  if (x->args[q].skip)
+    return fy_error_set(FY_ERR_NUMERIC, "the gradient norm is %f; no parameter was updated", *norm);
+  return FY_OK;
+}
+
+fy_status fy_offload_sync(struct fy_offload *x) {
+  fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->optim};
+  for (int i = 0; i < 4; i++)
+    if (s[i]) FY_TRY(fy_stream_sync(s[i]));
+  return async_status(x);
+}
+
+void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) {
+  *out = (struct fy_offload_stats){.n_blocks = x->n_blocks, .n_chunks = x->m->layout->n_chunks,
+                                   .n_disk_chunks = x->n_disk_chunks,
+                                   .chunk_bytes = (double)x->m->layout->chunk_elems * 4};
+  fy_device_cache_stats(x->cache, &out->cache);
+}

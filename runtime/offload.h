@@ -1,0 +1,64 @@
+// Training with the model state off the device (DESIGN.md, "One training step"): parameters live
+// in chunks in the host tier; the device holds only a cache of chunk-sized blocks (memory/
+// device_cache.h) plus the activations. Each op makes its chunks resident (a prefetch for the next
+// ones already in flight on the copy stream), runs on the compute stream and releases them; in
+// backward its gradients land over the weights in the block, and a chunk whose gradients are all
+// in goes back to the host. The optimizer runs per chunk on a host stream, after the global norm,
+// in first-use order, so that the next step's forward can start on the first chunks while later
+// ones are still being updated. AdamW's m and v of each chunk live in the host tier or on disk.
+//
+// The kernels and the order of every floating-point operation are those of the resident path
+// (runtime/engine.c, runtime/optimizer.c), so the placement changes speed and memory, never the
+// numbers.
+#ifndef FY_OFFLOAD_H
+#define FY_OFFLOAD_H
+
+#include <stdbool.h>
+
+#include "memory/device_cache.h"
+#include "memory/tier.h"
+#include "runtime/engine.h"
+#include "runtime/optimizer.h"
+
+struct fy_offload_opts {
+  int prefetch;                 // distinct chunks to load ahead of use (0: on demand)
+  int n_blocks;                 // device cache blocks; 0: as many as the device memory holds
+  int max_micro;                // micro-batches per step (gradient accumulation)
+  struct fy_disk_tier *disk;    // where optimizer state goes that the host tier cannot hold
+  int n_disk_chunks;            // the last n chunks keep m and v on disk (needs disk)
+};
+
+struct fy_offload;
+
+// m must have been created on an offloading device with its state in a host tier
+// (fy_model_opts.host); m->layout gives the chunks. Errors when the device cannot hold the
+// smallest working set, with the minimum it would need.
+fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o, struct fy_offload **out);
+void fy_offload_free(struct fy_offload *x);
+
+// The device memory (bytes) the smallest working set needs: the blocks every op needs at once
+// plus the activations and batch buffers.
+size_t fy_offload_min_device_bytes(const struct fy_model *m);
+int fy_offload_min_blocks(const struct fy_model *m);
+// The same before anything is allocated, for a config and micro-batch.
+fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
+                                    int64_t chunk_elems, size_t *min_bytes, size_t *chunk_bytes);
+
+// Enqueues forward and backward of micro-batch `micro` (0-based within the step); its gradients
+// are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.
+fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale);
+// Enqueues the optimizer for the step (global norm, clipping, AdamW per chunk) and waits until
+// the norm is known. loss_sum[i] receives micro-batch i's sum of token losses.
+fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
+                            double *norm, double *loss_sum);
+// Waits until every enqueued piece of work is done (before reading or saving the weights).
+fy_status fy_offload_sync(struct fy_offload *x);
+
+struct fy_offload_stats {
+  int n_blocks, n_chunks, n_disk_chunks;
+  double chunk_bytes;
+  struct fy_device_cache_stats cache;
+};
+void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out);
+
+#endif
