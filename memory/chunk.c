@@ -115,7 +115,7 @@ bool fy_chunk_transition_legal(enum fy_chunk_state from, enum fy_chunk_state to)
     case FY_CHUNK_COMPUTE:
       return to == FY_CHUNK_HOLD || to == FY_CHUNK_HOLD_AFTER_BWD || to == FY_CHUNK_READY_FOR_REDUCE;
     case FY_CHUNK_HOLD: return to == FY_CHUNK_COMPUTE || to == FY_CHUNK_FREE;
-    case FY_CHUNK_HOLD_AFTER_BWD: return to == FY_CHUNK_COMPUTE;
+    case FY_CHUNK_HOLD_AFTER_BWD: return to == FY_CHUNK_COMPUTE || to == FY_CHUNK_FREE;  // FREE: spilled
     case FY_CHUNK_READY_FOR_REDUCE: return to == FY_CHUNK_FREE;
   }
   return false;

@@ -19,7 +19,8 @@
 //   COMPUTE           an operator is using it now
 //   HOLD              on the device with its weights, not in use (may be evicted; clean)
 //   HOLD_AFTER_BWD    backward has written some of its gradients over their weights and more
-//                     operators will still use it in this backward pass (pinned)
+//                     operators will still use it in this backward pass (evicting it means
+//                     spilling its block to the host and loading that back)
 //   READY_FOR_REDUCE  every gradient of the chunk is in: ready to be reduced and moved to where
 //                     its optimizer state lives, after which it is FREE
 enum fy_chunk_state {

@@ -29,6 +29,9 @@ struct fy_device_cache {
   // host, so the argument must stay as it was enqueued: it is written only when it changes (the
   // destination of a chunk's gradients never does in practice).
   struct accumulate *acc;
+  float **spill;             // per chunk: host copy of a spilled block (allocated on first spill)
+  bool *spilled;             // per chunk: its current content is in spill[chunk]
+  fy_event **spill_done;     // per chunk: copy_out has finished spilling it
   struct fy_device_cache_stats stats;
 };
 
@@ -52,7 +55,11 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   c->pinned = calloc((size_t)nc, sizeof *c->pinned);
   c->resident = calloc((size_t)o->n_blocks, sizeof *c->resident);
   c->acc = calloc((size_t)nc, sizeof *c->acc);
-  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc) {
+  c->spill = calloc((size_t)nc, sizeof *c->spill);
+  c->spilled = calloc((size_t)nc, sizeof *c->spilled);
+  c->spill_done = calloc((size_t)nc, sizeof *c->spill_done);
+  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc || !c->spill ||
+      !c->spilled || !c->spill_done) {
     fy_device_cache_free(c);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
   }
@@ -85,6 +92,13 @@ void fy_device_cache_free(struct fy_device_cache *c) {
     if (bl->saved) dev->ops->event_free(dev, bl->saved);
   }
   free(c->acc);
+  for (int i = 0; c->spill && i < c->layout->n_chunks; i++) {
+    if (c->spill[i]) fy_host_dealloc(c->o.spill, c->spill[i], (size_t)c->layout->chunk_elems * 4);
+    if (c->spill_done[i]) dev->ops->event_free(dev, c->spill_done[i]);
+  }
+  free(c->spill);
+  free(c->spilled);
+  free(c->spill_done);
   free(c->blocks);
   free(c->bwd_done);
   free(c->prefetched);
@@ -95,8 +109,28 @@ void fy_device_cache_free(struct fy_device_cache *c) {
 
 static bool is_pinned(const struct fy_device_cache *c, int chunk, bool for_prefetch) {
   enum fy_chunk_state s = c->layout->chunks[chunk].state;
-  if (s != FY_CHUNK_HOLD) return true;  // in use, or holding gradients
+  if (s == FY_CHUNK_HOLD_AFTER_BWD) return for_prefetch || !c->o.spill;  // spilled only on demand
+  if (s != FY_CHUNK_HOLD) return true;  // in use, or all its gradients are in
   return for_prefetch && c->prefetched[chunk];
+}
+
+// Evicts a HOLD_AFTER_BWD chunk by copying its block to host memory.
+static fy_status spill(struct fy_device_cache *c, int chunk) {
+  struct fy_chunk *ch = &c->layout->chunks[chunk];
+  struct block *bl = &c->blocks[ch->block];
+  struct fy_device *dev = c->o.dev;
+  if (!c->spill[chunk]) {
+    FY_TRY(fy_host_alloc(c->o.spill, (size_t)c->layout->chunk_elems * 4, (void **)&c->spill[chunk]));
+    FY_TRY(dev->ops->event_create(dev, &c->spill_done[chunk]));
+  }
+  fy_stream *s = c->o.copy_out;
+  FY_TRY(fy_stream_wait(s, bl->used));
+  FY_TRY(fy_copy_async(s, c->spill[chunk], bl->ptr, (size_t)ch->used * 4));
+  FY_TRY(fy_event_record(bl->saved, s));
+  FY_TRY(fy_event_record(c->spill_done[chunk], s));
+  c->spilled[chunk] = true;
+  c->stats.spills++;
+  return FY_OK;
 }
 
 // A block for a chunk needed `dist` accesses after pos: a free one, else Belady's victim (for a
@@ -115,7 +149,8 @@ static int find_block(struct fy_device_cache *c, int64_t pos, int64_t dist, bool
   if (for_prefetch && fy_trace_next_use(c->o.trace, pos, victim) <= dist) return -1;
   struct fy_chunk *v = &c->layout->chunks[victim];
   int b = v->block;
-  fy_chunk_set_state(v, FY_CHUNK_FREE);  // clean: its weights are still at home
+  if (v->state == FY_CHUNK_HOLD_AFTER_BWD && spill(c, victim) != FY_OK) return -2;
+  fy_chunk_set_state(v, FY_CHUNK_FREE);  // clean (its weights are at home) or spilled
   v->block = -1;
   c->blocks[b].chunk = -1;
   c->prefetched[victim] = false;
@@ -130,8 +165,14 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
   // The block's previous occupant must be done with: its readers and its write-back.
   FY_TRY(fy_stream_wait(s, bl->used));
   FY_TRY(fy_stream_wait(s, bl->saved));
-  if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
-  FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * 4));
+  if (c->spilled[chunk]) {  // its partial gradients come back from where they were spilled
+    FY_TRY(fy_stream_wait(s, c->spill_done[chunk]));
+    FY_TRY(fy_copy_async(s, bl->ptr, c->spill[chunk], (size_t)ch->used * 4));
+    c->spilled[chunk] = false;
+  } else {
+    if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
+    FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * 4));
+  }
   FY_TRY(fy_event_record(bl->loaded, s));
   bl->chunk = chunk;
   ch->block = b;
@@ -144,6 +185,7 @@ fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int ch
   struct fy_chunk *ch = &c->layout->chunks[chunk];
   if (ch->block < 0) {
     int b = find_block(c, pos, 0, false);
+    if (b == -2) return fy_error_wrap(FY_ERR_NOMEM, "spilling a chunk to the host");
     if (b < 0)
       return fy_error_set(FY_ERR_NOMEM,
                           "the device cache's %d blocks are all in use at access %lld (chunk %d); "
@@ -215,6 +257,7 @@ fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos) {
     seen++;
     if (c->layout->chunks[chunk].block >= 0) continue;
     int b = find_block(c, pos, j - pos, true);
+    if (b == -2) return fy_error_wrap(FY_ERR_NOMEM, "spilling a chunk to the host");
     if (b < 0) break;
     FY_TRY(load(c, chunk, b, FY_CHUNK_HOLD));
     c->prefetched[chunk] = true;

@@ -8,8 +8,11 @@
 //
 // A chunk's life in one pass (memory/chunk.h states): FREE -> (load) -> HOLD or COMPUTE; an op
 // acquires it (COMPUTE) and releases it: HOLD in forward (clean, evictable), HOLD_AFTER_BWD while
-// backward has written some gradients over its weights (pinned), READY_FOR_REDUCE after its last
-// backward use, when the caller writes its gradients back and the block is freed.
+// backward has written some gradients over its weights, READY_FOR_REDUCE after its last
+// backward use, when the caller writes its gradients back and the block is freed. A chunk in
+// HOLD_AFTER_BWD may still be evicted when a demand load needs its block: its block (gradients
+// and weights mixed) is spilled to host memory and loaded back from there on its next use. So
+// the tied embedding, used at both ends of backward, need not sit on the device in between.
 #ifndef FY_DEVICE_CACHE_H
 #define FY_DEVICE_CACHE_H
 
@@ -19,6 +22,7 @@
 #include "core/device.h"
 #include "memory/cache.h"
 #include "memory/chunk.h"
+#include "memory/tier.h"
 
 struct fy_device_cache_opts {
   struct fy_device *dev;
@@ -29,6 +33,7 @@ struct fy_device_cache_opts {
   const float *const *home;     // home[c]: host memory a chunk's weights are loaded from
   fy_event *const *home_ready;  // home_ready[c]: recorded when home[c] may be read (or NULL)
   float *staging;               // host memory of chunk_elems floats for accumulating write-backs
+  struct fy_host_tier *spill;   // host tier for spilled chunks (NULL: HOLD_AFTER_BWD is pinned)
 };
 
 struct fy_device_cache;
@@ -54,7 +59,7 @@ fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos);
 // A new pass begins (the next micro-batch): backward use counts restart.
 void fy_device_cache_begin_pass(struct fy_device_cache *c);
 
-struct fy_device_cache_stats { int64_t loads, prefetches, evictions, write_backs; };
+struct fy_device_cache_stats { int64_t loads, prefetches, evictions, write_backs, spills; };
 void fy_device_cache_stats(const struct fy_device_cache *c, struct fy_device_cache_stats *out);
 
 #endif

@@ -103,33 +103,13 @@ static int build_actions(const struct fy_graph *g, struct action *out) {
 
 static int max_actions(const struct fy_graph *g) { return 3 * g->n_ops; }
 
-// The blocks the pass needs at once: each op's chunks plus the chunks that backward has started
-// writing gradients into and not finished (they cannot leave the device).
+// The blocks the pass needs at once: the most chunks one op uses (a chunk that backward has
+// started writing gradients into can be spilled to the host, so it need not stay).
 int fy_offload_min_blocks(const struct fy_model *m) {
-  const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
-  struct action *acts = calloc((size_t)max_actions(g), sizeof *acts);
-  int *done = calloc((size_t)l->n_chunks, sizeof *done);
-  if (!acts || !done) {
-    free(acts);
-    free(done);
-    return l->n_chunks;
-  }
-  int n = build_actions(g, acts), need = 1;
-  for (int a = 0; a < n; a++) {
-    int o = acts[a].op, count = 0;
-    for (int c = 0; c < l->n_chunks; c++) {
-      bool in_op = false;
-      for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) in_op |= l->op_chunks[k] == c;
-      bool open = done[c] > 0 && done[c] < l->chunks[c].n_users_bwd;
-      count += in_op || open;
-    }
-    if (count > need) need = count;
-    if (acts[a].kind == ACT_BACKWARD)
-      for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) done[l->op_chunks[k]]++;
-  }
-  free(acts);
-  free(done);
+  int need = 1;
+  for (int o = 0; o < m->graph->n_ops; o++)
+    if (l->op_first[o + 1] - l->op_first[o] > need) need = l->op_first[o + 1] - l->op_first[o];
   return need;
 }
 
@@ -149,6 +129,7 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
   struct fy_model m = {.cfg = *cfg};
   FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
   if (recompute) fy_graph_set_recompute(m.graph, true);
+  if (chunk_elems <= 0) chunk_elems = fy_chunk_min_elems(m.graph);
   fy_status st = fy_chunk_layout_create(m.graph, chunk_elems, &m.layout);
   if (st == FY_OK) {
     *min_bytes = fy_offload_min_device_bytes(&m);
@@ -299,7 +280,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   struct fy_device_cache_opts co = {.dev = dev, .compute = x->compute, .copy_in = x->copy_in,
                                     .copy_out = x->copy_out, .n_blocks = n_blocks, .prefetch = o->prefetch,
                                     .trace = x->trace, .home = x->home, .home_ready = x->home_ready,
-                                    .staging = x->wb_staging};
+                                    .staging = x->wb_staging, .spill = m->host};
   st = fy_device_cache_create(m->layout, &co, &x->cache);
   if (st != FY_OK) {
     fy_offload_free(x);

@@ -115,7 +115,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
                         dev_mem / 1048576.0, cfg->name, (long long)o->batch, (long long)o->seq,
                         chunk_bytes0 / 1048576.0, need / 1048576.0,
                         o->recompute ? "" : " (--recompute lowers it)");
-  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = chunk, .host = r->host};
+  // By default chunks are as small as the largest parameter group allows: finer caching.
+  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = (int64_t)(chunk_bytes0 / 4), .host = r->host};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   const struct fy_chunk_layout *l = r->model->layout;
   // AdamW's m and v go to the host tier while they fit (after parameters and gradients), the
@@ -387,12 +388,20 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     double med = median(step_times + 1, res->steps - 1);
     res->tokens_per_s = tokens_per_step / med;
     res->gflops = flops_per_step / med / 1e9;
+    res->step_s = med;
   } else if (res->steps == 1) {
     res->tokens_per_s = tokens_per_step / step_times[0];
     res->gflops = flops_per_step / step_times[0] / 1e9;
+    res->step_s = step_times[0];
   }
   res->peak_rss_bytes = peak_rss_bytes();
   res->device_peak_bytes = (double)r.dev->bytes_peak;
+  struct fy_copy_stats cs;
+  fy_device_copy_stats(r.dev, &cs);
+  for (int d = 0; d < 2; d++) {
+    res->copy_bytes[d] = cs.bytes[d];
+    res->copy_busy_s[d] = cs.busy_s[d];
+  }
   res->params_hash = hash_params(model);
   if (o->save) {
     st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);

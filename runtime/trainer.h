@@ -58,6 +58,8 @@ struct fy_train_result {
   double peak_rss_bytes;
   double model_state_bytes, activation_bytes;
   double device_peak_bytes;     // the device's own counter (sim: its pool)
+  double step_s;                // median step time (after the first)
+  double copy_bytes[2], copy_busy_s[2];  // sim: host->device [0] and device->host [1], whole run
   int n_blocks, n_chunks, n_disk_chunks;
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical

@@ -1,0 +1,174 @@
+// bench/adamw: host AdamW (fy_adamw_update) against this machine's memory bandwidth.
+// It measures, on buffers far larger than the caches, a STREAM-like kernel of AdamW's traffic
+// shape (4 float streams read, 3 written: 28 B per element), plain STREAM copy and triad for
+// reference, a read-only sum (4 B/element), fy_adamw_update (counted as 28 B/param) and fy_sumsq
+// (4 B/param). Every figure is the median over --reps timed runs after one warm-up run; pages
+// are first-touched, in parallel with the same static split as the kernels, before anything is
+// timed. adamw's fraction_of_stream is against stream4r3w (the ratio of the medians;
+// fraction_paired is the median of the per-rep ratios, steadier on a shared machine), sumsq's is
+// against stream_read. STREAM copy counts 8 B and triad 12 B (no write-allocate traffic), as
+// STREAM itself does. Meant for sizes far beyond the caches. Prints JSON lines.
+//
+// usage: adamw [--params 67108864] [--threads 2] [--reps 7]
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ops/ops.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *t, int n) {
+  qsort(t, (size_t)n, sizeof(double), cmp_double);
+  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+// The reference kernels. noinline keeps each a separate, honest loop; the arrays are restrict so
+// gcc vectorises them like the AdamW loop.
+__attribute__((noinline)) static void k_copy(float *restrict c, const float *restrict a,
+                                             int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) c[i] = a[i];
+}
+
+__attribute__((noinline)) static void k_triad(float *restrict a, const float *restrict b,
+                                              const float *restrict c, float s, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
+
+// AdamW's shape: reads a, b, c, d; writes a, b, c (d plays the gradient, b and c the moments).
+// With 0 < s < 1 the values stay bounded and c >= 0, so AdamW can run on the same buffers.
+__attribute__((noinline)) static void k_4r3w(float *restrict a, float *restrict b,
+                                             float *restrict c, const float *restrict d, float s,
+                                             int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    float g = d[i];
+    float bi = s * b[i] + g;
+    float ci = s * c[i] + g * g;
+    b[i] = bi;
+    c[i] = ci;
+    a[i] = s * a[i] - 1e-3f * bi;
+  }
+}
+
+// Read-only: 4 B/element, the reference for fy_sumsq (which reads one stream). 64 independent
+// partial sums (four AVX-512 registers) so the adds never wait on one another.
+__attribute__((noinline)) static double k_read(const float *restrict a, int64_t n) {
+  double s = 0.0;
+#pragma omp parallel reduction(+ : s)
+  {
+    float acc[64] = {0};
+    int64_t nb = n / 64;
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nb; blk++)
+      for (int j = 0; j < 64; j++) acc[j] += a[blk * 64 + j];
+    for (int j = 0; j < 64; j++) s += acc[j];
+  }
+  for (int64_t i = n / 64 * 64; i < n; i++) s += a[i];
+  return s;
+}
+
+static void print_stream(const char *name, int64_t n, int threads, int bytes, double gbps) {
+  printf("{\"bench\":\"%s\",\"params\":%lld,\"threads\":%d,\"bytes_per_elem\":%d,\"gbps\":%.2f}\n",
+         name, (long long)n, threads, bytes, gbps);
+}
+
+int main(int argc, char **argv) {
+  int64_t n = 64ll << 20;
+  int threads = 2, reps = 7;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--params") && i + 1 < argc) n = atoll(argv[++i]);
+    else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+    else {
+      fprintf(stderr, "usage: %s [--params N] [--threads N] [--reps N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (n <= 0 || threads <= 0 || reps <= 0) {
+    fprintf(stderr, "adamw: --params, --threads and --reps must be positive\n");
+    return 2;
+  }
+  omp_set_num_threads(threads);
+
+  // One set of four buffers for every kernel, so all see the same pages. The STREAM kernels keep
+  // what AdamW reads sane (m bounded, v >= 0, all finite), and interleaving one run of each kernel
+  // per rep makes the machine's noise hit them all alike.
+  size_t bytes = ((size_t)n * sizeof(float) + 63) & ~(size_t)63;
+  float *buf[4];
+  for (int k = 0; k < 4; k++) {
+    buf[k] = aligned_alloc(64, bytes);
+    if (!buf[k]) {
+      fprintf(stderr, "adamw: out of memory for 4 x %zu bytes\n", bytes);
+      return 1;
+    }
+  }
+  float *param = buf[0], *m = buf[1], *v = buf[2], *grad = buf[3];
+  // First touch, with the kernels' static split, so each thread's pages are mapped before timing.
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t h = (uint32_t)i * 2654435761u;
+    param[i] = ((float)(h >> 8) / 16777216.0f - 0.5f) * 0.1f;
+    grad[i] = ((float)((h * 2246822519u) >> 8) / 16777216.0f - 0.5f) * 0.01f;
+    m[i] = 0.0f;
+    v[i] = 0.0f;
+  }
+
+  enum { COPY, TRIAD, READ, S4, ADAMW, SUMSQ, PAIR, NB };
+  double *t[NB];
+  for (int k = 0; k < NB; k++) t[k] = malloc((size_t)reps * sizeof(double));
+  volatile double sink = 0.0;
+  for (int r = -1; r < reps; r++) {  // r == -1: the warm-up, not timed
+    double t0 = now_s();
+    k_copy(m, param, n);
+    double t1 = now_s();
+    k_triad(m, grad, param, 0.5f, n);
+    double t2 = now_s();
+    sink += k_read(param, n);
+    double t3 = now_s();
+    k_4r3w(param, m, v, grad, 0.5f, n);
+    double t4 = now_s();
+    fy_adamw_update(param, m, v, grad, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
+    double t5 = now_s();
+    sink += fy_sumsq(grad, n);
+    double t6 = now_s();
+    if (r < 0) continue;
+    t[COPY][r] = t1 - t0, t[TRIAD][r] = t2 - t1, t[READ][r] = t3 - t2;
+    t[S4][r] = t4 - t3, t[ADAMW][r] = t5 - t4, t[SUMSQ][r] = t6 - t5;
+    t[PAIR][r] = (t4 - t3) / (t5 - t4);  // this rep's adamw / stream4r3w bandwidth
+  }
+  double gb = (double)n / 1e9;
+  double copy_gbps = 8 * gb / median(t[COPY], reps), triad_gbps = 12 * gb / median(t[TRIAD], reps);
+  double read_gbps = 4 * gb / median(t[READ], reps), s4_gbps = 28 * gb / median(t[S4], reps);
+  double adamw_s = median(t[ADAMW], reps), adamw_gbps = 28 * gb / adamw_s;
+  double sumsq_gbps = 4 * gb / median(t[SUMSQ], reps);
+
+  print_stream("stream_copy", n, threads, 8, copy_gbps);
+  print_stream("stream_triad", n, threads, 12, triad_gbps);
+  print_stream("stream_read", n, threads, 4, read_gbps);
+  print_stream("stream4r3w", n, threads, 28, s4_gbps);
+  printf("{\"bench\":\"adamw\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":28,\"ms\":%.3f,"
+         "\"gbps\":%.2f,\"fraction_of_stream\":%.3f,\"fraction_paired\":%.3f}\n",
+         (long long)n, threads, adamw_s * 1e3, adamw_gbps, adamw_gbps / s4_gbps,
+         median(t[PAIR], reps));
+  printf("{\"bench\":\"sumsq\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":4,\"gbps\":%.2f,"
+         "\"fraction_of_stream\":%.3f}\n",
+         (long long)n, threads, sumsq_gbps, sumsq_gbps / read_gbps);
+  for (int k = 0; k < NB; k++) free(t[k]);
+  for (int k = 0; k < 4; k++) free(buf[k]);
+  return 0;
+}
