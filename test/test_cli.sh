@@ -101,5 +101,15 @@ expect 1 "a sequence longer than the model allows" "longer than the model allows
 expect 1 "a model the memory cannot hold" "needs .* GiB .* but the cpu device has" -- train --model opt-175b --data "$tmp/ok.bin" --batch 1 --seq 16
 expect 1 "a batch the memory cannot hold" "needs .* GiB .* activations" -- train --model opt-tiny --data "$tmp/ok.bin" --batch 1000000 --seq 64
 
+# Offloading to the sim device.
+expect 0 "training offloaded to a small sim device" "cache blocks" -- train "${tiny[@]}" --steps 2 --device sim \
+  --device-mem 4MiB --chunk-mib 0.05 --blocks 2
+expect 2 "an unknown device" "--device is cpu or sim" -- train "${tiny[@]}" --device tpu
+expect 2 "a device memory that is not a size" "size such as" -- train "${tiny[@]}" --device sim --device-mem lots
+expect 1 "a device memory below the smallest working set" "needs at least" -- train "${tiny[@]}" --device sim \
+  --device-mem 64KiB
+expect 1 "a disk directory that does not exist" "disk tier .*No such file" -- train "${tiny[@]}" --device sim \
+  --device-mem 4MiB --disk-dir "$tmp/no/such/dir" --disk-chunks 1
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
