@@ -57,7 +57,8 @@ int main(int argc, char **argv) {
     size_t need = 0, chunk = 0;
     if (fy_offload_plan_min_bytes(&cfg, batch, seq, true, 0, &need, &chunk) != FY_OK) continue;
     double p = (double)fy_opt_num_params(&cfg);
-    double host_need = 8 * p + 3.0 * chunk, adam = 8 * p;
+    // Parameters stay in the host tier; gradients and AdamW state go to disk when they must.
+    double host_need = 4 * p + 8.0 * chunk, adam = 12 * p;
     double adam_on_host = host_mib * 1048576.0 - host_need;
     if (adam_on_host < 0) adam_on_host = 0;
     if (adam_on_host > adam) adam_on_host = adam;
@@ -65,7 +66,7 @@ int main(int argc, char **argv) {
     bool fits = need <= dev_mib * 1048576.0 && host_need <= host_mib * 1048576.0 &&
                 (adam_on_disk == 0 || (disk && adam_on_disk * 1.1 < disk_free));
     printf("{\"bench\":\"max_model_check\",\"model\":\"%s\",\"params\":%.0f,\"min_device_mib\":%.1f,"
-           "\"host_need_gib\":%.2f,\"adam_on_disk_gib\":%.2f,\"fits\":%s}\n",
+           "\"host_need_gib\":%.2f,\"state_on_disk_gib\":%.2f,\"fits\":%s}\n",
            names[i], p, need / 1048576.0, host_need / 1073741824.0, adam_on_disk / 1073741824.0,
            fits ? "true" : "false");
     if (fits) chosen = names[i];

@@ -72,7 +72,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
                         state / 1073741824.0, acts / 1073741824.0, dev->name,
                         (double)(dev->cap - dev->bytes_in_use) / 1073741824.0);
   }
-  if ((st = home_alloc(m, np, &m->params)) != FY_OK || (st = home_alloc(m, np, &m->grads)) != FY_OK ||
+  if ((st = home_alloc(m, np, &m->params)) != FY_OK ||
+      (!m->host && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
       (!m->host && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
       (!m->host && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
       (st = buf_alloc(dev, g->act_elems, 4, (void **)&m->acts)) != FY_OK ||
@@ -83,7 +84,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     return fy_error_wrap(st, "allocating the model's state (%.2f GiB of parameter state)",
                          4.0 * 4 * (double)np / (1 << 30));
   }
-  m->state_bytes = (m->host ? 8 : 16) * np;
+  m->state_bytes = (m->host ? 4 : 16) * np;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
   *out = m;
   return FY_OK;

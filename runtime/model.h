@@ -37,8 +37,8 @@ struct fy_host_tier;
 struct fy_model_opts {
   bool recompute;             // recompute each decoder layer's activations in backward (core/graph.h)
   int64_t chunk_elems;        // pack parameters into chunks of this many floats (0: one chunk)
-  struct fy_host_tier *host;  // when set, parameters and gradients live there (offloading), not
-                              // on dev, and AdamW's m and v are left to the caller (NULL here)
+  struct fy_host_tier *host;  // when set, parameters live there (offloading), not on dev, and
+                              // gradients and AdamW's m and v are left to the caller (NULL here)
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

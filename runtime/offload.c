@@ -53,12 +53,14 @@ struct fy_offload {
   fy_event **home_ready, **grad_ready;
   float *wb_staging;
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
-  // Optimizer state.
-  float **m_home, **v_home;       // host tier, NULL for disk chunks
-  int64_t *disk_handle;           // disk chunks: m then v, 2 x chunk bytes
+  // Gradients and optimizer state: in the host tier, or for the last n_disk_chunks on disk.
+  float **g_home, **m_home, **v_home;  // host tier, NULL for disk chunks
+  int64_t *disk_handle;           // disk chunks: gradients, m, v, each chunk_elems floats
   struct fy_disk_tier *disk;
-  float *disk_m, *disk_v;         // host buffers for one disk chunk's m and v
-  struct fy_disk_req *req_m, *req_v;
+  float *disk_g, *disk_m, *disk_v;  // host buffers for one disk chunk (optimizer stream)
+  float *wb_disk, *wb_disk_sum;     // host buffers for writing back one disk chunk (copy stream)
+  struct fy_disk_req *req_g, *req_m, *req_v, *req_wb;
+  struct disk_wb { struct fy_offload *x; int chunk; bool accumulate; } *wb_jobs;  // per chunk
   int n_disk_chunks;
   double *sumsq;                  // per parameter
   struct chunk_job *jobs[2];
@@ -163,6 +165,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->home = calloc((size_t)nc, sizeof *x->home);
   x->home_ready = calloc((size_t)nc, sizeof *x->home_ready);
   x->grad_ready = calloc((size_t)nc, sizeof *x->grad_ready);
+  x->g_home = calloc((size_t)nc, sizeof *x->g_home);
+  x->wb_jobs = calloc((size_t)nc, sizeof *x->wb_jobs);
   x->m_home = calloc((size_t)nc, sizeof *x->m_home);
   x->v_home = calloc((size_t)nc, sizeof *x->v_home);
   x->disk_handle = calloc((size_t)nc, sizeof *x->disk_handle);
@@ -171,7 +175,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->sumsq = calloc((size_t)g->n_params, sizeof *x->sumsq);
   x->wb_staging = malloc((size_t)ce * 4);
   for (int q = 0; q < 2; q++) x->jobs[q] = calloc((size_t)nc, sizeof *x->jobs[q]);
-  if (!x->home || !x->home_ready || !x->grad_ready || !x->m_home || !x->v_home || !x->disk_handle ||
+  if (!x->home || !x->home_ready || !x->grad_ready || !x->m_home || !x->g_home || !x->wb_jobs || !x->v_home || !x->disk_handle ||
       !x->param_first || !x->param_ids || !x->sumsq || !x->wb_staging || !x->jobs[0] || !x->jobs[1])
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the chunk tables");
   int k = 0;
@@ -185,25 +189,29 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     for (int q = 0; q < 2; q++) x->jobs[q][c] = (struct chunk_job){x, c, q};
   }
   x->param_first[nc] = k;
-  // AdamW state: the first chunks in the host tier, the last n_disk_chunks on disk.
+  // Gradients and AdamW state: the first chunks in the host tier, the last n_disk_chunks on disk.
   x->n_disk_chunks = o->n_disk_chunks < nc ? o->n_disk_chunks : nc;
   x->disk = o->disk;
   if (x->n_disk_chunks > 0 && !x->disk)
     return fy_error_set(FY_ERR_INVALID, "optimizer state on disk needs a disk tier (--disk-dir)");
   size_t bytes = (size_t)ce * 4;
   for (int c = 0; c < nc; c++) {
+    x->wb_jobs[c] = (struct disk_wb){x, c, false};
     if (c >= nc - x->n_disk_chunks) {
-      FY_TRY(fy_disk_alloc(x->disk, 2 * bytes, &x->disk_handle[c]));
+      FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
     } else {
+      FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->g_home[c]));
       FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->m_home[c]));
       FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->v_home[c]));
     }
   }
   if (x->n_disk_chunks > 0) {
-    FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->disk_m));
-    FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->disk_v));
+    float **bufs[] = {&x->disk_g, &x->disk_m, &x->disk_v, &x->wb_disk, &x->wb_disk_sum};
+    for (int i = 0; i < 5; i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
+    FY_TRY(fy_disk_req_create(&x->req_g));
     FY_TRY(fy_disk_req_create(&x->req_m));
     FY_TRY(fy_disk_req_create(&x->req_v));
+    FY_TRY(fy_disk_req_create(&x->req_wb));
   }
   return FY_OK;
 }
@@ -304,13 +312,17 @@ void fy_offload_free(struct fy_offload *x) {
   for (int c = 0; c < nc; c++) {
     if (x->home_ready) fy_event_free(x->home_ready[c]);
     if (x->grad_ready) fy_event_free(x->grad_ready[c]);
+    if (x->g_home && x->g_home[c]) fy_host_dealloc(m->host, x->g_home[c], bytes);
     if (x->m_home && x->m_home[c]) fy_host_dealloc(m->host, x->m_home[c], bytes);
     if (x->v_home && x->v_home[c]) fy_host_dealloc(m->host, x->v_home[c], bytes);
   }
-  if (x->disk_m) fy_host_dealloc(m->host, x->disk_m, bytes);
-  if (x->disk_v) fy_host_dealloc(m->host, x->disk_v, bytes);
+  float *bufs[] = {x->disk_g, x->disk_m, x->disk_v, x->wb_disk, x->wb_disk_sum};
+  for (int i = 0; i < 5; i++)
+    if (bufs[i]) fy_host_dealloc(m->host, bufs[i], bytes);
+  fy_disk_req_free(x->req_g);
   fy_disk_req_free(x->req_m);
   fy_disk_req_free(x->req_v);
+  fy_disk_req_free(x->req_wb);
   for (int p = 0; p < 2; p++) {
     fy_event_free(x->batch_ready[p]);
     fy_event_free(x->pass_done[p]);
@@ -326,6 +338,8 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->home);
   free(x->home_ready);
   free(x->grad_ready);
+  free(x->g_home);
+  free(x->wb_jobs);
   free(x->m_home);
   free(x->v_home);
   free(x->disk_handle);
@@ -336,6 +350,46 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->loss_sums);
   pthread_mutex_destroy(&x->err_lock);
   free(x);
+}
+
+// ---- gradients back to their home ----
+
+// Reads n bytes at off of a disk chunk's slot into buf, or writes them; waits.
+static fy_status disk_io(struct fy_offload *x, bool write, int c, size_t off, float *buf, size_t n,
+                         struct fy_disk_req *r) {
+  fy_status st = write ? fy_disk_write_async(x->disk, x->disk_handle[c], off, buf, n, r)
+                       : fy_disk_read_async(x->disk, x->disk_handle[c], off, buf, n, r);
+  fy_status st2 = fy_disk_wait(r);
+  return st != FY_OK ? st : st2;
+}
+
+// On the copy stream, after the block reached wb_disk: the gradients go to the chunk's disk slot,
+// added to what is there for later micro-batches (the same float adds as in the host tier).
+static void disk_write_back_fn(void *arg) {
+  struct disk_wb *j = arg;
+  struct fy_offload *x = j->x;
+  size_t n = (size_t)x->m->layout->chunks[j->chunk].used;
+  fy_status st;
+  if (j->accumulate) {
+    st = disk_io(x, false, j->chunk, 0, x->wb_disk_sum, n * 4, x->req_wb);
+    for (size_t i = 0; st == FY_OK && i < n; i++) x->wb_disk_sum[i] = x->wb_disk_sum[i] + x->wb_disk[i];
+    if (st == FY_OK) st = disk_io(x, true, j->chunk, 0, x->wb_disk_sum, n * 4, x->req_wb);
+  } else {
+    st = disk_io(x, true, j->chunk, 0, x->wb_disk, n * 4, x->req_wb);
+  }
+  if (st != FY_OK) async_fail(x, st);
+}
+
+static fy_status write_back(struct fy_offload *x, int c, bool accumulate) {
+  if (x->g_home[c]) return fy_device_cache_write_back(x->cache, c, x->g_home[c], accumulate, x->grad_ready[c]);
+  FY_TRY(fy_device_cache_write_back(x->cache, c, x->wb_disk, false, NULL));
+  struct disk_wb *j = &x->wb_jobs[c];
+  if (j->accumulate != accumulate) {
+    FY_TRY(fy_stream_sync(x->copy_out));  // no queued work may still read the old argument
+    j->accumulate = accumulate;
+  }
+  FY_TRY(fy_stream_enqueue(x->copy_out, disk_write_back_fn, j));
+  return fy_event_record(x->grad_ready[c], x->copy_out);
 }
 
 // ---- one micro-batch ----
@@ -387,11 +441,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
     FY_TRY(fy_stream_enqueue(x->compute, act->kind == ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
     for (int j = 0; j < nk; j++) {
       enum fy_chunk_state st = fy_device_cache_release(x->cache, chunk_of[j], act->kind == ACT_BACKWARD);
-      if (st == FY_CHUNK_READY_FOR_REDUCE) {
-        int ch = chunk_of[j];
-        FY_TRY(fy_device_cache_write_back(x->cache, ch, m->grads + (int64_t)ch * l->chunk_elems, micro > 0,
-                                          x->grad_ready[ch]));
-      }
+      if (st == FY_CHUNK_READY_FOR_REDUCE) FY_TRY(write_back(x, chunk_of[j], micro > 0));
     }
     FY_TRY(fy_device_cache_prefetch(x->cache, x->pos - 1));
   }
@@ -405,9 +455,19 @@ static void sumsq_fn(void *arg) {
   struct chunk_job *j = arg;
   struct fy_offload *x = j->x;
   const struct fy_graph *g = x->m->graph;
-  for (int k = x->param_first[j->chunk]; k < x->param_first[j->chunk + 1]; k++) {
+  int c = j->chunk;
+  const float *grad = x->g_home[c];
+  if (!grad) {
+    fy_status st = disk_io(x, false, c, 0, x->disk_g, (size_t)x->m->layout->chunks[c].used * 4, x->req_g);
+    if (st != FY_OK) {
+      async_fail(x, st);
+      return;
+    }
+    grad = x->disk_g;
+  }
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
-    x->sumsq[x->param_ids[k]] = fy_sumsq(x->m->grads + p->offset, p->numel);
+    x->sumsq[x->param_ids[k]] = fy_sumsq(grad + p->chunk_offset, p->numel);
   }
 }
 
@@ -435,14 +495,17 @@ static void adamw_fn(void *arg) {
   const struct fy_graph *g = x->m->graph;
   int c = j->chunk;
   size_t used = (size_t)x->m->layout->chunks[c].used * 4;
-  float *mm = x->m_home[c], *vv = x->v_home[c];
-  if (!mm) {  // state on disk: read m and v, update, write them back
+  size_t slot = (size_t)x->m->layout->chunk_elems * 4;
+  float *gg = x->g_home[c], *mm = x->m_home[c], *vv = x->v_home[c];
+  if (!mm) {  // state on disk: read gradients, m and v at once, update, write m and v back
+    gg = x->disk_g;
     mm = x->disk_m;
     vv = x->disk_v;
-    fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], 0, mm, used, x->req_m);
-    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], used, vv, used, x->req_v);
-    fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
-    if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
+    fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], 0, gg, used, x->req_g);
+    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
+    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
+    fy_status s1 = fy_disk_wait(x->req_g), s2 = fy_disk_wait(x->req_m), s3 = fy_disk_wait(x->req_v);
+    if (st == FY_OK) st = s1 != FY_OK ? s1 : s2 != FY_OK ? s2 : s3;
     if (st != FY_OK) {
       async_fail(x, st);
       return;
@@ -451,12 +514,12 @@ static void adamw_fn(void *arg) {
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
     fy_adamw_update(x->m->params + p->offset, mm + p->chunk_offset, vv + p->chunk_offset,
-                    x->m->grads + p->offset, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
+                    gg + p->chunk_offset, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
                     p->decay ? a->h.weight_decay : 0.0f, a->t, a->scale);
   }
   if (!x->m_home[c]) {
-    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], 0, mm, used, x->req_m);
-    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], used, vv, used, x->req_v);
+    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
+    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
     fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
     if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
     if (st != FY_OK) async_fail(x, st);

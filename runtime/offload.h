@@ -5,7 +5,8 @@
 // backward its gradients land over the weights in the block, and a chunk whose gradients are all
 // in goes back to the host. The optimizer runs per chunk on a host stream, after the global norm,
 // in first-use order, so that the next step's forward can start on the first chunks while later
-// ones are still being updated. AdamW's m and v of each chunk live in the host tier or on disk.
+// ones are still being updated. Each chunk's gradients and AdamW m and v live in the host tier or,
+// for the last chunks when the host cannot hold them, on disk.
 //
 // The kernels and the order of every floating-point operation are those of the resident path
 // (runtime/engine.c, runtime/optimizer.c), so the placement changes speed and memory, never the
@@ -24,8 +25,8 @@ struct fy_offload_opts {
   int prefetch;                 // distinct chunks to load ahead of use (0: on demand)
   int n_blocks;                 // device cache blocks; 0: as many as the device memory holds
   int max_micro;                // micro-batches per step (gradient accumulation)
-  struct fy_disk_tier *disk;    // where optimizer state goes that the host tier cannot hold
-  int n_disk_chunks;            // the last n chunks keep m and v on disk (needs disk)
+  struct fy_disk_tier *disk;    // where state goes that the host tier cannot hold
+  int n_disk_chunks;            // the last n chunks keep gradients, m and v on disk (needs disk)
 };
 
 struct fy_offload;

@@ -119,19 +119,19 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = (int64_t)(chunk_bytes0 / 4), .host = r->host};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   const struct fy_chunk_layout *l = r->model->layout;
-  // AdamW's m and v go to the host tier while they fit (after parameters and gradients), the
-  // rest of the chunks' to disk.
+  // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
+  // few chunk-sized buffers), the rest of the chunks' to disk.
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
-  size_t spare = host_cap > in_use + 3 * chunk_bytes ? host_cap - in_use - 3 * chunk_bytes : 0;
-  int fit = (int)(spare / (2 * chunk_bytes));
+  size_t spare = host_cap > in_use + 8 * chunk_bytes ? host_cap - in_use - 8 * chunk_bytes : 0;
+  int fit = (int)(spare / (3 * chunk_bytes));
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
   if (n_disk > l->n_chunks) n_disk = l->n_chunks;
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
-                        "the AdamW state of %d of %d chunks (%.2f GiB) does not fit in the host memory "
-                        "(--host-mem %.2f GiB, %.2f GiB of it for parameters and gradients); give a "
+                        "the gradients and AdamW state of %d of %d chunks (%.2f GiB) do not fit in the "
+                        "host memory (--host-mem %.2f GiB, %.2f GiB of it for the parameters); give a "
                         "disk tier with --disk-dir",
-                        n_disk, l->n_chunks, 2.0 * n_disk * chunk_bytes / 1073741824.0,
+                        n_disk, l->n_chunks, 3.0 * n_disk * chunk_bytes / 1073741824.0,
                         host_cap / 1073741824.0, in_use / 1073741824.0);
   if (n_disk > 0) {
     fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
@@ -323,7 +323,7 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
            (long long)fy_data_num_tokens(r.data), o->data);
     if (r.x)
       printf("ferry: sim device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
-             "host tier %.1f MiB; AdamW state of %d chunks on disk\n",
+             "host tier %.1f MiB; gradients and AdamW state of %d chunks on disk\n",
              r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
              model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, res->n_disk_chunks);
     else

@@ -24,16 +24,16 @@ struct fy_train_opts {
   bool recompute;         // recompute decoder layers' activations in backward
   // Where the model state lives (DESIGN.md, "Tiers"). device "cpu": everything in host memory.
   // device "sim": the sim device with device_mem bytes holds a cache of chunks; parameters and
-  // optimizer state live in the host tier (host_mem bytes, 0 = the machine's memory) and AdamW
-  // state that does not fit there goes to disk_dir.
+  // optimizer state live in the host tier (host_mem bytes, 0 = the machine's memory), and the
+  // gradients and AdamW state that do not fit there go to disk_dir.
   const char *device;     // "cpu" (default) or "sim"
   size_t device_mem;      // sim: the device's memory (default 1 GiB)
   double sim_link_gbps;   // sim: throttle host<->device copies to this many GB/s (0: unthrottled)
   int sim_jitter_us;      // sim: random delays before each stream's work items (stress tests)
   size_t host_mem;        // host tier cap (0: the machine's memory)
   const char *disk_dir;   // disk tier directory (NULL: none)
-  int disk_chunks;        // -1: as many as the host cannot hold; else the last N chunks' AdamW
-                          //   state goes to disk
+  int disk_chunks;        // -1: as many as the host cannot hold; else the last N chunks'
+                          //   gradients and AdamW state go to disk
   int prefetch;           // chunks loaded ahead of use (default 2)
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
