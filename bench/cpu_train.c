@@ -15,6 +15,7 @@
 #include "ops/ops.h"
 #include "runtime/data.h"
 #include "runtime/trainer.h"
+#include "bench_util.h"
 
 static double now_s(void) {
   struct timespec ts;
@@ -66,22 +67,12 @@ int main(int argc, char **argv) {
     return 1;
   }
   // Random tokens: the rate does not depend on what is learnt.
-  char dir[] = "/tmp/ferry_bench_XXXXXX", shard[64];
-  if (!mkdtemp(dir)) return 1;
-  snprintf(shard, sizeof shard, "%s/rand.bin", dir);
-  int64_t n = batch * (seq + 1) * (steps + 2) + 1;
-  uint16_t *tok = malloc((size_t)n * 2);
-  uint64_t s = 88172645463325252ull;
-  for (int64_t i = 0; i < n; i++) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    tok[i] = (uint16_t)(s % (uint64_t)cfg.vocab_size);
-  }
-  fy_status st = fy_shard_write(shard, tok, n);
-  free(tok);
+  struct bench_shard shard;
+  fy_status st = bench_shard_make(&shard, cfg.vocab_size, batch * (seq + 1) * (steps + 2) + 1);
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
   o.model = model;
-  o.data = shard;
+  o.data = shard.path;
   o.batch = batch;
   o.seq = seq;
   o.steps = steps;
@@ -92,8 +83,7 @@ int main(int argc, char **argv) {
   o.threads = (int)threads;
   struct fy_train_result r;
   if (st == FY_OK) st = fy_train(&o, &r);
-  unlink(shard);
-  rmdir(dir);
+  bench_shard_remove(&shard);
   if (st != FY_OK) {
     fprintf(stderr, "cpu_train: %s\n", fy_error_msg());
     return 1;

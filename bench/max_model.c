@@ -17,6 +17,7 @@
 #include "runtime/data.h"
 #include "runtime/offload.h"
 #include "runtime/trainer.h"
+#include "bench_util.h"
 
 int main(int argc, char **argv) {
   double dev_mib = 1024, host_mib = 0;
@@ -79,18 +80,12 @@ int main(int argc, char **argv) {
   if (dry) return 0;
   struct fy_opt_config cfg;
   fy_opt_preset(chosen, &cfg);
-  char dir[] = "/tmp/ferry_maxmodel_XXXXXX", shard[64];
-  if (!mkdtemp(dir)) return 1;
-  snprintf(shard, sizeof shard, "%s/rand.bin", dir);
-  int64_t nt = batch * (seq + 1) * (steps + 2) + 1;
-  uint16_t *tok = malloc((size_t)nt * 2);
-  for (int64_t i = 0; i < nt; i++) tok[i] = (uint16_t)((i * 2654435761u) % (uint64_t)cfg.vocab_size);
-  fy_status st = fy_shard_write(shard, tok, nt);
-  free(tok);
+  struct bench_shard shard;
+  fy_status st = bench_shard_make(&shard, cfg.vocab_size, batch * (seq + 1) * (steps + 2) + 1);
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
   o.model = chosen;
-  o.data = shard;
+  o.data = shard.path;
   o.batch = batch;
   o.seq = seq;
   o.steps = steps;
@@ -106,8 +101,7 @@ int main(int argc, char **argv) {
   o.recompute = true;
   struct fy_train_result r;
   if (st == FY_OK) st = fy_train(&o, &r);
-  unlink(shard);
-  rmdir(dir);
+  bench_shard_remove(&shard);
   if (st != FY_OK) {
     fprintf(stderr, "max_model: %s: %s\n", chosen, fy_error_msg());
     return 1;

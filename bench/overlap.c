@@ -17,6 +17,7 @@
 #include "runtime/data.h"
 #include "runtime/offload.h"
 #include "runtime/trainer.h"
+#include "bench_util.h"
 
 int main(int argc, char **argv) {
   const char *model = "opt-125m";
@@ -42,22 +43,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "overlap: %s\n", fy_error_msg());
     return 1;
   }
-  char dir[] = "/tmp/ferry_overlap_XXXXXX", shard[64];
-  if (!mkdtemp(dir)) return 1;
-  snprintf(shard, sizeof shard, "%s/rand.bin", dir);
-  int64_t n = batch * (seq + 1) * (steps + 2) + 1;
-  uint16_t *tok = malloc((size_t)n * 2);
-  uint64_t s = 88172645463325252ull;
-  for (int64_t i = 0; i < n; i++) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    tok[i] = (uint16_t)(s % (uint64_t)cfg.vocab_size);
-  }
-  fy_status st = fy_shard_write(shard, tok, n);
-  free(tok);
+  struct bench_shard shard;
+  fy_status st = bench_shard_make(&shard, cfg.vocab_size, batch * (seq + 1) * (steps + 2) + 1);
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
   o.model = model;
-  o.data = shard;
+  o.data = shard.path;
   o.batch = batch;
   o.seq = seq;
   o.steps = steps;
@@ -77,8 +68,7 @@ int main(int argc, char **argv) {
   o.sim_link_gbps = link;
   o.prefetch = (int)prefetch;
   if (st == FY_OK) st = fy_train(&o, &off);
-  unlink(shard);
-  rmdir(dir);
+  bench_shard_remove(&shard);
   if (st != FY_OK) {
     fprintf(stderr, "overlap: %s\n", fy_error_msg());
     return 1;
