@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds ferry, and runs every test: the unit, integration and reference
 # tests (meson test), the same again under AddressSanitizer and UndefinedBehaviorSanitizer, and the
-# transformers round trip of a saved checkpoint (when torch and transformers are installed).
+# transformers round trip of a saved checkpoint (when torch and transformers are installed), and,
+# with the sanitizers, the fuzz targets for 10 s each (skipped without clang's libFuzzer).
 # Ends with one line: "N passed, N failed[, N skipped]".
 #
 # usage: ./test.sh [--no-sanitize] [--sanitize-only]
@@ -69,6 +70,14 @@ if [ "$sanitize" = 1 ]; then
   else
     failed=$((failed + 1))
   fi
+  # The parsers of untrusted files under libFuzzer, 10 s each (test/fuzz/README.md).
+  echo "== fuzz targets (test/fuzz/run.sh 10)"
+  test/fuzz/run.sh 10
+  case $? in
+    0) passed=$((passed + 1)) ;;
+    77) skipped=$((skipped + 1)) ;;
+    *) failed=$((failed + 1)) ;;
+  esac
 fi
 
 if [ "$skipped" -gt 0 ]; then
