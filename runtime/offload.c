@@ -569,3 +569,19 @@ void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) 
                                    .chunk_bytes = (double)x->m->layout->chunk_elems * 4};
   fy_device_cache_stats(x->cache, &out->cache);
 }
+
+fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v, bool store) {
+  size_t used = (size_t)x->m->layout->chunks[c].used * 4, slot = (size_t)x->m->layout->chunk_elems * 4;
+  if (x->m_home[c]) {
+    if (store) {
+      memcpy(x->m_home[c], m, used);
+      memcpy(x->v_home[c], v, used);
+    } else {
+      memcpy(m, x->m_home[c], used);
+      memcpy(v, x->v_home[c], used);
+    }
+    return FY_OK;
+  }
+  FY_TRY(disk_io(x, store, c, slot, m, used, x->req_m));
+  return disk_io(x, store, c, 2 * slot, v, used, x->req_v);
+}

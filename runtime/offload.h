@@ -56,6 +56,10 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);
 
+// AdamW state of one chunk (chunk_elems floats each), wherever it lives (host tier or disk):
+// copies it out, or with `store`, in. Only between steps (after fy_offload_sync).
+fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
+
 struct fy_offload_stats {
   int n_blocks, n_chunks, n_disk_chunks;
   double chunk_bytes;

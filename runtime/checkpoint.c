@@ -1,0 +1,386 @@
+#include "runtime/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <json-c/json.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/log.h"
+#include "core/safetensors.h"
+#include "memory/uv_pool.h"
+
+#define MAX_SHARD_BYTES ((size_t)5 << 30)
+
+struct fy_ckpt_writer {
+  char root[3072];
+  int keep;
+  const struct fy_model *model;
+  struct fy_ckpt_snapshot snap;
+  char **m_names, **v_names;
+  struct fy_uv_pool *pool;
+  struct fy_uv_job job;
+  fy_status st;  // of the last write (read after waiting)
+  char msg[1024];
+  double seconds;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// ---- files ----
+
+static fy_status fsync_path(const char *path, bool dir) {
+  int fd = open(path, dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return fy_error_set(FY_ERR_IO, "cannot open %s to sync it: %s", path, strerror(errno));
+  int rc = fsync(fd);
+  int err = errno;
+  close(fd);
+  if (rc != 0) return fy_error_set(FY_ERR_IO, "fsync %s: %s", path, strerror(err));
+  return FY_OK;
+}
+
+// Writes text to path through a temporary file in the same directory: fsync, rename.
+static fy_status write_text_atomic(const char *path, const char *text) {
+  char tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) return fy_error_set(FY_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+  size_t n = strlen(text);
+  bool ok = fwrite(text, 1, n, f) == n && fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int err = errno;
+  ok = (fclose(f) == 0) && ok;
+  if (!ok || rename(tmp, path) != 0) {
+    if (ok) err = errno;
+    unlink(tmp);
+    return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(err ? err : EIO));
+  }
+  return FY_OK;
+}
+
+static fy_status remove_tree(const char *path) {
+  DIR *d = opendir(path);
+  if (!d) return errno == ENOENT ? FY_OK : fy_error_set(FY_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+  struct dirent *e;
+  char p[4200];
+  while ((e = readdir(d))) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(p, sizeof p, "%s/%s", path, e->d_name);
+    struct stat sb;
+    if (lstat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) remove_tree(p);
+    else unlink(p);
+  }
+  closedir(d);
+  if (rmdir(path) != 0) return fy_error_set(FY_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+  return FY_OK;
+}
+
+static fy_status fsync_dir_files(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return fy_error_set(FY_ERR_IO, "cannot open %s: %s", dir, strerror(errno));
+  struct dirent *e;
+  char p[4200];
+  fy_status st = FY_OK;
+  while (st == FY_OK && (e = readdir(d))) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    st = fsync_path(p, false);
+  }
+  closedir(d);
+  return st == FY_OK ? fsync_path(dir, true) : st;
+}
+
+static fy_status mkdir_p(const char *dir) {
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s", dir);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+      return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+    return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+  return FY_OK;
+}
+
+// ---- writing ----
+
+static fy_status write_trainer_json(const char *dir, const struct fy_ckpt_meta *meta) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "format", json_object_new_string("ferry-checkpoint"));
+  json_object_object_add(o, "version", json_object_new_int(1));
+  json_object_object_add(o, "step", json_object_new_int64(meta->step));
+  json_object_object_add(o, "sequences", json_object_new_int64(meta->sequences));
+  json_object_object_add(o, "seed", json_object_new_uint64(meta->seed));
+  json_object_object_add(o, "loss_scale", json_object_new_double(meta->loss_scale));
+  json_object *opts = json_tokener_parse(meta->options[0] ? meta->options : "{}");
+  json_object_object_add(o, "options", opts ? opts : json_object_new_object());
+  char path[4200];
+  snprintf(path, sizeof path, "%s/trainer.json", dir);
+  fy_status st = write_text_atomic(path, json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY));
+  json_object_put(o);
+  return st;
+}
+
+static fy_status write_step_dir(struct fy_ckpt_writer *w, const char *dir) {
+  const struct fy_graph *g = w->model->graph;
+  const struct fy_ckpt_snapshot *s = &w->snap;
+  struct fy_st_tensor *ts = calloc((size_t)g->n_params * 2, sizeof *ts);
+  if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint's tensor list");
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    ts[i] = (struct fy_st_tensor){.name = p->name, .dtype = FY_F32, .rank = p->rank,
+                                  .shape = {p->shape[0], p->shape[1]}, .data = s->params + p->offset,
+                                  .nbytes = (size_t)p->numel * 4};
+  }
+  fy_status st = fy_safetensors_write_dir(dir, ts, g->n_params, MAX_SHARD_BYTES);
+  struct fy_opt_config cfg = w->model->cfg;
+  snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "float32");
+  if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    ts[2 * i] = (struct fy_st_tensor){.name = w->m_names[i], .dtype = FY_F32, .rank = p->rank,
+                                      .shape = {p->shape[0], p->shape[1]}, .data = s->m + p->offset,
+                                      .nbytes = (size_t)p->numel * 4};
+    ts[2 * i + 1] = ts[2 * i];
+    ts[2 * i + 1].name = w->v_names[i];
+    ts[2 * i + 1].data = s->v + p->offset;
+  }
+  char path[4200];
+  snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+  if (st == FY_OK) st = fy_safetensors_write(path, ts, 2 * g->n_params, NULL);
+  free(ts);
+  if (st == FY_OK) st = write_trainer_json(dir, &s->meta);
+  if (st == FY_OK) st = fsync_dir_files(dir);
+  return st;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+// Removes complete checkpoints older than the newest `keep` (and stale temporary directories).
+static void prune(struct fy_ckpt_writer *w, const char *newest) {
+  DIR *d = opendir(w->root);
+  if (!d) return;
+  char *names[4096];
+  int n = 0;
+  struct dirent *e;
+  char p[4200];
+  while ((e = readdir(d)) && n < 4096) {
+    if (strncmp(e->d_name, "step-", 5) == 0) names[n++] = strdup(e->d_name);
+    else if (strncmp(e->d_name, ".step-", 6) == 0 && strstr(e->d_name, ".tmp-")) {
+      snprintf(p, sizeof p, "%s/%s", w->root, e->d_name);  // left by a crashed write
+      remove_tree(p);
+    }
+  }
+  closedir(d);
+  qsort(names, (size_t)n, sizeof *names, cmp_str);
+  for (int i = 0; i < n; i++) {
+    if (i < n - w->keep && strcmp(names[i], newest) != 0) {
+      snprintf(p, sizeof p, "%s/%s", w->root, names[i]);
+      remove_tree(p);
+    }
+    free(names[i]);
+  }
+}
+
+static void write_job(void *arg) {
+  struct fy_ckpt_writer *w = arg;
+  double t0 = now_s();
+  char name[64], tmp[3200], dir[3200], latest[3200];
+  snprintf(name, sizeof name, "step-%08lld", (long long)w->snap.meta.step);
+  snprintf(tmp, sizeof tmp, "%s/.%s.tmp-%d", w->root, name, (int)getpid());
+  snprintf(dir, sizeof dir, "%s/%s", w->root, name);
+  snprintf(latest, sizeof latest, "%s/latest", w->root);
+  fy_status st = remove_tree(tmp);
+  if (st == FY_OK) st = mkdir_p(tmp);
+  if (st == FY_OK) st = write_step_dir(w, tmp);
+  if (st == FY_OK) {
+    struct stat sb;
+    if (stat(dir, &sb) == 0) st = remove_tree(dir);  // the same step saved again
+  }
+  if (st == FY_OK && rename(tmp, dir) != 0)
+    st = fy_error_set(FY_ERR_IO, "cannot rename %s to %s: %s", tmp, dir, strerror(errno));
+  if (st == FY_OK) st = fsync_path(w->root, true);
+  if (st == FY_OK) {
+    char text[80];
+    snprintf(text, sizeof text, "%s\n", name);
+    st = write_text_atomic(latest, text);
+  }
+  if (st == FY_OK) st = fsync_path(w->root, true);
+  if (st == FY_OK) {
+    prune(w, name);
+  } else {
+    remove_tree(tmp);
+    fy_error_wrap(st, "writing the checkpoint of step %lld to %s", (long long)w->snap.meta.step, w->root);
+    snprintf(w->msg, sizeof w->msg, "%s", fy_error_msg());
+  }
+  w->st = st;
+  w->seconds = now_s() - t0;
+}
+
+fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_model *m, struct fy_ckpt_writer **out) {
+  FY_TRY(mkdir_p(root));
+  struct fy_ckpt_writer *w = calloc(1, sizeof *w);
+  if (!w) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint writer");
+  snprintf(w->root, sizeof w->root, "%s", root);
+  w->keep = keep < 1 ? 1 : keep;
+  w->model = m;
+  fy_uv_job_init(&w->job);
+  const struct fy_graph *g = m->graph;
+  size_t n = (size_t)g->n_param_elems * 4;
+  w->m_names = calloc((size_t)g->n_params, sizeof *w->m_names);
+  w->v_names = calloc((size_t)g->n_params, sizeof *w->v_names);
+  w->snap.params = malloc(n);
+  w->snap.m = malloc(n);
+  w->snap.v = malloc(n);
+  fy_status st = (!w->m_names || !w->v_names || !w->snap.params || !w->snap.m || !w->snap.v)
+                     ? fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB for checkpoint snapshots", 3 * n / 1048576.0)
+                     : FY_OK;
+  for (int i = 0; st == FY_OK && i < g->n_params; i++) {
+    size_t len = strlen(g->params[i].name) + 16;
+    w->m_names[i] = malloc(len);
+    w->v_names[i] = malloc(len);
+    if (!w->m_names[i] || !w->v_names[i]) {
+      st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+      break;
+    }
+    snprintf(w->m_names[i], len, "exp_avg.%s", g->params[i].name);
+    snprintf(w->v_names[i], len, "exp_avg_sq.%s", g->params[i].name);
+  }
+  if (st == FY_OK) st = fy_uv_pool_create(&w->pool);
+  if (st != FY_OK) {
+    fy_ckpt_writer_free(w);
+    return st;
+  }
+  *out = w;
+  return FY_OK;
+}
+
+void fy_ckpt_writer_free(struct fy_ckpt_writer *w) {
+  if (!w) return;
+  fy_uv_job_destroy(&w->job);
+  fy_uv_pool_free(w->pool);
+  for (int i = 0; w->m_names && i < w->model->graph->n_params; i++) {
+    free(w->m_names[i]);
+    if (w->v_names) free(w->v_names[i]);
+  }
+  free(w->m_names);
+  free(w->v_names);
+  free(w->snap.params);
+  free(w->snap.m);
+  free(w->snap.v);
+  free(w);
+}
+
+struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w) {
+  fy_uv_job_wait(&w->job);  // the buffers are the write in flight's
+  return &w->snap;
+}
+
+fy_status fy_ckpt_wait(struct fy_ckpt_writer *w) {
+  fy_uv_job_wait(&w->job);
+  if (w->st != FY_OK) return fy_error_set(w->st, "%s", w->msg);
+  return FY_OK;
+}
+
+fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w) {
+  FY_TRY(fy_ckpt_wait(w));
+  return fy_uv_pool_submit(w->pool, &w->job, write_job, w);
+}
+
+bool fy_ckpt_busy(struct fy_ckpt_writer *w) { return fy_uv_job_busy(&w->job); }
+double fy_ckpt_last_seconds(const struct fy_ckpt_writer *w) { return w->seconds; }
+
+// ---- reading ----
+
+fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n) {
+  char p[4200], name[256];
+  snprintf(p, sizeof p, "%s/latest", path);
+  FILE *f = fopen(p, "r");
+  if (f) {
+    bool ok = fgets(name, sizeof name, f) != NULL;
+    fclose(f);
+    name[strcspn(name, "\r\n")] = 0;
+    if (!ok || strncmp(name, "step-", 5) != 0 || strchr(name, '/') || strstr(name, ".."))
+      return fy_error_set(FY_ERR_FORMAT, "%s does not name a checkpoint directory", p);
+    snprintf(dir, n, "%s/%s", path, name);
+    return FY_OK;
+  }
+  snprintf(p, sizeof p, "%s/trainer.json", path);
+  if (access(p, R_OK) == 0) {
+    snprintf(dir, n, "%s", path);
+    return FY_OK;
+  }
+  return fy_error_set(FY_ERR_NOT_FOUND, "%s is not a ferry checkpoint (no latest, no trainer.json)", path);
+}
+
+static fy_status read_meta(const char *dir, struct fy_ckpt_meta *meta) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/trainer.json", dir);
+  json_object *o = json_object_from_file(p);
+  if (!o) return fy_error_set(FY_ERR_FORMAT, "%s: cannot be read as JSON", p);
+  fy_status st = FY_OK;
+  json_object *v;
+  memset(meta, 0, sizeof *meta);
+  if (!json_object_is_type(o, json_type_object) || !json_object_object_get_ex(o, "format", &v) ||
+      strcmp(json_object_get_string(v), "ferry-checkpoint") != 0) {
+    st = fy_error_set(FY_ERR_FORMAT, "%s: not a ferry checkpoint index", p);
+  } else {
+    const char *keys[] = {"step", "sequences"};
+    int64_t *dst[] = {&meta->step, &meta->sequences};
+    for (int i = 0; i < 2 && st == FY_OK; i++) {
+      if (!json_object_object_get_ex(o, keys[i], &v) || !json_object_is_type(v, json_type_int) ||
+          json_object_get_int64(v) < 0)
+        st = fy_error_set(FY_ERR_FORMAT, "%s: \"%s\" must be a whole number >= 0", p, keys[i]);
+      else
+        *dst[i] = json_object_get_int64(v);
+    }
+    if (st == FY_OK && json_object_object_get_ex(o, "seed", &v)) meta->seed = json_object_get_uint64(v);
+    meta->loss_scale = 1.0;
+    if (st == FY_OK && json_object_object_get_ex(o, "loss_scale", &v)) meta->loss_scale = json_object_get_double(v);
+    if (st == FY_OK && json_object_object_get_ex(o, "options", &v))
+      snprintf(meta->options, sizeof meta->options, "%s", json_object_to_json_string(v));
+  }
+  json_object_put(o);
+  return st;
+}
+
+fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta) {
+  char dir[4096];
+  FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
+  FY_TRY(read_meta(dir, meta));
+  FY_TRY(fy_model_load(model, dir));
+  if (!m && !v) return FY_OK;
+  char p[4200];
+  snprintf(p, sizeof p, "%s/optimizer.safetensors", dir);
+  fy_safetensors *st;
+  FY_TRY(fy_safetensors_open(p, &st));
+  const struct fy_graph *g = model->graph;
+  fy_status status = FY_OK;
+  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
+    const struct fy_param *prm = &g->params[i];
+    for (int k = 0; k < 2 && status == FY_OK; k++) {
+      char name[FY_NAME_MAX + 16];
+      snprintf(name, sizeof name, "%s.%s", k ? "exp_avg_sq" : "exp_avg", prm->name);
+      const struct fy_st_tensor *t = fy_safetensors_find(st, name);
+      bool ok = t && t->dtype == FY_F32 && t->rank == prm->rank && t->shape[0] == prm->shape[0] &&
+                (prm->rank < 2 || t->shape[1] == prm->shape[1]);
+      if (!ok)
+        status = fy_error_set(FY_ERR_FORMAT, "%s: %s is %s", p, name, t ? "not an f32 tensor of the parameter's shape" : "missing");
+      else
+        memcpy((k ? v : m) + prm->offset, t->data, (size_t)prm->numel * 4);
+    }
+  }
+  fy_safetensors_close(st);
+  return status;
+}

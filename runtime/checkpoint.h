@@ -1,0 +1,63 @@
+// Training checkpoints (issue: nothing lost on interruption). A checkpoint root holds one
+// directory per saved step plus a `latest` file naming the newest complete one:
+//
+//   ROOT/latest                      "step-00000010"
+//   ROOT/step-00000010/config.json   }  a Hugging Face model directory (transformers loads it)
+//   ROOT/step-00000010/model.safetensors (or shards and model.safetensors.index.json)
+//   ROOT/step-00000010/optimizer.safetensors  AdamW's exp_avg.<name> and exp_avg_sq.<name>, f32
+//   ROOT/step-00000010/trainer.json  step, sequences consumed, seed, loss scale, options
+//
+// Everything is stored per parameter (by its Hugging Face name), never per rank or chunk, so a
+// checkpoint resumes under another placement. Writing is atomic: a step directory is written
+// under a temporary name, every file fsync'd, then renamed and the root fsync'd; `latest` is
+// replaced (temporary file, fsync, rename) only after that, and the previous checkpoint is
+// removed only once the new one is complete. A crash at any moment leaves `latest` naming a
+// complete checkpoint (or no `latest` at all before the first).
+#ifndef FY_CHECKPOINT_H
+#define FY_CHECKPOINT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "runtime/model.h"
+
+struct fy_ckpt_meta {
+  int64_t step;        // optimizer steps done
+  int64_t sequences;   // sequences the data loader has handed out (over all ranks)
+  uint64_t seed;
+  double loss_scale;
+  char options[1024];  // the run's options as JSON (informative)
+};
+
+// The state to write, in host memory, in the model's flat parameter layout.
+struct fy_ckpt_snapshot {
+  float *params, *m, *v;  // graph->n_param_elems each
+  struct fy_ckpt_meta meta;
+};
+
+struct fy_ckpt_writer;
+
+// root is created if missing. keep: complete checkpoints kept (at least 1).
+fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_model *m,
+                                 struct fy_ckpt_writer **out);
+// Waits for a write in flight, then frees.
+void fy_ckpt_writer_free(struct fy_ckpt_writer *w);
+// The writer's own snapshot buffers, to fill before fy_ckpt_write_async (valid until then).
+struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w);
+// Writes the snapshot on libuv's thread pool and returns at once; waits first for the previous
+// write. Returns the previous write's error, if it had one.
+fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w);
+// Waits for the write in flight and returns its status.
+fy_status fy_ckpt_wait(struct fy_ckpt_writer *w);
+// True while a write is in flight.
+bool fy_ckpt_busy(struct fy_ckpt_writer *w);
+double fy_ckpt_last_seconds(const struct fy_ckpt_writer *w);  // duration of the last write
+
+// Resolves a checkpoint path: a step directory, or a root (its `latest`). dir receives the step
+// directory.
+fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n);
+// Reads a checkpoint into the model's parameters and into m, v (flat layout; may be NULL to skip)
+// and its metadata. Checks every tensor's name, shape and dtype.
+fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);
+
+#endif
