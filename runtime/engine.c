@@ -1,5 +1,6 @@
 #include "runtime/engine.h"
 
+#include <math.h>
 #include <omp.h>
 #include <string.h>
 
@@ -224,6 +225,27 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
     c.loss_scale = loss_scale;
     fy_op_call_backward(&c);
     if (c.st != FY_OK) return c.st;
+  }
+  return FY_OK;
+}
+
+fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op) {
+  FY_TRY(fy_engine_check_batch(m, batch));
+  const struct fy_graph *g = m->graph;
+  fy_engine_positions(m->positions, batch->mask, g->B, g->T);
+  struct fy_dev_batch b = host_batch(m, batch);
+  *op = -1;
+  for (int o = 0; o < g->n_ops; o++) {
+    struct fy_op_call c;
+    resident_call(m, o, &b, &c);
+    fy_op_call_forward(&c);
+    if (c.st != FY_OK) return c.st;
+    const float *out = act(m, g->ops[o].out);
+    for (int64_t i = 0; i < g->slots[g->ops[o].out].numel; i++)
+      if (!isfinite(out[i])) {
+        *op = o;
+        return FY_OK;
+      }
   }
   return FY_OK;
 }

@@ -45,6 +45,9 @@ void fy_op_call_backward(void *call);
 // of `loss_scale` x (sum of per-token losses); callers pass 1/count for a mean.
 fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss);
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale);
+// Runs the forward pass op by op and sets *op to the first op whose output holds a NaN or an
+// infinity (-1 when none does): to name the culprit after a non-finite loss.
+fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op);
 // Checks a batch's shape and ids against the model.
 fy_status fy_engine_check_batch(const struct fy_model *m, const struct fy_batch *batch);
 // Number of targets that are not -100.

@@ -1,6 +1,8 @@
 // ferry: the command line. `ferry train`, `ferry eval`, `ferry --help`.
 #include <errno.h>
 #include <getopt.h>
+#include <signal.h>
+#include <unistd.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +14,39 @@
 
 #define FERRY_VERSION "0.1.0"
 
+static volatile sig_atomic_t stop_requested = 0;
+
+// The first signal asks the trainer to stop after the current step (and checkpoint); a second
+// one exits at once. Checkpoints are renamed into place whole, so nothing is left half-written.
+static void on_signal(int sig) {
+  if (stop_requested) _exit(128 + sig);
+  stop_requested = 1;
+  static const char msg[] = "\nferry: stopping after this step (again to stop now)\n";
+  ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+  (void)w;
+}
+
+static int cmd_export(int argc, char **argv) {
+  if (argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+    printf("usage: ferry export CHECKPOINT OUTDIR\n\n"
+           "Writes a Hugging Face model directory (config.json, model.safetensors or shards) that\n"
+           "OPTForCausalLM.from_pretrained loads, from a training checkpoint: its root (the\n"
+           "latest step) or one step directory.\n");
+    return 0;
+  }
+  if (argc != 3) {
+    fprintf(stderr, "usage: ferry export CHECKPOINT OUTDIR\n");
+    return 2;
+  }
+  fy_status st = fy_export(argv[1], argv[2]);
+  if (st != FY_OK) {
+    fprintf(stderr, "ferry export: error: %s\n", fy_error_msg());
+    return 1;
+  }
+  printf("ferry: exported %s to %s\n", argv[1], argv[2]);
+  return 0;
+}
+
 static void usage_main(FILE *f) {
   fprintf(f,
           "usage: ferry <command> [options]\n"
@@ -21,6 +56,7 @@ static void usage_main(FILE *f) {
           "commands:\n"
           "  train     train a model (with no options: the demo model on the bundled corpus)\n"
           "  eval      mean loss of a model on token shards\n"
+          "  export    write a Hugging Face model directory from a training checkpoint\n"
           "  presets   list the built-in model presets\n"
           "  version   print the version\n"
           "\n"
@@ -83,11 +119,19 @@ static void usage_train(FILE *f, bool eval) {
           "  --blocks N         sim: device cache blocks (default: as many as fit)\n"
           "  --chunk-mib X      sim: chunk size (default: the smallest that holds the largest\n"
           "                     parameter group, the token embedding)\n"
-          "  --save DIR         write a Hugging Face checkpoint (config.json, model.safetensors)\n"
-          "                     at the end\n"
+          "  --save DIR         write a Hugging Face model (config.json, model.safetensors) at the end;\n"
+          "                     with --save-every, DIR holds training checkpoints instead\n"
+          "  --save-every N     write a training checkpoint (weights, AdamW state, step, data\n"
+          "                     position) every N steps and at the end, in the background\n"
+          "  --keep N           checkpoints kept in DIR (default 2)\n"
+          "  --resume PATH      continue from a checkpoint (its root or a step directory); --steps\n"
+          "                     counts from the start of training\n"
+          "  --stop-after N     end this run after N steps (with a checkpoint): for time-limited jobs\n"
           "  --log FILE         one JSON line per step\n"
           "  --quiet            no step lines\n"
           "  --profile          at the end, where a step's time went (per op kind and phase)\n"
+          "\nSIGINT or SIGTERM ends the run after the current step, with a checkpoint when\n"
+          "--save-every is on; a second one ends it at once (checkpoints are written atomically).\n"
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
           "(6 x parameters x tokens plus attention, per second), peak resident memory, step time.\n",
           (long long)d.steps, d.lr, d.adamw.weight_decay, d.adamw.beta1, d.adamw.beta2, d.adamw.eps,
@@ -143,7 +187,8 @@ enum {
   OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
-  OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_HELP,
+  OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -164,7 +209,9 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"sim-jitter-us", required_argument, 0, OPT_JITTER}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
       {"disk-dir", required_argument, 0, OPT_DISK_DIR}, {"disk-chunks", required_argument, 0, OPT_DISK_CHUNKS},
       {"prefetch", required_argument, 0, OPT_PREFETCH}, {"blocks", required_argument, 0, OPT_BLOCKS},
-      {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB},
+      {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB}, {"save-every", required_argument, 0, OPT_SAVE_EVERY},
+      {"keep", required_argument, 0, OPT_KEEP}, {"resume", required_argument, 0, OPT_RESUME},
+      {"stop-after", required_argument, 0, OPT_STOP_AFTER},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -225,6 +272,10 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_DISK_CHUNKS: ok = parse_i64("--disk-chunks", optarg, 0, &v); o.disk_chunks = (int)v; break;
       case OPT_PREFETCH: ok = parse_i64("--prefetch", optarg, 0, &v); o.prefetch = (int)v; break;
       case OPT_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v); o.blocks = (int)v; break;
+      case OPT_SAVE_EVERY: ok = parse_i64("--save-every", optarg, 1, &o.save_every); break;
+      case OPT_KEEP: ok = parse_i64("--keep", optarg, 1, &v); o.keep = (int)v; break;
+      case OPT_RESUME: o.resume = optarg; break;
+      case OPT_STOP_AFTER: ok = parse_i64("--stop-after", optarg, 1, &o.stop_after); break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);
@@ -252,6 +303,11 @@ static int cmd_train(int argc, char **argv, bool eval) {
     return 2;
   }
   fy_status st;
+  o.stop = &stop_requested;
+  struct sigaction sa = {.sa_handler = on_signal};
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
   if (eval) {
     double loss;
     st = fy_eval(&o, &loss);
@@ -274,6 +330,7 @@ int main(int argc, char **argv) {
   const char *cmd = argv[1];
   if (strcmp(cmd, "train") == 0) return cmd_train(argc - 1, argv + 1, false);
   if (strcmp(cmd, "eval") == 0) return cmd_train(argc - 1, argv + 1, true);
+  if (strcmp(cmd, "export") == 0) return cmd_export(argc - 1, argv + 1);
   if (strcmp(cmd, "presets") == 0) {
     for (const char *const *p = fy_opt_preset_names(); *p; p++) {
       struct fy_opt_config c;

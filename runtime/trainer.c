@@ -7,6 +7,9 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <dirent.h>
+#include <errno.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -18,6 +21,7 @@
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/offload.h"
+#include "runtime/checkpoint.h"
 #include "memory/tier.h"
 
 void fy_train_opts_defaults(struct fy_train_opts *o) {
@@ -27,7 +31,7 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
       .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 128,
       .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
       .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0, .device = "cpu",
-      .disk_chunks = -1, .prefetch = 2,
+      .disk_chunks = -1, .prefetch = 2, .keep = 2,
       .eval_batches = 8};
 }
 
@@ -286,18 +290,120 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
   return FY_OK;
 }
 
+// After a non-finite loss: runs the batch's forward again op by op and names the first op whose
+// output is not finite (resident parameters only).
+static void name_nonfinite(struct run *r) {
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", fy_error_msg());
+  fy_data_seek(r->data, fy_data_position(r->data) - 1);
+  struct fy_batch *batch;
+  struct fy_loss loss;
+  if (fy_data_next(r->data, &batch) != FY_OK) return;
+  int op = -1;
+  if (fy_engine_find_nonfinite(r->model, batch, &op) == FY_OK && op >= 0) {
+    const struct fy_op *p = &r->model->graph->ops[op];
+    fy_error_set(FY_ERR_NUMERIC, "%s; the first non-finite value is in the output of %s (%s)", msg, p->name,
+                 fy_op_kind_name(p->kind));
+  } else {
+    fy_error_set(FY_ERR_NUMERIC, "%s", msg);
+  }
+  (void)loss;
+}
+
+// The run's options as JSON, kept in each checkpoint for whoever reads it later.
+static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
+  snprintf(buf, n,
+           "{\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"grad_accum\":%lld,\"steps\":%lld,"
+           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s}",
+           o->model ? o->model : "", (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
+           (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false");
+}
+
+// Copies the training state after `steps_done` steps into the writer's buffers and starts the
+// write in the background.
+static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
+                            int64_t steps_done) {
+  struct fy_model *m = r->model;
+  struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
+  size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  if (r->x) {
+    FY_TRY(fy_offload_sync(r->x));  // the optimizer stream may still be updating
+    int64_t ce = m->layout->chunk_elems;
+    for (int c = 0; c < m->layout->n_chunks; c++)
+      FY_TRY(fy_offload_adam_state(r->x, c, s->m + c * ce, s->v + c * ce, false));
+  } else {
+    memcpy(s->m, m->m, bytes);
+    memcpy(s->v, m->v, bytes);
+  }
+  memcpy(s->params, m->params, bytes);
+  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch,
+                                  .seed = o->seed, .loss_scale = 1.0};
+  options_json(o, s->meta.options, sizeof s->meta.options);
+  return fy_ckpt_write_async(w);
+}
+
+// Continues from a checkpoint: parameters, AdamW state, step and data position.
+static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step) {
+  struct fy_model *m = r->model;
+  size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  float *mm = m->m, *vv = m->v;
+  if (r->x && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
+    free(mm);
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
+  }
+  struct fy_ckpt_meta meta;
+  fy_status st = fy_ckpt_load(o->resume, m, mm, vv, &meta);
+  if (st == FY_OK && r->x) {
+    int64_t ce = m->layout->chunk_elems;
+    for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
+      st = fy_offload_adam_state(r->x, c, mm + c * ce, vv + c * ce, true);
+  }
+  if (r->x) {
+    free(mm);
+    free(vv);
+  }
+  if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
+  if (meta.sequences % o->batch != 0)
+    return fy_error_set(FY_ERR_INVALID, "--resume %s: %lld sequences were consumed, not a whole number of "
+                        "batches of %lld", o->resume, (long long)meta.sequences, (long long)o->batch);
+  FY_TRY(fy_data_seek(r->data, meta.sequences / o->batch));
+  *first_step = meta.step;
+  return FY_OK;
+}
+
+static double dir_bytes(const char *root) {
+  char dir[4096], cmd[4200];
+  if (fy_ckpt_resolve(root, dir, sizeof dir) != FY_OK) return 0;
+  double total = 0;
+  const char *files[] = {"model.safetensors", "optimizer.safetensors", "config.json", "trainer.json"};
+  for (int i = 0; i < 4; i++) {
+    snprintf(cmd, sizeof cmd, "%s/%s", dir, files[i]);
+    struct stat sb;
+    if (stat(cmd, &sb) == 0) total += (double)sb.st_size;
+  }
+  return total;
+}
+
 fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
   memset(res, 0, sizeof *res);
   if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
   if (o->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
   if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");
+  if (o->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
+  if (o->save_every > 0 && !o->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
   struct run r;
   FILE *log = NULL;
   double *step_times = NULL;
+  struct fy_ckpt_writer *ckpt = NULL;
+  bool *ckpt_busy = NULL;
+  int64_t first_step = 0;
   fy_status st = setup(o, &r, o->shuffle);
+  if (st == FY_OK && o->resume) st = resume(o, &r, &first_step);
+  if (st == FY_OK && o->save && o->save_every > 0) st = fy_ckpt_writer_create(o->save, o->keep, r.model, &ckpt);
   if (st == FY_OK && o->log_path && !(log = fopen(o->log_path, "w")))
     st = fy_error_set(FY_ERR_IO, "cannot open the log %s for writing", o->log_path);
-  if (st == FY_OK && !(step_times = calloc((size_t)o->steps + 1, sizeof *step_times)))
+  if (st == FY_OK && (!(step_times = calloc((size_t)o->steps + 1, sizeof *step_times)) ||
+                      !(ckpt_busy = calloc((size_t)o->steps + 1, sizeof *ckpt_busy))))
     st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the step timings");
   if (st != FY_OK) goto done;
 
@@ -332,15 +438,19 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     fflush(stdout);
   }
   model->profile = o->profile;
+  res->first_step = first_step;
+  if (first_step > 0 && !o->quiet) printf("ferry: resuming from %s at step %lld\n", o->resume, (long long)first_step);
   double t_start = now_s(), t_sum = 0, t_opt = 0;
-  for (int64_t step = 0; step < o->steps; step++) {
+  for (int64_t step = first_step; step < o->steps; step++) {
     double t0 = now_s(), loss = 0, norm = 0;
+    if (ckpt) ckpt_busy[step] = fy_ckpt_busy(ckpt);
     st = r.x ? step_offload(o, &r, step, &loss, &norm) : step_resident(o, &r, step, &loss, &norm, &t_sum, &t_opt);
     if (st == FY_ERR_NOT_FOUND) {
       fy_log_warn("step %lld: every target of the batch is ignored; no update", (long long)step + 1);
       st = FY_OK;
       continue;
     }
+    if (st == FY_ERR_NUMERIC && !r.x) name_nonfinite(&r);
     if (st != FY_OK) {
       fy_error_wrap(st, "step %lld", (long long)step + 1);
       goto done;
@@ -349,7 +459,7 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     double dt = now_s() - t0;
     step_times[step] = dt;
     double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9, rss = peak_rss_bytes();
-    if (res->steps == 0) res->first_loss = (float)loss;
+    if (res->steps == first_step) res->first_loss = (float)loss;
     res->last_loss = (float)loss;
     res->steps = step + 1;
     if (log)
@@ -363,9 +473,25 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
              "peak %.2f GiB | %.0f ms\n",
              (long long)step + 1, (long long)o->steps, loss, lr, norm, tok_s, gflops,
              (r.x ? r.dev->bytes_peak : rss) / 1073741824.0, dt * 1e3);
-      if (tty) progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1) * (o->steps - step - 1));
+      if (tty)
+        progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1 - first_step) * (o->steps - step - 1));
       fflush(stdout);
     }
+    bool stop = (o->stop && *o->stop) || (o->stop_after > 0 && step + 1 - first_step >= o->stop_after);
+    if (ckpt && (stop || (step + 1) % o->save_every == 0 || step + 1 == o->steps)) {
+      if ((st = checkpoint(o, &r, ckpt, step + 1)) != FY_OK) goto done;
+      res->checkpoints++;
+    }
+    if (stop) {
+      res->interrupted = true;
+      if (!o->quiet) printf("ferry: stopped after step %lld%s\n", (long long)step + 1, ckpt ? ", checkpoint written" : "");
+      break;
+    }
+  }
+  if (ckpt) {
+    if ((st = fy_ckpt_wait(ckpt)) != FY_OK) goto done;
+    res->checkpoint_s = fy_ckpt_last_seconds(ckpt);
+    res->checkpoint_bytes = dir_bytes(o->save);
   }
   if (r.x && (st = fy_offload_sync(r.x)) != FY_OK) goto done;
   if (!o->quiet && tty) printf("\r\033[K");
@@ -384,15 +510,24 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     }
   }
   // Medians skip the first step (it creates the GEMM primitives and touches fresh pages).
-  if (res->steps > 1) {
-    double med = median(step_times + 1, res->steps - 1);
+  int64_t ran = res->steps - first_step;
+  if (ckpt && ran > 1) {  // steps that overlapped a checkpoint write
+    double *busy = calloc((size_t)ran, sizeof *busy);
+    int64_t nb = 0;
+    for (int64_t i = first_step + 1; busy && i < res->steps; i++)
+      if (ckpt_busy[i]) busy[nb++] = step_times[i];
+    res->step_s_ckpt = median(busy, nb);
+    free(busy);
+  }
+  if (ran > 1) {
+    double med = median(step_times + first_step + 1, ran - 1);
     res->tokens_per_s = tokens_per_step / med;
     res->gflops = flops_per_step / med / 1e9;
     res->step_s = med;
-  } else if (res->steps == 1) {
-    res->tokens_per_s = tokens_per_step / step_times[0];
-    res->gflops = flops_per_step / step_times[0] / 1e9;
-    res->step_s = step_times[0];
+  } else if (ran == 1) {
+    res->tokens_per_s = tokens_per_step / step_times[first_step];
+    res->gflops = flops_per_step / step_times[first_step] / 1e9;
+    res->step_s = step_times[first_step];
   }
   res->peak_rss_bytes = peak_rss_bytes();
   res->device_peak_bytes = (double)r.dev->bytes_peak;
@@ -403,7 +538,7 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
     res->copy_busy_s[d] = cs.busy_s[d];
   }
   res->params_hash = hash_params(model);
-  if (o->save) {
+  if (o->save && !ckpt) {
     st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
     if (st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
   }
@@ -414,6 +549,12 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
 done:
   if (log) fclose(log);
   free(step_times);
+  free(ckpt_busy);
+  if (ckpt) {
+    fy_status w = fy_ckpt_wait(ckpt);  // a write in flight finishes (or fails) before we go
+    if (st == FY_OK) st = w;
+    fy_ckpt_writer_free(ckpt);
+  }
   teardown(&r);
   return st;
 }
@@ -446,4 +587,60 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   *mean_loss = count ? sum / (double)count : NAN;
   teardown(&r);
   return st;
+}
+
+// Copies src to dst through a temporary file: fsync, rename.
+static fy_status copy_file(const char *src, const char *dst) {
+  FILE *in = fopen(src, "rb");
+  if (!in) return fy_error_set(FY_ERR_IO, "cannot open %s", src);
+  char tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.tmp-%d", dst, (int)getpid());
+  FILE *out = fopen(tmp, "wb");
+  if (!out) {
+    fclose(in);
+    return fy_error_set(FY_ERR_IO, "cannot create %s", tmp);
+  }
+  static char buf[1 << 20];
+  size_t n;
+  bool ok = true;
+  while (ok && (n = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, n, out) == n;
+  ok = ok && !ferror(in) && fflush(out) == 0 && fsync(fileno(out)) == 0;
+  fclose(in);
+  ok = fclose(out) == 0 && ok;
+  if (!ok || rename(tmp, dst) != 0) {
+    unlink(tmp);
+    return fy_error_set(FY_ERR_IO, "writing %s failed (disk full?)", dst);
+  }
+  return FY_OK;
+}
+
+fy_status fy_export(const char *checkpoint, const char *out_dir) {
+  char dir[4096];
+  FY_TRY(fy_ckpt_resolve(checkpoint, dir, sizeof dir));
+  // Check what we copy: the config parses and the weights open with every header claim checked.
+  struct fy_opt_config cfg;
+  FY_TRY(fy_opt_config_read(dir, &cfg));
+  fy_safetensors *st;
+  FY_TRY(fy_safetensors_open_dir(dir, &st));
+  int n = fy_safetensors_count(st);
+  fy_safetensors_close(st);
+  if (n == 0) return fy_error_set(FY_ERR_FORMAT, "%s holds no weights", dir);
+  if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
+    return fy_error_set(FY_ERR_IO, "cannot create %s: %s", out_dir, strerror(errno));
+  DIR *d = opendir(dir);
+  if (!d) return fy_error_set(FY_ERR_IO, "cannot read %s", dir);
+  struct dirent *e;
+  fy_status status = FY_OK;
+  while (status == FY_OK && (e = readdir(d))) {
+    const char *nm = e->d_name;
+    bool model_file = strcmp(nm, "config.json") == 0 ||
+                      (strncmp(nm, "model", 5) == 0 && (strstr(nm, ".safetensors") != NULL));
+    if (!model_file) continue;
+    char a[4200], b[4200];
+    snprintf(a, sizeof a, "%s/%s", dir, nm);
+    snprintf(b, sizeof b, "%s/%s", out_dir, nm);
+    status = copy_file(a, b);
+  }
+  closedir(d);
+  return status;
 }

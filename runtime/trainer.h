@@ -4,6 +4,7 @@
 #ifndef FY_TRAINER_H
 #define FY_TRAINER_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -37,7 +38,14 @@ struct fy_train_opts {
   int prefetch;           // chunks loaded ahead of use (default 2)
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
-  const char *save;       // write a Hugging Face checkpoint here at the end (NULL: none)
+  const char *save;       // without save_every: write a Hugging Face model here at the end;
+                          // with it: the checkpoint root (runtime/checkpoint.h)
+  int64_t save_every;     // write a training checkpoint every N steps (0: none) and at the end
+  int keep;               // checkpoints kept in the root (default 2)
+  const char *resume;     // a checkpoint root or step directory to continue from
+  int64_t stop_after;     // end (with a checkpoint when on) after this many steps of this run
+  volatile sig_atomic_t *stop;  // set (by a signal handler) to end after the current step, with
+                                // a checkpoint when checkpoints are on
   const char *log_path;   // JSON lines, one per step (NULL: none)
   bool quiet;             // no step lines (tests)
   bool profile;           // print where a step's time goes, per op kind and phase
@@ -63,9 +71,18 @@ struct fy_train_result {
   int n_blocks, n_chunks, n_disk_chunks;
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical
+  bool interrupted;              // ended early by opts.stop
+  int64_t first_step;            // 0, or the step a resumed run started from
+  int checkpoints;               // checkpoints written
+  double checkpoint_s;           // the last checkpoint's write time (background)
+  double checkpoint_bytes;       // its size on disk
+  double step_s_ckpt;            // median time of steps that ran while a checkpoint was written
 };
 
 fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res);
+// Writes a Hugging Face model directory (config.json, model.safetensors or shards) from a
+// checkpoint (a root or a step directory), checking it on the way.
+fy_status fy_export(const char *checkpoint, const char *out_dir);
 // Mean loss over eval_batches batches of the data (in order), optionally dumping logits.
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss);
 

@@ -111,5 +111,16 @@ expect 1 "a device memory below the smallest working set" "needs at least" -- tr
 expect 1 "a disk directory that does not exist" "disk tier .*No such file" -- train "${tiny[@]}" --device sim \
   --device-mem 4MiB --disk-dir "$tmp/no/such/dir" --disk-chunks 1
 
+# Checkpoints: stop after 2 of 4 steps, resume in a new process, export.
+expect 0 "a run stopped after 2 steps leaves a checkpoint" "stopped after step 2, checkpoint written" -- train \
+  "${tiny[@]}" --steps 4 --save "$tmp/ck" --save-every 10 --stop-after 2 --no-shuffle
+expect 0 "a new process resumes it" "resuming from .* at step 2" -- train "${tiny[@]}" --steps 4 --resume "$tmp/ck" \
+  --save "$tmp/ck" --save-every 10 --no-shuffle
+expect 0 "ferry export writes a Hugging Face directory" "exported" -- export "$tmp/ck" "$tmp/hf"
+if [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ]; then pass=$((pass + 1)); echo "ok    the export has config.json and model.safetensors"
+else fail=$((fail + 1)); echo "FAIL  the export lacks config.json or model.safetensors"; fi
+expect 1 "resuming from something that is not a checkpoint" "not a ferry checkpoint" -- train "${tiny[@]}" --resume "$tmp"
+expect 2 "--save-every without a number" "whole number" -- train "${tiny[@]}" --save-every often
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -18,8 +18,10 @@ with open(sys.argv[1], "wb") as f:
     f.write(struct.pack("<256i", *hdr))
     f.write(struct.pack("<%dH" % len(toks), *toks))
 PY
+  # A training checkpoint, exported by `ferry export`, is what transformers loads.
   "$ferry" train --init "$here/$name" --data "$tmp/$name.bin" --batch 2 --seq 16 --steps 3 \
-    --lr 1e-3 --save "$tmp/ckpt_$name" --quiet
+    --lr 1e-3 --save "$tmp/run_$name" --save-every 2 --quiet
+  "$ferry" export "$tmp/run_$name" "$tmp/ckpt_$name"
   "$ferry" eval --init "$tmp/ckpt_$name" --data "$tmp/$name.bin" --batch 2 --seq 16 --batches 1 \
     --dump "$tmp/dump_$name.safetensors"
   python3 "$here/make_reference.py" --check-export "$tmp/ckpt_$name" --dump "$tmp/dump_$name.safetensors"

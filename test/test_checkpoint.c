@@ -1,0 +1,255 @@
+// Checkpoints and resume (runtime/checkpoint.h): resuming is exact; a run killed at any moment
+// while writing leaves a checkpoint that loads and resumes; a full disk gives a clear error and
+// keeps the previous checkpoint; export gives the weights back; bad checkpoints are refused.
+// usage: test_checkpoint path/to/ferry
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "core/opt.h"
+#include "ops/ops.h"
+#include "runtime/checkpoint.h"
+#include "runtime/data.h"
+#include "runtime/trainer.h"
+
+static char dir[256], model_dir[300], shard[300];
+
+static struct fy_train_opts base(void) {
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  o.model = model_dir;
+  o.data = shard;
+  o.batch = 2;
+  o.seq = 16;
+  o.steps = 10;
+  o.lr = 3e-3f;
+  o.warmup = 2;
+  o.quiet = true;
+  o.seed = 11;
+  return o;
+}
+
+static void path(char *out, const char *name) { snprintf(out, 512, "%s/%s", dir, name); }
+
+// 10 steps straight against 5, a checkpoint, and 5 more resumed from it: bit for bit.
+static void check_resume(const char *what, struct fy_train_opts o) {
+  char root[512];
+  snprintf(root, sizeof root, "%s/resume_%d", dir, rand());
+  struct fy_train_result straight, first, second;
+  o.steps = 10;
+  CHECK_OK(fy_train(&o, &straight));
+  o.stop_after = 5;  // interrupted after 5 of 10 steps
+  o.save = root;
+  o.save_every = 5;
+  CHECK_OK(fy_train(&o, &first));
+  CHECK(first.checkpoints == 1 && first.interrupted && first.steps == 5);
+  o.stop_after = 0;
+  o.steps = 10;
+  o.save = NULL;
+  o.save_every = 0;
+  o.resume = root;
+  CHECK_OK(fy_train(&o, &second));
+  CHECKF(second.first_step == 5 && second.steps == 10, "%s: resumed at %lld", what, (long long)second.first_step);
+  CHECKF(second.last_loss == straight.last_loss && second.params_hash == straight.params_hash,
+         "%s: resumed run ends at loss %.9g, straight %.9g", what, second.last_loss, straight.last_loss);
+  fprintf(stderr, "  resume exact: %s\n", what);
+}
+
+int main(int argc, char **argv) {
+  const char *ferry = argc > 1 ? argv[1] : NULL;
+  srand((unsigned)time(NULL));
+  snprintf(dir, sizeof dir, "/tmp/ferry_ckpt_XXXXXX");
+  if (!mkdtemp(dir)) return 1;
+  path(model_dir, "model");
+  path(shard, "data.bin");
+  mkdir(model_dir, 0755);
+  struct fy_opt_config cfg;
+  fy_opt_preset("opt-tiny", &cfg);
+  cfg.num_hidden_layers = 3;
+  CHECK_OK(fy_opt_config_write(model_dir, &cfg));
+  uint16_t tok[20000];
+  for (int i = 0; i < 20000; i++) tok[i] = (uint16_t)((i * 13 + i / 5) % 97);
+  CHECK_OK(fy_shard_write(shard, tok, 20000));
+
+  struct fy_train_opts o = base();
+  check_resume("cpu", o);
+  o.grad_accum = 2;
+  o.batch = 1;
+  check_resume("cpu, 2 micro-batches", o);
+  o = base();
+  o.device = "sim";
+  o.device_mem = 4 << 20;
+  o.chunk_mib = 0.05;
+  o.blocks = 2;
+  check_resume("sim, eviction", o);
+  char disk[512];
+  path(disk, "disk");
+  mkdir(disk, 0755);
+  o.disk_dir = disk;
+  o.disk_chunks = 100;
+  check_resume("sim, gradients and AdamW state on disk", o);
+
+  // A checkpoint saved with one placement resumes under another (per-parameter storage).
+  char root[512];
+  path(root, "cross");
+  struct fy_train_result a, b, straight;
+  o = base();
+  CHECK_OK(fy_train(&o, &straight));
+  o.stop_after = 5;
+  o.save = root;
+  o.save_every = 5;
+  o.device = "sim";
+  o.device_mem = 4 << 20;
+  o.chunk_mib = 0.05;
+  CHECK_OK(fy_train(&o, &a));
+  o = base();
+  o.resume = root;
+  CHECK_OK(fy_train(&o, &b));
+  CHECK(b.params_hash == straight.params_hash);
+
+  // Export: a Hugging Face directory with the checkpoint's weights.
+  char out[512], sdir[600];
+  path(out, "exported");
+  CHECK_OK(fy_export(root, out));
+  CHECK_OK(fy_ckpt_resolve(root, sdir, sizeof sdir));
+  struct fy_device *dev;
+  CHECK_OK(fy_device_cpu_create(0, &dev));
+  struct fy_model *m1, *m2;
+  CHECK_OK(fy_model_create(&cfg, 1, 4, dev, &m1));
+  CHECK_OK(fy_model_create(&cfg, 1, 4, dev, &m2));
+  CHECK_OK(fy_model_load(m1, out));
+  struct fy_ckpt_meta meta;
+  CHECK_OK(fy_ckpt_load(root, m2, m2->m, m2->v, &meta));
+  CHECK(meta.step == 5 && meta.sequences == 10);
+  CHECK(memcmp(m1->params, m2->params, (size_t)m1->graph->n_param_elems * 4) == 0);
+  CHECK_ERR(fy_export("/nonexistent", out), FY_ERR_NOT_FOUND);
+
+  // Bad checkpoints.
+  char bad[512], p[700];
+  path(bad, "bad");
+  snprintf(p, sizeof p, "cp -r %s %s", sdir, bad);
+  CHECK(system(p) == 0);
+  snprintf(p, sizeof p, "%s/trainer.json", bad);
+  FILE *f = fopen(p, "w");
+  fputs("{\"format\": \"ferry-checkpoint\", \"step\": \"five\", \"sequences\": 10}", f);
+  fclose(f);
+  CHECK_ERR(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta), FY_ERR_FORMAT);
+  f = fopen(p, "w");
+  fputs("{\"format\": \"ferry-checkpoint\", \"step\": 5, \"sequences\": 10}", f);
+  fclose(f);
+  snprintf(p, sizeof p, "%s/optimizer.safetensors", bad);
+  f = fopen(p, "r+");
+  fseek(f, 0, SEEK_END);
+  CHECK(ftruncate(fileno(f), ftell(f) - 64) == 0);
+  fclose(f);
+  CHECK_ERR(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta), FY_ERR_FORMAT);
+  snprintf(p, sizeof p, "%s/latest", bad);
+  f = fopen(p, "w");
+  fputs("../../etc\n", f);
+  fclose(f);
+  CHECK_ERR(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta), FY_ERR_FORMAT);
+  CHECK_ERR(fy_ckpt_load(model_dir, m2, m2->m, m2->v, &meta), FY_ERR_NOT_FOUND);
+  fy_model_free(m1);
+  fy_model_free(m2);
+  fy_device_free(dev);
+
+  // A loss that turns non-finite stops with the step and the operator named; the last good
+  // checkpoint stays.
+  o = base();
+  o.lr = 1e30f;
+  path(root, "nan");
+  o.save = root;
+  o.save_every = 1;
+  o.adamw.clip = 0;
+  struct fy_train_result rn;
+  fy_status st = fy_train(&o, &rn);
+  CHECKF(st == FY_ERR_NUMERIC && strstr(fy_error_msg(), "output of"), "%d: %s", st, fy_error_msg());
+  fprintf(stderr, "  expected error: %s\n", fy_error_msg());
+  CHECK(fy_ckpt_resolve(root, sdir, sizeof sdir) == FY_OK);
+  struct fy_device *dev2;
+  struct fy_model *m3;
+  CHECK_OK(fy_device_cpu_create(0, &dev2));
+  CHECK_OK(fy_model_create(&cfg, 1, 4, dev2, &m3));
+  CHECK_OK(fy_ckpt_load(root, m3, m3->m, m3->v, &meta));
+  int finite = 1;
+  for (int64_t i = 0; i < m3->graph->n_param_elems; i++) finite &= isfinite(m3->params[i]) != 0;
+  CHECKF(finite && meta.step < rn.steps + 1, "the kept checkpoint (step %lld) holds finite weights", (long long)meta.step);
+  fy_model_free(m3);
+  fy_device_free(dev2);
+
+  // A full disk while writing: a clear error and the previous checkpoint intact (a small tmpfs;
+  // skipped where this sandbox may not mount one).
+  char small[512];
+  path(small, "small");
+  mkdir(small, 0755);
+  if (mount("tmpfs", small, "tmpfs", 0, "size=600k") == 0) {
+    o = base();
+    snprintf(root, sizeof root, "%s/ck", small);
+    o.save = root;
+    o.save_every = 1;
+    o.steps = 6;
+    st = fy_train(&o, &rn);
+    CHECKF(st == FY_ERR_IO, "disk full: %d %s", st, fy_error_msg());
+    fprintf(stderr, "  expected error: %s\n", fy_error_msg());
+    struct fy_train_opts r2 = base();
+    r2.resume = root;
+    CHECK_OK(fy_train(&r2, &rn));  // the checkpoint that made it loads and resumes
+    umount(small);
+  } else {
+    fprintf(stderr, "  skipped: a tmpfs for the full-disk case (%s)\n", strerror(errno));
+  }
+
+  // Killed at random moments while checkpointing every step: a checkpoint always loads.
+  if (ferry) {
+    path(root, "killed");
+    char steps[16];
+    int survived = 0;
+    for (int i = 0; i < 12; i++) {
+      snprintf(steps, sizeof steps, "%d", 1000);
+      pid_t pid = fork();
+      char sd0[600];
+      bool have = fy_ckpt_resolve(root, sd0, sizeof sd0) == FY_OK;
+      if (pid == 0) {
+        int devnull = open("/dev/null", 1);
+        dup2(devnull, 1);
+        dup2(devnull, 2);
+        const char *args[] = {ferry, "train", "--model", model_dir, "--data", shard, "--batch", "2", "--seq", "16",
+                              "--steps", steps, "--save", root, "--save-every", "1", "--threads", "1", "--quiet",
+                              have ? "--resume" : NULL, root, NULL};
+        execv(ferry, (char *const *)args);
+        _exit(127);
+      }
+      struct timespec ts = {0, (long)(50 + rand() % 400) * 1000000L};
+      nanosleep(&ts, NULL);
+      kill(pid, SIGKILL);
+      int status;
+      waitpid(pid, &status, 0);
+      struct fy_train_opts r3 = base();
+      r3.resume = root;
+      r3.steps = 0;  // load only
+      char sd[600];
+      if (fy_ckpt_resolve(root, sd, sizeof sd) != FY_OK) continue;  // killed before the first
+      struct fy_train_result rr;
+      r3.steps = 100000;
+      r3.stop = &(volatile sig_atomic_t){1};  // one step after loading, then stop
+      fy_status s3 = fy_train(&r3, &rr);
+      CHECKF(s3 == FY_OK, "after kill %d: %s", i, fy_error_msg());
+      survived += s3 == FY_OK;
+    }
+    fprintf(stderr, "  %d kills during checkpointing, every checkpoint left resumed\n", survived);
+    CHECK(survived > 0);
+  }
+
+  fy_matmul_cache_clear();
+  snprintf(p, sizeof p, "rm -rf %s", dir);
+  CHECK(system(p) == 0);
+  return check_summary("checkpoint");
+}
