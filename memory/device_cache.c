@@ -11,6 +11,13 @@ struct block {
   fy_event *saved;           // copy_out: the block's gradients have left
 };
 
+struct spill_buf {
+  float *ptr;
+  int owner;            // chunk whose content it holds, -1 when free
+  fy_event *written;    // copy_out: the spill is in
+  fy_event *read;       // copy_in: the reload has read it (the buffer may be reused)
+};
+
 struct accumulate {
   float *dst;
   const float *src;
@@ -29,9 +36,10 @@ struct fy_device_cache {
   // host, so the argument must stay as it was enqueued: it is written only when it changes (the
   // destination of a chunk's gradients never does in practice).
   struct accumulate *acc;
-  float **spill;             // per chunk: host copy of a spilled block (allocated on first spill)
-  bool *spilled;             // per chunk: its current content is in spill[chunk]
-  fy_event **spill_done;     // per chunk: copy_out has finished spilling it
+  // Spilled chunks' blocks in host memory: a small pool, a buffer per chunk spilled at once.
+  struct spill_buf *spills;
+  int n_spills;
+  int *spilled;              // per chunk: the spill buffer holding its content, or -1
   struct fy_device_cache_stats stats;
 };
 
@@ -55,14 +63,14 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   c->pinned = calloc((size_t)nc, sizeof *c->pinned);
   c->resident = calloc((size_t)o->n_blocks, sizeof *c->resident);
   c->acc = calloc((size_t)nc, sizeof *c->acc);
-  c->spill = calloc((size_t)nc, sizeof *c->spill);
   c->spilled = calloc((size_t)nc, sizeof *c->spilled);
-  c->spill_done = calloc((size_t)nc, sizeof *c->spill_done);
-  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc || !c->spill ||
-      !c->spilled || !c->spill_done) {
+  c->spills = calloc((size_t)nc, sizeof *c->spills);
+  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc || !c->spilled ||
+      !c->spills) {
     fy_device_cache_free(c);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
   }
+  for (int i = 0; i < nc; i++) c->spilled[i] = -1;
   size_t bytes = (size_t)layout->chunk_elems * 4;
   for (int b = 0; b < o->n_blocks; b++) {
     struct block *bl = &c->blocks[b];
@@ -92,13 +100,13 @@ void fy_device_cache_free(struct fy_device_cache *c) {
     if (bl->saved) dev->ops->event_free(dev, bl->saved);
   }
   free(c->acc);
-  for (int i = 0; c->spill && i < c->layout->n_chunks; i++) {
-    if (c->spill[i]) fy_host_dealloc(c->o.spill, c->spill[i], (size_t)c->layout->chunk_elems * 4);
-    if (c->spill_done[i]) dev->ops->event_free(dev, c->spill_done[i]);
+  for (int i = 0; i < c->n_spills; i++) {
+    fy_host_dealloc(c->o.spill, c->spills[i].ptr, (size_t)c->layout->chunk_elems * 4);
+    if (c->spills[i].written) dev->ops->event_free(dev, c->spills[i].written);
+    if (c->spills[i].read) dev->ops->event_free(dev, c->spills[i].read);
   }
-  free(c->spill);
+  free(c->spills);
   free(c->spilled);
-  free(c->spill_done);
   free(c->blocks);
   free(c->bwd_done);
   free(c->prefetched);
@@ -114,21 +122,30 @@ static bool is_pinned(const struct fy_device_cache *c, int chunk, bool for_prefe
   return for_prefetch && c->prefetched[chunk];
 }
 
-// Evicts a HOLD_AFTER_BWD chunk by copying its block to host memory.
+// Evicts a HOLD_AFTER_BWD chunk by copying its block to a host spill buffer (a free one of the
+// pool, or a new one).
 static fy_status spill(struct fy_device_cache *c, int chunk) {
   struct fy_chunk *ch = &c->layout->chunks[chunk];
   struct block *bl = &c->blocks[ch->block];
   struct fy_device *dev = c->o.dev;
-  if (!c->spill[chunk]) {
-    FY_TRY(fy_host_alloc(c->o.spill, (size_t)c->layout->chunk_elems * 4, (void **)&c->spill[chunk]));
-    FY_TRY(dev->ops->event_create(dev, &c->spill_done[chunk]));
+  int k = 0;
+  while (k < c->n_spills && c->spills[k].owner >= 0) k++;
+  if (k == c->n_spills) {
+    struct spill_buf *sb = &c->spills[k];
+    FY_TRY(fy_host_alloc(c->o.spill, (size_t)c->layout->chunk_elems * 4, (void **)&sb->ptr));
+    c->n_spills++;
+    FY_TRY(dev->ops->event_create(dev, &sb->written));
+    FY_TRY(dev->ops->event_create(dev, &sb->read));
   }
+  struct spill_buf *sb = &c->spills[k];
   fy_stream *s = c->o.copy_out;
+  FY_TRY(fy_stream_wait(s, sb->read));  // its previous content has been loaded back
   FY_TRY(fy_stream_wait(s, bl->used));
-  FY_TRY(fy_copy_async(s, c->spill[chunk], bl->ptr, (size_t)ch->used * 4));
+  FY_TRY(fy_copy_async(s, sb->ptr, bl->ptr, (size_t)ch->used * 4));
   FY_TRY(fy_event_record(bl->saved, s));
-  FY_TRY(fy_event_record(c->spill_done[chunk], s));
-  c->spilled[chunk] = true;
+  FY_TRY(fy_event_record(sb->written, s));
+  sb->owner = chunk;
+  c->spilled[chunk] = k;
   c->stats.spills++;
   return FY_OK;
 }
@@ -165,10 +182,13 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
   // The block's previous occupant must be done with: its readers and its write-back.
   FY_TRY(fy_stream_wait(s, bl->used));
   FY_TRY(fy_stream_wait(s, bl->saved));
-  if (c->spilled[chunk]) {  // its partial gradients come back from where they were spilled
-    FY_TRY(fy_stream_wait(s, c->spill_done[chunk]));
-    FY_TRY(fy_copy_async(s, bl->ptr, c->spill[chunk], (size_t)ch->used * 4));
-    c->spilled[chunk] = false;
+  if (c->spilled[chunk] >= 0) {  // its partial gradients come back from where they were spilled
+    struct spill_buf *sb = &c->spills[c->spilled[chunk]];
+    FY_TRY(fy_stream_wait(s, sb->written));
+    FY_TRY(fy_copy_async(s, bl->ptr, sb->ptr, (size_t)ch->used * 4));
+    FY_TRY(fy_event_record(sb->read, s));
+    sb->owner = -1;
+    c->spilled[chunk] = -1;
   } else {
     if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
     FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * 4));

@@ -125,9 +125,17 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   const struct fy_chunk_layout *l = r->model->layout;
   // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
   // few chunk-sized buffers), the rest of the chunks' to disk.
+  // Kept aside: chunk-sized buffers for spilling (a few at once) and, with a disk tier, for one
+  // disk chunk's gradients, m and v and its write-back.
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
-  size_t spare = host_cap > in_use + 8 * chunk_bytes ? host_cap - in_use - 8 * chunk_bytes : 0;
+  size_t reserve = 3 * chunk_bytes;
+  size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = (int)(spare / (3 * chunk_bytes));
+  if (fit < l->n_chunks) {
+    reserve += 5 * chunk_bytes;
+    spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
+    fit = (int)(spare / (3 * chunk_bytes));
+  }
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
   if (n_disk > l->n_chunks) n_disk = l->n_chunks;
   if (n_disk > 0 && !o->disk_dir)
@@ -531,6 +539,14 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
   }
   res->peak_rss_bytes = peak_rss_bytes();
   res->device_peak_bytes = (double)r.dev->bytes_peak;
+  if (r.x) {
+    struct fy_offload_stats xs;
+    fy_offload_stats(r.x, &xs);
+    res->cache_loads = xs.cache.loads;
+    res->cache_prefetches = xs.cache.prefetches;
+    res->cache_evictions = xs.cache.evictions;
+    res->cache_spills = xs.cache.spills;
+  }
   struct fy_copy_stats cs;
   fy_device_copy_stats(r.dev, &cs);
   for (int d = 0; d < 2; d++) {

@@ -69,6 +69,7 @@ struct fy_train_result {
   double step_s;                // median step time (after the first)
   double copy_bytes[2], copy_busy_s[2];  // sim: host->device [0] and device->host [1], whole run
   int n_blocks, n_chunks, n_disk_chunks;
+  int64_t cache_loads, cache_prefetches, cache_evictions, cache_spills;  // sim: the chunk cache
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical
   bool interrupted;              // ended early by opts.stop

@@ -46,8 +46,12 @@ static void same_as(const char *what, struct fy_train_opts o, const struct fy_tr
   if (o.device && strcmp(o.device, "sim") == 0)
     CHECKF(r.device_peak_bytes <= (double)o.device_mem, "%s: device peak %.0f over the cap %zu", what,
            r.device_peak_bytes, o.device_mem);
-  fprintf(stderr, "  %-44s blocks %d/%d chunks, disk chunks %d, device peak %.0f KiB\n", what, r.n_blocks,
-          r.n_chunks, r.n_disk_chunks, r.device_peak_bytes / 1024);
+  fprintf(stderr, "  %-44s blocks %d/%d chunks, disk chunks %d, device peak %.0f KiB, loads %lld "
+          "(prefetched %lld), evictions %lld, spills %lld\n", what, r.n_blocks, r.n_chunks, r.n_disk_chunks,
+          r.device_peak_bytes / 1024, (long long)r.cache_loads, (long long)r.cache_prefetches,
+          (long long)r.cache_evictions, (long long)r.cache_spills);
+  if (o.blocks == 1) CHECKF(r.cache_spills > 0 && r.cache_evictions > 0, "%s: 1 block must evict and spill", what);
+  if (o.blocks == 2) CHECKF(r.cache_evictions > 0, "%s: 2 blocks must evict", what);
 }
 
 int main(void) {
@@ -87,8 +91,10 @@ int main(void) {
     snprintf(cmd, sizeof cmd, "sim, 2 blocks (eviction), prefetch %d", p);
     same_as(cmd, s, &ref);
   }
-  s.blocks = 3;
+  s.blocks = 1;  // the tied embedding is spilled to the host during backward
   s.prefetch = 2;
+  same_as("sim, 1 block (spills), prefetch 2", s, &ref);
+  s.blocks = 3;
   same_as("sim, 3 blocks, prefetch 2", s, &ref);
   s.disk_dir = disk_dir;
   s.disk_chunks = 1000;
