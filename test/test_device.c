@@ -341,16 +341,22 @@ static void test_event_reuse(struct fy_device *dev) {
   CHECK_OK(fy_event_record(e, a));
   CHECK_OK(fy_stream_wait(b, e));
   CHECK_OK(fy_stream_enqueue(b, observe_x, &o));
+  fy_event *first = event_new(dev);
+  CHECK_OK(fy_event_record(first, b));
   CHECK_OK(fy_stream_enqueue(a, gate_pass, &g));
   CHECK_OK(fy_stream_enqueue(a, set_x2, &x));
   CHECK_OK(fy_event_record(e, a));
   CHECK_OK(fy_stream_wait(b, e));
   CHECK_OK(fy_stream_enqueue(b, observe_x, &o));
+  // B has made its first observation before A may go on (no timing assumption), then a little
+  // time for B to pass its second wait early if the wait were broken.
+  CHECK_OK(fy_event_sync(first));
   sleep_ms(5);
   gate_open(&g);
   CHECK_OK(fy_stream_sync(b));
   CHECK(o.n == 2 && o.seen[0] == 1 && o.seen[1] == 2);
   CHECK_OK(fy_stream_sync(a));
+  dev->ops->event_free(dev, first);
   dev->ops->event_free(dev, e);
   dev->ops->stream_free(dev, a);
   dev->ops->stream_free(dev, b);

@@ -23,7 +23,8 @@ static inline float fy_expf_(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) * (1 << 23);
+  // Unsigned arithmetic: a NaN input (n undefined) must give NaN, not undefined behaviour.
+  uint32_t bits = ((uint32_t)(int32_t)n + 127u) << 23;
   float scale;
   memcpy(&scale, &bits, sizeof scale);
   return p * scale;
