@@ -60,4 +60,11 @@ fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n);
 // and its metadata. Checks every tensor's name, shape and dtype.
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);
 
+// trainer.json of a step directory (runtime/checkpoint_index.c): written atomically; read with
+// every field checked (FY_ERR_FORMAT naming the file and the field).
+fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta);
+fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta);
+// Writes text to path through a temporary file in the same directory: fsync, rename.
+fy_status fy_ckpt_write_text(const char *path, const char *text);
+
 #endif

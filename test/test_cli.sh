@@ -122,5 +122,30 @@ else fail=$((fail + 1)); echo "FAIL  the export lacks config.json or model.safet
 expect 1 "resuming from something that is not a checkpoint" "not a ferry checkpoint" -- train "${tiny[@]}" --resume "$tmp"
 expect 2 "--save-every without a number" "whole number" -- train "${tiny[@]}" --save-every often
 
+# SIGINT: the run finishes its step, writes a checkpoint and exits 0; a second signal exits at once
+# and leaves either no checkpoint or one that resumes.
+"$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/sig" --save-every 1000000 --quiet >/dev/null 2>&1 &
+pid=$!
+sleep 1.5
+kill -INT "$pid"
+wait "$pid"; code=$?
+if [ "$code" -eq 0 ] && [ -f "$tmp/sig/latest" ]; then pass=$((pass + 1)); echo "ok    SIGINT ends the run with a checkpoint and exit 0"
+else fail=$((fail + 1)); echo "FAIL  SIGINT: exit $code, latest $(cat "$tmp/sig/latest" 2>&1)"; fi
+# (a model whose steps take a while, so that the second signal comes before the run is over)
+slow=(--model opt-demo --data "$tmp/ok.bin" --batch 16 --seq 128)
+"$ferry" train "${slow[@]}" --steps 1000000 --save "$tmp/sig2" --save-every 1 --quiet >/dev/null 2>&1 &
+pid=$!
+sleep 2
+kill -INT "$pid"; sleep 0.05; kill -INT "$pid"  # apart: two pending SIGINTs merge into one
+wait "$pid"; code=$?
+resumed=0
+if [ -f "$tmp/sig2/latest" ]; then
+  "$ferry" train "${slow[@]}" --steps 1000000 --resume "$tmp/sig2" --stop-after 1 --quiet >/dev/null 2>&1 && resumed=1
+else
+  resumed=1
+fi
+if [ "$code" -eq 130 ] && [ "$resumed" -eq 1 ]; then pass=$((pass + 1)); echo "ok    a second SIGINT exits at once (130), the checkpoint left resumes"
+else fail=$((fail + 1)); echo "FAIL  second SIGINT: exit $code, resumed $resumed"; fi
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -20,35 +20,8 @@
 #include <unistd.h>
 
 #include "core/safetensors.h"
+#include "fuzz_common.h"
 
-// One file per process, rewritten for every input: a memfd (no file left behind), else /tmp.
-static char fz_path[64];
-static int fz_fd = -1;
-
-static void fz_cleanup(void) {
-  if (strncmp(fz_path, "/tmp/", 5) == 0) unlink(fz_path);
-}
-
-static const char *fz_write(const uint8_t *data, size_t size) {
-  if (fz_fd < 0) {
-    fz_fd = memfd_create("fuzz_safetensors", MFD_CLOEXEC);
-    if (fz_fd >= 0) {
-      snprintf(fz_path, sizeof fz_path, "/proc/self/fd/%d", fz_fd);
-    } else {
-      snprintf(fz_path, sizeof fz_path, "/tmp/ferry-fuzz-st-%d", (int)getpid());
-      fz_fd = open(fz_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-      if (fz_fd < 0) abort();
-      atexit(fz_cleanup);
-    }
-  }
-  if (ftruncate(fz_fd, 0) != 0) abort();
-  for (size_t done = 0; done < size;) {
-    ssize_t w = pwrite(fz_fd, data + done, size - done, (off_t)done);
-    if (w <= 0) abort();
-    done += (size_t)w;
-  }
-  return fz_path;
-}
 
 // The sharded-model directory, made once per process under $TMPDIR: shards a.safetensors
 // (x, y), b.safetensors (z), dup.safetensors (x again) and bad.safetensors (not a file of tensors);

@@ -200,9 +200,26 @@ SHARD = {
 }
 
 
+# Checkpoint index (fuzz_checkpoint.c): trainer.json, or with a leading "L" the `latest` pointer.
+CKPT_OK = {"format": "ferry-checkpoint", "version": 1, "step": 10, "sequences": 40, "seed": 1337,
+           "loss_scale": 1.0, "options": {"model": "opt-tiny"}}
+CHECKPOINT = {
+    "valid.json": js(CKPT_OK),
+    "step_string.json": js({**CKPT_OK, "step": "ten"}),
+    "negative.json": js({**CKPT_OK, "step": -1}),
+    "huge.json": js({**CKPT_OK, "sequences": 2**63 - 1}),
+    "wrong_format.json": js({"format": "other"}),
+    "array.json": js([1, 2, 3]),
+    "latest_ok": b"Lstep-00000010\n",
+    "latest_escape": b"L../../etc\n",
+    "latest_empty": b"L",
+}
+
+
 def main():
     root = os.path.join(HERE, "corpus")
-    for name, seeds in (("safetensors", SAFETENSORS), ("config", CONFIG), ("shard", SHARD)):
+    for name, seeds in (("safetensors", SAFETENSORS), ("config", CONFIG), ("shard", SHARD),
+                        ("checkpoint", CHECKPOINT)):
         d = os.path.join(root, name)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)

@@ -1,0 +1,97 @@
+// The checkpoint index: trainer.json and the `latest` pointer (runtime/checkpoint.h), apart from
+// the rest so that their parsers can be fuzzed on their own (test/fuzz/fuzz_checkpoint.c).
+#include <errno.h>
+#include <json-c/json.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "runtime/checkpoint.h"
+
+// Writes text to path through a temporary file in the same directory: fsync, rename.
+fy_status fy_ckpt_write_text(const char *path, const char *text) {
+  char tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) return fy_error_set(FY_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+  size_t n = strlen(text);
+  bool ok = fwrite(text, 1, n, f) == n && fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int err = errno;
+  ok = (fclose(f) == 0) && ok;
+  if (!ok || rename(tmp, path) != 0) {
+    if (ok) err = errno;
+    unlink(tmp);
+    return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(err ? err : EIO));
+  }
+  return FY_OK;
+}
+
+fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta) {
+  json_object *o = json_object_new_object();
+  json_object_object_add(o, "format", json_object_new_string("ferry-checkpoint"));
+  json_object_object_add(o, "version", json_object_new_int(1));
+  json_object_object_add(o, "step", json_object_new_int64(meta->step));
+  json_object_object_add(o, "sequences", json_object_new_int64(meta->sequences));
+  json_object_object_add(o, "seed", json_object_new_uint64(meta->seed));
+  json_object_object_add(o, "loss_scale", json_object_new_double(meta->loss_scale));
+  json_object *opts = json_tokener_parse(meta->options[0] ? meta->options : "{}");
+  json_object_object_add(o, "options", opts ? opts : json_object_new_object());
+  char path[4200];
+  snprintf(path, sizeof path, "%s/trainer.json", dir);
+  fy_status st = fy_ckpt_write_text(path, json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY));
+  json_object_put(o);
+  return st;
+}
+
+fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/trainer.json", dir);
+  json_object *o = json_object_from_file(p);
+  if (!o) return fy_error_set(FY_ERR_FORMAT, "%s: cannot be read as JSON", p);
+  fy_status st = FY_OK;
+  json_object *v;
+  memset(meta, 0, sizeof *meta);
+  if (!json_object_is_type(o, json_type_object) || !json_object_object_get_ex(o, "format", &v) ||
+      strcmp(json_object_get_string(v), "ferry-checkpoint") != 0) {
+    st = fy_error_set(FY_ERR_FORMAT, "%s: not a ferry checkpoint index", p);
+  } else {
+    const char *keys[] = {"step", "sequences"};
+    int64_t *dst[] = {&meta->step, &meta->sequences};
+    for (int i = 0; i < 2 && st == FY_OK; i++) {
+      if (!json_object_object_get_ex(o, keys[i], &v) || !json_object_is_type(v, json_type_int) ||
+          json_object_get_int64(v) < 0)
+        st = fy_error_set(FY_ERR_FORMAT, "%s: \"%s\" must be a whole number >= 0", p, keys[i]);
+      else
+        *dst[i] = json_object_get_int64(v);
+    }
+    if (st == FY_OK && json_object_object_get_ex(o, "seed", &v)) meta->seed = json_object_get_uint64(v);
+    meta->loss_scale = 1.0;
+    if (st == FY_OK && json_object_object_get_ex(o, "loss_scale", &v)) meta->loss_scale = json_object_get_double(v);
+    if (st == FY_OK && json_object_object_get_ex(o, "options", &v))
+      snprintf(meta->options, sizeof meta->options, "%s", json_object_to_json_string(v));
+  }
+  json_object_put(o);
+  return st;
+}
+
+
+fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n) {
+  char p[4200], name[256];
+  snprintf(p, sizeof p, "%s/latest", path);
+  FILE *f = fopen(p, "r");
+  if (f) {
+    bool ok = fgets(name, sizeof name, f) != NULL;
+    fclose(f);
+    name[strcspn(name, "\r\n")] = 0;
+    if (!ok || strncmp(name, "step-", 5) != 0 || strchr(name, '/') || strstr(name, ".."))
+      return fy_error_set(FY_ERR_FORMAT, "%s does not name a checkpoint directory", p);
+    snprintf(dir, n, "%s/%s", path, name);
+    return FY_OK;
+  }
+  snprintf(p, sizeof p, "%s/trainer.json", path);
+  if (access(p, R_OK) == 0) {
+    snprintf(dir, n, "%s", path);
+    return FY_OK;
+  }
+  return fy_error_set(FY_ERR_NOT_FOUND, "%s is not a ferry checkpoint (no latest, no trainer.json)", path);
+}
