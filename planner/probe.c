@@ -1,0 +1,687 @@
+// The hardware probe: measurements, the JSON cache file, overrides.
+#include "planner/probe.h"
+
+#include <errno.h>
+#include <json-c/json.h>
+#include <limits.h>
+#include <math.h>
+#include <pwd.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/device.h"
+#include "memory/tier.h"
+#include "ops/ops.h"
+
+#define GEMM_M 512
+#define GEMM_N 3072
+#define GEMM_K 768
+#define TRIAD_BYTES (256u << 20)     // the three arrays together
+#define ADAMW_PARAMS (16 << 20)
+#define ADAMW_BYTES_PER_PARAM 28.0   // reads p, m, v, g; writes p, m, v
+#define COPY_BYTES ((size_t)64 << 20)
+#define DISK_BYTES ((size_t)256 << 20)
+#define DISK_REQS 4                  // concurrent requests, as chunk traffic issues them
+#define SIM_PROBE_CAP ((size_t)256 << 20)  // the sim pool the copy test needs, whatever the cap said
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void *alloc_aligned(size_t n) {
+  void *p = NULL;
+  return posix_memalign(&p, 64, n) == 0 ? p : NULL;
+}
+
+// ---- measurements ----
+
+static fy_status measure_gemm(double *gflops) {
+  float *a = alloc_aligned((size_t)GEMM_M * GEMM_K * sizeof(float));
+  float *b = alloc_aligned((size_t)GEMM_K * GEMM_N * sizeof(float));
+  float *c = alloc_aligned((size_t)GEMM_M * GEMM_N * sizeof(float));
+  fy_status st = FY_OK;
+  if (!a || !b || !c) {
+    st = fy_error_set(FY_ERR_NOMEM, "probe: no memory for the GEMM test");
+    goto out;
+  }
+  for (size_t i = 0; i < (size_t)GEMM_M * GEMM_K; i++) a[i] = (float)(i % 7) * 0.01f;
+  for (size_t i = 0; i < (size_t)GEMM_K * GEMM_N; i++) b[i] = (float)(i % 5) * 0.01f;
+  // The shape of a linear layer's forward at OPT-125m's width with 512 tokens.
+  const double flop = 2.0 * GEMM_M * GEMM_N * GEMM_K;
+  double t[5];
+  st = fy_matmul(c, a, b, GEMM_M, GEMM_N, GEMM_K, false, false, 1.0f, 0.0f);  // warm-up, JIT
+  for (int r = 0; r < 5 && st == FY_OK; r++) {
+    double t0 = now_s();
+    st = fy_matmul(c, a, b, GEMM_M, GEMM_N, GEMM_K, false, false, 1.0f, 0.0f);
+    t[r] = now_s() - t0;
+  }
+  if (st == FY_OK) *gflops = flop / median(t, 5) / 1e9;
+  else st = fy_error_wrap(st, "probe: GEMM");
+out:
+  free(a), free(b), free(c);
+  return st;
+}
+
+// STREAM's triad; bytes are counted as STREAM counts them (two reads and a write per element, no
+// write-allocate traffic), which is how the memory-bound kernels' bytes are counted too.
+static fy_status measure_triad(double *gbps) {
+  const int64_t n = TRIAD_BYTES / (3 * sizeof(float));
+  float *a = alloc_aligned((size_t)n * sizeof(float));
+  float *b = alloc_aligned((size_t)n * sizeof(float));
+  float *c = alloc_aligned((size_t)n * sizeof(float));
+  if (!a || !b || !c) {
+    free(a), free(b), free(c);
+    return fy_error_set(FY_ERR_NOMEM, "probe: no memory for the memory-bandwidth test");
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) a[i] = 0.0f, b[i] = 1.0f, c[i] = 2.0f;  // first touch, as used
+  const float s = 0.5f;
+  double t[4];
+  for (int r = -1; r < 4; r++) {
+    double t0 = now_s();
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+    if (r >= 0) t[r] = now_s() - t0;
+  }
+  volatile float sink = a[n / 2];
+  (void)sink;
+  *gbps = 3.0 * sizeof(float) * (double)n / median(t, 4) / 1e9;
+  free(a), free(b), free(c);
+  return FY_OK;
+}
+
+static fy_status measure_adamw(double *gbps) {
+  const int64_t n = ADAMW_PARAMS;
+  float *p = alloc_aligned((size_t)n * sizeof(float)), *m = alloc_aligned((size_t)n * sizeof(float));
+  float *v = alloc_aligned((size_t)n * sizeof(float)), *g = alloc_aligned((size_t)n * sizeof(float));
+  if (!p || !m || !v || !g) {
+    free(p), free(m), free(v), free(g);
+    return fy_error_set(FY_ERR_NOMEM, "probe: no memory for the AdamW test");
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) p[i] = 1.0f, m[i] = 0.0f, v[i] = 0.0f, g[i] = 1e-3f * (float)(i & 15);
+  double t[3];
+  for (int r = -1; r < 3; r++) {
+    double t0 = now_s();
+    fy_adamw_update(p, m, v, g, n, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, r + 2, 1.0f);
+    if (r >= 0) t[r] = now_s() - t0;
+  }
+  *gbps = ADAMW_BYTES_PER_PARAM * (double)n / median(t, 3) / 1e9;
+  free(p), free(m), free(v), free(g);
+  return FY_OK;
+}
+
+// Wall time of one copy of n bytes on stream s, from enqueue to the host seeing it done.
+static fy_status time_copy(fy_stream *s, void *dst, const void *src, size_t n, double *secs) {
+  double t0 = now_s();
+  FY_TRY(fy_copy_async(s, dst, src, n));
+  FY_TRY(fy_stream_sync(s));
+  *secs = now_s() - t0;
+  return FY_OK;
+}
+
+static fy_status measure_copies(bool sim, double link_gbps, double cap, double *h2d, double *d2h) {
+  struct fy_device *dev = NULL;
+  size_t pool = sim ? (cap < (double)SIM_PROBE_CAP ? (size_t)cap : SIM_PROBE_CAP) : 0;
+  fy_status st = sim ? fy_device_sim_create(pool, link_gbps, &dev) : fy_device_cpu_create(0, &dev);
+  if (st != FY_OK) return fy_error_wrap(st, "probe: creating the %s device", sim ? "sim" : "cpu");
+  size_t n = COPY_BYTES;
+  if (sim && n > pool / 2) n = (pool / 2) & ~(size_t)4095;
+  if (n < 4096) n = pool;  // a tiny cap: copy what fits
+  fy_stream *s = NULL;
+  void *dbuf = NULL;
+  char *hbuf = alloc_aligned(n ? n : 1);
+  if (!hbuf) st = fy_error_set(FY_ERR_NOMEM, "probe: no memory for the copy test");
+  if (st == FY_OK) st = fy_device_alloc(dev, n, &dbuf);
+  if (st == FY_OK) st = fy_stream_create(dev, &s);
+  if (st == FY_OK) {
+    memset(hbuf, 1, n);
+    double up[3], down[3], w;
+    // The warm-ups fault in both buffers' pages.
+    st = time_copy(s, dbuf, hbuf, n, &w);
+    if (st == FY_OK) st = time_copy(s, hbuf, dbuf, n, &w);
+    for (int r = 0; r < 3 && st == FY_OK; r++) {
+      st = time_copy(s, dbuf, hbuf, n, &up[r]);
+      if (st == FY_OK) st = time_copy(s, hbuf, dbuf, n, &down[r]);
+    }
+    if (st == FY_OK) {
+      *h2d = (double)n / median(up, 3) / 1e9;
+      *d2h = (double)n / median(down, 3) / 1e9;
+    } else {
+      st = fy_error_wrap(st, "probe: copy test");
+    }
+  } else {
+    st = fy_error_wrap(st, "probe: copy test");
+  }
+  fy_stream_free(s);
+  if (dbuf) fy_device_dealloc(dev, dbuf, n);
+  fy_device_free(dev);
+  free(hbuf);
+  return st;
+}
+
+// Submits DISK_REQS requests that together cover the slot, waits for all of them.
+static fy_status disk_pass(struct fy_disk_tier *t, int64_t h, char *buf, bool write,
+                           struct fy_disk_req **reqs, double *secs) {
+  const size_t part = DISK_BYTES / DISK_REQS;
+  fy_status st = FY_OK;
+  int started = 0;
+  double t0 = now_s();
+  for (int i = 0; i < DISK_REQS && st == FY_OK; i++, started++)
+    st = write ? fy_disk_write_async(t, h, i * part, buf + i * part, part, reqs[i])
+               : fy_disk_read_async(t, h, i * part, buf + i * part, part, reqs[i]);
+  if (st != FY_OK) started--;
+  for (int i = 0; i < started; i++) {
+    fy_status w = fy_disk_wait(reqs[i]);
+    if (st == FY_OK) st = w;
+  }
+  *secs = now_s() - t0;
+  return st;
+}
+
+// The disk tier does not fsync, and a non-root process cannot drop the page cache safely, so the
+// write rate is what the tier sees for a 256 MB burst (the page cache absorbs it up to the kernel's
+// dirty limits) and the read, right after, is mostly served from the page cache. Both are what is
+// measured, and upper bounds for the disk's sustained rates.
+static fy_status measure_disk(const char *dir, double *rd, double *wr) {
+  struct fy_disk_tier *t = NULL;
+  struct fy_disk_req *reqs[DISK_REQS] = {0};
+  char *buf = NULL;
+  int64_t h = 0;
+  fy_status st = fy_disk_tier_open(dir, 0, &t);
+  if (st == FY_OK) st = fy_disk_alloc(t, DISK_BYTES, &h);
+  for (int i = 0; i < DISK_REQS && st == FY_OK; i++) st = fy_disk_req_create(&reqs[i]);
+  if (st == FY_OK && !(buf = alloc_aligned(DISK_BYTES)))
+    st = fy_error_set(FY_ERR_NOMEM, "probe: no memory for the disk test");
+  if (st == FY_OK) {
+    for (size_t i = 0; i < DISK_BYTES; i += 4096) memset(buf + i, (int)(i >> 12) | 1, 4096);
+    double tw = 0, tr = 0;
+    st = disk_pass(t, h, buf, true, reqs, &tw);
+    if (st == FY_OK) st = disk_pass(t, h, buf, false, reqs, &tr);
+    if (st == FY_OK) {
+      *wr = (double)DISK_BYTES / tw / 1e9;
+      *rd = (double)DISK_BYTES / tr / 1e9;
+    }
+  }
+  if (st != FY_OK) st = fy_error_wrap(st, "probe: disk test");
+  for (int i = 0; i < DISK_REQS; i++)
+    if (reqs[i]) fy_disk_req_free(reqs[i]);
+  if (t) fy_disk_tier_close(t);
+  free(buf);
+  return st;
+}
+
+static unsigned long long read_ull_file(const char *path, bool *ok) {
+  FILE *f = fopen(path, "r");
+  char line[64];
+  *ok = false;
+  if (!f) return 0;
+  unsigned long long v = 0;
+  if (fgets(line, sizeof line, f)) {
+    char *end;
+    errno = 0;
+    v = strtoull(line, &end, 10);
+    *ok = errno == 0 && end != line;
+  }
+  fclose(f);
+  return v;
+}
+
+// Memory available to this process now: MemAvailable, bounded by a cgroup v2 limit.
+static double host_mem_available(void) {
+  double avail = 0;
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (f) {
+    char line[256];
+    unsigned long long kb;
+    while (fgets(line, sizeof line, f))
+      if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) avail = (double)kb * 1024.0;
+    fclose(f);
+  }
+  if (avail <= 0) {
+    long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psz > 0) avail = (double)pages * (double)psz;
+  }
+  bool ok_max, ok_cur;
+  unsigned long long max = read_ull_file("/sys/fs/cgroup/memory.max", &ok_max);  // "max": no limit
+  unsigned long long cur = read_ull_file("/sys/fs/cgroup/memory.current", &ok_cur);
+  if (ok_max && ok_cur && max > cur && (double)(max - cur) < avail) avail = (double)(max - cur);
+  return avail;
+}
+
+// Four significant digits: the run-to-run noise is larger than that, and the file stays readable.
+static double round4(double x) {
+  if (!(x > 0) || !isfinite(x)) return x;
+  double scale = pow(10.0, 3 - floor(log10(x)));
+  return round(x * scale) / scale;
+}
+
+fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_gbps,
+                           const char *disk_dir, struct fy_probe *out) {
+  if (!dev_kind || (strcmp(dev_kind, "cpu") != 0 && strcmp(dev_kind, "sim") != 0))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "probe: cannot measure device '%s' (cpu or sim)",
+                        dev_kind ? dev_kind : "(null)");
+  bool sim = strcmp(dev_kind, "sim") == 0;
+  if (!(device_mem >= 0) || !isfinite(device_mem) || (sim && device_mem <= 0))
+    return fy_error_set(FY_ERR_INVALID, "probe: the %s device needs a memory size > 0, got %g",
+                        dev_kind, device_mem);
+  if (!(link_gbps >= 0) || !isfinite(link_gbps))
+    return fy_error_set(FY_ERR_INVALID, "probe: the link rate must be >= 0 GB/s, got %g", link_gbps);
+  if (disk_dir && strlen(disk_dir) >= sizeof out->disk_dir)
+    return fy_error_set(FY_ERR_INVALID, "probe: disk directory name too long (%zu bytes)",
+                        strlen(disk_dir));
+  struct fy_probe p;
+  memset(&p, 0, sizeof p);
+  snprintf(p.device, sizeof p.device, "%s", dev_kind);
+  p.host_mem = host_mem_available();
+  if (!(p.host_mem > 0)) return fy_error_set(FY_ERR_INTERNAL, "probe: cannot tell the host's memory");
+  p.device_mem = device_mem > 0 ? floor(device_mem) : p.host_mem;
+  FY_TRY(measure_triad(&p.host_mem_gbps));
+  FY_TRY(measure_gemm(&p.host_gflops));
+  p.device_gflops = p.host_gflops;  // cpu and sim run their kernels on this CPU
+  FY_TRY(measure_adamw(&p.host_adamw_gbps));
+  FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps));
+  if (disk_dir && disk_dir[0]) {
+    FY_TRY(measure_disk(disk_dir, &p.disk_read_gbps, &p.disk_write_gbps));
+    char real[PATH_MAX];
+    const char *d = realpath(disk_dir, real) && strlen(real) < sizeof p.disk_dir ? real : disk_dir;
+    snprintf(p.disk_dir, sizeof p.disk_dir, "%s", d);
+  }
+  double *rates[] = {&p.device_gflops, &p.host_gflops, &p.h2d_gbps, &p.d2h_gbps, &p.host_adamw_gbps,
+                     &p.host_mem_gbps, &p.disk_read_gbps, &p.disk_write_gbps};
+  for (size_t i = 0; i < sizeof rates / sizeof *rates; i++) *rates[i] = round4(*rates[i]);
+  *out = p;
+  return FY_OK;
+}
+
+// ---- the fields, shared by the file and the overrides ----
+
+enum kind { K_STRING, K_BYTES, K_RATE, K_RATE0 };  // K_RATE0: zero allowed (disk)
+
+struct field {
+  const char *key;
+  enum kind kind;
+  size_t off, cap;  // cap: the char array's size for strings
+  const char *unit;
+};
+
+#define NUM(name, kind, unit) {#name, kind, offsetof(struct fy_probe, name), 0, unit}
+#define STR(name) {#name, K_STRING, offsetof(struct fy_probe, name), sizeof(((struct fy_probe *)0)->name), ""}
+static const struct field fields[] = {
+    STR(device),
+    NUM(device_mem, K_BYTES, "bytes"),
+    NUM(host_mem, K_BYTES, "bytes"),
+    NUM(device_gflops, K_RATE, "GFLOP/s"),
+    NUM(host_gflops, K_RATE, "GFLOP/s"),
+    NUM(h2d_gbps, K_RATE, "GB/s"),
+    NUM(d2h_gbps, K_RATE, "GB/s"),
+    NUM(host_adamw_gbps, K_RATE, "GB/s"),
+    NUM(host_mem_gbps, K_RATE, "GB/s"),
+    NUM(disk_read_gbps, K_RATE0, "GB/s"),
+    NUM(disk_write_gbps, K_RATE0, "GB/s"),
+    STR(disk_dir),
+};
+#define NFIELDS (sizeof fields / sizeof *fields)
+
+static double *num_at(struct fy_probe *p, const struct field *f) { return (double *)((char *)p + f->off); }
+static char *str_at(struct fy_probe *p, const struct field *f) { return (char *)p + f->off; }
+
+static bool device_known(const char *s) {
+  return !strcmp(s, "cpu") || !strcmp(s, "sim") || !strcmp(s, "cuda");
+}
+
+// ---- the file ----
+
+// The shortest of %.15g..%.17g that reads back as the same double: "12.5", not "12.499999999999998".
+static void format_double(char *buf, size_t n, double v) {
+  for (int prec = 15; prec <= 17; prec++) {
+    snprintf(buf, n, "%.*g", prec, v);
+    if (strtod(buf, NULL) == v) break;
+  }
+  if (!strpbrk(buf, ".eEn")) strncat(buf, ".0", n - strlen(buf) - 1);  // stays a JSON double
+}
+
+static fy_status mkdir_parents(const char *path) {
+  char dir[PATH_MAX];
+  if (snprintf(dir, sizeof dir, "%s", path) >= (int)sizeof dir)
+    return fy_error_set(FY_ERR_INVALID, "path too long: %s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash || slash == dir) return FY_OK;
+  *slash = '\0';
+  for (char *q = dir + 1;; q++) {
+    if (*q == '/' || *q == '\0') {
+      char c = *q;
+      *q = '\0';
+      if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", dir, strerror(errno));
+      *q = c;
+      if (c == '\0') break;
+    }
+  }
+  return FY_OK;
+}
+
+fy_status fy_probe_write(const char *path, const struct fy_probe *p) {
+  json_object *o = json_object_new_object();
+  for (size_t i = 0; i < NFIELDS; i++) {
+    const struct field *f = &fields[i];
+    json_object *v;
+    if (f->kind == K_STRING) {
+      v = json_object_new_string(str_at((struct fy_probe *)p, f));
+    } else {
+      double d = *num_at((struct fy_probe *)p, f);
+      if (f->kind == K_BYTES && d == floor(d) && fabs(d) < 9007199254740992.0) {
+        v = json_object_new_int64((int64_t)d);
+      } else {
+        char buf[40];
+        format_double(buf, sizeof buf, d);
+        v = json_object_new_double_s(d, buf);
+      }
+    }
+    json_object_object_add(o, f->key, v);
+  }
+  const char *text =
+      json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED | JSON_C_TO_STRING_NOSLASHESCAPE);
+  fy_status st = mkdir_parents(path);
+  char tmp[PATH_MAX + 32];
+  snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
+  FILE *f = st == FY_OK ? fopen(tmp, "w") : NULL;
+  if (st == FY_OK && !f) st = fy_error_set(FY_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+  if (f) {
+    size_t n = strlen(text);
+    bool ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF && fflush(f) == 0 &&
+              fsync(fileno(f)) == 0;
+    int err = errno;
+    ok = fclose(f) == 0 && ok;
+    if (ok && rename(tmp, path) != 0) ok = false, err = errno;
+    if (!ok) {
+      unlink(tmp);
+      st = fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(err ? err : EIO));
+    }
+  }
+  json_object_put(o);
+  return st;
+}
+
+static fy_status read_text(const char *path, char **out) {
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    return fy_error_set(errno == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "probe file %s: %s", path,
+                        strerror(errno));
+  size_t cap = 4096, n = 0;
+  char *buf = malloc(cap);
+  size_t k;
+  while (buf && (k = fread(buf + n, 1, cap - n - 1, f)) > 0) {
+    n += k;
+    if (n + 1 == cap) {
+      if (cap >= (1u << 20)) {  // a probe file is a few hundred bytes
+        free(buf), fclose(f);
+        return fy_error_set(FY_ERR_FORMAT, "probe file %s: larger than 1 MiB", path);
+      }
+      char *nb = realloc(buf, cap *= 2);
+      if (!nb) free(buf);
+      buf = nb;
+    }
+  }
+  bool err = ferror(f);
+  fclose(f);
+  if (!buf) return fy_error_set(FY_ERR_NOMEM, "probe file %s: out of memory", path);
+  if (err) {
+    free(buf);
+    return fy_error_set(FY_ERR_IO, "probe file %s: read error", path);
+  }
+  buf[n] = '\0';
+  *out = buf;
+  return FY_OK;
+}
+
+static fy_status parse_object(const char *path, const char *text, json_object **out) {
+  json_tokener *tok = json_tokener_new();
+  if (!tok) return fy_error_set(FY_ERR_NOMEM, "probe file %s: out of memory", path);
+  json_tokener_set_flags(tok, JSON_TOKENER_STRICT);
+  int len = (int)strlen(text);
+  json_object *o = json_tokener_parse_ex(tok, text, len);
+  enum json_tokener_error jerr = json_tokener_get_error(tok);
+  size_t end = json_tokener_get_parse_end(tok);
+  json_tokener_free(tok);
+  if (!o || jerr != json_tokener_success) {
+    json_object_put(o);
+    return fy_error_set(FY_ERR_FORMAT, "probe file %s: not JSON (%s at byte %zu)", path,
+                        jerr == json_tokener_continue ? "unexpected end" : json_tokener_error_desc(jerr),
+                        end);
+  }
+  for (const char *q = text + end; *q; q++)
+    if (!strchr(" \t\r\n", *q)) {
+      json_object_put(o);
+      return fy_error_set(FY_ERR_FORMAT, "probe file %s: not JSON (text after the object at byte %zu)",
+                          path, (size_t)(q - text));
+    }
+  if (!json_object_is_type(o, json_type_object)) {
+    json_object_put(o);
+    return fy_error_set(FY_ERR_FORMAT, "probe file %s: not a JSON object", path);
+  }
+  *out = o;
+  return FY_OK;
+}
+
+fy_status fy_probe_read(const char *path, struct fy_probe *out) {
+  char *text = NULL;
+  FY_TRY(read_text(path, &text));
+  json_object *o = NULL;
+  fy_status st = parse_object(path, text, &o);
+  free(text);
+  if (st != FY_OK) return st;
+
+  // Unknown keys first, all of them named: a misspelt key would otherwise read as "missing".
+  char unknown[512] = "";
+  json_object_object_foreach(o, key, val) {
+    (void)val;
+    bool known = false;
+    for (size_t i = 0; i < NFIELDS && !known; i++) known = !strcmp(key, fields[i].key);
+    if (!known) {
+      size_t u = strlen(unknown);
+      snprintf(unknown + u, sizeof unknown - u, "%s'%s'", u ? ", " : "", key);
+    }
+  }
+  if (unknown[0]) {
+    json_object_put(o);
+    return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
+                        "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
+                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir)", path, unknown);
+  }
+  struct fy_probe p;
+  memset(&p, 0, sizeof p);
+  for (size_t i = 0; i < NFIELDS && st == FY_OK; i++) {
+    const struct field *f = &fields[i];
+    json_object *v;
+    if (!json_object_object_get_ex(o, f->key, &v)) {
+      st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
+    } else if (f->kind == K_STRING) {
+      if (!json_object_is_type(v, json_type_string)) {
+        st = fy_error_set(FY_ERR_FORMAT, "probe file %s: '%s' must be a string", path, f->key);
+      } else {
+        const char *s = json_object_get_string(v);
+        if (strlen(s) >= f->cap || strlen(s) != (size_t)json_object_get_string_len(v))
+          st = fy_error_set(FY_ERR_FORMAT, "probe file %s: '%s' is too long or holds a NUL", path, f->key);
+        else if (f->off == offsetof(struct fy_probe, device) && !device_known(s))
+          st = fy_error_set(FY_ERR_FORMAT, "probe file %s: 'device' is '%s' (cpu, sim or cuda)", path, s);
+        else
+          memcpy(str_at(&p, f), s, strlen(s) + 1);
+      }
+    } else {
+      if (!json_object_is_type(v, json_type_int) && !json_object_is_type(v, json_type_double)) {
+        st = fy_error_set(FY_ERR_FORMAT, "probe file %s: '%s' must be a number (%s), got %s", path,
+                          f->key, f->unit, json_type_to_name(json_object_get_type(v)));
+      } else {
+        double d = json_object_get_double(v);
+        if (!isfinite(d) || d < 0 || (d == 0 && f->kind != K_RATE0))
+          st = fy_error_set(FY_ERR_FORMAT, "probe file %s: '%s' must be a finite number %s 0 (%s), got %g",
+                            path, f->key, f->kind == K_RATE0 ? ">=" : ">", f->unit, d);
+        else
+          *num_at(&p, f) = d;
+      }
+    }
+  }
+  json_object_put(o);
+  if (st == FY_OK) *out = p;
+  return st;
+}
+
+void fy_probe_default_path(char *buf, size_t n) {
+  const char *e = getenv("FERRY_PROBE");
+  if (e && e[0]) {
+    snprintf(buf, n, "%s", e);
+    return;
+  }
+  e = getenv("XDG_CACHE_HOME");
+  if (e && e[0] == '/') {  // the XDG spec: a relative value is invalid and ignored
+    snprintf(buf, n, "%s/ferry/probe.json", e);
+    return;
+  }
+  const char *home = getenv("HOME");
+  if (!home || !home[0]) {
+    struct passwd *pw = getpwuid(getuid());
+    home = pw && pw->pw_dir ? pw->pw_dir : ".";
+  }
+  snprintf(buf, n, "%s/.cache/ferry/probe.json", home);
+}
+
+// ---- overrides ----
+
+// A size with an optional binary unit, as the CLI reads --device-mem.
+static bool parse_size(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  double mult = 1;
+  const char *u = end;
+  if (*u == 'K' || *u == 'k') mult = 1024.0, u++;
+  else if (*u == 'M' || *u == 'm') mult = 1048576.0, u++;
+  else if (*u == 'G' || *u == 'g') mult = 1073741824.0, u++;
+  else if (*u == 'T' || *u == 't') mult = 1099511627776.0, u++;
+  if (mult > 1 && *u == 'i') u++;
+  if (*u == 'B' || *u == 'b') u++;
+  if (errno || end == s || *u || !isfinite(v) || v <= 0 || v * mult > 1e18) return false;
+  *out = floor(v * mult);
+  return *out > 0;
+}
+
+static bool parse_rate(const char *s, bool zero_ok, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  while (*end == ' ') end++;
+  if (errno || end == s || *end || !isfinite(v) || v < 0 || (v == 0 && !zero_ok)) return false;
+  *out = v;
+  return true;
+}
+
+fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *value) {
+  char key[64];
+  if (!key_in || !value || snprintf(key, sizeof key, "%s", key_in) >= (int)sizeof key)
+    return fy_error_set(FY_ERR_INVALID, "probe override: bad key '%s'", key_in ? key_in : "(null)");
+  for (char *q = key; *q; q++)
+    if (*q == '-') *q = '_';
+  while (*value == ' ') value++;
+
+  // Shorthands first.
+  double v = 0;
+  bool tflops_dev = !strcmp(key, "device_tflops"), tflops_host = !strcmp(key, "host_tflops");
+  if (tflops_dev || tflops_host) {
+    if (!parse_rate(value, false, &v))
+      return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a rate > 0 in TFLOP/s "
+                          "(e.g. 312)", key_in, value);
+    *(tflops_dev ? &p->device_gflops : &p->host_gflops) = v * 1000.0;
+    return FY_OK;
+  }
+  if (!strcmp(key, "link_gbps")) {
+    if (!parse_rate(value, false, &v))
+      return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a rate > 0 in GB/s "
+                          "(e.g. 25)", key_in, value);
+    p->h2d_gbps = p->d2h_gbps = v;
+    return FY_OK;
+  }
+  const struct field *f = NULL;
+  for (size_t i = 0; i < NFIELDS && !f; i++)
+    if (!strcmp(key, fields[i].key)) f = &fields[i];
+  if (!f)
+    return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
+                        "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
+                        "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
+                        "disk_write_gbps, disk_dir)", key_in);
+  switch (f->kind) {
+    case K_STRING:
+      if (strlen(value) >= f->cap)
+        return fy_error_set(FY_ERR_INVALID, "probe override %s: value too long (%zu bytes, at most %zu)",
+                            key_in, strlen(value), f->cap - 1);
+      if (f->off == offsetof(struct fy_probe, device) && !device_known(value))
+        return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a device (cpu, sim or cuda)",
+                            key_in, value);
+      memcpy(str_at(p, f), value, strlen(value) + 1);
+      return FY_OK;
+    case K_BYTES:
+      if (!parse_size(value, &v))
+        return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a size such as 40GiB or "
+                            "512MiB", key_in, value);
+      break;
+    case K_RATE:
+    case K_RATE0:
+      if (!parse_rate(value, f->kind == K_RATE0, &v))
+        return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a number %s 0 in %s (e.g. "
+                            "12.5)", key_in, value, f->kind == K_RATE0 ? ">=" : ">", f->unit);
+      break;
+  }
+  *num_at(p, f) = v;
+  return FY_OK;
+}
+
+// ---- printing ----
+
+static void print_bytes(FILE *f, const char *key, double b) {
+  const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  double x = b;
+  while (x >= 1024.0 && u < 5) x /= 1024.0, u++;
+  fprintf(f, "%-16s %.2f %s (%.0f bytes)\n", key, x, unit[u], b);
+}
+
+void fy_probe_print(const struct fy_probe *p, FILE *f) {
+  bool disk = p->disk_dir[0] != '\0';
+  fprintf(f, "%-16s %s\n", "device", p->device);
+  print_bytes(f, "device_mem", p->device_mem);
+  print_bytes(f, "host_mem", p->host_mem);
+  fprintf(f, "%-16s %.1f GFLOP/s (fp32 GEMM %dx%dx%d)\n", "device_gflops", p->device_gflops, GEMM_M,
+          GEMM_N, GEMM_K);
+  fprintf(f, "%-16s %.1f GFLOP/s\n", "host_gflops", p->host_gflops);
+  fprintf(f, "%-16s %.2f GB/s (host -> device)\n", "h2d_gbps", p->h2d_gbps);
+  fprintf(f, "%-16s %.2f GB/s (device -> host)\n", "d2h_gbps", p->d2h_gbps);
+  fprintf(f, "%-16s %.2f GB/s (%.0f M params/s at 28 B/param)\n", "host_adamw_gbps",
+          p->host_adamw_gbps, p->host_adamw_gbps * 1e9 / ADAMW_BYTES_PER_PARAM / 1e6);
+  fprintf(f, "%-16s %.2f GB/s (triad)\n", "host_mem_gbps", p->host_mem_gbps);
+  if (disk) {
+    fprintf(f, "%-16s %.2f GB/s (256 MB burst, page cache included)\n", "disk_read_gbps", p->disk_read_gbps);
+    fprintf(f, "%-16s %.2f GB/s (256 MB burst, page cache included)\n", "disk_write_gbps", p->disk_write_gbps);
+    fprintf(f, "%-16s %s\n", "disk_dir", p->disk_dir);
+  } else {
+    fprintf(f, "%-16s %.2f GB/s\n", "disk_read_gbps", p->disk_read_gbps);
+    fprintf(f, "%-16s %.2f GB/s\n", "disk_write_gbps", p->disk_write_gbps);
+    fprintf(f, "%-16s (none probed)\n", "disk_dir");
+  }
+}

@@ -1,0 +1,78 @@
+// The hardware probe (`ferry probe`): what the planner needs to know about a machine.
+//
+// fy_probe_measure times this machine in a few seconds; the result is cached in a JSON file that a
+// person can read and edit, and every value can be overridden (fy_probe_override) so that the
+// planner can be asked about a machine the user does not have.
+//
+// The file is one JSON object whose keys are exactly the fields below, all of them present, no
+// others:
+//   "device"            string: "cpu", "sim" or "cuda"
+//   "device_mem"        number, bytes (> 0)
+//   "host_mem"          number, bytes (> 0)
+//   "device_gflops"     number, GFLOP/s (> 0)          "host_gflops"   number, GFLOP/s (> 0)
+//   "h2d_gbps"          number, GB/s = 1e9 B/s (> 0)   "d2h_gbps"      number, GB/s (> 0)
+//   "host_adamw_gbps"   number, GB/s (> 0)             "host_mem_gbps" number, GB/s (> 0)
+//   "disk_read_gbps"    number, GB/s (>= 0)            "disk_write_gbps" number, GB/s (>= 0)
+//   "disk_dir"          string, "" when no disk directory was probed
+// Numbers are written so that they read back bit for bit.
+#ifndef FY_PLANNER_PROBE_H
+#define FY_PLANNER_PROBE_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "core/status.h"
+
+struct fy_probe {
+  char device[32];            // "cpu", "sim" (later "cuda")
+  double device_mem;          // bytes the device may hold
+  double host_mem;            // bytes of host memory for model state
+  double device_gflops;       // sustained fp32 GEMM rate of the device (GFLOP/s), M=512 N=3072 K=768
+  double host_gflops;         // the same on the host CPU (for sim/cpu they are the same CPU)
+  double h2d_gbps, d2h_gbps;  // copy bandwidth host->device and back (GB/s = 1e9 B/s)
+  double host_adamw_gbps;     // host AdamW throughput in GB/s of the 28 B/param it moves
+  double host_mem_gbps;       // host memory bandwidth (memory-bound kernels: layernorm, relu, add)
+  double disk_read_gbps, disk_write_gbps;  // 0 when no disk directory was probed
+  char disk_dir[512];         // "" when none
+};
+
+// Measures this machine (small, quick runs: the whole probe takes a few seconds on 2 cores; every
+// rate is the median of a few timed runs after a warm-up).
+// dev_kind "cpu" or "sim" (anything else: FY_ERR_UNSUPPORTED).
+// device_mem: for sim the device's cap (> 0, else FY_ERR_INVALID); for cpu the cap, or 0 for the
+// host memory (the cpu device's memory is host memory).
+// link_gbps: for sim the link's throttle (as fy_device_sim_create; 0 = unthrottled), and h2d/d2h
+// are then measured through the sim's copy engines; ignored for cpu (plain copies are timed).
+// host_mem is the memory available now (MemAvailable, bounded by a cgroup v2 limit).
+// disk_dir: a writable directory to time the disk tier in (256 MB written, then read), or NULL /
+// "" for none (disk rates 0). The disk tier does not fsync and the page cache cannot be dropped
+// without root, so both disk rates are what the tier sees for a 256 MB burst (often the page
+// cache's rate), an upper bound on the disk's sustained rate: edit the file for a big disk tier.
+fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_gbps,
+                           const char *disk_dir, struct fy_probe *out);
+
+// Writes the JSON file (pretty-printed) atomically: a temporary file in the same directory,
+// fsync, rename. Creates the missing parent directories.
+fy_status fy_probe_write(const char *path, const struct fy_probe *p);
+// Reads and validates the file. FY_ERR_NOT_FOUND when it does not exist, FY_ERR_IO when it cannot
+// be read; FY_ERR_FORMAT naming the file and the key for: not JSON, not an object, unknown keys
+// (all named), missing keys, a wrong type, a negative, NaN or infinite value, a zero where a
+// positive value is needed, an unknown device or a string too long. *p is untouched on error.
+fy_status fy_probe_read(const char *path, struct fy_probe *p);
+
+// The default cache path: $FERRY_PROBE if set, else $XDG_CACHE_HOME/ferry/probe.json (when
+// absolute), else ~/.cache/ferry/probe.json.
+void fy_probe_default_path(char *buf, size_t n);
+
+// Applies one override "key=value": key as in the file (a '-' may stand for '_', so CLI flag names
+// work: "device-mem"). Sizes (device_mem, host_mem) take a number with an optional binary unit:
+// B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (as the CLI's --device-mem: all binary); rates a plain
+// number in the key's unit. Shorthands: device_tflops / host_tflops (TFLOP/s, set the gflops key),
+// link_gbps (sets h2d_gbps and d2h_gbps). FY_ERR_INVALID naming the bad key or value; *p is
+// untouched then.
+fy_status fy_probe_override(struct fy_probe *p, const char *key, const char *value);
+
+// One line per field, for humans, with the keys that override them.
+void fy_probe_print(const struct fy_probe *p, FILE *f);
+
+#endif

@@ -1,0 +1,360 @@
+// The parallel-pattern registry: the built-ins, their layouts and costs on an OPT-tiny graph
+// against hand-computed values, refused registrations, and a pattern defined here, outside the
+// library, that registers with one call and is then used like a built-in.
+#include <string.h>
+
+#include "check.h"
+#include "core/graph.h"
+#include "core/opt.h"
+#include "planner/pattern.h"
+
+// ---- A plug-in pattern, as a user would write one --------------------------------------------
+// offload_only: the rank holds none of the op's parameters nor their optimizer state; an owner
+// (say, a host-side parameter server) broadcasts the weights before forward and before backward,
+// and the gradients are reduce-scattered back to it after backward.
+static double toy_bytes(const struct fy_pattern_ctx *c) {
+  const struct fy_op *op = &c->g->ops[c->op];
+  double n = 0;
+  for (int k = 0; k < op->n_params; k++) n += (double)c->g->params[op->params[k]].numel;
+  return n * c->param_bytes;
+}
+
+static bool toy_applies(const struct fy_pattern_ctx *c) { return c->g->ops[c->op].n_params > 0; }
+
+static void toy_layout(const struct fy_pattern_ctx *c, struct fy_pattern_layout *out) {
+  *out = (struct fy_pattern_layout){.param_elems_per_rank = 0, .optim_elems_per_rank = 0,
+                                    .split_dim = -1};
+}
+
+static int toy_comm(const struct fy_pattern_ctx *c, int phase, struct fy_comm_step *steps, int max) {
+  if (c->dp <= 1 || max < 1) return 0;
+  if (phase == FY_PHASE_PRE_FORWARD || phase == FY_PHASE_PRE_BACKWARD) {
+    steps[0] = (struct fy_comm_step){.op = FY_COMM_BROADCAST, .bytes = toy_bytes(c), .group = 0};
+    return 1;
+  }
+  if (phase == FY_PHASE_POST_BACKWARD) {
+    steps[0] = (struct fy_comm_step){.op = FY_COMM_REDUCE_SCATTER, .bytes = toy_bytes(c), .group = 0};
+    return 1;
+  }
+  return 0;
+}
+
+// The gathered weights need a staging buffer while they are in use.
+static double toy_act_bytes(const struct fy_pattern_ctx *c) { return toy_bytes(c); }
+
+static const struct fy_pattern offload_only = {
+    .name = "offload_only",
+    .doc = "holds nothing on the rank: weights broadcast before use, gradients sent back",
+    .applies = toy_applies,
+    .layout = toy_layout,
+    .comm = toy_comm,
+    .act_bytes = toy_act_bytes,
+};
+
+// ---- Helpers ----------------------------------------------------------------------------------
+static int find_op(const struct fy_graph *g, const char *name) {
+  for (int o = 0; o < g->n_ops; o++)
+    if (strcmp(g->ops[o].name, name) == 0) return o;
+  return -1;
+}
+
+static struct fy_pattern_layout layout_of(const struct fy_pattern *p, const struct fy_pattern_ctx *c) {
+  struct fy_pattern_layout l = {.param_elems_per_rank = -1, .optim_elems_per_rank = -1,
+                                .split_dim = -2};
+  p->layout(c, &l);
+  return l;
+}
+
+static bool near(double a, double b) { return fabs(a - b) <= 1e-9 * fmax(1.0, fabs(b)); }
+
+// Steps of one phase, checked for the single step (or none) the built-ins produce.
+static void check_phase(const struct fy_pattern *p, const struct fy_pattern_ctx *c, int phase,
+                        enum fy_comm_op want_op, double want_bytes, int want_group) {
+  struct fy_comm_step s[FY_PATTERN_MAX_STEPS];
+  memset(s, 0, sizeof s);
+  int n = p->comm(c, phase, s, FY_PATTERN_MAX_STEPS);
+  if (want_op == FY_COMM_NONE) {
+    CHECKF(n == 0, "%s op %d phase %d dp %d tp %d: %d steps, wanted none", p->name, c->op, phase,
+           c->dp, c->tp, n);
+    return;
+  }
+  CHECKF(n == 1 && s[0].op == want_op && near(s[0].bytes, want_bytes) && s[0].group == want_group,
+         "%s op %d phase %d dp %d tp %d: %d steps, first %s %.0f bytes group %d; wanted %s %.0f "
+         "group %d",
+         p->name, c->op, phase, c->dp, c->tp, n, n ? fy_comm_op_name(s[0].op) : "-",
+         n ? s[0].bytes : 0, n ? s[0].group : -1, fy_comm_op_name(want_op), want_bytes, want_group);
+}
+
+// ---- Tests ------------------------------------------------------------------------------------
+static void test_builtin(void) {
+  fy_pattern_register_builtin();
+  fy_pattern_register_builtin();  // idempotent
+  CHECK(fy_pattern_count() == 4);
+  const char *names[] = {"replicate", "zero", "tp_col", "tp_row"};
+  const struct fy_pattern *want[] = {&fy_pattern_replicate, &fy_pattern_zero, &fy_pattern_tp_col,
+                                     &fy_pattern_tp_row};
+  for (int i = 0; i < 4; i++) {
+    const struct fy_pattern *p = fy_pattern_find(names[i]);
+    CHECKF(p == want[i], "find(%s)", names[i]);
+    CHECK(fy_pattern_at(i) == want[i]);
+    if (p) CHECK(p->doc && strlen(p->doc) > 0 && !strchr(p->doc, '\n'));
+  }
+  CHECK(fy_pattern_find("nope") == NULL);
+  CHECK(fy_pattern_find("") == NULL);
+  CHECK(fy_pattern_find(NULL) == NULL);
+  CHECK(fy_pattern_at(-1) == NULL);
+  CHECK(fy_pattern_at(4) == NULL);
+}
+
+static void test_costs(void) {
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-tiny", &cfg));
+  const int64_t B = 2, T = 8, BT = B * T;
+  struct fy_graph *g;
+  fy_status st = fy_opt_build_graph(&cfg, B, T, &g);
+  CHECK_OK(st);
+  if (st != FY_OK) return;
+  const struct fy_pattern *rep = fy_pattern_find("replicate"), *zero = fy_pattern_find("zero");
+  const struct fy_pattern *col = fy_pattern_find("tp_col"), *row = fy_pattern_find("tp_row");
+  if (!rep || !zero || !col || !row) {
+    CHECK(!"built-ins missing");
+    fy_graph_free(g);
+    return;
+  }
+  int fc1 = find_op(g, "layers.0.fc1"), qkv = find_op(g, "layers.1.self_attn.qkv");
+  int head = find_op(g, "lm_head"), emb = find_op(g, "embed_tokens");
+  CHECK(fc1 >= 0 && qkv >= 0 && head >= 0 && emb >= 0);
+  if (fc1 < 0 || qkv < 0 || head < 0 || emb < 0) {
+    fy_graph_free(g);
+    return;
+  }
+  const int64_t D = cfg.hidden_size, F = cfg.ffn_dim, V = cfg.vocab_size;
+
+  const int dps[] = {1, 2, 4}, tps[] = {1, 2}, pbs[] = {4, 2};
+  for (int a = 0; a < 3; a++)
+    for (int b = 0; b < 2; b++)
+      for (int e = 0; e < 2; e++) {
+        int dp = dps[a], tp = tps[b], pb = pbs[e];
+        double sum_rep = 0, sum_zero = 0, sum_rep_state = 0, sum_zero_state = 0;
+        for (int o = 0; o < g->n_ops; o++) {
+          struct fy_pattern_ctx c = {.g = g, .op = o, .dp = dp, .tp = tp,
+                                     .chunk_elems = g->chunk_elems, .param_bytes = pb};
+          const struct fy_op *op = &g->ops[o];
+          double all = 0, owned = 0, w = 0, bias = 0;
+          for (int k = 0; k < op->n_params; k++) {
+            const struct fy_param *prm = &g->params[op->params[k]];
+            all += (double)prm->numel;
+            if (prm->first_use != o) continue;
+            owned += (double)prm->numel;
+            if (prm->rank == 2) w += (double)prm->numel;
+            else bias += (double)prm->numel;
+          }
+          CHECK(rep->applies(&c) && zero->applies(&c));
+
+          // replicate: everything, state and gradient all-reduce.
+          struct fy_pattern_layout lr = layout_of(rep, &c), lz = layout_of(zero, &c);
+          CHECK(near(lr.param_elems_per_rank, owned) && near(lr.optim_elems_per_rank, owned));
+          CHECK(lr.split_dim == -1 && lz.split_dim == -1);
+          sum_rep += lr.param_elems_per_rank;
+          sum_zero += lz.param_elems_per_rank;
+          double rs = fy_pattern_state_bytes(rep, &c), zs = fy_pattern_state_bytes(zero, &c);
+          sum_rep_state += rs;
+          sum_zero_state += zs;
+          CHECK(near(rs, owned * (pb == 2 ? 14 : 12)));
+          // zero: 1/dp of replicate's state.
+          CHECKF(near(zs * dp, rs), "op %d dp %d: zero %.1f, replicate %.1f", o, dp, zs, rs);
+          CHECK(near(lz.param_elems_per_rank * dp, owned) && near(lz.optim_elems_per_rank * dp, owned));
+          CHECK(rep->act_bytes(&c) == 0 && zero->act_bytes(&c) == 0);
+
+          double dpon = dp > 1 ? 1 : 0, tpon = tp > 1 ? 1 : 0;
+          CHECK(near(fy_pattern_comm_bytes(rep, &c), dpon * owned * pb));
+          check_phase(rep, &c, FY_PHASE_GRADS, dp > 1 && owned > 0 ? FY_COMM_ALL_REDUCE : FY_COMM_NONE,
+                      owned * pb, 0);
+          check_phase(rep, &c, FY_PHASE_PRE_FORWARD, FY_COMM_NONE, 0, 0);
+          CHECK(near(fy_pattern_comm_bytes(zero, &c), dpon * (2 * all + owned) * pb));
+          check_phase(zero, &c, FY_PHASE_PRE_FORWARD, dp > 1 && all > 0 ? FY_COMM_ALL_GATHER : FY_COMM_NONE,
+                      all * pb, 0);
+          check_phase(zero, &c, FY_PHASE_PRE_BACKWARD, dp > 1 && all > 0 ? FY_COMM_ALL_GATHER : FY_COMM_NONE,
+                      all * pb, 0);
+          check_phase(zero, &c, FY_PHASE_POST_BACKWARD,
+                      dp > 1 && owned > 0 ? FY_COMM_REDUCE_SCATTER : FY_COMM_NONE, owned * pb, 0);
+          check_phase(zero, &c, FY_PHASE_GRADS, FY_COMM_NONE, 0, 0);
+
+          // Tensor parallelism: linear layers only, never a tied weight.
+          bool lin = op->kind == FY_OP_LINEAR && o != head;
+          CHECKF(col->applies(&c) == lin, "tp_col applies to op %d (%s) tp %d", o, op->name, tp);
+          CHECKF(row->applies(&c) == lin, "tp_row applies to op %d (%s) tp %d", o, op->name, tp);
+          if (!lin) continue;
+          struct fy_pattern_layout lc = layout_of(col, &c), lw = layout_of(row, &c);
+          CHECK(lc.split_dim == 0 && lw.split_dim == 1);
+          CHECK(near(lc.param_elems_per_rank * tp, owned) && near(lc.optim_elems_per_rank * tp, owned));
+          CHECK(near(lw.param_elems_per_rank, w / tp + bias) && near(lw.optim_elems_per_rank, w / tp + bias));
+          double bt_c = (double)(BT * op->C) * pb, bt_oc = (double)(BT * op->OC) * pb;
+          CHECK(near(col->act_bytes(&c), tpon * bt_c));
+          CHECK(row->act_bytes(&c) == 0);
+          check_phase(col, &c, FY_PHASE_PRE_FORWARD, FY_COMM_NONE, 0, 0);
+          check_phase(col, &c, FY_PHASE_POST_FORWARD, FY_COMM_NONE, 0, 0);
+          check_phase(col, &c, FY_PHASE_POST_BACKWARD, tp > 1 ? FY_COMM_ALL_REDUCE : FY_COMM_NONE, bt_c, 1);
+          check_phase(col, &c, FY_PHASE_GRADS, dp > 1 ? FY_COMM_ALL_REDUCE : FY_COMM_NONE, owned / tp * pb, 0);
+          CHECK(near(fy_pattern_comm_bytes(col, &c), tpon * bt_c + dpon * owned / tp * pb));
+          check_phase(row, &c, FY_PHASE_POST_FORWARD, tp > 1 ? FY_COMM_ALL_REDUCE : FY_COMM_NONE, bt_oc, 1);
+          check_phase(row, &c, FY_PHASE_PRE_BACKWARD, FY_COMM_NONE, 0, 0);
+          check_phase(row, &c, FY_PHASE_POST_BACKWARD, FY_COMM_NONE, 0, 0);
+          check_phase(row, &c, FY_PHASE_GRADS, dp > 1 ? FY_COMM_ALL_REDUCE : FY_COMM_NONE,
+                      (w / tp + bias) * pb, 0);
+          CHECK(near(fy_pattern_comm_bytes(row, &c), tpon * bt_oc + dpon * (w / tp + bias) * pb));
+        }
+        // Every parameter held once (the tied table at its first user), and zero shards it all.
+        CHECK(near(sum_rep, (double)fy_opt_num_params(&cfg)));
+        CHECK(near(sum_zero * dp, sum_rep));
+        CHECK(near(sum_zero_state * dp, sum_rep_state));
+      }
+
+  // Hand-computed values for opt-tiny (D 32, F 64, V 97), B 2, T 8, bf16, dp 2, tp 2.
+  CHECK(D == 32 && F == 64 && V == 97);
+  struct fy_pattern_ctx c = {.g = g, .op = fc1, .dp = 2, .tp = 2, .chunk_elems = g->chunk_elems,
+                             .param_bytes = 2};
+  // fc1: weight 64x32 = 2048, bias 64.
+  CHECK(near(layout_of(rep, &c).param_elems_per_rank, 2112));
+  CHECK(near(layout_of(zero, &c).param_elems_per_rank, 1056));
+  CHECK(near(layout_of(col, &c).param_elems_per_rank, 1056));     // weight and bias split
+  CHECK(near(layout_of(row, &c).param_elems_per_rank, 1024 + 64)); // bias whole on every rank
+  CHECK(near(fy_pattern_state_bytes(rep, &c), 2112 * 14));
+  CHECK(near(fy_pattern_comm_bytes(rep, &c), 4224));                // all-reduce of 2112 x 2
+  CHECK(near(fy_pattern_comm_bytes(zero, &c), 3 * 4224));           // 2 gathers + reduce-scatter
+  CHECK(near(fy_pattern_comm_bytes(col, &c), 16 * 32 * 2 + 1056 * 2));  // dinp 1024 + grads 2112
+  CHECK(near(fy_pattern_comm_bytes(row, &c), 16 * 64 * 2 + 1088 * 2));  // out 2048 + grads 2176
+  CHECK(near(col->act_bytes(&c), 16 * 32 * 2));
+  // The fused QKV: (3D x D) + 3 biases of D.
+  c.op = qkv;
+  CHECK(near(layout_of(rep, &c).param_elems_per_rank, 3 * 32 * 32 + 3 * 32));
+  CHECK(near(layout_of(col, &c).param_elems_per_rank, (3 * 32 * 32 + 3 * 32) / 2.0));
+  CHECK(near(layout_of(row, &c).param_elems_per_rank, 3 * 32 * 32 / 2.0 + 3 * 32));
+  // The tied table: held by embed_tokens, gathered again (not held) by lm_head.
+  c.op = head;
+  CHECK(layout_of(rep, &c).param_elems_per_rank == 0);
+  CHECK(near(fy_pattern_comm_bytes(zero, &c), 2.0 * 97 * 32 * 2));
+  CHECK(!col->applies(&c) && !row->applies(&c));
+  c.op = emb;
+  CHECK(near(layout_of(rep, &c).param_elems_per_rank, 97 * 32));
+  CHECK(!col->applies(&c) && !row->applies(&c));
+  // tp_col needs OC divisible by tp, tp_row needs C divisible.
+  c.op = fc1;
+  c.tp = 3;
+  CHECK(!col->applies(&c) && !row->applies(&c));
+  c.tp = 64;
+  CHECK(col->applies(&c) && !row->applies(&c));
+  c.tp = 32;
+  CHECK(col->applies(&c) && row->applies(&c));
+  // Recomputed layers run tp_row's forward all-reduce again before backward.
+  c.tp = 2;
+  fy_graph_set_recompute(g, true);
+  check_phase(row, &c, FY_PHASE_PRE_BACKWARD, FY_COMM_ALL_REDUCE, 16 * 64 * 2, 1);
+  CHECK(near(fy_pattern_comm_bytes(row, &c), 2 * 16 * 64 * 2 + 1088 * 2));
+  fy_graph_set_recompute(g, false);
+  fy_graph_free(g);
+}
+
+static bool never(const struct fy_pattern_ctx *c) { return false; }
+
+static void test_refused(void) {
+  int n = fy_pattern_count();
+  struct fy_pattern dup = fy_pattern_replicate;
+  dup.doc = "another replicate";
+  CHECK_ERR(fy_pattern_register(&dup), FY_ERR_INVALID);
+  CHECK_ERR(fy_pattern_register(&fy_pattern_zero), FY_ERR_INVALID);
+  CHECK_ERR(fy_pattern_register(NULL), FY_ERR_INVALID);
+  struct fy_pattern p = offload_only;
+  p.name = "toy_with_holes";
+  p.applies = never;
+  for (int slot = 0; slot < 5; slot++) {
+    struct fy_pattern q = p;
+    if (slot == 0) q.doc = NULL;
+    if (slot == 1) q.applies = NULL;
+    if (slot == 2) q.layout = NULL;
+    if (slot == 3) q.comm = NULL;
+    if (slot == 4) q.act_bytes = NULL;
+    CHECK_ERR(fy_pattern_register(&q), FY_ERR_INVALID);
+  }
+  const char *bad_names[] = {"", "has space", "a/b", "0123456789012345678901234567890123456789"};
+  for (int i = 0; i < 4; i++) {
+    struct fy_pattern q = p;
+    q.name = bad_names[i];
+    CHECK_ERR(fy_pattern_register(&q), FY_ERR_INVALID);
+  }
+  p.name = NULL;
+  CHECK_ERR(fy_pattern_register(&p), FY_ERR_INVALID);
+  CHECK(fy_pattern_count() == n);
+  CHECK(fy_pattern_find("toy_with_holes") == NULL);
+}
+
+static void test_plugin(void) {
+  int n = fy_pattern_count();
+  CHECK(fy_pattern_find("offload_only") == NULL);
+  CHECK_OK(fy_pattern_register(&offload_only));  // the one call
+  CHECK(fy_pattern_count() == n + 1);
+  const struct fy_pattern *p = fy_pattern_find("offload_only");
+  CHECK(p == &offload_only);
+  CHECK(fy_pattern_at(n) == &offload_only);
+  CHECK_ERR(fy_pattern_register(&offload_only), FY_ERR_INVALID);
+  if (!p) return;
+
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-tiny", &cfg));
+  struct fy_graph *g;
+  fy_status st = fy_opt_build_graph(&cfg, 2, 8, &g);
+  CHECK_OK(st);
+  if (st != FY_OK) return;
+  int fc1 = find_op(g, "layers.0.fc1");
+  struct fy_pattern_ctx c = {.g = g, .op = fc1, .dp = 4, .tp = 1, .chunk_elems = g->chunk_elems,
+                             .param_bytes = 2};
+  CHECK(p->applies(&c));
+  CHECK(fy_pattern_state_bytes(p, &c) == 0);
+  CHECK(near(fy_pattern_comm_bytes(p, &c), 3 * 2112 * 2));
+  CHECK(near(p->act_bytes(&c), 2112 * 2));
+  c.dp = 1;
+  CHECK(fy_pattern_comm_bytes(p, &c) == 0);
+
+  // A planner's question, asked of the whole registry: which applicable pattern keeps the least
+  // state on a rank for fc1 at dp 4? The plug-in, which keeps none.
+  c.dp = 4;
+  const struct fy_pattern *best = NULL;
+  double best_bytes = 0;
+  for (int i = 0; i < fy_pattern_count(); i++) {
+    const struct fy_pattern *q = fy_pattern_at(i);
+    if (!q->applies(&c)) continue;
+    double b = fy_pattern_state_bytes(q, &c);
+    if (!best || b < best_bytes) best = q, best_bytes = b;
+  }
+  CHECK(best == &offload_only);
+  fy_graph_free(g);
+}
+
+// Fills the registry to its capacity; the next registration is refused. Runs last.
+static void test_full(void) {
+  static char names[FY_PATTERN_MAX][FY_PATTERN_NAME_MAX];
+  static struct fy_pattern ps[FY_PATTERN_MAX];
+  int room = FY_PATTERN_MAX - fy_pattern_count();
+  for (int i = 0; i < room; i++) {
+    snprintf(names[i], sizeof names[i], "filler_%d", i);
+    ps[i] = offload_only;
+    ps[i].name = names[i];
+    CHECK_OK(fy_pattern_register(&ps[i]));
+  }
+  CHECK(fy_pattern_count() == FY_PATTERN_MAX);
+  snprintf(names[room], sizeof names[room], "one_too_many");
+  ps[room] = offload_only;
+  ps[room].name = names[room];
+  CHECK_ERR(fy_pattern_register(&ps[room]), FY_ERR_INVALID);
+  CHECK(fy_pattern_find("filler_0") == &ps[0]);
+  CHECK(fy_pattern_find("one_too_many") == NULL);
+}
+
+int main(void) {
+  test_builtin();
+  test_costs();
+  test_refused();
+  test_plugin();
+  test_full();
+  return check_summary("test_pattern");
+}

@@ -1,0 +1,308 @@
+// The hardware probe: a measurement on the sim device (throttled link, a disk directory) gives
+// plausible values quickly; the JSON file round-trips bit for bit; overrides parse sizes, rates and
+// shorthands and name bad keys and values; malformed files are FY_ERR_FORMAT naming the key and
+// the file; the default path follows $FERRY_PROBE, $XDG_CACHE_HOME, $HOME.
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "core/status.h"
+#include "ops/ops.h"
+#include "planner/probe.h"
+
+static char tmpdir[] = "/tmp/ferry-probe-test-XXXXXX";
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+static int msg_has(const char *s) { return strstr(fy_error_msg(), s) != NULL; }
+
+static void write_text(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  CHECK(f != NULL);
+  if (!f) return;
+  fputs(text, f);
+  fclose(f);
+}
+
+static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
+  return !strcmp(a->device, b->device) && a->device_mem == b->device_mem &&
+         a->host_mem == b->host_mem && a->device_gflops == b->device_gflops &&
+         a->host_gflops == b->host_gflops && a->h2d_gbps == b->h2d_gbps &&
+         a->d2h_gbps == b->d2h_gbps && a->host_adamw_gbps == b->host_adamw_gbps &&
+         a->host_mem_gbps == b->host_mem_gbps && a->disk_read_gbps == b->disk_read_gbps &&
+         a->disk_write_gbps == b->disk_write_gbps && !strcmp(a->disk_dir, b->disk_dir);
+}
+
+static void test_measure(struct fy_probe *p) {
+  char disk[PATH_MAX];
+  snprintf(disk, sizeof disk, "%s/disk", tmpdir);
+  CHECK(mkdir(disk, 0755) == 0);
+  double t0 = now_s();
+  CHECK_OK(fy_probe_measure("sim", 256.0 * 1048576, 2.0, disk, p));
+  double secs = now_s() - t0;
+  fprintf(stderr, "probe took %.2f s:\n", secs);
+  fy_probe_print(p, stderr);
+  CHECKF(secs < 10.0, "the probe took %.1f s", secs);
+  CHECK(!strcmp(p->device, "sim"));
+  CHECK(p->device_mem == 268435456.0);
+  CHECK(p->host_mem > 64.0 * 1048576 && p->host_mem < 1e16);
+  CHECKF(p->host_gflops > 1 && p->host_gflops < 1e6, "%g", p->host_gflops);
+  CHECK(p->device_gflops == p->host_gflops);  // the sim runs its kernels on this CPU
+  // Throttled to 2 GB/s: the measured rate is the throttle unless memcpy is slower than that.
+  CHECKF(fabs(p->h2d_gbps - 2.0) < 0.5, "h2d %g GB/s", p->h2d_gbps);
+  CHECKF(fabs(p->d2h_gbps - 2.0) < 0.5, "d2h %g GB/s", p->d2h_gbps);
+  CHECKF(p->host_mem_gbps > 0.2 && p->host_mem_gbps < 1e4, "%g", p->host_mem_gbps);
+  CHECKF(p->host_adamw_gbps > 0.1 && p->host_adamw_gbps < 1e4, "%g", p->host_adamw_gbps);
+  CHECKF(p->disk_read_gbps > 0.01 && p->disk_read_gbps < 1e4, "%g", p->disk_read_gbps);
+  CHECKF(p->disk_write_gbps > 0.01 && p->disk_write_gbps < 1e4, "%g", p->disk_write_gbps);
+  char real[PATH_MAX];
+  CHECK(realpath(disk, real) && !strcmp(p->disk_dir, real));
+  CHECK(rmdir(disk) == 0);  // the disk tier removed its file
+
+  struct fy_probe q;
+  memset(&q, 0x5a, sizeof q);
+  CHECK_ERR(fy_probe_measure("tpu", 0, 0, NULL, &q), FY_ERR_UNSUPPORTED);
+  CHECK_ERR(fy_probe_measure("sim", 0, 0, NULL, &q), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_measure("sim", 1 << 30, -1, NULL, &q), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_measure("cpu", 0, 0, "/nonexistent/ferry-probe", &q), FY_ERR_IO);
+  CHECK(msg_has("/nonexistent/ferry-probe"));
+  CHECK((unsigned char)q.device[0] == 0x5a);  // untouched on error
+}
+
+static void test_round_trip(const struct fy_probe *p) {
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s/cache/ferry/probe.json", tmpdir);  // parents do not exist yet
+  CHECK_OK(fy_probe_write(path, p));
+  struct fy_probe q;
+  memset(&q, 0, sizeof q);
+  CHECK_OK(fy_probe_read(path, &q));
+  CHECK(probe_equal(p, &q));
+
+  // Awkward values survive too: not representable in a few digits, tiny, huge, zero disk rates.
+  struct fy_probe r = *p;
+  r.device_gflops = 1.0 / 3.0;
+  r.h2d_gbps = 0.1 + 0.2;
+  r.host_mem = 549755813888.0 * 3;
+  r.device_mem = 1e20;  // beyond an exact int64 in a double: written as a double
+  r.disk_read_gbps = r.disk_write_gbps = 0;
+  r.disk_dir[0] = '\0';
+  snprintf(r.device, sizeof r.device, "cuda");
+  CHECK_OK(fy_probe_write(path, &r));
+  memset(&q, 0, sizeof q);
+  CHECK_OK(fy_probe_read(path, &q));
+  CHECK(probe_equal(&r, &q));
+
+  // The file reads well: pretty-printed, units in the values a person sees, no escaped slashes.
+  FILE *f = fopen(path, "r");
+  char text[4096] = "";
+  if (f) {
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = '\0';
+    fclose(f);
+  }
+  CHECK(strstr(text, "\"h2d_gbps\"") && strchr(text, '\n'));
+  CHECK(strstr(text, "\\/") == NULL);
+  struct stat sb;
+  CHECK(stat(path, &sb) == 0);
+  // No temporary file left next to it.
+  char tmp[PATH_MAX + 32];
+  snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
+  CHECK(access(tmp, F_OK) != 0);
+
+  // A parent that is a file cannot become a directory, even for root.
+  snprintf(tmp, sizeof tmp, "%s/cache/ferry/probe.json/x/probe.json", tmpdir);
+  CHECK_ERR(fy_probe_write(tmp, p), FY_ERR_IO);
+  CHECK(msg_has("probe.json/x"));
+  snprintf(tmp, sizeof tmp, "%s/none.json", tmpdir);
+  CHECK_ERR(fy_probe_read(tmp, &q), FY_ERR_NOT_FOUND);
+  CHECK(msg_has("none.json"));
+}
+
+static void test_overrides(const struct fy_probe *base) {
+  struct fy_probe p = *base;
+  CHECK_OK(fy_probe_override(&p, "device_mem", "40GiB"));
+  CHECK(p.device_mem == 42949672960.0);
+  CHECK_OK(fy_probe_override(&p, "host-mem", "512GiB"));  // CLI spelling
+  CHECK(p.host_mem == 549755813888.0);
+  CHECK_OK(fy_probe_override(&p, "host_mem", "1536M"));
+  CHECK(p.host_mem == 1536.0 * 1048576);
+  CHECK_OK(fy_probe_override(&p, "device_mem", "123456789"));
+  CHECK(p.device_mem == 123456789.0);
+  CHECK_OK(fy_probe_override(&p, "device_gflops", "12.5"));
+  CHECK(p.device_gflops == 12.5);
+  CHECK_OK(fy_probe_override(&p, "device-tflops", "312"));
+  CHECK(p.device_gflops == 312000.0);
+  CHECK_OK(fy_probe_override(&p, "host_tflops", "1.5"));
+  CHECK(p.host_gflops == 1500.0);
+  CHECK_OK(fy_probe_override(&p, "link-gbps", "25"));
+  CHECK(p.h2d_gbps == 25.0 && p.d2h_gbps == 25.0);
+  CHECK_OK(fy_probe_override(&p, "d2h_gbps", "24"));
+  CHECK(p.h2d_gbps == 25.0 && p.d2h_gbps == 24.0);
+  CHECK_OK(fy_probe_override(&p, "disk_read_gbps", "0"));  // "no disk" is a valid answer
+  CHECK(p.disk_read_gbps == 0);
+  CHECK_OK(fy_probe_override(&p, "device", "cuda"));
+  CHECK(!strcmp(p.device, "cuda"));
+  CHECK_OK(fy_probe_override(&p, "disk_dir", "/scratch/ferry"));
+  CHECK(!strcmp(p.disk_dir, "/scratch/ferry"));
+
+  struct fy_probe before = p;
+  CHECK_ERR(fy_probe_override(&p, "device_memory", "40GiB"), FY_ERR_INVALID);
+  CHECK(msg_has("device_memory") && msg_has("device_mem"));
+  CHECK_ERR(fy_probe_override(&p, "device_mem", "forty"), FY_ERR_INVALID);
+  CHECK(msg_has("forty") && msg_has("device_mem"));
+  CHECK_ERR(fy_probe_override(&p, "device_mem", "40XB"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "device_mem", "-1GiB"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "device_mem", "0"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "device_mem", ""), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "h2d_gbps", "12.5GB/s/x"), FY_ERR_INVALID);
+  CHECK(msg_has("h2d_gbps"));
+  CHECK_ERR(fy_probe_override(&p, "h2d_gbps", "nan"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "h2d_gbps", "inf"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "h2d_gbps", "-3"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "device_gflops", "0"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "device_tflops", "x"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "link_gbps", ""), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "device", "tpu"), FY_ERR_INVALID);
+  char longv[600];
+  memset(longv, 'a', sizeof longv - 1);
+  longv[sizeof longv - 1] = '\0';
+  CHECK_ERR(fy_probe_override(&p, "disk_dir", longv), FY_ERR_INVALID);
+  CHECK(probe_equal(&p, &before));
+}
+
+// A valid file's text with one key's raw JSON value replaced (or removed when raw is NULL and
+// key given), and `extra` ("\"k\": v") appended.
+static void make_file(const char *path, const char *key, const char *raw, int remove,
+                      const char *extra) {
+  static const char *keys[] = {"device", "device_mem", "host_mem", "device_gflops", "host_gflops",
+                               "h2d_gbps", "d2h_gbps", "host_adamw_gbps", "host_mem_gbps",
+                               "disk_read_gbps", "disk_write_gbps", "disk_dir"};
+  static const char *vals[] = {"\"sim\"", "268435456", "17179869184", "100.5", "100.5", "2.0",
+                               "2.0", "5.0", "10.0", "1.5", "1.25", "\"/tmp\""};
+  char text[4096] = "{\n";
+  int first = 1;
+  for (int i = 0; i < 12; i++) {
+    int match = key && !strcmp(key, keys[i]);
+    if (match && remove) continue;
+    size_t n = strlen(text);
+    snprintf(text + n, sizeof text - n, "%s  \"%s\": %s", first ? "" : ",\n", keys[i],
+             match ? raw : vals[i]);
+    first = 0;
+  }
+  size_t n = strlen(text);
+  if (extra) snprintf(text + n, sizeof text - n, ",\n  %s", extra);
+  n = strlen(text);
+  snprintf(text + n, sizeof text - n, "\n}\n");
+  write_text(path, text);
+}
+
+static void test_bad_files(void) {
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s/edited.json", tmpdir);
+  struct fy_probe p, untouched;
+  memset(&p, 0x5a, sizeof p);
+  untouched = p;
+
+  make_file(path, NULL, NULL, 0, NULL);
+  CHECK_OK(fy_probe_read(path, &p));
+  CHECK(p.device_mem == 268435456.0 && p.disk_write_gbps == 1.25 && !strcmp(p.disk_dir, "/tmp"));
+  memset(&p, 0x5a, sizeof p);
+
+  const char *not_json[] = {"", "not json", "{\"device\": \"sim\",", "{} trailing", "[1, 2]", "42",
+                            "{\"device\": 'sim'}"};
+  for (size_t i = 0; i < sizeof not_json / sizeof *not_json; i++) {
+    write_text(path, not_json[i]);
+    CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+    CHECK(msg_has(path));
+  }
+
+  make_file(path, NULL, NULL, 0, "\"device_memory\": 1, \"tflops\": 2");
+  CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+  CHECK(msg_has("device_memory") && msg_has("tflops") && msg_has(path));
+
+  make_file(path, "host_adamw_gbps", NULL, 1, NULL);
+  CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+  CHECK(msg_has("host_adamw_gbps") && msg_has("missing"));
+
+  struct { const char *key, *raw; } bad[] = {
+      {"h2d_gbps", "-2.0"},        // negative
+      {"device_mem", "-1"},        // negative integer
+      {"host_mem_gbps", "1e999"},  // infinite
+      {"host_gflops", "NaN"},      // not JSON at all in strict mode, and NaN anyway
+      {"device_gflops", "0"},      // zero where a rate is needed
+      {"d2h_gbps", "\"2.0\""},     // a string where a number goes
+      {"host_mem", "true"},
+      {"device_mem", "null"},
+      {"disk_read_gbps", "[1]"},
+      {"device", "3"},             // a number where a string goes
+      {"device", "\"tpu\""},       // an unknown device
+      {"disk_dir", "{}"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    make_file(path, bad[i].key, bad[i].raw, 0, NULL);
+    CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+    CHECKF(msg_has(path), "%s", fy_error_msg());
+    if (strcmp(bad[i].raw, "NaN") != 0) CHECKF(msg_has(bad[i].key), "%s", fy_error_msg());
+  }
+  make_file(path, "disk_read_gbps", "0", 0, NULL);  // zero disk rates are fine
+  CHECK_OK(fy_probe_read(path, &p));
+  CHECK(p.disk_read_gbps == 0);
+  memset(&p, 0x5a, sizeof p);
+
+  char longv[700];
+  longv[0] = '"';
+  memset(longv + 1, 'a', 600);
+  snprintf(longv + 601, sizeof longv - 601, "\"");
+  make_file(path, "disk_dir", longv, 0, NULL);
+  CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+  CHECK(msg_has("disk_dir"));
+  CHECK(memcmp(&p, &untouched, sizeof p) == 0);
+}
+
+static void test_default_path(void) {
+  char buf[PATH_MAX];
+  setenv("FERRY_PROBE", "/etc/ferry/mine.json", 1);
+  setenv("XDG_CACHE_HOME", "/xdg", 1);
+  setenv("HOME", "/home/u", 1);
+  fy_probe_default_path(buf, sizeof buf);
+  CHECK(!strcmp(buf, "/etc/ferry/mine.json"));
+  unsetenv("FERRY_PROBE");
+  fy_probe_default_path(buf, sizeof buf);
+  CHECK(!strcmp(buf, "/xdg/ferry/probe.json"));
+  setenv("XDG_CACHE_HOME", "relative", 1);  // invalid by the XDG spec: ignored
+  fy_probe_default_path(buf, sizeof buf);
+  CHECK(!strcmp(buf, "/home/u/.cache/ferry/probe.json"));
+  unsetenv("XDG_CACHE_HOME");
+  fy_probe_default_path(buf, sizeof buf);
+  CHECK(!strcmp(buf, "/home/u/.cache/ferry/probe.json"));
+}
+
+int main(void) {
+  double t0 = now_s();
+  if (!mkdtemp(tmpdir)) {
+    perror("mkdtemp");
+    return 1;
+  }
+  struct fy_probe p;
+  memset(&p, 0, sizeof p);
+  test_measure(&p);
+  test_round_trip(&p);
+  test_overrides(&p);
+  test_bad_files();
+  test_default_path();
+  fy_matmul_cache_clear();
+  char cmd[PATH_MAX + 16];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+  CHECK(system(cmd) == 0);
+  double secs = now_s() - t0;
+  fprintf(stderr, "test_probe: %.2f s\n", secs);
+  CHECKF(secs < 15.0, "the test took %.1f s", secs);
+  return check_summary("probe");
+}
