@@ -240,3 +240,23 @@ fy_status fy_graph_finalize(struct fy_graph *g) {
   }
   return FY_OK;
 }
+
+int fy_graph_layer_first_op(const struct fy_graph *g, int o) {
+  int l = g->ops[o].layer;
+  if (l < 0 || (o + 1 < g->n_ops && g->ops[o + 1].layer == l)) return -1;
+  while (o > 0 && g->ops[o - 1].layer == l) o--;
+  return o;
+}
+
+int fy_graph_max_actions(const struct fy_graph *g) { return 3 * g->n_ops; }
+
+int fy_graph_pass_actions(const struct fy_graph *g, struct fy_action *out) {
+  int n = 0;
+  for (int o = 0; o < g->n_ops; o++) out[n++] = (struct fy_action){o, FY_ACT_FORWARD};
+  for (int o = g->n_ops - 1; o >= 0; o--) {
+    int first = g->recompute ? fy_graph_layer_first_op(g, o) : -1;
+    for (int r = first; r >= 0 && r <= o; r++) out[n++] = (struct fy_action){r, FY_ACT_RECOMPUTE};
+    out[n++] = (struct fy_action){o, FY_ACT_BACKWARD};
+  }
+  return n;
+}

@@ -108,6 +108,19 @@ fy_status fy_graph_finalize(struct fy_graph *g);
 // Recomputation per decoder layer: on, the activations a layer makes for itself share one region
 // (a layer's forward runs again just before its backward) and only layer inputs are kept.
 void fy_graph_set_recompute(struct fy_graph *g, bool on);
+// One pass of training over a micro-batch as a list of actions: every op forward in order, then
+// backward in reverse, with a decoder layer's forward run again just before its backward when
+// the graph recomputes. `out` must hold fy_graph_max_actions(g) entries; returns the count.
+enum fy_action_kind { FY_ACT_FORWARD, FY_ACT_RECOMPUTE, FY_ACT_BACKWARD };
+struct fy_action {
+  int op;
+  enum fy_action_kind kind;
+};
+int fy_graph_max_actions(const struct fy_graph *g);
+int fy_graph_pass_actions(const struct fy_graph *g, struct fy_action *out);
+// The first op of the decoder layer that op o ends, or -1 when o is outside the stack or is not
+// its layer's last op.
+int fy_graph_layer_first_op(const struct fy_graph *g, int o);
 // Index of the parameter with this name, or -1.
 int fy_graph_find_param(const struct fy_graph *g, const char *name);
 const char *fy_op_kind_name(enum fy_op_kind k);

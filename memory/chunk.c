@@ -134,3 +134,10 @@ void fy_chunk_set_state(struct fy_chunk *c, enum fy_chunk_state to) {
   }
   c->state = to;
 }
+
+int fy_chunk_min_blocks(const struct fy_chunk_layout *l, int n_ops) {
+  int need = 1;
+  for (int o = 0; o < n_ops; o++)
+    if (l->op_first[o + 1] - l->op_first[o] > need) need = l->op_first[o + 1] - l->op_first[o];
+  return need;
+}

@@ -55,6 +55,9 @@ int64_t fy_chunk_min_elems(const struct fy_graph *g);
 fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems,
                                  struct fy_chunk_layout **out);
 void fy_chunk_layout_free(struct fy_chunk_layout *l);
+// The device blocks a pass needs at once: the most chunks one op uses (chunks that backward has
+// started writing gradients into can be spilled, so they need not stay).
+int fy_chunk_min_blocks(const struct fy_chunk_layout *l, int n_ops);
 // Moves a chunk to `to`; an illegal transition is a broken invariant of the memory manager.
 void fy_chunk_set_state(struct fy_chunk *c, enum fy_chunk_state to);
 bool fy_chunk_transition_legal(enum fy_chunk_state from, enum fy_chunk_state to);

@@ -101,7 +101,7 @@ void fy_device_cache_free(struct fy_device_cache *c) {
   }
   free(c->acc);
   for (int i = 0; i < c->n_spills; i++) {
-    fy_host_dealloc(c->o.spill, c->spills[i].ptr, (size_t)c->layout->chunk_elems * 4);
+    c->o.spill_free(c->o.spill_ctx, c->spills[i].ptr, (size_t)c->layout->chunk_elems * 4);
     if (c->spills[i].written) dev->ops->event_free(dev, c->spills[i].written);
     if (c->spills[i].read) dev->ops->event_free(dev, c->spills[i].read);
   }
@@ -117,7 +117,7 @@ void fy_device_cache_free(struct fy_device_cache *c) {
 
 static bool is_pinned(const struct fy_device_cache *c, int chunk, bool for_prefetch) {
   enum fy_chunk_state s = c->layout->chunks[chunk].state;
-  if (s == FY_CHUNK_HOLD_AFTER_BWD) return for_prefetch || !c->o.spill;  // spilled only on demand
+  if (s == FY_CHUNK_HOLD_AFTER_BWD) return for_prefetch || !c->o.spill_alloc;  // spilled only on demand
   if (s != FY_CHUNK_HOLD) return true;  // in use, or all its gradients are in
   return for_prefetch && c->prefetched[chunk];
 }
@@ -132,7 +132,7 @@ static fy_status spill(struct fy_device_cache *c, int chunk) {
   while (k < c->n_spills && c->spills[k].owner >= 0) k++;
   if (k == c->n_spills) {
     struct spill_buf *sb = &c->spills[k];
-    FY_TRY(fy_host_alloc(c->o.spill, (size_t)c->layout->chunk_elems * 4, (void **)&sb->ptr));
+    FY_TRY(c->o.spill_alloc(c->o.spill_ctx, (size_t)c->layout->chunk_elems * 4, (void **)&sb->ptr));
     c->n_spills++;
     FY_TRY(dev->ops->event_create(dev, &sb->written));
     FY_TRY(dev->ops->event_create(dev, &sb->read));

@@ -33,7 +33,10 @@ struct fy_device_cache_opts {
   const float *const *home;     // home[c]: host memory a chunk's weights are loaded from
   fy_event *const *home_ready;  // home_ready[c]: recorded when home[c] may be read (or NULL)
   float *staging;               // host memory of chunk_elems floats for accumulating write-backs
-  struct fy_host_tier *spill;   // host tier for spilled chunks (NULL: HOLD_AFTER_BWD is pinned)
+  // Host memory for spilled chunks (NULL spill_alloc: HOLD_AFTER_BWD chunks are pinned instead).
+  fy_status (*spill_alloc)(void *ctx, size_t nbytes, void **out);
+  void (*spill_free)(void *ctx, void *p, size_t nbytes);
+  void *spill_ctx;
 };
 
 struct fy_device_cache;

@@ -57,13 +57,6 @@ int64_t fy_engine_count_targets(const struct fy_batch *batch) {
   return n;
 }
 
-int fy_engine_layer_first_op(const struct fy_graph *g, int o) {
-  int l = g->ops[o].layer;
-  if (l < 0 || (o + 1 < g->n_ops && g->ops[o + 1].layer == l)) return -1;
-  while (o > 0 && g->ops[o - 1].layer == l) o--;
-  return o;
-}
-
 void fy_op_call_forward(void *arg) {
   struct fy_op_call *c = arg;
   struct fy_model *m = c->m;
@@ -215,7 +208,7 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
   struct fy_dev_batch b = host_batch(m, batch);
   for (int o = g->n_ops - 1; o >= 0; o--) {
     struct fy_op_call c;
-    int first = g->recompute ? fy_engine_layer_first_op(g, o) : -1;
+    int first = g->recompute ? fy_graph_layer_first_op(g, o) : -1;
     for (int r = first; r >= 0 && r <= o; r++) {  // recompute the layer's activations
       resident_call(m, r, &b, &c);
       fy_op_call_forward(&c);

@@ -55,8 +55,5 @@ int64_t fy_engine_count_targets(const struct fy_batch *batch);
 // Positions as OPTLearnedPositionalEmbedding computes them, offset 2 included:
 // cumsum(mask) * mask - 1 + 2 (all ones when mask is NULL).
 void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T);
-// Layer boundaries for recomputation: the first op of the decoder layer that op o belongs to, or
-// -1 when o is outside the stack or is not the layer's last op.
-int fy_engine_layer_first_op(const struct fy_graph *g, int o);
 
 #endif

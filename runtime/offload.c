@@ -10,12 +10,6 @@
 #include "memory/device_cache.h"
 #include "ops/ops.h"
 
-enum action_kind { ACT_FORWARD, ACT_RECOMPUTE, ACT_BACKWARD };
-
-struct action {
-  int op;
-  enum action_kind kind;
-};
 
 // One chunk's part of the optimizer, as a host function on the optimizer stream.
 struct chunk_job {
@@ -38,7 +32,7 @@ struct fy_offload {
   fy_stream *compute, *copy_in, *copy_out, *optim;
   struct fy_device_cache *cache;
   struct fy_trace *trace;
-  struct action *actions;
+  struct fy_action *actions;
   int n_actions, n_blocks, prefetch, max_micro;
   int64_t pos;
   // Per parity of the micro-batch: the op calls and the batch, reused every other pass.
@@ -92,28 +86,8 @@ static fy_status async_status(struct fy_offload *x) {
 
 // ---- the pass: actions and their chunk accesses ----
 
-static int build_actions(const struct fy_graph *g, struct action *out) {
-  int n = 0;
-  for (int o = 0; o < g->n_ops; o++) out[n++] = (struct action){o, ACT_FORWARD};
-  for (int o = g->n_ops - 1; o >= 0; o--) {
-    int first = g->recompute ? fy_engine_layer_first_op(g, o) : -1;
-    for (int r = first; r >= 0 && r <= o; r++) out[n++] = (struct action){r, ACT_RECOMPUTE};
-    out[n++] = (struct action){o, ACT_BACKWARD};
-  }
-  return n;
-}
 
-static int max_actions(const struct fy_graph *g) { return 3 * g->n_ops; }
-
-// The blocks the pass needs at once: the most chunks one op uses (a chunk that backward has
-// started writing gradients into can be spilled to the host, so it need not stay).
-int fy_offload_min_blocks(const struct fy_model *m) {
-  const struct fy_chunk_layout *l = m->layout;
-  int need = 1;
-  for (int o = 0; o < m->graph->n_ops; o++)
-    if (l->op_first[o + 1] - l->op_first[o] > need) need = l->op_first[o + 1] - l->op_first[o];
-  return need;
-}
+int fy_offload_min_blocks(const struct fy_model *m) { return fy_chunk_min_blocks(m->layout, m->graph->n_ops); }
 
 static size_t device_fixed_bytes(const struct fy_model *m) {
   const struct fy_graph *g = m->graph;
@@ -220,9 +194,9 @@ static fy_status create_pass(struct fy_offload *x) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
-  x->actions = calloc((size_t)max_actions(g), sizeof *x->actions);
+  x->actions = calloc((size_t)fy_graph_max_actions(g), sizeof *x->actions);
   if (!x->actions) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
-  x->n_actions = build_actions(g, x->actions);
+  x->n_actions = fy_graph_pass_actions(g, x->actions);
   int64_t n = 0;
   for (int a = 0; a < x->n_actions; a++) n += l->op_first[x->actions[a].op + 1] - l->op_first[x->actions[a].op];
   int32_t *trace = calloc((size_t)n + 1, sizeof *trace);
@@ -248,6 +222,9 @@ static fy_status create_pass(struct fy_offload *x) {
   if (!x->loss_sums) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
   return FY_OK;
 }
+
+static fy_status spill_alloc(void *host, size_t n, void **out) { return fy_host_alloc(host, n, out); }
+static void spill_free(void *host, void *p, size_t n) { fy_host_dealloc(host, p, n); }
 
 fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o, struct fy_offload **out) {
   if (!m->host) return fy_error_set(FY_ERR_INVALID, "offloading needs the model state in a host tier");
@@ -288,7 +265,8 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   struct fy_device_cache_opts co = {.dev = dev, .compute = x->compute, .copy_in = x->copy_in,
                                     .copy_out = x->copy_out, .n_blocks = n_blocks, .prefetch = o->prefetch,
                                     .trace = x->trace, .home = x->home, .home_ready = x->home_ready,
-                                    .staging = x->wb_staging, .spill = m->host};
+                                    .staging = x->wb_staging, .spill_alloc = spill_alloc,
+                                    .spill_free = spill_free, .spill_ctx = m->host};
   st = fy_device_cache_create(m->layout, &co, &x->cache);
   if (st != FY_OK) {
     fy_offload_free(x);
@@ -422,7 +400,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
   float *base[FY_OP_MAX_PARAMS];
   int chunk_of[FY_OP_MAX_PARAMS];
   for (int a = 0; a < x->n_actions; a++) {
-    const struct action *act = &x->actions[a];
+    const struct fy_action *act = &x->actions[a];
     const struct fy_op *op = &g->ops[act->op];
     struct fy_op_call *c = &x->calls[p][a];
     *c = (struct fy_op_call){.m = m, .op = act->op, .batch = db, .loss_scale = loss_scale, .st = FY_OK};
@@ -437,10 +415,10 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
       for (int j = 0; j < nk; j++)
         if (chunk_of[j] == pp->chunk) c->w[k] = c->g[k] = base[j] + pp->chunk_offset;
     }
-    if (act->kind == ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
-    FY_TRY(fy_stream_enqueue(x->compute, act->kind == ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
+    if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
+    FY_TRY(fy_stream_enqueue(x->compute, act->kind == FY_ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
     for (int j = 0; j < nk; j++) {
-      enum fy_chunk_state st = fy_device_cache_release(x->cache, chunk_of[j], act->kind == ACT_BACKWARD);
+      enum fy_chunk_state st = fy_device_cache_release(x->cache, chunk_of[j], act->kind == FY_ACT_BACKWARD);
       if (st == FY_CHUNK_READY_FOR_REDUCE) FY_TRY(write_back(x, chunk_of[j], micro > 0));
     }
     FY_TRY(fy_device_cache_prefetch(x->cache, x->pos - 1));
