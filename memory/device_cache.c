@@ -43,6 +43,9 @@ struct fy_device_cache {
   struct fy_device_cache_stats stats;
 };
 
+// Bytes of one element of a chunk's payload (fp32 unless the cache was told otherwise).
+static size_t elem(const struct fy_device_cache *c) { return c->o.elem_bytes ? c->o.elem_bytes : 4; }
+
 // dst += src: the same float adds the resident path makes when summing micro-batches.
 static void accumulate_fn(void *arg) {
   struct accumulate *a = arg;
@@ -71,7 +74,7 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
   }
   for (int i = 0; i < nc; i++) c->spilled[i] = -1;
-  size_t bytes = (size_t)layout->chunk_elems * 4;
+  size_t bytes = (size_t)layout->chunk_elems * elem(c);
   for (int b = 0; b < o->n_blocks; b++) {
     struct block *bl = &c->blocks[b];
     bl->chunk = -1;
@@ -94,14 +97,14 @@ void fy_device_cache_free(struct fy_device_cache *c) {
   struct fy_device *dev = c->o.dev;
   for (int b = 0; c->blocks && b < c->o.n_blocks; b++) {
     struct block *bl = &c->blocks[b];
-    if (bl->ptr) fy_device_dealloc(dev, bl->ptr, (size_t)c->layout->chunk_elems * 4);
+    if (bl->ptr) fy_device_dealloc(dev, bl->ptr, (size_t)c->layout->chunk_elems * elem(c));
     if (bl->loaded) dev->ops->event_free(dev, bl->loaded);
     if (bl->used) dev->ops->event_free(dev, bl->used);
     if (bl->saved) dev->ops->event_free(dev, bl->saved);
   }
   free(c->acc);
   for (int i = 0; i < c->n_spills; i++) {
-    c->o.spill_free(c->o.spill_ctx, c->spills[i].ptr, (size_t)c->layout->chunk_elems * 4);
+    c->o.spill_free(c->o.spill_ctx, c->spills[i].ptr, (size_t)c->layout->chunk_elems * elem(c));
     if (c->spills[i].written) dev->ops->event_free(dev, c->spills[i].written);
     if (c->spills[i].read) dev->ops->event_free(dev, c->spills[i].read);
   }
@@ -132,7 +135,7 @@ static fy_status spill(struct fy_device_cache *c, int chunk) {
   while (k < c->n_spills && c->spills[k].owner >= 0) k++;
   if (k == c->n_spills) {
     struct spill_buf *sb = &c->spills[k];
-    FY_TRY(c->o.spill_alloc(c->o.spill_ctx, (size_t)c->layout->chunk_elems * 4, (void **)&sb->ptr));
+    FY_TRY(c->o.spill_alloc(c->o.spill_ctx, (size_t)c->layout->chunk_elems * elem(c), (void **)&sb->ptr));
     c->n_spills++;
     FY_TRY(dev->ops->event_create(dev, &sb->written));
     FY_TRY(dev->ops->event_create(dev, &sb->read));
@@ -141,7 +144,7 @@ static fy_status spill(struct fy_device_cache *c, int chunk) {
   fy_stream *s = c->o.copy_out;
   FY_TRY(fy_stream_wait(s, sb->read));  // its previous content has been loaded back
   FY_TRY(fy_stream_wait(s, bl->used));
-  FY_TRY(fy_copy_async(s, sb->ptr, bl->ptr, (size_t)ch->used * 4));
+  FY_TRY(fy_copy_async(s, sb->ptr, bl->ptr, (size_t)ch->used * elem(c)));
   FY_TRY(fy_event_record(bl->saved, s));
   FY_TRY(fy_event_record(sb->written, s));
   sb->owner = chunk;
@@ -185,13 +188,13 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
   if (c->spilled[chunk] >= 0) {  // its partial gradients come back from where they were spilled
     struct spill_buf *sb = &c->spills[c->spilled[chunk]];
     FY_TRY(fy_stream_wait(s, sb->written));
-    FY_TRY(fy_copy_async(s, bl->ptr, sb->ptr, (size_t)ch->used * 4));
+    FY_TRY(fy_copy_async(s, bl->ptr, sb->ptr, (size_t)ch->used * elem(c)));
     FY_TRY(fy_event_record(sb->read, s));
     sb->owner = -1;
     c->spilled[chunk] = -1;
   } else {
     if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
-    FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * 4));
+    FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * elem(c)));
   }
   FY_TRY(fy_event_record(bl->loaded, s));
   bl->chunk = chunk;
@@ -243,7 +246,7 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
   FY_ASSERT(ch->state == FY_CHUNK_READY_FOR_REDUCE);
   struct block *bl = &c->blocks[ch->block];
   fy_stream *s = c->o.copy_out;
-  size_t bytes = (size_t)ch->used * 4;
+  size_t bytes = (size_t)ch->used * elem(c);
   FY_TRY(fy_stream_wait(s, bl->used));
   if (accumulate) {
     FY_TRY(fy_copy_async(s, c->o.staging, bl->ptr, bytes));

@@ -33,6 +33,7 @@ struct fy_device_cache_opts {
   const float *const *home;     // home[c]: host memory a chunk's weights are loaded from
   fy_event *const *home_ready;  // home_ready[c]: recorded when home[c] may be read (or NULL)
   float *staging;               // host memory of chunk_elems floats for accumulating write-backs
+  size_t elem_bytes;            // payload bytes per element: 4 (fp32, the default) or 2 (bf16)
   // Host memory for spilled chunks (NULL spill_alloc: HOLD_AFTER_BWD chunks are pinned instead).
   fy_status (*spill_alloc)(void *ctx, size_t nbytes, void **out);
   void (*spill_free)(void *ctx, void *p, size_t nbytes);

@@ -9,10 +9,16 @@
 #include <string.h>
 
 #include "core/opt.h"
+#include "planner/plan.h"
+#include "planner/probe.h"
+#include <sys/stat.h>
 #include "ops/ops.h"
 #include "runtime/trainer.h"
 
 #define FERRY_VERSION "0.1.0"
+
+static bool parse_i64(const char *flag, const char *s, int64_t min, int64_t *out);
+static bool parse_size(const char *flag, const char *s, size_t *out);
 
 static volatile sig_atomic_t stop_requested = 0;
 
@@ -47,6 +53,165 @@ static int cmd_export(int argc, char **argv) {
   return 0;
 }
 
+// Machine description for the planner: the cached probe (measured when there is none, or with
+// --remeasure), then the overrides given on the command line.
+struct machine_args {
+  const char *device, *disk_dir, *file;
+  size_t device_mem;
+  double link;
+  bool remeasure, no_write;
+  int n_set;
+  const char *set_key[32], *set_val[32];
+};
+
+static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, bool *measured) {
+  char path[4096];
+  if (a->file) snprintf(path, sizeof path, "%s", a->file);
+  else fy_probe_default_path(path, sizeof path);
+  *measured = false;
+  const char *dev = a->device ? a->device : "sim";
+  fy_status st = a->remeasure ? FY_ERR_NOT_FOUND : fy_probe_read(path, p);
+  if (st == FY_OK && strcmp(p->device, dev) != 0 && strcmp(dev, "cuda") != 0) st = FY_ERR_NOT_FOUND;
+  if (st == FY_ERR_NOT_FOUND) {
+    double mem = a->device_mem ? (double)a->device_mem : 1073741824.0;
+    FY_TRY(fy_probe_measure(strcmp(dev, "cuda") == 0 ? "sim" : dev, mem, a->link, a->disk_dir, p));
+    *measured = true;
+    if (!a->no_write) FY_TRY(fy_probe_write(path, p));
+  } else if (st != FY_OK) {
+    return st;
+  }
+  if (a->device) FY_TRY(fy_probe_override(p, "device", a->device));
+  if (a->device_mem) {
+    char v[64];
+    snprintf(v, sizeof v, "%zu", a->device_mem);
+    FY_TRY(fy_probe_override(p, "device_mem", v));
+  }
+  for (int i = 0; i < a->n_set; i++) FY_TRY(fy_probe_override(p, a->set_key[i], a->set_val[i]));
+  return FY_OK;
+}
+
+static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
+  enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR };
+  static const struct option opts[] = {
+      {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
+      {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
+      {"probe-file", required_argument, 0, P_FILE}, {"remeasure", no_argument, 0, P_REMEASURE},
+      {"no-write", no_argument, 0, P_NO_WRITE}, {"set", required_argument, 0, P_SET},
+      {"model", required_argument, 0, P_MODEL}, {"batch", required_argument, 0, P_BATCH},
+      {"seq", required_argument, 0, P_SEQ}, {"out", required_argument, 0, P_OUT}, {"svg", required_argument, 0, P_SVG},
+      {"gpus", required_argument, 0, P_GPUS}, {"help", no_argument, 0, P_HELP},
+      // Overrides by their own names.
+      {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
+      {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
+      {"link-gbps", required_argument, 0, P_OVR}, {"h2d-gbps", required_argument, 0, P_OVR},
+      {"d2h-gbps", required_argument, 0, P_OVR}, {"host-adamw-gbps", required_argument, 0, P_OVR},
+      {"host-mem-gbps", required_argument, 0, P_OVR}, {"disk-read-gbps", required_argument, 0, P_OVR},
+      {"disk-write-gbps", required_argument, 0, P_OVR}, {0, 0, 0, 0}};
+  const char *cmd = plan ? "plan" : "probe";
+  struct machine_args a = {0};
+  const char *model = "opt-125m", *out = NULL, *svg = NULL;
+  int64_t batch = 8, seq = 1024, gpus = 1;
+  int c, idx = 0;
+  optind = 1;
+  opterr = 0;
+  static char keybuf[32][32];
+  while ((c = getopt_long(argc, argv, ":", opts, &idx)) != -1) {
+    bool ok = true;
+    switch (c) {
+      case P_DEVICE: a.device = optarg; break;
+      case P_DEVICE_MEM: ok = parse_size("--device-mem", optarg, &a.device_mem); break;
+      case P_LINK: a.link = atof(optarg); break;
+      case P_DISK: a.disk_dir = optarg; break;
+      case P_FILE: a.file = optarg; break;
+      case P_REMEASURE: a.remeasure = true; break;
+      case P_NO_WRITE: a.no_write = true; break;
+      case P_SET: {
+        char *eq = strchr(optarg, '=');
+        if (!eq || a.n_set == 32) { fprintf(stderr, "ferry %s: --set needs key=value\n", cmd); return 2; }
+        *eq = 0;
+        a.set_key[a.n_set] = optarg;
+        a.set_val[a.n_set++] = eq + 1;
+        break;
+      }
+      case P_OVR:
+        if (a.n_set == 32) return 2;
+        snprintf(keybuf[a.n_set], sizeof keybuf[0], "%s", opts[idx].name);
+        for (char *q = keybuf[a.n_set]; *q; q++) if (*q == '-') *q = '_';
+        a.set_key[a.n_set] = keybuf[a.n_set];
+        a.set_val[a.n_set++] = optarg;
+        break;
+      case P_MODEL: model = optarg; break;
+      case P_BATCH: ok = parse_i64("--batch", optarg, 1, &batch); break;
+      case P_SEQ: ok = parse_i64("--seq", optarg, 1, &seq); break;
+      case P_OUT: out = optarg; break;
+      case P_SVG: svg = optarg; break;
+      case P_GPUS: ok = parse_i64("--gpus", optarg, 1, &gpus); break;
+      case P_HELP:
+        printf("usage: ferry %s [options]\n\n", cmd);
+        if (plan)
+          printf("Chooses the plan (micro-batch, chunk size, device cache blocks, prefetch, recomputation,\n"
+                 "optimizer state on host or disk) that the cost model predicts fastest, and explains it.\n\n"
+                 "  --model M          preset or config directory (default opt-125m)\n"
+                 "  --batch B          sequences per step (default 8); --seq T tokens each (default 1024)\n"
+                 "  --out FILE         write the plan as JSON (ferry train --plan FILE runs it)\n"
+                 "  --svg FILE         draw the predicted step: streams as lanes, and device memory\n"
+                 "  --gpus N           ranks (this ferry plans one)\n");
+        else
+          printf("Measures device memory, GEMM rates, copy bandwidth each way, host AdamW and memory\n"
+                 "bandwidth and disk rates, and caches them (default ~/.cache/ferry/probe.json).\n\n");
+        printf("machine (the probe, then overrides):\n"
+               "  --device cpu|sim|cuda   --device-mem SIZE   --sim-link-gbps X   --disk-dir DIR\n"
+               "  --probe-file PATH  --remeasure  --no-write\n"
+               "  --host-mem SIZE --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
+               "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
+               "  --disk-write-gbps X   --set key=value (any probe field)\n");
+        return 0;
+      case ':': fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]); return 2;
+      default: fprintf(stderr, "ferry %s: unknown option '%s' (see 'ferry %s --help')\n", cmd, argv[optind - 1], cmd); return 2;
+    }
+    if (!ok) return 2;
+  }
+  struct fy_probe probe;
+  bool measured;
+  fy_status st = load_machine(&a, &probe, &measured);
+  if (st == FY_OK && !plan) {
+    fy_probe_print(&probe, stdout);
+    if (measured) printf("(measured now%s)\n", a.no_write ? "" : "; cached");
+    return 0;
+  }
+  struct fy_opt_config cfg;
+  struct fy_plan best;
+  int tried = 0;
+  if (st == FY_OK && gpus != 1)
+    st = fy_error_set(FY_ERR_UNSUPPORTED, "--gpus %lld: this ferry plans and runs one rank", (long long)gpus);
+  if (st == FY_OK) {
+    struct stat sb;
+    st = stat(model, &sb) == 0 ? fy_opt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
+  }
+  if (st == FY_OK) st = fy_plan_search(&cfg, model, batch, seq, &probe, &best, &tried);
+  if (st == FY_OK) {
+    fy_plan_print(&best, stdout);
+    printf("  (%d plans simulated)\n", tried);
+    if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
+  }
+  if (st == FY_OK && svg) {
+    struct fy_device *tl;
+    struct fy_cost cst;
+    st = fy_cost_simulate(&cfg, &best.k, &probe, &cst, &tl);
+    if (st == FY_OK) {
+      st = fy_cost_svg(tl, &cst, svg);
+      fy_device_free(tl);
+      if (st == FY_OK) printf("ferry: drew the step in %s\n", svg);
+    }
+  }
+  if (st != FY_OK) {
+    fprintf(stderr, "ferry %s: error: %s\n", cmd, fy_error_msg());
+    return 1;
+  }
+  return 0;
+}
+
 static void usage_main(FILE *f) {
   fprintf(f,
           "usage: ferry <command> [options]\n"
@@ -57,6 +222,8 @@ static void usage_main(FILE *f) {
           "  train     train a model (with no options: the demo model on the bundled corpus)\n"
           "  eval      mean loss of a model on token shards\n"
           "  export    write a Hugging Face model directory from a training checkpoint\n"
+          "  probe     measure this machine for the planner (cached in a file you can edit)\n"
+          "  plan      choose and explain a plan: memory per tier, step time, MFU, bottleneck\n"
           "  presets   list the built-in model presets\n"
           "  version   print the version\n"
           "\n"
@@ -119,6 +286,8 @@ static void usage_train(FILE *f, bool eval) {
           "  --blocks N         sim: device cache blocks (default: as many as fit)\n"
           "  --chunk-mib X      sim: chunk size (default: the smallest that holds the largest\n"
           "                     parameter group, the token embedding)\n"
+          "  --plan auto|FILE   let the planner choose micro-batch, chunks, blocks, prefetch,\n"
+          "                     recomputation and disk placement (see ferry plan), or run a plan file\n"
           "  --save DIR         write a Hugging Face model (config.json, model.safetensors) at the end;\n"
           "                     with --save-every, DIR holds training checkpoints instead\n"
           "  --save-every N     write a training checkpoint (weights, AdamW state, step, data\n"
@@ -188,7 +357,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -211,7 +380,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"prefetch", required_argument, 0, OPT_PREFETCH}, {"blocks", required_argument, 0, OPT_BLOCKS},
       {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB}, {"save-every", required_argument, 0, OPT_SAVE_EVERY},
       {"keep", required_argument, 0, OPT_KEEP}, {"resume", required_argument, 0, OPT_RESUME},
-      {"stop-after", required_argument, 0, OPT_STOP_AFTER},
+      {"stop-after", required_argument, 0, OPT_STOP_AFTER}, {"plan", required_argument, 0, OPT_PLAN},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -276,6 +445,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_KEEP: ok = parse_i64("--keep", optarg, 1, &v); o.keep = (int)v; break;
       case OPT_RESUME: o.resume = optarg; break;
       case OPT_STOP_AFTER: ok = parse_i64("--stop-after", optarg, 1, &o.stop_after); break;
+      case OPT_PLAN: o.plan = optarg; break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);
@@ -331,6 +501,8 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "train") == 0) return cmd_train(argc - 1, argv + 1, false);
   if (strcmp(cmd, "eval") == 0) return cmd_train(argc - 1, argv + 1, true);
   if (strcmp(cmd, "export") == 0) return cmd_export(argc - 1, argv + 1);
+  if (strcmp(cmd, "probe") == 0) return cmd_probe_or_plan(argc - 1, argv + 1, false);
+  if (strcmp(cmd, "plan") == 0) return cmd_probe_or_plan(argc - 1, argv + 1, true);
   if (strcmp(cmd, "presets") == 0) {
     for (const char *const *p = fy_opt_preset_names(); *p; p++) {
       struct fy_opt_config c;

@@ -22,6 +22,8 @@
 #include "runtime/model.h"
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
+#include "planner/plan.h"
+#include "planner/probe.h"
 #include "memory/tier.h"
 
 void fy_train_opts_defaults(struct fy_train_opts *o) {
@@ -392,8 +394,62 @@ static double dir_bytes(const char *root) {
   return total;
 }
 
-fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res) {
+// --plan: the plan's knobs replace the run's (a plan that cannot fit this machine is refused with
+// the reason). The machine is the cached probe with this run's device memory and link.
+static fy_status apply_plan(struct fy_train_opts *o) {
+  struct fy_opt_config cfg;
+  FY_TRY(resolve_config(o, &cfg));
+  char path[4096];
+  fy_probe_default_path(path, sizeof path);
+  struct fy_probe probe;
+  size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
+  fy_status st = fy_probe_read(path, &probe);
+  if (st != FY_OK || strcmp(probe.device, "sim") != 0) {
+    FY_TRY(fy_probe_measure("sim", (double)dev_mem, o->sim_link_gbps, o->disk_dir, &probe));
+    fy_probe_write(path, &probe);  // a cache: failing to write it is not an error
+  }
+  char v[64];
+  snprintf(v, sizeof v, "%zu", dev_mem);
+  FY_TRY(fy_probe_override(&probe, "device_mem", v));
+  if (o->host_mem) {
+    snprintf(v, sizeof v, "%zu", o->host_mem);
+    FY_TRY(fy_probe_override(&probe, "host_mem", v));
+  }
+  if (o->sim_link_gbps > 0) {
+    snprintf(v, sizeof v, "%g", o->sim_link_gbps);
+    FY_TRY(fy_probe_override(&probe, "link_gbps", v));
+  }
+  struct fy_plan plan;
+  if (strcmp(o->plan, "auto") == 0) {
+    FY_TRY(fy_plan_search(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum, o->seq, &probe, &plan, NULL));
+  } else {
+    FY_TRY(fy_plan_read(o->plan, &plan));
+    if (plan.k.seq != o->seq)
+      fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
+                  (long long)plan.k.seq, (long long)o->seq);
+    st = fy_plan_check(&cfg, &plan, &probe);
+    if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
+  }
+  const struct fy_plan_knobs *k = &plan.k;
+  o->device = "sim";
+  o->device_mem = dev_mem;
+  o->batch = k->micro_batch;
+  o->grad_accum = k->grad_accum;
+  o->seq = k->seq;
+  o->recompute = k->recompute;
+  o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
+  o->blocks = k->blocks;
+  o->prefetch = k->prefetch;
+  o->disk_chunks = k->disk_chunks;
+  if (!o->quiet) fy_plan_print(&plan, stdout);
+  return FY_OK;
+}
+
+fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *res) {
   memset(res, 0, sizeof *res);
+  struct fy_train_opts eff = *given;
+  const struct fy_train_opts *o = &eff;
+  if (given->plan) FY_TRY(apply_plan(&eff));
   if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
   if (o->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
   if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");

@@ -44,6 +44,9 @@ struct fy_train_opts {
   int keep;               // checkpoints kept in the root (default 2)
   const char *resume;     // a checkpoint root or step directory to continue from
   int64_t stop_after;     // end (with a checkpoint when on) after this many steps of this run
+  const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
+                          //   sets micro-batch, accumulation, chunks, blocks, prefetch,
+                          //   recomputation and disk placement on the sim device
   volatile sig_atomic_t *stop;  // set (by a signal handler) to end after the current step, with
                                 // a checkpoint when checkpoints are on
   const char *log_path;   // JSON lines, one per step (NULL: none)

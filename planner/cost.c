@@ -1,0 +1,383 @@
+#include "planner/cost.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/graph.h"
+#include "memory/cache.h"
+#include "memory/chunk.h"
+#include "memory/device_cache.h"
+#include "planner/timeline.h"
+
+// Attention's small batched products run at about half the rate of the large GEMMs (measured
+// with ferry train --profile on opt-125m: ~100-140 GFLOP/s against ~210).
+#define ATTENTION_EFFICIENCY 0.55
+#define FAKE_HOST ((uintptr_t)1 << 40)  // host addresses of the simulation: never dereferenced
+// On the sim device the "device" is the host's own cores, which also run the copy engines'
+// memcpy and the host optimizer: a kernel costs a dispatch to the compute stream's thread and an
+// OpenMP fork (measured ~30 us), and host work takes its time from the kernels instead of
+// overlapping with them.
+#define SIM_OP_OVERHEAD 30e-6
+
+double fy_cost_state_bytes_per_param(int payload_bytes, bool grads_apart) {
+  double master = payload_bytes == 4 ? 0 : 4;  // fp32 compute: the weights are the master
+  double grads = (grads_apart || payload_bytes == 4) ? payload_bytes : 0;
+  return payload_bytes + master + 8 + grads;
+}
+
+// Seconds of one op's kernel on the device.
+static double op_seconds(const struct fy_graph *g, const struct fy_op *op, bool backward, const struct fy_probe *p,
+                         int act_bytes) {
+  double B = (double)g->B, T = (double)g->T, BT = B * T, flops = 0, bytes = 0;
+  // Memory-bound kernels run at the device's memory bandwidth: on cpu and sim that is the host's
+  // (probed); a GPU's is not probed here, so it is taken as 1 byte per 100 FLOPs of its GEMM rate
+  // (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
+  bool gpu = strcmp(p->device, "cuda") == 0;
+  double gemm = p->device_gflops * 1e9, mem = gpu ? gemm / 100 : p->host_mem_gbps * 1e9;
+  switch (op->kind) {
+    case FY_OP_LINEAR: flops = 2 * BT * (double)op->C * (double)op->OC * (backward ? 2 : 1); break;
+    case FY_OP_ATTENTION: return 4 * B * T * T * (double)op->C * (backward ? 2 : 1) / (gemm * ATTENTION_EFFICIENCY);
+    case FY_OP_LAYERNORM: bytes = BT * (double)op->C * act_bytes * (backward ? 4 : 2); break;
+    case FY_OP_RELU: bytes = (double)g->slots[op->out].numel * act_bytes * (backward ? 3 : 2); break;
+    case FY_OP_ADD: bytes = (double)g->slots[op->out].numel * act_bytes * 3; break;
+    case FY_OP_EMBEDDING: bytes = BT * (double)op->C * act_bytes * 2; break;
+    case FY_OP_CROSS_ENTROPY: bytes = BT * (double)op->V * act_bytes * 3; break;
+    case FY_OP_KIND_COUNT: break;
+  }
+  return flops / gemm + bytes / mem;
+}
+
+static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
+  uintptr_t *next = ctx;
+  *out = (void *)*next;
+  *next += (n + 63) & ~(size_t)63;
+  return FY_OK;
+}
+static void fake_spill_free(void *ctx, void *p, size_t n) {}
+
+struct sim {
+  struct fy_device *dev;
+  fy_stream *compute, *copy_in, *copy_out, *optim;
+  fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready;
+  struct fy_device_cache *cache;
+  struct fy_trace *trace;
+  struct fy_action *actions;
+  int n_actions;
+  const float **home;
+  uintptr_t spill_next;
+};
+
+static void sim_free(struct sim *s, int nc) {
+  fy_device_cache_free(s->cache);
+  fy_trace_free(s->trace);
+  for (int c = 0; c < nc; c++) {
+    if (s->home_ready) fy_event_free(s->home_ready[c]);
+    if (s->grad_ready) fy_event_free(s->grad_ready[c]);
+  }
+  free(s->home_ready);
+  free(s->grad_ready);
+  fy_event_free(s->batch_ready);
+  fy_event_free(s->norm_ready);
+  fy_stream_free(s->compute);
+  fy_stream_free(s->copy_in);
+  fy_stream_free(s->copy_out);
+  fy_stream_free(s->optim);
+  free(s->actions);
+  free(s->home);
+}
+
+static void bump(fy_stream *s, double t) {
+  double c = fy_timeline_clock(s);
+  if (t > c) fy_timeline_run(s, t - c, NULL);
+}
+
+fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                           const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
+  memset(out, 0, sizeof *out);
+  if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: micro-batch, accumulation and sequence must be positive");
+  bool gpu = strcmp(probe->device, "cuda") == 0;
+  int pb = gpu ? 2 : 4;  // compute payload and activations: bf16 on a GPU, fp32 on cpu/sim
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph(cfg, k->micro_batch, k->seq, &g));
+  if (k->recompute) fy_graph_set_recompute(g, true);
+  int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);
+  struct fy_chunk_layout *l = NULL;
+  fy_status st = fy_chunk_layout_create(g, ce, &l);
+  if (st != FY_OK) {
+    fy_graph_free(g);
+    return st;
+  }
+  ce = l->chunk_elems;
+  int nc = l->n_chunks;
+  double chunk_bytes = (double)ce * pb, np = (double)g->n_param_elems;
+  out->n_chunks = nc;
+  out->chunk_bytes = chunk_bytes;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum;
+
+  // Device memory: activations and the batch as the offload engine allocates them, then blocks.
+  size_t bt = (size_t)(g->B * g->T);
+  size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * pb, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * pb,
+                    (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * pb, bt * 4, 4 * bt * 4, 4 * bt * 4};
+  double fixed_bytes = 0;
+  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)((fixed[i] + 63) & ~(size_t)63);
+  int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
+  double block = (double)(((size_t)chunk_bytes + 63) & ~(size_t)63);
+  out->min_device_bytes = fixed_bytes + min_blocks * block;
+  int n_blocks = k->blocks;
+  if (n_blocks <= 0) {
+    double left = probe->device_mem - fixed_bytes;
+    n_blocks = left > 0 ? (int)(left / block) : 0;
+    if (n_blocks > nc) n_blocks = nc;
+  }
+  out->n_blocks = n_blocks;
+  // Host and disk: parameters stay on the host; gradients and AdamW state of the chunks the host
+  // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
+  double per_chunk_state = ce * (fy_cost_state_bytes_per_param(pb, false) - pb);  // master, m, v, grads
+  double params_host = np * (gpu ? 0 : pb), reserve = 3 * (double)ce * 4;
+  int fit = (int)((probe->host_mem - params_host - reserve) / per_chunk_state);
+  if (fit < 0) fit = 0;
+  int n_disk = k->disk_chunks >= 0 ? k->disk_chunks : (fit >= nc ? 0 : nc - fit);
+  if (n_disk > nc) n_disk = nc;
+  if (n_disk > 0) reserve += 5 * (double)ce * 4;
+  out->n_disk_chunks = n_disk;
+  out->host_bytes = params_host + reserve + (nc - n_disk) * per_chunk_state;
+  out->disk_bytes = n_disk * per_chunk_state;
+  out->fits = true;
+  if (n_blocks < min_blocks || out->min_device_bytes > probe->device_mem) {
+    out->fits = false;
+    snprintf(out->why, sizeof out->why,
+             "the device (%.1f MiB) cannot hold the smallest working set: %d blocks of %.1f MiB plus %.1f MiB of "
+             "activations, %.1f MiB in all", probe->device_mem / 1048576.0, min_blocks, block / 1048576.0,
+             fixed_bytes / 1048576.0, out->min_device_bytes / 1048576.0);
+  } else if (fixed_bytes + n_blocks * block > probe->device_mem) {
+    out->fits = false;
+    snprintf(out->why, sizeof out->why, "%d blocks of %.1f MiB and %.1f MiB of activations need %.1f MiB; the device has %.1f MiB",
+             n_blocks, block / 1048576.0, fixed_bytes / 1048576.0, (fixed_bytes + n_blocks * block) / 1048576.0,
+             probe->device_mem / 1048576.0);
+  } else if (out->host_bytes > probe->host_mem) {
+    out->fits = false;
+    snprintf(out->why, sizeof out->why, "the host memory (%.1f GiB) cannot hold the parameters and buffers (%.1f GiB)",
+             probe->host_mem / 1073741824.0, out->host_bytes / 1073741824.0);
+  } else if (n_disk > 0 && !(probe->disk_write_gbps > 0)) {
+    out->fits = false;
+    snprintf(out->why, sizeof out->why, "the state of %d chunks (%.1f GiB) needs a disk tier (probe a --disk-dir)",
+             n_disk, out->disk_bytes / 1073741824.0);
+  }
+  if (!out->fits) {
+    fy_chunk_layout_free(l);
+    fy_graph_free(g);
+    return FY_OK;
+  }
+
+  // The simulation: the real cache on a device that keeps time.
+  struct sim s = {0};
+  double h2d = probe->h2d_gbps, d2h = probe->d2h_gbps;
+  st = fy_timeline_create((size_t)probe->device_mem + 4096, h2d, d2h, &s.dev);
+  void *p;
+  for (size_t i = 0; st == FY_OK && i < sizeof fixed / sizeof *fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
+  void *dbatch = p;
+  if (st == FY_OK) st = fy_stream_create(s.dev, &s.compute);
+  if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_in);
+  if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_out);
+  if (st == FY_OK) st = fy_stream_create(s.dev, &s.optim);
+  if (st == FY_OK) st = fy_event_create(s.dev, &s.batch_ready);
+  if (st == FY_OK) st = fy_event_create(s.dev, &s.norm_ready);
+  s.home_ready = calloc((size_t)nc, sizeof *s.home_ready);
+  s.grad_ready = calloc((size_t)nc, sizeof *s.grad_ready);
+  s.home = calloc((size_t)nc, sizeof *s.home);
+  s.actions = calloc((size_t)fy_graph_max_actions(g), sizeof *s.actions);
+  if (st == FY_OK && (!s.home_ready || !s.grad_ready || !s.home || !s.actions))
+    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = 0; st == FY_OK && c < nc; c++) {
+    st = fy_event_create(s.dev, &s.home_ready[c]);
+    if (st == FY_OK) st = fy_event_create(s.dev, &s.grad_ready[c]);
+    s.home[c] = (const float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block);
+  }
+  if (st == FY_OK) {
+    fy_timeline_name_stream(s.compute, "compute");
+    fy_timeline_name_stream(s.copy_in, "copy to device");
+    fy_timeline_name_stream(s.copy_out, "copy to host");
+    fy_timeline_name_stream(s.optim, "host optimizer");
+    s.n_actions = fy_graph_pass_actions(g, s.actions);
+    int64_t n = 0;
+    for (int a = 0; a < s.n_actions; a++) n += l->op_first[s.actions[a].op + 1] - l->op_first[s.actions[a].op];
+    int32_t *trace = malloc((size_t)(n + 1) * sizeof *trace);
+    if (!trace) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    n = 0;
+    for (int a = 0; trace && a < s.n_actions; a++)
+      for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++) trace[n++] = l->op_chunks[j];
+    if (st == FY_OK) st = fy_trace_create(trace, n, nc, &s.trace);
+    free(trace);
+  }
+  s.spill_next = FAKE_HOST + (uintptr_t)nc * (uintptr_t)block + 4096;
+  if (st == FY_OK) {
+    struct fy_device_cache_opts co = {.dev = s.dev, .compute = s.compute, .copy_in = s.copy_in, .copy_out = s.copy_out,
+                                      .n_blocks = n_blocks, .prefetch = k->prefetch, .trace = s.trace,
+                                      .home = s.home, .home_ready = s.home_ready,
+                                      .staging = (float *)(s.spill_next - 2048), .spill_alloc = fake_spill_alloc,
+                                      .spill_free = fake_spill_free, .spill_ctx = &s.spill_next,
+                                      .elem_bytes = (size_t)pb};
+    st = fy_device_cache_create(l, &co, &s.cache);
+  }
+  const int steps = 3;
+  double ends[3] = {0}, host = 0, busy[4] = {0}, copy0[2] = {0}, optim_step = 0, cpu_copied = 0;
+  int64_t pos = 0, loads0 = 0;
+  double mem = probe->host_mem_gbps * 1e9, adamw = probe->host_adamw_gbps * 1e9;
+  double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
+  for (int step = 0; st == FY_OK && step < steps; step++) {
+    bool last = step == steps - 1;
+    fy_timeline_record(s.dev, last);
+    struct fy_copy_stats cs;
+    struct fy_device_cache_stats ks;
+    if (last) {
+      fy_device_copy_stats(s.dev, &cs);
+      copy0[0] = cs.busy_s[0];
+      copy0[1] = cs.busy_s[1];
+      fy_device_cache_stats(s.cache, &ks);
+      loads0 = ks.loads;
+    }
+    // The host enqueues the step once it knows the last step's norm.
+    bump(s.compute, host);
+    bump(s.copy_in, host);
+    bump(s.copy_out, host);
+    for (int64_t micro = 0; st == FY_OK && micro < k->grad_accum; micro++) {
+      fy_copy_async(s.copy_in, dbatch, (const void *)FAKE_HOST, 4 * bt * 4);
+      fy_event_record(s.batch_ready, s.copy_in);
+      fy_stream_wait(s.compute, s.batch_ready);
+      fy_device_cache_begin_pass(s.cache);
+      for (int a = 0; st == FY_OK && a < s.n_actions; a++) {
+        const struct fy_op *op = &g->ops[s.actions[a].op];
+        int o = s.actions[a].op;
+        float *base;
+        for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++)
+          st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
+        if (st != FY_OK) break;
+        double t = op_seconds(g, op, s.actions[a].kind == FY_ACT_BACKWARD, probe, pb) + (gpu ? 0 : SIM_OP_OVERHEAD);
+        fy_timeline_run(s.compute, t, op->name);
+        if (last) busy[0] += t;
+        for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++) {
+          int c = l->op_chunks[j];
+          if (fy_device_cache_release(s.cache, c, s.actions[a].kind == FY_ACT_BACKWARD) == FY_CHUNK_READY_FOR_REDUCE) {
+            st = fy_device_cache_write_back(s.cache, c, (float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block),
+                                            micro > 0, c >= nc - n_disk ? NULL : s.grad_ready[c]);
+            if (st == FY_OK && c >= nc - n_disk) {  // and on to its disk slot
+              fy_timeline_run(s.copy_out, l->chunks[c].used * 4.0 * (micro > 0 ? 2 : 1) / dwrite, "to disk");
+              fy_event_record(s.grad_ready[c], s.copy_out);
+            }
+          }
+        }
+        if (st == FY_OK) st = fy_device_cache_prefetch(s.cache, pos - 1);
+      }
+    }
+    // The optimizer: sums of squares as gradients arrive, the norm, then AdamW chunk by chunk.
+    for (int c = 0; st == FY_OK && c < nc; c++) {
+      fy_stream_wait(s.optim, s.grad_ready[c]);
+      double u = (double)l->chunks[c].used, t = u * 4 / mem + (c >= nc - n_disk ? u * 4 / dread : 0);
+      fy_timeline_run(s.optim, t, "norm");
+      optim_step += t;
+      if (last) busy[3] += t;
+    }
+    fy_event_record(s.norm_ready, s.optim);
+    double norm_at = fy_timeline_clock(s.optim);
+    for (int c = 0; st == FY_OK && c < nc; c++) {
+      double u = (double)l->chunks[c].used;
+      double t = u * 28 / adamw + (c >= nc - n_disk ? u * 12 / dread + u * 8 / dwrite : 0);
+      fy_timeline_run(s.optim, t, "AdamW");
+      fy_event_record(s.home_ready[c], s.optim);
+      optim_step += t;
+      if (last) busy[3] += t;
+    }
+    if (!gpu) {  // the same cores: the optimizer and the copies' memcpy delay the kernels
+      struct fy_copy_stats now;
+      fy_device_copy_stats(s.dev, &now);
+      double copied = now.bytes[0] + now.bytes[1] - cpu_copied;
+      cpu_copied = now.bytes[0] + now.bytes[1];
+      fy_timeline_run(s.compute, optim_step + copied / mem, "host work");
+    }
+    optim_step = 0;
+    host = norm_at;
+    ends[step] = host;
+    if (last) {
+      fy_device_copy_stats(s.dev, &cs);
+      busy[1] = cs.busy_s[0] - copy0[0];
+      busy[2] = cs.busy_s[1] - copy0[1];
+      fy_device_cache_stats(s.cache, &ks);
+      out->loads_per_step = ks.loads - loads0;
+    }
+  }
+  if (st == FY_OK) {
+    out->step_s = ends[steps - 1] - ends[steps - 2];
+    out->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum) / out->step_s;
+    out->mfu = out->flops_per_step / out->step_s / (probe->device_gflops * 1e9);
+    out->compute_s = busy[0];
+    out->h2d_s = busy[1];
+    out->d2h_s = busy[2];
+    out->optim_s = busy[3];
+    out->device_peak = (double)s.dev->bytes_peak;
+    const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
+    int worst = 0;
+    for (int i = 1; i < 4; i++)
+      if (busy[i] > busy[worst]) worst = i;
+    snprintf(out->bottleneck, sizeof out->bottleneck, "%s", names[worst]);
+  }
+  sim_free(&s, nc);
+  if (st == FY_OK && timeline_out) {
+    *timeline_out = s.dev;
+  } else {
+    fy_device_free(s.dev);
+  }
+  fy_chunk_layout_free(l);
+  fy_graph_free(g);
+  return st;
+}
+
+fy_status fy_cost_svg(const struct fy_device *timeline, const struct fy_cost *c, const char *path) {
+  const struct fy_timeline_span *sp;
+  int n = fy_timeline_spans(timeline, &sp);
+  if (n == 0) return fy_error_set(FY_ERR_INVALID, "no timeline to draw");
+  double t0 = sp[0].start, t1 = sp[0].end;
+  int lanes = 0;
+  for (int i = 0; i < n; i++) {
+    if (sp[i].start < t0) t0 = sp[i].start;
+    if (sp[i].end > t1) t1 = sp[i].end;
+    if (sp[i].stream + 1 > lanes) lanes = sp[i].stream + 1;
+  }
+  FILE *f = fopen(path, "w");
+  if (!f) return fy_error_set(FY_ERR_IO, "cannot write %s", path);
+  const double W = 1100, left = 130, lane_h = 34, top = 40;
+  double scale = (W - left - 20) / (t1 - t0 > 0 ? t1 - t0 : 1);
+  double H = top + (lanes + 2) * lane_h + 40;
+  static const char *const colors[] = {"#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#76b7b2", "#edc948"};
+  fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
+             "font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n", W, H);
+  fprintf(f, "<text x=\"10\" y=\"20\" font-size=\"14\">one step: %.3f s predicted, %.0f tokens/s, bottleneck %s</text>\n",
+          c->step_s, c->tokens_per_s, c->bottleneck);
+  for (int l = 0; l < lanes; l++) {
+    double y = top + l * lane_h;
+    fprintf(f, "<text x=\"10\" y=\"%.0f\">%s</text>\n", y + 20, fy_timeline_stream_name(timeline, l));
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"#ddd\"/>\n", left, y + lane_h - 2, W - 20,
+            y + lane_h - 2);
+  }
+  for (int i = 0; i < n; i++) {
+    double x = left + (sp[i].start - t0) * scale, w = (sp[i].end - sp[i].start) * scale;
+    double y = top + sp[i].stream * lane_h + 4;
+    fprintf(f, "<rect x=\"%.2f\" y=\"%.0f\" width=\"%.2f\" height=\"%.0f\" fill=\"%s\"><title>%s %.3f ms</title></rect>\n",
+            x, y, w < 0.3 ? 0.3 : w, lane_h - 10, colors[sp[i].stream % 6], sp[i].label,
+            (sp[i].end - sp[i].start) * 1e3);
+  }
+  // Device memory: the cache blocks and activations are allocated before the first step and held.
+  double y = top + lanes * lane_h + 10, frac = c->device_peak / (timeline->cap > 0 ? (double)timeline->cap : 1);
+  fprintf(f, "<text x=\"10\" y=\"%.0f\">device memory</text>\n", y + 16);
+  fprintf(f, "<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"20\" fill=\"#eee\"/>\n", left, y, W - left - 20);
+  fprintf(f, "<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"20\" fill=\"#b07aa1\"/>\n", left, y,
+          (W - left - 20) * (frac > 1 ? 1 : frac));
+  fprintf(f, "<text x=\"%.0f\" y=\"%.0f\">%.1f MiB in use through the step (%d blocks and the activations)</text>\n",
+          left + 6, y + 15, c->device_peak / 1048576.0, c->n_blocks);
+  fprintf(f, "<text x=\"%.0f\" y=\"%.0f\" fill=\"#555\">0 s</text><text x=\"%.0f\" y=\"%.0f\" fill=\"#555\" "
+             "text-anchor=\"end\">%.3f s</text>\n</svg>\n", left, H - 10, W - 20, H - 10, t1 - t0);
+  bool ok = !ferror(f);
+  ok = fclose(f) == 0 && ok;
+  return ok ? FY_OK : fy_error_set(FY_ERR_IO, "writing %s failed", path);
+}

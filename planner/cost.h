@@ -1,0 +1,52 @@
+// The cost model (DESIGN.md, `fy_plan`): one training step simulated as a timeline of streams —
+// compute, copies to and from the device, the host optimizer — from the model's operators, the
+// probe's rates and the plan's knobs. The device chunk cache itself (memory/device_cache.h) runs
+// against a timeline device (planner/timeline.h), so the predicted loads, prefetches, evictions,
+// spills and device memory are the ones the runtime will have; only durations are modelled.
+#ifndef FY_COST_H
+#define FY_COST_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/device.h"
+#include "core/opt.h"
+#include "planner/probe.h"
+
+// What the planner decides (and a plan file holds).
+struct fy_plan_knobs {
+  int64_t micro_batch, grad_accum, seq;
+  int64_t chunk_elems;   // 0: the smallest that holds the largest parameter group
+  int blocks;            // device cache blocks; 0: as many as the device holds
+  int prefetch;
+  bool recompute;
+  int disk_chunks;       // chunks whose gradients and AdamW state live on disk; -1: as needed
+};
+
+struct fy_cost {
+  bool fits;
+  char why[320];           // when it does not fit: what and by how much
+  double step_s, tokens_per_s, flops_per_step, mfu;
+  double compute_s, h2d_s, d2h_s, optim_s;  // busy seconds per step of each stream
+  char bottleneck[24];     // "compute", "copy to device", "copy to host", "optimizer"
+  double device_peak, min_device_bytes, host_bytes, disk_bytes;
+  int n_blocks, n_chunks, n_disk_chunks;
+  double chunk_bytes;
+  int64_t loads_per_step;
+};
+
+// Bytes of model state per parameter: the compute payload (weights, with gradients written over
+// it on the device), the fp32 master weights unless the payload is fp32, AdamW's m and v, and fp32
+// gradients kept apart on the host when the payload is the master (fp32) or when asked.
+double fy_cost_state_bytes_per_param(int payload_bytes, bool grads_apart);
+
+// Simulates `steps` steps (the last ones count) of cfg under the knobs on the probed machine.
+// timeline_out, when not NULL, receives the timeline device with the last step's spans
+// (free it with fy_device_free).
+fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                           const struct fy_probe *probe, struct fy_cost *out,
+                           struct fy_device **timeline_out);
+// Writes the step's timeline as an SVG: one lane per stream, and device memory over the step.
+fy_status fy_cost_svg(const struct fy_device *timeline, const struct fy_cost *c, const char *path);
+
+#endif

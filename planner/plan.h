@@ -1,0 +1,36 @@
+// fy_plan (DESIGN.md, "The objects"): everything the planner decided, as a JSON file a person can
+// read and edit — micro-batch and accumulation, chunk size, device cache blocks, prefetch depth,
+// recomputation, how many chunks keep their state on disk, the parallel pattern — with what the
+// cost model predicts for it. The search tries the knobs, keeps plans that fit every tier, and
+// chooses the fastest predicted.
+#ifndef FY_PLAN_H
+#define FY_PLAN_H
+
+#include <stdio.h>
+
+#include "planner/cost.h"
+#include "planner/probe.h"
+
+struct fy_plan {
+  char model[256];         // preset name or config path, as given
+  struct fy_plan_knobs k;
+  char pattern[32];        // the parallel pattern of every operator (one rank: replicate)
+  int dp, tp;              // data- and tensor-parallel ranks
+  struct fy_probe machine; // the machine it was made for
+  struct fy_cost predicted;
+};
+
+// Searches plans for `batch` sequences of `seq` tokens per step. FY_ERR_NOMEM with the smallest
+// device memory that would work when nothing fits. n_tried may be NULL.
+fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                         const struct fy_probe *probe, struct fy_plan *best, int *n_tried);
+// Re-simulates a (perhaps hand-edited) plan on `probe`: FY_ERR_INVALID with the reason when it is
+// inconsistent (unknown pattern, a chunk size that is not a multiple of 16 floats or cannot hold
+// the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does
+// not fit; fills p->predicted.
+fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, const struct fy_probe *probe);
+fy_status fy_plan_write(const char *path, const struct fy_plan *p);
+fy_status fy_plan_read(const char *path, struct fy_plan *p);
+void fy_plan_print(const struct fy_plan *p, FILE *f);
+
+#endif

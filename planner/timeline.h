@@ -1,0 +1,37 @@
+// The timeline device: a device that runs nothing and keeps time. Each stream has a clock; a
+// copy between host and device occupies that direction's link for bytes / rate; work the planner
+// enqueues takes the seconds it says; events carry the time they were recorded at, and a wait
+// moves a stream's clock forward to it. Allocations are counted against the cap (as the sim
+// device counts them) at fake addresses that are never dereferenced.
+//
+// The planner runs the real device chunk cache (memory/device_cache.h) against it, so that the
+// predicted loads, evictions, prefetches and peak memory are the ones training will have.
+#ifndef FY_TIMELINE_H
+#define FY_TIMELINE_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "core/device.h"
+
+// One interval of work on a stream, for drawing the step.
+struct fy_timeline_span {
+  int stream;         // creation order of the stream
+  double start, end;
+  char label[40];
+};
+
+fy_status fy_timeline_create(size_t cap, double h2d_gbps, double d2h_gbps, struct fy_device **out);
+// Advances stream s by `seconds` of work after what it already has (a kernel, an optimizer step).
+void fy_timeline_run(fy_stream *s, double seconds, const char *label);
+double fy_timeline_clock(const fy_stream *s);
+// The spans recorded while recording was on.
+int fy_timeline_spans(const struct fy_device *dev, const struct fy_timeline_span **out);
+void fy_timeline_reset_spans(struct fy_device *dev);
+// Turns recording of spans on or off (to draw one steady-state step).
+void fy_timeline_record(struct fy_device *dev, bool on);
+// The name to draw a stream under.
+void fy_timeline_name_stream(fy_stream *s, const char *name);
+const char *fy_timeline_stream_name(const struct fy_device *dev, int stream);
+
+#endif

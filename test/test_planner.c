@@ -1,0 +1,223 @@
+// The planner (planner/cost.h, planner/plan.h): predictions against measured steps on the sim
+// device, the search against a grid of hand-written plans run for real, the smallest cap, sanity
+// figures, and plan files.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "core/opt.h"
+#include "ops/ops.h"
+#include "planner/plan.h"
+#include "planner/probe.h"
+#include "runtime/data.h"
+#include "runtime/trainer.h"
+
+static char dir[256], model_dir[300], shard[300];
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, double link) {
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  o.model = model_dir;
+  o.data = shard;
+  o.batch = k->micro_batch;
+  o.grad_accum = k->grad_accum;
+  o.seq = k->seq;
+  o.steps = 6;
+  o.quiet = true;
+  o.device = "sim";
+  o.device_mem = cap;
+  o.sim_link_gbps = link;
+  o.chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
+  o.blocks = k->blocks;
+  o.prefetch = k->prefetch;
+  o.recompute = k->recompute;
+  o.disk_chunks = 0;
+  return o;
+}
+
+// Predicted against measured: device peak within 5%, step time within 25% (best of 2 runs).
+static void check_prediction(const char *what, struct fy_opt_config *cfg, struct fy_plan_knobs k, size_t cap,
+                             double link, struct fy_probe probe) {
+  char v[64];
+  snprintf(v, sizeof v, "%zu", cap);
+  fy_probe_override(&probe, "device_mem", v);
+  snprintf(v, sizeof v, "%g", link);
+  fy_probe_override(&probe, "link_gbps", v);
+  struct fy_cost c;
+  CHECK_OK(fy_cost_simulate(cfg, &k, &probe, &c, NULL));
+  struct fy_train_opts o = run_opts(&k, cap, link);
+  struct fy_train_result r1, r2;
+  CHECK_OK(fy_train(&o, &r1));
+  CHECK_OK(fy_train(&o, &r2));
+  double measured = r1.step_s < r2.step_s ? r1.step_s : r2.step_s;
+  double peak_err = fabs(c.device_peak - r1.device_peak_bytes) / r1.device_peak_bytes;
+  double time_err = fabs(c.step_s - measured) / measured;
+  fprintf(stderr, "  %-34s peak %7.2f MiB predicted, %7.2f measured (%4.1f%%); step %7.1f ms predicted, %7.1f "
+          "measured (%4.1f%%); %s, busy: compute %.1f optim %.1f h2d %.1f d2h %.1f\n", what, c.device_peak / 1048576.0, r1.device_peak_bytes / 1048576.0,
+          100 * peak_err, c.step_s * 1e3, measured * 1e3, 100 * time_err, c.bottleneck, c.compute_s * 1e3, c.optim_s * 1e3, c.h2d_s * 1e3, c.d2h_s * 1e3);
+  CHECKF(c.fits && c.n_blocks == r1.n_blocks, "%s: %d blocks predicted, %d used", what, c.n_blocks, r1.n_blocks);
+  CHECKF(peak_err <= 0.05, "%s: device peak off by %.1f%%", what, 100 * peak_err);
+  CHECKF(time_err <= 0.25, "%s: step time off by %.1f%%", what, 100 * time_err);
+}
+
+int main(void) {
+  snprintf(dir, sizeof dir, "/tmp/ferry_plan_XXXXXX");
+  if (!mkdtemp(dir)) return 1;
+  snprintf(model_dir, sizeof model_dir, "%s/model", dir);
+  snprintf(shard, sizeof shard, "%s/data.bin", dir);
+  char cmd[700];
+  snprintf(cmd, sizeof cmd, "mkdir -p %s", model_dir);
+  CHECK(system(cmd) == 0);
+  struct fy_opt_config cfg;
+  fy_opt_preset("opt-tiny", &cfg);
+  cfg.hidden_size = 192;
+  cfg.ffn_dim = 768;
+  cfg.num_attention_heads = 4;
+  cfg.num_hidden_layers = 4;
+  cfg.max_position_embeddings = 128;
+  CHECK_OK(fy_opt_config_write(model_dir, &cfg));
+  uint16_t *tok = malloc(60000 * sizeof *tok);
+  for (int i = 0; i < 60000; i++) tok[i] = (uint16_t)((i * 7 + i / 3) % 97);
+  CHECK_OK(fy_shard_write(shard, tok, 60000));
+  free(tok);
+
+  struct fy_probe probe;
+  CHECK_OK(fy_probe_measure("sim", 64 << 20, 0.5, NULL, &probe));
+
+  // Predictions on the sim device with the link throttled so that transfers matter.
+  int64_t min_chunk = 0;
+  {
+    struct fy_graph *g;
+    CHECK_OK(fy_opt_build_graph(&cfg, 1, 64, &g));
+    min_chunk = fy_chunk_min_elems(g);
+    fy_graph_free(g);
+  }
+  struct fy_plan_knobs k = {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = 2 * min_chunk,
+                            .blocks = 3, .prefetch = 2, .disk_chunks = 0};
+  check_prediction("4 x 96, 3 blocks, prefetch 2", &cfg, k, 32 << 20, 0.5, probe);
+  k.prefetch = 0;
+  check_prediction("4 x 96, 3 blocks, no prefetch", &cfg, k, 32 << 20, 0.5, probe);
+  k.blocks = 0;  // as many as fit
+  k.prefetch = 2;
+  check_prediction("4 x 96, all resident, 1 GB/s", &cfg, k, 32 << 20, 1.0, probe);
+  k.micro_batch = 2;
+  k.grad_accum = 2;
+  k.recompute = true;
+  k.blocks = 2;
+  check_prediction("2 x 96 x 2 accum, recompute, 2 blocks", &cfg, k, 32 << 20, 0.5, probe);
+
+  // The search against a grid of hand-written plans run for real, in the same test.
+  size_t cap = 20 << 20;
+  char v[64];
+  snprintf(v, sizeof v, "%zu", cap);
+  fy_probe_override(&probe, "device_mem", v);
+  fy_probe_override(&probe, "link_gbps", "0.5");
+  double best_grid = 1e30;
+  int ran = 0;
+  struct fy_plan_knobs grid[] = {
+      {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .prefetch = 0, .recompute = true},
+      {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .prefetch = 2, .recompute = true},
+      {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = 2 * min_chunk, .prefetch = 2, .recompute = true},
+      {.micro_batch = 2, .grad_accum = 2, .seq = 96, .chunk_elems = min_chunk, .prefetch = 2, .recompute = false},
+      {.micro_batch = 1, .grad_accum = 4, .seq = 96, .chunk_elems = min_chunk, .prefetch = 1, .recompute = false},
+  };
+  for (size_t i = 0; i < sizeof grid / sizeof *grid; i++) {
+    struct fy_train_opts o = run_opts(&grid[i], cap, 0.5);
+    struct fy_train_result r;
+    fy_status st = fy_train(&o, &r);
+    CHECKF(st == FY_OK || st == FY_ERR_NOMEM, "hand-written plan %zu: %s", i, fy_error_msg());
+    if (st != FY_OK) continue;  // does not fit this cap
+    ran++;
+    fprintf(stderr, "  hand-written plan %zu: %.1f ms/step\n", i, r.step_s * 1e3);
+    if (r.step_s < best_grid) best_grid = r.step_s;
+  }
+  CHECKF(ran >= 3, "only %d hand-written plans fit", ran);
+  struct fy_plan plan;
+  int tried = 0;
+  CHECK_OK(fy_plan_search(&cfg, model_dir, 4, 96, &probe, &plan, &tried));
+  struct fy_train_opts o = run_opts(&plan.k, cap, 0.5);
+  o.disk_chunks = plan.k.disk_chunks;
+  struct fy_train_result chosen;
+  CHECK_OK(fy_train(&o, &chosen));
+  fprintf(stderr, "  search (%d plans): chosen %.1f ms/step measured, best of the grid %.1f ms\n", tried,
+          chosen.step_s * 1e3, best_grid * 1e3);
+  CHECKF(best_grid / chosen.step_s >= 0.9, "the chosen plan runs at %.2fx the best hand-written one",
+         best_grid / chosen.step_s);
+
+  // A cap too small for any plan: said so, with the smallest that works.
+  fy_probe_override(&probe, "device_mem", "65536");
+  CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &probe, &plan, NULL), FY_ERR_NOMEM);
+  CHECK(strstr(fy_error_msg(), "smallest device memory that works") != NULL);
+
+  // Sanity against published figures.
+  CHECK(fy_cost_state_bytes_per_param(2, false) == 14);  // bf16 payload, fp32 master and Adam
+  CHECK(fy_cost_state_bytes_per_param(2, true) == 16);   // with 16-bit gradients kept apart
+  struct fy_opt_config c125;
+  fy_opt_preset("opt-125m", &c125);
+  double want = 6.0 * 125239296 * 8 * 2048 + 12.0 * 12 * 768 * 2048.0 * 2048 * 8;
+  CHECK(fabs(fy_opt_step_flops(&c125, 8, 2048) - want) < 1e-6 * want);
+  struct fy_probe gpu = probe;
+  const char *ov[][2] = {{"device", "cuda"}, {"device_mem", "40GiB"}, {"host_mem", "512GiB"},
+                         {"device_tflops", "312"}, {"link_gbps", "25"}, {"host_adamw_gbps", "60"}};
+  for (int i = 0; i < 6; i++) CHECK_OK(fy_probe_override(&gpu, ov[i][0], ov[i][1]));
+  struct fy_opt_config c30;
+  fy_opt_preset("opt-30b", &c30);
+  CHECK_OK(fy_plan_search(&c30, "opt-30b", 8, 2048, &gpu, &plan, NULL));
+  CHECK(plan.predicted.fits && plan.predicted.device_peak <= 40.0 * 1073741824.0);
+  fy_plan_print(&plan, stderr);
+  struct fy_opt_config c175;
+  fy_opt_preset("opt-175b", &c175);
+  const char *ov2[][2] = {{"device_mem", "80GiB"}, {"host_mem", "4TiB"}};
+  for (int i = 0; i < 2; i++) CHECK_OK(fy_probe_override(&gpu, ov2[i][0], ov2[i][1]));
+  double t0 = now_s();
+  fy_status st175 = fy_plan_search(&c175, "opt-175b", 8, 2048, &gpu, &plan, &tried);
+  double secs = now_s() - t0;
+  fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st175 == FY_OK ? "fits" : fy_error_msg());
+  CHECK(st175 == FY_OK && secs < 30);
+
+  // Plan files: round trip, and what is refused.
+  char path[400];
+  snprintf(path, sizeof path, "%s/plan.json", dir);
+  fy_probe_override(&probe, "device_mem", "33554432");
+  CHECK_OK(fy_plan_search(&cfg, model_dir, 4, 96, &probe, &plan, NULL));
+  CHECK_OK(fy_plan_write(path, &plan));
+  struct fy_plan back;
+  CHECK_OK(fy_plan_read(path, &back));
+  CHECK(back.k.micro_batch == plan.k.micro_batch && back.k.chunk_elems == plan.k.chunk_elems &&
+        back.k.blocks == plan.k.blocks && back.k.prefetch == plan.k.prefetch && back.k.recompute == plan.k.recompute);
+  CHECK_OK(fy_plan_check(&cfg, &back, &probe));
+  struct fy_plan bad = back;
+  snprintf(bad.pattern, sizeof bad.pattern, "sideways");
+  CHECK_ERR(fy_plan_check(&cfg, &bad, &probe), FY_ERR_INVALID);
+  bad = back;
+  bad.k.chunk_elems = min_chunk + 3;
+  CHECK_ERR(fy_plan_check(&cfg, &bad, &probe), FY_ERR_INVALID);
+  bad = back;
+  bad.k.chunk_elems = 16;
+  CHECK_ERR(fy_plan_check(&cfg, &bad, &probe), FY_ERR_INVALID);
+  bad = back;
+  bad.k.blocks = 10000;
+  CHECK_ERR(fy_plan_check(&cfg, &bad, &probe), FY_ERR_NOMEM);
+  FILE *f = fopen(path, "w");
+  fputs("{\"micro_batch\": 4, \"sideways\": 1}", f);
+  fclose(f);
+  CHECK_ERR(fy_plan_read(path, &back), FY_ERR_FORMAT);
+  f = fopen(path, "w");
+  fputs("{\"micro_batch\": ", f);
+  fclose(f);
+  CHECK_ERR(fy_plan_read(path, &back), FY_ERR_FORMAT);
+
+  fy_matmul_cache_clear();
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  CHECK(system(cmd) == 0);
+  return check_summary("planner");
+}
