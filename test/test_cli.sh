@@ -147,5 +147,25 @@ fi
 if [ "$code" -eq 130 ] && [ "$resumed" -eq 1 ]; then pass=$((pass + 1)); echo "ok    a second SIGINT exits at once (130), the checkpoint left resumes"
 else fail=$((fail + 1)); echo "FAIL  second SIGINT: exit $code, resumed $resumed"; fi
 
+# The planner: probe (cached where FERRY_PROBE says), plan, run a plan, refuse what cannot fit.
+export FERRY_PROBE="$tmp/probe.json"
+expect 0 "ferry probe measures and caches the machine" "device_gflops" -- probe --device sim --device-mem 64MiB \
+  --sim-link-gbps 2
+[ -f "$tmp/probe.json" ] && { pass=$((pass + 1)); echo "ok    the probe is cached in FERRY_PROBE"; } || { fail=$((fail + 1)); echo "FAIL  no probe file"; }
+expect 0 "ferry plan explains a plan and writes it" "predicted: .* s/step" -- plan --device sim --device-mem 64MiB \
+  --model opt-tiny --batch 4 --seq 32 --out "$tmp/plan.json" --svg "$tmp/plan.svg"
+grep -q "<svg" "$tmp/plan.svg" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the step is drawn as SVG"; } || { fail=$((fail + 1)); echo "FAIL  no SVG"; }
+expect 0 "ferry train --plan FILE runs the plan" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" \
+  --device-mem 64MiB --plan "$tmp/plan.json" --steps 2
+expect 0 "ferry train --plan auto" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB \
+  --batch 4 --seq 32 --plan auto --steps 2
+expect 1 "a device too small for any plan" "smallest device memory that works" -- plan --device sim \
+  --device-mem 64KiB --model opt-tiny --batch 4 --seq 32
+printf '{"micro_batch": 4, "colour": "blue"}' > "$tmp/badplan.json"
+expect 1 "a malformed plan file" "unknown key" -- train --model opt-tiny --data "$tmp/ok.bin" --plan "$tmp/badplan.json"
+expect 1 "a plan for a bigger device" "cannot run here" -- train --model opt-tiny --data "$tmp/ok.bin" \
+  --device-mem 128KiB --plan "$tmp/plan.json" --steps 1
+unset FERRY_PROBE
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

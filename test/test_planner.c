@@ -17,6 +17,14 @@
 
 static char dir[256], model_dir[300], shard[300];
 
+// Instrumented builds run the host's own loops several times slower than the probe's oneDNN GEMM
+// measured: timings are then printed, not held to the release build's bounds.
+#if defined(__SANITIZE_ADDRESS__)
+static const bool timing_holds = false;
+#else
+static const bool timing_holds = true;
+#endif
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -66,7 +74,7 @@ static void check_prediction(const char *what, struct fy_opt_config *cfg, struct
           100 * peak_err, c.step_s * 1e3, measured * 1e3, 100 * time_err, c.bottleneck, c.compute_s * 1e3, c.optim_s * 1e3, c.h2d_s * 1e3, c.d2h_s * 1e3);
   CHECKF(c.fits && c.n_blocks == r1.n_blocks, "%s: %d blocks predicted, %d used", what, c.n_blocks, r1.n_blocks);
   CHECKF(peak_err <= 0.05, "%s: device peak off by %.1f%%", what, 100 * peak_err);
-  CHECKF(time_err <= 0.25, "%s: step time off by %.1f%%", what, 100 * time_err);
+  if (timing_holds) CHECKF(time_err <= 0.25, "%s: step time off by %.1f%%", what, 100 * time_err);
 }
 
 int main(void) {
@@ -150,8 +158,9 @@ int main(void) {
   CHECK_OK(fy_train(&o, &chosen));
   fprintf(stderr, "  search (%d plans): chosen %.1f ms/step measured, best of the grid %.1f ms\n", tried,
           chosen.step_s * 1e3, best_grid * 1e3);
-  CHECKF(best_grid / chosen.step_s >= 0.9, "the chosen plan runs at %.2fx the best hand-written one",
-         best_grid / chosen.step_s);
+  if (timing_holds)
+    CHECKF(best_grid / chosen.step_s >= 0.9, "the chosen plan runs at %.2fx the best hand-written one",
+           best_grid / chosen.step_s);
 
   // A cap too small for any plan: said so, with the smallest that works.
   fy_probe_override(&probe, "device_mem", "65536");
