@@ -8,11 +8,9 @@
 #include "memory/cache.h"
 #include "memory/chunk.h"
 #include "memory/device_cache.h"
+#include "planner/profile.h"
 #include "planner/timeline.h"
 
-// Attention's small batched products run at about half the rate of the large GEMMs (measured
-// with ferry train --profile on opt-125m: ~100-140 GFLOP/s against ~210).
-#define ATTENTION_EFFICIENCY 0.55
 #define FAKE_HOST ((uintptr_t)1 << 40)  // host addresses of the simulation: never dereferenced
 // On the sim device the "device" is the host's own cores, which also run the copy engines'
 // memcpy and the host optimizer: a kernel costs a dispatch to the compute stream's thread and an
@@ -24,28 +22,6 @@ double fy_cost_state_bytes_per_param(int payload_bytes, bool grads_apart) {
   double master = payload_bytes == 4 ? 0 : 4;  // fp32 compute: the weights are the master
   double grads = (grads_apart || payload_bytes == 4) ? payload_bytes : 0;
   return payload_bytes + master + 8 + grads;
-}
-
-// Seconds of one op's kernel on the device.
-static double op_seconds(const struct fy_graph *g, const struct fy_op *op, bool backward, const struct fy_probe *p,
-                         int act_bytes) {
-  double B = (double)g->B, T = (double)g->T, BT = B * T, flops = 0, bytes = 0;
-  // Memory-bound kernels run at the device's memory bandwidth: on cpu and sim that is the host's
-  // (probed); a GPU's is not probed here, so it is taken as 1 byte per 100 FLOPs of its GEMM rate
-  // (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
-  bool gpu = strcmp(p->device, "cuda") == 0;
-  double gemm = p->device_gflops * 1e9, mem = gpu ? gemm / 100 : p->host_mem_gbps * 1e9;
-  switch (op->kind) {
-    case FY_OP_LINEAR: flops = 2 * BT * (double)op->C * (double)op->OC * (backward ? 2 : 1); break;
-    case FY_OP_ATTENTION: return 4 * B * T * T * (double)op->C * (backward ? 2 : 1) / (gemm * ATTENTION_EFFICIENCY);
-    case FY_OP_LAYERNORM: bytes = BT * (double)op->C * act_bytes * (backward ? 4 : 2); break;
-    case FY_OP_RELU: bytes = (double)g->slots[op->out].numel * act_bytes * (backward ? 3 : 2); break;
-    case FY_OP_ADD: bytes = (double)g->slots[op->out].numel * act_bytes * 3; break;
-    case FY_OP_EMBEDDING: bytes = BT * (double)op->C * act_bytes * 2; break;
-    case FY_OP_CROSS_ENTROPY: bytes = BT * (double)op->V * act_bytes * 3; break;
-    case FY_OP_KIND_COUNT: break;
-  }
-  return flops / gemm + bytes / mem;
 }
 
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
@@ -254,7 +230,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++)
           st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
         if (st != FY_OK) break;
-        double t = op_seconds(g, op, s.actions[a].kind == FY_ACT_BACKWARD, probe, pb) + (gpu ? 0 : SIM_OP_OVERHEAD);
+        double t = fy_profile_op_seconds(g, o, s.actions[a].kind == FY_ACT_BACKWARD, probe, pb) + (gpu ? 0 : SIM_OP_OVERHEAD);
         fy_timeline_run(s.compute, t, op->name);
         if (last) busy[0] += t;
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++) {

@@ -11,6 +11,8 @@
 #include "core/opt.h"
 #include "planner/plan.h"
 #include "planner/probe.h"
+#include "planner/profile.h"
+#include "core/graph.h"
 #include <sys/stat.h>
 #include "ops/ops.h"
 #include "runtime/trainer.h"
@@ -92,7 +94,7 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
 
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR };
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE };
   static const struct option opts[] = {
       {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
       {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
@@ -101,6 +103,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"model", required_argument, 0, P_MODEL}, {"batch", required_argument, 0, P_BATCH},
       {"seq", required_argument, 0, P_SEQ}, {"out", required_argument, 0, P_OUT}, {"svg", required_argument, 0, P_SVG},
       {"gpus", required_argument, 0, P_GPUS}, {"help", no_argument, 0, P_HELP},
+      {"profile", no_argument, 0, P_PROFILE},
       // Overrides by their own names.
       {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
       {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
@@ -112,6 +115,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   struct machine_args a = {0};
   const char *model = "opt-125m", *out = NULL, *svg = NULL;
   int64_t batch = 8, seq = 1024, gpus = 1;
+  bool profile = false;
   int c, idx = 0;
   optind = 1;
   opterr = 0;
@@ -147,6 +151,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       case P_OUT: out = optarg; break;
       case P_SVG: svg = optarg; break;
       case P_GPUS: ok = parse_i64("--gpus", optarg, 1, &gpus); break;
+      case P_PROFILE: profile = true; break;
       case P_HELP:
         printf("usage: ferry %s [options]\n\n", cmd);
         if (plan)
@@ -156,6 +161,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "  --batch B          sequences per step (default 8); --seq T tokens each (default 1024)\n"
                  "  --out FILE         write the plan as JSON (ferry train --plan FILE runs it)\n"
                  "  --svg FILE         draw the predicted step: streams as lanes, and device memory\n"
+                 "  --profile          each operator kind's FLOPs, memory and predicted time\n"
                  "  --gpus N           ranks (this ferry plans one)\n");
         else
           printf("Measures device memory, GEMM rates, copy bandwidth each way, host AdamW and memory\n"
@@ -194,6 +200,33 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
     if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
+  }
+  if (st == FY_OK && profile) {
+    struct fy_graph *g;
+    st = fy_opt_build_graph(&cfg, best.k.micro_batch, best.k.seq, &g);
+    if (st == FY_OK) {
+      if (best.k.recompute) fy_graph_set_recompute(g, true);
+      double t[FY_OP_KIND_COUNT][2] = {{0}}, fl[FY_OP_KIND_COUNT] = {0}, act[FY_OP_KIND_COUNT] = {0};
+      int n[FY_OP_KIND_COUNT] = {0};
+      int ab = strcmp(probe.device, "cuda") == 0 ? 2 : 4;
+      for (int o = 0; o < g->n_ops; o++) {
+        struct fy_op_profile pr;
+        fy_profile_op(g, o, &probe, ab, &pr);
+        int kd = g->ops[o].kind;
+        n[kd]++;
+        t[kd][0] += pr.seconds[0];
+        t[kd][1] += pr.seconds[1];
+        fl[kd] += pr.flops[0] + pr.flops[1];
+        act[kd] += pr.act_bytes;
+      }
+      printf("profile of one micro-batch (%lld x %lld):\n  %-14s %5s %12s %12s %12s %12s\n", (long long)best.k.micro_batch,
+             (long long)best.k.seq, "op kind", "ops", "GFLOP", "act MiB", "fwd ms", "bwd ms");
+      for (int kd = 0; kd < FY_OP_KIND_COUNT; kd++)
+        if (n[kd])
+          printf("  %-14s %5d %12.2f %12.1f %12.3f %12.3f\n", fy_op_kind_name(kd), n[kd], fl[kd] / 1e9,
+                 act[kd] / 1048576.0, t[kd][0] * 1e3, t[kd][1] * 1e3);
+      fy_graph_free(g);
+    }
   }
   if (st == FY_OK && svg) {
     struct fy_device *tl;

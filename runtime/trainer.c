@@ -559,7 +559,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   if (r.x && (st = fy_offload_sync(r.x)) != FY_OK) goto done;
   if (!o->quiet && tty) printf("\r\033[K");
-  if (o->profile && res->steps) {
+  for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
+    for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);
+  if (o->profile && res->steps && !o->quiet) {
     double total = 0;
     for (int i = 0; i < res->steps; i++) total += step_times[i];
     printf("profile over %lld steps (%.3f s/step):\n", (long long)res->steps, total / res->steps);

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/status.h"
+#include "core/graph.h"
 #include "runtime/optimizer.h"
 
 struct fy_train_opts {
@@ -76,6 +77,7 @@ struct fy_train_result {
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical
   bool interrupted;              // ended early by opts.stop
+  double op_seconds[FY_OP_KIND_COUNT][2];  // with opts.profile: seconds per step per op kind
   int64_t first_step;            // 0, or the step a resumed run started from
   int checkpoints;               // checkpoints written
   double checkpoint_s;           // the last checkpoint's write time (background)

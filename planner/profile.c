@@ -1,0 +1,50 @@
+#include "planner/profile.h"
+
+#include <string.h>
+
+// Attention's small batched products run at about half the rate of the large GEMMs (measured
+// with ferry train --profile on opt-125m: ~100-140 GFLOP/s against ~210).
+#define ATTENTION_EFFICIENCY 0.55
+
+void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, int ab, struct fy_op_profile *out) {
+  const struct fy_op *op = &g->ops[o];
+  double B = (double)g->B, T = (double)g->T, BT = B * T, C = (double)op->C;
+  memset(out, 0, sizeof *out);
+  out->op = o;
+  switch (op->kind) {
+    case FY_OP_LINEAR:
+      out->flops[0] = 2 * BT * C * (double)op->OC;
+      out->flops[1] = 2 * out->flops[0];
+      break;
+    case FY_OP_ATTENTION:
+      out->flops[0] = 4 * B * T * T * C;
+      out->flops[1] = 2 * out->flops[0];
+      out->workspace_bytes = (double)g->scratch_elems * ab;
+      break;
+    case FY_OP_LAYERNORM: out->mem_bytes[0] = BT * C * ab * 2; out->mem_bytes[1] = BT * C * ab * 4; break;
+    case FY_OP_RELU:
+      out->mem_bytes[0] = (double)g->slots[op->out].numel * ab * 2;
+      out->mem_bytes[1] = (double)g->slots[op->out].numel * ab * 3;
+      break;
+    case FY_OP_ADD: out->mem_bytes[0] = out->mem_bytes[1] = (double)g->slots[op->out].numel * ab * 3; break;
+    case FY_OP_EMBEDDING: out->mem_bytes[0] = out->mem_bytes[1] = BT * C * ab * 2; break;
+    case FY_OP_CROSS_ENTROPY: out->mem_bytes[0] = out->mem_bytes[1] = BT * (double)op->V * ab * 3; break;
+    case FY_OP_KIND_COUNT: break;
+  }
+  out->act_bytes = (double)g->slots[op->out].numel * ab;
+  for (int k = 0; k < op->n_aux; k++) out->act_bytes += (double)g->slots[op->aux[k]].numel * ab;
+  for (int k = 0; k < op->n_params; k++) out->param_bytes += (double)g->params[op->params[k]].numel * ab;
+  // Memory-bound kernels run at the device's memory bandwidth: on cpu and sim that is the host's
+  // (probed); a GPU's is not probed here, so it is taken as 1 byte per 100 FLOPs of its GEMM rate
+  // (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
+  bool gpu = strcmp(p->device, "cuda") == 0;
+  double gemm = p->device_gflops * 1e9, mem = gpu ? gemm / 100 : p->host_mem_gbps * 1e9;
+  double eff = op->kind == FY_OP_ATTENTION ? ATTENTION_EFFICIENCY : 1.0;
+  for (int b = 0; b < 2; b++) out->seconds[b] = out->flops[b] / (gemm * eff) + out->mem_bytes[b] / mem;
+}
+
+double fy_profile_op_seconds(const struct fy_graph *g, int o, bool backward, const struct fy_probe *p, int ab) {
+  struct fy_op_profile pr;
+  fy_profile_op(g, o, p, ab, &pr);
+  return pr.seconds[backward];
+}

@@ -1,0 +1,30 @@
+// The profiler: for a model, micro-batch and sequence, each operator's FLOPs, memory traffic,
+// activation memory, workspace and parameter accesses, computed from the graph, and its time on a
+// probed machine. The cost model (planner/cost.h) is built on these times; tests check them
+// against `ferry train --profile` on the CPU.
+#ifndef FY_PROFILE_H
+#define FY_PROFILE_H
+
+#include <stdbool.h>
+
+#include "core/graph.h"
+#include "planner/probe.h"
+
+struct fy_op_profile {
+  int op;
+  double flops[2];        // forward [0], backward [1]
+  double mem_bytes[2];    // bytes a memory-bound kernel moves (0 for GEMM-bound ops)
+  double act_bytes;       // its output and saved tensors (aux)
+  double workspace_bytes; // scratch it needs while running (attention's backward)
+  double param_bytes;     // parameters it reads
+  double seconds[2];      // predicted on the probed device
+};
+
+// act_bytes: bytes per activation element (4 fp32, 2 bf16).
+void fy_profile_op(const struct fy_graph *g, int op, const struct fy_probe *p, int act_bytes,
+                   struct fy_op_profile *out);
+// Predicted seconds of one op's kernel (forward or backward).
+double fy_profile_op_seconds(const struct fy_graph *g, int op, bool backward, const struct fy_probe *p,
+                             int act_bytes);
+
+#endif
