@@ -269,7 +269,9 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
 }
 
 fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos) {
-  int64_t n = fy_trace_length(c->o.trace), pass_end = (pos / n + 1) * n;
+  int64_t n = fy_trace_length(c->o.trace);
+  if (n == 0) return FY_OK;  // every chunk lives elsewhere (kept on the device)
+  int64_t pass_end = (pos / n + 1) * n;
   int seen = 0;
   // Only within this pass: the next pass may read weights the optimizer has yet to update.
   for (int64_t j = pos + 1; j < pass_end && seen < c->o.prefetch; j++) {

@@ -315,6 +315,8 @@ static void usage_train(FILE *f, bool eval) {
           "                     (default: the machine's)\n"
           "  --disk-dir DIR     sim: put the AdamW state that --host-mem cannot hold under DIR\n"
           "  --disk-chunks N    sim: put the AdamW state of the last N chunks on disk (default: auto)\n"
+          "  --device-chunks N  sim: keep the first N chunks and their AdamW state on the device and\n"
+          "                     update them there (default 0: updates run on host threads)\n"
           "  --prefetch N       sim: chunks loaded ahead of use (default 2)\n"
           "  --blocks N         sim: device cache blocks (default: as many as fit)\n"
           "  --chunk-mib X      sim: chunk size (default: the smallest that holds the largest\n"
@@ -390,7 +392,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -414,6 +416,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB}, {"save-every", required_argument, 0, OPT_SAVE_EVERY},
       {"keep", required_argument, 0, OPT_KEEP}, {"resume", required_argument, 0, OPT_RESUME},
       {"stop-after", required_argument, 0, OPT_STOP_AFTER}, {"plan", required_argument, 0, OPT_PLAN},
+      {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -479,6 +482,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_RESUME: o.resume = optarg; break;
       case OPT_STOP_AFTER: ok = parse_i64("--stop-after", optarg, 1, &o.stop_after); break;
       case OPT_PLAN: o.plan = optarg; break;
+      case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);

@@ -56,6 +56,14 @@ struct fy_offload {
   struct fy_disk_req *req_g, *req_m, *req_v, *req_wb;
   struct disk_wb { struct fy_offload *x; int chunk; bool accumulate; } *wb_jobs;  // per chunk
   int n_disk_chunks;
+  // The first n_dev chunks live on the device for good: weights (the fp32 master on sim),
+  // this micro-batch's gradients, their sum over micro-batches (with accumulation), m and v.
+  int n_dev;
+  float **dev_w, **dev_g, **dev_acc, **dev_m, **dev_v;
+  int *dev_bwd_done;
+  bool dev_uploaded;
+  fy_event *dev_sumsq_done, *dev_updates_done[2];
+  struct accumulate_job { float *dst; const float *src; int64_t n; } *dev_acc_jobs;  // per chunk
   double *sumsq;                  // per parameter
   struct chunk_job *jobs[2];
   struct step_args args[2];
@@ -128,6 +136,9 @@ static fy_status create_streams(struct fy_offload *x) {
     FY_TRY(fy_event_create(x->dev, &x->pass_done[p]));
     FY_TRY(fy_event_create(x->dev, &x->updates_done[p]));
   }
+  FY_TRY(fy_event_create(x->dev, &x->dev_sumsq_done));
+  FY_TRY(fy_event_create(x->dev, &x->dev_updates_done[0]));
+  FY_TRY(fy_event_create(x->dev, &x->dev_updates_done[1]));
   return fy_event_create(x->dev, &x->norm_ready);
 }
 
@@ -163,7 +174,27 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     for (int q = 0; q < 2; q++) x->jobs[q][c] = (struct chunk_job){x, c, q};
   }
   x->param_first[nc] = k;
-  // Gradients and AdamW state: the first chunks in the host tier, the last n_disk_chunks on disk.
+  // The first n_dev chunks: on the device with all their state.
+  x->n_dev = o->n_device_chunks < nc ? o->n_device_chunks : nc;
+  if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
+    return fy_error_set(FY_ERR_INVALID, "%d chunks on the device and %d on disk, of %d", x->n_dev, o->n_disk_chunks, nc);
+  float ***dev_bufs[] = {&x->dev_w, &x->dev_g, &x->dev_acc, &x->dev_m, &x->dev_v};
+  for (int i = 0; i < 5; i++)
+    if (!(*dev_bufs[i] = calloc((size_t)nc, sizeof **dev_bufs[i]))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (!(x->dev_bwd_done = calloc((size_t)nc, sizeof *x->dev_bwd_done)) ||
+      !(x->dev_acc_jobs = calloc((size_t)nc, sizeof *x->dev_acc_jobs)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = 0; c < x->n_dev; c++) {
+    for (int i = 0; i < 5; i++) {
+      if (i == 2 && x->max_micro == 1) continue;  // no sum over micro-batches to keep
+      fy_status st = fy_device_alloc(x->dev, (size_t)ce * 4, (void **)&(*dev_bufs[i])[c]);
+      if (st != FY_OK) return fy_error_wrap(st, "keeping chunk %d and its optimizer state on the device", c);
+    }
+    FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_m[c], 0, (size_t)ce * 4));
+    FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_v[c], 0, (size_t)ce * 4));
+  }
+  FY_TRY(fy_stream_sync(x->copy_in));
+  // Gradients and AdamW state: the next chunks in the host tier, the last n_disk_chunks on disk.
   x->n_disk_chunks = o->n_disk_chunks < nc ? o->n_disk_chunks : nc;
   x->disk = o->disk;
   if (x->n_disk_chunks > 0 && !x->disk)
@@ -171,6 +202,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   size_t bytes = (size_t)ce * 4;
   for (int c = 0; c < nc; c++) {
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
+    if (c < x->n_dev) continue;
     if (c >= nc - x->n_disk_chunks) {
       FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
     } else {
@@ -197,6 +229,7 @@ static fy_status create_pass(struct fy_offload *x) {
   x->actions = calloc((size_t)fy_graph_max_actions(g), sizeof *x->actions);
   if (!x->actions) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
   x->n_actions = fy_graph_pass_actions(g, x->actions);
+  // The cache's trace: the accesses of chunks it manages (not those kept on the device).
   int64_t n = 0;
   for (int a = 0; a < x->n_actions; a++) n += l->op_first[x->actions[a].op + 1] - l->op_first[x->actions[a].op];
   int32_t *trace = calloc((size_t)n + 1, sizeof *trace);
@@ -204,7 +237,8 @@ static fy_status create_pass(struct fy_offload *x) {
   n = 0;
   for (int a = 0; a < x->n_actions; a++) {
     int o = x->actions[a].op;
-    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) trace[n++] = l->op_chunks[k];
+    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++)
+      if (l->op_chunks[k] >= x->n_dev) trace[n++] = l->op_chunks[k];
   }
   fy_status st = fy_trace_create(trace, n, l->n_chunks, &x->trace);
   free(trace);
@@ -311,6 +345,17 @@ void fy_offload_free(struct fy_offload *x) {
     free(x->jobs[p]);
   }
   fy_event_free(x->norm_ready);
+  fy_event_free(x->dev_sumsq_done);
+  fy_event_free(x->dev_updates_done[0]);
+  fy_event_free(x->dev_updates_done[1]);
+  float **devb[] = {x->dev_w, x->dev_g, x->dev_acc, x->dev_m, x->dev_v};
+  for (int i = 0; i < 5; i++) {
+    for (int c = 0; devb[i] && c < nc; c++)
+      if (devb[i][c]) fy_device_dealloc(x->dev, devb[i][c], bytes);
+    free(devb[i]);
+  }
+  free(x->dev_bwd_done);
+  free(x->dev_acc_jobs);
   fy_trace_free(x->trace);
   free(x->actions);
   free(x->home);
@@ -370,6 +415,34 @@ static fy_status write_back(struct fy_offload *x, int c, bool accumulate) {
   return fy_event_record(x->grad_ready[c], x->copy_out);
 }
 
+// ---- chunks kept on the device ----
+
+static void dev_add_fn(void *arg) {
+  struct accumulate_job *a = arg;
+  for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + a->src[i];
+}
+
+// A device chunk's gradients of this micro-batch are complete: summed over micro-batches (the same
+// copy and adds as elsewhere), then ready for the optimizer.
+static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
+  int64_t used = x->m->layout->chunks[c].used;
+  if (x->max_micro > 1) {
+    if (micro == 0) {
+      FY_TRY(fy_copy_async(x->compute, x->dev_acc[c], x->dev_g[c], (size_t)used * 4));
+    } else {
+      x->dev_acc_jobs[c] = (struct accumulate_job){x->dev_acc[c], x->dev_g[c], used};  // same values every time
+      FY_TRY(fy_stream_enqueue(x->compute, dev_add_fn, &x->dev_acc_jobs[c]));
+    }
+  }
+  return fy_event_record(x->grad_ready[c], x->compute);
+}
+
+// The gradients the optimizer reads for chunk c, wherever they are.
+static const float *chunk_grads(struct fy_offload *x, int c) {
+  if (c < x->n_dev) return x->max_micro > 1 ? x->dev_acc[c] : x->dev_g[c];
+  return x->g_home[c];
+}
+
 // ---- one micro-batch ----
 
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
@@ -396,6 +469,14 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
   db->mask = batch->mask ? x->dbatch_mem[p] + 2 * bt : NULL;
   x->loss_sums[micro] = 0;
   fy_device_cache_begin_pass(x->cache);
+  memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);
+  if (!x->dev_uploaded) {  // the device's chunks take the host's weights (initialised or loaded)
+    for (int c = 0; c < x->n_dev; c++)
+      FY_TRY(fy_copy_async(x->copy_in, x->dev_w[c], x->home[c], (size_t)l->chunks[c].used * 4));
+    FY_TRY(fy_event_record(x->batch_ready[p], x->copy_in));
+    FY_TRY(fy_stream_wait(x->compute, x->batch_ready[p]));
+    x->dev_uploaded = true;
+  }
 
   float *base[FY_OP_MAX_PARAMS];
   int chunk_of[FY_OP_MAX_PARAMS];
@@ -407,17 +488,28 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
     int nk = 0;
     for (int k = l->op_first[act->op]; k < l->op_first[act->op + 1]; k++) {
       chunk_of[nk] = l->op_chunks[k];
-      FY_TRY(fy_device_cache_acquire(x->cache, x->pos++, chunk_of[nk], &base[nk]));
+      if (chunk_of[nk] < x->n_dev)
+        base[nk] = x->dev_w[chunk_of[nk]];
+      else
+        FY_TRY(fy_device_cache_acquire(x->cache, x->pos++, chunk_of[nk], &base[nk]));
       nk++;
     }
     for (int k = 0; k < op->n_params; k++) {
       const struct fy_param *pp = &g->params[op->params[k]];
-      for (int j = 0; j < nk; j++)
-        if (chunk_of[j] == pp->chunk) c->w[k] = c->g[k] = base[j] + pp->chunk_offset;
+      for (int j = 0; j < nk; j++) {
+        if (chunk_of[j] != pp->chunk) continue;
+        c->w[k] = c->g[k] = base[j] + pp->chunk_offset;
+        if (pp->chunk < x->n_dev) c->g[k] = x->dev_g[pp->chunk] + pp->chunk_offset;  // kept apart
+      }
     }
     if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
     FY_TRY(fy_stream_enqueue(x->compute, act->kind == FY_ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
     for (int j = 0; j < nk; j++) {
+      if (chunk_of[j] < x->n_dev) {
+        if (act->kind == FY_ACT_BACKWARD && ++x->dev_bwd_done[chunk_of[j]] == l->chunks[chunk_of[j]].n_users_bwd)
+          FY_TRY(device_grads_done(x, chunk_of[j], micro));
+        continue;
+      }
       enum fy_chunk_state st = fy_device_cache_release(x->cache, chunk_of[j], act->kind == FY_ACT_BACKWARD);
       if (st == FY_CHUNK_READY_FOR_REDUCE) FY_TRY(write_back(x, chunk_of[j], micro > 0));
     }
@@ -434,7 +526,7 @@ static void sumsq_fn(void *arg) {
   struct fy_offload *x = j->x;
   const struct fy_graph *g = x->m->graph;
   int c = j->chunk;
-  const float *grad = x->g_home[c];
+  const float *grad = chunk_grads(x, c);
   if (!grad) {
     fy_status st = disk_io(x, false, c, 0, x->disk_g, (size_t)x->m->layout->chunks[c].used * 4, x->req_g);
     if (st != FY_OK) {
@@ -474,8 +566,13 @@ static void adamw_fn(void *arg) {
   int c = j->chunk;
   size_t used = (size_t)x->m->layout->chunks[c].used * 4;
   size_t slot = (size_t)x->m->layout->chunk_elems * 4;
-  float *gg = x->g_home[c], *mm = x->m_home[c], *vv = x->v_home[c];
-  if (!mm) {  // state on disk: read gradients, m and v at once, update, write m and v back
+  float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
+  float *params = x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+  if (c < x->n_dev) {  // on the device, with its weights
+    mm = x->dev_m[c];
+    vv = x->dev_v[c];
+    params = x->dev_w[c];
+  } else if (!mm) {  // state on disk: read gradients, m and v at once, update, write m and v back
     gg = x->disk_g;
     mm = x->disk_m;
     vv = x->disk_v;
@@ -491,11 +588,11 @@ static void adamw_fn(void *arg) {
   }
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
-    fy_adamw_update(x->m->params + p->offset, mm + p->chunk_offset, vv + p->chunk_offset,
+    fy_adamw_update(params + p->chunk_offset, mm + p->chunk_offset, vv + p->chunk_offset,
                     gg + p->chunk_offset, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
                     p->decay ? a->h.weight_decay : 0.0f, a->t, a->scale);
   }
-  if (!x->m_home[c]) {
+  if (c >= x->n_dev && !x->m_home[c]) {
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
     if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
     fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
@@ -509,15 +606,23 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   int q = x->step_parity;
   x->step_parity ^= 1;
   FY_TRY(fy_event_sync(x->updates_done[q]));  // the arguments of two steps ago are free
+  FY_TRY(fy_event_sync(x->dev_updates_done[q]));
   x->args[q] = (struct step_args){.h = *h, .lr = lr, .t = t};
   int nc = x->m->layout->n_chunks;
-  for (int c = 0; c < nc; c++) {
+  // Chunks on the device: their sums of squares and updates run there, on the compute stream.
+  for (int c = 0; c < x->n_dev; c++) FY_TRY(fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]));
+  FY_TRY(fy_event_record(x->dev_sumsq_done, x->compute));
+  for (int c = x->n_dev; c < nc; c++) {
     FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
     FY_TRY(fy_stream_enqueue(x->optim, sumsq_fn, &x->jobs[q][c]));
   }
+  FY_TRY(fy_stream_wait(x->optim, x->dev_sumsq_done));
   FY_TRY(fy_stream_enqueue(x->optim, norm_fn, &x->jobs[q][0]));
   FY_TRY(fy_event_record(x->norm_ready, x->optim));
-  for (int c = 0; c < nc; c++) {
+  FY_TRY(fy_stream_wait(x->compute, x->norm_ready));
+  for (int c = 0; c < x->n_dev; c++) FY_TRY(fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]));
+  FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
+  for (int c = x->n_dev; c < nc; c++) {
     FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
     FY_TRY(fy_event_record(x->home_ready[c], x->optim));
   }
@@ -538,18 +643,29 @@ fy_status fy_offload_sync(struct fy_offload *x) {
   fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->optim};
   for (int i = 0; i < 4; i++)
     if (s[i]) FY_TRY(fy_stream_sync(s[i]));
+  // The host's copy of the device's chunks (for checkpoints and saving).
+  if (x->dev_uploaded && x->copy_out) {
+    for (int c = 0; c < x->n_dev; c++)
+      FY_TRY(fy_copy_async(x->copy_out, (float *)x->home[c], x->dev_w[c], (size_t)x->m->layout->chunks[c].used * 4));
+    FY_TRY(fy_stream_sync(x->copy_out));
+  }
   return async_status(x);
 }
 
 void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) {
   *out = (struct fy_offload_stats){.n_blocks = x->n_blocks, .n_chunks = x->m->layout->n_chunks,
-                                   .n_disk_chunks = x->n_disk_chunks,
+                                   .n_disk_chunks = x->n_disk_chunks, .n_device_chunks = x->n_dev,
                                    .chunk_bytes = (double)x->m->layout->chunk_elems * 4};
   fy_device_cache_stats(x->cache, &out->cache);
 }
 
 fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v, bool store) {
   size_t used = (size_t)x->m->layout->chunks[c].used * 4, slot = (size_t)x->m->layout->chunk_elems * 4;
+  if (c < x->n_dev) {  // through the copy engines, as for any device memory
+    FY_TRY(fy_copy_async(x->copy_out, store ? x->dev_m[c] : m, store ? m : x->dev_m[c], used));
+    FY_TRY(fy_copy_async(x->copy_out, store ? x->dev_v[c] : v, store ? v : x->dev_v[c], used));
+    return fy_stream_sync(x->copy_out);
+  }
   if (x->m_home[c]) {
     if (store) {
       memcpy(x->m_home[c], m, used);

@@ -27,6 +27,8 @@ struct fy_offload_opts {
   int max_micro;                // micro-batches per step (gradient accumulation)
   struct fy_disk_tier *disk;    // where state goes that the host tier cannot hold
   int n_disk_chunks;            // the last n chunks keep gradients, m and v on disk (needs disk)
+  int n_device_chunks;          // the first n chunks stay on the device with their gradients and
+                                // AdamW state, and are updated there (on the compute stream)
 };
 
 struct fy_offload;
@@ -61,7 +63,7 @@ fy_status fy_offload_sync(struct fy_offload *x);
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
 
 struct fy_offload_stats {
-  int n_blocks, n_chunks, n_disk_chunks;
+  int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;
   double chunk_bytes;
   struct fy_device_cache_stats cache;
 };

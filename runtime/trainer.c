@@ -139,6 +139,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
     fit = (int)(spare / (3 * chunk_bytes));
   }
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
+  int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
+  if (o->disk_chunks < 0 && n_disk > l->n_chunks - n_dev) n_disk = l->n_chunks - n_dev;
   if (n_disk > l->n_chunks) n_disk = l->n_chunks;
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
@@ -152,7 +154,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
   struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
-                               .disk = r->disk, .n_disk_chunks = n_disk};
+                               .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev};
   return fy_offload_create(r->model, &xo, &r->x);
 }
 
@@ -482,6 +484,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->n_blocks = xs.n_blocks;
     res->n_chunks = xs.n_chunks;
     res->n_disk_chunks = xs.n_disk_chunks;
+    res->n_device_chunks = xs.n_device_chunks;
     res->chunk_bytes = xs.chunk_bytes;
   }
   bool tty = isatty(STDOUT_FILENO);
@@ -493,9 +496,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
            (long long)fy_data_num_tokens(r.data), o->data);
     if (r.x)
       printf("ferry: sim device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
-             "host tier %.1f MiB; gradients and AdamW state of %d chunks on disk\n",
+             "host tier %.1f MiB; gradients and AdamW state of %d chunks on disk, %d on the device\n",
              r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
-             model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, res->n_disk_chunks);
+             model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, res->n_disk_chunks,
+             res->n_device_chunks);
     else
       printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
              model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);

@@ -36,6 +36,8 @@ struct fy_train_opts {
   const char *disk_dir;   // disk tier directory (NULL: none)
   int disk_chunks;        // -1: as many as the host cannot hold; else the last N chunks'
                           //   gradients and AdamW state go to disk
+  int device_chunks;      // the first N chunks stay on the device with their AdamW state, which
+                          //   is updated there (default 0: every update runs on the host)
   int prefetch;           // chunks loaded ahead of use (default 2)
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
@@ -72,7 +74,7 @@ struct fy_train_result {
   double device_peak_bytes;     // the device's own counter (sim: its pool)
   double step_s;                // median step time (after the first)
   double copy_bytes[2], copy_busy_s[2];  // sim: host->device [0] and device->host [1], whole run
-  int n_blocks, n_chunks, n_disk_chunks;
+  int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;
   int64_t cache_loads, cache_prefetches, cache_evictions, cache_spills;  // sim: the chunk cache
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical

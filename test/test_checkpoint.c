@@ -90,6 +90,9 @@ int main(int argc, char **argv) {
   o.chunk_mib = 0.05;
   o.blocks = 2;
   check_resume("sim, eviction", o);
+  o.device_chunks = 2;
+  check_resume("sim, 2 chunks updated on the device", o);
+  o.device_chunks = 0;
   char disk[512];
   path(disk, "disk");
   mkdir(disk, 0755);

@@ -101,6 +101,10 @@ int main(void) {
   same_as("sim, 3 blocks, AdamW state on disk", s, &ref);
   s.disk_chunks = 2;
   same_as("sim, 3 blocks, AdamW state of 2 chunks on disk", s, &ref);
+  s.disk_chunks = 1;
+  s.device_chunks = 2;
+  same_as("sim, 2 chunks updated on the device, 1 on disk", s, &ref);
+  s.device_chunks = 0;
   s.disk_chunks = -1;
   s.disk_dir = NULL;
   // Stress: random delays before every work item of every stream (copies, kernels, optimizer).
@@ -116,6 +120,9 @@ int main(void) {
   o.batch = 1;
   CHECK_OK(fy_train(&o, &ref_acc));
   same_as("sim, jitter, 2 blocks, 2 micro-batches", s, &ref_acc);
+  s.device_chunks = 1;
+  same_as("sim, jitter, 2 micro-batches, chunk 0 on the device", s, &ref_acc);
+  s.device_chunks = 0;
   s.blocks = 3;
   s.grad_accum = 1;
   s.batch = 2;
@@ -133,6 +140,9 @@ int main(void) {
   s.grad_accum = 2;
   s.batch = 1;
   same_as("sim, recompute, 2 micro-batches", s, &ref2);
+  s.device_chunks = 100;  // everything on the device, updated there
+  same_as("sim, recompute, 2 micro-batches, all on the device", s, &ref2);
+  s.device_chunks = 0;
   s.recompute = false;
   s.grad_accum = 1;
   s.batch = 2;

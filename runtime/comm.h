@@ -1,0 +1,155 @@
+// fy_comm: collectives across ranks (DESIGN.md, "Communication (runtime/)"), one backend behind a
+// table of functions like core/device.h.
+//
+// Backends: `single` (one rank: every collective is a copy or nothing), `mpi` (host buffers; also the
+// bootstrap that shares the NCCL id) and `nccl` (device buffers; runtime/comm_nccl.c). Jobs are
+// launched with mpirun or srun, never by ferry itself.
+//
+// Layouts (those of MPI_Reduce_scatter_block / MPI_Allgather and NCCL):
+// - reduce-scatter: `send` holds size*recv_count elements; rank r receives in `recv` the sum over all
+//   ranks of elements [r*recv_count, (r+1)*recv_count). In place when recv == send + r*recv_count.
+// - all-gather: each rank sends send_count elements; `recv` holds size*send_count elements, rank p's
+//   at [p*send_count, (p+1)*send_count). In place when send == recv + r*send_count.
+// - all-reduce: any count (the backend splits it into size nearly equal chunks internally).
+// A total that does not divide by the world size is the caller's to pad (recv_count is per rank).
+//
+// Numbers: sums are deterministic. Every element of an all-reduce or reduce-scatter is the sum in
+// rank order ((x0 + x1) + x2) + ... computed by one rank and sent to the others, so every rank gets
+// the same bits whatever the timing, and a rerun gets the same bits again. bf16 sums are done in
+// fp32 and rounded once to bf16 (round to nearest even).
+//
+// Ordering: collectives on one communicator must be issued in the same order on every rank (as in
+// MPI and NCCL). Those given a stream run on that stream's worker in stream order; keep a
+// communicator's collectives on one stream (or order the streams with events), and sync the stream
+// before reading the result on the host or freeing the communicator.
+//
+// Failure: a collective that does not complete within timeout_s prints and records
+// "<op> of N MiB did not complete within T s at step S (a rank died or hangs)" and then ends the
+// job with MPI_Abort(MPI_COMM_WORLD, 3): mpirun (or srun) kills the other ranks, so the job ends
+// instead of hanging, and the launcher exits non-zero. Aborting is deliberate: after a timed-out
+// collective the other ranks are stuck inside theirs and no MPI call can release them. Other MPI
+// errors come back as statuses (the communicators use MPI_ERRORS_RETURN) with MPI's message; after
+// one, the communicator is broken: later collectives on it fail at once with the first error.
+#ifndef FY_COMM_H
+#define FY_COMM_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/device.h"
+#include "core/status.h"
+
+enum fy_comm_kind { FY_COMM_SINGLE, FY_COMM_MPI, FY_COMM_NCCL };
+enum fy_reduce_dtype { FY_COMM_F32, FY_COMM_BF16 };
+
+struct fy_comm;
+
+// The default --comm-timeout, in seconds.
+#define FY_COMM_DEFAULT_TIMEOUT_S 300.0
+
+// kind: "single", "mpi" or "auto" (mpi when a launcher started more than one rank: OMPI_COMM_WORLD_SIZE,
+// PMI_SIZE, PMIX_SIZE or, under srun, SLURM_STEP_NUM_TASKS / SLURM_NTASKS; else single).
+// timeout_s <= 0 means FY_COMM_DEFAULT_TIMEOUT_S. The mpi backend initialises MPI (MPI_Init_thread,
+// MPI_THREAD_MULTIPLE when the library has it, else SERIALIZED with every MPI call under one lock)
+// unless the program already did, and works on a duplicate of MPI_COMM_WORLD.
+fy_status fy_comm_create(const char *kind, double timeout_s, struct fy_comm **out);
+// Frees a communicator (NULL is fine). Freeing the last one created by fy_comm_create calls
+// MPI_Finalize when the mpi backend initialised MPI; MPI cannot be initialised again afterwards.
+void fy_comm_free(struct fy_comm *c);
+
+enum fy_comm_kind fy_comm_kind(const struct fy_comm *c);
+const char *fy_comm_kind_name(const struct fy_comm *c);  // "single", "mpi", "nccl"
+int fy_comm_rank(const struct fy_comm *c);
+int fy_comm_size(const struct fy_comm *c);
+// The rank among the processes of this node (MPI_COMM_TYPE_SHARED) in the world communicator: the
+// index of the GPU to use. A split communicator keeps its parent's.
+int fy_comm_local_rank(const struct fy_comm *c);
+
+// Sub-groups (tensor-parallel groups inside data-parallel ones): ranks that pass the same color form
+// one communicator, ordered by key then by parent rank. Collective over c. A negative color leaves
+// this rank out (*out = NULL). The child has c's timeout and starts with c's step label.
+fy_status fy_comm_split(struct fy_comm *c, int color, int key, struct fy_comm **out);
+
+// Collectives. Buffers are host memory for the mpi backend. `s` NULL: runs now, on the caller.
+// `s` a stream: enqueued as a host function (fy_stream_enqueue) that runs in stream order; the return
+// value then covers only the arguments and the enqueue, and an error of the collective itself is
+// reported by fy_comm_status (and by every later collective on c). count, recv_count, send_count are
+// in elements of dt.
+fy_status fy_comm_all_reduce(struct fy_comm *c, void *buf, size_t count, enum fy_reduce_dtype dt,
+                             fy_stream *s);
+fy_status fy_comm_reduce_scatter(struct fy_comm *c, const void *send, void *recv, size_t recv_count,
+                                 enum fy_reduce_dtype dt, fy_stream *s);
+fy_status fy_comm_all_gather(struct fy_comm *c, const void *send, void *recv, size_t send_count,
+                             enum fy_reduce_dtype dt, fy_stream *s);
+fy_status fy_comm_broadcast(struct fy_comm *c, void *buf, size_t bytes, int root, fy_stream *s);
+fy_status fy_comm_barrier(struct fy_comm *c);
+// FY_OK, or the first error of a collective on c (an enqueued one included), with its message set
+// as the calling thread's fy_error_msg(). Sticky: the communicator is broken after an error.
+fy_status fy_comm_status(struct fy_comm *c);
+
+// Labels the current step for error messages ("all-reduce of 64 MiB ... at step 12"). A collective
+// enqueued on a stream keeps the step that was current when it was enqueued.
+void fy_comm_set_step(struct fy_comm *c, int64_t step);
+
+// ---- For backends (runtime/comm.c, runtime/comm_nccl.c) ----
+
+enum fy_comm_op { FY_COMM_OP_ALL_REDUCE, FY_COMM_OP_REDUCE_SCATTER, FY_COMM_OP_ALL_GATHER,
+                  FY_COMM_OP_BROADCAST, FY_COMM_OP_BARRIER };
+
+// One collective, as the front end hands it to a backend (already checked).
+struct fy_comm_call {
+  enum fy_comm_op op;
+  const void *send;   // reduce-scatter, all-gather
+  void *buf;          // all-reduce and broadcast: the buffer; reduce-scatter, all-gather: recv
+  size_t count;       // elements: all-reduce count, reduce-scatter recv_count, all-gather send_count;
+                      // bytes for broadcast
+  enum fy_reduce_dtype dt;
+  int root;
+  int64_t step;       // for messages
+};
+
+struct fy_comm_ops {
+  // Runs a call to completion on the calling thread (or, for device backends, enqueues it on s).
+  fy_status (*run)(struct fy_comm *c, const struct fy_comm_call *call, fy_stream *s);
+  fy_status (*split)(struct fy_comm *c, int color, int key, struct fy_comm **out);
+  void (*destroy)(struct fy_comm *c);
+  // True when run() takes the stream itself (device backends); else the front end enqueues a host
+  // function that calls run() with s = NULL.
+  int takes_stream;
+};
+
+struct fy_comm {
+  enum fy_comm_kind kind;
+  const struct fy_comm_ops *ops;
+  int rank, size, local_rank;
+  double timeout_s;
+  _Atomic int64_t step;          // INT64_MIN: not set
+  _Atomic int failed;            // a collective failed: err_st / err_msg hold the first error
+  pthread_mutex_t err_mu;
+  fy_status err_st;
+  char err_msg[512];
+  void *impl;                    // backend state
+};
+
+// Fills the common fields (step unset, no error) of a communicator a backend allocated.
+void fy_comm_init_base(struct fy_comm *c, enum fy_comm_kind kind, const struct fy_comm_ops *ops,
+                       int rank, int size, int local_rank, double timeout_s);
+// Provided by runtime/comm_nccl.c in builds with NCCL (a weak reference here: without it, kind
+// "nccl" is refused). Takes ownership of `bootstrap`, an mpi communicator over the same ranks that
+// shares the NCCL id (fy_comm_broadcast) and is freed with the NCCL communicator.
+fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out);
+
+size_t fy_comm_dtype_size(enum fy_reduce_dtype dt);
+const char *fy_comm_op_name(enum fy_comm_op op);  // "all-reduce", ...
+// Total bytes a call moves as nccl-tests size it (the larger buffer: size*count for reduce-scatter
+// and all-gather).
+size_t fy_comm_call_bytes(const struct fy_comm *c, const struct fy_comm_call *call);
+// Records the first error of c (the calling thread's st and fy_error_msg()) and returns st.
+fy_status fy_comm_fail(struct fy_comm *c, fy_status st);
+// "at step 12" or "before the first step" into buf, for messages.
+const char *fy_comm_step_text(int64_t step, char *buf, size_t n);
+// "64 MiB", "1.5 KiB", "12 B".
+const char *fy_comm_size_text(size_t bytes, char *buf, size_t n);
+
+#endif
