@@ -26,6 +26,7 @@ struct fy_ckpt_meta {
   int64_t sequences;   // sequences the data loader has handed out (over all ranks)
   uint64_t seed;
   double loss_scale;
+  int64_t loss_scale_good;  // steps since the loss scale last changed (dynamic scaling)
   char options[1024];  // the run's options as JSON (informative)
 };
 

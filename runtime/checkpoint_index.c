@@ -2,6 +2,7 @@
 // the rest so that their parsers can be fuzzed on their own (test/fuzz/fuzz_checkpoint.c).
 #include <errno.h>
 #include <json-c/json.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -34,6 +35,7 @@ fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta) 
   json_object_object_add(o, "sequences", json_object_new_int64(meta->sequences));
   json_object_object_add(o, "seed", json_object_new_uint64(meta->seed));
   json_object_object_add(o, "loss_scale", json_object_new_double(meta->loss_scale));
+  json_object_object_add(o, "loss_scale_good_steps", json_object_new_int64(meta->loss_scale_good));
   json_object *opts = json_tokener_parse(meta->options[0] ? meta->options : "{}");
   json_object_object_add(o, "options", opts ? opts : json_object_new_object());
   char path[4200];
@@ -66,7 +68,15 @@ fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
     }
     if (st == FY_OK && json_object_object_get_ex(o, "seed", &v)) meta->seed = json_object_get_uint64(v);
     meta->loss_scale = 1.0;
-    if (st == FY_OK && json_object_object_get_ex(o, "loss_scale", &v)) meta->loss_scale = json_object_get_double(v);
+    if (st == FY_OK && json_object_object_get_ex(o, "loss_scale", &v)) {
+      meta->loss_scale = json_object_get_double(v);
+      if (!(meta->loss_scale > 0) || !isfinite(meta->loss_scale))
+        st = fy_error_set(FY_ERR_FORMAT, "%s: \"loss_scale\" must be a positive number", p);
+    }
+    if (st == FY_OK && json_object_object_get_ex(o, "loss_scale_good_steps", &v)) {
+      meta->loss_scale_good = json_object_get_int64(v);
+      if (meta->loss_scale_good < 0) st = fy_error_set(FY_ERR_FORMAT, "%s: \"loss_scale_good_steps\" is negative", p);
+    }
     if (st == FY_OK && json_object_object_get_ex(o, "options", &v))
       snprintf(meta->options, sizeof meta->options, "%s", json_object_to_json_string(v));
   }

@@ -1,7 +1,8 @@
 // fy_comm: collectives across ranks (DESIGN.md, "Communication (runtime/)"), one backend behind a
 // table of functions like core/device.h.
 //
-// Backends: `single` (one rank: every collective is a copy or nothing), `mpi` (host buffers; also the
+// Backends: `single` (one rank: every collective is a copy or nothing; given a stream, the copy is a
+// fy_copy_async on it, so any memory of that stream's device), `mpi` (host buffers; also the
 // bootstrap that shares the NCCL id) and `nccl` (device buffers; runtime/comm_nccl.c). Jobs are
 // launched with mpirun or srun, never by ferry itself.
 //
@@ -48,8 +49,10 @@ struct fy_comm;
 // The default --comm-timeout, in seconds.
 #define FY_COMM_DEFAULT_TIMEOUT_S 300.0
 
-// kind: "single", "mpi" or "auto" (mpi when a launcher started more than one rank: OMPI_COMM_WORLD_SIZE,
-// PMI_SIZE, PMIX_SIZE or, under srun, SLURM_STEP_NUM_TASKS / SLURM_NTASKS; else single).
+// kind: "single", "mpi" or "auto" (mpi when a launcher started more than one rank: mpirun's
+// OMPI_COMM_WORLD_SIZE or PMI_SIZE, srun's SLURM_STEP_NUM_TASKS; else single. Not SLURM_NTASKS: sbatch
+// sets it for the batch script too, which is one process). Rank, size and local rank then come from
+// MPI; when the launcher's count and MPI's differ (srun without --mpi=pmix), creation fails and says so.
 // timeout_s <= 0 means FY_COMM_DEFAULT_TIMEOUT_S. The mpi backend initialises MPI (MPI_Init_thread,
 // MPI_THREAD_MULTIPLE when the library has it, else SERIALIZED with every MPI call under one lock)
 // unless the program already did, and works on a duplicate of MPI_COMM_WORLD.
@@ -68,10 +71,12 @@ int fy_comm_local_rank(const struct fy_comm *c);
 
 // Sub-groups (tensor-parallel groups inside data-parallel ones): ranks that pass the same color form
 // one communicator, ordered by key then by parent rank. Collective over c. A negative color leaves
-// this rank out (*out = NULL). The child has c's timeout and starts with c's step label.
+// this rank out (*out = NULL). The child has c's timeout and starts with c's step label. Blocking
+// and not covered by the timeout (as creation): call it at setup, with no collective in flight.
 fy_status fy_comm_split(struct fy_comm *c, int color, int key, struct fy_comm **out);
 
-// Collectives. Buffers are host memory for the mpi backend. `s` NULL: runs now, on the caller.
+// Collectives. Buffers are host memory for the mpi backend, which keeps a scratch buffer of up to
+// 64 MiB per communicator (the contributions it receives) until the communicator is freed. `s` NULL: runs now, on the caller.
 // `s` a stream: enqueued as a host function (fy_stream_enqueue) that runs in stream order; the return
 // value then covers only the arguments and the enqueue, and an error of the collective itself is
 // reported by fy_comm_status (and by every later collective on c). count, recv_count, send_count are
@@ -136,8 +141,9 @@ struct fy_comm {
 void fy_comm_init_base(struct fy_comm *c, enum fy_comm_kind kind, const struct fy_comm_ops *ops,
                        int rank, int size, int local_rank, double timeout_s);
 // Provided by runtime/comm_nccl.c in builds with NCCL (a weak reference here: without it, kind
-// "nccl" is refused). Takes ownership of `bootstrap`, an mpi communicator over the same ranks that
-// shares the NCCL id (fy_comm_broadcast) and is freed with the NCCL communicator.
+// "nccl" is refused: fy_comm_create calls it when fy_config.h sets FY_HAVE_NCCL to 1). Takes
+// ownership of `bootstrap` (also on failure), an mpi communicator over the same ranks that shares
+// the NCCL id (fy_comm_broadcast) and is freed with the NCCL communicator.
 fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out);
 
 size_t fy_comm_dtype_size(enum fy_reduce_dtype dt);

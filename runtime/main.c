@@ -304,6 +304,9 @@ static void usage_train(FILE *f, bool eval) {
           "  --beta1 X, --beta2 X, --eps X   AdamW (defaults %g, %g, %g)\n"
           "  --clip X           clip the global gradient norm to X; 0 disables (default %g)\n"
           "  --no-shuffle       take batches in order instead of a seeded shuffle\n"
+          "  --loss-scale S     dynamic loss scaling from S (a power of two; 'dynamic' = 65536): an\n"
+          "                     overflowing step is skipped and the scale halved; the numbers are\n"
+          "                     otherwise those of no scaling, bit for bit\n"
           "  --recompute        keep only each decoder layer's input and run its forward again in\n"
           "                     backward (activation memory of one layer instead of all)\n"
           "\nwhere the model state lives:\n"
@@ -392,7 +395,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -416,7 +419,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB}, {"save-every", required_argument, 0, OPT_SAVE_EVERY},
       {"keep", required_argument, 0, OPT_KEEP}, {"resume", required_argument, 0, OPT_RESUME},
       {"stop-after", required_argument, 0, OPT_STOP_AFTER}, {"plan", required_argument, 0, OPT_PLAN},
-      {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS},
+      {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -482,6 +485,12 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_RESUME: o.resume = optarg; break;
       case OPT_STOP_AFTER: ok = parse_i64("--stop-after", optarg, 1, &o.stop_after); break;
       case OPT_PLAN: o.plan = optarg; break;
+      case OPT_LOSS_SCALE: {
+        float f;
+        if (strcmp(optarg, "dynamic") == 0) o.loss_scale = 65536;
+        else if ((ok = parse_f32("--loss-scale", optarg, 1, &f))) o.loss_scale = f;
+        break;
+      }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
       case OPT_CHUNK_MIB: {
         float f;

@@ -20,7 +20,7 @@ struct chunk_job {
 
 struct step_args {
   struct fy_adamw h;
-  float lr, scale;
+  float lr, scale, grad_scale;
   int64_t t;
   double norm;
   bool skip;  // the norm is not finite: no chunk is updated
@@ -548,12 +548,12 @@ static void norm_fn(void *arg) {
   struct step_args *a = &x->args[j->q];
   double s = 0;
   for (int i = 0; i < x->m->graph->n_params; i++) s += x->sumsq[i];
-  a->norm = sqrt(s);
+  a->norm = sqrt(s) * fabs((double)a->grad_scale);
   a->skip = !isfinite(a->norm);
-  a->scale = 1.0f;
+  a->scale = a->grad_scale;
   if (!a->skip && a->h.clip > 0) {
     double coef = a->h.clip / (a->norm + 1e-6);
-    if (coef < 1.0) a->scale = (float)coef;
+    if (coef < 1.0) a->scale = (float)((double)a->grad_scale * coef);
   }
 }
 
@@ -602,12 +602,12 @@ static void adamw_fn(void *arg) {
 }
 
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
-                            double *norm, double *loss_sum) {
+                            float grad_scale, double *norm, double *loss_sum, bool *skipped) {
   int q = x->step_parity;
   x->step_parity ^= 1;
   FY_TRY(fy_event_sync(x->updates_done[q]));  // the arguments of two steps ago are free
   FY_TRY(fy_event_sync(x->dev_updates_done[q]));
-  x->args[q] = (struct step_args){.h = *h, .lr = lr, .t = t};
+  x->args[q] = (struct step_args){.h = *h, .lr = lr, .t = t, .grad_scale = grad_scale};
   int nc = x->m->layout->n_chunks;
   // Chunks on the device: their sums of squares and updates run there, on the compute stream.
   for (int c = 0; c < x->n_dev; c++) FY_TRY(fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]));
@@ -634,8 +634,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   for (int a = 0; a < x->n_actions; a++)
     for (int p = 0; p < 2; p++)
       if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
-  if (x->args[q].skip)
-    return fy_error_set(FY_ERR_NUMERIC, "the gradient norm is %f; no parameter was updated", *norm);
+  *skipped = x->args[q].skip;
   return FY_OK;
 }
 

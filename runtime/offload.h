@@ -51,10 +51,12 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // Enqueues forward and backward of micro-batch `micro` (0-based within the step); its gradients
 // are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale);
-// Enqueues the optimizer for the step (global norm, clipping, AdamW per chunk) and waits until
-// the norm is known. loss_sum[i] receives micro-batch i's sum of token losses.
+// Enqueues the optimizer for the step (global norm, clipping, AdamW per chunk) on gradients
+// multiplied by grad_scale (1/loss scale), and waits until the norm is known. A norm that is not
+// finite updates nothing and sets *skipped. loss_sum[i] receives micro-batch i's sum of token
+// losses.
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
-                            double *norm, double *loss_sum);
+                            float grad_scale, double *norm, double *loss_sum, bool *skipped);
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);
 

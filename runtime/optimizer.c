@@ -32,3 +32,23 @@ fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float 
   }
   return FY_OK;
 }
+
+struct fy_loss_scaler fy_loss_scaler_init(double scale) {
+  return (struct fy_loss_scaler){.scale = scale, .good = 0, .growth_interval = 2000};
+}
+
+fy_status fy_loss_scaler_update(struct fy_loss_scaler *s, bool overflow) {
+  if (!overflow) {
+    if (++s->good >= s->growth_interval && s->scale < 0x1p120) {
+      s->scale *= 2;
+      s->good = 0;
+    }
+    return FY_OK;
+  }
+  if (s->scale <= 1.0)
+    return fy_error_set(FY_ERR_NUMERIC, "the gradients overflow even at the minimum loss scale 1; stopping "
+                        "(the last checkpoint is the last good state)");
+  s->scale /= 2;
+  s->good = 0;
+  return FY_OK;
+}

@@ -23,4 +23,18 @@ double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale);
 fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double norm);
 
+// Dynamic loss scaling (as PyTorch's GradScaler): the loss is multiplied by `scale` (a power of
+// two, so that scaling and unscaling are exact) before backward. A step whose gradients overflow
+// is skipped and the scale halved; `growth_interval` good steps in a row double it. Overflow at
+// the minimum scale (1) cannot be helped: fy_loss_scaler_update returns FY_ERR_NUMERIC then.
+struct fy_loss_scaler {
+  double scale;
+  int64_t good;             // good steps since the scale last changed
+  int64_t growth_interval;  // 2000
+};
+
+struct fy_loss_scaler fy_loss_scaler_init(double scale);
+// After a step: `overflow` says whether its gradients were not finite (the step was skipped).
+fy_status fy_loss_scaler_update(struct fy_loss_scaler *s, bool overflow);
+
 #endif

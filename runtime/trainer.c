@@ -234,8 +234,8 @@ static void progress_bar(int64_t done, int64_t total, double eta_s) {
 }
 
 // One optimizer step on resident parameters: micro-batches, their sum, norm, AdamW.
-static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double *loss_out,
-                               double *norm_out, double *t_sum, double *t_opt) {
+static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
+                               double *loss_out, double *norm_out, bool *overflow, double *t_sum, double *t_opt) {
   struct fy_model *model = r->model;
   double loss_acc = 0;
   int64_t n_with_grads = 0;
@@ -248,7 +248,7 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     double mean = loss.sum / (double)loss.count;
     if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
     loss_acc += mean / (double)o->grad_accum;
-    FY_TRY(fy_engine_backward(model, batch, (float)(1.0 / ((double)loss.count * o->grad_accum))));
+    FY_TRY(fy_engine_backward(model, batch, (float)(scale / ((double)loss.count * o->grad_accum))));
     // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
     // the same order and with the same adds on every placement.
     if (o->grad_accum > 1) {
@@ -269,15 +269,17 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     model->grad_acc = t;
   }
   double t0 = now_s();
-  *norm_out = fy_optimizer_grad_norm(model, 1.0f);
-  fy_status st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), step + 1, 1.0f, *norm_out);
+  float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
+  *norm_out = fy_optimizer_grad_norm(model, unscale);
+  *overflow = !isfinite(*norm_out);
+  fy_status st = *overflow ? FY_OK : fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), step + 1, unscale, *norm_out);
   *t_opt += now_s() - t0;
   return st;
 }
 
 // The same step with the model state offloaded: enqueue, then wait for the norm only.
-static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int64_t step, double *loss_out,
-                              double *norm_out) {
+static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
+                              double *loss_out, double *norm_out, bool *overflow) {
   int64_t counts[o->grad_accum];
   double sums[o->grad_accum];
   int n = 0;
@@ -287,11 +289,12 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
     int64_t count = fy_engine_count_targets(batch);
     if (count == 0) continue;
     counts[n] = count;
-    FY_TRY(fy_offload_micro(r->x, batch, n, (float)(1.0 / ((double)count * o->grad_accum))));
+    FY_TRY(fy_offload_micro(r->x, batch, n, (float)(scale / ((double)count * o->grad_accum))));
     n++;
   }
   if (n == 0) return FY_ERR_NOT_FOUND;
-  FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), step + 1, norm_out, sums));
+  FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), step + 1, (float)(1.0 / scale), norm_out, sums,
+                           overflow));
   double loss_acc = 0;
   for (int i = 0; i < n; i++) {
     double mean = sums[i] / (double)counts[i];
@@ -334,7 +337,7 @@ static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
 // Copies the training state after `steps_done` steps into the writer's buffers and starts the
 // write in the background.
 static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
-                            int64_t steps_done) {
+                            int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
   struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
@@ -349,13 +352,14 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   }
   memcpy(s->params, m->params, bytes);
   s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch,
-                                  .seed = o->seed, .loss_scale = 1.0};
+                                  .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
   options_json(o, s->meta.options, sizeof s->meta.options);
   return fy_ckpt_write_async(w);
 }
 
 // Continues from a checkpoint: parameters, AdamW state, step and data position.
-static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step) {
+static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
+                        int64_t *scale_good) {
   struct fy_model *m = r->model;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   float *mm = m->m, *vv = m->v;
@@ -380,6 +384,8 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
                         "batches of %lld", o->resume, (long long)meta.sequences, (long long)o->batch);
   FY_TRY(fy_data_seek(r->data, meta.sequences / o->batch));
   *first_step = meta.step;
+  *scale = o->loss_scale > 0 ? meta.loss_scale : 1.0;
+  *scale_good = meta.loss_scale_good;
   return FY_OK;
 }
 
@@ -462,9 +468,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   double *step_times = NULL;
   struct fy_ckpt_writer *ckpt = NULL;
   bool *ckpt_busy = NULL;
-  int64_t first_step = 0;
+  int64_t first_step = 0, scale_good = 0;
+  double scale = 1.0;
   fy_status st = setup(o, &r, o->shuffle);
-  if (st == FY_OK && o->resume) st = resume(o, &r, &first_step);
+  if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
   if (st == FY_OK && o->save && o->save_every > 0) st = fy_ckpt_writer_create(o->save, o->keep, r.model, &ckpt);
   if (st == FY_OK && o->log_path && !(log = fopen(o->log_path, "w")))
     st = fy_error_set(FY_ERR_IO, "cannot open the log %s for writing", o->log_path);
@@ -507,12 +514,31 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   model->profile = o->profile;
   res->first_step = first_step;
+  if (o->loss_scale > 0 && (o->loss_scale != exp2(round(log2(o->loss_scale))) || o->loss_scale < 1)) {
+    st = fy_error_set(FY_ERR_INVALID, "--loss-scale %g must be a power of two >= 1", o->loss_scale);
+    goto done;
+  }
+  if (o->loss_scale > 0 && !o->resume) scale = o->loss_scale;
   if (first_step > 0 && !o->quiet) printf("ferry: resuming from %s at step %lld\n", o->resume, (long long)first_step);
   double t_start = now_s(), t_sum = 0, t_opt = 0;
   for (int64_t step = first_step; step < o->steps; step++) {
     double t0 = now_s(), loss = 0, norm = 0;
+    bool overflow = false;
     if (ckpt) ckpt_busy[step] = fy_ckpt_busy(ckpt);
-    st = r.x ? step_offload(o, &r, step, &loss, &norm) : step_resident(o, &r, step, &loss, &norm, &t_sum, &t_opt);
+    st = r.x ? step_offload(o, &r, step, scale, &loss, &norm, &overflow)
+             : step_resident(o, &r, step, scale, &loss, &norm, &overflow, &t_sum, &t_opt);
+    if (st == FY_OK && overflow && o->loss_scale <= 0)
+      st = fy_error_set(FY_ERR_NUMERIC, "the gradient norm is %f; no parameter was updated", norm);
+    if (st == FY_OK && o->loss_scale > 0) {
+      struct fy_loss_scaler sc = {.scale = scale, .good = scale_good, .growth_interval = 2000};
+      if ((st = fy_loss_scaler_update(&sc, overflow)) == FY_OK && overflow) {
+        fy_log_info("step %lld: gradients overflow at loss scale %g; step skipped, scale now %g", (long long)step + 1,
+                    scale, sc.scale);
+        res->skipped_steps++;
+      }
+      scale = sc.scale;
+      scale_good = sc.good;
+    }
     if (st == FY_ERR_NOT_FOUND) {
       fy_log_warn("step %lld: every target of the batch is ignored; no update", (long long)step + 1);
       st = FY_OK;
@@ -547,7 +573,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     }
     bool stop = (o->stop && *o->stop) || (o->stop_after > 0 && step + 1 - first_step >= o->stop_after);
     if (ckpt && (stop || (step + 1) % o->save_every == 0 || step + 1 == o->steps)) {
-      if ((st = checkpoint(o, &r, ckpt, step + 1)) != FY_OK) goto done;
+      if ((st = checkpoint(o, &r, ckpt, step + 1, scale, scale_good)) != FY_OK) goto done;
       res->checkpoints++;
     }
     if (stop) {
@@ -599,6 +625,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->gflops = flops_per_step / step_times[first_step] / 1e9;
     res->step_s = step_times[first_step];
   }
+  res->final_loss_scale = scale;
   res->peak_rss_bytes = peak_rss_bytes();
   res->device_peak_bytes = (double)r.dev->bytes_peak;
   if (r.x) {

@@ -47,6 +47,10 @@ struct fy_train_opts {
   int keep;               // checkpoints kept in the root (default 2)
   const char *resume;     // a checkpoint root or step directory to continue from
   int64_t stop_after;     // end (with a checkpoint when on) after this many steps of this run
+  // Loss scaling (for 16-bit gradients; exact with fp32 when no overflow): 0 off; > 0 the initial
+  // scale of dynamic scaling (a power of two): an overflowing step is skipped and the scale
+  // halved, 2000 good steps double it, overflow at the minimum scale (1) stops training.
+  double loss_scale;
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
                           //   recomputation and disk placement on the sim device
@@ -79,6 +83,8 @@ struct fy_train_result {
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical
   bool interrupted;              // ended early by opts.stop
+  int64_t skipped_steps;         // steps skipped for gradient overflow (dynamic loss scaling)
+  double final_loss_scale;
   double op_seconds[FY_OP_KIND_COUNT][2];  // with opts.profile: seconds per step per op kind
   int64_t first_step;            // 0, or the step a resumed run started from
   int checkpoints;               // checkpoints written

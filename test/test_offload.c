@@ -96,6 +96,9 @@ int main(void) {
   same_as("sim, 1 block (spills), prefetch 2", s, &ref);
   s.blocks = 3;
   same_as("sim, 3 blocks, prefetch 2", s, &ref);
+  s.loss_scale = 65536;  // exact: a power of two, no overflow
+  same_as("sim, 3 blocks, dynamic loss scaling", s, &ref);
+  s.loss_scale = 0;
   s.disk_dir = disk_dir;
   s.disk_chunks = 1000;
   same_as("sim, 3 blocks, AdamW state on disk", s, &ref);

@@ -14,6 +14,7 @@
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/trainer.h"
+#include "runtime/optimizer.h"
 
 static char tmpdir[256];
 
@@ -87,6 +88,34 @@ int main(void) {
   CHECKF(ra.last_loss == r_rc.last_loss && ra.first_loss == r_rc.first_loss, "recompute: %.9g vs %.9g",
          ra.last_loss, r_rc.last_loss);
   CHECK(r_rc.activation_bytes < ra.activation_bytes);
+
+  // Dynamic loss scaling: without overflow, bit for bit the numbers of no scaling (the scale is a
+  // power of two); with a scale that overflows, steps are skipped and the scale halved until the
+  // gradients fit, and training goes on.
+  struct fy_train_opts ls = tiny_opts(shard);
+  ls.steps = 8;
+  struct fy_train_result r_plain, r_scaled, r_over;
+  CHECK_OK(fy_train(&ls, &r_plain));
+  ls.loss_scale = 65536;
+  CHECK_OK(fy_train(&ls, &r_scaled));
+  CHECKF(r_scaled.params_hash == r_plain.params_hash && r_scaled.skipped_steps == 0, "scaled run differs");
+  ls.loss_scale = 0x1p140;  // the loss gradient itself is past fp32's range
+  ls.steps = 40;
+  CHECK_OK(fy_train(&ls, &r_over));
+  CHECKF(r_over.skipped_steps > 0 && r_over.final_loss_scale < 0x1p140 && r_over.last_loss < r_over.first_loss,
+         "overflow: %lld skipped, scale %g, loss %f -> %f", (long long)r_over.skipped_steps, r_over.final_loss_scale,
+         r_over.first_loss, r_over.last_loss);
+  ls.loss_scale = 3;
+  CHECK_ERR(fy_train(&ls, &r_over), FY_ERR_INVALID);  // not a power of two
+  struct fy_loss_scaler sc = fy_loss_scaler_init(4);
+  CHECK_OK(fy_loss_scaler_update(&sc, true));
+  CHECK_OK(fy_loss_scaler_update(&sc, true));
+  CHECK(sc.scale == 1);
+  CHECK_ERR(fy_loss_scaler_update(&sc, true), FY_ERR_NUMERIC);  // overflow at the minimum
+  sc = fy_loss_scaler_init(8);
+  sc.growth_interval = 3;
+  for (int i = 0; i < 3; i++) CHECK_OK(fy_loss_scaler_update(&sc, false));
+  CHECK(sc.scale == 16 && sc.good == 0);
 
   // The checkpoint round-trips: loading it gives the trained weights back bit for bit, and
   // a bf16, sharded save loads back within bf16 rounding.
