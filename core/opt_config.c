@@ -12,6 +12,8 @@
 
 #include "core/opt.h"
 
+#include "core/fileio.h"
+
 #define CFG_MAX_FILE (16 << 20)
 // Bounds far above any real model that keep every later size product inside int64.
 #define CFG_MAX_DIM ((int64_t)1 << 24)
@@ -388,37 +390,6 @@ static json_object *cfg_new_token(int64_t id) {
   return id < 0 ? NULL : json_object_new_int64(id);
 }
 
-static fy_status cfg_write_atomic(const char *path, const char *data, size_t n) {
-  size_t len = strlen(path);
-  char *tmp = malloc(len + 12);
-  if (!tmp) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  memcpy(tmp, path, len);
-  memcpy(tmp + len, ".tmp.XXXXXX", 12);
-  int fd = mkostemp(tmp, O_CLOEXEC);
-  if (fd < 0) {
-    fy_status e = fy_error_set(FY_ERR_IO, "cannot create a temporary file next to %s: %s", path,
-                               strerror(errno));
-    free(tmp);
-    return e;
-  }
-  fy_status st = FY_OK;
-  if (fchmod(fd, 0644) != 0) st = fy_error_set(FY_ERR_IO, "chmod %s: %s", tmp, strerror(errno));
-  size_t done = 0;
-  while (st == FY_OK && done < n) {
-    ssize_t w = write(fd, data + done, n - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) st = fy_error_set(FY_ERR_IO, "writing %s: %s", tmp, w < 0 ? strerror(errno) : "no progress");
-    else done += (size_t)w;
-  }
-  if (st == FY_OK && fsync(fd) != 0) st = fy_error_set(FY_ERR_IO, "fsync %s: %s", tmp, strerror(errno));
-  if (close(fd) != 0 && st == FY_OK) st = fy_error_set(FY_ERR_IO, "closing %s: %s", tmp, strerror(errno));
-  if (st == FY_OK && rename(tmp, path) != 0)
-    st = fy_error_set(FY_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-  if (st != FY_OK) unlink(tmp);
-  free(tmp);
-  return st;
-}
-
 fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *c) {
   if (!dir || !c) return fy_error_set(FY_ERR_INVALID, "fy_opt_config_write: NULL argument");
   FY_TRY(fy_opt_config_check(c));
@@ -470,7 +441,7 @@ fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *c) {
     snprintf(path, dl + 16, "%s%sconfig.json", dir, dl && dir[dl - 1] == '/' ? "" : "/");
     memcpy(text, s, n);
     text[n] = '\n';
-    st = cfg_write_atomic(path, text, n + 1);
+    st = fy_file_write_atomic(path, &(struct fy_file_piece){text, n + 1}, 1);
   }
   free(path);
   free(text);

@@ -1,6 +1,8 @@
 // Safetensors reading (mmap + a header checked against the file) and atomic writing.
 #include "core/safetensors.h"
 
+#include "core/fileio.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -519,77 +521,9 @@ fy_status fy_safetensors_open_dir(const char *dir, fy_safetensors **out) {
 
 // ---- writing ----
 
-static fy_status st_write_all(int fd, const void *buf, size_t n, const char *path) {
-  const char *p = buf;
-  while (n > 0) {
-    size_t chunk = n > (1u << 30) ? (1u << 30) : n;
-    ssize_t w = write(fd, p, chunk);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(errno));
-    }
-    if (w == 0) return fy_error_set(FY_ERR_IO, "writing %s: no progress (disk full?)", path);
-    p += w;
-    n -= (size_t)w;
-  }
-  return FY_OK;
-}
 
-// fsync the directory holding `path`, so that a rename into it survives a crash.
-static fy_status st_sync_parent(const char *path) {
-  char *d = strdup(path);
-  if (!d) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  char *slash = strrchr(d, '/');
-  if (slash == d) slash[1] = 0;
-  else if (slash) *slash = 0;
-  else strcpy(d, ".");
-  int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  fy_status rc = FY_OK;
-  if (fd >= 0) {
-    // Some file systems cannot sync a directory (EINVAL); the data itself is already synced.
-    if (fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
-      rc = fy_error_set(FY_ERR_IO, "syncing directory %s: %s", d, strerror(errno));
-    close(fd);
-  }
-  free(d);
-  return rc;
-}
 
-struct st_piece {
-  const void *p;
-  size_t n;
-};
 
-// Writes the pieces to `path` atomically: "<path>.tmp.XXXXXX", fsync, rename, fsync the directory.
-// On failure the temporary file is removed and an existing `path` is untouched.
-static fy_status st_write_atomic(const char *path, const struct st_piece *pieces, int npieces) {
-  size_t len = strlen(path);
-  char *tmp = malloc(len + 12);
-  if (!tmp) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  memcpy(tmp, path, len);
-  memcpy(tmp + len, ".tmp.XXXXXX", 12);
-  int fd = mkostemp(tmp, O_CLOEXEC);
-  if (fd < 0) {
-    fy_status e = fy_error_set(FY_ERR_IO, "cannot create a temporary file next to %s: %s", path,
-                               strerror(errno));
-    free(tmp);
-    return e;
-  }
-  fy_status rc = FY_OK;
-  if (fchmod(fd, 0644) != 0) rc = fy_error_set(FY_ERR_IO, "chmod %s: %s", tmp, strerror(errno));
-  for (int i = 0; rc == FY_OK && i < npieces; i++) rc = st_write_all(fd, pieces[i].p, pieces[i].n, tmp);
-  if (rc == FY_OK && fsync(fd) != 0) rc = fy_error_set(FY_ERR_IO, "fsync %s: %s", tmp, strerror(errno));
-  if (close(fd) != 0 && rc == FY_OK) rc = fy_error_set(FY_ERR_IO, "closing %s: %s", tmp, strerror(errno));
-  if (rc == FY_OK && rename(tmp, path) != 0)
-    rc = fy_error_set(FY_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-  if (rc != FY_OK) {
-    unlink(tmp);
-    free(tmp);
-    return rc;
-  }
-  free(tmp);
-  return st_sync_parent(path);
-}
 
 static fy_status st_check_tensor(const struct fy_st_tensor *t, int i) {
   if (!t->name || !t->name[0])
@@ -620,7 +554,7 @@ fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tens
     return fy_error_set(FY_ERR_INVALID, "safetensors write: bad tensor list");
   fy_status rc = FY_OK;
   json_object *root = json_object_new_object();
-  struct st_piece *pieces = malloc(((size_t)n + 2) * sizeof *pieces);
+  struct fy_file_piece *pieces = malloc(((size_t)n + 2) * sizeof *pieces);
   uint64_t off = 0, *begin = malloc(((size_t)n + 1) * sizeof *begin);
   if (!root || !pieces || !begin) {
     rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
@@ -653,7 +587,7 @@ fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tens
       if (fy_dtype_size(t->dtype) != es) continue;
       begin[i] = off;
       off += t->nbytes;
-      if (t->nbytes) pieces[np++] = (struct st_piece){t->data, t->nbytes};
+      if (t->nbytes) pieces[np++] = (struct fy_file_piece){t->data, t->nbytes};
     }
   for (int i = 0; i < n; i++) {
     const struct fy_st_tensor *t = &tensors[i];
@@ -695,8 +629,8 @@ fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tens
   for (int i = 0; i < 8; i++) hdr[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
   memcpy(hdr + 8, js, jlen);
   memset(hdr + 8 + jlen, ' ', hlen - jlen);
-  pieces[0] = (struct st_piece){hdr, 8 + hlen};
-  rc = st_write_atomic(path, pieces, np);
+  pieces[0] = (struct fy_file_piece){hdr, 8 + hlen};
+  rc = fy_file_write_atomic(path, pieces, np);
   free(hdr);
 done:
   free(begin);
@@ -820,8 +754,8 @@ fy_status fy_safetensors_write_dir(const char *dir, const struct fy_st_tensor *t
     rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
     goto done;
   }
-  struct st_piece pc[2] = {{js, jlen}, {"\n", 1}};
-  rc = st_write_atomic(ip, pc, 2);
+  struct fy_file_piece pc[2] = {{js, jlen}, {"\n", 1}};
+  rc = fy_file_write_atomic(ip, pc, 2);
   free(ip);
   if (rc == FY_OK) st_remove_stale(dir, nshards);
 done:

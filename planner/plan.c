@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/fileio.h"
 #include "core/graph.h"
 #include "memory/chunk.h"
 #include "planner/pattern.h"
@@ -129,15 +130,11 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(pr, "disk_bytes", num(c->disk_bytes));
   json_object_object_add(pr, "chunks", json_object_new_int(c->n_chunks));
   json_object_object_add(o, "predicted", pr);
-  char tmp[4200];
-  snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
-  int rc = json_object_to_file_ext(tmp, o, JSON_C_TO_STRING_PRETTY);
+  const char *text = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY);
+  struct fy_file_piece pieces[2] = {{text, strlen(text)}, {"\n", 1}};
+  fy_status st = fy_file_write_atomic(path, pieces, 2);
   json_object_put(o);
-  if (rc != 0 || rename(tmp, path) != 0) {
-    unlink(tmp);
-    return fy_error_set(FY_ERR_IO, "cannot write the plan %s: %s", path, strerror(errno));
-  }
-  return FY_OK;
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "writing the plan");
 }
 
 // Reads an integer field (required) within [lo, hi].

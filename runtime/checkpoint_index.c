@@ -8,23 +8,11 @@
 #include <unistd.h>
 
 #include "runtime/checkpoint.h"
+#include "core/fileio.h"
 
 // Writes text to path through a temporary file in the same directory: fsync, rename.
 fy_status fy_ckpt_write_text(const char *path, const char *text) {
-  char tmp[4200];
-  snprintf(tmp, sizeof tmp, "%s.tmp-%d", path, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) return fy_error_set(FY_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
-  size_t n = strlen(text);
-  bool ok = fwrite(text, 1, n, f) == n && fflush(f) == 0 && fsync(fileno(f)) == 0;
-  int err = errno;
-  ok = (fclose(f) == 0) && ok;
-  if (!ok || rename(tmp, path) != 0) {
-    if (ok) err = errno;
-    unlink(tmp);
-    return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(err ? err : EIO));
-  }
-  return FY_OK;
+  return fy_file_write_atomic(path, &(struct fy_file_piece){text, strlen(text)}, 1);
 }
 
 fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta) {

@@ -11,8 +11,10 @@
 // (2 (size-1)/size of the buffer). Long chunks go in segments so that the scratch stays below
 // FY_COMM_SCRATCH_MAX and MPI's int counts never overflow.
 //
-// Waiting: every MPI transfer is non-blocking; the wait polls MPI_Testall, spinning for the first
-// FY_COMM_SPIN_S of a wait (as MPI's own blocking calls do) and then sleeping 100 us between polls,
+// Waiting: every MPI transfer is non-blocking; the wait polls MPI_Testall, spinning (as MPI's own
+// blocking calls do) for as long as the transfer should take (2 ms plus its bytes at 1 GB/s: a
+// sleeping rank progresses its transfers late, and a late wake-up on a busy machine costs more than
+// the transfer), and after that, when the peers are late, sleeping 100 us between polls,
 // until the collective's timeout: then the message, MPI_Abort(MPI_COMM_WORLD, 3), the job ends.
 // (This poll is the communicator's own wait on the network, as MPI_Wait's; it orders nothing in
 // ferry: stream order and events do that, as DESIGN.md asks.)
@@ -37,7 +39,8 @@
 #include "fy_config.h"
 
 #define FY_COMM_SCRATCH_MAX ((size_t)64 << 20)  // bytes of received contributions per segment
-#define FY_COMM_SPIN_S 0.002                    // spin this long in a wait before sleeping
+#define FY_COMM_SPIN_S 0.002                    // spin this long in a wait before sleeping,
+#define FY_COMM_SPIN_BPS 1e9                    // plus the time its bytes take at 1 GB/s;
 #define FY_COMM_POLL_NS 100000                  // then poll every 100 us
 
 // ---------------------------------------------------------------------------------------------
@@ -344,10 +347,11 @@ static void mpi_timeout(struct fy_comm *c, const struct fy_comm_call *call) {
   _exit(3);  // not reached: MPI_Abort does not return
 }
 
+// Waits for n requests that move `bytes` (sent plus received by this rank); t0: the collective's start.
 static fy_status mpi_wait(struct fy_comm *c, const struct fy_comm_call *call, MPI_Request *reqs, int n,
-                          double t0) {
+                          size_t bytes, double t0) {
   if (n == 0) return FY_OK;
-  double spin_until = now_s() + FY_COMM_SPIN_S;
+  double spin_until = now_s() + FY_COMM_SPIN_S + (double)bytes / FY_COMM_SPIN_BPS;
   for (;;) {
     int done = 0;
     mpi_lock();
@@ -431,20 +435,23 @@ static fy_status mpi_reduce_phase(struct fy_comm *c, const struct fy_comm_call *
   for (size_t o = 0; o < maxlen; o += seg) {
     size_t mine = o < m->len[r] ? min_sz(seg, m->len[r] - o) : 0;
     int nreq = 0, rc = MPI_SUCCESS;
+    size_t moved = 0;
     mpi_lock();
     for (int p = 0; p < N && rc == MPI_SUCCESS; p++) {
       if (p == r || !mine) continue;
+      moved += mine * es;
       int slot = p < r ? p : p - 1;
       rc = MPI_Irecv(m->scratch + (size_t)slot * stride * es, (int)mine, type, p, tag, m->comm, &m->reqs[nreq++]);
     }
     for (int p = 0; p < N && rc == MPI_SUCCESS; p++) {
       size_t np = o < m->len[p] ? min_sz(seg, m->len[p] - o) : 0;
       if (p == r || !np) continue;
+      moved += np * es;
       rc = MPI_Isend(src + (m->off[p] + o) * es, (int)np, type, p, tag, m->comm, &m->reqs[nreq++]);
     }
     mpi_unlock();
     if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Isend/MPI_Irecv");
-    FY_TRY(mpi_wait(c, call, m->reqs, nreq, t0));
+    FY_TRY(mpi_wait(c, call, m->reqs, nreq, moved, t0));
     if (!mine) continue;
     for (int q = 0; q < N; q++) {
       int slot = q < r ? q : q - 1;
@@ -474,19 +481,22 @@ static fy_status mpi_gather_phase(struct fy_comm *c, const struct fy_comm_call *
   for (size_t o = 0; o < maxlen; o += seg) {
     size_t mine = o < m->len[r] ? min_sz(seg, m->len[r] - o) : 0;
     int nreq = 0, rc = MPI_SUCCESS;
+    size_t moved = 0;
     mpi_lock();
     for (int p = 0; p < N && rc == MPI_SUCCESS; p++) {
       size_t np = o < m->len[p] ? min_sz(seg, m->len[p] - o) : 0;
       if (p == r || !np) continue;
+      moved += np * es;
       rc = MPI_Irecv(dst + (m->off[p] + o) * es, (int)np, type, p, tag, m->comm, &m->reqs[nreq++]);
     }
     for (int p = 0; p < N && rc == MPI_SUCCESS; p++) {
       if (p == r || !mine) continue;
+      moved += mine * es;
       rc = MPI_Isend(mine_at + o * es, (int)mine, type, p, tag, m->comm, &m->reqs[nreq++]);
     }
     mpi_unlock();
     if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Isend/MPI_Irecv");
-    FY_TRY(mpi_wait(c, call, m->reqs, nreq, t0));
+    FY_TRY(mpi_wait(c, call, m->reqs, nreq, moved, t0));
   }
   return FY_OK;
 }
@@ -527,7 +537,7 @@ static fy_status mpi_run_locked(struct fy_comm *c, const struct fy_comm_call *ca
                             m->comm, &req);
         mpi_unlock();
         if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Ibcast");
-        FY_TRY(mpi_wait(c, call, &req, 1, t0));
+        FY_TRY(mpi_wait(c, call, &req, 1, min_sz(seg, call->count - o), t0));
       }
       return FY_OK;
     }
@@ -537,7 +547,7 @@ static fy_status mpi_run_locked(struct fy_comm *c, const struct fy_comm_call *ca
       int rc = MPI_Ibarrier(m->comm, &req);
       mpi_unlock();
       if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Ibarrier");
-      return mpi_wait(c, call, &req, 1, t0);
+      return mpi_wait(c, call, &req, 1, 0, t0);
     }
   }
   return fy_error_set(FY_ERR_INTERNAL, "unknown collective %d", (int)call->op);

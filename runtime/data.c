@@ -10,6 +10,8 @@
 // splitmix64 from seed ^ (epoch * 0xD1B54A32D192ED03).
 #include "runtime/data.h"
 
+#include "core/fileio.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -344,35 +346,6 @@ fy_status fy_shard_write(const char *path, const uint16_t *tokens, int64_t n) {
     return fy_error_set(FY_ERR_INVALID, "shard write: %lld tokens (a shard holds 0 to %d)",
                         (long long)n, INT32_MAX);
   int32_t header[FY_SHARD_HEADER_INTS] = {FY_SHARD_MAGIC, FY_SHARD_VERSION, (int32_t)n};
-  size_t len = strlen(path);
-  char *tmp = malloc(len + 12);
-  if (!tmp) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  memcpy(tmp, path, len);
-  memcpy(tmp + len, ".tmp.XXXXXX", 12);
-  int fd = mkostemp(tmp, O_CLOEXEC);
-  if (fd < 0) {
-    fy_status e = fy_error_set(FY_ERR_IO, "cannot create a temporary file next to %s: %s", path,
-                               strerror(errno));
-    free(tmp);
-    return e;
-  }
-  fy_status st = FY_OK;
-  if (fchmod(fd, 0644) != 0) st = fy_error_set(FY_ERR_IO, "chmod %s: %s", tmp, strerror(errno));
-  const char *parts[2] = {(const char *)header, (const char *)tokens};
-  size_t sizes[2] = {sizeof header, (size_t)n * 2};
-  for (int p = 0; p < 2 && st == FY_OK; p++) {
-    size_t done = 0;
-    while (st == FY_OK && done < sizes[p]) {
-      ssize_t w = write(fd, parts[p] + done, sizes[p] - done);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) st = fy_error_set(FY_ERR_IO, "writing %s: %s", tmp, w < 0 ? strerror(errno) : "no progress");
-      else done += (size_t)w;
-    }
-  }
-  if (close(fd) != 0 && st == FY_OK) st = fy_error_set(FY_ERR_IO, "closing %s: %s", tmp, strerror(errno));
-  if (st == FY_OK && rename(tmp, path) != 0)
-    st = fy_error_set(FY_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-  if (st != FY_OK) unlink(tmp);
-  free(tmp);
-  return st;
+  struct fy_file_piece pieces[2] = {{header, sizeof header}, {tokens, (size_t)n * 2}};
+  return fy_file_write_atomic(path, pieces, 2);
 }

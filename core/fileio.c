@@ -1,0 +1,78 @@
+// Atomic file writes: every file ferry writes for a user (configs, weights, shards, checkpoint
+// indexes, plans) goes through here, so that a crash or a full disk never leaves half a file
+// under the real name.
+#include "core/fileio.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path) {
+  const char *p = buf;
+  while (n > 0) {
+    size_t chunk = n > (1u << 30) ? (1u << 30) : n;
+    ssize_t w = write(fd, p, chunk);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(errno));
+    }
+    if (w == 0) return fy_error_set(FY_ERR_IO, "writing %s: no progress (disk full?)", path);
+    p += w;
+    n -= (size_t)w;
+  }
+  return FY_OK;
+}
+
+// fsync the directory holding `path`, so that a rename into it survives a crash.
+fy_status fy_file_sync_parent(const char *path) {
+  char *d = strdup(path);
+  if (!d) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  char *slash = strrchr(d, '/');
+  if (slash == d) slash[1] = 0;
+  else if (slash) *slash = 0;
+  else strcpy(d, ".");
+  int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  fy_status rc = FY_OK;
+  if (fd >= 0) {
+    // Some file systems cannot sync a directory (EINVAL); the data itself is already synced.
+    if (fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
+      rc = fy_error_set(FY_ERR_IO, "syncing directory %s: %s", d, strerror(errno));
+    close(fd);
+  }
+  free(d);
+  return rc;
+}
+
+// Writes the pieces to `path` atomically: "<path>.tmp.XXXXXX", fsync, rename, fsync the directory.
+// On failure the temporary file is removed and an existing `path` is untouched.
+fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pieces, int npieces) {
+  size_t len = strlen(path);
+  char *tmp = malloc(len + 12);
+  if (!tmp) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  memcpy(tmp, path, len);
+  memcpy(tmp + len, ".tmp.XXXXXX", 12);
+  int fd = mkostemp(tmp, O_CLOEXEC);
+  if (fd < 0) {
+    fy_status e = fy_error_set(FY_ERR_IO, "cannot create a temporary file next to %s: %s", path,
+                               strerror(errno));
+    free(tmp);
+    return e;
+  }
+  fy_status rc = FY_OK;
+  if (fchmod(fd, 0644) != 0) rc = fy_error_set(FY_ERR_IO, "chmod %s: %s", tmp, strerror(errno));
+  for (int i = 0; rc == FY_OK && i < npieces; i++) rc = fy_file_write_all(fd, pieces[i].data, pieces[i].n, tmp);
+  if (rc == FY_OK && fsync(fd) != 0) rc = fy_error_set(FY_ERR_IO, "fsync %s: %s", tmp, strerror(errno));
+  if (close(fd) != 0 && rc == FY_OK) rc = fy_error_set(FY_ERR_IO, "closing %s: %s", tmp, strerror(errno));
+  if (rc == FY_OK && rename(tmp, path) != 0)
+    rc = fy_error_set(FY_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
+  if (rc != FY_OK) {
+    unlink(tmp);
+    free(tmp);
+    return rc;
+  }
+  free(tmp);
+  return fy_file_sync_parent(path);
+}

@@ -1,0 +1,23 @@
+// Atomic file writes (core/fileio.c).
+#ifndef FY_FILEIO_H
+#define FY_FILEIO_H
+
+#include <stddef.h>
+
+#include "core/status.h"
+
+struct fy_file_piece {
+  const void *data;
+  size_t n;
+};
+
+// Writes the pieces, in order, to `path`: into "<path>.tmp.XXXXXX" next to it, fsync'd, renamed
+// over `path`, and the directory fsync'd. On failure (a full disk among them) the temporary file
+// is removed and an existing `path` is untouched; the error names the file and the cause.
+fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pieces, int npieces);
+// write(2) until all n bytes are out (EINTR retried; no progress is an error: a full disk).
+fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path);
+// fsync of the directory holding `path` (a rename's durability).
+fy_status fy_file_sync_parent(const char *path);
+
+#endif
