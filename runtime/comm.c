@@ -48,7 +48,7 @@
 
 size_t fy_comm_dtype_size(enum fy_reduce_dtype dt) { return dt == FY_COMM_BF16 ? 2 : 4; }
 
-const char *fy_comm_op_name(enum fy_comm_op op) {
+const char *fy_collective_name(enum fy_collective op) {
   switch (op) {
     case FY_COMM_OP_ALL_REDUCE: return "all-reduce";
     case FY_COMM_OP_REDUCE_SCATTER: return "reduce-scatter";
@@ -164,7 +164,7 @@ static fy_status comm_submit(struct fy_comm *c, struct fy_comm_call *call, fy_st
     return st;
   }
   struct comm_job *job = malloc(sizeof *job);
-  if (!job) return fy_error_set(FY_ERR_NOMEM, "%s: cannot allocate a stream job", fy_comm_op_name(call->op));
+  if (!job) return fy_error_set(FY_ERR_NOMEM, "%s: cannot allocate a stream job", fy_collective_name(call->op));
   job->c = c;
   job->call = *call;
   fy_status st = fy_stream_enqueue(s, comm_job_run, job);
@@ -337,7 +337,7 @@ static double now_s(void) {
 static void mpi_timeout(struct fy_comm *c, const struct fy_comm_call *call) {
   char sz[32], stp[48];
   fy_error_set(FY_ERR_IO, "%s of %s did not complete within %g s %s (a rank died or hangs)",
-               fy_comm_op_name(call->op), fy_comm_size_text(fy_comm_call_bytes(c, call), sz, sizeof sz),
+               fy_collective_name(call->op), fy_comm_size_text(fy_comm_call_bytes(c, call), sz, sizeof sz),
                c->timeout_s, fy_comm_step_text(call->step, stp, sizeof stp));
   fy_comm_fail(c, FY_ERR_IO);
   fprintf(stderr, "ferry: rank %d: %s; aborting the job\n", c->rank, fy_error_msg());
@@ -561,7 +561,7 @@ static fy_status mpi_run(struct fy_comm *c, const struct fy_comm_call *call, fy_
   pthread_mutex_unlock(&m->op_mu);
   if (st != FY_OK) {
     char sz[32], stp[48];
-    fy_error_wrap(st, "%s of %s %s", fy_comm_op_name(call->op),
+    fy_error_wrap(st, "%s of %s %s", fy_collective_name(call->op),
                   fy_comm_size_text(fy_comm_call_bytes(c, call), sz, sizeof sz),
                   fy_comm_step_text(call->step, stp, sizeof stp));
   }

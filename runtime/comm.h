@@ -99,12 +99,12 @@ void fy_comm_set_step(struct fy_comm *c, int64_t step);
 
 // ---- For backends (runtime/comm.c, runtime/comm_nccl.c) ----
 
-enum fy_comm_op { FY_COMM_OP_ALL_REDUCE, FY_COMM_OP_REDUCE_SCATTER, FY_COMM_OP_ALL_GATHER,
+enum fy_collective { FY_COMM_OP_ALL_REDUCE, FY_COMM_OP_REDUCE_SCATTER, FY_COMM_OP_ALL_GATHER,
                   FY_COMM_OP_BROADCAST, FY_COMM_OP_BARRIER };
 
 // One collective, as the front end hands it to a backend (already checked).
 struct fy_comm_call {
-  enum fy_comm_op op;
+  enum fy_collective op;
   const void *send;   // reduce-scatter, all-gather
   void *buf;          // all-reduce and broadcast: the buffer; reduce-scatter, all-gather: recv
   size_t count;       // elements: all-reduce count, reduce-scatter recv_count, all-gather send_count;
@@ -147,7 +147,7 @@ void fy_comm_init_base(struct fy_comm *c, enum fy_comm_kind kind, const struct f
 fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out);
 
 size_t fy_comm_dtype_size(enum fy_reduce_dtype dt);
-const char *fy_comm_op_name(enum fy_comm_op op);  // "all-reduce", ...
+const char *fy_collective_name(enum fy_collective op);  // "all-reduce", ...
 // Total bytes a call moves as nccl-tests size it (the larger buffer: size*count for reduce-scatter
 // and all-gather).
 size_t fy_comm_call_bytes(const struct fy_comm *c, const struct fy_comm_call *call);

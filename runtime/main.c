@@ -337,6 +337,11 @@ static void usage_train(FILE *f, bool eval) {
           "  --log FILE         one JSON line per step\n"
           "  --quiet            no step lines\n"
           "  --profile          at the end, where a step's time went (per op kind and phase)\n"
+          "\nseveral ranks (mpirun -np N ferry train ... or srun):\n"
+          "  --comm K           auto (default: mpi under mpirun/srun), single or mpi\n"
+          "  --comm-timeout S   seconds a collective may take before the job is aborted (default 300)\n"
+          "  Each rank takes its own --batch sequences of every global batch; gradients are summed\n"
+          "  across ranks; rank 0 prints, logs and saves.\n"
           "\nSIGINT or SIGTERM ends the run after the current step, with a checkpoint when\n"
           "--save-every is on; a second one ends it at once (checkpoints are written atomically).\n"
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
@@ -395,7 +400,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -420,6 +425,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"keep", required_argument, 0, OPT_KEEP}, {"resume", required_argument, 0, OPT_RESUME},
       {"stop-after", required_argument, 0, OPT_STOP_AFTER}, {"plan", required_argument, 0, OPT_PLAN},
       {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
+      {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -489,6 +495,13 @@ static int cmd_train(int argc, char **argv, bool eval) {
         float f;
         if (strcmp(optarg, "dynamic") == 0) o.loss_scale = 65536;
         else if ((ok = parse_f32("--loss-scale", optarg, 1, &f))) o.loss_scale = f;
+        break;
+      }
+      case OPT_COMM: o.comm = optarg; break;
+      case OPT_COMM_TIMEOUT: {
+        float f;
+        ok = parse_f32("--comm-timeout", optarg, 0.001f, &f);
+        o.comm_timeout = f;
         break;
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;

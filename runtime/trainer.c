@@ -22,6 +22,7 @@
 #include "runtime/model.h"
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
+#include "runtime/comm.h"
 #include "planner/plan.h"
 #include "planner/probe.h"
 #include "memory/tier.h"
@@ -33,7 +34,7 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
       .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 128,
       .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
       .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0, .device = "cpu",
-      .disk_chunks = -1, .prefetch = 2, .keep = 2,
+      .disk_chunks = -1, .prefetch = 2, .keep = 2, .comm = "auto", .comm_timeout = 300,
       .eval_batches = 8};
 }
 
@@ -89,6 +90,8 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
 
 // Everything one run holds; torn down in reverse.
 struct run {
+  struct fy_comm *comm;  // the ranks (single when launched alone)
+  int rank, world;
   struct fy_opt_config cfg;
   struct fy_device *dev;
   struct fy_host_tier *host;
@@ -160,6 +163,10 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
 
 static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle) {
   memset(r, 0, sizeof *r);
+  FY_TRY(fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, &r->comm));
+  r->rank = fy_comm_rank(r->comm);
+  r->world = fy_comm_size(r->comm);
+  if (r->world > 1) fy_log_set_rank(r->rank);
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
@@ -169,6 +176,10 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
                         (long long)o->seq, (long long)r->cfg.max_position_embeddings);
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
+  if (r->world > 1 && strcmp(device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
+                        "(replicated parameters); chunk-sharded offloading across ranks is not there yet",
+                        r->world, device);
   if (strcmp(device, "sim") == 0) {
     FY_TRY(setup_offload(o, r));
   } else if (strcmp(device, "cpu") == 0) {
@@ -188,7 +199,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     st = fy_model_load(r->model, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
-  st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, 0, 1, &r->data);
+  st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->rank, r->world, &r->data);
   if (st != FY_OK) {
     if (strstr(o->data, "/data/demo"))
       return fy_error_wrap(st, "the demo data is made by ./run.sh (python3 tools/tokenize.py "
@@ -199,6 +210,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 }
 
 static void teardown(struct run *r) {
+  fy_comm_free(r->comm);
   fy_data_close(r->data);
   fy_offload_free(r->x);
   fy_model_free(r->model);
@@ -244,11 +256,14 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     struct fy_loss loss;
     FY_TRY(fy_data_next(r->data, &batch));
     FY_TRY(fy_engine_forward(model, batch, &loss));
-    if (loss.count == 0) continue;  // every target ignored: nothing to learn from this one
-    double mean = loss.sum / (double)loss.count;
+    // The loss is the mean over the global micro-batch: every rank's tokens count.
+    float tally[2] = {(float)loss.count, (float)loss.sum};
+    if (r->world > 1) FY_TRY(fy_comm_all_reduce(r->comm, tally, 2, FY_COMM_F32, NULL));
+    if (tally[0] == 0) continue;  // every target ignored: nothing to learn from this one
+    double count = tally[0], mean = (r->world > 1 ? tally[1] : loss.sum) / count;
     if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
     loss_acc += mean / (double)o->grad_accum;
-    FY_TRY(fy_engine_backward(model, batch, (float)(scale / ((double)loss.count * o->grad_accum))));
+    FY_TRY(fy_engine_backward(model, batch, (float)(scale / (count * o->grad_accum))));
     // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
     // the same order and with the same adds on every placement.
     if (o->grad_accum > 1) {
@@ -268,6 +283,9 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     model->grads = model->grad_acc;
     model->grad_acc = t;
   }
+  // Data parallelism: the gradients summed across ranks (in rank order, the same bits on every
+  // rank), so every rank applies the same update to its replica.
+  if (r->world > 1) FY_TRY(fy_comm_all_reduce(r->comm, model->grads, (size_t)model->graph->n_param_elems, FY_COMM_F32, NULL));
   double t0 = now_s();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);
@@ -472,7 +490,16 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   double scale = 1.0;
   fy_status st = setup(o, &r, o->shuffle);
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
-  if (st == FY_OK && o->save && o->save_every > 0) st = fy_ckpt_writer_create(o->save, o->keep, r.model, &ckpt);
+  if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0) st = fy_ckpt_writer_create(o->save, o->keep, r.model, &ckpt);
+  bool lead = r.rank == 0;  // one rank speaks, logs and writes for all (replicas are identical)
+  if (!lead) {
+    eff.quiet = true;
+    eff.log_path = NULL;
+    eff.save = NULL;
+    eff.save_every = 0;
+  }
+  res->rank = r.rank;
+  res->world = r.world;
   if (st == FY_OK && o->log_path && !(log = fopen(o->log_path, "w")))
     st = fy_error_set(FY_ERR_IO, "cannot open the log %s for writing", o->log_path);
   if (st == FY_OK && (!(step_times = calloc((size_t)o->steps + 1, sizeof *step_times)) ||
@@ -481,8 +508,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (st != FY_OK) goto done;
 
   struct fy_model *model = r.model;
-  const int64_t tokens_per_step = o->batch * o->seq * o->grad_accum;
-  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq) * (double)o->grad_accum;
+  const int64_t tokens_per_step = o->batch * o->seq * o->grad_accum * r.world;
+  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq) * (double)o->grad_accum * r.world;
   res->model_state_bytes = (double)model->state_bytes;
   res->activation_bytes = (double)model->act_bytes;
   if (r.x) {
@@ -496,9 +523,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   bool tty = isatty(STDOUT_FILENO);
   if (!o->quiet) {
-    printf("ferry: %s, %.2fM parameters, %d threads | batch %lld x %lld x %lld accum = %lld tokens/step | "
+    printf("ferry: %s, %.2fM parameters, %d threads x %d ranks | batch %lld x %lld x %lld accum = %lld tokens/step | "
            "%lld tokens in %s\n",
-           r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, omp_get_max_threads(), (long long)o->batch,
+           r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, omp_get_max_threads(), r.world, (long long)o->batch,
            (long long)o->seq, (long long)o->grad_accum, (long long)tokens_per_step,
            (long long)fy_data_num_tokens(r.data), o->data);
     if (r.x)

@@ -51,6 +51,11 @@ struct fy_train_opts {
   // scale of dynamic scaling (a power of two): an overflowing step is skipped and the scale
   // halved, 2000 good steps double it, overflow at the minimum scale (1) stops training.
   double loss_scale;
+  // Ranks (runtime/comm.h): under mpirun or srun every rank trains on its own part of each
+  // global batch (batch x grad_accum x ranks sequences) and the gradients are summed across ranks
+  // before the norm, so N ranks with --batch B follow one rank with --batch N*B.
+  const char *comm;       // "auto" (default), "single" or "mpi"
+  double comm_timeout;    // seconds a collective may take before the job is aborted (default 300)
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
                           //   recomputation and disk placement on the sim device
@@ -83,6 +88,7 @@ struct fy_train_result {
   double chunk_bytes;
   uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical
   bool interrupted;              // ended early by opts.stop
+  int rank, world;               // this process among the ranks
   int64_t skipped_steps;         // steps skipped for gradient overflow (dynamic loss scaling)
   double final_loss_scale;
   double op_seconds[FY_OP_KIND_COUNT][2];  // with opts.profile: seconds per step per op kind
