@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# bench/scaling.sh: data-parallel scaling of ferry train on the cpu device with the mpi backend.
+# Weak scaling: every rank keeps the same per-rank batch (the global batch grows with the ranks).
+# Strong scaling: the global batch stays (the per-rank batch shrinks). The machine's cores are
+# split evenly between the ranks (OMP threads = cores / ranks), so that 1 and N ranks use the same
+# hardware: ideal weak scaling then takes N times as long for N times the work (efficiency =
+# N x one-rank time / N-rank time, 1 is ideal) and ideal strong scaling takes as long (speedup 1).
+# On a cluster, give each rank its own cores or GPU and read the same numbers against N.
+# usage: bench/scaling.sh [build dir=build] [ranks=2] [model=opt-demo] [batch=16] [seq=128] [steps=8]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${1:-build}" n="${2:-2}" model="${3:-opt-demo}" batch="${4:-16}" seq="${5:-128}" steps="${6:-8}"
+command -v mpirun >/dev/null || { echo "scaling: mpirun is not installed" >&2; exit 1; }
+cores=$(nproc)
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+python3 - "$tmp/data.bin" <<'PY'
+import random, struct, sys
+random.seed(1)
+n = 400000
+t = [random.randrange(256) for _ in range(n)]
+open(sys.argv[1], "wb").write(struct.pack("<256i", 20240520, 1, n, *([0] * 253)) + struct.pack("<%dH" % n, *t))
+PY
+mpi=(mpirun --allow-run-as-root --oversubscribe -np "$n")
+run() {  # label ranks per-rank-batch threads
+  local log="$tmp/$1.json"
+  if [ "$2" -eq 1 ]; then
+    "$build/ferry" train --model "$model" --data "$tmp/data.bin" --batch "$3" --seq "$seq" --steps "$steps" \
+      --threads "$4" --quiet --log "$log"
+  else
+    "${mpi[@]}" "$build/ferry" train --model "$model" --data "$tmp/data.bin" --batch "$3" --seq "$seq" \
+      --steps "$steps" --threads "$4" --quiet --log "$log"
+  fi
+  python3 - "$log" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][1:]  # the first step builds the GEMM primitives
+print(statistics.median(r["step_s"] for r in rows))
+PY
+}
+one=$(run one 1 "$batch" "$cores")
+weak=$(run weak "$n" "$batch" $((cores / n > 0 ? cores / n : 1)))
+strong=$(run strong "$n" $((batch / n)) $((cores / n > 0 ? cores / n : 1)))
+python3 - "$one" "$weak" "$strong" "$n" "$model" "$batch" "$seq" <<'PY'
+import json, sys
+one, weak, strong = map(float, sys.argv[1:4])
+n = int(sys.argv[4])
+print(json.dumps({"bench": "scaling", "model": sys.argv[5], "ranks": n, "batch_per_rank": int(sys.argv[6]),
+                  "seq": int(sys.argv[7]), "one_rank_step_s": round(one, 4), "weak_step_s": round(weak, 4),
+                  "weak_efficiency": round(n * one / weak, 3), "strong_step_s": round(strong, 4),
+                  "strong_speedup": round(one / strong, 3)}))
+PY
