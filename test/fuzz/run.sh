@@ -37,7 +37,7 @@ fi
 printf '#define FY_HAVE_CUDA 0\n#define FY_SOURCE_DIR "%s"\n' "$PWD" >"$work/fy_config.h"
 cflags=(-g -O1 -std=gnu11 -D_GNU_SOURCE -I. -I"$work" $(pkg-config --cflags json-c)
         -fno-sanitize-recover=all -fno-omit-frame-pointer -Wno-unused-parameter)
-libs=(core/status.c core/log.c core/dtype.c core/safetensors.c core/opt_config.c core/opt.c
+libs=(core/status.c core/log.c core/dtype.c core/fileio.c core/safetensors.c core/opt_config.c core/opt.c
       core/graph.c runtime/data.c runtime/checkpoint_index.c)
 echo "== fuzz: building with $cc in $work"
 objs=()
