@@ -216,10 +216,26 @@ CHECKPOINT = {
 }
 
 
+# Plan files (fuzz_plan.c).
+PLAN_OK = {"model": "opt-125m", "micro_batch": 4, "grad_accum": 2, "seq": 128, "chunk_elems": 38608896,
+           "blocks": 3, "prefetch": 2, "recompute": True, "disk_chunks": 0, "pattern": "replicate", "dp": 1, "tp": 1,
+           "machine": {"device": "sim"}, "predicted": {"step_s": 1.0}}
+PLAN = {
+    "valid.json": js(PLAN_OK, indent=2),
+    "unknown_key.json": js({**PLAN_OK, "colour": "blue"}),
+    "string_batch.json": js({**PLAN_OK, "micro_batch": "four"}),
+    "zero_batch.json": js({**PLAN_OK, "micro_batch": 0}),
+    "huge_chunk.json": js({**PLAN_OK, "chunk_elems": 2**62}),
+    "bad_recompute.json": js({**PLAN_OK, "recompute": 1}),
+    "truncated.json": js(PLAN_OK)[:40],
+    "not_object.json": b'2, "seq": 128, "chunk_elems": 38608896',  # a bare number: crashed the reader once
+}
+
+
 def main():
     root = os.path.join(HERE, "corpus")
     for name, seeds in (("safetensors", SAFETENSORS), ("config", CONFIG), ("shard", SHARD),
-                        ("checkpoint", CHECKPOINT)):
+                        ("checkpoint", CHECKPOINT), ("plan", PLAN)):
         d = os.path.join(root, name)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)

@@ -4,14 +4,14 @@
 # a crash, leak, timeout or out-of-memory (the reproducer's path is printed), 77 when clang or
 # libFuzzer is missing, else 0. The committed corpus is never modified.
 #
-# usage: test/fuzz/run.sh [SECONDS] [TARGET...]     (targets: safetensors config shard checkpoint)
+# usage: test/fuzz/run.sh [SECONDS] [TARGET...]     (targets: safetensors config shard checkpoint plan)
 #   FY_FUZZ_DIR=DIR keeps the build, the grown corpora and the logs in DIR.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 secs="${1:-10}"
 [ $# -gt 0 ] && shift
-targets="${*:-safetensors config shard checkpoint}"
+targets="${*:-safetensors config shard checkpoint plan}"
 case "$secs" in ''|*[!0-9]*) echo "usage: test/fuzz/run.sh [SECONDS] [TARGET...]" >&2; exit 2 ;; esac
 
 cc=""
@@ -38,7 +38,7 @@ printf '#define FY_HAVE_CUDA 0\n#define FY_SOURCE_DIR "%s"\n' "$PWD" >"$work/fy_
 cflags=(-g -O1 -std=gnu11 -D_GNU_SOURCE -I. -I"$work" $(pkg-config --cflags json-c)
         -fno-sanitize-recover=all -fno-omit-frame-pointer -Wno-unused-parameter)
 libs=(core/status.c core/log.c core/dtype.c core/fileio.c core/safetensors.c core/opt_config.c core/opt.c
-      core/graph.c runtime/data.c runtime/checkpoint_index.c)
+      core/graph.c runtime/data.c runtime/checkpoint_index.c planner/plan_file.c)
 echo "== fuzz: building with $cc in $work"
 objs=()
 for src in "${libs[@]}"; do

@@ -1,0 +1,122 @@
+// Plan files (planner/plan.h): JSON a person can read and edit, read back strictly. Apart from
+// the search so that the reader builds alone for the fuzzer (test/fuzz/fuzz_plan.c).
+#include <errno.h>
+#include <json-c/json.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/fileio.h"
+#include "planner/plan.h"
+
+
+static json_object *num(double v) { return json_object_new_double(v); }
+
+fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
+  json_object *o = json_object_new_object();
+  const struct fy_plan_knobs *k = &p->k;
+  json_object_object_add(o, "model", json_object_new_string(p->model));
+  json_object_object_add(o, "micro_batch", json_object_new_int64(k->micro_batch));
+  json_object_object_add(o, "grad_accum", json_object_new_int64(k->grad_accum));
+  json_object_object_add(o, "seq", json_object_new_int64(k->seq));
+  json_object_object_add(o, "chunk_elems", json_object_new_int64(k->chunk_elems));
+  json_object_object_add(o, "blocks", json_object_new_int(k->blocks));
+  json_object_object_add(o, "prefetch", json_object_new_int(k->prefetch));
+  json_object_object_add(o, "recompute", json_object_new_boolean(k->recompute));
+  json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
+  json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
+  json_object_object_add(o, "dp", json_object_new_int(p->dp));
+  json_object_object_add(o, "tp", json_object_new_int(p->tp));
+  json_object *m = json_object_new_object();
+  json_object_object_add(m, "device", json_object_new_string(p->machine.device));
+  json_object_object_add(m, "device_mem", num(p->machine.device_mem));
+  json_object_object_add(m, "host_mem", num(p->machine.host_mem));
+  json_object_object_add(m, "device_gflops", num(p->machine.device_gflops));
+  json_object_object_add(m, "h2d_gbps", num(p->machine.h2d_gbps));
+  json_object_object_add(m, "d2h_gbps", num(p->machine.d2h_gbps));
+  json_object_object_add(o, "machine", m);
+  const struct fy_cost *c = &p->predicted;
+  json_object *pr = json_object_new_object();
+  json_object_object_add(pr, "step_s", num(c->step_s));
+  json_object_object_add(pr, "tokens_per_s", num(c->tokens_per_s));
+  json_object_object_add(pr, "mfu", num(c->mfu));
+  json_object_object_add(pr, "bottleneck", json_object_new_string(c->bottleneck));
+  json_object_object_add(pr, "device_peak_bytes", num(c->device_peak));
+  json_object_object_add(pr, "host_bytes", num(c->host_bytes));
+  json_object_object_add(pr, "disk_bytes", num(c->disk_bytes));
+  json_object_object_add(pr, "chunks", json_object_new_int(c->n_chunks));
+  json_object_object_add(o, "predicted", pr);
+  const char *text = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY);
+  struct fy_file_piece pieces[2] = {{text, strlen(text)}, {"\n", 1}};
+  fy_status st = fy_file_write_atomic(path, pieces, 2);
+  json_object_put(o);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "writing the plan");
+}
+
+// Reads an integer field (required) within [lo, hi].
+static fy_status get_int(json_object *o, const char *path, const char *key, int64_t lo, int64_t hi, int64_t *out) {
+  json_object *v;
+  if (!json_object_object_get_ex(o, key, &v))
+    return fy_error_set(FY_ERR_FORMAT, "plan %s: \"%s\" is missing", path, key);
+  if (!json_object_is_type(v, json_type_int))
+    return fy_error_set(FY_ERR_FORMAT, "plan %s: \"%s\" must be a whole number", path, key);
+  int64_t x = json_object_get_int64(v);
+  if (x < lo || x > hi)
+    return fy_error_set(FY_ERR_FORMAT, "plan %s: \"%s\" is %lld, outside [%lld, %lld]", path, key, (long long)x,
+                        (long long)lo, (long long)hi);
+  *out = x;
+  return FY_OK;
+}
+
+fy_status fy_plan_read(const char *path, struct fy_plan *p) {
+  json_object *o = json_object_from_file(path);
+  if (!o) {
+    if (access(path, R_OK) != 0) return fy_error_set(FY_ERR_NOT_FOUND, "plan %s: %s", path, strerror(errno));
+    return fy_error_set(FY_ERR_FORMAT, "plan %s: not valid JSON", path);
+  }
+  fy_status st = FY_OK;
+  memset(p, 0, sizeof *p);
+  static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
+                                      "recompute", "disk_chunks", "pattern", "dp", "tp", "machine", "predicted"};
+  if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
+    json_object_put(o);
+    return fy_error_set(FY_ERR_FORMAT, "plan %s: not a JSON object", path);
+  }
+  json_object_object_foreach(o, key, val) {
+    (void)val;
+    bool ok = false;
+    for (size_t i = 0; i < sizeof known / sizeof *known; i++) ok |= strcmp(key, known[i]) == 0;
+    if (!ok && st == FY_OK) st = fy_error_set(FY_ERR_FORMAT, "plan %s: unknown key \"%s\"", path, key);
+  }
+  int64_t v = 0;
+  struct fy_plan_knobs *k = &p->k;
+  if (st == FY_OK) st = get_int(o, path, "micro_batch", 1, 1 << 20, &k->micro_batch);
+  if (st == FY_OK) st = get_int(o, path, "grad_accum", 1, 1 << 20, &k->grad_accum);
+  if (st == FY_OK) st = get_int(o, path, "seq", 1, 1 << 20, &k->seq);
+  if (st == FY_OK) st = get_int(o, path, "chunk_elems", 0, INT64_C(1) << 40, &k->chunk_elems);
+  if (st == FY_OK && (st = get_int(o, path, "blocks", 0, 1 << 20, &v)) == FY_OK) k->blocks = (int)v;
+  if (st == FY_OK && (st = get_int(o, path, "prefetch", 0, 1 << 10, &v)) == FY_OK) k->prefetch = (int)v;
+  if (st == FY_OK && (st = get_int(o, path, "disk_chunks", -1, 1 << 24, &v)) == FY_OK) k->disk_chunks = (int)v;
+  if (st == FY_OK && (st = get_int(o, path, "dp", 1, 1 << 16, &v)) == FY_OK) p->dp = (int)v;
+  if (st == FY_OK && (st = get_int(o, path, "tp", 1, 1 << 16, &v)) == FY_OK) p->tp = (int)v;
+  json_object *x;
+  if (st == FY_OK) {
+    if (!json_object_object_get_ex(o, "recompute", &x) || !json_object_is_type(x, json_type_boolean))
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"recompute\" must be true or false", path);
+    else
+      k->recompute = json_object_get_boolean(x);
+  }
+  const char *strs[] = {"model", "pattern"};
+  char *dst[] = {p->model, p->pattern};
+  size_t cap[] = {sizeof p->model, sizeof p->pattern};
+  for (int i = 0; st == FY_OK && i < 2; i++) {
+    if (!json_object_object_get_ex(o, strs[i], &x) || !json_object_is_type(x, json_type_string))
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"%s\" must be a string", path, strs[i]);
+    else if (strlen(json_object_get_string(x)) >= cap[i])
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"%s\" is too long", path, strs[i]);
+    else
+      snprintf(dst[i], cap[i], "%s", json_object_get_string(x));
+  }
+  json_object_put(o);
+  return st;
+}
+
