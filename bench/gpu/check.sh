@@ -1,0 +1,307 @@
+#!/usr/bin/env bash
+# bench/gpu/check.sh: on a fresh GPU machine that has nvcc, PyTorch and transformers but none of
+# ferry's Debian packages (and where nothing can be installed), builds ferry with CUDA, runs the op
+# tests and the training reference tests on the GPU, and benchmarks, inside a time budget (8
+# minutes), printing a short table last.
+#
+# The Debian packages come along as .deb files (bench/gpu/fetch_debs.sh downloads them beforehand
+# on a machine with network) and are unpacked with `dpkg -x` into a prefix; their pkg-config files
+# are pointed at the prefix, and PKG_CONFIG_PATH, CPATH, LIBRARY_PATH and LD_LIBRARY_PATH lead
+# meson, the compilers and the programs there. Each step runs under `timeout` with what is left of
+# the budget, so a hung step costs its share and the table still prints.
+#
+# usage: bench/gpu/check.sh [--dry-run] [--build-only] [--no-bench] [--debs DIR] [--prefix DIR]
+#                           [--build DIR] [--budget SECONDS] [--jobs N] [--logs DIR]
+#   --dry-run     resolve the arguments, nvcc, meson and the .deb files, print the plan, run nothing
+#   --build-only  unpack and build, no tests and no benchmarks (for a machine without a GPU)
+# Exit status: 0 when every step that ran passed (skips allowed), 1 otherwise, 2 for bad usage.
+set -uo pipefail
+
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root" || exit 2
+
+dry=0 build_only=0 bench=1 budget=480
+debs="bench/gpu/debs" prefix="${TMPDIR:-/tmp}/ferry-prefix" build="build-gpu" logs=""
+jobs="$(nproc 2>/dev/null || echo 4)"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --build-only) build_only=1 ;;
+    --no-bench) bench=0 ;;
+    --debs|--prefix|--build|--budget|--jobs|--logs)
+      [ $# -ge 2 ] || { echo "check.sh: $1 needs a value" >&2; exit 2; }
+      case "$1" in
+        --debs) debs="$2" ;;
+        --prefix) prefix="$2" ;;
+        --build) build="$2" ;;
+        --budget) budget="$2" ;;
+        --jobs) jobs="$2" ;;
+        --logs) logs="$2" ;;
+      esac
+      shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "check.sh: unknown option $1 (--help lists them)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$budget" in ''|*[!0-9]*) echo "check.sh: --budget takes whole seconds" >&2; exit 2 ;; esac
+case "$jobs" in ''|*[!0-9]*) echo "check.sh: --jobs takes a number" >&2; exit 2 ;; esac
+case "$prefix" in /*) ;; *) prefix="$root/$prefix" ;; esac
+[ -n "$logs" ] || logs="$build-logs"
+case "$logs" in /*) ;; *) logs="$root/$logs" ;; esac
+
+t0=$SECONDS
+rows=()  # "step|result|seconds|detail", printed as the closing table
+failed=0
+row() { rows+=("$1|$2|$3|$4"); }
+left() { echo $((budget - (SECONDS - t0))); }
+say() { echo "== $*"; }
+
+# run_step NAME LIMIT DETAIL CMD...: runs CMD with stdout and stderr in $logs/NAME.log under
+# timeout min(LIMIT, time left - 15 s kept for the table); exit 77 is a skip, 124 a timeout.
+run_step() {
+  local name="$1" limit="$2" detail="$3"
+  shift 3
+  local log="$logs/${name// /_}.log"
+  local l; l=$(($(left) - 15))
+  [ "$limit" -gt "$l" ] && limit=$l
+  if [ "$dry" = 1 ]; then
+    echo "plan: [$name, at most ${limit}s] $*"
+    return 0
+  fi
+  if [ "$limit" -le 5 ]; then
+    row "$name" "skipped" 0 "no time left in the ${budget}s budget"
+    return 1
+  fi
+  say "$name (at most ${limit}s): $*"
+  local s=$SECONDS rc
+  if declare -F "$1" >/dev/null; then
+    # timeout runs programs, not shell functions: the function goes to a fresh bash with the
+    # variables it reads.
+    timeout --kill-after=5 "$limit" bash -c \
+      "$(declare -p meson_cmd build logs root); $(declare -f "$1"); \"\$@\"" _ "$@" >"$log" 2>&1
+  else
+    timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
+  fi
+  rc=$?
+  local d=$((SECONDS - s))
+  case $rc in
+    0) row "$name" "ok" "$d" "$detail" ;;
+    77) row "$name" "skipped" "$d" "$detail (exit 77)" ;;
+    124|137) row "$name" "TIMEOUT" "$d" "$detail (log: $log)"; failed=1 ;;
+    *) row "$name" "FAIL" "$d" "$detail (exit $rc, log: $log)"; failed=1 ;;
+  esac
+  if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then tail -n 25 "$log" | sed 's/^/   | /'; fi
+  return $rc
+}
+
+table() {
+  local gpu="(none seen)"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+  fi
+  echo
+  echo "ferry GPU check: $gpu; $((SECONDS - t0)) s of a ${budget} s budget"
+  printf '%-24s %-8s %7s  %s\n' "step" "result" "seconds" "detail"
+  local r
+  for r in "${rows[@]}"; do
+    IFS='|' read -r n res sec det <<<"$r"
+    printf '%-24s %-8s %7s  %s\n' "$n" "$res" "$sec" "$det"
+  done
+}
+
+# ---- 1. nvcc and the CUDA libraries ----
+
+find_nvcc() {
+  local c
+  for c in "${NVCC:-}" "$(command -v nvcc 2>/dev/null)" /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc \
+           /opt/cuda/bin/nvcc; do
+    [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+  done
+  return 1
+}
+if nvcc="$(find_nvcc)"; then
+  cuda_home="$(cd "$(dirname "$nvcc")/.." && pwd)"
+  nvcc_ver="$("$nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+  export PATH="$cuda_home/bin:$PATH" CUDA_PATH="$cuda_home" CUDA_HOME="$cuda_home"
+  cuda_libs="$cuda_home/lib64"
+  # cuBLASLt may live in a pip wheel (nvidia-cublas) next to PyTorch rather than in the toolkit.
+  if [ ! -e "$cuda_libs/libcublasLt.so" ]; then
+    w="$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)"
+    [ -n "$w" ] && [ -d "$w" ] && cuda_libs="$cuda_libs:$w"
+  fi
+  export LIBRARY_PATH="$cuda_libs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  row "nvcc" "ok" 0 "$nvcc (CUDA ${nvcc_ver:-?})"
+else
+  row "nvcc" "FAIL" 0 "not found: set NVCC or put nvcc on PATH"
+  failed=1
+  if [ "$dry" = 0 ]; then table; exit 1; fi
+fi
+
+# ---- 2. the Debian packages, unpacked into the prefix ----
+
+shopt -s nullglob
+deb_files=("$debs"/*.deb)
+shopt -u nullglob
+unpack_debs() {
+  mkdir -p "$prefix"
+  local d
+  for d in "${deb_files[@]}"; do
+    if command -v dpkg >/dev/null 2>&1; then
+      dpkg -x "$d" "$prefix" || return 1
+    else  # a .deb is an ar archive holding data.tar.*
+      local tmp; tmp="$(mktemp -d)"
+      (cd "$tmp" && ar x "$root/$d" 2>/dev/null || ar x "$d") || { rm -rf "$tmp"; return 1; }
+      tar -xf "$tmp"/data.tar.* -C "$prefix" || { rm -rf "$tmp"; return 1; }
+      rm -rf "$tmp"
+    fi
+  done
+  # pkg-config files name /usr: point them at the prefix.
+  find "$prefix" -name '*.pc' -path '*pkgconfig*' -print0 | xargs -0 -r sed -i \
+    -e "s|=/usr|=$prefix/usr|g" -e "s| -I/usr| -I$prefix/usr|g" -e "s| -L/usr| -L$prefix/usr|g" \
+    -e "s|,/usr/|,$prefix/usr/|g"
+  touch "$prefix/.ferry-unpacked"
+}
+use_prefix() {
+  local u="$prefix/usr" a="x86_64-linux-gnu" libdirs
+  export PKG_CONFIG_PATH="$u/lib/$a/pkgconfig:$u/share/pkgconfig:$u/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export CPATH="$u/include:$u/include/$a${CPATH:+:$CPATH}"
+  # Every folder of the prefix that holds a shared library (openmpi keeps its own).
+  libdirs="$(find "$prefix" -name '*.so*' \( -type f -o -type l \) -printf '%h\n' 2>/dev/null | sort -u | tr '\n' ':')"
+  export LIBRARY_PATH="$u/lib/$a:${libdirs}${LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$u/lib/$a:${libdirs%:}"
+  export PATH="$PATH:$u/bin"  # after the machine's own tools: its meson and ninja come first
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$u/lib/python3/dist-packages"
+  export OPAL_PREFIX="$u"  # openmpi, relocated: where its components and help files are
+}
+if [ ${#deb_files[@]} -eq 0 ]; then
+  row "debs" "skipped" 0 "no .deb in $debs: using the machine's packages (bench/gpu/fetch_debs.sh makes them)"
+elif [ "$dry" = 1 ]; then
+  echo "plan: unpack ${#deb_files[@]} packages from $debs into $prefix with dpkg -x; rewrite its .pc files"
+  use_prefix
+  row "debs" "planned" 0 "${#deb_files[@]} packages -> $prefix"
+else
+  s=$SECONDS
+  if [ -f "$prefix/.ferry-unpacked" ] && [ -z "$(find "$debs" -name '*.deb' -newer "$prefix/.ferry-unpacked" | head -n 1)" ]; then
+    use_prefix
+    row "debs" "ok" 0 "${#deb_files[@]} packages, already in $prefix"
+  elif unpack_debs; then
+    use_prefix
+    row "debs" "ok" $((SECONDS - s)) "${#deb_files[@]} packages -> $prefix"
+  else
+    row "debs" "FAIL" $((SECONDS - s)) "unpacking into $prefix failed"
+    failed=1
+    table
+    exit 1
+  fi
+fi
+
+# meson and ninja: the machine's (pip's) when it has them, else the unpacked Debian ones.
+meson_cmd=()
+if command -v meson >/dev/null 2>&1 && [ "$(command -v meson)" != "$prefix/usr/bin/meson" ]; then
+  meson_cmd=(meson)
+elif [ -f "$prefix/usr/bin/meson" ]; then
+  meson_cmd=(python3 "$prefix/usr/bin/meson")
+fi
+if [ ${#meson_cmd[@]} -eq 0 ] || ! command -v ninja >/dev/null 2>&1; then
+  row "meson" "FAIL" 0 "meson or ninja missing (neither on PATH nor in the debs)"
+  failed=1
+  if [ "$dry" = 0 ]; then table; exit 1; fi
+else
+  row "meson" "ok" 0 "$("${meson_cmd[@]}" --version 2>/dev/null || echo '?'), ninja $(ninja --version 2>/dev/null)"
+fi
+
+# ---- 3. build ----
+
+[ "$dry" = 1 ] || mkdir -p "$logs"
+setup_args=(setup "$build" -Dcuda=enabled -Dbuildtype=release)
+[ -f "$build/build.ninja" ] && setup_args+=(--reconfigure)
+run_step "configure" 120 "meson, CUDA on" "${meson_cmd[@]}" "${setup_args[@]}" &&
+  run_step "build" 300 "ninja -j$jobs" ninja -C "$build" -j "$jobs"
+built=$?
+if [ "$dry" = 0 ] && [ $built -ne 0 ]; then table; exit 1; fi
+if [ "$build_only" = 1 ]; then table; exit $failed; fi
+
+# ---- 4. tests on the GPU ----
+
+meson_test() {  # the named meson tests that this build defines
+  local want=() t
+  local have; have="$("${meson_cmd[@]}" test -C "$build" --list 2>/dev/null)"
+  for t in "$@"; do grep -qx "$t" <<<"$have" && want+=("$t"); done
+  [ ${#want[@]} -gt 0 ] || { echo "none of $* defined"; return 77; }
+  "${meson_cmd[@]}" test -C "$build" --print-errorlogs --num-processes 1 "${want[@]}"
+}
+export FY_SOURCE_DIR="$root" OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+if [ "$dry" = 1 ]; then
+  echo "plan: [op tests] meson test -C $build backend_ops ops device"
+  echo "plan: [reference tests] meson test -C $build reference train offload"
+else
+  run_step "op tests" 150 "CUDA kernels vs CPU kernels (test_backend_ops)" meson_test backend_ops
+  run_step "cpu op tests" 60 "test_ops, test_device" meson_test ops device
+  run_step "reference tests" 120 "against transformers fixtures" meson_test reference train offload
+fi
+
+# Training on the GPU against the CPU: once the CLI takes --device cuda for train, the losses of a
+# few steps of the tiny model must agree with the CPU's.
+gpu_train() {
+  local d="$logs/train"
+  mkdir -p "$d"
+  local common=(train --model opt-tiny --steps 8 --batch 2 --seq 64 --seed 1 --lr 1e-3 --warmup 0)
+  "$build/ferry" "${common[@]}" --device cpu --log "$d/cpu.jsonl" >"$d/cpu.out" 2>&1 || return 1
+  "$build/ferry" "${common[@]}" --device cuda --log "$d/cuda.jsonl" >"$d/cuda.out" 2>&1 || return 1
+  python3 - "$d/cpu.jsonl" "$d/cuda.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
+print("cpu ", " ".join(f"{x:.5f}" for x in a))
+print("cuda", " ".join(f"{x:.5f}" for x in b))
+ok = len(a) == len(b) > 0 and all(abs(x - y) <= 2e-2 * max(1.0, abs(x)) for x, y in zip(a, b))
+sys.exit(0 if ok else 1)
+PY
+}
+if [ "$dry" = 1 ]; then
+  echo "plan: [gpu training] ferry train --device cuda vs --device cpu, opt-tiny, 8 steps (when train takes cuda)"
+elif "$build/ferry" train --help 2>&1 | grep -q -- 'cuda'; then
+  run_step "gpu training" 90 "opt-tiny, 8 steps, cuda vs cpu losses" gpu_train
+else
+  row "gpu training" "skipped" 0 "ferry train has no --device cuda yet"
+fi
+
+# ---- 5. benchmarks ----
+
+bench_json=()
+bench_step() {  # NAME LIMIT CMD...: the step's last JSON line goes into the table's detail
+  local name="$1" limit="$2"
+  shift 2
+  if run_step "$name" "$limit" "" "$@" && [ "$dry" = 0 ]; then
+    local f="$logs/${name// /_}.log" j
+    j="$(grep '^{' "$f" | grep tokens_per_s | tail -n 1)"
+    [ -n "$j" ] || j="$(grep '^{' "$f" | tail -n 1)"
+    bench_json+=("$name|$j")
+  fi
+}
+if [ "$bench" = 1 ]; then
+  if [ -x "$build/bench/gpu_train" ]; then
+    bench_step "bench ferry gpu" 120 "$build/bench/gpu_train" --model opt-125m --batch 8 --seq 512 --steps 8
+  else
+    row "bench ferry gpu" "skipped" 0 "no bench/gpu_train in this build yet"
+  fi
+  if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+    bench_step "bench torch gpu" 120 python3 bench/peers/torch_opt.py --device cuda --batch 8 --seq 512 --steps 8 --warmup 3
+  else
+    row "bench torch gpu" "skipped" 0 "torch with CUDA not importable"
+  fi
+  bench_step "bench ferry cpu" 60 "$build/bench/cpu_train" --steps 4 --threads "$jobs"
+fi
+# Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
+for bj in "${bench_json[@]}"; do
+  name="${bj%%|*}" j="${bj#*|}"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median") if k in r))' "$j" 2>/dev/null)"
+  for i in "${!rows[@]}"; do
+    IFS='|' read -r n res sec det <<<"${rows[$i]}"
+    [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
+  done
+done
+
+table
+exit $failed

@@ -1,0 +1,270 @@
+// Matrix products through cuBLASLt, and nn.Linear on top of them.
+//
+// cuBLASLt is column-major; ferry's matrices are row-major. A row-major (R,C) matrix is the same
+// bytes as a column-major (C,R) one, so row-major c = op(a) @ op(b) is computed as column-major
+// c^T = op(b)^T @ op(a)^T: cuBLASLt's A is our b, its B is our a, its m/n/k are our N/M/K. Its
+// bias epilogue adds a vector along D's rows (length m = N), which is our bias over columns.
+//
+// Building a matmul descriptor, three layouts and running the algorithm heuristic costs far more
+// than a small product, so each distinct call shape (dtype, sizes, transposes, bias or not, and
+// the alignment of every pointer, which the heuristic relies on) gets them once and keeps them in a
+// small cache owned by the handle.
+#include <cublasLt.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops/cuda/common.cuh"
+
+#define MM_CACHE 64
+
+struct mm_key {
+  int dt, ta, tb, has_bias;
+  int64_t M, N, K;
+  int al_a, al_b, al_c, al_bias;
+};
+
+struct mm_entry {
+  bool used;
+  struct mm_key key;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+};
+
+struct fy_cuda_blas {
+  cublasLtHandle_t lt;
+  void *ws;
+  size_t ws_bytes;
+  struct mm_entry cache[MM_CACHE];
+  int next_victim;  // entries are replaced round-robin once the cache is full
+};
+
+static fy_status lt_fail(cublasStatus_t s, const char *what) {
+  return fy_error_set(FY_ERR_INTERNAL, "cuBLASLt: %s: %s", what, cublasLtGetStatusString(s));
+}
+
+#define LT_TRY(call, what)                                  \
+  do {                                                      \
+    cublasStatus_t lt_s_ = (call);                          \
+    if (lt_s_ != CUBLAS_STATUS_SUCCESS) return lt_fail(lt_s_, what); \
+  } while (0)
+
+// The largest power of two, up to 256, that divides the address (256 is what cuBLASLt assumes
+// unless told less).
+static int align_of(const void *p) {
+  uintptr_t a = (uintptr_t)p;
+  int al = 256;
+  while (al > 1 && a % (uintptr_t)al) al >>= 1;
+  return al;
+}
+
+static void entry_release(struct mm_entry *e) {
+  if (!e->used) return;
+  if (e->lc) cublasLtMatrixLayoutDestroy(e->lc);
+  if (e->lb) cublasLtMatrixLayoutDestroy(e->lb);
+  if (e->la) cublasLtMatrixLayoutDestroy(e->la);
+  if (e->op) cublasLtMatmulDescDestroy(e->op);
+  memset(e, 0, sizeof *e);
+}
+
+extern "C" fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes,
+                                         struct fy_cuda_blas **out) {
+  struct fy_cuda_blas *h = (struct fy_cuda_blas *)calloc(1, sizeof *h);
+  if (!h) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the cuBLASLt handle");
+  cublasStatus_t s = cublasLtCreate(&h->lt);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    free(h);
+    return lt_fail(s, "cublasLtCreate");
+  }
+  h->ws = workspace;
+  h->ws_bytes = workspace ? workspace_bytes : 0;
+  *out = h;
+  return FY_OK;
+}
+
+extern "C" void fy_cuda_blas_free(struct fy_cuda_blas *h) {
+  if (!h) return;
+  for (int i = 0; i < MM_CACHE; i++) entry_release(&h->cache[i]);
+  cublasLtDestroy(h->lt);
+  free(h);
+}
+
+// Fills e for key k (bias points at the caller's bias, whose address the heuristic reads).
+static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const struct mm_key *k,
+                             const void *bias) {
+  memset(e, 0, sizeof *e);
+  e->used = true;  // so that entry_release frees whatever was made before a failure
+  e->key = *k;
+  cudaDataType_t ty = k->dt == FY_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  // fp32 compute in both cases; for fp32 inputs this is true fp32 (CUBLAS_COMPUTE_32F_FAST_TF32
+  // would round the inputs to tf32 and miss the op tests' 1e-4).
+  LT_TRY(cublasLtMatmulDescCreate(&e->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul descriptor");
+  cublasOperation_t opa = k->tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our b
+  cublasOperation_t opb = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is our a
+  LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "transa");
+  LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "transb");
+  if (k->has_bias) {
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    int32_t bty = (int32_t)ty;
+    LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "epilogue");
+    LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bty, sizeof bty), "bias type");
+    LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), "bias");
+  }
+  const uint64_t M = (uint64_t)k->M, N = (uint64_t)k->N, K = (uint64_t)k->K;
+  // Our b: (K,N) row-major = (N,K) column-major, ld N; with tb, (N,K) row-major = (K,N) col., ld K.
+  if (k->tb) LT_TRY(cublasLtMatrixLayoutCreate(&e->la, ty, K, N, (int64_t)K), "layout of b");
+  else LT_TRY(cublasLtMatrixLayoutCreate(&e->la, ty, N, K, (int64_t)N), "layout of b");
+  // Our a: (M,K) row-major = (K,M) column-major, ld K; with ta, (K,M) row-major = (M,K) col., ld M.
+  if (k->ta) LT_TRY(cublasLtMatrixLayoutCreate(&e->lb, ty, M, K, (int64_t)M), "layout of a");
+  else LT_TRY(cublasLtMatrixLayoutCreate(&e->lb, ty, K, M, (int64_t)K), "layout of a");
+  // Our c: (M,N) row-major = (N,M) column-major, ld N. C and D share it (D is written over C).
+  LT_TRY(cublasLtMatrixLayoutCreate(&e->lc, ty, N, M, (int64_t)N), "layout of c");
+
+  cublasLtMatmulPreference_t pref;
+  LT_TRY(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  uint64_t ws = h->ws_bytes;
+  uint32_t al_a = (uint32_t)k->al_b, al_b = (uint32_t)k->al_a, al_c = (uint32_t)k->al_c;
+  cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
+  cublasLtMatmulHeuristicResult_t res;
+  int nres = 0;
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, 1, &res, &nres);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(s, "algorithm heuristic");
+  if (nres == 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED,
+                        "cuBLASLt: no algorithm for %s (%lld,%lld,%lld) ta=%d tb=%d bias=%d",
+                        fy_dtype_name((enum fy_dtype)k->dt), (long long)k->M, (long long)k->N,
+                        (long long)k->K, k->ta, k->tb, k->has_bias);
+  e->algo = res.algo;
+  return FY_OK;
+}
+
+static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const void *bias,
+                           struct mm_entry **out) {
+  for (int i = 0; i < MM_CACHE; i++) {
+    struct mm_entry *e = &h->cache[i];
+    if (e->used && memcmp(&e->key, k, sizeof *k) == 0) {
+      *out = e;
+      return FY_OK;
+    }
+  }
+  int slot = -1;
+  for (int i = 0; i < MM_CACHE && slot < 0; i++)
+    if (!h->cache[i].used) slot = i;
+  if (slot < 0) {
+    slot = h->next_victim;
+    h->next_victim = (h->next_victim + 1) % MM_CACHE;
+  }
+  struct mm_entry *e = &h->cache[slot];
+  entry_release(e);
+  fy_status st = entry_build(h, e, k, bias);
+  if (st != FY_OK) {
+    entry_release(e);
+    return st;
+  }
+  *out = e;
+  return FY_OK;
+}
+
+extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,
+                                    const void *bias, enum fy_dtype dt, int64_t M, int64_t N,
+                                    int64_t K, bool ta, bool tb, float alpha, float beta,
+                                    cudaStream_t st) {
+  if (dt != FY_F32 && dt != FY_BF16) return fy_cuda_bad_dtype("matmul", dt);
+  if (M <= 0 || N <= 0) return FY_OK;
+  if (K <= 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "cuda matmul: K=%lld (an empty sum)", (long long)K);
+  struct mm_key k;
+  memset(&k, 0, sizeof k);  // the key is compared with memcmp: no stray padding bytes
+  k.dt = dt;
+  k.ta = ta;
+  k.tb = tb;
+  k.has_bias = bias != NULL;
+  k.M = M;
+  k.N = N;
+  k.K = K;
+  k.al_a = align_of(a);
+  k.al_b = align_of(b);
+  k.al_c = align_of(c);
+  k.al_bias = bias ? align_of(bias) : 0;
+  struct mm_entry *e;
+  FY_TRY(entry_get(h, &k, bias, &e));
+  if (bias)  // the cached descriptor may hold another call's bias of the same alignment
+    LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), "bias");
+  LT_TRY(cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc,
+                        &e->algo, h->ws, h->ws_bytes, st),
+         "cublasLtMatmul");
+  return FY_OK;
+}
+
+// dout (BT,OC) -> dbias (OC) (+)= column sums
+// Block b owns columns [32b, 32b+32); thread (tx, ty) walks rows ty, ty+32, ... (coalesced across
+// tx), then the 32 partial sums of a column are added in a fixed order: no atomics.
+template <typename T>
+__global__ void __launch_bounds__(1024)
+bias_grad_kernel(T *dbias, const T *dout, int64_t BT, int64_t OC, bool accumulate) {
+  __shared__ float part[32][33];
+  int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  int64_t c = (int64_t)blockIdx.x * 32 + tx;
+  float acc = 0.0f;
+  if (c < OC)
+    for (int64_t i = ty; i < BT; i += 32) acc += fy_ld(dout + i * OC + c);
+  part[ty][tx] = acc;
+  __syncthreads();
+  if (ty != 0 || c >= OC) return;
+  float s = 0.0f;
+  for (int k2 = 0; k2 < 32; k2++) s += part[k2][tx];
+  fy_st(dbias + c, accumulate ? fy_ld(dbias + c) + s : s);
+}
+
+extern "C" fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *inp,
+                                            const void *weight, const void *bias,
+                                            enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC,
+                                            cudaStream_t st) {
+  // out (BT,OC) = inp (BT,C) @ weight^T (C,OC) + bias
+  return fy_cuda_matmul(h, out, inp, weight, bias, dt, BT, OC, C, false, true, 1.0f, 0.0f, st);
+}
+
+extern "C" fy_status fy_cuda_linear_backward_params(struct fy_cuda_blas *h, void *dweight,
+                                                    void *dbias, const void *dout,
+                                                    const void *inp, enum fy_dtype dt,
+                                                    int64_t BT, int64_t C, int64_t OC,
+                                                    bool accumulate, cudaStream_t st) {
+  // dweight (OC,C) (+)= dout^T (OC,BT) @ inp (BT,C)
+  if (dweight) {
+    if (BT > 0) {
+      FY_TRY(fy_cuda_matmul(h, dweight, dout, inp, NULL, dt, OC, C, BT, true, false, 1.0f,
+                            accumulate ? 1.0f : 0.0f, st));
+    } else if (!accumulate) {
+      if (cudaMemsetAsync(dweight, 0, (size_t)(OC * C) * fy_dtype_size(dt), st) != cudaSuccess)
+        return fy_cuda_launched("linear_backward_params");
+    }
+  }
+  if (dbias && OC > 0) {
+    unsigned grid = (unsigned)((OC + 31) / 32);
+    FY_CUDA_DISPATCH("linear_backward_params", dt, T,
+                     bias_grad_kernel<T><<<grid, 1024, 0, st>>>((T *)dbias, (const T *)dout,
+                                                                BT < 0 ? 0 : BT, OC, accumulate));
+    FY_TRY(fy_cuda_launched("linear_backward_params"));
+  }
+  return FY_OK;
+}
+
+extern "C" fy_status fy_cuda_linear_backward(struct fy_cuda_blas *h, void *dinp, void *dweight,
+                                             void *dbias, const void *dout, const void *inp,
+                                             const void *weight, enum fy_dtype dt, int64_t BT,
+                                             int64_t C, int64_t OC, cudaStream_t st) {
+  // dinp (BT,C) += dout (BT,OC) @ weight (OC,C)
+  if (dinp && BT > 0 && OC > 0)
+    FY_TRY(fy_cuda_matmul(h, dinp, dout, weight, NULL, dt, BT, C, OC, false, false, 1.0f, 1.0f, st));
+  return fy_cuda_linear_backward_params(h, dweight, dbias, dout, inp, dt, BT, C, OC, true, st);
+}

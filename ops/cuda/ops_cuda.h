@@ -1,0 +1,184 @@
+// The CUDA kernels (DESIGN.md "Conventions"): the same operators and contracts as ops/ops.h — same
+// shapes, backward kernels ACCUMULATE (+=) unless a comment says otherwise — run on a cudaStream_t.
+// Pointers are device memory. Activations, weights and their gradients have the element type `dt`:
+// FY_F32 or FY_BF16 (anything else is FY_ERR_UNSUPPORTED); arithmetic is fp32 whatever `dt`, and
+// statistics (mean, rstd, lse, losses) and optimizer state are always fp32. Every function returns
+// after queueing its work; a failure to launch is reported as a fy_status with the CUDA message.
+//
+// Determinism: no kernel adds floats with atomics. Sums over rows (embedding, layernorm and bias
+// gradients), the sum of squares and attention's gradients are reduced in a fixed order, so a rerun
+// gives the same bits.
+//
+// C-callable: the .cu files compile as C++ and define these with C linkage.
+#ifndef FY_OPS_CUDA_H
+#define FY_OPS_CUDA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+// Before the extern "C" block: in C++ these are libstdc++ wrappers that must not get C linkage.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "core/dtype.h"
+#include "core/status.h"
+
+// ---- embedding ----
+
+// ids (BT) int32, table (V,C) -> out (BT,C)
+fy_status fy_cuda_embedding_forward(void *out, const int32_t *ids, const void *table,
+                                    enum fy_dtype dt, int64_t BT, int64_t C, cudaStream_t st);
+// dout (BT,C), ids (BT) -> dtable (V,C) +=. Each thread block owns 64 table rows x 128 channels:
+// it picks out, in token order, the tokens whose id it owns (all threads filter the ids together,
+// a prefix sum packs the matches), adds their rows into an fp32 tile in shared memory, then adds
+// the tile to dtable once. No two blocks touch the same element, so there are no atomics, and the
+// rows of one id are summed in token order: the result is deterministic. Ids outside [0,V) are
+// ignored.
+fy_status fy_cuda_embedding_backward(void *dtable, const void *dout, const int32_t *ids,
+                                     enum fy_dtype dt, int64_t BT, int64_t C, int64_t V,
+                                     cudaStream_t st);
+
+// ---- layernorm (one row per warp); weight/bias may be NULL ----
+
+// inp (BT,C), weight (C), bias (C) -> out (BT,C), mean (BT) fp32, rstd (BT) fp32 (mean/rstd may be
+// NULL when no backward follows)
+fy_status fy_cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp,
+                                    const void *weight, const void *bias, enum fy_dtype dt,
+                                    int64_t BT, int64_t C, float eps, cudaStream_t st);
+// Row ranges the parameter gradients are split into when scratch is given: scratch then holds
+// 2 * FY_CUDA_LN_PARTS * C floats. Without scratch (NULL) one block per 32 channels walks every
+// row: deterministic too, but a narrow layer (C = 768: 24 blocks) leaves most of
+// the GPU idle.
+#define FY_CUDA_LN_PARTS 16
+// dout (BT,C), inp, weight, mean, rstd -> dinp (BT,C) +=, dweight (C) +=, dbias (C) += (any NULL).
+// dinp must not overlap dout, inp or weight.
+fy_status fy_cuda_layernorm_backward(void *dinp, void *dweight, void *dbias, const void *dout,
+                                     const void *inp, const void *weight, const float *mean,
+                                     const float *rstd, enum fy_dtype dt, int64_t BT, int64_t C,
+                                     float *scratch, cudaStream_t st);
+// dout, inp, mean, rstd -> dweight (C), dbias (C): += when accumulate, else = (may overwrite the
+// weights themselves: they are not read). scratch as above, or NULL.
+fy_status fy_cuda_layernorm_backward_params(void *dweight, void *dbias, const void *dout,
+                                            const void *inp, const float *mean, const float *rstd,
+                                            enum fy_dtype dt, int64_t BT, int64_t C,
+                                            bool accumulate, float *scratch, cudaStream_t st);
+
+// ---- elementwise (outputs may alias inputs) ----
+
+// inp (N) -> out (N) = max(inp, 0)
+fy_status fy_cuda_relu_forward(void *out, const void *inp, enum fy_dtype dt, int64_t N,
+                               cudaStream_t st);
+// dout (N), out (N) -> dinp (N) += dout * (out > 0)
+fy_status fy_cuda_relu_backward(void *dinp, const void *dout, const void *out, enum fy_dtype dt,
+                                int64_t N, cudaStream_t st);
+// a (N), b (N) -> out (N) = a + b
+fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt, int64_t N,
+                              cudaStream_t st);
+// dout (N) -> da (N) +=, db (N) += (either may be NULL)
+fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt, int64_t N,
+                               cudaStream_t st);
+
+// ---- softmax cross-entropy (one row per block, online max and sum: no probabilities stored) ----
+
+// logits (BT,V), targets (BT) int32 (-100 = ignored) -> losses (BT) fp32 (0 where ignored), lse (BT)
+// fp32 = log(sum(exp(logits))) per row (NULL to skip; lets backward skip its statistics pass).
+// Unlike fy_crossentropy_forward, the count of targets not ignored is not returned: the caller has
+// the targets on the host.
+fy_status fy_cuda_crossentropy_forward(float *losses, float *lse, const void *logits,
+                                       const int32_t *targets, enum fy_dtype dt, int64_t BT,
+                                       int64_t V, cudaStream_t st);
+// logits (BT,V), targets, lse (BT) or NULL -> dlogits (BT,V) = dloss * (softmax - onehot), 0 on
+// ignored rows. OVERWRITES (not +=); dlogits may be logits (in place). With lse NULL the row
+// statistics are recomputed in the same kernel.
+fy_status fy_cuda_crossentropy_backward(void *dlogits, const void *logits, const int32_t *targets,
+                                        const float *lse, enum fy_dtype dt, int64_t BT, int64_t V,
+                                        float dloss, cudaStream_t st);
+
+// ---- optimizer ----
+
+// param (n) fp32, m (n), v (n), grad (n) of type grad_dt -> param, m, v updated in place, with the
+// formula of fy_adamw_update (ops/ops.h), constants computed in double as there. param_bf16 (n),
+// when not NULL, receives the new weights rounded to bf16 (the compute payload), in the same pass.
+fy_status fy_cuda_adamw_update(float *param, float *m, float *v, const void *grad,
+                               enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n, float lr,
+                               float beta1, float beta2, float eps, float weight_decay, int64_t t,
+                               float grad_scale, cudaStream_t st);
+
+// Blocks of the first pass of the sum of squares: scratch holds this many doubles.
+#define FY_CUDA_SUMSQ_PARTS 1024
+// x (n) -> *out (device, double) = (accumulate ? *out : 0) + sum of x^2, accumulated in double.
+// A fixed grid of FY_CUDA_SUMSQ_PARTS blocks (whatever the GPU) writes one partial each to scratch
+// with a fixed tree inside the block; one block then adds the partials in a fixed tree: the same
+// bits on every run and every GPU model.
+fy_status fy_cuda_sumsq(double *out, const void *x, enum fy_dtype dt, int64_t n, double *scratch,
+                        bool accumulate, cudaStream_t st);
+
+// ---- matrix products through cuBLASLt ----
+
+// A cuBLASLt handle, a workspace and a cache of matmul descriptors and chosen algorithms per shape
+// (dtype, sizes, transposes, bias, beta, pointer alignments). Use from one thread at a time, as
+// fy_matmul. The workspace (device memory, 32 MiB is plenty; NULL/0 = none) is the caller's, so
+// that it is counted by the device that handed it out; it must outlive the handle.
+struct fy_cuda_blas;
+fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes, struct fy_cuda_blas **out);
+void fy_cuda_blas_free(struct fy_cuda_blas *h);
+
+// c (M,N) = alpha * op(a) @ op(b) + beta * c (+ bias (N) on every row, when not NULL), row-major,
+// as fy_matmul: op(a) is (M,K): a is (M,K) or, with ta, (K,M); op(b) is (K,N): b is (K,N) or, with
+// tb, (N,K). a, b, c and bias are all of type dt; fp32 compute (true fp32 for FY_F32: no TF32).
+// The bias is added unscaled (cuBLASLt's epilogue: c = alpha * a@b + beta * c + bias); with
+// alpha != 1 that differs from fy_matmul_bias, whose oneDNN output scale scales the bias too.
+fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,
+                         const void *bias, enum fy_dtype dt, int64_t M, int64_t N, int64_t K,
+                         bool ta, bool tb, float alpha, float beta, cudaStream_t st);
+
+// inp (BT,C), weight (OC,C), bias (OC) or NULL -> out (BT,OC); the bias rides cuBLASLt's epilogue.
+fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *inp,
+                                 const void *weight, const void *bias, enum fy_dtype dt,
+                                 int64_t BT, int64_t C, int64_t OC, cudaStream_t st);
+// dout (BT,OC), inp (BT,C), weight (OC,C) -> dinp (BT,C) +=, dweight (OC,C) +=, dbias (OC) +=
+// (any NULL to skip)
+fy_status fy_cuda_linear_backward(struct fy_cuda_blas *h, void *dinp, void *dweight, void *dbias,
+                                  const void *dout, const void *inp, const void *weight,
+                                  enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC,
+                                  cudaStream_t st);
+// dout (BT,OC), inp (BT,C) -> dweight (OC,C), dbias (OC): += when accumulate, else = (may be the
+// weights' own memory). dbias is a column sum in a fixed order (no atomics).
+fy_status fy_cuda_linear_backward_params(struct fy_cuda_blas *h, void *dweight, void *dbias,
+                                         const void *dout, const void *inp, enum fy_dtype dt,
+                                         int64_t BT, int64_t C, int64_t OC, bool accumulate,
+                                         cudaStream_t st);
+
+// ---- causal multi-head attention, flash style (the T x T matrix is never stored) ----
+//
+// Layout and masking as fy_attention_forward (ops/ops.h): qkv (B,T,3C) with q, k, v side by side,
+// head h at columns [h*HS,(h+1)*HS); mask (B,T) int32 (1 = real token) or NULL; query t attends to
+// keys s <= t with mask[b,s] = 1; a query with no key gets zeros (output and gradient). HS = C/NH
+// must be at most 128. Tiles of 64 queries x 64 keys in shared memory, online softmax in fp32.
+
+// qkv (B,T,3C), mask (B,T) -> out (B,T,C), lse (B,NH,T) fp32: the log-sum-exp of each query's
+// scaled scores (-inf for a query with no key), all backward needs besides out.
+fy_status fy_cuda_attention_forward(void *out, float *lse, const void *qkv, const int32_t *mask,
+                                    enum fy_dtype dt, int64_t B, int64_t T, int64_t C, int64_t NH,
+                                    float scale, cudaStream_t st);
+// dout (B,T,C), qkv, out, lse, mask -> dqkv (B,T,3C) +=. scratch holds B*NH*T floats. Two kernels
+// instead of atomics: one per key tile accumulates dk and dv over the query tiles after it, one per
+// query tile accumulates dq over the key tiles before it (each recomputes the probabilities), so
+// every gradient element has one owner and a fixed summation order.
+fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, const void *dout, const void *qkv,
+                                     const void *out, const float *lse, const int32_t *mask,
+                                     enum fy_dtype dt, int64_t B, int64_t T, int64_t C, int64_t NH,
+                                     float scale, cudaStream_t st);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

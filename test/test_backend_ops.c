@@ -1,0 +1,582 @@
+// test_backend_ops: every CUDA kernel (ops/cuda/ops_cuda.h) against the CPU kernel of the same op
+// (ops/ops.h), in the style of ggml's test-backend-ops. Inputs are random, of odd sizes (B=3,
+// T=37, C=72, NH=6, V=1001 and a few shapes that cross attention's 64-row tiles and reach its
+// largest head), copied to the GPU through the cuda device's own copy; outputs come back the same
+// way and are compared by normalised error ||gpu - cpu|| / ||cpu||: fp32 within 1e-5 (matrix
+// products 1e-4), bf16 within 1e-2. For bf16 the CPU kernel gets the same bf16-rounded inputs,
+// widened, so only the GPU's arithmetic and output rounding are measured. Backward kernels start
+// from random gradients, so accumulation (+=) is checked with them. The cuda device itself
+// (accounting, streams, events, host functions, pinning, owns, copy statistics) is checked first.
+//
+// Without a GPU (no driver, no device) the program exits 77: meson counts it as skipped.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device.h"
+#include "core/device_cuda.h"
+#include "core/dtype.h"
+#include "ops/cuda/ops_cuda.h"
+#include "ops/ops.h"
+#include "test/check.h"
+
+// ---- helpers ----
+
+static struct fy_device *dev;
+static fy_stream *st;
+static cudaStream_t cs;
+
+static uint64_t rng_s = 0x243F6A8885A308D3ull;
+static double urand(void) {  // [0, 1), xorshift64*
+  rng_s ^= rng_s >> 12;
+  rng_s ^= rng_s << 25;
+  rng_s ^= rng_s >> 27;
+  return (double)((rng_s * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53;
+}
+static float frand(float scale) { return (float)((2.0 * urand() - 1.0) * scale); }
+static float *fnew(int64_t n) {
+  float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+  if (!p) abort();
+  return p;
+}
+// Random values, already representable in dt (so the CPU sees exactly what the GPU sees).
+static float *frand_new(int64_t n, float scale, enum fy_dtype dt) {
+  float *p = fnew(n);
+  for (int64_t i = 0; i < n; i++) p[i] = frand(scale);
+  if (dt == FY_BF16)
+    for (int64_t i = 0; i < n; i++) p[i] = fy_bf16_to_f32(fy_f32_to_bf16(p[i]));
+  return p;
+}
+static float *fdup(const float *x, int64_t n) {
+  float *p = fnew(n);
+  memcpy(p, x, (size_t)n * sizeof(float));
+  return p;
+}
+
+// Device buffers of the test, freed together at the end of each case.
+#define MAX_BUFS 64
+static struct { void *p; size_t n; } bufs[MAX_BUFS];
+static int nbufs;
+
+static void *dalloc(size_t n) {
+  void *p = NULL;
+  fy_status s = fy_device_alloc(dev, n, &p);
+  if (s != FY_OK || nbufs == MAX_BUFS) {
+    fprintf(stderr, "backend_ops: device allocation of %zu bytes failed: %s\n", n, fy_error_msg());
+    exit(1);
+  }
+  bufs[nbufs].p = p;
+  bufs[nbufs].n = n;
+  nbufs++;
+  CHECK_OK(dev->ops->memset_async(st, p, 0, n));
+  return p;
+}
+static void dfree_all(void) {
+  CHECK_OK(fy_stream_sync(st));
+  for (int i = 0; i < nbufs; i++) fy_device_dealloc(dev, bufs[i].p, bufs[i].n);
+  nbufs = 0;
+}
+static void *dput_raw(const void *h, size_t n) {
+  void *d = dalloc(n);
+  CHECK_OK(fy_copy_async(st, d, h, n));
+  CHECK_OK(fy_stream_sync(st));
+  return d;
+}
+static void *dput(const float *h, int64_t n, enum fy_dtype dt) {
+  size_t bytes = (size_t)n * fy_dtype_size(dt);
+  void *tmp = malloc(bytes ? bytes : 1);
+  if (!tmp) abort();
+  fy_convert_from_f32(tmp, dt, h, (size_t)n);
+  void *d = dput_raw(tmp, bytes);
+  free(tmp);
+  return d;
+}
+static void dget(float *h, const void *d, int64_t n, enum fy_dtype dt) {
+  size_t bytes = (size_t)n * fy_dtype_size(dt);
+  void *tmp = malloc(bytes ? bytes : 1);
+  if (!tmp) abort();
+  CHECK_OK(fy_stream_sync(st));  // the kernels that wrote d are done (and their errors surface)
+  CHECK_OK(fy_copy_async(st, tmp, d, bytes));
+  CHECK_OK(fy_stream_sync(st));
+  fy_convert_to_f32(h, tmp, dt, (size_t)n);
+  free(tmp);
+}
+// The GPU's result in d against the CPU's in want.
+static void cmp_dev(const char *what, enum fy_dtype dt, const void *d, const float *want, int64_t n,
+                    bool gemm) {
+  float *got = fnew(n);
+  dget(got, d, n, dt);
+  double tol = dt == FY_BF16 ? 1e-2 : gemm ? 1e-4 : 1e-5;
+  double err = check_rel_err(got, want, n);
+  bool finite = true;
+  for (int64_t i = 0; i < n; i++) finite = finite && isfinite(got[i]);
+  fprintf(stderr, "  %-40s %-4s err %.2e (tol %.0e)\n", what, fy_dtype_name(dt), err, tol);
+  CHECKF(finite && err <= tol, "%s %s: err %.3e > %.0e (or not finite)", what, fy_dtype_name(dt),
+         err, tol);
+  free(got);
+}
+
+static const enum fy_dtype dtypes[] = {FY_F32, FY_BF16};
+
+// ---- the device ----
+
+static int host_fn_calls;
+static void host_fn(void *arg) { (void)arg; host_fn_calls++; }
+
+static void test_device(void) {
+  fprintf(stderr, "device %s\n", dev->name);
+  CHECK(dev->kind == FY_DEVICE_CUDA);
+  size_t before = dev->bytes_in_use;
+  void *p = NULL, *q = NULL;
+  CHECK_OK(fy_device_alloc(dev, 1000, &p));
+  CHECK(dev->bytes_in_use == before + 1024);  // counted in cudaMalloc's 256-byte units
+  CHECK(fy_device_owns(dev, p));
+  int on_stack = 0;
+  CHECK(!fy_device_owns(dev, &on_stack));
+  CHECK_OK(fy_device_alloc(dev, 0, &q));
+  fy_device_dealloc(dev, q, 0);
+  // The cap: a second device of 4 KiB refuses 8 KiB with FY_ERR_NOMEM.
+  struct fy_device *small = NULL;
+  CHECK_OK(fy_device_cuda_create(fy_cuda_ordinal(dev), 4096, &small));
+  if (small) {
+    void *r = NULL;
+    CHECK_ERR(fy_device_alloc(small, 8192, &r), FY_ERR_NOMEM);
+    CHECK(small->bytes_in_use == 0);
+    CHECK_OK(fy_device_alloc(small, 4096, &r));
+    CHECK(small->bytes_in_use == 4096 && small->bytes_peak == 4096);
+    fy_device_dealloc(small, r, 4096);
+    CHECK(small->bytes_in_use == 0);
+    fy_device_free(small);
+  }
+  CHECK_ERR(fy_device_cuda_create(1 << 20, 0, &small), FY_ERR_INVALID);
+
+  // Copies in both directions on two streams ordered by an event, a host function after them.
+  enum { N = 1 << 20 };
+  unsigned char *h = aligned_alloc(4096, N), *back = malloc(N);
+  for (int i = 0; i < N; i++) h[i] = (unsigned char)(i * 7 + 3);
+  memset(back, 0, N);
+  CHECK_OK(fy_cuda_host_pin(h, N));  // pinned: a truly asynchronous copy
+  void *d = NULL;
+  CHECK_OK(fy_device_alloc(dev, N, &d));
+  fy_stream *s2 = NULL;
+  fy_event *e = NULL;
+  CHECK_OK(fy_stream_create(dev, &s2));
+  CHECK_OK(fy_event_create(dev, &e));
+  struct fy_copy_stats cs0, cs1;
+  fy_device_copy_stats(dev, &cs0);
+  CHECK_OK(dev->ops->memset_async(st, d, 0xab, N));
+  CHECK_OK(fy_copy_async(st, d, h, N / 2));
+  CHECK_OK(fy_event_record(e, st));
+  CHECK_OK(fy_stream_wait(s2, e));
+  CHECK_OK(fy_copy_async(s2, back, d, N));
+  host_fn_calls = 0;
+  CHECK_OK(fy_stream_enqueue(s2, host_fn, NULL));
+  CHECK_OK(fy_event_record(e, s2));
+  CHECK_OK(fy_event_sync(e));
+  CHECK(host_fn_calls == 1);
+  CHECK(memcmp(back, h, N / 2) == 0);
+  CHECK(back[N / 2] == 0xab && back[N - 1] == 0xab);
+  fy_device_copy_stats(dev, &cs1);
+  CHECK(cs1.bytes[0] - cs0.bytes[0] == N / 2);
+  CHECK(cs1.bytes[1] - cs0.bytes[1] == N);
+  fy_cuda_host_unpin(h);
+  fy_event_free(e);
+  fy_stream_free(s2);
+  fy_device_dealloc(dev, d, N);
+  fy_device_dealloc(dev, p, 1000);
+  CHECK(dev->bytes_in_use == before);
+  free(h);
+  free(back);
+}
+
+// ---- the ops ----
+
+enum { B = 3, T = 37, C = 72, NH = 6, V = 1001, BT = B * T };
+
+static void test_embedding(enum fy_dtype dt) {
+  int32_t ids[BT];
+  for (int i = 0; i < BT; i++)  // half the ids among 20 values: many repeats to sum
+    ids[i] = (int32_t)(i % 2 ? urand() * 20 : urand() * V);
+  ids[0] = V - 1;
+  float *table = frand_new((int64_t)V * C, 1.0f, dt);
+  float *out = fnew(BT * C);
+  fy_embedding_forward(out, ids, table, BT, C);
+  void *d_table = dput(table, (int64_t)V * C, dt), *d_out = dalloc(BT * C * fy_dtype_size(dt));
+  int32_t *d_ids = dput_raw(ids, sizeof ids);
+  CHECK_OK(fy_cuda_embedding_forward(d_out, d_ids, d_table, dt, BT, C, cs));
+  cmp_dev("embedding forward", dt, d_out, out, BT * C, false);
+
+  float *dout = frand_new(BT * C, 1.0f, dt), *dtable = frand_new((int64_t)V * C, 1.0f, dt);
+  void *d_dout = dput(dout, BT * C, dt), *d_dtable = dput(dtable, (int64_t)V * C, dt);
+  fy_embedding_backward(dtable, dout, ids, BT, C, V);
+  CHECK_OK(fy_cuda_embedding_backward(d_dtable, d_dout, d_ids, dt, BT, C, V, cs));
+  cmp_dev("embedding backward dtable +=", dt, d_dtable, dtable, (int64_t)V * C, false);
+  // A wide table: more than one channel block per row range.
+  {
+    const int64_t C2 = 300;
+    float *g2 = frand_new(BT * C2, 1.0f, dt), *t2 = frand_new((int64_t)V * C2, 1.0f, dt);
+    void *d_g2 = dput(g2, BT * C2, dt), *d_t2 = dput(t2, (int64_t)V * C2, dt);
+    fy_embedding_backward(t2, g2, ids, BT, C2, V);
+    CHECK_OK(fy_cuda_embedding_backward(d_t2, d_g2, d_ids, dt, BT, C2, V, cs));
+    cmp_dev("embedding backward C=300", dt, d_t2, t2, (int64_t)V * C2, false);
+    free(g2);
+    free(t2);
+  }
+  dfree_all();
+  free(table);
+  free(out);
+  free(dout);
+  free(dtable);
+}
+
+static void test_layernorm(enum fy_dtype dt) {
+  float *inp = frand_new(BT * C, 2.0f, dt);
+  for (int i = 0; i < BT * C; i++) inp[i] += 0.5f;  // a mean away from 0
+  if (dt == FY_BF16)
+    for (int i = 0; i < BT * C; i++) inp[i] = fy_bf16_to_f32(fy_f32_to_bf16(inp[i]));
+  float *w = frand_new(C, 1.0f, dt), *bias = frand_new(C, 1.0f, dt);
+  float *out = fnew(BT * C), *mean = fnew(BT), *rstd = fnew(BT);
+  fy_layernorm_forward(out, mean, rstd, inp, w, bias, BT, C, 1e-5f);
+  void *d_inp = dput(inp, BT * C, dt), *d_w = dput(w, C, dt), *d_b = dput(bias, C, dt);
+  void *d_out = dalloc(BT * C * fy_dtype_size(dt));
+  float *d_mean = dalloc(BT * sizeof(float)), *d_rstd = dalloc(BT * sizeof(float));
+  CHECK_OK(fy_cuda_layernorm_forward(d_out, d_mean, d_rstd, d_inp, d_w, d_b, dt, BT, C, 1e-5f, cs));
+  cmp_dev("layernorm forward out", dt, d_out, out, BT * C, false);
+  cmp_dev("layernorm forward mean", FY_F32, d_mean, mean, BT, false);
+  cmp_dev("layernorm forward rstd", FY_F32, d_rstd, rstd, BT, false);
+
+  float *dout = frand_new(BT * C, 1.0f, dt), *dinp = frand_new(BT * C, 1.0f, dt);
+  float *dw = frand_new(C, 1.0f, dt), *db = frand_new(C, 1.0f, dt);
+  void *d_dout = dput(dout, BT * C, dt), *d_dinp = dput(dinp, BT * C, dt);
+  void *d_dw = dput(dw, C, dt), *d_db = dput(db, C, dt);
+  fy_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, BT, C);
+  float *d_lscr = dalloc(2 * FY_CUDA_LN_PARTS * C * sizeof(float));
+  CHECK_OK(fy_cuda_layernorm_backward(d_dinp, d_dw, d_db, d_dout, d_inp, d_w, d_mean, d_rstd, dt,
+                                      BT, C, d_lscr, cs));
+  cmp_dev("layernorm backward dinp +=", dt, d_dinp, dinp, BT * C, false);
+  cmp_dev("layernorm backward dweight +=", dt, d_dw, dw, C, false);
+  cmp_dev("layernorm backward dbias +=", dt, d_db, db, C, false);
+  // The parameter half alone, overwriting.
+  fy_layernorm_backward_params(dw, db, dout, inp, mean, rstd, BT, C, false);
+  CHECK_OK(fy_cuda_layernorm_backward_params(d_dw, d_db, d_dout, d_inp, d_mean, d_rstd, dt, BT, C,
+                                             false, NULL, cs));
+  cmp_dev("layernorm backward_params dweight =", dt, d_dw, dw, C, false);
+  cmp_dev("layernorm backward_params dbias =", dt, d_db, db, C, false);
+  // Split over row ranges, with more rows than ranges times 32 lanes.
+  {
+    const int64_t R = 1000;
+    float *x2 = frand_new(R * C, 1.0f, dt), *g2 = frand_new(R * C, 1.0f, dt);
+    float *m2 = fnew(R), *r2 = fnew(R), *o2 = fnew(R * C);
+    fy_layernorm_forward(o2, m2, r2, x2, NULL, NULL, R, C, 1e-5f);
+    void *d_x2 = dput(x2, R * C, dt), *d_g2 = dput(g2, R * C, dt);
+    float *d_m2 = dput(m2, R, FY_F32), *d_r2 = dput(r2, R, FY_F32);
+    fy_layernorm_backward_params(dw, db, g2, x2, m2, r2, R, C, true);
+    CHECK_OK(fy_cuda_layernorm_backward_params(d_dw, d_db, d_g2, d_x2, d_m2, d_r2, dt, R, C, true,
+                                               d_lscr, cs));
+    cmp_dev("layernorm backward_params split dw +=", dt, d_dw, dw, C, false);
+    cmp_dev("layernorm backward_params split db +=", dt, d_db, db, C, false);
+    free(x2); free(g2); free(m2); free(r2); free(o2);
+  }
+  // No affine parameters.
+  fy_layernorm_forward(out, mean, rstd, inp, NULL, NULL, BT, C, 1e-5f);
+  CHECK_OK(fy_cuda_layernorm_forward(d_out, d_mean, d_rstd, d_inp, NULL, NULL, dt, BT, C, 1e-5f, cs));
+  cmp_dev("layernorm forward (no weight, bias)", dt, d_out, out, BT * C, false);
+  fy_layernorm_backward(dinp, NULL, NULL, dout, inp, NULL, mean, rstd, BT, C);
+  CHECK_OK(fy_cuda_layernorm_backward(d_dinp, NULL, NULL, d_dout, d_inp, NULL, d_mean, d_rstd, dt,
+                                      BT, C, NULL, cs));
+  cmp_dev("layernorm backward (no weight)", dt, d_dinp, dinp, BT * C, false);
+  dfree_all();
+  free(inp); free(w); free(bias); free(out); free(mean); free(rstd);
+  free(dout); free(dinp); free(dw); free(db);
+}
+
+static void test_elementwise(enum fy_dtype dt) {
+  const int64_t N = BT * C + 5;
+  float *a = frand_new(N, 1.0f, dt), *b = frand_new(N, 1.0f, dt), *out = fnew(N);
+  void *d_a = dput(a, N, dt), *d_b = dput(b, N, dt), *d_out = dalloc(N * fy_dtype_size(dt));
+  fy_relu_forward(out, a, N);
+  CHECK_OK(fy_cuda_relu_forward(d_out, d_a, dt, N, cs));
+  cmp_dev("relu forward", dt, d_out, out, N, false);
+  float *dout = frand_new(N, 1.0f, dt), *dinp = frand_new(N, 1.0f, dt);
+  void *d_dout = dput(dout, N, dt), *d_dinp = dput(dinp, N, dt);
+  fy_relu_backward(dinp, dout, out, N);
+  CHECK_OK(fy_cuda_relu_backward(d_dinp, d_dout, d_out, dt, N, cs));
+  cmp_dev("relu backward dinp +=", dt, d_dinp, dinp, N, false);
+
+  fy_add_forward(out, a, b, N);
+  CHECK_OK(fy_cuda_add_forward(d_out, d_a, d_b, dt, N, cs));
+  cmp_dev("add forward", dt, d_out, out, N, false);
+  float *da = fdup(a, N), *db = fdup(b, N);
+  fy_add_backward(da, db, dout, N);
+  CHECK_OK(fy_cuda_add_backward(d_a, d_b, d_dout, dt, N, cs));
+  cmp_dev("add backward da +=", dt, d_a, da, N, false);
+  cmp_dev("add backward db +=", dt, d_b, db, N, false);
+  fy_add_backward(NULL, db, dout, N);
+  CHECK_OK(fy_cuda_add_backward(NULL, d_b, d_dout, dt, N, cs));
+  cmp_dev("add backward (da NULL)", dt, d_b, db, N, false);
+  dfree_all();
+  free(a); free(b); free(out); free(dout); free(dinp); free(da); free(db);
+}
+
+static void test_crossentropy(enum fy_dtype dt) {
+  float *logits = frand_new((int64_t)BT * V, 4.0f, dt);
+  int32_t targets[BT];
+  for (int i = 0; i < BT; i++) targets[i] = i % 9 == 4 ? -100 : (int32_t)(urand() * V);
+  targets[1] = 0;
+  targets[2] = V - 1;
+  float *losses = fnew(BT);
+  int64_t count = fy_crossentropy_forward(losses, logits, targets, BT, V);
+  void *d_logits = dput(logits, (int64_t)BT * V, dt);
+  int32_t *d_t = dput_raw(targets, sizeof targets);
+  float *d_losses = dalloc(BT * sizeof(float)), *d_lse = dalloc(BT * sizeof(float));
+  CHECK_OK(fy_cuda_crossentropy_forward(d_losses, d_lse, d_logits, d_t, dt, BT, V, cs));
+  // The losses are fp32 from the same inputs whatever dt: held to fp32's tolerance.
+  cmp_dev("crossentropy forward losses", FY_F32, d_losses, losses, BT, false);
+
+  float dloss = 1.0f / (float)count;
+  float *dlogits = fnew((int64_t)BT * V);
+  fy_crossentropy_backward(dlogits, logits, targets, BT, V, dloss);
+  void *d_dl = dalloc((size_t)BT * V * fy_dtype_size(dt));
+  CHECK_OK(fy_cuda_crossentropy_backward(d_dl, d_logits, d_t, d_lse, dt, BT, V, dloss, cs));
+  cmp_dev("crossentropy backward (saved lse)", dt, d_dl, dlogits, (int64_t)BT * V, false);
+  CHECK_OK(fy_cuda_crossentropy_backward(d_dl, d_logits, d_t, NULL, dt, BT, V, dloss, cs));
+  cmp_dev("crossentropy backward (recomputed)", dt, d_dl, dlogits, (int64_t)BT * V, false);
+  CHECK_OK(fy_cuda_crossentropy_backward(d_logits, d_logits, d_t, NULL, dt, BT, V, dloss, cs));
+  cmp_dev("crossentropy backward (in place)", dt, d_logits, dlogits, (int64_t)BT * V, false);
+  dfree_all();
+  free(logits); free(losses); free(dlogits);
+}
+
+static void test_adamw(enum fy_dtype dt) {
+  const int64_t n = 100003;
+  float *p = frand_new(n, 1.0f, FY_F32), *m = frand_new(n, 0.01f, FY_F32), *v = fnew(n);
+  float *g = frand_new(n, 1.0f, dt);
+  for (int64_t i = 0; i < n; i++) v[i] = frand(0.01f) * frand(0.01f) + 1e-4f;  // v >= 0
+  float *d_p = dput(p, n, FY_F32), *d_m = dput(m, n, FY_F32), *d_v = dput(v, n, FY_F32);
+  void *d_g = dput(g, n, dt);
+  uint16_t *d_p16 = dalloc((size_t)n * 2);
+  fy_adamw_update(p, m, v, g, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.5f);
+  CHECK_OK(fy_cuda_adamw_update(d_p, d_m, d_v, d_g, dt, d_p16, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f,
+                                3, 0.5f, cs));
+  // The state is fp32 whatever the gradient's type, and the inputs are the same: fp32 tolerance.
+  cmp_dev("adamw param", FY_F32, d_p, p, n, false);
+  cmp_dev("adamw m", FY_F32, d_m, m, n, false);
+  cmp_dev("adamw v", FY_F32, d_v, v, n, false);
+  cmp_dev("adamw param bf16 copy", FY_BF16, d_p16, p, n, false);
+  dfree_all();
+  free(p); free(m); free(v); free(g);
+}
+
+static void test_sumsq(enum fy_dtype dt) {
+  const int64_t n = 1000003;
+  float *x = frand_new(n, 3.0f, dt);
+  double want = fy_sumsq(x, n);
+  void *d_x = dput(x, n, dt);
+  double *d_out = dalloc(sizeof(double)), *d_scr = dalloc(FY_CUDA_SUMSQ_PARTS * sizeof(double));
+  double got[3];
+  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, false, cs));
+  CHECK_OK(fy_copy_async(st, &got[0], d_out, sizeof(double)));
+  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, false, cs));
+  CHECK_OK(fy_copy_async(st, &got[1], d_out, sizeof(double)));
+  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, true, cs));
+  CHECK_OK(fy_copy_async(st, &got[2], d_out, sizeof(double)));
+  CHECK_OK(fy_stream_sync(st));
+  double err = fabs(got[0] - want) / want;
+  fprintf(stderr, "  %-40s %-4s err %.2e (tol 1e-12)\n", "sumsq", fy_dtype_name(dt), err);
+  CHECKF(err <= 1e-12, "sumsq %s: %.17g vs %.17g", fy_dtype_name(dt), got[0], want);
+  CHECKF(memcmp(&got[0], &got[1], sizeof(double)) == 0, "sumsq is not deterministic");
+  CHECKF(got[2] == 2 * got[0], "sumsq accumulate: %.17g vs 2 x %.17g", got[2], got[0]);
+  // n = 0 gives exactly 0.
+  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, 0, d_scr, false, cs));
+  CHECK_OK(fy_copy_async(st, &got[0], d_out, sizeof(double)));
+  CHECK_OK(fy_stream_sync(st));
+  CHECK(got[0] == 0.0);
+  dfree_all();
+  free(x);
+}
+
+static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt) {
+  const int64_t M = 37, N = 45, K = 72;
+  float *a = frand_new(M * K, 1.0f, dt), *b = frand_new(K * N, 1.0f, dt);
+  float *bias = frand_new(N, 1.0f, dt), *c0 = frand_new(M * N, 1.0f, dt);
+  void *d_a = dput(a, M * K, dt), *d_b = dput(b, K * N, dt), *d_bias = dput(bias, N, dt);
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++)
+      for (int acc = 0; acc < 2; acc++)
+        for (int wb = 0; wb < 2; wb++) {
+          float *c = fdup(c0, M * N);
+          void *d_c = dput(c, M * N, dt);
+          // alpha != 1 only without bias: oneDNN's output scale also scales the bias, cuBLASLt's
+          // epilogue adds it unscaled (ops_cuda.h), and nn.Linear uses alpha = 1.
+          float beta = acc ? 1.0f : 0.0f, alpha = wb ? 1.0f : 0.7f;
+          CHECK_OK(fy_matmul_bias(c, a, b, wb ? bias : NULL, 1, M, N, K, ta, tb, alpha, beta, 0, 0,
+                                  0, 0, 0, 0));
+          CHECK_OK(fy_cuda_matmul(h, d_c, d_a, d_b, wb ? d_bias : NULL, dt, M, N, K, ta, tb, alpha,
+                                  beta, cs));
+          char what[64];
+          snprintf(what, sizeof what, "matmul ta=%d tb=%d beta=%d bias=%d", ta, tb, acc, wb);
+          cmp_dev(what, dt, d_c, c, M * N, true);
+          free(c);
+        }
+  // The same shapes again come from the descriptor cache; a misaligned c (offset by one element)
+  // must get its own entry and still be right.
+  {
+    float *c = fdup(c0, M * N);
+    char *d_c = dalloc((size_t)(M * N + 1) * fy_dtype_size(dt));
+    void *tmp = dput(c, M * N, dt);
+    CHECK_OK(fy_copy_async(st, d_c + fy_dtype_size(dt), tmp, (size_t)(M * N) * fy_dtype_size(dt)));
+    CHECK_OK(fy_matmul(c, a, b, M, N, K, false, false, 1.0f, 1.0f));
+    CHECK_OK(fy_cuda_matmul(h, d_c + fy_dtype_size(dt), d_a, d_b, NULL, dt, M, N, K, false, false,
+                            1.0f, 1.0f, cs));
+    cmp_dev("matmul misaligned c", dt, d_c + fy_dtype_size(dt), c, M * N, true);
+    free(c);
+  }
+  dfree_all();
+  free(a); free(b); free(bias); free(c0);
+}
+
+static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
+  const int64_t OC = V;
+  float *inp = frand_new(BT * C, 1.0f, dt), *w = frand_new(OC * C, 0.2f, dt);
+  float *bias = frand_new(OC, 1.0f, dt), *out = fnew(BT * OC);
+  void *d_inp = dput(inp, BT * C, dt), *d_w = dput(w, OC * C, dt), *d_bias = dput(bias, OC, dt);
+  void *d_out = dalloc((size_t)(BT * OC) * fy_dtype_size(dt));
+  CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC));
+  CHECK_OK(fy_cuda_linear_forward(h, d_out, d_inp, d_w, d_bias, dt, BT, C, OC, cs));
+  cmp_dev("linear forward (bias)", dt, d_out, out, BT * OC, true);
+  CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC));
+  CHECK_OK(fy_cuda_linear_forward(h, d_out, d_inp, d_w, NULL, dt, BT, C, OC, cs));
+  cmp_dev("linear forward (no bias)", dt, d_out, out, BT * OC, true);
+
+  float *dout = frand_new(BT * OC, 1.0f, dt), *dinp = frand_new(BT * C, 1.0f, dt);
+  float *dw = frand_new(OC * C, 1.0f, dt), *db = frand_new(OC, 1.0f, dt);
+  void *d_dout = dput(dout, BT * OC, dt), *d_dinp = dput(dinp, BT * C, dt);
+  void *d_dw = dput(dw, OC * C, dt), *d_db = dput(db, OC, dt);
+  CHECK_OK(fy_linear_backward(dinp, dw, db, dout, inp, w, BT, C, OC));
+  CHECK_OK(fy_cuda_linear_backward(h, d_dinp, d_dw, d_db, d_dout, d_inp, d_w, dt, BT, C, OC, cs));
+  cmp_dev("linear backward dinp +=", dt, d_dinp, dinp, BT * C, true);
+  cmp_dev("linear backward dweight +=", dt, d_dw, dw, OC * C, true);
+  cmp_dev("linear backward dbias +=", dt, d_db, db, OC, false);
+  CHECK_OK(fy_linear_backward_params(dw, db, dout, inp, BT, C, OC, false));
+  CHECK_OK(fy_cuda_linear_backward_params(h, d_dw, d_db, d_dout, d_inp, dt, BT, C, OC, false, cs));
+  cmp_dev("linear backward_params dweight =", dt, d_dw, dw, OC * C, true);
+  cmp_dev("linear backward_params dbias =", dt, d_db, db, OC, false);
+  dfree_all();
+  free(inp); free(w); free(bias); free(out); free(dout); free(dinp); free(dw); free(db);
+}
+
+// Mask kinds: 0 = none (NULL), 1 = padding: batch 1 left-padded by 5 and right-padded by 3 (its
+// first queries have no key), batch 2 with random holes.
+static void test_attention_shape(enum fy_dtype dt, int64_t Bn, int64_t Tn, int64_t Cn, int64_t NHn,
+                                 int mask_kind) {
+  const int64_t HS = Cn / NHn, C3 = 3 * Cn;
+  const float scale = 1.0f / sqrtf((float)HS);
+  float *qkv = frand_new(Bn * Tn * C3, 1.5f, dt), *out = fnew(Bn * Tn * Cn);
+  float *att = fnew(Bn * NHn * Tn * Tn), *scr = fnew(Bn * NHn * Tn * Tn);
+  int32_t *mask = NULL;
+  if (mask_kind) {
+    mask = malloc((size_t)(Bn * Tn) * sizeof(int32_t));
+    for (int64_t b = 0; b < Bn; b++)
+      for (int64_t t = 0; t < Tn; t++)
+        mask[b * Tn + t] = b == 1 ? (t >= 5 && t < Tn - 3) : b == 2 ? urand() > 0.2 : 1;
+  }
+  CHECK_OK(fy_attention_forward(out, att, qkv, mask, Bn, Tn, Cn, NHn, scale));
+  void *d_qkv = dput(qkv, Bn * Tn * C3, dt), *d_out = dalloc((size_t)(Bn * Tn * Cn) * fy_dtype_size(dt));
+  float *d_lse = dalloc((size_t)(Bn * NHn * Tn) * sizeof(float));
+  float *d_scr = dalloc((size_t)(Bn * NHn * Tn) * sizeof(float));
+  int32_t *d_mask = mask ? dput_raw(mask, (size_t)(Bn * Tn) * sizeof(int32_t)) : NULL;
+  CHECK_OK(fy_cuda_attention_forward(d_out, d_lse, d_qkv, d_mask, dt, Bn, Tn, Cn, NHn, scale, cs));
+  char what[96];
+  snprintf(what, sizeof what, "attention fwd B%lld T%lld C%lld NH%lld m%d", (long long)Bn,
+           (long long)Tn, (long long)Cn, (long long)NHn, mask_kind);
+  cmp_dev(what, dt, d_out, out, Bn * Tn * Cn, false);
+
+  // Backward from the GPU's own forward output, as training runs it (for bf16 that output is
+  // rounded; D = rowsum(dout * out) sees the rounding, well inside bf16's tolerance).
+  float *dout = frand_new(Bn * Tn * Cn, 1.0f, dt), *dqkv = frand_new(Bn * Tn * C3, 1.0f, dt);
+  void *d_dout = dput(dout, Bn * Tn * Cn, dt), *d_dqkv = dput(dqkv, Bn * Tn * C3, dt);
+  CHECK_OK(fy_attention_backward(dqkv, scr, dout, qkv, att, Bn, Tn, Cn, NHn, scale));
+  CHECK_OK(fy_cuda_attention_backward(d_dqkv, d_scr, d_dout, d_qkv, d_out, d_lse, d_mask, dt, Bn,
+                                      Tn, Cn, NHn, scale, cs));
+  snprintf(what, sizeof what, "attention bwd B%lld T%lld C%lld NH%lld m%d", (long long)Bn,
+           (long long)Tn, (long long)Cn, (long long)NHn, mask_kind);
+  cmp_dev(what, dt, d_dqkv, dqkv, Bn * Tn * C3, false);
+  // The left-padded queries of batch 1 (no key) must give exactly zero output.
+  if (mask_kind && Bn > 1) {
+    float *got = fnew(Bn * Tn * Cn);
+    dget(got, d_out, Bn * Tn * Cn, dt);
+    bool zero = true;
+    for (int64_t t = 0; t < 5; t++)
+      for (int64_t c = 0; c < Cn; c++) zero = zero && got[(Tn + t) * Cn + c] == 0.0f;
+    CHECKF(zero, "attention: a query with no key has a non-zero output");
+    free(got);
+  }
+  dfree_all();
+  free(qkv); free(out); free(att); free(scr); free(mask); free(dout); free(dqkv);
+}
+
+static void test_attention(enum fy_dtype dt) {
+  test_attention_shape(dt, B, T, C, NH, 0);     // HS 12, one tile
+  test_attention_shape(dt, B, T, C, NH, 1);
+  test_attention_shape(dt, 3, 130, 128, 2, 1);  // HS 64, three tiles, a ragged last one
+  test_attention_shape(dt, 2, 150, 256, 2, 1);  // HS 128 (the largest), three tiles
+  test_attention_shape(dt, 1, 64, 40, 2, 0);    // HS 20, exactly one tile
+}
+
+// Errors a caller can make are reported, not crashed on.
+static void test_errors(struct fy_cuda_blas *h) {
+  CHECK_ERR(fy_cuda_relu_forward(NULL, NULL, FY_I32, 10, cs), FY_ERR_UNSUPPORTED);
+  CHECK_ERR(fy_cuda_attention_forward(NULL, NULL, NULL, NULL, FY_F32, 1, 8, 516, 2, 1.0f, cs),
+            FY_ERR_UNSUPPORTED);  // head size 258
+  CHECK_ERR(fy_cuda_attention_forward(NULL, NULL, NULL, NULL, FY_F32, 1, 8, 10, 3, 1.0f, cs),
+            FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_matmul(h, NULL, NULL, NULL, NULL, FY_F16, 2, 2, 2, false, false, 1, 0, cs),
+            FY_ERR_UNSUPPORTED);
+}
+
+int main(void) {
+  int ngpu = fy_cuda_device_count();
+  if (ngpu == 0) {
+    fprintf(stderr, "backend_ops: no GPU (or no driver): skipped\n");
+    return 77;
+  }
+  if (fy_device_cuda_create(0, 0, &dev) != FY_OK) {
+    fprintf(stderr, "backend_ops: %s\n", fy_error_msg());
+    return 1;
+  }
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+    fprintf(stderr, "backend_ops: %s, compute capability %d.%d\n", prop.name, prop.major,
+            prop.minor);
+  CHECK_OK(fy_stream_create(dev, &st));
+  cs = fy_cuda_stream(st);
+  test_device();
+
+  const size_t ws_bytes = 32u << 20;
+  void *ws = NULL;
+  struct fy_cuda_blas *h = NULL;
+  CHECK_OK(fy_device_alloc(dev, ws_bytes, &ws));
+  CHECK_OK(fy_cuda_blas_create(ws, ws_bytes, &h));
+  for (int i = 0; i < 2; i++) {
+    enum fy_dtype dt = dtypes[i];
+    fprintf(stderr, "== %s\n", fy_dtype_name(dt));
+    test_embedding(dt);
+    test_layernorm(dt);
+    test_elementwise(dt);
+    test_crossentropy(dt);
+    test_adamw(dt);
+    test_sumsq(dt);
+    test_matmul(h, dt);
+    test_linear(h, dt);
+    test_attention(dt);
+  }
+  test_errors(h);
+  CHECK_OK(fy_stream_sync(st));
+  fy_cuda_blas_free(h);
+  fy_device_dealloc(dev, ws, ws_bytes);
+  fy_stream_free(st);
+  CHECKF(dev->bytes_in_use == 0, "%zu bytes still counted in use", dev->bytes_in_use);
+  fy_device_free(dev);
+  fy_matmul_cache_clear();
+  return check_summary("backend_ops");
+}
