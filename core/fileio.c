@@ -76,3 +76,18 @@ fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pie
   free(tmp);
   return fy_file_sync_parent(path);
 }
+
+fy_status fy_mkdir_p(const char *dir) {
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s", dir);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+      return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+    return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
+  return FY_OK;
+}

@@ -20,4 +20,7 @@ fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path)
 // fsync of the directory holding `path` (a rename's durability).
 fy_status fy_file_sync_parent(const char *path);
 
+// mkdir -p: creates dir and its missing parents (an existing directory is fine).
+fy_status fy_mkdir_p(const char *dir);
+
 #endif

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/fileio.h"
 #include "core/log.h"
 #include "core/safetensors.h"
 #include "memory/uv_pool.h"
@@ -78,21 +79,6 @@ static fy_status fsync_dir_files(const char *dir) {
   }
   closedir(d);
   return st == FY_OK ? fsync_path(dir, true) : st;
-}
-
-static fy_status mkdir_p(const char *dir) {
-  char tmp[4096];
-  snprintf(tmp, sizeof tmp, "%s", dir);
-  for (char *p = tmp + 1; *p; p++) {
-    if (*p != '/') continue;
-    *p = 0;
-    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
-      return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
-    *p = '/';
-  }
-  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
-    return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
-  return FY_OK;
 }
 
 // ---- writing ----
@@ -167,7 +153,7 @@ static void write_job(void *arg) {
   snprintf(dir, sizeof dir, "%s/%s", w->root, name);
   snprintf(latest, sizeof latest, "%s/latest", w->root);
   fy_status st = remove_tree(tmp);
-  if (st == FY_OK) st = mkdir_p(tmp);
+  if (st == FY_OK) st = fy_mkdir_p(tmp);
   if (st == FY_OK) st = write_step_dir(w, tmp);
   if (st == FY_OK) {
     struct stat sb;
@@ -194,7 +180,7 @@ static void write_job(void *arg) {
 }
 
 fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_model *m, struct fy_ckpt_writer **out) {
-  FY_TRY(mkdir_p(root));
+  FY_TRY(fy_mkdir_p(root));
   struct fy_ckpt_writer *w = calloc(1, sizeof *w);
   if (!w) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint writer");
   snprintf(w->root, sizeof w->root, "%s", root);

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "core/fileio.h"
 #include "core/log.h"
 #include "core/safetensors.h"
 #include "memory/tier.h"
@@ -211,25 +212,10 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   return status;
 }
 
-static fy_status mkdir_p(const char *dir) {
-  char tmp[4096];
-  snprintf(tmp, sizeof tmp, "%s", dir);
-  for (char *p = tmp + 1; *p; p++) {
-    if (*p != '/') continue;
-    *p = 0;
-    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
-      return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
-    *p = '/';
-  }
-  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
-    return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", tmp, strerror(errno));
-  return FY_OK;
-}
-
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes) {
   const struct fy_graph *g = m->graph;
-  FY_TRY(mkdir_p(dir));
+  FY_TRY(fy_mkdir_p(dir));
   struct fy_st_tensor *ts = calloc((size_t)g->n_params, sizeof *ts);
   void *conv = NULL;
   if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the tensor list");
