@@ -369,7 +369,8 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
     memcpy(s->v, m->v, bytes);
   }
   memcpy(s->params, m->params, bytes);
-  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch,
+  // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
+  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->world,
                                   .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
   options_json(o, s->meta.options, sizeof s->meta.options);
   return fy_ckpt_write_async(w);
@@ -397,10 +398,12 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
     free(vv);
   }
   if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
-  if (meta.sequences % o->batch != 0)
+  int64_t global_batch = o->batch * r->world;
+  if (meta.sequences % global_batch != 0)
     return fy_error_set(FY_ERR_INVALID, "--resume %s: %lld sequences were consumed, not a whole number of "
-                        "batches of %lld", o->resume, (long long)meta.sequences, (long long)o->batch);
-  FY_TRY(fy_data_seek(r->data, meta.sequences / o->batch));
+                        "global batches of %lld (%lld per rank x %d ranks)", o->resume, (long long)meta.sequences,
+                        (long long)global_batch, (long long)o->batch, r->world);
+  FY_TRY(fy_data_seek(r->data, meta.sequences / global_batch));
   *first_step = meta.step;
   *scale = o->loss_scale > 0 ? meta.loss_scale : 1.0;
   *scale_good = meta.loss_scale_good;
