@@ -81,9 +81,12 @@ def tensors(path):
 x, y = tensors(d + "/one/model.safetensors"), tensors(d + "/resumed/model.safetensors")
 num = sum((p - q) ** 2 for k in x for p, q in zip(x[k], y[k]))
 den = sum(p * p for k in x for p in x[k])
-assert (num / den) ** 0.5 <= 1e-6, (num / den) ** 0.5
+# The 2-rank steps sum each gradient in two halves: ~1e-6 apart from one rank after these steps
+# (9.7e-7 in the release build, 1.1e-6 with the sanitizer build's arithmetic).
+assert (num / den) ** 0.5 <= 2e-6, (num / den) ** 0.5
+print("2 ranks then 1: weights within %.2g of the straight run" % ((num / den) ** 0.5))
 PY
-then ok "2 ranks checkpoint, 1 rank resumes: losses and weights within 1e-6 of the straight run"; else bad "2-to-1 resume differs"; fi
+then ok "2 ranks checkpoint, 1 rank resumes: losses within 1e-6, weights within 2e-6 of the straight run"; else bad "2-to-1 resume differs"; fi
 
 # A rank that dies ends the job: the survivor's collective times out (or mpirun ends it).
 start=$(date +%s)
