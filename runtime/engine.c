@@ -6,20 +6,9 @@
 
 #include "ops/ops.h"
 
-static inline float *act(const struct fy_model *m, int slot) {
-  return m->acts + m->graph->slots[slot].offset;
-}
-
-static inline float *dact(const struct fy_model *m, int slot) {
-  const struct fy_slot *s = &m->graph->slots[slot];
-  return s->grad_in_place ? m->acts + s->offset : m->dacts + s->grad_offset;
-}
-
-// The gradient of an op's input, or NULL when nothing upstream needs it.
-static inline float *dinput(const struct fy_model *m, const struct fy_op *op, int k) {
-  const struct fy_slot *s = &m->graph->slots[op->in[k]];
-  return s->grad_offset >= 0 || s->grad_in_place ? dact(m, op->in[k]) : NULL;
-}
+#define act fy_engine_act
+#define dact fy_engine_dact
+#define dinput fy_engine_dinput
 
 void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T) {
   for (int64_t b = 0; b < B; b++) {
@@ -181,23 +170,40 @@ static void resident_call(struct fy_model *m, int o, const struct fy_dev_batch *
   }
 }
 
-static struct fy_dev_batch host_batch(struct fy_model *m, const struct fy_batch *batch) {
-  return (struct fy_dev_batch){.inputs = batch->inputs, .targets = batch->targets, .mask = batch->mask,
-                               .positions = m->positions};
+// The batch where the kernels read it: the loader's buffers on a host-addressable device, else
+// copied (with the positions) into the model's device buffers.
+static fy_status stage_batch(struct fy_model *m, const struct fy_batch *batch, const int32_t *positions,
+                             struct fy_dev_batch *out) {
+  if (!m->device_memory) {
+    *out = (struct fy_dev_batch){.inputs = batch->inputs, .targets = batch->targets, .mask = batch->mask,
+                                 .positions = m->positions};
+    return FY_OK;
+  }
+  size_t n = (size_t)(batch->B * batch->T) * 4;
+  int32_t *d = m->dbatch;
+  *out = (struct fy_dev_batch){.inputs = d, .targets = d + batch->B * batch->T,
+                               .mask = batch->mask ? d + 2 * batch->B * batch->T : NULL, .positions = m->positions};
+  FY_TRY(fy_model_upload(m, out->inputs, batch->inputs, n));
+  FY_TRY(fy_model_upload(m, out->targets, batch->targets, n));
+  if (batch->mask) FY_TRY(fy_model_upload(m, (void *)out->mask, batch->mask, n));
+  if (positions) FY_TRY(fy_model_upload(m, m->positions, positions, n));
+  return FY_OK;
 }
 
 fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
   FY_TRY(fy_engine_check_batch(m, batch));
   const struct fy_graph *g = m->graph;
-  fy_engine_positions(m->positions, batch->mask, g->B, g->T);
-  struct fy_dev_batch b = host_batch(m, batch);
+  int32_t *pos = m->device_memory ? m->host_positions : m->positions;
+  fy_engine_positions(pos, batch->mask, g->B, g->T);
+  struct fy_dev_batch b;
+  FY_TRY(stage_batch(m, batch, pos, &b));
   loss->sum = 0;
   loss->count = fy_engine_count_targets(batch);
   for (int o = 0; o < g->n_ops; o++) {
     struct fy_op_call c;
     resident_call(m, o, &b, &c);
     c.loss_sum = &loss->sum;
-    fy_op_call_forward(&c);
+    m->kernels->op_forward(&c);
     if (c.st != FY_OK) return c.st;
   }
   return FY_OK;
@@ -205,18 +211,19 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
 
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {
   const struct fy_graph *g = m->graph;
-  struct fy_dev_batch b = host_batch(m, batch);
+  struct fy_dev_batch b;
+  FY_TRY(stage_batch(m, batch, NULL, &b));
   for (int o = g->n_ops - 1; o >= 0; o--) {
     struct fy_op_call c;
     int first = g->recompute ? fy_graph_layer_first_op(g, o) : -1;
     for (int r = first; r >= 0 && r <= o; r++) {  // recompute the layer's activations
       resident_call(m, r, &b, &c);
-      fy_op_call_forward(&c);
+      m->kernels->op_forward(&c);
       if (c.st != FY_OK) return c.st;
     }
     resident_call(m, o, &b, &c);
     c.loss_scale = loss_scale;
-    fy_op_call_backward(&c);
+    m->kernels->op_backward(&c);
     if (c.st != FY_OK) return c.st;
   }
   return FY_OK;
@@ -225,8 +232,10 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
 fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op) {
   FY_TRY(fy_engine_check_batch(m, batch));
   const struct fy_graph *g = m->graph;
+  if (m->device_memory) return fy_error_set(FY_ERR_UNSUPPORTED, "naming the operator needs host-addressable activations");
   fy_engine_positions(m->positions, batch->mask, g->B, g->T);
-  struct fy_dev_batch b = host_batch(m, batch);
+  struct fy_dev_batch b;
+  FY_TRY(stage_batch(m, batch, NULL, &b));
   *op = -1;
   for (int o = 0; o < g->n_ops; o++) {
     struct fy_op_call c;

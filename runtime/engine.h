@@ -35,9 +35,24 @@ struct fy_op_call {
   fy_status st;                // the kernel's status
 };
 
-// Run one op's forward or backward kernel (signature of a stream host function).
+// Run one op's forward or backward kernel (signature of a stream host function): the CPU
+// kernels (cpu and sim devices). A cuda device's are in runtime/engine_cuda.c.
 void fy_op_call_forward(void *call);
 void fy_op_call_backward(void *call);
+
+// Where a slot's activation and its gradient are, and an op input's gradient (NULL when nothing
+// upstream needs it).
+static inline float *fy_engine_act(const struct fy_model *m, int slot) {
+  return m->acts + m->graph->slots[slot].offset;
+}
+static inline float *fy_engine_dact(const struct fy_model *m, int slot) {
+  const struct fy_slot *s = &m->graph->slots[slot];
+  return s->grad_in_place ? m->acts + s->offset : m->dacts + s->grad_offset;
+}
+static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_op *op, int k) {
+  const struct fy_slot *s = &m->graph->slots[op->in[k]];
+  return s->grad_offset >= 0 || s->grad_in_place ? fy_engine_dact(m, op->in[k]) : NULL;
+}
 
 // Resident parameters (m->params, gradients into m->grads): run the forward pass of a micro-batch
 // (its B and T must be those the model was built for) after checking every id against the

@@ -9,14 +9,56 @@
 #include "core/fileio.h"
 #include "core/log.h"
 #include "core/safetensors.h"
+#include "ops/ops.h"
+#include "runtime/engine.h"
 #include "memory/tier.h"
+
+// Runs one copy or memset on a stream of the device and waits for it: for setup and staging,
+// not the training loop.
+static fy_status dev_sync_op(struct fy_device *dev, void *dst, const void *src, int value, size_t n) {
+  fy_stream *s;
+  FY_TRY(fy_stream_create(dev, &s));
+  fy_status st = src ? fy_copy_async(s, dst, src, n) : dev->ops->memset_async(s, dst, value, n);
+  if (st == FY_OK) st = fy_stream_sync(s);
+  fy_stream_free(s);
+  return st;
+}
+
+static bool host_addressable(const struct fy_device *dev) { return dev->kind != FY_DEVICE_CUDA; }
 
 static fy_status buf_alloc(struct fy_device *dev, int64_t elems, size_t esize, void **out) {
   size_t n = (size_t)(elems > 0 ? elems : 1) * esize;
   FY_TRY(fy_device_alloc(dev, n, out));
-  memset(*out, 0, n);
+  if (host_addressable(dev)) memset(*out, 0, n);
+  else return dev_sync_op(dev, *out, NULL, 0, n);
   return FY_OK;
 }
+
+fy_status fy_model_upload(struct fy_model *m, void *dst, const void *src, size_t n) {
+  if (!m->device_memory) {
+    memmove(dst, src, n);
+    return FY_OK;
+  }
+  return dev_sync_op(m->dev, dst, src, 0, n);
+}
+
+fy_status fy_model_download(struct fy_model *m, void *dst, const void *src, size_t n) {
+  return fy_model_upload(m, dst, src, n);  // cudaMemcpyDefault: the direction follows the pointers
+}
+
+static double cpu_sumsq(struct fy_model *m, const float *x, int64_t n) { return fy_sumsq(x, n); }
+
+static void cpu_adamw(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n, float lr,
+                      float b1, float b2, float eps, float wd, int64_t t, float scale) {
+  fy_adamw_update(p, mo, v, g, n, lr, b1, b2, eps, wd, t, scale);
+}
+
+const struct fy_model_kernels fy_model_cpu_kernels = {
+    .op_forward = fy_op_call_forward,
+    .op_backward = fy_op_call_backward,
+    .sumsq = cpu_sumsq,
+    .adamw = cpu_adamw,
+};
 
 // Parameter-sized buffers: from the host tier when offloading (zeroed, untouched pages), else
 // from the device.
@@ -45,6 +87,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   if (!m) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the model");
   m->cfg = *cfg;
   m->dev = dev;
+  m->kernels = &fy_model_cpu_kernels;
+  m->device_memory = !host_addressable(dev);
   fy_status st = fy_opt_build_graph(cfg, B, T, &m->graph);
   if (st != FY_OK) {
     free(m);
@@ -80,7 +124,10 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
       (st = buf_alloc(dev, g->act_elems, 4, (void **)&m->acts)) != FY_OK ||
       (st = buf_alloc(dev, g->grad_elems, 4, (void **)&m->dacts)) != FY_OK ||
       (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
-      (st = buf_alloc(dev, B * T, 4, (void **)&m->positions)) != FY_OK) {
+      (st = buf_alloc(dev, B * T, 4, (void **)&m->positions)) != FY_OK ||
+      (m->device_memory && (st = buf_alloc(dev, 3 * B * T, 4, (void **)&m->dbatch)) != FY_OK) ||
+      (m->device_memory && !(m->host_positions = calloc((size_t)(B * T), 4)) &&
+       (st = fy_error_set(FY_ERR_NOMEM, "out of memory")) != FY_OK)) {
     fy_model_free(m);
     return fy_error_wrap(st, "allocating the model's state (%.2f GiB of parameter state)",
                          4.0 * 4 * (double)np / (1 << 30));
@@ -106,10 +153,12 @@ void fy_model_free(struct fy_model *m) {
     float *home[] = {m->params, m->grads, m->m, m->v, m->grad_acc};
     for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], np);
     struct { void *p; int64_t n; } bufs[] = {{m->acts, g->act_elems}, {m->dacts, g->grad_elems},
-                                            {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T}};
+                                            {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
+                                            {m->dbatch, 3 * g->B * g->T}};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }
+  free(m->host_positions);
   fy_chunk_layout_free(m->layout);
   fy_graph_free(m->graph);
   free(m);
@@ -143,10 +192,13 @@ static void fill_normal(float *x, int64_t n, float std, uint64_t state) {
 
 void fy_model_init_random(struct fy_model *m, uint64_t seed) {
   const struct fy_graph *g = m->graph;
+  // Device memory the host cannot address: initialise a host copy and upload it.
+  float *host = m->device_memory ? calloc((size_t)g->n_param_elems, 4) : m->params;
+  FY_ASSERT(host);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
-    float *x = fy_model_param(m, i);
+    float *x = host + p->offset;
     const char *suffix = strrchr(p->name, '.');
     bool is_norm = strstr(p->name, "layer_norm") != NULL;
     if (p->rank == 2) {
@@ -157,6 +209,13 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
     } else {
       memset(x, 0, (size_t)p->numel * 4);
     }
+  }
+  if (m->device_memory) {
+    FY_ASSERT(fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4) == FY_OK);
+    free(host);
+    FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    return;
   }
   if (m->m) memset(m->m, 0, (size_t)g->n_param_elems * 4);
   if (m->v) memset(m->v, 0, (size_t)g->n_param_elems * 4);
@@ -176,6 +235,8 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   FY_TRY(fy_safetensors_open_dir(dir, &st));
   const struct fy_graph *g = m->graph;
   fy_status status = FY_OK;
+  float *host = m->device_memory ? calloc((size_t)g->n_param_elems, 4) : m->params;
+  if (!host) status = fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");
   for (int i = 0; i < g->n_params && status == FY_OK; i++) {
     const struct fy_param *p = &g->params[i];
     const struct fy_st_tensor *t = find_tensor(st, p->name);
@@ -201,7 +262,11 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
                             dir, p->name, fy_dtype_name(t->dtype));
       break;
     }
-    fy_convert_to_f32(fy_model_param(m, i), t->data, t->dtype, (size_t)p->numel);
+    fy_convert_to_f32(host + p->offset, t->data, t->dtype, (size_t)p->numel);
+  }
+  if (m->device_memory && host) {
+    if (status == FY_OK) status = fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4);
+    free(host);
   }
   if (status == FY_OK && m->cfg.tie_word_embeddings) {
     // A checkpoint may carry lm_head.weight even when tied; it must then equal the embedding.
@@ -226,6 +291,18 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
       return fy_error_set(FY_ERR_NOMEM, "cannot allocate a %s copy of the weights", fy_dtype_name(dtype));
     }
   }
+  float *host = m->params;
+  if (m->device_memory) {
+    host = malloc((size_t)g->n_param_elems * 4);
+    fy_status sd = host ? fy_model_download((struct fy_model *)m, host, m->params, (size_t)g->n_param_elems * 4)
+                        : fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");
+    if (sd != FY_OK) {
+      free(host);
+      free(conv);
+      free(ts);
+      return sd;
+    }
+  }
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
     ts[i].name = p->name;
@@ -235,10 +312,10 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
     ts[i].shape[1] = p->shape[1];
     ts[i].nbytes = (size_t)p->numel * fy_dtype_size(dtype);
     if (dtype == FY_F32) {
-      ts[i].data = fy_model_param(m, i);
+      ts[i].data = host + p->offset;
     } else {
       uint16_t *d = (uint16_t *)conv + p->offset;
-      fy_convert_from_f32(d, dtype, fy_model_param(m, i), (size_t)p->numel);
+      fy_convert_from_f32(d, dtype, host + p->offset, (size_t)p->numel);
       ts[i].data = d;
     }
   }
@@ -249,5 +326,6 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
   if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
   free(conv);
   free(ts);
+  if (host != m->params) free(host);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "saving the model to %s", dir);
 }

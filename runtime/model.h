@@ -25,6 +25,12 @@ struct fy_model {
   float *dacts;           // graph->grad_elems
   float *scratch;         // graph->scratch_elems
   int32_t *positions;     // (B,T) position ids of the current micro-batch (offset included)
+  // A device whose memory the host cannot address (cuda): the batch goes through dbatch (inputs,
+  // targets, mask) and host_positions, and host code stages parameters through copies.
+  bool device_memory;
+  int32_t *dbatch, *host_positions;
+  const struct fy_model_kernels *kernels;
+  void *kernels_ctx;
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
   double op_seconds[FY_OP_KIND_COUNT][2];
@@ -33,6 +39,18 @@ struct fy_model {
 };
 
 struct fy_host_tier;
+struct fy_model;
+
+// The kernels the engine and the optimizer run on the model's device: the CPU ones (cpu and sim
+// devices, whose memory the host can address) unless a backend replaces them
+// (runtime/engine_cuda.c for a cuda device). `ctx` is the backend's.
+struct fy_model_kernels {
+  void (*op_forward)(void *call);   // struct fy_op_call * (runtime/engine.h)
+  void (*op_backward)(void *call);
+  double (*sumsq)(struct fy_model *m, const float *x, int64_t n);
+  void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
+                float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
+};
 
 struct fy_model_opts {
   bool recompute;             // recompute each decoder layer's activations in backward (core/graph.h)
@@ -64,6 +82,12 @@ fy_status fy_model_load(struct fy_model *m, const char *dir);
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes);
+
+// Copies between host memory and the model's device (a plain memcpy on host-addressable ones).
+fy_status fy_model_upload(struct fy_model *m, void *dst, const void *src, size_t n);
+fy_status fy_model_download(struct fy_model *m, void *dst, const void *src, size_t n);
+// The CPU kernels (the default of every model).
+extern const struct fy_model_kernels fy_model_cpu_kernels;
 
 static inline float *fy_model_param(const struct fy_model *m, int id) {
   return m->params + m->graph->params[id].offset;

@@ -11,7 +11,7 @@ struct fy_adamw fy_adamw_defaults(void) {
 double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
   const struct fy_graph *g = m->graph;
   double s = 0;
-  for (int i = 0; i < g->n_params; i++) s += fy_sumsq(fy_model_grad(m, i), g->params[i].numel);
+  for (int i = 0; i < g->n_params; i++) s += m->kernels->sumsq((struct fy_model *)m, fy_model_grad(m, i), g->params[i].numel);
   return sqrt(s) * fabs((double)grad_scale);
 }
 
@@ -27,7 +27,7 @@ fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float 
   const struct fy_graph *g = m->graph;
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
-    fy_adamw_update(fy_model_param(m, i), m->m + p->offset, m->v + p->offset, fy_model_grad(m, i),
+    m->kernels->adamw(m, fy_model_param(m, i), m->m + p->offset, m->v + p->offset, fy_model_grad(m, i),
                     p->numel, lr, h->beta1, h->beta2, h->eps, p->decay ? h->weight_decay : 0.0f, t, scale);
   }
   return FY_OK;
