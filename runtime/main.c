@@ -310,8 +310,9 @@ static void usage_train(FILE *f, bool eval) {
           "  --recompute        keep only each decoder layer's input and run its forward again in\n"
           "                     backward (activation memory of one layer instead of all)\n"
           "\nwhere the model state lives:\n"
-          "  --device D         cpu (default: everything in host memory) or sim (a device with its\n"
-          "                     own memory that holds only a cache of parameter chunks)\n"
+          "  --device D         cpu (default: everything in host memory), sim (a device with its\n"
+          "                     own memory that holds only a cache of parameter chunks) or cuda\n"
+          "                     (GPU 0, everything resident, fp32; when built with CUDA)\n"
           "  --device-mem SIZE  sim: the device's memory, e.g. 512MiB (default 1GiB)\n"
           "  --sim-link-gbps X  sim: throttle host<->device copies to X GB/s, like PCIe (default: off)\n"
           "  --host-mem SIZE    sim: host memory for parameters, gradients and AdamW state\n"
@@ -468,8 +469,8 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_RECOMPUTE: o.recompute = true; break;
       case OPT_DEVICE:
         o.device = optarg;
-        if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "sim") != 0) {
-          fprintf(stderr, "ferry: --device is cpu or sim, got '%s'\n", optarg);
+        if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "sim") != 0 && strcmp(optarg, "cuda") != 0) {
+          fprintf(stderr, "ferry: --device is cpu, sim or cuda, got '%s'\n", optarg);
           ok = false;
         }
         break;

@@ -23,6 +23,8 @@
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
+#include "runtime/engine_cuda.h"
+#include "fy_config.h"
 #include "planner/plan.h"
 #include "planner/probe.h"
 #include "memory/tier.h"
@@ -189,9 +191,21 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
+  } else if (strcmp(device, "cuda") == 0) {
+#if FY_HAVE_CUDA
+    // Everything resident on the GPU, fp32 (the reference precision); offloading to a cuda device
+    // and bf16 compute are not wired yet.
+    if (o->grad_accum > 1) return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: --grad-accum is not supported yet");
+    if (o->save_every > 0) return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: --save-every is not supported yet");
+    FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
+    struct fy_model_opts mo = {.recompute = o->recompute};
+    FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+    FY_TRY(fy_engine_cuda_attach(r->model));
+#else
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: this ferry was built without CUDA (no nvcc, or -Dcuda=disabled)");
+#endif
   } else {
-    return fy_error_set(FY_ERR_INVALID, "--device %s: ferry knows cpu and sim%s", device,
-                        FY_HAVE_CUDA ? " (cuda comes with the CUDA backend)" : "");
+    return fy_error_set(FY_ERR_INVALID, "--device %s: ferry knows cpu, sim and cuda", device);
   }
   if (!o->init || strcmp(o->init, "random") == 0) {
     fy_model_init_random(r->model, o->seed);
@@ -213,6 +227,9 @@ static void teardown(struct run *r) {
   fy_comm_free(r->comm);
   fy_data_close(r->data);
   fy_offload_free(r->x);
+#if FY_HAVE_CUDA
+  if (r->model && r->model->kernels_ctx) fy_engine_cuda_detach(r->model);
+#endif
   fy_model_free(r->model);
   if (r->disk) fy_disk_tier_close(r->disk);
   if (r->host) fy_host_tier_free(r->host);
@@ -220,12 +237,19 @@ static void teardown(struct run *r) {
 }
 
 // Over the parameters in their graph order, so that runs with different chunk layouts compare.
-static uint64_t hash_params(const struct fy_model *m) {
+static uint64_t hash_params(struct fy_model *m) {
   uint64_t h = 0xcbf29ce484222325ull;
+  float *host = m->params;
+  size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  if (m->device_memory && (!(host = malloc(bytes)) || fy_model_download(m, host, m->params, bytes) != FY_OK)) {
+    free(host);
+    return 0;
+  }
   for (int i = 0; i < m->graph->n_params; i++) {
-    const uint8_t *b = (const uint8_t *)fy_model_param(m, i);
+    const uint8_t *b = (const uint8_t *)(host + m->graph->params[i].offset);
     for (size_t k = 0; k < (size_t)m->graph->params[i].numel * 4; k++) h = (h ^ b[k]) * 0x100000001b3ull;
   }
+  if (host != m->params) free(host);
   return h;
 }
 

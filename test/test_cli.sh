@@ -104,7 +104,7 @@ expect 1 "a batch the memory cannot hold" "needs .* GiB .* activations" -- train
 # Offloading to the sim device.
 expect 0 "training offloaded to a small sim device" "cache blocks" -- train "${tiny[@]}" --steps 2 --device sim \
   --device-mem 4MiB --chunk-mib 0.05 --blocks 2
-expect 2 "an unknown device" "--device is cpu or sim" -- train "${tiny[@]}" --device tpu
+expect 2 "an unknown device" "--device is cpu, sim or cuda" -- train "${tiny[@]}" --device tpu
 expect 2 "a device memory that is not a size" "size such as" -- train "${tiny[@]}" --device sim --device-mem lots
 expect 1 "a device memory below the smallest working set" "needs at least" -- train "${tiny[@]}" --device sim \
   --device-mem 64KiB

@@ -1,0 +1,227 @@
+// The step engine's kernels on a cuda device: the same op calls as runtime/engine.c, dispatched to
+// ops/cuda on one stream. Host reads (the loss, the gradient norm) wait for the stream.
+#include "runtime/engine_cuda.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/device_cuda.h"
+#include "ops/cuda/ops_cuda.h"
+#include "runtime/engine.h"
+
+struct cuda_ctx {
+  fy_stream *stream;
+  cudaStream_t st;
+  struct fy_cuda_blas *blas;
+  void *workspace;
+  size_t workspace_bytes;
+  float *row;          // (C) one embedding row, kept across the padding row's update
+  float *losses;       // (BT) host copy of the per-row losses
+  double *dsum, *dscratch;
+  int64_t row_elems;
+};
+
+static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
+
+static void op_forward_cuda(void *arg) {
+  struct fy_op_call *c = arg;
+  struct fy_model *m = c->m;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = &g->ops[c->op];
+  const int64_t B = g->B, T = g->T, BT = B * T;
+  float *out = fy_engine_act(m, op->out);
+  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
+  fy_status st = FY_OK;
+  switch (op->kind) {
+    case FY_OP_EMBEDDING:
+      st = fy_cuda_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
+                                     c->w[0], FY_F32, BT, op->C, x->st);
+      break;
+    case FY_OP_LAYERNORM:
+      st = fy_cuda_layernorm_forward(out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), in0,
+                                     op->n_params ? c->w[0] : NULL, op->n_params ? c->w[1] : NULL, FY_F32, BT, op->C,
+                                     op->eps, x->st);
+      break;
+    case FY_OP_LINEAR: {
+      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+      st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, FY_F32, BT, op->C,
+                                  op->OC, x->st);
+      break;
+    }
+    case FY_OP_ATTENTION:  // the aux slot (sized for T x T probabilities on the CPU) holds the lse
+      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, FY_F32, B, T, op->C,
+                                     op->NH, op->scale, x->st);
+      break;
+    case FY_OP_RELU: st = fy_cuda_relu_forward(out, in0, FY_F32, g->slots[op->out].numel, x->st); break;
+    case FY_OP_ADD:
+      st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), FY_F32, g->slots[op->out].numel, x->st);
+      break;
+    case FY_OP_CROSS_ENTROPY:
+      st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, FY_F32, BT, op->V, x->st);
+      if (st == FY_OK && c->loss_sum) {  // the loss is read on the host
+        if (cudaMemcpyAsync(x->losses, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
+            cudaStreamSynchronize(x->st) != cudaSuccess)
+          st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
+        double s = 0;
+        for (int64_t i = 0; st == FY_OK && i < BT; i++) s += x->losses[i];
+        *c->loss_sum += s;
+      }
+      break;
+    case FY_OP_KIND_COUNT: FY_ASSERT(0);
+  }
+  if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s on cuda", op->name);
+}
+
+static fy_status zero(struct cuda_ctx *x, void *p, size_t n) {
+  return cudaMemsetAsync(p, 0, n, x->st) == cudaSuccess ? FY_OK
+                                                        : fy_error_set(FY_ERR_INTERNAL, "cudaMemsetAsync failed");
+}
+
+static void op_backward_cuda(void *arg) {
+  struct fy_op_call *c = arg;
+  struct fy_model *m = c->m;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = &g->ops[c->op];
+  const int64_t B = g->B, T = g->T, BT = B * T;
+  fy_status st = FY_OK;
+  for (int k = 0; k < op->n_zero && st == FY_OK; k++) {
+    const struct fy_slot *s = &g->slots[op->zero[k]];
+    st = zero(x, m->dacts + s->grad_offset, (size_t)s->numel * 4);
+  }
+  bool first[FY_OP_MAX_PARAMS];
+  for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
+  const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
+  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
+  if (st == FY_OK) switch (op->kind) {
+    case FY_OP_EMBEDDING: {
+      const struct fy_param *p = &g->params[op->params[0]];
+      float *dtable = c->g[0];
+      if (first[0]) st = zero(x, dtable, (size_t)p->numel * 4);
+      // nn.Embedding(padding_idx=...): the padding row keeps what it had before the lookup's gradient.
+      float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
+      if (st == FY_OK && row && cudaMemcpyAsync(x->row, row, (size_t)op->C * 4, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
+        st = fy_error_set(FY_ERR_INTERNAL, "saving the padding row");
+      if (st == FY_OK)
+        st = fy_cuda_embedding_backward(dtable, dout, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
+                                        FY_F32, BT, op->C, op->V, x->st);
+      if (st == FY_OK && row && cudaMemcpyAsync(row, x->row, (size_t)op->C * 4, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
+        st = fy_error_set(FY_ERR_INTERNAL, "restoring the padding row");
+      break;
+    }
+    case FY_OP_LAYERNORM: {
+      float *dinp = fy_engine_dinput(m, op, 0);
+      if (dinp)
+        st = fy_cuda_layernorm_backward(dinp, NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
+                                        fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), FY_F32, BT, op->C,
+                                        NULL, x->st);
+      if (st == FY_OK && op->n_params)
+        st = fy_cuda_layernorm_backward_params(c->g[0], c->g[1], dout, in0, fy_engine_act(m, op->aux[0]),
+                                               fy_engine_act(m, op->aux[1]), FY_F32, BT, op->C, !first[0], NULL, x->st);
+      break;
+    }
+    case FY_OP_LINEAR: {
+      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+      float *dinp = fy_engine_dinput(m, op, 0);
+      if (dinp)
+        st = fy_cuda_linear_backward(x->blas, dinp, NULL, NULL, dout, in0, c->w[0], FY_F32, BT, op->C, op->OC, x->st);
+      if (st == FY_OK)
+        st = fy_cuda_linear_backward_params(x->blas, c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, FY_F32, BT,
+                                            op->C, op->OC, !first[0], x->st);
+      break;
+    }
+    case FY_OP_ATTENTION:
+      st = fy_cuda_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, dout, in0, fy_engine_act(m, op->out),
+                                      fy_engine_act(m, op->aux[0]), c->batch->mask, FY_F32, B, T, op->C, op->NH,
+                                      op->scale, x->st);
+      break;
+    case FY_OP_RELU:
+      st = fy_cuda_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), FY_F32,
+                                 g->slots[op->out].numel, x->st);
+      break;
+    case FY_OP_ADD:
+      st = fy_cuda_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, FY_F32,
+                                g->slots[op->out].numel, x->st);
+      break;
+    case FY_OP_CROSS_ENTROPY:
+      st = fy_cuda_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, NULL, FY_F32, BT, op->V,
+                                         c->loss_scale, x->st);
+      break;
+    case FY_OP_KIND_COUNT: FY_ASSERT(0);
+  }
+  if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s on cuda", op->name);
+}
+
+static double sumsq_cuda(struct fy_model *m, const float *p, int64_t n) {
+  struct cuda_ctx *x = ctx_of(m);
+  double s = NAN;
+  if (fy_cuda_sumsq(x->dsum, p, FY_F32, n, x->dscratch, false, x->st) == FY_OK &&
+      cudaMemcpyAsync(&s, x->dsum, sizeof s, cudaMemcpyDeviceToHost, x->st) == cudaSuccess)
+    cudaStreamSynchronize(x->st);
+  return s;  // NaN on failure: the optimizer then refuses the step
+}
+
+static void adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n, float lr, float b1,
+                       float b2, float eps, float wd, int64_t t, float scale) {
+  struct cuda_ctx *x = ctx_of(m);
+  fy_cuda_adamw_update(p, mo, v, g, FY_F32, NULL, n, lr, b1, b2, eps, wd, t, scale, x->st);
+}
+
+static const struct fy_model_kernels cuda_kernels = {
+    .op_forward = op_forward_cuda,
+    .op_backward = op_backward_cuda,
+    .sumsq = sumsq_cuda,
+    .adamw = adamw_cuda,
+};
+
+void fy_engine_cuda_detach(struct fy_model *m) {
+  struct cuda_ctx *x = ctx_of(m);
+  if (!x) return;
+  if (x->st) cudaStreamSynchronize(x->st);
+  fy_cuda_blas_free(x->blas);
+  cudaFree(x->workspace);
+  cudaFree(x->row);
+  cudaFree(x->dsum);
+  cudaFree(x->dscratch);
+  free(x->losses);
+  fy_stream_free(x->stream);
+  free(x);
+  m->kernels_ctx = NULL;
+  m->kernels = &fy_model_cpu_kernels;
+}
+
+fy_status fy_engine_cuda_attach(struct fy_model *m) {
+  if (m->dev->kind != FY_DEVICE_CUDA) return fy_error_set(FY_ERR_INVALID, "the model is not on a cuda device");
+  struct cuda_ctx *x = calloc(1, sizeof *x);
+  if (!x) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  m->kernels_ctx = x;
+  const struct fy_graph *g = m->graph;
+  int64_t C = 1;
+  for (int o = 0; o < g->n_ops; o++)
+    if (g->ops[o].C > C) C = g->ops[o].C;
+  x->workspace_bytes = (size_t)32 << 20;
+  fy_status st = fy_stream_create(m->dev, &x->stream);
+  if (st == FY_OK) x->st = fy_cuda_stream(x->stream);
+  if (st == FY_OK && (cudaMalloc(&x->workspace, x->workspace_bytes) != cudaSuccess ||
+                      cudaMalloc((void **)&x->row, (size_t)C * 4) != cudaSuccess ||
+                      cudaMalloc((void **)&x->dsum, sizeof(double)) != cudaSuccess ||
+                      cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess))
+    st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate the engine's buffers");
+  if (st == FY_OK && !(x->losses = malloc((size_t)(g->B * g->T) * 4))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);
+  if (st != FY_OK) {
+    fy_engine_cuda_detach(m);
+    return st;
+  }
+  m->kernels = &cuda_kernels;
+  return FY_OK;
+}
+
+fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out) {
+  if (fy_cuda_device_count() <= ordinal)
+    return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: no GPU %d (CUDA sees %d)", ordinal, fy_cuda_device_count());
+  return fy_device_cuda_create(ordinal, cap, out);
+}

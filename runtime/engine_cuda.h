@@ -1,0 +1,16 @@
+// The step engine on a cuda device (runtime/engine_cuda.c, built only with the cuda option):
+// the op calls dispatch to ops/cuda kernels on one stream, and the optimizer's sum of squares and
+// AdamW run there too. fp32 compute and state for now (the reference tests' precision).
+#ifndef FY_ENGINE_CUDA_H
+#define FY_ENGINE_CUDA_H
+
+#include "runtime/model.h"
+
+// A cuda device on GPU `ordinal` capped at `cap` bytes (0: the GPU's memory): for code outside
+// *_cuda.c files, which must not see CUDA's headers.
+fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out);
+// Gives a model created on a cuda device its CUDA kernels (model->kernels) and their context.
+fy_status fy_engine_cuda_attach(struct fy_model *m);
+void fy_engine_cuda_detach(struct fy_model *m);
+
+#endif
