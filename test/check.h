@@ -3,10 +3,14 @@
 #ifndef FY_TEST_CHECK_H
 #define FY_TEST_CHECK_H
 
+#include <dirent.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static int check_failed_ = 0, check_total_ = 0;
 
@@ -64,6 +68,37 @@ static inline double check_rel_err(const float *a, const float *b, int64_t n) {
     den += (double)b[i] * (double)b[i];
   }
   return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
+}
+
+// Scratch space for tests: a path under a directory (a ring of buffers, so that several may be live
+// at once) and removing a tree (directories made writable first, for tests that take permissions
+// away).
+static inline const char *check_path(const char *dir, const char *name) {
+  static char buf[8][512];
+  static int k;
+  char *p = buf[k++ % 8];
+  snprintf(p, sizeof buf[0], "%s/%s", dir, name);
+  return p;
+}
+
+static inline void check_rm_rf(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *de;
+  char p[1024];
+  while ((de = readdir(d))) {
+    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+    snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+    struct stat sb;
+    if (lstat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+      chmod(p, 0755);
+      check_rm_rf(p);
+    } else {
+      unlink(p);
+    }
+  }
+  closedir(d);
+  rmdir(dir);
 }
 
 static inline int check_summary(const char *name) {

@@ -11,22 +11,6 @@
 
 static char tmpdir[64];
 
-static void rm_rf(const char *dir) {
-  DIR *d = opendir(dir);
-  if (!d) return;
-  struct dirent *de;
-  char p[512];
-  while ((de = readdir(d))) {
-    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-    snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
-    struct stat sb;
-    if (lstat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) rm_rf(p);
-    else unlink(p);
-  }
-  closedir(d);
-  rmdir(dir);
-}
-
 static const char *put(const char *name, const char *text) {
   static char p[256];
   snprintf(p, sizeof p, "%s/%s", tmpdir, name);
@@ -263,6 +247,6 @@ int main(void) {
   test_bad();
   test_check();
   test_write();
-  rm_rf(tmpdir);
+  check_rm_rf(tmpdir);
   return check_summary("config");
 }

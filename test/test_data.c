@@ -12,30 +12,6 @@
 
 static char tmpdir[64];
 
-static const char *tpath(const char *name) {
-  static char buf[8][256];
-  static int k;
-  char *p = buf[k++ % 8];
-  snprintf(p, 256, "%s/%s", tmpdir, name);
-  return p;
-}
-
-static void rm_rf(const char *dir) {
-  DIR *d = opendir(dir);
-  if (!d) return;
-  struct dirent *de;
-  char p[512];
-  while ((de = readdir(d))) {
-    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-    snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
-    struct stat sb;
-    if (lstat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) rm_rf(p);
-    else unlink(p);
-  }
-  closedir(d);
-  rmdir(dir);
-}
-
 // Shards whose token at position i of shard s is base[s] + i, so every token says where it is from.
 static void make_shards(const char *dir, int n, const int64_t *counts, const uint16_t *base) {
   mkdir(dir, 0755);
@@ -235,7 +211,7 @@ static void test_forms(const char *dir) {
   fy_data *d;
   const int64_t T = 4;
   // One file.
-  CHECK_OK(fy_data_open(tpath("shards/shard_001.bin"), 4096, 2, T, false, 0, 0, 1, &d));
+  CHECK_OK(fy_data_open(check_path(tmpdir, "shards/shard_001.bin"), 4096, 2, T, false, 0, 0, 1, &d));
   if (d) {
     struct fy_batch *b;
     CHECK(fy_data_num_tokens(d) == 10);
@@ -264,10 +240,10 @@ static void test_forms(const char *dir) {
   fy_data_close(d);
   snprintf(pat, sizeof pat, "%s/*.nothing", dir);
   CHECK_ERR(fy_data_open(pat, 4096, 2, T, false, 0, 0, 1, &d), FY_ERR_NOT_FOUND);
-  CHECK_ERR(fy_data_open(tpath("absent.bin"), 4096, 2, T, false, 0, 0, 1, &d), FY_ERR_NOT_FOUND);
-  mkdir(tpath("emptydir"), 0755);
-  CHECK_ERR(fy_data_open(tpath("emptydir"), 4096, 2, T, false, 0, 0, 1, &d), FY_ERR_NOT_FOUND);
-  rmdir(tpath("emptydir"));
+  CHECK_ERR(fy_data_open(check_path(tmpdir, "absent.bin"), 4096, 2, T, false, 0, 0, 1, &d), FY_ERR_NOT_FOUND);
+  mkdir(check_path(tmpdir, "emptydir"), 0755);
+  CHECK_ERR(fy_data_open(check_path(tmpdir, "emptydir"), 4096, 2, T, false, 0, 0, 1, &d), FY_ERR_NOT_FOUND);
+  rmdir(check_path(tmpdir, "emptydir"));
 }
 
 static void write_file(const char *path, const void *p, size_t n) {
@@ -305,7 +281,7 @@ static void test_bad(const char *dir) {
   int32_t hdr[256] = {FY_SHARD_MAGIC, FY_SHARD_VERSION, 8};
   uint16_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
   char buf[1024 + 16];
-  const char *p = tpath("bad.bin");
+  const char *p = check_path(tmpdir, "bad.bin");
   // Wrong magic.
   hdr[0] = 12345;
   memcpy(buf, hdr, 1024);
@@ -342,13 +318,13 @@ static void test_bad(const char *dir) {
   CHECK_OK(fy_data_open(p, 4096, 1, 1, false, 0, 0, 1, &d));
   fy_data_close(d);
   CHECK_ERR(fy_shard_write(p, toks, -1), FY_ERR_INVALID);
-  CHECK_ERR(fy_shard_write(tpath("no/dir/x.bin"), toks, 2), FY_ERR_IO);
+  CHECK_ERR(fy_shard_write(check_path(tmpdir, "no/dir/x.bin"), toks, 2), FY_ERR_IO);
   unlink(p);
 }
 
 static void test_empty_shards(void) {
   // Empty and one-token shards between real ones: windows skip them.
-  const char *dir = tpath("sparse");
+  const char *dir = check_path(tmpdir, "sparse");
   int64_t c[5] = {0, 9, 1, 0, 5};
   uint16_t base[5] = {0, 10, 30, 0, 50};
   make_shards(dir, 5, c, base);
@@ -373,7 +349,7 @@ static void test_empty_shards(void) {
     CHECK(seen == 7);
     fy_data_close(d);
   }
-  rm_rf(dir);
+  check_rm_rf(dir);
 }
 
 int main(void) {
@@ -386,7 +362,7 @@ int main(void) {
   snprintf(dir, sizeof dir, "%s/shards", tmpdir);
   make_shards(dir, NS, counts, bases);
   // A stray file that is not a shard does not count in the directory form.
-  FILE *f = fopen(tpath("shards/README.txt"), "w");
+  FILE *f = fopen(check_path(tmpdir, "shards/README.txt"), "w");
   fputs("not a shard", f);
   fclose(f);
   test_order(dir);
@@ -398,6 +374,6 @@ int main(void) {
   test_forms(dir);
   test_bad(dir);
   test_empty_shards();
-  rm_rf(tmpdir);
+  check_rm_rf(tmpdir);
   return check_summary("data");
 }

@@ -15,34 +15,6 @@
 
 static char tmpdir[64];
 
-static char *tpath(const char *name) {  // in a ring of buffers: several may be live at once
-  static char buf[8][256];
-  static int k;
-  char *p = buf[k++ % 8];
-  snprintf(p, 256, "%s/%s", tmpdir, name);
-  return p;
-}
-
-static void rm_rf(const char *dir) {
-  DIR *d = opendir(dir);
-  if (!d) return;
-  struct dirent *de;
-  char p[512];
-  while ((de = readdir(d))) {
-    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-    snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
-    struct stat sb;
-    if (lstat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) {
-      chmod(p, 0755);
-      rm_rf(p);
-    } else {
-      unlink(p);
-    }
-  }
-  closedir(d);
-  rmdir(dir);
-}
-
 static int count_entries(const char *dir) {
   DIR *d = opendir(dir);
   if (!d) return -1;
@@ -127,7 +99,7 @@ static void test_round_trip(void) {
   };
   int n = (int)(sizeof ts / sizeof *ts);
   const char *md[] = {"format", "pt", "note", "hello", NULL};
-  const char *p = tpath("rt.safetensors");
+  const char *p = check_path(tmpdir, "rt.safetensors");
   CHECK_OK(fy_safetensors_write(p, ts, n, md));
   // Header length is a multiple of 8 and the data follows it aligned.
   size_t sz;
@@ -194,7 +166,7 @@ static void test_many(void) {
     vals[i] = (float)i;
     ts[i] = mk(names[i], FY_F32, 1, s1, &vals[i]);
   }
-  const char *p = tpath("many.safetensors");
+  const char *p = check_path(tmpdir, "many.safetensors");
   CHECK_OK(fy_safetensors_write(p, ts, N, NULL));
   fy_safetensors *st = NULL;
   CHECK_OK(fy_safetensors_open(p, &st));
@@ -217,7 +189,7 @@ static void test_dir(void) {
   int64_t s100[1] = {100}, s50[2] = {5, 10}, s10[1] = {10}, s1[1] = {1};
   struct fy_st_tensor ts[] = {mk("z.a", FY_F32, 1, s100, a), mk("b", FY_F32, 2, s50, b),
                               mk("c", FY_F32, 1, s10, c), mk("d", FY_F32, 1, s1, d)};
-  char *dir = tpath("model");
+  const char *dir = check_path(tmpdir, "model");
   // 400 + 200 + 40 + 4 bytes, shards of at most 256: [a] [b c] [d]? a alone (400 > 256), then
   // b (200) + c (40) = 240, then d would make 244 — fits; so [a] [b c d].
   CHECK_OK(fy_safetensors_write_dir(dir, ts, 4, 256));
@@ -294,17 +266,17 @@ static void test_dir(void) {
   CHECK_ERR(fy_safetensors_open_dir(dir, &st), FY_ERR_FORMAT);
   write_str(p, "{\"weight_map\": {");
   CHECK_ERR(fy_safetensors_open_dir(dir, &st), FY_ERR_FORMAT);
-  rm_rf(dir);
+  check_rm_rf(dir);
   // Neither layout present.
   mkdir(dir, 0755);
   CHECK_ERR(fy_safetensors_open_dir(dir, &st), FY_ERR_NOT_FOUND);
-  rm_rf(dir);
+  check_rm_rf(dir);
 }
 
 static void test_bad_files(void) {
   fy_safetensors *st = NULL;
-  const char *p = tpath("bad.safetensors");
-  CHECK_ERR(fy_safetensors_open(tpath("nonexistent.safetensors"), &st), FY_ERR_NOT_FOUND);
+  const char *p = check_path(tmpdir, "bad.safetensors");
+  CHECK_ERR(fy_safetensors_open(check_path(tmpdir, "nonexistent.safetensors"), &st), FY_ERR_NOT_FOUND);
   CHECK(st == NULL);
 
   write_str(p, "");
@@ -414,7 +386,7 @@ static void test_mutations(void) {
   float v[3] = {1, 2, 3};
   int64_t s3[1] = {3}, s1[1] = {1};
   struct fy_st_tensor ts[2] = {mk("alpha", FY_F32, 1, s3, v), mk("b", FY_BF16, 1, s1, v)};
-  const char *p = tpath("mut.safetensors"), *q = tpath("mut2.safetensors");
+  const char *p = check_path(tmpdir, "mut.safetensors"), *q = check_path(tmpdir, "mut2.safetensors");
   CHECK_OK(fy_safetensors_write(p, ts, 2, NULL));
   size_t n;
   unsigned char *raw = read_bytes(p, &n);
@@ -464,10 +436,10 @@ static void test_write_failures(void) {
   fy_safetensors *st = NULL;
 
   // A directory that does not exist.
-  CHECK_ERR(fy_safetensors_write(tpath("no/such/dir/x.safetensors"), &t, 1, NULL), FY_ERR_IO);
+  CHECK_ERR(fy_safetensors_write(check_path(tmpdir, "no/such/dir/x.safetensors"), &t, 1, NULL), FY_ERR_IO);
 
   // The target is a directory: the rename fails, the temporary file is removed.
-  char *d = tpath("isdir");
+  const char *d = check_path(tmpdir, "isdir");
   mkdir(d, 0755);
   char sub[300];
   snprintf(sub, sizeof sub, "%s/x", d);
@@ -476,7 +448,7 @@ static void test_write_failures(void) {
   CHECK(count_entries(d) == 1);
 
   // An unwritable directory (permissions do not stop root, so only when not root).
-  const char *p = tpath("isdir/keep.safetensors");
+  const char *p = check_path(tmpdir, "isdir/keep.safetensors");
   CHECK_OK(fy_safetensors_write(p, &t, 1, NULL));
   if (geteuid() != 0) {
     chmod(d, 0555);
@@ -508,7 +480,7 @@ static void test_write_failures(void) {
   CHECK_OK(fy_safetensors_open(p, &st));
   CHECK(st && fy_safetensors_count(st) == 1 && memcmp(fy_safetensors_find(st, "w")->data, v, 16) == 0);
   fy_safetensors_close(st);
-  rm_rf(d);
+  check_rm_rf(d);
 }
 
 int main(void) {
@@ -523,6 +495,6 @@ int main(void) {
   test_bad_files();
   test_mutations();
   test_write_failures();
-  rm_rf(tmpdir);
+  check_rm_rf(tmpdir);
   return check_summary("safetensors");
 }
