@@ -39,7 +39,10 @@ fy_status fy_model_upload(struct fy_model *m, void *dst, const void *src, size_t
     memmove(dst, src, n);
     return FY_OK;
   }
-  return dev_sync_op(m->dev, dst, src, 0, n);
+  // Every micro-batch stages its batch through here: one stream for the model's life, not one per copy.
+  if (!m->staging) FY_TRY(fy_stream_create(m->dev, &m->staging));
+  FY_TRY(fy_copy_async(m->staging, dst, src, n));
+  return fy_stream_sync(m->staging);
 }
 
 fy_status fy_model_download(struct fy_model *m, void *dst, const void *src, size_t n) {
@@ -159,6 +162,7 @@ void fy_model_free(struct fy_model *m) {
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }
   free(m->host_positions);
+  fy_stream_free(m->staging);
   fy_chunk_layout_free(m->layout);
   fy_graph_free(m->graph);
   free(m);

@@ -29,6 +29,7 @@ struct fy_model {
   // targets, mask) and host_positions, and host code stages parameters through copies.
   bool device_memory;
   int32_t *dbatch, *host_positions;
+  fy_stream *staging;     // the stream those copies run on (created on first use)
   const struct fy_model_kernels *kernels;
   void *kernels_ctx;
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
