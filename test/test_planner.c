@@ -206,7 +206,8 @@ int main(void) {
   o.disk_chunks = plan.k.disk_chunks;
   struct fy_train_result chosen, again;
   CHECK_OK(fy_train(&o, &chosen));
-  for (int i = 0; i < 2 && best_grid / chosen.step_s < 0.9; i++)  // a busy machine only slows runs down
+  // The grid's best is the luckiest of five runs of similar plans: the chosen plan gets as many.
+  for (int i = 0; i < 4 && best_grid / chosen.step_s < 0.9; i++)
     if (fy_train(&o, &again) == FY_OK && again.step_s < chosen.step_s) chosen.step_s = again.step_s;
   fprintf(stderr, "  search (%d plans): chosen %.1f ms/step measured, best of the grid %.1f ms\n", tried,
           chosen.step_s * 1e3, best_grid * 1e3);
