@@ -6,10 +6,6 @@
 
 #include "ops/ops.h"
 
-#define act fy_engine_act
-#define dact fy_engine_dact
-#define dinput fy_engine_dinput
-
 void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T) {
   for (int64_t b = 0; b < B; b++) {
     int32_t run = 0;
@@ -52,8 +48,8 @@ void fy_op_call_forward(void *arg) {
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
   const int64_t B = g->B, T = g->T, BT = B * T;
-  float *out = act(m, op->out);
-  const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+  float *out = fy_engine_act(m, op->out);
+  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   double t0 = m->profile ? omp_get_wtime() : 0;
   fy_status st = FY_OK;
   switch (op->kind) {
@@ -62,7 +58,7 @@ void fy_op_call_forward(void *arg) {
                            c->w[0], BT, op->C);
       break;
     case FY_OP_LAYERNORM:
-      fy_layernorm_forward(out, act(m, op->aux[0]), act(m, op->aux[1]), in0, op->n_params ? c->w[0] : NULL,
+      fy_layernorm_forward(out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), in0, op->n_params ? c->w[0] : NULL,
                            op->n_params ? c->w[1] : NULL, BT, op->C, op->eps);
       break;
     case FY_OP_LINEAR: {
@@ -71,13 +67,13 @@ void fy_op_call_forward(void *arg) {
       break;
     }
     case FY_OP_ATTENTION:
-      st = fy_attention_forward(out, act(m, op->aux[0]), in0, c->batch->mask, B, T, op->C, op->NH, op->scale);
+      st = fy_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, B, T, op->C, op->NH, op->scale);
       break;
     case FY_OP_RELU:
       fy_relu_forward(out, in0, g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
-      fy_add_forward(out, in0, act(m, op->in[1]), g->slots[op->out].numel);
+      fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), g->slots[op->out].numel);
       break;
     case FY_OP_CROSS_ENTROPY: {
       fy_crossentropy_forward(out, in0, c->batch->targets, BT, op->V);
@@ -106,8 +102,8 @@ void fy_op_call_backward(void *arg) {
   // Whether each parameter's gradient is written (its first in this pass) or added.
   bool first[FY_OP_MAX_PARAMS];
   for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
-  const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : dact(m, op->out);
-  const float *in0 = op->n_in > 0 ? act(m, op->in[0]) : NULL;
+  const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
+  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   fy_status st = FY_OK;
   switch (op->kind) {
     case FY_OP_EMBEDDING: {
@@ -126,32 +122,32 @@ void fy_op_call_backward(void *arg) {
     }
     case FY_OP_LAYERNORM:
       // The input gradient first: it reads the weights the parameter gradients may overwrite.
-      fy_layernorm_backward(dinput(m, op, 0), NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
-                            act(m, op->aux[0]), act(m, op->aux[1]), BT, op->C);
+      fy_layernorm_backward(fy_engine_dinput(m, op, 0), NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
+                            fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), BT, op->C);
       if (op->n_params)
-        fy_layernorm_backward_params(c->g[0], c->g[1], dout, in0, act(m, op->aux[0]), act(m, op->aux[1]),
+        fy_layernorm_backward_params(c->g[0], c->g[1], dout, in0, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]),
                                      BT, op->C, !first[0]);
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      st = fy_linear_backward(dinput(m, op, 0), NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
+      st = fy_linear_backward(fy_engine_dinput(m, op, 0), NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
       if (st == FY_OK)
         st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C,
                                        op->OC, !first[0]);
       break;
     }
     case FY_OP_ATTENTION:
-      st = fy_attention_backward(dinput(m, op, 0), m->scratch, dout, in0, act(m, op->aux[0]), B, T, op->C,
+      st = fy_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, dout, in0, fy_engine_act(m, op->aux[0]), B, T, op->C,
                                  op->NH, op->scale);
       break;
     case FY_OP_RELU:
-      fy_relu_backward(dinput(m, op, 0), dout, act(m, op->out), g->slots[op->out].numel);
+      fy_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
-      fy_add_backward(dinput(m, op, 0), dinput(m, op, 1), dout, g->slots[op->out].numel);
+      fy_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, g->slots[op->out].numel);
       break;
     case FY_OP_CROSS_ENTROPY:
-      fy_crossentropy_backward(dact(m, op->in[0]), in0, c->batch->targets, BT, op->V, c->loss_scale);
+      fy_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, BT, op->V, c->loss_scale);
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
@@ -242,7 +238,7 @@ fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *ba
     resident_call(m, o, &b, &c);
     fy_op_call_forward(&c);
     if (c.st != FY_OK) return c.st;
-    const float *out = act(m, g->ops[o].out);
+    const float *out = fy_engine_act(m, g->ops[o].out);
     for (int64_t i = 0; i < g->slots[g->ops[o].out].numel; i++)
       if (!isfinite(out[i])) {
         *op = o;
