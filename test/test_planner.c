@@ -179,8 +179,6 @@ int main(void) {
   snprintf(v, sizeof v, "%zu", cap);
   fy_probe_override(&probe, "device_mem", v);
   fy_probe_override(&probe, "link_gbps", "0.5");
-  double best_grid = 1e30;
-  int ran = 0;
   struct fy_plan_knobs grid[] = {
       {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .prefetch = 0, .recompute = true},
       {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .prefetch = 2, .recompute = true},
@@ -188,32 +186,51 @@ int main(void) {
       {.micro_batch = 2, .grad_accum = 2, .seq = 96, .chunk_elems = min_chunk, .prefetch = 2, .recompute = false},
       {.micro_batch = 1, .grad_accum = 4, .seq = 96, .chunk_elems = min_chunk, .prefetch = 1, .recompute = false},
   };
-  for (size_t i = 0; i < sizeof grid / sizeof *grid; i++) {
-    struct fy_train_opts o = run_opts(&grid[i], cap, 0.5);
-    struct fy_train_result r;
-    fy_status st = fy_train(&o, &r);
-    CHECKF(st == FY_OK || st == FY_ERR_NOMEM, "hand-written plan %zu: %s", i, fy_error_msg());
-    if (st != FY_OK) continue;  // does not fit this cap
-    ran++;
-    fprintf(stderr, "  hand-written plan %zu: %.1f ms/step\n", i, r.step_s * 1e3);
-    if (r.step_s < best_grid) best_grid = r.step_s;
-  }
-  CHECKF(ran >= 3, "only %d hand-written plans fit", ran);
+  enum { N_GRID = sizeof grid / sizeof *grid };
   struct fy_plan plan;
   int tried = 0;
   CHECK_OK(fy_plan_search(&cfg, model_dir, 4, 96, &probe, &plan, &tried));
-  struct fy_train_opts o = run_opts(&plan.k, cap, 0.5);
-  o.disk_chunks = plan.k.disk_chunks;
-  struct fy_train_result chosen, again;
-  CHECK_OK(fy_train(&o, &chosen));
-  // The grid's best is the luckiest of five runs of similar plans: the chosen plan gets as many.
-  for (int i = 0; i < 4 && best_grid / chosen.step_s < 0.9; i++)
-    if (fy_train(&o, &again) == FY_OK && again.step_s < chosen.step_s) chosen.step_s = again.step_s;
-  fprintf(stderr, "  search (%d plans): chosen %.1f ms/step measured, best of the grid %.1f ms\n", tried,
-          chosen.step_s * 1e3, best_grid * 1e3);
-  if (timing_holds)
-    CHECKF(best_grid / chosen.step_s >= 0.9, "the chosen plan runs at %.2fx the best hand-written one",
-           best_grid / chosen.step_s);
+  fy_plan_print(&plan, stderr);
+  // The chosen plan and the grid run in rounds, each round every plan once, so that a shared
+  // machine's drift falls on all of them alike; each keeps its best round.
+  struct fy_train_opts runs[N_GRID + 1];
+  double best[N_GRID + 1];
+  bool fits[N_GRID + 1];
+  for (int i = 0; i <= N_GRID; i++) {
+    runs[i] = run_opts(i < N_GRID ? &grid[i] : &plan.k, cap, 0.5);
+    if (i == N_GRID) runs[i].disk_chunks = plan.k.disk_chunks;
+    best[i] = 1e30;
+    fits[i] = true;
+  }
+  double ratio = 0, best_grid = 1e30;
+  for (int round = 0; round < 5; round++) {
+    for (int i = 0; i <= N_GRID; i++) {
+      if (!fits[i]) continue;
+      struct fy_train_result r;
+      fy_status st = fy_train(&runs[i], &r);
+      CHECKF(st == FY_OK || (st == FY_ERR_NOMEM && i < N_GRID), "plan %d: %s", i, fy_error_msg());
+      if (st != FY_OK) {
+        fits[i] = false;  // a hand-written plan that does not fit this cap
+        continue;
+      }
+      if (r.step_s < best[i]) best[i] = r.step_s;
+    }
+    best_grid = 1e30;
+    int ran = 0;
+    for (int i = 0; i < N_GRID; i++)
+      if (fits[i]) {
+        ran++;
+        if (best[i] < best_grid) best_grid = best[i];
+      }
+    CHECKF(ran >= 3, "only %d hand-written plans fit", ran);
+    ratio = best_grid / best[N_GRID];
+    fprintf(stderr, "  round %d: grid", round + 1);
+    for (int i = 0; i < N_GRID; i++)
+      if (fits[i]) fprintf(stderr, " %.1f", best[i] * 1e3);
+    fprintf(stderr, " ms; chosen (of %d plans) %.1f ms: %.2fx the grid's best\n", tried, best[N_GRID] * 1e3, ratio);
+    if (round >= 2 && ratio >= 0.9) break;
+  }
+  if (timing_holds) CHECKF(ratio >= 0.9, "the chosen plan runs at %.2fx the best hand-written one", ratio);
 
   // A cap too small for any plan: said so, with the smallest that works.
   fy_probe_override(&probe, "device_mem", "65536");
