@@ -192,6 +192,11 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
     FY_TRY(fy_event_record(sb->read, s));
     sb->owner = -1;
     c->spilled[chunk] = -1;
+  } else if (c->o.shard_elems > 0) {  // this rank's shard from home, the others' from theirs
+    if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
+    FY_TRY(fy_copy_async(s, (char *)bl->ptr + c->o.shard_off * elem(c), c->o.home[chunk],
+                         (size_t)c->o.shard_elems * elem(c)));
+    FY_TRY(c->o.gather(c->o.shard_ctx, chunk, bl->ptr, s));
   } else {
     if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
     FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * elem(c)));
@@ -246,18 +251,25 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
   FY_ASSERT(ch->state == FY_CHUNK_READY_FOR_REDUCE);
   struct block *bl = &c->blocks[ch->block];
   fy_stream *s = c->o.copy_out;
-  size_t bytes = (size_t)ch->used * elem(c);
+  int64_t n = ch->used;
+  const char *src = (const char *)bl->ptr;
   FY_TRY(fy_stream_wait(s, bl->used));
+  if (c->o.shard_elems > 0) {  // the ranks' sum, this rank's shard of it
+    FY_TRY(c->o.scatter(c->o.shard_ctx, chunk, bl->ptr, s));
+    n = c->o.shard_elems;
+    src += c->o.shard_off * elem(c);
+  }
+  size_t bytes = (size_t)n * elem(c);
   if (accumulate) {
-    FY_TRY(fy_copy_async(s, c->o.staging, bl->ptr, bytes));
+    FY_TRY(fy_copy_async(s, c->o.staging, src, bytes));
     struct accumulate *a = &c->acc[chunk];
-    if (a->dst != dst || a->src != c->o.staging || a->n != ch->used) {
+    if (a->dst != dst || a->src != c->o.staging || a->n != n) {
       FY_TRY(fy_stream_sync(s));  // nothing queued may still read the old argument
-      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = ch->used};
+      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = n};
     }
     FY_TRY(fy_stream_enqueue(s, accumulate_fn, a));
   } else {
-    FY_TRY(fy_copy_async(s, dst, bl->ptr, bytes));
+    FY_TRY(fy_copy_async(s, dst, src, bytes));
   }
   FY_TRY(fy_event_record(bl->saved, s));
   if (done) FY_TRY(fy_event_record(done, s));

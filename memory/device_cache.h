@@ -38,6 +38,16 @@ struct fy_device_cache_opts {
   fy_status (*spill_alloc)(void *ctx, size_t nbytes, void **out);
   void (*spill_free)(void *ctx, void *p, size_t nbytes);
   void *spill_ctx;
+  // Chunk sharding across ranks (the `zero` pattern): this rank keeps elements [shard_off,
+  // shard_off + shard_elems) of every chunk at home. A load copies home[c] (shard_elems elements)
+  // to that place in the block and then enqueues gather(ctx, c, block, copy_in), which fills in
+  // the other ranks' shards; a write-back first enqueues scatter(ctx, c, block, copy_out), which
+  // sums the ranks' gradients into this rank's shard of the block, and moves only that shard
+  // home. shard_elems 0: no sharding (home[c] holds the whole chunk).
+  int64_t shard_off, shard_elems;
+  fy_status (*gather)(void *ctx, int chunk, float *block, fy_stream *s);
+  fy_status (*scatter)(void *ctx, int chunk, float *block, fy_stream *s);
+  void *shard_ctx;
 };
 
 struct fy_device_cache;
@@ -52,8 +62,9 @@ fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int ch
 // The op that acquired `chunk` has been enqueued on compute. backward: it was one of the chunk's
 // backward uses. Returns the chunk's new state; READY_FOR_REDUCE asks for fy_device_cache_write_back.
 enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk, bool backward);
-// Moves a READY_FOR_REDUCE chunk's block (its gradients) to host memory dst on copy_out: dst = block,
-// or dst += block with accumulate (through the staging buffer); records `done` on copy_out when dst
+// Moves a READY_FOR_REDUCE chunk's block (its gradients; with sharding, this rank's shard of their
+// sum over ranks) to host memory dst on copy_out: dst = block, or dst += block with accumulate
+// (through the staging buffer); records `done` on copy_out when dst
 // holds the result. The chunk becomes FREE.
 fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
                                      fy_event *done);

@@ -69,6 +69,15 @@ struct fy_offload {
   struct step_args args[2];
   fy_event *norm_ready, *updates_done[2];
   int step_parity;
+  // Chunk sharding (fy_offload_opts.comm): this rank keeps elements [lo, lo + S) of every chunk;
+  // without sharding lo = 0 and S = chunk_elems. slot: floats of each per-chunk state buffer.
+  bool sharded, shards_on_device, taken;
+  int rank, world;
+  int64_t lo, S;
+  struct fy_comm *c_gather, *c_scatter, *c_optim;  // one per stream that runs collectives
+  float **w_home;       // sharded: this rank's weights of each chunk (S floats)
+  float *gather_buf;    // sharded: chunk_elems floats for fy_offload_state_out
+  int64_t device_state_bytes;  // device memory the shards took (the device's counter, before/after)
   // The first error a host function met (its message: fy_error is per thread).
   pthread_mutex_t err_lock;
   fy_status async_st;
@@ -90,6 +99,43 @@ static fy_status async_status(struct fy_offload *x) {
   if (st != FY_OK) fy_error_set(st, "%s", x->async_msg);
   pthread_mutex_unlock(&x->err_lock);
   return st;
+}
+
+// ---- sharding ----
+
+// Elements of chunk c this rank keeps: its shard, or without sharding the chunk's used part.
+static int64_t span(const struct fy_offload *x, int c) { return x->sharded ? x->S : x->m->layout->chunks[c].used; }
+
+// Where chunk c's weights live at home: this rank's shard, or the chunk in the model's buffer.
+static float *home_weights(const struct fy_offload *x, int c) {
+  return x->sharded ? x->w_home[c] : x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+}
+
+// Per-chunk state buffers: the host tier, or with shards_on_device the device (zeroed either way).
+static fy_status state_alloc(struct fy_offload *x, size_t bytes, float **out) {
+  if (!x->shards_on_device) return fy_host_alloc(x->m->host, bytes, (void **)out);
+  FY_TRY(fy_device_alloc(x->dev, bytes, (void **)out));
+  return x->dev->ops->memset_async(x->copy_in, *out, 0, bytes);
+}
+
+static void state_free(struct fy_offload *x, float *p, size_t bytes) {
+  if (!p) return;
+  if (x->shards_on_device) fy_device_dealloc(x->dev, p, bytes);
+  else fy_host_dealloc(x->m->host, p, bytes);
+}
+
+// The cache's hooks: on copy_in, the other ranks' shards of a chunk into the block (this rank's
+// is there); on copy_out, the ranks' gradients summed into this rank's shard of the block.
+static fy_status gather_hook(void *ctx, int chunk, float *block, fy_stream *s) {
+  struct fy_offload *x = ctx;
+  (void)chunk;
+  return fy_comm_all_gather(x->c_gather, block + x->lo, block, (size_t)x->S, FY_COMM_F32, s);
+}
+
+static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) {
+  struct fy_offload *x = ctx;
+  (void)chunk;
+  return fy_comm_reduce_scatter(x->c_scatter, block, block + x->lo, (size_t)x->S, FY_COMM_F32, s);
 }
 
 // ---- the pass: actions and their chunk accesses ----
@@ -159,6 +205,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->param_ids = calloc((size_t)g->n_params, sizeof *x->param_ids);
   x->sumsq = calloc((size_t)g->n_params, sizeof *x->sumsq);
   x->wb_staging = malloc((size_t)ce * 4);
+  if (x->sharded && (!(x->w_home = calloc((size_t)nc, sizeof *x->w_home)) || !(x->gather_buf = malloc((size_t)ce * 4))))
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the chunk tables");
   for (int q = 0; q < 2; q++) x->jobs[q] = calloc((size_t)nc, sizeof *x->jobs[q]);
   if (!x->home || !x->home_ready || !x->grad_ready || !x->m_home || !x->g_home || !x->wb_jobs || !x->v_home || !x->disk_handle ||
       !x->param_first || !x->param_ids || !x->sumsq || !x->wb_staging || !x->jobs[0] || !x->jobs[1])
@@ -168,7 +216,6 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     x->param_first[c] = k;
     for (int i = 0; i < g->n_params; i++)
       if (g->params[i].chunk == c) x->param_ids[k++] = i;
-    x->home[c] = m->params + (int64_t)c * ce;
     FY_TRY(fy_event_create(x->dev, &x->home_ready[c]));
     FY_TRY(fy_event_create(x->dev, &x->grad_ready[c]));
     for (int q = 0; q < 2; q++) x->jobs[q][c] = (struct chunk_job){x, c, q};
@@ -176,6 +223,10 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->param_first[nc] = k;
   // The first n_dev chunks: on the device with all their state.
   x->n_dev = o->n_device_chunks < nc ? o->n_device_chunks : nc;
+  if (x->sharded && x->n_dev > 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
+                        "(shards_on_device keeps every rank's shards there)", x->world);
+  size_t dev_before = x->dev->bytes_in_use;
   if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
     return fy_error_set(FY_ERR_INVALID, "%d chunks on the device and %d on disk, of %d", x->n_dev, o->n_disk_chunks, nc);
   float ***dev_bufs[] = {&x->dev_w, &x->dev_g, &x->dev_acc, &x->dev_m, &x->dev_v};
@@ -199,18 +250,24 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->disk = o->disk;
   if (x->n_disk_chunks > 0 && !x->disk)
     return fy_error_set(FY_ERR_INVALID, "optimizer state on disk needs a disk tier (--disk-dir)");
-  size_t bytes = (size_t)ce * 4;
+  if (x->n_disk_chunks > 0 && x->shards_on_device)
+    return fy_error_set(FY_ERR_INVALID, "shards on the device and optimizer state on disk do not combine");
+  size_t bytes = (size_t)x->S * 4;  // a chunk's, or with sharding this rank's shard of it
   for (int c = 0; c < nc; c++) {
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
     if (c < x->n_dev) continue;
+    if (x->sharded) FY_TRY(state_alloc(x, bytes, &x->w_home[c]));
     if (c >= nc - x->n_disk_chunks) {
       FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
     } else {
-      FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->g_home[c]));
-      FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->m_home[c]));
-      FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->v_home[c]));
+      FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
+      FY_TRY(state_alloc(x, bytes, &x->m_home[c]));
+      FY_TRY(state_alloc(x, bytes, &x->v_home[c]));
     }
   }
+  FY_TRY(fy_stream_sync(x->copy_in));
+  x->device_state_bytes = (int64_t)(x->dev->bytes_in_use - dev_before);
+  for (int c = 0; c < nc; c++) x->home[c] = home_weights(x, c);
   if (x->n_disk_chunks > 0) {
     float **bufs[] = {&x->disk_g, &x->disk_m, &x->disk_v, &x->wb_disk, &x->wb_disk_sum};
     for (int i = 0; i < 5; i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
@@ -269,7 +326,21 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
   pthread_mutex_init(&x->err_lock, NULL);
-  fy_status st = create_streams(x);
+  int64_t ce = m->layout->chunk_elems;
+  x->world = o->comm ? fy_comm_size(o->comm) : 1;
+  x->rank = o->comm ? fy_comm_rank(o->comm) : 0;
+  x->sharded = x->world > 1;
+  x->shards_on_device = x->sharded && o->shards_on_device;
+  x->S = ce / x->world;
+  x->lo = (int64_t)x->rank * x->S;
+  fy_status st = FY_OK;
+  if (x->sharded && ce % (16 * x->world) != 0)
+    st = fy_error_set(FY_ERR_INVALID, "chunks of %lld elements do not split into %d shards of whole 64-byte lines",
+                      (long long)ce, x->world);
+  // A communicator per stream that runs collectives: each keeps the order of its own stream.
+  struct fy_comm **dup[] = {&x->c_gather, &x->c_scatter, &x->c_optim};
+  for (int i = 0; i < 3 && st == FY_OK && x->sharded; i++) st = fy_comm_split(o->comm, 0, x->rank, dup[i]);
+  if (st == FY_OK) st = create_streams(x);
   if (st == FY_OK) st = create_chunks(x, o);
   if (st == FY_OK) st = create_pass(x);
   if (st != FY_OK) {
@@ -301,6 +372,13 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
                                     .trace = x->trace, .home = x->home, .home_ready = x->home_ready,
                                     .staging = x->wb_staging, .spill_alloc = spill_alloc,
                                     .spill_free = spill_free, .spill_ctx = m->host};
+  if (x->sharded) {
+    co.shard_off = x->lo;
+    co.shard_elems = x->S;
+    co.gather = gather_hook;
+    co.scatter = scatter_hook;
+    co.shard_ctx = x;
+  }
   st = fy_device_cache_create(m->layout, &co, &x->cache);
   if (st != FY_OK) {
     fy_offload_free(x);
@@ -321,16 +399,23 @@ void fy_offload_free(struct fy_offload *x) {
   fy_stream_free(x->optim);
   int nc = m->layout->n_chunks;
   size_t bytes = (size_t)m->layout->chunk_elems * 4, bt = (size_t)(m->graph->B * m->graph->T);
+  size_t sbytes = (size_t)x->S * 4;
   for (int c = 0; c < nc; c++) {
     if (x->home_ready) fy_event_free(x->home_ready[c]);
     if (x->grad_ready) fy_event_free(x->grad_ready[c]);
-    if (x->g_home && x->g_home[c]) fy_host_dealloc(m->host, x->g_home[c], bytes);
-    if (x->m_home && x->m_home[c]) fy_host_dealloc(m->host, x->m_home[c], bytes);
-    if (x->v_home && x->v_home[c]) fy_host_dealloc(m->host, x->v_home[c], bytes);
+    if (x->g_home) state_free(x, x->g_home[c], sbytes);
+    if (x->m_home) state_free(x, x->m_home[c], sbytes);
+    if (x->v_home) state_free(x, x->v_home[c], sbytes);
+    if (x->w_home) state_free(x, x->w_home[c], sbytes);
   }
+  free(x->w_home);
+  free(x->gather_buf);
+  fy_comm_free(x->c_gather);
+  fy_comm_free(x->c_scatter);
+  fy_comm_free(x->c_optim);
   float *bufs[] = {x->disk_g, x->disk_m, x->disk_v, x->wb_disk, x->wb_disk_sum};
   for (int i = 0; i < 5; i++)
-    if (bufs[i]) fy_host_dealloc(m->host, bufs[i], bytes);
+    if (bufs[i]) fy_host_dealloc(m->host, bufs[i], sbytes);
   fy_disk_req_free(x->req_g);
   fy_disk_req_free(x->req_m);
   fy_disk_req_free(x->req_v);
@@ -391,7 +476,7 @@ static fy_status disk_io(struct fy_offload *x, bool write, int c, size_t off, fl
 static void disk_write_back_fn(void *arg) {
   struct disk_wb *j = arg;
   struct fy_offload *x = j->x;
-  size_t n = (size_t)x->m->layout->chunks[j->chunk].used;
+  size_t n = (size_t)span(x, j->chunk);
   fy_status st;
   if (j->accumulate) {
     st = disk_io(x, false, j->chunk, 0, x->wb_disk_sum, n * 4, x->req_wb);
@@ -445,11 +530,29 @@ static const float *chunk_grads(struct fy_offload *x, int c) {
 
 // ---- one micro-batch ----
 
+// Sharding: every rank takes its shard of each chunk's weights from the model's buffer (initialised,
+// loaded or resumed, the same on every rank), which is then given back to the host tier.
+static fy_status take_shards(struct fy_offload *x) {
+  struct fy_model *m = x->m;
+  const struct fy_chunk_layout *l = m->layout;
+  for (int c = 0; c < l->n_chunks; c++) {
+    int64_t n = l->chunks[c].used - x->lo;
+    if (n > x->S) n = x->S;
+    if (n > 0) FY_TRY(fy_copy_async(x->copy_in, x->w_home[c], m->params + (int64_t)c * l->chunk_elems + x->lo, (size_t)n * 4));
+  }
+  FY_TRY(fy_stream_sync(x->copy_in));
+  fy_host_dealloc(m->host, m->params, (size_t)m->graph->n_param_elems * 4);
+  m->params = NULL;
+  x->taken = true;
+  return FY_OK;
+}
+
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
   FY_TRY(fy_engine_check_batch(m, batch));
+  if (x->sharded && !x->taken) FY_TRY(take_shards(x));
   if (micro >= x->max_micro) return fy_error_set(FY_ERR_INVALID, "micro-batch %d of at most %d", micro, x->max_micro);
   int p = x->parity;
   x->parity ^= 1;
@@ -528,16 +631,20 @@ static void sumsq_fn(void *arg) {
   int c = j->chunk;
   const float *grad = chunk_grads(x, c);
   if (!grad) {
-    fy_status st = disk_io(x, false, c, 0, x->disk_g, (size_t)x->m->layout->chunks[c].used * 4, x->req_g);
+    fy_status st = disk_io(x, false, c, 0, x->disk_g, (size_t)span(x, c) * 4, x->req_g);
     if (st != FY_OK) {
       async_fail(x, st);
       return;
     }
     grad = x->disk_g;
   }
+  // Each parameter's part in [lo, lo + span): all of it without sharding.
+  int64_t lo = c < x->n_dev ? 0 : x->lo, hi = lo + (c < x->n_dev ? x->m->layout->chunks[c].used : span(x, c));
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
-    x->sumsq[x->param_ids[k]] = fy_sumsq(grad + p->chunk_offset, p->numel);
+    int64_t a = p->chunk_offset > lo ? p->chunk_offset : lo;
+    int64_t b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
+    x->sumsq[x->param_ids[k]] = a < b ? fy_sumsq(grad + (a - lo), b - a) : 0.0;
   }
 }
 
@@ -548,6 +655,18 @@ static void norm_fn(void *arg) {
   struct step_args *a = &x->args[j->q];
   double s = 0;
   for (int i = 0; i < x->m->graph->n_params; i++) s += x->sumsq[i];
+  if (x->sharded) {  // every rank's sum, added in rank order: the same bits on every rank
+    double all[x->world];
+    fy_status st = fy_comm_all_gather(x->c_optim, &s, all, 2, FY_COMM_F32, NULL);  // a double as two words
+    if (st != FY_OK) {
+      async_fail(x, st);
+      a->norm = NAN;
+      a->skip = true;
+      return;
+    }
+    s = 0;
+    for (int r = 0; r < x->world; r++) s += all[r];
+  }
   a->norm = sqrt(s) * fabs((double)a->grad_scale);
   a->skip = !isfinite(a->norm);
   a->scale = a->grad_scale;
@@ -564,14 +683,17 @@ static void adamw_fn(void *arg) {
   if (a->skip) return;
   const struct fy_graph *g = x->m->graph;
   int c = j->chunk;
-  size_t used = (size_t)x->m->layout->chunks[c].used * 4;
-  size_t slot = (size_t)x->m->layout->chunk_elems * 4;
+  size_t used = (size_t)span(x, c) * 4;
+  size_t slot = (size_t)x->S * 4;
   float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
-  float *params = x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+  float *params = home_weights(x, c);
+  int64_t lo = x->lo, hi = x->lo + span(x, c);
   if (c < x->n_dev) {  // on the device, with its weights
     mm = x->dev_m[c];
     vv = x->dev_v[c];
     params = x->dev_w[c];
+    lo = 0;
+    hi = x->m->layout->chunks[c].used;
   } else if (!mm) {  // state on disk: read gradients, m and v at once, update, write m and v back
     gg = x->disk_g;
     mm = x->disk_m;
@@ -586,10 +708,14 @@ static void adamw_fn(void *arg) {
       return;
     }
   }
+  // AdamW is elementwise: a parameter's part in [lo, hi) is updated as the whole would be.
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
-    fy_adamw_update(params + p->chunk_offset, mm + p->chunk_offset, vv + p->chunk_offset,
-                    gg + p->chunk_offset, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
+    int64_t b0 = p->chunk_offset > lo ? p->chunk_offset : lo;
+    int64_t b1 = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
+    if (b0 >= b1) continue;
+    int64_t o = b0 - lo;
+    fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
                     p->decay ? a->h.weight_decay : 0.0f, a->t, a->scale);
   }
   if (c >= x->n_dev && !x->m_home[c]) {
@@ -659,22 +785,107 @@ void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) 
 }
 
 fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v, bool store) {
-  size_t used = (size_t)x->m->layout->chunks[c].used * 4, slot = (size_t)x->m->layout->chunk_elems * 4;
   if (c < x->n_dev) {  // through the copy engines, as for any device memory
+    size_t used = (size_t)x->m->layout->chunks[c].used * 4;
     FY_TRY(fy_copy_async(x->copy_out, store ? x->dev_m[c] : m, store ? m : x->dev_m[c], used));
     FY_TRY(fy_copy_async(x->copy_out, store ? x->dev_v[c] : v, store ? v : x->dev_v[c], used));
     return fy_stream_sync(x->copy_out);
   }
-  if (x->m_home[c]) {
-    if (store) {
-      memcpy(x->m_home[c], m, used);
-      memcpy(x->v_home[c], v, used);
-    } else {
-      memcpy(m, x->m_home[c], used);
-      memcpy(v, x->v_home[c], used);
-    }
-    return FY_OK;
+  // This rank's part: the shard, or without sharding the chunk's used elements.
+  int64_t n = span(x, c);
+  if (x->sharded) {
+    n = x->m->layout->chunks[c].used - x->lo;
+    if (n > x->S) n = x->S;
+    if (n <= 0) return FY_OK;  // padding only
+    m += x->lo;
+    v += x->lo;
+  }
+  size_t used = (size_t)n * 4, slot = (size_t)x->S * 4;
+  if (x->m_home[c]) {  // host tier or device memory: through the copy engine either way
+    FY_TRY(fy_copy_async(x->copy_out, store ? x->m_home[c] : m, store ? m : x->m_home[c], used));
+    FY_TRY(fy_copy_async(x->copy_out, store ? x->v_home[c] : v, store ? v : x->v_home[c], used));
+    return fy_stream_sync(x->copy_out);
   }
   FY_TRY(disk_io(x, store, c, slot, m, used, x->req_m));
   return disk_io(x, store, c, 2 * slot, v, used, x->req_v);
+}
+
+// Sharding: this rank's shard of chunk c's weights (which 0), m (1) or v (2) into dst (S floats).
+static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
+  size_t bytes = (size_t)x->S * 4, slot = bytes;
+  if (which == 0) {
+    FY_TRY(fy_copy_async(x->copy_out, dst, x->w_home[c], bytes));
+    return fy_stream_sync(x->copy_out);
+  }
+  float *src = which == 1 ? x->m_home[c] : x->v_home[c];
+  if (src) {
+    FY_TRY(fy_copy_async(x->copy_out, dst, src, bytes));
+    return fy_stream_sync(x->copy_out);
+  }
+  return disk_io(x, false, c, (size_t)which * slot, dst, bytes, which == 1 ? x->req_m : x->req_v);
+}
+
+fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v) {
+  FY_TRY(fy_offload_sync(x));
+  const struct fy_chunk_layout *l = x->m->layout;
+  int64_t ce = l->chunk_elems;
+  if (!x->sharded) {
+    if (params) memcpy(params, x->m->params, (size_t)x->m->graph->n_param_elems * 4);
+    for (int c = 0; m && v && c < l->n_chunks; c++) FY_TRY(fy_offload_adam_state(x, c, m + c * ce, v + c * ce, false));
+    return FY_OK;
+  }
+  // Chunk by chunk through one buffer; every rank takes part, those with a destination keep it.
+  // Before the first micro-batch the weights are still whole in the model's buffer.
+  float *dst[3] = {params, m, v};
+  for (int c = 0; c < l->n_chunks; c++)
+    for (int which = 0; which < 3; which++) {
+      if (which == 0 && !x->taken) {
+        if (params) memcpy(params + c * ce, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
+        continue;
+      }
+      FY_TRY(shard_out(x, c, which, x->gather_buf + x->lo));
+      fy_status st = fy_comm_all_gather(x->c_gather, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
+      if (st != FY_OK) return fy_error_wrap(st, "gathering the shards of chunk %d", c);
+      if (dst[which]) memcpy(dst[which] + c * ce, x->gather_buf, (size_t)l->chunks[c].used * 4);
+    }
+  return FY_OK;
+}
+
+fy_status fy_offload_unshard(struct fy_offload *x) {
+  if (!x->sharded || !x->taken) return FY_OK;
+  struct fy_model *m = x->m;
+  size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  float *full;
+  FY_TRY(fy_host_alloc(m->host, bytes, (void **)&full));
+  fy_status st = FY_OK;
+  int64_t ce = m->layout->chunk_elems;
+  FY_TRY(fy_offload_sync(x));
+  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) {
+    st = shard_out(x, c, 0, x->gather_buf + x->lo);
+    if (st == FY_OK)
+      st = fy_comm_all_gather(x->c_gather, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
+    if (st == FY_OK) memcpy(full + c * ce, x->gather_buf, (size_t)m->layout->chunks[c].used * 4);
+  }
+  if (st != FY_OK) {
+    fy_host_dealloc(m->host, full, bytes);
+    return fy_error_wrap(st, "gathering the weights");
+  }
+  m->params = full;
+  x->taken = false;  // the model's buffer is whole again (the shards stay as they are)
+  return FY_OK;
+}
+
+void fy_offload_set_step(struct fy_offload *x, int64_t step) {
+  struct fy_comm *cs[] = {x->c_gather, x->c_scatter, x->c_optim};
+  for (int i = 0; i < 3; i++)
+    if (cs[i]) fy_comm_set_step(cs[i], step);
+}
+
+int64_t fy_offload_device_state_bytes(const struct fy_offload *x) { return x->device_state_bytes; }
+
+int64_t fy_offload_state_bytes(const struct fy_offload *x) {
+  const struct fy_chunk_layout *l = x->m->layout;
+  int64_t on_dev = (int64_t)x->n_dev * l->chunk_elems * 4 * (x->max_micro > 1 ? 5 : 4);
+  int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
+  return on_dev + rest;
 }

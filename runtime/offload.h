@@ -18,6 +18,7 @@
 
 #include "memory/device_cache.h"
 #include "memory/tier.h"
+#include "runtime/comm.h"
 #include "runtime/engine.h"
 #include "runtime/optimizer.h"
 
@@ -29,6 +30,16 @@ struct fy_offload_opts {
   int n_disk_chunks;            // the last n chunks keep gradients, m and v on disk (needs disk)
   int n_device_chunks;          // the first n chunks stay on the device with their gradients and
                                 // AdamW state, and are updated there (on the compute stream)
+  // Chunk sharding across the ranks of `comm` (the `zero` pattern, as ZeRO-3): with more than one
+  // rank, every rank keeps 1/N of each chunk (weights, gradients, m and v: elements
+  // [rank*S, (rank+1)*S), S = chunk_elems / N, so chunk_elems must divide by 16 N); a load copies
+  // the rank's shard to the block and all-gathers the rest from the other ranks; a write-back
+  // reduce-scatters the gradients and moves only the rank's shard home; each rank updates its
+  // shards. The shards live in the host tier (or on disk, as above), or with `shards_on_device`
+  // in device memory (sharding without offloading). Not combinable with n_device_chunks.
+  // NULL or one rank: no sharding. Not owned; the engine makes its own duplicates of it.
+  struct fy_comm *comm;
+  bool shards_on_device;
 };
 
 struct fy_offload;
@@ -60,9 +71,27 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);
 
-// AdamW state of one chunk (chunk_elems floats each), wherever it lives (host tier or disk):
-// copies it out, or with `store`, in. Only between steps (after fy_offload_sync).
+// AdamW state of one chunk (m and v point at chunk_elems floats each), wherever it lives (host
+// tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard
+// of it. Only between steps (after fy_offload_sync), and `store` only before the first step.
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
+// The whole training state in the layout's order (chunk c at c * chunk_elems): weights, AdamW m
+// and v. Without sharding a copy; with sharding a collective that every rank calls, gathering
+// chunk by chunk through one chunk-sized buffer, so a rank that passes NULL (one not writing the
+// checkpoint) needs no whole-model memory. Between steps.
+fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v);
+// With sharding, the model's full weight buffer (m->params, in the host tier) is released at the
+// first micro-batch, when every rank has taken its shards; this gives it back, filled with the
+// current weights on every rank (for saving and hashing at the end of training). A collective.
+// Without sharding nothing to do.
+fy_status fy_offload_unshard(struct fy_offload *x);
+// Labels the collectives enqueued from now on with the step (1-based) for error messages.
+void fy_offload_set_step(struct fy_offload *x, int64_t step);
+// Device memory the model state kept there took (chunks kept on the device, or shards with
+// shards_on_device), measured on the device's counter.
+int64_t fy_offload_device_state_bytes(const struct fy_offload *x);
+// Bytes of model state this rank keeps (weights, gradients, m and v, wherever they live).
+int64_t fy_offload_state_bytes(const struct fy_offload *x);
 
 struct fy_offload_stats {
   int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;

@@ -118,6 +118,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4);
   size_t need, chunk_bytes0;
   FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, chunk, &need, &chunk_bytes0));
+  if (r->world > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
+    int64_t q = 16 * (int64_t)r->world, ce = (int64_t)(chunk_bytes0 / 4);
+    if (ce % q != 0)
+      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, (ce + q - 1) / q * q, &need, &chunk_bytes0));
+  }
   if (need > dev_mem)
     return fy_error_set(FY_ERR_NOMEM,
                         "--device-mem %.1f MiB cannot hold the smallest working set of %s with micro-batch "
@@ -134,32 +139,46 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   // few chunk-sized buffers), the rest of the chunks' to disk.
   // Kept aside: chunk-sized buffers for spilling (a few at once) and, with a disk tier, for one
   // disk chunk's gradients, m and v and its write-back.
+  // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
+  size_t shard_bytes = chunk_bytes / (size_t)r->world, per_chunk = (r->world > 1 ? 4 : 3) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
-  int fit = (int)(spare / (3 * chunk_bytes));
+  int fit = (int)(spare / per_chunk);
   if (fit < l->n_chunks) {
-    reserve += 5 * chunk_bytes;
+    reserve += 5 * shard_bytes;
     spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
-    fit = (int)(spare / (3 * chunk_bytes));
+    fit = (int)(spare / per_chunk);
   }
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
   int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
+  // Several ranks: the shards live in the host tier, or all of them on the device.
+  bool shards_on_device = r->world > 1 && n_dev == l->n_chunks;
+  if (r->world > 1 && n_dev > 0 && !shards_on_device)
+    return fy_error_set(FY_ERR_INVALID, "--device-chunks %d: with %d ranks the chunks are sharded, and their shards live "
+                        "either all in the host tier (0) or all on the device (%d or more)", o->device_chunks, r->world,
+                        l->n_chunks);
+  if (shards_on_device) n_dev = 0;
   if (o->disk_chunks < 0 && n_disk > l->n_chunks - n_dev) n_disk = l->n_chunks - n_dev;
   if (n_disk > l->n_chunks) n_disk = l->n_chunks;
+  if (shards_on_device && o->disk_chunks < 0) n_disk = 0;
+  if (shards_on_device && n_disk > 0)
+    return fy_error_set(FY_ERR_INVALID, "--device-chunks %d keeps every shard on the device; --disk-chunks must be 0",
+                        o->device_chunks);
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
                         "the gradients and AdamW state of %d of %d chunks (%.2f GiB) do not fit in the "
                         "host memory (--host-mem %.2f GiB, %.2f GiB of it for the parameters); give a "
                         "disk tier with --disk-dir",
-                        n_disk, l->n_chunks, 3.0 * n_disk * chunk_bytes / 1073741824.0,
+                        n_disk, l->n_chunks, 3.0 * n_disk * shard_bytes / 1073741824.0,
                         host_cap / 1073741824.0, in_use / 1073741824.0);
   if (n_disk > 0) {
     fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
   struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
-                               .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev};
+                               .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
+                               .comm = r->comm, .shards_on_device = shards_on_device};
   return fy_offload_create(r->model, &xo, &r->x);
 }
 
@@ -178,10 +197,10 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
                         (long long)o->seq, (long long)r->cfg.max_position_embeddings);
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
-  if (r->world > 1 && strcmp(device, "cpu") != 0)
+  // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
+  if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
-                        "(replicated parameters); chunk-sharded offloading across ranks is not there yet",
-                        r->world, device);
+                        "(replicated parameters) or --device sim (chunks sharded across the ranks)", r->world, device);
   if (strcmp(device, "sim") == 0) {
     FY_TRY(setup_offload(o, r));
   } else if (strcmp(device, "cpu") == 0) {
@@ -224,9 +243,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 }
 
 static void teardown(struct run *r) {
-  fy_comm_free(r->comm);
   fy_data_close(r->data);
-  fy_offload_free(r->x);
+  fy_offload_free(r->x);  // before the communicator it duplicated
 #if FY_HAVE_CUDA
   if (r->model && r->model->kernels_ctx) fy_engine_cuda_detach(r->model);
 #endif
@@ -234,6 +252,7 @@ static void teardown(struct run *r) {
   if (r->disk) fy_disk_tier_close(r->disk);
   if (r->host) fy_host_tier_free(r->host);
   fy_device_free(r->dev);
+  fy_comm_free(r->comm);
 }
 
 // Over the parameters in their graph order, so that runs with different chunk layouts compare.
@@ -329,6 +348,11 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
     struct fy_batch *batch;
     FY_TRY(fy_data_next(r->data, &batch));
     int64_t count = fy_engine_count_targets(batch);
+    if (r->world > 1) {  // the loss is the mean over the global micro-batch: every rank's tokens count
+      float c = (float)count;
+      FY_TRY(fy_comm_all_reduce(r->comm, &c, 1, FY_COMM_F32, NULL));
+      count = (int64_t)c;
+    }
     if (count == 0) continue;
     counts[n] = count;
     FY_TRY(fy_offload_micro(r->x, batch, n, (float)(scale / ((double)count * o->grad_accum))));
@@ -337,6 +361,12 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
   if (n == 0) return FY_ERR_NOT_FOUND;
   FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), step + 1, (float)(1.0 / scale), norm_out, sums,
                            overflow));
+  if (r->world > 1) {
+    float tally[o->grad_accum];
+    for (int i = 0; i < n; i++) tally[i] = (float)sums[i];
+    FY_TRY(fy_comm_all_reduce(r->comm, tally, (size_t)n, FY_COMM_F32, NULL));
+    for (int i = 0; i < n; i++) sums[i] = tally[i];
+  }
   double loss_acc = 0;
   for (int i = 0; i < n; i++) {
     double mean = sums[i] / (double)counts[i];
@@ -381,18 +411,18 @@ static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
 static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
                             int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
+  // With chunks sharded across ranks every rank takes part in gathering the state; only the
+  // writer (rank 0, w != NULL) keeps it.
+  if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   if (r->x) {
-    FY_TRY(fy_offload_sync(r->x));  // the optimizer stream may still be updating
-    int64_t ce = m->layout->chunk_elems;
-    for (int c = 0; c < m->layout->n_chunks; c++)
-      FY_TRY(fy_offload_adam_state(r->x, c, s->m + c * ce, s->v + c * ce, false));
+    FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
   } else {
     memcpy(s->m, m->m, bytes);
     memcpy(s->v, m->v, bytes);
+    memcpy(s->params, m->params, bytes);
   }
-  memcpy(s->params, m->params, bytes);
   // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
   s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->world,
                                   .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
@@ -519,6 +549,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0) st = fy_ckpt_writer_create(o->save, o->keep, r.model, &ckpt);
   bool lead = r.rank == 0;  // one rank speaks, logs and writes for all (replicas are identical)
+  // Every rank knows when checkpoints are written: with sharded chunks all of them gather.
+  const int64_t save_every = given->save && given->save_every > 0 ? given->save_every : 0;
+  const bool sharded = r.x && r.world > 1;
   if (!lead) {
     eff.quiet = true;
     eff.log_path = NULL;
@@ -579,6 +612,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     double t0 = now_s(), loss = 0, norm = 0;
     bool overflow = false;
     if (ckpt) ckpt_busy[step] = fy_ckpt_busy(ckpt);
+    if (r.x) fy_offload_set_step(r.x, step + 1);
+    if (r.world > 1) fy_comm_set_step(r.comm, step + 1);
     st = r.x ? step_offload(o, &r, step, scale, &loss, &norm, &overflow)
              : step_resident(o, &r, step, scale, &loss, &norm, &overflow, &t_sum, &t_opt);
     if (st == FY_OK && overflow && o->loss_scale <= 0)
@@ -612,9 +647,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->steps = step + 1;
     if (log)
       fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
-              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f}\n",
+              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
+              "\"host_tier_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f}\n",
               (long long)step + 1, loss, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
-              r.dev->bytes_peak / 1048576.0);
+              r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
+              r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
     if (!o->quiet) {
       if (tty) printf("\r\033[K");
       printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
@@ -626,9 +663,14 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       fflush(stdout);
     }
     bool stop = (o->stop && *o->stop) || (o->stop_after > 0 && step + 1 - first_step >= o->stop_after);
-    if (ckpt && (stop || (step + 1) % o->save_every == 0 || step + 1 == o->steps)) {
+    if (r.world > 1) {  // a signal may reach the ranks in different steps: they stop together
+      float any = stop ? 1.0f : 0.0f;
+      if ((st = fy_comm_all_reduce(r.comm, &any, 1, FY_COMM_F32, NULL)) != FY_OK) goto done;
+      stop = any > 0;
+    }
+    if (save_every > 0 && (ckpt || sharded) && (stop || (step + 1) % save_every == 0 || step + 1 == o->steps)) {
       if ((st = checkpoint(o, &r, ckpt, step + 1, scale, scale_good)) != FY_OK) goto done;
-      res->checkpoints++;
+      if (ckpt) res->checkpoints++;
     }
     if (stop) {
       res->interrupted = true;
@@ -642,6 +684,13 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->checkpoint_bytes = dir_bytes(o->save);
   }
   if (r.x && (st = fy_offload_sync(r.x)) != FY_OK) goto done;
+  if (r.x) {
+    res->host_tier_bytes = (double)fy_host_in_use(r.host);
+    res->device_state_bytes = (double)fy_offload_device_state_bytes(r.x);
+    res->model_state_bytes = (double)fy_offload_state_bytes(r.x);
+  }
+  // Sharded weights come together again for the hash and the final save.
+  if (r.x && (st = fy_offload_unshard(r.x)) != FY_OK) goto done;
   if (!o->quiet && tty) printf("\r\033[K");
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);

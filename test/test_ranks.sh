@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several ranks under mpirun (runtime/comm.h, data parallelism with replicated parameters):
+# Several ranks under mpirun (runtime/comm.h; replicated parameters on cpu, sharded chunks on sim):
 # 2 ranks with --batch 2 follow 1 rank with --batch 4 (losses and weights within 1e-5), rank 0
 # alone speaks and writes, and a rank killed mid-run ends the job (non-zero, within the timeout
 # plus 10 s) instead of hanging it.
@@ -87,6 +87,71 @@ assert (num / den) ** 0.5 <= 2e-6, (num / den) ** 0.5
 print("2 ranks then 1: weights within %.2g of the straight run" % ((num / den) ** 0.5))
 PY
 then ok "2 ranks checkpoint, 1 rank resumes: losses within 1e-6, weights within 2e-6 of the straight run"; else bad "2-to-1 resume differs"; fi
+
+# Chunk sharding (the zero pattern, --device sim): every rank keeps 1/2 of each chunk (weights,
+# gradients, m, v), gathers the rest into the device cache and reduce-scatters the gradients. With
+# 4 cache blocks the chunks are evicted and loaded (gathered) again within every pass.
+compare() {  # compare REF RUN TOL: losses of REF.json and RUN.json, weights REF/ and RUN/
+  python3 - "$tmp" "$1" "$2" "$3" <<'PY'
+import json, struct, sys
+d, a, b, tol = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+la = {r["step"]: r["loss"] for r in map(json.loads, open("%s/%s.json" % (d, a)))}
+lb = {r["step"]: r["loss"] for r in map(json.loads, open("%s/%s.json" % (d, b)))}
+assert sorted(lb) == sorted(la)[-len(lb):] and lb, (sorted(la), sorted(lb))
+for s in lb:
+    assert abs(la[s] - lb[s]) <= tol * abs(la[s]), (s, la[s], lb[s])
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    hdr = json.loads(raw[8:8 + n])
+    return {k: struct.unpack("<%df" % ((v["data_offsets"][1] - v["data_offsets"][0]) // 4),
+                             raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in hdr.items() if k != "__metadata__"}
+x, y = tensors("%s/%s/model.safetensors" % (d, a)), tensors("%s/%s/model.safetensors" % (d, b))
+assert x.keys() == y.keys()
+num = sum((p - q) ** 2 for k in x for p, q in zip(x[k], y[k]))
+den = sum(p * p for k in x for p in x[k])
+assert (num / den) ** 0.5 <= tol, (num / den) ** 0.5
+print("  %s vs %s: %d losses within %g, weights within %.2g" % (a, b, len(lb), tol, (num / den) ** 0.5))
+PY
+}
+sim=(--device sim --blocks 4 --prefetch 2)
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --log "$tmp/zero.json" --save "$tmp/zero"   || bad "2 sharded ranks train"
+compare one zero 1e-5 && ok "2 ranks with sharded chunks in the host tier follow 1 rank" || bad "sharded ranks differ from 1 rank"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --device-chunks 1000 --log "$tmp/zerodev.json"   --save "$tmp/zerodev" || bad "2 sharded ranks with shards on the device train"
+compare one zerodev 1e-5 && ok "2 ranks with sharded chunks on the device (no offload) follow 1 rank"   || bad "sharded ranks on the device differ from 1 rank"
+mkdir -p "$tmp/disk"
+"$ferry" train "${common[@]}" --batch 4 --grad-accum 2 --log "$tmp/accum.json" --save "$tmp/accum" || bad "1 rank accumulates"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --grad-accum 2 --disk-dir "$tmp/disk" --disk-chunks 4   --log "$tmp/zeroacc.json" --save "$tmp/zeroacc" || bad "2 sharded ranks with accumulation and a disk tier train"
+compare accum zeroacc 1e-5 && ok "2 sharded ranks with 2 micro-batches and 4 chunks' shards on disk follow 1 rank"   || bad "sharded ranks with accumulation and disk differ"
+# Each rank's model state is half the single rank's, on the tiers' own counters (within 10% plus
+# one chunk): the host tier's in-use bytes, and the device memory the state took.
+"$ferry" train "${common[@]}" "${sim[@]}" --batch 4 --steps 2 --log "$tmp/mem1.json" || bad "1 rank on sim"
+"$ferry" train "${common[@]}" "${sim[@]}" --batch 4 --steps 2 --device-chunks 1000 --log "$tmp/memd1.json" || bad "1 rank, state on the device"
+if python3 - "$tmp" <<'PY'
+import json, sys
+d = sys.argv[1]
+last = lambda f: [json.loads(l) for l in open(d + "/" + f)][-1]
+for one, two, key in (("mem1.json", "zero.json", "host_tier_mib"), ("memd1.json", "zerodev.json", "device_state_mib")):
+    a, b = last(one), last(two)
+    want = a[key] / 2
+    assert abs(b[key] - want) <= 0.1 * want + b["chunk_mib"], (key, a[key], b[key], b["chunk_mib"])
+    print("  %s: 1 rank %.4f MiB, each of 2 ranks %.4f MiB (chunks of %.4f MiB)" % (key, a[key], b[key], b["chunk_mib"]))
+PY
+then ok "each of 2 sharded ranks keeps half the model state (host tier; device)"; else bad "sharded model state is not 1/2"; fi
+# A sharded checkpoint (gathered by every rank, written by rank 0) resumes on 2 sharded ranks and
+# on 1 rank.
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --save "$tmp/ckz" --save-every 100 --stop-after 6 \
+  >/dev/null 2>&1 || bad "2 sharded ranks checkpoint"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --resume "$tmp/ckz" --log "$tmp/zres2.json" \
+  --save "$tmp/zres2" || bad "2 sharded ranks resume"
+"$ferry" train "${common[@]}" --batch 4 --resume "$tmp/ckz" --log "$tmp/zres1.json" --save "$tmp/zres1" || bad "1 rank resumes a sharded checkpoint"
+compare zero zres2 1e-6 && compare one zres1 1e-5 && ok "a sharded checkpoint resumes on 2 sharded ranks and on 1 rank" \
+  || bad "resuming a sharded checkpoint differs"
+if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --device-chunks 3 >"$tmp/part.out" 2>&1; then
+  bad "a partial --device-chunks with sharding is accepted"
+else grep -q "all in the host tier (0) or all on the device" "$tmp/part.out" && ok "a partial --device-chunks with sharding is refused" \
+  || { bad "a partial --device-chunks: unclear message"; cat "$tmp/part.out"; }; fi
 
 # A rank that dies ends the job: the survivor's collective times out (or mpirun ends it).
 start=$(date +%s)
