@@ -35,6 +35,7 @@ fy_status fy_graph_create(int64_t B, int64_t T, struct fy_graph **out) {
   box->g.B = B;
   box->g.T = T;
   box->g.loss_slot = box->g.logits_slot = -1;
+  box->g.tp = 1;
   *out = &box->g;
   return FY_OK;
 }
@@ -64,6 +65,9 @@ int fy_graph_add_param(struct fy_graph *g, const char *name, int rank, const int
   p->first_use = -1;
   p->offset = -1;
   p->padding_idx = -1;
+  p->split_dim = -1;
+  p->full_shape[0] = p->shape[0];
+  p->full_shape[1] = p->shape[1];
   return g->n_params++;
 }
 

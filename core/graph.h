@@ -45,6 +45,11 @@ struct fy_param {
   int first_use;           // index of the first op that reads it
   int last_use;            // index of the last one: the first to write its gradient in backward
   int64_t padding_idx;     // embedding row whose gradient stays zero (nn.Embedding), or -1
+  // Tensor parallelism (Megatron's split, g->tp ranks): -1 when every rank holds all of it; 0
+  // when split by rows (output features: this rank holds rows [tp_rank*shape[0], +shape[0]) of
+  // full_shape), 1 when split by columns (input features). shape is this rank's part.
+  int split_dim;
+  int64_t full_shape[2];
 };
 
 struct fy_slot {
@@ -75,6 +80,11 @@ struct fy_op {
   // Slots whose gradient becomes live (is zeroed) just before this op's backward.
   int n_zero;
   int zero[FY_OP_MAX_IN];
+  // Tensor parallelism (LINEAR): COL holds a slice of the output features (input whole, output
+  // split; the input gradient is summed over the tensor-parallel group in backward); ROW a slice
+  // of the input features (input split, the output summed over the group in forward, the bias
+  // added after the sum). NONE: the op runs whole on every rank.
+  enum fy_split { FY_SPLIT_NONE, FY_SPLIT_COL, FY_SPLIT_ROW } split;
 };
 
 struct fy_graph {
@@ -92,6 +102,7 @@ struct fy_graph {
   int64_t scratch_elems;   // workspace for one backward op (attention's)
   int loss_slot;           // per-row losses of the cross-entropy op
   int logits_slot;
+  int tp, tp_rank;         // tensor-parallel group size and this rank's place in it (1, 0: none)
 };
 
 // Construction (used by model builders): ops, params and slots are appended in forward order.

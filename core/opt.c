@@ -94,6 +94,7 @@ struct builder {
   struct fy_graph *g;
   const struct fy_opt_config *c;
   int64_t BT;
+  int tp, tp_rank;  // tensor parallelism: the attention and MLP linears are split over tp ranks
   fy_status st;
 };
 
@@ -143,11 +144,24 @@ static int layernorm(struct builder *b, const char *name, int layer, int in) {
   return add_op(b, &op);
 }
 
+// Marks parameter id as this rank's part of a tensor split over b->tp ranks along dim.
+static void split_param(struct builder *b, int id, int dim) {
+  if (id < 0 || b->tp == 1) return;
+  struct fy_param *p = &b->g->params[id];
+  p->split_dim = dim;
+  p->full_shape[dim] = p->shape[dim] * b->tp;
+}
+
 // A linear layer over `n` fused projections named names[i] (each OC x C), with or without biases.
-static int linear(struct builder *b, const char *label, int layer, int in, const char *const *names,
-                  int n, int64_t C, int64_t OC, bool bias, int shared_weight) {
+// split COL: this rank holds OC/tp of each projection's outputs (rows of the weight, and of the
+// bias); ROW: C/tp of the inputs (columns of the weight; the bias is held whole).
+static int linear_split(struct builder *b, const char *label, int layer, int in, const char *const *names,
+                        int n, int64_t C, int64_t OC, bool bias, int shared_weight, enum fy_split split) {
+  if (b->tp == 1) split = FY_SPLIT_NONE;
+  if (split == FY_SPLIT_COL) OC /= b->tp;
+  if (split == FY_SPLIT_ROW) C /= b->tp;
   struct fy_op op = {.kind = FY_OP_LINEAR, .layer = layer, .n_in = 1, .in = {in},
-                     .out = slot(b, b->BT * OC * n), .C = C, .OC = OC * n, .has_bias = bias};
+                     .out = slot(b, b->BT * OC * n), .C = C, .OC = OC * n, .has_bias = bias, .split = split};
   snprintf(op.name, sizeof op.name, "%s", label);
   char pn[FY_NAME_MAX];
   if (shared_weight >= 0) {
@@ -155,15 +169,24 @@ static int linear(struct builder *b, const char *label, int layer, int in, const
   } else {
     for (int i = 0; i < n; i++) {
       snprintf(pn, sizeof pn, "%s.weight", names[i]);
-      op.params[op.n_params++] = param(b, pn, OC, C);
+      op.params[op.n_params] = param(b, pn, OC, C);
+      if (split != FY_SPLIT_NONE) split_param(b, op.params[op.n_params], split == FY_SPLIT_COL ? 0 : 1);
+      op.n_params++;
     }
   }
   if (bias)
     for (int i = 0; i < n; i++) {
       snprintf(pn, sizeof pn, "%s.bias", names[i]);
-      op.params[op.n_params++] = param(b, pn, OC, 0);
+      op.params[op.n_params] = param(b, pn, OC, 0);
+      if (split == FY_SPLIT_COL) split_param(b, op.params[op.n_params], 0);
+      op.n_params++;
     }
   return add_op(b, &op);
+}
+
+static int linear(struct builder *b, const char *label, int layer, int in, const char *const *names,
+                  int n, int64_t C, int64_t OC, bool bias, int shared_weight) {
+  return linear_split(b, label, layer, in, names, n, C, OC, bias, shared_weight, FY_SPLIT_NONE);
 }
 
 static int binary(struct builder *b, enum fy_op_kind kind, const char *name, int layer, int x,
@@ -189,16 +212,18 @@ static int decoder_layer(struct builder *b, int l, int h) {
   snprintf(n3, sizeof n3, "%s.self_attn.v_proj", p);
   const char *qkv_names[3] = {n1, n2, n3};
   snprintf(label, sizeof label, "%s.self_attn.qkv", p);
-  int qkv = linear(b, label, l, x, qkv_names, 3, D, D, bias, -1);
+  int qkv = linear_split(b, label, l, x, qkv_names, 3, D, D, bias, -1, FY_SPLIT_COL);
+  // With tensor parallelism this rank attends with its NH/tp heads (head size D/NH as ever).
+  int64_t Dl = D / b->tp, NHl = NH / b->tp;
   struct fy_op att = {.kind = FY_OP_ATTENTION, .layer = l, .n_in = 1, .in = {qkv},
-                      .out = slot(b, b->BT * D), .n_aux = 1,
-                      .aux = {slot(b, b->g->B * NH * b->g->T * b->g->T)}, .C = D, .NH = NH,
+                      .out = slot(b, b->BT * Dl), .n_aux = 1,
+                      .aux = {slot(b, b->g->B * NHl * b->g->T * b->g->T)}, .C = Dl, .NH = NHl,
                       .scale = 1.0f / sqrtf((float)(D / NH))};
   snprintf(att.name, sizeof att.name, "%s.self_attn", p);
   int a = add_op(b, &att);
   snprintf(n1, sizeof n1, "%s.self_attn.out_proj", p);
   const char *out_names[1] = {n1};
-  int o = linear(b, n1, l, a, out_names, 1, D, D, bias, -1);
+  int o = linear_split(b, n1, l, a, out_names, 1, D, D, bias, -1, FY_SPLIT_ROW);
   snprintf(label, sizeof label, "%s.attn_residual", p);
   h = binary(b, FY_OP_ADD, label, l, h, o, b->BT * D);
   snprintf(n1, sizeof n1, "%s.self_attn_layer_norm", p);
@@ -209,12 +234,12 @@ static int decoder_layer(struct builder *b, int l, int h) {
   x = pre ? layernorm(b, n1, l, h) : h;
   snprintf(n1, sizeof n1, "%s.fc1", p);
   const char *fc1[1] = {n1};
-  int f = linear(b, n1, l, x, fc1, 1, D, F, bias, -1);
+  int f = linear_split(b, n1, l, x, fc1, 1, D, F, bias, -1, FY_SPLIT_COL);
   snprintf(label, sizeof label, "%s.relu", p);
-  f = binary(b, FY_OP_RELU, label, l, f, -1, b->BT * F);
+  f = binary(b, FY_OP_RELU, label, l, f, -1, b->BT * (F / b->tp));
   snprintf(n1, sizeof n1, "%s.fc2", p);
   const char *fc2[1] = {n1};
-  f = linear(b, n1, l, f, fc2, 1, F, D, bias, -1);
+  f = linear_split(b, n1, l, f, fc2, 1, F, D, bias, -1, FY_SPLIT_ROW);
   snprintf(label, sizeof label, "%s.ffn_residual", p);
   h = binary(b, FY_OP_ADD, label, l, h, f, b->BT * D);
   snprintf(n1, sizeof n1, "%s.final_layer_norm", p);
@@ -224,7 +249,18 @@ static int decoder_layer(struct builder *b, int l, int h) {
 
 fy_status fy_opt_build_graph(const struct fy_opt_config *c, int64_t B, int64_t T,
                              struct fy_graph **out) {
+  return fy_opt_build_graph_tp(c, B, T, 1, 0, out);
+}
+
+fy_status fy_opt_build_graph_tp(const struct fy_opt_config *c, int64_t B, int64_t T, int tp, int tp_rank,
+                                struct fy_graph **out) {
   FY_TRY(fy_opt_config_check(c));
+  if (tp < 1 || tp_rank < 0 || tp_rank >= tp)
+    return fy_error_set(FY_ERR_INVALID, "tensor-parallel rank %d of %d", tp_rank, tp);
+  if (c->num_attention_heads % tp != 0 || c->ffn_dim % tp != 0)
+    return fy_error_set(FY_ERR_INVALID, "%d tensor-parallel ranks must divide the %lld attention heads and the "
+                        "feed-forward size %lld of %s", tp, (long long)c->num_attention_heads,
+                        (long long)c->ffn_dim, c->name);
   if (B < 1 || T < 1) return fy_error_set(FY_ERR_INVALID, "batch and sequence must be positive");
   if (T > c->max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID,
@@ -233,7 +269,9 @@ fy_status fy_opt_build_graph(const struct fy_opt_config *c, int64_t B, int64_t T
                         (long long)T, (long long)c->max_position_embeddings);
   struct fy_graph *g;
   FY_TRY(fy_graph_create(B, T, &g));
-  struct builder b = {.g = g, .c = c, .BT = B * T, .st = FY_OK};
+  struct builder b = {.g = g, .c = c, .BT = B * T, .tp = tp, .tp_rank = tp_rank, .st = FY_OK};
+  g->tp = tp;
+  g->tp_rank = tp_rank;
   int64_t D = c->hidden_size, W = c->word_embed_proj_dim, V = c->vocab_size;
 
   int wte = param(&b, "embed_tokens.weight", V, W);

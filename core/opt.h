@@ -52,6 +52,12 @@ int64_t fy_opt_num_params(const struct fy_opt_config *cfg);
 struct fy_graph;
 fy_status fy_opt_build_graph(const struct fy_opt_config *cfg, int64_t B, int64_t T,
                              struct fy_graph **out);
+// One rank's part of the graph under tensor parallelism over tp ranks (Megatron's split): in each
+// decoder layer the fused QKV and fc1 are column-split (FY_SPLIT_COL: NH/tp heads, ffn/tp
+// features), out_proj and fc2 row-split (FY_SPLIT_ROW); everything else is whole on every rank.
+// tp must divide the heads and the feed-forward size. tp 1 is fy_opt_build_graph.
+fy_status fy_opt_build_graph_tp(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, int tp_rank,
+                                struct fy_graph **out);
 // FLOPs of forward and backward of one B x T micro-batch, counted as llm.c and PaLM count them:
 // 6 x parameters x tokens plus attention's 12 x layers x hidden x T^2 x B (QK^T and AV, the
 // causal mask ignored), so that model-FLOPs utilisation compares with published figures.

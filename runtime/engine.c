@@ -42,6 +42,37 @@ int64_t fy_engine_count_targets(const struct fy_batch *batch) {
   return n;
 }
 
+// ---- tensor parallelism (core/graph.h, enum fy_split) ----
+
+// A row-split linear: this rank's product over its slice of the inputs, summed over the group,
+// then the bias (held whole) once.
+// inp (BT,C/tp), weight (OC,C/tp), bias (OC) -> out (BT,OC)
+static fy_status linear_forward_row(struct fy_model *m, float *out, const float *inp, const float *weight,
+                                    const float *bias, int64_t BT, int64_t C, int64_t OC) {
+  FY_TRY(fy_linear_forward(out, inp, weight, NULL, BT, C, OC));
+  FY_TRY(fy_comm_all_reduce(m->tp_comm, out, (size_t)(BT * OC), FY_COMM_F32, NULL));
+  if (bias)
+#pragma omp parallel for
+    for (int64_t i = 0; i < BT; i++)
+      for (int64_t o = 0; o < OC; o++) out[i * OC + o] += bias[o];
+  return FY_OK;
+}
+
+// A column-split linear's input gradient: this rank's part (from its output features) into a
+// private buffer, summed over the group, then added to the slot (which may hold another
+// consumer's gradient already, so it cannot be summed in place).
+// dout (BT,OC/tp), weight (OC/tp,C) -> dinp (BT,C) +=
+static fy_status linear_backward_col(struct fy_model *m, float *dinp, const float *dout, const float *inp,
+                                     const float *weight, int64_t BT, int64_t C, int64_t OC) {
+  float *part = m->tp_buf;
+  FY_ASSERT(BT * C <= m->tp_buf_elems);
+  memset(part, 0, (size_t)(BT * C) * 4);
+  FY_TRY(fy_linear_backward(part, NULL, NULL, dout, inp, weight, BT, C, OC));
+  FY_TRY(fy_comm_all_reduce(m->tp_comm, part, (size_t)(BT * C), FY_COMM_F32, NULL));
+  fy_add_forward(dinp, dinp, part, BT * C);
+  return FY_OK;
+}
+
 void fy_op_call_forward(void *arg) {
   struct fy_op_call *c = arg;
   struct fy_model *m = c->m;
@@ -63,7 +94,10 @@ void fy_op_call_forward(void *arg) {
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      st = fy_linear_forward(out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, BT, op->C, op->OC);
+      if (op->split == FY_SPLIT_ROW)
+        st = linear_forward_row(m, out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, BT, op->C, op->OC);
+      else
+        st = fy_linear_forward(out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, BT, op->C, op->OC);
       break;
     }
     case FY_OP_ATTENTION:
@@ -130,7 +164,10 @@ void fy_op_call_backward(void *arg) {
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      st = fy_linear_backward(fy_engine_dinput(m, op, 0), NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
+      if (op->split == FY_SPLIT_COL)
+        st = linear_backward_col(m, fy_engine_dinput(m, op, 0), dout, in0, c->w[0], BT, op->C, op->OC);
+      else
+        st = fy_linear_backward(fy_engine_dinput(m, op, 0), NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
       if (st == FY_OK)
         st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C,
                                        op->OC, !first[0]);

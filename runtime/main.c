@@ -341,6 +341,9 @@ static void usage_train(FILE *f, bool eval) {
           "\nseveral ranks (mpirun -np N ferry train ... or srun):\n"
           "  --comm K           auto (default: mpi under mpirun/srun), single or mpi\n"
           "  --comm-timeout S   seconds a collective may take before the job is aborted (default 300)\n"
+          "  --tp N             tensor parallelism (--device cpu): groups of N consecutive ranks split\n"
+          "                     each layer's attention heads and feed-forward features (Megatron's\n"
+          "                     column/row split); the groups are data-parallel (default 1)\n"
           "  Each rank takes its own --batch sequences of every global batch; gradients are summed\n"
           "  across ranks; rank 0 prints, logs and saves. --device cpu replicates the parameters;\n"
           "  --device sim shards every chunk across the ranks (ZeRO-3: each rank keeps and updates\n"
@@ -404,7 +407,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -430,7 +433,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"stop-after", required_argument, 0, OPT_STOP_AFTER}, {"plan", required_argument, 0, OPT_PLAN},
       {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
       {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
-      {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+      {"tp", required_argument, 0, OPT_TP}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
       {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},
@@ -509,6 +512,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
         break;
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
+      case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);

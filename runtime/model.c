@@ -92,11 +92,17 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   m->dev = dev;
   m->kernels = &fy_model_cpu_kernels;
   m->device_memory = !host_addressable(dev);
-  fy_status st = fy_opt_build_graph(cfg, B, T, &m->graph);
+  int tp = opts && opts->tp > 1 ? opts->tp : 1;
+  if (tp > 1 && (!opts->tp_comm || fy_comm_size(opts->tp_comm) != tp)) {
+    free(m);
+    return fy_error_set(FY_ERR_INVALID, "tensor parallelism over %d ranks needs their communicator", tp);
+  }
+  fy_status st = fy_opt_build_graph_tp(cfg, B, T, tp, tp > 1 ? opts->tp_rank : 0, &m->graph);
   if (st != FY_OK) {
     free(m);
     return st;
   }
+  if (tp > 1) m->tp_comm = opts->tp_comm;
   if (opts && opts->recompute) fy_graph_set_recompute(m->graph, true);
   m->host = opts ? opts->host : NULL;
   st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
@@ -129,6 +135,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
       (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
       (st = buf_alloc(dev, B * T, 4, (void **)&m->positions)) != FY_OK ||
       (m->device_memory && (st = buf_alloc(dev, 3 * B * T, 4, (void **)&m->dbatch)) != FY_OK) ||
+      (tp > 1 && (st = buf_alloc(dev, m->tp_buf_elems = B * T * cfg->hidden_size, 4, (void **)&m->tp_buf)) != FY_OK) ||
       (m->device_memory && !(m->host_positions = calloc((size_t)(B * T), 4)) &&
        (st = fy_error_set(FY_ERR_NOMEM, "out of memory")) != FY_OK)) {
     fy_model_free(m);
@@ -157,7 +164,7 @@ void fy_model_free(struct fy_model *m) {
     for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], np);
     struct { void *p; int64_t n; } bufs[] = {{m->acts, g->act_elems}, {m->dacts, g->grad_elems},
                                             {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
-                                            {m->dbatch, 3 * g->B * g->T}};
+                                            {m->dbatch, 3 * g->B * g->T}, {m->tp_buf, m->tp_buf_elems}};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }

@@ -12,6 +12,7 @@
 #include "core/graph.h"
 #include "core/opt.h"
 #include "memory/chunk.h"
+#include "runtime/comm.h"
 
 struct fy_model {
   struct fy_opt_config cfg;
@@ -35,6 +36,12 @@ struct fy_model {
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
   double op_seconds[FY_OP_KIND_COUNT][2];
+  // Tensor parallelism (graph->tp > 1): the group's communicator (not owned; collectives run on
+  // the thread that runs the ops) and a private (BT, C) buffer for a column-split linear's partial
+  // input gradient before it is summed over the group.
+  struct fy_comm *tp_comm;
+  float *tp_buf;
+  int64_t tp_buf_elems;
   int64_t state_bytes;    // bytes of params + grads + m + v
   int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
 };
@@ -58,6 +65,8 @@ struct fy_model_opts {
   int64_t chunk_elems;        // pack parameters into chunks of this many floats (0: one chunk)
   struct fy_host_tier *host;  // when set, parameters live there (offloading), not on dev, and
                               // gradients and AdamW's m and v are left to the caller (NULL here)
+  int tp, tp_rank;            // tensor parallelism: this rank's part of the graph (0, 0: none)
+  struct fy_comm *tp_comm;    // the tensor-parallel group (tp > 1), not owned
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

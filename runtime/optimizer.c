@@ -10,9 +10,19 @@ struct fy_adamw fy_adamw_defaults(void) {
 
 double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
   const struct fy_graph *g = m->graph;
-  double s = 0;
-  for (int i = 0; i < g->n_params; i++) s += m->kernels->sumsq((struct fy_model *)m, fy_model_grad(m, i), g->params[i].numel);
-  return sqrt(s) * fabs((double)grad_scale);
+  double s = 0, split = 0;
+  for (int i = 0; i < g->n_params; i++) {
+    double q = m->kernels->sumsq((struct fy_model *)m, fy_model_grad(m, i), g->params[i].numel);
+    if (g->params[i].split_dim >= 0) split += q;
+    else s += q;
+  }
+  if (g->tp > 1) {  // split parameters: every rank's part, added in rank order (the same bits everywhere)
+    double all[g->tp];
+    if (fy_comm_all_gather(m->tp_comm, &split, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;  // a double as two words
+    split = 0;
+    for (int r = 0; r < g->tp; r++) split += all[r];
+  }
+  return sqrt(s + split) * fabs((double)grad_scale);
 }
 
 fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,

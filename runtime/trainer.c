@@ -23,6 +23,7 @@
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
+#include "runtime/tp.h"
 #include "runtime/engine_cuda.h"
 #include "fy_config.h"
 #include "planner/plan.h"
@@ -94,6 +95,14 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
 struct run {
   struct fy_comm *comm;  // the ranks (single when launched alone)
   int rank, world;
+  // A dp x tp grid: rank = dp_rank * tp + tp_rank. dp_comm: the ranks holding the same slices
+  // (the world without tensor parallelism); tp_comm: those sharing sequences (NULL for tp 1).
+  int tp, tp_rank, dp, dp_rank;
+  struct fy_comm *dp_comm, *tp_comm;
+  // With tensor parallelism: the whole model's graph and, when needed, its weights (the model as
+  // Hugging Face files and checkpoints hold it; params NULL while not needed).
+  struct fy_graph *whole_graph;
+  struct fy_model whole;
   struct fy_opt_config cfg;
   struct fy_device *dev;
   struct fy_host_tier *host;
@@ -182,12 +191,37 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   return fy_offload_create(r->model, &xo, &r->x);
 }
 
+// The whole model's weights buffer (tensor parallelism), allocated while needed.
+static fy_status whole_params(struct run *r) {
+  if (r->whole.params) return FY_OK;
+  if (!(r->whole.params = calloc((size_t)r->whole_graph->n_param_elems, 4)))
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB for the whole model's weights",
+                        r->whole_graph->n_param_elems * 4.0 / 1048576.0);
+  return FY_OK;
+}
+
+static void whole_params_free(struct run *r) {
+  free(r->whole.params);
+  r->whole.params = NULL;
+}
+
 static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle) {
   memset(r, 0, sizeof *r);
   FY_TRY(fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, &r->comm));
   r->rank = fy_comm_rank(r->comm);
   r->world = fy_comm_size(r->comm);
   if (r->world > 1) fy_log_set_rank(r->rank);
+  r->tp = o->tp > 1 ? o->tp : 1;
+  if (r->world % r->tp != 0)
+    return fy_error_set(FY_ERR_INVALID, "--tp %d does not divide the %d ranks", r->tp, r->world);
+  r->tp_rank = r->rank % r->tp;
+  r->dp_rank = r->rank / r->tp;
+  r->dp = r->world / r->tp;
+  r->dp_comm = r->comm;
+  if (r->tp > 1) {
+    FY_TRY(fy_comm_split(r->comm, r->dp_rank, r->tp_rank, &r->tp_comm));
+    if (r->dp > 1) FY_TRY(fy_comm_split(r->comm, r->tp_rank, r->dp_rank, &r->dp_comm));
+  }
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
@@ -198,6 +232,9 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
+  if (r->tp > 1 && strcmp(device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu", r->tp,
+                        device);
   if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
                         "(replicated parameters) or --device sim (chunks sharded across the ranks)", r->world, device);
@@ -207,9 +244,13 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     // The cpu device may hand out what the machine has; a model that cannot fit is refused before
     // anything is allocated, with what it would need.
     FY_TRY(fy_device_cpu_create(machine_ram(), &r->dev));
-    struct fy_model_opts mo = {.recompute = o->recompute};
+    struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
+    if (r->tp > 1) {  // the whole model's layout, for initialisation, files and checkpoints
+      FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
+      r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
+    }
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
     // Everything resident on the GPU, fp32 (the reference precision); offloading to a cuda device
@@ -226,13 +267,26 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   } else {
     return fy_error_set(FY_ERR_INVALID, "--device %s: ferry knows cpu, sim and cuda", device);
   }
+  // With tensor parallelism the whole model is initialised or read, and each rank takes its slices
+  // (so that any tp starts from the same weights as one rank).
+  struct fy_model *target = r->model;
+  if (r->tp > 1) {
+    FY_TRY(whole_params(r));
+    target = &r->whole;
+  }
   if (!o->init || strcmp(o->init, "random") == 0) {
-    fy_model_init_random(r->model, o->seed);
+    fy_model_init_random(target, o->seed);
   } else {
-    st = fy_model_load(r->model, o->init);
+    st = fy_model_load(target, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
-  st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->rank, r->world, &r->data);
+  if (r->tp > 1) {
+    fy_tp_take(r->model->graph, r->model->params, r->whole_graph, r->whole.params);
+    whole_params_free(r);
+    memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
+    memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
+  }
+  st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
   if (st != FY_OK) {
     if (strstr(o->data, "/data/demo"))
       return fy_error_wrap(st, "the demo data is made by ./run.sh (python3 tools/tokenize.py "
@@ -252,6 +306,10 @@ static void teardown(struct run *r) {
   if (r->disk) fy_disk_tier_close(r->disk);
   if (r->host) fy_host_tier_free(r->host);
   fy_device_free(r->dev);
+  whole_params_free(r);
+  fy_graph_free(r->whole_graph);
+  fy_comm_free(r->tp_comm);
+  if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
   fy_comm_free(r->comm);
 }
 
@@ -300,10 +358,11 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     FY_TRY(fy_data_next(r->data, &batch));
     FY_TRY(fy_engine_forward(model, batch, &loss));
     // The loss is the mean over the global micro-batch: every rank's tokens count.
+    // (Tensor-parallel ranks share their sequences: the sum runs over the data-parallel group.)
     float tally[2] = {(float)loss.count, (float)loss.sum};
-    if (r->world > 1) FY_TRY(fy_comm_all_reduce(r->comm, tally, 2, FY_COMM_F32, NULL));
+    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, 2, FY_COMM_F32, NULL));
     if (tally[0] == 0) continue;  // every target ignored: nothing to learn from this one
-    double count = tally[0], mean = (r->world > 1 ? tally[1] : loss.sum) / count;
+    double count = tally[0], mean = (r->dp > 1 ? tally[1] : loss.sum) / count;
     if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
     loss_acc += mean / (double)o->grad_accum;
     FY_TRY(fy_engine_backward(model, batch, (float)(scale / (count * o->grad_accum))));
@@ -328,7 +387,7 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
   }
   // Data parallelism: the gradients summed across ranks (in rank order, the same bits on every
   // rank), so every rank applies the same update to its replica.
-  if (r->world > 1) FY_TRY(fy_comm_all_reduce(r->comm, model->grads, (size_t)model->graph->n_param_elems, FY_COMM_F32, NULL));
+  if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, model->grads, (size_t)model->graph->n_param_elems, FY_COMM_F32, NULL));
   double t0 = now_s();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);
@@ -411,12 +470,22 @@ static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
 static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
                             int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
-  // With chunks sharded across ranks every rank takes part in gathering the state; only the
-  // writer (rank 0, w != NULL) keeps it.
-  if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
+  // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
+  // gathering the state; only the writer (rank 0, w != NULL) keeps it.
+  if (!w) {
+    if (r->x) return fy_offload_state_out(r->x, NULL, NULL, NULL);
+    if (r->tp > 1) {
+      float *src[3] = {m->params, m->m, m->v};
+      for (int i = 0; i < 3; i++) FY_TRY(fy_tp_gather(m->graph, src[i], r->whole_graph, NULL, r->tp_comm));
+    }
+    return FY_OK;
+  }
   struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  if (r->x) {
+  if (r->tp > 1) {  // the snapshot holds the whole model's layout
+    float *src[3] = {m->params, m->m, m->v}, *dst[3] = {s->params, s->m, s->v};
+    for (int i = 0; i < 3; i++) FY_TRY(fy_tp_gather(m->graph, src[i], r->whole_graph, dst[i], r->tp_comm));
+  } else if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
   } else {
     memcpy(s->m, m->m, bytes);
@@ -424,7 +493,7 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
     memcpy(s->params, m->params, bytes);
   }
   // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
-  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->world,
+  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
                                   .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
   options_json(o, s->meta.options, sizeof s->meta.options);
   return fy_ckpt_write_async(w);
@@ -434,29 +503,41 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
 static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
                         int64_t *scale_good) {
   struct fy_model *m = r->model;
-  size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  // Checkpoints hold the whole model: tensor-parallel ranks read it and take their slices.
+  struct fy_model *target = m;
+  if (r->tp > 1) {
+    FY_TRY(whole_params(r));
+    target = &r->whole;
+  }
+  size_t bytes = (size_t)target->graph->n_param_elems * 4;
   float *mm = m->m, *vv = m->v;
-  if (r->x && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
+  if ((r->x || r->tp > 1) && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
   }
   struct fy_ckpt_meta meta;
-  fy_status st = fy_ckpt_load(o->resume, m, mm, vv, &meta);
+  fy_status st = fy_ckpt_load(o->resume, target, mm, vv, &meta);
   if (st == FY_OK && r->x) {
     int64_t ce = m->layout->chunk_elems;
     for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
       st = fy_offload_adam_state(r->x, c, mm + c * ce, vv + c * ce, true);
   }
-  if (r->x) {
+  if (st == FY_OK && r->tp > 1) {
+    fy_tp_take(m->graph, m->params, r->whole_graph, r->whole.params);
+    fy_tp_take(m->graph, m->m, r->whole_graph, mm);
+    fy_tp_take(m->graph, m->v, r->whole_graph, vv);
+    whole_params_free(r);
+  }
+  if (r->x || r->tp > 1) {
     free(mm);
     free(vv);
   }
   if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
-  int64_t global_batch = o->batch * r->world;
+  int64_t global_batch = o->batch * r->dp;
   if (meta.sequences % global_batch != 0)
     return fy_error_set(FY_ERR_INVALID, "--resume %s: %lld sequences were consumed, not a whole number of "
                         "global batches of %lld (%lld per rank x %d ranks)", o->resume, (long long)meta.sequences,
-                        (long long)global_batch, (long long)o->batch, r->world);
+                        (long long)global_batch, (long long)o->batch, r->dp);
   FY_TRY(fy_data_seek(r->data, meta.sequences / global_batch));
   *first_step = meta.step;
   *scale = o->loss_scale > 0 ? meta.loss_scale : 1.0;
@@ -547,11 +628,12 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   double scale = 1.0;
   fy_status st = setup(o, &r, o->shuffle);
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
-  if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0) st = fy_ckpt_writer_create(o->save, o->keep, r.model, &ckpt);
+  if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0)
+    st = fy_ckpt_writer_create(o->save, o->keep, r.tp > 1 ? &r.whole : r.model, &ckpt);
   bool lead = r.rank == 0;  // one rank speaks, logs and writes for all (replicas are identical)
   // Every rank knows when checkpoints are written: with sharded chunks all of them gather.
   const int64_t save_every = given->save && given->save_every > 0 ? given->save_every : 0;
-  const bool sharded = r.x && r.world > 1;
+  const bool sharded = (r.x && r.world > 1) || r.tp > 1;
   if (!lead) {
     eff.quiet = true;
     eff.log_path = NULL;
@@ -568,8 +650,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (st != FY_OK) goto done;
 
   struct fy_model *model = r.model;
-  const int64_t tokens_per_step = o->batch * o->seq * o->grad_accum * r.world;
-  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq) * (double)o->grad_accum * r.world;
+  const int64_t tokens_per_step = o->batch * o->seq * o->grad_accum * r.dp;
+  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq) * (double)o->grad_accum * r.dp;
   res->model_state_bytes = (double)model->state_bytes;
   res->activation_bytes = (double)model->act_bytes;
   if (r.x) {
@@ -745,9 +827,17 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->copy_bytes[d] = cs.bytes[d];
     res->copy_busy_s[d] = cs.busy_s[d];
   }
-  res->params_hash = hash_params(model);
+  // Tensor-parallel slices come together as the whole model for the hash and the final save.
+  struct fy_model *whole = model;
+  if (r.tp > 1) {
+    if ((st = whole_params(&r)) != FY_OK || (st = fy_tp_gather(model->graph, model->params, r.whole_graph, r.whole.params,
+                                                                r.tp_comm)) != FY_OK)
+      goto done;
+    whole = &r.whole;
+  }
+  res->params_hash = hash_params(whole);
   if (o->save && !ckpt) {
-    st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
+    st = fy_model_save(whole, o->save, FY_F32, (size_t)5 << 30);
     if (st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
   }
   if (!o->quiet && st == FY_OK && res->steps)

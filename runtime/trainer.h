@@ -56,6 +56,10 @@ struct fy_train_opts {
   // before the norm, so N ranks with --batch B follow one rank with --batch N*B.
   const char *comm;       // "auto" (default), "single" or "mpi"
   double comm_timeout;    // seconds a collective may take before the job is aborted (default 300)
+  // Tensor parallelism (Megatron's split of the attention and MLP linears, core/opt.h): groups of
+  // tp consecutive ranks share each sequence; the ranks / tp groups are data-parallel (a 2-D
+  // grid), each with its own part of the global batch. 0 or 1: none. --device cpu.
+  int tp;
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
                           //   recomputation and disk placement on the sim device

@@ -153,6 +153,30 @@ if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --devic
 else grep -q "all in the host tier (0) or all on the device" "$tmp/part.out" && ok "a partial --device-chunks with sharding is refused" \
   || { bad "a partial --device-chunks: unclear message"; cat "$tmp/part.out"; }; fi
 
+# Tensor parallelism (--tp, Megatron's split): 2 ranks split every layer's heads and feed-forward
+# features and share the sequences; 4 ranks form a 2 x 2 grid (2 data-parallel groups of 2).
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --log "$tmp/tp.json" --save "$tmp/tp" \
+  || bad "2 tensor-parallel ranks train"
+compare one tp 1e-5 && ok "2 tensor-parallel ranks follow 1 rank" || bad "tensor-parallel ranks differ from 1 rank"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --tp 2 --log "$tmp/grid.json" --save "$tmp/grid" \
+  || bad "a 2 x 2 grid trains"
+compare one grid 1e-5 && ok "a 2 x 2 grid (tensor-parallel pairs, data-parallel across) follows 1 rank" \
+  || bad "the 2 x 2 grid differs from 1 rank"
+# Checkpoints hold whole tensors: a tensor-parallel checkpoint resumes on 1 rank, and a 1-rank one
+# on tensor-parallel ranks.
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --save "$tmp/cktp" --save-every 100 --stop-after 6 \
+  >/dev/null 2>&1 || bad "tensor-parallel ranks checkpoint"
+"$ferry" train "${common[@]}" --batch 4 --resume "$tmp/cktp" --log "$tmp/tpres1.json" --save "$tmp/tpres1" \
+  || bad "1 rank resumes a tensor-parallel checkpoint"
+"$ferry" train "${common[@]}" --batch 4 --save "$tmp/ck1" --save-every 100 --stop-after 6 >/dev/null 2>&1 || bad "1 rank checkpoints"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --resume "$tmp/ck1" --log "$tmp/tpres2.json" \
+  --save "$tmp/tpres2" || bad "tensor-parallel ranks resume a 1-rank checkpoint"
+compare one tpres1 1e-5 && compare one tpres2 1e-5 && ok "tensor-parallel checkpoints resume on 1 rank and the reverse" \
+  || bad "resuming across tensor parallelism differs"
+if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 3 >"$tmp/tp3.out" 2>&1; then bad "--tp 3 on 2 ranks is accepted"
+else grep -q "does not divide the 2 ranks" "$tmp/tp3.out" && ok "--tp that does not divide the ranks is refused" \
+  || { bad "--tp 3: unclear message"; cat "$tmp/tp3.out"; }; fi
+
 # A rank that dies ends the job: the survivor's collective times out (or mpirun ends it).
 start=$(date +%s)
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --steps 100000 --comm-timeout 5 >"$tmp/kill.out" 2>&1 &
