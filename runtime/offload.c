@@ -75,6 +75,7 @@ struct fy_offload {
   int rank, world;
   int64_t lo, S;
   struct fy_comm *c_gather, *c_scatter, *c_optim;  // one per stream that runs collectives
+  struct fy_comm *c_optim_tp;  // tensor parallelism: the optimizer stream's tensor-parallel group
   float **w_home;       // sharded: this rank's weights of each chunk (S floats)
   float *gather_buf;    // sharded: chunk_elems floats for fy_offload_state_out
   int64_t device_state_bytes;  // device memory the shards took (the device's counter, before/after)
@@ -340,6 +341,10 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   // A communicator per stream that runs collectives: each keeps the order of its own stream.
   struct fy_comm **dup[] = {&x->c_gather, &x->c_scatter, &x->c_optim};
   for (int i = 0; i < 3 && st == FY_OK && x->sharded; i++) st = fy_comm_split(o->comm, 0, x->rank, dup[i]);
+  if (st == FY_OK && m->graph->tp > 1) {
+    if (!o->tp_comm) st = fy_error_set(FY_ERR_INVALID, "tensor parallelism needs the tensor-parallel group");
+    else st = fy_comm_split(o->tp_comm, 0, fy_comm_rank(o->tp_comm), &x->c_optim_tp);
+  }
   if (st == FY_OK) st = create_streams(x);
   if (st == FY_OK) st = create_chunks(x, o);
   if (st == FY_OK) st = create_pass(x);
@@ -413,6 +418,7 @@ void fy_offload_free(struct fy_offload *x) {
   fy_comm_free(x->c_gather);
   fy_comm_free(x->c_scatter);
   fy_comm_free(x->c_optim);
+  fy_comm_free(x->c_optim_tp);
   float *bufs[] = {x->disk_g, x->disk_m, x->disk_v, x->wb_disk, x->wb_disk_sum};
   for (int i = 0; i < 5; i++)
     if (bufs[i]) fy_host_dealloc(m->host, bufs[i], sbytes);
@@ -653,21 +659,33 @@ static void norm_fn(void *arg) {
   struct chunk_job *j = arg;
   struct fy_offload *x = j->x;
   struct step_args *a = &x->args[j->q];
-  double s = 0;
-  for (int i = 0; i < x->m->graph->n_params; i++) s += x->sumsq[i];
-  if (x->sharded) {  // every rank's sum, added in rank order: the same bits on every rank
-    double all[x->world];
-    fy_status st = fy_comm_all_gather(x->c_optim, &s, all, 2, FY_COMM_F32, NULL);  // a double as two words
-    if (st != FY_OK) {
-      async_fail(x, st);
-      a->norm = NAN;
-      a->skip = true;
-      return;
+  const struct fy_graph *g = x->m->graph;
+  double s[2] = {0, 0};  // whole parameters, tensor-parallel slices
+  for (int i = 0; i < g->n_params; i++) s[g->params[i].split_dim >= 0] += x->sumsq[i];
+  // Every rank's sums, added in rank order (the same bits on every rank): the shards over the
+  // data-parallel ranks, then the slices over the tensor-parallel ones. Doubles travel as words.
+  fy_status st = FY_OK;
+  if (x->sharded) {
+    double all[2 * x->world];
+    if ((st = fy_comm_all_gather(x->c_optim, s, all, 4, FY_COMM_F32, NULL)) == FY_OK) {
+      s[0] = s[1] = 0;
+      for (int r = 0; r < x->world; r++) s[0] += all[2 * r], s[1] += all[2 * r + 1];
     }
-    s = 0;
-    for (int r = 0; r < x->world; r++) s += all[r];
   }
-  a->norm = sqrt(s) * fabs((double)a->grad_scale);
+  if (st == FY_OK && g->tp > 1) {
+    double all[g->tp];
+    if ((st = fy_comm_all_gather(x->c_optim_tp, &s[1], all, 2, FY_COMM_F32, NULL)) == FY_OK) {
+      s[1] = 0;
+      for (int r = 0; r < g->tp; r++) s[1] += all[r];
+    }
+  }
+  if (st != FY_OK) {
+    async_fail(x, st);
+    a->norm = NAN;
+    a->skip = true;
+    return;
+  }
+  a->norm = sqrt(s[0] + s[1]) * fabs((double)a->grad_scale);
   a->skip = !isfinite(a->norm);
   a->scale = a->grad_scale;
   if (!a->skip && a->h.clip > 0) {

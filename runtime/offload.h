@@ -40,6 +40,10 @@ struct fy_offload_opts {
   // NULL or one rank: no sharding. Not owned; the engine makes its own duplicates of it.
   struct fy_comm *comm;
   bool shards_on_device;
+  // With tensor parallelism (m->graph->tp > 1): the tensor-parallel group, for the gradient norm's
+  // sum over the slices (duplicated; m->tp_comm is the compute stream's). comm is then the
+  // data-parallel group.
+  struct fy_comm *tp_comm;
 };
 
 struct fy_offload;

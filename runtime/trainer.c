@@ -99,6 +99,7 @@ struct run {
   // (the world without tensor parallelism); tp_comm: those sharing sequences (NULL for tp 1).
   int tp, tp_rank, dp, dp_rank;
   struct fy_comm *dp_comm, *tp_comm;
+  struct fy_comm *tp_compute;  // sim: the tensor-parallel group of the ops on the compute stream
   // With tensor parallelism: the whole model's graph and, when needed, its weights (the model as
   // Hugging Face files and checkpoints hold it; params NULL while not needed).
   struct fy_graph *whole_graph;
@@ -127,8 +128,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4);
   size_t need, chunk_bytes0;
   FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, chunk, &need, &chunk_bytes0));
-  if (r->world > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
-    int64_t q = 16 * (int64_t)r->world, ce = (int64_t)(chunk_bytes0 / 4);
+  if (r->dp > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
+    int64_t q = 16 * (int64_t)r->dp, ce = (int64_t)(chunk_bytes0 / 4);
     if (ce % q != 0)
       FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, (ce + q - 1) / q * q, &need, &chunk_bytes0));
   }
@@ -141,7 +142,10 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
                         chunk_bytes0 / 1048576.0, need / 1048576.0,
                         o->recompute ? "" : " (--recompute lowers it)");
   // By default chunks are as small as the largest parameter group allows: finer caching.
-  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = (int64_t)(chunk_bytes0 / 4), .host = r->host};
+  // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
+  if (r->tp > 1) FY_TRY(fy_comm_split(r->tp_comm, 0, r->tp_rank, &r->tp_compute));
+  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = (int64_t)(chunk_bytes0 / 4), .host = r->host,
+                             .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   const struct fy_chunk_layout *l = r->model->layout;
   // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
@@ -150,7 +154,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   // disk chunk's gradients, m and v and its write-back.
   // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
-  size_t shard_bytes = chunk_bytes / (size_t)r->world, per_chunk = (r->world > 1 ? 4 : 3) * shard_bytes;
+  size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = (r->dp > 1 ? 4 : 3) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = (int)(spare / per_chunk);
@@ -162,10 +166,10 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
   int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
   // Several ranks: the shards live in the host tier, or all of them on the device.
-  bool shards_on_device = r->world > 1 && n_dev == l->n_chunks;
-  if (r->world > 1 && n_dev > 0 && !shards_on_device)
+  bool shards_on_device = r->dp > 1 && n_dev == l->n_chunks;
+  if (r->dp > 1 && n_dev > 0 && !shards_on_device)
     return fy_error_set(FY_ERR_INVALID, "--device-chunks %d: with %d ranks the chunks are sharded, and their shards live "
-                        "either all in the host tier (0) or all on the device (%d or more)", o->device_chunks, r->world,
+                        "either all in the host tier (0) or all on the device (%d or more)", o->device_chunks, r->dp,
                         l->n_chunks);
   if (shards_on_device) n_dev = 0;
   if (o->disk_chunks < 0 && n_disk > l->n_chunks - n_dev) n_disk = l->n_chunks - n_dev;
@@ -187,7 +191,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   }
   struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
-                               .comm = r->comm, .shards_on_device = shards_on_device};
+                               .comm = r->dp_comm, .shards_on_device = shards_on_device, .tp_comm = r->tp_comm};
   return fy_offload_create(r->model, &xo, &r->x);
 }
 
@@ -220,7 +224,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   r->dp_comm = r->comm;
   if (r->tp > 1) {
     FY_TRY(fy_comm_split(r->comm, r->dp_rank, r->tp_rank, &r->tp_comm));
-    if (r->dp > 1) FY_TRY(fy_comm_split(r->comm, r->tp_rank, r->dp_rank, &r->dp_comm));
+    FY_TRY(fy_comm_split(r->comm, r->tp_rank, r->dp_rank, &r->dp_comm));  // of one rank when dp is 1
   }
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
@@ -232,9 +236,9 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
-  if (r->tp > 1 && strcmp(device, "cpu") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu", r->tp,
-                        device);
+  if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu or sim",
+                        r->tp, device);
   if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
                         "(replicated parameters) or --device sim (chunks sharded across the ranks)", r->world, device);
@@ -247,10 +251,6 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
-    if (r->tp > 1) {  // the whole model's layout, for initialisation, files and checkpoints
-      FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
-      r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
-    }
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
     // Everything resident on the GPU, fp32 (the reference precision); offloading to a cuda device
@@ -270,7 +270,9 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   // With tensor parallelism the whole model is initialised or read, and each rank takes its slices
   // (so that any tp starts from the same weights as one rank).
   struct fy_model *target = r->model;
-  if (r->tp > 1) {
+  if (r->tp > 1) {  // the whole model's layout, for initialisation, files and checkpoints
+    FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
+    r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
     FY_TRY(whole_params(r));
     target = &r->whole;
   }
@@ -283,8 +285,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (r->tp > 1) {
     fy_tp_take(r->model->graph, r->model->params, r->whole_graph, r->whole.params);
     whole_params_free(r);
-    memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
-    memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
+    if (r->model->m) memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
+    if (r->model->v) memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
   }
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
   if (st != FY_OK) {
@@ -308,6 +310,7 @@ static void teardown(struct run *r) {
   fy_device_free(r->dev);
   whole_params_free(r);
   fy_graph_free(r->whole_graph);
+  fy_comm_free(r->tp_compute);
   fy_comm_free(r->tp_comm);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
   fy_comm_free(r->comm);
@@ -407,9 +410,9 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
     struct fy_batch *batch;
     FY_TRY(fy_data_next(r->data, &batch));
     int64_t count = fy_engine_count_targets(batch);
-    if (r->world > 1) {  // the loss is the mean over the global micro-batch: every rank's tokens count
+    if (r->dp > 1) {  // the loss is the mean over the global micro-batch: every rank's tokens count
       float c = (float)count;
-      FY_TRY(fy_comm_all_reduce(r->comm, &c, 1, FY_COMM_F32, NULL));
+      FY_TRY(fy_comm_all_reduce(r->dp_comm, &c, 1, FY_COMM_F32, NULL));
       count = (int64_t)c;
     }
     if (count == 0) continue;
@@ -420,10 +423,10 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
   if (n == 0) return FY_ERR_NOT_FOUND;
   FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), step + 1, (float)(1.0 / scale), norm_out, sums,
                            overflow));
-  if (r->world > 1) {
+  if (r->dp > 1) {
     float tally[o->grad_accum];
     for (int i = 0; i < n; i++) tally[i] = (float)sums[i];
-    FY_TRY(fy_comm_all_reduce(r->comm, tally, (size_t)n, FY_COMM_F32, NULL));
+    FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, (size_t)n, FY_COMM_F32, NULL));
     for (int i = 0; i < n; i++) sums[i] = tally[i];
   }
   double loss_acc = 0;
@@ -465,6 +468,38 @@ static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
            (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false");
 }
 
+static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_snapshot *s,
+                            int64_t steps_done, double scale, int64_t scale_good) {
+  // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
+  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
+                                  .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
+  options_json(o, s->meta.options, sizeof s->meta.options);
+}
+
+// Tensor parallelism: the ranks of data-parallel group 0 gather their slices into the whole model
+// (rank 0 keeps it). Offloaded, every rank first gathers its chunks' shards over its data-parallel
+// group into this rank's own layout (a temporary copy; only group 0 needs one).
+static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_snapshot *s, struct fy_ckpt_writer *w,
+                               const struct fy_train_opts *o, int64_t steps_done, double scale, int64_t scale_good) {
+  struct fy_model *m = r->model;
+  float *local[3] = {m->params, m->m, m->v}, *tmp = NULL;
+  size_t n = (size_t)m->graph->n_param_elems;
+  fy_status st = FY_OK;
+  if (r->x) {
+    if (r->dp_rank == 0 && !(tmp = malloc(3 * n * 4)))
+      return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to gather the checkpoint", 3.0 * n * 4 / 1048576.0);
+    for (int i = 0; i < 3; i++) local[i] = tmp ? tmp + i * n : NULL;
+    st = fy_offload_state_out(r->x, local[0], local[1], local[2]);
+  }
+  float *dst[3] = {s ? s->params : NULL, s ? s->m : NULL, s ? s->v : NULL};
+  for (int i = 0; st == FY_OK && r->dp_rank == 0 && i < 3; i++)
+    st = fy_tp_gather(m->graph, local[i], r->whole_graph, dst[i], r->tp_comm);
+  free(tmp);
+  if (st != FY_OK || !w) return st;
+  checkpoint_meta(o, r, s, steps_done, scale, scale_good);
+  return fy_ckpt_write_async(w);
+}
+
 // Copies the training state after `steps_done` steps into the writer's buffers and starts the
 // write in the background.
 static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
@@ -472,30 +507,18 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   struct fy_model *m = r->model;
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
-  if (!w) {
-    if (r->x) return fy_offload_state_out(r->x, NULL, NULL, NULL);
-    if (r->tp > 1) {
-      float *src[3] = {m->params, m->m, m->v};
-      for (int i = 0; i < 3; i++) FY_TRY(fy_tp_gather(m->graph, src[i], r->whole_graph, NULL, r->tp_comm));
-    }
-    return FY_OK;
-  }
-  struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
+  struct fy_ckpt_snapshot *s = w ? fy_ckpt_snapshot_buffers(w) : NULL;
+  if (r->tp > 1) return checkpoint_tp(r, s, w, o, steps_done, scale, scale_good);
+  if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  if (r->tp > 1) {  // the snapshot holds the whole model's layout
-    float *src[3] = {m->params, m->m, m->v}, *dst[3] = {s->params, s->m, s->v};
-    for (int i = 0; i < 3; i++) FY_TRY(fy_tp_gather(m->graph, src[i], r->whole_graph, dst[i], r->tp_comm));
-  } else if (r->x) {
+  if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
   } else {
     memcpy(s->m, m->m, bytes);
     memcpy(s->v, m->v, bytes);
     memcpy(s->params, m->params, bytes);
   }
-  // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
-  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
-                                  .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
-  options_json(o, s->meta.options, sizeof s->meta.options);
+  checkpoint_meta(o, r, s, steps_done, scale, scale_good);
   return fy_ckpt_write_async(w);
 }
 
@@ -517,16 +540,29 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   }
   struct fy_ckpt_meta meta;
   fy_status st = fy_ckpt_load(o->resume, target, mm, vv, &meta);
+  float *lm = m->m, *lv = m->v;  // this rank's AdamW state in its own layout
+  if (st == FY_OK && r->tp > 1) {
+    size_t n = (size_t)m->graph->n_param_elems;
+    if (r->x && (!(lm = calloc(n, 4)) || !(lv = calloc(n, 4))))
+      st = fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2.0 * n * 4 / 1048576.0);
+    if (st == FY_OK) {
+      fy_tp_take(m->graph, m->params, r->whole_graph, r->whole.params);
+      fy_tp_take(m->graph, lm, r->whole_graph, mm);
+      fy_tp_take(m->graph, lv, r->whole_graph, vv);
+    }
+    whole_params_free(r);
+  } else {
+    lm = mm;
+    lv = vv;
+  }
   if (st == FY_OK && r->x) {
     int64_t ce = m->layout->chunk_elems;
     for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
-      st = fy_offload_adam_state(r->x, c, mm + c * ce, vv + c * ce, true);
+      st = fy_offload_adam_state(r->x, c, lm + c * ce, lv + c * ce, true);
   }
-  if (st == FY_OK && r->tp > 1) {
-    fy_tp_take(m->graph, m->params, r->whole_graph, r->whole.params);
-    fy_tp_take(m->graph, m->m, r->whole_graph, mm);
-    fy_tp_take(m->graph, m->v, r->whole_graph, vv);
-    whole_params_free(r);
+  if (r->x && r->tp > 1) {
+    free(lm);
+    free(lv);
   }
   if (r->x || r->tp > 1) {
     free(mm);

@@ -173,6 +173,17 @@ compare one grid 1e-5 && ok "a 2 x 2 grid (tensor-parallel pairs, data-parallel 
   --save "$tmp/tpres2" || bad "tensor-parallel ranks resume a 1-rank checkpoint"
 compare one tpres1 1e-5 && compare one tpres2 1e-5 && ok "tensor-parallel checkpoints resume on 1 rank and the reverse" \
   || bad "resuming across tensor parallelism differs"
+# Tensor parallelism with the zero pattern: 2 x 2 ranks, each tensor-parallel slice's chunks
+# sharded over the 2 data-parallel ranks that hold it; its checkpoint resumes on 1 rank.
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --log "$tmp/tpzero.json" --save "$tmp/tpzero" \
+  || bad "a 2 x 2 grid with sharded chunks trains"
+compare one tpzero 1e-5 && ok "a 2 x 2 grid with sharded chunks (tp inside, zero across) follows 1 rank" \
+  || bad "the 2 x 2 grid with sharded chunks differs from 1 rank"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --save "$tmp/cktz" --save-every 100 --stop-after 6 \
+  >/dev/null 2>&1 || bad "the 2 x 2 sharded grid checkpoints"
+"$ferry" train "${common[@]}" --batch 4 --resume "$tmp/cktz" --log "$tmp/tzres.json" --save "$tmp/tzres" \
+  || bad "1 rank resumes the 2 x 2 sharded grid's checkpoint"
+compare one tzres 1e-5 && ok "the 2 x 2 sharded grid's checkpoint resumes on 1 rank" || bad "resuming the 2 x 2 sharded grid differs"
 if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 3 >"$tmp/tp3.out" 2>&1; then bad "--tp 3 on 2 ranks is accepted"
 else grep -q "does not divide the 2 ranks" "$tmp/tp3.out" && ok "--tp that does not divide the ranks is refused" \
   || { bad "--tp 3: unclear message"; cat "$tmp/tp3.out"; }; fi
