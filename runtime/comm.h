@@ -18,6 +18,7 @@
 // rank order ((x0 + x1) + x2) + ... computed by one rank and sent to the others, so every rank gets
 // the same bits whatever the timing, and a rerun gets the same bits again. bf16 sums are done in
 // fp32 and rounded once to bf16 (round to nearest even).
+// Except nccl: NCCL's own reduction order, deterministic for a fixed topology and count, not rank order.
 //
 // Ordering: collectives on one communicator must be issued in the same order on every rank (as in
 // MPI and NCCL). Those given a stream run on that stream's worker in stream order; keep a

@@ -236,10 +236,12 @@ export FY_SOURCE_DIR="$root" OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 if [ "$dry" = 1 ]; then
   echo "plan: [op tests] meson test -C $build backend_ops ops device"
   echo "plan: [reference tests] meson test -C $build reference train offload"
+  echo "plan: [nccl comm test] meson test -C $build comm_nccl"
 else
   run_step "op tests" 150 "CUDA kernels vs CPU kernels (test_backend_ops)" meson_test backend_ops
   run_step "cpu op tests" 60 "test_ops, test_device" meson_test ops device
   run_step "reference tests" 120 "against transformers fixtures" meson_test reference train offload
+  run_step "nccl comm test" 120 "fy_comm nccl backend under mpirun, one rank per GPU" meson_test comm_nccl
 fi
 
 # Training on the GPU against the CPU: once the CLI takes --device cuda for train, the losses of a
