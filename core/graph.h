@@ -85,6 +85,9 @@ struct fy_op {
   // of the input features (input split, the output summed over the group in forward, the bias
   // added after the sum). NONE: the op runs whole on every rank.
   enum fy_split { FY_SPLIT_NONE, FY_SPLIT_COL, FY_SPLIT_ROW } split;
+  // The parallel pattern (planner/pattern.h) whose runtime hooks run after this op's kernels:
+  // "tp_col" / "tp_row" for split linears; empty for none (chunk-level patterns need none).
+  char pattern[32];
 };
 
 struct fy_graph {

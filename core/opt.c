@@ -163,6 +163,7 @@ static int linear_split(struct builder *b, const char *label, int layer, int in,
   struct fy_op op = {.kind = FY_OP_LINEAR, .layer = layer, .n_in = 1, .in = {in},
                      .out = slot(b, b->BT * OC * n), .C = C, .OC = OC * n, .has_bias = bias, .split = split};
   snprintf(op.name, sizeof op.name, "%s", label);
+  if (split != FY_SPLIT_NONE) snprintf(op.pattern, sizeof op.pattern, "%s", split == FY_SPLIT_COL ? "tp_col" : "tp_row");
   char pn[FY_NAME_MAX];
   if (shared_weight >= 0) {
     op.params[op.n_params++] = shared_weight;

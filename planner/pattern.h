@@ -72,6 +72,20 @@ enum {
   FY_PHASE_COUNT,
 };
 
+// What the runtime (runtime/engine.c) hands a pattern's hooks: one op on one rank.
+struct fy_pattern_run {
+  const struct fy_graph *g;
+  int op;
+  float *out;              // the op's output (forward)
+  const float *bias;       // a row-split linear's bias, left out of the kernel for the pattern to add
+  float *dinput;           // the input's gradient slot (backward)
+  float *dinput_part;      // a column-split linear's input gradient, written apart by the kernel
+  // Sums buf over this rank's data-parallel (group 0) or tensor-parallel (group 1) ranks, in place
+  // (rank-order sums: the same bits on every rank); nothing for a group of one rank.
+  fy_status (*all_reduce)(void *ctx, int group, float *buf, size_t n);
+  void *ctx;
+};
+
 #define FY_PATTERN_MAX_STEPS 4   // steps one phase may return
 #define FY_PATTERN_NAME_MAX 32   // name length including the terminator
 #define FY_PATTERN_MAX 64        // patterns the registry holds
@@ -87,6 +101,11 @@ struct fy_pattern {
   // Activation memory per rank, in bytes, beyond the graph's own activation and gradient slots
   // (e.g. gathered inputs, or a private buffer a collective needs).
   double (*act_bytes)(const struct fy_pattern_ctx *c);
+  // The runtime (optional; NULL: nothing to do): run by the engine on every rank just after the
+  // op's kernel, in forward (a recomputed forward included) and in backward. Chunk-level patterns
+  // (zero) need none: the chunk cache gathers and reduce-scatters whole chunks.
+  fy_status (*post_forward)(const struct fy_pattern_run *r);
+  fy_status (*post_backward)(const struct fy_pattern_run *r);
 };
 
 // Adds `p` (which must outlive the process's use of the registry; a static const is the rule).

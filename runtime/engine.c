@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "ops/ops.h"
+#include "planner/pattern.h"
 
 void fy_engine_positions(int32_t *pos, const int32_t *mask, int64_t B, int64_t T) {
   for (int64_t b = 0; b < B; b++) {
@@ -42,35 +43,25 @@ int64_t fy_engine_count_targets(const struct fy_batch *batch) {
   return n;
 }
 
-// ---- tensor parallelism (core/graph.h, enum fy_split) ----
+// ---- parallel patterns (planner/pattern.h): their hooks after the kernels ----
 
-// A row-split linear: this rank's product over its slice of the inputs, summed over the group,
-// then the bias (held whole) once.
-// inp (BT,C/tp), weight (OC,C/tp), bias (OC) -> out (BT,OC)
-static fy_status linear_forward_row(struct fy_model *m, float *out, const float *inp, const float *weight,
-                                    const float *bias, int64_t BT, int64_t C, int64_t OC) {
-  FY_TRY(fy_linear_forward(out, inp, weight, NULL, BT, C, OC));
-  FY_TRY(fy_comm_all_reduce(m->tp_comm, out, (size_t)(BT * OC), FY_COMM_F32, NULL));
-  if (bias)
-#pragma omp parallel for
-    for (int64_t i = 0; i < BT; i++)
-      for (int64_t o = 0; o < OC; o++) out[i * OC + o] += bias[o];
-  return FY_OK;
+static fy_status pattern_all_reduce(void *ctx, int group, float *buf, size_t n) {
+  struct fy_model *m = ctx;
+  struct fy_comm *c = group == FY_PATTERN_GROUP_TP ? m->tp_comm : m->dp_comm;
+  if (!c || fy_comm_size(c) == 1) return FY_OK;
+  return fy_comm_all_reduce(c, buf, n, FY_COMM_F32, NULL);
 }
 
-// A column-split linear's input gradient: this rank's part (from its output features) into a
-// private buffer, summed over the group, then added to the slot (which may hold another
-// consumer's gradient already, so it cannot be summed in place).
-// dout (BT,OC/tp), weight (OC/tp,C) -> dinp (BT,C) +=
-static fy_status linear_backward_col(struct fy_model *m, float *dinp, const float *dout, const float *inp,
-                                     const float *weight, int64_t BT, int64_t C, int64_t OC) {
-  float *part = m->tp_buf;
-  FY_ASSERT(BT * C <= m->tp_buf_elems);
-  memset(part, 0, (size_t)(BT * C) * 4);
-  FY_TRY(fy_linear_backward(part, NULL, NULL, dout, inp, weight, BT, C, OC));
-  FY_TRY(fy_comm_all_reduce(m->tp_comm, part, (size_t)(BT * C), FY_COMM_F32, NULL));
-  fy_add_forward(dinp, dinp, part, BT * C);
-  return FY_OK;
+static fy_status run_hook(struct fy_model *m, int o, bool backward, struct fy_pattern_run *r) {
+  const struct fy_pattern *p = m->patterns[o];
+  fy_status (*hook)(const struct fy_pattern_run *) = p ? (backward ? p->post_backward : p->post_forward) : NULL;
+  if (!hook) return FY_OK;
+  r->g = m->graph;
+  r->op = o;
+  r->all_reduce = pattern_all_reduce;
+  r->ctx = m;
+  fy_status st = hook(r);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "pattern %s", p->name);
 }
 
 void fy_op_call_forward(void *arg) {
@@ -83,6 +74,7 @@ void fy_op_call_forward(void *arg) {
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   double t0 = m->profile ? omp_get_wtime() : 0;
   fy_status st = FY_OK;
+  struct fy_pattern_run run = {.out = out};
   switch (op->kind) {
     case FY_OP_EMBEDDING:
       fy_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
@@ -94,10 +86,10 @@ void fy_op_call_forward(void *arg) {
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      if (op->split == FY_SPLIT_ROW)
-        st = linear_forward_row(m, out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, BT, op->C, op->OC);
-      else
-        st = fy_linear_forward(out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, BT, op->C, op->OC);
+      // A row-split linear's partial product is summed by its pattern, which adds the bias after.
+      const float *bias = op->has_bias ? c->w[n_w] : NULL;
+      if (op->split == FY_SPLIT_ROW) run.bias = bias;
+      st = fy_linear_forward(out, in0, c->w[0], op->split == FY_SPLIT_ROW ? NULL : bias, BT, op->C, op->OC);
       break;
     }
     case FY_OP_ATTENTION:
@@ -118,6 +110,7 @@ void fy_op_call_forward(void *arg) {
     }
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
+  if (st == FY_OK) st = run_hook(m, c->op, false, &run);
   if (m->profile) m->op_seconds[op->kind][0] += omp_get_wtime() - t0;
   if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s", op->name);
 }
@@ -139,6 +132,7 @@ void fy_op_call_backward(void *arg) {
   const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   fy_status st = FY_OK;
+  struct fy_pattern_run run = {.dinput = op->n_in > 0 && op->kind != FY_OP_EMBEDDING ? fy_engine_dinput(m, op, 0) : NULL};
   switch (op->kind) {
     case FY_OP_EMBEDDING: {
       const struct fy_param *p = &g->params[op->params[0]];
@@ -164,10 +158,15 @@ void fy_op_call_backward(void *arg) {
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      if (op->split == FY_SPLIT_COL)
-        st = linear_backward_col(m, fy_engine_dinput(m, op, 0), dout, in0, c->w[0], BT, op->C, op->OC);
-      else
-        st = fy_linear_backward(fy_engine_dinput(m, op, 0), NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
+      // A column-split linear's input gradient is this rank's part: written apart, for its pattern
+      // to sum over the group and add to the slot (which may hold another consumer's gradient).
+      float *dinp = fy_engine_dinput(m, op, 0);
+      if (op->split == FY_SPLIT_COL) {
+        FY_ASSERT(BT * op->C <= m->tp_buf_elems);
+        memset(m->tp_buf, 0, (size_t)(BT * op->C) * 4);
+        dinp = run.dinput_part = m->tp_buf;
+      }
+      st = fy_linear_backward(dinp, NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
       if (st == FY_OK)
         st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C,
                                        op->OC, !first[0]);
@@ -188,6 +187,7 @@ void fy_op_call_backward(void *arg) {
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
+  if (st == FY_OK) st = run_hook(m, c->op, true, &run);
   if (m->profile) m->op_seconds[op->kind][1] += omp_get_wtime() - t0;
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s", op->name);
 }

@@ -12,6 +12,7 @@
 #include "ops/ops.h"
 #include "runtime/engine.h"
 #include "memory/tier.h"
+#include "planner/pattern.h"
 
 // Runs one copy or memset on a stream of the device and waits for it: for setup and staging,
 // not the training loop.
@@ -103,6 +104,18 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     return st;
   }
   if (tp > 1) m->tp_comm = opts->tp_comm;
+  if (!(m->patterns = calloc((size_t)m->graph->n_ops, sizeof *m->patterns))) {
+    fy_graph_free(m->graph);
+    free(m);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  for (int o = 0; o < m->graph->n_ops && st == FY_OK; o++) st = fy_model_set_pattern(m, o, m->graph->ops[o].pattern);
+  if (st != FY_OK) {
+    free(m->patterns);
+    fy_graph_free(m->graph);
+    free(m);
+    return st;
+  }
   if (opts && opts->recompute) fy_graph_set_recompute(m->graph, true);
   m->host = opts ? opts->host : NULL;
   st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
@@ -148,6 +161,23 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   return FY_OK;
 }
 
+fy_status fy_model_set_pattern(struct fy_model *m, int op, const char *name) {
+  FY_ASSERT(op >= 0 && op < m->graph->n_ops);
+  if (!name || !*name) {
+    m->patterns[op] = NULL;
+    return FY_OK;
+  }
+  const struct fy_pattern *p = fy_pattern_find(name);
+  if (!p) return fy_error_set(FY_ERR_INVALID, "op %s: unknown parallel pattern '%s'", m->graph->ops[op].name, name);
+  // (The graph is this rank's part already: its split ops are the slices.)
+  struct fy_pattern_ctx c = {.g = m->graph, .op = op, .dp = 1, .tp = 1, .param_bytes = 4};
+  if (!p->applies(&c))
+    return fy_error_set(FY_ERR_INVALID, "op %s: the pattern %s does not apply to it", m->graph->ops[op].name, name);
+  m->patterns[op] = p;
+  snprintf(m->graph->ops[op].pattern, sizeof m->graph->ops[op].pattern, "%s", name);
+  return FY_OK;
+}
+
 fy_status fy_model_enable_accumulation(struct fy_model *m) {
   if (m->grad_acc) return FY_OK;
   FY_TRY(home_alloc(m, m->graph->n_param_elems, &m->grad_acc));
@@ -169,6 +199,7 @@ void fy_model_free(struct fy_model *m) {
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }
   free(m->host_positions);
+  free(m->patterns);
   fy_stream_free(m->staging);
   fy_chunk_layout_free(m->layout);
   fy_graph_free(m->graph);

@@ -42,6 +42,10 @@ struct fy_model {
   struct fy_comm *tp_comm;
   float *tp_buf;
   int64_t tp_buf_elems;
+  // Per op: the parallel pattern whose runtime hooks run after its kernels (NULL: none), from
+  // the graph's op->pattern; and the data-parallel group those hooks may sum over (not owned).
+  const struct fy_pattern **patterns;
+  struct fy_comm *dp_comm;
   int64_t state_bytes;    // bytes of params + grads + m + v
   int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
 };
@@ -92,6 +96,10 @@ fy_status fy_model_load(struct fy_model *m, const char *dir);
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes);
+
+// Gives op `op` the pattern `name` (planner/pattern.h; "" for none): its runtime hooks run after
+// the op's kernels from then on. FY_ERR_INVALID for an unknown pattern or one that does not apply.
+fy_status fy_model_set_pattern(struct fy_model *m, int op, const char *name);
 
 // Copies between host memory and the model's device (a plain memcpy on host-addressable ones).
 fy_status fy_model_upload(struct fy_model *m, void *dst, const void *src, size_t n);

@@ -99,7 +99,7 @@ struct run {
   // (the world without tensor parallelism); tp_comm: those sharing sequences (NULL for tp 1).
   int tp, tp_rank, dp, dp_rank;
   struct fy_comm *dp_comm, *tp_comm;
-  struct fy_comm *tp_compute;  // sim: the tensor-parallel group of the ops on the compute stream
+  struct fy_comm *tp_compute, *dp_compute;  // sim: the groups of the ops' pattern hooks (compute stream)
   // With tensor parallelism: the whole model's graph and, when needed, its weights (the model as
   // Hugging Face files and checkpoints hold it; params NULL while not needed).
   struct fy_graph *whole_graph;
@@ -144,9 +144,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
   // By default chunks are as small as the largest parameter group allows: finer caching.
   // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
   if (r->tp > 1) FY_TRY(fy_comm_split(r->tp_comm, 0, r->tp_rank, &r->tp_compute));
+  if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
   struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = (int64_t)(chunk_bytes0 / 4), .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+  r->model->dp_comm = r->dp_compute;
   const struct fy_chunk_layout *l = r->model->layout;
   // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
   // few chunk-sized buffers), the rest of the chunks' to disk.
@@ -250,6 +252,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     FY_TRY(fy_device_cpu_create(machine_ram(), &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+    r->model->dp_comm = r->dp_comm;  // the ops run on this thread
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
@@ -311,6 +314,7 @@ static void teardown(struct run *r) {
   whole_params_free(r);
   fy_graph_free(r->whole_graph);
   fy_comm_free(r->tp_compute);
+  fy_comm_free(r->dp_compute);
   fy_comm_free(r->tp_comm);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
   fy_comm_free(r->comm);

@@ -7,6 +7,8 @@
 #include "core/graph.h"
 #include "core/opt.h"
 #include "planner/pattern.h"
+#include "runtime/engine.h"
+#include "runtime/model.h"
 
 // ---- A plug-in pattern, as a user would write one --------------------------------------------
 // offload_only: the rank holds none of the op's parameters nor their optimizer state; an owner
@@ -330,6 +332,69 @@ static void test_plugin(void) {
   fy_graph_free(g);
 }
 
+// ---- The runtime runs a plug-in pattern's hooks -------------------------------------------------
+// probe: its hooks only count, look at the buffers they are given and sum the output over the
+// data-parallel group (one rank here: nothing), so training is unchanged.
+static int probe_fwd, probe_bwd, probe_op = -1;
+static bool probe_buffers_ok = true;
+static fy_status probe_post_forward(const struct fy_pattern_run *r) {
+  probe_fwd++;
+  probe_buffers_ok = probe_buffers_ok && r->out && r->op == probe_op && !r->bias;
+  const struct fy_op *op = &r->g->ops[r->op];
+  return r->all_reduce(r->ctx, FY_PATTERN_GROUP_DP, r->out, (size_t)(r->g->B * r->g->T * op->OC));
+}
+static fy_status probe_post_backward(const struct fy_pattern_run *r) {
+  probe_bwd++;
+  probe_buffers_ok = probe_buffers_ok && r->dinput && !r->dinput_part && r->op == probe_op;
+  return FY_OK;
+}
+
+static void test_runtime(void) {
+  static struct fy_pattern probe;
+  probe = offload_only;
+  probe.name = "probe";
+  probe.post_forward = probe_post_forward;
+  probe.post_backward = probe_post_backward;
+  CHECK_OK(fy_pattern_register(&probe));
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-tiny", &cfg));
+  struct fy_device *dev;
+  CHECK_OK(fy_device_cpu_create(0, &dev));
+  struct fy_model *m;
+  if (fy_model_create(&cfg, 2, 8, dev, &m) != FY_OK) {
+    CHECK(0);
+    fy_device_free(dev);
+    return;
+  }
+  fy_model_init_random(m, 7);
+  int32_t ids[16], tg[16];
+  for (int i = 0; i < 16; i++) ids[i] = (i * 5 + 1) % 97, tg[i] = (i * 3 + 2) % 97;
+  struct fy_batch b = {.inputs = ids, .targets = tg, .B = 2, .T = 8};
+  size_t n = (size_t)m->graph->n_param_elems;
+  float *want = malloc(n * 4);
+  struct fy_loss l0, l1;
+  CHECK_OK(fy_engine_forward(m, &b, &l0));
+  CHECK_OK(fy_engine_backward(m, &b, 1.0f / 16));
+  memcpy(want, m->grads, n * 4);
+  probe_op = find_op(m->graph, "layers.1.fc1");
+  CHECK_OK(fy_model_set_pattern(m, probe_op, "probe"));
+  CHECK(strcmp(m->graph->ops[probe_op].pattern, "probe") == 0);
+  CHECK_OK(fy_engine_forward(m, &b, &l1));
+  CHECK_OK(fy_engine_backward(m, &b, 1.0f / 16));
+  CHECKF(probe_fwd == 1 && probe_bwd == 1, "the plug-in's hooks ran %d and %d times", probe_fwd, probe_bwd);
+  CHECK(probe_buffers_ok);
+  CHECK(l0.sum == l1.sum && memcmp(want, m->grads, n * 4) == 0);
+  // Refused: an unknown name, and a pattern that does not apply to the op.
+  CHECK_ERR(fy_model_set_pattern(m, probe_op, "sideways"), FY_ERR_INVALID);
+  CHECK_ERR(fy_model_set_pattern(m, find_op(m->graph, "embed_tokens"), "tp_row"), FY_ERR_INVALID);
+  CHECK_OK(fy_model_set_pattern(m, probe_op, ""));
+  CHECK_OK(fy_engine_forward(m, &b, &l1));
+  CHECK(probe_fwd == 1);
+  free(want);
+  fy_model_free(m);
+  fy_device_free(dev);
+}
+
 // Fills the registry to its capacity; the next registration is refused. Runs last.
 static void test_full(void) {
   static char names[FY_PATTERN_MAX][FY_PATTERN_NAME_MAX];
@@ -355,6 +420,7 @@ int main(void) {
   test_costs();
   test_refused();
   test_plugin();
+  test_runtime();
   test_full();
   return check_summary("test_pattern");
 }

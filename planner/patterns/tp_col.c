@@ -11,6 +11,16 @@
 // partial input gradient and adds the reduced result into the slot.
 #include "planner/pattern.h"
 
+// dinput_part (BT,C) holds this rank's part of the input gradient: summed over tp, then added to
+// the slot.
+static fy_status tp_col_post_backward(const struct fy_pattern_run *r) {
+  const struct fy_op *op = &r->g->ops[r->op];
+  int64_t n = r->g->B * r->g->T * op->C;
+  FY_TRY(r->all_reduce(r->ctx, FY_PATTERN_GROUP_TP, r->dinput_part, (size_t)n));
+  for (int64_t i = 0; i < n; i++) r->dinput[i] += r->dinput_part[i];
+  return FY_OK;
+}
+
 static bool tp_col_applies(const struct fy_pattern_ctx *c) {
   const struct fy_op *op = &c->g->ops[c->op];
   // A tied weight (OPT's lm_head) would have to be split at its other user too.
@@ -54,4 +64,5 @@ const struct fy_pattern fy_pattern_tp_col = {
     .layout = tp_col_layout,
     .comm = tp_col_comm,
     .act_bytes = tp_col_act_bytes,
+    .post_backward = tp_col_post_backward,
 };

@@ -11,6 +11,17 @@
 // The output slot is written, not accumulated, so its all-reduce runs in place: no extra memory.
 #include "planner/pattern.h"
 
+// out (BT,OC) holds this rank's partial product: summed over tp, then the bias (OC) added once.
+static fy_status tp_row_post_forward(const struct fy_pattern_run *r) {
+  const struct fy_op *op = &r->g->ops[r->op];
+  int64_t BT = r->g->B * r->g->T, OC = op->OC;
+  FY_TRY(r->all_reduce(r->ctx, FY_PATTERN_GROUP_TP, r->out, (size_t)(BT * OC)));
+  if (r->bias)
+    for (int64_t i = 0; i < BT; i++)
+      for (int64_t o = 0; o < OC; o++) r->out[i * OC + o] += r->bias[o];
+  return FY_OK;
+}
+
 static bool tp_row_applies(const struct fy_pattern_ctx *c) {
   const struct fy_op *op = &c->g->ops[c->op];
   return op->kind == FY_OP_LINEAR && c->tp >= 1 && op->C % c->tp == 0 &&
@@ -56,4 +67,5 @@ const struct fy_pattern fy_pattern_tp_row = {
     .layout = tp_row_layout,
     .comm = tp_row_comm,
     .act_bytes = tp_row_act_bytes,
+    .post_forward = tp_row_post_forward,
 };
