@@ -8,6 +8,7 @@
 #include "memory/cache.h"
 #include "memory/chunk.h"
 #include "memory/device_cache.h"
+#include "planner/pattern.h"
 #include "planner/profile.h"
 #include "planner/timeline.h"
 
@@ -33,6 +34,9 @@ static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
 static void fake_spill_free(void *ctx, void *p, size_t n) {}
 
 struct sim {
+  // Ranks: the chunk-level collectives of the zero pattern, timed on the stream they run on.
+  double gather_s, scatter_s, comm_s;
+  bool counting;
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
   fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready;
@@ -63,6 +67,37 @@ static void sim_free(struct sim *s, int nc) {
   free(s->home);
 }
 
+static fy_status sim_gather(void *ctx, int chunk, float *block, fy_stream *s) {
+  struct sim *x = ctx;
+  (void)chunk, (void)block;
+  fy_timeline_run(s, x->gather_s, "all-gather");
+  if (x->counting) x->comm_s += x->gather_s;
+  return FY_OK;
+}
+
+static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
+  struct sim *x = ctx;
+  (void)chunk, (void)block;
+  fy_timeline_run(s, x->scatter_s, "reduce-scatter");
+  if (x->counting) x->comm_s += x->scatter_s;
+  return FY_OK;
+}
+
+// Seconds of a pattern's steps for `phase` at bus bandwidth bw (B/s): a ring all-reduce moves
+// 2(n-1)/n of the buffer per rank, the other collectives (n-1)/n.
+static double pattern_seconds(const struct fy_pattern *p, const struct fy_pattern_ctx *c, int phase, double bw) {
+  struct fy_comm_step st[FY_PATTERN_MAX_STEPS];
+  int n = p->comm(c, phase, st, FY_PATTERN_MAX_STEPS);
+  double t = 0;
+  for (int i = 0; i < n; i++) {
+    double ranks = fy_pattern_group_size(c, st[i].group);
+    if (ranks <= 1) continue;
+    double f = st[i].op == FY_COMM_ALL_REDUCE ? 2 * (ranks - 1) / ranks : (ranks - 1) / ranks;
+    t += f * st[i].bytes / bw;
+  }
+  return t;
+}
+
 static void bump(fy_stream *s, double t) {
   double c = fy_timeline_clock(s);
   if (t > c) fy_timeline_run(s, t - c, NULL);
@@ -75,13 +110,50 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
     return fy_error_set(FY_ERR_INVALID, "plan: micro-batch, accumulation and sequence must be positive");
   bool gpu = strcmp(probe->device, "cuda") == 0;
   int pb = gpu ? 2 : 4;  // compute payload and activations: bf16 on a GPU, fp32 on cpu/sim
-  struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(cfg, k->micro_batch, k->seq, &g));
-  if (k->recompute) fy_graph_set_recompute(g, true);
-  int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);
-  struct fy_chunk_layout *l = NULL;
-  fy_status st = fy_chunk_layout_create(g, ce, &l);
+  int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
+  const char *dp_name = k->pattern[0] ? k->pattern : dp > 1 ? "zero" : "replicate";
+  const struct fy_pattern *dpp = fy_pattern_find(dp_name);
+  if (!dpp) return fy_error_set(FY_ERR_INVALID, "plan: unknown parallel pattern '%s'", dp_name);
+  bool sharded = dp > 1 && dpp == &fy_pattern_zero;  // chunk-level, in the cache (as the runtime)
+  // One rank's part of the model (all ranks do the same work), and the whole model for the
+  // patterns, which speak of whole tensors.
+  struct fy_graph *g, *whole = NULL;
+  FY_TRY(fy_opt_build_graph_tp(cfg, k->micro_batch, k->seq, tp, 0, &g));
+  fy_status st = fy_opt_build_graph(cfg, k->micro_batch, k->seq, &whole);
   if (st != FY_OK) {
+    fy_graph_free(g);
+    return st;
+  }
+  if (k->recompute) fy_graph_set_recompute(g, true);
+  if (k->recompute) fy_graph_set_recompute(whole, true);
+  int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);
+  if (sharded) ce = (ce + 16 * dp - 1) / (16 * dp) * (16 * dp);  // whole 64-byte lines per shard
+  // Each op's pattern: tp_col / tp_row for split linears, the data-parallel one for the rest; the
+  // share of the model state a rank keeps under the data-parallel pattern.
+  const struct fy_pattern **pat = calloc((size_t)g->n_ops, sizeof *pat);
+  if (!pat) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  double kept = 0, all = 0;
+  for (int o = 0; st == FY_OK && o < g->n_ops; o++) {
+    pat[o] = g->ops[o].pattern[0] ? fy_pattern_find(g->ops[o].pattern) : dpp;
+    if (g->ops[o].n_params == 0) pat[o] = &fy_pattern_replicate;  // nothing to lay out
+    struct fy_pattern_ctx c = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
+    if (!pat[o] || !pat[o]->applies(&c)) {
+      st = fy_error_set(FY_ERR_INVALID, "plan: the pattern %s does not apply to %s", pat[o] ? pat[o]->name : "?",
+                        g->ops[o].name);
+      break;
+    }
+    if (g->ops[o].pattern[0]) continue;
+    struct fy_pattern_ctx one = c;
+    one.dp = one.tp = 1;
+    kept += fy_pattern_state_bytes(dpp, &c);
+    all += fy_pattern_state_bytes(&fy_pattern_replicate, &one);
+  }
+  double share = sharded ? 1.0 / dp : all > 0 ? kept / all : 1.0;
+  struct fy_chunk_layout *l = NULL;
+  if (st == FY_OK) st = fy_chunk_layout_create(g, ce, &l);
+  if (st != FY_OK) {
+    free(pat);
+    fy_graph_free(whole);
     fy_graph_free(g);
     return st;
   }
@@ -90,7 +162,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   double chunk_bytes = (double)ce * pb, np = (double)g->n_param_elems;
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
-  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
 
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
   size_t bt = (size_t)(g->B * g->T);
@@ -110,8 +182,8 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   out->n_blocks = n_blocks;
   // Host and disk: parameters stay on the host; gradients and AdamW state of the chunks the host
   // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
-  double per_chunk_state = ce * (fy_cost_state_bytes_per_param(pb, false) - pb);  // master, m, v, grads
-  double params_host = np * (gpu ? 0 : pb), reserve = 3 * (double)ce * 4;
+  double per_chunk_state = ce * (fy_cost_state_bytes_per_param(pb, false) - pb) * share;  // master, m, v, grads
+  double params_host = np * (gpu ? 0 : pb) * share, reserve = 3 * (double)ce * 4;
   int fit = (int)((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit < 0) fit = 0;
   int n_disk = k->disk_chunks >= 0 ? k->disk_chunks : (fit >= nc ? 0 : nc - fit);
@@ -143,9 +215,12 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   }
   if (!out->fits) {
     fy_chunk_layout_free(l);
+    free(pat);
+    fy_graph_free(whole);
     fy_graph_free(g);
     return FY_OK;
   }
+  double bw = fy_probe_comm_gbps(probe) * 1e9;
 
   // The simulation: the real cache on a device that keeps time.
   struct sim s = {0};
@@ -195,6 +270,14 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
                                       .staging = (float *)(s.spill_next - 2048), .spill_alloc = fake_spill_alloc,
                                       .spill_free = fake_spill_free, .spill_ctx = &s.spill_next,
                                       .elem_bytes = (size_t)pb};
+    if (sharded) {  // this rank's shard crosses the link; the collectives fill in the rest
+      co.shard_off = 0;
+      co.shard_elems = ce / dp;
+      co.gather = sim_gather;
+      co.scatter = sim_scatter;
+      co.shard_ctx = &s;
+      s.gather_s = s.scatter_s = (dp - 1.0) / dp * chunk_bytes / bw;
+    }
     st = fy_device_cache_create(l, &co, &s.cache);
   }
   const int steps = 3;
@@ -204,6 +287,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
+    s.counting = last;
     fy_timeline_record(s.dev, last);
     struct fy_copy_stats cs;
     struct fy_device_cache_stats ks;
@@ -230,9 +314,18 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++)
           st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
         if (st != FY_OK) break;
-        double t = fy_profile_op_seconds(g, o, s.actions[a].kind == FY_ACT_BACKWARD, probe, pb) + (gpu ? 0 : SIM_OP_OVERHEAD);
-        fy_timeline_run(s.compute, t, op->name);
-        if (last) busy[0] += t;
+        bool bwd = s.actions[a].kind == FY_ACT_BACKWARD;
+        double t = fy_profile_op_seconds(g, o, bwd, probe, pb) + (gpu ? 0 : SIM_OP_OVERHEAD);
+        // The op's pattern's collectives around its kernel (zero's are the cache's, chunk by chunk;
+        // a recomputed forward's are counted before backward, as the patterns do).
+        double tc = 0;
+        if (dp * tp > 1 && !(sharded && pat[o] == dpp) && s.actions[a].kind != FY_ACT_RECOMPUTE) {
+          struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
+          tc = pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_PRE_BACKWARD : FY_PHASE_PRE_FORWARD, bw) +
+               pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_POST_BACKWARD : FY_PHASE_POST_FORWARD, bw);
+        }
+        fy_timeline_run(s.compute, t + tc, op->name);
+        if (last) busy[0] += t + tc, s.comm_s += tc;
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++) {
           int c = l->op_chunks[j];
           if (fy_device_cache_release(s.cache, c, s.actions[a].kind == FY_ACT_BACKWARD) == FY_CHUNK_READY_FOR_REDUCE) {
@@ -247,10 +340,24 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
         if (st == FY_OK) st = fy_device_cache_prefetch(s.cache, pos - 1);
       }
     }
+    // Once per step, the patterns' gradient reductions (replicate's all-reduce over dp; zero's
+    // reduce-scatters were the cache's), before the norm.
+    if (dp * tp > 1 && st == FY_OK) {
+      double tg = 0;
+      for (int o = 0; o < g->n_ops; o++) {
+        if (sharded) break;
+        struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
+        tg += pattern_seconds(pat[o], &pc, FY_PHASE_GRADS, bw);
+      }
+      for (int c = 0; c < nc; c++) fy_stream_wait(s.optim, s.grad_ready[c]);
+      fy_timeline_run(s.optim, tg, "gradient all-reduce");
+      optim_step += tg;
+      if (last) busy[3] += tg, s.comm_s += tg;
+    }
     // The optimizer: sums of squares as gradients arrive, the norm, then AdamW chunk by chunk.
     for (int c = 0; st == FY_OK && c < nc; c++) {
       fy_stream_wait(s.optim, s.grad_ready[c]);
-      double u = (double)l->chunks[c].used, t = u * 4 / mem + (c >= nc - n_disk ? u * 4 / dread : 0);
+      double u = (double)l->chunks[c].used * share, t = u * 4 / mem + (c >= nc - n_disk ? u * 4 / dread : 0);
       fy_timeline_run(s.optim, t, "norm");
       optim_step += t;
       if (last) busy[3] += t;
@@ -258,7 +365,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
     fy_event_record(s.norm_ready, s.optim);
     double norm_at = fy_timeline_clock(s.optim);
     for (int c = 0; st == FY_OK && c < nc; c++) {
-      double u = (double)l->chunks[c].used;
+      double u = (double)l->chunks[c].used * share;
       double t = u * 28 / adamw + (c >= nc - n_disk ? u * 12 / dread + u * 8 / dwrite : 0);
       fy_timeline_run(s.optim, t, "AdamW");
       fy_event_record(s.home_ready[c], s.optim);
@@ -285,8 +392,9 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   }
   if (st == FY_OK) {
     out->step_s = ends[steps - 1] - ends[steps - 2];
-    out->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum) / out->step_s;
-    out->mfu = out->flops_per_step / out->step_s / (probe->device_gflops * 1e9);
+    out->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / out->step_s;
+    out->mfu = out->flops_per_step / out->step_s / (probe->device_gflops * 1e9 * dp * tp);
+    out->comm_s = s.comm_s;
     out->compute_s = busy[0];
     out->h2d_s = busy[1];
     out->d2h_s = busy[2];
@@ -305,6 +413,8 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
     fy_device_free(s.dev);
   }
   fy_chunk_layout_free(l);
+  free(pat);
+  fy_graph_free(whole);
   fy_graph_free(g);
   return st;
 }

@@ -21,13 +21,20 @@ struct fy_plan_knobs {
   int prefetch;
   bool recompute;
   int disk_chunks;       // chunks whose gradients and AdamW state live on disk; -1: as needed
+  // Ranks (a dp x tp grid): tp ranks split each layer's attention and MLP linears (tp_col and
+  // tp_row); the dp groups run `pattern` (planner/pattern.h) over the rest — "zero" (chunks
+  // sharded over dp, as the runtime does on the sim device), "replicate", or a registered one.
+  // 0 means 1; an empty pattern means zero with dp > 1, else replicate.
+  int dp, tp;
+  char pattern[32];
 };
 
 struct fy_cost {
   bool fits;
   char why[320];           // when it does not fit: what and by how much
-  double step_s, tokens_per_s, flops_per_step, mfu;
+  double step_s, tokens_per_s, flops_per_step, mfu;  // all ranks' tokens and FLOPs; MFU per rank
   double compute_s, h2d_s, d2h_s, optim_s;  // busy seconds per step of each stream
+  double comm_s;           // collectives per step (inside the streams' busy time), 0 on one rank
   char bottleneck[24];     // "compute", "copy to device", "copy to host", "optimizer"
   double device_peak, min_device_bytes, host_bytes, disk_bytes;
   int n_blocks, n_chunks, n_disk_chunks;

@@ -19,41 +19,64 @@ static bool better(const struct fy_cost *a, const struct fy_cost *b) {
 
 fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                          const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
+  return fy_plan_search_ranks(cfg, model, batch, seq, 1, probe, best, n_tried);
+}
+
+fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                               int ranks, const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
   if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
+  if (ranks < 1) return fy_error_set(FY_ERR_INVALID, "plan: the number of ranks must be positive");
   memset(best, 0, sizeof *best);
   snprintf(best->model, sizeof best->model, "%s", model);
   snprintf(best->pattern, sizeof best->pattern, "replicate");
   best->dp = best->tp = 1;
   best->machine = *probe;
-  // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
-  struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(cfg, 1, seq, &g));
-  int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems;
-  fy_graph_free(g);
-  int tried = 0;
+  int tried = 0, grids = 0;
   double smallest = INFINITY;
-  for (int64_t micro = batch; micro >= 1; micro--) {
-    if (batch % micro) continue;
-    for (int rc = 0; rc < 2; rc++)
-      for (int64_t mult = 1; mult <= 4; mult *= 2) {
-        if (mult > 1 && min_chunk * mult / 2 > total) break;
-        for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
-          struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = batch / micro, .seq = seq,
-                                    .chunk_elems = min_chunk * mult, .blocks = 0, .prefetch = pf,
-                                    .recompute = rc, .disk_chunks = -1};
-          struct fy_cost c;
-          FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
-          tried++;
-          if (!c.fits && c.min_device_bytes < smallest && c.host_bytes <= probe->host_mem) smallest = c.min_device_bytes;
-          if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
-          if (better(&c, &best->predicted)) {
-            best->k = k;
-            best->predicted = c;
+  // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
+  // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
+  for (int tp = 1; tp <= ranks; tp++) {
+    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp) continue;
+    int dp = ranks / tp;
+    if (batch % dp) continue;
+    int64_t per_rank = batch / dp;
+    grids++;
+    // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
+    struct fy_graph *g;
+    FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
+    int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems;
+    fy_graph_free(g);
+    for (int64_t micro = per_rank; micro >= 1; micro--) {
+      if (per_rank % micro) continue;
+      for (int rc = 0; rc < 2; rc++)
+        for (int64_t mult = 1; mult <= 4; mult *= 2) {
+          if (mult > 1 && min_chunk * mult / 2 > total) break;
+          for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
+            struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
+                                      .chunk_elems = min_chunk * mult, .blocks = 0, .prefetch = pf,
+                                      .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp};
+            snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
+            struct fy_cost c;
+            FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
+            tried++;
+            if (!c.fits && c.min_device_bytes < smallest && c.host_bytes <= probe->host_mem) smallest = c.min_device_bytes;
+            if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
+            if (better(&c, &best->predicted)) {
+              best->k = k;
+              best->predicted = c;
+              best->dp = dp;
+              best->tp = tp;
+              snprintf(best->pattern, sizeof best->pattern, "%s", k.pattern);
+            }
+            if (!c.fits) break;  // more prefetch will not fit either
           }
-          if (!c.fits) break;  // more prefetch will not fit either
         }
-      }
+    }
   }
+  if (grids == 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: no way to lay %d ranks out for %s: the tensor-parallel size must divide "
+                        "the %lld heads and the feed-forward size %lld, and the data-parallel size the batch of %lld",
+                        ranks, model, (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim, (long long)batch);
   if (n_tried) *n_tried = tried;
   if (!best->predicted.fits) {
     if (isfinite(smallest))
@@ -71,11 +94,19 @@ fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int
 }
 
 fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, const struct fy_probe *probe) {
-  const struct fy_plan_knobs *k = &p->k;
+  struct fy_plan_knobs *k = &p->k;
   if (!fy_pattern_find(p->pattern))
     return fy_error_set(FY_ERR_INVALID, "plan: unknown parallel pattern '%s'", p->pattern);
-  if (p->dp != 1 || p->tp != 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "plan: %d x %d ranks; this ferry runs one rank (dp = tp = 1)", p->dp, p->tp);
+  if (p->dp < 1 || p->tp < 1) return fy_error_set(FY_ERR_INVALID, "plan: dp and tp must be at least 1");
+  if (cfg->num_attention_heads % p->tp || cfg->ffn_dim % p->tp)
+    return fy_error_set(FY_ERR_INVALID, "plan: tp %d must divide the %lld heads and the feed-forward size %lld", p->tp,
+                        (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim);
+  k->dp = p->dp;
+  k->tp = p->tp;
+  snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
+  if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
+    return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
+                        (long long)k->chunk_elems, p->dp);
   if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1 || k->prefetch < 0 || k->blocks < 0)
     return fy_error_set(FY_ERR_INVALID, "plan: micro_batch, grad_accum, seq must be positive, prefetch and blocks >= 0");
   if (k->chunk_elems % 16)
@@ -92,20 +123,38 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   return FY_OK;
 }
 
+// "1.50 GiB", "12.3 MiB", "4.0 KiB": bytes in the unit that reads best.
+static const char *human(double b, char *buf, size_t n) {
+  if (b >= 1073741824.0) snprintf(buf, n, "%.2f GiB", b / 1073741824.0);
+  else if (b >= 1048576.0) snprintf(buf, n, "%.1f MiB", b / 1048576.0);
+  else snprintf(buf, n, "%.1f KiB", b / 1024.0);
+  return buf;
+}
+
 void fy_plan_print(const struct fy_plan *p, FILE *f) {
   const struct fy_plan_knobs *k = &p->k;
   const struct fy_cost *c = &p->predicted;
-  fprintf(f, "plan for %s on %s (%.1f GiB device, %.1f GiB host, %.0f GFLOP/s, link %.1f/%.1f GB/s)\n", p->model,
-          p->machine.device, p->machine.device_mem / 1073741824.0, p->machine.host_mem / 1073741824.0,
+  char b1[32], b2[32], b3[32];
+  fprintf(f, "plan for %s on %s (%s device, %s host, %.0f GFLOP/s, link %.1f/%.1f GB/s)\n", p->model,
+          p->machine.device, human(p->machine.device_mem, b1, sizeof b1), human(p->machine.host_mem, b2, sizeof b2),
           p->machine.device_gflops, p->machine.h2d_gbps, p->machine.d2h_gbps);
-  fprintf(f, "  micro-batch %lld x %lld tokens, %lld accumulated; pattern %s on %d rank(s)\n", (long long)k->micro_batch,
-          (long long)k->seq, (long long)k->grad_accum, p->pattern, p->dp * p->tp);
-  fprintf(f, "  %d chunks of %.1f MiB, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
-          c->chunk_bytes / 1048576.0, c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
-  fprintf(f, "  memory: device %.2f GiB (peak), host %.2f GiB, disk %.2f GiB (state of %d chunks)\n",
-          c->device_peak / 1073741824.0, c->host_bytes / 1073741824.0, c->disk_bytes / 1073741824.0, c->n_disk_chunks);
+  if (p->dp * p->tp == 1)
+    fprintf(f, "  micro-batch %lld x %lld tokens, %lld accumulated; one rank\n", (long long)k->micro_batch,
+            (long long)k->seq, (long long)k->grad_accum);
+  else
+    fprintf(f, "  %d ranks: %d data-parallel (%s) x %d tensor-parallel (tp_col / tp_row); per data-parallel rank "
+               "micro-batch %lld x %lld tokens, %lld accumulated\n", p->dp * p->tp, p->dp, p->pattern, p->tp,
+            (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum);
+  fprintf(f, "  %d chunks of %s, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
+          human(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
+  fprintf(f, "  memory per rank: device %s (peak), host %s, disk %s (state of %d chunks)\n",
+          human(c->device_peak, b1, sizeof b1), human(c->host_bytes, b2, sizeof b2), human(c->disk_bytes, b3, sizeof b3),
+          c->n_disk_chunks);
   fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU %.1f%% of the device's GEMM rate\n", c->step_s,
           c->tokens_per_s, 100 * c->mfu);
   fprintf(f, "  busy per step: compute %.3f s, to device %.3f s, to host %.3f s, optimizer %.3f s; bottleneck: %s\n",
           c->compute_s, c->h2d_s, c->d2h_s, c->optim_s, c->bottleneck);
+  if (p->dp * p->tp > 1)
+    fprintf(f, "  collectives per step: %.3f s of the above at %.1f GB/s between ranks\n", c->comm_s,
+            fy_probe_comm_gbps(&p->machine));
 }

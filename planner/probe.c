@@ -337,6 +337,7 @@ static const struct field fields[] = {
     NUM(disk_read_gbps, K_RATE0, "GB/s"),
     NUM(disk_write_gbps, K_RATE0, "GB/s"),
     STR(disk_dir),
+    NUM(comm_gbps, K_RATE0, "GB/s"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -504,7 +505,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
                         "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
-                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir)", path, unknown);
+                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps)", path, unknown);
   }
   struct fy_probe p;
   memset(&p, 0, sizeof p);
@@ -512,6 +513,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     const struct field *f = &fields[i];
     json_object *v;
     if (!json_object_object_get_ex(o, f->key, &v)) {
+      if (f->off == offsetof(struct fy_probe, comm_gbps)) continue;  // optional (added later): derived
       st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
     } else if (f->kind == K_STRING) {
       if (!json_object_is_type(v, json_type_string)) {
@@ -625,7 +627,7 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
                         "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
                         "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
-                        "disk_write_gbps, disk_dir)", key_in);
+                        "disk_write_gbps, disk_dir, comm_gbps)", key_in);
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)
@@ -662,6 +664,11 @@ static void print_bytes(FILE *f, const char *key, double b) {
   fprintf(f, "%-16s %.2f %s (%.0f bytes)\n", key, x, unit[u], b);
 }
 
+double fy_probe_comm_gbps(const struct fy_probe *p) {
+  if (p->comm_gbps > 0) return p->comm_gbps;
+  return strcmp(p->device, "cuda") == 0 ? 25.0 : p->host_mem_gbps / 2;
+}
+
 void fy_probe_print(const struct fy_probe *p, FILE *f) {
   bool disk = p->disk_dir[0] != '\0';
   fprintf(f, "%-16s %s\n", "device", p->device);
@@ -684,4 +691,6 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
     fprintf(f, "%-16s %.2f GB/s\n", "disk_write_gbps", p->disk_write_gbps);
     fprintf(f, "%-16s (none probed)\n", "disk_dir");
   }
+  fprintf(f, "%-16s %.2f GB/s (collectives between ranks%s)\n", "comm_gbps", fy_probe_comm_gbps(p),
+          p->comm_gbps > 0 ? "" : "; derived, set comm_gbps to change it");
 }

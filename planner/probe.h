@@ -14,6 +14,9 @@
 //   "host_adamw_gbps"   number, GB/s (> 0)             "host_mem_gbps" number, GB/s (> 0)
 //   "disk_read_gbps"    number, GB/s (>= 0)            "disk_write_gbps" number, GB/s (>= 0)
 //   "disk_dir"          string, "" when no disk directory was probed
+//   "comm_gbps"         number, GB/s (>= 0): bus bandwidth of collectives between ranks; 0 (the
+//                       default, and what a file without the key reads as): derived, see
+//                       fy_probe_comm_gbps
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -34,7 +37,13 @@ struct fy_probe {
   double host_mem_gbps;       // host memory bandwidth (memory-bound kernels: layernorm, relu, add)
   double disk_read_gbps, disk_write_gbps;  // 0 when no disk directory was probed
   char disk_dir[512];         // "" when none
+  double comm_gbps;           // collectives between ranks (bus bandwidth), 0: derived
 };
+
+// The bus bandwidth (GB/s) the planner assumes for collectives between ranks: comm_gbps when set;
+// else on cpu and sim (ranks on one host, MPI through shared memory) half the host memory
+// bandwidth, and on cuda 25 GB/s (PCIe 4.0 x16; set comm_gbps for NVLink or a network).
+double fy_probe_comm_gbps(const struct fy_probe *p);
 
 // Measures this machine (small, quick runs: the whole probe takes a few seconds on 2 cores; every
 // rate is the median of a few timed runs after a warm-up).

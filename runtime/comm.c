@@ -676,6 +676,11 @@ static long launcher_size(const char **who) {
   return 0;
 }
 
+int fy_comm_launch_size(void) {
+  long n = launcher_size(NULL);
+  return n > 1 ? (int)n : 1;
+}
+
 static const char *thread_level_name(int l) {
   return l == MPI_THREAD_SINGLE ? "MPI_THREAD_SINGLE" : l == MPI_THREAD_FUNNELED ? "MPI_THREAD_FUNNELED"
        : l == MPI_THREAD_SERIALIZED ? "MPI_THREAD_SERIALIZED" : "MPI_THREAD_MULTIPLE";

@@ -110,7 +110,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"link-gbps", required_argument, 0, P_OVR}, {"h2d-gbps", required_argument, 0, P_OVR},
       {"d2h-gbps", required_argument, 0, P_OVR}, {"host-adamw-gbps", required_argument, 0, P_OVR},
       {"host-mem-gbps", required_argument, 0, P_OVR}, {"disk-read-gbps", required_argument, 0, P_OVR},
-      {"disk-write-gbps", required_argument, 0, P_OVR}, {0, 0, 0, 0}};
+      {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR}, {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
   struct machine_args a = {0};
   const char *model = "opt-125m", *out = NULL, *svg = NULL;
@@ -162,7 +162,11 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "  --out FILE         write the plan as JSON (ferry train --plan FILE runs it)\n"
                  "  --svg FILE         draw the predicted step: streams as lanes, and device memory\n"
                  "  --profile          each operator kind's FLOPs, memory and predicted time\n"
-                 "  --gpus N           ranks (this ferry plans one)\n");
+                 "  --gpus N           ranks (default 1): every dp x tp grid is tried, tensor-parallel\n"
+                 "                     ranks splitting each layer, data-parallel ones sharding the\n"
+                 "                     chunks; --batch is then the global batch (run the plan with\n"
+                 "                     mpirun -np N ferry train --plan FILE)\n"
+                 "  --comm-gbps X      collectives between ranks (default: derived, see ferry probe)\n");
         else
           printf("Measures device memory, GEMM rates, copy bandwidth each way, host AdamW and memory\n"
                  "bandwidth and disk rates, and caches them (default ~/.cache/ferry/probe.json).\n\n");
@@ -171,7 +175,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                "  --probe-file PATH  --remeasure  --no-write\n"
                "  --host-mem SIZE --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
                "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
-               "  --disk-write-gbps X   --set key=value (any probe field)\n");
+               "  --disk-write-gbps X   --comm-gbps X   --set key=value (any probe field)\n");
         return 0;
       case ':': fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]); return 2;
       default: fprintf(stderr, "ferry %s: unknown option '%s' (see 'ferry %s --help')\n", cmd, argv[optind - 1], cmd); return 2;
@@ -189,13 +193,11 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   struct fy_opt_config cfg;
   struct fy_plan best;
   int tried = 0;
-  if (st == FY_OK && gpus != 1)
-    st = fy_error_set(FY_ERR_UNSUPPORTED, "--gpus %lld: this ferry plans and runs one rank", (long long)gpus);
   if (st == FY_OK) {
     struct stat sb;
     st = stat(model, &sb) == 0 ? fy_opt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
-  if (st == FY_OK) st = fy_plan_search(&cfg, model, batch, seq, &probe, &best, &tried);
+  if (st == FY_OK) st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, &probe, &best, &tried);
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);

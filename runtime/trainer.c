@@ -624,8 +624,10 @@ static fy_status apply_plan(struct fy_train_opts *o) {
     FY_TRY(fy_probe_override(&probe, "link_gbps", v));
   }
   struct fy_plan plan;
-  if (strcmp(o->plan, "auto") == 0) {
-    FY_TRY(fy_plan_search(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum, o->seq, &probe, &plan, NULL));
+  int ranks = o->comm && strcmp(o->comm, "single") == 0 ? 1 : fy_comm_launch_size();
+  if (strcmp(o->plan, "auto") == 0) {  // the global batch as if every rank were data-parallel
+    FY_TRY(fy_plan_search_ranks(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
+                                &probe, &plan, NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.seq != o->seq)
@@ -633,7 +635,14 @@ static fy_status apply_plan(struct fy_train_opts *o) {
                   (long long)plan.k.seq, (long long)o->seq);
     st = fy_plan_check(&cfg, &plan, &probe);
     if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
+    if (plan.dp * plan.tp != ranks)
+      return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
+                          plan.dp * plan.tp, plan.dp, plan.tp, ranks);
+    if (plan.dp > 1 && strcmp(plan.pattern, "zero") != 0)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the data-parallel ranks of an offloaded run shard the chunks "
+                          "(pattern zero), not %s", o->plan, plan.pattern);
   }
+  o->tp = plan.tp;
   const struct fy_plan_knobs *k = &plan.k;
   o->device = "sim";
   o->device_mem = dev_mem;

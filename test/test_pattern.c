@@ -6,6 +6,7 @@
 #include "check.h"
 #include "core/graph.h"
 #include "core/opt.h"
+#include "planner/cost.h"
 #include "planner/pattern.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
@@ -330,6 +331,22 @@ static void test_plugin(void) {
   }
   CHECK(best == &offload_only);
   fy_graph_free(g);
+
+  // The planner uses it as it uses a built-in: a plan whose data-parallel ranks run offload_only
+  // keeps no model state on the host and pays for its broadcasts and reduce-scatters.
+  struct fy_probe probe = {.device = "sim", .device_mem = 64 << 20, .host_mem = 1 << 30, .device_gflops = 100,
+                           .host_gflops = 100, .h2d_gbps = 5, .d2h_gbps = 5, .host_adamw_gbps = 5,
+                           .host_mem_gbps = 10, .comm_gbps = 2};
+  struct fy_plan_knobs k = {.micro_batch = 2, .grad_accum = 1, .seq = 8, .prefetch = 1, .disk_chunks = 0, .dp = 4};
+  struct fy_cost rep, toy;
+  snprintf(k.pattern, sizeof k.pattern, "replicate");
+  CHECK_OK(fy_cost_simulate(&cfg, &k, &probe, &rep, NULL));
+  snprintf(k.pattern, sizeof k.pattern, "offload_only");
+  CHECK_OK(fy_cost_simulate(&cfg, &k, &probe, &toy, NULL));
+  CHECKF(rep.fits && toy.fits && toy.host_bytes < 0.2 * rep.host_bytes,
+         "host state: replicate %.0f bytes, offload_only %.0f", rep.host_bytes, toy.host_bytes);
+  CHECKF(toy.comm_s > rep.comm_s && rep.comm_s > 0, "collectives: replicate %g s, offload_only %g s", rep.comm_s,
+         toy.comm_s);
 }
 
 // ---- The runtime runs a plug-in pattern's hooks -------------------------------------------------

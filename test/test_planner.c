@@ -263,7 +263,44 @@ int main(void) {
   fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st175 == FY_OK ? "fits" : fy_error_msg());
   CHECK(st175 == FY_OK && secs < 30);
 
-  // Plan files: round trip, and what is refused.
+  // Several ranks (on paper): OPT-30B on 8 GPUs of 40 GiB with 200 GB/s between them. Every grid
+  // the model allows is tried; sharding over dp divides each rank's host state; the plan says
+  // what its collectives cost; a tp that does not divide the heads is refused.
+  {
+    struct fy_probe g8 = gpu;
+    CHECK_OK(fy_probe_override(&g8, "device_mem", "40GiB"));
+    CHECK_OK(fy_probe_override(&g8, "host_mem", "512GiB"));
+    CHECK_OK(fy_probe_override(&g8, "comm_gbps", "200"));
+    struct fy_plan p8, p1;
+    int t8 = 0;
+    CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, &g8, &p8, &t8));
+    CHECK(p8.dp * p8.tp == 8 && p8.predicted.fits && p8.predicted.comm_s > 0);
+    fy_plan_print(&p8, stderr);
+    CHECK_OK(fy_plan_search(&c30, "opt-30b", 2, 2048, &g8, &p1, NULL));
+    // Per rank: the same micro-batches as one rank with the global batch / 8.
+    struct fy_plan_knobs k1 = p8.k, k8 = p8.k;
+    k1.dp = k1.tp = 1;
+    k1.pattern[0] = 0;
+    k8.dp = 8;
+    k8.tp = 1;
+    snprintf(k8.pattern, sizeof k8.pattern, "zero");
+    struct fy_cost one, eight;
+    CHECK_OK(fy_cost_simulate(&c30, &k1, &g8, &one, NULL));
+    CHECK_OK(fy_cost_simulate(&c30, &k8, &g8, &eight, NULL));
+    double reserve = 8.0 * p8.predicted.chunk_bytes;  // chunk-sized buffers are per rank, not sharded
+    CHECKF(fabs(eight.host_bytes - one.host_bytes / 8) <= 0.1 * one.host_bytes / 8 + reserve,
+           "8 zero ranks keep %.1f GiB of host state each, one rank %.1f GiB", eight.host_bytes / 1073741824.0,
+           one.host_bytes / 1073741824.0);
+    CHECK(eight.comm_s > 0 && one.comm_s == 0);
+    CHECK(fabs(eight.flops_per_step - 8 * one.flops_per_step) < 1e-6 * eight.flops_per_step);
+    struct fy_plan bad = p8;
+    bad.dp = 1;
+    bad.tp = 5;  // 56 heads
+    CHECK_ERR(fy_plan_check(&c30, &bad, &g8), FY_ERR_INVALID);
+    CHECK_ERR(fy_plan_search_ranks(&cfg, "tiny", 3, 96, 5, &probe, &bad, NULL), FY_ERR_INVALID);
+  }
+
+  // Plan files: round trip, and what is refused.  // Plan files: round trip, and what is refused.
   char path[400];
   snprintf(path, sizeof path, "%s/plan.json", dir);
   fy_probe_override(&probe, "device_mem", "33554432");

@@ -184,6 +184,19 @@ compare one tpzero 1e-5 && ok "a 2 x 2 grid with sharded chunks (tp inside, zero
 "$ferry" train "${common[@]}" --batch 4 --resume "$tmp/cktz" --log "$tmp/tzres.json" --save "$tmp/tzres" \
   || bad "1 rank resumes the 2 x 2 sharded grid's checkpoint"
 compare one tzres 1e-5 && ok "the 2 x 2 sharded grid's checkpoint resumes on 1 rank" || bad "resuming the 2 x 2 sharded grid differs"
+# The planner over ranks: ferry plan --gpus 2 chooses a grid and its knobs; mpirun -np 2 ferry
+# train --plan FILE runs it (the same sequences as 1 rank with the plan's global batch), and a run
+# with another number of ranks refuses it.
+export FERRY_PROBE="$tmp/probe.json"
+"$ferry" plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 4MiB --out "$tmp/plan2.json" \
+  >"$tmp/plan2.out" 2>&1 || { bad "ferry plan --gpus 2"; cat "$tmp/plan2.out"; }
+grep -q "^  2 ranks: " "$tmp/plan2.out" && ok "ferry plan --gpus 2 lays out 2 ranks" || { bad "the 2-rank plan"; cat "$tmp/plan2.out"; }
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/plan2.json" --log "$tmp/planned.json" \
+  --save "$tmp/planned" >/dev/null 2>&1 || bad "2 ranks run the 2-rank plan"
+compare one planned 1e-5 && ok "2 ranks running the planner's 2-rank plan follow 1 rank" || bad "the 2-rank plan's run differs"
+if "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/plan2.json" >"$tmp/plan1.out" 2>&1; then
+  bad "1 rank runs a 2-rank plan"
+else grep -q "is for 2 ranks" "$tmp/plan1.out" && ok "1 rank refuses a 2-rank plan" || { bad "a 2-rank plan on 1 rank: unclear"; cat "$tmp/plan1.out"; }; fi
 if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 3 >"$tmp/tp3.out" 2>&1; then bad "--tp 3 on 2 ranks is accepted"
 else grep -q "does not divide the 2 ranks" "$tmp/tp3.out" && ok "--tp that does not divide the ranks is refused" \
   || { bad "--tp 3: unclear message"; cat "$tmp/tp3.out"; }; fi
