@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# bench/scaling.sh: data-parallel scaling of ferry train on the cpu device with the mpi backend.
+# bench/scaling.sh: scaling of ferry train over ranks with the mpi backend. Layouts: replicate
+# (data parallelism on the cpu device, the default), zero (data parallelism with the chunks sharded
+# over the ranks, on the sim device) and tp (tensor parallelism on the cpu device: the ranks share
+# every sequence, so only strong scaling applies).
 # Weak scaling: every rank keeps the same per-rank batch (the global batch grows with the ranks).
 # Strong scaling: the global batch stays (the per-rank batch shrinks). The machine's cores are
 # split evenly between the ranks (OMP threads = cores / ranks), so that 1 and N ranks use the same
@@ -7,9 +10,17 @@
 # N x one-rank time / N-rank time, 1 is ideal) and ideal strong scaling takes as long (speedup 1).
 # On a cluster, give each rank its own cores or GPU and read the same numbers against N.
 # usage: bench/scaling.sh [build dir=build] [ranks=2] [model=opt-demo] [batch=16] [seq=128] [steps=8]
+#                         [layout=replicate|zero|tp]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${1:-build}" n="${2:-2}" model="${3:-opt-demo}" batch="${4:-16}" seq="${5:-128}" steps="${6:-8}"
+layout="${7:-replicate}"
+case "$layout" in
+  replicate) extra=() ;;
+  zero) extra=(--device sim --device-mem 2GiB) ;;
+  tp) extra=() ;;
+  *) echo "scaling: layout is replicate, zero or tp, not '$layout'" >&2; exit 2 ;;
+esac
 command -v mpirun >/dev/null || { echo "scaling: mpirun is not installed" >&2; exit 1; }
 cores=$(nproc)
 tmp="$(mktemp -d)"
@@ -26,10 +37,10 @@ run() {  # label ranks per-rank-batch threads
   local log="$tmp/$1.json"
   if [ "$2" -eq 1 ]; then
     "$build/ferry" train --model "$model" --data "$tmp/data.bin" --batch "$3" --seq "$seq" --steps "$steps" \
-      --threads "$4" --quiet --log "$log"
+      --threads "$4" --quiet --log "$log" "${extra[@]}"
   else
     "${mpi[@]}" "$build/ferry" train --model "$model" --data "$tmp/data.bin" --batch "$3" --seq "$seq" \
-      --steps "$steps" --threads "$4" --quiet --log "$log"
+      --steps "$steps" --threads "$4" --quiet --log "$log" "${extra[@]}" "${@:5}"
   fi
   python3 - "$log" <<'PY'
 import json, statistics, sys
@@ -37,15 +48,23 @@ rows = [json.loads(l) for l in open(sys.argv[1])][1:]  # the first step builds t
 print(statistics.median(r["step_s"] for r in rows))
 PY
 }
+per=$((cores / n > 0 ? cores / n : 1))
 one=$(run one 1 "$batch" "$cores")
-weak=$(run weak "$n" "$batch" $((cores / n > 0 ? cores / n : 1)))
-strong=$(run strong "$n" $((batch / n)) $((cores / n > 0 ? cores / n : 1)))
-python3 - "$one" "$weak" "$strong" "$n" "$model" "$batch" "$seq" <<'PY'
+if [ "$layout" = tp ]; then  # the tensor-parallel ranks share each sequence: the same global batch
+  weak=0
+  strong=$(run strong "$n" "$batch" "$per" --tp "$n")
+else
+  weak=$(run weak "$n" "$batch" "$per")
+  strong=$(run strong "$n" $((batch / n)) "$per")
+fi
+python3 - "$one" "$weak" "$strong" "$n" "$model" "$batch" "$seq" "$layout" <<'PY'
 import json, sys
 one, weak, strong = map(float, sys.argv[1:4])
 n = int(sys.argv[4])
-print(json.dumps({"bench": "scaling", "model": sys.argv[5], "ranks": n, "batch_per_rank": int(sys.argv[6]),
-                  "seq": int(sys.argv[7]), "one_rank_step_s": round(one, 4), "weak_step_s": round(weak, 4),
-                  "weak_efficiency": round(n * one / weak, 3), "strong_step_s": round(strong, 4),
-                  "strong_speedup": round(one / strong, 3)}))
+row = {"bench": "scaling", "layout": sys.argv[8], "model": sys.argv[5], "ranks": n, "batch": int(sys.argv[6]),
+       "seq": int(sys.argv[7]), "one_rank_step_s": round(one, 4)}
+if weak > 0:
+    row.update({"weak_step_s": round(weak, 4), "weak_efficiency": round(n * one / weak, 3)})
+row.update({"strong_step_s": round(strong, 4), "strong_speedup": round(one / strong, 3)})
+print(json.dumps(row))
 PY

@@ -70,6 +70,16 @@ void fy_convert_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n) 
     for (size_t i = 0; i < n; i++) dst[i] = fy_f16_to_f32(s[i]);
 }
 
+void fy_round_to_dtype(float *dst, const float *src, enum fy_dtype dt, size_t n) {
+  if (dt == FY_F32) {
+    if (dst != src) memmove(dst, src, n * 4);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (size_t i = 0; i < n; i++)
+    dst[i] = dt == FY_BF16 ? fy_bf16_to_f32(fy_f32_to_bf16(src[i])) : fy_f16_to_f32(fy_f32_to_f16(src[i]));
+}
+
 void fy_convert_from_f32(void *dst, enum fy_dtype dt, const float *src, size_t n) {
   if (dt == FY_F32) { memcpy(dst, src, n * 4); return; }
   uint16_t *d = dst;

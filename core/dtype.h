@@ -37,5 +37,9 @@ uint16_t fy_f32_to_f16(float f);
 void fy_convert_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n);
 // Converts n f32 elements to dtype `dt` (a float type).
 void fy_convert_from_f32(void *dst, enum fy_dtype dt, const float *src, size_t n);
+// dst = src rounded to the nearest value of `dt` (bf16 or f16, round to nearest even; f16
+// overflows to +-inf past 65504 and keeps its subnormals), still held as f32. In place when
+// dst == src. f32: a copy.
+void fy_round_to_dtype(float *dst, const float *src, enum fy_dtype dt, size_t n);
 
 #endif

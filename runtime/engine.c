@@ -111,6 +111,9 @@ void fy_op_call_forward(void *arg) {
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
   if (st == FY_OK) st = run_hook(m, c->op, false, &run);
+  // 16-bit numerics: the output as a 16-bit tensor would hold it (the per-row losses stay fp32).
+  if (m->compute_dtype != FY_F32 && op->kind != FY_OP_CROSS_ENTROPY)
+    fy_round_to_dtype(out, out, m->compute_dtype, (size_t)g->slots[op->out].numel);
   if (m->profile) m->op_seconds[op->kind][0] += omp_get_wtime() - t0;
   if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s", op->name);
 }
@@ -188,6 +191,14 @@ void fy_op_call_backward(void *arg) {
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
   if (st == FY_OK) st = run_hook(m, c->op, true, &run);
+  if (m->compute_dtype != FY_F32) {  // 16-bit numerics: the gradients as 16-bit tensors would hold them
+    for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++) {
+      float *d = fy_engine_dinput(m, op, k);
+      if (d) fy_round_to_dtype(d, d, m->compute_dtype, (size_t)g->slots[op->in[k]].numel);
+    }
+    for (int k = 0; k < op->n_params; k++)
+      fy_round_to_dtype(c->g[k], c->g[k], m->compute_dtype, (size_t)g->params[op->params[k]].numel);
+  }
   if (m->profile) m->op_seconds[op->kind][1] += omp_get_wtime() - t0;
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s", op->name);
 }
@@ -198,7 +209,8 @@ static void resident_call(struct fy_model *m, int o, const struct fy_dev_batch *
   const struct fy_op *op = &m->graph->ops[o];
   *c = (struct fy_op_call){.m = m, .op = o, .batch = b, .st = FY_OK};
   for (int k = 0; k < op->n_params; k++) {
-    c->w[k] = fy_model_param(m, op->params[k]);
+    c->w[k] = m->cparams && m->compute_dtype != FY_F32 ? m->cparams + m->graph->params[op->params[k]].offset
+                                                       : fy_model_param(m, op->params[k]);
     c->g[k] = fy_model_grad(m, op->params[k]);
   }
 }
@@ -232,6 +244,8 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
   FY_TRY(stage_batch(m, batch, pos, &b));
   loss->sum = 0;
   loss->count = fy_engine_count_targets(batch);
+  // 16-bit numerics: the kernels read the master weights rounded to the compute dtype.
+  if (m->compute_dtype != FY_F32) fy_round_to_dtype(m->cparams, m->params, m->compute_dtype, (size_t)g->n_param_elems);
   for (int o = 0; o < g->n_ops; o++) {
     struct fy_op_call c;
     resident_call(m, o, &b, &c);

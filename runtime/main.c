@@ -309,6 +309,9 @@ static void usage_train(FILE *f, bool eval) {
           "  --loss-scale S     dynamic loss scaling from S (a power of two; 'dynamic' = 65536): an\n"
           "                     overflowing step is skipped and the scale halved; the numbers are\n"
           "                     otherwise those of no scaling, bit for bit\n"
+          "  --precision P      fp32 (default), bf16 or fp16 (cpu device): weights, activations and\n"
+          "                     gradients rounded to P at every op, fp32 master weights and AdamW\n"
+          "                     state; fp16 scales the loss dynamically from 65536 unless given\n"
           "  --recompute        keep only each decoder layer's input and run its forward again in\n"
           "                     backward (activation memory of one layer instead of all)\n"
           "\nwhere the model state lives:\n"
@@ -409,7 +412,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -435,7 +438,8 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"stop-after", required_argument, 0, OPT_STOP_AFTER}, {"plan", required_argument, 0, OPT_PLAN},
       {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
       {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
-      {"tp", required_argument, 0, OPT_TP}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+      {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
+      {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
       {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},
@@ -515,6 +519,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
+      case OPT_PRECISION: o.precision = optarg; break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);

@@ -161,6 +161,16 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   return FY_OK;
 }
 
+fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
+  if (dt != FY_F32 && dt != FY_BF16 && dt != FY_F16)
+    return fy_error_set(FY_ERR_INVALID, "compute dtype %s: ferry computes in f32, bf16 or f16", fy_dtype_name(dt));
+  if (dt != FY_F32 && (m->device_memory || m->host))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "16-bit compute needs the parameters resident on the cpu device");
+  if (dt != FY_F32 && !m->cparams) FY_TRY(buf_alloc(m->dev, m->graph->n_param_elems, 4, (void **)&m->cparams));
+  m->compute_dtype = dt;
+  return FY_OK;
+}
+
 fy_status fy_model_set_pattern(struct fy_model *m, int op, const char *name) {
   FY_ASSERT(op >= 0 && op < m->graph->n_ops);
   if (!name || !*name) {
@@ -194,7 +204,8 @@ void fy_model_free(struct fy_model *m) {
     for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], np);
     struct { void *p; int64_t n; } bufs[] = {{m->acts, g->act_elems}, {m->dacts, g->grad_elems},
                                             {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
-                                            {m->dbatch, 3 * g->B * g->T}, {m->tp_buf, m->tp_buf_elems}};
+                                            {m->dbatch, 3 * g->B * g->T}, {m->tp_buf, m->tp_buf_elems},
+                                            {m->cparams, g->n_param_elems}};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
   }

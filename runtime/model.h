@@ -33,6 +33,13 @@ struct fy_model {
   fy_stream *staging;     // the stream those copies run on (created on first use)
   const struct fy_model_kernels *kernels;
   void *kernels_ctx;
+  // 16-bit numerics on a host-addressable device (fy_model_set_compute_dtype): the kernels read
+  // cparams, the fp32 master weights rounded to compute_dtype before each forward, and every op's
+  // output, input gradients and parameter gradients are rounded to it as they are written (fp16
+  // overflows to inf, which loss scaling catches). The storage stays fp32: these are the numbers
+  // of 16-bit training, not its memory. FY_F32 (the default): none of this.
+  enum fy_dtype compute_dtype;
+  float *cparams;
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
   double op_seconds[FY_OP_KIND_COUNT][2];
@@ -96,6 +103,10 @@ fy_status fy_model_load(struct fy_model *m, const char *dir);
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes);
+
+// Sets the compute dtype (FY_F32, FY_BF16 or FY_F16) of a model whose parameters are resident on a
+// host-addressable device (allocates cparams for 16-bit dtypes).
+fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt);
 
 // Gives op `op` the pattern `name` (planner/pattern.h; "" for none): its runtime hooks run after
 // the op's kernels from then on. FY_ERR_INVALID for an unknown pattern or one that does not apply.

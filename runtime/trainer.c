@@ -238,6 +238,11 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
+  if (o->precision && strcmp(o->precision, "fp32") && strcmp(o->precision, "bf16") && strcmp(o->precision, "fp16"))
+    return fy_error_set(FY_ERR_INVALID, "--precision %s: fp32, bf16 or fp16", o->precision);
+  if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with --device %s: 16-bit numerics run on --device cpu "
+                        "(the sim and cuda devices train in fp32 for now)", o->precision, device);
   if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu or sim",
                         r->tp, device);
@@ -253,6 +258,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     r->model->dp_comm = r->dp_comm;  // the ops run on this thread
+    if (o->precision && strcmp(o->precision, "fp32") != 0)
+      FY_TRY(fy_model_set_compute_dtype(r->model, strcmp(o->precision, "bf16") == 0 ? FY_BF16 : FY_F16));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
@@ -467,9 +474,10 @@ static void name_nonfinite(struct run *r) {
 static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
   snprintf(buf, n,
            "{\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"grad_accum\":%lld,\"steps\":%lld,"
-           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s}",
+           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\"}",
            o->model ? o->model : "", (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
-           (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false");
+           (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false",
+           o->precision ? o->precision : "fp32");
 }
 
 static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_snapshot *s,
@@ -663,6 +671,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   struct fy_train_opts eff = *given;
   const struct fy_train_opts *o = &eff;
   if (given->plan) FY_TRY(apply_plan(&eff));
+  // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
+  if (o->precision && strcmp(o->precision, "fp16") == 0 && !(o->loss_scale > 0)) eff.loss_scale = 65536;
   if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
   if (o->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
   if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");

@@ -107,6 +107,33 @@ int main(void) {
          r_over.first_loss, r_over.last_loss);
   ls.loss_scale = 3;
   CHECK_ERR(fy_train(&ls, &r_over), FY_ERR_INVALID);  // not a power of two
+
+  // 16-bit numerics (--precision): bf16 and fp16 follow fp32 within their rounding (and differ
+  // from it: the rounding is real). fp16's gradients overflow at a large loss scale: steps are
+  // skipped and the scale comes down to where they fit (2^24 -> ~2^16 here), then training goes on.
+  struct fy_train_opts hp = tiny_opts(shard);
+  hp.steps = 30;
+  struct fy_train_result r32, r_bf16, r_fp16, r_f16over;
+  CHECK_OK(fy_train(&hp, &r32));
+  hp.precision = "bf16";
+  CHECK_OK(fy_train(&hp, &r_bf16));
+  hp.precision = "fp16";
+  CHECK_OK(fy_train(&hp, &r_fp16));
+  hp.loss_scale = 0x1p24;
+  CHECK_OK(fy_train(&hp, &r_f16over));
+  fprintf(stderr, "  last loss: fp32 %.5f, bf16 %.5f, fp16 %.5f (scale %g), fp16 from 2^24 %.5f (%lld skipped, scale %g)\n",
+          r32.last_loss, r_bf16.last_loss, r_fp16.last_loss, r_fp16.final_loss_scale, r_f16over.last_loss,
+          (long long)r_f16over.skipped_steps, r_f16over.final_loss_scale);
+  CHECK(fabs(r_bf16.last_loss - r32.last_loss) < 0.02 * r32.last_loss && r_bf16.params_hash != r32.params_hash);
+  CHECK(fabs(r_fp16.last_loss - r32.last_loss) < 0.01 * r32.last_loss && r_fp16.params_hash != r32.params_hash);
+  CHECK(r_fp16.skipped_steps == 0 && r_fp16.final_loss_scale == 65536);
+  CHECKF(r_f16over.skipped_steps > 0 && r_f16over.final_loss_scale < 0x1p24 && r_f16over.last_loss < r_f16over.first_loss,
+         "fp16 overflow: %lld skipped, scale %g", (long long)r_f16over.skipped_steps, r_f16over.final_loss_scale);
+  hp.device = "sim";
+  CHECK_ERR(fy_train(&hp, &r_fp16), FY_ERR_UNSUPPORTED);
+  hp.device = "cpu";
+  hp.precision = "fp8";
+  CHECK_ERR(fy_train(&hp, &r_fp16), FY_ERR_INVALID);
   struct fy_loss_scaler sc = fy_loss_scaler_init(4);
   CHECK_OK(fy_loss_scaler_update(&sc, true));
   CHECK_OK(fy_loss_scaler_update(&sc, true));
