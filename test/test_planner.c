@@ -16,7 +16,8 @@
 #include "runtime/data.h"
 #include "runtime/trainer.h"
 
-static char dir[256], model_dir[300], shard[300];
+static char dir[256], model_dir[300], model_dir2[300], shard[300];
+static const char *run_model = model_dir;  // the model run_opts trains
 
 // Instrumented builds run the host's own loops several times slower than the probe's oneDNN GEMM
 // measured: timings are then printed, not held to the release build's bounds.
@@ -35,7 +36,7 @@ static double now_s(void) {
 static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, double link) {
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
-  o.model = model_dir;
+  o.model = run_model;
   o.data = shard;
   o.batch = k->micro_batch;
   o.grad_accum = k->grad_accum;
@@ -130,6 +131,33 @@ int main(void) {
   k.recompute = true;
   k.blocks = 2;
   check_prediction("2 x 96 x 2 accum, recompute, 2 blocks", &cfg, k, 32 << 20, 0.5, probe);
+  // A second model: post-LN, wider and shallower, other batches and caps.
+  {
+    struct fy_opt_config cfg2 = cfg;
+    cfg2.hidden_size = cfg2.word_embed_proj_dim = 256;
+    cfg2.ffn_dim = 1024;
+    cfg2.num_attention_heads = 8;
+    cfg2.num_hidden_layers = 3;
+    cfg2.do_layer_norm_before = false;
+    snprintf(model_dir2, sizeof model_dir2, "%s/model2", dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p %s", model_dir2);
+    CHECK(system(cmd) == 0);
+    CHECK_OK(fy_opt_config_write(model_dir2, &cfg2));
+    run_model = model_dir2;
+    struct fy_graph *g2;
+    CHECK_OK(fy_opt_build_graph(&cfg2, 1, 64, &g2));
+    int64_t min2 = fy_chunk_min_elems(g2);
+    fy_graph_free(g2);
+    struct fy_plan_knobs k2 = {.micro_batch = 8, .grad_accum = 1, .seq = 64, .chunk_elems = min2,
+                               .blocks = 4, .prefetch = 2, .disk_chunks = 0};
+    check_prediction("post-LN 256 wide: 8 x 64, 4 blocks", &cfg2, k2, 48 << 20, 0.5, probe);
+    k2.micro_batch = 4;
+    k2.seq = 96;
+    k2.blocks = 0;
+    k2.prefetch = 1;
+    check_prediction("post-LN 256 wide: 4 x 96, all fit, 2 GB/s", &cfg2, k2, 64 << 20, 2.0, probe);
+    run_model = model_dir;
+  }
 
   // The profiler: FLOPs add up to the model's count, and per op kind the predicted times match a
   // measured step on the cpu (GEMM-bound kinds within 25%, the whole step's kernels within 25%).
