@@ -226,6 +226,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   struct sim s = {0};
   double h2d = probe->h2d_gbps, d2h = probe->d2h_gbps;
   st = fy_timeline_create((size_t)probe->device_mem + 4096, h2d, d2h, &s.dev);
+  if (st == FY_OK) fy_timeline_set_copy_latency(s.dev, probe->copy_latency_us * 1e-6);
   void *p;
   for (size_t i = 0; st == FY_OK && i < sizeof fixed / sizeof *fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
   void *dbatch = p;

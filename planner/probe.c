@@ -137,7 +137,7 @@ static fy_status time_copy(fy_stream *s, void *dst, const void *src, size_t n, d
   return FY_OK;
 }
 
-static fy_status measure_copies(bool sim, double link_gbps, double cap, double *h2d, double *d2h) {
+static fy_status measure_copies(bool sim, double link_gbps, double cap, double *h2d, double *d2h, double *lat_us) {
   struct fy_device *dev = NULL;
   size_t pool = sim ? (cap < (double)SIM_PROBE_CAP ? (size_t)cap : SIM_PROBE_CAP) : 0;
   fy_status st = sim ? fy_device_sim_create(pool, link_gbps, &dev) : fy_device_cpu_create(0, &dev);
@@ -164,6 +164,16 @@ static fy_status measure_copies(bool sim, double link_gbps, double cap, double *
     if (st == FY_OK) {
       *h2d = (double)n / median(up, 3) / 1e9;
       *d2h = (double)n / median(down, 3) / 1e9;
+      // The latency: 100 small copies queued back to back, beyond what their bytes take.
+      size_t small = n < 4096 ? n : 4096;
+      double lat[3];
+      for (int r = 0; r < 3 && st == FY_OK && lat_us; r++) {
+        double t0 = now_s();
+        for (int i = 0; i < 100 && st == FY_OK; i++) st = fy_copy_async(s, dbuf, hbuf, small);
+        if (st == FY_OK) st = fy_stream_sync(s);
+        lat[r] = (now_s() - t0) / 100 - (double)small / (*h2d * 1e9);
+      }
+      if (st == FY_OK && lat_us) *lat_us = median(lat, 3) > 0 ? median(lat, 3) * 1e6 : 0;
     } else {
       st = fy_error_wrap(st, "probe: copy test");
     }
@@ -297,7 +307,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_gemm(&p.host_gflops));
   p.device_gflops = p.host_gflops;  // cpu and sim run their kernels on this CPU
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
-  FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps));
+  FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (disk_dir && disk_dir[0]) {
     FY_TRY(measure_disk(disk_dir, &p.disk_read_gbps, &p.disk_write_gbps));
     char real[PATH_MAX];
@@ -338,6 +348,7 @@ static const struct field fields[] = {
     NUM(disk_write_gbps, K_RATE0, "GB/s"),
     STR(disk_dir),
     NUM(comm_gbps, K_RATE0, "GB/s"),
+    NUM(copy_latency_us, K_RATE0, "us"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -505,7 +516,8 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
                         "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
-                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps)", path, unknown);
+                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps, copy_latency_us)", path,
+                        unknown);
   }
   struct fy_probe p;
   memset(&p, 0, sizeof p);
@@ -513,7 +525,8 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     const struct field *f = &fields[i];
     json_object *v;
     if (!json_object_object_get_ex(o, f->key, &v)) {
-      if (f->off == offsetof(struct fy_probe, comm_gbps)) continue;  // optional (added later): derived
+      // Optional (added later): derived or none when absent.
+      if (f->off == offsetof(struct fy_probe, comm_gbps) || f->off == offsetof(struct fy_probe, copy_latency_us)) continue;
       st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
     } else if (f->kind == K_STRING) {
       if (!json_object_is_type(v, json_type_string)) {
@@ -627,7 +640,7 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
                         "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
                         "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
-                        "disk_write_gbps, disk_dir, comm_gbps)", key_in);
+                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us)", key_in);
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)
@@ -693,4 +706,5 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   }
   fprintf(f, "%-16s %.2f GB/s (collectives between ranks%s)\n", "comm_gbps", fy_probe_comm_gbps(p),
           p->comm_gbps > 0 ? "" : "; derived, set comm_gbps to change it");
+  fprintf(f, "%-16s %.1f us (per copy across the link, besides its bytes)\n", "copy_latency_us", p->copy_latency_us);
 }

@@ -17,6 +17,8 @@
 //   "comm_gbps"         number, GB/s (>= 0): bus bandwidth of collectives between ranks; 0 (the
 //                       default, and what a file without the key reads as): derived, see
 //                       fy_probe_comm_gbps
+//   "copy_latency_us"   number, microseconds (>= 0): what one copy across the link costs besides
+//                       its bytes (measured on sim; 0 or absent: none)
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -38,6 +40,8 @@ struct fy_probe {
   double disk_read_gbps, disk_write_gbps;  // 0 when no disk directory was probed
   char disk_dir[512];         // "" when none
   double comm_gbps;           // collectives between ranks (bus bandwidth), 0: derived
+  double copy_latency_us;     // a copy across the link besides bytes / rate (the copy engine's
+                              // hand-offs; measured on sim), 0 when unknown
 };
 
 // The bus bandwidth (GB/s) the planner assumes for collectives between ranks: comm_gbps when set;

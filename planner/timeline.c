@@ -19,6 +19,7 @@ struct tl_event {
 
 struct tl {
   double rate[2];         // bytes/s: 0 host->device, 1 device->host
+  double latency;         // seconds per copy, besides bytes / rate
   double link_free[2];    // when each direction's link is free
   uintptr_t next;         // bump allocator of fake addresses
   struct fy_copy_stats stats;
@@ -89,13 +90,15 @@ static fy_status tl_copy(fy_stream *s, void *dst, const void *src, size_t n) {
   if (to_dev == from_dev) return FY_OK;  // within one side: negligible next to the link
   int dir = to_dev ? 0 : 1;
   double start = ts->clock > t->link_free[dir] ? ts->clock : t->link_free[dir];
-  double dur = (double)n / t->rate[dir];
+  double dur = (double)n / t->rate[dir] + t->latency;
   add_span(d, ts->id, start, start + dur, dir ? "to host" : "to device");
   ts->clock = t->link_free[dir] = start + dur;
   t->stats.bytes[dir] += (double)n;
   t->stats.busy_s[dir] += dur;
   return FY_OK;
 }
+
+void fy_timeline_set_copy_latency(struct fy_device *dev, double seconds) { TL(dev)->latency = seconds > 0 ? seconds : 0; }
 
 static fy_status tl_memset(fy_stream *s, void *dst, int v, size_t n) { return FY_OK; }
 static fy_status tl_enqueue(fy_stream *s, fy_host_fn fn, void *arg) { return FY_OK; }  // not run

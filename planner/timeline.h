@@ -22,6 +22,9 @@ struct fy_timeline_span {
 };
 
 fy_status fy_timeline_create(size_t cap, double h2d_gbps, double d2h_gbps, struct fy_device **out);
+// Every copy across the link also costs `seconds` of latency (the copy engine's hand-offs), on top
+// of bytes / rate. 0 by default.
+void fy_timeline_set_copy_latency(struct fy_device *dev, double seconds);
 // Advances stream s by `seconds` of work after what it already has (a kernel, an optimizer step).
 void fy_timeline_run(fy_stream *s, double seconds, const char *label);
 double fy_timeline_clock(const fy_stream *s);
