@@ -209,9 +209,12 @@ static void resident_call(struct fy_model *m, int o, const struct fy_dev_batch *
   const struct fy_op *op = &m->graph->ops[o];
   *c = (struct fy_op_call){.m = m, .op = o, .batch = b, .st = FY_OK};
   for (int k = 0; k < op->n_params; k++) {
-    c->w[k] = m->cparams && m->compute_dtype != FY_F32 ? m->cparams + m->graph->params[op->params[k]].offset
+    int64_t off = m->graph->params[op->params[k]].offset;
+    // 16-bit compute: the weights in the compute dtype (and on a GPU the gradients too), at the
+    // parameter's element offset in arrays of cparams_esize-byte elements.
+    c->w[k] = m->cparams && m->compute_dtype != FY_F32 ? (float *)((char *)m->cparams + off * m->cparams_esize)
                                                        : fy_model_param(m, op->params[k]);
-    c->g[k] = fy_model_grad(m, op->params[k]);
+    c->g[k] = m->cgrads && m->compute_dtype != FY_F32 ? (float *)((char *)m->cgrads + off * 2) : fy_model_grad(m, op->params[k]);
   }
 }
 
@@ -244,8 +247,8 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
   FY_TRY(stage_batch(m, batch, pos, &b));
   loss->sum = 0;
   loss->count = fy_engine_count_targets(batch);
-  // 16-bit numerics: the kernels read the master weights rounded to the compute dtype.
-  if (m->compute_dtype != FY_F32) fy_round_to_dtype(m->cparams, m->params, m->compute_dtype, (size_t)g->n_param_elems);
+  // 16-bit numerics: the kernels read the master weights in the compute dtype.
+  if (m->compute_dtype != FY_F32) m->kernels->prepare_weights(m);
   for (int o = 0; o < g->n_ops; o++) {
     struct fy_op_call c;
     resident_call(m, o, &b, &c);

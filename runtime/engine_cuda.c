@@ -34,33 +34,37 @@ static void op_forward_cuda(void *arg) {
   const int64_t B = g->B, T = g->T, BT = B * T;
   float *out = fy_engine_act(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
+  // bf16 compute: activations and their gradients are bf16 at their slots' addresses (which hold
+  // room for fp32), weights and parameter gradients bf16 (runtime/model.h, cparams and cgrads);
+  // statistics (losses, layernorm's mean and rstd, attention's lse) stay fp32.
+  const enum fy_dtype dt = m->compute_dtype;
   fy_status st = FY_OK;
   switch (op->kind) {
     case FY_OP_EMBEDDING:
       st = fy_cuda_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
-                                     c->w[0], FY_F32, BT, op->C, x->st);
+                                     c->w[0], dt, BT, op->C, x->st);
       break;
     case FY_OP_LAYERNORM:
       st = fy_cuda_layernorm_forward(out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), in0,
-                                     op->n_params ? c->w[0] : NULL, op->n_params ? c->w[1] : NULL, FY_F32, BT, op->C,
+                                     op->n_params ? c->w[0] : NULL, op->n_params ? c->w[1] : NULL, dt, BT, op->C,
                                      op->eps, x->st);
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, FY_F32, BT, op->C,
+      st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, dt, BT, op->C,
                                   op->OC, x->st);
       break;
     }
     case FY_OP_ATTENTION:  // the aux slot (sized for T x T probabilities on the CPU) holds the lse
-      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, FY_F32, B, T, op->C,
+      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B, T, op->C,
                                      op->NH, op->scale, x->st);
       break;
-    case FY_OP_RELU: st = fy_cuda_relu_forward(out, in0, FY_F32, g->slots[op->out].numel, x->st); break;
+    case FY_OP_RELU: st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st); break;
     case FY_OP_ADD:
-      st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), FY_F32, g->slots[op->out].numel, x->st);
+      st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_CROSS_ENTROPY:
-      st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, FY_F32, BT, op->V, x->st);
+      st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, dt, BT, op->V, x->st);
       if (st == FY_OK && c->loss_sum) {  // the loss is read on the host
         if (cudaMemcpyAsync(x->losses, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
             cudaStreamSynchronize(x->st) != cudaSuccess)
@@ -96,19 +100,21 @@ static void op_backward_cuda(void *arg) {
   for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
   const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
+  const enum fy_dtype dt = m->compute_dtype;
+  const size_t es = dt == FY_F32 ? 4 : 2;
   if (st == FY_OK) switch (op->kind) {
     case FY_OP_EMBEDDING: {
       const struct fy_param *p = &g->params[op->params[0]];
       float *dtable = c->g[0];
-      if (first[0]) st = zero(x, dtable, (size_t)p->numel * 4);
+      if (first[0]) st = zero(x, dtable, (size_t)p->numel * es);
       // nn.Embedding(padding_idx=...): the padding row keeps what it had before the lookup's gradient.
-      float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
-      if (st == FY_OK && row && cudaMemcpyAsync(x->row, row, (size_t)op->C * 4, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
+      char *row = p->padding_idx >= 0 ? (char *)dtable + (size_t)(p->padding_idx * op->C) * es : NULL;
+      if (st == FY_OK && row && cudaMemcpyAsync(x->row, row, (size_t)op->C * es, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
         st = fy_error_set(FY_ERR_INTERNAL, "saving the padding row");
       if (st == FY_OK)
         st = fy_cuda_embedding_backward(dtable, dout, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
-                                        FY_F32, BT, op->C, op->V, x->st);
-      if (st == FY_OK && row && cudaMemcpyAsync(row, x->row, (size_t)op->C * 4, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
+                                        dt, BT, op->C, op->V, x->st);
+      if (st == FY_OK && row && cudaMemcpyAsync(row, x->row, (size_t)op->C * es, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
         st = fy_error_set(FY_ERR_INTERNAL, "restoring the padding row");
       break;
     }
@@ -116,38 +122,38 @@ static void op_backward_cuda(void *arg) {
       float *dinp = fy_engine_dinput(m, op, 0);
       if (dinp)
         st = fy_cuda_layernorm_backward(dinp, NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
-                                        fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), FY_F32, BT, op->C,
+                                        fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), dt, BT, op->C,
                                         NULL, x->st);
       if (st == FY_OK && op->n_params)
         st = fy_cuda_layernorm_backward_params(c->g[0], c->g[1], dout, in0, fy_engine_act(m, op->aux[0]),
-                                               fy_engine_act(m, op->aux[1]), FY_F32, BT, op->C, !first[0], NULL, x->st);
+                                               fy_engine_act(m, op->aux[1]), dt, BT, op->C, !first[0], NULL, x->st);
       break;
     }
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
       float *dinp = fy_engine_dinput(m, op, 0);
       if (dinp)
-        st = fy_cuda_linear_backward(x->blas, dinp, NULL, NULL, dout, in0, c->w[0], FY_F32, BT, op->C, op->OC, x->st);
+        st = fy_cuda_linear_backward(x->blas, dinp, NULL, NULL, dout, in0, c->w[0], dt, BT, op->C, op->OC, x->st);
       if (st == FY_OK)
-        st = fy_cuda_linear_backward_params(x->blas, c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, FY_F32, BT,
+        st = fy_cuda_linear_backward_params(x->blas, c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, dt, BT,
                                             op->C, op->OC, !first[0], x->st);
       break;
     }
     case FY_OP_ATTENTION:
       st = fy_cuda_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, dout, in0, fy_engine_act(m, op->out),
-                                      fy_engine_act(m, op->aux[0]), c->batch->mask, FY_F32, B, T, op->C, op->NH,
+                                      fy_engine_act(m, op->aux[0]), c->batch->mask, dt, B, T, op->C, op->NH,
                                       op->scale, x->st);
       break;
     case FY_OP_RELU:
-      st = fy_cuda_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), FY_F32,
+      st = fy_cuda_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), dt,
                                  g->slots[op->out].numel, x->st);
       break;
     case FY_OP_ADD:
-      st = fy_cuda_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, FY_F32,
+      st = fy_cuda_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, dt,
                                 g->slots[op->out].numel, x->st);
       break;
     case FY_OP_CROSS_ENTROPY:
-      st = fy_cuda_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, NULL, FY_F32, BT, op->V,
+      st = fy_cuda_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, NULL, dt, BT, op->V,
                                          c->loss_scale, x->st);
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
@@ -155,10 +161,15 @@ static void op_backward_cuda(void *arg) {
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s on cuda", op->name);
 }
 
+// The optimizer hands over m->grads + offset; with bf16 compute the gradients are in cgrads.
+static const void *grads_of(const struct fy_model *m, const float *g) {
+  return m->compute_dtype == FY_F32 ? (const void *)g : (const void *)((const uint16_t *)m->cgrads + (g - m->grads));
+}
+
 static double sumsq_cuda(struct fy_model *m, const float *p, int64_t n) {
   struct cuda_ctx *x = ctx_of(m);
   double s = NAN;
-  if (fy_cuda_sumsq(x->dsum, p, FY_F32, n, x->dscratch, false, x->st) == FY_OK &&
+  if (fy_cuda_sumsq(x->dsum, grads_of(m, p), m->compute_dtype, n, x->dscratch, false, x->st) == FY_OK &&
       cudaMemcpyAsync(&s, x->dsum, sizeof s, cudaMemcpyDeviceToHost, x->st) == cudaSuccess)
     cudaStreamSynchronize(x->st);
   return s;  // NaN on failure: the optimizer then refuses the step
@@ -167,7 +178,17 @@ static double sumsq_cuda(struct fy_model *m, const float *p, int64_t n) {
 static void adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n, float lr, float b1,
                        float b2, float eps, float wd, int64_t t, float scale) {
   struct cuda_ctx *x = ctx_of(m);
-  fy_cuda_adamw_update(p, mo, v, g, FY_F32, NULL, n, lr, b1, b2, eps, wd, t, scale, x->st);
+  // bf16 compute: the gradients are bf16 (cgrads), and the kernel writes the new weights' bf16
+  // copy (cparams) in the same pass.
+  uint16_t *w16 = m->compute_dtype == FY_F32 ? NULL : (uint16_t *)m->cparams + (p - m->params);
+  fy_cuda_adamw_update(p, mo, v, grads_of(m, g), m->compute_dtype, w16, n, lr, b1, b2, eps, wd, t, scale, x->st);
+}
+
+// cparams <- the fp32 master weights in bf16 (after initialisation, loading or resuming; AdamW
+// keeps them current after that, so this converts what is already there).
+static void prepare_weights_cuda(struct fy_model *m) {
+  struct cuda_ctx *x = ctx_of(m);
+  fy_cuda_convert(m->cparams, m->compute_dtype, m->params, FY_F32, m->graph->n_param_elems, x->st);
 }
 
 static const struct fy_model_kernels cuda_kernels = {
@@ -175,6 +196,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .op_backward = op_backward_cuda,
     .sumsq = sumsq_cuda,
     .adamw = adamw_cuda,
+    .prepare_weights = prepare_weights_cuda,
 };
 
 void fy_engine_cuda_detach(struct fy_model *m) {

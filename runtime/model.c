@@ -57,11 +57,16 @@ static void cpu_adamw(struct fy_model *m, float *p, float *mo, float *v, const f
   fy_adamw_update(p, mo, v, g, n, lr, b1, b2, eps, wd, t, scale);
 }
 
+static void cpu_prepare_weights(struct fy_model *m) {
+  fy_round_to_dtype(m->cparams, m->params, m->compute_dtype, (size_t)m->graph->n_param_elems);
+}
+
 const struct fy_model_kernels fy_model_cpu_kernels = {
     .op_forward = fy_op_call_forward,
     .op_backward = fy_op_call_backward,
     .sumsq = cpu_sumsq,
     .adamw = cpu_adamw,
+    .prepare_weights = cpu_prepare_weights,
 };
 
 // Parameter-sized buffers: from the host tier when offloading (zeroed, untouched pages), else
@@ -164,9 +169,16 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
 fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
   if (dt != FY_F32 && dt != FY_BF16 && dt != FY_F16)
     return fy_error_set(FY_ERR_INVALID, "compute dtype %s: ferry computes in f32, bf16 or f16", fy_dtype_name(dt));
-  if (dt != FY_F32 && (m->device_memory || m->host))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "16-bit compute needs the parameters resident on the cpu device");
-  if (dt != FY_F32 && !m->cparams) FY_TRY(buf_alloc(m->dev, m->graph->n_param_elems, 4, (void **)&m->cparams));
+  if (dt != FY_F32 && m->host)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "16-bit compute needs the parameters resident on the device");
+  if (dt == FY_F16 && m->device_memory)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "f16 compute on the %s device: its kernels are f32 and bf16", m->dev->name);
+  if (dt != FY_F32 && !m->cparams) {
+    int64_t n = m->graph->n_param_elems;
+    m->cparams_esize = m->device_memory ? 2 : 4;  // real bf16 on the GPU, rounded floats on the CPU
+    FY_TRY(buf_alloc(m->dev, n, m->cparams_esize, (void **)&m->cparams));
+    if (m->device_memory) FY_TRY(buf_alloc(m->dev, n, 2, (void **)&m->cgrads));
+  }
   m->compute_dtype = dt;
   return FY_OK;
 }
@@ -204,10 +216,12 @@ void fy_model_free(struct fy_model *m) {
     for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], np);
     struct { void *p; int64_t n; } bufs[] = {{m->acts, g->act_elems}, {m->dacts, g->grad_elems},
                                             {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
-                                            {m->dbatch, 3 * g->B * g->T}, {m->tp_buf, m->tp_buf_elems},
-                                            {m->cparams, g->n_param_elems}};
+                                            {m->dbatch, 3 * g->B * g->T}, {m->tp_buf, m->tp_buf_elems}};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
       if (bufs[i].p) fy_device_dealloc(m->dev, bufs[i].p, (size_t)(bufs[i].n > 0 ? bufs[i].n : 1) * 4);
+    size_t n16 = (size_t)(g->n_param_elems > 0 ? g->n_param_elems : 1);
+    if (m->cparams) fy_device_dealloc(m->dev, m->cparams, n16 * m->cparams_esize);
+    if (m->cgrads) fy_device_dealloc(m->dev, m->cgrads, n16 * 2);
   }
   free(m->host_positions);
   free(m->patterns);

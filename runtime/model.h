@@ -38,8 +38,12 @@ struct fy_model {
   // output, input gradients and parameter gradients are rounded to it as they are written (fp16
   // overflows to inf, which loss scaling catches). The storage stays fp32: these are the numbers
   // of 16-bit training, not its memory. FY_F32 (the default): none of this.
+  // On a device the host cannot address (cuda) the 16-bit buffers hold real 16-bit values: cparams
+  // and cgrads (the parameters' gradients as the kernels write them) are arrays of bf16 with the
+  // parameters' element offsets, cparams_esize 2 (4 on the cpu, where cgrads is NULL).
   enum fy_dtype compute_dtype;
-  float *cparams;
+  float *cparams, *cgrads;
+  size_t cparams_esize;
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
   double op_seconds[FY_OP_KIND_COUNT][2];
@@ -67,6 +71,8 @@ struct fy_model_kernels {
   void (*op_forward)(void *call);   // struct fy_op_call * (runtime/engine.h)
   void (*op_backward)(void *call);
   double (*sumsq)(struct fy_model *m, const float *x, int64_t n);
+  // With a 16-bit compute dtype: cparams <- the master weights in it, before each forward.
+  void (*prepare_weights)(struct fy_model *m);
   void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
 };

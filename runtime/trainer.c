@@ -240,9 +240,10 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
   if (o->precision && strcmp(o->precision, "fp32") && strcmp(o->precision, "bf16") && strcmp(o->precision, "fp16"))
     return fy_error_set(FY_ERR_INVALID, "--precision %s: fp32, bf16 or fp16", o->precision);
-  if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with --device %s: 16-bit numerics run on --device cpu "
-                        "(the sim and cuda devices train in fp32 for now)", o->precision, device);
+  if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0 &&
+      !(strcmp(device, "cuda") == 0 && strcmp(o->precision, "bf16") == 0))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with --device %s: 16-bit compute runs on --device cpu "
+                        "(bf16, fp16) and cuda (bf16); the sim device trains in fp32", o->precision, device);
   if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu or sim",
                         r->tp, device);
@@ -271,6 +272,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     FY_TRY(fy_engine_cuda_attach(r->model));
+    if (o->precision && strcmp(o->precision, "bf16") == 0) FY_TRY(fy_model_set_compute_dtype(r->model, FY_BF16));
 #else
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: this ferry was built without CUDA (no nvcc, or -Dcuda=disabled)");
 #endif

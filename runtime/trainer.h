@@ -51,9 +51,10 @@ struct fy_train_opts {
   // scale of dynamic scaling (a power of two): an overflowing step is skipped and the scale
   // halved, 2000 good steps double it, overflow at the minimum scale (1) stops training.
   double loss_scale;
-  // The numbers of the step (--device cpu): "fp32" (default), "bf16" or "fp16". 16-bit: weights,
-  // activations and gradients rounded to it at every op (runtime/model.h, compute_dtype), with
-  // the fp32 master weights and AdamW state kept; fp16 without loss_scale scales from 65536.
+  // The numbers of the step: "fp32" (default), "bf16" or "fp16" (cpu), "fp32" or "bf16" (cuda).
+  // 16-bit: weights, activations and gradients in it (on the cpu rounded to it at every op, held
+  // as fp32; on cuda real bf16 tensors), with fp32 master weights and AdamW state
+  // (runtime/model.h, compute_dtype); fp16 without loss_scale scales from 65536.
   const char *precision;
   // Ranks (runtime/comm.h): under mpirun or srun every rank trains on its own part of each
   // global batch (batch x grad_accum x ranks sequences) and the gradients are summed across ranks

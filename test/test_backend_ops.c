@@ -318,6 +318,35 @@ static void test_elementwise(enum fy_dtype dt) {
   free(a); free(b); free(out); free(dout); free(dinp); free(da); free(db);
 }
 
+// fp32 -> bf16 rounds to nearest even exactly as the CPU's conversion; bf16 -> fp32 is exact.
+static void test_convert(void) {
+  const int64_t N = 100003;
+  float *a = frand_new(N, 100.0f, FY_F32), *back = fnew(N);
+  uint16_t *want = malloc((size_t)N * 2), *got = malloc((size_t)N * 2);
+  if (!want || !got) abort();
+  a[0] = 1.0f + 0x1p-8f;  // a tie: rounds to even (1.0)
+  a[1] = -0.0f;
+  a[2] = 3.0e38f;
+  fy_convert_from_f32(want, FY_BF16, a, (size_t)N);
+  void *d_a = dput(a, N, FY_F32), *d_16 = dalloc((size_t)N * 2), *d_back = dalloc((size_t)N * 4);
+  CHECK_OK(fy_cuda_convert(d_16, FY_BF16, d_a, FY_F32, N, cs));
+  CHECK_OK(fy_stream_sync(st));
+  CHECK_OK(fy_copy_async(st, got, d_16, (size_t)N * 2));
+  CHECK_OK(fy_stream_sync(st));
+  int64_t diff = 0;
+  for (int64_t i = 0; i < N; i++) diff += got[i] != want[i];
+  CHECKF(diff == 0, "convert f32 -> bf16: %lld of %lld differ from the CPU's rounding", (long long)diff, (long long)N);
+  CHECK_OK(fy_cuda_convert(d_back, FY_F32, d_16, FY_BF16, N, cs));
+  float *wback = fnew(N);
+  fy_convert_to_f32(wback, want, FY_BF16, (size_t)N);
+  dget(back, d_back, N, FY_F32);
+  CHECK(memcmp(back, wback, (size_t)N * 4) == 0);
+  CHECK_ERR(fy_cuda_convert(d_16, FY_F16, d_a, FY_F32, N, cs), FY_ERR_UNSUPPORTED);
+  fprintf(stderr, "  %-40s bf16 exact\n", "convert f32 <-> bf16");
+  dfree_all();
+  free(a); free(back); free(want); free(got); free(wback);
+}
+
 static void test_crossentropy(enum fy_dtype dt) {
   float *logits = frand_new((int64_t)BT * V, 4.0f, dt);
   int32_t targets[BT];
@@ -570,6 +599,7 @@ int main(void) {
     test_linear(h, dt);
     test_attention(dt);
   }
+  test_convert();
   test_errors(h);
   CHECK_OK(fy_stream_sync(st));
   fy_cuda_blas_free(h);

@@ -262,6 +262,19 @@ print("cuda", " ".join(f"{x:.6f}" for x in b))
 ok = len(a) == len(b) > 0 and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(a, b))
 sys.exit(0 if ok else 1)
 PY
+  # bf16 compute (fp32 master and AdamW state) on the GPU against the CPU's bf16 numerics: the
+  # same 8 steps within bf16's rounding.
+  "$build/ferry" "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" >"$d/cpu16.out" 2>&1 || { cat "$d/cpu16.out"; return 1; }
+  "$build/ferry" "${common[@]}" --device cuda --precision bf16 --log "$d/cuda16.jsonl" >"$d/cuda16.out" 2>&1 || { cat "$d/cuda16.out"; return 1; }
+  python3 - "$d/cpu16.jsonl" "$d/cuda16.jsonl" "$d/cpu.jsonl" <<'PY'
+import json, sys
+a, b, f32 = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
+print("cpu bf16 ", " ".join(f"{x:.5f}" for x in a))
+print("cuda bf16", " ".join(f"{x:.5f}" for x in b))
+ok = len(a) == len(b) == len(f32) > 0 and all(abs(x - y) <= 2e-2 * max(1.0, abs(x)) for x, y in zip(a, b))
+ok = ok and all(abs(x - y) <= 5e-2 * max(1.0, abs(x)) for x, y in zip(f32, b))
+sys.exit(0 if ok else 1)
+PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   "$build/ferry" train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" \
     >"$d/speed.out" 2>&1 || { cat "$d/speed.out"; return 1; }
@@ -294,6 +307,18 @@ bench_step() {  # NAME LIMIT CMD...: the step's last JSON line goes into the tab
     bench_json+=("$name|$j")
   fi
 }
+ferry_13b() {
+  "$build/ferry" train --device cuda --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 5 --quiet \
+    --log "$logs/ferry13b.jsonl" || return 1
+  python3 - "$logs/ferry13b.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+tps = statistics.median(r["tokens_per_s"] for r in rows)
+gf = statistics.median(r["gflops"] for r in rows)
+print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "tokens_per_s": round(tps, 1), "gflops": round(gf, 1),
+                  "mfu_h200_bf16": round(gf / 989e3, 3)}))
+PY
+}
 if [ "$bench" = 1 ]; then
   if [ -x "$build/bench/gpu_train" ]; then
     bench_step "bench ferry gpu" 120 "$build/bench/gpu_train" --model opt-125m --batch 8 --seq 512 --steps 8
@@ -304,6 +329,13 @@ if [ "$bench" = 1 ]; then
     bench_step "bench torch gpu" 120 python3 bench/peers/torch_opt.py --device cuda --batch 8 --seq 512 --steps 8 --warmup 3
   else
     row "bench torch gpu" "skipped" 0 "torch with CUDA not importable"
+  fi
+  # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
+  # fused AdamW) in the same run. MFU = model FLOPs / step time / the H200's bf16 dense peak (989).
+  bench_step "bench ferry 1.3b bf16" 150 ferry_13b
+  if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+    bench_step "bench torch 1.3b bf16" 150 python3 bench/peers/torch_opt.py --device cuda --model opt-1.3b --dtype bf16 \
+      --batch 8 --seq 2048 --steps 5 --warmup 2
   fi
   bench_step "bench ferry cpu" 60 "$build/bench/cpu_train" --steps 4 --threads "$jobs"
 fi

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""PyTorch peer benchmark: train the facebook/opt-125m shape with transformers + torch.optim.AdamW.
+"""PyTorch peer benchmark: train an OPT shape (default opt-125m) with transformers + torch.optim.AdamW.
 
-Random init (nothing is downloaded), float32, dropout and attention dropout 0 (ferry has no
-dropout), random token batches, the same batch and sequence as ferry's benchmark. The first
---warmup steps are not timed. Prints one JSON line:
+Random init (nothing is downloaded), float32 (or --dtype bf16: autocast to bfloat16 over fp32
+weights, the fused AdamW on CUDA: mixed precision as ferry's bf16, fp32 master weights and state),
+dropout and attention dropout 0 (ferry has no dropout), random token batches, the same batch and
+sequence as ferry's benchmark. The first --warmup steps are not timed. Prints one JSON line:
 
   {"peer":"torch","model":"opt-125m","batch":4,"seq":128,"threads":2,"step_s_median":...,
    "tokens_per_s":...,"gflops":...,"peak_rss_mib":...}
@@ -37,6 +38,11 @@ def flops_per_step(n_params, n_layers, hidden, batch, seq):
     return 6 * n_params * tokens + 12 * n_layers * batch * seq * seq * hidden
 
 
+# The public facebook/opt-* shapes: hidden, layers, heads, ffn.
+SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096), "opt-1.3b": (2048, 24, 32, 8192),
+          "opt-2.7b": (2560, 32, 32, 10240), "opt-6.7b": (4096, 32, 32, 16384)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="total training steps (default 6)")
@@ -50,6 +56,8 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
     ap.add_argument("--device", default="cpu", help="torch device (default cpu; cuda also works)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="opt-125m", choices=sorted(SHAPES), help="OPT shape (default opt-125m)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (default fp32)")
     args = ap.parse_args()
     if args.steps <= args.warmup:
         ap.error("--steps must be larger than --warmup")
@@ -65,11 +73,18 @@ def main():
 
     # OPTConfig's defaults are facebook/opt-125m: vocab 50272, hidden 768, 12 layers, 12 heads,
     # ffn 3072, 2048 positions, pre-LN, ReLU, tied lm_head.
-    cfg = OPTConfig(dropout=0.0, attention_dropout=0.0, layerdrop=0.0, use_cache=False,
+    h, layers, heads, ffn = SHAPES[args.model]
+    extra = {} if args.model != "opt-350m" else {"word_embed_proj_dim": 512, "do_layer_norm_before": False}
+    cfg = OPTConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=ffn,
+                    word_embed_proj_dim=extra.get("word_embed_proj_dim", h),
+                    do_layer_norm_before=extra.get("do_layer_norm_before", True),
+                    dropout=0.0, attention_dropout=0.0, layerdrop=0.0, use_cache=False,
                     attn_implementation=args.attn)
     model = OPTForCausalLM(cfg).to(device=dev, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    fused = {"fused": True} if dev.type == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)
+    amp = lambda: torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     n_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -85,7 +100,8 @@ def main():
         sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
+        with amp():
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -97,7 +113,7 @@ def main():
     tokens = args.batch * args.seq
     flops = flops_per_step(n_params, cfg.num_hidden_layers, cfg.hidden_size, args.batch, args.seq)
     out = {
-        "peer": "torch", "model": "opt-125m", "batch": args.batch, "seq": args.seq,
+        "peer": "torch", "model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
         "threads": args.threads, "step_s_median": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1), "gflops": round(flops / step_s / 1e9, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

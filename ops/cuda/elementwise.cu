@@ -73,3 +73,29 @@ extern "C" fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, 
                        (T *)da, (T *)db, (const T *)dout, N));
   return fy_cuda_launched("add_backward");
 }
+
+// src (N) of one float type -> dst (N) of another (round to nearest even into bf16)
+template <typename D, typename S>
+__global__ void convert_kernel(D *dst, const S *src, int64_t N) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
+       i += (int64_t)gridDim.x * blockDim.x)
+    fy_st(dst + i, fy_ld(src + i));
+}
+
+extern "C" fy_status fy_cuda_convert(void *dst, enum fy_dtype dst_dt, const void *src, enum fy_dtype src_dt,
+                                     int64_t N, cudaStream_t st) {
+  if (N <= 0) return FY_OK;
+  if (dst_dt == src_dt) {
+    size_t bytes = (size_t)N * (dst_dt == FY_F32 ? 4 : 2);
+    if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+      return fy_error_set(FY_ERR_INTERNAL, "convert: cudaMemcpyAsync: %s", cudaGetErrorString(cudaGetLastError()));
+    return FY_OK;
+  }
+  if (dst_dt == FY_BF16 && src_dt == FY_F32)
+    convert_kernel<fy_bf16, float><<<fy_grid(N, 256), 256, 0, st>>>((fy_bf16 *)dst, (const float *)src, N);
+  else if (dst_dt == FY_F32 && src_dt == FY_BF16)
+    convert_kernel<float, fy_bf16><<<fy_grid(N, 256), 256, 0, st>>>((float *)dst, (const fy_bf16 *)src, N);
+  else
+    return fy_error_set(FY_ERR_UNSUPPORTED, "convert: %s to %s", fy_dtype_name(src_dt), fy_dtype_name(dst_dt));
+  return fy_cuda_launched("convert");
+}

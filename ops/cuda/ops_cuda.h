@@ -85,6 +85,10 @@ fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_d
 fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt, int64_t N,
                                cudaStream_t st);
 
+// src (N) -> dst (N) in another float type (f32 <-> bf16; bf16 rounded to nearest even); the same
+// type: a copy.
+fy_status fy_cuda_convert(void *dst, enum fy_dtype dst_dt, const void *src, enum fy_dtype src_dt,
+                          int64_t N, cudaStream_t st);
 // ---- softmax cross-entropy (one row per block, online max and sum: no probabilities stored) ----
 
 // logits (BT,V), targets (BT) int32 (-100 = ignored) -> losses (BT) fp32 (0 where ignored), lse (BT)
