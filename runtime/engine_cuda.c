@@ -162,14 +162,16 @@ static void op_backward_cuda(void *arg) {
 }
 
 // The optimizer hands over m->grads + offset; with bf16 compute the gradients are in cgrads.
+// (After accumulation the optimizer reads the fp32 sum in m->grads: grads_f32.)
+static bool grads_bf16(const struct fy_model *m) { return m->compute_dtype != FY_F32 && !m->grads_f32; }
 static const void *grads_of(const struct fy_model *m, const float *g) {
-  return m->compute_dtype == FY_F32 ? (const void *)g : (const void *)((const uint16_t *)m->cgrads + (g - m->grads));
+  return grads_bf16(m) ? (const void *)((const uint16_t *)m->cgrads + (g - m->grads)) : (const void *)g;
 }
 
 static double sumsq_cuda(struct fy_model *m, const float *p, int64_t n) {
   struct cuda_ctx *x = ctx_of(m);
   double s = NAN;
-  if (fy_cuda_sumsq(x->dsum, grads_of(m, p), m->compute_dtype, n, x->dscratch, false, x->st) == FY_OK &&
+  if (fy_cuda_sumsq(x->dsum, grads_of(m, p), grads_bf16(m) ? FY_BF16 : FY_F32, n, x->dscratch, false, x->st) == FY_OK &&
       cudaMemcpyAsync(&s, x->dsum, sizeof s, cudaMemcpyDeviceToHost, x->st) == cudaSuccess)
     cudaStreamSynchronize(x->st);
   return s;  // NaN on failure: the optimizer then refuses the step
@@ -181,7 +183,18 @@ static void adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const 
   // bf16 compute: the gradients are bf16 (cgrads), and the kernel writes the new weights' bf16
   // copy (cparams) in the same pass.
   uint16_t *w16 = m->compute_dtype == FY_F32 ? NULL : (uint16_t *)m->cparams + (p - m->params);
-  fy_cuda_adamw_update(p, mo, v, grads_of(m, g), m->compute_dtype, w16, n, lr, b1, b2, eps, wd, t, scale, x->st);
+  fy_cuda_adamw_update(p, mo, v, grads_of(m, g), grads_bf16(m) ? FY_BF16 : FY_F32, w16, n, lr, b1, b2, eps, wd, t, scale,
+                       x->st);
+}
+
+// grad_acc (fp32) = or += this micro-batch's gradients (bf16 ones through m->grads, converted).
+static void grads_sum_cuda(struct fy_model *m, bool first) {
+  struct cuda_ctx *x = ctx_of(m);
+  int64_t n = m->graph->n_param_elems;
+  const float *g = m->grads;
+  if (m->compute_dtype != FY_F32) fy_cuda_convert(first ? m->grad_acc : m->grads, FY_F32, m->cgrads, FY_BF16, n, x->st);
+  if (first && m->compute_dtype == FY_F32) fy_cuda_convert(m->grad_acc, FY_F32, g, FY_F32, n, x->st);
+  if (!first) fy_cuda_add_forward(m->grad_acc, m->grad_acc, g, FY_F32, n, x->st);
 }
 
 // cparams <- the fp32 master weights in bf16 (after initialisation, loading or resuming; AdamW
@@ -197,6 +210,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .sumsq = sumsq_cuda,
     .adamw = adamw_cuda,
     .prepare_weights = prepare_weights_cuda,
+    .grads_sum = grads_sum_cuda,
 };
 
 void fy_engine_cuda_detach(struct fy_model *m) {

@@ -57,6 +57,11 @@ static void cpu_adamw(struct fy_model *m, float *p, float *mo, float *v, const f
   fy_adamw_update(p, mo, v, g, n, lr, b1, b2, eps, wd, t, scale);
 }
 
+static void cpu_grads_sum(struct fy_model *m, bool first) {
+  if (first) memcpy(m->grad_acc, m->grads, (size_t)m->graph->n_param_elems * 4);
+  else fy_add_forward(m->grad_acc, m->grad_acc, m->grads, m->graph->n_param_elems);
+}
+
 static void cpu_prepare_weights(struct fy_model *m) {
   fy_round_to_dtype(m->cparams, m->params, m->compute_dtype, (size_t)m->graph->n_param_elems);
 }
@@ -67,6 +72,7 @@ const struct fy_model_kernels fy_model_cpu_kernels = {
     .sumsq = cpu_sumsq,
     .adamw = cpu_adamw,
     .prepare_weights = cpu_prepare_weights,
+    .grads_sum = cpu_grads_sum,
 };
 
 // Parameter-sized buffers: from the host tier when offloading (zeroed, untouched pages), else

@@ -44,6 +44,7 @@ struct fy_model {
   enum fy_dtype compute_dtype;
   float *cparams, *cgrads;
   size_t cparams_esize;
+  bool grads_f32;  // the optimizer reads m->grads as fp32 (a sum over micro-batches), not cgrads
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
   double op_seconds[FY_OP_KIND_COUNT][2];
@@ -73,6 +74,8 @@ struct fy_model_kernels {
   double (*sumsq)(struct fy_model *m, const float *x, int64_t n);
   // With a 16-bit compute dtype: cparams <- the master weights in it, before each forward.
   void (*prepare_weights)(struct fy_model *m);
+  // Gradient accumulation: grad_acc (fp32) = (first) or += this micro-batch's parameter gradients.
+  void (*grads_sum)(struct fy_model *m, bool first);
   void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
 };

@@ -266,13 +266,12 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 #if FY_HAVE_CUDA
     // Everything resident on the GPU, fp32 (the reference precision); offloading to a cuda device
     // and bf16 compute are not wired yet.
-    if (o->grad_accum > 1) return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: --grad-accum is not supported yet");
-    if (o->save_every > 0) return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: --save-every is not supported yet");
     FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     FY_TRY(fy_engine_cuda_attach(r->model));
     if (o->precision && strcmp(o->precision, "bf16") == 0) FY_TRY(fy_model_set_compute_dtype(r->model, FY_BF16));
+    if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
 #else
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: this ferry was built without CUDA (no nvcc, or -Dcuda=disabled)");
 #endif
@@ -386,21 +385,19 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     // the same order and with the same adds on every placement.
     if (o->grad_accum > 1) {
       double tz = now_s();
-      if (n_with_grads == 0)
-        memcpy(model->grad_acc, model->grads, (size_t)model->graph->n_param_elems * 4);
-      else
-        fy_add_forward(model->grad_acc, model->grad_acc, model->grads, model->graph->n_param_elems);
+      model->kernels->grads_sum(model, n_with_grads == 0);
       *t_sum += now_s() - tz;
     }
     n_with_grads++;
   }
   *loss_out = loss_acc;
   if (n_with_grads == 0) return FY_ERR_NOT_FOUND;  // nothing to update
-  if (o->grad_accum > 1) {  // the optimizer reads m->grads
+  if (o->grad_accum > 1) {  // the optimizer reads m->grads: the fp32 sum
     float *t = model->grads;
     model->grads = model->grad_acc;
     model->grad_acc = t;
   }
+  model->grads_f32 = o->grad_accum > 1;
   // Data parallelism: the gradients summed across ranks (in rank order, the same bits on every
   // rank), so every rank applies the same update to its replica.
   if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, model->grads, (size_t)model->graph->n_param_elems, FY_COMM_F32, NULL));
@@ -527,6 +524,10 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
+  } else if (m->device_memory) {  // a GPU's state comes down to the snapshot
+    FY_TRY(fy_model_download(m, s->m, m->m, bytes));
+    FY_TRY(fy_model_download(m, s->v, m->v, bytes));
+    FY_TRY(fy_model_download(m, s->params, m->params, bytes));
   } else {
     memcpy(s->m, m->m, bytes);
     memcpy(s->v, m->v, bytes);
@@ -548,7 +549,8 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   }
   size_t bytes = (size_t)target->graph->n_param_elems * 4;
   float *mm = m->m, *vv = m->v;
-  if ((r->x || r->tp > 1) && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
+  bool staged = r->x || r->tp > 1 || m->device_memory;  // read into host buffers first
+  if (staged && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
   }
@@ -578,7 +580,11 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
     free(lm);
     free(lv);
   }
-  if (r->x || r->tp > 1) {
+  if (st == FY_OK && m->device_memory) {  // up to the GPU
+    st = fy_model_upload(m, m->m, mm, bytes);
+    if (st == FY_OK) st = fy_model_upload(m, m->v, vv, bytes);
+  }
+  if (staged) {
     free(mm);
     free(vv);
   }

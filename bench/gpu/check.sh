@@ -275,6 +275,22 @@ ok = len(a) == len(b) == len(f32) > 0 and all(abs(x - y) <= 2e-2 * max(1.0, abs(
 ok = ok and all(abs(x - y) <= 5e-2 * max(1.0, abs(x)) for x, y in zip(f32, b))
 sys.exit(0 if ok else 1)
 PY
+  # Gradient accumulation (2 x batch 2 = batch 4) and a checkpoint resumed on the GPU (8 steps
+  # straight = 4, a checkpoint, 4 more in a new process), bf16 both.
+  local b16=(--device cuda --precision bf16)
+  "$build/ferry" "${common[@]}" "${b16[@]}" --batch 2 --grad-accum 2 --log "$d/accum.jsonl" >"$d/accum.out" 2>&1 || { cat "$d/accum.out"; return 1; }
+  "$build/ferry" "${common[@]}" "${b16[@]}" --save "$d/ck" --save-every 4 --stop-after 4 >"$d/ck1.out" 2>&1 || { cat "$d/ck1.out"; return 1; }
+  "$build/ferry" "${common[@]}" "${b16[@]}" --resume "$d/ck" --log "$d/resumed.jsonl" >"$d/ck2.out" 2>&1 || { cat "$d/ck2.out"; return 1; }
+  python3 - "$d/cuda16.jsonl" "$d/accum.jsonl" "$d/resumed.jsonl" <<'PY'
+import json, sys
+rows = [{r["step"]: r["loss"] for r in (json.loads(l) for l in open(p) if l.startswith("{"))} for p in sys.argv[1:]]
+straight, accum, resumed = rows
+print("accum  ", " ".join(f"{accum[k]:.5f}" for k in sorted(accum)))
+print("resumed", " ".join(f"{resumed[k]:.5f}" for k in sorted(resumed)))
+ok = sorted(accum) == sorted(straight) and all(abs(accum[k] - straight[k]) <= 2e-2 * abs(straight[k]) for k in straight)
+ok = ok and sorted(resumed) == [5, 6, 7, 8] and all(abs(resumed[k] - straight[k]) <= 1e-5 * abs(straight[k]) for k in resumed)
+sys.exit(0 if ok else 1)
+PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   "$build/ferry" train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" \
     >"$d/speed.out" 2>&1 || { cat "$d/speed.out"; return 1; }
@@ -289,7 +305,7 @@ PY
 if [ "$dry" = 1 ]; then
   echo "plan: [gpu training] ferry train --device cuda vs --device cpu, opt-demo, 8 steps; opt-125m rate"
 elif [[ "$("$build/ferry" train --help 2>&1)" == *"or cuda"* ]]; then  # (grep -q under pipefail: SIGPIPE)
-  run_step "gpu training" 150 "opt-demo 8 steps cuda vs cpu; opt-125m fp32 rate" gpu_train
+  run_step "gpu training" 200 "opt-demo: cuda vs cpu fp32 and bf16, accumulation, resume; opt-125m rate" gpu_train
 else
   row "gpu training" "skipped" 0 "ferry train has no --device cuda yet"
 fi
