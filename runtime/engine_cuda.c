@@ -9,11 +9,24 @@
 
 #include "core/device_cuda.h"
 #include "ops/cuda/ops_cuda.h"
+#include "memory/tier.h"
 #include "runtime/engine.h"
 
+// A micro-batch's loss, summed on the host once its per-row losses have come down (offloading:
+// read in stream order instead of stopping the host).
+struct loss_job {
+  const float *losses;
+  int64_t n;
+  double *sum;
+};
+#define LOSS_JOBS 64  // in flight at once: a step's micro-batches, two steps deep
+
 struct cuda_ctx {
-  fy_stream *stream;
-  cudaStream_t st;
+  fy_stream *stream;   // owned: the engine's own stream (the resident path)
+  cudaStream_t st;     // where kernels launch: stream's, or the offload engine's compute stream
+  float *losses_pinned;  // (BT) page-locked, for the asynchronous loss read
+  struct loss_job jobs[LOSS_JOBS];
+  int next_job;
   struct fy_cuda_blas *blas;
   void *workspace;
   size_t workspace_bytes;
@@ -24,6 +37,13 @@ struct cuda_ctx {
 };
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
+
+static void CUDART_CB sum_losses(void *arg) {
+  struct loss_job *j = arg;
+  double s = 0;
+  for (int64_t i = 0; i < j->n; i++) s += j->losses[i];
+  *j->sum += s;
+}
 
 static void op_forward_cuda(void *arg) {
   struct fy_op_call *c = arg;
@@ -65,7 +85,13 @@ static void op_forward_cuda(void *arg) {
       break;
     case FY_OP_CROSS_ENTROPY:
       st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, dt, BT, op->V, x->st);
-      if (st == FY_OK && c->loss_sum) {  // the loss is read on the host
+      if (st == FY_OK && c->loss_sum && m->host) {  // offloading: summed by a host function in stream order
+        struct loss_job *j = &x->jobs[x->next_job++ % LOSS_JOBS];
+        *j = (struct loss_job){.losses = x->losses_pinned, .n = BT, .sum = c->loss_sum};
+        if (cudaMemcpyAsync(x->losses_pinned, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
+            cudaLaunchHostFunc(x->st, sum_losses, j) != cudaSuccess)
+          st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
+      } else if (st == FY_OK && c->loss_sum) {  // the loss is read on the host
         if (cudaMemcpyAsync(x->losses, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
             cudaStreamSynchronize(x->st) != cudaSuccess)
           st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
@@ -204,6 +230,14 @@ static void prepare_weights_cuda(struct fy_model *m) {
   fy_cuda_convert(m->cparams, m->compute_dtype, m->params, FY_F32, m->graph->n_param_elems, x->st);
 }
 
+// The offload engine's compute stream becomes the one kernels launch on (its events order them
+// with the chunk cache's copies).
+static void set_stream_cuda(struct fy_model *m, fy_stream *s) {
+  struct cuda_ctx *x = ctx_of(m);
+  cudaStreamSynchronize(x->st);  // what was launched on the old stream is done
+  x->st = fy_cuda_stream(s);
+}
+
 static const struct fy_model_kernels cuda_kernels = {
     .op_forward = op_forward_cuda,
     .op_backward = op_backward_cuda,
@@ -211,18 +245,21 @@ static const struct fy_model_kernels cuda_kernels = {
     .adamw = adamw_cuda,
     .prepare_weights = prepare_weights_cuda,
     .grads_sum = grads_sum_cuda,
+    .set_stream = set_stream_cuda,
 };
 
 void fy_engine_cuda_detach(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
   if (!x) return;
-  if (x->st) cudaStreamSynchronize(x->st);
+  // (Its own stream: the offload engine's, if kernels launched there, is gone by now.)
+  if (x->stream) cudaStreamSynchronize(fy_cuda_stream(x->stream));
   fy_cuda_blas_free(x->blas);
   cudaFree(x->workspace);
   cudaFree(x->row);
   cudaFree(x->dsum);
   cudaFree(x->dscratch);
   free(x->losses);
+  cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
   free(x);
   m->kernels_ctx = NULL;
@@ -247,6 +284,8 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
                       cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess))
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate the engine's buffers");
   if (st == FY_OK && !(x->losses = malloc((size_t)(g->B * g->T) * 4))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
+    st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);
   if (st != FY_OK) {
     fy_engine_cuda_detach(m);
@@ -254,6 +293,19 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   }
   m->kernels = &cuda_kernels;
   return FY_OK;
+}
+
+size_t fy_engine_cuda_free_memory(int ordinal) {
+  size_t free_b = 0, total = 0;
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return 0;
+  if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) free_b = 0;
+  cudaSetDevice(prev);
+  return free_b;
+}
+
+fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out) {
+  return fy_host_tier_create(cap, -1, fy_cuda_host_pin, fy_cuda_host_unpin, out);
 }
 
 fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out) {

@@ -9,6 +9,12 @@
 // A cuda device on GPU `ordinal` capped at `cap` bytes (0: the GPU's memory): for code outside
 // *_cuda.c files, which must not see CUDA's headers.
 fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out);
+// Bytes GPU `ordinal` has free now (cudaMemGetInfo), 0 on error.
+size_t fy_engine_cuda_free_memory(int ordinal);
+// A host tier whose pages are pinned for the GPUs (cudaHostRegister), so that the chunk cache's
+// copies are asynchronous DMA.
+struct fy_host_tier;
+fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out);
 // Gives a model created on a cuda device its CUDA kernels (model->kernels) and their context.
 fy_status fy_engine_cuda_attach(struct fy_model *m);
 void fy_engine_cuda_detach(struct fy_model *m);

@@ -318,8 +318,11 @@ static void usage_train(FILE *f, bool eval) {
           "\nwhere the model state lives:\n"
           "  --device D         cpu (default: everything in host memory), sim (a device with its\n"
           "                     own memory that holds only a cache of parameter chunks) or cuda\n"
-          "                     (GPU 0, everything resident, fp32; when built with CUDA)\n"
-          "  --device-mem SIZE  sim: the device's memory, e.g. 512MiB (default 1GiB)\n"
+          "                     (GPU 0, everything resident unless --offload; when built with CUDA)\n"
+          "  --offload          cuda: the model state in (pinned) host memory and a cache of chunks\n"
+          "                     on the GPU, as the sim device does; the sim options below apply\n"
+          "  --device-mem SIZE  sim: the device's memory, e.g. 512MiB (default 1GiB); cuda: its cap\n"
+          "                     (default: the GPU's; with --offload 95%% of what it has free)\n"
           "  --sim-link-gbps X  sim: throttle host<->device copies to X GB/s, like PCIe (default: off)\n"
           "  --host-mem SIZE    sim: host memory for parameters, gradients and AdamW state\n"
           "                     (default: the machine's)\n"
@@ -413,7 +416,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -440,6 +443,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
       {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
       {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
+      {"offload", no_argument, 0, OPT_OFFLOAD},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -521,6 +525,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
       case OPT_PRECISION: o.precision = optarg; break;
+      case OPT_OFFLOAD: o.offload = true; break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);

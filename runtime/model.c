@@ -266,7 +266,7 @@ static void fill_normal(float *x, int64_t n, float std, uint64_t state) {
 void fy_model_init_random(struct fy_model *m, uint64_t seed) {
   const struct fy_graph *g = m->graph;
   // Device memory the host cannot address: initialise a host copy and upload it.
-  float *host = m->device_memory ? calloc((size_t)g->n_param_elems, 4) : m->params;
+  float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
   FY_ASSERT(host);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int i = 0; i < g->n_params; i++) {
@@ -283,7 +283,7 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
       memset(x, 0, (size_t)p->numel * 4);
     }
   }
-  if (m->device_memory) {
+  if (fy_model_params_on_device(m)) {
     FY_ASSERT(fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4) == FY_OK);
     free(host);
     FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
@@ -308,7 +308,7 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   FY_TRY(fy_safetensors_open_dir(dir, &st));
   const struct fy_graph *g = m->graph;
   fy_status status = FY_OK;
-  float *host = m->device_memory ? calloc((size_t)g->n_param_elems, 4) : m->params;
+  float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
   if (!host) status = fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");
   for (int i = 0; i < g->n_params && status == FY_OK; i++) {
     const struct fy_param *p = &g->params[i];
@@ -337,7 +337,7 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
     }
     fy_convert_to_f32(host + p->offset, t->data, t->dtype, (size_t)p->numel);
   }
-  if (m->device_memory && host) {
+  if (fy_model_params_on_device(m) && host) {
     if (status == FY_OK) status = fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4);
     free(host);
   }
@@ -365,7 +365,7 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
     }
   }
   float *host = m->params;
-  if (m->device_memory) {
+  if (fy_model_params_on_device(m)) {
     host = malloc((size_t)g->n_param_elems * 4);
     fy_status sd = host ? fy_model_download((struct fy_model *)m, host, m->params, (size_t)g->n_param_elems * 4)
                         : fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");

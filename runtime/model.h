@@ -76,6 +76,9 @@ struct fy_model_kernels {
   void (*prepare_weights)(struct fy_model *m);
   // Gradient accumulation: grad_acc (fp32) = (first) or += this micro-batch's parameter gradients.
   void (*grads_sum)(struct fy_model *m, bool first);
+  // Kernels that launch on a stream (a device the host cannot address; NULL for the CPU's, which
+  // are host functions): from now on launch on `s`. The offload engine hands its compute stream.
+  void (*set_stream)(struct fy_model *m, fy_stream *s);
   void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
 };
@@ -126,6 +129,10 @@ fy_status fy_model_upload(struct fy_model *m, void *dst, const void *src, size_t
 fy_status fy_model_download(struct fy_model *m, void *dst, const void *src, size_t n);
 // The CPU kernels (the default of every model).
 extern const struct fy_model_kernels fy_model_cpu_kernels;
+
+// Whether the parameters live in device memory the host cannot address (resident on a GPU); with
+// a host tier (offloading) they are host memory whatever the device.
+static inline bool fy_model_params_on_device(const struct fy_model *m) { return m->device_memory && !m->host; }
 
 static inline float *fy_model_param(const struct fy_model *m, int id) {
   return m->params + m->graph->params[id].offset;

@@ -205,7 +205,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->param_first = calloc((size_t)nc + 1, sizeof *x->param_first);
   x->param_ids = calloc((size_t)g->n_params, sizeof *x->param_ids);
   x->sumsq = calloc((size_t)g->n_params, sizeof *x->sumsq);
-  x->wb_staging = malloc((size_t)ce * 4);
+  // (From the host tier: on a GPU that memory is pinned, so the write-backs through it are DMA.)
+  if (fy_host_alloc(m->host, (size_t)ce * 4, (void **)&x->wb_staging) != FY_OK) x->wb_staging = NULL;
   if (x->sharded && (!(x->w_home = calloc((size_t)nc, sizeof *x->w_home)) || !(x->gather_buf = malloc((size_t)ce * 4))))
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the chunk tables");
   for (int q = 0; q < 2; q++) x->jobs[q] = calloc((size_t)nc, sizeof *x->jobs[q]);
@@ -224,6 +225,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->param_first[nc] = k;
   // The first n_dev chunks: on the device with all their state.
   x->n_dev = o->n_device_chunks < nc ? o->n_device_chunks : nc;
+  if (m->device_memory && x->n_dev > 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept on the %s device (--device-chunks) are updated by host functions "
+                        "that read device memory: on a GPU they are not supported yet", x->dev->name);
   if (x->sharded && x->n_dev > 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
                         "(shards_on_device keeps every rank's shards there)", x->world);
@@ -389,6 +393,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     fy_offload_free(x);
     return st;
   }
+  if (m->kernels->set_stream) m->kernels->set_stream(m, x->compute);
   *out = x;
   return FY_OK;
 }
@@ -460,7 +465,7 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->param_first);
   free(x->param_ids);
   free(x->sumsq);
-  free(x->wb_staging);
+  if (x->wb_staging) fy_host_dealloc(m->host, x->wb_staging, bytes);
   free(x->loss_sums);
   pthread_mutex_destroy(&x->err_lock);
   free(x);
@@ -612,7 +617,12 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
       }
     }
     if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
-    FY_TRY(fy_stream_enqueue(x->compute, act->kind == FY_ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
+    if (m->kernels->set_stream) {  // GPU kernels: launched now, on the compute stream, in order
+      (act->kind == FY_ACT_BACKWARD ? m->kernels->op_backward : m->kernels->op_forward)(c);
+      if (c->st != FY_OK) return c->st;
+    } else {  // CPU kernels: host functions on the compute stream's thread
+      FY_TRY(fy_stream_enqueue(x->compute, act->kind == FY_ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
+    }
     for (int j = 0; j < nk; j++) {
       if (chunk_of[j] < x->n_dev) {
         if (act->kind == FY_ACT_BACKWARD && ++x->dev_bwd_done[chunk_of[j]] == l->chunks[chunk_of[j]].n_users_bwd)

@@ -117,14 +117,29 @@ static size_t machine_ram(void) {
   return (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
 }
 
-// The offloading setup: sim device, host tier, optional disk tier, chunked model, offload engine.
-static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
+// The offloading setup: the device (sim, or a GPU), host tier, optional disk tier, chunked model,
+// offload engine.
+static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, bool cuda) {
   const struct fy_opt_config *cfg = &r->cfg;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
-  FY_TRY(fy_device_sim_create(dev_mem, o->sim_link_gbps, &r->dev));
-  if (o->sim_jitter_us > 0) fy_device_sim_set_jitter(r->dev, o->sim_jitter_us, o->seed);
   size_t host_cap = o->host_mem ? o->host_mem : machine_ram();
-  FY_TRY(fy_host_tier_create(host_cap, -1, NULL, NULL, &r->host));
+  if (cuda) {
+#if FY_HAVE_CUDA
+    FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
+    if (!o->device_mem) {  // the cache takes what the GPU has free, less a margin for CUDA's own
+      dev_mem = fy_engine_cuda_free_memory(0) / 100 * 95;
+      if (!dev_mem) return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: cannot read the GPU's free memory");
+      r->dev->cap = dev_mem;
+    }
+    FY_TRY(fy_engine_cuda_host_tier(host_cap, &r->host));
+#else
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: this ferry was built without CUDA");
+#endif
+  } else {
+    FY_TRY(fy_device_sim_create(dev_mem, o->sim_link_gbps, &r->dev));
+    if (o->sim_jitter_us > 0) fy_device_sim_set_jitter(r->dev, o->sim_jitter_us, o->seed);
+    FY_TRY(fy_host_tier_create(host_cap, -1, NULL, NULL, &r->host));
+  }
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4);
   size_t need, chunk_bytes0;
   FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, chunk, &need, &chunk_bytes0));
@@ -149,6 +164,9 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r) {
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
+#if FY_HAVE_CUDA
+  if (cuda) FY_TRY(fy_engine_cuda_attach(r->model));  // its kernels launch on the offload's compute stream
+#endif
   const struct fy_chunk_layout *l = r->model->layout;
   // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
   // few chunk-sized buffers), the rest of the chunks' to disk.
@@ -244,14 +262,19 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
       !(strcmp(device, "cuda") == 0 && strcmp(o->precision, "bf16") == 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with --device %s: 16-bit compute runs on --device cpu "
                         "(bf16, fp16) and cuda (bf16); the sim device trains in fp32", o->precision, device);
+  if (o->offload && strcmp(device, "cuda") != 0)
+    return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda (the sim device always offloads, the cpu "
+                        "device never does)");
   if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu or sim",
                         r->tp, device);
   if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
                         "(replicated parameters) or --device sim (chunks sharded across the ranks)", r->world, device);
-  if (strcmp(device, "sim") == 0) {
-    FY_TRY(setup_offload(o, r));
+  if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
+    if (o->precision && strcmp(o->precision, "fp32") != 0)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with offloading: the chunks hold fp32 for now", o->precision);
+    FY_TRY(setup_offload(o, r, strcmp(device, "cuda") == 0));
   } else if (strcmp(device, "cpu") == 0) {
     // The cpu device may hand out what the machine has; a model that cannot fit is refused before
     // anything is allocated, with what it would need.
@@ -333,7 +356,7 @@ static uint64_t hash_params(struct fy_model *m) {
   uint64_t h = 0xcbf29ce484222325ull;
   float *host = m->params;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  if (m->device_memory && (!(host = malloc(bytes)) || fy_model_download(m, host, m->params, bytes) != FY_OK)) {
+  if (fy_model_params_on_device(m) && (!(host = malloc(bytes)) || fy_model_download(m, host, m->params, bytes) != FY_OK)) {
     free(host);
     return 0;
   }
@@ -524,7 +547,7 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
-  } else if (m->device_memory) {  // a GPU's state comes down to the snapshot
+  } else if (fy_model_params_on_device(m)) {  // a GPU's state comes down to the snapshot
     FY_TRY(fy_model_download(m, s->m, m->m, bytes));
     FY_TRY(fy_model_download(m, s->v, m->v, bytes));
     FY_TRY(fy_model_download(m, s->params, m->params, bytes));
@@ -549,7 +572,7 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   }
   size_t bytes = (size_t)target->graph->n_param_elems * 4;
   float *mm = m->m, *vv = m->v;
-  bool staged = r->x || r->tp > 1 || m->device_memory;  // read into host buffers first
+  bool staged = r->x || r->tp > 1 || fy_model_params_on_device(m);  // read into host buffers first
   if (staged && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
@@ -580,7 +603,7 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
     free(lm);
     free(lv);
   }
-  if (st == FY_OK && m->device_memory) {  // up to the GPU
+  if (st == FY_OK && fy_model_params_on_device(m)) {  // up to the GPU
     st = fy_model_upload(m, m->m, mm, bytes);
     if (st == FY_OK) st = fy_model_upload(m, m->v, vv, bytes);
   }
@@ -738,9 +761,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
            (long long)o->seq, (long long)o->grad_accum, (long long)tokens_per_step,
            (long long)fy_data_num_tokens(r.data), o->data);
     if (r.x)
-      printf("ferry: sim device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
+      printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
              "host tier %.1f MiB; gradients and AdamW state of %d chunks on disk, %d on the device\n",
-             r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
+             r.dev->name, r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
              model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, res->n_disk_chunks,
              res->n_device_chunks);
     else

@@ -28,7 +28,9 @@ struct fy_train_opts {
   // device "sim": the sim device with device_mem bytes holds a cache of chunks; parameters and
   // optimizer state live in the host tier (host_mem bytes, 0 = the machine's memory), and the
   // gradients and AdamW state that do not fit there go to disk_dir.
-  const char *device;     // "cpu" (default) or "sim"
+  const char *device;     // "cpu" (default), "sim" or "cuda"
+  bool offload;           // cuda: keep the model state in the host tier and a chunk cache on the
+                          //   GPU (as sim always does) instead of everything resident
   size_t device_mem;      // sim: the device's memory (default 1 GiB)
   double sim_link_gbps;   // sim: throttle host<->device copies to this many GB/s (0: unthrottled)
   int sim_jitter_us;      // sim: random delays before each stream's work items (stress tests)

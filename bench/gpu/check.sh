@@ -291,6 +291,18 @@ ok = sorted(accum) == sorted(straight) and all(abs(accum[k] - straight[k]) <= 2e
 ok = ok and sorted(resumed) == [5, 6, 7, 8] and all(abs(resumed[k] - straight[k]) <= 1e-5 * abs(straight[k]) for k in resumed)
 sys.exit(0 if ok else 1)
 PY
+  # Offloading on the GPU (--offload: state in pinned host memory, a chunk cache on the GPU with
+  # room for a few chunks) gives the resident run's numbers (fp32, the same kernels in the same
+  # order: equal to rounding).
+  "$build/ferry" "${common[@]}" --device cuda --offload --device-mem 160MiB --log "$d/offload.jsonl" >"$d/offload.out" 2>&1 \
+    || { cat "$d/offload.out"; return 1; }
+  grep "cache blocks" "$d/offload.out" || true
+  python3 - "$d/cuda.jsonl" "$d/offload.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("offload", " ".join(f"{x:.6f}" for x in b))
+sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
+PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   "$build/ferry" train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" \
     >"$d/speed.out" 2>&1 || { cat "$d/speed.out"; return 1; }
@@ -323,6 +335,21 @@ bench_step() {  # NAME LIMIT CMD...: the step's last JSON line goes into the tab
     bench_json+=("$name|$j")
   fi
 }
+# Offloading against resident on the same GPU: OPT-1.3B fp32, 4 x 1024; the offloaded run gets a
+# quarter of the device memory the resident one peaked at.
+offload_ratio() {
+  "$build/ferry" train --device cuda --model opt-1.3b --batch 4 --seq 1024 --steps 5 --quiet --log "$logs/res13b.jsonl" || return 1
+  local peak; peak="$(python3 -c 'import json,sys; print(int(max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[1])) / 4))' "$logs/res13b.jsonl")"
+  "$build/ferry" train --device cuda --offload --device-mem "${peak}MiB" --model opt-1.3b --batch 4 --seq 1024 --steps 5 \
+    --quiet --log "$logs/off13b.jsonl" || return 1
+  python3 - "$logs/res13b.jsonl" "$logs/off13b.jsonl" "$peak" <<'PY'
+import json, statistics, sys
+r, o = ([json.loads(l) for l in open(p)][1:] for p in sys.argv[1:3])
+tr, to = (statistics.median(x["tokens_per_s"] for x in rows) for rows in (r, o))
+print(json.dumps({"bench": "ferry_cuda_offload", "model": "opt-1.3b", "device_mem_mib": int(sys.argv[3]),
+                  "tokens_per_s": round(to, 1), "resident_tokens_per_s": round(tr, 1), "ratio": round(to / tr, 3)}))
+PY
+}
 ferry_13b() {
   "$build/ferry" train --device cuda --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 5 --quiet \
     --log "$logs/ferry13b.jsonl" || return 1
@@ -349,6 +376,7 @@ if [ "$bench" = 1 ]; then
   # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
   # fused AdamW) in the same run. MFU = model FLOPs / step time / the H200's bf16 dense peak (989).
   bench_step "bench ferry 1.3b bf16" 150 ferry_13b
+  bench_step "bench offload 1.3b" 150 offload_ratio
   if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; then
     bench_step "bench torch 1.3b bf16" 150 python3 bench/peers/torch_opt.py --device cuda --model opt-1.3b --dtype bf16 \
       --batch 8 --seq 2048 --steps 5 --warmup 2
@@ -358,7 +386,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
