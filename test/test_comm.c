@@ -22,45 +22,7 @@
 #include "core/status.h"
 #include "runtime/comm.h"
 #include "test/check.h"
-
-static uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// Rank r's input at index i: signed, exponents over 2^-6..2^9, so that the order of a sum shows.
-static float value(int r, size_t i) {
-  uint64_t u = mix(((uint64_t)r << 40) ^ (uint64_t)i);
-  float m = 1.0f + (float)(u & 0xffffff) / (float)(1 << 24);
-  int e = (int)((u >> 24) % 16) - 6;
-  float v = ldexpf(m, e);
-  return (u >> 40) & 1 ? -v : v;
-}
-
-static uint64_t hash_bytes(const void *p, size_t n) {
-  const unsigned char *b = p;
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
-
-// Fills x with rank r's input (n elements from index `from`) in dt.
-static void fill(void *x, enum fy_reduce_dtype dt, int r, size_t from, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    if (dt == FY_COMM_F32)
-      ((float *)x)[i] = value(r, from + i);
-    else
-      ((uint16_t *)x)[i] = fy_f32_to_bf16(value(r, from + i));
-  }
-}
-
-// The input of member `ranks[q]` at index i, as the collective sees it (bf16 rounded).
-static float input_f32(enum fy_reduce_dtype dt, int r, size_t i) {
-  float v = value(r, i);
-  return dt == FY_COMM_F32 ? v : fy_bf16_to_f32(fy_f32_to_bf16(v));
-}
+#include "test/comm_inputs.h"
 
 // Expected rank-order sum over ranks[0..n) at index i, in dt's bits (returned in a uint32).
 static uint32_t expect_sum(enum fy_reduce_dtype dt, const int *ranks, int n, size_t i) {
@@ -241,10 +203,10 @@ static void test_all_gather(struct fy_comm *c, enum fy_reduce_dtype dt, size_t s
 
 static void test_broadcast(struct fy_comm *c, size_t bytes, int root) {
   unsigned char *b = malloc(bytes);
-  for (size_t i = 0; i < bytes; i++) b[i] = fy_comm_rank(c) == root ? (unsigned char)(mix(i) >> 7) : 0xee;
+  for (size_t i = 0; i < bytes; i++) b[i] = fy_comm_rank(c) == root ? (unsigned char)(comm_mix(i) >> 7) : 0xee;
   CHECK_OK(fy_comm_broadcast(c, b, bytes, root, NULL));
   size_t bad = 0;
-  for (size_t i = 0; i < bytes; i++) bad += b[i] != (unsigned char)(mix(i) >> 7);
+  for (size_t i = 0; i < bytes; i++) bad += b[i] != (unsigned char)(comm_mix(i) >> 7);
   CHECKF(bad == 0, "broadcast of %zu bytes from %d: %zu bytes wrong", bytes, root, bad);
   free(b);
 }

@@ -26,49 +26,12 @@
 #include "core/status.h"
 #include "runtime/comm.h"
 #include "test/check.h"
+#include "test/comm_inputs.h"
 
 static struct fy_device *g_dev;
 static fy_stream *g_s;
 
-static uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// Rank r's input at index i: signed, exponents over 2^-6..2^9, so that a wrong order or a lost
-// contribution shows.
-static float value(int r, size_t i) {
-  uint64_t u = mix(((uint64_t)r << 40) ^ (uint64_t)i);
-  float m = 1.0f + (float)(u & 0xffffff) / (float)(1 << 24);
-  float v = ldexpf(m, (int)((u >> 24) % 16) - 6);
-  return (u >> 40) & 1 ? -v : v;
-}
-
-static uint64_t hash_bytes(const void *p, size_t n) {
-  const unsigned char *b = p;
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
-
 static const char *dt_name(enum fy_reduce_dtype dt) { return dt == FY_COMM_F32 ? "f32" : "bf16"; }
-
-static void fill(void *x, enum fy_reduce_dtype dt, int r, size_t from, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    if (dt == FY_COMM_F32)
-      ((float *)x)[i] = value(r, from + i);
-    else
-      ((uint16_t *)x)[i] = fy_f32_to_bf16(value(r, from + i));
-  }
-}
-
-// Rank r's input at i as the collective sees it (rounded to bf16 for bf16).
-static float input(enum fy_reduce_dtype dt, int r, size_t i) {
-  float v = value(r, i);
-  return dt == FY_COMM_F32 ? v : fy_bf16_to_f32(fy_f32_to_bf16(v));
-}
 
 static float elem(const void *x, enum fy_reduce_dtype dt, size_t i) {
   return dt == FY_COMM_F32 ? ((const float *)x)[i] : fy_bf16_to_f32(((const uint16_t *)x)[i]);
@@ -82,15 +45,15 @@ static size_t sum_mismatches(const void *x, enum fy_reduce_dtype dt, const int *
   for (size_t i = 0; i < n; i++) {
     float got = elem(x, dt, i);
     if (nr <= 2) {
-      float want = input(dt, ranks[0], from + i);
-      if (nr == 2) want += input(dt, ranks[1], from + i);
+      float want = input_f32(dt, ranks[0], from + i);
+      if (nr == 2) want += input_f32(dt, ranks[1], from + i);
       if (dt == FY_COMM_BF16) want = fy_bf16_to_f32(fy_f32_to_bf16(want));
       bad += memcmp(&got, &want, 4) != 0;
       continue;
     }
     double exact = 0, mag = 0;
     for (int q = 0; q < nr; q++) {
-      double v = input(dt, ranks[q], from + i);
+      double v = input_f32(dt, ranks[q], from + i);
       exact += v;
       mag += fabs(v);
     }
@@ -222,13 +185,13 @@ static void test_all_gather(struct fy_comm *c, enum fy_reduce_dtype dt, size_t s
 
 static void test_broadcast(struct fy_comm *c, size_t bytes, int root, fy_stream *s) {
   unsigned char *b = malloc(bytes), *d = dev_alloc(bytes);
-  for (size_t i = 0; i < bytes; i++) b[i] = fy_comm_rank(c) == root ? (unsigned char)(mix(i) >> 7) : 0xee;
+  for (size_t i = 0; i < bytes; i++) b[i] = fy_comm_rank(c) == root ? (unsigned char)(comm_mix(i) >> 7) : 0xee;
   put(d, b, bytes);
   CHECK_OK(fy_comm_broadcast(c, d, bytes, root, s));
   done(s);
   get(b, d, bytes);
   size_t bad = 0;
-  for (size_t i = 0; i < bytes; i++) bad += b[i] != (unsigned char)(mix(i) >> 7);
+  for (size_t i = 0; i < bytes; i++) bad += b[i] != (unsigned char)(comm_mix(i) >> 7);
   CHECKF(bad == 0, "broadcast of %zu bytes from %d%s: %zu bytes wrong", bytes, root, s ? " on a stream" : "", bad);
   fy_device_dealloc(g_dev, d, bytes);
   free(b);
