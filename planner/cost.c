@@ -378,7 +378,9 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
       fy_device_copy_stats(s.dev, &now);
       double copied = now.bytes[0] + now.bytes[1] - cpu_copied;
       cpu_copied = now.bytes[0] + now.bytes[1];
-      fy_timeline_run(s.compute, optim_step + copied / mem, "host work");
+      // (A copy engine's memcpy runs on one thread: its rate, when the probe knows it.)
+      double cp = probe->host_copy_gbps > 0 ? probe->host_copy_gbps * 1e9 : mem;
+      fy_timeline_run(s.compute, optim_step + copied / cp, "host work");
     }
     optim_step = 0;
     host = norm_at;

@@ -107,6 +107,29 @@ static fy_status measure_triad(double *gbps) {
   return FY_OK;
 }
 
+// One thread's memcpy of a buffer larger than the caches: bytes copied per second.
+static fy_status measure_memcpy(double *gbps) {
+  const size_t n = TRIAD_BYTES / 2;
+  char *a = alloc_aligned(n), *b = alloc_aligned(n);
+  if (!a || !b) {
+    free(a), free(b);
+    return fy_error_set(FY_ERR_NOMEM, "probe: no memory for the memcpy test");
+  }
+  memset(a, 1, n);
+  memset(b, 2, n);
+  double t[3];
+  for (int r = -1; r < 3; r++) {
+    double t0 = now_s();
+    memcpy(b, a, n);
+    if (r >= 0) t[r] = now_s() - t0;
+  }
+  volatile char sink = b[n / 2];
+  (void)sink;
+  *gbps = (double)n / median(t, 3) / 1e9;
+  free(a), free(b);
+  return FY_OK;
+}
+
 static fy_status measure_adamw(double *gbps) {
   const int64_t n = ADAMW_PARAMS;
   float *p = alloc_aligned((size_t)n * sizeof(float)), *m = alloc_aligned((size_t)n * sizeof(float));
@@ -304,6 +327,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   if (!(p.host_mem > 0)) return fy_error_set(FY_ERR_INTERNAL, "probe: cannot tell the host's memory");
   p.device_mem = device_mem > 0 ? floor(device_mem) : p.host_mem;
   FY_TRY(measure_triad(&p.host_mem_gbps));
+  FY_TRY(measure_memcpy(&p.host_copy_gbps));
   FY_TRY(measure_gemm(&p.host_gflops));
   p.device_gflops = p.host_gflops;  // cpu and sim run their kernels on this CPU
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
@@ -349,6 +373,7 @@ static const struct field fields[] = {
     STR(disk_dir),
     NUM(comm_gbps, K_RATE0, "GB/s"),
     NUM(copy_latency_us, K_RATE0, "us"),
+    NUM(host_copy_gbps, K_RATE0, "GB/s"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -516,7 +541,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
                         "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
-                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps, copy_latency_us)", path,
+                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps)", path,
                         unknown);
   }
   struct fy_probe p;
@@ -526,7 +551,9 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     json_object *v;
     if (!json_object_object_get_ex(o, f->key, &v)) {
       // Optional (added later): derived or none when absent.
-      if (f->off == offsetof(struct fy_probe, comm_gbps) || f->off == offsetof(struct fy_probe, copy_latency_us)) continue;
+      if (f->off == offsetof(struct fy_probe, comm_gbps) || f->off == offsetof(struct fy_probe, copy_latency_us) ||
+          f->off == offsetof(struct fy_probe, host_copy_gbps))
+        continue;
       st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
     } else if (f->kind == K_STRING) {
       if (!json_object_is_type(v, json_type_string)) {
@@ -640,7 +667,7 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
                         "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
                         "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
-                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us)", key_in);
+                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps)", key_in);
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)
@@ -707,4 +734,5 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   fprintf(f, "%-16s %.2f GB/s (collectives between ranks%s)\n", "comm_gbps", fy_probe_comm_gbps(p),
           p->comm_gbps > 0 ? "" : "; derived, set comm_gbps to change it");
   fprintf(f, "%-16s %.1f us (per copy across the link, besides its bytes)\n", "copy_latency_us", p->copy_latency_us);
+  fprintf(f, "%-16s %.2f GB/s (one thread's memcpy)\n", "host_copy_gbps", p->host_copy_gbps);
 }

@@ -19,6 +19,7 @@
 //                       fy_probe_comm_gbps
 //   "copy_latency_us"   number, microseconds (>= 0): what one copy across the link costs besides
 //                       its bytes (measured on sim; 0 or absent: none)
+//   "host_copy_gbps"    number, GB/s (>= 0): one thread's memcpy rate (0 or absent: unknown)
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -42,6 +43,8 @@ struct fy_probe {
   double comm_gbps;           // collectives between ranks (bus bandwidth), 0: derived
   double copy_latency_us;     // a copy across the link besides bytes / rate (the copy engine's
                               // hand-offs; measured on sim), 0 when unknown
+  double host_copy_gbps;      // one thread's memcpy (bytes copied per second, GB/s): what a sim
+                              // copy engine's memcpy takes from the cores; 0 when unknown
 };
 
 // The bus bandwidth (GB/s) the planner assumes for collectives between ranks: comm_gbps when set;
