@@ -165,7 +165,22 @@ printf '{"micro_batch": 4, "colour": "blue"}' > "$tmp/badplan.json"
 expect 1 "a malformed plan file" "unknown key" -- train --model opt-tiny --data "$tmp/ok.bin" --plan "$tmp/badplan.json"
 expect 1 "a plan for a bigger device" "cannot run here" -- train --model opt-tiny --data "$tmp/ok.bin" \
   --device-mem 128KiB --plan "$tmp/plan.json" --steps 1
+"$ferry" plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 4MiB --out "$tmp/plan2.json" \
+  >/dev/null 2>&1
+expect 1 "a plan for more ranks than this run" "is for 2 ranks" -- train --model opt-tiny --data "$tmp/ok.bin" \
+  --device-mem 4MiB --plan "$tmp/plan2.json" --steps 1
+expect 1 "--gpus that no grid fits" "no way to lay 5 ranks out" -- plan --model opt-tiny --batch 3 --seq 32 --gpus 5 \
+  --device sim --device-mem 64MiB
 unset FERRY_PROBE
+
+# Precision, tensor parallelism and offloading: what a run cannot do is refused with the reason.
+expect 0 "--precision fp16 trains with dynamic loss scaling" "loss" -- train "${tiny[@]}" --steps 2 --precision fp16
+expect 1 "an unknown precision" "fp32, bf16 or fp16" -- train "${tiny[@]}" --steps 1 --precision fp8
+expect 1 "16-bit numerics on the sim device" "16-bit compute runs on" -- train "${tiny[@]}" --steps 1 --precision bf16 \
+  --device sim
+expect 1 "--offload without a GPU device" "--offload is for --device cuda" -- train "${tiny[@]}" --steps 1 --offload
+expect 1 "--tp with one rank" "does not divide the 1 ranks" -- train "${tiny[@]}" --steps 1 --tp 2
+expect 2 "--tp 0" "--tp" -- train "${tiny[@]}" --steps 1 --tp 0
 
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
