@@ -1,13 +1,33 @@
-// Shared by the benchmark programs: a throwaway shard of random tokens.
+// Shared by the benchmark programs: the clock, medians, a throwaway shard of random tokens, and the
+// training options every training benchmark starts from.
 #ifndef FY_BENCH_UTIL_H
 #define FY_BENCH_UTIL_H
 
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "runtime/data.h"
+#include "runtime/trainer.h"
+
+static inline double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static inline int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+// The median of v[0..n) (sorts v).
+static inline double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 struct bench_shard {
   char dir[64], path[96];
@@ -28,6 +48,25 @@ static inline fy_status bench_shard_make(struct bench_shard *s, int64_t vocab, i
   fy_status st = fy_shard_write(s->path, tok, n);
   free(tok);
   return st;
+}
+
+// A quiet, unshuffled run of `model` on the shard at a small constant learning rate: the rate of a
+// step does not depend on what is learnt.
+static inline struct fy_train_opts bench_train_opts(const char *model, const struct bench_shard *shard, int64_t batch,
+                                                    int64_t seq, int64_t steps, int threads) {
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  o.model = model;
+  o.data = shard->path;
+  o.batch = batch;
+  o.seq = seq;
+  o.steps = steps;
+  o.lr = 1e-4f;
+  o.warmup = 0;
+  o.quiet = true;
+  o.shuffle = false;
+  o.threads = threads;
+  return o;
 }
 
 static inline void bench_shard_remove(struct bench_shard *s) {

@@ -13,17 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "runtime/comm.h"
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 enum impl { FERRY, RAW, RAW_RS_AG, NIMPL };
 enum bench_op { AR, RS, AG };

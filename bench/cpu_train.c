@@ -17,17 +17,6 @@
 #include "runtime/trainer.h"
 #include "bench_util.h"
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
 // Median GFLOP/s of out (M,N) = inp (M,K) @ W^T, W (N,K): the forward product of a linear layer.
 static double gemm_rate(int64_t M, int64_t N, int64_t K) {
   float *a = malloc((size_t)(M * K) * 4), *b = malloc((size_t)(N * K) * 4), *c = malloc((size_t)(M * N) * 4);
@@ -39,11 +28,11 @@ static double gemm_rate(int64_t M, int64_t N, int64_t K) {
     fy_matmul(c, a, b, M, N, K, false, true, 1.0f, 0.0f);
     if (r > 0) t[r - 1] = now_s() - t0;  // the first run creates the primitive
   }
-  qsort(t, 7, sizeof *t, cmp_double);
+  double med = median(t, 7);
   free(a);
   free(b);
   free(c);
-  return 2.0 * M * N * K / t[3] / 1e9;
+  return 2.0 * M * N * K / med / 1e9;
 }
 
 int main(int argc, char **argv) {
@@ -69,18 +58,7 @@ int main(int argc, char **argv) {
   // Random tokens: the rate does not depend on what is learnt.
   struct bench_shard shard;
   fy_status st = bench_shard_make(&shard, cfg.vocab_size, batch * (seq + 1) * (steps + 2) + 1);
-  struct fy_train_opts o;
-  fy_train_opts_defaults(&o);
-  o.model = model;
-  o.data = shard.path;
-  o.batch = batch;
-  o.seq = seq;
-  o.steps = steps;
-  o.lr = 1e-4f;
-  o.warmup = 0;
-  o.quiet = true;
-  o.shuffle = false;
-  o.threads = (int)threads;
+  struct fy_train_opts o = bench_train_opts(model, &shard, batch, seq, steps, (int)threads);
   struct fy_train_result r;
   if (st == FY_OK) st = fy_train(&o, &r);
   bench_shard_remove(&shard);

@@ -45,18 +45,7 @@ int main(int argc, char **argv) {
   }
   struct bench_shard shard;
   fy_status st = bench_shard_make(&shard, cfg.vocab_size, batch * (seq + 1) * (steps + 2) + 1);
-  struct fy_train_opts o;
-  fy_train_opts_defaults(&o);
-  o.model = model;
-  o.data = shard.path;
-  o.batch = batch;
-  o.seq = seq;
-  o.steps = steps;
-  o.lr = 1e-4f;
-  o.warmup = 0;
-  o.quiet = true;
-  o.shuffle = false;
-  o.threads = (int)threads;
+  struct fy_train_opts o = bench_train_opts(model, &shard, batch, seq, steps, (int)threads);
   struct fy_train_result res, off;
   if (st == FY_OK) st = fy_train(&o, &res);
   // The device holds the activations and `fraction` of the model's parameters as cache blocks.
