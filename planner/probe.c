@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/device.h"
+#include "core/parse.h"
 #include "memory/tier.h"
 #include "ops/ops.h"
 
@@ -607,22 +608,12 @@ void fy_probe_default_path(char *buf, size_t n) {
 
 // ---- overrides ----
 
-// A size with an optional binary unit, as the CLI reads --device-mem.
+// A size with an optional binary unit (core/parse.h), in whole bytes, at least one.
 static bool parse_size(const char *s, double *out) {
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  double mult = 1;
-  const char *u = end;
-  if (*u == 'K' || *u == 'k') mult = 1024.0, u++;
-  else if (*u == 'M' || *u == 'm') mult = 1048576.0, u++;
-  else if (*u == 'G' || *u == 'g') mult = 1073741824.0, u++;
-  else if (*u == 'T' || *u == 't') mult = 1099511627776.0, u++;
-  if (mult > 1 && *u == 'i') u++;
-  if (*u == 'B' || *u == 'b') u++;
-  if (errno || end == s || *u || !isfinite(v) || v <= 0 || v * mult > 1e18) return false;
-  *out = floor(v * mult);
-  return *out > 0;
+  double v;
+  if (!fy_parse_size(s, &v) || floor(v) <= 0) return false;
+  *out = floor(v);
+  return true;
 }
 
 static bool parse_rate(const char *s, bool zero_ok, double *out) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/parse.h"
 #include "core/opt.h"
 #include "planner/plan.h"
 #include "planner/probe.h"
@@ -392,22 +393,12 @@ static bool parse_f32(const char *flag, const char *s, float min, float *out) {
 
 // Sizes: a number with an optional unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary).
 static bool parse_size(const char *flag, const char *s, size_t *out) {
-  char *end;
-  errno = 0;
-  double v = strtod(s, &end);
-  double mult = 1;
-  const char *u = end;
-  if (*u == 'K' || *u == 'k') mult = 1024.0, u++;
-  else if (*u == 'M' || *u == 'm') mult = 1048576.0, u++;
-  else if (*u == 'G' || *u == 'g') mult = 1073741824.0, u++;
-  else if (*u == 'T' || *u == 't') mult = 1099511627776.0, u++;
-  if (mult > 1 && *u == 'i') u++;
-  if (*u == 'B' || *u == 'b') u++;
-  if (errno || end == s || *u || !isfinite(v) || v <= 0 || v * mult > 1e18) {
+  double v;
+  if (!fy_parse_size(s, &v)) {
     fprintf(stderr, "ferry: %s needs a size such as 512MiB or 8GiB, got '%s'\n", flag, s);
     return false;
   }
-  *out = (size_t)(v * mult);
+  *out = (size_t)v;
   return true;
 }
 
