@@ -247,8 +247,12 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
   FY_TRY(stage_batch(m, batch, pos, &b));
   loss->sum = 0;
   loss->count = fy_engine_count_targets(batch);
-  // 16-bit numerics: the kernels read the master weights in the compute dtype.
-  if (m->compute_dtype != FY_F32) m->kernels->prepare_weights(m);
+  // 16-bit numerics: the kernels read the master weights in the compute dtype (refreshed once after
+  // they changed, not every micro-batch).
+  if (m->compute_dtype != FY_F32 && !m->cparams_fresh) {
+    m->kernels->prepare_weights(m);
+    m->cparams_fresh = true;
+  }
   for (int o = 0; o < g->n_ops; o++) {
     struct fy_op_call c;
     resident_call(m, o, &b, &c);

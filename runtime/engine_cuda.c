@@ -224,7 +224,7 @@ static void grads_sum_cuda(struct fy_model *m, bool first) {
 }
 
 // cparams <- the fp32 master weights in bf16 (after initialisation, loading or resuming; AdamW
-// keeps them current after that, so this converts what is already there).
+// keeps them current after that: adamw_cuda writes the bf16 copy and leaves cparams_fresh set).
 static void prepare_weights_cuda(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
   fy_cuda_convert(m->cparams, m->compute_dtype, m->params, FY_F32, m->graph->n_param_elems, x->st);

@@ -54,6 +54,7 @@ static double cpu_sumsq(struct fy_model *m, const float *x, int64_t n) { return 
 
 static void cpu_adamw(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n, float lr,
                       float b1, float b2, float eps, float wd, int64_t t, float scale) {
+  m->cparams_fresh = false;  // the 16-bit copy is refreshed before the next forward
   fy_adamw_update(p, mo, v, g, n, lr, b1, b2, eps, wd, t, scale);
 }
 
@@ -186,6 +187,7 @@ fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
     if (m->device_memory) FY_TRY(buf_alloc(m->dev, n, 2, (void **)&m->cgrads));
   }
   m->compute_dtype = dt;
+  m->cparams_fresh = false;
   return FY_OK;
 }
 
@@ -265,6 +267,7 @@ static void fill_normal(float *x, int64_t n, float std, uint64_t state) {
 
 void fy_model_init_random(struct fy_model *m, uint64_t seed) {
   const struct fy_graph *g = m->graph;
+  m->cparams_fresh = false;
   // Device memory the host cannot address: initialise a host copy and upload it.
   float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
   FY_ASSERT(host);
@@ -304,6 +307,7 @@ static const struct fy_st_tensor *find_tensor(const fy_safetensors *st, const ch
 }
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {
+  m->cparams_fresh = false;
   fy_safetensors *st;
   FY_TRY(fy_safetensors_open_dir(dir, &st));
   const struct fy_graph *g = m->graph;

@@ -44,6 +44,10 @@ struct fy_model {
   enum fy_dtype compute_dtype;
   float *cparams, *cgrads;
   size_t cparams_esize;
+  // cparams hold the current master weights. Initialising or loading clears it, and so does an
+  // optimizer step that does not write cparams itself (the CPU's); the next forward then refreshes
+  // cparams (kernels->prepare_weights). Code that writes m->params otherwise must clear it.
+  bool cparams_fresh;
   bool grads_f32;  // the optimizer reads m->grads as fp32 (a sum over micro-batches), not cgrads
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
@@ -72,7 +76,8 @@ struct fy_model_kernels {
   void (*op_forward)(void *call);   // struct fy_op_call * (runtime/engine.h)
   void (*op_backward)(void *call);
   double (*sumsq)(struct fy_model *m, const float *x, int64_t n);
-  // With a 16-bit compute dtype: cparams <- the master weights in it, before each forward.
+  // With a 16-bit compute dtype: cparams <- the master weights in it (before a forward, when
+  // cparams_fresh is false).
   void (*prepare_weights)(struct fy_model *m);
   // Gradient accumulation: grad_acc (fp32) = (first) or += this micro-batch's parameter gradients.
   void (*grads_sum)(struct fy_model *m, bool first);

@@ -318,6 +318,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   }
   if (r->tp > 1) {
     fy_tp_take(r->model->graph, r->model->params, r->whole_graph, r->whole.params);
+    r->model->cparams_fresh = false;
     whole_params_free(r);
     if (r->model->m) memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
     if (r->model->v) memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
@@ -586,6 +587,7 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
       st = fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2.0 * n * 4 / 1048576.0);
     if (st == FY_OK) {
       fy_tp_take(m->graph, m->params, r->whole_graph, r->whole.params);
+      m->cparams_fresh = false;
       fy_tp_take(m->graph, lm, r->whole_graph, mm);
       fy_tp_take(m->graph, lv, r->whole_graph, vv);
     }
