@@ -195,36 +195,42 @@ fy_status fy_comm_all_reduce(struct fy_comm *c, void *buf, size_t count, enum fy
   return comm_submit(c, &call, s);
 }
 
-fy_status fy_comm_reduce_scatter(struct fy_comm *c, const void *send, void *recv, size_t recv_count,
-                                 enum fy_reduce_dtype dt, fy_stream *s) {
-  const char *op = "reduce-scatter";
+// Reduce-scatter and all-gather move between one rank's part (count elements) and the whole
+// (size * count elements): the same checks, in place meaning part = whole + rank * count. *none:
+// nothing to move (count 0).
+static fy_status check_part_whole(const struct fy_comm *c, const char *op, const void *part, const char *part_name,
+                                  const void *whole, const char *whole_name, size_t count, enum fy_reduce_dtype dt,
+                                  bool *none) {
+  *none = false;
   if (!c) return fy_error_set(FY_ERR_INVALID, "%s: no communicator", op);
   FY_TRY(check_dt(op, dt));
-  if (recv_count == 0) return FY_OK;
-  if (!send || !recv) return fy_error_set(FY_ERR_INVALID, "%s: NULL buffer", op);
-  size_t es = fy_comm_dtype_size(dt);
-  if (recv_count > SIZE_MAX / 4 / (size_t)c->size)
-    return fy_error_set(FY_ERR_INVALID, "%s: count %zu too large", op, recv_count);
-  size_t rbytes = recv_count * es, sbytes = rbytes * (size_t)c->size;
-  if (ranges_overlap(send, sbytes, recv, rbytes) && (const char *)recv != (const char *)send + (size_t)c->rank * rbytes)
-    return fy_error_set(FY_ERR_INVALID, "%s: recv overlaps send (in place means recv = send + rank*recv_count)", op);
+  if (count == 0) {
+    *none = true;
+    return FY_OK;
+  }
+  if (!part || !whole) return fy_error_set(FY_ERR_INVALID, "%s: NULL buffer", op);
+  if (count > SIZE_MAX / 4 / (size_t)c->size) return fy_error_set(FY_ERR_INVALID, "%s: count %zu too large", op, count);
+  size_t pbytes = count * fy_comm_dtype_size(dt), wbytes = pbytes * (size_t)c->size;
+  if (ranges_overlap(part, pbytes, whole, wbytes) && (const char *)part != (const char *)whole + (size_t)c->rank * pbytes)
+    return fy_error_set(FY_ERR_INVALID, "%s: %s overlaps %s (in place means %s = %s + rank*%s_count)", op, part_name,
+                        whole_name, part_name, whole_name, part_name);
+  return FY_OK;
+}
+
+fy_status fy_comm_reduce_scatter(struct fy_comm *c, const void *send, void *recv, size_t recv_count,
+                                 enum fy_reduce_dtype dt, fy_stream *s) {
+  bool none;
+  FY_TRY(check_part_whole(c, "reduce-scatter", recv, "recv", send, "send", recv_count, dt, &none));
+  if (none) return FY_OK;
   struct fy_comm_call call = {.op = FY_COMM_OP_REDUCE_SCATTER, .send = send, .buf = recv, .count = recv_count, .dt = dt};
   return comm_submit(c, &call, s);
 }
 
 fy_status fy_comm_all_gather(struct fy_comm *c, const void *send, void *recv, size_t send_count,
                              enum fy_reduce_dtype dt, fy_stream *s) {
-  const char *op = "all-gather";
-  if (!c) return fy_error_set(FY_ERR_INVALID, "%s: no communicator", op);
-  FY_TRY(check_dt(op, dt));
-  if (send_count == 0) return FY_OK;
-  if (!send || !recv) return fy_error_set(FY_ERR_INVALID, "%s: NULL buffer", op);
-  size_t es = fy_comm_dtype_size(dt);
-  if (send_count > SIZE_MAX / 4 / (size_t)c->size)
-    return fy_error_set(FY_ERR_INVALID, "%s: count %zu too large", op, send_count);
-  size_t sbytes = send_count * es, rbytes = sbytes * (size_t)c->size;
-  if (ranges_overlap(send, sbytes, recv, rbytes) && (const char *)send != (const char *)recv + (size_t)c->rank * sbytes)
-    return fy_error_set(FY_ERR_INVALID, "%s: send overlaps recv (in place means send = recv + rank*send_count)", op);
+  bool none;
+  FY_TRY(check_part_whole(c, "all-gather", send, "send", recv, "recv", send_count, dt, &none));
+  if (none) return FY_OK;
   struct fy_comm_call call = {.op = FY_COMM_OP_ALL_GATHER, .send = send, .buf = recv, .count = send_count, .dt = dt};
   return comm_submit(c, &call, s);
 }
