@@ -853,6 +853,17 @@ static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
   return disk_io(x, false, c, (size_t)which * slot, dst, bytes, which == 1 ? x->req_m : x->req_v);
 }
 
+// Sharding: chunk c's weights (which 0), m (1) or v (2) from every rank's shard, through the
+// gather buffer, into dst + c * chunk_elems (dst NULL: this rank only takes part). A collective.
+static fy_status gather_chunk(struct fy_offload *x, int c, int which, float *dst) {
+  const struct fy_chunk_layout *l = x->m->layout;
+  FY_TRY(shard_out(x, c, which, x->gather_buf + x->lo));
+  fy_status st = fy_comm_all_gather(x->c_gather, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
+  if (st != FY_OK) return fy_error_wrap(st, "gathering the shards of chunk %d", c);
+  if (dst) memcpy(dst + c * l->chunk_elems, x->gather_buf, (size_t)l->chunks[c].used * 4);
+  return FY_OK;
+}
+
 fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v) {
   FY_TRY(fy_offload_sync(x));
   const struct fy_chunk_layout *l = x->m->layout;
@@ -871,10 +882,7 @@ fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, fl
         if (params) memcpy(params + c * ce, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
         continue;
       }
-      FY_TRY(shard_out(x, c, which, x->gather_buf + x->lo));
-      fy_status st = fy_comm_all_gather(x->c_gather, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
-      if (st != FY_OK) return fy_error_wrap(st, "gathering the shards of chunk %d", c);
-      if (dst[which]) memcpy(dst[which] + c * ce, x->gather_buf, (size_t)l->chunks[c].used * 4);
+      FY_TRY(gather_chunk(x, c, which, dst[which]));
     }
   return FY_OK;
 }
@@ -885,15 +893,8 @@ fy_status fy_offload_unshard(struct fy_offload *x) {
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   float *full;
   FY_TRY(fy_host_alloc(m->host, bytes, (void **)&full));
-  fy_status st = FY_OK;
-  int64_t ce = m->layout->chunk_elems;
-  FY_TRY(fy_offload_sync(x));
-  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) {
-    st = shard_out(x, c, 0, x->gather_buf + x->lo);
-    if (st == FY_OK)
-      st = fy_comm_all_gather(x->c_gather, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
-    if (st == FY_OK) memcpy(full + c * ce, x->gather_buf, (size_t)m->layout->chunks[c].used * 4);
-  }
+  fy_status st = fy_offload_sync(x);
+  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) st = gather_chunk(x, c, 0, full);
   if (st != FY_OK) {
     fy_host_dealloc(m->host, full, bytes);
     return fy_error_wrap(st, "gathering the weights");
