@@ -70,6 +70,21 @@ static inline double check_rel_err(const float *a, const float *b, int64_t n) {
   return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1e-15);
 }
 
+// Random test data: one xorshift64* stream per test program (the same sequence every run).
+static uint64_t check_rng_ = 0x243F6A8885A308D3ull;
+static inline double check_urand(void) {  // [0, 1)
+  check_rng_ ^= check_rng_ >> 12;
+  check_rng_ ^= check_rng_ << 25;
+  check_rng_ ^= check_rng_ >> 27;
+  return (double)((check_rng_ * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53;
+}
+static inline float check_frand(float scale) { return (float)((2.0 * check_urand() - 1.0) * scale); }  // (-scale, scale)
+static inline float *check_fnew(int64_t n) {  // zeroed; aborts when out of memory
+  float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+  if (!p) abort();
+  return p;
+}
+
 // Scratch space for tests: a path under a directory (a ring of buffers, so that several may be live
 // at once) and removing a tree (directories made writable first, for tests that take permissions
 // away).

@@ -26,29 +26,16 @@ static struct fy_device *dev;
 static fy_stream *st;
 static cudaStream_t cs;
 
-static uint64_t rng_s = 0x243F6A8885A308D3ull;
-static double urand(void) {  // [0, 1), xorshift64*
-  rng_s ^= rng_s >> 12;
-  rng_s ^= rng_s << 25;
-  rng_s ^= rng_s >> 27;
-  return (double)((rng_s * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53;
-}
-static float frand(float scale) { return (float)((2.0 * urand() - 1.0) * scale); }
-static float *fnew(int64_t n) {
-  float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
-  if (!p) abort();
-  return p;
-}
 // Random values, already representable in dt (so the CPU sees exactly what the GPU sees).
 static float *frand_new(int64_t n, float scale, enum fy_dtype dt) {
-  float *p = fnew(n);
-  for (int64_t i = 0; i < n; i++) p[i] = frand(scale);
+  float *p = check_fnew(n);
+  for (int64_t i = 0; i < n; i++) p[i] = check_frand(scale);
   if (dt == FY_BF16)
     for (int64_t i = 0; i < n; i++) p[i] = fy_bf16_to_f32(fy_f32_to_bf16(p[i]));
   return p;
 }
 static float *fdup(const float *x, int64_t n) {
-  float *p = fnew(n);
+  float *p = check_fnew(n);
   memcpy(p, x, (size_t)n * sizeof(float));
   return p;
 }
@@ -104,7 +91,7 @@ static void dget(float *h, const void *d, int64_t n, enum fy_dtype dt) {
 // The GPU's result in d against the CPU's in want.
 static void cmp_dev(const char *what, enum fy_dtype dt, const void *d, const float *want, int64_t n,
                     bool gemm) {
-  float *got = fnew(n);
+  float *got = check_fnew(n);
   dget(got, d, n, dt);
   double tol = dt == FY_BF16 ? 1e-2 : gemm ? 1e-4 : 1e-5;
   double err = check_rel_err(got, want, n);
@@ -196,10 +183,10 @@ enum { B = 3, T = 37, C = 72, NH = 6, V = 1001, BT = B * T };
 static void test_embedding(enum fy_dtype dt) {
   int32_t ids[BT];
   for (int i = 0; i < BT; i++)  // half the ids among 20 values: many repeats to sum
-    ids[i] = (int32_t)(i % 2 ? urand() * 20 : urand() * V);
+    ids[i] = (int32_t)(i % 2 ? check_urand() * 20 : check_urand() * V);
   ids[0] = V - 1;
   float *table = frand_new((int64_t)V * C, 1.0f, dt);
-  float *out = fnew(BT * C);
+  float *out = check_fnew(BT * C);
   fy_embedding_forward(out, ids, table, BT, C);
   void *d_table = dput(table, (int64_t)V * C, dt), *d_out = dalloc(BT * C * fy_dtype_size(dt));
   int32_t *d_ids = dput_raw(ids, sizeof ids);
@@ -235,7 +222,7 @@ static void test_layernorm(enum fy_dtype dt) {
   if (dt == FY_BF16)
     for (int i = 0; i < BT * C; i++) inp[i] = fy_bf16_to_f32(fy_f32_to_bf16(inp[i]));
   float *w = frand_new(C, 1.0f, dt), *bias = frand_new(C, 1.0f, dt);
-  float *out = fnew(BT * C), *mean = fnew(BT), *rstd = fnew(BT);
+  float *out = check_fnew(BT * C), *mean = check_fnew(BT), *rstd = check_fnew(BT);
   fy_layernorm_forward(out, mean, rstd, inp, w, bias, BT, C, 1e-5f);
   void *d_inp = dput(inp, BT * C, dt), *d_w = dput(w, C, dt), *d_b = dput(bias, C, dt);
   void *d_out = dalloc(BT * C * fy_dtype_size(dt));
@@ -266,7 +253,7 @@ static void test_layernorm(enum fy_dtype dt) {
   {
     const int64_t R = 1000;
     float *x2 = frand_new(R * C, 1.0f, dt), *g2 = frand_new(R * C, 1.0f, dt);
-    float *m2 = fnew(R), *r2 = fnew(R), *o2 = fnew(R * C);
+    float *m2 = check_fnew(R), *r2 = check_fnew(R), *o2 = check_fnew(R * C);
     fy_layernorm_forward(o2, m2, r2, x2, NULL, NULL, R, C, 1e-5f);
     void *d_x2 = dput(x2, R * C, dt), *d_g2 = dput(g2, R * C, dt);
     float *d_m2 = dput(m2, R, FY_F32), *d_r2 = dput(r2, R, FY_F32);
@@ -292,7 +279,7 @@ static void test_layernorm(enum fy_dtype dt) {
 
 static void test_elementwise(enum fy_dtype dt) {
   const int64_t N = BT * C + 5;
-  float *a = frand_new(N, 1.0f, dt), *b = frand_new(N, 1.0f, dt), *out = fnew(N);
+  float *a = frand_new(N, 1.0f, dt), *b = frand_new(N, 1.0f, dt), *out = check_fnew(N);
   void *d_a = dput(a, N, dt), *d_b = dput(b, N, dt), *d_out = dalloc(N * fy_dtype_size(dt));
   fy_relu_forward(out, a, N);
   CHECK_OK(fy_cuda_relu_forward(d_out, d_a, dt, N, cs));
@@ -321,7 +308,7 @@ static void test_elementwise(enum fy_dtype dt) {
 // fp32 -> bf16 rounds to nearest even exactly as the CPU's conversion; bf16 -> fp32 is exact.
 static void test_convert(void) {
   const int64_t N = 100003;
-  float *a = frand_new(N, 100.0f, FY_F32), *back = fnew(N);
+  float *a = frand_new(N, 100.0f, FY_F32), *back = check_fnew(N);
   uint16_t *want = malloc((size_t)N * 2), *got = malloc((size_t)N * 2);
   if (!want || !got) abort();
   a[0] = 1.0f + 0x1p-8f;  // a tie: rounds to even (1.0)
@@ -337,7 +324,7 @@ static void test_convert(void) {
   for (int64_t i = 0; i < N; i++) diff += got[i] != want[i];
   CHECKF(diff == 0, "convert f32 -> bf16: %lld of %lld differ from the CPU's rounding", (long long)diff, (long long)N);
   CHECK_OK(fy_cuda_convert(d_back, FY_F32, d_16, FY_BF16, N, cs));
-  float *wback = fnew(N);
+  float *wback = check_fnew(N);
   fy_convert_to_f32(wback, want, FY_BF16, (size_t)N);
   dget(back, d_back, N, FY_F32);
   CHECK(memcmp(back, wback, (size_t)N * 4) == 0);
@@ -350,10 +337,10 @@ static void test_convert(void) {
 static void test_crossentropy(enum fy_dtype dt) {
   float *logits = frand_new((int64_t)BT * V, 4.0f, dt);
   int32_t targets[BT];
-  for (int i = 0; i < BT; i++) targets[i] = i % 9 == 4 ? -100 : (int32_t)(urand() * V);
+  for (int i = 0; i < BT; i++) targets[i] = i % 9 == 4 ? -100 : (int32_t)(check_urand() * V);
   targets[1] = 0;
   targets[2] = V - 1;
-  float *losses = fnew(BT);
+  float *losses = check_fnew(BT);
   int64_t count = fy_crossentropy_forward(losses, logits, targets, BT, V);
   void *d_logits = dput(logits, (int64_t)BT * V, dt);
   int32_t *d_t = dput_raw(targets, sizeof targets);
@@ -363,7 +350,7 @@ static void test_crossentropy(enum fy_dtype dt) {
   cmp_dev("crossentropy forward losses", FY_F32, d_losses, losses, BT, false);
 
   float dloss = 1.0f / (float)count;
-  float *dlogits = fnew((int64_t)BT * V);
+  float *dlogits = check_fnew((int64_t)BT * V);
   fy_crossentropy_backward(dlogits, logits, targets, BT, V, dloss);
   void *d_dl = dalloc((size_t)BT * V * fy_dtype_size(dt));
   CHECK_OK(fy_cuda_crossentropy_backward(d_dl, d_logits, d_t, d_lse, dt, BT, V, dloss, cs));
@@ -378,9 +365,9 @@ static void test_crossentropy(enum fy_dtype dt) {
 
 static void test_adamw(enum fy_dtype dt) {
   const int64_t n = 100003;
-  float *p = frand_new(n, 1.0f, FY_F32), *m = frand_new(n, 0.01f, FY_F32), *v = fnew(n);
+  float *p = frand_new(n, 1.0f, FY_F32), *m = frand_new(n, 0.01f, FY_F32), *v = check_fnew(n);
   float *g = frand_new(n, 1.0f, dt);
-  for (int64_t i = 0; i < n; i++) v[i] = frand(0.01f) * frand(0.01f) + 1e-4f;  // v >= 0
+  for (int64_t i = 0; i < n; i++) v[i] = check_frand(0.01f) * check_frand(0.01f) + 1e-4f;  // v >= 0
   float *d_p = dput(p, n, FY_F32), *d_m = dput(m, n, FY_F32), *d_v = dput(v, n, FY_F32);
   void *d_g = dput(g, n, dt);
   uint16_t *d_p16 = dalloc((size_t)n * 2);
@@ -467,7 +454,7 @@ static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt) {
 static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   const int64_t OC = V;
   float *inp = frand_new(BT * C, 1.0f, dt), *w = frand_new(OC * C, 0.2f, dt);
-  float *bias = frand_new(OC, 1.0f, dt), *out = fnew(BT * OC);
+  float *bias = frand_new(OC, 1.0f, dt), *out = check_fnew(BT * OC);
   void *d_inp = dput(inp, BT * C, dt), *d_w = dput(w, OC * C, dt), *d_bias = dput(bias, OC, dt);
   void *d_out = dalloc((size_t)(BT * OC) * fy_dtype_size(dt));
   CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC));
@@ -500,14 +487,14 @@ static void test_attention_shape(enum fy_dtype dt, int64_t Bn, int64_t Tn, int64
                                  int mask_kind) {
   const int64_t HS = Cn / NHn, C3 = 3 * Cn;
   const float scale = 1.0f / sqrtf((float)HS);
-  float *qkv = frand_new(Bn * Tn * C3, 1.5f, dt), *out = fnew(Bn * Tn * Cn);
-  float *att = fnew(Bn * NHn * Tn * Tn), *scr = fnew(Bn * NHn * Tn * Tn);
+  float *qkv = frand_new(Bn * Tn * C3, 1.5f, dt), *out = check_fnew(Bn * Tn * Cn);
+  float *att = check_fnew(Bn * NHn * Tn * Tn), *scr = check_fnew(Bn * NHn * Tn * Tn);
   int32_t *mask = NULL;
   if (mask_kind) {
     mask = malloc((size_t)(Bn * Tn) * sizeof(int32_t));
     for (int64_t b = 0; b < Bn; b++)
       for (int64_t t = 0; t < Tn; t++)
-        mask[b * Tn + t] = b == 1 ? (t >= 5 && t < Tn - 3) : b == 2 ? urand() > 0.2 : 1;
+        mask[b * Tn + t] = b == 1 ? (t >= 5 && t < Tn - 3) : b == 2 ? check_urand() > 0.2 : 1;
   }
   CHECK_OK(fy_attention_forward(out, att, qkv, mask, Bn, Tn, Cn, NHn, scale));
   void *d_qkv = dput(qkv, Bn * Tn * C3, dt), *d_out = dalloc((size_t)(Bn * Tn * Cn) * fy_dtype_size(dt));
@@ -532,7 +519,7 @@ static void test_attention_shape(enum fy_dtype dt, int64_t Bn, int64_t Tn, int64
   cmp_dev(what, dt, d_dqkv, dqkv, Bn * Tn * C3, false);
   // The left-padded queries of batch 1 (no key) must give exactly zero output.
   if (mask_kind && Bn > 1) {
-    float *got = fnew(Bn * Tn * Cn);
+    float *got = check_fnew(Bn * Tn * Cn);
     dget(got, d_out, Bn * Tn * Cn, dt);
     bool zero = true;
     for (int64_t t = 0; t < 5; t++)

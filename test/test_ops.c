@@ -20,21 +20,8 @@
 
 // ---- helpers ----
 
-static uint64_t rng_s = 0x243F6A8885A308D3ull;
-static double urand(void) {  // [0, 1), xorshift64*
-  rng_s ^= rng_s >> 12;
-  rng_s ^= rng_s << 25;
-  rng_s ^= rng_s >> 27;
-  return (double)((rng_s * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53;
-}
-static float frand(float scale) { return (float)((2.0 * urand() - 1.0) * scale); }
 static void fill(float *x, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; i++) x[i] = frand(scale);
-}
-static float *fnew(int64_t n) {
-  float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
-  if (!p) abort();
-  return p;
+  for (int64_t i = 0; i < n; i++) x[i] = check_frand(scale);
 }
 static double *dnew(int64_t n) {
   double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
@@ -42,12 +29,12 @@ static double *dnew(int64_t n) {
   return p;
 }
 static float *frand_new(int64_t n, float scale) {
-  float *p = fnew(n);
+  float *p = check_fnew(n);
   fill(p, n, scale);
   return p;
 }
 static float *fdup(const float *x, int64_t n) {
-  float *p = fnew(n);
+  float *p = check_fnew(n);
   memcpy(p, x, (size_t)n * sizeof(float));
   return p;
 }
@@ -58,7 +45,7 @@ static double *to_d(const float *x, int64_t n) {
 }
 // Normalised error of a float result against a double reference.
 static double err_d(const float *got, const double *want, int64_t n) {
-  float *w = fnew(n);
+  float *w = check_fnew(n);
   for (int64_t i = 0; i < n; i++) w[i] = (float)want[i];
   double e = check_rel_err(got, w, n);
   free(w);
@@ -66,7 +53,7 @@ static double err_d(const float *got, const double *want, int64_t n) {
 }
 // Normalised error of (got - base) against a double reference: an accumulated gradient.
 static double err_acc(const float *got, const float *base, const double *want, int64_t n) {
-  float *d = fnew(n);
+  float *d = check_fnew(n);
   for (int64_t i = 0; i < n; i++) d[i] = got[i] - base[i];
   double e = err_d(d, want, n);
   free(d);
@@ -168,11 +155,11 @@ static void test_matmul(void) {
         int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 2, ldc = N + 1;
         int64_t sa = (ta ? K : M) * lda + 7, sb = (tb ? N : K) * ldb + 5, sc = M * ldc + 4;
         float *a = frand_new(batch * sa, 1), *b = frand_new(batch * sb, 1);
-        float *c = fnew(batch * sc);
+        float *c = check_fnew(batch * sc);
         for (int64_t i = 0; i < batch * sc; i++) c[i] = 12345.0f;
         for (int64_t n = 0; n < batch; n++)
           for (int64_t i = 0; i < M; i++)
-            for (int64_t j = 0; j < N; j++) c[n * sc + i * ldc + j] = frand(1);
+            for (int64_t j = 0; j < N; j++) c[n * sc + i * ldc + j] = check_frand(1);
         double *ref = to_d(c, batch * sc);
         CHECK_OK(fy_matmul_batched(c, a, b, batch, M, N, K, ta, tb, 0.5f, (float)beta, lda, ldb,
                                    ldc, sa, sb, sc));
@@ -218,7 +205,7 @@ static void test_matmul(void) {
   {
     int64_t M = 64, N = 48, K = 80;
     float *a = frand_new(M * K, 1), *b = frand_new(N * K, 1);
-    float *c1 = fnew(M * N), *c2 = fnew(M * N);
+    float *c1 = check_fnew(M * N), *c2 = check_fnew(M * N);
     CHECK_OK(fy_matmul(c1, a, b, M, N, K, false, true, 1, 0));
     CHECK_OK(fy_matmul(c2, a, b, M, N, K, false, true, 1, 0));
     CHECK(same_bits(c1, c2, M * N));
@@ -252,9 +239,9 @@ static void test_embedding(void) {
   const int64_t BT = 21, C = 20, V = 37;
   int32_t ids[21];
   // Few distinct ids, so rows repeat and the scatter-add must sum them.
-  for (int64_t i = 0; i < BT; i++) ids[i] = (int32_t)(urand() * 6) * 5 + 1;
+  for (int64_t i = 0; i < BT; i++) ids[i] = (int32_t)(check_urand() * 6) * 5 + 1;
   ids[BT - 1] = (int32_t)V - 1;
-  float *table = frand_new(V * C, 1), *out = fnew(BT * C), *R = frand_new(BT * C, 1);
+  float *table = frand_new(V * C, 1), *out = check_fnew(BT * C), *R = frand_new(BT * C, 1);
   double *tab_d = to_d(table, V * C), *ref = dnew(BT * C);
   fy_embedding_forward(out, ids, table, BT, C);
   embedding_ref(ref, ids, tab_d, BT, C);
@@ -276,8 +263,8 @@ static void test_embedding(void) {
   {
     int64_t BT2 = 4096, C2 = 200, V2 = 50;
     int32_t *id2 = malloc(BT2 * sizeof(int32_t));
-    for (int64_t i = 0; i < BT2; i++) id2[i] = (int32_t)(urand() * V2);
-    float *d2 = frand_new(BT2 * C2, 1), *t1 = fnew(V2 * C2), *t2 = fnew(V2 * C2);
+    for (int64_t i = 0; i < BT2; i++) id2[i] = (int32_t)(check_urand() * V2);
+    float *d2 = frand_new(BT2 * C2, 1), *t1 = check_fnew(V2 * C2), *t2 = check_fnew(V2 * C2);
     fy_embedding_backward(t1, d2, id2, BT2, C2, V2);
     int nt = omp_get_max_threads();
     omp_set_num_threads(1);
@@ -329,7 +316,7 @@ static void test_layernorm(void) {
     float *inp = frand_new(BT * C, 2), *w = affine ? frand_new(C, 1) : NULL;
     float *b = affine ? frand_new(C, 1) : NULL;
     for (int64_t i = 0; i < BT * C; i++) inp[i] += 0.5f;  // a non-zero mean
-    float *out = fnew(BT * C), *mean = fnew(BT), *rstd = fnew(BT), *R = frand_new(BT * C, 1);
+    float *out = check_fnew(BT * C), *mean = check_fnew(BT), *rstd = check_fnew(BT), *R = frand_new(BT * C, 1);
     double *inp_d = to_d(inp, BT * C), *w_d = affine ? to_d(w, C) : NULL;
     double *b_d = affine ? to_d(b, C) : NULL;
     double *ref = dnew(BT * C), *mref = dnew(BT), *rref = dnew(BT);
@@ -374,12 +361,12 @@ static void test_layernorm(void) {
   {
     int64_t BT2 = 512, C2 = 768;
     float *x = frand_new(BT2 * C2, 1), *w = frand_new(C2, 1), *b = frand_new(C2, 1);
-    float *g = frand_new(BT2 * C2, 1), *out = fnew(BT2 * C2), *m = fnew(BT2), *r = fnew(BT2);
+    float *g = frand_new(BT2 * C2, 1), *out = check_fnew(BT2 * C2), *m = check_fnew(BT2), *r = check_fnew(BT2);
     fy_layernorm_forward(out, m, r, x, w, b, BT2, C2, 1e-5f);
     float *di[2], *dw[2], *db[2];
     int nt = omp_get_max_threads();
     for (int k = 0; k < 2; k++) {
-      di[k] = fnew(BT2 * C2), dw[k] = fnew(C2), db[k] = fnew(C2);
+      di[k] = check_fnew(BT2 * C2), dw[k] = check_fnew(C2), db[k] = check_fnew(C2);
       omp_set_num_threads(k ? 1 : nt);
       fy_layernorm_backward(di[k], dw[k], db[k], g, x, w, m, r, BT2, C2);
     }
@@ -419,7 +406,7 @@ static double lin_loss(void *p) {
 static void test_linear(void) {
   const int64_t BT = 21, C = 20, OC = 13;
   float *inp = frand_new(BT * C, 1), *w = frand_new(OC * C, 1), *b = frand_new(OC, 1);
-  float *out = fnew(BT * OC), *R = frand_new(BT * OC, 1);
+  float *out = check_fnew(BT * OC), *R = frand_new(BT * OC, 1);
   double *inp_d = to_d(inp, BT * C), *w_d = to_d(w, OC * C), *b_d = to_d(b, OC);
   double *ref = dnew(BT * OC);
   for (int hb = 0; hb < 2; hb++) {
@@ -566,7 +553,7 @@ static void test_attention(void) {
   for (int use_mask = 0; use_mask < 2; use_mask++) {
     const int32_t *mk = use_mask ? mask : NULL;
     float *qkv = frand_new(B * T * 3 * C, 1.5f), *R = frand_new(B * T * C, 1);
-    float *out = fnew(B * T * C), *att = fnew(B * NH * T * T);
+    float *out = check_fnew(B * T * C), *att = check_fnew(B * NH * T * T);
     for (int64_t i = 0; i < B * NH * T * T; i++) att[i] = NAN;  // every entry must be written
     double *qkv_d = to_d(qkv, B * T * 3 * C), *oref = dnew(B * T * C);
     double *aref = dnew(B * NH * T * T);
@@ -610,9 +597,9 @@ static void test_attention(void) {
 
     // Gradients: kernel backward vs fd of the double reference.
     float *dqkv = frand_new(B * T * 3 * C, 1), *d0 = fdup(dqkv, B * T * 3 * C);
-    float *scratch = fnew(B * NH * T * T);
+    float *scratch = check_fnew(B * NH * T * T);
     CHECK_OK(fy_attention_backward(dqkv, scratch, R, qkv, att, B, T, C, NH, scale));
-    struct att_ctx ctx = {qkv_d, qkv, fnew(B * T * C), fnew(B * NH * T * T), mk, R, B, T, C, NH,
+    struct att_ctx ctx = {qkv_d, qkv, check_fnew(B * T * C), check_fnew(B * NH * T * T), mk, R, B, T, C, NH,
                           scale};
     double *g = dnew(B * T * 3 * C);
     fd_grad(g, qkv_d, B * T * 3 * C, att_loss, &ctx, FD_H);
@@ -656,9 +643,9 @@ static void test_attention(void) {
     for (int64_t i = 0; i < B2 * T2; i++) m2[i] = !(i >= T2 - 40 && i < T2 + 3);
     float sc = 0.25f;
     float *qkv = frand_new(B2 * T2 * 3 * C2, 1.5f), *dout = frand_new(B2 * T2 * C2, 1);
-    float *out = fnew(B2 * T2 * C2), *att = fnew(B2 * NH2 * T2 * T2);
+    float *out = check_fnew(B2 * T2 * C2), *att = check_fnew(B2 * NH2 * T2 * T2);
     float *dq = frand_new(B2 * T2 * 3 * C2, 1), *dq0 = fdup(dq, B2 * T2 * 3 * C2);
-    float *scr = fnew(B2 * NH2 * T2 * T2);
+    float *scr = check_fnew(B2 * NH2 * T2 * T2);
     double *qd = to_d(qkv, B2 * T2 * 3 * C2), *dd = to_d(dout, B2 * T2 * C2);
     double *oref = dnew(B2 * T2 * C2), *gref = dnew(B2 * T2 * 3 * C2);
     double *aref = dnew(B2 * NH2 * T2 * T2);
@@ -680,10 +667,10 @@ static void test_attention(void) {
     int32_t *m2 = malloc(B2 * T2 * sizeof(int32_t));
     for (int64_t i = 0; i < B2 * T2; i++) m2[i] = !(i >= T2 - 9 && i < T2);  // batch 0 padded
     float *qkv = frand_new(B2 * T2 * 3 * C2, 1), *dout = frand_new(B2 * T2 * C2, 1);
-    float *out1 = fnew(B2 * T2 * C2), *out2 = fnew(B2 * T2 * C2);
-    float *att1 = fnew(B2 * NH2 * T2 * T2), *att2 = fnew(B2 * NH2 * T2 * T2);
-    float *dq1 = fnew(B2 * T2 * 3 * C2), *dq2 = fnew(B2 * T2 * 3 * C2);
-    float *scr = fnew(B2 * NH2 * T2 * T2);
+    float *out1 = check_fnew(B2 * T2 * C2), *out2 = check_fnew(B2 * T2 * C2);
+    float *att1 = check_fnew(B2 * NH2 * T2 * T2), *att2 = check_fnew(B2 * NH2 * T2 * T2);
+    float *dq1 = check_fnew(B2 * T2 * 3 * C2), *dq2 = check_fnew(B2 * T2 * 3 * C2);
+    float *scr = check_fnew(B2 * NH2 * T2 * T2);
     float sc = 1.0f / sqrtf(32.0f);
     CHECK_OK(fy_attention_forward(out1, att1, qkv, m2, B2, T2, C2, NH2, sc));
     CHECK_OK(fy_attention_forward(out2, att2, qkv, m2, B2, T2, C2, NH2, sc));
@@ -719,7 +706,7 @@ static double ew_loss(void *p) {
 
 static void test_elementwise(void) {
   const int64_t N = 137;
-  float *a = frand_new(N, 1), *b = frand_new(N, 1), *R = frand_new(N, 1), *out = fnew(N);
+  float *a = frand_new(N, 1), *b = frand_new(N, 1), *R = frand_new(N, 1), *out = check_fnew(N);
   for (int64_t i = 0; i < N; i++)
     if (fabsf(a[i]) < 0.05f) a[i] = 0.3f;  // away from relu's kink, for the fd
   double *a_d = to_d(a, N), *b_d = to_d(b, N), *g = dnew(N);
@@ -761,7 +748,7 @@ static void test_elementwise(void) {
   // Large arrays (the threaded path) against a plain loop.
   {
     int64_t N2 = 300001;
-    float *x = frand_new(N2, 1), *y = frand_new(N2, 1), *o = fnew(N2), *d = fnew(N2);
+    float *x = frand_new(N2, 1), *y = frand_new(N2, 1), *o = check_fnew(N2), *d = check_fnew(N2);
     fy_relu_forward(o, x, N2);
     fy_relu_backward(d, y, o, N2);
     int good = 1;
@@ -811,10 +798,10 @@ static double ce_loss(void *p) {
 static void test_crossentropy(void) {
   const int64_t BT = 21, V = 37;
   int32_t targets[21];
-  for (int64_t i = 0; i < BT; i++) targets[i] = (int32_t)(urand() * V);
+  for (int64_t i = 0; i < BT; i++) targets[i] = (int32_t)(check_urand() * V);
   targets[3] = targets[11] = targets[20] = -100;
   targets[0] = 0, targets[1] = (int32_t)V - 1;
-  float *logits = frand_new(BT * V, 3), *losses = fnew(BT);
+  float *logits = frand_new(BT * V, 3), *losses = check_fnew(BT);
   for (int64_t i = 0; i < BT; i++) losses[i] = NAN;
   double *lg_d = to_d(logits, BT * V), *lref = dnew(BT);
   int64_t n = fy_crossentropy_forward(losses, logits, targets, BT, V);
@@ -852,9 +839,9 @@ static void test_crossentropy(void) {
   // A vocabulary-sized row, threaded, deterministic.
   {
     int64_t BT2 = 16, V2 = 50272;
-    float *x = frand_new(BT2 * V2, 4), *l1 = fnew(BT2), *l2 = fnew(BT2);
+    float *x = frand_new(BT2 * V2, 4), *l1 = check_fnew(BT2), *l2 = check_fnew(BT2);
     int32_t t2[16];
-    for (int64_t i = 0; i < BT2; i++) t2[i] = (int32_t)(urand() * V2);
+    for (int64_t i = 0; i < BT2; i++) t2[i] = (int32_t)(check_urand() * V2);
     fy_crossentropy_forward(l1, x, t2, BT2, V2);
     fy_crossentropy_forward(l2, x, t2, BT2, V2);
     CHECK(same_bits(l1, l2, BT2));
@@ -873,7 +860,7 @@ static void test_adamw(void) {
   const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
   for (int si = 0; si < 2; si++) {
     int64_t n = sizes[si];
-    float *p = frand_new(n, 1), *m = fnew(n), *v = fnew(n), *g = fnew(n), *p0 = fdup(p, n);
+    float *p = frand_new(n, 1), *m = check_fnew(n), *v = check_fnew(n), *g = check_fnew(n), *p0 = fdup(p, n);
     double *pd = to_d(p, n), *md = dnew(n), *vd = dnew(n);
     for (int64_t t = 1; t <= 5; t++) {
       fill(g, n, 2);
