@@ -124,9 +124,10 @@ static void matmul_ref(double *c, const float *a, const float *b, int64_t batch,
 }
 
 static void test_matmul(void) {
-  // Packed, every (ta, tb), beta 0 and 1, alpha 1 and not; a small and a blocked size.
-  const int64_t sizes[2][3] = {{13, 11, 7}, {131, 97, 203}};
-  for (int sz = 0; sz < 2; sz++)
+  // Packed, every (ta, tb), beta 0 and 1, alpha 1 and not; a small and a blocked size, and a
+  // reduction long against the output (matmul.c's other implementation).
+  const int64_t sizes[3][3] = {{13, 11, 7}, {131, 97, 203}, {9, 12, 1537}};
+  for (int sz = 0; sz < 3; sz++)
     for (int ta = 0; ta < 2; ta++)
       for (int tb = 0; tb < 2; tb++)
         for (int beta = 0; beta < 2; beta++)
