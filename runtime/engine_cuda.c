@@ -213,6 +213,22 @@ static void adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const 
                        x->st);
 }
 
+// The offload engine's device chunks (fp32 gradients), launched on its compute stream.
+static fy_status chunk_sumsq_cuda(struct fy_model *m, double *sum, const float *g, int64_t n) {
+  struct cuda_ctx *x = ctx_of(m);
+  return fy_cuda_sumsq(sum, g, FY_F32, n, x->dscratch, false, x->st);
+}
+
+static fy_status chunk_adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n,
+                                  float lr, float b1, float b2, float eps, float wd, int64_t t,
+                                  const float *scale_skip) {
+  return fy_cuda_adamw_update_deferred(p, mo, v, g, n, lr, b1, b2, eps, wd, t, scale_skip, ctx_of(m)->st);
+}
+
+static fy_status chunk_add_cuda(struct fy_model *m, float *dst, const float *src, int64_t n) {
+  return fy_cuda_add_forward(dst, dst, src, FY_F32, n, ctx_of(m)->st);
+}
+
 // grad_acc (fp32) = or += this micro-batch's gradients (bf16 ones through m->grads, converted).
 static void grads_sum_cuda(struct fy_model *m, bool first) {
   struct cuda_ctx *x = ctx_of(m);
@@ -246,6 +262,9 @@ static const struct fy_model_kernels cuda_kernels = {
     .prepare_weights = prepare_weights_cuda,
     .grads_sum = grads_sum_cuda,
     .set_stream = set_stream_cuda,
+    .chunk_sumsq = chunk_sumsq_cuda,
+    .chunk_adamw = chunk_adamw_cuda,
+    .chunk_add = chunk_add_cuda,
 };
 
 void fy_engine_cuda_detach(struct fy_model *m) {

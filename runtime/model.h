@@ -86,6 +86,18 @@ struct fy_model_kernels {
   void (*set_stream)(struct fy_model *m, fy_stream *s);
   void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
+  // Chunks the offload engine keeps on such a device (fp32), launched on the stream of set_stream
+  // (NULL where host functions on the stream do this work, as on the sim device):
+  // *sum (device) = sum of g (n)^2, in double;
+  fy_status (*chunk_sumsq)(struct fy_model *m, double *sum, const float *g, int64_t n);
+  // AdamW as `adamw`, with the gradient scale and a skip flag read from device memory when the
+  // kernel runs (scale_skip[0], scale_skip[1] != 0: leave everything as it is): the offload engine
+  // launches it before the step's gradient norm is known on the host;
+  fy_status (*chunk_adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t,
+                           const float *scale_skip);
+  // dst (n) += src (n), the micro-batches' sum of a chunk's gradients.
+  fy_status (*chunk_add)(struct fy_model *m, float *dst, const float *src, int64_t n);
 };
 
 struct fy_model_opts {

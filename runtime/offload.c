@@ -64,6 +64,14 @@ struct fy_offload {
   bool dev_uploaded;
   fy_event *dev_sumsq_done, *dev_updates_done[2];
   struct accumulate_job { float *dst; const float *src; int64_t n; } *dev_acc_jobs;  // per chunk
+  // Their optimizer works on device memory, on the compute stream: the parameters' sums of squares
+  // go to dev_sums and reach the norm through host_sums; each step's gradient scale and skip flag
+  // come back from the norm through host_scale[2q..] to dev_scale[2q..] (both copies on the
+  // compute stream, through the copy engine). On a GPU the work is the kernels' (m->kernels->
+  // chunk_*, launched by this thread: `launch`); elsewhere host functions on that stream do it.
+  double *dev_sums, *host_sums;
+  float *dev_scale, *host_scale;
+  bool launch;
   double *sumsq;                  // per parameter
   struct chunk_job *jobs[2];
   struct step_args args[2];
@@ -225,9 +233,11 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->param_first[nc] = k;
   // The first n_dev chunks: on the device with all their state.
   x->n_dev = o->n_device_chunks < nc ? o->n_device_chunks : nc;
-  if (m->device_memory && x->n_dev > 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept on the %s device (--device-chunks) are updated by host functions "
-                        "that read device memory: on a GPU they are not supported yet", x->dev->name);
+  const struct fy_model_kernels *kt = m->kernels;
+  x->launch = m->device_memory;
+  if (x->launch && x->n_dev > 0 && !(kt->chunk_sumsq && kt->chunk_adamw && kt->chunk_add))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept on the %s device (--device-chunks): its kernels cannot "
+                        "update them", x->dev->name);
   if (x->sharded && x->n_dev > 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
                         "(shards_on_device keeps every rank's shards there)", x->world);
@@ -248,6 +258,16 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     }
     FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_m[c], 0, (size_t)ce * 4));
     FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_v[c], 0, (size_t)ce * 4));
+  }
+  if (x->n_dev > 0) {
+    size_t sums = (size_t)g->n_params * sizeof(double);
+    fy_status st = fy_device_alloc(x->dev, sums, (void **)&x->dev_sums);
+    if (st == FY_OK) st = fy_device_alloc(x->dev, 4 * sizeof(float), (void **)&x->dev_scale);
+    if (st != FY_OK) return fy_error_wrap(st, "keeping the device chunks' sums of squares on the device");
+    FY_TRY(fy_host_alloc(m->host, sums, (void **)&x->host_sums));
+    FY_TRY(fy_host_alloc(m->host, 4 * sizeof(float), (void **)&x->host_scale));
+    memset(x->host_sums, 0, sums);
+    memset(x->host_scale, 0, 4 * sizeof(float));
   }
   FY_TRY(fy_stream_sync(x->copy_in));
   // Gradients and AdamW state: the next chunks in the host tier, the last n_disk_chunks on disk.
@@ -452,6 +472,11 @@ void fy_offload_free(struct fy_offload *x) {
   }
   free(x->dev_bwd_done);
   free(x->dev_acc_jobs);
+  size_t sums = (size_t)m->graph->n_params * sizeof(double);
+  if (x->dev_sums) fy_device_dealloc(x->dev, x->dev_sums, sums);
+  if (x->dev_scale) fy_device_dealloc(x->dev, x->dev_scale, 4 * sizeof(float));
+  if (x->host_sums) fy_host_dealloc(m->host, x->host_sums, sums);
+  if (x->host_scale) fy_host_dealloc(m->host, x->host_scale, 4 * sizeof(float));
   fy_trace_free(x->trace);
   free(x->actions);
   free(x->home);
@@ -525,6 +550,8 @@ static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
   if (x->max_micro > 1) {
     if (micro == 0) {
       FY_TRY(fy_copy_async(x->compute, x->dev_acc[c], x->dev_g[c], (size_t)used * 4));
+    } else if (x->launch) {
+      FY_TRY(x->m->kernels->chunk_add(x->m, x->dev_acc[c], x->dev_g[c], used));
     } else {
       x->dev_acc_jobs[c] = (struct accumulate_job){x->dev_acc[c], x->dev_g[c], used};  // same values every time
       FY_TRY(fy_stream_enqueue(x->compute, dev_add_fn, &x->dev_acc_jobs[c]));
@@ -660,7 +687,8 @@ static void sumsq_fn(void *arg) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
     int64_t a = p->chunk_offset > lo ? p->chunk_offset : lo;
     int64_t b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
-    x->sumsq[x->param_ids[k]] = a < b ? fy_sumsq(grad + (a - lo), b - a) : 0.0;
+    double *out = c < x->n_dev ? &x->dev_sums[x->param_ids[k]] : &x->sumsq[x->param_ids[k]];
+    *out = a < b ? fy_sumsq(grad + (a - lo), b - a) : 0.0;
   }
 }
 
@@ -671,7 +699,8 @@ static void norm_fn(void *arg) {
   struct step_args *a = &x->args[j->q];
   const struct fy_graph *g = x->m->graph;
   double s[2] = {0, 0};  // whole parameters, tensor-parallel slices
-  for (int i = 0; i < g->n_params; i++) s[g->params[i].split_dim >= 0] += x->sumsq[i];
+  for (int i = 0; i < g->n_params; i++)
+    s[g->params[i].split_dim >= 0] += g->params[i].chunk < x->n_dev ? x->host_sums[i] : x->sumsq[i];
   // Every rank's sums, added in rank order (the same bits on every rank): the shards over the
   // data-parallel ranks, then the slices over the tensor-parallel ones. Doubles travel as words.
   fy_status st = FY_OK;
@@ -702,15 +731,22 @@ static void norm_fn(void *arg) {
     double coef = a->h.clip / (a->norm + 1e-6);
     if (coef < 1.0) a->scale = (float)((double)a->grad_scale * coef);
   }
+  if (x->host_scale) {  // for the device chunks' updates
+    x->host_scale[2 * j->q] = a->scale;
+    x->host_scale[2 * j->q + 1] = a->skip ? 1.0f : 0.0f;
+  }
 }
 
 static void adamw_fn(void *arg) {
   struct chunk_job *j = arg;
   struct fy_offload *x = j->x;
   const struct step_args *a = &x->args[j->q];
-  if (a->skip) return;
-  const struct fy_graph *g = x->m->graph;
   int c = j->chunk;
+  // A device chunk takes the scale and the skip flag from device memory, as the kernels do.
+  const float *dscale = c < x->n_dev ? x->dev_scale + 2 * j->q : NULL;
+  if (dscale ? dscale[1] != 0.0f : a->skip) return;
+  const float scale = dscale ? dscale[0] : a->scale;
+  const struct fy_graph *g = x->m->graph;
   size_t used = (size_t)span(x, c) * 4;
   size_t slot = (size_t)x->S * 4;
   float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
@@ -744,7 +780,7 @@ static void adamw_fn(void *arg) {
     if (b0 >= b1) continue;
     int64_t o = b0 - lo;
     fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
-                    p->decay ? a->h.weight_decay : 0.0f, a->t, a->scale);
+                    p->decay ? a->h.weight_decay : 0.0f, a->t, scale);
   }
   if (c >= x->n_dev && !x->m_home[c]) {
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
@@ -753,6 +789,36 @@ static void adamw_fn(void *arg) {
     if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
     if (st != FY_OK) async_fail(x, st);
   }
+}
+
+// A device chunk's sums of squares, into dev_sums: kernels launched on the compute stream (GPU), or
+// sumsq_fn there.
+static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
+  if (!x->launch) return fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]);
+  const struct fy_graph *g = x->m->graph;
+  const float *grad = chunk_grads(x, c);
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    FY_TRY(x->m->kernels->chunk_sumsq(x->m, &x->dev_sums[x->param_ids[k]], grad + p->chunk_offset, p->numel));
+  }
+  return FY_OK;
+}
+
+// A device chunk's AdamW, with step q's scale and skip flag from dev_scale: kernels (GPU) or
+// adamw_fn on the compute stream.
+static fy_status device_adamw(struct fy_offload *x, int q, int c) {
+  if (!x->launch) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
+  const struct fy_graph *g = x->m->graph;
+  const struct step_args *a = &x->args[q];
+  float *gg = (float *)chunk_grads(x, c);
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    int64_t o = p->chunk_offset;
+    FY_TRY(x->m->kernels->chunk_adamw(x->m, x->dev_w[c] + o, x->dev_m[c] + o, x->dev_v[c] + o, gg + o, p->numel,
+                                      a->lr, a->h.beta1, a->h.beta2, a->h.eps, p->decay ? a->h.weight_decay : 0.0f,
+                                      a->t, x->dev_scale + 2 * q));
+  }
+  return FY_OK;
 }
 
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
@@ -764,7 +830,9 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   x->args[q] = (struct step_args){.h = *h, .lr = lr, .t = t, .grad_scale = grad_scale};
   int nc = x->m->layout->n_chunks;
   // Chunks on the device: their sums of squares and updates run there, on the compute stream.
-  for (int c = 0; c < x->n_dev; c++) FY_TRY(fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]));
+  for (int c = 0; c < x->n_dev; c++) FY_TRY(device_sumsq(x, q, c));
+  if (x->n_dev > 0)
+    FY_TRY(fy_copy_async(x->compute, x->host_sums, x->dev_sums, (size_t)x->m->graph->n_params * sizeof(double)));
   FY_TRY(fy_event_record(x->dev_sumsq_done, x->compute));
   for (int c = x->n_dev; c < nc; c++) {
     FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
@@ -774,7 +842,8 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   FY_TRY(fy_stream_enqueue(x->optim, norm_fn, &x->jobs[q][0]));
   FY_TRY(fy_event_record(x->norm_ready, x->optim));
   FY_TRY(fy_stream_wait(x->compute, x->norm_ready));
-  for (int c = 0; c < x->n_dev; c++) FY_TRY(fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]));
+  if (x->n_dev > 0) FY_TRY(fy_copy_async(x->compute, x->dev_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
+  for (int c = 0; c < x->n_dev; c++) FY_TRY(device_adamw(x, q, c));
   FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
   for (int c = x->n_dev; c < nc; c++) {
     FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));

@@ -287,8 +287,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
-    // Everything resident on the GPU, fp32 (the reference precision); offloading to a cuda device
-    // and bf16 compute are not wired yet.
+    // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute.
     FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));

@@ -107,6 +107,17 @@ int main(void) {
   s.disk_chunks = 1;
   s.device_chunks = 2;
   same_as("sim, 2 chunks updated on the device, 1 on disk", s, &ref);
+  // A loss scale: the device chunks take the unscaling factor (and the skip flag) from device
+  // memory, where it is copied after the norm; with jitter every stream's order is tested.
+  struct fy_train_result ref_scaled;
+  o = base();
+  o.loss_scale = 0x1p100f;
+  CHECK_OK(fy_train(&o, &ref_scaled));
+  s.loss_scale = 0x1p100f;
+  s.sim_jitter_us = 200;
+  same_as("sim, 2 chunks on the device, loss scale 2^100", s, &ref_scaled);
+  s.loss_scale = 0;
+  s.sim_jitter_us = 0;
   s.device_chunks = 0;
   s.disk_chunks = -1;
   s.disk_dir = NULL;

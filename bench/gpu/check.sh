@@ -297,11 +297,17 @@ PY
   "$build/ferry" "${common[@]}" --device cuda --offload --device-mem 160MiB --log "$d/offload.jsonl" >"$d/offload.out" 2>&1 \
     || { cat "$d/offload.out"; return 1; }
   grep "cache blocks" "$d/offload.out" || true
-  python3 - "$d/cuda.jsonl" "$d/offload.jsonl" <<'PY'
+  # The same with the first two chunks and their AdamW state kept on the GPU (the chunk kernels:
+  # sums of squares, AdamW with the scale from device memory).
+  "$build/ferry" "${common[@]}" --device cuda --offload --device-mem 160MiB --device-chunks 2 --log "$d/devchunks.jsonl" \
+    >"$d/devchunks.out" 2>&1 || { cat "$d/devchunks.out"; return 1; }
+  python3 - "$d/cuda.jsonl" "$d/offload.jsonl" "$d/devchunks.jsonl" <<'PY'
 import json, sys
-a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
-print("offload", " ".join(f"{x:.6f}" for x in b))
-sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
+a, b, c = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("offload   ", " ".join(f"{x:.6f}" for x in b))
+print("dev chunks", " ".join(f"{x:.6f}" for x in c))
+close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
+sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   "$build/ferry" train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" \

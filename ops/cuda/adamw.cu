@@ -12,7 +12,12 @@ template <typename G>
 __global__ void adamw_kernel(float *__restrict__ param, float *__restrict__ m,
                              float *__restrict__ v, const G *__restrict__ grad,
                              fy_bf16 *__restrict__ param_bf16, int64_t n, float decay, float step,
-                             float bc2_sqrt, float b1, float b2, float eps, float gs) {
+                             float bc2_sqrt, float b1, float b2, float eps, float gs,
+                             const float *__restrict__ scale_skip) {
+  if (scale_skip) {  // decided after the launch: the scale, and whether to skip the step
+    if (scale_skip[1] != 0.0f) return;
+    gs = scale_skip[0];
+  }
   const float ob1 = 1.0f - b1, ob2 = 1.0f - b2;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
@@ -28,11 +33,10 @@ __global__ void adamw_kernel(float *__restrict__ param, float *__restrict__ m,
   }
 }
 
-extern "C" fy_status fy_cuda_adamw_update(float *param, float *m, float *v, const void *grad,
-                                          enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n,
-                                          float lr, float beta1, float beta2, float eps,
-                                          float weight_decay, int64_t t, float grad_scale,
-                                          cudaStream_t st) {
+static fy_status adamw_launch(float *param, float *m, float *v, const void *grad, enum fy_dtype grad_dt,
+                              uint16_t *param_bf16, int64_t n, float lr, float beta1, float beta2,
+                              float eps, float weight_decay, int64_t t, float grad_scale,
+                              const float *scale_skip, cudaStream_t st) {
   if (n <= 0) return FY_OK;
   if (t < 1) return fy_error_set(FY_ERR_INVALID, "cuda adamw: step %lld (counts from 1)", (long long)t);
   const double bc1 = 1.0 - pow((double)beta1, (double)t);
@@ -43,8 +47,27 @@ extern "C" fy_status fy_cuda_adamw_update(float *param, float *m, float *v, cons
   FY_CUDA_DISPATCH("adamw", grad_dt, G,
                    adamw_kernel<G><<<fy_grid(n, 256), 256, 0, st>>>(
                        param, m, v, (const G *)grad, (fy_bf16 *)param_bf16, n, decay, step,
-                       bc2_sqrt, beta1, beta2, eps, grad_scale));
+                       bc2_sqrt, beta1, beta2, eps, grad_scale, scale_skip));
   return fy_cuda_launched("adamw");
+}
+
+extern "C" fy_status fy_cuda_adamw_update(float *param, float *m, float *v, const void *grad,
+                                          enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n,
+                                          float lr, float beta1, float beta2, float eps,
+                                          float weight_decay, int64_t t, float grad_scale,
+                                          cudaStream_t st) {
+  return adamw_launch(param, m, v, grad, grad_dt, param_bf16, n, lr, beta1, beta2, eps,
+                      weight_decay, t, grad_scale, NULL, st);
+}
+
+extern "C" fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v,
+                                                   const float *grad, int64_t n, float lr,
+                                                   float beta1, float beta2, float eps,
+                                                   float weight_decay, int64_t t,
+                                                   const float *scale_skip, cudaStream_t st) {
+  if (!scale_skip) return fy_error_set(FY_ERR_INVALID, "cuda adamw: no scale in device memory");
+  return adamw_launch(param, m, v, grad, FY_F32, NULL, n, lr, beta1, beta2, eps, weight_decay, t,
+                      1.0f, scale_skip, st);
 }
 
 #define SUMSQ_THREADS 256

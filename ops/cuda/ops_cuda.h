@@ -114,6 +114,13 @@ fy_status fy_cuda_adamw_update(float *param, float *m, float *v, const void *gra
                                enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n, float lr,
                                float beta1, float beta2, float eps, float weight_decay, int64_t t,
                                float grad_scale, cudaStream_t st);
+// The same for fp32 gradients, with the gradient scale read from device memory when the kernel
+// runs: scale_skip[0] the scale, scale_skip[1] != 0 skips the step (nothing is written). For an
+// update launched before the step's gradient norm is known on the host (runtime/offload.c).
+fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v, const float *grad,
+                                        int64_t n, float lr, float beta1, float beta2, float eps,
+                                        float weight_decay, int64_t t, const float *scale_skip,
+                                        cudaStream_t st);
 
 // Blocks of the first pass of the sum of squares: scratch holds this many doubles.
 #define FY_CUDA_SUMSQ_PARTS 1024
