@@ -4,7 +4,9 @@
 Random init (nothing is downloaded), float32 (or --dtype bf16: autocast to bfloat16 over fp32
 weights, the fused AdamW on CUDA: mixed precision as ferry's bf16, fp32 master weights and state),
 dropout and attention dropout 0 (ferry has no dropout), random token batches, the same batch and
-sequence as ferry's benchmark. The first --warmup steps are not timed. Prints one JSON line:
+sequence as ferry's benchmark, and the same step as `ferry train`'s defaults: gradients clipped to
+global norm 1, AdamW with betas (0.9, 0.95). The first --warmup steps are not timed. Prints one JSON
+line:
 
   {"peer":"torch","model":"opt-125m","batch":4,"seq":128,"threads":2,"step_s_median":...,
    "tokens_per_s":...,"gflops":...,"peak_rss_mib":...}
@@ -54,6 +56,9 @@ def main():
                     help="transformers attention implementation (default sdpa)")
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="clip gradients to this global norm before each step, as ferry train does by "
+                         "default (default 1.0; 0: no clipping)")
     ap.add_argument("--device", default="cpu", help="torch device (default cpu; cuda also works)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="opt-125m", choices=sorted(SHAPES), help="OPT shape (default opt-125m)")
@@ -83,7 +88,9 @@ def main():
     model = OPTForCausalLM(cfg).to(device=dev, dtype=torch.float32)
     model.train()
     fused = {"fused": True} if dev.type == "cuda" else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)
+    # ferry's AdamW defaults (runtime/optimizer.c): betas (0.9, 0.95), eps 1e-8.
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=args.weight_decay, **fused)
     amp = lambda: torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     n_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
@@ -103,6 +110,8 @@ def main():
         with amp():
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         losses.append(loss.item())
         sync()
