@@ -101,37 +101,25 @@ static bool mm_long_reduction(const struct mm_key *k) {
 }
 
 // The primitive descriptor for `desc`: oneDNN's first implementation, or for a long reduction its
-// first "gemm" one when it offers one (never a reference implementation).
+// first "gemm" one when it offers one.
 static dnnl_status_t mm_pick(dnnl_primitive_desc_t *pd, const dnnl_matmul_desc_t *desc,
                              dnnl_primitive_attr_t attr, const struct mm_key *k) {
-  if (!mm_long_reduction(k)) return dnnl_primitive_desc_create(pd, desc, attr, mm_engine, NULL);
-  dnnl_primitive_desc_iterator_t it = NULL;
-  dnnl_status_t s = dnnl_primitive_desc_iterator_create(&it, desc, attr, mm_engine, NULL);
-  if (s != dnnl_success) return s;
   *pd = NULL;
-  dnnl_primitive_desc_t first = NULL;
-  do {
-    dnnl_primitive_desc_t cand = dnnl_primitive_desc_iterator_fetch(it);
-    if (!cand) break;
-    const char *impl = NULL;
-    if (dnnl_primitive_desc_query(cand, dnnl_query_impl_info_str, 0, &impl) == dnnl_success &&
-        impl && strncmp(impl, "gemm", 4) == 0) {
-      *pd = cand;
-      break;
-    }
-    if (!first) first = cand;
-    else dnnl_primitive_desc_destroy(cand);
-  } while (dnnl_primitive_desc_iterator_next(it) == dnnl_success);
-  dnnl_primitive_desc_iterator_destroy(it);
-  if (*pd) {
-    if (first) dnnl_primitive_desc_destroy(first);
-    return dnnl_success;
+  dnnl_primitive_desc_iterator_t it = NULL;
+  if (mm_long_reduction(k) &&
+      dnnl_primitive_desc_iterator_create(&it, desc, attr, mm_engine, NULL) == dnnl_success) {
+    do {
+      dnnl_primitive_desc_t cand = dnnl_primitive_desc_iterator_fetch(it);
+      const char *impl = NULL;
+      if (cand && dnnl_primitive_desc_query(cand, dnnl_query_impl_info_str, 0, &impl) == dnnl_success &&
+          impl && strncmp(impl, "gemm", 4) == 0)
+        *pd = cand;
+      else if (cand)
+        dnnl_primitive_desc_destroy(cand);
+    } while (!*pd && dnnl_primitive_desc_iterator_next(it) == dnnl_success);
+    dnnl_primitive_desc_iterator_destroy(it);
   }
-  if (first) {
-    *pd = first;
-    return dnnl_success;
-  }
-  return dnnl_primitive_desc_create(pd, desc, attr, mm_engine, NULL);
+  return *pd ? dnnl_success : dnnl_primitive_desc_create(pd, desc, attr, mm_engine, NULL);
 }
 
 static fy_status mm_create(const struct mm_key *k, float alpha, float beta,
