@@ -75,21 +75,21 @@ layernorm_backward_input_kernel(T *__restrict__ dinp, const T *__restrict__ dout
   }
 }
 
-// dout (BT,C), inp (BT,C), mean (BT), rstd (BT) -> dweight (C) (+)=, dbias (C) (+)=
-// Block b owns channels [32b, 32b+32): thread (tx, ty) sums rows ty, ty+32, ... of channel 32b+tx
-// (a warp reads 32 consecutive channels of one row: coalesced), then the 32 partial sums of each
-// channel are added in a fixed order.
+// Rows [i0, i1) of dout (BT,C), inp (BT,C), mean, rstd -> *sw, *sb: the sums over those rows of
+// channel 32*blockIdx.x + tx of the weight gradient (x - mean) * rstd * dout and of dout.
+// Thread (tx, ty) sums rows i0+ty, i0+ty+32, ... of its channel (a warp reads 32 consecutive
+// channels of one row: coalesced), then the 32 partial sums of each channel are added in a fixed
+// order. Every thread of the block must call it; true for the threads (ty = 0, a channel < C)
+// that hold a channel's sums.
 template <typename T>
-__global__ void __launch_bounds__(1024)
-layernorm_backward_params_kernel(T *dweight, T *dbias, const T *dout, const T *inp,
-                                 const float *mean, const float *rstd, int64_t BT, int C,
-                                 bool accumulate) {
+__device__ bool ln_params_rows(float *sw, float *sb, const T *dout, const T *inp, const float *mean,
+                               const float *rstd, int64_t i0, int64_t i1, int C) {
   __shared__ float pw[32][33], pb[32][33];  // +1: the column reads below hit distinct banks
   int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
   int c = blockIdx.x * 32 + tx;
   float aw = 0.0f, ab = 0.0f;
   if (c < C)
-    for (int64_t i = ty; i < BT; i += 32) {
+    for (int64_t i = i0 + ty; i < i1; i += 32) {
       float g = fy_ld(dout + i * C + c);
       aw += (fy_ld(inp + i * C + c) - mean[i]) * rstd[i] * g;
       ab += g;
@@ -97,12 +97,27 @@ layernorm_backward_params_kernel(T *dweight, T *dbias, const T *dout, const T *i
   pw[ty][tx] = aw;
   pb[ty][tx] = ab;
   __syncthreads();
-  if (ty != 0 || c >= C) return;
-  float sw = 0.0f, sb = 0.0f;
+  if (ty != 0 || c >= C) return false;
+  float w = 0.0f, b = 0.0f;
   for (int k = 0; k < 32; k++) {
-    sw += pw[k][tx];
-    sb += pb[k][tx];
+    w += pw[k][tx];
+    b += pb[k][tx];
   }
+  *sw = w;
+  *sb = b;
+  return true;
+}
+
+// dout (BT,C), inp (BT,C), mean (BT), rstd (BT) -> dweight (C) (+)=, dbias (C) (+)=
+// Block b owns channels [32b, 32b+32), all rows.
+template <typename T>
+__global__ void __launch_bounds__(1024)
+layernorm_backward_params_kernel(T *dweight, T *dbias, const T *dout, const T *inp,
+                                 const float *mean, const float *rstd, int64_t BT, int C,
+                                 bool accumulate) {
+  float sw, sb;
+  if (!ln_params_rows(&sw, &sb, dout, inp, mean, rstd, 0, BT, C)) return;
+  int c = blockIdx.x * 32 + threadIdx.x % 32;
   if (dweight) fy_st(dweight + c, accumulate ? fy_ld(dweight + c) + sw : sw);
   if (dbias) fy_st(dbias + c, accumulate ? fy_ld(dbias + c) + sb : sb);
 }
@@ -114,27 +129,12 @@ template <typename T>
 __global__ void __launch_bounds__(1024)
 layernorm_backward_params_part_kernel(float *scratch, const T *dout, const T *inp,
                                       const float *mean, const float *rstd, int64_t BT, int C) {
-  __shared__ float pw[32][33], pb[32][33];
-  int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-  int c = blockIdx.x * 32 + tx, p = blockIdx.y;
+  int p = blockIdx.y;
   int64_t per = (BT + FY_CUDA_LN_PARTS - 1) / FY_CUDA_LN_PARTS;
   int64_t i0 = p * per, i1 = i0 + per < BT ? i0 + per : BT;
-  float aw = 0.0f, ab = 0.0f;
-  if (c < C)
-    for (int64_t i = i0 + ty; i < i1; i += 32) {
-      float g = fy_ld(dout + i * C + c);
-      aw += (fy_ld(inp + i * C + c) - mean[i]) * rstd[i] * g;
-      ab += g;
-    }
-  pw[ty][tx] = aw;
-  pb[ty][tx] = ab;
-  __syncthreads();
-  if (ty != 0 || c >= C) return;
-  float sw = 0.0f, sb = 0.0f;
-  for (int k = 0; k < 32; k++) {
-    sw += pw[k][tx];
-    sb += pb[k][tx];
-  }
+  float sw, sb;
+  if (!ln_params_rows(&sw, &sb, dout, inp, mean, rstd, i0, i1, C)) return;
+  int c = blockIdx.x * 32 + threadIdx.x % 32;
   scratch[(int64_t)(2 * p) * C + c] = sw;
   scratch[(int64_t)(2 * p + 1) * C + c] = sb;
 }
