@@ -245,6 +245,46 @@ __device__ __forceinline__ void att_bwd_scores(float p[4][4], float dp[4][4],
     }
 }
 
+// p, dp (this thread's 4x4 of the tile), D -> sS = dS = P * (dP - D), the softmax backward
+__device__ __forceinline__ void att_store_ds(const att_bwd_smem &s, const float p[4][4],
+                                             const float dp[4][4]) {
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      int qi = ty + 16 * i;
+      s.sS[qi * ATT_SP + tx + 16 * j] = p[i][j] * (dp[i][j] - s.sD[qi]);
+    }
+}
+
+// acc[j] += sum over n < ATT_TILE of w[n * wstride] * x[n * HSP + qq + 4j]: thread (r, qq)
+// accumulates columns qq, qq+4, ... of one row of (a row or column of sS) @ (a tile in smem).
+template <int J>
+__device__ __forceinline__ void att_accumulate(float *acc, const float *w, int wstride,
+                                               const float *x, int HS, int HSP) {
+  const int qq = threadIdx.x % 4;
+  for (int n = 0; n < ATT_TILE; n++) {
+    float wn = w[n * wstride];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+      int c = qq + 4 * j;
+      if (c < HS) acc[j] += wn * x[n * HSP + c];
+    }
+  }
+}
+
+// row[qq + 4j] += acc[j] * mul for the columns below HS
+template <typename T, int J>
+__device__ __forceinline__ void att_add_cols(T *row, const float *acc, float mul, int HS) {
+  const int qq = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < J; j++) {
+    int c = qq + 4 * j;
+    if (c < HS) fy_st(row + c, fy_ld(row + c) + acc[j] * mul);
+  }
+}
+
 // dout, qkv, lse, D -> dqkv (B,T,3C) += (the k and v parts)
 template <typename T, int J>
 __global__ void __launch_bounds__(ATT_THREADS)
@@ -260,7 +300,7 @@ attention_backward_kv_kernel(T *dqkv, const T *dout, const T *qkv, const float *
   const T *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
   const T *gbase = dout + (int64_t)b * Tn * C + (int64_t)h * HS;
   const int k0 = kt * ATT_TILE, tid = threadIdx.x;
-  const int ty = tid / 16, tx = tid % 16, r = tid / 4, qq = tid % 4;
+  const int ty = tid / 16, tx = tid % 16, r = tid / 4;
   att_load_tile(s.sK, base + C, C3, k0, Tn, HS, HSP);
   att_load_tile(s.sV, base + 2 * C, C3, k0, Tn, HS, HSP);
   att_load_keys_ok(s.sOk, mask, b, k0, Tn);
@@ -284,45 +324,19 @@ attention_backward_kv_kernel(T *dqkv, const T *dout, const T *qkv, const float *
       for (int j = 0; j < 4; j++) s.sS[(ty + 16 * i) * ATT_SP + tx + 16 * j] = p[i][j];
     __syncthreads();
     // dV[key r] += sum over queries q of P[q][r] * dO[q]
-    for (int q = 0; q < ATT_TILE; q++) {
-      float pv = s.sS[q * ATT_SP + r];
-#pragma unroll
-      for (int j = 0; j < J; j++) {
-        int c = qq + 4 * j;
-        if (c < HS) dv[j] += pv * s.sdO[q * HSP + c];
-      }
-    }
+    att_accumulate<J>(dv, s.sS + r, ATT_SP, s.sdO, HS, HSP);
     __syncthreads();  // P is read; dS goes over it
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        int qi = ty + 16 * i;
-        s.sS[qi * ATT_SP + tx + 16 * j] = p[i][j] * (dp[i][j] - s.sD[qi]);
-      }
+    att_store_ds(s, p, dp);
     __syncthreads();
     // dK[key r] += sum over queries q of dS[q][r] * Q[q] (times scale, at the end)
-    for (int q = 0; q < ATT_TILE; q++) {
-      float ds = s.sS[q * ATT_SP + r];
-#pragma unroll
-      for (int j = 0; j < J; j++) {
-        int c = qq + 4 * j;
-        if (c < HS) dk[j] += ds * s.sQ[q * HSP + c];
-      }
-    }
+    att_accumulate<J>(dk, s.sS + r, ATT_SP, s.sQ, HS, HSP);
   }
 
   const int t = k0 + r;
   if (t < Tn) {
     T *row = dqkv + ((int64_t)b * Tn + t) * C3 + (int64_t)h * HS;
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-      int c = qq + 4 * j;
-      if (c < HS) {
-        fy_st(row + C + c, fy_ld(row + C + c) + dk[j] * scale);
-        fy_st(row + 2 * C + c, fy_ld(row + 2 * C + c) + dv[j]);
-      }
-    }
+    att_add_cols<T, J>(row + C, dk, scale, HS);
+    att_add_cols<T, J>(row + 2 * C, dv, 1.0f, HS);
   }
 }
 
@@ -341,7 +355,7 @@ attention_backward_q_kernel(T *dqkv, const T *dout, const T *qkv, const float *l
   const T *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
   const T *gbase = dout + (int64_t)b * Tn * C + (int64_t)h * HS;
   const int q0 = qt * ATT_TILE, tid = threadIdx.x;
-  const int ty = tid / 16, tx = tid % 16, r = tid / 4, qq = tid % 4;
+  const int r = tid / 4;  // the query row this thread accumulates
   att_load_tile(s.sQ, base, C3, q0, Tn, HS, HSP);
   att_load_tile(s.sdO, gbase, (int64_t)C, q0, Tn, HS, HSP);
   att_load_rows(s.sLse, s.sD, lse, D, bh, q0, Tn);
@@ -359,34 +373,14 @@ attention_backward_q_kernel(T *dqkv, const T *dout, const T *qkv, const float *l
     __syncthreads();
     float p[4][4], dp[4][4];
     att_bwd_scores(p, dp, s, HS, HSP, q0, k0, scale);
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        int qi = ty + 16 * i;
-        s.sS[qi * ATT_SP + tx + 16 * j] = p[i][j] * (dp[i][j] - s.sD[qi]);
-      }
+    att_store_ds(s, p, dp);
     __syncthreads();
     // dQ[query r] += sum over keys k of dS[r][k] * K[k] (times scale, at the end)
-    for (int k = 0; k < ATT_TILE; k++) {
-      float ds = s.sS[r * ATT_SP + k];
-#pragma unroll
-      for (int j = 0; j < J; j++) {
-        int c = qq + 4 * j;
-        if (c < HS) dq[j] += ds * s.sK[k * HSP + c];
-      }
-    }
+    att_accumulate<J>(dq, s.sS + r * ATT_SP, 1, s.sK, HS, HSP);
   }
 
   const int t = q0 + r;
-  if (t < Tn) {
-    T *row = dqkv + ((int64_t)b * Tn + t) * C3 + (int64_t)h * HS;
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-      int c = qq + 4 * j;
-      if (c < HS) fy_st(row + c, fy_ld(row + c) + dq[j] * scale);
-    }
-  }
+  if (t < Tn) att_add_cols<T, J>(dqkv + ((int64_t)b * Tn + t) * C3 + (int64_t)h * HS, dq, scale, HS);
 }
 
 static fy_status att_check(const char *what, int64_t B, int64_t T, int64_t C, int64_t NH,
