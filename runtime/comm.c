@@ -339,15 +339,19 @@ static double now_s(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-// Called when a collective ran out of time: the message, then the end of the job.
-static void mpi_timeout(struct fy_comm *c, const struct fy_comm_call *call) {
+void fy_comm_timed_out(struct fy_comm *c, const struct fy_comm_call *call, const char *then) {
   char sz[32], stp[48];
   fy_error_set(FY_ERR_IO, "%s of %s did not complete within %g s %s (a rank died or hangs)",
                fy_collective_name(call->op), fy_comm_size_text(fy_comm_call_bytes(c, call), sz, sizeof sz),
                c->timeout_s, fy_comm_step_text(call->step, stp, sizeof stp));
   fy_comm_fail(c, FY_ERR_IO);
-  fprintf(stderr, "ferry: rank %d: %s; aborting the job\n", c->rank, fy_error_msg());
+  fprintf(stderr, "ferry: rank %d: %s; %s\n", c->rank, fy_error_msg(), then);
   fflush(stderr);
+}
+
+// Called when a collective ran out of time: the message, then the end of the job.
+static void mpi_timeout(struct fy_comm *c, const struct fy_comm_call *call) {
+  fy_comm_timed_out(c, call, "aborting the job");
   mpi_lock();
   MPI_Abort(MPI_COMM_WORLD, 3);
   _exit(3);  // not reached: MPI_Abort does not return

@@ -162,5 +162,9 @@ fy_status fy_comm_fail(struct fy_comm *c, fy_status st);
 const char *fy_comm_step_text(int64_t step, char *buf, size_t n);
 // "64 MiB", "1.5 KiB", "12 B".
 const char *fy_comm_size_text(size_t bytes, char *buf, size_t n);
+// A collective of c ran out of time: sets the error ("all-reduce of 64 MiB did not complete
+// within 300 s at step 12 (a rank died or hangs)"), records it as c's first error, and prints
+// "ferry: rank R: <message>; <then>" to stderr. The backend then ends the job its own way.
+void fy_comm_timed_out(struct fy_comm *c, const struct fy_comm_call *call, const char *then);
 
 #endif

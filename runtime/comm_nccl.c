@@ -153,13 +153,7 @@ static void nccl_forget_locked(struct nccl_impl *m) {
 // A collective ran out of time: the message, the abort, the end of the job. Holds m->mu (or runs
 // before the watchdog exists).
 static void nccl_end_job(struct fy_comm *c, const struct fy_comm_call *call) {
-  char sz[32], stp[48];
-  fy_error_set(FY_ERR_IO, "%s of %s did not complete within %g s %s (a rank died or hangs)",
-               fy_collective_name(call->op), fy_comm_size_text(fy_comm_call_bytes(c, call), sz, sizeof sz),
-               c->timeout_s, fy_comm_step_text(call->step, stp, sizeof stp));
-  fy_comm_fail(c, FY_ERR_IO);
-  fprintf(stderr, "ferry: rank %d: %s; aborting the NCCL communicator and the job\n", c->rank, fy_error_msg());
-  fflush(stderr);
+  fy_comm_timed_out(c, call, "aborting the NCCL communicator and the job");
   // Should ncclCommAbort itself hang (a wedged proxy thread), SIGALRM still ends this process, and
   // the launcher the job.
   alarm(FY_NCCL_ABORT_GRACE_S);
