@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "core/dtype.h"
 #include "runtime/comm.h"
@@ -24,6 +25,13 @@ static inline float value(int r, size_t i) {
   float m = 1.0f + (float)(u & 0xffffff) / (float)(1 << 24);
   float v = ldexpf(m, (int)((u >> 24) % 16) - 6);
   return (u >> 40) & 1 ? -v : v;
+}
+
+// 0, 1, ..., n-1 (malloc'd): the ranks of a split that keeps them all.
+static inline int *all_ranks(int n) {
+  int *r = malloc((size_t)n * sizeof *r);
+  for (int i = 0; i < n; i++) r[i] = i;
+  return r;
 }
 
 static inline uint64_t hash_bytes(const void *p, size_t n) {

@@ -126,12 +126,6 @@ static long env_long(const char *name) {
   return v ? strtol(v, NULL, 10) : -1;
 }
 
-static int *all_ranks(int n) {
-  int *r = malloc((size_t)n * sizeof *r);
-  for (int i = 0; i < n; i++) r[i] = i;
-  return r;
-}
-
 // The same 8 bytes on every rank? (all-gathered as 4 bf16 elements, which are only copied)
 static bool same_everywhere(struct fy_comm *c, uint64_t h) {
   int n = fy_comm_size(c);

@@ -86,12 +86,6 @@ static void done(fy_stream *s) {
   if (s) CHECK_OK(fy_stream_sync(s));
 }
 
-static int *all_ranks(int n) {
-  int *r = malloc((size_t)n * sizeof *r);
-  for (int i = 0; i < n; i++) r[i] = i;
-  return r;
-}
-
 // The same 8 bytes on every rank? (all-gathered through the communicator as 4 bf16, only copied)
 static bool same_everywhere(struct fy_comm *c, uint64_t h) {
   int n = fy_comm_size(c);
