@@ -68,10 +68,9 @@ struct fy_offload {
   // go to dev_sums and reach the norm through host_sums; each step's gradient scale and skip flag
   // come back from the norm through host_scale[2q..] to dev_scale[2q..] (both copies on the
   // compute stream, through the copy engine). On a GPU the work is the kernels' (m->kernels->
-  // chunk_*, launched by this thread: `launch`); elsewhere host functions on that stream do it.
+  // chunk_*, launched by this thread); elsewhere host functions on that stream do it.
   double *dev_sums, *host_sums;
   float *dev_scale, *host_scale;
-  bool launch;
   double *sumsq;                  // per parameter
   struct chunk_job *jobs[2];
   struct step_args args[2];
@@ -92,6 +91,10 @@ struct fy_offload {
   fy_status async_st;
   char async_msg[512];
 };
+
+// The model's kernels launch on a stream (a GPU's: runtime/engine_cuda.c) instead of running as
+// host functions on it.
+static bool launches_kernels(const struct fy_model *m) { return m->kernels->set_stream != NULL; }
 
 static void async_fail(struct fy_offload *x, fy_status st) {
   pthread_mutex_lock(&x->err_lock);
@@ -234,8 +237,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   // The first n_dev chunks: on the device with all their state.
   x->n_dev = o->n_device_chunks < nc ? o->n_device_chunks : nc;
   const struct fy_model_kernels *kt = m->kernels;
-  x->launch = m->device_memory;
-  if (x->launch && x->n_dev > 0 && !(kt->chunk_sumsq && kt->chunk_adamw && kt->chunk_add))
+  if (launches_kernels(m) && x->n_dev > 0 && !(kt->chunk_sumsq && kt->chunk_adamw && kt->chunk_add))
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept on the %s device (--device-chunks): its kernels cannot "
                         "update them", x->dev->name);
   if (x->sharded && x->n_dev > 0)
@@ -550,7 +552,7 @@ static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
   if (x->max_micro > 1) {
     if (micro == 0) {
       FY_TRY(fy_copy_async(x->compute, x->dev_acc[c], x->dev_g[c], (size_t)used * 4));
-    } else if (x->launch) {
+    } else if (launches_kernels(x->m)) {
       FY_TRY(x->m->kernels->chunk_add(x->m, x->dev_acc[c], x->dev_g[c], used));
     } else {
       x->dev_acc_jobs[c] = (struct accumulate_job){x->dev_acc[c], x->dev_g[c], used};  // same values every time
@@ -644,7 +646,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
       }
     }
     if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
-    if (m->kernels->set_stream) {  // GPU kernels: launched now, on the compute stream, in order
+    if (launches_kernels(m)) {  // GPU kernels: launched now, on the compute stream, in order
       (act->kind == FY_ACT_BACKWARD ? m->kernels->op_backward : m->kernels->op_forward)(c);
       if (c->st != FY_OK) return c->st;
     } else {  // CPU kernels: host functions on the compute stream's thread
@@ -794,7 +796,7 @@ static void adamw_fn(void *arg) {
 // A device chunk's sums of squares, into dev_sums: kernels launched on the compute stream (GPU), or
 // sumsq_fn there.
 static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
-  if (!x->launch) return fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]);
+  if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]);
   const struct fy_graph *g = x->m->graph;
   const float *grad = chunk_grads(x, c);
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
@@ -807,7 +809,7 @@ static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
 // A device chunk's AdamW, with step q's scale and skip flag from dev_scale: kernels (GPU) or
 // adamw_fn on the compute stream.
 static fy_status device_adamw(struct fy_offload *x, int q, int c) {
-  if (!x->launch) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
+  if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
   const struct fy_graph *g = x->m->graph;
   const struct step_args *a = &x->args[q];
   float *gg = (float *)chunk_grads(x, c);
