@@ -32,7 +32,7 @@ struct cuda_ctx {
   size_t workspace_bytes;
   float *row;          // (C) one embedding row, kept across the padding row's update
   float *losses;       // (BT) host copy of the per-row losses
-  double *dsum, *dscratch;
+  double *dsums, *dscratch;  // per parameter; the sums' first pass
   int64_t row_elems;
 };
 
@@ -194,13 +194,19 @@ static const void *grads_of(const struct fy_model *m, const float *g) {
   return grads_bf16(m) ? (const void *)((const uint16_t *)m->cgrads + (g - m->grads)) : (const void *)g;
 }
 
-static double sumsq_cuda(struct fy_model *m, const float *p, int64_t n) {
+// Every parameter's sum into dsums (launched back to back), then one copy to the host and one wait.
+static fy_status grads_sumsq_cuda(struct fy_model *m, double *sums) {
   struct cuda_ctx *x = ctx_of(m);
-  double s = NAN;
-  if (fy_cuda_sumsq(x->dsum, grads_of(m, p), grads_bf16(m) ? FY_BF16 : FY_F32, n, x->dscratch, false, x->st) == FY_OK &&
-      cudaMemcpyAsync(&s, x->dsum, sizeof s, cudaMemcpyDeviceToHost, x->st) == cudaSuccess)
-    cudaStreamSynchronize(x->st);
-  return s;  // NaN on failure: the optimizer then refuses the step
+  const struct fy_graph *g = m->graph;
+  for (int i = 0; i < g->n_params; i++)
+    FY_TRY(fy_cuda_sumsq(x->dsums + i, grads_of(m, fy_model_grad(m, i)), grads_bf16(m) ? FY_BF16 : FY_F32,
+                         g->params[i].numel, x->dscratch, false, x->st));
+  if (cudaMemcpyAsync(sums, x->dsums, (size_t)g->n_params * sizeof *sums, cudaMemcpyDeviceToHost, x->st) !=
+          cudaSuccess ||
+      cudaStreamSynchronize(x->st) != cudaSuccess)
+    return fy_error_set(FY_ERR_INTERNAL, "cuda: reading the gradients' sums of squares: %s",
+                        cudaGetErrorString(cudaGetLastError()));
+  return FY_OK;
 }
 
 static void adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n, float lr, float b1,
@@ -257,7 +263,7 @@ static void set_stream_cuda(struct fy_model *m, fy_stream *s) {
 static const struct fy_model_kernels cuda_kernels = {
     .op_forward = op_forward_cuda,
     .op_backward = op_backward_cuda,
-    .sumsq = sumsq_cuda,
+    .grads_sumsq = grads_sumsq_cuda,
     .adamw = adamw_cuda,
     .prepare_weights = prepare_weights_cuda,
     .grads_sum = grads_sum_cuda,
@@ -275,7 +281,7 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   fy_cuda_blas_free(x->blas);
   cudaFree(x->workspace);
   cudaFree(x->row);
-  cudaFree(x->dsum);
+  cudaFree(x->dsums);
   cudaFree(x->dscratch);
   free(x->losses);
   cudaFreeHost(x->losses_pinned);
@@ -299,7 +305,8 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   if (st == FY_OK) x->st = fy_cuda_stream(x->stream);
   if (st == FY_OK && (cudaMalloc(&x->workspace, x->workspace_bytes) != cudaSuccess ||
                       cudaMalloc((void **)&x->row, (size_t)C * 4) != cudaSuccess ||
-                      cudaMalloc((void **)&x->dsum, sizeof(double)) != cudaSuccess ||
+                      cudaMalloc((void **)&x->dsums, (size_t)(g->n_params > 0 ? g->n_params : 1) * sizeof(double)) !=
+                          cudaSuccess ||
                       cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess))
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate the engine's buffers");
   if (st == FY_OK && !(x->losses = malloc((size_t)(g->B * g->T) * 4))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");

@@ -50,7 +50,10 @@ fy_status fy_model_download(struct fy_model *m, void *dst, const void *src, size
   return fy_model_upload(m, dst, src, n);  // cudaMemcpyDefault: the direction follows the pointers
 }
 
-static double cpu_sumsq(struct fy_model *m, const float *x, int64_t n) { return fy_sumsq(x, n); }
+static fy_status cpu_grads_sumsq(struct fy_model *m, double *sums) {
+  for (int i = 0; i < m->graph->n_params; i++) sums[i] = fy_sumsq(fy_model_grad(m, i), m->graph->params[i].numel);
+  return FY_OK;
+}
 
 static void cpu_adamw(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n, float lr,
                       float b1, float b2, float eps, float wd, int64_t t, float scale) {
@@ -70,7 +73,7 @@ static void cpu_prepare_weights(struct fy_model *m) {
 const struct fy_model_kernels fy_model_cpu_kernels = {
     .op_forward = fy_op_call_forward,
     .op_backward = fy_op_call_backward,
-    .sumsq = cpu_sumsq,
+    .grads_sumsq = cpu_grads_sumsq,
     .adamw = cpu_adamw,
     .prepare_weights = cpu_prepare_weights,
     .grads_sum = cpu_grads_sum,

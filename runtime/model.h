@@ -75,7 +75,9 @@ struct fy_model;
 struct fy_model_kernels {
   void (*op_forward)(void *call);   // struct fy_op_call * (runtime/engine.h)
   void (*op_backward)(void *call);
-  double (*sumsq)(struct fy_model *m, const float *x, int64_t n);
+  // sums[i] = the sum of squares of parameter i's gradient (as the optimizer reads it), in double,
+  // for every parameter: one pass, one wait for a device.
+  fy_status (*grads_sumsq)(struct fy_model *m, double *sums);
   // With a 16-bit compute dtype: cparams <- the master weights in it (before a forward, when
   // cparams_fresh is false).
   void (*prepare_weights)(struct fy_model *m);

@@ -10,11 +10,11 @@ struct fy_adamw fy_adamw_defaults(void) {
 
 double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
   const struct fy_graph *g = m->graph;
-  double s = 0, split = 0;
+  double s = 0, split = 0, sums[g->n_params > 0 ? g->n_params : 1];
+  if (m->kernels->grads_sumsq((struct fy_model *)m, sums) != FY_OK) return NAN;  // the step is then refused
   for (int i = 0; i < g->n_params; i++) {
-    double q = m->kernels->sumsq((struct fy_model *)m, fy_model_grad(m, i), g->params[i].numel);
-    if (g->params[i].split_dim >= 0) split += q;
-    else s += q;
+    if (g->params[i].split_dim >= 0) split += sums[i];
+    else s += sums[i];
   }
   if (g->tp > 1) {  // split parameters: every rank's part, added in rank order (the same bits everywhere)
     double all[g->tp];
