@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/device_cuda.h"
 #include "ops/cuda/ops_cuda.h"
@@ -38,6 +39,23 @@ struct cuda_ctx {
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
 
+// --profile: each op's kernels timed alone (the stream drained before and after them), into
+// m->op_seconds[kind][phase] as the CPU engine does; no waits otherwise.
+static double profile_start(const struct fy_model *m) {
+  if (!m->profile) return 0;
+  cudaStreamSynchronize(ctx_of(m)->st);
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+static void profile_end(struct fy_model *m, enum fy_op_kind kind, int phase, double t0) {
+  if (!m->profile) return;
+  cudaStreamSynchronize(ctx_of(m)->st);
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  m->op_seconds[kind][phase] += (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec - t0;
+}
+
 static void CUDART_CB sum_losses(void *arg) {
   struct loss_job *j = arg;
   double s = 0;
@@ -58,6 +76,7 @@ static void op_forward_cuda(void *arg) {
   // room for fp32), weights and parameter gradients bf16 (runtime/model.h, cparams and cgrads);
   // statistics (losses, layernorm's mean and rstd, attention's lse) stay fp32.
   const enum fy_dtype dt = m->compute_dtype;
+  const double t0 = profile_start(m);
   fy_status st = FY_OK;
   switch (op->kind) {
     case FY_OP_EMBEDDING:
@@ -102,6 +121,7 @@ static void op_forward_cuda(void *arg) {
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
+  profile_end(m, op->kind, 0, t0);
   if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s on cuda", op->name);
 }
 
@@ -117,6 +137,7 @@ static void op_backward_cuda(void *arg) {
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
   const int64_t B = g->B, T = g->T, BT = B * T;
+  const double t0 = profile_start(m);
   fy_status st = FY_OK;
   for (int k = 0; k < op->n_zero && st == FY_OK; k++) {
     const struct fy_slot *s = &g->slots[op->zero[k]];
@@ -184,6 +205,7 @@ static void op_backward_cuda(void *arg) {
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
+  profile_end(m, op->kind, 1, t0);
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s on cuda", op->name);
 }
 

@@ -1,17 +1,25 @@
 // ferry against Hugging Face transformers (fixtures from test/reference/make_reference.py): for
 // each small OPT model, the logits and loss of a padded batch, the gradient of every parameter,
-// and the losses and parameters after 5 AdamW steps with clipping.
+// and the losses and parameters after 5 AdamW steps with clipping. On the cpu device by default;
+// `--device cuda` (or FY_TEST_DEVICE=cuda) runs the same checks with the model resident on GPU 0
+// and its CUDA kernels (fp32, true fp32 GEMMs), exiting 77 (skipped) when there is no GPU.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "core/opt.h"
+#include "fy_config.h"
 #include "core/safetensors.h"
 #include "ops/ops.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/optimizer.h"
+#if FY_HAVE_CUDA
+#include "runtime/engine_cuda.h"
+#endif
+
+static bool on_cuda;  // the model on GPU 0 (--device cuda)
 
 // The hyperparameters make_reference.py uses.
 static const float REF_LR = 1e-2f;
@@ -23,6 +31,20 @@ static const struct fy_st_tensor *need(const fy_safetensors *st, const char *nam
   const struct fy_st_tensor *t = fy_safetensors_find(st, name);
   CHECKF(t != NULL, "fixture lacks %s", name);
   return t;
+}
+
+// A host copy of n floats of the model's memory (downloaded when it lives on the GPU).
+static float *host_copy(struct fy_model *m, const float *p, int64_t n) {
+  float *h = malloc((size_t)n * 4);
+  if (!h) {
+    fprintf(stderr, "reference: out of memory\n");
+    exit(1);
+  }
+  if (fy_model_download(m, h, p, (size_t)n * 4) != FY_OK) {
+    fprintf(stderr, "reference: download failed: %s\n", fy_error_msg());
+    exit(1);
+  }
+  return h;
 }
 
 static void run_fixture(const char *dir) {
@@ -41,10 +63,20 @@ static void run_fixture(const char *dir) {
                             *step_norm = need(ex, "step_grad_norm");
   if (!ids || !mask || !targets || !logits || !loss || !step_loss || !step_norm) return;
   int64_t B = ids->shape[0], T = ids->shape[1];
-  struct fy_device *dev;
-  CHECK_OK(fy_device_cpu_create(0, &dev));
-  struct fy_model *m;
-  CHECK_OK(fy_model_create(&cfg, B, T, dev, &m));
+  struct fy_device *dev = NULL;
+  struct fy_model *m = NULL;
+#if FY_HAVE_CUDA
+  if (on_cuda) {
+    CHECK_OK(fy_engine_cuda_device(0, 0, &dev));
+    CHECK_OK(fy_model_create(&cfg, B, T, dev, &m));
+    CHECK_OK(fy_engine_cuda_attach(m));
+  }
+#endif
+  if (!on_cuda) {
+    CHECK_OK(fy_device_cpu_create(0, &dev));
+    CHECK_OK(fy_model_create(&cfg, B, T, dev, &m));
+  }
+  if (!m) return;
   CHECK_OK(fy_model_load(m, dir));
   struct fy_batch batch = {.B = B, .T = T, .inputs = (int32_t *)ids->data,
                            .targets = (int32_t *)targets->data, .mask = (int32_t *)mask->data};
@@ -53,7 +85,9 @@ static void run_fixture(const char *dir) {
   // Forward: logits and loss.
   struct fy_loss l;
   CHECK_OK(fy_engine_forward(m, &batch, &l));
-  double e = check_rel_err(m->acts + g->slots[g->logits_slot].offset, logits->data, B * T * cfg.vocab_size);
+  float *lg = host_copy(m, m->acts + g->slots[g->logits_slot].offset, B * T * cfg.vocab_size);
+  double e = check_rel_err(lg, logits->data, B * T * cfg.vocab_size);
+  free(lg);
   CHECKF(e < 1e-5, "logits: normalised error %.3g", e);
   float mean = (float)(l.sum / l.count), want = ((const float *)loss->data)[0];
   CHECKF(fabsf(mean - want) <= 1e-5f * fabsf(want), "loss %.8f, transformers %.8f", mean, want);
@@ -62,8 +96,8 @@ static void run_fixture(const char *dir) {
   // Backward: every parameter's gradient. The key projection's bias has an analytic gradient of
   // zero (adding q.b to every score of a row leaves the softmax unchanged), so both sides hold
   // rounding noise there: that one is checked to be negligible against the total gradient norm.
-  memset(m->grads, 0, (size_t)g->n_param_elems * 4);
-  CHECK_OK(fy_engine_backward(m, &batch, 1.0f / (float)l.count));
+  CHECK_OK(fy_engine_backward(m, &batch, 1.0f / (float)l.count));  // overwrites the gradients
+  float *grads = host_copy(m, m->grads, g->n_param_elems);
   double total = 0;
   for (int i = 0; i < g->n_params; i++) {
     char name[256];
@@ -79,23 +113,22 @@ static void run_fixture(const char *dir) {
     const struct fy_st_tensor *t = need(ex, name);
     if (!t) continue;
     if (is_zero_grad(g->params[i].name)) {
-      double n = sqrt(fy_sumsq(fy_model_grad(m, i), g->params[i].numel));
+      double n = sqrt(fy_sumsq(grads + g->params[i].offset, g->params[i].numel));
       CHECKF(n < 1e-6 * total, "%s: gradient norm %.3g should be ~0 (total %.3g)", g->params[i].name, n, total);
       continue;
     }
-    e = check_rel_err(fy_model_grad(m, i), t->data, g->params[i].numel);
+    e = check_rel_err(grads + g->params[i].offset, t->data, g->params[i].numel);
     CHECKF(e < 1e-4, "gradient of %s: normalised error %.3g", g->params[i].name, e);
     if (e > worst) worst = e;
   }
+  free(grads);
   fprintf(stderr, "  %d gradients, worst normalised error %.2g\n", g->n_params, worst);
 
   // Five AdamW steps with clipping, from the same weights. Parameters with zero analytic gradient
   // move by Adam's normalised rounding noise on either side, at most lr per step.
-  float *initial = malloc((size_t)g->n_param_elems * 4);
-  memcpy(initial, m->params, (size_t)g->n_param_elems * 4);
+  float *initial = host_copy(m, m->params, g->n_param_elems);
   struct fy_adamw h = {.beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .clip = 1.0f};
   for (int s = 0; s < REF_STEPS; s++) {
-    memset(m->grads, 0, (size_t)g->n_param_elems * 4);
     CHECK_OK(fy_engine_forward(m, &batch, &l));
     float got = (float)(l.sum / l.count), ref = ((const float *)step_loss->data)[s];
     CHECKF(fabsf(got - ref) <= 1e-4f * fabsf(ref), "step %d loss %.7f, transformers %.7f", s + 1, got, ref);
@@ -105,39 +138,66 @@ static void run_fixture(const char *dir) {
     CHECK_OK(fy_optimizer_step(m, &h, REF_LR, s + 1, 1.0f, norm));
   }
   worst = 0;
+  float *params = host_copy(m, m->params, g->n_param_elems);
   for (int i = 0; i < g->n_params; i++) {
     char name[256];
     snprintf(name, sizeof name, "final.%s", g->params[i].name);
     const struct fy_st_tensor *t = need(ex, name);
     if (!t) continue;
     if (is_zero_grad(g->params[i].name)) {
-      const float *p = fy_model_param(m, i), *p0 = initial + g->params[i].offset, *r = t->data;
+      const float *p = params + g->params[i].offset, *p0 = initial + g->params[i].offset, *r = t->data;
       int far = 0;
       for (int64_t k = 0; k < g->params[i].numel; k++)
         far += fabsf(p[k] - p0[k]) > 1.01f * REF_LR * REF_STEPS || fabsf(r[k] - p0[k]) > 1.01f * REF_LR * REF_STEPS;
       CHECKF(far == 0, "%s moved more than Adam's bound", g->params[i].name);
       continue;
     }
-    e = check_rel_err(fy_model_param(m, i), t->data, g->params[i].numel);
+    e = check_rel_err(params + g->params[i].offset, t->data, g->params[i].numel);
     CHECKF(e < 1e-4, "%s after %d steps: normalised error %.3g", g->params[i].name, REF_STEPS, e);
     if (e > worst) worst = e;
   }
   fprintf(stderr, "  after %d AdamW steps, worst parameter error %.2g\n", REF_STEPS, worst);
   free(initial);
+  free(params);
+#if FY_HAVE_CUDA
+  if (on_cuda) fy_engine_cuda_detach(m);
+#endif
   fy_model_free(m);
   fy_device_free(dev);
   fy_safetensors_close(ex);
 }
 
 int main(int argc, char **argv) {
-  const char *src = getenv("FY_SOURCE_DIR");
+  const char *src = getenv("FY_SOURCE_DIR"), *env = getenv("FY_TEST_DEVICE");
+  on_cuda = env && strcmp(env, "cuda") == 0;
+  int first = 1;
+  if (argc > 2 && strcmp(argv[1], "--device") == 0) {
+    on_cuda = strcmp(argv[2], "cuda") == 0;
+    if (!on_cuda && strcmp(argv[2], "cpu") != 0) {
+      fprintf(stderr, "reference: --device takes cpu or cuda, not %s\n", argv[2]);
+      return 2;
+    }
+    first = 3;
+  }
+  if (on_cuda) {
+#if FY_HAVE_CUDA
+    size_t free_bytes = fy_engine_cuda_free_memory(0);
+    if (free_bytes == 0) {
+      fprintf(stderr, "reference: no GPU (or no driver): skipped\n");
+      return 77;
+    }
+#else
+    fprintf(stderr, "reference: built without CUDA: skipped\n");
+    return 77;
+#endif
+  }
   char dir[1024];
   const char *fixtures[] = {"pre_ln", "post_ln"};
   for (int i = 0; i < 2; i++) {
     snprintf(dir, sizeof dir, "%s/test/reference/%s", src ? src : ".", fixtures[i]);
     run_fixture(dir);
   }
-  for (int i = 1; i < argc; i++) run_fixture(argv[i]);
+  for (int i = first; i < argc; i++) run_fixture(argv[i]);
   fy_matmul_cache_clear();
   return check_summary("reference");
 }
