@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
   if (st == FY_OK) st = fy_train(&o, &res);
   // The device holds the activations and `fraction` of the model's parameters as cache blocks.
   size_t need = 0, chunk = 0;
-  if (st == FY_OK) st = fy_offload_plan_min_bytes(&cfg, batch, seq, false, 0, &need, &chunk);
+  if (st == FY_OK) st = fy_offload_plan_min_bytes(&cfg, batch, seq, false, false, 0, &need, &chunk);
   double params_bytes = 4.0 * (double)fy_opt_num_params(&cfg);
   o.device = "sim";
   o.device_mem = need + (size_t)(fraction * params_bytes);

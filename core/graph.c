@@ -180,6 +180,25 @@ static void plan_activations(struct fy_graph *g, bool recompute) {
 
 void fy_graph_set_recompute(struct fy_graph *g, bool on) { plan_activations(g, on); }
 
+// Attention's aux slot and the backward scratch: the T x T probabilities of every head (the CPU
+// kernels), or one float per query and head (flash-style kernels: the log-sum-exp).
+static void size_attention(struct fy_graph *g, bool flash) {
+  g->scratch_elems = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_ATTENTION) continue;
+    int64_t need = g->B * op->NH * g->T * (flash ? 1 : g->T);
+    if (op->n_aux > 0) g->slots[op->aux[0]].numel = need;
+    if (need > g->scratch_elems) g->scratch_elems = need;
+  }
+  g->flash_attention = flash;
+}
+
+void fy_graph_set_flash_attention(struct fy_graph *g, bool on) {
+  size_attention(g, on);
+  plan_activations(g, g->recompute);
+}
+
 fy_status fy_graph_finalize(struct fy_graph *g) {
   // Parameters in first-use order; an op's own list stays contiguous (fused weights).
   int64_t off = 0;
@@ -234,14 +253,7 @@ fy_status fy_graph_finalize(struct fy_graph *g) {
   free(live);
   g->grad_elems = top;
 
-  g->scratch_elems = 0;
-  for (int o = 0; o < g->n_ops; o++) {
-    struct fy_op *op = &g->ops[o];
-    if (op->kind == FY_OP_ATTENTION) {
-      int64_t need = g->B * op->NH * g->T * g->T;
-      if (need > g->scratch_elems) g->scratch_elems = need;
-    }
-  }
+  size_attention(g, false);
   return FY_OK;
 }
 

@@ -18,7 +18,8 @@ enum fy_op_kind {
   FY_OP_EMBEDDING,      // in: token or position ids; param: table (V,C) -> out (BT,C)
   FY_OP_LAYERNORM,      // in (BT,C); params: weight, bias (or none) -> out (BT,C); aux: mean, rstd
   FY_OP_LINEAR,         // in (BT,C); params: weight (OC,C) [, bias (OC)] -> out (BT,OC)
-  FY_OP_ATTENTION,      // in qkv (BT,3C) -> out (BT,C); aux: probabilities (B,NH,T,T)
+  FY_OP_ATTENTION,      // in qkv (BT,3C) -> out (BT,C); aux: probabilities (B,NH,T,T), or
+                        //   with flash_attention the log-sum-exp (B,NH,T)
   FY_OP_RELU,           // in (N) -> out (N)
   FY_OP_ADD,            // in a, b (N) -> out (N)
   FY_OP_CROSS_ENTROPY,  // in logits (BT,V), targets -> out: per-row losses (BT)
@@ -101,6 +102,7 @@ struct fy_graph {
                            //   n_param_elems) — see memory/chunk.h
   int64_t act_elems;       // activation arena (floats)
   bool recompute;          // decoder layers' activations are recomputed in backward
+  bool flash_attention;    // attention keeps B*NH*T statistics, not the T x T probabilities
   int64_t grad_elems;      // activation-gradient arena (floats)
   int64_t scratch_elems;   // workspace for one backward op (attention's)
   int loss_slot;           // per-row losses of the cross-entropy op
@@ -122,6 +124,9 @@ fy_status fy_graph_finalize(struct fy_graph *g);
 // Recomputation per decoder layer: on, the activations a layer makes for itself share one region
 // (a layer's forward runs again just before its backward) and only layer inputs are kept.
 void fy_graph_set_recompute(struct fy_graph *g, bool on);
+// Flash-style attention (the cuda kernels): each attention op's aux slot holds one float per query
+// and head (the log-sum-exp) instead of the T x T probabilities, and so does the backward scratch.
+void fy_graph_set_flash_attention(struct fy_graph *g, bool on);
 // One pass of training over a micro-batch as a list of actions: every op forward in order, then
 // backward in reverse, with a decoder layer's forward run again just before its backward when
 // the graph recomputes. `out` must hold fy_graph_max_actions(g) entries; returns the count.

@@ -124,6 +124,8 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
     fy_graph_free(g);
     return st;
   }
+  if (gpu) fy_graph_set_flash_attention(g, true);  // the cuda kernels keep no T x T matrix
+  if (gpu) fy_graph_set_flash_attention(whole, true);
   if (k->recompute) fy_graph_set_recompute(g, true);
   if (k->recompute) fy_graph_set_recompute(whole, true);
   int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);

@@ -5,9 +5,11 @@
 // ncclUniqueId goes to every rank with fy_comm_broadcast, and one all-reduce of "did my local setup
 // work" comes before ncclCommInitRank, so that a rank without a GPU makes every rank fail at once
 // instead of leaving the others inside NCCL's init. Each rank uses GPU fy_comm_local_rank (or the
-// only GPU it sees, when the launcher gives every rank its own CUDA_VISIBLE_DEVICES). A split keeps
-// an mpi child of its own (the same color and key: MPI_Comm_split and ncclCommSplit order members
-// alike, by key then parent rank), so MPI outlives every nccl communicator.
+// only GPU it sees, when the launcher gives every rank its own CUDA_VISIBLE_DEVICES). A split is made
+// the same way: MPI_Comm_split forms the group (every rank of the parent takes part), and the group's
+// NCCL communicator is set up over that mpi child, on the parent's GPU, as the world's was. (Not
+// ncclCommSplit: with NCCL 2.2x under CUDA 13 it gave a one-rank group no communicator, seen on an
+// H200.) The mpi child is the nccl child's own, so MPI outlives every nccl communicator.
 //
 // Numbers: the sums are NCCL's, not ferry's. NCCL reduces in the order of the ring or tree it picked
 // for the topology and the size, not in rank order as comm.h promises for the mpi backend: every
@@ -530,11 +532,13 @@ static fy_status nccl_init_rank(struct fy_comm *c, const ncclUniqueId *id) {
   return FY_OK;
 }
 
-// Everything but the allocation: see the header comment. On failure c still needs nccl_destroy.
-static fy_status nccl_setup(struct fy_comm *c) {
+// Everything but the allocation: see the header comment. On GPU `device` (-1: picked by local
+// rank); `pre`, when not FY_OK, is this rank's failure before it came here, which every rank hears
+// of. On failure c still needs nccl_destroy.
+static fy_status nccl_setup(struct fy_comm *c, int device, fy_status pre) {
   struct nccl_impl *m = c->impl;
   char why[512] = "";
-  fy_status local = nccl_pick_device(c);
+  fy_status local = pre != FY_OK ? pre : device < 0 ? nccl_pick_device(c) : nccl_use_device(m, device);
   ncclUniqueId id;
   memset(&id, 0, sizeof id);
   if (local == FY_OK && c->rank == 0) {
@@ -567,7 +571,7 @@ fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out) {
   }
   struct fy_comm *c = NULL;
   FY_TRY(nccl_alloc(bootstrap, &c));
-  fy_status st = nccl_setup(c);
+  fy_status st = nccl_setup(c, -1, FY_OK);
   if (st != FY_OK) {
     fy_comm_fail(c, st);  // so that an NCCL communicator made already is aborted, not finalised
     nccl_destroy(c);
@@ -577,65 +581,25 @@ fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out) {
   return FY_OK;
 }
 
-// The child around an NCCL communicator made by ncclCommSplit; takes boot and nc (freed on failure).
-static fy_status nccl_wrap_child(struct fy_comm *parent, struct fy_comm *boot, ncclComm_t nc, struct fy_comm **out) {
-  struct fy_comm *c = NULL;
-  fy_status st = nccl_alloc(boot, &c);
-  if (st != FY_OK) {
-    (void)ncclCommAbort(nc);
-    return st;
-  }
-  struct nccl_impl *m = c->impl;
-  m->comm = nc;
-  int rank = -1, size = -1;
-  (void)ncclCommUserRank(nc, &rank);
-  (void)ncclCommCount(nc, &size);
-  if (rank != c->rank || size != c->size)
-    st = fy_error_set(FY_ERR_INTERNAL, "split: NCCL made rank %d of %d where MPI made rank %d of %d", rank, size,
-                      c->rank, c->size);
-  if (st == FY_OK) st = nccl_use_device(m, ((struct nccl_impl *)parent->impl)->device);
-  if (st == FY_OK) st = nccl_watch_start(c);
-  if (st != FY_OK) {
-    fy_comm_fail(c, st);  // so that it is aborted, not finalised: its peers may not have it
-    nccl_destroy(c);
-    return st;
-  }
-  *out = c;
-  return FY_OK;
-}
-
 static fy_status nccl_split(struct fy_comm *c, int color, int key, struct fy_comm **out) {
   struct nccl_impl *m = c->impl;
+  pthread_mutex_lock(&m->mu);
+  bool aborted = m->comm == NULL;
+  pthread_mutex_unlock(&m->mu);
   struct fy_comm *boot = NULL;
   fy_status st = fy_comm_split(m->boot, color, key, &boot);
   if (st != FY_OK) return fy_error_wrap(st, "split: the mpi side");
-  st = cuda_check(cudaSetDevice(m->device), "split: cudaSetDevice");
-  ncclComm_t nc = NULL;
-  bool parent_broken = false;
-  pthread_mutex_lock(&m->mu);
-  if (st == FY_OK && !m->comm) st = fy_error_set(FY_ERR_IO, "split: the NCCL communicator was aborted");
-  if (st == FY_OK) {
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
-    double t0 = now_s();
-    ncclResult_t r = ncclCommSplit(m->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &nc, &cfg);
-    // Non-blocking: the parent's state and the child's both say when it is done.
-    st = nccl_settle(c, m->comm, r, NULL, "split: ncclCommSplit", t0);
-    parent_broken = st != FY_OK;
-    if (st == FY_OK && nc) st = nccl_settle(c, nc, ncclInProgress, NULL, "split: ncclCommSplit", t0);
-    if (parent_broken) {
-      fy_comm_fail(c, st);
-      nccl_drop_locked(m);
-    }
-  }
-  pthread_mutex_unlock(&m->mu);
-  if (st == FY_OK && (nc == NULL) != (boot == NULL))
-    st = fy_error_set(FY_ERR_INTERNAL, "split: NCCL and MPI disagree on whether rank %d is in a group", c->rank);
+  if (!boot) return FY_OK;  // a negative color: in no group
+  struct fy_comm *child = NULL;
+  FY_TRY(nccl_alloc(boot, &child));  // (frees boot on failure)
+  // A rank whose parent was aborted still takes part, so that its group fails at once with it.
+  st = nccl_setup(child, m->device,
+                  aborted ? fy_error_set(FY_ERR_IO, "split: the NCCL communicator was aborted") : FY_OK);
   if (st != FY_OK) {
-    if (nc) (void)ncclCommAbort(nc);
-    fy_comm_free(boot);
-    return st;
+    fy_comm_fail(child, st);
+    nccl_destroy(child);
+    return fy_error_wrap(st, "split");
   }
-  if (!nc) return FY_OK;  // a negative color: not in any group
-  return nccl_wrap_child(c, boot, nc, out);
+  *out = child;
+  return FY_OK;
 }

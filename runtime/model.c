@@ -131,6 +131,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     free(m);
     return st;
   }
+  // The cuda attention kernels are flash-style: they keep the log-sum-exp, not the probabilities.
+  if (m->device_memory) fy_graph_set_flash_attention(m->graph, true);
   if (opts && opts->recompute) fy_graph_set_recompute(m->graph, true);
   m->host = opts ? opts->host : NULL;
   st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);

@@ -167,9 +167,11 @@ size_t fy_offload_min_device_bytes(const struct fy_model *m) {
 }
 
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
-                                    int64_t chunk_elems, size_t *min_bytes, size_t *chunk_bytes) {
+                                    bool flash_attention, int64_t chunk_elems, size_t *min_bytes,
+                                    size_t *chunk_bytes) {
   struct fy_model m = {.cfg = *cfg};
   FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
+  if (flash_attention) fy_graph_set_flash_attention(m.graph, true);
   if (recompute) fy_graph_set_recompute(m.graph, true);
   if (chunk_elems <= 0) chunk_elems = fy_chunk_min_elems(m.graph);
   fy_status st = fy_chunk_layout_create(m.graph, chunk_elems, &m.layout);

@@ -59,9 +59,11 @@ void fy_offload_free(struct fy_offload *x);
 size_t fy_offload_min_device_bytes(const struct fy_model *m);
 int fy_offload_min_blocks(const struct fy_model *m);
 // The same before anything is allocated, for a config and micro-batch; chunk_elems 0 means the
-// smallest chunk that holds the largest parameter group (the default when offloading).
+// smallest chunk that holds the largest parameter group (the default when offloading);
+// flash_attention for a GPU's kernels (core/graph.h).
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
-                                    int64_t chunk_elems, size_t *min_bytes, size_t *chunk_bytes);
+                                    bool flash_attention, int64_t chunk_elems, size_t *min_bytes,
+                                    size_t *chunk_bytes);
 
 // Enqueues forward and backward of micro-batch `micro` (0-based within the step); its gradients
 // are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.

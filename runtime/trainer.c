@@ -142,11 +142,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4);
   size_t need, chunk_bytes0;
-  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, chunk, &need, &chunk_bytes0));
+  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, chunk, &need, &chunk_bytes0));
   if (r->dp > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
     int64_t q = 16 * (int64_t)r->dp, ce = (int64_t)(chunk_bytes0 / 4);
     if (ce % q != 0)
-      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, (ce + q - 1) / q * q, &need, &chunk_bytes0));
+      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, (ce + q - 1) / q * q, &need, &chunk_bytes0));
   }
   if (need > dev_mem)
     return fy_error_set(FY_ERR_NOMEM,

@@ -47,6 +47,32 @@ static float *host_copy(struct fy_model *m, const float *p, int64_t n) {
   return h;
 }
 
+// On a failed comparison: the rows (of a matrix) whose error is largest, to tell one wrong row
+// (a padding row, say) from a wrong kernel.
+static void worst_rows(const struct fy_param *p, const float *got, const float *want) {
+  int64_t rows = p->rank == 2 ? p->shape[0] : 1, cols = p->numel / rows;
+  int64_t top[3] = {-1, -1, -1};
+  double err[3] = {0, 0, 0};
+  for (int64_t r = 0; r < rows; r++) {
+    double e = 0;
+    for (int64_t c = 0; c < cols; c++) {
+      double d = (double)got[r * cols + c] - want[r * cols + c];
+      e += d * d;
+    }
+    for (int k = 0; k < 3; k++)
+      if (e > err[k]) {
+        for (int j = 2; j > k; j--) err[j] = err[j - 1], top[j] = top[j - 1];
+        err[k] = e, top[k] = r;
+        break;
+      }
+  }
+  for (int k = 0; k < 3 && top[k] >= 0; k++) {
+    double w = 0;
+    for (int64_t c = 0; c < cols; c++) w += (double)want[top[k] * cols + c] * want[top[k] * cols + c];
+    fprintf(stderr, "    row %lld: error %.3g against a row norm of %.3g\n", (long long)top[k], sqrt(err[k]), sqrt(w));
+  }
+}
+
 static void run_fixture(const char *dir) {
   fprintf(stderr, "fixture %s\n", dir);
   struct fy_opt_config cfg;
@@ -98,6 +124,17 @@ static void run_fixture(const char *dir) {
   // rounding noise there: that one is checked to be negligible against the total gradient norm.
   CHECK_OK(fy_engine_backward(m, &batch, 1.0f / (float)l.count));  // overwrites the gradients
   float *grads = host_copy(m, m->grads, g->n_param_elems);
+  // The same forward and backward again give the same bits (no kernel reads what an earlier pass
+  // left behind, no float atomics).
+  CHECK_OK(fy_engine_forward(m, &batch, &l));
+  CHECK_OK(fy_engine_backward(m, &batch, 1.0f / (float)l.count));
+  float *again = host_copy(m, m->grads, g->n_param_elems);
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    CHECKF(memcmp(grads + p->offset, again + p->offset, (size_t)p->numel * 4) == 0,
+           "gradient of %s differs between two identical passes", p->name);
+  }
+  free(again);
   double total = 0;
   for (int i = 0; i < g->n_params; i++) {
     char name[256];
@@ -119,6 +156,7 @@ static void run_fixture(const char *dir) {
     }
     e = check_rel_err(grads + g->params[i].offset, t->data, g->params[i].numel);
     CHECKF(e < 1e-4, "gradient of %s: normalised error %.3g", g->params[i].name, e);
+    if (e >= 1e-4) worst_rows(g->params + i, grads + g->params[i].offset, t->data);
     if (e > worst) worst = e;
   }
   free(grads);
