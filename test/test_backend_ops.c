@@ -1,8 +1,8 @@
 // test_backend_ops: every CUDA kernel (ops/cuda/ops_cuda.h) against the CPU kernel of the same op
 // (ops/ops.h), in the style of ggml's test-backend-ops. Inputs are random, of odd sizes (B=3,
 // T=37, C=72, NH=6, V=1001 and a few shapes that cross attention's 64-row tiles and reach its
-// largest head), copied to the GPU through the cuda device's own copy; outputs come back the same
-// way and are compared by normalised error ||gpu - cpu|| / ||cpu||: fp32 within 1e-5 (matrix
+// largest head; in bf16, head sizes that are multiples of 16 take the tensor-core kernels), copied
+// to the GPU through the cuda device's own copy; outputs come back the same way and are compared by normalised error ||gpu - cpu|| / ||cpu||: fp32 within 1e-5 (matrix
 // products 1e-4), bf16 within 1e-2. For bf16 the CPU kernel gets the same bf16-rounded inputs,
 // widened, so only the GPU's arithmetic and output rounding are measured. Backward kernels start
 // from random gradients, so accumulation (+=) is checked with them. The cuda device itself
@@ -537,6 +537,8 @@ static void test_attention(enum fy_dtype dt) {
   test_attention_shape(dt, 3, 130, 128, 2, 1);  // HS 64, three tiles, a ragged last one
   test_attention_shape(dt, 2, 150, 256, 2, 1);  // HS 128 (the largest), three tiles
   test_attention_shape(dt, 1, 64, 40, 2, 0);    // HS 20, exactly one tile
+  test_attention_shape(dt, 3, 100, 160, 2, 1);  // HS 80 (OPT-2.7B's), two tiles, padding
+  test_attention_shape(dt, 2, 200, 128, 1, 0);  // HS 128 with one head, four tiles
 }
 
 // Errors a caller can make are reported, not crashed on.

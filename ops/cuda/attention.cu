@@ -383,6 +383,482 @@ attention_backward_q_kernel(T *dqkv, const T *dout, const T *qkv, const float *l
   if (t < Tn) att_add_cols<T, J>(dqkv + ((int64_t)b * Tn + t) * C3 + (int64_t)h * HS, dq, scale, HS);
 }
 
+// ---- bf16 on tensor cores (sm_80+: mma.sync m16n8k16, fp32 accumulation) ----
+//
+// The same algorithm and the same outputs (out, lse; dqkv +=) as the kernels above, for bf16 with
+// a head size that is a multiple of 16 (every public OPT size: 64, 80 or 128): the score and
+// output products run as warp-level matrix multiply-adds instead of fp32 FMAs. Four warps per
+// block; a warp owns 16 rows of the block's 64-row tile (queries in forward and in the dq kernel,
+// keys in the dk/dv kernel) and keeps its scores, probabilities and accumulators in registers.
+// Tiles are bf16 in shared memory with rows padded by 8 elements (16 bytes), so the fragment loads
+// of a warp fall in distinct banks. Probabilities and dS enter the second product rounded to bf16
+// (as FlashAttention does); sums, the softmax and the accumulators are fp32. Scores are handled in
+// base 2 (exp2f on scores times scale * log2 e); lse is stored natural, as the CPU's.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16): lane = 4 g + t. A (16 x 16, row-major): reg 0 holds
+// row g, columns 2t and 2t+1; reg 1 row g+8; regs 2 and 3 the same rows, columns + 8. B (16 x 8):
+// reg 0 holds rows (k) 2t and 2t+1 of column (n) g; reg 1 rows + 8. C (16 x 8, fp32): c0, c1 row g,
+// columns 2t, 2t+1; c2, c3 row g+8. So the C fragments of two adjacent 8-column tiles of scores
+// are, packed to bf16, the A fragment of the next product: no shuffles.
+
+#define TC_ROWS 64    // rows of a block's own tile (4 warps x 16)
+#define TC_THREADS 128
+#define TC_LOG2E 1.4426950408889634f
+#define TC_LN2 0.6931471805599453f
+
+static __device__ __forceinline__ uint32_t tc_pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// c (16x8) += a (16x16) b (16x8)
+static __device__ __forceinline__ void tc_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment: rows [m0, m0+16), columns [k0, k0+16) of a row-major tile (row stride ld elements)
+static __device__ __forceinline__ void tc_ld_a(uint32_t a[4], const fy_bf16 *tile, int ld, int m0, int k0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const fy_bf16 *p = tile + (m0 + g) * ld + k0 + 2 * t;
+  a[0] = *reinterpret_cast<const uint32_t *>(p);
+  a[1] = *reinterpret_cast<const uint32_t *>(p + 8 * ld);
+  a[2] = *reinterpret_cast<const uint32_t *>(p + 8);
+  a[3] = *reinterpret_cast<const uint32_t *>(p + 8 * ld + 8);
+}
+
+// B fragment of B = X^T for a row-major X (ld): B's column n is X's row n0+n, B's rows k are X's
+// columns [k0, k0+16) (scores Q K^T: X = K)
+static __device__ __forceinline__ void tc_ld_bt(uint32_t &b0, uint32_t &b1, const fy_bf16 *tile, int ld, int n0,
+                                                int k0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const fy_bf16 *p = tile + (n0 + g) * ld + k0 + 2 * t;
+  b0 = *reinterpret_cast<const uint32_t *>(p);
+  b1 = *reinterpret_cast<const uint32_t *>(p + 8);
+}
+
+// B fragments of B = X (row-major, ld) for rows [k0, k0+16) and the two column tiles n0 and n0+8:
+// b[0], b[1] for n0 and b[2], b[3] for n0+8, by ldmatrix with transposition (P V: X = V).
+static __device__ __forceinline__ void tc_ld_b2(uint32_t b[4], const fy_bf16 *tile, int ld, int k0, int n0) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
+  const fy_bf16 *p = tile + (k0 + r + (mi & 1) * 8) * ld + n0 + (mi >> 1) * 8;
+  unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(addr));
+}
+
+// rows [row0, row0+R) of one head (HS columns at base, row stride rstride) -> dst (R, HS+8) bf16;
+// rows past T are zero. 16-byte loads and stores.
+template <int HS, int R>
+static __device__ __forceinline__ void tc_load(fy_bf16 *dst, const fy_bf16 *base, int64_t rstride, int row0, int Tn) {
+  constexpr int V = HS / 8;  // 16-byte pieces per row
+  for (int idx = threadIdx.x; idx < R * V; idx += TC_THREADS) {
+    const int r = idx / V, c = (idx - r * V) * 8, t = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t < Tn) v = *reinterpret_cast<const uint4 *>(base + (int64_t)t * rstride + c);
+    *reinterpret_cast<uint4 *>(dst + r * (HS + 8) + c) = v;
+  }
+}
+
+// keys [k0, k0+n) -> ok (n), as att_load_keys_ok
+static __device__ __forceinline__ void tc_keys_ok(int *ok, const int32_t *mask, int b, int k0, int n, int Tn) {
+  for (int i = threadIdx.x; i < n; i += TC_THREADS) {
+    const int s = k0 + i;
+    ok[i] = s < Tn && (!mask || mask[(int64_t)b * Tn + s] != 0);
+  }
+}
+
+// queries [q0, q0+n) -> lse2 (lse in base 2; -inf past T), D (0 past T)
+static __device__ __forceinline__ void tc_rows(float *lse2, float *sD, const float *lse, const float *D, int64_t bh,
+                                               int q0, int n, int Tn) {
+  for (int i = threadIdx.x; i < n; i += TC_THREADS) {
+    const int t = q0 + i;
+    lse2[i] = t < Tn ? lse[bh * Tn + t] * TC_LOG2E : -INFINITY;
+    sD[i] = t < Tn ? D[bh * Tn + t] : 0.0f;
+  }
+}
+
+// row[c], row[c+1] += v0 * mul, v1 * mul (bf16, one owner per element)
+static __device__ __forceinline__ void tc_add2(fy_bf16 *row, float v0, float v1, float mul) {
+  __nv_bfloat162 *p = reinterpret_cast<__nv_bfloat162 *>(row);
+  float2 o = __bfloat1622float2(*p);
+  *p = __floats2bfloat162_rn(o.x + v0 * mul, o.y + v1 * mul);
+}
+
+template <int HS>
+static size_t tc_fwd_smem() { return (size_t)(3 * TC_ROWS * (HS + 8)) * sizeof(fy_bf16) + TC_ROWS * sizeof(int); }
+
+// qkv (B,T,3C), mask -> out (B,T,C), lse (B,NH,T): one (b, h, 64-query tile) per block
+template <int HS>
+__global__ void __launch_bounds__(TC_THREADS)
+attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const int32_t *mask, int Tn, int C,
+                            int NH, float scale, int nq) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  constexpr int LD = HS + 8, NT = TC_ROWS / 8, DT = HS / 8;
+  fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sK = sQ + TC_ROWS * LD, *sV = sK + TC_ROWS * LD;
+  int *sOk = reinterpret_cast<int *>(sV + TC_ROWS * LD);
+  const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
+  const int b = bh / NH, h = bh % NH;
+  const int64_t C3 = 3 * (int64_t)C;
+  const fy_bf16 *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int q0 = qt * TC_ROWS, r0 = warp * 16;  // the warp's rows r0 + g and r0 + g + 8
+  const float sl = scale * TC_LOG2E;
+  tc_load<HS, TC_ROWS>(sQ, base, C3, q0, Tn);
+  __syncthreads();
+  uint32_t qa[HS / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; kk++) tc_ld_a(qa[kk], sQ, LD, r0, 16 * kk);
+
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g+8; l is this thread's part
+  const int tq[2] = {q0 + r0 + g, q0 + r0 + g + 8};
+
+  for (int kt = 0; kt <= qt; kt++) {
+    const int k0 = kt * TC_ROWS;
+    __syncthreads();  // the previous K and V are consumed
+    tc_load<HS, TC_ROWS>(sK, base + C, C3, k0, Tn);
+    tc_load<HS, TC_ROWS>(sV, base + 2 * C, C3, k0, Tn);
+    tc_keys_ok(sOk, mask, b, k0, TC_ROWS, Tn);
+    __syncthreads();
+
+    float sc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < HS / 16; kk++) {
+        uint32_t b0, b1;
+        tc_ld_bt(b0, b1, sK, LD, 8 * n, 16 * kk);
+        tc_mma(sc[n], qa[kk], b0, b1);
+      }
+    }
+    // Scale (base 2), mask, and the rows' maxima over this tile.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int key = 8 * n + 2 * t + (e & 1), row = e >> 1;
+        const bool ok = sOk[key] && k0 + key <= tq[row];
+        sc[n][e] = ok ? sc[n][e] * sl : -INFINITY;
+        mx[row] = fmaxf(mx[row], sc[n][e]);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int row = 0; row < 2; row++) {
+      mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
+      mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
+      const float mnew = fmaxf(m[row], mx[row]);
+      // No key for this row yet: nothing to add (avoid -inf - -inf).
+      alpha[row] = mnew == -INFINITY ? 1.0f : exp2f(m[row] - mnew);
+      mx[row] = mnew;  // the reference point of this tile's probabilities
+      m[row] = mnew;
+    }
+    float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int row = e >> 1;
+        const float p = mx[row] == -INFINITY ? 0.0f : exp2f(sc[n][e] - mx[row]);
+        sc[n][e] = p;
+        ps[row] += p;
+      }
+#pragma unroll
+    for (int row = 0; row < 2; row++) l[row] = l[row] * alpha[row] + ps[row];
+#pragma unroll
+    for (int j = 0; j < DT; j++) {
+      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+    }
+    // O += P V, P from the score registers (bf16), V by transposed fragment loads.
+#pragma unroll
+    for (int j = 0; j < TC_ROWS / 16; j++) {
+      const uint32_t pa[4] = {tc_pack(sc[2 * j][0], sc[2 * j][1]), tc_pack(sc[2 * j][2], sc[2 * j][3]),
+                              tc_pack(sc[2 * j + 1][0], sc[2 * j + 1][1]), tc_pack(sc[2 * j + 1][2], sc[2 * j + 1][3])};
+#pragma unroll
+      for (int dn = 0; dn < HS / 16; dn++) {
+        uint32_t vb[4];
+        tc_ld_b2(vb, sV, LD, 16 * j, 16 * dn);
+        tc_mma(o[2 * dn], pa, vb[0], vb[1]);
+        tc_mma(o[2 * dn + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    l[row] += __shfl_xor_sync(0xffffffffu, l[row], 1);
+    l[row] += __shfl_xor_sync(0xffffffffu, l[row], 2);
+  }
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    if (tq[row] >= Tn) continue;
+    // A query with no key (l = 0) gets zeros, as the CPU kernel gives it.
+    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    fy_bf16 *orow = out + ((int64_t)b * Tn + tq[row]) * C + (int64_t)h * HS;
+#pragma unroll
+    for (int j = 0; j < DT; j++)
+      *reinterpret_cast<uint32_t *>(orow + 8 * j + 2 * t) = tc_pack(o[j][2 * row] * inv, o[j][2 * row + 1] * inv);
+    if (t == 0) lse[(int64_t)bh * Tn + tq[row]] = l[row] > 0.0f ? (m[row] + log2f(l[row])) * TC_LN2 : -INFINITY;
+  }
+}
+
+// The score-side work both backward kernels share, for a warp's 16 rows (A from tile a at rows
+// a0) against NC columns (B^T from tile x, rows x0), and the same for dP (A from da, B^T from dx):
+// s = A X^T, dp = dA dX^T (fp32, unscaled).
+template <int HS, int NC>
+static __device__ __forceinline__ void tc_scores(float s[NC / 8][4], float dp[NC / 8][4], const fy_bf16 *a,
+                                                 const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
+  constexpr int LD = HS + 8;
+#pragma unroll
+  for (int n = 0; n < NC / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; kk++) {
+    uint32_t fa[4], fd[4];
+    tc_ld_a(fa, a, LD, a0, 16 * kk);
+    tc_ld_a(fd, da, LD, a0, 16 * kk);
+#pragma unroll
+    for (int n = 0; n < NC / 8; n++) {
+      uint32_t b0, b1;
+      tc_ld_bt(b0, b1, x, LD, 8 * n, 16 * kk);
+      tc_mma(s[n], fa, b0, b1);
+      tc_ld_bt(b0, b1, dx, LD, 8 * n, 16 * kk);
+      tc_mma(dp[n], fd, b0, b1);
+    }
+  }
+}
+
+// acc (16 x HS) += W (16 x NC, from score-layout registers, rounded to bf16) X (NC x HS, tile x)
+template <int HS, int NC>
+static __device__ __forceinline__ void tc_accumulate(float acc[HS / 8][4], const float w[NC / 8][4], const fy_bf16 *x) {
+#pragma unroll
+  for (int j = 0; j < NC / 16; j++) {
+    const uint32_t wa[4] = {tc_pack(w[2 * j][0], w[2 * j][1]), tc_pack(w[2 * j][2], w[2 * j][3]),
+                            tc_pack(w[2 * j + 1][0], w[2 * j + 1][1]), tc_pack(w[2 * j + 1][2], w[2 * j + 1][3])};
+#pragma unroll
+    for (int dn = 0; dn < HS / 16; dn++) {
+      uint32_t xb[4];
+      tc_ld_b2(xb, x, HS + 8, 16 * j, 16 * dn);
+      tc_mma(acc[2 * dn], wa, xb[0], xb[1]);
+      tc_mma(acc[2 * dn + 1], wa, xb[2], xb[3]);
+    }
+  }
+}
+
+// Query tiles of the dk/dv kernel: 64 queries, 32 for the largest heads (fewer registers).
+template <int HS>
+struct tc_kv { static constexpr int QT = HS > 64 ? 32 : 64; };
+template <int HS>
+static size_t tc_kv_smem() {
+  constexpr int QT = tc_kv<HS>::QT;
+  return (size_t)(2 * TC_ROWS + 2 * QT) * (HS + 8) * sizeof(fy_bf16) + (size_t)(2 * QT) * sizeof(float) +
+         TC_ROWS * sizeof(int);
+}
+template <int HS>
+static size_t tc_q_smem() {
+  return (size_t)(4 * TC_ROWS) * (HS + 8) * sizeof(fy_bf16) + (size_t)(2 * TC_ROWS) * sizeof(float) +
+         TC_ROWS * sizeof(int);
+}
+
+// dout, qkv, lse, D -> dqkv += (k and v): one (b, h, 64-key tile) per block, a warp per 16 keys
+template <int HS>
+__global__ void __launch_bounds__(TC_THREADS)
+attention_backward_kv_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16 *qkv, const float *lse,
+                                const float *D, const int32_t *mask, int Tn, int C, int NH, float scale, int nk) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  constexpr int LD = HS + 8, QT = tc_kv<HS>::QT, DT = HS / 8;
+  fy_bf16 *sK = reinterpret_cast<fy_bf16 *>(tc_smem), *sV = sK + TC_ROWS * LD, *sQ = sV + TC_ROWS * LD,
+          *sdO = sQ + QT * LD;
+  float *sLse = reinterpret_cast<float *>(sdO + QT * LD), *sD = sLse + QT;
+  int *sOk = reinterpret_cast<int *>(sD + QT);
+  const int bh = blockIdx.x / nk, kt = (int)(blockIdx.x % nk);  // key tile 0 has the most work
+  const int b = bh / NH, h = bh % NH;
+  const int64_t C3 = 3 * (int64_t)C;
+  const fy_bf16 *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
+  const fy_bf16 *gbase = dout + (int64_t)b * Tn * C + (int64_t)h * HS;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int k0 = kt * TC_ROWS, r0 = warp * 16;
+  const float sl = scale * TC_LOG2E;
+  tc_load<HS, TC_ROWS>(sK, base + C, C3, k0, Tn);
+  tc_load<HS, TC_ROWS>(sV, base + 2 * C, C3, k0, Tn);
+  tc_keys_ok(sOk, mask, b, k0, TC_ROWS, Tn);
+
+  float dk[DT][4], dv[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; j++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) dk[j][e] = dv[j][e] = 0.0f;
+  const int tk[2] = {k0 + r0 + g, k0 + r0 + g + 8};
+
+  for (int q0 = k0; q0 < Tn; q0 += QT) {
+    __syncthreads();  // the previous query tile is consumed
+    tc_load<HS, QT>(sQ, base, C3, q0, Tn);
+    tc_load<HS, QT>(sdO, gbase, (int64_t)C, q0, Tn);
+    tc_rows(sLse, sD, lse, D, bh, q0, QT, Tn);
+    __syncthreads();
+    // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys.
+    float p[QT / 8][4], ds[QT / 8][4];
+    tc_scores<HS, QT>(p, ds, sK, sV, r0, sQ, sdO);
+#pragma unroll
+    for (int n = 0; n < QT / 8; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int qc = 8 * n + 2 * t + (e & 1), row = e >> 1;
+        const float l2 = sLse[qc];
+        const bool ok = sOk[r0 + g + 8 * row] && tk[row] <= q0 + qc && l2 != -INFINITY;
+        const float pv = ok ? exp2f(p[n][e] * sl - l2) : 0.0f;
+        p[n][e] = pv;
+        ds[n][e] = pv * (ds[n][e] - sD[qc]);
+      }
+    tc_accumulate<HS, QT>(dv, p, sdO);  // dV += P^T dO
+    tc_accumulate<HS, QT>(dk, ds, sQ);  // dK += dS^T Q (times scale below)
+  }
+
+  const int lrow[2] = {r0 + g, r0 + g + 8};
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    if (tk[row] >= Tn) continue;
+    (void)lrow;
+    fy_bf16 *drow = dqkv + ((int64_t)b * Tn + tk[row]) * C3 + (int64_t)h * HS;
+#pragma unroll
+    for (int j = 0; j < DT; j++) {
+      tc_add2(drow + C + 8 * j + 2 * t, dk[j][2 * row], dk[j][2 * row + 1], scale);
+      tc_add2(drow + 2 * C + 8 * j + 2 * t, dv[j][2 * row], dv[j][2 * row + 1], 1.0f);
+    }
+  }
+}
+
+// dout, qkv, lse, D -> dqkv += (q): one (b, h, 64-query tile) per block, a warp per 16 queries
+template <int HS>
+__global__ void __launch_bounds__(TC_THREADS)
+attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16 *qkv, const float *lse,
+                               const float *D, const int32_t *mask, int Tn, int C, int NH, float scale, int nq) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  constexpr int LD = HS + 8, DT = HS / 8, NT = TC_ROWS / 8;
+  fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sdO = sQ + TC_ROWS * LD, *sK = sdO + TC_ROWS * LD,
+          *sV = sK + TC_ROWS * LD;
+  float *sLse = reinterpret_cast<float *>(sV + TC_ROWS * LD), *sD = sLse + TC_ROWS;
+  int *sOk = reinterpret_cast<int *>(sD + TC_ROWS);
+  const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
+  const int b = bh / NH, h = bh % NH;
+  const int64_t C3 = 3 * (int64_t)C;
+  const fy_bf16 *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
+  const fy_bf16 *gbase = dout + (int64_t)b * Tn * C + (int64_t)h * HS;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int q0 = qt * TC_ROWS, r0 = warp * 16;
+  const float sl = scale * TC_LOG2E;
+  tc_load<HS, TC_ROWS>(sQ, base, C3, q0, Tn);
+  tc_load<HS, TC_ROWS>(sdO, gbase, (int64_t)C, q0, Tn);
+  tc_rows(sLse, sD, lse, D, bh, q0, TC_ROWS, Tn);
+
+  float dq[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
+  const int tq[2] = {q0 + r0 + g, q0 + r0 + g + 8};
+
+  for (int kt = 0; kt <= qt; kt++) {
+    const int k0 = kt * TC_ROWS;
+    __syncthreads();  // the previous key tile is consumed
+    tc_load<HS, TC_ROWS>(sK, base + C, C3, k0, Tn);
+    tc_load<HS, TC_ROWS>(sV, base + 2 * C, C3, k0, Tn);
+    tc_keys_ok(sOk, mask, b, k0, TC_ROWS, Tn);
+    __syncthreads();
+    // S = Q K^T and dP = dO V^T for the warp's 16 queries.
+    float p[NT][4], ds[NT][4];
+    tc_scores<HS, TC_ROWS>(p, ds, sQ, sdO, r0, sK, sV);
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int kc = 8 * n + 2 * t + (e & 1), row = e >> 1, lr = r0 + g + 8 * row;
+        const float l2 = sLse[lr];
+        const bool ok = sOk[kc] && k0 + kc <= tq[row] && l2 != -INFINITY;
+        const float pv = ok ? exp2f(p[n][e] * sl - l2) : 0.0f;
+        ds[n][e] = pv * (ds[n][e] - sD[lr]);
+      }
+    tc_accumulate<HS, TC_ROWS>(dq, ds, sK);  // dQ += dS K (times scale below)
+  }
+
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    if (tq[row] >= Tn) continue;
+    fy_bf16 *drow = dqkv + ((int64_t)b * Tn + tq[row]) * C3 + (int64_t)h * HS;
+#pragma unroll
+    for (int j = 0; j < DT; j++) tc_add2(drow + 8 * j + 2 * t, dq[j][2 * row], dq[j][2 * row + 1], scale);
+  }
+}
+
+// Whether the tensor-core kernels take this call: bf16, a head size that is a multiple of 16 up
+// to 128, rows of whole 16-byte pieces, 16-byte aligned buffers, and a GPU of compute capability 8+.
+static bool tc_usable(enum fy_dtype dt, int64_t C, int64_t NH, const void *a, const void *b, const void *c) {
+  if (dt != FY_BF16 || C % NH != 0) return false;
+  const int64_t HS = C / NH;
+  if (HS % 16 != 0 || HS > 128 || C % 8 != 0) return false;
+  if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 != 0) return false;
+  static int major = -1;
+  if (major < 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      major = 0;
+  }
+  return major >= 8;
+}
+
+// Runs F<HS> for the head size (a multiple of 16 up to 128).
+#define TC_HS_DISPATCH(HSV, F)            \
+  switch (HSV) {                          \
+    case 16: F(16); break;                \
+    case 32: F(32); break;                \
+    case 48: F(48); break;                \
+    case 64: F(64); break;                \
+    case 80: F(80); break;                \
+    case 96: F(96); break;                \
+    case 112: F(112); break;              \
+    default: F(128); break;               \
+  }
+
+static fy_status tc_forward(void *out, float *lse, const void *qkv, const int32_t *mask, int64_t T, int64_t C,
+                            int64_t NH, float scale, unsigned nblocks, int nq, cudaStream_t st) {
+  const int HS = (int)(C / NH);
+#define TC_FWD(H)                                                                                        \
+  do {                                                                                                   \
+    size_t smem = tc_fwd_smem<H>();                                                                      \
+    cudaFuncSetAttribute(attention_forward_tc_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem); \
+    attention_forward_tc_kernel<H><<<nblocks, TC_THREADS, smem, st>>>((fy_bf16 *)out, lse, (const fy_bf16 *)qkv, \
+                                                                      mask, (int)T, (int)C, (int)NH, scale, nq); \
+  } while (0)
+  TC_HS_DISPATCH(HS, TC_FWD);
+#undef TC_FWD
+  return fy_cuda_launched("attention_forward (tensor cores)");
+}
+
+static fy_status tc_backward(void *dqkv, const float *D, const void *dout, const void *qkv, const float *lse,
+                             const int32_t *mask, int64_t T, int64_t C, int64_t NH, float scale, unsigned nblocks,
+                             int nq, cudaStream_t st) {
+  const int HS = (int)(C / NH);
+#define TC_BWD(H)                                                                                          \
+  do {                                                                                                     \
+    size_t skv = tc_kv_smem<H>(), sq = tc_q_smem<H>();                                                     \
+    cudaFuncSetAttribute(attention_backward_kv_tc_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv); \
+    cudaFuncSetAttribute(attention_backward_q_tc_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sq);   \
+    attention_backward_kv_tc_kernel<H><<<nblocks, TC_THREADS, skv, st>>>(                                  \
+        (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, nq); \
+    attention_backward_q_tc_kernel<H><<<nblocks, TC_THREADS, sq, st>>>(                                    \
+        (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, nq); \
+  } while (0)
+  TC_HS_DISPATCH(HS, TC_BWD);
+#undef TC_BWD
+  return fy_cuda_launched("attention_backward (tensor cores)");
+}
+
 static fy_status att_check(const char *what, int64_t B, int64_t T, int64_t C, int64_t NH,
                            int64_t *nblocks) {
   if (NH <= 0 || C <= 0 || C % NH != 0)
@@ -423,6 +899,7 @@ extern "C" fy_status fy_cuda_attention_forward(void *out, float *lse, const void
   FY_TRY(att_check("attention_forward", B, T, C, NH, &nblocks));
   if (nblocks == 0) return FY_OK;
   const int HS = (int)(C / NH), nq = (int)((T + ATT_TILE - 1) / ATT_TILE);
+  if (tc_usable(dt, C, NH, out, qkv, qkv)) return tc_forward(out, lse, qkv, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
   size_t smem = att_fwd_smem_bytes(att_hsp(HS));
   FY_CUDA_DISPATCH("attention_forward", dt, E,
                    ATT_LAUNCH(attention_forward_kernel, E, HS, (unsigned)nblocks, smem, st,
@@ -443,6 +920,12 @@ extern "C" fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, cons
   size_t smem = att_bwd_smem_bytes(att_hsp(HS));
   int64_t rows = B * T * NH;
   unsigned dgrid = (unsigned)((rows + 7) / 8);
+  if (tc_usable(dt, C, NH, dqkv, dout, qkv)) {
+    attention_backward_dot_kernel<fy_bf16><<<dgrid, 256, 0, st>>>(scratch, (const fy_bf16 *)dout, (const fy_bf16 *)out,
+                                                                  B, (int)T, (int)C, (int)NH);
+    FY_TRY(fy_cuda_launched("attention_backward (row dots)"));
+    return tc_backward(dqkv, scratch, dout, qkv, lse, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
+  }
   FY_CUDA_DISPATCH("attention_backward", dt, E,
                    attention_backward_dot_kernel<E><<<dgrid, 256, 0, st>>>(
                        scratch, (const E *)dout, (const E *)out, B, (int)T, (int)C, (int)NH);
