@@ -2,8 +2,9 @@
 // (ops/ops.h), in the style of ggml's test-backend-ops. Inputs are random, of odd sizes (B=3,
 // T=37, C=72, NH=6, V=1001 and a few shapes that cross attention's 64-row tiles and reach its
 // largest head; in bf16, head sizes that are multiples of 16 take the tensor-core kernels), copied
-// to the GPU through the cuda device's own copy; outputs come back the same way and are compared by normalised error ||gpu - cpu|| / ||cpu||: fp32 within 1e-5 (matrix
-// products 1e-4), bf16 within 1e-2. For bf16 the CPU kernel gets the same bf16-rounded inputs,
+// to the GPU through the cuda device's own copy; outputs come back the same way and are compared
+// by normalised error ||gpu - cpu|| / ||cpu||: fp32 within 1e-5 (matrix products 1e-4), bf16
+// within 1e-2. For bf16 the CPU kernel gets the same bf16-rounded inputs,
 // widened, so only the GPU's arithmetic and output rounding are measured. Backward kernels start
 // from random gradients, so accumulation (+=) is checked with them. The cuda device itself
 // (accounting, streams, events, host functions, pinning, owns, copy statistics) is checked first.
