@@ -392,10 +392,10 @@ if [ "$bench" = 1 ]; then
   else
     row "bench torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
   fi
+  bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute
   # Where ferry's 1.3B bf16 step goes: each op kind's kernels timed alone (the table is in the log).
   run_step "profile 1.3b bf16" 60 "ferry train --profile (per op kind)" "$build/ferry" train --device cuda \
     --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 3 --profile
-  bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute
   # The figure: OPT-6.7B (fp32 state: ~107 GB of host memory when offloaded), batch 8 x
   # 2048 with recomputation so that the resident run fits the GPU too.
   [ "$big" = 1 ] && bench_step "bench offload 6.7b" 300 offload_ratio opt-6.7b 8 2048 --recompute

@@ -1,12 +1,54 @@
 // Elementwise kernels: relu and add, forward and backward. Memory-bound grid-stride loops; outputs
-// may alias inputs (in-place relu, a residual added in place), so nothing is __restrict__.
+// may alias inputs (in-place relu, a residual added in place), so nothing is __restrict__ (each
+// element, or 16-byte piece, is read and written by one thread).
 #include "ops/cuda/common.cuh"
+
+// Each kernel first walks whole 16-byte pieces (4 floats or 8 bf16: one load or store per tensor
+// and piece) when every buffer is 16-byte aligned (nv = N / piece, else 0), then the rest
+// element by element.
+template <typename T>
+struct ew_vec {
+  static constexpr int N = 16 / (int)sizeof(T);
+};
+static __device__ __forceinline__ void ew_ld(float f[4], const float *p) {
+  float4 v = *reinterpret_cast<const float4 *>(p);
+  f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+}
+static __device__ __forceinline__ void ew_st(float *p, const float f[4]) {
+  *reinterpret_cast<float4 *>(p) = make_float4(f[0], f[1], f[2], f[3]);
+}
+static __device__ __forceinline__ void ew_ld(float f[8], const fy_bf16 *p) {
+  uint4 v = *reinterpret_cast<const uint4 *>(p);
+  const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    float2 x = __bfloat1622float2(h[k]);
+    f[2 * k] = x.x, f[2 * k + 1] = x.y;
+  }
+}
+static __device__ __forceinline__ void ew_st(fy_bf16 *p, const float f[8]) {
+  uint4 v;
+  __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; k++) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+  *reinterpret_cast<uint4 *>(p) = v;
+}
+
+#define EW_LOOP(i, from, n) \
+  for (int64_t i = (from) + blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
 
 // inp (N) -> out (N)
 template <typename T>
-__global__ void relu_forward_kernel(T *out, const T *inp, int64_t N) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
-       i += (int64_t)gridDim.x * blockDim.x) {
+__global__ void relu_forward_kernel(T *out, const T *inp, int64_t N, int64_t nv) {
+  constexpr int V = ew_vec<T>::N;
+  EW_LOOP(j, 0, nv) {
+    float x[V];
+    ew_ld(x, inp + j * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) x[k] = x[k] < 0.0f ? 0.0f : x[k];  // NaN passes, as in PyTorch
+    ew_st(out + j * V, x);
+  }
+  EW_LOOP(i, nv * V, N) {
     float x = fy_ld(inp + i);
     fy_st(out + i, x < 0.0f ? 0.0f : x);  // NaN passes through, as in PyTorch and the CPU kernel
   }
@@ -14,63 +56,108 @@ __global__ void relu_forward_kernel(T *out, const T *inp, int64_t N) {
 
 // dout (N), out (N) -> dinp (N) +=
 template <typename T>
-__global__ void relu_backward_kernel(T *dinp, const T *dout, const T *out, int64_t N) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
-       i += (int64_t)gridDim.x * blockDim.x)
+__global__ void relu_backward_kernel(T *dinp, const T *dout, const T *out, int64_t N, int64_t nv) {
+  constexpr int V = ew_vec<T>::N;
+  EW_LOOP(j, 0, nv) {
+    float o[V], g[V], d[V];
+    ew_ld(o, out + j * V);
+    ew_ld(g, dout + j * V);
+    ew_ld(d, dinp + j * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) d[k] = o[k] > 0.0f ? d[k] + g[k] : d[k];
+    ew_st(dinp + j * V, d);
+  }
+  EW_LOOP(i, nv * V, N)
     if (fy_ld(out + i) > 0.0f) fy_st(dinp + i, fy_ld(dinp + i) + fy_ld(dout + i));
 }
 
 // a (N), b (N) -> out (N)
 template <typename T>
-__global__ void add_forward_kernel(T *out, const T *a, const T *b, int64_t N) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
-       i += (int64_t)gridDim.x * blockDim.x)
-    fy_st(out + i, fy_ld(a + i) + fy_ld(b + i));
+__global__ void add_forward_kernel(T *out, const T *a, const T *b, int64_t N, int64_t nv) {
+  constexpr int V = ew_vec<T>::N;
+  EW_LOOP(j, 0, nv) {
+    float x[V], y[V];
+    ew_ld(x, a + j * V);
+    ew_ld(y, b + j * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) x[k] += y[k];
+    ew_st(out + j * V, x);
+  }
+  EW_LOOP(i, nv * V, N) fy_st(out + i, fy_ld(a + i) + fy_ld(b + i));
 }
 
 // dout (N) -> da (N) +=, db (N) += (either may be NULL)
 template <typename T>
-__global__ void add_backward_kernel(T *da, T *db, const T *dout, int64_t N) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
-       i += (int64_t)gridDim.x * blockDim.x) {
+__global__ void add_backward_kernel(T *da, T *db, const T *dout, int64_t N, int64_t nv) {
+  constexpr int V = ew_vec<T>::N;
+  EW_LOOP(j, 0, nv) {
+    float g[V], x[V];
+    ew_ld(g, dout + j * V);
+    if (da) {
+      ew_ld(x, da + j * V);
+#pragma unroll
+      for (int k = 0; k < V; k++) x[k] += g[k];
+      ew_st(da + j * V, x);
+    }
+    if (db) {
+      ew_ld(x, db + j * V);
+#pragma unroll
+      for (int k = 0; k < V; k++) x[k] += g[k];
+      ew_st(db + j * V, x);
+    }
+  }
+  EW_LOOP(i, nv * V, N) {
     float g = fy_ld(dout + i);
     if (da) fy_st(da + i, fy_ld(da + i) + g);
     if (db) fy_st(db + i, fy_ld(db + i) + g);
   }
 }
 
+// Whole 16-byte pieces of N elements of size es when every given pointer is 16-byte aligned, else 0.
+static int64_t ew_pieces(int64_t N, size_t es, const void *a, const void *b, const void *c) {
+  if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 != 0) return 0;
+  return N / (int64_t)(16 / es);
+}
+// Blocks for the pieces (or, without them, the elements).
+static unsigned ew_grid(int64_t N, int64_t nv) { return fy_grid(nv > 0 ? nv : N, 256); }
+
 extern "C" fy_status fy_cuda_relu_forward(void *out, const void *inp, enum fy_dtype dt, int64_t N,
                                           cudaStream_t st) {
   if (N <= 0) return FY_OK;
-  FY_CUDA_DISPATCH("relu_forward", dt, T,
-                   relu_forward_kernel<T><<<fy_grid(N, 256), 256, 0, st>>>((T *)out, (const T *)inp, N));
+  FY_CUDA_DISPATCH("relu_forward", dt, T, {
+    int64_t nv = ew_pieces(N, sizeof(T), out, inp, NULL);
+    relu_forward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)out, (const T *)inp, N, nv);
+  });
   return fy_cuda_launched("relu_forward");
 }
 
 extern "C" fy_status fy_cuda_relu_backward(void *dinp, const void *dout, const void *out,
                                            enum fy_dtype dt, int64_t N, cudaStream_t st) {
   if (N <= 0) return FY_OK;
-  FY_CUDA_DISPATCH("relu_backward", dt, T,
-                   relu_backward_kernel<T><<<fy_grid(N, 256), 256, 0, st>>>(
-                       (T *)dinp, (const T *)dout, (const T *)out, N));
+  FY_CUDA_DISPATCH("relu_backward", dt, T, {
+    int64_t nv = ew_pieces(N, sizeof(T), dinp, dout, out);
+    relu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)out, N, nv);
+  });
   return fy_cuda_launched("relu_backward");
 }
 
 extern "C" fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt,
                                          int64_t N, cudaStream_t st) {
   if (N <= 0) return FY_OK;
-  FY_CUDA_DISPATCH("add_forward", dt, T,
-                   add_forward_kernel<T><<<fy_grid(N, 256), 256, 0, st>>>(
-                       (T *)out, (const T *)a, (const T *)b, N));
+  FY_CUDA_DISPATCH("add_forward", dt, T, {
+    int64_t nv = ew_pieces(N, sizeof(T), out, a, b);
+    add_forward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)out, (const T *)a, (const T *)b, N, nv);
+  });
   return fy_cuda_launched("add_forward");
 }
 
 extern "C" fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt,
                                           int64_t N, cudaStream_t st) {
   if (N <= 0 || (!da && !db)) return FY_OK;
-  FY_CUDA_DISPATCH("add_backward", dt, T,
-                   add_backward_kernel<T><<<fy_grid(N, 256), 256, 0, st>>>(
-                       (T *)da, (T *)db, (const T *)dout, N));
+  FY_CUDA_DISPATCH("add_backward", dt, T, {
+    int64_t nv = ew_pieces(N, sizeof(T), da, db, dout);
+    add_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)da, (T *)db, (const T *)dout, N, nv);
+  });
   return fy_cuda_launched("add_backward");
 }
 
