@@ -489,6 +489,24 @@ static __device__ __forceinline__ void tc_add2(fy_bf16 *row, float v0, float v1,
   *p = __floats2bfloat162_rn(o.x + v0 * mul, o.y + v1 * mul);
 }
 
+// acc (16 x HS) += W (16 x NC, from score-layout registers, rounded to bf16) X (NC x HS, tile x):
+// the second product of every kernel (P V, P^T dO, dS^T Q, dS K); X enters by transposed loads.
+template <int HS, int NC>
+static __device__ __forceinline__ void tc_accumulate(float acc[HS / 8][4], const float w[NC / 8][4], const fy_bf16 *x) {
+#pragma unroll
+  for (int j = 0; j < NC / 16; j++) {
+    const uint32_t wa[4] = {tc_pack(w[2 * j][0], w[2 * j][1]), tc_pack(w[2 * j][2], w[2 * j][3]),
+                            tc_pack(w[2 * j + 1][0], w[2 * j + 1][1]), tc_pack(w[2 * j + 1][2], w[2 * j + 1][3])};
+#pragma unroll
+    for (int dn = 0; dn < HS / 16; dn++) {
+      uint32_t xb[4];
+      tc_ld_b2(xb, x, HS + 8, 16 * j, 16 * dn);
+      tc_mma(acc[2 * dn], wa, xb[0], xb[1]);
+      tc_mma(acc[2 * dn + 1], wa, xb[2], xb[3]);
+    }
+  }
+}
+
 template <int HS>
 static size_t tc_fwd_smem() { return (size_t)(3 * TC_ROWS * (HS + 8)) * sizeof(fy_bf16) + TC_ROWS * sizeof(int); }
 
@@ -578,19 +596,7 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
       o[j][0] *= alpha[0], o[j][1] *= alpha[0];
       o[j][2] *= alpha[1], o[j][3] *= alpha[1];
     }
-    // O += P V, P from the score registers (bf16), V by transposed fragment loads.
-#pragma unroll
-    for (int j = 0; j < TC_ROWS / 16; j++) {
-      const uint32_t pa[4] = {tc_pack(sc[2 * j][0], sc[2 * j][1]), tc_pack(sc[2 * j][2], sc[2 * j][3]),
-                              tc_pack(sc[2 * j + 1][0], sc[2 * j + 1][1]), tc_pack(sc[2 * j + 1][2], sc[2 * j + 1][3])};
-#pragma unroll
-      for (int dn = 0; dn < HS / 16; dn++) {
-        uint32_t vb[4];
-        tc_ld_b2(vb, sV, LD, 16 * j, 16 * dn);
-        tc_mma(o[2 * dn], pa, vb[0], vb[1]);
-        tc_mma(o[2 * dn + 1], pa, vb[2], vb[3]);
-      }
-    }
+    tc_accumulate<HS, TC_ROWS>(o, sc, sV);  // O += P V
   }
 
 #pragma unroll
@@ -611,9 +617,8 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
   }
 }
 
-// The score-side work both backward kernels share, for a warp's 16 rows (A from tile a at rows
-// a0) against NC columns (B^T from tile x, rows x0), and the same for dP (A from da, B^T from dx):
-// s = A X^T, dp = dA dX^T (fp32, unscaled).
+// The score-side work both backward kernels share, for a warp's 16 rows (rows a0.. of tiles a
+// and da) against the NC rows of tiles x and dx: s = A X^T, dp = dA dX^T (fp32, unscaled).
 template <int HS, int NC>
 static __device__ __forceinline__ void tc_scores(float s[NC / 8][4], float dp[NC / 8][4], const fy_bf16 *a,
                                                  const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
@@ -632,23 +637,6 @@ static __device__ __forceinline__ void tc_scores(float s[NC / 8][4], float dp[NC
       tc_mma(s[n], fa, b0, b1);
       tc_ld_bt(b0, b1, dx, LD, 8 * n, 16 * kk);
       tc_mma(dp[n], fd, b0, b1);
-    }
-  }
-}
-
-// acc (16 x HS) += W (16 x NC, from score-layout registers, rounded to bf16) X (NC x HS, tile x)
-template <int HS, int NC>
-static __device__ __forceinline__ void tc_accumulate(float acc[HS / 8][4], const float w[NC / 8][4], const fy_bf16 *x) {
-#pragma unroll
-  for (int j = 0; j < NC / 16; j++) {
-    const uint32_t wa[4] = {tc_pack(w[2 * j][0], w[2 * j][1]), tc_pack(w[2 * j][2], w[2 * j][3]),
-                            tc_pack(w[2 * j + 1][0], w[2 * j + 1][1]), tc_pack(w[2 * j + 1][2], w[2 * j + 1][3])};
-#pragma unroll
-    for (int dn = 0; dn < HS / 16; dn++) {
-      uint32_t xb[4];
-      tc_ld_b2(xb, x, HS + 8, 16 * j, 16 * dn);
-      tc_mma(acc[2 * dn], wa, xb[0], xb[1]);
-      tc_mma(acc[2 * dn + 1], wa, xb[2], xb[3]);
     }
   }
 }
@@ -722,11 +710,9 @@ attention_backward_kv_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
     tc_accumulate<HS, QT>(dk, ds, sQ);  // dK += dS^T Q (times scale below)
   }
 
-  const int lrow[2] = {r0 + g, r0 + g + 8};
 #pragma unroll
   for (int row = 0; row < 2; row++) {
     if (tk[row] >= Tn) continue;
-    (void)lrow;
     fy_bf16 *drow = dqkv + ((int64_t)b * Tn + tk[row]) * C3 + (int64_t)h * HS;
 #pragma unroll
     for (int j = 0; j < DT; j++) {
