@@ -386,6 +386,9 @@ if [ "$bench" = 1 ]; then
   # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
   # fused AdamW) in the same run. MFU = model FLOPs / step time / the H200's bf16 dense peak (989).
   bench_step "bench ferry 1.3b bf16" 120 ferry_13b
+  # The same step's matrix products alone, shape by shape (forward, input and weight gradients,
+  # bias gradients): which of them fall short of the GPU's GEMM rate.
+  bench_step "bench gemm shapes" 60 "$build/bench/gpu_gemm" --model opt-1.3b --batch 8 --seq 2048
   if have_torch; then
     bench_step "bench torch 1.3b bf16" 150 python3 bench/peers/torch_opt.py --device cuda --model opt-1.3b --dtype bf16 \
       --batch 8 --seq 2048 --steps 5 --warmup 2

@@ -1,0 +1,191 @@
+// bench/gpu_gemm: the matrix products of one OPT training step on the GPU, one shape at a time,
+// through the same calls the cuda engine makes (ops/cuda: fy_cuda_linear_forward,
+// fy_cuda_linear_backward, fy_cuda_linear_backward_params): for every distinct linear layer of the
+// model (C -> OC over BT = batch x seq rows) the forward with and without its bias epilogue, the
+// input gradient (accumulating, as in training), the weight gradient and the bias gradient, in bf16
+// (or fp32). Inputs are random (never zeros); each product is timed with CUDA events over --reps
+// runs after 3 warm-ups and its median printed as a JSON line with its rate, then one line per
+// phase with the step's total for the model (every layer, the tied output projection once).
+//
+// usage: gpu_gemm [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]
+// Exits 77 without a GPU.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/device.h"
+#include "core/device_cuda.h"
+#include "core/dtype.h"
+#include "core/opt.h"
+#include "ops/cuda/ops_cuda.h"
+
+static struct fy_device *dev;
+static cudaStream_t cs;
+
+static void die(const char *what) {
+  fprintf(stderr, "gpu_gemm: %s: %s\n", what, fy_error_msg());
+  exit(1);
+}
+
+// n random elements of dt on the device (a 1 Mi-element random block, tiled).
+static void *drand(int64_t n, enum fy_dtype dt) {
+  const size_t es = fy_dtype_size(dt), block = (size_t)1 << 20;
+  void *p = NULL;
+  if (fy_device_alloc(dev, (size_t)n * es, &p) != FY_OK) die("device allocation");
+  static void *host[2];  // per dtype size, made once
+  void **h = &host[es == 2];
+  if (!*h) {
+    *h = malloc(block * es);
+    if (!*h) die("host allocation");
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < block; i++) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      float v = (float)((double)(x >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+      if (es == 2) ((uint16_t *)*h)[i] = fy_f32_to_bf16(v);
+      else ((float *)*h)[i] = v;
+    }
+  }
+  for (size_t off = 0; off < (size_t)n; off += block) {
+    size_t k = (size_t)n - off < block ? (size_t)n - off : block;
+    if (cudaMemcpy((char *)p + off * es, *h, k * es, cudaMemcpyHostToDevice) != cudaSuccess) die("upload");
+  }
+  return p;
+}
+
+static int cmp_f(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+enum what { FWD, FWD_NOBIAS, DINP, DW, DBIAS };
+static const char *what_name[] = {"forward", "forward_no_bias", "input_grad", "weight_grad", "bias_grad"};
+
+// Median milliseconds of one call of `w` for the shape.
+static float time_op(enum what w, struct fy_cuda_blas *h, enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC,
+                     void *in, void *wt, void *bias, void *out, void *dout, void *dinp, void *dw, void *db, int reps) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float *ms = calloc((size_t)reps, sizeof *ms);
+  if (!ms) die("host allocation");
+  for (int r = -3; r < reps; r++) {
+    cudaEventRecord(e0, cs);
+    fy_status st = FY_OK;
+    switch (w) {
+      case FWD: st = fy_cuda_linear_forward(h, out, in, wt, bias, dt, BT, C, OC, cs); break;
+      case FWD_NOBIAS: st = fy_cuda_linear_forward(h, out, in, wt, NULL, dt, BT, C, OC, cs); break;
+      case DINP: st = fy_cuda_linear_backward(h, dinp, NULL, NULL, dout, in, wt, dt, BT, C, OC, cs); break;
+      case DW: st = fy_cuda_linear_backward_params(h, dw, NULL, dout, in, dt, BT, C, OC, false, cs); break;
+      case DBIAS: st = fy_cuda_linear_backward_params(h, NULL, db, dout, in, dt, BT, C, OC, false, cs); break;
+    }
+    if (st != FY_OK) die(what_name[w]);
+    cudaEventRecord(e1, cs);
+    if (cudaEventSynchronize(e1) != cudaSuccess) {
+      fprintf(stderr, "gpu_gemm: %s: %s\n", what_name[w], cudaGetErrorString(cudaGetLastError()));
+      exit(1);
+    }
+    if (r >= 0) cudaEventElapsedTime(&ms[r], e0, e1);
+  }
+  qsort(ms, (size_t)reps, sizeof *ms, cmp_f);
+  float med = ms[reps / 2];
+  free(ms);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return med;
+}
+
+int main(int argc, char **argv) {
+  const char *model = "opt-1.3b", *dtype = "bf16";
+  int64_t batch = 8, seq = 2048;
+  int reps = 10;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      printf("usage: gpu_gemm [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]\n");
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "gpu_gemm: %s needs a value (--help)\n", a);
+      return 2;
+    }
+    if (!strcmp(a, "--model")) model = v;
+    else if (!strcmp(a, "--batch")) batch = atoll(v);
+    else if (!strcmp(a, "--seq")) seq = atoll(v);
+    else if (!strcmp(a, "--dtype")) dtype = v;
+    else if (!strcmp(a, "--reps")) reps = atoi(v);
+    else {
+      fprintf(stderr, "gpu_gemm: unknown option %s (--help)\n", a);
+      return 2;
+    }
+    i++;
+  }
+  enum fy_dtype dt = !strcmp(dtype, "fp32") ? FY_F32 : FY_BF16;
+  if ((strcmp(dtype, "fp32") && strcmp(dtype, "bf16")) || batch < 1 || seq < 1 || reps < 1) {
+    fprintf(stderr, "gpu_gemm: bad --dtype, --batch, --seq or --reps\n");
+    return 2;
+  }
+  struct fy_opt_config cfg;
+  if (fy_opt_preset(model, &cfg) != FY_OK) die("--model");
+  if (fy_cuda_device_count() == 0) {
+    fprintf(stderr, "gpu_gemm: no GPU: skipped\n");
+    return 77;
+  }
+  if (fy_device_cuda_create(0, 0, &dev) != FY_OK) die("cuda device");
+  fy_stream *st = NULL;
+  if (fy_stream_create(dev, &st) != FY_OK) die("stream");
+  cs = fy_cuda_stream(st);
+  const size_t ws_bytes = (size_t)32 << 20;  // what the engine gives cuBLASLt
+  void *ws = NULL;
+  struct fy_cuda_blas *h = NULL;
+  if (fy_device_alloc(dev, ws_bytes, &ws) != FY_OK || fy_cuda_blas_create(ws, ws_bytes, &h) != FY_OK) die("cuBLASLt");
+
+  // The model's linear layers (C -> OC, how many per step, bias or not).
+  const int64_t D = cfg.hidden_size, F = cfg.ffn_dim, E = cfg.word_embed_proj_dim, L = cfg.num_hidden_layers;
+  struct { const char *name; int64_t C, OC, count; bool bias; } shapes[] = {
+      {"qkv", D, 3 * D, L, cfg.enable_bias}, {"out_proj", D, D, L, cfg.enable_bias},
+      {"fc1", D, F, L, cfg.enable_bias},     {"fc2", F, D, L, cfg.enable_bias},
+      {"lm_head", E, cfg.vocab_size, 1, false},
+  };
+  const int64_t BT = batch * seq;
+  double total_ms[5] = {0}, total_flop[5] = {0};
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+    const int64_t C = shapes[s].C, OC = shapes[s].OC;
+    void *in = drand(BT * C, dt), *wt = drand(OC * C, dt), *bias = drand(OC, dt), *out = drand(BT * OC, dt);
+    void *dout = drand(BT * OC, dt), *dinp = drand(BT * C, dt), *dw = drand(OC * C, dt), *db = drand(OC, dt);
+    for (int w = FWD; w <= DBIAS; w++) {
+      if ((w == FWD_NOBIAS || w == DBIAS) && !shapes[s].bias) continue;
+      float ms = time_op((enum what)w, h, dt, BT, C, OC, in, wt, shapes[s].bias ? bias : NULL, out, dout, dinp, dw, db,
+                         reps);
+      double flop = w == DBIAS ? 0 : 2.0 * (double)BT * (double)C * (double)OC;
+      printf("{\"bench\":\"gpu_gemm\",\"layer\":\"%s\",\"op\":\"%s\",\"dtype\":\"%s\",\"rows\":%lld,\"in\":%lld,"
+             "\"out\":%lld,\"ms\":%.4f,\"tflops\":%.1f,\"gbps\":%.1f}\n",
+             shapes[s].name, what_name[w], dtype, (long long)BT, (long long)C, (long long)OC, ms,
+             flop / (ms * 1e-3) / 1e12, (double)BT * OC * fy_dtype_size(dt) / (ms * 1e-3) / 1e9);
+      fflush(stdout);
+      if (w != FWD_NOBIAS) {  // the step's own calls: forward with its bias (if any)
+        int k = w == FWD ? 0 : w == DINP ? 1 : w == DW ? 2 : 3;
+        total_ms[k] += ms * shapes[s].count;
+        total_flop[k] += flop * shapes[s].count;
+      }
+    }
+    void *bufs[] = {in, wt, bias, out, dout, dinp, dw, db};
+    size_t sizes[] = {(size_t)(BT * C), (size_t)(OC * C), (size_t)OC, (size_t)(BT * OC),
+                      (size_t)(BT * OC), (size_t)(BT * C), (size_t)(OC * C), (size_t)OC};
+    for (int i = 0; i < 8; i++) fy_device_dealloc(dev, bufs[i], sizes[i] * fy_dtype_size(dt));
+  }
+  // The step's products per phase (milliseconds, and TFLOP/s where there are FLOPs), on one line.
+  printf("{\"bench\":\"gpu_gemm_step\",\"model\":\"%s\",\"dtype\":\"%s\",\"rows\":%lld", model, dtype, (long long)BT);
+  const char *phase[] = {"forward", "input_grad", "weight_grad", "bias_grad"};
+  for (int k = 0; k < 4; k++) {
+    printf(",\"%s_ms\":%.2f", phase[k], total_ms[k]);
+    if (total_flop[k] > 0) printf(",\"%s_tflops\":%.1f", phase[k], total_flop[k] / (total_ms[k] * 1e-3) / 1e12);
+  }
+  printf("}\n");
+  fy_cuda_blas_free(h);
+  fy_device_dealloc(dev, ws, ws_bytes);
+  fy_stream_free(st);
+  fy_device_free(dev);
+  return 0;
+}
