@@ -1,5 +1,6 @@
 // The OPT graph builder and the graph's layout: parameter counts, first-use order, fused QKV
-// adjacency, and that no two activation gradients that are live at once share memory.
+// adjacency, that no two activation gradients that are live at once share memory, and the
+// flash-attention layout of the GPU kernels.
 #include <string.h>
 
 #include "check.h"
@@ -110,7 +111,53 @@ static void check_model(const char *preset, int64_t B, int64_t T) {
   fy_graph_free(g);
 }
 
+// Every slot inside the activation arena, and no two slots sharing memory (without recomputation).
+static int arena_faults(const struct fy_graph *g) {
+  int bad = 0;
+  for (int a = 0; a < g->n_slots; a++) {
+    const struct fy_slot *x = &g->slots[a];
+    bad += x->offset < 0 || x->offset + x->numel > g->act_elems;
+    for (int b = a + 1; b < g->n_slots && !g->recompute; b++) {
+      const struct fy_slot *y = &g->slots[b];
+      bad += x->offset < y->offset + y->numel && y->offset < x->offset + x->numel;
+    }
+  }
+  return bad;
+}
+
+// Flash-style attention (the cuda kernels): the aux slot and the scratch hold B x NH x T floats
+// instead of B x NH x T x T, the arena shrinks by the difference and stays consistent, with and
+// without recomputation, and switching back restores the CPU layout.
+static void check_flash(void) {
+  struct fy_opt_config c;
+  CHECK_OK(fy_opt_preset("opt-125m", &c));
+  const int64_t B = 3, T = 100;
+  struct fy_graph *g;
+  CHECK_OK(fy_opt_build_graph(&c, B, T, &g));
+  const int64_t plain = g->act_elems, NH = c.num_attention_heads;
+  CHECK(g->scratch_elems == B * NH * T * T && !g->flash_attention);
+  fy_graph_set_flash_attention(g, true);
+  int n_att = 0, wrong = 0;
+  for (int o = 0; o < g->n_ops; o++)
+    if (g->ops[o].kind == FY_OP_ATTENTION) {
+      n_att++;
+      wrong += g->slots[g->ops[o].aux[0]].numel != B * NH * T;
+    }
+  CHECKF(n_att == c.num_hidden_layers && wrong == 0, "flash: %d of %d attention aux slots mis-sized", wrong, n_att);
+  CHECK(g->scratch_elems == B * NH * T && g->flash_attention);
+  CHECKF(g->act_elems < plain - n_att * B * NH * (T * T - T) + 16 * (int64_t)g->n_slots,
+         "flash: the arena is %lld floats, %lld without", (long long)g->act_elems, (long long)plain);
+  CHECKF(arena_faults(g) == 0, "flash: slots outside the arena or overlapping");
+  fy_graph_set_recompute(g, true);
+  CHECKF(arena_faults(g) == 0 && g->flash_attention, "flash with recomputation: slots outside the arena");
+  fy_graph_set_recompute(g, false);
+  fy_graph_set_flash_attention(g, false);
+  CHECK(g->act_elems == plain && g->scratch_elems == B * NH * T * T);
+  fy_graph_free(g);
+}
+
 int main(void) {
+  check_flash();
   for (const char *const *p = fy_opt_preset_names(); *p; p++) {
     bool huge = strstr(*p, "66b") || strstr(*p, "175b") || strstr(*p, "30b");
     check_model(*p, 2, huge ? 32 : 64);
