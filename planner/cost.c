@@ -67,20 +67,19 @@ static void sim_free(struct sim *s, int nc) {
   free(s->home);
 }
 
-static fy_status sim_gather(void *ctx, int chunk, float *block, fy_stream *s) {
-  struct sim *x = ctx;
-  (void)chunk, (void)block;
-  fy_timeline_run(s, x->gather_s, "all-gather");
-  if (x->counting) x->comm_s += x->gather_s;
+// A chunk's collective on the timeline (the cache's shard hooks): seconds of `what` on stream s.
+static fy_status sim_collective(struct sim *x, double seconds, const char *what, fy_stream *s) {
+  fy_timeline_run(s, seconds, what);
+  if (x->counting) x->comm_s += seconds;
   return FY_OK;
 }
-
-static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
-  struct sim *x = ctx;
+static fy_status sim_gather(void *ctx, int chunk, float *block, fy_stream *s) {
   (void)chunk, (void)block;
-  fy_timeline_run(s, x->scatter_s, "reduce-scatter");
-  if (x->counting) x->comm_s += x->scatter_s;
-  return FY_OK;
+  return sim_collective(ctx, ((struct sim *)ctx)->gather_s, "all-gather", s);
+}
+static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
+  (void)chunk, (void)block;
+  return sim_collective(ctx, ((struct sim *)ctx)->scatter_s, "reduce-scatter", s);
 }
 
 // Seconds of a pattern's steps for `phase` at bus bandwidth bw (B/s): a ring all-reduce moves
