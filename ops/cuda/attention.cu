@@ -507,6 +507,13 @@ static __device__ __forceinline__ void tc_accumulate(float acc[HS / 8][4], const
   }
 }
 
+// Where head h = bh % NH of batch row b = bh / NH starts in a (B, T, stride) tensor (q, k and v of
+// qkv are then at + 0, C and 2C; dout's and out's heads at + 0).
+static __device__ __forceinline__ const fy_bf16 *tc_head(const fy_bf16 *x, int bh, int NH, int Tn, int64_t stride,
+                                                        int HS) {
+  return x + (int64_t)(bh / NH) * Tn * stride + (int64_t)(bh % NH) * HS;
+}
+
 template <int HS>
 static size_t tc_fwd_smem() { return (size_t)(3 * TC_ROWS * (HS + 8)) * sizeof(fy_bf16) + TC_ROWS * sizeof(int); }
 
@@ -522,7 +529,7 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
   const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
   const int b = bh / NH, h = bh % NH;
   const int64_t C3 = 3 * (int64_t)C;
-  const fy_bf16 *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
+  const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int q0 = qt * TC_ROWS, r0 = warp * 16;  // the warp's rows r0 + g and r0 + g + 8
   const float sl = scale * TC_LOG2E;
@@ -670,8 +677,7 @@ attention_backward_kv_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
   const int bh = blockIdx.x / nk, kt = (int)(blockIdx.x % nk);  // key tile 0 has the most work
   const int b = bh / NH, h = bh % NH;
   const int64_t C3 = 3 * (int64_t)C;
-  const fy_bf16 *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
-  const fy_bf16 *gbase = dout + (int64_t)b * Tn * C + (int64_t)h * HS;
+  const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS), *gbase = tc_head(dout, bh, NH, Tn, C, HS);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int k0 = kt * TC_ROWS, r0 = warp * 16;
   const float sl = scale * TC_LOG2E;
@@ -736,8 +742,7 @@ attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16
   const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
   const int b = bh / NH, h = bh % NH;
   const int64_t C3 = 3 * (int64_t)C;
-  const fy_bf16 *base = qkv + (int64_t)b * Tn * C3 + (int64_t)h * HS;
-  const fy_bf16 *gbase = dout + (int64_t)b * Tn * C + (int64_t)h * HS;
+  const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS), *gbase = tc_head(dout, bh, NH, Tn, C, HS);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int q0 = qt * TC_ROWS, r0 = warp * 16;
   const float sl = scale * TC_LOG2E;
