@@ -13,8 +13,8 @@
 #include "memory/tier.h"
 #include "runtime/engine.h"
 
-// A micro-batch's loss, summed on the host once its per-row losses have come down (offloading:
-// read in stream order instead of stopping the host).
+// A micro-batch's loss, summed on the host by a host function once its per-row losses have come
+// down (in stream order).
 struct loss_job {
   const float *losses;
   int64_t n;
@@ -32,9 +32,7 @@ struct cuda_ctx {
   void *workspace;
   size_t workspace_bytes;
   float *row;          // (C) one embedding row, kept across the padding row's update
-  float *losses;       // (BT) host copy of the per-row losses
   double *dsums, *dscratch;  // per parameter; the sums' first pass
-  int64_t row_elems;
 };
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
@@ -90,7 +88,7 @@ static void op_forward_cuda(void *arg) {
                                   op->OC, x->st);
       break;
     }
-    case FY_OP_ATTENTION:  // the aux slot (sized for T x T probabilities on the CPU) holds the lse
+    case FY_OP_ATTENTION:  // the aux slot holds the lse (the graph's flash_attention layout)
       st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B, T, op->C,
                                      op->NH, op->scale, x->st);
       break;
@@ -100,19 +98,15 @@ static void op_forward_cuda(void *arg) {
       break;
     case FY_OP_CROSS_ENTROPY:
       st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, dt, BT, op->V, x->st);
-      if (st == FY_OK && c->loss_sum && m->host) {  // offloading: summed by a host function in stream order
+      if (st == FY_OK && c->loss_sum) {
+        // The per-row losses come down and a host function sums them in stream order; the resident
+        // engine then waits for the sum, the offloaded one reads it at the step's end.
         struct loss_job *j = &x->jobs[x->next_job++ % LOSS_JOBS];
         *j = (struct loss_job){.losses = x->losses_pinned, .n = BT, .sum = c->loss_sum};
         if (cudaMemcpyAsync(x->losses_pinned, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
-            cudaLaunchHostFunc(x->st, sum_losses, j) != cudaSuccess)
+            cudaLaunchHostFunc(x->st, sum_losses, j) != cudaSuccess ||
+            (!m->host && cudaStreamSynchronize(x->st) != cudaSuccess))
           st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
-      } else if (st == FY_OK && c->loss_sum) {  // the loss is read on the host
-        if (cudaMemcpyAsync(x->losses, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
-            cudaStreamSynchronize(x->st) != cudaSuccess)
-          st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
-        double s = 0;
-        for (int64_t i = 0; st == FY_OK && i < BT; i++) s += x->losses[i];
-        *c->loss_sum += s;
       }
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
@@ -301,7 +295,6 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   cudaFree(x->row);
   cudaFree(x->dsums);
   cudaFree(x->dscratch);
-  free(x->losses);
   cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
   free(x);
@@ -327,7 +320,6 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
                           cudaSuccess ||
                       cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess))
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate the engine's buffers");
-  if (st == FY_OK && !(x->losses = malloc((size_t)(g->B * g->T) * 4))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);
