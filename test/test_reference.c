@@ -1,7 +1,7 @@
 // ferry against Hugging Face transformers (fixtures from test/reference/make_reference.py): for
 // each small OPT model, the logits and loss of a padded batch, the gradient of every parameter,
 // and the losses and parameters after 5 AdamW steps with clipping. On the cpu device by default;
-// `--device cuda` (or FY_TEST_DEVICE=cuda) runs the same checks with the model resident on GPU 0
+// `--device cuda` runs the same checks with the model resident on GPU 0
 // and its CUDA kernels (fp32, true fp32 GEMMs), exiting 77 (skipped) when there is no GPU.
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,16 +92,13 @@ static void run_fixture(const char *dir) {
   struct fy_device *dev = NULL;
   struct fy_model *m = NULL;
 #if FY_HAVE_CUDA
-  if (on_cuda) {
-    CHECK_OK(fy_engine_cuda_device(0, 0, &dev));
-    CHECK_OK(fy_model_create(&cfg, B, T, dev, &m));
-    CHECK_OK(fy_engine_cuda_attach(m));
-  }
+  if (on_cuda) CHECK_OK(fy_engine_cuda_device(0, 0, &dev));
 #endif
-  if (!on_cuda) {
-    CHECK_OK(fy_device_cpu_create(0, &dev));
-    CHECK_OK(fy_model_create(&cfg, B, T, dev, &m));
-  }
+  if (!on_cuda) CHECK_OK(fy_device_cpu_create(0, &dev));
+  if (dev) CHECK_OK(fy_model_create(&cfg, B, T, dev, &m));
+#if FY_HAVE_CUDA
+  if (on_cuda && m) CHECK_OK(fy_engine_cuda_attach(m));
+#endif
   if (!m) return;
   CHECK_OK(fy_model_load(m, dir));
   struct fy_batch batch = {.B = B, .T = T, .inputs = (int32_t *)ids->data,
@@ -206,8 +203,7 @@ static void run_fixture(const char *dir) {
 }
 
 int main(int argc, char **argv) {
-  const char *src = getenv("FY_SOURCE_DIR"), *env = getenv("FY_TEST_DEVICE");
-  on_cuda = env && strcmp(env, "cuda") == 0;
+  const char *src = getenv("FY_SOURCE_DIR");
   int first = 1;
   if (argc > 2 && strcmp(argv[1], "--device") == 0) {
     on_cuda = strcmp(argv[2], "cuda") == 0;
