@@ -560,6 +560,21 @@ static fy_status nccl_setup(struct fy_comm *c, int device, fy_status pre) {
   return nccl_watch_start(c);
 }
 
+// A communicator over the mpi communicator boot (taken, and freed on failure), set up as
+// nccl_setup says; on failure an NCCL communicator made already is aborted, not finalised.
+static fy_status nccl_make(struct fy_comm *boot, int device, fy_status pre, struct fy_comm **out) {
+  struct fy_comm *c = NULL;
+  FY_TRY(nccl_alloc(boot, &c));
+  fy_status st = nccl_setup(c, device, pre);
+  if (st != FY_OK) {
+    fy_comm_fail(c, st);
+    nccl_destroy(c);
+    return st;
+  }
+  *out = c;
+  return FY_OK;
+}
+
 fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out) {
   *out = NULL;
   if (!bootstrap) return fy_error_set(FY_ERR_INVALID, "nccl: no bootstrap communicator");
@@ -569,16 +584,7 @@ fy_status fy_comm_nccl_create(struct fy_comm *bootstrap, struct fy_comm **out) {
     fy_comm_free(bootstrap);
     return st;
   }
-  struct fy_comm *c = NULL;
-  FY_TRY(nccl_alloc(bootstrap, &c));
-  fy_status st = nccl_setup(c, -1, FY_OK);
-  if (st != FY_OK) {
-    fy_comm_fail(c, st);  // so that an NCCL communicator made already is aborted, not finalised
-    nccl_destroy(c);
-    return st;
-  }
-  *out = c;
-  return FY_OK;
+  return nccl_make(bootstrap, -1, FY_OK, out);
 }
 
 static fy_status nccl_split(struct fy_comm *c, int color, int key, struct fy_comm **out) {
@@ -590,16 +596,8 @@ static fy_status nccl_split(struct fy_comm *c, int color, int key, struct fy_com
   fy_status st = fy_comm_split(m->boot, color, key, &boot);
   if (st != FY_OK) return fy_error_wrap(st, "split: the mpi side");
   if (!boot) return FY_OK;  // a negative color: in no group
-  struct fy_comm *child = NULL;
-  FY_TRY(nccl_alloc(boot, &child));  // (frees boot on failure)
   // A rank whose parent was aborted still takes part, so that its group fails at once with it.
-  st = nccl_setup(child, m->device,
-                  aborted ? fy_error_set(FY_ERR_IO, "split: the NCCL communicator was aborted") : FY_OK);
-  if (st != FY_OK) {
-    fy_comm_fail(child, st);
-    nccl_destroy(child);
-    return fy_error_wrap(st, "split");
-  }
-  *out = child;
-  return FY_OK;
+  st = nccl_make(boot, m->device, aborted ? fy_error_set(FY_ERR_IO, "split: the NCCL communicator was aborted") : FY_OK,
+                 out);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "split");
 }
