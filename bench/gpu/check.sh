@@ -261,10 +261,12 @@ fi
 gpu_train() {
   local d="$logs/train"
   mkdir -p "$d"
+  # ferry_run NAME ARGS...: ferry ARGS with its output in $d/NAME.out, shown when it fails
+  ferry_run() { local name="$1"; shift; "$build/ferry" "$@" >"$d/$name.out" 2>&1 || { cat "$d/$name.out"; return 1; }; }
   # fp32 on both sides: the losses of 8 steps agree to rounding.
   local common=(train --model opt-demo --steps 8 --batch 4 --seq 128 --seed 1 --lr 1e-3 --warmup 0 --no-shuffle)
-  "$build/ferry" "${common[@]}" --device cpu --log "$d/cpu.jsonl" >"$d/cpu.out" 2>&1 || { cat "$d/cpu.out"; return 1; }
-  "$build/ferry" "${common[@]}" --device cuda --log "$d/cuda.jsonl" >"$d/cuda.out" 2>&1 || { cat "$d/cuda.out"; return 1; }
+  ferry_run cpu "${common[@]}" --device cpu --log "$d/cpu.jsonl" || return 1
+  ferry_run cuda "${common[@]}" --device cuda --log "$d/cuda.jsonl" || return 1
   python3 - "$d/cpu.jsonl" "$d/cuda.jsonl" <<'PY'
 import json, sys
 a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
@@ -275,8 +277,8 @@ sys.exit(0 if ok else 1)
 PY
   # bf16 compute (fp32 master and AdamW state) on the GPU against the CPU's bf16 numerics: the
   # same 8 steps within bf16's rounding.
-  "$build/ferry" "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" >"$d/cpu16.out" 2>&1 || { cat "$d/cpu16.out"; return 1; }
-  "$build/ferry" "${common[@]}" --device cuda --precision bf16 --log "$d/cuda16.jsonl" >"$d/cuda16.out" 2>&1 || { cat "$d/cuda16.out"; return 1; }
+  ferry_run cpu16 "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" || return 1
+  ferry_run cuda16 "${common[@]}" --device cuda --precision bf16 --log "$d/cuda16.jsonl" || return 1
   python3 - "$d/cpu16.jsonl" "$d/cuda16.jsonl" "$d/cpu.jsonl" <<'PY'
 import json, sys
 a, b, f32 = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
@@ -289,9 +291,9 @@ PY
   # Gradient accumulation (2 x batch 2 = batch 4) and a checkpoint resumed on the GPU (8 steps
   # straight = 4, a checkpoint, 4 more in a new process), bf16 both.
   local b16=(--device cuda --precision bf16)
-  "$build/ferry" "${common[@]}" "${b16[@]}" --batch 2 --grad-accum 2 --log "$d/accum.jsonl" >"$d/accum.out" 2>&1 || { cat "$d/accum.out"; return 1; }
-  "$build/ferry" "${common[@]}" "${b16[@]}" --save "$d/ck" --save-every 4 --stop-after 4 >"$d/ck1.out" 2>&1 || { cat "$d/ck1.out"; return 1; }
-  "$build/ferry" "${common[@]}" "${b16[@]}" --resume "$d/ck" --log "$d/resumed.jsonl" >"$d/ck2.out" 2>&1 || { cat "$d/ck2.out"; return 1; }
+  ferry_run accum "${common[@]}" "${b16[@]}" --batch 2 --grad-accum 2 --log "$d/accum.jsonl" || return 1
+  ferry_run ck1 "${common[@]}" "${b16[@]}" --save "$d/ck" --save-every 4 --stop-after 4 || return 1
+  ferry_run ck2 "${common[@]}" "${b16[@]}" --resume "$d/ck" --log "$d/resumed.jsonl" || return 1
   python3 - "$d/cuda16.jsonl" "$d/accum.jsonl" "$d/resumed.jsonl" <<'PY'
 import json, sys
 rows = [{r["step"]: r["loss"] for r in (json.loads(l) for l in open(p) if l.startswith("{"))} for p in sys.argv[1:]]
@@ -305,13 +307,12 @@ PY
   # Offloading on the GPU (--offload: state in pinned host memory, a chunk cache on the GPU with
   # room for a few chunks) gives the resident run's numbers (fp32, the same kernels in the same
   # order: equal to rounding).
-  "$build/ferry" "${common[@]}" --device cuda --offload --device-mem 160MiB --log "$d/offload.jsonl" >"$d/offload.out" 2>&1 \
-    || { cat "$d/offload.out"; return 1; }
+  ferry_run offload "${common[@]}" --device cuda --offload --device-mem 160MiB --log "$d/offload.jsonl" || return 1
   grep "cache blocks" "$d/offload.out" || true
   # The same with the first two chunks and their AdamW state kept on the GPU (the chunk kernels:
   # sums of squares, AdamW with the scale from device memory).
-  "$build/ferry" "${common[@]}" --device cuda --offload --device-mem 160MiB --device-chunks 2 --log "$d/devchunks.jsonl" \
-    >"$d/devchunks.out" 2>&1 || { cat "$d/devchunks.out"; return 1; }
+  ferry_run devchunks "${common[@]}" --device cuda --offload --device-mem 160MiB --device-chunks 2 --log "$d/devchunks.jsonl" ||
+    return 1
   python3 - "$d/cuda.jsonl" "$d/offload.jsonl" "$d/devchunks.jsonl" <<'PY'
 import json, sys
 a, b, c = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
@@ -321,8 +322,8 @@ close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, 
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
-  "$build/ferry" train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" \
-    >"$d/speed.out" 2>&1 || { cat "$d/speed.out"; return 1; }
+  ferry_run speed train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" ||
+    return 1
   python3 - "$d/speed.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
