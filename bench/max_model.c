@@ -55,8 +55,10 @@ int main(int argc, char **argv) {
     if (only && strcmp(only, names[i]) != 0) continue;
     struct fy_opt_config cfg;
     fy_opt_preset(names[i], &cfg);
-    size_t need = 0, chunk = 0;
-    if (fy_offload_plan_min_bytes(&cfg, batch, seq, true, false, 0, &need, &chunk) != FY_OK) continue;
+    size_t need = 0;
+    int64_t chunk_elems = 0;
+    if (fy_offload_plan_min_bytes(&cfg, batch, seq, true, false, 4, 0, &need, &chunk_elems) != FY_OK) continue;
+    double chunk = 4.0 * (double)chunk_elems;
     double p = (double)fy_opt_num_params(&cfg);
     // Parameters stay in the host tier; gradients and AdamW state go to disk when they must.
     double host_need = 4 * p + 8.0 * chunk, adam = 12 * p;

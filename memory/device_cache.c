@@ -1,5 +1,7 @@
 #include "memory/device_cache.h"
 
+#include "core/dtype.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,8 +22,9 @@ struct spill_buf {
 
 struct accumulate {
   float *dst;
-  const float *src;
+  const void *src;  // staging: floats, or bf16 for a bf16 payload
   int64_t n;
+  bool add;         // dst += src, else dst = src (widened)
 };
 
 struct fy_device_cache {
@@ -32,9 +35,10 @@ struct fy_device_cache {
   bool *prefetched;          // per chunk: loaded ahead and not used yet
   bool *pinned;              // scratch for victim choice
   int32_t *resident;         // scratch
-  // Per chunk: the accumulating write-back's host add. The copy stream may run passes behind the
-  // host, so the argument must stay as it was enqueued: it is written only when it changes (the
-  // destination of a chunk's gradients never does in practice).
+  // Per chunk, for the first micro-batch [2c] and the later ones [2c + 1]: the write-back's host
+  // add (or bf16 widening). The copy stream may run passes behind the host, so the argument must
+  // stay as it was enqueued: it is written only when it changes (the destination of a chunk's
+  // gradients never does in practice).
   struct accumulate *acc;
   // Spilled chunks' blocks in host memory: a small pool, a buffer per chunk spilled at once.
   struct spill_buf *spills;
@@ -49,7 +53,24 @@ static size_t elem(const struct fy_device_cache *c) { return c->o.elem_bytes ? c
 // dst += src: the same float adds the resident path makes when summing micro-batches.
 static void accumulate_fn(void *arg) {
   struct accumulate *a = arg;
-  for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + a->src[i];
+  const float *src = a->src;
+  for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + src[i];
+}
+
+// dst = or += src widened from bf16 (exact), then the same float adds. A chunk is millions of
+// elements and the GPU waits for none of this, but the next write-back does: OpenMP threads.
+static void widen_fn(void *arg) {
+  struct accumulate *a = arg;
+  const uint16_t *src = a->src;
+  float *dst = a->dst;
+  const int64_t n = a->n;
+  if (a->add) {
+#pragma omp parallel for simd schedule(static) if (parallel : n > (1 << 18))
+    for (int64_t i = 0; i < n; i++) dst[i] = dst[i] + fy_bf16_to_f32(src[i]);
+  } else {
+#pragma omp parallel for simd schedule(static) if (parallel : n > (1 << 18))
+    for (int64_t i = 0; i < n; i++) dst[i] = fy_bf16_to_f32(src[i]);
+  }
 }
 
 fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy_device_cache_opts *o,
@@ -65,7 +86,7 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   c->prefetched = calloc((size_t)nc, sizeof *c->prefetched);
   c->pinned = calloc((size_t)nc, sizeof *c->pinned);
   c->resident = calloc((size_t)o->n_blocks, sizeof *c->resident);
-  c->acc = calloc((size_t)nc, sizeof *c->acc);
+  c->acc = calloc(2 * (size_t)nc, sizeof *c->acc);
   c->spilled = calloc((size_t)nc, sizeof *c->spilled);
   c->spills = calloc((size_t)nc, sizeof *c->spills);
   if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc || !c->spilled ||
@@ -260,14 +281,15 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
     src += c->o.shard_off * elem(c);
   }
   size_t bytes = (size_t)n * elem(c);
-  if (accumulate) {
+  bool widen = elem(c) == 2;
+  if (accumulate || widen) {
     FY_TRY(fy_copy_async(s, c->o.staging, src, bytes));
-    struct accumulate *a = &c->acc[chunk];
-    if (a->dst != dst || a->src != c->o.staging || a->n != n) {
+    struct accumulate *a = &c->acc[2 * chunk + accumulate];
+    if (a->dst != dst || a->src != c->o.staging || a->n != n || a->add != accumulate) {
       FY_TRY(fy_stream_sync(s));  // nothing queued may still read the old argument
-      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = n};
+      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = n, .add = accumulate};
     }
-    FY_TRY(fy_stream_enqueue(s, accumulate_fn, a));
+    FY_TRY(fy_stream_enqueue(s, widen ? widen_fn : accumulate_fn, a));
   } else {
     FY_TRY(fy_copy_async(s, dst, src, bytes));
   }

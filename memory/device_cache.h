@@ -33,7 +33,10 @@ struct fy_device_cache_opts {
   const float *const *home;     // home[c]: host memory a chunk's weights are loaded from
   fy_event *const *home_ready;  // home_ready[c]: recorded when home[c] may be read (or NULL)
   float *staging;               // host memory of chunk_elems floats for accumulating write-backs
-  size_t elem_bytes;            // payload bytes per element: 4 (fp32, the default) or 2 (bf16)
+  // Payload bytes per element: 4 (fp32, the default) or 2 (bf16: the blocks hold the weights in
+  // bf16, home[c] is a bf16 copy of them, and the gradients the kernels write over them in bf16
+  // are widened to fp32 on their way home, in a host function after the copy to `staging`).
+  size_t elem_bytes;
   // Host memory for spilled chunks (NULL spill_alloc: HOLD_AFTER_BWD chunks are pinned instead).
   fy_status (*spill_alloc)(void *ctx, size_t nbytes, void **out);
   void (*spill_free)(void *ctx, void *p, size_t nbytes);
@@ -63,9 +66,9 @@ fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int ch
 // backward uses. Returns the chunk's new state; READY_FOR_REDUCE asks for fy_device_cache_write_back.
 enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk, bool backward);
 // Moves a READY_FOR_REDUCE chunk's block (its gradients; with sharding, this rank's shard of their
-// sum over ranks) to host memory dst on copy_out: dst = block, or dst += block with accumulate
-// (through the staging buffer); records `done` on copy_out when dst
-// holds the result. The chunk becomes FREE.
+// sum over ranks) to host memory dst (fp32) on copy_out: dst = block, or dst += block with
+// accumulate (through the staging buffer, as is every bf16 block); records `done` on copy_out
+// when dst holds the result. The chunk becomes FREE.
 fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
                                      fy_event *done);
 // Loads up to `prefetch` chunks used after access pos that are not resident, while a block is free

@@ -181,13 +181,12 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
 fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
   if (dt != FY_F32 && dt != FY_BF16 && dt != FY_F16)
     return fy_error_set(FY_ERR_INVALID, "compute dtype %s: ferry computes in f32, bf16 or f16", fy_dtype_name(dt));
-  if (dt != FY_F32 && m->host)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "16-bit compute needs the parameters resident on the device");
   if (dt == FY_F16 && m->device_memory)
     return fy_error_set(FY_ERR_UNSUPPORTED, "f16 compute on the %s device: its kernels are f32 and bf16", m->dev->name);
-  if (dt != FY_F32 && !m->cparams) {
+  m->cparams_esize = m->device_memory ? 2 : 4;  // real bf16 on the GPU, rounded floats on the CPU
+  // Offloaded (the state in a host tier): the offload engine keeps the 16-bit copies, per chunk.
+  if (dt != FY_F32 && !m->cparams && !m->host) {
     int64_t n = m->graph->n_param_elems;
-    m->cparams_esize = m->device_memory ? 2 : 4;  // real bf16 on the GPU, rounded floats on the CPU
     FY_TRY(buf_alloc(m->dev, n, m->cparams_esize, (void **)&m->cparams));
     if (m->device_memory) FY_TRY(buf_alloc(m->dev, n, 2, (void **)&m->cgrads));
   }

@@ -41,6 +41,9 @@ struct fy_model {
   // On a device the host cannot address (cuda) the 16-bit buffers hold real 16-bit values: cparams
   // and cgrads (the parameters' gradients as the kernels write them) are arrays of bf16 with the
   // parameters' element offsets, cparams_esize 2 (4 on the cpu, where cgrads is NULL).
+  // Offloaded (host != NULL) neither buffer exists: the offload engine keeps each chunk's weights
+  // in the compute dtype (cparams_esize bytes an element) and the kernels write the gradients
+  // over them in the device's blocks (runtime/offload.h).
   enum fy_dtype compute_dtype;
   float *cparams, *cgrads;
   size_t cparams_esize;

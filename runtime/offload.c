@@ -43,7 +43,14 @@ struct fy_offload {
   int parity;
   double *loss_sums;  // per micro-batch of the step
   // Per chunk.
-  const float **home;
+  const float **home;  // where the cache loads a chunk from: the master weights, or chome
+  // 16-bit compute (m->compute_dtype): each chunk's weights in that dtype, esize bytes an element
+  // (bf16 on a GPU, rounded floats on sim), written from the fp32 master by every AdamW update and
+  // rebuilt whole after the master was set from outside (m->cparams_fresh false). The blocks hold
+  // them, and the kernels write the gradients over them in that dtype. fp32: chome is NULL and
+  // esize 4.
+  void **chome;
+  size_t esize;
   fy_event **home_ready, **grad_ready;
   float *wb_staging;
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
@@ -95,6 +102,21 @@ struct fy_offload {
 // The model's kernels launch on a stream (a GPU's: runtime/engine_cuda.c) instead of running as
 // host functions on it.
 static bool launches_kernels(const struct fy_model *m) { return m->kernels->set_stream != NULL; }
+
+// Bytes of one element of a chunk's compute payload (the blocks, the 16-bit copies).
+static size_t payload_bytes(const struct fy_model *m) { return m->compute_dtype == FY_F32 ? 4 : m->cparams_esize; }
+
+// chome[c] elements [lo, hi) <- the master weights in the compute dtype.
+static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
+  const float *w = x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+  if (x->esize == 4) {  // rounded floats (sim)
+    fy_round_to_dtype((float *)x->chome[c] + lo, w + lo, x->m->compute_dtype, (size_t)(hi - lo));
+    return;
+  }
+  uint16_t *d = (uint16_t *)x->chome[c];
+#pragma omp parallel for simd schedule(static) if (parallel : hi - lo > (1 << 18))
+  for (int64_t i = lo; i < hi; i++) d[i] = fy_f32_to_bf16(w[i]);
+}
 
 static void async_fail(struct fy_offload *x, fy_status st) {
   pthread_mutex_lock(&x->err_lock);
@@ -162,13 +184,15 @@ static size_t device_fixed_bytes(const struct fy_model *m) {
   return acts + 2 * 4 * bt + 8 * round;  // two micro-batches of ids, targets, mask, positions
 }
 
-size_t fy_offload_min_device_bytes(const struct fy_model *m) {
-  return device_fixed_bytes(m) + (size_t)fy_offload_min_blocks(m) * (size_t)m->layout->chunk_elems * 4;
+static size_t min_device_bytes(const struct fy_model *m, size_t esize) {
+  return device_fixed_bytes(m) + (size_t)fy_offload_min_blocks(m) * (size_t)m->layout->chunk_elems * esize;
 }
 
+size_t fy_offload_min_device_bytes(const struct fy_model *m) { return min_device_bytes(m, payload_bytes(m)); }
+
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
-                                    bool flash_attention, int64_t chunk_elems, size_t *min_bytes,
-                                    size_t *chunk_bytes) {
+                                    bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
+                                    size_t *min_bytes, int64_t *chunk_elems_out) {
   struct fy_model m = {.cfg = *cfg};
   FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
   if (flash_attention) fy_graph_set_flash_attention(m.graph, true);
@@ -176,8 +200,8 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
   if (chunk_elems <= 0) chunk_elems = fy_chunk_min_elems(m.graph);
   fy_status st = fy_chunk_layout_create(m.graph, chunk_elems, &m.layout);
   if (st == FY_OK) {
-    *min_bytes = fy_offload_min_device_bytes(&m);
-    *chunk_bytes = (size_t)m.layout->chunk_elems * 4;
+    *min_bytes = min_device_bytes(&m, elem_bytes);
+    *chunk_elems_out = m.layout->chunk_elems;
   }
   fy_chunk_layout_free(m.layout);
   fy_graph_free(m.graph);
@@ -245,6 +269,10 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (x->sharded && x->n_dev > 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
                         "(shards_on_device keeps every rank's shards there)", x->world);
+  if (m->compute_dtype != FY_F32 && (x->sharded || x->n_dev > 0))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s compute with %s: offloaded 16-bit chunks live in the host tier of one "
+                        "rank for now (train this in fp32)", fy_dtype_name(m->compute_dtype),
+                        x->sharded ? "chunks sharded across ranks" : "chunks kept on the device (--device-chunks)");
   size_t dev_before = x->dev->bytes_in_use;
   if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
     return fy_error_set(FY_ERR_INVALID, "%d chunks on the device and %d on disk, of %d", x->n_dev, o->n_disk_chunks, nc);
@@ -296,7 +324,12 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   }
   FY_TRY(fy_stream_sync(x->copy_in));
   x->device_state_bytes = (int64_t)(x->dev->bytes_in_use - dev_before);
-  for (int c = 0; c < nc; c++) x->home[c] = home_weights(x, c);
+  if (m->compute_dtype != FY_F32) {
+    if (!(x->chome = calloc((size_t)nc, sizeof *x->chome))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    for (int c = 0; c < nc; c++)
+      FY_TRY(fy_host_alloc(m->host, (size_t)ce * x->esize, &x->chome[c]));
+  }
+  for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
   if (x->n_disk_chunks > 0) {
     float **bufs[] = {&x->disk_g, &x->disk_m, &x->disk_v, &x->wb_disk, &x->wb_disk_sum};
     for (int i = 0; i < 5; i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
@@ -354,6 +387,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->dev = m->dev;
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
+  x->esize = payload_bytes(m);
   pthread_mutex_init(&x->err_lock, NULL);
   int64_t ce = m->layout->chunk_elems;
   x->world = o->comm ? fy_comm_size(o->comm) : 1;
@@ -381,7 +415,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     return st;
   }
   // The cache gets what is left of the device.
-  size_t block = (size_t)m->layout->chunk_elems * 4;
+  size_t block = (size_t)m->layout->chunk_elems * x->esize;
   int min_blocks = fy_offload_min_blocks(m), n_blocks = o->n_blocks;
   struct fy_device *dev = x->dev;
   if (n_blocks <= 0) {
@@ -403,7 +437,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   struct fy_device_cache_opts co = {.dev = dev, .compute = x->compute, .copy_in = x->copy_in,
                                     .copy_out = x->copy_out, .n_blocks = n_blocks, .prefetch = o->prefetch,
                                     .trace = x->trace, .home = x->home, .home_ready = x->home_ready,
-                                    .staging = x->wb_staging, .spill_alloc = spill_alloc,
+                                    .staging = x->wb_staging, .elem_bytes = x->esize, .spill_alloc = spill_alloc,
                                     .spill_free = spill_free, .spill_ctx = m->host};
   if (x->sharded) {
     co.shard_off = x->lo;
@@ -441,7 +475,9 @@ void fy_offload_free(struct fy_offload *x) {
     if (x->m_home) state_free(x, x->m_home[c], sbytes);
     if (x->v_home) state_free(x, x->v_home[c], sbytes);
     if (x->w_home) state_free(x, x->w_home[c], sbytes);
+    if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)m->layout->chunk_elems * x->esize);
   }
+  free(x->chome);
   free(x->w_home);
   free(x->gather_buf);
   fy_comm_free(x->c_gather);
@@ -615,6 +651,12 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
   x->loss_sums[micro] = 0;
   fy_device_cache_begin_pass(x->cache);
   memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);
+  if (x->chome && !m->cparams_fresh) {  // the master weights were set (initialised, loaded, resumed)
+    FY_TRY(fy_stream_sync(x->optim));
+    FY_TRY(fy_stream_sync(x->copy_in));
+    for (int c = 0; c < l->n_chunks; c++) compute_copy(x, c, 0, l->chunks[c].used);
+    m->cparams_fresh = true;
+  }
   if (!x->dev_uploaded) {  // the device's chunks take the host's weights (initialised or loaded)
     for (int c = 0; c < x->n_dev; c++)
       FY_TRY(fy_copy_async(x->copy_in, x->dev_w[c], x->home[c], (size_t)l->chunks[c].used * 4));
@@ -643,7 +685,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
       const struct fy_param *pp = &g->params[op->params[k]];
       for (int j = 0; j < nk; j++) {
         if (chunk_of[j] != pp->chunk) continue;
-        c->w[k] = c->g[k] = base[j] + pp->chunk_offset;
+        c->w[k] = c->g[k] = (float *)((char *)base[j] + (size_t)pp->chunk_offset * x->esize);
         if (pp->chunk < x->n_dev) c->g[k] = x->dev_g[pp->chunk] + pp->chunk_offset;  // kept apart
       }
     }
@@ -786,6 +828,7 @@ static void adamw_fn(void *arg) {
     fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
                     p->decay ? a->h.weight_decay : 0.0f, a->t, scale);
   }
+  if (x->chome) compute_copy(x, c, lo, hi);  // (16-bit: one rank, no device chunks, so lo is 0)
   if (c >= x->n_dev && !x->m_home[c]) {
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
     if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
@@ -881,7 +924,7 @@ fy_status fy_offload_sync(struct fy_offload *x) {
 void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) {
   *out = (struct fy_offload_stats){.n_blocks = x->n_blocks, .n_chunks = x->m->layout->n_chunks,
                                    .n_disk_chunks = x->n_disk_chunks, .n_device_chunks = x->n_dev,
-                                   .chunk_bytes = (double)x->m->layout->chunk_elems * 4};
+                                   .chunk_bytes = (double)x->m->layout->chunk_elems * x->esize};
   fy_device_cache_stats(x->cache, &out->cache);
 }
 
@@ -989,5 +1032,6 @@ int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   const struct fy_chunk_layout *l = x->m->layout;
   int64_t on_dev = (int64_t)x->n_dev * l->chunk_elems * 4 * (x->max_micro > 1 ? 5 : 4);
   int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
-  return on_dev + rest;
+  int64_t copies = x->chome ? (int64_t)l->n_chunks * l->chunk_elems * (int64_t)x->esize : 0;  // 16-bit weights
+  return on_dev + rest + copies;
 }

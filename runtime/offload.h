@@ -6,7 +6,10 @@
 // in goes back to the host. The optimizer runs per chunk on a host stream, after the global norm,
 // in first-use order, so that the next step's forward can start on the first chunks while later
 // ones are still being updated. Each chunk's gradients and AdamW m and v live in the host tier or,
-// for the last chunks when the host cannot hold them, on disk.
+// for the last chunks when the host cannot hold them, on disk. With 16-bit compute (bf16 on a GPU)
+// a chunk's compute payload is its weights in that dtype (DESIGN.md, "Chunks"): a host copy that
+// every update refreshes from the fp32 master is what crosses the link, the kernels write the
+// gradients over it in the block, and they come home widened to fp32.
 //
 // The kernels and the order of every floating-point operation are those of the resident path
 // (runtime/engine.c, runtime/optimizer.c), so the placement changes speed and memory, never the
@@ -58,12 +61,13 @@ void fy_offload_free(struct fy_offload *x);
 // plus the activations and batch buffers.
 size_t fy_offload_min_device_bytes(const struct fy_model *m);
 int fy_offload_min_blocks(const struct fy_model *m);
-// The same before anything is allocated, for a config and micro-batch; chunk_elems 0 means the
-// smallest chunk that holds the largest parameter group (the default when offloading);
-// flash_attention for a GPU's kernels (core/graph.h).
+// The same before anything is allocated, for a config and micro-batch; elem_bytes is a block's
+// bytes per element (4, or 2 for bf16 on a GPU); chunk_elems 0 means the smallest chunk that holds
+// the largest parameter group (the default when offloading), and *chunk_elems_out is the chunk
+// size used; flash_attention for a GPU's kernels (core/graph.h).
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
-                                    bool flash_attention, int64_t chunk_elems, size_t *min_bytes,
-                                    size_t *chunk_bytes);
+                                    bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
+                                    size_t *min_bytes, int64_t *chunk_elems_out);
 
 // Enqueues forward and backward of micro-batch `micro` (0-based within the step); its gradients
 // are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.

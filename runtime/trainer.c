@@ -121,6 +121,11 @@ static size_t machine_ram(void) {
 // offload engine.
 static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, bool cuda) {
   const struct fy_opt_config *cfg = &r->cfg;
+  // 16-bit compute: the blocks hold bf16 on a GPU, rounded floats (4 bytes) on sim.
+  enum fy_dtype cdt = !o->precision || strcmp(o->precision, "fp32") == 0 ? FY_F32
+                      : strcmp(o->precision, "bf16") == 0                 ? FY_BF16
+                                                                           : FY_F16;
+  size_t esize = cuda && cdt != FY_F32 ? 2 : 4;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
   size_t host_cap = o->host_mem ? o->host_mem : machine_ram();
   if (cuda) {
@@ -140,13 +145,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     if (o->sim_jitter_us > 0) fy_device_sim_set_jitter(r->dev, o->sim_jitter_us, o->seed);
     FY_TRY(fy_host_tier_create(host_cap, -1, NULL, NULL, &r->host));
   }
-  int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4);
-  size_t need, chunk_bytes0;
-  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, chunk, &need, &chunk_bytes0));
+  int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4), ce0;  // --chunk-mib counts fp32 elements
+  size_t need;
+  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, esize, chunk, &need, &ce0));
   if (r->dp > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
-    int64_t q = 16 * (int64_t)r->dp, ce = (int64_t)(chunk_bytes0 / 4);
-    if (ce % q != 0)
-      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, (ce + q - 1) / q * q, &need, &chunk_bytes0));
+    int64_t q = 16 * (int64_t)r->dp;
+    if (ce0 % q != 0)
+      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, esize, (ce0 + q - 1) / q * q, &need, &ce0));
   }
   if (need > dev_mem)
     return fy_error_set(FY_ERR_NOMEM,
@@ -154,19 +159,20 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                         "%lld x %lld (the chunks one operator needs at once, %.1f MiB each, plus the "
                         "activations): it needs at least %.1f MiB%s",
                         dev_mem / 1048576.0, cfg->name, (long long)o->batch, (long long)o->seq,
-                        chunk_bytes0 / 1048576.0, need / 1048576.0,
+                        (double)ce0 * esize / 1048576.0, need / 1048576.0,
                         o->recompute ? "" : " (--recompute lowers it)");
   // By default chunks are as small as the largest parameter group allows: finer caching.
   // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
   if (r->tp > 1) FY_TRY(fy_comm_split(r->tp_comm, 0, r->tp_rank, &r->tp_compute));
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
-  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = (int64_t)(chunk_bytes0 / 4), .host = r->host,
+  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
 #if FY_HAVE_CUDA
   if (cuda) FY_TRY(fy_engine_cuda_attach(r->model));  // its kernels launch on the offload's compute stream
 #endif
+  if (cdt != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, cdt));
   const struct fy_chunk_layout *l = r->model->layout;
   // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
   // few chunk-sized buffers), the rest of the chunks' to disk.
@@ -176,6 +182,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
   size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = (r->dp > 1 ? 4 : 3) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
+  if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems * esize;  // the 16-bit weights
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = (int)(spare / per_chunk);
   if (fit < l->n_chunks) {
@@ -258,10 +265,10 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
   if (o->precision && strcmp(o->precision, "fp32") && strcmp(o->precision, "bf16") && strcmp(o->precision, "fp16"))
     return fy_error_set(FY_ERR_INVALID, "--precision %s: fp32, bf16 or fp16", o->precision);
-  if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0 &&
+  if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
       !(strcmp(device, "cuda") == 0 && strcmp(o->precision, "bf16") == 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with --device %s: 16-bit compute runs on --device cpu "
-                        "(bf16, fp16) and cuda (bf16); the sim device trains in fp32", o->precision, device);
+                        "and sim (bf16, fp16) and cuda (bf16)", o->precision, device);
   if (o->offload && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda (the sim device always offloads, the cpu "
                         "device never does)");
@@ -272,8 +279,6 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
                         "(replicated parameters) or --device sim (chunks sharded across the ranks)", r->world, device);
   if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
-    if (o->precision && strcmp(o->precision, "fp32") != 0)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s with offloading: the chunks hold fp32 for now", o->precision);
     FY_TRY(setup_offload(o, r, strcmp(device, "cuda") == 0));
   } else if (strcmp(device, "cpu") == 0) {
     // The cpu device may hand out what the machine has; a model that cannot fit is refused before

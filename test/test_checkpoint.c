@@ -90,6 +90,9 @@ int main(int argc, char **argv) {
   o.chunk_mib = 0.05;
   o.blocks = 2;
   check_resume("sim, eviction", o);
+  o.precision = "bf16";  // the chunks' bf16 copies are rebuilt from the resumed master weights
+  check_resume("sim bf16, eviction", o);
+  o.precision = NULL;
   o.device_chunks = 2;
   check_resume("sim, 2 chunks updated on the device", o);
   o.device_chunks = 0;

@@ -73,7 +73,7 @@ int main(void) {
   CHECK_OK(fy_shard_write(shard, tok, 30000));
   free(tok);
 
-  struct fy_train_result ref;
+  struct fy_train_result ref, r16_unused;
   struct fy_train_opts o = base();
   CHECK_OK(fy_train(&o, &ref));
   CHECKF(ref.last_loss < ref.first_loss, "the reference run learns: %f -> %f", ref.first_loss, ref.last_loss);
@@ -160,6 +160,51 @@ int main(void) {
   s.recompute = false;
   s.grad_accum = 1;
   s.batch = 2;
+
+  // 16-bit compute: the blocks carry the weights in the compute dtype (a copy in the host tier that
+  // every update refreshes from the fp32 master) and the kernels round as on the cpu, so every
+  // placement equals the cpu's own 16-bit run bit for bit.
+  struct fy_train_result ref16;
+  o = base();
+  o.precision = "bf16";
+  CHECK_OK(fy_train(&o, &ref16));
+  CHECKF(ref16.last_loss != ref.last_loss, "bf16 rounds: loss %.9g, fp32 %.9g", ref16.last_loss, ref.last_loss);
+  s.precision = "bf16";
+  s.blocks = 0;
+  same_as("sim bf16, everything resident", s, &ref16);
+  s.blocks = 2;
+  s.prefetch = 2;
+  same_as("sim bf16, 2 blocks (eviction), prefetch 2", s, &ref16);
+  s.blocks = 1;
+  same_as("sim bf16, 1 block (spills)", s, &ref16);
+  s.blocks = 3;
+  s.disk_dir = disk_dir;
+  s.disk_chunks = 2;
+  same_as("sim bf16, 3 blocks, 2 chunks' AdamW state on disk", s, &ref16);
+  s.disk_dir = NULL;
+  s.disk_chunks = -1;
+  s.device_chunks = 1;  // not yet: the device's chunks hold fp32
+  CHECK_ERR(fy_train(&s, &r16_unused), FY_ERR_UNSUPPORTED);
+  CHECK(strstr(fy_error_msg(), "--device-chunks") != NULL);
+  s.device_chunks = 0;
+  o.grad_accum = 2;
+  o.batch = 1;
+  CHECK_OK(fy_train(&o, &ref16));
+  s.grad_accum = 2;
+  s.batch = 1;
+  s.blocks = 2;
+  s.sim_jitter_us = 300;
+  same_as("sim bf16, jitter, 2 blocks, 2 micro-batches", s, &ref16);
+  s.sim_jitter_us = 0;
+  s.grad_accum = 1;
+  s.batch = 2;
+  o = base();
+  o.precision = "fp16";  // with dynamic loss scaling from 65536
+  CHECK_OK(fy_train(&o, &ref16));
+  s.precision = "fp16";
+  same_as("sim fp16 (loss scaling), 2 blocks", s, &ref16);
+  s.precision = NULL;
+  s.blocks = 3;
 
   // The smallest device: refused before training, with the minimum it needs.
   s.blocks = 0;
