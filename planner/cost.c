@@ -19,11 +19,11 @@
 // overlapping with them.
 #define SIM_OP_OVERHEAD 30e-6
 
-double fy_cost_state_bytes_per_param(int payload_bytes, bool grads_apart) {
-  double master = payload_bytes == 4 ? 0 : 4;  // fp32 compute: the weights are the master
-  double grads = (grads_apart || payload_bytes == 4) ? payload_bytes : 0;
-  return payload_bytes + master + 8 + grads;
-}
+// runtime/offload.c: the fp32 master and, with a 16-bit payload, its copy in that dtype stay on
+// the host; the fp32 gradients, m and v of a chunk may go to disk.
+static double host_weight_bytes(int payload_bytes) { return 4.0 + (payload_bytes < 4 ? payload_bytes : 0); }
+
+double fy_cost_host_bytes_per_param(int payload_bytes) { return host_weight_bytes(payload_bytes) + 12.0; }
 
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
   uintptr_t *next = ctx;
@@ -183,8 +183,8 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   out->n_blocks = n_blocks;
   // Host and disk: parameters stay on the host; gradients and AdamW state of the chunks the host
   // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
-  double per_chunk_state = ce * (fy_cost_state_bytes_per_param(pb, false) - pb) * share;  // master, m, v, grads
-  double params_host = np * (gpu ? 0 : pb) * share, reserve = 3 * (double)ce * 4;
+  double per_chunk_state = ce * (fy_cost_host_bytes_per_param(pb) - host_weight_bytes(pb)) * share;  // grads, m, v
+  double params_host = np * host_weight_bytes(pb) * share, reserve = 3 * (double)ce * 4;
   int fit = (int)((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit < 0) fit = 0;
   int n_disk = k->disk_chunks >= 0 ? k->disk_chunks : (fit >= nc ? 0 : nc - fit);

@@ -42,10 +42,10 @@ struct fy_cost {
   int64_t loads_per_step;
 };
 
-// Bytes of model state per parameter: the compute payload (weights, with gradients written over
-// it on the device), the fp32 master weights unless the payload is fp32, AdamW's m and v, and fp32
-// gradients kept apart on the host when the payload is the master (fp32) or when asked.
-double fy_cost_state_bytes_per_param(int payload_bytes, bool grads_apart);
+// Host bytes per parameter of an offloaded model (runtime/offload.h): the fp32 master weights,
+// their copy in the compute dtype when that is 16-bit (what crosses the link), and the fp32
+// gradients, m and v (which may go to disk instead).
+double fy_cost_host_bytes_per_param(int payload_bytes);
 
 // Simulates `steps` steps (the last ones count) of cfg under the knobs on the probed machine.
 // timeline_out, when not NULL, receives the timeline device with the last step's spans

@@ -1,11 +1,16 @@
 // The eviction policy over a recorded trace (memory/cache.h): next-use distances against a naive
 // scan, Belady's miss count against an exhaustive search over every eviction choice, a training
-// trace counted by hand, pinned chunks, and bad input.
+// trace counted by hand, pinned chunks, and bad input. And the device cache's bf16 payload
+// (memory/device_cache.h) on the sim device.
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "core/dtype.h"
+#include "core/opt.h"
 #include "memory/cache.h"
+#include "memory/chunk.h"
+#include "memory/device_cache.h"
 #include "test/check.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -319,7 +324,84 @@ static void test_errors(void) {
   fy_trace_free(NULL);
 }
 
+// A bf16 payload: a block of 2-byte elements takes the chunk's bf16 copy from home; the gradients
+// written over it come home widened to fp32 (= in the first pass, += in the next).
+static void test_device_cache_bf16(void) {
+  struct fy_opt_config cfg;
+  fy_opt_preset("opt-tiny", &cfg);
+  struct fy_graph *g = NULL;
+  struct fy_chunk_layout *l = NULL;
+  struct fy_device *dev = NULL;
+  CHECK_OK(fy_opt_build_graph(&cfg, 1, 4, &g));
+  CHECK_OK(fy_chunk_layout_create(g, fy_chunk_min_elems(g), &l));
+  CHECK_OK(fy_device_sim_create(64 << 20, 0, &dev));
+  if (!g || !l || !dev) return;
+  fy_stream *compute, *copy_in, *copy_out;
+  CHECK_OK(fy_stream_create(dev, &compute));
+  CHECK_OK(fy_stream_create(dev, &copy_in));
+  CHECK_OK(fy_stream_create(dev, &copy_out));
+  const int c = 0, n = l->chunks[0].n_users_bwd;
+  const int64_t used = l->chunks[0].used, ce = l->chunk_elems;
+  CHECK(n >= 1 && n <= 16 && used > 1000);
+  int32_t tr[16];
+  for (int i = 0; i < n; i++) tr[i] = c;
+  struct fy_trace *t = NULL;
+  CHECK_OK(fy_trace_create(tr, n, l->n_chunks, &t));
+  uint16_t *home16 = malloc((size_t)ce * 2);
+  float *staging = malloc((size_t)ce * 4), *dst = malloc((size_t)ce * 4), *want = malloc((size_t)ce * 4);
+  const float **home = calloc((size_t)l->n_chunks, sizeof *home);
+  for (int64_t j = 0; j < ce; j++) home16[j] = fy_f32_to_bf16(0.001f * (float)(j % 1000) - 0.5f);
+  home[c] = (const float *)home16;
+  struct fy_device_cache_opts o = {.dev = dev, .compute = compute, .copy_in = copy_in, .copy_out = copy_out,
+                                   .n_blocks = 1, .trace = t, .home = home, .staging = staging, .elem_bytes = 2};
+  struct fy_device_cache *cache = NULL;
+  CHECK_OK(fy_device_cache_create(l, &o, &cache));
+  size_t before = dev->bytes_in_use;
+  CHECKF(before >= (size_t)ce * 2 && before < (size_t)ce * 4, "one block of %lld bf16 elements: %zu bytes",
+         (long long)ce, before);
+  for (int pass = 0; cache && pass < 2; pass++) {
+    fy_device_cache_begin_pass(cache);
+    for (int i = 0; i < n; i++) {
+      float *block = NULL;
+      CHECK_OK(fy_device_cache_acquire(cache, (int64_t)pass * n + i, c, &block));
+      CHECK_OK(fy_stream_sync(copy_in));
+      uint16_t *b16 = (uint16_t *)block;
+      if (i == 0) {  // the weights as loaded, then this pass's gradients over them
+        CHECK(memcmp(b16, home16, (size_t)used * 2) == 0);
+        for (int64_t j = 0; j < used; j++) {
+          float gj = 0.25f * (float)((j + pass) % 7) - 0.75f + (float)pass;  // exact in bf16
+          b16[j] = fy_f32_to_bf16(gj);
+          want[j] = pass == 0 ? gj : want[j] + gj;
+        }
+      }
+      enum fy_chunk_state st = fy_device_cache_release(cache, c, true);
+      CHECK(st == (i + 1 == n ? FY_CHUNK_READY_FOR_REDUCE : FY_CHUNK_HOLD_AFTER_BWD));
+    }
+    CHECK_OK(fy_device_cache_write_back(cache, c, dst, pass > 0, NULL));
+    CHECK_OK(fy_stream_sync(copy_out));
+    int64_t bad = 0;
+    for (int64_t j = 0; j < used; j++) bad += dst[j] != want[j];
+    CHECKF(bad == 0, "pass %d: %lld of %lld gradients widened wrong (first: %g, want %g)", pass, (long long)bad,
+           (long long)used, dst[0], want[0]);
+  }
+  fy_device_cache_free(cache);
+  CHECK(dev->bytes_in_use == 0);
+  fy_trace_free(t);
+  free(home16);
+  free(staging);
+  free(dst);
+  free(want);
+  free(home);
+  fy_stream_free(compute);
+  fy_stream_free(copy_in);
+  fy_stream_free(copy_out);
+  fy_device_free(dev);
+  fy_chunk_layout_free(l);
+  fy_graph_free(g);
+}
+
 int main(void) {
+  test_device_cache_bf16();
   test_next_use();
   test_optimal();
   test_training_trace();

@@ -321,6 +321,17 @@ print("dev chunks", " ".join(f"{x:.6f}" for x in c))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
+  # bf16 chunks offloaded (the weights cross the link in bf16, a host copy refreshed by every
+  # update; the gradients come home widened to fp32) against bf16 resident: the same kernels in
+  # the same order, AdamW on the host instead of the GPU (last-bit differences may move a
+  # weight's bf16 rounding).
+  ferry_run offload16 "${common[@]}" "${b16[@]}" --offload --device-mem 160MiB --log "$d/offload16.jsonl" || return 1
+  python3 - "$d/cuda16.jsonl" "$d/offload16.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("offload bf16", " ".join(f"{x:.5f}" for x in b))
+sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
+PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   ferry_run speed train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" ||
     return 1
@@ -397,6 +408,9 @@ if [ "$bench" = 1 ]; then
     row "bench torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
   fi
   bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute
+  # The same in bf16 (chunks of bf16 weights; the host's AdamW over 1.3B parameters per step is
+  # what an offloaded bf16 step waits for).
+  bench_step "bench offload 1.3b bf16" 120 offload_ratio opt-1.3b 8 2048 --recompute --precision bf16
   # Where ferry's 1.3B bf16 step goes: each op kind's kernels timed alone (the table is in the log).
   run_step "profile 1.3b bf16" 60 "ferry train --profile (per op kind)" "$build/ferry" train --device cuda \
     --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 3 --profile
