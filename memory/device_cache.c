@@ -266,8 +266,10 @@ enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk
   return to;
 }
 
-fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
-                                     fy_event *done) {
+// The write-backs: raw copies the payload as it is to dst (same dtype); otherwise dst is fp32 and
+// takes the payload widened (bf16), added with accumulate.
+static fy_status write_back(struct fy_device_cache *c, int chunk, void *dst, bool raw, bool accumulate,
+                            fy_event *done) {
   struct fy_chunk *ch = &c->layout->chunks[chunk];
   FY_ASSERT(ch->state == FY_CHUNK_READY_FOR_REDUCE);
   struct block *bl = &c->blocks[ch->block];
@@ -281,7 +283,7 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
     src += c->o.shard_off * elem(c);
   }
   size_t bytes = (size_t)n * elem(c);
-  bool widen = elem(c) == 2;
+  bool widen = !raw && elem(c) == 2;
   if (accumulate || widen) {
     FY_TRY(fy_copy_async(s, c->o.staging, src, bytes));
     struct accumulate *a = &c->acc[2 * chunk + accumulate];
@@ -300,6 +302,15 @@ fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float
   ch->block = -1;
   c->stats.write_backs++;
   return FY_OK;
+}
+
+fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
+                                     fy_event *done) {
+  return write_back(c, chunk, dst, false, accumulate, done);
+}
+
+fy_status fy_device_cache_write_back_payload(struct fy_device_cache *c, int chunk, void *dst, fy_event *done) {
+  return write_back(c, chunk, dst, true, false, done);
 }
 
 fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos) {

@@ -71,6 +71,9 @@ enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk
 // when dst holds the result. The chunk becomes FREE.
 fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,
                                      fy_event *done);
+// The same, moving the payload as it is (elem_bytes an element, no widening) to dst: bf16
+// gradients over the chunk's bf16 copy at home, for example.
+fy_status fy_device_cache_write_back_payload(struct fy_device_cache *c, int chunk, void *dst, fy_event *done);
 // Loads up to `prefetch` chunks used after access pos that are not resident, while a block is free
 // or Belady's victim is next used later than the chunk to load.
 fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos);

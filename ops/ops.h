@@ -128,7 +128,15 @@ void fy_crossentropy_backward(float *dlogits, const float *logits, const int32_t
 void fy_adamw_update(float *param, float *m, float *v, const float *grad, int64_t n, float lr,
                      float beta1, float beta2, float eps, float weight_decay, int64_t t,
                      float grad_scale);
+// The same reading bf16 gradients from gw and writing the updated weights back there in bf16
+// (round to nearest even): an offloaded chunk's gradients come home over its bf16 weights, and one
+// pass turns them into the next weights (runtime/offload.c). Equal to fy_adamw_update on the
+// widened gradients followed by that rounding.
+void fy_adamw_update_bf16(float *param, float *m, float *v, uint16_t *gw, int64_t n, float lr, float beta1,
+                          float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
 // Sum of squares of x (N), accumulated in double for a placement-independent norm.
 double fy_sumsq(const float *x, int64_t n);
+// The same of bf16 values: equal to fy_sumsq of them widened.
+double fy_sumsq_bf16(const uint16_t *x, int64_t n);
 
 #endif

@@ -20,10 +20,17 @@
 #define SIM_OP_OVERHEAD 30e-6
 
 // runtime/offload.c: the fp32 master and, with a 16-bit payload, its copy in that dtype stay on
-// the host; the fp32 gradients, m and v of a chunk may go to disk.
+// the host; m and v of a chunk, and its fp32 gradients unless they come home over the 16-bit
+// copy (one micro-batch a step), may go to disk.
 static double host_weight_bytes(int payload_bytes) { return 4.0 + (payload_bytes < 4 ? payload_bytes : 0); }
 
-double fy_cost_host_bytes_per_param(int payload_bytes) { return host_weight_bytes(payload_bytes) + 12.0; }
+static double host_state_bytes(int payload_bytes, bool accumulate) {
+  return 8.0 + (payload_bytes == 4 || accumulate ? 4.0 : 0.0);
+}
+
+double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate) {
+  return host_weight_bytes(payload_bytes) + host_state_bytes(payload_bytes, accumulate);
+}
 
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
   uintptr_t *next = ctx;
@@ -183,7 +190,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   out->n_blocks = n_blocks;
   // Host and disk: parameters stay on the host; gradients and AdamW state of the chunks the host
   // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
-  double per_chunk_state = ce * (fy_cost_host_bytes_per_param(pb) - host_weight_bytes(pb)) * share;  // grads, m, v
+  double per_chunk_state = ce * host_state_bytes(pb, k->grad_accum > 1) * share;  // (gradients,) m, v
   double params_host = np * host_weight_bytes(pb) * share, reserve = 3 * (double)ce * 4;
   int fit = (int)((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit < 0) fit = 0;

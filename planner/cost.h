@@ -43,9 +43,9 @@ struct fy_cost {
 };
 
 // Host bytes per parameter of an offloaded model (runtime/offload.h): the fp32 master weights,
-// their copy in the compute dtype when that is 16-bit (what crosses the link), and the fp32
-// gradients, m and v (which may go to disk instead).
-double fy_cost_host_bytes_per_param(int payload_bytes);
+// their copy in the compute dtype when that is 16-bit (what crosses the link), AdamW's m and v,
+// and fp32 gradients unless a 16-bit payload's come home over that copy (no accumulation).
+double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate);
 
 // Simulates `steps` steps (the last ones count) of cfg under the knobs on the probed machine.
 // timeline_out, when not NULL, receives the timeline device with the last step's spans

@@ -48,9 +48,13 @@ struct fy_offload {
   // (bf16 on a GPU, rounded floats on sim), written from the fp32 master by every AdamW update and
   // rebuilt whole after the master was set from outside (m->cparams_fresh false). The blocks hold
   // them, and the kernels write the gradients over them in that dtype. fp32: chome is NULL and
-  // esize 4.
+  // esize 4. With one micro-batch a step (g16) the gradients come home as they are, over the copy
+  // (DESIGN.md: gradients written over the compute payload), for the chunks whose state is in the
+  // host tier; the update reads them there and writes the next weights in their place (a skipped
+  // step rebuilds the copy from the master). Otherwise they are widened into fp32 gradients.
   void **chome;
   size_t esize;
+  bool g16;
   fy_event **home_ready, **grad_ready;
   float *wb_staging;
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
@@ -116,6 +120,11 @@ static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
   uint16_t *d = (uint16_t *)x->chome[c];
 #pragma omp parallel for simd schedule(static) if (parallel : hi - lo > (1 << 18))
   for (int64_t i = lo; i < hi; i++) d[i] = fy_f32_to_bf16(w[i]);
+}
+
+// Chunk c's gradients come home over its 16-bit copy (g16), not into fp32 gradients.
+static bool grads_in_copy(const struct fy_offload *x, int c) {
+  return x->g16 && c >= x->n_dev && c < x->m->layout->n_chunks - x->n_disk_chunks;
 }
 
 static void async_fail(struct fy_offload *x, fy_status st) {
@@ -317,7 +326,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     if (c >= nc - x->n_disk_chunks) {
       FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
     } else {
-      FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
+      if (!grads_in_copy(x, c)) FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
       FY_TRY(state_alloc(x, bytes, &x->m_home[c]));
       FY_TRY(state_alloc(x, bytes, &x->v_home[c]));
     }
@@ -388,6 +397,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
   x->esize = payload_bytes(m);
+  x->g16 = m->compute_dtype != FY_F32 && x->max_micro == 1;
   pthread_mutex_init(&x->err_lock, NULL);
   int64_t ce = m->layout->chunk_elems;
   x->world = o->comm ? fy_comm_size(o->comm) : 1;
@@ -565,6 +575,7 @@ static void disk_write_back_fn(void *arg) {
 }
 
 static fy_status write_back(struct fy_offload *x, int c, bool accumulate) {
+  if (grads_in_copy(x, c)) return fy_device_cache_write_back_payload(x->cache, c, x->chome[c], x->grad_ready[c]);
   if (x->g_home[c]) return fy_device_cache_write_back(x->cache, c, x->g_home[c], accumulate, x->grad_ready[c]);
   FY_TRY(fy_device_cache_write_back(x->cache, c, x->wb_disk, false, NULL));
   struct disk_wb *j = &x->wb_jobs[c];
@@ -600,9 +611,11 @@ static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
   return fy_event_record(x->grad_ready[c], x->compute);
 }
 
-// The gradients the optimizer reads for chunk c, wherever they are.
+// The gradients the optimizer reads for chunk c, wherever they are (NULL: on disk); with
+// grads_in_copy in the compute dtype (bf16 when esize is 2).
 static const float *chunk_grads(struct fy_offload *x, int c) {
   if (c < x->n_dev) return x->max_micro > 1 ? x->dev_acc[c] : x->dev_g[c];
+  if (grads_in_copy(x, c)) return (const float *)x->chome[c];
   return x->g_home[c];
 }
 
@@ -734,7 +747,9 @@ static void sumsq_fn(void *arg) {
     int64_t a = p->chunk_offset > lo ? p->chunk_offset : lo;
     int64_t b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
     double *out = c < x->n_dev ? &x->dev_sums[x->param_ids[k]] : &x->sumsq[x->param_ids[k]];
-    *out = a < b ? fy_sumsq(grad + (a - lo), b - a) : 0.0;
+    if (a >= b) *out = 0.0;
+    else if (x->esize == 2 && grads_in_copy(x, c)) *out = fy_sumsq_bf16((const uint16_t *)grad + (a - lo), b - a);
+    else *out = fy_sumsq(grad + (a - lo), b - a);
   }
 }
 
@@ -790,7 +805,10 @@ static void adamw_fn(void *arg) {
   int c = j->chunk;
   // A device chunk takes the scale and the skip flag from device memory, as the kernels do.
   const float *dscale = c < x->n_dev ? x->dev_scale + 2 * j->q : NULL;
-  if (dscale ? dscale[1] != 0.0f : a->skip) return;
+  if (dscale ? dscale[1] != 0.0f : a->skip) {
+    if (grads_in_copy(x, c)) compute_copy(x, c, 0, x->m->layout->chunks[c].used);  // weights again
+    return;
+  }
   const float scale = dscale ? dscale[0] : a->scale;
   const struct fy_graph *g = x->m->graph;
   size_t used = (size_t)span(x, c) * 4;
@@ -798,6 +816,7 @@ static void adamw_fn(void *arg) {
   float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
   float *params = home_weights(x, c);
   int64_t lo = x->lo, hi = x->lo + span(x, c);
+  const bool bf16_in_copy = x->esize == 2 && grads_in_copy(x, c);
   if (c < x->n_dev) {  // on the device, with its weights
     mm = x->dev_m[c];
     vv = x->dev_v[c];
@@ -825,10 +844,15 @@ static void adamw_fn(void *arg) {
     int64_t b1 = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
     if (b0 >= b1) continue;
     int64_t o = b0 - lo;
-    fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
-                    p->decay ? a->h.weight_decay : 0.0f, a->t, scale);
+    float wd = p->decay ? a->h.weight_decay : 0.0f;
+    if (bf16_in_copy)  // the bf16 gradients in, the next bf16 weights out, in one pass
+      fy_adamw_update_bf16(params + o, mm + o, vv + o, (uint16_t *)x->chome[c] + o, b1 - b0, a->lr, a->h.beta1,
+                           a->h.beta2, a->h.eps, wd, a->t, scale);
+    else
+      fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps, wd,
+                      a->t, scale);
   }
-  if (x->chome) compute_copy(x, c, lo, hi);  // (16-bit: one rank, no device chunks, so lo is 0)
+  if (x->chome && !bf16_in_copy) compute_copy(x, c, lo, hi);  // (16-bit: one rank, no device chunks: lo is 0)
   if (c >= x->n_dev && !x->m_home[c]) {
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
     if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
@@ -1032,6 +1056,8 @@ int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   const struct fy_chunk_layout *l = x->m->layout;
   int64_t on_dev = (int64_t)x->n_dev * l->chunk_elems * 4 * (x->max_micro > 1 ? 5 : 4);
   int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
+  for (int c = x->n_dev; c < l->n_chunks; c++)
+    if (grads_in_copy(x, c)) rest -= x->S * 4;  // the gradients come home over the 16-bit copy
   int64_t copies = x->chome ? (int64_t)l->n_chunks * l->chunk_elems * (int64_t)x->esize : 0;  // 16-bit weights
   return on_dev + rest + copies;
 }

@@ -8,8 +8,10 @@
 // ones are still being updated. Each chunk's gradients and AdamW m and v live in the host tier or,
 // for the last chunks when the host cannot hold them, on disk. With 16-bit compute (bf16 on a GPU)
 // a chunk's compute payload is its weights in that dtype (DESIGN.md, "Chunks"): a host copy that
-// every update refreshes from the fp32 master is what crosses the link, the kernels write the
-// gradients over it in the block, and they come home widened to fp32.
+// every update refreshes from the fp32 master is what crosses the link, and the kernels write the
+// gradients over it in the block. With one micro-batch a step they come home as they are, over
+// that copy, and AdamW turns them into the next weights there; with accumulation (or state on
+// disk) they are widened to fp32 and summed.
 //
 // The kernels and the order of every floating-point operation are those of the resident path
 // (runtime/engine.c, runtime/optimizer.c), so the placement changes speed and memory, never the

@@ -180,7 +180,9 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // disk chunk's gradients, m and v and its write-back.
   // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
-  size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = (r->dp > 1 ? 4 : 3) * shard_bytes;
+  // (16-bit with one micro-batch a step: the gradients come home over the weights' 16-bit copy.)
+  bool g16 = cdt != FY_F32 && o->grad_accum <= 1;
+  size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = (r->dp > 1 ? 4 : g16 ? 2 : 3) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems * esize;  // the 16-bit weights
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;

@@ -199,11 +199,25 @@ int main(void) {
   s.grad_accum = 1;
   s.batch = 2;
   o = base();
-  o.precision = "fp16";  // with dynamic loss scaling from 65536
+  o.recompute = true;
+  o.precision = "bf16";
   CHECK_OK(fy_train(&o, &ref16));
+  s.recompute = true;
+  same_as("sim bf16, recompute, 2 blocks", s, &ref16);
+  s.recompute = false;
+  // fp16 from a loss scale of 2^24: the first steps overflow and are skipped, and a skipped step
+  // must leave the chunks' 16-bit weights as they were (the gradients came home over them).
+  o = base();
+  o.precision = "fp16";
+  o.loss_scale = 0x1p24f;
+  CHECK_OK(fy_train(&o, &ref16));
+  CHECKF(ref16.skipped_steps > 0 && ref16.skipped_steps < o.steps, "fp16 from 2^24 skips some steps: %lld",
+         (long long)ref16.skipped_steps);
   s.precision = "fp16";
-  same_as("sim fp16 (loss scaling), 2 blocks", s, &ref16);
+  s.loss_scale = 0x1p24f;
+  same_as("sim fp16, loss scaling with skipped steps, 2 blocks", s, &ref16);
   s.precision = NULL;
+  s.loss_scale = 0;
   s.blocks = 3;
 
   // The smallest device: refused before training, with the minimum it needs.

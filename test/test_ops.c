@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "ops/ops.h"
 #include "test/check.h"
 
@@ -909,6 +910,40 @@ static void test_sumsq(void) {
   free(x);
 }
 
+// The bf16-gradient forms (runtime/offload.c's chunks whose gradients come home over their bf16
+// weights): bit for bit the f32 forms on the widened values, the new weights rounded to bf16 in
+// place of the gradients; any thread count.
+static void test_bf16_grads(void) {
+  const int64_t sizes[3] = {1, 1003, 200003};
+  for (int si = 0; si < 3; si++) {
+    int64_t n = sizes[si];
+    float *g = frand_new(n, 1), *p = frand_new(n, 1), *m = check_fnew(n), *v = check_fnew(n);
+    float *p2 = fdup(p, n), *m2 = check_fnew(n), *v2 = check_fnew(n);
+    uint16_t *gw = malloc((size_t)n * 2);
+    for (int64_t t = 1; t <= 3; t++) {
+      fill(g, n, 2);
+      for (int64_t i = 0; i < n; i++) gw[i] = fy_f32_to_bf16(g[i]), g[i] = fy_bf16_to_f32(gw[i]);
+      double s = fy_sumsq(g, n), s16 = fy_sumsq_bf16(gw, n);
+      CHECKF(memcmp(&s, &s16, sizeof s) == 0, "sumsq_bf16 n=%lld: %.17g vs %.17g", (long long)n, s16, s);
+      fy_adamw_update(p, m, v, g, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t, 0.5f);
+      fy_adamw_update_bf16(p2, m2, v2, gw, n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, t, 0.5f);
+      CHECKF(memcmp(p, p2, (size_t)n * 4) == 0 && memcmp(m, m2, (size_t)n * 4) == 0 &&
+             memcmp(v, v2, (size_t)n * 4) == 0, "adamw_bf16 n=%lld step %lld: not the f32 update's bits",
+             (long long)n, (long long)t);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; i++) bad += gw[i] != fy_f32_to_bf16(p[i]);
+      CHECKF(bad == 0, "adamw_bf16 n=%lld: %lld weights not rounded to bf16 in place", (long long)n, (long long)bad);
+    }
+    int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    double s1 = fy_sumsq_bf16(gw, n);
+    omp_set_num_threads(nt);
+    double s2 = fy_sumsq_bf16(gw, n);
+    CHECK(memcmp(&s1, &s2, sizeof s1) == 0);
+    free(g), free(p), free(m), free(v), free(p2), free(m2), free(v2), free(gw);
+  }
+}
+
 // The parameter halves that may overwrite: = gives what += gives on zeros, bit for bit, and the
 // gradient may be written over the weights it replaces (they are not read).
 static void test_params_overwrite(void) {
@@ -944,6 +979,7 @@ int main(void) {
   test_crossentropy();
   test_adamw();
   test_sumsq();
+  test_bf16_grads();
   test_params_overwrite();
   fy_matmul_cache_clear();
   return check_summary("ops");
