@@ -33,6 +33,9 @@ struct cuda_ctx {
   size_t workspace_bytes;
   float *row;          // (C) one embedding row, kept across the padding row's update
   double *dsums, *dscratch;  // per parameter; the sums' first pass
+  // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
+  // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
+  float *lnscratch;
 };
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
@@ -163,7 +166,8 @@ static void op_backward_cuda(void *arg) {
                                         NULL, x->st);
       if (st == FY_OK && op->n_params)
         st = fy_cuda_layernorm_backward_params(c->g[0], c->g[1], dout, in0, fy_engine_act(m, op->aux[0]),
-                                               fy_engine_act(m, op->aux[1]), dt, BT, op->C, !first[0], NULL, x->st);
+                                               fy_engine_act(m, op->aux[1]), dt, BT, op->C, !first[0], x->lnscratch,
+                                               x->st);
       break;
     }
     case FY_OP_LINEAR: {
@@ -295,6 +299,7 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   cudaFree(x->row);
   cudaFree(x->dsums);
   cudaFree(x->dscratch);
+  cudaFree(x->lnscratch);
   cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
   free(x);
@@ -318,7 +323,8 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
                       cudaMalloc((void **)&x->row, (size_t)C * 4) != cudaSuccess ||
                       cudaMalloc((void **)&x->dsums, (size_t)(g->n_params > 0 ? g->n_params : 1) * sizeof(double)) !=
                           cudaSuccess ||
-                      cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess))
+                      cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess ||
+                      cudaMalloc((void **)&x->lnscratch, (size_t)(2 * FY_CUDA_LN_PARTS * C) * sizeof(float)) != cudaSuccess))
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate the engine's buffers");
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
