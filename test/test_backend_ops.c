@@ -478,6 +478,22 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   CHECK_OK(fy_cuda_linear_backward_params(h, d_dw, d_db, d_dout, d_inp, dt, BT, C, OC, false, cs));
   cmp_dev("linear backward_params dweight =", dt, d_dw, dw, OC * C, true);
   cmp_dev("linear backward_params dbias =", dt, d_db, db, OC, false);
+  // Enough rows for the bias gradient's row-split kernels (partial sums through the workspace).
+  {
+    const int64_t R = 1000, OC2 = 77;
+    float *x2 = frand_new(R * C, 1.0f, dt), *g2 = frand_new(R * OC2, 1.0f, dt);
+    float *dw2 = frand_new(OC2 * C, 1.0f, dt), *db2 = frand_new(OC2, 1.0f, dt);
+    void *d_x2 = dput(x2, R * C, dt), *d_g2 = dput(g2, R * OC2, dt);
+    void *d_dw2 = dput(dw2, OC2 * C, dt), *d_db2 = dput(db2, OC2, dt);
+    for (int acc = 1; acc >= 0; acc--) {
+      CHECK_OK(fy_linear_backward_params(dw2, db2, g2, x2, R, C, OC2, acc));
+      CHECK_OK(fy_cuda_linear_backward_params(h, d_dw2, d_db2, d_g2, d_x2, dt, R, C, OC2, acc, cs));
+      cmp_dev(acc ? "linear backward_params split dbias +=" : "linear backward_params split dbias =", dt, d_db2,
+              db2, OC2, false);
+      cmp_dev("linear backward_params split dweight", dt, d_dw2, dw2, OC2 * C, true);
+    }
+    free(x2); free(g2); free(dw2); free(db2);
+  }
   dfree_all();
   free(inp); free(w); free(bias); free(out); free(dout); free(dinp); free(dw); free(db);
 }

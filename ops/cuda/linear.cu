@@ -206,25 +206,43 @@ extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void 
   return FY_OK;
 }
 
-// dout (BT,OC) -> dbias (OC) (+)= column sums
-// Block b owns columns [32b, 32b+32); thread (tx, ty) walks rows ty, ty+32, ... (coalesced across
-// tx), then the 32 partial sums of a column are added in a fixed order: no atomics.
+// dout (BT,OC) -> dbias (OC) (+)= column sums, or with gridDim.y > 1 parts (gridDim.y, OC) of them
+// Block (b, p) owns columns [32b, 32b+32) of rows [p*R, (p+1)*R), R = BT / gridDim.y rounded up;
+// thread (tx, ty) walks rows ty, ty+32, ... of them (coalesced across tx), then the 32 partial sums
+// of a column are added in a fixed order: no atomics. One part: the sum goes to dbias; several
+// (a narrow layer, e.g. OC = 2048: 64 column blocks, would leave most of the GPU idle): to part,
+// and bias_grad_final_kernel adds the parts in order.
 template <typename T>
 __global__ void __launch_bounds__(1024)
-bias_grad_kernel(T *dbias, const T *dout, int64_t BT, int64_t OC, bool accumulate) {
-  __shared__ float part[32][33];
+bias_grad_kernel(T *dbias, float *part, const T *dout, int64_t BT, int64_t OC, bool accumulate) {
+  __shared__ float sums[32][33];
   int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
   int64_t c = (int64_t)blockIdx.x * 32 + tx;
+  int64_t per = (BT + gridDim.y - 1) / gridDim.y, i0 = (int64_t)blockIdx.y * per;
+  int64_t i1 = i0 + per < BT ? i0 + per : BT;
   float acc = 0.0f;
   if (c < OC)
-    for (int64_t i = ty; i < BT; i += 32) acc += fy_ld(dout + i * OC + c);
-  part[ty][tx] = acc;
+    for (int64_t i = i0 + ty; i < i1; i += 32) acc += fy_ld(dout + i * OC + c);
+  sums[ty][tx] = acc;
   __syncthreads();
   if (ty != 0 || c >= OC) return;
   float s = 0.0f;
-  for (int k2 = 0; k2 < 32; k2++) s += part[k2][tx];
+  for (int k2 = 0; k2 < 32; k2++) s += sums[k2][tx];
+  if (part) part[(int64_t)blockIdx.y * OC + c] = s;
+  else fy_st(dbias + c, accumulate ? fy_ld(dbias + c) + s : s);
+}
+
+// part (parts, OC) -> dbias (OC) (+)= their sum, in order
+template <typename T>
+__global__ void bias_grad_final_kernel(T *dbias, const float *part, int parts, int64_t OC, bool accumulate) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= OC) return;
+  float s = 0.0f;
+  for (int p = 0; p < parts; p++) s += part[(int64_t)p * OC + c];
   fy_st(dbias + c, accumulate ? fy_ld(dbias + c) + s : s);
 }
+
+#define BIAS_GRAD_PARTS 16
 
 extern "C" fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *inp,
                                             const void *weight, const void *bias,
@@ -251,9 +269,17 @@ extern "C" fy_status fy_cuda_linear_backward_params(struct fy_cuda_blas *h, void
   }
   if (dbias && OC > 0) {
     unsigned grid = (unsigned)((OC + 31) / 32);
+    // The parts go to the cuBLASLt workspace: the products before this kernel on the stream are
+    // done with it, and the next ones start after the final kernel.
+    bool split = BT >= 32 * BIAS_GRAD_PARTS && h->ws_bytes >= (size_t)(BIAS_GRAD_PARTS * OC) * sizeof(float);
+    float *part = split ? (float *)h->ws : NULL;
+    dim3 pgrid(grid, split ? BIAS_GRAD_PARTS : 1);
+    unsigned fgrid = (unsigned)((OC + 255) / 256);
     FY_CUDA_DISPATCH("linear_backward_params", dt, T,
-                     bias_grad_kernel<T><<<grid, 1024, 0, st>>>((T *)dbias, (const T *)dout,
-                                                                BT < 0 ? 0 : BT, OC, accumulate));
+                     bias_grad_kernel<T><<<pgrid, 1024, 0, st>>>((T *)dbias, part, (const T *)dout,
+                                                                 BT < 0 ? 0 : BT, OC, accumulate);
+                     if (split) bias_grad_final_kernel<T><<<fgrid, 256, 0, st>>>((T *)dbias, part,
+                                                                                BIAS_GRAD_PARTS, OC, accumulate));
     FY_TRY(fy_cuda_launched("linear_backward_params"));
   }
   return FY_OK;
