@@ -136,7 +136,9 @@ fy_status fy_cuda_sumsq(double *out, const void *x, enum fy_dtype dt, int64_t n,
 // A cuBLASLt handle, a workspace and a cache of matmul descriptors and chosen algorithms per shape
 // (dtype, sizes, transposes, bias, beta, pointer alignments). Use from one thread at a time, as
 // fy_matmul. The workspace (device memory, 32 MiB is plenty; NULL/0 = none) is the caller's, so
-// that it is counted by the device that handed it out; it must outlive the handle.
+// that it is counted by the device that handed it out; it must outlive the handle. The products
+// and the linear backward's bias-gradient parts use it in stream order: launch all of a handle's
+// work on one stream at a time.
 struct fy_cuda_blas;
 fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes, struct fy_cuda_blas **out);
 void fy_cuda_blas_free(struct fy_cuda_blas *h);
