@@ -173,9 +173,11 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
 
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
+  // The activation arenas have fp32-sized slots whatever the compute dtype (bf16 values sit at
+  // the slots' addresses: runtime/engine_cuda.c), so 4 bytes an element here too.
   size_t bt = (size_t)(g->B * g->T);
-  size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * pb, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * pb,
-                    (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * pb, bt * 4, 4 * bt * 4, 4 * bt * 4};
+  size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4,
+                    (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4, bt * 4, 4 * bt * 4, 4 * bt * 4};
   double fixed_bytes = 0;
   for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)((fixed[i] + 63) & ~(size_t)63);
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
