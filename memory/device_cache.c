@@ -1,9 +1,9 @@
 #include "memory/device_cache.h"
 
-#include "core/dtype.h"
-
 #include <stdlib.h>
 #include <string.h>
+
+#include "core/dtype.h"
 
 struct block {
   float *ptr;
@@ -287,7 +287,7 @@ static fy_status write_back(struct fy_device_cache *c, int chunk, void *dst, boo
   if (accumulate || widen) {
     FY_TRY(fy_copy_async(s, c->o.staging, src, bytes));
     struct accumulate *a = &c->acc[2 * chunk + accumulate];
-    if (a->dst != dst || a->src != c->o.staging || a->n != n || a->add != accumulate) {
+    if (a->dst != dst || a->src != c->o.staging || a->n != n) {
       FY_TRY(fy_stream_sync(s));  // nothing queued may still read the old argument
       *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = n, .add = accumulate};
     }
