@@ -710,6 +710,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   struct fy_train_opts eff = *given;
   const struct fy_train_opts *o = &eff;
   if (given->plan) FY_TRY(apply_plan(&eff));
+  // By default a GPU computes in bf16 (DESIGN.md, "Numbers"), the cpu and sim devices in fp32.
+  if (!eff.precision) eff.precision = eff.device && strcmp(eff.device, "cuda") == 0 ? "bf16" : "fp32";
   // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
   if (o->precision && strcmp(o->precision, "fp16") == 0 && !(o->loss_scale > 0)) eff.loss_scale = 65536;
   if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");

@@ -266,7 +266,7 @@ gpu_train() {
   # fp32 on both sides: the losses of 8 steps agree to rounding.
   local common=(train --model opt-demo --steps 8 --batch 4 --seq 128 --seed 1 --lr 1e-3 --warmup 0 --no-shuffle)
   ferry_run cpu "${common[@]}" --device cpu --log "$d/cpu.jsonl" || return 1
-  ferry_run cuda "${common[@]}" --device cuda --log "$d/cuda.jsonl" || return 1
+  ferry_run cuda "${common[@]}" --device cuda --precision fp32 --log "$d/cuda.jsonl" || return 1
   python3 - "$d/cpu.jsonl" "$d/cuda.jsonl" <<'PY'
 import json, sys
 a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
@@ -307,11 +307,13 @@ PY
   # Offloading on the GPU (--offload: state in pinned host memory, a chunk cache on the GPU with
   # room for a few chunks) gives the resident run's numbers (fp32, the same kernels in the same
   # order: equal to rounding).
-  ferry_run offload "${common[@]}" --device cuda --offload --device-mem 160MiB --log "$d/offload.jsonl" || return 1
+  ferry_run offload "${common[@]}" --device cuda --precision fp32 --offload --device-mem 160MiB --log "$d/offload.jsonl" ||
+    return 1
   grep "cache blocks" "$d/offload.out" || true
   # The same with the first two chunks and their AdamW state kept on the GPU (the chunk kernels:
   # sums of squares, AdamW with the scale from device memory).
-  ferry_run devchunks "${common[@]}" --device cuda --offload --device-mem 160MiB --device-chunks 2 --log "$d/devchunks.jsonl" ||
+  ferry_run devchunks "${common[@]}" --device cuda --precision fp32 --offload --device-mem 160MiB --device-chunks 2 \
+    --log "$d/devchunks.jsonl" ||
     return 1
   python3 - "$d/cuda.jsonl" "$d/offload.jsonl" "$d/devchunks.jsonl" <<'PY'
 import json, sys
@@ -333,7 +335,8 @@ print("offload bf16", " ".join(f"{x:.5f}" for x in b))
 sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
 PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
-  ferry_run speed train --device cuda --model opt-125m --steps 6 --batch 8 --seq 512 --quiet --log "$d/speed.jsonl" ||
+  ferry_run speed train --device cuda --precision fp32 --model opt-125m --steps 6 --batch 8 --seq 512 --quiet \
+    --log "$d/speed.jsonl" ||
     return 1
   python3 - "$d/speed.jsonl" <<'PY'
 import json, statistics, sys
@@ -410,9 +413,9 @@ if [ "$bench" = 1 ]; then
   # with recomputation so that the resident run fits the GPU too: ~22 s a step on an H200 in fp32,
   # so 3 steps (the last 2 timed).
   if [ "$big" = 1 ]; then
-    bench_step "bench offload 6.7b" 300 offload_ratio opt-6.7b 8 2048 --recompute --steps 3
+    bench_step "bench offload 6.7b" 300 offload_ratio opt-6.7b 8 2048 --recompute --steps 3 --precision fp32
   fi
-  bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute
+  bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute --precision fp32
   # The same in bf16 (chunks of bf16 weights; the host's AdamW over 1.3B parameters per step is
   # what an offloaded bf16 step waits for).
   bench_step "bench offload 1.3b bf16" 120 offload_ratio opt-1.3b 8 2048 --recompute --precision bf16
