@@ -280,7 +280,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
                         "(shards_on_device keeps every rank's shards there)", x->world);
   if (m->compute_dtype != FY_F32 && (x->sharded || x->n_dev > 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s compute with %s: offloaded 16-bit chunks live in the host tier of one "
-                        "rank for now (train this in fp32)", fy_dtype_name(m->compute_dtype),
+                        "rank for now (train this with --precision fp32)", fy_dtype_name(m->compute_dtype),
                         x->sharded ? "chunks sharded across ranks" : "chunks kept on the device (--device-chunks)");
   size_t dev_before = x->dev->bytes_in_use;
   if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
