@@ -133,6 +133,22 @@ static void live_remove(struct live_block *live, int *n, int slot) {
     }
 }
 
+// Floats of the arenas a slot takes: its elements, or with 16-bit activations (act16) half of
+// them, two values to a float, except the fp32 statistics (every op's aux slots: layernorm's mean
+// and rstd, attention's probabilities or log-sum-exp) and the per-row losses.
+static bool slot_f32(const struct fy_graph *g, int s) {
+  if (s == g->loss_slot) return true;
+  for (int o = 0; o < g->n_ops; o++)
+    for (int a = 0; a < g->ops[o].n_aux; a++)
+      if (g->ops[o].aux[a] == s) return true;
+  return false;
+}
+
+static int64_t footprint(const struct fy_graph *g, int s) {
+  int64_t n = g->slots[s].numel;
+  return align_up(g->act16 && !slot_f32(g, s) ? (n + 1) / 2 : n);
+}
+
 // Activation offsets. Without recomputation every slot is kept through the step. With it, the
 // slots a decoder layer makes for itself (all but its output, which is the next layer's input)
 // share one region: a layer's forward is run again just before its backward.
@@ -154,7 +170,7 @@ static void plan_activations(struct fy_graph *g, bool recompute) {
         for (int a = 0; a < op->n_aux; a++) made[n++] = op->aux[a];
         for (int j = 0; j < n; j++) {
           g->slots[made[j]].offset = -2 - local;  // region-relative, resolved below
-          local += align_up(g->slots[made[j]].numel);
+          local += footprint(g, made[j]);
         }
       }
       if (local > region) region = local;
@@ -166,12 +182,12 @@ static void plan_activations(struct fy_graph *g, bool recompute) {
     for (int s = 0; s < g->n_slots; s++)
       if (g->slots[s].offset < 0) {
         g->slots[s].offset = off;
-        off += align_up(g->slots[s].numel);
+        off += footprint(g, s);
       }
   } else {
     for (int s = 0; s < g->n_slots; s++) {
       g->slots[s].offset = off;
-      off += align_up(g->slots[s].numel);
+      off += footprint(g, s);
     }
   }
   g->act_elems = off;
@@ -197,6 +213,43 @@ static void size_attention(struct fy_graph *g, bool flash) {
 void fy_graph_set_flash_attention(struct fy_graph *g, bool on) {
   size_attention(g, on);
   plan_activations(g, g->recompute);
+}
+
+
+// Activation gradients: a slot's gradient is live from its last consumer's backward (where it
+// is zeroed, then accumulated into) to its producer's backward (its last reader).
+static fy_status plan_gradients(struct fy_graph *g) {
+  for (int s = 0; s < g->n_slots; s++) g->slots[s].grad_offset = -1;
+  struct live_block *live = calloc((size_t)g->n_slots + 1, sizeof *live);
+  if (!live) return fy_error_set(FY_ERR_NOMEM, "cannot plan the gradient arena");
+  int n_live = 0;
+  int64_t top = 0;
+  for (int o = g->n_ops - 1; o >= 0; o--) {
+    struct fy_op *op = &g->ops[o];
+    op->n_zero = 0;
+    for (int k = 0; k < op->n_in; k++) {
+      struct fy_slot *s = &g->slots[op->in[k]];
+      if (s->last_consumer != o || s->grad_in_place || s->producer < 0) continue;
+      bool seen = false;  // the same slot twice in one op (x + x)
+      for (int j = 0; j < op->n_zero; j++) seen |= op->zero[j] == op->in[k];
+      if (seen) continue;
+      int64_t len = footprint(g, op->in[k]);
+      s->grad_offset = first_fit(live, n_live, len);
+      live_insert(live, &n_live, (struct live_block){s->grad_offset, len, op->in[k]});
+      if (s->grad_offset + len > top) top = s->grad_offset + len;
+      op->zero[op->n_zero++] = op->in[k];
+    }
+    if (op->out >= 0 && g->slots[op->out].grad_offset >= 0) live_remove(live, &n_live, op->out);
+  }
+  free(live);
+  g->grad_elems = top;
+  return FY_OK;
+}
+
+fy_status fy_graph_set_act16(struct fy_graph *g, bool on) {
+  g->act16 = on;
+  plan_activations(g, g->recompute);
+  return plan_gradients(g);
 }
 
 fy_status fy_graph_finalize(struct fy_graph *g) {
@@ -227,32 +280,7 @@ fy_status fy_graph_finalize(struct fy_graph *g) {
   for (int s = 0; s < g->n_slots; s++) g->slots[s].last_consumer = -1;
   for (int o = 0; o < g->n_ops; o++)
     for (int k = 0; k < g->ops[o].n_in; k++) g->slots[g->ops[o].in[k]].last_consumer = o;
-  // Activation gradients: a slot's gradient is live from its last consumer's backward (where it
-  // is zeroed, then accumulated into) to its producer's backward (its last reader).
-  struct live_block *live = calloc((size_t)g->n_slots + 1, sizeof *live);
-  if (!live) return fy_error_set(FY_ERR_NOMEM, "cannot plan the gradient arena");
-  int n_live = 0;
-  int64_t top = 0;
-  for (int o = g->n_ops - 1; o >= 0; o--) {
-    struct fy_op *op = &g->ops[o];
-    op->n_zero = 0;
-    for (int k = 0; k < op->n_in; k++) {
-      struct fy_slot *s = &g->slots[op->in[k]];
-      if (s->last_consumer != o || s->grad_in_place || s->producer < 0) continue;
-      bool seen = false;  // the same slot twice in one op (x + x)
-      for (int j = 0; j < op->n_zero; j++) seen |= op->zero[j] == op->in[k];
-      if (seen) continue;
-      int64_t len = align_up(s->numel);
-      s->grad_offset = first_fit(live, n_live, len);
-      live_insert(live, &n_live, (struct live_block){s->grad_offset, len, op->in[k]});
-      if (s->grad_offset + len > top) top = s->grad_offset + len;
-      op->zero[op->n_zero++] = op->in[k];
-    }
-    if (op->out >= 0 && g->slots[op->out].grad_offset >= 0) live_remove(live, &n_live, op->out);
-  }
-  free(live);
-  g->grad_elems = top;
-
+  FY_TRY(plan_gradients(g));
   size_attention(g, false);
   return FY_OK;
 }

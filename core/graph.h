@@ -54,7 +54,7 @@ struct fy_param {
 };
 
 struct fy_slot {
-  int64_t numel;           // floats
+  int64_t numel;           // elements (floats, or 16-bit values with act16)
   int64_t offset;          // in the activation arena (floats)
   int64_t grad_offset;     // in the gradient arena (floats); -1 when no gradient is kept
   int producer;            // op index
@@ -103,6 +103,8 @@ struct fy_graph {
   int64_t act_elems;       // activation arena (floats)
   bool recompute;          // decoder layers' activations are recomputed in backward
   bool flash_attention;    // attention keeps B*NH*T statistics, not the T x T probabilities
+  bool act16;              // activations and their gradients are 16-bit, two to a float of the
+                           //   arenas (fp32 statistics and losses excepted): fy_graph_set_act16
   int64_t grad_elems;      // activation-gradient arena (floats)
   int64_t scratch_elems;   // workspace for one backward op (attention's)
   int loss_slot;           // per-row losses of the cross-entropy op
@@ -127,6 +129,11 @@ void fy_graph_set_recompute(struct fy_graph *g, bool on);
 // Flash-style attention (the cuda kernels): each attention op's aux slot holds one float per query
 // and head (the log-sum-exp) instead of the T x T probabilities, and so does the backward scratch.
 void fy_graph_set_flash_attention(struct fy_graph *g, bool on);
+// 16-bit activations (a GPU's bf16 tensors): every slot except the fp32 statistics (ops' aux
+// slots) and the per-row losses takes half its elements in floats of the arenas, and both arenas
+// are planned again (act_elems and grad_elems shrink). Offsets stay in floats, 64-byte aligned;
+// numel stays the element count.
+fy_status fy_graph_set_act16(struct fy_graph *g, bool on);
 // One pass of training over a micro-batch as a list of actions: every op forward in order, then
 // backward in reverse, with a decoder layer's forward run again just before its backward when
 // the graph recomputes. `out` must hold fy_graph_max_actions(g) entries; returns the count.

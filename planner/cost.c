@@ -134,6 +134,8 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   if (gpu) fy_graph_set_flash_attention(whole, true);
   if (k->recompute) fy_graph_set_recompute(g, true);
   if (k->recompute) fy_graph_set_recompute(whole, true);
+  if (gpu && st == FY_OK) st = fy_graph_set_act16(g, true);  // bf16 activations, two to a float
+  if (gpu && st == FY_OK) st = fy_graph_set_act16(whole, true);
   int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);
   if (sharded) ce = (ce + 16 * dp - 1) / (16 * dp) * (16 * dp);  // whole 64-byte lines per shard
   // Each op's pattern: tp_col / tp_row for split linears, the data-parallel one for the rest; the
@@ -173,8 +175,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
 
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
-  // The activation arenas have fp32-sized slots whatever the compute dtype (bf16 values sit at
-  // the slots' addresses: runtime/engine_cuda.c), so 4 bytes an element here too.
+  // The arenas count floats (a GPU's bf16 activations two to a float: the graph's act16).
   size_t bt = (size_t)(g->B * g->T);
   size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4,
                     (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4, bt * 4, 4 * bt * 4, 4 * bt * 4};

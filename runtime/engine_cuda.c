@@ -69,9 +69,9 @@ static void op_forward_cuda(void *arg) {
   const int64_t B = g->B, T = g->T, BT = B * T;
   float *out = fy_engine_act(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
-  // bf16 compute: activations and their gradients are bf16 at their slots' addresses (which hold
-  // room for fp32), weights and parameter gradients bf16 (runtime/model.h, cparams and cgrads);
-  // statistics (losses, layernorm's mean and rstd, attention's lse) stay fp32.
+  // bf16 compute: activations and their gradients are bf16 at their slots' addresses (the graph's
+  // act16 layout: half the floats of fp32), weights and parameter gradients bf16 (runtime/model.h,
+  // cparams and cgrads); statistics (losses, layernorm's mean and rstd, attention's lse) stay fp32.
   const enum fy_dtype dt = m->compute_dtype;
   const double t0 = profile_start(m);
   fy_status st = FY_OK;
@@ -132,16 +132,16 @@ static void op_backward_cuda(void *arg) {
   const int64_t B = g->B, T = g->T, BT = B * T;
   const double t0 = profile_start(m);
   fy_status st = FY_OK;
-  for (int k = 0; k < op->n_zero && st == FY_OK; k++) {
+  const enum fy_dtype dt = m->compute_dtype;
+  const size_t es = dt == FY_F32 ? 4 : 2;
+  for (int k = 0; k < op->n_zero && st == FY_OK; k++) {  // (gradients are in the compute dtype)
     const struct fy_slot *s = &g->slots[op->zero[k]];
-    st = zero(x, m->dacts + s->grad_offset, (size_t)s->numel * 4);
+    st = zero(x, m->dacts + s->grad_offset, (size_t)s->numel * es);
   }
   bool first[FY_OP_MAX_PARAMS];
   for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
   const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
-  const enum fy_dtype dt = m->compute_dtype;
-  const size_t es = dt == FY_F32 ? 4 : 2;
   if (st == FY_OK) switch (op->kind) {
     case FY_OP_EMBEDDING: {
       const struct fy_param *p = &g->params[op->params[0]];

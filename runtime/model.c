@@ -190,6 +190,19 @@ fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
     FY_TRY(buf_alloc(m->dev, n, m->cparams_esize, (void **)&m->cparams));
     if (m->device_memory) FY_TRY(buf_alloc(m->dev, n, 2, (void **)&m->cgrads));
   }
+  // A GPU's 16-bit activations take half the arenas (core/graph.h, act16): planned again and
+  // allocated again at the new sizes (nothing points into them yet).
+  bool act16 = m->device_memory && dt != FY_F32;
+  if (act16 != m->graph->act16) {
+    const struct fy_graph *g = m->graph;
+    fy_device_dealloc(m->dev, m->acts, (size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4);
+    fy_device_dealloc(m->dev, m->dacts, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4);
+    m->acts = m->dacts = NULL;
+    FY_TRY(fy_graph_set_act16(m->graph, act16));
+    FY_TRY(buf_alloc(m->dev, g->act_elems, 4, (void **)&m->acts));
+    FY_TRY(buf_alloc(m->dev, g->grad_elems, 4, (void **)&m->dacts));
+    m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + g->B * g->T);
+  }
   m->compute_dtype = dt;
   m->cparams_fresh = false;
   return FY_OK;

@@ -206,6 +206,11 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
   FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
   if (flash_attention) fy_graph_set_flash_attention(m.graph, true);
   if (recompute) fy_graph_set_recompute(m.graph, true);
+  fy_status st16 = elem_bytes == 2 ? fy_graph_set_act16(m.graph, true) : FY_OK;  // a GPU's bf16 activations
+  if (st16 != FY_OK) {
+    fy_graph_free(m.graph);
+    return st16;
+  }
   if (chunk_elems <= 0) chunk_elems = fy_chunk_min_elems(m.graph);
   fy_status st = fy_chunk_layout_create(m.graph, chunk_elems, &m.layout);
   if (st == FY_OK) {

@@ -64,7 +64,8 @@ void fy_offload_free(struct fy_offload *x);
 size_t fy_offload_min_device_bytes(const struct fy_model *m);
 int fy_offload_min_blocks(const struct fy_model *m);
 // The same before anything is allocated, for a config and micro-batch; elem_bytes is a block's
-// bytes per element (4, or 2 for bf16 on a GPU); chunk_elems 0 means the smallest chunk that holds
+// bytes per element (4, or 2 for bf16 on a GPU, whose activations are then 16-bit too);
+// chunk_elems 0 means the smallest chunk that holds
 // the largest parameter group (the default when offloading), and *chunk_elems_out is the chunk
 // size used; flash_attention for a GPU's kernels (core/graph.h).
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,

@@ -7,6 +7,16 @@
 #include "core/graph.h"
 #include "core/opt.h"
 
+// Floats of the arenas slot s spans: its elements, or with 16-bit activations half of them,
+// except the fp32 statistics (ops' aux slots) and the per-row losses.
+static int64_t extent(const struct fy_graph *g, int s) {
+  bool f32 = s == g->loss_slot;
+  for (int o = 0; o < g->n_ops; o++)
+    for (int a = 0; a < g->ops[o].n_aux; a++) f32 |= g->ops[o].aux[a] == s;
+  int64_t n = g->slots[s].numel;
+  return g->act16 && !f32 ? (n + 1) / 2 : n;
+}
+
 // Simulates the backward walk and checks the gradient arena's liveness plan.
 static void check_grad_plan(const struct fy_graph *g, const char *name) {
   int n = g->n_slots;
@@ -27,7 +37,7 @@ static void check_grad_plan(const struct fy_graph *g, const char *name) {
       for (int b = a + 1; b < n; b++) {
         if (!live[b]) continue;
         const struct fy_slot *x = &g->slots[a], *y = &g->slots[b];
-        if (x->grad_offset < y->grad_offset + y->numel && y->grad_offset < x->grad_offset + x->numel) bad++;
+        if (x->grad_offset < y->grad_offset + extent(g, b) && y->grad_offset < x->grad_offset + extent(g, a)) bad++;
       }
     }
     if (op->out >= 0) live[op->out] = 0;
@@ -116,10 +126,10 @@ static int arena_faults(const struct fy_graph *g) {
   int bad = 0;
   for (int a = 0; a < g->n_slots; a++) {
     const struct fy_slot *x = &g->slots[a];
-    bad += x->offset < 0 || x->offset + x->numel > g->act_elems;
+    bad += x->offset < 0 || x->offset + extent(g, a) > g->act_elems || x->offset % 16 != 0;
     for (int b = a + 1; b < g->n_slots && !g->recompute; b++) {
       const struct fy_slot *y = &g->slots[b];
-      bad += x->offset < y->offset + y->numel && y->offset < x->offset + x->numel;
+      bad += x->offset < y->offset + extent(g, b) && y->offset < x->offset + extent(g, a);
     }
   }
   return bad;
@@ -156,8 +166,41 @@ static void check_flash(void) {
   fy_graph_free(g);
 }
 
+// 16-bit activations (a GPU's bf16): the arenas shrink to about half, every slot but the fp32
+// statistics and losses spans half its elements, nothing overlaps (with and without
+// recomputation, and in the gradient arena), and switching back restores the layout.
+static void check_act16(void) {
+  struct fy_opt_config c;
+  CHECK_OK(fy_opt_preset("opt-125m", &c));
+  struct fy_graph *g;
+  CHECK_OK(fy_opt_build_graph(&c, 3, 100, &g));
+  fy_graph_set_flash_attention(g, true);
+  const int64_t acts = g->act_elems, grads = g->grad_elems;
+  int64_t stats = 0;
+  for (int o = 0; o < g->n_ops; o++)
+    for (int a = 0; a < g->ops[o].n_aux; a++) stats += g->slots[g->ops[o].aux[a]].numel;
+  stats += g->slots[g->loss_slot].numel;
+  CHECK_OK(fy_graph_set_act16(g, true));
+  CHECKF(g->act16 && g->act_elems <= (acts - stats) / 2 + stats + 16 * (int64_t)g->n_slots && g->act_elems < acts,
+         "act16: activation arena %lld floats, %lld in fp32 (%lld of statistics)", (long long)g->act_elems,
+         (long long)acts, (long long)stats);
+  CHECKF(g->grad_elems <= grads / 2 + 16 * (int64_t)g->n_slots, "act16: gradient arena %lld floats, %lld in fp32",
+         (long long)g->grad_elems, (long long)grads);
+  CHECKF(arena_faults(g) == 0, "act16: slots outside the arena, unaligned or overlapping");
+  check_grad_plan(g, "act16");
+  CHECK(extent(g, g->loss_slot) == g->slots[g->loss_slot].numel);
+  fy_graph_set_recompute(g, true);
+  CHECKF(arena_faults(g) == 0, "act16 with recomputation: slots outside the arena");
+  fy_graph_set_recompute(g, false);
+  CHECK_OK(fy_graph_set_act16(g, false));
+  CHECK(g->act_elems == acts && g->grad_elems == grads && !g->act16);
+  check_grad_plan(g, "act16 off again");
+  fy_graph_free(g);
+}
+
 int main(void) {
   check_flash();
+  check_act16();
   for (const char *const *p = fy_opt_preset_names(); *p; p++) {
     bool huge = strstr(*p, "66b") || strstr(*p, "175b") || strstr(*p, "30b");
     check_model(*p, 2, huge ? 32 : 64);
