@@ -64,10 +64,8 @@ uint16_t fy_f32_to_f16(float f) {
 void fy_convert_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n) {
   if (st == FY_F32) { memcpy(dst, src, n * 4); return; }
   const uint16_t *s = src;
-  if (st == FY_BF16)
-    for (size_t i = 0; i < n; i++) dst[i] = fy_bf16_to_f32(s[i]);
-  else
-    for (size_t i = 0; i < n; i++) dst[i] = fy_f16_to_f32(s[i]);
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (size_t i = 0; i < n; i++) dst[i] = st == FY_BF16 ? fy_bf16_to_f32(s[i]) : fy_f16_to_f32(s[i]);
 }
 
 void fy_round_to_dtype(float *dst, const float *src, enum fy_dtype dt, size_t n) {
@@ -83,8 +81,6 @@ void fy_round_to_dtype(float *dst, const float *src, enum fy_dtype dt, size_t n)
 void fy_convert_from_f32(void *dst, enum fy_dtype dt, const float *src, size_t n) {
   if (dt == FY_F32) { memcpy(dst, src, n * 4); return; }
   uint16_t *d = dst;
-  if (dt == FY_BF16)
-    for (size_t i = 0; i < n; i++) d[i] = fy_f32_to_bf16(src[i]);
-  else
-    for (size_t i = 0; i < n; i++) d[i] = fy_f32_to_f16(src[i]);
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (size_t i = 0; i < n; i++) d[i] = dt == FY_BF16 ? fy_f32_to_bf16(src[i]) : fy_f32_to_f16(src[i]);
 }

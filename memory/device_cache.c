@@ -61,16 +61,15 @@ static void accumulate_fn(void *arg) {
 // elements and the GPU waits for none of this, but the next write-back does: OpenMP threads.
 static void widen_fn(void *arg) {
   struct accumulate *a = arg;
+  if (!a->add) {
+    fy_convert_to_f32(a->dst, a->src, FY_BF16, (size_t)a->n);
+    return;
+  }
   const uint16_t *src = a->src;
   float *dst = a->dst;
   const int64_t n = a->n;
-  if (a->add) {
 #pragma omp parallel for simd schedule(static) if (parallel : n > (1 << 18))
-    for (int64_t i = 0; i < n; i++) dst[i] = dst[i] + fy_bf16_to_f32(src[i]);
-  } else {
-#pragma omp parallel for simd schedule(static) if (parallel : n > (1 << 18))
-    for (int64_t i = 0; i < n; i++) dst[i] = fy_bf16_to_f32(src[i]);
-  }
+  for (int64_t i = 0; i < n; i++) dst[i] = dst[i] + fy_bf16_to_f32(src[i]);
 }
 
 fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy_device_cache_opts *o,
