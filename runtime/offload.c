@@ -48,13 +48,12 @@ struct fy_offload {
   // (bf16 on a GPU, rounded floats on sim), written from the fp32 master by every AdamW update and
   // rebuilt whole after the master was set from outside (m->cparams_fresh false). The blocks hold
   // them, and the kernels write the gradients over them in that dtype. fp32: chome is NULL and
-  // esize 4. With one micro-batch a step (g16) the gradients come home as they are, over the copy
+  // esize 4. With one micro-batch a step the gradients come home as they are, over the copy
   // (DESIGN.md: gradients written over the compute payload), for the chunks whose state is in the
   // host tier; the update reads them there and writes the next weights in their place (a skipped
   // step rebuilds the copy from the master). Otherwise they are widened into fp32 gradients.
   void **chome;
   size_t esize;
-  bool g16;
   fy_event **home_ready, **grad_ready;
   float *wb_staging;
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
@@ -112,20 +111,24 @@ static size_t payload_bytes(const struct fy_model *m) { return m->compute_dtype 
 
 // chome[c] elements [lo, hi) <- the master weights in the compute dtype.
 static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
-  const float *w = x->m->params + (int64_t)c * x->m->layout->chunk_elems;
-  if (x->esize == 4) {  // rounded floats (sim)
-    fy_round_to_dtype((float *)x->chome[c] + lo, w + lo, x->m->compute_dtype, (size_t)(hi - lo));
-    return;
-  }
-  uint16_t *d = (uint16_t *)x->chome[c];
-#pragma omp parallel for simd schedule(static) if (parallel : hi - lo > (1 << 18))
-  for (int64_t i = lo; i < hi; i++) d[i] = fy_f32_to_bf16(w[i]);
+  const float *w = x->m->params + (int64_t)c * x->m->layout->chunk_elems + lo;
+  if (x->esize == 4)  // rounded floats (sim)
+    fy_round_to_dtype((float *)x->chome[c] + lo, w, x->m->compute_dtype, (size_t)(hi - lo));
+  else
+    fy_convert_from_f32((uint16_t *)x->chome[c] + lo, x->m->compute_dtype, w, (size_t)(hi - lo));
 }
 
-// Chunk c's gradients come home over its 16-bit copy (g16), not into fp32 gradients.
+bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro) { return compute != FY_F32 && max_micro <= 1; }
+
+// Chunk c's gradients come home over its 16-bit copy, not into fp32 gradients (the chunks whose
+// state is in the host tier).
 static bool grads_in_copy(const struct fy_offload *x, int c) {
-  return x->g16 && c >= x->n_dev && c < x->m->layout->n_chunks - x->n_disk_chunks;
+  return fy_offload_grads_in_copy(x->m->compute_dtype, x->max_micro) && c >= x->n_dev &&
+         c < x->m->layout->n_chunks - x->n_disk_chunks;
 }
+
+// ... and they are bf16 there (a GPU's; sim's 16-bit values are rounded floats).
+static bool grads_bf16(const struct fy_offload *x, int c) { return x->esize == 2 && grads_in_copy(x, c); }
 
 static void async_fail(struct fy_offload *x, fy_status st) {
   pthread_mutex_lock(&x->err_lock);
@@ -402,7 +405,6 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
   x->esize = payload_bytes(m);
-  x->g16 = m->compute_dtype != FY_F32 && x->max_micro == 1;
   pthread_mutex_init(&x->err_lock, NULL);
   int64_t ce = m->layout->chunk_elems;
   x->world = o->comm ? fy_comm_size(o->comm) : 1;
@@ -753,7 +755,7 @@ static void sumsq_fn(void *arg) {
     int64_t b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
     double *out = c < x->n_dev ? &x->dev_sums[x->param_ids[k]] : &x->sumsq[x->param_ids[k]];
     if (a >= b) *out = 0.0;
-    else if (x->esize == 2 && grads_in_copy(x, c)) *out = fy_sumsq_bf16((const uint16_t *)grad + (a - lo), b - a);
+    else if (grads_bf16(x, c)) *out = fy_sumsq_bf16((const uint16_t *)grad + (a - lo), b - a);
     else *out = fy_sumsq(grad + (a - lo), b - a);
   }
 }
@@ -821,7 +823,7 @@ static void adamw_fn(void *arg) {
   float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
   float *params = home_weights(x, c);
   int64_t lo = x->lo, hi = x->lo + span(x, c);
-  const bool bf16_in_copy = x->esize == 2 && grads_in_copy(x, c);
+  const bool bf16_in_copy = grads_bf16(x, c);
   if (c < x->n_dev) {  // on the device, with its weights
     mm = x->dev_m[c];
     vv = x->dev_v[c];

@@ -72,6 +72,10 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
                                     bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
                                     size_t *min_bytes, int64_t *chunk_elems_out);
 
+// With a 16-bit compute dtype and one micro-batch a step the chunks' gradients come home over
+// their 16-bit weights (no fp32 gradients in the host tier); otherwise into fp32 gradients.
+bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro);
+
 // Enqueues forward and backward of micro-batch `micro` (0-based within the step); its gradients
 // are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale);

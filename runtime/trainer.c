@@ -117,14 +117,18 @@ static size_t machine_ram(void) {
   return (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
 }
 
+// --precision as a dtype (checked in setup: fp32, bf16 or fp16; fy_train fills in the default).
+static enum fy_dtype precision_dtype(const struct fy_train_opts *o) {
+  if (!o->precision || strcmp(o->precision, "fp32") == 0) return FY_F32;
+  return strcmp(o->precision, "bf16") == 0 ? FY_BF16 : FY_F16;
+}
+
 // The offloading setup: the device (sim, or a GPU), host tier, optional disk tier, chunked model,
 // offload engine.
 static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, bool cuda) {
   const struct fy_opt_config *cfg = &r->cfg;
   // 16-bit compute: the blocks hold bf16 on a GPU, rounded floats (4 bytes) on sim.
-  enum fy_dtype cdt = !o->precision || strcmp(o->precision, "fp32") == 0 ? FY_F32
-                      : strcmp(o->precision, "bf16") == 0                 ? FY_BF16
-                                                                           : FY_F16;
+  enum fy_dtype cdt = precision_dtype(o);
   size_t esize = cuda && cdt != FY_F32 ? 2 : 4;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
   size_t host_cap = o->host_mem ? o->host_mem : machine_ram();
@@ -180,8 +184,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // disk chunk's gradients, m and v and its write-back.
   // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
-  // (16-bit with one micro-batch a step: the gradients come home over the weights' 16-bit copy.)
-  bool g16 = cdt != FY_F32 && o->grad_accum <= 1;
+  bool g16 = fy_offload_grads_in_copy(cdt, (int)o->grad_accum);  // no fp32 gradients in the host tier
   size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = (r->dp > 1 ? 4 : g16 ? 2 : 3) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems * esize;  // the 16-bit weights
@@ -289,8 +292,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     r->model->dp_comm = r->dp_comm;  // the ops run on this thread
-    if (o->precision && strcmp(o->precision, "fp32") != 0)
-      FY_TRY(fy_model_set_compute_dtype(r->model, strcmp(o->precision, "bf16") == 0 ? FY_BF16 : FY_F16));
+    if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
@@ -299,7 +301,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     FY_TRY(fy_engine_cuda_attach(r->model));
-    if (o->precision && strcmp(o->precision, "bf16") == 0) FY_TRY(fy_model_set_compute_dtype(r->model, FY_BF16));
+    if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
 #else
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device cuda: this ferry was built without CUDA (no nvcc, or -Dcuda=disabled)");
