@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds ferry, and runs every test: the unit, integration and reference
 # tests (meson test), the same again under AddressSanitizer and UndefinedBehaviorSanitizer, and the
-# transformers round trip of a saved checkpoint (when torch and transformers are installed), and,
+# transformers round trip of a saved checkpoint and the OPT variants that the fixtures do not cover
+# (when torch and transformers are installed), and,
 # with the sanitizers, the fuzz targets for 10 s each (skipped without clang's libFuzzer).
 # Ends with one line: "N passed, N failed[, N skipped]".
 #
@@ -15,7 +16,7 @@ for a in "$@"; do
   case "$a" in
     --no-sanitize) sanitize=0 ;;
     --sanitize-only) plain=0 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -52,9 +53,13 @@ if [ "$plain" = 1 ]; then
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
       echo "== transformers loads a ferry checkpoint"
       if test/reference/check_export.sh build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+      # Configurations the fixtures do not cover (no biases, no affine norms, untied lm_head, ...),
+      # trained by ferry and by transformers side by side.
+      echo "== OPT variants: ferry and transformers train them alike"
+      if python3 test/reference/check_variants.py build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
     else
-      echo "== skipped: the transformers round trip (pip install torch transformers safetensors)"
-      skipped=$((skipped + 1))
+      echo "== skipped: the transformers round trip and the OPT variants (pip install torch transformers safetensors)"
+      skipped=$((skipped + 2))
     fi
   else
     failed=$((failed + 1))

@@ -252,7 +252,8 @@ static void usage_main(FILE *f) {
   fprintf(f,
           "usage: ferry <command> [options]\n"
           "\n"
-          "Trains OPT language models (Hugging Face's OPTForCausalLM) on the CPU.\n"
+          "Trains OPT language models (Hugging Face's OPTForCausalLM) on the CPU or a GPU, with the\n"
+          "model state on the device, in host memory or on disk, on one rank or several.\n"
           "\n"
           "commands:\n"
           "  train     train a model (with no options: the demo model on the bundled corpus)\n"
