@@ -235,20 +235,22 @@ static void adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const 
                        x->st);
 }
 
-// The offload engine's device chunks (fp32 gradients), launched on its compute stream.
-static fy_status chunk_sumsq_cuda(struct fy_model *m, double *sum, const float *g, int64_t n) {
+// The offload engine's device chunks, launched on its compute stream.
+static fy_status chunk_sumsq_cuda(struct fy_model *m, double *sum, const void *g, enum fy_dtype g_dt, int64_t n) {
   struct cuda_ctx *x = ctx_of(m);
-  return fy_cuda_sumsq(sum, g, FY_F32, n, x->dscratch, false, x->st);
+  return fy_cuda_sumsq(sum, g, g_dt, n, x->dscratch, false, x->st);
 }
 
-static fy_status chunk_adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const float *g, int64_t n,
-                                  float lr, float b1, float b2, float eps, float wd, int64_t t,
+static fy_status chunk_adamw_cuda(struct fy_model *m, float *p, float *mo, float *v, const void *g, enum fy_dtype g_dt,
+                                  void *p16, int64_t n, float lr, float b1, float b2, float eps, float wd, int64_t t,
                                   const float *scale_skip) {
-  return fy_cuda_adamw_update_deferred(p, mo, v, g, n, lr, b1, b2, eps, wd, t, scale_skip, ctx_of(m)->st);
+  return fy_cuda_adamw_update_deferred(p, mo, v, g, g_dt, (uint16_t *)p16, n, lr, b1, b2, eps, wd, t, scale_skip,
+                                       ctx_of(m)->st);
 }
 
-static fy_status chunk_add_cuda(struct fy_model *m, float *dst, const float *src, int64_t n) {
-  return fy_cuda_add_forward(dst, dst, src, FY_F32, n, ctx_of(m)->st);
+static fy_status chunk_add_cuda(struct fy_model *m, float *dst, const void *src, enum fy_dtype src_dt, int64_t n,
+                                bool first) {
+  return fy_cuda_accumulate(dst, src, src_dt, n, first, ctx_of(m)->st);
 }
 
 // grad_acc (fp32) = or += this micro-batch's gradients (bf16 ones through m->grads, converted).

@@ -91,18 +91,21 @@ struct fy_model_kernels {
   void (*set_stream)(struct fy_model *m, fy_stream *s);
   void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
-  // Chunks the offload engine keeps on such a device (fp32), launched on the stream of set_stream
-  // (NULL where host functions on the stream do this work, as on the sim device):
+  // Chunks the offload engine keeps on such a device, launched on the stream of set_stream (NULL
+  // where host functions on the stream do this work, as on the sim device). Gradients are of
+  // dtype g_dt (fp32, or the compute dtype bf16 before any sum over micro-batches):
   // *sum (device) = sum of g (n)^2, in double;
-  fy_status (*chunk_sumsq)(struct fy_model *m, double *sum, const float *g, int64_t n);
+  fy_status (*chunk_sumsq)(struct fy_model *m, double *sum, const void *g, enum fy_dtype g_dt, int64_t n);
   // AdamW as `adamw`, with the gradient scale and a skip flag read from device memory when the
   // kernel runs (scale_skip[0], scale_skip[1] != 0: leave everything as it is): the offload engine
-  // launches it before the step's gradient norm is known on the host;
-  fy_status (*chunk_adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
-                           float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t,
-                           const float *scale_skip);
-  // dst (n) += src (n), the micro-batches' sum of a chunk's gradients.
-  fy_status (*chunk_add)(struct fy_model *m, float *dst, const float *src, int64_t n);
+  // launches it before the step's gradient norm is known on the host; param16 (n, NULL with fp32
+  // compute) receives the new weights in the compute dtype in the same pass;
+  fy_status (*chunk_adamw)(struct fy_model *m, float *param, float *mom, float *var, const void *grad,
+                           enum fy_dtype g_dt, void *param16, int64_t n, float lr, float beta1, float beta2,
+                           float eps, float weight_decay, int64_t t, const float *scale_skip);
+  // dst (n, fp32) = src (first) or dst + src, src of dtype src_dt widened: the micro-batches' sum
+  // of a chunk's gradients.
+  fy_status (*chunk_add)(struct fy_model *m, float *dst, const void *src, enum fy_dtype src_dt, int64_t n, bool first);
 };
 
 struct fy_model_opts {

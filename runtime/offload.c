@@ -66,10 +66,12 @@ struct fy_offload {
   struct fy_disk_req *req_g, *req_m, *req_v, *req_wb;
   struct disk_wb { struct fy_offload *x; int chunk; bool accumulate; } *wb_jobs;  // per chunk
   int n_disk_chunks;
-  // The first n_dev chunks live on the device for good: weights (the fp32 master on sim),
-  // this micro-batch's gradients, their sum over micro-batches (with accumulation), m and v.
+  // The first n_dev chunks live on the device for good: the fp32 master weights, with 16-bit
+  // compute their copy in the compute dtype (dev_w16, esize bytes an element: what the kernels
+  // read, rewritten by every update), this micro-batch's gradients (in the compute payload's
+  // dtype, esize bytes an element), their fp32 sum over micro-batches (with accumulation), m and v.
   int n_dev;
-  float **dev_w, **dev_g, **dev_acc, **dev_m, **dev_v;
+  float **dev_w, **dev_g, **dev_acc, **dev_m, **dev_v, **dev_w16;
   int *dev_bwd_done;
   bool dev_uploaded;
   fy_event *dev_sumsq_done, *dev_updates_done[2];
@@ -127,8 +129,22 @@ static bool grads_in_copy(const struct fy_offload *x, int c) {
          c < x->m->layout->n_chunks - x->n_disk_chunks;
 }
 
-// ... and they are bf16 there (a GPU's; sim's 16-bit values are rounded floats).
-static bool grads_bf16(const struct fy_offload *x, int c) { return x->esize == 2 && grads_in_copy(x, c); }
+// The dtype of the gradients the optimizer reads for chunk c (chunk_grads): the compute dtype
+// where they stay as the kernels wrote them (bf16 on a GPU; sim's 16-bit values are rounded
+// floats), fp32 once widened or summed over micro-batches.
+static enum fy_dtype grads_dtype(const struct fy_offload *x, int c) {
+  bool raw = c < x->n_dev ? x->max_micro <= 1 : grads_in_copy(x, c);
+  return raw && x->esize == 2 ? x->m->compute_dtype : FY_F32;
+}
+
+// Chunk c's gradients come home over its copy in bf16 (read there by the host's norm and AdamW).
+static bool grads_bf16(const struct fy_offload *x, int c) { return c >= x->n_dev && grads_dtype(x, c) == FY_BF16; }
+
+// The bytes of a device chunk's buffer i (dev_bufs order: w, g, acc, m, v, w16).
+static size_t dev_buf_bytes(const struct fy_offload *x, int i) {
+  size_t e = i == 1 || i == 5 ? x->esize : 4;
+  return (size_t)x->m->layout->chunk_elems * e;
+}
 
 static void async_fail(struct fy_offload *x, fy_status st) {
   pthread_mutex_lock(&x->err_lock);
@@ -286,23 +302,23 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (x->sharded && x->n_dev > 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
                         "(shards_on_device keeps every rank's shards there)", x->world);
-  if (m->compute_dtype != FY_F32 && (x->sharded || x->n_dev > 0))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s compute with %s: offloaded 16-bit chunks live in the host tier of one "
-                        "rank for now (train this with --precision fp32)", fy_dtype_name(m->compute_dtype),
-                        x->sharded ? "chunks sharded across ranks" : "chunks kept on the device (--device-chunks)");
+  if (m->compute_dtype != FY_F32 && x->sharded)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s compute with chunks sharded across %d ranks: sharded chunks hold fp32 "
+                        "for now (train this with --precision fp32)", fy_dtype_name(m->compute_dtype), x->world);
   size_t dev_before = x->dev->bytes_in_use;
   if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
     return fy_error_set(FY_ERR_INVALID, "%d chunks on the device and %d on disk, of %d", x->n_dev, o->n_disk_chunks, nc);
-  float ***dev_bufs[] = {&x->dev_w, &x->dev_g, &x->dev_acc, &x->dev_m, &x->dev_v};
-  for (int i = 0; i < 5; i++)
+  float ***dev_bufs[] = {&x->dev_w, &x->dev_g, &x->dev_acc, &x->dev_m, &x->dev_v, &x->dev_w16};
+  for (int i = 0; i < 6; i++)
     if (!(*dev_bufs[i] = calloc((size_t)nc, sizeof **dev_bufs[i]))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (!(x->dev_bwd_done = calloc((size_t)nc, sizeof *x->dev_bwd_done)) ||
       !(x->dev_acc_jobs = calloc((size_t)nc, sizeof *x->dev_acc_jobs)))
     return fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int c = 0; c < x->n_dev; c++) {
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < 6; i++) {
       if (i == 2 && x->max_micro == 1) continue;  // no sum over micro-batches to keep
-      fy_status st = fy_device_alloc(x->dev, (size_t)ce * 4, (void **)&(*dev_bufs[i])[c]);
+      if (i == 5 && m->compute_dtype == FY_F32) continue;  // the kernels read the master weights
+      fy_status st = fy_device_alloc(x->dev, dev_buf_bytes(x, i), (void **)&(*dev_bufs[i])[c]);
       if (st != FY_OK) return fy_error_wrap(st, "keeping chunk %d and its optimizer state on the device", c);
     }
     FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_m[c], 0, (size_t)ce * 4));
@@ -521,10 +537,10 @@ void fy_offload_free(struct fy_offload *x) {
   fy_event_free(x->dev_sumsq_done);
   fy_event_free(x->dev_updates_done[0]);
   fy_event_free(x->dev_updates_done[1]);
-  float **devb[] = {x->dev_w, x->dev_g, x->dev_acc, x->dev_m, x->dev_v};
-  for (int i = 0; i < 5; i++) {
+  float **devb[] = {x->dev_w, x->dev_g, x->dev_acc, x->dev_m, x->dev_v, x->dev_w16};
+  for (int i = 0; i < 6; i++) {
     for (int c = 0; devb[i] && c < nc; c++)
-      if (devb[i][c]) fy_device_dealloc(x->dev, devb[i][c], bytes);
+      if (devb[i][c]) fy_device_dealloc(x->dev, devb[i][c], dev_buf_bytes(x, i));
     free(devb[i]);
   }
   free(x->dev_bwd_done);
@@ -601,15 +617,17 @@ static void dev_add_fn(void *arg) {
   for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + a->src[i];
 }
 
-// A device chunk's gradients of this micro-batch are complete: summed over micro-batches (the same
-// copy and adds as elsewhere), then ready for the optimizer.
+// A device chunk's gradients of this micro-batch are complete: summed over micro-batches in fp32
+// (the same copy and adds as elsewhere; a GPU's bf16 gradients widened on the way), then ready for
+// the optimizer.
 static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
   int64_t used = x->m->layout->chunks[c].used;
   if (x->max_micro > 1) {
-    if (micro == 0) {
+    if (launches_kernels(x->m)) {
+      enum fy_dtype dt = x->esize == 2 ? x->m->compute_dtype : FY_F32;
+      FY_TRY(x->m->kernels->chunk_add(x->m, x->dev_acc[c], x->dev_g[c], dt, used, micro == 0));
+    } else if (micro == 0) {
       FY_TRY(fy_copy_async(x->compute, x->dev_acc[c], x->dev_g[c], (size_t)used * 4));
-    } else if (launches_kernels(x->m)) {
-      FY_TRY(x->m->kernels->chunk_add(x->m, x->dev_acc[c], x->dev_g[c], used));
     } else {
       x->dev_acc_jobs[c] = (struct accumulate_job){x->dev_acc[c], x->dev_g[c], used};  // same values every time
       FY_TRY(fy_stream_enqueue(x->compute, dev_add_fn, &x->dev_acc_jobs[c]));
@@ -618,8 +636,8 @@ static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
   return fy_event_record(x->grad_ready[c], x->compute);
 }
 
-// The gradients the optimizer reads for chunk c, wherever they are (NULL: on disk); with
-// grads_in_copy in the compute dtype (bf16 when esize is 2).
+// The gradients the optimizer reads for chunk c, wherever they are (NULL: on disk), of dtype
+// grads_dtype(x, c).
 static const float *chunk_grads(struct fy_offload *x, int c) {
   if (c < x->n_dev) return x->max_micro > 1 ? x->dev_acc[c] : x->dev_g[c];
   if (grads_in_copy(x, c)) return (const float *)x->chome[c];
@@ -678,8 +696,10 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
     m->cparams_fresh = true;
   }
   if (!x->dev_uploaded) {  // the device's chunks take the host's weights (initialised or loaded)
-    for (int c = 0; c < x->n_dev; c++)
-      FY_TRY(fy_copy_async(x->copy_in, x->dev_w[c], x->home[c], (size_t)l->chunks[c].used * 4));
+    for (int c = 0; c < x->n_dev; c++) {
+      FY_TRY(fy_copy_async(x->copy_in, x->dev_w[c], home_weights(x, c), (size_t)l->chunks[c].used * 4));
+      if (x->dev_w16[c]) FY_TRY(fy_copy_async(x->copy_in, x->dev_w16[c], x->chome[c], (size_t)l->chunks[c].used * x->esize));
+    }
     FY_TRY(fy_event_record(x->batch_ready[p], x->copy_in));
     FY_TRY(fy_stream_wait(x->compute, x->batch_ready[p]));
     x->dev_uploaded = true;
@@ -695,8 +715,8 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
     int nk = 0;
     for (int k = l->op_first[act->op]; k < l->op_first[act->op + 1]; k++) {
       chunk_of[nk] = l->op_chunks[k];
-      if (chunk_of[nk] < x->n_dev)
-        base[nk] = x->dev_w[chunk_of[nk]];
+      if (chunk_of[nk] < x->n_dev)  // the weights the kernels read: the master, or its 16-bit copy
+        base[nk] = x->dev_w16[chunk_of[nk]] ? x->dev_w16[chunk_of[nk]] : x->dev_w[chunk_of[nk]];
       else
         FY_TRY(fy_device_cache_acquire(x->cache, x->pos++, chunk_of[nk], &base[nk]));
       nk++;
@@ -706,7 +726,8 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
       for (int j = 0; j < nk; j++) {
         if (chunk_of[j] != pp->chunk) continue;
         c->w[k] = c->g[k] = (float *)((char *)base[j] + (size_t)pp->chunk_offset * x->esize);
-        if (pp->chunk < x->n_dev) c->g[k] = x->dev_g[pp->chunk] + pp->chunk_offset;  // kept apart
+        if (pp->chunk < x->n_dev)  // kept apart from the weights
+          c->g[k] = (float *)((char *)x->dev_g[pp->chunk] + (size_t)pp->chunk_offset * x->esize);
       }
     }
     if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
@@ -859,7 +880,10 @@ static void adamw_fn(void *arg) {
       fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps, wd,
                       a->t, scale);
   }
-  if (x->chome && !bf16_in_copy) compute_copy(x, c, lo, hi);  // (16-bit: one rank, no device chunks: lo is 0)
+  if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (sim: rounded floats)
+    fy_round_to_dtype(x->dev_w16[c], params, x->m->compute_dtype, (size_t)hi);
+  else if (x->chome && !bf16_in_copy)
+    compute_copy(x, c, lo, hi);  // (16-bit: one rank: lo is 0)
   if (c >= x->n_dev && !x->m_home[c]) {
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
     if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
@@ -874,10 +898,12 @@ static void adamw_fn(void *arg) {
 static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]);
   const struct fy_graph *g = x->m->graph;
-  const float *grad = chunk_grads(x, c);
+  const char *grad = (const char *)chunk_grads(x, c);
+  enum fy_dtype dt = grads_dtype(x, c);
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
-    FY_TRY(x->m->kernels->chunk_sumsq(x->m, &x->dev_sums[x->param_ids[k]], grad + p->chunk_offset, p->numel));
+    FY_TRY(x->m->kernels->chunk_sumsq(x->m, &x->dev_sums[x->param_ids[k]], grad + p->chunk_offset * fy_dtype_size(dt),
+                                      dt, p->numel));
   }
   return FY_OK;
 }
@@ -888,13 +914,16 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c) {
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
   const struct fy_graph *g = x->m->graph;
   const struct step_args *a = &x->args[q];
-  float *gg = (float *)chunk_grads(x, c);
+  const char *gg = (const char *)chunk_grads(x, c);
+  enum fy_dtype dt = grads_dtype(x, c);
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
     int64_t o = p->chunk_offset;
-    FY_TRY(x->m->kernels->chunk_adamw(x->m, x->dev_w[c] + o, x->dev_m[c] + o, x->dev_v[c] + o, gg + o, p->numel,
-                                      a->lr, a->h.beta1, a->h.beta2, a->h.eps, p->decay ? a->h.weight_decay : 0.0f,
-                                      a->t, x->dev_scale + 2 * q));
+    void *w16 = x->dev_w16[c] ? (char *)x->dev_w16[c] + (size_t)o * x->esize : NULL;
+    FY_TRY(x->m->kernels->chunk_adamw(x->m, x->dev_w[c] + o, x->dev_m[c] + o, x->dev_v[c] + o,
+                                      gg + (size_t)o * fy_dtype_size(dt), dt, w16, p->numel, a->lr, a->h.beta1,
+                                      a->h.beta2, a->h.eps, p->decay ? a->h.weight_decay : 0.0f, a->t,
+                                      x->dev_scale + 2 * q));
   }
   return FY_OK;
 }
@@ -943,10 +972,13 @@ fy_status fy_offload_sync(struct fy_offload *x) {
   fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->optim};
   for (int i = 0; i < 4; i++)
     if (s[i]) FY_TRY(fy_stream_sync(s[i]));
-  // The host's copy of the device's chunks (for checkpoints and saving).
+  // The host's copy of the device's chunks (for checkpoints and saving), and of their 16-bit copy.
   if (x->dev_uploaded && x->copy_out) {
-    for (int c = 0; c < x->n_dev; c++)
-      FY_TRY(fy_copy_async(x->copy_out, (float *)x->home[c], x->dev_w[c], (size_t)x->m->layout->chunks[c].used * 4));
+    for (int c = 0; c < x->n_dev; c++) {
+      size_t used = (size_t)x->m->layout->chunks[c].used;
+      FY_TRY(fy_copy_async(x->copy_out, home_weights(x, c), x->dev_w[c], used * 4));
+      if (x->dev_w16[c]) FY_TRY(fy_copy_async(x->copy_out, x->chome[c], x->dev_w16[c], used * x->esize));
+    }
     FY_TRY(fy_stream_sync(x->copy_out));
   }
   return async_status(x);
@@ -1061,7 +1093,9 @@ int64_t fy_offload_device_state_bytes(const struct fy_offload *x) { return x->de
 
 int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   const struct fy_chunk_layout *l = x->m->layout;
-  int64_t on_dev = (int64_t)x->n_dev * l->chunk_elems * 4 * (x->max_micro > 1 ? 5 : 4);
+  int64_t on_dev = 0;  // weights, gradients, their sum, m, v, the 16-bit weights
+  for (int i = 0; i < 6; i++)
+    if ((i != 2 || x->max_micro > 1) && (i != 5 || x->chome)) on_dev += (int64_t)x->n_dev * (int64_t)dev_buf_bytes(x, i);
   int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
   for (int c = x->n_dev; c < l->n_chunks; c++)
     if (grads_in_copy(x, c)) rest -= x->S * 4;  // the gradients come home over the 16-bit copy

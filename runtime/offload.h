@@ -34,7 +34,8 @@ struct fy_offload_opts {
   struct fy_disk_tier *disk;    // where state goes that the host tier cannot hold
   int n_disk_chunks;            // the last n chunks keep gradients, m and v on disk (needs disk)
   int n_device_chunks;          // the first n chunks stay on the device with their gradients and
-                                // AdamW state, and are updated there (on the compute stream)
+                                // AdamW state, and are updated there (on the compute stream); with
+                                // 16-bit compute the kernels read a copy of their weights in it
   // Chunk sharding across the ranks of `comm` (the `zero` pattern, as ZeRO-3): with more than one
   // rank, every rank keeps 1/N of each chunk (weights, gradients, m and v: elements
   // [rank*S, (rank+1)*S), S = chunk_elems / N, so chunk_elems must divide by 16 N); a load copies

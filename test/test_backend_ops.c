@@ -380,8 +380,42 @@ static void test_adamw(enum fy_dtype dt) {
   cmp_dev("adamw m", FY_F32, d_m, m, n, false);
   cmp_dev("adamw v", FY_F32, d_v, v, n, false);
   cmp_dev("adamw param bf16 copy", FY_BF16, d_p16, p, n, false);
+  // Deferred (the offload engine's chunks on the device): the scale and the skip flag are read
+  // from device memory when the kernel runs; a skipped step writes nothing, the bf16 copy neither.
+  float scale_skip[4] = {0.25f, 0.0f, 0.25f, 1.0f};
+  float *d_ss = dput(scale_skip, 4, FY_F32);
+  fy_adamw_update(p, m, v, g, n, 2e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 4, 0.25f);
+  CHECK_OK(fy_cuda_adamw_update_deferred(d_p, d_m, d_v, d_g, dt, d_p16, n, 2e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 4, d_ss,
+                                         cs));
+  CHECK_OK(fy_cuda_adamw_update_deferred(d_p, d_m, d_v, d_g, dt, d_p16, n, 2e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 5,
+                                         d_ss + 2, cs));  // skipped
+  cmp_dev("adamw deferred param", FY_F32, d_p, p, n, false);
+  cmp_dev("adamw deferred m", FY_F32, d_m, m, n, false);
+  cmp_dev("adamw deferred v", FY_F32, d_v, v, n, false);
+  cmp_dev("adamw deferred bf16 copy", FY_BF16, d_p16, p, n, false);
+  CHECK_ERR(fy_cuda_adamw_update_deferred(d_p, d_m, d_v, d_g, dt, NULL, n, 2e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 4, NULL,
+                                          cs), FY_ERR_INVALID);
   dfree_all();
   free(p); free(m); free(v); free(g);
+}
+
+// The sum of a chunk's gradients over micro-batches: dst (fp32) = src, then += src, widened from
+// dt exactly, so the result equals the CPU's float adds bit for bit.
+static void test_accumulate(enum fy_dtype dt) {
+  const int64_t n = 100003;
+  float *a = frand_new(n, 1.0f, dt), *b = frand_new(n, 1.0f, dt), *want = check_fnew(n), *got = check_fnew(n);
+  for (int64_t i = 0; i < n; i++) want[i] = a[i] + b[i];
+  void *d_a = dput(a, n, dt), *d_b = dput(b, n, dt);
+  float *d_sum = dalloc((size_t)n * 4);
+  CHECK_OK(fy_cuda_accumulate(d_sum, d_a, dt, n, true, cs));
+  dget(got, d_sum, n, FY_F32);
+  CHECKF(memcmp(got, a, (size_t)n * 4) == 0, "accumulate %s (first): not the widened values", fy_dtype_name(dt));
+  CHECK_OK(fy_cuda_accumulate(d_sum, d_b, dt, n, false, cs));
+  dget(got, d_sum, n, FY_F32);
+  CHECKF(memcmp(got, want, (size_t)n * 4) == 0, "accumulate %s (+=): not the CPU's sums", fy_dtype_name(dt));
+  fprintf(stderr, "  %-40s %-4s exact\n", "accumulate (= then +=) into fp32", fy_dtype_name(dt));
+  dfree_all();
+  free(a); free(b); free(want); free(got);
 }
 
 static void test_sumsq(enum fy_dtype dt) {
@@ -600,6 +634,7 @@ int main(void) {
     test_elementwise(dt);
     test_crossentropy(dt);
     test_adamw(dt);
+    test_accumulate(dt);
     test_sumsq(dt);
     test_matmul(h, dt);
     test_linear(h, dt);

@@ -329,11 +329,21 @@ PY
   # the same order, AdamW on the host instead of the GPU (last-bit differences may move a
   # weight's bf16 rounding).
   ferry_run offload16 "${common[@]}" "${b16[@]}" --offload --device-mem 160MiB --log "$d/offload16.jsonl" || return 1
-  python3 - "$d/cuda16.jsonl" "$d/offload16.jsonl" <<'PY'
+  # ... and with the first two chunks on the GPU in bf16 (the kernels read their bf16 copy there;
+  # the deferred AdamW reads bf16 gradients and rewrites the copy), alone and with accumulation
+  # (the bf16 gradients summed in fp32 on the GPU) against the resident accumulated run.
+  ferry_run devchunks16 "${common[@]}" "${b16[@]}" --offload --device-mem 160MiB --device-chunks 2 \
+    --log "$d/devchunks16.jsonl" || return 1
+  ferry_run devchunks16acc "${common[@]}" "${b16[@]}" --offload --device-mem 160MiB --device-chunks 2 --batch 2 \
+    --grad-accum 2 --log "$d/devchunks16acc.jsonl" || return 1
+  python3 - "$d/cuda16.jsonl" "$d/offload16.jsonl" "$d/devchunks16.jsonl" "$d/accum.jsonl" "$d/devchunks16acc.jsonl" <<'PY'
 import json, sys
-a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
-print("offload bf16", " ".join(f"{x:.5f}" for x in b))
-sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
+a, b, c, acc, dacc = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("offload bf16     ", " ".join(f"{x:.5f}" for x in b))
+print("dev chunks bf16  ", " ".join(f"{x:.5f}" for x in c))
+print("dev chunks accum ", " ".join(f"{x:.5f}" for x in dacc))
+close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(u, v))
+sys.exit(0 if close(a, b) and close(a, c) and close(acc, dacc) else 1)
 PY
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   ferry_run speed train --device cuda --precision fp32 --model opt-125m --steps 6 --batch 8 --seq 512 --quiet \

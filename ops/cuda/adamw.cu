@@ -61,13 +61,14 @@ extern "C" fy_status fy_cuda_adamw_update(float *param, float *m, float *v, cons
 }
 
 extern "C" fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v,
-                                                   const float *grad, int64_t n, float lr,
+                                                   const void *grad, enum fy_dtype grad_dt,
+                                                   uint16_t *param_bf16, int64_t n, float lr,
                                                    float beta1, float beta2, float eps,
                                                    float weight_decay, int64_t t,
                                                    const float *scale_skip, cudaStream_t st) {
   if (!scale_skip) return fy_error_set(FY_ERR_INVALID, "cuda adamw: no scale in device memory");
-  return adamw_launch(param, m, v, grad, FY_F32, NULL, n, lr, beta1, beta2, eps, weight_decay, t,
-                      1.0f, scale_skip, st);
+  return adamw_launch(param, m, v, grad, grad_dt, param_bf16, n, lr, beta1, beta2, eps,
+                      weight_decay, t, 1.0f, scale_skip, st);
 }
 
 #define SUMSQ_THREADS 256

@@ -161,6 +161,24 @@ extern "C" fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, 
   return fy_cuda_launched("add_backward");
 }
 
+// src (N) -> dst (N) fp32 = float(src) (first) or dst + float(src): a sum of gradients over
+// micro-batches, widened from the compute dtype on the way (the same bits as widening first)
+template <typename S>
+__global__ void accumulate_kernel(float *dst, const S *src, int64_t N, bool first) {
+  EW_LOOP(i, 0, N) {
+    float x = fy_ld(src + i);
+    dst[i] = first ? x : dst[i] + x;
+  }
+}
+
+extern "C" fy_status fy_cuda_accumulate(float *dst, const void *src, enum fy_dtype src_dt, int64_t N, bool first,
+                                        cudaStream_t st) {
+  if (N <= 0) return FY_OK;
+  FY_CUDA_DISPATCH("accumulate", src_dt, S,
+                   accumulate_kernel<S><<<fy_grid(N, 256), 256, 0, st>>>(dst, (const S *)src, N, first));
+  return fy_cuda_launched("accumulate");
+}
+
 // src (N) of one float type -> dst (N) of another (round to nearest even into bf16)
 template <typename D, typename S>
 __global__ void convert_kernel(D *dst, const S *src, int64_t N) {

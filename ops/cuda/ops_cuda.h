@@ -85,6 +85,11 @@ fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_d
 fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt, int64_t N,
                                cudaStream_t st);
 
+// src (N) of type src_dt -> dst (N) fp32 = src (first) or dst + src, widened exactly: the sum of a
+// chunk's gradients over micro-batches.
+fy_status fy_cuda_accumulate(float *dst, const void *src, enum fy_dtype src_dt, int64_t N, bool first,
+                             cudaStream_t st);
+
 // src (N) -> dst (N) in another float type (f32 <-> bf16; bf16 rounded to nearest even); the same
 // type: a copy.
 fy_status fy_cuda_convert(void *dst, enum fy_dtype dst_dt, const void *src, enum fy_dtype src_dt,
@@ -114,11 +119,12 @@ fy_status fy_cuda_adamw_update(float *param, float *m, float *v, const void *gra
                                enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n, float lr,
                                float beta1, float beta2, float eps, float weight_decay, int64_t t,
                                float grad_scale, cudaStream_t st);
-// The same for fp32 gradients, with the gradient scale read from device memory when the kernel
-// runs: scale_skip[0] the scale, scale_skip[1] != 0 skips the step (nothing is written). For an
+// The same with the gradient scale read from device memory when the kernel runs: scale_skip[0]
+// the scale, scale_skip[1] != 0 skips the step (nothing is written, param_bf16 neither). For an
 // update launched before the step's gradient norm is known on the host (runtime/offload.c).
-fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v, const float *grad,
-                                        int64_t n, float lr, float beta1, float beta2, float eps,
+fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v, const void *grad,
+                                        enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n,
+                                        float lr, float beta1, float beta2, float eps,
                                         float weight_decay, int64_t t, const float *scale_skip,
                                         cudaStream_t st);
 
