@@ -92,8 +92,9 @@ int main(int argc, char **argv) {
   check_resume("sim, eviction", o);
   o.precision = "bf16";  // the chunks' bf16 copies are rebuilt from the resumed master weights
   check_resume("sim bf16, eviction", o);
+  o.device_chunks = 2;  // ... and the device's chunks take the resumed master and its bf16 copy
+  check_resume("sim bf16, 2 chunks updated on the device", o);
   o.precision = NULL;
-  o.device_chunks = 2;
   check_resume("sim, 2 chunks updated on the device", o);
   o.device_chunks = 0;
   char disk[512];
