@@ -68,6 +68,14 @@ void fy_convert_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n) 
   for (size_t i = 0; i < n; i++) dst[i] = st == FY_BF16 ? fy_bf16_to_f32(s[i]) : fy_f16_to_f32(s[i]);
 }
 
+void fy_add_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n) {
+  const float *f = src;
+  const uint16_t *s = src;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (size_t i = 0; i < n; i++)
+    dst[i] = dst[i] + (st == FY_F32 ? f[i] : st == FY_BF16 ? fy_bf16_to_f32(s[i]) : fy_f16_to_f32(s[i]));
+}
+
 void fy_round_to_dtype(float *dst, const float *src, enum fy_dtype dt, size_t n) {
   if (dt == FY_F32) {
     if (dst != src) memmove(dst, src, n * 4);

@@ -33,9 +33,12 @@ static inline uint16_t fy_f32_to_bf16(float f) {
 float fy_f16_to_f32(uint16_t h);
 uint16_t fy_f32_to_f16(float f);
 
-// Converts n elements of `src` (dtype `st`) to f32. st must be a float type. These three run on
+// Converts n elements of `src` (dtype `st`) to f32. st must be a float type. These four run on
 // the OpenMP threads for large n (a chunk's worth).
 void fy_convert_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n);
+// dst (f32) += src (dtype `st`) widened (exact), one float add an element: gradients summed over
+// micro-batches, the same bits as converting first and adding.
+void fy_add_to_f32(float *dst, const void *src, enum fy_dtype st, size_t n);
 // Converts n f32 elements to dtype `dt` (a float type).
 void fy_convert_from_f32(void *dst, enum fy_dtype dt, const float *src, size_t n);
 // dst = src rounded to the nearest value of `dt` (bf16 or f16, round to nearest even; f16

@@ -22,9 +22,10 @@ struct spill_buf {
 
 struct accumulate {
   float *dst;
-  const void *src;  // staging: floats, or bf16 for a bf16 payload
+  const void *src;   // staging: the payload's elements
+  enum fy_dtype st;  // their dtype: f32, or bf16 for a bf16 payload
   int64_t n;
-  bool add;         // dst += src, else dst = src (widened)
+  bool add;          // dst += src, else dst = src (widened)
 };
 
 struct fy_device_cache {
@@ -50,26 +51,13 @@ struct fy_device_cache {
 // Bytes of one element of a chunk's payload (fp32 unless the cache was told otherwise).
 static size_t elem(const struct fy_device_cache *c) { return c->o.elem_bytes ? c->o.elem_bytes : 4; }
 
-// dst += src: the same float adds the resident path makes when summing micro-batches.
+// dst = or += src widened (exact), with the same float adds the resident path makes when summing
+// micro-batches. A chunk is millions of elements and the GPU waits for none of this, but the next
+// write-back does: core's conversions run on the OpenMP threads.
 static void accumulate_fn(void *arg) {
   struct accumulate *a = arg;
-  const float *src = a->src;
-  for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + src[i];
-}
-
-// dst = or += src widened from bf16 (exact), then the same float adds. A chunk is millions of
-// elements and the GPU waits for none of this, but the next write-back does: OpenMP threads.
-static void widen_fn(void *arg) {
-  struct accumulate *a = arg;
-  if (!a->add) {
-    fy_convert_to_f32(a->dst, a->src, FY_BF16, (size_t)a->n);
-    return;
-  }
-  const uint16_t *src = a->src;
-  float *dst = a->dst;
-  const int64_t n = a->n;
-#pragma omp parallel for simd schedule(static) if (parallel : n > (1 << 18))
-  for (int64_t i = 0; i < n; i++) dst[i] = dst[i] + fy_bf16_to_f32(src[i]);
+  if (a->add) fy_add_to_f32(a->dst, a->src, a->st, (size_t)a->n);
+  else fy_convert_to_f32(a->dst, a->src, a->st, (size_t)a->n);
 }
 
 fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy_device_cache_opts *o,
@@ -288,9 +276,10 @@ static fy_status write_back(struct fy_device_cache *c, int chunk, void *dst, boo
     struct accumulate *a = &c->acc[2 * chunk + accumulate];
     if (a->dst != dst || a->src != c->o.staging || a->n != n) {
       FY_TRY(fy_stream_sync(s));  // nothing queued may still read the old argument
-      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .n = n, .add = accumulate};
+      *a = (struct accumulate){.dst = dst, .src = c->o.staging, .st = widen ? FY_BF16 : FY_F32, .n = n,
+                               .add = accumulate};
     }
-    FY_TRY(fy_stream_enqueue(s, widen ? widen_fn : accumulate_fn, a));
+    FY_TRY(fy_stream_enqueue(s, accumulate_fn, a));
   } else {
     FY_TRY(fy_copy_async(s, dst, src, bytes));
   }

@@ -253,14 +253,11 @@ static fy_status chunk_add_cuda(struct fy_model *m, float *dst, const void *src,
   return fy_cuda_accumulate(dst, src, src_dt, n, first, ctx_of(m)->st);
 }
 
-// grad_acc (fp32) = or += this micro-batch's gradients (bf16 ones through m->grads, converted).
+// grad_acc (fp32) = or += this micro-batch's gradients (bf16 ones widened on the way), one pass.
 static void grads_sum_cuda(struct fy_model *m, bool first) {
-  struct cuda_ctx *x = ctx_of(m);
-  int64_t n = m->graph->n_param_elems;
-  const float *g = m->grads;
-  if (m->compute_dtype != FY_F32) fy_cuda_convert(first ? m->grad_acc : m->grads, FY_F32, m->cgrads, FY_BF16, n, x->st);
-  if (first && m->compute_dtype == FY_F32) fy_cuda_convert(m->grad_acc, FY_F32, g, FY_F32, n, x->st);
-  if (!first) fy_cuda_add_forward(m->grad_acc, m->grad_acc, g, FY_F32, n, x->st);
+  const bool bf16 = m->compute_dtype != FY_F32;
+  fy_cuda_accumulate(m->grad_acc, bf16 ? (const void *)m->cgrads : m->grads, bf16 ? FY_BF16 : FY_F32,
+                     m->graph->n_param_elems, first, ctx_of(m)->st);
 }
 
 // cparams <- the fp32 master weights in bf16 (after initialisation, loading or resuming; AdamW

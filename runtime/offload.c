@@ -111,13 +111,22 @@ static bool launches_kernels(const struct fy_model *m) { return m->kernels->set_
 // Bytes of one element of a chunk's compute payload (the blocks, the 16-bit copies).
 static size_t payload_bytes(const struct fy_model *m) { return m->compute_dtype == FY_F32 ? 4 : m->cparams_esize; }
 
+// The dtype a chunk's payload is stored in: the compute dtype with 2-byte elements (a GPU's
+// bf16), f32 otherwise (fp32 compute, or sim's 16-bit values as rounded floats).
+static enum fy_dtype payload_dtype(const struct fy_offload *x) { return x->esize == 2 ? x->m->compute_dtype : FY_F32; }
+
+// dst (n payload elements) <- master weights src (n) in the compute dtype.
+static void to_payload(const struct fy_offload *x, void *dst, const float *src, int64_t n) {
+  if (x->esize == 4)  // rounded floats (sim)
+    fy_round_to_dtype(dst, src, x->m->compute_dtype, (size_t)n);
+  else
+    fy_convert_from_f32(dst, x->m->compute_dtype, src, (size_t)n);
+}
+
 // chome[c] elements [lo, hi) <- the master weights in the compute dtype.
 static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
-  const float *w = x->m->params + (int64_t)c * x->m->layout->chunk_elems + lo;
-  if (x->esize == 4)  // rounded floats (sim)
-    fy_round_to_dtype((float *)x->chome[c] + lo, w, x->m->compute_dtype, (size_t)(hi - lo));
-  else
-    fy_convert_from_f32((uint16_t *)x->chome[c] + lo, x->m->compute_dtype, w, (size_t)(hi - lo));
+  to_payload(x, (char *)x->chome[c] + (size_t)lo * x->esize,
+             x->m->params + (int64_t)c * x->m->layout->chunk_elems + lo, hi - lo);
 }
 
 bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro) { return compute != FY_F32 && max_micro <= 1; }
@@ -134,7 +143,7 @@ static bool grads_in_copy(const struct fy_offload *x, int c) {
 // floats), fp32 once widened or summed over micro-batches.
 static enum fy_dtype grads_dtype(const struct fy_offload *x, int c) {
   bool raw = c < x->n_dev ? x->max_micro <= 1 : grads_in_copy(x, c);
-  return raw && x->esize == 2 ? x->m->compute_dtype : FY_F32;
+  return raw ? payload_dtype(x) : FY_F32;
 }
 
 // Chunk c's gradients come home over its copy in bf16 (read there by the host's norm and AdamW).
@@ -614,7 +623,7 @@ static fy_status write_back(struct fy_offload *x, int c, bool accumulate) {
 
 static void dev_add_fn(void *arg) {
   struct accumulate_job *a = arg;
-  for (int64_t i = 0; i < a->n; i++) a->dst[i] = a->dst[i] + a->src[i];
+  fy_add_to_f32(a->dst, a->src, FY_F32, (size_t)a->n);
 }
 
 // A device chunk's gradients of this micro-batch are complete: summed over micro-batches in fp32
@@ -624,8 +633,7 @@ static fy_status device_grads_done(struct fy_offload *x, int c, int micro) {
   int64_t used = x->m->layout->chunks[c].used;
   if (x->max_micro > 1) {
     if (launches_kernels(x->m)) {
-      enum fy_dtype dt = x->esize == 2 ? x->m->compute_dtype : FY_F32;
-      FY_TRY(x->m->kernels->chunk_add(x->m, x->dev_acc[c], x->dev_g[c], dt, used, micro == 0));
+      FY_TRY(x->m->kernels->chunk_add(x->m, x->dev_acc[c], x->dev_g[c], payload_dtype(x), used, micro == 0));
     } else if (micro == 0) {
       FY_TRY(fy_copy_async(x->compute, x->dev_acc[c], x->dev_g[c], (size_t)used * 4));
     } else {
@@ -880,8 +888,8 @@ static void adamw_fn(void *arg) {
       fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps, wd,
                       a->t, scale);
   }
-  if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (sim: rounded floats)
-    fy_round_to_dtype(x->dev_w16[c], params, x->m->compute_dtype, (size_t)hi);
+  if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (lo is 0)
+    to_payload(x, x->dev_w16[c], params, hi);
   else if (x->chome && !bf16_in_copy)
     compute_copy(x, c, lo, hi);  // (16-bit: one rank: lo is 0)
   if (c >= x->n_dev && !x->m_home[c]) {

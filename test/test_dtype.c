@@ -1,6 +1,7 @@
 // core/dtype.c: bf16 and f16 conversions against known bit patterns, round-to-nearest-even,
 // subnormals, inf and NaN, and exhaustive round trips.
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/dtype.h"
@@ -198,6 +199,33 @@ static void test_arrays(void) {
   CHECK(memcmp(back, src, sizeof f) == 0);
 }
 
+// dst += src widened: the float adds of widening first, for every dtype, on the threads too.
+static void test_add_to_f32(void) {
+  enum { N = 200003 };
+  float *dst = malloc(N * sizeof *dst), *want = malloc(N * sizeof *want), *wide = malloc(N * sizeof *wide);
+  float *src32 = malloc(N * sizeof *src32);
+  uint16_t *src16 = malloc(N * sizeof *src16);
+  if (!dst || !want || !wide || !src32 || !src16) abort();
+  const enum fy_dtype dts[] = {FY_F32, FY_BF16, FY_F16};
+  for (int d = 0; d < 3; d++) {
+    for (int i = 0; i < N; i++) {
+      dst[i] = want[i] = (float)((i * 37) % 1001) * 0.013f - 6.5f;
+      src32[i] = (float)((i * 11) % 997) * 0.0071f - 3.0f;
+    }
+    const void *src = src32;
+    if (dts[d] != FY_F32) {
+      fy_convert_from_f32(src16, dts[d], src32, N);
+      src = src16;
+    }
+    fy_convert_to_f32(wide, src, dts[d], N);
+    for (int i = 0; i < N; i++) want[i] = want[i] + wide[i];
+    fy_add_to_f32(dst, src, dts[d], N);
+    CHECKF(memcmp(dst, want, N * sizeof *dst) == 0, "fy_add_to_f32 %s differs from widening, then adding",
+           fy_dtype_name(dts[d]));
+  }
+  free(dst), free(want), free(wide), free(src32), free(src16);
+}
+
 int main(void) {
   test_names();
   test_bf16_patterns();
@@ -205,5 +233,6 @@ int main(void) {
   test_f16_patterns();
   test_f16_exhaustive();
   test_arrays();
+  test_add_to_f32();
   return check_summary("dtype");
 }
