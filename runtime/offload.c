@@ -123,10 +123,28 @@ static void to_payload(const struct fy_offload *x, void *dst, const float *src, 
     fy_convert_from_f32(dst, x->m->compute_dtype, src, (size_t)n);
 }
 
-// chome[c] elements [lo, hi) <- the master weights in the compute dtype.
+// Elements of chunk c this rank keeps: its shard, or without sharding the chunk's used part.
+static int64_t span(const struct fy_offload *x, int c) { return x->sharded ? x->S : x->m->layout->chunks[c].used; }
+
+// Where chunk c's weights live at home: this rank's shard, or the chunk in the model's buffer.
+static float *home_weights(const struct fy_offload *x, int c) {
+  return x->sharded ? x->w_home[c] : x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+}
+
+// Elements of each chunk's 16-bit copy a rank keeps: its shard, or without sharding the chunk.
+static int64_t copy_elems(const struct fy_offload *x) { return x->sharded ? x->S : x->m->layout->chunk_elems; }
+
+// The 16-bit copy of chunk c's elements [lo, hi) <- the master weights there, in the compute dtype.
+// With sharding both hold this rank's shard, which starts at element x->lo of the chunk.
 static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
-  to_payload(x, (char *)x->chome[c] + (size_t)lo * x->esize,
-             x->m->params + (int64_t)c * x->m->layout->chunk_elems + lo, hi - lo);
+  int64_t first = x->sharded ? x->lo : 0;
+  to_payload(x, (char *)x->chome[c] + (size_t)(lo - first) * x->esize, home_weights(x, c) + (lo - first), hi - lo);
+}
+
+// The whole copy of chunk c that this rank keeps (its shard, padding included, or the used part).
+static void compute_copy_all(struct fy_offload *x, int c) {
+  int64_t first = x->sharded ? x->lo : 0;
+  compute_copy(x, c, first, first + span(x, c));
 }
 
 bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro) { return compute != FY_F32 && max_micro <= 1; }
@@ -174,14 +192,6 @@ static fy_status async_status(struct fy_offload *x) {
 
 // ---- sharding ----
 
-// Elements of chunk c this rank keeps: its shard, or without sharding the chunk's used part.
-static int64_t span(const struct fy_offload *x, int c) { return x->sharded ? x->S : x->m->layout->chunks[c].used; }
-
-// Where chunk c's weights live at home: this rank's shard, or the chunk in the model's buffer.
-static float *home_weights(const struct fy_offload *x, int c) {
-  return x->sharded ? x->w_home[c] : x->m->params + (int64_t)c * x->m->layout->chunk_elems;
-}
-
 // Per-chunk state buffers: the host tier, or with shards_on_device the device (zeroed either way).
 static fy_status state_alloc(struct fy_offload *x, size_t bytes, float **out) {
   if (!x->shards_on_device) return fy_host_alloc(x->m->host, bytes, (void **)out);
@@ -197,16 +207,24 @@ static void state_free(struct fy_offload *x, float *p, size_t bytes) {
 
 // The cache's hooks: on copy_in, the other ranks' shards of a chunk into the block (this rank's
 // is there); on copy_out, the ranks' gradients summed into this rank's shard of the block.
+// The blocks travel in the payload's dtype: fp32 (also sim's rounded 16-bit values) or a GPU's
+// bf16, whose gradients the ranks then sum in bf16 (comm.h: in fp32, rounded once, for mpi).
+static enum fy_reduce_dtype block_comm_dtype(const struct fy_offload *x) {
+  return x->esize == 2 ? FY_COMM_BF16 : FY_COMM_F32;
+}
+
 static fy_status gather_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
   (void)chunk;
-  return fy_comm_all_gather(x->c_gather, block + x->lo, block, (size_t)x->S, FY_COMM_F32, s);
+  char *b = (char *)block;
+  return fy_comm_all_gather(x->c_gather, b + (size_t)x->lo * x->esize, b, (size_t)x->S, block_comm_dtype(x), s);
 }
 
 static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
   (void)chunk;
-  return fy_comm_reduce_scatter(x->c_scatter, block, block + x->lo, (size_t)x->S, FY_COMM_F32, s);
+  char *b = (char *)block;
+  return fy_comm_reduce_scatter(x->c_scatter, b, b + (size_t)x->lo * x->esize, (size_t)x->S, block_comm_dtype(x), s);
 }
 
 // ---- the pass: actions and their chunk accesses ----
@@ -311,9 +329,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (x->sharded && x->n_dev > 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
                         "(shards_on_device keeps every rank's shards there)", x->world);
-  if (m->compute_dtype != FY_F32 && x->sharded)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s compute with chunks sharded across %d ranks: sharded chunks hold fp32 "
-                        "for now (train this with --precision fp32)", fy_dtype_name(m->compute_dtype), x->world);
+  if (x->sharded && x->esize == 2 && m->compute_dtype != FY_BF16)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s chunks sharded across %d ranks: the ranks' collectives carry fp32 "
+                        "or bf16 (train this with --precision bf16)", fy_dtype_name(m->compute_dtype), x->world);
   size_t dev_before = x->dev->bytes_in_use;
   if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
     return fy_error_set(FY_ERR_INVALID, "%d chunks on the device and %d on disk, of %d", x->n_dev, o->n_disk_chunks, nc);
@@ -368,8 +386,10 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->device_state_bytes = (int64_t)(x->dev->bytes_in_use - dev_before);
   if (m->compute_dtype != FY_F32) {
     if (!(x->chome = calloc((size_t)nc, sizeof *x->chome))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-    for (int c = 0; c < nc; c++)
-      FY_TRY(fy_host_alloc(m->host, (size_t)ce * x->esize, &x->chome[c]));
+    for (int c = 0; c < nc; c++) {  // (zeroed: a shard's padding travels with it)
+      FY_TRY(fy_host_alloc(m->host, (size_t)copy_elems(x) * x->esize, &x->chome[c]));
+      memset(x->chome[c], 0, (size_t)copy_elems(x) * x->esize);
+    }
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
   if (x->n_disk_chunks > 0) {
@@ -517,7 +537,7 @@ void fy_offload_free(struct fy_offload *x) {
     if (x->m_home) state_free(x, x->m_home[c], sbytes);
     if (x->v_home) state_free(x, x->v_home[c], sbytes);
     if (x->w_home) state_free(x, x->w_home[c], sbytes);
-    if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)m->layout->chunk_elems * x->esize);
+    if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)copy_elems(x) * x->esize);
   }
   free(x->chome);
   free(x->w_home);
@@ -700,7 +720,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
   if (x->chome && !m->cparams_fresh) {  // the master weights were set (initialised, loaded, resumed)
     FY_TRY(fy_stream_sync(x->optim));
     FY_TRY(fy_stream_sync(x->copy_in));
-    for (int c = 0; c < l->n_chunks; c++) compute_copy(x, c, 0, l->chunks[c].used);
+    for (int c = 0; c < l->n_chunks; c++) compute_copy_all(x, c);
     m->cparams_fresh = true;
   }
   if (!x->dev_uploaded) {  // the device's chunks take the host's weights (initialised or loaded)
@@ -842,7 +862,7 @@ static void adamw_fn(void *arg) {
   // A device chunk takes the scale and the skip flag from device memory, as the kernels do.
   const float *dscale = c < x->n_dev ? x->dev_scale + 2 * j->q : NULL;
   if (dscale ? dscale[1] != 0.0f : a->skip) {
-    if (grads_in_copy(x, c)) compute_copy(x, c, 0, x->m->layout->chunks[c].used);  // weights again
+    if (grads_in_copy(x, c)) compute_copy_all(x, c);  // weights again
     return;
   }
   const float scale = dscale ? dscale[0] : a->scale;
@@ -891,7 +911,7 @@ static void adamw_fn(void *arg) {
   if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (lo is 0)
     to_payload(x, x->dev_w16[c], params, hi);
   else if (x->chome && !bf16_in_copy)
-    compute_copy(x, c, lo, hi);  // (16-bit: one rank: lo is 0)
+    compute_copy(x, c, lo, hi);
   if (c >= x->n_dev && !x->m_home[c]) {
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
     if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
@@ -1107,6 +1127,6 @@ int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
   for (int c = x->n_dev; c < l->n_chunks; c++)
     if (grads_in_copy(x, c)) rest -= x->S * 4;  // the gradients come home over the 16-bit copy
-  int64_t copies = x->chome ? (int64_t)l->n_chunks * l->chunk_elems * (int64_t)x->esize : 0;  // 16-bit weights
+  int64_t copies = x->chome ? (int64_t)l->n_chunks * copy_elems(x) * (int64_t)x->esize : 0;  // 16-bit weights
   return on_dev + rest + copies;
 }

@@ -185,9 +185,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
   bool g16 = fy_offload_grads_in_copy(cdt, (int)o->grad_accum);  // no fp32 gradients in the host tier
-  size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = (r->dp > 1 ? 4 : g16 ? 2 : 3) * shard_bytes;
+  // Per chunk: m, v, the gradients unless they come home over the 16-bit copy, and with sharding
+  // the rank's shard of the master weights (one rank's stay in the model's buffer, counted in use).
+  size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = ((r->dp > 1) + (g16 ? 2 : 3)) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
-  if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems * esize;  // the 16-bit weights
+  if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems / (size_t)r->dp * esize;  // 16-bit weights
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = (int)(spare / per_chunk);
   if (fit < l->n_chunks) {
