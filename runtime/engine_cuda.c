@@ -349,6 +349,16 @@ fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out) {
   return fy_host_tier_create(cap, -1, fy_cuda_host_pin, fy_cuda_host_unpin, out);
 }
 
+fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal) {
+  int n = fy_cuda_device_count();
+  if (n <= 0) return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: rank %d sees no GPU", rank);
+  if (local_rank >= n && n > 1)
+    return fy_error_set(FY_ERR_INVALID, "--device cuda: rank %d is local rank %d but its node has %d GPUs (one rank "
+                        "per GPU)", rank, local_rank, n);
+  *ordinal = local_rank < n ? local_rank : 0;
+  return FY_OK;
+}
+
 fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out) {
   if (fy_cuda_device_count() <= ordinal)
     return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: no GPU %d (CUDA sees %d)", ordinal, fy_cuda_device_count());

@@ -9,6 +9,10 @@
 // A cuda device on GPU `ordinal` capped at `cap` bytes (0: the GPU's memory): for code outside
 // *_cuda.c files, which must not see CUDA's headers.
 fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out);
+// The GPU a rank trains on (one rank per GPU): its local rank on the node, or GPU 0 when it sees
+// only one (a launcher that gives every rank its own CUDA_VISIBLE_DEVICES), the rule by which the
+// nccl communicator picks its GPU (runtime/comm_nccl.c).
+fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal);
 // Bytes GPU `ordinal` has free now (cudaMemGetInfo), 0 on error.
 size_t fy_engine_cuda_free_memory(int ordinal);
 // A host tier whose pages are pinned for the GPUs (cudaHostRegister), so that the chunk cache's

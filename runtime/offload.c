@@ -93,7 +93,9 @@ struct fy_offload {
   bool sharded, shards_on_device, taken;
   int rank, world;
   int64_t lo, S;
-  struct fy_comm *c_gather, *c_scatter, *c_optim;  // one per stream that runs collectives
+  // One communicator per stream that runs collectives: the blocks' (copy_in, copy_out; of
+  // block_comm) and the optimizer's (host memory; of comm, also for gathering the state).
+  struct fy_comm *c_gather, *c_scatter, *c_optim;
   struct fy_comm *c_optim_tp;  // tensor parallelism: the optimizer stream's tensor-parallel group
   float **w_home;       // sharded: this rank's weights of each chunk (S floats)
   float *gather_buf;    // sharded: chunk_elems floats for fy_offload_state_out
@@ -463,8 +465,12 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     st = fy_error_set(FY_ERR_INVALID, "chunks of %lld elements do not split into %d shards of whole 64-byte lines",
                       (long long)ce, x->world);
   // A communicator per stream that runs collectives: each keeps the order of its own stream.
+  struct fy_comm *blocks = o->block_comm ? o->block_comm : o->comm;
+  if (st == FY_OK && x->sharded && (fy_comm_size(blocks) != x->world || fy_comm_rank(blocks) != x->rank))
+    st = fy_error_set(FY_ERR_INVALID, "the blocks' communicator is rank %d of %d, the ranks' rank %d of %d",
+                      fy_comm_rank(blocks), fy_comm_size(blocks), x->rank, x->world);
   struct fy_comm **dup[] = {&x->c_gather, &x->c_scatter, &x->c_optim};
-  for (int i = 0; i < 3 && st == FY_OK && x->sharded; i++) st = fy_comm_split(o->comm, 0, x->rank, dup[i]);
+  for (int i = 0; i < 3 && st == FY_OK && x->sharded; i++) st = fy_comm_split(i < 2 ? blocks : o->comm, 0, x->rank, dup[i]);
   if (st == FY_OK && m->graph->tp > 1) {
     if (!o->tp_comm) st = fy_error_set(FY_ERR_INVALID, "tensor parallelism needs the tensor-parallel group");
     else st = fy_comm_split(o->tp_comm, 0, fy_comm_rank(o->tp_comm), &x->c_optim_tp);
@@ -1061,11 +1067,12 @@ static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
 }
 
 // Sharding: chunk c's weights (which 0), m (1) or v (2) from every rank's shard, through the
-// gather buffer, into dst + c * chunk_elems (dst NULL: this rank only takes part). A collective.
+// gather buffer, into dst + c * chunk_elems (dst NULL: this rank only takes part). A collective,
+// on the optimizer's communicator (host memory; every stream is idle).
 static fy_status gather_chunk(struct fy_offload *x, int c, int which, float *dst) {
   const struct fy_chunk_layout *l = x->m->layout;
   FY_TRY(shard_out(x, c, which, x->gather_buf + x->lo));
-  fy_status st = fy_comm_all_gather(x->c_gather, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
+  fy_status st = fy_comm_all_gather(x->c_optim, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
   if (st != FY_OK) return fy_error_wrap(st, "gathering the shards of chunk %d", c);
   if (dst) memcpy(dst + c * l->chunk_elems, x->gather_buf, (size_t)l->chunks[c].used * 4);
   return FY_OK;

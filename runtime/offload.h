@@ -44,7 +44,10 @@ struct fy_offload_opts {
   // shards. The shards live in the host tier (or on disk, as above), or with `shards_on_device`
   // in device memory (sharding without offloading). Not combinable with n_device_chunks.
   // NULL or one rank: no sharding. Not owned; the engine makes its own duplicates of it.
-  struct fy_comm *comm;
+  // comm takes the host-side collectives (the gradient norm's sums, gathering the state for
+  // checkpoints); block_comm, the same ranks in the same order, those on the blocks in device
+  // memory, enqueued on the copy streams: an nccl communicator on a GPU. NULL: comm does both.
+  struct fy_comm *comm, *block_comm;
   bool shards_on_device;
   // With tensor parallelism (m->graph->tp > 1): the tensor-parallel group, for the gradient norm's
   // sum over the slices (duplicated; m->tp_comm is the compute stream's). comm is then the

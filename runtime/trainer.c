@@ -100,6 +100,7 @@ struct run {
   int tp, tp_rank, dp, dp_rank;
   struct fy_comm *dp_comm, *tp_comm;
   struct fy_comm *tp_compute, *dp_compute;  // sim: the groups of the ops' pattern hooks (compute stream)
+  struct fy_comm *dp_gpu;  // several ranks on GPUs: nccl over dp_comm's ranks, for the blocks' collectives
   // With tensor parallelism: the whole model's graph and, when needed, its weights (the model as
   // Hugging Face files and checkpoints hold it; params NULL while not needed).
   struct fy_graph *whole_graph;
@@ -134,9 +135,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   size_t host_cap = o->host_mem ? o->host_mem : machine_ram();
   if (cuda) {
 #if FY_HAVE_CUDA
-    FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
+    int gpu = 0;  // one rank per GPU
+    if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
+    FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
     if (!o->device_mem) {  // the cache takes what the GPU has free, less a margin for CUDA's own
-      dev_mem = fy_engine_cuda_free_memory(0) / 100 * 95;
+      dev_mem = fy_engine_cuda_free_memory(gpu) / 100 * 95;
       if (!dev_mem) return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: cannot read the GPU's free memory");
       r->dev->cap = dev_mem;
     }
@@ -205,6 +208,10 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     return fy_error_set(FY_ERR_INVALID, "--device-chunks %d: with %d ranks the chunks are sharded, and their shards live "
                         "either all in the host tier (0) or all on the device (%d or more)", o->device_chunks, r->dp,
                         l->n_chunks);
+  if (shards_on_device && cuda)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--device-chunks %d with %d ranks on GPUs: sharded chunks are updated by "
+                        "the host, so their shards live in pinned host memory (--device-chunks 0)", o->device_chunks,
+                        r->dp);
   if (shards_on_device) n_dev = 0;
   if (o->disk_chunks < 0 && n_disk > l->n_chunks - n_dev) n_disk = l->n_chunks - n_dev;
   if (n_disk > l->n_chunks) n_disk = l->n_chunks;
@@ -223,9 +230,20 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
+  if (cuda && r->dp > 1) {  // the blocks live in GPU memory: their collectives go through NCCL
+#if FY_HAVE_NCCL
+    struct fy_comm *boot = NULL;  // an mpi communicator over the same ranks, taken by the nccl one
+    FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &boot));
+    fy_status st = fy_comm_nccl_create(boot, &r->dp_gpu);
+    if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
+#else
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: this ferry was built without NCCL", r->dp);
+#endif
+  }
   struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
-                               .comm = r->dp_comm, .shards_on_device = shards_on_device, .tp_comm = r->tp_comm};
+                               .comm = r->dp_comm, .block_comm = r->dp_gpu, .shards_on_device = shards_on_device,
+                               .tp_comm = r->tp_comm};
   return fy_offload_create(r->model, &xo, &r->x);
 }
 
@@ -269,7 +287,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
                         (long long)o->seq, (long long)r->cfg.max_position_embeddings);
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
-  // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim.
+  // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim and on GPUs.
   if (o->precision && strcmp(o->precision, "fp32") && strcmp(o->precision, "bf16") && strcmp(o->precision, "fp16"))
     return fy_error_set(FY_ERR_INVALID, "--precision %s: fp32, bf16 or fp16", o->precision);
   if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
@@ -282,9 +300,14 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu or sim",
                         r->tp, device);
-  if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
+  if (r->world > 1 && strcmp(device, "cuda") == 0 && !o->offload)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: several GPUs train with --offload (each "
+                        "rank keeps 1/%d of every chunk and gathers the rest through NCCL: the zero pattern)",
+                        r->world, r->world);
+  if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
-                        "(replicated parameters) or --device sim (chunks sharded across the ranks)", r->world, device);
+                        "(replicated parameters), sim or cuda --offload (chunks sharded across the ranks)", r->world,
+                        device);
   if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
     FY_TRY(setup_offload(o, r, strcmp(device, "cuda") == 0));
   } else if (strcmp(device, "cpu") == 0) {
@@ -345,7 +368,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 
 static void teardown(struct run *r) {
   fy_data_close(r->data);
-  fy_offload_free(r->x);  // before the communicator it duplicated
+  fy_offload_free(r->x);  // before the communicators it duplicated
+  fy_comm_free(r->dp_gpu);
 #if FY_HAVE_CUDA
   if (r->model && r->model->kernels_ctx) fy_engine_cuda_detach(r->model);
 #endif
