@@ -37,6 +37,8 @@ void fy_host_dealloc(struct fy_host_tier *t, void *p, size_t n);
 // Bytes held by callers now and at most so far (requested sizes).
 size_t fy_host_in_use(const struct fy_host_tier *t);
 size_t fy_host_peak(const struct fy_host_tier *t);
+// The cap given at creation.
+size_t fy_host_cap(const struct fy_host_tier *t);
 
 // The NUMA node (hwloc OS index) nearest to a PCI device given by its bus id ("0000:3b:00.0", as
 // cudaDeviceGetPCIBusId writes it), or -1 when unknown. sim/cpu callers pass -1 to the tier.

@@ -344,3 +344,5 @@ size_t fy_host_peak(const struct fy_host_tier *t) {
   pthread_mutex_unlock(&m->mu);
   return v;
 }
+
+size_t fy_host_cap(const struct fy_host_tier *t) { return t->cap; }

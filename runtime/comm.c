@@ -109,6 +109,7 @@ void fy_comm_init_base(struct fy_comm *c, enum fy_comm_kind kind, const struct f
   c->rank = rank;
   c->size = size;
   c->local_rank = local_rank;
+  c->local_size = 1;
   c->timeout_s = timeout_s;
   atomic_init(&c->step, INT64_MIN);
   atomic_init(&c->failed, 0);
@@ -127,6 +128,7 @@ const char *fy_comm_kind_name(const struct fy_comm *c) {
 int fy_comm_rank(const struct fy_comm *c) { return c->rank; }
 int fy_comm_size(const struct fy_comm *c) { return c->size; }
 int fy_comm_local_rank(const struct fy_comm *c) { return c->local_rank; }
+int fy_comm_local_size(const struct fy_comm *c) { return c->local_size; }
 void fy_comm_set_step(struct fy_comm *c, int64_t step) { atomic_store(&c->step, step); }
 
 fy_status fy_comm_status(struct fy_comm *c) {
@@ -618,7 +620,7 @@ static const struct fy_comm_ops mpi_ops = {
     .run = mpi_run, .split = mpi_split, .destroy = mpi_destroy, .takes_stream = 0};
 
 // Wraps an MPI communicator (owned from here on, freed on failure too).
-static fy_status mpi_wrap(MPI_Comm comm, int local_rank, double timeout_s, struct fy_comm **out) {
+static fy_status mpi_wrap(MPI_Comm comm, int local_rank, int local_size, double timeout_s, struct fy_comm **out) {
   int rank = 0, size = 1, rc;
   mpi_lock();
   rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
@@ -647,6 +649,7 @@ static fy_status mpi_wrap(MPI_Comm comm, int local_rank, double timeout_s, struc
   m->comm = comm;
   pthread_mutex_init(&m->op_mu, NULL);
   fy_comm_init_base(c, FY_COMM_MPI, &mpi_ops, rank, size, local_rank, timeout_s);
+  c->local_size = local_size;
   c->impl = m;
   pthread_mutex_lock(&g_life_mu);
   g_live++;
@@ -665,7 +668,7 @@ static fy_status mpi_split(struct fy_comm *c, int color, int key, struct fy_comm
   pthread_mutex_unlock(&m->op_mu);
   if (rc != MPI_SUCCESS) return mpi_error(rc, "split: MPI_Comm_split");
   if (nc == MPI_COMM_NULL) return FY_OK;
-  return mpi_wrap(nc, c->local_rank, c->timeout_s, out);
+  return mpi_wrap(nc, c->local_rank, c->local_size, c->timeout_s, out);
 }
 
 static long env_long(const char *name) {
@@ -725,7 +728,7 @@ static fy_status mpi_create(double timeout_s, struct fy_comm **out) {
   pthread_mutex_lock(&g_life_mu);
   fy_status st = mpi_init_locked();
   MPI_Comm dup = MPI_COMM_NULL, node = MPI_COMM_NULL;
-  int size = 0, local = 0, rc = MPI_SUCCESS;
+  int size = 0, local = 0, local_size = 1, rc = MPI_SUCCESS;
   if (st == FY_OK) {
     mpi_lock();
     rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
@@ -733,6 +736,7 @@ static fy_status mpi_create(double timeout_s, struct fy_comm **out) {
     if (rc == MPI_SUCCESS) rc = MPI_Comm_size(dup, &size);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(node, &local);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(node, &local_size);
     if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
     mpi_unlock();
     if (rc != MPI_SUCCESS) st = mpi_error(rc, "creating the MPI communicator");
@@ -754,7 +758,7 @@ static fy_status mpi_create(double timeout_s, struct fy_comm **out) {
     return st;
   }
   pthread_mutex_unlock(&g_life_mu);
-  return mpi_wrap(dup, local, timeout_s, out);
+  return mpi_wrap(dup, local, local_size, timeout_s, out);
 }
 
 // ---------------------------------------------------------------------------------------------

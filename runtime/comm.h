@@ -73,6 +73,9 @@ int fy_comm_size(const struct fy_comm *c);
 // The rank among the processes of this node (MPI_COMM_TYPE_SHARED) in the world communicator: the
 // index of the GPU to use. A split communicator keeps its parent's.
 int fy_comm_local_rank(const struct fy_comm *c);
+// The processes of this node in the world communicator (1 for single): the ranks that share its
+// memory and GPUs. A split communicator keeps its parent's.
+int fy_comm_local_size(const struct fy_comm *c);
 
 // Sub-groups (tensor-parallel groups inside data-parallel ones): ranks that pass the same color form
 // one communicator, ordered by key then by parent rank. Collective over c. A negative color leaves
@@ -132,7 +135,7 @@ struct fy_comm_ops {
 struct fy_comm {
   enum fy_comm_kind kind;
   const struct fy_comm_ops *ops;
-  int rank, size, local_rank;
+  int rank, size, local_rank, local_size;
   double timeout_s;
   _Atomic int64_t step;          // INT64_MIN: not set
   _Atomic int failed;            // a collective failed: err_st / err_msg hold the first error
@@ -142,7 +145,7 @@ struct fy_comm {
   void *impl;                    // backend state
 };
 
-// Fills the common fields (step unset, no error) of a communicator a backend allocated.
+// Fills the common fields (step unset, no error, local_size 1) of a communicator a backend allocated.
 void fy_comm_init_base(struct fy_comm *c, enum fy_comm_kind kind, const struct fy_comm_ops *ops,
                        int rank, int size, int local_rank, double timeout_s);
 // Provided by runtime/comm_nccl.c in builds with NCCL (a weak reference here: without it, kind

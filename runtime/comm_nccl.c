@@ -483,6 +483,7 @@ static fy_status nccl_alloc(struct fy_comm *boot, struct fy_comm **out) {
     return fy_error_set(FY_ERR_NOMEM, "nccl: cannot allocate a communicator");
   }
   fy_comm_init_base(c, FY_COMM_NCCL, &nccl_ops, boot->rank, boot->size, boot->local_rank, boot->timeout_s);
+  c->local_size = boot->local_size;
   m->boot = boot;
   m->device = -1;
   pthread_mutex_init(&m->mu, NULL);

@@ -328,7 +328,7 @@ static void usage_train(FILE *f, bool eval) {
           "                     (default: the GPU's; with --offload 95%% of what it has free)\n"
           "  --sim-link-gbps X  sim: throttle host<->device copies to X GB/s, like PCIe (default: off)\n"
           "  --host-mem SIZE    sim: host memory for parameters, gradients and AdamW state\n"
-          "                     (default: the machine's)\n"
+          "                     (default: the machine's, shared evenly by its ranks)\n"
           "  --disk-dir DIR     sim: put the AdamW state that --host-mem cannot hold under DIR\n"
           "  --disk-chunks N    sim: put the AdamW state of the last N chunks on disk (default: auto)\n"
           "  --device-chunks N  sim, cuda --offload: keep the first N chunks and their AdamW state on\n"

@@ -388,10 +388,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->device_state_bytes = (int64_t)(x->dev->bytes_in_use - dev_before);
   if (m->compute_dtype != FY_F32) {
     if (!(x->chome = calloc((size_t)nc, sizeof *x->chome))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-    for (int c = 0; c < nc; c++) {  // (zeroed: a shard's padding travels with it)
+    for (int c = 0; c < nc; c++)  // (zeroed: a shard's padding travels with it)
       FY_TRY(fy_host_alloc(m->host, (size_t)copy_elems(x) * x->esize, &x->chome[c]));
-      memset(x->chome[c], 0, (size_t)copy_elems(x) * x->esize);
-    }
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
   if (x->n_disk_chunks > 0) {

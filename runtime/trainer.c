@@ -118,6 +118,12 @@ static size_t machine_ram(void) {
   return (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
 }
 
+// The host memory one rank may use by default: its share of the node's, which its ranks share.
+static size_t rank_ram(const struct run *r) {
+  int n = r->comm ? fy_comm_local_size(r->comm) : 1;
+  return machine_ram() / (size_t)(n > 0 ? n : 1);
+}
+
 // --precision as a dtype (checked in setup: fp32, bf16 or fp16; fy_train fills in the default).
 static enum fy_dtype precision_dtype(const struct fy_train_opts *o) {
   if (!o->precision || strcmp(o->precision, "fp32") == 0) return FY_F32;
@@ -132,7 +138,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   enum fy_dtype cdt = precision_dtype(o);
   size_t esize = cuda && cdt != FY_F32 ? 2 : 4;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
-  size_t host_cap = o->host_mem ? o->host_mem : machine_ram();
+  size_t host_cap = o->host_mem ? o->host_mem : rank_ram(r);
   if (cuda) {
 #if FY_HAVE_CUDA
     int gpu = 0;  // one rank per GPU
@@ -313,7 +319,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   } else if (strcmp(device, "cpu") == 0) {
     // The cpu device may hand out what the machine has; a model that cannot fit is refused before
     // anything is allocated, with what it would need.
-    FY_TRY(fy_device_cpu_create(machine_ram(), &r->dev));
+    FY_TRY(fy_device_cpu_create(rank_ram(r), &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     r->model->dp_comm = r->dp_comm;  // the ops run on this thread
@@ -800,10 +806,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
            (long long)fy_data_num_tokens(r.data), o->data);
     if (r.x)
       printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
-             "host tier %.1f MiB; gradients and AdamW state of %d chunks on disk, %d on the device\n",
+             "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk, %d on the device\n",
              r.dev->name, r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
-             model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, res->n_disk_chunks,
-             res->n_device_chunks);
+             model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, fy_host_cap(r.host) / 1048576.0,
+             res->n_disk_chunks, res->n_device_chunks);
     else
       printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
              model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);

@@ -57,7 +57,7 @@ static void test_single(void) {
   struct fy_comm *c = NULL;
   CHECK_OK(fy_comm_create("single", 0, &c));
   if (!c) return;
-  CHECK(fy_comm_rank(c) == 0 && fy_comm_size(c) == 1 && fy_comm_local_rank(c) == 0);
+  CHECK(fy_comm_rank(c) == 0 && fy_comm_size(c) == 1 && fy_comm_local_rank(c) == 0 && fy_comm_local_size(c) == 1);
   CHECK(fy_comm_kind(c) == FY_COMM_SINGLE && strcmp(fy_comm_kind_name(c), "single") == 0);
   CHECK(c->timeout_s == FY_COMM_DEFAULT_TIMEOUT_S);
   const size_t n = 1001;
@@ -219,7 +219,7 @@ static void test_split(struct fy_comm *c) {
   for (int q = 0; q < n; q++)
     if (members[q] == r) me = q;
   CHECK(fy_comm_rank(sub) == me);
-  CHECK(fy_comm_local_rank(sub) == fy_comm_local_rank(c));
+  CHECK(fy_comm_local_rank(sub) == fy_comm_local_rank(c) && fy_comm_local_size(sub) == fy_comm_local_size(c));
   const size_t cnt = 100003;
   float *x = malloc(cnt * 4);
   fill(x, FY_COMM_F32, r, 0, cnt);
@@ -310,6 +310,7 @@ static void test_mpi(void) {
   CHECK(N == env_long("OMPI_COMM_WORLD_SIZE"));
   CHECK(r == env_long("OMPI_COMM_WORLD_RANK"));
   CHECK(fy_comm_local_rank(c) == env_long("OMPI_COMM_WORLD_LOCAL_RANK"));
+  CHECK(fy_comm_local_size(c) == env_long("OMPI_COMM_WORLD_LOCAL_SIZE"));
   CHECK(c->timeout_s == 60);
   CHECK_OK(fy_comm_barrier(c));
   for (int d = 0; d < 2; d++) {

@@ -94,6 +94,15 @@ for one, two, key in (("mem1.json", "zero.json", "host_tier_mib"), ("memd1.json"
     print("  %s: 1 rank %.4f MiB, each of 2 ranks %.4f MiB (chunks of %.4f MiB)" % (key, a[key], b[key], b["chunk_mib"]))
 PY
 then ok "each of 2 sharded ranks keeps half the model state (host tier; device)"; else bad "sharded model state is not 1/2"; fi
+# The ranks of one node share its memory: each one's host tier defaults to its share of it.
+"$ferry" train --model opt-tiny --data "$tmp/data.bin" --seq 32 --steps 1 --threads 1 "${sim[@]}" --batch 4 >"$tmp/cap1.out" 2>&1
+"${mpi[@]}" -np 2 "$ferry" train --model opt-tiny --data "$tmp/data.bin" --seq 32 --steps 1 --threads 1 "${sim[@]}" --batch 2 \
+  >"$tmp/cap2.out" 2>&1
+one=$(sed -n 's/.*host tier [0-9.]* of \([0-9]*\) MiB.*/\1/p' "$tmp/cap1.out")
+two=$(sed -n 's/.*host tier [0-9.]* of \([0-9]*\) MiB.*/\1/p' "$tmp/cap2.out")
+if [ -n "$one" ] && [ -n "$two" ] && [ $((one / 2 - two)) -ge -1 ] && [ $((one / 2 - two)) -le 1 ]; then
+  ok "each of 2 ranks on one node takes half its memory by default ($two of $one MiB)"
+else bad "the default host tier of 2 ranks: '$two' MiB, of 1 rank '$one' MiB"; cat "$tmp/cap1.out" "$tmp/cap2.out"; fi
 # A sharded checkpoint (gathered by every rank, written by rank 0) resumes on 2 sharded ranks and
 # on 1 rank.
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --save "$tmp/ckz" --save-every 100 --stop-after 6 \
