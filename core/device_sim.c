@@ -4,7 +4,9 @@
 // - Memory: one anonymous mapping of `cap` bytes, handed out first-fit in 64-byte units. The free
 //   extents live outside the pool in an array sorted by offset, so every pool byte is usable and
 //   counted, and freeing coalesces with both neighbours.
-// - Streams: one worker thread each, running a FIFO queue of work items.
+// - Streams: one worker thread each, running a FIFO queue of work items, with the OpenMP thread
+//   count of the thread that created the stream (omp_set_num_threads is per thread: a new thread
+//   would otherwise take OMP_NUM_THREADS or every core, whatever --threads said).
 // - Copy engines: one per direction, taken in ticket order (FIFO, as a DMA engine's queue), so two
 //   copies in one direction serialise while opposite directions overlap. A throttled copy holds its
 //   engine for its modelled wire time: the sleep models the link, never ordering.
@@ -14,6 +16,7 @@
 //   waits for the record it captured, not for whichever came last). Ordering uses condition
 //   variables only.
 #include <errno.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -81,6 +84,7 @@ struct sim_stream {
   uint64_t enqueued, done;  // stream_sync waits for done to reach enqueued as it was
   bool stopping;
   uint64_t rng;
+  int omp_threads;  // the creating thread's omp_get_max_threads()
 };
 
 static struct sim *sim_of(const struct fy_device *dev) { return dev->impl; }
@@ -372,6 +376,7 @@ static struct item *stream_pop(struct sim_stream *s) {
 static void *stream_main(void *arg) {
   struct sim_stream *s = arg;
   struct item *it = NULL;
+  omp_set_num_threads(s->omp_threads);
   while ((it = stream_pop(s))) {
     jitter(s);
     item_run(s, it);
@@ -410,6 +415,7 @@ static fy_status sim_stream_create(struct fy_device *dev, fy_stream **out) {
   s->base.dev = dev;
   uint64_t index = atomic_fetch_add(&sm->nstreams, 1) + 1;
   s->rng = atomic_load(&sm->jitter_seed) ^ (0x2545F4914F6CDD1Dull * index);
+  s->omp_threads = omp_get_max_threads();
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->work, NULL);
   pthread_cond_init(&s->idle, NULL);

@@ -5,6 +5,7 @@
 // Some tests hold a stream on a gate (a host function that blocks until the test opens it), so the
 // ordering they check cannot be met by luck. The few sleeps in here only widen a race window; no
 // check depends on how long they are.
+#include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -547,6 +548,26 @@ static void test_throttle_overlaps(void) {
   link_close(&l);
 }
 
+// A stream's work runs with the OpenMP thread count of the thread that created the stream
+// (--threads), not OpenMP's default for a new thread.
+static void read_threads(void *arg) { *(int *)arg = omp_get_max_threads(); }
+
+static void test_stream_threads(struct fy_device *dev) {
+  int before = omp_get_max_threads();
+  for (int want = 1; want <= 3; want++) {
+    omp_set_num_threads(want);
+    fy_stream *s = NULL;
+    CHECK_OK(fy_stream_create(dev, &s));
+    omp_set_num_threads(want == 1 ? 3 : 1);  // later changes on the creator do not reach it
+    int seen = 0;
+    CHECK_OK(fy_stream_enqueue(s, read_threads, &seen));
+    CHECK_OK(fy_stream_sync(s));
+    CHECKF(seen == want, "a stream created with %d OpenMP threads runs its work with %d", want, seen);
+    fy_stream_free(s);
+  }
+  omp_set_num_threads(before);
+}
+
 // Destroying a device with memory still allocated warns instead of failing.
 static void test_leak_warning(void) {
   struct fy_device *dev;
@@ -585,6 +606,7 @@ int main(void) {
   test_wait_captures(sim);
   test_host_sync(sim);
   test_stream_free_drains(sim);
+  test_stream_threads(sim);
   fy_device_free(sim);
 
   // The same cross-stream protocol under injected delays, many times.
