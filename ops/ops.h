@@ -95,6 +95,9 @@ fy_status fy_attention_forward(float *out, float *att, const float *qkv, const i
 fy_status fy_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv,
                                 const float *att, int64_t B, int64_t T, int64_t C, int64_t NH,
                                 float scale);
+// The oneDNN products and parallel loops one forward (or backward) call makes: what it costs in
+// hand-offs to OpenMP's threads besides its work (the planner prices them on the sim device).
+int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward);
 
 // ---- elementwise ----
 

@@ -14,10 +14,14 @@
 
 #define FAKE_HOST ((uintptr_t)1 << 40)  // host addresses of the simulation: never dereferenced
 // On the sim device the "device" is the host's own cores, which also run the copy engines'
-// memcpy and the host optimizer: a kernel costs a dispatch to the compute stream's thread and an
-// OpenMP fork (measured ~30 us), and host work takes its time from the kernels instead of
-// overlapping with them.
+// memcpy and the host optimizer: a kernel call costs a dispatch to the compute stream's thread and
+// waking its OpenMP helpers (the probe's kernel_overhead_us; this when a probe file lacks it), and
+// host work takes its time from the kernels instead of overlapping with them.
 #define SIM_OP_OVERHEAD 30e-6
+
+static double sim_op_overhead(const struct fy_probe *p) {
+  return p->kernel_overhead_us > 0 ? p->kernel_overhead_us * 1e-6 : SIM_OP_OVERHEAD;
+}
 
 // runtime/offload.c: the fp32 master and, with a 16-bit payload, its copy in that dtype stay on
 // the host; m and v of a chunk, and its fp32 gradients unless they come home over the 16-bit
@@ -327,7 +331,9 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
           st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
         if (st != FY_OK) break;
         bool bwd = s.actions[a].kind == FY_ACT_BACKWARD;
-        double t = fy_profile_op_seconds(g, o, bwd, probe, pb) + (gpu ? 0 : SIM_OP_OVERHEAD);
+        struct fy_op_profile pr;
+        fy_profile_op(g, o, probe, pb, &pr);
+        double t = pr.seconds[bwd] + (gpu ? 0 : pr.kernel_calls[bwd] * sim_op_overhead(probe));
         // The op's pattern's collectives around its kernel (zero's are the cache's, chunk by chunk;
         // a recomputed forward's are counted before backward, as the patterns do).
         double tc = 0;

@@ -20,6 +20,8 @@
 //   "copy_latency_us"   number, microseconds (>= 0): what one copy across the link costs besides
 //                       its bytes (measured on sim; 0 or absent: none)
 //   "host_copy_gbps"    number, GB/s (>= 0): one thread's memcpy rate (0 or absent: unknown)
+//   "kernel_overhead_us" number, microseconds (>= 0): what one kernel costs on the device besides
+//                       its FLOPs and bytes (measured on sim; 0 or absent: the planner's default)
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -45,6 +47,11 @@ struct fy_probe {
                               // hand-offs; measured on sim), 0 when unknown
   double host_copy_gbps;      // one thread's memcpy (bytes copied per second, GB/s): what a sim
                               // copy engine's memcpy takes from the cores; 0 when unknown
+  double kernel_overhead_us;  // a kernel besides its FLOPs and bytes; on sim: the hand-off to the
+                              // compute stream's thread, and OpenMP waking that thread's helpers
+                              // (libgomp stops spinning between parallel regions once the process
+                              // has more OpenMP threads than cores, as every sim stream thread's
+                              // team makes it); 0 when unknown
 };
 
 // The bus bandwidth (GB/s) the planner assumes for collectives between ranks: comm_gbps when set;

@@ -2,6 +2,8 @@
 
 #include <string.h>
 
+#include "ops/ops.h"
+
 // Attention's small batched products run at about half the rate of the large GEMMs (measured
 // with ferry train --profile on opt-125m: ~100-140 GFLOP/s against ~210).
 #define ATTENTION_EFFICIENCY 0.55
@@ -41,6 +43,13 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   double gemm = p->device_gflops * 1e9, mem = gpu ? gemm / 100 : p->host_mem_gbps * 1e9;
   double eff = op->kind == FY_OP_ATTENTION ? ATTENTION_EFFICIENCY : 1.0;
   for (int b = 0; b < 2; b++) out->seconds[b] = out->flops[b] / (gemm * eff) + out->mem_bytes[b] / mem;
+  // Kernel calls: one each way, but a linear's backward (input and weight gradients, bias sum),
+  // layernorm's backward (input, then parameter gradients) and attention's tiled products.
+  out->kernel_calls[0] = out->kernel_calls[1] = 1;
+  if (op->kind == FY_OP_LINEAR) out->kernel_calls[1] = op->has_bias ? 3 : 2;
+  if (op->kind == FY_OP_LAYERNORM) out->kernel_calls[1] = op->n_params ? 2 : 1;
+  if (op->kind == FY_OP_ATTENTION)
+    for (int b = 0; b < 2; b++) out->kernel_calls[b] = (double)fy_attention_kernel_calls(g->B, g->T, b);
 }
 
 double fy_profile_op_seconds(const struct fy_graph *g, int o, bool backward, const struct fy_probe *p, int ab) {

@@ -18,6 +18,8 @@ struct fy_op_profile {
   double workspace_bytes; // scratch it needs while running (attention's backward)
   double param_bytes;     // parameters it reads
   double seconds[2];      // predicted on the probed device
+  double kernel_calls[2]; // the CPU kernels' oneDNN products and parallel loops (sim: each costs
+                          // the probe's kernel_overhead_us besides its work)
 };
 
 // act_bytes: bytes per activation element (4 fp32, 2 bf16).

@@ -56,9 +56,10 @@ static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, 
 
 // Predicted against measured: device peak within 5%, step time within 25%. A shared machine's
 // load moves the probe and the run alike, so each attempt probes the machine again, predicts, and
-// runs; up to six attempts, the closest one counts. (The post-LN 4 x 96 case is predicted 8-20%
-// short even on a quiet machine, a bias not explained yet; four attempts let a loaded machine fail
-// it about one CI run in ten.)
+// runs; up to six attempts, the closest one counts. (Until the probe measured what a kernel call
+// costs on the sim's compute thread, every case was predicted 8-20% short: OpenMP's helpers sleep
+// between parallel regions there, and attention makes 2-4 oneDNN calls per sequence. Now 0-9%
+// either way on a quiet machine here.)
 static void check_prediction(const char *what, struct fy_opt_config *cfg, struct fy_plan_knobs k, size_t cap,
                              double link, struct fy_probe probe) {
   char v[64];

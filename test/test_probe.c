@@ -37,7 +37,9 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->host_gflops == b->host_gflops && a->h2d_gbps == b->h2d_gbps &&
          a->d2h_gbps == b->d2h_gbps && a->host_adamw_gbps == b->host_adamw_gbps &&
          a->host_mem_gbps == b->host_mem_gbps && a->disk_read_gbps == b->disk_read_gbps &&
-         a->disk_write_gbps == b->disk_write_gbps && !strcmp(a->disk_dir, b->disk_dir);
+         a->disk_write_gbps == b->disk_write_gbps && !strcmp(a->disk_dir, b->disk_dir) &&
+         a->comm_gbps == b->comm_gbps && a->copy_latency_us == b->copy_latency_us &&
+         a->host_copy_gbps == b->host_copy_gbps && a->kernel_overhead_us == b->kernel_overhead_us;
 }
 
 static void test_measure(struct fy_probe *p) {
@@ -62,6 +64,9 @@ static void test_measure(struct fy_probe *p) {
   CHECKF(p->host_adamw_gbps > 0.1 && p->host_adamw_gbps < 1e4, "%g", p->host_adamw_gbps);
   CHECKF(p->disk_read_gbps > 0.01 && p->disk_read_gbps < 1e4, "%g", p->disk_read_gbps);
   CHECKF(p->disk_write_gbps > 0.01 && p->disk_write_gbps < 1e4, "%g", p->disk_write_gbps);
+  // A kernel handed to the sim's compute thread: measured (0 would read as unknown), and far
+  // below a millisecond.
+  CHECKF(p->kernel_overhead_us > 0 && p->kernel_overhead_us < 1000, "%g us", p->kernel_overhead_us);
   char real[PATH_MAX];
   CHECK(realpath(disk, real) && !strcmp(p->disk_dir, real));
   CHECK(rmdir(disk) == 0);  // the disk tier removed its file

@@ -23,6 +23,11 @@ static fy_status att_check(int64_t C, int64_t NH) {
   return FY_OK;
 }
 
+int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward) {
+  int64_t tiles = (T + ATT_TILE - 1) / ATT_TILE;  // per batch row: two products each (four backward)
+  return (backward ? 4 : 2) * B * tiles + 1;      // and the softmax (or its backward) loop
+}
+
 // qkv (B,T,3C), mask (B,T) -> out (B,T,C), att (B,NH,T,T)
 fy_status fy_attention_forward(float *out, float *att, const float *qkv, const int32_t *mask,
                                int64_t B, int64_t T, int64_t C, int64_t NH, float scale) {
