@@ -37,8 +37,8 @@ struct fy_offload_opts {
                                 // AdamW state, and are updated there (on the compute stream); with
                                 // 16-bit compute the kernels read a copy of their weights in it
   // Chunk sharding across the ranks of `comm` (the `zero` pattern, as ZeRO-3): with more than one
-  // rank, every rank keeps 1/N of each chunk (weights, gradients, m and v: elements
-  // [rank*S, (rank+1)*S), S = chunk_elems / N, so chunk_elems must divide by 16 N); a load copies
+  // rank, every rank keeps 1/N of each chunk (weights and their 16-bit copy, gradients, m and v:
+  // elements [rank*S, (rank+1)*S), S = chunk_elems / N, so chunk_elems must divide by 16 N); a load copies
   // the rank's shard to the block and all-gathers the rest from the other ranks; a write-back
   // reduce-scatters the gradients and moves only the rank's shard home; each rank updates its
   // shards. The shards live in the host tier (or on disk, as above), or with `shards_on_device`

@@ -125,6 +125,10 @@ for p in bf16 fp16; do
     --save "$tmp/zero$p" || bad "2 sharded $p ranks train"
   compare "rep$p" "zero$p" 0 && ok "2 $p ranks with sharded chunks: the replicated run's bits" || bad "sharded $p ranks differ from replicated ones"
 done
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --device-chunks 1000 \
+  --log "$tmp/zerodev16.json" --save "$tmp/zerodev16" || bad "2 sharded bf16 ranks with shards on the device train"
+compare repbf16 zerodev16 0 && ok "2 sharded bf16 ranks with the shards on the device: the replicated run's bits" \
+  || bad "sharded bf16 ranks with the shards on the device differ"
 "$ferry" train "${common[@]}" --batch 4 --precision bf16 --log "$tmp/onebf16.json" --save "$tmp/onebf16" || bad "1 bf16 rank trains"
 compare onebf16 zerobf16 1e-4 5e-3 && ok "2 sharded bf16 ranks follow 1 bf16 rank" || bad "sharded bf16 ranks drift from 1 rank"
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --precision bf16 --grad-accum 2 --log "$tmp/repacc16.json" \
