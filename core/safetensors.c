@@ -765,3 +765,9 @@ done:
   free(shard_of);
   return rc;
 }
+
+void fy_safetensors_done_with(const void *p, size_t n) {
+  uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  uintptr_t a = ((uintptr_t)p + page - 1) / page * page, b = ((uintptr_t)p + n) / page * page;
+  if (b > a) (void)madvise((void *)a, b - a, MADV_DONTNEED);
+}

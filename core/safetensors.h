@@ -39,6 +39,10 @@ int fy_safetensors_count(const fy_safetensors *st);
 const struct fy_st_tensor *fy_safetensors_at(const fy_safetensors *st, int i);
 // NULL if absent.
 const struct fy_st_tensor *fy_safetensors_find(const fy_safetensors *st, const char *name);
+// Bytes [p, p + n) of an open file's tensor data will not be read again soon: their whole pages
+// leave this process's resident memory (they stay in the page cache; reading them again reloads
+// them). For reading a large file part by part.
+void fy_safetensors_done_with(const void *p, size_t n);
 
 // Writes `n` tensors to one file, atomically (a temporary file in the same directory, fsync'd,
 // then renamed). metadata: NULL or pairs of strings {key, value, key, value, ..., NULL}.

@@ -255,32 +255,75 @@ double fy_ckpt_last_seconds(const struct fy_ckpt_writer *w) { return w->seconds;
 // ---- reading ----
 
 
+struct fy_ckpt_adam {
+  fy_safetensors *st;
+  const struct fy_graph *g;
+  const struct fy_st_tensor **t;  // per parameter: exp_avg, exp_avg_sq
+};
+
+void fy_ckpt_adam_close(struct fy_ckpt_adam *a) {
+  if (!a) return;
+  fy_safetensors_close(a->st);
+  free(a->t);
+  free(a);
+}
+
+fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, struct fy_ckpt_adam **out) {
+  char dir[4096], p[4200];
+  FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
+  snprintf(p, sizeof p, "%s/optimizer.safetensors", dir);
+  const struct fy_graph *g = model->graph;
+  struct fy_ckpt_adam *a = calloc(1, sizeof *a);
+  if (!a || !(a->t = calloc(2 * (size_t)g->n_params, sizeof *a->t))) {
+    free(a);
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the AdamW state's index");
+  }
+  a->g = g;
+  fy_status status = fy_safetensors_open(p, &a->st);
+  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
+    const struct fy_param *prm = &g->params[i];
+    for (int k = 0; k < 2 && status == FY_OK; k++) {
+      char name[FY_NAME_MAX + 16];
+      snprintf(name, sizeof name, "%s.%s", k ? "exp_avg_sq" : "exp_avg", prm->name);
+      const struct fy_st_tensor *t = fy_safetensors_find(a->st, name);
+      bool ok = t && t->dtype == FY_F32 && t->rank == prm->rank && t->shape[0] == prm->shape[0] &&
+                (prm->rank < 2 || t->shape[1] == prm->shape[1]);
+      if (!ok)
+        status = fy_error_set(FY_ERR_FORMAT, "%s: %s is %s", p, name, t ? "not an f32 tensor of the parameter's shape" : "missing");
+      a->t[2 * i + k] = t;
+    }
+  }
+  if (status != FY_OK) {
+    fy_ckpt_adam_close(a);
+    return status;
+  }
+  *out = a;
+  return FY_OK;
+}
+
+void fy_ckpt_adam_read(const struct fy_ckpt_adam *a, int64_t lo, int64_t hi, float *m, float *v) {
+  for (int i = 0; i < a->g->n_params; i++) {
+    const struct fy_param *prm = &a->g->params[i];
+    int64_t b0 = prm->offset > lo ? prm->offset : lo;
+    int64_t b1 = prm->offset + prm->numel < hi ? prm->offset + prm->numel : hi;
+    if (b0 >= b1) continue;
+    for (int k = 0; k < 2; k++) {
+      const float *src = (const float *)a->t[2 * i + k]->data + (b0 - prm->offset);
+      if (k ? v : m) memcpy((k ? v : m) + (b0 - lo), src, (size_t)(b1 - b0) * 4);
+      fy_safetensors_done_with(src, (size_t)(b1 - b0) * 4);
+    }
+  }
+}
+
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta) {
   char dir[4096];
   FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
   FY_TRY(fy_ckpt_index_read(dir, meta));
   FY_TRY(fy_model_load(model, dir));
   if (!m && !v) return FY_OK;
-  char p[4200];
-  snprintf(p, sizeof p, "%s/optimizer.safetensors", dir);
-  fy_safetensors *st;
-  FY_TRY(fy_safetensors_open(p, &st));
-  const struct fy_graph *g = model->graph;
-  fy_status status = FY_OK;
-  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
-    const struct fy_param *prm = &g->params[i];
-    for (int k = 0; k < 2 && status == FY_OK; k++) {
-      char name[FY_NAME_MAX + 16];
-      snprintf(name, sizeof name, "%s.%s", k ? "exp_avg_sq" : "exp_avg", prm->name);
-      const struct fy_st_tensor *t = fy_safetensors_find(st, name);
-      bool ok = t && t->dtype == FY_F32 && t->rank == prm->rank && t->shape[0] == prm->shape[0] &&
-                (prm->rank < 2 || t->shape[1] == prm->shape[1]);
-      if (!ok)
-        status = fy_error_set(FY_ERR_FORMAT, "%s: %s is %s", p, name, t ? "not an f32 tensor of the parameter's shape" : "missing");
-      else
-        memcpy((k ? v : m) + prm->offset, t->data, (size_t)prm->numel * 4);
-    }
-  }
-  fy_safetensors_close(st);
-  return status;
+  struct fy_ckpt_adam *a;
+  FY_TRY(fy_ckpt_adam_open(dir, model, &a));
+  fy_ckpt_adam_read(a, 0, model->graph->n_param_elems, m, v);
+  fy_ckpt_adam_close(a);
+  return FY_OK;
 }

@@ -61,6 +61,15 @@ fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n);
 // and its metadata. Checks every tensor's name, shape and dtype.
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);
 
+// A checkpoint's AdamW state read part by part, so that an offloaded run resumes one chunk at a
+// time instead of holding the whole model's m and v at once. open checks every tensor's name,
+// shape and dtype (as fy_ckpt_load); read fills elements [lo, hi) of the flat m and v layout into
+// m[0..hi-lo) and v[0..hi-lo) (elements no parameter covers are left as they are).
+struct fy_ckpt_adam;
+fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, struct fy_ckpt_adam **out);
+void fy_ckpt_adam_read(const struct fy_ckpt_adam *a, int64_t lo, int64_t hi, float *m, float *v);
+void fy_ckpt_adam_close(struct fy_ckpt_adam *a);
+
 // trainer.json of a step directory (runtime/checkpoint_index.c): written atomically; read with
 // every field checked (FY_ERR_FORMAT naming the file and the field).
 fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta);

@@ -1049,6 +1049,11 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v,
   return disk_io(x, store, c, 2 * slot, v, used, x->req_v);
 }
 
+void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {
+  *lo = x->lo;
+  *n = x->S;
+}
+
 // Sharding: this rank's shard of chunk c's weights (which 0), m (1) or v (2) into dst (S floats).
 static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
   size_t bytes = (size_t)x->S * 4, slot = bytes;

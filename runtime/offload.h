@@ -96,6 +96,9 @@ fy_status fy_offload_sync(struct fy_offload *x);
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard
 // of it. Only between steps (after fy_offload_sync), and `store` only before the first step.
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
+// The elements [*lo, *lo + *n) of every chunk that this rank keeps the state of: its shard, or
+// without sharding the whole chunk.
+void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n);
 // The whole training state in the layout's order (chunk c at c * chunk_elems): weights, AdamW m
 // and v. Without sharding a copy; with sharding a collective that every rank calls, gathering
 // chunk by chunk through one chunk-sized buffer, so a rank that passes NULL (one not writing the

@@ -601,6 +601,25 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   return fy_ckpt_write_async(w);
 }
 
+// Offloaded: the checkpoint's AdamW state into the chunks one at a time, this rank's part of each
+// (its shard with sharding), through one chunk-sized buffer instead of the whole model's m and v.
+static fy_status resume_adam_by_chunk(const char *path, struct run *r) {
+  int64_t ce = r->model->layout->chunk_elems, lo, n;
+  fy_offload_shard(r->x, &lo, &n);
+  struct fy_ckpt_adam *a;
+  FY_TRY(fy_ckpt_adam_open(path, r->model, &a));
+  float *buf = malloc((size_t)ce * 2 * 4);
+  fy_status st = buf ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk to read the AdamW state");
+  for (int c = 0; st == FY_OK && c < r->model->layout->n_chunks; c++) {
+    memset(buf, 0, (size_t)ce * 2 * 4);
+    fy_ckpt_adam_read(a, c * ce + lo, c * ce + lo + n, buf + lo, buf + ce + lo);
+    st = fy_offload_adam_state(r->x, c, buf, buf + ce, true);
+  }
+  free(buf);
+  fy_ckpt_adam_close(a);
+  return st;
+}
+
 // Continues from a checkpoint: parameters, AdamW state, step and data position.
 static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
                         int64_t *scale_good) {
@@ -613,13 +632,16 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   }
   size_t bytes = (size_t)target->graph->n_param_elems * 4;
   float *mm = m->m, *vv = m->v;
-  bool staged = r->x || r->tp > 1 || fy_model_params_on_device(m);  // read into host buffers first
+  bool by_chunk = r->x && r->tp == 1;  // offloaded: AdamW's state chunk by chunk (resume_adam_by_chunk)
+  bool staged = !by_chunk && (r->x || r->tp > 1 || fy_model_params_on_device(m));  // read into host buffers first
   if (staged && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
   }
+  if (by_chunk) mm = vv = NULL;
   struct fy_ckpt_meta meta;
   fy_status st = fy_ckpt_load(o->resume, target, mm, vv, &meta);
+  if (st == FY_OK && by_chunk) st = resume_adam_by_chunk(o->resume, r);
   float *lm = m->m, *lv = m->v;  // this rank's AdamW state in its own layout
   if (st == FY_OK && r->tp > 1) {
     size_t n = (size_t)m->graph->n_param_elems;
@@ -636,7 +658,7 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
     lm = mm;
     lv = vv;
   }
-  if (st == FY_OK && r->x) {
+  if (st == FY_OK && r->x && !by_chunk) {
     int64_t ce = m->layout->chunk_elems;
     for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
       st = fy_offload_adam_state(r->x, c, lm + c * ce, lv + c * ce, true);

@@ -154,6 +154,36 @@ static void test_round_trip(void) {
   CHECK(access(p, F_OK) != 0);
 }
 
+// Reading a large tensor part by part and letting go of each part (fy_safetensors_done_with):
+// the parts read again give the same values.
+static void test_done_with(void) {
+  enum { N = 3 << 18 };  // 3 MiB of floats
+  float *vals = malloc(N * sizeof *vals);
+  CHECK(vals != NULL);
+  if (!vals) return;
+  for (int i = 0; i < N; i++) vals[i] = (float)(i % 1000) * 0.5f;
+  int64_t shape[1] = {N};
+  struct fy_st_tensor t0 = mk("big", FY_F32, 1, shape, vals);
+  const char *p = check_path(tmpdir, "big.safetensors");
+  CHECK_OK(fy_safetensors_write(p, &t0, 1, NULL));
+  fy_safetensors *st = NULL;
+  CHECK_OK(fy_safetensors_open(p, &st));
+  const struct fy_st_tensor *t = st ? fy_safetensors_find(st, "big") : NULL;
+  CHECK(t != NULL);
+  int bad = 0;
+  for (int round = 0; t && round < 2; round++)
+    for (int64_t a = 0; a < N; a += 100000) {  // parts that do not fall on page boundaries
+      int64_t n = a + 100000 < N ? 100000 : N - a;
+      const float *src = (const float *)t->data + a;
+      for (int64_t i = 0; i < n; i++) bad += src[i] != vals[a + i];
+      fy_safetensors_done_with(src, (size_t)n * 4);
+    }
+  CHECK(bad == 0);
+  fy_safetensors_close(st);
+  unlink(p);
+  free(vals);
+}
+
 static void test_many(void) {
   // Thousands of tensors: the lookup must find each one.
   enum { N = 5000 };
@@ -491,6 +521,7 @@ int main(void) {
   }
   test_round_trip();
   test_many();
+  test_done_with();
   test_dir();
   test_bad_files();
   test_mutations();
