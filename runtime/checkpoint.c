@@ -22,7 +22,8 @@ struct fy_ckpt_writer {
   char root[3072];
   int keep;
   const struct fy_model *model;
-  struct fy_ckpt_snapshot snap;
+  struct fy_ckpt_snapshot snap;    // the writer's own buffers (written asynchronously)
+  const struct fy_ckpt_snapshot *cur;  // what the write in progress reads: &snap, or a caller's view
   char **m_names, **v_names;
   struct fy_uv_pool *pool;
   struct fy_uv_job job;
@@ -85,7 +86,7 @@ static fy_status fsync_dir_files(const char *dir) {
 
 static fy_status write_step_dir(struct fy_ckpt_writer *w, const char *dir) {
   const struct fy_graph *g = w->model->graph;
-  const struct fy_ckpt_snapshot *s = &w->snap;
+  const struct fy_ckpt_snapshot *s = w->cur;
   struct fy_st_tensor *ts = calloc((size_t)g->n_params * 2, sizeof *ts);
   if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint's tensor list");
   for (int i = 0; i < g->n_params; i++) {
@@ -148,7 +149,7 @@ static void write_job(void *arg) {
   struct fy_ckpt_writer *w = arg;
   double t0 = now_s();
   char name[64], tmp[3200], dir[3200], latest[3200];
-  snprintf(name, sizeof name, "step-%08lld", (long long)w->snap.meta.step);
+  snprintf(name, sizeof name, "step-%08lld", (long long)w->cur->meta.step);
   snprintf(tmp, sizeof tmp, "%s/.%s.tmp-%d", w->root, name, (int)getpid());
   snprintf(dir, sizeof dir, "%s/%s", w->root, name);
   snprintf(latest, sizeof latest, "%s/latest", w->root);
@@ -172,7 +173,7 @@ static void write_job(void *arg) {
     prune(w, name);
   } else {
     remove_tree(tmp);
-    fy_error_wrap(st, "writing the checkpoint of step %lld to %s", (long long)w->snap.meta.step, w->root);
+    fy_error_wrap(st, "writing the checkpoint of step %lld to %s", (long long)w->cur->meta.step, w->root);
     snprintf(w->msg, sizeof w->msg, "%s", fy_error_msg());
   }
   w->st = st;
@@ -246,7 +247,16 @@ fy_status fy_ckpt_wait(struct fy_ckpt_writer *w) {
 
 fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w) {
   FY_TRY(fy_ckpt_wait(w));
+  w->cur = &w->snap;
   return fy_uv_pool_submit(w->pool, &w->job, write_job, w);
+}
+
+fy_status fy_ckpt_write_from(struct fy_ckpt_writer *w, const struct fy_ckpt_snapshot *view) {
+  FY_TRY(fy_ckpt_wait(w));
+  w->cur = view;
+  write_job(w);  // on this thread: the view is only valid until we return
+  w->cur = &w->snap;
+  return fy_ckpt_wait(w);
 }
 
 bool fy_ckpt_busy(struct fy_ckpt_writer *w) { return fy_uv_job_busy(&w->job); }

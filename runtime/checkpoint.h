@@ -48,6 +48,11 @@ struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w);
 // Writes the snapshot on libuv's thread pool and returns at once; waits first for the previous
 // write. Returns the previous write's error, if it had one.
 fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w);
+// Writes the state `view` points at (the same files, the same atomic steps) on the calling thread,
+// without copying it into the writer's buffers: for a state that fills the host memory, which the
+// run then leaves untouched until this returns. Waits first for the previous write; returns this
+// write's status.
+fy_status fy_ckpt_write_from(struct fy_ckpt_writer *w, const struct fy_ckpt_snapshot *view);
 // Waits for the write in flight and returns its status.
 fy_status fy_ckpt_wait(struct fy_ckpt_writer *w);
 // True while a write is in flight.

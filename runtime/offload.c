@@ -59,6 +59,7 @@ struct fy_offload {
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
   // Gradients and optimizer state: in the host tier, or for the last n_disk_chunks on disk.
   float **g_home, **m_home, **v_home;  // host tier, NULL for disk chunks
+  float *m_all, *v_all;  // m_home and v_home of the host tier's chunks, one after the other
   int64_t *disk_handle;           // disk chunks: gradients, m, v, each chunk_elems floats
   struct fy_disk_tier *disk;
   float *disk_g, *disk_m, *disk_v;  // host buffers for one disk chunk (optimizer stream)
@@ -365,13 +366,18 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   }
   FY_TRY(fy_stream_sync(x->copy_in));
   // Gradients and AdamW state: the next chunks in the host tier, the last n_disk_chunks on disk.
-  x->n_disk_chunks = o->n_disk_chunks < nc ? o->n_disk_chunks : nc;
+  x->n_disk_chunks = o->n_disk_chunks < 0 ? 0 : o->n_disk_chunks < nc ? o->n_disk_chunks : nc;
   x->disk = o->disk;
   if (x->n_disk_chunks > 0 && !x->disk)
     return fy_error_set(FY_ERR_INVALID, "optimizer state on disk needs a disk tier (--disk-dir)");
   if (x->n_disk_chunks > 0 && x->shards_on_device)
     return fy_error_set(FY_ERR_INVALID, "shards on the device and optimizer state on disk do not combine");
   size_t bytes = (size_t)x->S * 4;  // a chunk's, or with sharding this rank's shard of it
+  size_t in_host = (size_t)(nc - x->n_dev - x->n_disk_chunks);  // chunks n_dev .. nc - n_disk_chunks - 1
+  if (in_host > 0) {
+    FY_TRY(state_alloc(x, in_host * bytes, &x->m_all));
+    FY_TRY(state_alloc(x, in_host * bytes, &x->v_all));
+  }
   for (int c = 0; c < nc; c++) {
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
     if (c < x->n_dev) continue;
@@ -380,8 +386,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
     } else {
       if (!grads_in_copy(x, c)) FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
-      FY_TRY(state_alloc(x, bytes, &x->m_home[c]));
-      FY_TRY(state_alloc(x, bytes, &x->v_home[c]));
+      x->m_home[c] = x->m_all + (size_t)(c - x->n_dev) * (size_t)x->S;
+      x->v_home[c] = x->v_all + (size_t)(c - x->n_dev) * (size_t)x->S;
     }
   }
   FY_TRY(fy_stream_sync(x->copy_in));
@@ -538,8 +544,6 @@ void fy_offload_free(struct fy_offload *x) {
     if (x->home_ready) fy_event_free(x->home_ready[c]);
     if (x->grad_ready) fy_event_free(x->grad_ready[c]);
     if (x->g_home) state_free(x, x->g_home[c], sbytes);
-    if (x->m_home) state_free(x, x->m_home[c], sbytes);
-    if (x->v_home) state_free(x, x->v_home[c], sbytes);
     if (x->w_home) state_free(x, x->w_home[c], sbytes);
     if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)copy_elems(x) * x->esize);
   }
@@ -590,6 +594,9 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->grad_ready);
   free(x->g_home);
   free(x->wb_jobs);
+  size_t in_host = (size_t)(nc - x->n_dev - x->n_disk_chunks);
+  state_free(x, x->m_all, in_host * sbytes);
+  state_free(x, x->v_all, in_host * sbytes);
   free(x->m_home);
   free(x->v_home);
   free(x->disk_handle);
@@ -1047,6 +1054,14 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v,
   }
   FY_TRY(disk_io(x, store, c, slot, m, used, x->req_m));
   return disk_io(x, store, c, 2 * slot, v, used, x->req_v);
+}
+
+bool fy_offload_state_in_place(struct fy_offload *x, const float **params, const float **m, const float **v) {
+  if (x->sharded || x->n_dev > 0 || x->n_disk_chunks > 0 || !x->m_all || !x->m->params) return false;
+  *params = x->m->params;
+  *m = x->m_all;
+  *v = x->v_all;
+  return true;
 }
 
 void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {

@@ -96,6 +96,11 @@ fy_status fy_offload_sync(struct fy_offload *x);
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard
 // of it. Only between steps (after fy_offload_sync), and `store` only before the first step.
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
+// The whole training state where it lives, when one rank keeps all of it in the host tier (no
+// sharding, no chunks on the device or on disk): the weights, m and v, each in the layout's flat
+// order (chunk c at c * chunk_elems), as fy_offload_state_out would copy them; false otherwise.
+// Read only between steps, after fy_offload_sync.
+bool fy_offload_state_in_place(struct fy_offload *x, const float **params, const float **m, const float **v);
 // The elements [*lo, *lo + *n) of every chunk that this rank keeps the state of: its shard, or
 // without sharding the whole chunk.
 void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n);

@@ -111,6 +111,7 @@ struct run {
   struct fy_disk_tier *disk;
   struct fy_model *model;
   struct fy_offload *x;  // NULL: parameters resident on a cpu device
+  bool ckpt_in_place;    // checkpoints written from the offloaded state itself (fy_ckpt_write_from)
   fy_data *data;
 };
 
@@ -586,6 +587,14 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   if (r->tp > 1) return checkpoint_tp(r, s, w, o, steps_done, scale, scale_good);
   if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  const float *in_place[3];
+  if (r->ckpt_in_place && fy_offload_sync(r->x) == FY_OK &&
+      fy_offload_state_in_place(r->x, &in_place[0], &in_place[1], &in_place[2])) {
+    // The writer only reads the view, and this thread changes nothing until it returns.
+    struct fy_ckpt_snapshot view = {.params = (float *)in_place[0], .m = (float *)in_place[1], .v = (float *)in_place[2]};
+    checkpoint_meta(o, r, &view, steps_done, scale, scale_good);
+    return fy_ckpt_write_from(w, &view);
+  }
   if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
   } else if (fy_model_params_on_device(m)) {  // a GPU's state comes down to the snapshot
@@ -786,6 +795,17 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0)
     st = fy_ckpt_writer_create(o->save, o->keep, r.tp > 1 ? &r.whole : r.model, &ckpt);
+  // A snapshot is the whole state again (weights, m and v: 12 bytes a parameter). When the host
+  // tier cannot hold one beside the state (a model that fills the host memory), an offloaded run
+  // writes its checkpoints from the state where it lives, and training waits for each write.
+  const float *view[3];
+  if (st == FY_OK && ckpt && r.x && fy_offload_state_in_place(r.x, &view[0], &view[1], &view[2]) &&
+      (double)fy_host_in_use(r.host) + 12.0 * (double)r.model->graph->n_param_elems > (double)fy_host_cap(r.host)) {
+    r.ckpt_in_place = res->ckpt_in_place = true;
+    if (!o->quiet)
+      printf("ferry: checkpoints are written from the state in place (a %.3g GiB snapshot does not fit beside it "
+             "in the host memory): training waits for each write\n", 12.0 * r.model->graph->n_param_elems / 1073741824.0);
+  }
   bool lead = r.rank == 0;  // one rank speaks, logs and writes for all (replicas are identical)
   // Every rank knows when checkpoints are written: with sharded chunks all of them gather.
   const int64_t save_every = given->save && given->save_every > 0 ? given->save_every : 0;

@@ -39,6 +39,8 @@ static struct fy_train_opts base(void) {
 
 static void path(char *out, const char *name) { snprintf(out, 512, "%s/%s", dir, name); }
 
+static bool last_in_place;  // how check_resume's checkpoint was written
+
 // 10 steps straight against 5, a checkpoint, and 5 more resumed from it: bit for bit.
 static void check_resume(const char *what, struct fy_train_opts o) {
   char root[512];
@@ -51,6 +53,7 @@ static void check_resume(const char *what, struct fy_train_opts o) {
   o.save_every = 5;
   CHECK_OK(fy_train(&o, &first));
   CHECK(first.checkpoints == 1 && first.interrupted && first.steps == 5);
+  last_in_place = first.ckpt_in_place;
   o.stop_after = 0;
   o.steps = 10;
   o.save = NULL;
@@ -97,6 +100,23 @@ int main(int argc, char **argv) {
   o.precision = NULL;
   check_resume("sim, 2 chunks updated on the device", o);
   o.device_chunks = 0;
+  CHECK(!last_in_place);  // a snapshot fits: checkpoints are written in the background
+  // A host memory that holds the state but not a snapshot of it as well: the checkpoints are
+  // written from the state where it lives (training waits), and resume exactly.
+  {
+    struct fy_train_result r;
+    struct fy_train_opts q = o;
+    q.steps = 1;
+    CHECK_OK(fy_train(&q, &r));
+    o.host_mem = (size_t)(1.25 * r.host_tier_bytes);
+    check_resume("sim, checkpoints written from the state in place", o);
+    CHECKF(last_in_place, "a host tier of %zu bytes (state %.0f) still took a snapshot", o.host_mem, r.host_tier_bytes);
+    o.precision = "bf16";
+    check_resume("sim bf16, checkpoints written from the state in place", o);
+    CHECK(last_in_place);
+    o.precision = NULL;
+    o.host_mem = 0;
+  }
   char disk[512];
   path(disk, "disk");
   mkdir(disk, 0755);
