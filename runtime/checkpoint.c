@@ -189,15 +189,10 @@ fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_mode
   w->model = m;
   fy_uv_job_init(&w->job);
   const struct fy_graph *g = m->graph;
-  size_t n = (size_t)g->n_param_elems * 4;
   w->m_names = calloc((size_t)g->n_params, sizeof *w->m_names);
   w->v_names = calloc((size_t)g->n_params, sizeof *w->v_names);
-  w->snap.params = malloc(n);
-  w->snap.m = malloc(n);
-  w->snap.v = malloc(n);
-  fy_status st = (!w->m_names || !w->v_names || !w->snap.params || !w->snap.m || !w->snap.v)
-                     ? fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB for checkpoint snapshots", 3 * n / 1048576.0)
-                     : FY_OK;
+  fy_status st = !w->m_names || !w->v_names ? fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint writer")
+                                            : FY_OK;
   for (int i = 0; st == FY_OK && i < g->n_params; i++) {
     size_t len = strlen(g->params[i].name) + 16;
     w->m_names[i] = malloc(len);
@@ -236,6 +231,16 @@ void fy_ckpt_writer_free(struct fy_ckpt_writer *w) {
 
 struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w) {
   fy_uv_job_wait(&w->job);  // the buffers are the write in flight's
+  if (!w->snap.params) {  // at the first use: a run that writes in place never needs them
+    size_t n = (size_t)w->model->graph->n_param_elems * 4;
+    float **bufs[] = {&w->snap.params, &w->snap.m, &w->snap.v};
+    for (int i = 0; i < 3; i++)
+      if (!(*bufs[i] = malloc(n))) {
+        for (int k = 0; k < 3; k++) free(*bufs[k]), *bufs[k] = NULL;
+        fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB for a checkpoint snapshot", 3 * n / 1048576.0);
+        return NULL;
+      }
+  }
   return &w->snap;
 }
 

@@ -43,7 +43,8 @@ fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_mode
                                  struct fy_ckpt_writer **out);
 // Waits for a write in flight, then frees.
 void fy_ckpt_writer_free(struct fy_ckpt_writer *w);
-// The writer's own snapshot buffers, to fill before fy_ckpt_write_async (valid until then).
+// The writer's own snapshot buffers, to fill before fy_ckpt_write_async (valid until then);
+// allocated at the first call (NULL, with the error set, when they cannot be).
 struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w);
 // Writes the snapshot on libuv's thread pool and returns at once; waits first for the previous
 // write. Returns the previous write's error, if it had one.

@@ -583,13 +583,16 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   struct fy_model *m = r->model;
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
-  struct fy_ckpt_snapshot *s = w ? fy_ckpt_snapshot_buffers(w) : NULL;
+  struct fy_ckpt_snapshot *s = w && !r->ckpt_in_place ? fy_ckpt_snapshot_buffers(w) : NULL;
+  if (w && !r->ckpt_in_place && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
   if (r->tp > 1) return checkpoint_tp(r, s, w, o, steps_done, scale, scale_good);
   if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  const float *in_place[3];
-  if (r->ckpt_in_place && fy_offload_sync(r->x) == FY_OK &&
-      fy_offload_state_in_place(r->x, &in_place[0], &in_place[1], &in_place[2])) {
+  if (r->ckpt_in_place) {
+    const float *in_place[3];
+    FY_TRY(fy_offload_sync(r->x));
+    if (!fy_offload_state_in_place(r->x, &in_place[0], &in_place[1], &in_place[2]))
+      return fy_error_set(FY_ERR_INTERNAL, "checkpoint: the offloaded state is no longer in place");
     // The writer only reads the view, and this thread changes nothing until it returns.
     struct fy_ckpt_snapshot view = {.params = (float *)in_place[0], .m = (float *)in_place[1], .v = (float *)in_place[2]};
     checkpoint_meta(o, r, &view, steps_done, scale, scale_good);
