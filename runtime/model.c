@@ -156,7 +156,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
                         state / 1073741824.0, acts / 1073741824.0, dev->name,
                         (double)(dev->cap - dev->bytes_in_use) / 1073741824.0);
   }
-  if ((st = home_alloc(m, np, &m->params)) != FY_OK ||
+  if ((!(m->host && opts->no_params) && (st = home_alloc(m, np, &m->params)) != FY_OK) ||
       (!m->host && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
       (!m->host && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
       (!m->host && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
@@ -271,15 +271,51 @@ static uint64_t fnv1a(const char *s) {
   return h;
 }
 
-static void fill_normal(float *x, int64_t n, float std, uint64_t state) {
-  for (int64_t i = 0; i < n; i += 2) {
+// Elements [a, b) of a stream of N(0, std) values: element i is one of the pair that draws 2 (i/2)
+// and 2 (i/2) + 1 give (splitmix64 steps its state by a constant, so any pair is reached at once).
+static void fill_normal(float *x, int64_t a, int64_t b, float std, uint64_t state) {
+  state += (uint64_t)(a / 2 * 2) * 0x9e3779b97f4a7c15ull;
+  for (int64_t i = a / 2 * 2; i < b; i += 2) {
     // Box-Muller on two uniforms in (0, 1].
     double u1 = ((splitmix64(&state) >> 11) + 1.0) * 0x1.0p-53;
     double u2 = (splitmix64(&state) >> 11) * 0x1.0p-53;
     double r = sqrt(-2.0 * log(u1));
-    x[i] = (float)(std * r * cos(2 * M_PI * u2));
-    if (i + 1 < n) x[i + 1] = (float)(std * r * sin(2 * M_PI * u2));
+    if (i >= a) x[i - a] = (float)(std * r * cos(2 * M_PI * u2));
+    if (i + 1 < b) x[i + 1 - a] = (float)(std * r * sin(2 * M_PI * u2));
   }
+}
+
+// Elements [a, b) of parameter p's initial values into x.
+static void init_param(const struct fy_model *m, const struct fy_param *p, uint64_t seed, int64_t a, int64_t b,
+                       float *x) {
+  const char *suffix = strrchr(p->name, '.');
+  bool is_norm = strstr(p->name, "layer_norm") != NULL;
+  if (p->rank == 2) {
+    fill_normal(x, a, b, m->cfg.init_std, seed ^ fnv1a(p->name));
+    if (p->padding_idx >= 0) {  // the padding row is 0
+      int64_t r0 = p->padding_idx * p->shape[1], r1 = r0 + p->shape[1];
+      for (int64_t k = r0 > a ? r0 : a; k < (r1 < b ? r1 : b); k++) x[k - a] = 0.0f;
+    }
+  } else {
+    float v = is_norm && suffix && strcmp(suffix, ".weight") == 0 ? 1.0f : 0.0f;
+    for (int64_t k = a; k < b; k++) x[k - a] = v;
+  }
+}
+
+// The part of parameter p in elements [lo, hi) of the flat buffer: [*a, *b) of p; false if none.
+static bool param_part(const struct fy_param *p, int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
+  *a = lo > p->offset ? lo - p->offset : 0;
+  *b = hi < p->offset + p->numel ? hi - p->offset : p->numel;
+  return *a < *b;
+}
+
+void fy_model_init_random_part(const struct fy_model *m, uint64_t seed, int64_t lo, int64_t hi, float *dst) {
+  const struct fy_graph *g = m->graph;
+  memset(dst, 0, (size_t)(hi - lo) * 4);
+  int64_t a, b;
+  for (int i = 0; i < g->n_params; i++)
+    if (param_part(&g->params[i], lo, hi, &a, &b))
+      init_param(m, &g->params[i], seed, a, b, dst + (g->params[i].offset + a - lo));
 }
 
 void fy_model_init_random(struct fy_model *m, uint64_t seed) {
@@ -291,17 +327,7 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
 #pragma omp parallel for schedule(dynamic, 1)
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
-    float *x = host + p->offset;
-    const char *suffix = strrchr(p->name, '.');
-    bool is_norm = strstr(p->name, "layer_norm") != NULL;
-    if (p->rank == 2) {
-      fill_normal(x, p->numel, m->cfg.init_std, seed ^ fnv1a(p->name));
-      if (p->padding_idx >= 0) memset(x + p->padding_idx * p->shape[1], 0, (size_t)p->shape[1] * 4);
-    } else if (is_norm && suffix && strcmp(suffix, ".weight") == 0) {
-      for (int64_t k = 0; k < p->numel; k++) x[k] = 1.0f;
-    } else {
-      memset(x, 0, (size_t)p->numel * 4);
-    }
+    init_param(m, p, seed, 0, p->numel, host + p->offset);
   }
   if (fy_model_params_on_device(m)) {
     FY_ASSERT(fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4) == FY_OK);
@@ -323,6 +349,47 @@ static const struct fy_st_tensor *find_tensor(const fy_safetensors *st, const ch
   return t;
 }
 
+// The tensor of parameter p in a model directory's files, checked against the config's shape and
+// ferry's dtypes.
+static fy_status param_tensor(const fy_safetensors *st, const char *dir, const struct fy_param *p,
+                              const struct fy_st_tensor **out) {
+  const struct fy_st_tensor *t = *out = find_tensor(st, p->name);
+  if (!t) return fy_error_set(FY_ERR_NOT_FOUND, "%s: the checkpoint has no tensor %s", dir, p->name);
+  bool same = t->rank == p->rank;
+  for (int k = 0; same && k < p->rank; k++) same = t->shape[k] == p->shape[k];
+  if (!same) {
+    char want[64], got[64] = "";
+    snprintf(want, sizeof want, p->rank == 2 ? "(%lld, %lld)" : "(%lld)", (long long)p->shape[0],
+             (long long)p->shape[1]);
+    for (int k = 0; k < t->rank; k++)
+      snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", k ? ", " : "", (long long)t->shape[k]);
+    return fy_error_set(FY_ERR_INVALID, "%s: tensor %s has shape (%s), the config needs %s", dir, p->name, got, want);
+  }
+  if (t->dtype != FY_F32 && t->dtype != FY_BF16 && t->dtype != FY_F16)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s: tensor %s has dtype %s; ferry reads f32, bf16, f16", dir, p->name,
+                        fy_dtype_name(t->dtype));
+  return FY_OK;
+}
+
+fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst) {
+  fy_safetensors *st;
+  FY_TRY(fy_safetensors_open_dir(dir, &st));
+  const struct fy_graph *g = m->graph;
+  fy_status status = FY_OK;
+  memset(dst, 0, (size_t)(hi - lo) * 4);
+  int64_t a, b;
+  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
+    const struct fy_param *p = &g->params[i];
+    const struct fy_st_tensor *t;
+    if ((status = param_tensor(st, dir, p, &t)) != FY_OK || !param_part(p, lo, hi, &a, &b)) continue;
+    const char *src = (const char *)t->data + (size_t)a * fy_dtype_size(t->dtype);
+    fy_convert_to_f32(dst + (p->offset + a - lo), src, t->dtype, (size_t)(b - a));
+    fy_safetensors_done_with(src, (size_t)(b - a) * fy_dtype_size(t->dtype));
+  }
+  fy_safetensors_close(st);
+  return status;
+}
+
 fy_status fy_model_load(struct fy_model *m, const char *dir) {
   m->cparams_fresh = false;
   fy_safetensors *st;
@@ -333,30 +400,9 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   if (!host) status = fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");
   for (int i = 0; i < g->n_params && status == FY_OK; i++) {
     const struct fy_param *p = &g->params[i];
-    const struct fy_st_tensor *t = find_tensor(st, p->name);
-    if (!t) {
-      status = fy_error_set(FY_ERR_NOT_FOUND, "%s: the checkpoint has no tensor %s", dir, p->name);
-      break;
-    }
-    bool same = t->rank == p->rank;
-    for (int k = 0; same && k < p->rank; k++) same = t->shape[k] == p->shape[k];
-    if (!same) {
-      char want[64], got[64] = "";
-      snprintf(want, sizeof want, p->rank == 2 ? "(%lld, %lld)" : "(%lld)", (long long)p->shape[0],
-               (long long)p->shape[1]);
-      for (int k = 0; k < t->rank; k++)
-        snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", k ? ", " : "",
-                 (long long)t->shape[k]);
-      status = fy_error_set(FY_ERR_INVALID, "%s: tensor %s has shape (%s), the config needs %s",
-                            dir, p->name, got, want);
-      break;
-    }
-    if (t->dtype != FY_F32 && t->dtype != FY_BF16 && t->dtype != FY_F16) {
-      status = fy_error_set(FY_ERR_UNSUPPORTED, "%s: tensor %s has dtype %s; ferry reads f32, bf16, f16",
-                            dir, p->name, fy_dtype_name(t->dtype));
-      break;
-    }
-    fy_convert_to_f32(host + p->offset, t->data, t->dtype, (size_t)p->numel);
+    const struct fy_st_tensor *t;
+    if ((status = param_tensor(st, dir, p, &t)) == FY_OK)
+      fy_convert_to_f32(host + p->offset, t->data, t->dtype, (size_t)p->numel);
   }
   if (fy_model_params_on_device(m) && host) {
     if (status == FY_OK) status = fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4);

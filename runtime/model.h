@@ -115,6 +115,9 @@ struct fy_model_opts {
                               // gradients and AdamW's m and v are left to the caller (NULL here)
   int tp, tp_rank;            // tensor parallelism: this rank's part of the graph (0, 0: none)
   struct fy_comm *tp_comm;    // the tensor-parallel group (tp > 1), not owned
+  bool no_params;             // with host: no buffer for the whole model's weights (m->params
+                              // NULL): chunks sharded across ranks keep only their shards, which
+                              // are set part by part (fy_model_init_random_part, _load_part)
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until
@@ -136,6 +139,11 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed);
 // f32/f16/bf16. Names are matched with or without the "model." prefix; a missing tensor or a shape
 // that differs is an error naming it; lm_head.weight is ignored when tied.
 fy_status fy_model_load(struct fy_model *m, const char *dir);
+// The same for elements [lo, hi) of the flat parameter buffer (the layout's offsets; elements no
+// parameter covers are 0) into dst[0 .. hi - lo): the same values as the whole, for a rank that
+// keeps only its shards. _load_part checks every tensor as fy_model_load does.
+void fy_model_init_random_part(const struct fy_model *m, uint64_t seed, int64_t lo, int64_t hi, float *dst);
+fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst);
 // Writes config.json and the weights (f32, or bf16/f16 when dtype says so) as transformers'
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,

@@ -702,6 +702,32 @@ static fy_status take_shards(struct fy_offload *x) {
   return FY_OK;
 }
 
+fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),
+                                void *ctx) {
+  if (!x->sharded) return fy_error_set(FY_ERR_INVALID, "setting shards of chunks that are not sharded");
+  FY_TRY(fy_offload_sync(x));
+  const struct fy_chunk_layout *l = x->m->layout;
+  float *tmp = NULL;  // shards in device memory are written through the copy engine
+  if (x->shards_on_device && !(tmp = malloc((size_t)x->S * 4)))
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate a shard");
+  fy_status st = FY_OK;
+  for (int c = 0; st == FY_OK && c < l->n_chunks; c++) {
+    int64_t lo = (int64_t)c * l->chunk_elems + x->lo;
+    st = fill(ctx, lo, lo + x->S, tmp ? tmp : x->w_home[c]);
+    if (st == FY_OK && tmp) st = fy_copy_async(x->copy_in, x->w_home[c], tmp, (size_t)x->S * 4);
+    if (st == FY_OK && tmp) st = fy_stream_sync(x->copy_in);
+  }
+  free(tmp);
+  FY_TRY(st);
+  if (x->m->params) {  // the whole buffer is not needed any more
+    fy_host_dealloc(x->m->host, x->m->params, (size_t)x->m->graph->n_param_elems * 4);
+    x->m->params = NULL;
+  }
+  x->taken = true;
+  x->m->cparams_fresh = false;  // the 16-bit copies are made from the new shards
+  return FY_OK;
+}
+
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
@@ -1119,14 +1145,15 @@ fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, fl
   return FY_OK;
 }
 
-fy_status fy_offload_unshard(struct fy_offload *x) {
+fy_status fy_offload_unshard(struct fy_offload *x, bool keep) {
   if (!x->sharded || !x->taken) return FY_OK;
   struct fy_model *m = x->m;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  float *full;
-  FY_TRY(fy_host_alloc(m->host, bytes, (void **)&full));
+  float *full = NULL;
+  if (keep) FY_TRY(fy_host_alloc(m->host, bytes, (void **)&full));
   fy_status st = fy_offload_sync(x);
   for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) st = gather_chunk(x, c, 0, full);
+  if (!keep) return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights");
   if (st != FY_OK) {
     fy_host_dealloc(m->host, full, bytes);
     return fy_error_wrap(st, "gathering the weights");

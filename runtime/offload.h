@@ -101,6 +101,12 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float
 // order (chunk c at c * chunk_elems), as fy_offload_state_out would copy them; false otherwise.
 // Read only between steps, after fy_offload_sync.
 bool fy_offload_state_in_place(struct fy_offload *x, const float **params, const float **m, const float **v);
+// Sharding: sets this rank's shard of every chunk's weights from fill, which writes elements
+// [lo, hi) of the flat parameter buffer into dst (fy_model_init_random_part, fy_model_load_part),
+// instead of taking the shards from the model's whole buffer (which may be NULL: model opts'
+// no_params; freed if not). Before the first micro-batch, or after fy_offload_unshard.
+fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),
+                                void *ctx);
 // The elements [*lo, *lo + *n) of every chunk that this rank keeps the state of: its shard, or
 // without sharding the whole chunk.
 void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n);
@@ -110,10 +116,11 @@ void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n);
 // checkpoint) needs no whole-model memory. Between steps.
 fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v);
 // With sharding, the model's full weight buffer (m->params, in the host tier) is released at the
-// first micro-batch, when every rank has taken its shards; this gives it back, filled with the
-// current weights on every rank (for saving and hashing at the end of training). A collective.
-// Without sharding nothing to do.
-fy_status fy_offload_unshard(struct fy_offload *x);
+// first micro-batch, when every rank has taken its shards (or never exists: fy_offload_set_shards);
+// this gives it back, filled with the current weights, on the ranks that keep it (for saving and
+// hashing at the end of training); the others only take part. A collective. Without sharding
+// nothing to do.
+fy_status fy_offload_unshard(struct fy_offload *x, bool keep);
 // Labels the collectives enqueued from now on with the step (1-based) for error messages.
 void fy_offload_set_step(struct fy_offload *x, int64_t step);
 // Device memory the model state kept there took (chunks kept on the device, or shards with

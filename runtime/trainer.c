@@ -179,8 +179,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
   if (r->tp > 1) FY_TRY(fy_comm_split(r->tp_comm, 0, r->tp_rank, &r->tp_compute));
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
+  // Chunks sharded across ranks (without tensor parallelism, whose slices come from the whole
+  // model): no whole-model weights, each rank sets its shards alone (set_shards).
   struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = ce0, .host = r->host,
-                             .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute};
+                             .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
+                             .no_params = r->dp > 1 && r->tp == 1};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
 #if FY_HAVE_CUDA
@@ -252,6 +255,22 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .comm = r->dp_comm, .block_comm = r->dp_gpu, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm};
   return fy_offload_create(r->model, &xo, &r->x);
+}
+
+// Weights part by part for the shards of a sharded run (fy_offload_set_shards): from a Hugging
+// Face directory or checkpoint (dir), or OPT's initialisation.
+struct shard_source { const struct fy_model *m; const char *dir; uint64_t seed; };
+
+static fy_status shard_fill(void *ctx, int64_t lo, int64_t hi, float *dst) {
+  const struct shard_source *s = ctx;
+  if (s->dir) return fy_model_load_part(s->m, s->dir, lo, hi, dst);
+  fy_model_init_random_part(s->m, s->seed, lo, hi, dst);
+  return FY_OK;
+}
+
+static fy_status set_shards(struct run *r, const char *dir, uint64_t seed) {
+  struct shard_source s = {.m = r->model, .dir = dir, .seed = seed};
+  return fy_offload_set_shards(r->x, shard_fill, &s);
 }
 
 // The whole model's weights buffer (tensor parallelism), allocated while needed.
@@ -350,7 +369,11 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     FY_TRY(whole_params(r));
     target = &r->whole;
   }
-  if (!o->init || strcmp(o->init, "random") == 0) {
+  bool random = !o->init || strcmp(o->init, "random") == 0;
+  if (!target->params) {  // sharded: this rank's shards alone
+    st = set_shards(r, random ? NULL : o->init, o->seed);
+    if (st != FY_OK) return fy_error_wrap(st, "--init");
+  } else if (random) {
     fy_model_init_random(target, o->seed);
   } else {
     st = fy_model_load(target, o->init);
@@ -652,7 +675,15 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   }
   if (by_chunk) mm = vv = NULL;
   struct fy_ckpt_meta meta;
-  fy_status st = fy_ckpt_load(o->resume, target, mm, vv, &meta);
+  fy_status st;
+  if (!target->params) {  // sharded: this rank's shards from the checkpoint's files
+    char dir[4096];
+    st = fy_ckpt_resolve(o->resume, dir, sizeof dir);
+    if (st == FY_OK) st = fy_ckpt_index_read(dir, &meta);
+    if (st == FY_OK) st = set_shards(r, dir, 0);
+  } else {
+    st = fy_ckpt_load(o->resume, target, mm, vv, &meta);
+  }
   if (st == FY_OK && by_chunk) st = resume_adam_by_chunk(o->resume, r);
   float *lm = m->m, *lv = m->v;  // this rank's AdamW state in its own layout
   if (st == FY_OK && r->tp > 1) {
@@ -909,9 +940,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     if (log)
       fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
               "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
-              "\"host_tier_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f}\n",
+              "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f}\n",
               (long long)step + 1, loss, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
+              r.host ? fy_host_peak(r.host) / 1048576.0 : 0.0,
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
     if (!o->quiet) {
       if (tty) printf("\r\033[K");
@@ -950,8 +982,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->device_state_bytes = (double)fy_offload_device_state_bytes(r.x);
     res->model_state_bytes = (double)fy_offload_state_bytes(r.x);
   }
-  // Sharded weights come together again for the hash and the final save.
-  if (r.x && (st = fy_offload_unshard(r.x)) != FY_OK) goto done;
+  // Sharded weights come together again for the hash and the final save, on the rank that saves
+  // (tensor-parallel ranks all gather their slices below).
+  if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) goto done;
   if (!o->quiet && tty) printf("\r\033[K");
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);
@@ -1014,7 +1047,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       goto done;
     whole = &r.whole;
   }
-  res->params_hash = hash_params(whole);
+  res->params_hash = whole->params ? hash_params(whole) : 0;  // (0 on the ranks that only took part)
   if (o->save && !ckpt) {
     st = fy_model_save(whole, o->save, FY_F32, (size_t)5 << 30);
     if (st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);

@@ -80,20 +80,31 @@ mkdir -p "$tmp/disk"
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --grad-accum 2 --disk-dir "$tmp/disk" --disk-chunks 4   --log "$tmp/zeroacc.json" --save "$tmp/zeroacc" || bad "2 sharded ranks with accumulation and a disk tier train"
 compare accum zeroacc 1e-5 && ok "2 sharded ranks with 2 micro-batches and 4 chunks' shards on disk follow 1 rank"   || bad "sharded ranks with accumulation and disk differ"
 # Each rank's model state is half the single rank's, on the tiers' own counters (within 10% plus
-# one chunk): the host tier's in-use bytes, and the device memory the state took.
+# one chunk): the host tier's in-use bytes and its peak (no rank ever holds the whole model's
+# weights: each initialises its shards alone), and the device memory the state took.
 "$ferry" train "${common[@]}" "${sim[@]}" --batch 4 --steps 2 --log "$tmp/mem1.json" || bad "1 rank on sim"
 "$ferry" train "${common[@]}" "${sim[@]}" --batch 4 --steps 2 --device-chunks 1000 --log "$tmp/memd1.json" || bad "1 rank, state on the device"
 if python3 - "$tmp" <<'PY'
 import json, sys
 d = sys.argv[1]
 last = lambda f: [json.loads(l) for l in open(d + "/" + f)][-1]
-for one, two, key in (("mem1.json", "zero.json", "host_tier_mib"), ("memd1.json", "zerodev.json", "device_state_mib")):
+for one, two, key in (("mem1.json", "zero.json", "host_tier_mib"), ("mem1.json", "zero.json", "host_peak_mib"),
+                      ("memd1.json", "zerodev.json", "device_state_mib")):
     a, b = last(one), last(two)
     want = a[key] / 2
     assert abs(b[key] - want) <= 0.1 * want + b["chunk_mib"], (key, a[key], b[key], b["chunk_mib"])
     print("  %s: 1 rank %.4f MiB, each of 2 ranks %.4f MiB (chunks of %.4f MiB)" % (key, a[key], b[key], b["chunk_mib"]))
 PY
 then ok "each of 2 sharded ranks keeps half the model state (host tier; device)"; else bad "sharded model state is not 1/2"; fi
+# Sharded ranks read their shards of a Hugging Face model alone (--init: each reads its part of
+# every tensor), and follow 1 rank that loads it whole.
+"$ferry" train "${common[@]}" --batch 4 --steps 4 --init "$tmp/one" --log "$tmp/init1.json" --save "$tmp/init1" \
+  || bad "1 rank starts from a saved model"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --steps 4 --init "$tmp/one" --log "$tmp/init2.json" \
+  --save "$tmp/init2" || bad "2 sharded ranks start from a saved model"
+compare init1 init2 1e-5 && ok "2 sharded ranks that read their shards of a saved model follow 1 rank" \
+  || bad "sharded ranks starting from a saved model differ"
+
 # The ranks of one node share its memory: each one's host tier defaults to its share of it.
 "$ferry" train --model opt-tiny --data "$tmp/data.bin" --seq 32 --steps 1 --threads 1 "${sim[@]}" --batch 4 >"$tmp/cap1.out" 2>&1
 "${mpi[@]}" -np 2 "$ferry" train --model opt-tiny --data "$tmp/data.bin" --seq 32 --steps 1 --threads 1 "${sim[@]}" --batch 2 \
