@@ -100,7 +100,9 @@ struct run {
   int tp, tp_rank, dp, dp_rank;
   struct fy_comm *dp_comm, *tp_comm;
   struct fy_comm *tp_compute, *dp_compute;  // sim: the groups of the ops' pattern hooks (compute stream)
-  struct fy_comm *dp_gpu;  // several ranks on GPUs: nccl over dp_comm's ranks, for the blocks' collectives
+  // Sharded chunks: the blocks' collectives, over dp_comm's ranks: nccl on GPUs, an mpi
+  // communicator of their own on sim (the same plumbing as on GPUs).
+  struct fy_comm *dp_blocks;
   // With tensor parallelism: the whole model's graph and, when needed, its weights (the model as
   // Hugging Face files and checkpoints hold it; params NULL while not needed).
   struct fy_graph *whole_graph;
@@ -240,19 +242,24 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
-  if (cuda && r->dp > 1) {  // the blocks live in GPU memory: their collectives go through NCCL
+  if (r->dp > 1) {
+    struct fy_comm *split = NULL;  // an mpi communicator over the same ranks
+    FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &split));
+    if (!cuda) {
+      r->dp_blocks = split;
+    } else {  // the blocks live in GPU memory: their collectives go through NCCL
 #if FY_HAVE_NCCL
-    struct fy_comm *boot = NULL;  // an mpi communicator over the same ranks, taken by the nccl one
-    FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &boot));
-    fy_status st = fy_comm_nccl_create(boot, &r->dp_gpu);
-    if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
+      fy_status st = fy_comm_nccl_create(split, &r->dp_blocks);  // (takes split, the NCCL id's bootstrap)
+      if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
 #else
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: this ferry was built without NCCL", r->dp);
+      fy_comm_free(split);
+      return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: this ferry was built without NCCL", r->dp);
 #endif
+    }
   }
   struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
-                               .comm = r->dp_comm, .block_comm = r->dp_gpu, .shards_on_device = shards_on_device,
+                               .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm};
   return fy_offload_create(r->model, &xo, &r->x);
 }
@@ -399,7 +406,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 static void teardown(struct run *r) {
   fy_data_close(r->data);
   fy_offload_free(r->x);  // before the communicators it duplicated
-  fy_comm_free(r->dp_gpu);
+  fy_comm_free(r->dp_blocks);
 #if FY_HAVE_CUDA
   if (r->model && r->model->kernels_ctx) fy_engine_cuda_detach(r->model);
 #endif
