@@ -644,7 +644,7 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
 }
 
 // Offloaded: the checkpoint's AdamW state into the chunks one at a time, this rank's part of each
-// (its shard with sharding), through one chunk-sized buffer instead of the whole model's m and v.
+// (its shard with sharding), through a buffer of two chunks instead of the whole model's m and v.
 static fy_status resume_adam_by_chunk(const char *path, struct run *r) {
   int64_t ce = r->model->layout->chunk_elems, lo, n;
   fy_offload_shard(r->x, &lo, &n);
