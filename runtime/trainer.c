@@ -344,11 +344,16 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
     FY_TRY(setup_offload(o, r, strcmp(device, "cuda") == 0));
   } else if (strcmp(device, "cpu") == 0) {
-    // The cpu device may hand out what the machine has; a model that cannot fit is refused before
-    // anything is allocated, with what it would need.
+    // The cpu device may hand out what the machine has (its share of it, with several ranks); a
+    // model that cannot fit is refused before anything is allocated, with what it would need.
     FY_TRY(fy_device_cpu_create(rank_ram(r), &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
-    FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+    st = fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model);
+    int local = fy_comm_local_size(r->comm);
+    if (st != FY_OK && local > 1)
+      return fy_error_wrap(st, "%d ranks share this machine's %.2f GiB, each replicating the model", local,
+                           machine_ram() / 1073741824.0);
+    FY_TRY(st);
     r->model->dp_comm = r->dp_comm;  // the ops run on this thread
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));

@@ -114,6 +114,10 @@ two=$(sed -n 's/.*host tier [0-9.]* of \([0-9]*\) MiB.*/\1/p' "$tmp/cap2.out")
 if [ -n "$one" ] && [ -n "$two" ] && [ $((one / 2 - two)) -ge -1 ] && [ $((one / 2 - two)) -le 1 ]; then
   ok "each of 2 ranks on one node takes half its memory by default ($two of $one MiB)"
 else bad "the default host tier of 2 ranks: '$two' MiB, of 1 rank '$one' MiB"; cat "$tmp/cap1.out" "$tmp/cap2.out"; fi
+if "${mpi[@]}" -np 2 "$ferry" train --model opt-175b --data "$tmp/data.bin" --seq 32 --batch 1 --steps 1 >"$tmp/big.out" 2>&1; then
+  bad "2 replicated ranks of OPT-175B are accepted"
+else grep -q "2 ranks share this machine's" "$tmp/big.out" && ok "replicated ranks too big for their share of the machine are refused, saying so" \
+  || { bad "replicated ranks too big: unclear message"; cat "$tmp/big.out"; }; fi
 # A sharded checkpoint (gathered by every rank, written by rank 0) resumes on 2 sharded ranks and
 # on 1 rank.
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --save "$tmp/ckz" --save-every 100 --stop-after 6 \
