@@ -53,6 +53,14 @@ struct fy_param {
   int64_t full_shape[2];
 };
 
+// The part of parameter p in elements [lo, hi) of the flat parameter buffer: [*a, *b) of p, false
+// when it has none (reading or writing a range of the buffer parameter by parameter).
+static inline bool fy_param_part(const struct fy_param *p, int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
+  *a = lo > p->offset ? lo - p->offset : 0;
+  *b = hi < p->offset + p->numel ? hi - p->offset : p->numel;
+  return *a < *b;
+}
+
 struct fy_slot {
   int64_t numel;           // elements (floats, or 16-bit values with act16)
   int64_t offset;          // in the activation arena (floats)

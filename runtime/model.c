@@ -302,19 +302,12 @@ static void init_param(const struct fy_model *m, const struct fy_param *p, uint6
   }
 }
 
-// The part of parameter p in elements [lo, hi) of the flat buffer: [*a, *b) of p; false if none.
-static bool param_part(const struct fy_param *p, int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
-  *a = lo > p->offset ? lo - p->offset : 0;
-  *b = hi < p->offset + p->numel ? hi - p->offset : p->numel;
-  return *a < *b;
-}
-
 void fy_model_init_random_part(const struct fy_model *m, uint64_t seed, int64_t lo, int64_t hi, float *dst) {
   const struct fy_graph *g = m->graph;
   memset(dst, 0, (size_t)(hi - lo) * 4);
   int64_t a, b;
   for (int i = 0; i < g->n_params; i++)
-    if (param_part(&g->params[i], lo, hi, &a, &b))
+    if (fy_param_part(&g->params[i], lo, hi, &a, &b))
       init_param(m, &g->params[i], seed, a, b, dst + (g->params[i].offset + a - lo));
 }
 
@@ -381,7 +374,7 @@ fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t 
   for (int i = 0; i < g->n_params && status == FY_OK; i++) {
     const struct fy_param *p = &g->params[i];
     const struct fy_st_tensor *t;
-    if ((status = param_tensor(st, dir, p, &t)) != FY_OK || !param_part(p, lo, hi, &a, &b)) continue;
+    if ((status = param_tensor(st, dir, p, &t)) != FY_OK || !fy_param_part(p, lo, hi, &a, &b)) continue;
     const char *src = (const char *)t->data + (size_t)a * fy_dtype_size(t->dtype);
     fy_convert_to_f32(dst + (p->offset + a - lo), src, t->dtype, (size_t)(b - a));
     fy_safetensors_done_with(src, (size_t)(b - a) * fy_dtype_size(t->dtype));

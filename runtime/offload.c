@@ -134,20 +134,19 @@ static float *home_weights(const struct fy_offload *x, int c) {
   return x->sharded ? x->w_home[c] : x->m->params + (int64_t)c * x->m->layout->chunk_elems;
 }
 
-// Elements of each chunk's 16-bit copy a rank keeps: its shard, or without sharding the chunk.
-static int64_t copy_elems(const struct fy_offload *x) { return x->sharded ? x->S : x->m->layout->chunk_elems; }
-
 // The 16-bit copy of chunk c's elements [lo, hi) <- the master weights there, in the compute dtype.
-// With sharding both hold this rank's shard, which starts at element x->lo of the chunk.
+// Both hold this rank's part of the chunk, S elements from element x->lo: its shard, or without
+// sharding the whole chunk (lo 0).
 static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
-  int64_t first = x->sharded ? x->lo : 0;
-  to_payload(x, (char *)x->chome[c] + (size_t)(lo - first) * x->esize, home_weights(x, c) + (lo - first), hi - lo);
+  to_payload(x, (char *)x->chome[c] + (size_t)(lo - x->lo) * x->esize, home_weights(x, c) + (lo - x->lo), hi - lo);
 }
 
 // The whole copy of chunk c that this rank keeps (its shard, padding included, or the used part).
-static void compute_copy_all(struct fy_offload *x, int c) {
-  int64_t first = x->sharded ? x->lo : 0;
-  compute_copy(x, c, first, first + span(x, c));
+static void compute_copy_all(struct fy_offload *x, int c) { compute_copy(x, c, x->lo, x->lo + span(x, c)); }
+
+// The chunks whose gradients, m and v live in the host tier: n_dev .. nc - n_disk_chunks - 1.
+static size_t host_chunks(const struct fy_offload *x) {
+  return (size_t)(x->m->layout->n_chunks - x->n_dev - x->n_disk_chunks);
 }
 
 bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro) { return compute != FY_F32 && max_micro <= 1; }
@@ -373,10 +372,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (x->n_disk_chunks > 0 && x->shards_on_device)
     return fy_error_set(FY_ERR_INVALID, "shards on the device and optimizer state on disk do not combine");
   size_t bytes = (size_t)x->S * 4;  // a chunk's, or with sharding this rank's shard of it
-  size_t in_host = (size_t)(nc - x->n_dev - x->n_disk_chunks);  // chunks n_dev .. nc - n_disk_chunks - 1
-  if (in_host > 0) {
-    FY_TRY(state_alloc(x, in_host * bytes, &x->m_all));
-    FY_TRY(state_alloc(x, in_host * bytes, &x->v_all));
+  if (host_chunks(x) > 0) {
+    FY_TRY(state_alloc(x, host_chunks(x) * bytes, &x->m_all));
+    FY_TRY(state_alloc(x, host_chunks(x) * bytes, &x->v_all));
   }
   for (int c = 0; c < nc; c++) {
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
@@ -395,7 +393,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (m->compute_dtype != FY_F32) {
     if (!(x->chome = calloc((size_t)nc, sizeof *x->chome))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
     for (int c = 0; c < nc; c++)  // (zeroed: a shard's padding travels with it)
-      FY_TRY(fy_host_alloc(m->host, (size_t)copy_elems(x) * x->esize, &x->chome[c]));
+      FY_TRY(fy_host_alloc(m->host, (size_t)x->S * x->esize, &x->chome[c]));
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
   if (x->n_disk_chunks > 0) {
@@ -545,7 +543,7 @@ void fy_offload_free(struct fy_offload *x) {
     if (x->grad_ready) fy_event_free(x->grad_ready[c]);
     if (x->g_home) state_free(x, x->g_home[c], sbytes);
     if (x->w_home) state_free(x, x->w_home[c], sbytes);
-    if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)copy_elems(x) * x->esize);
+    if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)x->S * x->esize);
   }
   free(x->chome);
   free(x->w_home);
@@ -594,9 +592,8 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->grad_ready);
   free(x->g_home);
   free(x->wb_jobs);
-  size_t in_host = (size_t)(nc - x->n_dev - x->n_disk_chunks);
-  state_free(x, x->m_all, in_host * sbytes);
-  state_free(x, x->v_all, in_host * sbytes);
+  state_free(x, x->m_all, host_chunks(x) * sbytes);
+  state_free(x, x->v_all, host_chunks(x) * sbytes);
   free(x->m_home);
   free(x->v_home);
   free(x->disk_handle);
@@ -685,23 +682,6 @@ static const float *chunk_grads(struct fy_offload *x, int c) {
 
 // ---- one micro-batch ----
 
-// Sharding: every rank takes its shard of each chunk's weights from the model's buffer (initialised,
-// loaded or resumed, the same on every rank), which is then given back to the host tier.
-static fy_status take_shards(struct fy_offload *x) {
-  struct fy_model *m = x->m;
-  const struct fy_chunk_layout *l = m->layout;
-  for (int c = 0; c < l->n_chunks; c++) {
-    int64_t n = l->chunks[c].used - x->lo;
-    if (n > x->S) n = x->S;
-    if (n > 0) FY_TRY(fy_copy_async(x->copy_in, x->w_home[c], m->params + (int64_t)c * l->chunk_elems + x->lo, (size_t)n * 4));
-  }
-  FY_TRY(fy_stream_sync(x->copy_in));
-  fy_host_dealloc(m->host, m->params, (size_t)m->graph->n_param_elems * 4);
-  m->params = NULL;
-  x->taken = true;
-  return FY_OK;
-}
-
 fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),
                                 void *ctx) {
   if (!x->sharded) return fy_error_set(FY_ERR_INVALID, "setting shards of chunks that are not sharded");
@@ -719,7 +699,7 @@ fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ct
   }
   free(tmp);
   FY_TRY(st);
-  if (x->m->params) {  // the whole buffer is not needed any more
+  if (x->m->params) {  // the whole buffer (if any) is not needed any more
     fy_host_dealloc(x->m->host, x->m->params, (size_t)x->m->graph->n_param_elems * 4);
     x->m->params = NULL;
   }
@@ -728,12 +708,19 @@ fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ct
   return FY_OK;
 }
 
+// Sharding: the shards from the model's whole buffer (initialised, loaded or resumed whole, the same
+// on every rank), which set_shards then gives back to the host tier.
+static fy_status from_whole_buffer(void *ctx, int64_t lo, int64_t hi, float *dst) {
+  memcpy(dst, ((const struct fy_offload *)ctx)->m->params + lo, (size_t)(hi - lo) * 4);
+  return FY_OK;
+}
+
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
   FY_TRY(fy_engine_check_batch(m, batch));
-  if (x->sharded && !x->taken) FY_TRY(take_shards(x));
+  if (x->sharded && !x->taken) FY_TRY(fy_offload_set_shards(x, from_whole_buffer, x));
   if (micro >= x->max_micro) return fy_error_set(FY_ERR_INVALID, "micro-batch %d of at most %d", micro, x->max_micro);
   int p = x->parity;
   x->parity ^= 1;
@@ -1179,6 +1166,6 @@ int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
   for (int c = x->n_dev; c < l->n_chunks; c++)
     if (grads_in_copy(x, c)) rest -= x->S * 4;  // the gradients come home over the 16-bit copy
-  int64_t copies = x->chome ? (int64_t)l->n_chunks * copy_elems(x) * (int64_t)x->esize : 0;  // 16-bit weights
+  int64_t copies = x->chome ? (int64_t)l->n_chunks * x->S * (int64_t)x->esize : 0;  // 16-bit weights
   return on_dev + rest + copies;
 }

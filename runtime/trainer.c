@@ -678,14 +678,13 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
     target = &r->whole;
   }
   size_t bytes = (size_t)target->graph->n_param_elems * 4;
-  float *mm = m->m, *vv = m->v;
   bool by_chunk = r->x && r->tp == 1;  // offloaded: AdamW's state chunk by chunk (resume_adam_by_chunk)
+  float *mm = by_chunk ? NULL : m->m, *vv = by_chunk ? NULL : m->v;
   bool staged = !by_chunk && (r->x || r->tp > 1 || fy_model_params_on_device(m));  // read into host buffers first
   if (staged && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
   }
-  if (by_chunk) mm = vv = NULL;
   struct fy_ckpt_meta meta;
   fy_status st;
   if (!target->params) {  // sharded: this rank's shards from the checkpoint's files
