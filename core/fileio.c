@@ -46,9 +46,24 @@ fy_status fy_file_sync_parent(const char *path) {
   return rc;
 }
 
-// Writes the pieces to `path` atomically: "<path>.tmp.XXXXXX", fsync, rename, fsync the directory.
-// On failure the temporary file is removed and an existing `path` is untouched.
-fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pieces, int npieces) {
+fy_status fy_file_pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path) {
+  const char *p = buf;
+  while (n > 0) {
+    size_t chunk = n > (1u << 30) ? (1u << 30) : n;
+    ssize_t w = pwrite(fd, p, chunk, (off_t)off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(errno));
+    }
+    if (w == 0) return fy_error_set(FY_ERR_IO, "writing %s: no progress (disk full?)", path);
+    p += w;
+    n -= (size_t)w;
+    off += (uint64_t)w;
+  }
+  return FY_OK;
+}
+
+fy_status fy_file_temp_create(const char *path, char **tmp_out, int *fd_out) {
   size_t len = strlen(path);
   char *tmp = malloc(len + 12);
   if (!tmp) return fy_error_set(FY_ERR_NOMEM, "out of memory");
@@ -61,20 +76,46 @@ fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pie
     free(tmp);
     return e;
   }
+  if (fchmod(fd, 0644) != 0) {
+    fy_status e = fy_error_set(FY_ERR_IO, "chmod %s: %s", tmp, strerror(errno));
+    fy_file_temp_discard(tmp, fd);
+    return e;
+  }
+  *tmp_out = tmp;
+  *fd_out = fd;
+  return FY_OK;
+}
+
+fy_status fy_file_temp_commit(const char *path, char *tmp, int fd) {
   fy_status rc = FY_OK;
-  if (fchmod(fd, 0644) != 0) rc = fy_error_set(FY_ERR_IO, "chmod %s: %s", tmp, strerror(errno));
-  for (int i = 0; rc == FY_OK && i < npieces; i++) rc = fy_file_write_all(fd, pieces[i].data, pieces[i].n, tmp);
-  if (rc == FY_OK && fsync(fd) != 0) rc = fy_error_set(FY_ERR_IO, "fsync %s: %s", tmp, strerror(errno));
+  if (fsync(fd) != 0) rc = fy_error_set(FY_ERR_IO, "fsync %s: %s", tmp, strerror(errno));
   if (close(fd) != 0 && rc == FY_OK) rc = fy_error_set(FY_ERR_IO, "closing %s: %s", tmp, strerror(errno));
   if (rc == FY_OK && rename(tmp, path) != 0)
     rc = fy_error_set(FY_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
+  if (rc != FY_OK) unlink(tmp);
+  free(tmp);
+  return rc == FY_OK ? fy_file_sync_parent(path) : rc;
+}
+
+void fy_file_temp_discard(char *tmp, int fd) {
+  close(fd);
+  unlink(tmp);
+  free(tmp);
+}
+
+// Writes the pieces to `path` atomically: "<path>.tmp.XXXXXX", fsync, rename, fsync the directory.
+// On failure the temporary file is removed and an existing `path` is untouched.
+fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pieces, int npieces) {
+  char *tmp;
+  int fd;
+  FY_TRY(fy_file_temp_create(path, &tmp, &fd));
+  fy_status rc = FY_OK;
+  for (int i = 0; rc == FY_OK && i < npieces; i++) rc = fy_file_write_all(fd, pieces[i].data, pieces[i].n, tmp);
   if (rc != FY_OK) {
-    unlink(tmp);
-    free(tmp);
+    fy_file_temp_discard(tmp, fd);
     return rc;
   }
-  free(tmp);
-  return fy_file_sync_parent(path);
+  return fy_file_temp_commit(path, tmp, fd);
 }
 
 fy_status fy_mkdir_p(const char *dir) {

@@ -3,6 +3,7 @@
 #define FY_FILEIO_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core/status.h"
 
@@ -17,6 +18,15 @@ struct fy_file_piece {
 fy_status fy_file_write_atomic(const char *path, const struct fy_file_piece *pieces, int npieces);
 // write(2) until all n bytes are out (EINTR retried; no progress is an error: a full disk).
 fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path);
+// pwrite(2) until all n bytes are out at offset off (as fy_file_write_all).
+fy_status fy_file_pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path);
+// A file written in place, in any order, before it takes its name: create makes
+// "<path>.tmp.XXXXXX" (mode 0644; *tmp is malloc'd); commit fsyncs and closes it, renames it over
+// path and fsyncs the directory (on failure it is removed); discard closes and removes it. Both
+// free tmp.
+fy_status fy_file_temp_create(const char *path, char **tmp, int *fd);
+fy_status fy_file_temp_commit(const char *path, char *tmp, int fd);
+void fy_file_temp_discard(char *tmp, int fd);
 // fsync of the directory holding `path` (a rename's durability).
 fy_status fy_file_sync_parent(const char *path);
 

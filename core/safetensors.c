@@ -521,11 +521,40 @@ fy_status fy_safetensors_open_dir(const char *dir, fy_safetensors **out) {
 
 // ---- writing ----
 
+struct st_pair {
+  const char *name;
+  int shard;
+};
+
+static int st_pair_cmp(const void *a, const void *b) {
+  return strcmp(((const struct st_pair *)a)->name, ((const struct st_pair *)b)->name);
+}
+
+// After a new layout is in place, removes the files of an earlier one (as save_pretrained does),
+// so that open_dir never mixes an old index with new weights: the index and every shard when the
+// new layout is one file; model.safetensors and shards of another count when it is sharded.
+static void st_remove_stale(const char *dir, int nshards) {
+  char *p = st_join(dir, nshards ? ST_SINGLE_NAME : ST_INDEX_NAME);
+  if (p) unlink(p);
+  free(p);
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *de;
+  while ((de = readdir(d))) {
+    int a, b, used = 0;
+    if (strlen(de->d_name) != 32 ||
+        sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &a, &b, &used) != 2 || used != 32)
+      continue;
+    if (nshards && b == nshards) continue;
+    char *q = st_join(dir, de->d_name);
+    if (q) unlink(q);
+    free(q);
+  }
+  closedir(d);
+}
 
 
-
-
-static fy_status st_check_tensor(const struct fy_st_tensor *t, int i) {
+static fy_status st_check_tensor(const struct fy_st_tensor *t, int i, bool need_data) {
   if (!t->name || !t->name[0])
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor %d has no name", i);
   if (strcmp(t->name, "__metadata__") == 0)
@@ -543,23 +572,18 @@ static fy_status st_check_tensor(const struct fy_st_tensor *t, int i) {
   if (__builtin_mul_overflow(numel, (uint64_t)fy_dtype_size(t->dtype), &nb) || nb != t->nbytes)
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor '%s' has nbytes %zu, its shape "
                         "and dtype need %llu", t->name, t->nbytes, (unsigned long long)nb);
-  if (t->nbytes && !t->data)
+  if (need_data && t->nbytes && !t->data)
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor '%s' has no data", t->name);
   return FY_OK;
 }
 
-fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tensors, int n,
-                               const char *const *metadata) {
-  if (n < 0 || (n > 0 && !tensors))
-    return fy_error_set(FY_ERR_INVALID, "safetensors write: bad tensor list");
+// The header of a file holding tensors[0..n) (8-byte length, JSON padded to 8) into *hdr
+// (malloc'd, *hlen bytes), and each tensor's data offset from the end of the header into begin[].
+static fy_status st_header(const struct fy_st_tensor *tensors, int n, const char *const *metadata,
+                           unsigned char **hdr_out, size_t *hlen_out, uint64_t *begin) {
   fy_status rc = FY_OK;
   json_object *root = json_object_new_object();
-  struct fy_file_piece *pieces = malloc(((size_t)n + 2) * sizeof *pieces);
-  uint64_t off = 0, *begin = malloc(((size_t)n + 1) * sizeof *begin);
-  if (!root || !pieces || !begin) {
-    rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
-    goto done;
-  }
+  if (!root) return fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (metadata) {
     json_object *md = json_object_new_object();
     if (!md) {
@@ -578,16 +602,12 @@ fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tens
   }
   // Data in order of decreasing element size (as the safetensors library does): with the header
   // padded to 8, every tensor is then aligned to its element size in the mapping.
-  int np = 1;
-  for (int i = 0; i < n; i++)
-    if ((rc = st_check_tensor(&tensors[i], i)) != FY_OK) goto done;
+  uint64_t off = 0;
   for (size_t es = 8; es >= 1; es /= 2)
     for (int i = 0; i < n; i++) {
-      const struct fy_st_tensor *t = &tensors[i];
-      if (fy_dtype_size(t->dtype) != es) continue;
+      if (fy_dtype_size(tensors[i].dtype) != es) continue;
       begin[i] = off;
-      off += t->nbytes;
-      if (t->nbytes) pieces[np++] = (struct fy_file_piece){t->data, t->nbytes};
+      off += tensors[i].nbytes;
     }
   for (int i = 0; i < n; i++) {
     const struct fy_st_tensor *t = &tensors[i];
@@ -629,141 +649,250 @@ fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tens
   for (int i = 0; i < 8; i++) hdr[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
   memcpy(hdr + 8, js, jlen);
   memset(hdr + 8 + jlen, ' ', hlen - jlen);
-  pieces[0] = (struct fy_file_piece){hdr, 8 + hlen};
-  rc = fy_file_write_atomic(path, pieces, np);
-  free(hdr);
+  *hdr_out = hdr;
+  *hlen_out = 8 + hlen;
 done:
-  free(begin);
-  free(pieces);
   json_object_put(root);
   return rc;
 }
 
-struct st_pair {
-  const char *name;
-  int shard;
+// One file of a writer: a temporary file next to its final name until commit.
+struct st_out {
+  char *path, *tmp;
+  int fd;
 };
 
-static int st_pair_cmp(const void *a, const void *b) {
-  return strcmp(((const struct st_pair *)a)->name, ((const struct st_pair *)b)->name);
-}
+struct fy_st_writer {
+  struct st_out *files;
+  int nfiles;
+  int n;
+  char **names;       // copies, for messages and the index
+  int *file_of;       // tensor -> file
+  uint64_t *at;       // tensor -> first byte of its data in its file
+  size_t *nbytes, *got;  // tensor -> its size, the bytes put so far
+  char *dir;          // a model directory (an index when nfiles > 1), or NULL for one file
+};
 
-// After a new layout is in place, removes the files of an earlier one (as save_pretrained does),
-// so that open_dir never mixes an old index with new weights: the index and every shard when the
-// new layout is one file; model.safetensors and shards of another count when it is sharded.
-static void st_remove_stale(const char *dir, int nshards) {
-  char *p = st_join(dir, nshards ? ST_SINGLE_NAME : ST_INDEX_NAME);
-  if (p) unlink(p);
-  free(p);
-  DIR *d = opendir(dir);
-  if (!d) return;
-  struct dirent *de;
-  while ((de = readdir(d))) {
-    int a, b, used = 0;
-    if (strlen(de->d_name) != 32 ||
-        sscanf(de->d_name, "model-%5d-of-%5d.safetensors%n", &a, &b, &used) != 2 || used != 32)
-      continue;
-    if (nshards && b == nshards) continue;
-    char *q = st_join(dir, de->d_name);
-    if (q) unlink(q);
-    free(q);
+void fy_st_writer_abort(fy_st_writer *w) {
+  if (!w) return;
+  for (int f = 0; f < w->nfiles; f++) {
+    if (w->files[f].tmp) fy_file_temp_discard(w->files[f].tmp, w->files[f].fd);
+    free(w->files[f].path);
   }
-  closedir(d);
+  for (int i = 0; w->names && i < w->n; i++) free(w->names[i]);
+  free(w->names);
+  free(w->files);
+  free(w->file_of);
+  free(w->at);
+  free(w->nbytes);
+  free(w->got);
+  free(w->dir);
+  free(w);
 }
 
-fy_status fy_safetensors_write_dir(const char *dir, const struct fy_st_tensor *tensors, int n,
-                                   size_t max_shard_bytes) {
+static fy_status st_writer_new(const struct fy_st_tensor *tensors, int n, int nfiles, fy_st_writer **out) {
+  if (n < 0 || (n > 0 && !tensors))
+    return fy_error_set(FY_ERR_INVALID, "safetensors write: bad tensor list");
+  for (int i = 0; i < n; i++) FY_TRY(st_check_tensor(&tensors[i], i, false));
+  fy_st_writer *w = calloc(1, sizeof *w);
+  size_t k = n ? (size_t)n : 1;
+  if (!w || !(w->files = calloc((size_t)nfiles, sizeof *w->files)) || !(w->names = calloc(k, sizeof *w->names)) ||
+      !(w->file_of = calloc(k, sizeof *w->file_of)) || !(w->at = calloc(k, sizeof *w->at)) ||
+      !(w->nbytes = calloc(k, sizeof *w->nbytes)) || !(w->got = calloc(k, sizeof *w->got))) {
+    fy_st_writer_abort(w);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  w->nfiles = nfiles;
+  w->n = n;
+  for (int i = 0; i < n; i++) {
+    w->nbytes[i] = tensors[i].nbytes;
+    if (!(w->names[i] = strdup(tensors[i].name))) {
+      fy_st_writer_abort(w);
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    }
+  }
+  *out = w;
+  return FY_OK;
+}
+
+// File f at path holds tensors [first, first + m): its header goes out now, at the file's start.
+static fy_status st_writer_file(fy_st_writer *w, int f, const char *path, const struct fy_st_tensor *tensors,
+                                int first, int m, const char *const *metadata) {
+  struct st_out *o = &w->files[f];
+  if (!(o->path = strdup(path))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  unsigned char *hdr = NULL;
+  size_t hlen = 0;
+  FY_TRY(st_header(tensors + first, m, metadata, &hdr, &hlen, w->at + first));
+  uint64_t total = hlen;
+  for (int i = first; i < first + m; i++) {
+    w->at[i] += hlen;
+    w->file_of[i] = f;
+    total += tensors[i].nbytes;
+  }
+  fy_status rc = fy_file_temp_create(path, &o->tmp, &o->fd);
+  if (rc == FY_OK) rc = fy_file_pwrite_all(o->fd, hdr, hlen, 0, o->tmp);
+  // The file has its final size at once: a full disk shows here rather than halfway through.
+  if (rc == FY_OK && ftruncate(o->fd, (off_t)total) != 0)
+    rc = fy_error_set(FY_ERR_IO, "cannot size %s to %llu bytes: %s", o->tmp, (unsigned long long)total, strerror(errno));
+  free(hdr);
+  return rc;
+}
+
+fy_status fy_st_writer_open(const char *path, const struct fy_st_tensor *tensors, int n,
+                            const char *const *metadata, fy_st_writer **out) {
+  fy_st_writer *w = NULL;
+  FY_TRY(st_writer_new(tensors, n, 1, &w));
+  fy_status rc = st_writer_file(w, 0, path, tensors, 0, n, metadata);
+  if (rc != FY_OK) {
+    fy_st_writer_abort(w);
+    return rc;
+  }
+  *out = w;
+  return FY_OK;
+}
+
+fy_status fy_st_writer_open_dir(const char *dir, const struct fy_st_tensor *tensors, int n,
+                                size_t max_shard_bytes, fy_st_writer **out) {
   static const char *const md[] = {"format", "pt", NULL};
   if (n < 0 || (n > 0 && !tensors))
     return fy_error_set(FY_ERR_INVALID, "safetensors write: bad tensor list");
   if (mkdir(dir, 0755) != 0 && errno != EEXIST)
     return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", dir, strerror(errno));
   uint64_t total = 0;
-  for (int i = 0; i < n; i++) {
-    FY_TRY(st_check_tensor(&tensors[i], i));
-    total += tensors[i].nbytes;
-  }
-  if (max_shard_bytes == 0 || total <= max_shard_bytes) {
-    char *p = st_join(dir, ST_SINGLE_NAME);
-    if (!p) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-    fy_status rc = fy_safetensors_write(p, tensors, n, md);
-    free(p);
-    if (rc == FY_OK) st_remove_stale(dir, 0);
-    return rc;
-  }
+  for (int i = 0; i < n; i++) total += tensors[i].nbytes;
   // Greedy, in the given order, as transformers' shard_checkpoint: a tensor larger than the limit
   // gets a shard of its own.
-  int *shard_of = malloc((size_t)n * sizeof *shard_of);
-  if (!shard_of) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  int nshards = 0;
-  size_t cur = 0;
-  for (int i = 0; i < n; i++) {
-    if (nshards == 0 || (cur > 0 && cur + tensors[i].nbytes > max_shard_bytes)) {
-      nshards++;
-      cur = 0;
+  int nshards = 1;
+  if (max_shard_bytes && total > max_shard_bytes) {
+    nshards = 0;
+    size_t cur = 0;
+    for (int i = 0; i < n; i++) {
+      if (nshards == 0 || (cur > 0 && cur + tensors[i].nbytes > max_shard_bytes)) nshards++, cur = 0;
+      cur += tensors[i].nbytes;
     }
-    shard_of[i] = nshards - 1;
-    cur += tensors[i].nbytes;
+    if (nshards > 99999)
+      return fy_error_set(FY_ERR_INVALID, "safetensors write: %d shards are too many; raise the shard size", nshards);
   }
+  fy_st_writer *w = NULL;
+  FY_TRY(st_writer_new(tensors, n, nshards, &w));
+  fy_status rc = (w->dir = strdup(dir)) ? FY_OK : fy_error_set(FY_ERR_NOMEM, "out of memory");
+  char fname[64];
+  size_t cur = 0;
+  for (int s = 0, i = 0; rc == FY_OK && s < nshards; s++) {
+    int first = i;
+    if (nshards == 1) i = n;
+    else
+      for (cur = 0; i < n && (i == first || cur + tensors[i].nbytes <= max_shard_bytes || cur == 0); i++)
+        cur += tensors[i].nbytes;
+    if (nshards == 1) snprintf(fname, sizeof fname, "%s", ST_SINGLE_NAME);
+    else snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, nshards);
+    char *p = st_join(dir, fname);
+    rc = p ? st_writer_file(w, s, p, tensors, first, i - first, md) : fy_error_set(FY_ERR_NOMEM, "out of memory");
+    free(p);
+  }
+  if (rc != FY_OK) {
+    fy_st_writer_abort(w);
+    return rc;
+  }
+  *out = w;
+  return FY_OK;
+}
+
+fy_status fy_st_writer_put(fy_st_writer *w, int i, size_t off, const void *data, size_t n) {
+  if (i < 0 || i >= w->n || off > w->nbytes[i] || n > w->nbytes[i] - off || w->got[i] + n > w->nbytes[i])
+    return fy_error_set(FY_ERR_INVALID, "safetensors write: bytes [%zu, %zu) of tensor %d are outside it or written "
+                        "twice", off, off + n, i);
+  if (n == 0) return FY_OK;
+  struct st_out *o = &w->files[w->file_of[i]];
+  FY_TRY(fy_file_pwrite_all(o->fd, data, n, w->at[i] + off, o->tmp));
+  w->got[i] += n;
+  return FY_OK;
+}
+
+// The index of a sharded directory: every tensor's file, the names sorted (as transformers writes it).
+static fy_status st_write_index(fy_st_writer *w) {
   fy_status rc = FY_OK;
-  if (nshards > 99999) {
-    free(shard_of);
-    return fy_error_set(FY_ERR_INVALID, "safetensors write: %d shards are too many; raise the "
-                        "shard size", nshards);
-  }
-  struct fy_st_tensor *buf = malloc((size_t)n * sizeof *buf);
-  struct st_pair *pairs = malloc((size_t)n * sizeof *pairs);
-  json_object *root = json_object_new_object(), *meta = json_object_new_object(),
-              *wm = json_object_new_object();
-  if (!buf || !pairs || !root || !meta || !wm) {
-    rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  uint64_t total = 0;
+  struct st_pair *pairs = malloc((w->n ? (size_t)w->n : 1) * sizeof *pairs);
+  json_object *root = json_object_new_object(), *meta = json_object_new_object(), *wm = json_object_new_object();
+  char *ip = st_join(w->dir, ST_INDEX_NAME);
+  if (!pairs || !root || !meta || !wm || !ip) {
     json_object_put(meta);
     json_object_put(wm);
+    rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
     goto done;
   }
+  for (int i = 0; i < w->n; i++) total += w->nbytes[i];
   json_object_object_add(meta, "total_size", json_object_new_int64((int64_t)total));
   json_object_object_add(root, "metadata", meta);
   json_object_object_add(root, "weight_map", wm);
+  for (int i = 0; i < w->n; i++) pairs[i] = (struct st_pair){w->names[i], w->file_of[i]};
+  qsort(pairs, (size_t)w->n, sizeof *pairs, st_pair_cmp);
   char fname[64];
-  for (int s = 0, i = 0; s < nshards && rc == FY_OK; s++) {
-    int m = 0;
-    while (i < n && shard_of[i] == s) buf[m++] = tensors[i++];
-    snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, nshards);
-    char *p = st_join(dir, fname);
-    if (!p) {
-      rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
-      break;
-    }
-    rc = fy_safetensors_write(p, buf, m, md);
-    free(p);
-  }
-  if (rc != FY_OK) goto done;
-  // transformers writes the weight map sorted by name.
-  for (int i = 0; i < n; i++) pairs[i] = (struct st_pair){tensors[i].name, shard_of[i]};
-  qsort(pairs, (size_t)n, sizeof *pairs, st_pair_cmp);
-  for (int i = 0; i < n; i++) {
-    snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", pairs[i].shard + 1, nshards);
+  for (int i = 0; i < w->n; i++) {
+    snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", pairs[i].shard + 1, w->nfiles);
     json_object_object_add(wm, pairs[i].name, json_object_new_string(fname));
   }
   size_t jlen;
   const char *js = json_object_to_json_string_length(
       root, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED | JSON_C_TO_STRING_NOSLASHESCAPE, &jlen);
-  char *ip = st_join(dir, ST_INDEX_NAME);
-  if (!js || !ip) {
-    free(ip);
+  if (!js) {
     rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
     goto done;
   }
   struct fy_file_piece pc[2] = {{js, jlen}, {"\n", 1}};
   rc = fy_file_write_atomic(ip, pc, 2);
-  free(ip);
-  if (rc == FY_OK) st_remove_stale(dir, nshards);
 done:
+  free(ip);
   json_object_put(root);
   free(pairs);
-  free(buf);
-  free(shard_of);
   return rc;
+}
+
+fy_status fy_st_writer_commit(fy_st_writer *w) {
+  fy_status rc = FY_OK;
+  for (int i = 0; rc == FY_OK && i < w->n; i++)
+    if (w->got[i] != w->nbytes[i])
+      rc = fy_error_set(FY_ERR_INVALID, "safetensors write: tensor '%s' got %zu of its %zu bytes", w->names[i],
+                        w->got[i], w->nbytes[i]);
+  for (int f = 0; rc == FY_OK && f < w->nfiles; f++) {
+    struct st_out *o = &w->files[f];
+    rc = fy_file_temp_commit(o->path, o->tmp, o->fd);
+    o->tmp = NULL;  // committed or removed
+  }
+  if (rc == FY_OK && w->dir && w->nfiles > 1) rc = st_write_index(w);
+  if (rc == FY_OK && w->dir) st_remove_stale(w->dir, w->nfiles > 1 ? w->nfiles : 0);
+  fy_st_writer_abort(w);  // frees (the files are committed or removed)
+  return rc;
+}
+
+// Every tensor whole from its data pointer.
+static fy_status st_put_all(fy_st_writer *w, const struct fy_st_tensor *tensors, int n) {
+  for (int i = 0; i < n; i++) {
+    fy_status rc = st_check_tensor(&tensors[i], i, true);
+    if (rc == FY_OK) rc = fy_st_writer_put(w, i, 0, tensors[i].data, tensors[i].nbytes);
+    if (rc != FY_OK) {
+      fy_st_writer_abort(w);
+      return rc;
+    }
+  }
+  return fy_st_writer_commit(w);
+}
+
+fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tensors, int n,
+                               const char *const *metadata) {
+  for (int i = 0; tensors && i < n; i++) FY_TRY(st_check_tensor(&tensors[i], i, true));
+  fy_st_writer *w = NULL;
+  FY_TRY(fy_st_writer_open(path, tensors, n, metadata, &w));
+  return st_put_all(w, tensors, n);
+}
+
+fy_status fy_safetensors_write_dir(const char *dir, const struct fy_st_tensor *tensors, int n,
+                                   size_t max_shard_bytes) {
+  for (int i = 0; tensors && i < n; i++) FY_TRY(st_check_tensor(&tensors[i], i, true));
+  fy_st_writer *w = NULL;
+  FY_TRY(fy_st_writer_open_dir(dir, tensors, n, max_shard_bytes, &w));
+  return st_put_all(w, tensors, n);
 }
 
 void fy_safetensors_done_with(const void *p, size_t n) {

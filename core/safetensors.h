@@ -53,4 +53,19 @@ fy_status fy_safetensors_write(const char *path, const struct fy_st_tensor *tens
 fy_status fy_safetensors_write_dir(const char *dir, const struct fy_st_tensor *tensors, int n,
                                    size_t max_shard_bytes);
 
+// A file (or model directory) written part by part, for a state too large to hold whole at once:
+// the tensors' names, dtypes and shapes are fixed at open (their data pointers are not read), and
+// the header goes out then; put writes bytes [off, off + n) of tensor i, in any order; commit
+// checks that every byte of every tensor was put, then makes the files (and a sharded directory's
+// index) take their names as the writes above do. commit and abort free the writer; abort
+// removes what was written. The files are the same bytes as the writes above would make.
+typedef struct fy_st_writer fy_st_writer;
+fy_status fy_st_writer_open(const char *path, const struct fy_st_tensor *tensors, int n,
+                            const char *const *metadata, fy_st_writer **out);
+fy_status fy_st_writer_open_dir(const char *dir, const struct fy_st_tensor *tensors, int n,
+                                size_t max_shard_bytes, fy_st_writer **out);
+fy_status fy_st_writer_put(fy_st_writer *w, int i, size_t off, const void *data, size_t n);
+fy_status fy_st_writer_commit(fy_st_writer *w);
+void fy_st_writer_abort(fy_st_writer *w);
+
 #endif

@@ -513,6 +513,94 @@ static void test_write_failures(void) {
   check_rm_rf(d);
 }
 
+
+static bool same_file(const char *a, const char *b) {
+  size_t na = 0, nb = 0;
+  char *x = read_bytes(a, &na), *y = read_bytes(b, &nb);
+  bool same = x && y && na == nb && memcmp(x, y, na) == 0;
+  free(x);
+  free(y);
+  return same;
+}
+
+// A writer fed in pieces, in any order, makes the same bytes as a write from whole tensors; a
+// writer that was not given every byte, or given bytes twice, makes nothing.
+static void test_parts(void) {
+  enum { NA = 1000, NB = 37, NC = 5 };
+  float a[NA], b[NB];
+  int64_t c[NC];
+  uint16_t h[NB];
+  for (int i = 0; i < NA; i++) a[i] = (float)i * 0.25f - 7;
+  for (int i = 0; i < NB; i++) b[i] = -(float)i, h[i] = (uint16_t)(0x3c00 + i);
+  for (int i = 0; i < NC; i++) c[i] = (int64_t)i << 35;
+  int64_t sa[2] = {25, 40}, sb[1] = {NB}, sc[1] = {NC};
+  struct fy_st_tensor ts[] = {mk("a", FY_F32, 2, sa, a), mk("half", FY_F16, 1, sb, h), mk("b", FY_F32, 1, sb, b),
+                              mk("c", FY_I64, 1, sc, c)};
+  const int n = 4;
+  const char *md[] = {"format", "pt", NULL};
+  char whole[512], parts[512];
+  snprintf(whole, sizeof whole, "%s/whole.safetensors", tmpdir);
+  snprintf(parts, sizeof parts, "%s/parts.safetensors", tmpdir);
+  CHECK_OK(fy_safetensors_write(whole, ts, n, md));
+  // Last tensor first, each in pieces of 7 bytes from its end (the data pointers are not read).
+  struct fy_st_tensor shapes[4];
+  memcpy(shapes, ts, sizeof ts);
+  for (int i = 0; i < n; i++) shapes[i].data = NULL;
+  fy_st_writer *w = NULL;
+  CHECK_OK(fy_st_writer_open(parts, shapes, n, md, &w));
+  CHECK(access(parts, F_OK) != 0);  // nothing under the name before commit
+  for (int i = n - 1; w && i >= 0; i--)
+    for (size_t end = ts[i].nbytes; end > 0;) {
+      size_t lo = end > 7 ? end - 7 : 0;
+      CHECK_OK(fy_st_writer_put(w, i, lo, (const char *)ts[i].data + lo, end - lo));
+      end = lo;
+    }
+  CHECK_OK(fy_st_writer_commit(w));
+  CHECKF(same_file(whole, parts), "a file written in pieces differs from one written whole");
+
+  // The same for a sharded directory (shards of at most 256 bytes: [a] [half b] [c]).
+  char dw[512], dp[512], fw[600], fp[600];
+  snprintf(dw, sizeof dw, "%s/dwhole", tmpdir);
+  snprintf(dp, sizeof dp, "%s/dparts", tmpdir);
+  CHECK_OK(fy_safetensors_write_dir(dw, ts, n, 256));
+  CHECK_OK(fy_st_writer_open_dir(dp, shapes, n, 256, &w));
+  for (int i = 0; w && i < n; i++) {
+    size_t half = ts[i].nbytes / 2;
+    CHECK_OK(fy_st_writer_put(w, i, half, (const char *)ts[i].data + half, ts[i].nbytes - half));
+    CHECK_OK(fy_st_writer_put(w, i, 0, ts[i].data, half));
+  }
+  CHECK_OK(fy_st_writer_commit(w));
+  const char *files[] = {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                         "model-00003-of-00003.safetensors", "model.safetensors.index.json"};
+  for (int k = 0; k < 4; k++) {
+    snprintf(fw, sizeof fw, "%s/%s", dw, files[k]);
+    snprintf(fp, sizeof fp, "%s/%s", dp, files[k]);
+    CHECKF(same_file(fw, fp), "%s written in pieces differs", files[k]);
+  }
+  CHECK(count_entries(dp) == 4);
+  check_rm_rf(dw);
+  check_rm_rf(dp);
+
+  // Bytes outside a tensor, or put twice, are refused; a writer short of bytes commits nothing.
+  CHECK_OK(fy_st_writer_open(parts, shapes, n, NULL, &w));
+  if (w) {
+    CHECK_ERR(fy_st_writer_put(w, 2, 4 * NB - 4, b, 8), FY_ERR_INVALID);
+    CHECK_ERR(fy_st_writer_put(w, 4, 0, b, 4), FY_ERR_INVALID);
+    CHECK_OK(fy_st_writer_put(w, 2, 0, b, 4 * NB));
+    CHECK_ERR(fy_st_writer_put(w, 2, 0, b, 4), FY_ERR_INVALID);
+    for (int i = 0; i < n; i++)
+      if (i != 2) CHECK_OK(fy_st_writer_put(w, i, 0, ts[i].data, ts[i].nbytes - (i == 0 ? 4 : 0)));
+    CHECK_ERR(fy_st_writer_commit(w), FY_ERR_INVALID);
+  }
+  CHECK(same_file(whole, parts));  // the earlier file is untouched
+  CHECK_OK(fy_st_writer_open(parts, shapes, n, NULL, &w));
+  fy_st_writer_abort(w);
+  CHECK(same_file(whole, parts));
+  unlink(whole);
+  unlink(parts);
+  CHECK(count_entries(tmpdir) == 0);  // no temporary file left behind
+}
+
 int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/fy_st_XXXXXX");
   if (!mkdtemp(tmpdir)) {
@@ -526,6 +614,7 @@ int main(void) {
   test_bad_files();
   test_mutations();
   test_write_failures();
+  test_parts();
   check_rm_rf(tmpdir);
   return check_summary("safetensors");
 }
