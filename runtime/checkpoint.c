@@ -18,12 +18,21 @@
 
 #define MAX_SHARD_BYTES ((size_t)5 << 30)
 
+// Where a write takes the state from: whole flat buffers, or pieces a fill hands out in order.
+struct ckpt_source {
+  const float *params, *m, *v;
+  fy_ckpt_fill_fn fill;
+  void *ctx;
+  int64_t piece;
+  struct fy_ckpt_meta meta;
+};
+
 struct fy_ckpt_writer {
   char root[3072];
   int keep;
   const struct fy_model *model;
   struct fy_ckpt_snapshot snap;    // the writer's own buffers (written asynchronously)
-  const struct fy_ckpt_snapshot *cur;  // what the write in progress reads: &snap, or a caller's view
+  struct ckpt_source src;          // what the write in progress reads
   char **m_names, **v_names;
   struct fy_uv_pool *pool;
   struct fy_uv_job job;
@@ -84,35 +93,78 @@ static fy_status fsync_dir_files(const char *dir) {
 
 // ---- writing ----
 
-static fy_status write_step_dir(struct fy_ckpt_writer *w, const char *dir) {
+// Parameter i's part in elements [lo, hi) of the flat layout, from p, m and v (which hold those
+// elements), into the weights' and the AdamW state's files.
+static fy_status put_part(struct fy_ckpt_writer *w, fy_st_writer *model, fy_st_writer *adam, int i, int64_t lo,
+                          int64_t hi, const float *p, const float *m, const float *v) {
+  const struct fy_param *prm = &w->model->graph->params[i];
+  int64_t a, b;
+  if (!fy_param_part(prm, lo, hi, &a, &b)) return FY_OK;
+  size_t off = (size_t)a * 4, n = (size_t)(b - a) * 4, at = (size_t)(prm->offset + a - lo);
+  FY_TRY(fy_st_writer_put(model, i, off, p + at, n));
+  FY_TRY(fy_st_writer_put(adam, 2 * i, off, m + at, n));
+  return fy_st_writer_put(adam, 2 * i + 1, off, v + at, n);
+}
+
+// The tensors of a step directory: the weights (a Hugging Face model directory) and the AdamW state.
+static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
   const struct fy_graph *g = w->model->graph;
-  const struct fy_ckpt_snapshot *s = w->cur;
+  const struct ckpt_source *s = &w->src;
   struct fy_st_tensor *ts = calloc((size_t)g->n_params * 2, sizeof *ts);
   if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint's tensor list");
+  fy_st_writer *model = NULL, *adam = NULL;
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
     ts[i] = (struct fy_st_tensor){.name = p->name, .dtype = FY_F32, .rank = p->rank,
-                                  .shape = {p->shape[0], p->shape[1]}, .data = s->params + p->offset,
-                                  .nbytes = (size_t)p->numel * 4};
+                                  .shape = {p->shape[0], p->shape[1]}, .nbytes = (size_t)p->numel * 4};
   }
-  fy_status st = fy_safetensors_write_dir(dir, ts, g->n_params, MAX_SHARD_BYTES);
-  struct fy_opt_config cfg = w->model->cfg;
-  snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "float32");
-  if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
-  for (int i = 0; i < g->n_params; i++) {
-    const struct fy_param *p = &g->params[i];
-    ts[2 * i] = (struct fy_st_tensor){.name = w->m_names[i], .dtype = FY_F32, .rank = p->rank,
-                                      .shape = {p->shape[0], p->shape[1]}, .data = s->m + p->offset,
-                                      .nbytes = (size_t)p->numel * 4};
-    ts[2 * i + 1] = ts[2 * i];
+  fy_status st = fy_st_writer_open_dir(dir, ts, g->n_params, MAX_SHARD_BYTES, &model);
+  for (int i = g->n_params - 1; i >= 0; i--) {  // (downwards: ts[i] is read before ts[2i] is written)
+    ts[2 * i] = ts[i];
+    ts[2 * i].name = w->m_names[i];
+    ts[2 * i + 1] = ts[i];
     ts[2 * i + 1].name = w->v_names[i];
-    ts[2 * i + 1].data = s->v + p->offset;
   }
   char path[4200];
   snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
-  if (st == FY_OK) st = fy_safetensors_write(path, ts, 2 * g->n_params, NULL);
+  if (st == FY_OK) st = fy_st_writer_open(path, ts, 2 * g->n_params, NULL, &adam);
   free(ts);
-  if (st == FY_OK) st = fy_ckpt_index_write(dir, &s->meta);
+  if (!s->fill) {
+    for (int i = 0; st == FY_OK && i < g->n_params; i++)
+      st = put_part(w, model, adam, i, 0, g->n_param_elems, s->params, s->m, s->v);
+  } else {
+    // Piece by piece: every piece is asked for, even after an error, so that ranks that gather
+    // each piece together stay in step.
+    float *buf = malloc((size_t)s->piece * 3 * 4);
+    if (!buf) st = fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB for a piece of the checkpoint", s->piece * 12 / 1048576.0);
+    for (int64_t lo = 0; lo < g->n_param_elems; lo += s->piece) {
+      int64_t hi = lo + s->piece < g->n_param_elems ? lo + s->piece : g->n_param_elems;
+      float *p = buf, *m = buf ? buf + s->piece : NULL, *v = buf ? buf + 2 * s->piece : NULL;
+      fy_status f = s->fill(s->ctx, lo, hi, p, m, v);
+      if (st == FY_OK) st = f;
+      for (int i = 0; st == FY_OK && i < g->n_params; i++) st = put_part(w, model, adam, i, lo, hi, p, m, v);
+    }
+    free(buf);
+  }
+  if (st == FY_OK) {
+    st = fy_st_writer_commit(model);
+    model = NULL;
+  }
+  if (st == FY_OK) {
+    st = fy_st_writer_commit(adam);
+    adam = NULL;
+  }
+  fy_st_writer_abort(model);
+  fy_st_writer_abort(adam);
+  return st;
+}
+
+static fy_status write_step_dir(struct fy_ckpt_writer *w, const char *dir) {
+  fy_status st = write_tensors(w, dir);
+  struct fy_opt_config cfg = w->model->cfg;
+  snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "float32");
+  if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
+  if (st == FY_OK) st = fy_ckpt_index_write(dir, &w->src.meta);
   if (st == FY_OK) st = fsync_dir_files(dir);
   return st;
 }
@@ -149,7 +201,7 @@ static void write_job(void *arg) {
   struct fy_ckpt_writer *w = arg;
   double t0 = now_s();
   char name[64], tmp[3200], dir[3200], latest[3200];
-  snprintf(name, sizeof name, "step-%08lld", (long long)w->cur->meta.step);
+  snprintf(name, sizeof name, "step-%08lld", (long long)w->src.meta.step);
   snprintf(tmp, sizeof tmp, "%s/.%s.tmp-%d", w->root, name, (int)getpid());
   snprintf(dir, sizeof dir, "%s/%s", w->root, name);
   snprintf(latest, sizeof latest, "%s/latest", w->root);
@@ -173,7 +225,7 @@ static void write_job(void *arg) {
     prune(w, name);
   } else {
     remove_tree(tmp);
-    fy_error_wrap(st, "writing the checkpoint of step %lld to %s", (long long)w->cur->meta.step, w->root);
+    fy_error_wrap(st, "writing the checkpoint of step %lld to %s", (long long)w->src.meta.step, w->root);
     snprintf(w->msg, sizeof w->msg, "%s", fy_error_msg());
   }
   w->st = st;
@@ -252,15 +304,21 @@ fy_status fy_ckpt_wait(struct fy_ckpt_writer *w) {
 
 fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w) {
   FY_TRY(fy_ckpt_wait(w));
-  w->cur = &w->snap;
+  w->src = (struct ckpt_source){.params = w->snap.params, .m = w->snap.m, .v = w->snap.v, .meta = w->snap.meta};
   return fy_uv_pool_submit(w->pool, &w->job, write_job, w);
 }
 
-fy_status fy_ckpt_write_from(struct fy_ckpt_writer *w, const struct fy_ckpt_snapshot *view) {
-  FY_TRY(fy_ckpt_wait(w));
-  w->cur = view;
-  write_job(w);  // on this thread: the view is only valid until we return
-  w->cur = &w->snap;
+fy_status fy_ckpt_write_pieces(struct fy_ckpt_writer *w, const struct fy_ckpt_meta *meta, int64_t piece,
+                               fy_ckpt_fill_fn fill, void *ctx) {
+  fy_status st = fy_ckpt_wait(w);
+  if (st == FY_OK && piece <= 0) st = fy_error_set(FY_ERR_INVALID, "checkpoint: pieces of %lld elements", (long long)piece);
+  if (st != FY_OK) {  // every piece is still asked for (see fy_ckpt_fill_fn)
+    int64_t n = w->model->graph->n_param_elems;
+    for (int64_t lo = 0; piece > 0 && lo < n; lo += piece) fill(ctx, lo, lo + piece < n ? lo + piece : n, NULL, NULL, NULL);
+    return st;
+  }
+  w->src = (struct ckpt_source){.fill = fill, .ctx = ctx, .piece = piece, .meta = *meta};
+  write_job(w);  // on this thread: the fill's state is only valid until we return
   return fy_ckpt_wait(w);
 }
 

@@ -49,11 +49,17 @@ struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w);
 // Writes the snapshot on libuv's thread pool and returns at once; waits first for the previous
 // write. Returns the previous write's error, if it had one.
 fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w);
-// Writes the state `view` points at (the same files, the same atomic steps) on the calling thread,
-// without copying it into the writer's buffers: for a state that fills the host memory, which the
-// run then leaves untouched until this returns. Waits first for the previous write; returns this
-// write's status.
-fy_status fy_ckpt_write_from(struct fy_ckpt_writer *w, const struct fy_ckpt_snapshot *view);
+// A state handed to the writer piece by piece: fill puts elements [lo, hi) of the flat weights, m
+// and v into params, m and v (hi - lo floats each; NULL: the writer cannot take them, and the fill
+// only does its part, for instance in a gather with other ranks). It is called for consecutive
+// pieces covering the layout in order, each once, and for all of them even after an error.
+typedef fy_status (*fy_ckpt_fill_fn)(void *ctx, int64_t lo, int64_t hi, float *params, float *m, float *v);
+// Writes the state `fill` hands out in pieces of `piece` elements (the same files, the same atomic
+// steps) on the calling thread, holding one piece at a time: for a state no snapshot of which fits
+// beside it (a model that fills the host memory, or chunks sharded across ranks that no rank holds
+// whole). Waits first for the previous write; returns this write's status (a fill's error among them).
+fy_status fy_ckpt_write_pieces(struct fy_ckpt_writer *w, const struct fy_ckpt_meta *meta, int64_t piece,
+                               fy_ckpt_fill_fn fill, void *ctx);
 // Waits for the write in flight and returns its status.
 fy_status fy_ckpt_wait(struct fy_ckpt_writer *w);
 // True while a write is in flight.

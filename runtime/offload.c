@@ -1069,14 +1069,6 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v,
   return disk_io(x, store, c, 2 * slot, v, used, x->req_v);
 }
 
-bool fy_offload_state_in_place(struct fy_offload *x, const float **params, const float **m, const float **v) {
-  if (x->sharded || x->n_dev > 0 || x->n_disk_chunks > 0 || !x->m_all || !x->m->params) return false;
-  *params = x->m->params;
-  *m = x->m_all;
-  *v = x->v_all;
-  return true;
-}
-
 void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {
   *lo = x->lo;
   *n = x->S;
@@ -1098,37 +1090,42 @@ static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
 }
 
 // Sharding: chunk c's weights (which 0), m (1) or v (2) from every rank's shard, through the
-// gather buffer, into dst + c * chunk_elems (dst NULL: this rank only takes part). A collective,
-// on the optimizer's communicator (host memory; every stream is idle).
+// gather buffer, into dst (its used elements; NULL: this rank only takes part). A collective, on
+// the optimizer's communicator (host memory; every stream is idle).
 static fy_status gather_chunk(struct fy_offload *x, int c, int which, float *dst) {
   const struct fy_chunk_layout *l = x->m->layout;
   FY_TRY(shard_out(x, c, which, x->gather_buf + x->lo));
   fy_status st = fy_comm_all_gather(x->c_optim, x->gather_buf + x->lo, x->gather_buf, (size_t)x->S, FY_COMM_F32, NULL);
   if (st != FY_OK) return fy_error_wrap(st, "gathering the shards of chunk %d", c);
-  if (dst) memcpy(dst + c * l->chunk_elems, x->gather_buf, (size_t)l->chunks[c].used * 4);
+  if (dst) memcpy(dst, x->gather_buf, (size_t)l->chunks[c].used * 4);
+  return FY_OK;
+}
+
+fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v) {
+  const struct fy_chunk_layout *l = x->m->layout;
+  int64_t ce = l->chunk_elems;
+  if (!x->sharded) {
+    if (params) memcpy(params, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
+    return m && v ? fy_offload_adam_state(x, c, m, v, false) : FY_OK;
+  }
+  // Every rank takes part, those with a destination keep it. Before the first micro-batch the
+  // weights are still whole in the model's buffer.
+  float *dst[3] = {params, m, v};
+  for (int which = 0; which < 3; which++) {
+    if (which == 0 && !x->taken) {
+      if (params) memcpy(params, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
+      continue;
+    }
+    FY_TRY(gather_chunk(x, c, which, dst[which]));
+  }
   return FY_OK;
 }
 
 fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v) {
   FY_TRY(fy_offload_sync(x));
-  const struct fy_chunk_layout *l = x->m->layout;
-  int64_t ce = l->chunk_elems;
-  if (!x->sharded) {
-    if (params) memcpy(params, x->m->params, (size_t)x->m->graph->n_param_elems * 4);
-    for (int c = 0; m && v && c < l->n_chunks; c++) FY_TRY(fy_offload_adam_state(x, c, m + c * ce, v + c * ce, false));
-    return FY_OK;
-  }
-  // Chunk by chunk through one buffer; every rank takes part, those with a destination keep it.
-  // Before the first micro-batch the weights are still whole in the model's buffer.
-  float *dst[3] = {params, m, v};
-  for (int c = 0; c < l->n_chunks; c++)
-    for (int which = 0; which < 3; which++) {
-      if (which == 0 && !x->taken) {
-        if (params) memcpy(params + c * ce, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
-        continue;
-      }
-      FY_TRY(gather_chunk(x, c, which, dst[which]));
-    }
+  int64_t ce = x->m->layout->chunk_elems;
+  for (int c = 0; c < x->m->layout->n_chunks; c++)
+    FY_TRY(fy_offload_chunk_state_out(x, c, params ? params + c * ce : NULL, m ? m + c * ce : NULL, v ? v + c * ce : NULL));
   return FY_OK;
 }
 
@@ -1139,7 +1136,8 @@ fy_status fy_offload_unshard(struct fy_offload *x, bool keep) {
   float *full = NULL;
   if (keep) FY_TRY(fy_host_alloc(m->host, bytes, (void **)&full));
   fy_status st = fy_offload_sync(x);
-  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) st = gather_chunk(x, c, 0, full);
+  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
+    st = gather_chunk(x, c, 0, full ? full + c * m->layout->chunk_elems : NULL);
   if (!keep) return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights");
   if (st != FY_OK) {
     fy_host_dealloc(m->host, full, bytes);

@@ -96,11 +96,6 @@ fy_status fy_offload_sync(struct fy_offload *x);
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard
 // of it. Only between steps (after fy_offload_sync), and `store` only before the first step.
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
-// The whole training state where it lives, when one rank keeps all of it in the host tier (no
-// sharding, no chunks on the device or on disk): the weights, m and v, each in the layout's flat
-// order (chunk c at c * chunk_elems), as fy_offload_state_out would copy them; false otherwise.
-// Read only between steps, after fy_offload_sync.
-bool fy_offload_state_in_place(struct fy_offload *x, const float **params, const float **m, const float **v);
 // Sharding: sets this rank's shard of every chunk's weights from fill, which writes elements
 // [lo, hi) of the flat parameter buffer into dst (fy_model_init_random_part, fy_model_load_part),
 // instead of taking the shards from the model's whole buffer (which may be NULL: model opts'
@@ -115,6 +110,10 @@ void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n);
 // chunk by chunk through one chunk-sized buffer, so a rank that passes NULL (one not writing the
 // checkpoint) needs no whole-model memory. Between steps.
 fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v);
+// The same for chunk c alone: its used elements into params, m and v (chunk_elems floats each;
+// NULL: not kept). A collective with sharding, which every rank calls for the same chunks in the
+// same order. Between steps, after fy_offload_sync.
+fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v);
 // With sharding, the model's full weight buffer (m->params, in the host tier) is released at the
 // first micro-batch, when every rank has taken its shards (or never exists: fy_offload_set_shards);
 // this gives it back, filled with the current weights, on the ranks that keep it (for saving and

@@ -113,7 +113,7 @@ struct run {
   struct fy_disk_tier *disk;
   struct fy_model *model;
   struct fy_offload *x;  // NULL: parameters resident on a cpu device
-  bool ckpt_in_place;    // checkpoints written from the offloaded state itself (fy_ckpt_write_from)
+  bool ckpt_by_chunk;    // checkpoints written chunk by chunk from the offloaded state (fy_ckpt_write_pieces)
   fy_data *data;
 };
 
@@ -611,27 +611,30 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_snapshot *s, struct
   return fy_ckpt_write_async(w);
 }
 
+// A piece of the checkpoint written chunk by chunk: chunk lo / chunk_elems of the offloaded state.
+static fy_status checkpoint_chunk(void *ctx, int64_t lo, int64_t hi, float *params, float *m, float *v) {
+  (void)hi;
+  struct run *r = ctx;
+  return fy_offload_chunk_state_out(r->x, (int)(lo / r->model->layout->chunk_elems), params, m, v);
+}
+
 // Copies the training state after `steps_done` steps into the writer's buffers and starts the
-// write in the background.
+// write in the background; or, when no snapshot fits, writes it chunk by chunk while training waits.
 static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
                             int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
-  struct fy_ckpt_snapshot *s = w && !r->ckpt_in_place ? fy_ckpt_snapshot_buffers(w) : NULL;
-  if (w && !r->ckpt_in_place && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
+  struct fy_ckpt_snapshot *s = w && !r->ckpt_by_chunk ? fy_ckpt_snapshot_buffers(w) : NULL;
+  if (w && !r->ckpt_by_chunk && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
   if (r->tp > 1) return checkpoint_tp(r, s, w, o, steps_done, scale, scale_good);
   if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  if (r->ckpt_in_place) {
-    const float *in_place[3];
+  if (r->ckpt_by_chunk) {  // (the other ranks' fy_offload_state_out gathers the same chunks in order)
     FY_TRY(fy_offload_sync(r->x));
-    if (!fy_offload_state_in_place(r->x, &in_place[0], &in_place[1], &in_place[2]))
-      return fy_error_set(FY_ERR_INTERNAL, "checkpoint: the offloaded state is no longer in place");
-    // The writer only reads the view, and this thread changes nothing until it returns.
-    struct fy_ckpt_snapshot view = {.params = (float *)in_place[0], .m = (float *)in_place[1], .v = (float *)in_place[2]};
-    checkpoint_meta(o, r, &view, steps_done, scale, scale_good);
-    return fy_ckpt_write_from(w, &view);
+    struct fy_ckpt_snapshot meta;
+    checkpoint_meta(o, r, &meta, steps_done, scale, scale_good);
+    return fy_ckpt_write_pieces(w, &meta.meta, m->layout->chunk_elems, checkpoint_chunk, r);
   }
   if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
@@ -841,15 +844,15 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0)
     st = fy_ckpt_writer_create(o->save, o->keep, r.tp > 1 ? &r.whole : r.model, &ckpt);
   // A snapshot is the whole state again (weights, m and v: 12 bytes a parameter). When the host
-  // tier cannot hold one beside the state (a model that fills the host memory), an offloaded run
-  // writes its checkpoints from the state where it lives, and training waits for each write.
-  const float *view[3];
-  if (st == FY_OK && ckpt && r.x && fy_offload_state_in_place(r.x, &view[0], &view[1], &view[2]) &&
+  // tier cannot hold one beside the state (a model that fills the host memory, or chunks sharded
+  // across ranks, of which the writing rank holds its share), an offloaded run writes its
+  // checkpoints chunk by chunk from where the state lives, and training waits for each write.
+  if (st == FY_OK && ckpt && r.x && r.tp == 1 &&
       (double)fy_host_in_use(r.host) + 12.0 * (double)r.model->graph->n_param_elems > (double)fy_host_cap(r.host)) {
-    r.ckpt_in_place = res->ckpt_in_place = true;
+    r.ckpt_by_chunk = res->ckpt_by_chunk = true;
     if (!o->quiet)
-      printf("ferry: checkpoints are written from the state in place (a %.3g GiB snapshot does not fit beside it "
-             "in the host memory): training waits for each write\n", 12.0 * r.model->graph->n_param_elems / 1073741824.0);
+      printf("ferry: checkpoints are written chunk by chunk (a %.3g GiB snapshot does not fit beside the state in the "
+             "host memory): training waits for each write\n", 12.0 * r.model->graph->n_param_elems / 1073741824.0);
   }
   bool lead = r.rank == 0;  // one rank speaks, logs and writes for all (replicas are identical)
   // Every rank knows when checkpoints are written: with sharded chunks all of them gather.

@@ -107,7 +107,7 @@ struct fy_train_result {
   double op_seconds[FY_OP_KIND_COUNT][2];  // with opts.profile: seconds per step per op kind
   int64_t first_step;            // 0, or the step a resumed run started from
   int checkpoints;               // checkpoints written
-  bool ckpt_in_place;            // written from the state where it lives (no snapshot beside it)
+  bool ckpt_by_chunk;            // written chunk by chunk from where the state lives (no snapshot fits)
   double checkpoint_s;           // the last checkpoint's write time (background)
   double checkpoint_bytes;       // its size on disk
   double step_s_ckpt;            // median time of steps that ran while a checkpoint was written

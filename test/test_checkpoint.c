@@ -39,7 +39,7 @@ static struct fy_train_opts base(void) {
 
 static void path(char *out, const char *name) { snprintf(out, 512, "%s/%s", dir, name); }
 
-static bool last_in_place;  // how check_resume's checkpoint was written
+static bool last_by_chunk;  // how check_resume's checkpoint was written
 
 // 10 steps straight against 5, a checkpoint, and 5 more resumed from it: bit for bit.
 static void check_resume(const char *what, struct fy_train_opts o) {
@@ -53,7 +53,7 @@ static void check_resume(const char *what, struct fy_train_opts o) {
   o.save_every = 5;
   CHECK_OK(fy_train(&o, &first));
   CHECK(first.checkpoints == 1 && first.interrupted && first.steps == 5);
-  last_in_place = first.ckpt_in_place;
+  last_by_chunk = first.ckpt_by_chunk;
   o.stop_after = 0;
   o.steps = 10;
   o.save = NULL;
@@ -64,6 +64,35 @@ static void check_resume(const char *what, struct fy_train_opts o) {
   CHECKF(second.last_loss == straight.last_loss && second.params_hash == straight.params_hash,
          "%s: resumed run ends at loss %.9g, straight %.9g", what, second.last_loss, straight.last_loss);
   fprintf(stderr, "  resume exact: %s\n", what);
+}
+
+
+// The step directory a run with options o writes after 3 steps under root.
+static void save_3(struct fy_train_opts o, const char *root, char *step_dir, bool *by_chunk) {
+  struct fy_train_result r;
+  o.steps = 3;
+  o.save = root;
+  o.save_every = 3;
+  CHECK_OK(fy_train(&o, &r));
+  *by_chunk = r.ckpt_by_chunk;
+  CHECK_OK(fy_ckpt_resolve(root, step_dir, 600));
+}
+
+// A checkpoint written chunk by chunk (o's host memory holds no snapshot) is the same bytes as
+// one written from a snapshot (a host memory without a cap).
+static void same_files_by_chunk(const char *what, struct fy_train_opts o) {
+  char a[512], b[512], da[600], db[600], cmd[1400];
+  snprintf(a, sizeof a, "%s/bychunk_%d", dir, rand());
+  snprintf(b, sizeof b, "%s/snapshot_%d", dir, rand());
+  bool ca, cb;
+  save_3(o, a, da, &ca);
+  o.host_mem = 0;
+  save_3(o, b, db, &cb);
+  CHECKF(ca && !cb, "%s: the checkpoints were not written one chunk by chunk, one from a snapshot", what);
+  snprintf(cmd, sizeof cmd, "cmp -s %s/model.safetensors %s/model.safetensors && cmp -s %s/optimizer.safetensors "
+           "%s/optimizer.safetensors && cmp -s %s/config.json %s/config.json", da, db, da, db, da, db);
+  CHECKF(system(cmd) == 0, "%s: a checkpoint written chunk by chunk differs from one written from a snapshot", what);
+  fprintf(stderr, "  same files chunk by chunk: %s\n", what);
 }
 
 int main(int argc, char **argv) {
@@ -100,21 +129,26 @@ int main(int argc, char **argv) {
   o.precision = NULL;
   check_resume("sim, 2 chunks updated on the device", o);
   o.device_chunks = 0;
-  CHECK(!last_in_place);  // a snapshot fits: checkpoints are written in the background
+  CHECK(!last_by_chunk);  // a snapshot fits: checkpoints are written in the background
   // A host memory that holds the state but not a snapshot of it as well: the checkpoints are
-  // written from the state where it lives (training waits), and resume exactly.
+  // written chunk by chunk from where the state lives (training waits), and resume exactly.
   {
     struct fy_train_result r;
     struct fy_train_opts q = o;
     q.steps = 1;
     CHECK_OK(fy_train(&q, &r));
     o.host_mem = (size_t)(1.25 * r.host_tier_bytes);
-    check_resume("sim, checkpoints written from the state in place", o);
-    CHECKF(last_in_place, "a host tier of %zu bytes (state %.0f) still took a snapshot", o.host_mem, r.host_tier_bytes);
+    check_resume("sim, checkpoints written chunk by chunk", o);
+    CHECKF(last_by_chunk, "a host tier of %zu bytes (state %.0f) still took a snapshot", o.host_mem, r.host_tier_bytes);
     o.precision = "bf16";
-    check_resume("sim bf16, checkpoints written from the state in place", o);
-    CHECK(last_in_place);
+    check_resume("sim bf16, checkpoints written chunk by chunk", o);
+    CHECK(last_by_chunk);
+    o.device_chunks = 2;  // chunks whose state lives on the device
+    check_resume("sim bf16, 2 chunks on the device, checkpoints written chunk by chunk", o);
+    CHECK(last_by_chunk);
+    same_files_by_chunk("sim bf16, 2 chunks on the device", o);
     o.precision = NULL;
+    o.device_chunks = 0;
     o.host_mem = 0;
   }
   char disk[512];
@@ -123,6 +157,17 @@ int main(int argc, char **argv) {
   o.disk_dir = disk;
   o.disk_chunks = 100;
   check_resume("sim, gradients and AdamW state on disk", o);
+  {  // on disk and in a small host tier: chunk by chunk from the disk
+    struct fy_train_result r;
+    struct fy_train_opts q = o;
+    q.steps = 1;
+    CHECK_OK(fy_train(&q, &r));
+    o.host_mem = (size_t)(r.host_tier_bytes + 6.0 * (double)fy_opt_num_params(&cfg));  // half a snapshot
+    check_resume("sim, AdamW state on disk, checkpoints written chunk by chunk", o);
+    CHECK(last_by_chunk);
+    same_files_by_chunk("sim, AdamW state on disk", o);
+    o.host_mem = 0;
+  }
 
   // A checkpoint saved with one placement resumes under another (per-parameter storage).
   char root[512];
