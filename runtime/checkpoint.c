@@ -93,20 +93,23 @@ static fy_status fsync_dir_files(const char *dir) {
 
 // ---- writing ----
 
-// Parameter i's part in elements [lo, hi) of the flat layout, from p, m and v (which hold those
-// elements), into the weights' and the AdamW state's files.
-static fy_status put_part(struct fy_ckpt_writer *w, fy_st_writer *model, fy_st_writer *adam, int i, int64_t lo,
-                          int64_t hi, const float *p, const float *m, const float *v) {
-  const struct fy_param *prm = &w->model->graph->params[i];
+// The AdamW state's part in elements [lo, hi) of the flat layout (m and v hold those elements).
+static fy_status put_adam(struct fy_ckpt_writer *w, fy_st_writer *adam, int64_t lo, int64_t hi, const float *m,
+                          const float *v) {
+  const struct fy_graph *g = w->model->graph;
   int64_t a, b;
-  if (!fy_param_part(prm, lo, hi, &a, &b)) return FY_OK;
-  size_t off = (size_t)a * 4, n = (size_t)(b - a) * 4, at = (size_t)(prm->offset + a - lo);
-  FY_TRY(fy_st_writer_put(model, i, off, p + at, n));
-  FY_TRY(fy_st_writer_put(adam, 2 * i, off, m + at, n));
-  return fy_st_writer_put(adam, 2 * i + 1, off, v + at, n);
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *prm = &g->params[i];
+    if (!fy_param_part(prm, lo, hi, &a, &b)) continue;
+    size_t off = (size_t)a * 4, n = (size_t)(b - a) * 4, at = (size_t)(prm->offset + a - lo);
+    FY_TRY(fy_st_writer_put(adam, 2 * i, off, m + at, n));
+    FY_TRY(fy_st_writer_put(adam, 2 * i + 1, off, v + at, n));
+  }
+  return FY_OK;
 }
 
-// The tensors of a step directory: the weights (a Hugging Face model directory) and the AdamW state.
+// The tensors of a step directory: the weights (a Hugging Face model directory, config.json
+// included) and the AdamW state.
 static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
   const struct fy_graph *g = w->model->graph;
   const struct ckpt_source *s = &w->src;
@@ -115,23 +118,20 @@ static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
   fy_st_writer *model = NULL, *adam = NULL;
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
-    ts[i] = (struct fy_st_tensor){.name = p->name, .dtype = FY_F32, .rank = p->rank,
-                                  .shape = {p->shape[0], p->shape[1]}, .nbytes = (size_t)p->numel * 4};
-  }
-  fy_status st = fy_st_writer_open_dir(dir, ts, g->n_params, MAX_SHARD_BYTES, &model);
-  for (int i = g->n_params - 1; i >= 0; i--) {  // (downwards: ts[i] is read before ts[2i] is written)
-    ts[2 * i] = ts[i];
+    struct fy_st_tensor t = {.dtype = FY_F32, .rank = p->rank, .shape = {p->shape[0], p->shape[1]},
+                             .nbytes = (size_t)p->numel * 4};
+    ts[2 * i] = ts[2 * i + 1] = t;
     ts[2 * i].name = w->m_names[i];
-    ts[2 * i + 1] = ts[i];
     ts[2 * i + 1].name = w->v_names[i];
   }
   char path[4200];
   snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+  fy_status st = fy_model_save_open(w->model, dir, MAX_SHARD_BYTES, &model);
   if (st == FY_OK) st = fy_st_writer_open(path, ts, 2 * g->n_params, NULL, &adam);
   free(ts);
   if (!s->fill) {
-    for (int i = 0; st == FY_OK && i < g->n_params; i++)
-      st = put_part(w, model, adam, i, 0, g->n_param_elems, s->params, s->m, s->v);
+    if (st == FY_OK) st = fy_model_save_put(w->model, model, 0, g->n_param_elems, s->params);
+    if (st == FY_OK) st = put_adam(w, adam, 0, g->n_param_elems, s->m, s->v);
   } else {
     // Piece by piece: every piece is asked for, even after an error, so that ranks that gather
     // each piece together stay in step.
@@ -142,12 +142,13 @@ static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
       float *p = buf, *m = buf ? buf + s->piece : NULL, *v = buf ? buf + 2 * s->piece : NULL;
       fy_status f = s->fill(s->ctx, lo, hi, p, m, v);
       if (st == FY_OK) st = f;
-      for (int i = 0; st == FY_OK && i < g->n_params; i++) st = put_part(w, model, adam, i, lo, hi, p, m, v);
+      if (st == FY_OK) st = fy_model_save_put(w->model, model, lo, hi, p);
+      if (st == FY_OK) st = put_adam(w, adam, lo, hi, m, v);
     }
     free(buf);
   }
   if (st == FY_OK) {
-    st = fy_st_writer_commit(model);
+    st = fy_model_save_commit(w->model, dir, model);
     model = NULL;
   }
   if (st == FY_OK) {
@@ -161,9 +162,6 @@ static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
 
 static fy_status write_step_dir(struct fy_ckpt_writer *w, const char *dir) {
   fy_status st = write_tensors(w, dir);
-  struct fy_opt_config cfg = w->model->cfg;
-  snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "float32");
-  if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
   if (st == FY_OK) st = fy_ckpt_index_write(dir, &w->src.meta);
   if (st == FY_OK) st = fsync_dir_files(dir);
   return st;

@@ -410,6 +410,41 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   return status;
 }
 
+fy_status fy_model_save_open(const struct fy_model *m, const char *dir, size_t max_shard_bytes,
+                             struct fy_st_writer **out) {
+  const struct fy_graph *g = m->graph;
+  FY_TRY(fy_mkdir_p(dir));
+  struct fy_st_tensor *ts = calloc((size_t)g->n_params, sizeof *ts);
+  if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the tensor list");
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    ts[i] = (struct fy_st_tensor){.name = p->name, .dtype = FY_F32, .rank = p->rank,
+                                  .shape = {p->shape[0], p->shape[1]}, .nbytes = (size_t)p->numel * 4};
+  }
+  fy_status st = fy_st_writer_open_dir(dir, ts, g->n_params, max_shard_bytes, out);
+  free(ts);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "saving the model to %s", dir);
+}
+
+fy_status fy_model_save_put(const struct fy_model *m, struct fy_st_writer *w, int64_t lo, int64_t hi,
+                            const float *data) {
+  int64_t a, b;
+  for (int i = 0; i < m->graph->n_params; i++) {
+    const struct fy_param *p = &m->graph->params[i];
+    if (fy_param_part(p, lo, hi, &a, &b))
+      FY_TRY(fy_st_writer_put(w, i, (size_t)a * 4, data + (p->offset + a - lo), (size_t)(b - a) * 4));
+  }
+  return FY_OK;
+}
+
+fy_status fy_model_save_commit(const struct fy_model *m, const char *dir, struct fy_st_writer *w) {
+  struct fy_opt_config cfg = m->cfg;
+  snprintf(cfg.torch_dtype, sizeof cfg.torch_dtype, "float32");
+  fy_status st = fy_st_writer_commit(w);
+  if (st == FY_OK) st = fy_opt_config_write(dir, &cfg);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "saving the model to %s", dir);
+}
+
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes) {
   const struct fy_graph *g = m->graph;

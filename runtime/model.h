@@ -14,6 +14,8 @@
 #include "memory/chunk.h"
 #include "runtime/comm.h"
 
+struct fy_st_writer;
+
 struct fy_model {
   struct fy_opt_config cfg;
   struct fy_graph *graph;
@@ -148,6 +150,15 @@ fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t 
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes);
+// The same files (f32) from weights handed over piece by piece, for weights that no one buffer
+// holds whole (chunks sharded across ranks): open starts them in dir; put writes the parameters'
+// elements in [lo, hi) of the flat buffer (data holds those elements); commit completes them and
+// writes config.json; abort drops them. commit and abort free the writer.
+fy_status fy_model_save_open(const struct fy_model *m, const char *dir, size_t max_shard_bytes,
+                             struct fy_st_writer **out);
+fy_status fy_model_save_put(const struct fy_model *m, struct fy_st_writer *w, int64_t lo, int64_t hi,
+                            const float *data);
+fy_status fy_model_save_commit(const struct fy_model *m, const char *dir, struct fy_st_writer *w);
 
 // Sets the compute dtype (FY_F32, FY_BF16 or FY_F16) of a model whose parameters are resident on a
 // host-addressable device (allocates cparams for 16-bit dtypes).

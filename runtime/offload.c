@@ -1101,24 +1101,21 @@ static fy_status gather_chunk(struct fy_offload *x, int c, int which, float *dst
   return FY_OK;
 }
 
-fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v) {
+fy_status fy_offload_chunk_weights_out(struct fy_offload *x, int c, float *dst) {
   const struct fy_chunk_layout *l = x->m->layout;
-  int64_t ce = l->chunk_elems;
-  if (!x->sharded) {
-    if (params) memcpy(params, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
-    return m && v ? fy_offload_adam_state(x, c, m, v, false) : FY_OK;
+  // Unsharded, or before the first micro-batch, the weights are whole in the model's buffer.
+  if (!x->sharded || !x->taken) {
+    if (dst) memcpy(dst, x->m->params + c * l->chunk_elems, (size_t)l->chunks[c].used * 4);
+    return FY_OK;
   }
-  // Every rank takes part, those with a destination keep it. Before the first micro-batch the
-  // weights are still whole in the model's buffer.
-  float *dst[3] = {params, m, v};
-  for (int which = 0; which < 3; which++) {
-    if (which == 0 && !x->taken) {
-      if (params) memcpy(params, x->m->params + c * ce, (size_t)l->chunks[c].used * 4);
-      continue;
-    }
-    FY_TRY(gather_chunk(x, c, which, dst[which]));
-  }
-  return FY_OK;
+  return gather_chunk(x, c, 0, dst);
+}
+
+fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v) {
+  FY_TRY(fy_offload_chunk_weights_out(x, c, params));
+  if (!x->sharded) return m && v ? fy_offload_adam_state(x, c, m, v, false) : FY_OK;
+  FY_TRY(gather_chunk(x, c, 1, m));  // every rank takes part, those with a destination keep it
+  return gather_chunk(x, c, 2, v);
 }
 
 fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, float *v) {

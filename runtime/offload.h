@@ -114,6 +114,8 @@ fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, fl
 // NULL: not kept). A collective with sharding, which every rank calls for the same chunks in the
 // same order. Between steps, after fy_offload_sync.
 fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v);
+// Chunk c's weights alone (the same rules).
+fy_status fy_offload_chunk_weights_out(struct fy_offload *x, int c, float *dst);
 // With sharding, the model's full weight buffer (m->params, in the host tier) is released at the
 // first micro-batch, when every rank has taken its shards (or never exists: fy_offload_set_shards);
 // this gives it back, filled with the current weights, on the ranks that keep it (for saving and

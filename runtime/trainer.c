@@ -429,20 +429,84 @@ static void teardown(struct run *r) {
 }
 
 // Over the parameters in their graph order, so that runs with different chunk layouts compare.
+// FNV-1a of the weights, parameter by parameter in the flat layout's order, fed piece by piece
+// (the same value whether the weights are whole or come chunk by chunk).
+struct weights_hash {
+  uint64_t h;
+  const struct fy_graph *g;
+  int *order;  // parameters by offset
+  int next;
+};
+
+static fy_status weights_hash_init(struct weights_hash *wh, const struct fy_graph *g) {
+  *wh = (struct weights_hash){.h = 0xcbf29ce484222325ull, .g = g};
+  if (!(wh->order = malloc((size_t)g->n_params * sizeof *wh->order)))
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the weights' hash");
+  for (int i = 0; i < g->n_params; i++) {  // insertion sort: a few hundred parameters, mostly in order
+    int k = i;
+    for (; k > 0 && g->params[wh->order[k - 1]].offset > g->params[i].offset; k--) wh->order[k] = wh->order[k - 1];
+    wh->order[k] = i;
+  }
+  return FY_OK;
+}
+
+// The parameters that start in [lo, hi) of the flat buffer (data holds those elements): whole in it.
+static void weights_hash_piece(struct weights_hash *wh, int64_t lo, int64_t hi, const float *data) {
+  for (; wh->next < wh->g->n_params; wh->next++) {
+    const struct fy_param *p = &wh->g->params[wh->order[wh->next]];
+    if (p->offset >= hi) break;
+    FY_ASSERT(p->offset >= lo && p->offset + p->numel <= hi);
+    const uint8_t *b = (const uint8_t *)(data + (p->offset - lo));
+    for (size_t k = 0; k < (size_t)p->numel * 4; k++) wh->h = (wh->h ^ b[k]) * 0x100000001b3ull;
+  }
+}
+
 static uint64_t hash_params(struct fy_model *m) {
-  uint64_t h = 0xcbf29ce484222325ull;
+  struct weights_hash wh;
   float *host = m->params;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  if (weights_hash_init(&wh, m->graph) != FY_OK) return 0;
   if (fy_model_params_on_device(m) && (!(host = malloc(bytes)) || fy_model_download(m, host, m->params, bytes) != FY_OK)) {
     free(host);
+    free(wh.order);
     return 0;
   }
-  for (int i = 0; i < m->graph->n_params; i++) {
-    const uint8_t *b = (const uint8_t *)(host + m->graph->params[i].offset);
-    for (size_t k = 0; k < (size_t)m->graph->params[i].numel * 4; k++) h = (h ^ b[k]) * 0x100000001b3ull;
-  }
+  weights_hash_piece(&wh, 0, m->graph->n_param_elems, host);
   if (host != m->params) free(host);
-  return h;
+  free(wh.order);
+  return wh.h;
+}
+
+// The end of a run with chunks sharded across ranks: the weights come together chunk by chunk on
+// the lead rank, which hashes them and (save: a directory) writes each chunk as it comes, so that
+// no rank holds the whole model. A collective; the other ranks only take part.
+static fy_status finish_sharded(struct run *r, const char *save, bool lead, uint64_t *hash) {
+  struct fy_model *m = r->model;
+  const int64_t ce = m->layout->chunk_elems, n = m->graph->n_param_elems;
+  struct weights_hash wh = {0};
+  struct fy_st_writer *w = NULL;
+  float *buf = NULL;
+  fy_status st = fy_offload_sync(r->x);
+  if (st == FY_OK && lead) {
+    st = weights_hash_init(&wh, m->graph);
+    if (st == FY_OK && !(buf = malloc((size_t)ce * 4))) st = fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk");
+    if (st == FY_OK && save) st = fy_model_save_open(m, save, (size_t)5 << 30, &w);
+  }
+  // Every chunk, even after an error here: the other ranks gather each of them too.
+  for (int c = 0; c < m->layout->n_chunks; c++) {
+    fy_status g = fy_offload_chunk_weights_out(r->x, c, st == FY_OK ? buf : NULL);
+    if (st == FY_OK) st = g;
+    if (st != FY_OK || !lead) continue;
+    int64_t lo = c * ce, hi = lo + ce < n ? lo + ce : n;
+    weights_hash_piece(&wh, lo, hi, buf);
+    if (w) st = fy_model_save_put(m, w, lo, hi, buf);
+  }
+  if (w && st == FY_OK) st = fy_model_save_commit(m, save, w);
+  else fy_st_writer_abort(w);
+  if (st == FY_OK && lead) *hash = wh.h;
+  free(buf);
+  free(wh.order);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
 }
 
 static void format_duration(char *buf, size_t n, double s) {
@@ -996,9 +1060,14 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->device_state_bytes = (double)fy_offload_device_state_bytes(r.x);
     res->model_state_bytes = (double)fy_offload_state_bytes(r.x);
   }
-  // Sharded weights come together again for the hash and the final save, on the rank that saves
-  // (tensor-parallel ranks all gather their slices below).
-  if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) goto done;
+  // Sharded weights come together chunk by chunk for the hash and the final save, on the rank that
+  // saves; tensor-parallel ranks gather their shards whole, then their slices below.
+  const bool saving = o->save && !ckpt;
+  if (sharded && r.tp == 1) {
+    if ((st = finish_sharded(&r, saving ? o->save : NULL, lead, &res->params_hash)) != FY_OK) goto done;
+  } else if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) {
+    goto done;
+  }
   if (!o->quiet && tty) printf("\r\033[K");
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);
@@ -1061,11 +1130,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       goto done;
     whole = &r.whole;
   }
-  res->params_hash = whole->params ? hash_params(whole) : 0;  // (0 on the ranks that only took part)
-  if (o->save && !ckpt) {
-    st = fy_model_save(whole, o->save, FY_F32, (size_t)5 << 30);
-    if (st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
+  if (!(sharded && r.tp == 1)) {
+    res->params_hash = whole->params ? hash_params(whole) : 0;  // (0 on the ranks that only took part)
+    if (saving) st = fy_model_save(whole, o->save, FY_F32, (size_t)5 << 30);
   }
+  if (saving && st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
   if (!o->quiet && st == FY_OK && res->steps)
     printf("ferry: %lld steps, loss %.4f -> %.4f, median %.0f tok/s, %.1f GFLOP/s, peak RSS %.2f GiB%s\n",
            (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops,
