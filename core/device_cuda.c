@@ -4,6 +4,7 @@
 // because the engine calls from several threads and the runtime's current device is per thread.
 // The counters in struct fy_device and the copy statistics are shared between threads, so one
 // mutex guards them; the CUDA calls themselves run outside it.
+#include <omp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,7 +26,24 @@ struct cuda_dev {
 struct cuda_stream {
   struct fy_stream base;
   cudaStream_t s;
+  int omp_threads;  // the creating thread's omp_get_max_threads()
 };
+
+// A host function on CUDA's callback thread, with the OpenMP thread count of the thread that
+// created its stream (omp_set_num_threads is per thread: CUDA's thread would otherwise take
+// OMP_NUM_THREADS or every core, whatever --threads said; the host AdamW runs there).
+struct host_call {
+  fy_host_fn fn;
+  void *arg;
+  int omp_threads;
+};
+
+static void CUDART_CB host_call_run(void *p) {
+  struct host_call c = *(struct host_call *)p;
+  free(p);
+  omp_set_num_threads(c.omp_threads);
+  c.fn(c.arg);
+}
 
 struct cuda_event {
   struct fy_event base;
@@ -120,6 +138,7 @@ static fy_status cuda_stream_create(struct fy_device *dev, fy_stream **out) {
     return cuda_fail(FY_ERR_INTERNAL, e, "cudaStreamCreate");
   }
   s->base.dev = dev;
+  s->omp_threads = omp_get_max_threads();
   *out = &s->base;
   return FY_OK;
 }
@@ -175,7 +194,14 @@ static fy_status cuda_memset(fy_stream *fs, void *dst, int v, size_t n) {
 static fy_status cuda_enqueue(fy_stream *fs, fy_host_fn fn, void *arg) {
   struct cuda_stream *s = (struct cuda_stream *)fs;
   FY_TRY(set_device(fs->dev));
-  CU_TRY(cudaLaunchHostFunc(s->s, fn, arg), "cudaLaunchHostFunc");
+  struct host_call *c = malloc(sizeof *c);
+  if (!c) return fy_error_set(FY_ERR_NOMEM, "cannot allocate a host function's call");
+  *c = (struct host_call){.fn = fn, .arg = arg, .omp_threads = s->omp_threads};
+  cudaError_t e = cudaLaunchHostFunc(s->s, host_call_run, c);
+  if (e != cudaSuccess) {
+    free(c);
+    return cuda_fail(FY_ERR_INTERNAL, e, "cudaLaunchHostFunc");
+  }
   return FY_OK;
 }
 
