@@ -590,6 +590,8 @@ static void test_attention(enum fy_dtype dt) {
   test_attention_shape(dt, 1, 64, 40, 2, 0);    // HS 20, exactly one tile
   test_attention_shape(dt, 3, 100, 160, 2, 1);  // HS 80 (OPT-2.7B's), two tiles, padding
   test_attention_shape(dt, 2, 200, 128, 1, 0);  // HS 128 with one head, four tiles
+  test_attention_shape(dt, 3, 300, 256, 4, 1);  // HS 64: three 128-query tiles, a ragged last one
+  test_attention_shape(dt, 1, 260, 64, 2, 0);   // HS 32, 128-row tiles and one row past them
 }
 
 // Errors a caller can make are reported, not crashed on.
@@ -638,8 +640,16 @@ int main(void) {
     test_sumsq(dt);
     test_matmul(h, dt);
     test_linear(h, dt);
+    CHECK_OK(fy_cuda_attention_set_variant("basic"));
     test_attention(dt);
+    if (dt == FY_BF16) {  // the pipelined tensor-core kernels (bf16 only) against the same CPU results
+      fprintf(stderr, "== bf16, pipelined attention\n");
+      CHECK_OK(fy_cuda_attention_set_variant("pipelined"));
+      test_attention(dt);
+      CHECK_OK(fy_cuda_attention_set_variant("basic"));
+    }
   }
+  CHECK_ERR(fy_cuda_attention_set_variant("fastest"), FY_ERR_INVALID);
   test_convert();
   test_errors(h);
   CHECK_OK(fy_stream_sync(st));

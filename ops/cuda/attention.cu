@@ -18,6 +18,13 @@
 // (twice the score work of an atomic version, and deterministic).
 #include "ops/cuda/common.cuh"
 
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "core/log.h"
+}
+
 #define ATT_TILE 64
 #define ATT_THREADS 256
 #define ATT_SP 65  // row stride of the score tile: odd, so column walks hit distinct banks
@@ -787,6 +794,418 @@ attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16
   }
 }
 
+// ---- bf16 on tensor cores, pipelined (the "pipelined" variant; see fy_cuda_attention_variant) ----
+//
+// The same algorithm and outputs as the tensor-core kernels above, with two changes aimed at what
+// bounds them: a warp there reads a whole 64-row tile from shared memory for only 16 rows of its
+// own, about as many shared-memory bytes per tensor-core FLOP as the SM can serve. Here a warp
+// owns MT row blocks of 16 (MT = 2 for heads up to 64), and each fragment it reads from a shared
+// tile serves all of them; and the tiles a block walks are double-buffered and filled with
+// cp.async (16-byte copies straight to shared memory, zero-filled past T), the next tile loading
+// while the current one is used. One barrier per tile: after it, every warp is done with the
+// previous tile, whose buffers the next copy takes.
+
+static __device__ __forceinline__ void tc_cp16(void *dst, const void *src, bool ok) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+static __device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+static __device__ __forceinline__ void tc_cp_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// tc_load by cp.async: rows [row0, row0+R) of one head -> dst (R, HS+8); rows past T are zero
+template <int HS, int R>
+static __device__ __forceinline__ void tc_load_async(fy_bf16 *dst, const fy_bf16 *base, int64_t rstride, int row0,
+                                                     int Tn) {
+  constexpr int V = HS / 8;
+  for (int idx = threadIdx.x; idx < R * V; idx += TC_THREADS) {
+    const int r = idx / V, c = (idx - r * V) * 8, t = row0 + r;
+    tc_cp16(dst + r * (HS + 8) + c, t < Tn ? base + (int64_t)t * rstride + c : base, t < Tn);
+  }
+}
+
+// tc_accumulate for MT row blocks: acc[mt] (16 x HS) += W[mt] (16 x NC) X (NC x HS), each X
+// fragment loaded once for all of them
+template <int HS, int NC, int MT>
+static __device__ __forceinline__ void tc_accumulate_mt(float acc[MT][HS / 8][4], const float w[MT][NC / 8][4],
+                                                        const fy_bf16 *x) {
+#pragma unroll
+  for (int j = 0; j < NC / 16; j++) {
+    uint32_t wa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      wa[mt][0] = tc_pack(w[mt][2 * j][0], w[mt][2 * j][1]);
+      wa[mt][1] = tc_pack(w[mt][2 * j][2], w[mt][2 * j][3]);
+      wa[mt][2] = tc_pack(w[mt][2 * j + 1][0], w[mt][2 * j + 1][1]);
+      wa[mt][3] = tc_pack(w[mt][2 * j + 1][2], w[mt][2 * j + 1][3]);
+    }
+#pragma unroll
+    for (int dn = 0; dn < HS / 16; dn++) {
+      uint32_t xb[4];
+      tc_ld_b2(xb, x, HS + 8, 16 * j, 16 * dn);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(acc[mt][2 * dn], wa[mt], xb[0], xb[1]);
+        tc_mma(acc[mt][2 * dn + 1], wa[mt], xb[2], xb[3]);
+      }
+    }
+  }
+}
+
+// tc_scores for MT row blocks (rows a0 + 16 mt of a and da): s[mt] = A X^T, dp[mt] = dA dX^T
+template <int HS, int NC, int MT>
+static __device__ __forceinline__ void tc_scores_mt(float s[MT][NC / 8][4], float dp[MT][NC / 8][4], const fy_bf16 *a,
+                                                    const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
+  constexpr int LD = HS + 8;
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int n = 0; n < NC / 8; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[mt][n][e] = dp[mt][n][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; kk++) {
+    uint32_t fa[MT][4], fd[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      tc_ld_a(fa[mt], a, LD, a0 + 16 * mt, 16 * kk);
+      tc_ld_a(fd[mt], da, LD, a0 + 16 * mt, 16 * kk);
+    }
+#pragma unroll
+    for (int n = 0; n < NC / 8; n++) {
+      uint32_t b0, b1;
+      tc_ld_bt(b0, b1, x, LD, 8 * n, 16 * kk);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) tc_mma(s[mt][n], fa[mt], b0, b1);
+      tc_ld_bt(b0, b1, dx, LD, 8 * n, 16 * kk);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) tc_mma(dp[mt][n], fd[mt], b0, b1);
+    }
+  }
+}
+
+// Row blocks per warp: 2 for heads up to 64, else 1 (the accumulators would not fit the registers).
+template <int HS>
+struct tc2 {
+  static constexpr int MT = HS <= 64 ? 2 : 1;
+  static constexpr int ROWS = 64 * MT;             // a block's own rows (queries, or keys in dk/dv)
+  static constexpr int WALK = 32;                  // rows of the tiles the backward kernels walk
+};
+
+template <int HS>
+static size_t tc2_fwd_smem() {
+  return (size_t)(tc2<HS>::ROWS + 4 * TC_ROWS) * (HS + 8) * sizeof(fy_bf16) + 2 * TC_ROWS * sizeof(int);
+}
+template <int HS>
+static size_t tc2_kv_smem() {
+  constexpr int R = tc2<HS>::ROWS, W = tc2<HS>::WALK;
+  return (size_t)(2 * R + 4 * W) * (HS + 8) * sizeof(fy_bf16) + (size_t)(4 * W) * sizeof(float) + R * sizeof(int);
+}
+template <int HS>
+static size_t tc2_q_smem() {
+  constexpr int R = tc2<HS>::ROWS, W = tc2<HS>::WALK;
+  return (size_t)(2 * R + 4 * W) * (HS + 8) * sizeof(fy_bf16) + (size_t)(2 * R) * sizeof(float) + 2 * W * sizeof(int);
+}
+
+// qkv (B,T,3C), mask -> out (B,T,C), lse (B,NH,T): one (b, h, ROWS-query tile) per block, a warp
+// per 16 MT queries, walking 64-key tiles
+template <int HS>
+__global__ void __launch_bounds__(TC_THREADS)
+attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const int32_t *mask, int Tn, int C,
+                             int NH, float scale, int nq) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  constexpr int LD = HS + 8, NT = TC_ROWS / 8, DT = HS / 8, MT = tc2<HS>::MT, QR = tc2<HS>::ROWS;
+  fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sK = sQ + QR * LD, *sV = sK + 2 * TC_ROWS * LD;
+  int *sOk = reinterpret_cast<int *>(sV + 2 * TC_ROWS * LD);
+  const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
+  const int b = bh / NH, h = bh % NH;
+  const int64_t C3 = 3 * (int64_t)C;
+  const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int q0 = qt * QR, r0 = warp * 16 * MT, wlast = q0 + r0 + 16 * MT - 1;  // the warp's rows r0 ..
+  const int nkt = ((q0 + QR < Tn ? q0 + QR : Tn) - 1) / TC_ROWS + 1;  // key tiles up to the last query
+  const float sl = scale * TC_LOG2E;
+  tc_load_async<HS, QR>(sQ, base, C3, q0, Tn);
+  tc_load_async<HS, TC_ROWS>(sK, base + C, C3, 0, Tn);
+  tc_load_async<HS, TC_ROWS>(sV, base + 2 * C, C3, 0, Tn);
+  tc_cp_commit();
+  tc_keys_ok(sOk, mask, b, 0, TC_ROWS, Tn);
+
+  uint32_t qa[MT][HS / 16][4];
+  float o[MT][DT][4], m[MT][2], l[MT][2];
+  int tq[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+    for (int j = 0; j < DT; j++) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+    tq[mt][0] = q0 + r0 + 16 * mt + g;
+    tq[mt][1] = tq[mt][0] + 8;
+  }
+
+  for (int kt = 0; kt < nkt; kt++) {
+    const int k0 = kt * TC_ROWS, cur = kt & 1;
+    tc_cp_wait();
+    __syncthreads();  // tile kt is in; every warp is done with tile kt - 1
+    if (kt == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++) tc_ld_a(qa[mt][kk], sQ, LD, r0 + 16 * mt, 16 * kk);
+    }
+    if (kt + 1 < nkt) {  // the next tile into the buffers tile kt - 1 used
+      const int nx = cur ^ 1;
+      tc_load_async<HS, TC_ROWS>(sK + nx * TC_ROWS * LD, base + C, C3, k0 + TC_ROWS, Tn);
+      tc_load_async<HS, TC_ROWS>(sV + nx * TC_ROWS * LD, base + 2 * C, C3, k0 + TC_ROWS, Tn);
+      tc_cp_commit();
+      tc_keys_ok(sOk + nx * TC_ROWS, mask, b, k0 + TC_ROWS, TC_ROWS, Tn);
+    }
+    if (k0 > wlast) continue;  // every key of the tile comes after every query of the warp
+    const fy_bf16 *cK = sK + cur * TC_ROWS * LD, *cV = sV + cur * TC_ROWS * LD;
+    const int *ok = sOk + cur * TC_ROWS;
+
+    float sc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+      for (int n = 0; n < NT; n++) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++)
+#pragma unroll
+      for (int n = 0; n < NT; n++) {
+        uint32_t b0, b1;
+        tc_ld_bt(b0, b1, cK, LD, 8 * n, 16 * kk);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) tc_mma(sc[mt][n], qa[mt][kk], b0, b1);
+      }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      // Scale (base 2), mask, and the rows' maxima over this tile, as the kernel above.
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int key = 8 * n + 2 * t + (e & 1), row = e >> 1;
+          const bool keep = ok[key] && k0 + key <= tq[mt][row];
+          sc[mt][n][e] = keep ? sc[mt][n][e] * sl : -INFINITY;
+          mx[row] = fmaxf(mx[row], sc[mt][n][e]);
+        }
+      float alpha[2];
+#pragma unroll
+      for (int row = 0; row < 2; row++) {
+        mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
+        mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
+        const float mnew = fmaxf(m[mt][row], mx[row]);
+        alpha[row] = mnew == -INFINITY ? 1.0f : exp2f(m[mt][row] - mnew);
+        mx[row] = mnew;
+        m[mt][row] = mnew;
+      }
+      float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int row = e >> 1;
+          const float p = mx[row] == -INFINITY ? 0.0f : exp2f(sc[mt][n][e] - mx[row]);
+          sc[mt][n][e] = p;
+          ps[row] += p;
+        }
+#pragma unroll
+      for (int row = 0; row < 2; row++) l[mt][row] = l[mt][row] * alpha[row] + ps[row];
+#pragma unroll
+      for (int j = 0; j < DT; j++) {
+        o[mt][j][0] *= alpha[0], o[mt][j][1] *= alpha[0];
+        o[mt][j][2] *= alpha[1], o[mt][j][3] *= alpha[1];
+      }
+    }
+    tc_accumulate_mt<HS, TC_ROWS, MT>(o, sc, cV);  // O += P V
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int row = 0; row < 2; row++) {
+      float lr = l[mt][row];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      if (tq[mt][row] >= Tn) continue;
+      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+      fy_bf16 *orow = out + ((int64_t)b * Tn + tq[mt][row]) * C + (int64_t)h * HS;
+#pragma unroll
+      for (int j = 0; j < DT; j++)
+        *reinterpret_cast<uint32_t *>(orow + 8 * j + 2 * t) =
+            tc_pack(o[mt][j][2 * row] * inv, o[mt][j][2 * row + 1] * inv);
+      if (t == 0) lse[(int64_t)bh * Tn + tq[mt][row]] = lr > 0.0f ? (m[mt][row] + log2f(lr)) * TC_LN2 : -INFINITY;
+    }
+}
+
+// dout, qkv, lse, D -> dqkv += (k and v): one (b, h, ROWS-key tile) per block, a warp per 16 MT
+// keys, walking WALK-query tiles from the block's first key on
+template <int HS>
+__global__ void __launch_bounds__(TC_THREADS)
+attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16 *qkv, const float *lse,
+                                 const float *D, const int32_t *mask, int Tn, int C, int NH, float scale, int nk) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  constexpr int LD = HS + 8, DT = HS / 8, MT = tc2<HS>::MT, KR = tc2<HS>::ROWS, QT = tc2<HS>::WALK;
+  fy_bf16 *sK = reinterpret_cast<fy_bf16 *>(tc_smem), *sV = sK + KR * LD, *sQ = sV + KR * LD, *sdO = sQ + 2 * QT * LD;
+  float *sLse = reinterpret_cast<float *>(sdO + 2 * QT * LD), *sD = sLse + 2 * QT;
+  int *sOk = reinterpret_cast<int *>(sD + 2 * QT);
+  const int bh = blockIdx.x / nk, kt = (int)(blockIdx.x % nk);  // key tile 0 has the most work
+  const int b = bh / NH, h = bh % NH;
+  const int64_t C3 = 3 * (int64_t)C;
+  const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS), *gbase = tc_head(dout, bh, NH, Tn, C, HS);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int k0 = kt * KR, r0 = warp * 16 * MT, wfirst = k0 + r0;  // the warp's keys r0 ..
+  const float sl = scale * TC_LOG2E;
+  tc_load_async<HS, KR>(sK, base + C, C3, k0, Tn);
+  tc_load_async<HS, KR>(sV, base + 2 * C, C3, k0, Tn);
+  tc_load_async<HS, QT>(sQ, base, C3, k0, Tn);
+  tc_load_async<HS, QT>(sdO, gbase, (int64_t)C, k0, Tn);
+  tc_cp_commit();
+  tc_keys_ok(sOk, mask, b, k0, KR, Tn);
+  tc_rows(sLse, sD, lse, D, bh, k0, QT, Tn);
+
+  float dk[MT][DT][4], dv[MT][DT][4];
+  int tk[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+    for (int j = 0; j < DT; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) dk[mt][j][e] = dv[mt][j][e] = 0.0f;
+    tk[mt][0] = wfirst + 16 * mt + g;
+    tk[mt][1] = tk[mt][0] + 8;
+  }
+
+  for (int i = 0, q0 = k0; q0 < Tn; i++, q0 += QT) {
+    const int cur = i & 1;
+    tc_cp_wait();
+    __syncthreads();  // query tile i is in; every warp is done with tile i - 1
+    if (q0 + QT < Tn) {
+      const int nx = cur ^ 1;
+      tc_load_async<HS, QT>(sQ + nx * QT * LD, base, C3, q0 + QT, Tn);
+      tc_load_async<HS, QT>(sdO + nx * QT * LD, gbase, (int64_t)C, q0 + QT, Tn);
+      tc_cp_commit();
+      tc_rows(sLse + nx * QT, sD + nx * QT, lse, D, bh, q0 + QT, QT, Tn);
+    }
+    if (q0 + QT - 1 < wfirst) continue;  // every query of the tile comes before every key of the warp
+    const fy_bf16 *cQ = sQ + cur * QT * LD, *cdO = sdO + cur * QT * LD;
+    const float *cL = sLse + cur * QT, *cD = sD + cur * QT;
+    // S^T = K Q^T and dP^T = V dO^T for the warp's keys.
+    float p[MT][QT / 8][4], ds[MT][QT / 8][4];
+    tc_scores_mt<HS, QT, MT>(p, ds, sK, sV, r0, cQ, cdO);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+      for (int n = 0; n < QT / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int qc = 8 * n + 2 * t + (e & 1), row = e >> 1;
+          const float l2 = cL[qc];
+          const bool keep = sOk[r0 + 16 * mt + g + 8 * row] && tk[mt][row] <= q0 + qc && l2 != -INFINITY;
+          const float pv = keep ? exp2f(p[mt][n][e] * sl - l2) : 0.0f;
+          p[mt][n][e] = pv;
+          ds[mt][n][e] = pv * (ds[mt][n][e] - cD[qc]);
+        }
+    tc_accumulate_mt<HS, QT, MT>(dv, p, cdO);  // dV += P^T dO
+    tc_accumulate_mt<HS, QT, MT>(dk, ds, cQ);  // dK += dS^T Q (times scale below)
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int row = 0; row < 2; row++) {
+      if (tk[mt][row] >= Tn) continue;
+      fy_bf16 *drow = dqkv + ((int64_t)b * Tn + tk[mt][row]) * C3 + (int64_t)h * HS;
+#pragma unroll
+      for (int j = 0; j < DT; j++) {
+        tc_add2(drow + C + 8 * j + 2 * t, dk[mt][j][2 * row], dk[mt][j][2 * row + 1], scale);
+        tc_add2(drow + 2 * C + 8 * j + 2 * t, dv[mt][j][2 * row], dv[mt][j][2 * row + 1], 1.0f);
+      }
+    }
+}
+
+// dout, qkv, lse, D -> dqkv += (q): one (b, h, ROWS-query tile) per block, a warp per 16 MT
+// queries, walking WALK-key tiles up to the block's last query
+template <int HS>
+__global__ void __launch_bounds__(TC_THREADS)
+attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16 *qkv, const float *lse,
+                                const float *D, const int32_t *mask, int Tn, int C, int NH, float scale, int nq) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  constexpr int LD = HS + 8, DT = HS / 8, MT = tc2<HS>::MT, QR = tc2<HS>::ROWS, KT = tc2<HS>::WALK;
+  fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sdO = sQ + QR * LD, *sK = sdO + QR * LD, *sV = sK + 2 * KT * LD;
+  float *sLse = reinterpret_cast<float *>(sV + 2 * KT * LD), *sD = sLse + QR;
+  int *sOk = reinterpret_cast<int *>(sD + QR);
+  const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
+  const int b = bh / NH, h = bh % NH;
+  const int64_t C3 = 3 * (int64_t)C;
+  const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS), *gbase = tc_head(dout, bh, NH, Tn, C, HS);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int q0 = qt * QR, r0 = warp * 16 * MT, wlast = q0 + r0 + 16 * MT - 1;
+  const int nkt = ((q0 + QR < Tn ? q0 + QR : Tn) - 1) / KT + 1;  // key tiles up to the last query
+  const float sl = scale * TC_LOG2E;
+  tc_load_async<HS, QR>(sQ, base, C3, q0, Tn);
+  tc_load_async<HS, QR>(sdO, gbase, (int64_t)C, q0, Tn);
+  tc_load_async<HS, KT>(sK, base + C, C3, 0, Tn);
+  tc_load_async<HS, KT>(sV, base + 2 * C, C3, 0, Tn);
+  tc_cp_commit();
+  tc_rows(sLse, sD, lse, D, bh, q0, QR, Tn);
+  tc_keys_ok(sOk, mask, b, 0, KT, Tn);
+
+  float dq[MT][DT][4];
+  int tq[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+    for (int j = 0; j < DT; j++) dq[mt][j][0] = dq[mt][j][1] = dq[mt][j][2] = dq[mt][j][3] = 0.0f;
+    tq[mt][0] = q0 + r0 + 16 * mt + g;
+    tq[mt][1] = tq[mt][0] + 8;
+  }
+
+  for (int kt = 0; kt < nkt; kt++) {
+    const int k0 = kt * KT, cur = kt & 1;
+    tc_cp_wait();
+    __syncthreads();  // key tile kt is in; every warp is done with tile kt - 1
+    if (kt + 1 < nkt) {
+      const int nx = cur ^ 1;
+      tc_load_async<HS, KT>(sK + nx * KT * LD, base + C, C3, k0 + KT, Tn);
+      tc_load_async<HS, KT>(sV + nx * KT * LD, base + 2 * C, C3, k0 + KT, Tn);
+      tc_cp_commit();
+      tc_keys_ok(sOk + nx * KT, mask, b, k0 + KT, KT, Tn);
+    }
+    if (k0 > wlast) continue;  // every key of the tile comes after every query of the warp
+    const fy_bf16 *cK = sK + cur * KT * LD, *cV = sV + cur * KT * LD;
+    const int *ok = sOk + cur * KT;
+    // S = Q K^T and dP = dO V^T for the warp's queries.
+    float p[MT][KT / 8][4], ds[MT][KT / 8][4];
+    tc_scores_mt<HS, KT, MT>(p, ds, sQ, sdO, r0, cK, cV);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+      for (int n = 0; n < KT / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int kc = 8 * n + 2 * t + (e & 1), row = e >> 1, lr = r0 + 16 * mt + g + 8 * row;
+          const float l2 = sLse[lr];
+          const bool keep = ok[kc] && k0 + kc <= tq[mt][row] && l2 != -INFINITY;
+          const float pv = keep ? exp2f(p[mt][n][e] * sl - l2) : 0.0f;
+          ds[mt][n][e] = pv * (ds[mt][n][e] - sD[lr]);
+        }
+    tc_accumulate_mt<HS, KT, MT>(dq, ds, cK);  // dQ += dS K (times scale below)
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int row = 0; row < 2; row++) {
+      if (tq[mt][row] >= Tn) continue;
+      fy_bf16 *drow = dqkv + ((int64_t)b * Tn + tq[mt][row]) * C3 + (int64_t)h * HS;
+#pragma unroll
+      for (int j = 0; j < DT; j++) tc_add2(drow + 8 * j + 2 * t, dq[mt][j][2 * row], dq[mt][j][2 * row + 1], scale);
+    }
+}
+
 // Whether the tensor-core kernels take this call: bf16, a head size that is a multiple of 16 up
 // to 128, rows of whole 16-byte pieces, 16-byte aligned buffers, and a GPU of compute capability 8+.
 static bool tc_usable(enum fy_dtype dt, int64_t C, int64_t NH, const void *a, const void *b, const void *c) {
@@ -850,6 +1269,63 @@ static fy_status tc_backward(void *dqkv, const float *D, const void *dout, const
   return fy_cuda_launched("attention_backward (tensor cores)");
 }
 
+// The pipelined kernels (tc2): grids of (b, h, ROWS-row tile).
+static fy_status tc2_forward(void *out, float *lse, const void *qkv, const int32_t *mask, int64_t B, int64_t T,
+                             int64_t C, int64_t NH, float scale, cudaStream_t st) {
+  const int HS = (int)(C / NH);
+#define TC2_FWD(H)                                                                                       \
+  do {                                                                                                   \
+    const int nq = (int)((T + tc2<H>::ROWS - 1) / tc2<H>::ROWS);                                         \
+    size_t smem = tc2_fwd_smem<H>();                                                                     \
+    cudaFuncSetAttribute(attention_forward_tc2_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem); \
+    attention_forward_tc2_kernel<H><<<(unsigned)(B * NH * nq), TC_THREADS, smem, st>>>(                  \
+        (fy_bf16 *)out, lse, (const fy_bf16 *)qkv, mask, (int)T, (int)C, (int)NH, scale, nq);            \
+  } while (0)
+  TC_HS_DISPATCH(HS, TC2_FWD);
+#undef TC2_FWD
+  return fy_cuda_launched("attention_forward (tensor cores, pipelined)");
+}
+
+static fy_status tc2_backward(void *dqkv, const float *D, const void *dout, const void *qkv, const float *lse,
+                              const int32_t *mask, int64_t B, int64_t T, int64_t C, int64_t NH, float scale,
+                              cudaStream_t st) {
+  const int HS = (int)(C / NH);
+#define TC2_BWD(H)                                                                                         \
+  do {                                                                                                     \
+    const int n = (int)((T + tc2<H>::ROWS - 1) / tc2<H>::ROWS);                                            \
+    size_t skv = tc2_kv_smem<H>(), sq = tc2_q_smem<H>();                                                   \
+    cudaFuncSetAttribute(attention_backward_kv_tc2_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv); \
+    cudaFuncSetAttribute(attention_backward_q_tc2_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sq);   \
+    attention_backward_kv_tc2_kernel<H><<<(unsigned)(B * NH * n), TC_THREADS, skv, st>>>(                  \
+        (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, n); \
+    attention_backward_q_tc2_kernel<H><<<(unsigned)(B * NH * n), TC_THREADS, sq, st>>>(                    \
+        (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, n); \
+  } while (0)
+  TC_HS_DISPATCH(HS, TC2_BWD);
+#undef TC2_BWD
+  return fy_cuda_launched("attention_backward (tensor cores, pipelined)");
+}
+
+// Which bf16 tensor-core kernels run: 0 the first ones, 1 the pipelined ones. Set by
+// fy_cuda_attention_set_variant, else from FERRY_CUDA_ATTENTION ("basic" or "pipelined") at the
+// first call.
+static int tc_variant = -1;
+
+extern "C" fy_status fy_cuda_attention_set_variant(const char *name) {
+  if (!name || !*name || strcmp(name, "basic") == 0) tc_variant = 0;
+  else if (strcmp(name, "pipelined") == 0) tc_variant = 1;
+  else return fy_error_set(FY_ERR_INVALID, "unknown attention kernel '%s' (basic or pipelined)", name);
+  return FY_OK;
+}
+
+static int tc_pipelined(void) {
+  if (tc_variant < 0 && fy_cuda_attention_set_variant(getenv("FERRY_CUDA_ATTENTION")) != FY_OK) {
+    fy_log_warn("FERRY_CUDA_ATTENTION: %s; using basic", fy_error_msg());
+    tc_variant = 0;
+  }
+  return tc_variant;
+}
+
 static fy_status att_check(const char *what, int64_t B, int64_t T, int64_t C, int64_t NH,
                            int64_t *nblocks) {
   if (NH <= 0 || C <= 0 || C % NH != 0)
@@ -890,7 +1366,9 @@ extern "C" fy_status fy_cuda_attention_forward(void *out, float *lse, const void
   FY_TRY(att_check("attention_forward", B, T, C, NH, &nblocks));
   if (nblocks == 0) return FY_OK;
   const int HS = (int)(C / NH), nq = (int)((T + ATT_TILE - 1) / ATT_TILE);
-  if (tc_usable(dt, C, NH, out, qkv, qkv)) return tc_forward(out, lse, qkv, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
+  if (tc_usable(dt, C, NH, out, qkv, qkv))
+    return tc_pipelined() ? tc2_forward(out, lse, qkv, mask, B, T, C, NH, scale, st)
+                          : tc_forward(out, lse, qkv, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
   size_t smem = att_fwd_smem_bytes(att_hsp(HS));
   FY_CUDA_DISPATCH("attention_forward", dt, E,
                    ATT_LAUNCH(attention_forward_kernel, E, HS, (unsigned)nblocks, smem, st,
@@ -915,6 +1393,7 @@ extern "C" fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, cons
     attention_backward_dot_kernel<fy_bf16><<<dgrid, 256, 0, st>>>(scratch, (const fy_bf16 *)dout, (const fy_bf16 *)out,
                                                                   B, (int)T, (int)C, (int)NH);
     FY_TRY(fy_cuda_launched("attention_backward (row dots)"));
+    if (tc_pipelined()) return tc2_backward(dqkv, scratch, dout, qkv, lse, mask, B, T, C, NH, scale, st);
     return tc_backward(dqkv, scratch, dout, qkv, lse, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
   }
   FY_CUDA_DISPATCH("attention_backward", dt, E,

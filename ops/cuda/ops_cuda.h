@@ -195,6 +195,11 @@ fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, const void *dou
                                      const void *out, const float *lse, const int32_t *mask,
                                      enum fy_dtype dt, int64_t B, int64_t T, int64_t C, int64_t NH,
                                      float scale, cudaStream_t st);
+// The bf16 tensor-core kernels to use: "basic" (the default) or "pipelined" (a warp owns 32 rows
+// for heads up to 64, and the tiles walked are double-buffered with cp.async), for measuring one
+// against the other; FERRY_CUDA_ATTENTION names one too. Both give the same results within bf16
+// rounding (test_backend_ops runs both).
+fy_status fy_cuda_attention_set_variant(const char *name);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,169 @@
+// bench/gpu_attention: causal attention of one OPT layer on the GPU, forward and backward, for each
+// kernel variant (fy_cuda_attention_set_variant: "basic", "pipelined"), through the calls the cuda
+// engine makes. Inputs are random; each call is timed with CUDA events over --reps runs after 3
+// warm-ups, and its median printed as a JSON line with the rate in the usual count of useful FLOPs
+// (causal: forward 2 B T^2 C, backward 2.5 times that), then one line with the variants' ratio.
+//
+// usage: gpu_attention [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]
+// Exits 77 without a GPU.
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/device.h"
+#include "core/device_cuda.h"
+#include "core/dtype.h"
+#include "core/opt.h"
+#include "ops/cuda/ops_cuda.h"
+
+static struct fy_device *dev;
+static cudaStream_t cs;
+
+static void die(const char *what) {
+  fprintf(stderr, "gpu_attention: %s: %s\n", what, fy_error_msg());
+  exit(1);
+}
+
+// n random values in [-1, 1) of dt on the device
+static void *drand(int64_t n, enum fy_dtype dt, uint64_t seed) {
+  const size_t es = fy_dtype_size(dt);
+  void *p = NULL, *h = malloc((size_t)n * es);
+  if (!h || fy_device_alloc(dev, (size_t)n * es, &p) != FY_OK) die("allocation");
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (int64_t i = 0; i < n; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    float v = (float)((double)(x >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+    if (es == 2) ((uint16_t *)h)[i] = fy_f32_to_bf16(v);
+    else ((float *)h)[i] = v;
+  }
+  if (cudaMemcpy(p, h, (size_t)n * es, cudaMemcpyHostToDevice) != cudaSuccess) die("upload");
+  free(h);
+  return p;
+}
+
+static int cmp_f(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+struct args {
+  void *out, *qkv, *dout, *dqkv;
+  float *lse, *scratch;
+  enum fy_dtype dt;
+  int64_t B, T, C, NH;
+  float scale;
+};
+
+// Median milliseconds of the forward (bwd false) or the backward.
+static float time_call(const struct args *a, bool bwd, int reps) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float *ms = calloc((size_t)reps, sizeof *ms);
+  if (!ms) die("host allocation");
+  for (int r = -3; r < reps; r++) {
+    cudaEventRecord(e0, cs);
+    fy_status st = bwd ? fy_cuda_attention_backward(a->dqkv, a->scratch, a->dout, a->qkv, a->out, a->lse, NULL, a->dt,
+                                                    a->B, a->T, a->C, a->NH, a->scale, cs)
+                       : fy_cuda_attention_forward(a->out, a->lse, a->qkv, NULL, a->dt, a->B, a->T, a->C, a->NH,
+                                                   a->scale, cs);
+    if (st != FY_OK) die(bwd ? "backward" : "forward");
+    cudaEventRecord(e1, cs);
+    if (cudaEventSynchronize(e1) != cudaSuccess) {
+      fprintf(stderr, "gpu_attention: %s: %s\n", bwd ? "backward" : "forward", cudaGetErrorString(cudaGetLastError()));
+      exit(1);
+    }
+    if (r >= 0) cudaEventElapsedTime(&ms[r], e0, e1);
+  }
+  qsort(ms, (size_t)reps, sizeof *ms, cmp_f);
+  float med = ms[reps / 2];
+  free(ms);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return med;
+}
+
+int main(int argc, char **argv) {
+  const char *model = "opt-1.3b", *dtype = "bf16";
+  int64_t batch = 8, seq = 2048;
+  int reps = 10;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      printf("usage: gpu_attention [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]\n");
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "gpu_attention: %s needs a value (--help)\n", a);
+      return 2;
+    }
+    if (!strcmp(a, "--model")) model = v;
+    else if (!strcmp(a, "--batch")) batch = atoll(v);
+    else if (!strcmp(a, "--seq")) seq = atoll(v);
+    else if (!strcmp(a, "--dtype")) dtype = v;
+    else if (!strcmp(a, "--reps")) reps = atoi(v);
+    else {
+      fprintf(stderr, "gpu_attention: unknown option %s (--help)\n", a);
+      return 2;
+    }
+    i++;
+  }
+  enum fy_dtype dt = !strcmp(dtype, "fp32") ? FY_F32 : FY_BF16;
+  if ((strcmp(dtype, "fp32") && strcmp(dtype, "bf16")) || batch < 1 || seq < 1 || reps < 1) {
+    fprintf(stderr, "gpu_attention: bad --dtype, --batch, --seq or --reps\n");
+    return 2;
+  }
+  struct fy_opt_config cfg;
+  if (fy_opt_preset(model, &cfg) != FY_OK) die("--model");
+  if (fy_cuda_device_count() == 0) {
+    fprintf(stderr, "gpu_attention: no GPU: skipped\n");
+    return 77;
+  }
+  if (fy_device_cuda_create(0, 0, &dev) != FY_OK) die("cuda device");
+  fy_stream *st = NULL;
+  if (fy_stream_create(dev, &st) != FY_OK) die("stream");
+  cs = fy_cuda_stream(st);
+
+  const int64_t B = batch, T = seq, C = cfg.hidden_size, NH = cfg.num_attention_heads;
+  struct args a = {.dt = dt, .B = B, .T = T, .C = C, .NH = NH, .scale = 1.0f / sqrtf((float)(C / NH))};
+  a.qkv = drand(B * T * 3 * C, dt, 1);
+  a.out = drand(B * T * C, dt, 2);
+  a.dout = drand(B * T * C, dt, 3);
+  a.dqkv = drand(B * T * 3 * C, dt, 4);
+  if (fy_device_alloc(dev, (size_t)(B * NH * T) * 4, (void **)&a.lse) != FY_OK ||
+      fy_device_alloc(dev, (size_t)(B * NH * T) * 4, (void **)&a.scratch) != FY_OK)
+    die("allocation");
+  const double fwd_flop = 2.0 * (double)B * (double)T * (double)T * (double)C, bwd_flop = 2.5 * fwd_flop;
+  const char *variants[] = {"basic", "pipelined"};
+  float ms[2][2] = {{0}};
+  for (int v = 0; v < 2; v++) {
+    if (fy_cuda_attention_set_variant(variants[v]) != FY_OK) die("variant");
+    for (int bwd = 0; bwd < 2; bwd++) {
+      ms[v][bwd] = time_call(&a, bwd, reps);
+      printf("{\"bench\":\"gpu_attention\",\"variant\":\"%s\",\"pass\":\"%s\",\"model\":\"%s\",\"dtype\":\"%s\","
+             "\"batch\":%lld,\"seq\":%lld,\"ms\":%.3f,\"tflops\":%.1f}\n",
+             variants[v], bwd ? "backward" : "forward", model, dtype, (long long)B, (long long)T, ms[v][bwd],
+             (bwd ? bwd_flop : fwd_flop) / (ms[v][bwd] * 1e-3) / 1e12);
+      fflush(stdout);
+    }
+  }
+  // One layer's attention, forward and backward, per variant: the step has num_hidden_layers of them.
+  const double basic = ms[0][0] + ms[0][1], piped = ms[1][0] + ms[1][1];
+  printf("{\"bench\":\"gpu_attention_step\",\"model\":\"%s\",\"dtype\":\"%s\",\"basic_ms\":%.2f,\"pipelined_ms\":%.2f,"
+         "\"step_saving_ms\":%.1f,\"speedup\":%.3f,\"faster\":\"%s\"}\n",
+         model, dtype, basic * cfg.num_hidden_layers, piped * cfg.num_hidden_layers,
+         (basic - piped) * cfg.num_hidden_layers, basic / piped, piped < basic ? "pipelined" : "basic");
+  fy_device_dealloc(dev, a.qkv, (size_t)(B * T * 3 * C) * fy_dtype_size(dt));
+  fy_device_dealloc(dev, a.dqkv, (size_t)(B * T * 3 * C) * fy_dtype_size(dt));
+  fy_device_dealloc(dev, a.out, (size_t)(B * T * C) * fy_dtype_size(dt));
+  fy_device_dealloc(dev, a.dout, (size_t)(B * T * C) * fy_dtype_size(dt));
+  fy_device_dealloc(dev, a.lse, (size_t)(B * NH * T) * 4);
+  fy_device_dealloc(dev, a.scratch, (size_t)(B * NH * T) * 4);
+  fy_stream_free(st);
+  fy_device_free(dev);
+  return 0;
+}
