@@ -6,8 +6,11 @@
 // (or fp32). Inputs are random (never zeros); each product is timed with CUDA events over --reps
 // runs after 3 warm-ups and its median printed as a JSON line with its rate, then one line per
 // phase with the step's total for the model (every layer, the tied output projection once).
+// With --tune N, each product is timed again through a handle that tunes (fy_cuda_blas_set_tuning:
+// the fastest of the heuristic's first N algorithms), after enough warm-up calls for it to decide:
+// "tuned_ms" beside "ms", and the step's totals both ways.
 //
-// usage: gpu_gemm [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]
+// usage: gpu_gemm [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10] [--tune N]
 // Exits 77 without a GPU.
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,13 +67,14 @@ static const char *what_name[] = {"forward", "forward_no_bias", "input_grad", "w
 
 // Median milliseconds of one call of `w` for the shape.
 static float time_op(enum what w, struct fy_cuda_blas *h, enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC,
-                     void *in, void *wt, void *bias, void *out, void *dout, void *dinp, void *dw, void *db, int reps) {
+                     void *in, void *wt, void *bias, void *out, void *dout, void *dinp, void *dw, void *db, int reps,
+                     int warmup) {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   float *ms = calloc((size_t)reps, sizeof *ms);
   if (!ms) die("host allocation");
-  for (int r = -3; r < reps; r++) {
+  for (int r = -warmup; r < reps; r++) {
     cudaEventRecord(e0, cs);
     fy_status st = FY_OK;
     switch (w) {
@@ -99,11 +103,11 @@ static float time_op(enum what w, struct fy_cuda_blas *h, enum fy_dtype dt, int6
 int main(int argc, char **argv) {
   const char *model = "opt-1.3b", *dtype = "bf16";
   int64_t batch = 8, seq = 2048;
-  int reps = 10;
+  int reps = 10, tune = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      printf("usage: gpu_gemm [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]\n");
+      printf("usage: gpu_gemm [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10] [--tune N]\n");
       return 0;
     }
     if (!v) {
@@ -115,6 +119,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--seq")) seq = atoll(v);
     else if (!strcmp(a, "--dtype")) dtype = v;
     else if (!strcmp(a, "--reps")) reps = atoi(v);
+    else if (!strcmp(a, "--tune")) tune = atoi(v);
     else {
       fprintf(stderr, "gpu_gemm: unknown option %s (--help)\n", a);
       return 2;
@@ -122,8 +127,8 @@ int main(int argc, char **argv) {
     i++;
   }
   enum fy_dtype dt = !strcmp(dtype, "fp32") ? FY_F32 : FY_BF16;
-  if ((strcmp(dtype, "fp32") && strcmp(dtype, "bf16")) || batch < 1 || seq < 1 || reps < 1) {
-    fprintf(stderr, "gpu_gemm: bad --dtype, --batch, --seq or --reps\n");
+  if ((strcmp(dtype, "fp32") && strcmp(dtype, "bf16")) || batch < 1 || seq < 1 || reps < 1 || tune < 0 || tune > 16) {
+    fprintf(stderr, "gpu_gemm: bad --dtype, --batch, --seq, --reps or --tune (0 to 16)\n");
     return 2;
   }
   struct fy_opt_config cfg;
@@ -140,6 +145,12 @@ int main(int argc, char **argv) {
   void *ws = NULL;
   struct fy_cuda_blas *h = NULL;
   if (fy_device_alloc(dev, ws_bytes, &ws) != FY_OK || fy_cuda_blas_create(ws, ws_bytes, &h) != FY_OK) die("cuBLASLt");
+  fy_cuda_blas_set_tuning(h, 0);  // the default, whatever FERRY_CUDA_GEMM_TUNE says
+  struct fy_cuda_blas *ht = NULL;  // the tuning handle (the same workspace: one stream)
+  if (tune > 1) {
+    if (fy_cuda_blas_create(ws, ws_bytes, &ht) != FY_OK) die("cuBLASLt");
+    fy_cuda_blas_set_tuning(ht, tune);
+  }
 
   // The model's linear layers (C -> OC, how many per step, bias or not).
   const int64_t D = cfg.hidden_size, F = cfg.ffn_dim, E = cfg.word_embed_proj_dim, L = cfg.num_hidden_layers;
@@ -149,7 +160,7 @@ int main(int argc, char **argv) {
       {"lm_head", E, cfg.vocab_size, 1, false},
   };
   const int64_t BT = batch * seq;
-  double total_ms[5] = {0}, total_flop[5] = {0};
+  double total_ms[5] = {0}, total_flop[5] = {0}, tuned_ms[5] = {0};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     const int64_t C = shapes[s].C, OC = shapes[s].OC;
     void *in = drand(BT * C, dt), *wt = drand(OC * C, dt), *bias = drand(OC, dt), *out = drand(BT * OC, dt);
@@ -157,16 +168,23 @@ int main(int argc, char **argv) {
     for (int w = FWD; w <= DBIAS; w++) {
       if ((w == FWD_NOBIAS || w == DBIAS) && !shapes[s].bias) continue;
       float ms = time_op((enum what)w, h, dt, BT, C, OC, in, wt, shapes[s].bias ? bias : NULL, out, dout, dinp, dw, db,
-                         reps);
+                         reps, 3);
+      // Tuned: enough warm-ups for every candidate's trials (3 each) and the decision after them.
+      float tms = ht ? time_op((enum what)w, ht, dt, BT, C, OC, in, wt, shapes[s].bias ? bias : NULL, out, dout, dinp,
+                               dw, db, reps, 3 * tune + 4)
+                     : 0;
       double flop = w == DBIAS ? 0 : 2.0 * (double)BT * (double)C * (double)OC;
       printf("{\"bench\":\"gpu_gemm\",\"layer\":\"%s\",\"op\":\"%s\",\"dtype\":\"%s\",\"rows\":%lld,\"in\":%lld,"
-             "\"out\":%lld,\"ms\":%.4f,\"tflops\":%.1f,\"gbps\":%.1f}\n",
+             "\"out\":%lld,\"ms\":%.4f,\"tflops\":%.1f,\"gbps\":%.1f",
              shapes[s].name, what_name[w], dtype, (long long)BT, (long long)C, (long long)OC, ms,
              flop / (ms * 1e-3) / 1e12, (double)BT * OC * fy_dtype_size(dt) / (ms * 1e-3) / 1e9);
+      if (ht) printf(",\"tuned_ms\":%.4f,\"tuned_tflops\":%.1f", tms, flop / (tms * 1e-3) / 1e12);
+      printf("}\n");
       fflush(stdout);
       if (w != FWD_NOBIAS) {  // the step's own calls: forward with its bias (if any)
         int k = w == FWD ? 0 : w == DINP ? 1 : w == DW ? 2 : 3;
         total_ms[k] += ms * shapes[s].count;
+        tuned_ms[k] += tms * shapes[s].count;
         total_flop[k] += flop * shapes[s].count;
       }
     }
@@ -182,8 +200,17 @@ int main(int argc, char **argv) {
     printf(",\"%s_ms\":%.2f", phase[k], total_ms[k]);
     if (total_flop[k] > 0) printf(",\"%s_tflops\":%.1f", phase[k], total_flop[k] / (total_ms[k] * 1e-3) / 1e12);
   }
+  if (ht) {
+    double a = 0, b = 0;
+    for (int k = 0; k < 4; k++) {
+      printf(",\"tuned_%s_ms\":%.2f", phase[k], tuned_ms[k]);
+      a += total_ms[k], b += tuned_ms[k];
+    }
+    printf(",\"tune\":%d,\"step_ms\":%.2f,\"tuned_step_ms\":%.2f,\"tuned_speedup\":%.3f", tune, a, b, a / b);
+  }
   printf("}\n");
   fy_cuda_blas_free(h);
+  fy_cuda_blas_free(ht);
   fy_device_dealloc(dev, ws, ws_bytes);
   fy_stream_free(st);
   fy_device_free(dev);

@@ -482,6 +482,32 @@ static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt) {
     cmp_dev("matmul misaligned c", dt, d_c + fy_dtype_size(dt), c, M * N, true);
     free(c);
   }
+  // A tuning handle runs the shape's first calls with the heuristic's candidates in turn, then the
+  // fastest: every call, accumulating into c, is right (the sum of all of them).
+  {
+    struct fy_cuda_blas *t = NULL;
+    void *ws = NULL;
+    const size_t ws_bytes = (size_t)4 << 20;
+    CHECK_OK(fy_device_alloc(dev, ws_bytes, &ws));
+    CHECK_OK(fy_cuda_blas_create(ws, ws_bytes, &t));
+    fy_cuda_blas_set_tuning(t, 4);
+    float *c = fdup(c0, M * N);
+    void *d_c = dput(c, M * N, dt);
+    for (int call = 0; call < 16; call++) {
+      CHECK_OK(fy_matmul_bias(c, a, b, bias, 1, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, 0, 0, 0, 0, 0, 0));
+      CHECK_OK(fy_cuda_matmul(t, d_c, d_a, d_b, d_bias, dt, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, cs));
+      if (dt == FY_BF16) {  // the GPU's c is rounded to bf16 after every call: so is the reference's
+        for (int64_t i = 0; i < M * N; i++) c[i] = fy_bf16_to_f32(fy_f32_to_bf16(c[i]));
+      }
+      char what[64];
+      snprintf(what, sizeof what, "matmul while tuning, call %d", call);
+      cmp_dev(what, dt, d_c, c, M * N, true);
+    }
+    CHECK_OK(fy_stream_sync(st));
+    fy_cuda_blas_free(t);
+    fy_device_dealloc(dev, ws, ws_bytes);
+    free(c);
+  }
   dfree_all();
   free(a); free(b); free(bias); free(c0);
 }

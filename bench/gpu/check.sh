@@ -448,16 +448,17 @@ print(json.dumps({"bench": "ferry_cuda_largest_40gib", "model": "opt-6.7b", "dev
                   "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1)}))
 PY
 }
-ferry_13b() {  # [ATTENTION]: the attention kernels to use (basic, the default, or pipelined)
-  local variant="${1:-basic}"
-  FERRY_CUDA_ATTENTION="$variant" "$build/ferry" train --device cuda --precision bf16 --model opt-1.3b --batch 8 \
-    --seq 2048 --steps 5 --quiet --log "$logs/ferry13b-$variant.jsonl" || return 1
-  python3 - "$logs/ferry13b-$variant.jsonl" "$variant" <<'PY'
+ferry_13b() {  # [LABEL [VAR=VALUE ...]]: the run's environment (which kernels: FERRY_CUDA_*)
+  local label="${1:-default}"
+  [ $# -gt 0 ] && shift
+  env "$@" "$build/ferry" train --device cuda --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 5 \
+    --quiet --log "$logs/ferry13b-$label.jsonl" || return 1
+  python3 - "$logs/ferry13b-$label.jsonl" "$*" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
 tps = statistics.median(r["tokens_per_s"] for r in rows)
 gf = statistics.median(r["gflops"] for r in rows)
-print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "attention": sys.argv[2], "tokens_per_s": round(tps, 1),
+print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "env": sys.argv[2], "tokens_per_s": round(tps, 1),
                   "gflops": round(gf, 1), "mfu_h200_bf16": round(gf / 989e3, 3)}))
 PY
 }
@@ -472,12 +473,20 @@ if [ "$bench" = 1 ]; then
   else
     row "bench torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
   fi
-  # The attention kernels alone, basic against pipelined (one layer's forward and backward at the
-  # 1.3B shape; the op tests above checked both), and the 1.3B step again with the pipelined ones
-  # when they are the faster: the measurement that decides which is the default.
+  # What the 1.3B step is made of, with the alternatives that are not the default yet: the attention
+  # kernels alone, basic against pipelined (one layer's forward and backward at the 1.3B shape; the
+  # op tests above checked both), and the step's matrix products shape by shape (forward, input,
+  # weight and bias gradients), each with the heuristic's algorithm and tuned among its first 8.
+  # Then the 1.3B step again with whichever alternative was the faster: the measurements that
+  # decide the defaults.
   bench_step "bench attention kernels" 40 "$build/bench/gpu_attention" --model opt-1.3b --batch 8 --seq 2048
-  if grep -q '"faster": *"pipelined"' "$logs/bench_attention_kernels.log" 2>/dev/null; then
-    bench_step "bench ferry 1.3b bf16 pipelined" 120 ferry_13b pipelined
+  bench_step "bench gemm shapes" 90 "$build/bench/gpu_gemm" --model opt-1.3b --batch 8 --seq 2048 --tune 8
+  faster=()
+  grep -q '"faster": *"pipelined"' "$logs/bench_attention_kernels.log" 2>/dev/null && faster+=(FERRY_CUDA_ATTENTION=pipelined)
+  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]; sys.exit(0 if r and r[-1].get("tuned_speedup", 0) > 1.02 else 1)' \
+    "$logs/bench_gemm_shapes.log" 2>/dev/null && faster+=(FERRY_CUDA_GEMM_TUNE=8)
+  if [ ${#faster[@]} -gt 0 ]; then
+    bench_step "bench ferry 1.3b bf16 faster" 120 ferry_13b faster "${faster[@]}"
   fi
   # The issue's other target next (a short budget keeps the two): OPT-6.7B (fp32 state: ~107 GB of
   # host memory when offloaded; the largest preset whose state fits this machine's 128 GiB, and a
@@ -491,9 +500,6 @@ if [ "$bench" = 1 ]; then
   # The same in bf16 (chunks of bf16 weights; the host's AdamW over 1.3B parameters per step is
   # what an offloaded bf16 step waits for).
   bench_step "bench offload 1.3b bf16" 120 offload_ratio opt-1.3b 8 2048 --recompute --precision bf16
-  # The same step's matrix products alone, shape by shape (forward, input and weight gradients,
-  # bias gradients): which of them fall short of the GPU's GEMM rate.
-  bench_step "bench gemm shapes" 60 "$build/bench/gpu_gemm" --model opt-1.3b --batch 8 --seq 2048
   # Where ferry's 1.3B bf16 step goes: each op kind's kernels timed alone (the table is in the log).
   run_step "profile 1.3b bf16" 60 "ferry train --profile (per op kind)" "$build/ferry" train --device cuda \
     --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 3 --profile
@@ -504,7 +510,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"

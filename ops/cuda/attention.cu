@@ -794,7 +794,7 @@ attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16
   }
 }
 
-// ---- bf16 on tensor cores, pipelined (the "pipelined" variant; see fy_cuda_attention_variant) ----
+// ---- bf16 on tensor cores, pipelined (the "pipelined" variant: fy_cuda_attention_set_variant) ----
 //
 // The same algorithm and outputs as the tensor-core kernels above, with two changes aimed at what
 // bounds them: a warp there reads a whole 64-row tile from shared memory for only 16 rows of its

@@ -9,6 +9,14 @@
 // than a small product, so each distinct call shape (dtype, sizes, transposes, bias or not, and
 // the alignment of every pointer, which the heuristic relies on) gets them once and keeps them in a
 // small cache owned by the handle.
+//
+// Tuning (opt-in: fy_cuda_blas_set_tuning, or FERRY_CUDA_GEMM_TUNE=N): the heuristic's first
+// algorithm is not always the fastest for a shape (an epilogue moves its choice). With tuning, a
+// shape's first calls each run one of the heuristic's first N candidates, timed with events on the
+// caller's stream (no waiting, no extra memory: every call still computes its own product); once
+// each candidate has run TUNE_REPS times and the last one has finished, the shape keeps the one
+// with the smallest time. Results then depend on which algorithm won (float rounding), so runs
+// are not bit-for-bit repeatable with it; without it they are.
 #include <cublasLt.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +24,8 @@
 #include "ops/cuda/common.cuh"
 
 #define MM_CACHE 64
+#define TUNE_MAX 16  // candidates tried at most
+#define TUNE_REPS 3  // runs of each (the smallest time counts: a first run may load its kernel)
 
 struct mm_key {
   int dt, ta, tb, has_bias;
@@ -29,6 +39,11 @@ struct mm_entry {
   cublasLtMatmulDesc_t op;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
+  // Tuning: candidates cand[0..ncand) (cand[0] is the heuristic's choice, algo until decided),
+  // trials launched so far (trial i runs candidate i % ncand between events ev[2i], ev[2i+1]).
+  cublasLtMatmulAlgo_t *cand;
+  int ncand, trials;
+  cudaEvent_t *ev;
 };
 
 struct fy_cuda_blas {
@@ -37,6 +52,7 @@ struct fy_cuda_blas {
   size_t ws_bytes;
   struct mm_entry cache[MM_CACHE];
   int next_victim;  // entries are replaced round-robin once the cache is full
+  int tune;         // candidates to time per shape (0 or 1: the heuristic's first)
 };
 
 static fy_status lt_fail(cublasStatus_t s, const char *what) {
@@ -58,8 +74,19 @@ static int align_of(const void *p) {
   return al;
 }
 
+static void tune_release(struct mm_entry *e) {
+  for (int i = 0; e->ev && i < 2 * e->ncand * TUNE_REPS; i++)
+    if (e->ev[i]) cudaEventDestroy(e->ev[i]);
+  free(e->ev);
+  free(e->cand);
+  e->ev = NULL;
+  e->cand = NULL;
+  e->ncand = 0;
+}
+
 static void entry_release(struct mm_entry *e) {
   if (!e->used) return;
+  tune_release(e);
   if (e->lc) cublasLtMatrixLayoutDestroy(e->lc);
   if (e->lb) cublasLtMatrixLayoutDestroy(e->lb);
   if (e->la) cublasLtMatrixLayoutDestroy(e->la);
@@ -78,8 +105,14 @@ extern "C" fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes
   }
   h->ws = workspace;
   h->ws_bytes = workspace ? workspace_bytes : 0;
+  const char *t = getenv("FERRY_CUDA_GEMM_TUNE");
+  if (t && *t) fy_cuda_blas_set_tuning(h, atoi(t));
   *out = h;
   return FY_OK;
+}
+
+extern "C" void fy_cuda_blas_set_tuning(struct fy_cuda_blas *h, int candidates) {
+  h->tune = candidates < 0 ? 0 : candidates > TUNE_MAX ? TUNE_MAX : candidates;
 }
 
 extern "C" void fy_cuda_blas_free(struct fy_cuda_blas *h) {
@@ -133,10 +166,10 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
-  cublasLtMatmulHeuristicResult_t res;
-  int nres = 0;
+  cublasLtMatmulHeuristicResult_t res[TUNE_MAX];
+  int nres = 0, want = h->tune > 1 ? h->tune : 1;
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, 1, &res, &nres);
+    s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, want, res, &nres);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(s, "algorithm heuristic");
   if (nres == 0)
@@ -144,8 +177,42 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
                         "cuBLASLt: no algorithm for %s (%lld,%lld,%lld) ta=%d tb=%d bias=%d",
                         fy_dtype_name((enum fy_dtype)k->dt), (long long)k->M, (long long)k->N,
                         (long long)k->K, k->ta, k->tb, k->has_bias);
-  e->algo = res.algo;
+  e->algo = res[0].algo;
+  if (nres > 1) {  // tuning: the candidates and their events (without them, no tuning: not an error)
+    e->cand = (cublasLtMatmulAlgo_t *)malloc((size_t)nres * sizeof *e->cand);
+    e->ev = (cudaEvent_t *)calloc((size_t)(2 * nres * TUNE_REPS), sizeof *e->ev);
+    bool ok = e->cand && e->ev;
+    e->ncand = nres;
+    for (int i = 0; ok && i < 2 * nres * TUNE_REPS; i++) ok = cudaEventCreate(&e->ev[i]) == cudaSuccess;
+    for (int i = 0; ok && i < nres; i++) e->cand[i] = res[i].algo;
+    if (!ok) {
+      (void)cudaGetLastError();
+      tune_release(e);
+    }
+  }
   return FY_OK;
+}
+
+// Tuning: once every trial has finished, the candidate with the smallest time becomes the shape's
+// algorithm (a candidate that failed to launch has none).
+static void tune_decide(struct mm_entry *e) {
+  const int n = e->ncand * TUNE_REPS;
+  if (cudaEventQuery(e->ev[2 * n - 1]) != cudaSuccess) {  // not finished yet (or failed): later
+    (void)cudaGetLastError();
+    return;
+  }
+  float best = INFINITY;
+  int pick = 0;
+  for (int i = 0; i < n; i++) {
+    float ms = INFINITY;
+    if (cudaEventElapsedTime(&ms, e->ev[2 * i], e->ev[2 * i + 1]) != cudaSuccess) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    if (ms < best) best = ms, pick = i % e->ncand;
+  }
+  e->algo = e->cand[pick];
+  tune_release(e);
 }
 
 static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const void *bias,
@@ -200,6 +267,24 @@ extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void 
   FY_TRY(entry_get(h, &k, bias, &e));
   if (bias)  // the cached descriptor may hold another call's bias of the same alignment
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), "bias");
+  if (e->ncand > 1 && e->trials < e->ncand * TUNE_REPS) {  // tuning: this call runs the next trial
+    const int i = e->trials++;
+    const bool ran = cudaEventRecord(e->ev[2 * i], st) == cudaSuccess &&
+                     cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc,
+                                    &e->cand[i % e->ncand], h->ws, h->ws_bytes, st) == CUBLAS_STATUS_SUCCESS;
+    if (ran && cudaEventRecord(e->ev[2 * i + 1], st) == cudaSuccess) return FY_OK;
+    if (ran) {  // the product is done; only its timing failed
+      (void)cudaGetLastError();
+      tune_release(e);
+      return FY_OK;
+    }
+    // A candidate that cannot run (or an event that cannot be recorded): no tuning for this
+    // shape, and the call runs with the heuristic's choice below.
+    (void)cudaGetLastError();
+    tune_release(e);
+  } else if (e->ncand > 1) {
+    tune_decide(e);
+  }
   LT_TRY(cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc,
                         &e->algo, h->ws, h->ws_bytes, st),
          "cublasLtMatmul");

@@ -148,6 +148,10 @@ fy_status fy_cuda_sumsq(double *out, const void *x, enum fy_dtype dt, int64_t n,
 struct fy_cuda_blas;
 fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes, struct fy_cuda_blas **out);
 void fy_cuda_blas_free(struct fy_cuda_blas *h);
+// Times the heuristic's first `candidates` algorithms (at most 16) on each shape's first calls and
+// keeps the fastest (0 or 1: the heuristic's first, the default; FERRY_CUDA_GEMM_TUNE=N at create
+// sets it too). Results may then differ run to run by float rounding. For shapes not seen yet.
+void fy_cuda_blas_set_tuning(struct fy_cuda_blas *h, int candidates);
 
 // c (M,N) = alpha * op(a) @ op(b) + beta * c (+ bias (N) on every row, when not NULL), row-major,
 // as fy_matmul: op(a) is (M,K): a is (M,K) or, with ta, (K,M); op(b) is (K,N): b is (K,N) or, with
