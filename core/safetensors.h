@@ -59,7 +59,7 @@ fy_status fy_safetensors_write_dir(const char *dir, const struct fy_st_tensor *t
 // checks that every byte of every tensor was put, then makes the files (and a sharded directory's
 // index) take their names as the writes above do. commit and abort free the writer; abort
 // removes what was written. The files are the same bytes as the writes above would make.
-typedef struct fy_st_writer fy_st_writer;
+typedef struct fy_st_writer fy_st_writer;  // (struct fy_st_writer where a header only names it)
 fy_status fy_st_writer_open(const char *path, const struct fy_st_tensor *tensors, int n,
                             const char *const *metadata, fy_st_writer **out);
 fy_status fy_st_writer_open_dir(const char *dir, const struct fy_st_tensor *tensors, int n,
