@@ -11,18 +11,21 @@
 # the budget, so a hung step costs its share and the table still prints.
 #
 # usage: bench/gpu/check.sh [--dry-run] [--build-only] [--no-bench] [--no-big] [--debs DIR] [--prefix DIR]
-#                           [--build DIR] [--budget SECONDS] [--jobs N] [--logs DIR]
+#                           [--build DIR] [--budget SECONDS] [--jobs N] [--logs DIR] [--steps LIST]
 #   --dry-run     resolve the arguments, nvcc, meson and the .deb files, print the plan, run nothing
 #   --build-only  unpack and build, no tests and no benchmarks (for a machine without a GPU)
 #   --no-big      without the OPT-6.7B runs (offloaded against resident, ~3 minutes, ~110 GiB of host
 #                 memory; bf16 chunks at a 40 GiB cap, the largest preset that fits that host)
+#   --steps LIST  only the steps named (comma-separated; shell patterns: 'bench offload*'), besides
+#                 configure and build (quick when the build is there): a second call on a machine
+#                 still warm runs what the first had no time for
 # Exit status: 0 when every step that ran passed (skips allowed), 1 otherwise, 2 for bad usage.
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root" || exit 2
 
-dry=0 build_only=0 bench=1 big=1 budget=480
+dry=0 build_only=0 bench=1 big=1 budget=480 steps=""
 debs="bench/gpu/debs" prefix="${TMPDIR:-/tmp}/ferry-prefix" build="build-gpu" logs=""
 jobs="$(nproc 2>/dev/null || echo 4)"
 while [ $# -gt 0 ]; do
@@ -31,7 +34,7 @@ while [ $# -gt 0 ]; do
     --build-only) build_only=1 ;;
     --no-bench) bench=0 ;;
     --no-big) big=0 ;;
-    --debs|--prefix|--build|--budget|--jobs|--logs)
+    --debs|--prefix|--build|--budget|--jobs|--logs|--steps)
       [ $# -ge 2 ] || { echo "check.sh: $1 needs a value" >&2; exit 2; }
       case "$1" in
         --debs) debs="$2" ;;
@@ -40,9 +43,10 @@ while [ $# -gt 0 ]; do
         --budget) budget="$2" ;;
         --jobs) jobs="$2" ;;
         --logs) logs="$2" ;;
+        --steps) steps="$2" ;;
       esac
       shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "check.sh: unknown option $1 (--help lists them)" >&2; exit 2 ;;
   esac
   shift
@@ -56,15 +60,33 @@ case "$logs" in /*) ;; *) logs="$root/$logs" ;; esac
 t0=$SECONDS
 rows=()  # "step|result|seconds|detail", printed as the closing table
 failed=0
-row() { rows+=("$1|$2|$3|$4"); }
+row() {  # (a row of a step that --steps did not select is left out)
+  case "$1" in nvcc|debs|meson|"demo data") ;; *) selected "$1" || return 0 ;; esac
+  rows+=("$1|$2|$3|$4")
+}
 left() { echo $((budget - (SECONDS - t0))); }
 say() { echo "== $*"; }
 
+# Whether --steps selects step NAME (configure and build always run).
+selected() {
+  if [ -z "$steps" ] || [ "$1" = configure ] || [ "$1" = build ]; then return 0; fi
+  local p
+  IFS=',' read -ra pats <<<"$steps"
+  for p in "${pats[@]}"; do
+    p="${p#"${p%%[![:space:]]*}"}"
+    # shellcheck disable=SC2053
+    [[ "$1" == $p ]] && return 0
+  done
+  return 1
+}
+
 # run_step NAME LIMIT DETAIL CMD...: runs CMD with stdout and stderr in $logs/NAME.log under
-# timeout min(LIMIT, time left - 15 s kept for the table); exit 77 is a skip, 124 a timeout.
+# timeout min(LIMIT, time left - 15 s kept for the table); exit 77 is a skip, 124 a timeout, 78
+# a step --steps did not select (no row).
 run_step() {
   local name="$1" limit="$2" detail="$3"
   shift 3
+  selected "$name" || return 78
   local log="$logs/${name// /_}.log"
   local l; l=$(($(left) - 15))
   [ "$limit" -gt "$l" ] && limit=$l
@@ -248,9 +270,9 @@ if [ "$dry" = 0 ] && [ ! -f data/demo/corpus_000000.bin ]; then
     row "demo data" "FAIL" 0 "tools/tokenize.py (log: $logs/tokenize.log)"
 fi
 if [ "$dry" = 1 ]; then
-  echo "plan: [op tests] meson test -C $build backend_ops"
-  echo "plan: [reference tests] meson test -C $build reference_cuda reference"
-  echo "plan: [nccl comm test] meson test -C $build comm_nccl"
+  selected "op tests" && echo "plan: [op tests] meson test -C $build backend_ops"
+  selected "reference tests" && echo "plan: [reference tests] meson test -C $build reference_cuda reference"
+  selected "nccl comm test" && echo "plan: [nccl comm test] meson test -C $build comm_nccl"
 else
   run_step "op tests" 150 "CUDA kernels vs CPU kernels (test_backend_ops)" meson_test backend_ops
   run_step "reference tests" 90 "transformers fixtures, model on the GPU and on the CPU" meson_test reference_cuda reference
@@ -358,7 +380,7 @@ print(json.dumps({"bench": "ferry_cuda_fp32", "model": "opt-125m", "batch": 8, "
 PY
 }
 if [ "$dry" = 1 ]; then
-  echo "plan: [gpu training] ferry train --device cuda vs --device cpu, opt-demo, 8 steps; opt-125m rate"
+  selected "gpu training" && echo "plan: [gpu training] ferry train --device cuda vs --device cpu, opt-demo, 8 steps; opt-125m rate"
 elif [[ "$("$build/ferry" train --help 2>&1)" == *"or cuda"* ]]; then  # (grep -q under pipefail: SIGPIPE)
   run_step "gpu training" 200 "opt-demo: cuda vs cpu fp32 and bf16, accumulation, resume; opt-125m rate" gpu_train
 else
@@ -396,7 +418,7 @@ sys.exit(0 if ok else 1)
 PY
 }
 if [ "$dry" = 1 ]; then
-  echo "plan: [gpu ranks] mpirun -np 2 ferry train --device cuda --offload vs 1 rank (with 2 GPUs or more)"
+  selected "gpu ranks" && echo "plan: [gpu ranks] mpirun -np 2 ferry train --device cuda --offload vs 1 rank (with 2 GPUs or more)"
 elif ! command -v mpirun >/dev/null 2>&1; then
   row "gpu ranks" "skipped" 0 "no mpirun"
 elif [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
