@@ -36,6 +36,10 @@ struct cuda_ctx {
   // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
+  // Per op: a linear whose output only the relu right after it reads, run as one call with relu in
+  // cuBLASLt's epilogue, writing the relu's output (which the relu's backward reads); that relu
+  // then has nothing left to do. The linear's own output slot is never written.
+  bool *relu_fused;
 };
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
@@ -87,15 +91,21 @@ static void op_forward_cuda(void *arg) {
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], op->has_bias ? c->w[n_w] : NULL, dt, BT, op->C,
-                                  op->OC, x->st);
+      const void *bias = op->has_bias ? c->w[n_w] : NULL;
+      if (x->relu_fused[c->op])
+        st = fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, g->ops[c->op + 1].out), in0, c->w[0], bias, dt, BT,
+                                         op->C, op->OC, x->st);
+      else
+        st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], bias, dt, BT, op->C, op->OC, x->st);
       break;
     }
     case FY_OP_ATTENTION:  // the aux slot holds the lse (the graph's flash_attention layout)
       st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B, T, op->C,
                                      op->NH, op->scale, x->st);
       break;
-    case FY_OP_RELU: st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st); break;
+    case FY_OP_RELU:
+      if (c->op == 0 || !x->relu_fused[c->op - 1]) st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
+      break;
     case FY_OP_ADD:
       st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
       break;
@@ -301,6 +311,7 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   cudaFree(x->lnscratch);
   cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
+  free(x->relu_fused);
   free(x);
   m->kernels_ctx = NULL;
   m->kernels = &fy_model_cpu_kernels;
@@ -328,9 +339,21 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);
+  if (st == FY_OK && !(x->relu_fused = calloc((size_t)g->n_ops + 1, sizeof *x->relu_fused)))
+    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st != FY_OK) {
     fy_engine_cuda_detach(m);
     return st;
+  }
+  for (int o = 0; o + 1 < g->n_ops; o++) {
+    const struct fy_op *lin = &g->ops[o], *relu = &g->ops[o + 1];
+    if (lin->kind != FY_OP_LINEAR || relu->kind != FY_OP_RELU || relu->in[0] != lin->out ||
+        g->slots[lin->out].last_consumer != o + 1)
+      continue;
+    // The relu's output must not share memory with the linear's input, which the product reads
+    // while the epilogue writes (the ranges in floats cover act16's half-size slots too).
+    const struct fy_slot *in = &g->slots[lin->in[0]], *ro = &g->slots[relu->out];
+    x->relu_fused[o] = ro->offset + ro->numel <= in->offset || in->offset + in->numel <= ro->offset;
   }
   m->kernels = &cuda_kernels;
   return FY_OK;

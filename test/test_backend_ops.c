@@ -524,6 +524,12 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC));
   CHECK_OK(fy_cuda_linear_forward(h, d_out, d_inp, d_w, NULL, dt, BT, C, OC, cs));
   cmp_dev("linear forward (no bias)", dt, d_out, out, BT * OC, true);
+  for (int wb = 0; wb < 2; wb++) {  // linear and relu in one call (the epilogue)
+    CHECK_OK(fy_linear_forward(out, inp, w, wb ? bias : NULL, BT, C, OC));
+    fy_relu_forward(out, out, BT * OC);
+    CHECK_OK(fy_cuda_linear_relu_forward(h, d_out, d_inp, d_w, wb ? d_bias : NULL, dt, BT, C, OC, cs));
+    cmp_dev(wb ? "linear+relu forward (bias)" : "linear+relu forward (no bias)", dt, d_out, out, BT * OC, true);
+  }
 
   float *dout = frand_new(BT * OC, 1.0f, dt), *dinp = frand_new(BT * C, 1.0f, dt);
   float *dw = frand_new(OC * C, 1.0f, dt), *db = frand_new(OC, 1.0f, dt);

@@ -28,7 +28,7 @@
 #define TUNE_REPS 3  // runs of each (the smallest time counts: a first run may load its kernel)
 
 struct mm_key {
-  int dt, ta, tb, has_bias;
+  int dt, ta, tb, has_bias, relu;
   int64_t M, N, K;
   int al_a, al_b, al_c, al_bias;
 };
@@ -136,8 +136,12 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   cublasOperation_t opb = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is our a
   LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "transa");
   LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "transb");
+  if (k->relu && !k->has_bias) {
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_RELU;
+    LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "epilogue");
+  }
   if (k->has_bias) {
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    cublasLtEpilogue_t epi = k->relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
     int32_t bty = (int32_t)ty;
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "epilogue");
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bty, sizeof bty), "bias type");
@@ -174,9 +178,9 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(s, "algorithm heuristic");
   if (nres == 0)
     return fy_error_set(FY_ERR_UNSUPPORTED,
-                        "cuBLASLt: no algorithm for %s (%lld,%lld,%lld) ta=%d tb=%d bias=%d",
+                        "cuBLASLt: no algorithm for %s (%lld,%lld,%lld) ta=%d tb=%d bias=%d relu=%d",
                         fy_dtype_name((enum fy_dtype)k->dt), (long long)k->M, (long long)k->N,
-                        (long long)k->K, k->ta, k->tb, k->has_bias);
+                        (long long)k->K, k->ta, k->tb, k->has_bias, k->relu);
   e->algo = res[0].algo;
   if (nres > 1) {  // tuning: the candidates and their events (without them, no tuning: not an error)
     e->cand = (cublasLtMatmulAlgo_t *)malloc((size_t)nres * sizeof *e->cand);
@@ -242,10 +246,10 @@ static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const
   return FY_OK;
 }
 
-extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,
-                                    const void *bias, enum fy_dtype dt, int64_t M, int64_t N,
-                                    int64_t K, bool ta, bool tb, float alpha, float beta,
-                                    cudaStream_t st) {
+// fy_cuda_matmul, with relu applied to the result in the epilogue when asked
+static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *a, const void *b, const void *bias, bool relu,
+                            enum fy_dtype dt, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
+                            float beta, cudaStream_t st) {
   if (dt != FY_F32 && dt != FY_BF16) return fy_cuda_bad_dtype("matmul", dt);
   if (M <= 0 || N <= 0) return FY_OK;
   if (K <= 0)
@@ -256,6 +260,7 @@ extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void 
   k.ta = ta;
   k.tb = tb;
   k.has_bias = bias != NULL;
+  k.relu = relu;
   k.M = M;
   k.N = N;
   k.K = K;
@@ -328,6 +333,20 @@ __global__ void bias_grad_final_kernel(T *dbias, const float *part, int parts, i
 }
 
 #define BIAS_GRAD_PARTS 16
+
+extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,
+                                    const void *bias, enum fy_dtype dt, int64_t M, int64_t N,
+                                    int64_t K, bool ta, bool tb, float alpha, float beta,
+                                    cudaStream_t st) {
+  return matmul_epi(h, c, a, b, bias, false, dt, M, N, K, ta, tb, alpha, beta, st);
+}
+
+extern "C" fy_status fy_cuda_linear_relu_forward(struct fy_cuda_blas *h, void *out, const void *inp,
+                                                 const void *weight, const void *bias, enum fy_dtype dt,
+                                                 int64_t BT, int64_t C, int64_t OC, cudaStream_t st) {
+  // out (BT,OC) = max(inp (BT,C) @ weight^T (C,OC) + bias, 0)
+  return matmul_epi(h, out, inp, weight, bias, true, dt, BT, OC, C, false, true, 1.0f, 0.0f, st);
+}
 
 extern "C" fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *inp,
                                             const void *weight, const void *bias,

@@ -166,6 +166,11 @@ fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const v
 fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *inp,
                                  const void *weight, const void *bias, enum fy_dtype dt,
                                  int64_t BT, int64_t C, int64_t OC, cudaStream_t st);
+// The same followed by relu, in cuBLASLt's epilogue (no pass of its own over out): nn.Linear and
+// nn.ReLU of OPT's feed-forward block in one call. relu's backward needs only its output.
+fy_status fy_cuda_linear_relu_forward(struct fy_cuda_blas *h, void *out, const void *inp,
+                                      const void *weight, const void *bias, enum fy_dtype dt,
+                                      int64_t BT, int64_t C, int64_t OC, cudaStream_t st);
 // dout (BT,OC), inp (BT,C), weight (OC,C) -> dinp (BT,C) +=, dweight (OC,C) +=, dbias (OC) +=
 // (any NULL to skip)
 fy_status fy_cuda_linear_backward(struct fy_cuda_blas *h, void *dinp, void *dweight, void *dbias,
