@@ -36,11 +36,35 @@ struct cuda_ctx {
   // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
-  // Per op: a linear whose output only the relu right after it reads, run as one call with relu in
-  // cuBLASLt's epilogue, writing the relu's output (which the relu's backward reads); that relu
-  // then has nothing left to do. The linear's own output slot is never written.
-  bool *relu_fused;
+  // Per op: a linear whose output only the relu or the residual add right after it reads runs as
+  // one call with that op in cuBLASLt's epilogue (relu; the residual as the product's C, beta 1),
+  // writing the next op's output (which is all either's backward reads: relu's output, nothing
+  // for the add), and the next op has nothing left to do. The linear's own output is never written.
+  unsigned char *fused;
 };
+
+enum { FUSED_NONE, FUSED_RELU, FUSED_ADD };
+
+// Slots a and b share no memory (ranges in floats: they cover act16's half-size slots too).
+static bool slots_apart(const struct fy_slot *a, const struct fy_slot *b) {
+  return a->offset + a->numel <= b->offset || b->offset + b->numel <= a->offset;
+}
+
+// What op o (a linear) takes over from op o + 1.
+static int fusion(const struct fy_graph *g, int o) {
+  if (o + 1 >= g->n_ops) return FUSED_NONE;
+  const struct fy_op *lin = &g->ops[o], *next = &g->ops[o + 1];
+  // (A pattern's hook after the linear, a tensor-parallel sum of its output, needs it written.)
+  if (lin->kind != FY_OP_LINEAR || lin->pattern[0] || g->slots[lin->out].last_consumer != o + 1) return FUSED_NONE;
+  // The next op's output is written while the product reads the linear's input.
+  if (!slots_apart(&g->slots[next->out], &g->slots[lin->in[0]])) return FUSED_NONE;
+  if (next->kind == FY_OP_RELU && next->in[0] == lin->out) return FUSED_RELU;
+  if (next->kind == FY_OP_ADD && next->n_in == 2 && (next->in[0] == lin->out) != (next->in[1] == lin->out)) {
+    const struct fy_slot *r = &g->slots[next->in[next->in[0] == lin->out]], *d = &g->slots[next->out];
+    if (d->offset == r->offset || slots_apart(d, r)) return FUSED_ADD;  // in place on the residual, or apart
+  }
+  return FUSED_NONE;
+}
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
 
@@ -92,9 +116,14 @@ static void op_forward_cuda(void *arg) {
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
       const void *bias = op->has_bias ? c->w[n_w] : NULL;
-      if (x->relu_fused[c->op])
-        st = fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, g->ops[c->op + 1].out), in0, c->w[0], bias, dt, BT,
-                                         op->C, op->OC, x->st);
+      const struct fy_op *next = &g->ops[c->op + 1];  // (when fused)
+      if (x->fused[c->op] == FUSED_RELU)
+        st = fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias, dt, BT, op->C,
+                                         op->OC, x->st);
+      else if (x->fused[c->op] == FUSED_ADD)
+        st = fy_cuda_linear_add_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias,
+                                        fy_engine_act(m, next->in[next->in[0] == op->out]), dt, BT, op->C, op->OC,
+                                        x->st);
       else
         st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], bias, dt, BT, op->C, op->OC, x->st);
       break;
@@ -104,10 +133,12 @@ static void op_forward_cuda(void *arg) {
                                      op->NH, op->scale, x->st);
       break;
     case FY_OP_RELU:
-      if (c->op == 0 || !x->relu_fused[c->op - 1]) st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
+      if (c->op == 0 || x->fused[c->op - 1] != FUSED_RELU)
+        st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_ADD:
-      st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
+      if (c->op == 0 || x->fused[c->op - 1] != FUSED_ADD)
+        st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_CROSS_ENTROPY:
       st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, dt, BT, op->V, x->st);
@@ -311,7 +342,7 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   cudaFree(x->lnscratch);
   cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
-  free(x->relu_fused);
+  free(x->fused);
   free(x);
   m->kernels_ctx = NULL;
   m->kernels = &fy_model_cpu_kernels;
@@ -339,22 +370,12 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);
-  if (st == FY_OK && !(x->relu_fused = calloc((size_t)g->n_ops + 1, sizeof *x->relu_fused)))
-    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK && !(x->fused = calloc((size_t)g->n_ops + 1, 1))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st != FY_OK) {
     fy_engine_cuda_detach(m);
     return st;
   }
-  for (int o = 0; o + 1 < g->n_ops; o++) {
-    const struct fy_op *lin = &g->ops[o], *relu = &g->ops[o + 1];
-    if (lin->kind != FY_OP_LINEAR || relu->kind != FY_OP_RELU || relu->in[0] != lin->out ||
-        g->slots[lin->out].last_consumer != o + 1)
-      continue;
-    // The relu's output must not share memory with the linear's input, which the product reads
-    // while the epilogue writes (the ranges in floats cover act16's half-size slots too).
-    const struct fy_slot *in = &g->slots[lin->in[0]], *ro = &g->slots[relu->out];
-    x->relu_fused[o] = ro->offset + ro->numel <= in->offset || in->offset + in->numel <= ro->offset;
-  }
+  for (int o = 0; o < g->n_ops; o++) x->fused[o] = (unsigned char)fusion(g, o);
   m->kernels = &cuda_kernels;
   return FY_OK;
 }

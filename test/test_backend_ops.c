@@ -530,6 +530,19 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
     CHECK_OK(fy_cuda_linear_relu_forward(h, d_out, d_inp, d_w, wb ? d_bias : NULL, dt, BT, C, OC, cs));
     cmp_dev(wb ? "linear+relu forward (bias)" : "linear+relu forward (no bias)", dt, d_out, out, BT * OC, true);
   }
+  {  // linear and the residual add in one call: into another buffer, and in place on the residual
+    float *res = frand_new(BT * OC, 1.0f, dt);
+    void *d_res = dput(res, BT * OC, dt);
+    CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC));
+    fy_add_forward(out, out, res, BT * OC);
+    CHECK_OK(fy_cuda_linear_add_forward(h, d_out, d_inp, d_w, d_bias, d_res, dt, BT, C, OC, cs));
+    cmp_dev("linear+add forward", dt, d_out, out, BT * OC, true);
+    CHECK_OK(fy_cuda_linear_add_forward(h, d_res, d_inp, d_w, NULL, d_res, dt, BT, C, OC, cs));
+    CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC));
+    fy_add_forward(out, out, res, BT * OC);
+    cmp_dev("linear+add forward (in place, no bias)", dt, d_res, out, BT * OC, true);
+    free(res);
+  }
 
   float *dout = frand_new(BT * OC, 1.0f, dt), *dinp = frand_new(BT * C, 1.0f, dt);
   float *dw = frand_new(OC * C, 1.0f, dt), *db = frand_new(OC, 1.0f, dt);

@@ -30,7 +30,7 @@
 struct mm_key {
   int dt, ta, tb, has_bias, relu;
   int64_t M, N, K;
-  int al_a, al_b, al_c, al_bias;
+  int al_a, al_b, al_c, al_bias, al_cin;  // al_cin: of the C read (beta != 0) when it is not c
 };
 
 struct mm_entry {
@@ -160,7 +160,8 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   cublasLtMatmulPreference_t pref;
   LT_TRY(cublasLtMatmulPreferenceCreate(&pref), "preference");
   uint64_t ws = h->ws_bytes;
-  uint32_t al_a = (uint32_t)k->al_b, al_b = (uint32_t)k->al_a, al_c = (uint32_t)k->al_c;
+  uint32_t al_a = (uint32_t)k->al_b, al_b = (uint32_t)k->al_a, al_d = (uint32_t)k->al_c;
+  uint32_t al_c = (uint32_t)(k->al_cin ? k->al_cin : k->al_c);
   cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
@@ -169,7 +170,7 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
   cublasLtMatmulHeuristicResult_t res[TUNE_MAX];
   int nres = 0, want = h->tune > 1 ? h->tune : 1;
   if (s == CUBLAS_STATUS_SUCCESS)
@@ -246,10 +247,11 @@ static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const
   return FY_OK;
 }
 
-// fy_cuda_matmul, with relu applied to the result in the epilogue when asked
-static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *a, const void *b, const void *bias, bool relu,
-                            enum fy_dtype dt, int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha,
-                            float beta, cudaStream_t st) {
+// fy_cuda_matmul, with relu applied to the result in the epilogue when asked, and the C that beta
+// scales read from cin (the same layout as c) instead of c when cin is not NULL.
+static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *cin, const void *a, const void *b,
+                            const void *bias, bool relu, enum fy_dtype dt, int64_t M, int64_t N, int64_t K, bool ta,
+                            bool tb, float alpha, float beta, cudaStream_t st) {
   if (dt != FY_F32 && dt != FY_BF16) return fy_cuda_bad_dtype("matmul", dt);
   if (M <= 0 || N <= 0) return FY_OK;
   if (K <= 0)
@@ -268,6 +270,8 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *a, cons
   k.al_b = align_of(b);
   k.al_c = align_of(c);
   k.al_bias = bias ? align_of(bias) : 0;
+  if (cin && cin != c) k.al_cin = align_of(cin);
+  else cin = c;
   struct mm_entry *e;
   FY_TRY(entry_get(h, &k, bias, &e));
   if (bias)  // the cached descriptor may hold another call's bias of the same alignment
@@ -275,7 +279,7 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *a, cons
   if (e->ncand > 1 && e->trials < e->ncand * TUNE_REPS) {  // tuning: this call runs the next trial
     const int i = e->trials++;
     const bool ran = cudaEventRecord(e->ev[2 * i], st) == cudaSuccess &&
-                     cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc,
+                     cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, cin, e->lc, c, e->lc,
                                     &e->cand[i % e->ncand], h->ws, h->ws_bytes, st) == CUBLAS_STATUS_SUCCESS;
     if (ran && cudaEventRecord(e->ev[2 * i + 1], st) == cudaSuccess) return FY_OK;
     if (ran) {  // the product is done; only its timing failed
@@ -290,7 +294,7 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *a, cons
   } else if (e->ncand > 1) {
     tune_decide(e);
   }
-  LT_TRY(cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, c, e->lc, c, e->lc,
+  LT_TRY(cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, cin, e->lc, c, e->lc,
                         &e->algo, h->ws, h->ws_bytes, st),
          "cublasLtMatmul");
   return FY_OK;
@@ -338,14 +342,23 @@ extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void 
                                     const void *bias, enum fy_dtype dt, int64_t M, int64_t N,
                                     int64_t K, bool ta, bool tb, float alpha, float beta,
                                     cudaStream_t st) {
-  return matmul_epi(h, c, a, b, bias, false, dt, M, N, K, ta, tb, alpha, beta, st);
+  return matmul_epi(h, c, NULL, a, b, bias, false, dt, M, N, K, ta, tb, alpha, beta, st);
 }
 
 extern "C" fy_status fy_cuda_linear_relu_forward(struct fy_cuda_blas *h, void *out, const void *inp,
                                                  const void *weight, const void *bias, enum fy_dtype dt,
                                                  int64_t BT, int64_t C, int64_t OC, cudaStream_t st) {
   // out (BT,OC) = max(inp (BT,C) @ weight^T (C,OC) + bias, 0)
-  return matmul_epi(h, out, inp, weight, bias, true, dt, BT, OC, C, false, true, 1.0f, 0.0f, st);
+  return matmul_epi(h, out, NULL, inp, weight, bias, true, dt, BT, OC, C, false, true, 1.0f, 0.0f, st);
+}
+
+extern "C" fy_status fy_cuda_linear_add_forward(struct fy_cuda_blas *h, void *out, const void *inp,
+                                                const void *weight, const void *bias, const void *residual,
+                                                enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC,
+                                                cudaStream_t st) {
+  // out (BT,OC) = inp (BT,C) @ weight^T (C,OC) + bias + residual (BT,OC): residual is the C of the
+  // product with beta = 1 (out may be residual itself)
+  return matmul_epi(h, out, residual, inp, weight, bias, false, dt, BT, OC, C, false, true, 1.0f, 1.0f, st);
 }
 
 extern "C" fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *inp,

@@ -171,6 +171,11 @@ fy_status fy_cuda_linear_forward(struct fy_cuda_blas *h, void *out, const void *
 fy_status fy_cuda_linear_relu_forward(struct fy_cuda_blas *h, void *out, const void *inp,
                                       const void *weight, const void *bias, enum fy_dtype dt,
                                       int64_t BT, int64_t C, int64_t OC, cudaStream_t st);
+// The same plus a residual (BT,OC) in the product's own sum (cuBLASLt's C with beta = 1; out may
+// be the residual): nn.Linear and the residual add after out_proj and fc2 in one call.
+fy_status fy_cuda_linear_add_forward(struct fy_cuda_blas *h, void *out, const void *inp,
+                                     const void *weight, const void *bias, const void *residual,
+                                     enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC, cudaStream_t st);
 // dout (BT,OC), inp (BT,C), weight (OC,C) -> dinp (BT,C) +=, dweight (OC,C) +=, dbias (OC) +=
 // (any NULL to skip)
 fy_status fy_cuda_linear_backward(struct fy_cuda_blas *h, void *dinp, void *dweight, void *dbias,
