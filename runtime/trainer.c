@@ -233,8 +233,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                         o->device_chunks);
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
-                        "the gradients and AdamW state of %d of %d chunks (%.2f GiB) do not fit in the "
-                        "host memory (--host-mem %.2f GiB, %.2f GiB of it for the parameters); give a "
+                        "the gradients and AdamW state of %d of %d chunks (%.3g GiB) do not fit in the "
+                        "host memory (--host-mem %.3g GiB, %.3g GiB of it for the parameters); give a "
                         "disk tier with --disk-dir",
                         n_disk, l->n_chunks, 3.0 * n_disk * shard_bytes / 1073741824.0,
                         host_cap / 1073741824.0, in_use / 1073741824.0);
