@@ -149,9 +149,9 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     fy_graph_free(m->graph);
     free(m);
     return fy_error_set(FY_ERR_NOMEM,
-                        "%s with micro-batch %lld x %lld needs %.2f GiB (%.2f GiB of parameters, "
-                        "gradients and AdamW state at 16 bytes per parameter, %.2f GiB of activations) "
-                        "but the %s device has %.2f GiB",
+                        "%s with micro-batch %lld x %lld needs %.3g GiB (%.3g GiB of parameters, "
+                        "gradients and AdamW state at 16 bytes per parameter, %.3g GiB of activations) "
+                        "but the %s device has %.3g GiB",
                         cfg->name, (long long)B, (long long)T, (state + acts) / 1073741824.0,
                         state / 1073741824.0, acts / 1073741824.0, dev->name,
                         (double)(dev->cap - dev->bytes_in_use) / 1073741824.0);
@@ -169,7 +169,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
       (m->device_memory && !(m->host_positions = calloc((size_t)(B * T), 4)) &&
        (st = fy_error_set(FY_ERR_NOMEM, "out of memory")) != FY_OK)) {
     fy_model_free(m);
-    return fy_error_wrap(st, "allocating the model's state (%.2f GiB of parameter state)",
+    return fy_error_wrap(st, "allocating the model's state (%.3g GiB of parameter state)",
                          4.0 * 4 * (double)np / (1 << 30));
   }
   m->state_bytes = (m->host ? 4 : 16) * np;
