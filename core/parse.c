@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 bool fy_parse_size(const char *s, double *bytes) {
@@ -19,4 +20,13 @@ bool fy_parse_size(const char *s, double *bytes) {
   if (errno || end == s || *u || !isfinite(v) || v <= 0 || v * mult > 1e18) return false;
   *bytes = v * mult;
   return true;
+}
+
+const char *fy_format_bytes(double b, char *buf, size_t n) {
+  if (b >= 1099511627776.0) snprintf(buf, n, "%.2f TiB", b / 1099511627776.0);
+  else if (b >= 1073741824.0) snprintf(buf, n, "%.2f GiB", b / 1073741824.0);
+  else if (b >= 1048576.0) snprintf(buf, n, "%.1f MiB", b / 1048576.0);
+  else if (b >= 1024.0) snprintf(buf, n, "%.1f KiB", b / 1024.0);
+  else snprintf(buf, n, "%.0f B", b);
+  return buf;
 }

@@ -9,6 +9,7 @@
 
 #include "core/fileio.h"
 #include "core/graph.h"
+#include "core/parse.h"
 #include "memory/chunk.h"
 #include "planner/pattern.h"
 
@@ -123,20 +124,12 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   return FY_OK;
 }
 
-// "1.50 GiB", "12.3 MiB", "4.0 KiB": bytes in the unit that reads best.
-static const char *human(double b, char *buf, size_t n) {
-  if (b >= 1073741824.0) snprintf(buf, n, "%.2f GiB", b / 1073741824.0);
-  else if (b >= 1048576.0) snprintf(buf, n, "%.1f MiB", b / 1048576.0);
-  else snprintf(buf, n, "%.1f KiB", b / 1024.0);
-  return buf;
-}
-
 void fy_plan_print(const struct fy_plan *p, FILE *f) {
   const struct fy_plan_knobs *k = &p->k;
   const struct fy_cost *c = &p->predicted;
   char b1[32], b2[32], b3[32];
   fprintf(f, "plan for %s on %s (%s device, %s host, %.0f GFLOP/s, link %.1f/%.1f GB/s)\n", p->model,
-          p->machine.device, human(p->machine.device_mem, b1, sizeof b1), human(p->machine.host_mem, b2, sizeof b2),
+          p->machine.device, fy_format_bytes(p->machine.device_mem, b1, sizeof b1), fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
           p->machine.device_gflops, p->machine.h2d_gbps, p->machine.d2h_gbps);
   if (p->dp * p->tp == 1)
     fprintf(f, "  micro-batch %lld x %lld tokens, %lld accumulated; one rank\n", (long long)k->micro_batch,
@@ -146,9 +139,9 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
                "micro-batch %lld x %lld tokens, %lld accumulated\n", p->dp * p->tp, p->dp, p->pattern, p->tp,
             (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum);
   fprintf(f, "  %d chunks of %s, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
-          human(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
+          fy_format_bytes(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
   fprintf(f, "  memory per rank: device %s (peak), host %s, disk %s (state of %d chunks)\n",
-          human(c->device_peak, b1, sizeof b1), human(c->host_bytes, b2, sizeof b2), human(c->disk_bytes, b3, sizeof b3),
+          fy_format_bytes(c->device_peak, b1, sizeof b1), fy_format_bytes(c->host_bytes, b2, sizeof b2), fy_format_bytes(c->disk_bytes, b3, sizeof b3),
           c->n_disk_chunks);
   fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU %.1f%% of the device's GEMM rate\n", c->step_s,
           c->tokens_per_s, 100 * c->mfu);

@@ -8,6 +8,7 @@
 
 #include "core/fileio.h"
 #include "core/log.h"
+#include "core/parse.h"
 #include "core/safetensors.h"
 #include "ops/ops.h"
 #include "runtime/engine.h"
@@ -148,13 +149,13 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     fy_chunk_layout_free(m->layout);
     fy_graph_free(m->graph);
     free(m);
+    char need[32], sb[32], ab[32], has[32];
     return fy_error_set(FY_ERR_NOMEM,
-                        "%s with micro-batch %lld x %lld needs %.3g GiB (%.3g GiB of parameters, "
-                        "gradients and AdamW state at 16 bytes per parameter, %.3g GiB of activations) "
-                        "but the %s device has %.3g GiB",
-                        cfg->name, (long long)B, (long long)T, (state + acts) / 1073741824.0,
-                        state / 1073741824.0, acts / 1073741824.0, dev->name,
-                        (double)(dev->cap - dev->bytes_in_use) / 1073741824.0);
+                        "%s with micro-batch %lld x %lld needs %s (%s of parameters, gradients and AdamW "
+                        "state at 16 bytes per parameter, %s of activations) but the %s device has %s",
+                        cfg->name, (long long)B, (long long)T, fy_format_bytes(state + acts, need, sizeof need),
+                        fy_format_bytes(state, sb, sizeof sb), fy_format_bytes(acts, ab, sizeof ab), dev->name,
+                        fy_format_bytes((double)(dev->cap - dev->bytes_in_use), has, sizeof has));
   }
   if ((!(m->host && opts->no_params) && (st = home_alloc(m, np, &m->params)) != FY_OK) ||
       (!m->host && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
@@ -169,8 +170,9 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
       (m->device_memory && !(m->host_positions = calloc((size_t)(B * T), 4)) &&
        (st = fy_error_set(FY_ERR_NOMEM, "out of memory")) != FY_OK)) {
     fy_model_free(m);
-    return fy_error_wrap(st, "allocating the model's state (%.3g GiB of parameter state)",
-                         4.0 * 4 * (double)np / (1 << 30));
+    char sb[32];
+    return fy_error_wrap(st, "allocating the model's state (%s of parameter state)",
+                         fy_format_bytes(16.0 * (double)np, sb, sizeof sb));
   }
   m->state_bytes = (m->host ? 4 : 16) * np;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);

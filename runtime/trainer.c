@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/log.h"
+#include "core/parse.h"
 #include "ops/ops.h"
 #include "core/safetensors.h"
 #include "fy_config.h"
@@ -231,13 +232,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (shards_on_device && n_disk > 0)
     return fy_error_set(FY_ERR_INVALID, "--device-chunks %d keeps every shard on the device; --disk-chunks must be 0",
                         o->device_chunks);
+  char b1[32], b2[32], b3[32];
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
-                        "the gradients and AdamW state of %d of %d chunks (%.3g GiB) do not fit in the "
-                        "host memory (--host-mem %.3g GiB, %.3g GiB of it for the parameters); give a "
-                        "disk tier with --disk-dir",
-                        n_disk, l->n_chunks, 3.0 * n_disk * shard_bytes / 1073741824.0,
-                        host_cap / 1073741824.0, in_use / 1073741824.0);
+                        "the gradients and AdamW state of %d of %d chunks (%s) do not fit in the host "
+                        "memory (--host-mem %s, %s of it for the parameters); give a disk tier with --disk-dir",
+                        n_disk, l->n_chunks, fy_format_bytes(3.0 * n_disk * shard_bytes, b1, sizeof b1),
+                        fy_format_bytes((double)host_cap, b2, sizeof b2), fy_format_bytes((double)in_use, b3, sizeof b3));
   if (n_disk > 0) {
     fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
@@ -350,9 +351,10 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
     st = fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model);
     int local = fy_comm_local_size(r->comm);
+    char ram[32];
     if (st != FY_OK && local > 1)
-      return fy_error_wrap(st, "%d ranks share this machine's %.2f GiB, each replicating the model", local,
-                           machine_ram() / 1073741824.0);
+      return fy_error_wrap(st, "%d ranks share this machine's %s, each replicating the model", local,
+                           fy_format_bytes((double)machine_ram(), ram, sizeof ram));
     FY_TRY(st);
     r->model->dp_comm = r->dp_comm;  // the ops run on this thread
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
