@@ -11,6 +11,7 @@ bool fy_parse_size(const char *s, double *bytes) {
   double v = strtod(s, &end);
   double mult = 1;
   const char *u = end;
+  if (*u == ' ' && u[1]) u++;  // "3.25 GiB", as fy_format_bytes writes it
   if (*u == 'K' || *u == 'k') mult = 1024.0, u++;
   else if (*u == 'M' || *u == 'm') mult = 1048576.0, u++;
   else if (*u == 'G' || *u == 'g') mult = 1073741824.0, u++;

@@ -1,4 +1,5 @@
-// core/opt_config.c: reading Hugging Face OPT config.json files, defaults, bad input, writing.
+// core/opt_config.c: reading Hugging Face OPT config.json files, defaults, bad input, writing;
+// and core/parse.c: the sizes a person writes on the command line and reads in messages.
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,6 +8,7 @@
 #include <unistd.h>
 
 #include "core/opt.h"
+#include "core/parse.h"
 #include "test/check.h"
 
 static char tmpdir[64];
@@ -236,6 +238,24 @@ static void test_write(void) {
   CHECK(n == 1);  // no temporary files left behind
 }
 
+static void test_sizes(void) {
+  double b = 0;
+  CHECK(fy_parse_size("512MiB", &b) && b == 512.0 * 1048576);
+  CHECK(fy_parse_size("1.5g", &b) && b == 1.5 * 1073741824);
+  CHECK(fy_parse_size("4096", &b) && b == 4096);
+  b = 7;
+  CHECK(!fy_parse_size("12 parsecs", &b) && !fy_parse_size("-1GiB", &b) && !fy_parse_size("", &b) &&
+        !fy_parse_size("5 ", &b) && !fy_parse_size("5  GiB", &b) && b == 7);
+  char buf[32];
+  CHECK(strcmp(fy_format_bytes(512, buf, sizeof buf), "512 B") == 0);
+  CHECK(strcmp(fy_format_bytes(700 * 1024.0, buf, sizeof buf), "700.0 KiB") == 0);
+  CHECK(strcmp(fy_format_bytes(12.34 * 1048576, buf, sizeof buf), "12.3 MiB") == 0);
+  CHECK(strcmp(fy_format_bytes(1.5 * 1073741824, buf, sizeof buf), "1.50 GiB") == 0);
+  CHECK(strcmp(fy_format_bytes(2.54 * 1099511627776.0, buf, sizeof buf), "2.54 TiB") == 0);
+  // What it writes reads back (to its rounding).
+  CHECK(fy_parse_size(fy_format_bytes(3.25 * 1073741824, buf, sizeof buf), &b) && b == 3.25 * 1073741824);
+}
+
 int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/fy_cfg_XXXXXX");
   if (!mkdtemp(tmpdir)) {
@@ -247,6 +267,7 @@ int main(void) {
   test_bad();
   test_check();
   test_write();
+  test_sizes();
   check_rm_rf(tmpdir);
   return check_summary("config");
 }
