@@ -144,10 +144,12 @@ static bool slot_f32(const struct fy_graph *g, int s) {
   return false;
 }
 
-static int64_t footprint(const struct fy_graph *g, int s) {
+int64_t fy_graph_slot_floats(const struct fy_graph *g, int s) {
   int64_t n = g->slots[s].numel;
   return align_up(g->act16 && !slot_f32(g, s) ? (n + 1) / 2 : n);
 }
+
+static int64_t footprint(const struct fy_graph *g, int s) { return fy_graph_slot_floats(g, s); }
 
 // Activation offsets. Without recomputation every slot is kept through the step. With it, the
 // slots a decoder layer makes for itself (all but its output, which is the next layer's input)

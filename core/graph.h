@@ -142,6 +142,9 @@ void fy_graph_set_flash_attention(struct fy_graph *g, bool on);
 // are planned again (act_elems and grad_elems shrink). Offsets stay in floats, 64-byte aligned;
 // numel stays the element count.
 fy_status fy_graph_set_act16(struct fy_graph *g, bool on);
+// The floats of its arena slot s takes (from its offset): its elements, half of them with act16
+// (except fp32 statistics and losses), rounded up to the arenas' 64-byte alignment.
+int64_t fy_graph_slot_floats(const struct fy_graph *g, int s);
 // One pass of training over a micro-batch as a list of actions: every op forward in order, then
 // backward in reverse, with a decoder layer's forward run again just before its backward when
 // the graph recomputes. `out` must hold fy_graph_max_actions(g) entries; returns the count.

@@ -36,35 +36,10 @@ struct cuda_ctx {
   // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
-  // Per op: a linear whose output only the relu or the residual add right after it reads runs as
-  // one call with that op in cuBLASLt's epilogue (relu; the residual as the product's C, beta 1),
-  // writing the next op's output (which is all either's backward reads: relu's output, nothing
-  // for the add), and the next op has nothing left to do. The linear's own output is never written.
+  // Per op: fy_engine_fusion's verdict, a linear run with the relu or residual add after it in
+  // cuBLASLt's epilogue (relu; the residual as the product's C, beta 1); that op then does nothing.
   unsigned char *fused;
 };
-
-enum { FUSED_NONE, FUSED_RELU, FUSED_ADD };
-
-// Slots a and b share no memory (ranges in floats: they cover act16's half-size slots too).
-static bool slots_apart(const struct fy_slot *a, const struct fy_slot *b) {
-  return a->offset + a->numel <= b->offset || b->offset + b->numel <= a->offset;
-}
-
-// What op o (a linear) takes over from op o + 1.
-static int fusion(const struct fy_graph *g, int o) {
-  if (o + 1 >= g->n_ops) return FUSED_NONE;
-  const struct fy_op *lin = &g->ops[o], *next = &g->ops[o + 1];
-  // (A pattern's hook after the linear, a tensor-parallel sum of its output, needs it written.)
-  if (lin->kind != FY_OP_LINEAR || lin->pattern[0] || g->slots[lin->out].last_consumer != o + 1) return FUSED_NONE;
-  // The next op's output is written while the product reads the linear's input.
-  if (!slots_apart(&g->slots[next->out], &g->slots[lin->in[0]])) return FUSED_NONE;
-  if (next->kind == FY_OP_RELU && next->in[0] == lin->out) return FUSED_RELU;
-  if (next->kind == FY_OP_ADD && next->n_in == 2 && (next->in[0] == lin->out) != (next->in[1] == lin->out)) {
-    const struct fy_slot *r = &g->slots[next->in[next->in[0] == lin->out]], *d = &g->slots[next->out];
-    if (d->offset == r->offset || slots_apart(d, r)) return FUSED_ADD;  // in place on the residual, or apart
-  }
-  return FUSED_NONE;
-}
 
 static struct cuda_ctx *ctx_of(const struct fy_model *m) { return m->kernels_ctx; }
 
@@ -117,10 +92,10 @@ static void op_forward_cuda(void *arg) {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
       const void *bias = op->has_bias ? c->w[n_w] : NULL;
       const struct fy_op *next = &g->ops[c->op + 1];  // (when fused)
-      if (x->fused[c->op] == FUSED_RELU)
+      if (x->fused[c->op] == FY_FUSED_RELU)
         st = fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias, dt, BT, op->C,
                                          op->OC, x->st);
-      else if (x->fused[c->op] == FUSED_ADD)
+      else if (x->fused[c->op] == FY_FUSED_ADD)
         st = fy_cuda_linear_add_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias,
                                         fy_engine_act(m, next->in[next->in[0] == op->out]), dt, BT, op->C, op->OC,
                                         x->st);
@@ -133,11 +108,11 @@ static void op_forward_cuda(void *arg) {
                                      op->NH, op->scale, x->st);
       break;
     case FY_OP_RELU:
-      if (c->op == 0 || x->fused[c->op - 1] != FUSED_RELU)
+      if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_RELU)
         st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_ADD:
-      if (c->op == 0 || x->fused[c->op - 1] != FUSED_ADD)
+      if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_ADD)
         st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_CROSS_ENTROPY:
@@ -375,7 +350,7 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
     fy_engine_cuda_detach(m);
     return st;
   }
-  for (int o = 0; o < g->n_ops; o++) x->fused[o] = (unsigned char)fusion(g, o);
+  for (int o = 0; o < g->n_ops; o++) x->fused[o] = (unsigned char)fy_engine_fusion(g, o);
   m->kernels = &cuda_kernels;
   return FY_OK;
 }
