@@ -274,6 +274,33 @@ int main(int argc, char **argv) {
     struct fy_train_opts r2 = base();
     r2.resume = root;
     CHECK_OK(fy_train(&r2, &rn));  // the checkpoint that made it loads and resumes
+    // The same when the checkpoints are written chunk by chunk (a host memory with no room for a
+    // snapshot): the error, the temporary directory gone, the last complete checkpoint resumes.
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", root);  // (room for one checkpoint again)
+    CHECK(system(cmd) == 0);
+    snprintf(root, sizeof root, "%s/ck2", small);
+    o.device = "sim";
+    o.device_mem = 4 << 20;
+    o.chunk_mib = 0.05;
+    o.save = NULL;
+    o.save_every = 0;
+    o.steps = 1;
+    CHECK_OK(fy_train(&o, &rn));
+    o.host_mem = (size_t)(1.25 * rn.host_tier_bytes);
+    o.save = root;
+    o.save_every = 1;
+    o.steps = 6;
+    st = fy_train(&o, &rn);
+    CHECKF(st == FY_ERR_IO && rn.ckpt_by_chunk, "disk full, chunk by chunk: %d %s", st, fy_error_msg());
+    fprintf(stderr, "  expected error: %s\n", fy_error_msg());
+    r2 = o;
+    r2.save = NULL;
+    r2.save_every = 0;
+    r2.resume = root;
+    CHECK_OK(fy_train(&r2, &rn));
+    snprintf(cmd, sizeof cmd, "ls -a %s | grep -q tmp", root);
+    CHECKF(system(cmd) != 0, "a temporary checkpoint directory was left in %s", root);
     umount(small);
   } else {
     fprintf(stderr, "  skipped: a tmpfs for the full-disk case (%s)\n", strerror(errno));
