@@ -217,7 +217,10 @@ static void test_embedding(enum fy_dtype dt) {
   free(dtable);
 }
 
-static void test_layernorm(enum fy_dtype dt) {
+// C (a parameter: the file's C elsewhere) picks the kernels' path: 16-byte pieces when a row is
+// whole pieces (72; 264, more pieces than lanes), single elements otherwise (37).
+static void test_layernorm_c(enum fy_dtype dt, const int64_t C) {
+  fprintf(stderr, "  layernorm C=%lld\n", (long long)C);
   float *inp = frand_new(BT * C, 2.0f, dt);
   for (int i = 0; i < BT * C; i++) inp[i] += 0.5f;  // a mean away from 0
   if (dt == FY_BF16)
@@ -276,6 +279,12 @@ static void test_layernorm(enum fy_dtype dt) {
   dfree_all();
   free(inp); free(w); free(bias); free(out); free(mean); free(rstd);
   free(dout); free(dinp); free(dw); free(db);
+}
+
+static void test_layernorm(enum fy_dtype dt) {
+  test_layernorm_c(dt, C);
+  test_layernorm_c(dt, 37);
+  test_layernorm_c(dt, 264);
 }
 
 static void test_elementwise(enum fy_dtype dt) {

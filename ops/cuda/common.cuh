@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "ops/cuda/ops_cuda.h"
 
@@ -16,6 +17,39 @@ __device__ __forceinline__ float fy_ld(const float *p) { return *p; }
 __device__ __forceinline__ float fy_ld(const fy_bf16 *p) { return __bfloat162float(*p); }
 __device__ __forceinline__ void fy_st(float *p, float v) { *p = v; }
 __device__ __forceinline__ void fy_st(fy_bf16 *p, float v) { *p = __float2bfloat16_rn(v); }
+
+// VW consecutive elements at p as floats, and back: one 16-byte access when VW > 1 (p aligned to
+// 16 bytes, VW * sizeof(T) == 16), the element itself when VW == 1.
+template <typename T, int VW>
+__device__ __forceinline__ void fy_ldv(float *f, const T *p) {
+  if constexpr (VW == 1) {
+    f[0] = fy_ld(p);
+  } else {
+    static_assert(VW * sizeof(T) == 16, "16-byte pieces");
+    const uint4 raw = *reinterpret_cast<const uint4 *>(p);
+    const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+    for (int i = 0; i < VW; i++) f[i] = fy_ld(e + i);
+  }
+}
+template <typename T, int VW>
+__device__ __forceinline__ void fy_stv(T *p, const float *f) {
+  if constexpr (VW == 1) {
+    fy_st(p, f[0]);
+  } else {
+    static_assert(VW * sizeof(T) == 16, "16-byte pieces");
+    uint4 raw;
+    T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+    for (int i = 0; i < VW; i++) fy_st(e + i, f[i]);
+    *reinterpret_cast<uint4 *>(p) = raw;
+  }
+}
+
+// Whether every non-NULL pointer is 16-byte aligned (for fy_ldv and fy_stv).
+static inline bool fy_aligned16(const void *a, const void *b, const void *c, const void *d, const void *e) {
+  return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15) == 0;
+}
 
 // Butterfly reductions: every lane ends with the result, and the order of additions is fixed.
 __device__ __forceinline__ float fy_warp_sum(float v) {
