@@ -350,7 +350,10 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
     fy_engine_cuda_detach(m);
     return st;
   }
-  for (int o = 0; o < g->n_ops; o++) x->fused[o] = (unsigned char)fy_engine_fusion(g, o);
+  // FERRY_CUDA_FUSE=0 runs every op on its own (to tell a fused epilogue's fault from another's).
+  const char *fuse = getenv("FERRY_CUDA_FUSE");
+  for (int o = 0; o < g->n_ops && !(fuse && strcmp(fuse, "0") == 0); o++)
+    x->fused[o] = (unsigned char)fy_engine_fusion(g, o);
   m->kernels = &cuda_kernels;
   return FY_OK;
 }
