@@ -731,9 +731,13 @@ static fy_status st_writer_file(fy_st_writer *w, int f, const char *path, const 
   }
   fy_status rc = fy_file_temp_create(path, &o->tmp, &o->fd);
   if (rc == FY_OK) rc = fy_file_pwrite_all(o->fd, hdr, hlen, 0, o->tmp);
-  // The file has its final size at once: a full disk shows here rather than halfway through.
-  if (rc == FY_OK && ftruncate(o->fd, (off_t)total) != 0)
-    rc = fy_error_set(FY_ERR_IO, "cannot size %s to %llu bytes: %s", o->tmp, (unsigned long long)total, strerror(errno));
+  // The file's blocks are reserved at once (fallocate; where the file system cannot, the file
+  // only takes its size): a full disk shows here, before a checkpoint gathered chunk by chunk
+  // has done its work, rather than halfway through.
+  if (rc == FY_OK && fallocate(o->fd, 0, 0, (off_t)total) != 0 &&
+      !((errno == EOPNOTSUPP || errno == ENOSYS) && ftruncate(o->fd, (off_t)total) == 0))
+    rc = fy_error_set(FY_ERR_IO, "cannot reserve %llu bytes for %s: %s", (unsigned long long)total, o->tmp,
+                      strerror(errno));
   free(hdr);
   return rc;
 }
