@@ -306,3 +306,22 @@ int fy_graph_pass_actions(const struct fy_graph *g, struct fy_action *out) {
   }
   return n;
 }
+
+// Slots a and b share no memory in the activation arena.
+static bool slots_apart(const struct fy_graph *g, int a, int b) {
+  const int64_t oa = g->slots[a].offset, ob = g->slots[b].offset;
+  return oa + fy_graph_slot_floats(g, a) <= ob || ob + fy_graph_slot_floats(g, b) <= oa;
+}
+
+enum fy_fusion fy_graph_fusion(const struct fy_graph *g, int o) {
+  if (o < 0 || o + 1 >= g->n_ops) return FY_FUSED_NONE;
+  const struct fy_op *lin = &g->ops[o], *next = &g->ops[o + 1];
+  if (lin->kind != FY_OP_LINEAR || lin->pattern[0] || g->slots[lin->out].last_consumer != o + 1) return FY_FUSED_NONE;
+  if (!slots_apart(g, next->out, lin->in[0])) return FY_FUSED_NONE;
+  if (next->kind == FY_OP_RELU && next->in[0] == lin->out) return FY_FUSED_RELU;
+  if (next->kind == FY_OP_ADD && next->n_in == 2 && (next->in[0] == lin->out) != (next->in[1] == lin->out)) {
+    const int r = next->in[next->in[0] == lin->out];
+    if (g->slots[next->out].offset == g->slots[r].offset || slots_apart(g, next->out, r)) return FY_FUSED_ADD;
+  }
+  return FY_FUSED_NONE;
+}

@@ -145,6 +145,15 @@ fy_status fy_graph_set_act16(struct fy_graph *g, bool on);
 // The floats of its arena slot s takes (from its offset): its elements, half of them with act16
 // (except fp32 statistics and losses), rounded up to the arenas' 64-byte alignment.
 int64_t fy_graph_slot_floats(const struct fy_graph *g, int s);
+// What a backend that has epilogues (cuda: cuBLASLt's) may do with op o, a linear, and the op after
+// it: run them as one call writing the next op's output, when only that op reads the linear's
+// output (whose memory then stays unwritten), the next op's output shares no memory with the
+// linear's input (read while it is written), and no pattern hook needs the linear's output. The
+// next op is a relu (its backward reads only its output), or an add of a residual (its backward
+// reads nothing) whose output is the residual itself or apart from it.
+enum fy_fusion { FY_FUSED_NONE, FY_FUSED_RELU, FY_FUSED_ADD };
+enum fy_fusion fy_graph_fusion(const struct fy_graph *g, int o);
+
 // One pass of training over a micro-batch as a list of actions: every op forward in order, then
 // backward in reverse, with a decoder layer's forward run again just before its backward when
 // the graph recomputes. `out` must hold fy_graph_max_actions(g) entries; returns the count.

@@ -42,6 +42,10 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   bool gpu = strcmp(p->device, "cuda") == 0;
   double gemm = p->device_gflops * 1e9, mem = gpu ? gemm / 100 : p->host_mem_gbps * 1e9;
   double eff = op->kind == FY_OP_ATTENTION ? ATTENTION_EFFICIENCY : 1.0;
+  // On a GPU, a relu or residual add that rides the linear before it (fy_graph_fusion) costs its
+  // forward nothing: no pass over memory, no kernel.
+  bool fused = gpu && o > 0 && fy_graph_fusion(g, o - 1) != FY_FUSED_NONE;
+  if (fused) out->mem_bytes[0] = 0;
   for (int b = 0; b < 2; b++) out->seconds[b] = out->flops[b] / (gemm * eff) + out->mem_bytes[b] / mem;
   // Kernel calls: one each way, but a linear's backward (input and weight gradients, bias sum),
   // layernorm's backward (input, then parameter gradients) and attention's tiled products.
@@ -50,6 +54,7 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   if (op->kind == FY_OP_LAYERNORM) out->kernel_calls[1] = op->n_params ? 2 : 1;
   if (op->kind == FY_OP_ATTENTION)
     for (int b = 0; b < 2; b++) out->kernel_calls[b] = (double)fy_attention_kernel_calls(g->B, g->T, b);
+  if (fused) out->kernel_calls[0] = 0;
 }
 
 double fy_profile_op_seconds(const struct fy_graph *g, int o, bool backward, const struct fy_probe *p, int ab) {

@@ -54,15 +54,6 @@ static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_
   return s->grad_offset >= 0 || s->grad_in_place ? fy_engine_dact(m, op->in[k]) : NULL;
 }
 
-// What a backend that has epilogues (cuda: cuBLASLt's) may do with op o, a linear, and the op after
-// it: run them as one call writing the next op's output, when only that op reads the linear's
-// output (whose memory then stays unwritten), the next op's output shares no memory with the
-// linear's input (read while it is written), and no pattern hook needs the linear's output. The
-// next op is a relu (its backward reads only its output), or an add of a residual (its backward
-// reads nothing) whose output is the residual itself or apart from it.
-enum fy_fusion { FY_FUSED_NONE, FY_FUSED_RELU, FY_FUSED_ADD };
-enum fy_fusion fy_engine_fusion(const struct fy_graph *g, int o);
-
 // Resident parameters (m->params, gradients into m->grads): run the forward pass of a micro-batch
 // (its B and T must be those the model was built for) after checking every id against the
 // vocabulary, and the backward pass of the last forward, which writes into m->grads the gradient

@@ -36,7 +36,7 @@ struct cuda_ctx {
   // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
-  // Per op: fy_engine_fusion's verdict, a linear run with the relu or residual add after it in
+  // Per op: fy_graph_fusion's verdict, a linear run with the relu or residual add after it in
   // cuBLASLt's epilogue (relu; the residual as the product's C, beta 1); that op then does nothing.
   unsigned char *fused;
 };
@@ -353,7 +353,7 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   // FERRY_CUDA_FUSE=0 runs every op on its own (to tell a fused epilogue's fault from another's).
   const char *fuse = getenv("FERRY_CUDA_FUSE");
   for (int o = 0; o < g->n_ops && !(fuse && strcmp(fuse, "0") == 0); o++)
-    x->fused[o] = (unsigned char)fy_engine_fusion(g, o);
+    x->fused[o] = (unsigned char)fy_graph_fusion(g, o);
   m->kernels = &cuda_kernels;
   return FY_OK;
 }

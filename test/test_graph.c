@@ -1,6 +1,6 @@
 // The OPT graph builder and the graph's layout: parameter counts, first-use order, fused QKV
-// adjacency, that no two activation gradients that are live at once share memory, and the
-// flash-attention layout of the GPU kernels.
+// adjacency, that no two activation gradients that are live at once share memory, the
+// flash-attention layout of the GPU kernels, and which ops a backend with epilogues may fuse.
 #include <string.h>
 
 #include "check.h"
@@ -198,7 +198,39 @@ static void check_act16(void) {
   fy_graph_free(g);
 }
 
+// In every layer of the OPT graphs the cuda engine runs (flash attention; 16-bit or fp32
+// activations; with or without recomputation; pre- or post-LN), fc1 takes its relu and out_proj
+// and fc2 take their residual adds, and nothing else is fused: if the arena plan ever put two of
+// those slots on the same memory, the fusion would be dropped (correct, slower) and this fails.
+static void check_fusions(void) {
+  struct fy_opt_config c;
+  fy_opt_preset("opt-tiny", &c);
+  c.num_hidden_layers = 3;
+  for (int v = 0; v < 8; v++) {
+    c.do_layer_norm_before = !(v & 4);
+    struct fy_graph *g = NULL;
+    CHECK_OK(fy_opt_build_graph(&c, 2, 24, &g));
+    if (!g) continue;
+    fy_graph_set_flash_attention(g, true);
+    fy_graph_set_recompute(g, v & 1);
+    if (v & 2) CHECK_OK(fy_graph_set_act16(g, true));
+    int relu = 0, add = 0, wrong = 0;
+    for (int o = 0; o < g->n_ops; o++) {
+      enum fy_fusion f = fy_graph_fusion(g, o);
+      const char *next = o + 1 < g->n_ops ? g->ops[o + 1].name : "";
+      if (f == FY_FUSED_RELU) relu++, wrong += !strstr(g->ops[o].name, "fc1") || !strstr(next, "relu");
+      if (f == FY_FUSED_ADD)
+        add++, wrong += !(strstr(g->ops[o].name, "out_proj") && strstr(next, "attn_residual")) &&
+                        !(strstr(g->ops[o].name, "fc2") && strstr(next, "ffn_residual"));
+    }
+    CHECKF(relu == 3 && add == 6 && wrong == 0, "fusions (%s, %s, %s): %d relu, %d add, %d misplaced",
+           v & 4 ? "post-LN" : "pre-LN", v & 2 ? "act16" : "fp32", v & 1 ? "recompute" : "kept", relu, add, wrong);
+    fy_graph_free(g);
+  }
+}
+
 int main(void) {
+  check_fusions();
   check_flash();
   check_act16();
   for (const char *const *p = fy_opt_preset_names(); *p; p++) {
