@@ -19,36 +19,12 @@
 #include "core/dtype.h"
 #include "core/opt.h"
 #include "ops/cuda/ops_cuda.h"
+#include "bench/gpu_bench.h"
 
 static struct fy_device *dev;
 static cudaStream_t cs;
 
-static void die(const char *what) {
-  fprintf(stderr, "gpu_attention: %s: %s\n", what, fy_error_msg());
-  exit(1);
-}
-
-// n random values in [-1, 1) of dt on the device
-static void *drand(int64_t n, enum fy_dtype dt, uint64_t seed) {
-  const size_t es = fy_dtype_size(dt);
-  void *p = NULL, *h = malloc((size_t)n * es);
-  if (!h || fy_device_alloc(dev, (size_t)n * es, &p) != FY_OK) die("allocation");
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (int64_t i = 0; i < n; i++) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    float v = (float)((double)(x >> 11) * 0x1.0p-53 * 2.0 - 1.0);
-    if (es == 2) ((uint16_t *)h)[i] = fy_f32_to_bf16(v);
-    else ((float *)h)[i] = v;
-  }
-  if (cudaMemcpy(p, h, (size_t)n * es, cudaMemcpyHostToDevice) != cudaSuccess) die("upload");
-  free(h);
-  return p;
-}
-
-static int cmp_f(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
+static void die(const char *what) { gpu_bench_die("gpu_attention", what); }
 
 struct args {
   void *out, *qkv, *dout, *dqkv;
@@ -58,33 +34,15 @@ struct args {
   float scale;
 };
 
-// Median milliseconds of the forward (bwd false) or the backward.
-static float time_call(const struct args *a, bool bwd, int reps) {
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  float *ms = calloc((size_t)reps, sizeof *ms);
-  if (!ms) die("host allocation");
-  for (int r = -3; r < reps; r++) {
-    cudaEventRecord(e0, cs);
-    fy_status st = bwd ? fy_cuda_attention_backward(a->dqkv, a->scratch, a->dout, a->qkv, a->out, a->lse, NULL, a->dt,
-                                                    a->B, a->T, a->C, a->NH, a->scale, cs)
-                       : fy_cuda_attention_forward(a->out, a->lse, a->qkv, NULL, a->dt, a->B, a->T, a->C, a->NH,
-                                                   a->scale, cs);
-    if (st != FY_OK) die(bwd ? "backward" : "forward");
-    cudaEventRecord(e1, cs);
-    if (cudaEventSynchronize(e1) != cudaSuccess) {
-      fprintf(stderr, "gpu_attention: %s: %s\n", bwd ? "backward" : "forward", cudaGetErrorString(cudaGetLastError()));
-      exit(1);
-    }
-    if (r >= 0) cudaEventElapsedTime(&ms[r], e0, e1);
-  }
-  qsort(ms, (size_t)reps, sizeof *ms, cmp_f);
-  float med = ms[reps / 2];
-  free(ms);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return med;
+static fy_status run_forward(void *arg) {
+  const struct args *a = arg;
+  return fy_cuda_attention_forward(a->out, a->lse, a->qkv, NULL, a->dt, a->B, a->T, a->C, a->NH, a->scale, cs);
+}
+
+static fy_status run_backward(void *arg) {
+  const struct args *a = arg;
+  return fy_cuda_attention_backward(a->dqkv, a->scratch, a->dout, a->qkv, a->out, a->lse, NULL, a->dt, a->B, a->T,
+                                    a->C, a->NH, a->scale, cs);
 }
 
 int main(int argc, char **argv) {
@@ -130,10 +88,10 @@ int main(int argc, char **argv) {
 
   const int64_t B = batch, T = seq, C = cfg.hidden_size, NH = cfg.num_attention_heads;
   struct args a = {.dt = dt, .B = B, .T = T, .C = C, .NH = NH, .scale = 1.0f / sqrtf((float)(C / NH))};
-  a.qkv = drand(B * T * 3 * C, dt, 1);
-  a.out = drand(B * T * C, dt, 2);
-  a.dout = drand(B * T * C, dt, 3);
-  a.dqkv = drand(B * T * 3 * C, dt, 4);
+  a.qkv = gpu_bench_rand(dev, B * T * 3 * C, dt, "gpu_attention");
+  a.out = gpu_bench_rand(dev, B * T * C, dt, "gpu_attention");
+  a.dout = gpu_bench_rand(dev, B * T * C, dt, "gpu_attention");
+  a.dqkv = gpu_bench_rand(dev, B * T * 3 * C, dt, "gpu_attention");
   if (fy_device_alloc(dev, (size_t)(B * NH * T) * 4, (void **)&a.lse) != FY_OK ||
       fy_device_alloc(dev, (size_t)(B * NH * T) * 4, (void **)&a.scratch) != FY_OK)
     die("allocation");
@@ -143,7 +101,8 @@ int main(int argc, char **argv) {
   for (int v = 0; v < 2; v++) {
     if (fy_cuda_attention_set_variant(variants[v]) != FY_OK) die("variant");
     for (int bwd = 0; bwd < 2; bwd++) {
-      ms[v][bwd] = time_call(&a, bwd, reps);
+      ms[v][bwd] = gpu_bench_time(cs, 3, reps, bwd ? run_backward : run_forward, &a, "gpu_attention",
+                                  bwd ? "backward" : "forward");
       printf("{\"bench\":\"gpu_attention\",\"variant\":\"%s\",\"pass\":\"%s\",\"model\":\"%s\",\"dtype\":\"%s\","
              "\"batch\":%lld,\"seq\":%lld,\"ms\":%.3f,\"tflops\":%.1f}\n",
              variants[v], bwd ? "backward" : "forward", model, dtype, (long long)B, (long long)T, ms[v][bwd],

@@ -23,81 +23,45 @@
 #include "core/dtype.h"
 #include "core/opt.h"
 #include "ops/cuda/ops_cuda.h"
+#include "bench/gpu_bench.h"
 
 static struct fy_device *dev;
 static cudaStream_t cs;
 
-static void die(const char *what) {
-  fprintf(stderr, "gpu_gemm: %s: %s\n", what, fy_error_msg());
-  exit(1);
-}
-
-// n random elements of dt on the device (a 1 Mi-element random block, tiled).
-static void *drand(int64_t n, enum fy_dtype dt) {
-  const size_t es = fy_dtype_size(dt), block = (size_t)1 << 20;
-  void *p = NULL;
-  if (fy_device_alloc(dev, (size_t)n * es, &p) != FY_OK) die("device allocation");
-  static void *host[2];  // per dtype size, made once
-  void **h = &host[es == 2];
-  if (!*h) {
-    *h = malloc(block * es);
-    if (!*h) die("host allocation");
-    uint64_t x = 0x9E3779B97F4A7C15ull;
-    for (size_t i = 0; i < block; i++) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-      float v = (float)((double)(x >> 11) * 0x1.0p-53 * 2.0 - 1.0);
-      if (es == 2) ((uint16_t *)*h)[i] = fy_f32_to_bf16(v);
-      else ((float *)*h)[i] = v;
-    }
-  }
-  for (size_t off = 0; off < (size_t)n; off += block) {
-    size_t k = (size_t)n - off < block ? (size_t)n - off : block;
-    if (cudaMemcpy((char *)p + off * es, *h, k * es, cudaMemcpyHostToDevice) != cudaSuccess) die("upload");
-  }
-  return p;
-}
-
-static int cmp_f(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
+static void die(const char *what) { gpu_bench_die("gpu_gemm", what); }
+static void *gpu_rand(int64_t n, enum fy_dtype dt) { return gpu_bench_rand(dev, n, dt, "gpu_gemm"); }
 
 enum what { FWD, FWD_NOBIAS, DINP, DW, DBIAS };
 static const char *what_name[] = {"forward", "forward_no_bias", "input_grad", "weight_grad", "bias_grad"};
+
+struct op_call {
+  enum what w;
+  struct fy_cuda_blas *h;
+  enum fy_dtype dt;
+  int64_t BT, C, OC;
+  void *in, *wt, *bias, *out, *dout, *dinp, *dw, *db;
+};
+
+static fy_status run_op(void *arg) {
+  const struct op_call *o = arg;
+  switch (o->w) {
+    case FWD: return fy_cuda_linear_forward(o->h, o->out, o->in, o->wt, o->bias, o->dt, o->BT, o->C, o->OC, cs);
+    case FWD_NOBIAS: return fy_cuda_linear_forward(o->h, o->out, o->in, o->wt, NULL, o->dt, o->BT, o->C, o->OC, cs);
+    case DINP:
+      return fy_cuda_linear_backward(o->h, o->dinp, NULL, NULL, o->dout, o->in, o->wt, o->dt, o->BT, o->C, o->OC, cs);
+    case DW: return fy_cuda_linear_backward_params(o->h, o->dw, NULL, o->dout, o->in, o->dt, o->BT, o->C, o->OC, false, cs);
+    case DBIAS:
+      return fy_cuda_linear_backward_params(o->h, NULL, o->db, o->dout, o->in, o->dt, o->BT, o->C, o->OC, false, cs);
+  }
+  return FY_ERR_INVALID;
+}
 
 // Median milliseconds of one call of `w` for the shape.
 static float time_op(enum what w, struct fy_cuda_blas *h, enum fy_dtype dt, int64_t BT, int64_t C, int64_t OC,
                      void *in, void *wt, void *bias, void *out, void *dout, void *dinp, void *dw, void *db, int reps,
                      int warmup) {
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  float *ms = calloc((size_t)reps, sizeof *ms);
-  if (!ms) die("host allocation");
-  for (int r = -warmup; r < reps; r++) {
-    cudaEventRecord(e0, cs);
-    fy_status st = FY_OK;
-    switch (w) {
-      case FWD: st = fy_cuda_linear_forward(h, out, in, wt, bias, dt, BT, C, OC, cs); break;
-      case FWD_NOBIAS: st = fy_cuda_linear_forward(h, out, in, wt, NULL, dt, BT, C, OC, cs); break;
-      case DINP: st = fy_cuda_linear_backward(h, dinp, NULL, NULL, dout, in, wt, dt, BT, C, OC, cs); break;
-      case DW: st = fy_cuda_linear_backward_params(h, dw, NULL, dout, in, dt, BT, C, OC, false, cs); break;
-      case DBIAS: st = fy_cuda_linear_backward_params(h, NULL, db, dout, in, dt, BT, C, OC, false, cs); break;
-    }
-    if (st != FY_OK) die(what_name[w]);
-    cudaEventRecord(e1, cs);
-    if (cudaEventSynchronize(e1) != cudaSuccess) {
-      fprintf(stderr, "gpu_gemm: %s: %s\n", what_name[w], cudaGetErrorString(cudaGetLastError()));
-      exit(1);
-    }
-    if (r >= 0) cudaEventElapsedTime(&ms[r], e0, e1);
-  }
-  qsort(ms, (size_t)reps, sizeof *ms, cmp_f);
-  float med = ms[reps / 2];
-  free(ms);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return med;
+  struct op_call o = {w, h, dt, BT, C, OC, in, wt, bias, out, dout, dinp, dw, db};
+  return gpu_bench_time(cs, warmup, reps, run_op, &o, "gpu_gemm", what_name[w]);
 }
 
 int main(int argc, char **argv) {
@@ -163,8 +127,8 @@ int main(int argc, char **argv) {
   double total_ms[5] = {0}, total_flop[5] = {0}, tuned_ms[5] = {0};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     const int64_t C = shapes[s].C, OC = shapes[s].OC;
-    void *in = drand(BT * C, dt), *wt = drand(OC * C, dt), *bias = drand(OC, dt), *out = drand(BT * OC, dt);
-    void *dout = drand(BT * OC, dt), *dinp = drand(BT * C, dt), *dw = drand(OC * C, dt), *db = drand(OC, dt);
+    void *in = gpu_rand(BT * C, dt), *wt = gpu_rand(OC * C, dt), *bias = gpu_rand(OC, dt), *out = gpu_rand(BT * OC, dt);
+    void *dout = gpu_rand(BT * OC, dt), *dinp = gpu_rand(BT * C, dt), *dw = gpu_rand(OC * C, dt), *db = gpu_rand(OC, dt);
     for (int w = FWD; w <= DBIAS; w++) {
       if ((w == FWD_NOBIAS || w == DBIAS) && !shapes[s].bias) continue;
       float ms = time_op((enum what)w, h, dt, BT, C, OC, in, wt, shapes[s].bias ? bias : NULL, out, dout, dinp, dw, db,

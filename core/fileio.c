@@ -10,11 +10,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path) {
+// write(2), or pwrite(2) at off when off >= 0, until all n bytes are out.
+static fy_status write_out(int fd, const void *buf, size_t n, int64_t off, const char *path) {
   const char *p = buf;
   while (n > 0) {
     size_t chunk = n > (1u << 30) ? (1u << 30) : n;
-    ssize_t w = write(fd, p, chunk);
+    ssize_t w = off < 0 ? write(fd, p, chunk) : pwrite(fd, p, chunk, (off_t)off);
     if (w < 0) {
       if (errno == EINTR) continue;
       return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(errno));
@@ -22,8 +23,15 @@ fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path)
     if (w == 0) return fy_error_set(FY_ERR_IO, "writing %s: no progress (disk full?)", path);
     p += w;
     n -= (size_t)w;
+    if (off >= 0) off += w;
   }
   return FY_OK;
+}
+
+fy_status fy_file_write_all(int fd, const void *buf, size_t n, const char *path) { return write_out(fd, buf, n, -1, path); }
+
+fy_status fy_file_pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path) {
+  return write_out(fd, buf, n, (int64_t)off, path);
 }
 
 // fsync the directory holding `path`, so that a rename into it survives a crash.
@@ -44,23 +52,6 @@ fy_status fy_file_sync_parent(const char *path) {
   }
   free(d);
   return rc;
-}
-
-fy_status fy_file_pwrite_all(int fd, const void *buf, size_t n, uint64_t off, const char *path) {
-  const char *p = buf;
-  while (n > 0) {
-    size_t chunk = n > (1u << 30) ? (1u << 30) : n;
-    ssize_t w = pwrite(fd, p, chunk, (off_t)off);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return fy_error_set(FY_ERR_IO, "writing %s: %s", path, strerror(errno));
-    }
-    if (w == 0) return fy_error_set(FY_ERR_IO, "writing %s: no progress (disk full?)", path);
-    p += w;
-    n -= (size_t)w;
-    off += (uint64_t)w;
-  }
-  return FY_OK;
 }
 
 fy_status fy_file_temp_create(const char *path, char **tmp_out, int *fd_out) {
