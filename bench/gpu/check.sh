@@ -288,9 +288,8 @@ gpu_train() {
   ferry_run() { local name="$1"; shift; "$build/ferry" "$@" >"$d/$name.out" 2>&1 || { cat "$d/$name.out"; return 1; }; }
   # fp32 on both sides: the losses of 8 steps agree to rounding.
   local common=(train --model opt-demo --steps 8 --batch 4 --seq 128 --seed 1 --lr 1e-3 --warmup 0 --no-shuffle)
-  ferry_run cpu "${common[@]}" --device cpu --log "$d/cpu.jsonl" || return 1
-  ferry_run cuda "${common[@]}" --device cuda --precision fp32 --log "$d/cuda.jsonl" || return 1
-  python3 - "$d/cpu.jsonl" "$d/cuda.jsonl" <<'PY'
+  same32() {  # CPU.jsonl CUDA.jsonl: the fp32 losses agree
+    python3 - "$1" "$2" <<'PY'
 import json, sys
 a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
 print("cpu ", " ".join(f"{x:.6f}" for x in a))
@@ -298,6 +297,19 @@ print("cuda", " ".join(f"{x:.6f}" for x in b))
 ok = len(a) == len(b) > 0 and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(a, b))
 sys.exit(0 if ok else 1)
 PY
+  }
+  ferry_run cpu "${common[@]}" --device cpu --log "$d/cpu.jsonl" || return 1
+  ferry_run cuda "${common[@]}" --device cuda --precision fp32 --log "$d/cuda.jsonl" || return 1
+  if ! same32 "$d/cpu.jsonl" "$d/cuda.jsonl"; then
+    # Which part: the same run with the epilogue fusions off (relu and the residual adds as ops).
+    if FERRY_CUDA_FUSE=0 ferry_run nofuse "${common[@]}" --device cuda --precision fp32 --log "$d/nofuse.jsonl" &&
+      same32 "$d/cpu.jsonl" "$d/nofuse.jsonl"; then
+      echo "with FERRY_CUDA_FUSE=0 the losses agree: the fused epilogues are at fault"
+    else
+      echo "with FERRY_CUDA_FUSE=0 they still differ: not (only) the fused epilogues"
+    fi
+    return 1
+  fi
   # bf16 compute (fp32 master and AdamW state) on the GPU against the CPU's bf16 numerics: the
   # same 8 steps within bf16's rounding.
   ferry_run cpu16 "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" || return 1
