@@ -430,9 +430,9 @@ static void teardown(struct run *r) {
   fy_comm_free(r->comm);
 }
 
-// Over the parameters in their graph order, so that runs with different chunk layouts compare.
-// FNV-1a of the weights, parameter by parameter in the flat layout's order, fed piece by piece
-// (the same value whether the weights are whole or come chunk by chunk).
+// FNV-1a of the weights, parameter by parameter in the flat layout's order (first use, whatever
+// the chunk size, so that runs with different chunk layouts compare), fed piece by piece (the same
+// value whether the weights are whole or come chunk by chunk).
 struct weights_hash {
   uint64_t h;
   const struct fy_graph *g;
