@@ -521,6 +521,119 @@ static __device__ __forceinline__ const fy_bf16 *tc_head(const fy_bf16 *x, int b
   return x + (int64_t)(bh / NH) * Tn * stride + (int64_t)(bh % NH) * HS;
 }
 
+// The online softmax of one warp's 16 query rows over a tile of NC keys (both forward kernels):
+// scores s scaled to base 2 and masked (key k0 + k exists and is not after the row's query tq),
+// the rows' running maximum m and sum l (this thread's part) and the accumulator o rescaled by the
+// new maximum; s becomes the tile's probabilities.
+template <int HS, int NC>
+static __device__ __forceinline__ void tc_online_softmax(float s[NC / 8][4], float m[2], float l[2], float o[HS / 8][4],
+                                                         const int *ok, int k0, const int tq[2], float sl) {
+  const int t = threadIdx.x & 3;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < NC / 8; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = 8 * n + 2 * t + (e & 1), row = e >> 1;
+      const bool keep = ok[key] && k0 + key <= tq[row];
+      s[n][e] = keep ? s[n][e] * sl : -INFINITY;
+      mx[row] = fmaxf(mx[row], s[n][e]);
+    }
+  float alpha[2];
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
+    mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
+    const float mnew = fmaxf(m[row], mx[row]);
+    // No key for this row yet: nothing to add (avoid -inf - -inf).
+    alpha[row] = mnew == -INFINITY ? 1.0f : exp2f(m[row] - mnew);
+    mx[row] = mnew;  // the reference point of this tile's probabilities
+    m[row] = mnew;
+  }
+  float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < NC / 8; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int row = e >> 1;
+      const float p = mx[row] == -INFINITY ? 0.0f : exp2f(s[n][e] - mx[row]);
+      s[n][e] = p;
+      ps[row] += p;
+    }
+#pragma unroll
+  for (int row = 0; row < 2; row++) l[row] = l[row] * alpha[row] + ps[row];
+#pragma unroll
+  for (int j = 0; j < HS / 8; j++) {
+    o[j][0] *= alpha[0], o[j][1] *= alpha[0];
+    o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+  }
+}
+
+// The end of a warp's 16 query rows tq (rows past T skipped): out = o / l, lse (natural log).
+template <int HS>
+static __device__ __forceinline__ void tc_store_rows(fy_bf16 *out, float *lse, const float o[HS / 8][4],
+                                                     const float m[2], const float lpart[2], int bh, int NH,
+                                                     const int tq[2], int Tn, int C) {
+  const int t = threadIdx.x & 3;
+  float ls[2];
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    ls[row] = lpart[row] + __shfl_xor_sync(0xffffffffu, lpart[row], 1);
+    ls[row] += __shfl_xor_sync(0xffffffffu, ls[row], 2);
+  }
+#pragma unroll
+  for (int row = 0; row < 2; row++) {
+    const float l = ls[row];
+    if (tq[row] >= Tn) continue;
+    // A query with no key (l = 0) gets zeros, as the CPU kernel gives it.
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    fy_bf16 *orow = out + ((int64_t)(bh / NH) * Tn + tq[row]) * C + (int64_t)(bh % NH) * HS;
+#pragma unroll
+    for (int j = 0; j < HS / 8; j++)
+      *reinterpret_cast<uint32_t *>(orow + 8 * j + 2 * t) = tc_pack(o[j][2 * row] * inv, o[j][2 * row + 1] * inv);
+    if (t == 0) lse[(int64_t)bh * Tn + tq[row]] = l > 0.0f ? (m[row] + log2f(l)) * TC_LN2 : -INFINITY;
+  }
+}
+
+// dk/dv kernels: a warp's 16 key rows (ok: those keys' flags, tk: their positions) against NC
+// queries from q0 (lse2 in base 2, D): p = P^T, ds = dS^T from the raw scores and dP^T.
+template <int NC>
+static __device__ __forceinline__ void tc_probs_kv(float p[NC / 8][4], float ds[NC / 8][4], const int *ok,
+                                                   const int tk[2], int q0, const float *lse2, const float *D,
+                                                   float sl) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < NC / 8; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int qc = 8 * n + 2 * t + (e & 1), row = e >> 1;
+      const float l2 = lse2[qc];
+      const bool keep = ok[g + 8 * row] && tk[row] <= q0 + qc && l2 != -INFINITY;
+      const float pv = keep ? exp2f(p[n][e] * sl - l2) : 0.0f;
+      p[n][e] = pv;
+      ds[n][e] = pv * (ds[n][e] - D[qc]);
+    }
+}
+
+// dq kernels: a warp's 16 query rows (tq; lse2 and D of those rows) against NC keys from k0 (ok:
+// their flags): ds = dS from the raw scores p and dP.
+template <int NC>
+static __device__ __forceinline__ void tc_probs_q(const float p[NC / 8][4], float ds[NC / 8][4], const int *ok,
+                                                  int k0, const int tq[2], const float *lse2, const float *D,
+                                                  float sl) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < NC / 8; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int kc = 8 * n + 2 * t + (e & 1), row = e >> 1;
+      const float l2 = lse2[g + 8 * row];
+      const bool keep = ok[kc] && k0 + kc <= tq[row] && l2 != -INFINITY;
+      const float pv = keep ? exp2f(p[n][e] * sl - l2) : 0.0f;
+      ds[n][e] = pv * (ds[n][e] - D[g + 8 * row]);
+    }
+}
+
 template <int HS>
 static size_t tc_fwd_smem() { return (size_t)(3 * TC_ROWS * (HS + 8)) * sizeof(fy_bf16) + TC_ROWS * sizeof(int); }
 
@@ -534,10 +647,10 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
   fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sK = sQ + TC_ROWS * LD, *sV = sK + TC_ROWS * LD;
   int *sOk = reinterpret_cast<int *>(sV + TC_ROWS * LD);
   const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
-  const int b = bh / NH, h = bh % NH;
+  const int b = bh / NH;
   const int64_t C3 = 3 * (int64_t)C;
   const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS);
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int q0 = qt * TC_ROWS, r0 = warp * 16;  // the warp's rows r0 + g and r0 + g + 8
   const float sl = scale * TC_LOG2E;
   tc_load<HS, TC_ROWS>(sQ, base, C3, q0, Tn);
@@ -571,64 +684,11 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
         tc_mma(sc[n], qa[kk], b0, b1);
       }
     }
-    // Scale (base 2), mask, and the rows' maxima over this tile.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int key = 8 * n + 2 * t + (e & 1), row = e >> 1;
-        const bool ok = sOk[key] && k0 + key <= tq[row];
-        sc[n][e] = ok ? sc[n][e] * sl : -INFINITY;
-        mx[row] = fmaxf(mx[row], sc[n][e]);
-      }
-    float alpha[2];
-#pragma unroll
-    for (int row = 0; row < 2; row++) {
-      mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
-      mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
-      const float mnew = fmaxf(m[row], mx[row]);
-      // No key for this row yet: nothing to add (avoid -inf - -inf).
-      alpha[row] = mnew == -INFINITY ? 1.0f : exp2f(m[row] - mnew);
-      mx[row] = mnew;  // the reference point of this tile's probabilities
-      m[row] = mnew;
-    }
-    float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int row = e >> 1;
-        const float p = mx[row] == -INFINITY ? 0.0f : exp2f(sc[n][e] - mx[row]);
-        sc[n][e] = p;
-        ps[row] += p;
-      }
-#pragma unroll
-    for (int row = 0; row < 2; row++) l[row] = l[row] * alpha[row] + ps[row];
-#pragma unroll
-    for (int j = 0; j < DT; j++) {
-      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
-    }
+    tc_online_softmax<HS, TC_ROWS>(sc, m, l, o, sOk, k0, tq, sl);
     tc_accumulate<HS, TC_ROWS>(o, sc, sV);  // O += P V
   }
 
-#pragma unroll
-  for (int row = 0; row < 2; row++) {
-    l[row] += __shfl_xor_sync(0xffffffffu, l[row], 1);
-    l[row] += __shfl_xor_sync(0xffffffffu, l[row], 2);
-  }
-#pragma unroll
-  for (int row = 0; row < 2; row++) {
-    if (tq[row] >= Tn) continue;
-    // A query with no key (l = 0) gets zeros, as the CPU kernel gives it.
-    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-    fy_bf16 *orow = out + ((int64_t)b * Tn + tq[row]) * C + (int64_t)h * HS;
-#pragma unroll
-    for (int j = 0; j < DT; j++)
-      *reinterpret_cast<uint32_t *>(orow + 8 * j + 2 * t) = tc_pack(o[j][2 * row] * inv, o[j][2 * row + 1] * inv);
-    if (t == 0) lse[(int64_t)bh * Tn + tq[row]] = l[row] > 0.0f ? (m[row] + log2f(l[row])) * TC_LN2 : -INFINITY;
-  }
+  tc_store_rows<HS>(out, lse, o, m, l, bh, NH, tq, Tn, C);
 }
 
 // The score-side work both backward kernels share, for a warp's 16 rows (rows a0.. of tiles a
@@ -708,17 +768,7 @@ attention_backward_kv_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
     // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys.
     float p[QT / 8][4], ds[QT / 8][4];
     tc_scores<HS, QT>(p, ds, sK, sV, r0, sQ, sdO);
-#pragma unroll
-    for (int n = 0; n < QT / 8; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int qc = 8 * n + 2 * t + (e & 1), row = e >> 1;
-        const float l2 = sLse[qc];
-        const bool ok = sOk[r0 + g + 8 * row] && tk[row] <= q0 + qc && l2 != -INFINITY;
-        const float pv = ok ? exp2f(p[n][e] * sl - l2) : 0.0f;
-        p[n][e] = pv;
-        ds[n][e] = pv * (ds[n][e] - sD[qc]);
-      }
+    tc_probs_kv<QT>(p, ds, sOk + r0, tk, q0, sLse, sD, sl);
     tc_accumulate<HS, QT>(dv, p, sdO);  // dV += P^T dO
     tc_accumulate<HS, QT>(dk, ds, sQ);  // dK += dS^T Q (times scale below)
   }
@@ -772,16 +822,7 @@ attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16
     // S = Q K^T and dP = dO V^T for the warp's 16 queries.
     float p[NT][4], ds[NT][4];
     tc_scores<HS, TC_ROWS>(p, ds, sQ, sdO, r0, sK, sV);
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int kc = 8 * n + 2 * t + (e & 1), row = e >> 1, lr = r0 + g + 8 * row;
-        const float l2 = sLse[lr];
-        const bool ok = sOk[kc] && k0 + kc <= tq[row] && l2 != -INFINITY;
-        const float pv = ok ? exp2f(p[n][e] * sl - l2) : 0.0f;
-        ds[n][e] = pv * (ds[n][e] - sD[lr]);
-      }
+    tc_probs_q<TC_ROWS>(p, ds, sOk, k0, tq, sLse + r0, sD + r0, sl);
     tc_accumulate<HS, TC_ROWS>(dq, ds, sK);  // dQ += dS K (times scale below)
   }
 
@@ -821,6 +862,29 @@ static __device__ __forceinline__ void tc_load_async(fy_bf16 *dst, const fy_bf16
     const int r = idx / V, c = (idx - r * V) * 8, t = row0 + r;
     tc_cp16(dst + r * (HS + 8) + c, t < Tn ? base + (int64_t)t * rstride + c : base, t < Tn);
   }
+}
+
+// Double buffering: keys [k0, k0+R) of one head into buffer `buf` of sK and sV (R rows of HS+8
+// each) by cp.async, committed as one group (with any copies issued before it), and their flags
+// into sOk's buffer (plain stores: visible after the next barrier).
+template <int HS, int R>
+static __device__ __forceinline__ void tc_load_keys(fy_bf16 *sK, fy_bf16 *sV, int *sOk, int buf, const fy_bf16 *base,
+                                                    int C, int64_t C3, const int32_t *mask, int b, int k0, int Tn) {
+  tc_load_async<HS, R>(sK + buf * R * (HS + 8), base + C, C3, k0, Tn);
+  tc_load_async<HS, R>(sV + buf * R * (HS + 8), base + 2 * C, C3, k0, Tn);
+  tc_cp_commit();
+  tc_keys_ok(sOk + buf * R, mask, b, k0, R, Tn);
+}
+
+// The same for queries [q0, q0+R): q into sQ's buffer, dout into sdO's, their lse and D.
+template <int HS, int R>
+static __device__ __forceinline__ void tc_load_queries(fy_bf16 *sQ, fy_bf16 *sdO, float *sLse, float *sD, int buf,
+                                                       const fy_bf16 *base, const fy_bf16 *gbase, int C, int64_t C3,
+                                                       const float *lse, const float *D, int bh, int q0, int Tn) {
+  tc_load_async<HS, R>(sQ + buf * R * (HS + 8), base, C3, q0, Tn);
+  tc_load_async<HS, R>(sdO + buf * R * (HS + 8), gbase, (int64_t)C, q0, Tn);
+  tc_cp_commit();
+  tc_rows(sLse + buf * R, sD + buf * R, lse, D, bh, q0, R, Tn);
 }
 
 // tc_accumulate for MT row blocks: acc[mt] (16 x HS) += W[mt] (16 x NC) X (NC x HS), each X
@@ -917,18 +981,15 @@ attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const
   fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sK = sQ + QR * LD, *sV = sK + 2 * TC_ROWS * LD;
   int *sOk = reinterpret_cast<int *>(sV + 2 * TC_ROWS * LD);
   const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
-  const int b = bh / NH, h = bh % NH;
+  const int b = bh / NH;
   const int64_t C3 = 3 * (int64_t)C;
   const fy_bf16 *base = tc_head(qkv, bh, NH, Tn, C3, HS);
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int q0 = qt * QR, r0 = warp * 16 * MT, wlast = q0 + r0 + 16 * MT - 1;  // the warp's rows r0 ..
   const int nkt = ((q0 + QR < Tn ? q0 + QR : Tn) - 1) / TC_ROWS + 1;  // key tiles up to the last query
   const float sl = scale * TC_LOG2E;
   tc_load_async<HS, QR>(sQ, base, C3, q0, Tn);
-  tc_load_async<HS, TC_ROWS>(sK, base + C, C3, 0, Tn);
-  tc_load_async<HS, TC_ROWS>(sV, base + 2 * C, C3, 0, Tn);
-  tc_cp_commit();
-  tc_keys_ok(sOk, mask, b, 0, TC_ROWS, Tn);
+  tc_load_keys<HS, TC_ROWS>(sK, sV, sOk, 0, base, C, C3, mask, b, 0, Tn);
 
   uint32_t qa[MT][HS / 16][4];
   float o[MT][DT][4], m[MT][2], l[MT][2];
@@ -953,13 +1014,8 @@ attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const
 #pragma unroll
         for (int kk = 0; kk < HS / 16; kk++) tc_ld_a(qa[mt][kk], sQ, LD, r0 + 16 * mt, 16 * kk);
     }
-    if (kt + 1 < nkt) {  // the next tile into the buffers tile kt - 1 used
-      const int nx = cur ^ 1;
-      tc_load_async<HS, TC_ROWS>(sK + nx * TC_ROWS * LD, base + C, C3, k0 + TC_ROWS, Tn);
-      tc_load_async<HS, TC_ROWS>(sV + nx * TC_ROWS * LD, base + 2 * C, C3, k0 + TC_ROWS, Tn);
-      tc_cp_commit();
-      tc_keys_ok(sOk + nx * TC_ROWS, mask, b, k0 + TC_ROWS, TC_ROWS, Tn);
-    }
+    if (kt + 1 < nkt)  // the next tile into the buffers tile kt - 1 used
+      tc_load_keys<HS, TC_ROWS>(sK, sV, sOk, cur ^ 1, base, C, C3, mask, b, k0 + TC_ROWS, Tn);
     if (k0 > wlast) continue;  // every key of the tile comes after every query of the warp
     const fy_bf16 *cK = sK + cur * TC_ROWS * LD, *cV = sV + cur * TC_ROWS * LD;
     const int *ok = sOk + cur * TC_ROWS;
@@ -979,65 +1035,12 @@ attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const
         for (int mt = 0; mt < MT; mt++) tc_mma(sc[mt][n], qa[mt][kk], b0, b1);
       }
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      // Scale (base 2), mask, and the rows' maxima over this tile, as the kernel above.
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int key = 8 * n + 2 * t + (e & 1), row = e >> 1;
-          const bool keep = ok[key] && k0 + key <= tq[mt][row];
-          sc[mt][n][e] = keep ? sc[mt][n][e] * sl : -INFINITY;
-          mx[row] = fmaxf(mx[row], sc[mt][n][e]);
-        }
-      float alpha[2];
-#pragma unroll
-      for (int row = 0; row < 2; row++) {
-        mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
-        mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
-        const float mnew = fmaxf(m[mt][row], mx[row]);
-        alpha[row] = mnew == -INFINITY ? 1.0f : exp2f(m[mt][row] - mnew);
-        mx[row] = mnew;
-        m[mt][row] = mnew;
-      }
-      float ps[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int row = e >> 1;
-          const float p = mx[row] == -INFINITY ? 0.0f : exp2f(sc[mt][n][e] - mx[row]);
-          sc[mt][n][e] = p;
-          ps[row] += p;
-        }
-#pragma unroll
-      for (int row = 0; row < 2; row++) l[mt][row] = l[mt][row] * alpha[row] + ps[row];
-#pragma unroll
-      for (int j = 0; j < DT; j++) {
-        o[mt][j][0] *= alpha[0], o[mt][j][1] *= alpha[0];
-        o[mt][j][2] *= alpha[1], o[mt][j][3] *= alpha[1];
-      }
-    }
+    for (int mt = 0; mt < MT; mt++) tc_online_softmax<HS, TC_ROWS>(sc[mt], m[mt], l[mt], o[mt], ok, k0, tq[mt], sl);
     tc_accumulate_mt<HS, TC_ROWS, MT>(o, sc, cV);  // O += P V
   }
 
 #pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int row = 0; row < 2; row++) {
-      float lr = l[mt][row];
-      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-      if (tq[mt][row] >= Tn) continue;
-      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
-      fy_bf16 *orow = out + ((int64_t)b * Tn + tq[mt][row]) * C + (int64_t)h * HS;
-#pragma unroll
-      for (int j = 0; j < DT; j++)
-        *reinterpret_cast<uint32_t *>(orow + 8 * j + 2 * t) =
-            tc_pack(o[mt][j][2 * row] * inv, o[mt][j][2 * row + 1] * inv);
-      if (t == 0) lse[(int64_t)bh * Tn + tq[mt][row]] = lr > 0.0f ? (m[mt][row] + log2f(lr)) * TC_LN2 : -INFINITY;
-    }
+  for (int mt = 0; mt < MT; mt++) tc_store_rows<HS>(out, lse, o[mt], m[mt], l[mt], bh, NH, tq[mt], Tn, C);
 }
 
 // dout, qkv, lse, D -> dqkv += (k and v): one (b, h, ROWS-key tile) per block, a warp per 16 MT
@@ -1060,11 +1063,8 @@ attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf
   const float sl = scale * TC_LOG2E;
   tc_load_async<HS, KR>(sK, base + C, C3, k0, Tn);
   tc_load_async<HS, KR>(sV, base + 2 * C, C3, k0, Tn);
-  tc_load_async<HS, QT>(sQ, base, C3, k0, Tn);
-  tc_load_async<HS, QT>(sdO, gbase, (int64_t)C, k0, Tn);
-  tc_cp_commit();
+  tc_load_queries<HS, QT>(sQ, sdO, sLse, sD, 0, base, gbase, C, C3, lse, D, bh, k0, Tn);
   tc_keys_ok(sOk, mask, b, k0, KR, Tn);
-  tc_rows(sLse, sD, lse, D, bh, k0, QT, Tn);
 
   float dk[MT][DT][4], dv[MT][DT][4];
   int tk[MT][2];
@@ -1082,13 +1082,8 @@ attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf
     const int cur = i & 1;
     tc_cp_wait();
     __syncthreads();  // query tile i is in; every warp is done with tile i - 1
-    if (q0 + QT < Tn) {
-      const int nx = cur ^ 1;
-      tc_load_async<HS, QT>(sQ + nx * QT * LD, base, C3, q0 + QT, Tn);
-      tc_load_async<HS, QT>(sdO + nx * QT * LD, gbase, (int64_t)C, q0 + QT, Tn);
-      tc_cp_commit();
-      tc_rows(sLse + nx * QT, sD + nx * QT, lse, D, bh, q0 + QT, QT, Tn);
-    }
+    if (q0 + QT < Tn)
+      tc_load_queries<HS, QT>(sQ, sdO, sLse, sD, cur ^ 1, base, gbase, C, C3, lse, D, bh, q0 + QT, Tn);
     if (q0 + QT - 1 < wfirst) continue;  // every query of the tile comes before every key of the warp
     const fy_bf16 *cQ = sQ + cur * QT * LD, *cdO = sdO + cur * QT * LD;
     const float *cL = sLse + cur * QT, *cD = sD + cur * QT;
@@ -1096,18 +1091,7 @@ attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf
     float p[MT][QT / 8][4], ds[MT][QT / 8][4];
     tc_scores_mt<HS, QT, MT>(p, ds, sK, sV, r0, cQ, cdO);
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-      for (int n = 0; n < QT / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int qc = 8 * n + 2 * t + (e & 1), row = e >> 1;
-          const float l2 = cL[qc];
-          const bool keep = sOk[r0 + 16 * mt + g + 8 * row] && tk[mt][row] <= q0 + qc && l2 != -INFINITY;
-          const float pv = keep ? exp2f(p[mt][n][e] * sl - l2) : 0.0f;
-          p[mt][n][e] = pv;
-          ds[mt][n][e] = pv * (ds[mt][n][e] - cD[qc]);
-        }
+    for (int mt = 0; mt < MT; mt++) tc_probs_kv<QT>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
     tc_accumulate_mt<HS, QT, MT>(dv, p, cdO);  // dV += P^T dO
     tc_accumulate_mt<HS, QT, MT>(dk, ds, cQ);  // dK += dS^T Q (times scale below)
   }
@@ -1147,11 +1131,8 @@ attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
   const float sl = scale * TC_LOG2E;
   tc_load_async<HS, QR>(sQ, base, C3, q0, Tn);
   tc_load_async<HS, QR>(sdO, gbase, (int64_t)C, q0, Tn);
-  tc_load_async<HS, KT>(sK, base + C, C3, 0, Tn);
-  tc_load_async<HS, KT>(sV, base + 2 * C, C3, 0, Tn);
-  tc_cp_commit();
+  tc_load_keys<HS, KT>(sK, sV, sOk, 0, base, C, C3, mask, b, 0, Tn);
   tc_rows(sLse, sD, lse, D, bh, q0, QR, Tn);
-  tc_keys_ok(sOk, mask, b, 0, KT, Tn);
 
   float dq[MT][DT][4];
   int tq[MT][2];
@@ -1167,13 +1148,7 @@ attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
     const int k0 = kt * KT, cur = kt & 1;
     tc_cp_wait();
     __syncthreads();  // key tile kt is in; every warp is done with tile kt - 1
-    if (kt + 1 < nkt) {
-      const int nx = cur ^ 1;
-      tc_load_async<HS, KT>(sK + nx * KT * LD, base + C, C3, k0 + KT, Tn);
-      tc_load_async<HS, KT>(sV + nx * KT * LD, base + 2 * C, C3, k0 + KT, Tn);
-      tc_cp_commit();
-      tc_keys_ok(sOk + nx * KT, mask, b, k0 + KT, KT, Tn);
-    }
+    if (kt + 1 < nkt) tc_load_keys<HS, KT>(sK, sV, sOk, cur ^ 1, base, C, C3, mask, b, k0 + KT, Tn);
     if (k0 > wlast) continue;  // every key of the tile comes after every query of the warp
     const fy_bf16 *cK = sK + cur * KT * LD, *cV = sV + cur * KT * LD;
     const int *ok = sOk + cur * KT;
@@ -1182,16 +1157,7 @@ attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
     tc_scores_mt<HS, KT, MT>(p, ds, sQ, sdO, r0, cK, cV);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-      for (int n = 0; n < KT / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int kc = 8 * n + 2 * t + (e & 1), row = e >> 1, lr = r0 + 16 * mt + g + 8 * row;
-          const float l2 = sLse[lr];
-          const bool keep = ok[kc] && k0 + kc <= tq[mt][row] && l2 != -INFINITY;
-          const float pv = keep ? exp2f(p[mt][n][e] * sl - l2) : 0.0f;
-          ds[mt][n][e] = pv * (ds[mt][n][e] - sD[lr]);
-        }
+      tc_probs_q<KT>(p[mt], ds[mt], ok, k0, tq[mt], sLse + r0 + 16 * mt, sD + r0 + 16 * mt, sl);
     tc_accumulate_mt<HS, KT, MT>(dq, ds, cK);  // dQ += dS K (times scale below)
   }
 
