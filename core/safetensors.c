@@ -553,7 +553,6 @@ static void st_remove_stale(const char *dir, int nshards) {
   closedir(d);
 }
 
-
 static fy_status st_check_tensor(const struct fy_st_tensor *t, int i, bool need_data) {
   if (!t->name || !t->name[0])
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor %d has no name", i);
@@ -670,7 +669,8 @@ struct fy_st_writer {
   int *file_of;       // tensor -> file
   uint64_t *at;       // tensor -> first byte of its data in its file
   size_t *nbytes, *got;  // tensor -> its size, the bytes put so far
-  char *dir;          // a model directory (an index when nfiles > 1), or NULL for one file
+  char *dir;          // a model directory, or NULL for one file
+  bool sharded;       // the directory's files are shards listed in an index
 };
 
 void fy_st_writer_abort(fy_st_writer *w) {
@@ -764,36 +764,37 @@ fy_status fy_st_writer_open_dir(const char *dir, const struct fy_st_tensor *tens
     return fy_error_set(FY_ERR_IO, "cannot create directory %s: %s", dir, strerror(errno));
   uint64_t total = 0;
   for (int i = 0; i < n; i++) total += tensors[i].nbytes;
-  // Greedy, in the given order, as transformers' shard_checkpoint: a tensor larger than the limit
-  // gets a shard of its own.
+  // Sharded when the total is over the limit; greedy, in the given order, as transformers'
+  // shard_checkpoint: a tensor larger than the limit gets a shard of its own.
+  const bool sharded = max_shard_bytes && total > max_shard_bytes;
+  int *first = malloc(((size_t)n + 2) * sizeof *first);  // shard s holds tensors [first[s], first[s + 1])
+  if (!first) return fy_error_set(FY_ERR_NOMEM, "out of memory");
   int nshards = 1;
-  if (max_shard_bytes && total > max_shard_bytes) {
-    nshards = 0;
-    size_t cur = 0;
-    for (int i = 0; i < n; i++) {
-      if (nshards == 0 || (cur > 0 && cur + tensors[i].nbytes > max_shard_bytes)) nshards++, cur = 0;
-      cur += tensors[i].nbytes;
-    }
-    if (nshards > 99999)
-      return fy_error_set(FY_ERR_INVALID, "safetensors write: %d shards are too many; raise the shard size", nshards);
-  }
-  fy_st_writer *w = NULL;
-  FY_TRY(st_writer_new(tensors, n, nshards, &w));
-  fy_status rc = (w->dir = strdup(dir)) ? FY_OK : fy_error_set(FY_ERR_NOMEM, "out of memory");
-  char fname[64];
+  first[0] = 0;
   size_t cur = 0;
-  for (int s = 0, i = 0; rc == FY_OK && s < nshards; s++) {
-    int first = i;
-    if (nshards == 1) i = n;
-    else
-      for (cur = 0; i < n && (i == first || cur + tensors[i].nbytes <= max_shard_bytes || cur == 0); i++)
-        cur += tensors[i].nbytes;
-    if (nshards == 1) snprintf(fname, sizeof fname, "%s", ST_SINGLE_NAME);
-    else snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, nshards);
+  for (int i = 0; i < n; i++) {
+    if (sharded && cur > 0 && cur + tensors[i].nbytes > max_shard_bytes) first[nshards++] = i, cur = 0;
+    cur += tensors[i].nbytes;
+  }
+  first[nshards] = n;
+  fy_st_writer *w = NULL;
+  fy_status rc = nshards > 99999 ? fy_error_set(FY_ERR_INVALID, "safetensors write: %d shards are too many; raise the "
+                                                "shard size", nshards)
+                                 : st_writer_new(tensors, n, nshards, &w);
+  if (rc == FY_OK) {
+    w->sharded = sharded;
+    if (!(w->dir = strdup(dir))) rc = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  char fname[64];
+  for (int s = 0; rc == FY_OK && s < nshards; s++) {
+    if (sharded) snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, nshards);
+    else snprintf(fname, sizeof fname, "%s", ST_SINGLE_NAME);
     char *p = st_join(dir, fname);
-    rc = p ? st_writer_file(w, s, p, tensors, first, i - first, md) : fy_error_set(FY_ERR_NOMEM, "out of memory");
+    rc = p ? st_writer_file(w, s, p, tensors, first[s], first[s + 1] - first[s], md)
+           : fy_error_set(FY_ERR_NOMEM, "out of memory");
     free(p);
   }
+  free(first);
   if (rc != FY_OK) {
     fy_st_writer_abort(w);
     return rc;
@@ -864,17 +865,16 @@ fy_status fy_st_writer_commit(fy_st_writer *w) {
     rc = fy_file_temp_commit(o->path, o->tmp, o->fd);
     o->tmp = NULL;  // committed or removed
   }
-  if (rc == FY_OK && w->dir && w->nfiles > 1) rc = st_write_index(w);
-  if (rc == FY_OK && w->dir) st_remove_stale(w->dir, w->nfiles > 1 ? w->nfiles : 0);
+  if (rc == FY_OK && w->sharded) rc = st_write_index(w);
+  if (rc == FY_OK && w->dir) st_remove_stale(w->dir, w->sharded ? w->nfiles : 0);
   fy_st_writer_abort(w);  // frees (the files are committed or removed)
   return rc;
 }
 
-// Every tensor whole from its data pointer.
+// Every tensor whole from its data pointer (checked by the caller).
 static fy_status st_put_all(fy_st_writer *w, const struct fy_st_tensor *tensors, int n) {
   for (int i = 0; i < n; i++) {
-    fy_status rc = st_check_tensor(&tensors[i], i, true);
-    if (rc == FY_OK) rc = fy_st_writer_put(w, i, 0, tensors[i].data, tensors[i].nbytes);
+    fy_status rc = fy_st_writer_put(w, i, 0, tensors[i].data, tensors[i].nbytes);
     if (rc != FY_OK) {
       fy_st_writer_abort(w);
       return rc;

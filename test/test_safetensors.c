@@ -578,6 +578,10 @@ static void test_parts(void) {
     CHECKF(same_file(fw, fp), "%s written in pieces differs", files[k]);
   }
   CHECK(count_entries(dp) == 4);
+  // One tensor over the limit: a shard of its own, still listed in an index (as transformers does).
+  CHECK_OK(fy_safetensors_write_dir(dw, ts, 1, 256));
+  snprintf(fw, sizeof fw, "%s/model-00001-of-00001.safetensors", dw);
+  CHECK(access(fw, F_OK) == 0 && count_entries(dw) == 2);
   check_rm_rf(dw);
   check_rm_rf(dp);
 
