@@ -149,8 +149,6 @@ int64_t fy_graph_slot_floats(const struct fy_graph *g, int s) {
   return align_up(g->act16 && !slot_f32(g, s) ? (n + 1) / 2 : n);
 }
 
-static int64_t footprint(const struct fy_graph *g, int s) { return fy_graph_slot_floats(g, s); }
-
 // Activation offsets. Without recomputation every slot is kept through the step. With it, the
 // slots a decoder layer makes for itself (all but its output, which is the next layer's input)
 // share one region: a layer's forward is run again just before its backward.
@@ -172,7 +170,7 @@ static void plan_activations(struct fy_graph *g, bool recompute) {
         for (int a = 0; a < op->n_aux; a++) made[n++] = op->aux[a];
         for (int j = 0; j < n; j++) {
           g->slots[made[j]].offset = -2 - local;  // region-relative, resolved below
-          local += footprint(g, made[j]);
+          local += fy_graph_slot_floats(g, made[j]);
         }
       }
       if (local > region) region = local;
@@ -184,12 +182,12 @@ static void plan_activations(struct fy_graph *g, bool recompute) {
     for (int s = 0; s < g->n_slots; s++)
       if (g->slots[s].offset < 0) {
         g->slots[s].offset = off;
-        off += footprint(g, s);
+        off += fy_graph_slot_floats(g, s);
       }
   } else {
     for (int s = 0; s < g->n_slots; s++) {
       g->slots[s].offset = off;
-      off += footprint(g, s);
+      off += fy_graph_slot_floats(g, s);
     }
   }
   g->act_elems = off;
@@ -235,7 +233,7 @@ static fy_status plan_gradients(struct fy_graph *g) {
       bool seen = false;  // the same slot twice in one op (x + x)
       for (int j = 0; j < op->n_zero; j++) seen |= op->zero[j] == op->in[k];
       if (seen) continue;
-      int64_t len = footprint(g, op->in[k]);
+      int64_t len = fy_graph_slot_floats(g, op->in[k]);
       s->grad_offset = first_fit(live, n_live, len);
       live_insert(live, &n_live, (struct live_block){s->grad_offset, len, op->in[k]});
       if (s->grad_offset + len > top) top = s->grad_offset + len;

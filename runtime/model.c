@@ -412,17 +412,24 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   return status;
 }
 
+// The parameters as safetensors tensors of dtype (names and shapes; no data yet), malloc'd.
+static struct fy_st_tensor *param_tensors(const struct fy_graph *g, enum fy_dtype dtype) {
+  struct fy_st_tensor *ts = calloc((size_t)g->n_params, sizeof *ts);
+  for (int i = 0; ts && i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    ts[i] = (struct fy_st_tensor){.name = p->name, .dtype = dtype, .rank = p->rank,
+                                  .shape = {p->shape[0], p->shape[1]},
+                                  .nbytes = (size_t)p->numel * fy_dtype_size(dtype)};
+  }
+  return ts;
+}
+
 fy_status fy_model_save_open(const struct fy_model *m, const char *dir, size_t max_shard_bytes,
                              struct fy_st_writer **out) {
   const struct fy_graph *g = m->graph;
   FY_TRY(fy_mkdir_p(dir));
-  struct fy_st_tensor *ts = calloc((size_t)g->n_params, sizeof *ts);
+  struct fy_st_tensor *ts = param_tensors(g, FY_F32);
   if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the tensor list");
-  for (int i = 0; i < g->n_params; i++) {
-    const struct fy_param *p = &g->params[i];
-    ts[i] = (struct fy_st_tensor){.name = p->name, .dtype = FY_F32, .rank = p->rank,
-                                  .shape = {p->shape[0], p->shape[1]}, .nbytes = (size_t)p->numel * 4};
-  }
   fy_status st = fy_st_writer_open_dir(dir, ts, g->n_params, max_shard_bytes, out);
   free(ts);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "saving the model to %s", dir);
@@ -451,7 +458,7 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
                         size_t max_shard_bytes) {
   const struct fy_graph *g = m->graph;
   FY_TRY(fy_mkdir_p(dir));
-  struct fy_st_tensor *ts = calloc((size_t)g->n_params, sizeof *ts);
+  struct fy_st_tensor *ts = param_tensors(g, dtype);
   void *conv = NULL;
   if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the tensor list");
   if (dtype != FY_F32) {
@@ -475,12 +482,6 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
   }
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
-    ts[i].name = p->name;
-    ts[i].dtype = dtype;
-    ts[i].rank = p->rank;
-    ts[i].shape[0] = p->shape[0];
-    ts[i].shape[1] = p->shape[1];
-    ts[i].nbytes = (size_t)p->numel * fy_dtype_size(dtype);
     if (dtype == FY_F32) {
       ts[i].data = host + p->offset;
     } else {

@@ -153,7 +153,7 @@ fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype
 // The same files (f32) from weights handed over piece by piece, for weights that no one buffer
 // holds whole (chunks sharded across ranks): open starts them in dir; put writes the parameters'
 // elements in [lo, hi) of the flat buffer (data holds those elements); commit completes them and
-// writes config.json; abort drops them. commit and abort free the writer.
+// writes config.json (fy_st_writer_abort drops them instead). Both free the writer.
 fy_status fy_model_save_open(const struct fy_model *m, const char *dir, size_t max_shard_bytes,
                              struct fy_st_writer **out);
 fy_status fy_model_save_put(const struct fy_model *m, struct fy_st_writer *w, int64_t lo, int64_t hi,

@@ -645,12 +645,12 @@ static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
            o->precision ? o->precision : "fp32");
 }
 
-static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_snapshot *s,
+static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_meta *meta,
                             int64_t steps_done, double scale, int64_t scale_good) {
   // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
-  s->meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
-                                  .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
-  options_json(o, s->meta.options, sizeof s->meta.options);
+  *meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
+                                .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
+  options_json(o, meta->options, sizeof meta->options);
 }
 
 // Tensor parallelism: the ranks of data-parallel group 0 gather their slices into the whole model
@@ -673,7 +673,7 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_snapshot *s, struct
     st = fy_tp_gather(m->graph, local[i], r->whole_graph, dst[i], r->tp_comm);
   free(tmp);
   if (st != FY_OK || !w) return st;
-  checkpoint_meta(o, r, s, steps_done, scale, scale_good);
+  checkpoint_meta(o, r, &s->meta, steps_done, scale, scale_good);
   return fy_ckpt_write_async(w);
 }
 
@@ -698,9 +698,9 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   if (r->ckpt_by_chunk) {  // (the other ranks' fy_offload_state_out gathers the same chunks in order)
     FY_TRY(fy_offload_sync(r->x));
-    struct fy_ckpt_snapshot meta;
+    struct fy_ckpt_meta meta;
     checkpoint_meta(o, r, &meta, steps_done, scale, scale_good);
-    return fy_ckpt_write_pieces(w, &meta.meta, m->layout->chunk_elems, checkpoint_chunk, r);
+    return fy_ckpt_write_pieces(w, &meta, m->layout->chunk_elems, checkpoint_chunk, r);
   }
   if (r->x) {
     FY_TRY(fy_offload_state_out(r->x, s->params, s->m, s->v));  // after the optimizer stream is done
@@ -713,7 +713,7 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
     memcpy(s->v, m->v, bytes);
     memcpy(s->params, m->params, bytes);
   }
-  checkpoint_meta(o, r, s, steps_done, scale, scale_good);
+  checkpoint_meta(o, r, &s->meta, steps_done, scale, scale_good);
   return fy_ckpt_write_async(w);
 }
 

@@ -136,14 +136,12 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   cublasOperation_t opb = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is our a
   LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "transa");
   LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "transb");
-  if (k->relu && !k->has_bias) {
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_RELU;
+  const cublasLtEpilogue_t epi = k->relu ? (k->has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU)
+                                          : (k->has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+  if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "epilogue");
-  }
   if (k->has_bias) {
-    cublasLtEpilogue_t epi = k->relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
     int32_t bty = (int32_t)ty;
-    LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "epilogue");
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bty, sizeof bty), "bias type");
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), "bias");
   }
@@ -300,6 +298,13 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *cin, co
   return FY_OK;
 }
 
+extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,
+                                    const void *bias, enum fy_dtype dt, int64_t M, int64_t N,
+                                    int64_t K, bool ta, bool tb, float alpha, float beta,
+                                    cudaStream_t st) {
+  return matmul_epi(h, c, NULL, a, b, bias, false, dt, M, N, K, ta, tb, alpha, beta, st);
+}
+
 // dout (BT,OC) -> dbias (OC) (+)= column sums, or with gridDim.y > 1 parts (gridDim.y, OC) of them
 // Block (b, p) owns columns [32b, 32b+32) of rows [p*R, (p+1)*R), R = BT / gridDim.y rounded up;
 // thread (tx, ty) walks rows ty, ty+32, ... of them (coalesced across tx), then the 32 partial sums
@@ -337,13 +342,6 @@ __global__ void bias_grad_final_kernel(T *dbias, const float *part, int parts, i
 }
 
 #define BIAS_GRAD_PARTS 16
-
-extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,
-                                    const void *bias, enum fy_dtype dt, int64_t M, int64_t N,
-                                    int64_t K, bool ta, bool tb, float alpha, float beta,
-                                    cudaStream_t st) {
-  return matmul_epi(h, c, NULL, a, b, bias, false, dt, M, N, K, ta, tb, alpha, beta, st);
-}
 
 extern "C" fy_status fy_cuda_linear_relu_forward(struct fy_cuda_blas *h, void *out, const void *inp,
                                                  const void *weight, const void *bias, enum fy_dtype dt,
