@@ -46,45 +46,19 @@ static fy_status run_backward(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  const char *model = "opt-1.3b", *dtype = "bf16";
-  int64_t batch = 8, seq = 2048;
-  int reps = 10;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      printf("usage: gpu_attention [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] [--reps 10]\n");
-      return 0;
-    }
-    if (!v) {
-      fprintf(stderr, "gpu_attention: %s needs a value (--help)\n", a);
-      return 2;
-    }
-    if (!strcmp(a, "--model")) model = v;
-    else if (!strcmp(a, "--batch")) batch = atoll(v);
-    else if (!strcmp(a, "--seq")) seq = atoll(v);
-    else if (!strcmp(a, "--dtype")) dtype = v;
-    else if (!strcmp(a, "--reps")) reps = atoi(v);
-    else {
-      fprintf(stderr, "gpu_attention: unknown option %s (--help)\n", a);
-      return 2;
-    }
-    i++;
-  }
-  enum fy_dtype dt = !strcmp(dtype, "fp32") ? FY_F32 : FY_BF16;
-  if ((strcmp(dtype, "fp32") && strcmp(dtype, "bf16")) || batch < 1 || seq < 1 || reps < 1) {
-    fprintf(stderr, "gpu_attention: bad --dtype, --batch, --seq or --reps\n");
-    return 2;
-  }
-  struct fy_opt_config cfg;
-  if (fy_opt_preset(model, &cfg) != FY_OK) die("--model");
-  if (fy_cuda_device_count() == 0) {
-    fprintf(stderr, "gpu_attention: no GPU: skipped\n");
-    return 77;
-  }
-  if (fy_device_cuda_create(0, 0, &dev) != FY_OK) die("cuda device");
+  struct gpu_bench_opts o;
+  int rc = gpu_bench_args(argc, argv, "gpu_attention",
+                          "usage: gpu_attention [--model opt-1.3b] [--batch 8] [--seq 2048] [--dtype bf16|fp32] "
+                          "[--reps 10]",
+                          false, &o);
+  if (rc >= 0) return rc;
+  const struct fy_opt_config cfg = o.cfg;
+  const enum fy_dtype dt = o.dt;
+  const char *model = o.model, *dtype = o.dtype;
+  const int64_t batch = o.batch, seq = o.seq;
+  const int reps = o.reps;
   fy_stream *st = NULL;
-  if (fy_stream_create(dev, &st) != FY_OK) die("stream");
-  cs = fy_cuda_stream(st);
+  gpu_bench_device("gpu_attention", &dev, &st, &cs);
 
   const int64_t B = batch, T = seq, C = cfg.hidden_size, NH = cfg.num_attention_heads;
   struct args a = {.dt = dt, .B = B, .T = T, .C = C, .NH = NH, .scale = 1.0f / sqrtf((float)(C / NH))};
