@@ -372,16 +372,20 @@ fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, stru
   return FY_OK;
 }
 
+void fy_ckpt_adam_read_param(const struct fy_ckpt_adam *a, int i, int64_t b0, int64_t b1, float *m, float *v) {
+  for (int k = 0; k < 2; k++) {
+    const float *src = (const float *)a->t[2 * i + k]->data + b0;
+    if (k ? v : m) memcpy(k ? v : m, src, (size_t)(b1 - b0) * 4);
+    fy_safetensors_done_with(src, (size_t)(b1 - b0) * 4);
+  }
+}
+
 void fy_ckpt_adam_read(const struct fy_ckpt_adam *a, int64_t lo, int64_t hi, float *m, float *v) {
   int64_t b0, b1;
   for (int i = 0; i < a->g->n_params; i++) {
     const struct fy_param *prm = &a->g->params[i];
-    if (!fy_param_part(prm, lo, hi, &b0, &b1)) continue;
-    for (int k = 0; k < 2; k++) {
-      const float *src = (const float *)a->t[2 * i + k]->data + b0;
-      if (k ? v : m) memcpy((k ? v : m) + (prm->offset + b0 - lo), src, (size_t)(b1 - b0) * 4);
-      fy_safetensors_done_with(src, (size_t)(b1 - b0) * 4);
-    }
+    if (fy_param_part(prm, lo, hi, &b0, &b1))
+      fy_ckpt_adam_read_param(a, i, b0, b1, m ? m + (prm->offset + b0 - lo) : NULL, v ? v + (prm->offset + b0 - lo) : NULL);
   }
 }
 

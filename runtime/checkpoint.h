@@ -80,6 +80,8 @@ fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float
 struct fy_ckpt_adam;
 fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, struct fy_ckpt_adam **out);
 void fy_ckpt_adam_read(const struct fy_ckpt_adam *a, int64_t lo, int64_t hi, float *m, float *v);
+// Elements [b0, b1) of parameter i's m and v into m[0..b1-b0) and v[0..b1-b0) (either may be NULL).
+void fy_ckpt_adam_read_param(const struct fy_ckpt_adam *a, int i, int64_t b0, int64_t b1, float *m, float *v);
 void fy_ckpt_adam_close(struct fy_ckpt_adam *a);
 
 // trainer.json of a step directory (runtime/checkpoint_index.c): written atomically; read with

@@ -366,23 +366,61 @@ static fy_status param_tensor(const fy_safetensors *st, const char *dir, const s
   return FY_OK;
 }
 
-fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst) {
-  fy_safetensors *st;
-  FY_TRY(fy_safetensors_open_dir(dir, &st));
+struct fy_model_source {
+  const struct fy_model *m;
+  uint64_t seed;
+  fy_safetensors *st;             // NULL: OPT's initialisation
+  const struct fy_st_tensor **t;  // with files: each parameter's tensor
+};
+
+fy_status fy_model_source_open(const struct fy_model *m, const char *dir, uint64_t seed,
+                               struct fy_model_source **out) {
   const struct fy_graph *g = m->graph;
-  fy_status status = FY_OK;
+  struct fy_model_source *s = calloc(1, sizeof *s);
+  if (!s || (dir && !(s->t = calloc((size_t)g->n_params, sizeof *s->t)))) {
+    free(s);
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate a weights source");
+  }
+  *s = (struct fy_model_source){.m = m, .seed = seed, .t = s->t};
+  fy_status status = dir ? fy_safetensors_open_dir(dir, &s->st) : FY_OK;
+  for (int i = 0; dir && i < g->n_params && status == FY_OK; i++) status = param_tensor(s->st, dir, &g->params[i], &s->t[i]);
+  if (status != FY_OK) {
+    fy_model_source_close(s);
+    return status;
+  }
+  *out = s;
+  return FY_OK;
+}
+
+void fy_model_source_read(const struct fy_model_source *s, int i, int64_t a, int64_t b, float *dst) {
+  const struct fy_param *p = &s->m->graph->params[i];
+  if (!s->st) {
+    init_param(s->m, p, s->seed, a, b, dst);
+    return;
+  }
+  const struct fy_st_tensor *t = s->t[i];
+  const char *src = (const char *)t->data + (size_t)a * fy_dtype_size(t->dtype);
+  fy_convert_to_f32(dst, src, t->dtype, (size_t)(b - a));
+  fy_safetensors_done_with(src, (size_t)(b - a) * fy_dtype_size(t->dtype));
+}
+
+void fy_model_source_close(struct fy_model_source *s) {
+  if (!s) return;
+  fy_safetensors_close(s->st);
+  free(s->t);
+  free(s);
+}
+
+fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst) {
+  struct fy_model_source *s;
+  FY_TRY(fy_model_source_open(m, dir, 0, &s));
+  const struct fy_graph *g = m->graph;
   memset(dst, 0, (size_t)(hi - lo) * 4);
   int64_t a, b;
-  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
-    const struct fy_param *p = &g->params[i];
-    const struct fy_st_tensor *t;
-    if ((status = param_tensor(st, dir, p, &t)) != FY_OK || !fy_param_part(p, lo, hi, &a, &b)) continue;
-    const char *src = (const char *)t->data + (size_t)a * fy_dtype_size(t->dtype);
-    fy_convert_to_f32(dst + (p->offset + a - lo), src, t->dtype, (size_t)(b - a));
-    fy_safetensors_done_with(src, (size_t)(b - a) * fy_dtype_size(t->dtype));
-  }
-  fy_safetensors_close(st);
-  return status;
+  for (int i = 0; i < g->n_params; i++)
+    if (fy_param_part(&g->params[i], lo, hi, &a, &b)) fy_model_source_read(s, i, a, b, dst + (g->params[i].offset + a - lo));
+  fy_model_source_close(s);
+  return FY_OK;
 }
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {

@@ -146,6 +146,15 @@ fy_status fy_model_load(struct fy_model *m, const char *dir);
 // keeps only its shards. _load_part checks every tensor as fy_model_load does.
 void fy_model_init_random_part(const struct fy_model *m, uint64_t seed, int64_t lo, int64_t hi, float *dst);
 fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst);
+// The same parameter by parameter: a source of the weights, open for reading any part of any
+// parameter (for tensor-parallel ranks, which take slices of each): OPT's initialisation with
+// seed (dir NULL), or a Hugging Face model directory's tensors (each checked at open).
+struct fy_model_source;
+fy_status fy_model_source_open(const struct fy_model *m, const char *dir, uint64_t seed,
+                               struct fy_model_source **out);
+// Elements [a, b) of parameter i into dst[0 .. b - a).
+void fy_model_source_read(const struct fy_model_source *s, int i, int64_t a, int64_t b, float *dst);
+void fy_model_source_close(struct fy_model_source *s);
 // Writes config.json and the weights (f32, or bf16/f16 when dtype says so) as transformers'
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,

@@ -1,19 +1,28 @@
 // Tensor parallelism's bridge to whole tensors (core/graph.h, fy_param.split_dim): a rank's
 // graph holds its slices of the split parameters, while initialisation, Hugging Face files and
-// checkpoints speak of whole ones. These copy between the rank's flat parameter layout and that
-// of `whole`, a graph of the same model built without tensor parallelism (parameters are matched
-// by index: both come from the same builder, in the same order).
+// checkpoints speak of whole ones. These move between the rank's flat parameter layout and the
+// whole tensors of `whole`, a graph of the same model built without tensor parallelism
+// (parameters are matched by index: both come from the same builder, in the same order), one
+// parameter at a time: no rank ever holds the whole model.
 #ifndef FY_TP_H
 #define FY_TP_H
 
 #include "core/graph.h"
 #include "runtime/comm.h"
 
-// local <- this rank's slice of full (every parameter: the whole ones copied).
-void fy_tp_take(const struct fy_graph *part, float *local, const struct fy_graph *whole, const float *full);
-// full <- every rank's slices of local, gathered over the tensor-parallel group tp_comm (a
-// collective: every rank of the group calls it; full may be NULL on ranks that need no result).
-fy_status fy_tp_gather(const struct fy_graph *part, const float *local, const struct fy_graph *whole, float *full,
-                       struct fy_comm *tp_comm);
+// A source of whole tensors: elements [a, b) of parameter i of the whole model into dst[0..b-a)
+// (the initialisation, a model's files, a checkpoint's AdamW state).
+typedef void (*fy_tp_read_fn)(void *ctx, int i, int64_t a, int64_t b, float *dst);
+// local <- this rank's slice of every parameter (the unsplit ones whole), read from the source.
+void fy_tp_take(const struct fy_graph *part, float *local, const struct fy_graph *whole, fy_tp_read_fn read,
+                void *ctx);
+// The floats fy_tp_gather_param's buffer needs: the largest split parameter's slices of all ranks.
+int64_t fy_tp_gather_floats(const struct fy_graph *part);
+// dst <- whole parameter i (whole->params[i].numel floats) from every rank's slice of it in local,
+// gathered over the tensor-parallel group tp_comm through buf (a collective for a split parameter:
+// every rank of the group calls it; dst may be NULL on ranks that need no result). An unsplit
+// parameter is copied from local, without communication.
+fy_status fy_tp_gather_param(const struct fy_graph *part, const float *local, const struct fy_graph *whole, int i,
+                             float *dst, float *buf, struct fy_comm *tp_comm);
 
 #endif

@@ -281,18 +281,20 @@ static fy_status set_shards(struct run *r, const char *dir, uint64_t seed) {
   return fy_offload_set_shards(r->x, shard_fill, &s);
 }
 
-// The whole model's weights buffer (tensor parallelism), allocated while needed.
-static fy_status whole_params(struct run *r) {
-  if (r->whole.params) return FY_OK;
-  if (!(r->whole.params = calloc((size_t)r->whole_graph->n_param_elems, 4)))
-    return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB for the whole model's weights",
-                        r->whole_graph->n_param_elems * 4.0 / 1048576.0);
-  return FY_OK;
+static void tp_read_weights(void *ctx, int i, int64_t a, int64_t b, float *dst) {
+  fy_model_source_read(ctx, i, a, b, dst);
 }
 
-static void whole_params_free(struct run *r) {
-  free(r->whole.params);
-  r->whole.params = NULL;
+// Tensor parallelism: this rank's slices of the weights, read tensor by tensor from a Hugging Face
+// directory or checkpoint (dir) or drawn as OPT's initialisation (the values of the whole model,
+// whatever --tp).
+static fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) {
+  struct fy_model_source *s;
+  FY_TRY(fy_model_source_open(&r->whole, dir, seed, &s));
+  fy_tp_take(r->model->graph, r->model->params, r->whole_graph, tp_read_weights, s);
+  fy_model_source_close(s);
+  r->model->cparams_fresh = false;
+  return FY_OK;
 }
 
 static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle) {
@@ -374,31 +376,26 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   } else {
     return fy_error_set(FY_ERR_INVALID, "--device %s: ferry knows cpu, sim and cuda", device);
   }
-  // With tensor parallelism the whole model is initialised or read, and each rank takes its slices
-  // (so that any tp starts from the same weights as one rank).
-  struct fy_model *target = r->model;
-  if (r->tp > 1) {  // the whole model's layout, for initialisation, files and checkpoints
+  // With tensor parallelism each rank takes its slices of the whole model's tensors (so that any
+  // tp starts from the same weights as one rank); r->whole describes the whole model (no buffers).
+  if (r->tp > 1) {
     FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
     r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
-    FY_TRY(whole_params(r));
-    target = &r->whole;
   }
   bool random = !o->init || strcmp(o->init, "random") == 0;
-  if (!target->params) {  // sharded: this rank's shards alone
+  if (r->tp > 1) {
+    st = tp_take_weights(r, random ? NULL : o->init, o->seed);
+    if (st != FY_OK) return fy_error_wrap(st, "--init");
+    if (r->model->m) memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
+    if (r->model->v) memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
+  } else if (!r->model->params) {  // sharded: this rank's shards alone
     st = set_shards(r, random ? NULL : o->init, o->seed);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   } else if (random) {
-    fy_model_init_random(target, o->seed);
+    fy_model_init_random(r->model, o->seed);
   } else {
-    st = fy_model_load(target, o->init);
+    st = fy_model_load(r->model, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
-  }
-  if (r->tp > 1) {
-    fy_tp_take(r->model->graph, r->model->params, r->whole_graph, r->whole.params);
-    r->model->cparams_fresh = false;
-    whole_params_free(r);
-    if (r->model->m) memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
-    if (r->model->v) memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
   }
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
   if (st != FY_OK) {
@@ -421,7 +418,6 @@ static void teardown(struct run *r) {
   if (r->disk) fy_disk_tier_close(r->disk);
   if (r->host) fy_host_tier_free(r->host);
   fy_device_free(r->dev);
-  whole_params_free(r);
   fy_graph_free(r->whole_graph);
   fy_comm_free(r->tp_compute);
   fy_comm_free(r->dp_compute);
@@ -440,15 +436,20 @@ struct weights_hash {
   int next;
 };
 
+// The parameters' indices by offset (malloc'd; NULL when it cannot be).
+static int *param_order(const struct fy_graph *g) {
+  int *order = malloc((size_t)(g->n_params > 0 ? g->n_params : 1) * sizeof *order);
+  for (int i = 0; order && i < g->n_params; i++) {  // insertion sort: a few hundred parameters, mostly in order
+    int k = i;
+    for (; k > 0 && g->params[order[k - 1]].offset > g->params[i].offset; k--) order[k] = order[k - 1];
+    order[k] = i;
+  }
+  return order;
+}
+
 static fy_status weights_hash_init(struct weights_hash *wh, const struct fy_graph *g) {
   *wh = (struct weights_hash){.h = 0xcbf29ce484222325ull, .g = g};
-  if (!(wh->order = malloc((size_t)g->n_params * sizeof *wh->order)))
-    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the weights' hash");
-  for (int i = 0; i < g->n_params; i++) {  // insertion sort: a few hundred parameters, mostly in order
-    int k = i;
-    for (; k > 0 && g->params[wh->order[k - 1]].offset > g->params[i].offset; k--) wh->order[k] = wh->order[k - 1];
-    wh->order[k] = i;
-  }
+  if (!(wh->order = param_order(g))) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the weights' hash");
   return FY_OK;
 }
 
@@ -508,6 +509,117 @@ static fy_status finish_sharded(struct run *r, const char *save, bool lead, uint
   if (st == FY_OK && lead) *hash = wh.h;
   free(buf);
   free(wh.order);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
+}
+
+// The whole model's state from the tensor-parallel slices, one parameter at a time in the whole
+// layout's order, for checkpoints and the final save: no rank holds the whole model. The ranks of
+// a tensor-parallel group walk the same parameters (each split one is a gather, a collective); the
+// lead keeps what they give.
+struct tp_walk {
+  struct run *r;
+  int kinds;                 // 1: the weights; 3: weights, m and v
+  const float *local[3];     // this rank's slices, in its own layout
+  int *order;                // the whole model's parameters by offset
+  int next;                  // order[next]: the first parameter not yet handed out whole
+  int held;                  // the split parameter in whole[] (-1: none)
+  float *whole[3], *buf;     // whole[]: the lead's copy of one parameter; buf: the gathered slices
+};
+
+static void tp_walk_free(struct tp_walk *t) {
+  for (int k = 0; k < 3; k++) free(t->whole[k]);
+  free(t->buf);
+  free(t->order);
+  memset(t, 0, sizeof *t);
+}
+
+// A collective over the tensor-parallel group: every rank of it gets the buffers or none does.
+static fy_status tp_walk_init(struct tp_walk *t, struct run *r, int kinds, float *const local[3], bool lead) {
+  *t = (struct tp_walk){.r = r, .kinds = kinds, .held = -1};
+  const struct fy_graph *g = r->whole_graph;
+  int64_t most = 1;  // the largest split parameter, whole
+  for (int i = 0; i < g->n_params; i++)
+    if (r->model->graph->params[i].split_dim >= 0 && g->params[i].numel > most) most = g->params[i].numel;
+  int64_t gathered = fy_tp_gather_floats(r->model->graph);
+  bool ok = (t->order = param_order(g)) && (t->buf = malloc((size_t)(gathered > 0 ? gathered : 1) * 4));
+  for (int k = 0; k < kinds; k++) {
+    t->local[k] = local[k];
+    if (lead && ok) ok = (t->whole[k] = malloc((size_t)most * 4)) != NULL;
+  }
+  float failed = ok ? 0.0f : 1.0f;
+  fy_status st = fy_comm_all_reduce(r->tp_comm, &failed, 1, FY_COMM_F32, NULL);
+  char size[32];
+  if (st == FY_OK && failed > 0)
+    st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the buffers to gather the tensor-parallel slices (%s on the "
+                      "lead rank)", fy_format_bytes(((double)gathered + (double)kinds * most) * 4, size, sizeof size));
+  if (st != FY_OK) tp_walk_free(t);
+  return st;
+}
+
+// The whole of parameter i: the lead's buffers after gathering a split one, else its local copy.
+static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
+  const struct fy_graph *part = t->r->model->graph;
+  const struct fy_param *p = &part->params[i];
+  fy_status st = FY_OK;
+  for (int k = 0; k < t->kinds; k++) {
+    out[k] = p->split_dim < 0 ? t->local[k] + p->offset : t->whole[k];
+    if (p->split_dim < 0 || t->held == i) continue;
+    fy_status s1 = fy_tp_gather_param(part, t->local[k], t->r->whole_graph, i, t->whole[k], t->buf, t->r->tp_comm);
+    if (st == FY_OK) st = s1;  // (the other kinds' gathers still run: the group's ranks call them all)
+  }
+  if (p->split_dim >= 0) t->held = st == FY_OK ? i : -1;
+  return st;
+}
+
+// A piece of the whole state for the checkpoint writer (fy_ckpt_fill_fn): elements [lo, hi) of the
+// whole layout's weights, m and v; NULL buffers on the ranks that only take part.
+static fy_status tp_walk_fill(void *ctx, int64_t lo, int64_t hi, float *params, float *m, float *v) {
+  struct tp_walk *t = ctx;
+  const struct fy_graph *g = t->r->whole_graph;
+  float *dst[3] = {params, m, v};
+  fy_status st = FY_OK;
+  for (int k = t->next; k < g->n_params; k++) {
+    const struct fy_param *q = &g->params[t->order[k]];
+    int64_t a, b;
+    if (q->offset >= hi) break;
+    if (!fy_param_part(q, lo, hi, &a, &b)) continue;
+    const float *whole[3];
+    fy_status s1 = tp_walk_param(t, t->order[k], whole);
+    if (st == FY_OK) st = s1;
+    for (int j = 0; st == FY_OK && j < t->kinds; j++)
+      if (dst[j]) memcpy(dst[j] + (q->offset + a - lo), whole[j] + a, (size_t)(b - a) * 4);
+    if (q->offset + q->numel <= hi) t->next = k + 1;
+  }
+  return st;
+}
+
+// The end of a tensor-parallel run: the weights come together parameter by parameter on the lead,
+// which hashes them and (save: a directory) writes each as it comes. Every rank of the
+// tensor-parallel group of data-parallel rank 0 takes part; the others (replicas) do nothing.
+static fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t *hash) {
+  if (r->dp_rank != 0) return FY_OK;
+  const struct fy_graph *g = r->whole_graph;
+  struct tp_walk t;
+  float *local[3] = {r->model->params, NULL, NULL};
+  FY_TRY(tp_walk_init(&t, r, 1, local, lead));
+  struct weights_hash wh = {0};
+  struct fy_st_writer *w = NULL;
+  fy_status st = lead ? weights_hash_init(&wh, g) : FY_OK;
+  if (st == FY_OK && lead && save) st = fy_model_save_open(&r->whole, save, (size_t)5 << 30, &w);
+  for (int k = 0; k < g->n_params; k++) {  // every parameter, even after an error here: the gathers are collectives
+    const struct fy_param *q = &g->params[t.order[k]];
+    const float *whole[3];
+    fy_status s1 = tp_walk_param(&t, t.order[k], whole);
+    if (st == FY_OK) st = s1;
+    if (st != FY_OK || !lead) continue;
+    weights_hash_piece(&wh, q->offset, q->offset + q->numel, whole[0]);
+    if (w) st = fy_model_save_put(&r->whole, w, q->offset, q->offset + q->numel, whole[0]);
+  }
+  if (w && st == FY_OK) st = fy_model_save_commit(&r->whole, save, w);
+  else fy_st_writer_abort(w);
+  if (st == FY_OK && lead) *hash = wh.h;
+  free(wh.order);
+  tp_walk_free(&t);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
 }
 
@@ -653,28 +765,49 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
   options_json(o, meta->options, sizeof meta->options);
 }
 
-// Tensor parallelism: the ranks of data-parallel group 0 gather their slices into the whole model
-// (rank 0 keeps it). Offloaded, every rank first gathers its chunks' shards over its data-parallel
-// group into this rank's own layout (a temporary copy; only group 0 needs one).
-static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_snapshot *s, struct fy_ckpt_writer *w,
-                               const struct fy_train_opts *o, int64_t steps_done, double scale, int64_t scale_good) {
+// Tensor parallelism: the ranks of data-parallel group 0 gather their slices parameter by
+// parameter while rank 0 writes them (tp_walk: no rank holds the whole model; training waits).
+// Offloaded, every rank first gathers its chunks' shards over its data-parallel group into this
+// rank's own layout (a temporary copy of its slices; only group 0 needs one).
+#define TP_CKPT_PIECE ((int64_t)1 << 22)  // elements the writer takes at a time
+
+static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const struct fy_train_opts *o,
+                               int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
   float *local[3] = {m->params, m->m, m->v}, *tmp = NULL;
   size_t n = (size_t)m->graph->n_param_elems;
   fy_status st = FY_OK;
   if (r->x) {
+    char size[32];
     if (r->dp_rank == 0 && !(tmp = malloc(3 * n * 4)))
-      return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to gather the checkpoint", 3.0 * n * 4 / 1048576.0);
+      return fy_error_set(FY_ERR_NOMEM, "cannot allocate %s to gather the checkpoint",
+                          fy_format_bytes(3.0 * n * 4, size, sizeof size));
     for (int i = 0; i < 3; i++) local[i] = tmp ? tmp + i * n : NULL;
     st = fy_offload_state_out(r->x, local[0], local[1], local[2]);
   }
-  float *dst[3] = {s ? s->params : NULL, s ? s->m : NULL, s ? s->v : NULL};
-  for (int i = 0; st == FY_OK && r->dp_rank == 0 && i < 3; i++)
-    st = fy_tp_gather(m->graph, local[i], r->whole_graph, dst[i], r->tp_comm);
+  if (st != FY_OK || r->dp_rank != 0) {
+    free(tmp);
+    return st;
+  }
+  struct tp_walk t;
+  if ((st = tp_walk_init(&t, r, 3, local, w != NULL)) != FY_OK) {
+    free(tmp);
+    return st;
+  }
+  if (w) {
+    struct fy_ckpt_meta meta;
+    checkpoint_meta(o, r, &meta, steps_done, scale, scale_good);
+    st = fy_ckpt_write_pieces(w, &meta, TP_CKPT_PIECE, tp_walk_fill, &t);
+  } else {  // the writer's pieces, taking part in their gathers
+    const int64_t total = r->whole_graph->n_param_elems;
+    for (int64_t lo = 0; lo < total; lo += TP_CKPT_PIECE) {
+      fy_status s1 = tp_walk_fill(&t, lo, lo + TP_CKPT_PIECE < total ? lo + TP_CKPT_PIECE : total, NULL, NULL, NULL);
+      if (st == FY_OK) st = s1;
+    }
+  }
+  tp_walk_free(&t);
   free(tmp);
-  if (st != FY_OK || !w) return st;
-  checkpoint_meta(o, r, &s->meta, steps_done, scale, scale_good);
-  return fy_ckpt_write_async(w);
+  return st;
 }
 
 // A piece of the checkpoint written chunk by chunk: chunk lo / chunk_elems of the offloaded state.
@@ -691,9 +824,9 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   struct fy_model *m = r->model;
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
+  if (r->tp > 1) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
   struct fy_ckpt_snapshot *s = w && !r->ckpt_by_chunk ? fy_ckpt_snapshot_buffers(w) : NULL;
   if (w && !r->ckpt_by_chunk && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
-  if (r->tp > 1) return checkpoint_tp(r, s, w, o, steps_done, scale, scale_good);
   if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
   if (r->ckpt_by_chunk) {  // (the other ranks' fy_offload_state_out gathers the same chunks in order)
@@ -736,68 +869,82 @@ static fy_status resume_adam_by_chunk(const char *path, struct run *r) {
   return st;
 }
 
-// Continues from a checkpoint: parameters, AdamW state, step and data position.
-static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
-                        int64_t *scale_good) {
+// This rank's weights and AdamW state from a checkpoint (one rank, replicas, or chunks sharded
+// across ranks).
+static fy_status resume_state(const char *path, struct run *r, struct fy_ckpt_meta *meta) {
   struct fy_model *m = r->model;
-  // Checkpoints hold the whole model: tensor-parallel ranks read it and take their slices.
-  struct fy_model *target = m;
-  if (r->tp > 1) {
-    FY_TRY(whole_params(r));
-    target = &r->whole;
+  if (r->x) {  // offloaded: the weights (this rank's shards alone, when sharded), then AdamW's state by chunk
+    char dir[4096];
+    if (m->params) {
+      FY_TRY(fy_ckpt_load(path, m, NULL, NULL, meta));
+    } else {
+      FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
+      FY_TRY(fy_ckpt_index_read(dir, meta));
+      FY_TRY(set_shards(r, dir, 0));
+    }
+    return resume_adam_by_chunk(path, r);
   }
-  size_t bytes = (size_t)target->graph->n_param_elems * 4;
-  bool by_chunk = r->x && r->tp == 1;  // offloaded: AdamW's state chunk by chunk (resume_adam_by_chunk)
-  float *mm = by_chunk ? NULL : m->m, *vv = by_chunk ? NULL : m->v;
-  bool staged = !by_chunk && (r->x || r->tp > 1 || fy_model_params_on_device(m));  // read into host buffers first
+  size_t bytes = (size_t)m->graph->n_param_elems * 4;
+  const bool staged = fy_model_params_on_device(m);  // read into host buffers, then up to the GPU
+  float *mm = m->m, *vv = m->v;
   if (staged && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
   }
-  struct fy_ckpt_meta meta;
-  fy_status st;
-  if (!target->params) {  // sharded: this rank's shards from the checkpoint's files
-    char dir[4096];
-    st = fy_ckpt_resolve(o->resume, dir, sizeof dir);
-    if (st == FY_OK) st = fy_ckpt_index_read(dir, &meta);
-    if (st == FY_OK) st = set_shards(r, dir, 0);
-  } else {
-    st = fy_ckpt_load(o->resume, target, mm, vv, &meta);
-  }
-  if (st == FY_OK && by_chunk) st = resume_adam_by_chunk(o->resume, r);
-  float *lm = m->m, *lv = m->v;  // this rank's AdamW state in its own layout
-  if (st == FY_OK && r->tp > 1) {
-    size_t n = (size_t)m->graph->n_param_elems;
-    if (r->x && (!(lm = calloc(n, 4)) || !(lv = calloc(n, 4))))
-      st = fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2.0 * n * 4 / 1048576.0);
-    if (st == FY_OK) {
-      fy_tp_take(m->graph, m->params, r->whole_graph, r->whole.params);
-      m->cparams_fresh = false;
-      fy_tp_take(m->graph, lm, r->whole_graph, mm);
-      fy_tp_take(m->graph, lv, r->whole_graph, vv);
-    }
-    whole_params_free(r);
-  } else {
-    lm = mm;
-    lv = vv;
-  }
-  if (st == FY_OK && r->x && !by_chunk) {
-    int64_t ce = m->layout->chunk_elems;
-    for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
-      st = fy_offload_adam_state(r->x, c, lm + c * ce, lv + c * ce, true);
-  }
-  if (r->x && r->tp > 1) {
-    free(lm);
-    free(lv);
-  }
-  if (st == FY_OK && fy_model_params_on_device(m)) {  // up to the GPU
-    st = fy_model_upload(m, m->m, mm, bytes);
-    if (st == FY_OK) st = fy_model_upload(m, m->v, vv, bytes);
-  }
+  fy_status st = fy_ckpt_load(path, m, mm, vv, meta);
+  if (st == FY_OK && staged) st = fy_model_upload(m, m->m, mm, bytes);
+  if (st == FY_OK && staged) st = fy_model_upload(m, m->v, vv, bytes);
   if (staged) {
     free(mm);
     free(vv);
   }
+  return st;
+}
+
+// A checkpoint's AdamW state as a source of whole tensors (fy_tp_read_fn): m (k 0) or v (k 1).
+struct tp_adam_source { const struct fy_ckpt_adam *a; int k; };
+
+static void tp_read_adam(void *ctx, int i, int64_t a, int64_t b, float *dst) {
+  const struct tp_adam_source *s = ctx;
+  fy_ckpt_adam_read_param(s->a, i, a, b, s->k ? NULL : dst, s->k ? dst : NULL);
+}
+
+// Tensor parallelism: this rank's slices of a checkpoint's weights and AdamW state, read tensor by
+// tensor from its files (checkpoints hold whole tensors; no rank reads the whole model at once).
+static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta *meta) {
+  struct fy_model *m = r->model;
+  char dir[4096], size[32];
+  FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
+  FY_TRY(fy_ckpt_index_read(dir, meta));
+  FY_TRY(tp_take_weights(r, dir, 0));
+  struct fy_ckpt_adam *a;
+  FY_TRY(fy_ckpt_adam_open(dir, &r->whole, &a));
+  const size_t n = (size_t)m->graph->n_param_elems;
+  float *lm = m->m, *lv = m->v;  // offloaded: this rank's m and v staged here, then handed to its chunks
+  fy_status st = FY_OK;
+  if (r->x && (!(lm = calloc(n, 4)) || !(lv = calloc(n, 4))))
+    st = fy_error_set(FY_ERR_NOMEM, "cannot allocate %s to read the AdamW state", fy_format_bytes(2.0 * n * 4, size, sizeof size));
+  for (int k = 0; st == FY_OK && k < 2; k++) {
+    struct tp_adam_source src = {.a = a, .k = k};
+    fy_tp_take(m->graph, k ? lv : lm, r->whole_graph, tp_read_adam, &src);
+  }
+  for (int c = 0; st == FY_OK && r->x && c < m->layout->n_chunks; c++) {
+    int64_t ce = m->layout->chunk_elems;
+    st = fy_offload_adam_state(r->x, c, lm + c * ce, lv + c * ce, true);
+  }
+  if (r->x) {
+    free(lm);
+    free(lv);
+  }
+  fy_ckpt_adam_close(a);
+  return st;
+}
+
+// Continues from a checkpoint: parameters, AdamW state, step and data position.
+static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
+                        int64_t *scale_good) {
+  struct fy_ckpt_meta meta;
+  fy_status st = r->tp > 1 ? resume_tp(o->resume, r, &meta) : resume_state(o->resume, r, &meta);
   if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
   int64_t global_batch = o->batch * r->dp;
   if (meta.sequences % global_batch != 0)
@@ -1124,17 +1271,12 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->copy_bytes[d] = cs.bytes[d];
     res->copy_busy_s[d] = cs.busy_s[d];
   }
-  // Tensor-parallel slices come together as the whole model for the hash and the final save.
-  struct fy_model *whole = model;
+  // Tensor-parallel slices come together parameter by parameter for the hash and the final save.
   if (r.tp > 1) {
-    if ((st = whole_params(&r)) != FY_OK || (st = fy_tp_gather(model->graph, model->params, r.whole_graph, r.whole.params,
-                                                                r.tp_comm)) != FY_OK)
-      goto done;
-    whole = &r.whole;
-  }
-  if (!(sharded && r.tp == 1)) {
-    res->params_hash = whole->params ? hash_params(whole) : 0;  // (0 on the ranks that only took part)
-    if (saving) st = fy_model_save(whole, o->save, FY_F32, (size_t)5 << 30);
+    if ((st = finish_tp(&r, saving ? o->save : NULL, lead, &res->params_hash)) != FY_OK) goto done;
+  } else if (!sharded) {
+    res->params_hash = model->params ? hash_params(model) : 0;  // (0 on the ranks that only took part)
+    if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
   }
   if (saving && st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
   if (!o->quiet && st == FY_OK && res->steps)

@@ -230,6 +230,16 @@ compare grid16 tpzero16 0 && ok "a bf16 2 x 2 grid with sharded chunks: the repl
 "$ferry" train "${common[@]}" --batch 4 --resume "$tmp/cktz" --log "$tmp/tzres.json" --save "$tmp/tzres" \
   || bad "1 rank resumes the 2 x 2 sharded grid's checkpoint"
 compare one tzres 1e-5 && ok "the 2 x 2 sharded grid's checkpoint resumes on 1 rank" || bad "resuming the 2 x 2 sharded grid differs"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --resume "$tmp/ck1" --log "$tmp/tzres2.json" \
+  --save "$tmp/tzres2" || bad "the 2 x 2 sharded grid resumes a 1-rank checkpoint"
+compare one tzres2 1e-5 && ok "the 2 x 2 sharded grid resumes a 1-rank checkpoint" || bad "the 2 x 2 sharded grid's resume differs"
+# Each tensor-parallel rank reads its slices of a Hugging Face directory's tensors (--init).
+"$ferry" train "${common[@]}" --batch 4 --steps 3 --init "$tmp/one" --log "$tmp/ft1.json" --save "$tmp/ft1" \
+  || bad "1 rank starts from a saved model"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --steps 3 --tp 2 --init "$tmp/one" --log "$tmp/fttp.json" \
+  --save "$tmp/fttp" || bad "tensor-parallel ranks start from a saved model"
+compare ft1 fttp 1e-5 && ok "tensor-parallel ranks start from a saved model as 1 rank does" \
+  || bad "tensor-parallel ranks start from a saved model differently"
 # The planner over ranks: ferry plan --gpus 2 chooses a grid and its knobs; mpirun -np 2 ferry
 # train --plan FILE runs it (the same sequences as 1 rank with the plan's global batch), and a run
 # with another number of ranks refuses it.
