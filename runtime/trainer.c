@@ -1174,10 +1174,13 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
     if (!o->quiet) {
       if (tty) printf("\r\033[K");
+      // Offloaded, the peak that matters is the device's (under --device-mem); else the process's.
+      char peak[32];
+      fy_format_bytes(r.x ? (double)r.dev->bytes_peak : rss, peak, sizeof peak);
       printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
-             "peak %.2f GiB | %.0f ms\n",
-             (long long)step + 1, (long long)o->steps, loss, lr, norm, tok_s, gflops,
-             (r.x ? r.dev->bytes_peak : rss) / 1073741824.0, dt * 1e3);
+             "%s peak %9s | %.0f ms\n",
+             (long long)step + 1, (long long)o->steps, loss, lr, norm, tok_s, gflops, r.x ? "device" : "RSS",
+             peak, dt * 1e3);
       if (tty)
         progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1 - first_step) * (o->steps - step - 1));
       fflush(stdout);
