@@ -769,7 +769,7 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
 // parameter while rank 0 writes them (tp_walk: no rank holds the whole model; training waits).
 // Offloaded, every rank first gathers its chunks' shards over its data-parallel group into this
 // rank's own layout (a temporary copy of its slices; only group 0 needs one).
-#define TP_CKPT_PIECE ((int64_t)1 << 22)  // elements the writer takes at a time
+#define TP_CKPT_PIECE ((int64_t)1 << 22)  // elements the writer takes at a time (offloaded: a chunk's)
 
 static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const struct fy_train_opts *o,
                                int64_t steps_done, double scale, int64_t scale_good) {
@@ -794,14 +794,15 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
     free(tmp);
     return st;
   }
+  const int64_t piece = r->x ? r->model->layout->chunk_elems : TP_CKPT_PIECE;
   if (w) {
     struct fy_ckpt_meta meta;
     checkpoint_meta(o, r, &meta, steps_done, scale, scale_good);
-    st = fy_ckpt_write_pieces(w, &meta, TP_CKPT_PIECE, tp_walk_fill, &t);
+    st = fy_ckpt_write_pieces(w, &meta, piece, tp_walk_fill, &t);
   } else {  // the writer's pieces, taking part in their gathers
     const int64_t total = r->whole_graph->n_param_elems;
-    for (int64_t lo = 0; lo < total; lo += TP_CKPT_PIECE) {
-      fy_status s1 = tp_walk_fill(&t, lo, lo + TP_CKPT_PIECE < total ? lo + TP_CKPT_PIECE : total, NULL, NULL, NULL);
+    for (int64_t lo = 0; lo < total; lo += piece) {
+      fy_status s1 = tp_walk_fill(&t, lo, lo + piece < total ? lo + piece : total, NULL, NULL, NULL);
       if (st == FY_OK) st = s1;
     }
   }
