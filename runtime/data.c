@@ -29,7 +29,8 @@ struct shard {
   char *path;
   void *map;
   size_t map_size;
-  const uint16_t *tokens;
+  const void *tokens;  // uint16, or uint32 in a wide shard
+  int width;           // bytes a token: 2 or 4
   int64_t count;
   int64_t first_window;  // index of its first window in the stream
   int64_t nwindows;
@@ -171,6 +172,10 @@ static fy_status data_list(const char *path, char ***out, int *n) {
   return FY_OK;
 }
 
+static inline uint32_t shard_token(const struct shard *s, int64_t i) {
+  return s->width == 4 ? ((const uint32_t *)s->tokens)[i] : ((const uint16_t *)s->tokens)[i];
+}
+
 static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
   int fd = open(s->path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -196,26 +201,30 @@ static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
   s->map_size = (size_t)sb.st_size;
   int32_t h[3];
   memcpy(h, map, sizeof h);
-  if (h[0] != FY_SHARD_MAGIC)
-    return fy_error_set(FY_ERR_FORMAT, "%s: not a token shard (magic %d, expected %d)", s->path,
-                        h[0], FY_SHARD_MAGIC);
-  if (h[1] != FY_SHARD_VERSION)
-    return fy_error_set(FY_ERR_FORMAT, "%s: shard version %d is not supported (expected %d: "
-                        "uint16 tokens)", s->path, h[1], FY_SHARD_VERSION);
-  if (h[2] < 0 || (int64_t)sb.st_size != DATA_HEADER_BYTES + 2 * (int64_t)h[2])
+  if (h[0] != FY_SHARD_MAGIC && h[0] != FY_SHARD32_MAGIC)
+    return fy_error_set(FY_ERR_FORMAT, "%s: not a token shard (magic %d, expected %d, or %d for uint32 tokens)",
+                        s->path, h[0], FY_SHARD_MAGIC, FY_SHARD32_MAGIC);
+  const bool wide = h[0] == FY_SHARD32_MAGIC;
+  if (h[1] != (wide ? FY_SHARD32_VERSION : FY_SHARD_VERSION))
+    return fy_error_set(FY_ERR_FORMAT, "%s: shard version %d is not supported (expected %d: %s tokens)", s->path,
+                        h[1], wide ? FY_SHARD32_VERSION : FY_SHARD_VERSION, wide ? "uint32" : "uint16");
+  s->width = wide ? 4 : 2;
+  if (h[2] < 0 || (int64_t)sb.st_size != DATA_HEADER_BYTES + s->width * (int64_t)h[2])
     return fy_error_set(FY_ERR_FORMAT, "%s: header says %d tokens (%lld bytes) but the file has "
-                        "%lld bytes", s->path, h[2], (long long)DATA_HEADER_BYTES + 2 * (long long)h[2],
+                        "%lld bytes", s->path, h[2], (long long)DATA_HEADER_BYTES + s->width * (long long)h[2],
                         (long long)sb.st_size);
   s->count = h[2];
-  s->tokens = (const uint16_t *)((const char *)map + DATA_HEADER_BYTES);
-  const uint16_t *t = s->tokens;
-  uint16_t mx = 0;
-  for (int64_t i = 0; i < s->count; i++) mx = t[i] > mx ? t[i] : mx;  // vectorises
-  if ((int64_t)mx >= vocab_size) {
-    for (int64_t i = 0; i < s->count; i++)
-      if ((int64_t)t[i] >= vocab_size)
-        return fy_error_set(FY_ERR_INVALID, "%s: token %lld has value %u, outside the vocabulary "
-                            "(vocab_size %lld)", s->path, (long long)i, t[i], (long long)vocab_size);
+  s->tokens = (const char *)map + DATA_HEADER_BYTES;
+  uint32_t mx = 0;  // (the loops vectorise)
+  if (wide)
+    for (int64_t i = 0; i < s->count; i++) mx = ((const uint32_t *)s->tokens)[i] > mx ? ((const uint32_t *)s->tokens)[i] : mx;
+  else
+    for (int64_t i = 0; i < s->count; i++) mx = ((const uint16_t *)s->tokens)[i] > mx ? ((const uint16_t *)s->tokens)[i] : mx;
+  for (int64_t i = 0; (int64_t)mx >= vocab_size && i < s->count; i++) {
+    uint32_t t = shard_token(s, i);
+    if ((int64_t)t >= vocab_size)
+      return fy_error_set(FY_ERR_INVALID, "%s: token %lld has value %u, outside the vocabulary "
+                          "(vocab_size %lld)", s->path, (long long)i, t, (long long)vocab_size);
   }
   return FY_OK;
 }
@@ -317,11 +326,11 @@ fy_status fy_data_next(fy_data *d, struct fy_batch **out) {
       w = d->perm[w];
     }
     const struct shard *sh = data_shard_of(d, w);
-    const uint16_t *tok = sh->tokens + (w - sh->first_window) * T;
+    const int64_t first = (w - sh->first_window) * T;
     int32_t *in = d->batch.inputs + j * T, *tg = d->batch.targets + j * T;
-    for (int64_t t = 0; t < T; t++) {
-      in[t] = tok[t];
-      tg[t] = tok[t + 1];
+    for (int64_t t = 0; t < T; t++) {  // (tokens < vocab_size, which fits an int32)
+      in[t] = (int32_t)shard_token(sh, first + t);
+      tg[t] = (int32_t)shard_token(sh, first + t + 1);
     }
   }
   d->position++;
@@ -341,11 +350,15 @@ fy_status fy_data_seek(fy_data *d, int64_t position) {
   return FY_OK;
 }
 
-fy_status fy_shard_write(const char *path, const uint16_t *tokens, int64_t n) {
+static fy_status shard_write(const char *path, const void *tokens, int64_t n, bool wide) {
   if (!path || n < 0 || n > INT32_MAX || (n > 0 && !tokens))
     return fy_error_set(FY_ERR_INVALID, "shard write: %lld tokens (a shard holds 0 to %d)",
                         (long long)n, INT32_MAX);
-  int32_t header[FY_SHARD_HEADER_INTS] = {FY_SHARD_MAGIC, FY_SHARD_VERSION, (int32_t)n};
-  struct fy_file_piece pieces[2] = {{header, sizeof header}, {tokens, (size_t)n * 2}};
+  int32_t header[FY_SHARD_HEADER_INTS] = {wide ? FY_SHARD32_MAGIC : FY_SHARD_MAGIC,
+                                          wide ? FY_SHARD32_VERSION : FY_SHARD_VERSION, (int32_t)n};
+  struct fy_file_piece pieces[2] = {{header, sizeof header}, {tokens, (size_t)n * (wide ? 4 : 2)}};
   return fy_file_write_atomic(path, pieces, 2);
 }
+
+fy_status fy_shard_write(const char *path, const uint16_t *tokens, int64_t n) { return shard_write(path, tokens, n, false); }
+fy_status fy_shard_write32(const char *path, const uint32_t *tokens, int64_t n) { return shard_write(path, tokens, n, true); }

@@ -1,5 +1,6 @@
 // Token shards in llm.c's format: a header of 256 int32 (magic 20240520, version 1, token count,
-// the rest 0), then `count` uint16 tokens. Shards are mapped read-only; a data set is one shard, a
+// the rest 0), then `count` uint16 tokens; or, for vocabularies over 65536, llm.c's wide shards
+// (magic 20240801, version 7) with uint32 tokens. Shards are mapped read-only; a data set is one shard, a
 // directory of *.bin shards, or a glob pattern, taken in sorted name order.
 //
 // A batch is B rows of T+1 consecutive tokens: inputs are the first T, targets the next T (targets
@@ -16,6 +17,8 @@
 
 #define FY_SHARD_MAGIC 20240520
 #define FY_SHARD_VERSION 1
+#define FY_SHARD32_MAGIC 20240801  // uint32 tokens
+#define FY_SHARD32_VERSION 7
 #define FY_SHARD_HEADER_INTS 256
 
 typedef struct fy_data fy_data;
@@ -43,5 +46,7 @@ void fy_data_close(fy_data *d);
 
 // Writes tokens as a shard (used by tests and tools). Tokens must be < 65536.
 fy_status fy_shard_write(const char *path, const uint16_t *tokens, int64_t n);
+// The same as a wide shard (uint32 tokens).
+fy_status fy_shard_write32(const char *path, const uint32_t *tokens, int64_t n);
 
 #endif

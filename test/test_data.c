@@ -288,7 +288,7 @@ static void test_bad(const char *dir) {
   memcpy(buf + 1024, toks, 16);
   write_file(p, buf, sizeof buf);
   CHECK_ERR(fy_data_open(p, 4096, 1, 2, false, 0, 0, 1, &d), FY_ERR_FORMAT);
-  CHECK(strstr(fy_error_msg(), "not a token shard (magic 12345, expected 20240520)"));
+  CHECK(strstr(fy_error_msg(), "not a token shard (magic 12345, expected 20240520, or 20240801 for uint32 tokens)"));
   // Wrong version.
   hdr[0] = FY_SHARD_MAGIC;
   hdr[1] = 2;
@@ -319,6 +319,68 @@ static void test_bad(const char *dir) {
   fy_data_close(d);
   CHECK_ERR(fy_shard_write(p, toks, -1), FY_ERR_INVALID);
   CHECK_ERR(fy_shard_write(check_path(tmpdir, "no/dir/x.bin"), toks, 2), FY_ERR_IO);
+  unlink(p);
+}
+
+// llm.c's wide shards (uint32 tokens): ids past 65535 for a large vocabulary, the same stream as
+// narrow shards of the same tokens (both kinds in one set), and their header checks.
+static void test_wide_shards(const char *narrow_dir) {
+  const char *dir = check_path(tmpdir, "wide");
+  mkdir(dir, 0755);
+  // The narrow set's shards again, every other one written wide: the same batches, shuffled and split.
+  for (int s = 0; s < NS; s++) {
+    char p[300];
+    snprintf(p, sizeof p, "%s/shard_%03d.bin", dir, s);
+    uint16_t *t = malloc((size_t)(counts[s] + 1) * 2);
+    uint32_t *w = malloc((size_t)(counts[s] + 1) * 4);
+    for (int64_t i = 0; i < counts[s]; i++) w[i] = t[i] = (uint16_t)(bases[s] + i);
+    CHECK_OK(s % 2 ? fy_shard_write32(p, w, counts[s]) : fy_shard_write(p, t, counts[s]));
+    free(t);
+    free(w);
+  }
+  for (int r = 0; r < 2; r++) {
+    fy_data *a = NULL, *b = NULL;
+    CHECK_OK(fy_data_open(narrow_dir, 4096, 3, 7, true, 11, r, 2, &a));
+    CHECK_OK(fy_data_open(dir, 4096, 3, 7, true, 11, r, 2, &b));
+    CHECK(a && b && fy_data_num_tokens(a) == fy_data_num_tokens(b));
+    for (int k = 0; a && b && k < 12; k++) {
+      struct fy_batch *x, *y;
+      CHECK_OK(fy_data_next(a, &x));
+      CHECK_OK(fy_data_next(b, &y));
+      CHECKF(memcmp(x->inputs, y->inputs, 21 * 4) == 0 && memcmp(x->targets, y->targets, 21 * 4) == 0,
+             "rank %d batch %d: wide shards give other tokens", r, k);
+    }
+    fy_data_close(a);
+    fy_data_close(b);
+  }
+  // Ids past 65535.
+  const char *p = check_path(tmpdir, "wide.bin");
+  uint32_t big[9];
+  for (int i = 0; i < 9; i++) big[i] = 70000u + 1000u * (uint32_t)i;
+  CHECK_OK(fy_shard_write32(p, big, 9));
+  fy_data *d = NULL;
+  CHECK_OK(fy_data_open(p, 100000, 2, 4, false, 0, 0, 1, &d));
+  struct fy_batch *b;
+  if (d) {
+    CHECK_OK(fy_data_next(d, &b));
+    CHECK(b->inputs[0] == 70000 && b->targets[3] == 74000 && b->inputs[4] == 74000 && b->targets[7] == 78000);
+    fy_data_close(d);
+  }
+  CHECK_ERR(fy_data_open(p, 78000, 1, 4, false, 0, 0, 1, &d), FY_ERR_INVALID);
+  CHECK(strstr(fy_error_msg(), "token 8 has value 78000, outside the vocabulary (vocab_size 78000)"));
+  // A wide header with the narrow version, and a count that fits uint16 tokens, not uint32.
+  int32_t hdr[256] = {FY_SHARD32_MAGIC, FY_SHARD_VERSION, 9};
+  char buf[1024 + 36];
+  memcpy(buf, hdr, 1024);
+  memcpy(buf + 1024, big, 36);
+  write_file(p, buf, sizeof buf);
+  CHECK_ERR(fy_data_open(p, 100000, 1, 2, false, 0, 0, 1, &d), FY_ERR_FORMAT);
+  CHECK(strstr(fy_error_msg(), "version 1 is not supported (expected 7: uint32 tokens)"));
+  hdr[1] = FY_SHARD32_VERSION;
+  hdr[2] = 18;
+  memcpy(buf, hdr, 1024);
+  write_file(p, buf, sizeof buf);
+  CHECK_ERR(fy_data_open(p, 100000, 1, 2, false, 0, 0, 1, &d), FY_ERR_FORMAT);
   unlink(p);
 }
 
@@ -374,6 +436,7 @@ int main(void) {
   test_forms(dir);
   test_bad(dir);
   test_empty_shards();
+  test_wide_shards(dir);
   check_rm_rf(tmpdir);
   return check_summary("data");
 }
