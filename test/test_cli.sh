@@ -184,5 +184,35 @@ expect 1 "--offload without a GPU device" "--offload is for --device cuda" -- tr
 expect 1 "--tp with one rank" "does not divide the 1 ranks" -- train "${tiny[@]}" --steps 1 --tp 2
 expect 2 "--tp 0" "--tp" -- train "${tiny[@]}" --steps 1 --tp 0
 
+# A tokenizer of more than 65536 tokens: tools/tokenize.py writes llm.c's wide shards (uint32) and
+# a model with that vocabulary trains on them (its first loss is about ln(vocab)). Needs the
+# tokenizers and transformers packages (test.sh's reference tools); without them it is left out.
+if python3 -c "import tokenizers, transformers" 2>/dev/null; then
+  python3 - "$tmp/bigtok" <<'PY'
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+words = {"<eos>": 0, "<unk>": 1}
+words.update(("w%d" % i, 70000 - 1 - i) for i in range(69998))  # w0 is the largest id
+tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(sys.argv[1])
+PY
+  python3 -c "import random; random.seed(2); print(' '.join('w%d' % random.randrange(300) for _ in range(3000)))" \
+    > "$tmp/words.txt"
+  if python3 "$(dirname "$0")/../tools/tokenize.py" --tokenizer "$tmp/bigtok" --out "$tmp/wide/w" "$tmp/words.txt" \
+      >/dev/null && python3 -c "import struct, sys; h = struct.unpack('<3i', open(sys.argv[1], 'rb').read(12)); \
+      sys.exit(h[:2] != (20240801, 7))" "$tmp/wide/w_000000.bin"; then
+    pass=$((pass + 1)); echo "ok    tokenize.py writes uint32 shards for a vocabulary over 65536"
+  else fail=$((fail + 1)); echo "FAIL  tokenize.py with a vocabulary over 65536"; fi
+  mkdir -p "$tmp/m70k"
+  printf '{"model_type": "opt", "vocab_size": 70000, "hidden_size": 32, "num_attention_heads": 2, "ffn_dim": 64,
+    "num_hidden_layers": 1, "max_position_embeddings": 64, "word_embed_proj_dim": 32}' > "$tmp/m70k/config.json"
+  expect 0 "a 70000-token vocabulary trains on wide shards" "step +1/2 \| loss 11\.1" -- train --model "$tmp/m70k" \
+    --data "$tmp/wide" --batch 2 --seq 32 --steps 2
+else
+  echo "--    tokenize.py's wide shards: left out (no tokenizers/transformers)"
+fi
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -2,7 +2,8 @@
 """Turn text files into ferry's token shards (llm.c's format).
 
 A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count, the rest
-0) followed by that many uint16 tokens. Each input FILE is one document; documents are separated
+0) followed by that many uint16 tokens; a tokenizer with more than 65536 tokens gets llm.c's wide
+shards instead (magic 20240801, version 7, uint32 tokens). Each input FILE is one document; documents are separated
 by an end-of-text token. Shards are written as PREFIX_000000.bin, PREFIX_000001.bin, ...
 
   --tokenizer bytes   one token per UTF-8 byte (0..255), 256 = end of text; needs nothing but the
@@ -30,8 +31,8 @@ import argparse  # noqa: E402
 import array  # noqa: E402
 import tempfile  # noqa: E402
 
-MAGIC = 20240520
-VERSION = 1
+MAGIC, VERSION = 20240520, 1        # uint16 tokens
+WIDE_MAGIC, WIDE_VERSION = 20240801, 7  # uint32 tokens
 HEADER_INTS = 256
 MAX_SHARD_TOKENS = 2**31 - 1  # the header's count is an int32
 BYTES_EOT = 256
@@ -39,13 +40,16 @@ READ_CHUNK = 1 << 20  # characters per tokenizer call
 
 
 def write_shard(path, tokens):
-    """Writes `tokens` (array('H')) atomically: a temporary file in the same directory, renamed."""
+    """Writes `tokens` (array('H'), or array('I') for a wide shard) atomically: a temporary file in
+    the same directory, renamed."""
+    wide = tokens.itemsize == 4
     header = array.array("i", [0] * HEADER_INTS)
-    header[0], header[1], header[2] = MAGIC, VERSION, len(tokens)
+    header[0], header[1] = (WIDE_MAGIC, WIDE_VERSION) if wide else (MAGIC, VERSION)
+    header[2] = len(tokens)
     if sys.byteorder != "little":
         header = array.array("i", header)
         header.byteswap()
-        tokens = array.array("H", tokens)
+        tokens = array.array(tokens.typecode, tokens)
         tokens.byteswap()
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp.", dir=d)
@@ -65,11 +69,20 @@ def write_shard(path, tokens):
         raise
 
 
+def token_array(vocab):
+    """An empty array for ids below vocab: uint16 when they fit, else uint32 (a wide shard)."""
+    if vocab <= 65536:
+        return array.array("H")
+    a = array.array("I")
+    return a if a.itemsize == 4 else array.array("L")
+
+
 class ShardWriter:
-    def __init__(self, prefix, shard_tokens):
+    def __init__(self, prefix, shard_tokens, vocab):
         self.prefix = prefix
         self.shard_tokens = shard_tokens
-        self.buf = array.array("H")
+        self.vocab = vocab
+        self.buf = token_array(vocab)
         self.paths = []
         self.total = 0
 
@@ -88,7 +101,7 @@ class ShardWriter:
     def close(self):
         if len(self.buf) or not self.paths:
             self._flush(self.buf)
-            self.buf = array.array("H")
+            self.buf = token_array(self.vocab)
 
 
 def read_chunks(path):
@@ -121,29 +134,28 @@ def byte_documents(files, writer):
                 writer.add(block)  # bytes are already the token ids 0..255
 
 
-def hf_documents(name, files, writer):
+def hf_tokenizer(name):
+    """The tokenizer and its vocabulary size (ids below it)."""
     try:
         from transformers import AutoTokenizer  # only on this path
     except ImportError:
         sys.exit("tokenize.py: --tokenizer %s needs the 'transformers' package "
                  "(pip install transformers), or use --tokenizer bytes" % name)
     tok = AutoTokenizer.from_pretrained(name)
-    vocab = len(tok)
-    if vocab > 65536:
-        sys.exit("tokenize.py: the tokenizer %s has %d tokens; shards hold uint16 ids (at most 65536)"
-                 % (name, vocab))
-    eos = tok.eos_token_id
-    if eos is None:
+    if tok.eos_token_id is None:
         sys.exit("tokenize.py: the tokenizer %s has no eos token to separate documents" % name)
+    return tok, len(tok)
+
+
+def hf_documents(tok, files, writer):
     for i, path in enumerate(files):
         if i:
-            writer.add([eos])
+            writer.add([tok.eos_token_id])
         for text in read_chunks(path):
             ids = tok.encode(text, add_special_tokens=False)
-            if ids and max(ids) > 65535:
-                sys.exit("tokenize.py: token id %d does not fit in uint16" % max(ids))
+            if ids and max(ids) >= writer.vocab:
+                sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(ids), writer.vocab))
             writer.add(ids)
-    return vocab
 
 
 def main(argv=None):
@@ -169,12 +181,14 @@ def main(argv=None):
     if outdir:
         os.makedirs(outdir, exist_ok=True)
 
-    writer = ShardWriter(args.out, args.shard_tokens)
     if args.tokenizer == "bytes":
-        byte_documents(args.files, writer)
         vocab = BYTES_EOT + 1
+        writer = ShardWriter(args.out, args.shard_tokens, vocab)
+        byte_documents(args.files, writer)
     else:
-        vocab = hf_documents(args.tokenizer, args.files, writer)
+        tok, vocab = hf_tokenizer(args.tokenizer)
+        writer = ShardWriter(args.out, args.shard_tokens, vocab)
+        hf_documents(tok, args.files, writer)
     writer.close()
     print("tokenize.py: %d tokens (vocabulary %d) in %d shard(s): %s" %
           (writer.total, vocab, len(writer.paths),
