@@ -4,9 +4,10 @@
 // ignores: vocab_size, B, T, shuffle, rank/world, seed, and how the data set is given. Every batch
 // handed out must hold tokens inside the vocabulary.
 //
-// h9 bit 0 set: the input is a run of shards, each as long as its header's count says (the last
-// takes the rest, 8 at most), written as 000.bin, 001.bin, ... in a directory under $TMPDIR that
-// is opened as a directory, or (bit 1 also set) through the glob DIR/*.bin.
+// h9 bit 0 set: the input is a run of shards (uint16 or, by their magic, uint32 tokens), each as
+// long as its header's count says (the last takes the rest, 8 at most), written as 000.bin,
+// 001.bin, ... in a directory under $TMPDIR that is opened as a directory, or (bit 1 also set)
+// through the glob DIR/*.bin.
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE  // memfd_create
 #endif
@@ -58,10 +59,11 @@ static const char *fz_dir(const uint8_t *data, size_t size, bool glob) {
       continue;
     }
     size_t len = size - off;
-    int32_t count;
+    int32_t magic, count;
     if (i < FZ_MAX_SHARDS - 1 && len >= FY_SHARD_HEADER_INTS * 4) {
+      memcpy(&magic, data + off, 4);
       memcpy(&count, data + off + 8, 4);
-      size_t want = FY_SHARD_HEADER_INTS * 4 + 2 * (size_t)(uint32_t)count;
+      size_t want = FY_SHARD_HEADER_INTS * 4 + (magic == FY_SHARD32_MAGIC ? 4 : 2) * (size_t)(uint32_t)count;
       if (count >= 0 && want < len) len = want;
     }
     int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);

@@ -165,12 +165,18 @@ CONFIG = {
 # opens them through a glob.
 
 MAGIC, VERSION = 20240520, 1
+WIDE_MAGIC, WIDE_VERSION = 20240801, 7  # uint32 tokens
 
 
 def shard(tokens, count=None, magic=MAGIC, version=VERSION, knobs=(), extra=b"") -> bytes:
     h = [magic, version, len(tokens) if count is None else count] + list(knobs)
     h += [0] * (256 - len(h))
-    return struct.pack("<256i", *h) + struct.pack(f"<{len(tokens)}H", *tokens) + extra
+    kind = "I" if magic == WIDE_MAGIC else "H"
+    return struct.pack("<256i", *h) + struct.pack(f"<{len(tokens)}{kind}", *tokens) + extra
+
+
+def wide(tokens, version=WIDE_VERSION, **kw) -> bytes:
+    return shard(tokens, magic=WIDE_MAGIC, version=version, **kw)
 
 
 def knobs(vocab=0, B=1, T=8, shuffle=False, world=1, rank=0, seed=0, split=False, glob=False):
@@ -197,6 +203,12 @@ SHARD = {
     "bad_empty_shard": shard([]),
     "bad_too_small_for_batch": shard(TEXT[:10], knobs=knobs(256, B=4, T=8)),
     "bad_short_header": struct.pack("<3i", MAGIC, VERSION, 0),
+    "wide_valid": wide([70000, 5, 131070, 65536, 1, 2, 3, 4, 9, 100000], knobs=knobs(131071, B=2, T=4)),
+    "wide_split_mixed": wide(TEXT[:12], knobs=knobs(256, B=2, T=5, shuffle=True, split=True)) + shard(TEXT)
+                        + wide(TEXT[12:]),
+    "wide_bad_token": wide([70000, 5, 80000], knobs=knobs(75000, T=2)),
+    "wide_bad_version": wide(TEXT, version=VERSION),
+    "wide_bad_count": wide(TEXT, count=2 * len(TEXT)),
 }
 
 
