@@ -506,8 +506,15 @@ fy_status fy_safetensors_open_dir(const char *dir, fy_safetensors **out) {
     rc = st_add_file(st, spath);
     if (rc == FY_OK) rc = st_build_index(st);
   } else {
-    rc = fy_error_set(FY_ERR_NOT_FOUND, "%s holds neither %s nor %s", dir, ST_INDEX_NAME,
-                      ST_SINGLE_NAME);
+    // A model saved as PyTorch pickles (older Hugging Face checkpoints) is not read: say how to
+    // convert it.
+    char *bin = st_join(dir, "pytorch_model.bin"), *bindex = st_join(dir, "pytorch_model.bin.index.json");
+    bool pickles = (bin && access(bin, F_OK) == 0) || (bindex && access(bindex, F_OK) == 0);
+    rc = fy_error_set(FY_ERR_NOT_FOUND, "%s holds neither %s nor %s%s", dir, ST_INDEX_NAME, ST_SINGLE_NAME,
+                      pickles ? " (its pytorch_model.bin files are PyTorch pickles, which ferry does not read: "
+                                "python3 tools/convert.py DIR OUT writes the safetensors files)" : "");
+    free(bin);
+    free(bindex);
   }
   free(ipath);
   free(spath);
