@@ -202,8 +202,8 @@ static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
   int32_t h[3];
   memcpy(h, map, sizeof h);
   if (h[0] != FY_SHARD_MAGIC && h[0] != FY_SHARD32_MAGIC)
-    return fy_error_set(FY_ERR_FORMAT, "%s: not a token shard (magic %d, expected %d, or %d for uint32 tokens)",
-                        s->path, h[0], FY_SHARD_MAGIC, FY_SHARD32_MAGIC);
+    return fy_error_set(FY_ERR_FORMAT, "%s: not a token shard (magic %d, expected %d, or %d for uint32 tokens; "
+                        "tools/tokenize.py makes shards from text)", s->path, h[0], FY_SHARD_MAGIC, FY_SHARD32_MAGIC);
   const bool wide = h[0] == FY_SHARD32_MAGIC;
   if (h[1] != (wide ? FY_SHARD32_VERSION : FY_SHARD_VERSION))
     return fy_error_set(FY_ERR_FORMAT, "%s: shard version %d is not supported (expected %d: %s tokens)", s->path,

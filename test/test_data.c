@@ -288,7 +288,7 @@ static void test_bad(const char *dir) {
   memcpy(buf + 1024, toks, 16);
   write_file(p, buf, sizeof buf);
   CHECK_ERR(fy_data_open(p, 4096, 1, 2, false, 0, 0, 1, &d), FY_ERR_FORMAT);
-  CHECK(strstr(fy_error_msg(), "not a token shard (magic 12345, expected 20240520, or 20240801 for uint32 tokens)"));
+  CHECK(strstr(fy_error_msg(), "not a token shard (magic 12345, expected 20240520, or 20240801 for uint32 tokens; tools/tokenize.py"));
   // Wrong version.
   hdr[0] = FY_SHARD_MAGIC;
   hdr[1] = 2;
