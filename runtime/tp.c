@@ -3,8 +3,8 @@
 #include <string.h>
 
 // Rank r's slice of a parameter split by rows (dim 0, or a vector: elements [r*n, (r+1)*n) of
-// the whole, contiguous) or by columns (dim 1: columns [r*Cl, (r+1)*Cl) of every row): row i of
-// the slice is whole elements [*a, *a + *len), and the slice has *rows such rows.
+// the whole, contiguous) or by columns (dim 1: columns [r*Cl, (r+1)*Cl) of every row), as *rows
+// runs of *len elements: run k is whole elements [first + k*stride, first + k*stride + len).
 static void slice_rows(const struct fy_param *p, int r, int64_t *rows, int64_t *first, int64_t *stride, int64_t *len) {
   if (p->split_dim == 0 || p->rank == 1) {
     *rows = 1, *first = (int64_t)r * p->numel, *stride = 0, *len = p->numel;
