@@ -87,8 +87,6 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
                         "--model %s is neither a preset nor a directory with config.json "
                         "(presets: opt-tiny, opt-demo, opt-125m ... opt-175b)", src);
   }
-  if (cfg->dropout > 0 || cfg->attention_dropout > 0 || cfg->activation_dropout > 0 || cfg->layerdrop > 0)
-    fy_log_info("the config asks for dropout/layerdrop; ferry trains without them");
   return FY_OK;
 }
 
@@ -1054,6 +1052,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   int64_t first_step = 0, scale_good = 0;
   double scale = 1.0;
   fy_status st = setup(o, &r, o->shuffle);
+  const struct fy_opt_config *cfg = &r.cfg;  // (said once, by the rank that speaks; evaluation has no dropout)
+  if (st == FY_OK && r.rank == 0 &&
+      (cfg->dropout > 0 || cfg->attention_dropout > 0 || cfg->activation_dropout > 0 || cfg->layerdrop > 0))
+    fy_log_info("the config asks for dropout/layerdrop; ferry trains without them");
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0)
     st = fy_ckpt_writer_create(o->save, o->keep, r.tp > 1 ? &r.whole : r.model, &ckpt);
