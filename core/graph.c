@@ -100,7 +100,7 @@ int fy_graph_find_param(const struct fy_graph *g, const char *name) {
 
 const char *fy_op_kind_name(enum fy_op_kind k) {
   static const char *const names[] = {"embedding", "layernorm", "linear", "attention",
-                                      "relu", "add", "cross_entropy"};
+                                      "relu", "add", "cross_entropy", "gelu"};
   return k < FY_OP_KIND_COUNT ? names[k] : "unknown";
 }
 

@@ -23,6 +23,7 @@ enum fy_op_kind {
   FY_OP_RELU,           // in (N) -> out (N)
   FY_OP_ADD,            // in a, b (N) -> out (N)
   FY_OP_CROSS_ENTROPY,  // in logits (BT,V), targets -> out: per-row losses (BT)
+  FY_OP_GELU,           // in (N) -> out (N) (exact, with erf)
   FY_OP_KIND_COUNT,
 };
 

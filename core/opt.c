@@ -236,8 +236,9 @@ static int decoder_layer(struct builder *b, int l, int h) {
   snprintf(n1, sizeof n1, "%s.fc1", p);
   const char *fc1[1] = {n1};
   int f = linear_split(b, n1, l, x, fc1, 1, D, F, bias, -1, FY_SPLIT_COL);
-  snprintf(label, sizeof label, "%s.relu", p);
-  f = binary(b, FY_OP_RELU, label, l, f, -1, b->BT * (F / b->tp));
+  const bool gelu = b->c->activation == FY_ACT_GELU;
+  snprintf(label, sizeof label, "%s.%s", p, gelu ? "gelu" : "relu");
+  f = binary(b, gelu ? FY_OP_GELU : FY_OP_RELU, label, l, f, -1, b->BT * (F / b->tp));
   snprintf(n1, sizeof n1, "%s.fc2", p);
   const char *fc2[1] = {n1};
   f = linear_split(b, n1, l, f, fc2, 1, F, D, bias, -1, FY_SPLIT_ROW);

@@ -22,6 +22,7 @@ struct fy_opt_config {
   bool enable_bias;
   bool layer_norm_elementwise_affine;
   bool tie_word_embeddings;
+  enum fy_opt_activation { FY_ACT_RELU, FY_ACT_GELU } activation;  // activation_function ("relu", "gelu")
   float init_std;
   float layer_norm_eps;          // 1e-5 (not in OPT's config.json; nn.LayerNorm's default)
   float dropout, attention_dropout, activation_dropout, layerdrop;  // read to warn: ferry has none
@@ -37,7 +38,7 @@ fy_status fy_opt_preset(const char *name, struct fy_opt_config *cfg);
 const char *const *fy_opt_preset_names(void);
 // Reads a Hugging Face config.json (path to the file or to the directory holding it), with HF's
 // defaults for absent keys, and checks it (positive sizes, heads divide hidden_size, model_type
-// "opt" when given, activation "relu").
+// "opt" when given, activation "relu" or "gelu": OPT's, and Galactica's, which is an OPT model).
 fy_status fy_opt_config_read(const char *path, struct fy_opt_config *cfg);
 // Writes config.json as transformers' save_pretrained would for this config.
 fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *cfg);

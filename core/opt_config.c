@@ -247,9 +247,10 @@ static fy_status cfg_parse(json_object *root, const char *path, struct fy_opt_co
     return fy_error_set(FY_ERR_INVALID, "%s: model_type is \"%s\"; ferry reads OPT models "
                         "(model_type \"opt\")", path, s);
   FY_TRY(cfg_str(root, path, "activation_function", &s));
-  if (s && strcmp(s, "relu") != 0)
-    return fy_error_set(FY_ERR_INVALID, "%s: activation_function \"%s\" is not supported (only "
-                        "\"relu\", as every OPT model)", path, s);
+  if (s && strcmp(s, "relu") != 0 && strcmp(s, "gelu") != 0)
+    return fy_error_set(FY_ERR_INVALID, "%s: activation_function \"%s\" is not supported (\"relu\", as OPT "
+                        "models, or \"gelu\", as Galactica's)", path, s);
+  c->activation = s && strcmp(s, "gelu") == 0 ? FY_ACT_GELU : FY_ACT_RELU;
   FY_TRY(cfg_str(root, path, "torch_dtype", &s));
   if (!s) FY_TRY(cfg_str(root, path, "dtype", &s));  // transformers >= 4.56 writes "dtype"
   if (s) {
@@ -405,7 +406,7 @@ fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *c) {
   // Sorted keys, as transformers' to_json_string writes them.
   json_object_object_add(o, "_remove_final_layer_norm", json_object_new_boolean(c->remove_final_layer_norm));
   json_object_object_add(o, "activation_dropout", cfg_new_float(c->activation_dropout));
-  json_object_object_add(o, "activation_function", json_object_new_string("relu"));
+  json_object_object_add(o, "activation_function", json_object_new_string(c->activation == FY_ACT_GELU ? "gelu" : "relu"));
   json_object_object_add(o, "architectures", arch);
   json_object_object_add(o, "attention_dropout", cfg_new_float(c->attention_dropout));
   json_object_object_add(o, "bos_token_id", cfg_new_token(c->bos_token_id));

@@ -105,6 +105,10 @@ int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward);
 void fy_relu_forward(float *out, const float *inp, int64_t N);
 // dout (N), out (N) (the forward output) -> dinp (N) += dout * (out > 0)
 void fy_relu_backward(float *dinp, const float *dout, const float *out, int64_t N);
+// inp (N) -> out (N) = inp * Phi(inp) (gelu with erf, as PyTorch's default)
+void fy_gelu_forward(float *out, const float *inp, int64_t N);
+// dout (N), inp (N) (the forward input) -> dinp (N) += dout * gelu'(inp)
+void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N);
 // a (N), b (N) -> out (N) = a + b
 void fy_add_forward(float *out, const float *a, const float *b, int64_t N);
 // dout (N) -> da (N) +=, db (N) += (either may be NULL)

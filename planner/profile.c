@@ -25,6 +25,7 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
       break;
     case FY_OP_LAYERNORM: out->mem_bytes[0] = BT * C * ab * 2; out->mem_bytes[1] = BT * C * ab * 4; break;
     case FY_OP_RELU:
+    case FY_OP_GELU:  // (its erf is a few dozen flops an element: still memory-bound)
       out->mem_bytes[0] = (double)g->slots[op->out].numel * ab * 2;
       out->mem_bytes[1] = (double)g->slots[op->out].numel * ab * 3;
       break;

@@ -98,6 +98,9 @@ void fy_op_call_forward(void *arg) {
     case FY_OP_RELU:
       fy_relu_forward(out, in0, g->slots[op->out].numel);
       break;
+    case FY_OP_GELU:
+      fy_gelu_forward(out, in0, g->slots[op->out].numel);
+      break;
     case FY_OP_ADD:
       fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), g->slots[op->out].numel);
       break;
@@ -181,6 +184,9 @@ void fy_op_call_backward(void *arg) {
       break;
     case FY_OP_RELU:
       fy_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), g->slots[op->out].numel);
+      break;
+    case FY_OP_GELU:
+      fy_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
       fy_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, g->slots[op->out].numel);

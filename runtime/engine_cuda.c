@@ -111,6 +111,9 @@ static void op_forward_cuda(void *arg) {
       if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_RELU)
         st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
       break;
+    case FY_OP_GELU:
+      st = fy_cuda_gelu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
+      break;
     case FY_OP_ADD:
       if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_ADD)
         st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
@@ -204,6 +207,9 @@ static void op_backward_cuda(void *arg) {
     case FY_OP_RELU:
       st = fy_cuda_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), dt,
                                  g->slots[op->out].numel, x->st);
+      break;
+    case FY_OP_GELU:
+      st = fy_cuda_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_ADD:
       st = fy_cuda_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, dt,

@@ -300,6 +300,16 @@ static void test_elementwise(enum fy_dtype dt) {
   CHECK_OK(fy_cuda_relu_backward(d_dinp, d_dout, d_out, dt, N, cs));
   cmp_dev("relu backward dinp +=", dt, d_dinp, dinp, N, false);
 
+  fy_gelu_forward(out, a, N);
+  CHECK_OK(fy_cuda_gelu_forward(d_out, d_a, dt, N, cs));
+  cmp_dev("gelu forward", dt, d_out, out, N, false);
+  float *dinp2 = frand_new(N, 1.0f, dt);
+  void *d_dinp2 = dput(dinp2, N, dt);
+  fy_gelu_backward(dinp2, dout, a, N);
+  CHECK_OK(fy_cuda_gelu_backward(d_dinp2, d_dout, d_a, dt, N, cs));
+  cmp_dev("gelu backward dinp +=", dt, d_dinp2, dinp2, N, false);
+  free(dinp2);
+
   fy_add_forward(out, a, b, N);
   CHECK_OK(fy_cuda_add_forward(d_out, d_a, d_b, dt, N, cs));
   cmp_dev("add forward", dt, d_out, out, N, false);

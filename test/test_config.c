@@ -136,7 +136,8 @@ static void test_bad(void) {
       {"{\"init_std\": -1}", "init_std"},
       {"{\"model_type\": \"llama\"}", "model_type"},
       {"{\"model_type\": 5}", "model_type"},
-      {"{\"activation_function\": \"gelu\"}", "activation_function"},
+      {"{\"activation_function\": \"silu\"}", "activation_function"},
+      {"{\"activation_function\": \"gelu_new\"}", "activation_function"},
       {"{\"pad_token_id\": 50272}", "pad_token_id"},
       {"{\"eos_token_id\": -5}", "eos_token_id"},
       {"{\"word_embed_proj_dim\": 0}", "word_embed_proj_dim"},
@@ -152,8 +153,13 @@ static void test_bad(void) {
     fprintf(stderr, "  expected error: %s\n", fy_error_msg());
   }
   CHECK(memcmp(&c, &before, sizeof c) == 0);  // failures leave the output alone
-  // Unknown model_type is refused, "opt" is fine.
+  // Unknown model_type is refused, "opt" is fine; relu (OPT's, the default) and gelu (Galactica's).
   CHECK_OK(fy_opt_config_read(put("ok.json", "{\"model_type\": \"opt\", \"activation_function\": \"relu\"}"), &c));
+  CHECK(c.activation == FY_ACT_RELU);
+  CHECK_OK(fy_opt_config_read(put("ok.json", "{\"activation_function\": \"gelu\"}"), &c));
+  CHECK(c.activation == FY_ACT_GELU);
+  CHECK_OK(fy_opt_config_read(put("ok.json", "{}"), &c));
+  CHECK(c.activation == FY_ACT_RELU);
 }
 
 static void test_check(void) {
@@ -216,6 +222,7 @@ static void test_write(void) {
   c.tie_word_embeddings = false;
   c.dropout = 0;
   c.init_std = 0.0125f;
+  c.activation = FY_ACT_GELU;
   snprintf(c.torch_dtype, sizeof c.torch_dtype, "float32");
   CHECK_OK(fy_opt_config_write(out, &c));
   CHECK_OK(fy_opt_config_read(out, &r));

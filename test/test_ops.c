@@ -696,13 +696,14 @@ struct ew_ctx {
   double *a, *b;
   const float *R;
   int64_t N;
-  int op;  // 0 relu, 1 add
+  int op;  // 0 relu, 1 add, 2 gelu
 };
+static double gelu_d(double x) { return 0.5 * x * (1.0 + erf(x / sqrt(2.0))); }
 static double ew_loss(void *p) {
   struct ew_ctx *x = p;
   double L = 0;
   for (int64_t i = 0; i < x->N; i++)
-    L += (x->op ? x->a[i] + x->b[i] : (x->a[i] > 0 ? x->a[i] : 0)) * x->R[i];
+    L += (x->op == 1 ? x->a[i] + x->b[i] : x->op == 2 ? gelu_d(x->a[i]) : (x->a[i] > 0 ? x->a[i] : 0)) * x->R[i];
   return L;
 }
 
@@ -747,6 +748,29 @@ static void test_elementwise(void) {
   for (int64_t i = 0; i < N; i++) g[i] /= 2;
   CHECKF(err_acc(da, da0, g, N) < GRAD_TOL, "add da untouched when NULL passed for it");
 
+  // gelu (exact, with erf) against double precision, its gradient by finite differences, in place.
+  fy_gelu_forward(out, a, N);
+  double worst = 0;
+  for (int64_t i = 0; i < N; i++) worst = fmax(worst, fabs(out[i] - gelu_d(a[i])) / (fabs(gelu_d(a[i])) + 1e-3));
+  CHECKF(worst < 1e-5, "gelu forward err %g", worst);
+  memcpy(da, da0, N * sizeof(float));
+  fy_gelu_backward(da, R, a, N);
+  ctx.op = 2;
+  fd_grad(g, a_d, N, ew_loss, &ctx, FD_H);
+  CHECKF((e = err_acc(da, da0, g, N)) < GRAD_TOL, "gelu grad err %g", e);
+  fy_gelu_backward(da, R, a, N);
+  for (int64_t i = 0; i < N; i++) g[i] *= 2;
+  CHECKF((e = err_acc(da, da0, g, N)) < GRAD_TOL, "gelu accumulate err %g", e);
+  memcpy(ip, a, N * sizeof(float));
+  fy_gelu_forward(ip, ip, N);
+  CHECK(same_bits(ip, out, N));
+  // Far out in the tails: 0 and x, no NaN.
+  float tails[4] = {-40.0f, -8.0f, 8.0f, 40.0f}, tout[4], tg[4] = {0}, ones[4] = {1, 1, 1, 1};
+  fy_gelu_forward(tout, tails, 4);
+  fy_gelu_backward(tg, ones, tails, 4);
+  CHECK(tout[0] == 0.0f && fabsf(tout[1]) < 1e-12f && tout[2] == 8.0f && tout[3] == 40.0f);
+  CHECK(tg[0] == 0.0f && fabsf(tg[1]) < 1e-12f && tg[2] == 1.0f && tg[3] == 1.0f);
+
   // Large arrays (the threaded path) against a plain loop.
   {
     int64_t N2 = 300001;
@@ -758,6 +782,11 @@ static void test_elementwise(void) {
       good &= o[i] == (x[i] > 0 ? x[i] : 0.0f) && d[i] == (x[i] > 0 ? y[i] : 0.0f);
     fy_add_forward(o, x, y, N2);
     for (int64_t i = 0; i < N2; i++) good &= o[i] == x[i] + y[i];
+    float *o1 = check_fnew(N2);
+    fy_gelu_forward(o, x, N2);
+    fy_gelu_forward(o1, x, 1000);  // (small: the unthreaded path)
+    for (int64_t i = 0; i < 1000; i++) good &= o[i] == o1[i];
+    free(o1);
     CHECK(good);
     free(x), free(y), free(o), free(d);
   }

@@ -1,6 +1,8 @@
-// Elementwise kernels: relu and add. Memory-bound; threads only pay off on large arrays. Outputs
-// may alias inputs (in-place relu, residual add); `omp simd` vectorises without restrict.
+// Elementwise kernels: relu, gelu and add. Memory-bound; threads only pay off on large arrays.
+// Outputs may alias inputs (in-place relu, residual add); `omp simd` vectorises without restrict.
 #include "ops/ops.h"
+
+#include <math.h>
 
 #define FY_EW_PAR (1 << 16)
 
@@ -15,6 +17,22 @@ void fy_relu_backward(float *dinp, const float *dout, const float *out,
                       int64_t N) {
 #pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
   for (int64_t i = 0; i < N; i++) dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
+}
+
+// inp (N) -> out (N) = x * Phi(x), Phi the standard normal's CDF (PyTorch's exact gelu)
+void fy_gelu_forward(float *out, const float *inp, int64_t N) {
+#pragma omp parallel for schedule(static) if (parallel : N > FY_EW_PAR / 8)
+  for (int64_t i = 0; i < N; i++) out[i] = 0.5f * inp[i] * (1.0f + erff(inp[i] * (float)M_SQRT1_2));
+}
+
+// dout (N), inp (N) -> dinp (N) += dout * (Phi(x) + x * phi(x))
+void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N) {
+  const float inv_sqrt_2pi = 0.3989422804014327f;
+#pragma omp parallel for schedule(static) if (parallel : N > FY_EW_PAR / 8)
+  for (int64_t i = 0; i < N; i++) {
+    float x = inp[i], cdf = 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)), pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
+    dinp[i] += dout[i] * (cdf + x * pdf);
+  }
 }
 
 // a (N), b (N) -> out (N)

@@ -1,4 +1,4 @@
-// Elementwise kernels: relu and add, forward and backward. Memory-bound grid-stride loops; outputs
+// Elementwise kernels: relu, gelu and add, forward and backward. Memory-bound grid-stride loops; outputs
 // may alias inputs (in-place relu, a residual added in place), so nothing is __restrict__ (each
 // element, or 16-byte piece, is read and written by one thread).
 #include "ops/cuda/common.cuh"
@@ -71,6 +71,42 @@ __global__ void relu_backward_kernel(T *dinp, const T *dout, const T *out, int64
     if (fy_ld(out + i) > 0.0f) fy_st(dinp + i, fy_ld(dinp + i) + fy_ld(dout + i));
 }
 
+// x * Phi(x) and its derivative Phi(x) + x * phi(x): gelu with erf, as PyTorch's default.
+static __device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+static __device__ __forceinline__ float gelu_grad(float x) {
+  return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
+}
+
+// inp (N) -> out (N)
+template <typename T>
+__global__ void gelu_forward_kernel(T *out, const T *inp, int64_t N, int64_t nv) {
+  constexpr int V = ew_vec<T>::N;
+  EW_LOOP(j, 0, nv) {
+    float x[V];
+    ew_ld(x, inp + j * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) x[k] = gelu(x[k]);
+    ew_st(out + j * V, x);
+  }
+  EW_LOOP(i, nv * V, N) fy_st(out + i, gelu(fy_ld(inp + i)));
+}
+
+// dout (N), inp (N) -> dinp (N) +=
+template <typename T>
+__global__ void gelu_backward_kernel(T *dinp, const T *dout, const T *inp, int64_t N, int64_t nv) {
+  constexpr int V = ew_vec<T>::N;
+  EW_LOOP(j, 0, nv) {
+    float x[V], g[V], d[V];
+    ew_ld(x, inp + j * V);
+    ew_ld(g, dout + j * V);
+    ew_ld(d, dinp + j * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) d[k] += g[k] * gelu_grad(x[k]);
+    ew_st(dinp + j * V, d);
+  }
+  EW_LOOP(i, nv * V, N) fy_st(dinp + i, fy_ld(dinp + i) + fy_ld(dout + i) * gelu_grad(fy_ld(inp + i)));
+}
+
 // a (N), b (N) -> out (N)
 template <typename T>
 __global__ void add_forward_kernel(T *out, const T *a, const T *b, int64_t N, int64_t nv) {
@@ -139,6 +175,26 @@ extern "C" fy_status fy_cuda_relu_backward(void *dinp, const void *dout, const v
     relu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)out, N, nv);
   });
   return fy_cuda_launched("relu_backward");
+}
+
+extern "C" fy_status fy_cuda_gelu_forward(void *out, const void *inp, enum fy_dtype dt, int64_t N,
+                                          cudaStream_t st) {
+  if (N <= 0) return FY_OK;
+  FY_CUDA_DISPATCH("gelu_forward", dt, T, {
+    int64_t nv = ew_pieces(N, sizeof(T), out, inp, NULL);
+    gelu_forward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)out, (const T *)inp, N, nv);
+  });
+  return fy_cuda_launched("gelu_forward");
+}
+
+extern "C" fy_status fy_cuda_gelu_backward(void *dinp, const void *dout, const void *inp,
+                                           enum fy_dtype dt, int64_t N, cudaStream_t st) {
+  if (N <= 0) return FY_OK;
+  FY_CUDA_DISPATCH("gelu_backward", dt, T, {
+    int64_t nv = ew_pieces(N, sizeof(T), dinp, dout, inp);
+    gelu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)inp, N, nv);
+  });
+  return fy_cuda_launched("gelu_backward");
 }
 
 extern "C" fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt,

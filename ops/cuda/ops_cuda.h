@@ -78,6 +78,12 @@ fy_status fy_cuda_relu_forward(void *out, const void *inp, enum fy_dtype dt, int
 // dout (N), out (N) -> dinp (N) += dout * (out > 0)
 fy_status fy_cuda_relu_backward(void *dinp, const void *dout, const void *out, enum fy_dtype dt,
                                 int64_t N, cudaStream_t st);
+// inp (N) -> out (N) = inp * Phi(inp) (gelu with erf)
+fy_status fy_cuda_gelu_forward(void *out, const void *inp, enum fy_dtype dt, int64_t N,
+                               cudaStream_t st);
+// dout (N), inp (N) (the forward input) -> dinp (N) += dout * gelu'(inp)
+fy_status fy_cuda_gelu_backward(void *dinp, const void *dout, const void *inp, enum fy_dtype dt,
+                                int64_t N, cudaStream_t st);
 // a (N), b (N) -> out (N) = a + b
 fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt, int64_t N,
                               cudaStream_t st);

@@ -4,8 +4,8 @@
 The fixtures (make_reference.py) pin two shapes with biases, affine layer norms and a tied
 lm_head. Checkpoints in the wild also come without biases (enable_bias false), without layer-norm
 weights (layer_norm_elementwise_affine false), with an untied lm_head, with no final layer norm
-(_remove_final_layer_norm), with project_in/out in a pre-LN model, stored in bf16 or f16, or split
-into several safetensors files. For each such variant this builds a small random model with
+(_remove_final_layer_norm), with project_in/out in a pre-LN model, with gelu for relu (Galactica,
+an OPT model), stored in bf16 or f16, or split into several safetensors files. For each such variant this builds a small random model with
 transformers, saves it, and then:
 
   1. ferry trains it 5 steps (constant learning rate, clipping, weight decay, batches in order)
@@ -13,7 +13,7 @@ transformers, saves it, and then:
      within 1e-5 relative;
   2. the weights ferry saves equal transformers' after the same steps (normalised error of each
      tensor within 1e-4), and the saved checkpoint has transformers' tensor names, no more, no less;
-  3. an activation that OPT models never use (gelu) is refused with a message, not trained wrongly.
+  3. an activation that ferry does not implement (silu) is refused with a message, not trained wrongly.
 
 usage: test/reference/check_variants.py path/to/ferry [--keep DIR]
 Exit status 0 when every variant passes, 1 otherwise. Needs torch, transformers, safetensors.
@@ -45,6 +45,9 @@ VARIANTS = {
     "post_ln_untied_no_bias": (dict(do_layer_norm_before=False, tie_word_embeddings=False, enable_bias=False),
                                "float32", None),
     "one_head": (dict(num_attention_heads=1), "float32", None),
+    "gelu": (dict(activation_function="gelu"), "float32", None),
+    "post_ln_gelu_untied": (dict(activation_function="gelu", do_layer_norm_before=False, tie_word_embeddings=False),
+                            "float32", None),
     "bf16_weights": (dict(), "bfloat16", None),
     "f16_sharded": (dict(), "float16", "20KB"),
 }
@@ -163,14 +166,14 @@ def check_variant(torch, ferry, tmp, name, spec, toks, data):
 
 def check_refused(torch, ferry, tmp, data):
     """A configuration ferry does not implement must be refused, naming the setting."""
-    src = os.path.join(tmp, "gelu")
-    build(torch, "gelu", dict(activation_function="gelu"), "float32", None, src)
+    src = os.path.join(tmp, "silu")
+    build(torch, "silu", dict(activation_function="silu"), "float32", None, src)
     r = subprocess.run([ferry, "train", "--init", src, "--data", data, "--batch", str(B), "--seq", str(T),
                         "--steps", "1", "--quiet"], capture_output=True, text=True)
-    ok = r.returncode != 0 and "gelu" in r.stderr and "Sanitizer" not in r.stderr
-    print(json.dumps({"variant": "gelu (refused)", "exit": r.returncode, "ok": ok}))
+    ok = r.returncode != 0 and "silu" in r.stderr and "Sanitizer" not in r.stderr
+    print(json.dumps({"variant": "silu (refused)", "exit": r.returncode, "ok": ok}))
     if not ok:
-        print("  gelu: expected a non-zero exit naming the activation; got:", (r.stderr or r.stdout).strip()[:300])
+        print("  silu: expected a non-zero exit naming the activation; got:", (r.stderr or r.stdout).strip()[:300])
     return ok
 
 
