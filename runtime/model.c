@@ -304,15 +304,6 @@ static void init_param(const struct fy_model *m, const struct fy_param *p, uint6
   }
 }
 
-void fy_model_init_random_part(const struct fy_model *m, uint64_t seed, int64_t lo, int64_t hi, float *dst) {
-  const struct fy_graph *g = m->graph;
-  memset(dst, 0, (size_t)(hi - lo) * 4);
-  int64_t a, b;
-  for (int i = 0; i < g->n_params; i++)
-    if (fy_param_part(&g->params[i], lo, hi, &a, &b))
-      init_param(m, &g->params[i], seed, a, b, dst + (g->params[i].offset + a - lo));
-}
-
 void fy_model_init_random(struct fy_model *m, uint64_t seed) {
   const struct fy_graph *g = m->graph;
   m->cparams_fresh = false;
@@ -411,16 +402,12 @@ void fy_model_source_close(struct fy_model_source *s) {
   free(s);
 }
 
-fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst) {
-  struct fy_model_source *s;
-  FY_TRY(fy_model_source_open(m, dir, 0, &s));
-  const struct fy_graph *g = m->graph;
+void fy_model_source_fill(const struct fy_model_source *s, int64_t lo, int64_t hi, float *dst) {
+  const struct fy_graph *g = s->m->graph;
   memset(dst, 0, (size_t)(hi - lo) * 4);
   int64_t a, b;
   for (int i = 0; i < g->n_params; i++)
     if (fy_param_part(&g->params[i], lo, hi, &a, &b)) fy_model_source_read(s, i, a, b, dst + (g->params[i].offset + a - lo));
-  fy_model_source_close(s);
-  return FY_OK;
 }
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {

@@ -119,7 +119,7 @@ struct fy_model_opts {
   struct fy_comm *tp_comm;    // the tensor-parallel group (tp > 1), not owned
   bool no_params;             // with host: no buffer for the whole model's weights (m->params
                               // NULL): chunks sharded across ranks keep only their shards, which
-                              // are set part by part (fy_model_init_random_part, _load_part)
+                              // are set part by part (fy_model_source_fill)
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until
@@ -141,19 +141,18 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed);
 // f32/f16/bf16. Names are matched with or without the "model." prefix; a missing tensor or a shape
 // that differs is an error naming it; lm_head.weight is ignored when tied.
 fy_status fy_model_load(struct fy_model *m, const char *dir);
-// The same for elements [lo, hi) of the flat parameter buffer (the layout's offsets; elements no
-// parameter covers are 0) into dst[0 .. hi - lo): the same values as the whole, for a rank that
-// keeps only its shards. _load_part checks every tensor as fy_model_load does.
-void fy_model_init_random_part(const struct fy_model *m, uint64_t seed, int64_t lo, int64_t hi, float *dst);
-fy_status fy_model_load_part(const struct fy_model *m, const char *dir, int64_t lo, int64_t hi, float *dst);
-// The same parameter by parameter: a source of the weights, open for reading any part of any
-// parameter (for tensor-parallel ranks, which take slices of each): OPT's initialisation with
-// seed (dir NULL), or a Hugging Face model directory's tensors (each checked at open).
+// The same values part by part, for ranks that keep only a part of the model (the shards of
+// sharded chunks, tensor-parallel slices): a source of the weights, open for reading any part of
+// any parameter: OPT's initialisation with seed (dir NULL), or a Hugging Face model directory's
+// tensors (each checked at open as fy_model_load does).
 struct fy_model_source;
 fy_status fy_model_source_open(const struct fy_model *m, const char *dir, uint64_t seed,
                                struct fy_model_source **out);
 // Elements [a, b) of parameter i into dst[0 .. b - a).
 void fy_model_source_read(const struct fy_model_source *s, int i, int64_t a, int64_t b, float *dst);
+// Elements [lo, hi) of the flat parameter buffer (the layout's offsets; elements no parameter
+// covers are 0) into dst[0 .. hi - lo).
+void fy_model_source_fill(const struct fy_model_source *s, int64_t lo, int64_t hi, float *dst);
 void fy_model_source_close(struct fy_model_source *s);
 // Writes config.json and the weights (f32, or bf16/f16 when dtype says so) as transformers'
 // save_pretrained does, sharding files above max_shard_bytes (0 = one file).

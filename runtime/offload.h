@@ -97,7 +97,7 @@ fy_status fy_offload_sync(struct fy_offload *x);
 // of it. Only between steps (after fy_offload_sync), and `store` only before the first step.
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
 // Sharding: sets this rank's shard of every chunk's weights from fill, which writes elements
-// [lo, hi) of the flat parameter buffer into dst (fy_model_init_random_part, fy_model_load_part),
+// [lo, hi) of the flat parameter buffer into dst (fy_model_source_fill, in the trainer),
 // instead of taking the shards from the model's whole buffer (which may be NULL: model opts'
 // no_params; freed if not). Before the first micro-batch, or after fy_offload_unshard.
 fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),

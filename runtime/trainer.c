@@ -265,18 +265,17 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
 
 // Weights part by part for the shards of a sharded run (fy_offload_set_shards): from a Hugging
 // Face directory or checkpoint (dir), or OPT's initialisation.
-struct shard_source { const struct fy_model *m; const char *dir; uint64_t seed; };
-
 static fy_status shard_fill(void *ctx, int64_t lo, int64_t hi, float *dst) {
-  const struct shard_source *s = ctx;
-  if (s->dir) return fy_model_load_part(s->m, s->dir, lo, hi, dst);
-  fy_model_init_random_part(s->m, s->seed, lo, hi, dst);
+  fy_model_source_fill(ctx, lo, hi, dst);
   return FY_OK;
 }
 
 static fy_status set_shards(struct run *r, const char *dir, uint64_t seed) {
-  struct shard_source s = {.m = r->model, .dir = dir, .seed = seed};
-  return fy_offload_set_shards(r->x, shard_fill, &s);
+  struct fy_model_source *s;
+  FY_TRY(fy_model_source_open(r->model, dir, seed, &s));
+  fy_status st = fy_offload_set_shards(r->x, shard_fill, s);
+  fy_model_source_close(s);
+  return st;
 }
 
 static void tp_read_weights(void *ctx, int i, int64_t a, int64_t b, float *dst) {

@@ -170,10 +170,15 @@ int main(void) {
     float *init = malloc((size_t)n * 4), *load = malloc((size_t)n * 4);
     CHECK(init && load);
     fy_model_init_random(m2, 7);
-    for (int k = 0; init && load && k + 1 < (int)(sizeof cuts / sizeof *cuts); k++) {
-      fy_model_init_random_part(m2, 7, cuts[k], cuts[k + 1], init + cuts[k]);
-      CHECK_OK(fy_model_load_part(m1, save, cuts[k], cuts[k + 1], load + cuts[k]));
+    struct fy_model_source *si = NULL, *sl = NULL;
+    CHECK_OK(fy_model_source_open(m2, NULL, 7, &si));
+    CHECK_OK(fy_model_source_open(m1, save, 0, &sl));
+    for (int k = 0; si && sl && init && load && k + 1 < (int)(sizeof cuts / sizeof *cuts); k++) {
+      fy_model_source_fill(si, cuts[k], cuts[k + 1], init + cuts[k]);
+      fy_model_source_fill(sl, cuts[k], cuts[k + 1], load + cuts[k]);
     }
+    fy_model_source_close(si);
+    fy_model_source_close(sl);
     CHECK(init && memcmp(init, m2->params, (size_t)n * 4) == 0);
     CHECK(load && memcmp(load, m1->params, (size_t)n * 4) == 0);
     free(init);
