@@ -36,15 +36,15 @@ int64_t fy_tp_gather_floats(const struct fy_graph *part) {
   return most * part->tp;
 }
 
-fy_status fy_tp_gather_param(const struct fy_graph *part, const float *local, const struct fy_graph *whole, int i,
+fy_status fy_tp_gather_param(const struct fy_graph *part, const float *slice, const struct fy_graph *whole, int i,
                              float *dst, float *buf, struct fy_comm *tp_comm) {
   const struct fy_param *p = &part->params[i];
   FY_ASSERT(part->n_params == whole->n_params && strcmp(p->name, whole->params[i].name) == 0);
   if (p->split_dim < 0) {
-    if (dst) memcpy(dst, local + p->offset, (size_t)p->numel * 4);
+    if (dst) memcpy(dst, slice, (size_t)p->numel * 4);
     return FY_OK;
   }
-  fy_status st = fy_comm_all_gather(tp_comm, local + p->offset, buf, (size_t)p->numel, FY_COMM_F32, NULL);
+  fy_status st = fy_comm_all_gather(tp_comm, slice, buf, (size_t)p->numel, FY_COMM_F32, NULL);
   if (st != FY_OK) return fy_error_wrap(st, "gathering the tensor-parallel slices of %s", whole->params[i].name);
   for (int r = 0; dst && r < part->tp; r++) {
     int64_t rows, first, stride, len;

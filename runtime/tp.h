@@ -18,11 +18,11 @@ void fy_tp_take(const struct fy_graph *part, float *local, const struct fy_graph
                 void *ctx);
 // The floats fy_tp_gather_param's buffer needs: the largest split parameter's slices of all ranks.
 int64_t fy_tp_gather_floats(const struct fy_graph *part);
-// dst <- whole parameter i (whole->params[i].numel floats) from every rank's slice of it in local,
-// gathered over the tensor-parallel group tp_comm through buf (a collective for a split parameter:
-// every rank of the group calls it; dst may be NULL on ranks that need no result). An unsplit
-// parameter is copied from local, without communication.
-fy_status fy_tp_gather_param(const struct fy_graph *part, const float *local, const struct fy_graph *whole, int i,
+// dst <- whole parameter i (whole->params[i].numel floats) from every rank's slice of it (this
+// rank's: part->params[i].numel floats at slice), gathered over the tensor-parallel group tp_comm
+// through buf (a collective for a split parameter: every rank of the group calls it; dst may be
+// NULL on ranks that need no result). An unsplit parameter is copied, without communication.
+fy_status fy_tp_gather_param(const struct fy_graph *part, const float *slice, const struct fy_graph *whole, int i,
                              float *dst, float *buf, struct fy_comm *tp_comm);
 
 #endif

@@ -516,7 +516,9 @@ static fy_status finish_sharded(struct run *r, const char *save, bool lead, uint
 struct tp_walk {
   struct run *r;
   int kinds;                 // 1: the weights; 3: weights, m and v
-  const float *local[3];     // this rank's slices, in its own layout
+  const float *local[3];     // this rank's slices, in its own layout (resident)
+  int chunk;                 // offloaded (local NULL): the chunk of this rank's layout in cbuf (-1: none)
+  float *cbuf;               // its weights, m and v (chunk_elems floats each)
   int *order;                // the whole model's parameters by offset
   int next;                  // order[next]: the first parameter not yet handed out whole
   int held;                  // the split parameter in whole[] (-1: none)
@@ -526,21 +528,26 @@ struct tp_walk {
 static void tp_walk_free(struct tp_walk *t) {
   for (int k = 0; k < 3; k++) free(t->whole[k]);
   free(t->buf);
+  free(t->cbuf);
   free(t->order);
   memset(t, 0, sizeof *t);
 }
 
 // A collective over the tensor-parallel group: every rank of it gets the buffers or none does.
+// local NULL: the slices come chunk by chunk from the offloaded state (fy_offload_chunk_state_out,
+// in order: parameters have the same order in every layout; a collective over the data-parallel
+// group with sharding, whose other ranks call fy_offload_state_out).
 static fy_status tp_walk_init(struct tp_walk *t, struct run *r, int kinds, float *const local[3], bool lead) {
-  *t = (struct tp_walk){.r = r, .kinds = kinds, .held = -1};
+  *t = (struct tp_walk){.r = r, .kinds = kinds, .held = -1, .chunk = -1};
   const struct fy_graph *g = r->whole_graph;
   int64_t most = 1;  // the largest split parameter, whole
   for (int i = 0; i < g->n_params; i++)
     if (r->model->graph->params[i].split_dim >= 0 && g->params[i].numel > most) most = g->params[i].numel;
   int64_t gathered = fy_tp_gather_floats(r->model->graph);
   bool ok = (t->order = param_order(g)) && (t->buf = malloc((size_t)(gathered > 0 ? gathered : 1) * 4));
+  if (ok && !local) ok = (t->cbuf = malloc((size_t)r->model->layout->chunk_elems * 3 * 4)) != NULL;
   for (int k = 0; k < kinds; k++) {
-    t->local[k] = local[k];
+    t->local[k] = local ? local[k] : NULL;
     if (lead && ok) ok = (t->whole[k] = malloc((size_t)most * 4)) != NULL;
   }
   float failed = ok ? 0.0f : 1.0f;
@@ -553,15 +560,30 @@ static fy_status tp_walk_init(struct tp_walk *t, struct run *r, int kinds, float
   return st;
 }
 
-// The whole of parameter i: the lead's buffers after gathering a split one, else its local copy.
+// The whole of parameter i: the lead's buffers after gathering a split one, else this rank's copy
+// (valid until the next call).
 static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
   const struct fy_graph *part = t->r->model->graph;
   const struct fy_param *p = &part->params[i];
   fy_status st = FY_OK;
+  const float *slice[3];
+  if (t->cbuf) {  // offloaded: the chunk that holds it (each chunk once, in order: the walk's order)
+    const int64_t ce = t->r->model->layout->chunk_elems;
+    const int c = (int)(p->offset / ce);
+    FY_ASSERT(c >= t->chunk && p->offset + p->numel <= (int64_t)(c + 1) * ce);
+    for (; t->chunk < c; t->chunk++) {  // (a chunk no parameter of the walk starts in is still gathered)
+      fy_status s1 = fy_offload_chunk_state_out(t->r->x, t->chunk + 1, t->cbuf, t->kinds > 1 ? t->cbuf + ce : NULL,
+                                                t->kinds > 1 ? t->cbuf + 2 * ce : NULL);
+      if (st == FY_OK) st = s1;
+    }
+    for (int k = 0; k < t->kinds; k++) slice[k] = t->cbuf + k * ce + (p->offset - (int64_t)c * ce);
+  } else {
+    for (int k = 0; k < t->kinds; k++) slice[k] = t->local[k] + p->offset;
+  }
   for (int k = 0; k < t->kinds; k++) {
-    out[k] = p->split_dim < 0 ? t->local[k] + p->offset : t->whole[k];
+    out[k] = p->split_dim < 0 ? slice[k] : t->whole[k];
     if (p->split_dim < 0 || t->held == i) continue;
-    fy_status s1 = fy_tp_gather_param(part, t->local[k], t->r->whole_graph, i, t->whole[k], t->buf, t->r->tp_comm);
+    fy_status s1 = fy_tp_gather_param(part, slice[k], t->r->whole_graph, i, t->whole[k], t->buf, t->r->tp_comm);
     if (st == FY_OK) st = s1;  // (the other kinds' gathers still run: the group's ranks call them all)
   }
   if (p->split_dim >= 0) t->held = st == FY_OK ? i : -1;
@@ -764,33 +786,19 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
 
 // Tensor parallelism: the ranks of data-parallel group 0 gather their slices parameter by
 // parameter while rank 0 writes them (tp_walk: no rank holds the whole model; training waits).
-// Offloaded, every rank first gathers its chunks' shards over its data-parallel group into this
-// rank's own layout (a temporary copy of its slices; only group 0 needs one).
+// Offloaded, they take their slices chunk by chunk from wherever the state lives (with sharding,
+// gathered over their data-parallel groups, whose other ranks only take part).
 #define TP_CKPT_PIECE ((int64_t)1 << 22)  // elements the writer takes at a time (offloaded: a chunk's)
 
 static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const struct fy_train_opts *o,
                                int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
-  float *local[3] = {m->params, m->m, m->v}, *tmp = NULL;
-  size_t n = (size_t)m->graph->n_param_elems;
-  fy_status st = FY_OK;
-  if (r->x) {
-    char size[32];
-    if (r->dp_rank == 0 && !(tmp = malloc(3 * n * 4)))
-      return fy_error_set(FY_ERR_NOMEM, "cannot allocate %s to gather the checkpoint",
-                          fy_format_bytes(3.0 * n * 4, size, sizeof size));
-    for (int i = 0; i < 3; i++) local[i] = tmp ? tmp + i * n : NULL;
-    st = fy_offload_state_out(r->x, local[0], local[1], local[2]);
-  }
-  if (st != FY_OK || r->dp_rank != 0) {
-    free(tmp);
-    return st;
-  }
+  float *local[3] = {m->params, m->m, m->v};
+  if (r->x) FY_TRY(fy_offload_sync(r->x));
+  if (r->dp_rank != 0) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   struct tp_walk t;
-  if ((st = tp_walk_init(&t, r, 3, local, w != NULL)) != FY_OK) {
-    free(tmp);
-    return st;
-  }
+  fy_status st = tp_walk_init(&t, r, 3, r->x ? NULL : local, w != NULL);
+  if (st != FY_OK) return st;
   const int64_t piece = r->x ? r->model->layout->chunk_elems : TP_CKPT_PIECE;
   if (w) {
     struct fy_ckpt_meta meta;
@@ -804,7 +812,6 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
     }
   }
   tp_walk_free(&t);
-  free(tmp);
   return st;
 }
 
