@@ -4,6 +4,17 @@
 
 #include <math.h>
 
+#include "fy_config.h"
+
+#if FY_HAVE_MVEC
+// glibc's libmvec holds vector versions of these (meson.build checks that they link): declared
+// for `omp simd`, the gelu loops call them on whole vectors.
+#pragma omp declare simd notinbranch
+extern float erfcf(float);
+#pragma omp declare simd notinbranch
+extern float expf(float);
+#endif
+
 #define FY_EW_PAR (1 << 16)
 
 // inp (N) -> out (N)
@@ -19,18 +30,19 @@ void fy_relu_backward(float *dinp, const float *dout, const float *out,
   for (int64_t i = 0; i < N; i++) dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
 }
 
-// inp (N) -> out (N) = x * Phi(x), Phi the standard normal's CDF (PyTorch's exact gelu)
+// inp (N) -> out (N) = x * Phi(x), Phi the standard normal's CDF (PyTorch's exact gelu). Phi(x)
+// is erfc(-x/sqrt 2) / 2 rather than (1 + erf(x/sqrt 2)) / 2, which cancels for negative x.
 void fy_gelu_forward(float *out, const float *inp, int64_t N) {
-#pragma omp parallel for schedule(static) if (parallel : N > FY_EW_PAR / 8)
-  for (int64_t i = 0; i < N; i++) out[i] = 0.5f * inp[i] * (1.0f + erff(inp[i] * (float)M_SQRT1_2));
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR / 8)
+  for (int64_t i = 0; i < N; i++) out[i] = 0.5f * inp[i] * erfcf(inp[i] * -(float)M_SQRT1_2);
 }
 
 // dout (N), inp (N) -> dinp (N) += dout * (Phi(x) + x * phi(x))
 void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N) {
   const float inv_sqrt_2pi = 0.3989422804014327f;
-#pragma omp parallel for schedule(static) if (parallel : N > FY_EW_PAR / 8)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR / 8)
   for (int64_t i = 0; i < N; i++) {
-    float x = inp[i], cdf = 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)), pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
+    float x = inp[i], cdf = 0.5f * erfcf(x * -(float)M_SQRT1_2), pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
     dinp[i] += dout[i] * (cdf + x * pdf);
   }
 }
