@@ -71,10 +71,11 @@ __global__ void relu_backward_kernel(T *dinp, const T *dout, const T *out, int64
     if (fy_ld(out + i) > 0.0f) fy_st(dinp + i, fy_ld(dinp + i) + fy_ld(dout + i));
 }
 
-// x * Phi(x) and its derivative Phi(x) + x * phi(x): gelu with erf, as PyTorch's default.
-static __device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+// x * Phi(x) and its derivative Phi(x) + x * phi(x): gelu with erf, as PyTorch's default, Phi(x)
+// as erfc(-x/sqrt 2)/2 (as the CPU kernel: no cancellation for negative x).
+static __device__ __forceinline__ float gelu(float x) { return 0.5f * x * erfcf(x * -0.70710678118654752f); }
 static __device__ __forceinline__ float gelu_grad(float x) {
-  return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
+  return 0.5f * erfcf(x * -0.70710678118654752f) + x * 0.3989422804014327f * expf(-0.5f * x * x);
 }
 
 // inp (N) -> out (N)
