@@ -293,7 +293,11 @@ static void usage_train(FILE *f, bool eval) {
   if (eval) {
     fprintf(f,
             "  --batches N        batches to average over (default %lld)\n"
-            "  --dump FILE        write the first batch's input_ids and logits (safetensors)\n",
+            "  --dump FILE        write the first batch's input_ids and logits (safetensors; cpu)\n"
+            "  --device D         cpu (default) or cuda: the whole model held on the device\n"
+            "  --device-mem SIZE  cap on the GPU memory it may use (default: all of it)\n"
+            "  --precision P      fp32 (default on cpu), bf16 (default on cuda) or fp16 (cpu): the\n"
+            "                     forward in P, as training with it runs\n",
             (long long)d.eval_batches);
     return;
   }
@@ -446,7 +450,9 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},
       {"seq", required_argument, 0, OPT_SEQ}, {"seed", required_argument, 0, OPT_SEED},
       {"threads", required_argument, 0, OPT_THREADS}, {"batches", required_argument, 0, OPT_BATCHES},
-      {"dump", required_argument, 0, OPT_DUMP}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+      {"dump", required_argument, 0, OPT_DUMP}, {"device", required_argument, 0, OPT_DEVICE},
+      {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"precision", required_argument, 0, OPT_PRECISION},
+      {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
   const char *cmd = eval ? "eval" : "train";

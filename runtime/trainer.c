@@ -1310,7 +1310,16 @@ done:
 
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   struct fy_train_opts e = *o;
-  e.device = "cpu";  // evaluation keeps the model resident
+  // Evaluation holds the whole model on its device (no offload engine: its access trace is a
+  // training step's): the cpu, or a GPU, where the forward runs in bf16 unless told otherwise.
+  if (!e.device) e.device = "cpu";
+  const bool cuda = strcmp(e.device, "cuda") == 0;
+  if (!cuda && strcmp(e.device, "cpu") != 0)
+    return fy_error_set(FY_ERR_INVALID, "--device %s: ferry eval runs on cpu or cuda (the whole model on the device)",
+                        e.device);
+  if (cuda && o->dump) return fy_error_set(FY_ERR_UNSUPPORTED, "--dump writes the cpu's logits: use --device cpu");
+  e.offload = false;
+  if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
   struct run r;
   fy_status st = setup(&e, &r, false);
   double sum = 0;

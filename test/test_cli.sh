@@ -58,6 +58,11 @@ lines=$(wc -l < "$tmp/log.jsonl" 2>/dev/null || echo 0)
 if [ "$lines" -eq 3 ] && grep -q '"tokens_per_s"' "$tmp/log.jsonl"; then pass=$((pass + 1)); echo "ok    the log has one JSON line per step"
 else fail=$((fail + 1)); echo "FAIL  the log has $lines lines"; fi
 expect 0 "eval of the saved checkpoint" "eval loss" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --batch 2 --seq 16
+expect 0 "eval in bf16 on the cpu" "eval loss" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --batch 2 --seq 16 \
+  --precision bf16
+expect 1 "eval on the sim device" "runs on cpu or cuda" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --device sim
+expect 1 "eval --dump on a GPU" "use --device cpu" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --device cuda \
+  --dump "$tmp/d.safetensors"
 
 # Configs.
 expect 1 "a missing config" "neither a preset nor" -- train --model "$tmp/none" --data "$tmp/ok.bin"

@@ -3,9 +3,11 @@
 // and the losses and parameters after 5 AdamW steps with clipping. On the cpu device by default;
 // `--device cuda` runs the same checks with the model resident on GPU 0
 // and its CUDA kernels (fp32, true fp32 GEMMs), exiting 77 (skipped) when there is no GPU.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "core/opt.h"
@@ -15,6 +17,8 @@
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/optimizer.h"
+#include "runtime/data.h"
+#include "runtime/trainer.h"
 #if FY_HAVE_CUDA
 #include "runtime/engine_cuda.h"
 #endif
@@ -202,6 +206,36 @@ static void run_fixture(const char *dir) {
   fy_safetensors_close(ex);
 }
 
+// `ferry eval --device cuda` (the whole model on the GPU): fp32 gives the cpu's mean loss, bf16
+// (its default there) comes close.
+static void eval_on_cuda(const char *dir) {
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_config_read(dir, &cfg));
+  char shard[256];
+  snprintf(shard, sizeof shard, "/tmp/fy_reference_eval_%d.bin", (int)getpid());
+  uint16_t tok[2000];
+  for (int i = 0; i < 2000; i++) tok[i] = (uint16_t)((i * 7 + i / 13) % cfg.vocab_size);
+  CHECK_OK(fy_shard_write(shard, tok, 2000));
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  o.init = dir;
+  o.data = shard;
+  o.batch = 2;
+  o.seq = cfg.max_position_embeddings < 16 ? cfg.max_position_embeddings : 16;
+  o.eval_batches = 3;
+  o.precision = "fp32";
+  double cpu = 0, gpu = 0, gpu16 = 0;
+  o.device = "cpu";
+  CHECK_OK(fy_eval(&o, &cpu));
+  o.device = "cuda";
+  CHECK_OK(fy_eval(&o, &gpu));
+  o.precision = NULL;
+  CHECK_OK(fy_eval(&o, &gpu16));
+  CHECKF(fabs(gpu - cpu) <= 1e-5 * fabs(cpu) && fabs(gpu16 - cpu) <= 2e-2 * fabs(cpu),
+         "%s: eval on cuda %.6f (fp32), %.6f (bf16), on the cpu %.6f", dir, gpu, gpu16, cpu);
+  unlink(shard);
+}
+
 int main(int argc, char **argv) {
   const char *src = getenv("FY_SOURCE_DIR");
   int first = 1;
@@ -230,6 +264,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 2; i++) {
     snprintf(dir, sizeof dir, "%s/test/reference/%s", src ? src : ".", fixtures[i]);
     run_fixture(dir);
+    if (on_cuda) eval_on_cuda(dir);
   }
   for (int i = first; i < argc; i++) run_fixture(argv[i]);
   fy_matmul_cache_clear();
