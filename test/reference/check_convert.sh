@@ -50,4 +50,13 @@ for d in bin1 bin2; do
   if [ "$got" = "$ref" ]; then echo "ok    $d converted: $got"; else echo "FAIL  $d converted: '$got', want '$ref'"; fail=1; fi
 done
 [ -f conv_bin2/model.safetensors.index.json ] || { echo "FAIL  two pickle shards did not give two safetensors shards"; fail=1; }
+# What it cannot convert is said, with a non-zero exit: a directory that is safetensors already, one
+# without weights, the output over the input.
+mkdir empty
+for args in "st out_st:already holds safetensors" "empty out_e:holds neither" "bin1 bin1:must differ"; do
+  set -- ${args%%:*}
+  if python3 "$here/../../tools/convert.py" "$1" "$2" >msg.txt 2>&1 || ! grep -q "${args#*:}" msg.txt; then
+    echo "FAIL  convert.py $1 $2: $(tail -1 msg.txt)"; fail=1
+  else echo "ok    convert.py $1 $2 refused: $(tail -1 msg.txt)"; fi
+done
 exit "$fail"
