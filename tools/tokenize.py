@@ -36,7 +36,8 @@ WIDE_MAGIC, WIDE_VERSION = 20240801, 7  # uint32 tokens
 HEADER_INTS = 256
 MAX_SHARD_TOKENS = 2**31 - 1  # the header's count is an int32
 BYTES_EOT = 256
-READ_CHUNK = 1 << 20  # characters per tokenizer call
+READ_CHUNK = 1 << 20  # characters per chunk given to the tokenizer
+BATCH_CHUNKS = 16  # chunks per tokenizer call
 
 
 def write_shard(path, tokens):
@@ -148,14 +149,25 @@ def hf_tokenizer(name):
 
 
 def hf_documents(tok, files, writer):
-    for i, path in enumerate(files):
-        if i:
-            writer.add([tok.eos_token_id])
-        for text in read_chunks(path):
-            ids = tok.encode(text, add_special_tokens=False)
+    def encode(texts):
+        # A batch of chunks at once: a fast tokenizer spreads them over the cores; each chunk is
+        # encoded alone, as one at a time would be.
+        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
             if ids and max(ids) >= writer.vocab:
                 sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(ids), writer.vocab))
             writer.add(ids)
+
+    for i, path in enumerate(files):
+        if i:
+            writer.add([tok.eos_token_id])
+        batch = []
+        for text in read_chunks(path):
+            batch.append(text)
+            if len(batch) == BATCH_CHUNKS:
+                encode(batch)
+                batch = []
+        if batch:
+            encode(batch)
 
 
 def main(argv=None):
