@@ -66,14 +66,21 @@ def input_shards(src):
     sys.exit("convert.py: %s holds neither %s nor %s" % (src, WEIGHTS, WEIGHTS_INDEX))
 
 
-def load(path, torch):
+def load(path, torch, trust):
+    """The pickle's dict of tensors: memory-mapped when its format allows, and unpickling nothing
+    but tensors and plain containers unless trust (a pickle can run code when loaded)."""
+    import pickle
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # a file in the legacy (pre-zip) format cannot be memory-mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust)
+        except RuntimeError:  # a file in the legacy (pre-zip) format cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError:
+        sys.exit("convert.py: %s holds objects other than tensors, which a safe load refuses; if you "
+                 "trust where it comes from, --trust-pickle loads it anyway" % path)
 
 
-def convert(src, out, dtype=None):
+def convert(src, out, dtype=None, trust=False):
     import torch
     from safetensors.torch import save_file
 
@@ -85,7 +92,7 @@ def convert(src, out, dtype=None):
     seen = {}  # storage pointer -> first tensor name, across shards
     out_map, total, count = {}, 0, 0
     for name, fname in zip(names, files):
-        state = load(os.path.join(src, fname), torch)
+        state = load(os.path.join(src, fname), torch, trust)
         if not isinstance(state, dict):
             sys.exit("convert.py: %s does not hold a dict of tensors" % fname)
         tensors = {}
@@ -139,6 +146,8 @@ def main(argv=None):
     ap.add_argument("out", metavar="OUT", help="the directory to write (created if missing)")
     ap.add_argument("--dtype", choices=("keep", "f32", "bf16", "f16"), default="keep",
                     help="the floating-point dtype written (default: keep each tensor's)")
+    ap.add_argument("--trust-pickle", action="store_true",
+                    help="unpickle whatever the files hold (they may run code: only for files you trust)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -148,7 +157,7 @@ def main(argv=None):
     dtype = {"keep": None, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     if os.path.abspath(args.src) == os.path.abspath(args.out):
         ap.error("OUT must differ from SRC")
-    convert(args.src, args.out, dtype)
+    convert(args.src, args.out, dtype, args.trust_pickle)
     return 0
 
 

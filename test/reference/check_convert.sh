@@ -2,8 +2,9 @@
 # tools/convert.py turns a model saved as PyTorch pickles into the safetensors files ferry reads:
 # a tied fp16 post-LN OPT saved by transformers as one pytorch_model.bin, and the same tensors in
 # two pickle shards with an index and without the "model." prefix (as older checkpoints name
-# them), both give ferry the loss of transformers' own safetensors save; ferry's message for a
-# pickled model names the tool.
+# them), and the single file in the legacy pickle format all give ferry the loss of transformers'
+# own safetensors save; ferry's message for a pickled model names the tool; what convert.py cannot
+# convert is refused with the reason.
 # usage: test/reference/check_convert.sh path/to/ferry
 set -euo pipefail
 ferry="$(realpath "$1")"
@@ -44,19 +45,28 @@ if "$ferry" eval --init bin1 --model bin1 --data data.bin --seq 16 >out.txt 2>&1
   echo "FAIL  a pickled model: no pointer to tools/convert.py"; cat out.txt; fail=1
 fi
 ref="$("$ferry" eval --init st --model st --data data.bin --batch 2 --seq 16 --batches 3)"
-for d in bin1 bin2; do
+# bin3: the single file in the legacy (pre-zip) pickle format, which cannot be memory-mapped.
+mkdir empty bin3 bin4
+cp bin1/config.json bin3/
+python3 -c "import torch; torch.save(torch.load('bin1/pytorch_model.bin'), 'bin3/pytorch_model.bin', \
+  _use_new_zipfile_serialization=False)"
+for d in bin1 bin2 bin3; do
   python3 "$here/../../tools/convert.py" "$d" "conv_$d" >/dev/null
   got="$("$ferry" eval --init "conv_$d" --model "conv_$d" --data data.bin --batch 2 --seq 16 --batches 3)"
   if [ "$got" = "$ref" ]; then echo "ok    $d converted: $got"; else echo "FAIL  $d converted: '$got', want '$ref'"; fail=1; fi
 done
 [ -f conv_bin2/model.safetensors.index.json ] || { echo "FAIL  two pickle shards did not give two safetensors shards"; fail=1; }
 # What it cannot convert is said, with a non-zero exit: a directory that is safetensors already, one
-# without weights, the output over the input.
-mkdir empty
-for args in "st out_st:already holds safetensors" "empty out_e:holds neither" "bin1 bin1:must differ"; do
+# without weights, the output over the input, a pickle holding more than tensors (unless trusted).
+python3 -c "import argparse, torch; sd = torch.load('bin1/pytorch_model.bin'); sd['args'] = argparse.Namespace(); \
+  torch.save(sd, 'bin4/pytorch_model.bin')"
+for args in "st out_st:already holds safetensors" "empty out_e:holds neither" "bin1 bin1:must differ" \
+            "bin4 out_b4:--trust-pickle"; do
   set -- ${args%%:*}
-  if python3 "$here/../../tools/convert.py" "$1" "$2" >msg.txt 2>&1 || ! grep -q "${args#*:}" msg.txt; then
+  if python3 "$here/../../tools/convert.py" "$1" "$2" >msg.txt 2>&1 || ! grep -q -- "${args#*:}" msg.txt; then
     echo "FAIL  convert.py $1 $2: $(tail -1 msg.txt)"; fail=1
   else echo "ok    convert.py $1 $2 refused: $(tail -1 msg.txt)"; fi
 done
+python3 "$here/../../tools/convert.py" bin4 out_b4 --trust-pickle >/dev/null && [ -f out_b4/model.safetensors ] \
+  || { echo "FAIL  --trust-pickle did not convert"; fail=1; }
 exit "$fail"
