@@ -294,10 +294,14 @@ static void usage_train(FILE *f, bool eval) {
     fprintf(f,
             "  --batches N        batches to average over (default %lld)\n"
             "  --dump FILE        write the first batch's input_ids and logits (safetensors; cpu)\n"
-            "  --device D         cpu (default) or cuda: the whole model held on the device\n"
-            "  --device-mem SIZE  cap on the GPU memory it may use (default: all of it)\n"
-            "  --precision P      fp32 (default on cpu), bf16 (default on cuda) or fp16 (cpu): the\n"
-            "                     forward in P, as training with it runs\n",
+            "  --device D         cpu (default), cuda (the whole model on the GPU; with --offload\n"
+            "                     its chunks through a device cache, as training offloads them) or sim\n"
+            "  --device-mem SIZE  device memory to use (default: all of a GPU's, 1GiB on sim)\n"
+            "  --host-mem SIZE    host memory for the offloaded weights (default: the machine's)\n"
+            "  --precision P      fp32 (default on cpu, sim), bf16 (default on cuda) or fp16 (cpu,\n"
+            "                     sim): the forward in P, as training with it runs\n"
+            "  --recompute        the activations of one layer at a time (offloaded: a smaller\n"
+            "                     working set; the forward is the same)\n",
             (long long)d.eval_batches);
     return;
   }
@@ -452,7 +456,8 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"threads", required_argument, 0, OPT_THREADS}, {"batches", required_argument, 0, OPT_BATCHES},
       {"dump", required_argument, 0, OPT_DUMP}, {"device", required_argument, 0, OPT_DEVICE},
       {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"precision", required_argument, 0, OPT_PRECISION},
-      {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+      {"offload", no_argument, 0, OPT_OFFLOAD}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
+      {"recompute", no_argument, 0, OPT_RECOMPUTE}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
   const char *cmd = eval ? "eval" : "train";
@@ -562,9 +567,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
   sigaction(SIGTERM, &sa, NULL);
   if (eval) {
     double loss;
-    st = fy_eval(&o, &loss);
-    if (st == FY_OK) printf("eval loss %.6f over %lld batches of %lld x %lld\n", loss,
-                            (long long)o.eval_batches, (long long)o.batch, (long long)o.seq);
+    st = fy_eval(&o, &loss);  // (rank 0 prints the mean)
   } else {
     struct fy_train_result r;
     st = fy_train(&o, &r);

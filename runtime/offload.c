@@ -92,6 +92,7 @@ struct fy_offload {
   // Chunk sharding (fy_offload_opts.comm): this rank keeps elements [lo, lo + S) of every chunk;
   // without sharding lo = 0 and S = chunk_elems. slot: floats of each per-chunk state buffer.
   bool sharded, shards_on_device, taken;
+  bool forward_only;  // evaluation: forward passes alone, no gradients or AdamW state
   int rank, world;
   int64_t lo, S;
   // One communicator per stream that runs collectives: the blocks' (copy_in, copy_out; of
@@ -372,7 +373,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (x->n_disk_chunks > 0 && x->shards_on_device)
     return fy_error_set(FY_ERR_INVALID, "shards on the device and optimizer state on disk do not combine");
   size_t bytes = (size_t)x->S * 4;  // a chunk's, or with sharding this rank's shard of it
-  if (host_chunks(x) > 0) {
+  if (x->forward_only && (x->n_dev > 0 || x->n_disk_chunks > 0))
+    return fy_error_set(FY_ERR_INVALID, "a forward-only engine keeps no chunks on the device or disk");
+  if (host_chunks(x) > 0 && !x->forward_only) {
     FY_TRY(state_alloc(x, host_chunks(x) * bytes, &x->m_all));
     FY_TRY(state_alloc(x, host_chunks(x) * bytes, &x->v_all));
   }
@@ -380,6 +383,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
     if (c < x->n_dev) continue;
     if (x->sharded) FY_TRY(state_alloc(x, bytes, &x->w_home[c]));
+    if (x->forward_only) continue;  // (no gradients, m or v)
     if (c >= nc - x->n_disk_chunks) {
       FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
     } else {
@@ -413,7 +417,12 @@ static fy_status create_pass(struct fy_offload *x) {
   const struct fy_chunk_layout *l = m->layout;
   x->actions = calloc((size_t)fy_graph_max_actions(g), sizeof *x->actions);
   if (!x->actions) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
-  x->n_actions = fy_graph_pass_actions(g, x->actions);
+  if (x->forward_only) {  // evaluation: the forward's actions alone
+    for (int o = 0; o < g->n_ops; o++) x->actions[o] = (struct fy_action){o, FY_ACT_FORWARD};
+    x->n_actions = g->n_ops;
+  } else {
+    x->n_actions = fy_graph_pass_actions(g, x->actions);
+  }
   // The cache's trace: the accesses of chunks it manages (not those kept on the device).
   int64_t n = 0;
   for (int a = 0; a < x->n_actions; a++) n += l->op_first[x->actions[a].op + 1] - l->op_first[x->actions[a].op];
@@ -453,6 +462,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->dev = m->dev;
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
+  x->forward_only = o->forward_only;
   x->esize = payload_bytes(m);
   pthread_mutex_init(&x->err_lock, NULL);
   int64_t ce = m->layout->chunk_elems;
@@ -980,8 +990,21 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c) {
   return FY_OK;
 }
 
+fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum) {
+  if (!x->forward_only) return fy_error_set(FY_ERR_INVALID, "fy_offload_forward: a training engine (forward_only off)");
+  const int p = x->parity;  // the pass's calls, whose status tells how its kernels went
+  FY_TRY(fy_offload_micro(x, batch, 0, 1.0f));
+  FY_TRY(fy_event_sync(x->pass_done[p]));
+  FY_TRY(async_status(x));
+  for (int a = 0; a < x->n_actions; a++)
+    if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
+  *loss_sum = x->loss_sums[0];
+  return FY_OK;
+}
+
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double *norm, double *loss_sum, bool *skipped) {
+  if (x->forward_only) return fy_error_set(FY_ERR_INVALID, "fy_offload_update: a forward-only engine");
   int q = x->step_parity;
   x->step_parity ^= 1;
   FY_TRY(fy_event_sync(x->updates_done[q]));  // the arguments of two steps ago are free

@@ -28,6 +28,8 @@
 #include "runtime/optimizer.h"
 
 struct fy_offload_opts {
+  bool forward_only;            // evaluation: passes of forward only (fy_offload_forward); no
+                                // gradients or AdamW state (n_device_chunks, n_disk_chunks 0)
   int prefetch;                 // distinct chunks to load ahead of use (0: on demand)
   int n_blocks;                 // device cache blocks; 0: as many as the device memory holds
   int max_micro;                // micro-batches per step (gradient accumulation)
@@ -89,6 +91,9 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
 // losses.
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double *norm, double *loss_sum, bool *skipped);
+// Evaluation (opts.forward_only): the forward of a batch through the same cache, prefetch and
+// shards as training's, then waits for it; *loss_sum receives its sum of token losses.
+fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum);
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);
 

@@ -113,6 +113,7 @@ struct run {
   struct fy_model *model;
   struct fy_offload *x;  // NULL: parameters resident on a cpu device
   bool ckpt_by_chunk;    // checkpoints written chunk by chunk from the offloaded state (fy_ckpt_write_pieces)
+  bool eval;             // set up for evaluation (an offload engine of forward passes alone)
   fy_data *data;
 };
 
@@ -201,16 +202,20 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   bool g16 = fy_offload_grads_in_copy(cdt, (int)o->grad_accum);  // no fp32 gradients in the host tier
   // Per chunk: m, v, the gradients unless they come home over the 16-bit copy, and with sharding
   // the rank's shard of the master weights (one rank's stay in the model's buffer, counted in use).
-  size_t shard_bytes = chunk_bytes / (size_t)r->dp, per_chunk = ((r->dp > 1) + (g16 ? 2 : 3)) * shard_bytes;
+  // (Evaluation keeps no gradients, m or v: only the sharded weights.)
+  size_t shard_bytes = chunk_bytes / (size_t)r->dp,
+         per_chunk = ((r->dp > 1) + (r->eval ? 0 : g16 ? 2 : 3)) * shard_bytes;
   size_t reserve = 3 * chunk_bytes;
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems / (size_t)r->dp * esize;  // 16-bit weights
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
-  int fit = (int)(spare / per_chunk);
-  if (fit < l->n_chunks) {
+  int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;
+  if (fit < l->n_chunks && !r->eval) {
     reserve += 5 * shard_bytes;
     spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
     fit = (int)(spare / per_chunk);
   }
+  if (r->eval && fit < l->n_chunks)
+    return fy_error_set(FY_ERR_NOMEM, "the weights' shards do not fit in the host memory (--host-mem)");
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
   int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
   // Several ranks: the shards live in the host tier, or all of them on the device.
@@ -256,7 +261,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
 #endif
     }
   }
-  struct fy_offload_opts xo = {.prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
+  struct fy_offload_opts xo = {.forward_only = r->eval, .prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm};
@@ -294,8 +299,9 @@ static fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) 
   return FY_OK;
 }
 
-static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle) {
+static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool eval) {
   memset(r, 0, sizeof *r);
+  r->eval = eval;
   FY_TRY(fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, &r->comm));
   r->rank = fy_comm_rank(r->comm);
   r->world = fy_comm_size(r->comm);
@@ -1057,7 +1063,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   bool *ckpt_busy = NULL;
   int64_t first_step = 0, scale_good = 0;
   double scale = 1.0;
-  fy_status st = setup(o, &r, o->shuffle);
+  fy_status st = setup(o, &r, o->shuffle, false);
   const struct fy_opt_config *cfg = &r.cfg;  // (said once, by the rank that speaks; evaluation has no dropout)
   if (st == FY_OK && r.rank == 0 &&
       (cfg->dropout > 0 || cfg->attention_dropout > 0 || cfg->activation_dropout > 0 || cfg->layerdrop > 0))
@@ -1310,28 +1316,34 @@ done:
 
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   struct fy_train_opts e = *o;
-  // Evaluation holds the whole model on its device (no offload engine: its access trace is a
-  // training step's): the cpu, or a GPU, where the forward runs in bf16 unless told otherwise.
+  // The whole model on the cpu or a GPU; or, offloaded (sim, or a GPU with --offload), the chunks
+  // through the device cache in forward passes alone (no gradients or AdamW state kept). On a GPU
+  // the forward runs in bf16 unless told otherwise.
   if (!e.device) e.device = "cpu";
-  const bool cuda = strcmp(e.device, "cuda") == 0;
-  if (!cuda && strcmp(e.device, "cpu") != 0)
-    return fy_error_set(FY_ERR_INVALID, "--device %s: ferry eval runs on cpu or cuda (the whole model on the device)",
-                        e.device);
-  if (cuda && o->dump) return fy_error_set(FY_ERR_UNSUPPORTED, "--dump writes the cpu's logits: use --device cpu");
-  e.offload = false;
+  const bool cuda = strcmp(e.device, "cuda") == 0, sim = strcmp(e.device, "sim") == 0;
+  if (!cuda && !sim && strcmp(e.device, "cpu") != 0)
+    return fy_error_set(FY_ERR_INVALID, "--device %s: ferry eval runs on cpu, sim or cuda", e.device);
+  if (e.offload && !cuda) return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda (sim always offloads)");
+  if (o->dump && strcmp(e.device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--dump writes the cpu's logits: use --device cpu");
   if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
   struct run r;
-  fy_status st = setup(&e, &r, false);
+  fy_status st = setup(&e, &r, false, true);
   double sum = 0;
   int64_t count = 0;
   for (int64_t i = 0; st == FY_OK && i < o->eval_batches; i++) {
     struct fy_batch *batch;
-    struct fy_loss loss;
+    struct fy_loss loss = {0};
     if ((st = fy_data_next(r.data, &batch)) != FY_OK) break;
-    if ((st = fy_engine_forward(r.model, batch, &loss)) != FY_OK) break;
+    if (r.x) {
+      if ((st = fy_offload_forward(r.x, batch, &loss.sum)) != FY_OK) break;
+      loss.count = fy_engine_count_targets(batch);
+    } else if ((st = fy_engine_forward(r.model, batch, &loss)) != FY_OK) {
+      break;
+    }
     sum += loss.sum;
     count += loss.count;
-    if (i == 0 && o->dump) {
+    if (i == 0 && o->dump && r.rank == 0) {
       const struct fy_graph *g = r.model->graph;
       struct fy_st_tensor ts[2] = {
           {.name = "input_ids", .dtype = FY_I32, .rank = 2, .shape = {g->B, g->T},
@@ -1342,7 +1354,18 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
       st = fy_safetensors_write(o->dump, ts, 2, NULL);
     }
   }
+  // Several data-parallel ranks each took their rows of every batch: their sums, added in rank
+  // order (doubles travel as pairs of words), make the mean over the global batches.
+  if (st == FY_OK && r.dp > 1) {
+    double mine[2] = {sum, (double)count}, all[2 * r.dp];
+    st = fy_comm_all_gather(r.dp_comm, mine, all, 4, FY_COMM_F32, NULL);
+    sum = count = 0;
+    for (int k = 0; st == FY_OK && k < r.dp; k++) sum += all[2 * k], count += (int64_t)all[2 * k + 1];
+  }
   *mean_loss = count ? sum / (double)count : NAN;
+  if (st == FY_OK && r.rank == 0 && !o->quiet)
+    printf("eval loss %.6f over %lld batches of %lld x %lld\n", *mean_loss, (long long)o->eval_batches,
+           (long long)(o->batch * r.dp), (long long)o->seq);
   teardown(&r);
   return st;
 }

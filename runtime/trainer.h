@@ -117,7 +117,10 @@ fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res);
 // Writes a Hugging Face model directory (config.json, model.safetensors or shards) from a
 // checkpoint (a root or a step directory), checking it on the way.
 fy_status fy_export(const char *checkpoint, const char *out_dir);
-// Mean loss over eval_batches batches of the data (in order), optionally dumping logits.
+// Mean loss over eval_batches batches of the data (in order), optionally dumping logits: the
+// whole model on the cpu or a GPU, or offloaded (sim; cuda with o->offload) through the chunk
+// cache in forward passes alone. Several ranks split every batch's rows and combine their sums;
+// rank 0 prints the result unless o->quiet.
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss);
 
 #endif

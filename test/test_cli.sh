@@ -60,7 +60,13 @@ else fail=$((fail + 1)); echo "FAIL  the log has $lines lines"; fi
 expect 0 "eval of the saved checkpoint" "eval loss" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --batch 2 --seq 16
 expect 0 "eval in bf16 on the cpu" "eval loss" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --batch 2 --seq 16 \
   --precision bf16
-expect 1 "eval on the sim device" "runs on cpu or cuda" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --device sim
+cpu_eval="$("$ferry" eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --batch 2 --seq 16 2>/dev/null)"
+expect 0 "eval offloaded on the sim device: the cpu's loss" "^$cpu_eval\$" -- eval --init "$tmp/ckpt" \
+  --data "$tmp/ok.bin" --batch 2 --seq 16 --device sim --device-mem 2MiB
+expect 1 "eval --offload without a GPU device" "--offload is for --device cuda" -- eval --init "$tmp/ckpt" \
+  --data "$tmp/ok.bin" --offload
+expect 2 "eval on an unknown device" "cpu, sim or cuda" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" \
+  --device tpu
 expect 1 "eval --dump on a GPU" "use --device cpu" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --device cuda \
   --dump "$tmp/d.safetensors"
 

@@ -207,7 +207,7 @@ static void run_fixture(const char *dir) {
 }
 
 // `ferry eval --device cuda` (the whole model on the GPU): fp32 gives the cpu's mean loss, bf16
-// (its default there) comes close.
+// (its default there) comes close; offloaded (--offload), bf16 gives about the resident bf16 loss.
 static void eval_on_cuda(const char *dir) {
   struct fy_opt_config cfg;
   CHECK_OK(fy_opt_config_read(dir, &cfg));
@@ -223,6 +223,7 @@ static void eval_on_cuda(const char *dir) {
   o.batch = 2;
   o.seq = cfg.max_position_embeddings < 16 ? cfg.max_position_embeddings : 16;
   o.eval_batches = 3;
+  o.quiet = true;
   o.precision = "fp32";
   double cpu = 0, gpu = 0, gpu16 = 0;
   o.device = "cpu";
@@ -233,6 +234,13 @@ static void eval_on_cuda(const char *dir) {
   CHECK_OK(fy_eval(&o, &gpu16));
   CHECKF(fabs(gpu - cpu) <= 1e-5 * fabs(cpu) && fabs(gpu16 - cpu) <= 2e-2 * fabs(cpu),
          "%s: eval on cuda %.6f (fp32), %.6f (bf16), on the cpu %.6f", dir, gpu, gpu16, cpu);
+  // Offloaded: the chunks through the device cache in forward passes alone, 2 blocks.
+  double off16 = 0;
+  o.offload = true;
+  o.blocks = 2;
+  CHECK_OK(fy_eval(&o, &off16));
+  CHECKF(fabs(off16 - gpu16) <= 1e-3 * fabs(gpu16), "%s: eval offloaded on cuda %.6f, resident %.6f", dir, off16,
+         gpu16);
   unlink(shard);
 }
 
