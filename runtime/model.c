@@ -144,23 +144,26 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   }
   const struct fy_graph *g = m->graph;
   int64_t np = g->n_param_elems;
-  double state = 16.0 * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
+  const bool inference = opts && opts->inference;  // the weights alone: no gradients, m or v
+  double state = (inference ? 4.0 : 16.0) * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
   if (!m->host && dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
     fy_chunk_layout_free(m->layout);
     fy_graph_free(m->graph);
     free(m);
     char need[32], sb[32], ab[32], has[32];
     return fy_error_set(FY_ERR_NOMEM,
-                        "%s with micro-batch %lld x %lld needs %s (%s of parameters, gradients and AdamW "
-                        "state at 16 bytes per parameter, %s of activations) but the %s device has %s",
+                        "%s with micro-batch %lld x %lld needs %s (%s of %s, %s of activations) but the %s "
+                        "device has %s",
                         cfg->name, (long long)B, (long long)T, fy_format_bytes(state + acts, need, sizeof need),
-                        fy_format_bytes(state, sb, sizeof sb), fy_format_bytes(acts, ab, sizeof ab), dev->name,
+                        fy_format_bytes(state, sb, sizeof sb),
+                        inference ? "weights" : "parameters, gradients and AdamW state at 16 bytes per parameter",
+                        fy_format_bytes(acts, ab, sizeof ab), dev->name,
                         fy_format_bytes((double)(dev->cap - dev->bytes_in_use), has, sizeof has));
   }
   if ((!(m->host && opts->no_params) && (st = home_alloc(m, np, &m->params)) != FY_OK) ||
-      (!m->host && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
-      (!m->host && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
-      (!m->host && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
+      (!m->host && !inference && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
+      (!m->host && !inference && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
+      (!m->host && !inference && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
       (st = buf_alloc(dev, g->act_elems, 4, (void **)&m->acts)) != FY_OK ||
       (st = buf_alloc(dev, g->grad_elems, 4, (void **)&m->dacts)) != FY_OK ||
       (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
@@ -190,7 +193,7 @@ fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
   if (dt != FY_F32 && !m->cparams && !m->host) {
     int64_t n = m->graph->n_param_elems;
     FY_TRY(buf_alloc(m->dev, n, m->cparams_esize, (void **)&m->cparams));
-    if (m->device_memory) FY_TRY(buf_alloc(m->dev, n, 2, (void **)&m->cgrads));
+    if (m->device_memory && m->grads) FY_TRY(buf_alloc(m->dev, n, 2, (void **)&m->cgrads));
   }
   // A GPU's 16-bit activations take half the arenas (core/graph.h, act16): planned again and
   // allocated again at the new sizes (nothing points into them yet).

@@ -117,6 +117,7 @@ struct fy_model_opts {
                               // gradients and AdamW's m and v are left to the caller (NULL here)
   int tp, tp_rank;            // tensor parallelism: this rank's part of the graph (0, 0: none)
   struct fy_comm *tp_comm;    // the tensor-parallel group (tp > 1), not owned
+  bool inference;             // forward only (evaluation): no parameter gradients, m or v
   bool no_params;             // with host: no buffer for the whole model's weights (m->params
                               // NULL): chunks sharded across ranks keep only their shards, which
                               // are set part by part (fy_model_source_fill)
@@ -189,8 +190,8 @@ static inline bool fy_model_params_on_device(const struct fy_model *m) { return 
 static inline float *fy_model_param(const struct fy_model *m, int id) {
   return m->params + m->graph->params[id].offset;
 }
-static inline float *fy_model_grad(const struct fy_model *m, int id) {
-  return m->grads + m->graph->params[id].offset;
+static inline float *fy_model_grad(const struct fy_model *m, int id) {  // (NULL without gradients: inference)
+  return m->grads ? m->grads + m->graph->params[id].offset : NULL;
 }
 
 #endif

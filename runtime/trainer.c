@@ -353,7 +353,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     // The cpu device may hand out what the machine has (its share of it, with several ranks); a
     // model that cannot fit is refused before anything is allocated, with what it would need.
     FY_TRY(fy_device_cpu_create(rank_ram(r), &r->dev));
-    struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm};
+    struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm,
+                               .inference = r->eval};
     st = fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model);
     int local = fy_comm_local_size(r->comm);
     char ram[32];
@@ -368,7 +369,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 #if FY_HAVE_CUDA
     // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute.
     FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
-    struct fy_model_opts mo = {.recompute = o->recompute};
+    struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     FY_TRY(fy_engine_cuda_attach(r->model));
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
