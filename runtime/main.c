@@ -294,8 +294,9 @@ static void usage_train(FILE *f, bool eval) {
     fprintf(f,
             "  --batches N        batches to average over (default %lld)\n"
             "  --dump FILE        write the first batch's input_ids and logits (safetensors; cpu)\n"
-            "  --device D         cpu (default), cuda (the whole model on the GPU; with --offload\n"
-            "                     its chunks through a device cache, as training offloads them) or sim\n"
+            "  --device D         cpu (default), cuda (the whole model on the GPU) or sim (offloaded)\n"
+            "  --offload          with --device cuda: the chunks through a device cache, as training\n"
+            "                     offloads them (a model bigger than the GPU)\n"
             "  --device-mem SIZE  device memory to use (default: all of a GPU's, 1GiB on sim)\n"
             "  --host-mem SIZE    host memory for the offloaded weights (default: the machine's)\n"
             "  --precision P      fp32 (default on cpu, sim), bf16 (default on cuda) or fp16 (cpu,\n"
