@@ -169,14 +169,17 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     if (ce0 % q != 0)
       FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, esize, (ce0 + q - 1) / q * q, &need, &ce0));
   }
-  if (need > dev_mem)
+  if (need > dev_mem) {
+    char has[32], chunk_b[32], need_b[32];
     return fy_error_set(FY_ERR_NOMEM,
-                        "--device-mem %.1f MiB cannot hold the smallest working set of %s with micro-batch "
-                        "%lld x %lld (the chunks one operator needs at once, %.1f MiB each, plus the "
-                        "activations): it needs at least %.1f MiB%s",
-                        dev_mem / 1048576.0, cfg->name, (long long)o->batch, (long long)o->seq,
-                        (double)ce0 * esize / 1048576.0, need / 1048576.0,
+                        "--device-mem %s cannot hold the smallest working set of %s with micro-batch "
+                        "%lld x %lld (the chunks one operator needs at once, %s each, plus the "
+                        "activations): it needs at least %s%s",
+                        fy_format_bytes((double)dev_mem, has, sizeof has), cfg->name, (long long)o->batch,
+                        (long long)o->seq, fy_format_bytes((double)ce0 * esize, chunk_b, sizeof chunk_b),
+                        fy_format_bytes((double)need, need_b, sizeof need_b),
                         o->recompute ? "" : " (--recompute lowers it)");
+  }
   // By default chunks are as small as the largest parameter group allows: finer caching.
   // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
   if (r->tp > 1) FY_TRY(fy_comm_split(r->tp_comm, 0, r->tp_rank, &r->tp_compute));
