@@ -195,6 +195,24 @@ expect 1 "--offload without a GPU device" "--offload is for --device cuda" -- tr
 expect 1 "--tp with one rank" "does not divide the 1 ranks" -- train "${tiny[@]}" --steps 1 --tp 2
 expect 2 "--tp 0" "--tp" -- train "${tiny[@]}" --steps 1 --tp 0
 
+# tools/tokenize.py on JSON Lines (--jsonl KEY): each line's KEY string is one document, the end
+# of text between documents (an empty one too); a line that is not an object with that string is
+# an error naming the file and line.
+tokpy="$(dirname "$0")/../tools/tokenize.py"
+printf '{"text": "h\\u00e9llo", "id": 1}\n\n{"text": ""}\n{"id": 3, "text": "w\\u00f6rld"}\n' > "$tmp/docs.jsonl"
+if python3 "$tokpy" --tokenizer bytes --jsonl text --out "$tmp/jl/d" "$tmp/docs.jsonl" >/dev/null &&
+   python3 -c "import struct, sys; b = open(sys.argv[1], 'rb').read(); n = struct.unpack('<3i', b[:12])[2]; \
+     t = list(struct.unpack('<%dH' % n, b[1024:])); \
+     sys.exit(t != list('h\u00e9llo'.encode()) + [256, 256] + list('w\u00f6rld'.encode()))" "$tmp/jl/d_000000.bin"; then
+  pass=$((pass + 1)); echo "ok    tokenize.py --jsonl: one document per line"
+else fail=$((fail + 1)); echo "FAIL  tokenize.py --jsonl"; fi
+printf '{"text": "a"}\n{"text": 5}\n' > "$tmp/bad.jsonl"
+if python3 "$tokpy" --tokenizer bytes --jsonl text --out "$tmp/jl/e" "$tmp/bad.jsonl" >"$tmp/jl.out" 2>&1; then
+  fail=$((fail + 1)); echo "FAIL  tokenize.py --jsonl accepted a line without the text"
+elif grep -q 'bad.jsonl:2: the object has no string "text"' "$tmp/jl.out"; then
+  pass=$((pass + 1)); echo "ok    tokenize.py --jsonl names the bad line"
+else fail=$((fail + 1)); echo "FAIL  tokenize.py --jsonl: unclear message"; cat "$tmp/jl.out"; fi
+
 # A tokenizer of more than 65536 tokens: tools/tokenize.py writes llm.c's wide shards (uint32) and
 # a model with that vocabulary trains on them (its first loss is about ln(vocab)). Needs the
 # tokenizers and transformers packages (test.sh's reference tools); without them it is left out.
@@ -216,6 +234,14 @@ PY
       sys.exit(h[:2] != (20240801, 7))" "$tmp/wide/w_000000.bin"; then
     pass=$((pass + 1)); echo "ok    tokenize.py writes uint32 shards for a vocabulary over 65536"
   else fail=$((fail + 1)); echo "FAIL  tokenize.py with a vocabulary over 65536"; fi
+  # JSON Lines through a Hugging Face tokenizer: the ids of the same documents as text files.
+  printf 'w1 w2 w3\nw4' > "$tmp/d1.txt"; printf 'w299 w0' > "$tmp/d2.txt"
+  printf '{"t": "w1 w2 w3\\nw4"}\n{"t": "w299 w0"}\n' > "$tmp/d.jsonl"
+  if python3 "$tokpy" --tokenizer "$tmp/bigtok" --out "$tmp/ft/a" "$tmp/d1.txt" "$tmp/d2.txt" >/dev/null &&
+     python3 "$tokpy" --tokenizer "$tmp/bigtok" --jsonl t --out "$tmp/fj/a" "$tmp/d.jsonl" >/dev/null &&
+     cmp -s "$tmp/ft/a_000000.bin" "$tmp/fj/a_000000.bin"; then
+    pass=$((pass + 1)); echo "ok    tokenize.py --jsonl with a Hugging Face tokenizer: the text files' ids"
+  else fail=$((fail + 1)); echo "FAIL  tokenize.py --jsonl with a Hugging Face tokenizer"; fi
   mkdir -p "$tmp/m70k"
   printf '{"model_type": "opt", "vocab_size": 70000, "hidden_size": 32, "num_attention_heads": 2, "ffn_dim": 64,
     "num_hidden_layers": 1, "max_position_embeddings": 64, "word_embed_proj_dim": 32}' > "$tmp/m70k/config.json"

@@ -3,8 +3,9 @@
 
 A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count, the rest
 0) followed by that many uint16 tokens; a tokenizer with more than 65536 tokens gets llm.c's wide
-shards instead (magic 20240801, version 7, uint32 tokens). Each input FILE is one document; documents are separated
-by an end-of-text token. Shards are written as PREFIX_000000.bin, PREFIX_000001.bin, ...
+shards instead (magic 20240801, version 7, uint32 tokens). Each input FILE is one document, or with
+--jsonl KEY each line of a JSON Lines file is an object whose KEY string is one document; documents
+are separated by an end-of-text token. Shards are written as PREFIX_000000.bin, PREFIX_000001.bin, ...
 
   --tokenizer bytes   one token per UTF-8 byte (0..255), 256 = end of text; needs nothing but the
                       standard library (the demo model's vocabulary is 512 wide, so ids fit).
@@ -14,6 +15,7 @@ by an end-of-text token. Shards are written as PREFIX_000000.bin, PREFIX_000001.
 Examples:
   python3 tools/tokenize.py --tokenizer bytes --out data/corpus data/corpus.txt
   python3 tools/tokenize.py --tokenizer facebook/opt-125m --out /data/wiki/wiki --shard-tokens 100000000 a.txt b.txt
+  python3 tools/tokenize.py --tokenizer facebook/opt-125m --jsonl text --out /data/web/web part-0.jsonl part-1.jsonl
 """
 
 import os
@@ -29,6 +31,7 @@ if getattr(sys.modules.get("tokenize"), "__file__", None) == os.path.abspath(__f
 
 import argparse  # noqa: E402
 import array  # noqa: E402
+import json  # noqa: E402
 import tempfile  # noqa: E402
 
 MAGIC, VERSION = 20240520, 1        # uint16 tokens
@@ -123,16 +126,66 @@ def read_chunks(path):
             yield pending
 
 
-def byte_documents(files, writer):
-    for i, path in enumerate(files):
-        if i:
-            writer.add([BYTES_EOT])
-        with open(path, "rb") as f:
-            while True:
-                block = f.read(READ_CHUNK)
-                if not block:
-                    break
-                writer.add(block)  # bytes are already the token ids 0..255
+def read_blocks(path):
+    """The file's bytes in pieces of READ_CHUNK."""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(READ_CHUNK)
+            if not block:
+                break
+            yield block
+
+
+def documents(files, jsonl_key, binary):
+    """The documents as (first, piece) pairs, first True at the start of each: a text file is one
+    document, in pieces of about READ_CHUNK (bytes as they are when binary); with jsonl_key, every
+    non-blank line of a file is a JSON object whose jsonl_key string is one document."""
+    for path in files:
+        if jsonl_key is None:
+            first = True
+            for piece in read_blocks(path) if binary else read_chunks(path):
+                yield first, piece
+                first = False
+            if first:  # an empty file is still a document
+                yield True, b"" if binary else ""
+            continue
+        with open(path, "r", encoding="utf-8", errors="strict") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    sys.exit("tokenize.py: %s:%d: not a JSON object (%s)" % (path, n, e))
+                text = obj.get(jsonl_key) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    sys.exit("tokenize.py: %s:%d: the object has no string \"%s\" (--jsonl KEY names the "
+                             "text's field)" % (path, n, jsonl_key))
+                yield True, text.encode("utf-8") if binary else text
+
+
+def tokenize(pieces, encode, eos, writer):
+    """Feeds the pieces' ids to the writer, eos between documents; encode takes a list of pieces
+    (BATCH_CHUNKS at most) and gives their ids."""
+    started = False
+    batch = []
+
+    def flush():
+        nonlocal started
+        for (first, _), ids in zip(batch, encode([p for _, p in batch])):
+            if first and started:
+                writer.add([eos])
+            started = True
+            if len(ids) and max(ids) >= writer.vocab:
+                sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(ids), writer.vocab))
+            writer.add(ids)
+        batch.clear()
+
+    for item in pieces:
+        batch.append(item)
+        if len(batch) == BATCH_CHUNKS:
+            flush()
+    flush()
 
 
 def hf_tokenizer(name):
@@ -148,28 +201,6 @@ def hf_tokenizer(name):
     return tok, len(tok)
 
 
-def hf_documents(tok, files, writer):
-    def encode(texts):
-        # A batch of chunks at once: a fast tokenizer spreads them over the cores; each chunk is
-        # encoded alone, as one at a time would be.
-        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
-            if ids and max(ids) >= writer.vocab:
-                sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(ids), writer.vocab))
-            writer.add(ids)
-
-    for i, path in enumerate(files):
-        if i:
-            writer.add([tok.eos_token_id])
-        batch = []
-        for text in read_chunks(path):
-            batch.append(text)
-            if len(batch) == BATCH_CHUNKS:
-                encode(batch)
-                batch = []
-        if batch:
-            encode(batch)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="tokenize.py",
@@ -182,7 +213,10 @@ def main(argv=None):
                     help="output prefix: writes PREFIX_000000.bin, PREFIX_000001.bin, ...")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                     help="tokens per shard (default 100000000)")
-    ap.add_argument("files", nargs="+", metavar="FILE", help="text files, one document each")
+    ap.add_argument("--jsonl", metavar="KEY",
+                    help="the files are JSON Lines: each line's KEY string is one document")
+    ap.add_argument("files", nargs="+", metavar="FILE",
+                    help="text files, one document each (or JSON Lines files with --jsonl)")
     args = ap.parse_args(argv)
     if not 1 <= args.shard_tokens <= MAX_SHARD_TOKENS:
         ap.error("--shard-tokens must be between 1 and %d" % MAX_SHARD_TOKENS)
@@ -193,14 +227,16 @@ def main(argv=None):
     if outdir:
         os.makedirs(outdir, exist_ok=True)
 
-    if args.tokenizer == "bytes":
-        vocab = BYTES_EOT + 1
-        writer = ShardWriter(args.out, args.shard_tokens, vocab)
-        byte_documents(args.files, writer)
+    binary = args.tokenizer == "bytes"
+    if binary:  # bytes are already the token ids 0..255
+        vocab, eos, encode = BYTES_EOT + 1, BYTES_EOT, lambda pieces: pieces
     else:
+        # A batch of pieces at once: a fast tokenizer spreads them over the cores; each piece is
+        # encoded alone, as one at a time would be.
         tok, vocab = hf_tokenizer(args.tokenizer)
-        writer = ShardWriter(args.out, args.shard_tokens, vocab)
-        hf_documents(tok, args.files, writer)
+        eos, encode = tok.eos_token_id, lambda pieces: tok(pieces, add_special_tokens=False)["input_ids"]
+    writer = ShardWriter(args.out, args.shard_tokens, vocab)
+    tokenize(documents(args.files, args.jsonl, binary), encode, eos, writer)
     writer.close()
     print("tokenize.py: %d tokens (vocabulary %d) in %d shard(s): %s" %
           (writer.total, vocab, len(writer.paths),
