@@ -1368,8 +1368,8 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   }
   *mean_loss = count ? sum / (double)count : NAN;
   if (st == FY_OK && r.rank == 0 && !o->quiet)
-    printf("eval loss %.6f over %lld batches of %lld x %lld\n", *mean_loss, (long long)o->eval_batches,
-           (long long)(o->batch * r.dp), (long long)o->seq);
+    printf("eval loss %.6f (perplexity %.4g) over %lld batches of %lld x %lld\n", *mean_loss, exp(*mean_loss),
+           (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)o->seq);
   teardown(&r);
   return st;
 }
