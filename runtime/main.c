@@ -286,10 +286,10 @@ static void usage_train(FILE *f, bool eval) {
           "  --data PATH        a token shard, a directory of *.bin shards or a glob\n"
           "                     (default: %s)\n"
           "  --batch B          sequences per micro-batch (default %lld)\n"
-          "  --seq T            tokens per sequence (default %lld)\n"
+          "  --seq T            tokens per sequence (default %d, or the model's positions if fewer)\n"
           "  --threads N        OpenMP threads (default: all cores)\n"
           "  --seed S           seed for initialisation and shuffling (default %llu)\n",
-          d.data, (long long)d.batch, (long long)d.seq, (unsigned long long)d.seed);
+          d.data, (long long)d.batch, FY_DEFAULT_SEQ, (unsigned long long)d.seed);
   if (eval) {
     fprintf(f,
             "  --batches N        batches to average over (default %lld)\n"

@@ -35,7 +35,7 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
   static char demo_data[4096];
   snprintf(demo_data, sizeof demo_data, "%s/data/demo", FY_SOURCE_DIR);
   *o = (struct fy_train_opts){
-      .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 128,
+      .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 0,
       .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
       .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0, .device = "cpu",
       .disk_chunks = -1, .prefetch = 2, .keep = 2, .comm = "auto", .comm_timeout = 300,
@@ -1046,10 +1046,20 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   return FY_OK;
 }
 
+// --seq not given (0): FY_DEFAULT_SEQ tokens, or the model's positions when it has fewer.
+static fy_status resolve_seq(struct fy_train_opts *o) {
+  if (o->seq != 0) return FY_OK;
+  struct fy_opt_config cfg;
+  FY_TRY(resolve_config(o, &cfg));
+  o->seq = cfg.max_position_embeddings < FY_DEFAULT_SEQ ? cfg.max_position_embeddings : FY_DEFAULT_SEQ;
+  return FY_OK;
+}
+
 fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *res) {
   memset(res, 0, sizeof *res);
   struct fy_train_opts eff = *given;
   const struct fy_train_opts *o = &eff;
+  FY_TRY(resolve_seq(&eff));
   if (given->plan) FY_TRY(apply_plan(&eff));
   // By default a GPU computes in bf16 (DESIGN.md, "Numbers"), the cpu and sim devices in fp32.
   if (!eff.precision) eff.precision = eff.device && strcmp(eff.device, "cuda") == 0 ? "bf16" : "fp32";
@@ -1331,6 +1341,7 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   if (o->dump && strcmp(e.device, "cpu") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--dump writes the cpu's logits: use --device cpu");
   if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
+  FY_TRY(resolve_seq(&e));
   struct run r;
   fy_status st = setup(&e, &r, false, true);
   double sum = 0;
@@ -1369,7 +1380,7 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   *mean_loss = count ? sum / (double)count : NAN;
   if (st == FY_OK && r.rank == 0 && !o->quiet)
     printf("eval loss %.6f (perplexity %.4g) over %lld batches of %lld x %lld\n", *mean_loss, exp(*mean_loss),
-           (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)o->seq);
+           (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)e.seq);
   teardown(&r);
   return st;
 }

@@ -12,11 +12,13 @@
 #include "core/graph.h"
 #include "runtime/optimizer.h"
 
+#define FY_DEFAULT_SEQ 128  // tokens per sequence when --seq is not given (fewer if the model has fewer positions)
+
 struct fy_train_opts {
   const char *model;      // preset name or a directory/file with config.json
   const char *init;       // "random" or a Hugging Face model directory
   const char *data;       // shard, directory of shards, or glob
-  int64_t batch, seq, grad_accum, steps;
+  int64_t batch, seq, grad_accum, steps;  // seq 0: FY_DEFAULT_SEQ, or the model's positions if fewer
   float lr, min_lr;       // peak and final learning rate of the cosine schedule
   int64_t warmup;         // steps of linear warmup from 0
   struct fy_adamw adamw;

@@ -109,6 +109,8 @@ expect 1 "a shard with the wrong magic" "magic" -- train --model opt-tiny --data
 expect 1 "a token id not below the vocabulary" "vocab" -- train --model opt-tiny --data "$tmp/vocab.bin" --batch 2 --seq 16
 expect 1 "a data set smaller than one batch" "token|window" -- train --model opt-tiny --data "$tmp/small.bin" --batch 2 --seq 16
 expect 1 "no shards at all" "no .*shard|not found|no such" -- train --model opt-tiny --data "$tmp/nothing/*.bin" --batch 2 --seq 16
+expect 0 "without --seq, a model of 64 positions trains on 64" "batch 2 x 64 x 1 accum" -- train --model opt-tiny \
+  --data "$tmp/ok.bin" --batch 2 --steps 1
 expect 1 "a sequence longer than the model allows" "longer than the model allows" -- train "${tiny[@]:0:4}" --batch 2 --seq 65
 expect 1 "a model the memory cannot hold" "needs .* GiB .* but the cpu device has" -- train --model opt-175b --data "$tmp/ok.bin" --batch 1 --seq 16
 expect 1 "a batch the memory cannot hold" "needs .* GiB .* activations" -- train --model opt-tiny --data "$tmp/ok.bin" --batch 1000000 --seq 64
