@@ -306,13 +306,21 @@ fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w) {
   return fy_uv_pool_submit(w->pool, &w->job, write_job, w);
 }
 
+fy_status fy_ckpt_fill_without(int64_t n, int64_t piece, fy_ckpt_fill_fn fill, void *ctx) {
+  fy_status st = FY_OK;
+  for (int64_t lo = 0; piece > 0 && lo < n; lo += piece) {
+    fy_status s1 = fill(ctx, lo, lo + piece < n ? lo + piece : n, NULL, NULL, NULL);
+    if (st == FY_OK) st = s1;
+  }
+  return st;
+}
+
 fy_status fy_ckpt_write_pieces(struct fy_ckpt_writer *w, const struct fy_ckpt_meta *meta, int64_t piece,
                                fy_ckpt_fill_fn fill, void *ctx) {
   fy_status st = fy_ckpt_wait(w);
   if (st == FY_OK && piece <= 0) st = fy_error_set(FY_ERR_INVALID, "checkpoint: pieces of %lld elements", (long long)piece);
   if (st != FY_OK) {  // every piece is still asked for (see fy_ckpt_fill_fn)
-    int64_t n = w->model->graph->n_param_elems;
-    for (int64_t lo = 0; piece > 0 && lo < n; lo += piece) fill(ctx, lo, lo + piece < n ? lo + piece : n, NULL, NULL, NULL);
+    fy_ckpt_fill_without(w->model->graph->n_param_elems, piece, fill, ctx);
     return st;
   }
   w->src = (struct ckpt_source){.fill = fill, .ctx = ctx, .piece = piece, .meta = *meta};

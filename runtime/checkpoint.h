@@ -60,6 +60,9 @@ typedef fy_status (*fy_ckpt_fill_fn)(void *ctx, int64_t lo, int64_t hi, float *p
 // whole). Waits first for the previous write; returns this write's status (a fill's error among them).
 fy_status fy_ckpt_write_pieces(struct fy_ckpt_writer *w, const struct fy_ckpt_meta *meta, int64_t piece,
                                fy_ckpt_fill_fn fill, void *ctx);
+// The fill's calls of a write of n elements in pieces of `piece`, with no buffers: what a rank that
+// takes part in the gathers of another rank's fy_ckpt_write_pieces calls. The first fill error.
+fy_status fy_ckpt_fill_without(int64_t n, int64_t piece, fy_ckpt_fill_fn fill, void *ctx);
 // Waits for the write in flight and returns its status.
 fy_status fy_ckpt_wait(struct fy_ckpt_writer *w);
 // True while a write is in flight.

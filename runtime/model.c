@@ -415,28 +415,22 @@ void fy_model_source_fill(const struct fy_model_source *s, int64_t lo, int64_t h
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {
   m->cparams_fresh = false;
-  fy_safetensors *st;
-  FY_TRY(fy_safetensors_open_dir(dir, &st));
+  struct fy_model_source *src;
+  FY_TRY(fy_model_source_open(m, dir, 0, &src));
   const struct fy_graph *g = m->graph;
   fy_status status = FY_OK;
   float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
   if (!host) status = fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");
-  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
-    const struct fy_param *p = &g->params[i];
-    const struct fy_st_tensor *t;
-    if ((status = param_tensor(st, dir, p, &t)) == FY_OK)
-      fy_convert_to_f32(host + p->offset, t->data, t->dtype, (size_t)p->numel);
-  }
+  for (int i = 0; i < g->n_params && status == FY_OK; i++)
+    fy_model_source_read(src, i, 0, g->params[i].numel, host + g->params[i].offset);
   if (fy_model_params_on_device(m) && host) {
     if (status == FY_OK) status = fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4);
     free(host);
   }
-  if (status == FY_OK && m->cfg.tie_word_embeddings) {
-    // A checkpoint may carry lm_head.weight even when tied; it must then equal the embedding.
-    const struct fy_st_tensor *head = fy_safetensors_find(st, "lm_head.weight");
-    if (head) fy_log_debug("%s: lm_head.weight ignored (tied to embed_tokens)", dir);
-  }
-  fy_safetensors_close(st);
+  // A checkpoint may carry lm_head.weight even when tied; it must then equal the embedding.
+  if (status == FY_OK && m->cfg.tie_word_embeddings && fy_safetensors_find(src->st, "lm_head.weight"))
+    fy_log_debug("%s: lm_head.weight ignored (tied to embed_tokens)", dir);
+  fy_model_source_close(src);
   return status;
 }
 

@@ -391,10 +391,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   }
   bool random = !o->init || strcmp(o->init, "random") == 0;
   if (r->tp > 1) {
-    st = tp_take_weights(r, random ? NULL : o->init, o->seed);
+    st = tp_take_weights(r, random ? NULL : o->init, o->seed);  // (m and v are zero from their allocation)
     if (st != FY_OK) return fy_error_wrap(st, "--init");
-    if (r->model->m) memset(r->model->m, 0, (size_t)r->model->graph->n_param_elems * 4);
-    if (r->model->v) memset(r->model->v, 0, (size_t)r->model->graph->n_param_elems * 4);
   } else if (!r->model->params) {  // sharded: this rank's shards alone
     st = set_shards(r, random ? NULL : o->init, o->seed);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
@@ -815,11 +813,7 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
     checkpoint_meta(o, r, &meta, steps_done, scale, scale_good);
     st = fy_ckpt_write_pieces(w, &meta, piece, tp_walk_fill, &t);
   } else {  // the writer's pieces, taking part in their gathers
-    const int64_t total = r->whole_graph->n_param_elems;
-    for (int64_t lo = 0; lo < total; lo += piece) {
-      fy_status s1 = tp_walk_fill(&t, lo, lo + piece < total ? lo + piece : total, NULL, NULL, NULL);
-      if (st == FY_OK) st = s1;
-    }
+    st = fy_ckpt_fill_without(r->whole_graph->n_param_elems, piece, tp_walk_fill, &t);
   }
   tp_walk_free(&t);
   return st;
