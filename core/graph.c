@@ -317,7 +317,8 @@ enum fy_fusion fy_graph_fusion(const struct fy_graph *g, int o) {
   if (lin->kind != FY_OP_LINEAR || lin->pattern[0] || g->slots[lin->out].last_consumer != o + 1) return FY_FUSED_NONE;
   if (!slots_apart(g, next->out, lin->in[0])) return FY_FUSED_NONE;
   if (next->kind == FY_OP_RELU && next->in[0] == lin->out) return FY_FUSED_RELU;
-  if (next->kind == FY_OP_ADD && next->n_in == 2 && (next->in[0] == lin->out) != (next->in[1] == lin->out)) {
+  if (next->kind == FY_OP_ADD && next->n_in == 2 && next->dropout == 0 &&
+      (next->in[0] == lin->out) != (next->in[1] == lin->out)) {
     const int r = next->in[next->in[0] == lin->out];
     if (g->slots[next->out].offset == g->slots[r].offset || slots_apart(g, next->out, r)) return FY_FUSED_ADD;
   }

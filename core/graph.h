@@ -85,6 +85,11 @@ struct fy_op {
   // Sizes; which are used depends on the kind.
   int64_t C, OC, V, NH;
   float eps, scale;
+  // ADD of a residual (in[0]) and a branch (in[1]) with dropout on the branch while training
+  // (ops/dropout.h): its probability (0: a plain add), the site whose key draws the mask (2 x
+  // layer, + 1 for the feed-forward residual), and C, the width of a token's row.
+  float dropout;
+  int site;
   bool has_bias;
   enum fy_index_source index;
   // Slots whose gradient becomes live (is zeroed) just before this op's backward.
@@ -151,7 +156,7 @@ int64_t fy_graph_slot_floats(const struct fy_graph *g, int s);
 // output (whose memory then stays unwritten), the next op's output shares no memory with the
 // linear's input (read while it is written), and no pattern hook needs the linear's output. The
 // next op is a relu (its backward reads only its output), or an add of a residual (its backward
-// reads nothing) whose output is the residual itself or apart from it.
+// reads nothing) whose output is the residual itself or apart from it, without dropout.
 enum fy_fusion { FY_FUSED_NONE, FY_FUSED_RELU, FY_FUSED_ADD };
 enum fy_fusion fy_graph_fusion(const struct fy_graph *g, int o);
 

@@ -56,8 +56,8 @@ fy_status fy_opt_preset(const char *name, struct fy_opt_config *cfg) {
     cfg->tie_word_embeddings = true;
     cfg->init_std = 0.02f;
     cfg->layer_norm_eps = 1e-5f;
-    // Published configs say dropout 0.1; ferry trains without dropout (as llm.c does), so the
-    // presets say what is run.
+    // Published configs say dropout 0.1; ferry trains without dropout unless asked (as llm.c
+    // does), so the presets say 0: what is run by default.
     cfg->pad_token_id = 1;
     cfg->bos_token_id = 2;
     cfg->eos_token_id = 2;
@@ -198,6 +198,15 @@ static int binary(struct builder *b, enum fy_op_kind kind, const char *name, int
   return add_op(b, &op);
 }
 
+// A residual add: h + the branch x, with the run's dropout on x (site: 2l + 0 attention, 1 MLP).
+static int residual(struct builder *b, const char *name, int l, int h, int x, int site) {
+  const int64_t D = b->c->hidden_size;
+  struct fy_op op = {.kind = FY_OP_ADD, .layer = l, .n_in = 2, .in = {h, x}, .out = slot(b, b->BT * D), .C = D,
+                     .dropout = b->c->train_dropout, .site = site};
+  snprintf(op.name, sizeof op.name, "%s", name);
+  return add_op(b, &op);
+}
+
 static int decoder_layer(struct builder *b, int l, int h) {
   const struct fy_opt_config *c = b->c;
   int64_t D = c->hidden_size, F = c->ffn_dim, NH = c->num_attention_heads;
@@ -226,7 +235,7 @@ static int decoder_layer(struct builder *b, int l, int h) {
   const char *out_names[1] = {n1};
   int o = linear_split(b, n1, l, a, out_names, 1, D, D, bias, -1, FY_SPLIT_ROW);
   snprintf(label, sizeof label, "%s.attn_residual", p);
-  h = binary(b, FY_OP_ADD, label, l, h, o, b->BT * D);
+  h = residual(b, label, l, h, o, 2 * l);
   snprintf(n1, sizeof n1, "%s.self_attn_layer_norm", p);
   if (!pre) h = layernorm(b, n1, l, h);
 
@@ -243,7 +252,7 @@ static int decoder_layer(struct builder *b, int l, int h) {
   const char *fc2[1] = {n1};
   f = linear_split(b, n1, l, f, fc2, 1, F, D, bias, -1, FY_SPLIT_ROW);
   snprintf(label, sizeof label, "%s.ffn_residual", p);
-  h = binary(b, FY_OP_ADD, label, l, h, f, b->BT * D);
+  h = residual(b, label, l, h, f, 2 * l + 1);
   snprintf(n1, sizeof n1, "%s.final_layer_norm", p);
   if (!pre) h = layernorm(b, n1, l, h);
   return h;

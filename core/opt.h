@@ -25,7 +25,11 @@ struct fy_opt_config {
   enum fy_opt_activation { FY_ACT_RELU, FY_ACT_GELU } activation;  // activation_function ("relu", "gelu")
   float init_std;
   float layer_norm_eps;          // 1e-5 (not in OPT's config.json; nn.LayerNorm's default)
-  float dropout, attention_dropout, activation_dropout, layerdrop;  // read to warn: ferry has none
+  float dropout, attention_dropout, activation_dropout, layerdrop;  // as config.json says
+  // The dropout this run applies to the residual branches (ferry train --dropout; 0: none): the
+  // graph's residual adds drop with it. Not config.json's `dropout`, which is kept as read and
+  // written back as it was.
+  float train_dropout;
   int64_t pad_token_id, bos_token_id, eos_token_id;
   char torch_dtype[16];          // as written in config.json ("float16", "float32", ...)
 };

@@ -111,6 +111,9 @@ fy_status fy_opt_config_check(const struct fy_opt_config *c) {
                           (double)fl[i].v, (double)fl[i].lo, (double)fl[i].hi);
   if (!(c->init_std > 0) || !(c->layer_norm_eps > 0))
     return fy_error_set(FY_ERR_INVALID, "OPT config: init_std and layer_norm_eps must be positive");
+  if (!(c->train_dropout >= 0 && c->train_dropout < 1))
+    return fy_error_set(FY_ERR_INVALID, "dropout %g: a probability in [0, 1) (1 would drop every branch)",
+                        (double)c->train_dropout);
   double np = cfg_params_estimate(c);
   if (np > CFG_MAX_PARAMS)
     return fy_error_set(FY_ERR_INVALID, "OPT config: %.3g parameters is absurd (limit 2^50)", np);

@@ -114,6 +114,19 @@ void fy_add_forward(float *out, const float *a, const float *b, int64_t N);
 // dout (N) -> da (N) +=, db (N) += (either may be NULL)
 void fy_add_backward(float *da, float *db, const float *dout, int64_t N);
 
+// ---- dropout on a residual branch, fused with the add (OPT: before each residual add) ----
+//
+// The mask is drawn, never stored, from key (fy_dropout_key: the seed and the site) and the
+// token: row r of the call is token u0 + r of the data stream, column j its j-th feature
+// (ops/dropout.h), so backward regenerates the forward's. p in [0,1); 0 is fy_add_forward.
+
+// a (rows,C) the residual, b (rows,C) the branch -> out (rows,C) = a + b * keep / (1 - p)
+void fy_dropout_add_forward(float *out, const float *a, const float *b, int64_t rows, int64_t C, uint64_t key,
+                            int64_t u0, float p);
+// dout (rows,C) -> da (rows,C) += dout, db (rows,C) += dout * keep / (1 - p) (either may be NULL)
+void fy_dropout_add_backward(float *da, float *db, const float *dout, int64_t rows, int64_t C, uint64_t key,
+                             int64_t u0, float p);
+
 // ---- softmax cross-entropy over the vocabulary ----
 
 // logits (BT,V), targets (BT) int32 (-100 = ignored) -> losses (BT) (0 where ignored).

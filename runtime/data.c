@@ -333,6 +333,7 @@ fy_status fy_data_next(fy_data *d, struct fy_batch **out) {
       tg[t] = (int32_t)shard_token(sh, first + t + 1);
     }
   }
+  d->batch.row0 = s0;
   d->position++;
   *out = &d->batch;
   return FY_OK;

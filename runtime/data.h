@@ -28,6 +28,9 @@ struct fy_batch {
   int32_t *inputs;   // (B,T) token ids
   int32_t *targets;  // (B,T) next tokens, -100 = ignored
   int32_t *mask;     // (B,T) 1 = real token, 0 = padding; NULL when every token is real
+  int64_t row0;      // the stream element of its first row (rows are consecutive elements): the
+                     //   same on every placement, so dropout masks are drawn from it (0 when
+                     //   the batch is not the loader's)
 };
 
 // Opens the data set and checks every shard's header and every token (< vocab_size) once.

@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <string.h>
 
+#include "ops/dropout.h"
 #include "ops/ops.h"
 #include "planner/pattern.h"
 
@@ -102,7 +103,11 @@ void fy_op_call_forward(void *arg) {
       fy_gelu_forward(out, in0, g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
-      fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), g->slots[op->out].numel);
+      if (op->dropout > 0)
+        fy_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), BT, op->C, fy_dropout_key(m->dropout_seed, op->site),
+                               c->batch->row0 * T, op->dropout);
+      else
+        fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), g->slots[op->out].numel);
       break;
     case FY_OP_CROSS_ENTROPY: {
       fy_crossentropy_forward(out, in0, c->batch->targets, BT, op->V);
@@ -189,7 +194,11 @@ void fy_op_call_backward(void *arg) {
       fy_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
-      fy_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, g->slots[op->out].numel);
+      if (op->dropout > 0)
+        fy_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, BT, op->C,
+                                fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T, op->dropout);
+      else
+        fy_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, g->slots[op->out].numel);
       break;
     case FY_OP_CROSS_ENTROPY:
       fy_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, BT, op->V, c->loss_scale);
@@ -230,13 +239,14 @@ static fy_status stage_batch(struct fy_model *m, const struct fy_batch *batch, c
                              struct fy_dev_batch *out) {
   if (!m->device_memory) {
     *out = (struct fy_dev_batch){.inputs = batch->inputs, .targets = batch->targets, .mask = batch->mask,
-                                 .positions = m->positions};
+                                 .positions = m->positions, .row0 = batch->row0};
     return FY_OK;
   }
   size_t n = (size_t)(batch->B * batch->T) * 4;
   int32_t *d = m->dbatch;
   *out = (struct fy_dev_batch){.inputs = d, .targets = d + batch->B * batch->T,
-                               .mask = batch->mask ? d + 2 * batch->B * batch->T : NULL, .positions = m->positions};
+                               .mask = batch->mask ? d + 2 * batch->B * batch->T : NULL, .positions = m->positions,
+                               .row0 = batch->row0};
   FY_TRY(fy_model_upload(m, out->inputs, batch->inputs, n));
   FY_TRY(fy_model_upload(m, out->targets, batch->targets, n));
   if (batch->mask) FY_TRY(fy_model_upload(m, (void *)out->mask, batch->mask, n));

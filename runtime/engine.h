@@ -22,6 +22,7 @@ struct fy_loss {
 // A micro-batch as the kernels read it (device memory on an offloading device).
 struct fy_dev_batch {
   int32_t *inputs, *targets, *mask, *positions;  // (B,T); mask may be NULL
+  int64_t row0;  // fy_batch's: row r of the micro-batch is stream element row0 + r
 };
 
 struct fy_op_call {

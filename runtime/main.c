@@ -327,6 +327,11 @@ static void usage_train(FILE *f, bool eval) {
           "                     unless --loss-scale is given\n"
           "  --recompute        keep only each decoder layer's input and run its forward again in\n"
           "                     backward (activation memory of one layer instead of all)\n"
+          "  --dropout P        drop the residual branches with probability P while training, where\n"
+          "                     transformers' OPT does (after out_proj and fc2); 'config' takes the\n"
+          "                     model's config.json value (0.1 for the published OPT); default 0\n"
+          "                     (none). The masks follow --seed and the data: any placement, plan\n"
+          "                     or number of ranks draws the same ones\n"
           "\nwhere the model state lives:\n"
           "  --device D         cpu (default: everything in host memory), sim (a device with its\n"
           "                     own memory that holds only a cache of parameter chunks) or cuda\n"
@@ -421,7 +426,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -448,7 +453,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
       {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
       {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
-      {"offload", no_argument, 0, OPT_OFFLOAD},
+      {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -492,6 +497,14 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_QUIET: o.quiet = true; break;
       case OPT_PROFILE: o.profile = true; break;
       case OPT_RECOMPUTE: o.recompute = true; break;
+      case OPT_DROPOUT:
+        if (strcmp(optarg, "config") == 0)
+          o.dropout = FY_DROPOUT_CONFIG;
+        else if (!parse_f32("--dropout", optarg, 0, &o.dropout) || o.dropout >= 1) {
+          if (o.dropout >= 1) fprintf(stderr, "ferry: --dropout is a probability below 1 or 'config', got '%s'\n", optarg);
+          ok = false;
+        }
+        break;
       case OPT_DEVICE:
         o.device = optarg;
         if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "sim") != 0 && strcmp(optarg, "cuda") != 0) {

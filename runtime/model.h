@@ -67,6 +67,7 @@ struct fy_model {
   // the graph's op->pattern; and the data-parallel group those hooks may sum over (not owned).
   const struct fy_pattern **patterns;
   struct fy_comm *dp_comm;
+  uint64_t dropout_seed;  // the run's seed, for the dropout masks of the graph's residual adds
   int64_t state_bytes;    // bytes of params + grads + m + v
   int64_t act_bytes;      // bytes of acts + dacts + scratch + positions
 };

@@ -748,6 +748,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
   FY_TRY(fy_stream_wait(x->compute, x->batch_ready[p]));
   struct fy_dev_batch *db = &x->dbatch[p];
   db->mask = batch->mask ? x->dbatch_mem[p] + 2 * bt : NULL;
+  db->row0 = batch->row0;
   x->loss_sums[micro] = 0;
   fy_device_cache_begin_pass(x->cache);
   memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);

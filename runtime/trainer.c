@@ -324,6 +324,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
   FY_TRY(resolve_config(o, &r->cfg));
+  // Dropout while training (evaluation has none); its probability is checked with the graph.
+  if (!eval) r->cfg.train_dropout = o->dropout == FY_DROPOUT_CONFIG ? r->cfg.dropout : o->dropout;
   if (o->seq > r->cfg.max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
                         (long long)o->seq, (long long)r->cfg.max_position_embeddings);
@@ -383,6 +385,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   } else {
     return fy_error_set(FY_ERR_INVALID, "--device %s: ferry knows cpu, sim and cuda", device);
   }
+  r->model->dropout_seed = o->seed;
   // With tensor parallelism each rank takes its slices of the whole model's tensors (so that any
   // tp starts from the same weights as one rank); r->whole describes the whole model (no buffers).
   if (r->tp > 1) {
@@ -775,13 +778,13 @@ static void name_nonfinite(struct run *r) {
 }
 
 // The run's options as JSON, kept in each checkpoint for whoever reads it later.
-static void options_json(const struct fy_train_opts *o, char *buf, size_t n) {
+static void options_json(const struct fy_train_opts *o, double dropout, char *buf, size_t n) {
   snprintf(buf, n,
            "{\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"grad_accum\":%lld,\"steps\":%lld,"
-           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\"}",
+           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\",\"dropout\":%g,\"seed\":%llu}",
            o->model ? o->model : "", (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
            (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false",
-           o->precision ? o->precision : "fp32");
+           o->precision ? o->precision : "fp32", dropout, (unsigned long long)o->seed);
 }
 
 static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_meta *meta,
@@ -789,7 +792,7 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
   // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
   *meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
                                 .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
-  options_json(o, meta->options, sizeof meta->options);
+  options_json(o, r->cfg.train_dropout, meta->options, sizeof meta->options);
 }
 
 // Tensor parallelism: the ranks of data-parallel group 0 gather their slices parameter by
@@ -1072,10 +1075,18 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   int64_t first_step = 0, scale_good = 0;
   double scale = 1.0;
   fy_status st = setup(o, &r, o->shuffle, false);
-  const struct fy_opt_config *cfg = &r.cfg;  // (said once, by the rank that speaks; evaluation has no dropout)
-  if (st == FY_OK && r.rank == 0 &&
-      (cfg->dropout > 0 || cfg->attention_dropout > 0 || cfg->activation_dropout > 0 || cfg->layerdrop > 0))
-    fy_log_info("the config asks for dropout/layerdrop; ferry trains without them");
+  const struct fy_opt_config *cfg = &r.cfg;  // (said once, by the rank that speaks)
+  if (st == FY_OK && r.rank == 0) {
+    // transformers' OPT drops the residual branches with `dropout` (which --dropout applies), the
+    // attention probabilities with `attention_dropout` and whole layers with `layerdrop` (which
+    // ferry does not; `activation_dropout` OPT reads but never applies).
+    if (cfg->dropout > 0 && o->dropout == 0)
+      fy_log_info("the config asks for dropout %g on the residual branches; ferry trains without it unless asked "
+                  "(--dropout config, or --dropout P)", (double)cfg->dropout);
+    if (cfg->attention_dropout > 0 || cfg->layerdrop > 0)
+      fy_log_info("the config asks for attention_dropout %g and layerdrop %g; ferry applies neither",
+                  (double)cfg->attention_dropout, (double)cfg->layerdrop);
+  }
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0)
     st = fy_ckpt_writer_create(o->save, o->keep, r.tp > 1 ? &r.whole : r.model, &ckpt);

@@ -26,6 +26,11 @@ struct fy_train_opts {
   bool shuffle;
   int threads;            // 0 = OpenMP's default
   bool recompute;         // recompute decoder layers' activations in backward
+  // Dropout on the residual branches while training, where transformers' OPT drops (after
+  // out_proj and after fc2): a probability in [0,1), or FY_DROPOUT_CONFIG for config.json's
+  // `dropout`. Default 0 (none, as llm.c; the peers compare without it). The masks are drawn
+  // from the seed and the tokens' place in the data (ops/dropout.h): any placement, the same.
+  float dropout;
   // Where the model state lives (DESIGN.md, "Tiers"). device "cpu": everything in host memory.
   // device "sim": the sim device with device_mem bytes holds a cache of chunks; parameters and
   // optimizer state live in the host tier (host_mem bytes, 0 = the machine's memory), and the
@@ -83,6 +88,8 @@ struct fy_train_opts {
 };
 
 // Defaults: the demo model on the bundled corpus (see README.md).
+#define FY_DROPOUT_CONFIG (-1.0f)
+
 void fy_train_opts_defaults(struct fy_train_opts *o);
 // The learning rate at step t (0-based) of `steps`.
 float fy_lr_at(const struct fy_train_opts *o, int64_t t);

@@ -18,6 +18,7 @@
 #include "core/device_cuda.h"
 #include "core/dtype.h"
 #include "ops/cuda/ops_cuda.h"
+#include "ops/dropout.h"
 #include "ops/ops.h"
 #include "test/check.h"
 
@@ -323,6 +324,56 @@ static void test_elementwise(enum fy_dtype dt) {
   cmp_dev("add backward (da NULL)", dt, d_b, db, N, false);
   dfree_all();
   free(a); free(b); free(out); free(dout); free(dinp); free(da); free(db);
+}
+
+// Dropout fused with the residual add: the GPU draws the CPU's masks (ops/dropout.h), element for
+// element (checked exactly on a mask of 0s and 2s), and the sums agree within rounding; rows of a
+// multiple of 16 bytes (pieces), of an odd width, and misaligned rows (element by element).
+static void test_dropout_add_c(enum fy_dtype dt, int64_t rows, int64_t C, int64_t skew) {
+  const int64_t N = rows * C;
+  const uint64_t key = fy_dropout_key(1337, 3);
+  const int64_t u0 = 123457;
+  char what[96];
+  float *zero = check_fnew(N + skew), *one = check_fnew(N + skew), *mask = check_fnew(N), *got = check_fnew(N + skew);
+  for (int64_t i = 0; i < N + skew; i++) one[i] = 1.0f;
+  void *d_zero = dput(zero, N + skew, dt), *d_one = dput(one, N + skew, dt), *d_m = dalloc((size_t)(N + skew) * fy_dtype_size(dt));
+  const size_t es = fy_dtype_size(dt);
+  fy_dropout_add_forward(mask, zero, one, rows, C, key, u0, 0.5f);
+  CHECK_OK(fy_cuda_dropout_add_forward((char *)d_m + skew * es, (char *)d_zero + skew * es, (char *)d_one + skew * es,
+                                       dt, rows, C, key, u0, 0.5f, cs));
+  dget(got, d_m, N + skew, dt);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < N; i++) differ += got[skew + i] != mask[i];
+  snprintf(what, sizeof what, "dropout mask (%lld x %lld, skew %lld)", (long long)rows, (long long)C, (long long)skew);
+  fprintf(stderr, "  %-40s %-4s %lld of %lld elements differ\n", what, fy_dtype_name(dt), (long long)differ, (long long)N);
+  CHECKF(differ == 0, "%s %s: %lld elements differ from the cpu's", what, fy_dtype_name(dt), (long long)differ);
+
+  float *a = frand_new(N, 1.0f, dt), *b = frand_new(N, 1.0f, dt), *out = check_fnew(N);
+  void *d_a = dput(a, N, dt), *d_b = dput(b, N, dt), *d_out = dalloc((size_t)N * es);
+  fy_dropout_add_forward(out, a, b, rows, C, key, u0, 0.1f);
+  CHECK_OK(fy_cuda_dropout_add_forward(d_out, d_a, d_b, dt, rows, C, key, u0, 0.1f, cs));
+  snprintf(what, sizeof what, "dropout-add forward (C %lld)", (long long)C);
+  cmp_dev(what, dt, d_out, out, N, false);
+  float *dout = frand_new(N, 1.0f, dt), *da = fdup(a, N), *db = fdup(b, N);
+  void *d_dout = dput(dout, N, dt);
+  fy_dropout_add_backward(da, db, dout, rows, C, key, u0, 0.1f);
+  CHECK_OK(fy_cuda_dropout_add_backward(d_a, d_b, d_dout, dt, rows, C, key, u0, 0.1f, cs));
+  snprintf(what, sizeof what, "dropout-add backward da += (C %lld)", (long long)C);
+  cmp_dev(what, dt, d_a, da, N, false);
+  snprintf(what, sizeof what, "dropout-add backward db += (C %lld)", (long long)C);
+  cmp_dev(what, dt, d_b, db, N, false);
+  fy_dropout_add_backward(NULL, db, dout, rows, C, key, u0, 0.1f);
+  CHECK_OK(fy_cuda_dropout_add_backward(NULL, d_b, d_dout, dt, rows, C, key, u0, 0.1f, cs));
+  cmp_dev("dropout-add backward (da NULL)", dt, d_b, db, N, false);
+  dfree_all();
+  free(zero); free(one); free(mask); free(got); free(a); free(b); free(out); free(dout); free(da); free(db);
+}
+
+static void test_dropout_add(enum fy_dtype dt) {
+  test_dropout_add_c(dt, BT, C, 0);
+  test_dropout_add_c(dt, 37, 264, 0);
+  test_dropout_add_c(dt, BT, 37, 0);
+  test_dropout_add_c(dt, 9000, 16, 1);  // misaligned; more rows than blocks
 }
 
 // fp32 -> bf16 rounds to nearest even exactly as the CPU's conversion; bf16 -> fp32 is exact.
@@ -698,6 +749,7 @@ int main(void) {
     test_embedding(dt);
     test_layernorm(dt);
     test_elementwise(dt);
+    test_dropout_add(dt);
     test_crossentropy(dt);
     test_adamw(dt);
     test_accumulate(dt);

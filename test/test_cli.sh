@@ -194,6 +194,16 @@ expect 0 "bf16 chunks on the sim device" "loss" -- train "${tiny[@]}" --steps 2 
   --device-mem 4MiB
 expect 0 "bf16 chunks kept on the device" "loss" -- train "${tiny[@]}" --steps 2 \
   --precision bf16 --device sim --device-mem 4MiB --device-chunks 1
+# Dropout: a probability below 1 or 'config'; a config that asks for dropout is told how to turn it on.
+expect 2 "--dropout 1" "probability below 1" -- train "${tiny[@]}" --steps 1 --dropout 1
+expect 2 "--dropout that is not a number" "--dropout" -- train "${tiny[@]}" --steps 1 --dropout lots
+mkdir -p "$tmp/drop"
+cp "$tmp/ckpt/"* "$tmp/drop/"
+sed -i 's/"dropout": [0-9.]*/"dropout": 0.1/' "$tmp/drop/config.json"
+expect 0 "a config with dropout, no --dropout: says how to turn it on" "--dropout config" -- train --init "$tmp/drop" \
+  --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 1
+expect 0 "--dropout config trains with the config's" "loss" -- train --init "$tmp/drop" --data "$tmp/ok.bin" --batch 2 \
+  --seq 16 --steps 2 --dropout config
 expect 1 "--offload without a GPU device" "--offload is for --device cuda" -- train "${tiny[@]}" --steps 1 --offload
 expect 1 "--tp with one rank" "does not divide the 1 ranks" -- train "${tiny[@]}" --steps 1 --tp 2
 expect 2 "--tp 0" "--tp" -- train "${tiny[@]}" --steps 1 --tp 0

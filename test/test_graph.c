@@ -202,14 +202,17 @@ static void check_act16(void) {
 // activations; with or without recomputation; pre- or post-LN), fc1 takes its relu and out_proj
 // and fc2 take their residual adds, and nothing else is fused: if the arena plan ever put two of
 // those slots on the same memory, the fusion would be dropped (correct, slower) and this fails.
-// With gelu (Galactica's activation) the layers have a gelu op, which no epilogue takes.
+// With gelu (Galactica's activation) the layers have a gelu op, which no epilogue takes. With
+// dropout the residual adds drop their branch (each layer's two with their own sites, 2l and
+// 2l + 1) and no epilogue takes them either.
 static void check_fusions(void) {
   struct fy_opt_config c;
   fy_opt_preset("opt-tiny", &c);
   c.num_hidden_layers = 3;
-  for (int v = 0; v < 16; v++) {
+  for (int v = 0; v < 32; v++) {
     c.do_layer_norm_before = !(v & 4);
     c.activation = v & 8 ? FY_ACT_GELU : FY_ACT_RELU;
+    c.train_dropout = v & 16 ? 0.1f : 0.0f;
     struct fy_graph *g = NULL;
     CHECK_OK(fy_opt_build_graph(&c, 2, 24, &g));
     if (!g) continue;
@@ -226,10 +229,21 @@ static void check_fusions(void) {
         add++, wrong += !(strstr(g->ops[o].name, "out_proj") && strstr(next, "attn_residual")) &&
                         !(strstr(g->ops[o].name, "fc2") && strstr(next, "ffn_residual"));
     }
-    const bool gl = v & 8;
-    CHECKF(relu == (gl ? 0 : 3) && gelu == (gl ? 3 : 0) && add == 6 && wrong == 0,
-           "fusions (%s, %s, %s, %s): %d relu, %d gelu ops, %d add, %d misplaced", v & 4 ? "post-LN" : "pre-LN",
-           v & 2 ? "act16" : "fp32", v & 1 ? "recompute" : "kept", gl ? "gelu" : "relu", relu, gelu, add, wrong);
+    const bool gl = v & 8, dr = v & 16;
+    int dropping = 0, sites = 0;
+    for (int o = 0; o < g->n_ops; o++) {
+      const struct fy_op *op = &g->ops[o];
+      if (op->dropout == 0) continue;
+      dropping++;
+      wrong += op->kind != FY_OP_ADD || op->dropout != 0.1f || op->C != c.hidden_size ||
+               op->site != 2 * op->layer + (strstr(op->name, "ffn_residual") != NULL);
+      sites |= 1 << op->site;
+    }
+    CHECKF(relu == (gl ? 0 : 3) && gelu == (gl ? 3 : 0) && add == (dr ? 0 : 6) && wrong == 0 &&
+           dropping == (dr ? 6 : 0) && sites == (dr ? 63 : 0),
+           "fusions (%s, %s, %s, %s, %s): %d relu, %d gelu ops, %d add, %d misplaced, %d dropping adds",
+           v & 4 ? "post-LN" : "pre-LN", v & 2 ? "act16" : "fp32", v & 1 ? "recompute" : "kept", gl ? "gelu" : "relu",
+           dr ? "dropout" : "no dropout", relu, gelu, add, wrong, dropping);
     fy_graph_free(g);
   }
 }

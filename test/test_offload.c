@@ -186,6 +186,30 @@ int main(void) {
   s.grad_accum = 1;
   s.batch = 2;
 
+  // Dropout (ops/dropout.h): the masks follow the seed and the data, so each placement (eviction,
+  // jitter on every stream, recomputation with 2 micro-batches) draws the cpu's, bit for bit.
+  {
+    struct fy_train_result ref_do, ref_do2;
+    o = base();
+    o.dropout = 0.2f;
+    CHECK_OK(fy_train(&o, &ref_do));
+    CHECKF(ref_do.last_loss != ref.last_loss && ref_do.last_loss < ref_do.first_loss, "dropout: %.9g -> %.9g (none: %.9g)",
+           ref_do.first_loss, ref_do.last_loss, ref.last_loss);
+    struct fy_train_opts d = s;
+    d.dropout = 0.2f;
+    d.blocks = 2;
+    d.sim_jitter_us = 200;
+    same_as("sim, dropout 0.2, 2 blocks, jitter", d, &ref_do);
+    o.recompute = true;
+    o.grad_accum = 2;
+    o.batch = 1;
+    CHECK_OK(fy_train(&o, &ref_do2));
+    d.recompute = true;
+    d.grad_accum = 2;
+    d.batch = 1;
+    same_as("sim, dropout 0.2, recompute, 2 micro-batches", d, &ref_do2);
+  }
+
   // 16-bit compute: the blocks carry the weights in the compute dtype (a copy in the host tier that
   // every update refreshes from the fp32 master) and the kernels round as on the cpu, so every
   // placement equals the cpu's own 16-bit run bit for bit.

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "core/dtype.h"
+#include "ops/dropout.h"
 #include "ops/ops.h"
 #include "test/check.h"
 
@@ -794,6 +795,91 @@ static void test_elementwise(void) {
   free(db), free(db0), free(ip);
 }
 
+// ---- dropout fused with the residual add ----
+
+static void test_dropout(void) {
+  // The hashes are pinned: the masks of a run (and of a resumed one) must not change between
+  // versions, and test/reference/check_variants.py computes the same numbers in numpy.
+  const uint64_t k0 = fy_dropout_key(1337, 0), k5 = fy_dropout_key(1337, 5);
+  CHECK(k0 == 0xb7984abd98746a94ull && k5 == 0x588397beca8365b6ull);
+  const uint64_t t0 = fy_dropout_token(k0, 0), t1 = fy_dropout_token(k5, 123456789);
+  CHECK(t0 == 0x5ef9092d7bb25137ull && t1 == 0xb7bd5fc18094af07ull);
+  CHECK(fy_dropout_draw(t0, 0) == 0x60138e4eu && fy_dropout_draw(t0, 7) == 0x84ff579eu &&
+        fy_dropout_draw(t1, 4095) == 0x9c57f1a4u);
+  CHECK(fy_dropout_threshold(0) == 0 && fy_dropout_threshold(0.1f) == 429496736u && fy_dropout_scale(0) == 1.0f);
+
+  const int64_t rows = 96, C = 250, N = rows * C;
+  float *a = frand_new(N, 1), *b = frand_new(N, 1), *out = check_fnew(N), *ref = check_fnew(N);
+  float *zero = check_fnew(N), *one = check_fnew(N), *mask = check_fnew(N);
+  for (int64_t i = 0; i < N; i++) one[i] = 1.0f;
+  // p = 0 is the plain add, bit for bit.
+  fy_dropout_add_forward(out, a, b, rows, C, k0, 0, 0.0f);
+  fy_add_forward(ref, a, b, N);
+  CHECK(same_bits(out, ref, N));
+  for (int pi = 0; pi < 3; pi++) {
+    const float p = pi == 0 ? 0.1f : pi == 1 ? 0.5f : 0.9f, s = 1.0f / (1.0f - p);
+    // The mask itself (0 + 1 * keep / (1-p)): values 0 or the scale; the kept share, the share of
+    // neighbours (next column, next token) kept together and the overlap with another site's mask
+    // are those of independent draws, within 5 standard deviations.
+    fy_dropout_add_forward(mask, zero, one, rows, C, k0, 1000, p);
+    float *other = check_fnew(N);
+    fy_dropout_add_forward(other, zero, one, rows, C, k5, 1000, p);
+    int64_t kept = 0, pairs_c = 0, both_c = 0, pairs_t = 0, both_t = 0, both_site = 0, bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t j = 0; j < C; j++) {
+        const float m = mask[r * C + j];
+        bad += m != 0.0f && m != s;
+        kept += m != 0;
+        both_site += m != 0 && other[r * C + j] != 0;
+        if (j + 1 < C) pairs_c++, both_c += m != 0 && mask[r * C + j + 1] != 0;
+        if (r + 1 < rows) pairs_t++, both_t += m != 0 && mask[(r + 1) * C + j] != 0;
+      }
+    const double q = 1.0 - p;
+    double z_keep = (kept - N * q) / sqrt(N * q * p), z_c = (both_c - pairs_c * q * q) / sqrt(pairs_c * q * q * (1 - q * q));
+    double z_t = (both_t - pairs_t * q * q) / sqrt(pairs_t * q * q * (1 - q * q));
+    double z_s = (both_site - N * q * q) / sqrt(N * q * q * (1 - q * q));
+    CHECKF(bad == 0 && fabs(z_keep) < 5 && fabs(z_c) < 5 && fabs(z_t) < 5 && fabs(z_s) < 5,
+           "p %g: %lld odd values; z kept %.2f, column pairs %.2f, token pairs %.2f, two sites %.2f", (double)p,
+           (long long)bad, z_keep, z_c, z_t, z_s);
+    // The output is a + b * mask; rows cut into two calls (another micro-batch size) draw the same.
+    fy_dropout_add_forward(out, a, b, rows, C, k0, 1000, p);
+    int ok = 1;
+    for (int64_t i = 0; i < N; i++) ok &= out[i] == a[i] + (mask[i] != 0 ? b[i] * s : 0.0f);
+    CHECK(ok);
+    fy_dropout_add_forward(ref, a, b, 37, C, k0, 1000, p);
+    fy_dropout_add_forward(ref + 37 * C, a + 37 * C, b + 37 * C, rows - 37, C, k0, 1000 + 37, p);
+    CHECK(same_bits(out, ref, N));
+    // In place over the residual (out = a), as the graph may run it.
+    float *ip = fdup(a, N);
+    fy_dropout_add_forward(ip, ip, b, rows, C, k0, 1000, p);
+    CHECK(same_bits(ip, out, N));
+    // Backward: da += dout, db += dout * mask (the forward's mask, regenerated); accumulates; NULL skips.
+    float *dout = frand_new(N, 1), *da = frand_new(N, 1), *db = frand_new(N, 1), *da0 = fdup(da, N), *db0 = fdup(db, N);
+    fy_dropout_add_backward(da, db, dout, rows, C, k0, 1000, p);
+    ok = 1;
+    for (int64_t i = 0; i < N; i++)
+      ok &= da[i] == da0[i] + dout[i] && db[i] == db0[i] + (mask[i] != 0 ? dout[i] * s : 0.0f);
+    CHECK(ok);
+    memcpy(db, db0, (size_t)N * 4);
+    fy_dropout_add_backward(NULL, db, dout, rows, C, k0, 1000, p);
+    fy_dropout_add_backward(NULL, db, dout, rows, C, k0, 1000, p);
+    ok = 1;
+    for (int64_t i = 0; i < N; i++) ok &= fabsf(db[i] - (db0[i] + 2 * (mask[i] != 0 ? dout[i] * s : 0.0f))) <= 1e-5f;
+    CHECK(ok);
+    free(other), free(ip), free(dout), free(da), free(db), free(da0), free(db0);
+  }
+  // Large (threaded) against small (one row at a time) calls.
+  {
+    const int64_t R2 = 700, C2 = 1024, N2 = R2 * C2;
+    float *x = frand_new(N2, 1), *y = frand_new(N2, 1), *o = check_fnew(N2), *o1 = check_fnew(N2);
+    fy_dropout_add_forward(o, x, y, R2, C2, k5, 77, 0.3f);
+    for (int64_t r = 0; r < R2; r++) fy_dropout_add_forward(o1 + r * C2, x + r * C2, y + r * C2, 1, C2, k5, 77 + r, 0.3f);
+    CHECK(same_bits(o, o1, N2));
+    free(x), free(y), free(o), free(o1);
+  }
+  free(a), free(b), free(out), free(ref), free(zero), free(one), free(mask);
+}
+
 // ---- cross-entropy ----
 
 struct ce_ctx {
@@ -1005,6 +1091,7 @@ int main(void) {
   test_linear();
   test_attention();
   test_elementwise();
+  test_dropout();
   test_crossentropy();
   test_adamw();
   test_sumsq();

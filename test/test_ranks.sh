@@ -202,6 +202,17 @@ compare one tp 1e-5 && ok "2 tensor-parallel ranks follow 1 rank" || bad "tensor
   || bad "a 2 x 2 grid trains"
 compare one grid 1e-5 && ok "a 2 x 2 grid (tensor-parallel pairs, data-parallel across) follows 1 rank" \
   || bad "the 2 x 2 grid differs from 1 rank"
+# Dropout (ops/dropout.h): the masks follow the seed and each sequence's place in the data, so 2
+# data-parallel ranks with sharded chunks and a 2 x 2 grid (tensor-parallel pairs, whose residual
+# adds see whole rows) draw the single rank's masks.
+"$ferry" train "${common[@]}" --batch 4 --dropout 0.2 --log "$tmp/do1.json" --save "$tmp/do1" || bad "1 rank trains with dropout"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --dropout 0.2 --log "$tmp/do2.json" --save "$tmp/do2" \
+  || bad "2 sharded ranks train with dropout"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --tp 2 --dropout 0.2 --log "$tmp/dogrid.json" --save "$tmp/dogrid" \
+  || bad "a 2 x 2 grid trains with dropout"
+compare do1 do2 1e-5 && compare do1 dogrid 1e-5 && ! compare one do1 1e-3 >/dev/null 2>&1 \
+  && ok "with dropout, 2 sharded ranks and a 2 x 2 grid follow 1 rank (and differ from no dropout)" \
+  || bad "dropout over ranks differs from 1 rank"
 # Checkpoints hold whole tensors: a tensor-parallel checkpoint resumes on 1 rank, and a 1-rank one
 # on tensor-parallel ranks.
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --save "$tmp/cktp" --save-every 100 --stop-after 6 \

@@ -89,6 +89,45 @@ int main(void) {
          ra.last_loss, r_rc.last_loss);
   CHECK(r_rc.activation_bytes < ra.activation_bytes);
 
+  // Dropout (--dropout): it changes training (masks are drawn, the loss still falls); the masks
+  // follow the seed and the tokens' place in the data, so recomputation draws the same (bit for
+  // bit) and 2 x 2 micro-batches the masks of 4 at once; another seed draws others; evaluation
+  // never drops; a probability of 1 is refused.
+  {
+    struct fy_train_opts d = tiny_opts(shard);
+    d.steps = 6;
+    struct fy_train_result none, r_do, r_do_rc, r_do_acc, r_do_seed;
+    CHECK_OK(fy_train(&d, &none));
+    d.dropout = 0.3f;
+    CHECK_OK(fy_train(&d, &r_do));
+    CHECKF(r_do.first_loss != none.first_loss && r_do.params_hash != none.params_hash && r_do.last_loss < r_do.first_loss,
+           "dropout: loss %.9g -> %.9g, without %.9g", r_do.first_loss, r_do.last_loss, none.first_loss);
+    d.recompute = true;
+    CHECK_OK(fy_train(&d, &r_do_rc));
+    CHECKF(r_do_rc.params_hash == r_do.params_hash && r_do_rc.last_loss == r_do.last_loss, "dropout with recompute differs");
+    d.recompute = false;
+    d.batch = 2;
+    d.grad_accum = 2;
+    CHECK_OK(fy_train(&d, &r_do_acc));
+    CHECKF(fabsf(r_do_acc.last_loss - r_do.last_loss) <= 1e-5f * fabsf(r_do.last_loss),
+           "dropout, 2 x 2 micro-batches: %.9g, 4 at once %.9g", r_do_acc.last_loss, r_do.last_loss);
+    d.batch = 4;
+    d.grad_accum = 1;
+    d.seed += 1;  // (also another initialisation: compare the first loss's distance instead)
+    CHECK_OK(fy_train(&d, &r_do_seed));
+    CHECK(r_do_seed.params_hash != r_do.params_hash);
+    d.seed -= 1;
+    double e_none = 0, e_do = 0;
+    struct fy_train_opts e = tiny_opts(shard);
+    e.eval_batches = 2;
+    CHECK_OK(fy_eval(&e, &e_none));
+    e.dropout = 0.3f;
+    CHECK_OK(fy_eval(&e, &e_do));
+    CHECKF(e_none == e_do, "eval with a dropout option: %.9g, without %.9g", e_do, e_none);
+    d.dropout = 1.0f;
+    CHECK_ERR(fy_train(&d, &r_do), FY_ERR_INVALID);
+  }
+
   // Dynamic loss scaling: without overflow, bit for bit the numbers of no scaling (the scale is a
   // power of two); with a scale that overflows, steps are skipped and the scale halved until the
   // gradients fit, and training goes on.

@@ -1,10 +1,11 @@
-// Elementwise kernels: relu, gelu and add. Memory-bound; threads only pay off on large arrays.
+// Elementwise kernels: relu, gelu, add, and dropout fused with an add. Memory-bound; threads only pay off on large arrays.
 // Outputs may alias inputs (in-place relu, residual add); `omp simd` vectorises without restrict.
 #include "ops/ops.h"
 
 #include <math.h>
 
 #include "fy_config.h"
+#include "ops/dropout.h"
 
 #if FY_HAVE_MVEC
 // glibc's libmvec holds vector versions of these (meson.build checks that they link): declared
@@ -64,4 +65,35 @@ void fy_add_backward(float *da, float *db, const float *dout, int64_t N) {
 #pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
     for (int64_t i = 0; i < N; i++) db[i] += dout[i];
   }
+}
+
+// base (rows,C), src (rows,C) -> dst (rows,C) = base + src * keep / (1 - p), row r being token u0
+// + r of the stream (its mask drawn from key, ops/dropout.h): the dropout-add's forward (dst the
+// output, base the residual, src the branch) and its branch gradient (dst = base = db, src =
+// dout). dst may alias base or src.
+static void dropout_add_rows(float *dst, const float *base, const float *src, int64_t rows, int64_t C, uint64_t key,
+                             int64_t u0, float p) {
+  const uint32_t thr = fy_dropout_threshold(p);
+  const float s = fy_dropout_scale(p);
+#pragma omp parallel for schedule(static) if (parallel : rows * C > FY_EW_PAR)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint64_t tk = fy_dropout_token(key, u0 + r);
+    float *d = dst + r * C;
+    const float *x = base + r * C, *y = src + r * C;
+#pragma omp simd
+    for (int64_t j = 0; j < C; j++) d[j] = x[j] + (fy_dropout_draw(tk, j) >= thr ? y[j] * s : 0.0f);
+  }
+}
+
+// a (rows,C), b (rows,C) -> out (rows,C) = a + b * keep / (1 - p)
+void fy_dropout_add_forward(float *out, const float *a, const float *b, int64_t rows, int64_t C, uint64_t key,
+                            int64_t u0, float p) {
+  dropout_add_rows(out, a, b, rows, C, key, u0, p);
+}
+
+// dout (rows,C) -> da (rows,C) += dout, db (rows,C) += dout * keep / (1 - p) (either may be NULL)
+void fy_dropout_add_backward(float *da, float *db, const float *dout, int64_t rows, int64_t C, uint64_t key,
+                             int64_t u0, float p) {
+  if (da) fy_add_backward(da, NULL, dout, rows * C);
+  if (db) dropout_add_rows(db, db, dout, rows, C, key, u0, p);
 }

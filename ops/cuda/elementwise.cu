@@ -1,7 +1,8 @@
-// Elementwise kernels: relu, gelu and add, forward and backward. Memory-bound grid-stride loops; outputs
+// Elementwise kernels: relu, gelu, add and dropout-add, forward and backward. Memory-bound grid-stride loops; outputs
 // may alias inputs (in-place relu, a residual added in place), so nothing is __restrict__ (each
 // element, or 16-byte piece, is read and written by one thread).
 #include "ops/cuda/common.cuh"
+#include "ops/dropout.h"
 
 // Each kernel first walks whole 16-byte pieces (4 floats or 8 bf16: one load or store per tensor
 // and piece) when every buffer is 16-byte aligned (nv = N / piece, else 0), then the rest
@@ -216,6 +217,58 @@ extern "C" fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, 
     add_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)da, (T *)db, (const T *)dout, N, nv);
   });
   return fy_cuda_launched("add_backward");
+}
+
+// base (rows,C), src (rows,C) -> dst (rows,C) = base + src * keep / (1 - p), row r being token
+// u0 + r (ops/dropout.h). The dropout-add's forward (dst the output, base the residual, src the
+// branch) and its branch gradient (dst = base = the gradient, src = dout). A block walks rows, its
+// threads a row's columns in pieces of VW (one token hash per thread and row, no division).
+template <typename T, int VW>
+__global__ void dropout_add_kernel(T *dst, const T *base, const T *src, int64_t rows, int64_t C, uint64_t key,
+                                   int64_t u0, uint32_t thr, float s) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const uint64_t tk = fy_dropout_token(key, u0 + r);
+    const int64_t o = r * C;
+    for (int64_t j = (int64_t)threadIdx.x * VW; j < C; j += (int64_t)blockDim.x * VW) {
+      float x[VW], y[VW];
+      fy_ldv<T, VW>(x, base + o + j);
+      fy_ldv<T, VW>(y, src + o + j);
+#pragma unroll
+      for (int k = 0; k < VW; k++) x[k] += fy_dropout_draw(tk, j + k) >= thr ? y[k] * s : 0.0f;
+      fy_stv<T, VW>(dst + o + j, x);
+    }
+  }
+}
+
+static fy_status dropout_add(const char *what, void *dst, const void *base, const void *src, enum fy_dtype dt,
+                             int64_t rows, int64_t C, uint64_t key, int64_t u0, float p, cudaStream_t st) {
+  if (rows <= 0 || C <= 0) return FY_OK;
+  const uint32_t thr = fy_dropout_threshold(p);
+  const float s = fy_dropout_scale(p);
+  const unsigned grid = (unsigned)(rows < 8192 ? rows : 8192);
+  FY_CUDA_DISPATCH(what, dt, T, {
+    constexpr int VW = 16 / (int)sizeof(T);
+    if (C % VW == 0 && fy_aligned16(dst, base, src, NULL, NULL))
+      dropout_add_kernel<T, VW><<<grid, 256, 0, st>>>((T *)dst, (const T *)base, (const T *)src, rows, C, key, u0,
+                                                       thr, s);
+    else
+      dropout_add_kernel<T, 1><<<grid, 256, 0, st>>>((T *)dst, (const T *)base, (const T *)src, rows, C, key, u0,
+                                                      thr, s);
+  });
+  return fy_cuda_launched(what);
+}
+
+extern "C" fy_status fy_cuda_dropout_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt,
+                                                 int64_t rows, int64_t C, uint64_t key, int64_t u0, float p,
+                                                 cudaStream_t st) {
+  return dropout_add("dropout_add_forward", out, a, b, dt, rows, C, key, u0, p, st);
+}
+
+extern "C" fy_status fy_cuda_dropout_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt,
+                                                  int64_t rows, int64_t C, uint64_t key, int64_t u0, float p,
+                                                  cudaStream_t st) {
+  if (da) FY_TRY(fy_cuda_add_backward(da, NULL, dout, dt, rows * C, st));
+  return db ? dropout_add("dropout_add_backward", db, db, dout, dt, rows, C, key, u0, p, st) : FY_OK;
 }
 
 // src (N) -> dst (N) fp32 = float(src) (first) or dst + float(src): a sum of gradients over

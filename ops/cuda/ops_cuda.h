@@ -90,6 +90,13 @@ fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_d
 // dout (N) -> da (N) +=, db (N) += (either may be NULL)
 fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt, int64_t N,
                                cudaStream_t st);
+// The dropout-add of ops/ops.h (fy_dropout_add_forward, _backward), the same masks:
+// a (rows,C) the residual, b (rows,C) the branch -> out (rows,C) = a + b * keep / (1 - p)
+fy_status fy_cuda_dropout_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt, int64_t rows,
+                                      int64_t C, uint64_t key, int64_t u0, float p, cudaStream_t st);
+// dout (rows,C) -> da += dout, db += dout * keep / (1 - p) (either may be NULL)
+fy_status fy_cuda_dropout_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt, int64_t rows,
+                                       int64_t C, uint64_t key, int64_t u0, float p, cudaStream_t st);
 
 // src (N) of type src_dt -> dst (N) fp32 = src (first) or dst + src, widened exactly: the sum of a
 // chunk's gradients over micro-batches.

@@ -15,6 +15,11 @@ transformers, saves it, and then:
      tensor within 1e-4), and the saved checkpoint has transformers' tensor names, no more, no less;
   3. an activation that ferry does not implement (silu) is refused with a message, not trained wrongly.
 
+The "dropout" variant trains with the config's dropout (0.1, ferry train --dropout config) and
+transformers in train mode, its dropout handed ferry's masks (ops/dropout.h, repeated here in
+numpy): the same checks then hold, which pins where ferry drops (the residual branches after
+out_proj and fc2), how it scales (1 / (1 - p)) and that backward uses the forward's masks.
+
 usage: test/reference/check_variants.py path/to/ferry [--keep DIR]
 Exit status 0 when every variant passes, 1 otherwise. Needs torch, transformers, safetensors.
 """
@@ -50,7 +55,73 @@ VARIANTS = {
                             "float32", None),
     "bf16_weights": (dict(), "bfloat16", None),
     "f16_sharded": (dict(), "float16", "20KB"),
+    "dropout": (dict(dropout=0.1), "float32", None),
 }
+DROPOUT_SEED = 4321
+
+# ---- ferry's dropout masks (ops/dropout.h), for transformers ----
+
+M64 = (1 << 64) - 1
+
+
+def _mix64(x):  # x: a uint64 numpy array, or a Python int (kept to 64 bits)
+    import numpy as np
+    if isinstance(x, int):
+        x ^= x >> 30; x = (x * 0xbf58476d1ce4e5b9) & M64
+        x ^= x >> 27; x = (x * 0x94d049bb133111eb) & M64
+        return x ^ (x >> 31)
+    x = x ^ (x >> np.uint64(30)); x = x * np.uint64(0xbf58476d1ce4e5b9)
+    x = x ^ (x >> np.uint64(27)); x = x * np.uint64(0x94d049bb133111eb)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix32(x):  # a uint32 numpy array
+    import numpy as np
+    x = x ^ (x >> np.uint32(16)); x = x * np.uint32(0x85ebca6b)
+    x = x ^ (x >> np.uint32(13)); x = x * np.uint32(0xc2b2ae35)
+    return x ^ (x >> np.uint32(16))
+
+
+def ferry_keep(seed, site, u0, rows, C, p):
+    """Which elements ferry keeps: a (rows, C) boolean array for tokens u0 .. u0 + rows - 1."""
+    import numpy as np
+    with np.errstate(over="ignore"):
+        key = _mix64((_mix64(seed) + (site + 1) * 0x9e3779b97f4a7c15) & M64)
+        u = np.arange(u0, u0 + rows, dtype=np.uint64)
+        tok = _mix64(np.uint64(key) ^ (u * np.uint64(0xd1b54a32d192ed03)))
+        lo, hi = (tok & np.uint64(0xffffffff)).astype(np.uint32), (tok >> np.uint64(32)).astype(np.uint32)
+        j = np.arange(C, dtype=np.uint32) * np.uint32(0x9e3779b9)
+        draw = _mix32((lo[:, None] + j[None, :]) ^ hi[:, None])
+    thr = 0 if p <= 0 else min(int(float(np.float32(p)) * 4294967296.0), 0xffffffff)
+    return draw >= np.uint32(thr)
+
+
+class FerryDropout:
+    """Stands in for torch.nn.functional.dropout while transformers trains: the k-th dropping call
+    of a forward is ferry's site k (layer k // 2, attention then feed-forward). transformers runs
+    the T + 1 tokens of each window (its labels shift inside the model): position t < T of
+    sequence j is ferry's token u0 + jT + t; the last position, whose prediction no loss reads,
+    keeps everything."""
+
+    def __init__(self, torch, seed):
+        self.torch, self.seed, self.orig = torch, seed, torch.nn.functional.dropout
+        self.site, self.u0 = 0, 0
+
+    def start(self, u0):
+        self.site, self.u0 = 0, u0
+
+    def __call__(self, x, p=0.5, training=True, inplace=False):
+        import numpy as np
+        if not training or p == 0:
+            return self.orig(x, p, training, inplace)
+        C = x.shape[-1]
+        n_seq = x.numel() // C // (T + 1)
+        keep = np.concatenate([np.concatenate([ferry_keep(self.seed, self.site, self.u0 + j * T, T, C, p),
+                                               np.ones((1, C), dtype=bool)]) for j in range(n_seq)])
+        self.site += 1
+        scale = np.float32(1) / (np.float32(1) - np.float32(p))
+        m = self.torch.from_numpy(keep.astype(np.float32) * scale).reshape(x.shape)
+        return x * m
 
 
 def build(torch, name, changes, dtype, shard, outdir):
@@ -81,13 +152,17 @@ def load_initial(torch, path):
     return OPTForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
-def hf_train(torch, path, toks):
+def hf_train(torch, path, toks, dropout=False):
     """Loss of each step and the final weights: ferry's loader takes window i = tokens [iT, iT + T]
     (T + 1 tokens) and row j of batch k is window kB + j; transformers' labels = input_ids shift
-    by one inside the model, so the T + 1 tokens of a window give the same T predictions."""
+    by one inside the model, so the T + 1 tokens of a window give the same T predictions. With
+    dropout, transformers drops with ferry's masks (row j of batch k: tokens (kB + j)T ...)."""
     from transformers import OPTForCausalLM
     model = OPTForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.train()
+    drop = FerryDropout(torch, DROPOUT_SEED) if dropout else None
+    if drop:
+        torch.nn.functional.dropout = drop
     named = list(model.named_parameters())
     groups = [dict(params=[p for _, p in named if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
               dict(params=[p for _, p in named if p.ndim < 2], weight_decay=0.0)]
@@ -97,16 +172,22 @@ def hf_train(torch, path, toks):
         rows = [toks[(k * B + j) * T:(k * B + j) * T + T + 1] for j in range(B)]
         ids = torch.tensor(rows, dtype=torch.long)
         opt.zero_grad(set_to_none=True)
+        if drop:
+            drop.start(k * B * T)
         out = model(input_ids=ids, labels=ids, use_cache=False)
+        if drop and drop.site != 2 * model.config.num_hidden_layers:
+            raise RuntimeError(f"transformers dropped at {drop.site} places, not 2 per layer")
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         losses.append(out.loss.item())
+    if drop:
+        torch.nn.functional.dropout = drop.orig
     return losses, model
 
 
-def ferry_train(ferry, src, data, save, log):
-    cmd = [ferry, "train", "--init", src, "--data", data, "--batch", str(B), "--seq", str(T),
+def ferry_train(ferry, src, data, save, log, extra=()):
+    cmd = [ferry, "train", "--init", src, "--data", data, "--batch", str(B), "--seq", str(T), *extra,
            "--steps", str(STEPS), "--lr", repr(LR), "--min-lr", repr(LR), "--warmup", "0",
            "--weight-decay", repr(WEIGHT_DECAY), "--beta1", repr(BETA1), "--beta2", repr(BETA2),
            "--eps", repr(EPS), "--clip", repr(CLIP), "--no-shuffle", "--threads", "2", "--quiet",
@@ -123,8 +204,10 @@ def check_variant(torch, ferry, tmp, name, spec, toks, data):
     src, save, log = (os.path.join(tmp, name + s) for s in ("", ".saved", ".log"))
     build(torch, name, changes, dtype, shard, src)
     problems = []
-    ferry_losses = ferry_train(ferry, src, data, save, log)
-    hf_losses, model = hf_train(torch, src, toks)
+    dropout = changes.get("dropout", 0) > 0
+    extra = ("--dropout", "config", "--seed", str(DROPOUT_SEED)) if dropout else ()
+    ferry_losses = ferry_train(ferry, src, data, save, log, extra)
+    hf_losses, model = hf_train(torch, src, toks, dropout)
     if len(ferry_losses) != STEPS:
         problems.append(f"ferry logged {len(ferry_losses)} steps, not {STEPS}")
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(ferry_losses, hf_losses))
