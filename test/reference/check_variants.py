@@ -56,6 +56,7 @@ VARIANTS = {
     "bf16_weights": (dict(), "bfloat16", None),
     "f16_sharded": (dict(), "float16", "20KB"),
     "dropout": (dict(dropout=0.1), "float32", None),
+    "post_ln_dropout": (dict(dropout=0.2, do_layer_norm_before=False, word_embed_proj_dim=16), "float32", None),
 }
 DROPOUT_SEED = 4321
 
