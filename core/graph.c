@@ -205,7 +205,7 @@ static void size_attention(struct fy_graph *g, bool flash) {
     if (op->kind != FY_OP_ATTENTION) continue;
     int64_t need = g->B * op->NH * g->T * (flash ? 1 : g->T);
     if (op->n_aux > 0) g->slots[op->aux[0]].numel = need;
-    if (need > g->scratch_elems) g->scratch_elems = need;
+    if (need > g->scratch_elems && !g->forward_only) g->scratch_elems = need;
   }
   g->flash_attention = flash;
 }
@@ -220,6 +220,11 @@ void fy_graph_set_flash_attention(struct fy_graph *g, bool on) {
 // is zeroed, then accumulated into) to its producer's backward (its last reader).
 static fy_status plan_gradients(struct fy_graph *g) {
   for (int s = 0; s < g->n_slots; s++) g->slots[s].grad_offset = -1;
+  if (g->forward_only) {  // no backward: no gradients
+    for (int o = 0; o < g->n_ops; o++) g->ops[o].n_zero = 0;
+    g->grad_elems = 0;
+    return FY_OK;
+  }
   struct live_block *live = calloc((size_t)g->n_slots + 1, sizeof *live);
   if (!live) return fy_error_set(FY_ERR_NOMEM, "cannot plan the gradient arena");
   int n_live = 0;
@@ -244,6 +249,13 @@ static fy_status plan_gradients(struct fy_graph *g) {
   free(live);
   g->grad_elems = top;
   return FY_OK;
+}
+
+void fy_graph_set_forward_only(struct fy_graph *g) {
+  g->forward_only = true;
+  size_attention(g, g->flash_attention);
+  plan_activations(g, true);
+  (void)plan_gradients(g);  // (forward-only: clears them, allocating nothing)
 }
 
 fy_status fy_graph_set_act16(struct fy_graph *g, bool on) {

@@ -116,6 +116,7 @@ struct fy_graph {
                            //   n_param_elems) — see memory/chunk.h
   int64_t act_elems;       // activation arena (floats)
   bool recompute;          // decoder layers' activations are recomputed in backward
+  bool forward_only;       // forward passes alone (evaluation): fy_graph_set_forward_only
   bool flash_attention;    // attention keeps B*NH*T statistics, not the T x T probabilities
   bool act16;              // activations and their gradients are 16-bit, two to a float of the
                            //   arenas (fp32 statistics and losses excepted): fy_graph_set_act16
@@ -140,6 +141,10 @@ fy_status fy_graph_finalize(struct fy_graph *g);
 // Recomputation per decoder layer: on, the activations a layer makes for itself share one region
 // (a layer's forward runs again just before its backward) and only layer inputs are kept.
 void fy_graph_set_recompute(struct fy_graph *g, bool on);
+// Forward passes alone (evaluation): nothing is kept for a backward, so the activations a decoder
+// layer makes for itself share one region (the recomputation layout, with no backward to run it)
+// and the gradient arena and the backward scratch are empty. One way: a graph stays forward-only.
+void fy_graph_set_forward_only(struct fy_graph *g);
 // Flash-style attention (the cuda kernels): each attention op's aux slot holds one float per query
 // and head (the log-sum-exp) instead of the T x T probabilities, and so does the backward scratch.
 void fy_graph_set_flash_attention(struct fy_graph *g, bool on);

@@ -301,8 +301,8 @@ static void usage_train(FILE *f, bool eval) {
             "  --host-mem SIZE    host memory for the offloaded weights (default: the machine's)\n"
             "  --precision P      fp32 (default on cpu, sim), bf16 (default on cuda) or fp16 (cpu,\n"
             "                     sim): the forward in P, as training with it runs\n"
-            "  --recompute        the activations of one layer at a time (offloaded: a smaller\n"
-            "                     working set; the forward is the same)\n",
+            "  --recompute        (accepted, and always so: evaluation keeps one layer's\n"
+            "                     activations at a time, and no gradients)\n",
             (long long)d.eval_batches);
     return;
   }

@@ -249,12 +249,13 @@ static size_t min_device_bytes(const struct fy_model *m, size_t esize) {
 size_t fy_offload_min_device_bytes(const struct fy_model *m) { return min_device_bytes(m, payload_bytes(m)); }
 
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
-                                    bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
+                                    bool forward_only, bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
                                     size_t *min_bytes, int64_t *chunk_elems_out) {
   struct fy_model m = {.cfg = *cfg};
   FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
   if (flash_attention) fy_graph_set_flash_attention(m.graph, true);
   if (recompute) fy_graph_set_recompute(m.graph, true);
+  if (forward_only) fy_graph_set_forward_only(m.graph);
   fy_status st16 = elem_bytes == 2 ? fy_graph_set_act16(m.graph, true) : FY_OK;  // a GPU's bf16 activations
   if (st16 != FY_OK) {
     fy_graph_free(m.graph);

@@ -163,11 +163,12 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4), ce0;  // --chunk-mib counts fp32 elements
   size_t need;
-  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, esize, chunk, &need, &ce0));
+  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, r->eval, cuda, esize, chunk, &need, &ce0));
   if (r->dp > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
     int64_t q = 16 * (int64_t)r->dp;
     if (ce0 % q != 0)
-      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, cuda, esize, (ce0 + q - 1) / q * q, &need, &ce0));
+      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, r->eval, cuda, esize, (ce0 + q - 1) / q * q,
+                                       &need, &ce0));
   }
   if (need > dev_mem) {
     char has[32], chunk_b[32], need_b[32];
@@ -178,7 +179,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                         fy_format_bytes((double)dev_mem, has, sizeof has), cfg->name, (long long)o->batch,
                         (long long)o->seq, fy_format_bytes((double)ce0 * esize, chunk_b, sizeof chunk_b),
                         fy_format_bytes((double)need, need_b, sizeof need_b),
-                        o->recompute ? "" : " (--recompute lowers it)");
+                        o->recompute || r->eval ? "" : " (--recompute lowers it)");
   }
   // By default chunks are as small as the largest parameter group allows: finer caching.
   // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
@@ -186,7 +187,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
   // Chunks sharded across ranks (without tensor parallelism, whose slices come from the whole
   // model): no whole-model weights, each rank sets its shards alone (set_shards).
-  struct fy_model_opts mo = {.recompute = o->recompute, .chunk_elems = ce0, .host = r->host,
+  struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
                              .no_params = r->dp > 1 && r->tp == 1};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));

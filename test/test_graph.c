@@ -166,6 +166,34 @@ static void check_flash(void) {
   fy_graph_free(g);
 }
 
+// Forward passes alone (evaluation): the recomputation layout (a layer's own activations share
+// one region), no gradient arena, no backward scratch, no slot with a gradient; and it stays so
+// when flash attention or 16-bit activations plan the arenas again.
+static void check_forward_only(void) {
+  struct fy_opt_config c;
+  CHECK_OK(fy_opt_preset("opt-125m", &c));
+  struct fy_graph *g, *rc;
+  CHECK_OK(fy_opt_build_graph(&c, 2, 128, &g));
+  CHECK_OK(fy_opt_build_graph(&c, 2, 128, &rc));
+  if (!g || !rc) return;
+  const int64_t kept = g->act_elems;
+  fy_graph_set_recompute(rc, true);
+  fy_graph_set_forward_only(g);
+  int with_grad = 0, zeroing = 0;
+  for (int s = 0; s < g->n_slots; s++) with_grad += g->slots[s].grad_offset >= 0;
+  for (int o = 0; o < g->n_ops; o++) zeroing += g->ops[o].n_zero;
+  CHECKF(g->forward_only && g->act_elems == rc->act_elems && g->act_elems < kept / 2 && g->grad_elems == 0 &&
+             g->scratch_elems == 0 && with_grad == 0 && zeroing == 0 && arena_faults(g) == 0,
+         "forward-only: arena %lld floats (recompute %lld, all kept %lld), gradients %lld, scratch %lld, %d slots "
+         "with gradients", (long long)g->act_elems, (long long)rc->act_elems, (long long)kept, (long long)g->grad_elems,
+         (long long)g->scratch_elems, with_grad);
+  fy_graph_set_flash_attention(g, true);
+  CHECK_OK(fy_graph_set_act16(g, true));
+  CHECK(g->grad_elems == 0 && g->scratch_elems == 0 && arena_faults(g) == 0);
+  fy_graph_free(g);
+  fy_graph_free(rc);
+}
+
 // 16-bit activations (a GPU's bf16): the arenas shrink to about half, every slot but the fp32
 // statistics and losses spans half its elements, nothing overlaps (with and without
 // recomputation, and in the gradient arena), and switching back restores the layout.
@@ -252,6 +280,7 @@ int main(void) {
   check_fusions();
   check_flash();
   check_act16();
+  check_forward_only();
   for (const char *const *p = fy_opt_preset_names(); *p; p++) {
     bool huge = strstr(*p, "66b") || strstr(*p, "175b") || strstr(*p, "30b");
     check_model(*p, 2, huge ? 32 : 64);
