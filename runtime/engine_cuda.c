@@ -37,6 +37,7 @@ struct cuda_ctx {
   // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
+  size_t buf_bytes[5];  // of workspace, row, dsums, dscratch, lnscratch (engine_buf)
   // Per op: fy_graph_fusion's verdict, a linear run with the relu or residual add after it in
   // cuBLASLt's epilogue (relu; the residual as the product's C, beta 1); that op then does nothing.
   unsigned char *fused;
@@ -320,17 +321,39 @@ static const struct fy_model_kernels cuda_kernels = {
     .chunk_add = chunk_add_cuda,
 };
 
+// The engine's own device buffers, taken from the device as every other allocation is, so that its
+// cap (--device-mem) and its counters include them: cuBLASLt's workspace, an embedding row, the
+// per-parameter sums of squares and their first pass, layernorm's partial parameter gradients.
+enum { ENGINE_BUFS = 5 };
+_Static_assert(sizeof ((struct cuda_ctx *)0)->buf_bytes == ENGINE_BUFS * sizeof(size_t), "one size per buffer");
+static void **engine_buf(struct cuda_ctx *x, int i) {
+  void **p[ENGINE_BUFS] = {&x->workspace, (void **)&x->row, (void **)&x->dsums, (void **)&x->dscratch,
+                           (void **)&x->lnscratch};
+  return p[i];
+}
+static void engine_buf_sizes(size_t bytes[ENGINE_BUFS], int64_t n_params, int64_t C) {
+  bytes[0] = FY_ENGINE_CUDA_WORKSPACE;
+  bytes[1] = (size_t)C * 4;
+  bytes[2] = (size_t)(n_params > 0 ? n_params : 1) * sizeof(double);
+  bytes[3] = FY_CUDA_SUMSQ_PARTS * sizeof(double);
+  bytes[4] = (size_t)(2 * FY_CUDA_LN_PARTS * C) * sizeof(float);
+}
+
+size_t fy_engine_cuda_buffer_bytes(int64_t n_params, int64_t C) {
+  size_t b[ENGINE_BUFS], n = 0;
+  engine_buf_sizes(b, n_params, C);
+  for (int i = 0; i < ENGINE_BUFS; i++) n += (b[i] + 255) / 256 * 256;  // (as the device rounds them)
+  return n;
+}
+
 void fy_engine_cuda_detach(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
   if (!x) return;
   // (Its own stream: the offload engine's, if kernels launched there, is gone by now.)
   if (x->stream) cudaStreamSynchronize(fy_cuda_stream(x->stream));
   fy_cuda_blas_free(x->blas);
-  cudaFree(x->workspace);
-  cudaFree(x->row);
-  cudaFree(x->dsums);
-  cudaFree(x->dscratch);
-  cudaFree(x->lnscratch);
+  for (int i = 0; i < ENGINE_BUFS; i++)
+    if (*engine_buf(x, i)) fy_device_dealloc(m->dev, *engine_buf(x, i), x->buf_bytes[i]);
   cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
   free(x->fused);
@@ -348,16 +371,15 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   int64_t C = 1;
   for (int o = 0; o < g->n_ops; o++)
     if (g->ops[o].C > C) C = g->ops[o].C;
-  x->workspace_bytes = (size_t)32 << 20;
+  x->workspace_bytes = FY_ENGINE_CUDA_WORKSPACE;
+  engine_buf_sizes(x->buf_bytes, g->n_params, C);
   fy_status st = fy_stream_create(m->dev, &x->stream);
   if (st == FY_OK) x->st = fy_cuda_stream(x->stream);
-  if (st == FY_OK && (cudaMalloc(&x->workspace, x->workspace_bytes) != cudaSuccess ||
-                      cudaMalloc((void **)&x->row, (size_t)C * 4) != cudaSuccess ||
-                      cudaMalloc((void **)&x->dsums, (size_t)(g->n_params > 0 ? g->n_params : 1) * sizeof(double)) !=
-                          cudaSuccess ||
-                      cudaMalloc((void **)&x->dscratch, FY_CUDA_SUMSQ_PARTS * sizeof(double)) != cudaSuccess ||
-                      cudaMalloc((void **)&x->lnscratch, (size_t)(2 * FY_CUDA_LN_PARTS * C) * sizeof(float)) != cudaSuccess))
-    st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate the engine's buffers");
+  for (int i = 0; i < ENGINE_BUFS && st == FY_OK; i++) {
+    st = fy_device_alloc(m->dev, x->buf_bytes[i], engine_buf(x, i));
+    if (st != FY_OK) st = fy_error_wrap(st, "cuda: the engine's buffers (GEMM workspace and scratch, %.1f MiB)",
+                                        (double)fy_engine_cuda_buffer_bytes(g->n_params, C) / 1048576.0);
+  }
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);

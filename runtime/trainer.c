@@ -170,6 +170,15 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
       FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, r->eval, cuda, esize, (ce0 + q - 1) / q * q,
                                        &need, &ce0));
   }
+#if FY_HAVE_CUDA
+  // The cuda engine's own buffers come out of the same cap: a layer's 16 parameters at most, and
+  // the widest op (fc2 reads the feed-forward width).
+  if (cuda) {
+    int64_t wide = cfg->ffn_dim > cfg->hidden_size ? cfg->ffn_dim : cfg->hidden_size;
+    if (cfg->word_embed_proj_dim > wide) wide = cfg->word_embed_proj_dim;
+    need += fy_engine_cuda_buffer_bytes(16 * cfg->num_hidden_layers + 8, wide);
+  }
+#endif
   if (need > dev_mem) {
     char has[32], chunk_b[32], need_b[32];
     return fy_error_set(FY_ERR_NOMEM,
