@@ -103,7 +103,7 @@ void fy_op_call_forward(void *arg) {
       fy_gelu_forward(out, in0, g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
-      if (op->dropout > 0)
+      if (op->dropout > 0 && !c->batch->no_dropout)
         fy_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), BT, op->C, fy_dropout_key(m->dropout_seed, op->site),
                                c->batch->row0 * T, op->dropout);
       else
@@ -194,7 +194,7 @@ void fy_op_call_backward(void *arg) {
       fy_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, g->slots[op->out].numel);
       break;
     case FY_OP_ADD:
-      if (op->dropout > 0)
+      if (op->dropout > 0 && !c->batch->no_dropout)
         fy_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, BT, op->C,
                                 fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T, op->dropout);
       else
@@ -254,13 +254,14 @@ static fy_status stage_batch(struct fy_model *m, const struct fy_batch *batch, c
   return FY_OK;
 }
 
-fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
+static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool dropout, struct fy_loss *loss) {
   FY_TRY(fy_engine_check_batch(m, batch));
   const struct fy_graph *g = m->graph;
   int32_t *pos = m->device_memory ? m->host_positions : m->positions;
   fy_engine_positions(pos, batch->mask, g->B, g->T);
   struct fy_dev_batch b;
   FY_TRY(stage_batch(m, batch, pos, &b));
+  b.no_dropout = !dropout;
   loss->sum = 0;
   loss->count = fy_engine_count_targets(batch);
   // 16-bit numerics: the kernels read the master weights in the compute dtype (refreshed once after
@@ -277,6 +278,14 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
     if (c.st != FY_OK) return c.st;
   }
   return FY_OK;
+}
+
+fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
+  return forward(m, batch, true, loss);
+}
+
+fy_status fy_engine_forward_eval(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
+  return forward(m, batch, false, loss);
 }
 
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {

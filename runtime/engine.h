@@ -23,6 +23,7 @@ struct fy_loss {
 struct fy_dev_batch {
   int32_t *inputs, *targets, *mask, *positions;  // (B,T); mask may be NULL
   int64_t row0;  // fy_batch's: row r of the micro-batch is stream element row0 + r
+  bool no_dropout;  // an evaluation pass of a training model: the residual adds do not drop
 };
 
 struct fy_op_call {
@@ -60,6 +61,8 @@ static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_
 // vocabulary, and the backward pass of the last forward, which writes into m->grads the gradient
 // of `loss_scale` x (sum of per-token losses); callers pass 1/count for a mean.
 fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss);
+// The same forward as evaluation runs it on a training model: no dropout (validation).
+fy_status fy_engine_forward_eval(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss);
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale);
 // Runs the forward pass op by op and sets *op to the first op whose output holds a NaN or an
 // infinity (-1 when none does): to name the culprit after a non-finite loss.

@@ -117,7 +117,7 @@ static void op_forward_cuda(void *arg) {
       st = fy_cuda_gelu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_ADD:
-      if (op->dropout > 0)
+      if (op->dropout > 0 && !c->batch->no_dropout)
         st = fy_cuda_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, BT, op->C,
                                          fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T, op->dropout,
                                          x->st);
@@ -218,7 +218,7 @@ static void op_backward_cuda(void *arg) {
       st = fy_cuda_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, dt, g->slots[op->out].numel, x->st);
       break;
     case FY_OP_ADD:
-      if (op->dropout > 0)
+      if (op->dropout > 0 && !c->batch->no_dropout)
         st = fy_cuda_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, dt, BT,
                                           op->C, fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T,
                                           op->dropout, x->st);

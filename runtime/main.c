@@ -363,6 +363,11 @@ static void usage_train(FILE *f, bool eval) {
           "  --resume PATH      continue from a checkpoint (its root or a step directory); --steps\n"
           "                     counts from the start of training\n"
           "  --stop-after N     end this run after N steps (with a checkpoint): for time-limited jobs\n"
+          "  --val-data PATH    validation shards: the mean loss over their first --val-batches batches\n"
+          "                     (in order; no dropout) every --val-every steps and after the last,\n"
+          "                     printed and logged as val_loss\n"
+          "  --val-every N      steps between validations (default: steps/10)\n"
+          "  --val-batches K    batches per validation (default %lld)\n"
           "  --log FILE         one JSON line per step\n"
           "  --quiet            no step lines\n"
           "  --profile          at the end, where a step's time went (per op kind and phase)\n"
@@ -383,7 +388,7 @@ static void usage_train(FILE *f, bool eval) {
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
           "(6 x parameters x tokens plus attention, per second), peak resident memory, step time.\n",
           (long long)d.steps, d.lr, d.adamw.weight_decay, d.adamw.beta1, d.adamw.beta2, d.adamw.eps,
-          d.adamw.clip);
+          d.adamw.clip, (long long)d.val_batches);
 }
 
 static bool parse_i64(const char *flag, const char *s, int64_t min, int64_t *out) {
@@ -426,7 +431,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -454,6 +459,8 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
       {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
       {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
+      {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
+      {"val-batches", required_argument, 0, OPT_VAL_BATCHES},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -497,6 +504,9 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_QUIET: o.quiet = true; break;
       case OPT_PROFILE: o.profile = true; break;
       case OPT_RECOMPUTE: o.recompute = true; break;
+      case OPT_VAL_DATA: o.val_data = optarg; break;
+      case OPT_VAL_EVERY: ok = parse_i64("--val-every", optarg, 1, &o.val_every); break;
+      case OPT_VAL_BATCHES: ok = parse_i64("--val-batches", optarg, 1, &o.val_batches); break;
       case OPT_DROPOUT:
         if (strcmp(optarg, "config") == 0)
           o.dropout = FY_DROPOUT_CONFIG;

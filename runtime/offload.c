@@ -726,7 +726,11 @@ static fy_status from_whole_buffer(void *ctx, int64_t lo, int64_t hi, float *dst
   return FY_OK;
 }
 
-fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
+// A pass of micro-batch `micro`: every action, or (forward_alone) the forward's, which come first,
+// without dropout; the trace's positions then skip the backward's accesses, so that the next pass
+// starts where the trace does.
+static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale,
+                          bool forward_alone) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
@@ -750,6 +754,9 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
   struct fy_dev_batch *db = &x->dbatch[p];
   db->mask = batch->mask ? x->dbatch_mem[p] + 2 * bt : NULL;
   db->row0 = batch->row0;
+  db->no_dropout = forward_alone;
+  const int64_t pass_start = x->pos;
+  const int n_actions = forward_alone ? g->n_ops : x->n_actions;
   x->loss_sums[micro] = 0;
   fy_device_cache_begin_pass(x->cache);
   memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);
@@ -771,7 +778,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
 
   float *base[FY_OP_MAX_PARAMS];
   int chunk_of[FY_OP_MAX_PARAMS];
-  for (int a = 0; a < x->n_actions; a++) {
+  for (int a = 0; a < n_actions; a++) {
     const struct fy_action *act = &x->actions[a];
     const struct fy_op *op = &g->ops[act->op];
     struct fy_op_call *c = &x->calls[p][a];
@@ -812,8 +819,13 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
     }
     FY_TRY(fy_device_cache_prefetch(x->cache, x->pos - 1));
   }
+  if (forward_alone) x->pos = pass_start + fy_trace_length(x->trace);
   FY_TRY(fy_event_record(x->pass_done[p], x->compute));
   return FY_OK;
+}
+
+fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
+  return run_pass(x, batch, micro, loss_scale, false);
 }
 
 // ---- the optimizer, per chunk on the optimizer stream ----
@@ -993,12 +1005,11 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c) {
 }
 
 fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum) {
-  if (!x->forward_only) return fy_error_set(FY_ERR_INVALID, "fy_offload_forward: a training engine (forward_only off)");
   const int p = x->parity;  // the pass's calls, whose status tells how its kernels went
-  FY_TRY(fy_offload_micro(x, batch, 0, 1.0f));
+  FY_TRY(run_pass(x, batch, 0, 1.0f, true));
   FY_TRY(fy_event_sync(x->pass_done[p]));
   FY_TRY(async_status(x));
-  for (int a = 0; a < x->n_actions; a++)
+  for (int a = 0; a < x->m->graph->n_ops; a++)
     if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
   *loss_sum = x->loss_sums[0];
   return FY_OK;

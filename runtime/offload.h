@@ -91,8 +91,11 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
 // losses.
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double *norm, double *loss_sum, bool *skipped);
-// Evaluation (opts.forward_only): the forward of a batch through the same cache, prefetch and
-// shards as training's, then waits for it; *loss_sum receives its sum of token losses.
+// The forward of a batch through the same cache, prefetch and shards as training's, then waits
+// for it; *loss_sum receives its sum of token losses. An evaluation engine (opts.forward_only)
+// runs its passes so; a training engine runs the forward part of its pass without dropout
+// (validation between steps: after fy_offload_update, before the next step's micro-batches), and
+// its weights, gradients and AdamW state stay as they were.
 fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum);
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);

@@ -39,7 +39,7 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
       .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
       .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0, .device = "cpu",
       .disk_chunks = -1, .prefetch = 2, .keep = 2, .comm = "auto", .comm_timeout = 300,
-      .eval_batches = 8};
+      .eval_batches = 8, .val_batches = 10};
 }
 
 float fy_lr_at(const struct fy_train_opts *o, int64_t t) {
@@ -115,6 +115,7 @@ struct run {
   bool ckpt_by_chunk;    // checkpoints written chunk by chunk from the offloaded state (fy_ckpt_write_pieces)
   bool eval;             // set up for evaluation (an offload engine of forward passes alone)
   fy_data *data;
+  fy_data *val;          // validation batches (--val-data), NULL without
 };
 
 static size_t machine_ram(void) {
@@ -422,11 +423,16 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
                                "--tokenizer bytes --out data/demo/corpus data/corpus.txt); --data");
     return fy_error_wrap(st, "--data");
   }
+  if (o->val_data && !eval) {  // in order, each rank its rows: as ferry eval reads them
+    st = fy_data_open(o->val_data, r->cfg.vocab_size, o->batch, o->seq, false, o->seed, r->dp_rank, r->dp, &r->val);
+    if (st != FY_OK) return fy_error_wrap(st, "--val-data");
+  }
   return FY_OK;
 }
 
 static void teardown(struct run *r) {
   fy_data_close(r->data);
+  fy_data_close(r->val);
   fy_offload_free(r->x);  // before the communicators it duplicated
   fy_comm_free(r->dp_blocks);
 #if FY_HAVE_CUDA
@@ -767,6 +773,39 @@ static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int6
   return FY_OK;
 }
 
+// The mean token loss over the first n batches of `data` (from its start: each evaluation reads
+// the same ones), forward passes alone and without dropout, over every data-parallel rank's rows:
+// their sums added in rank order (doubles travel as pairs of words). `first`, when not NULL, is
+// called with the first batch after its forward (ferry eval --dump).
+static fy_status mean_loss(struct run *r, fy_data *data, int64_t n, double *mean,
+                           fy_status (*first)(struct run *r, const struct fy_batch *b, void *ctx), void *ctx) {
+  double sum = 0;
+  int64_t count = 0;
+  FY_TRY(fy_data_seek(data, 0));
+  for (int64_t i = 0; i < n; i++) {
+    struct fy_batch *batch;
+    struct fy_loss loss = {0};
+    FY_TRY(fy_data_next(data, &batch));
+    if (r->x) {
+      FY_TRY(fy_offload_forward(r->x, batch, &loss.sum));
+      loss.count = fy_engine_count_targets(batch);
+    } else {
+      FY_TRY(fy_engine_forward_eval(r->model, batch, &loss));
+    }
+    sum += loss.sum;
+    count += loss.count;
+    if (i == 0 && first) FY_TRY(first(r, batch, ctx));
+  }
+  if (r->dp > 1) {
+    double mine[2] = {sum, (double)count}, all[2 * r->dp];
+    FY_TRY(fy_comm_all_gather(r->dp_comm, mine, all, 4, FY_COMM_F32, NULL));
+    sum = count = 0;
+    for (int k = 0; k < r->dp; k++) sum += all[2 * k], count += (int64_t)all[2 * k + 1];
+  }
+  *mean = count ? sum / (double)count : NAN;
+  return FY_OK;
+}
+
 // After a non-finite loss: runs the batch's forward again op by op and names the first op whose
 // output is not finite (resident parameters only).
 static void name_nonfinite(struct run *r) {
@@ -1077,6 +1116,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");
   if (o->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
   if (o->save_every > 0 && !o->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
+  if (o->val_every > 0 && !o->val_data) return fy_error_set(FY_ERR_INVALID, "--val-every needs --val-data PATH");
+  if (o->val_data && o->val_batches < 1) return fy_error_set(FY_ERR_INVALID, "--val-batches must be at least 1");
   struct run r;
   FILE *log = NULL;
   double *step_times = NULL;
@@ -1170,7 +1211,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   if (o->loss_scale > 0 && !o->resume) scale = o->loss_scale;
   if (first_step > 0 && !o->quiet) printf("ferry: resuming from %s at step %lld\n", o->resume, (long long)first_step);
-  double t_start = now_s(), t_sum = 0, t_opt = 0;
+  double t_start = now_s(), t_sum = 0, t_opt = 0, val_s = 0;
+  const int64_t val_every = o->val_every > 0 ? o->val_every : o->steps / 10 > 0 ? o->steps / 10 : 1;
+  res->val_loss = NAN;
   for (int64_t step = first_step; step < o->steps; step++) {
     double t0 = now_s(), loss = 0, norm = 0;
     bool overflow = false;
@@ -1208,14 +1251,29 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     if (res->steps == first_step) res->first_loss = (float)loss;
     res->last_loss = (float)loss;
     res->steps = step + 1;
-    if (log)
+    // Validation (every rank takes part: its rows, and the collectives of its forward passes).
+    bool validated = false;
+    if (r.val && ((step + 1) % val_every == 0 || step + 1 == o->steps)) {
+      double tv = now_s();
+      if ((st = mean_loss(&r, r.val, o->val_batches, &res->val_loss, NULL, NULL)) != FY_OK) {
+        fy_error_wrap(st, "validation after step %lld", (long long)step + 1);
+        goto done;
+      }
+      validated = true;
+      res->validations++;
+      val_s = now_s() - tv;
+    }
+    if (log) {
       fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
               "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
-              "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f}\n",
+              "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
               (long long)step + 1, loss, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
               r.host ? fy_host_peak(r.host) / 1048576.0 : 0.0,
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
+      if (validated) fprintf(log, ",\"val_loss\":%.6f,\"val_s\":%.4f", res->val_loss, val_s);
+      fprintf(log, "}\n");
+    }
     if (!o->quiet) {
       if (tty) printf("\r\033[K");
       // Offloaded, the peak that matters is the device's (under --device-mem); else the process's.
@@ -1225,6 +1283,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
              "%s peak %9s | %.0f ms\n",
              (long long)step + 1, (long long)o->steps, loss, lr, norm, tok_s, gflops, r.x ? "device" : "RSS",
              peak, dt * 1e3);
+      if (validated)
+        printf("validation after step %lld | loss %.4f | perplexity %.4g | %lld batches of %lld x %lld | %.0f ms\n",
+               (long long)step + 1, res->val_loss, exp(res->val_loss), (long long)o->val_batches,
+               (long long)(o->batch * r.dp), (long long)o->seq, val_s * 1e3);
       if (tty)
         progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1 - first_step) * (o->steps - step - 1));
       fflush(stdout);
@@ -1343,7 +1405,19 @@ done:
   return st;
 }
 
-fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
+// ferry eval --dump: the first batch's inputs and logits (cpu: the logits are in host memory).
+static fy_status dump_first(struct run *r, const struct fy_batch *batch, void *path) {
+  const struct fy_graph *g = r->model->graph;
+  struct fy_st_tensor ts[2] = {
+      {.name = "input_ids", .dtype = FY_I32, .rank = 2, .shape = {g->B, g->T}, .data = batch->inputs,
+       .nbytes = (size_t)(g->B * g->T) * 4},
+      {.name = "logits", .dtype = FY_F32, .rank = 3, .shape = {g->B, g->T, r->cfg.vocab_size},
+       .data = r->model->acts + g->slots[g->logits_slot].offset,
+       .nbytes = (size_t)(g->B * g->T * r->cfg.vocab_size) * 4}};
+  return fy_safetensors_write(path, ts, 2, NULL);
+}
+
+fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   struct fy_train_opts e = *o;
   // The whole model on the cpu or a GPU; or, offloaded (sim, or a GPU with --offload), the chunks
   // through the device cache in forward passes alone (no gradients or AdamW state kept). On a GPU
@@ -1359,42 +1433,10 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss) {
   FY_TRY(resolve_seq(&e));
   struct run r;
   fy_status st = setup(&e, &r, false, true);
-  double sum = 0;
-  int64_t count = 0;
-  for (int64_t i = 0; st == FY_OK && i < o->eval_batches; i++) {
-    struct fy_batch *batch;
-    struct fy_loss loss = {0};
-    if ((st = fy_data_next(r.data, &batch)) != FY_OK) break;
-    if (r.x) {
-      if ((st = fy_offload_forward(r.x, batch, &loss.sum)) != FY_OK) break;
-      loss.count = fy_engine_count_targets(batch);
-    } else if ((st = fy_engine_forward(r.model, batch, &loss)) != FY_OK) {
-      break;
-    }
-    sum += loss.sum;
-    count += loss.count;
-    if (i == 0 && o->dump && r.rank == 0) {
-      const struct fy_graph *g = r.model->graph;
-      struct fy_st_tensor ts[2] = {
-          {.name = "input_ids", .dtype = FY_I32, .rank = 2, .shape = {g->B, g->T},
-           .data = batch->inputs, .nbytes = (size_t)(g->B * g->T) * 4},
-          {.name = "logits", .dtype = FY_F32, .rank = 3, .shape = {g->B, g->T, r.cfg.vocab_size},
-           .data = r.model->acts + g->slots[g->logits_slot].offset,
-           .nbytes = (size_t)(g->B * g->T * r.cfg.vocab_size) * 4}};
-      st = fy_safetensors_write(o->dump, ts, 2, NULL);
-    }
-  }
-  // Several data-parallel ranks each took their rows of every batch: their sums, added in rank
-  // order (doubles travel as pairs of words), make the mean over the global batches.
-  if (st == FY_OK && r.dp > 1) {
-    double mine[2] = {sum, (double)count}, all[2 * r.dp];
-    st = fy_comm_all_gather(r.dp_comm, mine, all, 4, FY_COMM_F32, NULL);
-    sum = count = 0;
-    for (int k = 0; st == FY_OK && k < r.dp; k++) sum += all[2 * k], count += (int64_t)all[2 * k + 1];
-  }
-  *mean_loss = count ? sum / (double)count : NAN;
+  if (st == FY_OK) st = mean_loss(&r, r.data, o->eval_batches, mean_loss_out, o->dump && r.rank == 0 ? dump_first : NULL,
+                                  (void *)o->dump);
   if (st == FY_OK && r.rank == 0 && !o->quiet)
-    printf("eval loss %.6f (perplexity %.4g) over %lld batches of %lld x %lld\n", *mean_loss, exp(*mean_loss),
+    printf("eval loss %.6f (perplexity %.4g) over %lld batches of %lld x %lld\n", *mean_loss_out, exp(*mean_loss_out),
            (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)e.seq);
   teardown(&r);
   return st;

@@ -80,6 +80,11 @@ struct fy_train_opts {
   volatile sig_atomic_t *stop;  // set (by a signal handler) to end after the current step, with
                                 // a checkpoint when checkpoints are on
   const char *log_path;   // JSON lines, one per step (NULL: none)
+  // Validation while training: the mean loss over the first val_batches batches of val_data
+  // (taken in order, each rank its rows, as ferry eval takes them; forward passes without
+  // dropout) every val_every steps and after the last (0: steps / 10, at least 1).
+  const char *val_data;
+  int64_t val_every, val_batches;
   bool quiet;             // no step lines (tests)
   bool profile;           // print where a step's time goes, per op kind and phase
   // eval only
@@ -113,6 +118,8 @@ struct fy_train_result {
   int rank, world;               // this process among the ranks
   int64_t skipped_steps;         // steps skipped for gradient overflow (dynamic loss scaling)
   double final_loss_scale;
+  double val_loss;               // the last validation's mean loss (NAN without val_data)
+  int validations;               // how many ran
   double op_seconds[FY_OP_KIND_COUNT][2];  // with opts.profile: seconds per step per op kind
   int64_t first_step;            // 0, or the step a resumed run started from
   int checkpoints;               // checkpoints written

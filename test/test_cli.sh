@@ -194,6 +194,12 @@ expect 0 "bf16 chunks on the sim device" "loss" -- train "${tiny[@]}" --steps 2 
   --device-mem 4MiB
 expect 0 "bf16 chunks kept on the device" "loss" -- train "${tiny[@]}" --steps 2 \
   --precision bf16 --device sim --device-mem 4MiB --device-chunks 1
+# Validation while training: printed after the step line; --val-every alone or a missing set is refused.
+expect 0 "--val-data validates after the last step" "validation after step 3 \\| loss [0-9.]+ \\| perplexity" -- \
+  train "${tiny[@]}" --steps 3 --val-data "$tmp/ok.bin" --val-batches 2
+expect 1 "--val-every without --val-data" "--val-every needs --val-data" -- train "${tiny[@]}" --steps 1 --val-every 2
+expect 1 "a missing validation set" "--val-data" -- train "${tiny[@]}" --steps 1 --val-data "$tmp/none.bin"
+expect 2 "--val-batches 0" "--val-batches" -- train "${tiny[@]}" --steps 1 --val-data "$tmp/ok.bin" --val-batches 0
 # Dropout: a probability below 1 or 'config'; a config that asks for dropout is told how to turn it on.
 expect 2 "--dropout 1" "probability below 1" -- train "${tiny[@]}" --steps 1 --dropout 1
 expect 2 "--dropout that is not a number" "--dropout" -- train "${tiny[@]}" --steps 1 --dropout lots

@@ -2,6 +2,7 @@
 // changes speed and memory, never the numbers. A small model is trained for 20 steps in many
 // placements; the losses and the final parameters must be bit-identical to the resident cpu run,
 // and the sim device's own counter must never pass its cap.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -208,6 +209,47 @@ int main(void) {
     d.grad_accum = 2;
     d.batch = 1;
     same_as("sim, dropout 0.2, recompute, 2 micro-batches", d, &ref_do2);
+  }
+
+  // Validation between steps: a training engine runs the forward part of its pass (no dropout),
+  // then the trace goes on where the next pass starts. Each placement (eviction, spills, jitter,
+  // recomputation, bf16) gets the cpu's validation losses, and its training is what it was without.
+  {
+    struct fy_train_opts v = base();
+    v.steps = 8;
+    v.dropout = 0.1f;
+    v.val_data = shard;
+    v.val_every = 3;
+    v.val_batches = 3;
+    struct fy_train_result cpu_v, cpu_nov, got;
+    CHECK_OK(fy_train(&v, &cpu_v));
+    struct fy_train_opts nv = v;
+    nv.val_data = NULL;
+    nv.val_every = 0;
+    CHECK_OK(fy_train(&nv, &cpu_nov));
+    CHECK(cpu_v.validations == 3 && cpu_v.params_hash == cpu_nov.params_hash && !isnan(cpu_v.val_loss));
+    const char *what[] = {"2 blocks, jitter", "1 block (spills)", "2 blocks, recompute", "2 blocks, bf16"};
+    for (int k = 0; k < 4; k++) {
+      struct fy_train_opts d = v;
+      d.device = "sim";
+      d.device_mem = 8 << 20;
+      d.chunk_mib = 0.05;
+      d.blocks = k == 1 ? 1 : 2;
+      d.sim_jitter_us = k == 0 ? 200 : 0;
+      d.recompute = k == 2;
+      struct fy_train_result ref_k = cpu_v;
+      if (k == 3) {  // against the cpu's own bf16 run
+        struct fy_train_opts c16 = v;
+        c16.precision = d.precision = "bf16";
+        CHECK_OK(fy_train(&c16, &ref_k));
+      }
+      fy_status st = fy_train(&d, &got);
+      CHECKF(st == FY_OK && got.val_loss == ref_k.val_loss && got.params_hash == ref_k.params_hash &&
+                 got.validations == 3,
+             "validation on sim, %s: %s, val loss %.9g (cpu %.9g), parameters %s", what[k],
+             st == FY_OK ? "ok" : fy_error_msg(), got.val_loss, ref_k.val_loss,
+             got.params_hash == ref_k.params_hash ? "the same" : "differ");
+    }
   }
 
   // 16-bit compute: the blocks carry the weights in the compute dtype (a copy in the host tier that

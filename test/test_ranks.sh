@@ -204,15 +204,29 @@ compare one grid 1e-5 && ok "a 2 x 2 grid (tensor-parallel pairs, data-parallel 
   || bad "the 2 x 2 grid differs from 1 rank"
 # Dropout (ops/dropout.h): the masks follow the seed and each sequence's place in the data, so 2
 # data-parallel ranks with sharded chunks and a 2 x 2 grid (tensor-parallel pairs, whose residual
-# adds see whole rows) draw the single rank's masks.
-"$ferry" train "${common[@]}" --batch 4 --dropout 0.2 --log "$tmp/do1.json" --save "$tmp/do1" || bad "1 rank trains with dropout"
-"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --dropout 0.2 --log "$tmp/do2.json" --save "$tmp/do2" \
+# adds see whole rows) draw the single rank's masks. Validation (--val-data) on the ranks: each
+# takes its rows, the losses are summed over them, and the result is the single rank's.
+val=(--dropout 0.2 --val-data "$tmp/data.bin" --val-every 5 --val-batches 2)
+"$ferry" train "${common[@]}" --batch 4 "${val[@]}" --log "$tmp/do1.json" --save "$tmp/do1" || bad "1 rank trains with dropout"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${val[@]}" --log "$tmp/do2.json" --save "$tmp/do2" \
   || bad "2 sharded ranks train with dropout"
-"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --tp 2 --dropout 0.2 --log "$tmp/dogrid.json" --save "$tmp/dogrid" \
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --tp 2 "${val[@]}" --log "$tmp/dogrid.json" --save "$tmp/dogrid" \
   || bad "a 2 x 2 grid trains with dropout"
 compare do1 do2 1e-5 && compare do1 dogrid 1e-5 && ! compare one do1 1e-3 >/dev/null 2>&1 \
   && ok "with dropout, 2 sharded ranks and a 2 x 2 grid follow 1 rank (and differ from no dropout)" \
   || bad "dropout over ranks differs from 1 rank"
+if python3 - "$tmp" <<'PY'
+import json, sys
+d = sys.argv[1]
+val = lambda f: {r["step"]: r["val_loss"] for r in map(json.loads, open(d + "/" + f)) if "val_loss" in r}
+a = val("do1.json")
+assert sorted(a) == [5, 10, 12], a
+for f in ("do2.json", "dogrid.json"):
+    b = val(f)
+    assert sorted(b) == sorted(a) and all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (f, a, b)
+print("  validation after steps %s: %s" % (sorted(a), [round(a[s], 5) for s in sorted(a)]))
+PY
+then ok "validation on 2 sharded ranks and on a 2 x 2 grid: the single rank's losses"; else bad "validation over ranks differs"; fi
 # Checkpoints hold whole tensors: a tensor-parallel checkpoint resumes on 1 rank, and a 1-rank one
 # on tensor-parallel ranks.
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --save "$tmp/cktp" --save-every 100 --stop-after 6 \

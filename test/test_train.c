@@ -128,6 +128,43 @@ int main(void) {
     CHECK_ERR(fy_train(&d, &r_do), FY_ERR_INVALID);
   }
 
+  // Validation (--val-data): every val_every steps and after the last; forward passes without
+  // dropout, so the last one is ferry eval's loss of the saved model, bit for bit; training is
+  // the same with or without it; a validation set that is not one, or --val-every alone, is refused.
+  {
+    char val_shard[600], vsave[600];
+    snprintf(val_shard, sizeof val_shard, "%s/val.bin", tmpdir);
+    snprintf(vsave, sizeof vsave, "%s/val_model", tmpdir);
+    write_pattern_shard(val_shard, 3000, 97);  // (the same rule as the training stream: learnt)
+    struct fy_train_opts v = tiny_opts(shard);
+    v.steps = 7;
+    v.dropout = 0.2f;
+    struct fy_train_result plain, with_val;
+    CHECK_OK(fy_train(&v, &plain));
+    CHECK(isnan(plain.val_loss) && plain.validations == 0);
+    v.val_data = val_shard;
+    v.val_every = 3;
+    v.val_batches = 4;
+    v.save = vsave;
+    CHECK_OK(fy_train(&v, &with_val));
+    CHECKF(with_val.validations == 3 && with_val.params_hash == plain.params_hash && with_val.last_loss == plain.last_loss,
+           "validation: %d runs (want 3: steps 3, 6, 7); training %s", with_val.validations,
+           with_val.params_hash == plain.params_hash ? "unchanged" : "changed by it");
+    struct fy_train_opts e = tiny_opts(val_shard);
+    e.init = vsave;
+    e.eval_batches = 4;
+    double ev = 0;
+    CHECK_OK(fy_eval(&e, &ev));
+    CHECKF(ev == with_val.val_loss && ev < 0.9 * log(97.0), "validation %.9g, ferry eval of the saved model %.9g",
+           with_val.val_loss, ev);
+    v.save = NULL;
+    v.val_data = "/nonexistent/val.bin";
+    CHECKF(fy_train(&v, &with_val) != FY_OK && strstr(fy_error_msg(), "--val-data"), "a missing validation set: %s",
+           fy_error_msg());
+    v.val_data = NULL;
+    CHECK_ERR(fy_train(&v, &with_val), FY_ERR_INVALID);  // --val-every without --val-data
+  }
+
   // Dynamic loss scaling: without overflow, bit for bit the numbers of no scaling (the scale is a
   // power of two); with a scale that overflows, steps are skipped and the scale halved until the
   // gradients fit, and training goes on.
