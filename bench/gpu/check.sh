@@ -358,6 +358,25 @@ print("dev chunks", " ".join(f"{x:.6f}" for x in c))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
+  # Dropout (the GPU draws the CPU's masks) with validation between steps (forward passes without
+  # dropout; offloaded: the forward part of a pass through the chunk cache), fp32: cpu, cuda and
+  # cuda --offload agree to rounding, losses and validation losses.
+  local dv=(--dropout 0.1 --val-data data/demo --val-every 4 --val-batches 2)
+  ferry_run cpudrop "${common[@]}" "${dv[@]}" --device cpu --log "$d/cpudrop.jsonl" || return 1
+  ferry_run cudadrop "${common[@]}" "${dv[@]}" --device cuda --precision fp32 --log "$d/cudadrop.jsonl" || return 1
+  ferry_run offdrop "${common[@]}" "${dv[@]}" --device cuda --precision fp32 --offload --device-mem 160MiB \
+    --log "$d/offdrop.jsonl" || return 1
+  python3 - "$d/cpudrop.jsonl" "$d/cudadrop.jsonl" "$d/offdrop.jsonl" <<'PY'
+import json, sys
+rows = [[json.loads(l) for l in open(p) if l.startswith("{")] for p in sys.argv[1:]]
+get = lambda rs, k: [r[k] for r in rs if k in r]
+for name, rs in zip(("cpu", "cuda", "offload"), rows):
+    print(f"dropout {name:8}", " ".join(f"{x:.5f}" for x in get(rs, "loss")), "| val", " ".join(f"{x:.5f}" for x in get(rs, "val_loss")))
+close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(u, v))
+ok = all(close(get(rows[0], k), get(r, k)) for r in rows[1:] for k in ("loss", "val_loss"))
+ok = ok and len(get(rows[0], "val_loss")) == 2
+sys.exit(0 if ok else 1)
+PY
   # bf16 chunks offloaded (the weights cross the link in bf16, a host copy refreshed by every
   # update; the gradients come home widened to fp32) against bf16 resident: the same kernels in
   # the same order, AdamW on the host instead of the GPU (last-bit differences may move a
