@@ -34,6 +34,9 @@ struct shard {
   int64_t count;
   int64_t first_window;  // index of its first window in the stream
   int64_t nwindows;
+  void *mask_map;        // its loss mask (data.h), or NULL
+  size_t mask_map_size;
+  const uint8_t *mask;   // count bytes
 };
 
 struct fy_data {
@@ -91,6 +94,7 @@ void fy_data_close(fy_data *d) {
   if (!d) return;
   for (int i = 0; i < d->nshards; i++) {
     if (d->shards[i].map) munmap(d->shards[i].map, d->shards[i].map_size);
+    if (d->shards[i].mask_map) munmap(d->shards[i].mask_map, d->shards[i].mask_map_size);
     free(d->shards[i].path);
   }
   free(d->shards);
@@ -229,6 +233,60 @@ static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
   return FY_OK;
 }
 
+// Where shard_path's loss mask lives: X.bin -> X.mask, anything else -> itself + ".mask".
+static char *mask_path_of(const char *shard_path) {
+  size_t l = strlen(shard_path);
+  bool bin = l >= 4 && strcmp(shard_path + l - 4, ".bin") == 0;
+  char *p = malloc(l + 6);
+  if (p) snprintf(p, l + 6, "%.*s.mask", (int)(bin ? l - 4 : l), shard_path);
+  return p;
+}
+
+// The shard's loss mask, when it has one: mapped and checked (header, count, bytes 0 or 1).
+static fy_status data_map_mask(struct shard *s) {
+  char *path = mask_path_of(s->path);
+  if (!path) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    fy_status st = e == ENOENT ? FY_OK : fy_error_set(FY_ERR_IO, "cannot open the loss mask %s: %s", path, strerror(e));
+    free(path);
+    return st;
+  }
+  struct stat sb;
+  fy_status st = FY_OK;
+  void *map = MAP_FAILED;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+    st = fy_error_set(FY_ERR_IO, "loss mask %s is not a regular file", path);
+  else if (sb.st_size != DATA_HEADER_BYTES + s->count)
+    st = fy_error_set(FY_ERR_FORMAT, "loss mask %s has %lld bytes; its shard's %lld tokens need %lld", path,
+                      (long long)sb.st_size, (long long)s->count, (long long)(DATA_HEADER_BYTES + s->count));
+  else if ((map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED)
+    st = fy_error_set(FY_ERR_IO, "cannot map the loss mask %s: %s", path, strerror(errno));
+  close(fd);
+  if (st == FY_OK) {
+    s->mask_map = map;
+    s->mask_map_size = (size_t)sb.st_size;
+    int32_t h[3];
+    memcpy(h, map, sizeof h);
+    if (h[0] != FY_MASK_MAGIC || h[1] != FY_MASK_VERSION || h[2] != s->count)
+      st = fy_error_set(FY_ERR_FORMAT, "%s: not the loss mask of %s (magic %d, version %d, %d tokens; expected %d, "
+                        "%d, %lld)", path, s->path, h[0], h[1], h[2], FY_MASK_MAGIC, FY_MASK_VERSION, (long long)s->count);
+  }
+  if (st == FY_OK) {
+    s->mask = (const uint8_t *)map + DATA_HEADER_BYTES;
+    uint8_t any = 0;  // (vectorises)
+    for (int64_t i = 0; i < s->count; i++) any |= s->mask[i];
+    for (int64_t i = 0; any > 1 && i < s->count; i++)
+      if (s->mask[i] > 1) {
+        st = fy_error_set(FY_ERR_FORMAT, "%s: byte %lld of the mask is %u (0 or 1)", path, (long long)i, s->mask[i]);
+        break;
+      }
+  }
+  free(path);
+  return st;
+}
+
 fy_status fy_data_open(const char *path, int64_t vocab_size, int64_t B, int64_t T, bool shuffle,
                        uint64_t seed, int rank, int world, fy_data **out) {
   *out = NULL;
@@ -272,6 +330,7 @@ fy_status fy_data_open(const char *path, int64_t vocab_size, int64_t B, int64_t 
   for (int i = 0; i < n && st == FY_OK; i++) {
     struct shard *s = &d->shards[i];
     st = data_map_shard(s, vocab_size);
+    if (st == FY_OK) st = data_map_mask(s);
     s->nwindows = s->count > 0 ? (s->count - 1) / T : 0;
     s->first_window = d->nwindows;
     d->nwindows += s->nwindows;
@@ -332,6 +391,9 @@ fy_status fy_data_next(fy_data *d, struct fy_batch **out) {
       in[t] = (int32_t)shard_token(sh, first + t);
       tg[t] = (int32_t)shard_token(sh, first + t + 1);
     }
+    if (sh->mask)  // a target whose mask byte is 0 does not count
+      for (int64_t t = 0; t < T; t++)
+        if (!sh->mask[first + t + 1]) tg[t] = -100;
   }
   d->batch.row0 = s0;
   d->position++;
@@ -363,3 +425,16 @@ static fy_status shard_write(const char *path, const void *tokens, int64_t n, bo
 
 fy_status fy_shard_write(const char *path, const uint16_t *tokens, int64_t n) { return shard_write(path, tokens, n, false); }
 fy_status fy_shard_write32(const char *path, const uint32_t *tokens, int64_t n) { return shard_write(path, tokens, n, true); }
+
+fy_status fy_shard_write_mask(const char *shard_path, const uint8_t *mask, int64_t n) {
+  if (!shard_path || n < 0 || n > INT32_MAX || (n > 0 && !mask))
+    return fy_error_set(FY_ERR_INVALID, "loss mask write: %lld bytes (a shard holds 0 to %d tokens)", (long long)n,
+                        INT32_MAX);
+  char *path = mask_path_of(shard_path);
+  if (!path) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int32_t header[FY_SHARD_HEADER_INTS] = {FY_MASK_MAGIC, FY_MASK_VERSION, (int32_t)n};
+  struct fy_file_piece pieces[2] = {{header, sizeof header}, {mask, (size_t)n}};
+  fy_status st = fy_file_write_atomic(path, pieces, 2);
+  free(path);
+  return st;
+}

@@ -3,6 +3,12 @@
 // (magic 20240801, version 7) with uint32 tokens. Shards are mapped read-only; a data set is one shard, a
 // directory of *.bin shards, or a glob pattern, taken in sorted name order.
 //
+// A shard may have a loss mask beside it (fine-tuning on responses alone): X.mask for the shard
+// X.bin (X.bin.mask for a shard not named *.bin), a header of 256 int32 (magic 20241201, version
+// 1, the shard's token count) then one byte a token, 1 when predicting that token counts in the
+// loss, 0 when not (a prompt's tokens): a target whose byte is 0 becomes -100 (ignored). Shards
+// without one count every target. tools/tokenize.py --prompt KEY writes them.
+//
 // A batch is B rows of T+1 consecutive tokens: inputs are the first T, targets the next T (targets
 // are shifted by one, as the loss needs). In order: rows follow each other through the shards,
 // wrapping at the end (an epoch). Shuffled: the windows of an epoch are visited in a random
@@ -20,6 +26,8 @@
 #define FY_SHARD32_MAGIC 20240801  // uint32 tokens
 #define FY_SHARD32_VERSION 7
 #define FY_SHARD_HEADER_INTS 256
+#define FY_MASK_MAGIC 20241201  // a shard's loss mask (one byte a token)
+#define FY_MASK_VERSION 1
 
 typedef struct fy_data fy_data;
 
@@ -51,5 +59,7 @@ void fy_data_close(fy_data *d);
 fy_status fy_shard_write(const char *path, const uint16_t *tokens, int64_t n);
 // The same as a wide shard (uint32 tokens).
 fy_status fy_shard_write32(const char *path, const uint32_t *tokens, int64_t n);
+// The loss mask of the shard at shard_path (n bytes, 0 or 1), written where the loader looks.
+fy_status fy_shard_write_mask(const char *shard_path, const uint8_t *mask, int64_t n);
 
 #endif

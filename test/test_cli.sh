@@ -232,6 +232,34 @@ elif grep -q 'bad.jsonl:2: the object has no string "text"' "$tmp/jl.out"; then
   pass=$((pass + 1)); echo "ok    tokenize.py --jsonl names the bad line"
 else fail=$((fail + 1)); echo "FAIL  tokenize.py --jsonl: unclear message"; cat "$tmp/jl.out"; fi
 
+# Prompts and responses (--jsonl KEY --prompt PKEY): a record is prompt, response, end of text, and
+# the loss mask beside the shard is 0 on the prompt's tokens, 1 on the rest; ferry trains on it
+# (the mask's zeros are targets it ignores); --prompt without --jsonl is refused; a shard cut in
+# two cuts its mask at the same token.
+printf '{"q": "ab", "a": "C"}\n{"q": "", "a": "DE"}\n{"a": "F", "q": "g"}\n' > "$tmp/sft.jsonl"
+if python3 "$tokpy" --tokenizer bytes --jsonl a --prompt q --out "$tmp/sft/s" "$tmp/sft.jsonl" >/dev/null &&
+   python3 -c "import struct, sys; b = open(sys.argv[1] + '.bin', 'rb').read(); m = open(sys.argv[1] + '.mask', 'rb').read(); \
+     h = struct.unpack('<3i', m[:12]); n = struct.unpack('<3i', b[:12])[2]; t = list(struct.unpack('<%dH' % n, b[1024:])); \
+     sys.exit(not (t == list(b'abC') + [256] + list(b'DE') + [256] + list(b'gF') + [256] and h == (20241201, 1, n) \
+                   and list(m[1024:]) == [0, 0, 1, 1, 1, 1, 1, 0, 1, 1]))" "$tmp/sft/s_000000" &&
+   python3 "$tokpy" --tokenizer bytes --jsonl a --prompt q --shard-tokens 4 --out "$tmp/sft4/s" "$tmp/sft.jsonl" >/dev/null &&
+   python3 -c "import sys; sys.exit(open(sys.argv[1], 'rb').read()[1024:] != bytes([1, 1, 1, 0]))" "$tmp/sft4/s_000001.mask"; then
+  pass=$((pass + 1)); echo "ok    tokenize.py --prompt: records and their loss masks"
+else fail=$((fail + 1)); echo "FAIL  tokenize.py --prompt"; fi
+if python3 "$tokpy" --tokenizer bytes --prompt q --out "$tmp/sft/x" "$tmp/sft.jsonl" >"$tmp/sftbad.out" 2>&1; then
+  fail=$((fail + 1)); echo "FAIL  tokenize.py --prompt without --jsonl accepted"
+elif grep -q -- "--prompt needs --jsonl" "$tmp/sftbad.out"; then pass=$((pass + 1)); echo "ok    tokenize.py --prompt needs --jsonl"
+else fail=$((fail + 1)); echo "FAIL  tokenize.py --prompt without --jsonl: unclear"; cat "$tmp/sftbad.out"; fi
+python3 - "$tmp/sftbig.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i in range(300):
+        f.write(json.dumps({"q": "what is %d plus %d? " % (i, i), "a": "%d." % (2 * i)}) + "\n")
+PY
+python3 "$tokpy" --tokenizer bytes --jsonl a --prompt q --out "$tmp/sftbig/s" "$tmp/sftbig.jsonl" >/dev/null
+expect 0 "ferry trains on prompt/response shards with their loss masks" "loss" -- train --model opt-demo \
+  --data "$tmp/sftbig" --batch 2 --seq 32 --steps 3
+
 # A tokenizer of more than 65536 tokens: tools/tokenize.py writes llm.c's wide shards (uint32) and
 # a model with that vocabulary trains on them (its first loss is about ln(vocab)). Needs the
 # tokenizers and transformers packages (test.sh's reference tools); without them it is left out.

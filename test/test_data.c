@@ -414,6 +414,77 @@ static void test_empty_shards(void) {
   check_rm_rf(dir);
 }
 
+// Loss masks beside shards (data.h): a target whose mask byte is 0 becomes -100, inputs stay; a
+// shard without a mask counts every target; in the directory form the .mask files are not shards;
+// a mask of the wrong length, magic or bytes is refused, naming the file.
+static void test_masks(void) {
+  const char *dir = check_path(tmpdir, "masked");
+  int64_t c[2] = {41, 41};
+  uint16_t base[2] = {100, 200};
+  make_shards(dir, 2, c, base);
+  char shard0[600], mask0[600];
+  snprintf(shard0, sizeof shard0, "%s/shard_000.bin", dir);
+  snprintf(mask0, sizeof mask0, "%s/shard_000.mask", dir);
+  uint8_t m[41];
+  for (int i = 0; i < 41; i++) m[i] = (uint8_t)(i % 3 != 0);  // every third token's prediction ignored
+  CHECK_OK(fy_shard_write_mask(shard0, m, 41));
+  fy_data *d;
+  CHECK_OK(fy_data_open(dir, 4096, 2, 10, false, 0, 0, 1, &d));
+  if (d) {
+    struct fy_batch *b;
+    int bad = 0, ignored = 0;
+    for (int k = 0; k < 4; k++) {  // windows 0..7: 0..3 in shard 0 (masked), 4..7 in shard 1
+      CHECK_OK(fy_data_next(d, &b));
+      for (int j = 0; j < 2; j++) {
+        int64_t w = k * 2 + j, sh = w / 4, first = (w % 4) * 10;
+        for (int t = 0; t < 10; t++) {
+          int32_t in = b->inputs[j * 10 + t], tg = b->targets[j * 10 + t];
+          int32_t want_tg = sh == 0 && (first + t + 1) % 3 == 0 ? -100 : (int32_t)(base[sh] + first + t + 1);
+          bad += in != (int32_t)(base[sh] + first + t) || tg != want_tg;
+          ignored += tg == -100;
+        }
+      }
+    }
+    CHECKF(bad == 0 && ignored == 13, "masked targets: %d wrong, %d ignored (want 13)", bad, ignored);
+    fy_data_close(d);
+  }
+  // Not a mask: the wrong size, magic, or a byte other than 0 or 1.
+  CHECK_OK(fy_shard_write_mask(shard0, m, 40));
+  CHECK_ERR(fy_data_open(dir, 4096, 2, 10, false, 0, 0, 1, &d), FY_ERR_FORMAT);
+  CHECK(strstr(fy_error_msg(), "shard_000.mask") != NULL);
+  m[7] = 2;
+  CHECK_OK(fy_shard_write_mask(shard0, m, 41));
+  CHECK_ERR(fy_data_open(dir, 4096, 2, 10, false, 0, 0, 1, &d), FY_ERR_FORMAT);
+  m[7] = 1;
+  CHECK_OK(fy_shard_write_mask(shard0, m, 41));
+  FILE *f = fopen(mask0, "r+b");
+  if (f) {
+    int32_t wrong = 12345;
+    fwrite(&wrong, 4, 1, f);
+    fclose(f);
+  }
+  CHECK_ERR(fy_data_open(dir, 4096, 2, 10, false, 0, 0, 1, &d), FY_ERR_FORMAT);
+  // A single shard not named *.bin: its mask is NAME.mask.
+  char odd[600];
+  snprintf(odd, sizeof odd, "%s/tokens.dat", tmpdir);
+  uint16_t t[21];
+  for (int i = 0; i < 21; i++) t[i] = (uint16_t)(7 + i);
+  CHECK_OK(fy_shard_write(odd, t, 21));
+  uint8_t zero[21] = {0};
+  CHECK_OK(fy_shard_write_mask(odd, zero, 21));
+  CHECK(access(check_path(tmpdir, "tokens.dat.mask"), F_OK) == 0);
+  CHECK_OK(fy_data_open(odd, 4096, 2, 10, false, 0, 0, 1, &d));
+  if (d) {
+    struct fy_batch *b;
+    CHECK_OK(fy_data_next(d, &b));
+    int all = 1;
+    for (int i = 0; i < 20; i++) all &= b->targets[i] == -100;
+    CHECK(all && b->inputs[0] == 7);
+    fy_data_close(d);
+  }
+  check_rm_rf(dir);
+}
+
 int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/fy_data_XXXXXX");
   if (!mkdtemp(tmpdir)) {
@@ -436,6 +507,7 @@ int main(void) {
   test_forms(dir);
   test_bad(dir);
   test_empty_shards();
+  test_masks();
   test_wide_shards(dir);
   check_rm_rf(tmpdir);
   return check_summary("data");

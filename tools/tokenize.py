@@ -7,6 +7,13 @@ shards instead (magic 20240801, version 7, uint32 tokens). Each input FILE is on
 --jsonl KEY each line of a JSON Lines file is an object whose KEY string is one document; documents
 are separated by an end-of-text token. Shards are written as PREFIX_000000.bin, PREFIX_000001.bin, ...
 
+Fine-tuning on responses: with --jsonl KEY --prompt PKEY each line holds a prompt (its PKEY string)
+and a response (its KEY string); a record is the prompt's tokens, the response's and an end-of-text
+token, and each shard gets a loss mask beside it (PREFIX_000000.mask: a header of 256 int32, magic
+20241201, version 1, the token count, then one byte a token) that is 0 on the prompt's tokens and 1
+on the rest, so that ferry learns to predict the responses (and where they end) and not the
+prompts.
+
   --tokenizer bytes   one token per UTF-8 byte (0..255), 256 = end of text; needs nothing but the
                       standard library (the demo model's vocabulary is 512 wide, so ids fit).
   --tokenizer NAME    a Hugging Face tokenizer name or directory (e.g. facebook/opt-125m), loaded
@@ -16,6 +23,7 @@ Examples:
   python3 tools/tokenize.py --tokenizer bytes --out data/corpus data/corpus.txt
   python3 tools/tokenize.py --tokenizer facebook/opt-125m --out /data/wiki/wiki --shard-tokens 100000000 a.txt b.txt
   python3 tools/tokenize.py --tokenizer facebook/opt-125m --jsonl text --out /data/web/web part-0.jsonl part-1.jsonl
+  python3 tools/tokenize.py --tokenizer facebook/opt-125m --jsonl response --prompt prompt --out /data/sft/sft train.jsonl
 """
 
 import os
@@ -35,6 +43,7 @@ import json  # noqa: E402
 import tempfile  # noqa: E402
 
 MAGIC, VERSION = 20240520, 1        # uint16 tokens
+MASK_MAGIC, MASK_VERSION = 20241201, 1  # a shard's loss mask, one byte a token
 WIDE_MAGIC, WIDE_VERSION = 20240801, 7  # uint32 tokens
 HEADER_INTS = 256
 MAX_SHARD_TOKENS = 2**31 - 1  # the header's count is an int32
@@ -47,11 +56,21 @@ def write_shard(path, tokens):
     """Writes `tokens` (array('H'), or array('I') for a wide shard) atomically: a temporary file in
     the same directory, renamed."""
     wide = tokens.itemsize == 4
+    write_with_header(path, (WIDE_MAGIC, WIDE_VERSION) if wide else (MAGIC, VERSION), tokens)
+
+
+def write_mask(path, mask):
+    """Writes a loss mask (bytes, 0 or 1 a token) atomically."""
+    write_with_header(path, (MASK_MAGIC, MASK_VERSION), array.array("B", mask))
+
+
+def write_with_header(path, magic_version, tokens):
+    """The 256-int32 header (magic, version, count) and the array, through a temporary file in the
+    same directory, renamed."""
     header = array.array("i", [0] * HEADER_INTS)
-    header[0], header[1] = (WIDE_MAGIC, WIDE_VERSION) if wide else (MAGIC, VERSION)
+    header[0], header[1] = magic_version
     header[2] = len(tokens)
     if sys.byteorder != "little":
-        header = array.array("i", header)
         header.byteswap()
         tokens = array.array(tokens.typecode, tokens)
         tokens.byteswap()
@@ -82,30 +101,41 @@ def token_array(vocab):
 
 
 class ShardWriter:
-    def __init__(self, prefix, shard_tokens, vocab):
+    """Cuts the ids into shards; with masked, each shard's loss mask goes beside it."""
+
+    def __init__(self, prefix, shard_tokens, vocab, masked=False):
         self.prefix = prefix
         self.shard_tokens = shard_tokens
         self.vocab = vocab
         self.buf = token_array(vocab)
+        self.mask = bytearray() if masked else None
         self.paths = []
         self.total = 0
 
-    def add(self, ids):
+    def add(self, ids, learn=1):
+        """Appends ids; with a mask, learn (0 or 1) is their mask byte."""
         self.buf.extend(ids)
+        if self.mask is not None:
+            self.mask.extend(bytes([learn]) * len(ids))
         while len(self.buf) >= self.shard_tokens:
-            self._flush(self.buf[: self.shard_tokens])
+            self._flush(self.buf[: self.shard_tokens], self.mask[: self.shard_tokens] if self.mask is not None else None)
             del self.buf[: self.shard_tokens]
+            if self.mask is not None:
+                del self.mask[: self.shard_tokens]
 
-    def _flush(self, tokens):
+    def _flush(self, tokens, mask):
         path = "%s_%06d.bin" % (self.prefix, len(self.paths))
+        if mask is not None:  # the mask first: a shard is never seen without its mask
+            write_mask("%s_%06d.mask" % (self.prefix, len(self.paths)), mask)
         write_shard(path, tokens)
         self.paths.append(path)
         self.total += len(tokens)
 
     def close(self):
         if len(self.buf) or not self.paths:
-            self._flush(self.buf)
+            self._flush(self.buf, self.mask)
             self.buf = token_array(self.vocab)
+            self.mask = bytearray() if self.mask is not None else None
 
 
 def read_chunks(path):
@@ -164,6 +194,50 @@ def documents(files, jsonl_key, binary):
                 yield True, text.encode("utf-8") if binary else text
 
 
+def records(files, key, prompt_key, binary):
+    """(prompt, response) of every non-blank line of the JSON Lines files: its prompt_key and key
+    strings (UTF-8 bytes when binary)."""
+    for path in files:
+        with open(path, "r", encoding="utf-8", errors="strict") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    sys.exit("tokenize.py: %s:%d: not a JSON object (%s)" % (path, n, e))
+                pair = [obj.get(k) if isinstance(obj, dict) else None for k in (prompt_key, key)]
+                for k, v in zip((prompt_key, key), pair):
+                    if not isinstance(v, str):
+                        sys.exit("tokenize.py: %s:%d: the object has no string \"%s\" (--prompt names the "
+                                 "prompt's field, --jsonl the response's)" % (path, n, k))
+                yield tuple(v.encode("utf-8") if binary else v for v in pair)
+
+
+def tokenize_records(pairs, encode, eos, writer):
+    """Each record as prompt ids (mask 0), response ids and eos (mask 1), BATCH_CHUNKS records to
+    an encode call."""
+    batch = []
+
+    def flush():
+        ids = encode([piece for pair in batch for piece in pair])
+        for k in range(len(batch)):
+            p, r = ids[2 * k], list(ids[2 * k + 1]) + [eos]
+            for part in (p, r):
+                if len(part) and max(part) >= writer.vocab:
+                    sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(part), writer.vocab))
+            writer.add(p, learn=0)
+            writer.add(r, learn=1)
+        batch.clear()
+
+    for pair in pairs:
+        batch.append(pair)
+        if len(batch) == BATCH_CHUNKS:
+            flush()
+    if batch:
+        flush()
+
+
 def tokenize(pieces, encode, eos, writer):
     """Feeds the pieces' ids to the writer, eos between documents; encode takes a list of pieces
     (BATCH_CHUNKS at most) and gives their ids."""
@@ -215,11 +289,16 @@ def main(argv=None):
                     help="tokens per shard (default 100000000)")
     ap.add_argument("--jsonl", metavar="KEY",
                     help="the files are JSON Lines: each line's KEY string is one document")
+    ap.add_argument("--prompt", metavar="PKEY",
+                    help="with --jsonl: each line's PKEY string is a prompt before its KEY response; "
+                         "a loss mask beside each shard leaves the prompts out of the loss")
     ap.add_argument("files", nargs="+", metavar="FILE",
                     help="text files, one document each (or JSON Lines files with --jsonl)")
     args = ap.parse_args(argv)
     if not 1 <= args.shard_tokens <= MAX_SHARD_TOKENS:
         ap.error("--shard-tokens must be between 1 and %d" % MAX_SHARD_TOKENS)
+    if args.prompt is not None and args.jsonl is None:
+        ap.error("--prompt needs --jsonl KEY (the response's field)")
     for path in args.files:
         if not os.path.isfile(path):
             ap.error("no such file: %s" % path)
@@ -235,8 +314,11 @@ def main(argv=None):
         # encoded alone, as one at a time would be.
         tok, vocab = hf_tokenizer(args.tokenizer)
         eos, encode = tok.eos_token_id, lambda pieces: tok(pieces, add_special_tokens=False)["input_ids"]
-    writer = ShardWriter(args.out, args.shard_tokens, vocab)
-    tokenize(documents(args.files, args.jsonl, binary), encode, eos, writer)
+    writer = ShardWriter(args.out, args.shard_tokens, vocab, masked=args.prompt is not None)
+    if args.prompt is not None:
+        tokenize_records(records(args.files, args.jsonl, args.prompt, binary), encode, eos, writer)
+    else:
+        tokenize(documents(args.files, args.jsonl, binary), encode, eos, writer)
     writer.close()
     print("tokenize.py: %d tokens (vocabulary %d) in %d shard(s): %s" %
           (writer.total, vocab, len(writer.paths),

@@ -7,7 +7,8 @@
 // h9 bit 0 set: the input is a run of shards (uint16 or, by their magic, uint32 tokens), each as
 // long as its header's count says (the last takes the rest, 8 at most), written as 000.bin,
 // 001.bin, ... in a directory under $TMPDIR that is opened as a directory, or (bit 1 also set)
-// through the glob DIR/*.bin.
+// through the glob DIR/*.bin. A piece with a loss mask's magic is written as the mask of the shard
+// before it (NNN.mask, as long as its count says): its zeros make targets -100.
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE  // memfd_create
 #endif
@@ -32,10 +33,16 @@ static void fz_piece_path(char *p, size_t n, int i) {
   snprintf(p, n, "%s/%03d.bin", fz_dirpath, i);
 }
 
+static void fz_mask_path(char *p, size_t n, int i) {
+  snprintf(p, n, "%s/%03d.mask", fz_dirpath, i);
+}
+
 static void fz_dir_cleanup(void) {
   char p[300];
   for (int i = 0; i < FZ_MAX_SHARDS; i++) {
     fz_piece_path(p, sizeof p, i);
+    unlink(p);
+    fz_mask_path(p, sizeof p, i);
     unlink(p);
   }
   rmdir(fz_dirpath);
@@ -51,20 +58,28 @@ static const char *fz_dir(const uint8_t *data, size_t size, bool glob) {
     atexit(fz_dir_cleanup);
   }
   size_t off = 0;
+  int shard = 0;  // the next shard's number
+  for (int i = 0; i < FZ_MAX_SHARDS; i++) {  // (the previous input's masks go first)
+    char p[300];
+    fz_mask_path(p, sizeof p, i);
+    unlink(p);
+  }
   for (int i = 0; i < FZ_MAX_SHARDS; i++) {
     char p[300];
-    fz_piece_path(p, sizeof p, i);
-    if (off >= size && i > 0) {  // no more input: drop the previous input's extra pieces
-      unlink(p);
-      continue;
-    }
+    if (off >= size && i > 0) break;  // no more input (the first piece is written even if empty)
     size_t len = size - off;
-    int32_t magic, count;
+    int32_t magic = 0, count;
+    if (len >= 4) memcpy(&magic, data + off, 4);
     if (i < FZ_MAX_SHARDS - 1 && len >= FY_SHARD_HEADER_INTS * 4) {
-      memcpy(&magic, data + off, 4);
       memcpy(&count, data + off + 8, 4);
-      size_t want = FY_SHARD_HEADER_INTS * 4 + (magic == FY_SHARD32_MAGIC ? 4 : 2) * (size_t)(uint32_t)count;
+      size_t w = magic == FY_SHARD32_MAGIC ? 4 : magic == FY_MASK_MAGIC ? 1 : 2;
+      size_t want = FY_SHARD_HEADER_INTS * 4 + w * (size_t)(uint32_t)count;
       if (count >= 0 && want < len) len = want;
+    }
+    if (magic == FY_MASK_MAGIC && shard > 0) {
+      fz_mask_path(p, sizeof p, shard - 1);
+    } else {
+      fz_piece_path(p, sizeof p, shard++);
     }
     int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) abort();
@@ -75,6 +90,11 @@ static const char *fz_dir(const uint8_t *data, size_t size, bool glob) {
     }
     close(fd);
     off += len;
+  }
+  for (int k = shard; k < FZ_MAX_SHARDS; k++) {  // the previous input's extra shards
+    char p[300];
+    fz_piece_path(p, sizeof p, k);
+    unlink(p);
   }
   if (!glob) return fz_dirpath;
   snprintf(pattern, sizeof pattern, "%s/*.bin", fz_dirpath);
@@ -91,11 +111,11 @@ static void check_batch(const struct fy_batch *b, int64_t B, int64_t T, int64_t 
   if (!b || b->B != B || b->T != T) __builtin_trap();
   for (int64_t i = 0; i < B * T; i++) {
     if (b->inputs[i] < 0 || b->inputs[i] >= vocab) __builtin_trap();
-    if (b->targets[i] < 0 || b->targets[i] >= vocab) __builtin_trap();
+    if (b->targets[i] != -100 && (b->targets[i] < 0 || b->targets[i] >= vocab)) __builtin_trap();  // (-100: masked)
   }
   for (int64_t j = 0; j < B; j++)  // rows are consecutive tokens: targets lead inputs by one
     for (int64_t t = 0; t + 1 < T; t++)
-      if (b->targets[j * T + t] != b->inputs[j * T + t + 1]) __builtin_trap();
+      if (b->targets[j * T + t] != -100 && b->targets[j * T + t] != b->inputs[j * T + t + 1]) __builtin_trap();
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

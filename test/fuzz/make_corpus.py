@@ -162,10 +162,16 @@ CONFIG = {
 # vocab (& 0x1ffff, 0 = 65536), B = 1 + h4 % 4, T = 1 + h5 % 64, h6: shuffle (bit 0),
 # world = 1 + (h6 >> 1) % 3, rank = (h6 >> 3) % world; seed = h8 << 32 | h7; h9: bit 0 splits
 # the input into several shards (each as long as its count says) opened as a directory, bit 1
-# opens them through a glob.
+# opens them through a glob; there a piece with the loss mask's magic is the previous shard's mask.
 
 MAGIC, VERSION = 20240520, 1
 WIDE_MAGIC, WIDE_VERSION = 20240801, 7  # uint32 tokens
+MASK_MAGIC, MASK_VERSION = 20241201, 1  # a shard's loss mask, one byte a token
+
+
+def mask(bits, count=None, magic=MASK_MAGIC, version=MASK_VERSION) -> bytes:
+    h = [magic, version, len(bits) if count is None else count] + [0] * 253
+    return struct.pack("<256i", *h) + bytes(bits)
 
 
 def shard(tokens, count=None, magic=MAGIC, version=VERSION, knobs=(), extra=b"") -> bytes:
@@ -209,6 +215,12 @@ SHARD = {
     "wide_bad_token": wide([70000, 5, 80000], knobs=knobs(75000, T=2)),
     "wide_bad_version": wide(TEXT, version=VERSION),
     "wide_bad_count": wide(TEXT, count=2 * len(TEXT)),
+    "mask_valid": shard(TEXT, knobs=knobs(256, B=2, T=6, split=True)) + mask([i % 3 != 0 for i in range(len(TEXT))]),
+    "mask_two_shards": shard(TEXT[:20], knobs=knobs(256, B=1, T=5, shuffle=True, split=True))
+                       + mask([1, 0] * 10) + shard(TEXT[20:]),
+    "mask_bad_count": shard(TEXT, knobs=knobs(256, T=4, split=True)) + mask([1] * 5, count=len(TEXT)),
+    "mask_bad_byte": shard(TEXT, knobs=knobs(256, T=4, split=True)) + mask([2] * len(TEXT)),
+    "mask_bad_version": shard(TEXT, knobs=knobs(256, T=4, split=True)) + mask([1] * len(TEXT), version=9),
 }
 
 

@@ -57,7 +57,10 @@ VARIANTS = {
     "f16_sharded": (dict(), "float16", "20KB"),
     "dropout": (dict(dropout=0.1), "float32", None),
     "post_ln_dropout": (dict(dropout=0.2, do_layer_norm_before=False, word_embed_proj_dim=16), "float32", None),
+    "loss_mask": (dict(), "float32", None),
 }
+# The loss_mask variant trains on the shard with a loss mask beside it (runtime/data.h; as
+# tools/tokenize.py --prompt writes): transformers gets labels -100 where the mask is 0.
 DROPOUT_SEED = 4321
 
 # ---- ferry's dropout masks (ops/dropout.h), for transformers ----
@@ -148,12 +151,27 @@ def write_shard(path, n=4000):
     return toks
 
 
+def write_mask(shard_path, n):
+    """A loss mask beside the shard (X.bin -> X.mask): runs of prompt (0) and response (1) tokens."""
+    import random
+    rnd = random.Random(11)
+    mask, learn = [], 0
+    while len(mask) < n:
+        mask += [learn] * rnd.randrange(1, 9)
+        learn ^= 1
+    mask = mask[:n]
+    with open(shard_path[:-len(".bin")] + ".mask", "wb") as f:
+        f.write(struct.pack("<256i", 20241201, 1, n, *([0] * 253)))
+        f.write(bytes(mask))
+    return mask
+
+
 def load_initial(torch, path):
     from transformers import OPTForCausalLM
     return OPTForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
-def hf_train(torch, path, toks, dropout=False):
+def hf_train(torch, path, toks, dropout=False, mask=None):
     """Loss of each step and the final weights: ferry's loader takes window i = tokens [iT, iT + T]
     (T + 1 tokens) and row j of batch k is window kB + j; transformers' labels = input_ids shift
     by one inside the model, so the T + 1 tokens of a window give the same T predictions. With
@@ -172,10 +190,16 @@ def hf_train(torch, path, toks, dropout=False):
     for k in range(STEPS):
         rows = [toks[(k * B + j) * T:(k * B + j) * T + T + 1] for j in range(B)]
         ids = torch.tensor(rows, dtype=torch.long)
+        labels = ids.clone()
+        if mask is not None:  # label i is the target of position i - 1: stream token (kB + j)T + i
+            for j in range(B):
+                for i in range(1, T + 1):
+                    if not mask[(k * B + j) * T + i]:
+                        labels[j, i] = -100
         opt.zero_grad(set_to_none=True)
         if drop:
             drop.start(k * B * T)
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out = model(input_ids=ids, labels=labels, use_cache=False)
         if drop and drop.site != 2 * model.config.num_hidden_layers:
             raise RuntimeError(f"transformers dropped at {drop.site} places, not 2 per layer")
         out.loss.backward()
@@ -207,8 +231,14 @@ def check_variant(torch, ferry, tmp, name, spec, toks, data):
     problems = []
     dropout = changes.get("dropout", 0) > 0
     extra = ("--dropout", "config", "--seed", str(DROPOUT_SEED)) if dropout else ()
+    mask = None
+    if name == "loss_mask":
+        os.makedirs(os.path.join(tmp, "masked"), exist_ok=True)
+        data = os.path.join(tmp, "masked", "tokens.bin")
+        write_shard(data)
+        mask = write_mask(data, len(toks))
     ferry_losses = ferry_train(ferry, src, data, save, log, extra)
-    hf_losses, model = hf_train(torch, src, toks, dropout)
+    hf_losses, model = hf_train(torch, src, toks, dropout, mask)
     if len(ferry_losses) != STEPS:
         problems.append(f"ferry logged {len(ferry_losses)} steps, not {STEPS}")
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(ferry_losses, hf_losses))
