@@ -205,6 +205,9 @@ static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
   s->map_size = (size_t)sb.st_size;
   int32_t h[3];
   memcpy(h, map, sizeof h);
+  if (h[0] == FY_MASK_MAGIC)
+    return fy_error_set(FY_ERR_FORMAT, "%s is a loss mask, not a token shard (the loader finds a shard's mask "
+                        "itself: give the shards, as a directory or a glob of *.bin)", s->path);
   if (h[0] != FY_SHARD_MAGIC && h[0] != FY_SHARD32_MAGIC)
     return fy_error_set(FY_ERR_FORMAT, "%s: not a token shard (magic %d, expected %d, or %d for uint32 tokens; "
                         "tools/tokenize.py makes shards from text)", s->path, h[0], FY_SHARD_MAGIC, FY_SHARD32_MAGIC);

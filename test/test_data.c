@@ -457,6 +457,11 @@ static void test_masks(void) {
   CHECK_ERR(fy_data_open(dir, 4096, 2, 10, false, 0, 0, 1, &d), FY_ERR_FORMAT);
   m[7] = 1;
   CHECK_OK(fy_shard_write_mask(shard0, m, 41));
+  // A glob that takes the masks for shards is told what they are.
+  char all[600];
+  snprintf(all, sizeof all, "%s/shard_*", dir);
+  CHECK_ERR(fy_data_open(all, 4096, 2, 10, false, 0, 0, 1, &d), FY_ERR_FORMAT);
+  CHECK(strstr(fy_error_msg(), "is a loss mask, not a token shard") != NULL);
   FILE *f = fopen(mask0, "r+b");
   if (f) {
     int32_t wrong = 12345;
