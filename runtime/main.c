@@ -275,7 +275,7 @@ static void usage_train(FILE *f, bool eval) {
                "Prints the mean loss over --batches batches of the data, taken in order.\n\n");
   else
     fprintf(f, "usage: ferry train [options]\n\n"
-               "Trains with AdamW, a linear warmup and a cosine decay of the learning rate.\n"
+               "Trains with AdamW, a linear warmup and a decay of the learning rate (--schedule).\n"
                "With no options it trains the demo model on the bundled corpus for a few minutes.\n\n");
   fprintf(f,
           "model and data:\n"
@@ -311,8 +311,10 @@ static void usage_train(FILE *f, bool eval) {
           "  --steps N          optimizer steps (default %lld)\n"
           "  --grad-accum K     micro-batches per step (default 1)\n"
           "  --lr X             peak learning rate (default %g)\n"
-          "  --min-lr X         final learning rate of the cosine decay (default lr/10)\n"
+          "  --min-lr X         final learning rate of the decay (default lr/10)\n"
           "  --warmup N         linear warmup steps (default steps/20)\n"
+          "  --schedule S       after the warmup: cosine (default) or linear from --lr down to\n"
+          "                     --min-lr at the last step, or constant\n"
           "  --weight-decay X   AdamW decoupled weight decay on matrices and embeddings (default %g)\n"
           "  --beta1 X, --beta2 X, --eps X   AdamW (defaults %g, %g, %g)\n"
           "  --clip X           clip the global gradient norm to X; 0 disables (default %g)\n"
@@ -431,7 +433,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -460,7 +462,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
       {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
       {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
-      {"val-batches", required_argument, 0, OPT_VAL_BATCHES},
+      {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -505,6 +507,13 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_PROFILE: o.profile = true; break;
       case OPT_RECOMPUTE: o.recompute = true; break;
       case OPT_VAL_DATA: o.val_data = optarg; break;
+      case OPT_SCHEDULE:
+        o.schedule = optarg;
+        if (strcmp(optarg, "cosine") && strcmp(optarg, "linear") && strcmp(optarg, "constant")) {
+          fprintf(stderr, "ferry: --schedule is cosine, linear or constant, got '%s'\n", optarg);
+          ok = false;
+        }
+        break;
       case OPT_VAL_EVERY: ok = parse_i64("--val-every", optarg, 1, &o.val_every); break;
       case OPT_VAL_BATCHES: ok = parse_i64("--val-batches", optarg, 1, &o.val_batches); break;
       case OPT_DROPOUT:

@@ -46,8 +46,9 @@ float fy_lr_at(const struct fy_train_opts *o, int64_t t) {
   float min_lr = o->min_lr >= 0 ? o->min_lr : o->lr * 0.1f;
   int64_t warm = o->warmup >= 0 ? o->warmup : (o->steps >= 20 ? o->steps / 20 : 0);
   if (t < warm) return o->lr * (float)(t + 1) / (float)warm;
-  if (o->steps <= warm + 1) return o->lr;
+  if (o->steps <= warm + 1 || (o->schedule && strcmp(o->schedule, "constant") == 0)) return o->lr;
   double frac = (double)(t - warm) / (double)(o->steps - warm - 1);
+  if (o->schedule && strcmp(o->schedule, "linear") == 0) return min_lr + (float)(1.0 - frac) * (o->lr - min_lr);
   return min_lr + (float)(0.5 * (1.0 + cos(M_PI * frac))) * (o->lr - min_lr);
 }
 
@@ -1117,6 +1118,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (o->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
   if (o->save_every > 0 && !o->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
   if (o->val_every > 0 && !o->val_data) return fy_error_set(FY_ERR_INVALID, "--val-every needs --val-data PATH");
+  if (o->schedule && strcmp(o->schedule, "cosine") && strcmp(o->schedule, "linear") && strcmp(o->schedule, "constant"))
+    return fy_error_set(FY_ERR_INVALID, "--schedule %s: cosine, linear or constant", o->schedule);
   if (o->val_data && o->val_batches < 1) return fy_error_set(FY_ERR_INVALID, "--val-batches must be at least 1");
   struct run r;
   FILE *log = NULL;

@@ -1,6 +1,6 @@
 // The trainer: `ferry train` and `ferry eval` without the command-line parsing. It builds the
 // model (a preset or a config.json), initialises or loads it, streams batches from token shards,
-// and runs steps of forward, backward and AdamW with a warmup + cosine learning-rate schedule.
+// and runs steps of forward, backward and AdamW with a warmup and a learning-rate schedule.
 #ifndef FY_TRAINER_H
 #define FY_TRAINER_H
 
@@ -19,7 +19,10 @@ struct fy_train_opts {
   const char *init;       // "random" or a Hugging Face model directory
   const char *data;       // shard, directory of shards, or glob
   int64_t batch, seq, grad_accum, steps;  // seq 0: FY_DEFAULT_SEQ, or the model's positions if fewer
-  float lr, min_lr;       // peak and final learning rate of the cosine schedule
+  float lr, min_lr;       // peak and final learning rate of the schedule (min_lr < 0: lr / 10)
+  // After the warmup: "cosine" (default) or "linear" from lr down to min_lr at the last step, or
+  // "constant" (lr throughout).
+  const char *schedule;
   int64_t warmup;         // steps of linear warmup from 0
   struct fy_adamw adamw;
   uint64_t seed;
@@ -96,7 +99,8 @@ struct fy_train_opts {
 #define FY_DROPOUT_CONFIG (-1.0f)
 
 void fy_train_opts_defaults(struct fy_train_opts *o);
-// The learning rate at step t (0-based) of `steps`.
+// The learning rate at step t (0-based) of `steps`: a linear warmup from lr/warmup to lr over the
+// first `warmup` steps, then the schedule. (An unknown schedule is refused by fy_train.)
 float fy_lr_at(const struct fy_train_opts *o, int64_t t);
 
 struct fy_train_result {

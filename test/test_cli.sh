@@ -194,6 +194,8 @@ expect 0 "bf16 chunks on the sim device" "loss" -- train "${tiny[@]}" --steps 2 
   --device-mem 4MiB
 expect 0 "bf16 chunks kept on the device" "loss" -- train "${tiny[@]}" --steps 2 \
   --precision bf16 --device sim --device-mem 4MiB --device-chunks 1
+expect 2 "an unknown --schedule" "cosine, linear or constant" -- train "${tiny[@]}" --steps 1 --schedule step
+expect 0 "--schedule linear trains" "loss" -- train "${tiny[@]}" --steps 2 --schedule linear
 # Validation while training: printed after the step line; --val-every alone or a missing set is refused.
 expect 0 "--val-data validates after the last step" "validation after step 3 \\| loss [0-9.]+ \\| perplexity" -- \
   train "${tiny[@]}" --steps 3 --val-data "$tmp/ok.bin" --val-batches 2

@@ -128,6 +128,29 @@ int main(void) {
     CHECK_ERR(fy_train(&d, &r_do), FY_ERR_INVALID);
   }
 
+  // The learning-rate schedules: a warmup from lr/warmup to lr, then cosine or linear down to
+  // min_lr at the last step, or constant; an unknown one is refused.
+  {
+    struct fy_train_opts s = tiny_opts(shard);
+    s.steps = 11;
+    s.warmup = 2;
+    s.lr = 1.0f;
+    s.min_lr = 0.1f;
+    const float warm0 = fy_lr_at(&s, 0), warm1 = fy_lr_at(&s, 1);
+    CHECK(warm0 == 0.5f && warm1 == 1.0f);
+    CHECK(fy_lr_at(&s, 2) == 1.0f && fabsf(fy_lr_at(&s, 10) - 0.1f) < 1e-6f);
+    CHECKF(fabsf(fy_lr_at(&s, 6) - 0.55f) < 1e-6f, "cosine halfway %g", fy_lr_at(&s, 6));  // (cos 90 degrees)
+    CHECK(fy_lr_at(&s, 4) > 0.55f + 0.5f * 0.45f);  // a cosine lies above the line early on
+    s.schedule = "linear";
+    CHECK(fy_lr_at(&s, 0) == warm0 && fy_lr_at(&s, 2) == 1.0f && fabsf(fy_lr_at(&s, 10) - 0.1f) < 1e-6f);
+    CHECKF(fabsf(fy_lr_at(&s, 4) - (0.1f + 0.75f * 0.9f)) < 1e-6f, "linear at a quarter %g", fy_lr_at(&s, 4));
+    s.schedule = "constant";
+    CHECK(fy_lr_at(&s, 0) == warm0 && fy_lr_at(&s, 5) == 1.0f && fy_lr_at(&s, 10) == 1.0f);
+    s.schedule = "step";
+    struct fy_train_result rs;
+    CHECK_ERR(fy_train(&s, &rs), FY_ERR_INVALID);
+  }
+
   // Validation (--val-data): every val_every steps and after the last; forward passes without
   // dropout, so the last one is ferry eval's loss of the saved model, bit for bit; training is
   // the same with or without it; a validation set that is not one, or --val-every alone, is refused.
