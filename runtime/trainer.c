@@ -831,10 +831,11 @@ static void name_nonfinite(struct run *r) {
 static void options_json(const struct fy_train_opts *o, double dropout, char *buf, size_t n) {
   snprintf(buf, n,
            "{\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"grad_accum\":%lld,\"steps\":%lld,"
-           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\",\"dropout\":%g,\"seed\":%llu}",
+           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\",\"dropout\":%g,\"seed\":%llu,\"schedule\":\"%s\"}",
            o->model ? o->model : "", (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
            (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false",
-           o->precision ? o->precision : "fp32", dropout, (unsigned long long)o->seed);
+           o->precision ? o->precision : "fp32", dropout, (unsigned long long)o->seed,
+           o->schedule ? o->schedule : "cosine");
 }
 
 static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_meta *meta,
