@@ -91,6 +91,11 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
   return FY_OK;
 }
 
+// The dropout a training run applies (--dropout, or config.json's with --dropout config).
+static float train_dropout(const struct fy_train_opts *o, const struct fy_opt_config *cfg) {
+  return o->dropout == FY_DROPOUT_CONFIG ? cfg->dropout : o->dropout;
+}
+
 // Everything one run holds; torn down in reverse.
 struct run {
   struct fy_comm *comm;  // the ranks (single when launched alone)
@@ -337,7 +342,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (o->threads > 0) omp_set_num_threads(o->threads);
   FY_TRY(resolve_config(o, &r->cfg));
   // Dropout while training (evaluation has none); its probability is checked with the graph.
-  if (!eval) r->cfg.train_dropout = o->dropout == FY_DROPOUT_CONFIG ? r->cfg.dropout : o->dropout;
+  if (!eval) r->cfg.train_dropout = train_dropout(o, &r->cfg);
   if (o->seq > r->cfg.max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
                         (long long)o->seq, (long long)r->cfg.max_position_embeddings);
@@ -1039,6 +1044,7 @@ static double dir_bytes(const char *root) {
 static fy_status apply_plan(struct fy_train_opts *o) {
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(o, &cfg));
+  cfg.train_dropout = train_dropout(o, &cfg);  // (the planner prices the graph that will run)
   char path[4096];
   fy_probe_default_path(path, sizeof path);
   struct fy_probe probe;
