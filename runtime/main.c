@@ -259,6 +259,7 @@ static void usage_main(FILE *f) {
           "  train     train a model (with no options: the demo model on the bundled corpus)\n"
           "  eval      mean loss of a model on token shards\n"
           "  export    write a Hugging Face model directory from a training checkpoint\n"
+          "  sample    continue a prompt with a model (what has it learnt?)\n"
           "  probe     measure this machine for the planner (cached in a file you can edit)\n"
           "  plan      choose and explain a plan: memory per tier, step time, MFU, bottleneck\n"
           "  presets   list the built-in model presets\n"
@@ -613,12 +614,126 @@ static int cmd_train(int argc, char **argv, bool eval) {
   return 0;
 }
 
+static void usage_sample(FILE *f) {
+  fprintf(f,
+          "usage: ferry sample --init DIR [--prompt TEXT | --prompt-ids IDS] [options]\n"
+          "\n"
+          "Continues a prompt with a model, to look at what it has learnt (on the cpu; one forward\n"
+          "pass over the window per token, no cache).\n"
+          "\n"
+          "  --init DIR         a Hugging Face model directory (--save of ferry train, ferry export)\n"
+          "  --model M          a preset or config.json (default: the --init directory's config)\n"
+          "  --prompt TEXT      the prompt as bytes, one token each (the demo model's byte\n"
+          "                     vocabulary); the output is printed as text\n"
+          "  --prompt-ids IDS   the prompt as token ids (comma-separated: any tokenizer's); the\n"
+          "                     output is printed as ids\n"
+          "  --tokens N         tokens to add (default 100)\n"
+          "  --temperature X    sampling temperature; 0 takes the most likely token (default 1)\n"
+          "  --top-k K          draw among the K most likely tokens; 0: all (default 0)\n"
+          "  --seq T            the window (default: 128, or the model's positions if fewer)\n"
+          "  --seed S           the sampler's seed (default 1337)\n"
+          "  --threads N        OpenMP threads (default: all cores)\n");
+}
+
+static int cmd_sample(int argc, char **argv) {
+  enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_SEQ, S_SEED, S_THREADS, S_HELP };
+  static const struct option opts[] = {
+      {"init", required_argument, 0, S_INIT}, {"model", required_argument, 0, S_MODEL},
+      {"prompt", required_argument, 0, S_PROMPT}, {"prompt-ids", required_argument, 0, S_IDS},
+      {"tokens", required_argument, 0, S_TOKENS}, {"temperature", required_argument, 0, S_TEMP},
+      {"top-k", required_argument, 0, S_TOPK}, {"seq", required_argument, 0, S_SEQ},
+      {"seed", required_argument, 0, S_SEED}, {"threads", required_argument, 0, S_THREADS},
+      {"help", no_argument, 0, S_HELP}, {0, 0, 0, 0}};
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  o.model = NULL;
+  o.init = NULL;
+  o.seq = 0;
+  const char *text = NULL, *ids = NULL;
+  struct fy_sample_opts s = {.n_new = 100, .temperature = 1.0f};
+  int64_t v;
+  int c;
+  optind = 1;
+  opterr = 0;
+  while ((c = getopt_long(argc, argv, ":", opts, NULL)) != -1) {
+    bool ok = true;
+    switch (c) {
+      case S_INIT: o.init = optarg; break;
+      case S_MODEL: o.model = optarg; break;
+      case S_PROMPT: text = optarg; break;
+      case S_IDS: ids = optarg; break;
+      case S_TOKENS: ok = parse_i64("--tokens", optarg, 0, &s.n_new); break;
+      case S_TEMP: ok = parse_f32("--temperature", optarg, 0, &s.temperature); break;
+      case S_TOPK: ok = parse_i64("--top-k", optarg, 0, &v) && v <= INT32_MAX; s.top_k = (int)v; break;
+      case S_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
+      case S_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
+      case S_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
+      case S_HELP: usage_sample(stdout); return 0;
+      case ':': fprintf(stderr, "ferry sample: %s needs a value\n", argv[optind - 1]); return 2;
+      default:
+        fprintf(stderr, "ferry sample: unknown option '%s' (see 'ferry sample --help')\n", argv[optind - 1]);
+        return 2;
+    }
+    if (!ok) return 2;
+  }
+  if (optind < argc) {
+    fprintf(stderr, "ferry sample: unexpected argument '%s' (see 'ferry sample --help')\n", argv[optind]);
+    return 2;
+  }
+  if (!o.init || (!text == !ids)) {
+    fprintf(stderr, "ferry sample: give --init DIR and one of --prompt TEXT or --prompt-ids IDS\n");
+    return 2;
+  }
+  // The prompt's ids: its bytes, or the list (checked against the vocabulary by fy_sample).
+  size_t cap = text ? strlen(text) : strlen(ids) / 2 + 1;
+  int32_t *prompt = malloc((cap ? cap : 1) * sizeof *prompt);
+  if (!prompt) return 1;
+  if (text) {
+    for (size_t i = 0; i < cap; i++) prompt[i] = (unsigned char)text[i];
+    s.n_prompt = (int64_t)cap;
+  } else {
+    const char *p = ids;
+    while (*p) {
+      char *end;
+      errno = 0;
+      long long x = strtoll(p, &end, 10);
+      if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',') || (size_t)s.n_prompt == cap) {
+        fprintf(stderr, "ferry sample: --prompt-ids needs comma-separated token ids, got '%s'\n", ids);
+        free(prompt);
+        return 2;
+      }
+      prompt[s.n_prompt++] = (int32_t)x;
+      p = *end ? end + 1 : end;
+    }
+  }
+  s.prompt = prompt;
+  int32_t *out = malloc((size_t)(s.n_prompt + s.n_new) * sizeof *out);
+  fy_status st = out ? fy_sample(&o, &s, out) : fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK) {
+    for (int64_t i = 0; i < s.n_prompt + s.n_new; i++) {
+      if (text && out[i] < 256) putchar(out[i]);
+      else if (text) printf("<%d>", out[i]);
+      else printf(i ? ",%d" : "%d", out[i]);
+    }
+    putchar('\n');
+  }
+  free(prompt);
+  free(out);
+  fy_matmul_cache_clear();
+  if (st != FY_OK) {
+    fprintf(stderr, "ferry sample: error: %s\n", fy_error_msg());
+    return 1;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) return cmd_train(argc, argv, false);  // `ferry` alone: the demo
   const char *cmd = argv[1];
   if (strcmp(cmd, "train") == 0) return cmd_train(argc - 1, argv + 1, false);
   if (strcmp(cmd, "eval") == 0) return cmd_train(argc - 1, argv + 1, true);
   if (strcmp(cmd, "export") == 0) return cmd_export(argc - 1, argv + 1);
+  if (strcmp(cmd, "sample") == 0) return cmd_sample(argc - 1, argv + 1);
   if (strcmp(cmd, "probe") == 0) return cmd_probe_or_plan(argc - 1, argv + 1, false);
   if (strcmp(cmd, "plan") == 0) return cmd_probe_or_plan(argc - 1, argv + 1, true);
   if (strcmp(cmd, "presets") == 0) {

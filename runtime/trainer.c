@@ -422,6 +422,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     st = fy_model_load(r->model, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
+  if (!o->data && eval) return FY_OK;  // (fy_sample: no data set)
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
   if (st != FY_OK) {
     if (strstr(o->data, "/data/demo"))
@@ -1448,6 +1449,79 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   if (st == FY_OK && r.rank == 0 && !o->quiet)
     printf("eval loss %.6f (perplexity %.4g) over %lld batches of %lld x %lld\n", *mean_loss_out, exp(*mean_loss_out),
            (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)e.seq);
+  teardown(&r);
+  return st;
+}
+
+// One draw of the sampler's generator (splitmix64 over a counter: reproducible from the seed).
+static double sample_uniform(uint64_t *state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return (double)((z ^ (z >> 31)) >> 11) * 0x1p-53;
+}
+
+// A token from logits (V): the largest with temperature 0, else drawn from softmax(logits / temperature)
+// over the top_k largest (0: all). order is scratch for V indices.
+static int32_t sample_token(const float *logits, int64_t V, float temperature, int top_k, int32_t *order,
+                            uint64_t *rng) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < V; i++) best = logits[i] > logits[best] ? i : best;
+  if (temperature <= 0) return (int32_t)best;
+  int64_t k = top_k > 0 && top_k < V ? top_k : V;
+  for (int64_t i = 0; i < V; i++) order[i] = (int32_t)i;
+  for (int64_t i = 0; i < k && k < V; i++) {  // partial selection: the k largest first
+    int64_t m = i;
+    for (int64_t j = i + 1; j < V; j++) m = logits[order[j]] > logits[order[m]] ? j : m;
+    int32_t t = order[i];
+    order[i] = order[m];
+    order[m] = t;
+  }
+  double sum = 0;
+  for (int64_t i = 0; i < k; i++) sum += exp((double)(logits[order[i]] - logits[best]) / temperature);
+  double u = sample_uniform(rng) * sum, acc = 0;
+  for (int64_t i = 0; i < k; i++) {
+    acc += exp((double)(logits[order[i]] - logits[best]) / temperature);
+    if (u < acc) return order[i];
+  }
+  return order[k - 1];
+}
+
+fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out) {
+  if (s->n_prompt < 1) return fy_error_set(FY_ERR_INVALID, "sample: the prompt needs at least one token");
+  if (s->n_new < 0 || !(s->temperature >= 0) || s->top_k < 0)
+    return fy_error_set(FY_ERR_INVALID, "sample: tokens, temperature and top-k must not be negative");
+  struct fy_train_opts e = *o;
+  e.batch = 1;
+  e.data = NULL;
+  if (e.device && strcmp(e.device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu", e.device);
+  FY_TRY(resolve_seq(&e));
+  struct run r;
+  fy_status st = setup(&e, &r, false, true);
+  const int64_t T = e.seq, V = r.cfg.vocab_size;
+  for (int64_t i = 0; st == FY_OK && i < s->n_prompt; i++)
+    if (s->prompt[i] < 0 || s->prompt[i] >= V)
+      st = fy_error_set(FY_ERR_INVALID, "sample: prompt token %lld is %d, outside the vocabulary (%lld)", (long long)i,
+                        s->prompt[i], (long long)V);
+  int32_t *inputs = calloc((size_t)T, 4), *targets = malloc((size_t)T * 4), *order = malloc((size_t)V * 4);
+  if (st == FY_OK && (!inputs || !targets || !order)) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int64_t t = 0; st == FY_OK && t < T; t++) targets[t] = -100;  // (no loss: the logits are what is read)
+  memcpy(out, s->prompt, (size_t)s->n_prompt * 4);
+  uint64_t rng = o->seed;
+  for (int64_t n = s->n_prompt; st == FY_OK && n < s->n_prompt + s->n_new; n++) {
+    // The window: the last T tokens at most (a causal model's last position sees them all);
+    // positions after them are zeros that no earlier position attends to.
+    int64_t len = n < T ? n : T, from = n - len;
+    memcpy(inputs, out + from, (size_t)len * 4);
+    memset(inputs + len, 0, (size_t)(T - len) * 4);
+    struct fy_batch b = {.B = 1, .T = T, .inputs = inputs, .targets = targets};
+    struct fy_loss loss;
+    if ((st = fy_engine_forward_eval(r.model, &b, &loss)) != FY_OK) break;
+    const float *logits = r.model->acts + r.model->graph->slots[r.model->graph->logits_slot].offset + (len - 1) * V;
+    out[n] = sample_token(logits, V, s->temperature, s->top_k, order, &rng);
+  }
+  free(inputs), free(targets), free(order);
   teardown(&r);
   return st;
 }

@@ -143,4 +143,18 @@ fy_status fy_export(const char *checkpoint, const char *out_dir);
 // rank 0 prints the result unless o->quiet.
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss);
 
+// Continues a prompt with the model (--model/--init of o, on the cpu, one sequence of o->seq
+// tokens): `n_new` tokens, each drawn from the softmax of the last position's logits divided by
+// temperature (0: the most likely token), among the top_k most likely (0: all), with o->seed.
+// A context longer than the window keeps its last seq tokens. out receives n_prompt + n_new
+// ids (the prompt first). Each token is one forward pass over the window (no key/value cache):
+// for looking at what a model has learnt, not for serving.
+struct fy_sample_opts {
+  const int32_t *prompt;
+  int64_t n_prompt, n_new;
+  float temperature;
+  int top_k;
+};
+fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out);
+
 #endif

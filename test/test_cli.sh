@@ -196,6 +196,20 @@ expect 0 "bf16 chunks kept on the device" "loss" -- train "${tiny[@]}" --steps 2
   --precision bf16 --device sim --device-mem 4MiB --device-chunks 1
 expect 2 "an unknown --schedule" "cosine, linear or constant" -- train "${tiny[@]}" --steps 1 --schedule step
 expect 0 "--schedule linear trains" "loss" -- train "${tiny[@]}" --steps 2 --schedule linear
+# ferry sample: a model trained on a repeating sequence continues it (greedy); bad requests are refused.
+python3 - "$tmp/cycle.bin" <<'PY'
+import struct, sys
+t = [3, 17, 42, 8, 60] * 2000
+open(sys.argv[1], "wb").write(struct.pack("<256i", 20240520, 1, len(t), *([0] * 253)) + struct.pack("<%dH" % len(t), *t))
+PY
+"$ferry" train --model opt-tiny --data "$tmp/cycle.bin" --batch 4 --seq 16 --steps 60 --lr 1e-2 --quiet --save "$tmp/cycle" \
+  >/dev/null 2>&1
+expect 0 "ferry sample continues what the model learnt (greedy)" "^3,17,42,8,60,3,17,42,8,60,3,17,42$" -- sample \
+  --init "$tmp/cycle" --prompt-ids 3,17,42 --tokens 10 --temperature 0
+expect 2 "ferry sample without a prompt" "--prompt" -- sample --init "$tmp/cycle"
+expect 2 "ferry sample with a bad id list" "comma-separated" -- sample --init "$tmp/cycle" --prompt-ids 3,x
+expect 1 "ferry sample with an id outside the vocabulary" "outside the vocabulary" -- sample --init "$tmp/cycle" \
+  --prompt-ids 3,500
 # Validation while training: printed after the step line; --val-every alone or a missing set is refused.
 expect 0 "--val-data validates after the last step" "validation after step 3 \\| loss [0-9.]+ \\| perplexity" -- \
   train "${tiny[@]}" --steps 3 --val-data "$tmp/ok.bin" --val-batches 2
@@ -295,7 +309,13 @@ PY
   printf '{"model_type": "opt", "vocab_size": 70000, "hidden_size": 32, "num_attention_heads": 2, "ffn_dim": 64,
     "num_hidden_layers": 1, "max_position_embeddings": 64, "word_embed_proj_dim": 32}' > "$tmp/m70k/config.json"
   expect 0 "a 70000-token vocabulary trains on wide shards" "step +1/2 \| loss 11\.1" -- train --model "$tmp/m70k" \
-    --data "$tmp/wide" --batch 2 --seq 32 --steps 2
+    --data "$tmp/wide" --batch 2 --seq 32 --steps 2 --save "$tmp/m70k_saved"
+  # tools/sample.py: the prompt through the tokenizer, ferry sample on ids, the output decoded.
+  if out=$(python3 "$(dirname "$0")/../tools/sample.py" --tokenizer "$tmp/bigtok" --init "$tmp/m70k_saved" \
+             --ferry "$ferry" --tokens 3 --temperature 0 "w1 w2" 2>&1) &&
+     printf '%s' "$out" | grep -qE '^w1 w2( \S+){3}$'; then
+    pass=$((pass + 1)); echo "ok    tools/sample.py: text in, text out ($out)"
+  else fail=$((fail + 1)); echo "FAIL  tools/sample.py: $out"; fi
 else
   echo "--    tokenize.py's wide shards: left out (no tokenizers/transformers)"
 fi

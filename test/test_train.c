@@ -128,6 +128,32 @@ int main(void) {
     CHECK_ERR(fy_train(&d, &r_do), FY_ERR_INVALID);
   }
 
+  // fy_sample on the trained model: reproducible from the seed, another seed draws another
+  // continuation, top-k 1 is greedy (temperature 0), and the prompt comes back first.
+  {
+    struct fy_train_opts so = tiny_opts(shard);
+    so.init = save;
+    so.model = NULL;
+    const int32_t prompt[3] = {3, 5, 13};
+    int32_t a[23], b[23], c[23], g[23], k1[23];
+    struct fy_sample_opts sp = {.prompt = prompt, .n_prompt = 3, .n_new = 20, .temperature = 1.0f};
+    CHECK_OK(fy_sample(&so, &sp, a));
+    CHECK_OK(fy_sample(&so, &sp, b));
+    so.seed += 1;
+    CHECK_OK(fy_sample(&so, &sp, c));
+    sp.temperature = 0;
+    CHECK_OK(fy_sample(&so, &sp, g));
+    sp.temperature = 1.0f;
+    sp.top_k = 1;
+    CHECK_OK(fy_sample(&so, &sp, k1));
+    int in_vocab = 1;
+    for (int i = 0; i < 23; i++) in_vocab &= a[i] >= 0 && a[i] < 97;
+    CHECK(memcmp(a, b, sizeof a) == 0 && memcmp(a, c, sizeof a) != 0 && memcmp(g, k1, sizeof g) == 0 && in_vocab &&
+          a[0] == 3 && a[1] == 5 && a[2] == 13);
+    sp.n_prompt = 0;
+    CHECK_ERR(fy_sample(&so, &sp, a), FY_ERR_INVALID);
+  }
+
   // The learning-rate schedules: a warmup from lr/warmup to lr, then cosine or linear down to
   // min_lr at the last step, or constant; an unknown one is refused.
   {
