@@ -26,6 +26,7 @@
 
 #include "core/device.h"
 #include "core/log.h"
+#include "core/rand.h"
 
 enum { TO_DEVICE = 0, TO_HOST = 1, NO_ENGINE = -1 };
 
@@ -333,17 +334,10 @@ static fy_status sim_event_sync(fy_event *ev) {
 
 // ---- streams ----
 
-static uint64_t splitmix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 static void jitter(struct sim_stream *s) {
   int max_us = atomic_load(&sim_of(s->base.dev)->jitter_us);
   if (max_us <= 0) return;
-  long us = (long)(splitmix(&s->rng) % (uint64_t)(max_us + 1));
+  long us = (long)(fy_splitmix64(&s->rng) % (uint64_t)(max_us + 1));
   struct timespec ts = {.tv_sec = us / 1000000, .tv_nsec = (us % 1000000) * 1000};
   while (nanosleep(&ts, &ts) == EINTR) {}
 }

@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "core/rand.h"
 #include "core/status.h"
 
 #define SLOT_ALIGN 4096  // slots start on page (and usual block) boundaries
@@ -68,13 +69,6 @@ static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t splitmix64(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
 }
 
 // strerror is not thread-safe; the pool threads use this. _GNU_SOURCE gives the GNU strerror_r.
@@ -376,7 +370,7 @@ static fy_status submit(struct fy_disk_tier *t, bool write, int64_t handle, size
   r->next = NULL;
 
   pthread_mutex_lock(&t->mu);
-  r->delay_us = t->jitter_us ? (unsigned)(splitmix64(&t->rng) % ((uint64_t)t->jitter_us + 1)) : 0;
+  r->delay_us = t->jitter_us ? (unsigned)(fy_splitmix64(&t->rng) % ((uint64_t)t->jitter_us + 1)) : 0;
   if (t->qtail)
     t->qtail->next = r;
   else

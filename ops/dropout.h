@@ -6,8 +6,8 @@
 // bit for bit, and every backend, placement, rank count and tensor-parallel split draws the same
 // one: dropout changes no result beyond rounding (DESIGN.md, "Correctness rule").
 //
-// The hashes are splitmix64's finaliser (per site and per token) and murmur3's 32-bit one (per
-// element: 32-bit multiplies vectorise on a CPU and are single instructions on a GPU). A plain C
+// The hashes are splitmix64's finaliser (core/rand.h, per site and per token) and murmur3's 32-bit
+// one (per element: 32-bit multiplies vectorise on a CPU and are single instructions on a GPU). A plain C
 // header for the CPU kernels, the CUDA kernels and the tests (test/reference/check_variants.py
 // repeats it in numpy to give transformers the same masks).
 #ifndef FY_OPS_DROPOUT_H
@@ -16,19 +16,13 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "core/rand.h"
+
 #ifdef __CUDACC__
 #define FY_DROPOUT_FN static __host__ __device__ __forceinline__
 #else
 #define FY_DROPOUT_FN static inline
 #endif
-
-FY_DROPOUT_FN uint64_t fy_dropout_mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 FY_DROPOUT_FN uint32_t fy_dropout_mix32(uint32_t x) {
   x ^= x >> 16;
@@ -40,12 +34,12 @@ FY_DROPOUT_FN uint32_t fy_dropout_mix32(uint32_t x) {
 
 // The key of one site for a run's seed.
 FY_DROPOUT_FN uint64_t fy_dropout_key(uint64_t seed, int site) {
-  return fy_dropout_mix64(fy_dropout_mix64(seed) + (uint64_t)(site + 1) * 0x9e3779b97f4a7c15ull);
+  return fy_mix64(fy_mix64(seed) + (uint64_t)(site + 1) * 0x9e3779b97f4a7c15ull);
 }
 
 // The hash of token u at a site; each column j draws from it.
 FY_DROPOUT_FN uint64_t fy_dropout_token(uint64_t key, int64_t u) {
-  return fy_dropout_mix64(key ^ ((uint64_t)u * 0xd1b54a32d192ed03ull));
+  return fy_mix64(key ^ ((uint64_t)u * 0xd1b54a32d192ed03ull));
 }
 
 // Element j of a token is dropped when its 32-bit draw is below the threshold (p * 2^32).

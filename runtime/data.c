@@ -11,6 +11,7 @@
 #include "runtime/data.h"
 
 #include "core/fileio.h"
+#include "core/rand.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -53,13 +54,6 @@ struct fy_data {
   struct fy_batch batch;
 };
 
-static uint64_t splitmix64(uint64_t *x) {
-  uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 static uint64_t xoshiro256ss(uint64_t s[4]) {
@@ -75,7 +69,7 @@ static uint64_t xoshiro256ss(uint64_t s[4]) {
 
 static void data_make_perm(fy_data *d, int64_t epoch) {
   uint64_t x = d->seed ^ ((uint64_t)epoch * 0xD1B54A32D192ED03ull), s[4];
-  for (int i = 0; i < 4; i++) s[i] = splitmix64(&x);
+  for (int i = 0; i < 4; i++) s[i] = fy_splitmix64(&x);
   int64_t n = d->nwindows;
   for (int64_t i = 0; i < n; i++) d->perm[i] = i;
   for (int64_t i = n - 1; i > 0; i--) {

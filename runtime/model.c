@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "core/fileio.h"
+#include "core/rand.h"
 #include "core/log.h"
 #include "core/parse.h"
 #include "core/safetensors.h"
@@ -264,13 +265,6 @@ void fy_model_free(struct fy_model *m) {
 
 // ---- initialisation ----
 
-static uint64_t splitmix64(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 static uint64_t fnv1a(const char *s) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
@@ -283,8 +277,8 @@ static void fill_normal(float *x, int64_t a, int64_t b, float std, uint64_t stat
   state += (uint64_t)(a / 2 * 2) * 0x9e3779b97f4a7c15ull;
   for (int64_t i = a / 2 * 2; i < b; i += 2) {
     // Box-Muller on two uniforms in (0, 1].
-    double u1 = ((splitmix64(&state) >> 11) + 1.0) * 0x1.0p-53;
-    double u2 = (splitmix64(&state) >> 11) * 0x1.0p-53;
+    double u1 = ((fy_splitmix64(&state) >> 11) + 1.0) * 0x1.0p-53;
+    double u2 = (fy_splitmix64(&state) >> 11) * 0x1.0p-53;
     double r = sqrt(-2.0 * log(u1));
     if (i >= a) x[i - a] = (float)(std * r * cos(2 * M_PI * u2));
     if (i + 1 < b) x[i + 1 - a] = (float)(std * r * sin(2 * M_PI * u2));

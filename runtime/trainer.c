@@ -15,6 +15,7 @@
 
 #include "core/log.h"
 #include "core/parse.h"
+#include "core/rand.h"
 #include "ops/ops.h"
 #include "core/safetensors.h"
 #include "fy_config.h"
@@ -1453,13 +1454,8 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   return st;
 }
 
-// One draw of the sampler's generator (splitmix64 over a counter: reproducible from the seed).
-static double sample_uniform(uint64_t *state) {
-  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return (double)((z ^ (z >> 31)) >> 11) * 0x1p-53;
-}
+// One draw in [0, 1) of the sampler's generator (reproducible from the seed).
+static double sample_uniform(uint64_t *state) { return (double)(fy_splitmix64(state) >> 11) * 0x1p-53; }
 
 // A token from logits (V): the largest with temperature 0, else drawn from softmax(logits / temperature)
 // over the top_k largest (0: all). order is scratch for V indices.
