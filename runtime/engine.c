@@ -4,7 +4,6 @@
 #include <omp.h>
 #include <string.h>
 
-#include "ops/dropout.h"
 #include "ops/ops.h"
 #include "planner/pattern.h"
 
@@ -102,13 +101,15 @@ void fy_op_call_forward(void *arg) {
     case FY_OP_GELU:
       fy_gelu_forward(out, in0, g->slots[op->out].numel);
       break;
-    case FY_OP_ADD:
-      if (op->dropout > 0 && !c->batch->no_dropout)
-        fy_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), BT, op->C, fy_dropout_key(m->dropout_seed, op->site),
-                               c->batch->row0 * T, op->dropout);
+    case FY_OP_ADD: {
+      uint64_t key;
+      int64_t u0;
+      if (fy_engine_dropout(c, op, &key, &u0))
+        fy_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), BT, op->C, key, u0, op->dropout);
       else
         fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), g->slots[op->out].numel);
       break;
+    }
     case FY_OP_CROSS_ENTROPY: {
       fy_crossentropy_forward(out, in0, c->batch->targets, BT, op->V);
       double s = 0;
@@ -193,13 +194,16 @@ void fy_op_call_backward(void *arg) {
     case FY_OP_GELU:
       fy_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, g->slots[op->out].numel);
       break;
-    case FY_OP_ADD:
-      if (op->dropout > 0 && !c->batch->no_dropout)
-        fy_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, BT, op->C,
-                                fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T, op->dropout);
+    case FY_OP_ADD: {
+      uint64_t key;
+      int64_t u0;
+      if (fy_engine_dropout(c, op, &key, &u0))
+        fy_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, BT, op->C, key, u0,
+                                op->dropout);
       else
         fy_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, g->slots[op->out].numel);
       break;
+    }
     case FY_OP_CROSS_ENTROPY:
       fy_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, BT, op->V, c->loss_scale);
       break;

@@ -11,6 +11,7 @@
 #ifndef FY_ENGINE_H
 #define FY_ENGINE_H
 
+#include "ops/dropout.h"
 #include "runtime/data.h"
 #include "runtime/model.h"
 
@@ -36,6 +37,15 @@ struct fy_op_call {
   double *loss_sum;            // forward of the loss adds the sum of its per-row losses here
   fy_status st;                // the kernel's status
 };
+
+// Whether op (an ADD) drops its branch in this call, and then its mask's key and the stream token
+// of the batch's first row (ops/dropout.h): the same for every backend's kernels.
+static inline bool fy_engine_dropout(const struct fy_op_call *c, const struct fy_op *op, uint64_t *key, int64_t *u0) {
+  if (!(op->dropout > 0) || c->batch->no_dropout) return false;
+  *key = fy_dropout_key(c->m->dropout_seed, op->site);
+  *u0 = c->batch->row0 * c->m->graph->T;
+  return true;
+}
 
 // Run one op's forward or backward kernel (signature of a stream host function): the CPU
 // kernels (cpu and sim devices). A cuda device's are in runtime/engine_cuda.c.

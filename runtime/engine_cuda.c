@@ -10,7 +10,6 @@
 
 #include "core/device_cuda.h"
 #include "ops/cuda/ops_cuda.h"
-#include "ops/dropout.h"
 #include "memory/tier.h"
 #include "runtime/engine.h"
 
@@ -116,14 +115,16 @@ static void op_forward_cuda(void *arg) {
     case FY_OP_GELU:
       st = fy_cuda_gelu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
       break;
-    case FY_OP_ADD:
-      if (op->dropout > 0 && !c->batch->no_dropout)
-        st = fy_cuda_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, BT, op->C,
-                                         fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T, op->dropout,
+    case FY_OP_ADD: {
+      uint64_t key;
+      int64_t u0;
+      if (fy_engine_dropout(c, op, &key, &u0))
+        st = fy_cuda_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, BT, op->C, key, u0, op->dropout,
                                          x->st);
       else if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_ADD)
         st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
       break;
+    }
     case FY_OP_CROSS_ENTROPY:
       st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, dt, BT, op->V, x->st);
       if (st == FY_OK && c->loss_sum) {
@@ -217,15 +218,17 @@ static void op_backward_cuda(void *arg) {
     case FY_OP_GELU:
       st = fy_cuda_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, dt, g->slots[op->out].numel, x->st);
       break;
-    case FY_OP_ADD:
-      if (op->dropout > 0 && !c->batch->no_dropout)
-        st = fy_cuda_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, dt, BT,
-                                          op->C, fy_dropout_key(m->dropout_seed, op->site), c->batch->row0 * T,
-                                          op->dropout, x->st);
+    case FY_OP_ADD: {
+      uint64_t key;
+      int64_t u0;
+      if (fy_engine_dropout(c, op, &key, &u0))
+        st = fy_cuda_dropout_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, dt, BT, op->C,
+                                          key, u0, op->dropout, x->st);
       else
         st = fy_cuda_add_backward(fy_engine_dinput(m, op, 0), fy_engine_dinput(m, op, 1), dout, dt,
                                   g->slots[op->out].numel, x->st);
       break;
+    }
     case FY_OP_CROSS_ENTROPY:
       st = fy_cuda_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, NULL, dt, BT, op->V,
                                          c->loss_scale, x->st);
