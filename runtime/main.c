@@ -510,7 +510,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_VAL_DATA: o.val_data = optarg; break;
       case OPT_SCHEDULE:
         o.schedule = optarg;
-        if (strcmp(optarg, "cosine") && strcmp(optarg, "linear") && strcmp(optarg, "constant")) {
+        if (!fy_lr_schedule_known(optarg)) {
           fprintf(stderr, "ferry: --schedule is cosine, linear or constant, got '%s'\n", optarg);
           ok = false;
         }

@@ -43,6 +43,10 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
       .eval_batches = 8, .val_batches = 10};
 }
 
+bool fy_lr_schedule_known(const char *name) {
+  return !name || !strcmp(name, "cosine") || !strcmp(name, "linear") || !strcmp(name, "constant");
+}
+
 float fy_lr_at(const struct fy_train_opts *o, int64_t t) {
   float min_lr = o->min_lr >= 0 ? o->min_lr : o->lr * 0.1f;
   int64_t warm = o->warmup >= 0 ? o->warmup : (o->steps >= 20 ? o->steps / 20 : 0);
@@ -1127,7 +1131,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (o->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
   if (o->save_every > 0 && !o->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
   if (o->val_every > 0 && !o->val_data) return fy_error_set(FY_ERR_INVALID, "--val-every needs --val-data PATH");
-  if (o->schedule && strcmp(o->schedule, "cosine") && strcmp(o->schedule, "linear") && strcmp(o->schedule, "constant"))
+  if (!fy_lr_schedule_known(o->schedule))
     return fy_error_set(FY_ERR_INVALID, "--schedule %s: cosine, linear or constant", o->schedule);
   if (o->val_data && o->val_batches < 1) return fy_error_set(FY_ERR_INVALID, "--val-batches must be at least 1");
   struct run r;

@@ -98,6 +98,9 @@ struct fy_train_opts {
 // Defaults: the demo model on the bundled corpus (see README.md).
 #define FY_DROPOUT_CONFIG (-1.0f)
 
+// Whether name is a learning-rate schedule fy_lr_at knows (NULL: the default, cosine).
+bool fy_lr_schedule_known(const char *name);
+
 void fy_train_opts_defaults(struct fy_train_opts *o);
 // The learning rate at step t (0-based) of `steps`: a linear warmup from lr/warmup to lr over the
 // first `warmup` steps, then the schedule. (An unknown schedule is refused by fy_train.)
