@@ -113,7 +113,10 @@ class ShardWriter:
         self.total = 0
 
     def add(self, ids, learn=1):
-        """Appends ids; with a mask, learn (0 or 1) is their mask byte."""
+        """Appends ids (each below the vocabulary size); with a mask, learn (0 or 1) is their mask
+        byte."""
+        if len(ids) and max(ids) >= self.vocab:
+            sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(ids), self.vocab))
         self.buf.extend(ids)
         if self.mask is not None:
             self.mask.extend(bytes([learn]) * len(ids))
@@ -166,100 +169,75 @@ def read_blocks(path):
             yield block
 
 
+def json_fields(files, keys, hint, binary):
+    """The strings under `keys` of every non-blank line of the JSON Lines files, as a tuple (UTF-8
+    bytes when binary); a line that is not an object with them stops the run, naming it (hint says
+    which option names the field)."""
+    for path in files:
+        with open(path, "r", encoding="utf-8", errors="strict") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    sys.exit("tokenize.py: %s:%d: not a JSON object (%s)" % (path, n, e))
+                values = [obj.get(k) if isinstance(obj, dict) else None for k in keys]
+                for k, v in zip(keys, values):
+                    if not isinstance(v, str):
+                        sys.exit("tokenize.py: %s:%d: the object has no string \"%s\" (%s)" % (path, n, k, hint))
+                yield tuple(v.encode("utf-8") if binary else v for v in values)
+
+
 def documents(files, jsonl_key, binary):
     """The documents as (first, piece) pairs, first True at the start of each: a text file is one
     document, in pieces of about READ_CHUNK (bytes as they are when binary); with jsonl_key, every
     non-blank line of a file is a JSON object whose jsonl_key string is one document."""
+    if jsonl_key is not None:
+        for (text,) in json_fields(files, (jsonl_key,), "--jsonl KEY names the text's field", binary):
+            yield True, text
+        return
     for path in files:
-        if jsonl_key is None:
-            first = True
-            for piece in read_blocks(path) if binary else read_chunks(path):
-                yield first, piece
-                first = False
-            if first:  # an empty file is still a document
-                yield True, b"" if binary else ""
-            continue
-        with open(path, "r", encoding="utf-8", errors="strict") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    sys.exit("tokenize.py: %s:%d: not a JSON object (%s)" % (path, n, e))
-                text = obj.get(jsonl_key) if isinstance(obj, dict) else None
-                if not isinstance(text, str):
-                    sys.exit("tokenize.py: %s:%d: the object has no string \"%s\" (--jsonl KEY names the "
-                             "text's field)" % (path, n, jsonl_key))
-                yield True, text.encode("utf-8") if binary else text
+        first = True
+        for piece in read_blocks(path) if binary else read_chunks(path):
+            yield first, piece
+            first = False
+        if first:  # an empty file is still a document
+            yield True, b"" if binary else ""
 
 
-def records(files, key, prompt_key, binary):
-    """(prompt, response) of every non-blank line of the JSON Lines files: its prompt_key and key
-    strings (UTF-8 bytes when binary)."""
-    for path in files:
-        with open(path, "r", encoding="utf-8", errors="strict") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    sys.exit("tokenize.py: %s:%d: not a JSON object (%s)" % (path, n, e))
-                pair = [obj.get(k) if isinstance(obj, dict) else None for k in (prompt_key, key)]
-                for k, v in zip((prompt_key, key), pair):
-                    if not isinstance(v, str):
-                        sys.exit("tokenize.py: %s:%d: the object has no string \"%s\" (--prompt names the "
-                                 "prompt's field, --jsonl the response's)" % (path, n, k))
-                yield tuple(v.encode("utf-8") if binary else v for v in pair)
+def batches(items):
+    """The items in lists of BATCH_CHUNKS (the last one shorter): one tokenizer call each."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == BATCH_CHUNKS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def tokenize_records(pairs, encode, eos, writer):
-    """Each record as prompt ids (mask 0), response ids and eos (mask 1), BATCH_CHUNKS records to
-    an encode call."""
-    batch = []
-
-    def flush():
+    """Each (prompt, response) record as the prompt's ids (mask 0), then the response's and eos
+    (mask 1)."""
+    for batch in batches(pairs):
         ids = encode([piece for pair in batch for piece in pair])
         for k in range(len(batch)):
-            p, r = ids[2 * k], list(ids[2 * k + 1]) + [eos]
-            for part in (p, r):
-                if len(part) and max(part) >= writer.vocab:
-                    sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(part), writer.vocab))
-            writer.add(p, learn=0)
-            writer.add(r, learn=1)
-        batch.clear()
-
-    for pair in pairs:
-        batch.append(pair)
-        if len(batch) == BATCH_CHUNKS:
-            flush()
-    if batch:
-        flush()
+            writer.add(ids[2 * k], learn=0)
+            writer.add(list(ids[2 * k + 1]) + [eos], learn=1)
 
 
 def tokenize(pieces, encode, eos, writer):
     """Feeds the pieces' ids to the writer, eos between documents; encode takes a list of pieces
     (BATCH_CHUNKS at most) and gives their ids."""
     started = False
-    batch = []
-
-    def flush():
-        nonlocal started
+    for batch in batches(pieces):
         for (first, _), ids in zip(batch, encode([p for _, p in batch])):
             if first and started:
                 writer.add([eos])
             started = True
-            if len(ids) and max(ids) >= writer.vocab:
-                sys.exit("tokenize.py: token id %d is not below the vocabulary size %d" % (max(ids), writer.vocab))
             writer.add(ids)
-        batch.clear()
-
-    for item in pieces:
-        batch.append(item)
-        if len(batch) == BATCH_CHUNKS:
-            flush()
-    flush()
 
 
 def hf_tokenizer(name):
@@ -316,7 +294,9 @@ def main(argv=None):
         eos, encode = tok.eos_token_id, lambda pieces: tok(pieces, add_special_tokens=False)["input_ids"]
     writer = ShardWriter(args.out, args.shard_tokens, vocab, masked=args.prompt is not None)
     if args.prompt is not None:
-        tokenize_records(records(args.files, args.jsonl, args.prompt, binary), encode, eos, writer)
+        pairs = json_fields(args.files, (args.prompt, args.jsonl),
+                            "--prompt names the prompt's field, --jsonl the response's", binary)
+        tokenize_records(pairs, encode, eos, writer)
     else:
         tokenize(documents(args.files, args.jsonl, binary), encode, eos, writer)
     writer.close()
