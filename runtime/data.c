@@ -174,29 +174,32 @@ static inline uint32_t shard_token(const struct shard *s, int64_t i) {
   return s->width == 4 ? ((const uint32_t *)s->tokens)[i] : ((const uint16_t *)s->tokens)[i];
 }
 
-static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
-  int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+// Maps the file at path read-only (what names it in messages): a regular file of at least the
+// header's bytes. FY_ERR_NOT_FOUND when there is none.
+static fy_status map_file(const char *path, const char *what, void **map, size_t *size) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    return fy_error_set(e == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open shard %s: %s",
-                        s->path, strerror(e));
+    return fy_error_set(e == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open %s %s: %s", what, path, strerror(e));
   }
   struct stat sb;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    close(fd);
-    return fy_error_set(FY_ERR_IO, "shard %s is not a regular file", s->path);
-  }
-  if (sb.st_size < DATA_HEADER_BYTES) {
-    close(fd);
-    return fy_error_set(FY_ERR_FORMAT, "shard %s is too small for a header (%lld bytes, need %d)",
-                        s->path, (long long)sb.st_size, DATA_HEADER_BYTES);
-  }
-  void *map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  int e = errno;
+  fy_status st = FY_OK;
+  void *m = MAP_FAILED;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+    st = fy_error_set(FY_ERR_IO, "%s %s is not a regular file", what, path);
+  else if (sb.st_size < DATA_HEADER_BYTES)
+    st = fy_error_set(FY_ERR_FORMAT, "%s %s is too small for a header (%lld bytes, need %d)", what, path,
+                      (long long)sb.st_size, DATA_HEADER_BYTES);
+  else if ((m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED)
+    st = fy_error_set(FY_ERR_IO, "cannot map %s %s: %s", what, path, strerror(errno));
   close(fd);
-  if (map == MAP_FAILED) return fy_error_set(FY_ERR_IO, "cannot map shard %s: %s", s->path, strerror(e));
-  s->map = map;
-  s->map_size = (size_t)sb.st_size;
+  if (st == FY_OK) *map = m, *size = (size_t)sb.st_size;
+  return st;
+}
+
+static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
+  FY_TRY(map_file(s->path, "shard", &s->map, &s->map_size));
+  const void *map = s->map;
   int32_t h[3];
   memcpy(h, map, sizeof h);
   if (h[0] == FY_MASK_MAGIC)
@@ -210,10 +213,10 @@ static fy_status data_map_shard(struct shard *s, int64_t vocab_size) {
     return fy_error_set(FY_ERR_FORMAT, "%s: shard version %d is not supported (expected %d: %s tokens)", s->path,
                         h[1], wide ? FY_SHARD32_VERSION : FY_SHARD_VERSION, wide ? "uint32" : "uint16");
   s->width = wide ? 4 : 2;
-  if (h[2] < 0 || (int64_t)sb.st_size != DATA_HEADER_BYTES + s->width * (int64_t)h[2])
+  if (h[2] < 0 || (int64_t)s->map_size != DATA_HEADER_BYTES + s->width * (int64_t)h[2])
     return fy_error_set(FY_ERR_FORMAT, "%s: header says %d tokens (%lld bytes) but the file has "
                         "%lld bytes", s->path, h[2], (long long)DATA_HEADER_BYTES + s->width * (long long)h[2],
-                        (long long)sb.st_size);
+                        (long long)s->map_size);
   s->count = h[2];
   s->tokens = (const char *)map + DATA_HEADER_BYTES;
   uint32_t mx = 0;  // (the loops vectorise)
@@ -243,27 +246,17 @@ static char *mask_path_of(const char *shard_path) {
 static fy_status data_map_mask(struct shard *s) {
   char *path = mask_path_of(s->path);
   if (!path) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    fy_status st = e == ENOENT ? FY_OK : fy_error_set(FY_ERR_IO, "cannot open the loss mask %s: %s", path, strerror(e));
+  fy_status st = map_file(path, "loss mask", &s->mask_map, &s->mask_map_size);
+  if (st == FY_ERR_NOT_FOUND) {  // none: every target counts
     free(path);
-    return st;
+    fy_error_clear();
+    return FY_OK;
   }
-  struct stat sb;
-  fy_status st = FY_OK;
-  void *map = MAP_FAILED;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))
-    st = fy_error_set(FY_ERR_IO, "loss mask %s is not a regular file", path);
-  else if (sb.st_size != DATA_HEADER_BYTES + s->count)
-    st = fy_error_set(FY_ERR_FORMAT, "loss mask %s has %lld bytes; its shard's %lld tokens need %lld", path,
-                      (long long)sb.st_size, (long long)s->count, (long long)(DATA_HEADER_BYTES + s->count));
-  else if ((map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED)
-    st = fy_error_set(FY_ERR_IO, "cannot map the loss mask %s: %s", path, strerror(errno));
-  close(fd);
+  const void *map = s->mask_map;
+  if (st == FY_OK && s->mask_map_size != (size_t)(DATA_HEADER_BYTES + s->count))
+    st = fy_error_set(FY_ERR_FORMAT, "loss mask %s has %zu bytes; its shard's %lld tokens need %lld", path,
+                      s->mask_map_size, (long long)s->count, (long long)(DATA_HEADER_BYTES + s->count));
   if (st == FY_OK) {
-    s->mask_map = map;
-    s->mask_map_size = (size_t)sb.st_size;
     int32_t h[3];
     memcpy(h, map, sizeof h);
     if (h[0] != FY_MASK_MAGIC || h[1] != FY_MASK_VERSION || h[2] != s->count)
