@@ -16,15 +16,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "core/rand.h"
+#include "core/rand.h"  // (FY_RAND_FN: host and, under nvcc, device functions)
 
-#ifdef __CUDACC__
-#define FY_DROPOUT_FN static __host__ __device__ __forceinline__
-#else
-#define FY_DROPOUT_FN static inline
-#endif
-
-FY_DROPOUT_FN uint32_t fy_dropout_mix32(uint32_t x) {
+FY_RAND_FN uint32_t fy_dropout_mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x85ebca6bu;
   x ^= x >> 13;
@@ -33,26 +27,26 @@ FY_DROPOUT_FN uint32_t fy_dropout_mix32(uint32_t x) {
 }
 
 // The key of one site for a run's seed.
-FY_DROPOUT_FN uint64_t fy_dropout_key(uint64_t seed, int site) {
+FY_RAND_FN uint64_t fy_dropout_key(uint64_t seed, int site) {
   return fy_mix64(fy_mix64(seed) + (uint64_t)(site + 1) * 0x9e3779b97f4a7c15ull);
 }
 
 // The hash of token u at a site; each column j draws from it.
-FY_DROPOUT_FN uint64_t fy_dropout_token(uint64_t key, int64_t u) {
+FY_RAND_FN uint64_t fy_dropout_token(uint64_t key, int64_t u) {
   return fy_mix64(key ^ ((uint64_t)u * 0xd1b54a32d192ed03ull));
 }
 
 // Element j of a token is dropped when its 32-bit draw is below the threshold (p * 2^32).
-FY_DROPOUT_FN uint32_t fy_dropout_draw(uint64_t token, int64_t j) {
+FY_RAND_FN uint32_t fy_dropout_draw(uint64_t token, int64_t j) {
   return fy_dropout_mix32(((uint32_t)token + (uint32_t)j * 0x9e3779b9u) ^ (uint32_t)(token >> 32));
 }
 
-FY_DROPOUT_FN uint32_t fy_dropout_threshold(float p) {
+FY_RAND_FN uint32_t fy_dropout_threshold(float p) {
   double t = (double)p * 4294967296.0;
   return p <= 0 ? 0u : t >= 4294967295.0 ? 0xffffffffu : (uint32_t)t;
 }
 
 // What a kept element is multiplied by: 1 / (1 - p), as torch.nn.functional.dropout.
-FY_DROPOUT_FN float fy_dropout_scale(float p) { return p < 1 ? 1.0f / (1.0f - p) : 0.0f; }
+FY_RAND_FN float fy_dropout_scale(float p) { return p < 1 ? 1.0f / (1.0f - p) : 0.0f; }
 
 #endif
