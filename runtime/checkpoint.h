@@ -27,6 +27,7 @@ struct fy_ckpt_meta {
   uint64_t seed;
   double loss_scale;
   int64_t loss_scale_good;  // steps since the loss scale last changed (dynamic scaling)
+  int64_t updates;     // AdamW updates applied: step less the skipped steps (overflow, no targets)
   char options[1024];  // the run's options as JSON (informative)
 };
 

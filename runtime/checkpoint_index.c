@@ -24,6 +24,7 @@ fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta) 
   json_object_object_add(o, "seed", json_object_new_uint64(meta->seed));
   json_object_object_add(o, "loss_scale", json_object_new_double(meta->loss_scale));
   json_object_object_add(o, "loss_scale_good_steps", json_object_new_int64(meta->loss_scale_good));
+  json_object_object_add(o, "adamw_updates", json_object_new_int64(meta->updates));
   json_object *opts = json_tokener_parse(meta->options[0] ? meta->options : "{}");
   json_object_object_add(o, "options", opts ? opts : json_object_new_object());
   char path[4200];
@@ -64,6 +65,15 @@ fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
     if (st == FY_OK && json_object_object_get_ex(o, "loss_scale_good_steps", &v)) {
       meta->loss_scale_good = json_object_get_int64(v);
       if (meta->loss_scale_good < 0) st = fy_error_set(FY_ERR_FORMAT, "%s: \"loss_scale_good_steps\" is negative", p);
+    }
+    // AdamW's bias correction counts the updates applied (checkpoints before this field: every step)
+    meta->updates = meta->step;
+    if (st == FY_OK && json_object_object_get_ex(o, "adamw_updates", &v)) {
+      if (!json_object_is_type(v, json_type_int) || json_object_get_int64(v) < 0 ||
+          json_object_get_int64(v) > meta->step)
+        st = fy_error_set(FY_ERR_FORMAT, "%s: \"adamw_updates\" must be a whole number from 0 to \"step\"", p);
+      else
+        meta->updates = json_object_get_int64(v);
     }
     if (st == FY_OK && json_object_object_get_ex(o, "options", &v))
       snprintf(meta->options, sizeof meta->options, "%s", json_object_to_json_string(v));

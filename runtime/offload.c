@@ -338,7 +338,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
                         "or bf16 (train this with --precision bf16)", fy_dtype_name(m->compute_dtype), x->world);
   size_t dev_before = x->dev->bytes_in_use;
   if (x->n_dev + (o->n_disk_chunks > 0 ? o->n_disk_chunks : 0) > nc)
-    return fy_error_set(FY_ERR_INVALID, "%d chunks on the device and %d on disk, of %d", x->n_dev, o->n_disk_chunks, nc);
+    return fy_error_set(FY_ERR_INVALID, "--device-chunks %d and --disk-chunks %d ask for more than the model's %d chunks "
+                        "(a chunk's gradients and AdamW state are on the device, in host memory or on disk)",
+                        x->n_dev, o->n_disk_chunks, nc);
   float ***dev_bufs[] = {&x->dev_w, &x->dev_g, &x->dev_acc, &x->dev_m, &x->dev_v, &x->dev_w16};
   for (int i = 0; i < 6; i++)
     if (!(*dev_bufs[i] = calloc((size_t)nc, sizeof **dev_bufs[i]))) return fy_error_set(FY_ERR_NOMEM, "out of memory");

@@ -127,6 +127,7 @@ struct run {
   bool eval;             // set up for evaluation (an offload engine of forward passes alone)
   fy_data *data;
   fy_data *val;          // validation batches (--val-data), NULL without
+  int64_t updates;       // AdamW updates applied: the next one's bias correction is for updates + 1
 };
 
 static size_t machine_ram(void) {
@@ -697,26 +698,58 @@ static void progress_bar(int64_t done, int64_t total, double eta_s) {
   fflush(stdout);
 }
 
+// The targets that count in this step: those of its grad_accum micro-batches on every
+// data-parallel rank (the data's loss masks and -100 targets do not). The loss is the mean over
+// them, so a step's loss and gradient are those of one batch of the whole step, however it is
+// split into micro-batches and ranks. The batches are read ahead and the stream put back.
+static fy_status step_targets(const struct fy_train_opts *o, struct run *r, int64_t *total) {
+  const int64_t pos = fy_data_position(r->data);
+  int64_t n = 0;
+  for (int64_t micro = 0; micro < o->grad_accum; micro++) {
+    struct fy_batch *batch;
+    FY_TRY(fy_data_next(r->data, &batch));
+    n += fy_engine_count_targets(batch);
+  }
+  FY_TRY(fy_data_seek(r->data, pos));
+  if (r->dp > 1) {  // exact counts (a float's 24 bits are not enough for every run): int64 as 2 words
+    int64_t all[r->dp];
+    FY_TRY(fy_comm_all_gather(r->dp_comm, &n, all, 2, FY_COMM_F32, NULL));
+    n = 0;
+    for (int k = 0; k < r->dp; k++) n += all[k];
+  }
+  *total = n;
+  return FY_OK;
+}
+
+// A step whose every target is ignored: its micro-batches are passed over (the data stream moves
+// on as if they were trained) and nothing is updated.
+static fy_status skip_step(const struct fy_train_opts *o, struct run *r) {
+  FY_TRY(fy_data_seek(r->data, fy_data_position(r->data) + o->grad_accum));
+  return FY_ERR_NOT_FOUND;
+}
+
 // One optimizer step on resident parameters: micro-batches, their sum, norm, AdamW.
 static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
                                double *loss_out, double *norm_out, bool *overflow, double *t_sum, double *t_opt) {
   struct fy_model *model = r->model;
-  double loss_acc = 0;
-  int64_t n_with_grads = 0;
+  int64_t total = 0, n_with_grads = 0;
+  FY_TRY(step_targets(o, r, &total));
+  if (total == 0) return skip_step(o, r);
+  double loss_sum = 0;
   for (int64_t micro = 0; micro < o->grad_accum; micro++) {
     struct fy_batch *batch;
     struct fy_loss loss;
     FY_TRY(fy_data_next(r->data, &batch));
     FY_TRY(fy_engine_forward(model, batch, &loss));
-    // The loss is the mean over the global micro-batch: every rank's tokens count.
-    // (Tensor-parallel ranks share their sequences: the sum runs over the data-parallel group.)
+    // Every data-parallel rank's part of the micro-batch (tensor-parallel ranks share their
+    // sequences: the sum runs over the data-parallel group), so that all see a non-finite loss.
     float tally[2] = {(float)loss.count, (float)loss.sum};
     if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, 2, FY_COMM_F32, NULL));
-    if (tally[0] == 0) continue;  // every target ignored: nothing to learn from this one
-    double count = tally[0], mean = (r->dp > 1 ? tally[1] : loss.sum) / count;
-    if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
-    loss_acc += mean / (double)o->grad_accum;
-    FY_TRY(fy_engine_backward(model, batch, (float)(scale / (count * o->grad_accum))));
+    if (tally[0] == 0) continue;  // every target of this micro-batch ignored: no gradient from it
+    const double sum = r->dp > 1 ? tally[1] : loss.sum;
+    if (!isfinite(sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", sum / tally[0]);
+    loss_sum += sum;
+    FY_TRY(fy_engine_backward(model, batch, (float)(scale / (double)total)));
     // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
     // the same order and with the same adds on every placement.
     if (o->grad_accum > 1) {
@@ -726,8 +759,7 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     }
     n_with_grads++;
   }
-  *loss_out = loss_acc;
-  if (n_with_grads == 0) return FY_ERR_NOT_FOUND;  // nothing to update
+  *loss_out = loss_sum / (double)total;
   if (o->grad_accum > 1) {  // the optimizer reads m->grads: the fp32 sum
     float *t = model->grads;
     model->grads = model->grad_acc;
@@ -741,7 +773,9 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);
   *overflow = !isfinite(*norm_out);
-  fy_status st = *overflow ? FY_OK : fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), step + 1, unscale, *norm_out);
+  fy_status st = FY_OK;
+  if (!*overflow && (st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out)) == FY_OK)
+    r->updates++;
   *t_opt += now_s() - t0;
   return st;
 }
@@ -749,39 +783,33 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
 // The same step with the model state offloaded: enqueue, then wait for the norm only.
 static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
                               double *loss_out, double *norm_out, bool *overflow) {
-  int64_t counts[o->grad_accum];
   double sums[o->grad_accum];
+  int64_t total = 0;
   int n = 0;
+  FY_TRY(step_targets(o, r, &total));
+  if (total == 0) return skip_step(o, r);
   for (int64_t micro = 0; micro < o->grad_accum; micro++) {
     struct fy_batch *batch;
     FY_TRY(fy_data_next(r->data, &batch));
-    int64_t count = fy_engine_count_targets(batch);
-    if (r->dp > 1) {  // the loss is the mean over the global micro-batch: every rank's tokens count
-      float c = (float)count;
-      FY_TRY(fy_comm_all_reduce(r->dp_comm, &c, 1, FY_COMM_F32, NULL));
-      count = (int64_t)c;
-    }
-    if (count == 0) continue;
-    counts[n] = count;
-    FY_TRY(fy_offload_micro(r->x, batch, n, (float)(scale / ((double)count * o->grad_accum))));
+    float count = (float)fy_engine_count_targets(batch);
+    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, &count, 1, FY_COMM_F32, NULL));
+    if (count == 0) continue;  // every target of this micro-batch ignored: no gradient from it
+    FY_TRY(fy_offload_micro(r->x, batch, n, (float)(scale / (double)total)));
     n++;
   }
-  if (n == 0) return FY_ERR_NOT_FOUND;
-  FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), step + 1, (float)(1.0 / scale), norm_out, sums,
+  FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), r->updates + 1, (float)(1.0 / scale), norm_out, sums,
                            overflow));
+  if (!*overflow) r->updates++;
   if (r->dp > 1) {
     float tally[o->grad_accum];
     for (int i = 0; i < n; i++) tally[i] = (float)sums[i];
     FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, (size_t)n, FY_COMM_F32, NULL));
     for (int i = 0; i < n; i++) sums[i] = tally[i];
   }
-  double loss_acc = 0;
-  for (int i = 0; i < n; i++) {
-    double mean = sums[i] / (double)counts[i];
-    if (!isfinite(mean)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", mean);
-    loss_acc += mean / (double)o->grad_accum;
-  }
-  *loss_out = loss_acc;
+  double loss_sum = 0;
+  for (int i = 0; i < n; i++) loss_sum += sums[i];
+  *loss_out = loss_sum / (double)total;
+  if (!isfinite(*loss_out)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", *loss_out);
   return FY_OK;
 }
 
@@ -853,7 +881,8 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
                             int64_t steps_done, double scale, int64_t scale_good) {
   // Sequences of the whole stream (all ranks), so that a run resumes under another rank count.
   *meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
-                                .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good};
+                                .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good,
+                                .updates = r->updates};
   options_json(o, r->cfg.train_dropout, meta->options, sizeof meta->options);
 }
 
@@ -1029,6 +1058,7 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   *first_step = meta.step;
   *scale = o->loss_scale > 0 ? meta.loss_scale : 1.0;
   *scale_good = meta.loss_scale_good;
+  r->updates = meta.updates;
   return FY_OK;
 }
 
@@ -1229,7 +1259,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (first_step > 0 && !o->quiet) printf("ferry: resuming from %s at step %lld\n", o->resume, (long long)first_step);
   double t_start = now_s(), t_sum = 0, t_opt = 0, val_s = 0;
   const int64_t val_every = o->val_every > 0 ? o->val_every : o->steps / 10 > 0 ? o->steps / 10 : 1;
-  res->val_loss = NAN;
+  res->val_loss = res->first_loss = res->last_loss = NAN;
+  bool have_loss = false;  // first_loss is set (steps whose every target is ignored have none)
   for (int64_t step = first_step; step < o->steps; step++) {
     double t0 = now_s(), loss = 0, norm = 0;
     bool overflow = false;
@@ -1250,10 +1281,14 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       scale = sc.scale;
       scale_good = sc.good;
     }
-    if (st == FY_ERR_NOT_FOUND) {
+    // A step whose every target is ignored (loss masks) updates nothing, and is still a step:
+    // logged, validated, checkpointed and counted like the others.
+    const bool ignored = st == FY_ERR_NOT_FOUND;
+    if (ignored) {
       fy_log_warn("step %lld: every target of the batch is ignored; no update", (long long)step + 1);
       st = FY_OK;
-      continue;
+      loss = NAN;
+      res->ignored_steps++;
     }
     if (st == FY_ERR_NUMERIC && !r.x) name_nonfinite(&r);
     if (st != FY_OK) {
@@ -1264,8 +1299,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     double dt = now_s() - t0;
     step_times[step] = dt;
     double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9, rss = peak_rss_bytes();
-    if (res->steps == first_step) res->first_loss = (float)loss;
-    res->last_loss = (float)loss;
+    if (!ignored) {
+      if (!have_loss) res->first_loss = (float)loss;
+      res->last_loss = (float)loss;
+      have_loss = true;
+    }
     res->steps = step + 1;
     // Validation (every rank takes part: its rows, and the collectives of its forward passes).
     bool validated = false;
@@ -1280,13 +1318,17 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       val_s = now_s() - tv;
     }
     if (log) {
-      fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
+      char loss_json[32] = "null";  // JSON has no NaN
+      if (!ignored) snprintf(loss_json, sizeof loss_json, "%.6f", loss);
+      fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
               "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
               "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
-              (long long)step + 1, loss, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
+              (long long)step + 1, loss_json, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
               r.host ? fy_host_peak(r.host) / 1048576.0 : 0.0,
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
+      if (ignored || (overflow && o->loss_scale > 0))
+        fprintf(log, ",\"skipped\":\"%s\"", ignored ? "every target ignored" : "gradient overflow");
       if (validated) fprintf(log, ",\"val_loss\":%.6f,\"val_s\":%.4f", res->val_loss, val_s);
       fprintf(log, "}\n");
     }
@@ -1295,9 +1337,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       // Offloaded, the peak that matters is the device's (under --device-mem); else the process's.
       char peak[32];
       fy_format_bytes(r.x ? (double)r.dev->bytes_peak : rss, peak, sizeof peak);
-      printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
+      char loss_txt[32] = "     -";  // every target ignored
+      if (!ignored) snprintf(loss_txt, sizeof loss_txt, "%.4f", loss);
+      printf("step %5lld/%lld | loss %s | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
              "%s peak %9s | %.0f ms\n",
-             (long long)step + 1, (long long)o->steps, loss, lr, norm, tok_s, gflops, r.x ? "device" : "RSS",
+             (long long)step + 1, (long long)o->steps, loss_txt, lr, norm, tok_s, gflops, r.x ? "device" : "RSS",
              peak, dt * 1e3);
       if (validated)
         printf("validation after step %lld | loss %.4f | perplexity %.4g | %lld batches of %lld x %lld | %.0f ms\n",

@@ -214,9 +214,21 @@ int main(int argc, char **argv) {
   fputs("{\"format\": \"ferry-checkpoint\", \"step\": \"five\", \"sequences\": 10}", f);
   fclose(f);
   CHECK_ERR(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta), FY_ERR_FORMAT);
+  // AdamW's update count: at most the steps; an index from before the field counts every step.
+  f = fopen(p, "w");
+  fputs("{\"format\": \"ferry-checkpoint\", \"step\": 5, \"sequences\": 10, \"adamw_updates\": 6}", f);
+  fclose(f);
+  CHECK_ERR(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta), FY_ERR_FORMAT);
+  f = fopen(p, "w");
+  fputs("{\"format\": \"ferry-checkpoint\", \"step\": 5, \"sequences\": 10, \"adamw_updates\": 3}", f);
+  fclose(f);
+  CHECK_OK(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta));
+  CHECK(meta.step == 5 && meta.updates == 3);
   f = fopen(p, "w");
   fputs("{\"format\": \"ferry-checkpoint\", \"step\": 5, \"sequences\": 10}", f);
   fclose(f);
+  CHECK_OK(fy_ckpt_load(bad, m2, m2->m, m2->v, &meta));
+  CHECK(meta.updates == 5);
   snprintf(p, sizeof p, "%s/optimizer.safetensors", bad);
   f = fopen(p, "r+");
   fseek(f, 0, SEEK_END);

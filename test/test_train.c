@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -126,6 +127,83 @@ int main(void) {
     CHECKF(e_none == e_do, "eval with a dropout option: %.9g, without %.9g", e_do, e_none);
     d.dropout = 1.0f;
     CHECK_ERR(fy_train(&d, &r_do), FY_ERR_INVALID);
+  }
+
+  // Loss masks: a step's loss is the mean over the targets its whole batch counts, however the
+  // batch is split into micro-batches (micro-batches of unequal counts: 2 x 2 accumulated equals
+  // 4 at once). A step whose every target is ignored updates nothing and is still a step: logged
+  // (loss null), counted, checkpointed, and AdamW's bias correction counts only the updates, so
+  // that run equals one that starts at its next batch (bit for bit), straight or resumed from the
+  // checkpoint written at the ignored step.
+  {
+    const int64_t n = 20000, bt = 4 * 32;  // tokens; a batch's targets (4 x 32)
+    char mshard[600], mshard2[600], mlog[600], mck[600];
+    snprintf(mshard, sizeof mshard, "%s/masked/train.bin", tmpdir);
+    snprintf(mshard2, sizeof mshard2, "%s/masked/later.bin", tmpdir);
+    snprintf(mlog, sizeof mlog, "%s/masked/log.jsonl", tmpdir);
+    snprintf(mck, sizeof mck, "%s/masked/ck", tmpdir);
+    snprintf(cmd, sizeof cmd, "%s/masked", tmpdir);
+    CHECK(mkdir(cmd, 0755) == 0);
+    uint16_t *tok = malloc((size_t)n * sizeof *tok);
+    uint8_t *mask = malloc((size_t)n);
+    tok[0] = 3, tok[1] = 5;
+    for (int64_t i = 2; i < n; i++) tok[i] = (uint16_t)((tok[i - 1] + 2 * tok[i - 2] + (i % 7 == 0)) % 97);
+    // Target k (token k, k >= 1) counts where mask[k]: none in the first batch (tokens 1 .. 128),
+    // then sequences whose counts differ (1 in 5 of the even windows' targets, every odd one's).
+    for (int64_t k = 0; k < n; k++) mask[k] = k <= bt ? 0 : ((k - 1) / 32) % 2 ? 1 : k % 5 == 0;
+    CHECK_OK(fy_shard_write(mshard, tok, n));
+    CHECK_OK(fy_shard_write_mask(mshard, mask, n));
+    CHECK_OK(fy_shard_write(mshard2, tok + bt, n - bt));  // the same stream from the second batch on
+    CHECK_OK(fy_shard_write_mask(mshard2, mask + bt, n - bt));
+    free(tok);
+    free(mask);
+
+    struct fy_train_opts m = tiny_opts(mshard2);
+    m.steps = 4;
+    m.warmup = 0;
+    m.schedule = "constant";
+    struct fy_train_result whole, split, later, skipped, resumed;
+    CHECK_OK(fy_train(&m, &whole));
+    m.batch = 2;
+    m.grad_accum = 2;
+    CHECK_OK(fy_train(&m, &split));
+    CHECKF(fabsf(split.first_loss - whole.first_loss) <= 1e-6f * whole.first_loss &&
+           fabsf(split.last_loss - whole.last_loss) <= 1e-5f * whole.last_loss,
+           "masked, 2 x 2 micro-batches: loss %.9g -> %.9g; 4 at once %.9g -> %.9g", split.first_loss, split.last_loss,
+           whole.first_loss, whole.last_loss);
+    m.batch = 4;
+    m.grad_accum = 1;
+    m.steps = 3;
+    CHECK_OK(fy_train(&m, &later));
+    m.data = mshard;  // the same, after a first batch with nothing to learn
+    m.steps = 4;
+    m.log_path = mlog;
+    CHECK_OK(fy_train(&m, &skipped));
+    CHECKF(skipped.steps == 4 && skipped.ignored_steps == 1 && skipped.params_hash == later.params_hash &&
+           skipped.first_loss == later.first_loss && skipped.last_loss == later.last_loss,
+           "a step without targets: %lld steps, %lld ignored, loss %.9g -> %.9g (want %.9g -> %.9g), same weights %d",
+           (long long)skipped.steps, (long long)skipped.ignored_steps, skipped.first_loss, skipped.last_loss,
+           later.first_loss, later.last_loss, skipped.params_hash == later.params_hash);
+    FILE *f = fopen(mlog, "r");
+    char line[2048];
+    int lines = 0, first_null = 0;
+    while (f && fgets(line, sizeof line, f)) {
+      if (lines == 0) first_null = strstr(line, "\"loss\":null") && strstr(line, "\"skipped\":\"every target ignored\"");
+      lines++;
+    }
+    if (f) fclose(f);
+    CHECKF(lines == 4 && first_null, "the log of a run with an ignored step: %d lines, first %s", lines,
+           first_null ? "null" : "not null");
+    m.log_path = NULL;
+    m.save = mck;
+    m.save_every = 1;
+    m.stop_after = 1;  // a checkpoint after the ignored step alone
+    CHECK_OK(fy_train(&m, &resumed));
+    CHECK(resumed.steps == 1 && resumed.ignored_steps == 1 && resumed.checkpoints == 1);
+    m.stop_after = 0;
+    m.resume = mck;
+    CHECK_OK(fy_train(&m, &resumed));
+    CHECKF(resumed.params_hash == later.params_hash, "resumed after the ignored step: other weights");
   }
 
   // fy_sample on the trained model: reproducible from the seed, another seed draws another

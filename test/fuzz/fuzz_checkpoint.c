@@ -41,7 +41,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     unlink(p);
   } else if (fy_ckpt_index_read(fz_root, &meta) == FY_OK) {
-    if (meta.step < 0 || meta.sequences < 0) abort();
+    if (meta.step < 0 || meta.sequences < 0 || meta.updates < 0 || meta.updates > meta.step) abort();
   }
   return 0;
 }
