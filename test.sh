@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds ferry, and runs every test: the unit, integration and reference
 # tests (meson test), the same again under AddressSanitizer and UndefinedBehaviorSanitizer, and the
-# transformers round trip of a saved checkpoint, the OPT variants that the fixtures do not cover and
-# tools/convert.py (when torch and transformers are installed), and, with the sanitizers, the fuzz
-# targets for 10 s each (skipped without clang's libFuzzer).
+# transformers round trip of a saved checkpoint, the OPT variants that the fixtures do not cover,
+# random configurations trained along random paths, and tools/convert.py (when torch and
+# transformers are installed), and, with the sanitizers, the fuzz targets for 10 s each (skipped
+# without clang's libFuzzer).
 # Ends with one line: "N passed, N failed[, N skipped]".
 #
 # usage: ./test.sh [--no-sanitize] [--sanitize-only]
@@ -57,12 +58,19 @@ if [ "$plain" = 1 ]; then
       # trained by ferry and by transformers side by side.
       echo "== OPT variants: ferry and transformers train them alike"
       if python3 test/reference/check_variants.py build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+      # Random configurations, each trained along a random path (ranks, accumulation, offload, resume).
+      echo "== random OPT configurations along random paths: ferry and transformers train them alike"
+      if python3 test/reference/check_variants.py build/ferry --random 40 --seed 1 >build/random_variants.log 2>&1; then
+        passed=$((passed + 1)); tail -n 1 build/random_variants.log
+      else
+        failed=$((failed + 1)); grep -v '^{"variant"' build/random_variants.log | head -40
+      fi
       # A model saved as PyTorch pickles, converted by tools/convert.py, gives ferry the same loss.
       echo "== tools/convert.py: PyTorch pickles to safetensors"
       if test/reference/check_convert.sh build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
     else
-      echo "== skipped: the transformers round trip, the OPT variants and tools/convert.py (pip install torch transformers safetensors)"
-      skipped=$((skipped + 3))
+      echo "== skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
+      skipped=$((skipped + 4))
     fi
   else
     failed=$((failed + 1))

@@ -20,7 +20,12 @@ transformers in train mode, its dropout handed ferry's masks (ops/dropout.h, rep
 numpy): the same checks then hold, which pins where ferry drops (the residual branches after
 out_proj and fc2), how it scales (1 / (1 - p)) and that backward uses the forward's masks.
 
-usage: test/reference/check_variants.py path/to/ferry [--keep DIR]
+With --random N, N configurations drawn at random instead (sizes, flags, activation, dropout,
+weights' dtype, batch and sequence, loss masks), each trained by ferry along a random path that
+must not change the numbers (threads, accumulation, 2 ranks data- or tensor-parallel, the sim
+device with few blocks, prefetch, device and disk chunks, recomputation, a resume part-way).
+
+usage: test/reference/check_variants.py path/to/ferry [--only NAME] [--random N [--seed S] [--case I]] [--keep DIR]
 Exit status 0 when every variant passes, 1 otherwise. Needs torch, transformers, safetensors.
 """
 
@@ -62,6 +67,10 @@ VARIANTS = {
 # The loss_mask variant trains on the shard with a loss mask beside it (runtime/data.h; as
 # tools/tokenize.py --prompt writes): transformers gets labels -100 where the mask is 0.
 DROPOUT_SEED = 4321
+# AdamW's eps in the random configurations. Their small batches leave gradient elements near zero,
+# whose sign is rounding noise; with eps 1e-8 Adam turns each into a full step of lr, different in
+# every implementation. 1e-6 keeps such steps small and leaves every real one as it was.
+RANDOM_EPS = 1e-6
 
 # ---- ferry's dropout masks (ops/dropout.h), for transformers ----
 
@@ -107,8 +116,8 @@ class FerryDropout:
     sequence j is ferry's token u0 + jT + t; the last position, whose prediction no loss reads,
     keeps everything."""
 
-    def __init__(self, torch, seed):
-        self.torch, self.seed, self.orig = torch, seed, torch.nn.functional.dropout
+    def __init__(self, torch, seed, T):
+        self.torch, self.seed, self.T, self.orig = torch, seed, T, torch.nn.functional.dropout
         self.site, self.u0 = 0, 0
 
     def start(self, u0):
@@ -118,19 +127,19 @@ class FerryDropout:
         import numpy as np
         if not training or p == 0:
             return self.orig(x, p, training, inplace)
-        C = x.shape[-1]
+        C, T = x.shape[-1], self.T
         n_seq = x.numel() // C // (T + 1)
         keep = np.concatenate([np.concatenate([ferry_keep(self.seed, self.site, self.u0 + j * T, T, C, p),
                                                np.ones((1, C), dtype=bool)]) for j in range(n_seq)])
         self.site += 1
         scale = np.float32(1) / (np.float32(1) - np.float32(p))
-        m = self.torch.from_numpy(keep.astype(np.float32) * scale).reshape(x.shape)
+        m = self.torch.from_numpy(keep.astype(np.float32) * scale).reshape(x.shape).to(x.dtype)
         return x * m
 
 
-def build(torch, name, changes, dtype, shard, outdir):
+def build(torch, name, changes, dtype, shard, outdir, seed=None):
     from transformers import OPTConfig, OPTForCausalLM
-    torch.manual_seed(sum(map(ord, name)))
+    torch.manual_seed(sum(map(ord, name)) if seed is None else seed)
     cfg = OPTConfig(**{**BASE, **changes})
     model = OPTForCausalLM(cfg)
     with torch.no_grad():  # non-trivial values everywhere (zero biases and unit norms hide bugs)
@@ -141,20 +150,20 @@ def build(torch, name, changes, dtype, shard, outdir):
     model.save_pretrained(outdir, max_shard_size=shard or "5GB")
 
 
-def write_shard(path, n=4000):
+def write_shard(path, n=4000, vocab=VOCAB, low=3, seed=7):
     import random
-    rnd = random.Random(7)
-    toks = [rnd.randrange(3, VOCAB) for _ in range(n)]
+    rnd = random.Random(seed)
+    toks = [rnd.randrange(low, vocab) for _ in range(n)]
     with open(path, "wb") as f:
         f.write(struct.pack("<256i", 20240520, 1, len(toks), *([0] * 253)))
         f.write(struct.pack("<%dH" % len(toks), *toks))
     return toks
 
 
-def write_mask(shard_path, n):
+def write_mask(shard_path, n, seed=11):
     """A loss mask beside the shard (X.bin -> X.mask): runs of prompt (0) and response (1) tokens."""
     import random
-    rnd = random.Random(11)
+    rnd = random.Random(seed)
     mask, learn = [], 0
     while len(mask) < n:
         mask += [learn] * rnd.randrange(1, 9)
@@ -171,21 +180,22 @@ def load_initial(torch, path):
     return OPTForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
-def hf_train(torch, path, toks, dropout=False, mask=None):
+def hf_train(torch, path, toks, B=B, T=T, dropout=False, mask=None, dtype="float32", eps=EPS):
     """Loss of each step and the final weights: ferry's loader takes window i = tokens [iT, iT + T]
     (T + 1 tokens) and row j of batch k is window kB + j; transformers' labels = input_ids shift
     by one inside the model, so the T + 1 tokens of a window give the same T predictions. With
-    dropout, transformers drops with ferry's masks (row j of batch k: tokens (kB + j)T ...)."""
+    dropout, transformers drops with ferry's masks (row j of batch k: tokens (kB + j)T ...).
+    dtype float64 gives the exact numbers that fp32 ferry and fp32 transformers both round."""
     from transformers import OPTForCausalLM
-    model = OPTForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = OPTForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
     model.train()
-    drop = FerryDropout(torch, DROPOUT_SEED) if dropout else None
+    drop = FerryDropout(torch, DROPOUT_SEED, T) if dropout else None
     if drop:
         torch.nn.functional.dropout = drop
     named = list(model.named_parameters())
     groups = [dict(params=[p for _, p in named if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
               dict(params=[p for _, p in named if p.ndim < 2], weight_decay=0.0)]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(BETA1, BETA2), eps=EPS)
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(BETA1, BETA2), eps=eps)
     losses = []
     for k in range(STEPS):
         rows = [toks[(k * B + j) * T:(k * B + j) * T + T + 1] for j in range(B)]
@@ -196,6 +206,9 @@ def hf_train(torch, path, toks, dropout=False, mask=None):
                 for i in range(1, T + 1):
                     if not mask[(k * B + j) * T + i]:
                         labels[j, i] = -100
+        if mask is not None and bool((labels[:, 1:] == -100).all()):
+            losses.append(None)  # ferry updates nothing in a step without a target; nor does this
+            continue
         opt.zero_grad(set_to_none=True)
         if drop:
             drop.start(k * B * T)
@@ -211,24 +224,42 @@ def hf_train(torch, path, toks, dropout=False, mask=None):
     return losses, model
 
 
-def ferry_train(ferry, src, data, save, log, extra=()):
-    cmd = [ferry, "train", "--init", src, "--data", data, "--batch", str(B), "--seq", str(T), *extra,
-           "--steps", str(STEPS), "--lr", repr(LR), "--min-lr", repr(LR), "--warmup", "0",
-           "--weight-decay", repr(WEIGHT_DECAY), "--beta1", repr(BETA1), "--beta2", repr(BETA2),
-           "--eps", repr(EPS), "--clip", repr(CLIP), "--no-shuffle", "--threads", "2", "--quiet",
-           "--log", log, "--save", save]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError("ferry train failed: " + (r.stderr or r.stdout).strip())
-    return [json.loads(line)["loss"] for line in open(log) if line.strip()]
+def ferry_runs(ferry, src, data, save, log, runs, B=B, T=T, eps=EPS):
+    """ferry trains the model at src STEPS steps, in runs: each but the last stops after
+    run["stop_after"] steps with a checkpoint in save, from which the next resumes (each its own
+    way: extra, launch). Returns the step losses (None: a step without a target) and the
+    directory of the saved weights."""
+    losses = []
+    for i, run in enumerate(runs):
+        cmd = [*run["launch"], ferry, "train", "--init", src, "--data", data, "--seq", str(T), *run["extra"],
+               "--steps", str(STEPS), "--lr", repr(LR), "--min-lr", repr(LR), "--warmup", "0",
+               "--weight-decay", repr(WEIGHT_DECAY), "--beta1", repr(BETA1), "--beta2", repr(BETA2),
+               "--eps", repr(eps), "--clip", repr(CLIP), "--no-shuffle", "--quiet", "--log", f"{log}.{i}",
+               "--save", save]
+        if "--batch" not in run["extra"]:
+            cmd += ["--batch", str(B)]
+        if "--threads" not in run["extra"]:
+            cmd += ["--threads", "2"]
+        if len(runs) > 1:
+            cmd += ["--save-every", str(STEPS)]
+        if i > 0:
+            cmd += ["--resume", save]
+        if "stop_after" in run:
+            cmd += ["--stop-after", str(run["stop_after"])]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"ferry train failed ({' '.join(cmd)}): " + (r.stderr or r.stdout).strip())
+        losses += [json.loads(line)["loss"] for line in open(f"{log}.{i}") if line.strip()]
+    weights = save
+    if len(runs) > 1:  # a checkpoint root: its latest step
+        weights = os.path.join(save, open(os.path.join(save, "latest")).read().strip())
+    return losses, weights
 
 
 def check_variant(torch, ferry, tmp, name, spec, toks, data):
-    from safetensors.torch import load_file
     changes, dtype, shard = spec
-    src, save, log = (os.path.join(tmp, name + s) for s in ("", ".saved", ".log"))
+    src = os.path.join(tmp, name)
     build(torch, name, changes, dtype, shard, src)
-    problems = []
     dropout = changes.get("dropout", 0) > 0
     extra = ("--dropout", "config", "--seed", str(DROPOUT_SEED)) if dropout else ()
     mask = None
@@ -237,45 +268,198 @@ def check_variant(torch, ferry, tmp, name, spec, toks, data):
         data = os.path.join(tmp, "masked", "tokens.bin")
         write_shard(data)
         mask = write_mask(data, len(toks))
-    ferry_losses = ferry_train(ferry, src, data, save, log, extra)
-    hf_losses, model = hf_train(torch, src, toks, dropout, mask)
+    return compare(torch, ferry, tmp, name, src, data, toks, dropout=dropout, mask=mask, extra=extra)
+
+
+def loss_error(losses, ref):
+    """The largest relative difference of two runs' step losses (steps without a loss skipped)."""
+    return max([abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref) if a is not None and b is not None]
+               or [0.0])
+
+
+def weights_error(saved, ref, initial):
+    """The largest normalised difference of two sets of weights (the worst tensor's name with it),
+    and the tensors that break Adam's bound on k_proj's bias (whose analytic gradient is zero: a
+    shift of every key moves no softmax, so Adam moves it by normalised rounding noise, different
+    in every implementation: at most lr a step)."""
+    err, worst, bad = 0.0, None, []
+    for n in set(ref) & set(saved):
+        a, b = saved[n].double(), ref[n].double()
+        if a.shape != b.shape:
+            continue
+        if n.endswith("self_attn.k_proj.bias"):
+            bound = 1.01 * LR * STEPS
+            if ((a - initial[n]).abs().max() > bound) or ((b - initial[n]).abs().max() > bound):
+                bad.append(n)
+            continue
+        e = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        if e > err:
+            err, worst = e, n
+    return err, worst, bad
+
+
+def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, mask=None, extra=(), launch=(),
+            report=None, runs=None, eps=EPS):
+    """ferry (the command line extra, under launch) and transformers train the model at src on
+    the shard data (tokens toks, loss mask mask) for STEPS steps of B x T tokens: the losses and
+    the saved weights must agree (1e-5 relative, 1e-4 normalised). Random configurations include
+    ill-conditioned ones (a hidden size of 2 leaves layer norm almost no gradient, which Adam
+    scales up to full steps of rounding noise), where two fp32 runs may part further: then both
+    are measured against transformers in float64 and ferry passes if it is within 4 times fp32
+    transformers' own distance from it. Prints one JSON line (with report's fields); True when
+    they agree."""
+    from safetensors.torch import load_file
+    save, log = (os.path.join(tmp, name + s) for s in (".saved", ".log"))
+    problems = []
+    try:
+        ferry_losses, weights = ferry_runs(ferry, src, data, save, log,
+                                           runs or [dict(extra=list(extra), launch=list(launch))], B, T, eps)
+    except RuntimeError as e:
+        print(json.dumps({"variant": name, **(report or {}), "ok": False}))
+        print(f"  {name}: {e}")
+        return False
+    hf_losses, model = hf_train(torch, src, toks, B, T, dropout, mask, eps=eps)
     if len(ferry_losses) != STEPS:
         problems.append(f"ferry logged {len(ferry_losses)} steps, not {STEPS}")
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(ferry_losses, hf_losses))
-    if loss_err > 1e-5:
-        problems.append(f"losses differ by {loss_err:.2e} relative: ferry {ferry_losses}, transformers {hf_losses}")
+    if [a is None for a in ferry_losses] != [b is None for b in hf_losses]:
+        problems.append(f"steps without a loss: ferry {ferry_losses}, transformers {hf_losses}")
     saved = {}
-    for f in sorted(os.listdir(save)):
-        if f.endswith(".safetensors"):
-            saved.update(load_file(os.path.join(save, f)))
+    for f in sorted(os.listdir(weights)):
+        if f.endswith(".safetensors") and f != "optimizer.safetensors":
+            saved.update(load_file(os.path.join(weights, f)))
     want = {n: p.detach() for n, p in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         want.pop("lm_head.weight", None)  # tied: a checkpoint holds only the embedding
-    missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
-    if missing or extra:
-        problems.append(f"saved tensor names: missing {missing}, unexpected {extra}")
-    w_err = 0.0
-    initial = {n: p.detach().float() for n, p in load_initial(torch, src).items()}
+    missing, unexpected = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    if missing or unexpected:
+        problems.append(f"saved tensor names: missing {missing}, unexpected {unexpected}")
     for n in set(want) & set(saved):
-        a, b = saved[n].float(), want[n].float()
-        if a.shape != b.shape:
-            problems.append(f"{n}: saved shape {tuple(a.shape)}, transformers {tuple(b.shape)}")
-            continue
-        if n.endswith("self_attn.k_proj.bias"):
-            # Its analytic gradient is zero (a shift of every key moves no softmax), so Adam moves
-            # it by normalised rounding noise, different in every implementation: at most lr a step.
-            bound = 1.01 * LR * STEPS
-            if ((a - initial[n]).abs().max() > bound) or ((b - initial[n]).abs().max() > bound):
-                problems.append(f"{n} moved more than Adam's bound of {bound}")
-            continue
-        w_err = max(w_err, ((a - b).norm() / b.norm().clamp_min(1e-30)).item())
-    if w_err > 1e-4:
-        problems.append(f"weights after {STEPS} steps differ by {w_err:.2e} (normalised)")
-    print(json.dumps({"variant": name, "loss_rel_err": float(f"{loss_err:.3g}"),
-                      "weights_rel_err": float(f"{w_err:.3g}"), "ok": not problems}))
+        if saved[n].shape != want[n].shape:
+            problems.append(f"{n}: saved shape {tuple(saved[n].shape)}, transformers {tuple(want[n].shape)}")
+    initial = {n: p.detach().double() for n, p in load_initial(torch, src).items()}
+    loss_err = loss_error(ferry_losses, hf_losses)
+    w_err, w_worst, k_bad = weights_error(saved, want, initial)
+    fields = {"loss_rel_err": float(f"{loss_err:.3g}"), "weights_rel_err": float(f"{w_err:.3g}")}
+    if loss_err > 1e-5 or w_err > 1e-4:
+        ref_losses, ref_model = hf_train(torch, src, toks, B, T, dropout, mask, dtype="float64", eps=eps)
+        ref = {n: p.detach() for n, p in ref_model.state_dict().items()}
+        ferry64, fp32_64 = loss_error(ferry_losses, ref_losses), loss_error(hf_losses, ref_losses)
+        wf64, wf_worst, _ = weights_error(saved, ref, initial)
+        wt64, _, _ = weights_error(want, ref, initial)
+        fields.update(float64={"ferry_loss": float(f"{ferry64:.3g}"), "transformers_loss": float(f"{fp32_64:.3g}"),
+                               "ferry_weights": float(f"{wf64:.3g}"), "transformers_weights": float(f"{wt64:.3g}")})
+        if ferry64 > max(1e-5, 4 * fp32_64):
+            problems.append(f"losses differ by {loss_err:.2e} relative, from float64's by {ferry64:.2e} (fp32 "
+                            f"transformers' by {fp32_64:.2e}): ferry {ferry_losses}, transformers {hf_losses}")
+        if wf64 > max(1e-4, 4 * wt64):
+            problems.append(f"weights after {STEPS} steps differ by {w_err:.2e} (normalised), from float64's by "
+                            f"{wf64:.2e} (worst {wf_worst}; fp32 transformers' by {wt64:.2e})")
+    if k_bad:
+        problems.append(f"{k_bad} moved more than Adam's bound of {1.01 * LR * STEPS}")
+    print(json.dumps({"variant": name, **(report or {}), **fields, "ok": not problems}))
     for p in problems:
         print(f"  {name}: {p}")
     return not problems
+
+
+# ---- random configurations, trained along random paths ----
+
+def random_case(rnd, i, tmp, have_mpirun):
+    """Case i of a random sweep: an OPT configuration drawn at random (odd sizes, every flag,
+    either activation, dropout, weights in any dtype), random data with the pad id among its tokens
+    and perhaps a loss mask, and a random way for ferry to train it that must not change the
+    numbers: threads, micro-batches accumulated, recomputation, the sim device with its cache
+    blocks, prefetch, device and disk chunks, or 2 ranks (data-parallel, chunk-sharded on sim,
+    or tensor-parallel). Returns the keyword arguments of compare and the model to build."""
+    NH, HS = rnd.randint(1, 4), rnd.choice([2, 3, 4, 5, 8])
+    if NH * HS == 2:  # a layer norm over 2 values gives +-1 whatever its input: a gradient of rounding noise
+        HS = 3
+    hidden = NH * HS
+    B, T = rnd.randint(1, 4), rnd.randint(1, 16)
+    changes = dict(vocab_size=rnd.randint(8, 160), hidden_size=hidden, num_attention_heads=NH,
+                   ffn_dim=rnd.randint(2, 48), num_hidden_layers=rnd.randint(1, 3),
+                   max_position_embeddings=T + 1 + rnd.randint(0, 8),  # transformers reads T + 1 tokens
+                   word_embed_proj_dim=hidden if rnd.random() < 0.6 else rnd.randint(2, 20),
+                   do_layer_norm_before=rnd.random() < 0.6, enable_bias=rnd.random() < 0.8,
+                   layer_norm_elementwise_affine=rnd.random() < 0.8, tie_word_embeddings=rnd.random() < 0.6,
+                   _remove_final_layer_norm=rnd.random() < 0.2, activation_function=rnd.choice(["relu", "gelu"]),
+                   dropout=0.0 if rnd.random() < 0.6 else round(rnd.uniform(0.05, 0.5), 2))
+    dtype = rnd.choice(["float32", "float32", "bfloat16", "float16"])
+    shard = rnd.choice([None, None, "8KB"])
+    name = f"random{i}"
+    d = os.path.join(tmp, name + ".data")
+    os.makedirs(d, exist_ok=True)
+    data = os.path.join(d, "tokens.bin")
+    toks = write_shard(data, n=(STEPS * B + 2) * T + 1 + rnd.randint(0, 50), vocab=changes["vocab_size"], low=0,
+                       seed=rnd.randrange(1 << 30))
+    mask = write_mask(data, len(toks), seed=rnd.randrange(1 << 30)) if rnd.random() < 0.3 else None
+
+    # How ferry trains it: one way, or one way up to a checkpoint and perhaps another from there.
+    run = draw_path(rnd, tmp, name, B, NH, changes["ffn_dim"], have_mpirun)
+    runs = [run]
+    if rnd.random() < 0.25:
+        runs = [dict(run, stop_after=rnd.randint(1, STEPS - 1)),
+                draw_path(rnd, tmp, name + ".resumed", B, NH, changes["ffn_dim"], have_mpirun)]
+    for r in runs:
+        if changes["dropout"] > 0:
+            r["extra"] += ["--dropout", "config", "--seed", str(DROPOUT_SEED)]
+    report = dict(config={k: v for k, v in changes.items() if k != "max_position_embeddings"}, dtype=dtype,
+                  B=B, T=T, mask=mask is not None,
+                  runs=[" ".join(r["launch"] + ["ferry", "train"] + r["extra"]) +
+                        (f" --stop-after {r['stop_after']}" if "stop_after" in r else "") for r in runs])
+    return dict(name=name, changes=changes, dtype=dtype, shard=shard, data=data, toks=toks, B=B, T=T,
+                dropout=changes["dropout"] > 0, mask=mask, runs=runs, report=report)
+
+
+def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun):
+    """A random way to train B sequences a step that must give the numbers of any other: threads,
+    micro-batches accumulated, 2 ranks (data-parallel, chunk-sharded on sim, or tensor-parallel),
+    recomputation, the cpu or the sim device (its cache blocks, prefetch, chunks kept on the
+    device, AdamW state on disk)."""
+    extra, launch, micro = ["--threads", str(rnd.choice([1, 2]))], [], B
+    if B % 2 == 0 and rnd.random() < 0.3:
+        micro //= 2
+        extra += ["--grad-accum", "2"]
+    if have_mpirun and rnd.random() < 0.3:
+        tp = NH % 2 == 0 and ffn % 2 == 0 and rnd.random() < 0.5
+        if tp or micro % 2 == 0:
+            launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+            extra[1] = "1"
+            if tp:
+                extra += ["--tp", "2"]
+            else:
+                micro //= 2
+    if rnd.random() < 0.4:
+        extra.append("--recompute")
+    if rnd.random() < 0.35:
+        # (several ranks keep all their shards on the device or none: 1000 is "all")
+        chunks = rnd.choice([0, 0, 1000] if launch else [0, 0, 1, 2])
+        extra += ["--device", "sim", "--blocks", str(rnd.randint(1, 4)), "--prefetch", str(rnd.randint(0, 2)),
+                  "--device-chunks", str(chunks)]
+        if chunks == 0 and rnd.random() < 0.4:  # (a tiny model may have a single chunk)
+            disk = os.path.join(tmp, name + ".disk")
+            os.makedirs(disk, exist_ok=True)
+            extra += ["--disk-dir", disk, "--disk-chunks", "1"]
+    extra += ["--batch", str(micro)]
+    return dict(extra=extra, launch=launch)
+
+
+def check_random(torch, ferry, tmp, n, seed, only=None):
+    import random
+    import shutil
+    rnd = random.Random(seed)
+    have_mpirun = shutil.which("mpirun") is not None
+    ok = True
+    for i in range(n):
+        c = random_case(rnd, i, tmp, have_mpirun)
+        model_seed = rnd.randrange(1 << 30)
+        if only is not None and i != only:
+            continue
+        src = os.path.join(tmp, c["name"])
+        build(torch, c["name"], c["changes"], c["dtype"], c["shard"], src, seed=model_seed)
+        ok = compare(torch, ferry, tmp, c["name"], src, c["data"], c["toks"], c["B"], c["T"], c["dropout"], c["mask"],
+                     report=c["report"], runs=c["runs"], eps=RANDOM_EPS) and ok
+    return ok
 
 
 def check_refused(torch, ferry, tmp, data):
@@ -296,6 +480,9 @@ def main():
     ap.add_argument("ferry")
     ap.add_argument("--keep", metavar="DIR", help="build the models in DIR and keep them")
     ap.add_argument("--only", help="one variant")
+    ap.add_argument("--random", type=int, metavar="N", help="instead: N random configurations and ways to train them")
+    ap.add_argument("--seed", type=int, default=1, help="of the random configurations (default 1)")
+    ap.add_argument("--case", type=int, metavar="I", help="with --random: only case I of the N")
     args = ap.parse_args()
     # transformers' progress bars and advice would bury the one line a variant prints
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -307,6 +494,10 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         os.makedirs(tmp, exist_ok=True)
+        if args.random:
+            ok = check_random(torch, args.ferry, tmp, args.random, args.seed, args.case)
+            print(f"random configurations (seed {args.seed}):", "all passed" if ok else "FAILED")
+            return 0 if ok else 1
         data = os.path.join(tmp, "tokens.bin")
         toks = write_shard(data)
         ok = all([check_variant(torch, args.ferry, tmp, n, VARIANTS[n], toks, data) for n in names])
