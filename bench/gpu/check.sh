@@ -273,10 +273,20 @@ if [ "$dry" = 1 ]; then
   selected "op tests" && echo "plan: [op tests] meson test -C $build backend_ops"
   selected "reference tests" && echo "plan: [reference tests] meson test -C $build reference_cuda reference"
   selected "nccl comm test" && echo "plan: [nccl comm test] meson test -C $build comm_nccl"
+  selected "random configurations" && echo "plan: [random configurations] test/reference/check_variants.py --random 16 --gpu"
 else
   run_step "op tests" 150 "CUDA kernels vs CPU kernels (test_backend_ops)" meson_test backend_ops
   run_step "reference tests" 90 "transformers fixtures, model on the GPU and on the CPU" meson_test reference_cuda reference
   run_step "nccl comm test" 60 "fy_comm nccl backend under mpirun, one rank per GPU" meson_test comm_nccl
+  # Random OPT configurations (odd head sizes and widths, every flag, gelu, dropout, loss masks)
+  # trained 5 steps on the GPU in fp32, resident or offloaded, accumulated, recomputed, resumed,
+  # and evaluated, against transformers on the CPU (test/reference/README.md).
+  if python3 -c 'import torch, transformers, safetensors' >/dev/null 2>&1; then
+    run_step "random configurations" 90 "ferry on cuda vs transformers, 16 random models and paths" \
+      python3 test/reference/check_variants.py "$build/ferry" --random 16 --seed 1 --gpu
+  else
+    row "random configurations" "skipped" 0 "torch, transformers or safetensors not importable"
+  fi
 fi
 
 # Training on the GPU against the CPU: once the CLI takes --device cuda for train, the losses of a

@@ -22,8 +22,9 @@ out_proj and fc2), how it scales (1 / (1 - p)) and that backward uses the forwar
 
 With --random N, N configurations drawn at random instead (sizes, flags, activation, dropout,
 weights' dtype, batch and sequence, loss masks), each trained by ferry along a random path that
-must not change the numbers (threads, accumulation, 2 ranks data- or tensor-parallel, the sim
-device with few blocks, prefetch, device and disk chunks, recomputation, a resume part-way).
+must not change the numbers (threads, accumulation, 2 to 4 ranks data- or tensor-parallel, the
+sim device with few blocks, prefetch, device and disk chunks, the planner's choice,
+recomputation, a resume part-way), and on half ferry eval of the weights it saved.
 
 usage: test/reference/check_variants.py path/to/ferry [--only NAME] [--random N [--seed S] [--case I]] [--keep DIR]
 Exit status 0 when every variant passes, 1 otherwise. Needs torch, transformers, safetensors.
@@ -298,8 +299,38 @@ def weights_error(saved, ref, initial):
     return err, worst, bad
 
 
+def hf_eval(torch, path, toks, Be, T, batches, mask=None):
+    """transformers' mean loss of the model at path over the first batches x Be windows of T + 1
+    tokens (targets whose mask is 0 left out), as ferry eval takes them."""
+    from transformers import OPTForCausalLM
+    model = OPTForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for w in range(batches * Be):
+            ids = torch.tensor([toks[w * T:w * T + T + 1]], dtype=torch.long)
+            logits = model(input_ids=ids, use_cache=False).logits[0, :T]
+            ce = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+            keep = [mask is None or mask[w * T + i] for i in range(1, T + 1)]
+            total += sum(float(c) for c, k in zip(ce, keep) if k)
+            count += sum(keep)
+    return total / count if count else None
+
+
+def ferry_eval(ferry, weights, data, T, how):
+    """ferry eval's mean loss (None when no target counts) of the model at weights."""
+    cmd = [*how["launch"], ferry, "eval", "--init", weights, "--data", data, "--seq", str(T), "--batch", str(how["batch"]),
+           "--batches", str(how["batches"]), *how["extra"]]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ferry eval failed ({' '.join(cmd)}): " + (r.stderr or r.stdout).strip())
+    words = r.stdout.split()
+    value = words[words.index("loss") + 1]
+    return None if value in ("nan", "-nan") else float(value)
+
+
 def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, mask=None, extra=(), launch=(),
-            report=None, runs=None, eps=EPS):
+            report=None, runs=None, eps=EPS, evaluate=None):
     """ferry (the command line extra, under launch) and transformers train the model at src on
     the shard data (tokens toks, loss mask mask) for STEPS steps of B x T tokens: the losses and
     the saved weights must agree (1e-5 relative, 1e-4 normalised). Random configurations include
@@ -356,6 +387,19 @@ def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, m
                             f"{wf64:.2e} (worst {wf_worst}; fp32 transformers' by {wt64:.2e})")
     if k_bad:
         problems.append(f"{k_bad} moved more than Adam's bound of {1.01 * LR * STEPS}")
+    if evaluate:  # ferry eval of the weights ferry saved, against transformers' loss of the same weights
+        try:
+            got = ferry_eval(ferry, weights, data, T, evaluate)
+        except RuntimeError as e:
+            got, problems = None, problems + [str(e)]
+        want = hf_eval(torch, weights, toks, evaluate["batch"] * evaluate["ranks"], T, evaluate["batches"], mask)
+        fields["eval_rel_err"] = None
+        if (got is None) != (want is None):
+            problems.append(f"eval loss {got}, transformers {want}")
+        elif got is not None:
+            fields["eval_rel_err"] = float(f"{abs(got - want) / abs(want):.3g}")
+            if abs(got - want) > 1e-5 * abs(want) + 1e-6:
+                problems.append(f"eval loss {got}, transformers {want}")
     print(json.dumps({"variant": name, **(report or {}), **fields, "ok": not problems}))
     for p in problems:
         print(f"  {name}: {p}")
@@ -364,7 +408,7 @@ def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, m
 
 # ---- random configurations, trained along random paths ----
 
-def random_case(rnd, i, tmp, have_mpirun):
+def random_case(rnd, i, tmp, have_mpirun, gpu=False):
     """Case i of a random sweep: an OPT configuration drawn at random (odd sizes, every flag,
     either activation, dropout, weights in any dtype), random data with the pad id among its tokens
     and perhaps a loss mask, and a random way for ferry to train it that must not change the
@@ -395,43 +439,70 @@ def random_case(rnd, i, tmp, have_mpirun):
     mask = write_mask(data, len(toks), seed=rnd.randrange(1 << 30)) if rnd.random() < 0.3 else None
 
     # How ferry trains it: one way, or one way up to a checkpoint and perhaps another from there.
-    run = draw_path(rnd, tmp, name, B, NH, changes["ffn_dim"], have_mpirun)
+    run = draw_path(rnd, tmp, name, B, NH, changes["ffn_dim"], have_mpirun, gpu)
     runs = [run]
     if rnd.random() < 0.25:
         runs = [dict(run, stop_after=rnd.randint(1, STEPS - 1)),
-                draw_path(rnd, tmp, name + ".resumed", B, NH, changes["ffn_dim"], have_mpirun)]
+                draw_path(rnd, tmp, name + ".resumed", B, NH, changes["ffn_dim"], have_mpirun, gpu)]
     for r in runs:
         if changes["dropout"] > 0:
             r["extra"] += ["--dropout", "config", "--seed", str(DROPOUT_SEED)]
+    # ferry eval of the trained weights: some batches in order, on the cpu or offloaded, 1 to 3 ranks
+    evaluate = None
+    if rnd.random() < 0.5:
+        Be, ranks = rnd.randint(1, 3), rnd.choice([1, 1, 2])
+        evaluate = dict(batch=Be, ranks=1, batches=rnd.randint(1, 3), extra=["--threads", "1"], launch=[])
+        if ranks > 1 and have_mpirun and not gpu:  # (each rank takes Be of a batch's Be x ranks windows)
+            evaluate.update(ranks=ranks, launch=["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)])
+        windows = (len(toks) - 1) // T  # (within the data: no wrapping around)
+        evaluate["batches"] = max(1, min(evaluate["batches"], windows // (Be * evaluate["ranks"])))
+        if gpu:
+            evaluate["extra"] += ["--device", "cuda", "--precision", "fp32"] + (["--offload"] if rnd.random() < 0.5 else [])
+        elif rnd.random() < 0.4:
+            evaluate["extra"] += ["--device", "sim", "--device-mem", "4MiB"]
     report = dict(config={k: v for k, v in changes.items() if k != "max_position_embeddings"}, dtype=dtype,
                   B=B, T=T, mask=mask is not None,
                   runs=[" ".join(r["launch"] + ["ferry", "train"] + r["extra"]) +
-                        (f" --stop-after {r['stop_after']}" if "stop_after" in r else "") for r in runs])
+                        (f" --stop-after {r['stop_after']}" if "stop_after" in r else "") for r in runs],
+                  eval=evaluate and " ".join(evaluate["launch"] + ["ferry", "eval"] + evaluate["extra"]) +
+                  f" --batch {evaluate['batch']} --batches {evaluate['batches']}")
     return dict(name=name, changes=changes, dtype=dtype, shard=shard, data=data, toks=toks, B=B, T=T,
-                dropout=changes["dropout"] > 0, mask=mask, runs=runs, report=report)
+                dropout=changes["dropout"] > 0, mask=mask, runs=runs, evaluate=evaluate, report=report)
 
 
-def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun):
+def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
     """A random way to train B sequences a step that must give the numbers of any other: threads,
-    micro-batches accumulated, 2 ranks (data-parallel, chunk-sharded on sim, or tensor-parallel),
+    micro-batches accumulated, 2 to 4 ranks (data-parallel, chunk-sharded on sim, tensor-parallel),
     recomputation, the cpu or the sim device (its cache blocks, prefetch, chunks kept on the
-    device, AdamW state on disk)."""
+    device, AdamW state on disk, or the planner's choice); with gpu, the cuda device in fp32,
+    resident or offloaded (cache blocks, prefetch, chunks kept on the device)."""
     extra, launch, micro = ["--threads", str(rnd.choice([1, 2]))], [], B
     if B % 2 == 0 and rnd.random() < 0.3:
         micro //= 2
         extra += ["--grad-accum", "2"]
+    if gpu:
+        extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
+        if rnd.random() < 0.4:
+            extra.append("--recompute")
+        if rnd.random() < 0.5:
+            extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
+                      "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(rnd.choice([0, 0, 1, 2]))]
+        return dict(extra=extra, launch=launch)
     if have_mpirun and rnd.random() < 0.3:
-        tp = NH % 2 == 0 and ffn % 2 == 0 and rnd.random() < 0.5
-        if tp or micro % 2 == 0:
-            launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+        can_tp = NH % 2 == 0 and ffn % 2 == 0
+        grids = [(dp, tp) for dp, tp in ((2, 1), (3, 1), (1, 2), (2, 2)) if micro % dp == 0 and (tp == 1 or can_tp)]
+        if grids:
+            dp, tp = rnd.choice(grids)
+            launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp * tp)]
             extra[1] = "1"
-            if tp:
-                extra += ["--tp", "2"]
-            else:
-                micro //= 2
+            micro //= dp
+            if tp > 1:
+                extra += ["--tp", str(tp)]
     if rnd.random() < 0.4:
         extra.append("--recompute")
-    if rnd.random() < 0.35:
+    if rnd.random() < 0.1 and not launch:  # the planner's choice of micro-batches, chunks, blocks, recomputation
+        extra += ["--device", "sim", "--device-mem", rnd.choice(["2MiB", "8MiB", "64MiB"]), "--plan", "auto"]
+    elif rnd.random() < 0.35:
         # (several ranks keep all their shards on the device or none: 1000 is "all")
         chunks = rnd.choice([0, 0, 1000] if launch else [0, 0, 1, 2])
         extra += ["--device", "sim", "--blocks", str(rnd.randint(1, 4)), "--prefetch", str(rnd.randint(0, 2)),
@@ -444,21 +515,21 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun):
     return dict(extra=extra, launch=launch)
 
 
-def check_random(torch, ferry, tmp, n, seed, only=None):
+def check_random(torch, ferry, tmp, n, seed, only=None, gpu=False):
     import random
     import shutil
     rnd = random.Random(seed)
     have_mpirun = shutil.which("mpirun") is not None
     ok = True
     for i in range(n):
-        c = random_case(rnd, i, tmp, have_mpirun)
+        c = random_case(rnd, i, tmp, have_mpirun, gpu)
         model_seed = rnd.randrange(1 << 30)
         if only is not None and i != only:
             continue
         src = os.path.join(tmp, c["name"])
         build(torch, c["name"], c["changes"], c["dtype"], c["shard"], src, seed=model_seed)
         ok = compare(torch, ferry, tmp, c["name"], src, c["data"], c["toks"], c["B"], c["T"], c["dropout"], c["mask"],
-                     report=c["report"], runs=c["runs"], eps=RANDOM_EPS) and ok
+                     report=c["report"], runs=c["runs"], eps=RANDOM_EPS, evaluate=c["evaluate"]) and ok
     return ok
 
 
@@ -483,6 +554,7 @@ def main():
     ap.add_argument("--random", type=int, metavar="N", help="instead: N random configurations and ways to train them")
     ap.add_argument("--seed", type=int, default=1, help="of the random configurations (default 1)")
     ap.add_argument("--case", type=int, metavar="I", help="with --random: only case I of the N")
+    ap.add_argument("--gpu", action="store_true", help="with --random: ferry trains and evaluates on --device cuda (fp32)")
     args = ap.parse_args()
     # transformers' progress bars and advice would bury the one line a variant prints
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -495,7 +567,7 @@ def main():
         tmp = args.keep or scratch
         os.makedirs(tmp, exist_ok=True)
         if args.random:
-            ok = check_random(torch, args.ferry, tmp, args.random, args.seed, args.case)
+            ok = check_random(torch, args.ferry, tmp, args.random, args.seed, args.case, args.gpu)
             print(f"random configurations (seed {args.seed}):", "all passed" if ok else "FAILED")
             return 0 if ok else 1
         data = os.path.join(tmp, "tokens.bin")
