@@ -24,7 +24,9 @@ With --random N, N configurations drawn at random instead (sizes, flags, activat
 weights' dtype, batch and sequence, loss masks), each trained by ferry along a random path that
 must not change the numbers (threads, accumulation, 2 to 4 ranks data- or tensor-parallel, the
 sim device with few blocks, prefetch, device and disk chunks, the planner's choice,
-recomputation, a resume part-way), and on half ferry eval of the weights it saved.
+recomputation, a resume part-way), on shuffled or wrapping data, and on half ferry eval of the
+weights it saved. A case whose trajectory parts from transformers' is judged against float64
+transformers, and then step by step from ferry's own weights (stepwise).
 
 usage: test/reference/check_variants.py path/to/ferry [--only NAME] [--random N [--seed S] [--case I]] [--keep DIR]
 Exit status 0 when every variant passes, 1 otherwise. Needs torch, transformers, safetensors.
@@ -181,12 +183,64 @@ def load_initial(torch, path):
     return OPTForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
-def hf_train(torch, path, toks, B=B, T=T, dropout=False, mask=None, dtype="float32", eps=EPS):
-    """Loss of each step and the final weights: ferry's loader takes window i = tokens [iT, iT + T]
-    (T + 1 tokens) and row j of batch k is window kB + j; transformers' labels = input_ids shift
-    by one inside the model, so the T + 1 tokens of a window give the same T predictions. With
-    dropout, transformers drops with ferry's masks (row j of batch k: tokens (kB + j)T ...).
-    dtype float64 gives the exact numbers that fp32 ferry and fp32 transformers both round."""
+# ---- ferry's data stream (runtime/data.c), for transformers ----
+
+def _xoshiro256ss(s):
+    """One number of xoshiro256** from the state s (a list of 4 uint64, updated)."""
+    def rotl(x, k):
+        return ((x << k) | (x >> (64 - k))) & M64
+    result = (rotl((s[1] * 5) & M64, 7) * 9) & M64
+    t = (s[1] << 17) & M64
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t
+    s[3] = rotl(s[3], 45)
+    return result
+
+
+def ferry_perm(seed, epoch, n):
+    """The order of the n windows in an epoch of a shuffled run: Fisher-Yates, j drawn by rejection
+    from xoshiro256** seeded by splitmix64 from seed ^ (epoch * 0xD1B54A32D192ED03)."""
+    x = (seed ^ ((epoch * 0xD1B54A32D192ED03) & M64)) & M64
+    st = []
+    for _ in range(4):
+        x = (x + 0x9e3779b97f4a7c15) & M64
+        st.append(_mix64(x))
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        bound = i + 1
+        limit = M64 - M64 % bound
+        while True:
+            r = _xoshiro256ss(st)
+            if r < limit:
+                break
+        j = r % bound
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def stream_windows(n_tokens, T, count, shuffle=None):
+    """The windows (index w: tokens [wT, wT + T]) of stream elements 0 .. count - 1: in order, or
+    shuffled with seed `shuffle`; an epoch visits every window of the data once."""
+    nw = (n_tokens - 1) // T
+    perms = {}
+    out = []
+    for el in range(count):
+        epoch, w = divmod(el, nw)
+        if shuffle is not None:
+            if epoch not in perms:
+                perms[epoch] = ferry_perm(shuffle, epoch, nw)
+            w = perms[epoch][w]
+        out.append(w)
+    return out
+
+
+def hf_train(torch, path, toks, B=B, T=T, dropout=False, mask=None, dtype="float32", eps=EPS, shuffle=None):
+    """Loss of each step and the final weights: ferry's loader takes window w = tokens [wT, wT + T]
+    (T + 1 tokens) and row j of batch k is stream element kB + j: window kB + j in order (the
+    data wrapping around), or that element's window in ferry's shuffle with seed `shuffle`.
+    transformers' labels = input_ids shift by one inside the model, so the T + 1 tokens of a
+    window give the same T predictions. With dropout, transformers drops with ferry's masks,
+    which follow the stream (row j of batch k: stream tokens (kB + j)T ...). dtype float64 gives
+    the exact numbers that fp32 ferry and fp32 transformers both round."""
     from transformers import OPTForCausalLM
     model = OPTForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
     model.train()
@@ -198,51 +252,68 @@ def hf_train(torch, path, toks, B=B, T=T, dropout=False, mask=None, dtype="float
               dict(params=[p for _, p in named if p.ndim < 2], weight_decay=0.0)]
     opt = torch.optim.AdamW(groups, lr=LR, betas=(BETA1, BETA2), eps=eps)
     losses = []
+    windows = stream_windows(len(toks), T, STEPS * B, shuffle)
     for k in range(STEPS):
-        rows = [toks[(k * B + j) * T:(k * B + j) * T + T + 1] for j in range(B)]
-        ids = torch.tensor(rows, dtype=torch.long)
-        labels = ids.clone()
-        if mask is not None:  # label i is the target of position i - 1: stream token (kB + j)T + i
-            for j in range(B):
-                for i in range(1, T + 1):
-                    if not mask[(k * B + j) * T + i]:
-                        labels[j, i] = -100
-        if mask is not None and bool((labels[:, 1:] == -100).all()):
+        batch = step_batch(torch, toks, windows, k, B, T, mask)
+        if batch is None:
             losses.append(None)  # ferry updates nothing in a step without a target; nor does this
             continue
         opt.zero_grad(set_to_none=True)
-        if drop:
-            drop.start(k * B * T)
-        out = model(input_ids=ids, labels=labels, use_cache=False)
-        if drop and drop.site != 2 * model.config.num_hidden_layers:
-            raise RuntimeError(f"transformers dropped at {drop.site} places, not 2 per layer")
-        out.loss.backward()
+        loss = lm_loss(torch, model, *batch, drop, k * B * T)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
     if drop:
         torch.nn.functional.dropout = drop.orig
     return losses, model
 
 
-def ferry_runs(ferry, src, data, save, log, runs, B=B, T=T, eps=EPS):
+def step_batch(torch, toks, windows, k, B, T, mask=None):
+    """Step k's input ids and labels ((B, T + 1) each; -100 where the loss mask is 0), or None when
+    no target counts."""
+    win = [windows[k * B + j] for j in range(B)]
+    ids = torch.tensor([toks[w * T:w * T + T + 1] for w in win], dtype=torch.long)
+    labels = ids.clone()
+    if mask is not None:  # label i is the target of position i - 1: token wT + i
+        for j in range(B):
+            for i in range(1, T + 1):
+                if not mask[win[j] * T + i]:
+                    labels[j, i] = -100
+    return None if bool((labels[:, 1:] == -100).all()) else (ids, labels)
+
+
+def lm_loss(torch, model, ids, labels, drop=None, u0=0):
+    """The mean next-token cross-entropy over the counted targets, in the model's dtype
+    (transformers' own loss rounds the logits to float32 first), dropping with ferry's masks from
+    stream token u0 when drop is given."""
+    if drop:
+        drop.start(u0)
+    logits = model(input_ids=ids, use_cache=False).logits
+    if drop and drop.site != 2 * model.config.num_hidden_layers:
+        raise RuntimeError(f"transformers dropped at {drop.site} places, not 2 per layer")
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                             ignore_index=-100)
+
+
+def ferry_runs(ferry, src, data, save, log, runs, B=B, T=T, eps=EPS, shuffle=None, every=None):
     """ferry trains the model at src STEPS steps, in runs: each but the last stops after
     run["stop_after"] steps with a checkpoint in save, from which the next resumes (each its own
-    way: extra, launch). Returns the step losses (None: a step without a target) and the
-    directory of the saved weights."""
+    way: extra, launch). every: a checkpoint after every that many steps, all kept. Returns the
+    step losses (None: a step without a target) and the directory of the saved weights."""
     losses = []
     for i, run in enumerate(runs):
         cmd = [*run["launch"], ferry, "train", "--init", src, "--data", data, "--seq", str(T), *run["extra"],
                "--steps", str(STEPS), "--lr", repr(LR), "--min-lr", repr(LR), "--warmup", "0",
                "--weight-decay", repr(WEIGHT_DECAY), "--beta1", repr(BETA1), "--beta2", repr(BETA2),
-               "--eps", repr(eps), "--clip", repr(CLIP), "--no-shuffle", "--quiet", "--log", f"{log}.{i}",
-               "--save", save]
+               "--eps", repr(eps), "--clip", repr(CLIP), "--quiet", "--log", f"{log}.{i}", "--save", save]
+        cmd += ["--no-shuffle"] if shuffle is None else ["--seed", str(shuffle)]
         if "--batch" not in run["extra"]:
             cmd += ["--batch", str(B)]
         if "--threads" not in run["extra"]:
             cmd += ["--threads", "2"]
-        if len(runs) > 1:
-            cmd += ["--save-every", str(STEPS)]
+        if len(runs) > 1 or every:
+            cmd += ["--save-every", str(every or STEPS), "--keep", str(STEPS + 1)]
         if i > 0:
             cmd += ["--resume", save]
         if "stop_after" in run:
@@ -252,9 +323,75 @@ def ferry_runs(ferry, src, data, save, log, runs, B=B, T=T, eps=EPS):
             raise RuntimeError(f"ferry train failed ({' '.join(cmd)}): " + (r.stderr or r.stdout).strip())
         losses += [json.loads(line)["loss"] for line in open(f"{log}.{i}") if line.strip()]
     weights = save
-    if len(runs) > 1:  # a checkpoint root: its latest step
+    if len(runs) > 1 or every:  # a checkpoint root: its latest step
         weights = os.path.join(save, open(os.path.join(save, "latest")).read().strip())
     return losses, weights
+
+
+def stepwise(torch, ferry, tmp, name, src, data, toks, B, T, dropout, mask, runs, eps, shuffle):
+    """ferry's every step against transformers from ferry's own weights, which no divergence of
+    two trajectories can upset (a ReLU input or a gradient element near zero at one step can part
+    them for good): ferry runs again with a checkpoint after every step; at step k, transformers
+    (float64) takes the gradient of step k's batch at the weights ferry had after step k - 1, and
+    ferry's own gradient comes from its AdamW state, m_k = beta1 m_(k-1) + (1 - beta1) c g_k (c
+    the clipping factor of its logged norm). Returns the problems found (none: every gradient and
+    loss agrees)."""
+    import shutil
+    from safetensors.torch import load_file
+    from transformers import OPTForCausalLM
+    root, log = os.path.join(tmp, name + ".steps"), os.path.join(tmp, name + ".steps.log")
+    shutil.rmtree(root, ignore_errors=True)
+    ferry_runs(ferry, src, data, root, log, runs, B, T, eps, shuffle, every=1)
+    logged = [json.loads(line) for i in range(len(runs)) for line in open(f"{log}.{i}") if line.strip()]
+    windows = stream_windows(len(toks), T, STEPS * B, shuffle)
+    drop = FerryDropout(torch, DROPOUT_SEED, T) if dropout else None
+    problems, prev, m_prev = [], src, None
+    for k in range(STEPS):
+        here = os.path.join(root, f"step-{k + 1:08d}")
+        m_k = {n[len("exp_avg."):]: v.double() for n, v in load_file(os.path.join(here, "optimizer.safetensors")).items()
+               if n.startswith("exp_avg.")}
+        batch = step_batch(torch, toks, windows, k, B, T, mask)
+        if batch is not None:
+            model = OPTForCausalLM.from_pretrained(prev, dtype=torch.float64, attn_implementation="eager")
+            model.train()
+            # How close to zero the step's ReLU inputs come, relative to their layer's largest
+            # (ferry's fp32 may see the other side of zero than float64 where they nearly touch)
+            kink = [1.0]
+            if model.config.activation_function == "relu":
+                def near(mod, inputs, out):
+                    a = out.detach().abs()
+                    kink[0] = min(kink[0], (a.min() / a.max().clamp_min(1e-300)).item())
+                for layer in model.model.decoder.layers:
+                    layer.fc1.register_forward_hook(near)
+            if drop:
+                torch.nn.functional.dropout = drop
+            try:
+                loss = lm_loss(torch, model, *batch, drop, k * B * T)
+            finally:
+                if drop:
+                    torch.nn.functional.dropout = drop.orig
+            loss.backward()
+            if abs(logged[k]["loss"] - loss.item()) > 1e-5 * abs(loss.item()) + 1e-6:
+                problems.append(f"step {k + 1}: loss {logged[k]['loss']}, transformers {loss.item()} at ferry's weights")
+            norm = logged[k]["grad_norm"]
+            c = min(1.0, CLIP / (norm + 1e-6))
+            bad = []
+            for n, p in model.named_parameters():
+                if n.endswith("self_attn.k_proj.bias") or n not in m_k:
+                    continue  # (its analytic gradient is zero: see weights_error)
+                before = m_prev[n] if m_prev else torch.zeros_like(m_k[n])
+                g = (m_k[n] - BETA1 * before) / ((1 - BETA1) * c)
+                e = ((g - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
+                if e > 1e-4 and (g - p.grad).abs().max() > 1e-7:
+                    bad.append((e, n))
+            if bad and kink[0] > 1e-5:
+                e, n = max(bad)
+                problems.append(f"step {k + 1}: {len(bad)} gradients differ at ferry's weights, the worst {n}'s by {e:.2e}")
+            elif bad:  # a ReLU input within rounding of zero: its side, and so the gradient, is a toss-up
+                print(f"  {name}: step {k + 1}: gradients differ where a ReLU input is {kink[0]:.1e} of its "
+                      f"layer's largest from zero (fp32 and float64 may see it on either side): passed")
+        prev, m_prev = here, m_k
+    return problems
 
 
 def check_variant(torch, ferry, tmp, name, spec, toks, data):
@@ -301,13 +438,13 @@ def weights_error(saved, ref, initial):
 
 def hf_eval(torch, path, toks, Be, T, batches, mask=None):
     """transformers' mean loss of the model at path over the first batches x Be windows of T + 1
-    tokens (targets whose mask is 0 left out), as ferry eval takes them."""
+    tokens in order (targets whose mask is 0 left out), as ferry eval takes them."""
     from transformers import OPTForCausalLM
     model = OPTForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for w in range(batches * Be):
+        for w in stream_windows(len(toks), T, batches * Be):
             ids = torch.tensor([toks[w * T:w * T + T + 1]], dtype=torch.long)
             logits = model(input_ids=ids, use_cache=False).logits[0, :T]
             ce = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
@@ -330,7 +467,7 @@ def ferry_eval(ferry, weights, data, T, how):
 
 
 def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, mask=None, extra=(), launch=(),
-            report=None, runs=None, eps=EPS, evaluate=None):
+            report=None, runs=None, eps=EPS, evaluate=None, shuffle=None):
     """ferry (the command line extra, under launch) and transformers train the model at src on
     the shard data (tokens toks, loss mask mask) for STEPS steps of B x T tokens: the losses and
     the saved weights must agree (1e-5 relative, 1e-4 normalised). Random configurations include
@@ -344,12 +481,12 @@ def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, m
     problems = []
     try:
         ferry_losses, weights = ferry_runs(ferry, src, data, save, log,
-                                           runs or [dict(extra=list(extra), launch=list(launch))], B, T, eps)
+                                           runs or [dict(extra=list(extra), launch=list(launch))], B, T, eps, shuffle)
     except RuntimeError as e:
         print(json.dumps({"variant": name, **(report or {}), "ok": False}))
         print(f"  {name}: {e}")
         return False
-    hf_losses, model = hf_train(torch, src, toks, B, T, dropout, mask, eps=eps)
+    hf_losses, model = hf_train(torch, src, toks, B, T, dropout, mask, eps=eps, shuffle=shuffle)
     if len(ferry_losses) != STEPS:
         problems.append(f"ferry logged {len(ferry_losses)} steps, not {STEPS}")
     if [a is None for a in ferry_losses] != [b is None for b in hf_losses]:
@@ -372,19 +509,26 @@ def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, m
     w_err, w_worst, k_bad = weights_error(saved, want, initial)
     fields = {"loss_rel_err": float(f"{loss_err:.3g}"), "weights_rel_err": float(f"{w_err:.3g}")}
     if loss_err > 1e-5 or w_err > 1e-4:
-        ref_losses, ref_model = hf_train(torch, src, toks, B, T, dropout, mask, dtype="float64", eps=eps)
+        ref_losses, ref_model = hf_train(torch, src, toks, B, T, dropout, mask, dtype="float64", eps=eps,
+                                          shuffle=shuffle)
         ref = {n: p.detach() for n, p in ref_model.state_dict().items()}
         ferry64, fp32_64 = loss_error(ferry_losses, ref_losses), loss_error(hf_losses, ref_losses)
         wf64, wf_worst, _ = weights_error(saved, ref, initial)
         wt64, _, _ = weights_error(want, ref, initial)
         fields.update(float64={"ferry_loss": float(f"{ferry64:.3g}"), "transformers_loss": float(f"{fp32_64:.3g}"),
                                "ferry_weights": float(f"{wf64:.3g}"), "transformers_weights": float(f"{wt64:.3g}")})
+        numeric = []
         if ferry64 > max(1e-5, 4 * fp32_64):
-            problems.append(f"losses differ by {loss_err:.2e} relative, from float64's by {ferry64:.2e} (fp32 "
-                            f"transformers' by {fp32_64:.2e}): ferry {ferry_losses}, transformers {hf_losses}")
+            numeric.append(f"losses differ by {loss_err:.2e} relative, from float64's by {ferry64:.2e} (fp32 "
+                           f"transformers' by {fp32_64:.2e}): ferry {ferry_losses}, transformers {hf_losses}")
         if wf64 > max(1e-4, 4 * wt64):
-            problems.append(f"weights after {STEPS} steps differ by {w_err:.2e} (normalised), from float64's by "
-                            f"{wf64:.2e} (worst {wf_worst}; fp32 transformers' by {wt64:.2e})")
+            numeric.append(f"weights after {STEPS} steps differ by {w_err:.2e} (normalised), from float64's by "
+                           f"{wf64:.2e} (worst {wf_worst}; fp32 transformers' by {wt64:.2e})")
+        if numeric:  # trajectories that parted: every step checked from ferry's own weights decides
+            steps = stepwise(torch, ferry, tmp, name, src, data, toks, B, T, dropout, mask,
+                             runs or [dict(extra=list(extra), launch=list(launch))], eps, shuffle)
+            fields["stepwise"] = "ok" if not steps else "FAILED"
+            problems += numeric + steps if steps else []
     if k_bad:
         problems.append(f"{k_bad} moved more than Adam's bound of {1.01 * LR * STEPS}")
     if evaluate:  # ferry eval of the weights ferry saved, against transformers' loss of the same weights
@@ -434,8 +578,11 @@ def random_case(rnd, i, tmp, have_mpirun, gpu=False):
     d = os.path.join(tmp, name + ".data")
     os.makedirs(d, exist_ok=True)
     data = os.path.join(d, "tokens.bin")
-    toks = write_shard(data, n=(STEPS * B + 2) * T + 1 + rnd.randint(0, 50), vocab=changes["vocab_size"], low=0,
+    # Enough windows for every step, or (on some) fewer: the stream then wraps into a second epoch.
+    n_windows = STEPS * B + 2 if rnd.random() < 0.7 else rnd.randint(B, 3 * B)
+    toks = write_shard(data, n=n_windows * T + 1 + rnd.randint(0, T - 1), vocab=changes["vocab_size"], low=0,
                        seed=rnd.randrange(1 << 30))
+    shuffle = DROPOUT_SEED if rnd.random() < 0.3 else None
     mask = write_mask(data, len(toks), seed=rnd.randrange(1 << 30)) if rnd.random() < 0.3 else None
 
     # How ferry trains it: one way, or one way up to a checkpoint and perhaps another from there.
@@ -451,23 +598,24 @@ def random_case(rnd, i, tmp, have_mpirun, gpu=False):
     evaluate = None
     if rnd.random() < 0.5:
         Be, ranks = rnd.randint(1, 3), rnd.choice([1, 1, 2])
+        nw = (len(toks) - 1) // T  # (ferry refuses data with fewer windows than a batch)
+        ranks = ranks if nw >= ranks else 1
+        Be = min(Be, nw // ranks)
         evaluate = dict(batch=Be, ranks=1, batches=rnd.randint(1, 3), extra=["--threads", "1"], launch=[])
         if ranks > 1 and have_mpirun and not gpu:  # (each rank takes Be of a batch's Be x ranks windows)
             evaluate.update(ranks=ranks, launch=["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)])
-        windows = (len(toks) - 1) // T  # (within the data: no wrapping around)
-        evaluate["batches"] = max(1, min(evaluate["batches"], windows // (Be * evaluate["ranks"])))
         if gpu:
             evaluate["extra"] += ["--device", "cuda", "--precision", "fp32"] + (["--offload"] if rnd.random() < 0.5 else [])
         elif rnd.random() < 0.4:
             evaluate["extra"] += ["--device", "sim", "--device-mem", "4MiB"]
     report = dict(config={k: v for k, v in changes.items() if k != "max_position_embeddings"}, dtype=dtype,
-                  B=B, T=T, mask=mask is not None,
+                  B=B, T=T, mask=mask is not None, windows=(len(toks) - 1) // T, shuffle=shuffle is not None,
                   runs=[" ".join(r["launch"] + ["ferry", "train"] + r["extra"]) +
                         (f" --stop-after {r['stop_after']}" if "stop_after" in r else "") for r in runs],
                   eval=evaluate and " ".join(evaluate["launch"] + ["ferry", "eval"] + evaluate["extra"]) +
                   f" --batch {evaluate['batch']} --batches {evaluate['batches']}")
     return dict(name=name, changes=changes, dtype=dtype, shard=shard, data=data, toks=toks, B=B, T=T,
-                dropout=changes["dropout"] > 0, mask=mask, runs=runs, evaluate=evaluate, report=report)
+                dropout=changes["dropout"] > 0, mask=mask, runs=runs, evaluate=evaluate, shuffle=shuffle, report=report)
 
 
 def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
@@ -529,7 +677,8 @@ def check_random(torch, ferry, tmp, n, seed, only=None, gpu=False):
         src = os.path.join(tmp, c["name"])
         build(torch, c["name"], c["changes"], c["dtype"], c["shard"], src, seed=model_seed)
         ok = compare(torch, ferry, tmp, c["name"], src, c["data"], c["toks"], c["B"], c["T"], c["dropout"], c["mask"],
-                     report=c["report"], runs=c["runs"], eps=RANDOM_EPS, evaluate=c["evaluate"]) and ok
+                     report=c["report"], runs=c["runs"], eps=RANDOM_EPS, evaluate=c["evaluate"],
+                     shuffle=c["shuffle"]) and ok
     return ok
 
 
