@@ -1329,7 +1329,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
       if (ignored || (overflow && o->loss_scale > 0))
         fprintf(log, ",\"skipped\":\"%s\"", ignored ? "every target ignored" : "gradient overflow");
-      if (validated) fprintf(log, ",\"val_loss\":%.6f,\"val_s\":%.4f", res->val_loss, val_s);
+      if (validated && isfinite(res->val_loss))
+        fprintf(log, ",\"val_loss\":%.6f,\"val_s\":%.4f", res->val_loss, val_s);
+      else if (validated)  // every validation target ignored (loss masks): no mean
+        fprintf(log, ",\"val_loss\":null,\"val_s\":%.4f", val_s);
       fprintf(log, "}\n");
     }
     if (!o->quiet) {

@@ -178,6 +178,9 @@ int main(void) {
     m.data = mshard;  // the same, after a first batch with nothing to learn
     m.steps = 4;
     m.log_path = mlog;
+    m.val_data = mshard;  // (validation on that first batch: no target, no mean)
+    m.val_batches = 1;
+    m.val_every = 4;
     CHECK_OK(fy_train(&m, &skipped));
     CHECKF(skipped.steps == 4 && skipped.ignored_steps == 1 && skipped.params_hash == later.params_hash &&
            skipped.first_loss == later.first_loss && skipped.last_loss == later.last_loss,
@@ -186,15 +189,19 @@ int main(void) {
            later.first_loss, later.last_loss, skipped.params_hash == later.params_hash);
     FILE *f = fopen(mlog, "r");
     char line[2048];
-    int lines = 0, first_null = 0;
+    int lines = 0, first_null = 0, val_null = 0;
     while (f && fgets(line, sizeof line, f)) {
       if (lines == 0) first_null = strstr(line, "\"loss\":null") && strstr(line, "\"skipped\":\"every target ignored\"");
+      val_null = strstr(line, "\"val_loss\":null") != NULL;
       lines++;
     }
     if (f) fclose(f);
-    CHECKF(lines == 4 && first_null, "the log of a run with an ignored step: %d lines, first %s", lines,
-           first_null ? "null" : "not null");
+    CHECKF(lines == 4 && first_null && val_null && isnan(skipped.val_loss),
+           "the log of a run with an ignored step: %d lines, first %s, validation %s", lines,
+           first_null ? "null" : "not null", val_null ? "null" : "not null");
     m.log_path = NULL;
+    m.val_data = NULL;
+    m.val_every = 0;
     m.save = mck;
     m.save_every = 1;
     m.stop_after = 1;  // a checkpoint after the ignored step alone

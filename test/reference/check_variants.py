@@ -24,8 +24,8 @@ With --random N, N configurations drawn at random instead (sizes, flags, activat
 weights' dtype, batch and sequence, loss masks), each trained by ferry along a random path that
 must not change the numbers (threads, accumulation, 2 to 4 ranks data- or tensor-parallel, the
 sim device with few blocks, prefetch, device and disk chunks, the planner's choice,
-recomputation, a resume part-way), on shuffled or wrapping data, and on half ferry eval of the
-weights it saved. A case whose trajectory parts from transformers' is judged against float64
+recomputation, a resume part-way), on shuffled or wrapping data, with validation while training
+on some, and on half ferry eval of the weights it saved. A case whose trajectory parts from transformers' is judged against float64
 transformers, and then step by step from ferry's own weights (stepwise).
 
 usage: test/reference/check_variants.py path/to/ferry [--only NAME] [--random N [--seed S] [--case I]] [--keep DIR]
@@ -531,6 +531,14 @@ def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, m
             problems += numeric + steps if steps else []
     if k_bad:
         problems.append(f"{k_bad} moved more than Adam's bound of {1.01 * LR * STEPS}")
+    last = (runs or [{}])[-1]
+    if last.get("val_batches"):  # the validation after the last step: of the weights ferry saved
+        lines = [json.loads(line) for line in open(f"{log}.{len(runs) - 1}") if line.strip()]
+        got = lines[-1].get("val_loss") if lines else None
+        want = hf_eval(torch, weights, toks, last["rows"], T, last["val_batches"], mask)
+        fields["val_rel_err"] = None if got is None or want is None else float(f"{abs(got - want) / abs(want):.3g}")
+        if (got is None) != (want is None) or (got is not None and abs(got - want) > 1e-5 * abs(want) + 1e-6):
+            problems.append(f"validation after the last step: {got}, transformers {want}")
     if evaluate:  # ferry eval of the weights ferry saved, against transformers' loss of the same weights
         try:
             got = ferry_eval(ferry, weights, data, T, evaluate)
@@ -594,6 +602,12 @@ def random_case(rnd, i, tmp, have_mpirun, gpu=False):
     for r in runs:
         if changes["dropout"] > 0:
             r["extra"] += ["--dropout", "config", "--seed", str(DROPOUT_SEED)]
+    # Validation while training (its last is of the saved weights): the training data's first batches
+    last = runs[-1]
+    if last["rows"] and rnd.random() < 0.3:
+        last["val_batches"] = rnd.randint(1, 3)
+        last["extra"] += ["--val-data", data, "--val-every", str(rnd.randint(1, STEPS)),
+                          "--val-batches", str(last["val_batches"])]
     # ferry eval of the trained weights: some batches in order, on the cpu or offloaded, 1 to 3 ranks
     evaluate = None
     if rnd.random() < 0.5:
@@ -628,6 +642,7 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
     if B % 2 == 0 and rnd.random() < 0.3:
         micro //= 2
         extra += ["--grad-accum", "2"]
+    rows = micro  # the sequences of a micro-batch over every data-parallel rank (a validation batch)
     if gpu:
         extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
         if rnd.random() < 0.4:
@@ -635,7 +650,7 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
         if rnd.random() < 0.5:
             extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
                       "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(rnd.choice([0, 0, 1, 2]))]
-        return dict(extra=extra, launch=launch)
+        return dict(extra=extra, launch=launch, rows=rows)
     if have_mpirun and rnd.random() < 0.3:
         can_tp = NH % 2 == 0 and ffn % 2 == 0
         grids = [(dp, tp) for dp, tp in ((2, 1), (3, 1), (1, 2), (2, 2)) if micro % dp == 0 and (tp == 1 or can_tp)]
@@ -660,7 +675,7 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
             os.makedirs(disk, exist_ok=True)
             extra += ["--disk-dir", disk, "--disk-chunks", "1"]
     extra += ["--batch", str(micro)]
-    return dict(extra=extra, launch=launch)
+    return dict(extra=extra, launch=launch, rows=None if "--plan" in extra else rows)
 
 
 def check_random(torch, ferry, tmp, n, seed, only=None, gpu=False):
