@@ -1498,8 +1498,11 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   fy_status st = setup(&e, &r, false, true);
   if (st == FY_OK) st = mean_loss(&r, r.data, o->eval_batches, mean_loss_out, o->dump && r.rank == 0 ? dump_first : NULL,
                                   (void *)o->dump);
-  if (st == FY_OK && r.rank == 0 && !o->quiet)
+  if (st == FY_OK && r.rank == 0 && !o->quiet && isfinite(*mean_loss_out))
     printf("eval loss %.6f (perplexity %.4g) over %lld batches of %lld x %lld\n", *mean_loss_out, exp(*mean_loss_out),
+           (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)e.seq);
+  else if (st == FY_OK && r.rank == 0 && !o->quiet)  // (NaN: the loss masks leave no target)
+    printf("eval loss nan: every target of the %lld batches of %lld x %lld is ignored (loss masks)\n",
            (long long)o->eval_batches, (long long)(o->batch * r.dp), (long long)e.seq);
   teardown(&r);
   return st;

@@ -275,6 +275,11 @@ PY
 python3 "$tokpy" --tokenizer bytes --jsonl a --prompt q --out "$tmp/sftbig/s" "$tmp/sftbig.jsonl" >/dev/null
 expect 0 "ferry trains on prompt/response shards with their loss masks" "loss" -- train --model opt-demo \
   --data "$tmp/sftbig" --batch 2 --seq 32 --steps 3
+# Batches of prompt alone: evaluation says no target counts (rather than a bare nan).
+printf '{"q": "%s", "a": "y"}\n' "$(printf 'x%.0s' $(seq 60))" > "$tmp/sftlong.jsonl"
+python3 "$tokpy" --tokenizer bytes --jsonl a --prompt q --out "$tmp/sftlong/s" "$tmp/sftlong.jsonl" >/dev/null
+expect 0 "eval of batches without a target that counts" "every target of the 1 batches of 1 x 16 is ignored" -- \
+  eval --model opt-demo --data "$tmp/sftlong" --batch 1 --seq 16 --batches 1
 
 # A tokenizer of more than 65536 tokens: tools/tokenize.py writes llm.c's wide shards (uint32) and
 # a model with that vocabulary trains on them (its first loss is about ln(vocab)). Needs the

@@ -462,7 +462,7 @@ def ferry_eval(ferry, weights, data, T, how):
     if r.returncode != 0:
         raise RuntimeError(f"ferry eval failed ({' '.join(cmd)}): " + (r.stderr or r.stdout).strip())
     words = r.stdout.split()
-    value = words[words.index("loss") + 1]
+    value = words[words.index("loss") + 1].rstrip(":")
     return None if value in ("nan", "-nan") else float(value)
 
 
