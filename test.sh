@@ -65,12 +65,19 @@ if [ "$plain" = 1 ]; then
       else
         failed=$((failed + 1)); grep -v '^{"variant"' build/random_variants.log | head -40
       fi
+      # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
+      echo "== random OPT configurations: the sim device's placements give the cpu's bits"
+      if python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1 >build/placements.log 2>&1; then
+        passed=$((passed + 1)); tail -n 1 build/placements.log
+      else
+        failed=$((failed + 1)); grep -v '^{"variant"' build/placements.log | head -40
+      fi
       # A model saved as PyTorch pickles, converted by tools/convert.py, gives ferry the same loss.
       echo "== tools/convert.py: PyTorch pickles to safetensors"
       if test/reference/check_convert.sh build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
     else
       echo "== skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
-      skipped=$((skipped + 4))
+      skipped=$((skipped + 5))
     fi
   else
     failed=$((failed + 1))

@@ -1318,12 +1318,13 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       val_s = now_s() - tv;
     }
     if (log) {
-      char loss_json[32] = "null";  // JSON has no NaN
+      char loss_json[32] = "null", norm_json[32] = "null";  // JSON has no NaN or infinity
       if (!ignored) snprintf(loss_json, sizeof loss_json, "%.6f", loss);
-      fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%.6g,\"step_s\":%.6f,"
+      if (isfinite(norm)) snprintf(norm_json, sizeof norm_json, "%.6g", norm);  // (inf: an fp16 overflow)
+      fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%s,\"step_s\":%.6f,"
               "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
               "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
-              (long long)step + 1, loss_json, lr, norm, dt, tok_s, gflops, rss / 1048576.0,
+              (long long)step + 1, loss_json, lr, norm_json, dt, tok_s, gflops, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
               r.host ? fy_host_peak(r.host) / 1048576.0 : 0.0,
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);

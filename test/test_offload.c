@@ -307,12 +307,31 @@ int main(void) {
   s.recompute = false;
   // fp16 from a loss scale of 2^24: the first steps overflow and are skipped, and a skipped step
   // must leave the chunks' 16-bit weights as they were (the gradients came home over them).
+  // The log stays JSON: an overflowing step's norm is null, and the step says why it was skipped.
   o = base();
   o.precision = "fp16";
   o.loss_scale = 0x1p24f;
+  char log16[600];
+  snprintf(log16, sizeof log16, "%s/fp16.jsonl", dir);
+  o.log_path = log16;
   CHECK_OK(fy_train(&o, &ref16));
   CHECKF(ref16.skipped_steps > 0 && ref16.skipped_steps < o.steps, "fp16 from 2^24 skips some steps: %lld",
          (long long)ref16.skipped_steps);
+  {
+    FILE *f = fopen(log16, "r");
+    char line[2048];
+    int lines = 0, overflowed = 0, not_json = 0;
+    while (f && fgets(line, sizeof line, f)) {
+      lines++;
+      overflowed += strstr(line, "\"grad_norm\":null") && strstr(line, "\"skipped\":\"gradient overflow\"");
+      not_json += strstr(line, "inf") || strstr(line, "nan");
+    }
+    if (f) fclose(f);
+    CHECKF(lines == o.steps && overflowed == ref16.skipped_steps && !not_json,
+           "fp16 log: %d lines, %d overflows marked (want %lld), %d with inf or nan", lines, overflowed,
+           (long long)ref16.skipped_steps, not_json);
+  }
+  o.log_path = NULL;
   s.precision = "fp16";
   s.loss_scale = 0x1p24f;
   same_as("sim fp16, loss scaling with skipped steps, 2 blocks", s, &ref16);

@@ -697,6 +697,63 @@ def check_random(torch, ferry, tmp, n, seed, only=None, gpu=False):
     return ok
 
 
+def check_placements(torch, ferry, tmp, n, seed, only=None):
+    """Placement changes memory, never numbers (DESIGN.md's correctness rule), bit for bit: each of
+    n random cases (random_case's configurations and data) trains on the cpu and again on the sim
+    device along a random placement (cache blocks, prefetch, chunks kept on the device, AdamW state
+    on disk, recomputation), in fp32, bf16 or fp16 (rounded at every op; fp16 with its dynamic
+    loss scale), and the two must log the same losses and save the same bytes. No reference
+    library takes part: this is ferry against itself, where transformers cannot follow 16-bit
+    rounding op by op."""
+    import random
+    from safetensors.torch import load_file
+    rnd = random.Random(seed)
+    ok = True
+    for i in range(n):
+        c = random_case(rnd, i, tmp, False)
+        model_seed = rnd.randrange(1 << 30)
+        precision = rnd.choice(["fp32", "bf16", "fp16"])
+        base = ["--threads", "2", "--precision", precision, "--batch", str(c["B"])]
+        if c["dropout"]:
+            base += ["--dropout", "config", "--seed", str(DROPOUT_SEED)]
+        placed = base + ["--device", "sim", "--blocks", str(rnd.randint(1, 4)), "--prefetch", str(rnd.randint(0, 2))]
+        if rnd.random() < 0.4:
+            placed.append("--recompute")
+        chunks = rnd.choice([0, 0, 1, 2])
+        placed += ["--device-chunks", str(chunks)]
+        if chunks == 0 and rnd.random() < 0.4:
+            disk = os.path.join(tmp, c["name"] + ".pdisk")
+            os.makedirs(disk, exist_ok=True)
+            placed += ["--disk-dir", disk, "--disk-chunks", "1"]
+        if only is not None and i != only:
+            continue
+        src = os.path.join(tmp, c["name"])
+        build(torch, c["name"], c["changes"], c["dtype"], c["shard"], src, seed=model_seed)
+        out, problems = [], []
+        for k, extra in enumerate((base, placed)):
+            name = f"{c['name']}.{('cpu', 'sim')[k]}"
+            save, log = os.path.join(tmp, name + ".saved"), os.path.join(tmp, name + ".log")
+            try:
+                losses, weights = ferry_runs(ferry, src, c["data"], save, log, [dict(extra=extra, launch=[])], c["B"],
+                                             c["T"], RANDOM_EPS, c["shuffle"])
+            except RuntimeError as e:
+                problems.append(str(e))
+                break
+            out.append((losses, load_file(os.path.join(weights, "model.safetensors"))))
+        if len(out) == 2:
+            if out[0][0] != out[1][0]:
+                problems.append(f"losses: cpu {out[0][0]}, sim {out[1][0]}")
+            differ = [t for t in out[0][1] if not torch.equal(out[0][1][t], out[1][1].get(t, torch.empty(0)))]
+            if differ:
+                problems.append(f"{len(differ)} tensors differ, e.g. {differ[0]}")
+        print(json.dumps({"variant": c["name"], "precision": precision, "config": c["report"]["config"],
+                          "sim": " ".join(placed), "ok": not problems}))
+        for p in problems:
+            print(f"  {c['name']}: {p}")
+        ok = ok and not problems
+    return ok
+
+
 def check_refused(torch, ferry, tmp, data):
     """A configuration ferry does not implement must be refused, naming the setting."""
     src = os.path.join(tmp, "silu")
@@ -719,6 +776,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="of the random configurations (default 1)")
     ap.add_argument("--case", type=int, metavar="I", help="with --random: only case I of the N")
     ap.add_argument("--gpu", action="store_true", help="with --random: ferry trains and evaluates on --device cuda (fp32)")
+    ap.add_argument("--placements", type=int, metavar="N",
+                    help="instead: N random cases trained on the cpu and on a random sim placement (fp32, bf16 "
+                         "or fp16), which must agree bit for bit")
     args = ap.parse_args()
     # transformers' progress bars and advice would bury the one line a variant prints
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -730,6 +790,10 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         os.makedirs(tmp, exist_ok=True)
+        if args.placements:
+            ok = check_placements(torch, args.ferry, tmp, args.placements, args.seed, args.case)
+            print(f"placements (seed {args.seed}):", "all passed" if ok else "FAILED")
+            return 0 if ok else 1
         if args.random:
             ok = check_random(torch, args.ferry, tmp, args.random, args.seed, args.case, args.gpu)
             print(f"random configurations (seed {args.seed}):", "all passed" if ok else "FAILED")
