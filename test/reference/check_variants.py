@@ -69,7 +69,7 @@ VARIANTS = {
 }
 # The loss_mask variant trains on the shard with a loss mask beside it (runtime/data.h; as
 # tools/tokenize.py --prompt writes): transformers gets labels -100 where the mask is 0.
-DROPOUT_SEED = 4321
+DROPOUT_SEED = 4321  # ferry's --seed where it drops or shuffles: its masks and its permutation
 # AdamW's eps in the random configurations. Their small batches leave gradient elements near zero,
 # whose sign is rounding noise; with eps 1e-8 Adam turns each into a full step of lr, different in
 # every implementation. 1e-6 keeps such steps small and leaves every real one as it was.
