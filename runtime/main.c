@@ -495,9 +495,23 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_MIN_LR: ok = parse_f32("--min-lr", optarg, 0, &o.min_lr); break;
       case OPT_WARMUP: ok = parse_i64("--warmup", optarg, 0, &o.warmup); break;
       case OPT_WD: ok = parse_f32("--weight-decay", optarg, 0, &o.adamw.weight_decay); break;
-      case OPT_B1: ok = parse_f32("--beta1", optarg, 0, &o.adamw.beta1) && o.adamw.beta1 < 1; break;
-      case OPT_B2: ok = parse_f32("--beta2", optarg, 0, &o.adamw.beta2) && o.adamw.beta2 < 1; break;
-      case OPT_EPS: ok = parse_f32("--eps", optarg, 0, &o.adamw.eps); break;
+      case OPT_B1:
+      case OPT_B2: {
+        const char *flag = c == OPT_B1 ? "--beta1" : "--beta2";
+        float *beta = c == OPT_B1 ? &o.adamw.beta1 : &o.adamw.beta2;
+        if ((ok = parse_f32(flag, optarg, 0, beta)) && !(*beta < 1)) {
+          fprintf(stderr, "ferry: %s is an AdamW beta, in [0, 1): got '%s'\n", flag, optarg);
+          ok = false;
+        }
+        break;
+      }
+      case OPT_EPS:
+        // (0 would divide a parameter's zero gradient by its zero second moment: NaN weights)
+        if ((ok = parse_f32("--eps", optarg, 0, &o.adamw.eps)) && !(o.adamw.eps > 0)) {
+          fprintf(stderr, "ferry: --eps must be above 0 (AdamW divides by sqrt(v) + eps), got '%s'\n", optarg);
+          ok = false;
+        }
+        break;
       case OPT_CLIP: ok = parse_f32("--clip", optarg, 0, &o.adamw.clip); break;
       case OPT_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
       case OPT_NO_SHUFFLE: o.shuffle = false; break;
@@ -584,10 +598,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
                 argv[optind - 1], cmd);
         return 2;
     }
-    if (!ok) {
-      if (c == OPT_B1 || c == OPT_B2) fprintf(stderr, "ferry: betas must be in [0, 1)\n");
-      return 2;
-    }
+    if (!ok) return 2;
   }
   if (optind < argc) {
     fprintf(stderr, "ferry %s: unexpected argument '%s' (see 'ferry %s --help')\n", cmd, argv[optind], cmd);

@@ -345,6 +345,11 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   }
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
+  const struct fy_adamw *h = &o->adamw;
+  if (!eval && !(h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 && h->eps > 0 && isfinite(h->eps) &&
+                 h->weight_decay >= 0 && isfinite(h->weight_decay) && o->lr >= 0 && isfinite(o->lr)))
+    return fy_error_set(FY_ERR_INVALID, "AdamW needs betas in [0, 1), eps > 0, weight decay and lr >= 0 (got betas %g "
+                        "and %g, eps %g, weight decay %g, lr %g)", h->beta1, h->beta2, h->eps, h->weight_decay, o->lr);
   if (o->threads > 0) omp_set_num_threads(o->threads);
   FY_TRY(resolve_config(o, &r->cfg));
   // Dropout while training (evaluation has none); its probability is checked with the graph.

@@ -50,6 +50,8 @@ expect 2 "an unknown flag" "unknown option '--bogus'" -- train --bogus
 expect 2 "a flag without its value" "needs a value" -- train --batch
 expect 2 "a flag with a bad number" "whole number" -- train --batch two
 expect 2 "a negative learning rate" "--lr" -- train --lr -1
+expect 2 "a beta of 1 or more" "--beta1 is an AdamW beta, in \[0, 1\): got '1.5'" -- train --beta1 1.5
+expect 2 "an AdamW eps of 0 (NaN weights where a gradient is zero)" "--eps must be above 0" -- train --eps 0
 expect 2 "a stray argument" "unexpected argument" -- train extra
 
 expect 0 "a short run saves and logs" "saved a Hugging Face checkpoint" -- train "${tiny[@]}" --steps 3 \

@@ -260,6 +260,13 @@ int main(void) {
     s.schedule = "step";
     struct fy_train_result rs;
     CHECK_ERR(fy_train(&s, &rs), FY_ERR_INVALID);
+    // AdamW's hyper-parameters through the library too (eps 0: NaN where a gradient is zero).
+    s.schedule = NULL;
+    s.adamw.eps = 0;
+    CHECK_ERR(fy_train(&s, &rs), FY_ERR_INVALID);
+    s.adamw.eps = 1e-8f;
+    s.adamw.beta2 = 1.0f;
+    CHECK_ERR(fy_train(&s, &rs), FY_ERR_INVALID);
   }
 
   // Validation (--val-data): every val_every steps and after the last; forward passes without
