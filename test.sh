@@ -3,8 +3,8 @@
 # tests (meson test), the same again under AddressSanitizer and UndefinedBehaviorSanitizer, and the
 # transformers round trip of a saved checkpoint, the OPT variants that the fixtures do not cover,
 # random configurations trained along random paths, and tools/convert.py (when torch and
-# transformers are installed), and, with the sanitizers, the fuzz targets for 10 s each (skipped
-# without clang's libFuzzer).
+# transformers are installed), and, with the sanitizers, ferry train with random options and the
+# fuzz targets for 10 s each (skipped without clang's libFuzzer).
 # Ends with one line: "N passed, N failed[, N skipped]".
 #
 # usage: ./test.sh [--no-sanitize] [--sanitize-only]
@@ -93,6 +93,14 @@ if [ "$sanitize" = 1 ]; then
     run_suite build-asan "AddressSanitizer + UndefinedBehaviorSanitizer"
   else
     failed=$((failed + 1))
+  fi
+  # ferry train with random option sets, valid and not, under the sanitizers: each run ends by
+  # itself, with 0, 1 or 2 and a message, and without a report.
+  echo "== ferry train with random options (test/cli_random.py, AddressSanitizer build)"
+  if [ -x build-asan/ferry ] && python3 test/cli_random.py build-asan/ferry 100 1 >build-asan/cli_random.log 2>&1; then
+    passed=$((passed + 1)); tail -n 1 build-asan/cli_random.log
+  else
+    failed=$((failed + 1)); tail -n 30 build-asan/cli_random.log 2>/dev/null
   fi
   # The parsers of untrusted files under libFuzzer, 10 s each (test/fuzz/README.md).
   echo "== fuzz targets (test/fuzz/run.sh 10)"

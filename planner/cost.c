@@ -113,8 +113,18 @@ static void bump(fy_stream *s, double t) {
   if (t > c) fy_timeline_run(s, t - c, NULL);
 }
 
-fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
-                           const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
+// The busiest stream of a step, by name.
+static void name_bottleneck(struct fy_cost *c) {
+  const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
+  const double busy[4] = {c->compute_s, c->h2d_s, c->d2h_s, c->optim_s};
+  int worst = 0;
+  for (int i = 1; i < 4; i++)
+    if (busy[i] > busy[worst]) worst = i;
+  snprintf(c->bottleneck, sizeof c->bottleneck, "%s", names[worst]);
+}
+
+static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
+                          struct fy_cost *out, struct fy_device **timeline_out) {
   memset(out, 0, sizeof *out);
   if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1)
     return fy_error_set(FY_ERR_INVALID, "plan: micro-batch, accumulation and sequence must be positive");
@@ -420,11 +430,7 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
     out->d2h_s = busy[2];
     out->optim_s = busy[3];
     out->device_peak = (double)s.dev->bytes_peak;
-    const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
-    int worst = 0;
-    for (int i = 1; i < 4; i++)
-      if (busy[i] > busy[worst]) worst = i;
-    snprintf(out->bottleneck, sizeof out->bottleneck, "%s", names[worst]);
+    name_bottleneck(out);
   }
   sim_free(&s, nc);
   if (st == FY_OK && timeline_out) {
@@ -437,6 +443,40 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   fy_graph_free(whole);
   fy_graph_free(g);
   return st;
+}
+
+// A step of many micro-batches: each after the first few costs what the one before it did (the
+// same ops, chunk loads and copies), so a step of A > ACCUM_SIMULATED micro-batches is simulated
+// with ACCUM_SIMULATED - 1 and ACCUM_SIMULATED of them and extended by the last one's share per
+// further micro-batch (memory does not grow with A). A search over the micro-batch sizes of a
+// large batch then no longer simulates every micro-batch of every candidate (a batch of 100000
+// sequences took the planner two minutes). A timeline to draw is always the whole step.
+#define ACCUM_SIMULATED 8
+
+fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                           const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
+  if (timeline_out || k->grad_accum <= ACCUM_SIMULATED) return simulate(cfg, k, probe, out, timeline_out);
+  struct fy_plan_knobs less = *k, most = *k;
+  less.grad_accum = ACCUM_SIMULATED - 1;
+  most.grad_accum = ACCUM_SIMULATED;
+  struct fy_cost c7;
+  FY_TRY(simulate(cfg, &less, probe, &c7, NULL));
+  FY_TRY(simulate(cfg, &most, probe, out, NULL));
+  if (!out->fits) return FY_OK;
+  const double more = (double)(k->grad_accum - ACCUM_SIMULATED);
+  out->step_s += more * (out->step_s - c7.step_s);
+  out->compute_s += more * (out->compute_s - c7.compute_s);
+  out->h2d_s += more * (out->h2d_s - c7.h2d_s);
+  out->d2h_s += more * (out->d2h_s - c7.d2h_s);
+  out->optim_s += more * (out->optim_s - c7.optim_s);
+  out->comm_s += more * (out->comm_s - c7.comm_s);
+  out->loads_per_step += (int64_t)more * (out->loads_per_step - c7.loads_per_step);
+  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
+  out->flops_per_step = out->flops_per_step / ACCUM_SIMULATED * (double)k->grad_accum;
+  out->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / out->step_s;
+  out->mfu = out->flops_per_step / out->step_s / (probe->device_gflops * 1e9 * dp * tp);
+  name_bottleneck(out);
+  return FY_OK;
 }
 
 fy_status fy_cost_svg(const struct fy_device *timeline, const struct fy_cost *c, const char *path) {
