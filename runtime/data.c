@@ -363,19 +363,30 @@ static const struct shard *data_shard_of(const fy_data *d, int64_t w) {
   return &d->shards[lo];
 }
 
+// The stream element of row 0 of this rank's batch at position (it fits in int64 for any position
+// below 2^63 / (W*B); seek checks that bound).
+static int64_t batch_row0(const fy_data *d, int64_t position) {
+  return position * d->world * d->B + (int64_t)d->rank * d->B;
+}
+
+// Stream element s's window: the shard holding it and the index there of its first token.
+static const struct shard *row_window(fy_data *d, int64_t s, int64_t *first) {
+  int64_t epoch = s / d->nwindows, w = s % d->nwindows;
+  if (d->shuffle) {
+    if (d->perm_epoch != epoch) data_make_perm(d, epoch);
+    w = d->perm[w];
+  }
+  const struct shard *sh = data_shard_of(d, w);
+  *first = (w - sh->first_window) * d->T;
+  return sh;
+}
+
 fy_status fy_data_next(fy_data *d, struct fy_batch **out) {
   if (!d || !out) return fy_error_set(FY_ERR_INVALID, "fy_data_next: NULL argument");
-  const int64_t B = d->B, T = d->T, Nw = d->nwindows;
-  // s fits in int64 for any position below 2^63 / (W*B); seek checks that bound.
-  int64_t s0 = d->position * d->world * B + (int64_t)d->rank * B;
+  const int64_t B = d->B, T = d->T, s0 = batch_row0(d, d->position);
   for (int64_t j = 0; j < B; j++) {
-    int64_t s = s0 + j, epoch = s / Nw, w = s % Nw;
-    if (d->shuffle) {
-      if (d->perm_epoch != epoch) data_make_perm(d, epoch);
-      w = d->perm[w];
-    }
-    const struct shard *sh = data_shard_of(d, w);
-    const int64_t first = (w - sh->first_window) * T;
+    int64_t first;
+    const struct shard *sh = row_window(d, s0 + j, &first);
     int32_t *in = d->batch.inputs + j * T, *tg = d->batch.targets + j * T;
     for (int64_t t = 0; t < T; t++) {  // (tokens < vocab_size, which fits an int32)
       in[t] = (int32_t)shard_token(sh, first + t);
@@ -389,6 +400,21 @@ fy_status fy_data_next(fy_data *d, struct fy_batch **out) {
   d->position++;
   *out = &d->batch;
   return FY_OK;
+}
+
+int64_t fy_data_count_targets(fy_data *d, int64_t ahead) {
+  const int64_t s0 = batch_row0(d, d->position + ahead);
+  int64_t n = 0;
+  for (int64_t j = 0; j < d->B; j++) {
+    int64_t first;
+    const struct shard *sh = row_window(d, s0 + j, &first);
+    if (!sh->mask) {
+      n += d->T;
+      continue;
+    }
+    for (int64_t t = 1; t <= d->T; t++) n += sh->mask[first + t];
+  }
+  return n;
 }
 
 int64_t fy_data_num_tokens(const fy_data *d) { return d ? d->ntokens : 0; }

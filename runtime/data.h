@@ -49,6 +49,9 @@ fy_status fy_data_open(const char *path, int64_t vocab_size, int64_t B, int64_t 
                        uint64_t seed, int rank, int world, fy_data **out);
 // Fills the next batch (owned by the loader; valid until the next call).
 fy_status fy_data_next(fy_data *d, struct fy_batch **out);
+// The targets that count (not left out by a loss mask) in this rank's batch `ahead` batches after
+// the next (0: the next), read from the masks alone: no tokens copied, the position unchanged.
+int64_t fy_data_count_targets(fy_data *d, int64_t ahead);
 int64_t fy_data_num_tokens(const fy_data *d);
 // Position in the stream (for checkpoints): how many batches have been handed out.
 int64_t fy_data_position(const fy_data *d);

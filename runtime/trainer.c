@@ -345,11 +345,6 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   }
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
-  const struct fy_adamw *h = &o->adamw;
-  if (!eval && !(h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 && h->eps > 0 && isfinite(h->eps) &&
-                 h->weight_decay >= 0 && isfinite(h->weight_decay) && o->lr >= 0 && isfinite(o->lr)))
-    return fy_error_set(FY_ERR_INVALID, "AdamW needs betas in [0, 1), eps > 0, weight decay and lr >= 0 (got betas %g "
-                        "and %g, eps %g, weight decay %g, lr %g)", h->beta1, h->beta2, h->eps, h->weight_decay, o->lr);
   if (o->threads > 0) omp_set_num_threads(o->threads);
   FY_TRY(resolve_config(o, &r->cfg));
   // Dropout while training (evaluation has none); its probability is checked with the graph.
@@ -693,6 +688,12 @@ static void format_duration(char *buf, size_t n, double s) {
   else snprintf(buf, n, "%dh%02dm", (int)s / 3600, ((int)s % 3600) / 60);
 }
 
+// v as a JSON number in fmt, or null when it is not finite.
+static void json_number(char buf[32], double v, const char *fmt) {
+  if (isfinite(v)) snprintf(buf, 32, fmt, v);
+  else snprintf(buf, 32, "null");
+}
+
 static void progress_bar(int64_t done, int64_t total, double eta_s) {
   char eta[32];
   format_duration(eta, sizeof eta, eta_s);
@@ -703,26 +704,23 @@ static void progress_bar(int64_t done, int64_t total, double eta_s) {
   fflush(stdout);
 }
 
-// The targets that count in this step: those of its grad_accum micro-batches on every
-// data-parallel rank (the data's loss masks and -100 targets do not). The loss is the mean over
-// them, so a step's loss and gradient are those of one batch of the whole step, however it is
-// split into micro-batches and ranks. The batches are read ahead and the stream put back.
-static fy_status step_targets(const struct fy_train_opts *o, struct run *r, int64_t *total) {
-  const int64_t pos = fy_data_position(r->data);
-  int64_t n = 0;
-  for (int64_t micro = 0; micro < o->grad_accum; micro++) {
-    struct fy_batch *batch;
-    FY_TRY(fy_data_next(r->data, &batch));
-    n += fy_engine_count_targets(batch);
-  }
-  FY_TRY(fy_data_seek(r->data, pos));
+// The targets that count in this step (the data's loss masks leave some out), over every
+// data-parallel rank: counts[k] those of micro-batch k, *total their sum, from the masks before
+// any batch is read. The loss is the mean over the total, so a step's loss and gradient are those
+// of one batch of the whole step, however it is split into micro-batches and ranks.
+static fy_status step_targets(const struct fy_train_opts *o, struct run *r, int64_t *counts, int64_t *total) {
+  const int64_t K = o->grad_accum;
+  for (int64_t k = 0; k < K; k++) counts[k] = fy_data_count_targets(r->data, k);
   if (r->dp > 1) {  // exact counts (a float's 24 bits are not enough for every run): int64 as 2 words
-    int64_t all[r->dp];
-    FY_TRY(fy_comm_all_gather(r->dp_comm, &n, all, 2, FY_COMM_F32, NULL));
-    n = 0;
-    for (int k = 0; k < r->dp; k++) n += all[k];
+    int64_t all[r->dp * K];
+    FY_TRY(fy_comm_all_gather(r->dp_comm, counts, all, (size_t)(2 * K), FY_COMM_F32, NULL));
+    for (int64_t k = 0; k < K; k++) {
+      counts[k] = 0;
+      for (int i = 0; i < r->dp; i++) counts[k] += all[i * K + k];
+    }
   }
-  *total = n;
+  *total = 0;
+  for (int64_t k = 0; k < K; k++) *total += counts[k];
   return FY_OK;
 }
 
@@ -737,22 +735,22 @@ static fy_status skip_step(const struct fy_train_opts *o, struct run *r) {
 static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
                                double *loss_out, double *norm_out, bool *overflow, double *t_sum, double *t_opt) {
   struct fy_model *model = r->model;
-  int64_t total = 0, n_with_grads = 0;
-  FY_TRY(step_targets(o, r, &total));
+  int64_t counts[o->grad_accum], total = 0, n_with_grads = 0;
+  FY_TRY(step_targets(o, r, counts, &total));
   if (total == 0) return skip_step(o, r);
   double loss_sum = 0;
   for (int64_t micro = 0; micro < o->grad_accum; micro++) {
     struct fy_batch *batch;
     struct fy_loss loss;
     FY_TRY(fy_data_next(r->data, &batch));
+    if (counts[micro] == 0) continue;  // every target of this micro-batch ignored: no gradient from it
     FY_TRY(fy_engine_forward(model, batch, &loss));
     // Every data-parallel rank's part of the micro-batch (tensor-parallel ranks share their
     // sequences: the sum runs over the data-parallel group), so that all see a non-finite loss.
-    float tally[2] = {(float)loss.count, (float)loss.sum};
-    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, 2, FY_COMM_F32, NULL));
-    if (tally[0] == 0) continue;  // every target of this micro-batch ignored: no gradient from it
-    const double sum = r->dp > 1 ? tally[1] : loss.sum;
-    if (!isfinite(sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", sum / tally[0]);
+    float global = (float)loss.sum;
+    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, &global, 1, FY_COMM_F32, NULL));
+    const double sum = r->dp > 1 ? global : loss.sum;
+    if (!isfinite(sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", sum / (double)counts[micro]);
     loss_sum += sum;
     FY_TRY(fy_engine_backward(model, batch, (float)(scale / (double)total)));
     // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
@@ -789,16 +787,14 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
 static fy_status step_offload(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
                               double *loss_out, double *norm_out, bool *overflow) {
   double sums[o->grad_accum];
-  int64_t total = 0;
+  int64_t counts[o->grad_accum], total = 0;
   int n = 0;
-  FY_TRY(step_targets(o, r, &total));
+  FY_TRY(step_targets(o, r, counts, &total));
   if (total == 0) return skip_step(o, r);
   for (int64_t micro = 0; micro < o->grad_accum; micro++) {
     struct fy_batch *batch;
     FY_TRY(fy_data_next(r->data, &batch));
-    float count = (float)fy_engine_count_targets(batch);
-    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, &count, 1, FY_COMM_F32, NULL));
-    if (count == 0) continue;  // every target of this micro-batch ignored: no gradient from it
+    if (counts[micro] == 0) continue;  // every target of this micro-batch ignored: no gradient from it
     FY_TRY(fy_offload_micro(r->x, batch, n, (float)(scale / (double)total)));
     n++;
   }
@@ -1163,6 +1159,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
   if (o->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
   if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");
+  const struct fy_adamw *h = &o->adamw;
+  if (!(h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 && h->eps > 0 && isfinite(h->eps) &&
+        h->weight_decay >= 0 && isfinite(h->weight_decay)))
+    return fy_error_set(FY_ERR_INVALID, "AdamW needs betas in [0, 1), eps > 0 and a weight decay >= 0 (got betas %g "
+                        "and %g, eps %g, weight decay %g)", h->beta1, h->beta2, h->eps, h->weight_decay);
   if (o->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
   if (o->save_every > 0 && !o->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
   if (o->val_every > 0 && !o->val_data) return fy_error_set(FY_ERR_INVALID, "--val-every needs --val-data PATH");
@@ -1264,8 +1265,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (first_step > 0 && !o->quiet) printf("ferry: resuming from %s at step %lld\n", o->resume, (long long)first_step);
   double t_start = now_s(), t_sum = 0, t_opt = 0, val_s = 0;
   const int64_t val_every = o->val_every > 0 ? o->val_every : o->steps / 10 > 0 ? o->steps / 10 : 1;
-  res->val_loss = res->first_loss = res->last_loss = NAN;
-  bool have_loss = false;  // first_loss is set (steps whose every target is ignored have none)
+  res->val_loss = res->first_loss = res->last_loss = NAN;  // (steps whose every target is ignored have none)
   for (int64_t step = first_step; step < o->steps; step++) {
     double t0 = now_s(), loss = 0, norm = 0;
     bool overflow = false;
@@ -1305,9 +1305,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     step_times[step] = dt;
     double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9, rss = peak_rss_bytes();
     if (!ignored) {
-      if (!have_loss) res->first_loss = (float)loss;
+      if (isnan(res->first_loss)) res->first_loss = (float)loss;
       res->last_loss = (float)loss;
-      have_loss = true;
     }
     res->steps = step + 1;
     // Validation (every rank takes part: its rows, and the collectives of its forward passes).
@@ -1323,9 +1322,12 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       val_s = now_s() - tv;
     }
     if (log) {
-      char loss_json[32] = "null", norm_json[32] = "null";  // JSON has no NaN or infinity
-      if (!ignored) snprintf(loss_json, sizeof loss_json, "%.6f", loss);
-      if (isfinite(norm)) snprintf(norm_json, sizeof norm_json, "%.6g", norm);  // (inf: an fp16 overflow)
+      // (null: the loss of a step without a target, the norm of an fp16 overflow, a validation loss
+      // without a target; JSON has no NaN or infinity)
+      char loss_json[32], norm_json[32], val_json[32];
+      json_number(loss_json, loss, "%.6f");
+      json_number(norm_json, norm, "%.6g");
+      json_number(val_json, res->val_loss, "%.6f");
       fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%s,\"step_s\":%.6f,"
               "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
               "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
@@ -1335,10 +1337,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
       if (ignored || (overflow && o->loss_scale > 0))
         fprintf(log, ",\"skipped\":\"%s\"", ignored ? "every target ignored" : "gradient overflow");
-      if (validated && isfinite(res->val_loss))
-        fprintf(log, ",\"val_loss\":%.6f,\"val_s\":%.4f", res->val_loss, val_s);
-      else if (validated)  // every validation target ignored (loss masks): no mean
-        fprintf(log, ",\"val_loss\":null,\"val_s\":%.4f", val_s);
+      if (validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, val_s);
       fprintf(log, "}\n");
     }
     if (!o->quiet) {
@@ -1346,8 +1345,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       // Offloaded, the peak that matters is the device's (under --device-mem); else the process's.
       char peak[32];
       fy_format_bytes(r.x ? (double)r.dev->bytes_peak : rss, peak, sizeof peak);
-      char loss_txt[32] = "     -";  // every target ignored
-      if (!ignored) snprintf(loss_txt, sizeof loss_txt, "%.4f", loss);
+      char loss_txt[32] = "     -";  // every target ignored (loss NaN)
+      if (isfinite(loss)) snprintf(loss_txt, sizeof loss_txt, "%.4f", loss);
       printf("step %5lld/%lld | loss %s | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
              "%s peak %9s | %.0f ms\n",
              (long long)step + 1, (long long)o->steps, loss_txt, lr, norm, tok_s, gflops, r.x ? "device" : "RSS",
