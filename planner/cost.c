@@ -113,8 +113,11 @@ static void bump(fy_stream *s, double t) {
   if (t > c) fy_timeline_run(s, t - c, NULL);
 }
 
-// The busiest stream of a step, by name.
-static void name_bottleneck(struct fy_cost *c) {
+// What follows from a step's time and busy streams: tokens/s, MFU and the busiest stream's name.
+static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const struct fy_probe *probe) {
+  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
+  c->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / c->step_s;
+  c->mfu = c->flops_per_step / c->step_s / (probe->device_gflops * 1e9 * dp * tp);
   const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
   const double busy[4] = {c->compute_s, c->h2d_s, c->d2h_s, c->optim_s};
   int worst = 0;
@@ -422,15 +425,13 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   }
   if (st == FY_OK) {
     out->step_s = ends[steps - 1] - ends[steps - 2];
-    out->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / out->step_s;
-    out->mfu = out->flops_per_step / out->step_s / (probe->device_gflops * 1e9 * dp * tp);
     out->comm_s = s.comm_s;
     out->compute_s = busy[0];
     out->h2d_s = busy[1];
     out->d2h_s = busy[2];
     out->optim_s = busy[3];
     out->device_peak = (double)s.dev->bytes_peak;
-    name_bottleneck(out);
+    step_rates(out, k, probe);
   }
   sim_free(&s, nc);
   if (st == FY_OK && timeline_out) {
@@ -471,11 +472,8 @@ fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan
   out->optim_s += more * (out->optim_s - c7.optim_s);
   out->comm_s += more * (out->comm_s - c7.comm_s);
   out->loads_per_step += (int64_t)more * (out->loads_per_step - c7.loads_per_step);
-  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
   out->flops_per_step = out->flops_per_step / ACCUM_SIMULATED * (double)k->grad_accum;
-  out->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / out->step_s;
-  out->mfu = out->flops_per_step / out->step_s / (probe->device_gflops * 1e9 * dp * tp);
-  name_bottleneck(out);
+  step_rates(out, k, probe);
   return FY_OK;
 }
 
