@@ -47,34 +47,40 @@ PY
   [ "$f" -eq 0 ] || grep -E "^(FAIL|  expected)|error" "$dir.test.log" | head -40
 }
 
+# count CMD...: runs CMD and counts it as passed or failed.
+count() { if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi; }
+# count_logged LOG CMD...: the same with CMD's output in LOG; its last line is shown when it
+# passes, and when not the lines that say what went wrong (those that are not a passing case's).
+count_logged() {
+  local log="$1"
+  shift
+  if "$@" >"$log" 2>&1; then
+    passed=$((passed + 1)); tail -n 1 "$log"
+  else
+    failed=$((failed + 1)); grep -v '^{"variant"' "$log" | head -40
+  fi
+}
+
 if [ "$plain" = 1 ]; then
   if fy_build build; then
     run_suite build "release build"
     # A checkpoint ferry saves loads in transformers and gives ferry's logits.
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
       echo "== transformers loads a ferry checkpoint"
-      if test/reference/check_export.sh build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+      count test/reference/check_export.sh build/ferry
       # Configurations the fixtures do not cover (no biases, no affine norms, untied lm_head, ...),
       # trained by ferry and by transformers side by side.
       echo "== OPT variants: ferry and transformers train them alike"
-      if python3 test/reference/check_variants.py build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+      count python3 test/reference/check_variants.py build/ferry
       # Random configurations, each trained along a random path (ranks, accumulation, offload, resume).
       echo "== random OPT configurations along random paths: ferry and transformers train them alike"
-      if python3 test/reference/check_variants.py build/ferry --random 40 --seed 1 >build/random_variants.log 2>&1; then
-        passed=$((passed + 1)); tail -n 1 build/random_variants.log
-      else
-        failed=$((failed + 1)); grep -v '^{"variant"' build/random_variants.log | head -40
-      fi
+      count_logged build/random_variants.log python3 test/reference/check_variants.py build/ferry --random 40 --seed 1
       # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
       echo "== random OPT configurations: the sim device's placements give the cpu's bits"
-      if python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1 >build/placements.log 2>&1; then
-        passed=$((passed + 1)); tail -n 1 build/placements.log
-      else
-        failed=$((failed + 1)); grep -v '^{"variant"' build/placements.log | head -40
-      fi
+      count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1
       # A model saved as PyTorch pickles, converted by tools/convert.py, gives ferry the same loss.
       echo "== tools/convert.py: PyTorch pickles to safetensors"
-      if test/reference/check_convert.sh build/ferry; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+      count test/reference/check_convert.sh build/ferry
     else
       echo "== skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
       skipped=$((skipped + 5))
@@ -97,11 +103,8 @@ if [ "$sanitize" = 1 ]; then
   # ferry train with random option sets, valid and not, under the sanitizers: each run ends by
   # itself, with 0, 1 or 2 and a message, and without a report.
   echo "== ferry train with random options (test/cli_random.py, AddressSanitizer build)"
-  if [ -x build-asan/ferry ] && python3 test/cli_random.py build-asan/ferry 100 1 >build-asan/cli_random.log 2>&1; then
-    passed=$((passed + 1)); tail -n 1 build-asan/cli_random.log
-  else
-    failed=$((failed + 1)); tail -n 30 build-asan/cli_random.log 2>/dev/null
-  fi
+  mkdir -p build-asan
+  count_logged build-asan/cli_random.log python3 test/cli_random.py build-asan/ferry 100 1
   # The parsers of untrusted files under libFuzzer, 10 s each (test/fuzz/README.md).
   echo "== fuzz targets (test/fuzz/run.sh 10)"
   test/fuzz/run.sh 10
