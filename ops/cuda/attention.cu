@@ -420,11 +420,15 @@ static __device__ __forceinline__ uint32_t tc_pack(float lo, float hi) {
 
 // c (16x8) += a (16x16) b (16x8)
 static __device__ __forceinline__ void tc_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+#ifdef FY_CUDA_EMU  // test/cudaemu: the instruction emulated on the CPU
+  fy_emu_mma_m16n8k16_bf16(c, a, b0, b1);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // A fragment: rows [m0, m0+16), columns [k0, k0+16) of a row-major tile (row stride ld elements)
@@ -452,10 +456,14 @@ static __device__ __forceinline__ void tc_ld_bt(uint32_t &b0, uint32_t &b1, cons
 static __device__ __forceinline__ void tc_ld_b2(uint32_t b[4], const fy_bf16 *tile, int ld, int k0, int n0) {
   const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
   const fy_bf16 *p = tile + (k0 + r + (mi & 1) * 8) * ld + n0 + (mi >> 1) * 8;
+#ifdef FY_CUDA_EMU
+  fy_emu_ldmatrix_x4_trans(b, p);
+#else
   unsigned addr = (unsigned)__cvta_generic_to_shared(p);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                : "r"(addr));
+#endif
 }
 
 // rows [row0, row0+R) of one head (HS columns at base, row stride rstride) -> dst (R, HS+8) bf16;
@@ -846,12 +854,18 @@ attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16
 // while the current one is used. One barrier per tile: after it, every warp is done with the
 // previous tile, whose buffers the next copy takes.
 
+#ifdef FY_CUDA_EMU
+static __device__ __forceinline__ void tc_cp16(void *dst, const void *src, bool ok) { fy_emu_cp_async16(dst, src, ok); }
+static __device__ __forceinline__ void tc_cp_commit() {}
+static __device__ __forceinline__ void tc_cp_wait() { fy_emu_cp_async_wait_all(); }
+#else
 static __device__ __forceinline__ void tc_cp16(void *dst, const void *src, bool ok) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
 }
 static __device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 static __device__ __forceinline__ void tc_cp_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+#endif
 
 // tc_load by cp.async: rows [row0, row0+R) of one head -> dst (R, HS+8); rows past T are zero
 template <int HS, int R>

@@ -1,0 +1,117 @@
+// The CUDA emulator's device side: what a kernel file (ops/cuda/*.cu, rewritten by rewrite.py)
+// needs to compile as host C++ and run on CPU threads. See README.md.
+//
+// A launch runs its blocks one after another on the calling stream's worker thread; a block's
+// threads are fibers that switch only where CUDA threads meet: __syncthreads, the warp shuffles,
+// mma.sync and ldmatrix (fy_emu_warp_*). Between meeting points the fibers of a block run in an
+// order drawn at random (FY_EMU_SEED), so a missing barrier changes results. __shared__ variables
+// are thread_local statics (one block at a time per worker thread); the dynamic shared memory is
+// refilled with 0xff bytes (NaN as fp32 and bf16) before each block.
+#ifndef FY_CUDAEMU_EMU_H
+#define FY_CUDAEMU_EMU_H
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+// The toolkit's qualifiers, for a host compiler
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __forceinline__
+#undef __shared__
+#undef __launch_bounds__
+#undef __align__
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static thread_local
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+
+void __syncthreads(void);
+void *fy_emu_dynamic_smem(void);
+
+// A warp-wide meeting: each lane hands in `in` (n bytes) and gets back `out` (n bytes) from fn,
+// which the last lane to arrive runs over all of them (in[lane], out[lane], 64 bytes each).
+typedef void (*fy_emu_warp_fn)(const unsigned char in[32][64], unsigned char out[32][64], int lanes);
+void fy_emu_warp(unsigned mask, const char *what, fy_emu_warp_fn fn, const void *in, size_t n_in, void *out,
+                 size_t n_out);
+
+void fy_emu_shfl_xor_fn(const unsigned char in[32][64], unsigned char out[32][64], int lanes);
+void fy_emu_shfl_up_fn(const unsigned char in[32][64], unsigned char out[32][64], int lanes);
+
+struct fy_emu_shfl_in {
+  uint64_t v;
+  int32_t arg;  // the lane mask (xor) or the delta (up)
+};
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8, "shuffles of up to 8 bytes");
+  (void)width;
+  fy_emu_shfl_in in = {0, lane_mask};
+  memcpy(&in.v, &v, sizeof v);
+  uint64_t out;
+  fy_emu_warp(mask, "__shfl_xor_sync", fy_emu_shfl_xor_fn, &in, sizeof in, &out, sizeof out);
+  T r;
+  memcpy(&r, &out, sizeof r);
+  return r;
+}
+
+template <typename T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  static_assert(sizeof(T) <= 8, "shuffles of up to 8 bytes");
+  (void)width;
+  fy_emu_shfl_in in = {0, (int32_t)delta};
+  memcpy(&in.v, &v, sizeof v);
+  uint64_t out;
+  fy_emu_warp(mask, "__shfl_up_sync", fy_emu_shfl_up_fn, &in, sizeof in, &out, sizeof out);
+  T r;
+  memcpy(&r, &out, sizeof r);
+  return r;
+}
+
+// The tensor-core instructions the attention kernels use (attention.cu, under FY_CUDA_EMU):
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, c += a b with the PTX ISA's fragments
+void fy_emu_mma_m16n8k16_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane l gives the address of row l % 8 of
+// matrix l / 8; r[i] gets matrix i's fragment, transposed
+void fy_emu_ldmatrix_x4_trans(uint32_t r[4], const void *row);
+// cp.async.cg.shared.global (16 bytes, or zeros when !ok), commit_group, wait_group 0: a copy
+// lands at a moment drawn at random between its issue and the wait
+void fy_emu_cp_async16(void *dst, const void *src, bool ok);
+void fy_emu_cp_async_wait_all(void);
+
+// cuda_runtime.h's overload for a kernel (nvcc only)
+template <typename... P>
+cudaError_t cudaFuncSetAttribute(void (*k)(P...), enum cudaFuncAttribute attr, int value) {
+  return cudaFuncSetAttribute((const void *)k, attr, value);
+}
+
+// Launches: rewrite.py turns `k<<<g, b, s, st>>>(args)` into fy_emu_launch("k", k, g, b, s, st, args)
+// (s and st 0 when the launch leaves them out)
+void fy_emu_submit(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                   std::function<void()> body);
+
+template <typename... P, typename... A>
+void fy_emu_launch(const char *name, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                   A &&...a) {
+  static_assert(sizeof...(P) == sizeof...(A), "a kernel's arguments");
+  std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);  // converted as a launch does
+  fy_emu_submit(name, (const void *)k, grid, block, smem, st, [k, args]() { std::apply(k, args); });
+}
+#endif

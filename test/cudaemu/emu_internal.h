@@ -1,0 +1,23 @@
+// Shared by the CUDA emulator's parts (kernels, runtime, cuBLASLt): not for kernel files.
+#ifndef FY_CUDAEMU_INTERNAL_H
+#define FY_CUDAEMU_INTERNAL_H
+
+#include <stdint.h>
+
+#include "test/cudaemu/emu.h"
+
+// A fault of the emulated program (what a GPU would report as an illegal access, a launch
+// failure or a hang): the message, and the process stops. Never returns.
+[[noreturn]] void fy_emu_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// Runs a launch's blocks, one after another, on the calling thread (a stream's worker).
+void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint64_t seed,
+                     const std::function<void()> &body);
+
+// Whether [p, p + n) lies inside memory the emulated device can reach (cudaMalloc'd, or host
+// memory pinned or registered); what names the access in a failure.
+void fy_emu_check_range(const void *p, size_t n, const char *what);
+
+uint64_t fy_emu_seed(void);  // FY_EMU_SEED (default 1)
+
+#endif

@@ -1,0 +1,547 @@
+// The CUDA emulator's runtime: the part of the CUDA runtime API that ferry calls, on the CPU.
+//
+// One emulated GPU (FY_EMU_GPUS for more), FY_EMU_DEVICE_MEM bytes of device memory (default
+// 16 GiB; cudaMalloc refuses past it). A stream is a worker thread that runs its queue in order
+// (kernels, copies, memsets, host functions, event records and waits), so streams overlap as on a
+// GPU and a missing event wait shows up as a race. Copies from or to pageable host memory finish
+// before the call returns, as CUDA's do; pinned (cudaMallocHost, cudaHostRegister) ones are
+// queued. Device memory is host memory: a kernel's stray read or write is caught by the
+// sanitizers when the emulator is built with them, and copies are checked against the
+// allocations.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "test/cudaemu/emu_internal.h"
+
+struct CUstream_st {
+  std::thread worker;
+  std::deque<std::function<void()>> queue;
+  bool busy = false, stop = false;
+  uint64_t launches = 0;
+};
+
+void fy_emu_sync_all(void);  // waits for every stream
+void fy_emu_track(struct CUstream_st *s, bool add);
+
+struct CUevent_st {
+  unsigned flags = 0;
+  uint64_t recorded = 0, done = 0;  // records made, records reached
+  double time_ms = 0;
+};
+
+namespace {
+
+// Never destroyed: the workers may still wait on them while the process exits.
+std::mutex &mu = *new std::mutex;  // guards every stream, event and allocation table below
+std::condition_variable &changed = *new std::condition_variable;
+
+struct allocation {
+  size_t bytes;
+  int kind;  // 0 device, 1 pinned host (cudaMallocHost), 2 registered host
+};
+std::map<uintptr_t, allocation> allocations;
+size_t device_used;
+thread_local cudaError_t last_error = cudaSuccess;
+thread_local int current_device;
+std::map<const void *, int> max_dynamic_smem;  // cudaFuncSetAttribute
+
+const size_t DEFAULT_SMEM = 48 << 10, OPTIN_SMEM = 227 << 10;  // sm_90
+
+size_t device_capacity() {
+  static size_t cap = [] {
+    const char *s = getenv("FY_EMU_DEVICE_MEM");
+    return s && *s ? (size_t)strtoull(s, NULL, 10) : (size_t)16 << 30;
+  }();
+  return cap;
+}
+
+int device_count() {
+  static int n = [] {
+    const char *s = getenv("FY_EMU_GPUS");
+    return s && *s ? atoi(s) : 1;
+  }();
+  return n;
+}
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+cudaError_t fail(cudaError_t e) {
+  last_error = e;
+  return e;
+}
+
+void worker_loop(CUstream_st *s) {
+  std::unique_lock<std::mutex> lk(mu);
+  for (;;) {
+    changed.wait(lk, [s] { return s->stop || !s->queue.empty(); });
+    if (s->queue.empty()) return;
+    std::function<void()> job = std::move(s->queue.front());
+    s->queue.pop_front();
+    s->busy = true;
+    lk.unlock();
+    job();
+    lk.lock();
+    s->busy = false;
+    changed.notify_all();
+  }
+}
+
+CUstream_st *stream_new() {
+  CUstream_st *s = new CUstream_st;
+  s->worker = std::thread(worker_loop, s);
+  return s;
+}
+
+CUstream_st *stream_of(cudaStream_t st) {
+  static CUstream_st *legacy = stream_new();  // stream 0
+  return st ? (CUstream_st *)st : legacy;
+}
+
+void enqueue(cudaStream_t st, std::function<void()> job) {
+  CUstream_st *s = stream_of(st);
+  std::lock_guard<std::mutex> lk(mu);
+  s->queue.push_back(std::move(job));
+  changed.notify_all();
+}
+
+void wait_idle(CUstream_st *s) {
+  std::unique_lock<std::mutex> lk(mu);
+  changed.wait(lk, [s] { return s->queue.empty() && !s->busy; });
+}
+
+// The allocation holding p (mu held), or NULL
+const std::pair<const uintptr_t, allocation> *find(const void *p) {
+  auto it = allocations.upper_bound((uintptr_t)p);
+  if (it == allocations.begin()) return NULL;
+  --it;
+  if ((uintptr_t)p >= it->first + it->second.bytes) return NULL;
+  return &*it;
+}
+
+bool pageable(const void *p) {
+  std::lock_guard<std::mutex> lk(mu);
+  return find(p) == NULL;
+}
+
+}  // namespace
+
+void fy_emu_check_range(const void *p, size_t n, const char *what) {
+  std::lock_guard<std::mutex> lk(mu);
+  auto a = find(p);
+  if (!a || (uintptr_t)p + n > a->first + a->second.bytes)
+    fy_emu_fail("%s: %zu bytes at %p are not in device, pinned or registered memory", what, n, p);
+}
+
+void fy_emu_submit(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                   std::function<void()> body) {
+  const uint64_t threads = (uint64_t)block.x * block.y * block.z;
+  size_t smem_max = DEFAULT_SMEM;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = max_dynamic_smem.find(fn);
+    if (it != max_dynamic_smem.end()) smem_max = (size_t)it->second;
+  }
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || block.z > 64 ||
+      grid.y > 65535 || grid.z > 65535 || grid.x > 2147483647u) {
+    fprintf(stderr, "cudaemu: launch of %s with grid (%u,%u,%u) and block (%u,%u,%u): invalid configuration\n", name,
+            grid.x, grid.y, grid.z, block.x, block.y, block.z);
+    last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  if (smem > smem_max) {
+    fprintf(stderr, "cudaemu: launch of %s with %zu bytes of dynamic shared memory (at most %zu%s)\n", name, smem,
+            smem_max, smem_max == DEFAULT_SMEM ? " without cudaFuncSetAttribute" : "");
+    last_error = cudaErrorInvalidValue;
+    return;
+  }
+  CUstream_st *s = stream_of(st);
+  uint64_t seed;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    seed = fy_emu_seed() * 1000003u + s->launches++;
+  }
+  enqueue(st, [name, grid, block, smem, seed, body = std::move(body)] {
+    fy_emu_run_grid(name, grid, block, smem, seed, body);
+  });
+}
+
+extern "C" {
+
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory range is already mapped";
+    case cudaErrorHostMemoryNotRegistered: return "pointer does not correspond to a registered memory region";
+    default: return "unknown error (cuda emulator)";
+  }
+}
+
+const char *cudaGetErrorName(cudaError_t e) { return cudaGetErrorString(e); }
+
+cudaError_t cudaGetDeviceCount(int *n) {
+  *n = device_count();
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
+  current_device = d;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *d) {
+  *d = current_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int dev) {
+  if (dev < 0 || dev >= device_count()) return fail(cudaErrorInvalidDevice);
+  switch (attr) {
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    case cudaDevAttrMultiProcessorCount: *v = 132; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = (int)OPTIN_SMEM; break;
+    case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
+    case cudaDevAttrWarpSize: *v = 32; break;
+    default: return fail(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev) {
+  if (dev < 0 || dev >= device_count()) return fail(cudaErrorInvalidDevice);
+  memset(p, 0, sizeof *p);
+  snprintf(p->name, sizeof p->name, "ferry CUDA emulator (sm_90)");
+  p->totalGlobalMem = device_capacity();
+  p->major = 9;
+  p->minor = 0;
+  p->multiProcessorCount = 132;
+  p->sharedMemPerBlock = DEFAULT_SMEM;
+  p->sharedMemPerBlockOptin = OPTIN_SMEM;
+  p->maxThreadsPerBlock = 1024;
+  p->warpSize = 32;
+  p->pciBusID = dev;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
+  std::lock_guard<std::mutex> lk(mu);
+  *total = device_capacity();
+  *free_bytes = device_capacity() - device_used;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+  fy_emu_sync_all();
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t n) {
+  std::lock_guard<std::mutex> lk(mu);
+  const size_t bytes = (n + 255) / 256 * 256;
+  if (device_used + bytes > device_capacity()) {
+    *p = NULL;
+    last_error = cudaErrorMemoryAllocation;
+    return cudaErrorMemoryAllocation;
+  }
+  void *m = aligned_alloc(256, bytes ? bytes : 256);
+  if (!m) return fail(cudaErrorMemoryAllocation);
+  allocations[(uintptr_t)m] = allocation{n, 0};
+  device_used += bytes;
+  *p = m;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p) {
+  if (!p) return cudaSuccess;
+  fy_emu_sync_all();  // as cudaFree: the device is done with it
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = allocations.find((uintptr_t)p);
+  if (it == allocations.end() || it->second.kind != 0) return fail(cudaErrorInvalidValue);
+  device_used -= (it->second.bytes + 255) / 256 * 256;
+  allocations.erase(it);
+  free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t n) {
+  void *m = aligned_alloc(4096, (n + 4095) / 4096 * 4096 + (n == 0) * 4096);
+  if (!m) return fail(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> lk(mu);
+  allocations[(uintptr_t)m] = allocation{n, 1};
+  *p = m;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+  if (!p) return cudaSuccess;
+  fy_emu_sync_all();
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = allocations.find((uintptr_t)p);
+  if (it == allocations.end() || it->second.kind != 1) return fail(cudaErrorInvalidValue);
+  allocations.erase(it);
+  free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostRegister(void *p, size_t n, unsigned flags) {
+  (void)flags;
+  std::lock_guard<std::mutex> lk(mu);
+  if (find(p) || find((char *)p + n - 1)) return fail(cudaErrorHostMemoryAlreadyRegistered);
+  allocations[(uintptr_t)p] = allocation{n, 2};
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostUnregister(void *p) {
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = allocations.find((uintptr_t)p);
+  if (it == allocations.end() || it->second.kind != 2) return fail(cudaErrorHostMemoryNotRegistered);
+  allocations.erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+  std::lock_guard<std::mutex> lk(mu);
+  memset(a, 0, sizeof *a);
+  auto f = find(p);
+  if (!f) {
+    a->type = cudaMemoryTypeUnregistered;
+    a->device = -2;
+    a->hostPointer = (void *)p;
+    return cudaSuccess;
+  }
+  a->device = 0;
+  if (f->second.kind == 0) {
+    a->type = cudaMemoryTypeDevice;
+    a->devicePointer = (void *)p;
+  } else {
+    a->type = cudaMemoryTypeHost;
+    a->devicePointer = (void *)p;
+    a->hostPointer = (void *)p;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *st, unsigned flags) {
+  (void)flags;  // every stream is non-blocking here: ferry makes no use of the legacy stream's syncs
+  CUstream_st *s = stream_new();
+  fy_emu_track(s, true);
+  *st = (cudaStream_t)s;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *st) { return cudaStreamCreateWithFlags(st, 0); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t st) {
+  if (!st) return fail(cudaErrorInvalidResourceHandle);
+  CUstream_st *s = (CUstream_st *)st;
+  wait_idle(s);  // CUDA lets queued work finish
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    s->stop = true;
+    changed.notify_all();
+  }
+  s->worker.join();
+  fy_emu_track(s, false);
+  delete s;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t st) {
+  wait_idle(stream_of(st));
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t st) {
+  CUstream_st *s = stream_of(st);
+  std::lock_guard<std::mutex> lk(mu);
+  return s->queue.empty() && !s->busy ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
+  if (n == 0) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto d = find(dst), s = find(src);
+    const bool dd = d && d->second.kind == 0, sd = s && s->second.kind == 0;
+    bool ok = true;
+    switch (kind) {
+      case cudaMemcpyHostToDevice: ok = dd && !sd; break;
+      case cudaMemcpyDeviceToHost: ok = sd && !dd; break;
+      case cudaMemcpyDeviceToDevice: ok = sd && dd; break;
+      case cudaMemcpyHostToHost: ok = !sd && !dd; break;
+      default: break;
+    }
+    if (!ok) return fail(cudaErrorInvalidValue);
+    if ((d && (uintptr_t)dst + n > d->first + d->second.bytes) || (s && (uintptr_t)src + n > s->first + s->second.bytes))
+      fy_emu_fail("cudaMemcpyAsync of %zu bytes %p -> %p runs past its allocation", n, src, dst);
+  }
+  const bool sync = pageable(dst) || pageable(src);
+  enqueue(st, [dst, src, n] { memmove(dst, src, n); });
+  if (sync) wait_idle(stream_of(st));  // pageable host memory: done when the call returns
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
+  cudaError_t e = cudaMemcpyAsync(dst, src, n, kind, 0);
+  if (e == cudaSuccess) fy_emu_sync_all();
+  return e;
+}
+
+cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t st) {
+  if (n == 0) return cudaSuccess;
+  fy_emu_check_range(dst, n, "cudaMemsetAsync");
+  enqueue(st, [dst, v, n] { memset(dst, v, n); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *dst, int v, size_t n) {
+  cudaError_t e = cudaMemsetAsync(dst, v, n, 0);
+  fy_emu_sync_all();
+  return e;
+}
+
+cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *data) {
+  enqueue(st, [fn, data] { fn(data); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+  CUevent_st *ev = new CUevent_st;
+  ev->flags = flags;
+  *e = (cudaEvent_t)ev;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  CUevent_st *ev = (CUevent_st *)e;
+  // CUDA defers the release until the event's work is done
+  std::unique_lock<std::mutex> lk(mu);
+  changed.wait(lk, [ev] { return ev->done >= ev->recorded; });
+  delete ev;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t st) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  CUevent_st *ev = (CUevent_st *)e;
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    seq = ++ev->recorded;
+  }
+  enqueue(st, [ev, seq] {
+    std::lock_guard<std::mutex> lk(mu);
+    if (seq > ev->done) {
+      ev->done = seq;
+      ev->time_ms = now_ms();
+    }
+    changed.notify_all();
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t e, unsigned flags) {
+  (void)flags;
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  CUevent_st *ev = (CUevent_st *)e;
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    target = ev->recorded;  // the record made last, at the time of the call
+  }
+  enqueue(st, [ev, target] {
+    std::unique_lock<std::mutex> lk(mu);
+    changed.wait(lk, [ev, target] { return ev->done >= target; });
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  CUevent_st *ev = (CUevent_st *)e;
+  std::lock_guard<std::mutex> lk(mu);
+  return ev->done >= ev->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (!e) return fail(cudaErrorInvalidResourceHandle);
+  CUevent_st *ev = (CUevent_st *)e;
+  std::unique_lock<std::mutex> lk(mu);
+  const uint64_t target = ev->recorded;
+  changed.wait(lk, [ev, target] { return ev->done >= target; });
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+  if (!a || !b) return fail(cudaErrorInvalidResourceHandle);
+  CUevent_st *ea = (CUevent_st *)a, *eb = (CUevent_st *)b;
+  std::lock_guard<std::mutex> lk(mu);
+  if ((ea->flags | eb->flags) & cudaEventDisableTiming) return fail(cudaErrorInvalidResourceHandle);
+  if (ea->done < ea->recorded || eb->done < eb->recorded) return fail(cudaErrorNotReady);
+  if (!ea->recorded || !eb->recorded) return fail(cudaErrorInvalidResourceHandle);
+  *ms = (float)(eb->time_ms - ea->time_ms);
+  return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void *fn, enum cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || (size_t)value > OPTIN_SMEM) return fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lk(mu);
+  max_dynamic_smem[fn] = value;
+  return cudaSuccess;
+}
+
+}  // extern "C"
+
+// Every stream made and not destroyed, and the legacy one: cudaDeviceSynchronize, cudaFree
+namespace {
+std::mutex &track_mu = *new std::mutex;
+std::vector<CUstream_st *> &live = *new std::vector<CUstream_st *>;
+}  // namespace
+
+void fy_emu_track(CUstream_st *s, bool add) {
+  std::lock_guard<std::mutex> lk(track_mu);
+  if (add) {
+    live.push_back(s);
+  } else {
+    for (size_t i = 0; i < live.size(); i++)
+      if (live[i] == s) live.erase(live.begin() + i--);
+  }
+}
+
+void fy_emu_sync_all(void) {
+  std::vector<CUstream_st *> all;
+  {
+    std::lock_guard<std::mutex> lk(track_mu);
+    all = live;
+  }
+  all.push_back(stream_of(0));
+  for (CUstream_st *s : all) wait_idle(s);
+}
