@@ -311,6 +311,12 @@ static void set_stream_cuda(struct fy_model *m, fy_stream *s) {
   x->st = fy_cuda_stream(s);
 }
 
+static fy_status wait_cuda(struct fy_model *m) {
+  if (cudaStreamSynchronize(ctx_of(m)->st) != cudaSuccess)
+    return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s", cudaGetErrorString(cudaGetLastError()));
+  return FY_OK;
+}
+
 static const struct fy_model_kernels cuda_kernels = {
     .op_forward = op_forward_cuda,
     .op_backward = op_backward_cuda,
@@ -322,6 +328,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .chunk_sumsq = chunk_sumsq_cuda,
     .chunk_adamw = chunk_adamw_cuda,
     .chunk_add = chunk_add_cuda,
+    .wait = wait_cuda,
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its

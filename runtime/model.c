@@ -42,6 +42,7 @@ fy_status fy_model_upload(struct fy_model *m, void *dst, const void *src, size_t
     memmove(dst, src, n);
     return FY_OK;
   }
+  if (m->kernels->wait) FY_TRY(m->kernels->wait(m));  // the kernels are done with dst and src
   // Every micro-batch stages its batch through here: one stream for the model's life, not one per copy.
   if (!m->staging) FY_TRY(fy_stream_create(m->dev, &m->staging));
   FY_TRY(fy_copy_async(m->staging, dst, src, n));

@@ -109,6 +109,11 @@ struct fy_model_kernels {
   // dst (n, fp32) = src (first) or dst + src, src of dtype src_dt widened: the micro-batches' sum
   // of a chunk's gradients.
   fy_status (*chunk_add)(struct fy_model *m, float *dst, const void *src, enum fy_dtype src_dt, int64_t n, bool first);
+  // The host waits until every kernel launched so far has finished (NULL where kernels are host
+  // functions, done when they return): fy_model_upload and fy_model_download copy on a stream of
+  // their own, and a kernel still queued may read what an upload overwrites (the last
+  // micro-batch's tokens, which the embedding's backward reads) or write what a download reads.
+  fy_status (*wait)(struct fy_model *m);
 };
 
 struct fy_model_opts {
