@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds ferry, and runs every test: the unit, integration and reference
-# tests (meson test), the same again under AddressSanitizer and UndefinedBehaviorSanitizer, and the
+# tests (meson test), the CUDA backend on the CPU emulator (test/cudaemu), the same tests again
+# under AddressSanitizer and UndefinedBehaviorSanitizer, and the
 # transformers round trip of a saved checkpoint, the OPT variants that the fixtures do not cover,
 # random configurations trained along random paths, and tools/convert.py (when torch and
 # transformers are installed), and, with the sanitizers, ferry train with random options and the
@@ -26,11 +27,13 @@ fy_install_deps || { echo "0 passed, 1 failed"; exit 1; }
 fy_demo_data || { echo "0 passed, 1 failed"; exit 1; }
 passed=0 failed=0 skipped=0
 
-# Runs meson's tests in build dir $1 and adds their results to the counts.
+# run_suite DIR LABEL [TEST...]: meson's tests in build dir DIR (those named, or all), their results
+# added to the counts.
 run_suite() {
   local dir="$1" label="$2"
-  echo "== $label: meson test in $dir"
-  meson test -C "$dir" --print-errorlogs --num-processes 1 --timeout-multiplier 3 >"$dir.test.log" 2>&1
+  shift 2
+  echo "== $label: meson test in $dir${1:+ ($*)}"
+  meson test -C "$dir" --print-errorlogs --num-processes 1 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
   tail -n 12 "$dir.test.log"
   read -r p f s < <(python3 - "$dir/meson-logs/testlog.json" <<'PY'
 import json, sys
@@ -84,6 +87,31 @@ if [ "$plain" = 1 ]; then
     else
       echo "== skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
       skipped=$((skipped + 5))
+    fi
+  else
+    failed=$((failed + 1))
+  fi
+fi
+
+# The CUDA backend's own code on the CUDA emulator (test/cudaemu/README.md; needs the toolkit's
+# headers, not a GPU): the op test against the CPU, the transformers reference on --device cuda,
+# training on the emulated GPU against the CPU (fp32, bf16, accumulation, resume, offloaded,
+# chunks kept on the GPU, dropout) and random configurations trained on it against transformers.
+if [ "$plain" = 1 ]; then
+  if [ ! -f /usr/local/cuda/include/cublasLt.h ] && [ ! -f /usr/include/cublasLt.h ]; then
+    echo "== skipped: the CUDA emulator (no CUDA toolkit headers)"
+    skipped=$((skipped + 3))
+  elif fy_build build-emu -Dcuda=disabled -Demulate_cuda=true; then
+    run_suite build-emu "CUDA emulator" backend_ops reference_cuda
+    echo "== training on the emulated GPU against the CPU (test/cuda_train.sh)"
+    count_logged build-emu/cuda_train.log test/cuda_train.sh build-emu/ferry build-emu/cuda_train \
+      --model test/cudaemu/opt-tiny --batch 4 --seq 32 --offload-mem 40MiB --blocks 3
+    if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+      echo "== random OPT configurations trained on the emulated GPU: ferry and transformers train them alike"
+      count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry --random 12 --seed 1 --gpu
+    else
+      echo "== skipped: random configurations on the emulated GPU (pip install torch transformers safetensors)"
+      skipped=$((skipped + 1))
     fi
   else
     failed=$((failed + 1))

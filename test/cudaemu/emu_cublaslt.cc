@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <vector>
+
 #include "test/cudaemu/emu_internal.h"
 
 struct cublasLtContext {
@@ -228,14 +230,21 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t dsc, cons
   if (bias) fy_emu_check_range(m.bias, M * elem(bias_type), "cublasLtMatmul bias");
   const void *bias_p = m.bias;
   std::function<void()> job = [=] {
+    // op(A) as M rows of K and op(B) as N rows of K, in fp32: each element of D is one dot product
+    std::vector<float> a((size_t)(M * K)), b((size_t)(N * K));
+    for (uint64_t i = 0; i < M; i++)
+      for (uint64_t k = 0; k < K; k++)
+        a[i * K + k] = load(A, la.type, ta ? (int64_t)(k + i * la.ld) : (int64_t)(i + k * la.ld));
     for (uint64_t j = 0; j < N; j++)
+      for (uint64_t k = 0; k < K; k++)
+        b[j * K + k] = load(B, lb.type, tb ? (int64_t)(j + k * lb.ld) : (int64_t)(k + j * lb.ld));
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < (int64_t)N; j++)
       for (uint64_t i = 0; i < M; i++) {
+        const float *x = &a[i * K], *y = &b[(uint64_t)j * K];
         float s = 0.0f;
-        for (uint64_t k = 0; k < K; k++) {
-          const float a = load(A, la.type, ta ? (int64_t)(k + i * la.ld) : (int64_t)(i + k * la.ld));
-          const float b = load(B, lb.type, tb ? (int64_t)(j + k * lb.ld) : (int64_t)(k + j * lb.ld));
-          s += a * b;
-        }
+#pragma omp simd reduction(+ : s)
+        for (uint64_t k = 0; k < K; k++) s += x[k] * y[k];
         float v = alpha * s;
         if (beta != 0.0f) v += beta * load(C, lc.type, (int64_t)(i + j * lc.ld));
         if (bias) v += load(bias_p, bias_type, (int64_t)i);
@@ -243,7 +252,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t dsc, cons
         store(D, ld.type, (int64_t)(i + j * ld.ld), v);
       }
   };
-  fy_emu_submit("cublasLtMatmul", (const void *)&cublasLtMatmul, dim3(1), dim3(1), 0, st, std::move(job));
+  fy_emu_enqueue(st, std::move(job));  // a host computation in stream order, not a kernel of fibers
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -14,6 +14,9 @@
 void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint64_t seed,
                      const std::function<void()> &body);
 
+// Runs job on stream st's worker after the work queued before it (as a kernel would run).
+void fy_emu_enqueue(cudaStream_t st, std::function<void()> job);
+
 // Whether [p, p + n) lies inside memory the emulated device can reach (cudaMalloc'd, or host
 // memory pinned or registered); what names the access in a failure.
 void fy_emu_check_range(const void *p, size_t n, const char *what);

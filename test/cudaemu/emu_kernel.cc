@@ -14,9 +14,9 @@
 // A switch back to the scheduler restores every register it saved: nothing is clobbered
 #pragma GCC diagnostic ignored "-Wclobbered"
 
-// Switching fibers: on x86-64 a few instructions that keep the callee-saved registers and the
-// floating-point control words on the fiber's stack (swapcontext also saves the signal mask: two
-// system calls a switch, most of an emulated kernel's time); elsewhere, and under
+// Switching fibers: on x86-64 a few instructions that keep the callee-saved registers on the
+// fiber's stack (kernels leave the floating-point control words alone; swapcontext also saves the
+// signal mask: two system calls a switch, most of an emulated kernel's time); elsewhere, and under
 // AddressSanitizer (which follows swapcontext's stack changes), ucontext.
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define FAST_SWITCH 1
@@ -32,14 +32,8 @@ fy_emu_switch:
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -188,9 +182,6 @@ void context_start(fiber &f) {
   *--top = 0;                                     // fiber_main's return address (it never returns)
   *--top = (uint64_t)(uintptr_t)&fiber_main;      // fy_emu_switch's ret: 16-byte aligned, as a call leaves it
   for (int i = 0; i < 6; i++) *--top = 0;          // rbp rbx r12 r13 r14 r15
-  --top;
-  uint32_t ctl[2] = {0x1F80, 0x037F};  // the default mxcsr and x87 control word
-  memcpy(top, ctl, 8);
   f.ctx.sp = top;
 #else
   getcontext(&f.ctx.uc);
@@ -254,8 +245,13 @@ void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint6
         if (smem) memset(dyn_smem, 0xff, smem);  // NaN in fp32 and bf16: what was never written shows
         r.exited = r.bar_arrived = 0;
         r.bar_gen = 0;
-        r.warps.assign((n + 31) / 32, warp_state{});
-        for (int w = 0; w < (int)r.warps.size(); w++) r.warps[w].lanes = n - 32 * w < 32 ? n - 32 * w : 32;
+        r.warps.resize((n + 31) / 32);  // (the slots' 8 KiB of operands need no clearing)
+        for (int w = 0; w < (int)r.warps.size(); w++) {
+          warp_state &ws = r.warps[w];
+          ws.lanes = n - 32 * w < 32 ? n - 32 * w : 32;
+          ws.completed = 0;
+          ws.slot[0].arrived = ws.slot[1].arrived = 0;
+        }
         for (int i = 0; i < n; i++) {
           fiber &f = fibers[i];
           f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
@@ -271,7 +267,7 @@ void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint6
         }
         while (r.exited < n) {
           for (int i = n - 1; i > 0; i--) {  // this round's order
-            int j = (int)(next_random(&r.rng) % (uint64_t)(i + 1));
+            int j = (int)(((next_random(&r.rng) >> 32) * (uint64_t)(i + 1)) >> 32);
             int t = order[i];
             order[i] = order[j];
             order[j] = t;

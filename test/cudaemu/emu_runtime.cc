@@ -134,6 +134,8 @@ bool pageable(const void *p) {
 
 }  // namespace
 
+void fy_emu_enqueue(cudaStream_t st, std::function<void()> job) { enqueue(st, std::move(job)); }
+
 void fy_emu_check_range(const void *p, size_t n, const char *what) {
   std::lock_guard<std::mutex> lk(mu);
   auto a = find(p);
@@ -267,8 +269,10 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     last_error = cudaErrorMemoryAllocation;
     return cudaErrorMemoryAllocation;
   }
-  void *m = aligned_alloc(256, bytes ? bytes : 256);
-  if (!m) return fail(cudaErrorMemoryAllocation);
+  // Exactly n bytes (256-aligned, as cudaMalloc's): a sanitizer sees a kernel read past them,
+  // which a GPU's rounding of allocations would hide
+  void *m = NULL;
+  if (posix_memalign(&m, 256, n ? n : 1) != 0) return fail(cudaErrorMemoryAllocation);
   allocations[(uintptr_t)m] = allocation{n, 0};
   device_used += bytes;
   *p = m;

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
+# model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
+# checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
+# fp32 and bf16; dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
+# opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
+#
+# usage: test/cuda_train.sh FERRY DIR [--model M] [--batch B] [--seq T] [--offload-mem SIZE] [--blocks N]
+#   DIR          where the runs' logs and checkpoints go (made if missing)
+#   --model M    a preset or a config.json directory (default opt-demo), --batch B (4), --seq T (128)
+#   --offload-mem SIZE   --device-mem of the offloaded runs: room for a few of the model's chunks
+#                (default 160MiB, for opt-demo)
+#   --blocks N   the offloaded runs' cache blocks (default: what --offload-mem leaves)
+# Exit status: 0 when every comparison holds, 1 otherwise, 2 for bad usage.
+set -uo pipefail
+
+[ $# -ge 2 ] || { sed -n '8,14p' "$0" >&2; exit 2; }
+ferry="$1" d="$2"
+shift 2
+model=opt-demo batch=4 seq=128 offload_mem=160MiB blocks=()
+while [ $# -gt 0 ]; do
+  [ $# -ge 2 ] || { echo "cuda_train.sh: $1 needs a value" >&2; exit 2; }
+  case "$1" in
+    --model) model="$2" ;;
+    --batch) batch="$2" ;;
+    --seq) seq="$2" ;;
+    --offload-mem) offload_mem="$2" ;;
+    --blocks) blocks=(--blocks "$2") ;;
+    *) echo "cuda_train.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift 2
+done
+[ -x "$ferry" ] || { echo "cuda_train.sh: $ferry is not a program" >&2; exit 2; }
+mkdir -p "$d" || exit 2
+data="$(cd "$(dirname "$0")/.." && pwd)/data/demo"
+half=$((batch / 2))
+[ $((half * 2)) -eq "$batch" ] && [ "$half" -gt 0 ] || { echo "cuda_train.sh: --batch must be even (accumulation runs 2 x B/2)" >&2; exit 2; }
+
+# ferry_run NAME ARGS...: ferry ARGS with its output in $d/NAME.out, shown when it fails
+ferry_run() { local name="$1"; shift; "$ferry" "$@" >"$d/$name.out" 2>&1 || { cat "$d/$name.out"; exit 1; }; }
+# fp32 on both sides: the losses of 8 steps agree to rounding.
+common=(train --model "$model" --steps 8 --batch "$batch" --seq "$seq" --seed 1 --lr 1e-3 --warmup 0 --no-shuffle)
+same32() {  # CPU.jsonl CUDA.jsonl: the fp32 losses agree
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
+print("cpu ", " ".join(f"{x:.6f}" for x in a))
+print("cuda", " ".join(f"{x:.6f}" for x in b))
+ok = len(a) == len(b) > 0 and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(a, b))
+sys.exit(0 if ok else 1)
+PY
+}
+ferry_run cpu "${common[@]}" --device cpu --log "$d/cpu.jsonl" || exit 1
+ferry_run cuda "${common[@]}" --device cuda --precision fp32 --log "$d/cuda.jsonl" || exit 1
+if ! same32 "$d/cpu.jsonl" "$d/cuda.jsonl"; then
+  # Which part: the same run with the epilogue fusions off (relu and the residual adds as ops).
+  if FERRY_CUDA_FUSE=0 ferry_run nofuse "${common[@]}" --device cuda --precision fp32 --log "$d/nofuse.jsonl" &&
+    same32 "$d/cpu.jsonl" "$d/nofuse.jsonl"; then
+    echo "with FERRY_CUDA_FUSE=0 the losses agree: the fused epilogues are at fault"
+  else
+    echo "with FERRY_CUDA_FUSE=0 they still differ: not (only) the fused epilogues"
+  fi
+  exit 1
+fi
+# bf16 compute (fp32 master and AdamW state) on the GPU against the CPU's bf16 numerics: the
+# same 8 steps within bf16's rounding.
+ferry_run cpu16 "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" || exit 1
+ferry_run cuda16 "${common[@]}" --device cuda --precision bf16 --log "$d/cuda16.jsonl" || exit 1
+python3 - "$d/cpu16.jsonl" "$d/cuda16.jsonl" "$d/cpu.jsonl" <<'PY' || exit 1
+import json, sys
+a, b, f32 = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
+print("cpu bf16 ", " ".join(f"{x:.5f}" for x in a))
+print("cuda bf16", " ".join(f"{x:.5f}" for x in b))
+ok = len(a) == len(b) == len(f32) > 0 and all(abs(x - y) <= 2e-2 * max(1.0, abs(x)) for x, y in zip(a, b))
+ok = ok and all(abs(x - y) <= 5e-2 * max(1.0, abs(x)) for x, y in zip(f32, b))
+sys.exit(0 if ok else 1)
+PY
+# Gradient accumulation (2 x batch 2 = batch 4) and a checkpoint resumed on the GPU (8 steps
+# straight = 4, a checkpoint, 4 more in a new process), bf16 both.
+b16=(--device cuda --precision bf16)
+ferry_run accum "${common[@]}" "${b16[@]}" --batch "$half" --grad-accum 2 --log "$d/accum.jsonl" || exit 1
+ferry_run ck1 "${common[@]}" "${b16[@]}" --save "$d/ck" --save-every 4 --stop-after 4 || exit 1
+ferry_run ck2 "${common[@]}" "${b16[@]}" --resume "$d/ck" --log "$d/resumed.jsonl" || exit 1
+python3 - "$d/cuda16.jsonl" "$d/accum.jsonl" "$d/resumed.jsonl" <<'PY' || exit 1
+import json, sys
+rows = [{r["step"]: r["loss"] for r in (json.loads(l) for l in open(p) if l.startswith("{"))} for p in sys.argv[1:]]
+straight, accum, resumed = rows
+print("accum  ", " ".join(f"{accum[k]:.5f}" for k in sorted(accum)))
+print("resumed", " ".join(f"{resumed[k]:.5f}" for k in sorted(resumed)))
+ok = sorted(accum) == sorted(straight) and all(abs(accum[k] - straight[k]) <= 2e-2 * abs(straight[k]) for k in straight)
+ok = ok and sorted(resumed) == [5, 6, 7, 8] and all(abs(resumed[k] - straight[k]) <= 1e-5 * abs(straight[k]) for k in resumed)
+sys.exit(0 if ok else 1)
+PY
+# Offloading on the GPU (--offload: state in pinned host memory, a chunk cache on the GPU with
+# room for a few chunks) gives the resident run's numbers (fp32, the same kernels in the same
+# order: equal to rounding).
+ferry_run offload "${common[@]}" --device cuda --precision fp32 --offload --device-mem "$offload_mem" "${blocks[@]}" --log "$d/offload.jsonl" ||
+  exit 1
+grep "cache blocks" "$d/offload.out" || true
+# The same with the first two chunks and their AdamW state kept on the GPU (the chunk kernels:
+# sums of squares, AdamW with the scale from device memory).
+ferry_run devchunks "${common[@]}" --device cuda --precision fp32 --offload --device-mem "$offload_mem" "${blocks[@]}" --device-chunks 2 \
+  --log "$d/devchunks.jsonl" ||
+  exit 1
+python3 - "$d/cuda.jsonl" "$d/offload.jsonl" "$d/devchunks.jsonl" <<'PY' || exit 1
+import json, sys
+a, b, c = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("offload   ", " ".join(f"{x:.6f}" for x in b))
+print("dev chunks", " ".join(f"{x:.6f}" for x in c))
+close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
+sys.exit(0 if close(a, b) and close(a, c) else 1)
+PY
+# Dropout (the GPU draws the CPU's masks) with validation between steps (forward passes without
+# dropout; offloaded: the forward part of a pass through the chunk cache), fp32: cpu, cuda and
+# cuda --offload agree to rounding, losses and validation losses.
+dv=(--dropout 0.1 --val-data "$data" --val-every 4 --val-batches 2)
+ferry_run cpudrop "${common[@]}" "${dv[@]}" --device cpu --log "$d/cpudrop.jsonl" || exit 1
+ferry_run cudadrop "${common[@]}" "${dv[@]}" --device cuda --precision fp32 --log "$d/cudadrop.jsonl" || exit 1
+ferry_run offdrop "${common[@]}" "${dv[@]}" --device cuda --precision fp32 --offload --device-mem "$offload_mem" "${blocks[@]}" \
+  --log "$d/offdrop.jsonl" || exit 1
+python3 - "$d/cpudrop.jsonl" "$d/cudadrop.jsonl" "$d/offdrop.jsonl" <<'PY' || exit 1
+import json, sys
+rows = [[json.loads(l) for l in open(p) if l.startswith("{")] for p in sys.argv[1:]]
+get = lambda rs, k: [r[k] for r in rs if k in r]
+for name, rs in zip(("cpu", "cuda", "offload"), rows):
+  print(f"dropout {name:8}", " ".join(f"{x:.5f}" for x in get(rs, "loss")), "| val", " ".join(f"{x:.5f}" for x in get(rs, "val_loss")))
+close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(u, v))
+ok = all(close(get(rows[0], k), get(r, k)) for r in rows[1:] for k in ("loss", "val_loss"))
+ok = ok and len(get(rows[0], "val_loss")) == 2
+sys.exit(0 if ok else 1)
+PY
+# bf16 chunks offloaded (the weights cross the link in bf16, a host copy refreshed by every
+# update; the gradients come home widened to fp32) against bf16 resident: the same kernels in
+# the same order, AdamW on the host instead of the GPU (last-bit differences may move a
+# weight's bf16 rounding).
+ferry_run offload16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --log "$d/offload16.jsonl" || exit 1
+# ... and with the first two chunks on the GPU in bf16 (the kernels read their bf16 copy there;
+# the deferred AdamW reads bf16 gradients and rewrites the copy), alone and with accumulation
+# (the bf16 gradients summed in fp32 on the GPU) against the resident accumulated run.
+ferry_run devchunks16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --device-chunks 2 \
+  --log "$d/devchunks16.jsonl" || exit 1
+ferry_run devchunks16acc "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --device-chunks 2 --batch "$half" \
+  --grad-accum 2 --log "$d/devchunks16acc.jsonl" || exit 1
+python3 - "$d/cuda16.jsonl" "$d/offload16.jsonl" "$d/devchunks16.jsonl" "$d/accum.jsonl" "$d/devchunks16acc.jsonl" <<'PY' || exit 1
+import json, sys
+a, b, c, acc, dacc = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("offload bf16     ", " ".join(f"{x:.5f}" for x in b))
+print("dev chunks bf16  ", " ".join(f"{x:.5f}" for x in c))
+print("dev chunks accum ", " ".join(f"{x:.5f}" for x in dacc))
+close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(u, v))
+sys.exit(0 if close(a, b) and close(a, c) and close(acc, dacc) else 1)
+PY
+echo "cuda_train: every comparison holds"
