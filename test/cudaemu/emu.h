@@ -1,12 +1,13 @@
 // The CUDA emulator's device side: what a kernel file (ops/cuda/*.cu, rewritten by rewrite.py)
 // needs to compile as host C++ and run on CPU threads. See README.md.
 //
-// A launch runs its blocks one after another on the calling stream's worker thread; a block's
-// threads are fibers that switch only where CUDA threads meet: __syncthreads, the warp shuffles,
-// mma.sync and ldmatrix (fy_emu_warp_*). Between meeting points the fibers of a block run in an
-// order drawn at random (FY_EMU_SEED), so a missing barrier changes results. __shared__ variables
-// are thread_local statics (one block at a time per worker thread); the dynamic shared memory is
-// refilled with 0xff bytes (NaN as fp32 and bf16) before each block.
+// A launch runs its blocks one after another, in an order drawn at random, on its stream's
+// worker thread; a block's threads are fibers that switch only where CUDA threads meet:
+// __syncthreads, the warp shuffles, mma.sync and ldmatrix (fy_emu_warp). Between meeting points
+// the fibers of a block run in an order drawn at random (FY_EMU_SEED), so a missing barrier
+// changes results. __shared__ variables are thread_local statics (one block at a time per worker
+// thread); the dynamic shared memory is refilled with 0xff bytes (NaN as fp32 and bf16) before
+// each block.
 #ifndef FY_CUDAEMU_EMU_H
 #define FY_CUDAEMU_EMU_H
 
@@ -59,30 +60,34 @@ struct fy_emu_shfl_in {
   int32_t arg;  // the lane mask (xor) or the delta (up)
 };
 
+// A shuffle of up to 8 bytes: fn picks, for each lane, whose value it gets (arg: the xor mask or
+// the delta)
 template <typename T>
-T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+T fy_emu_shfl(unsigned mask, T v, int arg, fy_emu_warp_fn fn, const char *what) {
   static_assert(sizeof(T) <= 8, "shuffles of up to 8 bytes");
-  (void)width;
-  fy_emu_shfl_in in = {0, lane_mask};
+  fy_emu_shfl_in in = {0, arg};
   memcpy(&in.v, &v, sizeof v);
   uint64_t out;
-  fy_emu_warp(mask, "__shfl_xor_sync", fy_emu_shfl_xor_fn, &in, sizeof in, &out, sizeof out);
+  fy_emu_warp(mask, what, fn, &in, sizeof in, &out, sizeof out);
   T r;
   memcpy(&r, &out, sizeof r);
   return r;
 }
 
+// A fault of the emulated program (what a GPU would report as an illegal access, a launch
+// failure or a hang): the message, and the process stops.
+[[noreturn]] void fy_emu_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// (A width under 32 is refused: ferry's kernels shuffle across whole warps.)
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  if (width != 32) fy_emu_fail("__shfl_xor_sync with width %d: not emulated", width);
+  return fy_emu_shfl(mask, v, lane_mask, fy_emu_shfl_xor_fn, "__shfl_xor_sync");
+}
 template <typename T>
 T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-  static_assert(sizeof(T) <= 8, "shuffles of up to 8 bytes");
-  (void)width;
-  fy_emu_shfl_in in = {0, (int32_t)delta};
-  memcpy(&in.v, &v, sizeof v);
-  uint64_t out;
-  fy_emu_warp(mask, "__shfl_up_sync", fy_emu_shfl_up_fn, &in, sizeof in, &out, sizeof out);
-  T r;
-  memcpy(&r, &out, sizeof r);
-  return r;
+  if (width != 32) fy_emu_fail("__shfl_up_sync with width %d: not emulated", width);
+  return fy_emu_shfl(mask, v, (int)delta, fy_emu_shfl_up_fn, "__shfl_up_sync");
 }
 
 // The tensor-core instructions the attention kernels use (attention.cu, under FY_CUDA_EMU):

@@ -6,10 +6,6 @@
 
 #include "test/cudaemu/emu.h"
 
-// A fault of the emulated program (what a GPU would report as an illegal access, a launch
-// failure or a hang): the message, and the process stops. Never returns.
-[[noreturn]] void fy_emu_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
 // Runs a launch's blocks, one after another, on the calling thread (a stream's worker).
 void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint64_t seed,
                      const std::function<void()> &body);

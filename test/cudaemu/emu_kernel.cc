@@ -111,7 +111,6 @@ thread_local std::vector<char *> stacks;  // this worker's fiber stacks, kept ac
 thread_local std::vector<fiber> fibers;
 thread_local block_run *run;
 thread_local unsigned char *dyn_smem;
-thread_local size_t dyn_bytes;
 
 uint64_t next_random(uint64_t *s) {  // xorshift64*
   uint64_t x = *s;
@@ -230,59 +229,63 @@ void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint6
   gridDim = grid;
   blockDim = block;
   // The dynamic shared memory: exactly the launch's bytes (a sanitizer sees a read past them)
-  std::vector<unsigned char> smem_buf;
-  dyn_smem = NULL;
-  dyn_bytes = smem;
-  unsigned char *smem_mem = smem ? (unsigned char *)aligned_alloc(128, (smem + 127) / 128 * 128) : NULL;
-  if (smem && !smem_mem) fy_emu_fail("kernel %s: cannot allocate %zu bytes of shared memory", name, smem);
-  dyn_smem = smem_mem;
+  void *smem_mem = NULL;
+  if (smem && posix_memalign(&smem_mem, 128, smem) != 0)
+    fy_emu_fail("kernel %s: cannot allocate %zu bytes of shared memory", name, smem);
+  dyn_smem = (unsigned char *)smem_mem;
   fibers.resize(n);
   std::vector<int> order(n);
-  for (unsigned bz = 0; bz < grid.z; bz++)
-    for (unsigned by = 0; by < grid.y; by++)
-      for (unsigned bx = 0; bx < grid.x; bx++) {
-        blockIdx = make_uint3(bx, by, bz);
-        if (smem) memset(dyn_smem, 0xff, smem);  // NaN in fp32 and bf16: what was never written shows
-        r.exited = r.bar_arrived = 0;
-        r.bar_gen = 0;
-        r.warps.resize((n + 31) / 32);  // (the slots' 8 KiB of operands need no clearing)
-        for (int w = 0; w < (int)r.warps.size(); w++) {
-          warp_state &ws = r.warps[w];
-          ws.lanes = n - 32 * w < 32 ? n - 32 * w : 32;
-          ws.completed = 0;
-          ws.slot[0].arrived = ws.slot[1].arrived = 0;
-        }
-        for (int i = 0; i < n; i++) {
-          fiber &f = fibers[i];
-          f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
-          f.lane = i % 32;
-          f.warp = i / 32;
-          f.state = READY;
-          f.where = "its start";
-          f.warp_seq = 0;
-          f.copies.clear();
-          f.stack = stack_get(i);
-          context_start(f);
-          order[i] = i;
-        }
-        while (r.exited < n) {
-          for (int i = n - 1; i > 0; i--) {  // this round's order
-            int j = (int)(((next_random(&r.rng) >> 32) * (uint64_t)(i + 1)) >> 32);
-            int t = order[i];
-            order[i] = order[j];
-            order[j] = t;
-          }
-          uint64_t before = r.progress;
-          for (int k = 0; k < n; k++) {
-            fiber &f = fibers[order[k]];
-            if (!runnable(f)) continue;
-            r.cur = &f;
-            threadIdx = f.tid;
-            context_switch(&r.sched, &f.ctx);
-          }
-          if (r.progress == before && r.exited < n) deadlock();
-        }
+  // The blocks in an order drawn at random: no block may count on another's having run
+  const uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
+  if (nblocks > UINT32_MAX) fy_emu_fail("kernel %s: %llu blocks: more than the emulator takes", name, (unsigned long long)nblocks);
+  std::vector<uint32_t> blocks(nblocks);
+  for (uint64_t b = 0; b < nblocks; b++) blocks[b] = (uint32_t)b;
+  for (uint64_t b = nblocks - 1; b > 0; b--) std::swap(blocks[b], blocks[next_random(&r.rng) % (b + 1)]);
+  for (uint64_t bi = 0; bi < nblocks; bi++) {
+    const uint64_t b = blocks[bi];
+    blockIdx = make_uint3((unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                          (unsigned)(b / ((uint64_t)grid.x * grid.y)));
+    if (smem) memset(dyn_smem, 0xff, smem);  // NaN in fp32 and bf16: what was never written shows
+    r.exited = r.bar_arrived = 0;
+    r.bar_gen = 0;
+    r.warps.resize((n + 31) / 32);  // (the slots' 8 KiB of operands need no clearing)
+    for (int w = 0; w < (int)r.warps.size(); w++) {
+      warp_state &ws = r.warps[w];
+      ws.lanes = n - 32 * w < 32 ? n - 32 * w : 32;
+      ws.completed = 0;
+      ws.slot[0].arrived = ws.slot[1].arrived = 0;
+    }
+    for (int i = 0; i < n; i++) {
+      fiber &f = fibers[i];
+      f.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
+      f.lane = i % 32;
+      f.warp = i / 32;
+      f.state = READY;
+      f.where = "its start";
+      f.warp_seq = 0;
+      f.copies.clear();
+      f.stack = stack_get(i);
+      context_start(f);
+      order[i] = i;
+    }
+    while (r.exited < n) {
+      for (int i = n - 1; i > 0; i--) {  // this round's order
+        int j = (int)(((next_random(&r.rng) >> 32) * (uint64_t)(i + 1)) >> 32);
+        int t = order[i];
+        order[i] = order[j];
+        order[j] = t;
       }
+      uint64_t before = r.progress;
+      for (int k = 0; k < n; k++) {
+        fiber &f = fibers[order[k]];
+        if (!runnable(f)) continue;
+        r.cur = &f;
+        threadIdx = f.tid;
+        context_switch(&r.sched, &f.ctx);
+      }
+      if (r.progress == before && r.exited < n) deadlock();
+    }
+  }
   free(smem_mem);
   dyn_smem = NULL;
   run = NULL;
