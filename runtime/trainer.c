@@ -1077,30 +1077,40 @@ static double dir_bytes(const char *root) {
 }
 
 // --plan: the plan's knobs replace the run's (a plan that cannot fit this machine is refused with
-// the reason). The machine is the cached probe with this run's device memory and link.
+// the reason). A plan is an offloaded run: on the sim device, whose machine is the cached probe with
+// this run's device memory and link, or with --device cuda on the GPU with --offload (the plan
+// came from `ferry plan --device cuda`: this process cannot time a GPU, and the offload engine
+// refuses a plan that does not fit when it sets up).
 static fy_status apply_plan(struct fy_train_opts *o) {
+  const bool cuda = o->device && strcmp(o->device, "cuda") == 0;
+  if (cuda && strcmp(o->plan, "auto") == 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--plan auto times this machine's CPU as the sim device and cannot time a "
+                        "GPU: write a plan for it with ferry plan --device cuda (the GPU's memory, rate and link as "
+                        "options) --out FILE and train with --plan FILE");
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(o, &cfg));
   cfg.train_dropout = train_dropout(o, &cfg);  // (the planner prices the graph that will run)
-  char path[4096];
-  fy_probe_default_path(path, sizeof path);
   struct fy_probe probe;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
-  fy_status st = fy_probe_read(path, &probe);
-  if (st != FY_OK || strcmp(probe.device, "sim") != 0) {
-    FY_TRY(fy_probe_measure("sim", (double)dev_mem, o->sim_link_gbps, o->disk_dir, &probe));
-    fy_probe_write(path, &probe);  // a cache: failing to write it is not an error
-  }
-  char v[64];
-  snprintf(v, sizeof v, "%zu", dev_mem);
-  FY_TRY(fy_probe_override(&probe, "device_mem", v));
-  if (o->host_mem) {
-    snprintf(v, sizeof v, "%zu", o->host_mem);
-    FY_TRY(fy_probe_override(&probe, "host_mem", v));
-  }
-  if (o->sim_link_gbps > 0) {
-    snprintf(v, sizeof v, "%g", o->sim_link_gbps);
-    FY_TRY(fy_probe_override(&probe, "link_gbps", v));
+  if (!cuda) {
+    char path[4096];
+    fy_probe_default_path(path, sizeof path);
+    fy_status st = fy_probe_read(path, &probe);
+    if (st != FY_OK || strcmp(probe.device, "sim") != 0) {
+      FY_TRY(fy_probe_measure("sim", (double)dev_mem, o->sim_link_gbps, o->disk_dir, &probe));
+      fy_probe_write(path, &probe);  // a cache: failing to write it is not an error
+    }
+    char v[64];
+    snprintf(v, sizeof v, "%zu", dev_mem);
+    FY_TRY(fy_probe_override(&probe, "device_mem", v));
+    if (o->host_mem) {
+      snprintf(v, sizeof v, "%zu", o->host_mem);
+      FY_TRY(fy_probe_override(&probe, "host_mem", v));
+    }
+    if (o->sim_link_gbps > 0) {
+      snprintf(v, sizeof v, "%g", o->sim_link_gbps);
+      FY_TRY(fy_probe_override(&probe, "link_gbps", v));
+    }
   }
   struct fy_plan plan;
   int ranks = o->comm && strcmp(o->comm, "single") == 0 ? 1 : fy_comm_launch_size();
@@ -1112,8 +1122,10 @@ static fy_status apply_plan(struct fy_train_opts *o) {
     if (plan.k.seq != o->seq)
       fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
                   (long long)plan.k.seq, (long long)o->seq);
-    st = fy_plan_check(&cfg, &plan, &probe);
-    if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
+    if (!cuda) {
+      fy_status st = fy_plan_check(&cfg, &plan, &probe);
+      if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
+    }
     if (plan.dp * plan.tp != ranks)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
                           plan.dp * plan.tp, plan.dp, plan.tp, ranks);
@@ -1123,17 +1135,30 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   }
   o->tp = plan.tp;
   const struct fy_plan_knobs *k = &plan.k;
-  o->device = "sim";
-  o->device_mem = dev_mem;
+  if (cuda) {
+    o->offload = true;  // (--device-mem stays the run's: the GPU's unless given)
+  } else {
+    o->device = "sim";
+    o->device_mem = dev_mem;
+  }
   o->batch = k->micro_batch;
   o->grad_accum = k->grad_accum;
   o->seq = k->seq;
   o->recompute = k->recompute;
   o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
-  o->blocks = k->blocks;
+  // (On a GPU, as many blocks as fit, as the planner counts them: its count leaves out the
+  // engine's own buffers, cuBLASLt's workspace among them.)
+  o->blocks = cuda ? 0 : k->blocks;
   o->prefetch = k->prefetch;
   o->disk_chunks = k->disk_chunks;
-  if (!o->quiet) fy_plan_print(&plan, stdout);
+  if (o->quiet) return FY_OK;
+  if (cuda)  // (not re-simulated here: the plan's own figures are those of ferry plan)
+    printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
+           "recompute %s, the AdamW state of %d chunks on disk\n", o->plan, (long long)k->micro_batch,
+           (long long)k->seq, (long long)k->grad_accum, k->chunk_elems * 4.0 / 1048576.0, k->prefetch,
+           k->recompute ? "on" : "off", k->disk_chunks > 0 ? k->disk_chunks : 0);
+  else
+    fy_plan_print(&plan, stdout);
   return FY_OK;
 }
 

@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
+# fp32 and bf16; a plan from ferry plan --device cuda; dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
 # opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
 # usage: test/cuda_train.sh FERRY DIR [--model M] [--batch B] [--seq T] [--offload-mem SIZE] [--blocks N]
@@ -110,6 +110,21 @@ print("dev chunks", " ".join(f"{x:.6f}" for x in c))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
+# A plan written for the GPU (ferry plan --device cuda, timed from this machine with the GPU's
+# memory) runs there, offloaded with the plan's micro-batches, chunks, blocks and prefetch: the
+# resident run's fp32 losses.
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --device-mem "$offload_mem" --model "$model" --batch "$batch" \
+  --seq "$seq" --out "$d/plan.json" >"$d/plan.out" 2>&1 || { cat "$d/plan.out"; exit 1; }
+ferry_run planned "${common[@]}" --device cuda --precision fp32 --plan "$d/plan.json" --device-mem "$offload_mem" \
+  --log "$d/planned.jsonl" || exit 1
+grep -q "cuda:0 device" "$d/planned.out" || { echo "--plan FILE --device cuda did not train on the GPU"; exit 1; }
+python3 - "$d/cuda.jsonl" "$d/planned.jsonl" <<'PY' || exit 1
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("planned   ", " ".join(f"{x:.6f}" for x in b))
+sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
+PY
+
 # Dropout (the GPU draws the CPU's masks) with validation between steps (forward passes without
 # dropout; offloaded: the forward part of a pass through the chunk cache), fp32: cpu, cuda and
 # cuda --offload agree to rounding, losses and validation losses.
