@@ -24,10 +24,11 @@ struct CUstream_st {
   std::thread worker;
   std::deque<std::function<void()>> queue;
   bool busy = false, stop = false;
+  bool blocking = false;  // made without cudaStreamNonBlocking: the legacy stream's calls wait for it
   uint64_t launches = 0;
 };
 
-void fy_emu_sync_all(void);  // waits for every stream
+void fy_emu_sync_all(bool blocking_only);  // waits for the legacy stream and every (blocking) stream
 void fy_emu_track(struct CUstream_st *s, bool add);
 
 struct CUevent_st {
@@ -257,7 +258,7 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
-  fy_emu_sync_all();
+  fy_emu_sync_all(false);
   return cudaSuccess;
 }
 
@@ -281,7 +282,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
 
 cudaError_t cudaFree(void *p) {
   if (!p) return cudaSuccess;
-  fy_emu_sync_all();  // as cudaFree: the device is done with it
+  fy_emu_sync_all(false);  // as cudaFree: the device is done with it
   std::lock_guard<std::mutex> lk(mu);
   auto it = allocations.find((uintptr_t)p);
   if (it == allocations.end() || it->second.kind != 0) return fail(cudaErrorInvalidValue);
@@ -302,7 +303,7 @@ cudaError_t cudaMallocHost(void **p, size_t n) {
 
 cudaError_t cudaFreeHost(void *p) {
   if (!p) return cudaSuccess;
-  fy_emu_sync_all();
+  fy_emu_sync_all(false);
   std::lock_guard<std::mutex> lk(mu);
   auto it = allocations.find((uintptr_t)p);
   if (it == allocations.end() || it->second.kind != 1) return fail(cudaErrorInvalidValue);
@@ -350,8 +351,8 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *st, unsigned flags) {
-  (void)flags;  // every stream is non-blocking here: ferry makes no use of the legacy stream's syncs
   CUstream_st *s = stream_new();
+  s->blocking = !(flags & cudaStreamNonBlocking);
   fy_emu_track(s, true);
   *st = (cudaStream_t)s;
   return cudaSuccess;
@@ -409,9 +410,12 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcp
   return cudaSuccess;
 }
 
+// The synchronous copy and memset run on the legacy stream: after the work queued on blocking
+// streams, not on non-blocking ones (ferry's), whose results a caller must wait for itself.
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
+  fy_emu_sync_all(true);
   cudaError_t e = cudaMemcpyAsync(dst, src, n, kind, 0);
-  if (e == cudaSuccess) fy_emu_sync_all();
+  if (e == cudaSuccess) wait_idle(stream_of(0));
   return e;
 }
 
@@ -423,8 +427,9 @@ cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t st) {
 }
 
 cudaError_t cudaMemset(void *dst, int v, size_t n) {
+  fy_emu_sync_all(true);
   cudaError_t e = cudaMemsetAsync(dst, v, n, 0);
-  fy_emu_sync_all();
+  wait_idle(stream_of(0));
   return e;
 }
 
@@ -540,12 +545,13 @@ void fy_emu_track(CUstream_st *s, bool add) {
   }
 }
 
-void fy_emu_sync_all(void) {
+void fy_emu_sync_all(bool blocking_only) {
   std::vector<CUstream_st *> all;
   {
     std::lock_guard<std::mutex> lk(track_mu);
     all = live;
   }
   all.push_back(stream_of(0));
-  for (CUstream_st *s : all) wait_idle(s);
+  for (CUstream_st *s : all)
+    if (!blocking_only || s->blocking || s == stream_of(0)) wait_idle(s);
 }
