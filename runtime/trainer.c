@@ -1155,7 +1155,7 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   if (cuda)  // (not re-simulated here: the plan's own figures are those of ferry plan)
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state of %d chunks on disk\n", o->plan, (long long)k->micro_batch,
-           (long long)k->seq, (long long)k->grad_accum, k->chunk_elems * 4.0 / 1048576.0, k->prefetch,
+           (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch,
            k->recompute ? "on" : "off", k->disk_chunks > 0 ? k->disk_chunks : 0);
   else
     fy_plan_print(&plan, stdout);

@@ -121,6 +121,12 @@ uint64_t next_random(uint64_t *s) {  // xorshift64*
   return x * 2685821657736338717ull;
 }
 
+// v in an order drawn at random (Fisher-Yates)
+template <typename T>
+void shuffle(std::vector<T> &v, uint64_t *rng) {
+  for (size_t i = v.size(); i > 1; i--) std::swap(v[i - 1], v[next_random(rng) % i]);
+}
+
 char *stack_get(size_t i) {
   while (stacks.size() <= i) {
     long page = sysconf(_SC_PAGESIZE);
@@ -240,7 +246,7 @@ void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint6
   if (nblocks > UINT32_MAX) fy_emu_fail("kernel %s: %llu blocks: more than the emulator takes", name, (unsigned long long)nblocks);
   std::vector<uint32_t> blocks(nblocks);
   for (uint64_t b = 0; b < nblocks; b++) blocks[b] = (uint32_t)b;
-  for (uint64_t b = nblocks - 1; b > 0; b--) std::swap(blocks[b], blocks[next_random(&r.rng) % (b + 1)]);
+  shuffle(blocks, &r.rng);
   for (uint64_t bi = 0; bi < nblocks; bi++) {
     const uint64_t b = blocks[bi];
     blockIdx = make_uint3((unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
@@ -269,12 +275,7 @@ void fy_emu_run_grid(const char *name, dim3 grid, dim3 block, size_t smem, uint6
       order[i] = i;
     }
     while (r.exited < n) {
-      for (int i = n - 1; i > 0; i--) {  // this round's order
-        int j = (int)(((next_random(&r.rng) >> 32) * (uint64_t)(i + 1)) >> 32);
-        int t = order[i];
-        order[i] = order[j];
-        order[j] = t;
-      }
+      shuffle(order, &r.rng);  // this round's order
       uint64_t before = r.progress;
       for (int k = 0; k < n; k++) {
         fiber &f = fibers[order[k]];

@@ -128,11 +128,6 @@ const std::pair<const uintptr_t, allocation> *find(const void *p) {
   return &*it;
 }
 
-bool pageable(const void *p) {
-  std::lock_guard<std::mutex> lk(mu);
-  return find(p) == NULL;
-}
-
 }  // namespace
 
 void fy_emu_enqueue(cudaStream_t st, std::function<void()> job) { enqueue(st, std::move(job)); }
@@ -185,8 +180,6 @@ cudaError_t cudaGetLastError(void) {
   return e;
 }
 
-cudaError_t cudaPeekAtLastError(void) { return last_error; }
-
 const char *cudaGetErrorString(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "no error";
@@ -201,8 +194,6 @@ const char *cudaGetErrorString(cudaError_t e) {
     default: return "unknown error (cuda emulator)";
   }
 }
-
-const char *cudaGetErrorName(cudaError_t e) { return cudaGetErrorString(e); }
 
 cudaError_t cudaGetDeviceCount(int *n) {
   *n = device_count();
@@ -254,11 +245,6 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
   std::lock_guard<std::mutex> lk(mu);
   *total = device_capacity();
   *free_bytes = device_capacity() - device_used;
-  return cudaSuccess;
-}
-
-cudaError_t cudaDeviceSynchronize(void) {
-  fy_emu_sync_all(false);
   return cudaSuccess;
 }
 
@@ -358,8 +344,6 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *st, unsigned flags) {
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamCreate(cudaStream_t *st) { return cudaStreamCreateWithFlags(st, 0); }
-
 cudaError_t cudaStreamDestroy(cudaStream_t st) {
   if (!st) return fail(cudaErrorInvalidResourceHandle);
   CUstream_st *s = (CUstream_st *)st;
@@ -380,14 +364,9 @@ cudaError_t cudaStreamSynchronize(cudaStream_t st) {
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamQuery(cudaStream_t st) {
-  CUstream_st *s = stream_of(st);
-  std::lock_guard<std::mutex> lk(mu);
-  return s->queue.empty() && !s->busy ? cudaSuccess : cudaErrorNotReady;
-}
-
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
   if (n == 0) return cudaSuccess;
+  bool sync;  // pageable host memory on either side: done when the call returns
   {
     std::lock_guard<std::mutex> lk(mu);
     auto d = find(dst), s = find(src);
@@ -403,14 +382,14 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcp
     if (!ok) return fail(cudaErrorInvalidValue);
     if ((d && (uintptr_t)dst + n > d->first + d->second.bytes) || (s && (uintptr_t)src + n > s->first + s->second.bytes))
       fy_emu_fail("cudaMemcpyAsync of %zu bytes %p -> %p runs past its allocation", n, src, dst);
+    sync = !d || !s;
   }
-  const bool sync = pageable(dst) || pageable(src);
   enqueue(st, [dst, src, n] { memmove(dst, src, n); });
-  if (sync) wait_idle(stream_of(st));  // pageable host memory: done when the call returns
+  if (sync) wait_idle(stream_of(st));
   return cudaSuccess;
 }
 
-// The synchronous copy and memset run on the legacy stream: after the work queued on blocking
+// The synchronous copy runs on the legacy stream: after the work queued on blocking
 // streams, not on non-blocking ones (ferry's), whose results a caller must wait for itself.
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
   fy_emu_sync_all(true);
@@ -424,13 +403,6 @@ cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t st) {
   fy_emu_check_range(dst, n, "cudaMemsetAsync");
   enqueue(st, [dst, v, n] { memset(dst, v, n); });
   return cudaSuccess;
-}
-
-cudaError_t cudaMemset(void *dst, int v, size_t n) {
-  fy_emu_sync_all(true);
-  cudaError_t e = cudaMemsetAsync(dst, v, n, 0);
-  wait_idle(stream_of(0));
-  return e;
 }
 
 cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *data) {
@@ -529,14 +501,13 @@ cudaError_t cudaFuncSetAttribute(const void *fn, enum cudaFuncAttribute attr, in
 
 }  // extern "C"
 
-// Every stream made and not destroyed, and the legacy one: cudaDeviceSynchronize, cudaFree
+// Every stream made and not destroyed, and the legacy one: cudaFree, cudaMemcpy
 namespace {
-std::mutex &track_mu = *new std::mutex;
-std::vector<CUstream_st *> &live = *new std::vector<CUstream_st *>;
+std::vector<CUstream_st *> &live = *new std::vector<CUstream_st *>;  // (under mu)
 }  // namespace
 
 void fy_emu_track(CUstream_st *s, bool add) {
-  std::lock_guard<std::mutex> lk(track_mu);
+  std::lock_guard<std::mutex> lk(mu);
   if (add) {
     live.push_back(s);
   } else {
@@ -548,7 +519,7 @@ void fy_emu_track(CUstream_st *s, bool add) {
 void fy_emu_sync_all(bool blocking_only) {
   std::vector<CUstream_st *> all;
   {
-    std::lock_guard<std::mutex> lk(track_mu);
+    std::lock_guard<std::mutex> lk(mu);
     all = live;
   }
   all.push_back(stream_of(0));
