@@ -17,6 +17,12 @@ void fy_emu_enqueue(cudaStream_t st, std::function<void()> job);
 // memory pinned or registered); what names the access in a failure.
 void fy_emu_check_range(const void *p, size_t n, const char *what);
 
+// The calling thread's current device; the device a stream was made on (-1: the legacy stream);
+// the device whose memory holds all of [p, p + n) (-1: not in one device allocation).
+int fy_emu_current_device(void);
+int fy_emu_stream_device(cudaStream_t st);
+int fy_emu_device_of(const void *p, size_t n);
+
 uint64_t fy_emu_seed(void);  // FY_EMU_SEED (default 1)
 
 #endif

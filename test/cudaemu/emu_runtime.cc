@@ -25,6 +25,7 @@ struct CUstream_st {
   std::deque<std::function<void()>> queue;
   bool busy = false, stop = false;
   bool blocking = false;  // made without cudaStreamNonBlocking: the legacy stream's calls wait for it
+  int device = -1;        // the device current when it was made (-1: the legacy stream, any device's)
   uint64_t launches = 0;
 };
 
@@ -33,6 +34,7 @@ void fy_emu_track(struct CUstream_st *s, bool add);
 
 struct CUevent_st {
   unsigned flags = 0;
+  int device = 0;  // the device current when it was made
   uint64_t recorded = 0, done = 0;  // records made, records reached
   double time_ms = 0;
 };
@@ -45,10 +47,12 @@ std::condition_variable &changed = *new std::condition_variable;
 
 struct allocation {
   size_t bytes;
-  int kind;  // 0 device, 1 pinned host (cudaMallocHost), 2 registered host
+  int kind;    // 0 device, 1 pinned host (cudaMallocHost), 2 registered host
+  int device;  // the device current when it was made (of device memory: the GPU it is on)
 };
 std::map<uintptr_t, allocation> allocations;
-size_t device_used;
+const int MAX_GPUS = 16;
+size_t device_used[MAX_GPUS];
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local int current_device;
 std::map<const void *, int> max_dynamic_smem;  // cudaFuncSetAttribute
@@ -66,7 +70,8 @@ size_t device_capacity() {
 int device_count() {
   static int n = [] {
     const char *s = getenv("FY_EMU_GPUS");
-    return s && *s ? atoi(s) : 1;
+    int g = s && *s ? atoi(s) : 1;
+    return g < 1 ? 1 : g > MAX_GPUS ? MAX_GPUS : g;
   }();
   return n;
 }
@@ -139,6 +144,17 @@ void fy_emu_check_range(const void *p, size_t n, const char *what) {
     fy_emu_fail("%s: %zu bytes at %p are not in device, pinned or registered memory", what, n, p);
 }
 
+int fy_emu_current_device(void) { return current_device; }
+
+int fy_emu_stream_device(cudaStream_t st) { return stream_of(st)->device; }
+
+int fy_emu_device_of(const void *p, size_t n) {
+  std::lock_guard<std::mutex> lk(mu);
+  auto a = find(p);
+  if (!a || a->second.kind != 0 || (uintptr_t)p + n > a->first + a->second.bytes) return -1;
+  return a->second.device;
+}
+
 void fy_emu_submit(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                    std::function<void()> body) {
   const uint64_t threads = (uint64_t)block.x * block.y * block.z;
@@ -162,6 +178,12 @@ void fy_emu_submit(const char *name, const void *fn, dim3 grid, dim3 block, size
     return;
   }
   CUstream_st *s = stream_of(st);
+  if (s->device >= 0 && s->device != current_device) {  // CUDA refuses a launch on another GPU's stream
+    fprintf(stderr, "cudaemu: launch of %s on a stream of GPU %d while GPU %d is current\n", name, s->device,
+            current_device);
+    last_error = cudaErrorInvalidResourceHandle;
+    return;
+  }
   uint64_t seed;
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -244,14 +266,14 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev) {
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
   std::lock_guard<std::mutex> lk(mu);
   *total = device_capacity();
-  *free_bytes = device_capacity() - device_used;
+  *free_bytes = device_capacity() - device_used[current_device];
   return cudaSuccess;
 }
 
 cudaError_t cudaMalloc(void **p, size_t n) {
   std::lock_guard<std::mutex> lk(mu);
   const size_t bytes = (n + 255) / 256 * 256;
-  if (device_used + bytes > device_capacity()) {
+  if (device_used[current_device] + bytes > device_capacity()) {
     *p = NULL;
     last_error = cudaErrorMemoryAllocation;
     return cudaErrorMemoryAllocation;
@@ -260,8 +282,8 @@ cudaError_t cudaMalloc(void **p, size_t n) {
   // which a GPU's rounding of allocations would hide
   void *m = NULL;
   if (posix_memalign(&m, 256, n ? n : 1) != 0) return fail(cudaErrorMemoryAllocation);
-  allocations[(uintptr_t)m] = allocation{n, 0};
-  device_used += bytes;
+  allocations[(uintptr_t)m] = allocation{n, 0, current_device};
+  device_used[current_device] += bytes;
   *p = m;
   return cudaSuccess;
 }
@@ -272,7 +294,7 @@ cudaError_t cudaFree(void *p) {
   std::lock_guard<std::mutex> lk(mu);
   auto it = allocations.find((uintptr_t)p);
   if (it == allocations.end() || it->second.kind != 0) return fail(cudaErrorInvalidValue);
-  device_used -= (it->second.bytes + 255) / 256 * 256;
+  device_used[it->second.device] -= (it->second.bytes + 255) / 256 * 256;
   allocations.erase(it);
   free(p);
   return cudaSuccess;
@@ -282,7 +304,7 @@ cudaError_t cudaMallocHost(void **p, size_t n) {
   void *m = aligned_alloc(4096, (n + 4095) / 4096 * 4096 + (n == 0) * 4096);
   if (!m) return fail(cudaErrorMemoryAllocation);
   std::lock_guard<std::mutex> lk(mu);
-  allocations[(uintptr_t)m] = allocation{n, 1};
+  allocations[(uintptr_t)m] = allocation{n, 1, current_device};
   *p = m;
   return cudaSuccess;
 }
@@ -302,7 +324,7 @@ cudaError_t cudaHostRegister(void *p, size_t n, unsigned flags) {
   (void)flags;
   std::lock_guard<std::mutex> lk(mu);
   if (find(p) || find((char *)p + n - 1)) return fail(cudaErrorHostMemoryAlreadyRegistered);
-  allocations[(uintptr_t)p] = allocation{n, 2};
+  allocations[(uintptr_t)p] = allocation{n, 2, current_device};
   return cudaSuccess;
 }
 
@@ -324,7 +346,7 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
     a->hostPointer = (void *)p;
     return cudaSuccess;
   }
-  a->device = 0;
+  a->device = f->second.device;
   if (f->second.kind == 0) {
     a->type = cudaMemoryTypeDevice;
     a->devicePointer = (void *)p;
@@ -339,6 +361,7 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *st, unsigned flags) {
   CUstream_st *s = stream_new();
   s->blocking = !(flags & cudaStreamNonBlocking);
+  s->device = current_device;
   fy_emu_track(s, true);
   *st = (cudaStream_t)s;
   return cudaSuccess;
@@ -405,6 +428,14 @@ cudaError_t cudaMemsetAsync(void *dst, int v, size_t n, cudaStream_t st) {
   return cudaSuccess;
 }
 
+// On the legacy stream, as cudaMemcpy (a GPU may return before it is done; here it is done).
+cudaError_t cudaMemset(void *dst, int v, size_t n) {
+  fy_emu_sync_all(true);
+  cudaError_t e = cudaMemsetAsync(dst, v, n, 0);
+  if (e == cudaSuccess) wait_idle(stream_of(0));
+  return e;
+}
+
 cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *data) {
   enqueue(st, [fn, data] { fn(data); });
   return cudaSuccess;
@@ -413,6 +444,7 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t st, cudaHostFn_t fn, void *data) {
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
   CUevent_st *ev = new CUevent_st;
   ev->flags = flags;
+  ev->device = current_device;
   *e = (cudaEvent_t)ev;
   return cudaSuccess;
 }
@@ -432,6 +464,11 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t st) {
   if (!e) return fail(cudaErrorInvalidResourceHandle);
   CUevent_st *ev = (CUevent_st *)e;
+  if (stream_of(st)->device >= 0 && stream_of(st)->device != ev->device) {  // as CUDA: same GPU only
+    fprintf(stderr, "cudaemu: cudaEventRecord of an event of GPU %d on a stream of GPU %d\n", ev->device,
+            stream_of(st)->device);
+    return fail(cudaErrorInvalidResourceHandle);
+  }
   uint64_t seq;
   {
     std::lock_guard<std::mutex> lk(mu);

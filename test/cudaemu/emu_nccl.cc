@@ -1,0 +1,459 @@
+// The CUDA emulator's NCCL: the part of NCCL's API that runtime/comm_nccl.c calls, between the
+// processes of an mpirun job (one rank per process, as ferry runs), over POSIX shared memory.
+//
+// A communicator is a shared segment named in its ncclUniqueId: a header (a barrier, each rank's
+// description of the collective it is in) and one 1 MiB slot per rank. A collective runs on its
+// stream's worker thread, in stream order, as NCCL's kernel would: in pieces of a slot, each rank
+// copies its part of the piece into its slot, all meet at the barrier, each computes its result
+// from every slot, all meet again. Sums are taken in rank order in fp32 (bf16 rounded once, at the
+// end): for two ranks the bits a GPU gives, for more within rounding of them, which is all NCCL
+// promises (comm_nccl.c). A collective whose ranks disagree (another operation, count, type or
+// root: a hang or garbage on GPUs) stops the program with what each rank called.
+//
+// As NCCL: a communicator is bound to the GPU current at its creation, and takes device memory of
+// that GPU and streams of it (anything else stops the program: on a GPU, a fault); a non-blocking
+// one (config.blocking = 0) answers ncclInProgress from its creation until every rank has joined,
+// and from ncclCommFinalize until its collectives are done; a collective waiting for a rank that
+// never comes waits for ever, until ncclCommAbort, which makes it give up (its results undefined).
+// Not emulated: ncclGroupStart/End, point-to-point, other reductions, ncclCommSplit.
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <nccl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "test/cudaemu/emu_internal.h"
+
+namespace {
+
+const size_t SLOT = 1 << 20;  // bytes each rank hands over per piece
+const int MAX_RANKS = 64;
+
+enum op_kind { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
+
+struct op_desc {  // what a rank called: every rank of a collective must agree
+  uint32_t op, dt, root, pad;
+  uint64_t count, seq;
+};
+
+struct shm_header {
+  std::atomic<uint32_t> nranks;    // set by the first rank to join; the others must agree
+  std::atomic<uint32_t> attached;  // ranks that joined
+  std::atomic<uint32_t> arrived;   // at the barrier, this round
+  std::atomic<uint32_t> gen;       // barrier rounds completed (the futex word)
+  op_desc desc[MAX_RANKS];
+};
+
+size_t header_bytes() { return (sizeof(shm_header) + 4095) / 4096 * 4096; }
+
+// A communicator's state, shared by its handle and the collectives queued on streams (which may
+// run after ncclCommAbort or ncclCommDestroy returned: they find `aborted` and give up).
+struct comm_state {
+  int rank = 0, nranks = 1, device = 0;
+  bool blocking = true;
+  std::string name;
+  shm_header *hdr = nullptr;
+  unsigned char *slots = nullptr;
+  size_t map_bytes = 0;
+  std::atomic<bool> aborted{false}, ready{false}, finalizing{false};
+  std::atomic<ncclResult_t> error{ncclSuccess};
+  std::atomic<int64_t> pending{0};  // collectives queued and not finished
+  std::mutex mu;                    // seq, last
+  uint64_t seq = 0;                 // collectives issued
+  std::string last;                 // ncclGetLastError
+  ~comm_state() {
+    if (hdr) munmap(hdr, map_bytes);
+  }
+};
+
+}  // namespace
+
+struct ncclComm {
+  std::shared_ptr<comm_state> st;
+};
+
+namespace {
+
+thread_local std::string last_error_text;  // ncclGetLastError(NULL)
+
+ncclResult_t set_error(comm_state *c, ncclResult_t r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+ncclResult_t set_error(comm_state *c, ncclResult_t r, const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  last_error_text = buf;
+  if (c) {
+    std::lock_guard<std::mutex> lk(c->mu);
+    c->last = buf;
+  }
+  return r;
+}
+
+void futex_wait(std::atomic<uint32_t> *w, uint32_t v) {
+  struct timespec ts = {0, 1000000};  // 1 ms: then look at `aborted` again
+  syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, v, &ts, NULL, 0);
+}
+
+void futex_wake(std::atomic<uint32_t> *w) { syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
+
+// Every rank meets here; false when the communicator was aborted meanwhile.
+bool barrier(comm_state *s) {
+  shm_header *h = s->hdr;
+  const uint32_t g = h->gen.load(std::memory_order_acquire);
+  if (h->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == (uint32_t)s->nranks) {
+    h->arrived.store(0, std::memory_order_relaxed);
+    h->gen.fetch_add(1, std::memory_order_release);
+    futex_wake(&h->gen);
+    return true;
+  }
+  while (h->gen.load(std::memory_order_acquire) == g) {
+    if (s->aborted.load()) return false;
+    futex_wait(&h->gen, g);
+  }
+  return true;
+}
+
+// Joins the segment (made by whichever rank comes first) and waits for every rank to join.
+ncclResult_t attach(comm_state *s, std::string *why) {
+  int fd = shm_open(s->name.c_str(), O_RDWR | O_CREAT, 0600);
+  if (fd < 0) {
+    *why = std::string("shm_open ") + s->name + ": " + strerror(errno);
+    return ncclSystemError;
+  }
+  s->map_bytes = header_bytes() + (size_t)s->nranks * SLOT;
+  struct stat sb;
+  // ftruncate only grows it: a rank that joined already keeps its header (a rank with another
+  // nranks is caught below)
+  if (fstat(fd, &sb) != 0 || ((size_t)sb.st_size < s->map_bytes && ftruncate(fd, (off_t)s->map_bytes) != 0)) {
+    *why = std::string("sizing ") + s->name + ": " + strerror(errno);
+    close(fd);
+    return ncclSystemError;
+  }
+  void *m = mmap(NULL, s->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED) {
+    *why = std::string("mmap ") + s->name + ": " + strerror(errno);
+    return ncclSystemError;
+  }
+  s->hdr = (shm_header *)m;
+  s->slots = (unsigned char *)m + header_bytes();
+  uint32_t want = 0;
+  if (!s->hdr->nranks.compare_exchange_strong(want, (uint32_t)s->nranks) && want != (uint32_t)s->nranks) {
+    *why = "ranks disagree on the communicator's size (" + std::to_string(want) + " and " + std::to_string(s->nranks) + ")";
+    return ncclInvalidUsage;
+  }
+  if (s->hdr->attached.fetch_add(1) + 1 == (uint32_t)s->nranks)
+    shm_unlink(s->name.c_str());  // everyone has it mapped: the name can go
+  while (s->hdr->attached.load() < (uint32_t)s->nranks) {
+    if (s->aborted.load()) {
+      *why = "aborted while waiting for the other ranks";
+      return ncclInvalidUsage;
+    }
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+  }
+  return ncclSuccess;
+}
+
+const char *op_name(uint32_t op) {
+  switch (op) {
+    case OP_ALL_REDUCE: return "ncclAllReduce";
+    case OP_REDUCE_SCATTER: return "ncclReduceScatter";
+    case OP_ALL_GATHER: return "ncclAllGather";
+    case OP_BROADCAST: return "ncclBroadcast";
+  }
+  return "?";
+}
+
+size_t type_size(ncclDataType_t t) { return t == ncclFloat32 ? 4 : t == ncclBfloat16 ? 2 : 1; }
+
+float load(const unsigned char *p, ncclDataType_t t) {
+  if (t == ncclFloat32) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  memcpy(&h, p, 2);
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+void store(unsigned char *p, ncclDataType_t t, float f) {
+  if (t == ncclFloat32) {
+    memcpy(p, &f, 4);
+    return;
+  }
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t h = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)                // NaN stays NaN
+                                                : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);  // to nearest, even
+  memcpy(p, &h, 2);
+}
+
+// dst[i] = the sum over ranks q (in order) of slot q's element at byte offset `off` + i
+void sum_slots(comm_state *s, unsigned char *dst, size_t off, size_t n, ncclDataType_t t) {
+  const size_t es = type_size(t);
+  for (size_t i = 0; i < n; i++) {
+    float acc = 0.0f;
+    for (int q = 0; q < s->nranks; q++) acc += load(s->slots + (size_t)q * SLOT + off + i * es, t);
+    store(dst + i * es, t, acc);
+  }
+}
+
+// One collective, on the stream's worker. The first barrier of the first piece is where the ranks'
+// descriptions are compared.
+void run_collective(comm_state *s, op_desc d, const unsigned char *send, unsigned char *recv) {
+  const ncclDataType_t t = (ncclDataType_t)d.dt;
+  const size_t es = type_size(t), n = (size_t)s->nranks, me = (size_t)s->rank;
+  unsigned char *mine = s->slots + me * SLOT;
+  s->hdr->desc[me] = d;
+  bool first = true;
+  auto meet = [&]() {
+    if (!barrier(s)) return false;
+    if (first) {
+      first = false;
+      for (size_t q = 0; q < n; q++) {
+        const op_desc &o = s->hdr->desc[q];
+        if (o.op != d.op || o.dt != d.dt || o.count != d.count || o.root != d.root || o.seq != d.seq)
+          fy_emu_fail("nccl: rank %zu's collective %llu is %s of %llu elements (type %u, root %u), rank %zu's %s of "
+                      "%llu (type %u, root %u): on GPUs a hang or garbage",
+                      me, (unsigned long long)d.seq, op_name(d.op), (unsigned long long)d.count, d.dt, d.root, q,
+                      op_name(o.op), (unsigned long long)o.count, o.dt, o.root);
+      }
+    }
+    return true;
+  };
+  const size_t count = (size_t)d.count;
+  size_t per = SLOT / es;  // elements per piece
+  if (d.op == OP_REDUCE_SCATTER) per = SLOT / (es * n);
+  for (size_t o = 0; o < count; o += per) {
+    const size_t p = count - o < per ? count - o : per;
+    switch (d.op) {
+      case OP_ALL_REDUCE:
+        memcpy(mine, send + o * es, p * es);
+        if (!meet()) return;
+        sum_slots(s, recv + o * es, 0, p, t);
+        break;
+      case OP_REDUCE_SCATTER:  // send (n, count): piece [o, o+p) of every rank's part
+        for (size_t q = 0; q < n; q++) memcpy(mine + q * p * es, send + (q * count + o) * es, p * es);
+        if (!meet()) return;
+        sum_slots(s, recv + o * es, me * p * es, p, t);
+        break;
+      case OP_ALL_GATHER:  // recv (n, count)
+        memcpy(mine, send + o * es, p * es);
+        if (!meet()) return;
+        for (size_t q = 0; q < n; q++) memcpy(recv + (q * count + o) * es, s->slots + q * SLOT, p * es);
+        break;
+      case OP_BROADCAST:
+        if (me == d.root) memcpy(mine, send + o * es, p * es);
+        if (!meet()) return;
+        if (me != d.root || send != recv) memcpy(recv + o * es, s->slots + (size_t)d.root * SLOT, p * es);
+        break;
+    }
+    if (!barrier(s)) return;  // the slots are free again
+  }
+}
+
+// Checks and queues a collective; send_bytes / recv_bytes: what it reads and writes.
+ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, size_t count, ncclDataType_t t,
+                     ncclRedOp_t red, int root, size_t send_bytes, size_t recv_bytes, cudaStream_t stream) {
+  if (!c) return set_error(NULL, ncclInvalidArgument, "%s: no communicator", op_name(op));
+  comm_state *s = c->st.get();
+  if (s->aborted.load()) return set_error(s, ncclInvalidUsage, "%s on an aborted communicator", op_name(op));
+  if (!s->ready.load()) return set_error(s, ncclInvalidUsage, "%s before the communicator was set up", op_name(op));
+  const bool bytes = t == ncclUint8 || t == ncclInt8;
+  if (t != ncclFloat32 && t != ncclBfloat16 && !(bytes && (op == OP_BROADCAST || op == OP_ALL_GATHER)))
+    return set_error(s, ncclInvalidArgument, "%s: type %d is not emulated", op_name(op), (int)t);
+  if (red != ncclSum) return set_error(s, ncclInvalidArgument, "%s: only ncclSum is emulated", op_name(op));
+  if (root < 0 || root >= s->nranks) return set_error(s, ncclInvalidArgument, "%s: root %d", op_name(op), root);
+  const int sd = fy_emu_stream_device(stream);  // (the legacy stream: the communicator's GPU's)
+  if (sd >= 0 && sd != s->device)
+    fy_emu_fail("nccl: %s on a stream of GPU %d, the communicator is on GPU %d", op_name(op), sd, s->device);
+  if (count > 0) {
+    if (send_bytes && fy_emu_device_of(send, send_bytes) != s->device)
+      fy_emu_fail("nccl: %s's send buffer (%zu bytes at %p) is not device memory of GPU %d: a fault on a GPU",
+                  op_name(op), send_bytes, send, s->device);
+    if (recv_bytes && fy_emu_device_of(recv, recv_bytes) != s->device)
+      fy_emu_fail("nccl: %s's receive buffer (%zu bytes at %p) is not device memory of GPU %d: a fault on a GPU",
+                  op_name(op), recv_bytes, recv, s->device);
+  }
+  op_desc d = {op, (uint32_t)t, (uint32_t)root, 0, count, 0};
+  {
+    std::lock_guard<std::mutex> lk(s->mu);
+    d.seq = s->seq++;
+  }
+  if (count == 0 || s->nranks == 1) {  // nothing to exchange (one rank: a copy when not in place)
+    if (count > 0 && send != recv) {
+      std::shared_ptr<comm_state> keep = c->st;
+      keep->pending++;
+      fy_emu_enqueue(stream, [keep, send, recv, recv_bytes] {
+        memmove(recv, send, recv_bytes);
+        keep->pending--;
+      });
+    }
+    return ncclSuccess;
+  }
+  std::shared_ptr<comm_state> keep = c->st;
+  keep->pending++;
+  fy_emu_enqueue(stream, [keep, d, send, recv] {
+    if (!keep->aborted.load()) run_collective(keep.get(), d, (const unsigned char *)send, (unsigned char *)recv);
+    keep->pending--;
+  });
+  return ncclSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char *ncclGetErrorString(ncclResult_t r) {
+  switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+  }
+}
+
+const char *ncclGetLastError(ncclComm_t comm) {
+  if (!comm) return last_error_text.c_str();
+  std::lock_guard<std::mutex> lk(comm->st->mu);
+  last_error_text = comm->st->last;  // a copy the caller may hold after the lock
+  return last_error_text.c_str();
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+  static std::atomic<unsigned> made{0};
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  memset(id, 0, sizeof *id);
+  snprintf(id->internal, sizeof id->internal, "/ferry-emu-nccl-%d-%u-%lx", (int)getpid(), made++,
+           (unsigned long)(ts.tv_nsec ^ ts.tv_sec));
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
+  *out = NULL;
+  if (nranks < 1 || nranks > MAX_RANKS || rank < 0 || rank >= nranks)
+    return set_error(NULL, ncclInvalidArgument, "ncclCommInitRankConfig: rank %d of %d (the emulator takes up to %d)",
+                     rank, nranks, MAX_RANKS);
+  if (id.internal[0] != '/' || !memchr(id.internal, 0, sizeof id.internal))
+    return set_error(NULL, ncclInvalidArgument, "ncclCommInitRankConfig: not an id from ncclGetUniqueId");
+  ncclComm *c = new ncclComm;
+  c->st = std::make_shared<comm_state>();
+  comm_state *s = c->st.get();
+  s->rank = rank;
+  s->nranks = nranks;
+  s->device = fy_emu_current_device();
+  s->name = id.internal;
+  s->blocking = !(config && config->blocking == 0);
+  *out = c;
+  std::shared_ptr<comm_state> keep = c->st;
+  auto join = [keep] {
+    std::string why;
+    ncclResult_t r = attach(keep.get(), &why);
+    if (r != ncclSuccess) {
+      set_error(keep.get(), r, "ncclCommInitRankConfig: %s", why.c_str());
+      keep->error = r;
+      return r;
+    }
+    keep->ready = true;
+    return ncclSuccess;
+  };
+  if (s->blocking) return join();
+  std::thread(join).detach();  // the state says when it is done
+  return ncclInProgress;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *state) {
+  if (!comm) return set_error(NULL, ncclInvalidArgument, "ncclCommGetAsyncError: no communicator");
+  comm_state *s = comm->st.get();
+  ncclResult_t e = s->error.load();
+  if (e != ncclSuccess) *state = e;
+  else if (!s->ready.load()) *state = ncclInProgress;
+  else if (s->finalizing.load() && s->pending.load() > 0) *state = ncclInProgress;
+  else *state = ncclSuccess;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  if (!comm) return set_error(NULL, ncclInvalidArgument, "ncclCommFinalize: no communicator");
+  comm_state *s = comm->st.get();
+  s->finalizing = true;
+  if (!s->blocking) return s->pending.load() > 0 ? ncclInProgress : ncclSuccess;
+  while (s->pending.load() > 0 && !s->aborted.load()) {
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+  }
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  if (!comm) return ncclSuccess;
+  comm_state *s = comm->st.get();
+  if (s->pending.load() > 0 && !s->aborted.load())
+    fy_emu_fail("nccl: ncclCommDestroy with %lld collectives not finished (call ncclCommFinalize first)",
+                (long long)s->pending.load());
+  s->aborted = true;  // an init thread still waiting gives up
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (!comm) return ncclSuccess;
+  comm->st->aborted = true;  // collectives waiting for peers return; queued ones do nothing
+  shm_unlink(comm->st->name.c_str());  // still there when a rank never came
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
+                           ncclComm_t comm, cudaStream_t stream) {
+  const size_t b = count * type_size(t);
+  return enqueue(comm, OP_ALL_REDUCE, send, recv, count, t, op, 0, b, b, stream);
+}
+
+ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
+                               ncclComm_t comm, cudaStream_t stream) {
+  const size_t b = count * type_size(t), n = comm ? (size_t)comm->st->nranks : 1;
+  return enqueue(comm, OP_REDUCE_SCATTER, send, recv, count, t, op, 0, n * b, b, stream);
+}
+
+ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t, ncclComm_t comm,
+                           cudaStream_t stream) {
+  const size_t b = count * type_size(t), n = comm ? (size_t)comm->st->nranks : 1;
+  return enqueue(comm, OP_ALL_GATHER, send, recv, count, t, ncclSum, 0, b, n * b, stream);
+}
+
+ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t t, int root, ncclComm_t comm,
+                           cudaStream_t stream) {
+  const size_t b = count * type_size(t);
+  const bool is_root = comm && comm->st->rank == root;
+  return enqueue(comm, OP_BROADCAST, is_root ? send : recv, recv, count, t, ncclSum, root, is_root ? b : 0, b, stream);
+}
+
+}  // extern "C"
