@@ -32,10 +32,13 @@
 // flight, sleeping on a condition variable otherwise. It also polls ncclCommGetAsyncError.
 // - Timeout (a collective not done within timeout_s of its start, or a launch still in progress
 //   then): the message of the mpi backend ("all-reduce of 64 MiB did not complete within T s at
-//   step S (a rank died or hangs)"), recorded (fy_comm_fail) and printed, ncclCommAbort (which
-//   makes NCCL's kernels give up, so the stream moves on), then MPI_Abort(MPI_COMM_WORLD, 3): the
-//   launcher ends the job, as comm.h's "Failure" says. Every rank runs its own watchdog, so every
-//   rank stuck in that collective gets there (the first one to do so ends the job).
+//   step S (a rank died or hangs)"), recorded (fy_comm_fail) and printed, then
+//   MPI_Abort(MPI_COMM_WORLD, 3): the launcher ends the job, as comm.h's "Failure" says. Not
+//   ncclCommAbort first: it makes NCCL's kernels give up, the stream moves on, and a thread
+//   waiting on the stream (the trainer in fy_stream_sync) would go on with a collective that never
+//   happened (a checkpoint of unreduced gradients) until MPI_Abort lands. Without MPI, or should
+//   MPI_Abort come back, ncclCommAbort and _exit. Every rank runs its own watchdog, so every rank
+//   stuck in that collective gets there (the first one to do so ends the job).
 // - An asynchronous NCCL error or a CUDA error while a collective is in flight: ncclCommAbort, and
 //   the error, naming the collective and its step, recorded on the communicator: a caller waiting
 //   on the stream is released, fy_comm_status and every later collective report it.
@@ -155,18 +158,18 @@ static void nccl_forget_locked(struct nccl_impl *m) {
 // A collective ran out of time: the message, the abort, the end of the job. Holds m->mu (or runs
 // before the watchdog exists).
 static void nccl_end_job(struct fy_comm *c, const struct fy_comm_call *call) {
-  fy_comm_timed_out(c, call, "aborting the NCCL communicator and the job");
-  // Should ncclCommAbort itself hang (a wedged proxy thread), SIGALRM still ends this process, and
-  // the launcher the job.
+  fy_comm_timed_out(c, call, "aborting the job");
+  // Should the exit hang (MPI_Abort's, or the CUDA runtime's teardown behind a kernel that never
+  // ends), SIGALRM still ends this process, and the launcher the job.
   alarm(FY_NCCL_ABORT_GRACE_S);
-  nccl_drop_locked(c->impl);
   // Not under comm.c's lock for MPI_THREAD_SERIALIZED (private to it): this is the last MPI call
   // the process makes, and it only has to reach the launcher.
   int init = 0, fin = 0;
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 3);
-  _exit(3);  // reached only without MPI: MPI_Abort does not return
+  nccl_drop_locked(c->impl);  // without MPI: NCCL's own resources go before the process does
+  _exit(3);
 }
 
 // Waits until an NCCL call that answered r settles. `comm` is the communicator whose state tells
