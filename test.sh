@@ -96,16 +96,26 @@ fi
 # The CUDA backend's own code on the CUDA emulator (test/cudaemu/README.md; needs the toolkit's
 # headers, not a GPU): the op test against the CPU, the transformers reference on --device cuda,
 # training on the emulated GPU against the CPU (fp32, bf16, accumulation, resume, offloaded,
-# chunks kept on the GPU, dropout) and random configurations trained on it against transformers.
+# chunks kept on the GPU, dropout), the nccl communicator and training on several emulated GPUs
+# (mpirun, the emulator's NCCL) against one, and random configurations trained on it against
+# transformers.
 if [ "$plain" = 1 ]; then
   if [ ! -f /usr/local/cuda/include/cublasLt.h ] && [ ! -f /usr/include/cublasLt.h ]; then
     echo "== skipped: the CUDA emulator (no CUDA toolkit headers)"
-    skipped=$((skipped + 3))
+    skipped=$((skipped + 6))
   elif fy_build build-emu -Dcuda=disabled -Demulate_cuda=true; then
-    run_suite build-emu "CUDA emulator" backend_ops reference_cuda
+    run_suite build-emu "CUDA emulator" backend_ops reference_cuda comm_nccl
     echo "== training on the emulated GPU against the CPU (test/cuda_train.sh)"
     count_logged build-emu/cuda_train.log test/cuda_train.sh build-emu/ferry build-emu/cuda_train \
       --model test/cudaemu/opt-tiny --batch 4 --seq 32 --offload-mem 40MiB --blocks 3
+    echo "== training on 2 and 3 emulated GPUs against 1 (test/cuda_ranks.sh)"
+    if command -v mpirun >/dev/null 2>&1; then
+      FY_EMU_GPUS=3 count_logged build-emu/cuda_ranks.log test/cuda_ranks.sh build-emu/ferry build-emu/cuda_ranks \
+        --model test/cudaemu/opt-tiny --seq 32 --offload-mem 40MiB --gpus 3
+    else
+      echo "skipped: no mpirun"
+      skipped=$((skipped + 1))
+    fi
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
       echo "== random OPT configurations trained on the emulated GPU: ferry and transformers train them alike"
       count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry --random 12 --seed 1 --gpu

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# test/cuda_ranks.sh: ferry train on several GPUs, one rank each (mpirun; --device cuda --offload:
+# every chunk sharded across the ranks, its blocks gathered and its gradients reduce-scattered by
+# NCCL on the copy streams), against one rank with the same global batch. bench/gpu/check.sh runs
+# it on a machine with two GPUs or more; ./test.sh on the CUDA emulator (test/cudaemu, whose NCCL
+# runs the ranks' collectives through shared memory) with three emulated GPUs and a smaller model.
+#
+# usage: test/cuda_ranks.sh FERRY DIR [--model M] [--seq T] [--offload-mem SIZE] [--gpus N]
+#   DIR          where the runs' logs and checkpoints go (made if missing)
+#   --model M    a preset or a config.json directory (default opt-demo), --seq T (128)
+#   --offload-mem SIZE   each rank's --device-mem (default 160MiB, for opt-demo)
+#   --gpus N     GPUs on this machine (default: nvidia-smi's count); 2 ranks need 2, 3 ranks 3
+# Checks: 2 ranks x batch 2 = 1 rank x batch 4 (fp32 losses within 1e-4: each gradient summed in
+# two halves; bf16 within 2e-2: each rank's bf16 gradients summed by NCCL), with accumulation,
+# with dropout and validation; each rank's host tier about half of one rank's; a checkpoint saved
+# by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
+# three GPUs; a rank killed mid-run ends the job within --comm-timeout plus 10 s.
+# Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
+# or without mpirun.
+set -uo pipefail
+
+[ $# -ge 2 ] || { sed -n '8,13p' "$0" >&2; exit 2; }
+ferry="$1" d="$2"
+shift 2
+model=opt-demo seq=128 mem=160MiB gpus=""
+while [ $# -gt 0 ]; do
+  [ $# -ge 2 ] || { echo "cuda_ranks.sh: $1 needs a value" >&2; exit 2; }
+  case "$1" in
+    --model) model="$2" ;;
+    --seq) seq="$2" ;;
+    --offload-mem) mem="$2" ;;
+    --gpus) gpus="$2" ;;
+    *) echo "cuda_ranks.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift 2
+done
+[ -x "$ferry" ] || { echo "cuda_ranks.sh: $ferry is not a program" >&2; exit 2; }
+command -v mpirun >/dev/null 2>&1 || { echo "cuda_ranks.sh: no mpirun: skipped"; exit 77; }
+[ -n "$gpus" ] || gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+[ "$gpus" -ge 2 ] 2>/dev/null || { echo "cuda_ranks.sh: ${gpus:-no} GPU(s), 2 ranks need 2: skipped"; exit 77; }
+mkdir -p "$d" || exit 2
+data="$(cd "$(dirname "$0")/.." && pwd)/data/demo"
+mpi=(mpirun --oversubscribe)
+[ "$(id -u)" -eq 0 ] && mpi+=(--allow-run-as-root)
+[ -n "${FY_EMU_GPUS:-}" ] && mpi+=(-x FY_EMU_GPUS)
+pass=0 fail=0
+
+# run NAME RANKS ARGS...: ferry train on RANKS ranks (1: no mpirun) with its output in $d/NAME.out
+# (shown when it fails) and its log in $d/NAME.jsonl
+run() {
+  local name="$1" np="$2"
+  shift 2
+  local cmd=("$ferry" "${common[@]}" "$@" --log "$d/$name.jsonl")
+  [ "$np" -gt 1 ] && cmd=("${mpi[@]}" -np "$np" "${cmd[@]}")
+  rm -f "$d/$name.jsonl"
+  "${cmd[@]}" >"$d/$name.out" 2>&1 && return 0
+  echo "FAIL  $name: exit $?"
+  tail -20 "$d/$name.out"
+  return 1
+}
+# check WHAT A B TOL [KEY]: the KEY (loss) values of A.jsonl and B.jsonl, step for step, within TOL
+# relative; B may start later (a resumed run): its steps are compared with A's
+check() {
+  if python3 - "$d/$2.jsonl" "$d/$3.jsonl" "$4" "${5:-loss}" <<'PY'; then pass=$((pass + 1)); echo "ok    $1"; else fail=$((fail + 1)); echo "FAIL  $1"; fi
+import json, sys
+a, b, tol, key = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+rows = [{r["step"]: r[key] for r in (json.loads(l) for l in open(p) if l.startswith("{")) if key in r} for p in (a, b)]
+for p, r in zip((a, b), rows):
+    print("      %-40s" % p.rsplit("/", 1)[-1], " ".join("%.5f" % r[k] for k in sorted(r)))
+ok = len(rows[1]) > 0 and set(rows[1]) <= set(rows[0])
+ok = ok and all(abs(rows[0][k] - rows[1][k]) <= tol * max(1.0, abs(rows[0][k])) for k in rows[1])
+sys.exit(0 if ok else 1)
+PY
+}
+
+common=(train --model "$model" --steps 8 --seq "$seq" --seed 1 --lr 1e-3 --warmup 0 --no-shuffle --data "$data"
+  --device cuda --offload --device-mem "$mem" --quiet)
+for p in fp32 bf16; do
+  run one$p 1 --precision $p --batch 4 || exit 1
+  run two$p 2 --precision $p --batch 2 || exit 1
+done
+check "2 ranks x 2 = 1 rank x 4, fp32" onefp32 twofp32 1e-4
+check "2 ranks x 2 = 1 rank x 4, bf16" onebf16 twobf16 2e-2
+if python3 - "$d/onefp32.jsonl" "$d/twofp32.jsonl" <<'PY'; then pass=$((pass + 1)); echo "ok    each rank's host tier about half"; else fail=$((fail + 1)); echo "FAIL  host tier"; fi
+import json, sys
+one, two = ([json.loads(l) for l in open(p) if l.startswith("{")][-1] for p in sys.argv[1:])
+print("      host tier: 1 rank %.3f MiB, each of 2 ranks %.3f MiB (chunk %.3f MiB)" % (one["host_tier_mib"], two["host_tier_mib"], two["chunk_mib"]))
+sys.exit(0 if two["host_tier_mib"] <= 0.55 * one["host_tier_mib"] + two["chunk_mib"] else 1)
+PY
+run twoacc 2 --precision bf16 --batch 1 --grad-accum 2 || exit 1
+check "2 ranks x 2 micro-batches of 1 = 1 rank x 4, bf16" onebf16 twoacc 2e-2
+dv=(--dropout 0.1 --val-data "$data" --val-every 4 --val-batches 2)
+run onedrop 1 --precision fp32 --batch 4 "${dv[@]}" || exit 1
+run twodrop 2 --precision fp32 --batch 2 "${dv[@]}" || exit 1
+check "dropout, 2 ranks = 1 rank, fp32" onedrop twodrop 1e-4
+check "validation, 2 ranks = 1 rank, fp32" onedrop twodrop 1e-4 val_loss
+rm -rf "$d/ck"
+run save 2 --precision bf16 --batch 2 --save "$d/ck" --save-every 4 --stop-after 4 || exit 1
+run resume2 2 --precision bf16 --batch 2 --resume "$d/ck" || exit 1
+run resume1 1 --precision bf16 --batch 4 --resume "$d/ck" || exit 1
+check "a 2-rank checkpoint resumed by 2 ranks: the straight run" twobf16 resume2 1e-5
+check "a 2-rank checkpoint resumed by 1 rank" twobf16 resume1 2e-2
+if [ "$gpus" -ge 3 ]; then
+  run one6 1 --precision fp32 --batch 6 || exit 1
+  run three 3 --precision fp32 --batch 2 || exit 1
+  check "3 ranks x 2 = 1 rank x 6, fp32" one6 three 1e-4
+fi
+
+# A rank killed mid-run: the survivor's collective times out (or mpirun ends the job) within
+# --comm-timeout plus 10 s.
+"${mpi[@]}" -np 2 "$ferry" "${common[@]}" --precision fp32 --batch 2 --steps 100000 --comm-timeout 5 \
+  --log "$d/kill.jsonl" >"$d/kill.out" 2>&1 &
+job=$!
+for _ in $(seq 1 60); do [ -s "$d/kill.jsonl" ] && break; sleep 0.5; done  # training has started
+victim=$(pgrep -f -- "--log $d/kill.jsonl" | grep -v "^$job\$" | tail -1)
+start=$(date +%s)
+[ -n "$victim" ] && kill -9 "$victim"
+wait "$job"; code=$?
+elapsed=$(($(date +%s) - start))
+if [ -n "$victim" ] && [ "$code" -ne 0 ] && [ "$elapsed" -le 15 ]; then
+  pass=$((pass + 1)); echo "ok    a killed rank ends the job (exit $code after ${elapsed} s)"
+else
+  fail=$((fail + 1)); echo "FAIL  a killed rank (${victim:-no rank found}): exit $code after ${elapsed} s"; tail -20 "$d/kill.out"
+fi
+
+echo "cuda_ranks: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
