@@ -40,8 +40,9 @@
 //   MPI_Abort come back, ncclCommAbort and _exit. Every rank runs its own watchdog, so every rank
 //   stuck in that collective gets there (the first one to do so ends the job).
 // - An asynchronous NCCL error or a CUDA error while a collective is in flight: ncclCommAbort, and
-//   the error, naming the collective and its step, recorded on the communicator: a caller waiting
-//   on the stream is released, fy_comm_status and every later collective report it.
+//   the error, naming the collective and its step, recorded on the communicator before the abort
+//   releases the stream: fy_comm_status and every later collective report it (the offload engine
+//   looks before a step's update, so that no update uses gradients that were never summed).
 // (These polls are the communicator's own wait on the network with a deadline, as mpi's is; CUDA
 // has no wait with a timeout. They order nothing in ferry: stream order and events do that.)
 // Creation and split poll their NCCL calls with the same deadline, and fail (they do not end the

@@ -871,7 +871,12 @@ static void norm_fn(void *arg) {
   // Every rank's sums, added in rank order (the same bits on every rank): the shards over the
   // data-parallel ranks, then the slices over the tensor-parallel ones. Doubles travel as words.
   fy_status st = FY_OK;
-  if (x->sharded) {
+  // The blocks' gathers and reduce-scatters of this step ran before this (grad_ready). One that
+  // failed on its stream is only recorded on its communicator (NCCL's abort lets the stream go on),
+  // and left gradients that were never summed: no update may use them, and the step fails.
+  if (x->sharded && x->c_gather) st = fy_comm_status(x->c_gather);
+  if (st == FY_OK && x->sharded && x->c_scatter) st = fy_comm_status(x->c_scatter);
+  if (st == FY_OK && x->sharded) {
     double all[2 * x->world];
     if ((st = fy_comm_all_gather(x->c_optim, s, all, 4, FY_COMM_F32, NULL)) == FY_OK) {
       s[0] = s[1] = 0;
@@ -889,6 +894,7 @@ static void norm_fn(void *arg) {
     async_fail(x, st);
     a->norm = NAN;
     a->skip = true;
+    if (x->host_scale) x->host_scale[2 * j->q + 1] = 1.0f;  // the device chunks skip too
     return;
   }
   a->norm = sqrt(s[0] + s[1]) * fabs((double)a->grad_scale);

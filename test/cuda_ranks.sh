@@ -46,11 +46,13 @@ mpi=(mpirun --oversubscribe)
 pass=0 fail=0
 
 # run NAME RANKS ARGS...: ferry train on RANKS ranks (1: no mpirun) with its output in $d/NAME.out
-# (shown when it fails) and its log in $d/NAME.jsonl
+# (shown when it fails) and its log in $d/NAME.jsonl; with LOUD=1, without --quiet
 run() {
   local name="$1" np="$2"
   shift 2
-  local cmd=("$ferry" "${common[@]}" "$@" --log "$d/$name.jsonl")
+  local a args=()
+  for a in "${common[@]}"; do [ -n "${LOUD:-}" ] && [ "$a" = --quiet ] || args+=("$a"); done
+  local cmd=("$ferry" "${args[@]}" "$@" --log "$d/$name.jsonl")
   [ "$np" -gt 1 ] && cmd=("${mpi[@]}" -np "$np" "${cmd[@]}")
   rm -f "$d/$name.jsonl"
   "${cmd[@]}" >"$d/$name.out" 2>&1 && return 0
@@ -95,7 +97,7 @@ run twodrop 2 --precision fp32 --batch 2 "${dv[@]}" || exit 1
 check "dropout, 2 ranks = 1 rank, fp32" onedrop twodrop 1e-4
 check "validation, 2 ranks = 1 rank, fp32" onedrop twodrop 1e-4 val_loss
 rm -rf "$d/ck"
-run save 2 --precision bf16 --batch 2 --save "$d/ck" --save-every 4 --stop-after 4 || exit 1
+LOUD=1 run save 2 --precision bf16 --batch 2 --save "$d/ck" --save-every 4 --stop-after 4 || exit 1
 run resume2 2 --precision bf16 --batch 2 --resume "$d/ck" || exit 1
 run resume1 1 --precision bf16 --batch 4 --resume "$d/ck" || exit 1
 check "a 2-rank checkpoint resumed by 2 ranks: the straight run" twobf16 resume2 1e-5
@@ -106,13 +108,33 @@ if [ "$gpus" -ge 3 ]; then
   check "3 ranks x 2 = 1 rank x 6, fp32" one6 three 1e-4
 fi
 
+# The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last
+# reduce-scatter of step 1 (one per chunk) fails as a lost peer makes NCCL's fail. The stream goes
+# on once the communicator is aborted; the step must fail instead of updating from gradients that
+# were never summed, and no model may be saved from it.
+if [ -n "${FY_EMU_GPUS:-}" ]; then
+  chunks=$(sed -n 's/.* for \([0-9]*\) chunks.*/\1/p' "$d/save.out" | head -1)
+  rm -rf "$d/lost"
+  FY_EMU_NCCL_FAIL="ncclReduceScatter:${chunks:-0}" timeout 120 "${mpi[@]}" -x FY_EMU_NCCL_FAIL -np 2 "$ferry" "${common[@]}" \
+    --precision fp32 --batch 2 --steps 1 --save "$d/lost" >"$d/lost.out" 2>&1
+  code=$?
+  if [ -n "$chunks" ] && [ "$code" -ne 0 ] && grep -q "ncclReduceScatter failed" "$d/lost.out" &&
+    [ ! -e "$d/lost/model.safetensors" ]; then
+    pass=$((pass + 1)); echo "ok    a reduce-scatter lost at the end of a step fails the step (exit $code), nothing saved"
+  else
+    fail=$((fail + 1)); echo "FAIL  a reduce-scatter lost at the end of a step (chunks ${chunks:-?}): exit $code"
+    ls "$d/lost" 2>/dev/null; tail -20 "$d/lost.out"
+  fi
+fi
+
 # A rank killed mid-run: the survivor's collective times out (or mpirun ends the job) within
 # --comm-timeout plus 10 s.
-"${mpi[@]}" -np 2 "$ferry" "${common[@]}" --precision fp32 --batch 2 --steps 100000 --comm-timeout 5 \
+rm -f "$d/kill.jsonl"
+timeout 300 "${mpi[@]}" -np 2 "$ferry" "${common[@]}" --precision fp32 --batch 2 --steps 100000 --comm-timeout 5 \
   --log "$d/kill.jsonl" >"$d/kill.out" 2>&1 &
 job=$!
-for _ in $(seq 1 60); do [ -s "$d/kill.jsonl" ] && break; sleep 0.5; done  # training has started
-victim=$(pgrep -f -- "--log $d/kill.jsonl" | grep -v "^$job\$" | tail -1)
+for _ in $(seq 1 120); do [ -s "$d/kill.jsonl" ] && break; sleep 0.5; done  # training has started
+victim=$(pgrep -f -- "^$ferry train .*--log $d/kill.jsonl" | tail -1)
 start=$(date +%s)
 [ -n "$victim" ] && kill -9 "$victim"
 wait "$job"; code=$?

@@ -16,6 +16,12 @@
 // and from ncclCommFinalize until its collectives are done; a collective waiting for a rank that
 // never comes waits for ever, until ncclCommAbort, which makes it give up (its results undefined).
 // Not emulated: ncclGroupStart/End, point-to-point, other reductions, ncclCommSplit.
+//
+// FY_EMU_NCCL_FAIL=OP:N (OP one of ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast)
+// makes the process's N-th collective of that kind (counted from 1, over all its communicators) fail
+// on its stream as a lost peer makes NCCL's fail: the communicator's asynchronous error becomes
+// ncclRemoteError, and the collective waits (NCCL's kernel waits for data that never comes) until
+// ncclCommAbort, its results left as they were. Set for every rank, every rank fails there.
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -273,6 +279,17 @@ void run_collective(comm_state *s, op_desc d, const unsigned char *send, unsigne
   }
 }
 
+// Whether this collective is the one FY_EMU_NCCL_FAIL names.
+bool injected_failure(uint32_t op) {
+  static const char *want = getenv("FY_EMU_NCCL_FAIL");
+  static std::atomic<long> counts[OP_BROADCAST + 1];
+  if (!want || !*want) return false;
+  const char *colon = strchr(want, ':');
+  const size_t len = strlen(op_name(op));
+  if (!colon || (size_t)(colon - want) != len || strncmp(want, op_name(op), len) != 0) return false;
+  return counts[op].fetch_add(1) + 1 == atol(colon + 1);
+}
+
 // Checks and queues a collective; send_bytes / recv_bytes: what it reads and writes.
 ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, size_t count, ncclDataType_t t,
                      ncclRedOp_t red, int root, size_t send_bytes, size_t recv_bytes, cudaStream_t stream) {
@@ -314,6 +331,19 @@ ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, siz
   }
   std::shared_ptr<comm_state> keep = c->st;
   keep->pending++;
+  if (injected_failure(op)) {
+    fy_emu_enqueue(stream, [keep, d] {
+      set_error(keep.get(), ncclRemoteError, "%s %llu: a failure injected by FY_EMU_NCCL_FAIL", op_name(d.op),
+                (unsigned long long)d.seq);
+      keep->error = ncclRemoteError;
+      while (!keep->aborted.load()) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+      }
+      keep->pending--;
+    });
+    return ncclSuccess;
+  }
   fy_emu_enqueue(stream, [keep, d, send, recv] {
     if (!keep->aborted.load()) run_collective(keep.get(), d, (const unsigned char *)send, (unsigned char *)recv);
     keep->pending--;
