@@ -8,6 +8,7 @@
 #include "memory/cache.h"
 #include "memory/chunk.h"
 #include "memory/device_cache.h"
+#include "ops/cuda/parts.h"
 #include "planner/pattern.h"
 #include "planner/profile.h"
 #include "planner/timeline.h"
@@ -198,6 +199,14 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                     (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4, bt * 4, 4 * bt * 4, 4 * bt * 4};
   double fixed_bytes = 0;
   for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)((fixed[i] + 63) & ~(size_t)63);
+  double scratch = 0;  // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
+  if (gpu) {
+    int64_t wide = 1;
+    for (int o = 0; o < g->n_ops; o++)
+      if (g->ops[o].C > wide) wide = g->ops[o].C;
+    scratch = (double)fy_cuda_scratch_bytes(g->n_params, wide);
+  }
+  fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
   double block = (double)(((size_t)chunk_bytes + 63) & ~(size_t)63);
   out->min_device_bytes = fixed_bytes + min_blocks * block;
@@ -225,12 +234,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     out->fits = false;
     snprintf(out->why, sizeof out->why,
              "the device (%.1f MiB) cannot hold the smallest working set: %d blocks of %.1f MiB plus %.1f MiB of "
-             "activations, %.1f MiB in all", probe->device_mem / 1048576.0, min_blocks, block / 1048576.0,
-             fixed_bytes / 1048576.0, out->min_device_bytes / 1048576.0);
+             "activations%s, %.1f MiB in all", probe->device_mem / 1048576.0, min_blocks, block / 1048576.0,
+             fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "", out->min_device_bytes / 1048576.0);
   } else if (fixed_bytes + n_blocks * block > probe->device_mem) {
     out->fits = false;
-    snprintf(out->why, sizeof out->why, "%d blocks of %.1f MiB and %.1f MiB of activations need %.1f MiB; the device has %.1f MiB",
-             n_blocks, block / 1048576.0, fixed_bytes / 1048576.0, (fixed_bytes + n_blocks * block) / 1048576.0,
+    snprintf(out->why, sizeof out->why, "%d blocks of %.1f MiB and %.1f MiB of activations%s need %.1f MiB; the device has %.1f MiB",
+             n_blocks, block / 1048576.0, fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "", (fixed_bytes + n_blocks * block) / 1048576.0,
              probe->device_mem / 1048576.0);
   } else if (out->host_bytes > probe->host_mem) {
     out->fits = false;
@@ -430,7 +439,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     out->h2d_s = busy[1];
     out->d2h_s = busy[2];
     out->optim_s = busy[3];
-    out->device_peak = (double)s.dev->bytes_peak;
+    out->device_peak = (double)s.dev->bytes_peak + scratch;  // (the timeline's device holds no scratch)
     step_rates(out, k, probe);
   }
   sim_free(&s, nc);

@@ -332,30 +332,14 @@ static const struct fy_model_kernels cuda_kernels = {
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its
-// cap (--device-mem) and its counters include them: cuBLASLt's workspace, an embedding row, the
-// per-parameter sums of squares and their first pass, layernorm's partial parameter gradients.
-enum { ENGINE_BUFS = 5 };
+// cap (--device-mem) and its counters include them: the kernels' scratch (fy_cuda_scratch_sizes).
+enum { ENGINE_BUFS = FY_CUDA_SCRATCH_BUFS };
 _Static_assert(sizeof ((struct cuda_ctx *)0)->buf_bytes == ENGINE_BUFS * sizeof(size_t), "one size per buffer");
 static void **engine_buf(struct cuda_ctx *x, int i) {
   void **p[ENGINE_BUFS] = {&x->workspace, (void **)&x->row, (void **)&x->dsums, (void **)&x->dscratch,
                            (void **)&x->lnscratch};
   return p[i];
 }
-static void engine_buf_sizes(size_t bytes[ENGINE_BUFS], int64_t n_params, int64_t C) {
-  bytes[0] = FY_ENGINE_CUDA_WORKSPACE;
-  bytes[1] = (size_t)C * 4;
-  bytes[2] = (size_t)(n_params > 0 ? n_params : 1) * sizeof(double);
-  bytes[3] = FY_CUDA_SUMSQ_PARTS * sizeof(double);
-  bytes[4] = (size_t)(2 * FY_CUDA_LN_PARTS * C) * sizeof(float);
-}
-
-size_t fy_engine_cuda_buffer_bytes(int64_t n_params, int64_t C) {
-  size_t b[ENGINE_BUFS], n = 0;
-  engine_buf_sizes(b, n_params, C);
-  for (int i = 0; i < ENGINE_BUFS; i++) n += (b[i] + 255) / 256 * 256;  // (as the device rounds them)
-  return n;
-}
-
 void fy_engine_cuda_detach(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
   if (!x) return;
@@ -381,14 +365,14 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   int64_t C = 1;
   for (int o = 0; o < g->n_ops; o++)
     if (g->ops[o].C > C) C = g->ops[o].C;
-  x->workspace_bytes = FY_ENGINE_CUDA_WORKSPACE;
-  engine_buf_sizes(x->buf_bytes, g->n_params, C);
+  x->workspace_bytes = FY_CUDA_GEMM_WORKSPACE;
+  fy_cuda_scratch_sizes(x->buf_bytes, g->n_params, C);
   fy_status st = fy_stream_create(m->dev, &x->stream);
   if (st == FY_OK) x->st = fy_cuda_stream(x->stream);
   for (int i = 0; i < ENGINE_BUFS && st == FY_OK; i++) {
     st = fy_device_alloc(m->dev, x->buf_bytes[i], engine_buf(x, i));
     if (st != FY_OK) st = fy_error_wrap(st, "cuda: the engine's buffers (GEMM workspace and scratch, %.1f MiB)",
-                                        (double)fy_engine_cuda_buffer_bytes(g->n_params, C) / 1048576.0);
+                                        (double)fy_cuda_scratch_bytes(g->n_params, C) / 1048576.0);
   }
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");

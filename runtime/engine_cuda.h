@@ -20,10 +20,8 @@ size_t fy_engine_cuda_free_memory(int ordinal);
 struct fy_host_tier;
 fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out);
 // Gives a model created on a cuda device its CUDA kernels (model->kernels) and their context, with
-// the engine's device buffers (taken from the device, inside its cap): fy_engine_cuda_buffer_bytes
-// of them for a graph of n_params parameters whose widest op is C (the device's rounding included).
-#define FY_ENGINE_CUDA_WORKSPACE ((size_t)32 << 20)  // cuBLASLt's
-size_t fy_engine_cuda_buffer_bytes(int64_t n_params, int64_t C);
+// the kernels' scratch (taken from the device, inside its cap): fy_cuda_scratch_bytes
+// (ops/cuda/parts.h) for the model's parameters and widest op.
 fy_status fy_engine_cuda_attach(struct fy_model *m);
 void fy_engine_cuda_detach(struct fy_model *m);
 

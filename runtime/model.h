@@ -127,6 +127,9 @@ struct fy_model_opts {
   bool no_params;             // with host: no buffer for the whole model's weights (m->params
                               // NULL): chunks sharded across ranks keep only their shards, which
                               // are set part by part (fy_model_source_fill)
+  bool act16;                 // on a GPU, 16-bit activations from the start (what a 16-bit compute
+                              // dtype sets, fy_model_set_compute_dtype): the fp32 arenas, twice
+                              // the size, are never allocated (they could pass the device's cap)
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

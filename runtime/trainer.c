@@ -26,6 +26,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
 #include "runtime/tp.h"
+#include "ops/cuda/parts.h"
 #include "runtime/engine_cuda.h"
 #include "fy_config.h"
 #include "planner/plan.h"
@@ -189,7 +190,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (cuda) {
     int64_t wide = cfg->ffn_dim > cfg->hidden_size ? cfg->ffn_dim : cfg->hidden_size;
     if (cfg->word_embed_proj_dim > wide) wide = cfg->word_embed_proj_dim;
-    need += fy_engine_cuda_buffer_bytes(16 * cfg->num_hidden_layers + 8, wide);
+    need += fy_cuda_scratch_bytes(16 * cfg->num_hidden_layers + 8, wide);
   }
 #endif
   if (need > dev_mem) {
@@ -211,7 +212,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // model): no whole-model weights, each rank sets its shards alone (set_shards).
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
-                             .no_params = r->dp > 1 && r->tp == 1};
+                             .no_params = r->dp > 1 && r->tp == 1, .act16 = cuda && cdt != FY_F32};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
 #if FY_HAVE_CUDA
@@ -397,7 +398,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 #if FY_HAVE_CUDA
     // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute.
     FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
-    struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval};
+    struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval,
+                               .act16 = precision_dtype(o) != FY_F32};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     FY_TRY(fy_engine_cuda_attach(r->model));
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
@@ -1137,6 +1139,9 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {
     o->offload = true;  // (--device-mem stays the run's: the GPU's unless given)
+    if (o->precision && strcmp(o->precision, "bf16") != 0)
+      fy_log_info("--plan %s was made for a GPU's bf16 compute: --precision %s takes twice the memory of its cache "
+                  "blocks and activations", o->plan, o->precision);
   } else {
     o->device = "sim";
     o->device_mem = dev_mem;
@@ -1146,9 +1151,7 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   o->seq = k->seq;
   o->recompute = k->recompute;
   o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
-  // (On a GPU, as many blocks as fit, as the planner counts them: its count leaves out the
-  // engine's own buffers, cuBLASLt's workspace among them.)
-  o->blocks = cuda ? 0 : k->blocks;
+  o->blocks = k->blocks;
   o->prefetch = k->prefetch;
   o->disk_chunks = k->disk_chunks;
   if (o->quiet) return FY_OK;

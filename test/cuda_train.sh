@@ -111,18 +111,25 @@ close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, 
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
 # A plan written for the GPU (ferry plan --device cuda, timed from this machine with the GPU's
-# memory) runs there, offloaded with the plan's micro-batches, chunks, blocks and prefetch: the
-# resident run's fp32 losses.
+# memory; bf16 compute, a GPU's default) runs there, offloaded with the plan's micro-batches,
+# chunks, blocks and prefetch: the resident bf16 run's losses (within the offloaded bf16 runs'
+# bound below), and the device memory the plan predicted (blocks, activations, the kernels'
+# scratch: within 3%).
 FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --device-mem "$offload_mem" --model "$model" --batch "$batch" \
   --seq "$seq" --out "$d/plan.json" >"$d/plan.out" 2>&1 || { cat "$d/plan.out"; exit 1; }
-ferry_run planned "${common[@]}" --device cuda --precision fp32 --plan "$d/plan.json" --device-mem "$offload_mem" \
+ferry_run planned "${common[@]}" --device cuda --precision bf16 --plan "$d/plan.json" --device-mem "$offload_mem" \
   --log "$d/planned.jsonl" || exit 1
 grep -q "cuda:0 device" "$d/planned.out" || { echo "--plan FILE --device cuda did not train on the GPU"; exit 1; }
-python3 - "$d/cuda.jsonl" "$d/planned.jsonl" <<'PY' || exit 1
+python3 - "$d/cuda16.jsonl" "$d/planned.jsonl" "$d/plan.json" <<'PY' || exit 1
 import json, sys
-a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
-print("planned   ", " ".join(f"{x:.6f}" for x in b))
-sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:3])
+print("planned   ", " ".join(f"{x:.5f}" for x in b))
+ok = len(a) == len(b) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(a, b))
+plan = json.load(open(sys.argv[3]))
+want = plan["predicted"]["device_peak_bytes"] / 1048576.0
+got = max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[2]) if l.startswith("{"))
+print("planned device peak %.2f MiB, the run's %.2f MiB (%d blocks)" % (want, got, plan["blocks"]))
+sys.exit(0 if ok and abs(got - want) <= 0.03 * want else 1)
 PY
 
 # Dropout (the GPU draws the CPU's masks) with validation between steps (forward passes without

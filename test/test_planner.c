@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "core/opt.h"
+#include "ops/cuda/parts.h"
 #include "ops/ops.h"
 #include "planner/plan.h"
 #include "planner/probe.h"
@@ -325,6 +326,18 @@ int main(void) {
   CHECK_OK(fy_plan_search(&c30, "opt-30b", 8, 2048, &gpu, &plan, NULL));
   CHECK(plan.predicted.fits && plan.predicted.device_peak <= 40.0 * 1073741824.0);
   fy_plan_print(&plan, stderr);
+  // A GPU's plan counts the kernels' scratch, as the cuda engine takes it from the device (cuBLASLt's
+  // 32 MiB workspace among it): a tiny model does not fit in 16 MiB, and in 64 MiB its device peak
+  // holds the scratch.
+  {
+    struct fy_probe g = gpu;
+    CHECK_OK(fy_probe_override(&g, "device_mem", "16MiB"));
+    CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &g, &plan, NULL), FY_ERR_NOMEM);
+    CHECK_OK(fy_probe_override(&g, "device_mem", "64MiB"));
+    CHECK_OK(fy_plan_search(&cfg, "tiny", 4, 96, &g, &plan, NULL));
+    CHECKF(plan.predicted.device_peak > (double)FY_CUDA_GEMM_WORKSPACE && plan.predicted.device_peak <= 64.0 * 1048576,
+           "device peak %.1f MiB", plan.predicted.device_peak / 1048576.0);
+  }
   struct fy_opt_config c175;
   fy_opt_preset("opt-175b", &c175);
   const char *ov2[][2] = {{"device_mem", "80GiB"}, {"host_mem", "4TiB"}};

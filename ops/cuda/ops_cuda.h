@@ -29,6 +29,7 @@ extern "C" {
 
 #include "core/dtype.h"
 #include "core/status.h"
+#include "ops/cuda/parts.h"
 
 // ---- embedding ----
 
@@ -52,11 +53,10 @@ fy_status fy_cuda_embedding_backward(void *dtable, const void *dout, const int32
 fy_status fy_cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp,
                                     const void *weight, const void *bias, enum fy_dtype dt,
                                     int64_t BT, int64_t C, float eps, cudaStream_t st);
-// Row ranges the parameter gradients are split into when scratch is given: scratch then holds
-// 2 * FY_CUDA_LN_PARTS * C floats. Without scratch (NULL) one block per 32 channels walks every
-// row: deterministic too, but a narrow layer (C = 768: 24 blocks) leaves most of
-// the GPU idle.
-#define FY_CUDA_LN_PARTS 16
+// Row ranges the parameter gradients are split into when scratch is given (FY_CUDA_LN_PARTS,
+// ops/cuda/parts.h): scratch then holds 2 * FY_CUDA_LN_PARTS * C floats. Without scratch (NULL)
+// one block per 32 channels walks every row: deterministic too, but a narrow layer (C = 768: 24
+// blocks) leaves most of the GPU idle.
 // dout (BT,C), inp, weight, mean, rstd -> dinp (BT,C) +=, dweight (C) +=, dbias (C) += (any NULL).
 // dinp must not overlap dout, inp or weight.
 fy_status fy_cuda_layernorm_backward(void *dinp, void *dweight, void *dbias, const void *dout,
@@ -141,8 +141,8 @@ fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v, const 
                                         float weight_decay, int64_t t, const float *scale_skip,
                                         cudaStream_t st);
 
-// Blocks of the first pass of the sum of squares: scratch holds this many doubles.
-#define FY_CUDA_SUMSQ_PARTS 1024
+// Blocks of the first pass of the sum of squares (FY_CUDA_SUMSQ_PARTS, ops/cuda/parts.h): scratch
+// holds that many doubles.
 // x (n) -> *out (device, double) = (accumulate ? *out : 0) + sum of x^2, accumulated in double.
 // A fixed grid of FY_CUDA_SUMSQ_PARTS blocks (whatever the GPU) writes one partial each to scratch
 // with a fixed tree inside the block; one block then adds the partials in a fixed tree: the same
