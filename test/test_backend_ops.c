@@ -488,32 +488,39 @@ static void test_accumulate(enum fy_dtype dt) {
   free(a); free(b); free(want); free(got);
 }
 
+// Sizes from one element to past a full grid (1024 blocks of 256): partial grids, a final tree
+// over a power of two larger than the parts, and blocks that loop.
 static void test_sumsq(enum fy_dtype dt) {
-  const int64_t n = 1000003;
-  float *x = frand_new(n, 3.0f, dt);
-  double want = fy_sumsq(x, n);
-  void *d_x = dput(x, n, dt);
-  double *d_out = dalloc(sizeof(double)), *d_scr = dalloc(FY_CUDA_SUMSQ_PARTS * sizeof(double));
-  double got[3];
-  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, false, cs));
-  CHECK_OK(fy_copy_async(st, &got[0], d_out, sizeof(double)));
-  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, false, cs));
-  CHECK_OK(fy_copy_async(st, &got[1], d_out, sizeof(double)));
-  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, true, cs));
-  CHECK_OK(fy_copy_async(st, &got[2], d_out, sizeof(double)));
-  CHECK_OK(fy_stream_sync(st));
-  double err = fabs(got[0] - want) / want;
-  fprintf(stderr, "  %-40s %-4s err %.2e (tol 1e-12)\n", "sumsq", fy_dtype_name(dt), err);
-  CHECKF(err <= 1e-12, "sumsq %s: %.17g vs %.17g", fy_dtype_name(dt), got[0], want);
-  CHECKF(memcmp(&got[0], &got[1], sizeof(double)) == 0, "sumsq is not deterministic");
-  CHECKF(got[2] == 2 * got[0], "sumsq accumulate: %.17g vs 2 x %.17g", got[2], got[0]);
-  // n = 0 gives exactly 0.
-  CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, 0, d_scr, false, cs));
-  CHECK_OK(fy_copy_async(st, &got[0], d_out, sizeof(double)));
-  CHECK_OK(fy_stream_sync(st));
-  CHECK(got[0] == 0.0);
-  dfree_all();
-  free(x);
+  const int64_t sizes[] = {1, 255, 257, 70001, 1000003};
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+    const int64_t n = sizes[si];
+    float *x = frand_new(n, 3.0f, dt);
+    double want = fy_sumsq(x, n);
+    void *d_x = dput(x, n, dt);
+    double *d_out = dalloc(sizeof(double)), *d_scr = dalloc(FY_CUDA_SUMSQ_PARTS * sizeof(double));
+    double got[3];
+    CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, false, cs));
+    CHECK_OK(fy_copy_async(st, &got[0], d_out, sizeof(double)));
+    CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, false, cs));
+    CHECK_OK(fy_copy_async(st, &got[1], d_out, sizeof(double)));
+    CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, n, d_scr, true, cs));
+    CHECK_OK(fy_copy_async(st, &got[2], d_out, sizeof(double)));
+    CHECK_OK(fy_stream_sync(st));
+    double err = fabs(got[0] - want) / want;
+    fprintf(stderr, "  %-40s %-4s err %.2e (tol 1e-12)\n", "sumsq", fy_dtype_name(dt), err);
+    CHECKF(err <= 1e-12, "sumsq %s n=%lld: %.17g vs %.17g", fy_dtype_name(dt), (long long)n, got[0], want);
+    CHECKF(memcmp(&got[0], &got[1], sizeof(double)) == 0, "sumsq n=%lld is not deterministic", (long long)n);
+    CHECKF(got[2] == 2 * got[0], "sumsq accumulate n=%lld: %.17g vs 2 x %.17g", (long long)n, got[2], got[0]);
+    // n = 0 gives exactly 0.
+    if (si == 0) {
+      CHECK_OK(fy_cuda_sumsq(d_out, d_x, dt, 0, d_scr, false, cs));
+      CHECK_OK(fy_copy_async(st, &got[0], d_out, sizeof(double)));
+      CHECK_OK(fy_stream_sync(st));
+      CHECK(got[0] == 0.0);
+    }
+    dfree_all();
+    free(x);
+  }
 }
 
 static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt) {

@@ -73,52 +73,55 @@ extern "C" fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float
 
 #define SUMSQ_THREADS 256
 
-// Fixed shared-memory tree over SUMSQ_THREADS (or FY_CUDA_SUMSQ_PARTS) doubles.
-template <int N>
+// Fixed shared-memory tree over the block's threads (a power of two) doubles.
 __device__ double sumsq_block_tree(double *sh) {
-  for (int w = N / 2; w > 0; w /= 2) {
+  for (int w = (int)blockDim.x / 2; w > 0; w /= 2) {
     if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
     __syncthreads();
   }
   return sh[0];
 }
 
-// x (n) -> part (FY_CUDA_SUMSQ_PARTS): block b sums elements b*256 + tid + k*PARTS*256
+// x (n) -> part (gridDim.x): block b sums elements b*256 + tid + k*gridDim.x*256
 template <typename T>
 __global__ void __launch_bounds__(SUMSQ_THREADS)
 sumsq_partial_kernel(double *part, const T *x, int64_t n) {
   __shared__ double sh[SUMSQ_THREADS];
   double acc = 0.0;
-  const int64_t stride = (int64_t)FY_CUDA_SUMSQ_PARTS * SUMSQ_THREADS;
+  const int64_t stride = (int64_t)gridDim.x * SUMSQ_THREADS;
   for (int64_t i = (int64_t)blockIdx.x * SUMSQ_THREADS + threadIdx.x; i < n; i += stride) {
     double e = (double)fy_ld(x + i);
     acc += e * e;
   }
   sh[threadIdx.x] = acc;
   __syncthreads();
-  double s = sumsq_block_tree<SUMSQ_THREADS>(sh);
+  double s = sumsq_block_tree(sh);
   if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 
-// part (FY_CUDA_SUMSQ_PARTS) -> *out (+)= their sum
+// part (parts) -> *out (+)= their sum; blockDim.x: a power of two >= parts
 __global__ void __launch_bounds__(FY_CUDA_SUMSQ_PARTS)
-sumsq_final_kernel(double *out, const double *part, bool accumulate) {
+sumsq_final_kernel(double *out, const double *part, int parts, bool accumulate) {
   __shared__ double sh[FY_CUDA_SUMSQ_PARTS];
-  sh[threadIdx.x] = part[threadIdx.x];
+  sh[threadIdx.x] = (int)threadIdx.x < parts ? part[threadIdx.x] : 0.0;
   __syncthreads();
-  double s = sumsq_block_tree<FY_CUDA_SUMSQ_PARTS>(sh);
+  double s = sumsq_block_tree(sh);
   if (threadIdx.x == 0) *out = accumulate ? *out + s : s;
 }
 
 extern "C" fy_status fy_cuda_sumsq(double *out, const void *x, enum fy_dtype dt, int64_t n,
                                    double *scratch, bool accumulate, cudaStream_t st) {
   if (n < 0) n = 0;
-  // The grid is the same for every n (empty blocks write 0), so the summation tree, and with it
-  // the result's bits, depends on n alone.
+  // One block per SUMSQ_THREADS elements, at most FY_CUDA_SUMSQ_PARTS (a bias is one block, not
+  // a thousand idle ones), and the final tree over the next power of two: both depend on n alone,
+  // so the summation tree, and with it the result's bits, do too (not the GPU model).
+  int64_t want = (n + SUMSQ_THREADS - 1) / SUMSQ_THREADS;
+  const int parts = want < 1 ? 1 : want > FY_CUDA_SUMSQ_PARTS ? FY_CUDA_SUMSQ_PARTS : (int)want;
+  int fthreads = 32;
+  while (fthreads < parts) fthreads *= 2;
   FY_CUDA_DISPATCH("sumsq", dt, T,
-                   sumsq_partial_kernel<T><<<FY_CUDA_SUMSQ_PARTS, SUMSQ_THREADS, 0, st>>>(
-                       scratch, (const T *)x, n));
+                   sumsq_partial_kernel<T><<<parts, SUMSQ_THREADS, 0, st>>>(scratch, (const T *)x, n));
   FY_TRY(fy_cuda_launched("sumsq"));
-  sumsq_final_kernel<<<1, FY_CUDA_SUMSQ_PARTS, 0, st>>>(out, scratch, accumulate);
+  sumsq_final_kernel<<<1, fthreads, 0, st>>>(out, scratch, parts, accumulate);
   return fy_cuda_launched("sumsq");
 }

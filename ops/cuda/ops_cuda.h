@@ -141,12 +141,11 @@ fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v, const 
                                         float weight_decay, int64_t t, const float *scale_skip,
                                         cudaStream_t st);
 
-// Blocks of the first pass of the sum of squares (FY_CUDA_SUMSQ_PARTS, ops/cuda/parts.h): scratch
-// holds that many doubles.
 // x (n) -> *out (device, double) = (accumulate ? *out : 0) + sum of x^2, accumulated in double.
-// A fixed grid of FY_CUDA_SUMSQ_PARTS blocks (whatever the GPU) writes one partial each to scratch
-// with a fixed tree inside the block; one block then adds the partials in a fixed tree: the same
-// bits on every run and every GPU model.
+// A grid of one block per 256 elements, at most FY_CUDA_SUMSQ_PARTS (ops/cuda/parts.h; scratch
+// holds that many doubles), writes one partial each to scratch with a fixed tree inside the block;
+// one block then adds the partials in a fixed tree. Both depend on n alone: the same bits on every
+// run and every GPU model.
 fy_status fy_cuda_sumsq(double *out, const void *x, enum fy_dtype dt, int64_t n, double *scratch,
                         bool accumulate, cudaStream_t st);
 
