@@ -112,11 +112,25 @@ cudaError_t cudaFuncSetAttribute(void (*k)(P...), enum cudaFuncAttribute attr, i
 void fy_emu_submit(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                    std::function<void()> body);
 
+// A kernel's pointer argument (i from 0): NULL, or inside (or just past) memory the launch's GPU
+// can reach: its own device memory, or host memory that is pinned or registered. Pageable host
+// memory or another GPU's memory is an illegal address on a GPU: the program stops.
+void fy_emu_check_arg(const char *name, int i, const void *p);
+
+template <typename T>
+void fy_emu_check_args(const char *name, int i, const T &v) {
+  if constexpr (std::is_pointer<T>::value) fy_emu_check_arg(name, i, (const void *)v);
+}
+
 template <typename... P, typename... A>
 void fy_emu_launch(const char *name, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                    A &&...a) {
   static_assert(sizeof...(P) == sizeof...(A), "a kernel's arguments");
   std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);  // converted as a launch does
+  std::apply([name](const auto &...v) {
+    int i = 0;
+    (fy_emu_check_args(name, i++, v), ...);
+  }, args);
   fy_emu_submit(name, (const void *)k, grid, block, smem, st, [k, args]() { std::apply(k, args); });
 }
 #endif

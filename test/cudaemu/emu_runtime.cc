@@ -155,6 +155,19 @@ int fy_emu_device_of(const void *p, size_t n) {
   return a->second.device;
 }
 
+void fy_emu_check_arg(const char *name, int i, const void *p) {
+  if (!p) return;
+  std::lock_guard<std::mutex> lk(mu);
+  auto a = find(p);
+  if (!a && (uintptr_t)p > 0) a = find((const char *)p - 1);  // just past an allocation (an end pointer)
+  if (!a)
+    fy_emu_fail("launch of %s: argument %d (%p) is neither device memory nor pinned or registered host memory: "
+                "an illegal address on a GPU", name, i, p);
+  if (a->second.kind == 0 && a->second.device != current_device)
+    fy_emu_fail("launch of %s on GPU %d: argument %d (%p) is GPU %d's memory", name, current_device, i, p,
+                a->second.device);
+}
+
 void fy_emu_submit(const char *name, const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                    std::function<void()> body) {
   const uint64_t threads = (uint64_t)block.x * block.y * block.z;
