@@ -560,7 +560,7 @@ def compare(torch, ferry, tmp, name, src, data, toks, B=B, T=T, dropout=False, m
 
 # ---- random configurations, trained along random paths ----
 
-def random_case(rnd, i, tmp, have_mpirun, gpu=False):
+def random_case(rnd, i, tmp, have_mpirun, gpu=0):
     """Case i of a random sweep: an OPT configuration drawn at random (odd sizes, every flag,
     either activation, dropout, weights in any dtype), random data with the pad id among its tokens
     and perhaps a loss mask, and a random way for ferry to train it that must not change the
@@ -616,10 +616,11 @@ def random_case(rnd, i, tmp, have_mpirun, gpu=False):
         ranks = ranks if nw >= ranks else 1
         Be = min(Be, nw // ranks)
         evaluate = dict(batch=Be, ranks=1, batches=rnd.randint(1, 3), extra=["--threads", "1"], launch=[])
-        if ranks > 1 and have_mpirun and not gpu:  # (each rank takes Be of a batch's Be x ranks windows)
+        if ranks > 1 and have_mpirun and (not gpu or gpu >= 2):  # (each rank takes Be of a batch's Be x ranks windows)
             evaluate.update(ranks=ranks, launch=["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)])
-        if gpu:
-            evaluate["extra"] += ["--device", "cuda", "--precision", "fp32"] + (["--offload"] if rnd.random() < 0.5 else [])
+        if gpu:  # (several ranks on GPUs: offloaded, chunk-sharded)
+            offload = rnd.random() < 0.5 or evaluate["ranks"] > 1
+            evaluate["extra"] += ["--device", "cuda", "--precision", "fp32"] + (["--offload"] if offload else [])
         elif rnd.random() < 0.4:
             evaluate["extra"] += ["--device", "sim", "--device-mem", "4MiB"]
     report = dict(config={k: v for k, v in changes.items() if k != "max_position_embeddings"}, dtype=dtype,
@@ -632,7 +633,7 @@ def random_case(rnd, i, tmp, have_mpirun, gpu=False):
                 dropout=changes["dropout"] > 0, mask=mask, runs=runs, evaluate=evaluate, shuffle=shuffle, report=report)
 
 
-def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
+def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
     """A random way to train B sequences a step that must give the numbers of any other: threads,
     micro-batches accumulated, 2 to 4 ranks (data-parallel, chunk-sharded on sim, tensor-parallel),
     recomputation, the cpu or the sim device (its cache blocks, prefetch, chunks kept on the
@@ -644,12 +645,22 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
         extra += ["--grad-accum", "2"]
     rows = micro  # the sequences of a micro-batch over every data-parallel rank (a validation batch)
     if gpu:
+        # (with 2 GPUs or more: 2 or 3 ranks, one GPU each, chunk-sharded and so offloaded, every
+        # shard in pinned host memory; with one, the draws of the cases before ranks existed)
+        dp = 1
+        if gpu >= 2 and have_mpirun and rnd.random() < 0.3:
+            dps = [n for n in (2, 3) if n <= gpu and micro % n == 0]
+            if dps:
+                dp = rnd.choice(dps)
+                launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp)]
+                extra[1] = "1"
+                micro //= dp
         extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
         if rnd.random() < 0.4:
             extra.append("--recompute")
-        if rnd.random() < 0.5:
+        if dp > 1 or rnd.random() < 0.5:
             extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
-                      "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(rnd.choice([0, 0, 1, 2]))]
+                      "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(0 if dp > 1 else rnd.choice([0, 0, 1, 2]))]
         return dict(extra=extra, launch=launch, rows=rows)
     if have_mpirun and rnd.random() < 0.3:
         can_tp = NH % 2 == 0 and ffn % 2 == 0
@@ -678,7 +689,7 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=False):
     return dict(extra=extra, launch=launch, rows=None if "--plan" in extra else rows)
 
 
-def check_random(torch, ferry, tmp, n, seed, only=None, gpu=False):
+def check_random(torch, ferry, tmp, n, seed, only=None, gpu=0):
     import random
     import shutil
     rnd = random.Random(seed)
@@ -776,6 +787,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="of the random configurations (default 1)")
     ap.add_argument("--case", type=int, metavar="I", help="with --random: only case I of the N")
     ap.add_argument("--gpu", action="store_true", help="with --random: ferry trains and evaluates on --device cuda (fp32)")
+    ap.add_argument("--gpus", type=int, default=1, metavar="N",
+                    help="with --gpu: the GPUs this machine has (default 1); from 2, some cases train and evaluate "
+                         "on 2 or 3 ranks, one GPU each (mpirun)")
     ap.add_argument("--placements", type=int, metavar="N",
                     help="instead: N random cases trained on the cpu and on a random sim placement (fp32, bf16 "
                          "or fp16), which must agree bit for bit")
@@ -795,7 +809,7 @@ def main():
             print(f"placements (seed {args.seed}):", "all passed" if ok else "FAILED")
             return 0 if ok else 1
         if args.random:
-            ok = check_random(torch, args.ferry, tmp, args.random, args.seed, args.case, args.gpu)
+            ok = check_random(torch, args.ferry, tmp, args.random, args.seed, args.case, args.gpus if args.gpu else 0)
             print(f"random configurations (seed {args.seed}):", "all passed" if ok else "FAILED")
             return 0 if ok else 1
         data = os.path.join(tmp, "tokens.bin")
