@@ -143,11 +143,12 @@ ncclResult_t attach(comm_state *s, std::string *why) {
     return ncclSystemError;
   }
   s->map_bytes = header_bytes() + (size_t)s->nranks * SLOT;
-  struct stat sb;
-  // ftruncate only grows it: a rank that joined already keeps its header (a rank with another
-  // nranks is caught below)
-  if (fstat(fd, &sb) != 0 || ((size_t)sb.st_size < s->map_bytes && ftruncate(fd, (off_t)s->map_bytes) != 0)) {
-    *why = std::string("sizing ") + s->name + ": " + strerror(errno);
+  // posix_fallocate only grows it (a rank that joined already keeps its header; a rank with another
+  // nranks is caught below), and takes the pages now: a full /dev/shm is an error here, not a
+  // SIGBUS in the middle of a collective
+  int e = posix_fallocate(fd, 0, (off_t)s->map_bytes);
+  if (e != 0) {
+    *why = std::string("sizing ") + s->name + " (/dev/shm) to " + std::to_string(s->map_bytes) + " bytes: " + strerror(e);
     close(fd);
     return ncclSystemError;
   }
