@@ -694,6 +694,16 @@ int fy_comm_launch_size(void) {
   return n > 1 ? (int)n : 1;
 }
 
+int fy_comm_launch_rank(void) {
+  static const char *vars[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"};
+  if (fy_comm_launch_size() == 1) return 0;
+  for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {  // the first the launcher set
+    const char *v = getenv(vars[i]);
+    if (v && *v) return (int)env_long(vars[i]);
+  }
+  return 0;
+}
+
 static const char *thread_level_name(int l) {
   return l == MPI_THREAD_SINGLE ? "MPI_THREAD_SINGLE" : l == MPI_THREAD_FUNNELED ? "MPI_THREAD_FUNNELED"
        : l == MPI_THREAD_SERIALIZED ? "MPI_THREAD_SERIALIZED" : "MPI_THREAD_MULTIPLE";

@@ -63,8 +63,9 @@ fy_status fy_comm_create(const char *kind, double timeout_s, struct fy_comm **ou
 void fy_comm_free(struct fy_comm *c);
 
 // The ranks the launcher (mpirun, srun) started, from its environment, before any communicator
-// exists; 1 when launched alone.
+// exists; 1 when launched alone. And this process's rank among them (0 when launched alone).
 int fy_comm_launch_size(void);
+int fy_comm_launch_rank(void);
 
 enum fy_comm_kind fy_comm_kind(const struct fy_comm *c);
 const char *fy_comm_kind_name(const struct fy_comm *c);  // "single", "mpi", "nccl"

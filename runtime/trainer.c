@@ -1154,7 +1154,7 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   o->blocks = k->blocks;
   o->prefetch = k->prefetch;
   o->disk_chunks = k->disk_chunks;
-  if (o->quiet) return FY_OK;
+  if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
   if (cuda)  // (not re-simulated here: the plan's own figures are those of ferry plan)
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state of %d chunks on disk\n", o->plan, (long long)k->micro_batch,

@@ -272,9 +272,13 @@ export FERRY_PROBE="$tmp/probe.json"
 "$ferry" plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 4MiB --out "$tmp/plan2.json" \
   >"$tmp/plan2.out" 2>&1 || { bad "ferry plan --gpus 2"; cat "$tmp/plan2.out"; }
 grep -q "^  2 ranks: " "$tmp/plan2.out" && ok "ferry plan --gpus 2 lays out 2 ranks" || { bad "the 2-rank plan"; cat "$tmp/plan2.out"; }
-"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/plan2.json" --log "$tmp/planned.json" \
-  --save "$tmp/planned" >/dev/null 2>&1 || bad "2 ranks run the 2-rank plan"
+loud=()  # (common without --quiet: the plan's print is checked)
+for a in "${common[@]}"; do [ "$a" = --quiet ] || loud+=("$a"); done
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/plan2.json" --log "$tmp/planned.json" \
+  --save "$tmp/planned" >"$tmp/planned.out" 2>&1 || bad "2 ranks run the 2-rank plan"
 compare one planned 1e-5 && ok "2 ranks running the planner's 2-rank plan follow 1 rank" || bad "the 2-rank plan's run differs"
+n=$(grep -c "^  2 ranks: " "$tmp/planned.out")
+[ "$n" -eq 1 ] && ok "rank 0 alone prints the plan it runs" || { bad "the plan printed $n times"; cat "$tmp/planned.out"; }
 if "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/plan2.json" >"$tmp/plan1.out" 2>&1; then
   bad "1 rank runs a 2-rank plan"
 else grep -q "is for 2 ranks" "$tmp/plan1.out" && ok "1 rank refuses a 2-rank plan" || { bad "a 2-rank plan on 1 rank: unclear"; cat "$tmp/plan1.out"; }; fi
