@@ -14,7 +14,8 @@
 # two halves; bf16 within 2e-2: each rank's bf16 gradients summed by NCCL), with accumulation,
 # with dropout and validation; each rank's host tier about half of one rank's; a checkpoint saved
 # by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
-# three GPUs; a rank killed mid-run ends the job within --comm-timeout plus 10 s.
+# three GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
 set -uo pipefail
@@ -125,6 +126,17 @@ if [ -n "${FY_EMU_GPUS:-}" ]; then
     fail=$((fail + 1)); echo "FAIL  a reduce-scatter lost at the end of a step (chunks ${chunks:-?}): exit $code"
     ls "$d/lost" 2>/dev/null; tail -20 "$d/lost.out"
   fi
+fi
+
+# Two ranks on one GPU (CUDA_VISIBLE_DEVICES=0 for both): NCCL refuses them, and ferry says so
+# instead of hanging.
+CUDA_VISIBLE_DEVICES=0 timeout 120 "${mpi[@]}" -x CUDA_VISIBLE_DEVICES -np 2 "$ferry" "${common[@]}" --precision fp32 \
+  --batch 2 --steps 1 >"$d/samegpu.out" 2>&1
+code=$?
+if [ "$code" -ne 0 ] && [ "$code" -ne 124 ] && grep -q "ncclCommInitRank failed" "$d/samegpu.out"; then
+  pass=$((pass + 1)); echo "ok    2 ranks on one GPU are refused: $(grep -m1 -o 'ncclCommInitRank failed.*' "$d/samegpu.out")"
+else
+  fail=$((fail + 1)); echo "FAIL  2 ranks on one GPU: exit $code"; tail -20 "$d/samegpu.out"
 fi
 
 # A rank killed mid-run: the survivor's collective times out (or mpirun ends the job) within

@@ -62,6 +62,7 @@ struct shm_header {
   std::atomic<uint32_t> arrived;   // at the barrier, this round
   std::atomic<uint32_t> gen;       // barrier rounds completed (the futex word)
   op_desc desc[MAX_RANKS];
+  int32_t gpu[MAX_RANKS];  // the machine's GPU each rank is on (set before it counts itself attached)
 };
 
 size_t header_bytes() { return (sizeof(shm_header) + 4095) / 4096 * 4096; }
@@ -135,7 +136,27 @@ bool barrier(comm_state *s) {
   return true;
 }
 
-// Joins the segment (made by whichever rank comes first) and waits for every rank to join.
+// The machine's GPU behind this process's device `ordinal`: CUDA_VISIBLE_DEVICES's entry for it
+// when set (a launcher that gives each rank its own GPU), else the ordinal (the emulated GPUs are
+// the same for every process on the machine).
+int physical_gpu(int ordinal) {
+  const char *v = getenv("CUDA_VISIBLE_DEVICES");
+  if (!v || !*v) return ordinal;
+  std::string list = v;
+  size_t from = 0;
+  for (int i = 0; i < ordinal && from != std::string::npos; i++) from = list.find(',', from) == std::string::npos
+                                                                          ? std::string::npos : list.find(',', from) + 1;
+  if (from == std::string::npos) return -1 - ordinal;  // (no such device: not one of the machine's)
+  std::string entry = list.substr(from, list.find(',', from) == std::string::npos ? std::string::npos
+                                                                                   : list.find(',', from) - from);
+  char *end;
+  long g = strtol(entry.c_str(), &end, 10);
+  if (!entry.empty() && *end == 0) return (int)g;
+  return (int)(1000 + std::hash<std::string>()(entry) % 1000000);  // a UUID or the like: its own GPU
+}
+
+// Joins the segment (made by whichever rank comes first) and waits for every rank to join; ranks
+// on the same GPU fail there, as they do in NCCL.
 ncclResult_t attach(comm_state *s, std::string *why) {
   int fd = shm_open(s->name.c_str(), O_RDWR | O_CREAT, 0600);
   if (fd < 0) {
@@ -165,6 +186,7 @@ ncclResult_t attach(comm_state *s, std::string *why) {
     *why = "ranks disagree on the communicator's size (" + std::to_string(want) + " and " + std::to_string(s->nranks) + ")";
     return ncclInvalidUsage;
   }
+  s->hdr->gpu[s->rank] = physical_gpu(s->device);
   if (s->hdr->attached.fetch_add(1) + 1 == (uint32_t)s->nranks)
     shm_unlink(s->name.c_str());  // everyone has it mapped: the name can go
   while (s->hdr->attached.load() < (uint32_t)s->nranks) {
@@ -175,6 +197,12 @@ ncclResult_t attach(comm_state *s, std::string *why) {
     struct timespec ts = {0, 200000};
     nanosleep(&ts, NULL);
   }
+  for (int q = 0; q < s->nranks; q++)  // as NCCL: one rank per GPU
+    if (q != s->rank && s->hdr->gpu[q] == s->hdr->gpu[s->rank]) {
+      *why = "Duplicate GPU detected : rank " + std::to_string(s->rank < q ? s->rank : q) + " and rank " +
+             std::to_string(s->rank < q ? q : s->rank) + " both on CUDA device " + std::to_string(s->hdr->gpu[q]);
+      return ncclInvalidUsage;
+    }
   return ncclSuccess;
 }
 

@@ -67,11 +67,19 @@ size_t device_capacity() {
   return cap;
 }
 
+// FY_EMU_GPUS (the machine's), or as many as CUDA_VISIBLE_DEVICES lists, as CUDA counts them
 int device_count() {
   static int n = [] {
     const char *s = getenv("FY_EMU_GPUS");
     int g = s && *s ? atoi(s) : 1;
-    return g < 1 ? 1 : g > MAX_GPUS ? MAX_GPUS : g;
+    g = g < 1 ? 1 : g > MAX_GPUS ? MAX_GPUS : g;
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (v) {
+      int listed = *v ? 1 : 0;
+      for (; *v; v++) listed += *v == ',';
+      g = listed < g ? listed : g;
+    }
+    return g;
   }();
   return n;
 }
