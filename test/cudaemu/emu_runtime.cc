@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -22,6 +23,7 @@
 
 struct CUstream_st {
   std::thread worker;
+  uint64_t rng = 0;  // FY_EMU_JITTER_US: the worker's draws of how long to wait before a job
   std::deque<std::function<void()>> queue;
   bool busy = false, stop = false;
   bool blocking = false;  // made without cudaStreamNonBlocking: the legacy stream's calls wait for it
@@ -93,6 +95,16 @@ cudaError_t fail(cudaError_t e) {
   return e;
 }
 
+// FY_EMU_JITTER_US (default 0): a stream waits up to this long, drawn at random, before each job,
+// so that streams interleave in ever other ways and a missing wait between them shows sooner.
+unsigned jitter_us() {
+  static unsigned j = [] {
+    const char *s = getenv("FY_EMU_JITTER_US");
+    return s && *s ? (unsigned)strtoul(s, NULL, 10) : 0u;
+  }();
+  return j;
+}
+
 void worker_loop(CUstream_st *s) {
   std::unique_lock<std::mutex> lk(mu);
   for (;;) {
@@ -102,6 +114,10 @@ void worker_loop(CUstream_st *s) {
     s->queue.pop_front();
     s->busy = true;
     lk.unlock();
+    if (jitter_us()) {
+      s->rng ^= s->rng << 13, s->rng ^= s->rng >> 7, s->rng ^= s->rng << 17;  // xorshift64
+      std::this_thread::sleep_for(std::chrono::microseconds(s->rng % (jitter_us() + 1)));
+    }
     job();
     lk.lock();
     s->busy = false;
@@ -110,7 +126,9 @@ void worker_loop(CUstream_st *s) {
 }
 
 CUstream_st *stream_new() {
+  static std::atomic<uint64_t> made{0};
   CUstream_st *s = new CUstream_st;
+  s->rng = ((fy_emu_seed() * 0x9e3779b97f4a7c15ull) ^ (++made * 0xbf58476d1ce4e5b9ull)) | 1;
   s->worker = std::thread(worker_loop, s);
   return s;
 }
