@@ -228,6 +228,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t dsc, cons
   if (beta != 0.0f) fy_emu_check_range(C, span(lc), "cublasLtMatmul C");
   fy_emu_check_range(D, span(ld), "cublasLtMatmul D");
   if (bias) fy_emu_check_range(m.bias, M * elem(bias_type), "cublasLtMatmul bias");
+  const int gpu = fy_emu_current_device();  // ... and is the current GPU's memory
+  const void *operand[5] = {A, B, beta != 0.0f ? C : NULL, D, bias ? m.bias : NULL};
+  static const char *const operand_name[5] = {"A", "B", "C", "D", "the bias"};
+  for (int i = 0; i < 5; i++)
+    if (operand[i] && fy_emu_device_of(operand[i], 1) != gpu)
+      fy_emu_fail("cublasLtMatmul on GPU %d: %s at %p is not its memory", gpu, operand_name[i], operand[i]);
   const void *bias_p = m.bias;
   std::function<void()> job = [=] {
     // op(A) as M rows of K and op(B) as N rows of K, in fp32: each element of D is one dot product
