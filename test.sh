@@ -110,7 +110,7 @@ if [ "$plain" = 1 ]; then
       --model test/cudaemu/opt-tiny --batch 4 --seq 32 --offload-mem 40MiB --blocks 3
     echo "== training on 2 and 3 emulated GPUs against 1 (test/cuda_ranks.sh)"
     if command -v mpirun >/dev/null 2>&1; then
-      # (streams wait up to 200 us before each job: they interleave in other ways than on one GPU)
+      # (FY_EMU_JITTER_US: streams wait up to 200 us before each job, so they interleave in more ways)
       FY_EMU_JITTER_US=200 FY_EMU_GPUS=3 count_logged build-emu/cuda_ranks.log test/cuda_ranks.sh build-emu/ferry build-emu/cuda_ranks \
         --model test/cudaemu/opt-tiny --seq 32 --offload-mem 40MiB --gpus 3
     else
