@@ -325,7 +325,7 @@ gpu_ranks() {
   "$root/test/cuda_ranks.sh" "$build/ferry" "$logs/ranks" --model opt-demo --seq 128 --offload-mem 160MiB
 }
 if [ "$dry" = 1 ]; then
-  selected "gpu ranks" && echo "plan: [gpu ranks] mpirun -np 2 ferry train --device cuda --offload vs 1 rank (with 2 GPUs or more)"
+  selected "gpu ranks" && echo "plan: [gpu ranks] test/cuda_ranks.sh: mpirun -np 2 (and 3) ferry train --device cuda --offload vs 1 rank (with 2 GPUs or more)"
 elif ! command -v mpirun >/dev/null 2>&1; then
   row "gpu ranks" "skipped" 0 "no mpirun"
 elif [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
