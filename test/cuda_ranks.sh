@@ -20,7 +20,7 @@
 # or without mpirun.
 set -uo pipefail
 
-[ $# -ge 2 ] || { sed -n '8,13p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '8,12p' "$0" >&2; exit 2; }
 ferry="$1" d="$2"
 shift 2
 model=opt-demo seq=128 mem=160MiB gpus=""
