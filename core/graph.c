@@ -306,6 +306,13 @@ int fy_graph_layer_first_op(const struct fy_graph *g, int o) {
 
 int fy_graph_max_actions(const struct fy_graph *g) { return 3 * g->n_ops; }
 
+int64_t fy_graph_max_channels(const struct fy_graph *g) {
+  int64_t C = 1;
+  for (int o = 0; o < g->n_ops; o++)
+    if (g->ops[o].C > C) C = g->ops[o].C;
+  return C;
+}
+
 int fy_graph_pass_actions(const struct fy_graph *g, struct fy_action *out) {
   int n = 0;
   for (int o = 0; o < g->n_ops; o++) out[n++] = (struct fy_action){o, FY_ACT_FORWARD};

@@ -180,6 +180,8 @@ int fy_graph_pass_actions(const struct fy_graph *g, struct fy_action *out);
 int fy_graph_layer_first_op(const struct fy_graph *g, int o);
 // Index of the parameter with this name, or -1.
 int fy_graph_find_param(const struct fy_graph *g, const char *name);
+// The largest channel count C of any op (at least 1): the widest row a kernel's scratch holds.
+int64_t fy_graph_max_channels(const struct fy_graph *g);
 const char *fy_op_kind_name(enum fy_op_kind k);
 
 #endif

@@ -199,13 +199,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                     (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4, bt * 4, 4 * bt * 4, 4 * bt * 4};
   double fixed_bytes = 0;
   for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)((fixed[i] + 63) & ~(size_t)63);
-  double scratch = 0;  // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
-  if (gpu) {
-    int64_t wide = 1;
-    for (int o = 0; o < g->n_ops; o++)
-      if (g->ops[o].C > wide) wide = g->ops[o].C;
-    scratch = (double)fy_cuda_scratch_bytes(g->n_params, wide);
-  }
+  // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
+  const double scratch = gpu ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
   double block = (double)(((size_t)chunk_bytes + 63) & ~(size_t)63);

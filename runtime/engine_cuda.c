@@ -29,14 +29,13 @@ struct cuda_ctx {
   struct loss_job jobs[LOSS_JOBS];
   int next_job;
   struct fy_cuda_blas *blas;
-  void *workspace;
-  size_t workspace_bytes;
+  void *workspace;     // cuBLASLt's (buf_bytes[0])
   float *row;          // (C) one embedding row, kept across the padding row's update
   double *dsums, *dscratch;  // per parameter; the sums' first pass
   // (2, FY_CUDA_LN_PARTS, C) for layernorm's parameter gradients split over row ranges: without
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
-  size_t buf_bytes[5];  // of workspace, row, dsums, dscratch, lnscratch (engine_buf)
+  size_t buf_bytes[FY_CUDA_SCRATCH_BUFS];  // of workspace, row, dsums, dscratch, lnscratch (engine_buf)
   // Per op: fy_graph_fusion's verdict, a linear run with the relu or residual add after it in
   // cuBLASLt's epilogue (relu; the residual as the product's C, beta 1); that op then does nothing.
   unsigned char *fused;
@@ -333,20 +332,19 @@ static const struct fy_model_kernels cuda_kernels = {
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its
 // cap (--device-mem) and its counters include them: the kernels' scratch (fy_cuda_scratch_sizes).
-enum { ENGINE_BUFS = FY_CUDA_SCRATCH_BUFS };
-_Static_assert(sizeof ((struct cuda_ctx *)0)->buf_bytes == ENGINE_BUFS * sizeof(size_t), "one size per buffer");
 static void **engine_buf(struct cuda_ctx *x, int i) {
-  void **p[ENGINE_BUFS] = {&x->workspace, (void **)&x->row, (void **)&x->dsums, (void **)&x->dscratch,
+  void **p[FY_CUDA_SCRATCH_BUFS] = {&x->workspace, (void **)&x->row, (void **)&x->dsums, (void **)&x->dscratch,
                            (void **)&x->lnscratch};
   return p[i];
 }
+
 void fy_engine_cuda_detach(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
   if (!x) return;
   // (Its own stream: the offload engine's, if kernels launched there, is gone by now.)
   if (x->stream) cudaStreamSynchronize(fy_cuda_stream(x->stream));
   fy_cuda_blas_free(x->blas);
-  for (int i = 0; i < ENGINE_BUFS; i++)
+  for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++)
     if (*engine_buf(x, i)) fy_device_dealloc(m->dev, *engine_buf(x, i), x->buf_bytes[i]);
   cudaFreeHost(x->losses_pinned);
   fy_stream_free(x->stream);
@@ -362,21 +360,18 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   if (!x) return fy_error_set(FY_ERR_NOMEM, "out of memory");
   m->kernels_ctx = x;
   const struct fy_graph *g = m->graph;
-  int64_t C = 1;
-  for (int o = 0; o < g->n_ops; o++)
-    if (g->ops[o].C > C) C = g->ops[o].C;
-  x->workspace_bytes = FY_CUDA_GEMM_WORKSPACE;
+  const int64_t C = fy_graph_max_channels(g);
   fy_cuda_scratch_sizes(x->buf_bytes, g->n_params, C);
   fy_status st = fy_stream_create(m->dev, &x->stream);
   if (st == FY_OK) x->st = fy_cuda_stream(x->stream);
-  for (int i = 0; i < ENGINE_BUFS && st == FY_OK; i++) {
+  for (int i = 0; i < FY_CUDA_SCRATCH_BUFS && st == FY_OK; i++) {
     st = fy_device_alloc(m->dev, x->buf_bytes[i], engine_buf(x, i));
     if (st != FY_OK) st = fy_error_wrap(st, "cuda: the engine's buffers (GEMM workspace and scratch, %.1f MiB)",
                                         (double)fy_cuda_scratch_bytes(g->n_params, C) / 1048576.0);
   }
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
-  if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->workspace_bytes, &x->blas);
+  if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->buf_bytes[0], &x->blas);
   if (st == FY_OK && !(x->fused = calloc((size_t)g->n_ops + 1, 1))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st != FY_OK) {
     fy_engine_cuda_detach(m);

@@ -139,15 +139,10 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   if (opts && opts->recompute) fy_graph_set_recompute(m->graph, true);
   if (opts && opts->inference) fy_graph_set_forward_only(m->graph);  // (no activation gradients either)
   if (m->device_memory && opts && opts->act16) st = fy_graph_set_act16(m->graph, true);
+  m->host = opts ? opts->host : NULL;
+  if (st == FY_OK) st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
   if (st != FY_OK) {
     free(m->patterns);
-    fy_graph_free(m->graph);
-    free(m);
-    return st;
-  }
-  m->host = opts ? opts->host : NULL;
-  st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
-  if (st != FY_OK) {
     fy_graph_free(m->graph);
     free(m);
     return st;

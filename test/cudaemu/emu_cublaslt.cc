@@ -223,17 +223,15 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t dsc, cons
   const cudaDataType_t bias_type = m.bias_type < 0 ? ld.type : (cudaDataType_t)m.bias_type;
   if (overlaps(D, span(ld), A, span(la)) || overlaps(D, span(ld), B, span(lb)))
     fy_emu_fail("cublasLtMatmul: D at %p overlaps an input (A %p, B %p)", D, A, B);
-  fy_emu_check_range(A, span(la), "cublasLtMatmul A");
-  fy_emu_check_range(B, span(lb), "cublasLtMatmul B");
-  if (beta != 0.0f) fy_emu_check_range(C, span(lc), "cublasLtMatmul C");
-  fy_emu_check_range(D, span(ld), "cublasLtMatmul D");
-  if (bias) fy_emu_check_range(m.bias, M * elem(bias_type), "cublasLtMatmul bias");
-  const int gpu = fy_emu_current_device();  // ... and is the current GPU's memory
+  // Every operand read or written lies wholly in the current GPU's memory.
+  const int gpu = fy_emu_current_device();
   const void *operand[5] = {A, B, beta != 0.0f ? C : NULL, D, bias ? m.bias : NULL};
+  const size_t bytes[5] = {span(la), span(lb), span(lc), span(ld), bias ? M * elem(bias_type) : 0};
   static const char *const operand_name[5] = {"A", "B", "C", "D", "the bias"};
   for (int i = 0; i < 5; i++)
-    if (operand[i] && fy_emu_device_of(operand[i], 1) != gpu)
-      fy_emu_fail("cublasLtMatmul on GPU %d: %s at %p is not its memory", gpu, operand_name[i], operand[i]);
+    if (operand[i] && fy_emu_device_of(operand[i], bytes[i]) != gpu)
+      fy_emu_fail("cublasLtMatmul on GPU %d: %s (%zu bytes at %p) is not in its memory", gpu, operand_name[i],
+                  bytes[i], operand[i]);
   const void *bias_p = m.bias;
   std::function<void()> job = [=] {
     // op(A) as M rows of K and op(B) as N rows of K, in fp32: each element of D is one dot product

@@ -22,6 +22,10 @@ void fy_emu_check_range(const void *p, size_t n, const char *what);
 int fy_emu_current_device(void);
 int fy_emu_stream_device(cudaStream_t st);
 int fy_emu_device_of(const void *p, size_t n);
+// The machine's GPU behind device `ordinal` of this process: CUDA_VISIBLE_DEVICES's entry for it
+// when set (a launcher that gives each rank its own GPU), else the ordinal (the emulated GPUs are
+// the same for every process on the machine).
+int fy_emu_physical_gpu(int ordinal);
 
 uint64_t fy_emu_seed(void);  // FY_EMU_SEED (default 1)
 

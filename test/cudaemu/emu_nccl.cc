@@ -112,6 +112,11 @@ ncclResult_t set_error(comm_state *c, ncclResult_t r, const char *fmt, ...) {
   return r;
 }
 
+void nap(long ns) {
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
+}
+
 void futex_wait(std::atomic<uint32_t> *w, uint32_t v) {
   struct timespec ts = {0, 1000000};  // 1 ms: then look at `aborted` again
   syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, v, &ts, NULL, 0);
@@ -134,25 +139,6 @@ bool barrier(comm_state *s) {
     futex_wait(&h->gen, g);
   }
   return true;
-}
-
-// The machine's GPU behind this process's device `ordinal`: CUDA_VISIBLE_DEVICES's entry for it
-// when set (a launcher that gives each rank its own GPU), else the ordinal (the emulated GPUs are
-// the same for every process on the machine).
-int physical_gpu(int ordinal) {
-  const char *v = getenv("CUDA_VISIBLE_DEVICES");
-  if (!v || !*v) return ordinal;
-  std::string list = v;
-  size_t from = 0;
-  for (int i = 0; i < ordinal && from != std::string::npos; i++) from = list.find(',', from) == std::string::npos
-                                                                          ? std::string::npos : list.find(',', from) + 1;
-  if (from == std::string::npos) return -1 - ordinal;  // (no such device: not one of the machine's)
-  std::string entry = list.substr(from, list.find(',', from) == std::string::npos ? std::string::npos
-                                                                                   : list.find(',', from) - from);
-  char *end;
-  long g = strtol(entry.c_str(), &end, 10);
-  if (!entry.empty() && *end == 0) return (int)g;
-  return (int)(1000 + std::hash<std::string>()(entry) % 1000000);  // a UUID or the like: its own GPU
 }
 
 // Joins the segment (made by whichever rank comes first) and waits for every rank to join; ranks
@@ -186,7 +172,7 @@ ncclResult_t attach(comm_state *s, std::string *why) {
     *why = "ranks disagree on the communicator's size (" + std::to_string(want) + " and " + std::to_string(s->nranks) + ")";
     return ncclInvalidUsage;
   }
-  s->hdr->gpu[s->rank] = physical_gpu(s->device);
+  s->hdr->gpu[s->rank] = fy_emu_physical_gpu(s->device);
   if (s->hdr->attached.fetch_add(1) + 1 == (uint32_t)s->nranks)
     shm_unlink(s->name.c_str());  // everyone has it mapped: the name can go
   while (s->hdr->attached.load() < (uint32_t)s->nranks) {
@@ -194,8 +180,7 @@ ncclResult_t attach(comm_state *s, std::string *why) {
       *why = "aborted while waiting for the other ranks";
       return ncclInvalidUsage;
     }
-    struct timespec ts = {0, 200000};
-    nanosleep(&ts, NULL);
+    nap(200000);
   }
   for (int q = 0; q < s->nranks; q++)  // as NCCL: one rank per GPU
     if (q != s->rank && s->hdr->gpu[q] == s->hdr->gpu[s->rank]) {
@@ -347,34 +332,22 @@ ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, siz
     std::lock_guard<std::mutex> lk(s->mu);
     d.seq = s->seq++;
   }
-  if (count == 0 || s->nranks == 1) {  // nothing to exchange (one rank: a copy when not in place)
-    if (count > 0 && send != recv) {
-      std::shared_ptr<comm_state> keep = c->st;
-      keep->pending++;
-      fy_emu_enqueue(stream, [keep, send, recv, recv_bytes] {
-        memmove(recv, send, recv_bytes);
-        keep->pending--;
-      });
-    }
-    return ncclSuccess;
-  }
+  // (counted only where there is something to exchange, as the injection's N counts)
+  const bool lost = count > 0 && s->nranks > 1 && injected_failure(op);
+  if (count == 0 || (s->nranks == 1 && send == recv)) return ncclSuccess;  // nothing to do
   std::shared_ptr<comm_state> keep = c->st;
   keep->pending++;
-  if (injected_failure(op)) {
-    fy_emu_enqueue(stream, [keep, d] {
+  fy_emu_enqueue(stream, [keep, d, send, recv, recv_bytes, lost] {
+    if (lost) {  // a peer that never sends: the error, then the wait for the abort
       set_error(keep.get(), ncclRemoteError, "%s %llu: a failure injected by FY_EMU_NCCL_FAIL", op_name(d.op),
                 (unsigned long long)d.seq);
       keep->error = ncclRemoteError;
-      while (!keep->aborted.load()) {
-        struct timespec ts = {0, 1000000};
-        nanosleep(&ts, NULL);
-      }
-      keep->pending--;
-    });
-    return ncclSuccess;
-  }
-  fy_emu_enqueue(stream, [keep, d, send, recv] {
-    if (!keep->aborted.load()) run_collective(keep.get(), d, (const unsigned char *)send, (unsigned char *)recv);
+      while (!keep->aborted.load()) nap(1000000);
+    } else if (keep->nranks == 1) {  // one rank: a copy
+      memmove(recv, send, recv_bytes);
+    } else if (!keep->aborted.load()) {
+      run_collective(keep.get(), d, (const unsigned char *)send, (unsigned char *)recv);
+    }
     keep->pending--;
   });
   return ncclSuccess;
@@ -464,10 +437,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   comm_state *s = comm->st.get();
   s->finalizing = true;
   if (!s->blocking) return s->pending.load() > 0 ? ncclInProgress : ncclSuccess;
-  while (s->pending.load() > 0 && !s->aborted.load()) {
-    struct timespec ts = {0, 200000};
-    nanosleep(&ts, NULL);
-  }
+  while (s->pending.load() > 0 && !s->aborted.load()) nap(200000);
   return ncclSuccess;
 }
 

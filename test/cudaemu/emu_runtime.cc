@@ -17,7 +17,9 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "test/cudaemu/emu_internal.h"
 
@@ -69,16 +71,33 @@ size_t device_capacity() {
   return cap;
 }
 
+// CUDA_VISIBLE_DEVICES's entries, in order (unset: none; set and empty: one empty entry, no GPU)
+const std::vector<std::string> &visible_list() {
+  static const std::vector<std::string> list = [] {
+    std::vector<std::string> l;
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (!v) return l;
+    std::string all = v;
+    for (size_t from = 0;;) {
+      size_t comma = all.find(',', from);
+      l.push_back(all.substr(from, comma == std::string::npos ? std::string::npos : comma - from));
+      if (comma == std::string::npos) break;
+      from = comma + 1;
+    }
+    return l;
+  }();
+  return list;
+}
+
 // FY_EMU_GPUS (the machine's), or as many as CUDA_VISIBLE_DEVICES lists, as CUDA counts them
 int device_count() {
   static int n = [] {
     const char *s = getenv("FY_EMU_GPUS");
     int g = s && *s ? atoi(s) : 1;
     g = g < 1 ? 1 : g > MAX_GPUS ? MAX_GPUS : g;
-    const char *v = getenv("CUDA_VISIBLE_DEVICES");
-    if (v) {
-      int listed = *v ? 1 : 0;
-      for (; *v; v++) listed += *v == ',';
+    const std::vector<std::string> &l = visible_list();
+    if (getenv("CUDA_VISIBLE_DEVICES")) {
+      int listed = l.size() == 1 && l[0].empty() ? 0 : (int)l.size();
       g = listed < g ? listed : g;
     }
     return g;
@@ -171,6 +190,16 @@ void fy_emu_check_range(const void *p, size_t n, const char *what) {
 }
 
 int fy_emu_current_device(void) { return current_device; }
+
+int fy_emu_physical_gpu(int ordinal) {
+  const std::vector<std::string> &l = visible_list();
+  if (l.empty()) return ordinal;
+  if (ordinal < 0 || ordinal >= (int)l.size()) return -1 - ordinal;  // (not one of the machine's)
+  char *end;
+  long g = strtol(l[ordinal].c_str(), &end, 10);
+  if (!l[ordinal].empty() && *end == 0) return (int)g;
+  return (int)(1000 + std::hash<std::string>()(l[ordinal]) % 1000000);  // a UUID or the like: its own GPU
+}
 
 int fy_emu_stream_device(cudaStream_t st) { return stream_of(st)->device; }
 
