@@ -231,7 +231,10 @@ fy_status fy_model_set_pattern(struct fy_model *m, int op, const char *name) {
   if (!p->applies(&c))
     return fy_error_set(FY_ERR_INVALID, "op %s: the pattern %s does not apply to it", m->graph->ops[op].name, name);
   m->patterns[op] = p;
-  snprintf(m->graph->ops[op].pattern, sizeof m->graph->ops[op].pattern, "%s", name);
+  // (name may be the op's own pattern field: a copy onto itself would be undefined, and glibc's
+  // snprintf empties it.)
+  char *field = m->graph->ops[op].pattern;
+  if (name != field) snprintf(field, sizeof m->graph->ops[op].pattern, "%s", name);
   return FY_OK;
 }
 
