@@ -113,6 +113,9 @@ void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t 
 void fy_add_forward(float *out, const float *a, const float *b, int64_t N);
 // dout (N) -> da (N) +=, db (N) += (either may be NULL)
 void fy_add_backward(float *da, float *db, const float *dout, int64_t N);
+// bias (C) -> out (rows,C) += bias on every row (a row-split linear's bias, added after the sum of
+// its partial products: planner/patterns/tp_row.c)
+void fy_bias_add(float *out, const float *bias, int64_t rows, int64_t C);
 
 // ---- dropout on a residual branch, fused with the add (OPT: before each residual add) ----
 //

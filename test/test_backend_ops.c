@@ -376,6 +376,31 @@ static void test_dropout_add(enum fy_dtype dt) {
   test_dropout_add_c(dt, 9000, 16, 1);  // misaligned; more rows than blocks
 }
 
+// A row-split linear's bias, added to every row after the partial products are summed; skew
+// elements into the buffers leaves them misaligned (the element-by-element path).
+static void test_bias_add_c(enum fy_dtype dt, int64_t rows, int64_t C, int64_t skew) {
+  const int64_t N = rows * C;
+  const size_t es = fy_dtype_size(dt);
+  float *out = frand_new(N + skew, 1.0f, dt), *bias = frand_new(C + skew, 1.0f, dt);
+  void *d_out = dput(out, N + skew, dt), *d_bias = dput(bias, C + skew, dt);
+  fy_bias_add(out + skew, bias + skew, rows, C);
+  CHECK_OK(fy_cuda_bias_add((char *)d_out + skew * es, (char *)d_bias + skew * es, dt, rows, C, cs));
+  char what[64];
+  snprintf(what, sizeof what, "bias add (%lld x %lld, skew %lld)", (long long)rows, (long long)C, (long long)skew);
+  cmp_dev(what, dt, d_out, out, N + skew, false);
+  dfree_all();
+  free(out);
+  free(bias);
+}
+
+static void test_bias_add(enum fy_dtype dt) {
+  test_bias_add_c(dt, BT, C, 0);
+  test_bias_add_c(dt, 37, 264, 0);
+  test_bias_add_c(dt, BT, 37, 0);
+  test_bias_add_c(dt, 9000, 16, 1);
+  test_bias_add_c(dt, 1, 8, 0);
+}
+
 // fp32 -> bf16 rounds to nearest even exactly as the CPU's conversion; bf16 -> fp32 is exact.
 static void test_convert(void) {
   const int64_t N = 100003;
@@ -757,6 +782,7 @@ int main(void) {
     test_layernorm(dt);
     test_elementwise(dt);
     test_dropout_add(dt);
+    test_bias_add(dt);
     test_crossentropy(dt);
     test_adamw(dt);
     test_accumulate(dt);

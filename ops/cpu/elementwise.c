@@ -67,6 +67,16 @@ void fy_add_backward(float *da, float *db, const float *dout, int64_t N) {
   }
 }
 
+// bias (C) -> out (rows,C) += bias
+void fy_bias_add(float *out, const float *restrict bias, int64_t rows, int64_t C) {
+#pragma omp parallel for schedule(static) if (parallel : rows * C > FY_EW_PAR)
+  for (int64_t r = 0; r < rows; r++) {
+    float *row = out + r * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++) row[c] += bias[c];
+  }
+}
+
 // base (rows,C), src (rows,C) -> dst (rows,C) = base + src * keep / (1 - p), row r being token u0
 // + r of the stream (its mask drawn from key, ops/dropout.h): the dropout-add's forward (dst the
 // output, base the residual, src the branch) and its branch gradient (dst = base = db, src =

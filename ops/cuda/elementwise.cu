@@ -1,4 +1,4 @@
-// Elementwise kernels: relu, gelu, add and dropout-add, forward and backward. Memory-bound grid-stride loops; outputs
+// Elementwise kernels: relu, gelu, add, bias add and dropout-add, forward and backward. Memory-bound grid-stride loops; outputs
 // may alias inputs (in-place relu, a residual added in place), so nothing is __restrict__ (each
 // element, or 16-byte piece, is read and written by one thread).
 #include "ops/cuda/common.cuh"
@@ -217,6 +217,38 @@ extern "C" fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, 
     add_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)da, (T *)db, (const T *)dout, N, nv);
   });
   return fy_cuda_launched("add_backward");
+}
+
+// bias (C) -> out (rows,C) += bias. Whole pieces when C is a multiple of one (and both buffers
+// aligned: a piece then never crosses a row), else element by element.
+template <typename T>
+__global__ void bias_add_kernel(T *out, const T *bias, int64_t rows, int64_t C, bool vec) {
+  constexpr int V = ew_vec<T>::N;
+  if (vec) {
+    const int64_t cv = C / V;
+    EW_LOOP(j, 0, rows * cv) {
+      float x[V], b[V];
+      ew_ld(x, out + j * V);
+      ew_ld(b, bias + (j % cv) * V);
+#pragma unroll
+      for (int k = 0; k < V; k++) x[k] += b[k];
+      ew_st(out + j * V, x);
+    }
+    return;
+  }
+  EW_LOOP(i, 0, rows * C) fy_st(out + i, fy_ld(out + i) + fy_ld(bias + i % C));
+}
+
+extern "C" fy_status fy_cuda_bias_add(void *out, const void *bias, enum fy_dtype dt, int64_t rows, int64_t C,
+                                      cudaStream_t st) {
+  if (rows <= 0 || C <= 0) return FY_OK;
+  FY_CUDA_DISPATCH("bias_add", dt, T, {
+    constexpr int V = ew_vec<T>::N;
+    const bool vec = C % V == 0 && ((uintptr_t)out | (uintptr_t)bias) % 16 == 0;
+    const int64_t N = rows * C;
+    bias_add_kernel<T><<<ew_grid(N, vec ? N / V : 0), 256, 0, st>>>((T *)out, (const T *)bias, rows, C, vec);
+  });
+  return fy_cuda_launched("bias_add");
 }
 
 // base (rows,C), src (rows,C) -> dst (rows,C) = base + src * keep / (1 - p), row r being token

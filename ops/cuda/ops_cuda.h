@@ -90,6 +90,8 @@ fy_status fy_cuda_add_forward(void *out, const void *a, const void *b, enum fy_d
 // dout (N) -> da (N) +=, db (N) += (either may be NULL)
 fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dtype dt, int64_t N,
                                cudaStream_t st);
+// bias (C) -> out (rows,C) += bias on every row (fy_bias_add)
+fy_status fy_cuda_bias_add(void *out, const void *bias, enum fy_dtype dt, int64_t rows, int64_t C, cudaStream_t st);
 // The dropout-add of ops/ops.h (fy_dropout_add_forward, _backward), the same masks:
 // a (rows,C) the residual, b (rows,C) the branch -> out (rows,C) = a + b * keep / (1 - p)
 fy_status fy_cuda_dropout_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt, int64_t rows,
