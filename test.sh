@@ -108,11 +108,11 @@ if [ "$plain" = 1 ]; then
     echo "== training on the emulated GPU against the CPU (test/cuda_train.sh)"
     count_logged build-emu/cuda_train.log test/cuda_train.sh build-emu/ferry build-emu/cuda_train \
       --model test/cudaemu/opt-tiny --batch 4 --seq 32 --offload-mem 40MiB --blocks 3
-    echo "== training on 2 and 3 emulated GPUs against 1 (test/cuda_ranks.sh)"
+    echo "== training on 2, 3 and 4 emulated GPUs against 1 (test/cuda_ranks.sh)"
     if command -v mpirun >/dev/null 2>&1; then
       # (FY_EMU_JITTER_US: streams wait up to 200 us before each job, so they interleave in more ways)
-      FY_EMU_JITTER_US=200 FY_EMU_GPUS=3 count_logged build-emu/cuda_ranks.log test/cuda_ranks.sh build-emu/ferry build-emu/cuda_ranks \
-        --model test/cudaemu/opt-tiny --seq 32 --offload-mem 40MiB --gpus 3
+      FY_EMU_JITTER_US=200 FY_EMU_GPUS=4 count_logged build-emu/cuda_ranks.log test/cuda_ranks.sh build-emu/ferry build-emu/cuda_ranks \
+        --model test/cudaemu/opt-tiny --seq 32 --offload-mem 40MiB --gpus 4
     else
       echo "skipped: no mpirun"
       skipped=$((skipped + 1))

@@ -72,7 +72,9 @@ enum {
   FY_PHASE_COUNT,
 };
 
-// What the runtime (runtime/engine.c) hands a pattern's hooks: one op on one rank.
+// What the runtime (runtime/engine.c) hands a pattern's hooks: one op on one rank. The buffers are
+// the kernels' (on a GPU: device memory, in the compute dtype, the work queued on its stream), so
+// a hook touches them only through the functions below; n, rows and cols count elements.
 struct fy_pattern_run {
   const struct fy_graph *g;
   int op;
@@ -83,6 +85,9 @@ struct fy_pattern_run {
   // Sums buf over this rank's data-parallel (group 0) or tensor-parallel (group 1) ranks, in place
   // (rank-order sums: the same bits on every rank); nothing for a group of one rank.
   fy_status (*all_reduce)(void *ctx, int group, float *buf, size_t n);
+  fy_status (*add)(void *ctx, float *dst, const float *src, size_t n);  // dst += src
+  // out (rows, cols) += bias (cols) on every row
+  fy_status (*add_bias)(void *ctx, float *out, const float *bias, int64_t rows, int64_t cols);
   void *ctx;
 };
 

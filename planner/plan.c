@@ -150,7 +150,4 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
   if (p->dp * p->tp > 1)
     fprintf(f, "  collectives per step: %.3f s of the above at %.1f GB/s between ranks\n", c->comm_s,
             fy_probe_comm_gbps(&p->machine));
-  if (p->tp > 1 && strcmp(p->machine.device, "cuda") == 0)
-    fprintf(f, "  note: ferry train runs tensor parallelism (--tp) on cpu and sim only so far; on GPUs its ranks "
-               "are data-parallel (--offload)\n");
 }

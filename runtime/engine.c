@@ -49,16 +49,33 @@ static fy_status pattern_all_reduce(void *ctx, int group, float *buf, size_t n) 
   struct fy_model *m = ctx;
   struct fy_comm *c = group == FY_PATTERN_GROUP_TP ? m->tp_comm : m->dp_comm;
   if (!c || fy_comm_size(c) == 1) return FY_OK;
+  if (m->kernels->pattern_all_reduce) return m->kernels->pattern_all_reduce(m, c, buf, n);
   return fy_comm_all_reduce(c, buf, n, FY_COMM_F32, NULL);
 }
 
-static fy_status run_hook(struct fy_model *m, int o, bool backward, struct fy_pattern_run *r) {
+static fy_status pattern_add(void *ctx, float *dst, const float *src, size_t n) {
+  struct fy_model *m = ctx;
+  if (m->kernels->pattern_add) return m->kernels->pattern_add(m, dst, src, (int64_t)n);
+  fy_add_forward(dst, dst, src, (int64_t)n);
+  return FY_OK;
+}
+
+static fy_status pattern_add_bias(void *ctx, float *out, const float *bias, int64_t rows, int64_t cols) {
+  struct fy_model *m = ctx;
+  if (m->kernels->pattern_bias_add) return m->kernels->pattern_bias_add(m, out, bias, rows, cols);
+  fy_bias_add(out, bias, rows, cols);
+  return FY_OK;
+}
+
+fy_status fy_engine_run_hook(struct fy_model *m, int o, bool backward, struct fy_pattern_run *r) {
   const struct fy_pattern *p = m->patterns[o];
   fy_status (*hook)(const struct fy_pattern_run *) = p ? (backward ? p->post_backward : p->post_forward) : NULL;
   if (!hook) return FY_OK;
   r->g = m->graph;
   r->op = o;
   r->all_reduce = pattern_all_reduce;
+  r->add = pattern_add;
+  r->add_bias = pattern_add_bias;
   r->ctx = m;
   fy_status st = hook(r);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "pattern %s", p->name);
@@ -119,7 +136,7 @@ void fy_op_call_forward(void *arg) {
     }
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
-  if (st == FY_OK) st = run_hook(m, c->op, false, &run);
+  if (st == FY_OK) st = fy_engine_run_hook(m, c->op, false, &run);
   // 16-bit numerics: the output as a 16-bit tensor would hold it (the per-row losses stay fp32).
   if (m->compute_dtype != FY_F32 && op->kind != FY_OP_CROSS_ENTROPY)
     fy_round_to_dtype(out, out, m->compute_dtype, (size_t)g->slots[op->out].numel);
@@ -209,7 +226,7 @@ void fy_op_call_backward(void *arg) {
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
-  if (st == FY_OK) st = run_hook(m, c->op, true, &run);
+  if (st == FY_OK) st = fy_engine_run_hook(m, c->op, true, &run);
   if (m->compute_dtype != FY_F32) {  // 16-bit numerics: the gradients as 16-bit tensors would hold them
     for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++) {
       float *d = fy_engine_dinput(m, op, k);

@@ -52,6 +52,11 @@ static inline bool fy_engine_dropout(const struct fy_op_call *c, const struct fy
 void fy_op_call_forward(void *call);
 void fy_op_call_backward(void *call);
 
+// After op o's kernels: its parallel pattern's hook (planner/pattern.h; nothing when it has none),
+// with r's buffers filled in by the caller and the collective and arithmetic of m's kernels.
+struct fy_pattern_run;
+fy_status fy_engine_run_hook(struct fy_model *m, int o, bool backward, struct fy_pattern_run *r);
+
 // Where a slot's activation and its gradient are, and an op input's gradient (NULL when nothing
 // upstream needs it).
 static inline float *fy_engine_act(const struct fy_model *m, int slot) {

@@ -11,6 +11,8 @@
 #include "core/device_cuda.h"
 #include "ops/cuda/ops_cuda.h"
 #include "memory/tier.h"
+#include "planner/pattern.h"
+#include "runtime/comm.h"
 #include "runtime/engine.h"
 
 // A micro-batch's loss, summed on the host by a host function once its per-row losses have come
@@ -24,7 +26,8 @@ struct loss_job {
 
 struct cuda_ctx {
   fy_stream *stream;   // owned: the engine's own stream (the resident path)
-  cudaStream_t st;     // where kernels launch: stream's, or the offload engine's compute stream
+  fy_stream *launch;   // where kernels launch: stream, or the offload engine's compute stream
+  cudaStream_t st;     // launch's CUDA stream
   float *losses_pinned;  // (BT) page-locked, for the asynchronous loss read
   struct loss_job jobs[LOSS_JOBS];
   int next_job;
@@ -78,6 +81,7 @@ static void op_forward_cuda(void *arg) {
   const enum fy_dtype dt = m->compute_dtype;
   const double t0 = profile_start(m);
   fy_status st = FY_OK;
+  struct fy_pattern_run run = {.out = out};
   switch (op->kind) {
     case FY_OP_EMBEDDING:
       st = fy_cuda_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
@@ -92,6 +96,10 @@ static void op_forward_cuda(void *arg) {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
       const void *bias = op->has_bias ? c->w[n_w] : NULL;
       const struct fy_op *next = &g->ops[c->op + 1];  // (when fused)
+      if (op->split == FY_SPLIT_ROW) {  // a partial product: its pattern sums it, then adds the bias
+        run.bias = (const float *)bias;
+        bias = NULL;
+      }
       if (x->fused[c->op] == FY_FUSED_RELU)
         st = fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias, dt, BT, op->C,
                                          op->OC, x->st);
@@ -139,6 +147,7 @@ static void op_forward_cuda(void *arg) {
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
+  if (st == FY_OK) st = fy_engine_run_hook(m, c->op, false, &run);
   profile_end(m, op->kind, 0, t0);
   if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s on cuda", op->name);
 }
@@ -167,6 +176,7 @@ static void op_backward_cuda(void *arg) {
   for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
   const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
+  struct fy_pattern_run run = {.dinput = op->n_in > 0 && op->kind != FY_OP_EMBEDDING ? fy_engine_dinput(m, op, 0) : NULL};
   if (st == FY_OK) switch (op->kind) {
     case FY_OP_EMBEDDING: {
       const struct fy_param *p = &g->params[op->params[0]];
@@ -198,7 +208,12 @@ static void op_backward_cuda(void *arg) {
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
       float *dinp = fy_engine_dinput(m, op, 0);
-      if (dinp)
+      if (op->split == FY_SPLIT_COL) {  // this rank's part, apart: its pattern sums it into the slot
+        FY_ASSERT(BT * op->C <= m->tp_buf_elems);
+        dinp = run.dinput_part = m->tp_buf;
+        st = zero(x, dinp, (size_t)(BT * op->C) * es);
+      }
+      if (st == FY_OK && dinp)
         st = fy_cuda_linear_backward(x->blas, dinp, NULL, NULL, dout, in0, c->w[0], dt, BT, op->C, op->OC, x->st);
       if (st == FY_OK)
         st = fy_cuda_linear_backward_params(x->blas, c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, dt, BT,
@@ -234,6 +249,7 @@ static void op_backward_cuda(void *arg) {
       break;
     case FY_OP_KIND_COUNT: FY_ASSERT(0);
   }
+  if (st == FY_OK) st = fy_engine_run_hook(m, c->op, true, &run);
   profile_end(m, op->kind, 1, t0);
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s on cuda", op->name);
 }
@@ -307,6 +323,7 @@ static void prepare_weights_cuda(struct fy_model *m) {
 static void set_stream_cuda(struct fy_model *m, fy_stream *s) {
   struct cuda_ctx *x = ctx_of(m);
   cudaStreamSynchronize(x->st);  // what was launched on the old stream is done
+  x->launch = s;
   x->st = fy_cuda_stream(s);
 }
 
@@ -314,6 +331,21 @@ static fy_status wait_cuda(struct fy_model *m) {
   if (cudaStreamSynchronize(ctx_of(m)->st) != cudaSuccess)
     return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s", cudaGetErrorString(cudaGetLastError()));
   return FY_OK;
+}
+
+// Tensor parallelism's hooks: the sum over the group by NCCL on the kernels' stream, in the
+// compute dtype (the communicator is a device one: fy_engine_cuda_attach checks), and the
+// arithmetic as kernels after it.
+static fy_status pattern_all_reduce_cuda(struct fy_model *m, struct fy_comm *c, void *buf, size_t n) {
+  return fy_comm_all_reduce(c, buf, n, m->compute_dtype == FY_F32 ? FY_COMM_F32 : FY_COMM_BF16, ctx_of(m)->launch);
+}
+
+static fy_status pattern_add_cuda(struct fy_model *m, void *dst, const void *src, int64_t n) {
+  return fy_cuda_add_forward(dst, dst, src, m->compute_dtype, n, ctx_of(m)->st);
+}
+
+static fy_status pattern_bias_add_cuda(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols) {
+  return fy_cuda_bias_add(out, bias, m->compute_dtype, rows, cols, ctx_of(m)->st);
 }
 
 static const struct fy_model_kernels cuda_kernels = {
@@ -328,6 +360,9 @@ static const struct fy_model_kernels cuda_kernels = {
     .chunk_adamw = chunk_adamw_cuda,
     .chunk_add = chunk_add_cuda,
     .wait = wait_cuda,
+    .pattern_all_reduce = pattern_all_reduce_cuda,
+    .pattern_add = pattern_add_cuda,
+    .pattern_bias_add = pattern_bias_add_cuda,
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its
@@ -363,7 +398,7 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   const int64_t C = fy_graph_max_channels(g);
   fy_cuda_scratch_sizes(x->buf_bytes, g->n_params, C);
   fy_status st = fy_stream_create(m->dev, &x->stream);
-  if (st == FY_OK) x->st = fy_cuda_stream(x->stream);
+  if (st == FY_OK) x->st = fy_cuda_stream(x->launch = x->stream);
   for (int i = 0; i < FY_CUDA_SCRATCH_BUFS && st == FY_OK; i++) {
     st = fy_device_alloc(m->dev, x->buf_bytes[i], engine_buf(x, i));
     if (st != FY_OK) st = fy_error_wrap(st, "cuda: the engine's buffers (GEMM workspace and scratch, %.1f MiB)",
@@ -373,6 +408,11 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->buf_bytes[0], &x->blas);
   if (st == FY_OK && !(x->fused = calloc((size_t)g->n_ops + 1, 1))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  // Tensor parallelism: the hooks' sums run on the GPU's stream, so the group's communicator must
+  // be a device one.
+  if (st == FY_OK && m->tp_comm && fy_comm_size(m->tp_comm) > 1 && strcmp(fy_comm_kind_name(m->tp_comm), "nccl") != 0)
+    st = fy_error_set(FY_ERR_INVALID, "cuda: the tensor-parallel group's communicator is %s; on GPUs it must be nccl",
+                      fy_comm_kind_name(m->tp_comm));
   if (st != FY_OK) {
     fy_engine_cuda_detach(m);
     return st;

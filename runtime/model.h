@@ -114,6 +114,13 @@ struct fy_model_kernels {
   // their own, and a kernel still queued may read what an upload overwrites (the last
   // micro-batch's tokens, which the embedding's backward reads) or write what a download reads.
   fy_status (*wait)(struct fy_model *m);
+  // The parallel patterns' hooks (planner/pattern.h, run by fy_engine_run_hook) on the kernels'
+  // buffers, queued where the kernels are (NULL in the CPU's table: host loops and a collective
+  // on the calling thread): buf (n) summed over communicator c in place, dst (n) += src, and out
+  // (rows, cols) += bias on every row.
+  fy_status (*pattern_all_reduce)(struct fy_model *m, struct fy_comm *c, void *buf, size_t n);
+  fy_status (*pattern_add)(struct fy_model *m, void *dst, const void *src, int64_t n);
+  fy_status (*pattern_bias_add)(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols);
 };
 
 struct fy_model_opts {

@@ -147,6 +147,23 @@ static enum fy_dtype precision_dtype(const struct fy_train_opts *o) {
   return strcmp(o->precision, "bf16") == 0 ? FY_BF16 : FY_F16;
 }
 
+// A communicator over c's ranks for collectives on the compute device's memory: an mpi one for
+// host memory, NCCL's for a GPU's (bootstrapped by an mpi one).
+static fy_status device_comm(struct fy_comm *c, int rank, bool cuda, struct fy_comm **out) {
+  struct fy_comm *split = NULL;
+  FY_TRY(fy_comm_split(c, 0, rank, &split));
+  if (!cuda) {
+    *out = split;
+    return FY_OK;
+  }
+#if FY_HAVE_NCCL
+  return fy_comm_nccl_create(split, out);  // (takes split)
+#else
+  fy_comm_free(split);
+  return fy_error_set(FY_ERR_UNSUPPORTED, "this ferry was built without NCCL");
+#endif
+}
+
 // The offloading setup: the device (sim, or a GPU), host tier, optional disk tier, chunked model,
 // offload engine.
 static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, bool cuda) {
@@ -205,8 +222,12 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                         o->recompute || r->eval ? "" : " (--recompute lowers it)");
   }
   // By default chunks are as small as the largest parameter group allows: finer caching.
-  // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own.
-  if (r->tp > 1) FY_TRY(fy_comm_split(r->tp_comm, 0, r->tp_rank, &r->tp_compute));
+  // Tensor parallelism: the ops' collectives run on the compute stream, on a group of their own
+  // (on GPUs through NCCL, on the activations in device memory).
+  if (r->tp > 1) {
+    fy_status st = device_comm(r->tp_comm, r->tp_rank, cuda, &r->tp_compute);
+    if (st != FY_OK) return fy_error_wrap(st, "--tp %d on GPUs", r->tp);
+  }
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
   // Chunks sharded across ranks (without tensor parallelism, whose slices come from the whole
   // model): no whole-model weights, each rank sets its shards alone (set_shards).
@@ -273,20 +294,9 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
-  if (r->dp > 1) {
-    struct fy_comm *split = NULL;  // an mpi communicator over the same ranks
-    FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &split));
-    if (!cuda) {
-      r->dp_blocks = split;
-    } else {  // the blocks live in GPU memory: their collectives go through NCCL
-#if FY_HAVE_NCCL
-      fy_status st = fy_comm_nccl_create(split, &r->dp_blocks);  // (takes split, the NCCL id's bootstrap)
-      if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
-#else
-      fy_comm_free(split);
-      return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: this ferry was built without NCCL", r->dp);
-#endif
-    }
+  if (r->dp > 1) {  // the blocks' gathers and reduce-scatters (in GPU memory: through NCCL)
+    fy_status st = device_comm(r->dp_comm, r->dp_rank, cuda, &r->dp_blocks);
+    if (st != FY_OK) return fy_error_wrap(st, "%d data-parallel ranks%s", r->dp, cuda ? " on GPUs" : "");
   }
   struct fy_offload_opts xo = {.forward_only = r->eval, .prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
@@ -365,9 +375,12 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (o->offload && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda (the sim device always offloads, the cpu "
                         "device never does)");
-  if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu or sim",
-                        r->tp, device);
+  if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu, sim "
+                        "or cuda --offload", r->tp, device);
+  if (r->tp > 1 && strcmp(device, "cuda") == 0 && !o->offload)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device cuda: several GPUs train with --offload (the "
+                        "slices' chunks in pinned host memory, each rank's cache on its GPU)", r->tp);
   if (r->world > 1 && strcmp(device, "cuda") == 0 && !o->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: several GPUs train with --offload (each "
                         "rank keeps 1/%d of every chunk and gathers the rest through NCCL: the zero pattern)",

@@ -14,7 +14,8 @@
 # two halves; bf16 within 2e-2: each rank's bf16 gradients summed by NCCL), with accumulation,
 # with dropout and validation; each rank's host tier about half of one rank's; a checkpoint saved
 # by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
-# three GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
+# 2 x 2 grid with four GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -107,6 +108,36 @@ if [ "$gpus" -ge 3 ]; then
   run one6 1 --precision fp32 --batch 6 || exit 1
   run three 3 --precision fp32 --batch 2 || exit 1
   check "3 ranks x 2 = 1 rank x 6, fp32" one6 three 1e-4
+fi
+
+# Tensor parallelism (--tp 2, Megatron's split): 2 ranks split every layer's heads and
+# feed-forward features, their partial products and input gradients summed by NCCL on the compute
+# stream; the same losses as 1 rank, with dropout and validation too; the model they save evaluates
+# as 1 rank's; a tensor-parallel checkpoint resumes on 2 ranks (the straight run) and on 1; with 4
+# GPUs a 2 x 2 grid (tensor-parallel pairs, their chunks sharded across the pairs) = 1 rank.
+for p in fp32 bf16; do run tp$p 2 --precision $p --batch 4 --tp 2 --save "$d/tp${p}model" || exit 1; done
+check "--tp 2 = 1 rank, fp32" onefp32 tpfp32 1e-4
+check "--tp 2 = 1 rank, bf16" onebf16 tpbf16 2e-2
+run tpdrop 2 --precision fp32 --batch 4 --tp 2 "${dv[@]}" || exit 1
+check "dropout, --tp 2 = 1 rank, fp32" onedrop tpdrop 1e-4
+check "validation, --tp 2 = 1 rank, fp32" onedrop tpdrop 1e-4 val_loss
+run onesaved 1 --precision fp32 --batch 4 --save "$d/onemodel" || exit 1
+ev=(eval --data "$data" --seq "$seq" --batch 4 --batches 2 --device cpu)
+if a=$("$ferry" "${ev[@]}" --init "$d/onemodel" 2>&1) && b=$("$ferry" "${ev[@]}" --init "$d/tpfp32model" 2>&1) &&
+  python3 -c 'import sys; a, b = (float(x.split()[2]) for x in sys.argv[1:]); sys.exit(abs(a - b) > 1e-4 * a)' "$a" "$b"; then
+  pass=$((pass + 1)); echo "ok    the model --tp 2 saves evaluates as 1 rank's ($(echo "$a" | cut -d' ' -f3) and $(echo "$b" | cut -d' ' -f3))"
+else
+  fail=$((fail + 1)); echo "FAIL  the model --tp 2 saves: $a / $b"
+fi
+rm -rf "$d/cktp"
+run tpsave 2 --precision fp32 --batch 4 --tp 2 --save "$d/cktp" --save-every 4 --stop-after 4 || exit 1
+run tpres2 2 --precision fp32 --batch 4 --tp 2 --resume "$d/cktp" || exit 1
+run tpres1 1 --precision fp32 --batch 4 --resume "$d/cktp" || exit 1
+check "a --tp 2 checkpoint resumed by --tp 2: the straight run" tpfp32 tpres2 1e-5
+check "a --tp 2 checkpoint resumed by 1 rank" tpfp32 tpres1 1e-4
+if [ "$gpus" -ge 4 ]; then
+  run grid 4 --precision fp32 --batch 2 --tp 2 || exit 1
+  check "a 2 x 2 grid (--tp 2 on 4 ranks) = 1 rank x 4, fp32" onefp32 grid 1e-4
 fi
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last

@@ -17,8 +17,7 @@ static fy_status tp_col_post_backward(const struct fy_pattern_run *r) {
   const struct fy_op *op = &r->g->ops[r->op];
   int64_t n = r->g->B * r->g->T * op->C;
   FY_TRY(r->all_reduce(r->ctx, FY_PATTERN_GROUP_TP, r->dinput_part, (size_t)n));
-  for (int64_t i = 0; i < n; i++) r->dinput[i] += r->dinput_part[i];
-  return FY_OK;
+  return r->add(r->ctx, r->dinput, r->dinput_part, (size_t)n);
 }
 
 static bool tp_col_applies(const struct fy_pattern_ctx *c) {

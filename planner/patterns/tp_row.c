@@ -16,10 +16,7 @@ static fy_status tp_row_post_forward(const struct fy_pattern_run *r) {
   const struct fy_op *op = &r->g->ops[r->op];
   int64_t BT = r->g->B * r->g->T, OC = op->OC;
   FY_TRY(r->all_reduce(r->ctx, FY_PATTERN_GROUP_TP, r->out, (size_t)(BT * OC)));
-  if (r->bias)
-    for (int64_t i = 0; i < BT; i++)
-      for (int64_t o = 0; o < OC; o++) r->out[i * OC + o] += r->bias[o];
-  return FY_OK;
+  return r->bias ? r->add_bias(r->ctx, r->out, r->bias, BT, OC) : FY_OK;
 }
 
 static bool tp_row_applies(const struct fy_pattern_ctx *c) {
