@@ -57,7 +57,7 @@ int main(int argc, char **argv) {
     fy_opt_preset(names[i], &cfg);
     size_t need = 0;
     int64_t chunk_elems = 0;
-    if (fy_offload_plan_min_bytes(&cfg, batch, seq, true, false, false, 4, 0, &need, &chunk_elems) != FY_OK) continue;
+    if (fy_offload_plan_min_bytes(&cfg, batch, seq, 1, true, false, false, 4, 0, &need, &chunk_elems) != FY_OK) continue;
     double chunk = 4.0 * (double)chunk_elems;
     double p = (double)fy_opt_num_params(&cfg);
     // Parameters stay in the host tier; gradients and AdamW state go to disk when they must.

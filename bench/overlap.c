@@ -51,7 +51,7 @@ int main(int argc, char **argv) {
   // The device holds the activations and `fraction` of the model's parameters as cache blocks.
   size_t need = 0;
   int64_t chunk_elems = 0;
-  if (st == FY_OK) st = fy_offload_plan_min_bytes(&cfg, batch, seq, false, false, false, 4, 0, &need, &chunk_elems);
+  if (st == FY_OK) st = fy_offload_plan_min_bytes(&cfg, batch, seq, 1, false, false, false, 4, 0, &need, &chunk_elems);
   double params_bytes = 4.0 * (double)fy_opt_num_params(&cfg);
   o.device = "sim";
   o.device_mem = need + (size_t)(fraction * params_bytes);

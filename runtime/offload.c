@@ -239,7 +239,9 @@ static size_t device_fixed_bytes(const struct fy_model *m) {
   const struct fy_graph *g = m->graph;
   size_t round = 64, bt = (size_t)(g->B * g->T) * 4;
   size_t acts = (size_t)(g->act_elems + g->grad_elems + g->scratch_elems) * 4 + bt;
-  return acts + 2 * 4 * bt + 8 * round;  // two micro-batches of ids, targets, mask, positions
+  // Tensor parallelism: a column-split linear's partial input gradient (runtime/model.h, tp_buf).
+  size_t tp = g->tp > 1 ? (size_t)(g->B * g->T * m->cfg.hidden_size) * 4 + round : 0;
+  return acts + tp + 2 * 4 * bt + 8 * round;  // two micro-batches of ids, targets, mask, positions
 }
 
 static size_t min_device_bytes(const struct fy_model *m, size_t esize) {
@@ -248,11 +250,11 @@ static size_t min_device_bytes(const struct fy_model *m, size_t esize) {
 
 size_t fy_offload_min_device_bytes(const struct fy_model *m) { return min_device_bytes(m, payload_bytes(m)); }
 
-fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
+fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, bool recompute,
                                     bool forward_only, bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
                                     size_t *min_bytes, int64_t *chunk_elems_out) {
   struct fy_model m = {.cfg = *cfg};
-  FY_TRY(fy_opt_build_graph(cfg, B, T, &m.graph));
+  FY_TRY(fy_opt_build_graph_tp(cfg, B, T, tp > 1 ? tp : 1, 0, &m.graph));
   if (flash_attention) fy_graph_set_flash_attention(m.graph, true);
   if (recompute) fy_graph_set_recompute(m.graph, true);
   if (forward_only) fy_graph_set_forward_only(m.graph);

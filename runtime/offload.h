@@ -69,12 +69,13 @@ void fy_offload_free(struct fy_offload *x);
 // plus the activations and batch buffers.
 size_t fy_offload_min_device_bytes(const struct fy_model *m);
 int fy_offload_min_blocks(const struct fy_model *m);
-// The same before anything is allocated, for a config and micro-batch; elem_bytes is a block's
+// The same before anything is allocated, for a config and micro-batch (a rank's part of it with
+// tensor parallelism over tp ranks, 1: none); elem_bytes is a block's
 // bytes per element (4, or 2 for bf16 on a GPU, whose activations are then 16-bit too);
 // chunk_elems 0 means the smallest chunk that holds
 // the largest parameter group (the default when offloading), and *chunk_elems_out is the chunk
 // size used; forward_only for evaluation, flash_attention for a GPU's kernels (core/graph.h).
-fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute,
+fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, bool recompute,
                                     bool forward_only, bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
                                     size_t *min_bytes, int64_t *chunk_elems_out);
 

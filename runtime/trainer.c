@@ -194,11 +194,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4), ce0;  // --chunk-mib counts fp32 elements
   size_t need;
-  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, r->eval, cuda, esize, chunk, &need, &ce0));
+  FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, r->tp, o->recompute, r->eval, cuda, esize, chunk, &need, &ce0));
   if (r->dp > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
     int64_t q = 16 * (int64_t)r->dp;
     if (ce0 % q != 0)
-      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, o->recompute, r->eval, cuda, esize, (ce0 + q - 1) / q * q,
+      FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, r->tp, o->recompute, r->eval, cuda, esize, (ce0 + q - 1) / q * q,
                                        &need, &ce0));
   }
 #if FY_HAVE_CUDA

@@ -85,12 +85,16 @@ for p in fp32 bf16; do
 done
 check "2 ranks x 2 = 1 rank x 4, fp32" onefp32 twofp32 1e-4
 check "2 ranks x 2 = 1 rank x 4, bf16" onebf16 twobf16 2e-2
-if python3 - "$d/onefp32.jsonl" "$d/twofp32.jsonl" <<'PY'; then pass=$((pass + 1)); echo "ok    each rank's host tier about half"; else fail=$((fail + 1)); echo "FAIL  host tier"; fi
+# half WHAT ONE TWO: each of TWO's ranks keeps about half of ONE's host tier (within a chunk)
+half() {
+  if python3 - "$d/$2.jsonl" "$d/$3.jsonl" <<'PY'; then pass=$((pass + 1)); echo "ok    $1"; else fail=$((fail + 1)); echo "FAIL  $1"; fi
 import json, sys
 one, two = ([json.loads(l) for l in open(p) if l.startswith("{")][-1] for p in sys.argv[1:])
 print("      host tier: 1 rank %.3f MiB, each of 2 ranks %.3f MiB (chunk %.3f MiB)" % (one["host_tier_mib"], two["host_tier_mib"], two["chunk_mib"]))
 sys.exit(0 if two["host_tier_mib"] <= 0.55 * one["host_tier_mib"] + two["chunk_mib"] else 1)
 PY
+}
+half "each rank's host tier about half" onefp32 twofp32
 run twoacc 2 --precision bf16 --batch 1 --grad-accum 2 || exit 1
 check "2 ranks x 2 micro-batches of 1 = 1 rank x 4, bf16" onebf16 twoacc 2e-2
 dv=(--dropout 0.1 --val-data "$data" --val-every 4 --val-batches 2)
@@ -118,6 +122,7 @@ fi
 for p in fp32 bf16; do run tp$p 2 --precision $p --batch 4 --tp 2 --save "$d/tp${p}model" || exit 1; done
 check "--tp 2 = 1 rank, fp32" onefp32 tpfp32 1e-4
 check "--tp 2 = 1 rank, bf16" onebf16 tpbf16 2e-2
+half "each --tp 2 rank's host tier about half" onefp32 tpfp32
 run tpdrop 2 --precision fp32 --batch 4 --tp 2 "${dv[@]}" || exit 1
 check "dropout, --tp 2 = 1 rank, fp32" onedrop tpdrop 1e-4
 check "validation, --tp 2 = 1 rank, fp32" onedrop tpdrop 1e-4 val_loss

@@ -258,6 +258,14 @@ compare one tzres 1e-5 && ok "the 2 x 2 sharded grid's checkpoint resumes on 1 r
 "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --resume "$tmp/ck1" --log "$tmp/tzres2.json" \
   --save "$tmp/tzres2" || bad "the 2 x 2 sharded grid resumes a 1-rank checkpoint"
 compare one tzres2 1e-5 && ok "the 2 x 2 sharded grid resumes a 1-rank checkpoint" || bad "the 2 x 2 sharded grid's resume differs"
+# A tensor-parallel rank's smallest working set is its slices': a --device-mem below one rank's
+# (434 KiB here) holds each of 2 tensor-parallel ranks' (318 KiB).
+if "$ferry" train "${common[@]}" --batch 2 --device sim --device-mem 400KiB --steps 1 >"$tmp/tpmem1.out" 2>&1; then
+  bad "1 rank trains in 400 KiB of device memory (the check below means nothing)"
+elif ! grep -q "cannot hold the smallest working set" "$tmp/tpmem1.out"; then bad "1 rank in 400 KiB: unclear"; cat "$tmp/tpmem1.out"
+elif "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --device sim --device-mem 400KiB --steps 2 --tp 2 \
+  >"$tmp/tpmem2.out" 2>&1; then ok "2 tensor-parallel ranks train in device memory too small for 1 rank"
+else bad "2 tensor-parallel ranks in 400 KiB"; cat "$tmp/tpmem2.out"; fi
 # Each tensor-parallel rank reads its slices of a Hugging Face directory's tensors (--init).
 "$ferry" train "${common[@]}" --batch 4 --steps 3 --init "$tmp/one" --log "$tmp/ft1.json" --save "$tmp/ft1" \
   || bad "1 rank starts from a saved model"
