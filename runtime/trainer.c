@@ -1134,7 +1134,7 @@ static fy_status apply_plan(struct fy_train_opts *o) {
                                 &probe, &plan, NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
-    if (plan.k.seq != o->seq)
+    if (plan.k.seq != o->seq && fy_comm_launch_rank() == 0)  // (rank 0 speaks for all)
       fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
                   (long long)plan.k.seq, (long long)o->seq);
     if (!cuda) {
@@ -1152,7 +1152,7 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {
     o->offload = true;  // (--device-mem stays the run's: the GPU's unless given)
-    if (o->precision && strcmp(o->precision, "bf16") != 0)
+    if (o->precision && strcmp(o->precision, "bf16") != 0 && fy_comm_launch_rank() == 0)
       fy_log_info("--plan %s was made for a GPU's bf16 compute: --precision %s takes twice the memory of its cache "
                   "blocks and activations", o->plan, o->precision);
   } else {
