@@ -118,9 +118,9 @@ if [ "$plain" = 1 ]; then
       skipped=$((skipped + 1))
     fi
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
-      echo "== random OPT configurations trained on 1 to 3 emulated GPUs: ferry and transformers train them alike"
-      FY_EMU_GPUS=3 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
-        --random 60 --seed 1 --gpu --gpus 3
+      echo "== random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
+      FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
+        --random 60 --seed 1 --gpu --gpus 4
     else
       echo "== skipped: random configurations on the emulated GPU (pip install torch transformers safetensors)"
       skipped=$((skipped + 1))

@@ -645,20 +645,25 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
         extra += ["--grad-accum", "2"]
     rows = micro  # the sequences of a micro-batch over every data-parallel rank (a validation batch)
     if gpu:
-        # (with 2 GPUs or more: 2 or 3 ranks, one GPU each, chunk-sharded and so offloaded, every
-        # shard in pinned host memory; with one, the draws of the cases before ranks existed)
-        dp = 1
+        # (with 2 GPUs or more: 2 to 4 ranks, one GPU each, data-parallel (chunk-sharded, every
+        # shard in pinned host memory), tensor-parallel or both, and so offloaded; with one, the
+        # draws of the cases before ranks existed)
+        dp = tp = 1
         if gpu >= 2 and have_mpirun and rnd.random() < 0.3:
-            dps = [n for n in (2, 3) if n <= gpu and micro % n == 0]
-            if dps:
-                dp = rnd.choice(dps)
-                launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp)]
+            can_tp = NH % 2 == 0 and ffn % 2 == 0
+            grids = [(d, t) for d, t in ((2, 1), (3, 1), (1, 2), (2, 2))
+                     if d * t <= gpu and micro % d == 0 and (t == 1 or can_tp)]
+            if grids:
+                dp, tp = rnd.choice(grids)
+                launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp * tp)]
                 extra[1] = "1"
                 micro //= dp
+                if tp > 1:
+                    extra += ["--tp", str(tp)]
         extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
         if rnd.random() < 0.4:
             extra.append("--recompute")
-        if dp > 1 or rnd.random() < 0.5:
+        if dp * tp > 1 or rnd.random() < 0.5:
             extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
                       "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(0 if dp > 1 else rnd.choice([0, 0, 1, 2]))]
         return dict(extra=extra, launch=launch, rows=rows)
