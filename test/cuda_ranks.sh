@@ -144,6 +144,15 @@ if [ "$gpus" -ge 4 ]; then
   run grid 4 --precision fp32 --batch 2 --tp 2 || exit 1
   check "a 2 x 2 grid (--tp 2 on 4 ranks) = 1 rank x 4, fp32" onefp32 grid 1e-4
 fi
+# Without --offload (every parameter resident on one GPU) --tp is refused, saying how to run it.
+timeout 120 "${mpi[@]}" -np 2 "$ferry" train --model "$model" --seq "$seq" --data "$data" --device cuda --steps 1 \
+  --tp 2 >"$d/tpresident.out" 2>&1
+code=$?
+if [ "$code" -ne 0 ] && [ "$code" -ne 124 ] && grep -q "several GPUs train with --offload" "$d/tpresident.out"; then
+  pass=$((pass + 1)); echo "ok    --tp without --offload is refused: $(grep -m1 -o -- '--tp 2 with.*' "$d/tpresident.out" | cut -c1-90)"
+else
+  fail=$((fail + 1)); echo "FAIL  --tp without --offload: exit $code"; tail -5 "$d/tpresident.out"
+fi
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last
 # reduce-scatter of step 1 (one per chunk) fails as a lost peer makes NCCL's fail. The stream goes
