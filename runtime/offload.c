@@ -876,8 +876,10 @@ static void norm_fn(void *arg) {
   // The blocks' gathers and reduce-scatters of this step ran before this (grad_ready). One that
   // failed on its stream is only recorded on its communicator (NCCL's abort lets the stream go on),
   // and left gradients that were never summed: no update may use them, and the step fails.
+  // So may the ops' tensor-parallel sums on the compute stream (a GPU's), whose passes are done.
   if (x->sharded && x->c_gather) st = fy_comm_status(x->c_gather);
   if (st == FY_OK && x->sharded && x->c_scatter) st = fy_comm_status(x->c_scatter);
+  if (st == FY_OK && x->m->tp_comm) st = fy_comm_status(x->m->tp_comm);
   if (st == FY_OK && x->sharded) {
     double all[2 * x->world];
     if ((st = fy_comm_all_gather(x->c_optim, s, all, 4, FY_COMM_F32, NULL)) == FY_OK) {
