@@ -329,6 +329,11 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
   return FY_OK;
 }
 
+fy_status fy_engine_all_reduce_grads(struct fy_model *m, struct fy_comm *c) {
+  if (m->kernels->all_reduce_grads) return m->kernels->all_reduce_grads(m, c);
+  return fy_comm_all_reduce(c, m->grads, (size_t)m->graph->n_param_elems, FY_COMM_F32, NULL);
+}
+
 fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op) {
   FY_TRY(fy_engine_check_batch(m, batch));
   const struct fy_graph *g = m->graph;

@@ -348,6 +348,17 @@ static fy_status pattern_bias_add_cuda(struct fy_model *m, void *out, const void
   return fy_cuda_bias_add(out, bias, m->compute_dtype, rows, cols, ctx_of(m)->st);
 }
 
+// Replicas on several GPUs: their gradients summed by NCCL on the kernels' stream, in the dtype
+// the optimizer reads (bf16 cgrads, or fp32: fp32 compute or the micro-batches' fp32 sum).
+static fy_status all_reduce_grads_cuda(struct fy_model *m, struct fy_comm *c) {
+  if (strcmp(fy_comm_kind_name(c), "nccl") != 0)
+    return fy_error_set(FY_ERR_INVALID, "cuda: the gradients' communicator is %s; on GPUs it must be nccl",
+                        fy_comm_kind_name(c));
+  const bool bf16 = grads_bf16(m);
+  return fy_comm_all_reduce(c, bf16 ? (void *)m->cgrads : (void *)m->grads, (size_t)m->graph->n_param_elems,
+                            bf16 ? FY_COMM_BF16 : FY_COMM_F32, ctx_of(m)->launch);
+}
+
 static const struct fy_model_kernels cuda_kernels = {
     .op_forward = op_forward_cuda,
     .op_backward = op_backward_cuda,
@@ -363,6 +374,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .pattern_all_reduce = pattern_all_reduce_cuda,
     .pattern_add = pattern_add_cuda,
     .pattern_bias_add = pattern_bias_add_cuda,
+    .all_reduce_grads = all_reduce_grads_cuda,
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its

@@ -121,6 +121,9 @@ struct fy_model_kernels {
   fy_status (*pattern_all_reduce)(struct fy_model *m, struct fy_comm *c, void *buf, size_t n);
   fy_status (*pattern_add)(struct fy_model *m, void *dst, const void *src, int64_t n);
   fy_status (*pattern_bias_add)(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols);
+  // The gradients the optimizer reads summed over c's ranks (fy_engine_all_reduce_grads; NULL in
+  // the CPU's table).
+  fy_status (*all_reduce_grads)(struct fy_model *m, struct fy_comm *c);
 };
 
 struct fy_model_opts {

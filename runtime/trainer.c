@@ -110,7 +110,9 @@ struct run {
   // (the world without tensor parallelism); tp_comm: those sharing sequences (NULL for tp 1).
   int tp, tp_rank, dp, dp_rank;
   struct fy_comm *dp_comm, *tp_comm;
-  struct fy_comm *tp_compute, *dp_compute;  // sim: the groups of the ops' pattern hooks (compute stream)
+  // The groups of the ops' pattern hooks (sim and GPUs: on the compute stream); on GPUs with
+  // resident parameters dp_compute also sums the replicas' gradients (nccl).
+  struct fy_comm *tp_compute, *dp_compute;
   // Sharded chunks: the blocks' collectives, over dp_comm's ranks: nccl on GPUs, an mpi
   // communicator of their own on sim (the same plumbing as on GPUs).
   struct fy_comm *dp_blocks;
@@ -381,14 +383,10 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (r->tp > 1 && strcmp(device, "cuda") == 0 && !o->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device cuda: several GPUs train with --offload (the "
                         "slices' chunks in pinned host memory, each rank's cache on its GPU)", r->tp);
-  if (r->world > 1 && strcmp(device, "cuda") == 0 && !o->offload)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device cuda: several GPUs train with --offload (each "
-                        "rank keeps 1/%d of every chunk and gathers the rest through NCCL: the zero pattern)",
-                        r->world, r->world);
   if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu "
-                        "(replicated parameters), sim or cuda --offload (chunks sharded across the ranks)", r->world,
-                        device);
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu or "
+                        "cuda (replicated parameters), sim or cuda --offload (chunks sharded across the ranks)",
+                        r->world, device);
   if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
     FY_TRY(setup_offload(o, r, strcmp(device, "cuda") == 0));
   } else if (strcmp(device, "cpu") == 0) {
@@ -409,11 +407,19 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
-    // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute.
-    FY_TRY(fy_engine_cuda_device(0, o->device_mem, &r->dev));
+    // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute;
+    // several ranks are replicas, one GPU each, whose gradients NCCL sums.
+    int gpu = 0;
+    if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
+    FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
+    if (r->dp > 1) {
+      st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
+      if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
+    }
     struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval,
                                .act16 = precision_dtype(o) != FY_F32};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
+    r->model->dp_comm = r->dp_compute;  // (hooks run on the GPU's stream)
     FY_TRY(fy_engine_cuda_attach(r->model));
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
@@ -785,11 +791,19 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
   }
   model->grads_f32 = o->grad_accum > 1;
   // Data parallelism: the gradients summed across ranks (in rank order, the same bits on every
-  // rank), so every rank applies the same update to its replica.
-  if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, model->grads, (size_t)model->graph->n_param_elems, FY_COMM_F32, NULL));
+  // rank), so every rank applies the same update to its replica; on GPUs by NCCL, in the dtype the
+  // optimizer reads them in.
+  if (r->dp > 1) FY_TRY(fy_engine_all_reduce_grads(model, r->dp_compute ? r->dp_compute : r->dp_comm));
   double t0 = now_s();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);
+  // A sum on the GPUs' stream that failed (a lost peer: NCCL's error is asynchronous, and aborting
+  // the communicator lets the stream go on) is on the communicator once the norm has waited for
+  // the stream: no update from gradients that were never summed.
+  if (r->dp > 1 && r->dp_compute) {
+    fy_status st = fy_comm_status(r->dp_compute);
+    if (st != FY_OK) return fy_error_wrap(st, "summing the replicas' gradients");
+  }
   *overflow = !isfinite(*norm_out);
   fy_status st = FY_OK;
   if (!*overflow && (st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out)) == FY_OK)
@@ -1312,7 +1326,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     bool overflow = false;
     if (ckpt) ckpt_busy[step] = fy_ckpt_busy(ckpt);
     if (r.x) fy_offload_set_step(r.x, step + 1);
-    if (r.world > 1) fy_comm_set_step(r.comm, step + 1);
+    struct fy_comm *named[] = {r.comm, r.tp_compute, r.dp_compute};  // (a failed collective names its step)
+    for (int i = 0; i < 3 && r.world > 1; i++)
+      if (named[i]) fy_comm_set_step(named[i], step + 1);
     st = r.x ? step_offload(o, &r, step, scale, &loss, &norm, &overflow)
              : step_resident(o, &r, step, scale, &loss, &norm, &overflow, &t_sum, &t_opt);
     if (st == FY_OK && overflow && o->loss_scale <= 0)

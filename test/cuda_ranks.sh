@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # test/cuda_ranks.sh: ferry train on several GPUs, one rank each (mpirun; --device cuda --offload:
 # every chunk sharded across the ranks, its blocks gathered and its gradients reduce-scattered by
-# NCCL on the copy streams), against one rank with the same global batch. bench/gpu/check.sh runs
-# it on a machine with two GPUs or more; ./test.sh on the CUDA emulator (test/cudaemu, whose NCCL
-# runs the ranks' collectives through shared memory) with three emulated GPUs and a smaller model.
+# NCCL on the copy streams; --tp; and resident replicas), against one rank with the same global
+# batch. bench/gpu/check.sh runs it on a machine with two GPUs or more; ./test.sh on the CUDA
+# emulator (test/cudaemu, whose NCCL runs the ranks' collectives through shared memory) with four
+# emulated GPUs and a smaller model.
 #
 # usage: test/cuda_ranks.sh FERRY DIR [--model M] [--seq T] [--offload-mem SIZE] [--gpus N]
 #   DIR          where the runs' logs and checkpoints go (made if missing)
@@ -15,7 +16,8 @@
 # with dropout and validation; each rank's host tier about half of one rank's; a checkpoint saved
 # by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
-# 2 x 2 grid with four GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# 2 x 2 grid with four GPUs; 2 resident replicas = 1 rank, with their checkpoint; two ranks on
+# one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -48,12 +50,18 @@ mpi=(mpirun --oversubscribe)
 pass=0 fail=0
 
 # run NAME RANKS ARGS...: ferry train on RANKS ranks (1: no mpirun) with its output in $d/NAME.out
-# (shown when it fails) and its log in $d/NAME.jsonl; with LOUD=1, without --quiet
+# (shown when it fails) and its log in $d/NAME.jsonl; with LOUD=1, without --quiet; with RES=1,
+# resident (without --offload and its --device-mem)
 run() {
   local name="$1" np="$2"
   shift 2
-  local a args=()
-  for a in "${common[@]}"; do [ -n "${LOUD:-}" ] && [ "$a" = --quiet ] || args+=("$a"); done
+  local a skip="" args=()
+  for a in "${common[@]}"; do
+    if [ -n "$skip" ]; then skip=""; continue; fi
+    if [ -n "${RES:-}" ] && [ "$a" = --device-mem ]; then skip=1; continue; fi
+    [ -n "${RES:-}" ] && [ "$a" = --offload ] && continue
+    [ -n "${LOUD:-}" ] && [ "$a" = --quiet ] || args+=("$a")
+  done
   local cmd=("$ferry" "${args[@]}" "$@" --log "$d/$name.jsonl")
   [ "$np" -gt 1 ] && cmd=("${mpi[@]}" -np "$np" "${cmd[@]}")
   rm -f "$d/$name.jsonl"
@@ -144,6 +152,22 @@ if [ "$gpus" -ge 4 ]; then
   run grid 4 --precision fp32 --batch 2 --tp 2 || exit 1
   check "a 2 x 2 grid (--tp 2 on 4 ranks) = 1 rank x 4, fp32" onefp32 grid 1e-4
 fi
+# Replicas (no --offload: each rank holds the whole model on its GPU, and NCCL sums the gradients
+# on the compute stream before every rank's identical AdamW): 2 ranks x 2 = 1 (offloaded) rank x 4
+# in fp32 and bf16 (the bf16 gradients summed in bf16), with accumulation (their fp32 sum summed);
+# a checkpoint of 2 replicas resumes on 2 (the straight run) and on 1 offloaded rank.
+for p in fp32 bf16; do RES=1 run rtwo$p 2 --precision $p --batch 2 || exit 1; done
+check "2 replicas x 2 = 1 rank x 4, fp32" onefp32 rtwofp32 1e-4
+check "2 replicas x 2 = 1 rank x 4, bf16" onebf16 rtwobf16 2e-2
+RES=1 run rtwoacc 2 --precision bf16 --batch 1 --grad-accum 2 || exit 1
+check "2 replicas x 2 micro-batches of 1 = 1 rank x 4, bf16" onebf16 rtwoacc 2e-2
+rm -rf "$d/rck"
+RES=1 run rsave 2 --precision bf16 --batch 2 --save "$d/rck" --save-every 4 --stop-after 4 || exit 1
+RES=1 run rres2 2 --precision bf16 --batch 2 --resume "$d/rck" || exit 1
+run rres1 1 --precision bf16 --batch 4 --resume "$d/rck" || exit 1
+check "a checkpoint of 2 replicas resumed by 2: the straight run" rtwobf16 rres2 1e-5
+check "a checkpoint of 2 replicas resumed by 1 offloaded rank" rtwobf16 rres1 2e-2
+
 # Without --offload (every parameter resident on one GPU) --tp is refused, saying how to run it.
 timeout 120 "${mpi[@]}" -np 2 "$ferry" train --model "$model" --seq "$seq" --data "$data" --device cuda --steps 1 \
   --tp 2 >"$d/tpresident.out" 2>&1
@@ -171,6 +195,23 @@ if [ -n "${FY_EMU_GPUS:-}" ]; then
     fail=$((fail + 1)); echo "FAIL  a reduce-scatter lost at the end of a step (chunks ${chunks:-?}): exit $code"
     ls "$d/lost" 2>/dev/null; tail -20 "$d/lost.out"
   fi
+  # The same for a tensor-parallel sum in the forward (the third all-reduce: step 1's second
+  # layer's out_proj) and for the replicas' gradient sum (resident, the first all-reduce).
+  for lost in "tp ncclAllReduce:3 --offload --device-mem $mem --tp 2" "replicas ncclAllReduce:1"; do
+    set -- $lost
+    what=$1 inject=$2
+    shift 2
+    rm -rf "$d/lost$what"
+    FY_EMU_NCCL_FAIL="$inject" timeout 120 "${mpi[@]}" -x FY_EMU_NCCL_FAIL -np 2 "$ferry" train --model "$model" \
+      --seq "$seq" --data "$data" --device cuda "$@" --precision fp32 --batch 2 --steps 1 --quiet --save "$d/lost$what" \
+      >"$d/lost$what.out" 2>&1
+    code=$?
+    if [ "$code" -ne 0 ] && grep -q "ncclAllReduce failed" "$d/lost$what.out" && [ ! -e "$d/lost$what/model.safetensors" ]; then
+      pass=$((pass + 1)); echo "ok    a lost all-reduce ($what) fails the step (exit $code), nothing saved"
+    else
+      fail=$((fail + 1)); echo "FAIL  a lost all-reduce ($what): exit $code"; ls "$d/lost$what" 2>/dev/null; tail -20 "$d/lost$what.out"
+    fi
+  done
 fi
 
 # Two ranks on one GPU (CUDA_VISIBLE_DEVICES=0 for both): NCCL refuses them, and ferry says so
