@@ -645,9 +645,9 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
         extra += ["--grad-accum", "2"]
     rows = micro  # the sequences of a micro-batch over every data-parallel rank (a validation batch)
     if gpu:
-        # (with 2 GPUs or more: 2 to 4 ranks, one GPU each, data-parallel (chunk-sharded, every
-        # shard in pinned host memory), tensor-parallel or both, and so offloaded; with one, the
-        # draws of the cases before ranks existed)
+        # (with 2 GPUs or more: 2 to 4 ranks, one GPU each, data-parallel (resident replicas, or
+        # offloaded and chunk-sharded, every shard in pinned host memory), tensor-parallel
+        # (offloaded) or both; with one, the draws of the cases before ranks existed)
         dp = tp = 1
         if gpu >= 2 and have_mpirun and rnd.random() < 0.3:
             can_tp = NH % 2 == 0 and ffn % 2 == 0
@@ -663,7 +663,7 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
         extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
         if rnd.random() < 0.4:
             extra.append("--recompute")
-        if dp * tp > 1 or rnd.random() < 0.5:
+        if tp > 1 or rnd.random() < 0.5:  # (data-parallel ranks without it: replicas)
             extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
                       "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(0 if dp > 1 else rnd.choice([0, 0, 1, 2]))]
         return dict(extra=extra, launch=launch, rows=rows)
