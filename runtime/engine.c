@@ -45,12 +45,17 @@ int64_t fy_engine_count_targets(const struct fy_batch *batch) {
 
 // ---- parallel patterns (planner/pattern.h): their hooks after the kernels ----
 
+// buf (n of dt) summed over c: where the kernels run, or on the host for the CPU's (always fp32).
+static fy_status all_reduce(struct fy_model *m, struct fy_comm *c, void *buf, size_t n, enum fy_reduce_dtype dt) {
+  if (m->kernels->all_reduce) return m->kernels->all_reduce(m, c, buf, n, dt);
+  return fy_comm_all_reduce(c, buf, n, FY_COMM_F32, NULL);
+}
+
 static fy_status pattern_all_reduce(void *ctx, int group, float *buf, size_t n) {
   struct fy_model *m = ctx;
   struct fy_comm *c = group == FY_PATTERN_GROUP_TP ? m->tp_comm : m->dp_comm;
   if (!c || fy_comm_size(c) == 1) return FY_OK;
-  if (m->kernels->pattern_all_reduce) return m->kernels->pattern_all_reduce(m, c, buf, n);
-  return fy_comm_all_reduce(c, buf, n, FY_COMM_F32, NULL);
+  return all_reduce(m, c, buf, n, m->graph->act16 ? FY_COMM_BF16 : FY_COMM_F32);  // (activations' dtype)
 }
 
 static fy_status pattern_add(void *ctx, float *dst, const float *src, size_t n) {
@@ -329,9 +334,10 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
   return FY_OK;
 }
 
-fy_status fy_engine_all_reduce_grads(struct fy_model *m, struct fy_comm *c) {
-  if (m->kernels->all_reduce_grads) return m->kernels->all_reduce_grads(m, c);
-  return fy_comm_all_reduce(c, m->grads, (size_t)m->graph->n_param_elems, FY_COMM_F32, NULL);
+fy_status fy_engine_all_reduce_grads(struct fy_model *m) {
+  const bool g16 = fy_model_grads_16(m);
+  return all_reduce(m, m->dp_comm, g16 ? (void *)m->cgrads : (void *)m->grads, (size_t)m->graph->n_param_elems,
+                    g16 ? FY_COMM_BF16 : FY_COMM_F32);
 }
 
 fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op) {

@@ -80,9 +80,10 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
 fy_status fy_engine_forward_eval(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss);
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale);
 // Data parallelism with replicated parameters: the gradients the optimizer reads (m->grads, or a
-// GPU's bf16 cgrads) summed over c's ranks in place, queued where the kernels run (c then a device
-// communicator, nccl) or, for the CPU's kernels, at once on the host.
-fy_status fy_engine_all_reduce_grads(struct fy_model *m, struct fy_comm *c);
+// GPU's bf16 cgrads: fy_model_grads_16) summed over m->dp_comm's ranks in place, queued where the
+// kernels run (m->dp_comm then a device communicator, nccl) or, for the CPU's kernels, at once on
+// the host.
+fy_status fy_engine_all_reduce_grads(struct fy_model *m);
 // Runs the forward pass op by op and sets *op to the first op whose output holds a NaN or an
 // infinity (-1 when none does): to name the culprit after a non-finite loss.
 fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op);

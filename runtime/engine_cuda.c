@@ -256,7 +256,7 @@ static void op_backward_cuda(void *arg) {
 
 // The optimizer hands over m->grads + offset; with bf16 compute the gradients are in cgrads.
 // (After accumulation the optimizer reads the fp32 sum in m->grads: grads_f32.)
-static bool grads_bf16(const struct fy_model *m) { return m->compute_dtype != FY_F32 && !m->grads_f32; }
+static bool grads_bf16(const struct fy_model *m) { return fy_model_grads_16(m); }
 static const void *grads_of(const struct fy_model *m, const float *g) {
   return grads_bf16(m) ? (const void *)((const uint16_t *)m->cgrads + (g - m->grads)) : (const void *)g;
 }
@@ -333,11 +333,13 @@ static fy_status wait_cuda(struct fy_model *m) {
   return FY_OK;
 }
 
-// Tensor parallelism's hooks: the sum over the group by NCCL on the kernels' stream, in the
-// compute dtype (the communicator is a device one: fy_engine_cuda_attach checks), and the
-// arithmetic as kernels after it.
-static fy_status pattern_all_reduce_cuda(struct fy_model *m, struct fy_comm *c, void *buf, size_t n) {
-  return fy_comm_all_reduce(c, buf, n, m->compute_dtype == FY_F32 ? FY_COMM_F32 : FY_COMM_BF16, ctx_of(m)->launch);
+// Sums over ranks (tensor parallelism's hooks, the replicas' gradients) by NCCL on the kernels'
+// stream, and the hooks' arithmetic as kernels after them.
+static fy_status all_reduce_cuda(struct fy_model *m, struct fy_comm *c, void *buf, size_t n, enum fy_reduce_dtype dt) {
+  if (strcmp(fy_comm_kind_name(c), "nccl") != 0)
+    return fy_error_set(FY_ERR_INVALID, "cuda: a sum over ranks of GPU memory on an %s communicator; on GPUs it must "
+                        "be nccl", fy_comm_kind_name(c));
+  return fy_comm_all_reduce(c, buf, n, dt, ctx_of(m)->launch);
 }
 
 static fy_status pattern_add_cuda(struct fy_model *m, void *dst, const void *src, int64_t n) {
@@ -346,17 +348,6 @@ static fy_status pattern_add_cuda(struct fy_model *m, void *dst, const void *src
 
 static fy_status pattern_bias_add_cuda(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols) {
   return fy_cuda_bias_add(out, bias, m->compute_dtype, rows, cols, ctx_of(m)->st);
-}
-
-// Replicas on several GPUs: their gradients summed by NCCL on the kernels' stream, in the dtype
-// the optimizer reads (bf16 cgrads, or fp32: fp32 compute or the micro-batches' fp32 sum).
-static fy_status all_reduce_grads_cuda(struct fy_model *m, struct fy_comm *c) {
-  if (strcmp(fy_comm_kind_name(c), "nccl") != 0)
-    return fy_error_set(FY_ERR_INVALID, "cuda: the gradients' communicator is %s; on GPUs it must be nccl",
-                        fy_comm_kind_name(c));
-  const bool bf16 = grads_bf16(m);
-  return fy_comm_all_reduce(c, bf16 ? (void *)m->cgrads : (void *)m->grads, (size_t)m->graph->n_param_elems,
-                            bf16 ? FY_COMM_BF16 : FY_COMM_F32, ctx_of(m)->launch);
 }
 
 static const struct fy_model_kernels cuda_kernels = {
@@ -371,10 +362,9 @@ static const struct fy_model_kernels cuda_kernels = {
     .chunk_adamw = chunk_adamw_cuda,
     .chunk_add = chunk_add_cuda,
     .wait = wait_cuda,
-    .pattern_all_reduce = pattern_all_reduce_cuda,
+    .all_reduce = all_reduce_cuda,
     .pattern_add = pattern_add_cuda,
     .pattern_bias_add = pattern_bias_add_cuda,
-    .all_reduce_grads = all_reduce_grads_cuda,
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its
@@ -420,11 +410,6 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->buf_bytes[0], &x->blas);
   if (st == FY_OK && !(x->fused = calloc((size_t)g->n_ops + 1, 1))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-  // Tensor parallelism: the hooks' sums run on the GPU's stream, so the group's communicator must
-  // be a device one.
-  if (st == FY_OK && m->tp_comm && fy_comm_size(m->tp_comm) > 1 && strcmp(fy_comm_kind_name(m->tp_comm), "nccl") != 0)
-    st = fy_error_set(FY_ERR_INVALID, "cuda: the tensor-parallel group's communicator is %s; on GPUs it must be nccl",
-                      fy_comm_kind_name(m->tp_comm));
   if (st != FY_OK) {
     fy_engine_cuda_detach(m);
     return st;

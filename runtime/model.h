@@ -114,17 +114,20 @@ struct fy_model_kernels {
   // their own, and a kernel still queued may read what an upload overwrites (the last
   // micro-batch's tokens, which the embedding's backward reads) or write what a download reads.
   fy_status (*wait)(struct fy_model *m);
-  // The parallel patterns' hooks (planner/pattern.h, run by fy_engine_run_hook) on the kernels'
-  // buffers, queued where the kernels are (NULL in the CPU's table: host loops and a collective
-  // on the calling thread): buf (n) summed over communicator c in place, dst (n) += src, and out
-  // (rows, cols) += bias on every row.
-  fy_status (*pattern_all_reduce)(struct fy_model *m, struct fy_comm *c, void *buf, size_t n);
+  // On the kernels' buffers, queued where the kernels are (NULL in the CPU's table: host loops and
+  // a collective on the calling thread), for the parallel patterns' hooks (planner/pattern.h, run
+  // by fy_engine_run_hook) and the replicas' gradients (fy_engine_all_reduce_grads): buf (n of dt)
+  // summed over communicator c in place, dst (n) += src, and out (rows, cols) += bias on every row.
+  fy_status (*all_reduce)(struct fy_model *m, struct fy_comm *c, void *buf, size_t n, enum fy_reduce_dtype dt);
   fy_status (*pattern_add)(struct fy_model *m, void *dst, const void *src, int64_t n);
   fy_status (*pattern_bias_add)(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols);
-  // The gradients the optimizer reads summed over c's ranks (fy_engine_all_reduce_grads; NULL in
-  // the CPU's table).
-  fy_status (*all_reduce_grads)(struct fy_model *m, struct fy_comm *c);
 };
+
+// Whether the optimizer reads the gradients in cgrads (a GPU's 16-bit ones, no fp32 sum over
+// micro-batches) rather than in m->grads.
+static inline bool fy_model_grads_16(const struct fy_model *m) {
+  return m->cgrads && m->compute_dtype != FY_F32 && !m->grads_f32;
+}
 
 struct fy_model_opts {
   bool recompute;             // recompute each decoder layer's activations in backward (core/graph.h)

@@ -419,7 +419,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval,
                                .act16 = precision_dtype(o) != FY_F32};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
-    r->model->dp_comm = r->dp_compute;  // (hooks run on the GPU's stream)
+    r->model->dp_comm = r->dp_compute;  // (the hooks and the gradients' sum: on the GPU's stream)
     FY_TRY(fy_engine_cuda_attach(r->model));
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
@@ -793,15 +793,15 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
   // Data parallelism: the gradients summed across ranks (in rank order, the same bits on every
   // rank), so every rank applies the same update to its replica; on GPUs by NCCL, in the dtype the
   // optimizer reads them in.
-  if (r->dp > 1) FY_TRY(fy_engine_all_reduce_grads(model, r->dp_compute ? r->dp_compute : r->dp_comm));
+  if (r->dp > 1) FY_TRY(fy_engine_all_reduce_grads(model));
   double t0 = now_s();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);
   // A sum on the GPUs' stream that failed (a lost peer: NCCL's error is asynchronous, and aborting
   // the communicator lets the stream go on) is on the communicator once the norm has waited for
   // the stream: no update from gradients that were never summed.
-  if (r->dp > 1 && r->dp_compute) {
-    fy_status st = fy_comm_status(r->dp_compute);
+  if (r->dp > 1) {
+    fy_status st = fy_comm_status(model->dp_comm);
     if (st != FY_OK) return fy_error_wrap(st, "summing the replicas' gradients");
   }
   *overflow = !isfinite(*norm_out);
