@@ -633,6 +633,25 @@ def random_case(rnd, i, tmp, have_mpirun, gpu=0):
                 dropout=changes["dropout"] > 0, mask=mask, runs=runs, evaluate=evaluate, shuffle=shuffle, report=report)
 
 
+def draw_ranks(rnd, micro, NH, ffn, extra, most):
+    """Three times in ten, a dp x tp grid of at most `most` ranks (2 or 3 data-parallel, --tp 2, or
+    2 x 2) that divides the micro-batch of `micro` sequences; its --tp goes into extra (whose
+    --threads becomes 1). Returns dp, tp, the mpirun launch ([] for one rank) and each
+    data-parallel rank's micro-batch."""
+    if rnd.random() >= 0.3:
+        return 1, 1, [], micro
+    can_tp = NH % 2 == 0 and ffn % 2 == 0
+    grids = [(dp, tp) for dp, tp in ((2, 1), (3, 1), (1, 2), (2, 2))
+             if dp * tp <= most and micro % dp == 0 and (tp == 1 or can_tp)]
+    if not grids:
+        return 1, 1, [], micro
+    dp, tp = rnd.choice(grids)
+    extra[1] = "1"
+    if tp > 1:
+        extra += ["--tp", str(tp)]
+    return dp, tp, ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp * tp)], micro // dp
+
+
 def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
     """A random way to train B sequences a step that must give the numbers of any other: threads,
     micro-batches accumulated, 2 to 4 ranks (data-parallel, chunk-sharded on sim, tensor-parallel),
@@ -649,17 +668,8 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
         # offloaded and chunk-sharded, every shard in pinned host memory), tensor-parallel
         # (offloaded) or both; with one, the draws of the cases before ranks existed)
         dp = tp = 1
-        if gpu >= 2 and have_mpirun and rnd.random() < 0.3:
-            can_tp = NH % 2 == 0 and ffn % 2 == 0
-            grids = [(d, t) for d, t in ((2, 1), (3, 1), (1, 2), (2, 2))
-                     if d * t <= gpu and micro % d == 0 and (t == 1 or can_tp)]
-            if grids:
-                dp, tp = rnd.choice(grids)
-                launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp * tp)]
-                extra[1] = "1"
-                micro //= dp
-                if tp > 1:
-                    extra += ["--tp", str(tp)]
+        if gpu >= 2 and have_mpirun:
+            dp, tp, launch, micro = draw_ranks(rnd, micro, NH, ffn, extra, gpu)
         extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
         if rnd.random() < 0.4:
             extra.append("--recompute")
@@ -667,16 +677,8 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
             extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
                       "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(0 if dp > 1 else rnd.choice([0, 0, 1, 2]))]
         return dict(extra=extra, launch=launch, rows=rows)
-    if have_mpirun and rnd.random() < 0.3:
-        can_tp = NH % 2 == 0 and ffn % 2 == 0
-        grids = [(dp, tp) for dp, tp in ((2, 1), (3, 1), (1, 2), (2, 2)) if micro % dp == 0 and (tp == 1 or can_tp)]
-        if grids:
-            dp, tp = rnd.choice(grids)
-            launch = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(dp * tp)]
-            extra[1] = "1"
-            micro //= dp
-            if tp > 1:
-                extra += ["--tp", str(tp)]
+    if have_mpirun:
+        _, _, launch, micro = draw_ranks(rnd, micro, NH, ffn, extra, 4)
     if rnd.random() < 0.4:
         extra.append("--recompute")
     if rnd.random() < 0.1 and not launch:  # the planner's choice of micro-batches, chunks, blocks, recomputation
