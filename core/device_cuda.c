@@ -13,6 +13,7 @@
 
 #include "core/device.h"
 #include "core/device_cuda.h"
+#include "ops/cuda/parts.h"
 
 enum { TO_DEVICE = 0, TO_HOST = 1 };
 
@@ -82,7 +83,10 @@ int fy_cuda_device_count(void) {
 
 // cudaMalloc hands out 256-byte aligned blocks; counting the rounded size keeps the cap honest
 // for many small allocations and makes free's count match alloc's exactly.
-static size_t cuda_round(size_t n) { return n ? (n + 255) & ~(size_t)255 : 256; }
+static size_t cuda_round(size_t n) {
+  const size_t q = FY_CUDA_ALLOC_GRANULE;
+  return n ? (n + q - 1) / q * q : q;
+}
 
 static fy_status cuda_alloc(struct fy_device *dev, size_t n, void **out) {
   struct cuda_dev *c = impl(dev);

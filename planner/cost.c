@@ -12,6 +12,7 @@
 #include "planner/pattern.h"
 #include "planner/profile.h"
 #include "planner/timeline.h"
+#include "runtime/model.h"
 
 #define FAKE_HOST ((uintptr_t)1 << 40)  // host addresses of the simulation: never dereferenced
 // On the sim device the "device" is the host's own cores, which also run the copy engines'
@@ -127,11 +128,83 @@ static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const s
   snprintf(c->bottleneck, sizeof c->bottleneck, "%s", names[worst]);
 }
 
+// A resident plan (knobs.resident): the step as the cuda engine runs it without --offload, one
+// stream — each micro-batch's upload and its ops (with accumulation, the gradients added to their
+// sum), then the replicas' gradient sum (NCCL, a ring: 2(n-1)/n of the gradients per rank, in the
+// dtype AdamW reads them: bf16, or the fp32 sum with accumulation), the norm and AdamW over every
+// parameter at the device's memory rate. Device memory is the model's buffers, to the byte
+// (fy_model_device_bytes), and the kernels' scratch.
+static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                                   const struct fy_probe *probe, struct fy_cost *out) {
+  if (strcmp(probe->device, "cuda") != 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan keeps the model on a GPU (device cuda); on %s it is "
+                        "offloaded", probe->device);
+  const int dp = k->dp > 1 ? k->dp : 1;
+  if (k->tp > 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1); tensor parallelism "
+                        "on GPUs is offloaded");
+  if (dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (pattern replicate), not %s",
+                        k->pattern);
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph(cfg, k->micro_batch, k->seq, &g));
+  fy_graph_set_flash_attention(g, true);
+  if (k->recompute) fy_graph_set_recompute(g, true);
+  fy_status st = fy_graph_set_act16(g, true);
+  if (st != FY_OK) {
+    fy_graph_free(g);
+    return st;
+  }
+  const bool accumulate = k->grad_accum > 1;
+  const double np = (double)g->n_param_elems, gb = accumulate ? 4 : 2;  // the gradients AdamW reads
+  const double scratch = (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+  const double model = fy_model_device_bytes(g, cfg->hidden_size, true, true, accumulate, FY_CUDA_ALLOC_GRANULE);
+  out->device_peak = out->min_device_bytes = model + scratch;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
+  out->fits = out->device_peak <= probe->device_mem;
+  if (!out->fits) {
+    const double state = np * (accumulate ? 24 : 20);  // fp32 weights, gradients, m, v (and sum); bf16 copies
+    snprintf(out->why, sizeof out->why,
+             "everything on the device needs %.1f MiB (weights, gradients and AdamW state %.1f MiB, activations and "
+             "kernel scratch %.1f MiB); the device has %.1f MiB", out->device_peak / 1048576.0, state / 1048576.0,
+             (out->device_peak - state) / 1048576.0, probe->device_mem / 1048576.0);
+    fy_graph_free(g);
+    return FY_OK;
+  }
+  struct fy_action *actions = calloc((size_t)fy_graph_max_actions(g), sizeof *actions);
+  if (!actions) {
+    fy_graph_free(g);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  const int n_actions = fy_graph_pass_actions(g, actions);
+  double pass = 0;
+  for (int a = 0; a < n_actions; a++)
+    pass += fy_profile_op_seconds(g, actions[a].op, actions[a].kind == FY_ACT_BACKWARD, probe, 2);
+  free(actions);
+  const double mem = fy_profile_mem_rate(probe), bt = (double)(g->B * g->T);
+  const double a = (double)k->grad_accum;
+  // Per micro-batch: ids, targets and mask up; with accumulation, its bf16 gradients into the fp32 sum.
+  out->h2d_s = a * 3 * bt * 4 / (probe->h2d_gbps * 1e9);
+  out->compute_s = a * pass + (accumulate ? (a - 1) * np * 10 / mem + np * 6 / mem : 0);
+  out->comm_s = dp > 1 ? 2.0 * (dp - 1) / dp * np * gb / (fy_probe_comm_gbps(probe) * 1e9) : 0;
+  // The norm reads the gradients; AdamW reads them with the weights, m and v, and writes those
+  // and the bf16 weights.
+  out->optim_s = np * gb / mem + np * (26 + gb) / mem + out->comm_s;
+  out->step_s = out->h2d_s + out->compute_s + out->optim_s;
+  step_rates(out, k, probe);
+  fy_graph_free(g);
+  return FY_OK;
+}
+
 static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
                           struct fy_cost *out, struct fy_device **timeline_out) {
   memset(out, 0, sizeof *out);
   if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1)
     return fy_error_set(FY_ERR_INVALID, "plan: micro-batch, accumulation and sequence must be positive");
+  if (k->resident) {
+    if (timeline_out) *timeline_out = NULL;
+    return simulate_resident(cfg, k, probe, out);
+  }
   bool gpu = strcmp(probe->device, "cuda") == 0;
   int pb = gpu ? 2 : 4;  // compute payload and activations: bf16 on a GPU, fp32 on cpu/sim
   int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
@@ -460,7 +533,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
 
 fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                            const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
-  if (timeline_out || k->grad_accum <= ACCUM_SIMULATED) return simulate(cfg, k, probe, out, timeline_out);
+  if (timeline_out || k->resident || k->grad_accum <= ACCUM_SIMULATED) return simulate(cfg, k, probe, out, timeline_out);
   struct fy_plan_knobs less = *k, most = *k;
   less.grad_accum = ACCUM_SIMULATED - 1;
   most.grad_accum = ACCUM_SIMULATED;

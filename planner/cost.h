@@ -27,6 +27,12 @@ struct fy_plan_knobs {
   // 0 means 1; an empty pattern means zero with dp > 1, else replicate.
   int dp, tp;
   char pattern[32];
+  // Everything resident on a GPU (probe "cuda" only): weights, gradients, AdamW's state and the
+  // activations on the device, the optimizer there too; no chunks, blocks, prefetch or disk (the
+  // knobs above that say so are 0). Several ranks are replicas (tp 1, pattern "replicate") whose
+  // gradients are summed over the ranks once a step. What ferry train --device cuda runs without
+  // --offload.
+  bool resident;
 };
 
 struct fy_cost {
@@ -37,7 +43,7 @@ struct fy_cost {
   double comm_s;           // collectives per step (inside the streams' busy time), 0 on one rank
   char bottleneck[24];     // "compute", "copy to device", "copy to host", "optimizer"
   double device_peak, min_device_bytes, host_bytes, disk_bytes;
-  int n_blocks, n_chunks, n_disk_chunks;
+  int n_blocks, n_chunks, n_disk_chunks;  // (0 for a resident plan)
   double chunk_bytes;
   int64_t loads_per_step;
 };

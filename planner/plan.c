@@ -20,11 +20,22 @@ static bool better(const struct fy_cost *a, const struct fy_cost *b) {
 
 fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                          const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
-  return fy_plan_search_ranks(cfg, model, batch, seq, 1, probe, best, n_tried);
+  return fy_plan_search_ranks(cfg, model, batch, seq, 1, false, probe, best, n_tried);
+}
+
+// Keeps k when it is the fastest so far.
+static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, struct fy_plan *best) {
+  if (!better(c, &best->predicted)) return;
+  best->k = *k;
+  best->predicted = *c;
+  best->dp = k->dp;
+  best->tp = k->tp;
+  snprintf(best->pattern, sizeof best->pattern, "%s", k->pattern);
 }
 
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
-                               int ranks, const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
+                               int ranks, bool offload_only, const struct fy_probe *probe, struct fy_plan *best,
+                               int *n_tried) {
   if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
   if (ranks < 1) return fy_error_set(FY_ERR_INVALID, "plan: the number of ranks must be positive");
   memset(best, 0, sizeof *best);
@@ -42,6 +53,19 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
     if (batch % dp) continue;
     int64_t per_rank = batch / dp;
     grids++;
+    // On a GPU, the whole model resident (its ranks replicas) when it fits.
+    for (int64_t micro = per_rank; tp == 1 && !offload_only && strcmp(probe->device, "cuda") == 0 && micro >= 1; micro--) {
+      if (per_rank % micro) continue;
+      for (int rc = 0; rc < 2; rc++) {
+        struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq, .recompute = rc,
+                                  .dp = dp, .tp = 1, .resident = true};
+        snprintf(k.pattern, sizeof k.pattern, "replicate");
+        struct fy_cost c;
+        FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
+        tried++;
+        consider(&k, &c, best);
+      }
+    }
     // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
     struct fy_graph *g;
     FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
@@ -62,13 +86,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
             tried++;
             if (!c.fits && c.min_device_bytes < smallest && c.host_bytes <= probe->host_mem) smallest = c.min_device_bytes;
             if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
-            if (better(&c, &best->predicted)) {
-              best->k = k;
-              best->predicted = c;
-              best->dp = dp;
-              best->tp = tp;
-              snprintf(best->pattern, sizeof best->pattern, "%s", k.pattern);
-            }
+            consider(&k, &c, best);
             if (!c.fits) break;  // more prefetch will not fit either
           }
         }
@@ -105,6 +123,9 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   k->dp = p->dp;
   k->tp = p->tp;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
+  if (k->resident && (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0))
+    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch or disk chunks "
+                        "(chunk_elems, blocks, prefetch and disk_chunks must be 0)");
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
                         (long long)k->chunk_elems, p->dp);
@@ -134,15 +155,25 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
   if (p->dp * p->tp == 1)
     fprintf(f, "  micro-batch %lld x %lld tokens, %lld accumulated; one rank\n", (long long)k->micro_batch,
             (long long)k->seq, (long long)k->grad_accum);
+  else if (k->resident)
+    fprintf(f, "  %d ranks: replicas, one GPU each, whose gradients are summed every step; per rank micro-batch "
+               "%lld x %lld tokens, %lld accumulated\n", p->dp, (long long)k->micro_batch, (long long)k->seq,
+            (long long)k->grad_accum);
   else
     fprintf(f, "  %d ranks: %d data-parallel (%s) x %d tensor-parallel (tp_col / tp_row); per data-parallel rank "
                "micro-batch %lld x %lld tokens, %lld accumulated\n", p->dp * p->tp, p->dp, p->pattern, p->tp,
             (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum);
-  fprintf(f, "  %d chunks of %s, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
-          fy_format_bytes(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
-  fprintf(f, "  memory per rank: device %s (peak), host %s, disk %s (state of %d chunks)\n",
-          fy_format_bytes(c->device_peak, b1, sizeof b1), fy_format_bytes(c->host_bytes, b2, sizeof b2), fy_format_bytes(c->disk_bytes, b3, sizeof b3),
-          c->n_disk_chunks);
+  if (k->resident) {
+    fprintf(f, "  resident: weights, gradients, AdamW state and activations on the device, the optimizer there "
+               "too (ferry train --device cuda, no --offload); recompute %s\n", k->recompute ? "on" : "off");
+    fprintf(f, "  memory per rank: device %s (peak)\n", fy_format_bytes(c->device_peak, b1, sizeof b1));
+  } else {
+    fprintf(f, "  %d chunks of %s, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
+            fy_format_bytes(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
+    fprintf(f, "  memory per rank: device %s (peak), host %s, disk %s (state of %d chunks)\n",
+            fy_format_bytes(c->device_peak, b1, sizeof b1), fy_format_bytes(c->host_bytes, b2, sizeof b2),
+            fy_format_bytes(c->disk_bytes, b3, sizeof b3), c->n_disk_chunks);
+  }
   fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU %.1f%% of the device's GEMM rate\n", c->step_s,
           c->tokens_per_s, 100 * c->mfu);
   fprintf(f, "  busy per step: compute %.3f s, to device %.3f s, to host %.3f s, optimizer %.3f s; bottleneck: %s\n",

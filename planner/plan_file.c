@@ -22,6 +22,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "blocks", json_object_new_int(k->blocks));
   json_object_object_add(o, "prefetch", json_object_new_int(k->prefetch));
   json_object_object_add(o, "recompute", json_object_new_boolean(k->recompute));
+  json_object_object_add(o, "resident", json_object_new_boolean(k->resident));
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
@@ -76,7 +77,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "disk_chunks", "pattern", "dp", "tp", "machine", "predicted"};
+                                      "recompute", "resident", "disk_chunks", "pattern", "dp", "tp", "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "plan %s: not a JSON object", path);
@@ -104,6 +105,13 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
       st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"recompute\" must be true or false", path);
     else
       k->recompute = json_object_get_boolean(x);
+  }
+  // (Optional: plans written before resident ones existed are offloaded.)
+  if (st == FY_OK && json_object_object_get_ex(o, "resident", &x)) {
+    if (!json_object_is_type(x, json_type_boolean))
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"resident\" must be true or false", path);
+    else
+      k->resident = json_object_get_boolean(x);
   }
   const char *strs[] = {"model", "pattern"};
   char *dst[] = {p->model, p->pattern};

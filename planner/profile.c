@@ -8,6 +8,10 @@
 // with ferry train --profile on opt-125m: ~100-140 GFLOP/s against ~210).
 #define ATTENTION_EFFICIENCY 0.55
 
+double fy_profile_mem_rate(const struct fy_probe *p) {
+  return strcmp(p->device, "cuda") == 0 ? p->device_gflops * 1e9 / 100 : p->host_mem_gbps * 1e9;
+}
+
 void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, int ab, struct fy_op_profile *out) {
   const struct fy_op *op = &g->ops[o];
   double B = (double)g->B, T = (double)g->T, BT = B * T, C = (double)op->C;
@@ -37,11 +41,9 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   out->act_bytes = (double)g->slots[op->out].numel * ab;
   for (int k = 0; k < op->n_aux; k++) out->act_bytes += (double)g->slots[op->aux[k]].numel * ab;
   for (int k = 0; k < op->n_params; k++) out->param_bytes += (double)g->params[op->params[k]].numel * ab;
-  // Memory-bound kernels run at the device's memory bandwidth: on cpu and sim that is the host's
-  // (probed); a GPU's is not probed here, so it is taken as 1 byte per 100 FLOPs of its GEMM rate
-  // (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
+  // Memory-bound kernels run at the device's memory bandwidth.
   bool gpu = strcmp(p->device, "cuda") == 0;
-  double gemm = p->device_gflops * 1e9, mem = gpu ? gemm / 100 : p->host_mem_gbps * 1e9;
+  double gemm = p->device_gflops * 1e9, mem = fy_profile_mem_rate(p);
   double eff = op->kind == FY_OP_ATTENTION ? ATTENTION_EFFICIENCY : 1.0;
   // On a GPU, a relu or residual add that rides the linear before it (fy_graph_fusion) costs its
   // forward nothing: no pass over memory, no kernel.

@@ -25,6 +25,10 @@ struct fy_op_profile {
 // act_bytes: bytes per activation element (4 fp32, 2 bf16).
 void fy_profile_op(const struct fy_graph *g, int op, const struct fy_probe *p, int act_bytes,
                    struct fy_op_profile *out);
+// Bytes per second a memory-bound kernel moves on the probed device: the host's memory bandwidth
+// on cpu and sim; a GPU's is not probed, and is taken as 1 byte per 100 FLOPs of its GEMM rate
+// (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
+double fy_profile_mem_rate(const struct fy_probe *p);
 // Predicted seconds of one op's kernel (forward or backward).
 double fy_profile_op_seconds(const struct fy_graph *g, int op, bool backward, const struct fy_probe *p,
                              int act_bytes);

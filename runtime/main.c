@@ -95,7 +95,7 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
 
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE };
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD };
   static const struct option opts[] = {
       {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
       {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
@@ -104,7 +104,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"model", required_argument, 0, P_MODEL}, {"batch", required_argument, 0, P_BATCH},
       {"seq", required_argument, 0, P_SEQ}, {"out", required_argument, 0, P_OUT}, {"svg", required_argument, 0, P_SVG},
       {"gpus", required_argument, 0, P_GPUS}, {"help", no_argument, 0, P_HELP},
-      {"profile", no_argument, 0, P_PROFILE},
+      {"profile", no_argument, 0, P_PROFILE}, {"offload", no_argument, 0, P_OFFLOAD},
       // Overrides by their own names.
       {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
       {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
@@ -116,7 +116,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   struct machine_args a = {0};
   const char *model = "opt-125m", *out = NULL, *svg = NULL;
   int64_t batch = 8, seq = 1024, gpus = 1;
-  bool profile = false;
+  bool profile = false, offload_only = false;
   int c, idx = 0;
   optind = 1;
   opterr = 0;
@@ -153,11 +153,15 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       case P_SVG: svg = optarg; break;
       case P_GPUS: ok = parse_i64("--gpus", optarg, 1, &gpus); break;
       case P_PROFILE: profile = true; break;
+      case P_OFFLOAD: offload_only = true; break;
       case P_HELP:
         printf("usage: ferry %s [options]\n\n", cmd);
         if (plan)
           printf("Chooses the plan (micro-batch, chunk size, device cache blocks, prefetch, recomputation,\n"
-                 "optimizer state on host or disk) that the cost model predicts fastest, and explains it.\n\n"
+                 "optimizer state on host or disk) that the cost model predicts fastest, and explains it.\n"
+                 "On a GPU (--device cuda) a model that fits whole is planned resident: weights, gradients,\n"
+                 "AdamW state and activations on the GPU, as ferry train --device cuda runs it without\n"
+                 "--offload (several ranks: replicas); else it is offloaded.\n\n"
                  "  --model M          preset or config directory (default opt-125m)\n"
                  "  --batch B          sequences per step (default 8); --seq T tokens each (default 1024)\n"
                  "  --out FILE         write the plan as JSON (ferry train --plan FILE runs it)\n"
@@ -167,7 +171,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "                     ranks splitting each layer, data-parallel ones sharding the\n"
                  "                     chunks; --batch is then the global batch (run the plan with\n"
                  "                     mpirun -np N ferry train --plan FILE)\n"
-                 "  --comm-gbps X      collectives between ranks (default: derived, see ferry probe)\n");
+                 "  --comm-gbps X      collectives between ranks (default: derived, see ferry probe)\n"
+                 "  --offload          offloaded plans only (a GPU's default also tries it resident)\n");
         else
           printf("Measures device memory, GEMM rates, copy bandwidth each way, host AdamW and memory\n"
                  "bandwidth and disk rates, and caches them (default ~/.cache/ferry/probe.json).\n\n");
@@ -198,7 +203,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     struct stat sb;
     st = stat(model, &sb) == 0 ? fy_opt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
-  if (st == FY_OK) st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, &probe, &best, &tried);
+  if (st == FY_OK) st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, offload_only, &probe, &best, &tried);
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
@@ -231,7 +236,10 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       fy_graph_free(g);
     }
   }
-  if (st == FY_OK && svg) {
+  if (st == FY_OK && svg && best.k.resident) {
+    printf("ferry: --svg draws an offloaded step's streams and cache; this plan is resident (no copies or cache to "
+           "draw): %s not written (--offload plans it offloaded)\n", svg);
+  } else if (st == FY_OK && svg) {
     struct fy_device *tl;
     struct fy_cost cst;
     st = fy_cost_simulate(&cfg, &best.k, &probe, &cst, &tl);

@@ -1106,10 +1106,12 @@ static double dir_bytes(const char *root) {
 }
 
 // --plan: the plan's knobs replace the run's (a plan that cannot fit this machine is refused with
-// the reason). A plan is an offloaded run: on the sim device, whose machine is the cached probe with
+// the reason). An offloaded plan runs on the sim device, whose machine is the cached probe with
 // this run's device memory and link, or with --device cuda on the GPU with --offload (the plan
 // came from `ferry plan --device cuda`: this process cannot time a GPU, and the offload engine
-// refuses a plan that does not fit when it sets up).
+// refuses a plan that does not fit when it sets up). A resident plan (ferry plan --device cuda
+// for a model that fits the GPU whole) runs with --device cuda without --offload, its ranks
+// replicas.
 static fy_status apply_plan(struct fy_train_opts *o) {
   const bool cuda = o->device && strcmp(o->device, "cuda") == 0;
   if (cuda && strcmp(o->plan, "auto") == 0)
@@ -1145,9 +1147,15 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   int ranks = o->comm && strcmp(o->comm, "single") == 0 ? 1 : fy_comm_launch_size();
   if (strcmp(o->plan, "auto") == 0) {  // the global batch as if every rank were data-parallel
     FY_TRY(fy_plan_search_ranks(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
-                                &probe, &plan, NULL));
+                                false, &probe, &plan, NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
+    if (plan.k.resident && !cuda)
+      return fy_error_set(FY_ERR_INVALID, "--plan %s keeps the whole model on a GPU (resident): train it with "
+                          "--device cuda", o->plan);
+    if (plan.k.resident && o->offload)
+      return fy_error_set(FY_ERR_INVALID, "--plan %s keeps the whole model on the GPU (resident), and --offload asks "
+                          "for it offloaded: drop --offload, or write an offloaded plan (ferry plan --offload)", o->plan);
     if (plan.k.seq != o->seq && fy_comm_launch_rank() == 0)  // (rank 0 speaks for all)
       fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
                   (long long)plan.k.seq, (long long)o->seq);
@@ -1158,14 +1166,17 @@ static fy_status apply_plan(struct fy_train_opts *o) {
     if (plan.dp * plan.tp != ranks)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
                           plan.dp * plan.tp, plan.dp, plan.tp, ranks);
-    if (plan.dp > 1 && strcmp(plan.pattern, "zero") != 0)
+    if (plan.dp > 1 && !plan.k.resident && strcmp(plan.pattern, "zero") != 0)
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the data-parallel ranks of an offloaded run shard the chunks "
                           "(pattern zero), not %s", o->plan, plan.pattern);
+    if (plan.k.resident && (plan.tp > 1 || (plan.dp > 1 && strcmp(plan.pattern, "replicate") != 0)))
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the ranks of a resident run are replicas (tp 1, pattern "
+                          "replicate), not %d x %d %s", o->plan, plan.dp, plan.tp, plan.pattern);
   }
   o->tp = plan.tp;
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {
-    o->offload = true;  // (--device-mem stays the run's: the GPU's unless given)
+    o->offload = !k->resident;  // (--device-mem stays the run's: the GPU's unless given)
     if (o->precision && strcmp(o->precision, "bf16") != 0 && fy_comm_launch_rank() == 0)
       fy_log_info("--plan %s was made for a GPU's bf16 compute: --precision %s takes twice the memory of its cache "
                   "blocks and activations", o->plan, o->precision);
@@ -1177,6 +1188,13 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   o->grad_accum = k->grad_accum;
   o->seq = k->seq;
   o->recompute = k->recompute;
+  if (k->resident) {
+    if (!o->quiet && fy_comm_launch_rank() == 0)
+      printf("plan %s for the GPU: the whole model resident%s; micro-batch %lld x %lld tokens, %lld accumulated, "
+             "recompute %s\n", o->plan, plan.dp > 1 ? " on every rank (replicas)" : "", (long long)k->micro_batch,
+             (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
+    return FY_OK;
+  }
   o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
   o->blocks = k->blocks;
   o->prefetch = k->prefetch;

@@ -16,7 +16,7 @@
 # with dropout and validation; each rank's host tier about half of one rank's; a checkpoint saved
 # by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
-# 2 x 2 grid with four GPUs; 2 resident replicas = 1 rank, with their checkpoint; two ranks on
+# 2 x 2 grid with four GPUs; 2 resident replicas = 1 rank, with their checkpoint, and planned; two ranks on
 # one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
@@ -167,6 +167,19 @@ RES=1 run rres2 2 --precision bf16 --batch 2 --resume "$d/rck" || exit 1
 run rres1 1 --precision bf16 --batch 4 --resume "$d/rck" || exit 1
 check "a checkpoint of 2 replicas resumed by 2: the straight run" rtwobf16 rres2 1e-5
 check "a checkpoint of 2 replicas resumed by 1 offloaded rank" rtwobf16 rres1 2e-2
+# ferry plan for 2 GPUs with a GPU's rates and room for the whole model plans replicas (resident,
+# pattern replicate), and mpirun -np 2 ferry train --plan trains them as the replicas above.
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --device-mem 2GiB --device-tflops 100 --model "$model" \
+  --batch 4 --seq "$seq" --out "$d/rplan.json" >"$d/rplan_plan.out" 2>&1 || { cat "$d/rplan_plan.out"; exit 1; }
+if grep -q '"resident":true' "$d/rplan.json" && grep -q '"dp":2' "$d/rplan.json" &&
+  grep -q '"pattern":"replicate"' "$d/rplan.json"; then
+  RES=1 run rplan 2 --precision bf16 --plan "$d/rplan.json" || exit 1
+  check "a resident plan for 2 GPUs (replicas) = 1 rank x 4, bf16" onebf16 rplan 2e-2
+else
+  fail=$((fail + 1))
+  cat "$d/rplan_plan.out"
+  echo "FAIL  the plan for 2 GPUs with room for the whole model is not 2 resident replicas"
+fi
 
 # Without --offload (every parameter resident on one GPU) --tp is refused, saying how to run it.
 timeout 120 "${mpi[@]}" -np 2 "$ferry" train --model "$model" --seq "$seq" --data "$data" --device cuda --steps 1 \

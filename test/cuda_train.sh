@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; a plan from ferry plan --device cuda; dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
+# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident); dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
 # opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
 # usage: test/cuda_train.sh FERRY DIR [--model M] [--batch B] [--seq T] [--offload-mem SIZE] [--blocks N]
@@ -110,13 +110,13 @@ print("dev chunks", " ".join(f"{x:.6f}" for x in c))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
-# A plan written for the GPU (ferry plan --device cuda, timed from this machine with the GPU's
-# memory; bf16 compute, a GPU's default) runs there, offloaded with the plan's micro-batches,
+# A plan written for the GPU (ferry plan --device cuda --offload, timed from this machine with the
+# GPU's memory; bf16 compute, a GPU's default) runs there, offloaded with the plan's micro-batches,
 # chunks, blocks and prefetch: the resident bf16 run's losses (within the offloaded bf16 runs'
 # bound below), and the device memory the plan predicted (blocks, activations, the kernels'
 # scratch: within 3%).
-FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --device-mem "$offload_mem" --model "$model" --batch "$batch" \
-  --seq "$seq" --out "$d/plan.json" >"$d/plan.out" 2>&1 || { cat "$d/plan.out"; exit 1; }
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --offload --device-mem "$offload_mem" --model "$model" \
+  --batch "$batch" --seq "$seq" --out "$d/plan.json" >"$d/plan.out" 2>&1 || { cat "$d/plan.out"; exit 1; }
 ferry_run planned "${common[@]}" --device cuda --precision bf16 --plan "$d/plan.json" --device-mem "$offload_mem" \
   --log "$d/planned.jsonl" || exit 1
 grep -q "cuda:0 device" "$d/planned.out" || { echo "--plan FILE --device cuda did not train on the GPU"; exit 1; }
@@ -130,6 +130,26 @@ want = plan["predicted"]["device_peak_bytes"] / 1048576.0
 got = max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[2]) if l.startswith("{"))
 print("planned device peak %.2f MiB, the run's %.2f MiB (%d blocks)" % (want, got, plan["blocks"]))
 sys.exit(0 if ok and abs(got - want) <= 0.03 * want else 1)
+PY
+# With the rates of a GPU and room for the whole model the plan is resident: it trains without
+# --offload (the resident bf16 run's losses, to rounding), and its device memory is the run's peak
+# to the log's 0.1 MiB (the model's buffers and the kernels' scratch, byte for byte).
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --device-mem 2GiB --device-tflops 100 --model "$model" \
+  --batch "$batch" --seq "$seq" --out "$d/resident.json" >"$d/resident_plan.out" 2>&1 || { cat "$d/resident_plan.out"; exit 1; }
+grep -q '"resident":true' "$d/resident.json" || { cat "$d/resident_plan.out"; echo "the plan for a model that fits the GPU is not resident"; exit 1; }
+ferry_run resident "${common[@]}" --device cuda --plan "$d/resident.json" --device-mem 2GiB --log "$d/resident.jsonl" || exit 1
+grep -q "the whole model resident" "$d/resident.out" || { cat "$d/resident.out"; echo "--plan (resident) did not say so"; exit 1; }
+python3 - "$d/cuda16.jsonl" "$d/resident.jsonl" "$d/resident.json" <<'PY' || exit 1
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:3])
+print("resident  ", " ".join(f"{x:.5f}" for x in b))
+plan = json.load(open(sys.argv[3]))
+ok = len(a) == len(b) > 0 and all(abs(x - y) <= (5e-3 if plan["recompute"] else 1e-6) * max(1.0, abs(x)) for x, y in zip(a, b))
+want = plan["predicted"]["device_peak_bytes"] / 1048576.0
+rows = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")]
+got = max(r["device_peak_mib"] for r in rows)
+print("resident plan: device peak %.2f MiB predicted, the run's %.2f MiB; host tier %.1f MiB" % (want, got, rows[-1]["host_tier_mib"]))
+sys.exit(0 if ok and abs(got - want) <= 0.051 and rows[-1]["host_tier_mib"] == 0 else 1)
 PY
 
 # Dropout (the GPU draws the CPU's masks) with validation between steps (forward passes without

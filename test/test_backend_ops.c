@@ -18,8 +18,11 @@
 #include "core/device_cuda.h"
 #include "core/dtype.h"
 #include "ops/cuda/ops_cuda.h"
+#include "ops/cuda/parts.h"
 #include "ops/dropout.h"
 #include "ops/ops.h"
+#include "runtime/engine_cuda.h"
+#include "runtime/model.h"
 #include "test/check.h"
 
 // ---- helpers ----
@@ -752,6 +755,43 @@ static void test_errors(struct fy_cuda_blas *h) {
             FY_ERR_UNSUPPORTED);
 }
 
+// A model resident on the GPU takes what the planner prices a resident plan at
+// (fy_model_device_bytes and the kernels' scratch), to the byte: fp32 and bf16, training with and
+// without accumulation, recomputation, and the weights alone (evaluation); post-LN and projected
+// embeddings (opt-350m's shape, small).
+static void test_model_bytes(void) {
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-tiny", &cfg));
+  for (int variant = 0; variant < 2; variant++) {
+    if (variant == 1) {
+      cfg.do_layer_norm_before = false;
+      cfg.word_embed_proj_dim = cfg.hidden_size / 2;
+    }
+    for (int i = 0; i < 16; i++) {
+      const bool bf16 = i & 1, accumulate = i & 2, recompute = i & 4, train = !(i & 8);
+      if (!train && accumulate) continue;
+      size_t before = dev->bytes_in_use;
+      struct fy_model_opts mo = {.recompute = recompute, .inference = !train, .act16 = bf16};
+      struct fy_model *m = NULL;
+      CHECK_OK(fy_model_create_with(&cfg, 3, 40, dev, &mo, &m));
+      if (!m) continue;
+      CHECK_OK(fy_engine_cuda_attach(m));
+      if (bf16) CHECK_OK(fy_model_set_compute_dtype(m, FY_BF16));
+      if (accumulate) CHECK_OK(fy_model_enable_accumulation(m));
+      const struct fy_graph *g = m->graph;
+      double want = fy_model_device_bytes(g, cfg.hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
+                    (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+      double got = (double)(dev->bytes_in_use - before);
+      CHECKF(got == want, "%s%s%s%s%s: the model takes %.0f bytes of the GPU, fy_model_device_bytes says %.0f",
+             variant ? "post-LN, projected: " : "", bf16 ? "bf16" : "fp32", accumulate ? ", accumulated" : "",
+             recompute ? ", recompute" : "", train ? "" : ", weights alone", got, want);
+      fy_engine_cuda_detach(m);
+      fy_model_free(m);
+      CHECK(dev->bytes_in_use == before);
+    }
+  }
+}
+
 int main(void) {
   int ngpu = fy_cuda_device_count();
   if (ngpu == 0) {
@@ -769,6 +809,7 @@ int main(void) {
   CHECK_OK(fy_stream_create(dev, &st));
   cs = fy_cuda_stream(st);
   test_device();
+  test_model_bytes();
 
   const size_t ws_bytes = 32u << 20;
   void *ws = NULL;

@@ -1,6 +1,7 @@
 // The planner (planner/cost.h, planner/plan.h): predictions against measured steps on the sim
 // device, the search against a grid of hand-written plans run for real, the smallest cap, sanity
 // figures, and plan files.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -338,6 +339,98 @@ int main(void) {
     CHECKF(plan.predicted.device_peak > (double)FY_CUDA_GEMM_WORKSPACE && plan.predicted.device_peak <= 64.0 * 1048576,
            "device peak %.1f MiB", plan.predicted.device_peak / 1048576.0);
   }
+  // On a GPU a model that fits whole is planned resident (weights, gradients, AdamW state and
+  // activations there, as ferry train --device cuda runs it without --offload): faster than the
+  // best offloaded plan; refused one byte short of its device memory; with accumulation 4 bytes a
+  // parameter more (the fp32 sum); on several ranks replicas whose gradient sum is priced by the
+  // link; only for a GPU, with one tensor-parallel rank and no chunk knobs; and a plan file keeps it.
+  {
+    struct fy_probe g = gpu;
+    CHECK_OK(fy_probe_override(&g, "device_mem", "1GiB"));
+    struct fy_plan res, off;
+    CHECK_OK(fy_plan_search(&cfg, "tiny", 4, 96, &g, &res, NULL));
+    CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, true, &g, &off, NULL));
+    fy_plan_print(&res, stderr);
+    CHECK(res.k.resident && !off.k.resident && res.predicted.fits && off.predicted.fits);
+    CHECKF(res.predicted.step_s < off.predicted.step_s, "resident %.3g s/step, offloaded %.3g", res.predicted.step_s,
+           off.predicted.step_s);
+    CHECK(res.predicted.n_chunks == 0 && res.predicted.n_blocks == 0 && res.predicted.comm_s == 0);
+    struct fy_plan_knobs k = res.k;
+    struct fy_cost c;
+    char v[64];
+    snprintf(v, sizeof v, "%.0f", res.predicted.device_peak - 1);
+    struct fy_probe tight = g;
+    CHECK_OK(fy_probe_override(&tight, "device_mem", v));
+    CHECK_OK(fy_cost_simulate(&cfg, &k, &tight, &c, NULL));
+    CHECKF(!c.fits && strstr(c.why, "everything on the device needs"), "%s", c.why);
+    snprintf(v, sizeof v, "%.0f", res.predicted.device_peak);
+    CHECK_OK(fy_probe_override(&tight, "device_mem", v));
+    CHECK_OK(fy_cost_simulate(&cfg, &k, &tight, &c, NULL));
+    CHECK(c.fits);
+    struct fy_plan_knobs k1 = k, k2 = k;
+    k1.micro_batch = k2.micro_batch = 2;
+    k1.grad_accum = 1;
+    k2.grad_accum = 2;
+    struct fy_cost c1, c2;
+    CHECK_OK(fy_cost_simulate(&cfg, &k1, &g, &c1, NULL));
+    CHECK_OK(fy_cost_simulate(&cfg, &k2, &g, &c2, NULL));
+    struct fy_graph *tg;
+    CHECK_OK(fy_opt_build_graph(&cfg, 1, 96, &tg));
+    double sum = (double)((tg->n_param_elems * 4 + FY_CUDA_ALLOC_GRANULE - 1) / FY_CUDA_ALLOC_GRANULE * FY_CUDA_ALLOC_GRANULE);
+    fy_graph_free(tg);
+    CHECKF(c2.device_peak - c1.device_peak == sum, "accumulation adds %.0f bytes, the fp32 sum is %.0f",
+           c2.device_peak - c1.device_peak, sum);
+    CHECK(fabs(c2.flops_per_step - 2 * c1.flops_per_step) < 1e-6 * c2.flops_per_step);
+    struct fy_plan two;
+    CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 2, false, &g, &two, NULL));
+    fy_plan_print(&two, stderr);
+    CHECK(two.k.resident && two.dp == 2 && two.tp == 1 && strcmp(two.pattern, "replicate") == 0);
+    struct fy_plan_knobs kr = two.k;
+    struct fy_cost fast, slow;
+    CHECK_OK(fy_probe_override(&g, "comm_gbps", "20"));
+    CHECK_OK(fy_cost_simulate(&cfg, &kr, &g, &fast, NULL));
+    CHECK_OK(fy_probe_override(&g, "comm_gbps", "10"));
+    CHECK_OK(fy_cost_simulate(&cfg, &kr, &g, &slow, NULL));
+    CHECKF(fast.comm_s > 0 && fabs(slow.comm_s - 2 * fast.comm_s) < 1e-9 + 1e-6 * slow.comm_s &&
+               slow.step_s > fast.step_s, "the gradients' sum: %g s at 20 GB/s, %g s at 10", fast.comm_s, slow.comm_s);
+    struct fy_plan badr = res;
+    CHECK_ERR(fy_plan_check(&cfg, &badr, &probe), FY_ERR_INVALID);  // (probe: the sim device)
+    CHECK(strstr(fy_error_msg(), "GPU") != NULL);
+    badr.tp = 2;
+    CHECK_ERR(fy_plan_check(&cfg, &badr, &g), FY_ERR_INVALID);
+    badr = res;
+    badr.k.blocks = 3;
+    CHECK_ERR(fy_plan_check(&cfg, &badr, &g), FY_ERR_INVALID);
+    badr = two;
+    snprintf(badr.pattern, sizeof badr.pattern, "zero");
+    CHECK_ERR(fy_plan_check(&cfg, &badr, &g), FY_ERR_INVALID);
+    char rpath[400];
+    snprintf(rpath, sizeof rpath, "%s/resident.json", dir);
+    CHECK_OK(fy_plan_write(rpath, &res));
+    struct fy_plan rb;
+    CHECK_OK(fy_plan_read(rpath, &rb));
+    CHECK(rb.k.resident && rb.k.micro_batch == res.k.micro_batch && rb.k.recompute == res.k.recompute);
+    CHECK_OK(fy_plan_check(&cfg, &rb, &g));
+    CHECK(rb.predicted.device_peak == res.predicted.device_peak);
+    // A plan written before resident plans existed (no "resident" key) is an offloaded one.
+    CHECK_OK(fy_plan_write(rpath, &off));
+    char text[8192];
+    FILE *rf = fopen(rpath, "r");
+    size_t n = rf ? fread(text, 1, sizeof text - 1, rf) : 0;
+    if (rf) fclose(rf);
+    text[n] = 0;
+    char *key = strstr(text, "\"resident\"");
+    CHECK(key != NULL);
+    if (key) {
+      char *end = strchr(key, ',');
+      memmove(key, end + 1, strlen(end + 1) + 1);
+      rf = fopen(rpath, "w");
+      fputs(text, rf);
+      fclose(rf);
+      CHECK_OK(fy_plan_read(rpath, &rb));
+      CHECK(!rb.k.resident && rb.k.chunk_elems == off.k.chunk_elems);
+    }
+  }
   struct fy_opt_config c175;
   fy_opt_preset("opt-175b", &c175);
   const char *ov2[][2] = {{"device_mem", "80GiB"}, {"host_mem", "4TiB"}};
@@ -359,7 +452,7 @@ int main(void) {
     CHECK_OK(fy_probe_override(&g8, "comm_gbps", "200"));
     struct fy_plan p8, p1;
     int t8 = 0;
-    CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, &g8, &p8, &t8));
+    CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, false, &g8, &p8, &t8));
     CHECK(p8.dp * p8.tp == 8 && p8.predicted.fits && p8.predicted.comm_s > 0);
     fy_plan_print(&p8, stderr);
     CHECK_OK(fy_plan_search(&c30, "opt-30b", 2, 2048, &g8, &p1, NULL));
@@ -389,10 +482,10 @@ int main(void) {
     bad.dp = 1;
     bad.tp = 5;  // 56 heads
     CHECK_ERR(fy_plan_check(&c30, &bad, &g8), FY_ERR_INVALID);
-    CHECK_ERR(fy_plan_search_ranks(&cfg, "tiny", 3, 96, 5, &probe, &bad, NULL), FY_ERR_INVALID);
+    CHECK_ERR(fy_plan_search_ranks(&cfg, "tiny", 3, 96, 5, false, &probe, &bad, NULL), FY_ERR_INVALID);
   }
 
-  // Plan files: round trip, and what is refused.  // Plan files: round trip, and what is refused.
+  // Plan files: round trip, and what is refused.
   char path[400];
   snprintf(path, sizeof path, "%s/plan.json", dir);
   fy_probe_override(&probe, "device_mem", "33554432");

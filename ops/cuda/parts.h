@@ -11,6 +11,8 @@
 #define FY_CUDA_LN_PARTS 16
 // Blocks of the first pass of the sum of squares (fy_cuda_sumsq).
 #define FY_CUDA_SUMSQ_PARTS 1024
+// What cudaMalloc rounds every block up to (the cuda device counts its cap in these).
+#define FY_CUDA_ALLOC_GRANULE 256
 // cuBLASLt's workspace (fy_cuda_blas_create).
 #define FY_CUDA_GEMM_WORKSPACE ((size_t)32 << 20)
 
@@ -26,11 +28,11 @@ static inline void fy_cuda_scratch_sizes(size_t bytes[FY_CUDA_SCRATCH_BUFS], int
   bytes[4] = (size_t)(2 * FY_CUDA_LN_PARTS * C) * sizeof(float);
 }
 
-// Their total as the device takes them (each rounded up to 256 bytes, as cudaMalloc's).
+// Their total as the device takes them (each rounded up to cudaMalloc's granule).
 static inline size_t fy_cuda_scratch_bytes(int64_t n_params, int64_t C) {
   size_t b[FY_CUDA_SCRATCH_BUFS], n = 0;
   fy_cuda_scratch_sizes(b, n_params, C);
-  for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++) n += (b[i] + 255) / 256 * 256;
+  for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++) n += (b[i] + FY_CUDA_ALLOC_GRANULE - 1) / FY_CUDA_ALLOC_GRANULE * FY_CUDA_ALLOC_GRANULE;
   return n;
 }
 
