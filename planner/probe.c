@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core/device.h"
+#include "core/fileio.h"
 #include "core/parse.h"
 #include "memory/tier.h"
 #include "ops/ops.h"
@@ -402,6 +403,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (sim) FY_TRY(measure_kernel_overhead(&p.kernel_overhead_us));
   if (disk_dir && disk_dir[0]) {
+    FY_TRY(fy_mkdir_p(disk_dir));  // (the directory the disk tier will use: made when missing)
     FY_TRY(measure_disk(disk_dir, &p.disk_read_gbps, &p.disk_write_gbps));
     char real[PATH_MAX];
     const char *d = realpath(disk_dir, real) && strlen(real) < sizeof p.disk_dir ? real : disk_dir;

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/fileio.h"
 #include "core/log.h"
 #include "core/parse.h"
 #include "core/rand.h"
@@ -293,7 +294,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                         n_disk, l->n_chunks, fy_format_bytes(3.0 * n_disk * shard_bytes, b1, sizeof b1),
                         fy_format_bytes((double)host_cap, b2, sizeof b2), fy_format_bytes((double)in_use, b3, sizeof b3));
   if (n_disk > 0) {
-    fy_status st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
+    fy_status st = fy_mkdir_p(o->disk_dir);  // (made when missing, as --save's directory is)
+    if (st == FY_OK) st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
   if (r->dp > 1) {  // the blocks' gathers and reduce-scatters (in GPU memory: through NCCL)

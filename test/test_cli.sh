@@ -124,8 +124,10 @@ expect 2 "an unknown device" "--device is cpu, sim or cuda" -- train "${tiny[@]}
 expect 2 "a device memory that is not a size" "size such as" -- train "${tiny[@]}" --device sim --device-mem lots
 expect 1 "a device memory below the smallest working set" "needs at least" -- train "${tiny[@]}" --device sim \
   --device-mem 64KiB
-expect 1 "a disk directory that does not exist" "disk tier .*No such file" -- train "${tiny[@]}" --device sim \
-  --device-mem 4MiB --disk-dir "$tmp/no/such/dir" --disk-chunks 1
+expect 0 "a disk directory that does not exist is made" "state of 1 chunks on disk" -- train "${tiny[@]}" --steps 1 \
+  --device sim --device-mem 4MiB --disk-dir "$tmp/made/for/disk" --disk-chunks 1
+expect 1 "a disk directory that cannot be made" "cannot create directory .*Not a directory" -- train "${tiny[@]}" \
+  --device sim --device-mem 4MiB --disk-dir "$tmp/ok.bin/disk" --disk-chunks 1
 
 # Checkpoints: stop after 2 of 4 steps, resume in a new process, export.
 expect 0 "a run stopped after 2 steps leaves a checkpoint" "stopped after step 2, checkpoint written" -- train \

@@ -3,6 +3,7 @@
 // placements; the losses and the final parameters must be bit-identical to the resident cpu run,
 // and the sim device's own counter must never pass its cap.
 #include <math.h>
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -349,10 +350,18 @@ int main(void) {
   CHECK_ERR(fy_train(&s, &r), FY_ERR_NOMEM);
   CHECK(strstr(fy_error_msg(), "needs at least") != NULL);
   s.device_mem = 8 << 20;
-  // A disk tier that cannot be used.
+  // A disk directory that does not exist is made, with its parents (and the tier's files are
+  // gone after the run); one that cannot be made is refused.
   s.disk_chunks = 1000;
-  s.disk_dir = "/nonexistent/dir";
-  CHECK_ERR(fy_train(&s, &r), FY_ERR_IO);
+  char made[400];
+  snprintf(made, sizeof made, "%s/made/for/disk", dir);
+  s.disk_dir = made;
+  CHECK_OK(fy_train(&s, &r));
+  DIR *md = opendir(made);
+  int left = 0;
+  for (struct dirent *e; md && (e = readdir(md));) left += e->d_name[0] != '.';
+  if (md) closedir(md);
+  CHECKF(md && left == 0, "--disk-dir %s: %s, %d files left", made, md ? "made" : "not made", left);
   s.disk_dir = "/etc/passwd/x";
   CHECK_ERR(fy_train(&s, &r), FY_ERR_IO);
   // AdamW state that fits neither host memory nor a disk tier.
