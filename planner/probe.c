@@ -777,8 +777,11 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   fprintf(f, "%-16s %s\n", "device", p->device);
   print_bytes(f, "device_mem", p->device_mem);
   print_bytes(f, "host_mem", p->host_mem);
-  fprintf(f, "%-16s %.1f GFLOP/s (fp32 GEMM %dx%dx%d)\n", "device_gflops", p->device_gflops, GEMM_M,
-          GEMM_N, GEMM_K);
+  if (strcmp(p->device, "cuda") == 0)
+    fprintf(f, "%-16s %.1f GFLOP/s (bf16 GEMM, fp32 accumulation)\n", "device_gflops", p->device_gflops);
+  else
+    fprintf(f, "%-16s %.1f GFLOP/s (fp32 GEMM %dx%dx%d)\n", "device_gflops", p->device_gflops, GEMM_M, GEMM_N,
+            GEMM_K);
   fprintf(f, "%-16s %.1f GFLOP/s\n", "host_gflops", p->host_gflops);
   fprintf(f, "%-16s %.2f GB/s (host -> device)\n", "h2d_gbps", p->h2d_gbps);
   fprintf(f, "%-16s %.2f GB/s (device -> host)\n", "d2h_gbps", p->d2h_gbps);

@@ -32,10 +32,11 @@
 #include "core/status.h"
 
 struct fy_probe {
-  char device[32];            // "cpu", "sim" (later "cuda")
+  char device[32];            // "cpu", "sim" or "cuda"
   double device_mem;          // bytes the device may hold
   double host_mem;            // bytes of host memory for model state
-  double device_gflops;       // sustained fp32 GEMM rate of the device (GFLOP/s), M=512 N=3072 K=768
+  double device_gflops;       // sustained fp32 GEMM rate of the device (GFLOP/s), M=512 N=3072 K=768;
+                              // a GPU's: bf16 with fp32 accumulation (fy_probe_measure_gpu)
   double host_gflops;         // the same on the host CPU (for sim/cpu they are the same CPU)
   double h2d_gbps, d2h_gbps;  // copy bandwidth host->device and back (GB/s = 1e9 B/s)
   double host_adamw_gbps;     // host AdamW throughput in GB/s of the 28 B/param it moves
@@ -73,6 +74,15 @@ double fy_probe_comm_gbps(const struct fy_probe *p);
 // cache's rate), an upper bound on the disk's sustained rate: edit the file for a big disk tier.
 fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_gbps,
                            const char *disk_dir, struct fy_probe *out);
+
+// A GPU's part of the probe (planner/probe_cuda.c; only in a build with CUDA or its emulator,
+// FY_HAVE_CUDA): the GPUs CUDA sees (0 on any error), and GPU `ordinal` measured into p's device
+// fields — "cuda", the memory free on it now, its bf16 GEMM rate (fp32 accumulation, the kernels'
+// cuBLASLt path, square products grown from 512 until one takes 2 ms, at most 8192), pinned copies
+// each way and what a 4 KiB copy costs — leaving the host's fields as they are (fy_probe_measure
+// fills those). FY_ERR_NOT_FOUND without that GPU.
+int fy_probe_gpu_count(void);
+fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p);
 
 // Writes the JSON file (pretty-printed) atomically: a temporary file in the same directory,
 // fsync, rename. Creates the missing parent directories.

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include "ops/ops.h"
 #include "runtime/trainer.h"
+#include "fy_config.h"
 
 #define FERRY_VERSION "0.1.0"
 
@@ -67,21 +68,45 @@ struct machine_args {
   const char *set_key[32], *set_val[32];
 };
 
+static int gpus_here(void) {
+#if FY_HAVE_CUDA
+  return fy_probe_gpu_count();
+#else
+  return 0;
+#endif
+}
+
+// For a GPU (--device cuda): the GPU's own figures when this machine has one (GPU 0, measured and
+// cached like any probe), else this CPU's measured as the sim device, to be given the GPU's on the
+// command line (the planner can then plan for a machine you do not have).
 static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, bool *measured) {
   char path[4096];
   if (a->file) snprintf(path, sizeof path, "%s", a->file);
   else fy_probe_default_path(path, sizeof path);
   *measured = false;
   const char *dev = a->device ? a->device : "sim";
+  const bool cuda = strcmp(dev, "cuda") == 0, gpu = cuda && gpus_here() > 0;
   fy_status st = a->remeasure ? FY_ERR_NOT_FOUND : fy_probe_read(path, p);
-  if (st == FY_OK && strcmp(p->device, dev) != 0 && strcmp(dev, "cuda") != 0) st = FY_ERR_NOT_FOUND;
+  if (st == FY_OK && strcmp(p->device, dev) != 0 && (!cuda || gpu)) st = FY_ERR_NOT_FOUND;
   if (st == FY_ERR_NOT_FOUND) {
     double mem = a->device_mem ? (double)a->device_mem : 1073741824.0;
-    FY_TRY(fy_probe_measure(strcmp(dev, "cuda") == 0 ? "sim" : dev, mem, a->link, a->disk_dir, p));
+    FY_TRY(fy_probe_measure(cuda ? "sim" : dev, mem, a->link, a->disk_dir, p));
+#if FY_HAVE_CUDA
+    if (gpu) FY_TRY(fy_probe_measure_gpu(0, p));
+#endif
     *measured = true;
     if (!a->no_write) FY_TRY(fy_probe_write(path, p));
   } else if (st != FY_OK) {
     return st;
+  }
+  if (cuda && strcmp(p->device, "cuda") != 0) {
+    bool given = false;
+    for (int i = 0; i < a->n_set; i++)
+      given |= strcmp(a->set_key[i], "device_tflops") == 0 || strcmp(a->set_key[i], "device_gflops") == 0;
+    if (!given)
+      fprintf(stderr, "ferry: no GPU here%s: the GPU's GEMM rate and link are this CPU's as the sim device's; give "
+              "the GPU's with --device-tflops, --link-gbps and --device-mem\n",
+              FY_HAVE_CUDA ? "" : " (ferry was built without CUDA)");
   }
   if (a->device) FY_TRY(fy_probe_override(p, "device", a->device));
   if (a->device_mem) {
@@ -175,7 +200,10 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "  --offload          offloaded plans only (a GPU's default also tries it resident)\n");
         else
           printf("Measures device memory, GEMM rates, copy bandwidth each way, host AdamW and memory\n"
-                 "bandwidth and disk rates, and caches them (default ~/.cache/ferry/probe.json).\n\n");
+                 "bandwidth and disk rates, and caches them (default ~/.cache/ferry/probe.json).\n"
+                 "--device cuda measures GPU 0 (free memory, bf16 GEMM rate, pinned copies) when this\n"
+                 "machine has one and ferry was built with CUDA; else the CPU stands in as the sim\n"
+                 "device and the GPU's figures are yours to give (--device-tflops, --link-gbps).\n\n");
         printf("machine (the probe, then overrides):\n"
                "  --device cpu|sim|cuda   --device-mem SIZE   --sim-link-gbps X   --disk-dir DIR\n"
                "  --probe-file PATH  --remeasure  --no-write\n"
@@ -366,7 +394,8 @@ static void usage_train(FILE *f, bool eval) {
           "                     parameter group, the token embedding)\n"
           "  --plan auto|FILE   let the planner choose micro-batch, chunks, blocks, prefetch,\n"
           "                     recomputation and disk placement (see ferry plan), or run a plan file;\n"
-          "                     on cuda (offloaded) a FILE from ferry plan --device cuda\n"
+          "                     on cuda: auto (one rank) measures GPU 0 (ferry probe --device cuda),\n"
+          "                     or a FILE from ferry plan --device cuda (resident or offloaded)\n"
           "  --save DIR         write a Hugging Face model (config.json, model.safetensors) at the end;\n"
           "                     with --save-every, DIR holds training checkpoints instead\n"
           "  --save-every N     write a training checkpoint (weights, AdamW state, step, data\n"

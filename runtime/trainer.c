@@ -1115,41 +1115,50 @@ static double dir_bytes(const char *root) {
 // for a model that fits the GPU whole) runs with --device cuda without --offload, its ranks
 // replicas.
 static fy_status apply_plan(struct fy_train_opts *o) {
-  const bool cuda = o->device && strcmp(o->device, "cuda") == 0;
-  if (cuda && strcmp(o->plan, "auto") == 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--plan auto times this machine's CPU as the sim device and cannot time a "
-                        "GPU: write a plan for it with ferry plan --device cuda (the GPU's memory, rate and link as "
-                        "options) --out FILE and train with --plan FILE");
+  const bool cuda = o->device && strcmp(o->device, "cuda") == 0, automatic = strcmp(o->plan, "auto") == 0;
+  int ranks = o->comm && strcmp(o->comm, "single") == 0 ? 1 : fy_comm_launch_size();
+  if (cuda && automatic && (!FY_HAVE_CUDA || ranks > 1))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--plan auto with --device cuda %s: write a plan with ferry plan --device "
+                        "cuda%s --out FILE and train with --plan FILE", FY_HAVE_CUDA ? "plans one rank (each rank "
+                        "would time its own GPU, and their plans must agree)" : "needs a ferry built with CUDA",
+                        ranks > 1 ? " --gpus N" : "");
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(o, &cfg));
   cfg.train_dropout = train_dropout(o, &cfg);  // (the planner prices the graph that will run)
   struct fy_probe probe;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
-  if (!cuda) {
+  if (!cuda || automatic) {
+    // The sim device: the cached probe with this run's device memory and link. A GPU (one rank,
+    // --plan auto): the cached probe of a GPU, else this machine's measured (GPU 0's figures).
+    const char *kind = cuda ? "cuda" : "sim";
     char path[4096];
     fy_probe_default_path(path, sizeof path);
     fy_status st = fy_probe_read(path, &probe);
-    if (st != FY_OK || strcmp(probe.device, "sim") != 0) {
+    if (st != FY_OK || strcmp(probe.device, kind) != 0) {
       FY_TRY(fy_probe_measure("sim", (double)dev_mem, o->sim_link_gbps, o->disk_dir, &probe));
+#if FY_HAVE_CUDA
+      if (cuda) FY_TRY(fy_probe_measure_gpu(0, &probe));
+#endif
       fy_probe_write(path, &probe);  // a cache: failing to write it is not an error
     }
     char v[64];
-    snprintf(v, sizeof v, "%zu", dev_mem);
-    FY_TRY(fy_probe_override(&probe, "device_mem", v));
+    if (!cuda || o->device_mem) {
+      snprintf(v, sizeof v, "%zu", dev_mem);
+      FY_TRY(fy_probe_override(&probe, "device_mem", v));
+    }
     if (o->host_mem) {
       snprintf(v, sizeof v, "%zu", o->host_mem);
       FY_TRY(fy_probe_override(&probe, "host_mem", v));
     }
-    if (o->sim_link_gbps > 0) {
+    if (!cuda && o->sim_link_gbps > 0) {
       snprintf(v, sizeof v, "%g", o->sim_link_gbps);
       FY_TRY(fy_probe_override(&probe, "link_gbps", v));
     }
   }
   struct fy_plan plan;
-  int ranks = o->comm && strcmp(o->comm, "single") == 0 ? 1 : fy_comm_launch_size();
-  if (strcmp(o->plan, "auto") == 0) {  // the global batch as if every rank were data-parallel
+  if (automatic) {  // the global batch as if every rank were data-parallel
     FY_TRY(fy_plan_search_ranks(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
-                                false, &probe, &plan, NULL));
+                                cuda && o->offload, &probe, &plan, NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.resident && !cuda)
@@ -1190,19 +1199,21 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   o->grad_accum = k->grad_accum;
   o->seq = k->seq;
   o->recompute = k->recompute;
-  if (k->resident) {
+  if (k->resident && automatic && !o->quiet) {
+    fy_plan_print(&plan, stdout);
+  } else if (k->resident) {
     if (!o->quiet && fy_comm_launch_rank() == 0)
       printf("plan %s for the GPU: the whole model resident%s; micro-batch %lld x %lld tokens, %lld accumulated, "
              "recompute %s\n", o->plan, plan.dp > 1 ? " on every rank (replicas)" : "", (long long)k->micro_batch,
              (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
-    return FY_OK;
   }
+  if (k->resident) return FY_OK;
   o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
   o->blocks = k->blocks;
   o->prefetch = k->prefetch;
   o->disk_chunks = k->disk_chunks;
   if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
-  if (cuda)  // (not re-simulated here: the plan's own figures are those of ferry plan)
+  if (cuda && !automatic)  // (not re-simulated here: the plan's own figures are those of ferry plan)
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state of %d chunks on disk\n", o->plan, (long long)k->micro_batch,
            (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch,

@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident); dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
+# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident) and --plan auto; dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
 # opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
 # usage: test/cuda_train.sh FERRY DIR [--model M] [--batch B] [--seq T] [--offload-mem SIZE] [--blocks N]
@@ -150,6 +150,17 @@ rows = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")]
 got = max(r["device_peak_mib"] for r in rows)
 print("resident plan: device peak %.2f MiB predicted, the run's %.2f MiB; host tier %.1f MiB" % (want, got, rows[-1]["host_tier_mib"]))
 sys.exit(0 if ok and abs(got - want) <= 0.051 and rows[-1]["host_tier_mib"] == 0 else 1)
+PY
+# --plan auto on the GPU: the GPU measured (ferry probe's figures for GPU 0: on ./test.sh the
+# emulator's) and cached, the fastest plan chosen for it and trained: the resident bf16 run's
+# losses within the offloaded bf16 runs' bound.
+FERRY_PROBE="$d/auto_probe.json" ferry_run auto "${common[@]}" --device cuda --plan auto --log "$d/auto.jsonl" || exit 1
+grep -q '"device": *"cuda"' "$d/auto_probe.json" || { cat "$d/auto.out"; echo "--plan auto did not probe the GPU"; exit 1; }
+python3 - "$d/cuda16.jsonl" "$d/auto.jsonl" <<'PY' || exit 1
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:3])
+print("plan auto ", " ".join(f"{x:.5f}" for x in b))
+sys.exit(0 if len(a) == len(b) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(a, b)) else 1)
 PY
 
 # Dropout (the GPU draws the CPU's masks) with validation between steps (forward passes without

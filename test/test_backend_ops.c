@@ -21,6 +21,7 @@
 #include "ops/cuda/parts.h"
 #include "ops/dropout.h"
 #include "ops/ops.h"
+#include "planner/probe.h"
 #include "runtime/engine_cuda.h"
 #include "runtime/model.h"
 #include "test/check.h"
@@ -792,6 +793,26 @@ static void test_model_bytes(void) {
   }
 }
 
+// The probe's GPU part (planner/probe_cuda.c): the device's figures measured and named "cuda", the
+// host's left as they were; a GPU that is not there is refused.
+static void test_probe_gpu(int ngpu) {
+  struct fy_probe p;
+  memset(&p, 0, sizeof p);
+  snprintf(p.device, sizeof p.device, "sim");
+  p.host_mem = 123e9;
+  p.host_adamw_gbps = 7;
+  CHECK(fy_probe_gpu_count() == ngpu);
+  CHECK_OK(fy_probe_measure_gpu(0, &p));
+  size_t free_b = 0, total = 0;
+  CHECK(cudaMemGetInfo(&free_b, &total) == cudaSuccess);
+  fprintf(stderr, "  probe: %.1f GiB free of %.1f, bf16 GEMM %.1f GFLOP/s, copies %.2f / %.2f GB/s, %.1f us a small one\n",
+          p.device_mem / 1073741824.0, total / 1073741824.0, p.device_gflops, p.h2d_gbps, p.d2h_gbps, p.copy_latency_us);
+  CHECK(strcmp(p.device, "cuda") == 0 && p.device_mem > 0 && p.device_mem <= (double)total);
+  CHECK(p.device_gflops > 0 && p.h2d_gbps > 0 && p.d2h_gbps > 0 && p.copy_latency_us > 0);
+  CHECK(p.host_mem == 123e9 && p.host_adamw_gbps == 7);
+  CHECK_ERR(fy_probe_measure_gpu(ngpu, &p), FY_ERR_NOT_FOUND);
+}
+
 int main(void) {
   int ngpu = fy_cuda_device_count();
   if (ngpu == 0) {
@@ -810,6 +831,7 @@ int main(void) {
   cs = fy_cuda_stream(st);
   test_device();
   test_model_bytes();
+  test_probe_gpu(ngpu);
 
   const size_t ws_bytes = 32u << 20;
   void *ws = NULL;
