@@ -52,7 +52,7 @@ struct sim {
   bool counting;
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
-  fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready;
+  fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready, *dev_sums_ready;
   struct fy_device_cache *cache;
   struct fy_trace *trace;
   struct fy_action *actions;
@@ -72,6 +72,7 @@ static void sim_free(struct sim *s, int nc) {
   free(s->grad_ready);
   fy_event_free(s->batch_ready);
   fy_event_free(s->norm_ready);
+  fy_event_free(s->dev_sums_ready);
   fy_stream_free(s->compute);
   fy_stream_free(s->copy_in);
   fy_stream_free(s->copy_out);
@@ -261,6 +262,29 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   ce = l->chunk_elems;
   int nc = l->n_chunks;
   double chunk_bytes = (double)ce * pb, np = (double)g->n_param_elems;
+  // The first n_dev chunks stay on the device with their state (runtime/offload.c): the fp32
+  // weights, the gradients in the payload's dtype (and their fp32 sum with accumulation), m, v,
+  // and with 16-bit compute the weights' copy; the optimizer runs there, on the compute stream.
+  int n_dev = k->device_chunks > 0 ? (k->device_chunks < nc ? k->device_chunks : nc) : 0;
+  if (n_dev > 0 && dp > 1) {
+    fy_chunk_layout_free(l);
+    free(pat);
+    fy_graph_free(whole);
+    fy_graph_free(g);
+    return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
+                        "data-parallel ranks, whose chunks are sharded", dp);
+  }
+  const size_t dev_buf[] = {(size_t)ce * 4, (size_t)ce * pb, k->grad_accum > 1 ? (size_t)ce * 4 : 0, (size_t)ce * 4,
+                            (size_t)ce * 4, pb < 4 ? (size_t)ce * pb : 0};
+  double dev_state = 0, dev_elems = 0;
+  for (int c = 0; c < n_dev; c++) {
+    dev_elems += (double)l->chunks[c].used;
+    for (size_t i = 0; i < sizeof dev_buf / sizeof *dev_buf; i++)
+      if (dev_buf[i]) dev_state += (double)((dev_buf[i] + 63) & ~(size_t)63);
+  }
+  if (n_dev > 0) dev_state += (double)(((size_t)g->n_params * 8 + 63) & ~(size_t)63) + 64;  // sums of squares, scale
+  for (size_t i = 0; i < sizeof dev_buf / sizeof *dev_buf; i++)
+    if (dev_buf[i]) out->device_chunk_bytes += (double)((dev_buf[i] + 63) & ~(size_t)63);
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
@@ -277,12 +301,13 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
   double block = (double)(((size_t)chunk_bytes + 63) & ~(size_t)63);
-  out->min_device_bytes = fixed_bytes + min_blocks * block;
+  out->min_device_bytes = fixed_bytes + dev_state + min_blocks * block;
   int n_blocks = k->blocks;
-  if (n_blocks <= 0) {
-    double left = probe->device_mem - fixed_bytes;
+  if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (as the runtime)
+    double left = probe->device_mem - fixed_bytes - dev_state;
     n_blocks = left > 0 ? (int)(left / block) : 0;
-    if (n_blocks > nc) n_blocks = nc;
+    int cached = nc - n_dev > min_blocks ? nc - n_dev : min_blocks;
+    if (n_blocks > cached) n_blocks = cached;
   }
   out->n_blocks = n_blocks;
   // Host and disk: parameters stay on the host; gradients and AdamW state of the chunks the host
@@ -291,24 +316,27 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double params_host = np * host_weight_bytes(pb) * share, reserve = 3 * (double)ce * 4;
   int fit = (int)((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit < 0) fit = 0;
-  int n_disk = k->disk_chunks >= 0 ? k->disk_chunks : (fit >= nc ? 0 : nc - fit);
-  if (n_disk > nc) n_disk = nc;
+  int n_disk = k->disk_chunks >= 0 ? k->disk_chunks : (fit >= nc - n_dev ? 0 : nc - n_dev - fit);
+  if (n_disk > nc - n_dev) n_disk = nc - n_dev;
   if (n_disk > 0) reserve += 5 * (double)ce * 4;
   out->n_disk_chunks = n_disk;
-  out->host_bytes = params_host + reserve + (nc - n_disk) * per_chunk_state;
+  out->n_device_chunks = n_dev;
+  out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
   out->disk_bytes = n_disk * per_chunk_state;
   out->fits = true;
   if (n_blocks < min_blocks || out->min_device_bytes > probe->device_mem) {
     out->fits = false;
     snprintf(out->why, sizeof out->why,
              "the device (%.1f MiB) cannot hold the smallest working set: %d blocks of %.1f MiB plus %.1f MiB of "
-             "activations%s, %.1f MiB in all", probe->device_mem / 1048576.0, min_blocks, block / 1048576.0,
-             fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "", out->min_device_bytes / 1048576.0);
-  } else if (fixed_bytes + n_blocks * block > probe->device_mem) {
+             "activations%s%s, %.1f MiB in all", probe->device_mem / 1048576.0, min_blocks, block / 1048576.0,
+             fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "", n_dev ? " and the device's chunks" : "",
+             out->min_device_bytes / 1048576.0);
+  } else if (fixed_bytes + dev_state + n_blocks * block > probe->device_mem) {
     out->fits = false;
-    snprintf(out->why, sizeof out->why, "%d blocks of %.1f MiB and %.1f MiB of activations%s need %.1f MiB; the device has %.1f MiB",
-             n_blocks, block / 1048576.0, fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "", (fixed_bytes + n_blocks * block) / 1048576.0,
-             probe->device_mem / 1048576.0);
+    snprintf(out->why, sizeof out->why, "%d blocks of %.1f MiB and %.1f MiB of activations%s%s need %.1f MiB; the device "
+             "has %.1f MiB", n_blocks, block / 1048576.0, (fixed_bytes + dev_state) / 1048576.0,
+             gpu ? " and kernel scratch" : "", n_dev ? " and the device's chunks" : "",
+             (fixed_bytes + dev_state + n_blocks * block) / 1048576.0, probe->device_mem / 1048576.0);
   } else if (out->host_bytes > probe->host_mem) {
     out->fits = false;
     snprintf(out->why, sizeof out->why, "the host memory (%.1f GiB) cannot hold the parameters and buffers (%.1f GiB)",
@@ -335,12 +363,18 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   void *p;
   for (size_t i = 0; st == FY_OK && i < sizeof fixed / sizeof *fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
   void *dbatch = p;
+  for (int c = 0; st == FY_OK && c < n_dev; c++)
+    for (size_t i = 0; st == FY_OK && i < sizeof dev_buf / sizeof *dev_buf; i++)
+      if (dev_buf[i]) st = fy_device_alloc(s.dev, dev_buf[i], &p);
+  if (st == FY_OK && n_dev > 0) st = fy_device_alloc(s.dev, (size_t)g->n_params * 8, &p);
+  if (st == FY_OK && n_dev > 0) st = fy_device_alloc(s.dev, 16, &p);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.compute);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_in);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_out);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.optim);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.batch_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.norm_ready);
+  if (st == FY_OK) st = fy_event_create(s.dev, &s.dev_sums_ready);
   s.home_ready = calloc((size_t)nc, sizeof *s.home_ready);
   s.grad_ready = calloc((size_t)nc, sizeof *s.grad_ready);
   s.home = calloc((size_t)nc, sizeof *s.home);
@@ -362,9 +396,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     for (int a = 0; a < s.n_actions; a++) n += l->op_first[s.actions[a].op + 1] - l->op_first[s.actions[a].op];
     int32_t *trace = malloc((size_t)(n + 1) * sizeof *trace);
     if (!trace) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-    n = 0;
+    n = 0;  // (the cache's accesses: not those of the device's own chunks)
     for (int a = 0; trace && a < s.n_actions; a++)
-      for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++) trace[n++] = l->op_chunks[j];
+      for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++)
+        if (l->op_chunks[j] >= n_dev) trace[n++] = l->op_chunks[j];
     if (st == FY_OK) st = fy_trace_create(trace, n, nc, &s.trace);
     free(trace);
   }
@@ -418,7 +453,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         int o = s.actions[a].op;
         float *base;
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++)
-          st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
+          if (l->op_chunks[j] >= n_dev) st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
         if (st != FY_OK) break;
         bool bwd = s.actions[a].kind == FY_ACT_BACKWARD;
         struct fy_op_profile pr;
@@ -436,6 +471,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         if (last) busy[0] += t + tc, s.comm_s += tc;
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++) {
           int c = l->op_chunks[j];
+          if (c < n_dev) continue;
           if (fy_device_cache_release(s.cache, c, s.actions[a].kind == FY_ACT_BACKWARD) == FY_CHUNK_READY_FOR_REDUCE) {
             st = fy_device_cache_write_back(s.cache, c, (float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block),
                                             micro > 0, c >= nc - n_disk ? NULL : s.grad_ready[c]);
@@ -462,8 +498,18 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       optim_step += tg;
       if (last) busy[3] += tg, s.comm_s += tg;
     }
+    // The device's chunks: their sums of squares on the compute stream, which the norm waits for
+    // (their AdamW follows it, there too).
+    const double dev_gb = k->grad_accum > 1 ? 4 : pb, dev_mem = fy_profile_mem_rate(probe);
+    if (n_dev > 0) {
+      double t = dev_elems * dev_gb / dev_mem;
+      fy_timeline_run(s.compute, t, "device norm");
+      fy_event_record(s.dev_sums_ready, s.compute);
+      fy_stream_wait(s.optim, s.dev_sums_ready);
+      if (last) busy[0] += t;
+    }
     // The optimizer: sums of squares as gradients arrive, the norm, then AdamW chunk by chunk.
-    for (int c = 0; st == FY_OK && c < nc; c++) {
+    for (int c = n_dev; st == FY_OK && c < nc; c++) {
       fy_stream_wait(s.optim, s.grad_ready[c]);
       double u = (double)l->chunks[c].used * share, t = u * 4 / mem + (c >= nc - n_disk ? u * 4 / dread : 0);
       fy_timeline_run(s.optim, t, "norm");
@@ -472,7 +518,13 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     }
     fy_event_record(s.norm_ready, s.optim);
     double norm_at = fy_timeline_clock(s.optim);
-    for (int c = 0; st == FY_OK && c < nc; c++) {
+    if (n_dev > 0) {  // (a GPU's AdamW at its memory rate; on sim the host's AdamW, on the compute thread)
+      bump(s.compute, norm_at);
+      double t = gpu ? dev_elems * (26 + dev_gb) / dev_mem : dev_elems * 28 / adamw;
+      fy_timeline_run(s.compute, t, "device AdamW");
+      if (last) busy[0] += t;
+    }
+    for (int c = n_dev; st == FY_OK && c < nc; c++) {
       double u = (double)l->chunks[c].used * share;
       double t = u * 28 / adamw + (c >= nc - n_disk ? u * 12 / dread + u * 8 / dwrite : 0);
       fy_timeline_run(s.optim, t, "AdamW");

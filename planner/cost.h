@@ -21,6 +21,8 @@ struct fy_plan_knobs {
   int prefetch;
   bool recompute;
   int disk_chunks;       // chunks whose gradients and AdamW state live on disk; -1: as needed
+  int device_chunks;     // the first chunks kept on the device with their gradients and AdamW
+                         // state, updated there (ferry train --device-chunks); one data-parallel rank
   // Ranks (a dp x tp grid): tp ranks split each layer's attention and MLP linears (tp_col and
   // tp_row); the dp groups run `pattern` (planner/pattern.h) over the rest — "zero" (chunks
   // sharded over dp, as the runtime does on the sim device), "replicate", or a registered one.
@@ -43,8 +45,9 @@ struct fy_cost {
   double comm_s;           // collectives per step (inside the streams' busy time), 0 on one rank
   char bottleneck[24];     // "compute", "copy to device", "copy to host", "optimizer"
   double device_peak, min_device_bytes, host_bytes, disk_bytes;
-  int n_blocks, n_chunks, n_disk_chunks;  // (0 for a resident plan)
+  int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;  // (0 for a resident plan)
   double chunk_bytes;
+  double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
   int64_t loads_per_step;
 };
 

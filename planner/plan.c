@@ -88,6 +88,22 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
             if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
             consider(&k, &c, best);
             if (!c.fits) break;  // more prefetch will not fit either
+            // One data-parallel rank: chunks kept on the device with their state (updated there),
+            // the cache taking what is left: a quarter, half, three quarters or all of as many as
+            // fit beside the smallest cache.
+            double room = probe->device_mem - c.min_device_bytes;
+            int most = c.device_chunk_bytes > 0 && room > 0 ? (int)(room / c.device_chunk_bytes) : 0;
+            if (most > c.n_chunks) most = c.n_chunks;
+            for (int q = 1; dp == 1 && q <= 4; q++) {
+              struct fy_plan_knobs kd = k;
+              kd.device_chunks = most * q / 4;
+              if (kd.device_chunks < 1 || kd.device_chunks == most * (q - 1) / 4) continue;
+              struct fy_cost cd;
+              FY_TRY(fy_cost_simulate(cfg, &kd, probe, &cd, NULL));
+              tried++;
+              consider(&kd, &cd, best);
+              if (!cd.fits) break;
+            }
           }
         }
     }
@@ -123,9 +139,10 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   k->dp = p->dp;
   k->tp = p->tp;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
-  if (k->resident && (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0))
-    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch or disk chunks "
-                        "(chunk_elems, blocks, prefetch and disk_chunks must be 0)");
+  if (k->resident && (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks))
+    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
+                        "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
+  if (k->device_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_chunks must not be negative");
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
                         (long long)k->chunk_elems, p->dp);
@@ -170,6 +187,9 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
   } else {
     fprintf(f, "  %d chunks of %s, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
             fy_format_bytes(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
+    if (c->n_device_chunks > 0)
+      fprintf(f, "  the first %d chunks kept on the device with their gradients and AdamW state (updated there)\n",
+              c->n_device_chunks);
     fprintf(f, "  memory per rank: device %s (peak), host %s, disk %s (state of %d chunks)\n",
             fy_format_bytes(c->device_peak, b1, sizeof b1), fy_format_bytes(c->host_bytes, b2, sizeof b2),
             fy_format_bytes(c->disk_bytes, b3, sizeof b3), c->n_disk_chunks);

@@ -24,6 +24,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "recompute", json_object_new_boolean(k->recompute));
   json_object_object_add(o, "resident", json_object_new_boolean(k->resident));
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
+  json_object_object_add(o, "device_chunks", json_object_new_int(k->device_chunks));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
   json_object_object_add(o, "tp", json_object_new_int(p->tp));
@@ -77,7 +78,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "disk_chunks", "pattern", "dp", "tp", "machine", "predicted"};
+                                      "recompute", "resident", "disk_chunks", "device_chunks", "pattern", "dp", "tp", "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "plan %s: not a JSON object", path);
@@ -97,6 +98,10 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   if (st == FY_OK && (st = get_int(o, path, "blocks", 0, 1 << 20, &v)) == FY_OK) k->blocks = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "prefetch", 0, 1 << 10, &v)) == FY_OK) k->prefetch = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "disk_chunks", -1, 1 << 24, &v)) == FY_OK) k->disk_chunks = (int)v;
+  // (Optional: plans written before it keep every chunk's state off the device.)
+  if (st == FY_OK && json_object_object_get_ex(o, "device_chunks", NULL) &&
+      (st = get_int(o, path, "device_chunks", 0, 1 << 24, &v)) == FY_OK)
+    k->device_chunks = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "dp", 1, 1 << 16, &v)) == FY_OK) p->dp = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "tp", 1, 1 << 16, &v)) == FY_OK) p->tp = (int)v;
   json_object *x;

@@ -503,10 +503,11 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   size_t block = (size_t)m->layout->chunk_elems * x->esize;
   int min_blocks = fy_offload_min_blocks(m), n_blocks = o->n_blocks;
   struct fy_device *dev = x->dev;
-  if (n_blocks <= 0) {
+  if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (not the device's own)
     size_t left = dev->cap > dev->bytes_in_use ? dev->cap - dev->bytes_in_use : 0;
     n_blocks = (int)(left / (block + 64));
-    if (n_blocks > m->layout->n_chunks) n_blocks = m->layout->n_chunks;
+    int cached = m->layout->n_chunks - x->n_dev;
+    if (n_blocks > (cached > min_blocks ? cached : min_blocks)) n_blocks = cached > min_blocks ? cached : min_blocks;
   }
   if (n_blocks < min_blocks) {
     fy_offload_free(x);

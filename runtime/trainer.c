@@ -267,8 +267,10 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
   if (r->eval && fit < l->n_chunks)
     return fy_error_set(FY_ERR_NOMEM, "the weights' shards do not fit in the host memory (--host-mem)");
-  int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= l->n_chunks ? 0 : l->n_chunks - fit);
   int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
+  // (The device's own chunks keep their state there: the host tier holds the rest's.)
+  int n_host = l->n_chunks - (n_dev > 0 && r->dp == 1 ? n_dev : 0);
+  int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= n_host ? 0 : n_host - fit);
   // Several ranks: the shards live in the host tier, or all of them on the device.
   bool shards_on_device = r->dp > 1 && n_dev == l->n_chunks;
   if (r->dp > 1 && n_dev > 0 && !shards_on_device)
@@ -1212,12 +1214,13 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   o->blocks = k->blocks;
   o->prefetch = k->prefetch;
   o->disk_chunks = k->disk_chunks;
+  o->device_chunks = k->device_chunks;
   if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
   if (cuda && !automatic)  // (not re-simulated here: the plan's own figures are those of ferry plan)
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
-           "recompute %s, the AdamW state of %d chunks on disk\n", o->plan, (long long)k->micro_batch,
+           "recompute %s, the AdamW state of %d chunks on disk, %d on the GPU\n", o->plan, (long long)k->micro_batch,
            (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch,
-           k->recompute ? "on" : "off", k->disk_chunks > 0 ? k->disk_chunks : 0);
+           k->recompute ? "on" : "off", k->disk_chunks > 0 ? k->disk_chunks : 0, k->device_chunks);
   else
     fy_plan_print(&plan, stdout);
   return FY_OK;
