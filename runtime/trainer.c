@@ -1,5 +1,6 @@
 #include "runtime/trainer.h"
 
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -383,15 +384,27 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
                         "device never does)");
   if (r->tp > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device %s: tensor parallelism runs on --device cpu, sim "
-                        "or cuda --offload", r->tp, device);
-  if (r->tp > 1 && strcmp(device, "cuda") == 0 && !o->offload)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d with --device cuda: several GPUs train with --offload (the "
-                        "slices' chunks in pinned host memory, each rank's cache on its GPU)", r->tp);
+                        "or cuda", r->tp, device);
+  // --tp on GPUs without --offload: each rank's slices stay on its GPU with their gradients and
+  // AdamW state, updated there (the offload engine with every chunk on the device: its cache is
+  // not used). Evaluation keeps no state: its slices go through the cache as offloaded.
+  const bool tp_resident = r->tp > 1 && strcmp(device, "cuda") == 0 && !o->offload;
+  if (tp_resident && r->dp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--tp %d on %d ranks with --device cuda: a grid of %d data-parallel x %d "
+                        "tensor-parallel GPUs shards its chunks through pinned host memory: add --offload", r->tp,
+                        r->world, r->dp, r->tp);
+  if (tp_resident && o->disk_chunks > 0)
+    return fy_error_set(FY_ERR_INVALID, "--disk-chunks %d with --tp %d on GPUs: without --offload every chunk's state "
+                        "stays on the GPUs; add --offload to put some on disk", o->disk_chunks, r->tp);
   if (r->world > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%d ranks with --device %s: several ranks train with --device cpu or "
                         "cuda (replicated parameters), sim or cuda --offload (chunks sharded across the ranks)",
                         r->world, device);
-  if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
+  if (tp_resident) {
+    struct fy_train_opts all = *o;
+    all.device_chunks = eval ? 0 : INT_MAX;
+    FY_TRY(setup_offload(&all, r, true));
+  } else if (strcmp(device, "sim") == 0 || (strcmp(device, "cuda") == 0 && o->offload)) {
     FY_TRY(setup_offload(o, r, strcmp(device, "cuda") == 0));
   } else if (strcmp(device, "cpu") == 0) {
     // The cpu device may hand out what the machine has (its share of it, with several ranks); a

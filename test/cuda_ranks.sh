@@ -16,8 +16,9 @@
 # with dropout and validation; each rank's host tier about half of one rank's; a checkpoint saved
 # by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
-# 2 x 2 grid with four GPUs; 2 resident replicas = 1 rank, with their checkpoint, and planned; two ranks on
-# one GPU refused; a rank killed mid-run ends the job within
+# 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
+# checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
+# checkpoint, and planned; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -181,14 +182,31 @@ else
   echo "FAIL  the plan for 2 GPUs with room for the whole model is not 2 resident replicas"
 fi
 
-# Without --offload (every parameter resident on one GPU) --tp is refused, saying how to run it.
-timeout 120 "${mpi[@]}" -np 2 "$ferry" train --model "$model" --seq "$seq" --data "$data" --device cuda --steps 1 \
-  --tp 2 >"$d/tpresident.out" 2>&1
-code=$?
-if [ "$code" -ne 0 ] && [ "$code" -ne 124 ] && grep -q "several GPUs train with --offload" "$d/tpresident.out"; then
-  pass=$((pass + 1)); echo "ok    --tp without --offload is refused: $(grep -m1 -o -- '--tp 2 with.*' "$d/tpresident.out" | cut -c1-90)"
+# Without --offload, --tp keeps each rank's slices on its GPU with their gradients and AdamW state
+# (updated there; the cache is not used): = 1 rank in fp32, and a checkpoint of it resumes on
+# 1 rank. A grid (2 data-parallel x 2 tensor-parallel GPUs) without --offload is refused, saying
+# how to run it.
+LOUD=1 RES=1 run tpres 2 --precision fp32 --batch 4 --tp 2 || exit 1
+check "--tp 2 without --offload (slices on the GPUs) = 1 rank, fp32" onefp32 tpres 1e-4
+line="$(grep -a -m1 -E 'for [0-9]+ chunks.*on the device' "$d/tpres.out")"
+if [[ "$line" =~ for\ ([0-9]+)\ chunks.*\ ([0-9]+)\ on\ the\ device ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[2]}" ]; then
+  pass=$((pass + 1)); echo "ok    --tp 2 without --offload keeps all ${BASH_REMATCH[1]} chunks of a rank on its GPU"
 else
-  fail=$((fail + 1)); echo "FAIL  --tp without --offload: exit $code"; tail -5 "$d/tpresident.out"
+  fail=$((fail + 1)); echo "FAIL  --tp 2 without --offload: not every chunk on the GPU: $line"
+fi
+rm -rf "$d/tpresck"
+RES=1 run tpressave 2 --precision fp32 --batch 4 --tp 2 --save "$d/tpresck" --save-every 4 --stop-after 4 || exit 1
+RES=1 run tpres1 1 --precision fp32 --batch 4 --resume "$d/tpresck" || exit 1
+check "a checkpoint of --tp 2 without --offload resumed by 1 rank" tpres tpres1 1e-4
+if [ "$gpus" -ge 4 ]; then
+  timeout 120 "${mpi[@]}" -np 4 "$ferry" train --model "$model" --seq "$seq" --data "$data" --device cuda --steps 1 \
+    --tp 2 >"$d/gridresident.out" 2>&1
+  code=$?
+  if [ "$code" -ne 0 ] && [ "$code" -ne 124 ] && grep -q "add --offload" "$d/gridresident.out"; then
+    pass=$((pass + 1)); echo "ok    a 2 x 2 grid without --offload is refused: $(grep -m1 -o -- '--tp 2 on 4.*' "$d/gridresident.out" | cut -c1-80)"
+  else
+    fail=$((fail + 1)); echo "FAIL  a 2 x 2 grid without --offload: exit $code"; tail -5 "$d/gridresident.out"
+  fi
 fi
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last

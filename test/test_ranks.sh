@@ -186,13 +186,13 @@ if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --devic
 else grep -q "all in the host tier (0) or all on the device" "$tmp/part.out" && ok "a partial --device-chunks with sharding is refused" \
   || { bad "a partial --device-chunks: unclear message"; cat "$tmp/part.out"; }; fi
 
-# Tensor parallelism on GPUs runs offloaded: resident parameters with --tp are refused with the
-# flag to use (this machine may have no GPU: the refusal comes first; test/cuda_ranks.sh runs
-# resident replicas and --tp on GPUs, real or emulated).
-if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --device cuda --tp 2 >"$tmp/cuda2.out" 2>&1; then
-  bad "--tp with resident parameters on GPUs is accepted"
-else grep -q "several GPUs train with --offload" "$tmp/cuda2.out" && ok "--tp with resident parameters on GPUs is refused" \
-  || { bad "--tp on GPUs without --offload: unclear message"; cat "$tmp/cuda2.out"; }; fi
+# A data-parallel x tensor-parallel grid on GPUs shards its chunks through pinned host memory:
+# without --offload it is refused with the flag to use (this machine may have no GPU: the refusal
+# comes first; test/cuda_ranks.sh runs --tp on GPUs with and without --offload, real or emulated).
+if "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --device cuda --tp 2 >"$tmp/cuda2.out" 2>&1; then
+  bad "a 2 x 2 grid on GPUs without --offload is accepted"
+else grep -q "add --offload" "$tmp/cuda2.out" && ok "a 2 x 2 grid on GPUs without --offload is refused" \
+  || { bad "a grid on GPUs without --offload: unclear message"; cat "$tmp/cuda2.out"; }; fi
 
 # Tensor parallelism (--tp, Megatron's split): 2 ranks split every layer's heads and feed-forward
 # features and share the sequences; 4 ranks form a 2 x 2 grid (2 data-parallel groups of 2).
