@@ -666,14 +666,16 @@ def draw_path(rnd, tmp, name, B, NH, ffn, have_mpirun, gpu=0):
     if gpu:
         # (with 2 GPUs or more: 2 to 4 ranks, one GPU each, data-parallel (resident replicas, or
         # offloaded and chunk-sharded, every shard in pinned host memory), tensor-parallel
-        # (offloaded) or both; with one, the draws of the cases before ranks existed)
+        # (offloaded, or alone without --offload: its slices on the GPUs) or both; with one, the
+        # draws of the cases before ranks existed)
         dp = tp = 1
         if gpu >= 2 and have_mpirun:
             dp, tp, launch, micro = draw_ranks(rnd, micro, NH, ffn, extra, gpu)
         extra += ["--device", "cuda", "--precision", "fp32", "--batch", str(micro)]
         if rnd.random() < 0.4:
             extra.append("--recompute")
-        if tp > 1 or rnd.random() < 0.5:  # (data-parallel ranks without it: replicas)
+        # (data-parallel ranks without --offload: replicas; a grid needs it)
+        if (tp > 1 and (dp > 1 or rnd.random() < 0.5)) or (tp == 1 and rnd.random() < 0.5):
             extra += ["--offload", "--device-mem", "256MiB", "--blocks", str(rnd.randint(1, 4)),
                       "--prefetch", str(rnd.randint(0, 2)), "--device-chunks", str(0 if dp > 1 else rnd.choice([0, 0, 1, 2]))]
         return dict(extra=extra, launch=launch, rows=rows)
