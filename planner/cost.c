@@ -184,8 +184,10 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   free(actions);
   const double mem = fy_profile_mem_rate(probe), bt = (double)(g->B * g->T);
   const double a = (double)k->grad_accum;
-  // Per micro-batch: ids, targets and mask up; with accumulation, its bf16 gradients into the fp32 sum.
-  out->h2d_s = a * 3 * bt * 4 / (probe->h2d_gbps * 1e9);
+  // Per micro-batch: ids, targets, mask and positions up, one copy each before its ops (the
+  // offload engine stages the next one meanwhile; the resident engine does not); with
+  // accumulation, its bf16 gradients into the fp32 sum.
+  out->h2d_s = a * (4 * bt * 4 / (probe->h2d_gbps * 1e9) + 4 * probe->copy_latency_us * 1e-6);
   out->compute_s = a * pass + (accumulate ? (a - 1) * np * 10 / mem + np * 6 / mem : 0);
   out->comm_s = dp > 1 ? 2.0 * (dp - 1) / dp * np * gb / (fy_probe_comm_gbps(probe) * 1e9) : 0;
   // The norm reads the gradients; AdamW reads them with the weights, m and v, and writes those

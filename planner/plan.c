@@ -45,6 +45,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
   best->machine = *probe;
   int tried = 0, grids = 0;
   double smallest = INFINITY;
+  struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
   for (int tp = 1; tp <= ranks; tp++) {
@@ -64,6 +65,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
         FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
         tried++;
         consider(&k, &c, best);
+        consider(&k, &c, &resident);
       }
     }
     // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
@@ -108,6 +110,10 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
         }
     }
   }
+  // A resident plan is the simpler run (no host tier, no cache): it stands when it is within 2% of
+  // the fastest (an offloaded plan with every chunk on the device can come out a hair ahead).
+  if (resident.predicted.fits && !best->k.resident && resident.predicted.step_s <= 1.02 * best->predicted.step_s)
+    *best = resident;
   if (grids == 0)
     return fy_error_set(FY_ERR_INVALID, "plan: no way to lay %d ranks out for %s: the tensor-parallel size must divide "
                         "the %lld heads and the feed-forward size %lld, and the data-parallel size the batch of %lld",

@@ -77,7 +77,8 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
 
 // A GPU's part of the probe (planner/probe_cuda.c; only in a build with CUDA or its emulator,
 // FY_HAVE_CUDA): the GPUs CUDA sees (0 on any error), and GPU `ordinal` measured into p's device
-// fields — "cuda", the memory free on it now, its bf16 GEMM rate (fp32 accumulation, the kernels'
+// fields — "cuda", the memory ferry train takes of what is free on it now (FY_CUDA_FREE_PERCENT),
+// its bf16 GEMM rate (fp32 accumulation, the kernels'
 // cuBLASLt path, square products grown from 512 until one takes 2 ms, at most 8192), pinned copies
 // each way and what a 4 KiB copy costs — leaving the host's fields as they are (fy_probe_measure
 // fills those). FY_ERR_NOT_FOUND without that GPU.

@@ -154,7 +154,7 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   if (b.st) cudaStreamDestroy(b.st);
   FY_TRY(st);
   snprintf(p->device, sizeof p->device, "cuda");
-  p->device_mem = (double)free_bytes;
+  p->device_mem = (double)(free_bytes / 100 * FY_CUDA_FREE_PERCENT);  // (what ferry train takes of it)
   p->device_gflops = gflops;
   p->h2d_gbps = h2d;
   p->d2h_gbps = d2h;

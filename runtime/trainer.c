@@ -168,6 +168,41 @@ static fy_status device_comm(struct fy_comm *c, int rank, bool cuda, struct fy_c
 #endif
 }
 
+#if FY_HAVE_CUDA
+// A model resident on GPU `gpu`: what it will take there (fy_model_device_bytes and the kernels'
+// scratch, to the byte) against --device-mem or what the GPU has free, refused before anything
+// is allocated with the numbers and the ways to make it fit.
+static fy_status resident_fits(const struct fy_train_opts *o, const struct run *r, int gpu) {
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &g));
+  fy_graph_set_flash_attention(g, true);
+  if (o->recompute) fy_graph_set_recompute(g, true);
+  if (r->eval) fy_graph_set_forward_only(g);
+  const bool bf16 = precision_dtype(o) != FY_F32;
+  fy_status st = bf16 ? fy_graph_set_act16(g, true) : FY_OK;
+  double need = 0, state = 0;
+  if (st == FY_OK) {
+    const bool train = !r->eval, accumulate = train && o->grad_accum > 1;
+    need = fy_model_device_bytes(g, r->cfg.hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
+           (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+    state = (double)g->n_param_elems * (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
+  }
+  fy_graph_free(g);
+  FY_TRY(st);
+  const double has = o->device_mem ? (double)o->device_mem : (double)fy_engine_cuda_free_memory(gpu);
+  if (need <= has || has <= 0) return FY_OK;
+  char b[4][32];
+  return fy_error_set(FY_ERR_NOMEM,
+                      "%s resident on GPU %d with micro-batch %lld x %lld needs %s (%s of weights%s, %s of "
+                      "activations and kernel scratch) but %s %s: train it offloaded (--offload: the state in "
+                      "pinned host memory, a cache of its chunks on the GPU), or with --recompute or a smaller "
+                      "--batch, or split over GPUs (--tp)", r->cfg.name, gpu, (long long)o->batch, (long long)o->seq,
+                      fy_format_bytes(need, b[0], sizeof b[0]), fy_format_bytes(state, b[1], sizeof b[1]),
+                      r->eval ? "" : ", gradients and AdamW state", fy_format_bytes(need - state, b[2], sizeof b[2]),
+                      o->device_mem ? "--device-mem is" : "the GPU has", fy_format_bytes(has, b[3], sizeof b[3]));
+}
+#endif
+
 // The offloading setup: the device (sim, or a GPU), host tier, optional disk tier, chunked model,
 // offload engine.
 static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, bool cuda) {
@@ -183,7 +218,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
     FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
     if (!o->device_mem) {  // the cache takes what the GPU has free, less a margin for CUDA's own
-      dev_mem = fy_engine_cuda_free_memory(gpu) / 100 * 95;
+      dev_mem = fy_engine_cuda_free_memory(gpu) / 100 * FY_CUDA_FREE_PERCENT;
       if (!dev_mem) return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: cannot read the GPU's free memory");
       r->dev->cap = dev_mem;
     }
@@ -429,6 +464,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     int gpu = 0;
     if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
     FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
+    FY_TRY(resident_fits(o, r, gpu));
     if (r->dp > 1) {
       st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);

@@ -168,9 +168,10 @@ RES=1 run rres2 2 --precision bf16 --batch 2 --resume "$d/rck" || exit 1
 run rres1 1 --precision bf16 --batch 4 --resume "$d/rck" || exit 1
 check "a checkpoint of 2 replicas resumed by 2: the straight run" rtwobf16 rres2 1e-5
 check "a checkpoint of 2 replicas resumed by 1 offloaded rank" rtwobf16 rres1 2e-2
-# ferry plan for 2 GPUs with a GPU's rates and room for the whole model plans replicas (resident,
-# pattern replicate), and mpirun -np 2 ferry train --plan trains them as the replicas above.
-FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --device-mem 2GiB --device-tflops 100 --model "$model" \
+# ferry plan for 2 GPUs with room for the whole model on each and too little host memory to
+# offload it plans replicas (resident, pattern replicate), and mpirun -np 2 ferry train --plan
+# trains them as the replicas above.
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --device-mem 2GiB --host-mem 64KiB --model "$model" \
   --batch 4 --seq "$seq" --out "$d/rplan.json" >"$d/rplan_plan.out" 2>&1 || { cat "$d/rplan_plan.out"; exit 1; }
 if grep -q '"resident":true' "$d/rplan.json" && grep -q '"dp":2' "$d/rplan.json" &&
   grep -q '"pattern":"replicate"' "$d/rplan.json"; then

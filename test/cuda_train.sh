@@ -66,6 +66,13 @@ fi
 # same 8 steps within bf16's rounding.
 ferry_run cpu16 "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" || exit 1
 ferry_run cuda16 "${common[@]}" --device cuda --precision bf16 --log "$d/cuda16.jsonl" || exit 1
+# A resident model that --device-mem cannot hold is refused before anything is allocated, with what
+# it needs (the run's own peak: 1 MiB short of it fails) and the ways to make it fit.
+peak="$(python3 -c 'import json,sys; print(int(max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[1]) if l.startswith("{"))))' "$d/cuda16.jsonl")"
+if "$ferry" "${common[@]}" --device cuda --precision bf16 --device-mem "$((peak - 1))MiB" --steps 1 >"$d/toobig.out" 2>&1; then
+  echo "a resident model bigger than --device-mem trained"; exit 1
+fi
+grep -q "resident on GPU 0 .* needs .* but --device-mem is .*--offload" "$d/toobig.out" || { cat "$d/toobig.out"; echo "unclear refusal"; exit 1; }
 python3 - "$d/cpu16.jsonl" "$d/cuda16.jsonl" "$d/cpu.jsonl" <<'PY' || exit 1
 import json, sys
 a, b, f32 = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{") and '"loss"' in l] for p in sys.argv[1:])
@@ -131,10 +138,11 @@ got = max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[2]) if l.start
 print("planned device peak %.2f MiB, the run's %.2f MiB (%d blocks)" % (want, got, plan["blocks"]))
 sys.exit(0 if ok and abs(got - want) <= 0.03 * want else 1)
 PY
-# With the rates of a GPU and room for the whole model the plan is resident: it trains without
-# --offload (the resident bf16 run's losses, to rounding), and its device memory is the run's peak
-# to the log's 0.1 MiB (the model's buffers and the kernels' scratch, byte for byte).
-FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --device-mem 2GiB --device-tflops 100 --model "$model" \
+# With room for the whole model on the GPU and too little host memory to offload it the plan is
+# resident: it trains without --offload (the resident bf16 run's losses, to rounding), and its
+# device memory is the run's peak to the log's 0.1 MiB (the model's buffers and the kernels'
+# scratch, byte for byte).
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --device-mem 2GiB --host-mem 64KiB --model "$model" \
   --batch "$batch" --seq "$seq" --out "$d/resident.json" >"$d/resident_plan.out" 2>&1 || { cat "$d/resident_plan.out"; exit 1; }
 grep -q '"resident":true' "$d/resident.json" || { cat "$d/resident_plan.out"; echo "the plan for a model that fits the GPU is not resident"; exit 1; }
 ferry_run resident "${common[@]}" --device cuda --plan "$d/resident.json" --device-mem 2GiB --log "$d/resident.jsonl" || exit 1

@@ -355,20 +355,36 @@ int main(void) {
            "device peak %.1f MiB", plan.predicted.device_peak / 1048576.0);
   }
   // On a GPU a model that fits whole is planned resident (weights, gradients, AdamW state and
-  // activations there, as ferry train --device cuda runs it without --offload): faster than the
-  // best offloaded plan; refused one byte short of its device memory; with accumulation 4 bytes a
-  // parameter more (the fp32 sum); on several ranks replicas whose gradient sum is priced by the
+  // activations there, as ferry train --device cuda runs it without --offload): faster than any
+  // offloaded plan whose optimizer runs on the host, and within 2% of the best offloaded one (every
+  // chunk kept on the device: the same work, the batch staged ahead); the one plan when the host
+  // cannot hold the model; refused one byte short of its device memory; with accumulation 4 bytes
+  // a parameter more (the fp32 sum); on several ranks replicas whose gradient sum is priced by the
   // link; only for a GPU, with one tensor-parallel rank and no chunk knobs; and a plan file keeps it.
   {
     struct fy_probe g = gpu;
     CHECK_OK(fy_probe_override(&g, "device_mem", "1GiB"));
+    CHECK_OK(fy_probe_override(&g, "copy_latency_us", "0"));  // (the steps of a tiny model are microseconds)
     struct fy_plan res, off;
     CHECK_OK(fy_plan_search(&cfg, "tiny", 4, 96, &g, &res, NULL));
     CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, true, &g, &off, NULL));
     fy_plan_print(&res, stderr);
+    fy_plan_print(&off, stderr);
     CHECK(res.k.resident && !off.k.resident && res.predicted.fits && off.predicted.fits);
-    CHECKF(res.predicted.step_s < off.predicted.step_s, "resident %.3g s/step, offloaded %.3g", res.predicted.step_s,
-           off.predicted.step_s);
+    CHECKF(res.predicted.step_s <= 1.02 * off.predicted.step_s, "resident %.3g s/step, offloaded %.3g",
+           res.predicted.step_s, off.predicted.step_s);
+    struct fy_plan_knobs host_opt = off.k;
+    host_opt.device_chunks = 0;
+    host_opt.blocks = 0;
+    struct fy_cost ho;
+    CHECK_OK(fy_cost_simulate(&cfg, &host_opt, &g, &ho, NULL));
+    CHECKF(ho.fits && res.predicted.step_s < ho.step_s, "resident %.3g s/step, offloaded with the host's AdamW %.3g",
+           res.predicted.step_s, ho.step_s);
+    struct fy_probe small_host = g;
+    CHECK_OK(fy_probe_override(&small_host, "host_mem", "64KiB"));
+    struct fy_plan only;
+    CHECK_OK(fy_plan_search(&cfg, "tiny", 4, 96, &small_host, &only, NULL));
+    CHECK(only.k.resident && only.predicted.device_peak == res.predicted.device_peak);
     CHECK(res.predicted.n_chunks == 0 && res.predicted.n_blocks == 0 && res.predicted.comm_s == 0);
     struct fy_plan_knobs k = res.k;
     struct fy_cost c;

@@ -13,6 +13,9 @@
 #define FY_CUDA_SUMSQ_PARTS 1024
 // What cudaMalloc rounds every block up to (the cuda device counts its cap in these).
 #define FY_CUDA_ALLOC_GRANULE 256
+// The share of a GPU's free memory ferry takes when --device-mem is not given (the rest is left
+// for CUDA's own and NCCL's buffers); ferry probe --device cuda reports the same.
+#define FY_CUDA_FREE_PERCENT 95
 // cuBLASLt's workspace (fy_cuda_blas_create).
 #define FY_CUDA_GEMM_WORKSPACE ((size_t)32 << 20)
 
