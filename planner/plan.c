@@ -78,6 +78,8 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
       for (int rc = 0; rc < 2; rc++)
         for (int64_t mult = 1; mult <= 4; mult *= 2) {
           if (mult > 1 && min_chunk * mult / 2 > total) break;
+          struct fy_plan_knobs kbest = {0};  // this chunk size's fastest prefetch without device chunks
+          struct fy_cost cbest = {0};
           for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
             struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
                                       .chunk_elems = min_chunk * mult, .blocks = 0, .prefetch = pf,
@@ -90,22 +92,23 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
             if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
             consider(&k, &c, best);
             if (!c.fits) break;  // more prefetch will not fit either
-            // One data-parallel rank: chunks kept on the device with their state (updated there),
-            // the cache taking what is left: a quarter, half, three quarters or all of as many as
-            // fit beside the smallest cache.
-            double room = probe->device_mem - c.min_device_bytes;
-            int most = c.device_chunk_bytes > 0 && room > 0 ? (int)(room / c.device_chunk_bytes) : 0;
-            if (most > c.n_chunks) most = c.n_chunks;
-            for (int q = 1; dp == 1 && q <= 4; q++) {
-              struct fy_plan_knobs kd = k;
-              kd.device_chunks = most * q / 4;
-              if (kd.device_chunks < 1 || kd.device_chunks == most * (q - 1) / 4) continue;
-              struct fy_cost cd;
-              FY_TRY(fy_cost_simulate(cfg, &kd, probe, &cd, NULL));
-              tried++;
-              consider(&kd, &cd, best);
-              if (!cd.fits) break;
-            }
+            if (better(&c, &cbest)) kbest = k, cbest = c;
+          }
+          // One data-parallel rank: chunks kept on the device with their state (updated there),
+          // the cache taking what is left (at that prefetch): a quarter, half, three quarters or
+          // all of as many as fit beside the smallest cache.
+          double room = probe->device_mem - cbest.min_device_bytes;
+          int most = cbest.fits && cbest.device_chunk_bytes > 0 && room > 0 ? (int)(room / cbest.device_chunk_bytes) : 0;
+          if (most > cbest.n_chunks) most = cbest.n_chunks;
+          for (int q = 1; dp == 1 && q <= 4; q++) {
+            struct fy_plan_knobs kd = kbest;
+            kd.device_chunks = most * q / 4;
+            if (kd.device_chunks < 1 || kd.device_chunks == most * (q - 1) / 4) continue;
+            struct fy_cost cd;
+            FY_TRY(fy_cost_simulate(cfg, &kd, probe, &cd, NULL));
+            tried++;
+            consider(&kd, &cd, best);
+            if (!cd.fits) break;
           }
         }
     }
