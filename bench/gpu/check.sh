@@ -392,11 +392,31 @@ print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "env": sys.ar
                   "gflops": round(gf, 1), "mfu_h200_bf16": round(gf / 989e3, 3)}))
 PY
 }
+# The planner's view of the same step from this GPU's probe (ferry probe --device cuda: free
+# memory, bf16 GEMM rate, pinned copies), beside the measured rate: what calibrates the cost model.
+plan_13b() {
+  FERRY_PROBE="$logs/probe.json" "$build/ferry" probe --device cuda --remeasure >"$logs/probe.out" 2>&1 || return 1
+  FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --model opt-1.3b --batch 8 --seq 2048 \
+    --out "$logs/plan13b.json" || return 1
+  python3 - "$logs/plan13b.json" "$logs/ferry13b-default.jsonl" <<'PY'
+import json, statistics, sys
+plan = json.load(open(sys.argv[1]))
+try:
+    got = statistics.median(r["tokens_per_s"] for r in [json.loads(l) for l in open(sys.argv[2])][1:])
+except (OSError, ValueError, statistics.StatisticsError):
+    got = 0
+want = plan["predicted"]["tokens_per_s"]
+print(json.dumps({"bench": "plan_cuda", "model": "opt-1.3b", "resident": plan.get("resident", False),
+                  "device_chunks": plan.get("device_chunks", 0), "predicted_tokens_per_s": round(want, 1),
+                  "measured_tokens_per_s": round(got, 1), "predicted_over_measured": round(want / got, 3) if got else None}))
+PY
+}
 have_torch() { python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; }
 if [ "$bench" = 1 ]; then
   # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
   # fused AdamW) in the same run. MFU = model FLOPs / step time / the H200's bf16 dense peak (989).
   bench_step "bench ferry 1.3b bf16" 120 ferry_13b
+  bench_step "plan 1.3b from the GPU probe" 30 plan_13b
   if have_torch; then
     bench_step "bench torch 1.3b bf16" 150 python3 bench/peers/torch_opt.py --device cuda --model opt-1.3b --dtype bf16 \
       --batch 8 --seq 2048 --steps 5 --warmup 2
@@ -440,7 +460,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","predicted_over_measured","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
