@@ -133,8 +133,8 @@ static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const s
 // stream — each micro-batch's upload and its ops (with accumulation, the gradients added to their
 // sum), then the replicas' gradient sum (NCCL, a ring: 2(n-1)/n of the gradients per rank, in the
 // dtype AdamW reads them: bf16, or the fp32 sum with accumulation), the norm and AdamW over every
-// parameter at the device's memory rate. Device memory is the model's buffers, to the byte
-// (fy_model_device_bytes), and the kernels' scratch.
+// parameter at the device's memory rate. Device memory is the model's buffers, to the byte, and
+// the kernels' scratch (fy_model_gpu_bytes).
 static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                                    const struct fy_probe *probe, struct fy_cost *out) {
   if (strcmp(probe->device, "cuda") != 0)
@@ -143,7 +143,7 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   const int dp = k->dp > 1 ? k->dp : 1;
   if (k->tp > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1); tensor parallelism "
-                        "on GPUs is offloaded");
+                        "on GPUs is planned through the chunks (all of them kept on the device when they fit)");
   if (dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0)
     return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (pattern replicate), not %s",
                         k->pattern);
@@ -158,13 +158,16 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   }
   const bool accumulate = k->grad_accum > 1;
   const double np = (double)g->n_param_elems, gb = accumulate ? 4 : 2;  // the gradients AdamW reads
-  const double scratch = (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
-  const double model = fy_model_device_bytes(g, cfg->hidden_size, true, true, accumulate, FY_CUDA_ALLOC_GRANULE);
-  out->device_peak = out->min_device_bytes = model + scratch;
+  double state = 0;
+  st = fy_model_gpu_bytes(cfg, k->micro_batch, k->seq, k->recompute, true, true, accumulate, &out->device_peak, &state);
+  if (st != FY_OK) {
+    fy_graph_free(g);
+    return st;
+  }
+  out->min_device_bytes = out->device_peak;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
   out->fits = out->device_peak <= probe->device_mem;
   if (!out->fits) {
-    const double state = np * (accumulate ? 24 : 20);  // fp32 weights, gradients, m, v (and sum); bf16 copies
     snprintf(out->why, sizeof out->why,
              "everything on the device needs %.1f MiB (weights, gradients and AdamW state %.1f MiB, activations and "
              "kernel scratch %.1f MiB); the device has %.1f MiB", out->device_peak / 1048576.0, state / 1048576.0,

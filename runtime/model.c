@@ -9,6 +9,7 @@
 #include "core/fileio.h"
 #include "core/rand.h"
 #include "core/log.h"
+#include "ops/cuda/parts.h"
 #include "core/parse.h"
 #include "core/safetensors.h"
 #include "ops/ops.h"
@@ -254,6 +255,26 @@ double fy_model_device_bytes(const struct fy_graph *g, int64_t hidden, bool trai
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
     if (bufs[i].on) total += (double)(((size_t)(bufs[i].elems > 0 ? bufs[i].elems : 1) * bufs[i].esize + q - 1) / q * q);
   return total;
+}
+
+fy_status fy_model_gpu_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
+                             bool bf16, bool accumulate, double *bytes, double *state_bytes) {
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph(cfg, B, T, &g));
+  fy_graph_set_flash_attention(g, true);
+  if (recompute) fy_graph_set_recompute(g, true);
+  if (!train) fy_graph_set_forward_only(g);
+  fy_status st = bf16 ? fy_graph_set_act16(g, true) : FY_OK;
+  if (st == FY_OK) {
+    accumulate = accumulate && train;
+    *bytes = fy_model_device_bytes(g, cfg->hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
+             (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+    // fp32 weights; gradients, m, v (and their sum); the 16-bit weights (and gradients)
+    *state_bytes = (double)g->n_param_elems *
+                   (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
+  }
+  fy_graph_free(g);
+  return st;
 }
 
 fy_status fy_model_enable_accumulation(struct fy_model *m) {

@@ -166,6 +166,12 @@ static inline int64_t fy_model_tp_buf_elems(const struct fy_graph *g, int64_t hi
 // the run sets them), the positions and the batch. The planner prices resident plans with it.
 double fy_model_device_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
                              size_t granule);
+// The same for a model resident on a GPU with micro-batches of B x T, its graph as the cuda engine
+// runs it (flash attention; recomputation when asked; 16-bit activations with bf16), plus the
+// kernels' scratch: *bytes in all, *state_bytes of it the weights (and with train, gradients and
+// AdamW state) alone. The planner prices resident plans with it; the trainer checks a run.
+fy_status fy_model_gpu_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
+                             bool bf16, bool accumulate, double *bytes, double *state_bytes);
 // Allocates the buffer that sums gradients over micro-batches.
 fy_status fy_model_enable_accumulation(struct fy_model *m);
 

@@ -173,22 +173,9 @@ static fy_status device_comm(struct fy_comm *c, int rank, bool cuda, struct fy_c
 // scratch, to the byte) against --device-mem or what the GPU has free, refused before anything
 // is allocated with the numbers and the ways to make it fit.
 static fy_status resident_fits(const struct fy_train_opts *o, const struct run *r, int gpu) {
-  struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &g));
-  fy_graph_set_flash_attention(g, true);
-  if (o->recompute) fy_graph_set_recompute(g, true);
-  if (r->eval) fy_graph_set_forward_only(g);
-  const bool bf16 = precision_dtype(o) != FY_F32;
-  fy_status st = bf16 ? fy_graph_set_act16(g, true) : FY_OK;
-  double need = 0, state = 0;
-  if (st == FY_OK) {
-    const bool train = !r->eval, accumulate = train && o->grad_accum > 1;
-    need = fy_model_device_bytes(g, r->cfg.hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
-           (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
-    state = (double)g->n_param_elems * (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
-  }
-  fy_graph_free(g);
-  FY_TRY(st);
+  double need, state;
+  FY_TRY(fy_model_gpu_bytes(&r->cfg, o->batch, o->seq, o->recompute, !r->eval, precision_dtype(o) != FY_F32,
+                            o->grad_accum > 1, &need, &state));
   const double has = o->device_mem ? (double)o->device_mem : (double)fy_engine_cuda_free_memory(gpu);
   if (need <= has || has <= 0) return FY_OK;
   char b[4][32];
