@@ -137,7 +137,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
   return FY_OK;
 }
 
-fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, const struct fy_probe *probe) {
+fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   struct fy_plan_knobs *k = &p->k;
   if (!fy_pattern_find(p->pattern))
     return fy_error_set(FY_ERR_INVALID, "plan: unknown parallel pattern '%s'", p->pattern);
@@ -152,6 +152,12 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
                         "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
   if (k->device_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_chunks must not be negative");
+  if (k->resident && (p->tp > 1 || (p->dp > 1 && strcmp(p->pattern, "replicate") != 0)))
+    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1, pattern replicate), "
+                        "not %d x %d %s", p->dp, p->tp, p->pattern);
+  if (k->device_chunks > 0 && p->dp > 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
+                        "data-parallel ranks, whose chunks are sharded", p->dp);
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
                         (long long)k->chunk_elems, p->dp);
@@ -166,6 +172,12 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   if (k->chunk_elems && k->chunk_elems < min_chunk)
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld cannot hold the largest parameter group (%lld)",
                         (long long)k->chunk_elems, (long long)min_chunk);
+  return FY_OK;
+}
+
+fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, const struct fy_probe *probe) {
+  struct fy_plan_knobs *k = &p->k;
+  FY_TRY(fy_plan_validate(cfg, p));
   FY_TRY(fy_cost_simulate(cfg, k, probe, &p->predicted, NULL));
   if (!p->predicted.fits) return fy_error_set(FY_ERR_NOMEM, "plan does not fit: %s", p->predicted.why);
   return FY_OK;

@@ -38,6 +38,9 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
 // the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does
 // not fit; fills p->predicted.
 fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, const struct fy_probe *probe);
+// Only what fy_plan_check says without a machine: the knobs agree with each other and the model
+// (what a plan for a GPU gets before it runs: this process cannot time the GPU it was made for).
+fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p);
 fy_status fy_plan_write(const char *path, const struct fy_plan *p);
 fy_status fy_plan_read(const char *path, struct fy_plan *p);
 void fy_plan_print(const struct fy_plan *p, FILE *f);

@@ -442,6 +442,16 @@ int main(void) {
     badr = two;
     snprintf(badr.pattern, sizeof badr.pattern, "zero");
     CHECK_ERR(fy_plan_check(&cfg, &badr, &g), FY_ERR_INVALID);
+    // (What a GPU's plan gets before it runs, without the machine: the same refusals.)
+    CHECK_ERR(fy_plan_validate(&cfg, &badr), FY_ERR_INVALID);
+    badr = res;
+    badr.k.device_chunks = 2;
+    CHECK_ERR(fy_plan_validate(&cfg, &badr), FY_ERR_INVALID);
+    CHECK_OK(fy_plan_validate(&cfg, &res));
+    struct fy_plan dchunks = off;
+    dchunks.dp = 2;
+    dchunks.k.device_chunks = 1;
+    CHECK_ERR(fy_plan_validate(&cfg, &dchunks), FY_ERR_INVALID);
     char rpath[400];
     snprintf(rpath, sizeof rpath, "%s/resident.json", dir);
     CHECK_OK(fy_plan_write(rpath, &res));
