@@ -431,6 +431,15 @@ size_t fy_engine_cuda_free_memory(int ordinal) {
   return free_b;
 }
 
+size_t fy_engine_cuda_used_memory(int ordinal) {
+  size_t free_b = 0, total = 0;
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return 0;
+  if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) free_b = total = 0;
+  cudaSetDevice(prev);
+  return total > free_b ? total - free_b : 0;
+}
+
 fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out) {
   return fy_host_tier_create(cap, -1, fy_cuda_host_pin, fy_cuda_host_unpin, out);
 }

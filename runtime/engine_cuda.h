@@ -15,6 +15,10 @@ fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out)
 fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal);
 // Bytes GPU `ordinal` has free now (cudaMemGetInfo), 0 on error.
 size_t fy_engine_cuda_free_memory(int ordinal);
+// Bytes in use on GPU `ordinal` now, by anyone (its total less what is free), 0 on error: beside a
+// device's bytes_in_use, what lies outside ferry's count (the CUDA context, cuBLASLt's handles,
+// NCCL's buffers, other processes).
+size_t fy_engine_cuda_used_memory(int ordinal);
 // A host tier whose pages are pinned for the GPUs (cudaHostRegister), so that the chunk cache's
 // copies are asynchronous DMA.
 struct fy_host_tier;

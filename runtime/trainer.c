@@ -132,6 +132,7 @@ struct run {
   bool eval;             // set up for evaluation (an offload engine of forward passes alone)
   fy_data *data;
   fy_data *val;          // validation batches (--val-data), NULL without
+  int gpu;               // the GPU a cuda run trains on, -1 on the cpu and sim devices
   int64_t updates;       // AdamW updates applied: the next one's bias correction is for updates + 1
 };
 
@@ -165,6 +166,19 @@ static fy_status device_comm(struct fy_comm *c, int rank, bool cuda, struct fy_c
 #else
   fy_comm_free(split);
   return fy_error_set(FY_ERR_UNSUPPORTED, "this ferry was built without NCCL");
+#endif
+}
+
+// On a GPU: what is in use there besides ferry's own count (the CUDA context, cuBLASLt's
+// handles, NCCL's buffers, other processes), 0 elsewhere.
+static double gpu_other_bytes(const struct run *r) {
+#if FY_HAVE_CUDA
+  if (r->gpu < 0) return 0;
+  double used = (double)fy_engine_cuda_used_memory(r->gpu), ours = (double)r->dev->bytes_in_use;
+  return used > ours ? used - ours : 0;
+#else
+  (void)r;
+  return 0;
 #endif
 }
 
@@ -203,6 +217,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
 #if FY_HAVE_CUDA
     int gpu = 0;  // one rank per GPU
     if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
+    r->gpu = gpu;
     FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
     if (!o->device_mem) {  // the cache takes what the GPU has free, less a margin for CUDA's own
       dev_mem = fy_engine_cuda_free_memory(gpu) / 100 * FY_CUDA_FREE_PERCENT;
@@ -368,6 +383,7 @@ static fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) 
 static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool eval) {
   memset(r, 0, sizeof *r);
   r->eval = eval;
+  r->gpu = -1;
   FY_TRY(fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, &r->comm));
   r->rank = fy_comm_rank(r->comm);
   r->world = fy_comm_size(r->comm);
@@ -450,6 +466,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     // several ranks are replicas, one GPU each, whose gradients NCCL sums.
     int gpu = 0;
     if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
+    r->gpu = gpu;
     FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
     FY_TRY(resident_fits(o, r, gpu));
     if (r->dp > 1) {
@@ -1460,6 +1477,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       if (ignored || (overflow && o->loss_scale > 0))
         fprintf(log, ",\"skipped\":\"%s\"", ignored ? "every target ignored" : "gradient overflow");
       if (validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, val_s);
+      if (r.gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(&r) / 1048576.0);
       fprintf(log, "}\n");
     }
     if (!o->quiet) {
@@ -1578,10 +1596,15 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
   }
   if (saving && st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);
-  if (!o->quiet && st == FY_OK && res->steps)
+  if (!o->quiet && st == FY_OK && res->steps) {
+    char other[96] = "";
+    if (r.gpu >= 0)  // (the CUDA context, cuBLASLt, NCCL's buffers: outside --device-mem)
+      snprintf(other, sizeof other, "; GPU %d: %.0f MiB in use besides ferry's %.0f MiB", r.gpu,
+               gpu_other_bytes(&r) / 1048576.0, r.dev->bytes_in_use / 1048576.0);
     printf("ferry: %lld steps, loss %.4f -> %.4f, median %.0f tok/s, %.1f GFLOP/s, peak RSS %.2f GiB%s\n",
            (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops,
-           res->peak_rss_bytes / 1073741824.0, "");
+           res->peak_rss_bytes / 1073741824.0, other);
+  }
 done:
   if (log) fclose(log);
   free(step_times);
