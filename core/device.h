@@ -14,6 +14,9 @@
 #include "core/status.h"
 
 enum fy_device_kind { FY_DEVICE_CPU, FY_DEVICE_SIM, FY_DEVICE_CUDA };
+// What cudaMalloc rounds every block up to: the cuda device (core/device_cuda.h) counts each
+// allocation against its cap rounded up to this.
+#define FY_CUDA_ALLOC_GRANULE 256
 
 struct fy_device;
 typedef struct fy_stream fy_stream;

@@ -13,7 +13,6 @@
 
 #include "core/device.h"
 #include "core/device_cuda.h"
-#include "ops/cuda/parts.h"
 
 enum { TO_DEVICE = 0, TO_HOST = 1 };
 

@@ -343,3 +343,21 @@ enum fy_fusion fy_graph_fusion(const struct fy_graph *g, int o) {
   }
   return FY_FUSED_NONE;
 }
+
+double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
+                            size_t granule) {
+  const int64_t np = g->n_param_elems, bt = g->B * g->T;
+  const struct { bool on; int64_t elems; size_t esize; } bufs[] = {
+      {true, np, 4},  // params
+      {train, np, 4}, {train, np, 4}, {train, np, 4},  // grads, m, v
+      {train && accumulate, np, 4},  // grad_acc
+      {bf16, np, 2}, {bf16 && train, np, 2},  // cparams, cgrads
+      {true, g->act_elems, 4}, {true, g->grad_elems, 4}, {true, g->scratch_elems, 4},
+      {true, bt, 4}, {true, 3 * bt, 4},  // positions, dbatch
+      {g->tp > 1, fy_graph_tp_buf_elems(g, hidden), 4}};
+  double total = 0;
+  const size_t q = granule > 0 ? granule : 1;
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+    if (bufs[i].on) total += (double)(((size_t)(bufs[i].elems > 0 ? bufs[i].elems : 1) * bufs[i].esize + q - 1) / q * q);
+  return total;
+}

@@ -182,6 +182,19 @@ int fy_graph_layer_first_op(const struct fy_graph *g, int o);
 int fy_graph_find_param(const struct fy_graph *g, const char *name);
 // The largest channel count C of any op (at least 1): the widest row a kernel's scratch holds.
 int64_t fy_graph_max_channels(const struct fy_graph *g);
+// A tensor-parallel rank's buffer for a column-split linear's partial input gradient (the model's
+// tp_buf): (B*T, hidden) floats; none with one rank.
+static inline int64_t fy_graph_tp_buf_elems(const struct fy_graph *g, int64_t hidden) {
+  return g->tp > 1 ? g->B * g->T * hidden : 0;
+}
+// The bytes a model of this graph takes on a device that holds all of it (runtime/model.h: what
+// fy_model_create_with, then fy_model_set_compute_dtype and fy_model_enable_accumulation
+// allocate), each flat buffer rounded up to `granule` as that device's allocator counts it: the
+// weights; with `train` their gradients and AdamW's m and v, and with `accumulate` the sum over
+// micro-batches; with `bf16` the 16-bit weights (and gradients); the arenas (recomputation, flash
+// attention and act16 set as the run sets them), the positions, the batch and tp_buf.
+double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
+                            size_t granule);
 const char *fy_op_kind_name(enum fy_op_kind k);
 
 #endif

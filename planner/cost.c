@@ -12,7 +12,6 @@
 #include "planner/pattern.h"
 #include "planner/profile.h"
 #include "planner/timeline.h"
-#include "runtime/model.h"
 
 #define FAKE_HOST ((uintptr_t)1 << 40)  // host addresses of the simulation: never dereferenced
 // On the sim device the "device" is the host's own cores, which also run the copy engines'
@@ -129,12 +128,32 @@ static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const s
   snprintf(c->bottleneck, sizeof c->bottleneck, "%s", names[worst]);
 }
 
+fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
+                                 bool bf16, bool accumulate, double *bytes, double *state_bytes) {
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph(cfg, B, T, &g));
+  fy_graph_set_flash_attention(g, true);
+  if (recompute) fy_graph_set_recompute(g, true);
+  if (!train) fy_graph_set_forward_only(g);
+  fy_status st = bf16 ? fy_graph_set_act16(g, true) : FY_OK;
+  if (st == FY_OK) {
+    accumulate = accumulate && train;
+    *bytes = fy_graph_model_bytes(g, cfg->hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
+             (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+    // fp32 weights; gradients, m, v (and their sum); the 16-bit weights (and gradients)
+    *state_bytes = (double)g->n_param_elems *
+                   (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
+  }
+  fy_graph_free(g);
+  return st;
+}
+
 // A resident plan (knobs.resident): the step as the cuda engine runs it without --offload, one
 // stream — each micro-batch's upload and its ops (with accumulation, the gradients added to their
 // sum), then the replicas' gradient sum (NCCL, a ring: 2(n-1)/n of the gradients per rank, in the
 // dtype AdamW reads them: bf16, or the fp32 sum with accumulation), the norm and AdamW over every
 // parameter at the device's memory rate. Device memory is the model's buffers, to the byte, and
-// the kernels' scratch (fy_model_gpu_bytes).
+// the kernels' scratch (fy_cost_resident_bytes).
 static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                                    const struct fy_probe *probe, struct fy_cost *out) {
   if (strcmp(probe->device, "cuda") != 0)
@@ -159,7 +178,7 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   const bool accumulate = k->grad_accum > 1;
   const double np = (double)g->n_param_elems, gb = accumulate ? 4 : 2;  // the gradients AdamW reads
   double state = 0;
-  st = fy_model_gpu_bytes(cfg, k->micro_batch, k->seq, k->recompute, true, true, accumulate, &out->device_peak, &state);
+  st = fy_cost_resident_bytes(cfg, k->micro_batch, k->seq, k->recompute, true, true, accumulate, &out->device_peak, &state);
   if (st != FY_OK) {
     fy_graph_free(g);
     return st;

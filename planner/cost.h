@@ -56,6 +56,14 @@ struct fy_cost {
 // and fp32 gradients unless a 16-bit payload's come home over that copy (no accumulation).
 double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate);
 
+// A model resident on a GPU with micro-batches of B x T, its graph as the cuda engine runs it
+// (flash attention; recomputation when asked; 16-bit activations with bf16): *bytes it takes there
+// (fy_graph_model_bytes and the kernels' scratch, to the byte), *state_bytes of it the weights
+// (and with train, gradients and AdamW state) alone. Resident plans are priced with it, and the
+// trainer checks a resident run against it before allocating.
+fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
+                                 bool bf16, bool accumulate, double *bytes, double *state_bytes);
+
 // Simulates `steps` steps (the last ones count) of cfg under the knobs on the probed machine.
 // timeline_out, when not NULL, receives the timeline device with the last step's spans
 // (free it with fy_device_free).

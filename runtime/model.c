@@ -9,7 +9,6 @@
 #include "core/fileio.h"
 #include "core/rand.h"
 #include "core/log.h"
-#include "ops/cuda/parts.h"
 #include "core/parse.h"
 #include "core/safetensors.h"
 #include "ops/ops.h"
@@ -175,7 +174,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
       (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
       (st = buf_alloc(dev, B * T, 4, (void **)&m->positions)) != FY_OK ||
       (m->device_memory && (st = buf_alloc(dev, 3 * B * T, 4, (void **)&m->dbatch)) != FY_OK) ||
-      (tp > 1 && (st = buf_alloc(dev, m->tp_buf_elems = fy_model_tp_buf_elems(g, cfg->hidden_size), 4, (void **)&m->tp_buf)) != FY_OK) ||
+      (tp > 1 && (st = buf_alloc(dev, m->tp_buf_elems = fy_graph_tp_buf_elems(g, cfg->hidden_size), 4, (void **)&m->tp_buf)) != FY_OK) ||
       (m->device_memory && !(m->host_positions = calloc((size_t)(B * T), 4)) &&
        (st = fy_error_set(FY_ERR_NOMEM, "out of memory")) != FY_OK)) {
     fy_model_free(m);
@@ -237,44 +236,6 @@ fy_status fy_model_set_pattern(struct fy_model *m, int op, const char *name) {
   char *field = m->graph->ops[op].pattern;
   if (name != field) snprintf(field, sizeof m->graph->ops[op].pattern, "%s", name);
   return FY_OK;
-}
-
-double fy_model_device_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
-                             size_t granule) {
-  const int64_t np = g->n_param_elems, bt = g->B * g->T;
-  const struct { bool on; int64_t elems; size_t esize; } bufs[] = {
-      {true, np, 4},  // params
-      {train, np, 4}, {train, np, 4}, {train, np, 4},  // grads, m, v
-      {train && accumulate, np, 4},  // grad_acc
-      {bf16, np, 2}, {bf16 && train, np, 2},  // cparams, cgrads
-      {true, g->act_elems, 4}, {true, g->grad_elems, 4}, {true, g->scratch_elems, 4},
-      {true, bt, 4}, {true, 3 * bt, 4},  // positions, dbatch
-      {g->tp > 1, fy_model_tp_buf_elems(g, hidden), 4}};
-  double total = 0;
-  const size_t q = granule > 0 ? granule : 1;
-  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
-    if (bufs[i].on) total += (double)(((size_t)(bufs[i].elems > 0 ? bufs[i].elems : 1) * bufs[i].esize + q - 1) / q * q);
-  return total;
-}
-
-fy_status fy_model_gpu_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
-                             bool bf16, bool accumulate, double *bytes, double *state_bytes) {
-  struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(cfg, B, T, &g));
-  fy_graph_set_flash_attention(g, true);
-  if (recompute) fy_graph_set_recompute(g, true);
-  if (!train) fy_graph_set_forward_only(g);
-  fy_status st = bf16 ? fy_graph_set_act16(g, true) : FY_OK;
-  if (st == FY_OK) {
-    accumulate = accumulate && train;
-    *bytes = fy_model_device_bytes(g, cfg->hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
-             (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
-    // fp32 weights; gradients, m, v (and their sum); the 16-bit weights (and gradients)
-    *state_bytes = (double)g->n_param_elems *
-                   (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
-  }
-  fy_graph_free(g);
-  return st;
 }
 
 fy_status fy_model_enable_accumulation(struct fy_model *m) {

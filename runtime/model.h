@@ -153,25 +153,6 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
                                struct fy_device *dev, const struct fy_model_opts *opts,
                                struct fy_model **out);
 void fy_model_free(struct fy_model *m);
-// A tensor-parallel rank's buffer for a column-split linear's partial input gradient (tp_buf):
-// (B*T, hidden) floats; none with one rank.
-static inline int64_t fy_model_tp_buf_elems(const struct fy_graph *g, int64_t hidden) {
-  return g->tp > 1 ? g->B * g->T * hidden : 0;
-}
-// The bytes a model resident on a device takes there (what fy_model_create_with, then
-// fy_model_set_compute_dtype and fy_model_enable_accumulation allocate), each buffer rounded up
-// to `granule` as that device's allocator counts it: the weights; with `train` their gradients
-// and AdamW's m and v, and with `accumulate` the sum over micro-batches; with `bf16` the 16-bit
-// weights (and gradients); the arenas of g (its recomputation, flash attention and act16 set as
-// the run sets them), the positions and the batch. The planner prices resident plans with it.
-double fy_model_device_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
-                             size_t granule);
-// The same for a model resident on a GPU with micro-batches of B x T, its graph as the cuda engine
-// runs it (flash attention; recomputation when asked; 16-bit activations with bf16), plus the
-// kernels' scratch: *bytes in all, *state_bytes of it the weights (and with train, gradients and
-// AdamW state) alone. The planner prices resident plans with it; the trainer checks a run.
-fy_status fy_model_gpu_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
-                             bool bf16, bool accumulate, double *bytes, double *state_bytes);
 // Allocates the buffer that sums gradients over micro-batches.
 fy_status fy_model_enable_accumulation(struct fy_model *m);
 

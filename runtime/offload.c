@@ -240,7 +240,7 @@ static size_t device_fixed_bytes(const struct fy_model *m) {
   size_t round = 64, bt = (size_t)(g->B * g->T) * 4;
   size_t acts = (size_t)(g->act_elems + g->grad_elems + g->scratch_elems) * 4 + bt;
   // Tensor parallelism: a column-split linear's partial input gradient (runtime/model.h, tp_buf).
-  size_t tp = g->tp > 1 ? (size_t)fy_model_tp_buf_elems(g, m->cfg.hidden_size) * 4 + round : 0;
+  size_t tp = g->tp > 1 ? (size_t)fy_graph_tp_buf_elems(g, m->cfg.hidden_size) * 4 + round : 0;
   return acts + tp + 2 * 4 * bt + 8 * round;  // two micro-batches of ids, targets, mask, positions
 }
 

@@ -183,13 +183,13 @@ static double gpu_other_bytes(const struct run *r) {
 }
 
 #if FY_HAVE_CUDA
-// A model resident on GPU `gpu`: what it will take there (fy_model_device_bytes and the kernels'
-// scratch, to the byte) against --device-mem or what the GPU has free, refused before anything
-// is allocated with the numbers and the ways to make it fit.
+// A model resident on GPU `gpu`: what it will take there (fy_cost_resident_bytes, to the byte)
+// against --device-mem or what the GPU has free, refused before anything is allocated with the
+// numbers and the ways to make it fit.
 static fy_status resident_fits(const struct fy_train_opts *o, const struct run *r, int gpu) {
   double need, state;
-  FY_TRY(fy_model_gpu_bytes(&r->cfg, o->batch, o->seq, o->recompute, !r->eval, precision_dtype(o) != FY_F32,
-                            o->grad_accum > 1, &need, &state));
+  FY_TRY(fy_cost_resident_bytes(&r->cfg, o->batch, o->seq, o->recompute, !r->eval, precision_dtype(o) != FY_F32,
+                                o->grad_accum > 1, &need, &state));
   const double has = o->device_mem ? (double)o->device_mem : (double)fy_engine_cuda_free_memory(gpu);
   if (need <= has || has <= 0) return FY_OK;
   char b[4][32];

@@ -757,7 +757,7 @@ static void test_errors(struct fy_cuda_blas *h) {
 }
 
 // A model resident on the GPU takes what the planner prices a resident plan at
-// (fy_model_device_bytes and the kernels' scratch), to the byte: fp32 and bf16, training with and
+// (fy_graph_model_bytes and the kernels' scratch), to the byte: fp32 and bf16, training with and
 // without accumulation, recomputation, and the weights alone (evaluation); post-LN and projected
 // embeddings (opt-350m's shape, small).
 static void test_model_bytes(void) {
@@ -780,10 +780,10 @@ static void test_model_bytes(void) {
       if (bf16) CHECK_OK(fy_model_set_compute_dtype(m, FY_BF16));
       if (accumulate) CHECK_OK(fy_model_enable_accumulation(m));
       const struct fy_graph *g = m->graph;
-      double want = fy_model_device_bytes(g, cfg.hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
+      double want = fy_graph_model_bytes(g, cfg.hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
                     (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
       double got = (double)(dev->bytes_in_use - before);
-      CHECKF(got == want, "%s%s%s%s%s: the model takes %.0f bytes of the GPU, fy_model_device_bytes says %.0f",
+      CHECKF(got == want, "%s%s%s%s%s: the model takes %.0f bytes of the GPU, fy_graph_model_bytes says %.0f",
              variant ? "post-LN, projected: " : "", bf16 ? "bf16" : "fp32", accumulate ? ", accumulated" : "",
              recompute ? ", recompute" : "", train ? "" : ", weights alone", got, want);
       fy_engine_cuda_detach(m);

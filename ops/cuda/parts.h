@@ -7,12 +7,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/device.h"  // (FY_CUDA_ALLOC_GRANULE)
+
 // Row ranges layernorm's parameter gradients are split into (fy_cuda_layernorm_backward).
 #define FY_CUDA_LN_PARTS 16
 // Blocks of the first pass of the sum of squares (fy_cuda_sumsq).
 #define FY_CUDA_SUMSQ_PARTS 1024
-// What cudaMalloc rounds every block up to (the cuda device counts its cap in these).
-#define FY_CUDA_ALLOC_GRANULE 256
 // The share of a GPU's free memory ferry takes when --device-mem is not given (the rest is left
 // for CUDA's own and NCCL's buffers); ferry probe --device cuda reports the same.
 #define FY_CUDA_FREE_PERCENT 95
