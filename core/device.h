@@ -14,9 +14,14 @@
 #include "core/status.h"
 
 enum fy_device_kind { FY_DEVICE_CPU, FY_DEVICE_SIM, FY_DEVICE_CUDA };
-// What cudaMalloc rounds every block up to: the cuda device (core/device_cuda.h) counts each
-// allocation against its cap rounded up to this.
+// How a device counts an allocation against its cap: rounded up to whole blocks of its granule
+// (one block for 0 bytes) — 64 bytes on the cpu and sim devices (their alignment), cudaMalloc's
+// 256 on cuda (core/device_cuda.h).
+#define FY_HOST_ALLOC_GRANULE 64
 #define FY_CUDA_ALLOC_GRANULE 256
+static inline size_t fy_device_round(size_t n, size_t granule) {
+  return n ? (n + granule - 1) / granule * granule : granule;
+}
 
 struct fy_device;
 typedef struct fy_stream fy_stream;

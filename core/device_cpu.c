@@ -5,7 +5,7 @@
 
 #include "core/device.h"
 
-static size_t cpu_round(size_t n) { return n ? (n + 63) & ~(size_t)63 : 64; }
+static size_t cpu_round(size_t n) { return fy_device_round(n, FY_HOST_ALLOC_GRANULE); }
 
 static fy_status cpu_alloc(struct fy_device *dev, size_t n, void **out) {
   size_t r = cpu_round(n);

@@ -82,10 +82,7 @@ int fy_cuda_device_count(void) {
 
 // cudaMalloc hands out 256-byte aligned blocks; counting the rounded size keeps the cap honest
 // for many small allocations and makes free's count match alloc's exactly.
-static size_t cuda_round(size_t n) {
-  const size_t q = FY_CUDA_ALLOC_GRANULE;
-  return n ? (n + q - 1) / q * q : q;
-}
+static size_t cuda_round(size_t n) { return fy_device_round(n, FY_CUDA_ALLOC_GRANULE); }
 
 static fy_status cuda_alloc(struct fy_device *dev, size_t n, void **out) {
   struct cuda_dev *c = impl(dev);

@@ -89,7 +89,7 @@ struct sim_stream {
 };
 
 static struct sim *sim_of(const struct fy_device *dev) { return dev->impl; }
-static size_t round64(size_t n) { return n ? (n + 63) & ~(size_t)63 : 64; }
+static size_t round64(size_t n) { return fy_device_round(n, FY_HOST_ALLOC_GRANULE); }
 
 static double now_s(void) {
   struct timespec t;

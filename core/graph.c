@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
+
 #define FY_ALIGN_ELEMS 16  // 64 bytes
 
 static int64_t align_up(int64_t x) { return (x + FY_ALIGN_ELEMS - 1) / FY_ALIGN_ELEMS * FY_ALIGN_ELEMS; }
@@ -356,8 +358,7 @@ double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train
       {true, bt, 4}, {true, 3 * bt, 4},  // positions, dbatch
       {g->tp > 1, fy_graph_tp_buf_elems(g, hidden), 4}};
   double total = 0;
-  const size_t q = granule > 0 ? granule : 1;
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
-    if (bufs[i].on) total += (double)(((size_t)(bufs[i].elems > 0 ? bufs[i].elems : 1) * bufs[i].esize + q - 1) / q * q);
+    if (bufs[i].on) total += (double)fy_device_round((size_t)(bufs[i].elems > 0 ? bufs[i].elems : 1) * bufs[i].esize, granule);
   return total;
 }

@@ -40,7 +40,7 @@ double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate) {
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
   uintptr_t *next = ctx;
   *out = (void *)*next;
-  *next += (n + 63) & ~(size_t)63;
+  *next += fy_device_round(n, FY_HOST_ALLOC_GRANULE);
   return FY_OK;
 }
 static void fake_spill_free(void *ctx, void *p, size_t n) {}
@@ -128,24 +128,54 @@ static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const s
   snprintf(c->bottleneck, sizeof c->bottleneck, "%s", names[worst]);
 }
 
+fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
+  if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1 || k->prefetch < 0 || k->blocks < 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: micro_batch, grad_accum, seq must be positive, prefetch and blocks >= 0");
+  if (k->device_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_chunks must not be negative");
+  if (k->device_chunks > 0 && k->dp > 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
+                        "data-parallel ranks, whose chunks are sharded", k->dp);
+  if (!k->resident) return FY_OK;
+  if (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks)
+    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
+                        "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
+  if (k->tp > 1 || (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0))
+    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1, pattern replicate), "
+                        "not %d x %d %s; tensor parallelism on GPUs is planned through the chunks (all of them kept "
+                        "on the device when they fit)", k->dp > 1 ? k->dp : 1, k->tp > 1 ? k->tp : 1, k->pattern);
+  return FY_OK;
+}
+
+// The graph of a model resident on a GPU as the cuda engine runs it.
+static fy_status resident_graph(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
+                                bool bf16, struct fy_graph **out) {
+  FY_TRY(fy_opt_build_graph(cfg, B, T, out));
+  fy_graph_set_flash_attention(*out, true);
+  if (recompute) fy_graph_set_recompute(*out, true);
+  if (!train) fy_graph_set_forward_only(*out);
+  fy_status st = bf16 ? fy_graph_set_act16(*out, true) : FY_OK;
+  if (st != FY_OK) fy_graph_free(*out);
+  return st;
+}
+
+// Its bytes on the GPU, and of them the state's: fp32 weights; gradients, m, v (and their sum);
+// the 16-bit weights (and gradients).
+static void resident_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
+                           double *bytes, double *state_bytes) {
+  accumulate = accumulate && train;
+  *bytes = fy_graph_model_bytes(g, hidden, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
+           (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+  *state_bytes = (double)g->n_param_elems *
+                 (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
+}
+
 fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
                                  bool bf16, bool accumulate, double *bytes, double *state_bytes) {
   struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(cfg, B, T, &g));
-  fy_graph_set_flash_attention(g, true);
-  if (recompute) fy_graph_set_recompute(g, true);
-  if (!train) fy_graph_set_forward_only(g);
-  fy_status st = bf16 ? fy_graph_set_act16(g, true) : FY_OK;
-  if (st == FY_OK) {
-    accumulate = accumulate && train;
-    *bytes = fy_graph_model_bytes(g, cfg->hidden_size, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
-             (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
-    // fp32 weights; gradients, m, v (and their sum); the 16-bit weights (and gradients)
-    *state_bytes = (double)g->n_param_elems *
-                   (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
-  }
+  FY_TRY(resident_graph(cfg, B, T, recompute, train, bf16, &g));
+  resident_bytes(g, cfg->hidden_size, train, bf16, accumulate, bytes, state_bytes);
   fy_graph_free(g);
-  return st;
+  return FY_OK;
 }
 
 // A resident plan (knobs.resident): the step as the cuda engine runs it without --offload, one
@@ -160,29 +190,12 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan keeps the model on a GPU (device cuda); on %s it is "
                         "offloaded", probe->device);
   const int dp = k->dp > 1 ? k->dp : 1;
-  if (k->tp > 1)
-    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1); tensor parallelism "
-                        "on GPUs is planned through the chunks (all of them kept on the device when they fit)");
-  if (dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0)
-    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (pattern replicate), not %s",
-                        k->pattern);
   struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(cfg, k->micro_batch, k->seq, &g));
-  fy_graph_set_flash_attention(g, true);
-  if (k->recompute) fy_graph_set_recompute(g, true);
-  fy_status st = fy_graph_set_act16(g, true);
-  if (st != FY_OK) {
-    fy_graph_free(g);
-    return st;
-  }
+  FY_TRY(resident_graph(cfg, k->micro_batch, k->seq, k->recompute, true, true, &g));
   const bool accumulate = k->grad_accum > 1;
   const double np = (double)g->n_param_elems, gb = accumulate ? 4 : 2;  // the gradients AdamW reads
   double state = 0;
-  st = fy_cost_resident_bytes(cfg, k->micro_batch, k->seq, k->recompute, true, true, accumulate, &out->device_peak, &state);
-  if (st != FY_OK) {
-    fy_graph_free(g);
-    return st;
-  }
+  resident_bytes(g, cfg->hidden_size, true, true, accumulate, &out->device_peak, &state);
   out->min_device_bytes = out->device_peak;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
   out->fits = out->device_peak <= probe->device_mem;
@@ -224,8 +237,7 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
 static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
                           struct fy_cost *out, struct fy_device **timeline_out) {
   memset(out, 0, sizeof *out);
-  if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1)
-    return fy_error_set(FY_ERR_INVALID, "plan: micro-batch, accumulation and sequence must be positive");
+  FY_TRY(fy_cost_check_knobs(k));
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
     return simulate_resident(cfg, k, probe, out);
@@ -290,25 +302,17 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // weights, the gradients in the payload's dtype (and their fp32 sum with accumulation), m, v,
   // and with 16-bit compute the weights' copy; the optimizer runs there, on the compute stream.
   int n_dev = k->device_chunks > 0 ? (k->device_chunks < nc ? k->device_chunks : nc) : 0;
-  if (n_dev > 0 && dp > 1) {
-    fy_chunk_layout_free(l);
-    free(pat);
-    fy_graph_free(whole);
-    fy_graph_free(g);
-    return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
-                        "data-parallel ranks, whose chunks are sharded", dp);
-  }
   const size_t dev_buf[] = {(size_t)ce * 4, (size_t)ce * pb, k->grad_accum > 1 ? (size_t)ce * 4 : 0, (size_t)ce * 4,
                             (size_t)ce * 4, pb < 4 ? (size_t)ce * pb : 0};
-  double dev_state = 0, dev_elems = 0;
-  for (int c = 0; c < n_dev; c++) {
-    dev_elems += (double)l->chunks[c].used;
-    for (size_t i = 0; i < sizeof dev_buf / sizeof *dev_buf; i++)
-      if (dev_buf[i]) dev_state += (double)((dev_buf[i] + 63) & ~(size_t)63);
-  }
-  if (n_dev > 0) dev_state += (double)(((size_t)g->n_params * 8 + 63) & ~(size_t)63) + 64;  // sums of squares, scale
   for (size_t i = 0; i < sizeof dev_buf / sizeof *dev_buf; i++)
-    if (dev_buf[i]) out->device_chunk_bytes += (double)((dev_buf[i] + 63) & ~(size_t)63);
+    if (dev_buf[i]) out->device_chunk_bytes += (double)fy_device_round(dev_buf[i], FY_HOST_ALLOC_GRANULE);
+  double dev_elems = 0;
+  for (int c = 0; c < n_dev; c++) dev_elems += (double)l->chunks[c].used;
+  // (and their parameters' sums of squares and the update's scale)
+  const double dev_state = n_dev > 0 ? n_dev * out->device_chunk_bytes +
+                                           (double)fy_device_round((size_t)g->n_params * 8, FY_HOST_ALLOC_GRANULE) +
+                                           (double)fy_device_round(16, FY_HOST_ALLOC_GRANULE)
+                                     : 0;
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
@@ -319,12 +323,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4,
                     (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4, bt * 4, 4 * bt * 4, 4 * bt * 4};
   double fixed_bytes = 0;
-  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)((fixed[i] + 63) & ~(size_t)63);
+  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)fy_device_round(fixed[i], FY_HOST_ALLOC_GRANULE);
   // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
   const double scratch = gpu ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
-  double block = (double)(((size_t)chunk_bytes + 63) & ~(size_t)63);
+  double block = (double)fy_device_round((size_t)chunk_bytes, FY_HOST_ALLOC_GRANULE);
   out->min_device_bytes = fixed_bytes + dev_state + min_blocks * block;
   int n_blocks = k->blocks;
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (as the runtime)

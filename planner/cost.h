@@ -64,6 +64,11 @@ double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate);
 fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,
                                  bool bf16, bool accumulate, double *bytes, double *state_bytes);
 
+// The knobs agree with each other (what needs no model or machine): positive sizes; chunks on
+// the device with one data-parallel rank only; prefetch and blocks not negative; a resident plan without chunk knobs, its ranks
+// replicas. fy_cost_simulate checks them first.
+fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k);
+
 // Simulates `steps` steps (the last ones count) of cfg under the knobs on the probed machine.
 // timeline_out, when not NULL, receives the timeline device with the last step's spans
 // (free it with fy_device_free).

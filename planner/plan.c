@@ -55,7 +55,8 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
     int64_t per_rank = batch / dp;
     grids++;
     // On a GPU, the whole model resident (its ranks replicas) when it fits.
-    for (int64_t micro = per_rank; tp == 1 && !offload_only && strcmp(probe->device, "cuda") == 0 && micro >= 1; micro--) {
+    const bool try_resident = tp == 1 && !offload_only && strcmp(probe->device, "cuda") == 0;
+    for (int64_t micro = per_rank; try_resident && micro >= 1; micro--) {
       if (per_rank % micro) continue;
       for (int rc = 0; rc < 2; rc++) {
         struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq, .recompute = rc,
@@ -148,21 +149,10 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   k->dp = p->dp;
   k->tp = p->tp;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
-  if (k->resident && (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks))
-    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
-                        "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
-  if (k->device_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_chunks must not be negative");
-  if (k->resident && (p->tp > 1 || (p->dp > 1 && strcmp(p->pattern, "replicate") != 0)))
-    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1, pattern replicate), "
-                        "not %d x %d %s", p->dp, p->tp, p->pattern);
-  if (k->device_chunks > 0 && p->dp > 1)
-    return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
-                        "data-parallel ranks, whose chunks are sharded", p->dp);
+  FY_TRY(fy_cost_check_knobs(k));
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
                         (long long)k->chunk_elems, p->dp);
-  if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1 || k->prefetch < 0 || k->blocks < 0)
-    return fy_error_set(FY_ERR_INVALID, "plan: micro_batch, grad_accum, seq must be positive, prefetch and blocks >= 0");
   if (k->chunk_elems % 16)
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld is not a multiple of 16 (64 bytes)", (long long)k->chunk_elems);
   struct fy_graph *g;

@@ -42,7 +42,7 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-static double median(double *v, int n) {
+double fy_probe_median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, cmp_double);
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
@@ -77,7 +77,7 @@ static fy_status measure_gemm(double *gflops) {
     st = fy_matmul(c, a, b, GEMM_M, GEMM_N, GEMM_K, false, true, 1.0f, 0.0f);
     t[r] = now_s() - t0;
   }
-  if (st == FY_OK) *gflops = flop / median(t, 5) / 1e9;
+  if (st == FY_OK) *gflops = flop / fy_probe_median(t, 5) / 1e9;
   else st = fy_error_wrap(st, "probe: GEMM");
 out:
   free(a), free(b), free(c);
@@ -107,7 +107,7 @@ static fy_status measure_triad(double *gbps) {
   }
   volatile float sink = a[n / 2];
   (void)sink;
-  *gbps = 3.0 * sizeof(float) * (double)n / median(t, 4) / 1e9;
+  *gbps = 3.0 * sizeof(float) * (double)n / fy_probe_median(t, 4) / 1e9;
   free(a), free(b), free(c);
   return FY_OK;
 }
@@ -130,7 +130,7 @@ static fy_status measure_memcpy(double *gbps) {
   }
   volatile char sink = b[n / 2];
   (void)sink;
-  *gbps = (double)n / median(t, 3) / 1e9;
+  *gbps = (double)n / fy_probe_median(t, 3) / 1e9;
   free(a), free(b);
   return FY_OK;
 }
@@ -151,7 +151,7 @@ static fy_status measure_adamw(double *gbps) {
     fy_adamw_update(p, m, v, g, n, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, r + 2, 1.0f);
     if (r >= 0) t[r] = now_s() - t0;
   }
-  *gbps = ADAMW_BYTES_PER_PARAM * (double)n / median(t, 3) / 1e9;
+  *gbps = ADAMW_BYTES_PER_PARAM * (double)n / fy_probe_median(t, 3) / 1e9;
   free(p), free(m), free(v), free(g);
   return FY_OK;
 }
@@ -190,8 +190,8 @@ static fy_status measure_copies(bool sim, double link_gbps, double cap, double *
       if (st == FY_OK) st = time_copy(s, hbuf, dbuf, n, &down[r]);
     }
     if (st == FY_OK) {
-      *h2d = (double)n / median(up, 3) / 1e9;
-      *d2h = (double)n / median(down, 3) / 1e9;
+      *h2d = (double)n / fy_probe_median(up, 3) / 1e9;
+      *d2h = (double)n / fy_probe_median(down, 3) / 1e9;
       // The latency: 100 small copies queued back to back, beyond what their bytes take.
       size_t small = n < 4096 ? n : 4096;
       double lat[3];
@@ -201,7 +201,7 @@ static fy_status measure_copies(bool sim, double link_gbps, double cap, double *
         if (st == FY_OK) st = fy_stream_sync(s);
         lat[r] = (now_s() - t0) / 100 - (double)small / (*h2d * 1e9);
       }
-      if (st == FY_OK && lat_us) *lat_us = median(lat, 3) > 0 ? median(lat, 3) * 1e6 : 0;
+      if (st == FY_OK && lat_us) *lat_us = fy_probe_median(lat, 3) > 0 ? fy_probe_median(lat, 3) * 1e6 : 0;
     } else {
       st = fy_error_wrap(st, "probe: copy test");
     }
@@ -272,7 +272,7 @@ static fy_status measure_kernel_overhead(double *us) {
     d[r] = (now_s() - t0 - here) / (KO_LAYERS * KO_N);
     fy_stream_free(s);
   }
-  if (st == FY_OK) *us = fmax(median(d, 3) * 1e6, 0.1);  // measured: never the 0 of "unknown"
+  if (st == FY_OK) *us = fmax(fy_probe_median(d, 3) * 1e6, 0.1);  // measured: never the 0 of "unknown"
   else st = fy_error_wrap(st, "probe: kernel overhead test");
   fy_device_free(dev);
   for (int i = 0; i < 8; i++) free(*bufs[i]);

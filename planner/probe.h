@@ -84,6 +84,8 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
 // fills those). FY_ERR_NOT_FOUND without that GPU.
 int fy_probe_gpu_count(void);
 fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p);
+// The median of v[0..n) (sorts v): each rate the probe reports is one over a few timed runs.
+double fy_probe_median(double *v, int n);
 
 // Writes the JSON file (pretty-printed) atomically: a temporary file in the same directory,
 // fsync, rename. Creates the missing parent directories.

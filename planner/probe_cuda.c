@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device_cuda.h"
 #include "ops/cuda/ops_cuda.h"
 #include "ops/cuda/parts.h"
 #include "planner/probe.h"
@@ -17,11 +18,6 @@ static fy_status cuda_check(cudaError_t e, const char *what) {
   if (e == cudaSuccess) return FY_OK;
   (void)cudaGetLastError();
   return fy_error_set(FY_ERR_IO, "probe on the GPU: %s: %s", what, cudaGetErrorString(e));
-}
-
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
 }
 
 // What the timed calls share: a stream, two events, the GEMM handle and its workspace.
@@ -35,17 +31,18 @@ struct bench {
 // Median milliseconds of REPS runs of `run` (after one warm-up), each between two events.
 typedef fy_status (*bench_fn)(struct bench *b, void *arg);
 static fy_status median_ms(struct bench *b, bench_fn run, void *arg, float *ms) {
-  float t[REPS];
+  double t[REPS];
   FY_TRY(run(b, arg));
   for (int r = 0; r < REPS; r++) {
+    float e = 0;
     FY_TRY(cuda_check(cudaEventRecord(b->t0, b->st), "cudaEventRecord"));
     FY_TRY(run(b, arg));
     FY_TRY(cuda_check(cudaEventRecord(b->t1, b->st), "cudaEventRecord"));
     FY_TRY(cuda_check(cudaEventSynchronize(b->t1), "cudaEventSynchronize"));
-    FY_TRY(cuda_check(cudaEventElapsedTime(&t[r], b->t0, b->t1), "cudaEventElapsedTime"));
+    FY_TRY(cuda_check(cudaEventElapsedTime(&e, b->t0, b->t1), "cudaEventElapsedTime"));
+    t[r] = e;
   }
-  qsort(t, REPS, sizeof *t, cmp_float);
-  *ms = t[REPS / 2];
+  *ms = (float)fy_probe_median(t, REPS);
   return FY_OK;
 }
 
@@ -122,14 +119,7 @@ static fy_status measure_copies(struct bench *b, size_t free_bytes, double *h2d,
   return FY_OK;
 }
 
-int fy_probe_gpu_count(void) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
+int fy_probe_gpu_count(void) { return fy_cuda_device_count(); }
 
 fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   const int count = fy_probe_gpu_count();

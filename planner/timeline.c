@@ -55,7 +55,7 @@ static void add_span(struct fy_device *d, int stream, double start, double end, 
 }
 
 static fy_status tl_alloc(struct fy_device *d, size_t n, void **out) {
-  size_t r = n ? (n + 63) & ~(size_t)63 : 64;
+  size_t r = fy_device_round(n, FY_HOST_ALLOC_GRANULE);
   if (d->cap && d->bytes_in_use + r > d->cap)
     return fy_error_set(FY_ERR_NOMEM, "%s device: %zu bytes requested with %zu of %zu in use", d->name, n,
                         d->bytes_in_use, d->cap);
@@ -67,7 +67,7 @@ static fy_status tl_alloc(struct fy_device *d, size_t n, void **out) {
 }
 
 static void tl_free(struct fy_device *d, void *p, size_t n) {
-  if (p) d->bytes_in_use -= n ? (n + 63) & ~(size_t)63 : 64;
+  if (p) d->bytes_in_use -= fy_device_round(n, FY_HOST_ALLOC_GRANULE);
 }
 
 static fy_status tl_stream_create(struct fy_device *d, fy_stream **out) {

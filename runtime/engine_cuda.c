@@ -422,22 +422,18 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   return FY_OK;
 }
 
-size_t fy_engine_cuda_free_memory(int ordinal) {
-  size_t free_b = 0, total = 0;
+void fy_engine_cuda_memory(int ordinal, size_t *free_bytes, size_t *total_bytes) {
+  *free_bytes = *total_bytes = 0;
   int prev = 0;
-  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return 0;
-  if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) free_b = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return;
+  if (cudaMemGetInfo(free_bytes, total_bytes) != cudaSuccess) *free_bytes = *total_bytes = 0;
   cudaSetDevice(prev);
-  return free_b;
 }
 
-size_t fy_engine_cuda_used_memory(int ordinal) {
-  size_t free_b = 0, total = 0;
-  int prev = 0;
-  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return 0;
-  if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) free_b = total = 0;
-  cudaSetDevice(prev);
-  return total > free_b ? total - free_b : 0;
+size_t fy_engine_cuda_free_memory(int ordinal) {
+  size_t free_b, total;
+  fy_engine_cuda_memory(ordinal, &free_b, &total);
+  return free_b;
 }
 
 fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out) {

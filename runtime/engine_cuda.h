@@ -13,12 +13,11 @@ fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out)
 // only one (a launcher that gives every rank its own CUDA_VISIBLE_DEVICES), the rule by which the
 // nccl communicator picks its GPU (runtime/comm_nccl.c).
 fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal);
-// Bytes GPU `ordinal` has free now (cudaMemGetInfo), 0 on error.
+// GPU `ordinal`'s free and total bytes now (cudaMemGetInfo; 0 and 0 on error): total less free
+// beside a device's bytes_in_use is what lies outside ferry's count (the CUDA context, cuBLASLt's
+// handles, NCCL's buffers, other processes). fy_engine_cuda_free_memory: the free bytes alone.
+void fy_engine_cuda_memory(int ordinal, size_t *free_bytes, size_t *total_bytes);
 size_t fy_engine_cuda_free_memory(int ordinal);
-// Bytes in use on GPU `ordinal` now, by anyone (its total less what is free), 0 on error: beside a
-// device's bytes_in_use, what lies outside ferry's count (the CUDA context, cuBLASLt's handles,
-// NCCL's buffers, other processes).
-size_t fy_engine_cuda_used_memory(int ordinal);
 // A host tier whose pages are pinned for the GPUs (cudaHostRegister), so that the chunk cache's
 // copies are asynchronous DMA.
 struct fy_host_tier;

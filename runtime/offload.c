@@ -506,8 +506,8 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (not the device's own)
     size_t left = dev->cap > dev->bytes_in_use ? dev->cap - dev->bytes_in_use : 0;
     n_blocks = (int)(left / (block + 64));
-    int cached = m->layout->n_chunks - x->n_dev;
-    if (n_blocks > (cached > min_blocks ? cached : min_blocks)) n_blocks = cached > min_blocks ? cached : min_blocks;
+    int most = m->layout->n_chunks - x->n_dev > min_blocks ? m->layout->n_chunks - x->n_dev : min_blocks;
+    if (n_blocks > most) n_blocks = most;
   }
   if (n_blocks < min_blocks) {
     fy_offload_free(x);

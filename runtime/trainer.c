@@ -174,7 +174,9 @@ static fy_status device_comm(struct fy_comm *c, int rank, bool cuda, struct fy_c
 static double gpu_other_bytes(const struct run *r) {
 #if FY_HAVE_CUDA
   if (r->gpu < 0) return 0;
-  double used = (double)fy_engine_cuda_used_memory(r->gpu), ours = (double)r->dev->bytes_in_use;
+  size_t free_b, total;
+  fy_engine_cuda_memory(r->gpu, &free_b, &total);
+  double used = (double)total - (double)free_b, ours = (double)r->dev->bytes_in_use;
   return used > ours ? used - ours : 0;
 #else
   (void)r;
@@ -183,6 +185,15 @@ static double gpu_other_bytes(const struct run *r) {
 }
 
 #if FY_HAVE_CUDA
+// This rank's GPU (its local rank on the node: one rank per GPU) as r->dev, capped at --device-mem.
+static fy_status open_gpu(const struct fy_train_opts *o, struct run *r) {
+  int gpu = 0;
+  if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
+  FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
+  r->gpu = gpu;
+  return FY_OK;
+}
+
 // A model resident on GPU `gpu`: what it will take there (fy_cost_resident_bytes, to the byte)
 // against --device-mem or what the GPU has free, refused before anything is allocated with the
 // numbers and the ways to make it fit.
@@ -215,12 +226,9 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   size_t host_cap = o->host_mem ? o->host_mem : rank_ram(r);
   if (cuda) {
 #if FY_HAVE_CUDA
-    int gpu = 0;  // one rank per GPU
-    if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
-    r->gpu = gpu;
-    FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
+    FY_TRY(open_gpu(o, r));
     if (!o->device_mem) {  // the cache takes what the GPU has free, less a margin for CUDA's own
-      dev_mem = fy_engine_cuda_free_memory(gpu) / 100 * FY_CUDA_FREE_PERCENT;
+      dev_mem = fy_engine_cuda_free_memory(r->gpu) / 100 * FY_CUDA_FREE_PERCENT;
       if (!dev_mem) return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: cannot read the GPU's free memory");
       r->dev->cap = dev_mem;
     }
@@ -464,11 +472,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 #if FY_HAVE_CUDA
     // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute;
     // several ranks are replicas, one GPU each, whose gradients NCCL sums.
-    int gpu = 0;
-    if (r->world > 1) FY_TRY(fy_engine_cuda_rank_device(r->rank, fy_comm_local_rank(r->comm), &gpu));
-    r->gpu = gpu;
-    FY_TRY(fy_engine_cuda_device(gpu, o->device_mem, &r->dev));
-    FY_TRY(resident_fits(o, r, gpu));
+    FY_TRY(open_gpu(o, r));
+    FY_TRY(resident_fits(o, r, r->gpu));
     if (r->dp > 1) {
       st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
@@ -1249,28 +1254,26 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   o->grad_accum = k->grad_accum;
   o->seq = k->seq;
   o->recompute = k->recompute;
-  if (k->resident && automatic && !o->quiet) {
-    fy_plan_print(&plan, stdout);
-  } else if (k->resident) {
-    if (!o->quiet && fy_comm_launch_rank() == 0)
-      printf("plan %s for the GPU: the whole model resident%s; micro-batch %lld x %lld tokens, %lld accumulated, "
-             "recompute %s\n", o->plan, plan.dp > 1 ? " on every rank (replicas)" : "", (long long)k->micro_batch,
-             (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
+  if (!k->resident) {  // (a resident run has no chunks)
+    o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
+    o->blocks = k->blocks;
+    o->prefetch = k->prefetch;
+    o->disk_chunks = k->disk_chunks;
+    o->device_chunks = k->device_chunks;
   }
-  if (k->resident) return FY_OK;
-  o->chunk_mib = k->chunk_elems * 4.0 / 1048576.0;
-  o->blocks = k->blocks;
-  o->prefetch = k->prefetch;
-  o->disk_chunks = k->disk_chunks;
-  o->device_chunks = k->device_chunks;
   if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
-  if (cuda && !automatic)  // (not re-simulated here: the plan's own figures are those of ferry plan)
+  if (!cuda || automatic) {
+    fy_plan_print(&plan, stdout);
+  } else if (k->resident) {  // (not re-simulated here: the plan's own figures are those of ferry plan)
+    printf("plan %s for the GPU: the whole model resident%s; micro-batch %lld x %lld tokens, %lld accumulated, "
+           "recompute %s\n", o->plan, plan.dp > 1 ? " on every rank (replicas)" : "", (long long)k->micro_batch,
+           (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
+  } else {
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state of %d chunks on disk, %d on the GPU\n", o->plan, (long long)k->micro_batch,
            (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch,
            k->recompute ? "on" : "off", k->disk_chunks > 0 ? k->disk_chunks : 0, k->device_chunks);
-  else
-    fy_plan_print(&plan, stdout);
+  }
   return FY_OK;
 }
 

@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "core/device.h"  // (FY_CUDA_ALLOC_GRANULE)
+#include "core/device.h"  // (fy_device_round, FY_CUDA_ALLOC_GRANULE)
 
 // Row ranges layernorm's parameter gradients are split into (fy_cuda_layernorm_backward).
 #define FY_CUDA_LN_PARTS 16
@@ -35,7 +35,7 @@ static inline void fy_cuda_scratch_sizes(size_t bytes[FY_CUDA_SCRATCH_BUFS], int
 static inline size_t fy_cuda_scratch_bytes(int64_t n_params, int64_t C) {
   size_t b[FY_CUDA_SCRATCH_BUFS], n = 0;
   fy_cuda_scratch_sizes(b, n_params, C);
-  for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++) n += (b[i] + FY_CUDA_ALLOC_GRANULE - 1) / FY_CUDA_ALLOC_GRANULE * FY_CUDA_ALLOC_GRANULE;
+  for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++) n += fy_device_round(b[i], FY_CUDA_ALLOC_GRANULE);
   return n;
 }
 
