@@ -322,8 +322,9 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
   if (fy_model_params_on_device(m)) {
     FY_ASSERT(fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4) == FY_OK);
     free(host);
-    FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
-    FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    // (A model for evaluation has no AdamW state.)
+    if (m->m) FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    if (m->v) FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
     return;
   }
   if (m->m) memset(m->m, 0, (size_t)g->n_param_elems * 4);

@@ -62,6 +62,17 @@ if ! same32 "$d/cpu.jsonl" "$d/cuda.jsonl"; then
   fi
   exit 1
 fi
+# ferry eval of a freshly initialised model (no --init: no AdamW state to zero on the GPU) on the
+# GPU and on the CPU: the same fp32 loss.
+ev=(eval --model "$model" --batch "$batch" --seq "$seq" --batches 2 --seed 1)
+ferry_run evalcpu "${ev[@]}" --device cpu || exit 1
+ferry_run evalcuda "${ev[@]}" --device cuda --precision fp32 || exit 1
+python3 - "$d/evalcpu.out" "$d/evalcuda.out" <<'PY' || exit 1
+import re, sys
+a, b = (float(re.search(r"eval loss ([0-9.]+)", open(p).read()).group(1)) for p in sys.argv[1:])
+print(f"eval, random init: cpu {a:.6f} cuda {b:.6f}")
+sys.exit(0 if abs(a - b) <= 1e-3 * max(1.0, a) else 1)
+PY
 # bf16 compute (fp32 master and AdamW state) on the GPU against the CPU's bf16 numerics: the
 # same 8 steps within bf16's rounding.
 ferry_run cpu16 "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" || exit 1
