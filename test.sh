@@ -96,18 +96,21 @@ fi
 # The CUDA backend's own code on the CUDA emulator (test/cudaemu/README.md; needs the toolkit's
 # headers, not a GPU): the op test against the CPU, the transformers reference on --device cuda,
 # training on the emulated GPU against the CPU (fp32, bf16, accumulation, resume, offloaded,
-# chunks kept on the GPU, dropout), the nccl communicator and training on several emulated GPUs
+# chunks kept on the GPU, dropout), the GPUs it refuses (test/cuda_compat.sh), the nccl
+# communicator and training on several emulated GPUs
 # (mpirun, the emulator's NCCL) against one, and random configurations trained on it against
 # transformers.
 if [ "$plain" = 1 ]; then
   if [ ! -f /usr/local/cuda/include/cublasLt.h ] && [ ! -f /usr/include/cublasLt.h ]; then
     echo "== skipped: the CUDA emulator (no CUDA toolkit headers)"
-    skipped=$((skipped + 6))
+    skipped=$((skipped + 7))
   elif fy_build build-emu -Dcuda=disabled -Demulate_cuda=true; then
     run_suite build-emu "CUDA emulator" backend_ops reference_cuda comm_nccl
     echo "== training on the emulated GPU against the CPU (test/cuda_train.sh)"
     count_logged build-emu/cuda_train.log test/cuda_train.sh build-emu/ferry build-emu/cuda_train \
       --model test/cudaemu/opt-tiny --batch 4 --seq 32 --offload-mem 40MiB --blocks 3
+    echo "== which GPUs: too old, no code in the build, too little shared memory (test/cuda_compat.sh)"
+    count_logged build-emu/cuda_compat.log test/cuda_compat.sh build-emu/ferry build-emu/cuda_compat
     echo "== training on 2, 3 and 4 emulated GPUs against 1 (test/cuda_ranks.sh)"
     if command -v mpirun >/dev/null 2>&1; then
       # (FY_EMU_JITTER_US: streams wait up to 200 us before each job, so they interleave in more ways)

@@ -125,6 +125,7 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   const int count = fy_probe_gpu_count();
   if (ordinal < 0 || ordinal >= count)
     return fy_error_set(FY_ERR_NOT_FOUND, "probe on the GPU: no GPU %d (CUDA sees %d)", ordinal, count);
+  FY_TRY(fy_cuda_gpu_usable(ordinal));
   FY_TRY(cuda_check(cudaSetDevice(ordinal), "cudaSetDevice"));
   size_t free_bytes = 0, total = 0;
   FY_TRY(cuda_check(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));

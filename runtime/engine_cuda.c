@@ -399,7 +399,14 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   const struct fy_graph *g = m->graph;
   const int64_t C = fy_graph_max_channels(g);
   fy_cuda_scratch_sizes(x->buf_bytes, g->n_params, C);
-  fy_status st = fy_stream_create(m->dev, &x->stream);
+  fy_status st = FY_OK;
+  // A model whose attention this GPU cannot run (fp32 with large heads on a GPU with little shared
+  // memory) is refused before its first step. Its compute dtype is set after this; a model made
+  // for 16-bit activations (act16) will compute in bf16, the GPU's only 16-bit type.
+  const enum fy_dtype adt = g->act16 ? FY_BF16 : m->compute_dtype;
+  for (int o = 0; o < g->n_ops && st == FY_OK; o++)
+    if (g->ops[o].kind == FY_OP_ATTENTION) st = fy_cuda_attention_check(adt, g->ops[o].C, g->ops[o].NH);
+  if (st == FY_OK) st = fy_stream_create(m->dev, &x->stream);
   if (st == FY_OK) x->st = fy_cuda_stream(x->launch = x->stream);
   for (int i = 0; i < FY_CUDA_SCRATCH_BUFS && st == FY_OK; i++) {
     st = fy_device_alloc(m->dev, x->buf_bytes[i], engine_buf(x, i));
@@ -453,5 +460,6 @@ fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal) {
 fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out) {
   if (fy_cuda_device_count() <= ordinal)
     return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: no GPU %d (CUDA sees %d)", ordinal, fy_cuda_device_count());
+  FY_TRY(fy_cuda_gpu_usable(ordinal));  // before anything is allocated: a GPU this build cannot drive
   return fy_device_cuda_create(ordinal, cap, out);
 }

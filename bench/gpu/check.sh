@@ -295,6 +295,7 @@ fi
 gpu_train() {
   local d="$logs/train"
   "$root/test/cuda_train.sh" "$build/ferry" "$d" --model opt-demo --batch 4 --seq 128 --offload-mem 160MiB || return 1
+  "$root/test/cuda_compat.sh" "$build/ferry" "$d/compat" || return 1  # the build's architectures, a run on this GPU
   ferry_run() { local name="$1"; shift; "$build/ferry" "$@" >"$d/$name.out" 2>&1 || { cat "$d/$name.out"; return 1; }; }
   # The rate of opt-125m fp32 resident on the GPU (tokens are bytes of the demo corpus).
   ferry_run speed train --device cuda --precision fp32 --model opt-125m --steps 6 --batch 8 --seq 512 --quiet \

@@ -1306,6 +1306,50 @@ static int tc_pipelined(void) {
   return tc_variant;
 }
 
+// The dynamic shared memory a block of the attention kernels takes for this dtype and head size,
+// the largest of forward and backward, as the launches below choose them (tc: the tensor-core
+// kernels take the call).
+static size_t att_smem_need(int HS, bool tc) {
+  size_t need = 0;
+  if (!tc) {
+    need = att_bwd_smem_bytes(att_hsp(HS));
+    const size_t f = att_fwd_smem_bytes(att_hsp(HS));
+    return f > need ? f : need;
+  }
+#define TC_NEED(H)                                                                                      \
+  do {                                                                                                  \
+    const size_t k[3] = {tc_pipelined() ? tc2_fwd_smem<H>() : tc_fwd_smem<H>(),                        \
+                         tc_pipelined() ? tc2_kv_smem<H>() : tc_kv_smem<H>(),                          \
+                         tc_pipelined() ? tc2_q_smem<H>() : tc_q_smem<H>()};                           \
+    for (int i = 0; i < 3; i++) need = k[i] > need ? k[i] : need;                                      \
+  } while (0)
+  TC_HS_DISPATCH(HS, TC_NEED);
+#undef TC_NEED
+  return need;
+}
+
+// What the current GPU allows a block (cudaFuncSetAttribute's ceiling), against `need`.
+static fy_status att_smem_fits(const char *what, enum fy_dtype dt, int HS, size_t need) {
+  int dev = 0, limit = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return FY_OK;  // the launch itself will say what is wrong
+  }
+  if (need <= (size_t)limit) return FY_OK;
+  if (dt == FY_BF16 || HS % 16 != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED,
+                        "cuda %s: %s attention with head size %d takes %.1f KiB of shared memory a block; GPU %d "
+                        "(sm_%d%d) allows %.1f KiB",
+                        what, fy_dtype_name(dt), HS, need / 1024.0, dev, major, minor, limit / 1024.0);
+  return fy_error_set(FY_ERR_UNSUPPORTED,
+                      "cuda %s: fp32 attention with head size %d takes %.1f KiB of shared memory a block; GPU %d "
+                      "(sm_%d%d) allows %.1f KiB: use bf16 (--precision bf16, the default on cuda; %.1f KiB)",
+                      what, HS, need / 1024.0, dev, major, minor, limit / 1024.0, att_smem_need(HS, true) / 1024.0);
+}
+
 static fy_status att_check(const char *what, int64_t B, int64_t T, int64_t C, int64_t NH,
                            int64_t *nblocks) {
   if (NH <= 0 || C <= 0 || C % NH != 0)
@@ -1346,7 +1390,9 @@ extern "C" fy_status fy_cuda_attention_forward(void *out, float *lse, const void
   FY_TRY(att_check("attention_forward", B, T, C, NH, &nblocks));
   if (nblocks == 0) return FY_OK;
   const int HS = (int)(C / NH), nq = (int)((T + ATT_TILE - 1) / ATT_TILE);
-  if (tc_usable(dt, C, NH, out, qkv, qkv))
+  const bool tc = tc_usable(dt, C, NH, out, qkv, qkv);
+  FY_TRY(att_smem_fits("attention_forward", dt, HS, att_smem_need(HS, tc)));
+  if (tc)
     return tc_pipelined() ? tc2_forward(out, lse, qkv, mask, B, T, C, NH, scale, st)
                           : tc_forward(out, lse, qkv, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
   size_t smem = att_fwd_smem_bytes(att_hsp(HS));
@@ -1369,7 +1415,9 @@ extern "C" fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, cons
   size_t smem = att_bwd_smem_bytes(att_hsp(HS));
   int64_t rows = B * T * NH;
   unsigned dgrid = (unsigned)((rows + 7) / 8);
-  if (tc_usable(dt, C, NH, dqkv, dout, qkv)) {
+  const bool tc = tc_usable(dt, C, NH, dqkv, dout, qkv);
+  FY_TRY(att_smem_fits("attention_backward", dt, HS, att_smem_need(HS, tc)));
+  if (tc) {
     attention_backward_dot_kernel<fy_bf16><<<dgrid, 256, 0, st>>>(scratch, (const fy_bf16 *)dout, (const fy_bf16 *)out,
                                                                   B, (int)T, (int)C, (int)NH);
     FY_TRY(fy_cuda_launched("attention_backward (row dots)"));
@@ -1386,4 +1434,11 @@ extern "C" fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, cons
                               (E *)dqkv, (const E *)dout, (const E *)qkv, lse, scratch, mask,
                               (int)T, (int)C, (int)NH, scale, nq));
   return fy_cuda_launched("attention_backward");
+}
+
+extern "C" fy_status fy_cuda_attention_check(enum fy_dtype dt, int64_t C, int64_t NH) {
+  int64_t nblocks = 0;
+  FY_TRY(att_check("attention", 1, 1, C, NH, &nblocks));
+  const int HS = (int)(C / NH);
+  return att_smem_fits("attention", dt, HS, att_smem_need(HS, tc_usable(dt, C, NH, NULL, NULL, NULL)));
 }

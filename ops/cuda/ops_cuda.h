@@ -228,6 +228,20 @@ fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, const void *dou
 // against the other; FERRY_CUDA_ATTENTION names one too. Both give the same results within bf16
 // rounding (test_backend_ops runs both).
 fy_status fy_cuda_attention_set_variant(const char *name);
+// Whether the current GPU can run the attention kernels of a model with this dtype, width C and
+// NH heads: the dynamic shared memory a block of them takes (the largest of forward and backward)
+// against what the GPU allows one block (227 KiB on sm_90, 163 on sm_80, 99 on sm_86/89/120). Only
+// fp32 with heads over 80 goes past 99 KiB; FY_ERR_UNSUPPORTED then says so and what would fit.
+// The launches check the same and fail with the same message.
+fy_status fy_cuda_attention_check(enum fy_dtype dt, int64_t C, int64_t NH);
+
+// ---- which GPUs this build runs on (ops/cuda/arch.cu) ----
+
+// Whether GPU `ordinal` can run this build's kernels: compute capability 8.0 or newer (bf16 on
+// tensor cores) and machine code or PTX for it in the build (asked of the CUDA runtime, which
+// would otherwise fail at the first kernel). FY_ERR_UNSUPPORTED names the GPU, its architecture,
+// the build's, and how to rebuild for it.
+fy_status fy_cuda_gpu_usable(int ordinal);
 
 #ifdef __cplusplus
 }

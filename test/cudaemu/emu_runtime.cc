@@ -61,7 +61,25 @@ thread_local cudaError_t last_error = cudaSuccess;
 thread_local int current_device;
 std::map<const void *, int> max_dynamic_smem;  // cudaFuncSetAttribute
 
-const size_t DEFAULT_SMEM = 48 << 10, OPTIN_SMEM = 227 << 10;  // sm_90
+const size_t DEFAULT_SMEM = 48 << 10;
+
+// The emulated GPU: sm_90 with 227 KiB of shared memory a block unless FY_EMU_CC ("8.9") and
+// FY_EMU_OPTIN_SMEM (bytes) say otherwise, to try ferry's checks on other GPUs.
+struct emu_arch {
+  int major = 9, minor = 0;
+  size_t optin_smem = 227 << 10;
+};
+const emu_arch &arch() {
+  static emu_arch a = [] {
+    emu_arch r;
+    const char *cc = getenv("FY_EMU_CC"), *sm = getenv("FY_EMU_OPTIN_SMEM");
+    if (cc && *cc && sscanf(cc, "%d.%d", &r.major, &r.minor) != 2)
+      fy_emu_fail("FY_EMU_CC=%s: a compute capability such as 8.9", cc);
+    if (sm && *sm) r.optin_smem = (size_t)strtoull(sm, NULL, 10);
+    return r;
+  }();
+  return a;
+}
 
 size_t device_capacity() {
   static size_t cap = [] {
@@ -281,6 +299,7 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory range is already mapped";
     case cudaErrorHostMemoryNotRegistered: return "pointer does not correspond to a registered memory region";
+    case cudaErrorNoKernelImageForDevice: return "no kernel image is available for execution on the device";
     default: return "unknown error (cuda emulator)";
   }
 }
@@ -304,10 +323,10 @@ cudaError_t cudaGetDevice(int *d) {
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int dev) {
   if (dev < 0 || dev >= device_count()) return fail(cudaErrorInvalidDevice);
   switch (attr) {
-    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    case cudaDevAttrComputeCapabilityMajor: *v = arch().major; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = arch().minor; break;
     case cudaDevAttrMultiProcessorCount: *v = 132; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = (int)OPTIN_SMEM; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = (int)arch().optin_smem; break;
     case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
     case cudaDevAttrWarpSize: *v = 32; break;
     default: return fail(cudaErrorInvalidValue);
@@ -318,13 +337,13 @@ cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int dev) {
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev) {
   if (dev < 0 || dev >= device_count()) return fail(cudaErrorInvalidDevice);
   memset(p, 0, sizeof *p);
-  snprintf(p->name, sizeof p->name, "ferry CUDA emulator (sm_90)");
+  snprintf(p->name, sizeof p->name, "ferry CUDA emulator (sm_%d%d)", arch().major, arch().minor);
   p->totalGlobalMem = device_capacity();
-  p->major = 9;
-  p->minor = 0;
+  p->major = arch().major;
+  p->minor = arch().minor;
   p->multiProcessorCount = 132;
   p->sharedMemPerBlock = DEFAULT_SMEM;
-  p->sharedMemPerBlockOptin = OPTIN_SMEM;
+  p->sharedMemPerBlockOptin = arch().optin_smem;
   p->maxThreadsPerBlock = 1024;
   p->warpSize = 32;
   p->pciBusID = dev;
@@ -598,9 +617,22 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
 
 cudaError_t cudaFuncSetAttribute(const void *fn, enum cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
-  if (value < 0 || (size_t)value > OPTIN_SMEM) return fail(cudaErrorInvalidValue);
+  if (value < 0 || (size_t)value > arch().optin_smem) return fail(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lk(mu);
   max_dynamic_smem[fn] = value;
+  return cudaSuccess;
+}
+
+// FY_EMU_NO_IMAGE=1: the GPU has no code in the build (what CUDA says of a kernel compiled for
+// other architectures only)
+cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes *a, const void *fn) {
+  const char *ni = getenv("FY_EMU_NO_IMAGE");
+  if (ni && *ni && strcmp(ni, "0") != 0) return fail(cudaErrorNoKernelImageForDevice);
+  if (!a || !fn) return fail(cudaErrorInvalidValue);
+  memset(a, 0, sizeof *a);
+  a->maxThreadsPerBlock = 1024;
+  a->maxDynamicSharedSizeBytes = (int)DEFAULT_SMEM;
+  a->ptxVersion = a->binaryVersion = 10 * arch().major + arch().minor;
   return cudaSuccess;
 }
 
