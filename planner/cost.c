@@ -340,13 +340,17 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   out->n_blocks = n_blocks;
   // Host and disk: parameters stay on the host; gradients and AdamW state of the chunks the host
   // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
+  // As the runtime counts (runtime/trainer.c, setup_offload): when the host cannot hold every
+  // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
   double per_chunk_state = ce * host_state_bytes(pb, k->grad_accum > 1) * share;  // (gradients,) m, v
-  double params_host = np * host_weight_bytes(pb) * share, reserve = 3 * (double)ce * 4;
-  int fit = (int)((probe->host_mem - params_host - reserve) / per_chunk_state);
-  if (fit < 0) fit = 0;
+  double params_host = np * host_weight_bytes(pb) * share, reserve = 3 * (double)ce * 4,
+         disk_reserve = 5 * (double)ce * 4 / dp;  // (five of the rank's shards of a chunk)
+  double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
+  if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
+  int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;
   int n_disk = k->disk_chunks >= 0 ? k->disk_chunks : (fit >= nc - n_dev ? 0 : nc - n_dev - fit);
   if (n_disk > nc - n_dev) n_disk = nc - n_dev;
-  if (n_disk > 0) reserve += 5 * (double)ce * 4;
+  if (n_disk > 0) reserve += disk_reserve;
   out->n_disk_chunks = n_disk;
   out->n_device_chunks = n_dev;
   out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
@@ -371,7 +375,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
              probe->host_mem / 1073741824.0, out->host_bytes / 1073741824.0);
   } else if (n_disk > 0 && !(probe->disk_write_gbps > 0)) {
     out->fits = false;
-    snprintf(out->why, sizeof out->why, "the state of %d chunks (%.1f GiB) needs a disk tier (probe a --disk-dir)",
+    snprintf(out->why, sizeof out->why, "the state of %d chunks (%.1f GiB) needs a disk tier (a --disk-dir)",
              n_disk, out->disk_bytes / 1073741824.0);
   }
   if (!out->fits) {

@@ -44,7 +44,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
   best->dp = best->tp = 1;
   best->machine = *probe;
   int tried = 0, grids = 0;
-  double smallest = INFINITY;
+  double smallest = INFINITY, least_host = INFINITY;  // (least_host: of the offloaded plans, disk or not)
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
@@ -89,7 +89,12 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             tried++;
-            if (!c.fits && c.min_device_bytes < smallest && c.host_bytes <= probe->host_mem) smallest = c.min_device_bytes;
+            if (c.host_bytes < least_host) least_host = c.host_bytes;
+            // (a plan that fails for the device alone: its smallest working set; not one that fails
+            // for the host's memory or a disk tier it lacks)
+            if (!c.fits && c.min_device_bytes > probe->device_mem && c.min_device_bytes < smallest &&
+                c.host_bytes <= probe->host_mem && (c.n_disk_chunks == 0 || probe->disk_write_gbps > 0))
+              smallest = c.min_device_bytes;
             if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
             consider(&k, &c, best);
             if (!c.fits) break;  // more prefetch will not fit either
@@ -130,8 +135,16 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
                           "GiB of host memory; the smallest device memory that works is %.1f MiB",
                           model, (long long)batch, (long long)seq, probe->device_mem / 1048576.0,
                           probe->host_mem / 1073741824.0, smallest / 1048576.0);
-    return fy_error_set(FY_ERR_NOMEM, "no plan for %s fits %.1f GiB of host memory (with a disk tier: probe a --disk-dir)",
-                        model, probe->host_mem / 1073741824.0);
+    char have[32], need[32];
+    fy_format_bytes(probe->host_mem, have, sizeof have);
+    fy_format_bytes(least_host, need, sizeof need);
+    if (probe->disk_write_gbps > 0 && least_host > probe->host_mem)
+      return fy_error_set(FY_ERR_NOMEM,
+                          "no plan for %s fits %s of host memory: the smallest needs %s there (the weights stay in "
+                          "host memory; the disk tier takes only gradients and AdamW state)", model, have, need);
+    return fy_error_set(FY_ERR_NOMEM,
+                        "no plan for %s fits %s of host memory without a disk tier: give a --disk-dir for the AdamW "
+                        "state (the smallest plan then needs %s of host memory)", model, have, need);
   }
   best->k.blocks = best->predicted.n_blocks;
   best->k.disk_chunks = best->predicted.n_disk_chunks;

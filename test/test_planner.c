@@ -324,6 +324,71 @@ int main(void) {
   CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &probe, &plan, NULL), FY_ERR_NOMEM);
   CHECK(strstr(fy_error_msg(), "smallest device memory that works") != NULL);
 
+  // The disk tier's share, chosen by the cost model (disk_chunks -1): whenever some placement fits
+  // the host memory (every chunk's state on disk, at the least), the automatic one fits too, and
+  // it puts on disk as many chunks as the runtime does. (It once counted what fits before setting
+  // the disk tier's buffers aside, and found no plan where one existed.)
+  {
+    struct fy_probe hp = probe;
+    CHECK_OK(fy_probe_override(&hp, "device_mem", "33554432"));
+    CHECK_OK(fy_probe_override(&hp, "disk_read_gbps", "1"));
+    CHECK_OK(fy_probe_override(&hp, "disk_write_gbps", "1"));
+    struct fy_plan_knobs kd = {.micro_batch = 4, .grad_accum = 1, .seq = 96, .chunk_elems = min_chunk, .blocks = 3,
+                               .prefetch = 2, .disk_chunks = 0};
+    struct fy_cost all_host, c;
+    CHECK_OK(fy_cost_simulate(&cfg, &kd, &hp, &all_host, NULL));
+    const int nc = all_host.n_chunks;
+    kd.disk_chunks = nc;
+    CHECK_OK(fy_cost_simulate(&cfg, &kd, &hp, &c, NULL));
+    const double lo = c.host_bytes, hi = all_host.host_bytes;
+    CHECK(nc >= 4 && lo < hi);
+    int bad = 0, run_lo = 0, best_lo = 0, best_len = 0, prev = -1;
+    enum { STEPS = 200 };
+    int n_disk[STEPS + 1];
+    for (int i = 0; i <= STEPS; i++) {
+      char v[64];
+      snprintf(v, sizeof v, "%.0f", lo + (hi - lo) * i / STEPS);
+      CHECK_OK(fy_probe_override(&hp, "host_mem", v));
+      struct fy_cost a, every;
+      kd.disk_chunks = -1;
+      CHECK_OK(fy_cost_simulate(&cfg, &kd, &hp, &a, NULL));
+      kd.disk_chunks = nc;
+      CHECK_OK(fy_cost_simulate(&cfg, &kd, &hp, &every, NULL));
+      if (every.fits && !(a.fits && a.host_bytes <= hp.host_mem)) bad++;
+      n_disk[i] = a.n_disk_chunks;
+      if (a.n_disk_chunks != prev) run_lo = i, prev = a.n_disk_chunks;
+      if (a.n_disk_chunks > 0 && i - run_lo > best_len) best_len = i - run_lo, best_lo = run_lo;
+    }
+    CHECKF(bad == 0, "%d of %d host memory sizes have a placement that fits but the automatic one does not", bad,
+           STEPS + 1);
+    // The runtime at the middle of the longest stretch with some chunks on disk.
+    const int mid = best_lo + best_len / 2;
+    char ddir[400];
+    snprintf(ddir, sizeof ddir, "%s/disk", dir);
+    struct fy_train_opts o = run_opts(&kd, 32 << 20, 0);
+    o.host_mem = (size_t)(lo + (hi - lo) * mid / STEPS);
+    o.disk_dir = ddir;
+    o.disk_chunks = -1;
+    o.steps = 1;
+    struct fy_train_result r;
+    CHECK_OK(fy_train(&o, &r));
+    CHECKF(r.n_disk_chunks == n_disk[mid] && n_disk[mid] > 0, "host memory %zu: the runtime put %d chunks' state on "
+           "disk, the cost model %d", o.host_mem, r.n_disk_chunks, n_disk[mid]);
+    // No plan: the host cannot hold even the weights (said, with what the smallest plan needs), or
+    // the state needs a disk tier the probe has not timed (said so, not blamed on the device).
+    struct fy_plan none;
+    char v[64];
+    snprintf(v, sizeof v, "%.0f", lo / 2);
+    CHECK_OK(fy_probe_override(&hp, "host_mem", v));
+    CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &hp, &none, NULL), FY_ERR_NOMEM);
+    CHECKF(strstr(fy_error_msg(), "the smallest needs") != NULL, "%s", fy_error_msg());
+    snprintf(v, sizeof v, "%.0f", (lo + hi) / 2);
+    CHECK_OK(fy_probe_override(&hp, "host_mem", v));
+    CHECK_OK(fy_probe_override(&hp, "disk_write_gbps", "0"));
+    CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &hp, &none, NULL), FY_ERR_NOMEM);
+    CHECKF(strstr(fy_error_msg(), "without a disk tier: give a --disk-dir") != NULL, "%s", fy_error_msg());
+  }
+
   // Sanity against published figures.
   CHECK(fy_cost_host_bytes_per_param(4, false) == 16);  // fp32: weights (the master), gradients, m, v
   CHECK(fy_cost_host_bytes_per_param(2, false) == 14);  // bf16: master, m, v; gradients over the bf16 copy
