@@ -386,7 +386,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
                         dev_kind, device_mem);
   if (!(link_gbps >= 0) || !isfinite(link_gbps))
     return fy_error_set(FY_ERR_INVALID, "probe: the link rate must be >= 0 GB/s, got %g", link_gbps);
-  if (disk_dir && strlen(disk_dir) >= sizeof out->disk_dir)
+  if (disk_dir && strlen(disk_dir) >= sizeof out->disk_dir)  // (before the seconds of measuring)
     return fy_error_set(FY_ERR_INVALID, "probe: disk directory name too long (%zu bytes)",
                         strlen(disk_dir));
   struct fy_probe p;
@@ -402,17 +402,32 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (sim) FY_TRY(measure_kernel_overhead(&p.kernel_overhead_us));
-  if (disk_dir && disk_dir[0]) {
-    FY_TRY(fy_mkdir_p(disk_dir));  // (the directory the disk tier will use: made when missing)
-    FY_TRY(measure_disk(disk_dir, &p.disk_read_gbps, &p.disk_write_gbps));
-    char real[PATH_MAX];
-    const char *d = realpath(disk_dir, real) && strlen(real) < sizeof p.disk_dir ? real : disk_dir;
-    snprintf(p.disk_dir, sizeof p.disk_dir, "%s", d);
-  }
   double *rates[] = {&p.device_gflops, &p.host_gflops, &p.h2d_gbps, &p.d2h_gbps, &p.host_adamw_gbps,
-                     &p.host_mem_gbps, &p.disk_read_gbps, &p.disk_write_gbps};
+                     &p.host_mem_gbps};
   for (size_t i = 0; i < sizeof rates / sizeof *rates; i++) *rates[i] = round4(*rates[i]);
+  bool measured;
+  if (disk_dir && disk_dir[0]) FY_TRY(fy_probe_add_disk(&p, disk_dir, &measured));
   *out = p;
+  return FY_OK;
+}
+
+fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *measured) {
+  *measured = false;
+  if (!disk_dir || !disk_dir[0]) return FY_OK;
+  if (strlen(disk_dir) >= sizeof p->disk_dir)
+    return fy_error_set(FY_ERR_INVALID, "probe: disk directory name too long (%zu bytes)", strlen(disk_dir));
+  char real[PATH_MAX];
+  if (p->disk_dir[0] && p->disk_read_gbps > 0 && p->disk_write_gbps > 0 && realpath(disk_dir, real) &&
+      strcmp(real, p->disk_dir) == 0)
+    return FY_OK;
+  FY_TRY(fy_mkdir_p(disk_dir));  // (the directory the disk tier will use: made when missing)
+  double rd = 0, wr = 0;
+  FY_TRY(measure_disk(disk_dir, &rd, &wr));
+  p->disk_read_gbps = round4(rd);
+  p->disk_write_gbps = round4(wr);
+  const char *d = realpath(disk_dir, real) && strlen(real) < sizeof p->disk_dir ? real : disk_dir;
+  snprintf(p->disk_dir, sizeof p->disk_dir, "%s", d);
+  *measured = true;
   return FY_OK;
 }
 

@@ -26,6 +26,7 @@
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 
@@ -74,6 +75,10 @@ double fy_probe_comm_gbps(const struct fy_probe *p);
 // cache's rate), an upper bound on the disk's sustained rate: edit the file for a big disk tier.
 fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_gbps,
                            const char *disk_dir, struct fy_probe *out);
+// The disk part alone, for a cached probe and a --disk-dir it has not timed: unless p already
+// holds the rates of that directory (the same one, resolved), times it as fy_probe_measure does
+// (making it when missing) and sets p's disk fields; *measured says whether it did.
+fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *measured);
 
 // A GPU's part of the probe (planner/probe_cuda.c; only in a build with CUDA or its emulator,
 // FY_HAVE_CUDA): the GPUs CUDA sees (0 on any error), and GPU `ordinal` measured into p's device

@@ -98,6 +98,11 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
     if (!a->no_write) FY_TRY(fy_probe_write(path, p));
   } else if (st != FY_OK) {
     return st;
+  } else {
+    // A cached probe and a --disk-dir it has not timed: that disk is measured and cached too.
+    bool disk = false;
+    FY_TRY(fy_probe_add_disk(p, a->disk_dir, &disk));
+    if (disk && !a->no_write) FY_TRY(fy_probe_write(path, p));
   }
   if (cuda && strcmp(p->device, "cuda") != 0) {
     bool given = false;

@@ -1200,6 +1200,10 @@ static fy_status apply_plan(struct fy_train_opts *o) {
       if (cuda) FY_TRY(fy_probe_measure_gpu(0, &probe));
 #endif
       fy_probe_write(path, &probe);  // a cache: failing to write it is not an error
+    } else {
+      bool disk = false;  // a --disk-dir the cached probe has not timed: timed now (and cached)
+      FY_TRY(fy_probe_add_disk(&probe, o->disk_dir, &disk));
+      if (disk) fy_probe_write(path, &probe);
     }
     char v[64];
     if (!cuda || o->device_mem) {

@@ -170,12 +170,29 @@ export FERRY_PROBE="$tmp/probe.json"
 expect 0 "ferry probe measures and caches the machine" "device_gflops" -- probe --device sim --device-mem 64MiB \
   --sim-link-gbps 2
 [ -f "$tmp/probe.json" ] && { pass=$((pass + 1)); echo "ok    the probe is cached in FERRY_PROBE"; } || { fail=$((fail + 1)); echo "FAIL  no probe file"; }
+# A --disk-dir the cached probe has not timed: timed now and cached, and the plan may use it.
+expect 0 "ferry plan --disk-dir times a disk the cached probe lacks" "predicted: .* s/step" -- plan --device sim \
+  --device-mem 64MiB --model opt-tiny --batch 4 --seq 32 --disk-dir "$tmp/plandisk"
+if python3 - "$tmp/probe.json" "$(cd "$tmp/plandisk" 2>/dev/null && pwd -P)" <<'PY'; then
+import json, sys
+p = json.load(open(sys.argv[1]))
+sys.exit(0 if p["disk_dir"] == sys.argv[2] and p["disk_read_gbps"] > 0 and p["disk_write_gbps"] > 0 else 1)
+PY
+  pass=$((pass + 1)); echo "ok    the disk's rates join the cached probe"
+else
+  fail=$((fail + 1)); echo "FAIL  the cached probe did not gain the disk"; grep disk "$tmp/probe.json"
+fi
 expect 0 "ferry plan explains a plan and writes it" "predicted: .* s/step" -- plan --device sim --device-mem 64MiB \
   --model opt-tiny --batch 4 --seq 32 --out "$tmp/plan.json" --svg "$tmp/plan.svg"
 grep -q "<svg" "$tmp/plan.svg" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the step is drawn as SVG"; } || { fail=$((fail + 1)); echo "FAIL  no SVG"; }
 expect 0 "ferry train --plan FILE runs the plan" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" \
   --device-mem 64MiB --plan "$tmp/plan.json" --steps 2
 expect 0 "ferry train --plan auto" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB \
+  --batch 4 --seq 32 --plan auto --steps 2
+# --plan auto with too little host memory for the state and a --disk-dir the cached probe has not
+# timed: the disk is timed and the plan puts state on it.
+expect 0 "--plan auto puts the state the host cannot hold on a new --disk-dir" "AdamW state of [1-9][0-9]* chunks on disk" \
+  -- train --model opt-demo --data "$tmp/ok.bin" --device-mem 64MiB --host-mem 30MiB --disk-dir "$tmp/autodisk" \
   --batch 4 --seq 32 --plan auto --steps 2
 expect 1 "a device too small for any plan" "smallest device memory that works" -- plan --device sim \
   --device-mem 64KiB --model opt-tiny --batch 4 --seq 32

@@ -2,6 +2,7 @@
 // plausible values quickly; the JSON file round-trips bit for bit; overrides parse sizes, rates and
 // shorthands and name bad keys and values; malformed files are FY_ERR_FORMAT naming the key and
 // the file; the default path follows $FERRY_PROBE, $XDG_CACHE_HOME, $HOME.
+#include <errno.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,32 @@ static void test_measure(struct fy_probe *p) {
   char real[PATH_MAX];
   CHECK(realpath(disk, real) && !strcmp(p->disk_dir, real));
   CHECK(rmdir(disk) == 0);  // the disk tier removed its file
+
+  // A cached probe that timed no disk, and a --disk-dir: the disk alone is timed (the directory
+  // made again), once; the other fields stay as they were.
+  struct fy_probe c = *p;
+  c.disk_dir[0] = '\0';
+  c.disk_read_gbps = c.disk_write_gbps = 0;
+  bool timed = false;
+  CHECK_OK(fy_probe_add_disk(&c, disk, &timed));
+  CHECK(timed && c.disk_read_gbps > 0 && c.disk_write_gbps > 0);
+  CHECK(realpath(disk, real) && !strcmp(c.disk_dir, real));
+  CHECK(c.host_gflops == p->host_gflops && c.h2d_gbps == p->h2d_gbps && c.device_mem == p->device_mem);
+  const double rd = c.disk_read_gbps;
+  char again[PATH_MAX + 8];
+  snprintf(again, sizeof again, "%s/../disk", disk);  // the same directory, named otherwise
+  CHECK(mkdir(again, 0700) == 0 || errno == EEXIST);
+  CHECK_OK(fy_probe_add_disk(&c, again, &timed));
+  CHECK(!timed && c.disk_read_gbps == rd);
+  CHECK_OK(fy_probe_add_disk(&c, NULL, &timed));
+  CHECK(!timed && c.disk_read_gbps == rd && !strcmp(c.disk_dir, real));
+  char other[PATH_MAX];
+  snprintf(other, sizeof other, "%s/disk2", tmpdir);
+  CHECK_OK(fy_probe_add_disk(&c, other, &timed));
+  CHECK(timed && realpath(other, real) && !strcmp(c.disk_dir, real));
+  CHECK(rmdir(other) == 0);
+  CHECK_ERR(fy_probe_add_disk(&c, "/etc/passwd/ferry-probe", &timed), FY_ERR_IO);
+  CHECK(rmdir(disk) == 0);
 
   struct fy_probe q;
   memset(&q, 0x5a, sizeof q);
