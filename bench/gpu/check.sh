@@ -241,6 +241,10 @@ fi
 
 [ "$dry" = 1 ] || mkdir -p "$logs"
 setup_args=(setup "$build" -Dcuda=enabled -Dbuildtype=release)
+# Machine code for this GPU alone (not the default list's three architectures and PTX): the build
+# is most of a short GPU session's first minutes.
+gpu_cc="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')"
+case "$gpu_cc" in [1-9][0-9]|[1-9][0-9][0-9]) setup_args+=("-Dgpu_arch=$gpu_cc") ;; esac
 [ -f "$build/build.ninja" ] && setup_args+=(--reconfigure)
 run_step "configure" 120 "meson, CUDA on" "${meson_cmd[@]}" "${setup_args[@]}" &&
   run_step "build" 300 "ninja -j$jobs" ninja -C "$build" -j "$jobs"
