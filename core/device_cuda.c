@@ -80,6 +80,34 @@ int fy_cuda_device_count(void) {
   return n;
 }
 
+fy_status fy_cuda_find_gpu(int ordinal, const char *who) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaSuccess && ordinal >= 0 && ordinal < n) return FY_OK;
+  (void)cudaGetLastError();
+  const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;  // 0: no driver installed
+  (void)cudaGetLastError();
+  if (e == cudaErrorInsufficientDriver && driver == 0)
+    return fy_error_set(FY_ERR_NOT_FOUND, "%s: no NVIDIA driver here (no GPU, or its driver is not installed)", who);
+  if (e == cudaErrorInsufficientDriver)
+    return fy_error_set(FY_ERR_NOT_FOUND,
+                        "%s: the NVIDIA driver supports CUDA %d.%d, older than this build's CUDA %d.%d runtime: update "
+                        "the driver, or build ferry with a CUDA toolkit the driver supports",
+                        who, driver / 1000, driver % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+  if (e == cudaSuccess || e == cudaErrorNoDevice) {
+    if (n == 0 && vis)
+      return fy_error_set(FY_ERR_NOT_FOUND, "%s: no GPU: CUDA_VISIBLE_DEVICES='%s' hides every GPU (unset it, or "
+                          "name the GPUs to use)", who, vis);
+    if (n == 0) return fy_error_set(FY_ERR_NOT_FOUND, "%s: no GPU here (nvidia-smi lists what the driver sees)", who);
+    return fy_error_set(FY_ERR_NOT_FOUND, "%s: no GPU %d (CUDA sees %d%s)", who, ordinal, n,
+                        vis ? ", as CUDA_VISIBLE_DEVICES allows" : "");
+  }
+  return fy_error_set(FY_ERR_NOT_FOUND, "%s: CUDA cannot list the GPUs: %s (is the NVIDIA driver loaded? nvidia-smi "
+                      "says)", who, cudaGetErrorString(e));
+}
+
 // cudaMalloc hands out 256-byte aligned blocks; counting the rounded size keeps the cap honest
 // for many small allocations and makes free's count match alloc's exactly.
 static size_t cuda_round(size_t n) { return fy_device_round(n, FY_CUDA_ALLOC_GRANULE); }

@@ -14,6 +14,10 @@
 // The GPUs the CUDA runtime sees; 0 when there is no driver, no GPU or any other error (tests use
 // it to skip).
 int fy_cuda_device_count(void);
+// FY_OK when GPU `ordinal` is there; else FY_ERR_NOT_FOUND saying why, for `who` (e.g. "--device
+// cuda"): the driver is older than the CUDA runtime ferry was built with, there is no driver,
+// CUDA_VISIBLE_DEVICES hides the GPUs, or fewer GPUs than asked.
+fy_status fy_cuda_find_gpu(int ordinal, const char *who);
 
 // A device on GPU `ordinal`. cap: bytes it may hand out (0 = unlimited; the GPU's own memory still
 // bounds it). Allocations are counted rounded up to 256 bytes (cudaMalloc's alignment), exactly as

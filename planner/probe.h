@@ -88,6 +88,8 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
 // each way and what a 4 KiB copy costs — leaving the host's fields as they are (fy_probe_measure
 // fills those). FY_ERR_NOT_FOUND without that GPU.
 int fy_probe_gpu_count(void);
+// FY_OK when GPU `ordinal` is there, else why not (the driver, CUDA_VISIBLE_DEVICES, ...).
+fy_status fy_probe_find_gpu(int ordinal);
 fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p);
 // The median of v[0..n) (sorts v): each rate the probe reports is one over a few timed runs.
 double fy_probe_median(double *v, int n);

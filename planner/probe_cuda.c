@@ -121,10 +121,10 @@ static fy_status measure_copies(struct bench *b, size_t free_bytes, double *h2d,
 
 int fy_probe_gpu_count(void) { return fy_cuda_device_count(); }
 
+fy_status fy_probe_find_gpu(int ordinal) { return fy_cuda_find_gpu(ordinal, "probe on the GPU"); }
+
 fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
-  const int count = fy_probe_gpu_count();
-  if (ordinal < 0 || ordinal >= count)
-    return fy_error_set(FY_ERR_NOT_FOUND, "probe on the GPU: no GPU %d (CUDA sees %d)", ordinal, count);
+  FY_TRY(fy_probe_find_gpu(ordinal));
   FY_TRY(fy_cuda_gpu_usable(ordinal));
   FY_TRY(cuda_check(cudaSetDevice(ordinal), "cudaSetDevice"));
   size_t free_bytes = 0, total = 0;

@@ -449,7 +449,11 @@ fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out) {
 
 fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal) {
   int n = fy_cuda_device_count();
-  if (n <= 0) return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: rank %d sees no GPU", rank);
+  if (n <= 0) {
+    char who[64];
+    snprintf(who, sizeof who, "--device cuda: rank %d", rank);
+    return fy_cuda_find_gpu(0, who);
+  }
   if (local_rank >= n && n > 1)
     return fy_error_set(FY_ERR_INVALID, "--device cuda: rank %d is local rank %d but its node has %d GPUs (one rank "
                         "per GPU)", rank, local_rank, n);
@@ -458,8 +462,7 @@ fy_status fy_engine_cuda_rank_device(int rank, int local_rank, int *ordinal) {
 }
 
 fy_status fy_engine_cuda_device(int ordinal, size_t cap, struct fy_device **out) {
-  if (fy_cuda_device_count() <= ordinal)
-    return fy_error_set(FY_ERR_NOT_FOUND, "--device cuda: no GPU %d (CUDA sees %d)", ordinal, fy_cuda_device_count());
+  FY_TRY(fy_cuda_find_gpu(ordinal, "--device cuda"));
   FY_TRY(fy_cuda_gpu_usable(ordinal));  // before anything is allocated: a GPU this build cannot drive
   return fy_device_cuda_create(ordinal, cap, out);
 }

@@ -108,10 +108,13 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
     bool given = false;
     for (int i = 0; i < a->n_set; i++)
       given |= strcmp(a->set_key[i], "device_tflops") == 0 || strcmp(a->set_key[i], "device_gflops") == 0;
+    const char *why = "no GPU here (ferry was built without CUDA)";
+#if FY_HAVE_CUDA
+    why = fy_probe_find_gpu(0) != FY_OK ? fy_error_msg() : "no GPU measured";
+#endif
     if (!given)
-      fprintf(stderr, "ferry: no GPU here%s: the GPU's GEMM rate and link are this CPU's as the sim device's; give "
-              "the GPU's with --device-tflops, --link-gbps and --device-mem\n",
-              FY_HAVE_CUDA ? "" : " (ferry was built without CUDA)");
+      fprintf(stderr, "ferry: %s; the GPU's GEMM rate and link are this CPU's as the sim device's; give the GPU's "
+              "with --device-tflops, --link-gbps and --device-mem\n", why);
   }
   if (a->device) FY_TRY(fy_probe_override(p, "device", a->device));
   if (a->device_mem) {

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # test/cuda_compat.sh: which GPUs a build runs on. `ferry version` names the architectures the
 # kernels were compiled for (-Dgpu_arch). On the CUDA emulator (test/cudaemu), which can pose as
-# another GPU (FY_EMU_CC, FY_EMU_OPTIN_SMEM, FY_EMU_NO_IMAGE), ferry is checked to refuse, before
-# anything runs and saying what to do: a GPU older than compute capability 8.0, a GPU with no code
-# in the build, and fp32 attention whose blocks need more shared memory than the GPU allows (heads
-# of 128 on an RTX 40xx's 99 KiB), while bf16 trains there with the same losses as on an H100's
-# 227 KiB. On a real GPU only the version line and a short run on it are checked.
+# another GPU or driver (FY_EMU_CC, FY_EMU_OPTIN_SMEM, FY_EMU_NO_IMAGE, FY_EMU_*_DRIVER), ferry
+# is checked to refuse before anything runs, saying what to do: a GPU older than compute
+# capability 8.0, a GPU with no code in the build, a driver older than the runtime or none, GPUs hidden by
+# CUDA_VISIBLE_DEVICES, and fp32 attention whose blocks need more shared memory than the GPU
+# allows (heads of 128 on an RTX 40xx's 99 KiB), while bf16 trains there with the same losses as
+# on an H100's 227 KiB. On a real GPU only the version line and a short run on it are checked.
 #
 # usage: test/cuda_compat.sh FERRY DIR
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage.
 set -uo pipefail
 
-[ $# -eq 2 ] || { sed -n '10,11p' "$0" >&2; exit 2; }
+[ $# -eq 2 ] || { sed -n '11,12p' "$0" >&2; exit 2; }
 ferry="$1" d="$2"
 [ -x "$ferry" ] || { echo "cuda_compat.sh: $ferry is not a program" >&2; exit 2; }
 mkdir -p "$d" || exit 2
@@ -57,6 +58,14 @@ refused old "compute capability 7.5; ferry's kernels need 8.0 or newer" FY_EMU_C
 refused old_eval "8.0 or newer" FY_EMU_CC=7.5 -- eval --model "$d/hs128" --device cuda --batches 1 --batch 2 --seq 32
 refused old_probe "8.0 or newer" FY_EMU_CC=7.5 -- probe --device cuda --probe-file "$d/probe.json"
 refused no_image "cannot run this build's kernels .*-Dgpu_arch=90" FY_EMU_NO_IMAGE=1 -- "${run[@]}"
+refused old_driver "NVIDIA driver supports CUDA 12.4, older than this build's CUDA" FY_EMU_OLD_DRIVER=1 -- "${run[@]}"
+refused no_driver "no NVIDIA driver here" FY_EMU_NO_DRIVER=1 -- "${run[@]}"
+# (ferry probe --device cuda without a GPU measures this CPU instead, and says why there was none)
+FY_EMU_OLD_DRIVER=1 "$ferry" probe --device cuda --no-write --probe-file "$d/probe.json" >"$d/old_probe.out" 2>&1 ||
+  { cat "$d/old_probe.out"; fail "ferry probe --device cuda without a usable GPU failed"; }
+grep -q "probe on the GPU: the NVIDIA driver supports CUDA 12.4, older .*this CPU's" "$d/old_probe.out" ||
+  { cat "$d/old_probe.out"; fail "ferry probe --device cuda did not say why it measured no GPU"; }
+refused hidden "CUDA_VISIBLE_DEVICES='' hides every GPU" CUDA_VISIBLE_DEVICES= -- "${run[@]}"
 # fp32 heads of 128 take 146 KiB a block: refused on 99 KiB (sm_89), trained on 163 KiB (sm_80).
 ada=(FY_EMU_CC=8.9 FY_EMU_OPTIN_SMEM=101376)
 refused fp32_ada "fp32 attention with head size 128 takes 146.0 KiB .* allows 99.0 KiB: use bf16" "${ada[@]}" -- \

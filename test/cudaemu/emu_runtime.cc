@@ -300,13 +300,31 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory range is already mapped";
     case cudaErrorHostMemoryNotRegistered: return "pointer does not correspond to a registered memory region";
     case cudaErrorNoKernelImageForDevice: return "no kernel image is available for execution on the device";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     default: return "unknown error (cuda emulator)";
   }
 }
 
-cudaError_t cudaGetDeviceCount(int *n) {
-  *n = device_count();
+// FY_EMU_OLD_DRIVER=1: the driver supports CUDA 12.4 only; FY_EMU_NO_DRIVER=1: none is installed.
+// Either way CUDA finds no GPU and says the driver is insufficient.
+static bool env_on(const char *name) {
+  const char *v = getenv(name);
+  return v && *v && strcmp(v, "0") != 0;
+}
+
+cudaError_t cudaDriverGetVersion(int *v) {
+  *v = env_on("FY_EMU_NO_DRIVER") ? 0 : env_on("FY_EMU_OLD_DRIVER") ? 12040 : CUDART_VERSION;
   return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int *n) {
+  if (env_on("FY_EMU_OLD_DRIVER") || env_on("FY_EMU_NO_DRIVER")) {
+    *n = 0;
+    return fail(cudaErrorInsufficientDriver);
+  }
+  *n = device_count();
+  return *n > 0 ? cudaSuccess : fail(cudaErrorNoDevice);  // (as CUDA answers with no GPU)
 }
 
 cudaError_t cudaSetDevice(int d) {
