@@ -201,7 +201,7 @@ printf '{"micro_batch": 4, "colour": "blue"}' > "$tmp/badplan.json"
 # build) it says so.
 out="$("$ferry" train --model opt-tiny --data "$tmp/ok.bin" --device cuda --plan auto --steps 1 2>&1)"; code=$?
 if { [ "$code" -eq 0 ] && printf '%s' "$out" | grep -q "plan for opt-tiny on cuda"; } ||
-  { [ "$code" -eq 1 ] && printf '%s' "$out" | grep -qE "no GPU 0|needs a ferry built with CUDA"; }; then
+  { [ "$code" -eq 1 ] && printf '%s' "$out" | grep -qE "no GPU|no NVIDIA driver|the NVIDIA driver supports|needs a ferry built with CUDA"; }; then
   pass=$((pass + 1)); echo "ok    --plan auto on cuda (a GPU measured, or none here said so)"
 else
   fail=$((fail + 1)); printf 'FAIL  --plan auto on cuda (exit %d)\n%s\n' "$code" "$(printf '%s' "$out" | tail -5)"
