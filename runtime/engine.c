@@ -334,6 +334,84 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
   return FY_OK;
 }
 
+// ---- incremental decoding ----
+
+struct fy_kv_cache {
+  int64_t cap, len;
+  int64_t *at;    // per op: where its keys start in k and v (-1: not an attention op)
+  float *k, *v;   // every attention op's (cap, C) keys and values, one after another
+  float *att;     // (NH, cap) scratch of the widest
+};
+
+fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv_cache **out) {
+  const struct fy_graph *g = m->graph;
+  if (g->B != 1 || g->T != 1 || m->device_memory || m->compute_dtype != FY_F32)
+    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one token, in host memory, computing in fp32");
+  if (cap < 1) return fy_error_set(FY_ERR_INVALID, "decoding: a cache of %lld tokens", (long long)cap);
+  struct fy_kv_cache *kv = calloc(1, sizeof *kv);
+  if (!kv || !(kv->at = malloc((size_t)g->n_ops * sizeof *kv->at))) {
+    free(kv);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  int64_t total = 0, nh = 1;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    kv->at[o] = op->kind == FY_OP_ATTENTION ? total : -1;
+    if (op->kind == FY_OP_ATTENTION) total += cap * op->C, nh = op->NH > nh ? op->NH : nh;
+  }
+  kv->cap = cap;
+  kv->k = malloc((size_t)(total > 0 ? total : 1) * sizeof(float));
+  kv->v = malloc((size_t)(total > 0 ? total : 1) * sizeof(float));
+  kv->att = malloc((size_t)(nh * cap) * sizeof(float));
+  if (!kv->k || !kv->v || !kv->att) {
+    fy_kv_cache_free(kv);
+    return fy_error_set(FY_ERR_NOMEM, "decoding: no memory for a cache of %lld tokens (%.1f MiB)", (long long)cap,
+                        2.0 * (double)total * 4 / 1048576.0);
+  }
+  *out = kv;
+  return FY_OK;
+}
+
+void fy_kv_cache_free(struct fy_kv_cache *kv) {
+  if (!kv) return;
+  free(kv->at), free(kv->k), free(kv->v), free(kv->att);
+  free(kv);
+}
+
+void fy_kv_cache_reset(struct fy_kv_cache *kv) { kv->len = 0; }
+
+int64_t fy_kv_cache_len(const struct fy_kv_cache *kv) { return kv->len; }
+
+fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t token, const float **logits) {
+  const struct fy_graph *g = m->graph;
+  if (kv->len >= kv->cap)
+    return fy_error_set(FY_ERR_INVALID, "decoding: the cache of %lld tokens is full", (long long)kv->cap);
+  int32_t target = -100;  // (no loss: the logits are what is read)
+  const struct fy_batch batch = {.B = 1, .T = 1, .inputs = &token, .targets = &target};
+  FY_TRY(fy_engine_check_batch(m, &batch));
+  m->positions[0] = (int32_t)(kv->len + 2);  // OPT's learned positions start at 2 (fy_engine_positions)
+  struct fy_dev_batch b;
+  FY_TRY(stage_batch(m, &batch, NULL, &b));
+  b.no_dropout = true;
+  double loss_sum = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind == FY_OP_ATTENTION) {
+      FY_TRY(fy_attention_decode(fy_engine_act(m, op->out), kv->k + kv->at[o], kv->v + kv->at[o], kv->att,
+                                 fy_engine_act(m, op->in[0]), kv->len, kv->cap, op->C, op->NH, op->scale));
+      continue;
+    }
+    struct fy_op_call c;
+    resident_call(m, o, &b, &c);
+    c.loss_sum = &loss_sum;
+    m->kernels->op_forward(&c);
+    if (c.st != FY_OK) return c.st;
+  }
+  kv->len++;
+  *logits = fy_engine_act(m, g->logits_slot);
+  return FY_OK;
+}
+
 fy_status fy_engine_all_reduce_grads(struct fy_model *m) {
   const bool g16 = fy_model_grads_16(m);
   return all_reduce(m, m->dp_comm, g16 ? (void *)m->cgrads : (void *)m->grads, (size_t)m->graph->n_param_elems,

@@ -681,8 +681,9 @@ static void usage_sample(FILE *f) {
   fprintf(f,
           "usage: ferry sample --init DIR [--prompt TEXT | --prompt-ids IDS] [options]\n"
           "\n"
-          "Continues a prompt with a model, to look at what it has learnt (on the cpu; one forward\n"
-          "pass over the window per token, no cache).\n"
+          "Continues a prompt with a model, to look at what it has learnt (on the cpu, in fp32; one\n"
+          "token at a time, the keys and values of the tokens before it cached: a token costs\n"
+          "about the same whatever the context).\n"
           "\n"
           "  --init DIR         a Hugging Face model directory (--save of ferry train, ferry export)\n"
           "  --model M          a preset or config.json (default: the --init directory's config)\n"
@@ -693,7 +694,8 @@ static void usage_sample(FILE *f) {
           "  --tokens N         tokens to add (default 100)\n"
           "  --temperature X    sampling temperature; 0 takes the most likely token (default 1)\n"
           "  --top-k K          draw among the K most likely tokens; 0: all (default 0)\n"
-          "  --seq T            the window (default: 128, or the model's positions if fewer)\n"
+          "  --seq T            the window: the tokens a new one sees (default: the model's\n"
+          "                     positions); when it is full its newest half starts it again\n"
           "  --seed S           the sampler's seed (default 1337)\n"
           "  --threads N        OpenMP threads (default: all cores)\n");
 }

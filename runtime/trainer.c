@@ -1703,32 +1703,45 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   e.data = NULL;
   if (e.device && strcmp(e.device, "cpu") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu", e.device);
-  FY_TRY(resolve_seq(&e));
+  if (e.precision && strcmp(e.precision, "fp32") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s: ferry sample computes in fp32", e.precision);
+  // The window: --seq, else every position the model has (a step costs one token's work whatever
+  // the context: the keys and values of the tokens before are cached).
+  struct fy_opt_config cfg;
+  FY_TRY(resolve_config(&e, &cfg));
+  const int64_t window = e.seq > 0 ? e.seq : cfg.max_position_embeddings;
+  if (window > cfg.max_position_embeddings)
+    return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
+                        (long long)window, (long long)cfg.max_position_embeddings);
+  e.seq = 1;  // the model runs one token at a time
   struct run r;
   fy_status st = setup(&e, &r, false, true);
-  const int64_t T = e.seq, V = r.cfg.vocab_size;
+  const int64_t V = r.cfg.vocab_size;
   for (int64_t i = 0; st == FY_OK && i < s->n_prompt; i++)
     if (s->prompt[i] < 0 || s->prompt[i] >= V)
       st = fy_error_set(FY_ERR_INVALID, "sample: prompt token %lld is %d, outside the vocabulary (%lld)", (long long)i,
                         s->prompt[i], (long long)V);
-  int32_t *inputs = calloc((size_t)T, 4), *targets = malloc((size_t)T * 4), *order = malloc((size_t)V * 4);
-  if (st == FY_OK && (!inputs || !targets || !order)) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-  for (int64_t t = 0; st == FY_OK && t < T; t++) targets[t] = -100;  // (no loss: the logits are what is read)
+  struct fy_kv_cache *kv = NULL;
+  int32_t *order = malloc((size_t)V * 4);
+  if (st == FY_OK && !order) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK) st = fy_kv_cache_create(r.model, window, &kv);
   memcpy(out, s->prompt, (size_t)s->n_prompt * 4);
   uint64_t rng = o->seed;
-  for (int64_t n = s->n_prompt; st == FY_OK && n < s->n_prompt + s->n_new; n++) {
-    // The window: the last T tokens at most (a causal model's last position sees them all);
-    // positions after them are zeros that no earlier position attends to.
-    int64_t len = n < T ? n : T, from = n - len;
-    memcpy(inputs, out + from, (size_t)len * 4);
-    memset(inputs + len, 0, (size_t)(T - len) * 4);
-    struct fy_batch b = {.B = 1, .T = T, .inputs = inputs, .targets = targets};
-    struct fy_loss loss;
-    if ((st = fy_engine_forward_eval(r.model, &b, &loss)) != FY_OK) break;
-    const float *logits = r.model->acts + r.model->graph->slots[r.model->graph->logits_slot].offset + (len - 1) * V;
-    out[n] = sample_token(logits, V, s->temperature, s->top_k, order, &rng);
+  const float *logits = NULL;
+  // out[0, fed): the tokens run so far (the cache holds the last of them); out[n] is drawn from
+  // the logits after out[n - 1].
+  for (int64_t fed = 0, n = s->n_prompt; st == FY_OK && n < s->n_prompt + s->n_new; n++) {
+    if (fy_kv_cache_len(kv) + (n - fed) > window) {
+      // The window is full: the newest half of it (at least the last token) runs again from
+      // position 0, as the model sees the start of a sequence.
+      fy_kv_cache_reset(kv);
+      fed = n - (window / 2 > 0 ? window / 2 : 1);
+    }
+    for (; st == FY_OK && fed < n; fed++) st = fy_engine_decode(r.model, kv, out[fed], &logits);
+    if (st == FY_OK) out[n] = sample_token(logits, V, s->temperature, s->top_k, order, &rng);
   }
-  free(inputs), free(targets), free(order);
+  fy_kv_cache_free(kv);
+  free(order);
   teardown(&r);
   return st;
 }

@@ -236,6 +236,14 @@ PY
   >/dev/null 2>&1
 expect 0 "ferry sample continues what the model learnt (greedy)" "^3,17,42,8,60,3,17,42,8,60,3,17,42$" -- sample \
   --init "$tmp/cycle" --prompt-ids 3,17,42 --tokens 10 --temperature 0
+# ... past a window of 8 (the cache full three times: its newest half runs again from position 0),
+# and a prompt longer than the window.
+expect 0 "ferry sample past its window (--seq 8)" "^3,17,42,8,60,3,17,42,8,60,3,17,42,8,60,3,17,42,8,60,3,17,42$" -- \
+  sample --init "$tmp/cycle" --prompt-ids 3,17,42 --tokens 20 --temperature 0 --seq 8
+expect 0 "ferry sample with a prompt longer than its window" "^(3,17,42,8,60,){2}3,17,42,8,60,3,17$" -- \
+  sample --init "$tmp/cycle" --prompt-ids 3,17,42,8,60,3,17,42,8,60,3 --tokens 6 --temperature 0 --seq 8
+expect 1 "ferry sample with a window longer than the model's" "longer than the model allows" -- \
+  sample --init "$tmp/cycle" --prompt-ids 3 --seq 100000
 expect 2 "ferry sample without a prompt" "--prompt" -- sample --init "$tmp/cycle"
 expect 2 "ferry sample with a bad id list" "comma-separated" -- sample --init "$tmp/cycle" --prompt-ids 3,x
 expect 1 "ferry sample with an id outside the vocabulary" "outside the vocabulary" -- sample --init "$tmp/cycle" \

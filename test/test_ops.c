@@ -689,6 +689,24 @@ static void test_attention(void) {
     free(m2), free(qkv), free(dout), free(out1), free(out2), free(att1), free(att2), free(dq1);
     free(dq2), free(scr), free(qd), free(oref);
   }
+  // Incremental decoding: each row of an unmasked forward, one token at a time against the cache
+  // of the keys and values before it.
+  {
+    int64_t T2 = 45, C2 = 48, NH2 = 3, cap = 50;
+    float sc = 0.3f;
+    float *qkv = frand_new(T2 * 3 * C2, 1.5f), *out = check_fnew(T2 * C2), *att = check_fnew(NH2 * T2 * T2);
+    float *kc = check_fnew(cap * C2), *vc = check_fnew(cap * C2), *sa = check_fnew(NH2 * cap), *o1 = check_fnew(C2);
+    CHECK_OK(fy_attention_forward(out, att, qkv, NULL, 1, T2, C2, NH2, sc));
+    double worst = 0;
+    for (int64_t t = 0; t < T2; t++) {
+      CHECK_OK(fy_attention_decode(o1, kc, vc, sa, qkv + t * 3 * C2, t, cap, C2, NH2, sc));
+      for (int64_t i = 0; i < C2; i++) worst = fmax(worst, fabs((double)o1[i] - out[t * C2 + i]));
+    }
+    CHECKF(worst < 1e-5, "attention decode vs forward: %g", worst);
+    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, cap, cap, C2, NH2, sc), FY_ERR_INVALID);
+    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, 0, cap, C2, 5, sc), FY_ERR_INVALID);
+    free(qkv), free(out), free(att), free(kc), free(vc), free(sa), free(o1);
+  }
 }
 
 // ---- elementwise ----

@@ -1,6 +1,7 @@
 // Integration: the trainer end to end on a tiny model and a synthetic shard — the loss falls, runs
 // are reproducible, micro-batching does not change the result, checkpoints round-trip, and bad
 // input is refused with a message.
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -366,6 +367,53 @@ int main(void) {
   struct fy_device *dev;
   CHECK_OK(fy_device_cpu_create(0, &dev));
   struct fy_model *m1, *m2;
+  // Decoding one token at a time against the cache of keys and values (ferry sample) gives the
+  // logits a full forward gives each position: the trained model, and a post-LN one with the
+  // embeddings projected (opt-350m's shape) and gelu.
+  for (int variant = 0; variant < 2; variant++) {
+    struct fy_opt_config dc = cfg;
+    if (variant == 1) dc.do_layer_norm_before = false, dc.word_embed_proj_dim = 16, dc.activation = FY_ACT_GELU;
+    const int64_t T = 8, V = dc.vocab_size;
+    struct fy_model *full, *one;
+    CHECK_OK(fy_model_create(&dc, 1, T, dev, &full));
+    CHECK_OK(fy_model_create(&dc, 1, 1, dev, &one));
+    if (variant == 0) {
+      CHECK_OK(fy_model_load(full, save));
+      CHECK_OK(fy_model_load(one, save));
+    } else {
+      fy_model_init_random(full, 11);
+      fy_model_init_random(one, 11);
+    }
+    int32_t toks[8] = {5, 17, 3, 96, 40, 40, 1, 60}, tg[8];
+    for (int t = 0; t < T; t++) tg[t] = -100;
+    struct fy_batch fb = {.B = 1, .T = T, .inputs = toks, .targets = tg};
+    struct fy_loss fl;
+    CHECK_OK(fy_engine_forward_eval(full, &fb, &fl));
+    const float *want = fy_engine_act(full, full->graph->logits_slot);
+    struct fy_kv_cache *kv = NULL;
+    CHECK_OK(fy_kv_cache_create(one, T, &kv));
+    double worst = 0;
+    float first[128];
+    for (int t = 0; t < T; t++) {
+      const float *lg;
+      CHECK_OK(fy_engine_decode(one, kv, toks[t], &lg));
+      if (t == 0) memcpy(first, lg, (size_t)(V < 128 ? V : 128) * 4);
+      for (int64_t v = 0; v < V; v++) worst = fmax(worst, fabs((double)lg[v] - want[t * V + v]));
+    }
+    CHECKF(worst < 1e-4, "variant %d: decoded logits vs the full forward's: %g", variant, worst);
+    const float *lg;
+    CHECK_ERR(fy_engine_decode(one, kv, toks[0], &lg), FY_ERR_INVALID);  // full
+    fy_kv_cache_reset(kv);
+    CHECK(fy_kv_cache_len(kv) == 0);
+    CHECK_OK(fy_engine_decode(one, kv, toks[0], &lg));  // position 0 again: the same logits
+    CHECK(memcmp(first, lg, (size_t)(V < 128 ? V : 128) * 4) == 0);
+    CHECK_ERR(fy_engine_decode(one, kv, (int32_t)V, &lg), FY_ERR_INVALID);  // outside the vocabulary
+    fy_kv_cache_free(kv);
+    kv = NULL;
+    CHECK_ERR(fy_kv_cache_create(full, T, &kv), FY_ERR_INVALID);  // built for 8 tokens, not one
+    fy_model_free(full);
+    fy_model_free(one);
+  }
   CHECK_OK(fy_model_create(&cfg, 2, 8, dev, &m1));
   CHECK_OK(fy_model_create(&cfg, 2, 8, dev, &m2));
   CHECK_OK(fy_model_load(m1, save));

@@ -89,6 +89,43 @@ fy_status fy_attention_forward(float *out, float *att, const float *qkv, const i
   return FY_OK;
 }
 
+fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *att, const float *qkv, int64_t len,
+                              int64_t cap, int64_t C, int64_t NH, float scale) {
+  FY_TRY(att_check(C, NH));
+  if (len < 0 || len >= cap)
+    return fy_error_set(FY_ERR_INVALID, "attention decode: position %lld outside a cache of %lld", (long long)len,
+                        (long long)cap);
+  const int64_t HS = C / NH, n = len + 1;
+  memcpy(kcache + len * C, qkv + C, (size_t)C * sizeof(float));
+  memcpy(vcache + len * C, qkv + 2 * C, (size_t)C * sizeof(float));
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < NH; h++) {
+    const float *q = qkv + h * HS;
+    float *row = att + h * cap, mx = -INFINITY, sum = 0.0f;
+    for (int64_t s = 0; s < n; s++) {  // row (n) = scale * q (HS) . k[s] (HS)
+      const float *k = kcache + s * C + h * HS;
+      float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+      for (int64_t i = 0; i < HS; i++) d += q[i] * k[i];
+      row[s] = d * scale;
+      mx = row[s] > mx ? row[s] : mx;
+    }
+    for (int64_t s = 0; s < n; s++) {
+      row[s] = fy_expf_(row[s] - mx);
+      sum += row[s];
+    }
+    const float inv = 1.0f / sum;
+    float *o = out + h * HS;  // o (HS) = sum over s of row[s] / sum * v[s] (HS)
+    for (int64_t i = 0; i < HS; i++) o[i] = 0.0f;
+    for (int64_t s = 0; s < n; s++) {
+      const float p = row[s] * inv, *v = vcache + s * C + h * HS;
+#pragma omp simd
+      for (int64_t i = 0; i < HS; i++) o[i] += p * v[i];
+    }
+  }
+  return FY_OK;
+}
+
 // dout (B,T,C), qkv (B,T,3C), att (B,NH,T,T) -> dqkv (B,T,3C) +=; scratch (B,NH,T,T)
 fy_status fy_attention_backward(float *dqkv, float *scratch, const float *dout, const float *qkv,
                                 const float *att, int64_t B, int64_t T, int64_t C, int64_t NH,
