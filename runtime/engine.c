@@ -337,16 +337,23 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
 // ---- incremental decoding ----
 
 struct fy_kv_cache {
+  struct fy_device *dev;  // where k and v live (the model's)
   int64_t cap, len;
-  int64_t *at;    // per op: where its keys start in k and v (-1: not an attention op)
-  float *k, *v;   // every attention op's (cap, C) keys and values, one after another
-  float *att;     // (NH, cap) scratch of the widest
+  size_t esize, bytes;    // an element of k and v (the compute dtype's), and each buffer's size
+  int64_t *at;            // per op: where its keys start in k and v, in elements (-1: not attention)
+  void *k, *v;            // every attention op's (cap, C) keys and values, one after another
+  float *att;             // (NH, cap) host scratch of the widest (the CPU's kernel)
+  float *logits;          // (V) the logits brought to the host (a device the host cannot address)
+  uint16_t *logits16;     // ... as the device holds them, with 16-bit compute
 };
 
 fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv_cache **out) {
   const struct fy_graph *g = m->graph;
-  if (g->B != 1 || g->T != 1 || m->device_memory || m->compute_dtype != FY_F32)
-    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one token, in host memory, computing in fp32");
+  // (On the cpu 16-bit compute is fp32 storage rounded at every op: not the decoding kernel's.)
+  const bool dtype_ok = m->compute_dtype == FY_F32 || (m->device_memory && m->compute_dtype == FY_BF16);
+  if (g->B != 1 || g->T != 1 || m->host || !dtype_ok || !m->kernels->attention_decode)
+    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one token, resident, computing in fp32 (or "
+                        "bf16 on a GPU)");
   if (cap < 1) return fy_error_set(FY_ERR_INVALID, "decoding: a cache of %lld tokens", (long long)cap);
   struct fy_kv_cache *kv = calloc(1, sizeof *kv);
   if (!kv || !(kv->at = malloc((size_t)g->n_ops * sizeof *kv->at))) {
@@ -359,14 +366,21 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
     kv->at[o] = op->kind == FY_OP_ATTENTION ? total : -1;
     if (op->kind == FY_OP_ATTENTION) total += cap * op->C, nh = op->NH > nh ? op->NH : nh;
   }
+  kv->dev = m->dev;
   kv->cap = cap;
-  kv->k = malloc((size_t)(total > 0 ? total : 1) * sizeof(float));
-  kv->v = malloc((size_t)(total > 0 ? total : 1) * sizeof(float));
-  kv->att = malloc((size_t)(nh * cap) * sizeof(float));
-  if (!kv->k || !kv->v || !kv->att) {
+  kv->esize = m->device_memory ? fy_dtype_size(m->compute_dtype) : 4;
+  kv->bytes = (size_t)(total > 0 ? total : 1) * kv->esize;
+  const int64_t V = m->cfg.vocab_size;
+  fy_status st = fy_device_alloc(m->dev, kv->bytes, &kv->k);
+  if (st == FY_OK) st = fy_device_alloc(m->dev, kv->bytes, &kv->v);
+  if (st == FY_OK && !(kv->att = malloc((size_t)(nh * cap) * sizeof(float)))) st = FY_ERR_NOMEM;
+  if (st == FY_OK && m->device_memory &&
+      (!(kv->logits = malloc((size_t)V * sizeof(float))) || !(kv->logits16 = malloc((size_t)V * 2))))
+    st = FY_ERR_NOMEM;
+  if (st != FY_OK) {
     fy_kv_cache_free(kv);
-    return fy_error_set(FY_ERR_NOMEM, "decoding: no memory for a cache of %lld tokens (%.1f MiB)", (long long)cap,
-                        2.0 * (double)total * 4 / 1048576.0);
+    return fy_error_set(FY_ERR_NOMEM, "decoding: no memory for a cache of %lld tokens (%.1f MiB on %s)",
+                        (long long)cap, 2.0 * (double)kv->bytes / 1048576.0, m->dev->name);
   }
   *out = kv;
   return FY_OK;
@@ -374,7 +388,9 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
 
 void fy_kv_cache_free(struct fy_kv_cache *kv) {
   if (!kv) return;
-  free(kv->at), free(kv->k), free(kv->v), free(kv->att);
+  if (kv->k) fy_device_dealloc(kv->dev, kv->k, kv->bytes);
+  if (kv->v) fy_device_dealloc(kv->dev, kv->v, kv->bytes);
+  free(kv->at), free(kv->att), free(kv->logits), free(kv->logits16);
   free(kv);
 }
 
@@ -389,16 +405,21 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t t
   int32_t target = -100;  // (no loss: the logits are what is read)
   const struct fy_batch batch = {.B = 1, .T = 1, .inputs = &token, .targets = &target};
   FY_TRY(fy_engine_check_batch(m, &batch));
-  m->positions[0] = (int32_t)(kv->len + 2);  // OPT's learned positions start at 2 (fy_engine_positions)
+  // OPT's learned positions start at 2 (fy_engine_positions); a device's go up with the batch.
+  int32_t *pos = m->device_memory ? m->host_positions : m->positions;
+  pos[0] = (int32_t)(kv->len + 2);
   struct fy_dev_batch b;
-  FY_TRY(stage_batch(m, &batch, NULL, &b));
+  FY_TRY(stage_batch(m, &batch, m->device_memory ? pos : NULL, &b));
   b.no_dropout = true;
+  if (m->compute_dtype != FY_F32 && !m->cparams_fresh) {
+    m->kernels->prepare_weights(m);
+    m->cparams_fresh = true;
+  }
   double loss_sum = 0;
   for (int o = 0; o < g->n_ops; o++) {
-    const struct fy_op *op = &g->ops[o];
-    if (op->kind == FY_OP_ATTENTION) {
-      FY_TRY(fy_attention_decode(fy_engine_act(m, op->out), kv->k + kv->at[o], kv->v + kv->at[o], kv->att,
-                                 fy_engine_act(m, op->in[0]), kv->len, kv->cap, op->C, op->NH, op->scale));
+    if (kv->at[o] >= 0) {
+      FY_TRY(m->kernels->attention_decode(m, o, (char *)kv->k + kv->at[o] * (int64_t)kv->esize,
+                                          (char *)kv->v + kv->at[o] * (int64_t)kv->esize, kv->att, kv->len, kv->cap));
       continue;
     }
     struct fy_op_call c;
@@ -408,7 +429,19 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t t
     if (c.st != FY_OK) return c.st;
   }
   kv->len++;
-  *logits = fy_engine_act(m, g->logits_slot);
+  const float *lg = fy_engine_act(m, g->logits_slot);
+  if (!m->device_memory) {
+    *logits = lg;
+    return FY_OK;
+  }
+  const int64_t V = m->cfg.vocab_size;
+  if (kv->esize == 2) {  // (fy_model_download waits for the kernels)
+    FY_TRY(fy_model_download(m, kv->logits16, lg, (size_t)V * 2));
+    for (int64_t i = 0; i < V; i++) kv->logits[i] = fy_bf16_to_f32(kv->logits16[i]);
+  } else {
+    FY_TRY(fy_model_download(m, kv->logits, lg, (size_t)V * 4));
+  }
+  *logits = kv->logits;
   return FY_OK;
 }
 

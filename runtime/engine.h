@@ -87,10 +87,11 @@ fy_status fy_engine_all_reduce_grads(struct fy_model *m);
 // Runs the forward pass op by op and sets *op to the first op whose output holds a NaN or an
 // infinity (-1 when none does): to name the culprit after a non-finite loss.
 fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op);
-// Incremental decoding (ferry sample), on a model built for one token (B = T = 1) in host memory
-// with fp32 compute: each step runs the forward of one token at the next position, its attention
-// against the keys and values the cache keeps of the tokens before (fy_attention_decode), so that
-// a step costs one token's work whatever the context. The cache holds `cap` tokens.
+// Incremental decoding (ferry sample), on a resident model built for one token (B = T = 1),
+// computing in fp32 (or bf16 on a GPU): each step runs the forward of one token at the next
+// position, its attention against the keys and values the cache keeps of the tokens before
+// (kernels->attention_decode), so that a step costs one token's work whatever the context. The
+// cache holds `cap` tokens, on the model's device.
 struct fy_kv_cache;
 fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv_cache **out);
 void fy_kv_cache_free(struct fy_kv_cache *kv);
@@ -98,9 +99,8 @@ void fy_kv_cache_free(struct fy_kv_cache *kv);
 void fy_kv_cache_reset(struct fy_kv_cache *kv);
 // Tokens the cache holds (the next token's position).
 int64_t fy_kv_cache_len(const struct fy_kv_cache *kv);
-// Runs `token` at position fy_kv_cache_len(kv) and appends it; *logits (V floats, in m's
-// activations: valid until the next call) are the next token's. FY_ERR_INVALID when the cache is
-// full.
+// Runs `token` at position fy_kv_cache_len(kv) and appends it; *logits (V floats on the host,
+// valid until the next call) are the next token's. FY_ERR_INVALID when the cache is full.
 fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t token, const float **logits);
 // Checks a batch's shape and ids against the model.
 fy_status fy_engine_check_batch(const struct fy_model *m, const struct fy_batch *batch);

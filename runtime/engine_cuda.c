@@ -350,6 +350,15 @@ static fy_status pattern_bias_add_cuda(struct fy_model *m, void *out, const void
   return fy_cuda_bias_add(out, bias, m->compute_dtype, rows, cols, ctx_of(m)->st);
 }
 
+static fy_status attention_decode_cuda(struct fy_model *m, int o, void *kcache, void *vcache, float *scratch,
+                                       int64_t len, int64_t cap) {
+  (void)scratch;  // (the kernel keeps its scores in shared memory)
+  const struct fy_op *op = &m->graph->ops[o];
+  struct cuda_ctx *x = m->kernels_ctx;
+  return fy_cuda_attention_decode(fy_engine_act(m, op->out), kcache, vcache, fy_engine_act(m, op->in[0]),
+                                  m->compute_dtype, len, cap, op->C, op->NH, op->scale, x->st);
+}
+
 static const struct fy_model_kernels cuda_kernels = {
     .op_forward = op_forward_cuda,
     .op_backward = op_backward_cuda,
@@ -365,6 +374,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .all_reduce = all_reduce_cuda,
     .pattern_add = pattern_add_cuda,
     .pattern_bias_add = pattern_bias_add_cuda,
+    .attention_decode = attention_decode_cuda,
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its

@@ -681,9 +681,9 @@ static void usage_sample(FILE *f) {
   fprintf(f,
           "usage: ferry sample --init DIR [--prompt TEXT | --prompt-ids IDS] [options]\n"
           "\n"
-          "Continues a prompt with a model, to look at what it has learnt (on the cpu, in fp32; one\n"
-          "token at a time, the keys and values of the tokens before it cached: a token costs\n"
-          "about the same whatever the context).\n"
+          "Continues a prompt with a model, to look at what it has learnt: one token at a time,\n"
+          "the keys and values of the tokens before it cached (a token costs about the same\n"
+          "whatever the context).\n"
           "\n"
           "  --init DIR         a Hugging Face model directory (--save of ferry train, ferry export)\n"
           "  --model M          a preset or config.json (default: the --init directory's config)\n"
@@ -697,17 +697,21 @@ static void usage_sample(FILE *f) {
           "  --seq T            the window: the tokens a new one sees (default: the model's\n"
           "                     positions); when it is full its newest half starts it again\n"
           "  --seed S           the sampler's seed (default 1337)\n"
-          "  --threads N        OpenMP threads (default: all cores)\n");
+          "  --threads N        OpenMP threads (default: all cores)\n"
+          "  --device D         cpu (default) or cuda (the whole model on GPU 0)\n"
+          "  --precision P      fp32 (the cpu's), or on cuda bf16 (default) or fp32\n");
 }
 
 static int cmd_sample(int argc, char **argv) {
-  enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_SEQ, S_SEED, S_THREADS, S_HELP };
+  enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_SEQ, S_SEED, S_THREADS, S_DEVICE,
+         S_PRECISION, S_HELP };
   static const struct option opts[] = {
       {"init", required_argument, 0, S_INIT}, {"model", required_argument, 0, S_MODEL},
       {"prompt", required_argument, 0, S_PROMPT}, {"prompt-ids", required_argument, 0, S_IDS},
       {"tokens", required_argument, 0, S_TOKENS}, {"temperature", required_argument, 0, S_TEMP},
       {"top-k", required_argument, 0, S_TOPK}, {"seq", required_argument, 0, S_SEQ},
       {"seed", required_argument, 0, S_SEED}, {"threads", required_argument, 0, S_THREADS},
+      {"device", required_argument, 0, S_DEVICE}, {"precision", required_argument, 0, S_PRECISION},
       {"help", no_argument, 0, S_HELP}, {0, 0, 0, 0}};
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
@@ -733,6 +737,8 @@ static int cmd_sample(int argc, char **argv) {
       case S_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
       case S_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
       case S_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
+      case S_DEVICE: o.device = optarg; break;
+      case S_PRECISION: o.precision = optarg; break;
       case S_HELP: usage_sample(stdout); return 0;
       case ':': fprintf(stderr, "ferry sample: %s needs a value\n", argv[optind - 1]); return 2;
       default:

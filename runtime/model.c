@@ -73,6 +73,13 @@ static void cpu_prepare_weights(struct fy_model *m) {
   fy_round_to_dtype(m->cparams, m->params, m->compute_dtype, (size_t)m->graph->n_param_elems);
 }
 
+static fy_status cpu_attention_decode(struct fy_model *m, int o, void *kcache, void *vcache, float *scratch,
+                                      int64_t len, int64_t cap) {
+  const struct fy_op *op = &m->graph->ops[o];
+  return fy_attention_decode(fy_engine_act(m, op->out), kcache, vcache, scratch, fy_engine_act(m, op->in[0]), len, cap,
+                             op->C, op->NH, op->scale);
+}
+
 const struct fy_model_kernels fy_model_cpu_kernels = {
     .op_forward = fy_op_call_forward,
     .op_backward = fy_op_call_backward,
@@ -80,6 +87,7 @@ const struct fy_model_kernels fy_model_cpu_kernels = {
     .adamw = cpu_adamw,
     .prepare_weights = cpu_prepare_weights,
     .grads_sum = cpu_grads_sum,
+    .attention_decode = cpu_attention_decode,
 };
 
 // Parameter-sized buffers: from the host tier when offloading (zeroed, untouched pages), else

@@ -1701,10 +1701,14 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   struct fy_train_opts e = *o;
   e.batch = 1;
   e.data = NULL;
-  if (e.device && strcmp(e.device, "cpu") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu", e.device);
-  if (e.precision && strcmp(e.precision, "fp32") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s: ferry sample computes in fp32", e.precision);
+  const bool cuda = e.device && strcmp(e.device, "cuda") == 0;
+  if (e.device && strcmp(e.device, "cpu") != 0 && !cuda)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu or a GPU (cuda)", e.device);
+  if (e.offload) return fy_error_set(FY_ERR_UNSUPPORTED, "--offload: ferry sample holds the whole model on the GPU");
+  if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
+  if (strcmp(e.precision, "fp32") != 0 && !(cuda && strcmp(e.precision, "bf16") == 0))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s: ferry sample computes in fp32, or bf16 on a GPU",
+                        e.precision);
   // The window: --seq, else every position the model has (a step costs one token's work whatever
   // the context: the keys and values of the tokens before are cached).
   struct fy_opt_config cfg;

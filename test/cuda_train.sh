@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident) and --plan auto; dropout with validation between steps. bench/gpu/check.sh runs it on a GPU with
+# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident) and --plan auto; dropout with validation between steps; ferry sample on the GPU. bench/gpu/check.sh runs it on a GPU with
 # opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
 # usage: test/cuda_train.sh FERRY DIR [--model M] [--batch B] [--seq T] [--offload-mem SIZE] [--blocks N]
@@ -223,5 +223,22 @@ print("dev chunks bf16  ", " ".join(f"{x:.5f}" for x in c))
 print("dev chunks accum ", " ".join(f"{x:.5f}" for x in dacc))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) and close(acc, dacc) else 1)
+PY
+# ferry sample on the GPU (a token at a time, the keys and values cached there) against the
+# CPU's: the same tokens drawn in fp32 (the same seed), past a window of 8 (the cache run again
+# from its newest half); bf16 draws as many tokens, each in the vocabulary.
+ferry_run samplemodel "${common[@]}" --device cpu --save "$d/samplemodel" || exit 1
+sp=(sample --init "$d/samplemodel" --prompt-ids 2,10,20 --tokens 24 --temperature 1 --seed 5 --seq 8)
+ferry_run samplecpu "${sp[@]}" || exit 1
+ferry_run samplecuda "${sp[@]}" --device cuda --precision fp32 || exit 1
+ferry_run samplecuda16 "${sp[@]}" --device cuda || exit 1
+python3 - "$d/samplecpu.out" "$d/samplecuda.out" "$d/samplecuda16.out" "$d/samplemodel/config.json" <<'PY' || exit 1
+import json, sys
+a, b, c = ([int(x) for x in open(p).read().split()[-1].split(",")] for p in sys.argv[1:4])
+V = json.load(open(sys.argv[4]))["vocab_size"]
+print("sample cpu      ", a)
+print("sample cuda fp32", b)
+print("sample cuda bf16", c)
+sys.exit(0 if a == b and len(c) == len(a) == 27 and all(0 <= x < V for x in c) else 1)
 PY
 echo "cuda_train: every comparison holds"

@@ -1442,3 +1442,77 @@ extern "C" fy_status fy_cuda_attention_check(enum fy_dtype dt, int64_t C, int64_
   const int HS = (int)(C / NH);
   return att_smem_fits("attention", dt, HS, att_smem_need(HS, tc_usable(dt, C, NH, NULL, NULL, NULL)));
 }
+
+// ---- incremental decoding ----
+
+#define DEC_THREADS 128
+
+// qkv (1,3C) at position len -> kcache, vcache (cap,C) row len; out (1,C): block h owns head h.
+// Every thread of the block first writes its share of the head's key and value into the caches,
+// then scores keys strided by thread (a dot over HS each), the block takes the maximum and the
+// sum, and thread i < HS sums column i of the weighted values in key order (one owner: the same
+// bits every run).
+template <typename T>
+__global__ void __launch_bounds__(DEC_THREADS)
+attention_decode_kernel(T *out, T *kcache, T *vcache, const T *qkv, int len, int C, int HS, float scale) {
+  extern __shared__ float dec_smem[];  // scores (len + 1), then the block's reductions (DEC_THREADS)
+  float *sc = dec_smem, *red = dec_smem + len + 1;
+  const int h = blockIdx.x, tid = threadIdx.x, n = len + 1;
+  const T *q = qkv + h * HS;
+  for (int i = tid; i < HS; i += DEC_THREADS) {
+    kcache[(int64_t)len * C + h * HS + i] = qkv[C + h * HS + i];
+    vcache[(int64_t)len * C + h * HS + i] = qkv[2 * C + h * HS + i];
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int s = tid; s < n; s += DEC_THREADS) {
+    const T *k = kcache + (int64_t)s * C + h * HS;
+    float d = 0.0f;
+    for (int i = 0; i < HS; i++) d += fy_ld(q + i) * fy_ld(k + i);
+    sc[s] = d * scale;
+    mx = fmaxf(mx, sc[s]);
+  }
+  red[tid] = mx;
+  __syncthreads();
+  for (int w = DEC_THREADS / 2; w > 0; w >>= 1) {
+    if (tid < w) red[tid] = fmaxf(red[tid], red[tid + w]);
+    __syncthreads();
+  }
+  mx = red[0];
+  __syncthreads();
+  float sum = 0.0f;
+  for (int s = tid; s < n; s += DEC_THREADS) {
+    sc[s] = expf(sc[s] - mx);
+    sum += sc[s];
+  }
+  red[tid] = sum;
+  __syncthreads();
+  for (int w = DEC_THREADS / 2; w > 0; w >>= 1) {
+    if (tid < w) red[tid] += red[tid + w];
+    __syncthreads();
+  }
+  const float inv = 1.0f / red[0];
+  for (int i = tid; i < HS; i += DEC_THREADS) {
+    float o = 0.0f;
+    for (int s = 0; s < n; s++) o += sc[s] * fy_ld(vcache + (int64_t)s * C + h * HS + i);
+    fy_st(out + h * HS + i, o * inv);
+  }
+}
+
+extern "C" fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vcache, const void *qkv, enum fy_dtype dt,
+                                              int64_t len, int64_t cap, int64_t C, int64_t NH, float scale,
+                                              cudaStream_t st) {
+  int64_t nb = 0;
+  FY_TRY(att_check("attention_decode", 1, 1, C, NH, &nb));
+  if (len < 0 || len >= cap)
+    return fy_error_set(FY_ERR_INVALID, "cuda attention_decode: position %lld outside a cache of %lld",
+                        (long long)len, (long long)cap);
+  if (cap > 12000)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "cuda attention_decode: a cache of %lld tokens (at most 12000)",
+                        (long long)cap);
+  const size_t smem = (size_t)(len + 1 + DEC_THREADS) * sizeof(float);
+  FY_CUDA_DISPATCH("attention_decode", dt, E,
+                   attention_decode_kernel<E><<<(unsigned)NH, DEC_THREADS, smem, st>>>(
+                       (E *)out, (E *)kcache, (E *)vcache, (const E *)qkv, (int)len, (int)C, (int)(C / NH), scale));
+  return fy_cuda_launched("attention_decode");
+}
