@@ -204,14 +204,20 @@ static fy_status resident_fits(const struct fy_train_opts *o, const struct run *
   const double has = o->device_mem ? (double)o->device_mem : (double)fy_engine_cuda_free_memory(gpu);
   if (need <= has || has <= 0) return FY_OK;
   char b[4][32];
+  // (A model for evaluation or sampling: weights and activations alone, and other remedies.)
+  const char *remedy = r->eval ? "run it on the cpu (--device cpu), or, with ferry eval, offloaded (--offload: the "
+                                 "weights in pinned host memory, a cache of its chunks on the GPU) or with a smaller "
+                                 "--batch"
+                               : "train it offloaded (--offload: the state in pinned host memory, a cache of its "
+                                 "chunks on the GPU), or with --recompute or a smaller --batch, or split over GPUs "
+                                 "(--tp)";
   return fy_error_set(FY_ERR_NOMEM,
                       "%s resident on GPU %d with micro-batch %lld x %lld needs %s (%s of weights%s, %s of "
-                      "activations and kernel scratch) but %s %s: train it offloaded (--offload: the state in "
-                      "pinned host memory, a cache of its chunks on the GPU), or with --recompute or a smaller "
-                      "--batch, or split over GPUs (--tp)", r->cfg.name, gpu, (long long)o->batch, (long long)o->seq,
-                      fy_format_bytes(need, b[0], sizeof b[0]), fy_format_bytes(state, b[1], sizeof b[1]),
-                      r->eval ? "" : ", gradients and AdamW state", fy_format_bytes(need - state, b[2], sizeof b[2]),
-                      o->device_mem ? "--device-mem is" : "the GPU has", fy_format_bytes(has, b[3], sizeof b[3]));
+                      "activations and kernel scratch) but %s %s: %s", r->cfg.name, gpu, (long long)o->batch,
+                      (long long)o->seq, fy_format_bytes(need, b[0], sizeof b[0]),
+                      fy_format_bytes(state, b[1], sizeof b[1]), r->eval ? "" : ", gradients and AdamW state",
+                      fy_format_bytes(need - state, b[2], sizeof b[2]),
+                      o->device_mem ? "--device-mem is" : "the GPU has", fy_format_bytes(has, b[3], sizeof b[3]), remedy);
 }
 #endif
 
