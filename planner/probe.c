@@ -416,16 +416,14 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
   if (!disk_dir || !disk_dir[0]) return FY_OK;
   if (strlen(disk_dir) >= sizeof p->disk_dir)
     return fy_error_set(FY_ERR_INVALID, "probe: disk directory name too long (%zu bytes)", strlen(disk_dir));
-  char real[PATH_MAX];
-  if (p->disk_dir[0] && p->disk_read_gbps > 0 && p->disk_write_gbps > 0 && realpath(disk_dir, real) &&
-      strcmp(real, p->disk_dir) == 0)
-    return FY_OK;
   FY_TRY(fy_mkdir_p(disk_dir));  // (the directory the disk tier will use: made when missing)
+  char real[PATH_MAX];
+  const char *d = realpath(disk_dir, real) && strlen(real) < sizeof p->disk_dir ? real : disk_dir;
+  if (p->disk_dir[0] && p->disk_read_gbps > 0 && p->disk_write_gbps > 0 && strcmp(d, p->disk_dir) == 0) return FY_OK;
   double rd = 0, wr = 0;
   FY_TRY(measure_disk(disk_dir, &rd, &wr));
   p->disk_read_gbps = round4(rd);
   p->disk_write_gbps = round4(wr);
-  const char *d = realpath(disk_dir, real) && strlen(real) < sizeof p->disk_dir ? real : disk_dir;
   snprintf(p->disk_dir, sizeof p->disk_dir, "%s", d);
   *measured = true;
   return FY_OK;

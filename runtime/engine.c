@@ -344,7 +344,7 @@ struct fy_kv_cache {
   void *k, *v;            // every attention op's (cap, C) keys and values, one after another
   float *att;             // (NH, cap) host scratch of the widest (the CPU's kernel)
   float *logits;          // (V) the logits brought to the host (a device the host cannot address)
-  uint16_t *logits16;     // ... as the device holds them, with 16-bit compute
+  void *logits_raw;       // ... as the device holds them (V of the compute dtype), with 16-bit compute
 };
 
 fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv_cache **out) {
@@ -375,7 +375,8 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
   if (st == FY_OK) st = fy_device_alloc(m->dev, kv->bytes, &kv->v);
   if (st == FY_OK && !(kv->att = malloc((size_t)(nh * cap) * sizeof(float)))) st = FY_ERR_NOMEM;
   if (st == FY_OK && m->device_memory &&
-      (!(kv->logits = malloc((size_t)V * sizeof(float))) || !(kv->logits16 = malloc((size_t)V * 2))))
+      (!(kv->logits = malloc((size_t)V * sizeof(float))) ||
+       (kv->esize != 4 && !(kv->logits_raw = malloc((size_t)V * kv->esize)))))
     st = FY_ERR_NOMEM;
   if (st != FY_OK) {
     fy_kv_cache_free(kv);
@@ -390,7 +391,7 @@ void fy_kv_cache_free(struct fy_kv_cache *kv) {
   if (!kv) return;
   if (kv->k) fy_device_dealloc(kv->dev, kv->k, kv->bytes);
   if (kv->v) fy_device_dealloc(kv->dev, kv->v, kv->bytes);
-  free(kv->at), free(kv->att), free(kv->logits), free(kv->logits16);
+  free(kv->at), free(kv->att), free(kv->logits), free(kv->logits_raw);
   free(kv);
 }
 
@@ -434,12 +435,12 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t t
     *logits = lg;
     return FY_OK;
   }
-  const int64_t V = m->cfg.vocab_size;
-  if (kv->esize == 2) {  // (fy_model_download waits for the kernels)
-    FY_TRY(fy_model_download(m, kv->logits16, lg, (size_t)V * 2));
-    for (int64_t i = 0; i < V; i++) kv->logits[i] = fy_bf16_to_f32(kv->logits16[i]);
+  const size_t V = (size_t)m->cfg.vocab_size;  // (fy_model_download waits for the kernels)
+  if (kv->logits_raw) {
+    FY_TRY(fy_model_download(m, kv->logits_raw, lg, V * kv->esize));
+    fy_convert_to_f32(kv->logits, kv->logits_raw, m->compute_dtype, V);
   } else {
-    FY_TRY(fy_model_download(m, kv->logits, lg, (size_t)V * 4));
+    FY_TRY(fy_model_download(m, kv->logits, lg, V * sizeof(float)));
   }
   *logits = kv->logits;
   return FY_OK;

@@ -819,7 +819,7 @@ int main(int argc, char **argv) {
   }
   if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
     printf("ferry %s\n", FERRY_VERSION);
-    // The GPU architectures the CUDA kernels were compiled for (meson's -Dcuda_arch).
+    // The GPU architectures the CUDA kernels were compiled for (meson's -Dgpu_arch).
     printf("CUDA: %s\n", FY_HAVE_CUDA ? FY_CUDA_ARCHS : "not built (no nvcc when it was configured)");
     return 0;
   }

@@ -194,10 +194,11 @@ static fy_status open_gpu(const struct fy_train_opts *o, struct run *r) {
   return FY_OK;
 }
 
-// A model resident on GPU `gpu`: what it will take there (fy_cost_resident_bytes, to the byte)
-// against --device-mem or what the GPU has free, refused before anything is allocated with the
-// numbers and the ways to make it fit.
-static fy_status resident_fits(const struct fy_train_opts *o, const struct run *r, int gpu) {
+// A model resident on the run's GPU: what it will take there (fy_cost_resident_bytes, to the
+// byte) against --device-mem or what the GPU has free, refused before anything is allocated with
+// the numbers and the ways to make it fit.
+static fy_status resident_fits(const struct fy_train_opts *o, const struct run *r) {
+  const int gpu = r->gpu;
   double need, state;
   FY_TRY(fy_cost_resident_bytes(&r->cfg, o->batch, o->seq, o->recompute, !r->eval, precision_dtype(o) != FY_F32,
                                 o->grad_accum > 1, &need, &state));
@@ -394,6 +395,13 @@ static fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) 
   return FY_OK;
 }
 
+// --seq against the model's learned positions.
+static fy_status seq_fits(int64_t seq, const struct fy_opt_config *cfg) {
+  if (seq <= cfg->max_position_embeddings) return FY_OK;
+  return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)", (long long)seq,
+                      (long long)cfg->max_position_embeddings);
+}
+
 static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool eval) {
   memset(r, 0, sizeof *r);
   r->eval = eval;
@@ -419,9 +427,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   FY_TRY(resolve_config(o, &r->cfg));
   // Dropout while training (evaluation has none); its probability is checked with the graph.
   if (!eval) r->cfg.train_dropout = train_dropout(o, &r->cfg);
-  if (o->seq > r->cfg.max_position_embeddings)
-    return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
-                        (long long)o->seq, (long long)r->cfg.max_position_embeddings);
+  FY_TRY(seq_fits(o->seq, &r->cfg));
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim and on GPUs.
@@ -479,7 +485,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute;
     // several ranks are replicas, one GPU each, whose gradients NCCL sums.
     FY_TRY(open_gpu(o, r));
-    FY_TRY(resident_fits(o, r, r->gpu));
+    FY_TRY(resident_fits(o, r));
     if (r->dp > 1) {
       st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
@@ -1720,9 +1726,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(&e, &cfg));
   const int64_t window = e.seq > 0 ? e.seq : cfg.max_position_embeddings;
-  if (window > cfg.max_position_embeddings)
-    return fy_error_set(FY_ERR_INVALID, "--seq %lld is longer than the model allows (%lld positions)",
-                        (long long)window, (long long)cfg.max_position_embeddings);
+  FY_TRY(seq_fits(window, &cfg));
   e.seq = 1;  // the model runs one token at a time
   struct run r;
   fy_status st = setup(&e, &r, false, true);

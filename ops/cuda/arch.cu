@@ -15,18 +15,17 @@ __global__ void arch_probe_kernel(int *x) {
 }
 
 extern "C" fy_status fy_cuda_gpu_usable(int ordinal) {
-  int prev = 0, major = 0, minor = 0;
+  int prev = 0;
   if (cudaGetDevice(&prev) != cudaSuccess) prev = 0;
-  cudaError_t e = cudaSetDevice(ordinal);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
   cudaDeviceProp prop;
+  cudaError_t e = cudaSetDevice(ordinal);
   if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, ordinal);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     cudaSetDevice(prev);
     return fy_error_set(FY_ERR_UNSUPPORTED, "cuda: GPU %d: %s", ordinal, cudaGetErrorString(e));
   }
+  const int major = prop.major, minor = prop.minor;
   fy_status st = FY_OK;
   if (major < 8) {
     st = fy_error_set(FY_ERR_UNSUPPORTED,

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+
 extern "C" {
 #include "core/log.h"
 }
@@ -1328,17 +1330,26 @@ static size_t att_smem_need(int HS, bool tc) {
   return need;
 }
 
-// What the current GPU allows a block (cudaFuncSetAttribute's ceiling), against `need`.
+// What the current GPU allows a block (cudaFuncSetAttribute's ceiling), against `need`. Every
+// attention launch asks: the ceiling is read once per GPU (0 until then), the rest only to refuse.
 static fy_status att_smem_fits(const char *what, enum fy_dtype dt, int HS, size_t need) {
+  static std::atomic<int> ceiling[64];
   int dev = 0, limit = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     (void)cudaGetLastError();
     return FY_OK;  // the launch itself will say what is wrong
   }
+  if ((limit = ceiling[dev].load(std::memory_order_relaxed)) == 0) {
+    if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return FY_OK;
+    }
+    ceiling[dev].store(limit, std::memory_order_relaxed);
+  }
   if (need <= (size_t)limit) return FY_OK;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    (void)cudaGetLastError();
   if (dt == FY_BF16 || HS % 16 != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED,
                         "cuda %s: %s attention with head size %d takes %.1f KiB of shared memory a block; GPU %d "
@@ -1445,56 +1456,42 @@ extern "C" fy_status fy_cuda_attention_check(enum fy_dtype dt, int64_t C, int64_
 
 // ---- incremental decoding ----
 
-#define DEC_THREADS 128
+#define DEC_THREADS 32  // one warp a head: fy_warp_max and fy_warp_sum take its reductions
 
 // qkv (1,3C) at position len -> kcache, vcache (cap,C) row len; out (1,C): block h owns head h.
-// Every thread of the block first writes its share of the head's key and value into the caches,
-// then scores keys strided by thread (a dot over HS each), the block takes the maximum and the
-// sum, and thread i < HS sums column i of the weighted values in key order (one owner: the same
-// bits every run).
+// The lanes write the head's key and value into the caches, score the keys strided by lane (a dot
+// over HS each), take the maximum and the sum across the warp, and lane i sums column i (and i +
+// 32, ...) of the weighted values in key order (one owner: the same bits every run).
 template <typename T>
 __global__ void __launch_bounds__(DEC_THREADS)
 attention_decode_kernel(T *out, T *kcache, T *vcache, const T *qkv, int len, int C, int HS, float scale) {
-  extern __shared__ float dec_smem[];  // scores (len + 1), then the block's reductions (DEC_THREADS)
-  float *sc = dec_smem, *red = dec_smem + len + 1;
-  const int h = blockIdx.x, tid = threadIdx.x, n = len + 1;
+  extern __shared__ float dec_scores[];  // (len + 1)
+  const int h = blockIdx.x, lane = threadIdx.x, n = len + 1;
   const T *q = qkv + h * HS;
-  for (int i = tid; i < HS; i += DEC_THREADS) {
+  for (int i = lane; i < HS; i += DEC_THREADS) {
     kcache[(int64_t)len * C + h * HS + i] = qkv[C + h * HS + i];
     vcache[(int64_t)len * C + h * HS + i] = qkv[2 * C + h * HS + i];
   }
-  __syncthreads();
+  __syncthreads();  // (the block is the warp) the new key is in the cache for every lane
   float mx = -INFINITY;
-  for (int s = tid; s < n; s += DEC_THREADS) {
+  for (int s = lane; s < n; s += DEC_THREADS) {
     const T *k = kcache + (int64_t)s * C + h * HS;
     float d = 0.0f;
     for (int i = 0; i < HS; i++) d += fy_ld(q + i) * fy_ld(k + i);
-    sc[s] = d * scale;
-    mx = fmaxf(mx, sc[s]);
+    dec_scores[s] = d * scale;
+    mx = fmaxf(mx, dec_scores[s]);
   }
-  red[tid] = mx;
-  __syncthreads();
-  for (int w = DEC_THREADS / 2; w > 0; w >>= 1) {
-    if (tid < w) red[tid] = fmaxf(red[tid], red[tid + w]);
-    __syncthreads();
-  }
-  mx = red[0];
-  __syncthreads();
+  mx = fy_warp_max(mx);
   float sum = 0.0f;
-  for (int s = tid; s < n; s += DEC_THREADS) {
-    sc[s] = expf(sc[s] - mx);
-    sum += sc[s];
+  for (int s = lane; s < n; s += DEC_THREADS) {
+    dec_scores[s] = expf(dec_scores[s] - mx);
+    sum += dec_scores[s];
   }
-  red[tid] = sum;
-  __syncthreads();
-  for (int w = DEC_THREADS / 2; w > 0; w >>= 1) {
-    if (tid < w) red[tid] += red[tid + w];
-    __syncthreads();
-  }
-  const float inv = 1.0f / red[0];
-  for (int i = tid; i < HS; i += DEC_THREADS) {
+  const float inv = 1.0f / fy_warp_sum(sum);
+  __syncthreads();  // every lane's scores are written before any lane reads them all
+  for (int i = lane; i < HS; i += DEC_THREADS) {
     float o = 0.0f;
-    for (int s = 0; s < n; s++) o += sc[s] * fy_ld(vcache + (int64_t)s * C + h * HS + i);
+    for (int s = 0; s < n; s++) o += dec_scores[s] * fy_ld(vcache + (int64_t)s * C + h * HS + i);
     fy_st(out + h * HS + i, o * inv);
   }
 }
@@ -1510,7 +1507,7 @@ extern "C" fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vca
   if (cap > 12000)
     return fy_error_set(FY_ERR_UNSUPPORTED, "cuda attention_decode: a cache of %lld tokens (at most 12000)",
                         (long long)cap);
-  const size_t smem = (size_t)(len + 1 + DEC_THREADS) * sizeof(float);
+  const size_t smem = (size_t)(len + 1) * sizeof(float);
   FY_CUDA_DISPATCH("attention_decode", dt, E,
                    attention_decode_kernel<E><<<(unsigned)NH, DEC_THREADS, smem, st>>>(
                        (E *)out, (E *)kcache, (E *)vcache, (const E *)qkv, (int)len, (int)C, (int)(C / NH), scale));

@@ -226,7 +226,7 @@ fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, const void *dou
 // One new token against the cached keys and values of the tokens before it (incremental
 // decoding, as fy_attention_decode on the CPU): qkv (1,3C) of the token at position len -> its key
 // and value into row len of kcache and vcache (cap,C); out (1,C) = per head, softmax(scale q.k)
-// over cache rows 0..len times their values. A block per head; cap at most 12000 (the scores in
+// over cache rows 0..len times their values. A warp per head; cap at most 12000 (the scores in
 // shared memory).
 fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vcache, const void *qkv, enum fy_dtype dt,
                                    int64_t len, int64_t cap, int64_t C, int64_t NH, float scale, cudaStream_t st);

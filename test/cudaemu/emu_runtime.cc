@@ -63,6 +63,12 @@ std::map<const void *, int> max_dynamic_smem;  // cudaFuncSetAttribute
 
 const size_t DEFAULT_SMEM = 48 << 10;
 
+// An FY_EMU_* switch: set, and neither empty nor "0".
+bool env_on(const char *name) {
+  const char *v = getenv(name);
+  return v && *v && strcmp(v, "0") != 0;
+}
+
 // The emulated GPU: sm_90 with 227 KiB of shared memory a block unless FY_EMU_CC ("8.9") and
 // FY_EMU_OPTIN_SMEM (bytes) say otherwise, to try ferry's checks on other GPUs.
 struct emu_arch {
@@ -308,11 +314,6 @@ const char *cudaGetErrorString(cudaError_t e) {
 
 // FY_EMU_OLD_DRIVER=1: the driver supports CUDA 12.4 only; FY_EMU_NO_DRIVER=1: none is installed.
 // Either way CUDA finds no GPU and says the driver is insufficient.
-static bool env_on(const char *name) {
-  const char *v = getenv(name);
-  return v && *v && strcmp(v, "0") != 0;
-}
-
 cudaError_t cudaDriverGetVersion(int *v) {
   *v = env_on("FY_EMU_NO_DRIVER") ? 0 : env_on("FY_EMU_OLD_DRIVER") ? 12040 : CUDART_VERSION;
   return cudaSuccess;
@@ -644,8 +645,7 @@ cudaError_t cudaFuncSetAttribute(const void *fn, enum cudaFuncAttribute attr, in
 // FY_EMU_NO_IMAGE=1: the GPU has no code in the build (what CUDA says of a kernel compiled for
 // other architectures only)
 cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes *a, const void *fn) {
-  const char *ni = getenv("FY_EMU_NO_IMAGE");
-  if (ni && *ni && strcmp(ni, "0") != 0) return fail(cudaErrorNoKernelImageForDevice);
+  if (env_on("FY_EMU_NO_IMAGE")) return fail(cudaErrorNoKernelImageForDevice);
   if (!a || !fn) return fail(cudaErrorInvalidValue);
   memset(a, 0, sizeof *a);
   a->maxThreadsPerBlock = 1024;
