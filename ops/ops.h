@@ -98,13 +98,13 @@ fy_status fy_attention_backward(float *dqkv, float *scratch, const float *dout, 
 // The oneDNN products and parallel loops one forward (or backward) call makes: what it costs in
 // hand-offs to OpenMP's threads besides its work (the planner prices them on the sim device).
 int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward);
-// One new token against the keys and values of the tokens before it (incremental decoding, as
-// ferry sample does): qkv (1,3C) of the token at position len -> its key and value into row len of
-// kcache and vcache (cap,C); out (1,C) = per head, softmax(scale q.k) over cache rows 0..len, times
-// their values. att: NH*cap floats of scratch. Row t of fy_attention_forward without a mask, one
-// row at a time (the same sums, in another order).
+// New tokens against the keys and values of the tokens before them (incremental decoding, as
+// ferry sample does): qkv (n,3C) of the tokens at positions len .. len+n-1 -> their keys and
+// values into rows len .. len+n-1 of kcache and vcache (cap,C); out (n,C) = per head and token t,
+// softmax(scale q.k) over cache rows 0..len+t, times their values. att: NH*cap floats of scratch.
+// Rows len .. len+n-1 of fy_attention_forward without a mask (the same sums, in another order).
 fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *att, const float *qkv, int64_t len,
-                              int64_t cap, int64_t C, int64_t NH, float scale);
+                              int64_t n, int64_t cap, int64_t C, int64_t NH, float scale);
 
 // ---- elementwise ----
 

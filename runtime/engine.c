@@ -91,7 +91,7 @@ void fy_op_call_forward(void *arg) {
   struct fy_model *m = c->m;
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
-  const int64_t B = g->B, T = g->T, BT = B * T;
+  const int64_t B = g->B, T = g->T, BT = fy_op_call_rows(c);
   float *out = fy_engine_act(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   double t0 = m->profile ? omp_get_wtime() : 0;
@@ -115,13 +115,14 @@ void fy_op_call_forward(void *arg) {
       break;
     }
     case FY_OP_ATTENTION:
-      st = fy_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, B, T, op->C, op->NH, op->scale);
+      st = fy_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, B, c->rows ? BT : T, op->C,
+                                op->NH, op->scale);
       break;
     case FY_OP_RELU:
-      fy_relu_forward(out, in0, g->slots[op->out].numel);
+      fy_relu_forward(out, in0, fy_op_call_numel(c, op->out));
       break;
     case FY_OP_GELU:
-      fy_gelu_forward(out, in0, g->slots[op->out].numel);
+      fy_gelu_forward(out, in0, fy_op_call_numel(c, op->out));
       break;
     case FY_OP_ADD: {
       uint64_t key;
@@ -129,7 +130,7 @@ void fy_op_call_forward(void *arg) {
       if (fy_engine_dropout(c, op, &key, &u0))
         fy_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), BT, op->C, key, u0, op->dropout);
       else
-        fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), g->slots[op->out].numel);
+        fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), fy_op_call_numel(c, op->out));
       break;
     }
     case FY_OP_CROSS_ENTROPY: {
@@ -144,7 +145,7 @@ void fy_op_call_forward(void *arg) {
   if (st == FY_OK) st = fy_engine_run_hook(m, c->op, false, &run);
   // 16-bit numerics: the output as a 16-bit tensor would hold it (the per-row losses stay fp32).
   if (m->compute_dtype != FY_F32 && op->kind != FY_OP_CROSS_ENTROPY)
-    fy_round_to_dtype(out, out, m->compute_dtype, (size_t)g->slots[op->out].numel);
+    fy_round_to_dtype(out, out, m->compute_dtype, (size_t)fy_op_call_numel(c, op->out));
   if (m->profile) m->op_seconds[op->kind][0] += omp_get_wtime() - t0;
   if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s", op->name);
 }
@@ -351,9 +352,9 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
   const struct fy_graph *g = m->graph;
   // (On the cpu 16-bit compute is fp32 storage rounded at every op: not the decoding kernel's.)
   const bool dtype_ok = m->compute_dtype == FY_F32 || (m->device_memory && m->compute_dtype == FY_BF16);
-  if (g->B != 1 || g->T != 1 || m->host || !dtype_ok || !m->kernels->attention_decode)
-    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one token, resident, computing in fp32 (or "
-                        "bf16 on a GPU)");
+  if (g->B != 1 || m->host || g->tp > 1 || !dtype_ok || !m->kernels->attention_decode)
+    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one sequence, resident on one rank, "
+                        "computing in fp32 (or bf16 on a GPU)");
   if (cap < 1) return fy_error_set(FY_ERR_INVALID, "decoding: a cache of %lld tokens", (long long)cap);
   struct fy_kv_cache *kv = calloc(1, sizeof *kv);
   if (!kv || !(kv->at = malloc((size_t)g->n_ops * sizeof *kv->at))) {
@@ -399,16 +400,25 @@ void fy_kv_cache_reset(struct fy_kv_cache *kv) { kv->len = 0; }
 
 int64_t fy_kv_cache_len(const struct fy_kv_cache *kv) { return kv->len; }
 
-fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t token, const float **logits) {
+fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
+                           const float **logits) {
   const struct fy_graph *g = m->graph;
-  if (kv->len >= kv->cap)
-    return fy_error_set(FY_ERR_INVALID, "decoding: the cache of %lld tokens is full", (long long)kv->cap);
-  int32_t target = -100;  // (no loss: the logits are what is read)
-  const struct fy_batch batch = {.B = 1, .T = 1, .inputs = &token, .targets = &target};
-  FY_TRY(fy_engine_check_batch(m, &batch));
+  if (n < 1 || n > g->T)
+    return fy_error_set(FY_ERR_INVALID, "decoding: %lld tokens at once with a model built for %lld", (long long)n,
+                        (long long)g->T);
+  if (kv->len + n > kv->cap)
+    return fy_error_set(FY_ERR_INVALID, "decoding: the cache of %lld tokens holds %lld and cannot take %lld more",
+                        (long long)kv->cap, (long long)kv->len, (long long)n);
+  const int64_t V = m->cfg.vocab_size;
+  for (int64_t i = 0; i < n; i++)
+    if (tokens[i] < 0 || tokens[i] >= V)
+      return fy_error_set(FY_ERR_INVALID, "decoding: token id %d is not below the vocabulary size %lld", tokens[i],
+                          (long long)V);
   // OPT's learned positions start at 2 (fy_engine_positions); a device's go up with the batch.
   int32_t *pos = m->device_memory ? m->host_positions : m->positions;
-  pos[0] = (int32_t)(kv->len + 2);
+  for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(kv->len + i + 2);
+  // (The loss is not run: the targets are never read.)
+  const struct fy_batch batch = {.B = 1, .T = n, .inputs = (int32_t *)tokens, .targets = (int32_t *)tokens};  // (read)
   struct fy_dev_batch b;
   FY_TRY(stage_batch(m, &batch, m->device_memory ? pos : NULL, &b));
   b.no_dropout = true;
@@ -416,31 +426,34 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t t
     m->kernels->prepare_weights(m);
     m->cparams_fresh = true;
   }
-  double loss_sum = 0;
   for (int o = 0; o < g->n_ops; o++) {
+    if (g->ops[o].kind == FY_OP_CROSS_ENTROPY) continue;  // (the logits are what is read)
     if (kv->at[o] >= 0) {
       FY_TRY(m->kernels->attention_decode(m, o, (char *)kv->k + kv->at[o] * (int64_t)kv->esize,
-                                          (char *)kv->v + kv->at[o] * (int64_t)kv->esize, kv->att, kv->len, kv->cap));
+                                          (char *)kv->v + kv->at[o] * (int64_t)kv->esize, kv->att, kv->len, n,
+                                          kv->cap));
       continue;
     }
     struct fy_op_call c;
     resident_call(m, o, &b, &c);
-    c.loss_sum = &loss_sum;
+    c.rows = n;
     m->kernels->op_forward(&c);
     if (c.st != FY_OK) return c.st;
   }
-  kv->len++;
-  const float *lg = fy_engine_act(m, g->logits_slot);
+  kv->len += n;
+  // The last token's row of the logits (B = 1: row n - 1 of the slot).
+  const size_t esize = m->device_memory ? kv->esize : 4;
+  const char *lg = (const char *)fy_engine_act(m, g->logits_slot) + (size_t)(n - 1) * (size_t)V * esize;
   if (!m->device_memory) {
-    *logits = lg;
+    *logits = (const float *)lg;
     return FY_OK;
   }
-  const size_t V = (size_t)m->cfg.vocab_size;  // (fy_model_download waits for the kernels)
+  // (fy_model_download waits for the kernels)
   if (kv->logits_raw) {
-    FY_TRY(fy_model_download(m, kv->logits_raw, lg, V * kv->esize));
-    fy_convert_to_f32(kv->logits, kv->logits_raw, m->compute_dtype, V);
+    FY_TRY(fy_model_download(m, kv->logits_raw, lg, (size_t)V * kv->esize));
+    fy_convert_to_f32(kv->logits, kv->logits_raw, m->compute_dtype, (size_t)V);
   } else {
-    FY_TRY(fy_model_download(m, kv->logits, lg, V * sizeof(float)));
+    FY_TRY(fy_model_download(m, kv->logits, lg, (size_t)V * sizeof(float)));
   }
   *logits = kv->logits;
   return FY_OK;

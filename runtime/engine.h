@@ -35,8 +35,19 @@ struct fy_op_call {
   float *g[FY_OP_MAX_PARAMS];  // where their gradients go (may be the same memory as w)
   float loss_scale;            // backward of the loss: d(loss_scale x sum of losses)
   double *loss_sum;            // forward of the loss adds the sum of its per-row losses here
+  int64_t rows;                // forward of a model built for one sequence (B = 1): only its first
+                               // `rows` tokens (0: all T), for decoding fewer than it was built for
   fy_status st;                // the kernel's status
 };
+
+// The token rows a call computes, and the elements of those rows in slot s.
+static inline int64_t fy_op_call_rows(const struct fy_op_call *c) {
+  return c->rows > 0 ? c->rows : c->m->graph->B * c->m->graph->T;
+}
+static inline int64_t fy_op_call_numel(const struct fy_op_call *c, int s) {
+  const struct fy_graph *g = c->m->graph;
+  return c->rows > 0 ? g->slots[s].numel / (g->B * g->T) * c->rows : g->slots[s].numel;
+}
 
 // Whether op (an ADD) drops its branch in this call, and then its mask's key and the stream token
 // of the batch's first row (ops/dropout.h): the same for every backend's kernels.
@@ -87,11 +98,12 @@ fy_status fy_engine_all_reduce_grads(struct fy_model *m);
 // Runs the forward pass op by op and sets *op to the first op whose output holds a NaN or an
 // infinity (-1 when none does): to name the culprit after a non-finite loss.
 fy_status fy_engine_find_nonfinite(struct fy_model *m, const struct fy_batch *batch, int *op);
-// Incremental decoding (ferry sample), on a resident model built for one token (B = T = 1),
-// computing in fp32 (or bf16 on a GPU): each step runs the forward of one token at the next
-// position, its attention against the keys and values the cache keeps of the tokens before
-// (kernels->attention_decode), so that a step costs one token's work whatever the context. The
-// cache holds `cap` tokens, on the model's device.
+// Incremental decoding (ferry sample), on a resident model built for one sequence (B = 1) of T
+// tokens, computing in fp32 (or bf16 on a GPU): each step runs the forward of up to T tokens at
+// the next positions, their attention against the keys and values the cache keeps of the tokens
+// before (kernels->attention_decode), so that a token costs one token's work whatever the context
+// (and a prompt runs T tokens at a time, through the products of T rows). The cache holds `cap`
+// tokens, on the model's device.
 struct fy_kv_cache;
 fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv_cache **out);
 void fy_kv_cache_free(struct fy_kv_cache *kv);
@@ -99,9 +111,11 @@ void fy_kv_cache_free(struct fy_kv_cache *kv);
 void fy_kv_cache_reset(struct fy_kv_cache *kv);
 // Tokens the cache holds (the next token's position).
 int64_t fy_kv_cache_len(const struct fy_kv_cache *kv);
-// Runs `token` at position fy_kv_cache_len(kv) and appends it; *logits (V floats on the host,
-// valid until the next call) are the next token's. FY_ERR_INVALID when the cache is full.
-fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, int32_t token, const float **logits);
+// Runs tokens (n, 1 <= n <= the model's T) at positions fy_kv_cache_len(kv) onwards and appends
+// them; *logits (V floats on the host, valid until the next call) are the next token's, after the
+// last of them. FY_ERR_INVALID when the cache cannot take them.
+fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
+                           const float **logits);
 // Checks a batch's shape and ids against the model.
 fy_status fy_engine_check_batch(const struct fy_model *m, const struct fy_batch *batch);
 // Number of targets that are not -100.

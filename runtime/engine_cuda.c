@@ -72,7 +72,7 @@ static void op_forward_cuda(void *arg) {
   struct cuda_ctx *x = ctx_of(m);
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
-  const int64_t B = g->B, T = g->T, BT = B * T;
+  const int64_t B = g->B, T = g->T, BT = fy_op_call_rows(c);
   float *out = fy_engine_act(m, op->out);
   const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   // bf16 compute: activations and their gradients are bf16 at their slots' addresses (the graph's
@@ -112,15 +112,15 @@ static void op_forward_cuda(void *arg) {
       break;
     }
     case FY_OP_ATTENTION:  // the aux slot holds the lse (the graph's flash_attention layout)
-      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B, T, op->C,
-                                     op->NH, op->scale, x->st);
+      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B,
+                                     c->rows ? BT : T, op->C, op->NH, op->scale, x->st);
       break;
     case FY_OP_RELU:
       if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_RELU)
-        st = fy_cuda_relu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
+        st = fy_cuda_relu_forward(out, in0, dt, fy_op_call_numel(c, op->out), x->st);
       break;
     case FY_OP_GELU:
-      st = fy_cuda_gelu_forward(out, in0, dt, g->slots[op->out].numel, x->st);
+      st = fy_cuda_gelu_forward(out, in0, dt, fy_op_call_numel(c, op->out), x->st);
       break;
     case FY_OP_ADD: {
       uint64_t key;
@@ -129,7 +129,7 @@ static void op_forward_cuda(void *arg) {
         st = fy_cuda_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, BT, op->C, key, u0, op->dropout,
                                          x->st);
       else if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_ADD)
-        st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, g->slots[op->out].numel, x->st);
+        st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, fy_op_call_numel(c, op->out), x->st);
       break;
     }
     case FY_OP_CROSS_ENTROPY:
@@ -351,12 +351,12 @@ static fy_status pattern_bias_add_cuda(struct fy_model *m, void *out, const void
 }
 
 static fy_status attention_decode_cuda(struct fy_model *m, int o, void *kcache, void *vcache, float *scratch,
-                                       int64_t len, int64_t cap) {
+                                       int64_t len, int64_t n, int64_t cap) {
   (void)scratch;  // (the kernel keeps its scores in shared memory)
   const struct fy_op *op = &m->graph->ops[o];
   struct cuda_ctx *x = m->kernels_ctx;
   return fy_cuda_attention_decode(fy_engine_act(m, op->out), kcache, vcache, fy_engine_act(m, op->in[0]),
-                                  m->compute_dtype, len, cap, op->C, op->NH, op->scale, x->st);
+                                  m->compute_dtype, len, n, cap, op->C, op->NH, op->scale, x->st);
 }
 
 static const struct fy_model_kernels cuda_kernels = {

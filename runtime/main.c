@@ -677,13 +677,33 @@ static int cmd_train(int argc, char **argv, bool eval) {
   return 0;
 }
 
+// A comma-separated list of token ids into out (room for strlen(list) / 2 + 1): how many, or -1
+// (said on stderr) when it is not one.
+static int64_t parse_ids(const char *flag, const char *list, int32_t *out) {
+  int64_t n = 0;
+  const int64_t cap = (int64_t)(strlen(list) / 2 + 1);
+  for (const char *p = list; *p;) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(p, &end, 10);
+    if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',') || n == cap) {
+      fprintf(stderr, "ferry sample: %s needs comma-separated token ids, got '%s'\n", flag, list);
+      return -1;
+    }
+    out[n++] = (int32_t)x;
+    p = *end ? end + 1 : end;
+  }
+  if (n == 0) fprintf(stderr, "ferry sample: %s needs comma-separated token ids, got '%s'\n", flag, list);
+  return n > 0 ? n : -1;
+}
+
 static void usage_sample(FILE *f) {
   fprintf(f,
           "usage: ferry sample --init DIR [--prompt TEXT | --prompt-ids IDS] [options]\n"
           "\n"
-          "Continues a prompt with a model, to look at what it has learnt: one token at a time,\n"
-          "the keys and values of the tokens before it cached (a token costs about the same\n"
-          "whatever the context).\n"
+          "Continues a prompt with a model, to look at what it has learnt: the prompt %d tokens\n"
+          "at a time, then one token at a time, the keys and values of the tokens before cached\n"
+          "(a token costs about the same whatever the context).\n"
           "\n"
           "  --init DIR         a Hugging Face model directory (--save of ferry train, ferry export)\n"
           "  --model M          a preset or config.json (default: the --init directory's config)\n"
@@ -691,25 +711,32 @@ static void usage_sample(FILE *f) {
           "                     vocabulary); the output is printed as text\n"
           "  --prompt-ids IDS   the prompt as token ids (comma-separated: any tokenizer's); the\n"
           "                     output is printed as ids\n"
-          "  --tokens N         tokens to add (default 100)\n"
+          "  --tokens N         tokens to add at most (default 100)\n"
           "  --temperature X    sampling temperature; 0 takes the most likely token (default 1)\n"
           "  --top-k K          draw among the K most likely tokens; 0: all (default 0)\n"
+          "  --top-p P          ... and of those among the fewest most likely whose probabilities\n"
+          "                     add up to P (nucleus sampling; default 1: all)\n"
+          "  --stop IDS         end when one of these token ids is drawn (comma-separated; it is\n"
+          "                     printed); 'none' (default: the model's eos_token_id, as\n"
+          "                     transformers' generate)\n"
           "  --seq T            the window: the tokens a new one sees (default: the model's\n"
           "                     positions); when it is full its newest half starts it again\n"
           "  --seed S           the sampler's seed (default 1337)\n"
           "  --threads N        OpenMP threads (default: all cores)\n"
           "  --device D         cpu (default) or cuda (the whole model on GPU 0)\n"
-          "  --precision P      fp32 (the cpu's), or on cuda bf16 (default) or fp32\n");
+          "  --precision P      fp32 (the cpu's), or on cuda bf16 (default) or fp32\n",
+          FY_SAMPLE_PREFILL);
 }
 
 static int cmd_sample(int argc, char **argv) {
-  enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_SEQ, S_SEED, S_THREADS, S_DEVICE,
-         S_PRECISION, S_HELP };
+  enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_TOPP, S_STOP, S_SEQ, S_SEED, S_THREADS,
+         S_DEVICE, S_PRECISION, S_HELP };
   static const struct option opts[] = {
       {"init", required_argument, 0, S_INIT}, {"model", required_argument, 0, S_MODEL},
       {"prompt", required_argument, 0, S_PROMPT}, {"prompt-ids", required_argument, 0, S_IDS},
       {"tokens", required_argument, 0, S_TOKENS}, {"temperature", required_argument, 0, S_TEMP},
-      {"top-k", required_argument, 0, S_TOPK}, {"seq", required_argument, 0, S_SEQ},
+      {"top-k", required_argument, 0, S_TOPK}, {"top-p", required_argument, 0, S_TOPP},
+      {"stop", required_argument, 0, S_STOP}, {"seq", required_argument, 0, S_SEQ},
       {"seed", required_argument, 0, S_SEED}, {"threads", required_argument, 0, S_THREADS},
       {"device", required_argument, 0, S_DEVICE}, {"precision", required_argument, 0, S_PRECISION},
       {"help", no_argument, 0, S_HELP}, {0, 0, 0, 0}};
@@ -718,8 +745,8 @@ static int cmd_sample(int argc, char **argv) {
   o.model = NULL;
   o.init = NULL;
   o.seq = 0;
-  const char *text = NULL, *ids = NULL;
-  struct fy_sample_opts s = {.n_new = 100, .temperature = 1.0f};
+  const char *text = NULL, *ids = NULL, *stop = NULL;
+  struct fy_sample_opts s = {.n_new = 100, .temperature = 1.0f, .top_p = 1.0f, .n_stop = -1};
   int64_t v;
   int c;
   optind = 1;
@@ -734,6 +761,14 @@ static int cmd_sample(int argc, char **argv) {
       case S_TOKENS: ok = parse_i64("--tokens", optarg, 0, &s.n_new); break;
       case S_TEMP: ok = parse_f32("--temperature", optarg, 0, &s.temperature); break;
       case S_TOPK: ok = parse_i64("--top-k", optarg, 0, &v) && v <= INT32_MAX; s.top_k = (int)v; break;
+      case S_TOPP:
+        ok = parse_f32("--top-p", optarg, 0, &s.top_p);
+        if (ok && !(s.top_p > 0 && s.top_p <= 1)) {
+          fprintf(stderr, "ferry sample: --top-p is a probability in (0, 1], got '%s'\n", optarg);
+          ok = false;
+        }
+        break;
+      case S_STOP: stop = optarg; break;
       case S_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
       case S_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
       case S_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
@@ -755,40 +790,42 @@ static int cmd_sample(int argc, char **argv) {
     fprintf(stderr, "ferry sample: give --init DIR and one of --prompt TEXT or --prompt-ids IDS\n");
     return 2;
   }
-  // The prompt's ids: its bytes, or the list (checked against the vocabulary by fy_sample).
+  // The prompt's ids: its bytes, or the list (checked against the vocabulary by fy_sample); the
+  // stop tokens likewise.
   size_t cap = text ? strlen(text) : strlen(ids) / 2 + 1;
   int32_t *prompt = malloc((cap ? cap : 1) * sizeof *prompt);
-  if (!prompt) return 1;
+  int32_t *stops = malloc((stop ? strlen(stop) / 2 + 1 : 1) * sizeof *stops);
+  if (!prompt || !stops) return 1;
   if (text) {
     for (size_t i = 0; i < cap; i++) prompt[i] = (unsigned char)text[i];
     s.n_prompt = (int64_t)cap;
-  } else {
-    const char *p = ids;
-    while (*p) {
-      char *end;
-      errno = 0;
-      long long x = strtoll(p, &end, 10);
-      if (end == p || errno || x < 0 || x > INT32_MAX || (*end && *end != ',') || (size_t)s.n_prompt == cap) {
-        fprintf(stderr, "ferry sample: --prompt-ids needs comma-separated token ids, got '%s'\n", ids);
-        free(prompt);
-        return 2;
-      }
-      prompt[s.n_prompt++] = (int32_t)x;
-      p = *end ? end + 1 : end;
+  } else if ((s.n_prompt = parse_ids("--prompt-ids", ids, prompt)) < 0) {
+    free(prompt), free(stops);
+    return 2;
+  }
+  if (stop && strcmp(stop, "none") == 0) {
+    s.n_stop = 0;
+  } else if (stop) {
+    int64_t n = parse_ids("--stop", stop, stops);
+    if (n < 0) {
+      free(prompt), free(stops);
+      return 2;
     }
+    s.stop = stops, s.n_stop = (int)n;
   }
   s.prompt = prompt;
   int32_t *out = malloc((size_t)(s.n_prompt + s.n_new) * sizeof *out);
-  fy_status st = out ? fy_sample(&o, &s, out) : fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int64_t n_out = 0;
+  fy_status st = out ? fy_sample(&o, &s, out, &n_out) : fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st == FY_OK) {
-    for (int64_t i = 0; i < s.n_prompt + s.n_new; i++) {
+    for (int64_t i = 0; i < n_out; i++) {
       if (text && out[i] < 256) putchar(out[i]);
       else if (text) printf("<%d>", out[i]);
       else printf(i ? ",%d" : "%d", out[i]);
     }
     putchar('\n');
   }
-  free(prompt);
+  free(prompt), free(stops);
   free(out);
   fy_matmul_cache_clear();
   if (st != FY_OK) {

@@ -74,10 +74,10 @@ static void cpu_prepare_weights(struct fy_model *m) {
 }
 
 static fy_status cpu_attention_decode(struct fy_model *m, int o, void *kcache, void *vcache, float *scratch,
-                                      int64_t len, int64_t cap) {
+                                      int64_t len, int64_t n, int64_t cap) {
   const struct fy_op *op = &m->graph->ops[o];
-  return fy_attention_decode(fy_engine_act(m, op->out), kcache, vcache, scratch, fy_engine_act(m, op->in[0]), len, cap,
-                             op->C, op->NH, op->scale);
+  return fy_attention_decode(fy_engine_act(m, op->out), kcache, vcache, scratch, fy_engine_act(m, op->in[0]), len, n,
+                             cap, op->C, op->NH, op->scale);
 }
 
 const struct fy_model_kernels fy_model_cpu_kernels = {

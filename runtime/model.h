@@ -121,11 +121,11 @@ struct fy_model_kernels {
   fy_status (*all_reduce)(struct fy_model *m, struct fy_comm *c, void *buf, size_t n, enum fy_reduce_dtype dt);
   fy_status (*pattern_add)(struct fy_model *m, void *dst, const void *src, int64_t n);
   fy_status (*pattern_bias_add)(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols);
-  // Incremental decoding (fy_engine_decode): attention op `op` for the one token in its input at
-  // position len, against kcache and vcache (cap, C, in the compute dtype, where the kernels read),
-  // its key and value appended there; scratch: NH * cap host floats (the CPU's).
+  // Incremental decoding (fy_engine_decode): attention op `op` for the n tokens in its input at
+  // positions len .. len+n-1, against kcache and vcache (cap, C, in the compute dtype, where the
+  // kernels read), their keys and values appended there; scratch: NH * cap host floats (the CPU's).
   fy_status (*attention_decode)(struct fy_model *m, int op, void *kcache, void *vcache, float *scratch, int64_t len,
-                                int64_t cap);
+                                int64_t n, int64_t cap);
 };
 
 // Whether the optimizer reads the gradients in cgrads (a GPU's 16-bit ones, no fp32 sum over

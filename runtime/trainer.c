@@ -1680,36 +1680,51 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
 // One draw in [0, 1) of the sampler's generator (reproducible from the seed).
 static double sample_uniform(uint64_t *state) { return (double)(fy_splitmix64(state) >> 11) * 0x1p-53; }
 
-// A token from logits (V): the largest with temperature 0, else drawn from softmax(logits / temperature)
-// over the top_k largest (0: all). order is scratch for V indices.
-static int32_t sample_token(const float *logits, int64_t V, float temperature, int top_k, int32_t *order,
-                            uint64_t *rng) {
+// A candidate token for sampling, and the order that puts the most likely first (ties: lower id).
+struct sample_cand {
+  float logit;
+  int32_t id;
+};
+static int sample_cand_cmp(const void *pa, const void *pb) {
+  const struct sample_cand *a = pa, *b = pb;
+  if (a->logit != b->logit) return a->logit > b->logit ? -1 : 1;
+  return (a->id > b->id) - (a->id < b->id);
+}
+
+// A token from logits (V): the largest with temperature 0, else drawn from softmax(logits /
+// temperature) over the top_k largest (0: all), and of those the fewest largest whose
+// probabilities sum to top_p or more (0 or >= 1: all). cand is scratch for V candidates.
+static int32_t sample_token(const float *logits, int64_t V, float temperature, int top_k, float top_p,
+                            struct sample_cand *cand, uint64_t *rng) {
   int64_t best = 0;
   for (int64_t i = 1; i < V; i++) best = logits[i] > logits[best] ? i : best;
   if (temperature <= 0) return (int32_t)best;
   int64_t k = top_k > 0 && top_k < V ? top_k : V;
-  for (int64_t i = 0; i < V; i++) order[i] = (int32_t)i;
-  for (int64_t i = 0; i < k && k < V; i++) {  // partial selection: the k largest first
-    int64_t m = i;
-    for (int64_t j = i + 1; j < V; j++) m = logits[order[j]] > logits[order[m]] ? j : m;
-    int32_t t = order[i];
-    order[i] = order[m];
-    order[m] = t;
-  }
+  const bool nucleus = top_p > 0 && top_p < 1;
+  for (int64_t i = 0; i < V; i++) cand[i] = (struct sample_cand){logits[i], (int32_t)i};
+  if (k < V || nucleus) qsort(cand, (size_t)V, sizeof *cand, sample_cand_cmp);
   double sum = 0;
-  for (int64_t i = 0; i < k; i++) sum += exp((double)(logits[order[i]] - logits[best]) / temperature);
+  for (int64_t i = 0; i < k; i++) sum += exp((double)(cand[i].logit - logits[best]) / temperature);
+  if (nucleus) {  // the shortest prefix holding top_p of the probability
+    double acc = 0;
+    int64_t n = 0;
+    while (n < k && acc < (double)top_p * sum) acc += exp((double)(cand[n++].logit - logits[best]) / temperature);
+    k = n > 0 ? n : 1, sum = acc > 0 ? acc : sum;
+  }
   double u = sample_uniform(rng) * sum, acc = 0;
   for (int64_t i = 0; i < k; i++) {
-    acc += exp((double)(logits[order[i]] - logits[best]) / temperature);
-    if (u < acc) return order[i];
+    acc += exp((double)(cand[i].logit - logits[best]) / temperature);
+    if (u < acc) return cand[i].id;
   }
-  return order[k - 1];
+  return cand[k - 1].id;
 }
 
-fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out) {
+fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out, int64_t *n_out) {
+  *n_out = 0;
   if (s->n_prompt < 1) return fy_error_set(FY_ERR_INVALID, "sample: the prompt needs at least one token");
   if (s->n_new < 0 || !(s->temperature >= 0) || s->top_k < 0)
     return fy_error_set(FY_ERR_INVALID, "sample: tokens, temperature and top-k must not be negative");
+  if (!(s->top_p >= 0 && s->top_p <= 1)) return fy_error_set(FY_ERR_INVALID, "sample: top-p %g is not in [0, 1]", s->top_p);
   struct fy_train_opts e = *o;
   e.batch = 1;
   e.data = NULL;
@@ -1721,41 +1736,59 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   if (strcmp(e.precision, "fp32") != 0 && !(cuda && strcmp(e.precision, "bf16") == 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s: ferry sample computes in fp32, or bf16 on a GPU",
                         e.precision);
-  // The window: --seq, else every position the model has (a step costs one token's work whatever
+  // The window: --seq, else every position the model has (a token costs one token's work whatever
   // the context: the keys and values of the tokens before are cached).
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(&e, &cfg));
   const int64_t window = e.seq > 0 ? e.seq : cfg.max_position_embeddings;
   FY_TRY(seq_fits(window, &cfg));
-  e.seq = 1;  // the model runs one token at a time
+  // The model is built for the prompt's tokens to run FY_SAMPLE_PREFILL at a time (products of that
+  // many rows); each new token then runs alone, on its first row.
+  e.seq = window < FY_SAMPLE_PREFILL ? window : FY_SAMPLE_PREFILL;
+  const int64_t V = cfg.vocab_size;
+  for (int64_t i = 0; i < s->n_prompt; i++)
+    if (s->prompt[i] < 0 || s->prompt[i] >= V)
+      return fy_error_set(FY_ERR_INVALID, "sample: prompt token %lld is %d, outside the vocabulary (%lld)",
+                          (long long)i, s->prompt[i], (long long)V);
+  const int32_t eos = cfg.eos_token_id >= 0 && cfg.eos_token_id < V ? (int32_t)cfg.eos_token_id : -1;
+  const int32_t *stop = s->n_stop < 0 ? &eos : s->stop;
+  const int n_stop = s->n_stop < 0 ? eos >= 0 : s->n_stop;
+  for (int i = 0; i < n_stop; i++)
+    if (stop[i] < 0 || stop[i] >= V)
+      return fy_error_set(FY_ERR_INVALID, "sample: stop token %d is outside the vocabulary (%lld)", stop[i],
+                          (long long)V);
   struct run r;
   fy_status st = setup(&e, &r, false, true);
-  const int64_t V = r.cfg.vocab_size;
-  for (int64_t i = 0; st == FY_OK && i < s->n_prompt; i++)
-    if (s->prompt[i] < 0 || s->prompt[i] >= V)
-      st = fy_error_set(FY_ERR_INVALID, "sample: prompt token %lld is %d, outside the vocabulary (%lld)", (long long)i,
-                        s->prompt[i], (long long)V);
   struct fy_kv_cache *kv = NULL;
-  int32_t *order = malloc((size_t)V * 4);
-  if (st == FY_OK && !order) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  struct sample_cand *cand = malloc((size_t)V * sizeof *cand);
+  if (st == FY_OK && !cand) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st == FY_OK) st = fy_kv_cache_create(r.model, window, &kv);
   memcpy(out, s->prompt, (size_t)s->n_prompt * 4);
   uint64_t rng = o->seed;
   const float *logits = NULL;
+  int64_t n = s->n_prompt;
+  bool stopped = false;
   // out[0, fed): the tokens run so far (the cache holds the last of them); out[n] is drawn from
   // the logits after out[n - 1].
-  for (int64_t fed = 0, n = s->n_prompt; st == FY_OK && n < s->n_prompt + s->n_new; n++) {
+  for (int64_t fed = 0; st == FY_OK && !stopped && n < s->n_prompt + s->n_new; n++) {
     if (fy_kv_cache_len(kv) + (n - fed) > window) {
       // The window is full: the newest half of it (at least the last token) runs again from
       // position 0, as the model sees the start of a sequence.
       fy_kv_cache_reset(kv);
       fed = n - (window / 2 > 0 ? window / 2 : 1);
     }
-    for (; st == FY_OK && fed < n; fed++) st = fy_engine_decode(r.model, kv, out[fed], &logits);
-    if (st == FY_OK) out[n] = sample_token(logits, V, s->temperature, s->top_k, order, &rng);
+    while (st == FY_OK && fed < n) {
+      const int64_t k = n - fed < e.seq ? n - fed : e.seq;
+      st = fy_engine_decode(r.model, kv, out + fed, k, &logits);
+      fed += k;
+    }
+    if (st != FY_OK) break;
+    out[n] = sample_token(logits, V, s->temperature, s->top_k, s->top_p, cand, &rng);
+    for (int i = 0; i < n_stop; i++) stopped |= out[n] == stop[i];
   }
+  if (st == FY_OK) *n_out = n;
   fy_kv_cache_free(kv);
-  free(order);
+  free(cand);
   teardown(&r);
   return st;
 }

@@ -147,18 +147,25 @@ fy_status fy_export(const char *checkpoint, const char *out_dir);
 // rank 0 prints the result unless o->quiet.
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss);
 
-// Continues a prompt with the model (--model/--init of o, on the cpu, one sequence of o->seq
-// tokens): `n_new` tokens, each drawn from the softmax of the last position's logits divided by
-// temperature (0: the most likely token), among the top_k most likely (0: all), with o->seed.
-// A context longer than the window keeps its last seq tokens. out receives n_prompt + n_new
-// ids (the prompt first). Each token is one forward pass over the window (no key/value cache):
-// for looking at what a model has learnt, not for serving.
+// Continues a prompt with the model (--model/--init of o, on o->device: cpu or a GPU, the whole
+// model there): up to `n_new` tokens, each drawn with o->seed from the softmax of the logits after
+// the last token divided by temperature (0: the most likely token), among the top_k most likely
+// (0: all) and, of those, the fewest most likely whose probabilities sum to top_p (0 or 1: all).
+// Drawing one of the stop tokens ends it (the token kept). The window is o->seq tokens (0: the
+// model's positions); when it is full its newest half runs again from position 0. The keys and
+// values of the tokens before are cached (fy_engine_decode), the prompt runs FY_SAMPLE_PREFILL
+// tokens at a time (the rows of the model it builds). out (room for n_prompt + n_new) receives
+// the prompt and then the tokens drawn, *n_out in all.
+#define FY_SAMPLE_PREFILL 128
 struct fy_sample_opts {
   const int32_t *prompt;
   int64_t n_prompt, n_new;
   float temperature;
   int top_k;
+  float top_p;
+  const int32_t *stop;  // the stop tokens (n_stop of them; -1: the model's eos_token_id, if any)
+  int n_stop;
 };
-fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out);
+fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out, int64_t *n_out);
 
 #endif

@@ -745,8 +745,8 @@ static void test_attention(enum fy_dtype dt) {
   test_attention_shape(dt, 1, 260, 64, 2, 0);   // HS 32, 128-row tiles and one row past them
 }
 
-// Incremental decoding: one token at a time against the cached keys and values, as the CPU's
-// kernel does it (outputs and the caches), and the positions a cache refuses.
+// Incremental decoding: runs of 1, 5, 1 and 17 tokens in turn against the cached keys and
+// values, as the CPU's kernel does it (outputs and the caches), and the positions a cache refuses.
 static void test_attention_decode(enum fy_dtype dt, int64_t Tn, int64_t Cn, int64_t NHn) {
   const int64_t C3 = 3 * Cn, cap = Tn + 3;
   const size_t es = fy_dtype_size(dt);
@@ -755,10 +755,12 @@ static void test_attention_decode(enum fy_dtype dt, int64_t Tn, int64_t Cn, int6
   float *kc = check_fnew(cap * Cn), *vc = check_fnew(cap * Cn), *sa = check_fnew(NHn * cap);
   void *d_qkv = dput(qkv, Tn * C3, dt), *d_out = dalloc((size_t)(Tn * Cn) * es);
   void *d_k = dalloc((size_t)(cap * Cn) * es), *d_v = dalloc((size_t)(cap * Cn) * es);
-  for (int64_t t = 0; t < Tn; t++) {
-    CHECK_OK(fy_attention_decode(out + t * Cn, kc, vc, sa, qkv + t * C3, t, cap, Cn, NHn, scale));
+  const int64_t runs[] = {1, 5, 1, 17};
+  for (int64_t t = 0, r = 0, n; t < Tn; t += n, r = (r + 1) % 4) {
+    n = runs[r] < Tn - t ? runs[r] : Tn - t;
+    CHECK_OK(fy_attention_decode(out + t * Cn, kc, vc, sa, qkv + t * C3, t, n, cap, Cn, NHn, scale));
     CHECK_OK(fy_cuda_attention_decode((char *)d_out + t * Cn * es, d_k, d_v, (const char *)d_qkv + t * C3 * es, dt, t,
-                                      cap, Cn, NHn, scale, cs));
+                                      n, cap, Cn, NHn, scale, cs));
   }
   char what[96];
   snprintf(what, sizeof what, "attention decode T%lld C%lld NH%lld", (long long)Tn, (long long)Cn, (long long)NHn);
@@ -767,9 +769,11 @@ static void test_attention_decode(enum fy_dtype dt, int64_t Tn, int64_t Cn, int6
   cmp_dev(what, dt, d_k, kc, Tn * Cn, false);
   snprintf(what, sizeof what, "attention decode's value cache T%lld C%lld", (long long)Tn, (long long)Cn);
   cmp_dev(what, dt, d_v, vc, Tn * Cn, false);
-  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, cap, cap, Cn, NHn, scale, cs), FY_ERR_INVALID);
-  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, 0, 12001, Cn, NHn, scale, cs), FY_ERR_UNSUPPORTED);
-  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, 0, cap, Cn, Cn + 1, scale, cs), FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, cap, 1, cap, Cn, NHn, scale, cs), FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, cap - 1, 2, cap, Cn, NHn, scale, cs), FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, 0, 0, cap, Cn, NHn, scale, cs), FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, 0, 1, 12001, Cn, NHn, scale, cs), FY_ERR_UNSUPPORTED);
+  CHECK_ERR(fy_cuda_attention_decode(d_out, d_k, d_v, d_qkv, dt, 0, 1, cap, Cn, Cn + 1, scale, cs), FY_ERR_INVALID);
   dfree_all();
   free(qkv); free(out); free(kc); free(vc); free(sa);
 }

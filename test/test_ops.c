@@ -689,22 +689,25 @@ static void test_attention(void) {
     free(m2), free(qkv), free(dout), free(out1), free(out2), free(att1), free(att2), free(dq1);
     free(dq2), free(scr), free(qd), free(oref);
   }
-  // Incremental decoding: each row of an unmasked forward, one token at a time against the cache
-  // of the keys and values before it.
+  // Incremental decoding: the rows of an unmasked forward, a few tokens at a time (runs of 1, 7,
+  // 1, 13 and 23) against the cache of the keys and values before them.
   {
-    int64_t T2 = 45, C2 = 48, NH2 = 3, cap = 50;
+    int64_t T2 = 45, C2 = 48, NH2 = 3, cap = 50, runs[] = {1, 7, 1, 13, 23};
     float sc = 0.3f;
     float *qkv = frand_new(T2 * 3 * C2, 1.5f), *out = check_fnew(T2 * C2), *att = check_fnew(NH2 * T2 * T2);
-    float *kc = check_fnew(cap * C2), *vc = check_fnew(cap * C2), *sa = check_fnew(NH2 * cap), *o1 = check_fnew(C2);
+    float *kc = check_fnew(cap * C2), *vc = check_fnew(cap * C2), *sa = check_fnew(NH2 * cap);
+    float *o1 = check_fnew(T2 * C2);
     CHECK_OK(fy_attention_forward(out, att, qkv, NULL, 1, T2, C2, NH2, sc));
     double worst = 0;
-    for (int64_t t = 0; t < T2; t++) {
-      CHECK_OK(fy_attention_decode(o1, kc, vc, sa, qkv + t * 3 * C2, t, cap, C2, NH2, sc));
-      for (int64_t i = 0; i < C2; i++) worst = fmax(worst, fabs((double)o1[i] - out[t * C2 + i]));
+    for (int64_t t = 0, r = 0; t < T2; t += runs[r++]) {
+      CHECK_OK(fy_attention_decode(o1, kc, vc, sa, qkv + t * 3 * C2, t, runs[r], cap, C2, NH2, sc));
+      for (int64_t i = 0; i < runs[r] * C2; i++) worst = fmax(worst, fabs((double)o1[i] - out[t * C2 + i]));
     }
     CHECKF(worst < 1e-5, "attention decode vs forward: %g", worst);
-    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, cap, cap, C2, NH2, sc), FY_ERR_INVALID);
-    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, 0, cap, C2, 5, sc), FY_ERR_INVALID);
+    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, cap, 1, cap, C2, NH2, sc), FY_ERR_INVALID);
+    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, cap - 2, 3, cap, C2, NH2, sc), FY_ERR_INVALID);
+    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, 0, 0, cap, C2, NH2, sc), FY_ERR_INVALID);
+    CHECK_ERR(fy_attention_decode(o1, kc, vc, sa, qkv, 0, 1, cap, C2, 5, sc), FY_ERR_INVALID);
     free(qkv), free(out), free(att), free(kc), free(vc), free(sa), free(o1);
   }
 }

@@ -215,29 +215,96 @@ int main(void) {
   }
 
   // fy_sample on the trained model: reproducible from the seed, another seed draws another
-  // continuation, top-k 1 is greedy (temperature 0), and the prompt comes back first.
+  // continuation, top-k 1 and a tiny top-p are greedy (temperature 0), top-k 5 and top-p 0.5 draw
+  // only tokens among the 5 (and the half) most likely, the prompt comes back first, and a stop
+  // token ends it.
   {
     struct fy_train_opts so = tiny_opts(shard);
     so.init = save;
     so.model = NULL;
     const int32_t prompt[3] = {3, 5, 13};
-    int32_t a[23], b[23], c[23], g[23], k1[23];
+    int32_t a[23], b[23], c[23], g[23], k1[23], p1[23], ks[23], ps[23];
+    int64_t na, nb, nc, ng, nk1, np1, nks, nps;
     struct fy_sample_opts sp = {.prompt = prompt, .n_prompt = 3, .n_new = 20, .temperature = 1.0f};
-    CHECK_OK(fy_sample(&so, &sp, a));
-    CHECK_OK(fy_sample(&so, &sp, b));
+    CHECK_OK(fy_sample(&so, &sp, a, &na));
+    CHECK_OK(fy_sample(&so, &sp, b, &nb));
     so.seed += 1;
-    CHECK_OK(fy_sample(&so, &sp, c));
+    CHECK_OK(fy_sample(&so, &sp, c, &nc));
     sp.temperature = 0;
-    CHECK_OK(fy_sample(&so, &sp, g));
+    CHECK_OK(fy_sample(&so, &sp, g, &ng));
     sp.temperature = 1.0f;
     sp.top_k = 1;
-    CHECK_OK(fy_sample(&so, &sp, k1));
+    CHECK_OK(fy_sample(&so, &sp, k1, &nk1));
+    sp.top_k = 0, sp.top_p = 1e-6f;
+    CHECK_OK(fy_sample(&so, &sp, p1, &np1));
+    sp.temperature = 3.0f, sp.top_p = 0, sp.top_k = 5;  // (a high temperature: every token likely)
+    CHECK_OK(fy_sample(&so, &sp, ks, &nks));
+    sp.top_k = 0, sp.top_p = 0.5f;
+    CHECK_OK(fy_sample(&so, &sp, ps, &nps));
+    CHECK(na == 23 && nb == 23 && nc == 23 && ng == 23 && nk1 == 23 && np1 == 23 && nks == 23 && nps == 23);
     int in_vocab = 1;
     for (int i = 0; i < 23; i++) in_vocab &= a[i] >= 0 && a[i] < 97;
     CHECK(memcmp(a, b, sizeof a) == 0 && memcmp(a, c, sizeof a) != 0 && memcmp(g, k1, sizeof g) == 0 && in_vocab &&
           a[0] == 3 && a[1] == 5 && a[2] == 13);
-    sp.n_prompt = 0;
-    CHECK_ERR(fy_sample(&so, &sp, a), FY_ERR_INVALID);
+    CHECK(memcmp(g, p1, sizeof g) == 0);
+    // Each token drawn with top-k 5 is among the 5 largest logits after the tokens before it, and
+    // with top-p 0.5 among the fewest largest whose probabilities (at temperature 3) reach 0.5:
+    // checked against a full forward of each continuation.
+    struct fy_opt_config scfg;
+    CHECK_OK(fy_opt_config_read(save, &scfg));
+    struct fy_device *cpu;
+    CHECK_OK(fy_device_cpu_create(0, &cpu));
+    struct fy_model *fm;
+    CHECK_OK(fy_model_create(&scfg, 1, 22, cpu, &fm));
+    CHECK_OK(fy_model_load(fm, save));
+    for (int which = 0; which < 2; which++) {
+      const int32_t *seq = which ? ps : ks;
+      int32_t in[22], tg[22];
+      for (int t = 0; t < 22; t++) in[t] = seq[t], tg[t] = -100;
+      struct fy_batch fb = {.B = 1, .T = 22, .inputs = in, .targets = tg};
+      struct fy_loss fl;
+      CHECK_OK(fy_engine_forward_eval(fm, &fb, &fl));
+      const float *lg = fy_engine_act(fm, fm->graph->logits_slot);
+      int worst_rank = 0, outside = 0;
+      for (int t = 2; t < 22; t++) {  // the token at t + 1 was drawn from the logits at t
+        const float *row = lg + (int64_t)t * scfg.vocab_size, drawn = row[seq[t + 1]];
+        double mx = -INFINITY, sum = 0, above = 0;
+        int rank = 0;
+        for (int64_t v = 0; v < scfg.vocab_size; v++) mx = fmax(mx, row[v]);
+        for (int64_t v = 0; v < scfg.vocab_size; v++) {
+          sum += exp((row[v] - mx) / 3.0);
+          if (row[v] > drawn) above += exp((row[v] - mx) / 3.0), rank++;
+        }
+        worst_rank = rank > worst_rank ? rank : worst_rank;
+        outside += above >= 0.5 * sum * (1 + 1e-4);  // the tokens before it already held half
+      }
+      if (which == 0) CHECKF(worst_rank < 5, "top-k 5 drew a token of rank %d", worst_rank + 1);
+      else CHECKF(outside == 0, "top-p 0.5 drew %d tokens outside the nucleus", outside);
+    }
+    fy_model_free(fm);
+    fy_device_free(cpu);
+    // A stop token ends the continuation (kept as its last); -1 stops at the config's eos.
+    const int32_t stop = a[7];
+    sp = (struct fy_sample_opts){.prompt = prompt, .n_prompt = 3, .n_new = 20, .temperature = 1.0f,
+                                 .stop = &stop, .n_stop = 1};
+    so.seed -= 1;
+    CHECK_OK(fy_sample(&so, &sp, b, &nb));
+    int64_t first = 3;
+    while (a[first] != stop) first++;
+    CHECKF(nb == first + 1 && memcmp(a, b, (size_t)nb * 4) == 0, "stopped after %lld tokens, not %lld",
+           (long long)nb, (long long)first + 1);
+    sp.n_stop = -1;
+    CHECK_OK(fy_sample(&so, &sp, b, &nb));
+    int64_t eos = 3;
+    while (eos < 23 && a[eos] != scfg.eos_token_id) eos++;
+    CHECK(nb == (eos < 23 ? eos + 1 : 23) && memcmp(a, b, (size_t)nb * 4) == 0);
+    const int32_t bad = 97;
+    sp.stop = &bad, sp.n_stop = 1;
+    CHECK_ERR(fy_sample(&so, &sp, b, &nb), FY_ERR_INVALID);
+    sp.n_stop = 0, sp.top_p = 1.5f;
+    CHECK_ERR(fy_sample(&so, &sp, b, &nb), FY_ERR_INVALID);
+    sp.top_p = 0, sp.n_prompt = 0;
+    CHECK_ERR(fy_sample(&so, &sp, a, &na), FY_ERR_INVALID);
   }
 
   // The learning-rate schedules: a warmup from lr/warmup to lr, then cosine or linear down to
@@ -367,22 +434,23 @@ int main(void) {
   struct fy_device *dev;
   CHECK_OK(fy_device_cpu_create(0, &dev));
   struct fy_model *m1, *m2;
-  // Decoding one token at a time against the cache of keys and values (ferry sample) gives the
-  // logits a full forward gives each position: the trained model, and a post-LN one with the
-  // embeddings projected (opt-350m's shape) and gelu.
+  // Decoding against the cache of keys and values (ferry sample), with a model built for 3 tokens,
+  // gives the logits a full forward gives each position: a token at a time, and in runs of 3, 1,
+  // 2 and 2 (the prompt's way); the trained model, and a post-LN one with the embeddings projected
+  // (opt-350m's shape) and gelu.
   for (int variant = 0; variant < 2; variant++) {
     struct fy_opt_config dc = cfg;
     if (variant == 1) dc.do_layer_norm_before = false, dc.word_embed_proj_dim = 16, dc.activation = FY_ACT_GELU;
     const int64_t T = 8, V = dc.vocab_size;
-    struct fy_model *full, *one;
+    struct fy_model *full, *part;
     CHECK_OK(fy_model_create(&dc, 1, T, dev, &full));
-    CHECK_OK(fy_model_create(&dc, 1, 1, dev, &one));
+    CHECK_OK(fy_model_create(&dc, 1, 3, dev, &part));
     if (variant == 0) {
       CHECK_OK(fy_model_load(full, save));
-      CHECK_OK(fy_model_load(one, save));
+      CHECK_OK(fy_model_load(part, save));
     } else {
       fy_model_init_random(full, 11);
-      fy_model_init_random(one, 11);
+      fy_model_init_random(part, 11);
     }
     int32_t toks[8] = {5, 17, 3, 96, 40, 40, 1, 60}, tg[8];
     for (int t = 0; t < T; t++) tg[t] = -100;
@@ -391,28 +459,46 @@ int main(void) {
     CHECK_OK(fy_engine_forward_eval(full, &fb, &fl));
     const float *want = fy_engine_act(full, full->graph->logits_slot);
     struct fy_kv_cache *kv = NULL;
-    CHECK_OK(fy_kv_cache_create(one, T, &kv));
+    CHECK_OK(fy_kv_cache_create(part, T, &kv));
     double worst = 0;
     float first[128];
+    const float *lg;
     for (int t = 0; t < T; t++) {
-      const float *lg;
-      CHECK_OK(fy_engine_decode(one, kv, toks[t], &lg));
+      CHECK_OK(fy_engine_decode(part, kv, &toks[t], 1, &lg));
       if (t == 0) memcpy(first, lg, (size_t)(V < 128 ? V : 128) * 4);
       for (int64_t v = 0; v < V; v++) worst = fmax(worst, fabs((double)lg[v] - want[t * V + v]));
     }
     CHECKF(worst < 1e-4, "variant %d: decoded logits vs the full forward's: %g", variant, worst);
-    const float *lg;
-    CHECK_ERR(fy_engine_decode(one, kv, toks[0], &lg), FY_ERR_INVALID);  // full
+    CHECK_ERR(fy_engine_decode(part, kv, toks, 1, &lg), FY_ERR_INVALID);  // full
     fy_kv_cache_reset(kv);
     CHECK(fy_kv_cache_len(kv) == 0);
-    CHECK_OK(fy_engine_decode(one, kv, toks[0], &lg));  // position 0 again: the same logits
+    worst = 0;
+    const int runs[] = {3, 1, 2, 2};
+    for (int t = 0, r = 0; t < T; t += runs[r++]) {
+      CHECK_OK(fy_engine_decode(part, kv, &toks[t], runs[r], &lg));
+      const int64_t last = t + runs[r] - 1;  // the logits after the run's last token
+      for (int64_t v = 0; v < V; v++) worst = fmax(worst, fabs((double)lg[v] - want[last * V + v]));
+    }
+    CHECK(fy_kv_cache_len(kv) == T);
+    CHECKF(worst < 1e-4, "variant %d: logits decoded in runs vs the full forward's: %g", variant, worst);
+    fy_kv_cache_reset(kv);
+    CHECK_OK(fy_engine_decode(part, kv, toks, 1, &lg));  // position 0 again: the same logits
     CHECK(memcmp(first, lg, (size_t)(V < 128 ? V : 128) * 4) == 0);
-    CHECK_ERR(fy_engine_decode(one, kv, (int32_t)V, &lg), FY_ERR_INVALID);  // outside the vocabulary
+    const int32_t bad = (int32_t)V;
+    CHECK_ERR(fy_engine_decode(part, kv, &bad, 1, &lg), FY_ERR_INVALID);    // outside the vocabulary
+    CHECK_ERR(fy_engine_decode(part, kv, toks, 4, &lg), FY_ERR_INVALID);    // more than it was built for
+    CHECK_ERR(fy_engine_decode(part, kv, toks, 0, &lg), FY_ERR_INVALID);
+    CHECK_OK(fy_engine_decode(part, kv, toks, 3, &lg));
+    CHECK_OK(fy_engine_decode(part, kv, toks, 3, &lg));
+    CHECK_ERR(fy_engine_decode(part, kv, toks, 3, &lg), FY_ERR_INVALID);    // 7 + 3 past the cache's 8
+    CHECK(fy_kv_cache_len(kv) == 7);  // (1 + 3 + 3: the refused run left it as it was)
     fy_kv_cache_free(kv);
-    kv = NULL;
-    CHECK_ERR(fy_kv_cache_create(full, T, &kv), FY_ERR_INVALID);  // built for 8 tokens, not one
     fy_model_free(full);
-    fy_model_free(one);
+    fy_model_free(part);
+    kv = NULL;
+    CHECK_OK(fy_model_create(&dc, 2, 3, dev, &part));
+    CHECK_ERR(fy_kv_cache_create(part, T, &kv), FY_ERR_INVALID);  // built for 2 sequences, not one
+    fy_model_free(part);
   }
   CHECK_OK(fy_model_create(&cfg, 2, 8, dev, &m1));
   CHECK_OK(fy_model_create(&cfg, 2, 8, dev, &m2));

@@ -3,8 +3,9 @@
 
 `ferry sample` works on token ids (or bytes, for the demo model's byte vocabulary): this encodes
 the prompt with the tokenizer, runs `ferry sample --prompt-ids`, and prints the decoded text.
---tokens, --temperature, --top-k, --seq, --seed, --threads, --model, --device and --precision go
-to ferry sample.
+--tokens, --temperature, --top-k, --top-p, --stop, --seq, --seed, --threads, --model, --device and
+--precision go to ferry sample; the stop token (by default the model's end of sequence) is not
+printed.
 
 Example:
   python3 tools/sample.py --tokenizer facebook/opt-125m --init out/ft --tokens 50 "The capital of France is"
@@ -31,8 +32,8 @@ def main(argv=None):
     ap.add_argument("--init", required=True, metavar="DIR", help="the model directory (ferry train --save)")
     ap.add_argument("--ferry", default=os.path.join(_here, "..", "build", "ferry"), metavar="PATH",
                     help="the ferry program (default: build/ferry of this checkout)")
-    passed = ("--tokens", "--temperature", "--top-k", "--seq", "--seed", "--threads", "--model", "--device",
-              "--precision")
+    passed = ("--tokens", "--temperature", "--top-k", "--top-p", "--stop", "--seq", "--seed", "--threads", "--model",
+              "--device", "--precision")
     for flag in passed:
         ap.add_argument(flag, metavar="X", help="as ferry sample's")
     ap.add_argument("prompt", help="the text to continue")
@@ -53,7 +54,7 @@ def main(argv=None):
         sys.stderr.write(r.stderr)
         return r.returncode
     out = [int(x) for x in r.stdout.strip().split(",") if x]
-    print(tok.decode(out))
+    print(tok.decode(out, skip_special_tokens=True))
     return 0
 
 

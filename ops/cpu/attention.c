@@ -90,39 +90,43 @@ fy_status fy_attention_forward(float *out, float *att, const float *qkv, const i
 }
 
 fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *att, const float *qkv, int64_t len,
-                              int64_t cap, int64_t C, int64_t NH, float scale) {
+                              int64_t n, int64_t cap, int64_t C, int64_t NH, float scale) {
   FY_TRY(att_check(C, NH));
-  if (len < 0 || len >= cap)
-    return fy_error_set(FY_ERR_INVALID, "attention decode: position %lld outside a cache of %lld", (long long)len,
-                        (long long)cap);
-  const int64_t HS = C / NH, n = len + 1;
-  memcpy(kcache + len * C, qkv + C, (size_t)C * sizeof(float));
-  memcpy(vcache + len * C, qkv + 2 * C, (size_t)C * sizeof(float));
-#pragma omp parallel for schedule(static)
-  for (int64_t h = 0; h < NH; h++) {
-    const float *q = qkv + h * HS;
-    float *row = att + h * cap, mx = -INFINITY, sum = 0.0f;
-    for (int64_t s = 0; s < n; s++) {  // row (n) = scale * q (HS) . k[s] (HS)
-      const float *k = kcache + s * C + h * HS;
-      float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-      for (int64_t i = 0; i < HS; i++) d += q[i] * k[i];
-      row[s] = d * scale;
-      mx = row[s] > mx ? row[s] : mx;
-    }
-    for (int64_t s = 0; s < n; s++) {
-      row[s] = fy_expf_(row[s] - mx);
-      sum += row[s];
-    }
-    const float inv = 1.0f / sum;
-    float *o = out + h * HS;  // o (HS) = sum over s of row[s] / sum * v[s] (HS)
-    for (int64_t i = 0; i < HS; i++) o[i] = 0.0f;
-    for (int64_t s = 0; s < n; s++) {
-      const float p = row[s] * inv, *v = vcache + s * C + h * HS;
-#pragma omp simd
-      for (int64_t i = 0; i < HS; i++) o[i] += p * v[i];
-    }
+  if (len < 0 || n < 1 || len + n > cap)
+    return fy_error_set(FY_ERR_INVALID, "attention decode: positions %lld to %lld outside a cache of %lld",
+                        (long long)len, (long long)(len + n - 1), (long long)cap);
+  const int64_t HS = C / NH;
+  for (int64_t t = 0; t < n; t++) {
+    memcpy(kcache + (len + t) * C, qkv + t * 3 * C + C, (size_t)C * sizeof(float));
+    memcpy(vcache + (len + t) * C, qkv + t * 3 * C + 2 * C, (size_t)C * sizeof(float));
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < NH; h++)
+    for (int64_t t = 0; t < n; t++) {  // token t (position len + t) sees cache rows 0 .. len + t
+      const float *q = qkv + t * 3 * C + h * HS;
+      float *row = att + h * cap, mx = -INFINITY, sum = 0.0f;
+      const int64_t keys = len + t + 1;
+      for (int64_t s = 0; s < keys; s++) {  // row (keys) = scale * q (HS) . k[s] (HS)
+        const float *k = kcache + s * C + h * HS;
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < HS; i++) d += q[i] * k[i];
+        row[s] = d * scale;
+        mx = row[s] > mx ? row[s] : mx;
+      }
+      for (int64_t s = 0; s < keys; s++) {
+        row[s] = fy_expf_(row[s] - mx);
+        sum += row[s];
+      }
+      const float inv = 1.0f / sum;
+      float *o = out + t * C + h * HS;  // o (HS) = sum over s of row[s] / sum * v[s] (HS)
+      for (int64_t i = 0; i < HS; i++) o[i] = 0.0f;
+      for (int64_t s = 0; s < keys; s++) {
+        const float p = row[s] * inv, *v = vcache + s * C + h * HS;
+#pragma omp simd
+        for (int64_t i = 0; i < HS; i++) o[i] += p * v[i];
+      }
+    }
   return FY_OK;
 }
 

@@ -1458,23 +1458,28 @@ extern "C" fy_status fy_cuda_attention_check(enum fy_dtype dt, int64_t C, int64_
 
 #define DEC_THREADS 32  // one warp a head: fy_warp_max and fy_warp_sum take its reductions
 
-// qkv (1,3C) at position len -> kcache, vcache (cap,C) row len; out (1,C): block h owns head h.
-// The lanes write the head's key and value into the caches, score the keys strided by lane (a dot
-// over HS each), take the maximum and the sum across the warp, and lane i sums column i (and i +
-// 32, ...) of the weighted values in key order (one owner: the same bits every run).
+// qkv (n,3C) at positions len .. len+n-1 -> rows len .. len+n-1 of kcache and vcache (cap,C).
+template <typename T>
+__global__ void attention_append_kernel(T *kcache, T *vcache, const T *qkv, int64_t len, int n, int C) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (int64_t)n * C) return;
+  const int64_t t = i / C, c = i % C;
+  kcache[(len + t) * C + c] = qkv[t * 3 * C + C + c];
+  vcache[(len + t) * C + c] = qkv[t * 3 * C + 2 * C + c];
+}
+
+// qkv (n,3C) -> out (n,C): block (h, t) owns head h of token t, at position len + t, against cache
+// rows 0 .. len+t (its key and value appended there before). The lanes score the keys strided by
+// lane (a dot over HS each), take the maximum and the sum across the warp, and lane i sums column i
+// (and i + 32, ...) of the weighted values in key order (one owner: the same bits every run).
 template <typename T>
 __global__ void __launch_bounds__(DEC_THREADS)
-attention_decode_kernel(T *out, T *kcache, T *vcache, const T *qkv, int len, int C, int HS, float scale) {
-  extern __shared__ float dec_scores[];  // (len + 1)
-  const int h = blockIdx.x, lane = threadIdx.x, n = len + 1;
-  const T *q = qkv + h * HS;
-  for (int i = lane; i < HS; i += DEC_THREADS) {
-    kcache[(int64_t)len * C + h * HS + i] = qkv[C + h * HS + i];
-    vcache[(int64_t)len * C + h * HS + i] = qkv[2 * C + h * HS + i];
-  }
-  __syncthreads();  // (the block is the warp) the new key is in the cache for every lane
+attention_decode_kernel(T *out, const T *kcache, const T *vcache, const T *qkv, int len, int C, int HS, float scale) {
+  extern __shared__ float dec_scores[];  // (len + t + 1)
+  const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x, keys = len + t + 1;
+  const T *q = qkv + (int64_t)t * 3 * C + h * HS;
   float mx = -INFINITY;
-  for (int s = lane; s < n; s += DEC_THREADS) {
+  for (int s = lane; s < keys; s += DEC_THREADS) {
     const T *k = kcache + (int64_t)s * C + h * HS;
     float d = 0.0f;
     for (int i = 0; i < HS; i++) d += fy_ld(q + i) * fy_ld(k + i);
@@ -1483,33 +1488,41 @@ attention_decode_kernel(T *out, T *kcache, T *vcache, const T *qkv, int len, int
   }
   mx = fy_warp_max(mx);
   float sum = 0.0f;
-  for (int s = lane; s < n; s += DEC_THREADS) {
+  for (int s = lane; s < keys; s += DEC_THREADS) {
     dec_scores[s] = expf(dec_scores[s] - mx);
     sum += dec_scores[s];
   }
   const float inv = 1.0f / fy_warp_sum(sum);
-  __syncthreads();  // every lane's scores are written before any lane reads them all
+  __syncthreads();  // (the block is the warp) every lane's scores are written before any lane reads them all
   for (int i = lane; i < HS; i += DEC_THREADS) {
     float o = 0.0f;
-    for (int s = 0; s < n; s++) o += dec_scores[s] * fy_ld(vcache + (int64_t)s * C + h * HS + i);
-    fy_st(out + h * HS + i, o * inv);
+    for (int s = 0; s < keys; s++) o += dec_scores[s] * fy_ld(vcache + (int64_t)s * C + h * HS + i);
+    fy_st(out + (int64_t)t * C + h * HS + i, o * inv);
   }
 }
 
 extern "C" fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vcache, const void *qkv, enum fy_dtype dt,
-                                              int64_t len, int64_t cap, int64_t C, int64_t NH, float scale,
+                                              int64_t len, int64_t n, int64_t cap, int64_t C, int64_t NH, float scale,
                                               cudaStream_t st) {
   int64_t nb = 0;
   FY_TRY(att_check("attention_decode", 1, 1, C, NH, &nb));
-  if (len < 0 || len >= cap)
-    return fy_error_set(FY_ERR_INVALID, "cuda attention_decode: position %lld outside a cache of %lld",
-                        (long long)len, (long long)cap);
+  if (len < 0 || n < 1 || len + n > cap)
+    return fy_error_set(FY_ERR_INVALID, "cuda attention_decode: positions %lld to %lld outside a cache of %lld",
+                        (long long)len, (long long)(len + n - 1), (long long)cap);
   if (cap > 12000)
     return fy_error_set(FY_ERR_UNSUPPORTED, "cuda attention_decode: a cache of %lld tokens (at most 12000)",
                         (long long)cap);
-  const size_t smem = (size_t)(len + 1) * sizeof(float);
+  if (n > 65535)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "cuda attention_decode: %lld tokens at once (at most 65535)", (long long)n);
+  const size_t smem = (size_t)(len + n) * sizeof(float);
+  const unsigned append_blocks = (unsigned)((n * C + 255) / 256);
   FY_CUDA_DISPATCH("attention_decode", dt, E,
-                   attention_decode_kernel<E><<<(unsigned)NH, DEC_THREADS, smem, st>>>(
-                       (E *)out, (E *)kcache, (E *)vcache, (const E *)qkv, (int)len, (int)C, (int)(C / NH), scale));
+                   attention_append_kernel<E><<<append_blocks, 256, 0, st>>>((E *)kcache, (E *)vcache, (const E *)qkv,
+                                                                             len, (int)n, (int)C));
+  FY_TRY(fy_cuda_launched("attention_decode"));
+  FY_CUDA_DISPATCH("attention_decode", dt, E,
+                   attention_decode_kernel<E><<<dim3((unsigned)NH, (unsigned)n), DEC_THREADS, smem, st>>>(
+                       (E *)out, (const E *)kcache, (const E *)vcache, (const E *)qkv, (int)len, (int)C,
+                       (int)(C / NH), scale));
   return fy_cuda_launched("attention_decode");
 }

@@ -223,13 +223,14 @@ fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, const void *dou
                                      const void *out, const float *lse, const int32_t *mask,
                                      enum fy_dtype dt, int64_t B, int64_t T, int64_t C, int64_t NH,
                                      float scale, cudaStream_t st);
-// One new token against the cached keys and values of the tokens before it (incremental
-// decoding, as fy_attention_decode on the CPU): qkv (1,3C) of the token at position len -> its key
-// and value into row len of kcache and vcache (cap,C); out (1,C) = per head, softmax(scale q.k)
-// over cache rows 0..len times their values. A warp per head; cap at most 12000 (the scores in
-// shared memory).
+// New tokens against the cached keys and values of the tokens before them (incremental decoding,
+// as fy_attention_decode on the CPU): qkv (n,3C) of the tokens at positions len .. len+n-1 -> their
+// keys and values into rows len .. len+n-1 of kcache and vcache (cap,C); out (n,C) = per head and
+// token t, softmax(scale q.k) over cache rows 0..len+t times their values. A warp per head and
+// token; cap at most 12000 (the scores in shared memory).
 fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vcache, const void *qkv, enum fy_dtype dt,
-                                   int64_t len, int64_t cap, int64_t C, int64_t NH, float scale, cudaStream_t st);
+                                   int64_t len, int64_t n, int64_t cap, int64_t C, int64_t NH, float scale,
+                                   cudaStream_t st);
 // The bf16 tensor-core kernels to use: "basic" (the default) or "pipelined" (a warp owns 32 rows
 // for heads up to 64, and the tiles walked are double-buffered with cp.async), for measuring one
 // against the other; FERRY_CUDA_ATTENTION names one too. Both give the same results within bf16
