@@ -350,7 +350,7 @@ double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train
                             size_t granule) {
   const int64_t np = g->n_param_elems, bt = g->B * g->T;
   const struct { bool on; int64_t elems; size_t esize; } bufs[] = {
-      {true, np, 4},  // params
+      {train || !bf16, np, 4},  // params (evaluating in bf16: cparams alone)
       {train, np, 4}, {train, np, 4}, {train, np, 4},  // grads, m, v
       {train && accumulate, np, 4},  // grad_acc
       {bf16, np, 2}, {bf16 && train, np, 2},  // cparams, cgrads

@@ -165,8 +165,9 @@ static void resident_bytes(const struct fy_graph *g, int64_t hidden, bool train,
   accumulate = accumulate && train;
   *bytes = fy_graph_model_bytes(g, hidden, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
            (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
-  *state_bytes = (double)g->n_param_elems *
-                 (4.0 + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) + (bf16 ? (train ? 4.0 : 2.0) : 0.0));
+  // (fp32 weights but when evaluating in bf16, which keeps the bf16 ones alone: fy_model_opts.weights16)
+  *state_bytes = (double)g->n_param_elems * ((train || !bf16 ? 4.0 : 0.0) + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) +
+                                             (bf16 ? (train ? 4.0 : 2.0) : 0.0));
 }
 
 fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, bool recompute, bool train,

@@ -315,6 +315,7 @@ static void grads_sum_cuda(struct fy_model *m, bool first) {
 // keeps them current after that: adamw_cuda writes the bf16 copy and leaves cparams_fresh set).
 static void prepare_weights_cuda(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
+  if (m->weights16) return;  // (cparams are the weights: made current when they are written)
   fy_cuda_convert(m->cparams, m->compute_dtype, m->params, FY_F32, m->graph->n_param_elems, x->st);
 }
 

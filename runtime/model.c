@@ -158,7 +158,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   const struct fy_graph *g = m->graph;
   int64_t np = g->n_param_elems;
   const bool inference = opts && opts->inference;  // the weights alone: no gradients, m or v
-  double state = (inference ? 4.0 : 16.0) * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
+  m->weights16 = inference && opts->weights16 && opts->act16 && m->device_memory && !m->host;
+  double state = (m->weights16 ? 2.0 : inference ? 4.0 : 16.0) * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
   if (!m->host && dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
     fy_chunk_layout_free(m->layout);
     fy_graph_free(m->graph);
@@ -173,7 +174,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
                         fy_format_bytes(acts, ab, sizeof ab), dev->name,
                         fy_format_bytes((double)(dev->cap - dev->bytes_in_use), has, sizeof has));
   }
-  if ((!(m->host && opts->no_params) && (st = home_alloc(m, np, &m->params)) != FY_OK) ||
+  if ((!(m->host && opts->no_params) && !m->weights16 && (st = home_alloc(m, np, &m->params)) != FY_OK) ||
       (!m->host && !inference && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
       (!m->host && !inference && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
       (!m->host && !inference && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
@@ -190,7 +191,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     return fy_error_wrap(st, "allocating the model's state (%s of parameter state)",
                          fy_format_bytes(16.0 * (double)np, sb, sizeof sb));
   }
-  m->state_bytes = (m->host ? 4 : 16) * np;
+  m->state_bytes = (m->host ? 4 : m->weights16 ? 2 : inference ? 4 : 16) * np;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
   *out = m;
   return FY_OK;
@@ -201,6 +202,8 @@ fy_status fy_model_set_compute_dtype(struct fy_model *m, enum fy_dtype dt) {
     return fy_error_set(FY_ERR_INVALID, "compute dtype %s: ferry computes in f32, bf16 or f16", fy_dtype_name(dt));
   if (dt == FY_F16 && m->device_memory)
     return fy_error_set(FY_ERR_UNSUPPORTED, "f16 compute on the %s device: its kernels are f32 and bf16", m->dev->name);
+  if (m->weights16 && dt == FY_F32)
+    return fy_error_set(FY_ERR_INVALID, "a model built with 16-bit weights alone cannot compute in f32");
   m->cparams_esize = m->device_memory ? 2 : 4;  // real bf16 on the GPU, rounded floats on the CPU
   // Offloaded (the state in a host tier): the offload engine keeps the 16-bit copies, per chunk.
   if (dt != FY_F32 && !m->cparams && !m->host) {
@@ -316,6 +319,21 @@ static void init_param(const struct fy_model *m, const struct fy_param *p, uint6
   }
 }
 
+// Every weight (fp32, on the host) to a device the host cannot address: into params, or with
+// weights16 into cparams in the compute dtype (the conversion on the host, then current).
+static fy_status upload_weights(struct fy_model *m, const float *host) {
+  const size_t n = (size_t)m->graph->n_param_elems;
+  if (!m->weights16) return fy_model_upload(m, m->params, host, n * 4);
+  if (!m->cparams) return fy_error_set(FY_ERR_INVALID, "16-bit weights before the compute dtype is set");
+  void *w16 = malloc(n * m->cparams_esize);
+  if (!w16) return fy_error_set(FY_ERR_NOMEM, "cannot stage the 16-bit weights");
+  fy_convert_from_f32(w16, m->compute_dtype, host, n);
+  fy_status st = fy_model_upload(m, m->cparams, w16, n * m->cparams_esize);
+  free(w16);
+  m->cparams_fresh = st == FY_OK;
+  return st;
+}
+
 void fy_model_init_random(struct fy_model *m, uint64_t seed) {
   const struct fy_graph *g = m->graph;
   m->cparams_fresh = false;
@@ -328,7 +346,7 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
     init_param(m, p, seed, 0, p->numel, host + p->offset);
   }
   if (fy_model_params_on_device(m)) {
-    FY_ASSERT(fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4) == FY_OK);
+    FY_ASSERT(upload_weights(m, host) == FY_OK);
     free(host);
     // (A model for evaluation has no AdamW state.)
     if (m->m) FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
@@ -434,7 +452,7 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   for (int i = 0; i < g->n_params && status == FY_OK; i++)
     fy_model_source_read(src, i, 0, g->params[i].numel, host + g->params[i].offset);
   if (fy_model_params_on_device(m) && host) {
-    if (status == FY_OK) status = fy_model_upload(m, m->params, host, (size_t)g->n_param_elems * 4);
+    if (status == FY_OK) status = upload_weights(m, host);
     free(host);
   }
   // A checkpoint may carry lm_head.weight even when tied; it must then equal the embedding.
@@ -489,6 +507,9 @@ fy_status fy_model_save_commit(const struct fy_model *m, const char *dir, struct
 fy_status fy_model_save(const struct fy_model *m, const char *dir, enum fy_dtype dtype,
                         size_t max_shard_bytes) {
   const struct fy_graph *g = m->graph;
+  if (m->weights16)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "saving a model that holds its weights in 16 bits alone (built for "
+                        "evaluation on a GPU)");
   FY_TRY(fy_mkdir_p(dir));
   struct fy_st_tensor *ts = param_tensors(g, dtype);
   void *conv = NULL;

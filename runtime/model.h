@@ -54,6 +54,9 @@ struct fy_model {
   // cparams (kernels->prepare_weights). Code that writes m->params otherwise must clear it.
   bool cparams_fresh;
   bool grads_f32;  // the optimizer reads m->grads as fp32 (a sum over micro-batches), not cgrads
+  // Evaluation or sampling on a GPU in 16-bit (fy_model_opts.weights16): the weights are cparams
+  // alone (2 bytes a parameter), params NULL; loading and initialising convert on the host.
+  bool weights16;
   // Seconds spent per op kind, forward [0] and backward [1], when `profile` is set.
   bool profile;
   double op_seconds[FY_OP_KIND_COUNT][2];
@@ -148,6 +151,8 @@ struct fy_model_opts {
   bool act16;                 // on a GPU, 16-bit activations from the start (what a 16-bit compute
                               // dtype sets, fy_model_set_compute_dtype): the fp32 arenas, twice
                               // the size, are never allocated (they could pass the device's cap)
+  bool weights16;             // with inference and act16 (a GPU computing in 16 bits): no fp32
+                              // weights, only the compute dtype's copy (fy_model.weights16)
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

@@ -490,8 +490,9 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
       st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
     }
+    // (Evaluation or sampling in bf16 keeps the weights in bf16 alone: 2 bytes a parameter.)
     struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval,
-                               .act16 = precision_dtype(o) != FY_F32};
+                               .act16 = precision_dtype(o) != FY_F32, .weights16 = r->eval};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     r->model->dp_comm = r->dp_compute;  // (the hooks and the gradients' sum: on the GPU's stream)
     FY_TRY(fy_engine_cuda_attach(r->model));
@@ -514,7 +515,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (r->tp > 1) {
     st = tp_take_weights(r, random ? NULL : o->init, o->seed);  // (m and v are zero from their allocation)
     if (st != FY_OK) return fy_error_wrap(st, "--init");
-  } else if (!r->model->params) {  // sharded: this rank's shards alone
+  } else if (r->model->host && !r->model->params) {  // sharded: this rank's shards alone
     st = set_shards(r, random ? NULL : o->init, o->seed);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   } else if (random) {

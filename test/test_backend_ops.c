@@ -22,6 +22,7 @@
 #include "ops/dropout.h"
 #include "ops/ops.h"
 #include "planner/probe.h"
+#include "runtime/engine.h"
 #include "runtime/engine_cuda.h"
 #include "runtime/model.h"
 #include "test/check.h"
@@ -805,7 +806,7 @@ static void test_model_bytes(void) {
       const bool bf16 = i & 1, accumulate = i & 2, recompute = i & 4, train = !(i & 8);
       if (!train && accumulate) continue;
       size_t before = dev->bytes_in_use;
-      struct fy_model_opts mo = {.recompute = recompute, .inference = !train, .act16 = bf16};
+      struct fy_model_opts mo = {.recompute = recompute, .inference = !train, .act16 = bf16, .weights16 = !train};
       struct fy_model *m = NULL;
       CHECK_OK(fy_model_create_with(&cfg, 3, 40, dev, &mo, &m));
       if (!m) continue;
@@ -823,6 +824,52 @@ static void test_model_bytes(void) {
       fy_model_free(m);
       CHECK(dev->bytes_in_use == before);
     }
+  }
+}
+
+// A model for evaluation in bf16 that keeps its weights in bf16 alone (weights16: converted on the
+// host as they are initialised or loaded) computes what one with fp32 weights and their bf16 copy
+// computes, bit for bit, in 4 bytes a parameter less; it cannot be saved or computed in fp32.
+static void test_weights16(void) {
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-tiny", &cfg));
+  struct fy_model *m[2] = {NULL, NULL};
+  size_t bytes[2];
+  float logits[2][2 * 16 * 8];
+  double loss[2];
+  for (int w16 = 0; w16 < 2; w16++) {
+    size_t before = dev->bytes_in_use;
+    struct fy_model_opts mo = {.inference = true, .act16 = true, .weights16 = w16};
+    CHECK_OK(fy_model_create_with(&cfg, 2, 16, dev, &mo, &m[w16]));
+    if (!m[w16]) return;
+    CHECK_OK(fy_engine_cuda_attach(m[w16]));
+    CHECK_OK(fy_model_set_compute_dtype(m[w16], FY_BF16));
+    bytes[w16] = dev->bytes_in_use - before;
+    fy_model_init_random(m[w16], 7);
+    CHECK(m[w16]->weights16 == w16 && (m[w16]->params == NULL) == w16);
+    int32_t in[32], tg[32];
+    for (int i = 0; i < 32; i++) in[i] = (i * 37 + 5) % 97, tg[i] = (i * 11 + 3) % 97;
+    struct fy_batch b = {.B = 2, .T = 16, .inputs = in, .targets = tg};
+    struct fy_loss l;
+    CHECK_OK(fy_engine_forward_eval(m[w16], &b, &l));
+    loss[w16] = l.sum;
+    // The first 8 logits of each of the 32 rows (bf16 on the device).
+    const uint16_t *lg = (const uint16_t *)fy_engine_act(m[w16], m[w16]->graph->logits_slot);
+    uint16_t row[8];
+    for (int r = 0; r < 32; r++) {
+      CHECK_OK(fy_model_download(m[w16], row, lg + (size_t)r * 97, sizeof row));
+      fy_convert_to_f32(logits[w16] + r * 8, row, FY_BF16, 8);
+    }
+  }
+  CHECKF(loss[0] == loss[1], "bf16 weights alone: loss %.9g, with fp32 weights %.9g", loss[1], loss[0]);
+  CHECK(memcmp(logits[0], logits[1], sizeof logits[0]) == 0);
+  CHECKF(bytes[0] - bytes[1] >= (size_t)m[0]->graph->n_param_elems * 4,
+         "bf16 weights alone take %zu bytes, with fp32 weights %zu", bytes[1], bytes[0]);
+  CHECK_ERR(fy_model_save(m[1], "/nonexistent/w16", FY_F32, 0), FY_ERR_UNSUPPORTED);
+  CHECK_ERR(fy_model_set_compute_dtype(m[1], FY_F32), FY_ERR_INVALID);
+  for (int w16 = 0; w16 < 2; w16++) {
+    fy_engine_cuda_detach(m[w16]);
+    fy_model_free(m[w16]);
   }
 }
 
@@ -864,6 +911,7 @@ int main(void) {
   cs = fy_cuda_stream(st);
   test_device();
   test_model_bytes();
+  test_weights16();
   test_probe_gpu(ngpu);
 
   const size_t ws_bytes = 32u << 20;
