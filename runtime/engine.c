@@ -352,9 +352,10 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
   const struct fy_graph *g = m->graph;
   // (On the cpu 16-bit compute is fp32 storage rounded at every op: not the decoding kernel's.)
   const bool dtype_ok = m->compute_dtype == FY_F32 || (m->device_memory && m->compute_dtype == FY_BF16);
-  if (g->B != 1 || m->host || g->tp > 1 || !dtype_ok || !m->kernels->attention_decode)
-    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one sequence, resident on one rank, "
-                        "computing in fp32 (or bf16 on a GPU)");
+  if (g->B != 1 || g->tp > 1 || !dtype_ok || !m->kernels->attention_decode ||
+      (m->host && !m->kernels->set_stream))
+    return fy_error_set(FY_ERR_INVALID, "decoding needs a model built for one sequence on one rank, computing in fp32 "
+                        "(or bf16 on a GPU), resident (or offloaded to a GPU)");
   if (cap < 1) return fy_error_set(FY_ERR_INVALID, "decoding: a cache of %lld tokens", (long long)cap);
   struct fy_kv_cache *kv = calloc(1, sizeof *kv);
   if (!kv || !(kv->at = malloc((size_t)g->n_ops * sizeof *kv->at))) {
@@ -400,8 +401,11 @@ void fy_kv_cache_reset(struct fy_kv_cache *kv) { kv->len = 0; }
 
 int64_t fy_kv_cache_len(const struct fy_kv_cache *kv) { return kv->len; }
 
-fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
-                           const float **logits) {
+double fy_kv_cache_bytes(const struct fy_opt_config *cfg, int64_t cap, enum fy_dtype dtype) {
+  return 2.0 * (double)cfg->num_hidden_layers * (double)cap * (double)cfg->hidden_size * (double)fy_dtype_size(dtype);
+}
+
+fy_status fy_kv_cache_check(const struct fy_kv_cache *kv, const struct fy_model *m, const int32_t *tokens, int64_t n) {
   const struct fy_graph *g = m->graph;
   if (n < 1 || n > g->T)
     return fy_error_set(FY_ERR_INVALID, "decoding: %lld tokens at once with a model built for %lld", (long long)n,
@@ -414,6 +418,40 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int
     if (tokens[i] < 0 || tokens[i] >= V)
       return fy_error_set(FY_ERR_INVALID, "decoding: token id %d is not below the vocabulary size %lld", tokens[i],
                           (long long)V);
+  return FY_OK;
+}
+
+fy_status fy_kv_cache_attend(struct fy_kv_cache *kv, struct fy_model *m, int o, int64_t n) {
+  FY_ASSERT(kv->at[o] >= 0);
+  return m->kernels->attention_decode(m, o, (char *)kv->k + kv->at[o] * (int64_t)kv->esize,
+                                      (char *)kv->v + kv->at[o] * (int64_t)kv->esize, kv->att, kv->len, n, kv->cap);
+}
+
+fy_status fy_kv_cache_advance(struct fy_kv_cache *kv, struct fy_model *m, int64_t n, const float **logits) {
+  kv->len += n;
+  // The last token's row of the logits (B = 1: row n - 1 of the slot).
+  const size_t V = (size_t)m->cfg.vocab_size, esize = m->device_memory ? kv->esize : 4;
+  const char *lg = (const char *)fy_engine_act(m, m->graph->logits_slot) + (size_t)(n - 1) * V * esize;
+  if (!m->device_memory) {
+    *logits = (const float *)lg;
+    return FY_OK;
+  }
+  // (fy_model_download waits for the kernels)
+  if (kv->logits_raw) {
+    FY_TRY(fy_model_download(m, kv->logits_raw, lg, V * kv->esize));
+    fy_convert_to_f32(kv->logits, kv->logits_raw, m->compute_dtype, V);
+  } else {
+    FY_TRY(fy_model_download(m, kv->logits, lg, V * sizeof(float)));
+  }
+  *logits = kv->logits;
+  return FY_OK;
+}
+
+fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
+                           const float **logits) {
+  const struct fy_graph *g = m->graph;
+  if (m->host) return fy_error_set(FY_ERR_INVALID, "decoding an offloaded model: fy_offload_decode");
+  FY_TRY(fy_kv_cache_check(kv, m, tokens, n));
   // OPT's learned positions start at 2 (fy_engine_positions); a device's go up with the batch.
   int32_t *pos = m->device_memory ? m->host_positions : m->positions;
   for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(kv->len + i + 2);
@@ -429,9 +467,7 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int
   for (int o = 0; o < g->n_ops; o++) {
     if (g->ops[o].kind == FY_OP_CROSS_ENTROPY) continue;  // (the logits are what is read)
     if (kv->at[o] >= 0) {
-      FY_TRY(m->kernels->attention_decode(m, o, (char *)kv->k + kv->at[o] * (int64_t)kv->esize,
-                                          (char *)kv->v + kv->at[o] * (int64_t)kv->esize, kv->att, kv->len, n,
-                                          kv->cap));
+      FY_TRY(fy_kv_cache_attend(kv, m, o, n));
       continue;
     }
     struct fy_op_call c;
@@ -440,23 +476,7 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int
     m->kernels->op_forward(&c);
     if (c.st != FY_OK) return c.st;
   }
-  kv->len += n;
-  // The last token's row of the logits (B = 1: row n - 1 of the slot).
-  const size_t esize = m->device_memory ? kv->esize : 4;
-  const char *lg = (const char *)fy_engine_act(m, g->logits_slot) + (size_t)(n - 1) * (size_t)V * esize;
-  if (!m->device_memory) {
-    *logits = (const float *)lg;
-    return FY_OK;
-  }
-  // (fy_model_download waits for the kernels)
-  if (kv->logits_raw) {
-    FY_TRY(fy_model_download(m, kv->logits_raw, lg, (size_t)V * kv->esize));
-    fy_convert_to_f32(kv->logits, kv->logits_raw, m->compute_dtype, (size_t)V);
-  } else {
-    FY_TRY(fy_model_download(m, kv->logits, lg, (size_t)V * sizeof(float)));
-  }
-  *logits = kv->logits;
-  return FY_OK;
+  return fy_kv_cache_advance(kv, m, n, logits);
 }
 
 fy_status fy_engine_all_reduce_grads(struct fy_model *m) {

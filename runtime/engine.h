@@ -116,6 +116,16 @@ int64_t fy_kv_cache_len(const struct fy_kv_cache *kv);
 // last of them. FY_ERR_INVALID when the cache cannot take them.
 fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
                            const float **logits);
+// The parts of a decoding step, for an engine that runs the ops itself (fy_offload_decode): n
+// tokens checked against the model and the cache; op o's attention for them, at the cache's
+// length (kernels->attention_decode, on the kernels' stream); after their pass has finished, the
+// cache n tokens longer and *logits the last one's.
+fy_status fy_kv_cache_check(const struct fy_kv_cache *kv, const struct fy_model *m, const int32_t *tokens, int64_t n);
+fy_status fy_kv_cache_attend(struct fy_kv_cache *kv, struct fy_model *m, int o, int64_t n);
+fy_status fy_kv_cache_advance(struct fy_kv_cache *kv, struct fy_model *m, int64_t n, const float **logits);
+// The device bytes of a cache of cap tokens for cfg's model whose kernels compute in dtype (what
+// fy_kv_cache_create allocates, before the allocator's rounding).
+double fy_kv_cache_bytes(const struct fy_opt_config *cfg, int64_t cap, enum fy_dtype dtype);
 // Checks a batch's shape and ids against the model.
 fy_status fy_engine_check_batch(const struct fy_model *m, const struct fy_batch *batch);
 // Number of targets that are not -100.

@@ -723,14 +723,21 @@ static void usage_sample(FILE *f) {
           "                     positions); when it is full its newest half starts it again\n"
           "  --seed S           the sampler's seed (default 1337)\n"
           "  --threads N        OpenMP threads (default: all cores)\n"
-          "  --device D         cpu (default) or cuda (the whole model on GPU 0)\n"
+          "  --device D         cpu (default) or cuda (the whole model on GPU 0, its weights in\n"
+          "                     bf16: 2 bytes a parameter)\n"
+          "  --offload          with --device cuda: the weights in pinned host memory and a cache of\n"
+          "                     their chunks on the GPU, as ferry eval --offload (a model bigger\n"
+          "                     than the GPU; every token then loads the chunks the cache lacks)\n"
+          "  --device-mem SIZE  cuda: the GPU memory to use (default: what it has free)\n"
+          "  --host-mem SIZE    with --offload: host memory for the weights (default: the machine's)\n"
+          "  --blocks N         with --offload: the cache's blocks (default: as many as fit)\n"
           "  --precision P      fp32 (the cpu's), or on cuda bf16 (default) or fp32\n",
           FY_SAMPLE_PREFILL);
 }
 
 static int cmd_sample(int argc, char **argv) {
   enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_TOPP, S_STOP, S_SEQ, S_SEED, S_THREADS,
-         S_DEVICE, S_PRECISION, S_HELP };
+         S_DEVICE, S_OFFLOAD, S_DEVMEM, S_HOSTMEM, S_BLOCKS, S_PRECISION, S_HELP };
   static const struct option opts[] = {
       {"init", required_argument, 0, S_INIT}, {"model", required_argument, 0, S_MODEL},
       {"prompt", required_argument, 0, S_PROMPT}, {"prompt-ids", required_argument, 0, S_IDS},
@@ -739,6 +746,8 @@ static int cmd_sample(int argc, char **argv) {
       {"stop", required_argument, 0, S_STOP}, {"seq", required_argument, 0, S_SEQ},
       {"seed", required_argument, 0, S_SEED}, {"threads", required_argument, 0, S_THREADS},
       {"device", required_argument, 0, S_DEVICE}, {"precision", required_argument, 0, S_PRECISION},
+      {"offload", no_argument, 0, S_OFFLOAD}, {"device-mem", required_argument, 0, S_DEVMEM},
+      {"host-mem", required_argument, 0, S_HOSTMEM}, {"blocks", required_argument, 0, S_BLOCKS},
       {"help", no_argument, 0, S_HELP}, {0, 0, 0, 0}};
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
@@ -773,6 +782,10 @@ static int cmd_sample(int argc, char **argv) {
       case S_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
       case S_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
       case S_DEVICE: o.device = optarg; break;
+      case S_OFFLOAD: o.offload = true; break;
+      case S_DEVMEM: ok = parse_size("--device-mem", optarg, &o.device_mem); break;
+      case S_HOSTMEM: ok = parse_size("--host-mem", optarg, &o.host_mem); break;
+      case S_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v) && v <= INT32_MAX; o.blocks = (int)v; break;
       case S_PRECISION: o.precision = optarg; break;
       case S_HELP: usage_sample(stdout); return 0;
       case ':': fprintf(stderr, "ferry sample: %s needs a value\n", argv[optind - 1]); return 2;

@@ -504,7 +504,8 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   int min_blocks = fy_offload_min_blocks(m), n_blocks = o->n_blocks;
   struct fy_device *dev = x->dev;
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (not the device's own)
-    size_t left = dev->cap > dev->bytes_in_use ? dev->cap - dev->bytes_in_use : 0;
+    size_t used = dev->bytes_in_use + o->device_reserve;
+    size_t left = dev->cap > used ? dev->cap - used : 0;
     n_blocks = (int)(left / (block + 64));
     int most = m->layout->n_chunks - x->n_dev > min_blocks ? m->layout->n_chunks - x->n_dev : min_blocks;
     if (n_blocks > most) n_blocks = most;
@@ -514,10 +515,11 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     return fy_error_set(FY_ERR_NOMEM,
                         "the %s device memory (%.1f MiB) cannot hold the smallest working set: %d "
                         "blocks of %.1f MiB (the chunks one operator needs at once) plus %.1f MiB of "
-                        "activations; it needs at least %.1f MiB (try --recompute, a smaller batch "
+                        "activations%s; it needs at least %.1f MiB (try --recompute, a smaller batch "
                         "or sequence, or smaller chunks)",
                         dev->name, dev->cap / 1048576.0, min_blocks, block / 1048576.0,
-                        device_fixed_bytes(m) / 1048576.0, fy_offload_min_device_bytes(m) / 1048576.0);
+                        device_fixed_bytes(m) / 1048576.0, o->device_reserve ? " and the key/value cache" : "",
+                        (fy_offload_min_device_bytes(m) + (double)o->device_reserve) / 1048576.0);
   }
   x->n_blocks = n_blocks;
   struct fy_device_cache_opts co = {.dev = dev, .compute = x->compute, .copy_in = x->copy_in,
@@ -734,12 +736,14 @@ static fy_status from_whole_buffer(void *ctx, int64_t lo, int64_t hi, float *dst
 // A pass of micro-batch `micro`: every action, or (forward_alone) the forward's, which come first,
 // without dropout; the trace's positions then skip the backward's accesses, so that the next pass
 // starts where the trace does.
+// Decoding (kv set): a forward pass over the batch's first n tokens at the cache's positions, their
+// attention against the cache, no loss.
 static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale,
-                          bool forward_alone) {
+                          bool forward_alone, struct fy_kv_cache *kv, int64_t n) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
-  FY_TRY(fy_engine_check_batch(m, batch));
+  if (!kv) FY_TRY(fy_engine_check_batch(m, batch));
   if (x->sharded && !x->taken) FY_TRY(fy_offload_set_shards(x, from_whole_buffer, x));
   if (micro >= x->max_micro) return fy_error_set(FY_ERR_INVALID, "micro-batch %d of at most %d", micro, x->max_micro);
   int p = x->parity;
@@ -747,12 +751,16 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   // The op calls, batch and staging of this parity were used two passes ago.
   FY_TRY(fy_event_sync(x->pass_done[p]));
   FY_TRY(async_status(x));
-  int64_t bt = g->B * g->T;
+  int64_t bt = g->B * g->T, rows = kv ? n : bt;
   int32_t *s = x->staging[p];
-  memcpy(s, batch->inputs, (size_t)bt * 4);
-  memcpy(s + bt, batch->targets, (size_t)bt * 4);
-  if (batch->mask) memcpy(s + 2 * bt, batch->mask, (size_t)bt * 4);
-  fy_engine_positions(s + 3 * bt, batch->mask, g->B, g->T);
+  memcpy(s, batch->inputs, (size_t)rows * 4);
+  memcpy(s + bt, batch->targets, (size_t)rows * 4);
+  if (batch->mask) memcpy(s + 2 * bt, batch->mask, (size_t)rows * 4);
+  if (kv) {  // OPT's learned positions start at 2 (fy_engine_positions)
+    for (int64_t i = 0; i < n; i++) s[3 * bt + i] = (int32_t)(fy_kv_cache_len(kv) + i + 2);
+  } else {
+    fy_engine_positions(s + 3 * bt, batch->mask, g->B, g->T);
+  }
   FY_TRY(fy_copy_async(x->copy_in, x->dbatch_mem[p], s, (size_t)(4 * bt) * 4));
   FY_TRY(fy_event_record(x->batch_ready[p], x->copy_in));
   FY_TRY(fy_stream_wait(x->compute, x->batch_ready[p]));
@@ -787,7 +795,9 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
     const struct fy_action *act = &x->actions[a];
     const struct fy_op *op = &g->ops[act->op];
     struct fy_op_call *c = &x->calls[p][a];
-    *c = (struct fy_op_call){.m = m, .op = act->op, .batch = db, .loss_scale = loss_scale, .st = FY_OK};
+    *c = (struct fy_op_call){.m = m, .op = act->op, .batch = db, .loss_scale = loss_scale, .rows = kv ? n : 0,
+                             .st = FY_OK};
+    if (kv && op->kind == FY_OP_CROSS_ENTROPY) continue;  // (decoding reads the logits; the loss has no chunks)
     int nk = 0;
     for (int k = l->op_first[act->op]; k < l->op_first[act->op + 1]; k++) {
       chunk_of[nk] = l->op_chunks[k];
@@ -807,7 +817,9 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
       }
     }
     if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
-    if (launches_kernels(m)) {  // GPU kernels: launched now, on the compute stream, in order
+    if (kv && op->kind == FY_OP_ATTENTION) {  // against the cache (GPU kernels, on the compute stream)
+      FY_TRY(fy_kv_cache_attend(kv, m, act->op, n));
+    } else if (launches_kernels(m)) {  // GPU kernels: launched now, on the compute stream, in order
       (act->kind == FY_ACT_BACKWARD ? m->kernels->op_backward : m->kernels->op_forward)(c);
       if (c->st != FY_OK) return c->st;
     } else {  // CPU kernels: host functions on the compute stream's thread
@@ -830,7 +842,7 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
 }
 
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
-  return run_pass(x, batch, micro, loss_scale, false);
+  return run_pass(x, batch, micro, loss_scale, false, NULL, 0);
 }
 
 // ---- the optimizer, per chunk on the optimizer stream ----
@@ -1017,15 +1029,33 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c) {
   return FY_OK;
 }
 
-fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum) {
-  const int p = x->parity;  // the pass's calls, whose status tells how its kernels went
-  FY_TRY(run_pass(x, batch, 0, 1.0f, true));
+// Waits for the forward pass of parity p and returns how its kernels went.
+static fy_status forward_done(struct fy_offload *x, int p) {
   FY_TRY(fy_event_sync(x->pass_done[p]));
   FY_TRY(async_status(x));
   for (int a = 0; a < x->m->graph->n_ops; a++)
     if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
+  return FY_OK;
+}
+
+fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum) {
+  const int p = x->parity;  // the pass's calls, whose status tells how its kernels went
+  FY_TRY(run_pass(x, batch, 0, 1.0f, true, NULL, 0));
+  FY_TRY(forward_done(x, p));
   *loss_sum = x->loss_sums[0];
   return FY_OK;
+}
+
+fy_status fy_offload_decode(struct fy_offload *x, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
+                            const float **logits) {
+  if (!x->forward_only || !launches_kernels(x->m))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "decoding offloaded: a forward-only engine on a GPU");
+  FY_TRY(fy_kv_cache_check(kv, x->m, tokens, n));
+  const int p = x->parity;
+  const struct fy_batch batch = {.B = 1, .T = n, .inputs = (int32_t *)tokens, .targets = (int32_t *)tokens};  // (read)
+  FY_TRY(run_pass(x, &batch, 0, 1.0f, true, kv, n));
+  FY_TRY(forward_done(x, p));
+  return fy_kv_cache_advance(kv, x->m, n, logits);
 }
 
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,

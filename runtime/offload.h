@@ -32,6 +32,8 @@ struct fy_offload_opts {
                                 // gradients or AdamW state (n_device_chunks, n_disk_chunks 0)
   int prefetch;                 // distinct chunks to load ahead of use (0: on demand)
   int n_blocks;                 // device cache blocks; 0: as many as the device memory holds
+  size_t device_reserve;        // device bytes the blocks leave free for the caller (ferry sample's
+                                // key/value cache)
   int max_micro;                // micro-batches per step (gradient accumulation)
   struct fy_disk_tier *disk;    // where state goes that the host tier cannot hold
   int n_disk_chunks;            // the last n chunks keep gradients, m and v on disk (needs disk)
@@ -98,6 +100,11 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
 // (validation between steps: after fy_offload_update, before the next step's micro-batches), and
 // its weights, gradients and AdamW state stay as they were.
 fy_status fy_offload_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum);
+// Incremental decoding through the chunk cache (ferry sample --offload), as fy_engine_decode does
+// it resident: a forward pass of n tokens (the chunks loaded as fy_offload_forward loads them),
+// their attention against kv, *logits the last one's. A forward-only engine on a GPU.
+fy_status fy_offload_decode(struct fy_offload *x, struct fy_kv_cache *kv, const int32_t *tokens, int64_t n,
+                            const float **logits);
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);
 

@@ -266,14 +266,16 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     need += fy_cuda_scratch_bytes(16 * cfg->num_hidden_layers + 8, wide);
   }
 #endif
+  need += o->device_reserve;
   if (need > dev_mem) {
     char has[32], chunk_b[32], need_b[32];
     return fy_error_set(FY_ERR_NOMEM,
                         "--device-mem %s cannot hold the smallest working set of %s with micro-batch "
                         "%lld x %lld (the chunks one operator needs at once, %s each, plus the "
-                        "activations): it needs at least %s%s",
+                        "activations%s): it needs at least %s%s",
                         fy_format_bytes((double)dev_mem, has, sizeof has), cfg->name, (long long)o->batch,
                         (long long)o->seq, fy_format_bytes((double)ce0 * esize, chunk_b, sizeof chunk_b),
+                        o->device_reserve ? " and the key/value cache" : "",
                         fy_format_bytes((double)need, need_b, sizeof need_b),
                         o->recompute || r->eval ? "" : " (--recompute lowers it)");
   }
@@ -357,7 +359,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     fy_status st = device_comm(r->dp_comm, r->dp_rank, cuda, &r->dp_blocks);
     if (st != FY_OK) return fy_error_wrap(st, "%d data-parallel ranks%s", r->dp, cuda ? " on GPUs" : "");
   }
-  struct fy_offload_opts xo = {.forward_only = r->eval, .prefetch = o->prefetch, .n_blocks = o->blocks, .max_micro = (int)o->grad_accum,
+  struct fy_offload_opts xo = {.forward_only = r->eval, .prefetch = o->prefetch, .n_blocks = o->blocks,
+                               .device_reserve = o->device_reserve, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm};
@@ -1732,7 +1735,9 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   const bool cuda = e.device && strcmp(e.device, "cuda") == 0;
   if (e.device && strcmp(e.device, "cpu") != 0 && !cuda)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu or a GPU (cuda)", e.device);
-  if (e.offload) return fy_error_set(FY_ERR_UNSUPPORTED, "--offload: ferry sample holds the whole model on the GPU");
+  if (e.offload && !cuda) return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda");
+  if (!e.offload && (e.blocks || e.host_mem)) return fy_error_set(FY_ERR_INVALID, "--blocks and --host-mem are for --offload");
+  if (!cuda && e.device_mem) return fy_error_set(FY_ERR_INVALID, "--device-mem is for --device cuda");
   if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
   if (strcmp(e.precision, "fp32") != 0 && !(cuda && strcmp(e.precision, "bf16") == 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s: ferry sample computes in fp32, or bf16 on a GPU",
@@ -1746,6 +1751,11 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   // The model is built for the prompt's tokens to run FY_SAMPLE_PREFILL at a time (products of that
   // many rows); each new token then runs alone, on its first row.
   e.seq = window < FY_SAMPLE_PREFILL ? window : FY_SAMPLE_PREFILL;
+  // Offloaded, the chunk cache leaves the key/value cache its room (two buffers, each rounded up by
+  // the allocator).
+  if (e.offload)
+    e.device_reserve = (size_t)fy_kv_cache_bytes(&cfg, window, strcmp(e.precision, "bf16") == 0 ? FY_BF16 : FY_F32) +
+                       ((size_t)4 << 20);
   const int64_t V = cfg.vocab_size;
   for (int64_t i = 0; i < s->n_prompt; i++)
     if (s->prompt[i] < 0 || s->prompt[i] >= V)
@@ -1780,7 +1790,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
     }
     while (st == FY_OK && fed < n) {
       const int64_t k = n - fed < e.seq ? n - fed : e.seq;
-      st = fy_engine_decode(r.model, kv, out + fed, k, &logits);
+      st = r.x ? fy_offload_decode(r.x, kv, out + fed, k, &logits) : fy_engine_decode(r.model, kv, out + fed, k, &logits);
       fed += k;
     }
     if (st != FY_OK) break;

@@ -42,6 +42,8 @@ struct fy_train_opts {
   bool offload;           // cuda: keep the model state in the host tier and a chunk cache on the
                           //   GPU (as sim always does) instead of everything resident
   size_t device_mem;      // sim: the device's memory (default 1 GiB)
+  size_t device_reserve;  // offloaded: device bytes the chunk cache leaves free (fy_sample's
+                          //   key/value cache; not an option)
   double sim_link_gbps;   // sim: throttle host<->device copies to this many GB/s (0: unthrottled)
   int sim_jitter_us;      // sim: random delays before each stream's work items (stress tests)
   size_t host_mem;        // host tier cap (0: the machine's memory)

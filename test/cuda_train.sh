@@ -2,8 +2,9 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident) and --plan auto; dropout with validation between steps; ferry sample on the GPU. bench/gpu/check.sh runs it on a GPU with
-# opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
+# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident) and --plan auto; dropout
+# with validation between steps; ferry sample on the GPU, resident and offloaded. bench/gpu/check.sh
+# runs it on a GPU with opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
 # usage: test/cuda_train.sh FERRY DIR [--model M] [--batch B] [--seq T] [--offload-mem SIZE] [--blocks N]
 #   DIR          where the runs' logs and checkpoints go (made if missing)
@@ -14,7 +15,7 @@
 # Exit status: 0 when every comparison holds, 1 otherwise, 2 for bad usage.
 set -uo pipefail
 
-[ $# -ge 2 ] || { sed -n '8,14p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '9,15p' "$0" >&2; exit 2; }
 ferry="$1" d="$2"
 shift 2
 model=opt-demo batch=4 seq=128 offload_mem=160MiB blocks=()
@@ -240,5 +241,16 @@ print("sample cpu      ", a)
 print("sample cuda fp32", b)
 print("sample cuda bf16", c)
 sys.exit(0 if a == b and len(c) == len(a) == 27 and all(0 <= x < V for x in c) else 1)
+PY
+# ... and offloaded (the weights in pinned host memory, a cache of their chunks on the GPU, every
+# pass loading what it lacks): the tokens drawn resident, fp32 and bf16.
+ferry_run sampleoff "${sp[@]}" --device cuda --precision fp32 --offload --device-mem "$offload_mem" "${blocks[@]}" || exit 1
+ferry_run sampleoff16 "${sp[@]}" --device cuda --offload --device-mem "$offload_mem" "${blocks[@]}" || exit 1
+python3 - "$d/samplecuda.out" "$d/sampleoff.out" "$d/samplecuda16.out" "$d/sampleoff16.out" <<'PY' || exit 1
+import sys
+a, b, c, e = ([int(x) for x in open(p).read().split()[-1].split(",")] for p in sys.argv[1:5])
+print("sample offloaded fp32", b)
+print("sample offloaded bf16", e)
+sys.exit(0 if a == b and c == e else 1)
 PY
 echo "cuda_train: every comparison holds"

@@ -263,6 +263,12 @@ expect 2 "ferry sample with a bad --stop list" "--stop needs comma-separated" --
   --prompt-ids 3 --stop eos
 expect 1 "ferry sample with a --stop token outside the vocabulary" "stop token 500 is outside" -- \
   sample --init "$tmp/cycle" --prompt-ids 3 --stop 500
+expect 1 "ferry sample --offload on the cpu" "--offload is for --device cuda" -- sample --init "$tmp/cycle" \
+  --prompt-ids 3 --offload
+expect 1 "ferry sample --blocks without --offload" "are for --offload" -- sample --init "$tmp/cycle" --prompt-ids 3 \
+  --blocks 4
+expect 1 "ferry sample --device-mem on the cpu" "--device-mem is for --device cuda" -- sample --init "$tmp/cycle" \
+  --prompt-ids 3 --device-mem 1GiB
 expect 1 "ferry sample with a window longer than the model's" "longer than the model allows" -- \
   sample --init "$tmp/cycle" --prompt-ids 3 --seq 100000
 expect 2 "ferry sample without a prompt" "--prompt" -- sample --init "$tmp/cycle"
