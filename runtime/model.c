@@ -436,9 +436,28 @@ void fy_model_source_close(struct fy_model_source *s) {
 void fy_model_source_fill(const struct fy_model_source *s, int64_t lo, int64_t hi, float *dst) {
   const struct fy_graph *g = s->m->graph;
   memset(dst, 0, (size_t)(hi - lo) * 4);
-  int64_t a, b;
+  // The parameters' parts in pieces of at most SOURCE_PIECE elements, read on every thread (a
+  // piece's values depend on its positions alone: drawn, or converted from the file).
+  enum { SOURCE_PIECE = 1 << 20 };
+  int64_t a, b, n = 0;
   for (int i = 0; i < g->n_params; i++)
-    if (fy_param_part(&g->params[i], lo, hi, &a, &b)) fy_model_source_read(s, i, a, b, dst + (g->params[i].offset + a - lo));
+    if (fy_param_part(&g->params[i], lo, hi, &a, &b)) n += (b - a + SOURCE_PIECE - 1) / SOURCE_PIECE;
+  struct piece { int i; int64_t a, b; } *pieces = malloc((size_t)(n > 0 ? n : 1) * sizeof *pieces);
+  n = 0;
+  for (int i = 0; i < g->n_params; i++) {
+    if (!fy_param_part(&g->params[i], lo, hi, &a, &b)) continue;
+    for (int64_t k = a; k < b; k += SOURCE_PIECE) {
+      const int64_t e = k + SOURCE_PIECE < b ? k + SOURCE_PIECE : b;
+      if (pieces) pieces[n++] = (struct piece){i, k, e};
+      else fy_model_source_read(s, i, k, e, dst + (g->params[i].offset + k - lo));  // (no memory: in turn)
+    }
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t k = 0; k < n; k++) {
+    const struct piece *q = &pieces[k];
+    fy_model_source_read(s, q->i, q->a, q->b, dst + (g->params[q->i].offset + q->a - lo));
+  }
+  free(pieces);
 }
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {

@@ -93,6 +93,9 @@ struct fy_offload {
   // without sharding lo = 0 and S = chunk_elems. slot: floats of each per-chunk state buffer.
   bool sharded, shards_on_device, taken;
   bool forward_only;  // evaluation: forward passes alone, no gradients or AdamW state
+  // Forward-only in 16 bits from a model without fp32 weights (unsharded): the 16-bit copies
+  // (chome) are the weights, set by fy_offload_set_shards (2 bytes a parameter in host memory).
+  bool weights16;
   int rank, world;
   int64_t lo, S;
   // One communicator per stream that runs collectives: the blocks' (copy_in, copy_out; of
@@ -492,6 +495,9 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     if (!o->tp_comm) st = fy_error_set(FY_ERR_INVALID, "tensor parallelism needs the tensor-parallel group");
     else st = fy_comm_split(o->tp_comm, 0, fy_comm_rank(o->tp_comm), &x->c_optim_tp);
   }
+  x->weights16 = !x->sharded && !m->params;
+  if (st == FY_OK && x->weights16 && (!x->forward_only || m->compute_dtype == FY_F32))
+    st = fy_error_set(FY_ERR_INVALID, "a model without its weights offloads unsharded only to evaluate in 16 bits");
   if (st == FY_OK) st = create_streams(x);
   if (st == FY_OK) st = create_chunks(x, o);
   if (st == FY_OK) st = create_pass(x);
@@ -702,9 +708,23 @@ static const float *chunk_grads(struct fy_offload *x, int c) {
 
 fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),
                                 void *ctx) {
-  if (!x->sharded) return fy_error_set(FY_ERR_INVALID, "setting shards of chunks that are not sharded");
+  if (!x->sharded && !x->weights16)
+    return fy_error_set(FY_ERR_INVALID, "setting shards of chunks that are not sharded");
   FY_TRY(fy_offload_sync(x));
   const struct fy_chunk_layout *l = x->m->layout;
+  if (x->weights16) {  // each chunk through an fp32 buffer into its 16-bit copy, the weights now
+    float *tmp = malloc((size_t)l->chunk_elems * 4);
+    fy_status st = tmp ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk");
+    for (int c = 0; st == FY_OK && c < l->n_chunks; c++) {
+      int64_t lo = (int64_t)c * l->chunk_elems;
+      st = fill(ctx, lo, lo + l->chunks[c].used, tmp);
+      if (st == FY_OK) to_payload(x, x->chome[c], tmp, l->chunks[c].used);
+    }
+    free(tmp);
+    FY_TRY(st);
+    x->m->cparams_fresh = true;  // (nothing to copy them from)
+    return FY_OK;
+  }
   float *tmp = NULL;  // shards in device memory are written through the copy engine
   if (x->shards_on_device && !(tmp = malloc((size_t)x->S * 4)))
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate a shard");
@@ -1182,6 +1202,10 @@ static fy_status gather_chunk(struct fy_offload *x, int c, int which, float *dst
 
 fy_status fy_offload_chunk_weights_out(struct fy_offload *x, int c, float *dst) {
   const struct fy_chunk_layout *l = x->m->layout;
+  if (x->weights16) {  // the 16-bit copy, widened
+    if (dst) fy_convert_to_f32(dst, x->chome[c], x->m->compute_dtype, (size_t)l->chunks[c].used);
+    return FY_OK;
+  }
   // Unsharded, or before the first micro-batch, the weights are whole in the model's buffer.
   if (!x->sharded || !x->taken) {
     if (dst) memcpy(dst, x->m->params + c * l->chunk_elems, (size_t)l->chunks[c].used * 4);

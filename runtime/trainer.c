@@ -288,10 +288,12 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
   // Chunks sharded across ranks (without tensor parallelism, whose slices come from the whole
-  // model): no whole-model weights, each rank sets its shards alone (set_shards).
+  // model): no whole-model weights, each rank sets its shards alone (set_shards). So does
+  // evaluation (or sampling) in bf16 on a GPU, whose chunks' bf16 copies are the weights.
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
-                             .no_params = r->dp > 1 && r->tp == 1, .act16 = cuda && cdt != FY_F32};
+                             .no_params = r->tp == 1 && (r->dp > 1 || (r->eval && cuda && cdt != FY_F32)),
+                             .act16 = cuda && cdt != FY_F32};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
 #if FY_HAVE_CUDA
@@ -518,7 +520,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (r->tp > 1) {
     st = tp_take_weights(r, random ? NULL : o->init, o->seed);  // (m and v are zero from their allocation)
     if (st != FY_OK) return fy_error_wrap(st, "--init");
-  } else if (r->model->host && !r->model->params) {  // sharded: this rank's shards alone
+  } else if (r->model->host && !r->model->params) {  // sharded, or bf16 chunks alone: this rank's part
     st = set_shards(r, random ? NULL : o->init, o->seed);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   } else if (random) {

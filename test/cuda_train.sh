@@ -74,6 +74,16 @@ a, b = (float(re.search(r"eval loss ([0-9.]+)", open(p).read()).group(1)) for p 
 print(f"eval, random init: cpu {a:.6f} cuda {b:.6f}")
 sys.exit(0 if abs(a - b) <= 1e-3 * max(1.0, a) else 1)
 PY
+# ... in bf16, resident (the weights in bf16 alone on the GPU) and offloaded (in bf16 alone in
+# pinned host memory, a cache of their chunks on the GPU): the same loss.
+ferry_run evalcuda16 "${ev[@]}" --device cuda || exit 1
+ferry_run evaloff16 "${ev[@]}" --device cuda --offload --device-mem "$offload_mem" || exit 1
+python3 - "$d/evalcuda16.out" "$d/evaloff16.out" <<'PY' || exit 1
+import re, sys
+a, b = (float(re.search(r"eval loss ([0-9.]+)", open(p).read()).group(1)) for p in sys.argv[1:])
+print(f"eval bf16, random init: resident {a:.6f} offloaded {b:.6f}")
+sys.exit(0 if abs(a - b) <= 1e-3 * max(1.0, a) else 1)
+PY
 # bf16 compute (fp32 master and AdamW state) on the GPU against the CPU's bf16 numerics: the
 # same 8 steps within bf16's rounding.
 ferry_run cpu16 "${common[@]}" --device cpu --precision bf16 --log "$d/cpu16.jsonl" || exit 1

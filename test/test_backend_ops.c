@@ -24,6 +24,7 @@
 #include "planner/probe.h"
 #include "runtime/engine.h"
 #include "runtime/engine_cuda.h"
+#include "runtime/offload.h"
 #include "runtime/model.h"
 #include "test/check.h"
 
@@ -873,6 +874,65 @@ static void test_weights16(void) {
   }
 }
 
+static fy_status fill_from_source(void *ctx, int64_t lo, int64_t hi, float *dst) {
+  fy_model_source_fill(ctx, lo, hi, dst);
+  return FY_OK;
+}
+
+// Offloaded evaluation in bf16 from a model without fp32 weights (fy_offload weights16, as ferry
+// eval --offload sets it up): the pinned host tier holds the chunks' bf16 copies and no fp32
+// weights (under 2 bytes a parameter and a few chunk buffers), the chunks are filled as the model's
+// initialisation draws them, and a forward pass through a cache of 3 blocks gives the loss of the
+// same model resident in bf16.
+static void test_offload_weights16(void) {
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-tiny", &cfg));
+  int64_t ce = 0;
+  size_t need = 0;
+  CHECK_OK(fy_offload_plan_min_bytes(&cfg, 2, 16, 1, false, true, true, 2, 0, &need, &ce));
+  struct fy_host_tier *host = NULL;
+  CHECK_OK(fy_engine_cuda_host_tier((size_t)1 << 30, &host));
+  if (!host) return;
+  struct fy_model_opts mo = {.inference = true, .chunk_elems = ce, .host = host, .no_params = true, .act16 = true};
+  struct fy_model *m = NULL, *r = NULL;
+  CHECK_OK(fy_model_create_with(&cfg, 2, 16, dev, &mo, &m));
+  if (!m) return;
+  CHECK_OK(fy_engine_cuda_attach(m));
+  CHECK_OK(fy_model_set_compute_dtype(m, FY_BF16));
+  const size_t before = fy_host_in_use(host);
+  struct fy_offload *x = NULL;
+  CHECK_OK(fy_offload_create(m, &(struct fy_offload_opts){.forward_only = true, .n_blocks = 3}, &x));
+  if (!x) return;
+  const double np = (double)m->graph->n_param_elems, chunks = (double)m->layout->n_chunks * (double)ce;
+  const double held = (double)(fy_host_in_use(host) - before);
+  CHECKF(m->params == NULL && held >= 2 * np && held <= 2 * chunks + 4.0 * 4 * (double)ce,
+         "the host tier holds %.0f bytes for %.0f parameters in %d chunks of %lld", held, np, m->layout->n_chunks,
+         (long long)ce);
+  struct fy_model_source *src = NULL;
+  CHECK_OK(fy_model_source_open(m, NULL, 7, &src));
+  CHECK_OK(fy_offload_set_shards(x, fill_from_source, src));
+  fy_model_source_close(src);
+  int32_t in[32], tg[32];
+  for (int i = 0; i < 32; i++) in[i] = (i * 37 + 5) % 97, tg[i] = (i * 11 + 3) % 97;
+  struct fy_batch b = {.B = 2, .T = 16, .inputs = in, .targets = tg};
+  double off = 0;
+  CHECK_OK(fy_offload_forward(x, &b, &off));
+  struct fy_model_opts ro = {.inference = true, .act16 = true, .weights16 = true};
+  CHECK_OK(fy_model_create_with(&cfg, 2, 16, dev, &ro, &r));
+  CHECK_OK(fy_engine_cuda_attach(r));
+  CHECK_OK(fy_model_set_compute_dtype(r, FY_BF16));
+  fy_model_init_random(r, 7);
+  struct fy_loss l;
+  CHECK_OK(fy_engine_forward_eval(r, &b, &l));
+  CHECKF(fabs(off - l.sum) <= 1e-5 * fabs(l.sum), "offloaded bf16 weights alone: loss %.9g, resident %.9g", off, l.sum);
+  fy_engine_cuda_detach(r);
+  fy_model_free(r);
+  fy_offload_free(x);
+  fy_engine_cuda_detach(m);
+  fy_model_free(m);
+  fy_host_tier_free(host);
+}
+
 // The probe's GPU part (planner/probe_cuda.c): the device's figures measured and named "cuda", the
 // host's left as they were; a GPU that is not there is refused.
 static void test_probe_gpu(int ngpu) {
@@ -912,6 +972,7 @@ int main(void) {
   test_device();
   test_model_bytes();
   test_weights16();
+  test_offload_weights16();
   test_probe_gpu(ngpu);
 
   const size_t ws_bytes = 32u << 20;

@@ -45,7 +45,9 @@ def main(argv=None):
     except ImportError:
         sys.exit("sample.py: needs the 'transformers' package (pip install transformers)")
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
+    # As the tokenizer encodes by default: OPT's puts </s> first, where its documents begin (and
+    # tools/tokenize.py's separator puts it before every document but the first).
+    ids = tok(args.prompt)["input_ids"]
     if not ids:
         sys.exit("sample.py: the prompt has no tokens")
     cmd = [args.ferry, "sample", "--init", args.init, "--prompt-ids", ",".join(map(str, ids)), *rest]
