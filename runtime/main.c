@@ -706,7 +706,8 @@ static void usage_sample(FILE *f) {
           "at a time, then one token at a time, the keys and values of the tokens before cached\n"
           "(a token costs about the same whatever the context).\n"
           "\n"
-          "  --init DIR         a Hugging Face model directory (--save of ferry train, ferry export)\n"
+          "  --init DIR         a Hugging Face model directory (--save of ferry train, ferry export);\n"
+          "                     'random' draws OPT's initialisation (with --model: to time it)\n"
           "  --model M          a preset or config.json (default: the --init directory's config)\n"
           "  --prompt TEXT      the prompt as bytes, one token each (the demo model's byte\n"
           "                     vocabulary); the output is printed as text\n"
@@ -723,6 +724,8 @@ static void usage_sample(FILE *f) {
           "  --seq T            the window: the tokens a new one sees (default: the model's\n"
           "                     positions); when it is full its newest half starts it again\n"
           "  --seed S           the sampler's seed (default 1337)\n"
+          "  --quiet            no timing line on stderr (the prompt's pass, and the tokens a second\n"
+          "                     after it)\n"
           "  --threads N        OpenMP threads (default: all cores)\n"
           "  --device D         cpu (default) or cuda (the whole model on GPU 0, its weights in\n"
           "                     bf16: 2 bytes a parameter)\n"
@@ -738,7 +741,7 @@ static void usage_sample(FILE *f) {
 
 static int cmd_sample(int argc, char **argv) {
   enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_TOPP, S_STOP, S_SEQ, S_SEED, S_THREADS,
-         S_DEVICE, S_OFFLOAD, S_DEVMEM, S_HOSTMEM, S_BLOCKS, S_PRECISION, S_HELP };
+         S_DEVICE, S_OFFLOAD, S_DEVMEM, S_HOSTMEM, S_BLOCKS, S_PRECISION, S_QUIET, S_HELP };
   static const struct option opts[] = {
       {"init", required_argument, 0, S_INIT}, {"model", required_argument, 0, S_MODEL},
       {"prompt", required_argument, 0, S_PROMPT}, {"prompt-ids", required_argument, 0, S_IDS},
@@ -749,6 +752,7 @@ static int cmd_sample(int argc, char **argv) {
       {"device", required_argument, 0, S_DEVICE}, {"precision", required_argument, 0, S_PRECISION},
       {"offload", no_argument, 0, S_OFFLOAD}, {"device-mem", required_argument, 0, S_DEVMEM},
       {"host-mem", required_argument, 0, S_HOSTMEM}, {"blocks", required_argument, 0, S_BLOCKS},
+      {"quiet", no_argument, 0, S_QUIET},
       {"help", no_argument, 0, S_HELP}, {0, 0, 0, 0}};
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
@@ -756,6 +760,7 @@ static int cmd_sample(int argc, char **argv) {
   o.init = NULL;
   o.seq = 0;
   const char *text = NULL, *ids = NULL, *stop = NULL;
+  bool quiet = false;
   struct fy_sample_opts s = {.n_new = 100, .temperature = 1.0f, .top_p = 1.0f, .n_stop = -1};
   int64_t v;
   int c;
@@ -787,6 +792,7 @@ static int cmd_sample(int argc, char **argv) {
       case S_DEVMEM: ok = parse_size("--device-mem", optarg, &o.device_mem); break;
       case S_HOSTMEM: ok = parse_size("--host-mem", optarg, &o.host_mem); break;
       case S_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v) && v <= INT32_MAX; o.blocks = (int)v; break;
+      case S_QUIET: quiet = true; break;
       case S_PRECISION: o.precision = optarg; break;
       case S_HELP: usage_sample(stdout); return 0;
       case ':': fprintf(stderr, "ferry sample: %s needs a value\n", argv[optind - 1]); return 2;
@@ -830,6 +836,8 @@ static int cmd_sample(int argc, char **argv) {
   s.prompt = prompt;
   int32_t *out = malloc((size_t)(s.n_prompt + s.n_new) * sizeof *out);
   int64_t n_out = 0;
+  double prompt_s = 0, new_s = 0;
+  s.prompt_seconds = &prompt_s, s.new_seconds = &new_s;
   fy_status st = out ? fy_sample(&o, &s, out, &n_out) : fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st == FY_OK) {
     for (int64_t i = 0; i < n_out; i++) {
@@ -838,6 +846,15 @@ static int cmd_sample(int argc, char **argv) {
       else printf(i ? ",%d" : "%d", out[i]);
     }
     putchar('\n');
+  }
+  if (st == FY_OK && !quiet && n_out > s.n_prompt) {  // (on stderr, after the tokens: stdout is the tokens)
+    fflush(stdout);
+    const int64_t more = n_out - s.n_prompt - 1;
+    fprintf(stderr, "ferry sample: the prompt's %lld tokens and the first new one in %.3f s (%.1f tokens/s)",
+            (long long)s.n_prompt, prompt_s, (double)s.n_prompt / (prompt_s > 0 ? prompt_s : 1e-9));
+    if (more > 0) fprintf(stderr, ", %lld more in %.3f s (%.1f tokens/s)", (long long)more, new_s,
+                          (double)more / (new_s > 0 ? new_s : 1e-9));
+    fputc('\n', stderr);
   }
   free(prompt), free(stops);
   free(out);

@@ -1781,6 +1781,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   const float *logits = NULL;
   int64_t n = s->n_prompt;
   bool stopped = false;
+  double t0 = now_s(), t1 = t0;
   // out[0, fed): the tokens run so far (the cache holds the last of them); out[n] is drawn from
   // the logits after out[n - 1].
   for (int64_t fed = 0; st == FY_OK && !stopped && n < s->n_prompt + s->n_new; n++) {
@@ -1798,7 +1799,10 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
     if (st != FY_OK) break;
     out[n] = sample_token(logits, V, s->temperature, s->top_k, s->top_p, cand, &rng);
     for (int i = 0; i < n_stop; i++) stopped |= out[n] == stop[i];
+    if (n == s->n_prompt) t1 = now_s();
   }
+  if (s->prompt_seconds) *s->prompt_seconds = t1 - t0;
+  if (s->new_seconds) *s->new_seconds = n > s->n_prompt ? now_s() - t1 : 0;
   if (st == FY_OK) *n_out = n;
   fy_kv_cache_free(kv);
   free(cand);

@@ -167,6 +167,9 @@ struct fy_sample_opts {
   float top_p;
   const int32_t *stop;  // the stop tokens (n_stop of them; -1: the model's eos_token_id, if any)
   int n_stop;
+  // Filled in when set: seconds from the model's setup to the first token drawn (the prompt's
+  // pass), and from there to the last.
+  double *prompt_seconds, *new_seconds;
 };
 fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out, int64_t *n_out);
 

@@ -263,6 +263,12 @@ expect 2 "ferry sample with a bad --stop list" "--stop needs comma-separated" --
   --prompt-ids 3 --stop eos
 expect 1 "ferry sample with a --stop token outside the vocabulary" "stop token 500 is outside" -- \
   sample --init "$tmp/cycle" --prompt-ids 3 --stop 500
+expect 0 "ferry sample times the prompt and the new tokens" \
+  "prompt's 3 tokens and the first new one in [0-9.]+ s \\([0-9.]+ tokens/s\\), 9 more in [0-9.]+ s" -- \
+  sample --init "$tmp/cycle" --prompt-ids 3,17,42 --tokens 10 --temperature 0
+if "$ferry" sample --init "$tmp/cycle" --prompt-ids 3,17,42 --tokens 10 --quiet 2>&1 | grep -q "tokens/s"; then
+  fail=$((fail + 1)); echo "FAIL  ferry sample --quiet still prints its timing"
+else pass=$((pass + 1)); echo "ok    ferry sample --quiet prints the tokens alone"; fi
 expect 1 "ferry sample --offload on the cpu" "--offload is for --device cuda" -- sample --init "$tmp/cycle" \
   --prompt-ids 3 --offload
 expect 1 "ferry sample --blocks without --offload" "are for --offload" -- sample --init "$tmp/cycle" --prompt-ids 3 \

@@ -416,6 +416,26 @@ print(json.dumps({"bench": "plan_cuda", "model": "opt-1.3b", "resident": plan.ge
                   "measured_tokens_per_s": round(got, 1), "predicted_over_measured": round(want / got, 3) if got else None}))
 PY
 }
+# ferry sample on the GPU: MODEL TOKENS [ferry sample options...], random weights, a 512-token prompt
+# (4 passes of 128) and TOKENS more, greedy: the prompt's tokens/s and the new tokens'.
+sample_bench() {
+  local model="$1" tokens="$2" ids
+  shift 2
+  local tag; tag="$model$(printf '%s' "$*" | tr -c 'a-z0-9.' '_')"
+  ids="$(python3 -c 'import random; random.seed(1); print(",".join(str(random.randrange(3, 50000)) for _ in range(512)))')"
+  "$build/ferry" sample --device cuda --model "$model" --init random --prompt-ids "$ids" --tokens "$tokens" \
+    --temperature 0 --stop none "$@" >"$logs/sample-$tag.out" 2>"$logs/sample-$tag.err" || { cat "$logs/sample-$tag.err"; return 1; }
+  python3 - "$logs/sample-$tag.err" "$model" "$*" <<'PY'
+import json, re, sys
+t = open(sys.argv[1]).read()
+m = re.search(r"prompt's (\d+) tokens and the first new one in [0-9.]+ s \(([0-9.]+) tokens/s\), \d+ more in [0-9.]+ s "
+              r"\(([0-9.]+) tokens/s\)", t)
+if not m:
+    sys.exit("no timing line in ferry sample's output")
+print(json.dumps({"bench": "ferry_cuda_sample", "model": sys.argv[2], "options": sys.argv[3],
+                  "prompt_tokens_per_s": float(m.group(2)), "tokens_per_s": float(m.group(3))}))
+PY
+}
 have_torch() { python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; }
 if [ "$bench" = 1 ]; then
   # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
@@ -461,11 +481,17 @@ if [ "$bench" = 1 ]; then
   if [ "$big" = 1 ]; then
     bench_step "bench largest at 40 GiB" 150 largest_40g
   fi
+  # Sampling (ferry sample --device cuda): OPT-1.3B resident in bf16; OPT-6.7B offloaded through a
+  # cache of 6 GiB of its 12.5 GiB of bf16 weights (every token loads what the cache lacks).
+  bench_step "bench sample 1.3b" 60 sample_bench opt-1.3b 128
+  if [ "$big" = 1 ]; then
+    bench_step "bench sample 6.7b offloaded" 120 sample_bench opt-6.7b 32 --offload --device-mem 6GiB
+  fi
 fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","predicted_over_measured","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","predicted_over_measured","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
