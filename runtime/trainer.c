@@ -1697,31 +1697,78 @@ static int sample_cand_cmp(const void *pa, const void *pb) {
   return (a->id > b->id) - (a->id < b->id);
 }
 
+// Moves the k largest of cand[0, n) (sample_cand_cmp's order) to cand[0, k), in no order:
+// quickselect, O(n).
+static void sample_select(struct sample_cand *cand, int64_t n, int64_t k) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const struct sample_cand pivot = cand[lo + (hi - lo) / 2];
+    int64_t i = lo, j = hi;
+    while (i <= j) {  // [lo, i) before the pivot, (j, hi] after it
+      while (sample_cand_cmp(&cand[i], &pivot) < 0) i++;
+      while (sample_cand_cmp(&cand[j], &pivot) > 0) j--;
+      if (i <= j) {
+        const struct sample_cand t = cand[i];
+        cand[i++] = cand[j];
+        cand[j--] = t;
+      }
+    }
+    if (k - 1 <= j) hi = j;
+    else if (k - 1 >= i) lo = i;
+    else return;
+  }
+}
+
 // A token from logits (V): the largest with temperature 0, else drawn from softmax(logits /
 // temperature) over the top_k largest (0: all), and of those the fewest largest whose
-// probabilities sum to top_p or more (0 or >= 1: all). cand is scratch for V candidates.
+// probabilities sum to top_p or more (0 or >= 1: all), in the order most likely first (ties: the
+// lower id), or in id order without either. cand is scratch for V candidates. Only the
+// candidates that can be drawn are sorted (the k largest, found in O(V); for top_p those within a
+// widening distance of the largest logit, once they hold top_p of the probability).
 static int32_t sample_token(const float *logits, int64_t V, float temperature, int top_k, float top_p,
                             struct sample_cand *cand, uint64_t *rng) {
   int64_t best = 0;
   for (int64_t i = 1; i < V; i++) best = logits[i] > logits[best] ? i : best;
   if (temperature <= 0) return (int32_t)best;
-  int64_t k = top_k > 0 && top_k < V ? top_k : V;
-  const bool nucleus = top_p > 0 && top_p < 1;
+  const double top = logits[best];
+#define SAMPLE_W(l) exp(((double)(l) - top) / temperature)  // probability, but for the common factor
   for (int64_t i = 0; i < V; i++) cand[i] = (struct sample_cand){logits[i], (int32_t)i};
-  if (k < V || nucleus) qsort(cand, (size_t)V, sizeof *cand, sample_cand_cmp);
+  int64_t k = V;  // the candidates: cand[0, k)
+  if (top_k > 0 && top_k < V) {
+    k = top_k;
+    sample_select(cand, V, k);
+  }
   double sum = 0;
-  for (int64_t i = 0; i < k; i++) sum += exp((double)(cand[i].logit - logits[best]) / temperature);
-  if (nucleus) {  // the shortest prefix holding top_p of the probability
+  for (int64_t i = 0; i < k; i++) sum += SAMPLE_W(cand[i].logit);
+  if (top_p > 0 && top_p < 1) {
+    int64_t m = k;
+    for (double gap = 16;; gap *= 2) {  // the candidates within gap temperatures of the largest
+      const double floor = top - gap * temperature;
+      double mass = 0;
+      m = 0;
+      for (int64_t i = 0; i < k; i++)
+        if (cand[i].logit >= floor) {
+          const struct sample_cand t = cand[m];
+          cand[m++] = cand[i];
+          cand[i] = t;
+          mass += SAMPLE_W(cand[m - 1].logit);
+        }
+      if (mass >= (double)top_p * sum || m == k) break;
+    }
+    qsort(cand, (size_t)m, sizeof *cand, sample_cand_cmp);
     double acc = 0;
     int64_t n = 0;
-    while (n < k && acc < (double)top_p * sum) acc += exp((double)(cand[n++].logit - logits[best]) / temperature);
+    while (n < m && acc < (double)top_p * sum) acc += SAMPLE_W(cand[n++].logit);
     k = n > 0 ? n : 1, sum = acc > 0 ? acc : sum;
+  } else if (k < V) {
+    qsort(cand, (size_t)k, sizeof *cand, sample_cand_cmp);
   }
   double u = sample_uniform(rng) * sum, acc = 0;
   for (int64_t i = 0; i < k; i++) {
-    acc += exp((double)(cand[i].logit - logits[best]) / temperature);
+    acc += SAMPLE_W(cand[i].logit);
     if (u < acc) return cand[i].id;
   }
+#undef SAMPLE_W
   return cand[k - 1].id;
 }
 
