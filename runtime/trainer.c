@@ -1,4 +1,5 @@
 #include "runtime/trainer.h"
+#include "runtime/sample.h"
 
 #include <limits.h>
 #include <math.h>
@@ -1683,95 +1684,6 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   return st;
 }
 
-// One draw in [0, 1) of the sampler's generator (reproducible from the seed).
-static double sample_uniform(uint64_t *state) { return (double)(fy_splitmix64(state) >> 11) * 0x1p-53; }
-
-// A candidate token for sampling, and the order that puts the most likely first (ties: lower id).
-struct sample_cand {
-  float logit;
-  int32_t id;
-};
-static int sample_cand_cmp(const void *pa, const void *pb) {
-  const struct sample_cand *a = pa, *b = pb;
-  if (a->logit != b->logit) return a->logit > b->logit ? -1 : 1;
-  return (a->id > b->id) - (a->id < b->id);
-}
-
-// Moves the k largest of cand[0, n) (sample_cand_cmp's order) to cand[0, k), in no order:
-// quickselect, O(n).
-static void sample_select(struct sample_cand *cand, int64_t n, int64_t k) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const struct sample_cand pivot = cand[lo + (hi - lo) / 2];
-    int64_t i = lo, j = hi;
-    while (i <= j) {  // [lo, i) before the pivot, (j, hi] after it
-      while (sample_cand_cmp(&cand[i], &pivot) < 0) i++;
-      while (sample_cand_cmp(&cand[j], &pivot) > 0) j--;
-      if (i <= j) {
-        const struct sample_cand t = cand[i];
-        cand[i++] = cand[j];
-        cand[j--] = t;
-      }
-    }
-    if (k - 1 <= j) hi = j;
-    else if (k - 1 >= i) lo = i;
-    else return;
-  }
-}
-
-// A token from logits (V): the largest with temperature 0, else drawn from softmax(logits /
-// temperature) over the top_k largest (0: all), and of those the fewest largest whose
-// probabilities sum to top_p or more (0 or >= 1: all), in the order most likely first (ties: the
-// lower id), or in id order without either. cand is scratch for V candidates. Only the
-// candidates that can be drawn are sorted (the k largest, found in O(V); for top_p those within a
-// widening distance of the largest logit, once they hold top_p of the probability).
-static int32_t sample_token(const float *logits, int64_t V, float temperature, int top_k, float top_p,
-                            struct sample_cand *cand, uint64_t *rng) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < V; i++) best = logits[i] > logits[best] ? i : best;
-  if (temperature <= 0) return (int32_t)best;
-  const double top = logits[best];
-#define SAMPLE_W(l) exp(((double)(l) - top) / temperature)  // probability, but for the common factor
-  for (int64_t i = 0; i < V; i++) cand[i] = (struct sample_cand){logits[i], (int32_t)i};
-  int64_t k = V;  // the candidates: cand[0, k)
-  if (top_k > 0 && top_k < V) {
-    k = top_k;
-    sample_select(cand, V, k);
-  }
-  double sum = 0;
-  for (int64_t i = 0; i < k; i++) sum += SAMPLE_W(cand[i].logit);
-  if (top_p > 0 && top_p < 1) {
-    int64_t m = k;
-    for (double gap = 16;; gap *= 2) {  // the candidates within gap temperatures of the largest
-      const double floor = top - gap * temperature;
-      double mass = 0;
-      m = 0;
-      for (int64_t i = 0; i < k; i++)
-        if (cand[i].logit >= floor) {
-          const struct sample_cand t = cand[m];
-          cand[m++] = cand[i];
-          cand[i] = t;
-          mass += SAMPLE_W(cand[m - 1].logit);
-        }
-      if (mass >= (double)top_p * sum || m == k) break;
-    }
-    qsort(cand, (size_t)m, sizeof *cand, sample_cand_cmp);
-    double acc = 0;
-    int64_t n = 0;
-    while (n < m && acc < (double)top_p * sum) acc += SAMPLE_W(cand[n++].logit);
-    k = n > 0 ? n : 1, sum = acc > 0 ? acc : sum;
-  } else if (k < V) {
-    qsort(cand, (size_t)k, sizeof *cand, sample_cand_cmp);
-  }
-  double u = sample_uniform(rng) * sum, acc = 0;
-  for (int64_t i = 0; i < k; i++) {
-    acc += SAMPLE_W(cand[i].logit);
-    if (u < acc) return cand[i].id;
-  }
-#undef SAMPLE_W
-  return cand[k - 1].id;
-}
-
 fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *s, int32_t *out, int64_t *n_out) {
   *n_out = 0;
   if (s->n_prompt < 1) return fy_error_set(FY_ERR_INVALID, "sample: the prompt needs at least one token");
@@ -1820,7 +1732,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   struct run r;
   fy_status st = setup(&e, &r, false, true);
   struct fy_kv_cache *kv = NULL;
-  struct sample_cand *cand = malloc((size_t)V * sizeof *cand);
+  struct fy_sample_cand *cand = malloc((size_t)V * sizeof *cand);
   if (st == FY_OK && !cand) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st == FY_OK) st = fy_kv_cache_create(r.model, window, &kv);
   memcpy(out, s->prompt, (size_t)s->n_prompt * 4);
@@ -1844,7 +1756,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
       fed += k;
     }
     if (st != FY_OK) break;
-    out[n] = sample_token(logits, V, s->temperature, s->top_k, s->top_p, cand, &rng);
+    out[n] = fy_sample_token(logits, V, s->temperature, s->top_k, s->top_p, cand, &rng);
     for (int i = 0; i < n_stop; i++) stopped |= out[n] == stop[i];
     if (n == s->n_prompt) t1 = now_s();
   }
