@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fy_config.h"
 #include "core/device.h"
 #include "core/fileio.h"
 #include "core/parse.h"
@@ -427,6 +428,33 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
   snprintf(p->disk_dir, sizeof p->disk_dir, "%s", d);
   *measured = true;
   return FY_OK;
+}
+
+fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bool *measured) {
+  const bool cuda = strcmp(c->device, "cuda") == 0;
+  *measured = false;
+  fy_status st = c->remeasure ? FY_ERR_NOT_FOUND : fy_probe_read(c->path, p);
+  // (Planning for a GPU from a machine without one: any cached probe of this CPU will do.)
+  if (st == FY_OK && strcmp(p->device, c->device) != 0 && (!cuda || c->gpu)) st = FY_ERR_NOT_FOUND;
+  bool changed = false;
+  if (st == FY_ERR_NOT_FOUND) {
+    FY_TRY(fy_probe_measure(cuda ? "sim" : c->device, c->device_mem, c->link_gbps, c->disk_dir, p));
+    if (cuda && c->gpu) {
+#if FY_HAVE_CUDA
+      FY_TRY(fy_probe_measure_gpu(0, p));
+#else
+      return fy_error_set(FY_ERR_UNSUPPORTED, "probe: measuring a GPU needs a ferry built with CUDA");
+#endif
+    }
+    *measured = changed = true;
+  } else if (st != FY_OK) {
+    return st;
+  } else {
+    FY_TRY(fy_probe_add_disk(p, c->disk_dir, &changed));  // a --disk-dir the cached probe has not timed
+  }
+  if (!changed || !c->write) return FY_OK;
+  st = fy_probe_write(c->path, p);
+  return c->write_errors ? st : FY_OK;
 }
 
 // ---- the fields, shared by the file and the overrides ----

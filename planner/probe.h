@@ -80,6 +80,20 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
 // (making it when missing) and sets p's disk fields; *measured says whether it did.
 fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *measured);
 
+// The probe a command plans with: the file at `path` when it holds `device`'s (for cuda without a
+// GPU to measure, any: this CPU's, to be given the GPU's figures), else (or with remeasure) this
+// machine measured — device_mem, link_gbps and disk_dir as fy_probe_measure takes them, a cuda
+// probe as the sim device's with GPU 0's figures when `gpu` — and written back when `write`; a
+// cached probe also gains disk_dir's rates when it lacks them (fy_probe_add_disk), written back
+// too. A write that fails is an error only with write_errors. *measured: whether it measured.
+// A file that cannot be read or parsed is an error (an edited file is not silently replaced).
+struct fy_probe_cache {
+  const char *path, *device, *disk_dir;
+  bool gpu, remeasure, write, write_errors;
+  double device_mem, link_gbps;
+};
+fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bool *measured);
+
 // A GPU's part of the probe (planner/probe_cuda.c; only in a build with CUDA or its emulator,
 // FY_HAVE_CUDA): the GPUs CUDA sees (0 on any error), and GPU `ordinal` measured into p's device
 // fields — "cuda", the memory ferry train takes of what is free on it now (FY_CUDA_FREE_PERCENT),

@@ -83,27 +83,13 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
   char path[4096];
   if (a->file) snprintf(path, sizeof path, "%s", a->file);
   else fy_probe_default_path(path, sizeof path);
-  *measured = false;
   const char *dev = a->device ? a->device : "sim";
-  const bool cuda = strcmp(dev, "cuda") == 0, gpu = cuda && gpus_here() > 0;
-  fy_status st = a->remeasure ? FY_ERR_NOT_FOUND : fy_probe_read(path, p);
-  if (st == FY_OK && strcmp(p->device, dev) != 0 && (!cuda || gpu)) st = FY_ERR_NOT_FOUND;
-  if (st == FY_ERR_NOT_FOUND) {
-    double mem = a->device_mem ? (double)a->device_mem : 1073741824.0;
-    FY_TRY(fy_probe_measure(cuda ? "sim" : dev, mem, a->link, a->disk_dir, p));
-#if FY_HAVE_CUDA
-    if (gpu) FY_TRY(fy_probe_measure_gpu(0, p));
-#endif
-    *measured = true;
-    if (!a->no_write) FY_TRY(fy_probe_write(path, p));
-  } else if (st != FY_OK) {
-    return st;
-  } else {
-    // A cached probe and a --disk-dir it has not timed: that disk is measured and cached too.
-    bool disk = false;
-    FY_TRY(fy_probe_add_disk(p, a->disk_dir, &disk));
-    if (disk && !a->no_write) FY_TRY(fy_probe_write(path, p));
-  }
+  const bool cuda = strcmp(dev, "cuda") == 0;
+  const struct fy_probe_cache c = {.path = path, .device = dev, .disk_dir = a->disk_dir, .gpu = cuda && gpus_here() > 0,
+                                   .remeasure = a->remeasure, .write = !a->no_write, .write_errors = true,
+                                   .device_mem = a->device_mem ? (double)a->device_mem : 1073741824.0,
+                                   .link_gbps = a->link};
+  FY_TRY(fy_probe_cached(&c, p, measured));
   if (cuda && strcmp(p->device, "cuda") != 0) {
     bool given = false;
     for (int i = 0; i < a->n_set; i++)

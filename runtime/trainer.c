@@ -1209,21 +1209,13 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   if (!cuda || automatic) {
     // The sim device: the cached probe with this run's device memory and link. A GPU (one rank,
     // --plan auto): the cached probe of a GPU, else this machine's measured (GPU 0's figures).
-    const char *kind = cuda ? "cuda" : "sim";
     char path[4096];
     fy_probe_default_path(path, sizeof path);
-    fy_status st = fy_probe_read(path, &probe);
-    if (st != FY_OK || strcmp(probe.device, kind) != 0) {
-      FY_TRY(fy_probe_measure("sim", (double)dev_mem, o->sim_link_gbps, o->disk_dir, &probe));
-#if FY_HAVE_CUDA
-      if (cuda) FY_TRY(fy_probe_measure_gpu(0, &probe));
-#endif
-      fy_probe_write(path, &probe);  // a cache: failing to write it is not an error
-    } else {
-      bool disk = false;  // a --disk-dir the cached probe has not timed: timed now (and cached)
-      FY_TRY(fy_probe_add_disk(&probe, o->disk_dir, &disk));
-      if (disk) fy_probe_write(path, &probe);
-    }
+    const struct fy_probe_cache c = {.path = path, .device = cuda ? "cuda" : "sim", .disk_dir = o->disk_dir,
+                                     .gpu = cuda, .write = true,  // (a cache: failing to write it is no error)
+                                     .device_mem = (double)dev_mem, .link_gbps = o->sim_link_gbps};
+    bool measured;
+    FY_TRY(fy_probe_cached(&c, &probe, &measured));
     char v[64];
     if (!cuda || o->device_mem) {
       snprintf(v, sizeof v, "%zu", dev_mem);
