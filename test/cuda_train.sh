@@ -239,7 +239,7 @@ PY
 # CPU's: the same tokens drawn in fp32 (the same seed), past a window of 8 (the cache run again
 # from its newest half); bf16 draws as many tokens, each in the vocabulary.
 ferry_run samplemodel "${common[@]}" --device cpu --save "$d/samplemodel" || exit 1
-sp=(sample --init "$d/samplemodel" --prompt-ids 2,10,20 --tokens 24 --temperature 1 --seed 5 --seq 8 --stop none)
+sp=(sample --init "$d/samplemodel" --prompt-ids 2,10,20 --tokens 24 --temperature 1 --seed 5 --seq 8 --stop none --quiet)
 ferry_run samplecpu "${sp[@]}" || exit 1
 ferry_run samplecuda "${sp[@]}" --device cuda --precision fp32 || exit 1
 ferry_run samplecuda16 "${sp[@]}" --device cuda || exit 1
