@@ -101,7 +101,8 @@ int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward);
 // New tokens against the keys and values of the tokens before them (incremental decoding, as
 // ferry sample does): qkv (n,3C) of the tokens at positions len .. len+n-1 -> their keys and
 // values into rows len .. len+n-1 of kcache and vcache (cap,C); out (n,C) = per head and token t,
-// softmax(scale q.k) over cache rows 0..len+t, times their values. att: NH*cap floats of scratch.
+// softmax(scale q.k) over cache rows 0..len+t, times their values. att: NH*n*cap floats of
+// scratch (several tokens go through products, as fy_attention_forward's; one through loops).
 // Rows len .. len+n-1 of fy_attention_forward without a mask (the same sums, in another order).
 fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *att, const float *qkv, int64_t len,
                               int64_t n, int64_t cap, int64_t C, int64_t NH, float scale);

@@ -111,7 +111,8 @@ void fy_op_call_forward(void *arg) {
       // A row-split linear's partial product is summed by its pattern, which adds the bias after.
       const float *bias = op->has_bias ? c->w[n_w] : NULL;
       if (op->split == FY_SPLIT_ROW) run.bias = bias;
-      st = fy_linear_forward(out, in0, c->w[0], op->split == FY_SPLIT_ROW ? NULL : bias, BT, op->C, op->OC);
+      st = fy_linear_forward(out, in0 + c->row0 * op->C, c->w[0], op->split == FY_SPLIT_ROW ? NULL : bias, BT, op->C,
+                             op->OC);
       break;
     }
     case FY_OP_ATTENTION:
@@ -337,13 +338,19 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
 
 // ---- incremental decoding ----
 
+// The op that writes the logits, when it is a product that can take one row of its input.
+static bool logits_one_row(const struct fy_graph *g, int o) {
+  return g->ops[o].out == g->logits_slot && g->ops[o].kind == FY_OP_LINEAR && g->ops[o].split == FY_SPLIT_NONE;
+}
+
 struct fy_kv_cache {
   struct fy_device *dev;  // where k and v live (the model's)
   int64_t cap, len;
   size_t esize, bytes;    // an element of k and v (the compute dtype's), and each buffer's size
   int64_t *at;            // per op: where its keys start in k and v, in elements (-1: not attention)
+  bool logits_one_row;    // the logits' product computes the last token's row alone
   void *k, *v;            // every attention op's (cap, C) keys and values, one after another
-  float *att;             // (NH, cap) host scratch of the widest (the CPU's kernel)
+  float *att;             // (NH, T, cap) host scratch of the widest (the CPU's kernel)
   float *logits;          // (V) the logits brought to the host (a device the host cannot address)
   void *logits_raw;       // ... as the device holds them (V of the compute dtype), with 16-bit compute
 };
@@ -366,6 +373,7 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
     kv->at[o] = op->kind == FY_OP_ATTENTION ? total : -1;
+    kv->logits_one_row |= logits_one_row(g, o);
     if (op->kind == FY_OP_ATTENTION) total += cap * op->C, nh = op->NH > nh ? op->NH : nh;
   }
   kv->dev = m->dev;
@@ -375,7 +383,9 @@ fy_status fy_kv_cache_create(const struct fy_model *m, int64_t cap, struct fy_kv
   const int64_t V = m->cfg.vocab_size;
   fy_status st = fy_device_alloc(m->dev, kv->bytes, &kv->k);
   if (st == FY_OK) st = fy_device_alloc(m->dev, kv->bytes, &kv->v);
-  if (st == FY_OK && !(kv->att = malloc((size_t)(nh * cap) * sizeof(float)))) st = FY_ERR_NOMEM;
+  // (The CPU's kernel takes NH x T x cap floats for T tokens at once; a GPU's keeps its own.)
+  const int64_t att = nh * (m->device_memory ? 1 : g->T) * cap;
+  if (st == FY_OK && !(kv->att = malloc((size_t)att * sizeof(float)))) st = FY_ERR_NOMEM;
   if (st == FY_OK && m->device_memory &&
       (!(kv->logits = malloc((size_t)V * sizeof(float))) ||
        (kv->esize != 4 && !(kv->logits_raw = malloc((size_t)V * kv->esize)))))
@@ -427,11 +437,19 @@ fy_status fy_kv_cache_attend(struct fy_kv_cache *kv, struct fy_model *m, int o, 
                                       (char *)kv->v + kv->at[o] * (int64_t)kv->esize, kv->att, kv->len, n, kv->cap);
 }
 
+void fy_kv_cache_rows(const struct fy_model *m, int o, int64_t n, struct fy_op_call *c) {
+  const bool last = logits_one_row(m->graph, o);
+  c->rows = last ? 1 : n;
+  c->row0 = last ? n - 1 : 0;
+}
+
 fy_status fy_kv_cache_advance(struct fy_kv_cache *kv, struct fy_model *m, int64_t n, const float **logits) {
   kv->len += n;
-  // The last token's row of the logits (B = 1: row n - 1 of the slot).
+  // The last token's row of the logits: the first (fy_kv_cache_rows), or with every row computed
+  // row n - 1 of the slot (B = 1).
+  const int64_t row = kv->logits_one_row ? 0 : n - 1;
   const size_t V = (size_t)m->cfg.vocab_size, esize = m->device_memory ? kv->esize : 4;
-  const char *lg = (const char *)fy_engine_act(m, m->graph->logits_slot) + (size_t)(n - 1) * V * esize;
+  const char *lg = (const char *)fy_engine_act(m, m->graph->logits_slot) + (size_t)row * V * esize;
   if (!m->device_memory) {
     *logits = (const float *)lg;
     return FY_OK;
@@ -472,7 +490,7 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int
     }
     struct fy_op_call c;
     resident_call(m, o, &b, &c);
-    c.rows = n;
+    fy_kv_cache_rows(m, o, n, &c);
     m->kernels->op_forward(&c);
     if (c.st != FY_OK) return c.st;
   }

@@ -37,6 +37,8 @@ struct fy_op_call {
   double *loss_sum;            // forward of the loss adds the sum of its per-row losses here
   int64_t rows;                // forward of a model built for one sequence (B = 1): only its first
                                // `rows` tokens (0: all T), for decoding fewer than it was built for
+  int64_t row0;                // with rows, a linear op's input rows start at row0 (its output's at
+                               // 0): decoding takes the logits of the last token alone
   fy_status st;                // the kernel's status
 };
 
@@ -122,6 +124,9 @@ fy_status fy_engine_decode(struct fy_model *m, struct fy_kv_cache *kv, const int
 // cache n tokens longer and *logits the last one's.
 fy_status fy_kv_cache_check(const struct fy_kv_cache *kv, const struct fy_model *m, const int32_t *tokens, int64_t n);
 fy_status fy_kv_cache_attend(struct fy_kv_cache *kv, struct fy_model *m, int o, int64_t n);
+// The rows op o computes for n tokens (c->rows, c->row0): all n, but the product that makes the
+// logits takes the last token's row alone (the logits read are the last token's).
+void fy_kv_cache_rows(const struct fy_model *m, int o, int64_t n, struct fy_op_call *c);
 fy_status fy_kv_cache_advance(struct fy_kv_cache *kv, struct fy_model *m, int64_t n, const float **logits);
 // The device bytes of a cache of cap tokens for cfg's model whose kernels compute in dtype (what
 // fy_kv_cache_create allocates, before the allocator's rounding).

@@ -94,6 +94,7 @@ static void op_forward_cuda(void *arg) {
       break;
     case FY_OP_LINEAR: {
       int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+      if (c->row0) in0 = (const float *)((const char *)in0 + (size_t)(c->row0 * op->C) * fy_dtype_size(dt));
       const void *bias = op->has_bias ? c->w[n_w] : NULL;
       const struct fy_op *next = &g->ops[c->op + 1];  // (when fused)
       if (op->split == FY_SPLIT_ROW) {  // a partial product: its pattern sums it, then adds the bias

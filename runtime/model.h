@@ -126,7 +126,8 @@ struct fy_model_kernels {
   fy_status (*pattern_bias_add)(struct fy_model *m, void *out, const void *bias, int64_t rows, int64_t cols);
   // Incremental decoding (fy_engine_decode): attention op `op` for the n tokens in its input at
   // positions len .. len+n-1, against kcache and vcache (cap, C, in the compute dtype, where the
-  // kernels read), their keys and values appended there; scratch: NH * cap host floats (the CPU's).
+  // kernels read), their keys and values appended there; scratch: NH * n * cap host floats (the
+  // CPU's).
   fy_status (*attention_decode)(struct fy_model *m, int op, void *kcache, void *vcache, float *scratch, int64_t len,
                                 int64_t n, int64_t cap);
 };

@@ -815,8 +815,8 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
     const struct fy_action *act = &x->actions[a];
     const struct fy_op *op = &g->ops[act->op];
     struct fy_op_call *c = &x->calls[p][a];
-    *c = (struct fy_op_call){.m = m, .op = act->op, .batch = db, .loss_scale = loss_scale, .rows = kv ? n : 0,
-                             .st = FY_OK};
+    *c = (struct fy_op_call){.m = m, .op = act->op, .batch = db, .loss_scale = loss_scale, .st = FY_OK};
+    if (kv) fy_kv_cache_rows(m, act->op, n, c);
     if (kv && op->kind == FY_OP_CROSS_ENTROPY) continue;  // (decoding reads the logits; the loss has no chunks)
     int nk = 0;
     for (int k = l->op_first[act->op]; k < l->op_first[act->op + 1]; k++) {

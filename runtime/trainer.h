@@ -158,7 +158,7 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss);
 // values of the tokens before are cached (fy_engine_decode), the prompt runs FY_SAMPLE_PREFILL
 // tokens at a time (the rows of the model it builds). out (room for n_prompt + n_new) receives
 // the prompt and then the tokens drawn, *n_out in all.
-#define FY_SAMPLE_PREFILL 128
+#define FY_SAMPLE_PREFILL 512
 struct fy_sample_opts {
   const int32_t *prompt;
   int64_t n_prompt, n_new;

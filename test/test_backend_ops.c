@@ -754,7 +754,8 @@ static void test_attention_decode(enum fy_dtype dt, int64_t Tn, int64_t Cn, int6
   const size_t es = fy_dtype_size(dt);
   const float scale = 1.0f / sqrtf((float)(Cn / NHn));
   float *qkv = frand_new(Tn * C3, 1.5f, dt), *out = check_fnew(Tn * Cn);
-  float *kc = check_fnew(cap * Cn), *vc = check_fnew(cap * Cn), *sa = check_fnew(NHn * cap);
+  float *kc = check_fnew(cap * Cn), *vc = check_fnew(cap * Cn);
+  float *sa = check_fnew(NHn * 17 * cap);  // (17: the longest run)
   void *d_qkv = dput(qkv, Tn * C3, dt), *d_out = dalloc((size_t)(Tn * Cn) * es);
   void *d_k = dalloc((size_t)(cap * Cn) * es), *d_v = dalloc((size_t)(cap * Cn) * es);
   const int64_t runs[] = {1, 5, 1, 17};

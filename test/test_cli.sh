@@ -242,17 +242,16 @@ expect 0 "ferry sample past its window (--seq 8)" "^3,17,42,8,60,3,17,42,8,60,3,
   sample --init "$tmp/cycle" --prompt-ids 3,17,42 --tokens 20 --temperature 0 --seq 8
 expect 0 "ferry sample with a prompt longer than its window" "^(3,17,42,8,60,){2}3,17,42,8,60,3,17$" -- \
   sample --init "$tmp/cycle" --prompt-ids 3,17,42,8,60,3,17,42,8,60,3 --tokens 6 --temperature 0 --seq 8
-# A prompt longer than the 128 tokens run at once (runs of 128 and 72; then the window of 256
-# fills and its newest half runs again as one run), with the cycle learnt at 256 positions; and
-# what --stop and --top-p do.
-mkdir -p "$tmp/cycle256cfg"
-python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['max_position_embeddings'] = 256
-json.dump(c, open(sys.argv[2], 'w'))" "$tmp/cycle/config.json" "$tmp/cycle256cfg/config.json"
-"$ferry" train --model "$tmp/cycle256cfg" --data "$tmp/cycle.bin" --batch 2 --seq 256 --steps 60 --lr 1e-2 --quiet \
-  --save "$tmp/cycle256" >/dev/null 2>&1
-long=$(python3 -c "print(','.join(str(x) for x in [3, 17, 42, 8, 60] * 40))")
+# A prompt longer than the 512 tokens run at once (runs of 512 and 88), with the cycle learnt at
+# 640 of 1024 positions; and what --stop and --top-p do.
+mkdir -p "$tmp/cycle1kcfg"
+python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['max_position_embeddings'] = 1024
+json.dump(c, open(sys.argv[2], 'w'))" "$tmp/cycle/config.json" "$tmp/cycle1kcfg/config.json"
+"$ferry" train --model "$tmp/cycle1kcfg" --data "$tmp/cycle.bin" --batch 2 --seq 640 --steps 60 --lr 1e-2 --quiet \
+  --save "$tmp/cycle1k" >/dev/null 2>&1
+long=$(python3 -c "print(','.join(str(x) for x in [3, 17, 42, 8, 60] * 120))")
 expect 0 "ferry sample with a prompt run in two parts" "^$long,(3,17,42,8,60,){12}3$" -- \
-  sample --init "$tmp/cycle256" --prompt-ids "$long" --tokens 61 --temperature 0
+  sample --init "$tmp/cycle1k" --prompt-ids "$long" --tokens 61 --temperature 0
 expect 0 "ferry sample ends at a --stop token" "^3,17,42,8,60$" -- sample --init "$tmp/cycle" --prompt-ids 3,17,42 \
   --tokens 10 --temperature 0 --stop 90,60
 expect 0 "ferry sample --top-p 0.01 is greedy" "^3,17,42,8,60,3,17$" -- sample --init "$tmp/cycle" \

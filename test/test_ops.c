@@ -695,7 +695,8 @@ static void test_attention(void) {
     int64_t T2 = 45, C2 = 48, NH2 = 3, cap = 50, runs[] = {1, 7, 1, 13, 23};
     float sc = 0.3f;
     float *qkv = frand_new(T2 * 3 * C2, 1.5f), *out = check_fnew(T2 * C2), *att = check_fnew(NH2 * T2 * T2);
-    float *kc = check_fnew(cap * C2), *vc = check_fnew(cap * C2), *sa = check_fnew(NH2 * cap);
+    float *kc = check_fnew(cap * C2), *vc = check_fnew(cap * C2);
+    float *sa = check_fnew(NH2 * 23 * cap);  // (23: the longest run)
     float *o1 = check_fnew(T2 * C2);
     CHECK_OK(fy_attention_forward(out, att, qkv, NULL, 1, T2, C2, NH2, sc));
     double worst = 0;

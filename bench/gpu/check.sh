@@ -417,7 +417,7 @@ print(json.dumps({"bench": "plan_cuda", "model": "opt-1.3b", "resident": plan.ge
 PY
 }
 # ferry sample on the GPU: MODEL TOKENS [ferry sample options...], random weights, a 512-token prompt
-# (4 passes of 128) and TOKENS more, greedy: the prompt's tokens/s and the new tokens'.
+# (one pass) and TOKENS more, greedy: the prompt's tokens/s and the new tokens'.
 sample_bench() {
   local model="$1" tokens="$2" ids
   shift 2

@@ -95,10 +95,31 @@ fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *a
   if (len < 0 || n < 1 || len + n > cap)
     return fy_error_set(FY_ERR_INVALID, "attention decode: positions %lld to %lld outside a cache of %lld",
                         (long long)len, (long long)(len + n - 1), (long long)cap);
-  const int64_t HS = C / NH;
+  const int64_t HS = C / NH, C3 = 3 * C, keys = len + n;
   for (int64_t t = 0; t < n; t++) {
     memcpy(kcache + (len + t) * C, qkv + t * 3 * C + C, (size_t)C * sizeof(float));
     memcpy(vcache + (len + t) * C, qkv + t * 3 * C + 2 * C, (size_t)C * sizeof(float));
+  }
+  if (n > 1) {  // several tokens (a prompt): products over all of them, as the forward's
+    // att[h] (n, keys) = scale * q[h] (n,HS) @ k[h][0:keys]^T (HS,keys)
+    FY_TRY(fy_matmul_batched(att, qkv, kcache, NH, n, keys, HS, false, true, scale, 0.0f, C3, C, keys, HS, HS,
+                             n * keys));
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t h = 0; h < NH; h++)
+      for (int64_t t = 0; t < n; t++) {  // token t sees keys 0 .. len + t
+        float *row = att + (h * n + t) * keys, mx = -INFINITY, sum = 0.0f;
+        const int64_t seen = len + t + 1;
+        for (int64_t s = 0; s < seen; s++) mx = row[s] > mx ? row[s] : mx;
+        for (int64_t s = 0; s < seen; s++) {
+          row[s] = fy_expf_(row[s] - mx);
+          sum += row[s];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t s = 0; s < seen; s++) row[s] *= inv;
+        for (int64_t s = seen; s < keys; s++) row[s] = 0.0f;
+      }
+    // out[h] (n,HS) = att[h] (n,keys) @ v[h][0:keys] (keys,HS)
+    return fy_matmul_batched(out, att, vcache, NH, n, HS, keys, false, false, 1.0f, 0.0f, keys, C, C, n * keys, HS, HS);
   }
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < NH; h++)
