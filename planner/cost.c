@@ -166,7 +166,8 @@ static void resident_bytes(const struct fy_graph *g, int64_t hidden, bool train,
   *bytes = fy_graph_model_bytes(g, hidden, train, bf16, accumulate, FY_CUDA_ALLOC_GRANULE) +
            (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
   // (fp32 weights but when evaluating in bf16, which keeps the bf16 ones alone: fy_model_opts.weights16)
-  *state_bytes = (double)g->n_param_elems * ((train || !bf16 ? 4.0 : 0.0) + (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) +
+  *state_bytes = (double)g->n_param_elems * ((train || !bf16 ? 4.0 : 0.0) +
+                                             (train ? 12.0 + (accumulate ? 4.0 : 0.0) : 0.0) +
                                              (bf16 ? (train ? 4.0 : 2.0) : 0.0));
 }
 

@@ -159,7 +159,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   int64_t np = g->n_param_elems;
   const bool inference = opts && opts->inference;  // the weights alone: no gradients, m or v
   m->weights16 = inference && opts->weights16 && opts->act16 && m->device_memory && !m->host;
-  double state = (m->weights16 ? 2.0 : inference ? 4.0 : 16.0) * (double)np, acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
+  double state = (m->weights16 ? 2.0 : inference ? 4.0 : 16.0) * (double)np,
+         acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
   if (!m->host && dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
     fy_chunk_layout_free(m->layout);
     fy_graph_free(m->graph);

@@ -1681,7 +1681,8 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   if (s->n_prompt < 1) return fy_error_set(FY_ERR_INVALID, "sample: the prompt needs at least one token");
   if (s->n_new < 0 || !(s->temperature >= 0) || s->top_k < 0)
     return fy_error_set(FY_ERR_INVALID, "sample: tokens, temperature and top-k must not be negative");
-  if (!(s->top_p >= 0 && s->top_p <= 1)) return fy_error_set(FY_ERR_INVALID, "sample: top-p %g is not in [0, 1]", s->top_p);
+  if (!(s->top_p >= 0 && s->top_p <= 1))
+    return fy_error_set(FY_ERR_INVALID, "sample: top-p %g is not in [0, 1]", s->top_p);
   struct fy_train_opts e = *o;
   e.batch = 1;
   e.data = NULL;
@@ -1689,7 +1690,8 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   if (e.device && strcmp(e.device, "cpu") != 0 && !cuda)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu or a GPU (cuda)", e.device);
   if (e.offload && !cuda) return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda");
-  if (!e.offload && (e.blocks || e.host_mem)) return fy_error_set(FY_ERR_INVALID, "--blocks and --host-mem are for --offload");
+  if (!e.offload && (e.blocks || e.host_mem))
+    return fy_error_set(FY_ERR_INVALID, "--blocks and --host-mem are for --offload");
   if (!cuda && e.device_mem) return fy_error_set(FY_ERR_INVALID, "--device-mem is for --device cuda");
   if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
   if (strcmp(e.precision, "fp32") != 0 && !(cuda && strcmp(e.precision, "bf16") == 0))
@@ -1744,7 +1746,8 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
     }
     while (st == FY_OK && fed < n) {
       const int64_t k = n - fed < e.seq ? n - fed : e.seq;
-      st = r.x ? fy_offload_decode(r.x, kv, out + fed, k, &logits) : fy_engine_decode(r.model, kv, out + fed, k, &logits);
+      st = r.x ? fy_offload_decode(r.x, kv, out + fed, k, &logits)
+               : fy_engine_decode(r.model, kv, out + fed, k, &logits);
       fed += k;
     }
     if (st != FY_OK) break;
