@@ -116,8 +116,7 @@ void fy_op_call_forward(void *arg) {
       break;
     }
     case FY_OP_ATTENTION:
-      st = fy_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, B, c->rows ? BT : T, op->C,
-                                op->NH, op->scale);
+      st = fy_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, B, T, op->C, op->NH, op->scale);
       break;
     case FY_OP_RELU:
       fy_relu_forward(out, in0, fy_op_call_numel(c, op->out));

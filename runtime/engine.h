@@ -37,6 +37,7 @@ struct fy_op_call {
   double *loss_sum;            // forward of the loss adds the sum of its per-row losses here
   int64_t rows;                // forward of a model built for one sequence (B = 1): only its first
                                // `rows` tokens (0: all T), for decoding fewer than it was built for
+                               // (not attention: decoding runs kernels->attention_decode instead)
   int64_t row0;                // with rows, a linear op's input rows start at row0 (its output's at
                                // 0): decoding takes the logits of the last token alone
   fy_status st;                // the kernel's status

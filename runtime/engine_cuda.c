@@ -113,8 +113,8 @@ static void op_forward_cuda(void *arg) {
       break;
     }
     case FY_OP_ATTENTION:  // the aux slot holds the lse (the graph's flash_attention layout)
-      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B,
-                                     c->rows ? BT : T, op->C, op->NH, op->scale, x->st);
+      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B, T, op->C,
+                                     op->NH, op->scale, x->st);
       break;
     case FY_OP_RELU:
       if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_RELU)

@@ -192,7 +192,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     return fy_error_wrap(st, "allocating the model's state (%s of parameter state)",
                          fy_format_bytes(16.0 * (double)np, sb, sizeof sb));
   }
-  m->state_bytes = (m->host ? 4 : m->weights16 ? 2 : inference ? 4 : 16) * np;
+  m->state_bytes = m->host ? 4 * np : (int64_t)state;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
   *out = m;
   return FY_OK;
@@ -444,15 +444,12 @@ void fy_model_source_fill(const struct fy_model_source *s, int64_t lo, int64_t h
   for (int i = 0; i < g->n_params; i++)
     if (fy_param_part(&g->params[i], lo, hi, &a, &b)) n += (b - a + SOURCE_PIECE - 1) / SOURCE_PIECE;
   struct piece { int i; int64_t a, b; } *pieces = malloc((size_t)(n > 0 ? n : 1) * sizeof *pieces);
+  FY_ASSERT(pieces);
   n = 0;
-  for (int i = 0; i < g->n_params; i++) {
-    if (!fy_param_part(&g->params[i], lo, hi, &a, &b)) continue;
-    for (int64_t k = a; k < b; k += SOURCE_PIECE) {
-      const int64_t e = k + SOURCE_PIECE < b ? k + SOURCE_PIECE : b;
-      if (pieces) pieces[n++] = (struct piece){i, k, e};
-      else fy_model_source_read(s, i, k, e, dst + (g->params[i].offset + k - lo));  // (no memory: in turn)
-    }
-  }
+  for (int i = 0; i < g->n_params; i++)
+    if (fy_param_part(&g->params[i], lo, hi, &a, &b))
+      for (int64_t k = a; k < b; k += SOURCE_PIECE)
+        pieces[n++] = (struct piece){i, k, k + SOURCE_PIECE < b ? k + SOURCE_PIECE : b};
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t k = 0; k < n; k++) {
     const struct piece *q = &pieces[k];

@@ -1709,8 +1709,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   // Offloaded, the chunk cache leaves the key/value cache its room (two buffers, each rounded up by
   // the allocator).
   if (e.offload)
-    e.device_reserve = (size_t)fy_kv_cache_bytes(&cfg, window, strcmp(e.precision, "bf16") == 0 ? FY_BF16 : FY_F32) +
-                       ((size_t)4 << 20);
+    e.device_reserve = (size_t)fy_kv_cache_bytes(&cfg, window, precision_dtype(&e)) + ((size_t)4 << 20);
   const int64_t V = cfg.vocab_size;
   for (int64_t i = 0; i < s->n_prompt; i++)
     if (s->prompt[i] < 0 || s->prompt[i] >= V)

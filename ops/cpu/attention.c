@@ -28,6 +28,23 @@ int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward) {
   return (backward ? 4 : 2) * B * tiles + 1;      // and the softmax (or its backward) loop
 }
 
+// row[0, seen) = softmax(row[0, seen)), row[seen, width) = 0: a causal row of attention weights.
+static void softmax_prefix(float *row, int64_t seen, int64_t width) {
+  float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+  for (int64_t s = 0; s < seen; s++) mx = row[s] > mx ? row[s] : mx;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t s = 0; s < seen; s++) {
+    float e = fy_expf_(row[s] - mx);
+    row[s] = e;
+    sum += e;
+  }
+  float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t s = 0; s < seen; s++) row[s] *= inv;
+  for (int64_t s = seen; s < width; s++) row[s] = 0.0f;
+}
+
 // qkv (B,T,3C), mask (B,T) -> out (B,T,C), att (B,NH,T,T)
 fy_status fy_attention_forward(float *out, float *att, const float *qkv, const int32_t *mask,
                                int64_t B, int64_t T, int64_t C, int64_t NH, float scale) {
@@ -62,20 +79,13 @@ fy_status fy_attention_forward(float *out, float *att, const float *qkv, const i
           row[s] = e;
           sum += e;
         }
-      } else {
-#pragma omp simd reduction(max : mx)
-        for (int64_t s = 0; s <= t; s++) mx = row[s] > mx ? row[s] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t s = 0; s <= t; s++) {
-          float e = fy_expf_(row[s] - mx);
-          row[s] = e;
-          sum += e;
-        }
-      }
-      float inv = 1.0f / sum;
+        float inv = 1.0f / sum;
 #pragma omp simd
-      for (int64_t s = 0; s <= t; s++) row[s] *= inv;
-      for (int64_t s = t + 1; s < T; s++) row[s] = 0.0f;
+        for (int64_t s = 0; s <= t; s++) row[s] *= inv;
+        for (int64_t s = t + 1; s < T; s++) row[s] = 0.0f;
+      } else {
+        softmax_prefix(row, t + 1, T);
+      }
     }
   }
   // out[b,h][r0:r1] (R,HS) = att[b,h][r0:r1, 0:r1] (R,r1) @ v[b,h][0:r1] (r1,HS)
@@ -106,18 +116,7 @@ fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *a
                              n * keys));
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t h = 0; h < NH; h++)
-      for (int64_t t = 0; t < n; t++) {  // token t sees keys 0 .. len + t
-        float *row = att + (h * n + t) * keys, mx = -INFINITY, sum = 0.0f;
-        const int64_t seen = len + t + 1;
-        for (int64_t s = 0; s < seen; s++) mx = row[s] > mx ? row[s] : mx;
-        for (int64_t s = 0; s < seen; s++) {
-          row[s] = fy_expf_(row[s] - mx);
-          sum += row[s];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t s = 0; s < seen; s++) row[s] *= inv;
-        for (int64_t s = seen; s < keys; s++) row[s] = 0.0f;
-      }
+      for (int64_t t = 0; t < n; t++) softmax_prefix(att + (h * n + t) * keys, len + t + 1, keys);  // keys 0..len+t
     // out[h] (n,HS) = att[h] (n,keys) @ v[h][0:keys] (keys,HS)
     return fy_matmul_batched(out, att, vcache, NH, n, HS, keys, false, false, 1.0f, 0.0f, keys, C, C, n * keys, HS, HS);
   }
