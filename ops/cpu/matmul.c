@@ -88,25 +88,34 @@ static dnnl_status_t mm_desc(dnnl_memory_desc_t *md, int64_t batch, int64_t rows
   return dnnl_memory_desc_init_by_strides(md, 3, dims, dnnl_f32, strides);
 }
 
-// True when the reduction is long against both sides of the output (K >= 8 max(M, N)), as in the
-// tied output projection's input gradient (512 x 768 from K = 50272). oneDNN's first choice,
-// brgemm, splits only the output among threads and runs at ~0.8 of the fp32 rate there; its
-// gemm implementation, which also blocks and splits the reduction, keeps the full rate (measured
-// on oneDNN 2.6, AVX-512, 2 threads: 512x768x50272 at 222 against 161 GFLOP/s; from K = 8 max(M,N)
-// on it was never slower). The rule depends on the shape only, so every run of a problem picks
-// the same implementation and gives the same bits.
-static bool mm_long_reduction(const struct mm_key *k) {
+// Whether oneDNN's "gemm" implementation serves this problem better than its first choice,
+// brgemm. Two cases, measured with oneDNN 2.6 at 2 threads (bench/gemm_impl times every
+// implementation of every product of a step; medians of 5):
+// - a long reduction against both sides of the output (K >= 8 max(M, N)), as the tied output
+//   projection's input gradient (512 x 768 from K = 50272): brgemm splits only the output among
+//   threads (AVX-512 machines: 161 against 222 GFLOP/s on the first, 316 against 386 on a second);
+// - b stored (K, N), as in every backward product of a linear (the input gradient multiplies by
+//   the weight, the weight gradient by the input): brgemm runs at half its rate for some widths
+//   (OPT-125m's feed-forward, N = 3072: fc2's input gradient at 206 against 395 GFLOP/s, its
+//   weight gradient at 176 against 392; not at N = 1024 or 4096) and is level or behind elsewhere
+//   (the output projection's weight gradient, 50272 x 768 from K = 512: 307 against 361). A
+//   forward product (b is an (N, K) weight) stays with brgemm: level on average, ahead at 128 rows.
+// Batched products (attention) keep oneDNN's own choice (no difference measured). The rule reads
+// the shape and layout only, so every run of a problem picks the same implementation and gives
+// the same bits.
+static bool mm_prefers_gemm(const struct mm_key *k) {
+  if (k->batch != 1) return false;
   int64_t side = k->M > k->N ? k->M : k->N;
-  return k->K >= 8 * side;
+  return k->K >= 8 * side || !k->tb;
 }
 
-// The primitive descriptor for `desc`: oneDNN's first implementation, or for a long reduction its
-// first "gemm" one when it offers one.
+// The primitive descriptor for `desc`: oneDNN's first implementation, or where mm_prefers_gemm says
+// so its first "gemm" one when it offers one.
 static dnnl_status_t mm_pick(dnnl_primitive_desc_t *pd, const dnnl_matmul_desc_t *desc,
                              dnnl_primitive_attr_t attr, const struct mm_key *k) {
   *pd = NULL;
   dnnl_primitive_desc_iterator_t it = NULL;
-  if (mm_long_reduction(k) &&
+  if (mm_prefers_gemm(k) &&
       dnnl_primitive_desc_iterator_create(&it, desc, attr, mm_engine, NULL) == dnnl_success) {
     do {
       dnnl_primitive_desc_t cand = dnnl_primitive_desc_iterator_fetch(it);
