@@ -34,6 +34,15 @@ fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *
                          int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta,
                          int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a, int64_t stride_b,
                          int64_t stride_c);
+// The product of operands that hold bf16 values (16-bit numerics on the CPU), c (M,N) = op(a) @
+// op(b) + bias + beta * c, packed: where the processor multiplies bf16 in hardware
+// (fy_matmul_bf16_native), a and b are converted to bf16 (exactly) and multiplied with fp32
+// accumulation, as a GPU's bf16 product is: ~5x the fp32 rate on AMX. Elsewhere, fy_matmul_bias
+// (the same products but for the order of the fp32 additions).
+fy_status fy_matmul16(float *c, const float *a, const float *b, const float *bias, int64_t M, int64_t N, int64_t K,
+                      bool ta, bool tb, float beta);
+// Whether fy_matmul16 multiplies in bf16: AMX in oneDNN's effective ISA (ONEDNN_MAX_CPU_ISA caps it).
+bool fy_matmul_bf16_native(void);
 // Frees the cached primitives (at exit; tests call it to stay leak-free).
 void fy_matmul_cache_clear(void);
 
@@ -66,20 +75,22 @@ void fy_layernorm_backward_params(float *dweight, float *dbias, const float *dou
 // Parameter gradients may also be written (=) instead of accumulated: the first gradient a
 // parameter receives in a backward pass overwrites, so that it can land over the weights in the
 // same memory (chunks, DESIGN.md) without a zeroing pass. The weights are not read then.
+// bf16: inp, weight and dout hold bf16 values (a bf16 model on the CPU); the products then go
+// through fy_matmul16.
 
 // inp (BT,C), weight (OC,C), bias (OC) -> out (BT,OC)
 fy_status fy_linear_forward(float *out, const float *inp, const float *weight, const float *bias,
-                            int64_t BT, int64_t C, int64_t OC);
+                            int64_t BT, int64_t C, int64_t OC, bool bf16);
 // dout (BT,OC) -> dinp (BT,C) +=, dweight (OC,C) +=, dbias (OC) +=. Any of dinp/dweight/dbias may
 // be NULL to skip it.
 fy_status fy_linear_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                              const float *inp, const float *weight, int64_t BT, int64_t C,
-                             int64_t OC);
+                             int64_t OC, bool bf16);
 // dout (BT,OC), inp (BT,C) -> dweight (OC,C), dbias (OC) (NULL to skip): += when accumulate,
 // else =. dweight and dbias may be the memory of the weights and bias themselves.
 fy_status fy_linear_backward_params(float *dweight, float *dbias, const float *dout,
                                     const float *inp, int64_t BT, int64_t C, int64_t OC,
-                                    bool accumulate);
+                                    bool accumulate, bool bf16);
 
 // ---- causal multi-head attention with a padding mask ----
 

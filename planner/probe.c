@@ -231,7 +231,7 @@ static void ko_layernorm(void *a) {
 }
 static void ko_linear(void *a) {
   struct ko_bufs *b = a;
-  (void)fy_linear_forward(b->h, b->y, b->w, NULL, KO_BT, KO_C, 4 * KO_C);
+  (void)fy_linear_forward(b->h, b->y, b->w, NULL, KO_BT, KO_C, 4 * KO_C, false);
 }
 static void ko_relu(void *a) {
   struct ko_bufs *b = a;

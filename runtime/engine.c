@@ -112,7 +112,7 @@ void fy_op_call_forward(void *arg) {
       const float *bias = op->has_bias ? c->w[n_w] : NULL;
       if (op->split == FY_SPLIT_ROW) run.bias = bias;
       st = fy_linear_forward(out, in0 + c->row0 * op->C, c->w[0], op->split == FY_SPLIT_ROW ? NULL : bias, BT, op->C,
-                             op->OC);
+                             op->OC, m->compute_dtype == FY_BF16);
       break;
     }
     case FY_OP_ATTENTION:
@@ -201,10 +201,10 @@ void fy_op_call_backward(void *arg) {
         memset(m->tp_buf, 0, (size_t)(BT * op->C) * 4);
         dinp = run.dinput_part = m->tp_buf;
       }
-      st = fy_linear_backward(dinp, NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC);
+      st = fy_linear_backward(dinp, NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC, m->compute_dtype == FY_BF16);
       if (st == FY_OK)
         st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C,
-                                       op->OC, !first[0]);
+                                       op->OC, !first[0], m->compute_dtype == FY_BF16);
       break;
     }
     case FY_OP_ATTENTION:

@@ -626,14 +626,14 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   float *bias = frand_new(OC, 1.0f, dt), *out = check_fnew(BT * OC);
   void *d_inp = dput(inp, BT * C, dt), *d_w = dput(w, OC * C, dt), *d_bias = dput(bias, OC, dt);
   void *d_out = dalloc((size_t)(BT * OC) * fy_dtype_size(dt));
-  CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC));
+  CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC, false));
   CHECK_OK(fy_cuda_linear_forward(h, d_out, d_inp, d_w, d_bias, dt, BT, C, OC, cs));
   cmp_dev("linear forward (bias)", dt, d_out, out, BT * OC, true);
-  CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC));
+  CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC, false));
   CHECK_OK(fy_cuda_linear_forward(h, d_out, d_inp, d_w, NULL, dt, BT, C, OC, cs));
   cmp_dev("linear forward (no bias)", dt, d_out, out, BT * OC, true);
   for (int wb = 0; wb < 2; wb++) {  // linear and relu in one call (the epilogue)
-    CHECK_OK(fy_linear_forward(out, inp, w, wb ? bias : NULL, BT, C, OC));
+    CHECK_OK(fy_linear_forward(out, inp, w, wb ? bias : NULL, BT, C, OC, false));
     fy_relu_forward(out, out, BT * OC);
     CHECK_OK(fy_cuda_linear_relu_forward(h, d_out, d_inp, d_w, wb ? d_bias : NULL, dt, BT, C, OC, cs));
     cmp_dev(wb ? "linear+relu forward (bias)" : "linear+relu forward (no bias)", dt, d_out, out, BT * OC, true);
@@ -641,12 +641,12 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   {  // linear and the residual add in one call: into another buffer, and in place on the residual
     float *res = frand_new(BT * OC, 1.0f, dt);
     void *d_res = dput(res, BT * OC, dt);
-    CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC));
+    CHECK_OK(fy_linear_forward(out, inp, w, bias, BT, C, OC, false));
     fy_add_forward(out, out, res, BT * OC);
     CHECK_OK(fy_cuda_linear_add_forward(h, d_out, d_inp, d_w, d_bias, d_res, dt, BT, C, OC, cs));
     cmp_dev("linear+add forward", dt, d_out, out, BT * OC, true);
     CHECK_OK(fy_cuda_linear_add_forward(h, d_res, d_inp, d_w, NULL, d_res, dt, BT, C, OC, cs));
-    CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC));
+    CHECK_OK(fy_linear_forward(out, inp, w, NULL, BT, C, OC, false));
     fy_add_forward(out, out, res, BT * OC);
     cmp_dev("linear+add forward (in place, no bias)", dt, d_res, out, BT * OC, true);
     free(res);
@@ -656,12 +656,12 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   float *dw = frand_new(OC * C, 1.0f, dt), *db = frand_new(OC, 1.0f, dt);
   void *d_dout = dput(dout, BT * OC, dt), *d_dinp = dput(dinp, BT * C, dt);
   void *d_dw = dput(dw, OC * C, dt), *d_db = dput(db, OC, dt);
-  CHECK_OK(fy_linear_backward(dinp, dw, db, dout, inp, w, BT, C, OC));
+  CHECK_OK(fy_linear_backward(dinp, dw, db, dout, inp, w, BT, C, OC, false));
   CHECK_OK(fy_cuda_linear_backward(h, d_dinp, d_dw, d_db, d_dout, d_inp, d_w, dt, BT, C, OC, cs));
   cmp_dev("linear backward dinp +=", dt, d_dinp, dinp, BT * C, true);
   cmp_dev("linear backward dweight +=", dt, d_dw, dw, OC * C, true);
   cmp_dev("linear backward dbias +=", dt, d_db, db, OC, false);
-  CHECK_OK(fy_linear_backward_params(dw, db, dout, inp, BT, C, OC, false));
+  CHECK_OK(fy_linear_backward_params(dw, db, dout, inp, BT, C, OC, false, false));
   CHECK_OK(fy_cuda_linear_backward_params(h, d_dw, d_db, d_dout, d_inp, dt, BT, C, OC, false, cs));
   cmp_dev("linear backward_params dweight =", dt, d_dw, dw, OC * C, true);
   cmp_dev("linear backward_params dbias =", dt, d_db, db, OC, false);
@@ -673,7 +673,7 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
     void *d_x2 = dput(x2, R * C, dt), *d_g2 = dput(g2, R * OC2, dt);
     void *d_dw2 = dput(dw2, OC2 * C, dt), *d_db2 = dput(db2, OC2, dt);
     for (int acc = 1; acc >= 0; acc--) {
-      CHECK_OK(fy_linear_backward_params(dw2, db2, g2, x2, R, C, OC2, acc));
+      CHECK_OK(fy_linear_backward_params(dw2, db2, g2, x2, R, C, OC2, acc, false));
       CHECK_OK(fy_cuda_linear_backward_params(h, d_dw2, d_db2, d_g2, d_x2, dt, R, C, OC2, acc, cs));
       cmp_dev(acc ? "linear backward_params split dbias +=" : "linear backward_params split dbias =", dt, d_db2,
               db2, OC2, false);

@@ -216,6 +216,61 @@ static void test_matmul(void) {
   }
 }
 
+// Products of bf16 values (a bf16 model on the CPU): against the double product of the same
+// values; bias, beta 0 and 1, every layout, a long reduction; the linear kernels' bf16 path against
+// their fp32 one. With AMX the products run in bf16 (fp32 accumulation in another order), without
+// it they are fy_matmul's.
+static void round_bf16(float *x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] = fy_bf16_to_f32(fy_f32_to_bf16(x[i]));
+}
+
+static void test_matmul16(void) {
+  printf("bf16 products in hardware: %s\n", fy_matmul_bf16_native() ? "yes (AMX)" : "no (fp32 products)");
+  const int64_t sizes[3][3] = {{13, 11, 7}, {131, 97, 203}, {9, 12, 1537}};
+  for (int sz = 0; sz < 3; sz++)
+    for (int ta = 0; ta < 2; ta++)
+      for (int tb = 0; tb < 2; tb++)
+        for (int beta = 0; beta < 2; beta++) {
+          int64_t M = sizes[sz][0], N = sizes[sz][1], K = sizes[sz][2];
+          float *a = frand_new(M * K, 1), *b = frand_new(K * N, 1), *c = frand_new(M * N, 1);
+          float *bias = frand_new(N, 1);
+          round_bf16(a, M * K), round_bf16(b, K * N);
+          if (!beta)
+            for (int64_t i = 0; i < M * N; i++) c[i] = NAN;  // beta = 0 must not read c
+          double *ref = to_d(c, M * N);
+          const bool with_bias = (ta + tb + beta) % 2;
+          CHECK_OK(fy_matmul16(c, a, b, with_bias ? bias : NULL, M, N, K, ta, tb, (float)beta));
+          matmul_ref(ref, a, b, 1, M, N, K, ta, tb, 1.0, beta, ta ? M : K, tb ? K : N, N, 0, 0, 0);
+          if (with_bias)
+            for (int64_t i = 0; i < M * N; i++) ref[i] += bias[i % N];
+          double e = err_d(c, ref, M * N);
+          CHECKF(e < FWD_TOL, "matmul16 M=%lld N=%lld K=%lld ta=%d tb=%d beta=%d bias=%d: err %g", (long long)M,
+                 (long long)N, (long long)K, ta, tb, beta, with_bias, e);
+          free(a), free(b), free(c), free(bias), free(ref);
+        }
+  // The linear kernels: forward, input and parameter gradients in bf16 against fp32 (the same values).
+  const int64_t BT = 37, C = 48, OC = 72;
+  float *inp = frand_new(BT * C, 1), *w = frand_new(OC * C, 1), *bias = frand_new(OC, 1), *dout = frand_new(BT * OC, 1);
+  round_bf16(inp, BT * C), round_bf16(w, OC * C), round_bf16(dout, BT * OC);
+  float *o32 = check_fnew(BT * OC), *o16 = check_fnew(BT * OC);
+  float *di32 = frand_new(BT * C, 1), *dw32 = frand_new(OC * C, 1), *db32 = frand_new(OC, 1);
+  float *di16 = check_fnew(BT * C), *dw16 = check_fnew(OC * C), *db16 = check_fnew(OC);
+  memcpy(di16, di32, (size_t)(BT * C) * 4), memcpy(dw16, dw32, (size_t)(OC * C) * 4), memcpy(db16, db32, (size_t)OC * 4);
+  CHECK_OK(fy_linear_forward(o32, inp, w, bias, BT, C, OC, false));
+  CHECK_OK(fy_linear_forward(o16, inp, w, bias, BT, C, OC, true));
+  CHECKF(check_rel_err(o16, o32, BT * OC) < FWD_TOL, "linear forward bf16: err %g", check_rel_err(o16, o32, BT * OC));
+  CHECK_OK(fy_linear_backward(di32, dw32, db32, dout, inp, w, BT, C, OC, false));
+  CHECK_OK(fy_linear_backward(di16, dw16, db16, dout, inp, w, BT, C, OC, true));
+  CHECKF(check_rel_err(di16, di32, BT * C) < FWD_TOL, "linear dinp bf16: err %g", check_rel_err(di16, di32, BT * C));
+  CHECKF(check_rel_err(dw16, dw32, OC * C) < FWD_TOL, "linear dweight bf16: err %g", check_rel_err(dw16, dw32, OC * C));
+  CHECK(same_bits(db16, db32, OC));  // the bias gradient is a sum of dout, whatever the products
+  CHECK_OK(fy_linear_backward_params(dw32, NULL, dout, inp, BT, C, OC, false, false));
+  CHECK_OK(fy_linear_backward_params(dw16, NULL, dout, inp, BT, C, OC, false, true));
+  CHECKF(check_rel_err(dw16, dw32, OC * C) < FWD_TOL, "linear dweight (written) bf16: err %g", check_rel_err(dw16, dw32, OC * C));
+  free(inp), free(w), free(bias), free(dout), free(o32), free(o16);
+  free(di32), free(dw32), free(db32), free(di16), free(dw16), free(db16);
+}
+
 // ---- embedding ----
 
 struct emb_ctx {
@@ -413,14 +468,14 @@ static void test_linear(void) {
   double *inp_d = to_d(inp, BT * C), *w_d = to_d(w, OC * C), *b_d = to_d(b, OC);
   double *ref = dnew(BT * OC);
   for (int hb = 0; hb < 2; hb++) {
-    CHECK_OK(fy_linear_forward(out, inp, w, hb ? b : NULL, BT, C, OC));
+    CHECK_OK(fy_linear_forward(out, inp, w, hb ? b : NULL, BT, C, OC, false));
     linear_ref(ref, inp_d, w_d, hb ? b_d : NULL, BT, C, OC);
     double e = err_d(out, ref, BT * OC);
     CHECKF(e < FWD_TOL, "linear bias=%d forward err %g", hb, e);
   }
   float *di = frand_new(BT * C, 1), *dw = frand_new(OC * C, 1), *db = frand_new(OC, 1);
   float *di0 = fdup(di, BT * C), *dw0 = fdup(dw, OC * C), *db0 = fdup(db, OC);
-  CHECK_OK(fy_linear_backward(di, dw, db, R, inp, w, BT, C, OC));
+  CHECK_OK(fy_linear_backward(di, dw, db, R, inp, w, BT, C, OC, false));
   struct lin_ctx ctx = {inp_d, w_d, b_d, R, BT, C, OC};
   double *gi = dnew(BT * C), *gw = dnew(OC * C), *gb = dnew(OC);
   fd_grad(gi, inp_d, BT * C, lin_loss, &ctx, FD_H);
@@ -430,7 +485,7 @@ static void test_linear(void) {
   CHECKF((e = err_acc(di, di0, gi, BT * C)) < GRAD_TOL, "linear dinp err %g", e);
   CHECKF((e = err_acc(dw, dw0, gw, OC * C)) < GRAD_TOL, "linear dweight err %g", e);
   CHECKF((e = err_acc(db, db0, gb, OC)) < GRAD_TOL, "linear dbias err %g", e);
-  CHECK_OK(fy_linear_backward(di, dw, db, R, inp, w, BT, C, OC));
+  CHECK_OK(fy_linear_backward(di, dw, db, R, inp, w, BT, C, OC, false));
   for (int64_t i = 0; i < BT * C; i++) gi[i] *= 2;
   for (int64_t i = 0; i < OC * C; i++) gw[i] *= 2;
   for (int64_t i = 0; i < OC; i++) gb[i] *= 2;
@@ -441,11 +496,11 @@ static void test_linear(void) {
   memcpy(di, di0, BT * C * sizeof(float));
   memcpy(dw, dw0, OC * C * sizeof(float));
   memcpy(db, db0, OC * sizeof(float));
-  CHECK_OK(fy_linear_backward(NULL, dw, NULL, R, inp, w, BT, C, OC));
+  CHECK_OK(fy_linear_backward(NULL, dw, NULL, R, inp, w, BT, C, OC, false));
   CHECK(same_bits(di, di0, BT * C) && same_bits(db, db0, OC));
   for (int64_t i = 0; i < OC * C; i++) gw[i] /= 2;
   CHECKF(err_acc(dw, dw0, gw, OC * C) < GRAD_TOL, "linear dweight alone");
-  CHECK_OK(fy_linear_backward(di, NULL, NULL, R, inp, w, BT, C, OC));
+  CHECK_OK(fy_linear_backward(di, NULL, NULL, R, inp, w, BT, C, OC, false));
   for (int64_t i = 0; i < BT * C; i++) gi[i] /= 2;
   CHECKF(err_acc(di, di0, gi, BT * C) < GRAD_TOL, "linear dinp alone");
   free(inp), free(w), free(b), free(out), free(R), free(inp_d), free(w_d), free(b_d), free(ref);
@@ -1090,11 +1145,11 @@ static void test_params_overwrite(void) {
   for (int i = 0; i < BT * OC; i++) dout[i] = cosf(0.7f * i);
   for (int i = 0; i < OC * C; i++) w[i] = 100.0f + i;  // garbage that must not leak in
   for (int i = 0; i < OC; i++) b[i] = -50.0f;
-  CHECK_OK(fy_linear_backward_params(dw0, db0, dout, inp, BT, C, OC, true));
-  CHECK_OK(fy_linear_backward_params(w, b, dout, inp, BT, C, OC, false));
+  CHECK_OK(fy_linear_backward_params(dw0, db0, dout, inp, BT, C, OC, true, false));
+  CHECK_OK(fy_linear_backward_params(w, b, dout, inp, BT, C, OC, false, false));
   CHECK(memcmp(w, dw0, sizeof w) == 0 && memcmp(b, db0, sizeof b) == 0);
   // Accumulate on top doubles.
-  CHECK_OK(fy_linear_backward_params(w, b, dout, inp, BT, C, OC, true));
+  CHECK_OK(fy_linear_backward_params(w, b, dout, inp, BT, C, OC, true, false));
   CHECK(fabsf(w[5] - 2 * dw0[5]) <= 1e-5f * fabsf(dw0[5]) && fabsf(b[3] - 2 * db0[3]) <= 1e-5f * fabsf(db0[3]));
 
   float x[11 * 13], g[11 * 13], mean[11], rstd[11], out[11 * 13], lw[13], lb[13], dlw[13] = {0}, dlb[13] = {0};
@@ -1108,6 +1163,7 @@ static void test_params_overwrite(void) {
 
 int main(void) {
   test_matmul();
+  test_matmul16();
   test_embedding();
   test_layernorm();
   test_linear();

@@ -4,8 +4,9 @@
 
 // inp (BT,C), weight (OC,C), bias (OC) -> out (BT,OC)
 fy_status fy_linear_forward(float *out, const float *inp, const float *weight, const float *bias,
-                            int64_t BT, int64_t C, int64_t OC) {
+                            int64_t BT, int64_t C, int64_t OC, bool bf16) {
   // out (BT,OC) = inp (BT,C) @ weight^T (C,OC) + bias
+  if (bf16) return fy_matmul16(out, inp, weight, bias, BT, OC, C, false, true, 0.0f);
   return fy_matmul_bias(out, inp, weight, bias, 1, BT, OC, C, false, true, 1.0f, 0.0f, 0, 0, 0,
                         0, 0, 0);
 }
@@ -13,18 +14,23 @@ fy_status fy_linear_forward(float *out, const float *inp, const float *weight, c
 // dout (BT,OC), inp (BT,C), weight (OC,C) -> dinp (BT,C) +=, dweight (OC,C) +=, dbias (OC) +=
 fy_status fy_linear_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                              const float *inp, const float *weight, int64_t BT, int64_t C,
-                             int64_t OC) {
+                             int64_t OC, bool bf16) {
   // dinp (BT,C) += dout (BT,OC) @ weight (OC,C)
-  if (dinp) FY_TRY(fy_matmul(dinp, dout, weight, BT, C, OC, false, false, 1.0f, 1.0f));
-  return fy_linear_backward_params(dweight, dbias, dout, inp, BT, C, OC, true);
+  if (dinp)
+    FY_TRY(bf16 ? fy_matmul16(dinp, dout, weight, NULL, BT, C, OC, false, false, 1.0f)
+                : fy_matmul(dinp, dout, weight, BT, C, OC, false, false, 1.0f, 1.0f));
+  return fy_linear_backward_params(dweight, dbias, dout, inp, BT, C, OC, true, bf16);
 }
 
 // dout (BT,OC), inp (BT,C) -> dweight (OC,C) (+)=, dbias (OC) (+)=
 fy_status fy_linear_backward_params(float *dweight, float *dbias, const float *dout,
                                     const float *inp, int64_t BT, int64_t C, int64_t OC,
-                                    bool accumulate) {
+                                    bool accumulate, bool bf16) {
   // dweight (OC,C) (+)= dout^T (OC,BT) @ inp (BT,C)
-  if (dweight) FY_TRY(fy_matmul(dweight, dout, inp, OC, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f));
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (dweight)
+    FY_TRY(bf16 ? fy_matmul16(dweight, dout, inp, NULL, OC, C, BT, true, false, beta)
+                : fy_matmul(dweight, dout, inp, OC, C, BT, true, false, 1.0f, beta));
   if (dbias) {
     // Column sums: threads split the columns and walk the rows in order (deterministic).
     const int64_t blk = 64;

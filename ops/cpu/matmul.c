@@ -16,6 +16,7 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
+#include "core/dtype.h"
 #include "ops/ops.h"
 
 // Everything that makes two problems different primitives. Compared bytewise, so it is always
@@ -26,6 +27,7 @@ struct mm_key {
   int64_t sa, sb, sc;
   uint32_t alpha_bits, beta_bits;
   int32_t ta, tb, bias;
+  int32_t bf16;  // a and b in bf16 (fy_matmul16)
 };
 
 struct mm_entry {
@@ -41,11 +43,11 @@ static struct mm_entry *mm_cache;  // most recently created first
 
 static fy_status mm_fail(dnnl_status_t s, const char *what, const struct mm_key *k) {
   return fy_error_set(FY_ERR_INTERNAL,
-                      "oneDNN %s failed (status %d) for matmul batch=%lld M=%lld N=%lld K=%lld "
+                      "oneDNN %s failed (status %d) for %smatmul batch=%lld M=%lld N=%lld K=%lld "
                       "ta=%d tb=%d lda=%lld ldb=%lld ldc=%lld",
-                      what, (int)s, (long long)k->batch, (long long)k->M, (long long)k->N,
-                      (long long)k->K, k->ta, k->tb, (long long)k->lda, (long long)k->ldb,
-                      (long long)k->ldc);
+                      what, (int)s, k->bf16 ? "bf16 " : "", (long long)k->batch, (long long)k->M,
+                      (long long)k->N, (long long)k->K, k->ta, k->tb, (long long)k->lda,
+                      (long long)k->ldb, (long long)k->ldc);
 }
 
 static fy_status mm_init_engine(void) {
@@ -79,13 +81,13 @@ static void mm_entry_free(struct mm_entry *e) {
 // A (rows, cols) matrix, possibly batched, whose element (i, j) of batch n lives at
 // n*sbatch + i*srow + j*scol. 2-D when batch == 1 (the common, fastest-dispatched case).
 static dnnl_status_t mm_desc(dnnl_memory_desc_t *md, int64_t batch, int64_t rows, int64_t cols,
-                             int64_t sbatch, int64_t srow, int64_t scol) {
+                             int64_t sbatch, int64_t srow, int64_t scol, dnnl_data_type_t dt) {
   if (batch == 1) {
     dnnl_dims_t dims = {rows, cols}, strides = {srow, scol};
-    return dnnl_memory_desc_init_by_strides(md, 2, dims, dnnl_f32, strides);
+    return dnnl_memory_desc_init_by_strides(md, 2, dims, dt, strides);
   }
   dnnl_dims_t dims = {batch, rows, cols}, strides = {sbatch, srow, scol};
-  return dnnl_memory_desc_init_by_strides(md, 3, dims, dnnl_f32, strides);
+  return dnnl_memory_desc_init_by_strides(md, 3, dims, dt, strides);
 }
 
 // Whether oneDNN's "gemm" implementation serves this problem better than its first choice,
@@ -103,8 +105,9 @@ static dnnl_status_t mm_desc(dnnl_memory_desc_t *md, int64_t batch, int64_t rows
 // Batched products (attention) keep oneDNN's own choice (no difference measured). The rule reads
 // the shape and layout only, so every run of a problem picks the same implementation and gives
 // the same bits.
+// (With bf16 operands brgemm's AMX kernels lead everywhere: 2-3 TFLOP/s against gemm's 1-2.4.)
 static bool mm_prefers_gemm(const struct mm_key *k) {
-  if (k->batch != 1) return false;
+  if (k->batch != 1 || k->bf16) return false;
   int64_t side = k->M > k->N ? k->M : k->N;
   return k->K >= 8 * side || !k->tb;
 }
@@ -140,10 +143,11 @@ static fy_status mm_create(const struct mm_key *k, float alpha, float beta,
   dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
   dnnl_status_t s;
   // op(a) is (M,K): a stored (M,K) with row stride lda, or (K,M) with row stride lda.
-  s = mm_desc(&a_md, k->batch, k->M, k->K, k->sa, k->ta ? 1 : k->lda, k->ta ? k->lda : 1);
+  const dnnl_data_type_t in = k->bf16 ? dnnl_bf16 : dnnl_f32;
+  s = mm_desc(&a_md, k->batch, k->M, k->K, k->sa, k->ta ? 1 : k->lda, k->ta ? k->lda : 1, in);
   if (s == dnnl_success)
-    s = mm_desc(&b_md, k->batch, k->K, k->N, k->sb, k->tb ? 1 : k->ldb, k->tb ? k->ldb : 1);
-  if (s == dnnl_success) s = mm_desc(&c_md, k->batch, k->M, k->N, k->sc, k->ldc, 1);
+    s = mm_desc(&b_md, k->batch, k->K, k->N, k->sb, k->tb ? 1 : k->ldb, k->tb ? k->ldb : 1, in);
+  if (s == dnnl_success) s = mm_desc(&c_md, k->batch, k->M, k->N, k->sc, k->ldc, 1, dnnl_f32);
   if (s == dnnl_success && k->bias) {
     // (1,N) or (1,1,N): broadcast over rows and batches.
     dnnl_dims_t dims = {1, 1, k->N}, strides = {k->N, k->N, 1};
@@ -199,12 +203,10 @@ static fy_status mm_create(const struct mm_key *k, float alpha, float beta,
   return FY_OK;
 }
 
-// The one entry point behind fy_matmul and fy_matmul_batched; `bias` (N) is added to every row
-// of every product when not NULL (ops/cpu/linear.c uses it to fuse nn.Linear's bias).
-fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *bias,
-                          int64_t batch, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
-                          float alpha, float beta, int64_t lda, int64_t ldb, int64_t ldc,
-                          int64_t stride_a, int64_t stride_b, int64_t stride_c) {
+// The product behind every entry point: a and b are floats, or bf16 with bf16 set.
+static fy_status mm_run(float *c, const void *a, const void *b, const float *bias, int64_t batch, int64_t M,
+                        int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta, int64_t lda, int64_t ldb,
+                        int64_t ldc, int64_t stride_a, int64_t stride_b, int64_t stride_c, bool bf16) {
   if (batch < 0 || M < 0 || N < 0 || K < 0)
     return fy_error_set(FY_ERR_INVALID, "matmul with a negative size (batch=%lld M=%lld N=%lld "
                         "K=%lld)", (long long)batch, (long long)M, (long long)N, (long long)K);
@@ -250,6 +252,7 @@ fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *
   k.ta = ta;
   k.tb = tb;
   k.bias = bias != NULL;
+  k.bf16 = bf16;
 
   struct mm_entry *e = NULL, **prev = &mm_cache;
   for (struct mm_entry *it = mm_cache; it; prev = &it->next, it = it->next) {
@@ -281,10 +284,58 @@ fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *
   return FY_OK;
 }
 
+// `bias` (N) is added to every row of every product when not NULL (ops/cpu/linear.c uses it to
+// fuse nn.Linear's bias).
+fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *bias, int64_t batch, int64_t M,
+                         int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta, int64_t lda, int64_t ldb,
+                         int64_t ldc, int64_t stride_a, int64_t stride_b, int64_t stride_c) {
+  return mm_run(c, a, b, bias, batch, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc, stride_a, stride_b, stride_c,
+                false);
+}
+
+// ---- bf16 operands ----
+
+// The operands of fy_matmul16 as bf16, grown as needed (one caller at a time, as every product).
+static uint16_t *mm_a16, *mm_b16;
+static int64_t mm_a16_cap, mm_b16_cap;
+
+bool fy_matmul_bf16_native(void) {
+  // oneDNN's effective ISA (ONEDNN_MAX_CPU_ISA caps it): AMX's tile products. The processors with
+  // bf16 dot products in AVX-512 alone ran oneDNN 2.6's bf16 products below its fp32 ones here.
+  static int native = -1;
+  if (native < 0)
+    native = (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx;
+  return native;
+}
+
+// x (n) floats holding bf16 values -> *buf (n) bf16 (rounding to nearest even: exact for them).
+static fy_status mm_to_bf16(uint16_t **buf, int64_t *cap, const float *x, int64_t n) {
+  if (n > *cap) {
+    free(*buf);
+    *buf = malloc((size_t)n * sizeof **buf);
+    *cap = *buf ? n : 0;
+    if (!*buf) return fy_error_set(FY_ERR_NOMEM, "out of memory for a bf16 product's operand (%lld elements)",
+                                   (long long)n);
+  }
+  uint16_t *restrict o = *buf;
+#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; i++) o[i] = fy_f32_to_bf16(x[i]);
+  return FY_OK;
+}
+
+fy_status fy_matmul16(float *c, const float *a, const float *b, const float *bias, int64_t M, int64_t N, int64_t K,
+                      bool ta, bool tb, float beta) {
+  if (!fy_matmul_bf16_native() || M <= 0 || N <= 0 || K <= 0)
+    return fy_matmul_bias(c, a, b, bias, 1, M, N, K, ta, tb, 1.0f, beta, 0, 0, 0, 0, 0, 0);
+  FY_TRY(mm_to_bf16(&mm_a16, &mm_a16_cap, a, M * K));
+  FY_TRY(mm_to_bf16(&mm_b16, &mm_b16_cap, b, K * N));
+  return mm_run(c, mm_a16, mm_b16, bias, 1, M, N, K, ta, tb, 1.0f, beta, 0, 0, 0, 0, 0, 0, true);
+}
+
 // c (M,N) = alpha * op(a) (M,K) @ op(b) (K,N) + beta * c
 fy_status fy_matmul(float *c, const float *a, const float *b, int64_t M, int64_t N, int64_t K,
                     bool ta, bool tb, float alpha, float beta) {
-  return fy_matmul_bias(c, a, b, NULL, 1, M, N, K, ta, tb, alpha, beta, 0, 0, 0, 0, 0, 0);
+  return mm_run(c, a, b, NULL, 1, M, N, K, ta, tb, alpha, beta, 0, 0, 0, 0, 0, 0, false);
 }
 
 // c[i] (M,N) = alpha * op(a[i]) (M,K) @ op(b[i]) (K,N) + beta * c[i], i < batch
@@ -292,11 +343,15 @@ fy_status fy_matmul_batched(float *c, const float *a, const float *b, int64_t ba
                             int64_t N, int64_t K, bool ta, bool tb, float alpha, float beta,
                             int64_t lda, int64_t ldb, int64_t ldc, int64_t stride_a,
                             int64_t stride_b, int64_t stride_c) {
-  return fy_matmul_bias(c, a, b, NULL, batch, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc,
-                         stride_a, stride_b, stride_c);
+  return mm_run(c, a, b, NULL, batch, M, N, K, ta, tb, alpha, beta, lda, ldb, ldc, stride_a, stride_b, stride_c,
+                false);
 }
 
 void fy_matmul_cache_clear(void) {
+  free(mm_a16);
+  free(mm_b16);
+  mm_a16 = mm_b16 = NULL;
+  mm_a16_cap = mm_b16_cap = 0;
   while (mm_cache) {
     struct mm_entry *e = mm_cache;
     mm_cache = e->next;
