@@ -4,6 +4,12 @@
 // step times (medians) and their ratio; the goal is offloaded >= 0.9x the resident speed when the
 // transfers fit in the compute time.
 //
+// The sim device's copies are memcpy on a thread of their own, and the offloaded AdamW runs on
+// host threads: on a machine with few cores they take cores from the kernels, which a GPU's copy
+// engines would not. On a 2-core machine (opt-125m, 4 x 128, 1.8 GB across the link a step):
+// --threads 2 measured 0.83-0.87 (the kernels lose to the copies' memcpy and the host AdamW),
+// --threads 1, which leaves them a core, 0.94.
+//
 // usage: overlap [--model opt-125m] [--batch 4] [--seq 128] [--steps 5] [--link-gbps 12]
 //                [--fraction 0.25] [--prefetch 2] [--threads 2]
 #include <omp.h>
