@@ -620,8 +620,8 @@ static uint64_t hash_params(struct fy_model *m) {
 }
 
 // The end of a run with chunks sharded across ranks: the weights come together chunk by chunk on
-// the lead rank, which hashes them and (save: a directory) writes each chunk as it comes, so that
-// no rank holds the whole model. A collective; the other ranks only take part.
+// the lead rank, which hashes them (hash: not NULL) and (save: a directory) writes each chunk as it
+// comes, so that no rank holds the whole model. A collective; the other ranks only take part.
 static fy_status finish_sharded(struct run *r, const char *save, bool lead, uint64_t *hash) {
   struct fy_model *m = r->model;
   const int64_t ce = m->layout->chunk_elems, n = m->graph->n_param_elems;
@@ -630,7 +630,7 @@ static fy_status finish_sharded(struct run *r, const char *save, bool lead, uint
   float *buf = NULL;
   fy_status st = fy_offload_sync(r->x);
   if (st == FY_OK && lead) {
-    st = weights_hash_init(&wh, m->graph);
+    if (hash) st = weights_hash_init(&wh, m->graph);
     if (st == FY_OK && !(buf = malloc((size_t)ce * 4))) st = fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk");
     if (st == FY_OK && save) st = fy_model_save_open(m, save, (size_t)5 << 30, &w);
   }
@@ -640,12 +640,12 @@ static fy_status finish_sharded(struct run *r, const char *save, bool lead, uint
     if (st == FY_OK) st = g;
     if (st != FY_OK || !lead) continue;
     int64_t lo = c * ce, hi = lo + ce < n ? lo + ce : n;
-    weights_hash_piece(&wh, lo, hi, buf);
+    if (hash) weights_hash_piece(&wh, lo, hi, buf);
     if (w) st = fy_model_save_put(m, w, lo, hi, buf);
   }
   if (w && st == FY_OK) st = fy_model_save_commit(m, save, w);
   else fy_st_writer_abort(w);
-  if (st == FY_OK && lead) *hash = wh.h;
+  if (st == FY_OK && lead && hash) *hash = wh.h;
   free(buf);
   free(wh.order);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
@@ -765,7 +765,7 @@ static fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t 
   FY_TRY(tp_walk_init(&t, r, 1, local, lead));
   struct weights_hash wh = {0};
   struct fy_st_writer *w = NULL;
-  fy_status st = lead ? weights_hash_init(&wh, g) : FY_OK;
+  fy_status st = lead && hash ? weights_hash_init(&wh, g) : FY_OK;
   if (st == FY_OK && lead && save) st = fy_model_save_open(&r->whole, save, (size_t)5 << 30, &w);
   for (int k = 0; k < g->n_params; k++) {  // every parameter, even after an error here: the gathers are collectives
     const struct fy_param *q = &g->params[t.order[k]];
@@ -773,12 +773,12 @@ static fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t 
     fy_status s1 = tp_walk_param(&t, t.order[k], whole);
     if (st == FY_OK) st = s1;
     if (st != FY_OK || !lead) continue;
-    weights_hash_piece(&wh, q->offset, q->offset + q->numel, whole[0]);
+    if (hash) weights_hash_piece(&wh, q->offset, q->offset + q->numel, whole[0]);
     if (w) st = fy_model_save_put(&r->whole, w, q->offset, q->offset + q->numel, whole[0]);
   }
   if (w && st == FY_OK) st = fy_model_save_commit(&r->whole, save, w);
   else fy_st_writer_abort(w);
-  if (st == FY_OK && lead) *hash = wh.h;
+  if (st == FY_OK && lead && hash) *hash = wh.h;
   free(wh.order);
   tp_walk_free(&t);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
@@ -1545,10 +1545,12 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->model_state_bytes = (double)fy_offload_state_bytes(r.x);
   }
   // Sharded weights come together chunk by chunk for the hash and the final save, on the rank that
-  // saves; tensor-parallel ranks gather their shards whole, then their slices below.
+  // saves (with neither, not at all); tensor-parallel ranks gather their shards whole, then their
+  // slices below.
   const bool saving = o->save && !ckpt;
+  uint64_t *hash = o->hash_params ? &res->params_hash : NULL;
   if (sharded && r.tp == 1) {
-    if ((st = finish_sharded(&r, saving ? o->save : NULL, lead, &res->params_hash)) != FY_OK) goto done;
+    if ((saving || hash) && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
   } else if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) {
     goto done;
   }
@@ -1608,9 +1610,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   // Tensor-parallel slices come together parameter by parameter for the hash and the final save.
   if (r.tp > 1) {
-    if ((st = finish_tp(&r, saving ? o->save : NULL, lead, &res->params_hash)) != FY_OK) goto done;
+    if ((st = finish_tp(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
   } else if (!sharded) {
-    res->params_hash = model->params ? hash_params(model) : 0;  // (0 on the ranks that only took part)
+    if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
     if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
   }
   if (saving && st == FY_OK && !o->quiet) printf("ferry: saved a Hugging Face checkpoint to %s\n", o->save);

@@ -91,6 +91,8 @@ struct fy_train_opts {
   const char *val_data;
   int64_t val_every, val_batches;
   bool quiet;             // no step lines (tests)
+  bool hash_params;       // compute fy_train_result.params_hash at the end (tests: runs compared bit
+                          // for bit); a pass over every weight, on the lead rank, so off by default
   bool profile;           // print where a step's time goes, per op kind and phase
   // eval only
   int64_t eval_batches;
@@ -122,7 +124,8 @@ struct fy_train_result {
   int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;
   int64_t cache_loads, cache_prefetches, cache_evictions, cache_spills;  // sim: the chunk cache
   double chunk_bytes;
-  uint64_t params_hash;          // FNV-1a of the parameters after training: equal iff bit-identical
+  uint64_t params_hash;          // with opts.hash_params: FNV-1a of the parameters after training,
+                                 // equal iff bit-identical (else 0)
   bool interrupted;              // ended early by opts.stop
   int rank, world;               // this process among the ranks
   int64_t skipped_steps;         // steps skipped for gradient overflow (dynamic loss scaling)

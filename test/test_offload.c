@@ -24,6 +24,7 @@ static char dir[256], model_dir[300], shard[300], disk_dir[300];
 static struct fy_train_opts base(void) {
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
+  o.hash_params = true;  // runs are compared bit for bit
   o.model = model_dir;
   o.data = shard;
   o.batch = 2;

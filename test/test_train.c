@@ -33,6 +33,7 @@ static void write_pattern_shard(const char *path, int64_t n, int vocab) {
 static struct fy_train_opts tiny_opts(const char *data) {
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);
+  o.hash_params = true;  // runs are compared bit for bit
   o.model = "opt-tiny";
   o.data = data;
   o.batch = 4;
@@ -68,6 +69,16 @@ int main(void) {
   o.save = NULL;
   CHECK_OK(fy_train(&o, &r2));
   CHECK(r1.last_loss == r2.last_loss && r1.first_loss == r2.first_loss);
+  CHECK(r1.params_hash != 0 && r1.params_hash == r2.params_hash);
+  // The hash only when asked for (the CLI's runs skip a pass over every weight at the end).
+  {
+    struct fy_train_opts nh = o;
+    struct fy_train_result r3;
+    nh.hash_params = false;
+    nh.steps = 2;
+    CHECK_OK(fy_train(&nh, &r3));
+    CHECK(r3.steps == 2 && r3.params_hash == 0);
+  }
 
   // Micro-batching: 2 x 2 with accumulation equals 4 at once (same sequences, same mean).
   struct fy_train_opts a = tiny_opts(shard);
