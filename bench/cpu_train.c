@@ -5,6 +5,8 @@
 // peak memory against what the step needs.
 //
 // usage: cpu_train [--model opt-125m] [--batch 4] [--seq 128] [--steps 6] [--threads 2]
+//                  [--precision fp32|bf16]  (bf16: ferry train --precision bf16's numbers; the GEMM
+//                                            and peak lines stay fp32's)
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,6 +73,7 @@ static double fma_peak(int threads) {
 
 int main(int argc, char **argv) {
   const char *model = "opt-125m";
+  const char *precision = "fp32";
   int64_t batch = 4, seq = 128, steps = 6, threads = 2;
   for (int i = 1; i < argc; i++) {
     if (i + 1 < argc && strcmp(argv[i], "--model") == 0) model = argv[++i];
@@ -78,8 +81,9 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--seq") == 0) seq = atoll(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--steps") == 0) steps = atoll(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--threads") == 0) threads = atoll(argv[++i]);
+    else if (i + 1 < argc && strcmp(argv[i], "--precision") == 0) precision = argv[++i];
     else {
-      fprintf(stderr, "usage: cpu_train [--model P] [--batch B] [--seq T] [--steps N] [--threads N]\n");
+      fprintf(stderr, "usage: cpu_train [--model P] [--batch B] [--seq T] [--steps N] [--threads N] [--precision P]\n");
       return 2;
     }
   }
@@ -93,6 +97,7 @@ int main(int argc, char **argv) {
   struct bench_shard shard;
   fy_status st = bench_shard_make(&shard, cfg.vocab_size, batch * (seq + 1) * (steps + 2) + 1);
   struct fy_train_opts o = bench_train_opts(model, &shard, batch, seq, steps, (int)threads);
+  o.precision = precision;
   struct fy_train_result r;
   if (st == FY_OK) st = fy_train(&o, &r);
   bench_shard_remove(&shard);
@@ -103,9 +108,10 @@ int main(int argc, char **argv) {
   int64_t M = batch * seq, N = cfg.vocab_size, K = cfg.word_embed_proj_dim;
   double gemm = gemm_rate(M, N, K);
   double need = r.model_state_bytes + r.activation_bytes;
-  printf("{\"bench\":\"cpu_train\",\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%lld,"
-         "\"steps\":%lld,\"tokens_per_s\":%.1f,\"gflops\":%.1f,\"loss_first\":%.4f,\"loss_last\":%.4f}\n",
-         model, (long long)batch, (long long)seq, (long long)threads, (long long)r.steps, r.tokens_per_s,
+  printf("{\"bench\":\"cpu_train\",\"model\":\"%s\",\"precision\":\"%s\",\"batch\":%lld,\"seq\":%lld,"
+         "\"threads\":%lld,\"steps\":%lld,\"tokens_per_s\":%.1f,\"gflops\":%.1f,\"loss_first\":%.4f,"
+         "\"loss_last\":%.4f}\n",
+         model, precision, (long long)batch, (long long)seq, (long long)threads, (long long)r.steps, r.tokens_per_s,
          r.gflops, r.first_loss, r.last_loss);
   printf("{\"bench\":\"gemm_fp32\",\"shape\":\"%lldx%lldx%lld\",\"gflops\":%.1f,\"model_rate_fraction\":%.3f}\n",
          (long long)M, (long long)N, (long long)K, gemm, r.gflops / gemm);
