@@ -1,10 +1,10 @@
 // Matrix products through oneDNN's matmul primitive (2.x C API).
 //
 // Creating a oneDNN primitive JIT-compiles a kernel (milliseconds), so one primitive is made per
-// distinct problem (shape, transposes, strides, alpha, beta, bias) and kept in a small list; a
-// model has a few dozen such problems. Transposes and row strides are expressed as strides of the
-// memory descriptors, never as copies. beta != 0 is a sum post-op (oneDNN reads dst and adds);
-// alpha != 1 is an output scale (applied to the product before the sum).
+// distinct problem (shape, transposes, strides, alpha, beta, bias, fp32 or bf16 operands) and kept
+// in a small list; a model has a few dozen such problems. Transposes and row strides are expressed
+// as strides of the memory descriptors, never as copies. beta != 0 is a sum post-op (oneDNN reads
+// dst and adds); alpha != 1 is an output scale (applied to the product before the sum).
 //
 // Not thread-safe (ops.h: one caller at a time); the parallelism is oneDNN's, on the OpenMP
 // threads of the caller.
