@@ -1549,8 +1549,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   // slices below.
   const bool saving = o->save && !ckpt;
   uint64_t *hash = o->hash_params ? &res->params_hash : NULL;
+  // The gathers are collectives: whether they run is decided from the options every rank was
+  // given (only rank 0 keeps --save).
+  const bool gather = (given->save && given->save_every <= 0) || given->hash_params;
   if (sharded && r.tp == 1) {
-    if ((saving || hash) && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
+    if (gather && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
   } else if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) {
     goto done;
   }
