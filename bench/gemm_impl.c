@@ -38,10 +38,12 @@ static double time_ferry(const struct product *p, int reps, float *a, float *b, 
   return m;
 }
 
-static void print_row(const struct product *p, const char *impl, double t) {
+// rank: the implementation's place in oneDNN's list (0 its first choice; two may share a name),
+// -1 for ferry's pick.
+static void print_row(const struct product *p, const char *impl, int rank, double t) {
   printf("{\"bench\":\"gemm_impl\",\"product\":\"%s\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"ta\":%d,\"tb\":%d,"
-         "\"impl\":\"%s\",\"ms\":%.3f,\"gflops\":%.1f}\n",
-         p->name, (long long)p->M, (long long)p->N, (long long)p->K, p->ta, p->tb, impl, t * 1e3,
+         "\"impl\":\"%s\",\"rank\":%d,\"ms\":%.3f,\"gflops\":%.1f}\n",
+         p->name, (long long)p->M, (long long)p->N, (long long)p->K, p->ta, p->tb, impl, rank, t * 1e3,
          2.0 * (double)p->M * (double)p->N * (double)p->K / t / 1e9);
   fflush(stdout);
 }
@@ -77,6 +79,7 @@ static double time_impls(const struct product *p, int reps, float *a, float *b, 
   double *t = malloc((size_t)reps * sizeof *t);
   dnnl_primitive_desc_iterator_t it;
   if (dnnl_primitive_desc_iterator_create(&it, &desc, attr, eng, NULL) == dnnl_success) {
+    int rank = 0;
     do {
       dnnl_primitive_desc_t pd = dnnl_primitive_desc_iterator_fetch(it);
       const char *impl = NULL;
@@ -97,7 +100,7 @@ static double time_impls(const struct product *p, int reps, float *a, float *b, 
           t[r] = now_s() - t0;
         }
         double m = median(t, reps);
-        print_row(p, impl, m);
+        print_row(p, impl, rank, m);
         if (m < best) best = m;
         dnnl_memory_destroy(ma);
         dnnl_memory_destroy(mb);
@@ -105,6 +108,7 @@ static double time_impls(const struct product *p, int reps, float *a, float *b, 
         dnnl_primitive_destroy(prim);
       }
       if (pd) dnnl_primitive_desc_destroy(pd);
+      rank++;
     } while (dnnl_primitive_desc_iterator_next(it) == dnnl_success);
     dnnl_primitive_desc_iterator_destroy(it);
   }
@@ -168,7 +172,7 @@ int main(int argc, char **argv) {
       fprintf(stderr, "%s: %s\n", argv[0], fy_error_msg());
       return 1;
     }
-    print_row(p, "ferry", mine);
+    print_row(p, "ferry", -1, mine);
     double best = time_impls(p, reps, a, b, c);
     (p->once ? &once_ferry : &layer_ferry)[0] += p->per_layer * mine;
     (p->once ? &once_best : &layer_best)[0] += p->per_layer * best;
