@@ -191,9 +191,9 @@ static inline int64_t fy_graph_tp_buf_elems(const struct fy_graph *g, int64_t hi
 // fy_model_create_with, then fy_model_set_compute_dtype and fy_model_enable_accumulation
 // allocate), each flat buffer rounded up to `granule` as that device's allocator counts it: the
 // fp32 weights (but for evaluation in bf16, fy_model_opts.weights16); with `train` their
-// gradients and AdamW's m and v, and with `accumulate` the sum over
-// micro-batches; with `bf16` the 16-bit weights (and gradients); the arenas (recomputation, flash
-// attention and act16 set as the run sets them), the positions, the batch and tp_buf.
+// gradients and AdamW's m and v, and with `accumulate` the sum over micro-batches; with `bf16`
+// the 16-bit weights (and gradients); the arenas (recomputation, flash attention and act16 set as
+// the run sets them), the positions, the batch and tp_buf.
 double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
                             size_t granule);
 const char *fy_op_kind_name(enum fy_op_kind k);

@@ -1547,11 +1547,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   // Sharded weights come together chunk by chunk for the hash and the final save, on the rank that
   // saves (with neither, not at all); tensor-parallel ranks gather their shards whole, then their
   // slices below.
-  const bool saving = o->save && !ckpt;
+  // The final save (a run without checkpoints), as every rank knows it: the gathers are
+  // collectives, and only rank 0 keeps --save (and writes).
+  const bool final_save = given->save && save_every == 0, saving = lead && final_save;
   uint64_t *hash = o->hash_params ? &res->params_hash : NULL;
-  // The gathers are collectives: whether they run is decided from the options every rank was
-  // given (only rank 0 keeps --save).
-  const bool gather = (given->save && given->save_every <= 0) || given->hash_params;
+  const bool gather = final_save || hash;
   if (sharded && r.tp == 1) {
     if (gather && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
   } else if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) {

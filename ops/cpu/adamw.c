@@ -54,16 +54,17 @@ void fy_adamw_update_bf16(float *restrict param, float *restrict m, float *restr
 }
 
 // x (n) -> sum of x^2, in double
-// The sum is split into fixed blocks whatever the thread count, each block summed with eight
-// interleaved accumulators (one AVX-512 register of doubles), then the block sums are added in
-// order: the result is bit-identical for any OMP_NUM_THREADS.
+// The sum is split into fixed blocks whatever the thread count, each block summed with
+// FY_SUMSQ_LANES interleaved accumulators, then the block sums are added in order: the result is
+// bit-identical for any OMP_NUM_THREADS.
 #define FY_SUMSQ_BLOCK 65536
 #define FY_SUMSQ_LANES 32
 
 // One block of f32 (xf) or bf16 (xh) elements, the other NULL. Accumulator j takes the elements
-// i with i % 8 == j: in the loops of 8 that is one vector of 8 doubles (two of 4 without AVX-512)
-// and one multiply-add per element; separate loops for the two types so that the compiler sees
-// plain loads and vectorises them (one loop with a choice inside stayed scalar: 9 GB/s).
+// i with i % FY_SUMSQ_LANES == j: four vectors of 8 doubles, one multiply-add per element, and
+// enough independent sums that the adds do not wait on one another; separate loops for the two
+// types so that the compiler sees plain loads and vectorises them (one loop with a choice inside
+// stayed scalar: 9 GB/s).
 static double sumsq_block(const float *restrict xf, const uint16_t *restrict xh, int64_t n) {
   double acc[FY_SUMSQ_LANES] = {0};
   int64_t i = 0;

@@ -28,6 +28,14 @@ int64_t fy_attention_kernel_calls(int64_t B, int64_t T, bool backward) {
   return (backward ? 4 : 2) * B * tiles + 1;      // and the softmax (or its backward) loop
 }
 
+// row[0, seen) /= sum, row[seen, width) = 0: the end of a causal softmax row.
+static void normalise_prefix(float *row, float sum, int64_t seen, int64_t width) {
+  float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t s = 0; s < seen; s++) row[s] *= inv;
+  for (int64_t s = seen; s < width; s++) row[s] = 0.0f;
+}
+
 // row[0, seen) = softmax(row[0, seen)), row[seen, width) = 0: a causal row of attention weights.
 static void softmax_prefix(float *row, int64_t seen, int64_t width) {
   float mx = -INFINITY, sum = 0.0f;
@@ -39,10 +47,7 @@ static void softmax_prefix(float *row, int64_t seen, int64_t width) {
     row[s] = e;
     sum += e;
   }
-  float inv = 1.0f / sum;
-#pragma omp simd
-  for (int64_t s = 0; s < seen; s++) row[s] *= inv;
-  for (int64_t s = seen; s < width; s++) row[s] = 0.0f;
+  normalise_prefix(row, sum, seen, width);
 }
 
 // qkv (B,T,3C), mask (B,T) -> out (B,T,C), att (B,NH,T,T)
@@ -79,10 +84,7 @@ fy_status fy_attention_forward(float *out, float *att, const float *qkv, const i
           row[s] = e;
           sum += e;
         }
-        float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t s = 0; s <= t; s++) row[s] *= inv;
-        for (int64_t s = t + 1; s < T; s++) row[s] = 0.0f;
+        normalise_prefix(row, sum, t + 1, T);
       } else {
         softmax_prefix(row, t + 1, T);
       }

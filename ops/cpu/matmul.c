@@ -317,9 +317,7 @@ static fy_status mm_to_bf16(uint16_t **buf, int64_t *cap, const float *x, int64_
     if (!*buf) return fy_error_set(FY_ERR_NOMEM, "out of memory for a bf16 product's operand (%lld elements)",
                                    (long long)n);
   }
-  uint16_t *restrict o = *buf;
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; i++) o[i] = fy_f32_to_bf16(x[i]);
+  fy_convert_from_f32(*buf, FY_BF16, x, (size_t)n);
   return FY_OK;
 }
 
