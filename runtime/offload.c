@@ -57,6 +57,7 @@ struct fy_offload {
   fy_event **home_ready, **grad_ready;
   float *wb_staging;
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
+  int *grad_order;  // the chunks in the order a backward pass completes their gradients
   // Gradients and optimizer state: in the host tier, or for the last n_disk_chunks on disk.
   float **g_home, **m_home, **v_home;  // host tier, NULL for disk chunks
   float *m_all, *v_all;  // m_home and v_home of the host tier's chunks, one after the other
@@ -419,6 +420,32 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   return FY_OK;
 }
 
+// The order in which a pass completes the chunks' gradients (a chunk's last backward use), which
+// the optimizer stream's sums of squares follow: each waits for its chunk's gradients, so in chunk
+// order all of them would wait for the last one home (chunk 0, whose tied embedding's gradient is
+// finished last) and run after the backward instead of beside it.
+static fy_status make_grad_order(struct fy_offload *x) {
+  const struct fy_chunk_layout *l = x->m->layout;
+  int nc = l->n_chunks, n = 0;
+  x->grad_order = malloc((size_t)nc * sizeof *x->grad_order);
+  int *uses = calloc((size_t)nc, sizeof *uses);
+  bool *placed = calloc((size_t)nc, sizeof *placed);
+  fy_status st = x->grad_order && uses && placed ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
+  for (int a = 0; st == FY_OK && a < x->n_actions; a++) {
+    if (x->actions[a].kind != FY_ACT_BACKWARD) continue;
+    int o = x->actions[a].op;
+    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) {
+      int c = l->op_chunks[k];
+      if (!placed[c] && ++uses[c] == l->chunks[c].n_users_bwd) placed[c] = true, x->grad_order[n++] = c;
+    }
+  }
+  for (int c = 0; st == FY_OK && c < nc; c++)  // (none: every chunk's parameters have gradients)
+    if (!placed[c]) x->grad_order[n++] = c;
+  free(uses);
+  free(placed);
+  return st;
+}
+
 static fy_status create_pass(struct fy_offload *x) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
@@ -445,6 +472,7 @@ static fy_status create_pass(struct fy_offload *x) {
   fy_status st = fy_trace_create(trace, n, l->n_chunks, &x->trace);
   free(trace);
   FY_TRY(st);
+  FY_TRY(make_grad_order(x));
   size_t bt = (size_t)(g->B * g->T);
   for (int p = 0; p < 2; p++) {
     x->calls[p] = calloc((size_t)x->n_actions, sizeof *x->calls[p]);
@@ -611,6 +639,7 @@ void fy_offload_free(struct fy_offload *x) {
   if (x->host_scale) fy_host_dealloc(m->host, x->host_scale, 4 * sizeof(float));
   fy_trace_free(x->trace);
   free(x->actions);
+  free(x->grad_order);
   free(x->home);
   free(x->home_ready);
   free(x->grad_ready);
@@ -1092,7 +1121,9 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   if (x->n_dev > 0)
     FY_TRY(fy_copy_async(x->compute, x->host_sums, x->dev_sums, (size_t)x->m->graph->n_params * sizeof(double)));
   FY_TRY(fy_event_record(x->dev_sumsq_done, x->compute));
-  for (int c = x->n_dev; c < nc; c++) {
+  for (int i = 0; i < nc; i++) {  // as their gradients come home
+    int c = x->grad_order[i];
+    if (c < x->n_dev) continue;
     FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
     FY_TRY(fy_stream_enqueue(x->optim, sumsq_fn, &x->jobs[q][c]));
   }
