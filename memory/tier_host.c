@@ -2,13 +2,13 @@
 //
 // NUMA placement is done in the arena's extent hooks: the arena is created with a copy of
 // jemalloc's default hooks whose `alloc` also calls hwloc_set_area_membind(BIND) on every extent
-// jemalloc maps for it, before any page of it is touched. The pages are then faulted in on the
-// chosen node the first time they are used, and jemalloc's later purges (madvise) keep the policy,
-// so nothing is migrated and no per-allocation system call is made. A failed bind (a kernel or
-// sandbox without mbind) is ignored: the memory is still good, only placed by the kernel's default
-// policy; it is logged once when the machine has several nodes, and silently ignored on a
-// single-node machine, where binding changes nothing (it is still done there, so that the path
-// is exercised everywhere).
+// jemalloc maps for it, before any page of it is touched. The pages are then mapped on the chosen
+// node when a block is populated (fy_host_alloc, below) or first used, and jemalloc's later purges
+// (madvise) keep the policy, so nothing is migrated and no binding call is made per allocation.
+// A failed bind (a kernel or sandbox without mbind) is ignored: the memory is still good, only
+// placed by the kernel's default policy; it is logged once when the machine has several nodes,
+// and silently ignored on a single-node machine, where binding changes nothing (it is still done
+// there, so that the path is exercised everywhere).
 //
 // Every call passes MALLOCX_TCACHE_NONE: thread caches would keep freed blocks of this arena in
 // other threads' caches, and destroying the arena would leave them dangling.
@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "core/log.h"
@@ -272,6 +273,21 @@ static size_t block_size(const struct fy_host_tier *t, size_t n, int *flags) {
   return size;
 }
 
+// Model state is used whole from the first step on: its pages are mapped now, writable, rather
+// than by faults in that step, where the first read of an untouched page maps the zero page and
+// the first write faults again (1.4 GB/s against 5 GB/s for MADV_POPULATE_WRITE here; the first
+// offloaded AdamW ran ~10x slower than the next). Pinned blocks are mapped by pinning. A kernel
+// without MADV_POPULATE_WRITE (before 5.14) leaves them to the faults, as before.
+static void populate(const struct fy_host_tier *t, void *p, size_t n) {
+#ifdef MADV_POPULATE_WRITE
+  if (n < ((size_t)1 << 20)) return;  // (small blocks: not worth a system call)
+  uintptr_t lo = ((uintptr_t)p + t->page - 1) / t->page * t->page, hi = ((uintptr_t)p + n) / t->page * t->page;
+  if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
+#else
+  (void)t, (void)p, (void)n;
+#endif
+}
+
 fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
   *out = NULL;
   pthread_mutex_lock(&t->mu);
@@ -302,6 +318,7 @@ fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
     TIER_UNPOISON(p, n);
     memset(p, 0, n);
 #endif
+    if (!t->pin) populate(t, p, n);
     if (t->pin && (st = t->pin(p, n)) != FY_OK) {
       fy_error_wrap(st, "host tier: pinning %zu bytes", n);
       dallocx(p, MALLOCX_TCACHE_NONE);

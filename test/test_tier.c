@@ -1,4 +1,5 @@
-// Host tier: alloc/free, zeroing, alignment, cap and peak, pin hooks, NUMA arguments, threads.
+// Host tier: alloc/free, zeroing, alignment, cap and peak, pages mapped up front, pin hooks, NUMA
+// arguments, threads.
 // Disk tier: many requests in flight with jitter, bad directories, caps, and a full disk two ways
 // (a 1 MiB tmpfs when this process may mount one, and always RLIMIT_FSIZE): the failed write
 // reports FY_ERR_IO with the errno text and the data written before stays intact.
@@ -7,7 +8,9 @@
 #include <hwloc.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -90,6 +93,33 @@ static void test_host_basic(void) {
     fy_host_dealloc(t, p, n);
     fy_host_tier_free(t);
   }
+}
+
+// A large block's pages are mapped when it is handed out (the first step would fault them in
+// otherwise), where the kernel can (MADV_POPULATE_WRITE, Linux 5.14): counted with mincore.
+static void test_host_populated(void) {
+  struct fy_host_tier *t;
+  CHECK_OK(fy_host_tier_create(0, -1, NULL, NULL, &t));
+  long page = sysconf(_SC_PAGESIZE);
+  size_t n = (size_t)(32 << 20) + 4321;
+  void *p;
+  CHECK_OK(fy_host_alloc(t, n, &p));
+  uintptr_t lo = ((uintptr_t)p + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
+  uintptr_t hi = ((uintptr_t)p + n) / (uintptr_t)page * (uintptr_t)page;
+  size_t pages = (hi - lo) / (size_t)page, resident = 0;
+  unsigned char *vec = malloc(pages);
+  CHECK(vec && mincore((void *)lo, hi - lo, vec) == 0);
+  for (size_t i = 0; vec && i < pages; i++) resident += vec[i] & 1;
+  // (probe whether this kernel populates at all, on a mapping of its own)
+  char *probe = mmap(NULL, (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  bool can = probe != MAP_FAILED && madvise(probe, (size_t)page, MADV_POPULATE_WRITE) == 0;
+  if (probe != MAP_FAILED) munmap(probe, (size_t)page);
+  if (can) CHECKF(resident == pages, "%zu of %zu pages mapped after fy_host_alloc", resident, pages);
+  else printf("tier: MADV_POPULATE_WRITE not available here, %zu of %zu pages mapped\n", resident, pages);
+  CHECK(all_zero(p, n));
+  free(vec);
+  fy_host_dealloc(t, p, n);
+  fy_host_tier_free(t);
 }
 
 static int pin_calls, unpin_calls, pin_fail;
@@ -478,6 +508,7 @@ static void test_disk_full(void) {
 
 int main(void) {
   test_host_basic();
+  test_host_populated();
   test_host_pin_numa();
   test_host_threads();
 
