@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
   }
   if (u.batch < 1 || u.seq < 1 || u.steps < 1 || u.prefetch < 0 || threads < 0 || !(u.link >= 0) ||
       !(u.fraction > 0)) {
-    fprintf(stderr, "overlap: --batch, --seq, --steps and --threads need whole numbers >= 1, --prefetch >= 0, "
+    fprintf(stderr, "overlap: --batch, --seq and --steps need whole numbers >= 1, --threads and --prefetch >= 0, "
                     "--link-gbps >= 0 and --fraction > 0\n");
     return 2;
   }

@@ -201,10 +201,11 @@ void fy_op_call_backward(void *arg) {
         memset(m->tp_buf, 0, (size_t)(BT * op->C) * 4);
         dinp = run.dinput_part = m->tp_buf;
       }
-      st = fy_linear_backward(dinp, NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC, m->compute_dtype == FY_BF16);
+      const bool bf16 = m->compute_dtype == FY_BF16;
+      st = fy_linear_backward(dinp, NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC, bf16);
       if (st == FY_OK)
-        st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C,
-                                       op->OC, !first[0], m->compute_dtype == FY_BF16);
+        st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C, op->OC,
+                                       !first[0], bf16);
       break;
     }
     case FY_OP_ATTENTION:

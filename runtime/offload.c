@@ -428,21 +428,17 @@ static fy_status make_grad_order(struct fy_offload *x) {
   const struct fy_chunk_layout *l = x->m->layout;
   int nc = l->n_chunks, n = 0;
   x->grad_order = malloc((size_t)nc * sizeof *x->grad_order);
-  int *uses = calloc((size_t)nc, sizeof *uses);
-  bool *placed = calloc((size_t)nc, sizeof *placed);
-  fy_status st = x->grad_order && uses && placed ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
+  int *uses = calloc((size_t)nc, sizeof *uses);  // backward uses so far
+  fy_status st = x->grad_order && uses ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
   for (int a = 0; st == FY_OK && a < x->n_actions; a++) {
     if (x->actions[a].kind != FY_ACT_BACKWARD) continue;
     int o = x->actions[a].op;
-    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++) {
-      int c = l->op_chunks[k];
-      if (!placed[c] && ++uses[c] == l->chunks[c].n_users_bwd) placed[c] = true, x->grad_order[n++] = c;
-    }
+    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++)
+      if (++uses[l->op_chunks[k]] == l->chunks[l->op_chunks[k]].n_users_bwd) x->grad_order[n++] = l->op_chunks[k];
   }
-  for (int c = 0; st == FY_OK && c < nc; c++)  // (none: every chunk's parameters have gradients)
-    if (!placed[c]) x->grad_order[n++] = c;
+  for (int c = 0; st == FY_OK && c < nc; c++)  // the rest (evaluation: every chunk) in chunk order
+    if (l->chunks[c].n_users_bwd == 0 || uses[c] < l->chunks[c].n_users_bwd) x->grad_order[n++] = c;
   free(uses);
-  free(placed);
   return st;
 }
 
