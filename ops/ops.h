@@ -37,11 +37,12 @@ fy_status fy_matmul_bias(float *c, const float *a, const float *b, const float *
 // The product of operands that hold bf16 values (16-bit numerics on the CPU), c (M,N) = op(a) @
 // op(b) + bias + beta * c, packed: where the processor multiplies bf16 in hardware
 // (fy_matmul_bf16_native), a and b are converted to bf16 (exactly) and multiplied with fp32
-// accumulation, as a GPU's bf16 product is: ~5x the fp32 rate on AMX. Elsewhere, fy_matmul_bias
-// (the same products but for the order of the fp32 additions).
+// accumulation, as a GPU's bf16 product is: ~5x the fp32 rate on AMX, ~2x on AMD's AVX512-BF16.
+// Elsewhere, fy_matmul_bias (the same products but for the order of the fp32 additions).
 fy_status fy_matmul16(float *c, const float *a, const float *b, const float *bias, int64_t M, int64_t N, int64_t K,
                       bool ta, bool tb, float beta);
-// Whether fy_matmul16 multiplies in bf16: AMX in oneDNN's effective ISA (ONEDNN_MAX_CPU_ISA caps it).
+// Whether fy_matmul16 multiplies in bf16: AMX in oneDNN's effective ISA (ONEDNN_MAX_CPU_ISA caps
+// it), or AVX512-BF16 there on an AMD processor.
 bool fy_matmul_bf16_native(void);
 // Frees the cached primitives (at exit; tests call it to stay leak-free).
 void fy_matmul_cache_clear(void);
