@@ -554,7 +554,8 @@ static void test_sumsq(enum fy_dtype dt) {
   }
 }
 
-static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt) {
+// plain: h's cuBLASLt has no epilogues (the bias is added after the product, rounded once more).
+static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt, bool plain) {
   const int64_t M = 37, N = 45, K = 72;
   float *a = frand_new(M * K, 1.0f, dt), *b = frand_new(K * N, 1.0f, dt);
   float *bias = frand_new(N, 1.0f, dt), *c0 = frand_new(M * N, 1.0f, dt);
@@ -602,10 +603,14 @@ static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt) {
     float *c = fdup(c0, M * N);
     void *d_c = dput(c, M * N, dt);
     for (int call = 0; call < 16; call++) {
-      CHECK_OK(fy_matmul_bias(c, a, b, bias, 1, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, 0, 0, 0, 0, 0, 0));
+      CHECK_OK(fy_matmul_bias(c, a, b, plain ? NULL : bias, 1, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, 0, 0,
+                              0, 0, 0, 0));
       CHECK_OK(fy_cuda_matmul(t, d_c, d_a, d_b, d_bias, dt, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, cs));
-      if (dt == FY_BF16) {  // the GPU's c is rounded to bf16 after every call: so is the reference's
-        for (int64_t i = 0; i < M * N; i++) c[i] = fy_bf16_to_f32(fy_f32_to_bf16(c[i]));
+      for (int round = 0; round < 1 + plain; round++) {
+        if (round) fy_bias_add(c, bias, M, N);
+        if (dt == FY_BF16)  // the GPU's c is rounded to bf16 after every call (and before the bias,
+                            // plain): so is the reference's
+          for (int64_t i = 0; i < M * N; i++) c[i] = fy_bf16_to_f32(fy_f32_to_bf16(c[i]));
       }
       char what[64];
       snprintf(what, sizeof what, "matmul while tuning, call %d", call);
@@ -993,7 +998,7 @@ int main(void) {
     test_adamw(dt);
     test_accumulate(dt);
     test_sumsq(dt);
-    test_matmul(h, dt);
+    test_matmul(h, dt, false);
     test_linear(h, dt);
     CHECK_OK(fy_cuda_attention_set_variant("basic"));
     test_attention(dt);
@@ -1007,6 +1012,21 @@ int main(void) {
     }
   }
   CHECK_ERR(fy_cuda_attention_set_variant("fastest"), FY_ERR_INVALID);
+  {  // A cuBLASLt with no algorithm for the bias and relu epilogues (the emulator's
+     // FY_EMU_LT_NO_EPILOGUE; a GPU's cuBLASLt ignores it): the products run without them and
+     // kernels add the bias and apply the relu after, to the same results.
+    setenv("FY_EMU_LT_NO_EPILOGUE", "1", 1);
+    struct fy_cuda_blas *plain = NULL;
+    CHECK_OK(fy_cuda_blas_create(ws, ws_bytes, &plain));
+    for (int i = 0; i < 2; i++) {
+      fprintf(stderr, "== %s, products without epilogues\n", fy_dtype_name(dtypes[i]));
+      test_matmul(plain, dtypes[i], true);
+      test_linear(plain, dtypes[i]);
+    }
+    CHECK_OK(fy_stream_sync(st));
+    fy_cuda_blas_free(plain);
+    unsetenv("FY_EMU_LT_NO_EPILOGUE");
+  }
   test_convert();
   test_errors(h);
   CHECK_OK(fy_stream_sync(st));

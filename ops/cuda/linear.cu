@@ -10,6 +10,11 @@
 // the alignment of every pointer, which the heuristic relies on) gets them once and keeps them in a
 // small cache owned by the handle.
 //
+// The bias and relu ride the product as cuBLASLt's epilogue. Where the heuristic offers no
+// algorithm with that epilogue for a shape (a GPU, a cuBLASLt version or an alignment may lack
+// one), the product runs without it and two small kernels add the bias and apply the relu after it
+// (the sums then round once more, to the dtype, before the bias): slower, not an error.
+//
 // Tuning (opt-in: fy_cuda_blas_set_tuning, or FERRY_CUDA_GEMM_TUNE=N): the heuristic's first
 // algorithm is not always the fastest for a shape (an epilogue moves its choice). With tuning, a
 // shape's first calls each run one of the heuristic's first N candidates, timed with events on the
@@ -39,6 +44,7 @@ struct mm_entry {
   cublasLtMatmulDesc_t op;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
+  bool plain;  // no algorithm with the key's epilogue: the bias and relu run as kernels after it
   // Tuning: candidates cand[0..ncand) (cand[0] is the heuristic's choice, algo until decided),
   // trials launched so far (trial i runs candidate i % ncand between events ev[2i], ev[2i+1]).
   cublasLtMatmulAlgo_t *cand;
@@ -122,12 +128,14 @@ extern "C" void fy_cuda_blas_free(struct fy_cuda_blas *h) {
   free(h);
 }
 
-// Fills e for key k (bias points at the caller's bias, whose address the heuristic reads).
+// Fills e for key k (bias points at the caller's bias, whose address the heuristic reads); plain:
+// without the key's bias and relu (the product alone). FY_ERR_UNSUPPORTED: no algorithm.
 static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const struct mm_key *k,
-                             const void *bias) {
+                             const void *bias, bool plain) {
   memset(e, 0, sizeof *e);
   e->used = true;  // so that entry_release frees whatever was made before a failure
   e->key = *k;
+  e->plain = plain;
   cudaDataType_t ty = k->dt == FY_BF16 ? CUDA_R_16BF : CUDA_R_32F;
   // fp32 compute in both cases; for fp32 inputs this is true fp32 (CUBLAS_COMPUTE_32F_FAST_TF32
   // would round the inputs to tf32 and miss the op tests' 1e-4).
@@ -136,11 +144,12 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   cublasOperation_t opb = k->ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B is our a
   LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "transa");
   LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "transb");
-  const cublasLtEpilogue_t epi = k->relu ? (k->has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU)
-                                          : (k->has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+  const bool relu = k->relu && !plain, has_bias = k->has_bias && !plain;
+  const cublasLtEpilogue_t epi = relu ? (has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU)
+                                      : (has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
   if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "epilogue");
-  if (k->has_bias) {
+  if (has_bias) {
     int32_t bty = (int32_t)ty;
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bty, sizeof bty), "bias type");
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), "bias");
@@ -174,12 +183,12 @@ static fy_status entry_build(struct fy_cuda_blas *h, struct mm_entry *e, const s
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulAlgoGetHeuristic(h->lt, e->op, e->la, e->lb, e->lc, e->lc, pref, want, res, &nres);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(s, "algorithm heuristic");
-  if (nres == 0)
+  if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return lt_fail(s, "algorithm heuristic");
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED || nres == 0)  // (how cuBLASLt says it has none: either)
     return fy_error_set(FY_ERR_UNSUPPORTED,
                         "cuBLASLt: no algorithm for %s (%lld,%lld,%lld) ta=%d tb=%d bias=%d relu=%d",
                         fy_dtype_name((enum fy_dtype)k->dt), (long long)k->M, (long long)k->N,
-                        (long long)k->K, k->ta, k->tb, k->has_bias, k->relu);
+                        (long long)k->K, k->ta, k->tb, has_bias, relu);
   e->algo = res[0].algo;
   if (nres > 1) {  // tuning: the candidates and their events (without them, no tuning: not an error)
     e->cand = (cublasLtMatmulAlgo_t *)malloc((size_t)nres * sizeof *e->cand);
@@ -236,12 +245,25 @@ static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const
   }
   struct mm_entry *e = &h->cache[slot];
   entry_release(e);
-  fy_status st = entry_build(h, e, k, bias);
+  fy_status st = entry_build(h, e, k, bias, false);
+  if (st == FY_ERR_UNSUPPORTED && (k->has_bias || k->relu)) {  // none with the epilogue: without it
+    entry_release(e);
+    st = entry_build(h, e, k, bias, true);
+  }
   if (st != FY_OK) {
     entry_release(e);
     return st;
   }
   *out = e;
+  return FY_OK;
+}
+
+// c (M,N) += bias on every row, then relu: what the epilogue would have done, for a plain entry.
+static fy_status epilogue_kernels(const struct mm_entry *e, void *c, const void *bias, bool relu, enum fy_dtype dt,
+                                  int64_t M, int64_t N, cudaStream_t st) {
+  if (!e->plain) return FY_OK;
+  if (bias) FY_TRY(fy_cuda_bias_add(c, bias, dt, M, N, st));
+  if (relu) FY_TRY(fy_cuda_relu_forward(c, c, dt, M * N, st));
   return FY_OK;
 }
 
@@ -272,18 +294,18 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *cin, co
   else cin = c;
   struct mm_entry *e;
   FY_TRY(entry_get(h, &k, bias, &e));
-  if (bias)  // the cached descriptor may hold another call's bias of the same alignment
+  if (bias && !e->plain)  // the cached descriptor may hold another call's bias of the same alignment
     LT_TRY(cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), "bias");
   if (e->ncand > 1 && e->trials < e->ncand * TUNE_REPS) {  // tuning: this call runs the next trial
     const int i = e->trials++;
     const bool ran = cudaEventRecord(e->ev[2 * i], st) == cudaSuccess &&
                      cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, cin, e->lc, c, e->lc,
                                     &e->cand[i % e->ncand], h->ws, h->ws_bytes, st) == CUBLAS_STATUS_SUCCESS;
-    if (ran && cudaEventRecord(e->ev[2 * i + 1], st) == cudaSuccess) return FY_OK;
+    if (ran && cudaEventRecord(e->ev[2 * i + 1], st) == cudaSuccess) return epilogue_kernels(e, c, bias, relu, dt, M, N, st);
     if (ran) {  // the product is done; only its timing failed
       (void)cudaGetLastError();
       tune_release(e);
-      return FY_OK;
+      return epilogue_kernels(e, c, bias, relu, dt, M, N, st);
     }
     // A candidate that cannot run (or an event that cannot be recorded): no tuning for this
     // shape, and the call runs with the heuristic's choice below.
@@ -295,7 +317,7 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *cin, co
   LT_TRY(cublasLtMatmul(h->lt, e->op, &alpha, b, e->la, a, e->lb, &beta, cin, e->lc, c, e->lc,
                         &e->algo, h->ws, h->ws_bytes, st),
          "cublasLtMatmul");
-  return FY_OK;
+  return epilogue_kernels(e, c, bias, relu, dt, M, N, st);
 }
 
 extern "C" fy_status fy_cuda_matmul(struct fy_cuda_blas *h, void *c, const void *a, const void *b,

@@ -6,10 +6,14 @@
 // Attribute sizes are checked as cuBLASLt does; an algorithm remembers the alignments its
 // heuristic was promised, and a call with a pointer aligned less fails (cuBLASLt's kernels would
 // read wrongly); layouts must agree with the operation's shapes; D may be C, but not A or B.
+// FY_EMU_LT_NO_EPILOGUE=1: the heuristic offers no algorithm for a descriptor with an epilogue
+// other than DEFAULT (as cuBLASLt may not for some GPU, shape or alignment), to test what a
+// caller does then.
 #include <cublasLt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <vector>
 
@@ -175,11 +179,16 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
                                               cublasLtMatrixLayout_t dl, cublasLtMatmulPreference_t p, int want,
                                               cublasLtMatmulHeuristicResult_t *res, int *got) {
-  (void)h, (void)d, (void)a, (void)b, (void)c, (void)dl;
-  if (want <= 0) return CUBLAS_STATUS_INVALID_VALUE;
+  (void)h, (void)a, (void)b, (void)c, (void)dl;
+  if (want <= 0 || !d || !got) return CUBLAS_STATUS_INVALID_VALUE;
   const preference *m = (const preference *)p;
   for (int i = 0; i < 4; i++)
     if (m->align[i] == 0 || (m->align[i] & (m->align[i] - 1))) return CUBLAS_STATUS_INVALID_VALUE;
+  const char *no_epi = getenv("FY_EMU_LT_NO_EPILOGUE");
+  if (no_epi && strcmp(no_epi, "1") == 0 && ((const desc *)d)->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+    *got = 0;
+    return CUBLAS_STATUS_NOT_SUPPORTED;  // (what cuBLASLt answers a configuration it has nothing for)
+  }
   int n = want < CANDIDATES ? want : CANDIDATES;
   for (int i = 0; i < n; i++) {
     memset(&res[i], 0, sizeof res[i]);
