@@ -25,7 +25,9 @@ struct fy_host_tier;
 // pin/unpin, when not NULL, are called on every allocation and free; with a pin hook every
 // allocation is rounded up to whole pages so that no two allocations share a page (pinning the
 // same page twice is an error for cudaHostRegister). The hooks may be called from several threads
-// at once.
+// at once. When pin fails (a system that limits pinned memory), the block and every later one stay
+// pageable (one warning says so; pin is not called again) and unpin is called only for the blocks
+// pin pinned.
 fy_status fy_host_tier_create(size_t cap, int numa_node, fy_status (*pin)(void *p, size_t n),
                               void (*unpin)(void *p), struct fy_host_tier **out);
 // Returns the arena's memory to the system; allocations still held become invalid.

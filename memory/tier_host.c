@@ -68,6 +68,11 @@ struct fy_host_tier {
   size_t page;
   fy_status (*pin)(void *p, size_t n);
   void (*unpin)(void *p);
+  // Pinning failed once (a system that limits pinned memory): blocks from then on stay pageable,
+  // and those of them still held are listed here, so that unpin sees only the pinned ones.
+  bool pin_off;
+  void **pageable;
+  size_t n_pageable, cap_pageable;
 };
 
 // One topology for the process, loaded on first use (loading takes milliseconds) and kept; hwloc
@@ -259,6 +264,7 @@ void fy_host_tier_free(struct fy_host_tier *t) {
   FY_ASSERT(rc == 0);  // fails only if a thread cache holds the arena, which TCACHE_NONE prevents
   hwloc_bitmap_free(t->nodeset);
   pthread_mutex_destroy(&t->mu);
+  free(t->pageable);
   free(t);
 }
 
@@ -288,6 +294,34 @@ static void populate(const struct fy_host_tier *t, void *p, size_t n) {
 #endif
 }
 
+// Pinning a block of n bytes failed (the reason is the error the hook set): it and every later
+// block stay pageable, and the first such failure says so.
+static void pin_failed(struct fy_host_tier *t, size_t n) {
+  pthread_mutex_lock(&t->mu);
+  const bool first = !t->pin_off;
+  t->pin_off = true;
+  pthread_mutex_unlock(&t->mu);
+  if (first)
+    fy_log_warn("host tier: pinning %zu bytes failed (%s); this block and the later ones stay in pageable "
+                "memory: copies between them and the GPU are slower and overlap less with its kernels",
+                n, fy_error_msg());
+}
+
+// A pageable block of a tier that pins: listed, for fy_host_dealloc to leave it to be.
+static fy_status list_pageable(struct fy_host_tier *t, void *p) {
+  fy_status st = FY_OK;
+  pthread_mutex_lock(&t->mu);
+  if (t->n_pageable == t->cap_pageable) {
+    size_t cap = t->cap_pageable ? 2 * t->cap_pageable : 64;
+    void **grown = realloc(t->pageable, cap * sizeof *grown);
+    if (grown) t->pageable = grown, t->cap_pageable = cap;
+    else st = fy_error_set(FY_ERR_NOMEM, "host tier: out of memory");
+  }
+  if (st == FY_OK) t->pageable[t->n_pageable++] = p;
+  pthread_mutex_unlock(&t->mu);
+  return st;
+}
+
 fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
   *out = NULL;
   pthread_mutex_lock(&t->mu);
@@ -300,6 +334,7 @@ fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
   }
   t->in_use += n;  // reserved before allocating, so that concurrent callers cannot overshoot
   if (t->in_use > t->peak) t->peak = t->in_use;
+  const bool pin = t->pin && !t->pin_off;
   pthread_mutex_unlock(&t->mu);
 
   int flags;
@@ -318,11 +353,17 @@ fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
     TIER_UNPOISON(p, n);
     memset(p, 0, n);
 #endif
-    if (!t->pin) populate(t, p, n);
-    if (t->pin && (st = t->pin(p, n)) != FY_OK) {
-      fy_error_wrap(st, "host tier: pinning %zu bytes", n);
-      dallocx(p, MALLOCX_TCACHE_NONE);
-      p = NULL;
+    bool pageable = !pin;
+    if (pin && t->pin(p, n) != FY_OK) {
+      pin_failed(t, n);
+      pageable = true;
+    }
+    if (pageable) {
+      populate(t, p, n);
+      if (t->pin && (st = list_pageable(t, p)) != FY_OK) {
+        dallocx(p, MALLOCX_TCACHE_NONE);
+        p = NULL;
+      }
     }
   }
   if (st != FY_OK) {
@@ -337,7 +378,18 @@ fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
 
 void fy_host_dealloc(struct fy_host_tier *t, void *p, size_t n) {
   if (!p) return;
-  if (t->unpin) t->unpin(p);
+  bool pinned = t->pin != NULL;
+  if (pinned) {  // (unless it is one of the pageable blocks)
+    pthread_mutex_lock(&t->mu);
+    for (size_t i = t->n_pageable; i-- > 0;)
+      if (t->pageable[i] == p) {
+        t->pageable[i] = t->pageable[--t->n_pageable];
+        pinned = false;
+        break;
+      }
+    pthread_mutex_unlock(&t->mu);
+  }
+  if (pinned && t->unpin) t->unpin(p);
   TIER_POISON(p, sallocx(p, 0));
   dallocx(p, MALLOCX_TCACHE_NONE);
   pthread_mutex_lock(&t->mu);

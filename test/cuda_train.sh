@@ -139,6 +139,21 @@ print("dev chunks", " ".join(f"{x:.6f}" for x in c))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) else 1)
 PY
+# A system that limits pinned memory (the emulator's FY_EMU_PIN_LIMIT: cudaHostRegister refuses
+# past 600 kB; a GPU ignores it): the blocks it cannot pin stay pageable, with one warning, and the
+# numbers are the same.
+if "$ferry" version | grep -q "emulator"; then
+  FY_EMU_PIN_LIMIT=600000 ferry_run pageable "${common[@]}" --device cuda --precision fp32 --offload \
+    --device-mem "$offload_mem" "${blocks[@]}" --log "$d/pageable.jsonl" || exit 1
+  grep -q "host tier: pinning .* failed .* stay in pageable memory" "$d/pageable.out" ||
+    { cat "$d/pageable.out"; echo "no warning that pinning failed"; exit 1; }
+  python3 - "$d/offload.jsonl" "$d/pageable.jsonl" <<'PY' || exit 1
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("pageable  ", " ".join(f"{x:.6f}" for x in b))
+sys.exit(0 if len(a) == len(b) > 0 and a == b else 1)
+PY
+fi
 # A plan written for the GPU (ferry plan --device cuda --offload, timed from this machine with the
 # GPU's memory; bf16 compute, a GPU's default) runs there, offloaded with the plan's micro-batches,
 # chunks, blocks and prefetch: the resident bf16 run's losses (within the offloaded bf16 runs'

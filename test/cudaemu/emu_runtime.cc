@@ -87,6 +87,17 @@ const emu_arch &arch() {
   return a;
 }
 
+// FY_EMU_PIN_LIMIT (bytes): cudaHostRegister refuses to take the registered total past it, as a
+// system that limits pinned memory does (unset: no limit).
+size_t pin_limit() {
+  static size_t cap = [] {
+    const char *s = getenv("FY_EMU_PIN_LIMIT");
+    return s && *s ? (size_t)strtoull(s, NULL, 10) : SIZE_MAX;
+  }();
+  return cap;
+}
+size_t pinned_total;  // bytes registered now (under mu)
+
 size_t device_capacity() {
   static size_t cap = [] {
     const char *s = getenv("FY_EMU_DEVICE_MEM");
@@ -430,7 +441,9 @@ cudaError_t cudaHostRegister(void *p, size_t n, unsigned flags) {
   (void)flags;
   std::lock_guard<std::mutex> lk(mu);
   if (find(p) || find((char *)p + n - 1)) return fail(cudaErrorHostMemoryAlreadyRegistered);
+  if (n > pin_limit() - pinned_total) return fail(cudaErrorMemoryAllocation);
   allocations[(uintptr_t)p] = allocation{n, 2, current_device};
+  pinned_total += n;
   return cudaSuccess;
 }
 
@@ -438,6 +451,7 @@ cudaError_t cudaHostUnregister(void *p) {
   std::lock_guard<std::mutex> lk(mu);
   auto it = allocations.find((uintptr_t)p);
   if (it == allocations.end() || it->second.kind != 2) return fail(cudaErrorHostMemoryNotRegistered);
+  pinned_total -= it->second.bytes;
   allocations.erase(it);
   return cudaSuccess;
 }
