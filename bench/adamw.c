@@ -1,10 +1,11 @@
 // bench/adamw: host AdamW (fy_adamw_update) against this machine's memory bandwidth.
 // It measures, on buffers far larger than the caches, a STREAM-like kernel of AdamW's traffic
 // shape (4 float streams read, 3 written: 28 B per element), plain STREAM copy and triad for
-// reference, a read-only sum (4 B/element), fy_adamw_update (counted as 28 B/param) and fy_sumsq
+// reference, a read-only sum (4 B/element), fy_adamw_update (counted as 28 B/param), the bf16
+// chunks' fy_adamw_update_bf16 (bf16 gradients in, bf16 weights out: also 28 B/param) and fy_sumsq
 // (4 B/param). Every figure is the median over --reps timed runs after one warm-up run; pages
 // are first-touched, in parallel with the same static split as the kernels, before anything is
-// timed. adamw's fraction_of_stream is against stream4r3w (the ratio of the medians;
+// timed. adamw's (and adamw_bf16's) fraction_of_stream is against stream4r3w (the ratio of the medians;
 // fraction_paired is the median of the per-rep ratios, steadier on a shared machine), sumsq's is
 // against stream_read. STREAM copy counts 8 B and triad 12 B (no write-allocate traffic), as
 // STREAM itself does. Meant for sizes far beyond the caches. Prints JSON lines.
@@ -103,17 +104,25 @@ int main(int argc, char **argv) {
     }
   }
   float *param = buf[0], *m = buf[1], *v = buf[2], *grad = buf[3];
+  // The offloaded bf16 chunks' AdamW (fy_adamw_update_bf16): bf16 gradients in, the new bf16
+  // weights written over them (which the next rep takes as its gradients).
+  uint16_t *gw = aligned_alloc(64, ((size_t)n * sizeof(uint16_t) + 63) & ~(size_t)63);
+  if (!gw) {
+    fprintf(stderr, "adamw: out of memory\n");
+    return 1;
+  }
   // First touch, with the kernels' static split, so each thread's pages are mapped before timing.
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; i++) {
     uint32_t h = (uint32_t)i * 2654435761u;
     param[i] = ((float)(h >> 8) / 16777216.0f - 0.5f) * 0.1f;
     grad[i] = ((float)((h * 2246822519u) >> 8) / 16777216.0f - 0.5f) * 0.01f;
+    gw[i] = fy_f32_to_bf16(grad[i]);
     m[i] = 0.0f;
     v[i] = 0.0f;
   }
 
-  enum { COPY, TRIAD, READ, S4, ADAMW, SUMSQ, PAIR, NB };
+  enum { COPY, TRIAD, READ, S4, ADAMW, SUMSQ, PAIR, ADAMW16, NB };
   double *t[NB];
   for (int k = 0; k < NB; k++) t[k] = malloc((size_t)reps * sizeof(double));
   volatile double sink = 0.0;
@@ -131,7 +140,10 @@ int main(int argc, char **argv) {
     double t5 = now_s();
     sink += fy_sumsq(grad, n);
     double t6 = now_s();
+    fy_adamw_update_bf16(param, m, v, gw, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
+    double t7 = now_s();
     if (r < 0) continue;
+    t[ADAMW16][r] = t7 - t6;
     t[COPY][r] = t1 - t0, t[TRIAD][r] = t2 - t1, t[READ][r] = t3 - t2;
     t[S4][r] = t4 - t3, t[ADAMW][r] = t5 - t4, t[SUMSQ][r] = t6 - t5;
     t[PAIR][r] = (t4 - t3) / (t5 - t4);  // this rep's adamw / stream4r3w bandwidth
@@ -150,10 +162,15 @@ int main(int argc, char **argv) {
          "\"gbps\":%.2f,\"fraction_of_stream\":%.3f,\"fraction_paired\":%.3f}\n",
          (long long)n, threads, adamw_s * 1e3, adamw_gbps, adamw_gbps / s4_gbps,
          median(t[PAIR], reps));
+  const double adamw16_gbps = 28 * gb / median(t[ADAMW16], reps);
+  printf("{\"bench\":\"adamw_bf16\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":28,\"ms\":%.3f,"
+         "\"gbps\":%.2f,\"fraction_of_stream\":%.3f}\n",
+         (long long)n, threads, median(t[ADAMW16], reps) * 1e3, adamw16_gbps, adamw16_gbps / s4_gbps);
   printf("{\"bench\":\"sumsq\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":4,\"gbps\":%.2f,"
          "\"fraction_of_stream\":%.3f}\n",
          (long long)n, threads, sumsq_gbps, sumsq_gbps / read_gbps);
   for (int k = 0; k < NB; k++) free(t[k]);
   for (int k = 0; k < 4; k++) free(buf[k]);
+  free(gw);
   return 0;
 }
