@@ -28,6 +28,10 @@
 
 #include "ops/cuda/common.cuh"
 
+extern "C" {
+#include "core/log.h"
+}
+
 #define MM_CACHE 64
 #define TUNE_MAX 16  // candidates tried at most
 #define TUNE_REPS 3  // runs of each (the smallest time counts: a first run may load its kernel)
@@ -249,6 +253,10 @@ static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const
   if (st == FY_ERR_UNSUPPORTED && (k->has_bias || k->relu)) {  // none with the epilogue: without it
     entry_release(e);
     st = entry_build(h, e, k, bias, true);
+    if (st == FY_OK)
+      fy_log_info("cuBLASLt has no algorithm for the %s product (%lld,%lld,%lld) with its %s epilogue: the product runs "
+                  "without it, and kernels after it", fy_dtype_name((enum fy_dtype)k->dt), (long long)k->M,
+                  (long long)k->N, (long long)k->K, k->relu ? (k->has_bias ? "bias and relu" : "relu") : "bias");
   }
   if (st != FY_OK) {
     entry_release(e);
