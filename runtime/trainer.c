@@ -408,11 +408,19 @@ static fy_status seq_fits(int64_t seq, const struct fy_opt_config *cfg) {
                       (long long)cfg->max_position_embeddings);
 }
 
-static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool eval) {
+// The run's communicator over every rank (--comm, --comm-timeout).
+static fy_status make_comm(const struct fy_train_opts *o, struct fy_comm **out) {
+  return fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, out);
+}
+
+// comm: the run's communicator when the caller made it already (it is the run's then, freed by
+// teardown), else NULL to make it here.
+static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool eval, struct fy_comm *comm) {
   memset(r, 0, sizeof *r);
   r->eval = eval;
   r->gpu = -1;
-  FY_TRY(fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, &r->comm));
+  if (comm) r->comm = comm;
+  else FY_TRY(make_comm(o, &r->comm));
   r->rank = fy_comm_rank(r->comm);
   r->world = fy_comm_size(r->comm);
   if (r->world > 1) fy_log_set_rank(r->rank);
@@ -1192,14 +1200,15 @@ static double dir_bytes(const char *root) {
 // came from `ferry plan --device cuda`: this process cannot time a GPU, and the offload engine
 // refuses a plan that does not fit when it sets up). A resident plan (ferry plan --device cuda
 // for a model that fits the GPU whole) runs with --device cuda without --offload, its ranks
-// replicas.
-static fy_status apply_plan(struct fy_train_opts *o) {
+// replicas. With several ranks (comm), rank 0 alone reads or measures the machine (timing it while
+// the others time it too would measure them all) and every rank plans from its figures: the same
+// plan everywhere.
+static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
   const bool cuda = o->device && strcmp(o->device, "cuda") == 0, automatic = strcmp(o->plan, "auto") == 0;
-  int ranks = o->comm && strcmp(o->comm, "single") == 0 ? 1 : fy_comm_launch_size();
-  if (cuda && automatic && (!FY_HAVE_CUDA || ranks > 1))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--plan auto with --device cuda %s: write a plan with ferry plan --device "
-                        "cuda%s --out FILE and train with --plan FILE", FY_HAVE_CUDA ? "plans one rank (each rank "
-                        "would time its own GPU, and their plans must agree)" : "needs a ferry built with CUDA",
+  const int ranks = fy_comm_size(comm), rank = fy_comm_rank(comm);
+  if (cuda && automatic && !FY_HAVE_CUDA)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--plan auto with --device cuda needs a ferry built with CUDA: write a "
+                        "plan with ferry plan --device cuda%s --out FILE and train with --plan FILE",
                         ranks > 1 ? " --gpus N" : "");
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(o, &cfg));
@@ -1207,15 +1216,24 @@ static fy_status apply_plan(struct fy_train_opts *o) {
   struct fy_probe probe;
   size_t dev_mem = o->device_mem ? o->device_mem : (size_t)1 << 30;
   if (!cuda || automatic) {
-    // The sim device: the cached probe with this run's device memory and link. A GPU (one rank,
-    // --plan auto): the cached probe of a GPU, else this machine's measured (GPU 0's figures).
+    // The sim device: the cached probe with this run's device memory and link. A GPU (--plan
+    // auto): the cached probe of a GPU, else this machine's measured (GPU 0's figures).
     char path[4096];
     fy_probe_default_path(path, sizeof path);
     const struct fy_probe_cache c = {.path = path, .device = cuda ? "cuda" : "sim", .disk_dir = o->disk_dir,
                                      .gpu = cuda, .write = true,  // (a cache: failing to write it is no error)
                                      .device_mem = (double)dev_mem, .link_gbps = o->sim_link_gbps};
     bool measured;
-    FY_TRY(fy_probe_cached(&c, &probe, &measured));
+    fy_status st = rank == 0 ? fy_probe_cached(&c, &probe, &measured) : FY_OK;
+    if (ranks > 1) {  // rank 0's figures (or that it has none) to every rank
+      int32_t ok = st == FY_OK;
+      FY_TRY(fy_comm_broadcast(comm, &ok, sizeof ok, 0, NULL));
+      if (!ok)
+        return rank == 0 ? st : fy_error_set(FY_ERR_INVALID, "--plan auto: rank 0 could not read or measure the machine");
+      FY_TRY(fy_comm_broadcast(comm, &probe, sizeof probe, 0, NULL));
+    }
+    FY_TRY(st);
+    if (rank == 0 && measured) fy_log_info("--plan auto: this machine measured for the planner (cached in %s)", path);
     char v[64];
     if (!cuda || o->device_mem) {
       snprintf(v, sizeof v, "%zu", dev_mem);
@@ -1301,30 +1319,45 @@ static fy_status resolve_seq(struct fy_train_opts *o) {
   return FY_OK;
 }
 
+// The run's defaults that depend on its device (precision, fp16's loss scale), and the checks of
+// its options.
+static fy_status check_train_opts(struct fy_train_opts *e) {
+  // By default a GPU computes in bf16 (DESIGN.md, "Numbers"), the cpu and sim devices in fp32.
+  if (!e->precision) e->precision = e->device && strcmp(e->device, "cuda") == 0 ? "bf16" : "fp32";
+  // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
+  if (e->precision && strcmp(e->precision, "fp16") == 0 && !(e->loss_scale > 0)) e->loss_scale = 65536;
+  if (e->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
+  if (e->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
+  if (!(e->lr >= 0) || !isfinite(e->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");
+  const struct fy_adamw *h = &e->adamw;
+  if (!(h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 && h->eps > 0 && isfinite(h->eps) &&
+        h->weight_decay >= 0 && isfinite(h->weight_decay)))
+    return fy_error_set(FY_ERR_INVALID, "AdamW needs betas in [0, 1), eps > 0 and a weight decay >= 0 (got betas %g "
+                        "and %g, eps %g, weight decay %g)", h->beta1, h->beta2, h->eps, h->weight_decay);
+  if (e->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
+  if (e->save_every > 0 && !e->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
+  if (e->val_every > 0 && !e->val_data) return fy_error_set(FY_ERR_INVALID, "--val-every needs --val-data PATH");
+  if (!fy_lr_schedule_known(e->schedule))
+    return fy_error_set(FY_ERR_INVALID, "--schedule %s: cosine, linear or constant", e->schedule);
+  if (e->val_data && e->val_batches < 1) return fy_error_set(FY_ERR_INVALID, "--val-batches must be at least 1");
+  return FY_OK;
+}
+
 fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *res) {
   memset(res, 0, sizeof *res);
   struct fy_train_opts eff = *given;
   const struct fy_train_opts *o = &eff;
   FY_TRY(resolve_seq(&eff));
-  if (given->plan) FY_TRY(apply_plan(&eff));
-  // By default a GPU computes in bf16 (DESIGN.md, "Numbers"), the cpu and sim devices in fp32.
-  if (!eff.precision) eff.precision = eff.device && strcmp(eff.device, "cuda") == 0 ? "bf16" : "fp32";
-  // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
-  if (o->precision && strcmp(o->precision, "fp16") == 0 && !(o->loss_scale > 0)) eff.loss_scale = 65536;
-  if (o->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
-  if (o->grad_accum < 1) return fy_error_set(FY_ERR_INVALID, "--grad-accum must be at least 1");
-  if (!(o->lr >= 0) || !isfinite(o->lr)) return fy_error_set(FY_ERR_INVALID, "--lr must be a number >= 0");
-  const struct fy_adamw *h = &o->adamw;
-  if (!(h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 && h->eps > 0 && isfinite(h->eps) &&
-        h->weight_decay >= 0 && isfinite(h->weight_decay)))
-    return fy_error_set(FY_ERR_INVALID, "AdamW needs betas in [0, 1), eps > 0 and a weight decay >= 0 (got betas %g "
-                        "and %g, eps %g, weight decay %g)", h->beta1, h->beta2, h->eps, h->weight_decay);
-  if (o->save_every < 0) return fy_error_set(FY_ERR_INVALID, "--save-every must not be negative");
-  if (o->save_every > 0 && !o->save) return fy_error_set(FY_ERR_INVALID, "--save-every needs --save DIR");
-  if (o->val_every > 0 && !o->val_data) return fy_error_set(FY_ERR_INVALID, "--val-every needs --val-data PATH");
-  if (!fy_lr_schedule_known(o->schedule))
-    return fy_error_set(FY_ERR_INVALID, "--schedule %s: cosine, linear or constant", o->schedule);
-  if (o->val_data && o->val_batches < 1) return fy_error_set(FY_ERR_INVALID, "--val-batches must be at least 1");
+  // The communicator first: a plan's machine is rank 0's (apply_plan). The run owns it from setup
+  // on; until then every return frees it.
+  struct fy_comm *comm = NULL;
+  FY_TRY(make_comm(o, &comm));
+  fy_status st = given->plan ? apply_plan(&eff, comm) : FY_OK;
+  if (st == FY_OK) st = check_train_opts(&eff);
+  if (st != FY_OK) {
+    fy_comm_free(comm);
+    return st;
+  }
   struct run r;
   FILE *log = NULL;
   double *step_times = NULL;
@@ -1332,7 +1365,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   bool *ckpt_busy = NULL;
   int64_t first_step = 0, scale_good = 0;
   double scale = 1.0;
-  fy_status st = setup(o, &r, o->shuffle, false);
+  st = setup(o, &r, o->shuffle, false, comm);
   const struct fy_opt_config *cfg = &r.cfg;  // (said once, by the rank that speaks)
   if (st == FY_OK && r.rank == 0) {
     // transformers' OPT drops the residual branches with `dropout` (which --dropout applies), the
@@ -1668,7 +1701,7 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
   FY_TRY(resolve_seq(&e));
   struct run r;
-  fy_status st = setup(&e, &r, false, true);
+  fy_status st = setup(&e, &r, false, true, NULL);
   if (st == FY_OK) st = mean_loss(&r, r.data, o->eval_batches, mean_loss_out, o->dump && r.rank == 0 ? dump_first : NULL,
                                   (void *)o->dump);
   if (st == FY_OK && r.rank == 0 && !o->quiet && isfinite(*mean_loss_out))
@@ -1728,7 +1761,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
       return fy_error_set(FY_ERR_INVALID, "sample: stop token %d is outside the vocabulary (%lld)", stop[i],
                           (long long)V);
   struct run r;
-  fy_status st = setup(&e, &r, false, true);
+  fy_status st = setup(&e, &r, false, true, NULL);
   struct fy_kv_cache *kv = NULL;
   struct fy_sample_cand *cand = malloc((size_t)V * sizeof *cand);
   if (st == FY_OK && !cand) st = fy_error_set(FY_ERR_NOMEM, "out of memory");

@@ -288,6 +288,25 @@ for a in "${common[@]}"; do [ "$a" = --quiet ] || loud+=("$a"); done
 compare one planned 1e-5 && ok "2 ranks running the planner's 2-rank plan follow 1 rank" || bad "the 2-rank plan's run differs"
 n=$(grep -c "^  2 ranks: " "$tmp/planned.out")
 [ "$n" -eq 1 ] && ok "rank 0 alone prints the plan it runs" || { bad "the plan printed $n times"; cat "$tmp/planned.out"; }
+# --plan auto under mpirun: rank 0 alone reads or measures the machine, and every rank plans from
+# its figures: with the probe above, the plan ferry plan --gpus 2 wrote (the same numbers); with
+# none cached, one rank measures (not both, timing each other); with a broken probe file, every
+# rank stops and says why.
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --batch 2 --device-mem 4MiB --plan auto --log "$tmp/auto2.json" \
+  --save "$tmp/auto2" >"$tmp/auto2.out" 2>&1 || { bad "2 ranks with --plan auto"; cat "$tmp/auto2.out"; }
+compare planned auto2 0 && ok "2 ranks with --plan auto run the plan ferry plan --gpus 2 chose" \
+  || { bad "--plan auto on 2 ranks ran another plan"; cat "$tmp/auto2.out"; }
+FERRY_PROBE="$tmp/fresh.json" "${mpi[@]}" -x FERRY_PROBE -np 2 "$ferry" train "${loud[@]}" --batch 2 --steps 2 \
+  --device-mem 4MiB --plan auto >"$tmp/fresh.out" 2>&1 || { bad "2 ranks with --plan auto and no probe"; cat "$tmp/fresh.out"; }
+n=$(grep -c "this machine measured for the planner" "$tmp/fresh.out")
+[ "$n" -eq 1 ] && [ -s "$tmp/fresh.json" ] && ok "--plan auto on 2 ranks: one rank measures the machine" \
+  || { bad "--plan auto on 2 ranks: measured $n times"; cat "$tmp/fresh.out"; }
+echo '{"device": ' >"$tmp/broken.json"
+if FERRY_PROBE="$tmp/broken.json" "${mpi[@]}" -x FERRY_PROBE -np 2 "$ferry" train "${loud[@]}" --batch 2 --steps 2 \
+  --device-mem 4MiB --plan auto >"$tmp/broken.out" 2>&1; then bad "--plan auto with a broken probe file ran"
+else grep -q "broken.json: not JSON" "$tmp/broken.out" && grep -q "rank 0 could not read or measure the machine" \
+  "$tmp/broken.out" && ok "--plan auto with a broken probe file: both ranks stop, rank 0 says why" \
+  || { bad "--plan auto with a broken probe file: unclear"; cat "$tmp/broken.out"; }; fi
 if "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/plan2.json" >"$tmp/plan1.out" 2>&1; then
   bad "1 rank runs a 2-rank plan"
 else grep -q "is for 2 ranks" "$tmp/plan1.out" && ok "1 rank refuses a 2-rank plan" || { bad "a 2-rank plan on 1 rank: unclear"; cat "$tmp/plan1.out"; }; fi
