@@ -1223,7 +1223,7 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
     const struct fy_probe_cache c = {.path = path, .device = cuda ? "cuda" : "sim", .disk_dir = o->disk_dir,
                                      .gpu = cuda, .write = true,  // (a cache: failing to write it is no error)
                                      .device_mem = (double)dev_mem, .link_gbps = o->sim_link_gbps};
-    bool measured;
+    bool measured = false;
     fy_status st = rank == 0 ? fy_probe_cached(&c, &probe, &measured) : FY_OK;
     if (ranks > 1) {  // rank 0's figures (or that it has none) to every rank
       int32_t ok = st == FY_OK;
