@@ -5,9 +5,9 @@
 // chunks' fy_adamw_update_bf16 (bf16 gradients in, bf16 weights out: also 28 B/param) and fy_sumsq
 // (4 B/param). Every figure is the median over --reps timed runs after one warm-up run; pages
 // are first-touched, in parallel with the same static split as the kernels, before anything is
-// timed. adamw's (and adamw_bf16's) fraction_of_stream is against stream4r3w (the ratio of the medians;
-// fraction_paired is the median of the per-rep ratios, steadier on a shared machine), sumsq's is
-// against stream_read. STREAM copy counts 8 B and triad 12 B (no write-allocate traffic), as
+// timed. adamw's and adamw_bf16's fraction_of_stream are against stream4r3w (the ratio of the
+// medians; adamw's fraction_paired is the median of the per-rep ratios, steadier on a shared
+// machine), sumsq's is against stream_read. STREAM copy counts 8 B and triad 12 B (no write-allocate traffic), as
 // STREAM itself does. Meant for sizes far beyond the caches. Prints JSON lines.
 //
 // usage: adamw [--params 67108864] [--threads 2] [--reps 7]

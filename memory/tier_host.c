@@ -353,12 +353,9 @@ fy_status fy_host_alloc(struct fy_host_tier *t, size_t n, void **out) {
     TIER_UNPOISON(p, n);
     memset(p, 0, n);
 #endif
-    bool pageable = !pin;
-    if (pin && t->pin(p, n) != FY_OK) {
-      pin_failed(t, n);
-      pageable = true;
-    }
-    if (pageable) {
+    const bool pinned = pin && t->pin(p, n) == FY_OK;
+    if (pin && !pinned) pin_failed(t, n);
+    if (!pinned) {
       populate(t, p, n);
       if (t->pin && (st = list_pageable(t, p)) != FY_OK) {
         dallocx(p, MALLOCX_TCACHE_NONE);

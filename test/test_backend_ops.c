@@ -606,12 +606,11 @@ static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt, bool plain) {
       CHECK_OK(fy_matmul_bias(c, a, b, plain ? NULL : bias, 1, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, 0, 0,
                               0, 0, 0, 0));
       CHECK_OK(fy_cuda_matmul(t, d_c, d_a, d_b, d_bias, dt, M, N, K, false, true, 1.0f, call ? 1.0f : 0.0f, cs));
-      for (int round = 0; round < 1 + plain; round++) {
-        if (round) fy_bias_add(c, bias, M, N);
-        if (dt == FY_BF16)  // the GPU's c is rounded to bf16 after every call (and before the bias,
-                            // plain): so is the reference's
-          for (int64_t i = 0; i < M * N; i++) c[i] = fy_bf16_to_f32(fy_f32_to_bf16(c[i]));
+      if (plain) {  // the product rounded to dt, then the bias added
+        fy_round_to_dtype(c, c, dt, (size_t)(M * N));
+        fy_bias_add(c, bias, M, N);
       }
+      fy_round_to_dtype(c, c, dt, (size_t)(M * N));  // the GPU's c is dt after every call: so is the reference's
       char what[64];
       snprintf(what, sizeof what, "matmul while tuning, call %d", call);
       cmp_dev(what, dt, d_c, c, M * N, true);
