@@ -115,11 +115,23 @@ static void bump(fy_stream *s, double t) {
   if (t > c) fy_timeline_run(s, t - c, NULL);
 }
 
-// What follows from a step's time and busy streams: tokens/s, MFU and the busiest stream's name.
+const char *fy_cost_precision(const struct fy_plan_knobs *k, const char *device) {
+  if (k->precision[0]) return k->precision;
+  return strcmp(device, "cuda") == 0 ? "bf16" : "fp32";
+}
+
+// The plan's compute dtype.
+static enum fy_dtype compute_dtype(const struct fy_plan_knobs *k, const struct fy_probe *probe) {
+  const char *p = fy_cost_precision(k, probe->device);
+  return strcmp(p, "bf16") == 0 ? FY_BF16 : strcmp(p, "fp16") == 0 ? FY_F16 : FY_F32;
+}
+
+// What follows from a step's time and busy streams: tokens/s, MFU (of the device's GEMM rate in
+// the plan's precision) and the busiest stream's name.
 static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const struct fy_probe *probe) {
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
   c->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / c->step_s;
-  c->mfu = c->flops_per_step / c->step_s / (probe->device_gflops * 1e9 * dp * tp);
+  c->mfu = c->flops_per_step / c->step_s / (fy_probe_gemm_gflops(probe, compute_dtype(k, probe) == FY_BF16) * 1e9 * dp * tp);
   const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
   const double busy[4] = {c->compute_s, c->h2d_s, c->d2h_s, c->optim_s};
   int worst = 0;
@@ -132,6 +144,8 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1 || k->prefetch < 0 || k->blocks < 0)
     return fy_error_set(FY_ERR_INVALID, "plan: micro_batch, grad_accum, seq must be positive, prefetch and blocks >= 0");
   if (k->device_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_chunks must not be negative");
+  if (k->precision[0] && strcmp(k->precision, "fp32") && strcmp(k->precision, "bf16") && strcmp(k->precision, "fp16"))
+    return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", k->precision);
   if (k->device_chunks > 0 && k->dp > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
                         "data-parallel ranks, whose chunks are sharded", k->dp);
@@ -192,12 +206,14 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan keeps the model on a GPU (device cuda); on %s it is "
                         "offloaded", probe->device);
   const int dp = k->dp > 1 ? k->dp : 1;
+  const bool bf16 = compute_dtype(k, probe) == FY_BF16;  // (else fp32: fp16 is no GPU precision, fy_cost_simulate)
   struct fy_graph *g;
-  FY_TRY(resident_graph(cfg, k->micro_batch, k->seq, k->recompute, true, true, &g));
+  FY_TRY(resident_graph(cfg, k->micro_batch, k->seq, k->recompute, true, bf16, &g));
   const bool accumulate = k->grad_accum > 1;
-  const double np = (double)g->n_param_elems, gb = accumulate ? 4 : 2;  // the gradients AdamW reads
+  const double np = (double)g->n_param_elems, cb = bf16 ? 2 : 4;  // a computed gradient's bytes
+  const double gb = accumulate ? 4 : cb;  // the gradients AdamW reads
   double state = 0;
-  resident_bytes(g, cfg->hidden_size, true, true, accumulate, &out->device_peak, &state);
+  resident_bytes(g, cfg->hidden_size, true, bf16, accumulate, &out->device_peak, &state);
   out->min_device_bytes = out->device_peak;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
   out->fits = out->device_peak <= probe->device_mem;
@@ -217,19 +233,19 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   const int n_actions = fy_graph_pass_actions(g, actions);
   double pass = 0;
   for (int a = 0; a < n_actions; a++)
-    pass += fy_profile_op_seconds(g, actions[a].op, actions[a].kind == FY_ACT_BACKWARD, probe, 2);
+    pass += fy_profile_op_seconds(g, actions[a].op, actions[a].kind == FY_ACT_BACKWARD, probe, (int)cb, bf16 ? FY_BF16 : FY_F32);
   free(actions);
   const double mem = fy_profile_mem_rate(probe), bt = (double)(g->B * g->T);
   const double a = (double)k->grad_accum;
   // Per micro-batch: ids, targets, mask and positions up, one copy each before its ops (the
   // offload engine stages the next one meanwhile; the resident engine does not); with
-  // accumulation, its bf16 gradients into the fp32 sum.
+  // accumulation, its gradients into the fp32 sum (read, and the sum read and written but the first).
   out->h2d_s = a * (4 * bt * 4 / (probe->h2d_gbps * 1e9) + 4 * probe->copy_latency_us * 1e-6);
-  out->compute_s = a * pass + (accumulate ? (a - 1) * np * 10 / mem + np * 6 / mem : 0);
+  out->compute_s = a * pass + (accumulate ? (a - 1) * np * (cb + 8) / mem + np * (cb + 4) / mem : 0);
   out->comm_s = dp > 1 ? 2.0 * (dp - 1) / dp * np * gb / (fy_probe_comm_gbps(probe) * 1e9) : 0;
   // The norm reads the gradients; AdamW reads them with the weights, m and v, and writes those
-  // and the bf16 weights.
-  out->optim_s = np * gb / mem + np * (26 + gb) / mem + out->comm_s;
+  // (and in bf16 the weights' bf16 copy).
+  out->optim_s = np * gb / mem + np * (24 + (bf16 ? 2 : 0) + gb) / mem + out->comm_s;
   out->step_s = out->h2d_s + out->compute_s + out->optim_s;
   step_rates(out, k, probe);
   fy_graph_free(g);
@@ -240,12 +256,17 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                           struct fy_cost *out, struct fy_device **timeline_out) {
   memset(out, 0, sizeof *out);
   FY_TRY(fy_cost_check_knobs(k));
+  bool gpu = strcmp(probe->device, "cuda") == 0;
+  const char *prec = fy_cost_precision(k, probe->device);
+  if (gpu && strcmp(prec, "fp16") == 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: precision fp16 runs on cpu and sim; on a GPU bf16 or fp32");
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
     return simulate_resident(cfg, k, probe, out);
   }
-  bool gpu = strcmp(probe->device, "cuda") == 0;
-  int pb = gpu ? 2 : 4;  // compute payload and activations: bf16 on a GPU, fp32 on cpu/sim
+  const enum fy_dtype cdt = compute_dtype(k, probe);
+  const bool act16 = gpu && cdt == FY_BF16;
+  int pb = act16 ? 2 : 4;  // compute payload and activations: bf16 on a GPU, else floats (cpu/sim in any precision)
   int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
   const char *dp_name = k->pattern[0] ? k->pattern : dp > 1 ? "zero" : "replicate";
   const struct fy_pattern *dpp = fy_pattern_find(dp_name);
@@ -264,8 +285,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (gpu) fy_graph_set_flash_attention(whole, true);
   if (k->recompute) fy_graph_set_recompute(g, true);
   if (k->recompute) fy_graph_set_recompute(whole, true);
-  if (gpu && st == FY_OK) st = fy_graph_set_act16(g, true);  // bf16 activations, two to a float
-  if (gpu && st == FY_OK) st = fy_graph_set_act16(whole, true);
+  if (act16 && st == FY_OK) st = fy_graph_set_act16(g, true);  // bf16 activations, two to a float
+  if (act16 && st == FY_OK) st = fy_graph_set_act16(whole, true);
   int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);
   if (sharded) ce = (ce + 16 * dp - 1) / (16 * dp) * (16 * dp);  // whole 64-byte lines per shard
   // Each op's pattern: tp_col / tp_row for split linears, the data-parallel one for the rest; the
@@ -491,7 +512,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         if (st != FY_OK) break;
         bool bwd = s.actions[a].kind == FY_ACT_BACKWARD;
         struct fy_op_profile pr;
-        fy_profile_op(g, o, probe, pb, &pr);
+        fy_profile_op(g, o, probe, pb, cdt, &pr);
         double t = pr.seconds[bwd] + (gpu ? 0 : pr.kernel_calls[bwd] * sim_op_overhead(probe));
         // The op's pattern's collectives around its kernel (zero's are the cache's, chunk by chunk;
         // a recomputed forward's are counted before backward, as the patterns do).
@@ -554,7 +575,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     double norm_at = fy_timeline_clock(s.optim);
     if (n_dev > 0) {  // (a GPU's AdamW at its memory rate; on sim the host's AdamW, on the compute thread)
       bump(s.compute, norm_at);
-      double t = gpu ? dev_elems * (26 + dev_gb) / dev_mem : dev_elems * 28 / adamw;
+      double t = gpu ? dev_elems * (24 + (act16 ? 2 : 0) + dev_gb) / dev_mem : dev_elems * 28 / adamw;
       fy_timeline_run(s.compute, t, "device AdamW");
       if (last) busy[0] += t;
     }

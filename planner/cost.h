@@ -35,7 +35,16 @@ struct fy_plan_knobs {
   // gradients are summed over the ranks once a step. What ferry train --device cuda runs without
   // --offload.
   bool resident;
+  // The compute precision the plan is for: "fp32", "bf16", or "fp16" (cpu and sim); "" means the
+  // device's default (bf16 on a GPU, fp32 on cpu and sim: what ferry train runs without
+  // --precision). On a GPU 16-bit halves the payload crossing the link, the cache blocks and the
+  // activations; on cpu and sim (whose chunks and activations hold floats in any precision) it
+  // changes only the products' rate (the probe's bf16_speedup; fp16's products are fp32 ones).
+  char precision[8];
 };
+
+// The knobs' precision, "" resolved for the device ("cpu", "sim" or "cuda").
+const char *fy_cost_precision(const struct fy_plan_knobs *k, const char *device);
 
 struct fy_cost {
   bool fits;
@@ -66,7 +75,8 @@ fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int
 
 // The knobs agree with each other (what needs no model or machine): positive sizes; chunks on
 // the device with one data-parallel rank only; prefetch and blocks not negative; a resident plan without chunk knobs, its ranks
-// replicas. fy_cost_simulate checks them first.
+// replicas; a known precision. fy_cost_simulate checks them first (and that a GPU's precision is
+// bf16 or fp32).
 fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k);
 
 // Simulates `steps` steps (the last ones count) of cfg under the knobs on the probed machine.

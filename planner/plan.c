@@ -20,7 +20,20 @@ static bool better(const struct fy_cost *a, const struct fy_cost *b) {
 
 fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                          const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
-  return fy_plan_search_ranks(cfg, model, batch, seq, 1, false, probe, best, n_tried);
+  return fy_plan_search_ranks(cfg, model, batch, seq, 1, false, NULL, probe, best, n_tried);
+}
+
+// The precision a plan is made for: the one asked for, else the device's default; a known one, and
+// on a GPU bf16 or fp32.
+static fy_status plan_precision(const char *precision, const char *device, char out[8]) {
+  const bool gpu = strcmp(device, "cuda") == 0;
+  const char *p = precision && precision[0] ? precision : gpu ? "bf16" : "fp32";
+  if (strcmp(p, "fp32") && strcmp(p, "bf16") && strcmp(p, "fp16"))
+    return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", p);
+  if (gpu && strcmp(p, "fp16") == 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: precision fp16 runs on cpu and sim; on a GPU bf16 or fp32");
+  snprintf(out, 8, "%s", p);
+  return FY_OK;
 }
 
 // Keeps k when it is the fastest so far.
@@ -34,10 +47,13 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
 }
 
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
-                               int ranks, bool offload_only, const struct fy_probe *probe, struct fy_plan *best,
-                               int *n_tried) {
+                               int ranks, bool offload_only, const char *precision, const struct fy_probe *probe,
+                               struct fy_plan *best, int *n_tried) {
   if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
   if (ranks < 1) return fy_error_set(FY_ERR_INVALID, "plan: the number of ranks must be positive");
+  // Every plan tried is for this precision, written out (a plan file says what it was made for).
+  char prec[sizeof best->k.precision];
+  FY_TRY(plan_precision(precision, probe->device, prec));
   memset(best, 0, sizeof *best);
   snprintf(best->model, sizeof best->model, "%s", model);
   snprintf(best->pattern, sizeof best->pattern, "replicate");
@@ -62,6 +78,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
         struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq, .recompute = rc,
                                   .dp = dp, .tp = 1, .resident = true};
         snprintf(k.pattern, sizeof k.pattern, "replicate");
+        memcpy(k.precision, prec, sizeof k.precision);
         struct fy_cost c;
         FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
         tried++;
@@ -86,6 +103,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
                                       .chunk_elems = min_chunk * mult, .blocks = 0, .prefetch = pf,
                                       .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp};
             snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
+            memcpy(k.precision, prec, sizeof k.precision);
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             tried++;
@@ -163,6 +181,8 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   k->tp = p->tp;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
   FY_TRY(fy_cost_check_knobs(k));
+  char prec[sizeof k->precision];
+  if (k->precision[0]) FY_TRY(plan_precision(k->precision, p->machine.device, prec));
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
                         (long long)k->chunk_elems, p->dp);
@@ -182,6 +202,7 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   struct fy_plan_knobs *k = &p->k;
   FY_TRY(fy_plan_validate(cfg, p));
   FY_TRY(fy_cost_simulate(cfg, k, probe, &p->predicted, NULL));
+  p->machine = *probe;  // (what the prediction is for: printed with it)
   if (!p->predicted.fits) return fy_error_set(FY_ERR_NOMEM, "plan does not fit: %s", p->predicted.why);
   return FY_OK;
 }
@@ -190,9 +211,12 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
   const struct fy_plan_knobs *k = &p->k;
   const struct fy_cost *c = &p->predicted;
   char b1[32], b2[32], b3[32];
-  fprintf(f, "plan for %s on %s (%s device, %s host, %.0f GFLOP/s, link %.1f/%.1f GB/s)\n", p->model,
-          p->machine.device, fy_format_bytes(p->machine.device_mem, b1, sizeof b1), fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
-          p->machine.device_gflops, p->machine.h2d_gbps, p->machine.d2h_gbps);
+  const char *prec = fy_cost_precision(k, p->machine.device);
+  fprintf(f, "plan for %s in %s on %s (%s device, %s host, %.0f GFLOP/s in %s, link %.1f/%.1f GB/s)\n", p->model,
+          prec, p->machine.device, fy_format_bytes(p->machine.device_mem, b1, sizeof b1),
+          fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
+          fy_probe_gemm_gflops(&p->machine, strcmp(prec, "bf16") == 0), strcmp(prec, "bf16") == 0 ? "bf16" : "fp32",
+          p->machine.h2d_gbps, p->machine.d2h_gbps);
   if (p->dp * p->tp == 1)
     fprintf(f, "  micro-batch %lld x %lld tokens, %lld accumulated; one rank\n", (long long)k->micro_batch,
             (long long)k->seq, (long long)k->grad_accum);

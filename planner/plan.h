@@ -21,7 +21,8 @@ struct fy_plan {
   struct fy_cost predicted;
 };
 
-// Searches plans for `batch` sequences of `seq` tokens per step (on one rank). FY_ERR_NOMEM with the smallest
+// Searches plans for `batch` sequences of `seq` tokens per step (on one rank, in the device's
+// default precision). FY_ERR_NOMEM with the smallest
 // device memory that would work when nothing fits. n_tried may be NULL.
 fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                          const struct fy_probe *probe, struct fy_plan *best, int *n_tried);
@@ -30,9 +31,11 @@ fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int
 // the chunks (zero), tensor-parallel ones splitting each layer. On a GPU (probe "cuda") the
 // search also tries the whole model resident, its ranks replicas (knobs.resident), unless
 // offload_only.
+// precision: "fp32", "bf16" or "fp16" (cpu and sim), NULL or "" for the device's default (bf16
+// on a GPU, fp32 on cpu and sim); every plan tried is for it (knobs.precision).
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
-                               int ranks, bool offload_only, const struct fy_probe *probe, struct fy_plan *best,
-                               int *n_tried);
+                               int ranks, bool offload_only, const char *precision, const struct fy_probe *probe,
+                               struct fy_plan *best, int *n_tried);
 // Re-simulates a (perhaps hand-edited) plan on `probe`: FY_ERR_INVALID with the reason when it is
 // inconsistent (unknown pattern, a chunk size that is not a multiple of 16 floats or cannot hold
 // the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does

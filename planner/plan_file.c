@@ -23,6 +23,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "prefetch", json_object_new_int(k->prefetch));
   json_object_object_add(o, "recompute", json_object_new_boolean(k->recompute));
   json_object_object_add(o, "resident", json_object_new_boolean(k->resident));
+  json_object_object_add(o, "precision", json_object_new_string(fy_cost_precision(k, p->machine.device)));
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
   json_object_object_add(o, "device_chunks", json_object_new_int(k->device_chunks));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
@@ -33,6 +34,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(m, "device_mem", num(p->machine.device_mem));
   json_object_object_add(m, "host_mem", num(p->machine.host_mem));
   json_object_object_add(m, "device_gflops", num(p->machine.device_gflops));
+  json_object_object_add(m, "bf16_speedup", num(p->machine.bf16_speedup));
   json_object_object_add(m, "h2d_gbps", num(p->machine.h2d_gbps));
   json_object_object_add(m, "d2h_gbps", num(p->machine.d2h_gbps));
   json_object_object_add(o, "machine", m);
@@ -78,7 +80,8 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "disk_chunks", "device_chunks", "pattern", "dp", "tp", "machine", "predicted"};
+                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "pattern", "dp", "tp",
+                                      "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "plan %s: not a JSON object", path);
@@ -117,6 +120,15 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
       st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"resident\" must be true or false", path);
     else
       k->resident = json_object_get_boolean(x);
+  }
+  // (Optional: plans written before it are for the device's default precision, bf16 on a GPU and
+  // fp32 on cpu and sim.)
+  if (st == FY_OK && json_object_object_get_ex(o, "precision", &x)) {
+    const char *s = json_object_is_type(x, json_type_string) ? json_object_get_string(x) : NULL;
+    if (!s || (strcmp(s, "fp32") && strcmp(s, "bf16") && strcmp(s, "fp16")))
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"precision\" must be \"fp32\", \"bf16\" or \"fp16\"", path);
+    else
+      snprintf(k->precision, sizeof k->precision, "%s", s);
   }
   const char *strs[] = {"model", "pattern"};
   char *dst[] = {p->model, p->pattern};

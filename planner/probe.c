@@ -55,33 +55,74 @@ static void *alloc_aligned(size_t n) {
 
 // ---- measurements ----
 
-static fy_status measure_gemm(double *gflops) {
-  float *a = alloc_aligned((size_t)GEMM_M * GEMM_K * sizeof(float));
-  float *b = alloc_aligned((size_t)GEMM_K * GEMM_N * sizeof(float));
-  float *c = alloc_aligned((size_t)GEMM_M * GEMM_N * sizeof(float));
+// A linear layer's three products at OPT-125m's width with 512 tokens (the fc1 of 768 -> 3072),
+// laid out as ops/cpu/linear.c runs them: forward out (M,N) = inp (M,K) @ weight (N,K)^T, the
+// input's gradient (M,K) = dout (M,N) @ weight (N,K), and the weight's (N,K) += dout^T @ inp.
+// (Not the forward's weight as (K,N): with rows of 3072 floats, 12 KiB apart, oneDNN ran that at
+// 0.36x the linears' rate on a Sapphire Rapids, and the planner's times with it.)
+enum { GEMM_FORWARD, GEMM_DINP, GEMM_DWEIGHT, GEMM_KINDS };
+
+// The median seconds of 5 runs of one of them (after a warm-up, which also JITs it): fp32, or
+// with bf16 what a bf16 run's linears take (fy_matmul16: the operands converted to bf16 each call,
+// as there, where the processor multiplies bf16; else the fp32 product).
+static fy_status time_gemm(float *out, float *din, float *dw, const float *inp, const float *w, const float *dout,
+                           int kind, bool bf16, double *seconds) {
+  double t[5];
   fy_status st = FY_OK;
-  if (!a || !b || !c) {
+  for (int r = -1; r < 5 && st == FY_OK; r++) {
+    double t0 = now_s();
+    switch (kind) {
+      case GEMM_FORWARD:
+        st = bf16 ? fy_matmul16(out, inp, w, NULL, GEMM_M, GEMM_N, GEMM_K, false, true, 0.0f)
+                  : fy_matmul(out, inp, w, GEMM_M, GEMM_N, GEMM_K, false, true, 1.0f, 0.0f);
+        break;
+      case GEMM_DINP:
+        st = bf16 ? fy_matmul16(din, dout, w, NULL, GEMM_M, GEMM_K, GEMM_N, false, false, 0.0f)
+                  : fy_matmul(din, dout, w, GEMM_M, GEMM_K, GEMM_N, false, false, 1.0f, 0.0f);
+        break;
+      default:
+        st = bf16 ? fy_matmul16(dw, dout, inp, NULL, GEMM_N, GEMM_K, GEMM_M, true, false, 1.0f)
+                  : fy_matmul(dw, dout, inp, GEMM_N, GEMM_K, GEMM_M, true, false, 1.0f, 1.0f);
+    }
+    if (r >= 0) t[r] = now_s() - t0;
+  }
+  if (st == FY_OK) *seconds = fy_probe_median(t, 5);
+  return st;
+}
+
+// device_gflops: the forward's fp32 rate. bf16_speedup: the three products' fp32 time over their
+// bf16 time (a bf16 product's rate differs by layout more than an fp32 one's: on a Zen 4 the
+// forward ran 1.8x its fp32 rate, the backward's products less).
+static fy_status measure_gemm(double *gflops, double *bf16_speedup) {
+  const size_t mk = (size_t)GEMM_M * GEMM_K, nk = (size_t)GEMM_N * GEMM_K, mn = (size_t)GEMM_M * GEMM_N;
+  float *inp = alloc_aligned(mk * sizeof(float)), *w = alloc_aligned(nk * sizeof(float));
+  float *out = alloc_aligned(mn * sizeof(float)), *dout = alloc_aligned(mn * sizeof(float));
+  float *din = alloc_aligned(mk * sizeof(float)), *dw = alloc_aligned(nk * sizeof(float));
+  fy_status st = FY_OK;
+  if (!inp || !w || !out || !dout || !din || !dw) {
     st = fy_error_set(FY_ERR_NOMEM, "probe: no memory for the GEMM test");
     goto out;
   }
-  for (size_t i = 0; i < (size_t)GEMM_M * GEMM_K; i++) a[i] = (float)(i % 7) * 0.01f;
-  for (size_t i = 0; i < (size_t)GEMM_K * GEMM_N; i++) b[i] = (float)(i % 5) * 0.01f;
-  // A linear layer's forward at OPT-125m's width with 512 tokens, laid out as fy_linear_forward
-  // runs it: the weight (N,K) transposed. (Not b as (K,N): with rows of 3072 floats, 12 KiB apart,
-  // oneDNN ran that at 0.36x the linears' rate on a Sapphire Rapids, and the planner's times
-  // with it.)
-  const double flop = 2.0 * GEMM_M * GEMM_N * GEMM_K;
-  double t[5];
-  st = fy_matmul(c, a, b, GEMM_M, GEMM_N, GEMM_K, false, true, 1.0f, 0.0f);  // warm-up, JIT
-  for (int r = 0; r < 5 && st == FY_OK; r++) {
-    double t0 = now_s();
-    st = fy_matmul(c, a, b, GEMM_M, GEMM_N, GEMM_K, false, true, 1.0f, 0.0f);
-    t[r] = now_s() - t0;
+  for (size_t i = 0; i < mk; i++) inp[i] = (float)(i % 7) * 0.01f;
+  for (size_t i = 0; i < nk; i++) w[i] = (float)(i % 5) * 0.01f, dw[i] = 0;
+  for (size_t i = 0; i < mn; i++) dout[i] = (float)(i % 3) * 0.01f;
+  double s32[GEMM_KINDS] = {0}, s16[GEMM_KINDS] = {0}, t32 = 0, t16 = 0;
+  // bf16 products only where the processor has them (else a bf16 run's products are these fp32
+  // ones: exactly 1, not a ratio of two noisy timings of the same thing).
+  const bool native = fy_matmul_bf16_native();
+  for (int k = 0; k < GEMM_KINDS && st == FY_OK; k++) {
+    st = time_gemm(out, din, dw, inp, w, dout, k, false, &s32[k]);
+    if (st == FY_OK && native) st = time_gemm(out, din, dw, inp, w, dout, k, true, &s16[k]);
+    t32 += s32[k], t16 += s16[k];
   }
-  if (st == FY_OK) *gflops = flop / fy_probe_median(t, 5) / 1e9;
-  else st = fy_error_wrap(st, "probe: GEMM");
+  if (st == FY_OK) {
+    *gflops = 2.0 * GEMM_M * GEMM_N * GEMM_K / s32[GEMM_FORWARD] / 1e9;
+    *bf16_speedup = native ? t32 / t16 : 1.0;
+  } else {
+    st = fy_error_wrap(st, "probe: GEMM");
+  }
 out:
-  free(a), free(b), free(c);
+  free(inp), free(w), free(out), free(dout), free(din), free(dw);
   return st;
 }
 
@@ -398,13 +439,13 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   p.device_mem = device_mem > 0 ? floor(device_mem) : p.host_mem;
   FY_TRY(measure_triad(&p.host_mem_gbps));
   FY_TRY(measure_memcpy(&p.host_copy_gbps));
-  FY_TRY(measure_gemm(&p.host_gflops));
+  FY_TRY(measure_gemm(&p.host_gflops, &p.bf16_speedup));
   p.device_gflops = p.host_gflops;  // cpu and sim run their kernels on this CPU
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (sim) FY_TRY(measure_kernel_overhead(&p.kernel_overhead_us));
   double *rates[] = {&p.device_gflops, &p.host_gflops, &p.h2d_gbps, &p.d2h_gbps, &p.host_adamw_gbps,
-                     &p.host_mem_gbps};
+                     &p.host_mem_gbps, &p.bf16_speedup};
   for (size_t i = 0; i < sizeof rates / sizeof *rates; i++) *rates[i] = round4(*rates[i]);
   bool measured;
   if (disk_dir && disk_dir[0]) FY_TRY(fy_probe_add_disk(&p, disk_dir, &measured));
@@ -487,6 +528,7 @@ static const struct field fields[] = {
     NUM(copy_latency_us, K_RATE0, "us"),
     NUM(host_copy_gbps, K_RATE0, "GB/s"),
     NUM(kernel_overhead_us, K_RATE0, "us"),
+    NUM(bf16_speedup, K_RATE0, "x"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -655,7 +697,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
                         "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
                         "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, "
-                        "kernel_overhead_us)", path,
+                        "kernel_overhead_us, bf16_speedup)", path,
                         unknown);
   }
   struct fy_probe p;
@@ -666,7 +708,8 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     if (!json_object_object_get_ex(o, f->key, &v)) {
       // Optional (added later): derived or none when absent.
       if (f->off == offsetof(struct fy_probe, comm_gbps) || f->off == offsetof(struct fy_probe, copy_latency_us) ||
-          f->off == offsetof(struct fy_probe, host_copy_gbps) || f->off == offsetof(struct fy_probe, kernel_overhead_us))
+          f->off == offsetof(struct fy_probe, host_copy_gbps) || f->off == offsetof(struct fy_probe, kernel_overhead_us) ||
+          f->off == offsetof(struct fy_probe, bf16_speedup))
         continue;
       st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
     } else if (f->kind == K_STRING) {
@@ -771,7 +814,8 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
                         "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
                         "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
-                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, kernel_overhead_us)", key_in);
+                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, kernel_overhead_us, bf16_speedup)",
+                        key_in);
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)
@@ -780,6 +824,10 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
       if (f->off == offsetof(struct fy_probe, device) && !device_known(value))
         return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a device (cpu, sim or cuda)",
                             key_in, value);
+      // A CPU's bf16 speedup says nothing of a GPU's, nor a GPU's of a CPU's: from one kind to the
+      // other it becomes unknown (its default), unless given.
+      if (f->off == offsetof(struct fy_probe, device) && (strcmp(p->device, "cuda") == 0) != (strcmp(value, "cuda") == 0))
+        p->bf16_speedup = 0;
       memcpy(str_at(p, f), value, strlen(value) + 1);
       return FY_OK;
     case K_BYTES:
@@ -808,6 +856,13 @@ static void print_bytes(FILE *f, const char *key, double b) {
   fprintf(f, "%-16s %.2f %s (%.0f bytes)\n", key, x, unit[u], b);
 }
 
+double fy_probe_gemm_gflops(const struct fy_probe *p, bool bf16) {
+  const bool gpu = strcmp(p->device, "cuda") == 0;
+  const double x = p->bf16_speedup > 0 ? p->bf16_speedup : gpu ? FY_PROBE_GPU_BF16_SPEEDUP : 1.0;
+  if (gpu) return bf16 ? p->device_gflops : p->device_gflops / x;
+  return bf16 ? p->device_gflops * x : p->device_gflops;
+}
+
 double fy_probe_comm_gbps(const struct fy_probe *p) {
   if (p->comm_gbps > 0) return p->comm_gbps;
   return strcmp(p->device, "cuda") == 0 ? 25.0 : p->host_mem_gbps / 2;
@@ -818,11 +873,18 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   fprintf(f, "%-16s %s\n", "device", p->device);
   print_bytes(f, "device_mem", p->device_mem);
   print_bytes(f, "host_mem", p->host_mem);
-  if (strcmp(p->device, "cuda") == 0)
+  const bool gpu = strcmp(p->device, "cuda") == 0;
+  if (gpu)
     fprintf(f, "%-16s %.1f GFLOP/s (bf16 GEMM, fp32 accumulation)\n", "device_gflops", p->device_gflops);
   else
     fprintf(f, "%-16s %.1f GFLOP/s (fp32 GEMM %dx%dx%d)\n", "device_gflops", p->device_gflops, GEMM_M, GEMM_N,
             GEMM_K);
+  if (p->bf16_speedup > 0)
+    fprintf(f, "%-16s %.2fx (%s GEMM %.1f GFLOP/s)\n", "bf16_speedup", p->bf16_speedup, gpu ? "fp32" : "bf16",
+            fy_probe_gemm_gflops(p, !gpu));
+  else
+    fprintf(f, "%-16s unknown: taken as %gx (%s GEMM %.1f GFLOP/s)\n", "bf16_speedup",
+            gpu ? FY_PROBE_GPU_BF16_SPEEDUP : 1.0, gpu ? "fp32" : "bf16", fy_probe_gemm_gflops(p, !gpu));
   fprintf(f, "%-16s %.1f GFLOP/s\n", "host_gflops", p->host_gflops);
   fprintf(f, "%-16s %.2f GB/s (host -> device)\n", "h2d_gbps", p->h2d_gbps);
   fprintf(f, "%-16s %.2f GB/s (device -> host)\n", "d2h_gbps", p->d2h_gbps);

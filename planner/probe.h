@@ -22,6 +22,9 @@
 //   "host_copy_gbps"    number, GB/s (>= 0): one thread's memcpy rate (0 or absent: unknown)
 //   "kernel_overhead_us" number, microseconds (>= 0): what one kernel costs on the device besides
 //                       its FLOPs and bytes (measured on sim; 0 or absent: the planner's default)
+//   "bf16_speedup"      number (>= 0): how many times the device's bf16 products (fp32
+//                       accumulation) outrun its fp32 ones, measured; 0 or absent: unknown (see
+//                       fy_probe_gemm_gflops)
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -36,8 +39,9 @@ struct fy_probe {
   char device[32];            // "cpu", "sim" or "cuda"
   double device_mem;          // bytes the device may hold
   double host_mem;            // bytes of host memory for model state
-  double device_gflops;       // sustained fp32 GEMM rate of the device (GFLOP/s), M=512 N=3072 K=768;
-                              // a GPU's: bf16 with fp32 accumulation (fy_probe_measure_gpu)
+  double device_gflops;       // sustained GEMM rate of the device (GFLOP/s) in its default precision:
+                              // fp32 on cpu and sim (M=512 N=3072 K=768), bf16 with fp32
+                              // accumulation on a GPU (fy_probe_measure_gpu)
   double host_gflops;         // the same on the host CPU (for sim/cpu they are the same CPU)
   double h2d_gbps, d2h_gbps;  // copy bandwidth host->device and back (GB/s = 1e9 B/s)
   double host_adamw_gbps;     // host AdamW throughput in GB/s of the 28 B/param it moves
@@ -54,7 +58,18 @@ struct fy_probe {
                               // (libgomp stops spinning between parallel regions once the process
                               // has more OpenMP threads than cores, as every sim stream thread's
                               // team makes it); 0 when unknown
+  double bf16_speedup;        // the device's bf16 products over its fp32 ones (rate / rate): ~1 on a
+                              // CPU that converts bf16 to fp32, ~2 on AVX512-BF16 (AMD), ~5 on AMX,
+                              // ~15 on a GPU's tensor cores against its fp32 cores; 0 when unknown
 };
+
+// The device's GEMM rate (GFLOP/s) for products in bf16 (fp32 accumulation) or in fp32: device_gflops
+// in the device's default precision, the other through bf16_speedup. Unknown (0), it is taken as 1
+// on cpu and sim (the products a CPU without bf16 hardware runs: fp32 ones) and
+// FY_PROBE_GPU_BF16_SPEEDUP on a GPU (bf16 tensor cores against fp32 cores: H100/H200 989 against
+// 67 TFLOP/s, A100 312 against 19.5).
+#define FY_PROBE_GPU_BF16_SPEEDUP 15.0
+double fy_probe_gemm_gflops(const struct fy_probe *p, bool bf16);
 
 // The bus bandwidth (GB/s) the planner assumes for collectives between ranks: comm_gbps when set;
 // else on cpu and sim (ranks on one host, MPI through shared memory) half the host memory
@@ -98,7 +113,8 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
 // FY_HAVE_CUDA): the GPUs CUDA sees (0 on any error), and GPU `ordinal` measured into p's device
 // fields — "cuda", the memory ferry train takes of what is free on it now (FY_CUDA_FREE_PERCENT),
 // its bf16 GEMM rate (fp32 accumulation, the kernels'
-// cuBLASLt path, square products grown from 512 until one takes 2 ms, at most 8192), pinned copies
+// cuBLASLt path, square products grown from 512 until one takes 2 ms, at most 8192) and its fp32
+// one the same way (bf16_speedup: the first over the second), pinned copies
 // each way and what a 4 KiB copy costs — leaving the host's fields as they are (fy_probe_measure
 // fills those). FY_ERR_NOT_FOUND without that GPU.
 int fy_probe_gpu_count(void);

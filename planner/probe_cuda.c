@@ -1,8 +1,9 @@
 // The probe on a GPU (ferry probe --device cuda): what the planner needs of the device itself —
-// the memory free on it, its bf16 GEMM rate through the kernels' own cuBLASLt path, and pinned
+// the memory free on it, its bf16 and fp32 GEMM rates through the kernels' own cuBLASLt path, and pinned
 // copies each way — beside the host's rates, which fy_probe_measure takes from the CPU. Built only
 // with CUDA (or its emulator, test/cudaemu), as the other *_cuda.c files.
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,10 +47,10 @@ static fy_status median_ms(struct bench *b, bench_fn run, void *arg, float *ms) 
   return FY_OK;
 }
 
-struct gemm { void *a, *b, *c; int64_t n; };
+struct gemm { void *a, *b, *c; int64_t n; enum fy_dtype dt; };
 static fy_status run_gemm(struct bench *b, void *arg) {
   const struct gemm *g = arg;
-  return fy_cuda_matmul(b->blas, g->c, g->a, g->b, NULL, FY_BF16, g->n, g->n, g->n, false, true, 1.0f, 0.0f, b->st);
+  return fy_cuda_matmul(b->blas, g->c, g->a, g->b, NULL, g->dt, g->n, g->n, g->n, false, true, 1.0f, 0.0f, b->st);
 }
 
 struct copy { void *dst; const void *src; size_t n; enum cudaMemcpyKind kind; };
@@ -58,26 +59,34 @@ static fy_status run_copy(struct bench *b, void *arg) {
   return cuda_check(cudaMemcpyAsync(c->dst, c->src, c->n, c->kind, b->st), "cudaMemcpyAsync");
 }
 
-// bf16 values of a few magnitudes around 1 (never zeros: a GPU multiplies zeros faster).
-static void fill_bf16(uint16_t *x, size_t n) {
+// Values of a few magnitudes around 1 in dtype dt (bf16 or fp32; never zeros: a GPU multiplies
+// zeros faster).
+static void fill(void *x, size_t n, enum fy_dtype dt) {
   uint32_t s = 12345;
   for (size_t i = 0; i < n; i++) {
     s = s * 1664525u + 1013904223u;
-    x[i] = (uint16_t)(0x3e00u + ((s >> 16) & 0x1ffu)) | (uint16_t)((s & 1u) << 15);  // +-(2^-3 .. 2^0)
+    uint16_t v = (uint16_t)(0x3e00u + ((s >> 16) & 0x1ffu)) | (uint16_t)((s & 1u) << 15);  // +-(2^-3 .. 2^0)
+    if (dt == FY_BF16) {
+      ((uint16_t *)x)[i] = v;
+    } else {
+      uint32_t w = (uint32_t)v << 16;
+      memcpy((float *)x + i, &w, sizeof w);
+    }
   }
 }
 
-// Square bf16 products (fp32 accumulation), grown from 512 until one takes 2 ms or reaches 8192
-// (or the free memory): a GPU's sustained rate on products as large as a step's.
-static fy_status measure_gemm(struct bench *b, size_t free_bytes, double *gflops) {
+// Square products in dt (bf16 or fp32; fp32 accumulation), grown from 512 until one takes 2 ms or
+// reaches 8192 (or the free memory): a GPU's sustained rate on products as large as a step's.
+static fy_status measure_gemm(struct bench *b, size_t free_bytes, enum fy_dtype dt, double *gflops) {
   fy_status st = FY_OK;
+  const size_t es = fy_dtype_size(dt);
   int64_t n = 512;
   for (;;) {
-    size_t bytes = (size_t)(n * n) * 2;
-    struct gemm g = {.n = n};
-    uint16_t *host = malloc(bytes);
+    size_t bytes = (size_t)(n * n) * es;
+    struct gemm g = {.n = n, .dt = dt};
+    void *host = malloc(bytes);
     if (!host) return fy_error_set(FY_ERR_NOMEM, "probe on the GPU: out of host memory");
-    fill_bf16(host, (size_t)(n * n));
+    fill(host, (size_t)(n * n), dt);
     st = cuda_check(cudaMalloc(&g.a, bytes), "cudaMalloc");
     if (st == FY_OK) st = cuda_check(cudaMalloc(&g.b, bytes), "cudaMalloc");
     if (st == FY_OK) st = cuda_check(cudaMalloc(&g.c, bytes), "cudaMalloc");
@@ -91,7 +100,7 @@ static fy_status measure_gemm(struct bench *b, size_t free_bytes, double *gflops
     cudaFree(g.c);
     if (st != FY_OK) return st;
     *gflops = 2.0 * (double)n * (double)n * (double)n / (ms > 0 ? ms * 1e-3 : 1e-9) / 1e9;
-    if (ms >= 2.0f || n >= 8192 || (size_t)(4 * n * n) * 2 * 3 > free_bytes / 2) return FY_OK;
+    if (ms >= 2.0f || n >= 8192 || (size_t)(4 * n * n) * es * 3 > free_bytes / 2) return FY_OK;
     n *= 2;
   }
 }
@@ -135,8 +144,9 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   if (st == FY_OK) st = cuda_check(cudaEventCreate(&b.t1), "cudaEventCreate");
   if (st == FY_OK) st = cuda_check(cudaMalloc(&b.workspace, FY_CUDA_GEMM_WORKSPACE), "cudaMalloc");
   if (st == FY_OK) st = fy_cuda_blas_create(b.workspace, FY_CUDA_GEMM_WORKSPACE, &b.blas);
-  double gflops = 0, h2d = 0, d2h = 0, latency = 0;
-  if (st == FY_OK) st = measure_gemm(&b, free_bytes, &gflops);
+  double gflops = 0, gflops32 = 0, h2d = 0, d2h = 0, latency = 0;
+  if (st == FY_OK) st = measure_gemm(&b, free_bytes, FY_BF16, &gflops);
+  if (st == FY_OK) st = measure_gemm(&b, free_bytes, FY_F32, &gflops32);
   if (st == FY_OK) st = measure_copies(&b, free_bytes, &h2d, &d2h, &latency);
   if (b.blas) fy_cuda_blas_free(b.blas);
   if (b.workspace) cudaFree(b.workspace);
@@ -147,6 +157,7 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   snprintf(p->device, sizeof p->device, "cuda");
   p->device_mem = (double)(free_bytes / 100 * FY_CUDA_FREE_PERCENT);  // (what ferry train takes of it)
   p->device_gflops = gflops;
+  p->bf16_speedup = gflops32 > 0 ? round(gflops / gflops32 * 1000) / 1000 : 0;
   p->h2d_gbps = h2d;
   p->d2h_gbps = d2h;
   p->copy_latency_us = latency;

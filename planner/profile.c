@@ -12,7 +12,8 @@ double fy_profile_mem_rate(const struct fy_probe *p) {
   return strcmp(p->device, "cuda") == 0 ? p->device_gflops * 1e9 / 100 : p->host_mem_gbps * 1e9;
 }
 
-void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, int ab, struct fy_op_profile *out) {
+void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, int ab, enum fy_dtype compute,
+                   struct fy_op_profile *out) {
   const struct fy_op *op = &g->ops[o];
   double B = (double)g->B, T = (double)g->T, BT = B * T, C = (double)op->C;
   memset(out, 0, sizeof *out);
@@ -43,7 +44,17 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   for (int k = 0; k < op->n_params; k++) out->param_bytes += (double)g->params[op->params[k]].numel * ab;
   // Memory-bound kernels run at the device's memory bandwidth.
   bool gpu = strcmp(p->device, "cuda") == 0;
-  double gemm = p->device_gflops * 1e9, mem = fy_profile_mem_rate(p);
+  // On cpu and sim in 16-bit precision: the output rounded (read and written, as floats), and in
+  // backward each input's gradient but the token ids' and each parameter's (inside the op's kernel
+  // call: no more hand-offs on sim).
+  if (!gpu && compute != FY_F32) {
+    if (op->kind != FY_OP_CROSS_ENTROPY) out->mem_bytes[0] += (double)g->slots[op->out].numel * 8;
+    for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++)
+      out->mem_bytes[1] += (double)g->slots[op->in[k]].numel * 8;
+    for (int k = 0; k < op->n_params; k++) out->mem_bytes[1] += (double)g->params[op->params[k]].numel * 8;
+  }
+  const bool bf16 = compute == FY_BF16 && (gpu || op->kind == FY_OP_LINEAR);
+  double gemm = fy_probe_gemm_gflops(p, bf16) * 1e9, mem = fy_profile_mem_rate(p);
   double eff = op->kind == FY_OP_ATTENTION ? ATTENTION_EFFICIENCY : 1.0;
   // On a GPU, a relu or residual add that rides the linear before it (fy_graph_fusion) costs its
   // forward nothing: no pass over memory, no kernel.
@@ -60,8 +71,9 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   if (fused) out->kernel_calls[0] = 0;
 }
 
-double fy_profile_op_seconds(const struct fy_graph *g, int o, bool backward, const struct fy_probe *p, int ab) {
+double fy_profile_op_seconds(const struct fy_graph *g, int o, bool backward, const struct fy_probe *p, int ab,
+                             enum fy_dtype compute) {
   struct fy_op_profile pr;
-  fy_profile_op(g, o, p, ab, &pr);
+  fy_profile_op(g, o, p, ab, compute, &pr);
   return pr.seconds[backward];
 }

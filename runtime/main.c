@@ -114,7 +114,7 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
 
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD };
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION };
   static const struct option opts[] = {
       {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
       {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
@@ -124,16 +124,18 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"seq", required_argument, 0, P_SEQ}, {"out", required_argument, 0, P_OUT}, {"svg", required_argument, 0, P_SVG},
       {"gpus", required_argument, 0, P_GPUS}, {"help", no_argument, 0, P_HELP},
       {"profile", no_argument, 0, P_PROFILE}, {"offload", no_argument, 0, P_OFFLOAD},
+      {"precision", required_argument, 0, P_PRECISION},
       // Overrides by their own names.
       {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
       {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
       {"link-gbps", required_argument, 0, P_OVR}, {"h2d-gbps", required_argument, 0, P_OVR},
       {"d2h-gbps", required_argument, 0, P_OVR}, {"host-adamw-gbps", required_argument, 0, P_OVR},
       {"host-mem-gbps", required_argument, 0, P_OVR}, {"disk-read-gbps", required_argument, 0, P_OVR},
-      {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR}, {0, 0, 0, 0}};
+      {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR},
+      {"bf16-speedup", required_argument, 0, P_OVR}, {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
   struct machine_args a = {0};
-  const char *model = "opt-125m", *out = NULL, *svg = NULL;
+  const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL;
   int64_t batch = 8, seq = 1024, gpus = 1;
   bool profile = false, offload_only = false;
   int c, idx = 0;
@@ -173,6 +175,17 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       case P_GPUS: ok = parse_i64("--gpus", optarg, 1, &gpus); break;
       case P_PROFILE: profile = true; break;
       case P_OFFLOAD: offload_only = true; break;
+      case P_PRECISION:
+        if (!plan) {
+          fprintf(stderr, "ferry probe: --precision is ferry plan's (the probe measures both bf16 and fp32 products)\n");
+          return 2;
+        }
+        if (strcmp(optarg, "fp32") && strcmp(optarg, "bf16") && strcmp(optarg, "fp16")) {
+          fprintf(stderr, "ferry plan: --precision %s: fp32, bf16 or fp16\n", optarg);
+          return 2;
+        }
+        precision = optarg;
+        break;
       case P_HELP:
         printf("usage: ferry %s [options]\n\n", cmd);
         if (plan)
@@ -191,11 +204,15 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "                     chunks; --batch is then the global batch (run the plan with\n"
                  "                     mpirun -np N ferry train --plan FILE)\n"
                  "  --comm-gbps X      collectives between ranks (default: derived, see ferry probe)\n"
-                 "  --offload          offloaded plans only (a GPU's default also tries it resident)\n");
+                 "  --offload          offloaded plans only (a GPU's default also tries it resident)\n"
+                 "  --precision P      the compute the plan is for: fp32 (default on cpu, sim), bf16\n"
+                 "                     (default on cuda; its products at bf16_speedup x the fp32 rate)\n"
+                 "                     or fp16 (cpu, sim); ferry train --plan FILE runs it in P\n");
         else
-          printf("Measures device memory, GEMM rates, copy bandwidth each way, host AdamW and memory\n"
-                 "bandwidth and disk rates, and caches them (default ~/.cache/ferry/probe.json).\n"
-                 "--device cuda measures GPU 0 (free memory, bf16 GEMM rate, pinned copies) when this\n"
+          printf("Measures device memory, GEMM rates (fp32, and bf16 where the processor multiplies\n"
+                 "bf16: bf16_speedup), copy bandwidth each way, host AdamW and memory bandwidth and disk\n"
+                 "rates, and caches them (default ~/.cache/ferry/probe.json).\n"
+                 "--device cuda measures GPU 0 (free memory, bf16 and fp32 GEMM rates, pinned copies) when this\n"
                  "machine has one and ferry was built with CUDA; else the CPU stands in as the sim\n"
                  "device and the GPU's figures are yours to give (--device-tflops, --link-gbps).\n\n");
         printf("machine (the probe, then overrides):\n"
@@ -203,7 +220,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                "  --probe-file PATH  --remeasure  --no-write\n"
                "  --host-mem SIZE --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
                "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
-               "  --disk-write-gbps X   --comm-gbps X   --set key=value (any probe field)\n");
+               "  --disk-write-gbps X   --comm-gbps X   --bf16-speedup X   --set key=value (any probe field)\n"
+               "  (device rates are in the device's default precision: a GPU's bf16, a CPU's fp32)\n");
         return 0;
       case ':': fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]); return 2;
       default: fprintf(stderr, "ferry %s: unknown option '%s' (see 'ferry %s --help')\n", cmd, argv[optind - 1], cmd); return 2;
@@ -225,7 +243,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     struct stat sb;
     st = stat(model, &sb) == 0 ? fy_opt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
-  if (st == FY_OK) st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, offload_only, &probe, &best, &tried);
+  if (st == FY_OK)
+    st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, offload_only, precision, &probe, &best, &tried);
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
@@ -238,10 +257,12 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       if (best.k.recompute) fy_graph_set_recompute(g, true);
       double t[FY_OP_KIND_COUNT][2] = {{0}}, fl[FY_OP_KIND_COUNT] = {0}, act[FY_OP_KIND_COUNT] = {0};
       int n[FY_OP_KIND_COUNT] = {0};
-      int ab = strcmp(probe.device, "cuda") == 0 ? 2 : 4;
+      const char *prec = fy_cost_precision(&best.k, probe.device);
+      const enum fy_dtype cdt = !strcmp(prec, "bf16") ? FY_BF16 : !strcmp(prec, "fp16") ? FY_F16 : FY_F32;
+      const int ab = strcmp(probe.device, "cuda") == 0 && cdt == FY_BF16 ? 2 : 4;
       for (int o = 0; o < g->n_ops; o++) {
         struct fy_op_profile pr;
-        fy_profile_op(g, o, &probe, ab, &pr);
+        fy_profile_op(g, o, &probe, ab, cdt, &pr);
         int kd = g->ops[o].kind;
         n[kd]++;
         t[kd][0] += pr.seconds[0];

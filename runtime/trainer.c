@@ -1249,9 +1249,9 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
     }
   }
   struct fy_plan plan;
-  if (automatic) {  // the global batch as if every rank were data-parallel
+  if (automatic) {  // the global batch as if every rank were data-parallel, in this run's precision
     FY_TRY(fy_plan_search_ranks(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
-                                cuda && o->offload, &probe, &plan, NULL));
+                                cuda && o->offload, o->precision, &probe, &plan, NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.resident && !cuda)
@@ -1272,13 +1272,17 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the data-parallel ranks of an offloaded run shard the chunks "
                           "(pattern zero), not %s", o->plan, plan.pattern);
   }
+  // The plan's precision is the run's (a plan file written before plans said theirs: the device's
+  // default); another given with --precision is refused, as its memory and speed are another plan's.
+  const char *prec = fy_cost_precision(&plan.k, cuda ? "cuda" : "sim");
+  if (o->precision && strcmp(o->precision, prec) != 0)
+    return fy_error_set(FY_ERR_INVALID, "--plan %s is for %s compute, not --precision %s: drop --precision, or write a "
+                        "plan for it (ferry plan --precision %s)", o->plan, prec, o->precision, o->precision);
+  o->precision = strcmp(prec, "bf16") == 0 ? "bf16" : strcmp(prec, "fp16") == 0 ? "fp16" : "fp32";  // (not the local plan's)
   o->tp = plan.tp;
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {
     o->offload = !k->resident;  // (--device-mem stays the run's: the GPU's unless given)
-    if (o->precision && strcmp(o->precision, "bf16") != 0 && fy_comm_launch_rank() == 0)
-      fy_log_info("--plan %s was made for a GPU's bf16 compute: --precision %s takes twice the memory of its cache "
-                  "blocks and activations", o->plan, o->precision);
   } else {
     o->device = "sim";
     o->device_mem = dev_mem;
@@ -1427,9 +1431,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   bool tty = isatty(STDOUT_FILENO);
   if (!o->quiet) {
-    printf("ferry: %s, %.2fM parameters, %d threads x %d ranks | batch %lld x %lld x %lld accum = %lld tokens/step | "
+    printf("ferry: %s, %.2fM parameters, %s, %d threads x %d ranks | batch %lld x %lld x %lld accum = %lld tokens/step | "
            "%lld tokens in %s\n",
-           r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, omp_get_max_threads(), r.world, (long long)o->batch,
+           r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, o->precision, omp_get_max_threads(), r.world, (long long)o->batch,
            (long long)o->seq, (long long)o->grad_accum, (long long)tokens_per_step,
            (long long)fy_data_num_tokens(r.data), o->data);
     if (r.x)

@@ -202,13 +202,31 @@ expect 0 "ferry train --plan auto" "cache blocks" -- train --model opt-tiny --da
 expect 0 "--plan auto puts the state the host cannot hold on a new --disk-dir" "AdamW state of [1-9][0-9]* chunks on disk" \
   -- train --model opt-demo --data "$tmp/ok.bin" --device-mem 64MiB --host-mem 30MiB --disk-dir "$tmp/autodisk" \
   --batch 4 --seq 32 --plan auto --steps 2
+# A plan is for one precision (the device's default unless --precision): it says so, its file
+# keeps it, a run of it computes in it, and another --precision is refused.
+expect 0 "ferry plan --precision bf16" "plan for opt-tiny in bf16 on sim .* in bf16" -- plan --device sim \
+  --device-mem 64MiB --model opt-tiny --batch 4 --seq 32 --precision bf16 --out "$tmp/plan16.json"
+grep -q '"precision":"bf16"' "$tmp/plan16.json" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the plan file says bf16"; } ||
+  { fail=$((fail + 1)); echo "FAIL  the plan file lacks \"precision\":\"bf16\""; }
+expect 0 "a bf16 plan trains in bf16" 'M parameters, bf16,' -- train --model opt-tiny --data "$tmp/ok.bin" \
+  --device-mem 64MiB --plan "$tmp/plan16.json" --steps 1
+expect 1 "a bf16 plan with --precision fp32" "is for bf16 compute, not --precision fp32" -- train --model opt-tiny \
+  --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan16.json" --precision fp32 --steps 1
+expect 1 "a default (fp32) plan with --precision bf16" "is for fp32 compute" -- train --model opt-tiny \
+  --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan.json" --precision bf16 --steps 1
+expect 0 "--plan auto --precision bf16 plans for bf16" "plan for opt-tiny in bf16" -- train --model opt-tiny \
+  --data "$tmp/ok.bin" --device-mem 64MiB --batch 4 --seq 32 --plan auto --precision bf16 --steps 1
+expect 2 "ferry plan --precision fp8" "fp32, bf16 or fp16" -- plan --device sim --model opt-tiny --precision fp8
+expect 2 "ferry probe --precision" "ferry plan's" -- probe --precision bf16
+expect 1 "fp16 plans are no GPU's" "fp16 runs on cpu and sim" -- plan --device cuda --device-tflops 100 \
+  --device-mem 8GiB --model opt-tiny --batch 4 --seq 32 --precision fp16
 expect 1 "a device too small for any plan" "smallest device memory that works" -- plan --device sim \
   --device-mem 64KiB --model opt-tiny --batch 4 --seq 32
 printf '{"micro_batch": 4, "colour": "blue"}' > "$tmp/badplan.json"
 # --plan auto with --device cuda measures GPU 0 and trains the plan; without a GPU (or CUDA in this
 # build) it says so.
 out="$("$ferry" train --model opt-tiny --data "$tmp/ok.bin" --device cuda --plan auto --steps 1 2>&1)"; code=$?
-if { [ "$code" -eq 0 ] && printf '%s' "$out" | grep -q "plan for opt-tiny on cuda"; } ||
+if { [ "$code" -eq 0 ] && printf '%s' "$out" | grep -q "plan for opt-tiny in bf16 on cuda"; } ||
   { [ "$code" -eq 1 ] && printf '%s' "$out" | grep -qE "no GPU|no NVIDIA driver|the NVIDIA driver supports|needs a ferry built with CUDA"; }; then
   pass=$((pass + 1)); echo "ok    --plan auto on cuda (a GPU measured, or none here said so)"
 else

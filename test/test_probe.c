@@ -40,7 +40,8 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->host_mem_gbps == b->host_mem_gbps && a->disk_read_gbps == b->disk_read_gbps &&
          a->disk_write_gbps == b->disk_write_gbps && !strcmp(a->disk_dir, b->disk_dir) &&
          a->comm_gbps == b->comm_gbps && a->copy_latency_us == b->copy_latency_us &&
-         a->host_copy_gbps == b->host_copy_gbps && a->kernel_overhead_us == b->kernel_overhead_us;
+         a->host_copy_gbps == b->host_copy_gbps && a->kernel_overhead_us == b->kernel_overhead_us &&
+         a->bf16_speedup == b->bf16_speedup;
 }
 
 static void test_measure(struct fy_probe *p) {
@@ -67,6 +68,14 @@ static void test_measure(struct fy_probe *p) {
   // A kernel handed to the sim's compute thread: measured (0 would read as unknown), and far
   // below a millisecond.
   CHECKF(p->kernel_overhead_us > 0 && p->kernel_overhead_us < 1000, "%g us", p->kernel_overhead_us);
+  // bf16 products: exactly 1 where the processor converts them to fp32 ones; else timed (AMX ~5x,
+  // AMD's AVX512-BF16 ~2x; below 1 would make bf16 plans slower than fp32 ones, which is allowed)
+  if (fy_matmul_bf16_native())
+    CHECKF(p->bf16_speedup > 0.3 && p->bf16_speedup < 30, "bf16 speedup %g", p->bf16_speedup);
+  else
+    CHECKF(p->bf16_speedup == 1.0, "bf16 speedup %g without bf16 products", p->bf16_speedup);
+  CHECK(fy_probe_gemm_gflops(p, false) == p->device_gflops);
+  CHECK(fy_probe_gemm_gflops(p, true) == p->device_gflops * p->bf16_speedup);
   char real[PATH_MAX];
   CHECK(realpath(disk, real) && !strcmp(p->disk_dir, real));
   CHECK(rmdir(disk) == 0);  // the disk tier removed its file
@@ -123,6 +132,7 @@ static void test_round_trip(const struct fy_probe *p) {
   r.host_mem = 549755813888.0 * 3;
   r.device_mem = 1e20;  // beyond an exact int64 in a double: written as a double
   r.disk_read_gbps = r.disk_write_gbps = 0;
+  r.bf16_speedup = 14.7;
   r.disk_dir[0] = '\0';
   snprintf(r.device, sizeof r.device, "cuda");
   CHECK_OK(fy_probe_write(path, &r));
@@ -178,8 +188,26 @@ static void test_overrides(const struct fy_probe *base) {
   CHECK(p.h2d_gbps == 25.0 && p.d2h_gbps == 24.0);
   CHECK_OK(fy_probe_override(&p, "disk_read_gbps", "0"));  // "no disk" is a valid answer
   CHECK(p.disk_read_gbps == 0);
+  // The GEMM rate of each precision: the device's default one, the other through bf16_speedup
+  // (unknown: 1 on a CPU, FY_PROBE_GPU_BF16_SPEEDUP on a GPU).
+  CHECK_OK(fy_probe_override(&p, "device", "sim"));
+  CHECK_OK(fy_probe_override(&p, "device_gflops", "200"));
+  CHECK_OK(fy_probe_override(&p, "bf16_speedup", "0"));
+  CHECK(fy_probe_gemm_gflops(&p, false) == 200 && fy_probe_gemm_gflops(&p, true) == 200);
+  CHECK_OK(fy_probe_override(&p, "bf16-speedup", "2.5"));
+  CHECK(fy_probe_gemm_gflops(&p, false) == 200 && fy_probe_gemm_gflops(&p, true) == 500);
+  CHECK_OK(fy_probe_override(&p, "device", "cpu"));  // (another CPU device: the same processor)
+  CHECK(p.bf16_speedup == 2.5);
+  CHECK_OK(fy_probe_override(&p, "device", "cuda"));  // a CPU's speedup says nothing of a GPU's
+  CHECK(!strcmp(p.device, "cuda") && p.bf16_speedup == 0);
+  CHECK_OK(fy_probe_override(&p, "device-tflops", "989"));
+  CHECK(fy_probe_gemm_gflops(&p, true) == 989000.0);
+  CHECK(fy_probe_gemm_gflops(&p, false) == 989000.0 / FY_PROBE_GPU_BF16_SPEEDUP);
+  CHECK_OK(fy_probe_override(&p, "bf16_speedup", "16"));
+  CHECK(fy_probe_gemm_gflops(&p, false) == 989000.0 / 16);
+  CHECK_OK(fy_probe_override(&p, "device", "sim"));
+  CHECK(p.bf16_speedup == 0);
   CHECK_OK(fy_probe_override(&p, "device", "cuda"));
-  CHECK(!strcmp(p.device, "cuda"));
   CHECK_OK(fy_probe_override(&p, "disk_dir", "/scratch/ferry"));
   CHECK(!strcmp(p.disk_dir, "/scratch/ferry"));
 
@@ -201,6 +229,7 @@ static void test_overrides(const struct fy_probe *base) {
   CHECK_ERR(fy_probe_override(&p, "device_tflops", "x"), FY_ERR_INVALID);
   CHECK_ERR(fy_probe_override(&p, "link_gbps", ""), FY_ERR_INVALID);
   CHECK_ERR(fy_probe_override(&p, "device", "tpu"), FY_ERR_INVALID);
+  CHECK_ERR(fy_probe_override(&p, "bf16_speedup", "-1"), FY_ERR_INVALID);
   char longv[600];
   memset(longv, 'a', sizeof longv - 1);
   longv[sizeof longv - 1] = '\0';
@@ -244,6 +273,15 @@ static void test_bad_files(void) {
   make_file(path, NULL, NULL, 0, NULL);
   CHECK_OK(fy_probe_read(path, &p));
   CHECK(p.device_mem == 268435456.0 && p.disk_write_gbps == 1.25 && !strcmp(p.disk_dir, "/tmp"));
+  CHECK(p.bf16_speedup == 0);  // (a file from before it: unknown)
+  memset(&p, 0x5a, sizeof p);
+  make_file(path, NULL, NULL, 0, "\"bf16_speedup\": 1.8");
+  CHECK_OK(fy_probe_read(path, &p));
+  CHECK(p.bf16_speedup == 1.8);
+  memset(&p, 0x5a, sizeof p);
+  make_file(path, NULL, NULL, 0, "\"bf16_speedup\": -2");  // (optional, but checked when there)
+  CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+  CHECK(msg_has("bf16_speedup"));
   memset(&p, 0x5a, sizeof p);
 
   const char *not_json[] = {"", "not json", "{\"device\": \"sim\",", "{} trailing", "[1, 2]", "42",
