@@ -529,6 +529,7 @@ static const struct field fields[] = {
     NUM(host_copy_gbps, K_RATE0, "GB/s"),
     NUM(kernel_overhead_us, K_RATE0, "us"),
     NUM(bf16_speedup, K_RATE0, "x"),
+    NUM(device_mem_gbps, K_RATE0, "GB/s"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -697,7 +698,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
                         "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
                         "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, "
-                        "kernel_overhead_us, bf16_speedup)", path,
+                        "kernel_overhead_us, bf16_speedup, device_mem_gbps)", path,
                         unknown);
   }
   struct fy_probe p;
@@ -709,7 +710,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
       // Optional (added later): derived or none when absent.
       if (f->off == offsetof(struct fy_probe, comm_gbps) || f->off == offsetof(struct fy_probe, copy_latency_us) ||
           f->off == offsetof(struct fy_probe, host_copy_gbps) || f->off == offsetof(struct fy_probe, kernel_overhead_us) ||
-          f->off == offsetof(struct fy_probe, bf16_speedup))
+          f->off == offsetof(struct fy_probe, bf16_speedup) || f->off == offsetof(struct fy_probe, device_mem_gbps))
         continue;
       st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
     } else if (f->kind == K_STRING) {
@@ -814,7 +815,8 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
                         "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
                         "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
-                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, kernel_overhead_us, bf16_speedup)",
+                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, kernel_overhead_us, bf16_speedup, "
+                        "device_mem_gbps)",
                         key_in);
   switch (f->kind) {
     case K_STRING:
@@ -824,10 +826,10 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
       if (f->off == offsetof(struct fy_probe, device) && !device_known(value))
         return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a device (cpu, sim or cuda)",
                             key_in, value);
-      // A CPU's bf16 speedup says nothing of a GPU's, nor a GPU's of a CPU's: from one kind to the
-      // other it becomes unknown (its default), unless given.
+      // A CPU's bf16 speedup and memory say nothing of a GPU's, nor a GPU's of a CPU's: from one
+      // kind to the other they become unknown (their defaults), unless given.
       if (f->off == offsetof(struct fy_probe, device) && (strcmp(p->device, "cuda") == 0) != (strcmp(value, "cuda") == 0))
-        p->bf16_speedup = 0;
+        p->bf16_speedup = p->device_mem_gbps = 0;
       memcpy(str_at(p, f), value, strlen(value) + 1);
       return FY_OK;
     case K_BYTES:
@@ -863,6 +865,11 @@ double fy_probe_gemm_gflops(const struct fy_probe *p, bool bf16) {
   return bf16 ? p->device_gflops * x : p->device_gflops;
 }
 
+double fy_probe_device_mem_gbps(const struct fy_probe *p) {
+  if (strcmp(p->device, "cuda") != 0) return p->host_mem_gbps;
+  return p->device_mem_gbps > 0 ? p->device_mem_gbps : p->device_gflops / 100;
+}
+
 double fy_probe_comm_gbps(const struct fy_probe *p) {
   if (p->comm_gbps > 0) return p->comm_gbps;
   return strcmp(p->device, "cuda") == 0 ? 25.0 : p->host_mem_gbps / 2;
@@ -891,6 +898,11 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   fprintf(f, "%-16s %.2f GB/s (%.0f M params/s at 28 B/param)\n", "host_adamw_gbps",
           p->host_adamw_gbps, p->host_adamw_gbps * 1e9 / ADAMW_BYTES_PER_PARAM / 1e6);
   fprintf(f, "%-16s %.2f GB/s (triad)\n", "host_mem_gbps", p->host_mem_gbps);
+  if (gpu && p->device_mem_gbps > 0)
+    fprintf(f, "%-16s %.1f GB/s (a copy within the GPU, read and written)\n", "device_mem_gbps", p->device_mem_gbps);
+  else if (gpu)
+    fprintf(f, "%-16s unknown: taken as %.1f GB/s (a byte per 100 FLOPs of the bf16 GEMM rate)\n", "device_mem_gbps",
+            fy_probe_device_mem_gbps(p));
   if (disk) {
     fprintf(f, "%-16s %.2f GB/s (256 MB burst, page cache included)\n", "disk_read_gbps", p->disk_read_gbps);
     fprintf(f, "%-16s %.2f GB/s (256 MB burst, page cache included)\n", "disk_write_gbps", p->disk_write_gbps);

@@ -25,6 +25,8 @@
 //   "bf16_speedup"      number (>= 0): how many times the device's bf16 products (fp32
 //                       accumulation) outrun its fp32 ones, measured; 0 or absent: unknown (see
 //                       fy_probe_gemm_gflops)
+//   "device_mem_gbps"   number, GB/s (>= 0): a GPU's memory bandwidth (measured on one); 0 or
+//                       absent: unknown (see fy_probe_device_mem_gbps)
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -61,7 +63,15 @@ struct fy_probe {
   double bf16_speedup;        // the device's bf16 products over its fp32 ones (rate / rate): ~1 on a
                               // CPU that converts bf16 to fp32, ~2 on AVX512-BF16 (AMD), ~5 on AMX,
                               // ~15 on a GPU's tensor cores against its fp32 cores; 0 when unknown
+  double device_mem_gbps;     // a GPU's memory bandwidth (GB/s; a copy within it moves its bytes
+                              // twice, read and written): what its memory-bound kernels run at;
+                              // 0 when unknown, and on cpu and sim (the host's memory)
 };
+
+// The bandwidth (GB/s) the device's memory-bound kernels run at: on cpu and sim the host's memory
+// bandwidth; on a GPU device_mem_gbps, or when unknown 1 byte per 100 FLOPs of its bf16 GEMM rate
+// (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
+double fy_probe_device_mem_gbps(const struct fy_probe *p);
 
 // The device's GEMM rate (GFLOP/s) for products in bf16 (fp32 accumulation) or in fp32: device_gflops
 // in the device's default precision, the other through bf16_speedup. Unknown (0), it is taken as 1
@@ -114,7 +124,8 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
 // fields — "cuda", the memory ferry train takes of what is free on it now (FY_CUDA_FREE_PERCENT),
 // its bf16 GEMM rate (fp32 accumulation, the kernels'
 // cuBLASLt path, square products grown from 512 until one takes 2 ms, at most 8192) and its fp32
-// one the same way (bf16_speedup: the first over the second), pinned copies
+// one the same way (bf16_speedup: the first over the second), its memory bandwidth (a copy within it
+// of up to 512 MiB), pinned copies
 // each way and what a 4 KiB copy costs — leaving the host's fields as they are (fy_probe_measure
 // fills those). FY_ERR_NOT_FOUND without that GPU.
 int fy_probe_gpu_count(void);

@@ -128,6 +128,24 @@ static fy_status measure_copies(struct bench *b, size_t free_bytes, double *h2d,
   return FY_OK;
 }
 
+// A copy within the GPU of up to 512 MiB (an eighth of the free memory at most): its bytes read and
+// written over the time, GB/s.
+static fy_status measure_device_mem(struct bench *b, size_t free_bytes, double *gbps) {
+  size_t n = (size_t)512 << 20;
+  while (n > ((size_t)1 << 20) && n > free_bytes / 8) n /= 2;
+  void *src = NULL, *dst = NULL;
+  fy_status st = cuda_check(cudaMalloc(&src, n), "cudaMalloc");
+  if (st == FY_OK) st = cuda_check(cudaMalloc(&dst, n), "cudaMalloc");
+  if (st == FY_OK) st = cuda_check(cudaMemset(src, 1, n), "cudaMemset");
+  float ms = 0;
+  struct copy c = {dst, src, n, cudaMemcpyDeviceToDevice};
+  if (st == FY_OK) st = median_ms(b, run_copy, &c, &ms);
+  if (dst) cudaFree(dst);
+  if (src) cudaFree(src);
+  if (st == FY_OK) *gbps = 2.0 * (double)n / (ms > 0 ? ms * 1e-3 : 1e-9) / 1e9;
+  return st;
+}
+
 int fy_probe_gpu_count(void) { return fy_cuda_device_count(); }
 
 fy_status fy_probe_find_gpu(int ordinal) { return fy_cuda_find_gpu(ordinal, "probe on the GPU"); }
@@ -144,9 +162,10 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   if (st == FY_OK) st = cuda_check(cudaEventCreate(&b.t1), "cudaEventCreate");
   if (st == FY_OK) st = cuda_check(cudaMalloc(&b.workspace, FY_CUDA_GEMM_WORKSPACE), "cudaMalloc");
   if (st == FY_OK) st = fy_cuda_blas_create(b.workspace, FY_CUDA_GEMM_WORKSPACE, &b.blas);
-  double gflops = 0, gflops32 = 0, h2d = 0, d2h = 0, latency = 0;
+  double gflops = 0, gflops32 = 0, mem = 0, h2d = 0, d2h = 0, latency = 0;
   if (st == FY_OK) st = measure_gemm(&b, free_bytes, FY_BF16, &gflops);
   if (st == FY_OK) st = measure_gemm(&b, free_bytes, FY_F32, &gflops32);
+  if (st == FY_OK) st = measure_device_mem(&b, free_bytes, &mem);
   if (st == FY_OK) st = measure_copies(&b, free_bytes, &h2d, &d2h, &latency);
   if (b.blas) fy_cuda_blas_free(b.blas);
   if (b.workspace) cudaFree(b.workspace);
@@ -158,6 +177,7 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   p->device_mem = (double)(free_bytes / 100 * FY_CUDA_FREE_PERCENT);  // (what ferry train takes of it)
   p->device_gflops = gflops;
   p->bf16_speedup = gflops32 > 0 ? round(gflops / gflops32 * 1000) / 1000 : 0;
+  p->device_mem_gbps = mem;
   p->h2d_gbps = h2d;
   p->d2h_gbps = d2h;
   p->copy_latency_us = latency;

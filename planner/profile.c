@@ -8,9 +8,7 @@
 // with ferry train --profile on opt-125m: ~100-140 GFLOP/s against ~210).
 #define ATTENTION_EFFICIENCY 0.55
 
-double fy_profile_mem_rate(const struct fy_probe *p) {
-  return strcmp(p->device, "cuda") == 0 ? p->device_gflops * 1e9 / 100 : p->host_mem_gbps * 1e9;
-}
+double fy_profile_mem_rate(const struct fy_probe *p) { return fy_probe_device_mem_gbps(p) * 1e9; }
 
 void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, int ab, enum fy_dtype compute,
                    struct fy_op_profile *out) {

@@ -31,9 +31,7 @@ struct fy_op_profile {
 // output and gradient to the dtype in one more pass over it (runtime/engine.c).
 void fy_profile_op(const struct fy_graph *g, int op, const struct fy_probe *p, int act_bytes, enum fy_dtype compute,
                    struct fy_op_profile *out);
-// Bytes per second a memory-bound kernel moves on the probed device: the host's memory bandwidth
-// on cpu and sim; a GPU's is not probed, and is taken as 1 byte per 100 FLOPs of its GEMM rate
-// (H100/H200: ~3.3-4.8 TB/s against ~400-990 TFLOP/s dense bf16).
+// Bytes per second a memory-bound kernel moves on the probed device (fy_probe_device_mem_gbps).
 double fy_profile_mem_rate(const struct fy_probe *p);
 // Predicted seconds of one op's kernel (forward or backward).
 double fy_profile_op_seconds(const struct fy_graph *g, int op, bool backward, const struct fy_probe *p,

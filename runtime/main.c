@@ -132,7 +132,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"d2h-gbps", required_argument, 0, P_OVR}, {"host-adamw-gbps", required_argument, 0, P_OVR},
       {"host-mem-gbps", required_argument, 0, P_OVR}, {"disk-read-gbps", required_argument, 0, P_OVR},
       {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR},
-      {"bf16-speedup", required_argument, 0, P_OVR}, {0, 0, 0, 0}};
+      {"bf16-speedup", required_argument, 0, P_OVR}, {"device-mem-gbps", required_argument, 0, P_OVR},
+      {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
   struct machine_args a = {0};
   const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL;
@@ -212,15 +213,17 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
           printf("Measures device memory, GEMM rates (fp32, and bf16 where the processor multiplies\n"
                  "bf16: bf16_speedup), copy bandwidth each way, host AdamW and memory bandwidth and disk\n"
                  "rates, and caches them (default ~/.cache/ferry/probe.json).\n"
-                 "--device cuda measures GPU 0 (free memory, bf16 and fp32 GEMM rates, pinned copies) when this\n"
-                 "machine has one and ferry was built with CUDA; else the CPU stands in as the sim\n"
-                 "device and the GPU's figures are yours to give (--device-tflops, --link-gbps).\n\n");
+                 "--device cuda measures GPU 0 (free memory, bf16 and fp32 GEMM rates, memory bandwidth,\n"
+                 "pinned copies) when this machine has one and ferry was built with CUDA; else the CPU\n"
+                 "stands in as the sim device and the GPU's figures are yours to give (--device-tflops,\n"
+                 "--link-gbps, --device-mem-gbps).\n\n");
         printf("machine (the probe, then overrides):\n"
                "  --device cpu|sim|cuda   --device-mem SIZE   --sim-link-gbps X   --disk-dir DIR\n"
                "  --probe-file PATH  --remeasure  --no-write\n"
                "  --host-mem SIZE --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
                "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
-               "  --disk-write-gbps X   --comm-gbps X   --bf16-speedup X   --set key=value (any probe field)\n"
+               "  --disk-write-gbps X   --comm-gbps X   --bf16-speedup X   --device-mem-gbps X\n"
+               "  --set key=value (any probe field)\n"
                "  (device rates are in the device's default precision: a GPU's bf16, a CPU's fp32)\n");
         return 0;
       case ':': fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]); return 2;

@@ -618,6 +618,15 @@ int main(void) {
            "offloaded fp32: %.1f MiB device, %.1f MiB host, compute %.3g s; bf16: %.1f MiB, %.1f MiB, %.3g s",
            c32.device_peak / 1048576.0, c32.host_bytes / 1048576.0, c32.compute_s, c16.device_peak / 1048576.0,
            c16.host_bytes / 1048576.0, c16.compute_s);
+    // A GPU's memory-bound work (here the resident AdamW) at its measured memory bandwidth.
+    struct fy_probe fast_mem = g, slow_mem = g;
+    CHECK_OK(fy_probe_override(&fast_mem, "device_mem_gbps", "4000"));
+    CHECK_OK(fy_probe_override(&slow_mem, "device_mem_gbps", "1000"));
+    struct fy_cost cf, cs;
+    CHECK_OK(fy_cost_simulate(&cfg, &r16.k, &fast_mem, &cf, NULL));
+    CHECK_OK(fy_cost_simulate(&cfg, &r16.k, &slow_mem, &cs, NULL));
+    CHECKF(fabs(cs.optim_s - 4 * cf.optim_s) < 1e-6 * cs.optim_s && cs.compute_s > cf.compute_s,
+           "AdamW %.3g s at 1000 GB/s, %.3g s at 4000", cs.optim_s, cf.optim_s);
     struct fy_plan bad;
     CHECK_ERR(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, false, "fp16", &g, &bad, NULL), FY_ERR_INVALID);
     CHECK(strstr(fy_error_msg(), "fp16") != NULL);

@@ -41,7 +41,7 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->disk_write_gbps == b->disk_write_gbps && !strcmp(a->disk_dir, b->disk_dir) &&
          a->comm_gbps == b->comm_gbps && a->copy_latency_us == b->copy_latency_us &&
          a->host_copy_gbps == b->host_copy_gbps && a->kernel_overhead_us == b->kernel_overhead_us &&
-         a->bf16_speedup == b->bf16_speedup;
+         a->bf16_speedup == b->bf16_speedup && a->device_mem_gbps == b->device_mem_gbps;
 }
 
 static void test_measure(struct fy_probe *p) {
@@ -133,6 +133,7 @@ static void test_round_trip(const struct fy_probe *p) {
   r.device_mem = 1e20;  // beyond an exact int64 in a double: written as a double
   r.disk_read_gbps = r.disk_write_gbps = 0;
   r.bf16_speedup = 14.7;
+  r.device_mem_gbps = 4321.5;
   r.disk_dir[0] = '\0';
   snprintf(r.device, sizeof r.device, "cuda");
   CHECK_OK(fy_probe_write(path, &r));
@@ -205,8 +206,13 @@ static void test_overrides(const struct fy_probe *base) {
   CHECK(fy_probe_gemm_gflops(&p, false) == 989000.0 / FY_PROBE_GPU_BF16_SPEEDUP);
   CHECK_OK(fy_probe_override(&p, "bf16_speedup", "16"));
   CHECK(fy_probe_gemm_gflops(&p, false) == 989000.0 / 16);
+  // The memory-bound kernels' rate: a GPU's measured bandwidth, else a byte per 100 bf16 FLOPs; on
+  // cpu and sim the host's.
+  CHECK(fy_probe_device_mem_gbps(&p) == 9890.0);
+  CHECK_OK(fy_probe_override(&p, "device_mem_gbps", "4000"));
+  CHECK(fy_probe_device_mem_gbps(&p) == 4000.0);
   CHECK_OK(fy_probe_override(&p, "device", "sim"));
-  CHECK(p.bf16_speedup == 0);
+  CHECK(p.bf16_speedup == 0 && p.device_mem_gbps == 0 && fy_probe_device_mem_gbps(&p) == p.host_mem_gbps);
   CHECK_OK(fy_probe_override(&p, "device", "cuda"));
   CHECK_OK(fy_probe_override(&p, "disk_dir", "/scratch/ferry"));
   CHECK(!strcmp(p.disk_dir, "/scratch/ferry"));
