@@ -23,7 +23,8 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "prefetch", json_object_new_int(k->prefetch));
   json_object_object_add(o, "recompute", json_object_new_boolean(k->recompute));
   json_object_object_add(o, "resident", json_object_new_boolean(k->resident));
-  json_object_object_add(o, "precision", json_object_new_string(fy_cost_precision(k, p->machine.device)));
+  if (k->precision[0])  // (the search always sets it; a plan read from a file without it has none)
+    json_object_object_add(o, "precision", json_object_new_string(k->precision));
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
   json_object_object_add(o, "device_chunks", json_object_new_int(k->device_chunks));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));

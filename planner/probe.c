@@ -507,10 +507,12 @@ struct field {
   enum kind kind;
   size_t off, cap;  // cap: the char array's size for strings
   const char *unit;
+  bool optional;    // added after the first files: a file without it reads as 0 (derived or none)
 };
 
-#define NUM(name, kind, unit) {#name, kind, offsetof(struct fy_probe, name), 0, unit}
-#define STR(name) {#name, K_STRING, offsetof(struct fy_probe, name), sizeof(((struct fy_probe *)0)->name), ""}
+#define NUM(name, kind, unit) {#name, kind, offsetof(struct fy_probe, name), 0, unit, false}
+#define NUM_OPTIONAL(name, unit) {#name, K_RATE0, offsetof(struct fy_probe, name), 0, unit, true}
+#define STR(name) {#name, K_STRING, offsetof(struct fy_probe, name), sizeof(((struct fy_probe *)0)->name), "", false}
 static const struct field fields[] = {
     STR(device),
     NUM(device_mem, K_BYTES, "bytes"),
@@ -524,14 +526,26 @@ static const struct field fields[] = {
     NUM(disk_read_gbps, K_RATE0, "GB/s"),
     NUM(disk_write_gbps, K_RATE0, "GB/s"),
     STR(disk_dir),
-    NUM(comm_gbps, K_RATE0, "GB/s"),
-    NUM(copy_latency_us, K_RATE0, "us"),
-    NUM(host_copy_gbps, K_RATE0, "GB/s"),
-    NUM(kernel_overhead_us, K_RATE0, "us"),
-    NUM(bf16_speedup, K_RATE0, "x"),
-    NUM(device_mem_gbps, K_RATE0, "GB/s"),
+    NUM_OPTIONAL(comm_gbps, "GB/s"),
+    NUM_OPTIONAL(copy_latency_us, "us"),
+    NUM_OPTIONAL(host_copy_gbps, "GB/s"),
+    NUM_OPTIONAL(kernel_overhead_us, "us"),
+    NUM_OPTIONAL(bf16_speedup, "x"),
+    NUM_OPTIONAL(device_mem_gbps, "GB/s"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
+
+// The keys, comma-separated, for the messages that name them all (with `extra` after the numbers'
+// shorthands when not NULL).
+static const char *known_keys(const char *extra) {
+  static char buf[1024];
+  size_t n = 0;
+  buf[0] = '\0';
+  for (size_t i = 0; i < NFIELDS && n < sizeof buf; i++)
+    n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%s", i ? ", " : "", fields[i].key);
+  if (extra && n < sizeof buf) snprintf(buf + n, sizeof buf - n, ", %s", extra);
+  return buf;
+}
 
 static double *num_at(struct fy_probe *p, const struct field *f) { return (double *)((char *)p + f->off); }
 static char *str_at(struct fy_probe *p, const struct field *f) { return (char *)p + f->off; }
@@ -695,11 +709,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
   }
   if (unknown[0]) {
     json_object_put(o);
-    return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: device, device_mem, "
-                        "host_mem, device_gflops, host_gflops, h2d_gbps, d2h_gbps, host_adamw_gbps, "
-                        "host_mem_gbps, disk_read_gbps, disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, "
-                        "kernel_overhead_us, bf16_speedup, device_mem_gbps)", path,
-                        unknown);
+    return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: %s)", path, unknown, known_keys(NULL));
   }
   struct fy_probe p;
   memset(&p, 0, sizeof p);
@@ -707,11 +717,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
     const struct field *f = &fields[i];
     json_object *v;
     if (!json_object_object_get_ex(o, f->key, &v)) {
-      // Optional (added later): derived or none when absent.
-      if (f->off == offsetof(struct fy_probe, comm_gbps) || f->off == offsetof(struct fy_probe, copy_latency_us) ||
-          f->off == offsetof(struct fy_probe, host_copy_gbps) || f->off == offsetof(struct fy_probe, kernel_overhead_us) ||
-          f->off == offsetof(struct fy_probe, bf16_speedup) || f->off == offsetof(struct fy_probe, device_mem_gbps))
-        continue;
+      if (f->optional) continue;
       st = fy_error_set(FY_ERR_FORMAT, "probe file %s: key '%s' is missing", path, f->key);
     } else if (f->kind == K_STRING) {
       if (!json_object_is_type(v, json_type_string)) {
@@ -812,12 +818,8 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
   for (size_t i = 0; i < NFIELDS && !f; i++)
     if (!strcmp(key, fields[i].key)) f = &fields[i];
   if (!f)
-    return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: device, device_mem, "
-                        "host_mem, device_gflops, device_tflops, host_gflops, host_tflops, h2d_gbps, "
-                        "d2h_gbps, link_gbps, host_adamw_gbps, host_mem_gbps, disk_read_gbps, "
-                        "disk_write_gbps, disk_dir, comm_gbps, copy_latency_us, host_copy_gbps, kernel_overhead_us, bf16_speedup, "
-                        "device_mem_gbps)",
-                        key_in);
+    return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: %s)", key_in,
+                        known_keys("device_tflops, host_tflops, link_gbps"));
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)

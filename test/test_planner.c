@@ -640,9 +640,10 @@ int main(void) {
     snprintf(bad.k.precision, sizeof bad.k.precision, "fp16");
     CHECK_ERR(fy_plan_validate(&cfg, &bad), FY_ERR_INVALID);  // (its machine: a GPU)
     // sim: bf16's linears at 2x, the same memory.
-    struct fy_probe sp = probe;
-    CHECK_OK(fy_probe_override(&sp, "device_mem", "64MiB"));
-    CHECK_OK(fy_probe_override(&sp, "bf16_speedup", "2"));
+    struct fy_probe sp = probe;  // (rates of its own: products that outweigh the rounding passes)
+    const char *spv[][2] = {{"device_mem", "64MiB"}, {"device_gflops", "20"}, {"host_mem_gbps", "50"},
+                            {"kernel_overhead_us", "1"}, {"bf16_speedup", "2"}};
+    for (int i = 0; i < 5; i++) CHECK_OK(fy_probe_override(&sp, spv[i][0], spv[i][1]));
     struct fy_plan s32p, s16p;
     CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, false, NULL, &sp, &s32p, NULL));
     CHECK(!strcmp(s32p.k.precision, "fp32"));
