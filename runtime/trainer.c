@@ -1272,13 +1272,18 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the data-parallel ranks of an offloaded run shard the chunks "
                           "(pattern zero), not %s", o->plan, plan.pattern);
   }
-  // The plan's precision is the run's (a plan file written before plans said theirs: the device's
-  // default); another given with --precision is refused, as its memory and speed are another plan's.
+  // The plan's precision is the run's; another given with --precision is refused, as its memory
+  // and speed are another plan's. (A plan file written before plans said theirs is for the
+  // device's default, and takes --precision as such files always did.)
   const char *prec = fy_cost_precision(&plan.k, cuda ? "cuda" : "sim");
-  if (o->precision && strcmp(o->precision, prec) != 0)
+  if (o->precision && strcmp(o->precision, prec) != 0 && plan.k.precision[0])
     return fy_error_set(FY_ERR_INVALID, "--plan %s is for %s compute, not --precision %s: drop --precision, or write a "
                         "plan for it (ferry plan --precision %s)", o->plan, prec, o->precision, o->precision);
-  o->precision = strcmp(prec, "bf16") == 0 ? "bf16" : strcmp(prec, "fp16") == 0 ? "fp16" : "fp32";  // (not the local plan's)
+  if (o->precision && strcmp(o->precision, prec) != 0 && fy_comm_launch_rank() == 0)
+    fy_log_info("--plan %s says no precision (written before plans did): it was priced for %s compute, and runs in "
+                "--precision %s", o->plan, prec, o->precision);
+  if (!o->precision)
+    o->precision = strcmp(prec, "bf16") == 0 ? "bf16" : strcmp(prec, "fp16") == 0 ? "fp16" : "fp32";  // (not the local plan's)
   o->tp = plan.tp;
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {

@@ -214,6 +214,9 @@ expect 1 "a bf16 plan with --precision fp32" "is for bf16 compute, not --precisi
   --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan16.json" --precision fp32 --steps 1
 expect 1 "a default (fp32) plan with --precision bf16" "is for fp32 compute" -- train --model opt-tiny \
   --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan.json" --precision bf16 --steps 1
+sed '/"precision"/d' "$tmp/plan16.json" > "$tmp/plan_old.json"  # (a plan from before plans named theirs)
+expect 0 "a plan without a precision takes --precision" "M parameters, bf16," -- train \
+  --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan_old.json" --precision bf16 --steps 1
 expect 0 "--plan auto --precision bf16 plans for bf16" "plan for opt-tiny in bf16" -- train --model opt-tiny \
   --data "$tmp/ok.bin" --device-mem 64MiB --batch 4 --seq 32 --plan auto --precision bf16 --steps 1
 expect 2 "ferry plan --precision fp8" "fp32, bf16 or fp16" -- plan --device sim --model opt-tiny --precision fp8
