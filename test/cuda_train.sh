@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident) and --plan auto; dropout
+# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
 # with validation between steps; ferry sample on the GPU, resident and offloaded. bench/gpu/check.sh
 # runs it on a GPU with opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
@@ -198,6 +198,33 @@ print("resident plan: device peak %.2f MiB predicted, the run's %.2f MiB; host t
       "in use besides" % (want, got, rows[-1]["host_tier_mib"], other))
 sys.exit(0 if ok and abs(got - want) <= 0.051 and rows[-1]["host_tier_mib"] == 0 and other >= 0 else 1)
 PY
+# The same two plans for fp32 compute (ferry plan --precision fp32: 4-byte blocks, activations and
+# gradients, no bf16 copy of the weights): the run computes in the plan's precision (no
+# --precision given), gives the fp32 run's losses, and takes the device memory the plan predicted
+# (offloaded within 3%, resident to the log's 0.1 MiB), more than the bf16 plan's.
+for kind in offloaded resident; do
+  if [ "$kind" = offloaded ]; then where=(--offload --device-mem "$offload_mem") mem="$offload_mem" bf=plan
+  else where=(--device-mem 2GiB --host-mem 64KiB) mem=2GiB bf=resident; fi
+  FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --precision fp32 "${where[@]}" --model "$model" \
+    --batch "$batch" --seq "$seq" --out "$d/${kind}32.json" >"$d/${kind}32_plan.out" 2>&1 ||
+    { cat "$d/${kind}32_plan.out"; exit 1; }
+  ferry_run "${kind}32" "${common[@]}" --device cuda --plan "$d/${kind}32.json" --device-mem "$mem" \
+    --log "$d/${kind}32.jsonl" || exit 1
+  grep -q "M parameters, fp32," "$d/${kind}32.out" || { cat "$d/${kind}32.out"; echo "the fp32 plan did not train in fp32"; exit 1; }
+  python3 - "$d/cuda.jsonl" "$d/${kind}32.jsonl" "$d/${kind}32.json" "$d/$bf.json" "$kind" <<'PY' || exit 1
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:3])
+plan, plan16 = (json.load(open(p)) for p in sys.argv[3:5])
+print("%-10s" % (sys.argv[5] + "32"), " ".join(f"{x:.5f}" for x in b))
+ok = len(a) == len(b) > 0 and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(a, b))
+want = plan["predicted"]["device_peak_bytes"] / 1048576.0
+got = max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[2]) if l.startswith("{"))
+want16 = plan16["predicted"]["device_peak_bytes"] / 1048576.0
+print("%s fp32 plan: device peak %.2f MiB predicted (bf16: %.2f), the run's %.2f MiB" % (sys.argv[5], want, want16, got))
+tol = 0.03 * want if sys.argv[5] == "offloaded" else 0.051
+sys.exit(0 if ok and plan["precision"] == "fp32" and abs(got - want) <= tol and (want > want16 or sys.argv[5] == "offloaded") else 1)
+PY
+done
 # --plan auto on the GPU: the GPU measured (ferry probe's figures for GPU 0: on ./test.sh the
 # emulator's) and cached, the fastest plan chosen for it and trained: the resident bf16 run's
 # losses within the offloaded bf16 runs' bound.
