@@ -115,9 +115,12 @@ static void bump(fy_stream *s, double t) {
   if (t > c) fy_timeline_run(s, t - c, NULL);
 }
 
+const char *fy_cost_default_precision(const char *device) {
+  return device && strcmp(device, "cuda") == 0 ? "bf16" : "fp32";
+}
+
 const char *fy_cost_precision(const struct fy_plan_knobs *k, const char *device) {
-  if (k->precision[0]) return k->precision;
-  return strcmp(device, "cuda") == 0 ? "bf16" : "fp32";
+  return k->precision[0] ? k->precision : fy_cost_default_precision(device);
 }
 
 // The plan's compute dtype.

@@ -43,6 +43,9 @@ struct fy_plan_knobs {
   char precision[8];
 };
 
+// The precision a device computes in by default (DESIGN.md, "Numbers"): "bf16" on a GPU ("cuda"),
+// "fp32" on the cpu and sim devices (and NULL: the cpu's). A static string.
+const char *fy_cost_default_precision(const char *device);
 // The knobs' precision, "" resolved for the device ("cpu", "sim" or "cuda").
 const char *fy_cost_precision(const struct fy_plan_knobs *k, const char *device);
 

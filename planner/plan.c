@@ -27,7 +27,7 @@ fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int
 // on a GPU bf16 or fp32.
 static fy_status plan_precision(const char *precision, const char *device, char out[8]) {
   const bool gpu = strcmp(device, "cuda") == 0;
-  const char *p = precision && precision[0] ? precision : gpu ? "bf16" : "fp32";
+  const char *p = precision && precision[0] ? precision : fy_cost_default_precision(device);
   if (strcmp(p, "fp32") && strcmp(p, "bf16") && strcmp(p, "fp16"))
     return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", p);
   if (gpu && strcmp(p, "fp16") == 0)

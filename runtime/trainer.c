@@ -1331,8 +1331,7 @@ static fy_status resolve_seq(struct fy_train_opts *o) {
 // The run's defaults that depend on its device (precision, fp16's loss scale), and the checks of
 // its options.
 static fy_status check_train_opts(struct fy_train_opts *e) {
-  // By default a GPU computes in bf16 (DESIGN.md, "Numbers"), the cpu and sim devices in fp32.
-  if (!e->precision) e->precision = e->device && strcmp(e->device, "cuda") == 0 ? "bf16" : "fp32";
+  if (!e->precision) e->precision = fy_cost_default_precision(e->device);
   // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
   if (e->precision && strcmp(e->precision, "fp16") == 0 && !(e->loss_scale > 0)) e->loss_scale = 65536;
   if (e->steps < 0) return fy_error_set(FY_ERR_INVALID, "--steps must not be negative");
@@ -1707,7 +1706,7 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   if (e.offload && !cuda) return fy_error_set(FY_ERR_INVALID, "--offload is for --device cuda (sim always offloads)");
   if (o->dump && strcmp(e.device, "cpu") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--dump writes the cpu's logits: use --device cpu");
-  if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
+  if (!e.precision) e.precision = fy_cost_default_precision(e.device);
   FY_TRY(resolve_seq(&e));
   struct run r;
   fy_status st = setup(&e, &r, false, true, NULL);
@@ -1740,7 +1739,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   if (!e.offload && (e.blocks || e.host_mem))
     return fy_error_set(FY_ERR_INVALID, "--blocks and --host-mem are for --offload");
   if (!cuda && e.device_mem) return fy_error_set(FY_ERR_INVALID, "--device-mem is for --device cuda");
-  if (!e.precision) e.precision = cuda ? "bf16" : "fp32";
+  if (!e.precision) e.precision = fy_cost_default_precision(e.device);
   if (strcmp(e.precision, "fp32") != 0 && !(cuda && strcmp(e.precision, "bf16") == 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--precision %s: ferry sample computes in fp32, or bf16 on a GPU",
                         e.precision);
