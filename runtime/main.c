@@ -251,6 +251,10 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
+    const double x = fy_probe_gemm_gflops(&probe, true) / fy_probe_gemm_gflops(&probe, false);
+    if (strcmp(best.k.precision, "bf16") == 0 && strcmp(probe.device, "cuda") != 0 && x <= 1.0)
+      printf("  (this processor multiplies bf16 as fp32: a bf16 step runs its products at the fp32 rate and rounds each "
+             "tensor besides, slower than an fp32 step here)\n");
     if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
   }
   if (st == FY_OK && profile) {
