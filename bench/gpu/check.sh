@@ -398,14 +398,15 @@ print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "env": sys.ar
 PY
 }
 # The planner's view of the same step from this GPU's probe (ferry probe --device cuda: free
-# memory, bf16 GEMM rate, pinned copies), beside the measured rate: what calibrates the cost model.
+# memory, bf16 and fp32 GEMM rates, memory bandwidth, pinned copies), beside the measured rate:
+# what calibrates the cost model.
 plan_13b() {
   FERRY_PROBE="$logs/probe.json" "$build/ferry" probe --device cuda --remeasure >"$logs/probe.out" 2>&1 || return 1
   FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --model opt-1.3b --batch 8 --seq 2048 \
     --out "$logs/plan13b.json" || return 1
-  python3 - "$logs/plan13b.json" "$logs/ferry13b-default.jsonl" <<'PY'
+  python3 - "$logs/plan13b.json" "$logs/ferry13b-default.jsonl" "$logs/probe.json" <<'PY'
 import json, statistics, sys
-plan = json.load(open(sys.argv[1]))
+plan, probe = json.load(open(sys.argv[1])), json.load(open(sys.argv[3]))
 try:
     got = statistics.median(r["tokens_per_s"] for r in [json.loads(l) for l in open(sys.argv[2])][1:])
 except (OSError, ValueError, statistics.StatisticsError):
@@ -413,7 +414,9 @@ except (OSError, ValueError, statistics.StatisticsError):
 want = plan["predicted"]["tokens_per_s"]
 print(json.dumps({"bench": "plan_cuda", "model": "opt-1.3b", "resident": plan.get("resident", False),
                   "device_chunks": plan.get("device_chunks", 0), "predicted_tokens_per_s": round(want, 1),
-                  "measured_tokens_per_s": round(got, 1), "predicted_over_measured": round(want / got, 3) if got else None}))
+                  "measured_tokens_per_s": round(got, 1), "predicted_over_measured": round(want / got, 3) if got else None,
+                  "gpu_bf16_tflops": round(probe["device_gflops"] / 1e3, 1), "bf16_speedup": probe.get("bf16_speedup"),
+                  "device_mem_gbps": round(probe.get("device_mem_gbps", 0), 1)}))
 PY
 }
 # ferry sample on the GPU: MODEL TOKENS [ferry sample options...], random weights, a 512-token prompt
@@ -491,7 +494,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","predicted_over_measured","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
