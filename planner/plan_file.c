@@ -36,6 +36,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(m, "host_mem", num(p->machine.host_mem));
   json_object_object_add(m, "device_gflops", num(p->machine.device_gflops));
   json_object_object_add(m, "bf16_speedup", num(p->machine.bf16_speedup));
+  json_object_object_add(m, "device_mem_gbps", num(p->machine.device_mem_gbps));  // (0: unknown)
   json_object_object_add(m, "h2d_gbps", num(p->machine.h2d_gbps));
   json_object_object_add(m, "d2h_gbps", num(p->machine.d2h_gbps));
   json_object_object_add(o, "machine", m);
