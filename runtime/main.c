@@ -255,6 +255,9 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     if (strcmp(best.k.precision, "bf16") == 0 && strcmp(probe.device, "cuda") != 0 && x <= 1.0)
       printf("  (this processor multiplies bf16 as fp32: a bf16 step runs its products at the fp32 rate and rounds each "
              "tensor besides, slower than an fp32 step here)\n");
+    else if (strcmp(best.k.precision, "fp32") == 0 && x >= 1.2)
+      printf("  (this %s multiplies bf16 %.1fx as fast as fp32: ferry plan --precision bf16 plans for that)\n",
+             strcmp(probe.device, "cuda") == 0 ? "GPU" : "processor", x);
     if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
   }
   if (st == FY_OK && profile) {

@@ -221,6 +221,8 @@ expect 0 "--plan auto --precision bf16 plans for bf16" "plan for opt-tiny in bf1
   --data "$tmp/ok.bin" --device-mem 64MiB --batch 4 --seq 32 --plan auto --precision bf16 --steps 1
 expect 0 "a bf16 plan on a processor without bf16 products says so" "multiplies bf16 as fp32" -- plan --device sim \
   --device-mem 64MiB --model opt-tiny --batch 4 --seq 32 --precision bf16 --bf16-speedup 1
+expect 0 "an fp32 plan where bf16 products are faster says so" "multiplies bf16 1.7x as fast as fp32" -- plan \
+  --device sim --device-mem 64MiB --model opt-tiny --batch 4 --seq 32 --bf16-speedup 1.7
 expect 2 "ferry plan --precision fp8" "fp32, bf16 or fp16" -- plan --device sim --model opt-tiny --precision fp8
 expect 2 "ferry probe --precision" "ferry plan's" -- probe --precision bf16
 expect 1 "fp16 plans are no GPU's" "fp16 runs on cpu and sim" -- plan --device cuda --device-tflops 100 \
