@@ -15,6 +15,24 @@ static const char *const fy_dtype_st_names[] = {"F32", "BF16", "F16", "I32", "U1
 const char *fy_dtype_name(enum fy_dtype dt) { return fy_dtype_names[dt]; }
 const char *fy_dtype_safetensors_name(enum fy_dtype dt) { return fy_dtype_st_names[dt]; }
 
+static const struct { const char *name; enum fy_dtype dt; } fy_precisions[] = {
+    {"fp32", FY_F32}, {"bf16", FY_BF16}, {"fp16", FY_F16}};
+
+bool fy_precision_dtype(const char *name, enum fy_dtype *dt) {
+  for (size_t i = 0; name && i < sizeof fy_precisions / sizeof *fy_precisions; i++)
+    if (strcmp(name, fy_precisions[i].name) == 0) {
+      *dt = fy_precisions[i].dt;
+      return true;
+    }
+  return false;
+}
+
+const char *fy_precision_name(enum fy_dtype dt) {
+  for (size_t i = 0; i < sizeof fy_precisions / sizeof *fy_precisions; i++)
+    if (fy_precisions[i].dt == dt) return fy_precisions[i].name;
+  return "?";
+}
+
 int fy_dtype_from_safetensors(const char *s) {
   for (int i = 0; i < (int)(sizeof fy_dtype_st_names / sizeof *fy_dtype_st_names); i++)
     if (strcmp(s, fy_dtype_st_names[i]) == 0) return i;

@@ -2,6 +2,7 @@
 #ifndef FY_DTYPE_H
 #define FY_DTYPE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,6 +14,10 @@ const char *fy_dtype_name(enum fy_dtype dt);  // "f32", "bf16", ...
 // Safetensors spells them "F32", "BF16", "F16", "I32", "U16", "I64". Returns -1 if unknown.
 int fy_dtype_from_safetensors(const char *s);
 const char *fy_dtype_safetensors_name(enum fy_dtype dt);
+// Compute precisions as the command line and plan files name them: "fp32", "bf16", "fp16" ->
+// FY_F32, FY_BF16, FY_F16 (false for any other name, *dt untouched); and back (a static string).
+bool fy_precision_dtype(const char *name, enum fy_dtype *dt);
+const char *fy_precision_name(enum fy_dtype dt);
 
 static inline float fy_bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;

@@ -123,10 +123,19 @@ const char *fy_cost_precision(const struct fy_plan_knobs *k, const char *device)
   return k->precision[0] ? k->precision : fy_cost_default_precision(device);
 }
 
-// The plan's compute dtype.
+fy_status fy_cost_check_precision(const char *precision, const char *device, enum fy_dtype *dt) {
+  const char *p = precision && precision[0] ? precision : fy_cost_default_precision(device);
+  if (!fy_precision_dtype(p, dt)) return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", p);
+  if (*dt == FY_F16 && strcmp(device, "cuda") == 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: precision fp16 runs on cpu and sim; on a GPU bf16 or fp32");
+  return FY_OK;
+}
+
+// The plan's compute dtype (its precision checked by fy_cost_simulate).
 static enum fy_dtype compute_dtype(const struct fy_plan_knobs *k, const struct fy_probe *probe) {
-  const char *p = fy_cost_precision(k, probe->device);
-  return strcmp(p, "bf16") == 0 ? FY_BF16 : strcmp(p, "fp16") == 0 ? FY_F16 : FY_F32;
+  enum fy_dtype dt = FY_F32;
+  fy_precision_dtype(fy_cost_precision(k, probe->device), &dt);
+  return dt;
 }
 
 // What follows from a step's time and busy streams: tokens/s, MFU (of the device's GEMM rate in
@@ -147,7 +156,8 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1 || k->prefetch < 0 || k->blocks < 0)
     return fy_error_set(FY_ERR_INVALID, "plan: micro_batch, grad_accum, seq must be positive, prefetch and blocks >= 0");
   if (k->device_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_chunks must not be negative");
-  if (k->precision[0] && strcmp(k->precision, "fp32") && strcmp(k->precision, "bf16") && strcmp(k->precision, "fp16"))
+  enum fy_dtype dt;
+  if (k->precision[0] && !fy_precision_dtype(k->precision, &dt))
     return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", k->precision);
   if (k->device_chunks > 0 && k->dp > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
@@ -260,14 +270,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   memset(out, 0, sizeof *out);
   FY_TRY(fy_cost_check_knobs(k));
   bool gpu = strcmp(probe->device, "cuda") == 0;
-  const char *prec = fy_cost_precision(k, probe->device);
-  if (gpu && strcmp(prec, "fp16") == 0)
-    return fy_error_set(FY_ERR_INVALID, "plan: precision fp16 runs on cpu and sim; on a GPU bf16 or fp32");
+  enum fy_dtype cdt;
+  FY_TRY(fy_cost_check_precision(k->precision, probe->device, &cdt));
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
     return simulate_resident(cfg, k, probe, out);
   }
-  const enum fy_dtype cdt = compute_dtype(k, probe);
   const bool act16 = gpu && cdt == FY_BF16;
   int pb = act16 ? 2 : 4;  // compute payload and activations: bf16 on a GPU, else floats (cpu/sim in any precision)
   int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;

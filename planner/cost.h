@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "core/device.h"
+#include "core/dtype.h"
 #include "core/opt.h"
 #include "planner/probe.h"
 
@@ -48,6 +49,9 @@ struct fy_plan_knobs {
 const char *fy_cost_default_precision(const char *device);
 // The knobs' precision, "" resolved for the device ("cpu", "sim" or "cuda").
 const char *fy_cost_precision(const struct fy_plan_knobs *k, const char *device);
+// A precision for a plan on `device`: NULL or "" is the device's default; FY_ERR_INVALID with the
+// reason unless fp32, bf16, or fp16 off a GPU. *dt: its dtype.
+fy_status fy_cost_check_precision(const char *precision, const char *device, enum fy_dtype *dt);
 
 struct fy_cost {
   bool fits;

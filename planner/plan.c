@@ -23,19 +23,6 @@ fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int
   return fy_plan_search_ranks(cfg, model, batch, seq, 1, false, NULL, probe, best, n_tried);
 }
 
-// The precision a plan is made for: the one asked for, else the device's default; a known one, and
-// on a GPU bf16 or fp32.
-static fy_status plan_precision(const char *precision, const char *device, char out[8]) {
-  const bool gpu = strcmp(device, "cuda") == 0;
-  const char *p = precision && precision[0] ? precision : fy_cost_default_precision(device);
-  if (strcmp(p, "fp32") && strcmp(p, "bf16") && strcmp(p, "fp16"))
-    return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", p);
-  if (gpu && strcmp(p, "fp16") == 0)
-    return fy_error_set(FY_ERR_INVALID, "plan: precision fp16 runs on cpu and sim; on a GPU bf16 or fp32");
-  snprintf(out, 8, "%s", p);
-  return FY_OK;
-}
-
 // Keeps k when it is the fastest so far.
 static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, struct fy_plan *best) {
   if (!better(c, &best->predicted)) return;
@@ -52,8 +39,9 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
   if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
   if (ranks < 1) return fy_error_set(FY_ERR_INVALID, "plan: the number of ranks must be positive");
   // Every plan tried is for this precision, written out (a plan file says what it was made for).
-  char prec[sizeof best->k.precision];
-  FY_TRY(plan_precision(precision, probe->device, prec));
+  enum fy_dtype cdt;
+  FY_TRY(fy_cost_check_precision(precision, probe->device, &cdt));
+  const char *prec = fy_precision_name(cdt);
   memset(best, 0, sizeof *best);
   snprintf(best->model, sizeof best->model, "%s", model);
   snprintf(best->pattern, sizeof best->pattern, "replicate");
@@ -78,7 +66,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
         struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq, .recompute = rc,
                                   .dp = dp, .tp = 1, .resident = true};
         snprintf(k.pattern, sizeof k.pattern, "replicate");
-        memcpy(k.precision, prec, sizeof k.precision);
+        snprintf(k.precision, sizeof k.precision, "%s", prec);
         struct fy_cost c;
         FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
         tried++;
@@ -103,7 +91,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
                                       .chunk_elems = min_chunk * mult, .blocks = 0, .prefetch = pf,
                                       .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp};
             snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
-            memcpy(k.precision, prec, sizeof k.precision);
+            snprintf(k.precision, sizeof k.precision, "%s", prec);
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             tried++;
@@ -181,8 +169,8 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   k->tp = p->tp;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
   FY_TRY(fy_cost_check_knobs(k));
-  char prec[sizeof k->precision];
-  if (k->precision[0]) FY_TRY(plan_precision(k->precision, p->machine.device, prec));
+  enum fy_dtype cdt;
+  if (k->precision[0]) FY_TRY(fy_cost_check_precision(k->precision, p->machine.device, &cdt));
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld does not split into %d shards of whole 64-byte lines",
                         (long long)k->chunk_elems, p->dp);

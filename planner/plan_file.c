@@ -127,7 +127,8 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   // fp32 on cpu and sim.)
   if (st == FY_OK && json_object_object_get_ex(o, "precision", &x)) {
     const char *s = json_object_is_type(x, json_type_string) ? json_object_get_string(x) : NULL;
-    if (!s || (strcmp(s, "fp32") && strcmp(s, "bf16") && strcmp(s, "fp16")))
+    enum fy_dtype dt;
+    if (!fy_precision_dtype(s, &dt))
       st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"precision\" must be \"fp32\", \"bf16\" or \"fp16\"", path);
     else
       snprintf(k->precision, sizeof k->precision, "%s", s);

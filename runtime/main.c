@@ -181,7 +181,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
           fprintf(stderr, "ferry probe: --precision is ferry plan's (the probe measures both bf16 and fp32 products)\n");
           return 2;
         }
-        if (strcmp(optarg, "fp32") && strcmp(optarg, "bf16") && strcmp(optarg, "fp16")) {
+        enum fy_dtype dt;
+        if (!fy_precision_dtype(optarg, &dt)) {
           fprintf(stderr, "ferry plan: --precision %s: fp32, bf16 or fp16\n", optarg);
           return 2;
         }
@@ -267,8 +268,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       if (best.k.recompute) fy_graph_set_recompute(g, true);
       double t[FY_OP_KIND_COUNT][2] = {{0}}, fl[FY_OP_KIND_COUNT] = {0}, act[FY_OP_KIND_COUNT] = {0};
       int n[FY_OP_KIND_COUNT] = {0};
-      const char *prec = fy_cost_precision(&best.k, probe.device);
-      const enum fy_dtype cdt = !strcmp(prec, "bf16") ? FY_BF16 : !strcmp(prec, "fp16") ? FY_F16 : FY_F32;
+      enum fy_dtype cdt = FY_F32;
+      fy_precision_dtype(fy_cost_precision(&best.k, probe.device), &cdt);
       const int ab = strcmp(probe.device, "cuda") == 0 && cdt == FY_BF16 ? 2 : 4;
       for (int o = 0; o < g->n_ops; o++) {
         struct fy_op_profile pr;

@@ -149,8 +149,9 @@ static size_t rank_ram(const struct run *r) {
 
 // --precision as a dtype (checked in setup: fp32, bf16 or fp16; fy_train fills in the default).
 static enum fy_dtype precision_dtype(const struct fy_train_opts *o) {
-  if (!o->precision || strcmp(o->precision, "fp32") == 0) return FY_F32;
-  return strcmp(o->precision, "bf16") == 0 ? FY_BF16 : FY_F16;
+  enum fy_dtype dt = FY_F32;
+  fy_precision_dtype(o->precision, &dt);
+  return dt;
 }
 
 // A communicator over c's ranks for collectives on the compute device's memory: an mpi one for
@@ -445,7 +446,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim and on GPUs.
-  if (o->precision && strcmp(o->precision, "fp32") && strcmp(o->precision, "bf16") && strcmp(o->precision, "fp16"))
+  enum fy_dtype cdt;
+  if (o->precision && !fy_precision_dtype(o->precision, &cdt))
     return fy_error_set(FY_ERR_INVALID, "--precision %s: fp32, bf16 or fp16", o->precision);
   if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
       !(strcmp(device, "cuda") == 0 && strcmp(o->precision, "bf16") == 0))
@@ -1275,15 +1277,16 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
   // The plan's precision is the run's; another given with --precision is refused, as its memory
   // and speed are another plan's. (A plan file written before plans said theirs is for the
   // device's default, and takes --precision as such files always did.)
-  const char *prec = fy_cost_precision(&plan.k, cuda ? "cuda" : "sim");
+  enum fy_dtype pdt = FY_F32;  // (a plan file's precision is checked when read)
+  fy_precision_dtype(fy_cost_precision(&plan.k, cuda ? "cuda" : "sim"), &pdt);
+  const char *prec = fy_precision_name(pdt);  // (static: not the local plan's)
   if (o->precision && strcmp(o->precision, prec) != 0 && plan.k.precision[0])
     return fy_error_set(FY_ERR_INVALID, "--plan %s is for %s compute, not --precision %s: drop --precision, or write a "
                         "plan for it (ferry plan --precision %s)", o->plan, prec, o->precision, o->precision);
   if (o->precision && strcmp(o->precision, prec) != 0 && fy_comm_launch_rank() == 0)
     fy_log_info("--plan %s says no precision (written before plans did): it was priced for %s compute, and runs in "
                 "--precision %s", o->plan, prec, o->precision);
-  if (!o->precision)
-    o->precision = strcmp(prec, "bf16") == 0 ? "bf16" : strcmp(prec, "fp16") == 0 ? "fp16" : "fp32";  // (not the local plan's)
+  if (!o->precision) o->precision = prec;
   o->tp = plan.tp;
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {

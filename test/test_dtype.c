@@ -34,6 +34,10 @@ static void test_names(void) {
   CHECK(fy_dtype_from_safetensors("BF16") == FY_BF16);
   CHECK(fy_dtype_from_safetensors("I64") == FY_I64);
   CHECK(fy_dtype_from_safetensors("F64") == -1);
+  enum fy_dtype pd = FY_I32;
+  CHECK(fy_precision_dtype("bf16", &pd) && pd == FY_BF16 && !strcmp(fy_precision_name(pd), "bf16"));
+  CHECK(fy_precision_dtype("fp16", &pd) && pd == FY_F16 && fy_precision_dtype("fp32", &pd) && pd == FY_F32);
+  CHECK(!fy_precision_dtype("f32", &pd) && !fy_precision_dtype(NULL, &pd) && pd == FY_F32);
   CHECK(fy_dtype_from_safetensors("f32") == -1);
   CHECK(strcmp(fy_dtype_safetensors_name(FY_F16), "F16") == 0);
   CHECK(strcmp(fy_dtype_name(FY_BF16), "bf16") == 0);
