@@ -4,7 +4,7 @@
 #ifndef FY_TRAINER_H
 #define FY_TRAINER_H
 
-#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -82,8 +82,8 @@ struct fy_train_opts {
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
                           //   recomputation and disk placement on the sim device
-  volatile sig_atomic_t *stop;  // set (by a signal handler) to end after the current step, with
-                                // a checkpoint when checkpoints are on
+  atomic_int *stop;       // set (by ferry's signal thread) to end after the current step, with
+                          // a checkpoint when checkpoints are on
   const char *log_path;   // JSON lines, one per step (NULL: none)
   // Validation while training: the mean loss over the first val_batches batches of val_data
   // (taken in order, each rank its rows, as ferry eval takes them; forward passes without

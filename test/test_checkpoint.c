@@ -351,7 +351,7 @@ int main(int argc, char **argv) {
       if (fy_ckpt_resolve(root, sd, sizeof sd) != FY_OK) continue;  // killed before the first
       struct fy_train_result rr;
       r3.steps = 100000;
-      r3.stop = &(volatile sig_atomic_t){1};  // one step after loading, then stop
+      r3.stop = &(atomic_int){1};  // one step after loading, then stop
       fy_status s3 = fy_train(&r3, &rr);
       CHECKF(s3 == FY_OK, "after kill %d: %s", i, fy_error_msg());
       survived += s3 == FY_OK;

@@ -151,15 +151,10 @@ if [ "$code" -eq 0 ] && [ -f "$tmp/sig/latest" ]; then pass=$((pass + 1)); echo 
 else fail=$((fail + 1)); echo "FAIL  SIGINT: exit $code, latest $(cat "$tmp/sig/latest" 2>&1)"; fi
 # (a model whose steps take a while, so that the second signal comes before the run is over)
 slow=(--model opt-demo --data "$tmp/ok.bin" --batch 16 --seq 128)
-# (without LeakSanitizer, and without the sanitizers' alternate signal stacks, in the sanitizer
-# build: the second signal can land in the exit of a run the first one stopped, and there the
-# sanitizers' runtime crashed inside its own sigaltstack interceptor (exit 1): 3 runs in 120 on a
-# loaded machine with the leak check, none in 116 without it, and once more in a CI run without
-# it; the first SIGINT test above leaves the same way with both on. Its stderr is kept, and shown
-# when the check fails.)
-ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0:use_sigaltstack=0" \
-  UBSAN_OPTIONS="${UBSAN_OPTIONS:+$UBSAN_OPTIONS:}use_sigaltstack=0" \
-  "$ferry" train "${slow[@]}" --steps 1000000 --save "$tmp/sig2" --save-every 1 --quiet >/dev/null 2>"$tmp/sig2.err" &
+# (its stderr is kept, and shown when the check fails. This check once failed in about one run of
+# seven in the sanitizer build: the signal handler ran on the stack pointer of a oneDNN GEMM, which
+# points into heap memory; the signals are now taken by a thread of ferry's own, runtime/main.c.)
+"$ferry" train "${slow[@]}" --steps 1000000 --save "$tmp/sig2" --save-every 1 --quiet >/dev/null 2>"$tmp/sig2.err" &
 pid=$!
 sleep 2
 kill -INT "$pid"; sleep 0.05; kill -INT "$pid"  # apart: two pending SIGINTs merge into one
