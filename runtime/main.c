@@ -728,7 +728,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
   }
   fy_status st;
   o.stop = &stop_requested;
-  atomic_store(&stop_armed, true);
+  if (!eval) atomic_store(&stop_armed, true);  // (evaluation has nothing to keep: it ends at once)
   if (eval) {
     double loss;
     st = fy_eval(&o, &loss);  // (rank 0 prints the mean)

@@ -168,6 +168,20 @@ fi
 if [ "$code" -eq 130 ] && [ "$resumed" -eq 1 ]; then pass=$((pass + 1)); echo "ok    a second SIGINT exits at once (130), the checkpoint left resumes"
 else fail=$((fail + 1)); echo "FAIL  second SIGINT: exit $code, resumed $resumed"; tail -20 "$tmp/sig2.err"; fi
 
+# ferry eval has nothing to keep: the first SIGINT ends it at once (it printed "stopping after this
+# step" and went on to the last batch).
+make_shard "$tmp/long.bin" 300000 97
+"$ferry" eval --model opt-demo --data "$tmp/long.bin" --batch 16 --seq 128 --batches 140 >/dev/null 2>"$tmp/evalsig.err" &
+pid=$!
+sleep 1.5
+t0=$(date +%s.%N)
+kill -INT "$pid"
+wait "$pid"; code=$?
+took=$(python3 -c "import sys; print('%.1f' % (float(sys.argv[2]) - float(sys.argv[1])))" "$t0" "$(date +%s.%N)")
+if [ "$code" -eq 130 ] && ! grep -q "stopping after" "$tmp/evalsig.err" && python3 -c "import sys; sys.exit(float(sys.argv[1]) > 2)" "$took"; then
+  pass=$((pass + 1)); echo "ok    SIGINT ends ferry eval at once (130, ${took}s)"
+else fail=$((fail + 1)); echo "FAIL  SIGINT to ferry eval: exit $code after ${took}s"; tail -5 "$tmp/evalsig.err"; fi
+
 # The planner: probe (cached where FERRY_PROBE says), plan, run a plan, refuse what cannot fit.
 export FERRY_PROBE="$tmp/probe.json"
 expect 0 "ferry probe measures and caches the machine" "device_gflops" -- probe --device sim --device-mem 64MiB \
