@@ -2,8 +2,8 @@
 # Several ranks under mpirun (runtime/comm.h; replicated parameters on cpu, sharded chunks on sim):
 # 2 ranks with --batch 2 follow 1 rank with --batch 4 (losses and weights within 1e-5; 16-bit
 # sharded ranks: bit for bit the replicated 16-bit ranks), rank 0
-# alone speaks and writes, and a rank killed mid-run ends the job (non-zero, within the timeout
-# plus 10 s) instead of hanging it.
+# alone speaks and writes, a rank killed mid-run ends the job (non-zero, within the timeout
+# plus 10 s) instead of hanging it, and a signal to one rank stops them all with a checkpoint.
 # usage: test/test_ranks.sh path/to/ferry            (exit 77 = skipped: no mpirun)
 set -u
 ferry="$1"
@@ -325,6 +325,22 @@ wait "$job"; code=$?
 elapsed=$(( $(date +%s) - start - 3 ))
 if [ "$code" -ne 0 ] && [ "$elapsed" -le 15 ]; then ok "a killed rank ends the job (exit $code after ${elapsed}s)"
 else bad "a killed rank: exit $code after ${elapsed}s"; cat "$tmp/kill.out"; fi
+
+# A signal to one rank stops every rank after the same step, with a checkpoint, and the job ends 0
+# (the ranks agree on stopping in a collective each step; without it the other rank would wait in
+# its next step's collective until --comm-timeout).
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --steps 100000 --comm-timeout 20 --save "$tmp/sigrk" \
+  --save-every 100000 --log "$tmp/sigrk.jsonl" >"$tmp/sigrk.out" 2>&1 &
+job=$!
+for _ in $(seq 1 240); do [ -s "$tmp/sigrk.jsonl" ] && break; sleep 0.25; done  # training has started
+victim=$(pgrep -f "ferry train --model opt-tiny --data $tmp/data.bin" | grep -vx "$job" | tail -1)
+[ -n "$victim" ] && kill -TERM "$victim"
+wait "$job"; code=$?
+last=$(tail -1 "$tmp/sigrk.jsonl" 2>/dev/null | python3 -c "import json, sys; print(json.load(sys.stdin)['step'])" 2>/dev/null)
+saved=$(cat "$tmp/sigrk/latest" 2>/dev/null)
+if [ "$code" -eq 0 ] && [ -n "$last" ] && [ "$saved" = "$(printf 'step-%08d' "$last")" ] && [ "$last" -lt 100000 ]; then
+  ok "SIGTERM to one rank stops both after step $last, with its checkpoint"
+else bad "SIGTERM to one rank: exit $code, last logged step '$last', latest '$saved'"; cat "$tmp/sigrk.out"; fi
 
 echo "ranks: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
