@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "runtime/checkpoint.h"
@@ -101,5 +102,14 @@ fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n) {
     snprintf(dir, n, "%s", path);
     return FY_OK;
   }
+  struct stat sb;
+  if (stat(path, &sb) != 0) return fy_error_set(FY_ERR_NOT_FOUND, "%s: %s", path, strerror(errno));
+  snprintf(p, sizeof p, "%s/config.json", path);
+  if (access(p, R_OK) == 0)  // (what --save writes without --save-every, or ferry export)
+    return fy_error_set(FY_ERR_NOT_FOUND,
+                        "%s is not a ferry checkpoint (no latest, no trainer.json) but a Hugging Face model "
+                        "(config.json): transformers loads it as it is, and ferry train --init %s starts "
+                        "from its weights (with fresh AdamW state)",
+                        path, path);
   return fy_error_set(FY_ERR_NOT_FOUND, "%s is not a ferry checkpoint (no latest, no trainer.json)", path);
 }

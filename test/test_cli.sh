@@ -137,7 +137,11 @@ expect 0 "a new process resumes it" "resuming from .* at step 2" -- train "${tin
 expect 0 "ferry export writes a Hugging Face directory" "exported" -- export "$tmp/ck" "$tmp/hf"
 if [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ]; then pass=$((pass + 1)); echo "ok    the export has config.json and model.safetensors"
 else fail=$((fail + 1)); echo "FAIL  the export lacks config.json or model.safetensors"; fi
+expect 1 "resuming from a Hugging Face directory says what --init does" "Hugging Face model.*--init" -- \
+  train "${tiny[@]}" --resume "$tmp/hf"
+expect 1 "exporting a Hugging Face directory says it loads as it is" "transformers loads it as it is" -- export "$tmp/hf" "$tmp/hf2"
 expect 1 "resuming from something that is not a checkpoint" "not a ferry checkpoint" -- train "${tiny[@]}" --resume "$tmp"
+expect 1 "resuming from a directory that does not exist" "nothing-here: No such file" -- train "${tiny[@]}" --resume "$tmp/nothing-here"
 expect 2 "--save-every without a number" "whole number" -- train "${tiny[@]}" --save-every often
 
 # SIGINT: the run finishes its step, writes a checkpoint and exits 0; a second signal exits at once
