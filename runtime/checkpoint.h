@@ -92,6 +92,9 @@ void fy_ckpt_adam_close(struct fy_ckpt_adam *a);
 // every field checked (FY_ERR_FORMAT naming the file and the field).
 fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta);
 fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta);
+// The model the run that wrote meta named (its --model, less any directory part), into out; ""
+// when it named none (a model from --init) or the options do not say.
+void fy_ckpt_model_name(const struct fy_ckpt_meta *meta, char *out, size_t n);
 // Writes text to path through a temporary file in the same directory: fsync, rename.
 fy_status fy_ckpt_write_text(const char *path, const char *text);
 

@@ -84,6 +84,17 @@ fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
 }
 
 
+void fy_ckpt_model_name(const struct fy_ckpt_meta *meta, char *out, size_t n) {
+  if (n) out[0] = 0;
+  json_object *o = json_tokener_parse(meta->options), *v;
+  if (o && json_object_object_get_ex(o, "model", &v) && json_object_is_type(v, json_type_string)) {
+    const char *name = json_object_get_string(v), *slash = strrchr(name, '/');
+    if (slash && slash[1]) name = slash + 1;
+    if (strlen(name) < n) snprintf(out, n, "%s", name);
+  }
+  json_object_put(o);
+}
+
 fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n) {
   char p[4200], name[256];
   snprintf(p, sizeof p, "%s/latest", path);

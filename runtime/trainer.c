@@ -84,10 +84,56 @@ static double median(double *x, int64_t n) {
   return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
-// The model's configuration: --model (preset or config), else the --init checkpoint's, else the demo.
+// Whether two configurations make the same model (the tensors' shapes and the computation).
+static const char *config_difference(const struct fy_opt_config *a, const struct fy_opt_config *b, char *buf,
+                                     size_t n) {
+  const struct { const char *name; int64_t x, y; } f[] = {
+      {"vocab_size", a->vocab_size, b->vocab_size},
+      {"hidden_size", a->hidden_size, b->hidden_size},
+      {"word_embed_proj_dim", a->word_embed_proj_dim, b->word_embed_proj_dim},
+      {"ffn_dim", a->ffn_dim, b->ffn_dim},
+      {"num_hidden_layers", a->num_hidden_layers, b->num_hidden_layers},
+      {"num_attention_heads", a->num_attention_heads, b->num_attention_heads},
+      {"max_position_embeddings", a->max_position_embeddings, b->max_position_embeddings},
+      {"do_layer_norm_before", a->do_layer_norm_before, b->do_layer_norm_before},
+      {"_remove_final_layer_norm", a->remove_final_layer_norm, b->remove_final_layer_norm},
+      {"enable_bias", a->enable_bias, b->enable_bias},
+      {"layer_norm_elementwise_affine", a->layer_norm_elementwise_affine, b->layer_norm_elementwise_affine},
+      {"tie_word_embeddings", a->tie_word_embeddings, b->tie_word_embeddings},
+      {"activation_function (0 relu, 1 gelu)", a->activation, b->activation},
+  };
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    if (f[i].x != f[i].y) {
+      snprintf(buf, n, "%s %lld, not %lld", f[i].name, (long long)f[i].y, (long long)f[i].x);
+      return buf;
+    }
+  return NULL;
+}
+
+// The model's configuration: --model (preset or config), else the --init checkpoint's, else the
+// --resume checkpoint's, else the demo. A resumed run continues the checkpoint's model: a --model
+// or --init of another model is refused (it failed on the first tensor's shape, or trained a
+// model of another activation or layer-norm placement from the checkpoint's weights).
 static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_config *cfg) {
   const char *src = o->model;
   if (!src && o->init && strcmp(o->init, "random") != 0) src = o->init;
+  struct fy_opt_config saved;
+  if (o->resume) {
+    char dir[4096];
+    fy_status st = fy_ckpt_resolve(o->resume, dir, sizeof dir);
+    if (st == FY_OK) st = fy_opt_config_read(dir, &saved);
+    if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
+    struct fy_ckpt_meta meta;  // (the name the run gave its model, for what this one prints)
+    char name[sizeof saved.name];
+    if (fy_ckpt_index_read(dir, &meta) == FY_OK) {
+      fy_ckpt_model_name(&meta, name, sizeof name);
+      if (name[0]) memcpy(saved.name, name, sizeof name);
+    }
+    if (!src) {
+      *cfg = saved;
+      return FY_OK;
+    }
+  }
   if (!src) src = "opt-demo";
   struct stat sb;
   if (stat(src, &sb) == 0) {
@@ -97,6 +143,12 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
                         "--model %s is neither a preset nor a directory with config.json "
                         "(presets: opt-tiny, opt-demo, opt-125m ... opt-175b)", src);
   }
+  char why[128];
+  if (o->resume && config_difference(cfg, &saved, why, sizeof why))
+    return fy_error_set(FY_ERR_INVALID,
+                        "--resume %s holds another model than %s %s (its config.json: %s); a resumed run "
+                        "continues the checkpoint's model: leave out %s",
+                        o->resume, o->model ? "--model" : "--init", src, why, o->model ? "--model" : "--init");
   return FY_OK;
 }
 

@@ -134,6 +134,11 @@ expect 0 "a run stopped after 2 steps leaves a checkpoint" "stopped after step 2
   "${tiny[@]}" --steps 4 --save "$tmp/ck" --save-every 10 --stop-after 2 --no-shuffle
 expect 0 "a new process resumes it" "resuming from .* at step 2" -- train "${tiny[@]}" --steps 4 --resume "$tmp/ck" \
   --save "$tmp/ck" --save-every 10 --no-shuffle
+# (a resumed run takes the checkpoint's model; another one named is refused with the reason)
+expect 0 "--resume without --model continues the checkpoint's model" "resuming from .* at step 4" -- \
+  train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ck" --no-shuffle
+expect 1 "--resume with another --model is refused" "holds another model than --model opt-demo.*leave out --model" -- \
+  train --model opt-demo --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ck"
 expect 0 "ferry export writes a Hugging Face directory" "exported" -- export "$tmp/ck" "$tmp/hf"
 if [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ]; then pass=$((pass + 1)); echo "ok    the export has config.json and model.safetensors"
 else fail=$((fail + 1)); echo "FAIL  the export lacks config.json or model.safetensors"; fi
