@@ -84,6 +84,19 @@ static double median(double *x, int64_t n) {
   return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
+// --init naming a checkpoint root (it has `latest`): the step directory that names, a Hugging Face
+// model directory with the weights (the AdamW state there is not read). buf holds the path.
+static fy_status resolve_init(const char **init, char *buf, size_t n) {
+  if (!*init || strcmp(*init, "random") == 0) return FY_OK;
+  char p[4200];
+  snprintf(p, sizeof p, "%s/latest", *init);
+  if (access(p, F_OK) != 0) return FY_OK;  // (a model directory; anything else reports itself when read)
+  fy_status st = fy_ckpt_resolve(*init, buf, n);
+  if (st != FY_OK) return fy_error_wrap(st, "--init %s", *init);
+  *init = buf;
+  return FY_OK;
+}
+
 // Whether two configurations make the same model (the tensors' shapes and the computation).
 static const char *config_difference(const struct fy_opt_config *a, const struct fy_opt_config *b, char *buf,
                                      size_t n) {
@@ -110,6 +123,17 @@ static const char *config_difference(const struct fy_opt_config *a, const struct
   return NULL;
 }
 
+// A checkpoint's step directory: the model's name as the run that wrote it named it (its
+// --model), instead of the directory's ("step-00000010"). Other directories keep theirs.
+static void checkpoint_model_name(const char *dir, struct fy_opt_config *cfg) {
+  char p[4200], name[sizeof cfg->name];
+  snprintf(p, sizeof p, "%s/trainer.json", dir);
+  struct fy_ckpt_meta meta;
+  if (access(p, R_OK) != 0 || fy_ckpt_index_read(dir, &meta) != FY_OK) return;
+  fy_ckpt_model_name(&meta, name, sizeof name);
+  if (name[0]) memcpy(cfg->name, name, sizeof name);
+}
+
 // The model's configuration: --model (preset or config), else the --init checkpoint's, else the
 // --resume checkpoint's, else the demo. A resumed run continues the checkpoint's model: a --model
 // or --init of another model is refused (it failed on the first tensor's shape, or trained a
@@ -123,12 +147,7 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
     fy_status st = fy_ckpt_resolve(o->resume, dir, sizeof dir);
     if (st == FY_OK) st = fy_opt_config_read(dir, &saved);
     if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
-    struct fy_ckpt_meta meta;  // (the name the run gave its model, for what this one prints)
-    char name[sizeof saved.name];
-    if (fy_ckpt_index_read(dir, &meta) == FY_OK) {
-      fy_ckpt_model_name(&meta, name, sizeof name);
-      if (name[0]) memcpy(saved.name, name, sizeof name);
-    }
+    checkpoint_model_name(dir, &saved);
     if (!src) {
       *cfg = saved;
       return FY_OK;
@@ -138,6 +157,7 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
   struct stat sb;
   if (stat(src, &sb) == 0) {
     FY_TRY(fy_opt_config_read(src, cfg));
+    checkpoint_model_name(src, cfg);
   } else if (fy_opt_preset(src, cfg) != FY_OK) {
     return fy_error_set(FY_ERR_NOT_FOUND,
                         "--model %s is neither a preset nor a directory with config.json "
@@ -1040,11 +1060,11 @@ static void name_nonfinite(struct run *r) {
 }
 
 // The run's options as JSON, kept in each checkpoint for whoever reads it later.
-static void options_json(const struct fy_train_opts *o, double dropout, char *buf, size_t n) {
+static void options_json(const struct fy_train_opts *o, const char *model, double dropout, char *buf, size_t n) {
   snprintf(buf, n,
            "{\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"grad_accum\":%lld,\"steps\":%lld,"
            "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\",\"dropout\":%g,\"seed\":%llu,\"schedule\":\"%s\"}",
-           o->model ? o->model : "", (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
+           model, (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
            (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false",
            o->precision ? o->precision : "fp32", dropout, (unsigned long long)o->seed,
            o->schedule ? o->schedule : "cosine");
@@ -1056,7 +1076,8 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
   *meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
                                 .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good,
                                 .updates = r->updates};
-  options_json(o, r->cfg.train_dropout, meta->options, sizeof meta->options);
+  // (the model's name: --model's, else its config's, so that a run resumed without --model names it)
+  options_json(o, o->model ? o->model : r->cfg.name, r->cfg.train_dropout, meta->options, sizeof meta->options);
 }
 
 // Tensor parallelism: the ranks of data-parallel group 0 gather their slices parameter by
@@ -1410,6 +1431,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   memset(res, 0, sizeof *res);
   struct fy_train_opts eff = *given;
   const struct fy_train_opts *o = &eff;
+  char init_dir[4096];
+  FY_TRY(resolve_init(&eff.init, init_dir, sizeof init_dir));
   FY_TRY(resolve_seq(&eff));
   // The communicator first: a plan's machine is rank 0's (apply_plan). The run owns it from setup
   // on; until then every return frees it.
@@ -1514,6 +1537,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   if (o->loss_scale > 0 && !o->resume) scale = o->loss_scale;
   if (first_step > 0 && !o->quiet) printf("ferry: resuming from %s at step %lld\n", o->resume, (long long)first_step);
+  if (first_step > 0 && first_step >= o->steps && o->steps > 0 && r.rank == 0)
+    fy_log_info("the checkpoint is at step %lld and --steps %lld counts from the start of training: nothing to "
+                "train (--steps above %lld goes on)", (long long)first_step, (long long)o->steps,
+                (long long)first_step);
   double t_start = now_s(), t_sum = 0, t_opt = 0, val_s = 0;
   const int64_t val_every = o->val_every > 0 ? o->val_every : o->steps / 10 > 0 ? o->steps / 10 : 1;
   res->val_loss = res->first_loss = res->last_loss = NAN;  // (steps whose every target is ignored have none)
@@ -1751,6 +1778,8 @@ static fy_status dump_first(struct run *r, const struct fy_batch *batch, void *p
 
 fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   struct fy_train_opts e = *o;
+  char init_dir[4096];
+  FY_TRY(resolve_init(&e.init, init_dir, sizeof init_dir));
   // The whole model on the cpu or a GPU; or, offloaded (sim, or a GPU with --offload), the chunks
   // through the device cache in forward passes alone (no gradients or AdamW state kept). On a GPU
   // the forward runs in bf16 unless told otherwise.
@@ -1787,6 +1816,8 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   struct fy_train_opts e = *o;
   e.batch = 1;
   e.data = NULL;
+  char init_dir[4096];
+  FY_TRY(resolve_init(&e.init, init_dir, sizeof init_dir));
   const bool cuda = e.device && strcmp(e.device, "cuda") == 0;
   if (e.device && strcmp(e.device, "cpu") != 0 && !cuda)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--device %s: ferry sample runs on the cpu or a GPU (cuda)", e.device);

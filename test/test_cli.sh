@@ -137,6 +137,12 @@ expect 0 "a new process resumes it" "resuming from .* at step 2" -- train "${tin
 # (a resumed run takes the checkpoint's model; another one named is refused with the reason)
 expect 0 "--resume without --model continues the checkpoint's model" "resuming from .* at step 4" -- \
   train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ck" --no-shuffle
+expect 0 "--resume with --steps the checkpoint has done says there is nothing to train" "at step 4 .*nothing to train" -- \
+  train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 3 --resume "$tmp/ck"
+expect 0 "ferry eval --init of a checkpoint root reads its latest step" "eval loss" -- \
+  eval --init "$tmp/ck" --data "$tmp/ok.bin" --batch 2 --seq 16 --batches 2
+expect 0 "ferry train --init of a checkpoint root starts from its weights" "ferry: opt-tiny," -- \
+  train --init "$tmp/ck" --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 1
 expect 1 "--resume with another --model is refused" "holds another model than --model opt-demo.*leave out --model" -- \
   train --model opt-demo --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ck"
 expect 0 "ferry export writes a Hugging Face directory" "exported" -- export "$tmp/ck" "$tmp/hf"
