@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include <json-c/json.h>
 
 #include "core/fileio.h"
 #include "core/log.h"
@@ -1059,15 +1060,32 @@ static void name_nonfinite(struct run *r) {
   (void)loss;
 }
 
-// The run's options as JSON, kept in each checkpoint for whoever reads it later.
+// The run's options as JSON, kept in each checkpoint for whoever reads it later (a model path too
+// long for buf is left out rather than cut).
 static void options_json(const struct fy_train_opts *o, const char *model, double dropout, char *buf, size_t n) {
-  snprintf(buf, n,
-           "{\"model\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"grad_accum\":%lld,\"steps\":%lld,"
-           "\"lr\":%g,\"device\":\"%s\",\"recompute\":%s,\"precision\":\"%s\",\"dropout\":%g,\"seed\":%llu,\"schedule\":\"%s\"}",
-           model, (long long)o->batch, (long long)o->seq, (long long)o->grad_accum,
-           (long long)o->steps, o->lr, o->device ? o->device : "cpu", o->recompute ? "true" : "false",
-           o->precision ? o->precision : "fp32", dropout, (unsigned long long)o->seed,
-           o->schedule ? o->schedule : "cosine");
+  char lr[32], drop[32];  // (as the user wrote them: lr is a float, whose double has noise digits)
+  snprintf(lr, sizeof lr, "%g", (double)o->lr);
+  snprintf(drop, sizeof drop, "%g", dropout);
+  json_object *j = json_object_new_object();
+  json_object_object_add(j, "model", json_object_new_string(model));
+  json_object_object_add(j, "batch", json_object_new_int64(o->batch));
+  json_object_object_add(j, "seq", json_object_new_int64(o->seq));
+  json_object_object_add(j, "grad_accum", json_object_new_int64(o->grad_accum));
+  json_object_object_add(j, "steps", json_object_new_int64(o->steps));
+  json_object_object_add(j, "lr", json_object_new_double_s(o->lr, lr));
+  json_object_object_add(j, "device", json_object_new_string(o->device ? o->device : "cpu"));
+  json_object_object_add(j, "recompute", json_object_new_boolean(o->recompute));
+  json_object_object_add(j, "precision", json_object_new_string(o->precision ? o->precision : "fp32"));
+  json_object_object_add(j, "dropout", json_object_new_double_s(dropout, drop));
+  json_object_object_add(j, "seed", json_object_new_uint64(o->seed));
+  json_object_object_add(j, "schedule", json_object_new_string(o->schedule ? o->schedule : "cosine"));
+  const char *text = json_object_to_json_string_ext(j, JSON_C_TO_STRING_PLAIN);
+  if (strlen(text) >= n) {
+    json_object_object_del(j, "model");
+    text = json_object_to_json_string_ext(j, JSON_C_TO_STRING_PLAIN);
+  }
+  snprintf(buf, n, "%s", strlen(text) < n ? text : "{}");
+  json_object_put(j);
 }
 
 static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_meta *meta,
