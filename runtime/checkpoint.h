@@ -73,6 +73,10 @@ double fy_ckpt_last_seconds(const struct fy_ckpt_writer *w);  // duration of the
 // Resolves a checkpoint path: a step directory, or a root (its `latest`). dir receives the step
 // directory.
 fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n);
+// The model directory path stands for: the step directory that `latest` names when path is a
+// checkpoint root (into buf), else path itself (a Hugging Face model directory, or a step
+// directory, which is one). *dir is buf or path.
+fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **dir);
 // Reads a checkpoint into the model's parameters and into m, v (flat layout; may be NULL to skip)
 // and its metadata. Checks every tensor's name, shape and dtype.
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);

@@ -84,6 +84,16 @@ fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
 }
 
 
+fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **dir) {
+  *dir = path;
+  char p[4200];
+  snprintf(p, sizeof p, "%s/latest", path);
+  if (access(p, F_OK) != 0) return FY_OK;  // (anything but a root reports itself when read)
+  FY_TRY(fy_ckpt_resolve(path, buf, n));
+  *dir = buf;
+  return FY_OK;
+}
+
 void fy_ckpt_model_name(const struct fy_ckpt_meta *meta, char *out, size_t n) {
   if (n) out[0] = 0;
   json_object *o = json_tokener_parse(meta->options), *v;

@@ -18,6 +18,7 @@
 #include "core/graph.h"
 #include <sys/stat.h>
 #include "ops/ops.h"
+#include "runtime/checkpoint.h"
 #include "runtime/trainer.h"
 #include "fy_config.h"
 
@@ -245,7 +246,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "On a GPU (--device cuda) a model that fits whole is planned resident: weights, gradients,\n"
                  "AdamW state and activations on the GPU, as ferry train --device cuda runs it without\n"
                  "--offload (several ranks: replicas); else it is offloaded.\n\n"
-                 "  --model M          preset or config directory (default opt-125m)\n"
+                 "  --model M          preset, config directory or ferry checkpoint (default opt-125m)\n"
                  "  --batch B          sequences per step (default 8); --seq T tokens each (default 1024)\n"
                  "  --out FILE         write the plan as JSON (ferry train --plan FILE runs it)\n"
                  "  --svg FILE         draw the predicted step: streams as lanes, and device memory\n"
@@ -294,7 +295,10 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   int tried = 0;
   if (st == FY_OK) {
     struct stat sb;
-    st = stat(model, &sb) == 0 ? fy_opt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
+    char ck[4096];
+    const char *dir = model;  // (a checkpoint root: its latest step's config)
+    st = stat(model, &sb) == 0 ? fy_ckpt_model_dir(model, ck, sizeof ck, &dir) : FY_OK;
+    if (st == FY_OK) st = stat(model, &sb) == 0 ? fy_opt_config_read(dir, &cfg) : fy_opt_preset(model, &cfg);
   }
   if (st == FY_OK)
     st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, offload_only, precision, &probe, &best, &tried);

@@ -85,17 +85,12 @@ static double median(double *x, int64_t n) {
   return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
-// --init naming a checkpoint root (it has `latest`): the step directory that names, a Hugging Face
-// model directory with the weights (the AdamW state there is not read). buf holds the path.
+// --init naming a checkpoint root: its latest step directory (the weights; the AdamW state there
+// is not read). buf holds the path.
 static fy_status resolve_init(const char **init, char *buf, size_t n) {
   if (!*init || strcmp(*init, "random") == 0) return FY_OK;
-  char p[4200];
-  snprintf(p, sizeof p, "%s/latest", *init);
-  if (access(p, F_OK) != 0) return FY_OK;  // (a model directory; anything else reports itself when read)
-  fy_status st = fy_ckpt_resolve(*init, buf, n);
-  if (st != FY_OK) return fy_error_wrap(st, "--init %s", *init);
-  *init = buf;
-  return FY_OK;
+  fy_status st = fy_ckpt_model_dir(*init, buf, n, init);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "--init %s", *init);
 }
 
 // Whether two configurations make the same model (the tensors' shapes and the computation).

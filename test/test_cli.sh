@@ -216,6 +216,8 @@ else
 fi
 expect 0 "ferry plan explains a plan and writes it" "predicted: .* s/step" -- plan --device sim --device-mem 64MiB \
   --model opt-tiny --batch 4 --seq 32 --out "$tmp/plan.json" --svg "$tmp/plan.svg"
+expect 0 "ferry plan --model of a checkpoint root plans its model" "predicted: .* s/step" -- plan --device sim \
+  --device-mem 64MiB --model "$tmp/ck" --batch 4 --seq 32
 grep -q "<svg" "$tmp/plan.svg" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the step is drawn as SVG"; } || { fail=$((fail + 1)); echo "FAIL  no SVG"; }
 expect 0 "ferry train --plan FILE runs the plan" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" \
   --device-mem 64MiB --plan "$tmp/plan.json" --steps 2
