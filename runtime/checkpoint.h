@@ -77,6 +77,10 @@ fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n);
 // checkpoint root (into buf), else path itself (a Hugging Face model directory, or a step
 // directory, which is one). *dir is buf or path.
 fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **dir);
+// The configuration of the model directory path stands for (fy_ckpt_model_dir); a checkpoint's
+// is named as the run that wrote it named its model (its --model, less any directory part), not
+// "step-00000010".
+fy_status fy_ckpt_config_read(const char *path, struct fy_opt_config *cfg);
 // Reads a checkpoint into the model's parameters and into m, v (flat layout; may be NULL to skip)
 // and its metadata. Checks every tensor's name, shape and dtype.
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);
@@ -96,9 +100,6 @@ void fy_ckpt_adam_close(struct fy_ckpt_adam *a);
 // every field checked (FY_ERR_FORMAT naming the file and the field).
 fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta);
 fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta);
-// The model the run that wrote meta named (its --model, less any directory part), into out; ""
-// when it named none (a model from --init) or the options do not say.
-void fy_ckpt_model_name(const struct fy_ckpt_meta *meta, char *out, size_t n);
 // Writes text to path through a temporary file in the same directory: fsync, rename.
 fy_status fy_ckpt_write_text(const char *path, const char *text);
 

@@ -94,7 +94,8 @@ fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **
   return FY_OK;
 }
 
-void fy_ckpt_model_name(const struct fy_ckpt_meta *meta, char *out, size_t n) {
+// The model the run that wrote meta named, into out ("" when it named none).
+static void model_name(const struct fy_ckpt_meta *meta, char *out, size_t n) {
   if (n) out[0] = 0;
   json_object *o = json_tokener_parse(meta->options), *v;
   if (o && json_object_object_get_ex(o, "model", &v) && json_object_is_type(v, json_type_string)) {
@@ -103,6 +104,20 @@ void fy_ckpt_model_name(const struct fy_ckpt_meta *meta, char *out, size_t n) {
     if (strlen(name) < n) snprintf(out, n, "%s", name);
   }
   json_object_put(o);
+}
+
+fy_status fy_ckpt_config_read(const char *path, struct fy_opt_config *cfg) {
+  char buf[4096], p[4200], name[sizeof cfg->name];
+  const char *dir;
+  FY_TRY(fy_ckpt_model_dir(path, buf, sizeof buf, &dir));
+  FY_TRY(fy_opt_config_read(dir, cfg));
+  snprintf(p, sizeof p, "%s/trainer.json", dir);
+  struct fy_ckpt_meta meta;
+  if (access(p, R_OK) == 0 && fy_ckpt_index_read(dir, &meta) == FY_OK) {  // (a step directory)
+    model_name(&meta, name, sizeof name);
+    if (name[0]) memcpy(cfg->name, name, sizeof name);
+  }
+  return FY_OK;
 }
 
 fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n) {

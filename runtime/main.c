@@ -64,17 +64,16 @@ static void *stop_signal_thread(void *arg) {
   return NULL;
 }
 
-// (a fallback for a thread that was started before the mask was set, by a library: none is now)
-static void stop_signal_handler(int sig) { stop_or_exit(sig); }
-
 // Blocks SIGINT and SIGTERM in this thread (and so in every thread it starts from now on) and
-// starts the thread that takes them. Until stop_signals_arm, a signal ends the process at once.
+// starts the thread that takes them; stop_or_exit is also their handler, for a thread that was
+// started before the mask was set (by a library: none is now). Until a run sets stop_armed, a
+// signal ends the process at once.
 static void stop_signals_start(void) {
   static sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  struct sigaction sa = {.sa_handler = stop_signal_handler};
+  struct sigaction sa = {.sa_handler = stop_or_exit};
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
@@ -295,10 +294,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   int tried = 0;
   if (st == FY_OK) {
     struct stat sb;
-    char ck[4096];
-    const char *dir = model;  // (a checkpoint root: its latest step's config)
-    st = stat(model, &sb) == 0 ? fy_ckpt_model_dir(model, ck, sizeof ck, &dir) : FY_OK;
-    if (st == FY_OK) st = stat(model, &sb) == 0 ? fy_opt_config_read(dir, &cfg) : fy_opt_preset(model, &cfg);
+    st = stat(model, &sb) == 0 ? fy_ckpt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
   if (st == FY_OK)
     st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, offload_only, precision, &probe, &best, &tried);

@@ -119,17 +119,6 @@ static const char *config_difference(const struct fy_opt_config *a, const struct
   return NULL;
 }
 
-// A checkpoint's step directory: the model's name as the run that wrote it named it (its
-// --model), instead of the directory's ("step-00000010"). Other directories keep theirs.
-static void checkpoint_model_name(const char *dir, struct fy_opt_config *cfg) {
-  char p[4200], name[sizeof cfg->name];
-  snprintf(p, sizeof p, "%s/trainer.json", dir);
-  struct fy_ckpt_meta meta;
-  if (access(p, R_OK) != 0 || fy_ckpt_index_read(dir, &meta) != FY_OK) return;
-  fy_ckpt_model_name(&meta, name, sizeof name);
-  if (name[0]) memcpy(cfg->name, name, sizeof name);
-}
-
 // The model's configuration: --model (preset or config), else the --init checkpoint's, else the
 // --resume checkpoint's, else the demo. A resumed run continues the checkpoint's model: a --model
 // or --init of another model is refused (it failed on the first tensor's shape, or trained a
@@ -141,9 +130,8 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
   if (o->resume) {
     char dir[4096];
     fy_status st = fy_ckpt_resolve(o->resume, dir, sizeof dir);
-    if (st == FY_OK) st = fy_opt_config_read(dir, &saved);
+    if (st == FY_OK) st = fy_ckpt_config_read(dir, &saved);
     if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
-    checkpoint_model_name(dir, &saved);
     if (!src) {
       *cfg = saved;
       return FY_OK;
@@ -152,8 +140,7 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
   if (!src) src = "opt-demo";
   struct stat sb;
   if (stat(src, &sb) == 0) {
-    FY_TRY(fy_opt_config_read(src, cfg));
-    checkpoint_model_name(src, cfg);
+    FY_TRY(fy_ckpt_config_read(src, cfg));
   } else if (fy_opt_preset(src, cfg) != FY_OK) {
     return fy_error_set(FY_ERR_NOT_FOUND,
                         "--model %s is neither a preset nor a directory with config.json "
