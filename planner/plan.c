@@ -176,8 +176,8 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
                         (long long)k->chunk_elems, p->dp);
   if (k->chunk_elems % 16)
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld is not a multiple of 16 (64 bytes)", (long long)k->chunk_elems);
-  struct fy_graph *g;
-  FY_TRY(fy_opt_build_graph(cfg, k->micro_batch, k->seq, &g));
+  struct fy_graph *g;  // (one tensor-parallel rank's part: its groups are what a chunk holds)
+  FY_TRY(fy_opt_build_graph_tp(cfg, k->micro_batch, k->seq, p->tp, 0, &g));
   int64_t min_chunk = fy_chunk_min_elems(g);
   fy_graph_free(g);
   if (k->chunk_elems && k->chunk_elems < min_chunk)

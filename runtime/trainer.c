@@ -1338,11 +1338,11 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
     if (plan.k.seq != o->seq && fy_comm_launch_rank() == 0)  // (rank 0 speaks for all)
       fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
                   (long long)plan.k.seq, (long long)o->seq);
-    fy_status st = cuda ? fy_plan_validate(&cfg, &plan) : fy_plan_check(&cfg, &plan, &probe);
-    if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
-    if (plan.dp * plan.tp != ranks)
+    if (plan.dp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
                           plan.dp * plan.tp, plan.dp, plan.tp, ranks);
+    fy_status st = cuda ? fy_plan_validate(&cfg, &plan) : fy_plan_check(&cfg, &plan, &probe);
+    if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
     if (plan.dp > 1 && !plan.k.resident && strcmp(plan.pattern, "zero") != 0)
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the data-parallel ranks of an offloaded run shard the chunks "
                           "(pattern zero), not %s", o->plan, plan.pattern);

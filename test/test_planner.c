@@ -557,6 +557,29 @@ int main(void) {
     badr.k.device_chunks = 2;
     CHECK_ERR(fy_plan_validate(&cfg, &badr), FY_ERR_INVALID);
     CHECK_OK(fy_plan_validate(&cfg, &res));
+    // A tensor-parallel plan's chunks hold one rank's part of each group: smaller than the whole
+    // model's largest group, and valid as the search writes them (they were refused once).
+    {
+      struct fy_graph *whole, *half;
+      CHECK_OK(fy_opt_build_graph(&cfg, 1, 96, &whole));
+      CHECK_OK(fy_opt_build_graph_tp(&cfg, 1, 96, 2, 0, &half));
+      int64_t min_whole = fy_chunk_min_elems(whole), min_half = fy_chunk_min_elems(half);
+      fy_graph_free(whole);
+      fy_graph_free(half);
+      CHECKF(min_half < min_whole, "tp 2's largest group %lld, the whole model's %lld", (long long)min_half,
+             (long long)min_whole);
+      struct fy_plan tp2 = off;
+      tp2.tp = 2;
+      tp2.dp = 1;
+      snprintf(tp2.pattern, sizeof tp2.pattern, "replicate");
+      tp2.k.chunk_elems = min_half;
+      tp2.k.device_chunks = 0;
+      CHECK_OK(fy_plan_validate(&cfg, &tp2));
+      CHECK_OK(fy_plan_check(&cfg, &tp2, &g));
+      tp2.k.chunk_elems = (min_half - 1) / 16 * 16;
+      CHECK_ERR(fy_plan_validate(&cfg, &tp2), FY_ERR_INVALID);
+      CHECK(strstr(fy_error_msg(), "largest parameter group") != NULL);
+    }
     struct fy_plan dchunks = off;
     dchunks.dp = 2;
     dchunks.k.device_chunks = 1;
