@@ -63,6 +63,11 @@ struct fy_device {
   void *impl;          // backend state
 };
 
+// The granule dev counts its allocations in (fy_device_round).
+static inline size_t fy_device_granule(const struct fy_device *dev) {
+  return dev->kind == FY_DEVICE_CUDA ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE;
+}
+
 // The cpu device: host memory (64-byte aligned), streams that run work at once.
 fy_status fy_device_cpu_create(size_t cap, struct fy_device **out);
 void fy_device_free(struct fy_device *dev);

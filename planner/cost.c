@@ -27,14 +27,16 @@ static double sim_op_overhead(const struct fy_probe *p) {
 // runtime/offload.c: the fp32 master and, with a 16-bit payload, its copy in that dtype stay on
 // the host; m and v of a chunk, and its fp32 gradients unless they come home over the 16-bit
 // copy (one micro-batch a step), may go to disk.
-static double host_weight_bytes(int payload_bytes) { return 4.0 + (payload_bytes < 4 ? payload_bytes : 0); }
-
-static double host_state_bytes(int payload_bytes, bool accumulate) {
-  return 8.0 + (payload_bytes == 4 || accumulate ? 4.0 : 0.0);
+static double host_weight_bytes(enum fy_dtype compute, int payload_bytes) {
+  return 4.0 + (compute != FY_F32 ? payload_bytes : 0);
 }
 
-double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate) {
-  return host_weight_bytes(payload_bytes) + host_state_bytes(payload_bytes, accumulate);
+static double host_state_bytes(enum fy_dtype compute, bool accumulate) {
+  return 8.0 + (compute != FY_F32 && !accumulate ? 0.0 : 4.0);  // (runtime/offload.c, fy_offload_grads_in_copy)
+}
+
+double fy_cost_host_bytes_per_param(enum fy_dtype compute, int payload_bytes, bool accumulate) {
+  return host_weight_bytes(compute, payload_bytes) + host_state_bytes(compute, accumulate);
 }
 
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
@@ -278,6 +280,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   }
   const bool act16 = gpu && cdt == FY_BF16;
   int pb = act16 ? 2 : 4;  // compute payload and activations: bf16 on a GPU, else floats (cpu/sim in any precision)
+  const size_t gran = gpu ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE;  // (how the device counts an allocation)
   int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
   const char *dp_name = k->pattern[0] ? k->pattern : dp > 1 ? "zero" : "replicate";
   const struct fy_pattern *dpp = fy_pattern_find(dp_name);
@@ -334,18 +337,19 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double chunk_bytes = (double)ce * pb, np = (double)g->n_param_elems;
   // The first n_dev chunks stay on the device with their state (runtime/offload.c): the fp32
   // weights, the gradients in the payload's dtype (and their fp32 sum with accumulation), m, v,
-  // and with 16-bit compute the weights' copy; the optimizer runs there, on the compute stream.
+  // and with 16-bit compute the weights' copy (a GPU's bf16, the sim device's rounded floats); the
+  // optimizer runs there, on the compute stream.
   int n_dev = k->device_chunks > 0 ? (k->device_chunks < nc ? k->device_chunks : nc) : 0;
   const size_t dev_buf[] = {(size_t)ce * 4, (size_t)ce * pb, k->grad_accum > 1 ? (size_t)ce * 4 : 0, (size_t)ce * 4,
-                            (size_t)ce * 4, pb < 4 ? (size_t)ce * pb : 0};
+                            (size_t)ce * 4, cdt != FY_F32 ? (size_t)ce * pb : 0};
   for (size_t i = 0; i < sizeof dev_buf / sizeof *dev_buf; i++)
-    if (dev_buf[i]) out->device_chunk_bytes += (double)fy_device_round(dev_buf[i], FY_HOST_ALLOC_GRANULE);
+    if (dev_buf[i]) out->device_chunk_bytes += (double)fy_device_round(dev_buf[i], gran);
   double dev_elems = 0;
   for (int c = 0; c < n_dev; c++) dev_elems += (double)l->chunks[c].used;
   // (and their parameters' sums of squares and the update's scale)
   const double dev_state = n_dev > 0 ? n_dev * out->device_chunk_bytes +
-                                           (double)fy_device_round((size_t)g->n_params * 8, FY_HOST_ALLOC_GRANULE) +
-                                           (double)fy_device_round(16, FY_HOST_ALLOC_GRANULE)
+                                           (double)fy_device_round((size_t)g->n_params * 8, gran) +
+                                           (double)fy_device_round(16, gran)
                                      : 0;
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
@@ -354,15 +358,21 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
   // The arenas count floats (a GPU's bf16 activations two to a float: the graph's act16).
   size_t bt = (size_t)(g->B * g->T);
+  // (With tensor parallelism also a column-split linear's partial input gradient, runtime/model.h's
+  // tp_buf; none without. On a GPU the model's batch in device memory, dbatch. The batch's buffer
+  // last: the simulation stages the batch into it.)
   size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4,
-                    (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4, bt * 4, 4 * bt * 4, 4 * bt * 4};
+                    (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4,
+                    g->tp > 1 ? (size_t)fy_graph_tp_buf_elems(g, cfg->hidden_size) * 4 : 0, gpu ? 3 * bt * 4 : 0,
+                    bt * 4, 4 * bt * 4, 4 * bt * 4};
   double fixed_bytes = 0;
-  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) fixed_bytes += (double)fy_device_round(fixed[i], FY_HOST_ALLOC_GRANULE);
+  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++)
+    if (fixed[i]) fixed_bytes += (double)fy_device_round(fixed[i], gran);
   // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
   const double scratch = gpu ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
-  double block = (double)fy_device_round((size_t)chunk_bytes, FY_HOST_ALLOC_GRANULE);
+  double block = (double)fy_device_round((size_t)chunk_bytes, gran);
   out->min_device_bytes = fixed_bytes + dev_state + min_blocks * block;
   int n_blocks = k->blocks;
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (as the runtime)
@@ -376,9 +386,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
   // As the runtime counts (runtime/trainer.c, setup_offload): when the host cannot hold every
   // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
-  double per_chunk_state = ce * host_state_bytes(pb, k->grad_accum > 1) * share;  // (gradients,) m, v
-  double params_host = np * host_weight_bytes(pb) * share, reserve = 3 * (double)ce * 4,
+  double per_chunk_state = ce * host_state_bytes(cdt, k->grad_accum > 1) * share;  // (gradients,) m, v
+  double params_host = np * host_weight_bytes(cdt, pb) * share, reserve = 3 * (double)ce * 4,
          disk_reserve = 5 * (double)ce * 4 / dp;  // (five of the rank's shards of a chunk)
+  // Sharded tensor-parallel ranks: each first holds its slices whole (made from the whole model,
+  // as one rank's), and gives them back once its shards are taken: a peak the host must hold.
+  if (sharded && tp > 1) params_host += np * 4;
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
   int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;
@@ -426,8 +439,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double h2d = probe->h2d_gbps, d2h = probe->d2h_gbps;
   st = fy_timeline_create((size_t)probe->device_mem + 4096, h2d, d2h, &s.dev);
   if (st == FY_OK) fy_timeline_set_copy_latency(s.dev, probe->copy_latency_us * 1e-6);
+  if (st == FY_OK) fy_timeline_set_granule(s.dev, gran);
   void *p;
-  for (size_t i = 0; st == FY_OK && i < sizeof fixed / sizeof *fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
+  for (size_t i = 0; st == FY_OK && i < sizeof fixed / sizeof *fixed; i++)
+    if (fixed[i]) st = fy_device_alloc(s.dev, fixed[i], &p);
   void *dbatch = p;
   for (int c = 0; st == FY_OK && c < n_dev; c++)
     for (size_t i = 0; st == FY_OK && i < sizeof dev_buf / sizeof *dev_buf; i++)

@@ -67,10 +67,11 @@ struct fy_cost {
   int64_t loads_per_step;
 };
 
-// Host bytes per parameter of an offloaded model (runtime/offload.h): the fp32 master weights,
-// their copy in the compute dtype when that is 16-bit (what crosses the link), AdamW's m and v,
-// and fp32 gradients unless a 16-bit payload's come home over that copy (no accumulation).
-double fy_cost_host_bytes_per_param(int payload_bytes, bool accumulate);
+// Host bytes per parameter of an offloaded model (runtime/offload.h), as runtime/trainer.c counts
+// them: the fp32 master weights, with 16-bit compute their copy in the payload (what crosses the
+// link: a GPU's bf16, 2 bytes; the sim device's rounded floats, 4), AdamW's m and v, and fp32
+// gradients unless 16-bit compute's come home over that copy (without accumulation).
+double fy_cost_host_bytes_per_param(enum fy_dtype compute, int payload_bytes, bool accumulate);
 
 // A model resident on a GPU with micro-batches of B x T, its graph as the cuda engine runs it
 // (flash attention; recomputation when asked; 16-bit activations with bf16): *bytes it takes there

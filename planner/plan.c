@@ -84,11 +84,13 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
       for (int rc = 0; rc < 2; rc++)
         for (int64_t mult = 1; mult <= 4; mult *= 2) {
           if (mult > 1 && min_chunk * mult / 2 > total) break;
+          // (sharded over dp ranks: whole 64-byte lines a shard, as a plan file must say)
+          const int64_t line = 16 * (int64_t)dp, ce = (min_chunk * mult + line - 1) / line * line;
           struct fy_plan_knobs kbest = {0};  // this chunk size's fastest prefetch without device chunks
           struct fy_cost cbest = {0};
           for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
             struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
-                                      .chunk_elems = min_chunk * mult, .blocks = 0, .prefetch = pf,
+                                      .chunk_elems = ce, .blocks = 0, .prefetch = pf,
                                       .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp};
             snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);

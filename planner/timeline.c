@@ -20,6 +20,7 @@ struct tl_event {
 struct tl {
   double rate[2];         // bytes/s: 0 host->device, 1 device->host
   double latency;         // seconds per copy, besides bytes / rate
+  size_t granule;         // allocations count in whole blocks of this many bytes
   double link_free[2];    // when each direction's link is free
   uintptr_t next;         // bump allocator of fake addresses
   struct fy_copy_stats stats;
@@ -55,7 +56,7 @@ static void add_span(struct fy_device *d, int stream, double start, double end, 
 }
 
 static fy_status tl_alloc(struct fy_device *d, size_t n, void **out) {
-  size_t r = fy_device_round(n, FY_HOST_ALLOC_GRANULE);
+  size_t r = fy_device_round(n, TL(d)->granule);
   if (d->cap && d->bytes_in_use + r > d->cap)
     return fy_error_set(FY_ERR_NOMEM, "%s device: %zu bytes requested with %zu of %zu in use", d->name, n,
                         d->bytes_in_use, d->cap);
@@ -67,7 +68,7 @@ static fy_status tl_alloc(struct fy_device *d, size_t n, void **out) {
 }
 
 static void tl_free(struct fy_device *d, void *p, size_t n) {
-  if (p) d->bytes_in_use -= fy_device_round(n, FY_HOST_ALLOC_GRANULE);
+  if (p) d->bytes_in_use -= fy_device_round(n, TL(d)->granule);
 }
 
 static fy_status tl_stream_create(struct fy_device *d, fy_stream **out) {
@@ -99,6 +100,7 @@ static fy_status tl_copy(fy_stream *s, void *dst, const void *src, size_t n) {
 }
 
 void fy_timeline_set_copy_latency(struct fy_device *dev, double seconds) { TL(dev)->latency = seconds > 0 ? seconds : 0; }
+void fy_timeline_set_granule(struct fy_device *dev, size_t granule) { TL(dev)->granule = granule > 0 ? granule : 1; }
 
 static fy_status tl_memset(fy_stream *s, void *dst, int v, size_t n) { return FY_OK; }
 static fy_status tl_enqueue(fy_stream *s, fy_host_fn fn, void *arg) { return FY_OK; }  // not run
@@ -167,6 +169,7 @@ fy_status fy_timeline_create(size_t cap, double h2d_gbps, double d2h_gbps, struc
   t->rate[0] = h2d_gbps * 1e9;
   t->rate[1] = d2h_gbps * 1e9;
   t->next = FAKE_BASE;
+  t->granule = FY_HOST_ALLOC_GRANULE;
   d->kind = FY_DEVICE_SIM;
   d->name = "planned";
   d->ops = &fy_timeline_ops;

@@ -25,6 +25,9 @@ fy_status fy_timeline_create(size_t cap, double h2d_gbps, double d2h_gbps, struc
 // Every copy across the link also costs `seconds` of latency (the copy engine's hand-offs), on top
 // of bytes / rate. 0 by default.
 void fy_timeline_set_copy_latency(struct fy_device *dev, double seconds);
+// Allocations count rounded up to whole blocks of `granule` bytes, as the device being timed counts
+// them (core/device.h: 64 on cpu and sim, the default; 256 on cuda).
+void fy_timeline_set_granule(struct fy_device *dev, size_t granule);
 // Advances stream s by `seconds` of work after what it already has (a kernel, an optimizer step).
 void fy_timeline_run(fy_stream *s, double seconds, const char *label);
 double fy_timeline_clock(const fy_stream *s);

@@ -8,6 +8,7 @@
 
 #include "memory/cache.h"
 #include "memory/device_cache.h"
+#include "ops/cuda/parts.h"
 #include "ops/ops.h"
 
 
@@ -239,27 +240,37 @@ static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) 
 
 int fy_offload_min_blocks(const struct fy_model *m) { return fy_chunk_min_blocks(m->layout, m->graph->n_ops); }
 
-static size_t device_fixed_bytes(const struct fy_model *m) {
-  const struct fy_graph *g = m->graph;
-  size_t round = 64, bt = (size_t)(g->B * g->T) * 4;
-  size_t acts = (size_t)(g->act_elems + g->grad_elems + g->scratch_elems) * 4 + bt;
-  // Tensor parallelism: a column-split linear's partial input gradient (runtime/model.h, tp_buf).
-  size_t tp = g->tp > 1 ? (size_t)fy_graph_tp_buf_elems(g, m->cfg.hidden_size) * 4 + round : 0;
-  return acts + tp + 2 * 4 * bt + 8 * round;  // two micro-batches of ids, targets, mask, positions
+// The device memory besides the cache's blocks, as the model and the engine allocate it (runtime/
+// model.c, and below), each buffer counted as a device of that granule counts it: activations, their
+// gradients and scratch, positions; on a GPU the batch (dbatch) and the kernels' scratch
+// (cuBLASLt's workspace ...); with tensor parallelism a column-split linear's partial input
+// gradient (tp_buf); two micro-batches of ids, targets, mask and positions.
+static size_t device_fixed_bytes(const struct fy_graph *g, const struct fy_opt_config *cfg, bool gpu) {
+  const size_t gr = gpu ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE, bt = (size_t)(g->B * g->T);
+  size_t n = fy_device_round((size_t)g->act_elems * 4, gr) + fy_device_round((size_t)g->grad_elems * 4, gr) +
+             fy_device_round((size_t)g->scratch_elems * 4, gr) + fy_device_round(bt * 4, gr) +
+             2 * fy_device_round(4 * bt * 4, gr);
+  if (gpu) n += fy_device_round(3 * bt * 4, gr) + fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
+  if (g->tp > 1) n += fy_device_round((size_t)fy_graph_tp_buf_elems(g, cfg->hidden_size) * 4, gr);
+  return n;
 }
 
-static size_t min_device_bytes(const struct fy_model *m, size_t esize) {
-  return device_fixed_bytes(m) + (size_t)fy_offload_min_blocks(m) * (size_t)m->layout->chunk_elems * esize;
+static size_t min_device_bytes(const struct fy_model *m, bool gpu, size_t esize) {
+  const size_t gr = gpu ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE;
+  return device_fixed_bytes(m->graph, &m->cfg, gpu) +
+         (size_t)fy_offload_min_blocks(m) * fy_device_round((size_t)m->layout->chunk_elems * esize, gr);
 }
 
-size_t fy_offload_min_device_bytes(const struct fy_model *m) { return min_device_bytes(m, payload_bytes(m)); }
+size_t fy_offload_min_device_bytes(const struct fy_model *m) {
+  return min_device_bytes(m, m->dev->kind == FY_DEVICE_CUDA, payload_bytes(m));
+}
 
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, bool recompute,
-                                    bool forward_only, bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
+                                    bool forward_only, bool gpu, size_t elem_bytes, int64_t chunk_elems,
                                     size_t *min_bytes, int64_t *chunk_elems_out) {
   struct fy_model m = {.cfg = *cfg};
   FY_TRY(fy_opt_build_graph_tp(cfg, B, T, tp > 1 ? tp : 1, 0, &m.graph));
-  if (flash_attention) fy_graph_set_flash_attention(m.graph, true);
+  if (gpu) fy_graph_set_flash_attention(m.graph, true);
   if (recompute) fy_graph_set_recompute(m.graph, true);
   if (forward_only) fy_graph_set_forward_only(m.graph);
   fy_status st16 = elem_bytes == 2 ? fy_graph_set_act16(m.graph, true) : FY_OK;  // a GPU's bf16 activations
@@ -270,7 +281,7 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
   if (chunk_elems <= 0) chunk_elems = fy_chunk_min_elems(m.graph);
   fy_status st = fy_chunk_layout_create(m.graph, chunk_elems, &m.layout);
   if (st == FY_OK) {
-    *min_bytes = min_device_bytes(&m, elem_bytes);
+    *min_bytes = min_device_bytes(&m, gpu, elem_bytes);
     *chunk_elems_out = m.layout->chunk_elems;
   }
   fy_chunk_layout_free(m.layout);
@@ -536,7 +547,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (not the device's own)
     size_t used = dev->bytes_in_use + o->device_reserve;
     size_t left = dev->cap > used ? dev->cap - used : 0;
-    n_blocks = (int)(left / (block + 64));
+    n_blocks = (int)(left / fy_device_round(block, fy_device_granule(dev)));
     int most = m->layout->n_chunks - x->n_dev > min_blocks ? m->layout->n_chunks - x->n_dev : min_blocks;
     if (n_blocks > most) n_blocks = most;
   }
@@ -548,7 +559,8 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
                         "activations%s; it needs at least %.1f MiB (try --recompute, a smaller batch "
                         "or sequence, or smaller chunks)",
                         dev->name, dev->cap / 1048576.0, min_blocks, block / 1048576.0,
-                        device_fixed_bytes(m) / 1048576.0, o->device_reserve ? " and the key/value cache" : "",
+                        device_fixed_bytes(m->graph, &m->cfg, dev->kind == FY_DEVICE_CUDA) / 1048576.0,
+                        o->device_reserve ? " and the key/value cache" : "",
                         (fy_offload_min_device_bytes(m) + (double)o->device_reserve) / 1048576.0);
   }
   x->n_blocks = n_blocks;

@@ -76,9 +76,10 @@ int fy_offload_min_blocks(const struct fy_model *m);
 // bytes per element (4, or 2 for bf16 on a GPU, whose activations are then 16-bit too);
 // chunk_elems 0 means the smallest chunk that holds
 // the largest parameter group (the default when offloading), and *chunk_elems_out is the chunk
-// size used; forward_only for evaluation, flash_attention for a GPU's kernels (core/graph.h).
+// size used; forward_only for evaluation; gpu for a GPU's kernels (flash attention, core/graph.h),
+// their scratch, and its allocation granule.
 fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, bool recompute,
-                                    bool forward_only, bool flash_attention, size_t elem_bytes, int64_t chunk_elems,
+                                    bool forward_only, bool gpu, size_t elem_bytes, int64_t chunk_elems,
                                     size_t *min_bytes, int64_t *chunk_elems_out);
 
 // With a 16-bit compute dtype and one micro-batch a step the chunks' gradients come home over

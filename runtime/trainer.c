@@ -314,16 +314,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
       FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, r->tp, o->recompute, r->eval, cuda, esize, (ce0 + q - 1) / q * q,
                                        &need, &ce0));
   }
-#if FY_HAVE_CUDA
-  // The cuda engine's own buffers come out of the same cap: a layer's 16 parameters at most, and
-  // the widest op (fc2 reads the feed-forward width).
-  if (cuda) {
-    int64_t wide = cfg->ffn_dim > cfg->hidden_size ? cfg->ffn_dim : cfg->hidden_size;
-    if (cfg->word_embed_proj_dim > wide) wide = cfg->word_embed_proj_dim;
-    need += fy_cuda_scratch_bytes(16 * cfg->num_hidden_layers + 8, wide);
-  }
-#endif
-  need += o->device_reserve;
+  need += o->device_reserve;  // (the cuda engine's own buffers are in need: they come out of the same cap)
   if (need > dev_mem) {
     char has[32], chunk_b[32], need_b[32];
     return fy_error_set(FY_ERR_NOMEM,
@@ -1609,7 +1600,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       json_number(norm_json, norm, "%.6g");
       json_number(val_json, res->val_loss, "%.6f");
       fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%s,\"step_s\":%.6f,"
-              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.1f,"
+              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.4f,"
               "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
               (long long)step + 1, loss_json, lr, norm_json, dt, tok_s, gflops, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
@@ -1623,14 +1614,16 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     }
     if (!o->quiet) {
       if (tty) printf("\r\033[K");
-      // Offloaded, the peak that matters is the device's (under --device-mem); else the process's.
+      // Offloaded or on a GPU, the peak that matters is the device's (under --device-mem); on the
+      // cpu the process's.
+      const bool dev_peak = r.x || r.gpu >= 0;
       char peak[32];
-      fy_format_bytes(r.x ? (double)r.dev->bytes_peak : rss, peak, sizeof peak);
+      fy_format_bytes(dev_peak ? (double)r.dev->bytes_peak : rss, peak, sizeof peak);
       char loss_txt[32] = "     -";  // every target ignored (loss NaN)
       if (isfinite(loss)) snprintf(loss_txt, sizeof loss_txt, "%.4f", loss);
       printf("step %5lld/%lld | loss %s | lr %.2e | norm %6.3f | %8.0f tok/s | %6.1f GFLOP/s | "
              "%s peak %9s | %.0f ms\n",
-             (long long)step + 1, (long long)o->steps, loss_txt, lr, norm, tok_s, gflops, r.x ? "device" : "RSS",
+             (long long)step + 1, (long long)o->steps, loss_txt, lr, norm, tok_s, gflops, dev_peak ? "device" : "RSS",
              peak, dt * 1e3);
       if (validated)
         printf("validation after step %lld | loss %.4f | perplexity %.4g | %lld batches of %lld x %lld | %.0f ms\n",

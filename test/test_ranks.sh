@@ -288,17 +288,26 @@ for a in "${common[@]}"; do [ "$a" = --quiet ] || loud+=("$a"); done
 compare one planned 1e-5 && ok "2 ranks running the planner's 2-rank plan follow 1 rank" || bad "the 2-rank plan's run differs"
 # A tensor-parallel plan file (1 x 2): its chunks hold one rank's half of each group, smaller than
 # the whole model's largest (3168 floats for opt-tiny; 3104 is a plan the search wrote on a CI
-# machine, refused once as too small for a group it does not hold).
+# machine, refused once as too small for a group it does not hold). It runs as 1 rank does, and
+# in the device memory its plan predicts (a rank's buffers of its own counted: once they were not).
 python3 - "$tmp/plan2.json" "$tmp/plantp.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
-p.update(dp=1, tp=2, pattern="replicate", micro_batch=4, grad_accum=1, chunk_elems=3104, device_chunks=0)
+p.update(dp=1, tp=2, pattern="replicate", micro_batch=4, grad_accum=1, chunk_elems=3104, blocks=2, device_chunks=0)
 json.dump(p, open(sys.argv[2], "w"))
 PY
-"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/plantp.json" --log "$tmp/plannedtp.json" \
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/plantp.json" --log "$tmp/plannedtp.json" \
   --save "$tmp/plannedtp" >"$tmp/plannedtp.out" 2>&1 || { bad "2 ranks run a tensor-parallel plan"; cat "$tmp/plannedtp.out"; }
 compare one plannedtp 1e-5 && ok "2 ranks running a tensor-parallel plan file follow 1 rank" \
   || bad "the tensor-parallel plan's run differs"
+peak=$(sed -n 's/^  memory per rank: device \([0-9.]*\) KiB (peak).*/\1/p' "$tmp/plannedtp.out" | head -1)
+if [ -n "$peak" ] && "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --steps 2 --device-mem "$(python3 -c \
+    "import math, sys; print(math.ceil(float(sys.argv[1]) * 1024 + 52))" "$peak")" --plan "$tmp/plantp.json" \
+    >"$tmp/tppeak.out" 2>&1; then
+  ok "a tensor-parallel plan runs in the device memory it predicts ($peak KiB)"
+else
+  bad "a tensor-parallel plan needs more than its predicted ${peak:-?} KiB"; cat "$tmp/plannedtp.out" "$tmp/tppeak.out"
+fi
 n=$(grep -c "^  2 ranks: " "$tmp/planned.out")
 [ "$n" -eq 1 ] && ok "rank 0 alone prints the plan it runs" || { bad "the plan printed $n times"; cat "$tmp/planned.out"; }
 # --plan auto under mpirun: rank 0 alone reads or measures the machine, and every rank plans from
