@@ -88,6 +88,10 @@ if [ "$plain" = 1 ]; then
       echo "== skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
       skipped=$((skipped + 5))
     fi
+    # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
+    # models, batches, memory, precisions and ranks on the sim device).
+    echo "== random plans on the sim device: each trains in the memory it predicts (test/plan_random.py)"
+    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 40 1
   else
     failed=$((failed + 1))
   fi
@@ -98,8 +102,8 @@ fi
 # training on the emulated GPU against the CPU (fp32, bf16, accumulation, resume, offloaded,
 # chunks kept on the GPU, dropout), the GPUs it refuses (test/cuda_compat.sh), the nccl
 # communicator and training on several emulated GPUs
-# (mpirun, the emulator's NCCL) against one, and random configurations trained on it against
-# transformers.
+# (mpirun, the emulator's NCCL) against one, random plans trained in the memory they predict, and
+# random configurations trained on it against transformers.
 if [ "$plain" = 1 ]; then
   if [ ! -f /usr/local/cuda/include/cublasLt.h ] && [ ! -f /usr/include/cublasLt.h ]; then
     echo "== skipped: the CUDA emulator (no CUDA toolkit headers)"
@@ -120,6 +124,8 @@ if [ "$plain" = 1 ]; then
       echo "skipped: no mpirun"
       skipped=$((skipped + 1))
     fi
+    echo "== random plans on 1 to 4 emulated GPUs, resident and offloaded: each trains in the memory it predicts"
+    FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 30 1 --gpu
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
       echo "== random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
