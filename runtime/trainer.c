@@ -1269,7 +1269,8 @@ static double dir_bytes(const char *root) {
 // replicas. With several ranks (comm), rank 0 alone reads or measures the machine (timing it while
 // the others time it too would measure them all) and every rank plans from its figures: the same
 // plan everywhere.
-static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
+// seq_given: --seq was given (not the default), so a plan for other sequences says it overrides it.
+static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_given) {
   const bool cuda = o->device && strcmp(o->device, "cuda") == 0, automatic = strcmp(o->plan, "auto") == 0;
   const int ranks = fy_comm_size(comm), rank = fy_comm_rank(comm);
   if (cuda && automatic && !FY_HAVE_CUDA)
@@ -1326,7 +1327,7 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm) {
     if (plan.k.resident && o->offload)
       return fy_error_set(FY_ERR_INVALID, "--plan %s keeps the whole model on the GPU (resident), and --offload asks "
                           "for it offloaded: drop --offload, or write an offloaded plan (ferry plan --offload)", o->plan);
-    if (plan.k.seq != o->seq && fy_comm_launch_rank() == 0)  // (rank 0 speaks for all)
+    if (plan.k.seq != o->seq && seq_given && fy_comm_launch_rank() == 0)  // (rank 0 speaks for all)
       fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
                   (long long)plan.k.seq, (long long)o->seq);
     if (plan.dp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
@@ -1429,7 +1430,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   // on; until then every return frees it.
   struct fy_comm *comm = NULL;
   FY_TRY(make_comm(o, &comm));
-  fy_status st = given->plan ? apply_plan(&eff, comm) : FY_OK;
+  fy_status st = given->plan ? apply_plan(&eff, comm, given->seq != 0) : FY_OK;
   if (st == FY_OK) st = check_train_opts(&eff);
   if (st != FY_OK) {
     fy_comm_free(comm);
