@@ -3,7 +3,8 @@
 scaled at random, sometimes a disk tier), models, batches, device memory, precisions and numbers of
 ranks; for each, `ferry plan --out FILE` (or its refusal: too little memory, no grid for the ranks),
 then `ferry train --plan FILE` on those ranks with that device memory and the host memory the plan
-says, which must train, with the device peak the plan predicted (to the log's 100 bytes). test.sh
+says, which must train, with the device peak the plan predicted (to the log's 100 bytes); on the
+sim device, half the time, `ferry train --plan auto` too, which must run the same plan. test.sh
 runs it on the sim device, and with --gpu on the CUDA emulator (up to FY_EMU_GPUS GPUs; resident
 and offloaded plans).
 
@@ -104,6 +105,7 @@ def main():
             bad += 1
             print("FAIL  %s: ferry plan exit %d\n  %s\n  %s" % (what, r.returncode, " ".join(cmd), r.stderr.strip()[-500:]))
             continue
+        plan_out = r.stdout
         knobs = json.load(open(plan))
         lay = "dp %d x tp %d, chunk %d, %s" % (knobs["dp"], knobs["tp"], knobs["chunk_elems"],
                                               "resident" if knobs.get("resident") else "%d blocks" % knobs["blocks"])
@@ -131,6 +133,26 @@ def main():
                 what, lay, said, got, got - said, " ".join(train)))
             continue
         print("ok    %s (%s): trained, device peak %s as planned" % (what, lay, fmt_bytes(said)))
+        # On the sim device, ferry train --plan auto over the same global batch (each rank's share
+        # given) runs the plan ferry plan chose: the same plan printed, the same losses.
+        if gpu or batch % ranks or rng.random() < 0.5:
+            continue
+        auto = train[:train.index("--plan")] + ["--plan", "auto", "--batch", str(batch // ranks), "--log", log + ".auto",
+                                                "--steps", "2", "--threads", "1", "--seq", str(seq)] + common
+        if disk:
+            auto += ["--disk-dir", tmp]
+        r = subprocess.run(auto, capture_output=True, text=True, env=dict(env, FERRY_PROBE=ppath), timeout=600)
+        def plan_lines(out):  # (not ferry plan's count of plans or its hint of another precision)
+            return [l for l in out.splitlines() if l.startswith("  ") and not re.search(r"simulated|--precision", l)]
+        said_plan, auto_plan = plan_lines(plan_out), plan_lines(r.stdout)
+        losses = [(x["step"], x["loss"]) for x in logged]
+        if r.returncode != 0 or auto_plan != said_plan or losses != [
+                (x["step"], x["loss"]) for x in map(json.loads, open(log + ".auto"))]:
+            bad += 1
+            print("FAIL  %s: --plan auto ran another plan (exit %d)\n  %s\n  ferry plan: %s\n  --plan auto: %s" % (
+                what, r.returncode, " ".join(auto), said_plan, auto_plan or (r.stdout + r.stderr)[-400:]))
+            continue
+        print("ok    %s: --plan auto ran the same plan" % what)
     if bad:
         print("(the cases' probes and plans are kept in %s)" % tmp)
     else:
