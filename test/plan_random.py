@@ -32,6 +32,24 @@ def fmt_bytes(b):  # as ferry prints sizes (core/parse.c, fy_format_bytes)
     return "%.0f B" % b
 
 
+def random_model(rng, path):
+    """A random OPT configuration (heads, widths, depth, pre- or post-norm, a projected embedding,
+    biases, affine norms, tied or not, activation, dropout) written as path/config.json."""
+    heads, head_size = rng.choice([1, 2, 3, 4]), rng.choice([4, 6, 8, 16])
+    hidden = heads * head_size
+    cfg = dict(model_type="opt", architectures=["OPTForCausalLM"], vocab_size=rng.randint(97, 300),
+               hidden_size=hidden, num_attention_heads=heads, ffn_dim=rng.choice([hidden, 2 * hidden, 4 * hidden, 36]),
+               num_hidden_layers=rng.randint(1, 3), max_position_embeddings=rng.choice([64, 100]),
+               word_embed_proj_dim=hidden if rng.random() < 0.7 else rng.choice([8, 12, 24]),
+               do_layer_norm_before=rng.random() < 0.7, enable_bias=rng.random() < 0.8,
+               layer_norm_elementwise_affine=rng.random() < 0.8, tie_word_embeddings=rng.random() < 0.7,
+               activation_function=rng.choice(["relu", "gelu"]), dropout=rng.choice([0.0, 0.0, 0.1]),
+               attention_dropout=0.0, layerdrop=0.0, init_std=0.02, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    os.makedirs(path, exist_ok=True)
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     gpu = "--gpu" in sys.argv[1:]
@@ -70,13 +88,15 @@ def main():
             p.update(disk_dir=tmp, disk_read_gbps=rng.uniform(0.5, 5), disk_write_gbps=rng.uniform(0.5, 5))
         ppath = os.path.join(tmp, "probe%d.json" % case)
         json.dump(p, open(ppath, "w"))
-        model = rng.choice(["opt-tiny", "opt-tiny", "opt-demo"])
+        model = rng.choice(["opt-tiny", "opt-tiny", "opt-demo", "random"])
+        if model == "random":  # an OPT configuration of odd sizes and flags, as a config directory
+            model = random_model(rng, os.path.join(tmp, "model%d" % case))
         ranks = rng.choice([r for r in (1, 1, 2, 3, 4) if r <= max_ranks and (r == 1 or mpirun)])
         batch = rng.choice([1, 2, 3, 4, 6, 8])
         seq = rng.choice([16, 32, 48, 64])
         if gpu:  # (a GPU's kernels keep scratch of their own: cuBLASLt's workspace, 32 MiB)
             mem = rng.choice(["33MiB", "34MiB", "36MiB", "40MiB", "48MiB", "256MiB"])
-        elif model == "opt-tiny":
+        elif model != "opt-demo":
             mem = rng.choice(["200KiB", "320KiB", "512KiB", "1MiB", "4MiB", "64MiB"])
         else:
             mem = rng.choice(["2MiB", "3MiB", "4MiB", "8MiB", "16MiB", "256MiB"])
@@ -91,7 +111,7 @@ def main():
             common += ["--precision", prec]
         plan = os.path.join(tmp, "plan%d.json" % case)
         log = os.path.join(tmp, "log%d.json" % case)
-        what = "%s batch %d x %d, %d rank%s, %s, %s%s%s" % (model, batch, seq, ranks, "s" * (ranks > 1), mem,
+        what = "%s batch %d x %d, %d rank%s, %s, %s%s%s" % (os.path.basename(model), batch, seq, ranks, "s" * (ranks > 1), mem,
                                                           prec or "default precision", "".join(" " + e for e in extra),
                                                           ", disk tier" if disk else "")
         cmd = [ferry, "plan", "--batch", str(batch), "--seq", str(seq), "--gpus", str(ranks), "--probe-file", ppath,
