@@ -27,9 +27,10 @@
 static bool parse_i64(const char *flag, const char *s, int64_t min, int64_t *out);
 static bool parse_size(const char *flag, const char *s, size_t *out);
 
-// Stopping a run. The first SIGINT or SIGTERM asks the trainer to stop after the current step (and
-// checkpoint); a second one ends the process at once, by the signal's own default action, as an
-// unhandled signal would. Checkpoints are renamed into place whole, so nothing is left half-written.
+// Stopping a run. The first SIGINT, SIGTERM or SIGHUP (its terminal closed; unless ignored, as
+// under nohup) asks the trainer to stop after the current step (and checkpoint); a second one ends
+// the process at once, by the signal's own default action, as an unhandled signal would.
+// Checkpoints are renamed into place whole, so nothing is left half-written.
 //
 // The signals are taken by one thread of ours in sigwait(), blocked in every other thread (which
 // inherit the mask: it is set before the run starts any). A handler instead would run on whatever
@@ -64,19 +65,21 @@ static void *stop_signal_thread(void *arg) {
   return NULL;
 }
 
-// Blocks SIGINT and SIGTERM in this thread (and so in every thread it starts from now on) and
-// starts the thread that takes them; stop_or_exit is also their handler, for a thread that was
+// Blocks SIGINT, SIGTERM and SIGHUP in this thread (and so in every thread it starts from now on)
+// and starts the thread that takes them; stop_or_exit is also their handler, for a thread that was
 // started before the mask was set (by a library: none is now). Until a run sets stop_armed, a
-// signal ends the process at once.
+// signal ends the process at once. A SIGHUP that is ignored (nohup) stays ignored.
 static void stop_signals_start(void) {
   static sigset_t set;
   sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  struct sigaction sa = {.sa_handler = stop_or_exit};
+  struct sigaction sa = {.sa_handler = stop_or_exit}, hup;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
+  const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+  for (int i = 0; i < 3; i++) {
+    if (sigs[i] == SIGHUP && (sigaction(SIGHUP, NULL, &hup) != 0 || hup.sa_handler == SIG_IGN)) continue;
+    sigaddset(&set, sigs[i]);
+    sigaction(sigs[i], &sa, NULL);
+  }
   pthread_t t;
   if (pthread_sigmask(SIG_BLOCK, &set, NULL) != 0 || pthread_create(&t, NULL, stop_signal_thread, &set) != 0) {
     pthread_sigmask(SIG_UNBLOCK, &set, NULL);  // no thread: the handler takes them where they land
@@ -508,10 +511,12 @@ static void usage_train(FILE *f, bool eval) {
           "  weights, gradients and AdamW state; --device-chunks 0 keeps the shards in the host\n"
           "  tier, a number >= the chunks keeps them on the device); so does --device cuda\n"
           "  --offload, one GPU per rank, the blocks gathered and reduce-scattered through NCCL.\n"
-          "\nSIGINT or SIGTERM ends the run after the current step, with a checkpoint when\n"
-          "--save-every is on; a second one ends it at once (checkpoints are written atomically).\n"
+          "\nSIGINT, SIGTERM or SIGHUP (unless ignored: nohup) ends the run after the current step,\n"
+          "with a checkpoint when --save-every is on; a second one ends it at once (checkpoints are\n"
+          "written atomically).\n"
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
-          "(6 x parameters x tokens plus attention, per second), peak resident memory, step time.\n",
+          "(6 x parameters x tokens plus attention, per second), peak memory (the device's when\n"
+          "offloaded or on a GPU, else the process's resident set), step time.\n",
           (long long)d.steps, d.lr, d.adamw.weight_decay, d.adamw.beta1, d.adamw.beta2, d.adamw.eps,
           d.adamw.clip, (long long)d.val_batches);
 }

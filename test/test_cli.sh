@@ -164,6 +164,26 @@ kill -INT "$pid"
 wait "$pid"; code=$?
 if [ "$code" -eq 0 ] && [ -f "$tmp/sig/latest" ]; then pass=$((pass + 1)); echo "ok    SIGINT ends the run with a checkpoint and exit 0"
 else fail=$((fail + 1)); echo "FAIL  SIGINT: exit $code, latest $(cat "$tmp/sig/latest" 2>&1)"; fi
+# SIGHUP (the terminal closed) stops the run as SIGINT does; under nohup (SIGHUP ignored) it runs on.
+"$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/hup" --save-every 1000000 --quiet >/dev/null 2>&1 &
+pid=$!
+sleep 1.5
+kill -HUP "$pid"
+wait "$pid"; code=$?
+if [ "$code" -eq 0 ] && [ -f "$tmp/hup/latest" ]; then pass=$((pass + 1)); echo "ok    SIGHUP ends the run with a checkpoint and exit 0"
+else fail=$((fail + 1)); echo "FAIL  SIGHUP: exit $code, latest $(cat "$tmp/hup/latest" 2>&1)"; fi
+nohup "$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/nohup" --save-every 1000000 --quiet >/dev/null 2>&1 &
+pid=$!
+sleep 1.5
+kill -HUP "$pid"
+sleep 1
+if kill -0 "$pid" 2>/dev/null; then
+  kill -TERM "$pid"; wait "$pid"; code=$?
+  if [ "$code" -eq 0 ] && [ -f "$tmp/nohup/latest" ]; then pass=$((pass + 1)); echo "ok    under nohup SIGHUP is ignored (SIGTERM then stops it)"
+  else fail=$((fail + 1)); echo "FAIL  under nohup, SIGTERM after SIGHUP: exit $code"; fi
+else
+  wait "$pid"; fail=$((fail + 1)); echo "FAIL  under nohup SIGHUP ended the run (exit $?)"
+fi
 # (a model whose steps take a while, so that the second signal comes before the run is over)
 slow=(--model opt-demo --data "$tmp/ok.bin" --batch 16 --seq 128)
 # (its stderr is kept, and shown when the check fails. This check once failed in about one run of
