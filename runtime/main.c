@@ -615,9 +615,9 @@ static int cmd_train(int argc, char **argv, bool eval) {
       case OPT_MODEL: o.model = optarg; break;
       case OPT_INIT: o.init = optarg; break;
       case OPT_DATA: o.data = optarg; break;
-      case OPT_BATCH: ok = parse_i64("--batch", optarg, 1, &o.batch); break;
+      case OPT_BATCH: ok = parse_i64("--batch", optarg, 1, &o.batch); o.batch_given = true; break;
       case OPT_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
-      case OPT_ACCUM: ok = parse_i64("--grad-accum", optarg, 1, &o.grad_accum); break;
+      case OPT_ACCUM: ok = parse_i64("--grad-accum", optarg, 1, &o.grad_accum); o.batch_given = true; break;
       case OPT_STEPS: ok = parse_i64("--steps", optarg, 0, &o.steps); break;
       case OPT_LR: ok = parse_f32("--lr", optarg, 0, &o.lr); break;
       case OPT_MIN_LR: ok = parse_f32("--min-lr", optarg, 0, &o.min_lr); break;

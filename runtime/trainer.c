@@ -1330,6 +1330,11 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
     if (plan.k.seq != o->seq && seq_given && fy_comm_launch_rank() == 0)  // (rank 0 speaks for all)
       fy_log_info("--plan %s is for sequences of %lld tokens, not %lld: the plan's are used", o->plan,
                   (long long)plan.k.seq, (long long)o->seq);
+    if (o->batch_given && (plan.k.micro_batch != o->batch || plan.k.grad_accum != o->grad_accum) &&
+        fy_comm_launch_rank() == 0)
+      fy_log_info("--plan %s is for micro-batches of %lld sequences, %lld accumulated a step, not --batch %lld "
+                  "--grad-accum %lld: the plan's are used", o->plan, (long long)plan.k.micro_batch,
+                  (long long)plan.k.grad_accum, (long long)o->batch, (long long)o->grad_accum);
     if (plan.dp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
                           plan.dp * plan.tp, plan.dp, plan.tp, ranks);

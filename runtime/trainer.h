@@ -19,6 +19,7 @@ struct fy_train_opts {
   const char *init;       // "random" or a Hugging Face model directory
   const char *data;       // shard, directory of shards, or glob
   int64_t batch, seq, grad_accum, steps;  // seq 0: FY_DEFAULT_SEQ, or the model's positions if fewer
+  bool batch_given;       // --batch or --grad-accum was given (a plan file's replace them: said so)
   float lr, min_lr;       // peak and final learning rate of the schedule (min_lr < 0: lr / 10)
   // After the warmup: "cosine" (default) or "linear" from lr down to min_lr at the last step, or
   // "constant" (lr throughout).

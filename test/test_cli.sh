@@ -241,14 +241,17 @@ expect 0 "ferry plan --model of a checkpoint root plans its model" "predicted: .
 grep -q "<svg" "$tmp/plan.svg" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the step is drawn as SVG"; } || { fail=$((fail + 1)); echo "FAIL  no SVG"; }
 expect 0 "ferry train --plan FILE runs the plan" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" \
   --device-mem 64MiB --plan "$tmp/plan.json" --steps 2
-# The plan's sequences are the run's: said when --seq asks for others, not when --seq is left out.
+# The plan's sequences and batches are the run's: said when --seq or --batch asks for others, not
+# when they are left out.
+expect 0 "--plan FILE with another --batch says the plan's are used" "micro-batches of [0-9]+ sequences, [0-9]+ accumulated a step, not --batch 3" \
+  -- train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan.json" --steps 1 --batch 3
 expect 0 "--plan FILE with another --seq says the plan's are used" "for sequences of 32 tokens, not 16" -- train \
   --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan.json" --steps 1 --seq 16
 out="$("$ferry" train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plan.json" --steps 1 2>&1)"
-if [ $? -eq 0 ] && ! printf '%s' "$out" | grep -q "for sequences of"; then
-  pass=$((pass + 1)); echo "ok    --plan FILE without --seq says nothing of sequences"
+if [ $? -eq 0 ] && ! printf '%s' "$out" | grep -qE "for sequences of|for micro-batches of"; then
+  pass=$((pass + 1)); echo "ok    --plan FILE without --seq or --batch says nothing of them"
 else
-  fail=$((fail + 1)); printf 'FAIL  --plan FILE without --seq\n%s\n' "$(printf '%s' "$out" | tail -5)"
+  fail=$((fail + 1)); printf 'FAIL  --plan FILE without --seq or --batch\n%s\n' "$(printf '%s' "$out" | tail -5)"
 fi
 expect 0 "ferry train --plan auto" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB \
   --batch 4 --seq 32 --plan auto --steps 2
