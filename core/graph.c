@@ -346,6 +346,20 @@ enum fy_fusion fy_graph_fusion(const struct fy_graph *g, int o) {
   return FY_FUSED_NONE;
 }
 
+int fy_graph_offload_buffers(const struct fy_graph *g, int64_t hidden, bool gpu, size_t bytes[FY_GRAPH_OFFLOAD_BUFS]) {
+  const size_t bt = (size_t)(g->B * g->T);
+  int n = 0;
+  bytes[n++] = (size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4;
+  bytes[n++] = (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4;
+  bytes[n++] = (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4;
+  if (g->tp > 1) bytes[n++] = (size_t)fy_graph_tp_buf_elems(g, hidden) * 4;
+  if (gpu) bytes[n++] = 3 * bt * 4;
+  bytes[n++] = bt * 4;
+  bytes[n++] = 4 * bt * 4;
+  bytes[n++] = 4 * bt * 4;
+  return n;
+}
+
 double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
                             size_t granule) {
   const int64_t np = g->n_param_elems, bt = g->B * g->T;

@@ -196,6 +196,13 @@ static inline int64_t fy_graph_tp_buf_elems(const struct fy_graph *g, int64_t hi
 // the run sets them), the positions, the batch and tp_buf.
 double fy_graph_model_bytes(const struct fy_graph *g, int64_t hidden, bool train, bool bf16, bool accumulate,
                             size_t granule);
+// The device buffers an offloaded model of this graph keeps besides its chunks, in the order they
+// are allocated (runtime/model.c, runtime/offload.c; the planner prices the same list): the
+// arenas, tp_buf (tensor parallelism), the model's batch in device memory (gpu: dbatch), the
+// positions, and last the offload engine's two micro-batches of ids, targets, mask and positions.
+// Writes their bytes (unrounded; at least 1 for an arena) and returns how many.
+#define FY_GRAPH_OFFLOAD_BUFS 8
+int fy_graph_offload_buffers(const struct fy_graph *g, int64_t hidden, bool gpu, size_t bytes[FY_GRAPH_OFFLOAD_BUFS]);
 const char *fy_op_kind_name(enum fy_op_kind k);
 
 #endif

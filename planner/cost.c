@@ -357,17 +357,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
 
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
   // The arenas count floats (a GPU's bf16 activations two to a float: the graph's act16).
-  size_t bt = (size_t)(g->B * g->T);
-  // (With tensor parallelism also a column-split linear's partial input gradient, runtime/model.h's
-  // tp_buf; none without. On a GPU the model's batch in device memory, dbatch. The batch's buffer
-  // last: the simulation stages the batch into it.)
-  size_t fixed[] = {(size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4, (size_t)(g->grad_elems > 0 ? g->grad_elems : 1) * 4,
-                    (size_t)(g->scratch_elems > 0 ? g->scratch_elems : 1) * 4,
-                    g->tp > 1 ? (size_t)fy_graph_tp_buf_elems(g, cfg->hidden_size) * 4 : 0, gpu ? 3 * bt * 4 : 0,
-                    bt * 4, 4 * bt * 4, 4 * bt * 4};
+  size_t fixed[FY_GRAPH_OFFLOAD_BUFS];  // (the batch's buffer last: the simulation stages the batch into it)
+  const int n_fixed = fy_graph_offload_buffers(g, cfg->hidden_size, gpu, fixed);
   double fixed_bytes = 0;
-  for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++)
-    if (fixed[i]) fixed_bytes += (double)fy_device_round(fixed[i], gran);
+  for (int i = 0; i < n_fixed; i++) fixed_bytes += (double)fy_device_round(fixed[i], gran);
   // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
   const double scratch = gpu ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   fixed_bytes += scratch;
@@ -441,8 +434,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (st == FY_OK) fy_timeline_set_copy_latency(s.dev, probe->copy_latency_us * 1e-6);
   if (st == FY_OK) fy_timeline_set_granule(s.dev, gran);
   void *p;
-  for (size_t i = 0; st == FY_OK && i < sizeof fixed / sizeof *fixed; i++)
-    if (fixed[i]) st = fy_device_alloc(s.dev, fixed[i], &p);
+  for (int i = 0; st == FY_OK && i < n_fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
   void *dbatch = p;
   for (int c = 0; st == FY_OK && c < n_dev; c++)
     for (size_t i = 0; st == FY_OK && i < sizeof dev_buf / sizeof *dev_buf; i++)
@@ -525,7 +517,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     bump(s.copy_in, host);
     bump(s.copy_out, host);
     for (int64_t micro = 0; st == FY_OK && micro < k->grad_accum; micro++) {
-      fy_copy_async(s.copy_in, dbatch, (const void *)FAKE_HOST, 4 * bt * 4);
+      // (the micro-batch: ids, targets, mask and positions, into the last of the fixed buffers)
+      fy_copy_async(s.copy_in, dbatch, (const void *)FAKE_HOST, fixed[n_fixed - 1]);
       fy_event_record(s.batch_ready, s.copy_in);
       fy_stream_wait(s.compute, s.batch_ready);
       fy_device_cache_begin_pass(s.cache);

@@ -240,19 +240,15 @@ static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) 
 
 int fy_offload_min_blocks(const struct fy_model *m) { return fy_chunk_min_blocks(m->layout, m->graph->n_ops); }
 
-// The device memory besides the cache's blocks, as the model and the engine allocate it (runtime/
-// model.c, and below), each buffer counted as a device of that granule counts it: activations, their
-// gradients and scratch, positions; on a GPU the batch (dbatch) and the kernels' scratch
-// (cuBLASLt's workspace ...); with tensor parallelism a column-split linear's partial input
-// gradient (tp_buf); two micro-batches of ids, targets, mask and positions.
+// The device memory besides the cache's blocks, as the model and the engine allocate it
+// (fy_graph_offload_buffers), each buffer counted as a device of that granule counts it, and on a
+// GPU the kernels' scratch (cuBLASLt's workspace ...).
 static size_t device_fixed_bytes(const struct fy_graph *g, const struct fy_opt_config *cfg, bool gpu) {
-  const size_t gr = gpu ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE, bt = (size_t)(g->B * g->T);
-  size_t n = fy_device_round((size_t)g->act_elems * 4, gr) + fy_device_round((size_t)g->grad_elems * 4, gr) +
-             fy_device_round((size_t)g->scratch_elems * 4, gr) + fy_device_round(bt * 4, gr) +
-             2 * fy_device_round(4 * bt * 4, gr);
-  if (gpu) n += fy_device_round(3 * bt * 4, gr) + fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g));
-  if (g->tp > 1) n += fy_device_round((size_t)fy_graph_tp_buf_elems(g, cfg->hidden_size) * 4, gr);
-  return n;
+  const size_t gr = gpu ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE;
+  size_t bytes[FY_GRAPH_OFFLOAD_BUFS], sum = gpu ? fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
+  int n = fy_graph_offload_buffers(g, cfg->hidden_size, gpu, bytes);
+  for (int i = 0; i < n; i++) sum += fy_device_round(bytes[i], gr);
+  return sum;
 }
 
 static size_t min_device_bytes(const struct fy_model *m, bool gpu, size_t esize) {

@@ -156,22 +156,19 @@ expect 1 "resuming from a directory that does not exist" "nothing-here: No such 
 expect 2 "--save-every without a number" "whole number" -- train "${tiny[@]}" --save-every often
 
 # SIGINT: the run finishes its step, writes a checkpoint and exits 0; a second signal exits at once
-# and leaves either no checkpoint or one that resumes.
-"$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/sig" --save-every 1000000 --quiet >/dev/null 2>&1 &
-pid=$!
-sleep 1.5
-kill -INT "$pid"
-wait "$pid"; code=$?
-if [ "$code" -eq 0 ] && [ -f "$tmp/sig/latest" ]; then pass=$((pass + 1)); echo "ok    SIGINT ends the run with a checkpoint and exit 0"
-else fail=$((fail + 1)); echo "FAIL  SIGINT: exit $code, latest $(cat "$tmp/sig/latest" 2>&1)"; fi
-# SIGHUP (the terminal closed) stops the run as SIGINT does; under nohup (SIGHUP ignored) it runs on.
-"$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/hup" --save-every 1000000 --quiet >/dev/null 2>&1 &
-pid=$!
-sleep 1.5
-kill -HUP "$pid"
-wait "$pid"; code=$?
-if [ "$code" -eq 0 ] && [ -f "$tmp/hup/latest" ]; then pass=$((pass + 1)); echo "ok    SIGHUP ends the run with a checkpoint and exit 0"
-else fail=$((fail + 1)); echo "FAIL  SIGHUP: exit $code, latest $(cat "$tmp/hup/latest" 2>&1)"; fi
+# and leaves either no checkpoint or one that resumes. SIGHUP (the terminal closed) stops the run
+# as SIGINT does; under nohup (SIGHUP ignored) it runs on.
+stops_with_checkpoint() {  # SIGNAL DIR: a long run sent SIGNAL after 1.5 s
+  "$ferry" train "${tiny[@]}" --steps 1000000 --save "$2" --save-every 1000000 --quiet >/dev/null 2>&1 &
+  local pid=$! code
+  sleep 1.5
+  kill -"$1" "$pid"
+  wait "$pid"; code=$?
+  if [ "$code" -eq 0 ] && [ -f "$2/latest" ]; then pass=$((pass + 1)); echo "ok    SIG$1 ends the run with a checkpoint and exit 0"
+  else fail=$((fail + 1)); echo "FAIL  SIG$1: exit $code, latest $(cat "$2/latest" 2>&1)"; fi
+}
+stops_with_checkpoint INT "$tmp/sig"
+stops_with_checkpoint HUP "$tmp/hup"
 nohup "$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/nohup" --save-every 1000000 --quiet >/dev/null 2>&1 &
 pid=$!
 sleep 1.5
