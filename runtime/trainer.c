@@ -589,7 +589,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (!o->data && eval) return FY_OK;  // (fy_sample: no data set)
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
   if (st != FY_OK) {
-    if (strstr(o->data, "/data/demo"))
+    if (st == FY_ERR_NOT_FOUND && strstr(o->data, "/data/demo"))  // (not made yet)
       return fy_error_wrap(st, "the demo data is made by ./run.sh (python3 tools/tokenize.py "
                                "--tokenizer bytes --out data/demo/corpus data/corpus.txt); --data");
     return fy_error_wrap(st, "--data");
