@@ -600,6 +600,7 @@ static void test_matmul(struct fy_cuda_blas *h, enum fy_dtype dt, bool plain) {
     CHECK_OK(fy_device_alloc(dev, ws_bytes, &ws));
     CHECK_OK(fy_cuda_blas_create(ws, ws_bytes, &t));
     fy_cuda_blas_set_tuning(t, 4);
+    if (plain) fy_cuda_blas_set_epilogue(t, false);
     float *c = fdup(c0, M * N);
     void *d_c = dput(c, M * N, dt);
     for (int call = 0; call < 16; call++) {
@@ -1011,14 +1012,18 @@ int main(void) {
     }
   }
   CHECK_ERR(fy_cuda_attention_set_variant("fastest"), FY_ERR_INVALID);
-  {  // A cuBLASLt with no algorithm for the bias and relu epilogues (the emulator's
-     // FY_EMU_LT_NO_EPILOGUE; a GPU's cuBLASLt ignores it): the products run without them and
-     // kernels add the bias and apply the relu after, to the same results.
-    setenv("FY_EMU_LT_NO_EPILOGUE", "1", 1);
+  for (int way = 0; way < 2; way++) {
+    // The products without the bias and relu epilogues, a kernel adding the bias and applying the
+    // relu after them, to the same results: asked for (fy_cuda_blas_set_epilogue, on any GPU), and
+    // where cuBLASLt has no algorithm with those epilogues (the emulator's FY_EMU_LT_NO_EPILOGUE; a
+    // GPU's cuBLASLt ignores it and keeps them).
+    if (way == 1) setenv("FY_EMU_LT_NO_EPILOGUE", "1", 1);
     struct fy_cuda_blas *plain = NULL;
     CHECK_OK(fy_cuda_blas_create(ws, ws_bytes, &plain));
+    if (way == 0) fy_cuda_blas_set_epilogue(plain, false);
     for (int i = 0; i < 2; i++) {
-      fprintf(stderr, "== %s, products without epilogues\n", fy_dtype_name(dtypes[i]));
+      fprintf(stderr, "== %s, products without epilogues (%s)\n", fy_dtype_name(dtypes[i]),
+              way == 0 ? "asked for" : "none offered");
       test_matmul(plain, dtypes[i], true);
       test_linear(plain, dtypes[i]);
     }

@@ -454,15 +454,20 @@ if [ "$bench" = 1 ]; then
   # What the 1.3B step is made of, with the alternatives that are not the default yet: the attention
   # kernels alone, basic against pipelined (one layer's forward and backward at the 1.3B shape; the
   # op tests above checked both), and the step's matrix products shape by shape (forward, input,
-  # weight and bias gradients), each with the heuristic's algorithm and tuned among its first 8.
+  # weight and bias gradients), each with the heuristic's algorithm and tuned among its first 8,
+  # and the forward's bias and relu in cuBLASLt's epilogue against a kernel after the product.
   # Then the 1.3B step again with whichever alternative was the faster: the measurements that
   # decide the defaults.
   bench_step "bench attention kernels" 40 "$build/bench/gpu_attention" --model opt-1.3b --batch 8 --seq 2048
   bench_step "bench gemm shapes" 90 "$build/bench/gpu_gemm" --model opt-1.3b --batch 8 --seq 2048 --tune 8
   faster=()
   grep -q '"faster": *"pipelined"' "$logs/bench_attention_kernels.log" 2>/dev/null && faster+=(FERRY_CUDA_ATTENTION=pipelined)
-  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]; sys.exit(0 if r and r[-1].get("tuned_speedup", 0) > 1.02 else 1)' \
-    "$logs/bench_gemm_shapes.log" 2>/dev/null && faster+=(FERRY_CUDA_GEMM_TUNE=8)
+  gemm_step_faster() {  # the step line of bench/gpu_gemm says the alternative $1 is over 2% faster
+    python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]; sys.exit(0 if r and r[-1].get(sys.argv[2], 0) > 1.02 else 1)' \
+      "$logs/bench_gemm_shapes.log" "$1" 2>/dev/null
+  }
+  gemm_step_faster tuned_speedup && faster+=(FERRY_CUDA_GEMM_TUNE=8)
+  gemm_step_faster kernels_speedup && faster+=(FERRY_CUDA_EPILOGUE=kernels)
   if [ ${#faster[@]} -gt 0 ]; then
     bench_step "bench ferry 1.3b bf16 faster" 120 ferry_13b faster "${faster[@]}"
   fi
@@ -494,7 +499,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"

@@ -219,10 +219,10 @@ extern "C" fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, 
   return fy_cuda_launched("add_backward");
 }
 
-// bias (C) -> out (rows,C) += bias. Whole pieces when C is a multiple of one (and both buffers
-// aligned: a piece then never crosses a row), else element by element.
+// bias (C) -> out (rows,C) += bias, then max(., 0) with relu. Whole pieces when C is a multiple of
+// one (and both buffers aligned: a piece then never crosses a row), else element by element.
 template <typename T>
-__global__ void bias_add_kernel(T *out, const T *bias, int64_t rows, int64_t C, bool vec) {
+__global__ void bias_add_kernel(T *out, const T *bias, int64_t rows, int64_t C, bool vec, bool relu) {
   constexpr int V = ew_vec<T>::N;
   if (vec) {
     const int64_t cv = C / V;
@@ -231,24 +231,35 @@ __global__ void bias_add_kernel(T *out, const T *bias, int64_t rows, int64_t C, 
       ew_ld(x, out + j * V);
       ew_ld(b, bias + (j % cv) * V);
 #pragma unroll
-      for (int k = 0; k < V; k++) x[k] += b[k];
+      for (int k = 0; k < V; k++) {
+        x[k] += b[k];
+        if (relu && x[k] < 0.0f) x[k] = 0.0f;  // NaN passes, as in relu_forward_kernel
+      }
       ew_st(out + j * V, x);
     }
     return;
   }
-  EW_LOOP(i, 0, rows * C) fy_st(out + i, fy_ld(out + i) + fy_ld(bias + i % C));
+  EW_LOOP(i, 0, rows * C) {
+    const float x = fy_ld(out + i) + fy_ld(bias + i % C);
+    fy_st(out + i, relu && x < 0.0f ? 0.0f : x);
+  }
 }
 
-extern "C" fy_status fy_cuda_bias_add(void *out, const void *bias, enum fy_dtype dt, int64_t rows, int64_t C,
-                                      cudaStream_t st) {
+extern "C" fy_status fy_cuda_bias_add_relu(void *out, const void *bias, bool relu, enum fy_dtype dt, int64_t rows,
+                                           int64_t C, cudaStream_t st) {
   if (rows <= 0 || C <= 0) return FY_OK;
   FY_CUDA_DISPATCH("bias_add", dt, T, {
     constexpr int V = ew_vec<T>::N;
     const bool vec = C % V == 0 && ((uintptr_t)out | (uintptr_t)bias) % 16 == 0;
     const int64_t N = rows * C;
-    bias_add_kernel<T><<<ew_grid(N, vec ? N / V : 0), 256, 0, st>>>((T *)out, (const T *)bias, rows, C, vec);
+    bias_add_kernel<T><<<ew_grid(N, vec ? N / V : 0), 256, 0, st>>>((T *)out, (const T *)bias, rows, C, vec, relu);
   });
   return fy_cuda_launched("bias_add");
+}
+
+extern "C" fy_status fy_cuda_bias_add(void *out, const void *bias, enum fy_dtype dt, int64_t rows, int64_t C,
+                                      cudaStream_t st) {
+  return fy_cuda_bias_add_relu(out, bias, false, dt, rows, C, st);
 }
 
 // base (rows,C), src (rows,C) -> dst (rows,C) = base + src * keep / (1 - p), row r being token

@@ -13,7 +13,10 @@
 // The bias and relu ride the product as cuBLASLt's epilogue. Where the heuristic offers no
 // algorithm with that epilogue for a shape (a GPU, a cuBLASLt version or an alignment may lack
 // one), the product runs without it and two small kernels add the bias and apply the relu after it
-// (the sums then round once more, to the dtype, before the bias): slower, not an error.
+// (the sums then round once more, to the dtype, before the bias): slower, not an error. The same
+// can be asked for (fy_cuda_blas_set_epilogue, or FERRY_CUDA_EPILOGUE=kernels): an epilogue moves
+// the heuristic's choice of algorithm, and on some GPUs the product with it is the slower of the two
+// by more than the kernel after it costs (bench/gpu_gemm times both).
 //
 // Tuning (opt-in: fy_cuda_blas_set_tuning, or FERRY_CUDA_GEMM_TUNE=N): the heuristic's first
 // algorithm is not always the fastest for a shape (an epilogue moves its choice). With tuning, a
@@ -38,6 +41,7 @@ extern "C" {
 
 struct mm_key {
   int dt, ta, tb, has_bias, relu;
+  int kernels;  // the bias and relu as kernels after the product, by the handle's choice
   int64_t M, N, K;
   int al_a, al_b, al_c, al_bias, al_cin;  // al_cin: of the C read (beta != 0) when it is not c
 };
@@ -63,6 +67,7 @@ struct fy_cuda_blas {
   struct mm_entry cache[MM_CACHE];
   int next_victim;  // entries are replaced round-robin once the cache is full
   int tune;         // candidates to time per shape (0 or 1: the heuristic's first)
+  bool kernels;     // no epilogues: the bias and relu run as kernels after the product
 };
 
 static fy_status lt_fail(cublasStatus_t s, const char *what) {
@@ -117,6 +122,12 @@ extern "C" fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes
   h->ws_bytes = workspace ? workspace_bytes : 0;
   const char *t = getenv("FERRY_CUDA_GEMM_TUNE");
   if (t && *t) fy_cuda_blas_set_tuning(h, atoi(t));
+  const char *ep = getenv("FERRY_CUDA_EPILOGUE");
+  if (ep && *ep) {
+    if (!strcmp(ep, "kernels")) h->kernels = true;
+    else if (strcmp(ep, "fused"))
+      fy_log_warn("FERRY_CUDA_EPILOGUE=%s: not \"fused\" or \"kernels\"; using fused", ep);
+  }
   *out = h;
   return FY_OK;
 }
@@ -124,6 +135,8 @@ extern "C" fy_status fy_cuda_blas_create(void *workspace, size_t workspace_bytes
 extern "C" void fy_cuda_blas_set_tuning(struct fy_cuda_blas *h, int candidates) {
   h->tune = candidates < 0 ? 0 : candidates > TUNE_MAX ? TUNE_MAX : candidates;
 }
+
+extern "C" void fy_cuda_blas_set_epilogue(struct fy_cuda_blas *h, bool fused) { h->kernels = !fused; }
 
 extern "C" void fy_cuda_blas_free(struct fy_cuda_blas *h) {
   if (!h) return;
@@ -249,8 +262,8 @@ static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const
   }
   struct mm_entry *e = &h->cache[slot];
   entry_release(e);
-  fy_status st = entry_build(h, e, k, bias, false);
-  if (st == FY_ERR_UNSUPPORTED && (k->has_bias || k->relu)) {  // none with the epilogue: without it
+  fy_status st = entry_build(h, e, k, bias, k->kernels != 0);
+  if (st == FY_ERR_UNSUPPORTED && !k->kernels && (k->has_bias || k->relu)) {  // none with the epilogue: without it
     entry_release(e);
     st = entry_build(h, e, k, bias, true);
     if (st == FY_OK)
@@ -266,12 +279,13 @@ static fy_status entry_get(struct fy_cuda_blas *h, const struct mm_key *k, const
   return FY_OK;
 }
 
-// c (M,N) += bias on every row, then relu: what the epilogue would have done, for a plain entry.
+// c (M,N) += bias on every row, then relu: what the epilogue would have done, for a plain entry
+// (one pass over c).
 static fy_status epilogue_kernels(const struct mm_entry *e, void *c, const void *bias, bool relu, enum fy_dtype dt,
                                   int64_t M, int64_t N, cudaStream_t st) {
   if (!e->plain) return FY_OK;
-  if (bias) FY_TRY(fy_cuda_bias_add(c, bias, dt, M, N, st));
-  if (relu) FY_TRY(fy_cuda_relu_forward(c, c, dt, M * N, st));
+  if (bias) return fy_cuda_bias_add_relu(c, bias, relu, dt, M, N, st);
+  if (relu) return fy_cuda_relu_forward(c, c, dt, M * N, st);
   return FY_OK;
 }
 
@@ -291,6 +305,7 @@ static fy_status matmul_epi(struct fy_cuda_blas *h, void *c, const void *cin, co
   k.tb = tb;
   k.has_bias = bias != NULL;
   k.relu = relu;
+  k.kernels = h->kernels && (bias || relu);  // (a product without either needs no entry of its own)
   k.M = M;
   k.N = N;
   k.K = K;

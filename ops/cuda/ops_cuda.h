@@ -92,6 +92,9 @@ fy_status fy_cuda_add_backward(void *da, void *db, const void *dout, enum fy_dty
                                cudaStream_t st);
 // bias (C) -> out (rows,C) += bias on every row (fy_bias_add)
 fy_status fy_cuda_bias_add(void *out, const void *bias, enum fy_dtype dt, int64_t rows, int64_t C, cudaStream_t st);
+// The same, then out = max(out, 0) with relu (NaN passes): a product's bias and relu as one kernel
+fy_status fy_cuda_bias_add_relu(void *out, const void *bias, bool relu, enum fy_dtype dt, int64_t rows, int64_t C,
+                                cudaStream_t st);
 // The dropout-add of ops/ops.h (fy_dropout_add_forward, _backward), the same masks:
 // a (rows,C) the residual, b (rows,C) the branch -> out (rows,C) = a + b * keep / (1 - p)
 fy_status fy_cuda_dropout_add_forward(void *out, const void *a, const void *b, enum fy_dtype dt, int64_t rows,
@@ -166,6 +169,12 @@ void fy_cuda_blas_free(struct fy_cuda_blas *h);
 // keeps the fastest (0 or 1: the heuristic's first, the default; FERRY_CUDA_GEMM_TUNE=N at create
 // sets it too). Results may then differ run to run by float rounding. For shapes not seen yet.
 void fy_cuda_blas_set_tuning(struct fy_cuda_blas *h, int candidates);
+// fused (the default; FERRY_CUDA_EPILOGUE=fused): the bias and relu of a product ride cuBLASLt's
+// epilogue where it has an algorithm for them; false (FERRY_CUDA_EPILOGUE=kernels at create): the
+// product runs without them and one kernel adds the bias and applies the relu after it (the sums
+// round to the dtype once more before the bias). Whichever is faster depends on the GPU and
+// cuBLASLt (bench/gpu_gemm times both). For the calls after it.
+void fy_cuda_blas_set_epilogue(struct fy_cuda_blas *h, bool fused);
 
 // c (M,N) = alpha * op(a) @ op(b) + beta * c (+ bias (N) on every row, when not NULL), row-major,
 // as fy_matmul: op(a) is (M,K): a is (M,K) or, with ta, (K,M); op(b) is (K,N): b is (K,N) or, with
