@@ -12,7 +12,7 @@
 //
 // The bias and relu ride the product as cuBLASLt's epilogue. Where the heuristic offers no
 // algorithm with that epilogue for a shape (a GPU, a cuBLASLt version or an alignment may lack
-// one), the product runs without it and two small kernels add the bias and apply the relu after it
+// one), the product runs without it and one kernel adds the bias and applies the relu after it
 // (the sums then round once more, to the dtype, before the bias): slower, not an error. The same
 // can be asked for (fy_cuda_blas_set_epilogue, or FERRY_CUDA_EPILOGUE=kernels): an epilogue moves
 // the heuristic's choice of algorithm, and on some GPUs the product with it is the slower of the two
