@@ -513,7 +513,8 @@ static void usage_train(FILE *f, bool eval) {
           "  --offload, one GPU per rank, the blocks gathered and reduce-scattered through NCCL.\n"
           "\nSIGINT, SIGTERM or SIGHUP (unless ignored: nohup) ends the run after the current step,\n"
           "with a checkpoint when --save-every is on; a second one ends it at once (checkpoints are\n"
-          "written atomically).\n"
+          "written atomically). Losing standard output (a pipe's reader ending) stops it as the first\n"
+          "signal does.\n"
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
           "(6 x parameters x tokens plus attention, per second), peak memory (the device's when\n"
           "offloaded or on a GPU, else the process's resident set), step time.\n",
@@ -734,7 +735,13 @@ static int cmd_train(int argc, char **argv, bool eval) {
   }
   fy_status st;
   o.stop = &stop_requested;
-  if (!eval) atomic_store(&stop_armed, true);  // (evaluation has nothing to keep: it ends at once)
+  if (!eval) {  // (evaluation has nothing to keep: it ends at once)
+    atomic_store(&stop_armed, true);
+    // A write to a pipe whose reader has ended fails instead of ending the process: the trainer
+    // then stops after the step with a checkpoint (unless SIGPIPE was set to something else).
+    struct sigaction pipe_sa;
+    if (sigaction(SIGPIPE, NULL, &pipe_sa) == 0 && pipe_sa.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
+  }
   if (eval) {
     double loss;
     st = fy_eval(&o, &loss);  // (rank 0 prints the mean)

@@ -1508,7 +1508,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->n_device_chunks = xs.n_device_chunks;
     res->chunk_bytes = xs.chunk_bytes;
   }
-  bool tty = isatty(STDOUT_FILENO);
+  bool tty = isatty(STDOUT_FILENO), out_gone = false;
   if (!o->quiet) {
     printf("ferry: %s, %.2fM parameters, %s, %d threads x %d ranks | batch %lld x %lld x %lld accum = %lld tokens/step | "
            "%lld tokens in %s\n",
@@ -1637,9 +1637,15 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
                (long long)(o->batch * r.dp), (long long)o->seq, val_s * 1e3);
       if (tty)
         progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1 - first_step) * (o->steps - step - 1));
-      fflush(stdout);
+      // Where these lines go is gone (the reader of a pipe ended, as `| tee` does when its terminal
+      // closes; the terminal itself; a full disk): stop as a signal would, with a checkpoint, rather
+      // than train on unseen (ferry train ignores SIGPIPE, so the write fails instead of killing it).
+      if ((fflush(stdout) != 0 || ferror(stdout)) && !out_gone) {
+        out_gone = true;
+        fprintf(stderr, "ferry: cannot write to standard output (%s): stopping after this step\n", strerror(errno));
+      }
     }
-    bool stop = (o->stop && *o->stop) || (o->stop_after > 0 && step + 1 - first_step >= o->stop_after);
+    bool stop = (o->stop && *o->stop) || out_gone || (o->stop_after > 0 && step + 1 - first_step >= o->stop_after);
     if (r.world > 1) {  // a signal may reach the ranks in different steps: they stop together
       float any = stop ? 1.0f : 0.0f;
       if ((st = fy_comm_all_reduce(r.comm, &any, 1, FY_COMM_F32, NULL)) != FY_OK) goto done;

@@ -181,6 +181,13 @@ if kill -0 "$pid" 2>/dev/null; then
 else
   wait "$pid"; fail=$((fail + 1)); echo "FAIL  under nohup SIGHUP ended the run (exit $?)"
 fi
+# Its output's reader ends (`ferry train | head`, or `| tee` whose terminal closed): the run stops
+# after the step with a checkpoint and exit 0 (SIGPIPE would end it without one), saying why.
+( "$ferry" train "${tiny[@]}" --steps 1000000 --save "$tmp/pipe" --save-every 1000000 2>"$tmp/pipe.err"; echo $? >"$tmp/pipe.code" ) | head -n 3 >/dev/null
+code=$(cat "$tmp/pipe.code")
+if [ "$code" -eq 0 ] && [ -f "$tmp/pipe/latest" ] && grep -q "cannot write to standard output" "$tmp/pipe.err"; then
+  pass=$((pass + 1)); echo "ok    the reader of its output ends: the run stops with a checkpoint and exit 0"
+else fail=$((fail + 1)); echo "FAIL  output reader gone: exit $code, latest $(cat "$tmp/pipe/latest" 2>&1)"; cat "$tmp/pipe.err"; fi
 # (a model whose steps take a while, so that the second signal comes before the run is over)
 slow=(--model opt-demo --data "$tmp/ok.bin" --batch 16 --seq 128)
 # (its stderr is kept, and shown when the check fails. This check once failed in about one run of
