@@ -382,9 +382,6 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double per_chunk_state = ce * host_state_bytes(cdt, k->grad_accum > 1) * share;  // (gradients,) m, v
   double params_host = np * host_weight_bytes(cdt, pb) * share, reserve = 3 * (double)ce * 4,
          disk_reserve = 5 * (double)ce * 4 / dp;  // (five of the rank's shards of a chunk)
-  // Sharded tensor-parallel ranks: each first holds its slices whole (made from the whole model,
-  // as one rank's), and gives them back once its shards are taken: a peak the host must hold.
-  if (sharded && tp > 1) params_host += np * 4;
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
   int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;

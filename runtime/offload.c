@@ -1264,25 +1264,6 @@ fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, fl
   return FY_OK;
 }
 
-fy_status fy_offload_unshard(struct fy_offload *x, bool keep) {
-  if (!x->sharded || !x->taken) return FY_OK;
-  struct fy_model *m = x->m;
-  size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  float *full = NULL;
-  if (keep) FY_TRY(fy_host_alloc(m->host, bytes, (void **)&full));
-  fy_status st = fy_offload_sync(x);
-  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
-    st = gather_chunk(x, c, 0, full ? full + c * m->layout->chunk_elems : NULL);
-  if (!keep) return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights");
-  if (st != FY_OK) {
-    fy_host_dealloc(m->host, full, bytes);
-    return fy_error_wrap(st, "gathering the weights");
-  }
-  m->params = full;
-  x->taken = false;  // the model's buffer is whole again (the shards stay as they are)
-  return FY_OK;
-}
-
 void fy_offload_set_step(struct fy_offload *x, int64_t step) {
   struct fy_comm *cs[] = {x->c_gather, x->c_scatter, x->c_optim};
   for (int i = 0; i < 3; i++)

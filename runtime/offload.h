@@ -116,7 +116,7 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float
 // Sharding: sets this rank's shard of every chunk's weights from fill, which writes elements
 // [lo, hi) of the flat parameter buffer into dst (fy_model_source_fill, in the trainer),
 // instead of taking the shards from the model's whole buffer (which may be NULL: model opts'
-// no_params; freed if not). Before the first micro-batch, or after fy_offload_unshard.
+// no_params; freed if not). Before the first micro-batch.
 fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),
                                 void *ctx);
 // The elements [*lo, *lo + *n) of every chunk that this rank keeps the state of: its shard, or
@@ -133,12 +133,6 @@ fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, fl
 fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v);
 // Chunk c's weights alone (the same rules).
 fy_status fy_offload_chunk_weights_out(struct fy_offload *x, int c, float *dst);
-// With sharding, the model's full weight buffer (m->params, in the host tier) is released at the
-// first micro-batch, when every rank has taken its shards (or never exists: fy_offload_set_shards);
-// this gives it back, filled with the current weights, on the ranks that keep it (for saving and
-// hashing at the end of training); the others only take part. A collective. Without sharding
-// nothing to do.
-fy_status fy_offload_unshard(struct fy_offload *x, bool keep);
 // Labels the collectives enqueued from now on with the step (1-based) for error messages.
 void fy_offload_set_step(struct fy_offload *x, int64_t step);
 // Device memory the model state kept there took (chunks kept on the device, or shards with

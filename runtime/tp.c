@@ -13,19 +13,37 @@ static void slice_rows(const struct fy_param *p, int r, int64_t *rows, int64_t *
   }
 }
 
+void fy_tp_read_part(const struct fy_graph *part, int i, int64_t a, int64_t b, fy_tp_read_fn read, void *ctx,
+                     float *dst) {
+  const struct fy_param *p = &part->params[i];
+  if (p->split_dim < 0) {
+    read(ctx, i, a, b, dst);
+    return;
+  }
+  int64_t rows, first, stride, len;
+  slice_rows(p, part->tp_rank, &rows, &first, &stride, &len);
+  for (int64_t e = a; e < b;) {  // slice element e is element c of run k
+    const int64_t k = e / len, c = e - k * len, n = len - c < b - e ? len - c : b - e;
+    read(ctx, i, first + k * stride + c, first + k * stride + c + n, dst + (e - a));
+    e += n;
+  }
+}
+
 void fy_tp_take(const struct fy_graph *part, float *local, const struct fy_graph *whole, fy_tp_read_fn read,
                 void *ctx) {
   FY_ASSERT(part->n_params == whole->n_params);
   for (int i = 0; i < part->n_params; i++) {
-    const struct fy_param *p = &part->params[i];
-    FY_ASSERT(strcmp(p->name, whole->params[i].name) == 0);
-    if (p->split_dim < 0) {
-      read(ctx, i, 0, p->numel, local + p->offset);
-      continue;
-    }
-    int64_t rows, first, stride, len;
-    slice_rows(p, part->tp_rank, &rows, &first, &stride, &len);
-    for (int64_t k = 0; k < rows; k++) read(ctx, i, first + k * stride, first + k * stride + len, local + p->offset + k * len);
+    FY_ASSERT(strcmp(part->params[i].name, whole->params[i].name) == 0);
+    fy_tp_read_part(part, i, 0, part->params[i].numel, read, ctx, local + part->params[i].offset);
+  }
+}
+
+void fy_tp_fill(const struct fy_graph *part, int64_t lo, int64_t hi, fy_tp_read_fn read, void *ctx, float *dst) {
+  memset(dst, 0, (size_t)(hi - lo) * 4);
+  for (int i = 0; i < part->n_params; i++) {
+    int64_t a, b;
+    if (fy_param_part(&part->params[i], lo, hi, &a, &b))
+      fy_tp_read_part(part, i, a, b, read, ctx, dst + (part->params[i].offset + a - lo));
   }
 }
 

@@ -16,6 +16,13 @@ typedef void (*fy_tp_read_fn)(void *ctx, int i, int64_t a, int64_t b, float *dst
 // local <- this rank's slice of every parameter (the unsplit ones whole), read from the source.
 void fy_tp_take(const struct fy_graph *part, float *local, const struct fy_graph *whole, fy_tp_read_fn read,
                 void *ctx);
+// dst[0 .. b-a) <- elements [a, b) of this rank's slice of parameter i (row-major in its own shape),
+// read from the source run by run.
+void fy_tp_read_part(const struct fy_graph *part, int i, int64_t a, int64_t b, fy_tp_read_fn read, void *ctx,
+                     float *dst);
+// dst[0 .. hi-lo) <- elements [lo, hi) of this rank's flat parameter layout (elements no parameter
+// covers are 0), read from the source: a chunk, or a rank's shard of one, without the rest.
+void fy_tp_fill(const struct fy_graph *part, int64_t lo, int64_t hi, fy_tp_read_fn read, void *ctx, float *dst);
 // The floats fy_tp_gather_param's buffer needs: the largest split parameter's slices of all ranks.
 int64_t fy_tp_gather_floats(const struct fy_graph *part);
 // dst <- whole parameter i (whole->params[i].numel floats) from every rank's slice of it (this

@@ -335,12 +335,12 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     if (st != FY_OK) return fy_error_wrap(st, "--tp %d on GPUs", r->tp);
   }
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
-  // Chunks sharded across ranks (without tensor parallelism, whose slices come from the whole
-  // model): no whole-model weights, each rank sets its shards alone (set_shards). So does
+  // Chunks sharded across ranks: no whole-model weights, each rank sets its shards alone
+  // (set_shards; with tensor parallelism from the whole model's tensors, tp_take_weights). So does
   // evaluation (or sampling) in bf16 on a GPU, whose chunks' bf16 copies are the weights.
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
-                             .no_params = r->tp == 1 && (r->dp > 1 || (r->eval && cuda && cdt != FY_F32)),
+                             .no_params = r->dp > 1 || (r->eval && cuda && cdt != FY_F32),
                              .act16 = cuda && cdt != FY_F32};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
@@ -436,16 +436,37 @@ static void tp_read_weights(void *ctx, int i, int64_t a, int64_t b, float *dst) 
   fy_model_source_read(ctx, i, a, b, dst);
 }
 
+// A source of whole tensors (fy_tp_read_fn) as pieces of this rank's flat layout (fy_tp_fill): for
+// fy_offload_set_shards, and AdamW's state chunk by chunk.
+struct tp_fill_source {
+  const struct fy_graph *part;
+  fy_tp_read_fn read;
+  void *ctx;
+};
+
+static fy_status tp_shard_fill(void *ctx, int64_t lo, int64_t hi, float *dst) {
+  const struct tp_fill_source *f = ctx;
+  fy_tp_fill(f->part, lo, hi, f->read, f->ctx, dst);
+  return FY_OK;
+}
+
 // Tensor parallelism: this rank's slices of the weights, read tensor by tensor from a Hugging Face
 // directory or checkpoint (dir) or drawn as OPT's initialisation (the values of the whole model,
-// whatever --tp).
+// whatever --tp). Sharded (no weight buffer): straight into the rank's shards, never its slices
+// whole.
 static fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) {
   struct fy_model_source *s;
   FY_TRY(fy_model_source_open(&r->whole, dir, seed, &s));
-  fy_tp_take(r->model->graph, r->model->params, r->whole_graph, tp_read_weights, s);
+  fy_status st = FY_OK;
+  if (r->model->params) {
+    fy_tp_take(r->model->graph, r->model->params, r->whole_graph, tp_read_weights, s);
+    r->model->cparams_fresh = false;
+  } else {
+    struct tp_fill_source f = {r->model->graph, tp_read_weights, s};
+    st = fy_offload_set_shards(r->x, tp_shard_fill, &f);
+  }
   fy_model_source_close(s);
-  r->model->cparams_fresh = false;
-  return FY_OK;
+  return st;
 }
 
 // --seq against the model's learned positions.
@@ -770,8 +791,8 @@ static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
     const int c = (int)(p->offset / ce);
     FY_ASSERT(c >= t->chunk && p->offset + p->numel <= (int64_t)(c + 1) * ce);
     for (; t->chunk < c; t->chunk++) {  // (a chunk no parameter of the walk starts in is still gathered)
-      fy_status s1 = fy_offload_chunk_state_out(t->r->x, t->chunk + 1, t->cbuf, t->kinds > 1 ? t->cbuf + ce : NULL,
-                                                t->kinds > 1 ? t->cbuf + 2 * ce : NULL);
+      fy_status s1 = t->kinds > 1 ? fy_offload_chunk_state_out(t->r->x, t->chunk + 1, t->cbuf, t->cbuf + ce, t->cbuf + 2 * ce)
+                                  : fy_offload_chunk_weights_out(t->r->x, t->chunk + 1, t->cbuf);
       if (st == FY_OK) st = s1;
     }
     for (int k = 0; k < t->kinds; k++) slice[k] = t->cbuf + k * ce + (p->offset - (int64_t)c * ce);
@@ -812,13 +833,20 @@ static fy_status tp_walk_fill(void *ctx, int64_t lo, int64_t hi, float *params, 
 
 // The end of a tensor-parallel run: the weights come together parameter by parameter on the lead,
 // which hashes them and (save: a directory) writes each as it comes. Every rank of the
-// tensor-parallel group of data-parallel rank 0 takes part; the others (replicas) do nothing.
+// tensor-parallel group of data-parallel rank 0 takes part; the others (replicas) do nothing, or
+// with sharded chunks take part in their data-parallel group's gathers. Offloaded, the slices come
+// chunk by chunk (no rank holds its slices whole).
 static fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t *hash) {
-  if (r->dp_rank != 0) return FY_OK;
+  if (r->x) FY_TRY(fy_offload_sync(r->x));
+  if (r->dp_rank != 0) {
+    for (int c = 0; r->x && r->dp > 1 && c < r->model->layout->n_chunks; c++)
+      FY_TRY(fy_offload_chunk_weights_out(r->x, c, NULL));
+    return FY_OK;
+  }
   const struct fy_graph *g = r->whole_graph;
   struct tp_walk t;
   float *local[3] = {r->model->params, NULL, NULL};
-  FY_TRY(tp_walk_init(&t, r, 1, local, lead));
+  FY_TRY(tp_walk_init(&t, r, 1, r->x ? NULL : local, lead));
   struct weights_hash wh = {0};
   struct fy_st_writer *w = NULL;
   fy_status st = lead && hash ? weights_hash_init(&wh, g) : FY_OK;
@@ -1199,30 +1227,32 @@ static void tp_read_adam(void *ctx, int i, int64_t a, int64_t b, float *dst) {
 
 // Tensor parallelism: this rank's slices of a checkpoint's weights and AdamW state, read tensor by
 // tensor from its files (checkpoints hold whole tensors; no rank reads the whole model at once).
+// Offloaded, the state goes into the chunks one at a time, this rank's part of each (its shard with
+// sharding), through a buffer of two chunks, as resume_adam_by_chunk.
 static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta *meta) {
   struct fy_model *m = r->model;
-  char dir[4096], size[32];
+  char dir[4096];
   FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
   FY_TRY(fy_ckpt_index_read(dir, meta));
   FY_TRY(tp_take_weights(r, dir, 0));
   struct fy_ckpt_adam *a;
   FY_TRY(fy_ckpt_adam_open(dir, &r->whole, &a));
-  const size_t n = (size_t)m->graph->n_param_elems;
-  float *lm = m->m, *lv = m->v;  // offloaded: this rank's m and v staged here, then handed to its chunks
+  struct tp_adam_source src[2] = {{.a = a, .k = 0}, {.a = a, .k = 1}};
   fy_status st = FY_OK;
-  if (r->x && (!(lm = calloc(n, 4)) || !(lv = calloc(n, 4))))
-    st = fy_error_set(FY_ERR_NOMEM, "cannot allocate %s to read the AdamW state", fy_format_bytes(2.0 * n * 4, size, sizeof size));
-  for (int k = 0; st == FY_OK && k < 2; k++) {
-    struct tp_adam_source src = {.a = a, .k = k};
-    fy_tp_take(m->graph, k ? lv : lm, r->whole_graph, tp_read_adam, &src);
-  }
-  for (int c = 0; st == FY_OK && r->x && c < m->layout->n_chunks; c++) {
-    int64_t ce = m->layout->chunk_elems;
-    st = fy_offload_adam_state(r->x, c, lm + c * ce, lv + c * ce, true);
-  }
-  if (r->x) {
-    free(lm);
-    free(lv);
+  if (!r->x) {
+    fy_tp_take(m->graph, m->m, r->whole_graph, tp_read_adam, &src[0]);
+    fy_tp_take(m->graph, m->v, r->whole_graph, tp_read_adam, &src[1]);
+  } else {
+    int64_t ce = m->layout->chunk_elems, lo, n;
+    fy_offload_shard(r->x, &lo, &n);
+    float *buf = calloc((size_t)ce * 2, 4);
+    if (!buf) st = fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk to read the AdamW state");
+    for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) {
+      for (int k = 0; k < 2; k++)  // (elements outside [lo, lo + n) stay 0: not this rank's)
+        fy_tp_fill(m->graph, c * ce + lo, c * ce + lo + n, tp_read_adam, &src[k], buf + k * ce + lo);
+      st = fy_offload_adam_state(r->x, c, buf, buf + ce, true);
+    }
+    free(buf);
   }
   fy_ckpt_adam_close(a);
   return st;
@@ -1673,18 +1703,14 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->model_state_bytes = (double)fy_offload_state_bytes(r.x);
   }
   // Sharded weights come together chunk by chunk for the hash and the final save, on the rank that
-  // saves (with neither, not at all); tensor-parallel ranks gather their shards whole, then their
-  // slices below.
+  // saves (with neither, not at all); tensor-parallel ranks' slices come together below.
   // The final save (a run without checkpoints), as every rank knows it: the gathers are
   // collectives, and only rank 0 keeps --save (and writes).
   const bool final_save = given->save && save_every == 0, saving = lead && final_save;
   uint64_t *hash = o->hash_params ? &res->params_hash : NULL;
   const bool gather = final_save || hash;
-  if (sharded && r.tp == 1) {
-    if (gather && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
-  } else if (r.x && (st = fy_offload_unshard(r.x, lead || r.tp > 1)) != FY_OK) {
+  if (sharded && r.tp == 1 && gather && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK)
     goto done;
-  }
   if (!o->quiet && tty) printf("\r\033[K");
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);

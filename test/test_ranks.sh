@@ -245,6 +245,15 @@ compare one tpres1 1e-5 && compare one tpres2 1e-5 && ok "tensor-parallel checkp
   || bad "a 2 x 2 grid with sharded chunks trains"
 compare one tpzero 1e-5 && ok "a 2 x 2 grid with sharded chunks (tp inside, zero across) follows 1 rank" \
   || bad "the 2 x 2 grid with sharded chunks differs from 1 rank"
+# Its ranks take their shards straight from the whole model's tensors and save chunk by chunk: the
+# host tier never holds a rank's slices whole (its peak is its steady state, within a chunk).
+if python3 - "$tmp/tpzero.json" <<'PY'
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])][-1]
+print("  host tier %.4f MiB, its peak %.4f MiB (chunks of %.4f MiB)" % (r["host_tier_mib"], r["host_peak_mib"], r["chunk_mib"]))
+assert r["host_peak_mib"] <= r["host_tier_mib"] + r["chunk_mib"]
+PY
+then ok "a 2 x 2 sharded grid's host peak is its state's"; else bad "a 2 x 2 sharded grid held more than its state"; fi
 "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --tp 2 --precision bf16 --log "$tmp/grid16.json" \
   --save "$tmp/grid16" || bad "a bf16 2 x 2 grid trains"
 "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --precision bf16 --log "$tmp/tpzero16.json" \
