@@ -1767,7 +1767,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   }
   // Tensor-parallel slices come together parameter by parameter for the hash and the final save.
   if (r.tp > 1) {
-    if ((st = finish_tp(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
+    if (gather && (st = finish_tp(&r, saving ? o->save : NULL, lead, hash)) != FY_OK) goto done;
   } else if (!sharded) {
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
     if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
