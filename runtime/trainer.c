@@ -1166,21 +1166,31 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
   return fy_ckpt_write_async(w);
 }
 
-// Offloaded: the checkpoint's AdamW state into the chunks one at a time, this rank's part of each
-// (its shard with sharding), through a buffer of two chunks instead of the whole model's m and v.
-static fy_status resume_adam_by_chunk(const char *path, struct run *r) {
+// Offloaded: AdamW's state into the chunks one at a time, this rank's part of each (its shard with
+// sharding), through a buffer of two chunks instead of the whole model's m and v. read gives
+// elements [lo, hi) of the flat layout's m and v.
+typedef void (*adam_read_fn)(void *ctx, int64_t lo, int64_t hi, float *m, float *v);
+
+static fy_status adam_into_chunks(struct run *r, adam_read_fn read, void *ctx) {
   int64_t ce = r->model->layout->chunk_elems, lo, n;
   fy_offload_shard(r->x, &lo, &n);
-  struct fy_ckpt_adam *a;
-  FY_TRY(fy_ckpt_adam_open(path, r->model, &a));
   float *buf = malloc((size_t)ce * 2 * 4);
   fy_status st = buf ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk to read the AdamW state");
   for (int c = 0; st == FY_OK && c < r->model->layout->n_chunks; c++) {
     memset(buf, 0, (size_t)ce * 2 * 4);
-    fy_ckpt_adam_read(a, c * ce + lo, c * ce + lo + n, buf + lo, buf + ce + lo);
+    read(ctx, c * ce + lo, c * ce + lo + n, buf + lo, buf + ce + lo);
     st = fy_offload_adam_state(r->x, c, buf, buf + ce, true);
   }
   free(buf);
+  return st;
+}
+
+static void ckpt_adam_read(void *ctx, int64_t lo, int64_t hi, float *m, float *v) { fy_ckpt_adam_read(ctx, lo, hi, m, v); }
+
+static fy_status resume_adam_by_chunk(const char *path, struct run *r) {
+  struct fy_ckpt_adam *a;
+  FY_TRY(fy_ckpt_adam_open(path, r->model, &a));
+  fy_status st = adam_into_chunks(r, ckpt_adam_read, a);
   fy_ckpt_adam_close(a);
   return st;
 }
@@ -1225,10 +1235,18 @@ static void tp_read_adam(void *ctx, int i, int64_t a, int64_t b, float *dst) {
   fy_ckpt_adam_read_param(s->a, i, a, b, s->k ? NULL : dst, s->k ? dst : NULL);
 }
 
+// A checkpoint's AdamW state as pieces of this rank's flat layout (adam_read_fn): m and v of its
+// slices (src: m's source, then v's).
+struct tp_adam_fill { const struct fy_graph *part; struct tp_adam_source src[2]; };
+
+static void tp_adam_fill_read(void *ctx, int64_t lo, int64_t hi, float *m, float *v) {
+  struct tp_adam_fill *f = ctx;
+  fy_tp_fill(f->part, lo, hi, tp_read_adam, &f->src[0], m);
+  fy_tp_fill(f->part, lo, hi, tp_read_adam, &f->src[1], v);
+}
+
 // Tensor parallelism: this rank's slices of a checkpoint's weights and AdamW state, read tensor by
 // tensor from its files (checkpoints hold whole tensors; no rank reads the whole model at once).
-// Offloaded, the state goes into the chunks one at a time, this rank's part of each (its shard with
-// sharding), through a buffer of two chunks, as resume_adam_by_chunk.
 static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta *meta) {
   struct fy_model *m = r->model;
   char dir[4096];
@@ -1237,22 +1255,13 @@ static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta 
   FY_TRY(tp_take_weights(r, dir, 0));
   struct fy_ckpt_adam *a;
   FY_TRY(fy_ckpt_adam_open(dir, &r->whole, &a));
-  struct tp_adam_source src[2] = {{.a = a, .k = 0}, {.a = a, .k = 1}};
+  struct tp_adam_fill f = {m->graph, {{.a = a, .k = 0}, {.a = a, .k = 1}}};
   fy_status st = FY_OK;
-  if (!r->x) {
-    fy_tp_take(m->graph, m->m, r->whole_graph, tp_read_adam, &src[0]);
-    fy_tp_take(m->graph, m->v, r->whole_graph, tp_read_adam, &src[1]);
+  if (r->x) {
+    st = adam_into_chunks(r, tp_adam_fill_read, &f);
   } else {
-    int64_t ce = m->layout->chunk_elems, lo, n;
-    fy_offload_shard(r->x, &lo, &n);
-    float *buf = calloc((size_t)ce * 2, 4);
-    if (!buf) st = fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk to read the AdamW state");
-    for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++) {
-      for (int k = 0; k < 2; k++)  // (elements outside [lo, lo + n) stay 0: not this rank's)
-        fy_tp_fill(m->graph, c * ce + lo, c * ce + lo + n, tp_read_adam, &src[k], buf + k * ce + lo);
-      st = fy_offload_adam_state(r->x, c, buf, buf + ce, true);
-    }
-    free(buf);
+    fy_tp_take(m->graph, m->m, r->whole_graph, tp_read_adam, &f.src[0]);
+    fy_tp_take(m->graph, m->v, r->whole_graph, tp_read_adam, &f.src[1]);
   }
   fy_ckpt_adam_close(a);
   return st;
