@@ -99,6 +99,7 @@ void fy_round_to_dtype(float *dst, const float *src, enum fy_dtype dt, size_t n)
     if (dst != src) memmove(dst, src, n * 4);
     return;
   }
+  // (split above ops' FY_PAR_ELEMENTWISE, as the planner counts this pass's parallel region)
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (size_t i = 0; i < n; i++)
     dst[i] = dt == FY_BF16 ? fy_bf16_to_f32(fy_f32_to_bf16(src[i])) : fy_f16_to_f32(fy_f32_to_f16(src[i]));

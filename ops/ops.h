@@ -14,6 +14,14 @@
 
 #include "core/status.h"
 
+// The sizes (elements of the loop) above which a kernel's loop is split among OpenMP threads; at
+// or below them it runs on the calling thread alone (waking the team would cost more than the
+// split saves). The planner counts a step's parallel regions with them: on the sim device each
+// one wakes the stream thread's team (planner/profile.c).
+#define FY_PAR_ELEMENTWISE ((int64_t)1 << 16)  // relu, add, bias add, dropout-add (gelu: 1/8 of it)
+#define FY_PAR_ROWS ((int64_t)1 << 14)         // layernorm, cross-entropy, bias sums: rows x width
+#define FY_PAR_EMBEDDING ((int64_t)1 << 15)    // embedding rows x width
+
 // ---- matrix products (ops/cpu/matmul.c, oneDNN; one primitive cached per shape) ----
 
 // c (M,N) = alpha * op(a) @ op(b) + beta * c, row-major; op(a) is (M,K): a is (M,K) or, with

@@ -20,8 +20,9 @@
 //   "copy_latency_us"   number, microseconds (>= 0): what one copy across the link costs besides
 //                       its bytes (measured on sim; 0 or absent: none)
 //   "host_copy_gbps"    number, GB/s (>= 0): one thread's memcpy rate (0 or absent: unknown)
-//   "kernel_overhead_us" number, microseconds (>= 0): what one kernel costs on the device besides
-//                       its FLOPs and bytes (measured on sim; 0 or absent: the planner's default)
+//   "kernel_overhead_us" number, microseconds (>= 0): what one parallel region of a kernel costs on
+//                       the device besides its FLOPs and bytes (measured on sim; 0 or absent:
+//                       the planner's default)
 //   "bf16_speedup"      number (>= 0): how many times the device's bf16 products (fp32
 //                       accumulation) outrun its fp32 ones, measured; 0 or absent: unknown (see
 //                       fy_probe_gemm_gflops)
@@ -55,7 +56,8 @@ struct fy_probe {
                               // hand-offs; measured on sim), 0 when unknown
   double host_copy_gbps;      // one thread's memcpy (bytes copied per second, GB/s): what a sim
                               // copy engine's memcpy takes from the cores; 0 when unknown
-  double kernel_overhead_us;  // a kernel besides its FLOPs and bytes; on sim: the hand-off to the
+  double kernel_overhead_us;  // a kernel's parallel region (planner/profile.h's kernel_calls)
+                              // besides its FLOPs and bytes; on sim: the hand-off to the
                               // compute stream's thread, and OpenMP waking that thread's helpers
                               // (libgomp stops spinning between parallel regions once the process
                               // has more OpenMP threads than cores, as every sim stream thread's

@@ -10,6 +10,45 @@
 
 double fy_profile_mem_rate(const struct fy_probe *p) { return fy_probe_device_mem_gbps(p) * 1e9; }
 
+// The parallel regions of one call of the op's CPU kernels, forward [0] and backward [1]: a oneDNN
+// product each, a loop each when it is large enough to be split (ops/ops.h's FY_PAR_*; a smaller
+// one runs on the calling thread and wakes no team), and in 16-bit precision each rounding pass
+// (runtime/engine.c; fy_round_to_dtype splits above FY_PAR_ELEMENTWISE).
+static void cpu_regions(const struct fy_graph *g, const struct fy_op *op, enum fy_dtype compute, double r[2]) {
+  const double BT = (double)g->B * (double)g->T, C = (double)op->C;
+  const double numel = (double)g->slots[op->out].numel, ew = (double)FY_PAR_ELEMENTWISE;
+  const double rows = (double)FY_PAR_ROWS;
+  r[0] = r[1] = 0;
+  switch (op->kind) {
+    case FY_OP_LINEAR:  // the product; the input's and the weight's products, and the bias's sums
+      r[0] = 1;
+      r[1] = 2 + (op->has_bias && BT * (double)op->OC > rows ? 1 : 0);
+      break;
+    case FY_OP_ATTENTION:
+      for (int b = 0; b < 2; b++) r[b] = (double)fy_attention_kernel_calls(g->B, g->T, b);
+      break;
+    case FY_OP_LAYERNORM:  // backward: the input's gradient, then the parameters'
+      r[0] = BT * C > rows ? 1 : 0;
+      r[1] = r[0] * (op->n_params ? 2 : 1);
+      break;
+    case FY_OP_RELU: r[0] = r[1] = numel > ew ? 1 : 0; break;
+    case FY_OP_GELU: r[0] = r[1] = numel > ew / 8 ? 1 : 0; break;
+    case FY_OP_ADD:  // backward: a loop for each input's gradient
+      r[0] = numel > ew ? 1 : 0;
+      r[1] = r[0] * op->n_in;
+      break;
+    case FY_OP_EMBEDDING: r[0] = r[1] = BT * C > (double)FY_PAR_EMBEDDING ? 1 : 0; break;
+    case FY_OP_CROSS_ENTROPY: r[0] = r[1] = BT * (double)op->V > rows ? 1 : 0; break;
+    case FY_OP_KIND_COUNT: break;
+  }
+  if (compute == FY_F32) return;
+  if (op->kind != FY_OP_CROSS_ENTROPY && numel > ew) r[0] += 1;
+  for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++)
+    if ((double)g->slots[op->in[k]].numel > ew) r[1] += 1;
+  for (int k = 0; k < op->n_params; k++)
+    if ((double)g->params[op->params[k]].numel > ew) r[1] += 1;
+}
+
 void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, int ab, enum fy_dtype compute,
                    struct fy_op_profile *out) {
   const struct fy_op *op = &g->ops[o];
@@ -59,13 +98,7 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   bool fused = gpu && o > 0 && fy_graph_fusion(g, o - 1) != FY_FUSED_NONE;
   if (fused) out->mem_bytes[0] = 0;
   for (int b = 0; b < 2; b++) out->seconds[b] = out->flops[b] / (gemm * eff) + out->mem_bytes[b] / mem;
-  // Kernel calls: one each way, but a linear's backward (input and weight gradients, bias sum),
-  // layernorm's backward (input, then parameter gradients) and attention's tiled products.
-  out->kernel_calls[0] = out->kernel_calls[1] = 1;
-  if (op->kind == FY_OP_LINEAR) out->kernel_calls[1] = op->has_bias ? 3 : 2;
-  if (op->kind == FY_OP_LAYERNORM) out->kernel_calls[1] = op->n_params ? 2 : 1;
-  if (op->kind == FY_OP_ATTENTION)
-    for (int b = 0; b < 2; b++) out->kernel_calls[b] = (double)fy_attention_kernel_calls(g->B, g->T, b);
+  cpu_regions(g, op, gpu ? FY_F32 : compute, out->kernel_calls);
   if (fused) out->kernel_calls[0] = 0;
 }
 

@@ -20,8 +20,9 @@ struct fy_op_profile {
   double workspace_bytes; // scratch it needs while running (attention's backward)
   double param_bytes;     // parameters it reads
   double seconds[2];      // predicted on the probed device
-  double kernel_calls[2]; // the CPU kernels' oneDNN products and parallel loops (sim: each costs
-                          // the probe's kernel_overhead_us besides its work)
+  double kernel_calls[2]; // the parallel regions of the op's CPU kernels: oneDNN products and the
+                          // loops large enough to be split (sim: each costs the probe's
+                          // kernel_overhead_us besides its work: waking the stream thread's team)
 };
 
 // act_bytes: bytes per activation element (4 fp32, 2 bf16). compute: the run's precision (FY_F32,

@@ -22,7 +22,7 @@ static inline void ce_row_stats(const float *x, int64_t V, float *max_out, float
 int64_t fy_crossentropy_forward(float *losses, const float *logits, const int32_t *targets,
                                 int64_t BT, int64_t V) {
   int64_t count = 0;
-#pragma omp parallel for schedule(static) reduction(+ : count) if (BT * V > (1 << 14))
+#pragma omp parallel for schedule(static) reduction(+ : count) if (BT * V > FY_PAR_ROWS)
   for (int64_t i = 0; i < BT; i++) {
     int32_t t = targets[i];
     if (t == -100) {
@@ -42,7 +42,7 @@ int64_t fy_crossentropy_forward(float *losses, const float *logits, const int32_
 // logits (BT,V), targets (BT) -> dlogits (BT,V) = dloss * (softmax - onehot); may be in place
 void fy_crossentropy_backward(float *dlogits, const float *logits, const int32_t *targets,
                               int64_t BT, int64_t V, float dloss) {
-#pragma omp parallel for schedule(static) if (BT * V > (1 << 14))
+#pragma omp parallel for schedule(static) if (BT * V > FY_PAR_ROWS)
   for (int64_t i = 0; i < BT; i++) {
     const float *x = logits + i * V;
     float *d = dlogits + i * V;

@@ -16,32 +16,30 @@ extern float erfcf(float);
 extern float expf(float);
 #endif
 
-#define FY_EW_PAR (1 << 16)
-
 // inp (N) -> out (N)
 void fy_relu_forward(float *out, const float *inp, int64_t N) {
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
   for (int64_t i = 0; i < N; i++) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];  // NaN passes through, as in PyTorch
 }
 
 // dout (N), out (N) -> dinp (N) +=
 void fy_relu_backward(float *dinp, const float *dout, const float *out,
                       int64_t N) {
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
   for (int64_t i = 0; i < N; i++) dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
 }
 
 // inp (N) -> out (N) = x * Phi(x), Phi the standard normal's CDF (PyTorch's exact gelu). Phi(x)
 // is erfc(-x/sqrt 2) / 2 rather than (1 + erf(x/sqrt 2)) / 2, which cancels for negative x.
 void fy_gelu_forward(float *out, const float *inp, int64_t N) {
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR / 8)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE / 8)
   for (int64_t i = 0; i < N; i++) out[i] = 0.5f * inp[i] * erfcf(inp[i] * -(float)M_SQRT1_2);
 }
 
 // dout (N), inp (N) -> dinp (N) += dout * (Phi(x) + x * phi(x))
 void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N) {
   const float inv_sqrt_2pi = 0.3989422804014327f;
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR / 8)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE / 8)
   for (int64_t i = 0; i < N; i++) {
     float x = inp[i], cdf = 0.5f * erfcf(x * -(float)M_SQRT1_2), pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
     dinp[i] += dout[i] * (cdf + x * pdf);
@@ -51,25 +49,25 @@ void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t 
 // a (N), b (N) -> out (N)
 void fy_add_forward(float *out, const float *a, const float *b, int64_t N) {
   // out may alias a or b (a residual added in place), so no restrict here.
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
   for (int64_t i = 0; i < N; i++) out[i] = a[i] + b[i];
 }
 
 // dout (N) -> da (N) +=, db (N) +=
 void fy_add_backward(float *da, float *db, const float *dout, int64_t N) {
   if (da) {
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
     for (int64_t i = 0; i < N; i++) da[i] += dout[i];
   }
   if (db) {
-#pragma omp parallel for simd schedule(static) if (parallel : N > FY_EW_PAR)
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
     for (int64_t i = 0; i < N; i++) db[i] += dout[i];
   }
 }
 
 // bias (C) -> out (rows,C) += bias
 void fy_bias_add(float *out, const float *restrict bias, int64_t rows, int64_t C) {
-#pragma omp parallel for schedule(static) if (parallel : rows * C > FY_EW_PAR)
+#pragma omp parallel for schedule(static) if (parallel : rows * C > FY_PAR_ELEMENTWISE)
   for (int64_t r = 0; r < rows; r++) {
     float *row = out + r * C;
 #pragma omp simd
@@ -85,7 +83,7 @@ static void dropout_add_rows(float *dst, const float *base, const float *src, in
                              int64_t u0, float p) {
   const uint32_t thr = fy_dropout_threshold(p);
   const float s = fy_dropout_scale(p);
-#pragma omp parallel for schedule(static) if (parallel : rows * C > FY_EW_PAR)
+#pragma omp parallel for schedule(static) if (parallel : rows * C > FY_PAR_ELEMENTWISE)
   for (int64_t r = 0; r < rows; r++) {
     const uint64_t tk = fy_dropout_token(key, u0 + r);
     float *d = dst + r * C;

@@ -6,7 +6,7 @@
 // ids (BT) int32, table (V,C) -> out (BT,C)
 void fy_embedding_forward(float *out, const int32_t *ids, const float *table, int64_t BT,
                           int64_t C) {
-#pragma omp parallel for schedule(static) if (BT * C > (1 << 15))
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_EMBEDDING)
   for (int64_t i = 0; i < BT; i++)
     memcpy(out + i * C, table + (int64_t)ids[i] * C, (size_t)C * sizeof(float));
 }
@@ -19,7 +19,7 @@ void fy_embedding_backward(float *dtable, const float *dout, const int32_t *ids,
                            int64_t C, int64_t V) {
   const int64_t blk = 64;  // channels per work item: whole cache lines, no false sharing
   int64_t nblk = (C + blk - 1) / blk;
-#pragma omp parallel for schedule(static) if (BT * C > (1 << 15))
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_EMBEDDING)
   for (int64_t cb = 0; cb < nblk; cb++) {
     int64_t c0 = cb * blk, c1 = c0 + blk < C ? c0 + blk : C;
     for (int64_t i = 0; i < BT; i++) {

@@ -10,7 +10,7 @@
 void fy_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                           const float *weight, const float *bias, int64_t BT, int64_t C,
                           float eps) {
-#pragma omp parallel for schedule(static) if (BT * C > (1 << 14))
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
   for (int64_t i = 0; i < BT; i++) {
     const float *x = inp + i * C;
     float *y = out + i * C;
@@ -49,7 +49,7 @@ void fy_layernorm_backward(float *dinp, float *dweight, float *dbias, const floa
                            const float *inp, const float *weight, const float *mean,
                            const float *rstd, int64_t BT, int64_t C) {
   if (dinp) {
-#pragma omp parallel for schedule(static) if (BT * C > (1 << 14))
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
     for (int64_t i = 0; i < BT; i++) {
       const float *x = inp + i * C, *g = dout + i * C;
       float *dx = dinp + i * C;
@@ -81,7 +81,7 @@ void fy_layernorm_backward_params(float *dweight, float *dbias, const float *dou
   if (!dweight && !dbias) return;
   const int64_t blk = 64;
   int64_t nblk = (C + blk - 1) / blk;
-#pragma omp parallel for schedule(static) if (BT * C > (1 << 14))
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
   for (int64_t cb = 0; cb < nblk; cb++) {
     int64_t c0 = cb * blk, c1 = c0 + blk < C ? c0 + blk : C;
     float accw[64] = {0}, accb[64] = {0};

@@ -35,7 +35,7 @@ fy_status fy_linear_backward_params(float *dweight, float *dbias, const float *d
     // Column sums: threads split the columns and walk the rows in order (deterministic).
     const int64_t blk = 64;
     int64_t nblk = (OC + blk - 1) / blk;
-#pragma omp parallel for schedule(static) if (BT * OC > (1 << 14))
+#pragma omp parallel for schedule(static) if (BT * OC > FY_PAR_ROWS)
     for (int64_t ob = 0; ob < nblk; ob++) {
       int64_t o0 = ob * blk, o1 = o0 + blk < OC ? o0 + blk : OC;
       float acc[64] = {0};
