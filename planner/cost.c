@@ -9,6 +9,7 @@
 #include "memory/chunk.h"
 #include "memory/device_cache.h"
 #include "ops/cuda/parts.h"
+#include "ops/ops.h"
 #include "planner/pattern.h"
 #include "planner/profile.h"
 #include "planner/timeline.h"
@@ -491,10 +492,20 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     }
     st = fy_device_cache_create(l, &co, &s.cache);
   }
+  // The action after which each device chunk's gradients of a micro-batch are complete: its last
+  // backward op (with accumulation, they go into their fp32 sum there: runtime/offload.c).
+  int *dev_done = n_dev > 0 ? malloc((size_t)n_dev * sizeof *dev_done) : NULL;
+  if (st == FY_OK && n_dev > 0 && !dev_done) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = 0; st == FY_OK && c < n_dev; c++) dev_done[c] = -1;
+  for (int a = 0; st == FY_OK && n_dev > 0 && a < s.n_actions; a++)
+    for (int j = l->op_first[s.actions[a].op]; s.actions[a].kind == FY_ACT_BACKWARD && j < l->op_first[s.actions[a].op + 1]; j++)
+      if (l->op_chunks[j] < n_dev) dev_done[l->op_chunks[j]] = a;
   const int steps = 3;
   double ends[3] = {0}, host = 0, busy[4] = {0}, copy0[2] = {0}, optim_step = 0, cpu_copied = 0;
   int64_t pos = 0, loads0 = 0;
   double mem = probe->host_mem_gbps * 1e9, adamw = probe->host_adamw_gbps * 1e9;
+  // (A sim copy's memcpy runs on one thread: its rate, when the probe knows it.)
+  const double cp = probe->host_copy_gbps > 0 ? probe->host_copy_gbps * 1e9 : mem;
   double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
@@ -552,6 +563,17 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
             }
           }
         }
+        // The device's chunks whose gradients this op completed: with accumulation, summed in fp32
+        // on the compute stream (the first micro-batch's copied, a GPU's widened from bf16; the
+        // later ones' added).
+        for (int c = 0; k->grad_accum > 1 && c < n_dev; c++) {
+          if (dev_done[c] != a) continue;
+          double u = (double)l->chunks[c].used, ta;
+          if (gpu) ta = u * (pb + (micro > 0 ? 8 : 4)) / fy_profile_mem_rate(probe);
+          else ta = micro > 0 ? u * 12 / mem + (u > (double)FY_PAR_ELEMENTWISE ? sim_op_overhead(probe) : 0) : u * 4 / cp;
+          fy_timeline_run(s.compute, ta, "gradient sum");
+          if (last) busy[0] += ta;
+        }
         if (st == FY_OK) st = fy_device_cache_prefetch(s.cache, pos - 1);
       }
     }
@@ -608,8 +630,6 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       fy_device_copy_stats(s.dev, &now);
       double copied = now.bytes[0] + now.bytes[1] - cpu_copied;
       cpu_copied = now.bytes[0] + now.bytes[1];
-      // (A copy engine's memcpy runs on one thread: its rate, when the probe knows it.)
-      double cp = probe->host_copy_gbps > 0 ? probe->host_copy_gbps * 1e9 : mem;
       fy_timeline_run(s.compute, optim_step + copied / cp, "host work");
     }
     optim_step = 0;
@@ -634,6 +654,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     step_rates(out, k, probe);
   }
   sim_free(&s, nc);
+  free(dev_done);
   if (st == FY_OK && timeline_out) {
     *timeline_out = s.dev;
   } else {

@@ -84,7 +84,8 @@ static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, 
 // attention makes 2-4 oneDNN calls per sequence. While it shared that cost among calls rather
 // than parallel regions, and measured it against the same kernels on the main thread, most cases
 // were still 5-20% short on 2 cores, and a CI run on a busy machine found one 32% off in all six
-// attempts; now 0-9% either way, a few 12-17%.)
+// attempts; and the device's chunks' gradient sums with accumulation were left out, 20% of the
+// step of "every chunk on the device". Now 0-12% either way.)
 static void check_prediction(const char *what, struct fy_opt_config *cfg, struct fy_plan_knobs k, size_t cap,
                              double link, struct fy_probe probe) {
   char v[64];
