@@ -419,7 +419,14 @@ static void usage_train(FILE *f, bool eval) {
             "  --precision P      fp32 (default on cpu, sim), bf16 (default on cuda) or fp16 (cpu,\n"
             "                     sim): the forward in P, as training with it runs\n"
             "  --recompute        (accepted, and always so: evaluation keeps one layer's\n"
-            "                     activations at a time, and no gradients)\n",
+            "                     activations at a time, and no gradients)\n"
+            "\nseveral ranks (mpirun -np N ferry eval ... or srun):\n"
+            "  --comm K           auto (default: mpi under mpirun/srun), single or mpi\n"
+            "  --comm-timeout S   seconds a collective may take before the job is aborted (default 300)\n"
+            "  --tp N             groups of N consecutive ranks split each layer's attention heads and\n"
+            "                     feed-forward features, as ferry train --tp does (default 1)\n"
+            "  Each group reads its own --batch sequences of every batch (the mean is over all of\n"
+            "  them: --batches batches of groups x --batch); rank 0 prints it.\n",
             (long long)d.eval_batches);
     return;
   }
@@ -601,7 +608,9 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"dump", required_argument, 0, OPT_DUMP}, {"device", required_argument, 0, OPT_DEVICE},
       {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"precision", required_argument, 0, OPT_PRECISION},
       {"offload", no_argument, 0, OPT_OFFLOAD}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
-      {"recompute", no_argument, 0, OPT_RECOMPUTE}, {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+      {"recompute", no_argument, 0, OPT_RECOMPUTE}, {"tp", required_argument, 0, OPT_TP},
+      {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
+      {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   stop_signals_start();  // before anything here starts a thread
   struct fy_train_opts o;
   fy_train_opts_defaults(&o);

@@ -283,6 +283,27 @@ else bad "2 tensor-parallel ranks in 400 KiB"; cat "$tmp/tpmem2.out"; fi
   --save "$tmp/fttp" || bad "tensor-parallel ranks start from a saved model"
 compare ft1 fttp 1e-5 && ok "tensor-parallel ranks start from a saved model as 1 rank does" \
   || bad "tensor-parallel ranks start from a saved model differently"
+# ferry eval over ranks: data-parallel groups read their rows of each batch, tensor-parallel ranks
+# split each layer (resident, and offloaded on sim with the chunks sharded across a 2 x 2 grid):
+# the mean loss is the single rank's; a --tp that does not divide the ranks is refused.
+ev=(--model opt-tiny --data "$tmp/data.bin" --seq 32 --threads 1 --init "$tmp/one" --batches 3)
+evloss() { sed -n 's/^eval loss \([0-9.]*\) .*/\1/p' "$tmp/$1.out"; }
+"$ferry" eval "${ev[@]}" --batch 4 >"$tmp/ev1.out" 2>&1 || bad "1 rank evaluates"
+"${mpi[@]}" -np 2 "$ferry" eval "${ev[@]}" --batch 4 --tp 2 >"$tmp/evtp.out" 2>&1 || bad "2 tensor-parallel ranks evaluate"
+"${mpi[@]}" -np 4 "$ferry" eval "${ev[@]}" --batch 2 --tp 2 >"$tmp/evgrid.out" 2>&1 || bad "a 2 x 2 grid evaluates"
+"${mpi[@]}" -np 4 "$ferry" eval "${ev[@]}" --batch 2 --tp 2 --device sim --device-mem 300KiB >"$tmp/evsim.out" 2>&1 \
+  || bad "a 2 x 2 grid evaluates offloaded on sim"
+if python3 - "$(evloss ev1)" "$(evloss evtp)" "$(evloss evgrid)" "$(evloss evsim)" <<'PY'
+import sys
+v = [float(x) for x in sys.argv[1:]]
+print("  eval losses: 1 rank %s, tp 2 %s, 2 x 2 %s, 2 x 2 on sim %s" % tuple(sys.argv[1:]))
+assert len(v) == 4 and all(abs(x - v[0]) <= 1e-5 * v[0] for x in v), v
+PY
+then ok "ferry eval with --tp 2 and on a 2 x 2 grid (cpu, sim): the single rank's loss"
+else bad "ferry eval over tensor-parallel ranks differs"; for f in ev1 evtp evgrid evsim; do cat "$tmp/$f.out"; done; fi
+if "${mpi[@]}" -np 3 "$ferry" eval "${ev[@]}" --batch 2 --tp 2 >"$tmp/ev3.out" 2>&1; then bad "ferry eval --tp 2 on 3 ranks is accepted"
+else grep -q "does not divide the 3 ranks" "$tmp/ev3.out" && ok "ferry eval --tp 2 on 3 ranks is refused" \
+  || { bad "ferry eval --tp 2 on 3 ranks: unclear message"; cat "$tmp/ev3.out"; }; fi
 # The planner over ranks: ferry plan --gpus 2 chooses a grid and its knobs; mpirun -np 2 ferry
 # train --plan FILE runs it (the same sequences as 1 rank with the plan's global batch), and a run
 # with another number of ranks refuses it.
