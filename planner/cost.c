@@ -500,9 +500,11 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   int *dev_done = n_dev > 0 ? malloc((size_t)n_dev * sizeof *dev_done) : NULL;
   if (st == FY_OK && n_dev > 0 && !dev_done) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int c = 0; st == FY_OK && c < n_dev; c++) dev_done[c] = -1;
-  for (int a = 0; st == FY_OK && n_dev > 0 && a < s.n_actions; a++)
-    for (int j = l->op_first[s.actions[a].op]; s.actions[a].kind == FY_ACT_BACKWARD && j < l->op_first[s.actions[a].op + 1]; j++)
+  for (int a = 0; st == FY_OK && n_dev > 0 && a < s.n_actions; a++) {
+    if (s.actions[a].kind != FY_ACT_BACKWARD) continue;
+    for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++)
       if (l->op_chunks[j] < n_dev) dev_done[l->op_chunks[j]] = a;
+  }
   const int steps = 3;
   double ends[3] = {0}, host = 0, busy[4] = {0}, copy0[2] = {0}, optim_step = 0, cpu_copied = 0;
   int64_t pos = 0, loads0 = 0;
