@@ -151,7 +151,7 @@ if [ "$sanitize" = 1 ]; then
   fi
   # ferry train with random option sets, valid and not, under the sanitizers: each run ends by
   # itself, with 0, 1 or 2 and a message, and without a report.
-  echo "== ferry train with random options (test/cli_random.py, AddressSanitizer build)"
+  echo "== ferry train and eval with random options (test/cli_random.py, AddressSanitizer build)"
   mkdir -p build-asan
   count_logged build-asan/cli_random.log python3 test/cli_random.py build-asan/ferry 100 1
   # The parsers of untrusted files under libFuzzer, 10 s each (test/fuzz/README.md).

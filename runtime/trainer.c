@@ -494,7 +494,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (r->world > 1) fy_log_set_rank(r->rank);
   r->tp = o->tp > 1 ? o->tp : 1;
   if (r->world % r->tp != 0)
-    return fy_error_set(FY_ERR_INVALID, "--tp %d does not divide the %d ranks", r->tp, r->world);
+    return fy_error_set(FY_ERR_INVALID, "--tp %d does not divide the %d rank%s: run a multiple of %d ranks (mpirun -np %d "
+                        "ferry ...)", r->tp, r->world, r->world == 1 ? "" : "s", r->tp, r->tp);
   r->tp_rank = r->rank % r->tp;
   r->dp_rank = r->rank / r->tp;
   r->dp = r->world / r->tp;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""ferry train with random sets of options, valid and not: every run must end by itself, with exit
-status 0 (trained), 1 (refused or failed, with a message) or 2 (bad usage, with a message), and
-without a sanitizer report. test.sh runs it on the AddressSanitizer build.
+"""ferry train (and, one run in four, ferry eval) with random sets of options, valid and not: every
+run must end by itself, with exit status 0 (trained, evaluated), 1 (refused or failed, with a
+message) or 2 (bad usage, with a message), and without a sanitizer report. test.sh runs it on the
+AddressSanitizer build.
 
 usage: test/cli_random.py path/to/ferry [N] [SEED]       (default 60 runs, seed 1)
 Prints one line per run that breaks a rule and a summary; exit status 1 when any did."""
@@ -38,6 +39,21 @@ def option_values(tmp, data):
 FLAGS = ["--recompute", "--no-shuffle", "--offload", "--profile"]
 
 
+# ferry eval's options (and a training one it does not take: bad usage), the model saved by a
+# short run among the --init values.
+def eval_values(values, tmp, saved):
+    keep = ["--batch", "--seq", "--device", "--device-mem", "--precision", "--host-mem", "--tp", "--threads", "--seed",
+            "--model"]
+    ev = {k: values[k] for k in keep}
+    ev.update({"--batches": ["0", "1", "3", "-1", "x"], "--init": ["random", saved, "/nonexistent"],
+               "--dump": [os.path.join(tmp, "dump.safetensors"), "/nonexistent/dump.safetensors"],
+               "--lr": ["1e-3"]})
+    return ev
+
+
+EVAL_FLAGS = ["--recompute", "--offload"]
+
+
 def main():
     ferry = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -50,12 +66,24 @@ def main():
             f.write(struct.pack("<256i", 20240520, 1, len(toks), *([0] * 253)))
             f.write(struct.pack("<%dH" % len(toks), *toks))
         values = option_values(tmp, data)
+        saved = os.path.join(tmp, "saved")
+        subprocess.run([ferry, "train", "--model", "opt-tiny", "--data", data, "--quiet", "--steps", "1", "--seq", "12",
+                        "--batch", "2", "--save", saved], check=True, capture_output=True, timeout=120)
+        evals = eval_values(values, tmp, saved)
         for i in range(n):
-            cmd = [ferry, "train", "--model", "opt-tiny", "--data", data, "--quiet"]
-            for k in rnd.sample(sorted(values), rnd.randint(1, 6)):
-                cmd += [k, rnd.choice(values[k])]
-            cmd += [f for f in FLAGS if rnd.random() < 0.15]
-            for k, v in (("--steps", "2"), ("--seq", "12"), ("--batch", "2")):
+            if rnd.random() < 0.25:
+                cmd = [ferry, "eval", "--model", "opt-tiny", "--data", data]
+                for k in rnd.sample(sorted(evals), rnd.randint(1, 5)):
+                    cmd += [k, rnd.choice(evals[k])]
+                cmd += [f for f in EVAL_FLAGS if rnd.random() < 0.15]
+                defaults = (("--batches", "2"), ("--seq", "12"), ("--batch", "2"))
+            else:
+                cmd = [ferry, "train", "--model", "opt-tiny", "--data", data, "--quiet"]
+                for k in rnd.sample(sorted(values), rnd.randint(1, 6)):
+                    cmd += [k, rnd.choice(values[k])]
+                cmd += [f for f in FLAGS if rnd.random() < 0.15]
+                defaults = (("--steps", "2"), ("--seq", "12"), ("--batch", "2"))
+            for k, v in defaults:
                 if k not in cmd:
                     cmd += [k, v]
             try:

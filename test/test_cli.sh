@@ -392,7 +392,7 @@ expect 0 "a config with dropout, no --dropout: says how to turn it on" "--dropou
 expect 0 "--dropout config trains with the config's" "loss" -- train --init "$tmp/drop" --data "$tmp/ok.bin" --batch 2 \
   --seq 16 --steps 2 --dropout config
 expect 1 "--offload without a GPU device" "--offload is for --device cuda" -- train "${tiny[@]}" --steps 1 --offload
-expect 1 "--tp with one rank" "does not divide the 1 ranks" -- train "${tiny[@]}" --steps 1 --tp 2
+expect 1 "--tp with one rank" "does not divide the 1 rank: run a multiple of 2 ranks" -- train "${tiny[@]}" --steps 1 --tp 2
 expect 2 "--tp 0" "--tp" -- train "${tiny[@]}" --steps 1 --tp 0
 
 # tools/tokenize.py on JSON Lines (--jsonl KEY): each line's KEY string is one document, the end
