@@ -85,7 +85,7 @@ static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, 
 // than parallel regions, and measured it against the same kernels on the main thread, most cases
 // were still 5-20% short on 2 cores, and a CI run on a busy machine found one 32% off in all six
 // attempts; and the device's chunks' gradient sums with accumulation were left out, 20% of the
-// step of "every chunk on the device". Now 0-12% either way.)
+// step of "every chunk on the device". Now most within 10% either way, a run's worst 12-20%.)
 static void check_prediction(const char *what, struct fy_opt_config *cfg, struct fy_plan_knobs k, size_t cap,
                              double link, struct fy_probe probe) {
   char v[64];
