@@ -13,16 +13,24 @@ double fy_profile_mem_rate(const struct fy_probe *p) { return fy_probe_device_me
 // The parallel regions of one call of the op's CPU kernels, forward [0] and backward [1]: a oneDNN
 // product each, a loop each when it is large enough to be split (ops/ops.h's FY_PAR_*; a smaller
 // one runs on the calling thread and wakes no team), and in 16-bit precision each rounding pass
-// (runtime/engine.c; fy_round_to_dtype splits above FY_PAR_ELEMENTWISE).
-static void cpu_regions(const struct fy_graph *g, const struct fy_op *op, enum fy_dtype compute, double r[2]) {
-  const double BT = (double)g->B * (double)g->T, C = (double)op->C;
+// (runtime/engine.c; fy_round_to_dtype splits above FY_PAR_ELEMENTWISE). bf16_products: a bf16
+// linear's products are bf16 ones (the probe's bf16_speedup is not exactly 1), each converting
+// both its operands first (ops/cpu/matmul.c, fy_matmul16: a loop each).
+static void cpu_regions(const struct fy_graph *g, const struct fy_op *op, enum fy_dtype compute, bool bf16_products,
+                        double r[2]) {
+  const double BT = (double)g->B * (double)g->T, C = (double)op->C, OC = (double)op->OC;
   const double numel = (double)g->slots[op->out].numel, ew = (double)FY_PAR_ELEMENTWISE;
   const double rows = (double)FY_PAR_ROWS;
   r[0] = r[1] = 0;
   switch (op->kind) {
     case FY_OP_LINEAR:  // the product; the input's and the weight's products, and the bias's sums
       r[0] = 1;
-      r[1] = 2 + (op->has_bias && BT * (double)op->OC > rows ? 1 : 0);
+      r[1] = 2 + (op->has_bias && BT * OC > rows ? 1 : 0);
+      if (compute == FY_BF16 && bf16_products) {
+        const double in = BT * C > ew, w = OC * C > ew, out = BT * OC > ew;
+        r[0] += in + w;                        // input, weight
+        r[1] += (out + w) + (out + in);        // dout and weight; dout and input
+      }
       break;
     case FY_OP_ATTENTION:
       for (int b = 0; b < 2; b++) r[b] = (double)fy_attention_kernel_calls(g->B, g->T, b);
@@ -98,7 +106,7 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
   bool fused = gpu && o > 0 && fy_graph_fusion(g, o - 1) != FY_FUSED_NONE;
   if (fused) out->mem_bytes[0] = 0;
   for (int b = 0; b < 2; b++) out->seconds[b] = out->flops[b] / (gemm * eff) + out->mem_bytes[b] / mem;
-  cpu_regions(g, op, gpu ? FY_F32 : compute, out->kernel_calls);
+  cpu_regions(g, op, gpu ? FY_F32 : compute, p->bf16_speedup > 0 && p->bf16_speedup != 1.0, out->kernel_calls);
   if (fused) out->kernel_calls[0] = 0;
 }
 
