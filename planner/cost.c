@@ -213,6 +213,11 @@ fy_status fy_cost_resident_bytes(const struct fy_opt_config *cfg, int64_t B, int
   return FY_OK;
 }
 
+// Bytes per parameter of a GPU's gradient sum with accumulation (the cuda engine's chunk_add): the
+// first micro-batch's gradients (cb bytes each) widened into the fp32 sum, each later one's read
+// and added to it (the sum read and written).
+static double gpu_grad_sum_bytes(double cb, bool first) { return cb + (first ? 4 : 8); }
+
 // A resident plan (knobs.resident): the step as the cuda engine runs it without --offload, one
 // stream — each micro-batch's upload and its ops (with accumulation, the gradients added to their
 // sum), then the replicas' gradient sum (NCCL, a ring: 2(n-1)/n of the gradients per rank, in the
@@ -260,7 +265,9 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   // offload engine stages the next one meanwhile; the resident engine does not); with
   // accumulation, its gradients into the fp32 sum (read, and the sum read and written but the first).
   out->h2d_s = a * (4 * bt * 4 / (probe->h2d_gbps * 1e9) + 4 * probe->copy_latency_us * 1e-6);
-  out->compute_s = a * pass + (accumulate ? (a - 1) * np * (cb + 8) / mem + np * (cb + 4) / mem : 0);
+  out->compute_s = a * pass + (accumulate ? (a - 1) * np * gpu_grad_sum_bytes(cb, false) / mem +
+                                                np * gpu_grad_sum_bytes(cb, true) / mem
+                                          : 0);
   out->comm_s = dp > 1 ? 2.0 * (dp - 1) / dp * np * gb / (fy_probe_comm_gbps(probe) * 1e9) : 0;
   // The norm reads the gradients; AdamW reads them with the weights, m and v, and writes those
   // (and in bf16 the weights' bf16 copy).
@@ -509,6 +516,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double ends[3] = {0}, host = 0, busy[4] = {0}, copy0[2] = {0}, optim_step = 0, cpu_copied = 0;
   int64_t pos = 0, loads0 = 0;
   double mem = probe->host_mem_gbps * 1e9, adamw = probe->host_adamw_gbps * 1e9;
+  const double dev_mem = fy_profile_mem_rate(probe);  // (memory-bound kernels on the device)
   // (A sim copy's memcpy runs on one thread: its rate, when the probe knows it.)
   const double cp = probe->host_copy_gbps > 0 ? probe->host_copy_gbps * 1e9 : mem;
   double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
@@ -574,7 +582,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         for (int c = 0; k->grad_accum > 1 && c < n_dev; c++) {
           if (dev_done[c] != a) continue;
           double u = (double)l->chunks[c].used, ta;
-          if (gpu) ta = u * (pb + (micro > 0 ? 8 : 4)) / fy_profile_mem_rate(probe);
+          if (gpu) ta = u * gpu_grad_sum_bytes(pb, micro == 0) / dev_mem;
           else ta = micro > 0 ? u * 12 / mem + (u > (double)FY_PAR_ELEMENTWISE ? sim_op_overhead(probe) : 0) : u * 4 / cp;
           fy_timeline_run(s.compute, ta, "gradient sum");
           if (last) busy[0] += ta;
@@ -598,7 +606,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     }
     // The device's chunks: their sums of squares on the compute stream, which the norm waits for
     // (their AdamW follows it, there too).
-    const double dev_gb = k->grad_accum > 1 ? 4 : pb, dev_mem = fy_profile_mem_rate(probe);
+    const double dev_gb = k->grad_accum > 1 ? 4 : pb;
     if (n_dev > 0) {
       double t = dev_elems * dev_gb / dev_mem;
       fy_timeline_run(s.compute, t, "device norm");
