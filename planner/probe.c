@@ -17,6 +17,7 @@
 #include "fy_config.h"
 #include "core/device.h"
 #include "core/fileio.h"
+#include "core/log.h"
 #include "core/parse.h"
 #include "memory/tier.h"
 #include "ops/ops.h"
@@ -454,6 +455,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
                         strlen(disk_dir));
   struct fy_probe p;
   memset(&p, 0, sizeof p);
+  p.format = FY_PROBE_FORMAT;
   snprintf(p.device, sizeof p.device, "%s", dev_kind);
   p.host_mem = host_mem_available();
   if (!(p.host_mem > 0)) return fy_error_set(FY_ERR_INTERNAL, "probe: cannot tell the host's memory");
@@ -492,6 +494,22 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
   return FY_OK;
 }
 
+// A probe read from a file of an older format, brought to this one: the kernel overhead (format 1:
+// per kernel call, on sim) measured again per parallel region. *changed: whether p changed.
+static fy_status upgrade_format(const char *path, struct fy_probe *p, bool *changed) {
+  if (p->format >= FY_PROBE_FORMAT) return FY_OK;
+  if (strcmp(p->device, "sim") == 0 && p->kernel_overhead_us > 0) {
+    const double old = p->kernel_overhead_us;
+    FY_TRY(measure_kernel_overhead(p->device_gflops, p->host_mem_gbps, &p->kernel_overhead_us));
+    fy_log_info("probe file %s is from an older ferry (format %d): kernel_overhead_us, now per parallel "
+                "region of a kernel, measured again: %.3g us (was %.3g per call); the rest kept",
+                path, p->format, p->kernel_overhead_us, old);
+  }
+  p->format = FY_PROBE_FORMAT;
+  *changed = true;
+  return FY_OK;
+}
+
 fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bool *measured) {
   const bool cuda = strcmp(c->device, "cuda") == 0;
   *measured = false;
@@ -512,7 +530,10 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
   } else if (st != FY_OK) {
     return st;
   } else {
-    FY_TRY(fy_probe_add_disk(p, c->disk_dir, &changed));  // a --disk-dir the cached probe has not timed
+    FY_TRY(upgrade_format(c->path, p, &changed));
+    bool timed = false;
+    FY_TRY(fy_probe_add_disk(p, c->disk_dir, &timed));  // a --disk-dir the cached probe has not timed
+    changed = changed || timed;
   }
   if (!changed || !c->write) return FY_OK;
   st = fy_probe_write(c->path, p);
@@ -608,6 +629,7 @@ static fy_status mkdir_parents(const char *path) {
 
 fy_status fy_probe_write(const char *path, const struct fy_probe *p) {
   json_object *o = json_object_new_object();
+  json_object_object_add(o, "format", json_object_new_int(FY_PROBE_FORMAT));  // (p in this ferry's terms)
   for (size_t i = 0; i < NFIELDS; i++) {
     const struct field *f = &fields[i];
     json_object *v;
@@ -721,7 +743,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
   char unknown[512] = "";
   json_object_object_foreach(o, key, val) {
     (void)val;
-    bool known = false;
+    bool known = !strcmp(key, "format");
     for (size_t i = 0; i < NFIELDS && !known; i++) known = !strcmp(key, fields[i].key);
     if (!known) {
       size_t u = strlen(unknown);
@@ -734,6 +756,18 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
   }
   struct fy_probe p;
   memset(&p, 0, sizeof p);
+  p.format = 1;  // (a file without the key: from before formats)
+  json_object *fv;
+  if (json_object_object_get_ex(o, "format", &fv)) {
+    int64_t v = json_object_get_int64(fv);
+    if (!json_object_is_type(fv, json_type_int) || v < 1)
+      st = fy_error_set(FY_ERR_FORMAT, "probe file %s: 'format' must be an integer >= 1", path);
+    else if (v > FY_PROBE_FORMAT)
+      st = fy_error_set(FY_ERR_FORMAT, "probe file %s: format %lld is from a newer ferry (this one reads "
+                        "1 to %d): 'ferry probe --remeasure' writes this one's", path, (long long)v, FY_PROBE_FORMAT);
+    else
+      p.format = (int)v;
+  }
   for (size_t i = 0; i < NFIELDS && st == FY_OK; i++) {
     const struct field *f = &fields[i];
     json_object *v;

@@ -6,6 +6,7 @@
 //
 // The file is one JSON object whose keys are exactly the fields below, all of them present, no
 // others:
+//   "format"            integer: the file's layout, FY_PROBE_FORMAT as written (absent: 1)
 //   "device"            string: "cpu", "sim" or "cuda"
 //   "device_mem"        number, bytes (> 0)
 //   "host_mem"          number, bytes (> 0)
@@ -38,7 +39,14 @@
 
 #include "core/status.h"
 
+// The probe file's format, written as its "format". 1 (a file without the key): kernel_overhead_us
+// per kernel call. 2: per parallel region of a kernel, about 1.5x the same machine's format-1
+// figure. fy_probe_cached measures again what an older format meant otherwise; a file from a
+// newer ferry is refused.
+#define FY_PROBE_FORMAT 2
+
 struct fy_probe {
+  int format;                 // the file's format it was read from (FY_PROBE_FORMAT when measured)
   char device[32];            // "cpu", "sim" or "cuda"
   double device_mem;          // bytes the device may hold
   double host_mem;            // bytes of host memory for model state
@@ -112,7 +120,8 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
 // machine measured — device_mem, link_gbps and disk_dir as fy_probe_measure takes them, a cuda
 // probe as the sim device's with GPU 0's figures when `gpu` — and written back when `write`; a
 // cached probe also gains disk_dir's rates when it lacks them (fy_probe_add_disk), written back
-// too. A write that fails is an error only with write_errors. *measured: whether it measured.
+// too, and one of an older format has the fields whose meaning changed measured again (the rest
+// kept as the file has them), said in a line on stderr and written back. A write that fails is an error only with write_errors. *measured: whether it measured.
 // A file that cannot be read or parsed is an error (an edited file is not silently replaced).
 struct fy_probe_cache {
   const char *path, *device, *disk_dir;

@@ -280,6 +280,21 @@ static void test_bad_files(void) {
   CHECK_OK(fy_probe_read(path, &p));
   CHECK(p.device_mem == 268435456.0 && p.disk_write_gbps == 1.25 && !strcmp(p.disk_dir, "/tmp"));
   CHECK(p.bf16_speedup == 0);  // (a file from before it: unknown)
+  CHECK(p.format == 1);        // (and from before formats)
+  make_file(path, NULL, NULL, 0, "\"format\": 2");
+  CHECK_OK(fy_probe_read(path, &p));
+  CHECK(p.format == 2);
+  const char *bad_format[] = {"3", "0", "-1", "2.0", "\"2\"", "null"};
+  for (size_t i = 0; i < sizeof bad_format / sizeof *bad_format; i++) {
+    char extra[64];
+    snprintf(extra, sizeof extra, "\"format\": %s", bad_format[i]);
+    make_file(path, NULL, NULL, 0, extra);
+    CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+    CHECKF(msg_has("format") && msg_has(path), "%s", fy_error_msg());
+  }
+  make_file(path, NULL, NULL, 0, "\"format\": 3");
+  CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
+  CHECK(msg_has("newer ferry") && msg_has("--remeasure"));
   memset(&p, 0x5a, sizeof p);
   make_file(path, NULL, NULL, 0, "\"bf16_speedup\": 1.8");
   CHECK_OK(fy_probe_read(path, &p));
@@ -399,6 +414,20 @@ static void test_cached(const struct fy_probe *base) {
   CHECK_OK(fy_probe_cached(&c, &p, &measured));
   CHECK(measured && p.host_gflops != 12345);
   c.remeasure = false;
+  // A file of format 1 (kernel_overhead_us per call): that measured again, the rest kept, written
+  // back as this format; a cpu probe has nothing to measure again.
+  make_file(path, NULL, NULL, 0, "\"kernel_overhead_us\": 0.05");
+  CHECK_OK(fy_probe_cached(&c, &p, &measured));
+  CHECK(!measured && p.format == FY_PROBE_FORMAT && p.kernel_overhead_us >= 0.1 && p.host_gflops == 100.5);
+  CHECK_OK(fy_probe_read(path, &q));
+  CHECK(q.format == FY_PROBE_FORMAT && probe_equal(&p, &q));
+  make_file(path, "device", "\"cpu\"", 0, NULL);
+  c.device = "cpu";
+  CHECK_OK(fy_probe_cached(&c, &p, &measured));
+  CHECK(!measured && p.format == FY_PROBE_FORMAT && p.kernel_overhead_us == 0 && p.host_gflops == 100.5);
+  CHECK_OK(fy_probe_read(path, &q));
+  CHECK(q.format == FY_PROBE_FORMAT);
+  c.device = "sim";
   write_text(path, "{ not json");  // broken: an error, the file left for its owner
   CHECK_ERR(fy_probe_cached(&c, &p, &measured), FY_ERR_FORMAT);
   snprintf(path, sizeof path, "/proc/ferry-none/probe.json");  // not there, and cannot be written
