@@ -188,8 +188,8 @@ static fy_status map_file(const char *path, const char *what, void **map, size_t
   if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))
     st = fy_error_set(FY_ERR_IO, "%s %s is not a regular file", what, path);
   else if (sb.st_size < DATA_HEADER_BYTES)
-    st = fy_error_set(FY_ERR_FORMAT, "%s %s is too small for a header (%lld bytes, need %d)", what, path,
-                      (long long)sb.st_size, DATA_HEADER_BYTES);
+    st = fy_error_set(FY_ERR_FORMAT, "%s %s is too small for a header (%lld bytes, need %d; tools/tokenize.py "
+                      "makes shards from text)", what, path, (long long)sb.st_size, DATA_HEADER_BYTES);
   else if ((m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0)) == MAP_FAILED)
     st = fy_error_set(FY_ERR_IO, "cannot map %s %s: %s", what, path, strerror(errno));
   close(fd);
