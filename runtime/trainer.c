@@ -41,7 +41,7 @@ void fy_train_opts_defaults(struct fy_train_opts *o) {
   static char demo_data[4096];
   snprintf(demo_data, sizeof demo_data, "%s/data/demo", FY_SOURCE_DIR);
   *o = (struct fy_train_opts){
-      .model = NULL, .init = "random", .data = demo_data, .batch = 16, .seq = 0,
+      .model = NULL, .init = NULL, .data = demo_data, .batch = 16, .seq = 0,
       .grad_accum = 1, .steps = 600, .lr = 2e-3f, .min_lr = -1, .warmup = -1,
       .adamw = fy_adamw_defaults(), .seed = 1337, .shuffle = true, .threads = 0, .device = "cpu",
       .disk_chunks = -1, .prefetch = 2, .keep = 2, .comm = "auto", .comm_timeout = 300,
@@ -117,6 +117,34 @@ static const char *config_difference(const struct fy_opt_config *a, const struct
       return buf;
     }
   return NULL;
+}
+
+// --model naming a Hugging Face directory that holds weights, without --init (or --resume): only
+// its config.json is read, so the model starts from random weights. Whoever fine-tunes or
+// evaluates "--model opt-1.3b-dir" most likely meant those weights: say so (--init random keeps
+// it quiet).
+static void warn_weights_unread(const struct fy_train_opts *o) {
+  if (!o->model || o->init || o->resume) return;
+  char dir[4096];
+  struct stat sb;
+  if (stat(o->model, &sb) != 0 || snprintf(dir, sizeof dir, "%s", o->model) >= (int)sizeof dir) return;
+  if (!S_ISDIR(sb.st_mode)) {  // a config.json given itself: the weights would be beside it
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = '\0';
+    else snprintf(dir, sizeof dir, ".");
+  }
+  static const char *names[] = {"model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                                "pytorch_model.bin"};
+  for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+    if (access(path, F_OK) != 0) continue;
+    fy_log_warn("--model %s gives the model's shape only (its config.json): the weights beside it (%s) are not "
+                "loaded, and the model starts from random weights; --init %s starts from them (--init random: "
+                "random on purpose)",
+                o->model, names[i], dir);
+    return;
+  }
 }
 
 // The model's configuration: --model (preset or config), else the --init checkpoint's, else the
@@ -508,6 +536,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
   FY_TRY(resolve_config(o, &r->cfg));
+  if (r->rank == 0) warn_weights_unread(o);
   // Dropout while training (evaluation has none); its probability is checked with the graph.
   if (!eval) r->cfg.train_dropout = train_dropout(o, &r->cfg);
   FY_TRY(seq_fits(o->seq, &r->cfg));

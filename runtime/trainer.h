@@ -16,7 +16,7 @@
 
 struct fy_train_opts {
   const char *model;      // preset name or a directory/file with config.json
-  const char *init;       // "random" or a Hugging Face model directory
+  const char *init;       // NULL (not given) or "random", or a Hugging Face model directory
   const char *data;       // shard, directory of shards, or glob
   int64_t batch, seq, grad_accum, steps;  // seq 0: FY_DEFAULT_SEQ, or the model's positions if fewer
   bool batch_given;       // --batch or --grad-accum was given (a plan file's replace them: said so)

@@ -68,6 +68,15 @@ expect 0 "eval offloaded on the sim device: the cpu's loss" "^${cpu_eval:-no eva
   --data "$tmp/ok.bin" --batch 2 --seq 16 --device sim --device-mem 2MiB
 expect 1 "eval --offload without a GPU device" "--offload is for --device cuda" -- eval --init "$tmp/ckpt" \
   --data "$tmp/ok.bin" --offload
+# A Hugging Face directory given as --model (its shape) without --init: its weights are not loaded,
+# and the run says so, with the --init that loads them; --init random says it is meant.
+expect 0 "eval --model of a directory with weights: random weights, said" \
+  "weights beside it \(model.safetensors\) are not loaded.*--init $tmp/ckpt starts" -- eval --model "$tmp/ckpt" \
+  --data "$tmp/ok.bin" --batch 2 --seq 16
+out="$("$ferry" eval --model "$tmp/ckpt" --init random --data "$tmp/ok.bin" --batch 2 --seq 16 2>&1)"
+if printf '%s' "$out" | grep -q "eval loss" && ! printf '%s' "$out" | grep -q "not loaded"; then
+  pass=$((pass + 1)); echo "ok    --model with --init random: nothing said"
+else fail=$((fail + 1)); printf 'FAIL  --model with --init random\n%s\n' "$out"; fi
 expect 2 "eval on an unknown device" "cpu, sim or cuda" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" \
   --device tpu
 expect 1 "eval --dump on a GPU" "use --device cpu" -- eval --init "$tmp/ckpt" --data "$tmp/ok.bin" --device cuda \
