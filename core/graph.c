@@ -218,12 +218,55 @@ void fy_graph_set_flash_attention(struct fy_graph *g, bool on) {
 }
 
 
+// Whether op j reads slot s.
+static bool reads(const struct fy_op *op, int s) {
+  for (int k = 0; k < op->n_in; k++)
+    if (op->in[k] == s) return true;
+  return false;
+}
+
+// Whether the gradients of add o's inputs a and b can both be its output's buffer. Backward then
+// hands that buffer first to the producer of one (which reads it), while the other's other
+// consumers add into it: so b must have no consumer but the add, and every other consumer of a
+// must come before b's producer (in backward, after it) — or the same with a and b swapped. The
+// residual stream of OPT is so: a (the stream) feeds a layer norm (pre-LN) or the projections
+// (post-LN) before the branch b is made, and b feeds the add alone.
+static bool share_both(const struct fy_graph *g, int o, int a, int b) {
+  for (int swap = 0; swap < 2; swap++) {
+    const int x = swap ? b : a, y = swap ? a : b, py = g->slots[y].producer;
+    bool ok = py >= 0;
+    for (int j = 0; j < o && ok; j++)
+      ok = !reads(&g->ops[j], y) && (!reads(&g->ops[j], x) || j < py);
+    if (ok) return true;
+  }
+  return false;
+}
+
+// A plain add's backward gives each input its output's gradient unchanged. An input whose
+// gradient starts at the add (the add is its last consumer) takes the output's buffer over, the
+// output's gradient being dead after the add: input 0 (the residual) always, input 1 (the branch)
+// when the add drops nothing from it, and both when share_both allows. Sets op->grad_shared.
+static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o) {
+  op->grad_shared[0] = op->grad_shared[1] = false;
+  if (op->kind != FY_OP_ADD || op->n_in != 2 || op->in[0] == op->in[1] || g->slots[op->out].grad_offset < 0) return;
+  bool can[2];
+  for (int k = 0; k < 2; k++) {
+    const struct fy_slot *s = &g->slots[op->in[k]];
+    can[k] = s->last_consumer == o && !s->grad_in_place && s->producer >= 0 &&
+             fy_graph_slot_floats(g, op->in[k]) == fy_graph_slot_floats(g, op->out) && (k == 0 || !(op->dropout > 0));
+  }
+  if (can[0] && can[1] && !share_both(g, o, op->in[0], op->in[1])) can[1] = false;
+  op->grad_shared[0] = can[0];
+  op->grad_shared[1] = can[1];
+}
+
 // Activation gradients: a slot's gradient is live from its last consumer's backward (where it
-// is zeroed, then accumulated into) to its producer's backward (its last reader).
+// is zeroed, then accumulated into) to its producer's backward (its last reader); an add's input
+// that shares its output's gradient (plan_shared) takes the buffer over, with nothing zeroed.
 static fy_status plan_gradients(struct fy_graph *g) {
   for (int s = 0; s < g->n_slots; s++) g->slots[s].grad_offset = -1;
   if (g->forward_only) {  // no backward: no gradients
-    for (int o = 0; o < g->n_ops; o++) g->ops[o].n_zero = 0;
+    for (int o = 0; o < g->n_ops; o++) g->ops[o].n_zero = 0, g->ops[o].grad_shared[0] = g->ops[o].grad_shared[1] = false;
     g->grad_elems = 0;
     return FY_OK;
   }
@@ -234,9 +277,15 @@ static fy_status plan_gradients(struct fy_graph *g) {
   for (int o = g->n_ops - 1; o >= 0; o--) {
     struct fy_op *op = &g->ops[o];
     op->n_zero = 0;
+    plan_shared(g, op, o);
     for (int k = 0; k < op->n_in; k++) {
       struct fy_slot *s = &g->slots[op->in[k]];
       if (s->last_consumer != o || s->grad_in_place || s->producer < 0) continue;
+      if (op->grad_shared[k]) {  // the output's buffer, live now until this input's producer
+        s->grad_offset = g->slots[op->out].grad_offset;
+        live_insert(live, &n_live, (struct live_block){s->grad_offset, fy_graph_slot_floats(g, op->in[k]), op->in[k]});
+        continue;
+      }
       bool seen = false;  // the same slot twice in one op (x + x)
       for (int j = 0; j < op->n_zero; j++) seen |= op->zero[j] == op->in[k];
       if (seen) continue;

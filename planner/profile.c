@@ -10,6 +10,13 @@
 
 double fy_profile_mem_rate(const struct fy_probe *p) { return fy_probe_device_mem_gbps(p) * 1e9; }
 
+// The input gradients an add's backward writes: those not sharing its output's (core/graph.h).
+static int add_own_grads(const struct fy_op *op) {
+  int n = 0;
+  for (int k = 0; k < op->n_in; k++) n += !op->grad_shared[k];
+  return n;
+}
+
 // The parallel regions of one call of the op's CPU kernels, forward [0] and backward [1]: a oneDNN
 // product each, a loop each when it is large enough to be split (ops/ops.h's FY_PAR_*; a smaller
 // one runs on the calling thread and wakes no team), and in 16-bit precision each rounding pass
@@ -41,9 +48,9 @@ static void cpu_regions(const struct fy_graph *g, const struct fy_op *op, enum f
       break;
     case FY_OP_RELU: r[0] = r[1] = numel > ew ? 1 : 0; break;
     case FY_OP_GELU: r[0] = r[1] = numel > ew / 8 ? 1 : 0; break;
-    case FY_OP_ADD:  // backward: a loop for each input's gradient
+    case FY_OP_ADD:  // backward: a loop for each input's gradient but those sharing the output's
       r[0] = numel > ew ? 1 : 0;
-      r[1] = r[0] * op->n_in;
+      r[1] = r[0] * add_own_grads(op);
       break;
     case FY_OP_EMBEDDING: r[0] = r[1] = BT * C > (double)FY_PAR_EMBEDDING ? 1 : 0; break;
     case FY_OP_CROSS_ENTROPY: r[0] = r[1] = BT * (double)op->V > rows ? 1 : 0; break;
@@ -52,7 +59,7 @@ static void cpu_regions(const struct fy_graph *g, const struct fy_op *op, enum f
   if (compute == FY_F32) return;
   if (op->kind != FY_OP_CROSS_ENTROPY && numel > ew) r[0] += 1;
   for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++)
-    if ((double)g->slots[op->in[k]].numel > ew) r[1] += 1;
+    if ((double)g->slots[op->in[k]].numel > ew && !op->grad_shared[k]) r[1] += 1;
   for (int k = 0; k < op->n_params; k++)
     if ((double)g->params[op->params[k]].numel > ew) r[1] += 1;
 }
@@ -79,7 +86,10 @@ void fy_profile_op(const struct fy_graph *g, int o, const struct fy_probe *p, in
       out->mem_bytes[0] = (double)g->slots[op->out].numel * ab * 2;
       out->mem_bytes[1] = (double)g->slots[op->out].numel * ab * 3;
       break;
-    case FY_OP_ADD: out->mem_bytes[0] = out->mem_bytes[1] = (double)g->slots[op->out].numel * ab * 3; break;
+    case FY_OP_ADD:  // backward: an input's own gradient zeroed, then dout added (none for a shared one)
+      out->mem_bytes[0] = (double)g->slots[op->out].numel * ab * 3;
+      out->mem_bytes[1] = (double)g->slots[op->out].numel * ab * 4 * add_own_grads(op);
+      break;
     case FY_OP_EMBEDDING: out->mem_bytes[0] = out->mem_bytes[1] = BT * C * ab * 2; break;
     case FY_OP_CROSS_ENTROPY: out->mem_bytes[0] = out->mem_bytes[1] = BT * (double)op->V * ab * 3; break;
     case FY_OP_KIND_COUNT: break;

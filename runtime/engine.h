@@ -84,6 +84,11 @@ static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_
   const struct fy_slot *s = &m->graph->slots[op->in[k]];
   return s->grad_offset >= 0 || s->grad_in_place ? fy_engine_dact(m, op->in[k]) : NULL;
 }
+// An add's input gradient that its backward must write: NULL as well when it is the output's
+// own buffer (fy_op.grad_shared), which already holds it.
+static inline float *fy_engine_dinput_add(const struct fy_model *m, const struct fy_op *op, int k) {
+  return op->grad_shared[k] ? NULL : fy_engine_dinput(m, op, k);
+}
 
 // Resident parameters (m->params, gradients into m->grads): run the forward pass of a micro-batch
 // (its B and T must be those the model was built for) after checking every id against the

@@ -17,14 +17,24 @@ static int64_t extent(const struct fy_graph *g, int s) {
   return g->act16 && !f32 ? (n + 1) / 2 : n;
 }
 
-// Simulates the backward walk and checks the gradient arena's liveness plan.
+// Simulates the backward walk and checks the gradient arena's liveness plan. An add's input that
+// shares its output's gradient (grad_shared) becomes live there in the same buffer: slots of one
+// such group may overlap (at the same offset), no others.
 static void check_grad_plan(const struct fy_graph *g, const char *name) {
   int n = g->n_slots;
   char *live = calloc((size_t)n, 1);
+  int *group = malloc((size_t)n * sizeof *group);
+  for (int s = 0; s < n; s++) group[s] = s;
   int bad = 0;
   for (int o = g->n_ops - 1; o >= 0; o--) {
     const struct fy_op *op = &g->ops[o];
     for (int k = 0; k < op->n_zero; k++) live[op->zero[k]] = 1;
+    for (int k = 0; k < op->n_in; k++)
+      if (op->grad_shared[k]) {
+        live[op->in[k]] = 1;
+        group[op->in[k]] = group[op->out];
+        if (op->kind != FY_OP_ADD || g->slots[op->in[k]].grad_offset != g->slots[op->out].grad_offset) bad++;
+      }
     // Every input's gradient that is written here must be live.
     for (int k = 0; k < op->n_in; k++) {
       const struct fy_slot *s = &g->slots[op->in[k]];
@@ -37,6 +47,7 @@ static void check_grad_plan(const struct fy_graph *g, const char *name) {
       for (int b = a + 1; b < n; b++) {
         if (!live[b]) continue;
         const struct fy_slot *x = &g->slots[a], *y = &g->slots[b];
+        if (group[a] == group[b] && x->grad_offset == y->grad_offset) continue;
         if (x->grad_offset < y->grad_offset + extent(g, b) && y->grad_offset < x->grad_offset + extent(g, a)) bad++;
       }
     }
@@ -44,6 +55,7 @@ static void check_grad_plan(const struct fy_graph *g, const char *name) {
   }
   CHECKF(bad == 0, "%s: %d liveness violations", name, bad);
   free(live);
+  free(group);
 }
 
 static void check_model(const char *preset, int64_t B, int64_t T) {
@@ -276,7 +288,77 @@ static void check_fusions(void) {
   }
 }
 
+// Which adds hand their output's gradient buffer to their inputs (fy_op.grad_shared): every
+// residual add of OPT, pre- and post-LN, and the embeddings' sum, both inputs; with dropout on the
+// branch, the residual alone. In small graphs: not the branch when it feeds another op too, or
+// when the residual feeds the branch's producer or an op after it (the shared buffer would be
+// read and added to at once).
+static void check_shared_grads(void) {
+  for (int post = 0; post < 3; post++) {
+    struct fy_opt_config c;
+    CHECK_OK(fy_opt_preset(post == 1 ? "opt-350m" : "opt-tiny", &c));
+    if (post == 2) c.train_dropout = 0.1f;
+    struct fy_graph *g;
+    CHECK_OK(fy_opt_build_graph(&c, 2, 8, &g));
+    if (!g) continue;
+    int adds = 0, both = 0, residual_only = 0;
+    for (int o = 0; o < g->n_ops; o++) {
+      const struct fy_op *op = &g->ops[o];
+      if (op->kind != FY_OP_ADD) {
+        CHECK(!op->grad_shared[0] && !op->grad_shared[1]);
+        continue;
+      }
+      adds++;
+      both += op->grad_shared[0] && op->grad_shared[1];
+      residual_only += op->grad_shared[0] && !op->grad_shared[1];
+    }
+    const int L = (int)c.num_hidden_layers;
+    CHECKF(adds == 2 * L + 1 && both == (post == 2 ? 1 : adds) && residual_only == (post == 2 ? 2 * L : 0),
+           "%s%s: %d adds, %d share both inputs, %d the residual alone", c.name, post == 2 ? " with dropout" : "",
+           adds, both, residual_only);
+    check_grad_plan(g, "shared");
+    fy_graph_free(g);
+  }
+  // x (no producer) -relu-> a -relu-> b, and the cases around add(a, b).
+  enum { BRANCH_TWICE, A_FEEDS_PRODUCER, A_AFTER_PRODUCER, BOTH_OK };
+  for (int v = BRANCH_TWICE; v <= BOTH_OK; v++) {
+    struct fy_graph *g;
+    CHECK_OK(fy_graph_create(1, 4, &g));
+    if (!g) continue;
+    const int64_t N = 16;
+    int x = fy_graph_add_slot(g, N), a = fy_graph_add_slot(g, N), t = fy_graph_add_slot(g, N);
+    int b = fy_graph_add_slot(g, N), u = fy_graph_add_slot(g, N), sum = fy_graph_add_slot(g, N);
+    int y = fy_graph_add_slot(g, N);
+    struct fy_op op = {.kind = FY_OP_RELU, .n_in = 1, .in = {x}, .out = a};
+    fy_graph_add_op(g, &op);                                                   // 0: a = relu(x)
+    op.in[0] = v == A_FEEDS_PRODUCER ? a : (op.out = t, a);                    // 1: t = relu(a), or b's producer
+    if (v == A_FEEDS_PRODUCER) op.out = b;
+    fy_graph_add_op(g, &op);
+    if (v != A_FEEDS_PRODUCER) {
+      op.in[0] = t, op.out = b;                                                // 2: b = relu(t)
+      fy_graph_add_op(g, &op);
+    }
+    if (v == BRANCH_TWICE || v == A_AFTER_PRODUCER) {
+      op.in[0] = v == BRANCH_TWICE ? b : a, op.out = u;                        // u = relu(b) or relu(a)
+      fy_graph_add_op(g, &op);
+    }
+    struct fy_op add = {.kind = FY_OP_ADD, .n_in = 2, .in = {a, b}, .out = sum, .C = N};
+    fy_graph_add_op(g, &add);
+    op.in[0] = sum, op.out = y;
+    fy_graph_add_op(g, &op);
+    CHECK_OK(fy_graph_finalize(g));
+    const struct fy_op *ad = NULL;
+    for (int o = 0; o < g->n_ops; o++)
+      if (g->ops[o].kind == FY_OP_ADD) ad = &g->ops[o];
+    CHECKF(ad && ad->grad_shared[0] && ad->grad_shared[1] == (v == BOTH_OK), "case %d: shared %d %d", v,
+           ad ? ad->grad_shared[0] : -1, ad ? ad->grad_shared[1] : -1);
+    check_grad_plan(g, "small");
+    fy_graph_free(g);
+  }
+}
+
 int main(void) {
+  check_shared_grads();
   check_fusions();
   check_flash();
   check_act16();
