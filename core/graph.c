@@ -244,8 +244,9 @@ static bool share_both(const struct fy_graph *g, int o, int a, int b) {
 
 // A plain add's backward gives each input its output's gradient unchanged. An input whose
 // gradient starts at the add (the add is its last consumer) takes the output's buffer over, the
-// output's gradient being dead after the add: input 0 (the residual) always, input 1 (the branch)
-// when the add drops nothing from it, and both when share_both allows. Sets op->grad_shared.
+// output's gradient being dead after the add; the branch (input 1) only when the add drops
+// nothing from it. Both at once only when share_both allows, else the residual (input 0) alone.
+// Sets op->grad_shared.
 static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o) {
   op->grad_shared[0] = op->grad_shared[1] = false;
   if (op->kind != FY_OP_ADD || op->n_in != 2 || op->in[0] == op->in[1] || g->slots[op->out].grad_offset < 0) return;
@@ -266,7 +267,10 @@ static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o) {
 static fy_status plan_gradients(struct fy_graph *g) {
   for (int s = 0; s < g->n_slots; s++) g->slots[s].grad_offset = -1;
   if (g->forward_only) {  // no backward: no gradients
-    for (int o = 0; o < g->n_ops; o++) g->ops[o].n_zero = 0, g->ops[o].grad_shared[0] = g->ops[o].grad_shared[1] = false;
+    for (int o = 0; o < g->n_ops; o++) {
+      g->ops[o].n_zero = 0;
+      g->ops[o].grad_shared[0] = g->ops[o].grad_shared[1] = false;
+    }
     g->grad_elems = 0;
     return FY_OK;
   }
