@@ -457,6 +457,12 @@ int main(void) {
   CHECK(system(cmd) == 0);
   double secs = now_s() - t0;
   fprintf(stderr, "test_probe: %.2f s\n", secs);
-  CHECKF(secs < 25.0, "the test took %.1f s", secs);  // (five probes, one of them timed above)
+  // (Five probes, one of them timed above, and a kernel-overhead measurement; an instrumented build
+  // runs the host's loops several times slower, and takes about as long as this bound.)
+#if defined(__SANITIZE_ADDRESS__)
+  CHECKF(secs < 75.0, "the test took %.1f s", secs);
+#else
+  CHECKF(secs < 25.0, "the test took %.1f s", secs);
+#endif
   return check_summary("probe");
 }
