@@ -752,7 +752,7 @@ fy_status fy_probe_read(const char *path, struct fy_probe *out) {
   }
   if (unknown[0]) {
     json_object_put(o);
-    return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: %s)", path, unknown, known_keys(NULL));
+    return fy_error_set(FY_ERR_FORMAT, "probe file %s: unknown key(s) %s (known: %s)", path, unknown, known_keys("format"));
   }
   struct fy_probe p;
   memset(&p, 0, sizeof p);

@@ -44,6 +44,15 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->bf16_speedup == b->bf16_speedup && a->device_mem_gbps == b->device_mem_gbps;
 }
 
+// Instrumented builds check every byte a memcpy moves, and the suite runs beside other tests:
+// their copies can fall below the sim link's 2 GB/s throttle and their loops run several times
+// slower. Rates and times are then printed, not held to the release build's bounds.
+#if defined(__SANITIZE_ADDRESS__)
+static const bool timing_holds = false;
+#else
+static const bool timing_holds = true;
+#endif
+
 static void test_measure(struct fy_probe *p) {
   char disk[PATH_MAX];
   snprintf(disk, sizeof disk, "%s/disk", tmpdir);  // (not there yet: the probe makes it)
@@ -52,15 +61,16 @@ static void test_measure(struct fy_probe *p) {
   double secs = now_s() - t0;
   fprintf(stderr, "probe took %.2f s:\n", secs);
   fy_probe_print(p, stderr);
-  CHECKF(secs < 10.0, "the probe took %.1f s", secs);
+  CHECKF(secs < (timing_holds ? 10.0 : 30.0), "the probe took %.1f s", secs);
   CHECK(!strcmp(p->device, "sim"));
   CHECK(p->device_mem == 268435456.0);
   CHECK(p->host_mem > 64.0 * 1048576 && p->host_mem < 1e16);
   CHECKF(p->host_gflops > 1 && p->host_gflops < 1e6, "%g", p->host_gflops);
   CHECK(p->device_gflops == p->host_gflops);  // the sim runs its kernels on this CPU
   // Throttled to 2 GB/s: the measured rate is the throttle unless memcpy is slower than that.
-  CHECKF(fabs(p->h2d_gbps - 2.0) < 0.5, "h2d %g GB/s", p->h2d_gbps);
-  CHECKF(fabs(p->d2h_gbps - 2.0) < 0.5, "d2h %g GB/s", p->d2h_gbps);
+  CHECKF(fabs(p->h2d_gbps - 2.0) < 0.5 || !timing_holds, "h2d %g GB/s", p->h2d_gbps);
+  CHECKF(fabs(p->d2h_gbps - 2.0) < 0.5 || !timing_holds, "d2h %g GB/s", p->d2h_gbps);
+  CHECK(p->h2d_gbps > 0 && p->d2h_gbps > 0 && p->h2d_gbps < 2.5 && p->d2h_gbps < 2.5);
   CHECKF(p->host_mem_gbps > 0.2 && p->host_mem_gbps < 1e4, "%g", p->host_mem_gbps);
   CHECKF(p->host_adamw_gbps > 0.1 && p->host_adamw_gbps < 1e4, "%g", p->host_adamw_gbps);
   CHECKF(p->disk_read_gbps > 0.01 && p->disk_read_gbps < 1e4, "%g", p->disk_read_gbps);
@@ -458,11 +468,7 @@ int main(void) {
   double secs = now_s() - t0;
   fprintf(stderr, "test_probe: %.2f s\n", secs);
   // (Five probes, one of them timed above, and a kernel-overhead measurement; an instrumented build
-  // runs the host's loops several times slower, and takes about as long as this bound.)
-#if defined(__SANITIZE_ADDRESS__)
-  CHECKF(secs < 75.0, "the test took %.1f s", secs);
-#else
-  CHECKF(secs < 25.0, "the test took %.1f s", secs);
-#endif
+  // takes about as long as the release build's bound.)
+  CHECKF(secs < (timing_holds ? 25.0 : 75.0), "the test took %.1f s", secs);
   return check_summary("probe");
 }
