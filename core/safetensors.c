@@ -493,6 +493,18 @@ static fy_status st_open_index(fy_safetensors *st, const char *dir, const char *
   return rc;
 }
 
+const char *fy_safetensors_dir_weights(const char *dir) {
+  static const char *const names[] = {ST_INDEX_NAME, ST_SINGLE_NAME, "pytorch_model.bin.index.json",
+                                      "pytorch_model.bin"};
+  for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+    char *path = st_join(dir, names[i]);
+    bool there = path && access(path, F_OK) == 0;
+    free(path);
+    if (there) return names[i];
+  }
+  return NULL;
+}
+
 fy_status fy_safetensors_open_dir(const char *dir, fy_safetensors **out) {
   *out = NULL;
   fy_safetensors *st = calloc(1, sizeof *st);
@@ -508,13 +520,10 @@ fy_status fy_safetensors_open_dir(const char *dir, fy_safetensors **out) {
   } else {
     // A model saved as PyTorch pickles (older Hugging Face checkpoints) is not read: say how to
     // convert it.
-    char *bin = st_join(dir, "pytorch_model.bin"), *bindex = st_join(dir, "pytorch_model.bin.index.json");
-    bool pickles = (bin && access(bin, F_OK) == 0) || (bindex && access(bindex, F_OK) == 0);
+    bool pickles = fy_safetensors_dir_weights(dir) != NULL;  // (no safetensors here: a pickle it is)
     rc = fy_error_set(FY_ERR_NOT_FOUND, "%s holds neither %s nor %s%s", dir, ST_INDEX_NAME, ST_SINGLE_NAME,
                       pickles ? " (its pytorch_model.bin files are PyTorch pickles, which ferry does not read: "
                                 "python3 tools/convert.py DIR OUT writes the safetensors files)" : "");
-    free(bin);
-    free(bindex);
   }
   free(ipath);
   free(spath);

@@ -33,6 +33,10 @@ fy_status fy_safetensors_open(const char *path, fy_safetensors **out);
 // Opens a model directory: model.safetensors.index.json if present (all its shards), else
 // model.safetensors. Error if neither exists.
 fy_status fy_safetensors_open_dir(const char *dir, fy_safetensors **out);
+// The weights file a Hugging Face model directory holds, the first there of
+// model.safetensors.index.json, model.safetensors, pytorch_model.bin.index.json and
+// pytorch_model.bin (the last two PyTorch pickles, which ferry does not read); NULL for none.
+const char *fy_safetensors_dir_weights(const char *dir);
 void fy_safetensors_close(fy_safetensors *st);
 
 int fy_safetensors_count(const fy_safetensors *st);

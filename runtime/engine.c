@@ -236,7 +236,7 @@ void fy_op_call_backward(void *arg) {
   if (st == FY_OK) st = fy_engine_run_hook(m, c->op, true, &run);
   if (m->compute_dtype != FY_F32) {  // 16-bit numerics: the gradients as 16-bit tensors would hold them
     for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++) {
-      float *d = op->grad_shared[k] ? NULL : fy_engine_dinput(m, op, k);  // (a shared one: dout, rounded)
+      float *d = fy_engine_dinput_add(m, op, k);  // (an add's shared one is dout, already rounded)
       if (d) fy_round_to_dtype(d, d, m->compute_dtype, (size_t)g->slots[op->in[k]].numel);
     }
     for (int k = 0; k < op->n_params; k++)

@@ -84,8 +84,8 @@ static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_
   const struct fy_slot *s = &m->graph->slots[op->in[k]];
   return s->grad_offset >= 0 || s->grad_in_place ? fy_engine_dact(m, op->in[k]) : NULL;
 }
-// An add's input gradient that its backward must write: NULL as well when it is the output's
-// own buffer (fy_op.grad_shared), which already holds it.
+// An op's input gradient that its backward must write: fy_engine_dinput, or NULL for an add's
+// input that shares the output's buffer (fy_op.grad_shared), which already holds it.
 static inline float *fy_engine_dinput_add(const struct fy_model *m, const struct fy_op *op, int k) {
   return op->grad_shared[k] ? NULL : fy_engine_dinput(m, op, k);
 }

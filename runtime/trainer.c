@@ -133,18 +133,12 @@ static void warn_weights_unread(const struct fy_train_opts *o) {
     if (slash) *slash = '\0';
     else snprintf(dir, sizeof dir, ".");
   }
-  static const char *names[] = {"model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-                                "pytorch_model.bin"};
-  for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/%s", dir, names[i]);
-    if (access(path, F_OK) != 0) continue;
+  const char *weights = fy_safetensors_dir_weights(dir);
+  if (weights)
     fy_log_warn("--model %s gives the model's shape only (its config.json): the weights beside it (%s) are not "
                 "loaded, and the model starts from random weights; --init %s starts from them (--init random: "
                 "random on purpose)",
-                o->model, names[i], dir);
-    return;
-  }
+                o->model, weights, dir);
 }
 
 // The model's configuration: --model (preset or config), else the --init checkpoint's, else the
