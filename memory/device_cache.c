@@ -34,6 +34,8 @@ struct fy_device_cache {
   struct block *blocks;
   int *bwd_done;             // per chunk: backward uses so far in this pass
   bool *prefetched;          // per chunk: loaded ahead and not used yet
+  int64_t *looked_at;        // per chunk: the prefetch call that last met it ahead (0: none yet)
+  int64_t prefetch_calls;
   bool *pinned;              // scratch for victim choice
   int32_t *resident;         // scratch
   // Per chunk, for the first micro-batch [2c] and the later ones [2c + 1]: the write-back's host
@@ -71,12 +73,13 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   c->blocks = calloc((size_t)o->n_blocks, sizeof *c->blocks);
   c->bwd_done = calloc((size_t)nc, sizeof *c->bwd_done);
   c->prefetched = calloc((size_t)nc, sizeof *c->prefetched);
+  c->looked_at = calloc((size_t)nc, sizeof *c->looked_at);
   c->pinned = calloc((size_t)nc, sizeof *c->pinned);
   c->resident = calloc((size_t)o->n_blocks, sizeof *c->resident);
   c->acc = calloc(2 * (size_t)nc, sizeof *c->acc);
   c->spilled = calloc((size_t)nc, sizeof *c->spilled);
   c->spills = calloc((size_t)nc, sizeof *c->spills);
-  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->pinned || !c->resident || !c->acc || !c->spilled ||
+  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->looked_at || !c->pinned || !c->resident || !c->acc || !c->spilled ||
       !c->spills) {
     fy_device_cache_free(c);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
@@ -121,6 +124,7 @@ void fy_device_cache_free(struct fy_device_cache *c) {
   free(c->blocks);
   free(c->bwd_done);
   free(c->prefetched);
+  free(c->looked_at);
   free(c->pinned);
   free(c->resident);
   free(c);
@@ -306,12 +310,15 @@ fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos) {
   if (n == 0) return FY_OK;  // every chunk lives elsewhere (kept on the device)
   int64_t pass_end = (pos / n + 1) * n;
   int seen = 0;
+  // A chunk met again ahead (a run of its ops, or its use again later in the window) counts once:
+  // looked_at marks the chunks this call has met, so the walk stays linear in its length (a
+  // rescan of the window for each access made a 30B model's 8-rank plan search take 24 s).
+  const int64_t call = ++c->prefetch_calls;
   // Only within this pass: the next pass may read weights the optimizer has yet to update.
   for (int64_t j = pos + 1; j < pass_end && seen < c->o.prefetch; j++) {
     int chunk = fy_trace_at(c->o.trace, j);
-    bool dup = false;
-    for (int64_t k = pos + 1; k < j && !dup; k++) dup = fy_trace_at(c->o.trace, k) == chunk;
-    if (dup) continue;
+    if (c->looked_at[chunk] == call) continue;
+    c->looked_at[chunk] = call;
     seen++;
     if (c->layout->chunks[chunk].block >= 0) continue;
     int b = find_block(c, pos, j - pos, true);
