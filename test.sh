@@ -28,12 +28,13 @@ fy_demo_data || { echo "0 passed, 1 failed"; exit 1; }
 passed=0 failed=0 skipped=0
 
 # run_suite DIR LABEL [TEST...]: meson's tests in build dir DIR (those named, or all), their results
-# added to the counts.
+# added to the counts. Two at a time, but for those that time the machine or wait on timeouts,
+# which run alone (test/meson.build).
 run_suite() {
   local dir="$1" label="$2"
   shift 2
   echo "== $label: meson test in $dir${1:+ ($*)}"
-  meson test -C "$dir" --print-errorlogs --num-processes 1 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
+  meson test -C "$dir" --print-errorlogs --num-processes 2 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
   tail -n 12 "$dir.test.log"
   read -r p f s < <(python3 - "$dir/meson-logs/testlog.json" <<'PY'
 import json, sys
