@@ -297,9 +297,10 @@ static void fill_normal(float *x, int64_t a, int64_t b, float std, uint64_t stat
     // Box-Muller on two uniforms in (0, 1].
     double u1 = ((fy_splitmix64(&state) >> 11) + 1.0) * 0x1.0p-53;
     double u2 = (fy_splitmix64(&state) >> 11) * 0x1.0p-53;
-    double r = sqrt(-2.0 * log(u1));
-    if (i >= a) x[i - a] = (float)(std * r * cos(2 * M_PI * u2));
-    if (i + 1 < b) x[i + 1 - a] = (float)(std * r * sin(2 * M_PI * u2));
+    double r = sqrt(-2.0 * log(u1)), s, c;
+    sincos(2 * M_PI * u2, &s, &c);  // (glibc's sin and cos, bit for bit, at about the price of one)
+    if (i >= a) x[i - a] = (float)(std * r * c);
+    if (i + 1 < b) x[i + 1 - a] = (float)(std * r * s);
   }
 }
 
@@ -333,29 +334,6 @@ static fy_status upload_weights(struct fy_model *m, const float *host) {
   free(w16);
   m->cparams_fresh = st == FY_OK;
   return st;
-}
-
-void fy_model_init_random(struct fy_model *m, uint64_t seed) {
-  const struct fy_graph *g = m->graph;
-  m->cparams_fresh = false;
-  // Device memory the host cannot address: initialise a host copy and upload it.
-  float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
-  FY_ASSERT(host);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int i = 0; i < g->n_params; i++) {
-    const struct fy_param *p = &g->params[i];
-    init_param(m, p, seed, 0, p->numel, host + p->offset);
-  }
-  if (fy_model_params_on_device(m)) {
-    FY_ASSERT(upload_weights(m, host) == FY_OK);
-    free(host);
-    // (A model for evaluation has no AdamW state.)
-    if (m->m) FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
-    if (m->v) FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
-    return;
-  }
-  if (m->m) memset(m->m, 0, (size_t)g->n_param_elems * 4);
-  if (m->v) memset(m->v, 0, (size_t)g->n_param_elems * 4);
 }
 
 // ---- Hugging Face checkpoints ----
@@ -456,6 +434,28 @@ void fy_model_source_fill(const struct fy_model_source *s, int64_t lo, int64_t h
     fy_model_source_read(s, q->i, q->a, q->b, dst + (g->params[q->i].offset + q->a - lo));
   }
   free(pieces);
+}
+
+void fy_model_init_random(struct fy_model *m, uint64_t seed) {
+  const struct fy_graph *g = m->graph;
+  m->cparams_fresh = false;
+  // Device memory the host cannot address: initialise a host copy and upload it.
+  float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
+  FY_ASSERT(host);
+  // In pieces on every thread, as an offloaded model's chunks are drawn (a parameter at a time,
+  // the largest, the token embedding, took one thread a sixth of the whole).
+  const struct fy_model_source opt_init = {.m = m, .seed = seed};
+  fy_model_source_fill(&opt_init, 0, g->n_param_elems, host);
+  if (fy_model_params_on_device(m)) {
+    FY_ASSERT(upload_weights(m, host) == FY_OK);
+    free(host);
+    // (A model for evaluation has no AdamW state.)
+    if (m->m) FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    if (m->v) FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    return;
+  }
+  if (m->m) memset(m->m, 0, (size_t)g->n_param_elems * 4);
+  if (m->v) memset(m->v, 0, (size_t)g->n_param_elems * 4);
 }
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {
