@@ -403,7 +403,7 @@ static void usage_train(FILE *f, bool eval) {
           "                     (default: %s)\n"
           "  --batch B          sequences per micro-batch (default %lld)\n"
           "  --seq T            tokens per sequence (default %d, or the model's positions if fewer)\n"
-          "  --threads N        OpenMP threads (default: all cores)\n"
+          "  --threads N        OpenMP threads (default: all cores, or under mpirun the ranks' share)\n"
           "  --seed S           seed for initialisation and shuffling (default %llu)\n",
           d.data, (long long)d.batch, FY_DEFAULT_SEQ, (unsigned long long)d.seed);
   if (eval) {

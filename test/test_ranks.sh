@@ -366,6 +366,19 @@ if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 3 >"$tmp/tp3.o
 else grep -q "does not divide the 2 ranks" "$tmp/tp3.out" && ok "--tp that does not divide the ranks is refused" \
   || { bad "--tp 3: unclear message"; cat "$tmp/tp3.out"; }; fi
 
+# Ranks that mpirun leaves unbound (--bind-to none) each see every core: without --threads or
+# OMP_NUM_THREADS each takes its share of them (at least 1), and says so; --threads still decides.
+online=$(getconf _NPROCESSORS_ONLN)
+share=$(( online / 3 )); [ "$share" -ge 1 ] || share=1
+thr=(--model opt-tiny --data "$tmp/data.bin" --seq 32 --batch 3 --steps 1)
+env -u OMP_NUM_THREADS "${mpi[@]}" --bind-to none -np 3 "$ferry" train "${thr[@]}" >"$tmp/thr.out" 2>&1
+env -u OMP_NUM_THREADS "${mpi[@]}" --bind-to none -np 3 "$ferry" train "${thr[@]}" --threads 2 >"$tmp/thr2.out" 2>&1
+if grep -q "$share threads x 3 ranks" "$tmp/thr.out" && grep -q "2 threads x 3 ranks" "$tmp/thr2.out" &&
+   grep -q "3 ranks share this machine's $online cores: $share OpenMP thread" "$tmp/thr.out" &&
+   ! grep -q "OpenMP thread" "$tmp/thr2.out"; then
+  ok "unbound ranks share the cores ($share threads each of 3), --threads decides"
+else bad "unbound ranks' threads (expected $share)"; cat "$tmp/thr.out" "$tmp/thr2.out"; fi
+
 # A rank that dies ends the job: the survivor's collective times out (or mpirun ends it).
 start=$(date +%s)
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --steps 100000 --comm-timeout 5 >"$tmp/kill.out" 2>&1 &
