@@ -225,22 +225,38 @@ static size_t rank_ram(const struct run *r) {
   return machine_ram() / (size_t)(n > 0 ? n : 1);
 }
 
-// OpenMP threads for this rank when --threads and OMP_NUM_THREADS leave it open: several ranks on
-// this machine share its cores. mpirun binds each rank to a core of its own for 2 ranks, but to a
-// socket (every core, on one socket) for more, and to nothing with --oversubscribe or --bind-to
-// none; each rank's team would then take every core it sees, and teams that outnumber the cores
-// wait on each other at every barrier (a small kernel many times slower). A rank takes the cores
-// it may run on, at most the machine's over its ranks here. Returns 0 to leave the count alone.
-static int rank_threads(const struct run *r) {
+int fy_rank_threads(int local, int online, int mine, bool *cramped) {
+  int share = local > 0 ? online / local : online;
+  if (share < 1) share = 1;
+  *cramped = mine < share;
+  return mine < share ? (mine >= 1 ? mine : 1) : share;
+}
+
+// Several ranks on this machine share its cores. mpirun binds each rank to a core of its own for 2
+// ranks, to a socket (every core, on one socket) for more, and to nothing with --oversubscribe or
+// --bind-to none; a rank's team would then take every core it sees, and teams that outnumber the
+// cores wait on each other at every barrier (a small kernel many times slower). Bound to fewer
+// cores than its share, a rank's host work is slower than it need be: said once, by rank 0.
+static void share_cores(const struct run *r) {
   const int local = r->comm ? fy_comm_local_size(r->comm) : 1;
-  if (local <= 1 || getenv("OMP_NUM_THREADS")) return 0;
+  if (local <= 1 || getenv("OMP_NUM_THREADS")) return;
   cpu_set_t set;
   CPU_ZERO(&set);
-  const long online = sysconf(_SC_NPROCESSORS_ONLN);
-  if (online < 1 || sched_getaffinity(0, sizeof set, &set) != 0) return 0;
-  int share = (int)(online / local), mine = CPU_COUNT(&set);
-  if (mine < share) share = mine;
-  return share >= 1 ? share : 1;
+  const int online = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  if (online < 1 || sched_getaffinity(0, sizeof set, &set) != 0) return;
+  const int mine = CPU_COUNT(&set);
+  bool cramped = false;
+  const int n = fy_rank_threads(local, online, mine, &cramped);
+  if (r->rank == 0 && cramped)
+    fy_log_warn("each of the %d ranks here may run on %d of this machine's %d cores (as mpirun binds them): its "
+                "host work (AdamW, the cpu's kernels) gets %d thread%s; mpirun --bind-to none lets each take %d",
+                local, mine, online, n, n == 1 ? "" : "s", online / local);
+  if (n < omp_get_max_threads()) {
+    if (r->rank == 0)
+      fy_log_info("%d ranks share this machine's %d cores: %d OpenMP thread%s each (--threads N sets it)", local,
+                  online, n, n == 1 ? "" : "s");
+    omp_set_num_threads(n);
+  }
 }
 
 // --precision as a dtype (checked in setup: fp32, bf16 or fp16; fy_train fills in the default).
@@ -547,17 +563,8 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
   }
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
-  if (o->threads > 0) {
-    omp_set_num_threads(o->threads);
-  } else {
-    const int share = rank_threads(r);
-    if (share > 0 && share < omp_get_max_threads()) {
-      if (r->rank == 0)
-        fy_log_info("%d ranks share this machine's %ld cores: %d OpenMP thread%s each (--threads N sets it)",
-                    fy_comm_local_size(r->comm), sysconf(_SC_NPROCESSORS_ONLN), share, share == 1 ? "" : "s");
-      omp_set_num_threads(share);
-    }
-  }
+  if (o->threads > 0) omp_set_num_threads(o->threads);
+  else share_cores(r);
   FY_TRY(resolve_config(o, &r->cfg));
   if (r->rank == 0) warn_weights_unread(o);
   // Dropout while training (evaluation has none); its probability is checked with the graph.

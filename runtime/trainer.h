@@ -144,6 +144,12 @@ struct fy_train_result {
 };
 
 fy_status fy_train(const struct fy_train_opts *o, struct fy_train_result *res);
+
+// OpenMP threads for one of `local` ranks on a machine of `online` cores when neither --threads
+// nor OMP_NUM_THREADS says: the `mine` cores its affinity lets it run on, at most the machine's
+// over its ranks (at least 1). *cramped: the rank may run on fewer cores than that share (mpirun
+// binds each of 2 ranks to one core), so its host work (AdamW, offloaded or on the cpu) has less.
+int fy_rank_threads(int local, int online, int mine, bool *cramped);
 // Writes a Hugging Face model directory (config.json, model.safetensors or shards) from a
 // checkpoint (a root or a step directory), checking it on the way.
 fy_status fy_export(const char *checkpoint, const char *out_dir);

@@ -602,6 +602,23 @@ int main(void) {
   fy_model_free(m2);
   fy_device_free(dev);
   fy_matmul_cache_clear();
+
+  // Ranks' threads (fy_rank_threads: local ranks, online cores, the cores a rank may run on).
+  {
+    struct { int local, online, mine, want; bool cramped; } cases[] = {
+        {2, 16, 16, 8, false},  // unbound (--bind-to none): half each
+        {3, 2, 2, 1, false},    // more ranks than cores: one each, never 0
+        {2, 16, 1, 1, true},    // mpirun's core each for 2 ranks: said to be cramped
+        {4, 16, 8, 4, false},   // a socket of 8 cores each, 2 ranks to a socket
+        {2, 16, 8, 8, false},   // bound to half the machine each: as bound
+        {1, 16, 16, 16, false}, {2, 3, 3, 1, false}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+      bool cramped = !cases[i].cramped;
+      int n = fy_rank_threads(cases[i].local, cases[i].online, cases[i].mine, &cramped);
+      CHECKF(n == cases[i].want && cramped == cases[i].cramped, "%d ranks, %d cores, %d allowed: %d threads%s",
+             cases[i].local, cases[i].online, cases[i].mine, n, cramped ? " (cramped)" : "");
+    }
+  }
   snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
   CHECK(system(cmd) == 0);
   return check_summary("train");
