@@ -79,8 +79,8 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   c->acc = calloc(2 * (size_t)nc, sizeof *c->acc);
   c->spilled = calloc((size_t)nc, sizeof *c->spilled);
   c->spills = calloc((size_t)nc, sizeof *c->spills);
-  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->looked_at || !c->pinned || !c->resident || !c->acc || !c->spilled ||
-      !c->spills) {
+  if (!c->blocks || !c->bwd_done || !c->prefetched || !c->looked_at || !c->pinned || !c->resident || !c->acc ||
+      !c->spilled || !c->spills) {
     fy_device_cache_free(c);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the device cache");
   }

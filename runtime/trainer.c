@@ -232,9 +232,9 @@ int fy_rank_threads(int local, int online, int mine, bool *cramped) {
   return mine < share ? (mine >= 1 ? mine : 1) : share;
 }
 
-// Several ranks on this machine share its cores. mpirun binds each rank to a core of its own for 2
-// ranks, to a socket (every core, on one socket) for more, and to nothing with --oversubscribe or
-// --bind-to none; a rank's team would then take every core it sees, and teams that outnumber the
+// Several ranks on this machine share its cores. Open MPI's mpirun binds each rank to a core of its
+// own for 2 ranks, to a socket (every core, on one socket) for more, and to nothing with
+// --oversubscribe or --bind-to none; a rank's team would then take every core it sees, and teams that outnumber the
 // cores wait on each other at every barrier (a small kernel many times slower). Bound to fewer
 // cores than its share, a rank's host work is slower than it need be: said once, by rank 0.
 static void share_cores(const struct run *r) {
