@@ -11,6 +11,7 @@ struct fy_trace {
   int32_t *trace;  // n entries
   int64_t *start;  // n_chunks + 1 entries
   int64_t *pos;    // n entries
+  int64_t *run_end;  // n entries: the first later access of another chunk, or n (fy_trace_run_end)
 };
 
 fy_status fy_trace_create(const int32_t *trace, int64_t n, int32_t n_chunks, struct fy_trace **out) {
@@ -35,12 +36,15 @@ fy_status fy_trace_create(const int32_t *trace, int64_t n, int32_t n_chunks, str
   t->trace = malloc(nn * sizeof *t->trace);
   t->pos = malloc(nn * sizeof *t->pos);
   t->start = calloc((size_t)n_chunks + 1, sizeof *t->start);
-  if (!t->trace || !t->pos || !t->start) {
+  t->run_end = malloc(nn * sizeof *t->run_end);
+  if (!t->trace || !t->pos || !t->start || !t->run_end) {
     fy_trace_free(t);
     return fy_error_set(FY_ERR_NOMEM, "trace: out of memory (%lld accesses, %d chunks)",
                         (long long)n, (int)n_chunks);
   }
   if (n > 0) memcpy(t->trace, trace, (size_t)n * sizeof *t->trace);
+  for (int64_t i = n - 1; i >= 0; i--)
+    t->run_end[i] = i + 1 < n && trace[i + 1] == trace[i] ? t->run_end[i + 1] : i + 1;
   // Counting sort by chunk; scanning i ascending keeps each chunk's positions sorted.
   for (int64_t i = 0; i < n; i++) t->start[trace[i] + 1]++;
   for (int32_t c = 0; c < n_chunks; c++) t->start[c + 1] += t->start[c];
@@ -61,6 +65,7 @@ void fy_trace_free(struct fy_trace *t) {
   free(t->trace);
   free(t->start);
   free(t->pos);
+  free(t->run_end);
   free(t);
 }
 
@@ -75,6 +80,12 @@ static int64_t wrap(const struct fy_trace *t, int64_t i) {
 int32_t fy_trace_at(const struct fy_trace *t, int64_t i) {
   if (t->n == 0) return -1;
   return t->trace[wrap(t, i)];
+}
+
+int64_t fy_trace_run_end(const struct fy_trace *t, int64_t i) {
+  if (t->n == 0) return i + 1;
+  const int64_t r = wrap(t, i);
+  return i - r + t->run_end[r];
 }
 
 int64_t fy_trace_next_use(const struct fy_trace *t, int64_t i, int32_t c) {

@@ -30,6 +30,10 @@ int64_t fy_trace_length(const struct fy_trace *t);
 int32_t fy_trace_chunks(const struct fy_trace *t);
 // The chunk of access i (i modulo the length, i >= 0); -1 for an empty trace.
 int32_t fy_trace_at(const struct fy_trace *t, int64_t i);
+// The first access after i, in i's pass (i modulo the length), of another chunk than i's; the end
+// of the pass when the rest of it uses i's chunk alone. O(1): a walk ahead can skip a run of one
+// chunk's accesses (a chunk holds the parameters of many consecutive ops).
+int64_t fy_trace_run_end(const struct fy_trace *t, int64_t i);
 // Distance from access i to the next use of chunk c (INT64_MAX when never used, which includes a
 // c outside [0, n_chunks)). A chunk used only at access i itself is next used one step later, at
 // distance n. O(log k), k the number of uses of c.

@@ -315,7 +315,8 @@ fy_status fy_device_cache_prefetch(struct fy_device_cache *c, int64_t pos) {
   // rescan of the window for each access made a 30B model's 8-rank plan search take 24 s).
   const int64_t call = ++c->prefetch_calls;
   // Only within this pass: the next pass may read weights the optimizer has yet to update.
-  for (int64_t j = pos + 1; j < pass_end && seen < c->o.prefetch; j++) {
+  // (A run of one chunk's accesses is met at its first: the rest are skipped.)
+  for (int64_t j = pos + 1; j < pass_end && seen < c->o.prefetch; j = fy_trace_run_end(c->o.trace, j)) {
     int chunk = fy_trace_at(c->o.trace, j);
     if (c->looked_at[chunk] == call) continue;
     c->looked_at[chunk] = call;

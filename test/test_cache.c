@@ -29,7 +29,7 @@ static int64_t naive_next_use(const int32_t *tr, int64_t n, int64_t i, int32_t c
 }
 
 // (1) Next-use distances, including wrap-around, chunks used only once, absent chunks, ids out of
-// range and access indices from later steps.
+// range and access indices from later steps; and where each run of one chunk's accesses ends.
 static void test_next_use(void) {
   int32_t tr[64];
   for (int rep = 0; rep < 300; rep++) {
@@ -45,6 +45,12 @@ static void test_next_use(void) {
     int bad = 0;
     for (int i = 0; i < n; i++) {
       if (fy_trace_at(t, i) != tr[i] || fy_trace_at(t, i + 3 * n) != tr[i]) bad++;
+      int64_t run = i + 1;  // the run of tr[i]'s chunk ends at the pass's end at the latest
+      while (run < n && tr[run] == tr[i]) run++;
+      if (fy_trace_run_end(t, i) != run || fy_trace_run_end(t, i + 5 * (int64_t)n) != run + 5 * (int64_t)n) {
+        if (bad++ < 5)
+          fprintf(stderr, "run_end(%d) = %lld, naive %lld\n", i, (long long)fy_trace_run_end(t, i), (long long)run);
+      }
       for (int c = -1; c <= nc; c++) {
         int64_t want = (c < 0 || c >= nc) ? INT64_MAX : naive_next_use(tr, n, i, c);
         if (fy_trace_next_use(t, i, c) != want) {
