@@ -236,6 +236,10 @@ expect 0 "ferry probe measures and caches the machine" "device_gflops" -- probe 
   --sim-link-gbps 2
 [ -f "$tmp/probe.json" ] && { pass=$((pass + 1)); echo "ok    the probe is cached in FERRY_PROBE"; } || { fail=$((fail + 1)); echo "FAIL  no probe file"; }
 # A --disk-dir the cached probe has not timed: timed now and cached, and the plan may use it.
+# The cached probe timed the link at 2 GB/s; a plan for another throttle plans for that one.
+expect 0 "ferry plan --sim-link-gbps plans for that link, not the cached probe's" "link 0\.5/0\.5 GB/s" -- plan \
+  --device sim --device-mem 64MiB --model opt-tiny --batch 4 --seq 32 --sim-link-gbps 0.5
+expect 2 "ferry plan --sim-link-gbps that is not a number" "needs a number" -- plan --device sim --sim-link-gbps fast
 expect 0 "ferry plan --disk-dir times a disk the cached probe lacks" "predicted: .* s/step" -- plan --device sim \
   --device-mem 64MiB --model opt-tiny --batch 4 --seq 32 --disk-dir "$tmp/plandisk"
 if python3 - "$tmp/probe.json" "$(cd "$tmp/plandisk" 2>/dev/null && pwd -P)" <<'PY'; then
