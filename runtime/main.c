@@ -161,8 +161,8 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
     snprintf(v, sizeof v, "%zu", a->device_mem);
     FY_TRY(fy_probe_override(p, "device_mem", v));
   }
-  // The sim's link as throttled here, as ferry train --sim-link-gbps runs it (a cached probe may
-  // have timed another, or none: it was taken as it was, and the flag was lost).
+  // The sim's link as --sim-link-gbps throttles it, as ferry train runs it: a cached probe may have
+  // timed another throttle, or none.
   if (a->link > 0 && strcmp(p->device, "sim") == 0) {
     char v[64];
     snprintf(v, sizeof v, "%g", a->link);
