@@ -222,10 +222,10 @@ void fy_op_call_backward(void *arg) {
       uint64_t key;
       int64_t u0;
       if (fy_engine_dropout(c, op, &key, &u0))
-        fy_dropout_add_backward(fy_engine_dinput_add(m, op, 0), fy_engine_dinput_add(m, op, 1), dout, BT, op->C, key,
+        fy_dropout_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, BT, op->C, key,
                                 u0, op->dropout);
       else
-        fy_add_backward(fy_engine_dinput_add(m, op, 0), fy_engine_dinput_add(m, op, 1), dout, g->slots[op->out].numel);
+        fy_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, g->slots[op->out].numel);
       break;
     }
     case FY_OP_CROSS_ENTROPY:
@@ -236,7 +236,7 @@ void fy_op_call_backward(void *arg) {
   if (st == FY_OK) st = fy_engine_run_hook(m, c->op, true, &run);
   if (m->compute_dtype != FY_F32) {  // 16-bit numerics: the gradients as 16-bit tensors would hold them
     for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++) {
-      float *d = fy_engine_dinput_add(m, op, k);  // (an add's shared one is dout, already rounded)
+      float *d = fy_engine_dinput_own(m, op, k);  // (an add's shared one is dout, already rounded)
       if (d) fy_round_to_dtype(d, d, m->compute_dtype, (size_t)g->slots[op->in[k]].numel);
     }
     for (int k = 0; k < op->n_params; k++)

@@ -86,7 +86,7 @@ static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_
 }
 // An op's input gradient that its backward must write: fy_engine_dinput, or NULL for an add's
 // input that shares the output's buffer (fy_op.grad_shared), which already holds it.
-static inline float *fy_engine_dinput_add(const struct fy_model *m, const struct fy_op *op, int k) {
+static inline float *fy_engine_dinput_own(const struct fy_model *m, const struct fy_op *op, int k) {
   return op->grad_shared[k] ? NULL : fy_engine_dinput(m, op, k);
 }
 

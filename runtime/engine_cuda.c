@@ -237,10 +237,10 @@ static void op_backward_cuda(void *arg) {
       uint64_t key;
       int64_t u0;
       if (fy_engine_dropout(c, op, &key, &u0))
-        st = fy_cuda_dropout_add_backward(fy_engine_dinput_add(m, op, 0), fy_engine_dinput_add(m, op, 1), dout, dt, BT,
+        st = fy_cuda_dropout_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, dt, BT,
                                           op->C, key, u0, op->dropout, x->st);
       else
-        st = fy_cuda_add_backward(fy_engine_dinput_add(m, op, 0), fy_engine_dinput_add(m, op, 1), dout, dt,
+        st = fy_cuda_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, dt,
                                   g->slots[op->out].numel, x->st);
       break;
     }

@@ -234,9 +234,10 @@ int fy_rank_threads(int local, int online, int mine, bool *cramped) {
 
 // Several ranks on this machine share its cores. Open MPI's mpirun binds each rank to a core of its
 // own for 2 ranks, to a socket (every core, on one socket) for more, and to nothing with
-// --oversubscribe or --bind-to none; a rank's team would then take every core it sees, and teams that outnumber the
-// cores wait on each other at every barrier (a small kernel many times slower). Bound to fewer
-// cores than its share, a rank's host work is slower than it need be: said once, by rank 0.
+// --oversubscribe or --bind-to none; a rank's team would then take every core it sees, and teams
+// that outnumber the cores wait on each other at every barrier (a small kernel many times slower).
+// Bound to fewer cores than its share, a rank's host work is slower than it need be: said once,
+// by rank 0.
 static void share_cores(const struct run *r) {
   const int local = r->comm ? fy_comm_local_size(r->comm) : 1;
   if (local <= 1 || getenv("OMP_NUM_THREADS")) return;

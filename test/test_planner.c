@@ -25,11 +25,7 @@ static const char *run_model = model_dir;  // the model run_opts trains
 // measured: timings are then printed, not held to the release build's bounds, and not tried
 // again (one attempt each, two steps a run, the grid one round): such a build checks the memory
 // predictions and that every plan runs.
-#if defined(__SANITIZE_ADDRESS__)
-static const bool timing_holds = false;
-#else
-static const bool timing_holds = true;
-#endif
+static const bool timing_holds = CHECK_TIMING_HOLDS;
 
 static double now_s(void) {
   struct timespec ts;

@@ -44,14 +44,8 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->bf16_speedup == b->bf16_speedup && a->device_mem_gbps == b->device_mem_gbps;
 }
 
-// Instrumented builds check every byte a memcpy moves, and the suite runs beside other tests:
-// their copies can fall below the sim link's 2 GB/s throttle and their loops run several times
-// slower. Rates and times are then printed, not held to the release build's bounds.
-#if defined(__SANITIZE_ADDRESS__)
-static const bool timing_holds = false;
-#else
-static const bool timing_holds = true;
-#endif
+// (An instrumented build's copies can fall below the sim link's 2 GB/s throttle.)
+static const bool timing_holds = CHECK_TIMING_HOLDS;
 
 static void test_measure(struct fy_probe *p) {
   char disk[PATH_MAX];
