@@ -59,6 +59,11 @@ struct fy_disk_tier;
 fy_status fy_disk_tier_open(const char *dir, size_t cap, struct fy_disk_tier **out);
 // Waits for pending requests, then removes the tier's file.
 void fy_disk_tier_close(struct fy_disk_tier *t);
+// The bytes a slot of n bytes takes in a tier's file (n rounded up to 4 KiB, as fy_disk_alloc).
+size_t fy_disk_slot_bytes(size_t n);
+// The bytes free on dir's file system now for a writer without root (statvfs's f_bavail):
+// FY_ERR_IO naming dir when it cannot be asked.
+fy_status fy_disk_space(const char *dir, double *bytes);
 // Reserves n bytes (rounded up to 4 KiB) and returns their offset in the file as the handle. The
 // file grows sparsely, so a full disk shows up on write, not here. Over the cap: FY_ERR_NOMEM.
 // Slots are never returned before close.

@@ -205,18 +205,26 @@ static fy_status probe_dir(const char *dir) {
   return FY_OK;
 }
 
+size_t fy_disk_slot_bytes(size_t n) { return ((n ? n : 1) + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN; }
+
+fy_status fy_disk_space(const char *dir, double *bytes) {
+  *bytes = 0;
+  struct statvfs vs;
+  if (statvfs(dir, &vs) != 0)
+    return fy_error_set(FY_ERR_IO, "disk tier %s: cannot query free space: %s", dir, strerror(errno));
+  *bytes = (double)vs.f_bavail * (double)vs.f_frsize;
+  return FY_OK;
+}
+
 fy_status fy_disk_tier_open(const char *dir, size_t cap, struct fy_disk_tier **out) {
   *out = NULL;
   if (!dir || !*dir) return fy_error_set(FY_ERR_INVALID, "disk tier: no directory given");
   FY_TRY(probe_dir(dir));
   if (cap > 0) {
-    struct statvfs vs;
-    if (statvfs(dir, &vs) != 0)
-      return fy_error_set(FY_ERR_IO, "disk tier %s: cannot query free space: %s", dir, strerror(errno));
-    unsigned long long avail = (unsigned long long)vs.f_bavail * vs.f_frsize;
-    if (avail < cap)
-      return fy_error_set(FY_ERR_IO, "disk tier %s: %zu bytes do not fit: %llu bytes free", dir, cap,
-                          avail);
+    double avail;
+    FY_TRY(fy_disk_space(dir, &avail));
+    if (avail < (double)cap)
+      return fy_error_set(FY_ERR_IO, "disk tier %s: %zu bytes do not fit: %.0f bytes free", dir, cap, avail);
   }
 
   struct fy_disk_tier *t = calloc(1, sizeof *t);
@@ -296,7 +304,7 @@ void fy_disk_tier_close(struct fy_disk_tier *t) {
 
 fy_status fy_disk_alloc(struct fy_disk_tier *t, size_t n, int64_t *handle) {
   *handle = -1;
-  size_t size = ((n ? n : 1) + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
+  size_t size = fy_disk_slot_bytes(n);
   if (size < n) return fy_error_set(FY_ERR_INVALID, "disk tier %s: %zu bytes is too large", t->dir, n);
   pthread_mutex_lock(&t->mu);
   size_t end = t->end;

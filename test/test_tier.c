@@ -393,6 +393,15 @@ static void test_disk_bad_dirs(void) {
   CHECKF(msg_has("disk tier /proc: the directory is not writable"), "%s", fy_error_msg());
   CHECK_ERR(fy_disk_tier_open("", 0, &t), FY_ERR_INVALID);
   CHECK(t == NULL);
+  // The free space, and a slot's size in the file.
+  double space = 0;
+  CHECK_OK(fy_disk_space(tmpdir, &space));
+  CHECK(space > 0);
+  CHECK_ERR(fy_disk_space("/nonexistent-ferry-dir/scratch", &space), FY_ERR_IO);
+  CHECKF(msg_has("/nonexistent-ferry-dir/scratch") && msg_has("free space"), "%s", fy_error_msg());
+  CHECK(space == 0);
+  CHECK(fy_disk_slot_bytes(0) == 4096 && fy_disk_slot_bytes(1) == 4096 && fy_disk_slot_bytes(4096) == 4096);
+  CHECK(fy_disk_slot_bytes(4097) == 8192 && fy_disk_slot_bytes((size_t)3 << 30) == (size_t)3 << 30);
   // More than the file system holds.
   CHECK_ERR(fy_disk_tier_open(tmpdir, (size_t)1 << 62, &t), FY_ERR_IO);
   CHECKF(msg_has(tmpdir) && msg_has("bytes free"), "%s", fy_error_msg());
@@ -504,6 +513,9 @@ static void test_disk_full(void) {
     fprintf(stderr, "  skipped: full tmpfs (mount not permitted here: %s)\n", strerror(errno));
   } else {
     fprintf(stderr, "  full disk via a 1 MiB tmpfs\n");
+    double space = 0;
+    CHECK_OK(fy_disk_space(tmpfs_dir, &space));
+    CHECKF(space > 0 && space <= 1 << 20, "%.0f bytes free on a 1 MiB tmpfs", space);
     struct fy_disk_tier *t = NULL;
     CHECK_ERR(fy_disk_tier_open(tmpfs_dir, 2 << 20, &t), FY_ERR_IO);  // cap over free space
     CHECK(t == NULL);
