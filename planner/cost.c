@@ -402,7 +402,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   out->n_disk_chunks = n_disk;
   out->n_device_chunks = n_dev;
   out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
-  out->disk_bytes = n_disk * per_chunk_state;
+  // A disk chunk's slot: its gradients, m and v in fp32, whatever the compute (runtime/offload.c),
+  // a rank's shard of each, in whole 4 KiB pages.
+  out->disk_bytes = n_disk * 3 * ceil((double)ce * 4 * share / 4096) * 4096;
   out->fits = true;
   if (n_blocks < min_blocks || out->min_device_bytes > probe->device_mem) {
     out->fits = false;
@@ -425,6 +427,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     out->fits = false;
     snprintf(out->why, sizeof out->why, "the state of %d chunks (%.1f GiB) needs a disk tier (a --disk-dir)",
              n_disk, out->disk_bytes / 1073741824.0);
+  } else if (n_disk > 0 && probe->disk_space > 0 && out->disk_bytes > probe->disk_space) {
+    out->fits = false;
+    snprintf(out->why, sizeof out->why, "the state of %d chunks (%.1f GiB) does not fit the disk tier's %.1f GiB",
+             n_disk, out->disk_bytes / 1073741824.0, probe->disk_space / 1073741824.0);
   }
   if (!out->fits) {
     fy_chunk_layout_free(l);

@@ -33,6 +33,29 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
   snprintf(best->pattern, sizeof best->pattern, "%s", k->pattern);
 }
 
+// What the offloaded plans that did not fit needed, for the message when none does.
+struct misses {
+  double smallest;    // the least device memory of a plan that fails for the device alone
+  double least_host;  // the least host memory of any plan, with disk or without
+  double least_disk;  // the least disk of a plan the device and host can hold, given a disk tier
+};
+
+static void note_miss(const struct fy_cost *c, const struct fy_probe *probe, struct misses *m) {
+  if (c->host_bytes < m->least_host) m->least_host = c->host_bytes;
+  const bool disk_tier = probe->disk_write_gbps > 0;
+  if (disk_tier && c->host_bytes <= probe->host_mem && c->min_device_bytes <= probe->device_mem &&
+      c->disk_bytes < m->least_disk)
+    m->least_disk = c->disk_bytes;
+  const bool disk_ok =
+      c->n_disk_chunks == 0 || (disk_tier && !(probe->disk_space > 0 && c->disk_bytes > probe->disk_space));
+  // (a plan that fails for the device alone: its smallest working set; not one that fails for the
+  // host's memory or the disk tier)
+  if (!c->fits && c->min_device_bytes > probe->device_mem && c->host_bytes <= probe->host_mem && disk_ok &&
+      c->min_device_bytes < m->smallest)
+    m->smallest = c->min_device_bytes;
+  if (c->fits && c->min_device_bytes < m->smallest) m->smallest = c->min_device_bytes;
+}
+
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                                int ranks, bool offload_only, const char *precision, const struct fy_probe *probe,
                                struct fy_plan *best, int *n_tried) {
@@ -48,7 +71,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
   best->dp = best->tp = 1;
   best->machine = *probe;
   int tried = 0, grids = 0;
-  double smallest = INFINITY, least_host = INFINITY;  // (least_host: of the offloaded plans, disk or not)
+  struct misses miss = {INFINITY, INFINITY, INFINITY};
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
@@ -86,7 +109,9 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
           if (mult > 1 && min_chunk * mult / 2 > total) break;
           // (sharded over dp ranks: whole 64-byte lines a shard, as a plan file must say)
           const int64_t line = 16 * (int64_t)dp, ce = (min_chunk * mult + line - 1) / line * line;
-          struct fy_plan_knobs kbest = {0};  // this chunk size's fastest prefetch without device chunks
+          // This chunk size's fastest prefetch without device chunks; none fitting, the first when
+          // it fails for the host's memory or the disk alone (device chunks take state off both).
+          struct fy_plan_knobs kbest = {0};
           struct fy_cost cbest = {0};
           for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
             struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
@@ -97,14 +122,9 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             tried++;
-            if (c.host_bytes < least_host) least_host = c.host_bytes;
-            // (a plan that fails for the device alone: its smallest working set; not one that fails
-            // for the host's memory or a disk tier it lacks)
-            if (!c.fits && c.min_device_bytes > probe->device_mem && c.min_device_bytes < smallest &&
-                c.host_bytes <= probe->host_mem && (c.n_disk_chunks == 0 || probe->disk_write_gbps > 0))
-              smallest = c.min_device_bytes;
-            if (c.fits && c.min_device_bytes < smallest) smallest = c.min_device_bytes;
+            note_miss(&c, probe, &miss);
             consider(&k, &c, best);
+            if (pf == 0 && !c.fits && c.min_device_bytes <= probe->device_mem) kbest = k, cbest = c;
             if (!c.fits) break;  // more prefetch will not fit either
             if (better(&c, &cbest)) kbest = k, cbest = c;
           }
@@ -112,7 +132,8 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
           // the cache taking what is left (at that prefetch): a quarter, half, three quarters or
           // all of as many as fit beside the smallest cache.
           double room = probe->device_mem - cbest.min_device_bytes;
-          int most = cbest.fits && cbest.device_chunk_bytes > 0 && room > 0 ? (int)(room / cbest.device_chunk_bytes) : 0;
+          int most = kbest.micro_batch && cbest.device_chunk_bytes > 0 && room > 0 ? (int)(room / cbest.device_chunk_bytes)
+                                                                                  : 0;
           if (most > cbest.n_chunks) most = cbest.n_chunks;
           for (int q = 1; dp == 1 && q <= 4; q++) {
             struct fy_plan_knobs kd = kbest;
@@ -121,8 +142,9 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
             struct fy_cost cd;
             FY_TRY(fy_cost_simulate(cfg, &kd, probe, &cd, NULL));
             tried++;
+            note_miss(&cd, probe, &miss);
             consider(&kd, &cd, best);
-            if (!cd.fits) break;
+            if (cd.min_device_bytes > probe->device_mem) break;  // more device chunks will not fit either
           }
         }
     }
@@ -137,16 +159,26 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
                         ranks, model, (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim, (long long)batch);
   if (n_tried) *n_tried = tried;
   if (!best->predicted.fits) {
-    if (isfinite(smallest))
+    char have[32], need[32], room[32];
+    if (isfinite(miss.least_disk) && probe->disk_space > 0 && miss.least_disk > probe->disk_space)
+      return fy_error_set(FY_ERR_NOMEM,
+                          "no plan for %s with %lld x %lld tokens per step fits the disk tier: the gradients and AdamW "
+                          "state that %s of host memory cannot hold need at least %s on disk, and %s has %s for them: "
+                          "free some space, use a larger disk, or give more host memory",
+                          model, (long long)batch, (long long)seq,
+                          fy_format_bytes(probe->host_mem, have, sizeof have),
+                          fy_format_bytes(miss.least_disk, need, sizeof need),
+                          probe->disk_dir[0] ? probe->disk_dir : "the disk tier",
+                          fy_format_bytes(probe->disk_space, room, sizeof room));
+    if (isfinite(miss.smallest))
       return fy_error_set(FY_ERR_NOMEM,
                           "no plan for %s with %lld x %lld tokens per step fits %.1f MiB of device memory and %.1f "
                           "GiB of host memory; the smallest device memory that works is %.1f MiB",
                           model, (long long)batch, (long long)seq, probe->device_mem / 1048576.0,
-                          probe->host_mem / 1073741824.0, smallest / 1048576.0);
-    char have[32], need[32];
+                          probe->host_mem / 1073741824.0, miss.smallest / 1048576.0);
     fy_format_bytes(probe->host_mem, have, sizeof have);
-    fy_format_bytes(least_host, need, sizeof need);
-    if (probe->disk_write_gbps > 0 && least_host > probe->host_mem)
+    fy_format_bytes(miss.least_host, need, sizeof need);
+    if (probe->disk_write_gbps > 0 && miss.least_host > probe->host_mem)
       return fy_error_set(FY_ERR_NOMEM,
                           "no plan for %s fits %s of host memory: the smallest needs %s there (the weights stay in "
                           "host memory; the disk tier takes only gradients and AdamW state)", model, have, need);

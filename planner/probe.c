@@ -344,9 +344,9 @@ static fy_status measure_kernel_overhead(double gflops, double mem_gbps, double 
 }
 
 // Submits DISK_REQS requests that together cover the slot, waits for all of them.
-static fy_status disk_pass(struct fy_disk_tier *t, int64_t h, char *buf, bool write,
+static fy_status disk_pass(struct fy_disk_tier *t, int64_t h, char *buf, size_t bytes, bool write,
                            struct fy_disk_req **reqs, double *secs) {
-  const size_t part = DISK_BYTES / DISK_REQS;
+  const size_t part = bytes / DISK_REQS;
   fy_status st = FY_OK;
   int started = 0;
   double t0 = now_s();
@@ -365,25 +365,33 @@ static fy_status disk_pass(struct fy_disk_tier *t, int64_t h, char *buf, bool wr
 // The disk tier does not fsync, and a non-root process cannot drop the page cache safely, so the
 // write rate is what the tier sees for a 256 MB burst (the page cache absorbs it up to the kernel's
 // dirty limits) and the read, right after, is mostly served from the page cache. Both are what is
-// measured, and upper bounds for the disk's sustained rates.
+// measured, and upper bounds for the disk's sustained rates. A disk with less than twice the burst
+// free is timed with half its free space (the planner then finds what fits there).
 static fy_status measure_disk(const char *dir, double *rd, double *wr) {
   struct fy_disk_tier *t = NULL;
   struct fy_disk_req *reqs[DISK_REQS] = {0};
   char *buf = NULL;
   int64_t h = 0;
-  fy_status st = fy_disk_tier_open(dir, 0, &t);
-  if (st == FY_OK) st = fy_disk_alloc(t, DISK_BYTES, &h);
+  double space = 0;
+  size_t bytes = DISK_BYTES;
+  const size_t least = DISK_REQS * 4096;
+  fy_status st = fy_disk_space(dir, &space);
+  if (st == FY_OK && space / 2 < (double)bytes) bytes = (size_t)(space / 2) / least * least;
+  if (st == FY_OK && bytes < least)
+    st = fy_error_set(FY_ERR_IO, "%s has %.0f bytes free, too few for a disk tier", dir, space);
+  if (st == FY_OK) st = fy_disk_tier_open(dir, 0, &t);
+  if (st == FY_OK) st = fy_disk_alloc(t, bytes, &h);
   for (int i = 0; i < DISK_REQS && st == FY_OK; i++) st = fy_disk_req_create(&reqs[i]);
-  if (st == FY_OK && !(buf = alloc_aligned(DISK_BYTES)))
+  if (st == FY_OK && !(buf = alloc_aligned(bytes)))
     st = fy_error_set(FY_ERR_NOMEM, "probe: no memory for the disk test");
   if (st == FY_OK) {
-    for (size_t i = 0; i < DISK_BYTES; i += 4096) memset(buf + i, (int)(i >> 12) | 1, 4096);
+    for (size_t i = 0; i < bytes; i += 4096) memset(buf + i, (int)(i >> 12) | 1, 4096);
     double tw = 0, tr = 0;
-    st = disk_pass(t, h, buf, true, reqs, &tw);
-    if (st == FY_OK) st = disk_pass(t, h, buf, false, reqs, &tr);
+    st = disk_pass(t, h, buf, bytes, true, reqs, &tw);
+    if (st == FY_OK) st = disk_pass(t, h, buf, bytes, false, reqs, &tr);
     if (st == FY_OK) {
-      *wr = (double)DISK_BYTES / tw / 1e9;
-      *rd = (double)DISK_BYTES / tr / 1e9;
+      *wr = (double)bytes / tw / 1e9;
+      *rd = (double)bytes / tr / 1e9;
     }
   }
   if (st != FY_OK) st = fy_error_wrap(st, "probe: disk test");
@@ -535,6 +543,8 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
     FY_TRY(fy_probe_add_disk(p, c->disk_dir, &timed));  // a --disk-dir the cached probe has not timed
     changed = changed || timed;
   }
+  // (A directory that has gone: no bound known, as the disk tier will say when it opens.)
+  if (p->disk_dir[0] && fy_disk_space(p->disk_dir, &p->disk_space) != FY_OK) p->disk_space = 0;
   if (!changed || !c->write) return FY_OK;
   st = fy_probe_write(c->path, p);
   return c->write_errors ? st : FY_OK;
@@ -862,6 +872,13 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     *(tflops_dev ? &p->device_gflops : &p->host_gflops) = v * 1000.0;
     return FY_OK;
   }
+  if (!strcmp(key, "disk_space")) {  // (not a field of the file)
+    if (!(strcmp(value, "0") == 0 ? (v = 0, true) : parse_size(value, &v)))
+      return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a size such as 500GiB (or 0: no bound)",
+                          key_in, value);
+    p->disk_space = v;
+    return FY_OK;
+  }
   if (!strcmp(key, "link_gbps")) {
     if (!parse_rate(value, false, &v))
       return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a rate > 0 in GB/s "
@@ -874,7 +891,7 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     if (!strcmp(key, fields[i].key)) f = &fields[i];
   if (!f)
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: %s)", key_in,
-                        known_keys("device_tflops, host_tflops, link_gbps"));
+                        known_keys("device_tflops, host_tflops, link_gbps, disk_space"));
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)
@@ -969,6 +986,7 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
     fprintf(f, "%-16s %.2f GB/s\n", "disk_write_gbps", p->disk_write_gbps);
     fprintf(f, "%-16s (none probed)\n", "disk_dir");
   }
+  if (p->disk_space > 0) print_bytes(f, "disk_space", p->disk_space);
   fprintf(f, "%-16s %.2f GB/s (collectives between ranks%s)\n", "comm_gbps", fy_probe_comm_gbps(p),
           p->comm_gbps > 0 ? "" : "; derived, set comm_gbps to change it");
   fprintf(f, "%-16s %.1f us (per copy across the link, besides its bytes)\n", "copy_latency_us", p->copy_latency_us);

@@ -76,6 +76,10 @@ struct fy_probe {
   double device_mem_gbps;     // a GPU's memory bandwidth (GB/s; a copy within it moves its bytes
                               // twice, read and written): what its memory-bound kernels run at;
                               // 0 when unknown, and on cpu and sim (the host's memory)
+  double disk_space;          // bytes the disk tier may fill for each rank: disk_dir's free space
+                              // when the probe was loaded (fy_probe_cached), or given ("disk_space"
+                              // override); 0: no bound known. Not in the file: it changes as the
+                              // disk fills.
 };
 
 // The bandwidth (GB/s) the device's memory-bound kernels run at: on cpu and sim the host's memory
@@ -120,7 +124,7 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
 // machine measured — device_mem, link_gbps and disk_dir as fy_probe_measure takes them, a cuda
 // probe as the sim device's with GPU 0's figures when `gpu` — and written back when `write`; a
 // cached probe also gains disk_dir's rates when it lacks them (fy_probe_add_disk), written back
-// too, and one of an older format has the fields whose meaning changed measured again (the rest
+// too, and disk_space is the free space of its disk_dir now, and one of an older format has the fields whose meaning changed measured again (the rest
 // kept as the file has them), said in a line on stderr and written back. A write that fails is an error only with write_errors. *measured: whether it measured.
 // A file that cannot be read or parsed is an error (an edited file is not silently replaced).
 struct fy_probe_cache {

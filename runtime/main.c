@@ -192,6 +192,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"d2h-gbps", required_argument, 0, P_OVR}, {"host-adamw-gbps", required_argument, 0, P_OVR},
       {"host-mem-gbps", required_argument, 0, P_OVR}, {"disk-read-gbps", required_argument, 0, P_OVR},
       {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR},
+      {"disk-space", required_argument, 0, P_OVR},
       {"bf16-speedup", required_argument, 0, P_OVR}, {"device-mem-gbps", required_argument, 0, P_OVR},
       {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
@@ -289,6 +290,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                "  --host-mem SIZE --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
                "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
                "  --disk-write-gbps X   --comm-gbps X   --bf16-speedup X   --device-mem-gbps X\n"
+               "  --disk-space SIZE  (what the disk tier may fill; default: the free space of the disk\n"
+               "                     directory now; 0: no bound)\n"
                "  --set key=value (any probe field)\n"
                "  (device rates are in the device's default precision: a GPU's bf16, a CPU's fp32)\n");
         return 0;

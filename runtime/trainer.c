@@ -451,7 +451,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (shards_on_device && n_disk > 0)
     return fy_error_set(FY_ERR_INVALID, "--device-chunks %d keeps every shard on the device; --disk-chunks must be 0",
                         o->device_chunks);
-  char b1[32], b2[32], b3[32];
+  char b1[32], b2[32], b3[32], b4[32];
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
                         "the gradients and AdamW state of %d of %d chunks (%s) do not fit in the host "
@@ -459,8 +459,27 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                         n_disk, l->n_chunks, fy_format_bytes(3.0 * n_disk * shard_bytes, b1, sizeof b1),
                         fy_format_bytes((double)host_cap, b2, sizeof b2), fy_format_bytes((double)in_use, b3, sizeof b3));
   if (n_disk > 0) {
+    // Each disk chunk's slot holds its gradients, m and v (fp32, this rank's shard). The file grows
+    // as steps write it, so a disk too small is said now rather than at a step's first write; the
+    // ranks on this machine (given the same --disk-dir) share its file system.
+    const size_t need = (size_t)n_disk * fy_disk_slot_bytes(3 * shard_bytes);
+    const int local = r->comm && fy_comm_local_size(r->comm) > 1 ? fy_comm_local_size(r->comm) : 1;
+    double space = 0;
     fy_status st = fy_mkdir_p(o->disk_dir);  // (made when missing, as --save's directory is)
-    if (st == FY_OK) st = fy_disk_tier_open(o->disk_dir, 0, &r->disk);
+    if (st == FY_OK) st = fy_disk_space(o->disk_dir, &space);
+    if (st == FY_OK && (double)need * local > space) {
+      char b5[32];
+      return fy_error_set(FY_ERR_NOMEM,
+                          "--disk-dir %s: the gradients and AdamW state of %d of %d chunks need %s on disk%s%s%s, and "
+                          "its file system has %s free: free some space, give a --disk-dir on a larger disk, or more "
+                          "--host-mem (now %s, %s of it for the parameters)", o->disk_dir, n_disk, l->n_chunks,
+                          fy_format_bytes((double)need, b1, sizeof b1), local > 1 ? " (" : "",
+                          local > 1 ? fy_format_bytes((double)need * local, b4, sizeof b4) : "",
+                          local > 1 ? " for the ranks on this machine)" : "",
+                          fy_format_bytes(space, b2, sizeof b2), fy_format_bytes((double)host_cap, b3, sizeof b3),
+                          fy_format_bytes((double)in_use, b5, sizeof b5));
+    }
+    if (st == FY_OK) st = fy_disk_tier_open(o->disk_dir, need, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
   }
   if (r->dp > 1) {  // the blocks' gathers and reduce-scatters (in GPU memory: through NCCL)
@@ -472,7 +491,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm};
-  return fy_offload_create(r->model, &xo, &r->x);
+  fy_status st = fy_offload_create(r->model, &xo, &r->x);
+  if (st == FY_ERR_NOMEM && in_use + reserve > host_cap)
+    return fy_error_wrap(st, "--host-mem %s holds the parameters (%s) but not the chunk-sized buffers the offload "
+                         "keeps beside them (about %s): give more, about %s", fy_format_bytes((double)host_cap, b1, sizeof b1),
+                         fy_format_bytes((double)in_use, b2, sizeof b2), fy_format_bytes((double)reserve, b3, sizeof b3),
+                         fy_format_bytes((double)(in_use + reserve), b4, sizeof b4));
+  return st;
 }
 
 // Weights part by part for the shards of a sharded run (fy_offload_set_shards): from a Hugging
@@ -1414,6 +1439,15 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
       snprintf(v, sizeof v, "%g", o->sim_link_gbps);
       FY_TRY(fy_probe_override(&probe, "link_gbps", v));
     }
+    // The ranks on this machine share its memory and its disk: each plans with its share, as it
+    // runs with it (setup_offload), --host-mem being already one rank's.
+    const int local = fy_comm_local_size(comm) > 1 ? fy_comm_local_size(comm) : 1;
+    if (!o->host_mem) probe.host_mem = floor(probe.host_mem / local);
+    probe.disk_space = floor(probe.disk_space / local);
+    if (!o->disk_dir) {  // (a disk the cached probe timed is not this run's without --disk-dir)
+      probe.disk_read_gbps = probe.disk_write_gbps = probe.disk_space = 0;
+      probe.disk_dir[0] = '\0';
+    }
   }
   struct fy_plan plan;
   if (automatic) {  // the global batch as if every rank were data-parallel, in this run's precision
@@ -1607,6 +1641,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->n_disk_chunks = xs.n_disk_chunks;
     res->n_device_chunks = xs.n_device_chunks;
     res->chunk_bytes = xs.chunk_bytes;
+    res->disk_tier_bytes = r.disk ? (double)fy_disk_in_use(r.disk) : 0;
   }
   bool tty = isatty(STDOUT_FILENO), out_gone = false;
   if (!o->quiet) {
@@ -1615,12 +1650,15 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
            r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, o->precision, omp_get_max_threads(), r.world, (long long)o->batch,
            (long long)o->seq, (long long)o->grad_accum, (long long)tokens_per_step,
            (long long)fy_data_num_tokens(r.data), o->data);
+    char disk_b[32];
     if (r.x)
       printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
-             "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk, %d on the device\n",
+             "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk%s%s%s, %d on the device\n",
              r.dev->name, r.dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
              model->act_bytes / 1048576.0, fy_host_in_use(r.host) / 1048576.0, fy_host_cap(r.host) / 1048576.0,
-             res->n_disk_chunks, res->n_device_chunks);
+             res->n_disk_chunks, r.disk ? " (" : "",
+             r.disk ? fy_format_bytes(res->disk_tier_bytes, disk_b, sizeof disk_b) : "", r.disk ? ")" : "",
+             res->n_device_chunks);
     else
       printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
              model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
@@ -1716,6 +1754,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
         fprintf(log, ",\"skipped\":\"%s\"", ignored ? "every target ignored" : "gradient overflow");
       if (validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, val_s);
       if (r.gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(&r) / 1048576.0);
+      if (r.disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);
       fprintf(log, "}\n");
     }
     if (!o->quiet) {

@@ -119,6 +119,7 @@ struct fy_train_result {
   double model_state_bytes, activation_bytes;  // offloading: this rank's share of the model state
   double host_tier_bytes;     // offloading: the host tier's counter after the last step
   double device_state_bytes;  // offloading: device memory taken by state kept there (device chunks, shards)
+  double disk_tier_bytes;     // offloading: bytes reserved in the disk tier's file (its chunks' slots)
   double device_peak_bytes;     // the device's own counter (sim: its pool)
   double step_s;                // median step time (after the first)
   double copy_bytes[2], copy_busy_s[2];  // sim: host->device [0] and device->host [1], whole run

@@ -276,7 +276,27 @@ expect 0 "ferry train --plan auto" "cache blocks" -- train --model opt-tiny --da
 # timed: the disk is timed and the plan puts state on it.
 expect 0 "--plan auto puts the state the host cannot hold on a new --disk-dir" "AdamW state of [1-9][0-9]* chunks on disk" \
   -- train --model opt-demo --data "$tmp/ok.bin" --device-mem 64MiB --host-mem 30MiB --disk-dir "$tmp/autodisk" \
-  --batch 4 --seq 32 --plan auto --steps 2
+  --batch 4 --seq 32 --plan auto --steps 2 --log "$tmp/autodisk.jsonl"
+grep -q '"disk_tier_mib":[1-9]' "$tmp/autodisk.jsonl" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the log says what the disk tier holds"; } ||
+  { fail=$((fail + 1)); echo "FAIL  the log lacks disk_tier_mib"; }
+# A disk too small for the state: the planner (its free space, or --disk-space) and the run refuse
+# it before the first step, instead of failing at a step's first write.
+small=(--model opt-demo --device sim --device-mem 64MiB --host-mem 30MiB --batch 4 --seq 32)
+expect 1 "ferry plan with --disk-space too small for the state" "fits the disk tier: .* need at least .* on disk, and .*autodisk has 1.0 MiB" \
+  -- plan "${small[@]}" --disk-dir "$tmp/autodisk" --disk-space 1MiB
+expect 1 "a --disk-space that is not a size" "size such as" -- plan "${small[@]}" --disk-space lots
+expect 0 "ferry probe --disk-space" "disk_space +5.00 GiB" -- probe --device sim --disk-dir "$tmp/autodisk" --disk-space 5GiB
+mkdir -p "$tmp/smallfs"
+if mount -t tmpfs -o size=1m tmpfs "$tmp/smallfs" 2>/dev/null; then
+  trap 'umount "$tmp/smallfs" 2>/dev/null; rm -rf "$tmp"' EXIT
+  expect 1 "a --disk-dir whose file system cannot hold the state" "--disk-dir .*smallfs: the gradients and AdamW state of [0-9]+ of [0-9]+ chunks need .* on disk, and its file system has 1.0 MiB free" \
+    -- train "${small[@]}" --data "$tmp/ok.bin" --disk-dir "$tmp/smallfs" --steps 1
+  expect 1 "--plan auto with a --disk-dir too small for the state" "fits the disk tier: .*smallfs has" \
+    -- train "${small[@]}" --data "$tmp/ok.bin" --disk-dir "$tmp/smallfs" --plan auto --steps 1
+  umount "$tmp/smallfs"
+else
+  echo "--    a --disk-dir on a full file system: left out (mounting a 1 MiB tmpfs is not permitted here)"
+fi
 # A plan is for one precision (the device's default unless --precision): it says so, its file
 # keeps it, a run of it computes in it, and another --precision is refused.
 expect 0 "ferry plan --precision bf16" "plan for opt-tiny in bf16 on sim .* in bf16" -- plan --device sim \

@@ -399,6 +399,7 @@ int main(void) {
     int bad = 0, run_lo = 0, best_lo = 0, best_len = 0, prev = -1;
     enum { STEPS = 200 };
     int n_disk[STEPS + 1];
+    double disk_bytes[STEPS + 1];
     for (int i = 0; i <= STEPS; i++) {
       char v[64];
       snprintf(v, sizeof v, "%.0f", lo + (hi - lo) * i / STEPS);
@@ -410,6 +411,7 @@ int main(void) {
       CHECK_OK(fy_cost_simulate(&cfg, &kd, &hp, &every, NULL));
       if (every.fits && !(a.fits && a.host_bytes <= hp.host_mem)) bad++;
       n_disk[i] = a.n_disk_chunks;
+      disk_bytes[i] = a.disk_bytes;
       if (a.n_disk_chunks != prev) run_lo = i, prev = a.n_disk_chunks;
       if (a.n_disk_chunks > 0 && i - run_lo > best_len) best_len = i - run_lo, best_lo = run_lo;
     }
@@ -428,8 +430,42 @@ int main(void) {
     CHECK_OK(fy_train(&o, &r));
     CHECKF(r.n_disk_chunks == n_disk[mid] && n_disk[mid] > 0, "host memory %zu: the runtime put %d chunks' state on "
            "disk, the cost model %d", o.host_mem, r.n_disk_chunks, n_disk[mid]);
+    // ... and takes as many bytes of disk as the cost model says (gradients, m and v in fp32).
+    CHECKF(r.disk_tier_bytes == disk_bytes[mid], "the disk tier holds %.0f bytes, the cost model says %.0f",
+           r.disk_tier_bytes, disk_bytes[mid]);
+    // The disk's free space bounds it: a plan needing more is refused, and the search says so (or
+    // finds one that fits it, the state kept on the device).
+    {
+      struct fy_probe dp = hp;
+      char hv[64], sv[64];
+      snprintf(hv, sizeof hv, "%zu", o.host_mem);
+      CHECK_OK(fy_probe_override(&dp, "host_mem", hv));
+      snprintf(sv, sizeof sv, "%.0f", disk_bytes[mid] - 1);
+      CHECK_OK(fy_probe_override(&dp, "disk_space", sv));
+      kd.disk_chunks = -1;
+      struct fy_cost small;
+      CHECK_OK(fy_cost_simulate(&cfg, &kd, &dp, &small, NULL));
+      CHECKF(!small.fits && strstr(small.why, "does not fit the disk tier"), "%s", small.why);
+      snprintf(sv, sizeof sv, "%.0f", disk_bytes[mid]);
+      CHECK_OK(fy_probe_override(&dp, "disk_space", sv));
+      CHECK_OK(fy_cost_simulate(&cfg, &kd, &dp, &small, NULL));
+      CHECKF(small.fits, "%s", small.why);
+      CHECK_OK(fy_probe_override(&dp, "disk_space", "4096"));
+      struct fy_plan p4;
+      fy_status st = fy_plan_search(&cfg, "tiny", 4, 96, &dp, &p4, NULL);
+      CHECKF(st == FY_OK ? p4.predicted.disk_bytes <= 4096 : strstr(fy_error_msg(), "fits the disk tier") != NULL,
+             "%s", st == FY_OK ? "a plan over the disk's space" : fy_error_msg());
+      fprintf(stderr, "  disk space 4096 B: %s\n", st == FY_OK ? "a plan without disk" : fy_error_msg());
+      CHECK_OK(fy_probe_override(&dp, "device_mem", "4194304"));  // (too small for the state's chunks)
+      CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &dp, &p4, NULL), FY_ERR_NOMEM);
+      fprintf(stderr, "  disk space 4096 B, 4 MiB device: %s\n", fy_error_msg());
+      CHECK_OK(fy_probe_override(&dp, "disk_space", "0"));  // (0: no bound)
+      CHECK(dp.disk_space == 0);
+      CHECK_ERR(fy_probe_override(&dp, "disk_space", "-1"), FY_ERR_INVALID);
+    }
     // No plan: the host cannot hold even the weights (said, with what the smallest plan needs), or
-    // the state needs a disk tier the probe has not timed (said so, not blamed on the device).
+    // the state needs a disk tier the probe has not timed (said so, not blamed on the device) and
+    // the device has no room to keep it instead.
     struct fy_plan none;
     char v[64];
     snprintf(v, sizeof v, "%.0f", lo / 2);
@@ -439,6 +475,11 @@ int main(void) {
     snprintf(v, sizeof v, "%.0f", (lo + hi) / 2);
     CHECK_OK(fy_probe_override(&hp, "host_mem", v));
     CHECK_OK(fy_probe_override(&hp, "disk_write_gbps", "0"));
+    CHECK_OK(fy_plan_search(&cfg, "tiny", 4, 96, &hp, &none, NULL));  // (the device's room takes it)
+    CHECKF(none.predicted.n_disk_chunks == 0 && none.k.device_chunks > 0 && none.predicted.host_bytes <= hp.host_mem,
+           "without a disk tier: %d chunks on disk, %d on the device, %.0f of %.0f host bytes",
+           none.predicted.n_disk_chunks, none.k.device_chunks, none.predicted.host_bytes, hp.host_mem);
+    CHECK_OK(fy_probe_override(&hp, "device_mem", "4194304"));
     CHECK_ERR(fy_plan_search(&cfg, "tiny", 4, 96, &hp, &none, NULL), FY_ERR_NOMEM);
     CHECKF(strstr(fy_error_msg(), "without a disk tier: give a --disk-dir") != NULL, "%s", fy_error_msg());
   }
