@@ -172,6 +172,15 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
   return FY_OK;
 }
 
+// A machine override as it is parsed: a value the probe would refuse is a usage error (exit 2),
+// said before any measuring.
+static bool override_ok(const char *cmd, const char *key, const char *value) {
+  struct fy_probe scratch = {.device = "sim"};
+  if (fy_probe_override(&scratch, key, value) == FY_OK) return true;
+  fprintf(stderr, "ferry %s: %s\n", cmd, fy_error_msg());
+  return false;
+}
+
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
          P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION };
@@ -225,6 +234,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
         *eq = 0;
         a.set_key[a.n_set] = optarg;
         a.set_val[a.n_set++] = eq + 1;
+        ok = override_ok(cmd, a.set_key[a.n_set - 1], eq + 1);
         break;
       }
       case P_OVR:
@@ -233,6 +243,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
         for (char *q = keybuf[a.n_set]; *q; q++) if (*q == '-') *q = '_';
         a.set_key[a.n_set] = keybuf[a.n_set];
         a.set_val[a.n_set++] = optarg;
+        ok = override_ok(cmd, keybuf[a.n_set - 1], optarg);
         break;
       case P_MODEL: model = optarg; break;
       case P_BATCH: ok = parse_i64("--batch", optarg, 1, &batch); break;

@@ -284,7 +284,7 @@ grep -q '"disk_tier_mib":[1-9]' "$tmp/autodisk.jsonl" 2>/dev/null && { pass=$((p
 small=(--model opt-demo --device sim --device-mem 64MiB --host-mem 30MiB --batch 4 --seq 32)
 expect 1 "ferry plan with --disk-space too small for the state" "fits the disk tier: .* need at least .* on disk, and .*autodisk has 1.0 MiB" \
   -- plan "${small[@]}" --disk-dir "$tmp/autodisk" --disk-space 1MiB
-expect 1 "a --disk-space that is not a size" "size such as" -- plan "${small[@]}" --disk-space lots
+expect 2 "a --disk-space that is not a size" "size such as" -- plan "${small[@]}" --disk-space lots
 expect 0 "ferry probe --disk-space" "disk_space +5.00 GiB" -- probe --device sim --disk-dir "$tmp/autodisk" --disk-space 5GiB
 mkdir -p "$tmp/smallfs"
 if mount -t tmpfs -o size=1m tmpfs "$tmp/smallfs" 2>/dev/null; then
