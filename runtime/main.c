@@ -298,11 +298,12 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
         printf("machine (the probe, then overrides):\n"
                "  --device cpu|sim|cuda   --device-mem SIZE   --sim-link-gbps X   --disk-dir DIR\n"
                "  --probe-file PATH  --remeasure  --no-write\n"
-               "  --host-mem SIZE --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
+               "  --host-mem SIZE (each rank's; default: this machine's, shared by the --gpus ranks)\n"
+               "  --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
                "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
                "  --disk-write-gbps X   --comm-gbps X   --bf16-speedup X   --device-mem-gbps X\n"
-               "  --disk-space SIZE  (what the disk tier may fill; default: the free space of the disk\n"
-               "                     directory now; 0: no bound)\n"
+               "  --disk-space SIZE  (what the disk tier may fill for each rank; default: the free space\n"
+               "                     of the disk directory now, shared by the --gpus ranks; 0: no bound)\n"
                "  --set key=value (any probe field)\n"
                "  (device rates are in the device's default precision: a GPU's bf16, a CPU's fp32)\n");
         return 0;
@@ -314,6 +315,17 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   struct fy_probe probe;
   bool measured;
   fy_status st = load_machine(&a, &probe, &measured);
+  // The --gpus ranks share this machine's memory and disk, as ferry train's ranks do (each takes
+  // its share by default): each rank is planned with its share, unless given.
+  if (st == FY_OK && plan && gpus > 1) {
+    bool host_given = false, disk_given = false;
+    for (int i = 0; i < a.n_set; i++) {
+      host_given |= strcmp(a.set_key[i], "host_mem") == 0;
+      disk_given |= strcmp(a.set_key[i], "disk_space") == 0;
+    }
+    if (!host_given) probe.host_mem = floor(probe.host_mem / (double)gpus);
+    if (!disk_given) probe.disk_space = floor(probe.disk_space / (double)gpus);
+  }
   if (st == FY_OK && !plan) {
     fy_probe_print(&probe, stdout);
     if (measured) printf("(measured now%s)\n", a.no_write ? "" : "; cached");

@@ -343,6 +343,13 @@ expect 1 "a plan for more ranks than this run" "is for 2 ranks" -- train --model
   --device-mem 4MiB --plan "$tmp/plan2.json" --steps 1
 expect 1 "--gpus that no grid fits" "no way to lay 5 ranks out" -- plan --model opt-tiny --batch 3 --seq 32 --gpus 5 \
   --device sim --device-mem 64MiB
+# --gpus ranks share this machine's host memory (each is planned with its share), unless --host-mem
+# gives a rank's.
+half="$(python3 -c 'import json,sys; print("%.2f GiB" % (json.load(open(sys.argv[1]))["host_mem"] // 2 / 2**30))' "$tmp/probe.json")"
+expect 0 "ferry plan --gpus 2 plans each rank with half the host memory" "on sim \(64.0 MiB device, $half host" \
+  -- plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 64MiB
+expect 0 "ferry plan --gpus 2 --host-mem: a rank's" "on sim \(64.0 MiB device, 3.00 GiB host" \
+  -- plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 64MiB --host-mem 3GiB
 unset FERRY_PROBE
 
 # Precision, tensor parallelism and offloading: what a run cannot do is refused with the reason.

@@ -372,15 +372,27 @@ print(json.dumps({"bench": "ferry_cuda_offload", "model": sys.argv[4], "device_m
 PY
 }
 # The largest preset that trains with a 40 GiB cap on this machine's 128 GiB of host memory:
-# OPT-6.7B in bf16 chunks (14 bytes a parameter on the host, 94 GB; OPT-13B's 182 GB do not fit).
+# OPT-6.7B in bf16 chunks (14 bytes a parameter on the host, 94 GB; OPT-13B's 182 GB do not fit,
+# nor, with its optimizer state partly on disk, the ~90 GB of it the host cannot hold on a 64 GiB
+# disk). The planner is asked about OPT-13B on this machine (its host memory, and the free space
+# of a disk tier under the logs), and says why it fits or not.
 largest_40g() {
+  local why
+  if "$build/ferry" plan --device cuda --offload --precision bf16 --device-mem 40GiB --model opt-13b --batch 8 \
+      --seq 2048 --disk-dir "$logs/disk13b" >"$logs/plan13b.txt" 2>&1; then
+    why="a plan fits: $(grep 'memory per rank' "$logs/plan13b.txt")"
+  else
+    why="$(tail -n 1 "$logs/plan13b.txt")"
+  fi
+  rm -rf "$logs/disk13b"
   "$build/ferry" train --device cuda --offload --precision bf16 --device-mem 40GiB --model opt-6.7b --batch 8 \
     --seq 2048 --recompute --steps 3 --quiet --log "$logs/largest.jsonl" || return 1
-  python3 - "$logs/largest.jsonl" <<'PY'
+  python3 - "$logs/largest.jsonl" "$why" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
 print(json.dumps({"bench": "ferry_cuda_largest_40gib", "model": "opt-6.7b", "device_mem_gib": 40,
-                  "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1)}))
+                  "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
+                  "opt_13b_planner": sys.argv[2].strip()[:300]}))
 PY
 }
 ferry_13b() {  # [LABEL [VAR=VALUE ...]]: the run's environment (which kernels: FERRY_CUDA_*)
