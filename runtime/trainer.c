@@ -1372,6 +1372,47 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   return FY_OK;
 }
 
+// Whether --save's file system can hold what the run will write there, said once at the start
+// rather than found at a write hours later: with --save-every, checkpoints of the whole state (12
+// bytes a parameter: weights, m, v), --keep of them kept and one more while it is written (those
+// already in the root count); else the final weights (4 bytes a parameter). A warning, as space
+// may be freed meanwhile: a write that does not fit stops the run, the checkpoints before it kept.
+static void check_save_space(const struct fy_train_opts *o, double params, int64_t steps_left) {
+  char dir[4096];
+  snprintf(dir, sizeof dir, "%s", o->save);
+  double space = 0;
+  while (fy_disk_space(dir, &space) != FY_OK) {  // (the nearest directory that exists)
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = '\0';
+    else *slash = '\0';
+    if (strcmp(dir, ".") == 0 || strcmp(dir, "/") == 0) {
+      if (fy_disk_space(dir, &space) != FY_OK) return;
+      break;
+    }
+  }
+  int existing = 0;
+  DIR *d = o->save_every > 0 ? opendir(o->save) : NULL;
+  for (struct dirent *e; d && (e = readdir(d));) existing += strncmp(e->d_name, "step-", 5) == 0;
+  if (d) closedir(d);
+  const int64_t writes = o->save_every > 0 ? (steps_left + o->save_every - 1) / o->save_every : 1;
+  int more = o->save_every > 0 ? (o->keep + 1 - existing > 1 ? o->keep + 1 - existing : 1) : 1;
+  if (more > writes) more = (int)writes;
+  if (more < 1) return;
+  const double each = (o->save_every > 0 ? 12.0 : 4.0) * params, need = each * more;
+  if (space >= need) return;
+  char b[3][32];
+  if (o->save_every > 0)
+    fy_log_warn("--save %s: %d more checkpoint%s of %s (--keep %d, and one more while it is written) need %s, and its "
+                "file system has %s free: the run will stop at the first write that does not fit; free some space "
+                "or save elsewhere", o->save, more, more > 1 ? "s" : "", fy_format_bytes(each, b[0], sizeof b[0]),
+                o->keep, fy_format_bytes(need, b[1], sizeof b[1]), fy_format_bytes(space, b[2], sizeof b[2]));
+  else
+    fy_log_warn("--save %s: the final weights need %s (fp32), and its file system has %s free: the run will stop "
+                "at the end without them; free some space or save elsewhere", o->save,
+                fy_format_bytes(need, b[0], sizeof b[0]), fy_format_bytes(space, b[1], sizeof b[1]));
+}
+
 static double dir_bytes(const char *root) {
   char dir[4096], cmd[4200];
   if (fy_ckpt_resolve(root, dir, sizeof dir) != FY_OK) return 0;
@@ -1598,6 +1639,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (st == FY_OK && o->resume) st = resume(o, &r, &first_step, &scale, &scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r.rank == 0)
     st = fy_ckpt_writer_create(o->save, o->keep, r.tp > 1 ? &r.whole : r.model, &ckpt);
+  if (st == FY_OK && o->save && r.rank == 0) check_save_space(o, fy_opt_num_params(&r.cfg), o->steps - first_step);
   // A snapshot is the whole state again (weights, m and v: 12 bytes a parameter). When the host
   // tier cannot hold one beside the state (a model that fills the host memory, or chunks sharded
   // across ranks, of which the writing rank holds its share), an offloaded run writes its

@@ -293,6 +293,11 @@ if mount -t tmpfs -o size=1m tmpfs "$tmp/smallfs" 2>/dev/null; then
     -- train "${small[@]}" --data "$tmp/ok.bin" --disk-dir "$tmp/smallfs" --steps 1
   expect 1 "--plan auto with a --disk-dir too small for the state" "fits the disk tier: .*smallfs has" \
     -- train "${small[@]}" --data "$tmp/ok.bin" --disk-dir "$tmp/smallfs" --plan auto --steps 1
+  expect 1 "a --save whose file system cannot hold a checkpoint is said at the start" \
+    "warning: --save .*smallfs/ck: 1 more checkpoint of .* has 1.0 MiB free" \
+    -- train --model opt-demo --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 1 --save "$tmp/smallfs/ck" --save-every 1
+  expect 1 "and one for the final weights" "warning: --save .*smallfs/w: the final weights need .* has 1.0 MiB free" \
+    -- train --model opt-demo --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 1 --save "$tmp/smallfs/w"
   umount "$tmp/smallfs"
 else
   echo "--    a --disk-dir on a full file system: left out (mounting a 1 MiB tmpfs is not permitted here)"
