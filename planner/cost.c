@@ -35,8 +35,12 @@ static double host_weight_bytes(enum fy_dtype compute, int payload_bytes) {
   return 4.0 + (compute != FY_F32 ? payload_bytes : 0);
 }
 
+// Whether a chunk's gradients come home over its 16-bit copy (runtime/offload.c,
+// fy_offload_grads_in_copy): no fp32 gradients in the host tier or on disk.
+static bool grads_in_copy(enum fy_dtype compute, bool accumulate) { return compute != FY_F32 && !accumulate; }
+
 static double host_state_bytes(enum fy_dtype compute, bool accumulate) {
-  return 8.0 + (compute != FY_F32 && !accumulate ? 0.0 : 4.0);  // (runtime/offload.c, fy_offload_grads_in_copy)
+  return 8.0 + (grads_in_copy(compute, accumulate) ? 0.0 : 4.0);
 }
 
 double fy_cost_host_bytes_per_param(enum fy_dtype compute, int payload_bytes, bool accumulate) {
@@ -289,7 +293,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     if (timeline_out) *timeline_out = NULL;
     return simulate_resident(cfg, k, probe, out);
   }
-  const bool act16 = gpu && cdt == FY_BF16;
+  const bool act16 = gpu && cdt == FY_BF16, g16 = grads_in_copy(cdt, k->grad_accum > 1);
   int pb = act16 ? 2 : 4;  // compute payload and activations: bf16 on a GPU, else floats (cpu/sim in any precision)
   const size_t gran = gpu ? FY_CUDA_ALLOC_GRANULE : FY_HOST_ALLOC_GRANULE;  // (how the device counts an allocation)
   int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
@@ -392,7 +396,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
   double per_chunk_state = ce * host_state_bytes(cdt, k->grad_accum > 1) * share;  // (gradients,) m, v
   double params_host = np * host_weight_bytes(cdt, pb) * share, reserve = 3 * (double)ce * 4,
-         disk_reserve = 5 * (double)ce * 4 / dp;  // (five of the rank's shards of a chunk)
+         disk_reserve = (g16 ? 2 : 5) * (double)ce * 4 / dp;  // (the disk chunks' buffers: shards of a chunk)
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
   int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;
@@ -402,9 +406,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   out->n_disk_chunks = n_disk;
   out->n_device_chunks = n_dev;
   out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
-  // A disk chunk's slot: its gradients, m and v in fp32, whatever the compute (runtime/offload.c),
-  // a rank's shard of each, in whole 4 KiB pages.
-  out->disk_bytes = n_disk * 3 * ceil((double)ce * 4 * share / 4096) * 4096;
+  // A disk chunk's slot: the same state, in whole 4 KiB pages (runtime/offload.c).
+  out->disk_bytes = n_disk * ceil(per_chunk_state / 4096) * 4096;
   out->fits = true;
   if (n_blocks < min_blocks || out->min_device_bytes > probe->device_mem) {
     out->fits = false;
@@ -574,9 +577,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
           int c = l->op_chunks[j];
           if (c < n_dev) continue;
           if (fy_device_cache_release(s.cache, c, s.actions[a].kind == FY_ACT_BACKWARD) == FY_CHUNK_READY_FOR_REDUCE) {
+            const bool to_disk = c >= nc - n_disk && !g16;
             st = fy_device_cache_write_back(s.cache, c, (float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block),
-                                            micro > 0, c >= nc - n_disk ? NULL : s.grad_ready[c]);
-            if (st == FY_OK && c >= nc - n_disk) {  // and on to its disk slot
+                                            micro > 0, to_disk ? NULL : s.grad_ready[c]);
+            if (st == FY_OK && to_disk) {  // and on to its disk slot
               fy_timeline_run(s.copy_out, l->chunks[c].used * 4.0 * (micro > 0 ? 2 : 1) / dwrite, "to disk");
               fy_event_record(s.grad_ready[c], s.copy_out);
             }
@@ -623,7 +627,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     // The optimizer: sums of squares as gradients arrive, the norm, then AdamW chunk by chunk.
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       fy_stream_wait(s.optim, s.grad_ready[c]);
-      double u = (double)l->chunks[c].used * share, t = u * 4 / mem + (c >= nc - n_disk ? u * 4 / dread : 0);
+      double u = (double)l->chunks[c].used * share, t = u * 4 / mem + (c >= nc - n_disk && !g16 ? u * 4 / dread : 0);
       fy_timeline_run(s.optim, t, "norm");
       optim_step += t;
       if (last) busy[3] += t;
@@ -638,7 +642,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     }
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       double u = (double)l->chunks[c].used * share;
-      double t = u * 28 / adamw + (c >= nc - n_disk ? u * 12 / dread + u * 8 / dwrite : 0);
+      double t = u * 28 / adamw + (c >= nc - n_disk ? u * (g16 ? 8 : 12) / dread + u * 8 / dwrite : 0);
       fy_timeline_run(s.optim, t, "AdamW");
       fy_event_record(s.home_ready[c], s.optim);
       optim_step += t;

@@ -158,10 +158,15 @@ static size_t host_chunks(const struct fy_offload *x) {
 bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro) { return compute != FY_F32 && max_micro <= 1; }
 
 // Chunk c's gradients come home over its 16-bit copy, not into fp32 gradients (the chunks whose
-// state is in the host tier).
+// state is in the host tier or on disk).
 static bool grads_in_copy(const struct fy_offload *x, int c) {
-  return fy_offload_grads_in_copy(x->m->compute_dtype, x->max_micro) && c >= x->n_dev &&
-         c < x->m->layout->n_chunks - x->n_disk_chunks;
+  return fy_offload_grads_in_copy(x->m->compute_dtype, x->max_micro) && c >= x->n_dev;
+}
+
+// A disk chunk's slot: its fp32 gradients (which 0; none when they come home over the 16-bit
+// copy), m (1) and v (2), one after the other, each S floats.
+static size_t disk_off(const struct fy_offload *x, int c, int which) {
+  return (size_t)(which - (grads_in_copy(x, c) ? 1 : 0)) * (size_t)x->S * 4;
 }
 
 // The dtype of the gradients the optimizer reads for chunk c (chunk_grads): the compute dtype
@@ -401,7 +406,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     if (x->sharded) FY_TRY(state_alloc(x, bytes, &x->w_home[c]));
     if (x->forward_only) continue;  // (no gradients, m or v)
     if (c >= nc - x->n_disk_chunks) {
-      FY_TRY(fy_disk_alloc(x->disk, 3 * bytes, &x->disk_handle[c]));
+      FY_TRY(fy_disk_alloc(x->disk, (grads_in_copy(x, c) ? 2 : 3) * bytes, &x->disk_handle[c]));
     } else {
       if (!grads_in_copy(x, c)) FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
       x->m_home[c] = x->m_all + (size_t)(c - x->n_dev) * (size_t)x->S;
@@ -416,9 +421,10 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       FY_TRY(fy_host_alloc(m->host, (size_t)x->S * x->esize, &x->chome[c]));
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
-  if (x->n_disk_chunks > 0) {
-    float **bufs[] = {&x->disk_g, &x->disk_m, &x->disk_v, &x->wb_disk, &x->wb_disk_sum};
-    for (int i = 0; i < 5; i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
+  if (x->n_disk_chunks > 0) {  // (m and v; the gradients' too unless they come home over the copy)
+    const bool grads = !fy_offload_grads_in_copy(m->compute_dtype, x->max_micro);
+    float **bufs[] = {&x->disk_m, &x->disk_v, &x->disk_g, &x->wb_disk, &x->wb_disk_sum};
+    for (int i = 0; i < (grads ? 5 : 2); i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
     FY_TRY(fy_disk_req_create(&x->req_g));
     FY_TRY(fy_disk_req_create(&x->req_m));
     FY_TRY(fy_disk_req_create(&x->req_v));
@@ -994,7 +1000,6 @@ static void adamw_fn(void *arg) {
   const float scale = dscale ? dscale[0] : a->scale;
   const struct fy_graph *g = x->m->graph;
   size_t used = (size_t)span(x, c) * 4;
-  size_t slot = (size_t)x->S * 4;
   float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
   float *params = home_weights(x, c);
   int64_t lo = x->lo, hi = x->lo + span(x, c);
@@ -1005,13 +1010,13 @@ static void adamw_fn(void *arg) {
     params = x->dev_w[c];
     lo = 0;
     hi = x->m->layout->chunks[c].used;
-  } else if (!mm) {  // state on disk: read gradients, m and v at once, update, write m and v back
-    gg = x->disk_g;
+  } else if (!mm) {  // state on disk: read (gradients,) m and v at once, update, write m and v back
     mm = x->disk_m;
     vv = x->disk_v;
-    fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], 0, gg, used, x->req_g);
-    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
-    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
+    fy_status st = FY_OK;
+    if (!gg) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 0), gg = x->disk_g, used, x->req_g);
+    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m);
+    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v);
     fy_status s1 = fy_disk_wait(x->req_g), s2 = fy_disk_wait(x->req_m), s3 = fy_disk_wait(x->req_v);
     if (st == FY_OK) st = s1 != FY_OK ? s1 : s2 != FY_OK ? s2 : s3;
     if (st != FY_OK) {
@@ -1039,8 +1044,8 @@ static void adamw_fn(void *arg) {
   else if (x->chome && !bf16_in_copy)
     compute_copy(x, c, lo, hi);
   if (c >= x->n_dev && !x->m_home[c]) {
-    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], slot, mm, used, x->req_m);
-    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], 2 * slot, vv, used, x->req_v);
+    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m);
+    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v);
     fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
     if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
     if (st != FY_OK) async_fail(x, st);
@@ -1193,14 +1198,14 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v,
     m += x->lo;
     v += x->lo;
   }
-  size_t used = (size_t)n * 4, slot = (size_t)x->S * 4;
+  size_t used = (size_t)n * 4;
   if (x->m_home[c]) {  // host tier or device memory: through the copy engine either way
     FY_TRY(fy_copy_async(x->copy_out, store ? x->m_home[c] : m, store ? m : x->m_home[c], used));
     FY_TRY(fy_copy_async(x->copy_out, store ? x->v_home[c] : v, store ? v : x->v_home[c], used));
     return fy_stream_sync(x->copy_out);
   }
-  FY_TRY(disk_io(x, store, c, slot, m, used, x->req_m));
-  return disk_io(x, store, c, 2 * slot, v, used, x->req_v);
+  FY_TRY(disk_io(x, store, c, disk_off(x, c, 1), m, used, x->req_m));
+  return disk_io(x, store, c, disk_off(x, c, 2), v, used, x->req_v);
 }
 
 void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {
@@ -1210,7 +1215,7 @@ void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {
 
 // Sharding: this rank's shard of chunk c's weights (which 0), m (1) or v (2) into dst (S floats).
 static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
-  size_t bytes = (size_t)x->S * 4, slot = bytes;
+  size_t bytes = (size_t)x->S * 4;
   if (which == 0) {
     FY_TRY(fy_copy_async(x->copy_out, dst, x->w_home[c], bytes));
     return fy_stream_sync(x->copy_out);
@@ -1220,7 +1225,7 @@ static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
     FY_TRY(fy_copy_async(x->copy_out, dst, src, bytes));
     return fy_stream_sync(x->copy_out);
   }
-  return disk_io(x, false, c, (size_t)which * slot, dst, bytes, which == 1 ? x->req_m : x->req_v);
+  return disk_io(x, false, c, disk_off(x, c, which), dst, bytes, which == 1 ? x->req_m : x->req_v);
 }
 
 // Sharding: chunk c's weights (which 0), m (1) or v (2) from every rank's shard, through the

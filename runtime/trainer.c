@@ -424,7 +424,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;
   if (fit < l->n_chunks && !r->eval) {
-    reserve += 5 * shard_bytes;
+    reserve += (g16 ? 2 : 5) * shard_bytes;  // (the disk chunks' buffers: runtime/offload.c)
     spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
     fit = (int)(spare / per_chunk);
   }
@@ -456,13 +456,14 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     return fy_error_set(FY_ERR_NOMEM,
                         "the gradients and AdamW state of %d of %d chunks (%s) do not fit in the host "
                         "memory (--host-mem %s, %s of it for the parameters); give a disk tier with --disk-dir",
-                        n_disk, l->n_chunks, fy_format_bytes(3.0 * n_disk * shard_bytes, b1, sizeof b1),
+                        n_disk, l->n_chunks, fy_format_bytes((g16 ? 2.0 : 3.0) * n_disk * shard_bytes, b1, sizeof b1),
                         fy_format_bytes((double)host_cap, b2, sizeof b2), fy_format_bytes((double)in_use, b3, sizeof b3));
   if (n_disk > 0) {
-    // Each disk chunk's slot holds its gradients, m and v (fp32, this rank's shard). The file grows
-    // as steps write it, so a disk too small is said now rather than at a step's first write; the
-    // ranks on this machine (given the same --disk-dir) share its file system.
-    const size_t need = (size_t)n_disk * fy_disk_slot_bytes(3 * shard_bytes);
+    // Each disk chunk's slot holds its m, v and, unless they come home over the 16-bit copy, its
+    // gradients (fp32, this rank's shard). The file grows as steps write it, so a disk too small is
+    // said now rather than at a step's first write; the ranks on this machine (given the same
+    // --disk-dir) share its file system.
+    const size_t need = (size_t)n_disk * fy_disk_slot_bytes((g16 ? 2 : 3) * shard_bytes);
     const int local = r->comm && fy_comm_local_size(r->comm) > 1 ? fy_comm_local_size(r->comm) : 1;
     double space = 0;
     fy_status st = fy_mkdir_p(o->disk_dir);  // (made when missing, as --save's directory is)

@@ -168,6 +168,17 @@ int main(int argc, char **argv) {
     CHECK(last_by_chunk);
     same_files_by_chunk("sim, AdamW state on disk", o);
     o.host_mem = 0;
+    // 16-bit: a disk chunk's slot holds m and v alone (the gradients come home over the copy).
+    q = o;
+    q.precision = "bf16";
+    check_resume("sim bf16, AdamW state on disk", q);
+    q.steps = 1;
+    CHECK_OK(fy_train(&q, &r));
+    q.steps = o.steps;
+    q.host_mem = (size_t)(r.host_tier_bytes + 6.0 * (double)fy_opt_num_params(&cfg));
+    check_resume("sim bf16, AdamW state on disk, checkpoints written chunk by chunk", q);
+    CHECK(last_by_chunk);
+    same_files_by_chunk("sim bf16, AdamW state on disk", q);
   }
 
   // A checkpoint saved with one placement resumes under another (per-parameter storage).

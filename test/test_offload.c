@@ -340,6 +340,11 @@ int main(void) {
   s.device_chunks = 1;  // a skipped step leaves the device's 16-bit weights too
   same_as("sim fp16, skipped steps, chunk 0 on the device", s, &ref16);
   s.device_chunks = 0;
+  s.disk_dir = disk_dir;  // (their gradients come home over the 16-bit copy, not to disk)
+  s.disk_chunks = 2;
+  same_as("sim fp16, skipped steps, 2 chunks' AdamW state on disk", s, &ref16);
+  s.disk_dir = NULL;
+  s.disk_chunks = -1;
   s.precision = NULL;
   s.loss_scale = 0;
   s.blocks = 3;

@@ -433,6 +433,33 @@ int main(void) {
     // ... and takes as many bytes of disk as the cost model says (gradients, m and v in fp32).
     CHECKF(r.disk_tier_bytes == disk_bytes[mid], "the disk tier holds %.0f bytes, the cost model says %.0f",
            r.disk_tier_bytes, disk_bytes[mid]);
+    // The same in bf16, whose disk chunks hold m and v alone (their gradients come home over the
+    // 16-bit copy): the runtime's placement and reservation are the cost model's.
+    {
+      struct fy_plan_knobs k16 = kd;
+      snprintf(k16.precision, sizeof k16.precision, "bf16");
+      k16.disk_chunks = -1;
+      struct fy_probe p16 = hp;
+      struct fy_cost a16, every, none;  // (halfway between the host memory of every chunk's state on
+      k16.disk_chunks = nc;             // disk and of none)
+      CHECK_OK(fy_cost_simulate(&cfg, &k16, &p16, &every, NULL));
+      k16.disk_chunks = 0;
+      CHECK_OK(fy_cost_simulate(&cfg, &k16, &p16, &none, NULL));
+      k16.disk_chunks = -1;
+      char hv[64];
+      snprintf(hv, sizeof hv, "%.0f", (every.host_bytes + none.host_bytes) / 2);
+      CHECK_OK(fy_probe_override(&p16, "host_mem", hv));
+      CHECK_OK(fy_cost_simulate(&cfg, &k16, &p16, &a16, NULL));
+      struct fy_train_opts o16 = o;
+      o16.precision = "bf16";
+      o16.host_mem = (size_t)p16.host_mem;
+      struct fy_train_result r16;
+      CHECK_OK(fy_train(&o16, &r16));
+      CHECKF(a16.fits && r16.n_disk_chunks == a16.n_disk_chunks && r16.disk_tier_bytes == a16.disk_bytes &&
+             a16.n_disk_chunks > 0, "bf16 at %zu bytes of host memory: the runtime put %d chunks on disk in %.0f "
+             "bytes, the cost model %d in %.0f (%s)", o16.host_mem, r16.n_disk_chunks, r16.disk_tier_bytes,
+             a16.n_disk_chunks, a16.disk_bytes, a16.fits ? "fits" : a16.why);
+    }
     // The disk's free space bounds it: a plan needing more is refused, and the search says so (or
     // finds one that fits it, the state kept on the device).
     {
