@@ -124,9 +124,11 @@ fy_status fy_probe_add_disk(struct fy_probe *p, const char *disk_dir, bool *meas
 // machine measured — device_mem, link_gbps and disk_dir as fy_probe_measure takes them, a cuda
 // probe as the sim device's with GPU 0's figures when `gpu` — and written back when `write`; a
 // cached probe also gains disk_dir's rates when it lacks them (fy_probe_add_disk), written back
-// too, and disk_space is the free space of its disk_dir now, and one of an older format has the fields whose meaning changed measured again (the rest
-// kept as the file has them), said in a line on stderr and written back. A write that fails is an error only with write_errors. *measured: whether it measured.
-// A file that cannot be read or parsed is an error (an edited file is not silently replaced).
+// too, and one of an older format has the fields whose meaning changed measured again (the rest
+// kept as the file has them), said in a line on stderr and written back. Either way disk_space is
+// the free space of its disk_dir now. A write that fails is an error only with write_errors.
+// *measured: whether it measured. A file that cannot be read or parsed is an error (an edited file
+// is not silently replaced).
 struct fy_probe_cache {
   const char *path, *device, *disk_dir;
   bool gpu, remeasure, write, write_errors;
@@ -167,8 +169,8 @@ void fy_probe_default_path(char *buf, size_t n);
 // work: "device-mem"). Sizes (device_mem, host_mem) take a number with an optional binary unit:
 // B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (as the CLI's --device-mem: all binary); rates a plain
 // number in the key's unit. Shorthands: device_tflops / host_tflops (TFLOP/s, set the gflops key),
-// link_gbps (sets h2d_gbps and d2h_gbps). FY_ERR_INVALID naming the bad key or value; *p is
-// untouched then.
+// link_gbps (sets h2d_gbps and d2h_gbps). disk_space, not a key of the file, takes a size or 0.
+// FY_ERR_INVALID naming the bad key or value; *p is untouched then.
 fy_status fy_probe_override(struct fy_probe *p, const char *key, const char *value);
 
 // One line per field, for humans, with the keys that override them.

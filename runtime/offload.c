@@ -1014,7 +1014,10 @@ static void adamw_fn(void *arg) {
     mm = x->disk_m;
     vv = x->disk_v;
     fy_status st = FY_OK;
-    if (!gg) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 0), gg = x->disk_g, used, x->req_g);
+    if (!gg) {  // (fp32 gradients on disk)
+      gg = x->disk_g;
+      st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 0), gg, used, x->req_g);
+    }
     if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m);
     if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v);
     fy_status s1 = fy_disk_wait(x->req_g), s2 = fy_disk_wait(x->req_m), s3 = fy_disk_wait(x->req_v);
