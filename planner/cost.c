@@ -642,7 +642,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     }
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       double u = (double)l->chunks[c].used * share;
-      double t = u * 28 / adamw + (c >= nc - n_disk ? u * (g16 ? 8 : 12) / dread + u * 8 / dwrite : 0);
+      double t = u * 28 / adamw;
+      // A disk chunk: (its fp32 gradients,) m and v read, then the update while the chunk before's
+      // m and v are written (runtime/offload.c: they go back behind it).
+      if (c >= nc - n_disk) t = u * (g16 ? 8 : 12) / dread + (t > u * 8 / dwrite ? t : u * 8 / dwrite);
       fy_timeline_run(s.optim, t, "AdamW");
       fy_event_record(s.home_ready[c], s.optim);
       optim_step += t;

@@ -64,9 +64,12 @@ struct fy_offload {
   float *m_all, *v_all;  // m_home and v_home of the host tier's chunks, one after the other
   int64_t *disk_handle;           // disk chunks: gradients, m, v, each chunk_elems floats
   struct fy_disk_tier *disk;
-  float *disk_g, *disk_m, *disk_v;  // host buffers for one disk chunk (optimizer stream)
+  // The optimizer stream's host buffers for disk chunks: fp32 gradients, and two sets of m and v
+  // (disk chunk i uses set i % 2: the next one's are read while this one is updated and written).
+  float *disk_g, *disk_m[2], *disk_v[2];
   float *wb_disk, *wb_disk_sum;     // host buffers for writing back one disk chunk (copy stream)
-  struct fy_disk_req *req_g, *req_m, *req_v, *req_wb;
+  struct fy_disk_req *req_g, *req_m[2], *req_v[2], *req_wb;
+  int disk_read_ahead;              // the disk chunk whose m and v are being read ahead, or -1
   struct disk_wb { struct fy_offload *x; int chunk; bool accumulate; } *wb_jobs;  // per chunk
   int n_disk_chunks;
   // The first n_dev chunks live on the device for good: the fp32 master weights, with 16-bit
@@ -167,6 +170,17 @@ static bool grads_in_copy(const struct fy_offload *x, int c) {
 // copy), m (1) and v (2), one after the other, each S floats.
 static size_t disk_off(const struct fy_offload *x, int c, int which) {
   return (size_t)(which - (grads_in_copy(x, c) ? 1 : 0)) * (size_t)x->S * 4;
+}
+
+// Waits for the disk chunks' m and v requests in flight; the first error.
+static fy_status disk_drain(struct fy_offload *x) {
+  fy_status st = FY_OK;
+  struct fy_disk_req *r[] = {x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1]};
+  for (int i = 0; i < 4; i++) {
+    fy_status w = r[i] ? fy_disk_wait(r[i]) : FY_OK;
+    if (st == FY_OK) st = w;
+  }
+  return st;
 }
 
 // The dtype of the gradients the optimizer reads for chunk c (chunk_grads): the compute dtype
@@ -421,14 +435,14 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       FY_TRY(fy_host_alloc(m->host, (size_t)x->S * x->esize, &x->chome[c]));
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
+  x->disk_read_ahead = -1;
   if (x->n_disk_chunks > 0) {  // (m and v; the gradients' too unless they come home over the copy)
     const bool grads = !fy_offload_grads_in_copy(m->compute_dtype, x->max_micro);
-    float **bufs[] = {&x->disk_m, &x->disk_v, &x->disk_g, &x->wb_disk, &x->wb_disk_sum};
-    for (int i = 0; i < (grads ? 5 : 2); i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
-    FY_TRY(fy_disk_req_create(&x->req_g));
-    FY_TRY(fy_disk_req_create(&x->req_m));
-    FY_TRY(fy_disk_req_create(&x->req_v));
-    FY_TRY(fy_disk_req_create(&x->req_wb));
+    float **bufs[] = {&x->disk_m[0], &x->disk_v[0], &x->disk_m[1], &x->disk_v[1], &x->disk_g, &x->wb_disk,
+                      &x->wb_disk_sum};
+    for (int i = 0; i < (grads ? 7 : 4); i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
+    struct fy_disk_req **reqs[] = {&x->req_g, &x->req_m[0], &x->req_v[0], &x->req_m[1], &x->req_v[1], &x->req_wb};
+    for (int i = 0; i < 6; i++) FY_TRY(fy_disk_req_create(reqs[i]));
   }
   return FY_OK;
 }
@@ -614,13 +628,12 @@ void fy_offload_free(struct fy_offload *x) {
   fy_comm_free(x->c_scatter);
   fy_comm_free(x->c_optim);
   fy_comm_free(x->c_optim_tp);
-  float *bufs[] = {x->disk_g, x->disk_m, x->disk_v, x->wb_disk, x->wb_disk_sum};
-  for (int i = 0; i < 5; i++)
+  disk_drain(x);
+  float *bufs[] = {x->disk_g, x->disk_m[0], x->disk_v[0], x->disk_m[1], x->disk_v[1], x->wb_disk, x->wb_disk_sum};
+  for (int i = 0; i < 7; i++)
     if (bufs[i]) fy_host_dealloc(m->host, bufs[i], sbytes);
-  fy_disk_req_free(x->req_g);
-  fy_disk_req_free(x->req_m);
-  fy_disk_req_free(x->req_v);
-  fy_disk_req_free(x->req_wb);
+  struct fy_disk_req *reqs[] = {x->req_g, x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1], x->req_wb};
+  for (int i = 0; i < 6; i++) fy_disk_req_free(reqs[i]);
   for (int p = 0; p < 2; p++) {
     fy_event_free(x->batch_ready[p]);
     fy_event_free(x->pass_done[p]);
@@ -986,6 +999,20 @@ static void norm_fn(void *arg) {
   }
 }
 
+// Disk chunk c's set of m and v buffers (disk_m, disk_v, req_m, req_v).
+static int disk_set(const struct fy_offload *x, int c) {
+  return (c - (x->m->layout->n_chunks - x->n_disk_chunks)) & 1;
+}
+
+// Starts reading disk chunk c's m and v into its set (whose requests are idle).
+static fy_status disk_read_mv(struct fy_offload *x, int c) {
+  const int b = disk_set(x, c);
+  const size_t used = (size_t)span(x, c) * 4;
+  fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), x->disk_m[b], used, x->req_m[b]);
+  if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), x->disk_v[b], used, x->req_v[b]);
+  return st;
+}
+
 static void adamw_fn(void *arg) {
   struct chunk_job *j = arg;
   struct fy_offload *x = j->x;
@@ -1010,19 +1037,20 @@ static void adamw_fn(void *arg) {
     params = x->dev_w[c];
     lo = 0;
     hi = x->m->layout->chunks[c].used;
-  } else if (!mm) {  // state on disk: read (gradients,) m and v at once, update, write m and v back
-    mm = x->disk_m;
-    vv = x->disk_v;
-    fy_status st = FY_OK;
-    if (!gg) {  // (fp32 gradients on disk)
+  } else if (!mm) {  // state on disk: m and v read (ahead, but for the step's first disk chunk)
+    const int b = disk_set(x, c);
+    mm = x->disk_m[b];
+    vv = x->disk_v[b];
+    fy_status st = x->disk_read_ahead == c ? FY_OK : disk_read_mv(x, c);
+    x->disk_read_ahead = -1;
+    fy_status s2 = fy_disk_wait(x->req_m[b]), s3 = fy_disk_wait(x->req_v[b]);
+    if (st == FY_OK) st = s2 != FY_OK ? s2 : s3;
+    if (st == FY_OK && !gg) {  // (fp32 gradients on disk)
       gg = x->disk_g;
-      st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 0), gg, used, x->req_g);
+      st = disk_io(x, false, c, disk_off(x, c, 0), gg, used, x->req_g);
     }
-    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m);
-    if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v);
-    fy_status s1 = fy_disk_wait(x->req_g), s2 = fy_disk_wait(x->req_m), s3 = fy_disk_wait(x->req_v);
-    if (st == FY_OK) st = s1 != FY_OK ? s1 : s2 != FY_OK ? s2 : s3;
     if (st != FY_OK) {
+      disk_drain(x);
       async_fail(x, st);
       return;
     }
@@ -1047,10 +1075,19 @@ static void adamw_fn(void *arg) {
   else if (x->chome && !bf16_in_copy)
     compute_copy(x, c, lo, hi);
   if (c >= x->n_dev && !x->m_home[c]) {
-    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m);
-    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v);
-    fy_status st2 = fy_disk_wait(x->req_m), st3 = fy_disk_wait(x->req_v);
-    if (st == FY_OK) st = st2 != FY_OK ? st2 : st3;
+    // m and v go back to disk while the next disk chunk's are read into the other set (once that
+    // set's writes, of the chunk before this one, are done); the step's last one waits for all.
+    const int b = disk_set(x, c);
+    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m[b]);
+    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v[b]);
+    fy_status w2 = fy_disk_wait(x->req_m[b ^ 1]), w3 = fy_disk_wait(x->req_v[b ^ 1]);
+    if (st == FY_OK) st = w2 != FY_OK ? w2 : w3;
+    if (st == FY_OK && c + 1 < x->m->layout->n_chunks && (st = disk_read_mv(x, c + 1)) == FY_OK)
+      x->disk_read_ahead = c + 1;
+    if (st != FY_OK || c + 1 == x->m->layout->n_chunks) {
+      fy_status d = disk_drain(x);
+      if (st == FY_OK) st = d;
+    }
     if (st != FY_OK) async_fail(x, st);
   }
 }
@@ -1207,8 +1244,8 @@ fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v,
     FY_TRY(fy_copy_async(x->copy_out, store ? x->v_home[c] : v, store ? v : x->v_home[c], used));
     return fy_stream_sync(x->copy_out);
   }
-  FY_TRY(disk_io(x, store, c, disk_off(x, c, 1), m, used, x->req_m));
-  return disk_io(x, store, c, disk_off(x, c, 2), v, used, x->req_v);
+  FY_TRY(disk_io(x, store, c, disk_off(x, c, 1), m, used, x->req_m[0]));
+  return disk_io(x, store, c, disk_off(x, c, 2), v, used, x->req_v[0]);
 }
 
 void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {
@@ -1228,7 +1265,7 @@ static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
     FY_TRY(fy_copy_async(x->copy_out, dst, src, bytes));
     return fy_stream_sync(x->copy_out);
   }
-  return disk_io(x, false, c, disk_off(x, c, which), dst, bytes, which == 1 ? x->req_m : x->req_v);
+  return disk_io(x, false, c, disk_off(x, c, which), dst, bytes, which == 1 ? x->req_m[0] : x->req_v[0]);
 }
 
 // Sharding: chunk c's weights (which 0), m (1) or v (2) from every rank's shard, through the

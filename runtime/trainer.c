@@ -482,6 +482,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     }
     if (st == FY_OK) st = fy_disk_tier_open(o->disk_dir, need, &r->disk);
     if (st != FY_OK) return fy_error_wrap(st, "--disk-dir");
+    if (o->sim_jitter_us > 0) fy_disk_set_jitter(r->disk, o->sim_jitter_us, o->seed + 1);  // (the test hook too)
   }
   if (r->dp > 1) {  // the blocks' gathers and reduce-scatters (in GPU memory: through NCCL)
     fy_status st = device_comm(r->dp_comm, r->dp_rank, cuda, &r->dp_blocks);

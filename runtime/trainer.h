@@ -46,7 +46,7 @@ struct fy_train_opts {
   size_t device_reserve;  // offloaded: device bytes the chunk cache leaves free (fy_sample's
                           //   key/value cache; not an option)
   double sim_link_gbps;   // sim: throttle host<->device copies to this many GB/s (0: unthrottled)
-  int sim_jitter_us;      // sim: random delays before each stream's work items (stress tests)
+  int sim_jitter_us;      // sim: random delays before each stream's work items and disk requests (stress tests)
   size_t host_mem;        // host tier cap (0: the machine's memory)
   const char *disk_dir;   // disk tier directory (NULL: none)
   int disk_chunks;        // -1: as many as the host cannot hold; else the last N chunks'

@@ -130,6 +130,9 @@ int main(void) {
   s.disk_dir = disk_dir;
   s.disk_chunks = 1000;
   same_as("sim, 3 blocks, AdamW state on disk", s, &ref);
+  s.sim_jitter_us = 300;
+  same_as("sim, jitter, AdamW state on disk", s, &ref);
+  s.sim_jitter_us = 0;
   s.disk_chunks = 2;
   same_as("sim, 3 blocks, AdamW state of 2 chunks on disk", s, &ref);
   s.disk_chunks = 1;
@@ -274,6 +277,10 @@ int main(void) {
   s.disk_dir = disk_dir;
   s.disk_chunks = 2;
   same_as("sim bf16, 3 blocks, 2 chunks' AdamW state on disk", s, &ref16);
+  s.disk_chunks = 1000;  // (m and v read ahead and written behind the updates; every request delayed at random)
+  s.sim_jitter_us = 300;
+  same_as("sim bf16, jitter, every chunk's AdamW state on disk", s, &ref16);
+  s.sim_jitter_us = 0;
   // Chunks kept on the device: their kernels read the 16-bit copy there, which their AdamW
   // (on the device) rewrites from the fp32 master.
   s.disk_chunks = 1;
