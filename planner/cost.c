@@ -396,7 +396,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
   double per_chunk_state = ce * host_state_bytes(cdt, k->grad_accum > 1) * share;  // (gradients,) m, v
   double params_host = np * host_weight_bytes(cdt, pb) * share, reserve = 3 * (double)ce * 4,
-         disk_reserve = (g16 ? 2 : 5) * (double)ce * 4 / dp;  // (the disk chunks' buffers: shards of a chunk)
+         disk_reserve = (g16 ? 4 : 7) * (double)ce * 4 / dp;  // (the disk chunks' buffers: shards of a chunk)
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
   int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;

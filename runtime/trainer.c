@@ -409,8 +409,9 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   const struct fy_chunk_layout *l = r->model->layout;
   // Gradients and AdamW's m and v go to the host tier while they fit (after the parameters and a
   // few chunk-sized buffers), the rest of the chunks' to disk.
-  // Kept aside: chunk-sized buffers for spilling (a few at once) and, with a disk tier, for one
-  // disk chunk's gradients, m and v and its write-back.
+  // Kept aside: chunk-sized buffers for spilling (a few at once) and, with a disk tier, for two
+  // disk chunks' m and v (one read while the other is written) and, with fp32 gradients, one's
+  // gradients and its write-back.
   // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
   bool g16 = fy_offload_grads_in_copy(cdt, (int)o->grad_accum);  // no fp32 gradients in the host tier
@@ -424,7 +425,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;
   if (fit < l->n_chunks && !r->eval) {
-    reserve += (g16 ? 2 : 5) * shard_bytes;  // (the disk chunks' buffers: runtime/offload.c)
+    reserve += (g16 ? 4 : 7) * shard_bytes;  // (the disk chunks' buffers: runtime/offload.c)
     spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
     fit = (int)(spare / per_chunk);
   }

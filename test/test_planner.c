@@ -455,6 +455,19 @@ int main(void) {
       o16.host_mem = (size_t)p16.host_mem;
       struct fy_train_result r16;
       CHECK_OK(fy_train(&o16, &r16));
+      // At the least host memory the cost model allows (every chunk's state on disk), the runtime
+      // trains too, in fp32 and in bf16.
+      struct fy_train_result rl = {0};
+      o16.host_mem = (size_t)ceil(every.host_bytes);
+      o16.steps = 1;
+      fy_status sl = fy_train(&o16, &rl);
+      CHECKF(sl == FY_OK && rl.n_disk_chunks == nc, "bf16 at the least host memory, %zu bytes: %s (%d chunks on disk)",
+             o16.host_mem, sl == FY_OK ? "ok" : fy_error_msg(), rl.n_disk_chunks);
+      o16.precision = NULL;
+      o16.host_mem = (size_t)ceil(lo);
+      sl = fy_train(&o16, &rl);
+      CHECKF(sl == FY_OK && rl.n_disk_chunks == nc, "fp32 at the least host memory, %zu bytes: %s (%d chunks on disk)",
+             o16.host_mem, sl == FY_OK ? "ok" : fy_error_msg(), rl.n_disk_chunks);
       CHECKF(a16.fits && r16.n_disk_chunks == a16.n_disk_chunks && r16.disk_tier_bytes == a16.disk_bytes &&
              a16.n_disk_chunks > 0, "bf16 at %zu bytes of host memory: the runtime put %d chunks on disk in %.0f "
              "bytes, the cost model %d in %.0f (%s)", o16.host_mem, r16.n_disk_chunks, r16.disk_tier_bytes,
