@@ -62,7 +62,7 @@ struct fy_offload {
   // Gradients and optimizer state: in the host tier, or for the last n_disk_chunks on disk.
   float **g_home, **m_home, **v_home;  // host tier, NULL for disk chunks
   float *m_all, *v_all;  // m_home and v_home of the host tier's chunks, one after the other
-  int64_t *disk_handle;           // disk chunks: gradients, m, v, each chunk_elems floats
+  int64_t *disk_handle;           // disk chunks: (fp32 gradients,) m, v, each S floats (disk_off)
   struct fy_disk_tier *disk;
   // The optimizer stream's host buffers for disk chunks: fp32 gradients, and two sets of m and v
   // (disk chunk i uses set i % 2: the next one's are read while this one is updated and written).

@@ -350,7 +350,11 @@ expect 1 "--gpus that no grid fits" "no way to lay 5 ranks out" -- plan --model 
   --device sim --device-mem 64MiB
 # --gpus ranks share this machine's host memory (each is planned with its share), unless --host-mem
 # gives a rank's.
-half="$(python3 -c 'import json,sys; print("%.2f GiB" % (json.load(open(sys.argv[1]))["host_mem"] // 2 / 2**30))' "$tmp/probe.json")"
+half="$(python3 -c '
+import json, sys
+h = json.load(open(sys.argv[1]))["host_mem"] // 2  # (as fy_format_bytes writes it)
+print("%.2f TiB" % (h / 2**40) if h >= 2**40 else "%.2f GiB" % (h / 2**30) if h >= 2**30 else "%.1f MiB" % (h / 2**20))
+' "$tmp/probe.json")"
 expect 0 "ferry plan --gpus 2 plans each rank with half the host memory" "on sim \(64.0 MiB device, $half host" \
   -- plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 64MiB
 expect 0 "ferry plan --gpus 2 --host-mem: a rank's" "on sim \(64.0 MiB device, 3.00 GiB host" \
