@@ -33,7 +33,7 @@ passed=0 failed=0 skipped=0
 run_suite() {
   local dir="$1" label="$2"
   shift 2
-  echo "== $label: meson test in $dir${1:+ ($*)}"
+  section "$label: meson test in $dir${1:+ ($*)}"
   meson test -C "$dir" --print-errorlogs --num-processes 2 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
   tail -n 12 "$dir.test.log"
   read -r p f s < <(python3 - "$dir/meson-logs/testlog.json" <<'PY'
@@ -50,6 +50,10 @@ PY
   passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
   [ "$f" -eq 0 ] || grep -E "^(FAIL|  expected)|error" "$dir.test.log" | head -40
 }
+
+# section TITLE: a section's heading, with the minutes and seconds since test.sh started (the
+# differences show where CI's time goes).
+section() { printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 # count CMD...: runs CMD and counts it as passed or failed.
 count() { if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi; }
@@ -70,28 +74,28 @@ if [ "$plain" = 1 ]; then
     run_suite build "release build"
     # A checkpoint ferry saves loads in transformers and gives ferry's logits.
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
-      echo "== transformers loads a ferry checkpoint"
+      section "transformers loads a ferry checkpoint"
       count test/reference/check_export.sh build/ferry
       # Configurations the fixtures do not cover (no biases, no affine norms, untied lm_head, ...),
       # trained by ferry and by transformers side by side.
-      echo "== OPT variants: ferry and transformers train them alike"
+      section "OPT variants: ferry and transformers train them alike"
       count python3 test/reference/check_variants.py build/ferry
       # Random configurations, each trained along a random path (ranks, accumulation, offload, resume).
-      echo "== random OPT configurations along random paths: ferry and transformers train them alike"
+      section "random OPT configurations along random paths: ferry and transformers train them alike"
       count_logged build/random_variants.log python3 test/reference/check_variants.py build/ferry --random 40 --seed 1
       # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
-      echo "== random OPT configurations: the sim device's placements give the cpu's bits"
+      section "random OPT configurations: the sim device's placements give the cpu's bits"
       count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1
       # A model saved as PyTorch pickles, converted by tools/convert.py, gives ferry the same loss.
-      echo "== tools/convert.py: PyTorch pickles to safetensors"
+      section "tools/convert.py: PyTorch pickles to safetensors"
       count test/reference/check_convert.sh build/ferry
     else
-      echo "== skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
+      section "skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
       skipped=$((skipped + 5))
     fi
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
     # models, batches, memory, precisions and ranks on the sim device).
-    echo "== random plans on the sim device: each trains in the memory it predicts (test/plan_random.py)"
+    section "random plans on the sim device: each trains in the memory it predicts (test/plan_random.py)"
     count_logged build/plan_random.log python3 test/plan_random.py build/ferry 40 1
   else
     failed=$((failed + 1))
@@ -107,16 +111,16 @@ fi
 # random configurations trained on it against transformers.
 if [ "$plain" = 1 ]; then
   if [ ! -f /usr/local/cuda/include/cublasLt.h ] && [ ! -f /usr/include/cublasLt.h ]; then
-    echo "== skipped: the CUDA emulator (no CUDA toolkit headers)"
+    section "skipped: the CUDA emulator (no CUDA toolkit headers)"
     skipped=$((skipped + 9))
   elif fy_build build-emu -Dcuda=disabled -Demulate_cuda=true; then
     run_suite build-emu "CUDA emulator" backend_ops reference_cuda comm_nccl bench_gpu_gemm bench_gpu_attention
-    echo "== training on the emulated GPU against the CPU (test/cuda_train.sh)"
+    section "training on the emulated GPU against the CPU (test/cuda_train.sh)"
     count_logged build-emu/cuda_train.log test/cuda_train.sh build-emu/ferry build-emu/cuda_train \
       --model test/cudaemu/opt-tiny --batch 4 --seq 32 --offload-mem 40MiB --blocks 3
-    echo "== which GPUs: too old, no code in the build, too little shared memory (test/cuda_compat.sh)"
+    section "which GPUs: too old, no code in the build, too little shared memory (test/cuda_compat.sh)"
     count_logged build-emu/cuda_compat.log test/cuda_compat.sh build-emu/ferry build-emu/cuda_compat
-    echo "== training on 2, 3 and 4 emulated GPUs against 1 (test/cuda_ranks.sh)"
+    section "training on 2, 3 and 4 emulated GPUs against 1 (test/cuda_ranks.sh)"
     if command -v mpirun >/dev/null 2>&1; then
       # (FY_EMU_JITTER_US: streams wait up to 200 us before each job, so they interleave in more ways)
       FY_EMU_JITTER_US=200 FY_EMU_GPUS=4 count_logged build-emu/cuda_ranks.log test/cuda_ranks.sh build-emu/ferry build-emu/cuda_ranks \
@@ -125,14 +129,14 @@ if [ "$plain" = 1 ]; then
       echo "skipped: no mpirun"
       skipped=$((skipped + 1))
     fi
-    echo "== random plans on 1 to 4 emulated GPUs, resident and offloaded: each trains in the memory it predicts"
+    section "random plans on 1 to 4 emulated GPUs, resident and offloaded: each trains in the memory it predicts"
     FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 30 1 --gpu
     if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
-      echo "== random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
+      section "random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
         --random 60 --seed 1 --gpu --gpus 4
     else
-      echo "== skipped: random configurations on the emulated GPU (pip install torch transformers safetensors)"
+      section "skipped: random configurations on the emulated GPU (pip install torch transformers safetensors)"
       skipped=$((skipped + 1))
     fi
   else
@@ -152,11 +156,11 @@ if [ "$sanitize" = 1 ]; then
   fi
   # ferry train with random option sets, valid and not, under the sanitizers: each run ends by
   # itself, with 0, 1 or 2 and a message, and without a report.
-  echo "== ferry train and eval with random options (test/cli_random.py, AddressSanitizer build)"
+  section "ferry train and eval with random options (test/cli_random.py, AddressSanitizer build)"
   mkdir -p build-asan
   count_logged build-asan/cli_random.log python3 test/cli_random.py build-asan/ferry 100 1
   # The parsers of untrusted files under libFuzzer, 10 s each (test/fuzz/README.md).
-  echo "== fuzz targets (test/fuzz/run.sh 10)"
+  section "fuzz targets (test/fuzz/run.sh 10)"
   test/fuzz/run.sh 10
   case $? in
     0) passed=$((passed + 1)) ;;
@@ -165,6 +169,7 @@ if [ "$sanitize" = 1 ]; then
   esac
 fi
 
+section "done"
 if [ "$skipped" -gt 0 ]; then
   echo "$passed passed, $failed failed, $skipped skipped"
 else
