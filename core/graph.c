@@ -126,6 +126,16 @@ static void live_insert(struct live_block *live, int *n, struct live_block b) {
   (*n)++;
 }
 
+// Whether no live gradient but slot's own overlaps slot's block.
+static bool live_alone(const struct live_block *live, int n, int slot) {
+  const struct live_block *b = NULL;
+  for (int i = 0; i < n && !b; i++)
+    if (live[i].slot == slot) b = &live[i];
+  for (int i = 0; b && i < n; i++)
+    if (live[i].slot != slot && live[i].off < b->off + b->len && b->off < live[i].off + live[i].len) return false;
+  return true;
+}
+
 static void live_remove(struct live_block *live, int *n, int slot) {
   for (int i = 0; i < *n; i++)
     if (live[i].slot == slot) {
@@ -245,20 +255,33 @@ static bool share_both(const struct fy_graph *g, int o, int a, int b) {
   return false;
 }
 
-// A plain add's backward gives each input its output's gradient unchanged. An input whose
-// gradient starts at the add (the add is its last consumer) takes the output's buffer over, the
-// output's gradient being dead after the add; the branch (input 1) only when the add drops
+// Whether input k of op o can take its output's gradient buffer over: its gradient starts at o
+// (o is its last consumer), it has one to start (a producer, not the logits'), and it spans the
+// output's floats. The output's gradient is dead after o's backward.
+static bool can_share(const struct fy_graph *g, const struct fy_op *op, int o, int k) {
+  const struct fy_slot *s = &g->slots[op->in[k]];
+  return s->last_consumer == o && !s->grad_in_place && s->producer >= 0 &&
+         fy_graph_slot_floats(g, op->in[k]) == fy_graph_slot_floats(g, op->out);
+}
+
+// A plain add's backward gives each input its output's gradient unchanged, so an input that can
+// share (can_share) holds it with nothing written; the branch (input 1) only when the add drops
 // nothing from it. Both at once only when share_both allows, else the residual (input 0) alone.
+// A relu's or gelu's backward scales its output's gradient element by element, so it can write
+// its input's over it (the kernels' in-place form): the fc1 output's gradient, a (BT, 4C) buffer,
+// needs none of its own. Only when out_alone: no other live gradient is in that buffer (as an
+// add's other input is when it shares both), for the write would change that one too.
 // Sets op->grad_shared.
-static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o) {
+static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o, bool out_alone) {
   op->grad_shared[0] = op->grad_shared[1] = false;
-  if (op->kind != FY_OP_ADD || op->n_in != 2 || op->in[0] == op->in[1] || g->slots[op->out].grad_offset < 0) return;
-  bool can[2];
-  for (int k = 0; k < 2; k++) {
-    const struct fy_slot *s = &g->slots[op->in[k]];
-    can[k] = s->last_consumer == o && !s->grad_in_place && s->producer >= 0 &&
-             fy_graph_slot_floats(g, op->in[k]) == fy_graph_slot_floats(g, op->out) && (k == 0 || !(op->dropout > 0));
+  if (op->out < 0 || g->slots[op->out].grad_offset < 0) return;
+  if ((op->kind == FY_OP_RELU || op->kind == FY_OP_GELU) && op->n_in == 1) {
+    op->grad_shared[0] = out_alone && can_share(g, op, o, 0);
+    return;
   }
+  if (op->kind != FY_OP_ADD || op->n_in != 2 || op->in[0] == op->in[1]) return;
+  bool can[2];
+  for (int k = 0; k < 2; k++) can[k] = can_share(g, op, o, k) && (k == 0 || !(op->dropout > 0));
   if (can[0] && can[1] && !share_both(g, o, op->in[0], op->in[1])) can[1] = false;
   op->grad_shared[0] = can[0];
   op->grad_shared[1] = can[1];
@@ -284,7 +307,7 @@ static fy_status plan_gradients(struct fy_graph *g) {
   for (int o = g->n_ops - 1; o >= 0; o--) {
     struct fy_op *op = &g->ops[o];
     op->n_zero = 0;
-    plan_shared(g, op, o);
+    plan_shared(g, op, o, op->out >= 0 && live_alone(live, n_live, op->out));
     for (int k = 0; k < op->n_in; k++) {
       struct fy_slot *s = &g->slots[op->in[k]];
       if (s->last_consumer != o || s->grad_in_place || s->producer < 0) continue;

@@ -5,8 +5,10 @@
 // offsets in one arena. Gradients of activations live in a second arena whose slots are reused
 // once dead (liveness over the backward walk, as ggml-alloc does), so backward needs about one
 // layer's worth of activation gradients. The gradient of a slot marked `grad_in_place` (the
-// logits) is written over its value by its consumer's backward. A residual add's inputs take
-// over its output's gradient buffer where that is safe (fy_op.grad_shared): no copy, no zeroing.
+// logits) is written over its value by its consumer's backward. A residual add's inputs, and a
+// relu's or gelu's input, take over the op's output gradient buffer where that is safe
+// (fy_op.grad_shared): no copy, no zeroing, and for the feed-forward block's wide activation one
+// (BT, 4C) buffer fewer.
 #ifndef FY_GRAPH_H
 #define FY_GRAPH_H
 
@@ -96,8 +98,9 @@ struct fy_op {
   // Slots whose gradient becomes live (is zeroed) just before this op's backward.
   int n_zero;
   int zero[FY_OP_MAX_IN];
-  // ADD: inputs whose gradient is the output's, in the same buffer (the add hands its output's
-  // gradient down unchanged, so its backward does nothing for them): plan_gradients' rule.
+  // Inputs whose gradient is the output's buffer, taken over (plan_gradients' rule): an ADD's
+  // hands its output's gradient down unchanged, so its backward does nothing for them; a RELU's or
+  // GELU's backward writes its input's gradient over its output's, in place.
   bool grad_shared[FY_OP_MAX_IN];
   // Tensor parallelism (LINEAR): COL holds a slice of the output features (input whole, output
   // split; the input gradient is summed over the tensor-parallel group in backward); ROW a slice

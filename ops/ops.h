@@ -131,11 +131,13 @@ fy_status fy_attention_decode(float *out, float *kcache, float *vcache, float *a
 
 // inp (N) -> out (N) = max(inp, 0)
 void fy_relu_forward(float *out, const float *inp, int64_t N);
-// dout (N), out (N) (the forward output) -> dinp (N) += dout * (out > 0)
+// dout (N), out (N) (the forward output) -> dinp (N) += dout * (out > 0); in place when dinp is
+// dout (the graph's shared gradient buffer, fy_op.grad_shared): dinp = dout * (out > 0)
 void fy_relu_backward(float *dinp, const float *dout, const float *out, int64_t N);
 // inp (N) -> out (N) = inp * Phi(inp) (gelu with erf, as PyTorch's default)
 void fy_gelu_forward(float *out, const float *inp, int64_t N);
-// dout (N), inp (N) (the forward input) -> dinp (N) += dout * gelu'(inp)
+// dout (N), inp (N) (the forward input) -> dinp (N) += dout * gelu'(inp); in place when dinp is
+// dout: dinp = dout * gelu'(inp)
 void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N);
 // a (N), b (N) -> out (N) = a + b
 void fy_add_forward(float *out, const float *a, const float *b, int64_t N);

@@ -306,6 +306,11 @@ static void test_elementwise(enum fy_dtype dt) {
   fy_relu_backward(dinp, dout, out, N);
   CHECK_OK(fy_cuda_relu_backward(d_dinp, d_dout, d_out, dt, N, cs));
   cmp_dev("relu backward dinp +=", dt, d_dinp, dinp, N, false);
+  float *ip = fdup(dout, N);  // in place: dinp is dout, written over (the graph's shared gradient)
+  void *d_ip = dput(ip, N, dt);
+  fy_relu_backward(ip, ip, out, N);
+  CHECK_OK(fy_cuda_relu_backward(d_ip, d_ip, d_out, dt, N, cs));
+  cmp_dev("relu backward in place", dt, d_ip, ip, N, false);
 
   fy_gelu_forward(out, a, N);
   CHECK_OK(fy_cuda_gelu_forward(d_out, d_a, dt, N, cs));
@@ -316,6 +321,12 @@ static void test_elementwise(enum fy_dtype dt) {
   CHECK_OK(fy_cuda_gelu_backward(d_dinp2, d_dout, d_a, dt, N, cs));
   cmp_dev("gelu backward dinp +=", dt, d_dinp2, dinp2, N, false);
   free(dinp2);
+  memcpy(ip, dout, (size_t)N * sizeof(float));
+  d_ip = dput(ip, N, dt);
+  fy_gelu_backward(ip, ip, a, N);
+  CHECK_OK(fy_cuda_gelu_backward(d_ip, d_ip, d_a, dt, N, cs));
+  cmp_dev("gelu backward in place", dt, d_ip, ip, N, false);
+  free(ip);
 
   fy_add_forward(out, a, b, N);
   CHECK_OK(fy_cuda_add_forward(d_out, d_a, d_b, dt, N, cs));

@@ -17,9 +17,10 @@ static int64_t extent(const struct fy_graph *g, int s) {
   return g->act16 && !f32 ? (n + 1) / 2 : n;
 }
 
-// Simulates the backward walk and checks the gradient arena's liveness plan. An add's input that
+// Simulates the backward walk and checks the gradient arena's liveness plan. An op's input that
 // shares its output's gradient (grad_shared) becomes live there in the same buffer: slots of one
-// such group may overlap (at the same offset), no others.
+// such group may overlap (at the same offset), no others; and a relu or gelu, which writes the
+// buffer, shares it only when its output is the one live gradient there.
 static void check_grad_plan(const struct fy_graph *g, const char *name) {
   int n = g->n_slots;
   char *live = calloc((size_t)n, 1);
@@ -31,9 +32,14 @@ static void check_grad_plan(const struct fy_graph *g, const char *name) {
     for (int k = 0; k < op->n_zero; k++) live[op->zero[k]] = 1;
     for (int k = 0; k < op->n_in; k++)
       if (op->grad_shared[k]) {
+        // A relu or gelu writes the shared buffer: no other live gradient may be in it.
+        for (int s = 0; s < n && op->kind != FY_OP_ADD; s++)
+          if (s != op->out && live[s] && g->slots[s].grad_offset == g->slots[op->out].grad_offset) bad++;
         live[op->in[k]] = 1;
         group[op->in[k]] = group[op->out];
-        if (op->kind != FY_OP_ADD || g->slots[op->in[k]].grad_offset != g->slots[op->out].grad_offset) bad++;
+        if ((op->kind != FY_OP_ADD && op->kind != FY_OP_RELU && op->kind != FY_OP_GELU) ||
+            g->slots[op->in[k]].grad_offset != g->slots[op->out].grad_offset)
+          bad++;
       }
     // Every input's gradient that is written here must be live.
     for (int k = 0; k < op->n_in; k++) {
@@ -290,7 +296,7 @@ static void check_fusions(void) {
 
 // Which adds hand their output's gradient buffer to their inputs (fy_op.grad_shared): every
 // residual add of OPT, pre- and post-LN, and the embeddings' sum, both inputs; with dropout on the
-// branch, the residual alone. In small graphs: not the branch when it feeds another op too, or
+// branch, the residual alone. Every layer's activation hands its own to fc1's output. In small graphs: not the branch when it feeds another op too, or
 // when the residual feeds the branch's producer or an op after it (the shared buffer would be
 // read and added to at once).
 static void check_shared_grads(void) {
@@ -301,9 +307,14 @@ static void check_shared_grads(void) {
     struct fy_graph *g;
     CHECK_OK(fy_opt_build_graph(&c, 2, 8, &g));
     if (!g) continue;
-    int adds = 0, both = 0, residual_only = 0;
+    int adds = 0, both = 0, residual_only = 0, activations = 0;
     for (int o = 0; o < g->n_ops; o++) {
       const struct fy_op *op = &g->ops[o];
+      if (op->kind == FY_OP_RELU || op->kind == FY_OP_GELU) {  // fc1's output: the activation's alone
+        CHECK(op->grad_shared[0] && !op->grad_shared[1]);
+        activations++;
+        continue;
+      }
       if (op->kind != FY_OP_ADD) {
         CHECK(!op->grad_shared[0] && !op->grad_shared[1]);
         continue;
@@ -313,9 +324,10 @@ static void check_shared_grads(void) {
       residual_only += op->grad_shared[0] && !op->grad_shared[1];
     }
     const int L = (int)c.num_hidden_layers;
-    CHECKF(adds == 2 * L + 1 && both == (post == 2 ? 1 : adds) && residual_only == (post == 2 ? 2 * L : 0),
-           "%s%s: %d adds, %d share both inputs, %d the residual alone", c.name, post == 2 ? " with dropout" : "",
-           adds, both, residual_only);
+    CHECKF(adds == 2 * L + 1 && both == (post == 2 ? 1 : adds) && residual_only == (post == 2 ? 2 * L : 0) &&
+               activations == L,
+           "%s%s: %d adds, %d share both inputs, %d the residual alone; %d activations", c.name,
+           post == 2 ? " with dropout" : "", adds, both, residual_only, activations);
     check_grad_plan(g, "shared");
     fy_graph_free(g);
   }
@@ -352,6 +364,11 @@ static void check_shared_grads(void) {
       if (g->ops[o].kind == FY_OP_ADD) ad = &g->ops[o];
     CHECKF(ad && ad->grad_shared[0] && ad->grad_shared[1] == (v == BOTH_OK), "case %d: shared %d %d", v,
            ad ? ad->grad_shared[0] : -1, ad ? ad->grad_shared[1] : -1);
+    // b's producer, a relu, takes b's gradient buffer over when its input is t (whose gradient
+    // starts there), unless a's gradient is in that buffer too (BOTH_OK: its write would change a's).
+    const struct fy_op *pb = &g->ops[g->slots[b].producer];
+    const bool b_takes = v == BRANCH_TWICE || v == A_AFTER_PRODUCER;
+    CHECKF(pb->grad_shared[0] == b_takes, "case %d: b's producer shares %d", v, pb->grad_shared[0]);
     check_grad_plan(g, "small");
     fy_graph_free(g);
   }

@@ -808,6 +808,11 @@ static void test_elementwise(void) {
   float *ip = fdup(a, N);
   fy_relu_forward(ip, ip, N);
   CHECK(same_bits(ip, out, N));
+  // Backward in place (dinp is dout: written over it, not added to it), as into zeros.
+  float *zero_d = check_fnew(N), *ipd = fdup(R, N);
+  fy_relu_backward(zero_d, R, out, N);
+  fy_relu_backward(ipd, ipd, out, N);
+  CHECK(same_bits(ipd, zero_d, N));
 
   fy_add_forward(out, a, b, N);
   ok = 1;
@@ -842,6 +847,12 @@ static void test_elementwise(void) {
   memcpy(ip, a, N * sizeof(float));
   fy_gelu_forward(ip, ip, N);
   CHECK(same_bits(ip, out, N));
+  memset(zero_d, 0, N * sizeof(float));
+  memcpy(ipd, R, N * sizeof(float));
+  fy_gelu_backward(zero_d, R, a, N);
+  fy_gelu_backward(ipd, ipd, a, N);
+  CHECK(same_bits(ipd, zero_d, N));
+  free(zero_d), free(ipd);
   // Far out in the tails: 0 and x, no NaN.
   float tails[4] = {-40.0f, -8.0f, 8.0f, 40.0f}, tout[4], tg[4] = {0}, ones[4] = {1, 1, 1, 1};
   fy_gelu_forward(tout, tails, 4);
@@ -858,6 +869,14 @@ static void test_elementwise(void) {
     int good = 1;
     for (int64_t i = 0; i < N2; i++)
       good &= o[i] == (x[i] > 0 ? x[i] : 0.0f) && d[i] == (x[i] > 0 ? y[i] : 0.0f);
+    float *yd = fdup(y, N2), *gd = check_fnew(N2);  // in place, and gelu's backward, threaded
+    fy_relu_backward(yd, yd, o, N2);
+    good &= same_bits(yd, d, N2);
+    memcpy(yd, y, (size_t)N2 * sizeof(float));
+    fy_gelu_backward(gd, y, x, N2);
+    fy_gelu_backward(yd, yd, x, N2);
+    good &= same_bits(yd, gd, N2);
+    free(yd), free(gd);
     fy_add_forward(o, x, y, N2);
     for (int64_t i = 0; i < N2; i++) good &= o[i] == x[i] + y[i];
     float *o1 = check_fnew(N2);

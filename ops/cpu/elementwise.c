@@ -22,9 +22,13 @@ void fy_relu_forward(float *out, const float *inp, int64_t N) {
   for (int64_t i = 0; i < N; i++) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];  // NaN passes through, as in PyTorch
 }
 
-// dout (N), out (N) -> dinp (N) +=
-void fy_relu_backward(float *dinp, const float *dout, const float *out,
-                      int64_t N) {
+// dout (N), out (N) -> dinp (N) +=, or = when dinp is dout (in place: an element read, then written)
+void fy_relu_backward(float *dinp, const float *dout, const float *out, int64_t N) {
+  if (dinp == dout) {
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
+    for (int64_t i = 0; i < N; i++) dinp[i] = out[i] > 0.0f ? dinp[i] : 0.0f;
+    return;
+  }
 #pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE)
   for (int64_t i = 0; i < N; i++) dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
 }
@@ -36,14 +40,21 @@ void fy_gelu_forward(float *out, const float *inp, int64_t N) {
   for (int64_t i = 0; i < N; i++) out[i] = 0.5f * inp[i] * erfcf(inp[i] * -(float)M_SQRT1_2);
 }
 
-// dout (N), inp (N) -> dinp (N) += dout * (Phi(x) + x * phi(x))
-void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N) {
+// gelu'(x) = Phi(x) + x * phi(x)
+static inline float gelu_grad(float x) {
   const float inv_sqrt_2pi = 0.3989422804014327f;
+  return 0.5f * erfcf(x * -(float)M_SQRT1_2) + x * (inv_sqrt_2pi * expf(-0.5f * x * x));
+}
+
+// dout (N), inp (N) -> dinp (N) += dout * gelu'(inp), or = when dinp is dout (in place)
+void fy_gelu_backward(float *dinp, const float *dout, const float *inp, int64_t N) {
+  if (dinp == dout) {
 #pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE / 8)
-  for (int64_t i = 0; i < N; i++) {
-    float x = inp[i], cdf = 0.5f * erfcf(x * -(float)M_SQRT1_2), pdf = inv_sqrt_2pi * expf(-0.5f * x * x);
-    dinp[i] += dout[i] * (cdf + x * pdf);
+    for (int64_t i = 0; i < N; i++) dinp[i] *= gelu_grad(inp[i]);
+    return;
   }
+#pragma omp parallel for simd schedule(static) if (parallel : N > FY_PAR_ELEMENTWISE / 8)
+  for (int64_t i = 0; i < N; i++) dinp[i] += dout[i] * gelu_grad(inp[i]);
 }
 
 // a (N), b (N) -> out (N)

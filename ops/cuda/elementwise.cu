@@ -55,21 +55,26 @@ __global__ void relu_forward_kernel(T *out, const T *inp, int64_t N, int64_t nv)
   }
 }
 
-// dout (N), out (N) -> dinp (N) +=
+// dout (N), out (N) -> dinp (N) +=, or with acc false = (in place: dinp is dout; then dinp is not read first)
 template <typename T>
-__global__ void relu_backward_kernel(T *dinp, const T *dout, const T *out, int64_t N, int64_t nv) {
+__global__ void relu_backward_kernel(T *dinp, const T *dout, const T *out, int64_t N, int64_t nv, bool acc) {
   constexpr int V = ew_vec<T>::N;
   EW_LOOP(j, 0, nv) {
     float o[V], g[V], d[V];
     ew_ld(o, out + j * V);
     ew_ld(g, dout + j * V);
-    ew_ld(d, dinp + j * V);
+    if (acc) ew_ld(d, dinp + j * V);
 #pragma unroll
-    for (int k = 0; k < V; k++) d[k] = o[k] > 0.0f ? d[k] + g[k] : d[k];
+    for (int k = 0; k < V; k++) {
+      float x = o[k] > 0.0f ? g[k] : 0.0f;
+      d[k] = acc ? d[k] + x : x;
+    }
     ew_st(dinp + j * V, d);
   }
-  EW_LOOP(i, nv * V, N)
-    if (fy_ld(out + i) > 0.0f) fy_st(dinp + i, fy_ld(dinp + i) + fy_ld(dout + i));
+  EW_LOOP(i, nv * V, N) {
+    float x = fy_ld(out + i) > 0.0f ? fy_ld(dout + i) : 0.0f;
+    fy_st(dinp + i, acc ? fy_ld(dinp + i) + x : x);
+  }
 }
 
 // x * Phi(x) and its derivative Phi(x) + x * phi(x): gelu with erf, as PyTorch's default, Phi(x)
@@ -93,20 +98,23 @@ __global__ void gelu_forward_kernel(T *out, const T *inp, int64_t N, int64_t nv)
   EW_LOOP(i, nv * V, N) fy_st(out + i, gelu(fy_ld(inp + i)));
 }
 
-// dout (N), inp (N) -> dinp (N) +=
+// dout (N), inp (N) -> dinp (N) +=, or with acc false = (in place: dinp is dout)
 template <typename T>
-__global__ void gelu_backward_kernel(T *dinp, const T *dout, const T *inp, int64_t N, int64_t nv) {
+__global__ void gelu_backward_kernel(T *dinp, const T *dout, const T *inp, int64_t N, int64_t nv, bool acc) {
   constexpr int V = ew_vec<T>::N;
   EW_LOOP(j, 0, nv) {
     float x[V], g[V], d[V];
     ew_ld(x, inp + j * V);
     ew_ld(g, dout + j * V);
-    ew_ld(d, dinp + j * V);
+    if (acc) ew_ld(d, dinp + j * V);
 #pragma unroll
-    for (int k = 0; k < V; k++) d[k] += g[k] * gelu_grad(x[k]);
+    for (int k = 0; k < V; k++) d[k] = acc ? d[k] + g[k] * gelu_grad(x[k]) : g[k] * gelu_grad(x[k]);
     ew_st(dinp + j * V, d);
   }
-  EW_LOOP(i, nv * V, N) fy_st(dinp + i, fy_ld(dinp + i) + fy_ld(dout + i) * gelu_grad(fy_ld(inp + i)));
+  EW_LOOP(i, nv * V, N) {
+    float y = fy_ld(dout + i) * gelu_grad(fy_ld(inp + i));
+    fy_st(dinp + i, acc ? fy_ld(dinp + i) + y : y);
+  }
 }
 
 // a (N), b (N) -> out (N)
@@ -174,7 +182,8 @@ extern "C" fy_status fy_cuda_relu_backward(void *dinp, const void *dout, const v
   if (N <= 0) return FY_OK;
   FY_CUDA_DISPATCH("relu_backward", dt, T, {
     int64_t nv = ew_pieces(N, sizeof(T), dinp, dout, out);
-    relu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)out, N, nv);
+    relu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)out, N, nv,
+                                                            dinp != dout);
   });
   return fy_cuda_launched("relu_backward");
 }
@@ -194,7 +203,8 @@ extern "C" fy_status fy_cuda_gelu_backward(void *dinp, const void *dout, const v
   if (N <= 0) return FY_OK;
   FY_CUDA_DISPATCH("gelu_backward", dt, T, {
     int64_t nv = ew_pieces(N, sizeof(T), dinp, dout, inp);
-    gelu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)inp, N, nv);
+    gelu_backward_kernel<T><<<ew_grid(N, nv), 256, 0, st>>>((T *)dinp, (const T *)dout, (const T *)inp, N, nv,
+                                                            dinp != dout);
   });
   return fy_cuda_launched("gelu_backward");
 }

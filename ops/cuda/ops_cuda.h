@@ -75,13 +75,14 @@ fy_status fy_cuda_layernorm_backward_params(void *dweight, void *dbias, const vo
 // inp (N) -> out (N) = max(inp, 0)
 fy_status fy_cuda_relu_forward(void *out, const void *inp, enum fy_dtype dt, int64_t N,
                                cudaStream_t st);
-// dout (N), out (N) -> dinp (N) += dout * (out > 0)
+// dout (N), out (N) -> dinp (N) += dout * (out > 0); in place when dinp is dout: dinp = dout * (out > 0)
 fy_status fy_cuda_relu_backward(void *dinp, const void *dout, const void *out, enum fy_dtype dt,
                                 int64_t N, cudaStream_t st);
 // inp (N) -> out (N) = inp * Phi(inp) (gelu with erf)
 fy_status fy_cuda_gelu_forward(void *out, const void *inp, enum fy_dtype dt, int64_t N,
                                cudaStream_t st);
-// dout (N), inp (N) (the forward input) -> dinp (N) += dout * gelu'(inp)
+// dout (N), inp (N) (the forward input) -> dinp (N) += dout * gelu'(inp); in place when dinp is
+// dout: dinp = dout * gelu'(inp)
 fy_status fy_cuda_gelu_backward(void *dinp, const void *dout, const void *inp, enum fy_dtype dt,
                                 int64_t N, cudaStream_t st);
 // a (N), b (N) -> out (N) = a + b
