@@ -1022,6 +1022,10 @@ int main(void) {
       fprintf(stderr, "== bf16, pipelined attention\n");
       CHECK_OK(fy_cuda_attention_set_variant("pipelined"));
       test_attention(dt);
+      // The default: the pipelined forward's out and lse (heads up to 64) read by the basic backward.
+      fprintf(stderr, "== bf16, auto attention (pipelined forward, basic backward)\n");
+      CHECK_OK(fy_cuda_attention_set_variant(NULL));
+      test_attention(dt);
       CHECK_OK(fy_cuda_attention_set_variant("basic"));
     }
   }

@@ -464,8 +464,8 @@ if [ "$bench" = 1 ]; then
     row "bench torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
   fi
   # What the 1.3B step is made of, with the alternatives that are not the default yet: the attention
-  # kernels alone, basic against pipelined (one layer's forward and backward at the 1.3B shape; the
-  # op tests above checked both), and the step's matrix products shape by shape (forward, input,
+  # kernels alone, basic, pipelined and the default's pairing of the two (one layer's forward and
+  # backward at the 1.3B shape; the op tests above checked each), and the step's matrix products shape by shape (forward, input,
   # weight and bias gradients), each with the heuristic's algorithm and tuned among its first 8,
   # and the forward's bias and relu in cuBLASLt's epilogue against a kernel after the product.
   # Then the 1.3B step again with whichever alternative was the faster: the measurements that
@@ -473,7 +473,8 @@ if [ "$bench" = 1 ]; then
   bench_step "bench attention kernels" 40 "$build/bench/gpu_attention" --model opt-1.3b --batch 8 --seq 2048
   bench_step "bench gemm shapes" 90 "$build/bench/gpu_gemm" --model opt-1.3b --batch 8 --seq 2048 --tune 8
   faster=()
-  grep -q '"faster": *"pipelined"' "$logs/bench_attention_kernels.log" 2>/dev/null && faster+=(FERRY_CUDA_ATTENTION=pipelined)
+  att="$(sed -n 's/.*"faster": *"\([a-z]*\)".*/\1/p' "$logs/bench_attention_kernels.log" 2>/dev/null | tail -n 1)"
+  case "$att" in basic|pipelined) faster+=(FERRY_CUDA_ATTENTION="$att") ;; esac
   gemm_step_faster() {  # the step line of bench/gpu_gemm says the alternative $1 is over 2% faster
     python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]; sys.exit(0 if r and r[-1].get(sys.argv[2], 0) > 1.02 else 1)' \
       "$logs/bench_gemm_shapes.log" "$1" 2>/dev/null

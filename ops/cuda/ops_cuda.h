@@ -241,10 +241,11 @@ fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, const void *dou
 fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vcache, const void *qkv, enum fy_dtype dt,
                                    int64_t len, int64_t n, int64_t cap, int64_t C, int64_t NH, float scale,
                                    cudaStream_t st);
-// The bf16 tensor-core kernels to use: "basic" (the default) or "pipelined" (a warp owns 32 rows
-// for heads up to 64, and the tiles walked are double-buffered with cp.async), for measuring one
-// against the other; FERRY_CUDA_ATTENTION names one too. Both give the same results within bf16
-// rounding (test_backend_ops runs both).
+// The bf16 tensor-core kernels to use: "basic", "pipelined" (a warp owns 32 rows for heads up to
+// 64, and the tiles walked are double-buffered with cp.async) or "auto" (the default, NULL too: the
+// pipelined forward for heads up to 64, the basic backward, the faster of each on an H200), for
+// measuring one against the other; FERRY_CUDA_ATTENTION names one too. All give the same results
+// within bf16 rounding (test_backend_ops runs each).
 fy_status fy_cuda_attention_set_variant(const char *name);
 // Whether the current GPU can run the attention kernels of a model with this dtype, width C and
 // NH heads: the dynamic shared memory a block of them takes (the largest of forward and backward)
