@@ -269,14 +269,15 @@ static bool can_share(const struct fy_graph *g, const struct fy_op *op, int o, i
 // nothing from it. Both at once only when share_both allows, else the residual (input 0) alone.
 // A relu's or gelu's backward scales its output's gradient element by element, so it can write
 // its input's over it (the kernels' in-place form): the fc1 output's gradient, a (BT, 4C) buffer,
-// needs none of its own. Only when out_alone: no other live gradient is in that buffer (as an
+// needs none of its own. Only when live_alone: no other live gradient is in that buffer (as an
 // add's other input is when it shares both), for the write would change that one too.
-// Sets op->grad_shared.
-static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o, bool out_alone) {
+// Sets op->grad_shared; live: the gradients live before o's backward.
+static void plan_shared(const struct fy_graph *g, struct fy_op *op, int o, const struct live_block *live,
+                        int n_live) {
   op->grad_shared[0] = op->grad_shared[1] = false;
   if (op->out < 0 || g->slots[op->out].grad_offset < 0) return;
   if ((op->kind == FY_OP_RELU || op->kind == FY_OP_GELU) && op->n_in == 1) {
-    op->grad_shared[0] = out_alone && can_share(g, op, o, 0);
+    op->grad_shared[0] = can_share(g, op, o, 0) && live_alone(live, n_live, op->out);
     return;
   }
   if (op->kind != FY_OP_ADD || op->n_in != 2 || op->in[0] == op->in[1]) return;
@@ -307,7 +308,7 @@ static fy_status plan_gradients(struct fy_graph *g) {
   for (int o = g->n_ops - 1; o >= 0; o--) {
     struct fy_op *op = &g->ops[o];
     op->n_zero = 0;
-    plan_shared(g, op, o, op->out >= 0 && live_alone(live, n_live, op->out));
+    plan_shared(g, op, o, live, n_live);
     for (int k = 0; k < op->n_in; k++) {
       struct fy_slot *s = &g->slots[op->in[k]];
       if (s->last_consumer != o || s->grad_in_place || s->producer < 0) continue;

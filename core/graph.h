@@ -112,6 +112,12 @@ struct fy_op {
   char pattern[32];
 };
 
+// Whether input k's gradient is its op's output gradient, handed down unchanged (an ADD's shared
+// input): its backward writes nothing for it, and a 16-bit run rounds nothing.
+static inline bool fy_op_grad_handed_down(const struct fy_op *op, int k) {
+  return op->kind == FY_OP_ADD && op->grad_shared[k];
+}
+
 struct fy_graph {
   int n_ops, n_params, n_slots;
   struct fy_op *ops;

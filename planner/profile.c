@@ -13,7 +13,7 @@ double fy_profile_mem_rate(const struct fy_probe *p) { return fy_probe_device_me
 // The input gradients an add's backward writes: those not sharing its output's (core/graph.h).
 static int add_own_grads(const struct fy_op *op) {
   int n = 0;
-  for (int k = 0; k < op->n_in; k++) n += !op->grad_shared[k];
+  for (int k = 0; k < op->n_in; k++) n += !fy_op_grad_handed_down(op, k);
   return n;
 }
 
@@ -59,7 +59,7 @@ static void cpu_regions(const struct fy_graph *g, const struct fy_op *op, enum f
   if (compute == FY_F32) return;
   if (op->kind != FY_OP_CROSS_ENTROPY && numel > ew) r[0] += 1;
   for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++)
-    if ((double)g->slots[op->in[k]].numel > ew && !(op->kind == FY_OP_ADD && op->grad_shared[k])) r[1] += 1;
+    if ((double)g->slots[op->in[k]].numel > ew && !fy_op_grad_handed_down(op, k)) r[1] += 1;
   for (int k = 0; k < op->n_params; k++)
     if ((double)g->params[op->params[k]].numel > ew) r[1] += 1;
 }

@@ -88,7 +88,7 @@ static inline float *fy_engine_dinput(const struct fy_model *m, const struct fy_
 // input that shares the output's buffer (fy_op.grad_shared), which already holds it. (A relu's
 // or gelu's shared one is written, in place: fy_engine_dinput is then the output's gradient.)
 static inline float *fy_engine_dinput_own(const struct fy_model *m, const struct fy_op *op, int k) {
-  return op->kind == FY_OP_ADD && op->grad_shared[k] ? NULL : fy_engine_dinput(m, op, k);
+  return fy_op_grad_handed_down(op, k) ? NULL : fy_engine_dinput(m, op, k);
 }
 
 // Resident parameters (m->params, gradients into m->grads): run the forward pass of a micro-batch

@@ -33,7 +33,7 @@ static void check_grad_plan(const struct fy_graph *g, const char *name) {
     for (int k = 0; k < op->n_in; k++)
       if (op->grad_shared[k]) {
         // A relu or gelu writes the shared buffer: no other live gradient may be in it.
-        for (int s = 0; s < n && op->kind != FY_OP_ADD; s++)
+        for (int s = 0; s < n && !fy_op_grad_handed_down(op, k); s++)
           if (s != op->out && live[s] && g->slots[s].grad_offset == g->slots[op->out].grad_offset) bad++;
         live[op->in[k]] = 1;
         group[op->in[k]] = group[op->out];
@@ -296,9 +296,9 @@ static void check_fusions(void) {
 
 // Which adds hand their output's gradient buffer to their inputs (fy_op.grad_shared): every
 // residual add of OPT, pre- and post-LN, and the embeddings' sum, both inputs; with dropout on the
-// branch, the residual alone. Every layer's activation hands its own to fc1's output. In small graphs: not the branch when it feeds another op too, or
-// when the residual feeds the branch's producer or an op after it (the shared buffer would be
-// read and added to at once).
+// branch, the residual alone. Every layer's activation hands its own to fc1's output. In small
+// graphs: not the branch when it feeds another op too, or when the residual feeds the branch's
+// producer or an op after it (the shared buffer would be read and added to at once).
 static void check_shared_grads(void) {
   for (int post = 0; post < 3; post++) {
     struct fy_opt_config c;

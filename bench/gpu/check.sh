@@ -476,9 +476,10 @@ if [ "$bench" = 1 ]; then
   fi
   # What the 1.3B step is made of, with the alternatives that are not the default yet: the attention
   # kernels alone, basic, pipelined and the default's pairing of the two (one layer's forward and
-  # backward at the 1.3B shape; the op tests above checked each), and the step's matrix products shape by shape (forward, input,
-  # weight and bias gradients), each with the heuristic's algorithm and tuned among its first 8,
-  # and the forward's bias and relu in cuBLASLt's epilogue against a kernel after the product.
+  # backward at the 1.3B shape; the op tests above checked each), and the step's matrix products
+  # shape by shape (forward, input, weight and bias gradients), each with the heuristic's algorithm
+  # and tuned among its first 8, and the forward's bias and relu in cuBLASLt's epilogue against a
+  # kernel after the product.
   # Then the 1.3B step again with whichever alternative was the faster: the measurements that
   # decide the defaults.
   bench_step "bench attention kernels" 40 "$build/bench/gpu_attention" --model opt-1.3b --batch 8 --seq 2048

@@ -1312,7 +1312,10 @@ static int tc_mode(void) {
   }
   return tc_variant;
 }
-static bool tc_pipelined_forward(int HS) { return tc_mode() == 1 || (tc_mode() == 2 && HS <= 64); }
+static bool tc_pipelined_forward(int HS) {
+  const int m = tc_mode();
+  return m == 1 || (m == 2 && HS <= 64);
+}
 static bool tc_pipelined_backward(void) { return tc_mode() == 1; }
 
 // The dynamic shared memory a block of the attention kernels takes for this dtype and head size,
