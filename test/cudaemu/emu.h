@@ -93,8 +93,9 @@ T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 // The tensor-core instructions the attention kernels use (attention.cu, under FY_CUDA_EMU):
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, c += a b with the PTX ISA's fragments
 void fy_emu_mma_m16n8k16_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
-// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane l gives the address of row l % 8 of
-// matrix l / 8; r[i] gets matrix i's fragment, transposed
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8 of
+// matrix l / 8; r[i] gets matrix i's fragment (transposed with .trans)
+void fy_emu_ldmatrix_x4(uint32_t r[4], const void *row);
 void fy_emu_ldmatrix_x4_trans(uint32_t r[4], const void *row);
 // cp.async.cg.shared.global (16 bytes, or zeros when !ok), commit_group, wait_group 0: a copy
 // lands at a moment drawn at random between its issue and the wait

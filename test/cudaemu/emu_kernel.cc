@@ -425,9 +425,10 @@ void mma_fn(const unsigned char in[32][64], unsigned char out[32][64], int lanes
   }
 }
 
-// ldmatrix .x4 .trans: lane l addresses row l % 8 of matrix l / 8 (8 b16 elements); with .trans
-// lane l = 4 g + t receives, of matrix i, the elements (row 2t, column g) and (row 2t+1, column g).
-void ldmatrix_fn(const unsigned char in[32][64], unsigned char out[32][64], int lanes) {
+// ldmatrix .x4: lane l addresses row l % 8 of matrix l / 8 (8 b16 elements); lane l = 4 g + t
+// receives, of matrix i, the elements (row g, columns 2t and 2t+1), or with .trans (row 2t, column
+// g) and (row 2t+1, column g).
+void ldmatrix_x4(const unsigned char in[32][64], unsigned char out[32][64], int lanes, bool trans) {
   if (lanes != 32) fy_emu_fail("ldmatrix in a warp of %d threads", lanes);
   uint16_t M[4][8][8];
   for (int l = 0; l < 32; l++) {
@@ -439,9 +440,17 @@ void ldmatrix_fn(const unsigned char in[32][64], unsigned char out[32][64], int 
   for (int l = 0; l < 32; l++) {
     const int g = l >> 2, t = l & 3;
     uint32_t r[4];
-    for (int i = 0; i < 4; i++) r[i] = (uint32_t)M[i][2 * t][g] | (uint32_t)M[i][2 * t + 1][g] << 16;
+    for (int i = 0; i < 4; i++)
+      r[i] = trans ? (uint32_t)M[i][2 * t][g] | (uint32_t)M[i][2 * t + 1][g] << 16
+                   : (uint32_t)M[i][g][2 * t] | (uint32_t)M[i][g][2 * t + 1] << 16;
     memcpy(out[l], r, sizeof r);
   }
+}
+void ldmatrix_fn(const unsigned char in[32][64], unsigned char out[32][64], int lanes) {
+  ldmatrix_x4(in, out, lanes, false);
+}
+void ldmatrix_trans_fn(const unsigned char in[32][64], unsigned char out[32][64], int lanes) {
+  ldmatrix_x4(in, out, lanes, true);
 }
 
 }  // namespace
@@ -455,8 +464,12 @@ void fy_emu_mma_m16n8k16_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint
   fy_emu_warp(0xffffffffu, "mma.sync", mma_fn, &m, sizeof m, c, 4 * sizeof(float));
 }
 
-void fy_emu_ldmatrix_x4_trans(uint32_t r[4], const void *row) {
+void fy_emu_ldmatrix_x4(uint32_t r[4], const void *row) {
   fy_emu_warp(0xffffffffu, "ldmatrix", ldmatrix_fn, &row, sizeof row, r, 4 * sizeof(uint32_t));
+}
+
+void fy_emu_ldmatrix_x4_trans(uint32_t r[4], const void *row) {
+  fy_emu_warp(0xffffffffu, "ldmatrix", ldmatrix_trans_fn, &row, sizeof row, r, 4 * sizeof(uint32_t));
 }
 
 void fy_emu_cp_async16(void *dst, const void *src, bool ok) {
