@@ -1018,18 +1018,23 @@ int main(void) {
     test_attention(dt);
     test_attention_decode(dt, 37, 36, 3);    // HS 12
     test_attention_decode(dt, 200, 256, 2);  // HS 128, more keys than the block has threads
-    if (dt == FY_BF16) {  // the pipelined tensor-core kernels (bf16 only) against the same CPU results
-      fprintf(stderr, "== bf16, pipelined attention\n");
-      CHECK_OK(fy_cuda_attention_set_variant("pipelined"));
-      test_attention(dt);
-      // The default: the pipelined forward's out and lse (heads up to 64) read by the basic backward.
-      fprintf(stderr, "== bf16, auto attention (pipelined forward, basic backward)\n");
-      CHECK_OK(fy_cuda_attention_set_variant(NULL));
-      test_attention(dt);
+    if (dt == FY_BF16) {
+      // The pipelined tensor-core kernels (bf16 only), wide and narrow (the default, auto), against
+      // the same CPU results; backwards reading another forward's out and lse.
+      const char *kinds[] = {"pipelined", NULL, "pipelined,basic", "basic,narrow"};
+      for (int k = 0; k < 4; k++) {
+        fprintf(stderr, "== bf16, %s attention\n", kinds[k] ? kinds[k] : "auto");
+        CHECK_OK(fy_cuda_attention_set_variant(kinds[k]));
+        test_attention(dt);
+      }
       CHECK_OK(fy_cuda_attention_set_variant("basic"));
     }
   }
   CHECK_ERR(fy_cuda_attention_set_variant("fastest"), FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_attention_set_variant("basic,"), FY_ERR_INVALID);
+  CHECK_ERR(fy_cuda_attention_set_variant("narrow,wide"), FY_ERR_INVALID);
+  CHECK_OK(fy_cuda_attention_set_variant("pipelined,basic"));
+  CHECK_OK(fy_cuda_attention_set_variant(NULL));
   for (int way = 0; way < 2; way++) {
     // The products without the bias and relu epilogues, a kernel adding the bias and applying the
     // relu after them, to the same results: asked for (fy_cuda_blas_set_epilogue, on any GPU), and

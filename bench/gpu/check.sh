@@ -11,9 +11,10 @@
 # the budget, so a hung step costs its share and the table still prints.
 #
 # What the steps took on an H200 (December 2026, 16 cores): unpacking 3 s, configure and build for
-# sm_90 40 s, op tests 4, reference tests 3, gpu training 26, ferry 1.3B 10, PyTorch 1.3B 35-39,
-# attention and GEMM benches 3, offloaded 6.7B in fp32 246, the largest at 40 GiB 80. Everything
-# does not fit one 8-minute budget: a second call on the still-warm machine runs the rest (--steps).
+# sm_90 30-42 s, op tests 4, reference tests 3, gpu training 27, ferry 1.3B 10, PyTorch 1.3B 28-39,
+# attention and GEMM benches 3, ferry 1.3B with each set of attention kernels 70, offloaded 6.7B in
+# fp32 246, the largest at 40 GiB 80. Everything does not fit one 8-minute budget: a second call
+# on the still-warm machine runs the rest (--steps).
 #
 # usage: bench/gpu/check.sh [--dry-run] [--build-only] [--no-bench] [--no-big] [--debs DIR] [--prefix DIR]
 #                           [--build DIR] [--budget SECONDS] [--jobs N] [--logs DIR] [--steps LIST]
@@ -110,7 +111,7 @@ run_step() {
     # timeout runs programs, not shell functions: the function goes to a fresh bash with the
     # variables it reads.
     timeout --kill-after=5 "$limit" bash -c \
-      "$(declare -p meson_cmd build logs root); $(declare -f "$1"); \"\$@\"" _ "$@" >"$log" 2>&1
+      "$(declare -p meson_cmd build logs root); $(declare -f); \"\$@\"" _ "$@" >"$log" 2>&1
   else
     timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
   fi
@@ -420,6 +421,26 @@ print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "env": sys.ar
                   "gflops": round(gf, 1), "mfu_h200_bf16": round(gf / 989e3, 3)}))
 PY
 }
+# The 1.3B step with each set of attention kernels (FERRY_CUDA_ATTENTION; auto is narrow), auto
+# first and last (the drift between), and which is the fastest in the step rather than alone.
+ferry_13b_attention() {
+  local pair
+  ferry_13b att-auto-first FERRY_CUDA_ATTENTION=auto || return 1
+  for pair in basic pipelined pipelined,narrow narrow,pipelined auto; do
+    ferry_13b "att-${pair/,/-}" FERRY_CUDA_ATTENTION="$pair" || return 1
+  done
+  python3 - "$logs" <<'PY'
+import json, statistics, sys
+rates = {}
+for pair in ("auto-first", "basic", "pipelined", "pipelined,narrow", "narrow,pipelined", "auto"):
+    rows = [json.loads(l) for l in open(f"{sys.argv[1]}/ferry13b-att-{pair.replace(',', '-')}.jsonl")][1:]
+    rates[pair] = round(statistics.median(r["tokens_per_s"] for r in rows), 1)
+best = max(rates, key=rates.get)
+print(json.dumps({"bench": "ferry_cuda_attention_pairs", "model": "opt-1.3b", "rates": rates,
+                  "faster": best.replace("-first", ""), "tokens_per_s": rates[best],
+                  "speedup": round(rates[best] / statistics.mean((rates["auto"], rates["auto-first"])), 3)}))
+PY
+}
 # The planner's view of the same step from this GPU's probe (ferry probe --device cuda: free
 # memory, bf16 and fp32 GEMM rates, memory bandwidth, pinned copies), beside the measured rate:
 # what calibrates the cost model.
@@ -475,7 +496,7 @@ if [ "$bench" = 1 ]; then
     row "bench torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
   fi
   # What the 1.3B step is made of, with the alternatives that are not the default yet: the attention
-  # kernels alone, basic, pipelined and the default's pairing of the two (one layer's forward and
+  # kernels alone, basic, pipelined, narrow and the default's pairing (one layer's forward and
   # backward at the 1.3B shape; the op tests above checked each), and the step's matrix products
   # shape by shape (forward, input, weight and bias gradients), each with the heuristic's algorithm
   # and tuned among its first 8, and the forward's bias and relu in cuBLASLt's epilogue against a
@@ -483,10 +504,14 @@ if [ "$bench" = 1 ]; then
   # Then the 1.3B step again with whichever alternative was the faster: the measurements that
   # decide the defaults.
   bench_step "bench attention kernels" 40 "$build/bench/gpu_attention" --model opt-1.3b --batch 8 --seq 2048
+  bench_step "bench ferry 1.3b attention kernels" 150 ferry_13b_attention
+  # Heads of 80 and 128 (OPT-2.7B, OPT-6.7B and larger), where narrow is the pipelined shape.
+  bench_step "bench attention kernels 2.7b" 40 "$build/bench/gpu_attention" --model opt-2.7b --batch 8 --seq 2048
+  bench_step "bench attention kernels 6.7b" 40 "$build/bench/gpu_attention" --model opt-6.7b --batch 8 --seq 2048
   bench_step "bench gemm shapes" 90 "$build/bench/gpu_gemm" --model opt-1.3b --batch 8 --seq 2048 --tune 8
   faster=()
-  att="$(sed -n 's/.*"faster": *"\([a-z]*\)".*/\1/p' "$logs/bench_attention_kernels.log" 2>/dev/null | tail -n 1)"
-  case "$att" in basic|pipelined) faster+=(FERRY_CUDA_ATTENTION="$att") ;; esac
+  att="$(sed -n 's/.*"faster": *"\([a-z,]*\)".*/\1/p' "$logs/bench_attention_kernels.log" 2>/dev/null | tail -n 1)"
+  case "$att" in ''|auto) ;; *) faster+=(FERRY_CUDA_ATTENTION="$att") ;; esac
   gemm_step_faster() {  # the step line of bench/gpu_gemm says the alternative $1 is over 2% faster
     python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]; sys.exit(0 if r and r[-1].get(sys.argv[2], 0) > 1.02 else 1)' \
       "$logs/bench_gemm_shapes.log" "$1" 2>/dev/null

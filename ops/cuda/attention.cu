@@ -433,39 +433,49 @@ static __device__ __forceinline__ void tc_mma(float c[4], const uint32_t a[4], u
 #endif
 }
 
-// A fragment: rows [m0, m0+16), columns [k0, k0+16) of a row-major tile (row stride ld elements)
-static __device__ __forceinline__ void tc_ld_a(uint32_t a[4], const fy_bf16 *tile, int ld, int m0, int k0) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const fy_bf16 *p = tile + (m0 + g) * ld + k0 + 2 * t;
-  a[0] = *reinterpret_cast<const uint32_t *>(p);
-  a[1] = *reinterpret_cast<const uint32_t *>(p + 8 * ld);
-  a[2] = *reinterpret_cast<const uint32_t *>(p + 8);
-  a[3] = *reinterpret_cast<const uint32_t *>(p + 8 * ld + 8);
+// ldmatrix .x4: lane l gives the address p of row l % 8 of matrix l / 8 (8 bf16, 16-byte
+// aligned); r[i] gets matrix i in the A/C layout (lane 4 g + t: row g, columns 2t and 2t+1), or
+// with T (.trans) transposed (rows 2t and 2t+1, column g). Rows HS + 8 elements apart fall in
+// distinct banks for any HS a multiple of 16.
+template <bool T>
+static __device__ __forceinline__ void tc_ldsm(uint32_t r[4], const fy_bf16 *p) {
+#ifdef FY_CUDA_EMU
+  if (T) fy_emu_ldmatrix_x4_trans(r, p);
+  else fy_emu_ldmatrix_x4(r, p);
+#else
+  unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+  if (T)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#endif
 }
 
-// B fragment of B = X^T for a row-major X (ld): B's column n is X's row n0+n, B's rows k are X's
-// columns [k0, k0+16) (scores Q K^T: X = K)
-static __device__ __forceinline__ void tc_ld_bt(uint32_t &b0, uint32_t &b1, const fy_bf16 *tile, int ld, int n0,
-                                                int k0) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const fy_bf16 *p = tile + (n0 + g) * ld + k0 + 2 * t;
-  b0 = *reinterpret_cast<const uint32_t *>(p);
-  b1 = *reinterpret_cast<const uint32_t *>(p + 8);
+// A fragment: rows [m0, m0+16), columns [k0, k0+16) of a row-major tile (row stride ld elements):
+// matrices (rows + 0, columns + 0), (+8, +0), (+0, +8), (+8, +8)
+static __device__ __forceinline__ void tc_ld_a(uint32_t a[4], const fy_bf16 *tile, int ld, int m0, int k0) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  tc_ldsm<false>(a, tile + (m0 + (lane & 7) + (mi & 1) * 8) * ld + k0 + (mi >> 1) * 8);
+}
+
+// B fragments of B = X^T for a row-major X (ld), for the two column tiles n0 and n0+8 and rows
+// (k) [k0, k0+16): B's column n is X's row n0+n, B's rows k are X's columns (scores Q K^T: X = K).
+// b[0], b[1] for n0 and b[2], b[3] for n0+8: matrices (X rows + 0, columns + 0), (+0, +8), (+8,
+// +0), (+8, +8).
+static __device__ __forceinline__ void tc_ld_bt2(uint32_t b[4], const fy_bf16 *tile, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  tc_ldsm<false>(b, tile + (n0 + (lane & 7) + (mi >> 1) * 8) * ld + k0 + (mi & 1) * 8);
 }
 
 // B fragments of B = X (row-major, ld) for rows [k0, k0+16) and the two column tiles n0 and n0+8:
 // b[0], b[1] for n0 and b[2], b[3] for n0+8, by ldmatrix with transposition (P V: X = V).
 static __device__ __forceinline__ void tc_ld_b2(uint32_t b[4], const fy_bf16 *tile, int ld, int k0, int n0) {
-  const int lane = threadIdx.x & 31, mi = lane >> 3, r = lane & 7;
-  const fy_bf16 *p = tile + (k0 + r + (mi & 1) * 8) * ld + n0 + (mi >> 1) * 8;
-#ifdef FY_CUDA_EMU
-  fy_emu_ldmatrix_x4_trans(b, p);
-#else
-  unsigned addr = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-               : "r"(addr));
-#endif
+  const int lane = threadIdx.x & 31, mi = lane >> 3;
+  tc_ldsm<true>(b, tile + (k0 + (lane & 7) + (mi & 1) * 8) * ld + n0 + (mi >> 1) * 8);
 }
 
 // rows [row0, row0+R) of one head (HS columns at base, row stride rstride) -> dst (R, HS+8) bf16;
@@ -534,8 +544,10 @@ static __device__ __forceinline__ const fy_bf16 *tc_head(const fy_bf16 *x, int b
 // The online softmax of one warp's 16 query rows over a tile of NC keys (both forward kernels):
 // scores s scaled to base 2 and masked (key k0 + k exists and is not after the row's query tq),
 // the rows' running maximum m and sum l (this thread's part) and the accumulator o rescaled by the
-// new maximum; s becomes the tile's probabilities.
-template <int HS, int NC>
+// new maximum; s becomes the tile's probabilities. M false: a tile every one of whose keys every
+// row sees (no padding mask, all keys at or before the rows' first query), the same arithmetic
+// without the mask's tests.
+template <int HS, int NC, bool M = true>
 static __device__ __forceinline__ void tc_online_softmax(float s[NC / 8][4], float m[2], float l[2], float o[HS / 8][4],
                                                          const int *ok, int k0, const int tq[2], float sl) {
   const int t = threadIdx.x & 3;
@@ -545,7 +557,7 @@ static __device__ __forceinline__ void tc_online_softmax(float s[NC / 8][4], flo
 #pragma unroll
     for (int e = 0; e < 4; e++) {
       const int key = 8 * n + 2 * t + (e & 1), row = e >> 1;
-      const bool keep = ok[key] && k0 + key <= tq[row];
+      const bool keep = !M || (ok[key] && k0 + key <= tq[row]);
       s[n][e] = keep ? s[n][e] * sl : -INFINITY;
       mx[row] = fmaxf(mx[row], s[n][e]);
     }
@@ -566,7 +578,7 @@ static __device__ __forceinline__ void tc_online_softmax(float s[NC / 8][4], flo
 #pragma unroll
     for (int e = 0; e < 4; e++) {
       const int row = e >> 1;
-      const float p = mx[row] == -INFINITY ? 0.0f : exp2f(s[n][e] - mx[row]);
+      const float p = M && mx[row] == -INFINITY ? 0.0f : exp2f(s[n][e] - mx[row]);
       s[n][e] = p;
       ps[row] += p;
     }
@@ -606,8 +618,9 @@ static __device__ __forceinline__ void tc_store_rows(fy_bf16 *out, float *lse, c
 }
 
 // dk/dv kernels: a warp's 16 key rows (ok: those keys' flags, tk: their positions) against NC
-// queries from q0 (lse2 in base 2, D): p = P^T, ds = dS^T from the raw scores and dP^T.
-template <int NC>
+// queries from q0 (lse2 in base 2, D): p = P^T, ds = dS^T from the raw scores and dP^T. M false:
+// every query sees every key (no padding mask, the queries before T and at or after the keys).
+template <int NC, bool M = true>
 static __device__ __forceinline__ void tc_probs_kv(float p[NC / 8][4], float ds[NC / 8][4], const int *ok,
                                                    const int tk[2], int q0, const float *lse2, const float *D,
                                                    float sl) {
@@ -618,7 +631,7 @@ static __device__ __forceinline__ void tc_probs_kv(float p[NC / 8][4], float ds[
     for (int e = 0; e < 4; e++) {
       const int qc = 8 * n + 2 * t + (e & 1), row = e >> 1;
       const float l2 = lse2[qc];
-      const bool keep = ok[g + 8 * row] && tk[row] <= q0 + qc && l2 != -INFINITY;
+      const bool keep = !M || (ok[g + 8 * row] && tk[row] <= q0 + qc && l2 != -INFINITY);
       const float pv = keep ? exp2f(p[n][e] * sl - l2) : 0.0f;
       p[n][e] = pv;
       ds[n][e] = pv * (ds[n][e] - D[qc]);
@@ -626,8 +639,8 @@ static __device__ __forceinline__ void tc_probs_kv(float p[NC / 8][4], float ds[
 }
 
 // dq kernels: a warp's 16 query rows (tq; lse2 and D of those rows) against NC keys from k0 (ok:
-// their flags): ds = dS from the raw scores p and dP.
-template <int NC>
+// their flags): ds = dS from the raw scores p and dP. M false: every query sees every key.
+template <int NC, bool M = true>
 static __device__ __forceinline__ void tc_probs_q(const float p[NC / 8][4], float ds[NC / 8][4], const int *ok,
                                                   int k0, const int tq[2], const float *lse2, const float *D,
                                                   float sl) {
@@ -638,7 +651,7 @@ static __device__ __forceinline__ void tc_probs_q(const float p[NC / 8][4], floa
     for (int e = 0; e < 4; e++) {
       const int kc = 8 * n + 2 * t + (e & 1), row = e >> 1;
       const float l2 = lse2[g + 8 * row];
-      const bool keep = ok[kc] && k0 + kc <= tq[row] && l2 != -INFINITY;
+      const bool keep = !M || (ok[kc] && k0 + kc <= tq[row] && l2 != -INFINITY);
       const float pv = keep ? exp2f(p[n][e] * sl - l2) : 0.0f;
       ds[n][e] = pv * (ds[n][e] - D[g + 8 * row]);
     }
@@ -685,15 +698,16 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
 
     float sc[NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; n++) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+    for (int n = 0; n < NT; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
 #pragma unroll
-      for (int kk = 0; kk < HS / 16; kk++) {
-        uint32_t b0, b1;
-        tc_ld_bt(b0, b1, sK, LD, 8 * n, 16 * kk);
-        tc_mma(sc[n], qa[kk], b0, b1);
+    for (int kk = 0; kk < HS / 16; kk++)
+#pragma unroll
+      for (int n = 0; n < NT; n += 2) {
+        uint32_t kb[4];
+        tc_ld_bt2(kb, sK, LD, 8 * n, 16 * kk);
+        tc_mma(sc[n], qa[kk], kb[0], kb[1]);
+        tc_mma(sc[n + 1], qa[kk], kb[2], kb[3]);
       }
-    }
     tc_online_softmax<HS, TC_ROWS>(sc, m, l, o, sOk, k0, tq, sl);
     tc_accumulate<HS, TC_ROWS>(o, sc, sV);  // O += P V
   }
@@ -715,12 +729,14 @@ static __device__ __forceinline__ void tc_scores(float s[NC / 8][4], float dp[NC
     tc_ld_a(fa, a, LD, a0, 16 * kk);
     tc_ld_a(fd, da, LD, a0, 16 * kk);
 #pragma unroll
-    for (int n = 0; n < NC / 8; n++) {
-      uint32_t b0, b1;
-      tc_ld_bt(b0, b1, x, LD, 8 * n, 16 * kk);
-      tc_mma(s[n], fa, b0, b1);
-      tc_ld_bt(b0, b1, dx, LD, 8 * n, 16 * kk);
-      tc_mma(dp[n], fd, b0, b1);
+    for (int n = 0; n < NC / 8; n += 2) {
+      uint32_t xb[4];
+      tc_ld_bt2(xb, x, LD, 8 * n, 16 * kk);
+      tc_mma(s[n], fa, xb[0], xb[1]);
+      tc_mma(s[n + 1], fa, xb[2], xb[3]);
+      tc_ld_bt2(xb, dx, LD, 8 * n, 16 * kk);
+      tc_mma(dp[n], fd, xb[0], xb[1]);
+      tc_mma(dp[n + 1], fd, xb[2], xb[3]);
     }
   }
 }
@@ -845,16 +861,17 @@ attention_backward_q_tc_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16
   }
 }
 
-// ---- bf16 on tensor cores, pipelined (the "pipelined" variant: fy_cuda_attention_set_variant) ----
+// ---- bf16 on tensor cores, pipelined ("pipelined" and "narrow": fy_cuda_attention_set_variant) ----
 //
 // The same algorithm and outputs as the tensor-core kernels above, with two changes aimed at what
 // bounds them: a warp there reads a whole 64-row tile from shared memory for only 16 rows of its
 // own, about as many shared-memory bytes per tensor-core FLOP as the SM can serve. Here a warp
-// owns MT row blocks of 16 (MT = 2 for heads up to 64), and each fragment it reads from a shared
-// tile serves all of them; and the tiles a block walks are double-buffered and filled with
-// cp.async (16-byte copies straight to shared memory, zero-filled past T), the next tile loading
-// while the current one is used. One barrier per tile: after it, every warp is done with the
-// previous tile, whose buffers the next copy takes.
+// owns MT row blocks of 16 (MT = 2 for heads up to 64 in the wide, "pipelined" shape), and each
+// fragment it reads from a shared tile serves all of them; and the tiles a block walks are
+// double-buffered and filled with cp.async (16-byte copies straight to shared memory, zero-filled
+// past T), the next tile loading while the current one is used. One barrier per tile: after it,
+// every warp is done with the previous tile, whose buffers the next copy takes. The narrow shape
+// keeps MT = 1 with the double buffering: fewer registers a thread, so more blocks on an SM.
 
 #ifdef FY_CUDA_EMU
 static __device__ __forceinline__ void tc_cp16(void *dst, const void *src, bool ok) { fy_emu_cp_async16(dst, src, ok); }
@@ -951,49 +968,59 @@ static __device__ __forceinline__ void tc_scores_mt(float s[MT][NC / 8][4], floa
       tc_ld_a(fd[mt], da, LD, a0 + 16 * mt, 16 * kk);
     }
 #pragma unroll
-    for (int n = 0; n < NC / 8; n++) {
-      uint32_t b0, b1;
-      tc_ld_bt(b0, b1, x, LD, 8 * n, 16 * kk);
+    for (int n = 0; n < NC / 8; n += 2) {
+      uint32_t xb[4];
+      tc_ld_bt2(xb, x, LD, 8 * n, 16 * kk);
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) tc_mma(s[mt][n], fa[mt], b0, b1);
-      tc_ld_bt(b0, b1, dx, LD, 8 * n, 16 * kk);
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(s[mt][n], fa[mt], xb[0], xb[1]);
+        tc_mma(s[mt][n + 1], fa[mt], xb[2], xb[3]);
+      }
+      tc_ld_bt2(xb, dx, LD, 8 * n, 16 * kk);
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) tc_mma(dp[mt][n], fd[mt], b0, b1);
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(dp[mt][n], fd[mt], xb[0], xb[1]);
+        tc_mma(dp[mt][n + 1], fd[mt], xb[2], xb[3]);
+      }
     }
   }
 }
 
-// Row blocks per warp: 2 for heads up to 64, else 1 (the accumulators would not fit the registers).
-template <int HS>
+// The pipelined kernels' shapes. Wide (N false): row blocks per warp MT = 2 for heads up to 64,
+// else 1 (the accumulators would not fit the registers), walking 32-row tiles in backward. Narrow
+// (N true): one row block a warp, as the basic kernels, walking 64-row tiles for heads up to 64
+// (fewer registers, so more blocks to an SM, each reading more shared memory per product); for
+// larger heads the narrow kernels are the wide ones (launches take N = HS <= 64).
+template <int HS, bool N>
 struct tc2 {
-  static constexpr int MT = HS <= 64 ? 2 : 1;
-  static constexpr int ROWS = 64 * MT;             // a block's own rows (queries, or keys in dk/dv)
-  static constexpr int WALK = 32;                  // rows of the tiles the backward kernels walk
+  static constexpr int MT = !N && HS <= 64 ? 2 : 1;
+  static constexpr int ROWS = 64 * MT;                 // a block's own rows (queries, or keys in dk/dv)
+  static constexpr int WALK = N && HS <= 64 ? 64 : 32;  // rows of the tiles the backward kernels walk
 };
 
-template <int HS>
+template <int HS, bool N>
 static size_t tc2_fwd_smem() {
-  return (size_t)(tc2<HS>::ROWS + 4 * TC_ROWS) * (HS + 8) * sizeof(fy_bf16) + 2 * TC_ROWS * sizeof(int);
+  return (size_t)(tc2<HS, N>::ROWS + 4 * TC_ROWS) * (HS + 8) * sizeof(fy_bf16) + 2 * TC_ROWS * sizeof(int);
 }
-template <int HS>
+template <int HS, bool N>
 static size_t tc2_kv_smem() {
-  constexpr int R = tc2<HS>::ROWS, W = tc2<HS>::WALK;
+  constexpr int R = tc2<HS, N>::ROWS, W = tc2<HS, N>::WALK;
   return (size_t)(2 * R + 4 * W) * (HS + 8) * sizeof(fy_bf16) + (size_t)(4 * W) * sizeof(float) + R * sizeof(int);
 }
-template <int HS>
+template <int HS, bool N>
 static size_t tc2_q_smem() {
-  constexpr int R = tc2<HS>::ROWS, W = tc2<HS>::WALK;
+  constexpr int R = tc2<HS, N>::ROWS, W = tc2<HS, N>::WALK;
   return (size_t)(2 * R + 4 * W) * (HS + 8) * sizeof(fy_bf16) + (size_t)(2 * R) * sizeof(float) + 2 * W * sizeof(int);
 }
 
 // qkv (B,T,3C), mask -> out (B,T,C), lse (B,NH,T): one (b, h, ROWS-query tile) per block, a warp
 // per 16 MT queries, walking 64-key tiles
-template <int HS>
+template <int HS, bool N>
 __global__ void __launch_bounds__(TC_THREADS)
 attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const int32_t *mask, int Tn, int C,
                              int NH, float scale, int nq) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  constexpr int LD = HS + 8, NT = TC_ROWS / 8, DT = HS / 8, MT = tc2<HS>::MT, QR = tc2<HS>::ROWS;
+  constexpr int LD = HS + 8, NT = TC_ROWS / 8, DT = HS / 8, MT = tc2<HS, N>::MT, QR = tc2<HS, N>::ROWS;
   fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sK = sQ + QR * LD, *sV = sK + 2 * TC_ROWS * LD;
   int *sOk = reinterpret_cast<int *>(sV + 2 * TC_ROWS * LD);
   const int bh = blockIdx.x / nq, qt = nq - 1 - (int)(blockIdx.x % nq);
@@ -1044,14 +1071,23 @@ attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const
 #pragma unroll
     for (int kk = 0; kk < HS / 16; kk++)
 #pragma unroll
-      for (int n = 0; n < NT; n++) {
-        uint32_t b0, b1;
-        tc_ld_bt(b0, b1, cK, LD, 8 * n, 16 * kk);
+      for (int n = 0; n < NT; n += 2) {
+        uint32_t kb[4];
+        tc_ld_bt2(kb, cK, LD, 8 * n, 16 * kk);
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) tc_mma(sc[mt][n], qa[mt][kk], b0, b1);
+        for (int mt = 0; mt < MT; mt++) {
+          tc_mma(sc[mt][n], qa[mt][kk], kb[0], kb[1]);
+          tc_mma(sc[mt][n + 1], qa[mt][kk], kb[2], kb[3]);
+        }
       }
+    if (!mask && k0 + TC_ROWS - 1 <= q0 + r0) {  // no key after the warp's first query (nor padding)
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) tc_online_softmax<HS, TC_ROWS>(sc[mt], m[mt], l[mt], o[mt], ok, k0, tq[mt], sl);
+      for (int mt = 0; mt < MT; mt++)
+        tc_online_softmax<HS, TC_ROWS, false>(sc[mt], m[mt], l[mt], o[mt], ok, k0, tq[mt], sl);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) tc_online_softmax<HS, TC_ROWS>(sc[mt], m[mt], l[mt], o[mt], ok, k0, tq[mt], sl);
+    }
     tc_accumulate_mt<HS, TC_ROWS, MT>(o, sc, cV);  // O += P V
   }
 
@@ -1061,12 +1097,12 @@ attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const
 
 // dout, qkv, lse, D -> dqkv += (k and v): one (b, h, ROWS-key tile) per block, a warp per 16 MT
 // keys, walking WALK-query tiles from the block's first key on
-template <int HS>
-__global__ void __launch_bounds__(TC_THREADS)
+template <int HS, bool N>
+__global__ void __launch_bounds__(TC_THREADS, N && HS <= 64 ? 3 : 1)
 attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16 *qkv, const float *lse,
                                  const float *D, const int32_t *mask, int Tn, int C, int NH, float scale, int nk) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  constexpr int LD = HS + 8, DT = HS / 8, MT = tc2<HS>::MT, KR = tc2<HS>::ROWS, QT = tc2<HS>::WALK;
+  constexpr int LD = HS + 8, DT = HS / 8, MT = tc2<HS, N>::MT, KR = tc2<HS, N>::ROWS, QT = tc2<HS, N>::WALK;
   fy_bf16 *sK = reinterpret_cast<fy_bf16 *>(tc_smem), *sV = sK + KR * LD, *sQ = sV + KR * LD, *sdO = sQ + 2 * QT * LD;
   float *sLse = reinterpret_cast<float *>(sdO + 2 * QT * LD), *sD = sLse + 2 * QT;
   int *sOk = reinterpret_cast<int *>(sD + 2 * QT);
@@ -1106,8 +1142,13 @@ attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf
     // S^T = K Q^T and dP^T = V dO^T for the warp's keys.
     float p[MT][QT / 8][4], ds[MT][QT / 8][4];
     tc_scores_mt<HS, QT, MT>(p, ds, sK, sV, r0, cQ, cdO);
+    if (!mask && wfirst + 16 * MT - 1 <= q0 && q0 + QT <= Tn) {  // every query sees every key of the warp
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) tc_probs_kv<QT>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
+      for (int mt = 0; mt < MT; mt++) tc_probs_kv<QT, false>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) tc_probs_kv<QT>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
+    }
     tc_accumulate_mt<HS, QT, MT>(dv, p, cdO);  // dV += P^T dO
     tc_accumulate_mt<HS, QT, MT>(dk, ds, cQ);  // dK += dS^T Q (times scale below)
   }
@@ -1128,12 +1169,12 @@ attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf
 
 // dout, qkv, lse, D -> dqkv += (q): one (b, h, ROWS-query tile) per block, a warp per 16 MT
 // queries, walking WALK-key tiles up to the block's last query
-template <int HS>
+template <int HS, bool N>
 __global__ void __launch_bounds__(TC_THREADS)
 attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf16 *qkv, const float *lse,
                                 const float *D, const int32_t *mask, int Tn, int C, int NH, float scale, int nq) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  constexpr int LD = HS + 8, DT = HS / 8, MT = tc2<HS>::MT, QR = tc2<HS>::ROWS, KT = tc2<HS>::WALK;
+  constexpr int LD = HS + 8, DT = HS / 8, MT = tc2<HS, N>::MT, QR = tc2<HS, N>::ROWS, KT = tc2<HS, N>::WALK;
   fy_bf16 *sQ = reinterpret_cast<fy_bf16 *>(tc_smem), *sdO = sQ + QR * LD, *sK = sdO + QR * LD, *sV = sK + 2 * KT * LD;
   float *sLse = reinterpret_cast<float *>(sV + 2 * KT * LD), *sD = sLse + QR;
   int *sOk = reinterpret_cast<int *>(sD + QR);
@@ -1171,9 +1212,15 @@ attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
     // S = Q K^T and dP = dO V^T for the warp's queries.
     float p[MT][KT / 8][4], ds[MT][KT / 8][4];
     tc_scores_mt<HS, KT, MT>(p, ds, sQ, sdO, r0, cK, cV);
+    if (!mask && k0 + KT - 1 <= q0 + r0 && q0 + r0 + 16 * MT <= Tn) {  // every query of the warp sees every key
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-      tc_probs_q<KT>(p[mt], ds[mt], ok, k0, tq[mt], sLse + r0 + 16 * mt, sD + r0 + 16 * mt, sl);
+      for (int mt = 0; mt < MT; mt++)
+        tc_probs_q<KT, false>(p[mt], ds[mt], ok, k0, tq[mt], sLse + r0 + 16 * mt, sD + r0 + 16 * mt, sl);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++)
+        tc_probs_q<KT>(p[mt], ds[mt], ok, k0, tq[mt], sLse + r0 + 16 * mt, sD + r0 + 16 * mt, sl);
+    }
     tc_accumulate_mt<HS, KT, MT>(dq, ds, cK);  // dQ += dS K (times scale below)
   }
 
@@ -1251,72 +1298,100 @@ static fy_status tc_backward(void *dqkv, const float *D, const void *dout, const
   return fy_cuda_launched("attention_backward (tensor cores)");
 }
 
-// The pipelined kernels (tc2): grids of (b, h, ROWS-row tile).
-static fy_status tc2_forward(void *out, float *lse, const void *qkv, const int32_t *mask, int64_t B, int64_t T,
-                             int64_t C, int64_t NH, float scale, cudaStream_t st) {
+// The pipelined kernels (tc2, wide or narrow): grids of (b, h, ROWS-row tile).
+template <int HS, bool N>
+static void tc2_forward_launch(void *out, float *lse, const void *qkv, const int32_t *mask, int64_t B, int64_t T,
+                               int64_t C, int64_t NH, float scale, cudaStream_t st) {
+  const int nq = (int)((T + tc2<HS, N>::ROWS - 1) / tc2<HS, N>::ROWS);
+  const size_t smem = tc2_fwd_smem<HS, N>();
+  cudaFuncSetAttribute(attention_forward_tc2_kernel<HS, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  attention_forward_tc2_kernel<HS, N><<<(unsigned)(B * NH * nq), TC_THREADS, smem, st>>>(
+      (fy_bf16 *)out, lse, (const fy_bf16 *)qkv, mask, (int)T, (int)C, (int)NH, scale, nq);
+}
+
+template <int HS, bool N>
+static void tc2_backward_launch(void *dqkv, const float *D, const void *dout, const void *qkv, const float *lse,
+                                const int32_t *mask, int64_t B, int64_t T, int64_t C, int64_t NH, float scale,
+                                cudaStream_t st) {
+  const int n = (int)((T + tc2<HS, N>::ROWS - 1) / tc2<HS, N>::ROWS);
+  const size_t skv = tc2_kv_smem<HS, N>(), sq = tc2_q_smem<HS, N>();
+  cudaFuncSetAttribute(attention_backward_kv_tc2_kernel<HS, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv);
+  cudaFuncSetAttribute(attention_backward_q_tc2_kernel<HS, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sq);
+  attention_backward_kv_tc2_kernel<HS, N><<<(unsigned)(B * NH * n), TC_THREADS, skv, st>>>(
+      (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, n);
+  attention_backward_q_tc2_kernel<HS, N><<<(unsigned)(B * NH * n), TC_THREADS, sq, st>>>(
+      (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, n);
+}
+
+static fy_status tc2_forward(bool narrow, void *out, float *lse, const void *qkv, const int32_t *mask, int64_t B,
+                             int64_t T, int64_t C, int64_t NH, float scale, cudaStream_t st) {
   const int HS = (int)(C / NH);
-#define TC2_FWD(H)                                                                                       \
-  do {                                                                                                   \
-    const int nq = (int)((T + tc2<H>::ROWS - 1) / tc2<H>::ROWS);                                         \
-    size_t smem = tc2_fwd_smem<H>();                                                                     \
-    cudaFuncSetAttribute(attention_forward_tc2_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem); \
-    attention_forward_tc2_kernel<H><<<(unsigned)(B * NH * nq), TC_THREADS, smem, st>>>(                  \
-        (fy_bf16 *)out, lse, (const fy_bf16 *)qkv, mask, (int)T, (int)C, (int)NH, scale, nq);            \
+#define TC2_FWD(H)                                                                   \
+  do {                                                                               \
+    if (narrow) tc2_forward_launch<H, (H <= 64)>(out, lse, qkv, mask, B, T, C, NH, scale, st);  \
+    else tc2_forward_launch<H, false>(out, lse, qkv, mask, B, T, C, NH, scale, st);        \
   } while (0)
   TC_HS_DISPATCH(HS, TC2_FWD);
 #undef TC2_FWD
-  return fy_cuda_launched("attention_forward (tensor cores, pipelined)");
+  return fy_cuda_launched(narrow ? "attention_forward (tensor cores, narrow)" : "attention_forward (tensor cores, pipelined)");
 }
 
-static fy_status tc2_backward(void *dqkv, const float *D, const void *dout, const void *qkv, const float *lse,
-                              const int32_t *mask, int64_t B, int64_t T, int64_t C, int64_t NH, float scale,
-                              cudaStream_t st) {
+static fy_status tc2_backward(bool narrow, void *dqkv, const float *D, const void *dout, const void *qkv,
+                              const float *lse, const int32_t *mask, int64_t B, int64_t T, int64_t C, int64_t NH,
+                              float scale, cudaStream_t st) {
   const int HS = (int)(C / NH);
-#define TC2_BWD(H)                                                                                         \
-  do {                                                                                                     \
-    const int n = (int)((T + tc2<H>::ROWS - 1) / tc2<H>::ROWS);                                            \
-    size_t skv = tc2_kv_smem<H>(), sq = tc2_q_smem<H>();                                                   \
-    cudaFuncSetAttribute(attention_backward_kv_tc2_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)skv); \
-    cudaFuncSetAttribute(attention_backward_q_tc2_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sq);   \
-    attention_backward_kv_tc2_kernel<H><<<(unsigned)(B * NH * n), TC_THREADS, skv, st>>>(                  \
-        (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, n); \
-    attention_backward_q_tc2_kernel<H><<<(unsigned)(B * NH * n), TC_THREADS, sq, st>>>(                    \
-        (fy_bf16 *)dqkv, (const fy_bf16 *)dout, (const fy_bf16 *)qkv, lse, D, mask, (int)T, (int)C, (int)NH, scale, n); \
+#define TC2_BWD(H)                                                                                       \
+  do {                                                                                                   \
+    if (narrow) tc2_backward_launch<H, (H <= 64)>(dqkv, D, dout, qkv, lse, mask, B, T, C, NH, scale, st);      \
+    else tc2_backward_launch<H, false>(dqkv, D, dout, qkv, lse, mask, B, T, C, NH, scale, st);            \
   } while (0)
   TC_HS_DISPATCH(HS, TC2_BWD);
 #undef TC2_BWD
-  return fy_cuda_launched("attention_backward (tensor cores, pipelined)");
+  return fy_cuda_launched(narrow ? "attention_backward (tensor cores, narrow)" : "attention_backward (tensor cores, pipelined)");
 }
 
-// Which bf16 tensor-core kernels run: 0 the first (basic) ones, 1 the pipelined ones, 2 (auto, the
-// default) the pipelined forward for heads up to 64 and the basic backward. Set by
-// fy_cuda_attention_set_variant, else from FERRY_CUDA_ATTENTION at the first call. Both forwards
-// write the same out and lse, which either backward reads. Measured on an H200 at OPT-1.3B's shape
-// (bench/gpu_attention, HS 64, two runs): the pipelined forward 1.03 ms a layer against 1.18, the
-// basic backward 2.72 against 2.99. Heads over 64 (one row block a warp in the pipelined kernels,
-// not measured yet) keep the basic forward.
-static int tc_variant = -1;
+// Which bf16 tensor-core kernels run, for forward and for backward apart: basic, pipelined (wide)
+// or narrow; auto is narrow. Set by fy_cuda_attention_set_variant, else from FERRY_CUDA_ATTENTION
+// at the first call. Every forward writes the same out and lse, which any backward reads. Measured
+// on an H200 (bench/gpu_attention, batch 8 x 2048, ms a layer forward / backward):
+//   OPT-1.3B (HS 64):  basic 1.21 / 3.12, pipelined 0.86 / 2.47, narrow 0.80 / 2.31
+//   OPT-2.7B (HS 80):  basic 1.64 / 4.31, pipelined = narrow 0.94 / 3.36
+//   OPT-6.7B (HS 128): basic 2.59 / 6.11, pipelined = narrow 1.50 / 4.69
+enum tc_kind { TC_BASIC, TC_PIPELINED, TC_NARROW, TC_AUTO };
+static const char *const tc_kind_names[] = {"basic", "pipelined", "narrow", "auto"};
+static int tc_kinds[2] = {-1, -1};  // forward, backward; -1: not chosen yet
+
+static int tc_kind_parse(const char *s, size_t n) {
+  for (int k = 0; k <= TC_AUTO; k++)
+    if (strlen(tc_kind_names[k]) == n && strncmp(s, tc_kind_names[k], n) == 0) return k;
+  return -1;
+}
 
 extern "C" fy_status fy_cuda_attention_set_variant(const char *name) {
-  if (!name || !*name || strcmp(name, "auto") == 0) tc_variant = 2;
-  else if (strcmp(name, "basic") == 0) tc_variant = 0;
-  else if (strcmp(name, "pipelined") == 0) tc_variant = 1;
-  else return fy_error_set(FY_ERR_INVALID, "unknown attention kernel '%s' (auto, basic or pipelined)", name);
+  int f = TC_AUTO, b = TC_AUTO;
+  if (name && *name) {
+    const char *comma = strchr(name, ',');
+    f = tc_kind_parse(name, comma ? (size_t)(comma - name) : strlen(name));
+    b = comma ? tc_kind_parse(comma + 1, strlen(comma + 1)) : f;
+    if (f < 0 || b < 0)
+      return fy_error_set(FY_ERR_INVALID,
+                          "unknown attention kernels '%s' (auto, basic, pipelined or narrow; or FORWARD,BACKWARD "
+                          "such as pipelined,basic)",
+                          name);
+  }
+  tc_kinds[0] = f, tc_kinds[1] = b;
   return FY_OK;
 }
 
-static int tc_mode(void) {
-  if (tc_variant < 0 && fy_cuda_attention_set_variant(getenv("FERRY_CUDA_ATTENTION")) != FY_OK) {
+// The kernels pass (0 forward, 1 backward) takes: TC_BASIC, TC_PIPELINED or TC_NARROW (auto: narrow,
+// the fastest at every head size measured).
+static int tc_kind(int pass) {
+  if (tc_kinds[pass] < 0 && fy_cuda_attention_set_variant(getenv("FERRY_CUDA_ATTENTION")) != FY_OK) {
     fy_log_warn("FERRY_CUDA_ATTENTION: %s; using auto", fy_error_msg());
-    tc_variant = 2;
+    tc_kinds[0] = tc_kinds[1] = TC_AUTO;
   }
-  return tc_variant;
+  return tc_kinds[pass] == TC_AUTO ? TC_NARROW : tc_kinds[pass];
 }
-static bool tc_pipelined_forward(int HS) {
-  const int m = tc_mode();
-  return m == 1 || (m == 2 && HS <= 64);
-}
-static bool tc_pipelined_backward(void) { return tc_mode() == 1; }
 
 // The dynamic shared memory a block of the attention kernels takes for this dtype and head size,
 // the largest of forward and backward, as the launches below choose them (tc: the tensor-core
@@ -1328,12 +1403,14 @@ static size_t att_smem_need(int HS, bool tc) {
     const size_t f = att_fwd_smem_bytes(att_hsp(HS));
     return f > need ? f : need;
   }
-#define TC_NEED(H)                                                                                      \
-  do {                                                                                                  \
-    const size_t k[3] = {tc_pipelined_forward(H) ? tc2_fwd_smem<H>() : tc_fwd_smem<H>(),                \
-                         tc_pipelined_backward() ? tc2_kv_smem<H>() : tc_kv_smem<H>(),                 \
-                         tc_pipelined_backward() ? tc2_q_smem<H>() : tc_q_smem<H>()};                  \
-    for (int i = 0; i < 3; i++) need = k[i] > need ? k[i] : need;                                      \
+#define TC_NEED(H)                                                                                       \
+  do {                                                                                                   \
+    const int fk = tc_kind(0), bk = tc_kind(1);                                                    \
+    const size_t k[3] = {                                                                                \
+        fk == TC_BASIC ? tc_fwd_smem<H>() : fk == TC_PIPELINED ? tc2_fwd_smem<H, false>() : tc2_fwd_smem<H, (H <= 64)>(), \
+        bk == TC_BASIC ? tc_kv_smem<H>() : bk == TC_PIPELINED ? tc2_kv_smem<H, false>() : tc2_kv_smem<H, (H <= 64)>(),   \
+        bk == TC_BASIC ? tc_q_smem<H>() : bk == TC_PIPELINED ? tc2_q_smem<H, false>() : tc2_q_smem<H, (H <= 64)>()};     \
+    for (int i = 0; i < 3; i++) need = k[i] > need ? k[i] : need;                                        \
   } while (0)
   TC_HS_DISPATCH(HS, TC_NEED);
 #undef TC_NEED
@@ -1413,9 +1490,11 @@ extern "C" fy_status fy_cuda_attention_forward(void *out, float *lse, const void
   const int HS = (int)(C / NH), nq = (int)((T + ATT_TILE - 1) / ATT_TILE);
   const bool tc = tc_usable(dt, C, NH, out, qkv, qkv);
   FY_TRY(att_smem_fits("attention_forward", dt, HS, att_smem_need(HS, tc)));
-  if (tc)
-    return tc_pipelined_forward(HS) ? tc2_forward(out, lse, qkv, mask, B, T, C, NH, scale, st)
-                          : tc_forward(out, lse, qkv, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
+  if (tc) {
+    const int k = tc_kind(0);
+    if (k == TC_BASIC) return tc_forward(out, lse, qkv, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
+    return tc2_forward(k == TC_NARROW, out, lse, qkv, mask, B, T, C, NH, scale, st);
+  }
   size_t smem = att_fwd_smem_bytes(att_hsp(HS));
   FY_CUDA_DISPATCH("attention_forward", dt, E,
                    ATT_LAUNCH(attention_forward_kernel, E, HS, (unsigned)nblocks, smem, st,
@@ -1442,7 +1521,8 @@ extern "C" fy_status fy_cuda_attention_backward(void *dqkv, float *scratch, cons
     attention_backward_dot_kernel<fy_bf16><<<dgrid, 256, 0, st>>>(scratch, (const fy_bf16 *)dout, (const fy_bf16 *)out,
                                                                   B, (int)T, (int)C, (int)NH);
     FY_TRY(fy_cuda_launched("attention_backward (row dots)"));
-    if (tc_pipelined_backward()) return tc2_backward(dqkv, scratch, dout, qkv, lse, mask, B, T, C, NH, scale, st);
+    const int k = tc_kind(1);
+    if (k != TC_BASIC) return tc2_backward(k == TC_NARROW, dqkv, scratch, dout, qkv, lse, mask, B, T, C, NH, scale, st);
     return tc_backward(dqkv, scratch, dout, qkv, lse, mask, T, C, NH, scale, (unsigned)nblocks, nq, st);
   }
   FY_CUDA_DISPATCH("attention_backward", dt, E,

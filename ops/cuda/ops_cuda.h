@@ -242,9 +242,10 @@ fy_status fy_cuda_attention_decode(void *out, void *kcache, void *vcache, const 
                                    int64_t len, int64_t n, int64_t cap, int64_t C, int64_t NH, float scale,
                                    cudaStream_t st);
 // The bf16 tensor-core kernels to use: "basic", "pipelined" (a warp owns 32 rows for heads up to
-// 64, and the tiles walked are double-buffered with cp.async) or "auto" (the default, NULL too: the
-// pipelined forward for heads up to 64, the basic backward, the faster of each on an H200), for
-// measuring one against the other; FERRY_CUDA_ATTENTION names one too. All give the same results
+// 64, and the tiles walked are double-buffered with cp.async), "narrow" (pipelined, a warp owning
+// 16 rows; for heads over 64 the pipelined kernels) or "auto" (the default, NULL too: narrow, the
+// fastest on an H200), for both passes, or "FORWARD,BACKWARD" (such as "pipelined,basic"), for
+// measuring one against another; FERRY_CUDA_ATTENTION names them too. All give the same results
 // within bf16 rounding (test_backend_ops runs each).
 fy_status fy_cuda_attention_set_variant(const char *name);
 // Whether the current GPU can run the attention kernels of a model with this dtype, width C and
