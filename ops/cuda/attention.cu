@@ -516,22 +516,63 @@ static __device__ __forceinline__ void tc_add2(fy_bf16 *row, float v0, float v1,
   *p = __floats2bfloat162_rn(o.x + v0 * mul, o.y + v1 * mul);
 }
 
-// acc (16 x HS) += W (16 x NC, from score-layout registers, rounded to bf16) X (NC x HS, tile x):
-// the second product of every kernel (P V, P^T dO, dS^T Q, dS K); X enters by transposed loads.
-template <int HS, int NC>
-static __device__ __forceinline__ void tc_accumulate(float acc[HS / 8][4], const float w[NC / 8][4], const fy_bf16 *x) {
+// acc[mt] (16 x HS) += W[mt] (16 x NC, from score-layout registers, rounded to bf16) X (NC x HS,
+// tile x) for MT row blocks, each X fragment loaded once for all of them: the second product of
+// every kernel (P V, P^T dO, dS^T Q, dS K); X enters by transposed loads.
+template <int HS, int NC, int MT>
+static __device__ __forceinline__ void tc_accumulate_mt(float acc[MT][HS / 8][4], const float w[MT][NC / 8][4],
+                                                        const fy_bf16 *x) {
 #pragma unroll
   for (int j = 0; j < NC / 16; j++) {
-    const uint32_t wa[4] = {tc_pack(w[2 * j][0], w[2 * j][1]), tc_pack(w[2 * j][2], w[2 * j][3]),
-                            tc_pack(w[2 * j + 1][0], w[2 * j + 1][1]), tc_pack(w[2 * j + 1][2], w[2 * j + 1][3])};
+    uint32_t wa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      wa[mt][0] = tc_pack(w[mt][2 * j][0], w[mt][2 * j][1]);
+      wa[mt][1] = tc_pack(w[mt][2 * j][2], w[mt][2 * j][3]);
+      wa[mt][2] = tc_pack(w[mt][2 * j + 1][0], w[mt][2 * j + 1][1]);
+      wa[mt][3] = tc_pack(w[mt][2 * j + 1][2], w[mt][2 * j + 1][3]);
+    }
 #pragma unroll
     for (int dn = 0; dn < HS / 16; dn++) {
       uint32_t xb[4];
       tc_ld_b2(xb, x, HS + 8, 16 * j, 16 * dn);
-      tc_mma(acc[2 * dn], wa, xb[0], xb[1]);
-      tc_mma(acc[2 * dn + 1], wa, xb[2], xb[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(acc[mt][2 * dn], wa[mt], xb[0], xb[1]);
+        tc_mma(acc[mt][2 * dn + 1], wa[mt], xb[2], xb[3]);
+      }
     }
   }
+}
+
+// tc_accumulate_mt for one row block
+template <int HS, int NC>
+static __device__ __forceinline__ void tc_accumulate(float acc[HS / 8][4], const float w[NC / 8][4], const fy_bf16 *x) {
+  tc_accumulate_mt<HS, NC, 1>(reinterpret_cast<float(*)[HS / 8][4]>(acc),
+                              reinterpret_cast<const float(*)[NC / 8][4]>(w), x);
+}
+
+// sc[mt] (16 x NC) = Q K^T for MT row blocks of queries held as A fragments (qa) against NC keys
+// (rows of the tile k), each K fragment loaded once for all of them: both forwards' scores.
+template <int HS, int NC, int MT>
+static __device__ __forceinline__ void tc_qk_mt(float sc[MT][NC / 8][4], const uint32_t qa[MT][HS / 16][4],
+                                                const fy_bf16 *k) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int n = 0; n < NC / 8; n++) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; kk++)
+#pragma unroll
+    for (int n = 0; n < NC / 8; n += 2) {
+      uint32_t kb[4];
+      tc_ld_bt2(kb, k, HS + 8, 8 * n, 16 * kk);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(sc[mt][n], qa[mt][kk], kb[0], kb[1]);
+        tc_mma(sc[mt][n + 1], qa[mt][kk], kb[2], kb[3]);
+      }
+    }
 }
 
 // Where head h = bh % NH of batch row b = bh / NH starts in a (B, T, stride) tensor (q, k and v of
@@ -697,17 +738,8 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
     __syncthreads();
 
     float sc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < HS / 16; kk++)
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        uint32_t kb[4];
-        tc_ld_bt2(kb, sK, LD, 8 * n, 16 * kk);
-        tc_mma(sc[n], qa[kk], kb[0], kb[1]);
-        tc_mma(sc[n + 1], qa[kk], kb[2], kb[3]);
-      }
+    tc_qk_mt<HS, TC_ROWS, 1>(reinterpret_cast<float(*)[NT][4]>(sc), reinterpret_cast<const uint32_t(*)[HS / 16][4]>(qa),
+                             sK);
     tc_online_softmax<HS, TC_ROWS>(sc, m, l, o, sOk, k0, tq, sl);
     tc_accumulate<HS, TC_ROWS>(o, sc, sV);  // O += P V
   }
@@ -715,30 +747,52 @@ attention_forward_tc_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const 
   tc_store_rows<HS>(out, lse, o, m, l, bh, NH, tq, Tn, C);
 }
 
-// The score-side work both backward kernels share, for a warp's 16 rows (rows a0.. of tiles a
-// and da) against the NC rows of tiles x and dx: s = A X^T, dp = dA dX^T (fp32, unscaled).
-template <int HS, int NC>
-static __device__ __forceinline__ void tc_scores(float s[NC / 8][4], float dp[NC / 8][4], const fy_bf16 *a,
-                                                 const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
+// The score-side work every backward kernel shares, for a warp's MT blocks of 16 rows (rows a0 +
+// 16 mt of tiles a and da) against the NC rows of tiles x and dx: s[mt] = A X^T, dp[mt] = dA dX^T
+// (fp32, unscaled), each X fragment loaded once for all of them.
+template <int HS, int NC, int MT>
+static __device__ __forceinline__ void tc_scores_mt(float s[MT][NC / 8][4], float dp[MT][NC / 8][4], const fy_bf16 *a,
+                                                    const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
   constexpr int LD = HS + 8;
 #pragma unroll
-  for (int n = 0; n < NC / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int n = 0; n < NC / 8; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[mt][n][e] = dp[mt][n][e] = 0.0f;
 #pragma unroll
   for (int kk = 0; kk < HS / 16; kk++) {
-    uint32_t fa[4], fd[4];
-    tc_ld_a(fa, a, LD, a0, 16 * kk);
-    tc_ld_a(fd, da, LD, a0, 16 * kk);
+    uint32_t fa[MT][4], fd[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      tc_ld_a(fa[mt], a, LD, a0 + 16 * mt, 16 * kk);
+      tc_ld_a(fd[mt], da, LD, a0 + 16 * mt, 16 * kk);
+    }
 #pragma unroll
     for (int n = 0; n < NC / 8; n += 2) {
       uint32_t xb[4];
       tc_ld_bt2(xb, x, LD, 8 * n, 16 * kk);
-      tc_mma(s[n], fa, xb[0], xb[1]);
-      tc_mma(s[n + 1], fa, xb[2], xb[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(s[mt][n], fa[mt], xb[0], xb[1]);
+        tc_mma(s[mt][n + 1], fa[mt], xb[2], xb[3]);
+      }
       tc_ld_bt2(xb, dx, LD, 8 * n, 16 * kk);
-      tc_mma(dp[n], fd, xb[0], xb[1]);
-      tc_mma(dp[n + 1], fd, xb[2], xb[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        tc_mma(dp[mt][n], fd[mt], xb[0], xb[1]);
+        tc_mma(dp[mt][n + 1], fd[mt], xb[2], xb[3]);
+      }
     }
   }
+}
+
+// tc_scores_mt for one row block
+template <int HS, int NC>
+static __device__ __forceinline__ void tc_scores(float s[NC / 8][4], float dp[NC / 8][4], const fy_bf16 *a,
+                                                 const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
+  tc_scores_mt<HS, NC, 1>(reinterpret_cast<float(*)[NC / 8][4]>(s), reinterpret_cast<float(*)[NC / 8][4]>(dp), a, da,
+                          a0, x, dx);
 }
 
 // Query tiles of the dk/dv kernel: 64 queries, 32 for the largest heads (fewer registers).
@@ -920,83 +974,19 @@ static __device__ __forceinline__ void tc_load_queries(fy_bf16 *sQ, fy_bf16 *sdO
   tc_rows(sLse + buf * R, sD + buf * R, lse, D, bh, q0, R, Tn);
 }
 
-// tc_accumulate for MT row blocks: acc[mt] (16 x HS) += W[mt] (16 x NC) X (NC x HS), each X
-// fragment loaded once for all of them
-template <int HS, int NC, int MT>
-static __device__ __forceinline__ void tc_accumulate_mt(float acc[MT][HS / 8][4], const float w[MT][NC / 8][4],
-                                                        const fy_bf16 *x) {
-#pragma unroll
-  for (int j = 0; j < NC / 16; j++) {
-    uint32_t wa[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      wa[mt][0] = tc_pack(w[mt][2 * j][0], w[mt][2 * j][1]);
-      wa[mt][1] = tc_pack(w[mt][2 * j][2], w[mt][2 * j][3]);
-      wa[mt][2] = tc_pack(w[mt][2 * j + 1][0], w[mt][2 * j + 1][1]);
-      wa[mt][3] = tc_pack(w[mt][2 * j + 1][2], w[mt][2 * j + 1][3]);
-    }
-#pragma unroll
-    for (int dn = 0; dn < HS / 16; dn++) {
-      uint32_t xb[4];
-      tc_ld_b2(xb, x, HS + 8, 16 * j, 16 * dn);
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        tc_mma(acc[mt][2 * dn], wa[mt], xb[0], xb[1]);
-        tc_mma(acc[mt][2 * dn + 1], wa[mt], xb[2], xb[3]);
-      }
-    }
-  }
-}
-
-// tc_scores for MT row blocks (rows a0 + 16 mt of a and da): s[mt] = A X^T, dp[mt] = dA dX^T
-template <int HS, int NC, int MT>
-static __device__ __forceinline__ void tc_scores_mt(float s[MT][NC / 8][4], float dp[MT][NC / 8][4], const fy_bf16 *a,
-                                                    const fy_bf16 *da, int a0, const fy_bf16 *x, const fy_bf16 *dx) {
-  constexpr int LD = HS + 8;
-#pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int n = 0; n < NC / 8; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) s[mt][n][e] = dp[mt][n][e] = 0.0f;
-#pragma unroll
-  for (int kk = 0; kk < HS / 16; kk++) {
-    uint32_t fa[MT][4], fd[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      tc_ld_a(fa[mt], a, LD, a0 + 16 * mt, 16 * kk);
-      tc_ld_a(fd[mt], da, LD, a0 + 16 * mt, 16 * kk);
-    }
-#pragma unroll
-    for (int n = 0; n < NC / 8; n += 2) {
-      uint32_t xb[4];
-      tc_ld_bt2(xb, x, LD, 8 * n, 16 * kk);
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        tc_mma(s[mt][n], fa[mt], xb[0], xb[1]);
-        tc_mma(s[mt][n + 1], fa[mt], xb[2], xb[3]);
-      }
-      tc_ld_bt2(xb, dx, LD, 8 * n, 16 * kk);
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        tc_mma(dp[mt][n], fd[mt], xb[0], xb[1]);
-        tc_mma(dp[mt][n + 1], fd[mt], xb[2], xb[3]);
-      }
-    }
-  }
-}
-
 // The pipelined kernels' shapes. Wide (N false): row blocks per warp MT = 2 for heads up to 64,
 // else 1 (the accumulators would not fit the registers), walking 32-row tiles in backward. Narrow
 // (N true): one row block a warp, as the basic kernels, walking 64-row tiles for heads up to 64
 // (fewer registers, so more blocks to an SM, each reading more shared memory per product); for
-// larger heads the narrow kernels are the wide ones (launches take N = HS <= 64).
+// larger heads the narrow kernels are the wide ones (launched as N false: tc2_n).
 template <int HS, bool N>
 struct tc2 {
   static constexpr int MT = !N && HS <= 64 ? 2 : 1;
   static constexpr int ROWS = 64 * MT;                 // a block's own rows (queries, or keys in dk/dv)
   static constexpr int WALK = N && HS <= 64 ? 64 : 32;  // rows of the tiles the backward kernels walk
 };
+// The N a narrow launch takes for head size HS (one instantiation where both shapes agree).
+static constexpr bool tc2_n(int HS) { return HS <= 64; }
 
 template <int HS, bool N>
 static size_t tc2_fwd_smem() {
@@ -1064,22 +1054,7 @@ attention_forward_tc2_kernel(fy_bf16 *out, float *lse, const fy_bf16 *qkv, const
     const int *ok = sOk + cur * TC_ROWS;
 
     float sc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-      for (int n = 0; n < NT; n++) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < HS / 16; kk++)
-#pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        uint32_t kb[4];
-        tc_ld_bt2(kb, cK, LD, 8 * n, 16 * kk);
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-          tc_mma(sc[mt][n], qa[mt][kk], kb[0], kb[1]);
-          tc_mma(sc[mt][n + 1], qa[mt][kk], kb[2], kb[3]);
-        }
-      }
+    tc_qk_mt<HS, TC_ROWS, MT>(sc, qa, cK);
     if (!mask && k0 + TC_ROWS - 1 <= q0 + r0) {  // no key after the warp's first query (nor padding)
 #pragma unroll
       for (int mt = 0; mt < MT; mt++)
@@ -1144,7 +1119,8 @@ attention_backward_kv_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf
     tc_scores_mt<HS, QT, MT>(p, ds, sK, sV, r0, cQ, cdO);
     if (!mask && wfirst + 16 * MT - 1 <= q0 && q0 + QT <= Tn) {  // every query sees every key of the warp
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) tc_probs_kv<QT, false>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
+      for (int mt = 0; mt < MT; mt++)
+        tc_probs_kv<QT, false>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
     } else {
 #pragma unroll
       for (int mt = 0; mt < MT; mt++) tc_probs_kv<QT>(p[mt], ds[mt], sOk + r0 + 16 * mt, tk[mt], q0, cL, cD, sl);
@@ -1212,7 +1188,8 @@ attention_backward_q_tc2_kernel(fy_bf16 *dqkv, const fy_bf16 *dout, const fy_bf1
     // S = Q K^T and dP = dO V^T for the warp's queries.
     float p[MT][KT / 8][4], ds[MT][KT / 8][4];
     tc_scores_mt<HS, KT, MT>(p, ds, sQ, sdO, r0, cK, cV);
-    if (!mask && k0 + KT - 1 <= q0 + r0 && q0 + r0 + 16 * MT <= Tn) {  // every query of the warp sees every key
+    // Every query of the warp (before T) sees every key of the tile: no mask's tests.
+    if (!mask && k0 + KT - 1 <= q0 + r0 && q0 + r0 + 16 * MT <= Tn) {
 #pragma unroll
       for (int mt = 0; mt < MT; mt++)
         tc_probs_q<KT, false>(p[mt], ds[mt], ok, k0, tq[mt], sLse + r0 + 16 * mt, sD + r0 + 16 * mt, sl);
@@ -1326,28 +1303,30 @@ static void tc2_backward_launch(void *dqkv, const float *D, const void *dout, co
 static fy_status tc2_forward(bool narrow, void *out, float *lse, const void *qkv, const int32_t *mask, int64_t B,
                              int64_t T, int64_t C, int64_t NH, float scale, cudaStream_t st) {
   const int HS = (int)(C / NH);
-#define TC2_FWD(H)                                                                   \
-  do {                                                                               \
-    if (narrow) tc2_forward_launch<H, (H <= 64)>(out, lse, qkv, mask, B, T, C, NH, scale, st);  \
-    else tc2_forward_launch<H, false>(out, lse, qkv, mask, B, T, C, NH, scale, st);        \
+#define TC2_FWD(H)                                                                      \
+  do {                                                                                  \
+    if (narrow) tc2_forward_launch<H, tc2_n(H)>(out, lse, qkv, mask, B, T, C, NH, scale, st); \
+    else tc2_forward_launch<H, false>(out, lse, qkv, mask, B, T, C, NH, scale, st);     \
   } while (0)
   TC_HS_DISPATCH(HS, TC2_FWD);
 #undef TC2_FWD
-  return fy_cuda_launched(narrow ? "attention_forward (tensor cores, narrow)" : "attention_forward (tensor cores, pipelined)");
+  return fy_cuda_launched(narrow ? "attention_forward (tensor cores, narrow)"
+                                 : "attention_forward (tensor cores, pipelined)");
 }
 
 static fy_status tc2_backward(bool narrow, void *dqkv, const float *D, const void *dout, const void *qkv,
                               const float *lse, const int32_t *mask, int64_t B, int64_t T, int64_t C, int64_t NH,
                               float scale, cudaStream_t st) {
   const int HS = (int)(C / NH);
-#define TC2_BWD(H)                                                                                       \
-  do {                                                                                                   \
-    if (narrow) tc2_backward_launch<H, (H <= 64)>(dqkv, D, dout, qkv, lse, mask, B, T, C, NH, scale, st);      \
-    else tc2_backward_launch<H, false>(dqkv, D, dout, qkv, lse, mask, B, T, C, NH, scale, st);            \
+#define TC2_BWD(H)                                                                                  \
+  do {                                                                                              \
+    if (narrow) tc2_backward_launch<H, tc2_n(H)>(dqkv, D, dout, qkv, lse, mask, B, T, C, NH, scale, st); \
+    else tc2_backward_launch<H, false>(dqkv, D, dout, qkv, lse, mask, B, T, C, NH, scale, st);      \
   } while (0)
   TC_HS_DISPATCH(HS, TC2_BWD);
 #undef TC2_BWD
-  return fy_cuda_launched(narrow ? "attention_backward (tensor cores, narrow)" : "attention_backward (tensor cores, pipelined)");
+  return fy_cuda_launched(narrow ? "attention_backward (tensor cores, narrow)"
+                                 : "attention_backward (tensor cores, pipelined)");
 }
 
 // Which bf16 tensor-core kernels run, for forward and for backward apart: basic, pipelined (wide)
@@ -1393,6 +1372,22 @@ static int tc_kind(int pass) {
   return tc_kinds[pass] == TC_AUTO ? TC_NARROW : tc_kinds[pass];
 }
 
+// The dynamic shared memory a block of the tensor-core kernels takes, the largest of the forward
+// kind fk's and the backward kind bk's.
+template <int H>
+static size_t tc_smem_need(int fk, int bk) {
+  constexpr bool n = tc2_n(H);
+  const size_t f = fk == TC_BASIC    ? tc_fwd_smem<H>()
+                   : fk == TC_NARROW ? tc2_fwd_smem<H, n>()
+                                     : tc2_fwd_smem<H, false>();
+  const size_t kv = bk == TC_BASIC    ? tc_kv_smem<H>()
+                    : bk == TC_NARROW ? tc2_kv_smem<H, n>()
+                                      : tc2_kv_smem<H, false>();
+  const size_t q = bk == TC_BASIC ? tc_q_smem<H>() : bk == TC_NARROW ? tc2_q_smem<H, n>() : tc2_q_smem<H, false>();
+  const size_t b = kv > q ? kv : q;
+  return f > b ? f : b;
+}
+
 // The dynamic shared memory a block of the attention kernels takes for this dtype and head size,
 // the largest of forward and backward, as the launches below choose them (tc: the tensor-core
 // kernels take the call).
@@ -1403,15 +1398,7 @@ static size_t att_smem_need(int HS, bool tc) {
     const size_t f = att_fwd_smem_bytes(att_hsp(HS));
     return f > need ? f : need;
   }
-#define TC_NEED(H)                                                                                       \
-  do {                                                                                                   \
-    const int fk = tc_kind(0), bk = tc_kind(1);                                                    \
-    const size_t k[3] = {                                                                                \
-        fk == TC_BASIC ? tc_fwd_smem<H>() : fk == TC_PIPELINED ? tc2_fwd_smem<H, false>() : tc2_fwd_smem<H, (H <= 64)>(), \
-        bk == TC_BASIC ? tc_kv_smem<H>() : bk == TC_PIPELINED ? tc2_kv_smem<H, false>() : tc2_kv_smem<H, (H <= 64)>(),   \
-        bk == TC_BASIC ? tc_q_smem<H>() : bk == TC_PIPELINED ? tc2_q_smem<H, false>() : tc2_q_smem<H, (H <= 64)>()};     \
-    for (int i = 0; i < 3; i++) need = k[i] > need ? k[i] : need;                                        \
-  } while (0)
+#define TC_NEED(H) need = tc_smem_need<H>(tc_kind(0), tc_kind(1))
   TC_HS_DISPATCH(HS, TC_NEED);
 #undef TC_NEED
   return need;
