@@ -514,6 +514,11 @@ static void usage_train(FILE *f, bool eval) {
           "                     (default: auto)\n"
           "  --device-chunks N  sim, cuda --offload: keep the first N chunks and their AdamW state on\n"
           "                     the device and update them there (default 0: on host threads)\n"
+          "  --optimizer-lag N  1: each step's update runs under the next step, which uses the weights\n"
+          "                     before it (a one-step-delayed update, as ZeRO-Offload's; different\n"
+          "                     numbers, so opt-in); offloaded runs with --precision bf16 or fp16 and\n"
+          "                     no --grad-accum, and cpu; pending updates are applied before a\n"
+          "                     checkpoint and at the end. 0 (default): the exact step\n"
           "  --prefetch N       sim, cuda --offload: chunks loaded ahead of use (default 2)\n"
           "  --blocks N         sim, cuda --offload: device cache blocks (default: as many as fit)\n"
           "  --chunk-mib X      sim, cuda --offload: chunk size (default: the smallest that holds the largest\n"
@@ -608,7 +613,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_OPTIMIZER_LAG, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -638,6 +643,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
       {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
       {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
+      {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -755,6 +761,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
         break;
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
+      case OPT_OPTIMIZER_LAG: ok = parse_i64("--optimizer-lag", optarg, 0, &v); o.optimizer_lag = (int)v; break;
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
       case OPT_PRECISION: o.precision = optarg; break;
       case OPT_OFFLOAD: o.offload = true; break;

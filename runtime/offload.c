@@ -17,6 +17,10 @@ struct chunk_job {
   struct fy_offload *x;
   int chunk;
   int q;  // which step arguments
+  // The update's gradients and, with 16-bit compute, the copy it writes the next weights to, taken
+  // when the update is enqueued (with --optimizer-lag the buffers change roles every step).
+  const void *grads;
+  void *copy;
 };
 
 struct step_args {
@@ -94,6 +98,19 @@ struct fy_offload {
   struct step_args args[2];
   fy_event *norm_ready, *updates_done[2];
   int step_parity;
+  // The one-step-delayed update (fy_offload_opts.optimizer_lag): the gradients of step s update the
+  // weights while step s+1 runs on the weights before them. Each host or disk chunk has two 16-bit
+  // copies that swap roles every step: the one step s read takes its gradients and becomes the
+  // weights after them (AdamW on the optimizer stream, under step s+1), while step s+1 reads the
+  // other, which the update of step s-1 wrote. chome_alt and home_ready_alt are the copies and
+  // their events not in use this step. Device chunks keep their gradients of step s in dev_gl
+  // (dev_pending) and are updated by the next fy_offload_update, after step s+1's passes, or by
+  // fy_offload_drain.
+  bool lag, dev_pending;
+  int dev_pending_q;
+  void **chome_alt;
+  fy_event **home_ready_alt;
+  float **dev_gl;
   // Chunk sharding (fy_offload_opts.comm): this rank keeps elements [lo, lo + S) of every chunk;
   // without sharding lo = 0 and S = chunk_elems. slot: floats of each per-chunk state buffer.
   bool sharded, shards_on_device, taken;
@@ -146,12 +163,15 @@ static float *home_weights(const struct fy_offload *x, int c) {
 // The 16-bit copy of chunk c's elements [lo, hi) <- the master weights there, in the compute dtype.
 // Both hold this rank's part of the chunk, S elements from element x->lo: its shard, or without
 // sharding the whole chunk (lo 0).
-static void compute_copy(struct fy_offload *x, int c, int64_t lo, int64_t hi) {
-  to_payload(x, (char *)x->chome[c] + (size_t)(lo - x->lo) * x->esize, home_weights(x, c) + (lo - x->lo), hi - lo);
+// copy is chunk c's 16-bit copy: chome[c], or with --optimizer-lag either of its two.
+static void compute_copy(struct fy_offload *x, void *copy, int c, int64_t lo, int64_t hi) {
+  to_payload(x, (char *)copy + (size_t)(lo - x->lo) * x->esize, home_weights(x, c) + (lo - x->lo), hi - lo);
 }
 
 // The whole copy of chunk c that this rank keeps (its shard, padding included, or the used part).
-static void compute_copy_all(struct fy_offload *x, int c) { compute_copy(x, c, x->lo, x->lo + span(x, c)); }
+static void compute_copy_all(struct fy_offload *x, void *copy, int c) {
+  compute_copy(x, copy, c, x->lo, x->lo + span(x, c));
+}
 
 // The chunks whose gradients, m and v live in the host tier: n_dev .. nc - n_disk_chunks - 1.
 static size_t host_chunks(const struct fy_offload *x) {
@@ -322,6 +342,8 @@ static fy_status create_streams(struct fy_offload *x) {
   return fy_event_create(x->dev, &x->norm_ready);
 }
 
+static fy_status create_lag(struct fy_offload *x);
+
 static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opts *o) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
@@ -353,7 +375,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       if (g->params[i].chunk == c) x->param_ids[k++] = i;
     FY_TRY(fy_event_create(x->dev, &x->home_ready[c]));
     FY_TRY(fy_event_create(x->dev, &x->grad_ready[c]));
-    for (int q = 0; q < 2; q++) x->jobs[q][c] = (struct chunk_job){x, c, q};
+    for (int q = 0; q < 2; q++) x->jobs[q][c] = (struct chunk_job){.x = x, .chunk = c, .q = q};
   }
   x->param_first[nc] = k;
   // The first n_dev chunks: on the device with all their state.
@@ -435,6 +457,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       FY_TRY(fy_host_alloc(m->host, (size_t)x->S * x->esize, &x->chome[c]));
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
+  if (x->lag) FY_TRY(create_lag(x));
   x->disk_read_ahead = -1;
   if (x->n_disk_chunks > 0) {  // (m and v; the gradients' too unless they come home over the copy)
     const bool grads = !fy_offload_grads_in_copy(m->compute_dtype, x->max_micro);
@@ -444,6 +467,37 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     struct fy_disk_req **reqs[] = {&x->req_g, &x->req_m[0], &x->req_v[0], &x->req_m[1], &x->req_v[1], &x->req_wb};
     for (int i = 0; i < 6; i++) FY_TRY(fy_disk_req_create(reqs[i]));
   }
+  return FY_OK;
+}
+
+// --optimizer-lag: a second 16-bit copy and its event for every host or disk chunk, and the
+// device chunks' kept gradients. The update runs under the next step only where the gradients
+// come home over the chunk's 16-bit copy (16-bit compute, one micro-batch a step), so that
+// two copies a chunk are all it takes.
+static fy_status create_lag(struct fy_offload *x) {
+  struct fy_model *m = x->m;
+  const int nc = m->layout->n_chunks;
+  if (x->forward_only) return fy_error_set(FY_ERR_INVALID, "--optimizer-lag: an evaluation engine has no updates");
+  if (!fy_offload_grads_in_copy(m->compute_dtype, x->max_micro))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 needs 16-bit compute (--precision bf16 or fp16) and one "
+                        "micro-batch a step (no --grad-accum): the gradients then come home over the weights' "
+                        "16-bit copy, and two copies a chunk let the update run under the next step (got %s, %d "
+                        "micro-batches a step)", fy_dtype_name(m->compute_dtype), x->max_micro);
+  if (x->shards_on_device)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag does not combine with shards kept on the device");
+  if (!(x->chome_alt = calloc((size_t)nc, sizeof *x->chome_alt)) ||
+      !(x->home_ready_alt = calloc((size_t)nc, sizeof *x->home_ready_alt)) ||
+      !(x->dev_gl = calloc((size_t)nc, sizeof *x->dev_gl)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = x->n_dev; c < nc; c++) {
+    FY_TRY(fy_host_alloc(m->host, (size_t)x->S * x->esize, &x->chome_alt[c]));
+    FY_TRY(fy_event_create(x->dev, &x->home_ready_alt[c]));
+  }
+  for (int c = 0; c < x->n_dev; c++) {
+    fy_status st = fy_device_alloc(x->dev, dev_buf_bytes(x, 1), (void **)&x->dev_gl[c]);
+    if (st != FY_OK) return fy_error_wrap(st, "keeping device chunk %d's gradients for --optimizer-lag", c);
+  }
+  x->device_state_bytes += (int64_t)x->n_dev * (int64_t)dev_buf_bytes(x, 1);
   return FY_OK;
 }
 
@@ -522,6 +576,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
   x->forward_only = o->forward_only;
+  x->lag = o->optimizer_lag > 0;
   x->esize = payload_bytes(m);
   pthread_mutex_init(&x->err_lock, NULL);
   int64_t ce = m->layout->chunk_elems;
@@ -616,12 +671,18 @@ void fy_offload_free(struct fy_offload *x) {
   size_t sbytes = (size_t)x->S * 4;
   for (int c = 0; c < nc; c++) {
     if (x->home_ready) fy_event_free(x->home_ready[c]);
+    if (x->home_ready_alt) fy_event_free(x->home_ready_alt[c]);
+    if (x->chome_alt && x->chome_alt[c]) fy_host_dealloc(m->host, x->chome_alt[c], (size_t)x->S * x->esize);
+    if (x->dev_gl && x->dev_gl[c]) fy_device_dealloc(x->dev, x->dev_gl[c], dev_buf_bytes(x, 1));
     if (x->grad_ready) fy_event_free(x->grad_ready[c]);
     if (x->g_home) state_free(x, x->g_home[c], sbytes);
     if (x->w_home) state_free(x, x->w_home[c], sbytes);
     if (x->chome && x->chome[c]) fy_host_dealloc(m->host, x->chome[c], (size_t)x->S * x->esize);
   }
   free(x->chome);
+  free(x->chome_alt);
+  free(x->home_ready_alt);
+  free(x->dev_gl);
   free(x->w_home);
   free(x->gather_buf);
   fy_comm_free(x->c_gather);
@@ -848,7 +909,10 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   if (x->chome && !m->cparams_fresh) {  // the master weights were set (initialised, loaded, resumed)
     FY_TRY(fy_stream_sync(x->optim));
     FY_TRY(fy_stream_sync(x->copy_in));
-    for (int c = 0; c < l->n_chunks; c++) compute_copy_all(x, c);
+    for (int c = 0; c < l->n_chunks; c++) {
+      compute_copy_all(x, x->chome[c], c);
+      if (x->chome_alt && x->chome_alt[c]) compute_copy_all(x, x->chome_alt[c], c);  // both hold the weights
+    }
     m->cparams_fresh = true;
   }
   if (!x->dev_uploaded) {  // the device's chunks take the host's weights (initialised or loaded)
@@ -924,7 +988,7 @@ static void sumsq_fn(void *arg) {
   struct fy_offload *x = j->x;
   const struct fy_graph *g = x->m->graph;
   int c = j->chunk;
-  const float *grad = chunk_grads(x, c);
+  const float *grad = j->grads;
   if (!grad) {
     fy_status st = disk_io(x, false, c, 0, x->disk_g, (size_t)span(x, c) * 4, x->req_g);
     if (st != FY_OK) {
@@ -1021,13 +1085,13 @@ static void adamw_fn(void *arg) {
   // A device chunk takes the scale and the skip flag from device memory, as the kernels do.
   const float *dscale = c < x->n_dev ? x->dev_scale + 2 * j->q : NULL;
   if (dscale ? dscale[1] != 0.0f : a->skip) {
-    if (grads_in_copy(x, c)) compute_copy_all(x, c);  // weights again
+    if (grads_in_copy(x, c)) compute_copy_all(x, j->copy, c);  // weights again
     return;
   }
   const float scale = dscale ? dscale[0] : a->scale;
   const struct fy_graph *g = x->m->graph;
   size_t used = (size_t)span(x, c) * 4;
-  float *gg = (float *)chunk_grads(x, c), *mm = x->m_home[c], *vv = x->v_home[c];
+  float *gg = (float *)j->grads, *mm = x->m_home[c], *vv = x->v_home[c];
   float *params = home_weights(x, c);
   int64_t lo = x->lo, hi = x->lo + span(x, c);
   const bool bf16_in_copy = grads_bf16(x, c);
@@ -1064,7 +1128,7 @@ static void adamw_fn(void *arg) {
     int64_t o = b0 - lo;
     float wd = p->decay ? a->h.weight_decay : 0.0f;
     if (bf16_in_copy)  // the bf16 gradients in, the next bf16 weights out, in one pass
-      fy_adamw_update_bf16(params + o, mm + o, vv + o, (uint16_t *)x->chome[c] + o, b1 - b0, a->lr, a->h.beta1,
+      fy_adamw_update_bf16(params + o, mm + o, vv + o, (uint16_t *)j->copy + o, b1 - b0, a->lr, a->h.beta1,
                            a->h.beta2, a->h.eps, wd, a->t, scale);
     else
       fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps, wd,
@@ -1073,7 +1137,7 @@ static void adamw_fn(void *arg) {
   if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (lo is 0)
     to_payload(x, x->dev_w16[c], params, hi);
   else if (x->chome && !bf16_in_copy)
-    compute_copy(x, c, lo, hi);
+    compute_copy(x, j->copy, c, lo, hi);
   if (c >= x->n_dev && !x->m_home[c]) {
     // m and v go back to disk while the next disk chunk's are read into the other set (once that
     // set's writes, of the chunk before this one, are done); the step's last one waits for all.
@@ -1095,6 +1159,7 @@ static void adamw_fn(void *arg) {
 // A device chunk's sums of squares, into dev_sums: kernels launched on the compute stream (GPU), or
 // sumsq_fn there.
 static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
+  x->jobs[q][c].grads = chunk_grads(x, c);
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]);
   const struct fy_graph *g = x->m->graph;
   const char *grad = (const char *)chunk_grads(x, c);
@@ -1107,13 +1172,15 @@ static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
   return FY_OK;
 }
 
-// A device chunk's AdamW, with step q's scale and skip flag from dev_scale: kernels (GPU) or
-// adamw_fn on the compute stream.
-static fy_status device_adamw(struct fy_offload *x, int q, int c) {
+// A device chunk's AdamW from the gradients grads, with step q's scale and skip flag from
+// dev_scale: kernels (GPU) or adamw_fn on the compute stream.
+static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *grads) {
+  x->jobs[q][c].grads = grads;
+  x->jobs[q][c].copy = NULL;
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
   const struct fy_graph *g = x->m->graph;
   const struct step_args *a = &x->args[q];
-  const char *gg = (const char *)chunk_grads(x, c);
+  const char *gg = grads;
   enum fy_dtype dt = grads_dtype(x, c);
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
@@ -1125,6 +1192,33 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c) {
                                       x->dev_scale + 2 * q));
   }
   return FY_OK;
+}
+
+// --optimizer-lag: the device chunks' update from the gradients kept by an earlier
+// fy_offload_update (dev_gl), with that step's arguments (parity dev_pending_q, whose norm that
+// call waited for), on the compute stream after everything enqueued there so far.
+static fy_status device_pending_update(struct fy_offload *x) {
+  if (!x->dev_pending) return FY_OK;
+  const int q = x->dev_pending_q;
+  FY_TRY(fy_copy_async(x->compute, x->dev_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
+  for (int c = 0; c < x->n_dev; c++) FY_TRY(device_adamw(x, q, c, x->dev_gl[c]));
+  FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
+  x->dev_pending = false;
+  return FY_OK;
+}
+
+// --optimizer-lag, after a step's updates are enqueued: the next step reads each host or disk
+// chunk's other copy (written by the update of the step before) and its gradients land there.
+static void swap_copies(struct fy_offload *x) {
+  for (int c = x->n_dev; c < x->m->layout->n_chunks; c++) {
+    void *t = x->chome[c];
+    x->chome[c] = x->chome_alt[c];
+    x->chome_alt[c] = t;
+    fy_event *e = x->home_ready[c];
+    x->home_ready[c] = x->home_ready_alt[c];
+    x->home_ready_alt[c] = e;
+    x->home[c] = (const float *)x->chome[c];
+  }
 }
 
 // Waits for the forward pass of parity p and returns how its kernels went.
@@ -1173,21 +1267,36 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   for (int i = 0; i < nc; i++) {  // as their gradients come home
     int c = x->grad_order[i];
     if (c < x->n_dev) continue;
+    x->jobs[q][c].grads = chunk_grads(x, c);
     FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
     FY_TRY(fy_stream_enqueue(x->optim, sumsq_fn, &x->jobs[q][c]));
   }
   FY_TRY(fy_stream_wait(x->optim, x->dev_sumsq_done));
   FY_TRY(fy_stream_enqueue(x->optim, norm_fn, &x->jobs[q][0]));
   FY_TRY(fy_event_record(x->norm_ready, x->optim));
-  FY_TRY(fy_stream_wait(x->compute, x->norm_ready));
-  if (x->n_dev > 0) FY_TRY(fy_copy_async(x->compute, x->dev_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
-  for (int c = 0; c < x->n_dev; c++) FY_TRY(device_adamw(x, q, c));
-  FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
+  if (x->lag) {  // the device chunks' update of the step before (its scale is known), then this one's kept
+    FY_TRY(device_pending_update(x));
+    for (int c = 0; c < x->n_dev; c++) {
+      float *t = x->dev_g[c];
+      x->dev_g[c] = x->dev_gl[c];
+      x->dev_gl[c] = t;
+    }
+    x->dev_pending = x->n_dev > 0;
+    x->dev_pending_q = q;
+  } else {
+    FY_TRY(fy_stream_wait(x->compute, x->norm_ready));
+    if (x->n_dev > 0) FY_TRY(fy_copy_async(x->compute, x->dev_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
+    for (int c = 0; c < x->n_dev; c++) FY_TRY(device_adamw(x, q, c, chunk_grads(x, c)));
+    FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
+  }
   for (int c = x->n_dev; c < nc; c++) {
+    x->jobs[q][c].grads = chunk_grads(x, c);
+    x->jobs[q][c].copy = x->chome ? x->chome[c] : NULL;
     FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
     FY_TRY(fy_event_record(x->home_ready[c], x->optim));
   }
   FY_TRY(fy_event_record(x->updates_done[q], x->optim));
+  if (x->lag) swap_copies(x);
   FY_TRY(fy_event_sync(x->norm_ready));
   FY_TRY(async_status(x));
   *norm = x->args[q].norm;
@@ -1196,6 +1305,14 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     for (int p = 0; p < 2; p++)
       if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
   *skipped = x->args[q].skip;
+  return FY_OK;
+}
+
+fy_status fy_offload_drain(struct fy_offload *x) {
+  if (!x->lag) return fy_offload_sync(x);
+  FY_TRY(device_pending_update(x));
+  FY_TRY(fy_offload_sync(x));
+  x->m->cparams_fresh = false;  // both copies of every chunk from the master weights, before the next pass
   return FY_OK;
 }
 

@@ -57,6 +57,13 @@ struct fy_offload_opts {
   // sum over the slices (duplicated; m->tp_comm is the compute stream's). comm is then the
   // data-parallel group.
   struct fy_comm *tp_comm;
+  // 1: the one-step-delayed update (as ZeRO-Offload's delayed parameter update): the update from
+  // step s's gradients runs on the host while step s+1's passes run on the weights before it, so
+  // the host optimizer hides under a whole step. Needs 16-bit compute and max_micro 1 (the
+  // gradients come home over the weights' 16-bit copy; each host or disk chunk then has two, 2
+  // bytes a parameter more; each device chunk keeps its gradients a step, esize bytes a parameter
+  // of device memory). fy_offload_drain applies what is pending. 0: the exact step.
+  int optimizer_lag;
 };
 
 struct fy_offload;
@@ -108,6 +115,11 @@ fy_status fy_offload_decode(struct fy_offload *x, struct fy_kv_cache *kv, const 
                             const float **logits);
 // Waits until every enqueued piece of work is done (before reading or saving the weights).
 fy_status fy_offload_sync(struct fy_offload *x);
+// With optimizer_lag: applies the update still pending (the last step's gradients), so that the
+// weights everywhere are those after every step so far (for a checkpoint, the end of a run), and
+// syncs as fy_offload_sync; the next step then starts the lag again, reading those weights.
+// Without: fy_offload_sync.
+fy_status fy_offload_drain(struct fy_offload *x);
 
 // AdamW state of one chunk (m and v point at chunk_elems floats each), wherever it lives (host
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard

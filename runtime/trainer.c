@@ -213,6 +213,11 @@ struct run {
   fy_data *val;          // validation batches (--val-data), NULL without
   int gpu;               // the GPU a cuda run trains on, -1 on the cpu and sim devices
   int64_t updates;       // AdamW updates applied: the next one's bias correction is for updates + 1
+  // --optimizer-lag on the cpu: the gradients of the last step (lag_grads, swapped with the
+  // model's own, which lag_own was allocated to stand in for) and that step's update's arguments,
+  // applied after the next step's passes (step_resident) or by drain_updates.
+  float *lag_grads, *lag_own;
+  struct lagged_update { bool pending, skip; float lr, grad_scale; int64_t t; double norm; } lag;
 };
 
 static size_t machine_ram(void) {
@@ -493,7 +498,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .device_reserve = o->device_reserve, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
-                               .tp_comm = r->tp_comm};
+                               .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag};
   fy_status st = fy_offload_create(r->model, &xo, &r->x);
   if (st == FY_ERR_NOMEM && in_use + reserve > host_cap)
     return fy_error_wrap(st, "--host-mem %s holds the parameters (%s) but not the chunk-sized buffers the offload "
@@ -652,6 +657,11 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     r->model->dp_comm = r->dp_comm;  // the ops run on this thread
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
+    if (o->optimizer_lag > 0 && !r->eval) {
+      r->lag_own = calloc((size_t)r->model->graph->n_param_elems, sizeof(float));
+      if (!r->lag_own) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the gradients --optimizer-lag keeps");
+      r->lag_grads = r->lag_own;
+    }
   } else if (strcmp(device, "cuda") == 0) {
 #if FY_HAVE_CUDA
     // Everything resident on the GPU (--offload takes the branch above), fp32 or bf16 compute;
@@ -712,6 +722,11 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
 }
 
 static void teardown(struct run *r) {
+  if (r->lag_own && r->model && r->model->grads == r->lag_own) {  // the model frees its own
+    r->model->grads = r->lag_grads;
+    r->lag_grads = r->lag_own;
+  }
+  free(r->lag_own);
   fy_data_close(r->data);
   fy_data_close(r->val);
   fy_offload_free(r->x);  // before the communicators it duplicated
@@ -1006,6 +1021,28 @@ static fy_status skip_step(const struct fy_train_opts *o, struct run *r) {
   return FY_ERR_NOT_FOUND;
 }
 
+// --optimizer-lag on the cpu: the update still pending (the gradients in lag_grads, with their
+// step's arguments), as the exact step would have applied it.
+static fy_status apply_lagged(const struct fy_train_opts *o, struct run *r) {
+  if (!r->lag.pending) return FY_OK;
+  r->lag.pending = false;
+  if (r->lag.skip) return FY_OK;
+  struct fy_model *m = r->model;
+  float *g = m->grads;
+  m->grads = r->lag_grads;
+  fy_status st = fy_optimizer_step(m, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm);
+  m->grads = g;
+  return st;
+}
+
+// --optimizer-lag: the update still pending applied, so that the weights are those after every
+// step so far (before a checkpoint, a validation that ends the run, the end); the next step starts
+// the lag again. Without the lag, offloaded: the engine's streams synced.
+static fy_status drain_updates(const struct fy_train_opts *o, struct run *r) {
+  if (r->x) return fy_offload_drain(r->x);
+  return apply_lagged(o, r);
+}
+
 // One optimizer step on resident parameters: micro-batches, their sum, norm, AdamW.
 static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
                                double *loss_out, double *norm_out, bool *overflow, double *t_sum, double *t_opt) {
@@ -1060,8 +1097,18 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
   }
   *overflow = !isfinite(*norm_out);
   fy_status st = FY_OK;
-  if (!*overflow && (st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out)) == FY_OK)
+  if (r->lag_own) {  // the step before's update now, this one's after the next step's passes
+    st = apply_lagged(o, r);
+    float *t = model->grads;
+    model->grads = r->lag_grads;
+    r->lag_grads = t;
+    r->lag = (struct lagged_update){.pending = true, .skip = *overflow, .lr = fy_lr_at(o, step), .grad_scale = unscale,
+                                    .t = r->updates + 1, .norm = *norm_out};
+    if (!*overflow) r->updates++;
+  } else if (!*overflow &&
+             (st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out)) == FY_OK) {
     r->updates++;
+  }
   *t_opt += now_s() - t0;
   return st;
 }
@@ -1227,6 +1274,7 @@ static fy_status checkpoint_chunk(void *ctx, int64_t lo, int64_t hi, float *para
 static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckpt_writer *w,
                             int64_t steps_done, double scale, int64_t scale_good) {
   struct fy_model *m = r->model;
+  FY_TRY(drain_updates(o, r));  // (--optimizer-lag: a checkpoint holds every update so far)
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
   if (r->tp > 1) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
@@ -1599,6 +1647,15 @@ static fy_status check_train_opts(struct fy_train_opts *e) {
   if (!fy_lr_schedule_known(e->schedule))
     return fy_error_set(FY_ERR_INVALID, "--schedule %s: cosine, linear or constant", e->schedule);
   if (e->val_data && e->val_batches < 1) return fy_error_set(FY_ERR_INVALID, "--val-batches must be at least 1");
+  if (e->optimizer_lag < 0 || e->optimizer_lag > 1)
+    return fy_error_set(FY_ERR_INVALID, "--optimizer-lag %d: 0 (the exact step) or 1 (each update a step late)",
+                        e->optimizer_lag);
+  if (e->optimizer_lag > 0 && e->grad_accum > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 does not combine with --grad-accum %lld (each step's "
+                        "gradients would need a second fp32 sum)", (long long)e->grad_accum);
+  if (e->optimizer_lag > 0 && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 is for offloaded runs (--device cuda --offload, "
+                        "--device sim) and the cpu: a resident GPU run updates on the GPU, where the lag hides nothing");
   return FY_OK;
 }
 
@@ -1760,6 +1817,13 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       fy_error_wrap(st, "step %lld", (long long)step + 1);
       goto done;
     }
+    // --optimizer-lag: the last step, and those that write a checkpoint, end with every update
+    // applied (before their validation, so that the last one is the saved model's)
+    const bool ckpt_step = save_every > 0 && (step + 1) % save_every == 0;
+    if (o->optimizer_lag > 0 && (step + 1 == o->steps || ckpt_step) && (st = drain_updates(o, &r)) != FY_OK) {
+      fy_error_wrap(st, "step %lld", (long long)step + 1);
+      goto done;
+    }
     float lr = fy_lr_at(o, step);
     double dt = now_s() - t0;
     step_times[step] = dt;
@@ -1850,7 +1914,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->checkpoint_s = fy_ckpt_last_seconds(ckpt);
     res->checkpoint_bytes = dir_bytes(o->save);
   }
-  if (r.x && (st = fy_offload_sync(r.x)) != FY_OK) goto done;
+  if ((st = drain_updates(o, &r)) != FY_OK) goto done;  // (offloaded: synced)
   if (r.x) {
     res->host_tier_bytes = (double)fy_host_in_use(r.host);
     res->device_state_bytes = (double)fy_offload_device_state_bytes(r.x);

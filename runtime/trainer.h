@@ -54,6 +54,12 @@ struct fy_train_opts {
   int device_chunks;      // the first N chunks stay on the device with their AdamW state, which
                           //   is updated there (default 0: every update runs on the host)
   int prefetch;           // chunks loaded ahead of use (default 2)
+  // 1: a one-step-delayed update (runtime/offload.h, optimizer_lag): step s's gradients update
+  // the weights after step s+1's passes, which use the weights before them; an update still
+  // pending is applied before each checkpoint and at the end (so a run's numbers depend on
+  // --save-every, and a resume gives the uninterrupted run's). Offloaded (sim, cuda --offload)
+  // with 16-bit compute, and cpu; no --grad-accum. 0 (default): the exact step.
+  int optimizer_lag;
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
   const char *save;       // without save_every: write a Hugging Face model here at the end;
