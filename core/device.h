@@ -1,4 +1,4 @@
-// fy_device: one backend behind a table of functions (DESIGN.md, "The objects", "Streams and events").
+// fy_device: one backend behind a table of functions (docs/design.md, "The objects", "Streams and events").
 //
 // The engine, the memory manager and the communication layer are written once against this table,
 // in CUDA's model: work in a stream runs in order; an event marks a point in a stream; another

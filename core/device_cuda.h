@@ -1,4 +1,4 @@
-// The cuda device (DESIGN.md, "The objects"): cudaMalloc'd memory counted against a cap, streams
+// The cuda device (docs/design.md, "The objects"): cudaMalloc'd memory counted against a cap, streams
 // that are cudaStream_t, events that are cudaEvent_t, host functions through cudaLaunchHostFunc.
 // Only cuda-aware code includes this header (it pulls in the CUDA runtime's types); the rest of
 // ferry sees the device through core/device.h alone.

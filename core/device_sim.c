@@ -1,5 +1,5 @@
 // The sim device: CUDA's execution model on the CPU, so that caching, eviction, prefetch and
-// overlap run and are tested without a GPU (DESIGN.md, "Streams and events").
+// overlap run and are tested without a GPU (docs/design.md, "Streams and events").
 //
 // - Memory: one anonymous mapping of `cap` bytes, handed out first-fit in 64-byte units. The free
 //   extents live outside the pool in an array sorted by offset, so every pool byte is usable and

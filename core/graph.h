@@ -1,4 +1,4 @@
-// fy_graph: the model as an ordered list of operators (DESIGN.md, "The objects").
+// fy_graph: the model as an ordered list of operators (docs/design.md, "The objects").
 //
 // Forward walks `ops` in order, backward in reverse. Parameters live in one flat buffer laid out
 // in first-use order (so chunks, later, are contiguous ranges of it); activations are slots at

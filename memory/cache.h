@@ -1,4 +1,4 @@
-// The device chunk cache's eviction policy over a recorded access trace (DESIGN.md, "Chunks").
+// The device chunk cache's eviction policy over a recorded access trace (docs/design.md, "Chunks").
 //
 // A training step touches chunks in a known order that repeats every step (forward order, then
 // backward order). The planner records it once as a trace; with the whole future known, the best

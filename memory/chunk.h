@@ -1,4 +1,4 @@
-// Chunks (DESIGN.md, "The objects"): parameters packed in first-use order into equal-size chunks,
+// Chunks (docs/design.md, "The objects"): parameters packed in first-use order into equal-size chunks,
 // each chunk in one state at a time with checked transitions.
 //
 // Packing keeps the parameters an operator uses first together (a fused QKV's weights stay

@@ -1,4 +1,4 @@
-// The device chunk cache (DESIGN.md, "Chunks"): a fixed number of chunk-sized blocks on the
+// The device chunk cache (docs/design.md, "Chunks"): a fixed number of chunk-sized blocks on the
 // device; chunks are loaded into them on a copy stream ahead of use and evicted by Belady's rule
 // over the recorded access trace. Everything is ordered with events, in CUDA's model: the host
 // only decides (deterministically, following the trace) and enqueues; it never waits here.

@@ -4,7 +4,7 @@
 // stream, position t: u = s*T + t, the same on every rank and micro-batch size, runtime/data.h);
 // j is the column in the full width. So backward and recomputation regenerate the forward's mask
 // bit for bit, and every backend, placement, rank count and tensor-parallel split draws the same
-// one: dropout changes no result beyond rounding (DESIGN.md, "Correctness rule").
+// one: dropout changes no result beyond rounding (docs/design.md, "Correctness rule").
 //
 // The hashes are splitmix64's finaliser (core/rand.h, per site and per token) and murmur3's 32-bit
 // one (per element: 32-bit multiplies vectorise on a CPU and are single instructions on a GPU). A plain C

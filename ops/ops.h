@@ -1,4 +1,4 @@
-// Operator kernels (DESIGN.md "Conventions"): <op>_forward / <op>_backward, outputs first, then
+// Operator kernels (docs/design.md "Conventions"): <op>_forward / <op>_backward, outputs first, then
 // inputs, then sizes, each with a shape comment. Backward kernels ACCUMULATE into their gradient
 // outputs (+=) unless a comment says otherwise. These are the CPU (fp32) kernels; they run on the
 // calling thread with OpenMP threads. Sizes are int64_t where a product may pass 2^31.
@@ -83,7 +83,7 @@ void fy_layernorm_backward_params(float *dweight, float *dbias, const float *dou
 //
 // Parameter gradients may also be written (=) instead of accumulated: the first gradient a
 // parameter receives in a backward pass overwrites, so that it can land over the weights in the
-// same memory (chunks, DESIGN.md) without a zeroing pass. The weights are not read then.
+// same memory (chunks, docs/design.md) without a zeroing pass. The weights are not read then.
 // bf16: inp, weight and dout hold bf16 values (a bf16 model on the CPU); the products then go
 // through fy_matmul16.
 

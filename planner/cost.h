@@ -1,4 +1,4 @@
-// The cost model (DESIGN.md, `fy_plan`): one training step simulated as a timeline of streams —
+// The cost model (docs/design.md, `fy_plan`): one training step simulated as a timeline of streams —
 // compute, copies to and from the device, the host optimizer — from the model's operators, the
 // probe's rates and the plan's knobs. The device chunk cache itself (memory/device_cache.h) runs
 // against a timeline device (planner/timeline.h), so the predicted loads, prefetches, evictions,
@@ -44,7 +44,7 @@ struct fy_plan_knobs {
   char precision[8];
 };
 
-// The precision a device computes in by default (DESIGN.md, "Numbers"): "bf16" on a GPU ("cuda"),
+// The precision a device computes in by default (docs/design.md, "Numbers"): "bf16" on a GPU ("cuda"),
 // "fp32" on the cpu and sim devices (and NULL: the cpu's). A static string.
 const char *fy_cost_default_precision(const char *device);
 // The knobs' precision, "" resolved for the device ("cpu", "sim" or "cuda").

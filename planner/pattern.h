@@ -1,4 +1,4 @@
-// Parallel patterns (DESIGN.md, "fy_pattern"): how one operator's parameters lie across ranks, what
+// Parallel patterns (docs/design.md, "fy_pattern"): how one operator's parameters lie across ranks, what
 // communication runs around its forward and backward, and what that costs the planner.
 //
 // A pattern is a table of functions filled with designated initialisers (as ggml's and libuv's

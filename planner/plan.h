@@ -1,4 +1,4 @@
-// fy_plan (DESIGN.md, "The objects"): everything the planner decided, as a JSON file a person can
+// fy_plan (docs/design.md, "The objects"): everything the planner decided, as a JSON file a person can
 // read and edit — micro-batch and accumulation, chunk size, device cache blocks, prefetch depth,
 // recomputation, how many chunks keep their state on disk, the parallel pattern — with what the
 // cost model predicts for it. The search tries the knobs, keeps plans that fit every tier, and

@@ -17,7 +17,7 @@
 // the transfer), and after that, when the peers are late, sleeping 100 us between polls,
 // until the collective's timeout: then the message, MPI_Abort(MPI_COMM_WORLD, 3), the job ends.
 // (This poll is the communicator's own wait on the network, as MPI_Wait's; it orders nothing in
-// ferry: stream order and events do that, as DESIGN.md asks.)
+// ferry: stream order and events do that, as docs/design.md asks.)
 //
 // Threads: collectives enqueued on a stream run on that stream's worker thread. MPI is initialised
 // with MPI_THREAD_MULTIPLE when the library has it; with SERIALIZED every MPI call is made under one

@@ -1,4 +1,4 @@
-// fy_comm: collectives across ranks (DESIGN.md, "Communication (runtime/)"), one backend behind a
+// fy_comm: collectives across ranks (docs/design.md, "Communication (runtime/)"), one backend behind a
 // table of functions like core/device.h.
 //
 // Backends: `single` (one rank: every collective is a copy or nothing; given a stream, the copy is a

@@ -1,4 +1,4 @@
-// The step engine (DESIGN.md, "One training step", steps 2 and 3): forward walks the graph's
+// The step engine (docs/design.md, "One training step", steps 2 and 3): forward walks the graph's
 // operators in order, backward in reverse, each op calling its kernel on the model's buffers.
 //
 // An op call carries everything one kernel invocation needs, with the parameter pointers already

@@ -54,7 +54,7 @@ struct fy_offload {
   // rebuilt whole after the master was set from outside (m->cparams_fresh false). The blocks hold
   // them, and the kernels write the gradients over them in that dtype. fp32: chome is NULL and
   // esize 4. With one micro-batch a step the gradients come home as they are, over the copy
-  // (DESIGN.md: gradients written over the compute payload), for the chunks whose state is in the
+  // (docs/design.md: gradients written over the compute payload), for the chunks whose state is in the
   // host tier; the update reads them there and writes the next weights in their place (a skipped
   // step rebuilds the copy from the master). Otherwise they are widened into fp32 gradients.
   void **chome;

@@ -1,4 +1,4 @@
-// Training with the model state off the device (DESIGN.md, "One training step"): parameters live
+// Training with the model state off the device (docs/design.md, "One training step"): parameters live
 // in chunks in the host tier; the device holds only a cache of chunk-sized blocks (memory/
 // device_cache.h) plus the activations. Each op makes its chunks resident (a prefetch for the next
 // ones already in flight on the copy stream), runs on the compute stream and releases them; in
@@ -7,7 +7,7 @@
 // in first-use order, so that the next step's forward can start on the first chunks while later
 // ones are still being updated. Each chunk's gradients and AdamW m and v live in the host tier or,
 // for the last chunks when the host cannot hold them, on disk. With 16-bit compute (bf16 on a GPU)
-// a chunk's compute payload is its weights in that dtype (DESIGN.md, "Chunks"): a host copy that
+// a chunk's compute payload is its weights in that dtype (docs/design.md, "Chunks"): a host copy that
 // every update refreshes from the fp32 master is what crosses the link, and the kernels write the
 // gradients over it in the block. With one micro-batch a step they come home as they are, over
 // that copy, and AdamW turns them into the next weights there; with accumulation (or state on

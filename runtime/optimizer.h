@@ -1,4 +1,4 @@
-// AdamW over the model's parameters with gradient clipping by global norm (DESIGN.md, "One
+// AdamW over the model's parameters with gradient clipping by global norm (docs/design.md, "One
 // training step", step 4). The norm is the sum of per-parameter sums of squares taken in parameter
 // order, so it does not depend on how parameters are laid out or placed; clipping is decided from
 // it before any parameter is updated.

@@ -35,7 +35,7 @@ struct fy_train_opts {
   // `dropout`. Default 0 (none, as llm.c; the peers compare without it). The masks are drawn
   // from the seed and the tokens' place in the data (ops/dropout.h): any placement, the same.
   float dropout;
-  // Where the model state lives (DESIGN.md, "Tiers"). device "cpu": everything in host memory.
+  // Where the model state lives (docs/design.md, "Tiers"). device "cpu": everything in host memory.
   // device "sim": the sim device with device_mem bytes holds a cache of chunks; parameters and
   // optimizer state live in the host tier (host_mem bytes, 0 = the machine's memory), and the
   // gradients and AdamW state that do not fit there go to disk_dir.

@@ -59,7 +59,7 @@ static int check_failed_ = 0, check_total_ = 0;
     }                                                                        \
   } while (0)
 
-// Normalised error ||a - b|| / max(||b||, tiny), the measure of DESIGN.md's op tests.
+// Normalised error ||a - b|| / max(||b||, tiny), the measure of docs/design.md's op tests.
 static inline double check_rel_err(const float *a, const float *b, int64_t n) {
   double num = 0, den = 0;
   for (int64_t i = 0; i < n; i++) {

@@ -1,4 +1,4 @@
-// Chunked heterogeneous memory on the sim device (DESIGN.md, "Chunks", "Tiers"): the placement
+// Chunked heterogeneous memory on the sim device (docs/design.md, "Chunks", "Tiers"): the placement
 // changes speed and memory, never the numbers. A small model is trained for 20 steps in many
 // placements; the losses and the final parameters must be bit-identical to the resident cpu run,
 // and the sim device's own counter must never pass its cap.

@@ -1,4 +1,4 @@
-// The CUDA kernels (DESIGN.md "Conventions"): the same operators and contracts as ops/ops.h — same
+// The CUDA kernels (docs/design.md "Conventions"): the same operators and contracts as ops/ops.h — same
 // shapes, backward kernels ACCUMULATE (+=) unless a comment says otherwise — run on a cudaStream_t.
 // Pointers are device memory. Activations, weights and their gradients have the element type `dt`:
 // FY_F32 or FY_BF16 (anything else is FY_ERR_UNSUPPORTED); arithmetic is fp32 whatever `dt`, and

@@ -718,7 +718,7 @@ def check_random(torch, ferry, tmp, n, seed, only=None, gpu=0):
 
 
 def check_placements(torch, ferry, tmp, n, seed, only=None):
-    """Placement changes memory, never numbers (DESIGN.md's correctness rule), bit for bit: each of
+    """Placement changes memory, never numbers (docs/design.md's correctness rule), bit for bit: each of
     n random cases (random_case's configurations and data) trains on the cpu and again on the sim
     device along a random placement (cache blocks, prefetch, chunks kept on the device, AdamW state
     on disk, recomputation), in fp32, bf16 or fp16 (rounded at every op; fp16 with its dynamic
