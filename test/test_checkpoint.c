@@ -48,6 +48,12 @@ static void check_resume(const char *what, struct fy_train_opts o) {
   snprintf(root, sizeof root, "%s/resume_%d", dir, rand());
   struct fy_train_result straight, first, second;
   o.steps = 10;
+  char straight_root[600];
+  if (o.optimizer_lag) {  // (its checkpoints apply the pending update: the straight run writes them too)
+    snprintf(straight_root, sizeof straight_root, "%s_straight", root);
+    o.save = straight_root;
+    o.save_every = 5;
+  }
   CHECK_OK(fy_train(&o, &straight));
   o.stop_after = 5;  // interrupted after 5 of 10 steps
   o.save = root;
@@ -129,7 +135,13 @@ int main(int argc, char **argv) {
   check_resume("sim bf16, 2 chunks updated on the device", o);
   o.precision = NULL;
   check_resume("sim, 2 chunks updated on the device", o);
+  o.precision = "bf16";  // --optimizer-lag: the checkpoint holds every update, and resumes exactly
+  o.optimizer_lag = 1;
+  check_resume("sim bf16 lag 1, 2 chunks updated on the device", o);
   o.device_chunks = 0;
+  check_resume("sim bf16 lag 1", o);
+  o.optimizer_lag = 0;
+  o.precision = NULL;
   CHECK(!last_by_chunk);  // a snapshot fits: checkpoints are written in the background
   // A host memory that holds the state but not a snapshot of it as well: the checkpoints are
   // written chunk by chunk from where the state lives (training waits), and resume exactly.
