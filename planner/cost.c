@@ -62,6 +62,7 @@ struct sim {
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
   fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready, *dev_sums_ready;
+  fy_event **home_ready_alt;  // optimizer_lag: the other 16-bit copy's (runtime/offload.c)
   struct fy_device_cache *cache;
   struct fy_trace *trace;
   struct fy_action *actions;
@@ -75,9 +76,11 @@ static void sim_free(struct sim *s, int nc) {
   fy_trace_free(s->trace);
   for (int c = 0; c < nc; c++) {
     if (s->home_ready) fy_event_free(s->home_ready[c]);
+    if (s->home_ready_alt) fy_event_free(s->home_ready_alt[c]);
     if (s->grad_ready) fy_event_free(s->grad_ready[c]);
   }
   free(s->home_ready);
+  free(s->home_ready_alt);
   free(s->grad_ready);
   fy_event_free(s->batch_ready);
   fy_event_free(s->norm_ready);
@@ -289,6 +292,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   bool gpu = strcmp(probe->device, "cuda") == 0;
   enum fy_dtype cdt;
   FY_TRY(fy_cost_check_precision(k->precision, probe->device, &cdt));
+  if (k->optimizer_lag < 0 || k->optimizer_lag > 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag %d: 0 or 1", k->optimizer_lag);
+  const bool lag = k->optimizer_lag > 0;
+  if (lag && (k->resident || cdt == FY_F32 || k->grad_accum > 1))
+    return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag 1 is for offloaded plans in 16-bit compute with one "
+                        "micro-batch a step (grad_accum 1)");
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
     return simulate_resident(cfg, k, probe, out);
@@ -362,6 +371,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double dev_elems = 0;
   for (int c = 0; c < n_dev; c++) dev_elems += (double)l->chunks[c].used;
   // (and their parameters' sums of squares and the update's scale)
+  if (lag) out->device_chunk_bytes += (double)fy_device_round((size_t)ce * pb, gran);  // (its gradients kept a step)
   const double dev_state = n_dev > 0 ? n_dev * out->device_chunk_bytes +
                                            (double)fy_device_round((size_t)g->n_params * 8, gran) +
                                            (double)fy_device_round(16, gran)
@@ -395,7 +405,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // As the runtime counts (runtime/trainer.c, setup_offload): when the host cannot hold every
   // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
   double per_chunk_state = ce * host_state_bytes(cdt, k->grad_accum > 1) * share;  // (gradients,) m, v
-  double params_host = np * host_weight_bytes(cdt, pb) * share, reserve = 3 * (double)ce * 4,
+  // (--optimizer-lag: a second 16-bit copy of every chunk the host updates)
+  double params_host = (np * host_weight_bytes(cdt, pb) + (lag ? (nc - n_dev) * (double)ce * pb : 0)) * share,
+         reserve = 3 * (double)ce * 4,
          disk_reserve = (g16 ? 4 : 7) * (double)ce * 4 / dp;  // (the disk chunks' buffers: shards of a chunk)
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
@@ -453,9 +465,11 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   void *p;
   for (int i = 0; st == FY_OK && i < n_fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
   void *dbatch = p;
-  for (int c = 0; st == FY_OK && c < n_dev; c++)
+  for (int c = 0; st == FY_OK && c < n_dev; c++) {
     for (size_t i = 0; st == FY_OK && i < sizeof dev_buf / sizeof *dev_buf; i++)
       if (dev_buf[i]) st = fy_device_alloc(s.dev, dev_buf[i], &p);
+    if (st == FY_OK && lag) st = fy_device_alloc(s.dev, (size_t)ce * pb, &p);
+  }
   if (st == FY_OK && n_dev > 0) st = fy_device_alloc(s.dev, (size_t)g->n_params * 8, &p);
   if (st == FY_OK && n_dev > 0) st = fy_device_alloc(s.dev, 16, &p);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.compute);
@@ -466,13 +480,15 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (st == FY_OK) st = fy_event_create(s.dev, &s.norm_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.dev_sums_ready);
   s.home_ready = calloc((size_t)nc, sizeof *s.home_ready);
+  s.home_ready_alt = calloc((size_t)nc, sizeof *s.home_ready_alt);
   s.grad_ready = calloc((size_t)nc, sizeof *s.grad_ready);
   s.home = calloc((size_t)nc, sizeof *s.home);
   s.actions = calloc((size_t)fy_graph_max_actions(g), sizeof *s.actions);
-  if (st == FY_OK && (!s.home_ready || !s.grad_ready || !s.home || !s.actions))
+  if (st == FY_OK && (!s.home_ready || !s.home_ready_alt || !s.grad_ready || !s.home || !s.actions))
     st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int c = 0; st == FY_OK && c < nc; c++) {
     st = fy_event_create(s.dev, &s.home_ready[c]);
+    if (st == FY_OK) st = fy_event_create(s.dev, &s.home_ready_alt[c]);
     if (st == FY_OK) st = fy_event_create(s.dev, &s.grad_ready[c]);
     s.home[c] = (const float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block);
   }
@@ -481,6 +497,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     fy_timeline_name_stream(s.copy_in, "copy to device");
     fy_timeline_name_stream(s.copy_out, "copy to host");
     fy_timeline_name_stream(s.optim, "host optimizer");
+    fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
     s.n_actions = fy_graph_pass_actions(g, s.actions);
     int64_t n = 0;
     for (int a = 0; a < s.n_actions; a++) n += l->op_first[s.actions[a].op + 1] - l->op_first[s.actions[a].op];
@@ -523,6 +540,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   }
   const int steps = 3;
   double ends[3] = {0}, host = 0, busy[4] = {0}, copy0[2] = {0}, optim_step = 0, cpu_copied = 0;
+  // For charging the wait for the norm: the last norm's own work (its sums of squares), and when
+  // the updates queued before it on the optimizer stream (the step before's) ended.
+  double norm_work = 0, backlog_end = 0, adamw_end = 0;
   int64_t pos = 0, loads0 = 0;
   double mem = probe->host_mem_gbps * 1e9, adamw = probe->host_adamw_gbps * 1e9;
   const double dev_mem = fy_profile_mem_rate(probe);  // (memory-bound kernels on the device)
@@ -542,8 +562,14 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       fy_device_cache_stats(s.cache, &ks);
       loads0 = ks.loads;
     }
-    // The host enqueues the step once it knows the last step's norm.
-    bump(s.compute, host);
+    // The host enqueues the step once it knows the last step's norm: a wait that is the norm's own
+    // work at most, the rest the updates queued before it (the lag's) or the gradients' way home.
+    {
+      double c0 = fy_timeline_clock(s.compute), gap = host - c0;
+      double rest = gap > norm_work ? gap - norm_work : 0;
+      if (rest > 0) fy_timeline_wait_until(s.compute, c0 + rest, backlog_end > c0 ? FY_STALL_OPTIMIZER : FY_STALL_LOAD);
+      fy_timeline_wait_until(s.compute, host, FY_STALL_NORM);
+    }
     bump(s.copy_in, host);
     bump(s.copy_out, host);
     for (int64_t micro = 0; st == FY_OK && micro < k->grad_accum; micro++) {
@@ -625,17 +651,23 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       if (last) busy[0] += t;
     }
     // The optimizer: sums of squares as gradients arrive, the norm, then AdamW chunk by chunk.
+    norm_work = 0;
+    backlog_end = adamw_end;
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       fy_stream_wait(s.optim, s.grad_ready[c]);
-      double u = (double)l->chunks[c].used * share, t = u * 4 / mem + (c >= nc - n_disk && !g16 ? u * 4 / dread : 0);
+      // (the gradients read: a GPU's bf16 where they come home over the copy, else floats)
+      double u = (double)l->chunks[c].used * share, t = u * (g16 ? pb : 4) / mem + (c >= nc - n_disk && !g16 ? u * 4 / dread : 0);
       fy_timeline_run(s.optim, t, "norm");
+      norm_work += t;
       optim_step += t;
       if (last) busy[3] += t;
     }
     fy_event_record(s.norm_ready, s.optim);
     double norm_at = fy_timeline_clock(s.optim);
-    if (n_dev > 0) {  // (a GPU's AdamW at its memory rate; on sim the host's AdamW, on the compute thread)
-      bump(s.compute, norm_at);
+    // (a GPU's AdamW at its memory rate; on sim the host's AdamW, on the compute thread; with the
+    // lag the step before's, which waits for no norm)
+    if (n_dev > 0) {
+      if (!lag) fy_timeline_wait_until(s.compute, norm_at, FY_STALL_NORM);
       double t = gpu ? dev_elems * (24 + (act16 ? 2 : 0) + dev_gb) / dev_mem : dev_elems * 28 / adamw;
       fy_timeline_run(s.compute, t, "device AdamW");
       if (last) busy[0] += t;
@@ -646,6 +678,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       // A disk chunk: (its fp32 gradients,) m and v read, then the update while the chunk before's
       // m and v are written (runtime/offload.c: they go back behind it).
       if (c >= nc - n_disk) t = u * (g16 ? 8 : 12) / dread + (t > u * 8 / dwrite ? t : u * 8 / dwrite);
+      fy_timeline_set_cause(s.optim, c >= nc - n_disk ? FY_STALL_DISK : FY_STALL_OPTIMIZER);
       fy_timeline_run(s.optim, t, "AdamW");
       fy_event_record(s.home_ready[c], s.optim);
       optim_step += t;
@@ -657,6 +690,15 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       double copied = now.bytes[0] + now.bytes[1] - cpu_copied;
       cpu_copied = now.bytes[0] + now.bytes[1];
       fy_timeline_run(s.compute, optim_step + copied / cp, "host work");
+    }
+    fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
+    adamw_end = fy_timeline_clock(s.optim);
+    // The lag: the next step reads the other copies, which the update of this step's predecessor
+    // wrote (runtime/offload.c, swap_copies).
+    for (int c = n_dev; lag && c < nc; c++) {
+      fy_event *e = s.home_ready[c];
+      s.home_ready[c] = s.home_ready_alt[c];
+      s.home_ready_alt[c] = e;
     }
     optim_step = 0;
     host = norm_at;
@@ -676,6 +718,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     out->h2d_s = busy[1];
     out->d2h_s = busy[2];
     out->optim_s = busy[3];
+    fy_timeline_stalls(s.compute, out->stall_s);
     out->device_peak = (double)s.dev->bytes_peak + scratch;  // (the timeline's device holds no scratch)
     step_rates(out, k, probe);
   }

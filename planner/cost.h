@@ -12,6 +12,7 @@
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/opt.h"
+#include "core/stall.h"
 #include "planner/probe.h"
 
 // What the planner decides (and a plan file holds).
@@ -42,6 +43,10 @@ struct fy_plan_knobs {
   // activations; on cpu and sim (whose chunks and activations hold floats in any precision) it
   // changes only the products' rate (the probe's bf16_speedup; fp16's products are fp32 ones).
   char precision[8];
+  // 1: the one-step-delayed update (ferry train --optimizer-lag 1): each step's host updates run
+  // under the next step, which reads the other of two 16-bit copies a chunk; the device chunks'
+  // updates run after the next step's passes. 16-bit compute, grad_accum 1, offloaded only.
+  int optimizer_lag;
 };
 
 // The precision a device computes in by default (docs/design.md, "Numbers"): "bf16" on a GPU ("cuda"),
@@ -59,6 +64,9 @@ struct fy_cost {
   double step_s, tokens_per_s, flops_per_step, mfu;  // all ranks' tokens and FLOPs; MFU per rank
   double compute_s, h2d_s, d2h_s, optim_s;  // busy seconds per step of each stream
   double comm_s;           // collectives per step (inside the streams' busy time), 0 on one rank
+  // Seconds per step the compute stream waited, by cause (core/stall.h): what ferry train
+  // --profile measures on an offloaded run.
+  double stall_s[FY_STALL_COUNT];
   char bottleneck[24];     // "compute", "copy to device", "copy to host", "optimizer"
   double device_peak, min_device_bytes, host_bytes, disk_bytes;
   int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;  // (0 for a resident plan)

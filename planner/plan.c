@@ -59,12 +59,22 @@ static void note_miss(const struct fy_cost *c, const struct fy_probe *probe, str
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                                int ranks, bool offload_only, const char *precision, const struct fy_probe *probe,
                                struct fy_plan *best, int *n_tried) {
+  return fy_plan_search_lag(cfg, model, batch, seq, ranks, offload_only, precision, 0, probe, best, n_tried);
+}
+
+fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                             int ranks, bool offload_only, const char *precision, int optimizer_lag,
+                             const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
   if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
+  if (optimizer_lag < 0 || optimizer_lag > 1) return fy_error_set(FY_ERR_INVALID, "plan: optimizer lag 0 or 1");
   if (ranks < 1) return fy_error_set(FY_ERR_INVALID, "plan: the number of ranks must be positive");
   // Every plan tried is for this precision, written out (a plan file says what it was made for).
   enum fy_dtype cdt;
   FY_TRY(fy_cost_check_precision(precision, probe->device, &cdt));
   const char *prec = fy_precision_name(cdt);
+  if (optimizer_lag && cdt == FY_F32)
+    return fy_error_set(FY_ERR_INVALID, "plan: --optimizer-lag 1 needs 16-bit compute (--precision bf16 or fp16)");
+  if (optimizer_lag) offload_only = true;  // (a resident run updates on the device: nothing to hide)
   memset(best, 0, sizeof *best);
   snprintf(best->model, sizeof best->model, "%s", model);
   snprintf(best->pattern, sizeof best->pattern, "replicate");
@@ -103,7 +113,7 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
     int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems;
     fy_graph_free(g);
     for (int64_t micro = per_rank; micro >= 1; micro--) {
-      if (per_rank % micro) continue;
+      if (per_rank % micro || (optimizer_lag && micro != per_rank)) continue;  // (the lag: one micro-batch a step)
       for (int rc = 0; rc < 2; rc++)
         for (int64_t mult = 1; mult <= 4; mult *= 2) {
           if (mult > 1 && min_chunk * mult / 2 > total) break;
@@ -116,7 +126,8 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
           for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
             struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
                                       .chunk_elems = ce, .blocks = 0, .prefetch = pf,
-                                      .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp};
+                                      .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp,
+                                      .optimizer_lag = optimizer_lag};
             snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);
             struct fy_cost c;
@@ -268,6 +279,15 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           c->tokens_per_s, 100 * c->mfu);
   fprintf(f, "  busy per step: compute %.3f s, to device %.3f s, to host %.3f s, optimizer %.3f s; bottleneck: %s\n",
           c->compute_s, c->h2d_s, c->d2h_s, c->optim_s, c->bottleneck);
+  if (!k->resident) {  // (ferry train --profile measures the same)
+    fprintf(f, "  compute waited per step:");
+    for (int i = 0; i < FY_STALL_COUNT; i++)
+      fprintf(f, "%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), c->stall_s[i]);
+    fprintf(f, "\n");
+  }
+  if (k->optimizer_lag)
+    fprintf(f, "  optimizer lag 1: each step's host updates run under the next step (ferry train --optimizer-lag 1; "
+               "other numbers than the exact step's)\n");
   if (p->dp * p->tp > 1)
     fprintf(f, "  collectives per step: %.3f s of the above at %.1f GB/s between ranks\n", c->comm_s,
             fy_probe_comm_gbps(&p->machine));

@@ -36,6 +36,11 @@ fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                                int ranks, bool offload_only, const char *precision, const struct fy_probe *probe,
                                struct fy_plan *best, int *n_tried);
+// The same for plans with the one-step-delayed update (optimizer_lag 1, ferry train
+// --optimizer-lag 1: offloaded, 16-bit, one micro-batch a step) or without it (0).
+fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                             int ranks, bool offload_only, const char *precision, int optimizer_lag,
+                             const struct fy_probe *probe, struct fy_plan *best, int *n_tried);
 // Re-simulates a (perhaps hand-edited) plan on `probe`: FY_ERR_INVALID with the reason when it is
 // inconsistent (unknown pattern, a chunk size that is not a multiple of 16 floats or cannot hold
 // the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does

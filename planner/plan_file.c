@@ -27,6 +27,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
     json_object_object_add(o, "precision", json_object_new_string(k->precision));
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
   json_object_object_add(o, "device_chunks", json_object_new_int(k->device_chunks));
+  if (k->optimizer_lag) json_object_object_add(o, "optimizer_lag", json_object_new_int(k->optimizer_lag));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
   json_object_object_add(o, "tp", json_object_new_int(p->tp));
@@ -82,7 +83,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "pattern", "dp", "tp",
+                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "optimizer_lag", "pattern", "dp", "tp",
                                       "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
@@ -107,6 +108,10 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   if (st == FY_OK && json_object_object_get_ex(o, "device_chunks", NULL) &&
       (st = get_int(o, path, "device_chunks", 0, 1 << 24, &v)) == FY_OK)
     k->device_chunks = (int)v;
+  // (Optional: 0, the exact step, when absent.)
+  if (st == FY_OK && json_object_object_get_ex(o, "optimizer_lag", NULL) &&
+      (st = get_int(o, path, "optimizer_lag", 0, 1, &v)) == FY_OK)
+    k->optimizer_lag = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "dp", 1, 1 << 16, &v)) == FY_OK) p->dp = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "tp", 1, 1 << 16, &v)) == FY_OK) p->tp = (int)v;
   json_object *x;

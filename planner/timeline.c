@@ -6,15 +6,23 @@
 #define FAKE_BASE ((uintptr_t)1 << 46)  // device addresses: far from any real mapping
 #define MAX_STREAMS 16
 
+// A wait's cause (core/stall.h): each stream says what its work is; an event carries that, and
+// what its stream last waited for and until when, so that a wait on it can be charged to what
+// held it up first.
 struct tl_stream {
   struct fy_stream base;
   double clock;
   int id;
+  enum fy_stall cause, wait_cause;
+  double wait_end;
+  double stalls[FY_STALL_COUNT];
 };
 
 struct tl_event {
   struct fy_event base;
   double time;
+  enum fy_stall cause, wait_cause;
+  double wait_end;
 };
 
 struct tl {
@@ -117,14 +125,32 @@ static fy_status tl_event_create(struct fy_device *d, fy_event **out) {
 static void tl_event_free(struct fy_device *d, fy_event *e) { free(e); }
 
 static fy_status tl_record(fy_event *e, fy_stream *s) {
-  ((struct tl_event *)e)->time = ((struct tl_stream *)s)->clock;
+  struct tl_event *te = (struct tl_event *)e;
+  const struct tl_stream *ts = (const struct tl_stream *)s;
+  te->time = ts->clock;
+  te->cause = ts->cause;
+  te->wait_cause = ts->wait_cause;
+  te->wait_end = ts->wait_end;
   return FY_OK;
 }
 
+// s waits from its clock to t: the part until `held` (what the awaited stream itself waited for)
+// is charged to held_cause, the rest to cause.
+static void tl_stall(struct tl_stream *s, double t, enum fy_stall cause, double held, enum fy_stall held_cause) {
+  if (t <= s->clock) return;
+  double first = held > s->clock ? (held < t ? held : t) - s->clock : 0;
+  if (TL(s->base.dev)->record) {
+    s->stalls[held_cause] += first;
+    s->stalls[cause] += t - s->clock - first;
+  }
+  s->wait_cause = t - s->clock - first >= first ? cause : held_cause;
+  s->wait_end = t;
+  s->clock = t;
+}
+
 static fy_status tl_wait(fy_stream *s, fy_event *e) {
-  struct tl_stream *ts = (struct tl_stream *)s;
-  double t = ((struct tl_event *)e)->time;
-  if (t > ts->clock) ts->clock = t;
+  const struct tl_event *te = (const struct tl_event *)e;
+  tl_stall((struct tl_stream *)s, te->time, te->cause, te->wait_end, te->wait_cause);
   return FY_OK;
 }
 
@@ -186,6 +212,16 @@ void fy_timeline_run(fy_stream *s, double seconds, const char *label) {
 }
 
 double fy_timeline_clock(const fy_stream *s) { return ((const struct tl_stream *)s)->clock; }
+
+void fy_timeline_set_cause(fy_stream *s, enum fy_stall cause) { ((struct tl_stream *)s)->cause = cause; }
+
+void fy_timeline_wait_until(fy_stream *s, double t, enum fy_stall cause) {
+  tl_stall((struct tl_stream *)s, t, cause, 0, cause);
+}
+
+void fy_timeline_stalls(const fy_stream *s, double out[FY_STALL_COUNT]) {
+  for (int i = 0; i < FY_STALL_COUNT; i++) out[i] = ((const struct tl_stream *)s)->stalls[i];
+}
 
 int fy_timeline_spans(const struct fy_device *dev, const struct fy_timeline_span **out) {
   *out = TL(dev)->spans;

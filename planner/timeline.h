@@ -13,6 +13,7 @@
 #include <stdio.h>
 
 #include "core/device.h"
+#include "core/stall.h"
 
 // One interval of work on a stream, for drawing the step.
 struct fy_timeline_span {
@@ -36,6 +37,14 @@ int fy_timeline_spans(const struct fy_device *dev, const struct fy_timeline_span
 void fy_timeline_reset_spans(struct fy_device *dev);
 // Turns recording of spans on or off (to draw one steady-state step).
 void fy_timeline_record(struct fy_device *dev, bool on);
+// What the work enqueued on s from now on is (core/stall.h): a wait on an event it records is
+// charged to that, or to what s itself waited for just before (a load held up by the optimizer).
+// Streams start as FY_STALL_LOAD.
+void fy_timeline_set_cause(fy_stream *s, enum fy_stall cause);
+// Moves s's clock forward to t (the host enqueues s's next work then), charging the wait to cause.
+void fy_timeline_wait_until(fy_stream *s, double t, enum fy_stall cause);
+// The seconds s has waited, by cause, while recording was on.
+void fy_timeline_stalls(const fy_stream *s, double out[FY_STALL_COUNT]);
 // The name to draw a stream under.
 void fy_timeline_name_stream(fy_stream *s, const char *name);
 const char *fy_timeline_stream_name(const struct fy_device *dev, int stream);

@@ -181,9 +181,32 @@ static bool override_ok(const char *cmd, const char *key, const char *value) {
   return false;
 }
 
+// An offloaded plan whose compute waits on the optimizer (or the norm, or the disk: the step's
+// per-step costs) for a noticeable part of its step: the plans for 2 and 4 times the global batch,
+// when they are faster per token, said with the batch that buys it (the optimizer's cost is per
+// step, the compute's per token), so that the user can choose the bigger batch.
+static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq, int ranks,
+                             bool offload_only, const char *precision, int lag, const struct fy_probe *probe,
+                             const struct fy_plan *best) {
+  const struct fy_cost *c = &best->predicted;
+  const double per_step = c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_DISK] + c->stall_s[FY_STALL_NORM];
+  if (best->k.resident || per_step < 0.05 * c->step_s) return;
+  for (int f = 2; f <= 4; f *= 2) {
+    struct fy_plan big;
+    if (fy_plan_search_lag(cfg, model, batch * f, seq, ranks, offload_only, precision, lag, probe, &big, NULL) != FY_OK)
+      continue;  // (does not fit: nothing to say)
+    const double gain = big.predicted.tokens_per_s / c->tokens_per_s;
+    if (gain < 1.05) continue;
+    printf("  a bigger global batch buys speed here (the optimizer's cost is per step, the compute's per token): "
+           "%lld sequences a step (per rank: micro-batch %lld x %lld accumulated) would run at %.0f tokens/s, %.2fx\n",
+           (long long)(batch * f), (long long)big.k.micro_batch, (long long)big.k.grad_accum,
+           big.predicted.tokens_per_s, gain);
+  }
+}
+
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION };
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION, P_LAG };
   static const struct option opts[] = {
       {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
       {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
@@ -193,6 +216,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"seq", required_argument, 0, P_SEQ}, {"out", required_argument, 0, P_OUT}, {"svg", required_argument, 0, P_SVG},
       {"gpus", required_argument, 0, P_GPUS}, {"help", no_argument, 0, P_HELP},
       {"profile", no_argument, 0, P_PROFILE}, {"offload", no_argument, 0, P_OFFLOAD},
+      {"optimizer-lag", required_argument, 0, P_LAG},
       {"precision", required_argument, 0, P_PRECISION},
       // Overrides by their own names.
       {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
@@ -209,6 +233,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL;
   int64_t batch = 8, seq = 1024, gpus = 1;
   bool profile = false, offload_only = false;
+  int64_t lag = 0;
   int c, idx = 0;
   optind = 1;
   opterr = 0;
@@ -253,6 +278,14 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       case P_GPUS: ok = parse_i64("--gpus", optarg, 1, &gpus); break;
       case P_PROFILE: profile = true; break;
       case P_OFFLOAD: offload_only = true; break;
+      case P_LAG:
+        if (!plan) {
+          fprintf(stderr, "ferry probe: --optimizer-lag is ferry plan's\n");
+          return 2;
+        }
+        ok = parse_i64("--optimizer-lag", optarg, 0, &lag) && (lag <= 1 || (fprintf(stderr, "ferry plan: "
+             "--optimizer-lag %lld: 0 or 1\n", (long long)lag), false));
+        break;
       case P_PRECISION:
         if (!plan) {
           fprintf(stderr, "ferry probe: --precision is ferry plan's (the probe measures both bf16 and fp32 products)\n");
@@ -286,7 +319,10 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "  --offload          offloaded plans only (a GPU's default also tries it resident)\n"
                  "  --precision P      the compute the plan is for: fp32 (default on cpu, sim), bf16\n"
                  "                     (default on cuda; its products at bf16_speedup x the fp32 rate)\n"
-                 "                     or fp16 (cpu, sim); ferry train --plan FILE runs it in P\n");
+                 "                     or fp16 (cpu, sim); ferry train --plan FILE runs it in P\n"
+                 "  --optimizer-lag N  1: plans for the one-step-delayed update (ferry train --optimizer-lag\n"
+                 "                     1: each step's host updates under the next step; 16-bit, offloaded,\n"
+                 "                     no accumulation); the plan file runs with it. Default 0\n");
         else
           printf("Measures device memory, GEMM rates (fp32, and bf16 where the processor multiplies\n"
                  "bf16: bf16_speedup), copy bandwidth each way, host AdamW and memory bandwidth and disk\n"
@@ -339,10 +375,11 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     st = stat(model, &sb) == 0 ? fy_ckpt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
   if (st == FY_OK)
-    st = fy_plan_search_ranks(&cfg, model, batch, seq, (int)gpus, offload_only, precision, &probe, &best, &tried);
+    st = fy_plan_search_lag(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe, &best, &tried);
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
+    say_bigger_batch(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe, &best);
     const double x = fy_probe_gemm_gflops(&probe, true) / fy_probe_gemm_gflops(&probe, false);
     if (strcmp(best.k.precision, "bf16") == 0 && strcmp(probe.device, "cuda") != 0 && x <= 1.0)
       printf("  (this processor multiplies bf16 as fp32: a bf16 step runs its products at the fp32 rate and rounds each "

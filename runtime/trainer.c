@@ -1543,8 +1543,8 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
   }
   struct fy_plan plan;
   if (automatic) {  // the global batch as if every rank were data-parallel, in this run's precision
-    FY_TRY(fy_plan_search_ranks(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
-                                cuda && o->offload, o->precision, &probe, &plan, NULL));
+    FY_TRY(fy_plan_search_lag(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
+                              cuda && o->offload, o->precision, o->optimizer_lag, &probe, &plan, NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.resident && !cuda)
@@ -1602,6 +1602,10 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
     o->disk_chunks = k->disk_chunks;
     o->device_chunks = k->device_chunks;
   }
+  if (k->optimizer_lag && !o->optimizer_lag && fy_comm_launch_rank() == 0)
+    fy_log_info("--plan %s is for the one-step-delayed update: training with --optimizer-lag %d", o->plan,
+                k->optimizer_lag);
+  if (k->optimizer_lag) o->optimizer_lag = k->optimizer_lag;
   if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
   if (!cuda || automatic) {
     fy_plan_print(&plan, stdout);

@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
+# fp32 and bf16, and with --optimizer-lag 1; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
 # with validation between steps; ferry sample on the GPU, resident and offloaded. bench/gpu/check.sh
 # runs it on a GPU with opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
@@ -285,6 +285,28 @@ print("dev chunks bf16  ", " ".join(f"{x:.5f}" for x in c))
 print("dev chunks accum ", " ".join(f"{x:.5f}" for x in dacc))
 close = lambda u, v: len(u) == len(v) > 0 and all(abs(x - y) <= 5e-3 * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(a, b) and close(a, c) and close(acc, dacc) else 1)
+PY
+# --optimizer-lag 1 offloaded on the GPU: each step's host updates run under the next step (two
+# bf16 copies a chunk), the device chunks' after the next step's passes. Against the CPU's
+# lagged bf16 run within bf16's rounding; with two chunks' m and v on disk the same bits; its
+# first step the exact run's, its later ones not.
+lag=(--offload --device-mem "$offload_mem" "${blocks[@]}" --optimizer-lag 1)
+ferry_run cpulag16 "${common[@]}" --device cpu --precision bf16 --optimizer-lag 1 --log "$d/cpulag16.jsonl" || exit 1
+ferry_run lag16 "${common[@]}" "${b16[@]}" "${lag[@]}" --log "$d/lag16.jsonl" || exit 1
+ferry_run lagdisk16 "${common[@]}" "${b16[@]}" "${lag[@]}" --disk-dir "$d/disklag" --disk-chunks 2 \
+  --log "$d/lagdisk16.jsonl" || exit 1
+ferry_run lagdev16 "${common[@]}" "${b16[@]}" "${lag[@]}" --device-chunks 2 --log "$d/lagdev16.jsonl" || exit 1
+python3 - "$d/cpulag16.jsonl" "$d/lag16.jsonl" "$d/lagdisk16.jsonl" "$d/lagdev16.jsonl" "$d/offload16.jsonl" <<'PY' || exit 1
+import json, sys
+cpu, lag, disk, dev, exact = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("lag 1 cpu bf16   ", " ".join(f"{x:.5f}" for x in cpu))
+print("lag 1 offload    ", " ".join(f"{x:.5f}" for x in lag))
+print("lag 1, 2 on disk ", " ".join(f"{x:.5f}" for x in disk), "(the same)" if disk == lag else "(not the same)")
+print("lag 1, 2 on GPU  ", " ".join(f"{x:.5f}" for x in dev))
+close = lambda u, v, e: len(u) == len(v) > 0 and all(abs(x - y) <= e * max(1.0, abs(x)) for x, y in zip(u, v))
+ok = close(cpu, lag, 2e-2) and disk == lag and close(lag, dev, 5e-3)
+ok = ok and lag[0] == exact[0] and lag[1:] != exact[1:]
+sys.exit(0 if ok else 1)
 PY
 # ferry sample on the GPU (a token at a time, the keys and values cached there) against the
 # CPU's: the same tokens drawn in fp32 (the same seed), past a window of 8 (the cache run again

@@ -699,6 +699,50 @@ int main(void) {
       CHECK(!rb.k.resident && rb.k.chunk_elems == off.k.chunk_elems);
     }
   }
+  // The one-step-delayed update (optimizer_lag): offloaded, 16-bit, one micro-batch a step; a
+  // second 16-bit copy of every chunk the host updates (2 bytes a parameter on a GPU); with a slow
+  // host optimizer the exact step waits on it and the lagged one less; the compute stream's waits
+  // are charged to their causes and add up to no more than the step; the plan file keeps it.
+  {
+    struct fy_probe g = gpu;
+    CHECK_OK(fy_probe_override(&g, "device_mem", "1GiB"));
+    CHECK_OK(fy_probe_override(&g, "host_adamw_gbps", "0.05"));
+    struct fy_plan exact, lag, bad;
+    CHECK_OK(fy_plan_search_lag(&cfg, "tiny", 4, 96, 1, true, "bf16", 0, &g, &exact, NULL));
+    CHECK_OK(fy_plan_search_lag(&cfg, "tiny", 4, 96, 1, false, "bf16", 1, &g, &lag, NULL));
+    CHECK(lag.k.optimizer_lag == 1 && lag.k.grad_accum == 1 && !lag.k.resident && exact.k.optimizer_lag == 0);
+    struct fy_plan_knobs k = exact.k;
+    k.grad_accum = 1;
+    k.micro_batch = 4;
+    k.device_chunks = 0;
+    struct fy_cost c0, c1;
+    CHECK_OK(fy_cost_simulate(&cfg, &k, &g, &c0, NULL));
+    k.optimizer_lag = 1;
+    CHECK_OK(fy_cost_simulate(&cfg, &k, &g, &c1, NULL));
+    const double copies = (double)c0.n_chunks * (c0.chunk_bytes / 2) * 2;  // (chunk_bytes: bf16 elements)
+    CHECKF(fabs(c1.host_bytes - c0.host_bytes - copies) < 1.0, "lag: host %.0f bytes, exact %.0f, copies %.0f",
+           c1.host_bytes, c0.host_bytes, copies);
+    for (int j = 0; j < 2; j++) {
+      const struct fy_cost *c = j ? &c1 : &c0;
+      double waited = 0;
+      for (int i = 0; i < FY_STALL_COUNT; i++) waited += c->stall_s[i];
+      CHECKF(waited <= c->step_s * (1 + 1e-9) && c->compute_s + waited >= c->step_s * (1 - 1e-9),
+             "%s: waits %.4g s, compute %.4g s, step %.4g s", j ? "lag" : "exact", waited, c->compute_s, c->step_s);
+    }
+    CHECKF(c0.stall_s[FY_STALL_OPTIMIZER] > 0.5 * c0.step_s && c1.step_s < c0.step_s,
+           "exact: %.4g s of %.4g waiting on the optimizer; lagged step %.4g s", c0.stall_s[FY_STALL_OPTIMIZER],
+           c0.step_s, c1.step_s);
+    char path[600];
+    snprintf(path, sizeof path, "%s/lag.json", dir);
+    CHECK_OK(fy_plan_write(path, &lag));
+    struct fy_plan back;
+    CHECK_OK(fy_plan_read(path, &back));
+    CHECK(back.k.optimizer_lag == 1);
+    CHECK_ERR(fy_plan_search_lag(&cfg, "tiny", 4, 96, 1, true, "fp32", 1, &g, &bad, NULL), FY_ERR_INVALID);
+    k.grad_accum = 2;
+    k.micro_batch = 2;
+    CHECK_ERR(fy_cost_simulate(&cfg, &k, &g, &c1, NULL), FY_ERR_INVALID);
+  }
   // A plan's precision: on a GPU fp32 doubles the payload, the cache blocks and the activations
   // and runs the products at the fp32 rate (device_gflops / bf16_speedup); on sim the memory is the
   // same in any precision (floats) and bf16 runs the linears at the bf16 rate. The plan file keeps

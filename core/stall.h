@@ -1,0 +1,17 @@
+// Why the compute stream waited in an offloaded step: what ferry train --profile measures and
+// ferry plan predicts, so that the two can be set side by side. A wait is charged to what held it
+// up: a chunk's load over the link (or a block's write-back it needed), the host optimizer's
+// update of a chunk the pass reads (AdamW of the step before, on the host), the disk (a disk
+// chunk's state read or written), or the gradient norm that ends a step (the next step is
+// enqueued once it is known).
+#ifndef FY_STALL_H
+#define FY_STALL_H
+
+enum fy_stall { FY_STALL_LOAD, FY_STALL_OPTIMIZER, FY_STALL_DISK, FY_STALL_NORM, FY_STALL_COUNT };
+
+static inline const char *fy_stall_name(enum fy_stall s) {
+  static const char *const names[FY_STALL_COUNT] = {"chunk loads", "host optimizer", "disk", "gradient norm"};
+  return (unsigned)s < FY_STALL_COUNT ? names[s] : "?";
+}
+
+#endif
