@@ -32,7 +32,7 @@ struct q8_code {
   float values[256];  // by code byte
   float mag[258];     // mag[0..K], then +inf
   int cell0, ncell;   // (e0 << CELL_BITS), cells
-  uint8_t floor_of[MAX_CELLS];
+  int32_t floor_of[MAX_CELLS];  // int32: the quantising loops gather from it in vectors
 };
 
 static struct q8_code codes[2];
@@ -77,7 +77,7 @@ static void build_code(struct q8_code *q, const int *k, int D, bool is_signed) {
     const float lo = c == 0 ? 0.0f : bits_f32((uint32_t)(q->cell0 + c) << (23 - CELL_BITS));
     const float hi = bits_f32((uint32_t)(q->cell0 + c + 1) << (23 - CELL_BITS));
     while (q->mag[fl + 1] <= lo) fl++;
-    q->floor_of[c] = (uint8_t)fl;
+    q->floor_of[c] = fl;
     FY_ASSERT(!(q->mag[fl + 2] < hi));  // at most one magnitude inside the cell
   }
 }
@@ -99,8 +99,9 @@ const float *fy_q8_code_values(enum fy_moment which) { return code_of(which)->va
 // within a factor 2); with mag[i] == 0, a - 0 is exact and mag[1] - a, when inexact (a < mag[1] /
 // 2), is still rounded to at least mag[1] / 2 > a; at the top mag[K+1] is +inf.
 static inline int q_mag(const struct q8_code *q, float a) {
-  int64_t c = (int64_t)(f32_bits(a) >> (23 - CELL_BITS)) - q->cell0;
-  c = c < 0 ? 0 : c >= q->ncell ? q->ncell - 1 : c;
+  int c = (int)(f32_bits(a) >> (23 - CELL_BITS)) - q->cell0;
+  c = c < 0 ? 0 : c;
+  c = c > q->ncell - 1 ? q->ncell - 1 : c;
   int i = q->floor_of[c];
   i += a >= q->mag[i + 1];
   return i + ((q->mag[i + 1] - a) < (a - q->mag[i]));
@@ -109,28 +110,31 @@ static inline int q_mag(const struct q8_code *q, float a) {
 // vals (len) -> codes (len), *scale: the block's store (ops/ops.h)
 static void q8_store_block(const struct q8_code *q, bool is_signed, uint8_t *restrict code, float *scale,
                            const float *restrict vals, int64_t len) {
-  float amax = 0.0f;
+  // The largest |x| on the float's bits: for values >= 0 their order is the integers' (a vector
+  // max without NaN rules); NaN's bits, above infinity's, are cut down to it.
+  uint32_t amax_bits = 0;
   for (int64_t i = 0; i < len; i++) {
-    float a = fabsf(vals[i]);
-    a = a <= FLT_MAX ? a : INFINITY;  // NaN counts as infinite
-    amax = a > amax ? a : amax;
+    uint32_t u = f32_bits(vals[i]) & 0x7fffffffu;
+    u = u < 0x7f800000u ? u : 0x7f800000u;
+    amax_bits = u > amax_bits ? u : amax_bits;
   }
-  if (!(amax <= FLT_MAX) || amax == 0.0f) {
-    *scale = amax == 0.0f ? 0.0f : NAN;
+  const float amax = bits_f32(amax_bits);
+  if (amax_bits == 0x7f800000u || amax_bits == 0) {
+    *scale = amax_bits ? NAN : 0.0f;
     memset(code, 0, (size_t)len);
     return;
   }
   *scale = amax;
   if (is_signed) {
     for (int64_t i = 0; i < len; i++) {
-      int k = q_mag(q, fabsf(vals[i]) / amax);
-      code[i] = (uint8_t)(int8_t)(vals[i] < 0.0f ? -k : k);
+      const int k = q_mag(q, fabsf(vals[i]) / amax);
+      code[i] = (uint8_t)(vals[i] < 0.0f ? -k : k);
     }
   } else {
     for (int64_t i = 0; i < len; i++) {
-      const float x = vals[i];
-      int k = x > 0.0f ? q_mag(q, x / amax) : 0;
-      code[i] = (uint8_t)(k + (k == 0 && x > 0.0f));
+      const float x = vals[i], a = (x > 0.0f ? x : 0.0f) / amax;  // q_mag(0) is 0
+      const int k = q_mag(q, a);
+      code[i] = (uint8_t)(k + ((k == 0) & (x > 0.0f)));
     }
   }
 }
