@@ -21,9 +21,14 @@ static const double decade[] = {1e0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6,
 // The nearest magnitude of a in [0, 1] is found in O(1): a's float bits, exponent and top 7
 // mantissa bits, name a cell (binades from 2^(e0-127) up to [1, 2) cut in 128); the code's
 // spacing (at least 0.9/70 of a decade's top) is wider than a cell (at most 1/128 of its lower
-// end), so a cell holds at most one magnitude, and floor_of[cell], the largest magnitude index at
-// or below the cell's lower end, is a's floor index or one less. Cells below e0 (all of a below
-// a quarter of the smallest magnitude) share cell 0, whose floor is 0. Checked when built.
+// end), so a cell holds at most one midpoint between neighbouring magnitudes, and the nearest
+// index of every a in the cell is base, or base + 1 from a float thr of the cell on (none when
+// the cell holds no midpoint). thr shares the cell's top 16 bits with a, so a >= thr compares
+// their low 16 bits, and one 32-bit word a cell holds both: base << 17 | thr's low 16 bits
+// (0x10000: none). One gather an element. Found when the tables are built with q_mag_exact, the
+// rule itself (below). Cells below e0 (all of a below a quarter of the smallest magnitude)
+// share cell 0: nearest 0. Checked when built; test_adamw_state checks the rule against a
+// brute-force search.
 #define CELL_BITS 7
 #define MAX_CELLS (64 << CELL_BITS)
 
@@ -32,7 +37,7 @@ struct q8_code {
   float values[256];  // by code byte
   float mag[258];     // mag[0..K], then +inf
   int cell0, ncell;   // (e0 << CELL_BITS), cells
-  int32_t floor_of[MAX_CELLS];  // int32: the quantising loops gather from it in vectors
+  uint32_t cell[MAX_CELLS];  // base << 17 | threshold's low bits
 };
 
 static struct q8_code codes[2];
@@ -48,6 +53,21 @@ static float bits_f32(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);
   return f;
+}
+
+// a in [0, 1] -> index of the nearest magnitude, ties to the smaller (the definition; used to build
+// the tables). The floor by bisection, then the two distances in float, which decide exactly: for
+// a in [mag[i], mag[i+1]] with mag[i] > 0, both differences are exact (Sterbenz: the neighbours
+// are within a factor 2); with mag[i] == 0, a - 0 is exact and mag[1] - a, when inexact
+// (a < mag[1] / 2), is still rounded to at least mag[1] / 2 > a; at the top mag[K+1] is +inf.
+static int q_mag_exact(const struct q8_code *q, float a) {
+  int lo = 0, hi = q->K;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (q->mag[mid] <= a) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo + ((q->mag[lo + 1] - a) < (a - q->mag[lo]));
 }
 
 static void build_code(struct q8_code *q, const int *k, int D, bool is_signed) {
@@ -72,13 +92,23 @@ static void build_code(struct q8_code *q, const int *k, int D, bool is_signed) {
   q->cell0 = e0 << CELL_BITS;
   q->ncell = (127 - e0 + 1) << CELL_BITS;
   FY_ASSERT(q->ncell <= MAX_CELLS);
-  int fl = 0;
   for (int c = 0; c < q->ncell; c++) {
-    const float lo = c == 0 ? 0.0f : bits_f32((uint32_t)(q->cell0 + c) << (23 - CELL_BITS));
-    const float hi = bits_f32((uint32_t)(q->cell0 + c + 1) << (23 - CELL_BITS));
-    while (q->mag[fl + 1] <= lo) fl++;
-    q->floor_of[c] = fl;
-    FY_ASSERT(!(q->mag[fl + 2] < hi));  // at most one magnitude inside the cell
+    const uint32_t lo = c == 0 ? 0 : (uint32_t)(q->cell0 + c) << (23 - CELL_BITS);
+    const uint32_t last = ((uint32_t)(q->cell0 + c + 1) << (23 - CELL_BITS)) - 1;
+    const float flast = bits_f32(last) < 1.0f ? bits_f32(last) : 1.0f;
+    const int b = q_mag_exact(q, bits_f32(lo)), e = q_mag_exact(q, flast);
+    FY_ASSERT(e == b || e == b + 1);  // at most one midpoint inside the cell
+    q->cell[c] = (uint32_t)b << 17 | 0x10000u;
+    if (e == b + 1) {  // the first float of the cell whose nearest is b + 1
+      uint32_t l = lo, h = f32_bits(flast);
+      while (l < h) {
+        uint32_t mid = l + (h - l) / 2;
+        if (q_mag_exact(q, bits_f32(mid)) > b) h = mid;
+        else l = mid + 1;
+      }
+      FY_ASSERT(c > 0 && l >> 16 == lo >> 16);
+      q->cell[c] = (uint32_t)b << 17 | (l & 0xffffu);
+    }
   }
 }
 
@@ -94,17 +124,14 @@ static const struct q8_code *code_of(enum fy_moment which) {
 
 const float *fy_q8_code_values(enum fy_moment which) { return code_of(which)->values; }
 
-// a in [0, 1] -> index of the nearest magnitude, ties to the smaller. Exact: for a in
-// [mag[i], mag[i+1]] with mag[i] > 0, both differences are exact (Sterbenz: the neighbours are
-// within a factor 2); with mag[i] == 0, a - 0 is exact and mag[1] - a, when inexact (a < mag[1] /
-// 2), is still rounded to at least mag[1] / 2 > a; at the top mag[K+1] is +inf.
+// a in [0, 1] -> index of the nearest magnitude: one gather and a compare.
 static inline int q_mag(const struct q8_code *q, float a) {
-  int c = (int)(f32_bits(a) >> (23 - CELL_BITS)) - q->cell0;
+  const uint32_t u = f32_bits(a);
+  int c = (int)(u >> (23 - CELL_BITS)) - q->cell0;
   c = c < 0 ? 0 : c;
   c = c > q->ncell - 1 ? q->ncell - 1 : c;
-  int i = q->floor_of[c];
-  i += a >= q->mag[i + 1];
-  return i + ((q->mag[i + 1] - a) < (a - q->mag[i]));
+  const uint32_t w = q->cell[c];
+  return (int)(w >> 17) + ((u & 0xffffu) >= (w & 0x1ffffu));
 }
 
 // vals (len) -> codes (len), *scale: the block's store (ops/ops.h)
@@ -236,16 +263,11 @@ struct upd {
   const struct q8_code *qm, *qv;
 };
 
-// Elements [lo, hi) of one range (decay) or of none (decay NaN, covered false): the old moments
-// from mo/vo (read back), the new ones to mn/vn (indexed from lo), param and gradients at [lo, hi).
-static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, bool covered, float decay,
-                              const float *restrict mo, const float *restrict vo, float *restrict mn,
-                              float *restrict vn) {
+// 8-bit: elements [lo, hi) of one range (decay): the old moments from mo/vo (read back), the new
+// ones to mn/vn (indexed from lo), param and gradients at [lo, hi).
+static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, const float *restrict mo,
+                              const float *restrict vo, float *restrict mn, float *restrict vn) {
   const int64_t len = hi - lo;
-  if (!covered) {
-    for (int64_t i = 0; i < len; i++) mn[i] = mo[i], vn[i] = vo[i];
-    return;
-  }
   const struct step_k k = u->k;
   float *restrict p = u->param + lo;
   if (u->gf) {
@@ -273,13 +295,48 @@ static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, bool 
   }
 }
 
-// Elements [b0, b0 + len) (len <= WORK): read back, updated range by range, stored back.
-#define WORK 4096
+// bf16 state: elements [lo, hi) of one range, read, updated and stored in one loop.
+static inline void update_run_bf16(const struct upd *u, int64_t lo, int64_t hi, float decay) {
+  const int64_t len = hi - lo;
+  const struct step_k k = u->k;
+  float *restrict p = u->param + lo;
+  uint16_t *restrict m = (uint16_t *)u->m + lo, *restrict v = (uint16_t *)u->v + lo;
+  if (u->gf) {
+    const float *restrict g = u->gf + lo;
+    for (int64_t i = 0; i < len; i++) {
+      const float gi = g[i] * k.gs;
+      const float mi = k.b1 * fy_bf16_to_f32(m[i]) + k.ob1 * gi;
+      const float vi = k.b2 * fy_bf16_to_f32(v[i]) + k.ob2 * gi * gi;
+      m[i] = fy_f32_to_bf16(mi);
+      v[i] = fy_f32_to_bf16(vi);
+      p[i] = p[i] * decay - k.step * (mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+    }
+  } else {
+    uint16_t *restrict g = u->gh + lo;
+    for (int64_t i = 0; i < len; i++) {
+      const float gi = fy_bf16_to_f32(g[i]) * k.gs;
+      const float mi = k.b1 * fy_bf16_to_f32(m[i]) + k.ob1 * gi;
+      const float vi = k.b2 * fy_bf16_to_f32(v[i]) + k.ob2 * gi * gi;
+      m[i] = fy_f32_to_bf16(mi);
+      v[i] = fy_f32_to_bf16(vi);
+      const float pn = p[i] * decay - k.step * (mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+      p[i] = pn;
+      g[i] = fy_f32_to_bf16(pn);
+    }
+  }
+}
 
+// The elements of a bf16 work item: a few thousand, so that a thread's share of a chunk is split
+// in pieces of one size whatever the ranges.
+#define WORK_BF16 4096
+
+// Elements [b0, b0 + len) (one 8-bit block, or a bf16 work item): read back, updated range by
+// range (elements in no range keep their m and v), stored back.
 static void update_block(const struct upd *u, int64_t b0, int64_t len) {
-  float mo[WORK], vo[WORK], mn[WORK], vn[WORK];
+  const bool q8 = u->f == FY_STATE_Q8;
+  float mo[FY_Q8_BLOCK], vo[FY_Q8_BLOCK], mn[FY_Q8_BLOCK], vn[FY_Q8_BLOCK];
   float *scale_m = NULL, *scale_v = NULL;
-  if (u->f == FY_STATE_Q8) {  // one 8-bit block
+  if (q8) {
     scale_m = (float *)((char *)u->m + fy_q8_scales_offset(u->n)) + b0 / FY_Q8_BLOCK;
     scale_v = (float *)((char *)u->v + fy_q8_scales_offset(u->n)) + b0 / FY_Q8_BLOCK;
     const int8_t *cm = (const int8_t *)u->m + b0;
@@ -289,39 +346,21 @@ static void update_block(const struct upd *u, int64_t b0, int64_t len) {
       mo[i] = tm[(uint8_t)cm[i]] * sm;
       vo[i] = tv[cv[i]] * sv;
     }
-  } else {
-    const uint16_t *hm = (const uint16_t *)u->m + b0, *hv = (const uint16_t *)u->v + b0;
-    for (int64_t i = 0; i < len; i++) {
-      mo[i] = fy_bf16_to_f32(hm[i]);
-      vo[i] = fy_bf16_to_f32(hv[i]);
-    }
+    memcpy(mn, mo, sizeof mn);  // the elements in no range
+    memcpy(vn, vo, sizeof vn);
   }
-  // The block's runs: inside a range, or between ranges.
   const int64_t end = b0 + len;
-  int r = first_range(u->r, u->nr, b0);
-  for (int64_t pos = b0; pos < end;) {
-    int64_t stop;
-    if (r < u->nr && u->r[r].off <= pos) {
-      const int64_t rend = u->r[r].off + u->r[r].n;
-      stop = rend < end ? rend : end;
-      update_run(u, pos, stop, true, range_decay(&u->k, u->r[r].weight_decay), mo + (pos - b0), vo + (pos - b0),
-                 mn + (pos - b0), vn + (pos - b0));
-      if (stop == rend) r++;
-    } else {
-      stop = r < u->nr && u->r[r].off < end ? u->r[r].off : end;
-      update_run(u, pos, stop, false, 0.0f, mo + (pos - b0), vo + (pos - b0), mn + (pos - b0), vn + (pos - b0));
-    }
-    pos = stop;
+  for (int r = first_range(u->r, u->nr, b0); r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    if (lo >= hi) continue;
+    const float decay = range_decay(&u->k, u->r[r].weight_decay);
+    if (q8) update_run(u, lo, hi, decay, mo + (lo - b0), vo + (lo - b0), mn + (lo - b0), vn + (lo - b0));
+    else update_run_bf16(u, lo, hi, decay);
   }
-  if (u->f == FY_STATE_Q8) {
+  if (q8) {
     q8_store_block(u->qm, true, (uint8_t *)u->m + b0, scale_m, mn, len);
     q8_store_block(u->qv, false, (uint8_t *)u->v + b0, scale_v, vn, len);
-  } else {
-    uint16_t *hm = (uint16_t *)u->m + b0, *hv = (uint16_t *)u->v + b0;
-    for (int64_t i = 0; i < len; i++) {
-      hm[i] = fy_f32_to_bf16(mn[i]);
-      hv[i] = fy_f32_to_bf16(vn[i]);
-    }
   }
 }
 
@@ -344,8 +383,8 @@ static fy_status state_update(struct upd *u, float lr, float beta1, float beta2,
   u->k = step_consts(lr, beta1, beta2, eps, t, grad_scale);
   u->qm = code_of(FY_MOMENT_M);
   u->qv = code_of(FY_MOMENT_V);
-  // Q8: one 8-bit block a work item; bf16: WORK elements (any split gives the same bits).
-  const int64_t bs = u->f == FY_STATE_Q8 ? FY_Q8_BLOCK : WORK, nb = (u->n + bs - 1) / bs;
+  // Q8: one 8-bit block a work item; bf16: WORK_BF16 elements (any split gives the same bits).
+  const int64_t bs = u->f == FY_STATE_Q8 ? FY_Q8_BLOCK : WORK_BF16, nb = (u->n + bs - 1) / bs;
 #pragma omp parallel for schedule(static) if (parallel : u->n > FY_PAR_ELEMENTWISE)
   for (int64_t b = 0; b < nb; b++) {
     const int64_t b0 = b * bs;
