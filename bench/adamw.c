@@ -10,6 +10,14 @@
 // machine), sumsq's is against stream_read. STREAM copy counts 8 B and triad 12 B (no write-allocate traffic), as
 // STREAM itself does. Meant for sizes far beyond the caches. Prints JSON lines.
 //
+// Compressed state (fy_adamw_state_update, one range of weight decay over the whole buffer):
+// adamw_state_bf16 and adamw_state_8bit with fp32 gradients, and _bf16grad with the bf16
+// gradients in the copy (the new bf16 weights written over them), each with the bytes a
+// parameter moves (weights read and written 8, gradients 4 read, or 2 read and 2 written; m and v
+// read and written: 8 in bf16, 4 in 8 bits plus the scales' 16 bytes a 256-element block), GB/s
+// on that count, ns a parameter, and the time against fp32 state with the same gradients
+// (speedup_vs_fp32: adamw's or adamw_bf16's median over this one's).
+//
 // usage: adamw [--params 67108864] [--threads 2] [--reps 7]
 #include <omp.h>
 #include <stdint.h>
@@ -122,7 +130,21 @@ int main(int argc, char **argv) {
     v[i] = 0.0f;
   }
 
-  enum { COPY, TRIAD, READ, S4, ADAMW, SUMSQ, PAIR, ADAMW16, NB };
+  // m and v of the compressed formats, starting at 0 like m and v above.
+  const size_t b16 = fy_state_moment_bytes(FY_STATE_BF16, n), b8 = fy_state_moment_bytes(FY_STATE_Q8, n);
+  void *m16 = aligned_alloc(64, (b16 + 63) & ~(size_t)63), *v16 = aligned_alloc(64, (b16 + 63) & ~(size_t)63);
+  void *m8 = aligned_alloc(64, (b8 + 63) & ~(size_t)63), *v8 = aligned_alloc(64, (b8 + 63) & ~(size_t)63);
+  if (!m16 || !v16 || !m8 || !v8) {
+    fprintf(stderr, "adamw: out of memory for the compressed state\n");
+    return 1;
+  }
+  fy_state_encode(FY_STATE_BF16, FY_MOMENT_M, m16, m, n);  // (first touch on the threads, as above)
+  fy_state_encode(FY_STATE_BF16, FY_MOMENT_V, v16, v, n);
+  fy_state_encode(FY_STATE_Q8, FY_MOMENT_M, m8, m, n);
+  fy_state_encode(FY_STATE_Q8, FY_MOMENT_V, v8, v, n);
+  const struct fy_adamw_range all = {0, n, 0.01f};
+
+  enum { COPY, TRIAD, READ, S4, ADAMW, SUMSQ, PAIR, ADAMW16, ST16, ST16G, ST8, ST8G, NB };
   double *t[NB];
   for (int k = 0; k < NB; k++) t[k] = malloc((size_t)reps * sizeof(double));
   volatile double sink = 0.0;
@@ -142,7 +164,26 @@ int main(int argc, char **argv) {
     double t6 = now_s();
     fy_adamw_update_bf16(param, m, v, gw, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
     double t7 = now_s();
+    fy_status st = fy_adamw_state_update(FY_STATE_BF16, param, m16, v16, grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
+                                         r + 2, 1.0f);
+    double t8 = now_s();
+    if (st == FY_OK)
+      st = fy_adamw_state_update_bf16(FY_STATE_BF16, param, m16, v16, gw, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
+                                      r + 2, 1.0f);
+    double t9 = now_s();
+    if (st == FY_OK)
+      st = fy_adamw_state_update(FY_STATE_Q8, param, m8, v8, grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f);
+    double t10 = now_s();
+    if (st == FY_OK)
+      st = fy_adamw_state_update_bf16(FY_STATE_Q8, param, m8, v8, gw, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2,
+                                      1.0f);
+    double t11 = now_s();
+    if (st != FY_OK) {
+      fprintf(stderr, "adamw: %s\n", fy_error_msg());
+      return 1;
+    }
     if (r < 0) continue;
+    t[ST16][r] = t8 - t7, t[ST16G][r] = t9 - t8, t[ST8][r] = t10 - t9, t[ST8G][r] = t11 - t10;
     t[ADAMW16][r] = t7 - t6;
     t[COPY][r] = t1 - t0, t[TRIAD][r] = t2 - t1, t[READ][r] = t3 - t2;
     t[S4][r] = t4 - t3, t[ADAMW][r] = t5 - t4, t[SUMSQ][r] = t6 - t5;
@@ -159,18 +200,35 @@ int main(int argc, char **argv) {
   print_stream("stream_read", n, threads, 4, read_gbps);
   print_stream("stream4r3w", n, threads, 28, s4_gbps);
   printf("{\"bench\":\"adamw\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":28,\"ms\":%.3f,"
-         "\"gbps\":%.2f,\"fraction_of_stream\":%.3f,\"fraction_paired\":%.3f}\n",
-         (long long)n, threads, adamw_s * 1e3, adamw_gbps, adamw_gbps / s4_gbps,
+         "\"gbps\":%.2f,\"ns_per_param\":%.3f,\"fraction_of_stream\":%.3f,\"fraction_paired\":%.3f}\n",
+         (long long)n, threads, adamw_s * 1e3, adamw_gbps, adamw_s * 1e9 / (double)n, adamw_gbps / s4_gbps,
          median(t[PAIR], reps));
   const double adamw16_gbps = 28 * gb / median(t[ADAMW16], reps);
   printf("{\"bench\":\"adamw_bf16\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":28,\"ms\":%.3f,"
-         "\"gbps\":%.2f,\"fraction_of_stream\":%.3f}\n",
-         (long long)n, threads, median(t[ADAMW16], reps) * 1e3, adamw16_gbps, adamw16_gbps / s4_gbps);
+         "\"gbps\":%.2f,\"ns_per_param\":%.3f,\"fraction_of_stream\":%.3f}\n",
+         (long long)n, threads, median(t[ADAMW16], reps) * 1e3, adamw16_gbps,
+         median(t[ADAMW16], reps) * 1e9 / (double)n, adamw16_gbps / s4_gbps);
+  // The compressed formats: bytes a parameter as in the header comment.
+  const double scales = 2.0 * 2 * 4 / FY_Q8_BLOCK;  // m's and v's scale, read and written
+  const struct { const char *name; int k; double bytes; double fp32_s; } st_rows[] = {
+      {"adamw_state_bf16", ST16, 20, adamw_s},
+      {"adamw_state_bf16_bf16grad", ST16G, 20, median(t[ADAMW16], reps)},
+      {"adamw_state_8bit", ST8, 16 + scales, adamw_s},
+      {"adamw_state_8bit_bf16grad", ST8G, 16 + scales, median(t[ADAMW16], reps)},
+  };
+  for (int k = 0; k < 4; k++) {
+    const double s = median(t[st_rows[k].k], reps);
+    printf("{\"bench\":\"%s\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":%.4g,\"ms\":%.3f,"
+           "\"gbps\":%.2f,\"ns_per_param\":%.3f,\"fraction_of_stream\":%.3f,\"speedup_vs_fp32\":%.3f}\n",
+           st_rows[k].name, (long long)n, threads, st_rows[k].bytes, s * 1e3, st_rows[k].bytes * gb / s,
+           s * 1e9 / (double)n, st_rows[k].bytes * gb / s / s4_gbps, st_rows[k].fp32_s / s);
+  }
   printf("{\"bench\":\"sumsq\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":4,\"gbps\":%.2f,"
          "\"fraction_of_stream\":%.3f}\n",
          (long long)n, threads, sumsq_gbps, sumsq_gbps / read_gbps);
   for (int k = 0; k < NB; k++) free(t[k]);
   for (int k = 0; k < 4; k++) free(buf[k]);
   free(gw);
+  free(m16), free(v16), free(m8), free(v8);
   return 0;
 }

@@ -192,4 +192,106 @@ double fy_sumsq(const float *x, int64_t n);
 // The same of bf16 values: equal to fy_sumsq of them widened.
 double fy_sumsq_bf16(const uint16_t *x, int64_t n);
 
+// ---- AdamW with compressed state (ops/cpu/adamw_state.c) ----
+//
+// m and v may be stored in three formats. One moment (m or v) of n elements is one buffer of
+// fy_state_moment_bytes(format, n) bytes:
+// - FY_STATE_F32: n floats (fy_adamw_update's state).
+// - FY_STATE_BF16: n bf16 values (uint16_t), rounded to nearest even on every store.
+// - FY_STATE_Q8: block-wise quantised 8-bit state (the 8-bit optimizers of Dettmers et al.):
+//   n one-byte codes at byte 0 (m: int8_t, v: uint8_t), then, at byte fy_q8_scales_offset(n),
+//   one float scale (the block's absolute maximum) per block of FY_Q8_BLOCK elements, block b
+//   holding elements [b * FY_Q8_BLOCK, (b + 1) * FY_Q8_BLOCK) of the buffer (the last one may be
+//   short). Element i is scale[i / FY_Q8_BLOCK] * code_value[code[i]], with the codes of
+//   fy_q8_code_values. A buffer's layout depends on its n: always pass a buffer the n it was made
+//   with. Blocks are counted from the start of the buffer passed in, so the same elements fall in
+//   the same blocks only when buffers start at multiples of FY_Q8_BLOCK of a common origin (a
+//   rank's shard of a chunk must start at a multiple of FY_Q8_BLOCK for its state to be the
+//   unsharded run's).
+//
+// Block size 256 (bitsandbytes' 8-bit optimizers use 2048 in the paper and 256 in later
+// versions): a block is one CUDA thread block of 256 threads, one element a thread, with no loop;
+// a scale costs 4/256 of a byte an element (m and v: 2.03 bytes a parameter against 2.004 at
+// 2048, under 1.5% more); and a smaller block confines an outlier's loss of resolution to 255
+// neighbours instead of 2047, and lets a chunk's shard boundaries (multiples of 256 elements)
+// keep their blocks aligned.
+#define FY_Q8_BLOCK 256
+
+enum fy_state_format { FY_STATE_F32, FY_STATE_BF16, FY_STATE_Q8 };
+enum fy_moment { FY_MOMENT_M, FY_MOMENT_V };
+
+// "fp32", "bf16", "8bit" (the --optimizer-state names), and back (false for another name, *f
+// untouched).
+const char *fy_state_format_name(enum fy_state_format f);
+bool fy_state_format_from_name(const char *name, enum fy_state_format *f);
+// Bytes of one moment's buffer of n elements (codes, padding and scales for FY_STATE_Q8), and of
+// m and v together (2 x that): what the planner and the runtime count per n parameters.
+size_t fy_state_moment_bytes(enum fy_state_format f, int64_t n);
+size_t fy_state_bytes(enum fy_state_format f, int64_t n);
+// FY_STATE_Q8: blocks of n elements, and the byte offset of their scales in a moment's buffer
+// (n rounded up to 64, so the scales start on a cache line).
+int64_t fy_q8_blocks(int64_t n);
+size_t fy_q8_scales_offset(int64_t n);
+
+// The 8-bit codes ("decade-linear", dense near 0): magnitudes 0, and in each decade
+// (10^-(d+1), 10^-d] of the block's absmax, d = 0..D-1, k_d evenly spaced values
+// 10^-d * (1 + 9 j / k_d) / 10, j = 1..k_d (computed in double in that order, then rounded to
+// float). m (signed): D = 7, k = 49 24 14 10 10 10 10 (127 magnitudes, both signs, and 0; code
+// -128 is never written and reads as -1); smallest magnitude 1.9e-7. v (unsigned): D = 14, k = 70
+// 38 24 17 14 12 10 10 10 10 10 10 10 10 (255 magnitudes and 0); smallest 1.9e-14, so that
+// sqrt(v) spans the same 7 decades as m. Every k_d >= 10 keeps neighbouring nonzero magnitudes
+// within a factor 1.9 (2 after rounding to float) of one another, which makes the nearest-code test below exact in float.
+// Returns the 256 values indexed by the code's byte ((uint8_t)code), in [-1, 1] or [0, 1].
+const float *fy_q8_code_values(enum fy_moment which);
+
+// Quantisation of a block (to the LAST code, the CUDA kernels' too): absmax = the largest |x| of
+// the block's values; a block holding a NaN or an infinity stores scale NaN and all codes 0 (it
+// reads back as NaN, as fp32 state would, rather than as a finite lie); absmax 0 stores scale 0
+// and codes 0. Otherwise a value x stores the code whose magnitude c is nearest to the float
+// a = |x| / absmax (IEEE division, so a <= 1 and a == 1 at the maximum), nearest in exact
+// arithmetic; a tie goes to the smaller magnitude (towards 0, so the code of -x is minus the
+// code of x); for m the sign of x is the code's sign (0 for a == 0). For v, a positive value whose
+// nearest magnitude is 0 stores the smallest positive code instead: a stored v is 0 only where
+// the value was, so a tiny v beside a large one in its block never turns m / (sqrt(v) + eps)
+// into m / eps. Error: |x - read back| <= absmax * (half the largest gap between neighbouring
+// magnitudes: 0.9 / 49 / 2 = 0.00919 for m, 0.9 / 70 / 2 = 0.00643 for v) plus the rounding of
+// the division and of the read-back product (each half an ulp).
+
+// A run of a buffer's elements [off, off + n) updated with weight decay weight_decay. A call
+// takes the ranges of the whole buffer at once (sorted by off, disjoint, inside [0, n)), so that
+// a block shared by two parameters with different decay is requantised once, after both are
+// updated. Elements in no range (padding between parameters) are not updated: their param and
+// gradient are neither read nor written, their m and v keep their values (in FY_STATE_Q8 they are
+// requantised with their block's new scale, as any other element).
+struct fy_adamw_range {
+  int64_t off, n;
+  float weight_decay;
+};
+
+// FY_OK when ranges (n_ranges; NULL if 0) are sorted, disjoint, of n >= 0 and inside [0, n); else
+// FY_ERR_INVALID with the first bad range.
+fy_status fy_adamw_ranges_check(int64_t n, const struct fy_adamw_range *ranges, int n_ranges);
+
+// param (n), m and v buffers of format f (n elements each), grad (n) -> param, m, v updated:
+// m and v read back to float, fy_adamw_update's formula and order of operations on each element
+// of each range (per-step constants computed in double as there; no fused multiply-adds), param
+// written, m and v stored back (FY_STATE_Q8: the block's new scale from the updated values, then
+// each value's code; the update itself uses the unrounded new m and v). FY_STATE_F32 calls
+// fy_adamw_update on each range: the same bits as today. Parallel over blocks (FY_STATE_Q8) or
+// elements with OpenMP; the result does not depend on the thread count. Fails (FY_ERR_INVALID)
+// only on bad ranges or t < 1, before anything is written.
+fy_status fy_adamw_state_update(enum fy_state_format f, float *param, void *m, void *v, const float *grad,
+                                int64_t n, const struct fy_adamw_range *ranges, int n_ranges, float lr,
+                                float beta1, float beta2, float eps, int64_t t, float grad_scale);
+// The same with bf16 gradients in gw and the new weights written back there in bf16 (round to
+// nearest even), as fy_adamw_update_bf16. Elements in no range keep their gw.
+fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void *m, void *v, uint16_t *gw,
+                                     int64_t n, const struct fy_adamw_range *ranges, int n_ranges, float lr,
+                                     float beta1, float beta2, float eps, int64_t t, float grad_scale);
+// Conversions for checkpoints and for changing format: src (n) float -> dst, one moment's buffer
+// of format f (the stores of the update: bf16 round to nearest even, 8-bit as above); and back,
+// dst (n) = the values the update would read. In parallel over blocks for large n.
+void fy_state_encode(enum fy_state_format f, enum fy_moment which, void *dst, const float *src, int64_t n);
+void fy_state_decode(enum fy_state_format f, enum fy_moment which, float *dst, const void *src, int64_t n);
+
 #endif

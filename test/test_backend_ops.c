@@ -511,6 +511,100 @@ static void test_adamw(enum fy_dtype dt) {
   free(p); free(m); free(v); free(g);
 }
 
+// AdamW with bf16 and 8-bit state against the CPU's fy_adamw_state_update(_bf16): the same bytes
+// (weights, codes, scales), not a tolerance: the kernels round every operation as the CPU does.
+// Ranges with padding between them and different decay, a short last block, a plain step, a
+// deferred one (scale from device memory) and a skipped one; with bf16 gradients the new weights
+// are written over them (param_bf16 == grad), as the offloaded chunks use it.
+static bool dsame(const void *d, const void *h, size_t n, const char *what) {
+  unsigned char *got = malloc(n ? n : 1);
+  if (!got) abort();
+  CHECK_OK(fy_stream_sync(st));
+  CHECK_OK(fy_copy_async(st, got, d, n));
+  CHECK_OK(fy_stream_sync(st));
+  size_t diff = 0;
+  for (size_t i = 0; i < n; i++) diff += got[i] != ((const unsigned char *)h)[i];
+  free(got);
+  fprintf(stderr, "  %-40s %zu of %zu bytes differ\n", what, diff, n);
+  return diff == 0;
+}
+
+static void test_adamw_state(enum fy_dtype dt) {
+  const int64_t n = 157 * FY_Q8_BLOCK - 99;
+  float *p = frand_new(n, 0.1f, FY_F32), *m = check_fnew(n), *v = check_fnew(n), *g = frand_new(n, 1.0f, dt);
+  for (int64_t i = 0; i < n; i++) {
+    g[i] *= (float)pow(10.0, -4.0 * check_urand());
+    if (dt == FY_BF16) g[i] = fy_bf16_to_f32(fy_f32_to_bf16(g[i]));
+    m[i] = 0.1f * g[i] * (float)pow(10.0, -2.0 * check_urand());
+    v[i] = 0.01f * m[i] * m[i] + 1e-12f * (i % 3);
+  }
+  g[1000] = 50.0f;  // one block with an outlier
+  const struct fy_adamw_range r[] = {{0, 10000, 0.1f}, {10016, 1, 0.0f}, {10032, 20000, 0.0f}, {30048, n - 30048 - 40, 0.05f}};
+  const int nr = 4;
+  CHECK_OK(fy_adamw_ranges_check(n, r, nr));
+  uint16_t *g16 = malloc((size_t)n * 2);
+  if (!g16) abort();
+  for (int64_t i = 0; i < n; i++) g16[i] = fy_f32_to_bf16(g[i]);
+  for (int fi = 1; fi <= 2; fi++) {
+    const enum fy_state_format f = (enum fy_state_format)fi;
+    const size_t mb = fy_state_moment_bytes(f, n);
+    void *hm = malloc(mb), *hv = malloc(mb);
+    float *hp = fdup(p, n);
+    if (!hm || !hv) abort();
+    fy_state_encode(f, FY_MOMENT_M, hm, m, n);
+    fy_state_encode(f, FY_MOMENT_V, hv, v, n);
+    float *d_p = dput(p, n, FY_F32);
+    void *d_m = dput_raw(hm, mb), *d_v = dput_raw(hv, mb), *d_r = dput_raw(r, sizeof r);
+    void *d_g = dput(g, n, dt);
+    uint16_t *d_p16 = dt == FY_BF16 ? d_g : dalloc((size_t)n * 2);  // bf16: the weights over the gradients
+    const float scale_skip[4] = {0.5f, 0.0f, 0.5f, 1.0f};
+    float *d_ss = dput(scale_skip, 4, FY_F32);
+    uint16_t *gw = malloc((size_t)n * 2), *w16 = malloc((size_t)n * 2);
+    if (!gw || !w16) abort();
+    bool ok = true;
+    char what[64];
+    for (int t = 1; t <= 3; t++) {
+      if (t > 1) {  // fresh gradients (the bf16 ones were overwritten by the weights)
+        CHECK_OK(fy_copy_async(st, d_g, dt == FY_BF16 ? (const void *)g16 : (const void *)g, (size_t)n * fy_dtype_size(dt)));
+        CHECK_OK(fy_stream_sync(st));
+      }
+      memcpy(gw, g16, (size_t)n * 2);
+      const float gs = t == 1 ? 1.0f : 0.5f;
+      if (t < 3) {  // the CPU skips step 3 as the device's flag says
+        if (dt == FY_BF16)
+          CHECK_OK(fy_adamw_state_update_bf16(f, hp, hm, hv, gw, n, r, nr, 1e-3f, 0.9f, 0.95f, 1e-8f, t, gs));
+        else
+          CHECK_OK(fy_adamw_state_update(f, hp, hm, hv, g, n, r, nr, 1e-3f, 0.9f, 0.95f, 1e-8f, t, gs));
+      }
+      CHECK_OK(fy_cuda_adamw_state_update(f, d_p, d_m, d_v, d_g, dt, d_p16, n, d_r, nr, 1e-3f, 0.9f, 0.95f, 1e-8f, t,
+                                          gs, t == 1 ? NULL : d_ss + 2 * (t - 2), cs));
+      snprintf(what, sizeof what, "adamw %s state step %d weights", fy_state_format_name(f), t);
+      ok &= dsame(d_p, hp, (size_t)n * 4, what);
+      snprintf(what, sizeof what, "adamw %s state step %d m", fy_state_format_name(f), t);
+      ok &= dsame(d_m, hm, mb, what);
+      snprintf(what, sizeof what, "adamw %s state step %d v", fy_state_format_name(f), t);
+      ok &= dsame(d_v, hv, mb, what);
+      if (t < 3) {  // the bf16 weights: written where a range covers (over the gradients for bf16)
+        for (int64_t i = 0; i < n; i++) w16[i] = dt == FY_BF16 ? gw[i] : fy_f32_to_bf16(hp[i]);
+        if (dt == FY_F32)  // a copy of its own: written inside the ranges only (zeros elsewhere)
+          for (int64_t i = 0, k = 0; i < n; i++) {
+            while (k < nr && r[k].off + r[k].n <= i) k++;
+            if (!(k < nr && r[k].off <= i)) w16[i] = 0;
+          }
+        snprintf(what, sizeof what, "adamw %s state step %d bf16 weights", fy_state_format_name(f), t);
+        ok &= dsame(d_p16, w16, (size_t)n * 2, what);
+      }
+    }
+    CHECKF(ok, "adamw %s state, %s gradients: the GPU's bytes differ from the CPU's", fy_state_format_name(f),
+           fy_dtype_name(dt));
+    free(hm), free(hv), free(hp), free(gw), free(w16);
+    dfree_all();
+  }
+  CHECK_ERR(fy_cuda_adamw_state_update(FY_STATE_F32, NULL, NULL, NULL, NULL, dt, NULL, 10, NULL, 1, 1e-3f, 0.9f, 0.95f,
+                                       1e-8f, 1, 1.0f, NULL, cs), FY_ERR_UNSUPPORTED);
+  free(p), free(m), free(v), free(g), free(g16);
+}
+
 // The sum of a chunk's gradients over micro-batches: dst (fp32) = src, then += src, widened from
 // dt exactly, so the result equals the CPU's float adds bit for bit.
 static void test_accumulate(enum fy_dtype dt) {
@@ -1040,6 +1134,7 @@ int main(void) {
     test_bias_add(dt);
     test_crossentropy(dt);
     test_adamw(dt);
+    test_adamw_state(dt);
     test_accumulate(dt);
     test_sumsq(dt);
     test_matmul(h, dt, false);

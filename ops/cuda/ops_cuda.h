@@ -30,6 +30,7 @@ extern "C" {
 #include "core/dtype.h"
 #include "core/status.h"
 #include "ops/cuda/parts.h"
+#include "ops/ops.h"
 
 // ---- embedding ----
 
@@ -146,6 +147,25 @@ fy_status fy_cuda_adamw_update_deferred(float *param, float *m, float *v, const 
                                         float lr, float beta1, float beta2, float eps,
                                         float weight_decay, int64_t t, const float *scale_skip,
                                         cudaStream_t st);
+
+// AdamW with m and v stored as bf16 or 8-bit (ops/cuda/adamw_state.cu; ops/ops.h "AdamW with
+// compressed state" for the formats, the buffers' layout and the quantisation rule): the same
+// results as fy_adamw_state_update on the CPU to the last bit and code (explicit round-to-nearest
+// operations, no fused multiply-adds: unlike fy_cuda_adamw_update, whose fp32 results differ from
+// the CPU's by them). f is FY_STATE_BF16 or FY_STATE_Q8 (FY_STATE_F32: fy_cuda_adamw_update, and
+// FY_ERR_UNSUPPORTED here). param (n) fp32, m and v (device buffers of
+// fy_state_moment_bytes(f, n)), grad (n) of type grad_dt -> updated in place; param_bf16 (n), when
+// not NULL, the new weights in bf16, and it may be grad itself (bf16 gradients in, bf16 weights
+// out, as fy_adamw_state_update_bf16). ranges (n_ranges) are in DEVICE memory and must satisfy
+// fy_adamw_ranges_check (not checked here: check the host copy before uploading it). scale_skip:
+// NULL, or device memory read when the kernel runs as in fy_cuda_adamw_update_deferred
+// (scale_skip[0] replaces grad_scale, scale_skip[1] != 0 skips the step: nothing is written).
+// 8-bit: one thread block of FY_Q8_BLOCK threads per quantisation block; bf16: grid-stride.
+fy_status fy_cuda_adamw_state_update(enum fy_state_format f, float *param, void *m, void *v, const void *grad,
+                                     enum fy_dtype grad_dt, uint16_t *param_bf16, int64_t n,
+                                     const struct fy_adamw_range *ranges, int n_ranges, float lr, float beta1,
+                                     float beta2, float eps, int64_t t, float grad_scale, const float *scale_skip,
+                                     cudaStream_t st);
 
 // x (n) -> *out (device, double) = (accumulate ? *out : 0) + sum of x^2, accumulated in double.
 // A grid of one block per 256 elements, at most FY_CUDA_SUMSQ_PARTS (ops/cuda/parts.h; scratch
