@@ -109,7 +109,7 @@ static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *
 #define HASH_BLOCK ((size_t)8 << 20)
 
 // XXH3-128 of a file read in one streaming pass, as xxhsum prints it (32 hex digits).
-static fy_status hash_file(const char *path, char hex[33], uint64_t *bytes) {
+static fy_status hash_file(const char *path, char hex[33]) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
     return fy_error_set(errno == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open %s: %s", path, strerror(errno));
@@ -118,20 +118,17 @@ static fy_status hash_file(const char *path, char hex[33], uint64_t *bytes) {
   XXH3_state_t *h = XXH3_createState();
   fy_status st = buf && h ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate a buffer to hash %s", path);
   if (st == FY_OK) XXH3_128bits_reset(h);
-  uint64_t total = 0;
   while (st == FY_OK) {
     ssize_t n = read(fd, buf, HASH_BLOCK);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) st = fy_error_set(FY_ERR_IO, "reading %s: %s", path, strerror(errno));
     if (n <= 0) break;
     XXH3_128bits_update(h, buf, (size_t)n);
-    total += (uint64_t)n;
   }
   if (st == FY_OK) {
     XXH128_canonical_t c;  // (big-endian: xxhsum's spelling)
     XXH128_canonicalFromHash(&c, XXH3_128bits_digest(h));
     for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", c.digest[i]);
-    if (bytes) *bytes = total;
   }
   XXH3_freeState(h);
   free(buf);
@@ -189,7 +186,7 @@ static fy_status write_sums(const char *dir, double *seconds) {
   for (int i = 0; st == FY_OK && i < n; i++) {
     char hex[33];
     snprintf(p, sizeof p, "%s/%s", dir, names[i]);
-    st = hash_file(p, hex, NULL);
+    st = hash_file(p, hex);
     if (st == FY_OK) len += (size_t)snprintf(text + len, cap - len, "%s  %s\n", hex, names[i]);
   }
   snprintf(p, sizeof p, "%s/%s", dir, FY_CKPT_SUMS);
@@ -370,7 +367,7 @@ static fy_status verify_locked(const char *dir, bool quiet, bool *sums) {
     for (int i = 0; st == FY_OK && i < n; i++) {
       char hex[33];
       snprintf(p, sizeof p, "%s/%s", dir, e[i].name);
-      st = hash_file(p, hex, NULL);
+      st = hash_file(p, hex);
       if (st == FY_ERR_NOT_FOUND)
         st = fy_error_set(FY_ERR_NOT_FOUND, "%s is missing, though %s lists it: the checkpoint is damaged", p, FY_CKPT_SUMS);
       else if (st == FY_OK && memcmp(hex, e[i].hex, 32) != 0)
