@@ -18,6 +18,7 @@
 #include "core/log.h"
 #include "core/safetensors.h"
 #include "memory/uv_pool.h"
+#include "runtime/comm.h"
 
 #define MAX_SHARD_BYTES ((size_t)5 << 30)
 
@@ -357,7 +358,7 @@ static fy_status verify_locked(const char *dir, bool quiet, bool *sums) {
         c = checked_add(real, ids, nid);
         ids = NULL;
       }
-      if (!quiet && (!c || !c->noted)) {
+      if (!quiet && (!c || !c->noted) && fy_comm_launch_rank() == 0) {  // (rank 0 speaks for all)
         fy_log_info("checkpoint %s carries no checksums (written by an older ferry): its files are not checked", dir);
         if (c) c->noted = true;
       }
