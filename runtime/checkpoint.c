@@ -4,17 +4,21 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <json-c/json.h>
+#include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "core/fileio.h"
 #include "core/log.h"
 #include "core/safetensors.h"
 #include "memory/uv_pool.h"
+#include "runtime/comm.h"
 
 #define MAX_SHARD_BYTES ((size_t)5 << 30)
 
@@ -38,7 +42,7 @@ struct fy_ckpt_writer {
   struct fy_uv_job job;
   fy_status st;  // of the last write (read after waiting)
   char msg[1024];
-  double seconds;
+  double seconds, hash_seconds;
 };
 
 static double now_s(void) {
@@ -89,6 +93,367 @@ static fy_status fsync_dir_files(const char *dir) {
   }
   closedir(d);
   return st == FY_OK ? fsync_path(dir, true) : st;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+// ---- checksums ----
+//
+// Once a step directory's files are written and fsync'd, each is read back and hashed (XXH3-128,
+// one streaming pass), and the sums go into FY_CKPT_SUMS, the last file written, in xxhsum's
+// format: "<32 hex digits>  <file name>" a line, so `xxhsum -c checksums.xxh128` checks a
+// directory by hand. trainer.json, written before it, names the list: a checkpoint that lost its
+// list is told apart from one written before checksums. Reading a checkpoint checks every listed
+// file first: a byte flipped on disk, which no parser notices, is refused naming the file.
+
+#define SUMS_MAX_BYTES ((size_t)1 << 20)
+#define HASH_BLOCK ((size_t)8 << 20)
+
+// XXH3-128 of a file read in one streaming pass, as xxhsum prints it (32 hex digits).
+static fy_status hash_file(const char *path, char hex[33]) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return fy_error_set(errno == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+  posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  unsigned char *buf = malloc(HASH_BLOCK);
+  XXH3_state_t *h = XXH3_createState();
+  fy_status st = buf && h ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate a buffer to hash %s", path);
+  if (st == FY_OK) XXH3_128bits_reset(h);
+  while (st == FY_OK) {
+    ssize_t n = read(fd, buf, HASH_BLOCK);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) st = fy_error_set(FY_ERR_IO, "reading %s: %s", path, strerror(errno));
+    if (n <= 0) break;
+    XXH3_128bits_update(h, buf, (size_t)n);
+  }
+  if (st == FY_OK) {
+    XXH128_canonical_t c;  // (big-endian: xxhsum's spelling)
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(h));
+    for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", c.digest[i]);
+  }
+  XXH3_freeState(h);
+  free(buf);
+  close(fd);
+  return st;
+}
+
+// The names of dir's files that the list covers, sorted: every regular file but the list itself
+// and hidden ones (a temporary file of fy_file_write_atomic is never left in a complete directory).
+static fy_status list_files(const char *dir, char ***out, int *n_out) {
+  *out = NULL;
+  *n_out = 0;
+  DIR *d = opendir(dir);
+  if (!d) return fy_error_set(FY_ERR_IO, "cannot open %s: %s", dir, strerror(errno));
+  char **names = NULL, p[4200];
+  int n = 0, cap = 0;
+  fy_status st = FY_OK;
+  for (struct dirent *e; st == FY_OK && (e = readdir(d));) {
+    struct stat sb;
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    if (e->d_name[0] == '.' || strcmp(e->d_name, FY_CKPT_SUMS) == 0 || stat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
+      continue;
+    if (n == cap) {
+      char **grown = realloc(names, (size_t)(cap = cap ? 2 * cap : 16) * sizeof *names);
+      if (!grown) {
+        st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+        break;
+      }
+      names = grown;
+    }
+    if (!(names[n] = strdup(e->d_name))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    else n++;
+  }
+  closedir(d);
+  if (names) qsort(names, (size_t)n, sizeof *names, cmp_str);
+  *out = names;
+  *n_out = n;
+  return st;
+}
+
+static void free_names(char **names, int n) {
+  for (int i = 0; i < n; i++) free(names[i]);
+  free(names);
+}
+
+// Hashes every file of dir (written and fsync'd) and writes the list, FY_CKPT_SUMS, atomically.
+static fy_status write_sums(const char *dir, double *seconds) {
+  double t0 = now_s();
+  char **names, p[4200];
+  int n;
+  fy_status st = list_files(dir, &names, &n);
+  size_t cap = (size_t)n * 300 + 1, len = 0;
+  char *text = st == FY_OK ? malloc(cap) : NULL;
+  if (st == FY_OK && !text) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int i = 0; st == FY_OK && i < n; i++) {
+    char hex[33];
+    snprintf(p, sizeof p, "%s/%s", dir, names[i]);
+    st = hash_file(p, hex);
+    if (st == FY_OK) len += (size_t)snprintf(text + len, cap - len, "%s  %s\n", hex, names[i]);
+  }
+  snprintf(p, sizeof p, "%s/%s", dir, FY_CKPT_SUMS);
+  if (st == FY_OK) st = fy_file_write_atomic(p, &(struct fy_file_piece){text, len}, 1);
+  free(text);
+  free_names(names, n);
+  *seconds = now_s() - t0;
+  return st;
+}
+
+struct sum_entry {
+  char name[256];
+  char hex[33];
+};
+
+// dir's list of sums: *n = -1 when it has none. Every line must be "<32 hex digits>  <name>" with
+// a plain file name (no directory part): anything else is a damaged list.
+static fy_status read_sums(const char *dir, struct sum_entry **out, int *n_out) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/%s", dir, FY_CKPT_SUMS);
+  *out = NULL;
+  *n_out = -1;
+  FILE *f = fopen(p, "rb");
+  if (!f) return errno == ENOENT ? FY_OK : fy_error_set(FY_ERR_IO, "cannot open %s: %s", p, strerror(errno));
+  char *text = malloc(SUMS_MAX_BYTES + 1);
+  size_t len = text ? fread(text, 1, SUMS_MAX_BYTES + 1, f) : 0;
+  bool err = ferror(f);
+  fclose(f);
+  if (!text) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  fy_status st = FY_OK;
+  if (err) st = fy_error_set(FY_ERR_IO, "cannot read %s", p);
+  else if (len > SUMS_MAX_BYTES) st = fy_error_set(FY_ERR_FORMAT, "%s is over %zu bytes: not a list of checksums", p, SUMS_MAX_BYTES);
+  text[len] = 0;
+  int lines = 0;
+  for (size_t i = 0; i < len; i++) lines += text[i] == '\n';
+  struct sum_entry *e = st == FY_OK ? calloc((size_t)lines + 1, sizeof *e) : NULL;
+  if (st == FY_OK && !e) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int n = 0;
+  for (char *line = text, *next; st == FY_OK && line < text + len; line = next) {
+    char *nl = memchr(line, '\n', (size_t)(text + len - line));
+    if (!nl) {
+      st = fy_error_set(FY_ERR_FORMAT, "%s: line %d is cut short (no end of line)", p, n + 1);
+      break;
+    }
+    *nl = 0;
+    next = nl + 1;
+    bool ok = strlen(line) > 34 && strlen(line + 34) < sizeof e[n].name && line[32] == ' ' && line[33] == ' ';
+    for (int i = 0; ok && i < 32; i++) ok = strchr("0123456789abcdef", line[i]) != NULL && line[i];
+    const char *name = line + 34;
+    ok = ok && name[0] != '.' && !strchr(name, '/');
+    if (!ok) {
+      st = fy_error_set(FY_ERR_FORMAT, "%s: line %d is not \"<32 hex digits>  <file name>\"", p, n + 1);
+      break;
+    }
+    memcpy(e[n].hex, line, 32);
+    snprintf(e[n].name, sizeof e[n].name, "%s", name);
+    n++;
+  }
+  if (st == FY_OK && n == 0) st = fy_error_set(FY_ERR_FORMAT, "%s lists no files", p);
+  free(text);
+  if (st != FY_OK) {
+    free(e);
+    return st;
+  }
+  *out = e;
+  *n_out = n;
+  return FY_OK;
+}
+
+// Whether dir's trainer.json names a list of sums (a checkpoint written with checksums).
+static bool sums_declared(const char *dir) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/trainer.json", dir);
+  json_object *o = json_object_from_file(p), *v;
+  bool yes = o && json_object_is_type(o, json_type_object) && json_object_object_get_ex(o, "checksums", &v);
+  json_object_put(o);
+  return yes;
+}
+
+// A file as it stands: a directory whose files all stand as they did when they were checked is not
+// hashed again in this process (fy_ckpt_load, fy_ckpt_adam_open and --resume's early check each
+// ask; a write replaces files, new inodes and times).
+struct file_id {
+  dev_t dev;
+  ino_t ino;
+  off_t size;
+  struct timespec mtime, ctime;
+};
+
+static struct file_id file_id_of(const char *dir, const char *name) {
+  char p[4200];
+  struct stat sb;
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  if (stat(p, &sb) != 0) return (struct file_id){0};
+  return (struct file_id){sb.st_dev, sb.st_ino, sb.st_size, sb.st_mtim, sb.st_ctim};
+}
+
+static bool same_id(const struct file_id *a, const struct file_id *b) {
+  return a->dev == b->dev && a->ino == b->ino && a->size == b->size && a->mtime.tv_sec == b->mtime.tv_sec &&
+         a->mtime.tv_nsec == b->mtime.tv_nsec && a->ctime.tv_sec == b->ctime.tv_sec && a->ctime.tv_nsec == b->ctime.tv_nsec;
+}
+
+#define CHECKED_MAX 8
+static struct {
+  pthread_mutex_t lock;  // held while a directory is checked: ranks that share a process hash it once
+  struct checked {
+    char path[PATH_MAX];
+    int n;                // files: the list, then those it names (the list absent: trainer.json)
+    struct file_id *ids;
+    bool noted;           // (no checksums) the note was given
+  } e[CHECKED_MAX];
+  int next;
+} checked = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+// The identities of the list and the files it names (n < 0: no list; trainer.json stands in).
+static struct file_id *ids_of(const char *dir, const struct sum_entry *e, int n) {
+  struct file_id *ids = calloc(n < 0 ? 2 : (size_t)n + 1, sizeof *ids);
+  if (!ids) return NULL;
+  ids[0] = file_id_of(dir, FY_CKPT_SUMS);
+  if (n < 0) ids[1] = file_id_of(dir, "trainer.json");
+  for (int i = 0; i < n; i++) ids[i + 1] = file_id_of(dir, e[i].name);
+  return ids;
+}
+
+static struct checked *checked_find(const char *path, const struct file_id *ids, int n) {
+  for (int i = 0; ids && i < CHECKED_MAX; i++) {
+    struct checked *c = &checked.e[i];
+    if (!c->ids || c->n != n || strcmp(c->path, path) != 0) continue;
+    bool same = true;
+    for (int k = 0; same && k < n; k++) same = same_id(&c->ids[k], &ids[k]);
+    if (same) return c;
+  }
+  return NULL;
+}
+
+// Remembers a checked directory (takes ids).
+static struct checked *checked_add(const char *path, struct file_id *ids, int n) {
+  if (!ids) return NULL;
+  struct checked *c = &checked.e[checked.next];
+  checked.next = (checked.next + 1) % CHECKED_MAX;
+  free(c->ids);
+  snprintf(c->path, sizeof c->path, "%s", path);
+  c->ids = ids;
+  c->n = n;
+  c->noted = false;
+  return c;
+}
+
+// Checks dir's files against its list (the caller holds checked.lock). *sums: whether it has one;
+// without (a checkpoint from before checksums) a note unless quiet.
+static fy_status verify_locked(const char *dir, bool quiet, bool *sums) {
+  char real[PATH_MAX], p[4200];
+  *sums = false;
+  if (!realpath(dir, real)) return fy_error_set(FY_ERR_NOT_FOUND, "%s: %s", dir, strerror(errno));
+  struct sum_entry *e;
+  int n;
+  FY_TRY(read_sums(dir, &e, &n));
+  int nid = n < 0 ? 2 : n + 1;
+  struct file_id *ids = ids_of(dir, e, n);
+  struct checked *c = checked_find(real, ids, nid);
+  fy_status st = FY_OK;
+  if (n < 0) {
+    if (!c && sums_declared(dir)) {
+      st = fy_error_set(FY_ERR_NOT_FOUND, "%s/%s is missing, though its trainer.json says it was written: the "
+                        "checkpoint is damaged", dir, FY_CKPT_SUMS);
+    } else {
+      if (!c) {
+        c = checked_add(real, ids, nid);
+        ids = NULL;
+      }
+      if (!quiet && (!c || !c->noted) && fy_comm_launch_rank() == 0) {  // (rank 0 speaks for all)
+        fy_log_info("checkpoint %s carries no checksums (written by an older ferry): its files are not checked", dir);
+        if (c) c->noted = true;
+      }
+    }
+  } else if (!c) {
+    *sums = true;
+    for (int i = 0; st == FY_OK && i < n; i++) {
+      char hex[33];
+      snprintf(p, sizeof p, "%s/%s", dir, e[i].name);
+      st = hash_file(p, hex);
+      if (st == FY_ERR_NOT_FOUND)
+        st = fy_error_set(FY_ERR_NOT_FOUND, "%s is missing, though %s lists it: the checkpoint is damaged", p, FY_CKPT_SUMS);
+      else if (st == FY_OK && memcmp(hex, e[i].hex, 32) != 0)
+        st = fy_error_set(FY_ERR_FORMAT, "%s is damaged: its contents do not match the checksum written with it "
+                          "(XXH3-128, in %s)", p, FY_CKPT_SUMS);
+    }
+    if (st == FY_OK) {
+      checked_add(real, ids, nid);
+      ids = NULL;
+    }
+  } else {
+    *sums = true;
+  }
+  free(ids);
+  free(e);
+  return st;
+}
+
+static fy_status verify_dir(const char *dir, bool quiet, bool *sums) {
+  pthread_mutex_lock(&checked.lock);
+  fy_status st = verify_locked(dir, quiet, sums);
+  pthread_mutex_unlock(&checked.lock);
+  return st;
+}
+
+// The step number of a step directory's name ("step-00000010"), or -1.
+static int64_t step_of(const char *name) {
+  if (strncmp(name, "step-", 5) != 0 || name[5] < '0' || name[5] > '9') return -1;
+  char *end;
+  long long s = strtoll(name + 5, &end, 10);
+  return *end ? -1 : s;
+}
+
+// The newest complete checkpoint beside step directory dir (in its root) of an earlier step whose
+// files check (into out; "" when there is none). *unchecked: it carries no checksums.
+static void previous_intact(const char *dir, char *root, size_t nroot, char *out, size_t n, bool *unchecked) {
+  out[0] = 0;
+  *unchecked = false;
+  snprintf(root, nroot, "%s", dir);
+  size_t len = strlen(root);
+  while (len > 1 && root[len - 1] == '/') root[--len] = 0;
+  char *slash = strrchr(root, '/'), base[256];
+  snprintf(base, sizeof base, "%s", slash ? slash + 1 : root);
+  if (slash == root) root[1] = 0;
+  else if (slash) *slash = 0;
+  else snprintf(root, nroot, ".");
+  int64_t mine = step_of(base);
+  if (mine < 0) return;
+  DIR *d = opendir(root);
+  if (!d) return;
+  int64_t steps[4096];
+  int k = 0;
+  for (struct dirent *e; (e = readdir(d)) && k < 4096;) {
+    int64_t s = step_of(e->d_name);
+    if (s >= 0 && s < mine) steps[k++] = s;
+  }
+  closedir(d);
+  while (k > 0) {  // newest first
+    int best = 0;
+    for (int i = 1; i < k; i++)
+      if (steps[i] > steps[best]) best = i;
+    char cand[4200], p[4300];
+    snprintf(cand, sizeof cand, "%s/step-%08lld", root, (long long)steps[best]);
+    steps[best] = steps[--k];
+    snprintf(p, sizeof p, "%s/trainer.json", cand);
+    bool sums;
+    if (access(p, R_OK) == 0 && verify_dir(cand, true, &sums) == FY_OK) {
+      snprintf(out, n, "%s", cand);
+      *unchecked = !sums;
+      return;
+    }
+  }
+}
+
+fy_status fy_ckpt_verify(const char *dir) {
+  bool sums;
+  fy_status st = verify_dir(dir, false, &sums);
+  if (st == FY_OK || st == FY_ERR_NOMEM) return st;
+  char msg[1024], root[4200], prev[4200];
+  snprintf(msg, sizeof msg, "%s", fy_error_msg());
+  bool unchecked;
+  previous_intact(dir, root, sizeof root, prev, sizeof prev, &unchecked);
+  if (!prev[0]) return fy_error_set(st, "%s; no earlier complete checkpoint in %s is intact to use instead", msg, root);
+  return fy_error_set(st, "%s; the previous complete checkpoint, %s, %s: give that directory instead", msg, prev,
+                      unchecked ? "carries no checksums (written by an older ferry)" : "is intact");
 }
 
 // ---- writing ----
@@ -160,14 +525,16 @@ static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
   return st;
 }
 
+// The files, synced; then their checksums, read back from what was written (the writers put the
+// tensors in any order, so they cannot be hashed on the way out), last.
 static fy_status write_step_dir(struct fy_ckpt_writer *w, const char *dir) {
   fy_status st = write_tensors(w, dir);
   if (st == FY_OK) st = fy_ckpt_index_write(dir, &w->src.meta);
   if (st == FY_OK) st = fsync_dir_files(dir);
+  w->hash_seconds = 0;
+  if (st == FY_OK) st = write_sums(dir, &w->hash_seconds);
   return st;
 }
-
-static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 // Removes complete checkpoints older than the newest `keep` (and stale temporary directories).
 static void prune(struct fy_ckpt_writer *w, const char *newest) {
@@ -330,6 +697,7 @@ fy_status fy_ckpt_write_pieces(struct fy_ckpt_writer *w, const struct fy_ckpt_me
 
 bool fy_ckpt_busy(struct fy_ckpt_writer *w) { return fy_uv_job_busy(&w->job); }
 double fy_ckpt_last_seconds(const struct fy_ckpt_writer *w) { return w->seconds; }
+double fy_ckpt_last_hash_seconds(const struct fy_ckpt_writer *w) { return w->hash_seconds; }
 
 // ---- reading ----
 
@@ -350,6 +718,7 @@ void fy_ckpt_adam_close(struct fy_ckpt_adam *a) {
 fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, struct fy_ckpt_adam **out) {
   char dir[4096], p[4200];
   FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
+  FY_TRY(fy_ckpt_verify(dir));
   snprintf(p, sizeof p, "%s/optimizer.safetensors", dir);
   const struct fy_graph *g = model->graph;
   struct fy_ckpt_adam *a = calloc(1, sizeof *a);
@@ -400,6 +769,7 @@ void fy_ckpt_adam_read(const struct fy_ckpt_adam *a, int64_t lo, int64_t hi, flo
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta) {
   char dir[4096];
   FY_TRY(fy_ckpt_resolve(path, dir, sizeof dir));
+  FY_TRY(fy_ckpt_verify(dir));
   FY_TRY(fy_ckpt_index_read(dir, meta));
   FY_TRY(fy_model_load(model, dir));
   if (!m && !v) return FY_OK;
@@ -408,4 +778,16 @@ fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float
   fy_ckpt_adam_read(a, 0, model->graph->n_param_elems, m, v);
   fy_ckpt_adam_close(a);
   return FY_OK;
+}
+
+fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **dir) {
+  *dir = path;
+  char p[4200];
+  snprintf(p, sizeof p, "%s/latest", path);
+  if (access(p, F_OK) == 0) {  // (anything but a root reports itself when read)
+    FY_TRY(fy_ckpt_resolve(path, buf, n));
+    *dir = buf;
+  }
+  snprintf(p, sizeof p, "%s/trainer.json", *dir);
+  return access(p, F_OK) == 0 ? fy_ckpt_verify(*dir) : FY_OK;  // a step directory: its files checked
 }

@@ -6,13 +6,15 @@
 //   ROOT/step-00000010/model.safetensors (or shards and model.safetensors.index.json)
 //   ROOT/step-00000010/optimizer.safetensors  AdamW's exp_avg.<name> and exp_avg_sq.<name>, f32
 //   ROOT/step-00000010/trainer.json  step, sequences consumed, seed, loss scale, options
+//   ROOT/step-00000010/checksums.xxh128  XXH3-128 of every other file, written last (xxhsum -c reads it)
 //
 // Everything is stored per parameter (by its Hugging Face name), never per rank or chunk, so a
 // checkpoint resumes under another placement. Writing is atomic: a step directory is written
 // under a temporary name, every file fsync'd, then renamed and the root fsync'd; `latest` is
 // replaced (temporary file, fsync, rename) only after that, and the previous checkpoint is
 // removed only once the new one is complete. A crash at any moment leaves `latest` naming a
-// complete checkpoint (or no `latest` at all before the first).
+// complete checkpoint (or no `latest` at all before the first). Every file is checked against its
+// checksum before a checkpoint is read (fy_ckpt_verify): damage no parser notices is refused.
 #ifndef FY_CHECKPOINT_H
 #define FY_CHECKPOINT_H
 
@@ -20,6 +22,8 @@
 #include <stdint.h>
 
 #include "runtime/model.h"
+
+#define FY_CKPT_SUMS "checksums.xxh128"
 
 struct fy_ckpt_meta {
   int64_t step;        // optimizer steps done
@@ -69,25 +73,36 @@ fy_status fy_ckpt_wait(struct fy_ckpt_writer *w);
 // True while a write is in flight.
 bool fy_ckpt_busy(struct fy_ckpt_writer *w);
 double fy_ckpt_last_seconds(const struct fy_ckpt_writer *w);  // duration of the last write
+double fy_ckpt_last_hash_seconds(const struct fy_ckpt_writer *w);  // of which hashing its files
+
+// Checks every file of step directory dir against the checksums written with it (FY_CKPT_SUMS):
+// a file that does not match, or a listed file or the list missing, is refused (FY_ERR_FORMAT or
+// FY_ERR_NOT_FOUND, FY_ERR_IO for a read error) naming the file and the previous complete
+// checkpoint in dir's root that checks out, if any, to use instead. A checkpoint written before
+// checksums passes with a one-line note. A directory checked in this process is not hashed again
+// while its files stand as they did (inode, size, times). fy_ckpt_load, fy_ckpt_adam_open and
+// fy_ckpt_model_dir call it.
+fy_status fy_ckpt_verify(const char *dir);
 
 // Resolves a checkpoint path: a step directory, or a root (its `latest`). dir receives the step
 // directory.
 fy_status fy_ckpt_resolve(const char *path, char *dir, size_t n);
 // The model directory path stands for: the step directory that `latest` names when path is a
 // checkpoint root (into buf), else path itself (a Hugging Face model directory, or a step
-// directory, which is one). *dir is buf or path.
+// directory, which is one). *dir is buf or path. A step directory's files are checked (fy_ckpt_verify).
 fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **dir);
 // The configuration of the model directory path stands for (fy_ckpt_model_dir); a checkpoint's
 // is named as the run that wrote it named its model (its --model, less any directory part), not
 // "step-00000010".
 fy_status fy_ckpt_config_read(const char *path, struct fy_opt_config *cfg);
 // Reads a checkpoint into the model's parameters and into m, v (flat layout; may be NULL to skip)
-// and its metadata. Checks every tensor's name, shape and dtype.
+// and its metadata. Checks every file's checksum (fy_ckpt_verify) and every tensor's name, shape
+// and dtype.
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);
 
 // A checkpoint's AdamW state read part by part, so that an offloaded run resumes one chunk at a
-// time instead of holding the whole model's m and v at once. open checks every tensor's name,
-// shape and dtype (as fy_ckpt_load); read fills elements [lo, hi) of the flat m and v layout into
+// time instead of holding the whole model's m and v at once. open checks every file's checksum and
+// every tensor's name, shape and dtype (as fy_ckpt_load); read fills elements [lo, hi) of the flat m and v layout into
 // m[0..hi-lo) and v[0..hi-lo) (elements no parameter covers are left as they are).
 struct fy_ckpt_adam;
 fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, struct fy_ckpt_adam **out);

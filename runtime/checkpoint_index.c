@@ -26,6 +26,9 @@ fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta) 
   json_object_object_add(o, "loss_scale", json_object_new_double(meta->loss_scale));
   json_object_object_add(o, "loss_scale_good_steps", json_object_new_int64(meta->loss_scale_good));
   json_object_object_add(o, "adamw_updates", json_object_new_int64(meta->updates));
+  // The list of the files' checksums, written after this file (runtime/checkpoint.c): a checkpoint
+  // without it that names it lost it.
+  json_object_object_add(o, "checksums", json_object_new_string(FY_CKPT_SUMS));
   json_object *opts = json_tokener_parse(meta->options[0] ? meta->options : "{}");
   json_object_object_add(o, "options", opts ? opts : json_object_new_object());
   char path[4200];
@@ -84,7 +87,9 @@ fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
 }
 
 
-fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **dir) {
+// fy_ckpt_model_dir without the check of the files' checksums (runtime/checkpoint.c): what reads
+// config.json and trainer.json alone (ferry plan --model) need not read the tensors.
+static fy_status model_dir(const char *path, char *buf, size_t n, const char **dir) {
   *dir = path;
   char p[4200];
   snprintf(p, sizeof p, "%s/latest", path);
@@ -109,7 +114,7 @@ static void model_name(const struct fy_ckpt_meta *meta, char *out, size_t n) {
 fy_status fy_ckpt_config_read(const char *path, struct fy_opt_config *cfg) {
   char buf[4096], p[4200], name[sizeof cfg->name];
   const char *dir;
-  FY_TRY(fy_ckpt_model_dir(path, buf, sizeof buf, &dir));
+  FY_TRY(model_dir(path, buf, sizeof buf, &dir));
   FY_TRY(fy_opt_config_read(dir, cfg));
   snprintf(p, sizeof p, "%s/trainer.json", dir);
   struct fy_ckpt_meta meta;

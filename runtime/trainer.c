@@ -153,6 +153,7 @@ static fy_status resolve_config(const struct fy_train_opts *o, struct fy_opt_con
   if (o->resume) {
     char dir[4096];
     fy_status st = fy_ckpt_resolve(o->resume, dir, sizeof dir);
+    if (st == FY_OK) st = fy_ckpt_verify(dir);  // (before the run is set up; later reads find it checked)
     if (st == FY_OK) st = fy_ckpt_config_read(dir, &saved);
     if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
     if (!src) {
@@ -2176,6 +2177,7 @@ static fy_status copy_file(const char *src, const char *dst) {
 fy_status fy_export(const char *checkpoint, const char *out_dir) {
   char dir[4096];
   FY_TRY(fy_ckpt_resolve(checkpoint, dir, sizeof dir));
+  FY_TRY(fy_ckpt_verify(dir));
   // Check what we copy: the config parses and the weights open with every header claim checked.
   struct fy_opt_config cfg;
   FY_TRY(fy_opt_config_read(dir, &cfg));

@@ -1,8 +1,11 @@
 // Checkpoints and resume (runtime/checkpoint.h): resuming is exact; a run killed at any moment
 // while writing leaves a checkpoint that loads and resumes; a full disk gives a clear error and
-// keeps the previous checkpoint; export gives the weights back; bad checkpoints are refused.
+// keeps the previous checkpoint; export gives the weights back; bad checkpoints are refused, and
+// so are damaged ones (a byte flipped: the checksums), naming the file and the checkpoint before.
 // usage: test_checkpoint path/to/ferry
 #include <errno.h>
+#include <fcntl.h>
+#include <json-c/json.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,6 +64,9 @@ static void check_resume(const char *what, struct fy_train_opts o) {
   CHECK_OK(fy_train(&o, &first));
   CHECK(first.checkpoints == 1 && first.interrupted && first.steps == 5);
   last_by_chunk = first.ckpt_by_chunk;
+  char sums[700];  // every writer (a snapshot, chunk by chunk, from disk) leaves the checksums
+  snprintf(sums, sizeof sums, "%s/step-00000005/" FY_CKPT_SUMS, root);
+  CHECKF(access(sums, R_OK) == 0, "%s: the checkpoint has no %s", what, FY_CKPT_SUMS);
   o.stop_after = 0;
   o.steps = 10;
   o.save = NULL;
@@ -100,6 +106,142 @@ static void same_files_by_chunk(const char *what, struct fy_train_opts o) {
            "%s/optimizer.safetensors && cmp -s %s/config.json %s/config.json", da, db, da, db, da, db);
   CHECKF(system(cmd) == 0, "%s: a checkpoint written chunk by chunk differs from one written from a snapshot", what);
   fprintf(stderr, "  same files chunk by chunk: %s\n", what);
+}
+
+// Flips the lowest bit of the byte in the middle of file name in directory d.
+static void flip_middle(const char *d, const char *name) {
+  char p[700];
+  snprintf(p, sizeof p, "%s/%s", d, name);
+  FILE *f = fopen(p, "r+b");
+  CHECKF(f != NULL, "cannot open %s", p);
+  if (!f) return;
+  fseek(f, 0, SEEK_END);
+  long mid = ftell(f) / 2;
+  fseek(f, mid, SEEK_SET);
+  int c = fgetc(f);
+  fseek(f, mid, SEEK_SET);
+  fputc(c ^ 1, f);
+  fclose(f);
+}
+
+static void copy_tree(const char *from, const char *to) {
+  char cmd[1400];
+  snprintf(cmd, sizeof cmd, "rm -rf %s && cp -r %s %s", to, from, to);
+  CHECK(system(cmd) == 0);
+}
+
+// st is a refusal of a damaged checkpoint whose message names bad and the previous checkpoint
+// prev ("": none was left).
+static void check_refused(const char *what, fy_status st, const char *bad, const char *prev) {
+  char want[800];
+  snprintf(want, sizeof want, "the previous complete checkpoint, %s, is intact", prev);
+  const char *msg = fy_error_msg();
+  bool named = strstr(msg, bad) && strstr(msg, " is damaged") &&
+               (prev[0] ? strstr(msg, want) != NULL : strstr(msg, "no earlier complete checkpoint") != NULL);
+  CHECKF(st == FY_ERR_FORMAT && named, "%s: %d %s", what, st, msg);
+  fprintf(stderr, "  refused (%s): %s\n", what, msg);
+}
+
+// A byte flipped in the middle of a checkpoint's weights or AdamW state, which no parser notices,
+// is refused by --resume, --init, ferry export and fy_ckpt_load, naming the file and the
+// checkpoint before it; the untouched one resumes bit for bit, and so does one written before
+// checksums (none recorded), with a note.
+static void check_damage(void) {
+  char good[512], dmg[512], prev[700], bad[700], out[512];
+  path(good, "two");
+  path(dmg, "damaged");
+  path(out, "damaged_export");
+  struct fy_train_result r, straight, resumed;
+  struct fy_train_opts o = base();
+  o.steps = 6;
+  CHECK_OK(fy_train(&o, &straight));
+  o.stop_after = 4;  // (of 6: the learning rate's schedule is the straight run's)
+  o.save = good;
+  o.save_every = 2;
+  o.keep = 2;
+  CHECK_OK(fy_train(&o, &r));
+  CHECK(r.checkpoints == 2);
+  o = base();
+  o.steps = 6;
+  o.resume = good;
+  CHECK_OK(fy_train(&o, &resumed));
+  CHECK(resumed.first_step == 4 && resumed.params_hash == straight.params_hash);
+
+  const char *files[] = {"model.safetensors", "optimizer.safetensors"};
+  struct fy_device *dev;
+  struct fy_model *m;
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_config_read(model_dir, &cfg));
+  CHECK_OK(fy_device_cpu_create(0, &dev));
+  CHECK_OK(fy_model_create(&cfg, 1, 4, dev, &m));
+  struct fy_ckpt_meta meta;
+  for (int i = 0; i < 2; i++) {
+    copy_tree(good, dmg);
+    char step4[600];
+    snprintf(step4, sizeof step4, "%s/step-00000004", dmg);
+    snprintf(bad, sizeof bad, "%s/%s", step4, files[i]);
+    snprintf(prev, sizeof prev, "%s/step-00000002", dmg);
+    flip_middle(step4, files[i]);
+    o = base();
+    o.steps = 6;
+    o.resume = dmg;
+    check_refused("--resume", fy_train(&o, &r), bad, prev);
+    o = base();
+    o.steps = 1;
+    o.init = dmg;
+    check_refused("--init of the root", fy_train(&o, &r), bad, prev);
+    o.init = step4;
+    check_refused("--init of the step directory", fy_train(&o, &r), bad, prev);
+    check_refused("ferry export", fy_export(dmg, out), bad, prev);
+    check_refused("fy_ckpt_load", fy_ckpt_load(dmg, m, m->m, m->v, &meta), bad, prev);
+    // The checkpoint named in its place resumes (steps 3 and 4 again, then 5 and 6).
+    o = base();
+    o.steps = 6;
+    o.resume = prev;
+    CHECK_OK(fy_train(&o, &r));
+    CHECK(r.first_step == 2 && r.params_hash == straight.params_hash);
+  }
+  // The checkpoint before damaged too: none to name.
+  flip_middle(prev, "model.safetensors");
+  check_refused("export, both damaged", fy_export(dmg, out), bad, "");
+  // The list of checksums lost while trainer.json names it: refused.
+  copy_tree(good, dmg);
+  snprintf(bad, sizeof bad, "%s/step-00000004/" FY_CKPT_SUMS, dmg);
+  CHECK(unlink(bad) == 0);
+  fy_status st = fy_ckpt_load(dmg, m, m->m, m->v, &meta);
+  CHECKF(st == FY_ERR_NOT_FOUND && strstr(fy_error_msg(), FY_CKPT_SUMS " is missing"), "%d %s", st, fy_error_msg());
+  // A checkpoint from before checksums (no list, trainer.json without "checksums") resumes bit for
+  // bit, with a one-line note.
+  char idx[700], note[600];
+  snprintf(idx, sizeof idx, "%s/step-00000004/trainer.json", dmg);
+  json_object *j = json_object_from_file(idx);
+  CHECK(j && json_object_object_get_ex(j, "checksums", NULL));
+  json_object_object_del(j, "checksums");
+  CHECK(json_object_to_file_ext(idx, j, JSON_C_TO_STRING_PRETTY) == 0);
+  json_object_put(j);
+  path(note, "note.txt");
+  fflush(stderr);
+  int saved = dup(2), fd = open(note, O_CREAT | O_TRUNC | O_WRONLY, 0644);
+  dup2(fd, 2);
+  o = base();
+  o.steps = 6;
+  o.resume = dmg;
+  st = fy_train(&o, &r);
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  close(fd);
+  CHECKF(st == FY_OK && r.first_step == 4 && r.params_hash == straight.params_hash, "old format: %s", fy_error_msg());
+  char text[4096] = {0};
+  FILE *f = fopen(note, "r");
+  size_t len = f ? fread(text, 1, sizeof text - 1, f) : 0;
+  if (f) fclose(f);
+  text[len] = 0;
+  const char *at = strstr(text, "carries no checksums");
+  CHECKF(at && !strstr(at + 1, "carries no checksums"), "the note on a checkpoint without checksums, once: '%s'", text);
+  fprintf(stderr, "  damaged checkpoints refused; an old one resumes with: %s", text);
+  fy_model_free(m);
+  fy_device_free(dev);
 }
 
 int main(int argc, char **argv) {
@@ -233,6 +375,8 @@ int main(int argc, char **argv) {
   path(bad, "bad");
   snprintf(p, sizeof p, "cp -r %s %s", sdir, bad);
   CHECK(system(p) == 0);
+  snprintf(p, sizeof p, "%s/" FY_CKPT_SUMS, bad);  // (trainer.json edited by hand: a checkpoint without checksums)
+  CHECK(unlink(p) == 0);
   snprintf(p, sizeof p, "%s/trainer.json", bad);
   FILE *f = fopen(p, "w");
   fputs("{\"format\": \"ferry-checkpoint\", \"step\": \"five\", \"sequences\": 10}", f);
@@ -268,6 +412,8 @@ int main(int argc, char **argv) {
   fy_model_free(m1);
   fy_model_free(m2);
   fy_device_free(dev);
+
+  check_damage();
 
   // A loss that turns non-finite stops with the step and the operator named; the last good
   // checkpoint stays.

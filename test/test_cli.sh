@@ -157,6 +157,36 @@ expect 1 "--resume with another --model is refused" "holds another model than --
 expect 0 "ferry export writes a Hugging Face directory" "exported" -- export "$tmp/ck" "$tmp/hf"
 if [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ]; then pass=$((pass + 1)); echo "ok    the export has config.json and model.safetensors"
 else fail=$((fail + 1)); echo "FAIL  the export lacks config.json or model.safetensors"; fi
+# A byte flipped in the middle of a checkpoint's file, which no parser notices: its checksum
+# (checksums.xxh128) refuses it in --resume, --init and export, naming the file and the checkpoint
+# before it. One written before checksums (none listed, none named in trainer.json) resumes, said.
+flip_middle() {  # FILE: the lowest bit of its middle byte
+  python3 - "$1" <<'PY'
+import os, sys
+p = sys.argv[1]; mid = os.path.getsize(p) // 2
+with open(p, "r+b") as f:
+    f.seek(mid); b = f.read(1); f.seek(mid); f.write(bytes([b[0] ^ 1]))
+PY
+}
+cp -r "$tmp/ck" "$tmp/ckbad" && flip_middle "$tmp/ckbad/step-00000004/model.safetensors"
+damaged="ckbad/step-00000004/model.safetensors is damaged.*the previous complete checkpoint, .*ckbad/step-00000002, is intact"
+expect 1 "--resume of a checkpoint with a byte flipped in its weights is refused, naming the file and the one before" \
+  "$damaged" -- train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ckbad"
+expect 1 "--init of it is refused" "$damaged" -- train --init "$tmp/ckbad" --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 1
+expect 1 "ferry export of it is refused" "$damaged" -- export "$tmp/ckbad" "$tmp/hfbad"
+expect 0 "the checkpoint the refusal names resumes" "resuming from .* at step 2" -- \
+  train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 3 --resume "$tmp/ckbad/step-00000002"
+cp -r "$tmp/ck" "$tmp/ckbad2" && flip_middle "$tmp/ckbad2/step-00000004/optimizer.safetensors"
+expect 1 "--resume of a checkpoint with a byte flipped in its AdamW state is refused" \
+  "ckbad2/step-00000004/optimizer.safetensors is damaged.*ckbad2/step-00000002, is intact" -- \
+  train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ckbad2"
+cp -r "$tmp/ck" "$tmp/ckold" && rm "$tmp/ckold/step-00000004/checksums.xxh128"
+expect 1 "a checkpoint whose trainer.json names checksums it lost is refused" "checksums.xxh128 is missing" -- \
+  train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ckold"
+python3 -c 'import json, sys; p = sys.argv[1]; o = json.load(open(p)); del o["checksums"]; json.dump(o, open(p, "w"))' \
+  "$tmp/ckold/step-00000004/trainer.json"
+expect 0 "a checkpoint from before checksums resumes, with a note" "carries no checksums \(written by an older ferry\)" -- \
+  train --data "$tmp/ok.bin" --batch 2 --seq 16 --steps 5 --resume "$tmp/ckold"
 expect 1 "resuming from a Hugging Face directory says what --init does" "Hugging Face model.*--init" -- \
   train "${tiny[@]}" --resume "$tmp/hf"
 expect 1 "exporting a Hugging Face directory says it loads as it is" "transformers loads it as it is" -- export "$tmp/hf" "$tmp/hf2"

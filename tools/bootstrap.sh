@@ -1,7 +1,7 @@
 # Sourced by run.sh and test.sh: installs the Debian packages ferry needs (when missing) and
 # builds it with meson and ninja. Safe to run again; it only does what is missing.
 
-FY_DEBS="gcc g++ pkg-config meson ninja-build python3 libdnnl-dev libjson-c-dev libjemalloc-dev libuv1-dev libhwloc-dev clang libclang-rt-14-dev openmpi-bin libopenmpi-dev"
+FY_DEBS="gcc g++ pkg-config meson ninja-build python3 libdnnl-dev libjson-c-dev libjemalloc-dev libuv1-dev libhwloc-dev libxxhash-dev clang libclang-rt-14-dev openmpi-bin libopenmpi-dev"
 
 fy_install_deps() {
   local missing=""
