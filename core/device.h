@@ -51,6 +51,12 @@ struct fy_device_ops {
   // (cpu: device memory is host memory), and no copy engines to count.
   bool (*owns)(const struct fy_device *dev, const void *p);
   void (*copy_stats)(const struct fy_device *dev, struct fy_copy_stats *out);
+  // Optional (profiling; NULL: the device does not time its streams): an event that also keeps
+  // when its stream reached it, and the seconds from one such event to another once both have
+  // been reached (any streams of the device): FY_ERR_NOT_FOUND, with no message, while either has
+  // not been reached yet. A timer is freed with event_free.
+  fy_status (*timer_create)(struct fy_device *dev, fy_event **out);
+  fy_status (*timer_elapsed)(fy_event *from, fy_event *to, double *seconds);
 };
 
 struct fy_device {
@@ -132,6 +138,15 @@ static inline fy_status fy_event_create(struct fy_device *dev, fy_event **out) {
 }
 static inline void fy_event_free(fy_event *e) {
   if (e) e->dev->ops->event_free(e->dev, e);
+}
+static inline bool fy_device_has_timers(const struct fy_device *dev) {
+  return dev->ops->timer_create && dev->ops->timer_elapsed;
+}
+static inline fy_status fy_timer_create(struct fy_device *dev, fy_event **out) {
+  return dev->ops->timer_create(dev, out);
+}
+static inline fy_status fy_timer_elapsed(fy_event *from, fy_event *to, double *seconds) {
+  return from->dev->ops->timer_elapsed(from, to, seconds);
 }
 
 #endif

@@ -60,6 +60,7 @@ struct sim_event {
   uint64_t *pending;        // generations recorded and not yet reached
   size_t npending, pending_cap;
   size_t refs;              // queued items pointing at this event
+  double reached_at;        // when its latest record was reached (monotonic seconds; timers)
 };
 
 enum item_kind { ITEM_COPY, ITEM_MEMSET, ITEM_HOST, ITEM_RECORD, ITEM_WAIT };
@@ -279,7 +280,10 @@ static bool event_pending(const struct sim_event *e, uint64_t gen) {
 }
 
 static void event_reach(struct sim_event *e, uint64_t gen) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
   pthread_mutex_lock(&e->mu);
+  e->reached_at = ts.tv_sec + ts.tv_nsec * 1e-9;
   for (size_t i = 0; i < e->npending; i++)
     if (e->pending[i] == gen) {
       e->pending[i] = e->pending[--e->npending];
@@ -321,6 +325,23 @@ static void sim_event_free(struct fy_device *dev, fy_event *ev) {
   pthread_mutex_destroy(&e->mu);
   free(e->pending);
   free(e);
+}
+
+// A sim event keeps when it was reached: every event is a timer.
+static fy_status sim_timer_elapsed(fy_event *from, fy_event *to, double *seconds) {
+  struct sim_event *a = (struct sim_event *)from, *b = (struct sim_event *)to;
+  bool reached = true;
+  double t[2];
+  struct sim_event *e[2] = {a, b};
+  for (int i = 0; i < 2; i++) {
+    pthread_mutex_lock(&e[i]->mu);
+    reached = reached && e[i]->recorded > 0 && e[i]->npending == 0;
+    t[i] = e[i]->reached_at;
+    pthread_mutex_unlock(&e[i]->mu);
+  }
+  if (!reached) return FY_ERR_NOT_FOUND;
+  *seconds = t[1] - t[0];
+  return FY_OK;
 }
 
 static fy_status sim_event_sync(fy_event *ev) {
@@ -587,6 +608,8 @@ static const struct fy_device_ops fy_sim_ops = {
     .destroy = sim_destroy,
     .owns = sim_owns,
     .copy_stats = sim_copy_stats,
+    .timer_create = sim_event_create,
+    .timer_elapsed = sim_timer_elapsed,
 };
 
 static fy_status pool_init(struct sim *sm, size_t cap) {

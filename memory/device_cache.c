@@ -11,6 +11,7 @@ struct block {
   fy_event *loaded;          // copy_in: the chunk's weights are in
   fy_event *used;            // compute: the last op reading the block is done
   fy_event *saved;           // copy_out: the block's gradients have left
+  int held;                  // profiling: the load's timed wait for home_ready (-1: none)
 };
 
 struct spill_buf {
@@ -89,6 +90,7 @@ fy_status fy_device_cache_create(struct fy_chunk_layout *layout, const struct fy
   for (int b = 0; b < o->n_blocks; b++) {
     struct block *bl = &c->blocks[b];
     bl->chunk = -1;
+    bl->held = -1;
     fy_status st = fy_device_alloc(o->dev, bytes, (void **)&bl->ptr);
     if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->loaded);
     if (st == FY_OK) st = o->dev->ops->event_create(o->dev, &bl->used);
@@ -190,8 +192,18 @@ static int find_block(struct fy_device_cache *c, int64_t pos, int64_t dist, bool
   return b;
 }
 
+// The load of chunk into block bl waits (on copy_in) until its home may be read: timed when
+// profiling, so that the compute stream's wait for the load can be split (fy_device_cache_acquire).
+static fy_status wait_home(struct fy_device_cache *c, int chunk, struct block *bl) {
+  bl->held = -1;
+  if (!c->o.home_ready || !c->o.home_ready[chunk]) return FY_OK;
+  enum fy_stall why = c->o.home_cause ? c->o.home_cause[chunk] : FY_STALL_OPTIMIZER;
+  return fy_wait_timed(c->o.profile, c->o.copy_in, c->o.home_ready[chunk], why, -1, &bl->held);
+}
+
 static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk_state to) {
   struct block *bl = &c->blocks[b];
+  bl->held = -1;
   struct fy_chunk *ch = &c->layout->chunks[chunk];
   fy_stream *s = c->o.copy_in;
   // The block's previous occupant must be done with: its readers and its write-back.
@@ -205,12 +217,12 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
     sb->owner = -1;
     c->spilled[chunk] = -1;
   } else if (c->o.shard_elems > 0) {  // this rank's shard from home, the others' from theirs
-    if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
+    FY_TRY(wait_home(c, chunk, bl));
     FY_TRY(fy_copy_async(s, (char *)bl->ptr + c->o.shard_off * elem(c), c->o.home[chunk],
                          (size_t)c->o.shard_elems * elem(c)));
     FY_TRY(c->o.gather(c->o.shard_ctx, chunk, bl->ptr, s));
   } else {
-    if (c->o.home_ready && c->o.home_ready[chunk]) FY_TRY(fy_stream_wait(s, c->o.home_ready[chunk]));
+    FY_TRY(wait_home(c, chunk, bl));
     FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * elem(c)));
   }
   FY_TRY(fy_event_record(bl->loaded, s));
@@ -237,7 +249,8 @@ fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int ch
   }
   c->prefetched[chunk] = false;
   struct block *bl = &c->blocks[ch->block];
-  FY_TRY(fy_stream_wait(c->o.compute, bl->loaded));
+  FY_TRY(fy_wait_timed(c->o.profile, c->o.compute, bl->loaded, FY_STALL_LOAD, bl->held, NULL));
+  bl->held = -1;  // (later waits for the same load find it done)
   *block = bl->ptr;
   return FY_OK;
 }

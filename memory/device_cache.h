@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "core/device.h"
+#include "core/wait_profile.h"
 #include "memory/cache.h"
 #include "memory/chunk.h"
 #include "memory/tier.h"
@@ -51,6 +52,11 @@ struct fy_device_cache_opts {
   fy_status (*gather)(void *ctx, int chunk, float *block, fy_stream *s);
   fy_status (*scatter)(void *ctx, int chunk, float *block, fy_stream *s);
   void *shard_ctx;
+  // Profiling (NULL: none): the compute stream's waits for loads are timed, charged to chunk
+  // loads, less the part spent while the load itself waited for home_ready, charged to
+  // home_cause[chunk] (NULL: all FY_STALL_OPTIMIZER; the disk's chunks FY_STALL_DISK, say).
+  struct fy_wait_profile *profile;
+  const enum fy_stall *home_cause;
 };
 
 struct fy_device_cache;

@@ -106,11 +106,16 @@ struct fy_offload {
   // their events not in use this step. Device chunks keep their gradients of step s in dev_gl
   // (dev_pending) and are updated by the next fy_offload_update, after step s+1's passes, or by
   // fy_offload_drain.
+  bool profiling;  // fy_offload_profile
   bool lag, dev_pending;
   int dev_pending_q;
   void **chome_alt;
   fy_event **home_ready_alt;
   float **dev_gl;
+  // --profile: the compute stream's timed waits (core/wait_profile.h; NULL where the device has
+  // no timers), and what a load's wait for home_ready is charged to: the disk's chunks, the disk.
+  struct fy_wait_profile *wprof;
+  enum fy_stall *home_cause;
   // Chunk sharding (fy_offload_opts.comm): this rank keeps elements [lo, lo + S) of every chunk;
   // without sharding lo = 0 and S = chunk_elems. slot: floats of each per-chunk state buffer.
   bool sharded, shards_on_device, taken;
@@ -606,6 +611,11 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     st = fy_error_set(FY_ERR_INVALID, "a model without its weights offloads unsharded only to evaluate in 16 bits");
   if (st == FY_OK) st = create_streams(x);
   if (st == FY_OK) st = create_chunks(x, o);
+  if (st == FY_OK) st = fy_wait_profile_create(x->compute, &x->wprof);
+  if (st == FY_OK && !(x->home_cause = calloc((size_t)m->layout->n_chunks, sizeof *x->home_cause)))
+    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
+    x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
   if (st == FY_OK) st = create_pass(x);
   if (st != FY_OK) {
     fy_offload_free(x);
@@ -639,7 +649,8 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
                                     .copy_out = x->copy_out, .n_blocks = n_blocks, .prefetch = o->prefetch,
                                     .trace = x->trace, .home = x->home, .home_ready = x->home_ready,
                                     .staging = x->wb_staging, .elem_bytes = x->esize, .spill_alloc = spill_alloc,
-                                    .spill_free = spill_free, .spill_ctx = m->host};
+                                    .spill_free = spill_free, .spill_ctx = m->host, .profile = x->wprof,
+                                    .home_cause = x->home_cause};
   if (x->sharded) {
     co.shard_off = x->lo;
     co.shard_elems = x->S;
@@ -682,6 +693,8 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->chome);
   free(x->chome_alt);
   free(x->home_ready_alt);
+  fy_wait_profile_free(x->wprof);
+  free(x->home_cause);
   free(x->dev_gl);
   free(x->w_home);
   free(x->gather_buf);
@@ -894,9 +907,13 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   } else {
     fy_engine_positions(s + 3 * bt, batch->mask, g->B, g->T);
   }
+  // (profiling: the compute stream was idle since the last step's end, the host waiting for its
+  // norm; evaluation's passes are no step's)
+  FY_TRY(fy_wait_profile_gap_end(x->wprof, FY_STALL_NORM));
+  fy_wait_profile_enable(x->wprof, x->profiling && !forward_alone);
   FY_TRY(fy_copy_async(x->copy_in, x->dbatch_mem[p], s, (size_t)(4 * bt) * 4));
   FY_TRY(fy_event_record(x->batch_ready[p], x->copy_in));
-  FY_TRY(fy_stream_wait(x->compute, x->batch_ready[p]));
+  FY_TRY(fy_wait_timed(x->wprof, x->compute, x->batch_ready[p], FY_STALL_LOAD, -1, NULL));
   struct fy_dev_batch *db = &x->dbatch[p];
   db->mask = batch->mask ? x->dbatch_mem[p] + 2 * bt : NULL;
   db->row0 = batch->row0;
@@ -1284,7 +1301,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     x->dev_pending = x->n_dev > 0;
     x->dev_pending_q = q;
   } else {
-    FY_TRY(fy_stream_wait(x->compute, x->norm_ready));
+    FY_TRY(fy_wait_timed(x->wprof, x->compute, x->norm_ready, FY_STALL_NORM, -1, NULL));
     if (x->n_dev > 0) FY_TRY(fy_copy_async(x->compute, x->dev_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
     for (int c = 0; c < x->n_dev; c++) FY_TRY(device_adamw(x, q, c, chunk_grads(x, c)));
     FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
@@ -1297,8 +1314,10 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   }
   FY_TRY(fy_event_record(x->updates_done[q], x->optim));
   if (x->lag) swap_copies(x);
+  FY_TRY(fy_wait_profile_gap_begin(x->wprof));  // (the step's work on the compute stream is enqueued)
   FY_TRY(fy_event_sync(x->norm_ready));
   FY_TRY(async_status(x));
+  FY_TRY(fy_wait_profile_collect(x->wprof, false));
   *norm = x->args[q].norm;
   for (int i = 0; i < x->max_micro; i++) loss_sum[i] = x->loss_sums[i];
   for (int a = 0; a < x->n_actions; a++)
@@ -1330,6 +1349,20 @@ fy_status fy_offload_sync(struct fy_offload *x) {
     FY_TRY(fy_stream_sync(x->copy_out));
   }
   return async_status(x);
+}
+
+bool fy_offload_profile(struct fy_offload *x, bool on) {
+  x->profiling = on && x->wprof;
+  return x->wprof != NULL;
+}
+
+fy_status fy_offload_stalls(struct fy_offload *x, double out[FY_STALL_COUNT]) {
+  FY_TRY(fy_offload_sync(x));
+  FY_TRY(fy_wait_profile_gap_end(x->wprof, FY_STALL_NORM));  // (a gap still open ends here: not counted)
+  FY_TRY(fy_stream_sync(x->compute));
+  FY_TRY(fy_wait_profile_collect(x->wprof, true));
+  fy_wait_profile_seconds(x->wprof, out);
+  return FY_OK;
 }
 
 void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) {

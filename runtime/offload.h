@@ -159,5 +159,11 @@ struct fy_offload_stats {
   struct fy_device_cache_stats cache;
 };
 void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out);
+// ferry train --profile: the compute stream's waits in training passes are timed from now on (on
+// devices with timers: sim and cuda; false where they cannot be), charged to their causes
+// (core/stall.h) as ferry plan predicts them.
+bool fy_offload_profile(struct fy_offload *x, bool on);
+// The seconds the compute stream waited so far, by cause (syncs the engine first).
+fy_status fy_offload_stalls(struct fy_offload *x, double out[FY_STALL_COUNT]);
 
 #endif

@@ -1772,6 +1772,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     fflush(stdout);
   }
   model->profile = o->profile;
+  if (r.x && o->profile && !fy_offload_profile(r.x, true) && lead)
+    fy_log_info("--profile: the %s device cannot time its streams; the compute stream's waits are not measured",
+                r.dev->name);
   res->first_step = first_step;
   if (o->loss_scale > 0 && (o->loss_scale != exp2(round(log2(o->loss_scale))) || o->loss_scale < 1)) {
     st = fy_error_set(FY_ERR_INVALID, "--loss-scale %g must be a power of two >= 1", o->loss_scale);
@@ -1935,6 +1938,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   if (sharded && r.tp == 1 && gather && (st = finish_sharded(&r, saving ? o->save : NULL, lead, hash)) != FY_OK)
     goto done;
   if (!o->quiet && tty) printf("\r\033[K");
+  if (r.x && o->profile && res->steps > first_step && fy_offload_profile(r.x, true)) {
+    if ((st = fy_offload_stalls(r.x, res->stall_s)) != FY_OK) goto done;
+    for (int i = 0; i < FY_STALL_COUNT; i++) res->stall_s[i] /= (double)(res->steps - first_step);
+    res->stalls_timed = true;
+  }
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);
   if (o->profile && res->steps && !o->quiet) {
@@ -1946,6 +1954,12 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
         if (model->op_seconds[k][ph] > 0)
           printf("  %-14s %-8s %8.1f ms/step %5.1f%%\n", fy_op_kind_name(k), ph ? "backward" : "forward",
                  1e3 * model->op_seconds[k][ph] / res->steps, 100 * model->op_seconds[k][ph] / total);
+    if (res->stalls_timed) {  // (as ferry plan predicts them)
+      printf("  compute waited per step:");
+      for (int i = 0; i < FY_STALL_COUNT; i++)
+        printf("%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), res->stall_s[i]);
+      printf("\n");
+    }
     if (!r.x) {
       printf("  %-23s %8.1f ms/step %5.1f%%\n", "sum micro-batches", 1e3 * t_sum / res->steps, 100 * t_sum / total);
       printf("  %-23s %8.1f ms/step %5.1f%%\n", "clip + AdamW", 1e3 * t_opt / res->steps, 100 * t_opt / total);

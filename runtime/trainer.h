@@ -10,6 +10,7 @@
 
 #include "core/status.h"
 #include "core/graph.h"
+#include "core/stall.h"
 #include "runtime/optimizer.h"
 
 #define FY_DEFAULT_SEQ 128  // tokens per sequence when --seq is not given (fewer if the model has fewer positions)
@@ -142,6 +143,10 @@ struct fy_train_result {
   double val_loss;               // the last validation's mean loss (NAN without val_data)
   int validations;               // how many ran
   double op_seconds[FY_OP_KIND_COUNT][2];  // with opts.profile: seconds per step per op kind
+  // With opts.profile, offloaded on a device with timers (sim, cuda): seconds per step the compute
+  // stream waited, by cause (core/stall.h; ferry plan predicts the same); stalls_timed says so.
+  double stall_s[FY_STALL_COUNT];
+  bool stalls_timed;
   int64_t first_step;            // 0, or the step a resumed run started from
   int checkpoints;               // checkpoints written
   bool ckpt_by_chunk;            // written chunk by chunk from where the state lives (no snapshot fits)
