@@ -33,12 +33,16 @@ passed=0 failed=0 skipped=0
 timing_ran=0 timing_passed=0 timing_failed=0 timing_failures=""
 
 # meson_results DIR: the last meson test run in DIR as "PASSED FAILED SKIPPED FAILED_NAMES" (the
-# names comma-separated, "-" when none), from meson's log (meson counts exit 77 as skipped).
+# names comma-separated, "-" when none), from meson's log (meson counts exit 77 as skipped). A run
+# that left no log (meson could not start: it is removed before each run) is one failure.
 meson_results() {
   python3 - "$1/meson-logs/testlog.json" <<'PY'
-import json, sys
+import json, os, sys
 p = f = s = 0
 bad = []
+if not os.path.exists(sys.argv[1]):
+    print(0, 1, 0, "meson-test-did-not-run")
+    sys.exit()
 for line in open(sys.argv[1]):
     t = json.loads(line)
     r = t.get("result")
@@ -56,6 +60,7 @@ run_suite() {
   local dir="$1" label="$2" p f s names
   shift 2
   section "$label: meson test in $dir${1:+ ($*)}"
+  rm -f "$dir/meson-logs/testlog.json"
   meson test -C "$dir" --print-errorlogs --num-processes 2 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
   tail -n 12 "$dir.test.log"
   read -r p f s names < <(meson_results "$dir")
@@ -69,6 +74,7 @@ run_suite() {
 run_timing() {
   local dir="$1" p f s names
   section "timing (reported apart, not counted): meson test in $dir --suite timing"
+  rm -f "$dir/meson-logs/testlog.json"
   meson test -C "$dir" --suite timing --print-errorlogs --num-processes 1 --timeout-multiplier 3 >"$dir.timing.log" 2>&1
   tail -n 8 "$dir.timing.log"
   read -r p f s names < <(meson_results "$dir")
