@@ -407,6 +407,85 @@ print(json.dumps({"bench": "ferry_cuda_largest_40gib", "model": "opt-6.7b", "dev
                   "opt_13b_planner": sys.argv[2].strip()[:300]}))
 PY
 }
+# Issue 35's side-by-side: OPT-6.7B in bf16, 8 x 2048 a micro-batch, recomputation on both sides,
+# resident against offloaded at a 40 GiB cap (ferry train --plan auto: the planner's chunks, cache
+# and device chunks; the same global batch), and offloaded with --optimizer-lag 1, alternating
+# (resident, offloaded, lagged, twice), 4 steps each (the first not timed). Then what the planner,
+# from this GPU's probe, predicts for the offloaded runs, and where their compute stream waited
+# (--profile). Prints tokens/s, the ratios of medians, MFU (Megatron's FLOPs: 6 x parameters x
+# tokens plus 12 x layers x width x sequence per token, over the H200's 989 TFLOP/s dense bf16).
+offload_bf16_40g() {
+  local common=(train --device cuda --precision bf16 --model opt-6.7b --batch 8 --seq 2048 --recompute --steps 4 --quiet)
+  local off=(--offload --device-mem 40GiB --plan auto --profile)
+  [ -f "$logs/probe.json" ] || FERRY_PROBE="$logs/probe.json" "$build/ferry" probe --device cuda --remeasure \
+    >"$logs/probe.out" 2>&1 || return 1
+  local round
+  for round in 1 2; do
+    FERRY_PROBE="$logs/probe.json" "$build/ferry" "${common[@]}" --log "$logs/b40-res-$round.jsonl" \
+      >"$logs/b40-res-$round.out" 2>&1 || { cat "$logs/b40-res-$round.out"; return 1; }
+    FERRY_PROBE="$logs/probe.json" "$build/ferry" "${common[@]}" "${off[@]}" --log "$logs/b40-off-$round.jsonl" \
+      >"$logs/b40-off-$round.out" 2>&1 || { cat "$logs/b40-off-$round.out"; return 1; }
+    FERRY_PROBE="$logs/probe.json" "$build/ferry" "${common[@]}" "${off[@]}" --optimizer-lag 1 \
+      --log "$logs/b40-lag-$round.jsonl" >"$logs/b40-lag-$round.out" 2>&1 || { cat "$logs/b40-lag-$round.out"; return 1; }
+  done
+  for lag in 0 1; do
+    FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --offload --device-mem 40GiB --precision bf16 \
+      --model opt-6.7b --batch 8 --seq 2048 --optimizer-lag "$lag" >"$logs/b40-plan-$lag.txt" 2>&1 || return 1
+  done
+  python3 - "$logs" <<'PY'
+import json, re, statistics, sys
+d = sys.argv[1]
+def rate(kind):
+    rows = [json.loads(l) for r in (1, 2) for l in list(open(f"{d}/b40-{kind}-{r}.jsonl"))[1:]]
+    return statistics.median(x["tokens_per_s"] for x in rows), statistics.median(x["gflops"] for x in rows)
+def waits(path):
+    m = re.search(r"compute waited per step: (.*)", open(path).read())
+    return m.group(1).strip() if m else None
+def predicted(path):
+    m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(path).read())
+    return float(m.group(2)) if m else None
+res, off, lag = rate("res"), rate("off"), rate("lag")
+p0, p1 = predicted(f"{d}/b40-plan-0.txt"), predicted(f"{d}/b40-plan-1.txt")
+print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib", "model": "opt-6.7b",
+                  "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
+                  "lag_tokens_per_s": round(lag[0], 1), "ratio": round(off[0] / res[0], 3),
+                  "lag_ratio": round(lag[0] / res[0], 3), "mfu_h200_bf16": round(off[1] / 989e3, 3),
+                  "lag_mfu_h200_bf16": round(lag[1] / 989e3, 3), "resident_mfu_h200_bf16": round(res[1] / 989e3, 3),
+                  "predicted_tokens_per_s": p0, "lag_predicted_tokens_per_s": p1,
+                  "predicted_over_measured": round(p0 / off[0], 3) if p0 else None,
+                  "lag_predicted_over_measured": round(p1 / lag[0], 3) if p1 else None,
+                  "waits": waits(f"{d}/b40-off-2.out"), "lag_waits": waits(f"{d}/b40-lag-2.out"),
+                  "predicted_waits": waits(f"{d}/b40-plan-0.txt"), "lag_predicted_waits": waits(f"{d}/b40-plan-1.txt")}))
+PY
+}
+# OPT-13B in bf16 offloaded at a 40 GiB cap on this machine (host tier, and a disk tier under the
+# logs for what the host cannot hold): 3 steps, tokens/s and MFU; where the planner refuses it
+# (host memory and disk), why. With --optimizer-state 8bit where this ferry has it (fewer host
+# bytes a parameter).
+offload_13b_40g() {
+  local state=()
+  "$build/ferry" train --help 2>&1 | grep -q -- '--optimizer-state' && state=(--optimizer-state 8bit)
+  local run=(train --device cuda --precision bf16 --model opt-13b --batch 8 --seq 2048 --recompute --steps 3 --quiet
+             --offload --device-mem 40GiB --plan auto --disk-dir "$logs/disk13b" "${state[@]}")
+  FERRY_PROBE="$logs/probe.json" "$build/ferry" "${run[@]}" --log "$logs/b13.jsonl" >"$logs/b13.out" 2>&1
+  local rc=$?
+  rm -rf "$logs/disk13b"
+  python3 - "$logs/b13.jsonl" "$logs/b13.out" "$rc" "${state[*]}" <<'PY'
+import json, statistics, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+except OSError:
+    rows = []
+if sys.argv[3] != "0" or not rows:
+    print(json.dumps({"bench": "ferry_cuda_offload_13b_40gib", "trained": False, "state": sys.argv[4],
+                      "why": open(sys.argv[2]).read().strip().splitlines()[-1][:300]}))
+else:
+    gf = statistics.median(r["gflops"] for r in rows)
+    print(json.dumps({"bench": "ferry_cuda_offload_13b_40gib", "trained": True, "state": sys.argv[4],
+                      "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rows), 1),
+                      "mfu_h200_bf16": round(gf / 989e3, 3), "host_tier_mib": rows[-1].get("host_tier_mib")}))
+PY
+}
 ferry_13b() {  # [LABEL [VAR=VALUE ...]]: the run's environment (which kernels: FERRY_CUDA_*)
   local label="${1:-default}"
   [ $# -gt 0 ] && shift
@@ -533,6 +612,12 @@ if [ "$bench" = 1 ]; then
     # ratio a bf16 user sees (a skip if the resident run does not fit the GPU).
     bench_step "bench offload 6.7b bf16" 240 offload_ratio opt-6.7b 8 2048 --recompute --steps 4 --precision bf16
   fi
+  if [ "$big" = 1 ]; then
+    # Issue 35: OPT-6.7B bf16 resident against offloaded at 40 GiB (and with the lag), alternating;
+    # OPT-13B bf16 offloaded at 40 GiB.
+    bench_step "bench offload 6.7b bf16 40 GiB" 420 offload_bf16_40g
+    bench_step "bench offload 13b bf16 40 GiB" 300 offload_13b_40g
+  fi
   bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute --precision fp32
   # The same in bf16 (chunks of bf16 weights; the host's AdamW over 1.3B parameters per step is
   # what an offloaded bf16 step waits for).
@@ -553,7 +638,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
