@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/clock.h"
 #include "core/fileio.h"
 #include "core/log.h"
 #include "core/safetensors.h"
@@ -40,12 +41,6 @@ struct fy_ckpt_writer {
   char msg[1024];
   double seconds;
 };
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 // ---- files ----
 
@@ -197,7 +192,7 @@ static void prune(struct fy_ckpt_writer *w, const char *newest) {
 
 static void write_job(void *arg) {
   struct fy_ckpt_writer *w = arg;
-  double t0 = now_s();
+  double t0 = fy_now();
   char name[64], tmp[3200], dir[3200], latest[3200];
   snprintf(name, sizeof name, "step-%08lld", (long long)w->src.meta.step);
   snprintf(tmp, sizeof tmp, "%s/.%s.tmp-%d", w->root, name, (int)getpid());
@@ -227,7 +222,7 @@ static void write_job(void *arg) {
     snprintf(w->msg, sizeof w->msg, "%s", fy_error_msg());
   }
   w->st = st;
-  w->seconds = now_s() - t0;
+  w->seconds = fy_now() - t0;
 }
 
 fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_model *m, struct fy_ckpt_writer **out) {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/clock.h"
 #include "core/opt.h"
 #include "ops/cuda/parts.h"
 #include "ops/ops.h"
@@ -26,12 +27,6 @@ static const char *run_model = model_dir;  // the model run_opts trains
 // again (one attempt each, two steps a run, the grid one round): such a build checks the memory
 // predictions and that every plan runs.
 static const bool timing_holds = CHECK_TIMING_HOLDS;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 // A plan file's text, whole; written back; one "key": value, pair taken out (key points at it).
 static void read_text(const char *path, char *text, size_t cap) {
@@ -824,10 +819,10 @@ int main(void) {
   fy_opt_preset("opt-175b", &c175);
   const char *ov2[][2] = {{"device_mem", "80GiB"}, {"host_mem", "4TiB"}};
   for (int i = 0; i < 2; i++) CHECK_OK(fy_probe_override(&gpu, ov2[i][0], ov2[i][1]));
-  double t0 = now_s();
+  double t0 = fy_now();
   int tried = 0;
   fy_status st175 = fy_plan_search(&c175, "opt-175b", 8, 2048, &gpu, &plan, &tried);
-  double secs = now_s() - t0;
+  double secs = fy_now() - t0;
   fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st175 == FY_OK ? "fits" : fy_error_msg());
   CHECK(st175 == FY_OK && secs < 10);  // (0.5 s here, 2.7 s with the sanitizers; 4.1 s before slot_f32 asked the producer)
 
@@ -841,10 +836,10 @@ int main(void) {
     CHECK_OK(fy_probe_override(&g8, "comm_gbps", "200"));
     struct fy_plan p8, p1;
     int t8 = 0;
-    double t8_0 = now_s();
+    double t8_0 = fy_now();
     CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, false, NULL, &g8, &p8, &t8));
     // (1.6 s here, 5.5 s with the sanitizers; 22 s while the cache's prefetch rescanned its window.)
-    const double secs8 = now_s() - t8_0;
+    const double secs8 = fy_now() - t8_0;
     fprintf(stderr, "  opt-30b on 8 ranks: %d plans in %.2f s\n", t8, secs8);
     CHECKF(secs8 < 15, "the 8-rank search took %.1f s", secs8);
     CHECK(p8.dp * p8.tp == 8 && p8.predicted.fits && p8.predicted.comm_s > 0);

@@ -11,17 +11,13 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/clock.h"
 #include "core/status.h"
 #include "ops/ops.h"
 #include "planner/probe.h"
 
 static char tmpdir[] = "/tmp/ferry-probe-test-XXXXXX";
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 static int msg_has(const char *s) { return strstr(fy_error_msg(), s) != NULL; }
 
 static void write_text(const char *path, const char *text) {
@@ -50,9 +46,9 @@ static const bool timing_holds = CHECK_TIMING_HOLDS;
 static void test_measure(struct fy_probe *p) {
   char disk[PATH_MAX];
   snprintf(disk, sizeof disk, "%s/disk", tmpdir);  // (not there yet: the probe makes it)
-  double t0 = now_s();
+  double t0 = fy_now();
   CHECK_OK(fy_probe_measure("sim", 256.0 * 1048576, 2.0, disk, p));
-  double secs = now_s() - t0;
+  double secs = fy_now() - t0;
   fprintf(stderr, "probe took %.2f s:\n", secs);
   fy_probe_print(p, stderr);
   CHECKF(secs < (timing_holds ? 10.0 : 30.0), "the probe took %.1f s", secs);
@@ -442,7 +438,7 @@ static void test_cached(const struct fy_probe *base) {
 }
 
 int main(void) {
-  double t0 = now_s();
+  double t0 = fy_now();
   if (!mkdtemp(tmpdir)) {
     perror("mkdtemp");
     return 1;
@@ -459,7 +455,7 @@ int main(void) {
   char cmd[PATH_MAX + 16];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
   CHECK(system(cmd) == 0);
-  double secs = now_s() - t0;
+  double secs = fy_now() - t0;
   fprintf(stderr, "test_probe: %.2f s\n", secs);
   // (Five probes, one of them timed above, and a kernel-overhead measurement; an instrumented build
   // takes about as long as the release build's bound.)
