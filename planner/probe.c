@@ -32,6 +32,7 @@
 #define COPY_BYTES ((size_t)64 << 20)
 #define DISK_BYTES ((size_t)256 << 20)
 #define DISK_REQS 4                  // concurrent requests, as chunk traffic issues them
+#define PROBE_MAX_FILE ((size_t)1 << 20)  // a probe file is a few hundred bytes
 #define SIM_PROBE_CAP ((size_t)256 << 20)  // the sim pool the copy test needs, whatever the cap said
 
 static int cmp_double(const void *a, const void *b) {
@@ -675,38 +676,6 @@ fy_status fy_probe_write(const char *path, const struct fy_probe *p) {
   return st;
 }
 
-static fy_status read_text(const char *path, char **out) {
-  FILE *f = fopen(path, "rb");
-  if (!f)
-    return fy_error_set(errno == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "probe file %s: %s", path,
-                        strerror(errno));
-  size_t cap = 4096, n = 0;
-  char *buf = malloc(cap);
-  size_t k;
-  while (buf && (k = fread(buf + n, 1, cap - n - 1, f)) > 0) {
-    n += k;
-    if (n + 1 == cap) {
-      if (cap >= (1u << 20)) {  // a probe file is a few hundred bytes
-        free(buf), fclose(f);
-        return fy_error_set(FY_ERR_FORMAT, "probe file %s: larger than 1 MiB", path);
-      }
-      char *nb = realloc(buf, cap *= 2);
-      if (!nb) free(buf);
-      buf = nb;
-    }
-  }
-  bool err = ferror(f);
-  fclose(f);
-  if (!buf) return fy_error_set(FY_ERR_NOMEM, "probe file %s: out of memory", path);
-  if (err) {
-    free(buf);
-    return fy_error_set(FY_ERR_IO, "probe file %s: read error", path);
-  }
-  buf[n] = '\0';
-  *out = buf;
-  return FY_OK;
-}
-
 static fy_status parse_object(const char *path, const char *text, json_object **out) {
   json_tokener *tok = json_tokener_new();
   if (!tok) return fy_error_set(FY_ERR_NOMEM, "probe file %s: out of memory", path);
@@ -738,7 +707,8 @@ static fy_status parse_object(const char *path, const char *text, json_object **
 
 fy_status fy_probe_read(const char *path, struct fy_probe *out) {
   char *text = NULL;
-  FY_TRY(read_text(path, &text));
+  fy_status rst = fy_file_read_all(path, PROBE_MAX_FILE, "a probe file", &text, NULL);
+  if (rst != FY_OK) return fy_error_wrap(rst, "probe file");
   json_object *o = NULL;
   fy_status st = parse_object(path, text, &o);
   free(text);
