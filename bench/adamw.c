@@ -149,35 +149,35 @@ int main(int argc, char **argv) {
   for (int k = 0; k < NB; k++) t[k] = malloc((size_t)reps * sizeof(double));
   volatile double sink = 0.0;
   for (int r = -1; r < reps; r++) {  // r == -1: the warm-up, not timed
-    double t0 = now_s();
+    double t0 = fy_now();
     k_copy(m, param, n);
-    double t1 = now_s();
+    double t1 = fy_now();
     k_triad(m, grad, param, 0.5f, n);
-    double t2 = now_s();
+    double t2 = fy_now();
     sink += k_read(param, n);
-    double t3 = now_s();
+    double t3 = fy_now();
     k_4r3w(param, m, v, grad, 0.5f, n);
-    double t4 = now_s();
+    double t4 = fy_now();
     fy_adamw_update(param, m, v, grad, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
-    double t5 = now_s();
+    double t5 = fy_now();
     sink += fy_sumsq(grad, n);
-    double t6 = now_s();
+    double t6 = fy_now();
     fy_adamw_update_bf16(param, m, v, gw, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
-    double t7 = now_s();
+    double t7 = fy_now();
     fy_status st = fy_adamw_state_update(FY_STATE_BF16, param, m16, v16, grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
                                          r + 2, 1.0f);
-    double t8 = now_s();
+    double t8 = fy_now();
     if (st == FY_OK)
       st = fy_adamw_state_update_bf16(FY_STATE_BF16, param, m16, v16, gw, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
                                       r + 2, 1.0f);
-    double t9 = now_s();
+    double t9 = fy_now();
     if (st == FY_OK)
       st = fy_adamw_state_update(FY_STATE_Q8, param, m8, v8, grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f);
-    double t10 = now_s();
+    double t10 = fy_now();
     if (st == FY_OK)
       st = fy_adamw_state_update_bf16(FY_STATE_Q8, param, m8, v8, gw, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2,
                                       1.0f);
-    double t11 = now_s();
+    double t11 = fy_now();
     if (st != FY_OK) {
       fprintf(stderr, "adamw: %s\n", fy_error_msg());
       return 1;

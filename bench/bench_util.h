@@ -9,14 +9,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/clock.h"
 #include "runtime/data.h"
 #include "runtime/trainer.h"
-
-static inline double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static inline int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;

@@ -71,9 +71,9 @@ static fy_status bench_checksums(const char *model, const struct fy_opt_config *
     write_s[i] = fy_ckpt_last_seconds(w);
     hash_s[i] = fy_ckpt_last_hash_seconds(w);
     bytes = dir_files(dir, false);
-    double t0 = now_s();
+    double t0 = fy_now();
     st = fy_ckpt_verify(dir);  // (the first check of this directory: it hashes every file)
-    warm_s[i] = now_s() - t0;
+    warm_s[i] = fy_now() - t0;
     // Cold: the same files again, their pages dropped; a new step directory (a new write) each
     // time, so the check is not skipped as done, hence a second write here.
     s = st == FY_OK ? fy_ckpt_snapshot_buffers(w) : NULL;
@@ -85,9 +85,9 @@ static fy_status bench_checksums(const char *model, const struct fy_opt_config *
     if (st == FY_OK) st = fy_ckpt_resolve(root, dir, sizeof dir);
     if (st != FY_OK) break;
     dir_files(dir, true);
-    t0 = now_s();
+    t0 = fy_now();
     st = fy_ckpt_verify(dir);
-    cold_s[i] = now_s() - t0;
+    cold_s[i] = fy_now() - t0;
   }
   fy_ckpt_writer_free(w);
   fy_model_free(m);

@@ -27,9 +27,9 @@ static double gemm_rate(int64_t M, int64_t N, int64_t K) {
   for (int64_t i = 0; i < N * K; i++) b[i] = (float)((i * 5) % 11) * 0.01f;
   double t[7];
   for (int r = 0; r < 8; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
     fy_matmul(c, a, b, M, N, K, false, true, 1.0f, 0.0f);
-    if (r > 0) t[r - 1] = now_s() - t0;  // the first run creates the primitive
+    if (r > 0) t[r - 1] = fy_now() - t0;  // the first run creates the primitive
   }
   double med = median(t, 7);
   free(a);
@@ -56,13 +56,13 @@ static double fma_peak(int threads) {
         a6[l] = a7[l] = a8[l] = a9[l] = a10[l] = a11[l] = 1.0f - (float)l * 1e-7f;
       }
       const long n = 20000000;
-      double t0 = now_s();
+      double t0 = fy_now();
       for (long i = 0; i < n; i++) {  // each line is one fma (contracted: -ffp-contract=fast)
         a0 = a0 * b + c, a1 = a1 * b + c, a2 = a2 * b + c, a3 = a3 * b + c;
         a4 = a4 * b + c, a5 = a5 * b + c, a6 = a6 * b + c, a7 = a7 * b + c;
         a8 = a8 * b + c, a9 = a9 * b + c, a10 = a10 * b + c, a11 = a11 * b + c;
       }
-      double t = now_s() - t0;
+      double t = fy_now() - t0;
       fma_v16 all = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) + ((a8 + a9) + (a10 + a11));
       sum += all[0] > 0 ? n * 12.0 * 16 * 2 / t / 1e9 : 0;  // (uses the chains' results)
     }

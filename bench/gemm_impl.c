@@ -29,9 +29,9 @@ static double time_ferry(const struct product *p, int reps, float *a, float *b, 
   if (fy_matmul(c, a, b, p->M, p->N, p->K, p->ta, p->tb, 1.0f, p->beta) != FY_OK) return -1;
   double *t = malloc((size_t)reps * sizeof *t);
   for (int r = 0; r < reps; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
     fy_matmul(c, a, b, p->M, p->N, p->K, p->ta, p->tb, 1.0f, p->beta);
-    t[r] = now_s() - t0;
+    t[r] = fy_now() - t0;
   }
   double m = median(t, reps);
   free(t);
@@ -94,10 +94,10 @@ static double time_impls(const struct product *p, int reps, float *a, float *b, 
         dnnl_primitive_execute(prim, st, 3, args);
         dnnl_stream_wait(st);
         for (int r = 0; r < reps; r++) {
-          double t0 = now_s();
+          double t0 = fy_now();
           dnnl_primitive_execute(prim, st, 3, args);
           dnnl_stream_wait(st);
-          t[r] = now_s() - t0;
+          t[r] = fy_now() - t0;
         }
         double m = median(t, reps);
         print_row(p, impl, rank, m);

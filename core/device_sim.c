@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "core/device.h"
+#include "core/clock.h"
 #include "core/log.h"
 #include "core/rand.h"
 
@@ -91,12 +92,6 @@ struct sim_stream {
 
 static struct sim *sim_of(const struct fy_device *dev) { return dev->impl; }
 static size_t round64(size_t n) { return fy_device_round(n, FY_HOST_ALLOC_GRANULE); }
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static void sleep_until(double t) {
   struct timespec ts = {.tv_sec = (time_t)t, .tv_nsec = (long)((t - (double)(time_t)t) * 1e9)};
@@ -255,10 +250,10 @@ static void copy_run(struct sim *sm, void *dst, const void *src, size_t n, int d
   }
   struct engine *en = &sm->eng[dir];
   engine_take(en);
-  double t0 = now_s();
+  double t0 = fy_now();
   memmove(dst, src, n);
   if (sm->link_gbps > 0) sleep_until(t0 + (double)n / (sm->link_gbps * 1e9));
-  engine_give(en, n, now_s() - t0);
+  engine_give(en, n, fy_now() - t0);
 }
 
 static void sim_copy_stats(const struct fy_device *dev, struct fy_copy_stats *out) {
@@ -280,10 +275,9 @@ static bool event_pending(const struct sim_event *e, uint64_t gen) {
 }
 
 static void event_reach(struct sim_event *e, uint64_t gen) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
+  const double now = fy_now();
   pthread_mutex_lock(&e->mu);
-  e->reached_at = ts.tv_sec + ts.tv_nsec * 1e-9;
+  e->reached_at = now;
   for (size_t i = 0; i < e->npending; i++)
     if (e->pending[i] == gen) {
       e->pending[i] = e->pending[--e->npending];

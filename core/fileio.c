@@ -1,4 +1,4 @@
-// Atomic file writes: every file ferry writes for a user (configs, weights, shards, checkpoint
+// Whole-file reads (the small JSON files: configs, indexes, probe files) and atomic file writes: every file ferry writes for a user (configs, weights, shards, checkpoint
 // indexes, plans) goes through here, so that a crash or a full disk never leaves half a file
 // under the real name.
 #include "core/fileio.h"
@@ -9,6 +9,45 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+fy_status fy_file_read_all(const char *path, size_t max, const char *what, char **buf, size_t *len) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    return fy_error_set(e == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open %s: %s", path, strerror(e));
+  }
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    close(fd);
+    return fy_error_set(FY_ERR_IO, "%s is not a readable regular file", path);
+  }
+  if ((uint64_t)sb.st_size > (uint64_t)max) {
+    close(fd);
+    return fy_error_set(FY_ERR_FORMAT, "%s: %lld bytes is too large for %s", path, (long long)sb.st_size, what);
+  }
+  size_t n = (size_t)sb.st_size, got = 0;
+  char *b = malloc(n + 1);
+  if (!b) {
+    close(fd);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory reading %s", path);
+  }
+  while (got < n) {
+    ssize_t r = read(fd, b + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {  // (0: the file shrank under us)
+      int e = r < 0 ? errno : EIO;
+      free(b);
+      close(fd);
+      return fy_error_set(FY_ERR_IO, "reading %s: %s", path, strerror(e));
+    }
+    got += (size_t)r;
+  }
+  close(fd);
+  b[n] = 0;
+  *buf = b;
+  if (len) *len = n;
+  return FY_OK;
+}
 
 // write(2), or pwrite(2) at off when off >= 0, until all n bytes are out.
 static fy_status write_out(int fd, const void *buf, size_t n, int64_t off, const char *path) {

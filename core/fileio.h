@@ -1,4 +1,4 @@
-// Atomic file writes (core/fileio.c).
+// Whole-file reads and atomic file writes (core/fileio.c).
 #ifndef FY_FILEIO_H
 #define FY_FILEIO_H
 
@@ -6,6 +6,12 @@
 #include <stdint.h>
 
 #include "core/status.h"
+
+// Reads the whole regular file at `path` into *buf (malloc'd, NUL-terminated; its length without
+// the NUL in *len, which may be NULL). A missing file is FY_ERR_NOT_FOUND; a file over max bytes is
+// FY_ERR_FORMAT ("too large for <what>", what such as "a config.json"): small files only, read
+// whole. Every error names the file.
+fy_status fy_file_read_all(const char *path, size_t max, const char *what, char **buf, size_t *len);
 
 struct fy_file_piece {
   const void *data;

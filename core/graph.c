@@ -100,10 +100,22 @@ int fy_graph_find_param(const struct fy_graph *g, const char *name) {
   return -1;
 }
 
+// The op kinds' names: a new op kind is one line here, one in each backend's op table
+// (runtime/engine.c, runtime/engine_cuda.c) and one in the planner's (planner/profile.c).
+static const char *const op_kind_names[] = {
+    [FY_OP_EMBEDDING] = "embedding",
+    [FY_OP_LAYERNORM] = "layernorm",
+    [FY_OP_LINEAR] = "linear",
+    [FY_OP_ATTENTION] = "attention",
+    [FY_OP_RELU] = "relu",
+    [FY_OP_ADD] = "add",
+    [FY_OP_CROSS_ENTROPY] = "cross_entropy",
+    [FY_OP_GELU] = "gelu",
+};
+_Static_assert(sizeof op_kind_names / sizeof op_kind_names[0] == FY_OP_KIND_COUNT, "an op kind without a name");
+
 const char *fy_op_kind_name(enum fy_op_kind k) {
-  static const char *const names[] = {"embedding", "layernorm", "linear", "attention",
-                                      "relu", "add", "cross_entropy", "gelu"};
-  return k < FY_OP_KIND_COUNT ? names[k] : "unknown";
+  return k < FY_OP_KIND_COUNT && op_kind_names[k] ? op_kind_names[k] : "unknown";
 }
 
 // First-fit allocation of gradient slots over the backward walk.

@@ -10,9 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/opt.h"
-
 #include "core/fileio.h"
+#include "core/opt.h"
 
 #define CFG_MAX_FILE (16 << 20)
 // Bounds far above any real model that keep every later size product inside int64.
@@ -121,47 +120,6 @@ fy_status fy_opt_config_check(const struct fy_opt_config *c) {
 }
 
 // ---- reading ----
-
-static fy_status cfg_read_file(const char *path, char **out, size_t *len) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    return fy_error_set(e == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open %s: %s", path,
-                        strerror(e));
-  }
-  struct stat sb;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    close(fd);
-    return fy_error_set(FY_ERR_IO, "%s is not a readable regular file", path);
-  }
-  if (sb.st_size > CFG_MAX_FILE) {
-    close(fd);
-    return fy_error_set(FY_ERR_FORMAT, "%s: %lld bytes is too large for a config.json", path,
-                        (long long)sb.st_size);
-  }
-  size_t n = (size_t)sb.st_size, got = 0;
-  char *buf = malloc(n + 1);
-  if (!buf) {
-    close(fd);
-    return fy_error_set(FY_ERR_NOMEM, "out of memory reading %s", path);
-  }
-  while (got < n) {
-    ssize_t r = read(fd, buf + got, n - got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      int e = r < 0 ? errno : EIO;
-      free(buf);
-      close(fd);
-      return fy_error_set(FY_ERR_IO, "reading %s: %s", path, strerror(e));
-    }
-    got += (size_t)r;
-  }
-  close(fd);
-  buf[n] = 0;
-  *out = buf;
-  *len = n;
-  return FY_OK;
-}
 
 static void cfg_line_col(const char *s, size_t off, int *line, int *col) {
   *line = 1;
@@ -334,7 +292,7 @@ fy_status fy_opt_config_read(const char *path, struct fy_opt_config *cfg) {
   free(dir);
   char *buf = NULL;
   size_t len = 0;
-  fy_status st = cfg_read_file(file, &buf, &len);
+  fy_status st = fy_file_read_all(file, CFG_MAX_FILE, "a config.json", &buf, &len);
   if (st != FY_OK) {
     free(file);
     return st;

@@ -370,49 +370,10 @@ static char *st_join(const char *dir, const char *name) {
   return s;
 }
 
-// Reads a whole small file (the index) into a NUL-terminated buffer.
-static fy_status st_read_small(const char *path, char **buf, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    int e = errno;
-    return fy_error_set(e == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "cannot open %s: %s", path,
-                        strerror(e));
-  }
-  size_t cap = 1 << 16, n = 0;
-  char *b = malloc(cap + 1);
-  for (;;) {
-    if (!b) {
-      fclose(f);
-      return fy_error_set(FY_ERR_NOMEM, "out of memory reading %s", path);
-    }
-    n += fread(b + n, 1, cap - n, f);
-    if (n < cap) break;
-    if (cap >= ST_MAX_HEADER) {
-      free(b);
-      fclose(f);
-      return fy_error_set(FY_ERR_FORMAT, "%s is implausibly large for an index", path);
-    }
-    cap *= 2;
-    char *nb = realloc(b, cap + 1);
-    if (!nb) free(b);
-    b = nb;
-  }
-  int bad = ferror(f);
-  fclose(f);
-  if (bad) {
-    free(b);
-    return fy_error_set(FY_ERR_IO, "error reading %s", path);
-  }
-  b[n] = 0;
-  *buf = b;
-  *len = n;
-  return FY_OK;
-}
-
 static fy_status st_open_index(fy_safetensors *st, const char *dir, const char *ipath) {
   char *buf = NULL;
   size_t len = 0;
-  FY_TRY(st_read_small(ipath, &buf, &len));
+  FY_TRY(fy_file_read_all(ipath, ST_MAX_HEADER, "an index", &buf, &len));
   json_tokener *tok = json_tokener_new();
   if (!tok) {
     free(buf);

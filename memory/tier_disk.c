@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "core/clock.h"
 #include "core/rand.h"
 #include "core/status.h"
 
@@ -65,12 +66,6 @@ struct fy_disk_tier {
 
 static unsigned tier_counter;  // n in ferry-<pid>-<n>.bin: several tiers in one process
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 // strerror is not thread-safe; the pool threads use this. _GNU_SOURCE gives the GNU strerror_r.
 static const char *errtext(int err, char *buf, size_t n) { return strerror_r(err, buf, n); }
 
@@ -84,7 +79,7 @@ static void work_cb(uv_work_t *w) {
     while (nanosleep(&d, &d) != 0 && errno == EINTR) {
     }
   }
-  double t0 = now_s();
+  double t0 = fy_now();
   size_t done = 0;
   int err = 0;
   while (done < r->n) {
@@ -98,7 +93,7 @@ static void work_cb(uv_work_t *w) {
     if (k == 0) break;  // end of file on read; a write that makes no progress
     done += (size_t)k;
   }
-  r->secs = now_s() - t0;
+  r->secs = fy_now() - t0;
   char eb[128];
   if (done == r->n) {
     r->st = FY_OK;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "fy_config.h"
+#include "core/clock.h"
 #include "core/device.h"
 #include "core/fileio.h"
 #include "core/log.h"
@@ -31,13 +32,8 @@
 #define COPY_BYTES ((size_t)64 << 20)
 #define DISK_BYTES ((size_t)256 << 20)
 #define DISK_REQS 4                  // concurrent requests, as chunk traffic issues them
+#define PROBE_MAX_FILE ((size_t)1 << 20)  // a probe file is a few hundred bytes
 #define SIM_PROBE_CAP ((size_t)256 << 20)  // the sim pool the copy test needs, whatever the cap said
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -71,7 +67,7 @@ static fy_status time_gemm(float *out, float *din, float *dw, const float *inp, 
   double t[5];
   fy_status st = FY_OK;
   for (int r = -1; r < 5 && st == FY_OK; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
     switch (kind) {
       case GEMM_FORWARD:
         st = bf16 ? fy_matmul16(out, inp, w, NULL, GEMM_M, GEMM_N, GEMM_K, false, true, 0.0f)
@@ -85,7 +81,7 @@ static fy_status time_gemm(float *out, float *din, float *dw, const float *inp, 
         st = bf16 ? fy_matmul16(dw, dout, inp, NULL, GEMM_N, GEMM_K, GEMM_M, true, false, 1.0f)
                   : fy_matmul(dw, dout, inp, GEMM_N, GEMM_K, GEMM_M, true, false, 1.0f, 1.0f);
     }
-    if (r >= 0) t[r] = now_s() - t0;
+    if (r >= 0) t[r] = fy_now() - t0;
   }
   if (st == FY_OK) *seconds = fy_probe_median(t, 5);
   return st;
@@ -148,10 +144,10 @@ static fy_status measure_triad(double *gbps) {
   const float s = 0.5f;
   double t[4];
   for (int r = -1; r < 4; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
-    if (r >= 0) t[r] = now_s() - t0;
+    if (r >= 0) t[r] = fy_now() - t0;
   }
   volatile float sink = a[n / 2];
   (void)sink;
@@ -172,9 +168,9 @@ static fy_status measure_memcpy(double *gbps) {
   memset(b, 2, n);
   double t[3];
   for (int r = -1; r < 3; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
     memcpy(b, a, n);
-    if (r >= 0) t[r] = now_s() - t0;
+    if (r >= 0) t[r] = fy_now() - t0;
   }
   volatile char sink = b[n / 2];
   (void)sink;
@@ -195,9 +191,9 @@ static fy_status measure_adamw(double *gbps) {
   for (int64_t i = 0; i < n; i++) p[i] = 1.0f, m[i] = 0.0f, v[i] = 0.0f, g[i] = 1e-3f * (float)(i & 15);
   double t[3];
   for (int r = -1; r < 3; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
     fy_adamw_update(p, m, v, g, n, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, r + 2, 1.0f);
-    if (r >= 0) t[r] = now_s() - t0;
+    if (r >= 0) t[r] = fy_now() - t0;
   }
   *gbps = ADAMW_BYTES_PER_PARAM * (double)n / fy_probe_median(t, 3) / 1e9;
   free(p), free(m), free(v), free(g);
@@ -206,10 +202,10 @@ static fy_status measure_adamw(double *gbps) {
 
 // Wall time of one copy of n bytes on stream s, from enqueue to the host seeing it done.
 static fy_status time_copy(fy_stream *s, void *dst, const void *src, size_t n, double *secs) {
-  double t0 = now_s();
+  double t0 = fy_now();
   FY_TRY(fy_copy_async(s, dst, src, n));
   FY_TRY(fy_stream_sync(s));
-  *secs = now_s() - t0;
+  *secs = fy_now() - t0;
   return FY_OK;
 }
 
@@ -244,10 +240,10 @@ static fy_status measure_copies(bool sim, double link_gbps, double cap, double *
       size_t small = n < 4096 ? n : 4096;
       double lat[3];
       for (int r = 0; r < 3 && st == FY_OK && lat_us; r++) {
-        double t0 = now_s();
+        double t0 = fy_now();
         for (int i = 0; i < 100 && st == FY_OK; i++) st = fy_copy_async(s, dbuf, hbuf, small);
         if (st == FY_OK) st = fy_stream_sync(s);
-        lat[r] = (now_s() - t0) / 100 - (double)small / (*h2d * 1e9);
+        lat[r] = (fy_now() - t0) / 100 - (double)small / (*h2d * 1e9);
       }
       if (st == FY_OK && lat_us) *lat_us = fy_probe_median(lat, 3) > 0 ? fy_probe_median(lat, 3) * 1e6 : 0;
     } else {
@@ -329,11 +325,11 @@ static fy_status measure_kernel_overhead(double gflops, double mem_gbps, double 
   const double work = ko_layer_work(gflops, mem_gbps);
   double d[KO_ROUNDS];
   for (int r = 0; r < KO_ROUNDS && st == FY_OK; r++) {
-    double t0 = now_s();
+    double t0 = fy_now();
     for (int l = 0; l < KO_LAYERS && st == FY_OK; l++)
       for (size_t k = 0; k < KO_N && st == FY_OK; k++) st = fy_stream_enqueue(s, ko_kernels[k], &b);
     if (st == FY_OK) st = fy_stream_sync(s);
-    d[r] = (now_s() - t0 - KO_LAYERS * work) / (KO_LAYERS * ko_layer_regions());
+    d[r] = (fy_now() - t0 - KO_LAYERS * work) / (KO_LAYERS * ko_layer_regions());
   }
   if (st == FY_OK) *us = fmax(fy_probe_median(d, KO_ROUNDS) * 1e6, 0.1);  // measured: never the 0 of "unknown"
   else st = fy_error_wrap(st, "probe: kernel overhead test");
@@ -349,7 +345,7 @@ static fy_status disk_pass(struct fy_disk_tier *t, int64_t h, char *buf, size_t 
   const size_t part = bytes / DISK_REQS;
   fy_status st = FY_OK;
   int started = 0;
-  double t0 = now_s();
+  double t0 = fy_now();
   for (int i = 0; i < DISK_REQS && st == FY_OK; i++, started++)
     st = write ? fy_disk_write_async(t, h, i * part, buf + i * part, part, reqs[i])
                : fy_disk_read_async(t, h, i * part, buf + i * part, part, reqs[i]);
@@ -358,7 +354,7 @@ static fy_status disk_pass(struct fy_disk_tier *t, int64_t h, char *buf, size_t 
     fy_status w = fy_disk_wait(reqs[i]);
     if (st == FY_OK) st = w;
   }
-  *secs = now_s() - t0;
+  *secs = fy_now() - t0;
   return st;
 }
 
@@ -680,38 +676,6 @@ fy_status fy_probe_write(const char *path, const struct fy_probe *p) {
   return st;
 }
 
-static fy_status read_text(const char *path, char **out) {
-  FILE *f = fopen(path, "rb");
-  if (!f)
-    return fy_error_set(errno == ENOENT ? FY_ERR_NOT_FOUND : FY_ERR_IO, "probe file %s: %s", path,
-                        strerror(errno));
-  size_t cap = 4096, n = 0;
-  char *buf = malloc(cap);
-  size_t k;
-  while (buf && (k = fread(buf + n, 1, cap - n - 1, f)) > 0) {
-    n += k;
-    if (n + 1 == cap) {
-      if (cap >= (1u << 20)) {  // a probe file is a few hundred bytes
-        free(buf), fclose(f);
-        return fy_error_set(FY_ERR_FORMAT, "probe file %s: larger than 1 MiB", path);
-      }
-      char *nb = realloc(buf, cap *= 2);
-      if (!nb) free(buf);
-      buf = nb;
-    }
-  }
-  bool err = ferror(f);
-  fclose(f);
-  if (!buf) return fy_error_set(FY_ERR_NOMEM, "probe file %s: out of memory", path);
-  if (err) {
-    free(buf);
-    return fy_error_set(FY_ERR_IO, "probe file %s: read error", path);
-  }
-  buf[n] = '\0';
-  *out = buf;
-  return FY_OK;
-}
-
 static fy_status parse_object(const char *path, const char *text, json_object **out) {
   json_tokener *tok = json_tokener_new();
   if (!tok) return fy_error_set(FY_ERR_NOMEM, "probe file %s: out of memory", path);
@@ -743,7 +707,8 @@ static fy_status parse_object(const char *path, const char *text, json_object **
 
 fy_status fy_probe_read(const char *path, struct fy_probe *out) {
   char *text = NULL;
-  FY_TRY(read_text(path, &text));
+  fy_status rst = fy_file_read_all(path, PROBE_MAX_FILE, "a probe file", &text, NULL);
+  if (rst != FY_OK) return fy_error_wrap(rst, "probe file");
   json_object *o = NULL;
   fy_status st = parse_object(path, text, &o);
   free(text);

@@ -37,5 +37,8 @@ double fy_profile_mem_rate(const struct fy_probe *p);
 // Predicted seconds of one op's kernel (forward or backward).
 double fy_profile_op_seconds(const struct fy_graph *g, int op, bool backward, const struct fy_probe *p,
                              int act_bytes, enum fy_dtype compute);
+// The first op kind the profile's table of op kinds (cost, CPU parallel regions, efficiency) lacks
+// an entry for, or -1 when every kind has one.
+int fy_profile_ops_missing(void);
 
 #endif

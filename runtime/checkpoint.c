@@ -14,6 +14,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "core/clock.h"
 #include "core/fileio.h"
 #include "core/log.h"
 #include "core/safetensors.h"
@@ -44,12 +45,6 @@ struct fy_ckpt_writer {
   char msg[1024];
   double seconds, hash_seconds;
 };
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 // ---- files ----
 
@@ -177,7 +172,7 @@ static void free_names(char **names, int n) {
 
 // Hashes every file of dir (written and fsync'd) and writes the list, FY_CKPT_SUMS, atomically.
 static fy_status write_sums(const char *dir, double *seconds) {
-  double t0 = now_s();
+  double t0 = fy_now();
   char **names, p[4200];
   int n;
   fy_status st = list_files(dir, &names, &n);
@@ -194,7 +189,7 @@ static fy_status write_sums(const char *dir, double *seconds) {
   if (st == FY_OK) st = fy_file_write_atomic(p, &(struct fy_file_piece){text, len}, 1);
   free(text);
   free_names(names, n);
-  *seconds = now_s() - t0;
+  *seconds = fy_now() - t0;
   return st;
 }
 
@@ -564,7 +559,7 @@ static void prune(struct fy_ckpt_writer *w, const char *newest) {
 
 static void write_job(void *arg) {
   struct fy_ckpt_writer *w = arg;
-  double t0 = now_s();
+  double t0 = fy_now();
   char name[64], tmp[3200], dir[3200], latest[3200];
   snprintf(name, sizeof name, "step-%08lld", (long long)w->src.meta.step);
   snprintf(tmp, sizeof tmp, "%s/.%s.tmp-%d", w->root, name, (int)getpid());
@@ -594,7 +589,7 @@ static void write_job(void *arg) {
     snprintf(w->msg, sizeof w->msg, "%s", fy_error_msg());
   }
   w->st = st;
-  w->seconds = now_s() - t0;
+  w->seconds = fy_now() - t0;
 }
 
 fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_model *m, struct fy_ckpt_writer **out) {

@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/clock.h"
 #include "core/dtype.h"
 #include "fy_config.h"
 
@@ -335,12 +336,6 @@ struct mpi_impl {
   size_t *off, *len;       // size
 };
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 void fy_comm_timed_out(struct fy_comm *c, const struct fy_comm_call *call, const char *then) {
   char sz[32], stp[48];
   fy_error_set(FY_ERR_IO, "%s of %s did not complete within %g s %s (a rank died or hangs)",
@@ -363,7 +358,7 @@ static void mpi_timeout(struct fy_comm *c, const struct fy_comm_call *call) {
 static fy_status mpi_wait(struct fy_comm *c, const struct fy_comm_call *call, MPI_Request *reqs, int n,
                           size_t bytes, double t0) {
   if (n == 0) return FY_OK;
-  double spin_until = now_s() + FY_COMM_SPIN_S + (double)bytes / FY_COMM_SPIN_BPS;
+  double spin_until = fy_now() + FY_COMM_SPIN_S + (double)bytes / FY_COMM_SPIN_BPS;
   for (;;) {
     int done = 0;
     mpi_lock();
@@ -371,7 +366,7 @@ static fy_status mpi_wait(struct fy_comm *c, const struct fy_comm_call *call, MP
     mpi_unlock();
     if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Testall");
     if (done) return FY_OK;
-    double t = now_s();
+    double t = fy_now();
     if (t - t0 > c->timeout_s) mpi_timeout(c, call);
     if (t >= spin_until) {
       struct timespec ts = {0, FY_COMM_POLL_NS};
@@ -569,7 +564,7 @@ static fy_status mpi_run(struct fy_comm *c, const struct fy_comm_call *call, fy_
   (void)s;
   struct mpi_impl *m = c->impl;
   pthread_mutex_lock(&m->op_mu);
-  fy_status st = mpi_run_locked(c, call, now_s());
+  fy_status st = mpi_run_locked(c, call, fy_now());
   pthread_mutex_unlock(&m->op_mu);
   if (st != FY_OK) {
     char sz[32], stp[48];

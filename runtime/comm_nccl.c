@@ -65,6 +65,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/clock.h"
 #include "core/device_cuda.h"
 
 #define FY_NCCL_SPIN_S 0.002           // a call in progress: spin this long, then
@@ -93,12 +94,6 @@ struct nccl_impl {
   struct nccl_pending *head, *tail;  // in flight, oldest first
   struct nccl_pending *spare;        // done, events kept for reuse
 };
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static fy_status nccl_error(ncclComm_t comm, ncclResult_t r, const char *what) {
   const char *last = ncclGetLastError(comm);
@@ -179,7 +174,7 @@ static void nccl_end_job(struct fy_comm *c, const struct fy_comm_call *call) {
 static fy_status nccl_settle(struct fy_comm *c, ncclComm_t comm, ncclResult_t r, const struct fy_comm_call *call,
                              const char *what, double t0) {
   while (r == ncclInProgress) {
-    double t = now_s();
+    double t = fy_now();
     if (t - t0 > c->timeout_s) {
       if (call) nccl_end_job(c, call);
       return fy_error_set(FY_ERR_IO, "%s did not complete within %g s (a rank died or hangs)", what, c->timeout_s);
@@ -233,11 +228,11 @@ static void nccl_watch_locked(struct fy_comm *c) {
         return;
       }
       p->started = true;
-      p->t0 = now_s();
+      p->t0 = fy_now();
     }
     e = cudaEventQuery(p->end);
     if (e == cudaErrorNotReady) {
-      if (now_s() - p->t0 > c->timeout_s) nccl_end_job(c, &p->call);
+      if (fy_now() - p->t0 > c->timeout_s) nccl_end_job(c, &p->call);
       return;
     }
     if (e != cudaSuccess) {
@@ -346,7 +341,7 @@ static fy_status nccl_launch_locked(struct fy_comm *c, const struct fy_comm_call
   p->call = *call;
   fy_status st = cuda_check(cudaEventRecord(p->start, cs), "cudaEventRecord");
   if (st == FY_OK) {
-    double t0 = now_s();
+    double t0 = fy_now();
     st = nccl_settle(c, m->comm, nccl_enqueue(m, call, cs), call, nccl_fn_name(call->op), t0);
     // After a failed launch the communicator's state is unknown and the peers may be inside the
     // collective: it is not used again. Recorded before the abort, so that a thread released by the
@@ -440,7 +435,7 @@ static fy_status nccl_run(struct fy_comm *c, const struct fy_comm_call *call, fy
 static void nccl_close(struct fy_comm *c) {
   struct nccl_impl *m = c->impl;
   bool ok = !atomic_load(&c->failed);
-  if (ok && nccl_settle(c, m->comm, ncclCommFinalize(m->comm), NULL, "ncclCommFinalize", now_s()) != FY_OK) {
+  if (ok && nccl_settle(c, m->comm, ncclCommFinalize(m->comm), NULL, "ncclCommFinalize", fy_now()) != FY_OK) {
     fprintf(stderr, "ferry: rank %d: freeing the nccl communicator: %s; aborted it instead\n", c->rank, fy_error_msg());
     ok = false;
   }
@@ -526,7 +521,7 @@ static fy_status nccl_init_rank(struct fy_comm *c, const ncclUniqueId *id) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   ncclComm_t comm = NULL;
-  double t0 = now_s();
+  double t0 = fy_now();
   ncclResult_t r = ncclCommInitRankConfig(&comm, c->size, *id, c->rank, &cfg);
   fy_status st = nccl_settle(c, comm, r, NULL, "nccl: ncclCommInitRank", t0);
   if (st != FY_OK) {

@@ -86,62 +86,187 @@ fy_status fy_engine_run_hook(struct fy_model *m, int o, bool backward, struct fy
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "pattern %s", p->name);
 }
 
+// ---- the CPU kernels of each op kind (cpu and sim devices) ----
+
+static fy_status embedding_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  fy_embedding_forward(a->out, op->index == FY_INDEX_TOKENS ? a->c->batch->inputs : a->c->batch->positions,
+                       a->c->w[0], a->BT, op->C);
+  return FY_OK;
+}
+
+static fy_status layernorm_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  fy_layernorm_forward(a->out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), a->in0, op->n_params ? c->w[0] : NULL,
+                       op->n_params ? c->w[1] : NULL, a->BT, op->C, op->eps);
+  return FY_OK;
+}
+
+static fy_status linear_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+  // A row-split linear's partial product is summed by its pattern, which adds the bias after.
+  const float *bias = op->has_bias ? c->w[n_w] : NULL;
+  if (op->split == FY_SPLIT_ROW) a->run->bias = bias;
+  return fy_linear_forward(a->out, a->in0 + c->row0 * op->C, c->w[0], op->split == FY_SPLIT_ROW ? NULL : bias, a->BT, op->C,
+                           op->OC, a->m->compute_dtype == FY_BF16);
+}
+
+static fy_status attention_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return fy_attention_forward(a->out, fy_engine_act(a->m, op->aux[0]), a->in0, a->c->batch->mask, a->B, a->T, op->C, op->NH,
+                              op->scale);
+}
+
+static fy_status relu_fwd(const struct fy_op_args *a) {
+  fy_relu_forward(a->out, a->in0, fy_op_call_numel(a->c, a->op->out));
+  return FY_OK;
+}
+
+static fy_status gelu_fwd(const struct fy_op_args *a) {
+  fy_gelu_forward(a->out, a->in0, fy_op_call_numel(a->c, a->op->out));
+  return FY_OK;
+}
+
+static fy_status add_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  uint64_t key;
+  int64_t u0;
+  if (fy_engine_dropout(a->c, op, &key, &u0))
+    fy_dropout_add_forward(a->out, a->in0, fy_engine_act(a->m, op->in[1]), a->BT, op->C, key, u0, op->dropout);
+  else
+    fy_add_forward(a->out, a->in0, fy_engine_act(a->m, op->in[1]), fy_op_call_numel(a->c, op->out));
+  return FY_OK;
+}
+
+static fy_status cross_entropy_fwd(const struct fy_op_args *a) {
+  fy_crossentropy_forward(a->out, a->in0, a->c->batch->targets, a->BT, a->op->V);
+  double s = 0;
+  for (int64_t i = 0; i < a->BT; i++) s += a->out[i];
+  if (a->c->loss_sum) *a->c->loss_sum += s;
+  return FY_OK;
+}
+
+static fy_status embedding_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  const struct fy_param *p = &a->g->params[op->params[0]];
+  float *dtable = a->c->g[0];
+  if (a->first[0]) memset(dtable, 0, (size_t)p->numel * 4);
+  // nn.Embedding(padding_idx=...) gives its padding row no gradient from the lookup; the
+  // tied output projection's gradient to that row (already in) stays.
+  float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
+  float keep[op->C > 0 && row ? op->C : 1];
+  if (row) memcpy(keep, row, (size_t)op->C * 4);
+  fy_embedding_backward(dtable, a->dout, op->index == FY_INDEX_TOKENS ? a->c->batch->inputs : a->c->batch->positions,
+                        a->BT, op->C, op->V);
+  if (row) memcpy(row, keep, (size_t)op->C * 4);
+  return FY_OK;
+}
+
+static fy_status layernorm_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  // The input gradient first: it reads the weights the parameter gradients may overwrite.
+  fy_layernorm_backward(fy_engine_dinput(m, op, 0), NULL, NULL, a->dout, a->in0, op->n_params ? c->w[0] : NULL,
+                        fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), a->BT, op->C);
+  if (op->n_params)
+    fy_layernorm_backward_params(c->g[0], c->g[1], a->dout, a->in0, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]),
+                                 a->BT, op->C, !a->first[0]);
+  return FY_OK;
+}
+
+static fy_status linear_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  const int64_t BT = a->BT;
+  int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+  // A column-split linear's input gradient is this rank's part: written apart, for its pattern
+  // to sum over the group and add to the slot (which may hold another consumer's gradient).
+  float *dinp = fy_engine_dinput(m, op, 0);
+  if (op->split == FY_SPLIT_COL) {
+    FY_ASSERT(BT * op->C <= m->tp_buf_elems);
+    memset(m->tp_buf, 0, (size_t)(BT * op->C) * 4);
+    dinp = a->run->dinput_part = m->tp_buf;
+  }
+  const bool bf16 = m->compute_dtype == FY_BF16;
+  fy_status st = fy_linear_backward(dinp, NULL, NULL, a->dout, a->in0, c->w[0], BT, op->C, op->OC, bf16);
+  if (st == FY_OK)
+    st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, a->dout, a->in0, BT, op->C, op->OC,
+                                   !a->first[0], bf16);
+  return st;
+}
+
+static fy_status attention_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  return fy_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, a->dout, a->in0, fy_engine_act(m, op->aux[0]), a->B,
+                               a->T, op->C, op->NH, op->scale);
+}
+
+static fy_status relu_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  fy_relu_backward(fy_engine_dinput(a->m, op, 0), a->dout, fy_engine_act(a->m, op->out), a->g->slots[op->out].numel);
+  return FY_OK;
+}
+
+static fy_status gelu_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  fy_gelu_backward(fy_engine_dinput(a->m, op, 0), a->dout, a->in0, a->g->slots[op->out].numel);
+  return FY_OK;
+}
+
+static fy_status add_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  uint64_t key;
+  int64_t u0;
+  if (fy_engine_dropout(a->c, op, &key, &u0))
+    fy_dropout_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), a->dout, a->BT, op->C, key, u0,
+                            op->dropout);
+  else
+    fy_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), a->dout, a->g->slots[op->out].numel);
+  return FY_OK;
+}
+
+static fy_status cross_entropy_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  fy_crossentropy_backward(fy_engine_dact(a->m, op->in[0]), a->in0, a->c->batch->targets, a->BT, op->V, a->c->loss_scale);
+  return FY_OK;
+}
+
+// The CPU backend's op table: a new op kind is one line here (and one in each other backend's,
+// runtime/engine_cuda.c, and in the planner's costs, planner/profile.c).
+static const struct fy_op_kernels cpu_ops[] = {
+    [FY_OP_EMBEDDING] = {embedding_fwd, embedding_bwd},
+    [FY_OP_LAYERNORM] = {layernorm_fwd, layernorm_bwd},
+    [FY_OP_LINEAR] = {linear_fwd, linear_bwd},
+    [FY_OP_ATTENTION] = {attention_fwd, attention_bwd},
+    [FY_OP_RELU] = {relu_fwd, relu_bwd},
+    [FY_OP_ADD] = {add_fwd, add_bwd},
+    [FY_OP_CROSS_ENTROPY] = {cross_entropy_fwd, cross_entropy_bwd},
+    [FY_OP_GELU] = {gelu_fwd, gelu_bwd},
+};
+_Static_assert(sizeof cpu_ops / sizeof cpu_ops[0] == FY_OP_KIND_COUNT, "an op kind without CPU kernels");
+
+int fy_engine_ops_missing(void) { return fy_op_kernels_missing(cpu_ops, (int)(sizeof cpu_ops / sizeof cpu_ops[0])); }
+
 void fy_op_call_forward(void *arg) {
   struct fy_op_call *c = arg;
   struct fy_model *m = c->m;
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
-  const int64_t B = g->B, T = g->T, BT = fy_op_call_rows(c);
   float *out = fy_engine_act(m, op->out);
-  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   double t0 = m->profile ? omp_get_wtime() : 0;
-  fy_status st = FY_OK;
   struct fy_pattern_run run = {.out = out};
-  switch (op->kind) {
-    case FY_OP_EMBEDDING:
-      fy_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
-                           c->w[0], BT, op->C);
-      break;
-    case FY_OP_LAYERNORM:
-      fy_layernorm_forward(out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), in0, op->n_params ? c->w[0] : NULL,
-                           op->n_params ? c->w[1] : NULL, BT, op->C, op->eps);
-      break;
-    case FY_OP_LINEAR: {
-      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      // A row-split linear's partial product is summed by its pattern, which adds the bias after.
-      const float *bias = op->has_bias ? c->w[n_w] : NULL;
-      if (op->split == FY_SPLIT_ROW) run.bias = bias;
-      st = fy_linear_forward(out, in0 + c->row0 * op->C, c->w[0], op->split == FY_SPLIT_ROW ? NULL : bias, BT, op->C,
-                             op->OC, m->compute_dtype == FY_BF16);
-      break;
-    }
-    case FY_OP_ATTENTION:
-      st = fy_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, B, T, op->C, op->NH, op->scale);
-      break;
-    case FY_OP_RELU:
-      fy_relu_forward(out, in0, fy_op_call_numel(c, op->out));
-      break;
-    case FY_OP_GELU:
-      fy_gelu_forward(out, in0, fy_op_call_numel(c, op->out));
-      break;
-    case FY_OP_ADD: {
-      uint64_t key;
-      int64_t u0;
-      if (fy_engine_dropout(c, op, &key, &u0))
-        fy_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), BT, op->C, key, u0, op->dropout);
-      else
-        fy_add_forward(out, in0, fy_engine_act(m, op->in[1]), fy_op_call_numel(c, op->out));
-      break;
-    }
-    case FY_OP_CROSS_ENTROPY: {
-      fy_crossentropy_forward(out, in0, c->batch->targets, BT, op->V);
-      double s = 0;
-      for (int64_t i = 0; i < BT; i++) s += out[i];
-      if (c->loss_sum) *c->loss_sum += s;
-      break;
-    }
-    case FY_OP_KIND_COUNT: FY_ASSERT(0);
-  }
+  const struct fy_op_args a = {.c = c, .m = m, .g = g, .op = op, .B = g->B, .T = g->T, .BT = fy_op_call_rows(c),
+                               .out = out, .in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL, .run = &run};
+  FY_ASSERT(op->kind < FY_OP_KIND_COUNT && cpu_ops[op->kind].forward);
+  fy_status st = cpu_ops[op->kind].forward(&a);
   if (st == FY_OK) st = fy_engine_run_hook(m, c->op, false, &run);
   // 16-bit numerics: the output as a 16-bit tensor would hold it (the per-row losses stay fp32).
   if (m->compute_dtype != FY_F32 && op->kind != FY_OP_CROSS_ENTROPY)
@@ -155,7 +280,6 @@ void fy_op_call_backward(void *arg) {
   struct fy_model *m = c->m;
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
-  const int64_t B = g->B, T = g->T, BT = B * T;
   double t0 = m->profile ? omp_get_wtime() : 0;
   for (int k = 0; k < op->n_zero; k++) {
     const struct fy_slot *s = &g->slots[op->zero[k]];
@@ -164,75 +288,13 @@ void fy_op_call_backward(void *arg) {
   // Whether each parameter's gradient is written (its first in this pass) or added.
   bool first[FY_OP_MAX_PARAMS];
   for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
-  const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
-  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
-  fy_status st = FY_OK;
   struct fy_pattern_run run = {.dinput = op->n_in > 0 && op->kind != FY_OP_EMBEDDING ? fy_engine_dinput(m, op, 0) : NULL};
-  switch (op->kind) {
-    case FY_OP_EMBEDDING: {
-      const struct fy_param *p = &g->params[op->params[0]];
-      float *dtable = c->g[0];
-      if (first[0]) memset(dtable, 0, (size_t)p->numel * 4);
-      // nn.Embedding(padding_idx=...) gives its padding row no gradient from the lookup; the
-      // tied output projection's gradient to that row (already in) stays.
-      float *row = p->padding_idx >= 0 ? dtable + p->padding_idx * op->C : NULL;
-      float keep[op->C > 0 && row ? op->C : 1];
-      if (row) memcpy(keep, row, (size_t)op->C * 4);
-      fy_embedding_backward(dtable, dout, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
-                            BT, op->C, op->V);
-      if (row) memcpy(row, keep, (size_t)op->C * 4);
-      break;
-    }
-    case FY_OP_LAYERNORM:
-      // The input gradient first: it reads the weights the parameter gradients may overwrite.
-      fy_layernorm_backward(fy_engine_dinput(m, op, 0), NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
-                            fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), BT, op->C);
-      if (op->n_params)
-        fy_layernorm_backward_params(c->g[0], c->g[1], dout, in0, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]),
-                                     BT, op->C, !first[0]);
-      break;
-    case FY_OP_LINEAR: {
-      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      // A column-split linear's input gradient is this rank's part: written apart, for its pattern
-      // to sum over the group and add to the slot (which may hold another consumer's gradient).
-      float *dinp = fy_engine_dinput(m, op, 0);
-      if (op->split == FY_SPLIT_COL) {
-        FY_ASSERT(BT * op->C <= m->tp_buf_elems);
-        memset(m->tp_buf, 0, (size_t)(BT * op->C) * 4);
-        dinp = run.dinput_part = m->tp_buf;
-      }
-      const bool bf16 = m->compute_dtype == FY_BF16;
-      st = fy_linear_backward(dinp, NULL, NULL, dout, in0, c->w[0], BT, op->C, op->OC, bf16);
-      if (st == FY_OK)
-        st = fy_linear_backward_params(c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, BT, op->C, op->OC,
-                                       !first[0], bf16);
-      break;
-    }
-    case FY_OP_ATTENTION:
-      st = fy_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, dout, in0, fy_engine_act(m, op->aux[0]), B, T, op->C,
-                                 op->NH, op->scale);
-      break;
-    case FY_OP_RELU:
-      fy_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), g->slots[op->out].numel);
-      break;
-    case FY_OP_GELU:
-      fy_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, g->slots[op->out].numel);
-      break;
-    case FY_OP_ADD: {
-      uint64_t key;
-      int64_t u0;
-      if (fy_engine_dropout(c, op, &key, &u0))
-        fy_dropout_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, BT, op->C, key,
-                                u0, op->dropout);
-      else
-        fy_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, g->slots[op->out].numel);
-      break;
-    }
-    case FY_OP_CROSS_ENTROPY:
-      fy_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, BT, op->V, c->loss_scale);
-      break;
-    case FY_OP_KIND_COUNT: FY_ASSERT(0);
-  }
+  const struct fy_op_args a = {.c = c, .m = m, .g = g, .op = op, .B = g->B, .T = g->T, .BT = g->B * g->T,
+                               .in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL,
+                               .dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out),
+                               .first = first, .run = &run};
+  FY_ASSERT(op->kind < FY_OP_KIND_COUNT && cpu_ops[op->kind].backward);
+  fy_status st = cpu_ops[op->kind].backward(&a);
   if (st == FY_OK) st = fy_engine_run_hook(m, c->op, true, &run);
   if (m->compute_dtype != FY_F32) {  // 16-bit numerics: the gradients as 16-bit tensors would hold them
     for (int k = 0; k < op->n_in && op->kind != FY_OP_EMBEDDING; k++) {

@@ -66,9 +66,37 @@ static inline bool fy_engine_dropout(const struct fy_op_call *c, const struct fy
 void fy_op_call_forward(void *call);
 void fy_op_call_backward(void *call);
 
+// A backend's kernels for one op kind, forward and backward, as its op table holds them: an array
+// indexed by enum fy_op_kind, one line a kind (runtime/engine.c for the CPU, runtime/engine_cuda.c
+// for cuda). What a call hands them:
+struct fy_pattern_run;
+struct fy_op_args {
+  struct fy_op_call *c;
+  struct fy_model *m;
+  const struct fy_graph *g;
+  const struct fy_op *op;     // g->ops[c->op]
+  int64_t B, T, BT;           // the graph's; BT the rows computed (fy_op_call_rows in forward)
+  float *out;                 // forward: the output slot
+  const float *in0;           // the first input's activation (NULL for an op without inputs)
+  const float *dout;          // backward: the output's gradient (NULL for the loss)
+  const bool *first;          // backward: per parameter, whether its gradient is written, not added
+  struct fy_pattern_run *run; // what the op's pattern hook reads after the kernels (planner/pattern.h)
+};
+struct fy_op_kernels {
+  fy_status (*forward)(const struct fy_op_args *a);
+  fy_status (*backward)(const struct fy_op_args *a);
+};
+// The first op kind a table of n lacks a kernel for, or -1 when it is complete (the tests ask each
+// backend: fy_engine_ops_missing, fy_engine_cuda_ops_missing).
+static inline int fy_op_kernels_missing(const struct fy_op_kernels *t, int n) {
+  for (int k = 0; k < FY_OP_KIND_COUNT; k++)
+    if (k >= n || !t[k].forward || !t[k].backward) return k;
+  return -1;
+}
+int fy_engine_ops_missing(void);
+
 // After op o's kernels: its parallel pattern's hook (planner/pattern.h; nothing when it has none),
 // with r's buffers filled in by the caller and the collective and arithmetic of m's kernels.
-struct fy_pattern_run;
 fy_status fy_engine_run_hook(struct fy_model *m, int o, bool backward, struct fy_pattern_run *r);
 
 // Where a slot's activation and its gradient are, and an op input's gradient (NULL when nothing

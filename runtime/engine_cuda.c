@@ -66,96 +66,242 @@ static void CUDART_CB sum_losses(void *arg) {
   *j->sum += s;
 }
 
-static void op_forward_cuda(void *arg) {
-  struct fy_op_call *c = arg;
-  struct fy_model *m = c->m;
-  struct cuda_ctx *x = ctx_of(m);
-  const struct fy_graph *g = m->graph;
-  const struct fy_op *op = &g->ops[c->op];
-  const int64_t B = g->B, T = g->T, BT = fy_op_call_rows(c);
-  float *out = fy_engine_act(m, op->out);
-  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
-  // bf16 compute: activations and their gradients are bf16 at their slots' addresses (the graph's
-  // act16 layout: half the floats of fp32), weights and parameter gradients bf16 (runtime/model.h,
-  // cparams and cgrads); statistics (losses, layernorm's mean and rstd, attention's lse) stay fp32.
-  const enum fy_dtype dt = m->compute_dtype;
-  const double t0 = profile_start(m);
-  fy_status st = FY_OK;
-  struct fy_pattern_run run = {.out = out};
-  switch (op->kind) {
-    case FY_OP_EMBEDDING:
-      st = fy_cuda_embedding_forward(out, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
-                                     c->w[0], dt, BT, op->C, x->st);
-      break;
-    case FY_OP_LAYERNORM:
-      st = fy_cuda_layernorm_forward(out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), in0,
-                                     op->n_params ? c->w[0] : NULL, op->n_params ? c->w[1] : NULL, dt, BT, op->C,
-                                     op->eps, x->st);
-      break;
-    case FY_OP_LINEAR: {
-      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      if (c->row0) in0 = (const float *)((const char *)in0 + (size_t)(c->row0 * op->C) * fy_dtype_size(dt));
-      const void *bias = op->has_bias ? c->w[n_w] : NULL;
-      const struct fy_op *next = &g->ops[c->op + 1];  // (when fused)
-      if (op->split == FY_SPLIT_ROW) {  // a partial product: its pattern sums it, then adds the bias
-        run.bias = (const float *)bias;
-        bias = NULL;
-      }
-      if (x->fused[c->op] == FY_FUSED_RELU)
-        st = fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias, dt, BT, op->C,
-                                         op->OC, x->st);
-      else if (x->fused[c->op] == FY_FUSED_ADD)
-        st = fy_cuda_linear_add_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias,
-                                        fy_engine_act(m, next->in[next->in[0] == op->out]), dt, BT, op->C, op->OC,
-                                        x->st);
-      else
-        st = fy_cuda_linear_forward(x->blas, out, in0, c->w[0], bias, dt, BT, op->C, op->OC, x->st);
-      break;
-    }
-    case FY_OP_ATTENTION:  // the aux slot holds the lse (the graph's flash_attention layout)
-      st = fy_cuda_attention_forward(out, fy_engine_act(m, op->aux[0]), in0, c->batch->mask, dt, B, T, op->C,
-                                     op->NH, op->scale, x->st);
-      break;
-    case FY_OP_RELU:
-      if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_RELU)
-        st = fy_cuda_relu_forward(out, in0, dt, fy_op_call_numel(c, op->out), x->st);
-      break;
-    case FY_OP_GELU:
-      st = fy_cuda_gelu_forward(out, in0, dt, fy_op_call_numel(c, op->out), x->st);
-      break;
-    case FY_OP_ADD: {
-      uint64_t key;
-      int64_t u0;
-      if (fy_engine_dropout(c, op, &key, &u0))
-        st = fy_cuda_dropout_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, BT, op->C, key, u0, op->dropout,
-                                         x->st);
-      else if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_ADD)
-        st = fy_cuda_add_forward(out, in0, fy_engine_act(m, op->in[1]), dt, fy_op_call_numel(c, op->out), x->st);
-      break;
-    }
-    case FY_OP_CROSS_ENTROPY:
-      st = fy_cuda_crossentropy_forward(out, NULL, in0, c->batch->targets, dt, BT, op->V, x->st);
-      if (st == FY_OK && c->loss_sum) {
-        // The per-row losses come down and a host function sums them in stream order; the resident
-        // engine then waits for the sum, the offloaded one reads it at the step's end.
-        struct loss_job *j = &x->jobs[x->next_job++ % LOSS_JOBS];
-        *j = (struct loss_job){.losses = x->losses_pinned, .n = BT, .sum = c->loss_sum};
-        if (cudaMemcpyAsync(x->losses_pinned, out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
-            cudaLaunchHostFunc(x->st, sum_losses, j) != cudaSuccess ||
-            (!m->host && cudaStreamSynchronize(x->st) != cudaSuccess))
-          st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
-      }
-      break;
-    case FY_OP_KIND_COUNT: FY_ASSERT(0);
-  }
-  if (st == FY_OK) st = fy_engine_run_hook(m, c->op, false, &run);
-  profile_end(m, op->kind, 0, t0);
-  if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s on cuda", op->name);
-}
-
 static fy_status zero(struct cuda_ctx *x, void *p, size_t n) {
   return cudaMemsetAsync(p, 0, n, x->st) == cudaSuccess ? FY_OK
                                                         : fy_error_set(FY_ERR_INTERNAL, "cudaMemsetAsync failed");
+}
+
+// ---- the cuda kernels of each op kind ----
+// bf16 compute: activations and their gradients are bf16 at their slots' addresses (the graph's
+// act16 layout: half the floats of fp32), weights and parameter gradients bf16 (runtime/model.h,
+// cparams and cgrads); statistics (losses, layernorm's mean and rstd, attention's lse) stay fp32.
+
+static fy_status embedding_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return fy_cuda_embedding_forward(a->out, op->index == FY_INDEX_TOKENS ? a->c->batch->inputs : a->c->batch->positions,
+                                   a->c->w[0], a->m->compute_dtype, a->BT, op->C, ctx_of(a->m)->st);
+}
+
+static fy_status layernorm_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  return fy_cuda_layernorm_forward(a->out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), a->in0,
+                                   op->n_params ? c->w[0] : NULL, op->n_params ? c->w[1] : NULL, m->compute_dtype, a->BT,
+                                   op->C, op->eps, ctx_of(m)->st);
+}
+
+static fy_status linear_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_graph *g = a->g;
+  const enum fy_dtype dt = m->compute_dtype;
+  const int64_t BT = a->BT;
+  const float *in0 = a->in0;
+  int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+  if (c->row0) in0 = (const float *)((const char *)in0 + (size_t)(c->row0 * op->C) * fy_dtype_size(dt));
+  const void *bias = op->has_bias ? c->w[n_w] : NULL;
+  const struct fy_op *next = &g->ops[c->op + 1];  // (when fused)
+  if (op->split == FY_SPLIT_ROW) {  // a partial product: its pattern sums it, then adds the bias
+    a->run->bias = (const float *)bias;
+    bias = NULL;
+  }
+  if (x->fused[c->op] == FY_FUSED_RELU)
+    return fy_cuda_linear_relu_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias, dt, BT, op->C, op->OC,
+                                       x->st);
+  if (x->fused[c->op] == FY_FUSED_ADD)
+    return fy_cuda_linear_add_forward(x->blas, fy_engine_act(m, next->out), in0, c->w[0], bias,
+                                      fy_engine_act(m, next->in[next->in[0] == op->out]), dt, BT, op->C, op->OC, x->st);
+  return fy_cuda_linear_forward(x->blas, a->out, in0, c->w[0], bias, dt, BT, op->C, op->OC, x->st);
+}
+
+static fy_status attention_fwd(const struct fy_op_args *a) {  // the aux slot holds the lse (flash_attention's layout)
+  const struct fy_op *op = a->op;
+  return fy_cuda_attention_forward(a->out, fy_engine_act(a->m, op->aux[0]), a->in0, a->c->batch->mask, a->m->compute_dtype,
+                                   a->B, a->T, op->C, op->NH, op->scale, ctx_of(a->m)->st);
+}
+
+static fy_status relu_fwd(const struct fy_op_args *a) {
+  const struct fy_op_call *c = a->c;
+  if (c->op == 0 || ctx_of(a->m)->fused[c->op - 1] != FY_FUSED_RELU)
+    return fy_cuda_relu_forward(a->out, a->in0, a->m->compute_dtype, fy_op_call_numel(c, a->op->out), ctx_of(a->m)->st);
+  return FY_OK;
+}
+
+static fy_status gelu_fwd(const struct fy_op_args *a) {
+  return fy_cuda_gelu_forward(a->out, a->in0, a->m->compute_dtype, fy_op_call_numel(a->c, a->op->out), ctx_of(a->m)->st);
+}
+
+static fy_status add_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  struct cuda_ctx *x = ctx_of(a->m);
+  const enum fy_dtype dt = a->m->compute_dtype;
+  uint64_t key;
+  int64_t u0;
+  if (fy_engine_dropout(c, op, &key, &u0))
+    return fy_cuda_dropout_add_forward(a->out, a->in0, fy_engine_act(a->m, op->in[1]), dt, a->BT, op->C, key, u0,
+                                       op->dropout, x->st);
+  if (c->op == 0 || x->fused[c->op - 1] != FY_FUSED_ADD)
+    return fy_cuda_add_forward(a->out, a->in0, fy_engine_act(a->m, op->in[1]), dt, fy_op_call_numel(c, op->out), x->st);
+  return FY_OK;
+}
+
+static fy_status cross_entropy_fwd(const struct fy_op_args *a) {
+  struct fy_model *m = a->m;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_op_call *c = a->c;
+  const int64_t BT = a->BT;
+  fy_status st = fy_cuda_crossentropy_forward(a->out, NULL, a->in0, c->batch->targets, m->compute_dtype, BT, a->op->V, x->st);
+  if (st == FY_OK && c->loss_sum) {
+    // The per-row losses come down and a host function sums them in stream order; the resident
+    // engine then waits for the sum, the offloaded one reads it at the step's end.
+    struct loss_job *j = &x->jobs[x->next_job++ % LOSS_JOBS];
+    *j = (struct loss_job){.losses = x->losses_pinned, .n = BT, .sum = c->loss_sum};
+    if (cudaMemcpyAsync(x->losses_pinned, a->out, (size_t)BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess ||
+        cudaLaunchHostFunc(x->st, sum_losses, j) != cudaSuccess ||
+        (!m->host && cudaStreamSynchronize(x->st) != cudaSuccess))
+      st = fy_error_set(FY_ERR_INTERNAL, "reading the losses back: %s", cudaGetErrorString(cudaGetLastError()));
+  }
+  return st;
+}
+
+// The element size of gradients (in the compute dtype).
+static size_t grad_esize(const struct fy_model *m) { return m->compute_dtype == FY_F32 ? 4 : 2; }
+
+static fy_status embedding_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct cuda_ctx *x = ctx_of(a->m);
+  const size_t es = grad_esize(a->m);
+  const struct fy_param *p = &a->g->params[op->params[0]];
+  float *dtable = a->c->g[0];
+  fy_status st = FY_OK;
+  if (a->first[0]) st = zero(x, dtable, (size_t)p->numel * es);
+  // nn.Embedding(padding_idx=...): the padding row keeps what it had before the lookup's gradient.
+  char *row = p->padding_idx >= 0 ? (char *)dtable + (size_t)(p->padding_idx * op->C) * es : NULL;
+  if (st == FY_OK && row && cudaMemcpyAsync(x->row, row, (size_t)op->C * es, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
+    st = fy_error_set(FY_ERR_INTERNAL, "saving the padding row");
+  if (st == FY_OK)
+    st = fy_cuda_embedding_backward(dtable, a->dout, op->index == FY_INDEX_TOKENS ? a->c->batch->inputs : a->c->batch->positions,
+                                    a->m->compute_dtype, a->BT, op->C, op->V, x->st);
+  if (st == FY_OK && row && cudaMemcpyAsync(row, x->row, (size_t)op->C * es, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
+    st = fy_error_set(FY_ERR_INTERNAL, "restoring the padding row");
+  return st;
+}
+
+static fy_status layernorm_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_op_call *c = a->c;
+  const enum fy_dtype dt = m->compute_dtype;
+  fy_status st = FY_OK;
+  float *dinp = fy_engine_dinput(m, op, 0);
+  if (dinp)
+    st = fy_cuda_layernorm_backward(dinp, NULL, NULL, a->dout, a->in0, op->n_params ? c->w[0] : NULL,
+                                    fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), dt, a->BT, op->C, NULL,
+                                    x->st);
+  if (st == FY_OK && op->n_params)
+    st = fy_cuda_layernorm_backward_params(c->g[0], c->g[1], a->dout, a->in0, fy_engine_act(m, op->aux[0]),
+                                           fy_engine_act(m, op->aux[1]), dt, a->BT, op->C, !a->first[0], x->lnscratch,
+                                           x->st);
+  return st;
+}
+
+static fy_status linear_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_op_call *c = a->c;
+  const enum fy_dtype dt = m->compute_dtype;
+  const int64_t BT = a->BT;
+  fy_status st = FY_OK;
+  int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
+  float *dinp = fy_engine_dinput(m, op, 0);
+  if (op->split == FY_SPLIT_COL) {  // this rank's part, apart: its pattern sums it into the slot
+    FY_ASSERT(BT * op->C <= m->tp_buf_elems);
+    dinp = a->run->dinput_part = m->tp_buf;
+    st = zero(x, dinp, (size_t)(BT * op->C) * grad_esize(m));
+  }
+  if (st == FY_OK && dinp)
+    st = fy_cuda_linear_backward(x->blas, dinp, NULL, NULL, a->dout, a->in0, c->w[0], dt, BT, op->C, op->OC, x->st);
+  if (st == FY_OK)
+    st = fy_cuda_linear_backward_params(x->blas, c->g[0], op->has_bias ? c->g[n_w] : NULL, a->dout, a->in0, dt, BT, op->C,
+                                        op->OC, !a->first[0], x->st);
+  return st;
+}
+
+static fy_status attention_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  return fy_cuda_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, a->dout, a->in0, fy_engine_act(m, op->out),
+                                    fy_engine_act(m, op->aux[0]), a->c->batch->mask, m->compute_dtype, a->B, a->T, op->C,
+                                    op->NH, op->scale, ctx_of(m)->st);
+}
+
+static fy_status relu_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return fy_cuda_relu_backward(fy_engine_dinput(a->m, op, 0), a->dout, fy_engine_act(a->m, op->out), a->m->compute_dtype,
+                               a->g->slots[op->out].numel, ctx_of(a->m)->st);
+}
+
+static fy_status gelu_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return fy_cuda_gelu_backward(fy_engine_dinput(a->m, op, 0), a->dout, a->in0, a->m->compute_dtype,
+                               a->g->slots[op->out].numel, ctx_of(a->m)->st);
+}
+
+static fy_status add_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const enum fy_dtype dt = m->compute_dtype;
+  uint64_t key;
+  int64_t u0;
+  if (fy_engine_dropout(a->c, op, &key, &u0))
+    return fy_cuda_dropout_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), a->dout, dt, a->BT,
+                                        op->C, key, u0, op->dropout, ctx_of(m)->st);
+  return fy_cuda_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), a->dout, dt,
+                              a->g->slots[op->out].numel, ctx_of(m)->st);
+}
+
+static fy_status cross_entropy_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return fy_cuda_crossentropy_backward(fy_engine_dact(a->m, op->in[0]), a->in0, a->c->batch->targets, NULL,
+                                       a->m->compute_dtype, a->BT, op->V, a->c->loss_scale, ctx_of(a->m)->st);
+}
+
+// The cuda backend's op table: a new op kind is one line here (and one in runtime/engine.c's).
+static const struct fy_op_kernels cuda_ops[] = {
+    [FY_OP_EMBEDDING] = {embedding_fwd, embedding_bwd},
+    [FY_OP_LAYERNORM] = {layernorm_fwd, layernorm_bwd},
+    [FY_OP_LINEAR] = {linear_fwd, linear_bwd},
+    [FY_OP_ATTENTION] = {attention_fwd, attention_bwd},
+    [FY_OP_RELU] = {relu_fwd, relu_bwd},
+    [FY_OP_ADD] = {add_fwd, add_bwd},
+    [FY_OP_CROSS_ENTROPY] = {cross_entropy_fwd, cross_entropy_bwd},
+    [FY_OP_GELU] = {gelu_fwd, gelu_bwd},
+};
+_Static_assert(sizeof cuda_ops / sizeof cuda_ops[0] == FY_OP_KIND_COUNT, "an op kind without cuda kernels");
+
+int fy_engine_cuda_ops_missing(void) { return fy_op_kernels_missing(cuda_ops, (int)(sizeof cuda_ops / sizeof cuda_ops[0])); }
+
+static void op_forward_cuda(void *arg) {
+  struct fy_op_call *c = arg;
+  struct fy_model *m = c->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = &g->ops[c->op];
+  float *out = fy_engine_act(m, op->out);
+  const double t0 = profile_start(m);
+  struct fy_pattern_run run = {.out = out};
+  const struct fy_op_args a = {.c = c, .m = m, .g = g, .op = op, .B = g->B, .T = g->T, .BT = fy_op_call_rows(c),
+                               .out = out, .in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL, .run = &run};
+  FY_ASSERT(op->kind < FY_OP_KIND_COUNT && cuda_ops[op->kind].forward);
+  fy_status st = cuda_ops[op->kind].forward(&a);
+  if (st == FY_OK) st = fy_engine_run_hook(m, c->op, false, &run);
+  profile_end(m, op->kind, 0, t0);
+  if (st != FY_OK) c->st = fy_error_wrap(st, "forward of %s on cuda", op->name);
 }
 
 static void op_backward_cuda(void *arg) {
@@ -164,92 +310,21 @@ static void op_backward_cuda(void *arg) {
   struct cuda_ctx *x = ctx_of(m);
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[c->op];
-  const int64_t B = g->B, T = g->T, BT = B * T;
   const double t0 = profile_start(m);
   fy_status st = FY_OK;
-  const enum fy_dtype dt = m->compute_dtype;
-  const size_t es = dt == FY_F32 ? 4 : 2;
   for (int k = 0; k < op->n_zero && st == FY_OK; k++) {  // (gradients are in the compute dtype)
     const struct fy_slot *s = &g->slots[op->zero[k]];
-    st = zero(x, m->dacts + s->grad_offset, (size_t)s->numel * es);
+    st = zero(x, m->dacts + s->grad_offset, (size_t)s->numel * grad_esize(m));
   }
   bool first[FY_OP_MAX_PARAMS];
   for (int k = 0; k < op->n_params; k++) first[k] = g->params[op->params[k]].last_use == c->op;
-  const float *dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out);
-  const float *in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL;
   struct fy_pattern_run run = {.dinput = op->n_in > 0 && op->kind != FY_OP_EMBEDDING ? fy_engine_dinput(m, op, 0) : NULL};
-  if (st == FY_OK) switch (op->kind) {
-    case FY_OP_EMBEDDING: {
-      const struct fy_param *p = &g->params[op->params[0]];
-      float *dtable = c->g[0];
-      if (first[0]) st = zero(x, dtable, (size_t)p->numel * es);
-      // nn.Embedding(padding_idx=...): the padding row keeps what it had before the lookup's gradient.
-      char *row = p->padding_idx >= 0 ? (char *)dtable + (size_t)(p->padding_idx * op->C) * es : NULL;
-      if (st == FY_OK && row && cudaMemcpyAsync(x->row, row, (size_t)op->C * es, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
-        st = fy_error_set(FY_ERR_INTERNAL, "saving the padding row");
-      if (st == FY_OK)
-        st = fy_cuda_embedding_backward(dtable, dout, op->index == FY_INDEX_TOKENS ? c->batch->inputs : c->batch->positions,
-                                        dt, BT, op->C, op->V, x->st);
-      if (st == FY_OK && row && cudaMemcpyAsync(row, x->row, (size_t)op->C * es, cudaMemcpyDeviceToDevice, x->st) != cudaSuccess)
-        st = fy_error_set(FY_ERR_INTERNAL, "restoring the padding row");
-      break;
-    }
-    case FY_OP_LAYERNORM: {
-      float *dinp = fy_engine_dinput(m, op, 0);
-      if (dinp)
-        st = fy_cuda_layernorm_backward(dinp, NULL, NULL, dout, in0, op->n_params ? c->w[0] : NULL,
-                                        fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), dt, BT, op->C,
-                                        NULL, x->st);
-      if (st == FY_OK && op->n_params)
-        st = fy_cuda_layernorm_backward_params(c->g[0], c->g[1], dout, in0, fy_engine_act(m, op->aux[0]),
-                                               fy_engine_act(m, op->aux[1]), dt, BT, op->C, !first[0], x->lnscratch,
-                                               x->st);
-      break;
-    }
-    case FY_OP_LINEAR: {
-      int n_w = op->has_bias ? op->n_params / 2 : op->n_params;
-      float *dinp = fy_engine_dinput(m, op, 0);
-      if (op->split == FY_SPLIT_COL) {  // this rank's part, apart: its pattern sums it into the slot
-        FY_ASSERT(BT * op->C <= m->tp_buf_elems);
-        dinp = run.dinput_part = m->tp_buf;
-        st = zero(x, dinp, (size_t)(BT * op->C) * es);
-      }
-      if (st == FY_OK && dinp)
-        st = fy_cuda_linear_backward(x->blas, dinp, NULL, NULL, dout, in0, c->w[0], dt, BT, op->C, op->OC, x->st);
-      if (st == FY_OK)
-        st = fy_cuda_linear_backward_params(x->blas, c->g[0], op->has_bias ? c->g[n_w] : NULL, dout, in0, dt, BT,
-                                            op->C, op->OC, !first[0], x->st);
-      break;
-    }
-    case FY_OP_ATTENTION:
-      st = fy_cuda_attention_backward(fy_engine_dinput(m, op, 0), m->scratch, dout, in0, fy_engine_act(m, op->out),
-                                      fy_engine_act(m, op->aux[0]), c->batch->mask, dt, B, T, op->C, op->NH,
-                                      op->scale, x->st);
-      break;
-    case FY_OP_RELU:
-      st = fy_cuda_relu_backward(fy_engine_dinput(m, op, 0), dout, fy_engine_act(m, op->out), dt,
-                                 g->slots[op->out].numel, x->st);
-      break;
-    case FY_OP_GELU:
-      st = fy_cuda_gelu_backward(fy_engine_dinput(m, op, 0), dout, in0, dt, g->slots[op->out].numel, x->st);
-      break;
-    case FY_OP_ADD: {
-      uint64_t key;
-      int64_t u0;
-      if (fy_engine_dropout(c, op, &key, &u0))
-        st = fy_cuda_dropout_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, dt, BT,
-                                          op->C, key, u0, op->dropout, x->st);
-      else
-        st = fy_cuda_add_backward(fy_engine_dinput_own(m, op, 0), fy_engine_dinput_own(m, op, 1), dout, dt,
-                                  g->slots[op->out].numel, x->st);
-      break;
-    }
-    case FY_OP_CROSS_ENTROPY:
-      st = fy_cuda_crossentropy_backward(fy_engine_dact(m, op->in[0]), in0, c->batch->targets, NULL, dt, BT, op->V,
-                                         c->loss_scale, x->st);
-      break;
-    case FY_OP_KIND_COUNT: FY_ASSERT(0);
-  }
+  const struct fy_op_args a = {.c = c, .m = m, .g = g, .op = op, .B = g->B, .T = g->T, .BT = g->B * g->T,
+                               .in0 = op->n_in > 0 ? fy_engine_act(m, op->in[0]) : NULL,
+                               .dout = op->kind == FY_OP_CROSS_ENTROPY ? NULL : fy_engine_dact(m, op->out),
+                               .first = first, .run = &run};
+  FY_ASSERT(op->kind < FY_OP_KIND_COUNT && cuda_ops[op->kind].backward);
+  if (st == FY_OK) st = cuda_ops[op->kind].backward(&a);
   if (st == FY_OK) st = fy_engine_run_hook(m, c->op, true, &run);
   profile_end(m, op->kind, 1, t0);
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s on cuda", op->name);

@@ -17,6 +17,7 @@
 #include <unistd.h>
 #include <json-c/json.h>
 
+#include "core/clock.h"
 #include "core/fileio.h"
 #include "core/log.h"
 #include "core/parse.h"
@@ -61,12 +62,6 @@ float fy_lr_at(const struct fy_train_opts *o, int64_t t) {
   double frac = (double)(t - warm) / (double)(o->steps - warm - 1);
   if (o->schedule && strcmp(o->schedule, "linear") == 0) return min_lr + (float)(1.0 - frac) * (o->lr - min_lr);
   return min_lr + (float)(0.5 * (1.0 + cos(M_PI * frac))) * (o->lr - min_lr);
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 static double peak_rss_bytes(void) {
@@ -1069,9 +1064,9 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
     // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
     // the same order and with the same adds on every placement.
     if (o->grad_accum > 1) {
-      double tz = now_s();
+      double tz = fy_now();
       model->kernels->grads_sum(model, n_with_grads == 0);
-      *t_sum += now_s() - tz;
+      *t_sum += fy_now() - tz;
     }
     n_with_grads++;
   }
@@ -1086,7 +1081,7 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
   // rank), so every rank applies the same update to its replica; on GPUs by NCCL, in the dtype the
   // optimizer reads them in.
   if (r->dp > 1) FY_TRY(fy_engine_all_reduce_grads(model));
-  double t0 = now_s();
+  double t0 = fy_now();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);
   // A sum on the GPUs' stream that failed (a lost peer: NCCL's error is asynchronous, and aborting
@@ -1110,7 +1105,7 @@ static fy_status step_resident(const struct fy_train_opts *o, struct run *r, int
              (st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out)) == FY_OK) {
     r->updates++;
   }
-  *t_opt += now_s() - t0;
+  *t_opt += fy_now() - t0;
   return st;
 }
 
@@ -1786,11 +1781,11 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     fy_log_info("the checkpoint is at step %lld and --steps %lld counts from the start of training: nothing to "
                 "train (--steps above %lld goes on)", (long long)first_step, (long long)o->steps,
                 (long long)first_step);
-  double t_start = now_s(), t_sum = 0, t_opt = 0, val_s = 0;
+  double t_start = fy_now(), t_sum = 0, t_opt = 0, val_s = 0;
   const int64_t val_every = o->val_every > 0 ? o->val_every : o->steps / 10 > 0 ? o->steps / 10 : 1;
   res->val_loss = res->first_loss = res->last_loss = NAN;  // (steps whose every target is ignored have none)
   for (int64_t step = first_step; step < o->steps; step++) {
-    double t0 = now_s(), loss = 0, norm = 0;
+    double t0 = fy_now(), loss = 0, norm = 0;
     bool overflow = false;
     if (ckpt) ckpt_busy[step] = fy_ckpt_busy(ckpt);
     if (r.x) fy_offload_set_step(r.x, step + 1);
@@ -1833,7 +1828,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       goto done;
     }
     float lr = fy_lr_at(o, step);
-    double dt = now_s() - t0;
+    double dt = fy_now() - t0;
     step_times[step] = dt;
     double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9, rss = peak_rss_bytes();
     if (!ignored) {
@@ -1844,14 +1839,14 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     // Validation (every rank takes part: its rows, and the collectives of its forward passes).
     bool validated = false;
     if (r.val && ((step + 1) % val_every == 0 || step + 1 == o->steps)) {
-      double tv = now_s();
+      double tv = fy_now();
       if ((st = mean_loss(&r, r.val, o->val_batches, &res->val_loss, NULL, NULL)) != FY_OK) {
         fy_error_wrap(st, "validation after step %lld", (long long)step + 1);
         goto done;
       }
       validated = true;
       res->validations++;
-      val_s = now_s() - tv;
+      val_s = fy_now() - tv;
     }
     if (log) {
       // (null: the loss of a step without a target, the norm of an fp16 overflow, a validation loss
@@ -1892,7 +1887,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
                (long long)step + 1, res->val_loss, exp(res->val_loss), (long long)o->val_batches,
                (long long)(o->batch * r.dp), (long long)o->seq, val_s * 1e3);
       if (tty)
-        progress_bar(step + 1, o->steps, (now_s() - t_start) / (step + 1 - first_step) * (o->steps - step - 1));
+        progress_bar(step + 1, o->steps, (fy_now() - t_start) / (step + 1 - first_step) * (o->steps - step - 1));
       // Where these lines go is gone (the reader of a pipe ended, as `| tee` does when its terminal
       // closes; the terminal itself; a full disk): stop as a signal would, with a checkpoint, rather
       // than train on unseen (ferry train ignores SIGPIPE, so the write fails instead of killing it).
@@ -2133,7 +2128,7 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
   const float *logits = NULL;
   int64_t n = s->n_prompt;
   bool stopped = false;
-  double t0 = now_s(), t1 = t0;
+  double t0 = fy_now(), t1 = t0;
   // out[0, fed): the tokens run so far (the cache holds the last of them); out[n] is drawn from
   // the logits after out[n - 1].
   for (int64_t fed = 0; st == FY_OK && !stopped && n < s->n_prompt + s->n_new; n++) {
@@ -2152,10 +2147,10 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
     if (st != FY_OK) break;
     out[n] = fy_sample_token(logits, V, s->temperature, s->top_k, s->top_p, cand, &rng);
     for (int i = 0; i < n_stop; i++) stopped |= out[n] == stop[i];
-    if (n == s->n_prompt) t1 = now_s();
+    if (n == s->n_prompt) t1 = fy_now();
   }
   if (s->prompt_seconds) *s->prompt_seconds = t1 - t0;
-  if (s->new_seconds) *s->new_seconds = n > s->n_prompt ? now_s() - t1 : 0;
+  if (s->new_seconds) *s->new_seconds = n > s->n_prompt ? fy_now() - t1 : 0;
   if (st == FY_OK) *n_out = n;
   fy_kv_cache_free(kv);
   free(cand);

@@ -1098,6 +1098,8 @@ static void test_probe_gpu(int ngpu) {
 }
 
 int main(void) {
+  // Every op kind has its cuda kernels in the engine's op table (runtime/engine_cuda.c).
+  CHECKF(fy_engine_cuda_ops_missing() < 0, "the cuda op table lacks op kind %d", fy_engine_cuda_ops_missing());
   int ngpu = fy_cuda_device_count();
   if (ngpu == 0) {
     fprintf(stderr, "backend_ops: no GPU (or no driver): skipped\n");

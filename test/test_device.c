@@ -15,17 +15,12 @@
 #include <time.h>
 
 #include "core/device.h"
+#include "core/clock.h"
 #include "core/log.h"
 #include "core/status.h"
 #include "test/check.h"
 
 #define MB (1000 * 1000)
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static void sleep_ms(int ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -470,10 +465,10 @@ struct timed_copy {
 
 // Enqueues every copy on its stream, then syncs them all; returns the wall time.
 static double time_copies(struct timed_copy *c, int n) {
-  double t0 = now_s();
+  double t0 = fy_now();
   for (int i = 0; i < n; i++) CHECK_OK(fy_copy_async(c[i].s, c[i].dst, c[i].src, c[i].n));
   for (int i = 0; i < n; i++) CHECK_OK(fy_stream_sync(c[i].s));
-  return now_s() - t0;
+  return fy_now() - t0;
 }
 
 // A throttled device with two device buffers and two host buffers of n bytes, and two streams.

@@ -6,6 +6,8 @@
 #include "check.h"
 #include "core/graph.h"
 #include "core/opt.h"
+#include "planner/profile.h"
+#include "runtime/engine.h"
 
 // Floats of the arenas slot s spans: its elements, or with 16-bit activations half of them,
 // except the fp32 statistics (ops' aux slots) and the per-row losses.
@@ -374,7 +376,22 @@ static void check_shared_grads(void) {
   }
 }
 
+// Every op kind has a name and an entry in the CPU backend's op table and the planner's (the cuda
+// backend's: test_backend_ops): a kind added without them fails here, not when a model first runs it.
+static void check_op_tables(void) {
+  for (int k = 0; k < FY_OP_KIND_COUNT; k++) {
+    CHECKF(strcmp(fy_op_kind_name((enum fy_op_kind)k), "unknown") != 0, "op kind %d has no name", k);
+    for (int j = 0; j < k; j++)
+      CHECKF(strcmp(fy_op_kind_name((enum fy_op_kind)j), fy_op_kind_name((enum fy_op_kind)k)) != 0,
+             "op kinds %d and %d share a name", j, k);
+  }
+  CHECK(strcmp(fy_op_kind_name(FY_OP_KIND_COUNT), "unknown") == 0);
+  CHECKF(fy_engine_ops_missing() < 0, "the CPU op table lacks op kind %d", fy_engine_ops_missing());
+  CHECKF(fy_profile_ops_missing() < 0, "the planner's op table lacks op kind %d", fy_profile_ops_missing());
+}
+
 int main(void) {
+  check_op_tables();
   check_shared_grads();
   check_fusions();
   check_flash();

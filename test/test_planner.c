@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/clock.h"
 #include "core/opt.h"
 #include "ops/cuda/parts.h"
 #include "ops/ops.h"
@@ -29,12 +30,6 @@ static const char *run_model = model_dir;  // the model run_opts trains
 // searched plan to a grid of hand-written ones run for real, and the search to its speed: each
 // tried again on a shared machine, and still able to fail on a loaded one.
 static bool timing;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 // A plan file's text, whole; written back; one "key": value, pair taken out (key points at it).
 static void read_text(const char *path, char *text, size_t cap) {
@@ -153,16 +148,16 @@ static void timing_search_speed(void) {
   fy_opt_preset("opt-30b", &c30);
   struct fy_plan plan;
   int tried = 0;
-  double t0 = now_s();
+  double t0 = fy_now();
   fy_status st = fy_plan_search(&c175, "opt-175b", 8, 2048, &g, &plan, &tried);
-  double secs = now_s() - t0;
+  double secs = fy_now() - t0;
   fprintf(stderr, "  opt-175b: %d plans in %.2f s (%s)\n", tried, secs, st == FY_OK ? "fits" : fy_error_msg());
   CHECKF(st == FY_OK && secs < 10, "the opt-175b search took %.1f s", secs);
   g = gpu_probe();
   CHECK_OK(fy_probe_override(&g, "comm_gbps", "200"));
-  t0 = now_s();
+  t0 = fy_now();
   CHECK_OK(fy_plan_search_ranks(&c30, "opt-30b", 16, 2048, 8, false, NULL, &g, &plan, &tried));
-  secs = now_s() - t0;
+  secs = fy_now() - t0;
   fprintf(stderr, "  opt-30b on 8 ranks: %d plans in %.2f s\n", tried, secs);
   CHECKF(secs < 15, "the 8-rank search took %.1f s", secs);
 }

@@ -13,17 +13,13 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/clock.h"
 #include "core/status.h"
 #include "ops/ops.h"
 #include "planner/probe.h"
 
 static char tmpdir[] = "/tmp/ferry-probe-test-XXXXXX";
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 static int msg_has(const char *s) { return strstr(fy_error_msg(), s) != NULL; }
 
 static void write_text(const char *path, const char *text) {
@@ -53,9 +49,9 @@ static void timing_measure(void) {
   struct fy_probe p;
   char disk[PATH_MAX];
   snprintf(disk, sizeof disk, "%s/disk", tmpdir);
-  double t0 = now_s();
+  double t0 = fy_now();
   CHECK_OK(fy_probe_measure("sim", 256.0 * 1048576, 2.0, disk, &p));
-  double secs = now_s() - t0;
+  double secs = fy_now() - t0;
   fprintf(stderr, "probe took %.2f s:\n", secs);
   fy_probe_print(&p, stderr);
   CHECKF(secs < 10.0, "the probe took %.1f s", secs);
@@ -467,7 +463,7 @@ static void test_cached(const struct fy_probe *base) {
 
 int main(int argc, char **argv) {
   check_args(argc, argv);
-  double t0 = now_s();
+  double t0 = fy_now();
   if (!mkdtemp(tmpdir)) {
     perror("mkdtemp");
     return 1;
@@ -489,6 +485,6 @@ int main(int argc, char **argv) {
   CHECK(system(cmd) == 0);
   // (Five probes and a kernel-overhead measurement: about 10 s on 2 cores, 25 s with the
   // sanitizers.)
-  fprintf(stderr, "test_probe: %.2f s\n", now_s() - t0);
+  fprintf(stderr, "test_probe: %.2f s\n", fy_now() - t0);
   return check_summary("probe");
 }

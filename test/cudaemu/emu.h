@@ -90,7 +90,8 @@ T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   return fy_emu_shfl(mask, v, (int)delta, fy_emu_shfl_up_fn, "__shfl_up_sync");
 }
 
-// The tensor-core instructions the attention kernels use (attention.cu, under FY_CUDA_EMU):
+// The tensor-core instructions the attention kernels use (ops/cuda/attention.cuh and
+// attention_pipelined.cu, under FY_CUDA_EMU):
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, c += a b with the PTX ISA's fragments
 void fy_emu_mma_m16n8k16_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8 of
