@@ -243,7 +243,7 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   double state = 0;
   resident_bytes(g, cfg->hidden_size, true, bf16, accumulate, &out->device_peak, &state);
   out->min_device_bytes = out->device_peak;
-  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * (double)k->grad_accum * dp;
   out->fits = out->device_peak <= probe->device_mem;
   if (!out->fits) {
     snprintf(out->why, sizeof out->why,
@@ -368,7 +368,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                                      : 0;
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
-  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * (double)k->grad_accum * dp;
 
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
   // The arenas count floats (a GPU's bf16 activations two to a float: the graph's act16).
