@@ -265,9 +265,9 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
             fy_format_bytes(c->disk_bytes, b3, sizeof b3), c->n_disk_chunks);
   }
   const bool bf16 = strcmp(prec, "bf16") == 0, gpu = strcmp(p->machine.device, "cuda") == 0;
-  fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU %.1f%% of the device's measured GEMM rate", c->step_s,
-          c->tokens_per_s, 100 * c->mfu);
   // (model FLOPs as PaLM and Megatron count them: fy_opt_step_flops)
+  fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU (PaLM's FLOP count) %.1f%% of the device's measured GEMM rate",
+          c->step_s, c->tokens_per_s, 100 * c->mfu);
   if (c->peak_gflops > 0)
     fprintf(f, ", %.1f%% of its peak (%.0f %s, %s)\n", 100 * c->mfu_peak,
             c->peak_gflops >= 1e4 ? c->peak_gflops / 1e3 : c->peak_gflops, c->peak_gflops >= 1e4 ? "TFLOP/s" : "GFLOP/s",

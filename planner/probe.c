@@ -125,12 +125,23 @@ const char *fy_probe_fma_isa(void) {
   return "scalar";
 }
 
-double fy_probe_fma_peak_gflops(int threads, long iterations) {
-  const char *isa = fy_probe_fma_isa();
+double fy_probe_fma_peak_gflops(int threads, long iterations, const char *isa) {
+  const char *have = fy_probe_fma_isa();
+  if (!isa) {
+    // The best of the vector kinds the processor has: the widest is not always the fastest (a
+    // core may split a 512-bit FMA in two, and a loaded one gives either run less).
+    double best = fy_probe_fma_peak_gflops(threads, iterations, have);
+    if (!strcmp(have, "avx512")) best = fmax(best, fy_probe_fma_peak_gflops(threads, iterations, "avx2"));
+    return best;
+  }
   double (*run)(long, float *) = fma_run_scalar;
 #ifdef FY_X86
-  if (!strcmp(isa, "avx512")) run = fma_run_avx512;
-  else if (!strcmp(isa, "avx2")) run = fma_run_avx2;
+  // (a narrower kind than the processor's widest runs too: AVX-512 implies AVX2 and FMA)
+  if (!strcmp(isa, "avx512") && !strcmp(have, "avx512")) run = fma_run_avx512;
+  else if (!strcmp(isa, "avx2") && strcmp(have, "scalar") != 0) run = fma_run_avx2;
+  else if (strcmp(isa, "scalar") != 0) return 0;
+#else
+  if (strcmp(isa, "scalar") != 0) return 0;
 #endif
   if (threads < 1) threads = omp_get_max_threads();
   double best = 0;
@@ -620,7 +631,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (sim) FY_TRY(measure_kernel_overhead(p.device_gflops, p.host_mem_gbps, &p.kernel_overhead_us));
-  p.peak_gflops = fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS);
+  p.peak_gflops = fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL);
   double *rates[] = {&p.device_gflops, &p.host_gflops, &p.h2d_gbps, &p.d2h_gbps, &p.host_adamw_gbps,
                      &p.host_mem_gbps, &p.bf16_speedup, &p.peak_gflops};
   for (size_t i = 0; i < sizeof rates / sizeof *rates; i++) *rates[i] = round4(*rates[i]);
@@ -688,7 +699,7 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
     // A file from before peak_gflops: measured now (a few tens of ms) and not written back, so that
     // the file still reads in the ferry that wrote it.
     if (!cuda && strcmp(p->device, "cuda") != 0 && !(p->peak_gflops > 0))
-      p->peak_gflops = round4(fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS));
+      p->peak_gflops = round4(fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL));
     bool timed = false;
     FY_TRY(fy_probe_add_disk(p, c->disk_dir, &timed));  // a --disk-dir the cached probe has not timed
     changed = changed || timed;

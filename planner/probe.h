@@ -109,11 +109,13 @@ double fy_probe_gemm_gflops(const struct fy_probe *p, bool bf16);
 // AMX. 0 when unknown, or when below the GEMM rate fy_probe_gemm_gflops gives (no peak, then).
 double fy_probe_peak_gflops(const struct fy_probe *p, bool bf16);
 // This processor's fp32 multiply-add peak (GFLOP/s) on `threads` OpenMP threads (< 1: all):
-// independent chains of real FMA instructions, the widest the processor runs (fy_probe_fma_isa:
-// "avx512", "avx2" or "scalar"), `iterations` rounds of 12 chains a thread, the best of three.
-// FY_PROBE_FMA_ITERATIONS takes ~10 ms a run on a current core.
+// independent chains of real FMA instructions, `iterations` rounds of 12 chains a thread, the best
+// of three. isa: "avx512", "avx2" or "scalar" (fmaf), NULL for the best of the vector kinds the
+// processor runs (the widest, fy_probe_fma_isa, and AVX2 under AVX-512); 0 for a kind it does not
+// run. FY_PROBE_FMA_ITERATIONS takes ~10 ms a run on
+// a current core.
 #define FY_PROBE_FMA_ITERATIONS 2000000L
-double fy_probe_fma_peak_gflops(int threads, long iterations);
+double fy_probe_fma_peak_gflops(int threads, long iterations, const char *isa);
 const char *fy_probe_fma_isa(void);
 // A GPU's dense bf16 tensor-core peak (GFLOP/s) by its name (cudaGetDeviceProperties' "NVIDIA
 // H100 80GB HBM3", ...): H200, H100 (SXM, PCIe, NVL), A100, L40S, A30, L4, A10; 0 for any other.

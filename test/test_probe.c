@@ -83,8 +83,13 @@ static void test_measure(struct fy_probe *p) {
   // The FMA peak: measured (its size is the machine's; a loaded machine lowers it, so no bound
   // against the GEMM rate here), with the instructions this processor has.
   CHECKF(p->peak_gflops > 0 && p->peak_gflops < 1e6, "peak %g", p->peak_gflops);
-  CHECK(!strcmp(fy_probe_fma_isa(), "avx512") || !strcmp(fy_probe_fma_isa(), "avx2") ||
-        !strcmp(fy_probe_fma_isa(), "scalar"));
+  const char *isa = fy_probe_fma_isa();
+  CHECK(!strcmp(isa, "avx512") || !strcmp(isa, "avx2") || !strcmp(isa, "scalar"));
+  // Each kind runs where the processor has it (the narrower ones too), and none where it does not.
+  CHECK(fy_probe_fma_peak_gflops(1, 100000, "scalar") > 0);
+  CHECK((fy_probe_fma_peak_gflops(1, 100000, "avx2") > 0) == (strcmp(isa, "scalar") != 0));
+  CHECK((fy_probe_fma_peak_gflops(1, 100000, "avx512") > 0) == (strcmp(isa, "avx512") == 0));
+  CHECK(fy_probe_fma_peak_gflops(1, 1000, "sve") == 0);
   char real[PATH_MAX];
   CHECK(realpath(disk, real) && !strcmp(p->disk_dir, real));
   CHECK(rmdir(disk) == 0);  // the disk tier removed its file
