@@ -78,14 +78,33 @@ int64_t fy_opt_num_params(const struct fy_opt_config *c) {
   return n;
 }
 
-double fy_opt_step_flops(const struct fy_opt_config *c, int64_t B, int64_t T) {
-  // All parameters count, as llm.c and the PaLM appendix count them (the positional table is a
-  // lookup, but it is 1% of opt-125m and counting it keeps figures comparable with theirs).
-  // Attention: QK^T and AV are 2 x T^2 x D multiply-adds per layer and sequence forward, so
-  // 4 T^2 D FLOPs, and twice that backward: 12 x L x D x T^2 per sequence.
-  double tokens = (double)B * T;
-  double attn = 12.0 * c->num_hidden_layers * c->hidden_size * (double)T * T * B;
-  return 6.0 * (double)fy_opt_num_params(c) * tokens + attn;
+double fy_opt_step_flops(const struct fy_opt_config *c, int64_t B, int64_t T, enum fy_flops_count count) {
+  // Every weight used in a product does one multiply-add per token forward (2 FLOPs) and two
+  // backward (the input's gradient and its own: 4 FLOPs): 6 x parameters x tokens. Attention's
+  // QK^T and AV are 2 x T x D multiply-adds per token and layer forward, 4 x T x D FLOPs, and
+  // twice that backward: 12 x L x D x T a token.
+  //
+  // ferry's count (FY_FLOPS_PALM) is PaLM's (appendix B) and Megatron-LM's: the non-embedding
+  // parameters (the layers' matrices, and, as PaLM's N does, their biases and layer norms: 0.1% of
+  // opt-125m), plus the lm_head's product V x W once: with tied embeddings that product is the
+  // table's only matrix use, with an untied lm_head it is that matrix's; the input embedding and
+  // the positional table are lookups, not products, and do not count. OPT-350m's project_in and
+  // project_out are products and count. The causal mask is ignored (both papers count the whole
+  // T x T square), so attention is 12 x L x D x T.
+  //
+  // llm.c's count (FY_FLOPS_LLMC, its gpt2_estimate_mfu) takes every parameter (the positional
+  // table too, a tied table once, an untied lm_head and the input table both) and only the causal
+  // half of attention, 6 x L x D x T. On opt-125m it is 10.7% below ferry's count at T 2048 and
+  // 0.3% above it at T 128 (its positional table outweighs the attention it leaves out).
+  const double tokens = (double)B * (double)T, L = (double)c->num_hidden_layers, D = (double)c->hidden_size;
+  const double all = (double)fy_opt_num_params(c);
+  if (count == FY_FLOPS_LLMC) return 6.0 * all * tokens + 6.0 * L * D * (double)T * tokens;
+  const double vw = (double)c->vocab_size * (double)c->word_embed_proj_dim;
+  const double positions = (double)(c->max_position_embeddings + 2) * D;
+  // all - positions holds the token table once (the lm_head's product when tied) and, untied, the
+  // lm_head's matrix besides: then one of the two V x W is the input lookup and goes.
+  const double dense = all - positions - (c->tie_word_embeddings ? 0.0 : vw);
+  return 6.0 * dense * tokens + 12.0 * L * D * (double)T * tokens;
 }
 
 // ---- the graph of OPTForCausalLM ----

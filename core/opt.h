@@ -63,9 +63,18 @@ fy_status fy_opt_build_graph(const struct fy_opt_config *cfg, int64_t B, int64_t
 // tp must divide the heads and the feed-forward size. tp 1 is fy_opt_build_graph.
 fy_status fy_opt_build_graph_tp(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, int tp_rank,
                                 struct fy_graph **out);
-// FLOPs of forward and backward of one B x T micro-batch, counted as llm.c and PaLM count them:
-// 6 x parameters x tokens plus attention's 12 x layers x hidden x T^2 x B (QK^T and AV, the
-// causal mask ignored), so that model-FLOPs utilisation compares with published figures.
-double fy_opt_step_flops(const struct fy_opt_config *cfg, int64_t B, int64_t T);
+// Which count of a step's model FLOPs: ferry's own (PaLM's appendix B and Megatron-LM's), or
+// llm.c's (its gpt2_estimate_mfu), kept beside it so that a rate compares with llm.c's figures.
+enum fy_flops_count {
+  FY_FLOPS_PALM,  // what ferry prints as GFLOP/s and MFU
+  FY_FLOPS_LLMC,  // llm.c's: every parameter, and the causal half of attention
+};
+// Model FLOPs of forward and backward of one B x T micro-batch (no recomputation counted), the one
+// place any figure of ferry's counts them. Per token, with L layers, hidden size D and T positions:
+//   FY_FLOPS_PALM: 6 x (matrix and other non-embedding parameters) + 6 x V x W (the lm_head
+//                  product, once, tied or not) + 12 x L x D x T (QK^T and AV, the mask ignored)
+//   FY_FLOPS_LLMC: 6 x fy_opt_num_params + 6 x L x D x T
+// See core/opt.c for what each term holds and why.
+double fy_opt_step_flops(const struct fy_opt_config *cfg, int64_t B, int64_t T, enum fy_flops_count count);
 
 #endif

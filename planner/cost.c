@@ -151,12 +151,15 @@ static enum fy_dtype compute_dtype(const struct fy_plan_knobs *k, const struct f
   return dt;
 }
 
-// What follows from a step's time and busy streams: tokens/s, MFU (of the device's GEMM rate in
-// the plan's precision) and the busiest stream's name.
+// What follows from a step's time and busy streams: tokens/s, MFU (of the device's measured GEMM
+// rate in the plan's precision, and of its peak where known) and the busiest stream's name.
 static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const struct fy_probe *probe) {
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
   c->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / c->step_s;
-  c->mfu = c->flops_per_step / c->step_s / (fy_probe_gemm_gflops(probe, compute_dtype(k, probe) == FY_BF16) * 1e9 * dp * tp);
+  const bool bf16 = compute_dtype(k, probe) == FY_BF16;
+  c->mfu = c->flops_per_step / c->step_s / (fy_probe_gemm_gflops(probe, bf16) * 1e9 * dp * tp);
+  c->peak_gflops = fy_probe_peak_gflops(probe, bf16);
+  c->mfu_peak = c->peak_gflops > 0 ? c->flops_per_step / c->step_s / (c->peak_gflops * 1e9 * dp * tp) : c->mfu;
   const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
   const double busy[4] = {c->compute_s, c->h2d_s, c->d2h_s, c->optim_s};
   int worst = 0;
@@ -246,7 +249,7 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   double state = 0;
   resident_bytes(g, cfg->hidden_size, true, bf16, accumulate, &out->device_peak, &state);
   out->min_device_bytes = out->device_peak;
-  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * (double)k->grad_accum * dp;
   out->fits = out->device_peak <= probe->device_mem;
   if (!out->fits) {
     snprintf(out->why, sizeof out->why,
@@ -378,7 +381,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                                      : 0;
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
-  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq) * (double)k->grad_accum * dp;
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * (double)k->grad_accum * dp;
 
   // Device memory: activations and the batch as the offload engine allocates them, then blocks.
   // The arenas count floats (a GPU's bf16 activations two to a float: the graph's act16).

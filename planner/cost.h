@@ -61,7 +61,10 @@ fy_status fy_cost_check_precision(const char *precision, const char *device, enu
 struct fy_cost {
   bool fits;
   char why[320];           // when it does not fit: what and by how much
-  double step_s, tokens_per_s, flops_per_step, mfu;  // all ranks' tokens and FLOPs; MFU per rank
+  // All ranks' tokens and model FLOPs (fy_opt_step_flops: PaLM's and Megatron's count); MFU per
+  // rank against the device's measured GEMM rate (mfu) and against its dense peak (mfu_peak,
+  // fy_probe_peak_gflops; peak_gflops 0 when unknown, and mfu_peak then the same as mfu).
+  double step_s, tokens_per_s, flops_per_step, mfu, mfu_peak, peak_gflops;
   double compute_s, h2d_s, d2h_s, optim_s;  // busy seconds per step of each stream
   double comm_s;           // collectives per step (inside the streams' busy time), 0 on one rank
   // Seconds per step the compute stream waited, by cause (core/stall.h): what ferry train

@@ -275,8 +275,16 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
             fy_format_bytes(c->device_peak, b1, sizeof b1), fy_format_bytes(c->host_bytes, b2, sizeof b2),
             fy_format_bytes(c->disk_bytes, b3, sizeof b3), c->n_disk_chunks);
   }
-  fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU %.1f%% of the device's GEMM rate\n", c->step_s,
-          c->tokens_per_s, 100 * c->mfu);
+  const bool bf16 = strcmp(prec, "bf16") == 0, gpu = strcmp(p->machine.device, "cuda") == 0;
+  // (model FLOPs as PaLM and Megatron count them: fy_opt_step_flops)
+  fprintf(f, "  predicted: %.3f s/step, %.0f tokens/s, MFU (PaLM's FLOP count) %.1f%% of the device's measured GEMM rate",
+          c->step_s, c->tokens_per_s, 100 * c->mfu);
+  if (c->peak_gflops > 0)
+    fprintf(f, ", %.1f%% of its peak (%.0f %s, %s)\n", 100 * c->mfu_peak,
+            c->peak_gflops >= 1e4 ? c->peak_gflops / 1e3 : c->peak_gflops, c->peak_gflops >= 1e4 ? "TFLOP/s" : "GFLOP/s",
+            gpu ? (bf16 ? "dense bf16" : "fp32, no TF32") : (bf16 ? "bf16 from the fp32 FMA peak" : "fp32 FMA, all cores"));
+  else
+    fprintf(f, "; its peak is unknown (give --device-peak-tflops), so MFU of the peak is taken as the same\n");
   fprintf(f, "  busy per step: compute %.3f s, to device %.3f s, to host %.3f s, optimizer %.3f s; bottleneck: %s\n",
           c->compute_s, c->h2d_s, c->d2h_s, c->optim_s, c->bottleneck);
   if (!k->resident) {  // (ferry train --profile measures the same)

@@ -45,7 +45,9 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object *pr = json_object_new_object();
   json_object_object_add(pr, "step_s", num(c->step_s));
   json_object_object_add(pr, "tokens_per_s", num(c->tokens_per_s));
-  json_object_object_add(pr, "mfu", num(c->mfu));
+  json_object_object_add(pr, "mfu", num(c->mfu));            // of the device's measured GEMM rate
+  json_object_object_add(pr, "mfu_peak", num(c->mfu_peak));  // of its dense peak (mfu when unknown)
+  json_object_object_add(pr, "peak_gflops", num(c->peak_gflops));  // 0: unknown
   json_object_object_add(pr, "bottleneck", json_object_new_string(c->bottleneck));
   json_object_object_add(pr, "device_peak_bytes", num(c->device_peak));
   json_object_object_add(pr, "host_bytes", num(c->host_bytes));

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <json-c/json.h>
+#include <omp.h>
 #include <limits.h>
 #include <math.h>
 #include <pwd.h>
@@ -22,6 +23,12 @@
 #include "core/parse.h"
 #include "memory/tier.h"
 #include "ops/ops.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <immintrin.h>
+#define FY_X86 1
+#endif
 
 #define GEMM_M 512
 #define GEMM_N 3072
@@ -48,6 +55,155 @@ double fy_probe_median(double *v, int n) {
 static void *alloc_aligned(size_t n) {
   void *p = NULL;
   return posix_memalign(&p, 64, n) == 0 ? p : NULL;
+}
+
+// ---- peaks ----
+
+// The fp32 multiply-add peak: FMA_CHAINS independent chains of fused multiply-adds per thread,
+// a = a * b + c, enough to cover the FMA units' latency times their throughput on current x86
+// cores (4 cycles x 2 units: 8; 12 leaves room). Written with intrinsics because the project
+// compiles with -ffp-contract=off: `a * b + c` in C is then a multiply and an add, two
+// instructions, and measures half the peak. The widest kind the processor runs is chosen at run
+// time (AVX-512, else AVX2 with FMA); the values converge to c / (1 - b) = 0.1, no overflow or
+// subnormals. Each returns the fused multiply-adds done (lanes x chains x iterations).
+#define FMA_CHAINS 12
+#ifdef FY_X86
+__attribute__((target("avx512f"))) static double fma_run_avx512(long n, float *sink) {
+  const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+  __m512 a[FMA_CHAINS];
+  for (int k = 0; k < FMA_CHAINS; k++) a[k] = _mm512_set1_ps(1.0f + (float)k * 1e-3f);
+  for (long i = 0; i < n; i++) {
+#pragma GCC unroll 12
+    for (int k = 0; k < FMA_CHAINS; k++) a[k] = _mm512_fmadd_ps(a[k], b, c);
+  }
+  __m512 sum = a[0];
+  for (int k = 1; k < FMA_CHAINS; k++) sum = _mm512_add_ps(sum, a[k]);
+  *sink = _mm512_reduce_add_ps(sum);
+  return 16.0 * FMA_CHAINS * (double)n;
+}
+
+__attribute__((target("avx2,fma"))) static double fma_run_avx2(long n, float *sink) {
+  const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  __m256 a[FMA_CHAINS];
+  for (int k = 0; k < FMA_CHAINS; k++) a[k] = _mm256_set1_ps(1.0f + (float)k * 1e-3f);
+  for (long i = 0; i < n; i++) {
+#pragma GCC unroll 12
+    for (int k = 0; k < FMA_CHAINS; k++) a[k] = _mm256_fmadd_ps(a[k], b, c);
+  }
+  __m256 sum = a[0];
+  for (int k = 1; k < FMA_CHAINS; k++) sum = _mm256_add_ps(sum, a[k]);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sum);
+  *sink = lanes[0] + lanes[7];
+  return 8.0 * FMA_CHAINS * (double)n;
+}
+#endif
+
+// Without vector FMA: scalar chains through fmaf (one instruction where the processor has it,
+// else a library call: then a floor, not a peak).
+static double fma_run_scalar(long n, float *sink) {
+  float a[FMA_CHAINS];
+  for (int k = 0; k < FMA_CHAINS; k++) a[k] = 1.0f + (float)k * 1e-3f;
+  for (long i = 0; i < n; i++)
+    for (int k = 0; k < FMA_CHAINS; k++) a[k] = fmaf(a[k], 0.999999f, 1e-7f);
+  float sum = 0;
+  for (int k = 0; k < FMA_CHAINS; k++) sum += a[k];
+  *sink = sum;
+  return FMA_CHAINS * (double)n;
+}
+
+const char *fy_probe_fma_isa(void) {
+#ifdef FY_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+#endif
+  return "scalar";
+}
+
+double fy_probe_fma_peak_gflops(int threads, long iterations, const char *isa) {
+  const char *have = fy_probe_fma_isa();
+  if (!isa) {
+    // The best of the vector kinds the processor has: the widest is not always the fastest (a
+    // core may split a 512-bit FMA in two, and a loaded one gives either run less).
+    double best = fy_probe_fma_peak_gflops(threads, iterations, have);
+    if (!strcmp(have, "avx512")) best = fmax(best, fy_probe_fma_peak_gflops(threads, iterations, "avx2"));
+    return best;
+  }
+  double (*run)(long, float *) = fma_run_scalar;
+#ifdef FY_X86
+  // (a narrower kind than the processor's widest runs too: AVX-512 implies AVX2 and FMA)
+  if (!strcmp(isa, "avx512") && !strcmp(have, "avx512")) run = fma_run_avx512;
+  else if (!strcmp(isa, "avx2") && strcmp(have, "scalar") != 0) run = fma_run_avx2;
+  else if (strcmp(isa, "scalar") != 0) return 0;
+#else
+  if (strcmp(isa, "scalar") != 0) return 0;
+#endif
+  if (threads < 1) threads = omp_get_max_threads();
+  double best = 0;
+  for (int r = 0; r < 3; r++) {  // the best of three: a busy core only ever lowers it
+    double sum = 0;
+    float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sum, sink)
+    {
+      float s = 0;
+      run(iterations / 16 + 1, &s);  // (wakes the core to its sustained clock)
+      const double t0 = fy_now();
+      const double fmas = run(iterations, &s);
+      const double t = fy_now() - t0;
+      sum += t > 0 ? 2.0 * fmas / t / 1e9 : 0;
+      sink += s;
+    }
+    if (sink > 0 && sum > best) best = sum;  // (uses the chains' results)
+  }
+  return best;
+}
+
+// With vdpbf16ps (AVX512-BF16) a lane does two bf16 multiply-adds where an fp32 FMA does one: 2x
+// the fp32 peak. AMX's tiles run many times that, at no peak ferry knows (0); a processor without
+// either converts bf16 to fp32 and multiplies at the fp32 peak (1).
+static double cpu_bf16_peak_factor(void) {
+#ifdef FY_X86
+  unsigned a, b, c, d;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1)) return 0;  // AMX-BF16
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1) && __builtin_cpu_supports("avx512f")) return 2;
+#endif
+  return 1;
+}
+
+// Dense (not 2:4 sparse) bf16 tensor-core peaks with fp32 accumulation, from the vendor's data
+// sheets, by a name as cudaGetDeviceProperties gives it; the first entry the name contains wins,
+// so the more specific come first. A GPU not here has no known peak.
+static const struct {
+  const char *name;
+  double tflops;
+} gpu_peaks[] = {
+    {"H200", 989.4},  {"H100 PCIe", 756.5}, {"H100 NVL", 835.0}, {"H100", 989.4}, {"A100", 312.0},
+    {"L40S", 362.0},  {"A30", 165.0},       {"L4", 121.0},       {"A10", 125.0},
+};
+
+double fy_probe_gpu_peak_gflops(const char *name) {
+  if (!name) return 0;
+  for (size_t i = 0; i < sizeof gpu_peaks / sizeof *gpu_peaks; i++) {
+    const char *at = strstr(name, gpu_peaks[i].name);
+    if (!at) continue;
+    // The whole word: "L4" is not "L40", "A10" not "A100".
+    const char next = at[strlen(gpu_peaks[i].name)];
+    if ((next >= '0' && next <= '9') || (next >= 'A' && next <= 'Z')) continue;
+    return gpu_peaks[i].tflops * 1000.0;
+  }
+  return 0;
+}
+
+double fy_probe_peak_gflops(const struct fy_probe *p, bool bf16) {
+  if (!(p->peak_gflops > 0)) return 0;
+  const bool gpu = strcmp(p->device, "cuda") == 0;
+  double peak = p->peak_gflops;
+  if (gpu && !bf16) peak /= FY_PROBE_GPU_BF16_SPEEDUP;  // ferry's fp32 products are true fp32: no TF32
+  if (!gpu && bf16) peak *= cpu_bf16_peak_factor();
+  // A peak below a measured rate is not the peak of this precision's products (e.g. an override
+  // for the other precision): unknown.
+  return peak >= fy_probe_gemm_gflops(p, bf16) ? peak : 0;
 }
 
 // ---- measurements ----
@@ -471,8 +627,9 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (sim) FY_TRY(measure_kernel_overhead(p.device_gflops, p.host_mem_gbps, &p.kernel_overhead_us));
+  p.peak_gflops = fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL);
   double *rates[] = {&p.device_gflops, &p.host_gflops, &p.h2d_gbps, &p.d2h_gbps, &p.host_adamw_gbps,
-                     &p.host_mem_gbps, &p.bf16_speedup};
+                     &p.host_mem_gbps, &p.bf16_speedup, &p.peak_gflops};
   for (size_t i = 0; i < sizeof rates / sizeof *rates; i++) *rates[i] = round4(*rates[i]);
   bool measured;
   if (disk_dir && disk_dir[0]) FY_TRY(fy_probe_add_disk(&p, disk_dir, &measured));
@@ -535,6 +692,10 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
     return st;
   } else {
     FY_TRY(upgrade_format(c->path, p, &changed));
+    // A file from before peak_gflops: measured now (a few tens of ms) and not written back, so that
+    // the file still reads in the ferry that wrote it.
+    if (!cuda && strcmp(p->device, "cuda") != 0 && !(p->peak_gflops > 0))
+      p->peak_gflops = round4(fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL));
     bool timed = false;
     FY_TRY(fy_probe_add_disk(p, c->disk_dir, &timed));  // a --disk-dir the cached probe has not timed
     changed = changed || timed;
@@ -580,6 +741,7 @@ static const struct field fields[] = {
     NUM_OPTIONAL(kernel_overhead_us, "us"),
     NUM_OPTIONAL(bf16_speedup, "x"),
     NUM_OPTIONAL(device_mem_gbps, "GB/s"),
+    NUM_OPTIONAL(peak_gflops, "GFLOP/s"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -830,11 +992,12 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
   // Shorthands first.
   double v = 0;
   bool tflops_dev = !strcmp(key, "device_tflops"), tflops_host = !strcmp(key, "host_tflops");
-  if (tflops_dev || tflops_host) {
+  bool tflops_peak = !strcmp(key, "device_peak_tflops");
+  if (tflops_dev || tflops_host || tflops_peak) {
     if (!parse_rate(value, false, &v))
       return fy_error_set(FY_ERR_INVALID, "probe override %s: '%s' is not a rate > 0 in TFLOP/s "
                           "(e.g. 312)", key_in, value);
-    *(tflops_dev ? &p->device_gflops : &p->host_gflops) = v * 1000.0;
+    *(tflops_dev ? &p->device_gflops : tflops_host ? &p->host_gflops : &p->peak_gflops) = v * 1000.0;
     return FY_OK;
   }
   if (!strcmp(key, "disk_space")) {  // (not a field of the file)
@@ -856,7 +1019,7 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
     if (!strcmp(key, fields[i].key)) f = &fields[i];
   if (!f)
     return fy_error_set(FY_ERR_INVALID, "probe override: unknown key '%s' (known: %s)", key_in,
-                        known_keys("device_tflops, host_tflops, link_gbps, disk_space"));
+                        known_keys("device_tflops, host_tflops, device_peak_tflops, link_gbps, disk_space"));
   switch (f->kind) {
     case K_STRING:
       if (strlen(value) >= f->cap)
@@ -868,7 +1031,7 @@ fy_status fy_probe_override(struct fy_probe *p, const char *key_in, const char *
       // A CPU's bf16 speedup and memory say nothing of a GPU's, nor a GPU's of a CPU's: from one
       // kind to the other they become unknown (their defaults), unless given.
       if (f->off == offsetof(struct fy_probe, device) && (strcmp(p->device, "cuda") == 0) != (strcmp(value, "cuda") == 0))
-        p->bf16_speedup = p->device_mem_gbps = 0;
+        p->bf16_speedup = p->device_mem_gbps = p->peak_gflops = 0;
       memcpy(str_at(p, f), value, strlen(value) + 1);
       return FY_OK;
     case K_BYTES:
@@ -931,6 +1094,12 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   else
     fprintf(f, "%-16s unknown: taken as %gx (%s GEMM %.1f GFLOP/s)\n", "bf16_speedup",
             gpu ? FY_PROBE_GPU_BF16_SPEEDUP : 1.0, gpu ? "fp32" : "bf16", fy_probe_gemm_gflops(p, !gpu));
+  if (p->peak_gflops > 0)
+    fprintf(f, "%-16s %.1f GFLOP/s (%s)\n", "peak_gflops", p->peak_gflops,
+            gpu ? "dense bf16 tensor-core peak" : "fp32 FMA peak, all cores");
+  else
+    fprintf(f, "%-16s unknown (%s)\n", "peak_gflops",
+            gpu ? "a GPU not in ferry's table: give --device-peak-tflops" : "give --device-peak-tflops");
   fprintf(f, "%-16s %.1f GFLOP/s\n", "host_gflops", p->host_gflops);
   fprintf(f, "%-16s %.2f GB/s (host -> device)\n", "h2d_gbps", p->h2d_gbps);
   fprintf(f, "%-16s %.2f GB/s (device -> host)\n", "d2h_gbps", p->d2h_gbps);

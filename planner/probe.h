@@ -29,6 +29,10 @@
 //                       fy_probe_gemm_gflops)
 //   "device_mem_gbps"   number, GB/s (>= 0): a GPU's memory bandwidth (measured on one); 0 or
 //                       absent: unknown (see fy_probe_device_mem_gbps)
+//   "peak_gflops"       number, GFLOP/s (>= 0): the device's dense peak in its default precision
+//                       (MFU's denominator beside the GEMM rate): on cpu and sim the fp32 FMA
+//                       peak of all cores, measured; on a GPU its bf16 tensor-core peak from a
+//                       table by name; 0 or absent: unknown (see fy_probe_peak_gflops)
 // Numbers are written so that they read back bit for bit.
 #ifndef FY_PLANNER_PROBE_H
 #define FY_PLANNER_PROBE_H
@@ -76,6 +80,9 @@ struct fy_probe {
   double device_mem_gbps;     // a GPU's memory bandwidth (GB/s; a copy within it moves its bytes
                               // twice, read and written): what its memory-bound kernels run at;
                               // 0 when unknown, and on cpu and sim (the host's memory)
+  double peak_gflops;         // the device's dense peak (GFLOP/s) in its default precision: a
+                              // CPU's fp32 FMA peak (fy_probe_fma_peak_gflops), a GPU's bf16
+                              // tensor-core peak (fy_probe_gpu_peak_gflops); 0 when unknown
   double disk_space;          // bytes the disk tier may fill for each rank: disk_dir's free space
                               // when the probe was loaded (fy_probe_cached), or given ("disk_space"
                               // override); 0: no bound known. Not in the file: it changes as the
@@ -94,6 +101,25 @@ double fy_probe_device_mem_gbps(const struct fy_probe *p);
 // 67 TFLOP/s, A100 312 against 19.5).
 #define FY_PROBE_GPU_BF16_SPEEDUP 15.0
 double fy_probe_gemm_gflops(const struct fy_probe *p, bool bf16);
+
+// The device's dense peak (GFLOP/s) for products in bf16 (fp32 accumulation) or fp32, what MFU is
+// measured against beside the GEMM rate: peak_gflops in the device's default precision; a GPU's
+// fp32 peak that over FY_PROBE_GPU_BF16_SPEEDUP (ferry's fp32 products are true fp32, no TF32); a
+// CPU's bf16 peak twice its fp32 one with AVX512-BF16, the same without bf16 hardware, unknown with
+// AMX. 0 when unknown, or when below the GEMM rate fy_probe_gemm_gflops gives (no peak, then).
+double fy_probe_peak_gflops(const struct fy_probe *p, bool bf16);
+// This processor's fp32 multiply-add peak (GFLOP/s) on `threads` OpenMP threads (< 1: all):
+// independent chains of real FMA instructions, `iterations` rounds of 12 chains a thread, the best
+// of three. isa: "avx512", "avx2" or "scalar" (fmaf), NULL for the best of the vector kinds the
+// processor runs (the widest, fy_probe_fma_isa, and AVX2 under AVX-512); 0 for a kind it does not
+// run. FY_PROBE_FMA_ITERATIONS takes ~10 ms a run on
+// a current core.
+#define FY_PROBE_FMA_ITERATIONS 2000000L
+double fy_probe_fma_peak_gflops(int threads, long iterations, const char *isa);
+const char *fy_probe_fma_isa(void);
+// A GPU's dense bf16 tensor-core peak (GFLOP/s) by its name (cudaGetDeviceProperties' "NVIDIA
+// H100 80GB HBM3", ...): H200, H100 (SXM, PCIe, NVL), A100, L40S, A30, L4, A10; 0 for any other.
+double fy_probe_gpu_peak_gflops(const char *name);
 
 // The bus bandwidth (GB/s) the planner assumes for collectives between ranks: comm_gbps when set;
 // else on cpu and sim (ranks on one host, MPI through shared memory) half the host memory
@@ -169,6 +195,7 @@ void fy_probe_default_path(char *buf, size_t n);
 // work: "device-mem"). Sizes (device_mem, host_mem) take a number with an optional binary unit:
 // B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (as the CLI's --device-mem: all binary); rates a plain
 // number in the key's unit. Shorthands: device_tflops / host_tflops (TFLOP/s, set the gflops key),
+// device_peak_tflops (TFLOP/s, sets peak_gflops),
 // link_gbps (sets h2d_gbps and d2h_gbps). disk_space, not a key of the file, takes a size or 0.
 // FY_ERR_INVALID naming the bad key or value; *p is untouched then.
 fy_status fy_probe_override(struct fy_probe *p, const char *key, const char *value);

@@ -182,5 +182,7 @@ fy_status fy_probe_measure_gpu(int ordinal, struct fy_probe *p) {
   p->d2h_gbps = d2h;
   p->copy_latency_us = latency;
   p->kernel_overhead_us = 0;  // (a GPU's op costs are its FLOPs and bytes: planner/profile.c)
+  struct cudaDeviceProp prop;
+  p->peak_gflops = cudaGetDeviceProperties(&prop, ordinal) == cudaSuccess ? fy_probe_gpu_peak_gflops(prop.name) : 0;
   return FY_OK;
 }

@@ -227,6 +227,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR},
       {"disk-space", required_argument, 0, P_OVR},
       {"bf16-speedup", required_argument, 0, P_OVR}, {"device-mem-gbps", required_argument, 0, P_OVR},
+      {"device-peak-tflops", required_argument, 0, P_OVR},
       {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
   struct machine_args a = {0};
@@ -338,6 +339,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                "  --device-tflops X --device-gflops X --host-gflops X --link-gbps X\n"
                "  --h2d-gbps X --d2h-gbps X --host-adamw-gbps X --host-mem-gbps X --disk-read-gbps X\n"
                "  --disk-write-gbps X   --comm-gbps X   --bf16-speedup X   --device-mem-gbps X\n"
+               "  --device-peak-tflops X (the device's dense peak, MFU's other denominator; default:\n"
+               "                     a CPU's FMA peak measured, a known GPU's data-sheet figure)\n"
                "  --disk-space SIZE  (what the disk tier may fill for each rank; default: the free space\n"
                "                     of the disk directory now, shared by the --gpus ranks; 0: no bound)\n"
                "  --set key=value (any probe field)\n"
@@ -604,8 +607,10 @@ static void usage_train(FILE *f, bool eval) {
           "written atomically). Losing standard output (a pipe's reader ending) stops it as the first\n"
           "signal does.\n"
           "\nEach step prints: step, loss, learning rate, gradient norm, tokens/s, model GFLOP/s\n"
-          "(6 x parameters x tokens plus attention, per second), peak memory (the device's when\n"
-          "offloaded or on a GPU, else the process's resident set), step time.\n",
+          "(as PaLM and Megatron count them: 6 x non-embedding parameters x tokens, the lm_head's\n"
+          "product once, attention's 12 x layers x width x sequence a token; --log's JSON adds\n"
+          "gflops_llmc, llm.c's count: 6 x all parameters, attention's causal half), peak memory (the\n"
+          "device's when offloaded or on a GPU, else the process's resident set), step time.\n",
           (long long)d.steps, d.lr, d.adamw.weight_decay, d.adamw.beta1, d.adamw.beta2, d.adamw.eps,
           d.adamw.clip, (long long)d.val_batches);
 }

@@ -1732,7 +1732,10 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
 
   struct fy_model *model = r.model;
   const int64_t tokens_per_step = o->batch * o->seq * o->grad_accum * r.dp;
-  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq) * (double)o->grad_accum * r.dp;
+  // Model FLOPs as PaLM and Megatron count them, and llm.c's count beside them (core/opt.c).
+  const double flops_per_step = fy_opt_step_flops(&r.cfg, o->batch, o->seq, FY_FLOPS_PALM) * (double)o->grad_accum * r.dp;
+  const double llmc_over = fy_opt_step_flops(&r.cfg, o->batch, o->seq, FY_FLOPS_LLMC) * (double)o->grad_accum * r.dp /
+                           flops_per_step;
   res->model_state_bytes = (double)model->state_bytes;
   res->activation_bytes = (double)model->act_bytes;
   if (r.x) {
@@ -1752,6 +1755,8 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
            r.cfg.name, fy_opt_num_params(&r.cfg) / 1e6, o->precision, omp_get_max_threads(), r.world, (long long)o->batch,
            (long long)o->seq, (long long)o->grad_accum, (long long)tokens_per_step,
            (long long)fy_data_num_tokens(r.data), o->data);
+    printf("ferry: %.4g GFLOP a step, model FLOPs as PaLM and Megatron count them (llm.c's count: %.4g)\n",
+           flops_per_step / 1e9, flops_per_step * llmc_over / 1e9);
     char disk_b[32];
     if (r.x)
       printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
@@ -1856,9 +1861,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       json_number(norm_json, norm, "%.6g");
       json_number(val_json, res->val_loss, "%.6f");
       fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%s,\"step_s\":%.6f,"
-              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.4f,"
+              "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"gflops_llmc\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.4f,"
               "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
-              (long long)step + 1, loss_json, lr, norm_json, dt, tok_s, gflops, rss / 1048576.0,
+              (long long)step + 1, loss_json, lr, norm_json, dt, tok_s, gflops, gflops * llmc_over, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
               r.host ? fy_host_peak(r.host) / 1048576.0 : 0.0,
               r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
@@ -1980,6 +1985,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     res->gflops = flops_per_step / step_times[first_step] / 1e9;
     res->step_s = step_times[first_step];
   }
+  res->gflops_llmc = res->gflops * llmc_over;
   res->final_loss_scale = scale;
   res->peak_rss_bytes = peak_rss_bytes();
   res->device_peak_bytes = (double)r.dev->bytes_peak;
@@ -2010,8 +2016,9 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
     if (r.gpu >= 0)  // (the CUDA context, cuBLASLt, NCCL's buffers: outside --device-mem)
       snprintf(other, sizeof other, "; GPU %d: %.0f MiB in use besides ferry's %.0f MiB", r.gpu,
                gpu_other_bytes(&r) / 1048576.0, r.dev->bytes_in_use / 1048576.0);
-    printf("ferry: %lld steps, loss %.4f -> %.4f, median %.0f tok/s, %.1f GFLOP/s, peak RSS %.2f GiB%s\n",
-           (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops,
+    printf("ferry: %lld steps, loss %.4f -> %.4f, median %.0f tok/s, %.1f GFLOP/s (llm.c's count: %.1f), "
+           "peak RSS %.2f GiB%s\n",
+           (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops, res->gflops_llmc,
            res->peak_rss_bytes / 1073741824.0, other);
   }
 done:

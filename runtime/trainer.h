@@ -121,7 +121,9 @@ float fy_lr_at(const struct fy_train_opts *o, int64_t t);
 struct fy_train_result {
   int64_t steps;
   float first_loss, last_loss;
-  double tokens_per_s, gflops;  // medians over the steps after the first
+  // Medians over the steps after the first. gflops: model FLOPs as PaLM and Megatron count them;
+  // gflops_llmc: as llm.c counts them (fy_opt_step_flops).
+  double tokens_per_s, gflops, gflops_llmc;
   double peak_rss_bytes;
   double model_state_bytes, activation_bytes;  // offloading: this rank's share of the model state
   double host_tier_bytes;     // offloading: the host tier's counter after the last step

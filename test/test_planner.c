@@ -321,7 +321,7 @@ int main(int argc, char **argv) {
         flops += pr.flops[0] + pr.flops[1];
         for (int b = 0; b < 2; b++) pred[g->ops[o].kind][b] += pr.seconds[b], total += pr.seconds[b];
       }
-      double model_flops = fy_opt_step_flops(pc, 4, 96);
+      double model_flops = fy_opt_step_flops(pc, 4, 96, FY_FLOPS_PALM);
       if (!timing) CHECKF(fabs(flops - model_flops) < 0.05 * model_flops, "op FLOPs %.4g, model %.4g", flops, model_flops);
       fy_graph_free(g);
       struct fy_plan_knobs kk = {.micro_batch = 4, .grad_accum = 1, .seq = 96};
@@ -587,8 +587,41 @@ int main(int argc, char **argv) {
   CHECK(fy_cost_host_bytes_per_param(FY_F32, 4, true) == 16);
   struct fy_opt_config c125;
   fy_opt_preset("opt-125m", &c125);
-  double want = 6.0 * 125239296 * 8 * 2048 + 12.0 * 12 * 768 * 2048.0 * 2048 * 8;
-  CHECK(fabs(fy_opt_step_flops(&c125, 8, 2048) - want) < 1e-6 * want);
+  // Model FLOPs as PaLM and Megatron count them: the parameters less the positional table (a lookup;
+  // the tied token table counts once, as the lm_head's product), attention's whole square; llm.c's
+  // count: every parameter, attention's causal half.
+  double want = 6.0 * (125239296 - 2050 * 768) * 8 * 2048 + 12.0 * 12 * 768 * 2048.0 * 2048 * 8;
+  CHECK(fabs(fy_opt_step_flops(&c125, 8, 2048, FY_FLOPS_PALM) - want) < 1e-6 * want);
+  double want_llmc = 6.0 * 125239296 * 8 * 2048 + 6.0 * 12 * 768 * 2048.0 * 2048 * 8;
+  CHECK(fabs(fy_opt_step_flops(&c125, 8, 2048, FY_FLOPS_LLMC) - want_llmc) < 1e-6 * want_llmc);
+  {
+    // An untied lm_head is one more product of the same size as the tied one's, so ferry's count is
+    // unchanged (the input table is a lookup either way); llm.c's counts the extra table.
+    struct fy_opt_config untied = c125;
+    untied.tie_word_embeddings = false;
+    CHECK(fy_opt_step_flops(&untied, 8, 2048, FY_FLOPS_PALM) == fy_opt_step_flops(&c125, 8, 2048, FY_FLOPS_PALM));
+    double extra = 6.0 * 50272 * 768 * 8 * 2048;
+    CHECK(fabs(fy_opt_step_flops(&untied, 8, 2048, FY_FLOPS_LLMC) - want_llmc - extra) < 1e-6 * want_llmc);
+    // Against the profiler's products op by op (linears 2 x rows x in x out, attention 4 B T^2 C
+    // forward, backward twice each): the count differs by the biases and layer norms alone, with
+    // the lm_head tied, untied and with OPT-350m's projections.
+    struct fy_opt_config c350;
+    fy_opt_preset("opt-350m", &c350);
+    const struct fy_opt_config *cs[] = {&c125, &untied, &c350};
+    for (int i = 0; i < 3; i++) {
+      struct fy_graph *g;
+      CHECK_OK(fy_opt_build_graph(cs[i], 2, 64, &g));
+      double ops = 0;
+      for (int o = 0; o < g->n_ops; o++) {
+        struct fy_op_profile pr;
+        fy_profile_op(g, o, &probe, 2, FY_F32, &pr);
+        ops += pr.flops[0] + pr.flops[1];
+      }
+      const double model = fy_opt_step_flops(cs[i], 2, 64, FY_FLOPS_PALM);
+      CHECKF(ops <= model && model - ops < 0.003 * model, "config %d: op FLOPs %.6g, model %.6g", i, ops, model);
+      fy_graph_free(g);
+    }
+  }
   // OPT-30B offloaded from one 40 GiB GPU: 14 bytes a parameter on the host (fp32 master, m and v,
   // the bf16 copy that the gradients come home over), 391 GiB.
   struct fy_probe gpu = gpu_probe();

@@ -100,6 +100,16 @@ static void test_measure(struct fy_probe *p) {
     CHECKF(p->bf16_speedup == 1.0, "bf16 speedup %g without bf16 products", p->bf16_speedup);
   CHECK(fy_probe_gemm_gflops(p, false) == p->device_gflops);
   CHECK(fy_probe_gemm_gflops(p, true) == p->device_gflops * p->bf16_speedup);
+  // The FMA peak: measured (its size is the machine's; a loaded machine lowers it, so no bound
+  // against the GEMM rate here), with the instructions this processor has.
+  CHECKF(p->peak_gflops > 0 && p->peak_gflops < 1e6, "peak %g", p->peak_gflops);
+  const char *isa = fy_probe_fma_isa();
+  CHECK(!strcmp(isa, "avx512") || !strcmp(isa, "avx2") || !strcmp(isa, "scalar"));
+  // Each kind runs where the processor has it (the narrower ones too), and none where it does not.
+  CHECK(fy_probe_fma_peak_gflops(1, 100000, "scalar") > 0);
+  CHECK((fy_probe_fma_peak_gflops(1, 100000, "avx2") > 0) == (strcmp(isa, "scalar") != 0));
+  CHECK((fy_probe_fma_peak_gflops(1, 100000, "avx512") > 0) == (strcmp(isa, "avx512") == 0));
+  CHECK(fy_probe_fma_peak_gflops(1, 1000, "sve") == 0);
   char real[PATH_MAX];
   CHECK(realpath(disk, real) && !strcmp(p->disk_dir, real));
   CHECK(rmdir(disk) == 0);  // the disk tier removed its file
@@ -237,6 +247,31 @@ static void test_overrides(const struct fy_probe *base) {
   CHECK(fy_probe_device_mem_gbps(&p) == 4000.0);
   CHECK_OK(fy_probe_override(&p, "device", "sim"));
   CHECK(p.bf16_speedup == 0 && p.device_mem_gbps == 0 && fy_probe_device_mem_gbps(&p) == p.host_mem_gbps);
+  CHECK_OK(fy_probe_override(&p, "device", "cuda"));
+  // The device's peak: a CPU's fp32 FMA peak; a GPU's dense bf16 peak by its name, or given; a
+  // peak below the measured GEMM rate is none; from one kind of device to the other it is unknown.
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA H200") == 989400.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA H100 80GB HBM3") == 989400.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA H100 PCIe") == 756500.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA A100-SXM4-80GB") == 312000.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA A10") == 125000.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA L4") == 121000.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA L40S") == 362000.0);
+  CHECK(fy_probe_gpu_peak_gflops("NVIDIA L40") == 0 && fy_probe_gpu_peak_gflops("NVIDIA A10G") == 0);
+  CHECK(fy_probe_gpu_peak_gflops("Tesla V100-SXM2-16GB") == 0 && fy_probe_gpu_peak_gflops(NULL) == 0);
+  CHECK(p.peak_gflops == 0 && fy_probe_peak_gflops(&p, true) == 0);  // (changed kind above)
+  CHECK_OK(fy_probe_override(&p, "device-peak-tflops", "989.4"));
+  CHECK(p.peak_gflops == 989400.0 && fy_probe_peak_gflops(&p, true) == 989400.0);
+  CHECK(fy_probe_peak_gflops(&p, false) == 989400.0 / FY_PROBE_GPU_BF16_SPEEDUP);
+  CHECK_OK(fy_probe_override(&p, "device_tflops", "1200"));  // faster than the "peak": no peak
+  CHECK(fy_probe_peak_gflops(&p, true) == 0);
+  CHECK_OK(fy_probe_override(&p, "device_tflops", "989"));
+  CHECK_ERR(fy_probe_override(&p, "device_peak_tflops", "0"), FY_ERR_INVALID);
+  CHECK_OK(fy_probe_override(&p, "device", "sim"));
+  CHECK(p.peak_gflops == 0);
+  CHECK_OK(fy_probe_override(&p, "device_gflops", "100"));
+  CHECK_OK(fy_probe_override(&p, "peak_gflops", "150"));
+  CHECK(fy_probe_peak_gflops(&p, false) == 150);
   CHECK_OK(fy_probe_override(&p, "device", "cuda"));
   CHECK_OK(fy_probe_override(&p, "disk_dir", "/scratch/ferry"));
   CHECK(!strcmp(p.disk_dir, "/scratch/ferry"));

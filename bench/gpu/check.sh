@@ -18,6 +18,7 @@
 #
 # usage: bench/gpu/check.sh [--dry-run] [--build-only] [--no-bench] [--no-big] [--debs DIR] [--prefix DIR]
 #                           [--build DIR] [--budget SECONDS] [--jobs N] [--logs DIR] [--steps LIST]
+#                           [--pair-runs N]
 #   --dry-run     resolve the arguments, nvcc, meson and the .deb files, print the plan, run nothing
 #   --build-only  unpack and build, no tests and no benchmarks (for a machine without a GPU)
 #   --no-big      without the OPT-6.7B runs (offloaded against resident in fp32, ~4 minutes on an H200,
@@ -26,13 +27,14 @@
 #   --steps LIST  only the steps named (comma-separated; shell patterns: 'bench offload*'), besides
 #                 configure and build (quick when the build is there): a second call on a machine
 #                 still warm runs what the first had no time for
+#   --pair-runs N ferry's and PyTorch's 1.3B runs alternate, N of each (default 3)
 # Exit status: 0 when every step that ran passed (skips allowed), 1 otherwise, 2 for bad usage.
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root" || exit 2
 
-dry=0 build_only=0 bench=1 big=1 budget=480 steps=""
+dry=0 build_only=0 bench=1 big=1 budget=480 steps="" pair_runs=3
 debs="bench/gpu/debs" prefix="${TMPDIR:-/tmp}/ferry-prefix" build="build-gpu" logs=""
 jobs="$(nproc 2>/dev/null || echo 4)"
 while [ $# -gt 0 ]; do
@@ -41,7 +43,7 @@ while [ $# -gt 0 ]; do
     --build-only) build_only=1 ;;
     --no-bench) bench=0 ;;
     --no-big) big=0 ;;
-    --debs|--prefix|--build|--budget|--jobs|--logs|--steps)
+    --debs|--prefix|--build|--budget|--jobs|--logs|--steps|--pair-runs)
       [ $# -ge 2 ] || { echo "check.sh: $1 needs a value" >&2; exit 2; }
       case "$1" in
         --debs) debs="$2" ;;
@@ -51,6 +53,7 @@ while [ $# -gt 0 ]; do
         --jobs) jobs="$2" ;;
         --logs) logs="$2" ;;
         --steps) steps="$2" ;;
+        --pair-runs) pair_runs="$2" ;;
       esac
       shift ;;
     -h|--help) sed -n '2,/^# Exit status/p' "$0"; exit 0 ;;
@@ -58,6 +61,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+case "$pair_runs" in ''|*[!0-9]*|0) echo "check.sh: --pair-runs is a positive integer" >&2; exit 2 ;; esac
 case "$budget" in ''|*[!0-9]*) echo "check.sh: --budget takes whole seconds" >&2; exit 2 ;; esac
 case "$jobs" in ''|*[!0-9]*) echo "check.sh: --jobs takes a number" >&2; exit 2 ;; esac
 case "$prefix" in /*) ;; *) prefix="$root/$prefix" ;; esac
@@ -111,7 +115,7 @@ run_step() {
     # timeout runs programs, not shell functions: the function goes to a fresh bash with the
     # variables it reads.
     timeout --kill-after=5 "$limit" bash -c \
-      "$(declare -p meson_cmd build logs root); $(declare -f); \"\$@\"" _ "$@" >"$log" 2>&1
+      "$(declare -p meson_cmd build logs root pair_runs); $(declare -f); \"\$@\"" _ "$@" >"$log" 2>&1
   else
     timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
   fi
@@ -489,15 +493,53 @@ PY
 ferry_13b() {  # [LABEL [VAR=VALUE ...]]: the run's environment (which kernels: FERRY_CUDA_*)
   local label="${1:-default}"
   [ $# -gt 0 ] && shift
+  # (the demo shard's windows in order: the tokens bench/peers/torch_opt.py --data takes too)
   env "$@" "$build/ferry" train --device cuda --precision bf16 --model opt-1.3b --batch 8 --seq 2048 --steps 5 \
-    --quiet --log "$logs/ferry13b-$label.jsonl" || return 1
+    --data "$root/data/demo/corpus_000000.bin" --no-shuffle --quiet --log "$logs/ferry13b-$label.jsonl" || return 1
   python3 - "$logs/ferry13b-$label.jsonl" "$*" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
 tps = statistics.median(r["tokens_per_s"] for r in rows)
 gf = statistics.median(r["gflops"] for r in rows)
+gfl = statistics.median(r["gflops_llmc"] for r in rows)
+# MFU against the H200's dense bf16 peak (989 TFLOP/s), model FLOPs as PaLM and Megatron count
+# them, and as llm.c counts them (core/opt.c).
 print(json.dumps({"bench": "ferry_cuda_bf16", "model": "opt-1.3b", "env": sys.argv[2], "tokens_per_s": round(tps, 1),
-                  "gflops": round(gf, 1), "mfu_h200_bf16": round(gf / 989e3, 3)}))
+                  "gflops": round(gf, 1), "mfu_h200_bf16": round(gf / 989e3, 3), "flops_count": "palm",
+                  "gflops_llmc": round(gfl, 1), "mfu_h200_bf16_llmc": round(gfl / 989e3, 3)}))
+PY
+}
+# ferry against PyTorch on the same 1.3B step, alternating ferry, torch, ferry, torch, ... $pair_runs
+# of each, on the same tokens (the demo shard's windows in order on both sides), fused AdamW on both,
+# weight decay on the same parameters (bench/peers/torch_opt.py); the ratio of the medians. (The
+# first ferry run's log is the plan step's measured rate.)
+pair_13b() {
+  local i label
+  for i in $(seq "$pair_runs"); do
+    label=default
+    [ "$i" -gt 1 ] && label="pair-$i"
+    ferry_13b "$label" >"$logs/pair13b-ferry-$i.json" || return 1
+    cat "$logs/pair13b-ferry-$i.json"
+    python3 "$root/bench/peers/torch_opt.py" --device cuda --model opt-1.3b --dtype bf16 --batch 8 --seq 2048 \
+      --steps 5 --warmup 2 --data "$root/data/demo/corpus_000000.bin" --compile no >"$logs/pair13b-torch-$i.json" ||
+      return 1
+    cat "$logs/pair13b-torch-$i.json"
+  done
+  python3 - "$logs" "$pair_runs" <<'PY'
+import json, statistics, sys
+logs, n = sys.argv[1], int(sys.argv[2])
+ferry = [json.loads(open(f"{logs}/pair13b-ferry-{i}.json").read().strip().splitlines()[-1]) for i in range(1, n + 1)]
+torch = [json.loads(open(f"{logs}/pair13b-torch-{i}.json").read().strip().splitlines()[-1]) for i in range(1, n + 1)]
+med = lambda rs, k: statistics.median(r[k] for r in rs)
+f, t = med(ferry, "tokens_per_s"), med(torch, "tokens_per_s")
+print(json.dumps({"bench": "ferry_vs_torch_cuda_bf16", "model": "opt-1.3b", "batch": 8, "seq": 2048, "runs": n,
+                  "ferry_tokens_per_s": round(f, 1), "torch_tokens_per_s": round(t, 1), "ratio": round(f / t, 3),
+                  "ratio_pairs": [round(a["tokens_per_s"] / b["tokens_per_s"], 3) for a, b in zip(ferry, torch)],
+                  "tokens_per_s": round(f, 1), "gflops": round(med(ferry, "gflops"), 1),
+                  "mfu_h200_bf16": round(med(ferry, "mfu_h200_bf16"), 3),
+                  "mfu_h200_bf16_llmc": round(med(ferry, "mfu_h200_bf16_llmc"), 3), "flops_count": "palm",
+                  "torch_mfu_h200_bf16": round(med(torch, "gflops") / 989e3, 3), "torch_adamw": torch[0]["adamw"],
+                  "torch": torch[0]["torch"], "transformers": torch[0]["transformers"]}))
 PY
 }
 # The 1.3B step with each set of attention kernels (FERRY_CUDA_ATTENTION; auto is narrow), auto
@@ -565,14 +607,18 @@ PY
 have_torch() { python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; }
 if [ "$bench" = 1 ]; then
   # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
-  # fused AdamW) in the same run. MFU = model FLOPs / step time / the H200's bf16 dense peak (989).
-  bench_step "bench ferry 1.3b bf16" 120 ferry_13b
-  bench_step "plan 1.3b from the GPU probe" 30 plan_13b
+  # fused AdamW), alternating, in the same run; then PyTorch's step under torch.compile. MFU = model
+  # FLOPs (PaLM's and Megatron's count; llm.c's beside it) / step time / the H200's bf16 dense peak
+  # (989).
   if have_torch; then
-    bench_step "bench torch 1.3b bf16" 150 python3 bench/peers/torch_opt.py --device cuda --model opt-1.3b --dtype bf16 \
-      --batch 8 --seq 2048 --steps 5 --warmup 2
+    bench_step "bench ferry vs torch 1.3b bf16" $((60 * pair_runs + 30)) pair_13b
+    bench_step "plan 1.3b from the GPU probe" 30 plan_13b
+    bench_step "bench torch 1.3b bf16 compiled" 240 python3 bench/peers/torch_opt.py --device cuda --model opt-1.3b \
+      --dtype bf16 --batch 8 --seq 2048 --steps 6 --warmup 3 --data "$root/data/demo/corpus_000000.bin" --compile only
   else
-    row "bench torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
+    bench_step "bench ferry 1.3b bf16" 120 ferry_13b
+    bench_step "plan 1.3b from the GPU probe" 30 plan_13b
+    row "bench ferry vs torch 1.3b bf16" "skipped" 0 "torch with CUDA not importable"
   fi
   # What the 1.3B step is made of, with the alternatives that are not the default yet: the attention
   # kernels alone, basic, pipelined, narrow and the default's pairing (one layer's forward and
@@ -638,7 +684,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","ratio","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","mfu_h200_bf16_llmc","ratio","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"

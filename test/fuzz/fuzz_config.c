@@ -31,7 +31,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     __builtin_trap();
   int64_t np = fy_opt_num_params(&cfg);
   if (np <= 0) __builtin_trap();
-  double fl = fy_opt_step_flops(&cfg, 4, 512);
+  double fl = fy_opt_step_flops(&cfg, 4, 512, FY_FLOPS_PALM) + fy_opt_step_flops(&cfg, 4, 512, FY_FLOPS_LLMC);
   if (!(fl > 0) || isinf(fl)) __builtin_trap();
   return 0;
 }
