@@ -556,6 +556,10 @@ static void usage_train(FILE *f, bool eval) {
           "                     numbers, so opt-in); offloaded runs with --precision bf16 or fp16 and\n"
           "                     no --grad-accum, and cpu; pending updates are applied before a\n"
           "                     checkpoint and at the end. 0 (default): the exact step\n"
+          "  --optimizer-state F  how AdamW's m and v are stored: fp32 (default, 8 bytes a\n"
+          "                     parameter), bf16 (4) or 8bit (block-wise quantised, 2.03); on the\n"
+          "                     cpu and offloaded (host, disk and device chunks), not on a resident\n"
+          "                     GPU nor with --tp. Resuming in another format converts (a warning)\n"
           "  --prefetch N       sim, cuda --offload: chunks loaded ahead of use (default 2)\n"
           "  --blocks N         sim, cuda --offload: device cache blocks (default: as many as fit)\n"
           "  --chunk-mib X      sim, cuda --offload: chunk size (default: the smallest that holds the largest\n"
@@ -650,7 +654,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_OPTIMIZER_LAG, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_OPTIMIZER_LAG, OPT_OPTIMIZER_STATE, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -681,6 +685,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
       {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
       {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG},
+      {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -799,6 +804,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
       case OPT_OPTIMIZER_LAG: ok = parse_i64("--optimizer-lag", optarg, 0, &v); o.optimizer_lag = (int)v; break;
+      case OPT_OPTIMIZER_STATE: o.optimizer_state = optarg; break;  // (checked by fy_train)
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
       case OPT_PRECISION: o.precision = optarg; break;
       case OPT_OFFLOAD: o.offload = true; break;
