@@ -204,9 +204,41 @@ static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model,
   }
 }
 
+// ferry plan --largest: for each AdamW state format, the largest OPT preset any plan fits on this
+// machine at the batch, sequence, precision and ranks given (presets tried from the largest down,
+// the first that fits wins: one search each until then).
+static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload_only, const char *precision, int lag,
+                             const struct fy_probe *probe) {
+  const char *const *names = fy_opt_preset_names();
+  int n = 0;
+  while (names[n]) n++;
+  printf("largest preset this machine trains (%lld x %lld tokens a step%s%s):\n", (long long)batch, (long long)seq,
+         precision ? ", " : "", precision ? precision : "");
+  const char *fmts[] = {"fp32", "bf16", "8bit"};
+  for (int f = 0; f < 3; f++) {
+    const char *found = NULL;
+    struct fy_plan p;
+    for (int i = n - 1; i >= 0 && !found; i--) {
+      struct fy_opt_config cfg;
+      if (strncmp(names[i], "opt-", 4) != 0 || fy_opt_preset(names[i], &cfg) != FY_OK) continue;
+      if (seq > cfg.max_position_embeddings) continue;
+      if (fy_plan_search_state(&cfg, names[i], batch, seq, ranks, offload_only, precision, lag, fmts[f], probe, &p,
+                               NULL) == FY_OK)
+        found = names[i];
+    }
+    char hb[32], db[32];
+    if (found)
+      printf("  --optimizer-state %-4s  %-9s host %s, disk %s, %.0f tokens/s predicted\n", fmts[f], found,
+             fy_format_bytes(p.predicted.host_bytes, hb, sizeof hb), fy_format_bytes(p.predicted.disk_bytes, db, sizeof db),
+             p.predicted.tokens_per_s);
+    else
+      printf("  --optimizer-state %-4s  none\n", fmts[f]);
+  }
+}
+
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION, P_LAG };
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION, P_LAG, P_STATE, P_LARGEST };
   static const struct option opts[] = {
       {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
       {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
@@ -218,6 +250,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"profile", no_argument, 0, P_PROFILE}, {"offload", no_argument, 0, P_OFFLOAD},
       {"optimizer-lag", required_argument, 0, P_LAG},
       {"precision", required_argument, 0, P_PRECISION},
+      {"optimizer-state", required_argument, 0, P_STATE}, {"largest", no_argument, 0, P_LARGEST},
       // Overrides by their own names.
       {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
       {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
@@ -230,9 +263,9 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
   struct machine_args a = {0};
-  const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL;
+  const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL, *state = NULL;
   int64_t batch = 8, seq = 1024, gpus = 1;
-  bool profile = false, offload_only = false;
+  bool profile = false, offload_only = false, largest = false;
   int64_t lag = 0;
   int c, idx = 0;
   optind = 1;
@@ -286,6 +319,23 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
         ok = parse_i64("--optimizer-lag", optarg, 0, &lag) && (lag <= 1 || (fprintf(stderr, "ferry plan: "
              "--optimizer-lag %lld: 0 or 1\n", (long long)lag), false));
         break;
+      case P_STATE:
+      case P_LARGEST:
+        if (!plan) {
+          fprintf(stderr, "ferry probe: %s is ferry plan's\n", argv[optind - 1]);
+          return 2;
+        }
+        if (c == P_LARGEST) {
+          largest = true;
+        } else {
+          enum fy_state_format sf;
+          if (!fy_state_format_from_name(optarg, &sf)) {
+            fprintf(stderr, "ferry plan: --optimizer-state %s: fp32, bf16 or 8bit\n", optarg);
+            return 2;
+          }
+          state = optarg;
+        }
+        break;
       case P_PRECISION:
         if (!plan) {
           fprintf(stderr, "ferry probe: --precision is ferry plan's (the probe measures both bf16 and fp32 products)\n");
@@ -322,7 +372,11 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "                     or fp16 (cpu, sim); ferry train --plan FILE runs it in P\n"
                  "  --optimizer-lag N  1: plans for the one-step-delayed update (ferry train --optimizer-lag\n"
                  "                     1: each step's host updates under the next step; 16-bit, offloaded,\n"
-                 "                     no accumulation); the plan file runs with it. Default 0\n");
+                 "                     no accumulation); the plan file runs with it. Default 0\n"
+                 "  --optimizer-state F  plans for AdamW state stored as fp32 (default), bf16 or 8bit\n"
+                 "                     (ferry train --optimizer-state F; offloaded plans only unless fp32)\n"
+                 "  --largest          then, for each state format, the largest preset this machine\n"
+                 "                     trains at this batch, sequence, precision and ranks\n");
         else
           printf("Measures device memory, GEMM rates (fp32, and bf16 where the processor multiplies\n"
                  "bf16: bf16_speedup), copy bandwidth each way, host AdamW and memory bandwidth and disk\n"
@@ -375,7 +429,8 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     st = stat(model, &sb) == 0 ? fy_ckpt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
   if (st == FY_OK)
-    st = fy_plan_search_lag(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe, &best, &tried);
+    st = fy_plan_search_state(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, state, &probe, &best,
+                              &tried);
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
@@ -389,6 +444,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
              strcmp(probe.device, "cuda") == 0 ? "GPU" : "processor", x);
     if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
   }
+  if (st == FY_OK && largest) largest_by_state(batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe);
   if (st == FY_OK && profile) {
     struct fy_graph *g;
     st = fy_opt_build_graph(&cfg, best.k.micro_batch, best.k.seq, &g);

@@ -1205,7 +1205,10 @@ static void adamw_fn(void *arg) {
   if (x->sf != FY_STATE_F32) {  // the chunk's whole buffer at once, a range a parameter (chunk_ranges)
     const int nr = x->n_ranges[c];
     struct fy_adamw_range *r = x->ranges[c] + nr;  // (the first nr say which parameters decay, with 1)
-    for (int i = 0; i < nr; i++) r[i].weight_decay = x->ranges[c][i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+    for (int i = 0; i < nr; i++) {
+      r[i] = x->ranges[c][i];
+      r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+    }
     fy_status st = bf16_in_copy
                        ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, (uint16_t *)j->copy, hi - lo, r, x->n_ranges[c],
                                                     a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale)
@@ -1282,7 +1285,10 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *gr
     if (!x->dev_ranges_set || x->dev_ranges_wd != a->h.weight_decay) {  // (once: the decay is the run's)
       for (int d = 0; d < x->n_dev; d++) {
         struct fy_adamw_range *r = x->ranges[d] + x->n_ranges[d];
-        for (int i = 0; i < x->n_ranges[d]; i++) r[i].weight_decay = x->ranges[d][i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+        for (int i = 0; i < x->n_ranges[d]; i++) {
+          r[i] = x->ranges[d][i];
+          r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+        }
         if (x->n_ranges[d] > 0) FY_TRY(fy_copy_async(x->compute, x->dev_ranges[d], r, (size_t)x->n_ranges[d] * sizeof *r));
       }
       FY_TRY(fy_stream_sync(x->compute));  // (the host's ranges may change again only after the copy)

@@ -1570,8 +1570,9 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
   }
   struct fy_plan plan;
   if (automatic) {  // the global batch as if every rank were data-parallel, in this run's precision
-    FY_TRY(fy_plan_search_lag(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
-                              cuda && o->offload, o->precision, o->optimizer_lag, &probe, &plan, NULL));
+    FY_TRY(fy_plan_search_state(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
+                                cuda && o->offload, o->precision, o->optimizer_lag, o->optimizer_state, &probe, &plan,
+                                NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.resident && !cuda)
@@ -1633,6 +1634,14 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
     fy_log_info("--plan %s is for the one-step-delayed update: training with --optimizer-lag %d", o->plan,
                 k->optimizer_lag);
   if (k->optimizer_lag) o->optimizer_lag = k->optimizer_lag;
+  // The plan's AdamW state format is the run's (its host and disk bytes are that format's).
+  enum fy_state_format pf = FY_STATE_F32;
+  if (k->optimizer_state[0]) fy_state_format_from_name(k->optimizer_state, &pf);  // (checked when read)
+  if (o->optimizer_state && strcmp(o->optimizer_state, fy_state_format_name(pf)) != 0)
+    return fy_error_set(FY_ERR_INVALID, "--plan %s is for AdamW state stored as %s, not --optimizer-state %s: drop "
+                        "--optimizer-state, or write a plan for it (ferry plan --optimizer-state %s)", o->plan,
+                        fy_state_format_name(pf), o->optimizer_state, o->optimizer_state);
+  o->optimizer_state = fy_state_format_name(pf);
   if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
   if (!cuda || automatic) {
     fy_plan_print(&plan, stdout);
