@@ -127,6 +127,9 @@ struct fy_graph {
   int64_t n_param_elems;   // size of each flat parameter-sized buffer (floats)
   int64_t chunk_elems;     // parameters are packed in chunks of this many floats (one chunk:
                            //   n_param_elems) — see memory/chunk.h
+  int64_t chunk_align;     // set before packing: parameter groups and chunks start at multiples of
+                           //   this many floats (0: 16, a 64-byte line; 256 for 8-bit AdamW state,
+                           //   whose blocks must hold the same elements whatever the chunk size)
   int64_t act_elems;       // activation arena (floats)
   bool recompute;          // decoder layers' activations are recomputed in backward
   bool forward_only;       // forward passes alone (evaluation): fy_graph_set_forward_only

@@ -4,9 +4,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ALIGN 16  // floats: 64 bytes, the alignment every parameter group starts at
+#define ALIGN 16  // floats: 64 bytes, the alignment every parameter group starts at by default
 
-static int64_t align_up(int64_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
+// Every parameter group starts at a multiple of g->chunk_align (ALIGN when 0), and so does every
+// chunk: 8-bit AdamW state quantises blocks of 256 elements counted from a chunk's start, and
+// with groups so aligned a block holds the same elements in any chunk layout (ops/ops.h).
+static int64_t group_align(const struct fy_graph *g) { return g->chunk_align > ALIGN ? g->chunk_align : ALIGN; }
+
+static int64_t align_to(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // Size of the group of parameters op o uses first (0 if none).
 static int64_t group_elems(const struct fy_graph *g, int o) {
@@ -22,17 +27,18 @@ static int64_t group_elems(const struct fy_graph *g, int o) {
 int64_t fy_chunk_min_elems(const struct fy_graph *g) {
   int64_t m = 0;
   for (int o = 0; o < g->n_ops; o++) {
-    int64_t n = align_up(group_elems(g, o));
+    int64_t n = align_to(group_elems(g, o), group_align(g));
     if (n > m) m = n;
   }
   return m;
 }
 
 fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct fy_chunk_layout **out) {
+  const int64_t align = group_align(g);
   int64_t min = fy_chunk_min_elems(g), total = 0;
-  for (int o = 0; o < g->n_ops; o++) total += align_up(group_elems(g, o));
+  for (int o = 0; o < g->n_ops; o++) total += align_to(group_elems(g, o), align);
   if (chunk_elems == 0) chunk_elems = total;
-  chunk_elems = align_up(chunk_elems);
+  chunk_elems = align_to(chunk_elems, align);
   if (chunk_elems < min)
     return fy_error_set(FY_ERR_INVALID,
                         "a chunk of %lld parameters cannot hold the largest parameter group "
@@ -59,7 +65,7 @@ fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct
       p->offset = (int64_t)c * chunk_elems + off;
       off += p->numel;
     }
-    off = align_up(off);
+    off = align_to(off, align);
   }
   l->chunk_elems = chunk_elems;
   l->n_chunks = c + 1;

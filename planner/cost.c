@@ -47,6 +47,27 @@ double fy_cost_host_bytes_per_param(enum fy_dtype compute, int payload_bytes, bo
   return host_weight_bytes(compute, payload_bytes) + host_state_bytes(compute, accumulate);
 }
 
+// The knobs' state format (checked by fy_cost_check_knobs).
+static enum fy_state_format knob_state(const char *name) {
+  enum fy_state_format f = FY_STATE_F32;
+  if (name && name[0]) fy_state_format_from_name(name, &f);
+  return f;
+}
+
+// Host bytes of a chunk's (gradients,) m and v, `elems` elements of it (a rank's shard), as
+// runtime/offload.c allocates them: fp32 gradients unless they come home over the 16-bit copy,
+// and a moment's buffer of fy_state_moment_bytes each.
+static double chunk_state_bytes(enum fy_dtype compute, bool accumulate, enum fy_state_format f, int64_t elems) {
+  return (grads_in_copy(compute, accumulate) ? 0.0 : 4.0 * (double)elems) + 2.0 * (double)fy_state_moment_bytes(f, elems);
+}
+
+double fy_cost_host_bytes_per_param_state(enum fy_dtype compute, int payload_bytes, bool accumulate, const char *state,
+                                          int64_t chunk_elems) {
+  const enum fy_state_format f = knob_state(state);
+  if (f == FY_STATE_F32 || chunk_elems < 1) return fy_cost_host_bytes_per_param(compute, payload_bytes, accumulate);
+  return host_weight_bytes(compute, payload_bytes) + chunk_state_bytes(compute, accumulate, f, chunk_elems) / (double)chunk_elems;
+}
+
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
   uintptr_t *next = ctx;
   *out = (void *)*next;
@@ -175,6 +196,12 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   enum fy_dtype dt;
   if (k->precision[0] && !fy_precision_dtype(k->precision, &dt))
     return fy_error_set(FY_ERR_INVALID, "plan: precision '%s': fp32, bf16 or fp16", k->precision);
+  enum fy_state_format sf;
+  if (k->optimizer_state[0] && !fy_state_format_from_name(k->optimizer_state, &sf))
+    return fy_error_set(FY_ERR_INVALID, "plan: optimizer_state '%s': fp32, bf16 or 8bit", k->optimizer_state);
+  if (k->resident && knob_state(k->optimizer_state) != FY_STATE_F32)
+    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan keeps fp32 AdamW state (optimizer_state %s is for "
+                        "offloaded plans)", k->optimizer_state);
   if (k->device_chunks > 0 && k->dp > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
                         "data-parallel ranks, whose chunks are sharded", k->dp);
@@ -328,8 +355,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (k->recompute) fy_graph_set_recompute(whole, true);
   if (act16 && st == FY_OK) st = fy_graph_set_act16(g, true);  // bf16 activations, two to a float
   if (act16 && st == FY_OK) st = fy_graph_set_act16(whole, true);
+  const enum fy_state_format sf = knob_state(k->optimizer_state);
+  if (sf == FY_STATE_Q8) g->chunk_align = FY_Q8_BLOCK;  // (as runtime/model.c packs them)
   int64_t ce = k->chunk_elems > 0 ? k->chunk_elems : fy_chunk_min_elems(g);
-  if (sharded) ce = (ce + 16 * dp - 1) / (16 * dp) * (16 * dp);  // whole 64-byte lines per shard
+  // whole 64-byte lines per shard (8-bit state: whole blocks, runtime/trainer.c)
+  const int64_t line = (sf == FY_STATE_Q8 ? FY_Q8_BLOCK : 16) * (int64_t)dp;
+  if (sharded) ce = (ce + line - 1) / line * line;
   // Each op's pattern: tp_col / tp_row for split linears, the data-parallel one for the rest; the
   // share of the model state a rank keeps under the data-parallel pattern.
   const struct fy_pattern **pat = calloc((size_t)g->n_ops, sizeof *pat);
@@ -367,8 +398,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // and with 16-bit compute the weights' copy (a GPU's bf16, the sim device's rounded floats); the
   // optimizer runs there, on the compute stream.
   int n_dev = k->device_chunks > 0 ? (k->device_chunks < nc ? k->device_chunks : nc) : 0;
-  const size_t dev_buf[] = {(size_t)ce * 4, (size_t)ce * pb, k->grad_accum > 1 ? (size_t)ce * 4 : 0, (size_t)ce * 4,
-                            (size_t)ce * 4, cdt != FY_F32 ? (size_t)ce * pb : 0};
+  const size_t dev_buf[] = {(size_t)ce * 4, (size_t)ce * pb, k->grad_accum > 1 ? (size_t)ce * 4 : 0,
+                            fy_state_moment_bytes(sf, ce), fy_state_moment_bytes(sf, ce), cdt != FY_F32 ? (size_t)ce * pb : 0};
   for (size_t i = 0; i < sizeof dev_buf / sizeof *dev_buf; i++)
     if (dev_buf[i]) out->device_chunk_bytes += (double)fy_device_round(dev_buf[i], gran);
   double dev_elems = 0;
@@ -407,11 +438,14 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // cannot hold go to disk (with the chunk-sized buffers the runtime keeps aside).
   // As the runtime counts (runtime/trainer.c, setup_offload): when the host cannot hold every
   // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
-  double per_chunk_state = ce * host_state_bytes(cdt, k->grad_accum > 1) * share;  // (gradients,) m, v
+  // (gradients,) m, v; compressed m and v in buffers of a rank's shard, as the runtime's
+  double per_chunk_state = sf == FY_STATE_F32 ? ce * host_state_bytes(cdt, k->grad_accum > 1) * share
+                                              : chunk_state_bytes(cdt, k->grad_accum > 1, sf, (int64_t)llround(ce * share));
   // (--optimizer-lag: a second 16-bit copy of every chunk the host updates)
   double params_host = (np * host_weight_bytes(cdt, pb) + (lag ? (nc - n_dev) * (double)ce * pb : 0)) * share,
          reserve = 3 * (double)ce * 4,
-         disk_reserve = (g16 ? 4 : 7) * (double)ce * 4 / dp;  // (the disk chunks' buffers: shards of a chunk)
+         disk_reserve = sf == FY_STATE_F32 ? (g16 ? 4 : 7) * (double)ce * 4 / dp  // (the disk chunks' buffers: shards of a chunk)
+                                           : 4.0 * (double)fy_state_moment_bytes(sf, ce / dp) + (g16 ? 0 : 3) * (double)ce * 4 / dp;
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
   int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;
@@ -552,6 +586,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // (A sim copy's memcpy runs on one thread: its rate, when the probe knows it.)
   const double cp = probe->host_copy_gbps > 0 ? probe->host_copy_gbps * 1e9 : mem;
   double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
+  // (one moment's bytes an element on disk: 4 in fp32, its stored size otherwise)
+  const double mv_bpp = sf == FY_STATE_F32 ? 4.0 : (double)fy_state_moment_bytes(sf, ce) / (double)ce;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
     s.counting = last;
@@ -680,7 +716,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       double t = u * 28 / adamw;
       // A disk chunk: (its fp32 gradients,) m and v read, then the update while the chunk before's
       // m and v are written (runtime/offload.c: they go back behind it).
-      if (c >= nc - n_disk) t = u * (g16 ? 8 : 12) / dread + (t > u * 8 / dwrite ? t : u * 8 / dwrite);
+      const double mv = 2 * mv_bpp;  // m and v's bytes an element, read and written
+      if (c >= nc - n_disk) t = u * ((g16 ? 0 : 4) + mv) / dread + (t > u * mv / dwrite ? t : u * mv / dwrite);
       fy_timeline_set_cause(s.optim, c >= nc - n_disk ? FY_STALL_DISK : FY_STALL_OPTIMIZER);
       fy_timeline_run(s.optim, t, "AdamW");
       fy_event_record(s.home_ready[c], s.optim);

@@ -47,6 +47,11 @@ struct fy_plan_knobs {
   // under the next step, which reads the other of two 16-bit copies a chunk; the device chunks'
   // updates run after the next step's passes. 16-bit compute, grad_accum 1, offloaded only.
   int optimizer_lag;
+  // How AdamW's m and v are stored (ferry train --optimizer-state): "fp32" (or ""), "bf16" or
+  // "8bit" (ops/ops.h): the bytes of every chunk's state in the host tier, on disk and on the
+  // device; 8-bit packs the chunks at multiples of 256 elements (runtime/model.h). Offloaded plans
+  // only (a resident GPU keeps fp32 state).
+  char optimizer_state[8];
 };
 
 // The precision a device computes in by default (docs/design.md, "Numbers"): "bf16" on a GPU ("cuda"),
@@ -83,6 +88,10 @@ struct fy_cost {
 // link: a GPU's bf16, 2 bytes; the sim device's rounded floats, 4), AdamW's m and v, and fp32
 // gradients unless 16-bit compute's come home over that copy (without accumulation).
 double fy_cost_host_bytes_per_param(enum fy_dtype compute, int payload_bytes, bool accumulate);
+// The same with m and v stored in `state` ("fp32", "bf16", "8bit"; NULL or "": fp32), per
+// parameter of a chunk of chunk_elems elements (8-bit: its codes and its blocks' scales).
+double fy_cost_host_bytes_per_param_state(enum fy_dtype compute, int payload_bytes, bool accumulate, const char *state,
+                                          int64_t chunk_elems);
 
 // A model resident on a GPU with micro-batches of B x T, its graph as the cuda engine runs it
 // (flash attention; recomputation when asked; 16-bit activations with bf16): *bytes it takes there

@@ -11,6 +11,7 @@
 #include "core/graph.h"
 #include "core/parse.h"
 #include "memory/chunk.h"
+#include "ops/ops.h"
 #include "planner/pattern.h"
 
 static bool better(const struct fy_cost *a, const struct fy_cost *b) {
@@ -65,6 +66,17 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
 fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                              int ranks, bool offload_only, const char *precision, int optimizer_lag,
                              const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
+  return fy_plan_search_state(cfg, model, batch, seq, ranks, offload_only, precision, optimizer_lag, NULL, probe, best,
+                              n_tried);
+}
+
+fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                               int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
+                               const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
+  enum fy_state_format sf = FY_STATE_F32;
+  if (state && !fy_state_format_from_name(state, &sf))
+    return fy_error_set(FY_ERR_INVALID, "plan: optimizer state '%s': fp32, bf16 or 8bit", state);
+  if (sf != FY_STATE_F32) offload_only = true;  // (a resident GPU keeps fp32 state)
   if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
   if (optimizer_lag < 0 || optimizer_lag > 1) return fy_error_set(FY_ERR_INVALID, "plan: optimizer lag 0 or 1");
   if (ranks < 1) return fy_error_set(FY_ERR_INVALID, "plan: the number of ranks must be positive");
@@ -110,6 +122,7 @@ fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model,
     // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
     struct fy_graph *g;
     FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
+    if (sf == FY_STATE_Q8) g->chunk_align = FY_Q8_BLOCK;  // (groups packed as the runtime packs them)
     int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems;
     fy_graph_free(g);
     for (int64_t micro = per_rank; micro >= 1; micro--) {
@@ -118,7 +131,9 @@ fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model,
         for (int64_t mult = 1; mult <= 4; mult *= 2) {
           if (mult > 1 && min_chunk * mult / 2 > total) break;
           // (sharded over dp ranks: whole 64-byte lines a shard, as a plan file must say)
-          const int64_t line = 16 * (int64_t)dp, ce = (min_chunk * mult + line - 1) / line * line;
+          // (8-bit state: whole blocks of 256 elements a shard)
+          const int64_t line = (sf == FY_STATE_Q8 ? FY_Q8_BLOCK : 16) * (int64_t)dp,
+                        ce = (min_chunk * mult + line - 1) / line * line;
           // This chunk size's fastest prefetch without device chunks; none fitting, the first when
           // it fails for the host's memory or the disk alone (device chunks take state off both).
           struct fy_plan_knobs kbest = {0};
@@ -130,6 +145,7 @@ fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model,
                                       .optimizer_lag = optimizer_lag};
             snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);
+            if (sf != FY_STATE_F32) snprintf(k.optimizer_state, sizeof k.optimizer_state, "%s", fy_state_format_name(sf));
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             tried++;
@@ -221,8 +237,13 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
                         (long long)k->chunk_elems, p->dp);
   if (k->chunk_elems % 16)
     return fy_error_set(FY_ERR_INVALID, "plan: chunk_elems %lld is not a multiple of 16 (64 bytes)", (long long)k->chunk_elems);
+  if (strcmp(k->optimizer_state, "8bit") == 0 && k->chunk_elems % (FY_Q8_BLOCK * p->dp))
+    return fy_error_set(FY_ERR_INVALID, "plan: optimizer_state 8bit needs chunk_elems (%lld) a multiple of %d (blocks of "
+                        "%d elements a %s)", (long long)k->chunk_elems, FY_Q8_BLOCK * p->dp, FY_Q8_BLOCK,
+                        p->dp > 1 ? "shard" : "chunk");
   struct fy_graph *g;  // (one tensor-parallel rank's part: its groups are what a chunk holds)
   FY_TRY(fy_opt_build_graph_tp(cfg, k->micro_batch, k->seq, p->tp, 0, &g));
+  if (strcmp(k->optimizer_state, "8bit") == 0) g->chunk_align = FY_Q8_BLOCK;
   int64_t min_chunk = fy_chunk_min_elems(g);
   fy_graph_free(g);
   if (k->chunk_elems && k->chunk_elems < min_chunk)
@@ -293,6 +314,8 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
       fprintf(f, "%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), c->stall_s[i]);
     fprintf(f, "\n");
   }
+  if (k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0)
+    fprintf(f, "  AdamW state stored as %s (ferry train --optimizer-state %s)\n", k->optimizer_state, k->optimizer_state);
   if (k->optimizer_lag)
     fprintf(f, "  optimizer lag 1: each step's host updates run under the next step (ferry train --optimizer-lag 1; "
                "other numbers than the exact step's)\n");

@@ -41,6 +41,11 @@ fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *mode
 fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                              int ranks, bool offload_only, const char *precision, int optimizer_lag,
                              const struct fy_probe *probe, struct fy_plan *best, int *n_tried);
+// The same for AdamW state stored as `state` ("fp32", "bf16", "8bit"; NULL: fp32, knobs.optimizer_state):
+// offloaded plans only when it is not fp32 (a resident GPU keeps fp32 state).
+fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                               int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
+                               const struct fy_probe *probe, struct fy_plan *best, int *n_tried);
 // Re-simulates a (perhaps hand-edited) plan on `probe`: FY_ERR_INVALID with the reason when it is
 // inconsistent (unknown pattern, a chunk size that is not a multiple of 16 floats or cannot hold
 // the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does

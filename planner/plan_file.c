@@ -28,6 +28,8 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
   json_object_object_add(o, "device_chunks", json_object_new_int(k->device_chunks));
   if (k->optimizer_lag) json_object_object_add(o, "optimizer_lag", json_object_new_int(k->optimizer_lag));
+  if (k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0)
+    json_object_object_add(o, "optimizer_state", json_object_new_string(k->optimizer_state));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
   json_object_object_add(o, "tp", json_object_new_int(p->tp));
@@ -85,7 +87,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "optimizer_lag", "pattern", "dp", "tp",
+                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp",
                                       "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
@@ -139,6 +141,14 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
       st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"precision\" must be \"fp32\", \"bf16\" or \"fp16\"", path);
     else
       snprintf(k->precision, sizeof k->precision, "%s", s);
+  }
+  // (Optional: fp32 state when absent.)
+  if (st == FY_OK && json_object_object_get_ex(o, "optimizer_state", &x)) {
+    const char *s = json_object_is_type(x, json_type_string) ? json_object_get_string(x) : "";
+    if (strcmp(s, "fp32") != 0 && strcmp(s, "bf16") != 0 && strcmp(s, "8bit") != 0)
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"optimizer_state\" must be \"fp32\", \"bf16\" or \"8bit\"", path);
+    else
+      snprintf(k->optimizer_state, sizeof k->optimizer_state, "%s", s);
   }
   const char *strs[] = {"model", "pattern"};
   char *dst[] = {p->model, p->pattern};

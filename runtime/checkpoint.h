@@ -33,6 +33,11 @@ struct fy_ckpt_meta {
   int64_t loss_scale_good;  // steps since the loss scale last changed (dynamic scaling)
   int64_t updates;     // AdamW updates applied: step less the skipped steps (overflow, no targets)
   char options[1024];  // the run's options as JSON (informative)
+  // How the run stored AdamW's m and v ("fp32", "bf16", "8bit": --optimizer-state; "" reads as
+  // fp32, checkpoints before the option). optimizer.safetensors holds them as f32 whatever the
+  // format: the values the stored state reads back as, which the same format stores again to the
+  // same bits (a resume in another format converts them).
+  char optimizer_state[8];
 };
 
 // The state to write, in host memory, in the model's flat parameter layout.

@@ -29,6 +29,8 @@ fy_status fy_ckpt_index_write(const char *dir, const struct fy_ckpt_meta *meta) 
   // The list of the files' checksums, written after this file (runtime/checkpoint.c): a checkpoint
   // without it that names it lost it.
   json_object_object_add(o, "checksums", json_object_new_string(FY_CKPT_SUMS));
+  json_object_object_add(o, "optimizer_state",
+                         json_object_new_string(meta->optimizer_state[0] ? meta->optimizer_state : "fp32"));
   json_object *opts = json_tokener_parse(meta->options[0] ? meta->options : "{}");
   json_object_object_add(o, "options", opts ? opts : json_object_new_object());
   char path[4200];
@@ -78,6 +80,14 @@ fy_status fy_ckpt_index_read(const char *dir, struct fy_ckpt_meta *meta) {
         st = fy_error_set(FY_ERR_FORMAT, "%s: \"adamw_updates\" must be a whole number from 0 to \"step\"", p);
       else
         meta->updates = json_object_get_int64(v);
+    }
+    snprintf(meta->optimizer_state, sizeof meta->optimizer_state, "fp32");  // (checkpoints before the field)
+    if (st == FY_OK && json_object_object_get_ex(o, "optimizer_state", &v)) {
+      const char *f = json_object_is_type(v, json_type_string) ? json_object_get_string(v) : "";
+      if (strcmp(f, "fp32") != 0 && strcmp(f, "bf16") != 0 && strcmp(f, "8bit") != 0)
+        st = fy_error_set(FY_ERR_FORMAT, "%s: \"optimizer_state\" must be \"fp32\", \"bf16\" or \"8bit\"", p);
+      else
+        snprintf(meta->optimizer_state, sizeof meta->optimizer_state, "%s", f);
     }
     if (st == FY_OK && json_object_object_get_ex(o, "options", &v))
       snprintf(meta->options, sizeof meta->options, "%s", json_object_to_json_string(v));

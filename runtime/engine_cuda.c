@@ -375,6 +375,14 @@ static fy_status chunk_adamw_cuda(struct fy_model *m, float *p, float *mo, float
                                        ctx_of(m)->st);
 }
 
+static fy_status chunk_adamw_state_cuda(struct fy_model *m, enum fy_state_format f, float *p, void *mo, void *v,
+                                        const void *g, enum fy_dtype g_dt, void *p16, int64_t n,
+                                        const struct fy_adamw_range *ranges, int n_ranges, float lr, float b1, float b2,
+                                        float eps, int64_t t, const float *scale_skip) {
+  return fy_cuda_adamw_state_update(f, p, mo, v, g, g_dt, (uint16_t *)p16, n, ranges, n_ranges, lr, b1, b2, eps, t, 1.0f,
+                                    scale_skip, ctx_of(m)->st);
+}
+
 static fy_status chunk_add_cuda(struct fy_model *m, float *dst, const void *src, enum fy_dtype src_dt, int64_t n,
                                 bool first) {
   return fy_cuda_accumulate(dst, src, src_dt, n, first, ctx_of(m)->st);
@@ -446,6 +454,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .set_stream = set_stream_cuda,
     .chunk_sumsq = chunk_sumsq_cuda,
     .chunk_adamw = chunk_adamw_cuda,
+    .chunk_adamw_state = chunk_adamw_state_cuda,
     .chunk_add = chunk_add_cuda,
     .wait = wait_cuda,
     .all_reduce = all_reduce_cuda,

@@ -186,14 +186,15 @@ static bool override_ok(const char *cmd, const char *key, const char *value) {
 // when they are faster per token, said with the batch that buys it (the optimizer's cost is per
 // step, the compute's per token), so that the user can choose the bigger batch.
 static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq, int ranks,
-                             bool offload_only, const char *precision, int lag, const struct fy_probe *probe,
-                             const struct fy_plan *best) {
+                             bool offload_only, const char *precision, int lag, const char *state,
+                             const struct fy_probe *probe, const struct fy_plan *best) {
   const struct fy_cost *c = &best->predicted;
   const double per_step = c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_DISK] + c->stall_s[FY_STALL_NORM];
   if (best->k.resident || per_step < 0.05 * c->step_s) return;
   for (int f = 2; f <= 4; f *= 2) {
     struct fy_plan big;
-    if (fy_plan_search_lag(cfg, model, batch * f, seq, ranks, offload_only, precision, lag, probe, &big, NULL) != FY_OK)
+    if (fy_plan_search_state(cfg, model, batch * f, seq, ranks, offload_only, precision, lag, state, probe, &big,
+                             NULL) != FY_OK)
       continue;  // (does not fit: nothing to say)
     const double gain = big.predicted.tokens_per_s / c->tokens_per_s;
     if (gain < 1.05) continue;
@@ -204,9 +205,41 @@ static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model,
   }
 }
 
+// ferry plan --largest: for each AdamW state format, the largest OPT preset any plan fits on this
+// machine at the batch, sequence, precision and ranks given (presets tried from the largest down,
+// the first that fits wins: one search each until then).
+static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload_only, const char *precision, int lag,
+                             const struct fy_probe *probe) {
+  const char *const *names = fy_opt_preset_names();
+  int n = 0;
+  while (names[n]) n++;
+  printf("largest preset this machine trains (%lld x %lld tokens a step%s%s):\n", (long long)batch, (long long)seq,
+         precision ? ", " : "", precision ? precision : "");
+  const char *fmts[] = {"fp32", "bf16", "8bit"};
+  for (int f = 0; f < 3; f++) {
+    const char *found = NULL;
+    struct fy_plan p;
+    for (int i = n - 1; i >= 0 && !found; i--) {
+      struct fy_opt_config cfg;
+      if (strncmp(names[i], "opt-", 4) != 0 || fy_opt_preset(names[i], &cfg) != FY_OK) continue;
+      if (seq > cfg.max_position_embeddings) continue;
+      if (fy_plan_search_state(&cfg, names[i], batch, seq, ranks, offload_only, precision, lag, fmts[f], probe, &p,
+                               NULL) == FY_OK)
+        found = names[i];
+    }
+    char hb[32], db[32];
+    if (found)
+      printf("  --optimizer-state %-4s  %-9s host %s, disk %s, %.0f tokens/s predicted\n", fmts[f], found,
+             fy_format_bytes(p.predicted.host_bytes, hb, sizeof hb), fy_format_bytes(p.predicted.disk_bytes, db, sizeof db),
+             p.predicted.tokens_per_s);
+    else
+      printf("  --optimizer-state %-4s  none\n", fmts[f]);
+  }
+}
+
 static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
   enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION, P_LAG };
+         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION, P_LAG, P_STATE, P_LARGEST };
   static const struct option opts[] = {
       {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
       {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
@@ -218,6 +251,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {"profile", no_argument, 0, P_PROFILE}, {"offload", no_argument, 0, P_OFFLOAD},
       {"optimizer-lag", required_argument, 0, P_LAG},
       {"precision", required_argument, 0, P_PRECISION},
+      {"optimizer-state", required_argument, 0, P_STATE}, {"largest", no_argument, 0, P_LARGEST},
       // Overrides by their own names.
       {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
       {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
@@ -231,9 +265,9 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
       {0, 0, 0, 0}};
   const char *cmd = plan ? "plan" : "probe";
   struct machine_args a = {0};
-  const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL;
+  const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL, *state = NULL;
   int64_t batch = 8, seq = 1024, gpus = 1;
-  bool profile = false, offload_only = false;
+  bool profile = false, offload_only = false, largest = false;
   int64_t lag = 0;
   int c, idx = 0;
   optind = 1;
@@ -287,6 +321,23 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
         ok = parse_i64("--optimizer-lag", optarg, 0, &lag) && (lag <= 1 || (fprintf(stderr, "ferry plan: "
              "--optimizer-lag %lld: 0 or 1\n", (long long)lag), false));
         break;
+      case P_STATE:
+      case P_LARGEST:
+        if (!plan) {
+          fprintf(stderr, "ferry probe: %s is ferry plan's\n", argv[optind - 1]);
+          return 2;
+        }
+        if (c == P_LARGEST) {
+          largest = true;
+        } else {
+          enum fy_state_format sf;
+          if (!fy_state_format_from_name(optarg, &sf)) {
+            fprintf(stderr, "ferry plan: --optimizer-state %s: fp32, bf16 or 8bit\n", optarg);
+            return 2;
+          }
+          state = optarg;
+        }
+        break;
       case P_PRECISION:
         if (!plan) {
           fprintf(stderr, "ferry probe: --precision is ferry plan's (the probe measures both bf16 and fp32 products)\n");
@@ -323,7 +374,11 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
                  "                     or fp16 (cpu, sim); ferry train --plan FILE runs it in P\n"
                  "  --optimizer-lag N  1: plans for the one-step-delayed update (ferry train --optimizer-lag\n"
                  "                     1: each step's host updates under the next step; 16-bit, offloaded,\n"
-                 "                     no accumulation); the plan file runs with it. Default 0\n");
+                 "                     no accumulation); the plan file runs with it. Default 0\n"
+                 "  --optimizer-state F  plans for AdamW state stored as fp32 (default), bf16 or 8bit\n"
+                 "                     (ferry train --optimizer-state F; offloaded plans only unless fp32)\n"
+                 "  --largest          then, for each state format, the largest preset this machine\n"
+                 "                     trains at this batch, sequence, precision and ranks\n");
         else
           printf("Measures device memory, GEMM rates (fp32, and bf16 where the processor multiplies\n"
                  "bf16: bf16_speedup), copy bandwidth each way, host AdamW and memory bandwidth and disk\n"
@@ -378,11 +433,12 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     st = stat(model, &sb) == 0 ? fy_ckpt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
   }
   if (st == FY_OK)
-    st = fy_plan_search_lag(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe, &best, &tried);
+    st = fy_plan_search_state(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, state, &probe, &best,
+                              &tried);
   if (st == FY_OK) {
     fy_plan_print(&best, stdout);
     printf("  (%d plans simulated)\n", tried);
-    say_bigger_batch(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe, &best);
+    say_bigger_batch(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, state, &probe, &best);
     const double x = fy_probe_gemm_gflops(&probe, true) / fy_probe_gemm_gflops(&probe, false);
     if (strcmp(best.k.precision, "bf16") == 0 && strcmp(probe.device, "cuda") != 0 && x <= 1.0)
       printf("  (this processor multiplies bf16 as fp32: a bf16 step runs its products at the fp32 rate and rounds each "
@@ -392,6 +448,7 @@ static int cmd_probe_or_plan(int argc, char **argv, bool plan) {
              strcmp(probe.device, "cuda") == 0 ? "GPU" : "processor", x);
     if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
   }
+  if (st == FY_OK && largest) largest_by_state(batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe);
   if (st == FY_OK && profile) {
     struct fy_graph *g;
     st = fy_opt_build_graph(&cfg, best.k.micro_batch, best.k.seq, &g);
@@ -559,6 +616,10 @@ static void usage_train(FILE *f, bool eval) {
           "                     numbers, so opt-in); offloaded runs with --precision bf16 or fp16 and\n"
           "                     no --grad-accum, and cpu; pending updates are applied before a\n"
           "                     checkpoint and at the end. 0 (default): the exact step\n"
+          "  --optimizer-state F  how AdamW's m and v are stored: fp32 (default, 8 bytes a\n"
+          "                     parameter), bf16 (4) or 8bit (block-wise quantised, 2.03); on the\n"
+          "                     cpu and offloaded (host, disk and device chunks), not on a resident\n"
+          "                     GPU nor with --tp. Resuming in another format converts (a warning)\n"
           "  --prefetch N       sim, cuda --offload: chunks loaded ahead of use (default 2)\n"
           "  --blocks N         sim, cuda --offload: device cache blocks (default: as many as fit)\n"
           "  --chunk-mib X      sim, cuda --offload: chunk size (default: the smallest that holds the largest\n"
@@ -655,7 +716,7 @@ enum {
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
   OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
   OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
-  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_OPTIMIZER_LAG, OPT_HELP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_OPTIMIZER_LAG, OPT_OPTIMIZER_STATE, OPT_HELP,
 };
 
 static int cmd_train(int argc, char **argv, bool eval) {
@@ -686,6 +747,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
       {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
       {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG},
+      {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
       {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
   static const struct option eval_opts[] = {
       {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
@@ -804,6 +866,7 @@ static int cmd_train(int argc, char **argv, bool eval) {
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
       case OPT_OPTIMIZER_LAG: ok = parse_i64("--optimizer-lag", optarg, 0, &v); o.optimizer_lag = (int)v; break;
+      case OPT_OPTIMIZER_STATE: o.optimizer_state = optarg; break;  // (checked by fy_train)
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
       case OPT_PRECISION: o.precision = optarg; break;
       case OPT_OFFLOAD: o.offload = true; break;

@@ -97,6 +97,11 @@ static fy_status home_alloc(struct fy_model *m, int64_t elems, float **out) {
   return buf_alloc(m->dev, elems, 4, (void **)out);
 }
 
+// Floats of AdamW's m (and of v): one moment's buffer in the model's state format (ops/ops.h).
+static int64_t moment_elems(const struct fy_model *m) {
+  return (int64_t)((fy_state_moment_bytes(m->state_format, m->graph->n_param_elems) + 3) / 4);
+}
+
 static void home_free(struct fy_model *m, float *p, int64_t elems) {
   if (!p) return;
   if (m->host)
@@ -148,6 +153,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   if (opts && opts->inference) fy_graph_set_forward_only(m->graph);  // (no activation gradients either)
   if (m->device_memory && opts && opts->act16) st = fy_graph_set_act16(m->graph, true);
   m->host = opts ? opts->host : NULL;
+  m->state_format = opts ? opts->state_format : FY_STATE_F32;
+  if (m->state_format == FY_STATE_Q8) m->graph->chunk_align = FY_Q8_BLOCK;  // (memory/chunk.c)
   if (st == FY_OK) st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
   if (st != FY_OK) {
     free(m->patterns);
@@ -159,7 +166,8 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   int64_t np = g->n_param_elems;
   const bool inference = opts && opts->inference;  // the weights alone: no gradients, m or v
   m->weights16 = inference && opts->weights16 && opts->act16 && m->device_memory && !m->host;
-  double state = (m->weights16 ? 2.0 : inference ? 4.0 : 16.0) * (double)np,
+  double state = m->weights16 ? 2.0 * (double)np : inference ? 4.0 * (double)np
+                                                  : 8.0 * (double)np + (double)fy_state_bytes(m->state_format, np),
          acts = 4.0 * (double)(g->act_elems + g->grad_elems + g->scratch_elems);
   if (!m->host && dev->cap && state + acts > (double)(dev->cap - dev->bytes_in_use)) {
     fy_chunk_layout_free(m->layout);
@@ -171,14 +179,14 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
                         "device has %s",
                         cfg->name, (long long)B, (long long)T, fy_format_bytes(state + acts, need, sizeof need),
                         fy_format_bytes(state, sb, sizeof sb),
-                        inference ? "weights" : "parameters, gradients and AdamW state at 16 bytes per parameter",
+                        inference ? "weights" : "parameters, gradients and AdamW state",
                         fy_format_bytes(acts, ab, sizeof ab), dev->name,
                         fy_format_bytes((double)(dev->cap - dev->bytes_in_use), has, sizeof has));
   }
   if ((!(m->host && opts->no_params) && !m->weights16 && (st = home_alloc(m, np, &m->params)) != FY_OK) ||
       (!m->host && !inference && (st = home_alloc(m, np, &m->grads)) != FY_OK) ||
-      (!m->host && !inference && (st = home_alloc(m, np, &m->m)) != FY_OK) ||
-      (!m->host && !inference && (st = home_alloc(m, np, &m->v)) != FY_OK) ||
+      (!m->host && !inference && (st = home_alloc(m, moment_elems(m), &m->m)) != FY_OK) ||
+      (!m->host && !inference && (st = home_alloc(m, moment_elems(m), &m->v)) != FY_OK) ||
       (st = buf_alloc(dev, g->act_elems, 4, (void **)&m->acts)) != FY_OK ||
       (st = buf_alloc(dev, g->grad_elems, 4, (void **)&m->dacts)) != FY_OK ||
       (st = buf_alloc(dev, g->scratch_elems, 4, (void **)&m->scratch)) != FY_OK ||
@@ -190,7 +198,7 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     fy_model_free(m);
     char sb[32];
     return fy_error_wrap(st, "allocating the model's state (%s of parameter state)",
-                         fy_format_bytes(16.0 * (double)np, sb, sizeof sb));
+                         fy_format_bytes(state, sb, sizeof sb));
   }
   m->state_bytes = m->host ? 4 * np : (int64_t)state;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
@@ -263,7 +271,7 @@ void fy_model_free(struct fy_model *m) {
   if (g) {
     int64_t np = g->n_param_elems;
     float *home[] = {m->params, m->grads, m->m, m->v, m->grad_acc};
-    for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], np);
+    for (size_t i = 0; i < sizeof home / sizeof *home; i++) home_free(m, home[i], i == 2 || i == 3 ? moment_elems(m) : np);
     struct { void *p; int64_t n; } bufs[] = {{m->acts, g->act_elems}, {m->dacts, g->grad_elems},
                                             {m->scratch, g->scratch_elems}, {m->positions, g->B * g->T},
                                             {m->dbatch, 3 * g->B * g->T}, {m->tp_buf, m->tp_buf_elems}};
@@ -450,12 +458,13 @@ void fy_model_init_random(struct fy_model *m, uint64_t seed) {
     FY_ASSERT(upload_weights(m, host) == FY_OK);
     free(host);
     // (A model for evaluation has no AdamW state.)
-    if (m->m) FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
-    if (m->v) FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)g->n_param_elems * 4) == FY_OK);
+    if (m->m) FY_ASSERT(dev_sync_op(m->dev, m->m, NULL, 0, (size_t)moment_elems(m) * 4) == FY_OK);
+    if (m->v) FY_ASSERT(dev_sync_op(m->dev, m->v, NULL, 0, (size_t)moment_elems(m) * 4) == FY_OK);
     return;
   }
-  if (m->m) memset(m->m, 0, (size_t)g->n_param_elems * 4);
-  if (m->v) memset(m->v, 0, (size_t)g->n_param_elems * 4);
+  // (All zero bytes are zero state in every format: 8-bit codes 0 with scales 0.)
+  if (m->m) memset(m->m, 0, (size_t)moment_elems(m) * 4);
+  if (m->v) memset(m->v, 0, (size_t)moment_elems(m) * 4);
 }
 
 fy_status fy_model_load(struct fy_model *m, const char *dir) {

@@ -12,6 +12,7 @@
 #include "core/graph.h"
 #include "core/opt.h"
 #include "memory/chunk.h"
+#include "ops/ops.h"
 #include "runtime/comm.h"
 
 struct fy_st_writer;
@@ -22,7 +23,10 @@ struct fy_model {
   struct fy_chunk_layout *layout;  // parameters packed into chunks (memory/chunk.h)
   struct fy_device *dev;  // not owned
   struct fy_host_tier *host;  // not owned; NULL when everything is on dev
-  float *params, *grads, *m, *v;  // graph->n_param_elems each
+  float *params, *grads, *m, *v;  // graph->n_param_elems each; m and v in state_format (one
+                                  // moment's buffer of fy_state_moment_bytes(state_format,
+                                  // n_param_elems) bytes each, ops/ops.h: floats in FY_STATE_F32)
+  enum fy_state_format state_format;  // how AdamW's m and v are stored (--optimizer-state)
   float *grad_acc;        // the sum over micro-batches (NULL without gradient accumulation)
   float *acts;            // graph->act_elems
   float *dacts;           // graph->grad_elems
@@ -109,6 +113,13 @@ struct fy_model_kernels {
   fy_status (*chunk_adamw)(struct fy_model *m, float *param, float *mom, float *var, const void *grad,
                            enum fy_dtype g_dt, void *param16, int64_t n, float lr, float beta1, float beta2,
                            float eps, float weight_decay, int64_t t, const float *scale_skip);
+  // The same with m and v stored in format f (ops/ops.h: FY_STATE_BF16 or FY_STATE_Q8, buffers of
+  // n elements), every parameter of the chunk at once as ranges (n_ranges, in DEVICE memory) with
+  // their weight decay (NULL where the device has no such kernels);
+  fy_status (*chunk_adamw_state)(struct fy_model *m, enum fy_state_format f, float *param, void *mom, void *var,
+                                 const void *grad, enum fy_dtype g_dt, void *param16, int64_t n,
+                                 const struct fy_adamw_range *ranges, int n_ranges, float lr, float beta1, float beta2,
+                                 float eps, int64_t t, const float *scale_skip);
   // dst (n, fp32) = src (first) or dst + src, src of dtype src_dt widened: the micro-batches' sum
   // of a chunk's gradients.
   fy_status (*chunk_add)(struct fy_model *m, float *dst, const void *src, enum fy_dtype src_dt, int64_t n, bool first);
@@ -154,6 +165,11 @@ struct fy_model_opts {
                               // the size, are never allocated (they could pass the device's cap)
   bool weights16;             // with inference and act16 (a GPU computing in 16 bits): no fp32
                               // weights, only the compute dtype's copy (fy_model.weights16)
+  // How AdamW's m and v are stored (FY_STATE_F32 by default): the resident model's m and v, and
+  // the offload engine's (runtime/offload.c). FY_STATE_Q8 also packs parameter groups and chunks
+  // at multiples of FY_Q8_BLOCK elements (fy_graph.chunk_align), so that every chunk size
+  // quantises the same blocks.
+  enum fy_state_format state_format;
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

@@ -64,9 +64,22 @@ struct fy_offload {
   int *param_first, *param_ids;  // params of chunk c: param_ids[param_first[c] .. param_first[c+1])
   int *grad_order;  // the chunks in the order a backward pass completes their gradients
   // Gradients and optimizer state: in the host tier, or for the last n_disk_chunks on disk.
-  float **g_home, **m_home, **v_home;  // host tier, NULL for disk chunks
+  // m and v are stored in the format sf (ops/ops.h): one moment of a chunk is a buffer of
+  // fy_state_moment_bytes(sf, n) bytes for its n = state_elems(x, c) elements (floats in
+  // FY_STATE_F32), in a slot of mb bytes (n = S) wherever it lives: host tier, disk, the optimizer
+  // stream's disk buffers; a device chunk's in one of fy_state_moment_bytes(sf, chunk_elems).
+  enum fy_state_format sf;
+  size_t mb;
+  float **g_home, **m_home, **v_home;  // host tier, NULL for disk chunks (m, v: mb-byte slots)
   float *m_all, *v_all;  // m_home and v_home of the host tier's chunks, one after the other
-  int64_t *disk_handle;           // disk chunks: (fp32 gradients,) m, v, each S floats (disk_off)
+  int64_t *disk_handle;           // disk chunks: (fp32 gradients, S floats,) m, v (mb bytes each; disk_off)
+  // Compressed state: each chunk's parameters as ranges of its state buffer (sorted; the update
+  // takes them all at once, so that a block two parameters share is quantised once), their
+  // weight decay written by the update; a GPU's device chunks keep a copy in device memory.
+  struct fy_adamw_range **ranges, **dev_ranges;
+  int *n_ranges;
+  bool dev_ranges_set;  // dev_ranges hold the weight decay dev_ranges_wd
+  float dev_ranges_wd;
   struct fy_disk_tier *disk;
   // The optimizer stream's host buffers for disk chunks: fp32 gradients, and two sets of m and v
   // (disk chunk i uses set i % 2: the next one's are read while this one is updated and written).
@@ -191,11 +204,21 @@ static bool grads_in_copy(const struct fy_offload *x, int c) {
   return fy_offload_grads_in_copy(x->m->compute_dtype, x->max_micro) && c >= x->n_dev;
 }
 
-// A disk chunk's slot: its fp32 gradients (which 0; none when they come home over the 16-bit
-// copy), m (1) and v (2), one after the other, each S floats.
+// A disk chunk's slot: its fp32 gradients (which 0, S floats; none when they come home over the
+// 16-bit copy), m (1) and v (2), mb bytes each, one after the other.
 static size_t disk_off(const struct fy_offload *x, int c, int which) {
-  return (size_t)(which - (grads_in_copy(x, c) ? 1 : 0)) * (size_t)x->S * 4;
+  size_t g = grads_in_copy(x, c) ? 0 : (size_t)x->S * 4;
+  return which == 0 ? 0 : g + (size_t)(which - 1) * x->mb;
 }
+
+// The elements of chunk c's m and v buffers: a device chunk's used ones, else span (its shard, or
+// the used part of the chunk).
+static int64_t state_elems(const struct fy_offload *x, int c) {
+  return c < x->n_dev ? x->m->layout->chunks[c].used : span(x, c);
+}
+
+// The bytes chunk c's m (or v) takes where it is stored.
+static size_t state_bytes(const struct fy_offload *x, int c) { return fy_state_moment_bytes(x->sf, state_elems(x, c)); }
 
 // Waits for the disk chunks' m and v requests in flight; the first error.
 static fy_status disk_drain(struct fy_offload *x) {
@@ -221,6 +244,7 @@ static bool grads_bf16(const struct fy_offload *x, int c) { return c >= x->n_dev
 
 // The bytes of a device chunk's buffer i (dev_bufs order: w, g, acc, m, v, w16).
 static size_t dev_buf_bytes(const struct fy_offload *x, int i) {
+  if (i == 3 || i == 4) return fy_state_moment_bytes(x->sf, x->m->layout->chunk_elems);
   size_t e = i == 1 || i == 5 ? x->esize : 4;
   return (size_t)x->m->layout->chunk_elems * e;
 }
@@ -348,6 +372,7 @@ static fy_status create_streams(struct fy_offload *x) {
 }
 
 static fy_status create_lag(struct fy_offload *x);
+static fy_status chunk_ranges(struct fy_offload *x, int c);
 
 static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opts *o) {
   struct fy_model *m = x->m;
@@ -389,6 +414,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (launches_kernels(m) && x->n_dev > 0 && !(kt->chunk_sumsq && kt->chunk_adamw && kt->chunk_add))
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept on the %s device (--device-chunks): its kernels cannot "
                         "update them", x->dev->name);
+  if (launches_kernels(m) && x->n_dev > 0 && x->sf != FY_STATE_F32 && !kt->chunk_adamw_state)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept on the %s device (--device-chunks) with --optimizer-state %s: "
+                        "its kernels cannot update that state", x->dev->name, fy_state_format_name(x->sf));
   if (x->sharded && x->n_dev > 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "chunks kept whole on the device do not combine with sharding across %d ranks "
                         "(shards_on_device keeps every rank's shards there)", x->world);
@@ -413,8 +441,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       fy_status st = fy_device_alloc(x->dev, dev_buf_bytes(x, i), (void **)&(*dev_bufs[i])[c]);
       if (st != FY_OK) return fy_error_wrap(st, "keeping chunk %d and its optimizer state on the device", c);
     }
-    FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_m[c], 0, (size_t)ce * 4));
-    FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_v[c], 0, (size_t)ce * 4));
+    FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_m[c], 0, dev_buf_bytes(x, 3)));  // (zero in every format)
+    FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_v[c], 0, dev_buf_bytes(x, 4)));
   }
   if (x->n_dev > 0) {
     size_t sums = (size_t)g->n_params * sizeof(double);
@@ -438,8 +466,8 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   if (x->forward_only && (x->n_dev > 0 || x->n_disk_chunks > 0))
     return fy_error_set(FY_ERR_INVALID, "a forward-only engine keeps no chunks on the device or disk");
   if (host_chunks(x) > 0 && !x->forward_only) {
-    FY_TRY(state_alloc(x, host_chunks(x) * bytes, &x->m_all));
-    FY_TRY(state_alloc(x, host_chunks(x) * bytes, &x->v_all));
+    FY_TRY(state_alloc(x, host_chunks(x) * x->mb, &x->m_all));
+    FY_TRY(state_alloc(x, host_chunks(x) * x->mb, &x->v_all));
   }
   for (int c = 0; c < nc; c++) {
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
@@ -447,12 +475,18 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     if (x->sharded) FY_TRY(state_alloc(x, bytes, &x->w_home[c]));
     if (x->forward_only) continue;  // (no gradients, m or v)
     if (c >= nc - x->n_disk_chunks) {
-      FY_TRY(fy_disk_alloc(x->disk, (grads_in_copy(x, c) ? 2 : 3) * bytes, &x->disk_handle[c]));
+      FY_TRY(fy_disk_alloc(x->disk, (grads_in_copy(x, c) ? 0 : bytes) + 2 * x->mb, &x->disk_handle[c]));
     } else {
       if (!grads_in_copy(x, c)) FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
-      x->m_home[c] = x->m_all + (size_t)(c - x->n_dev) * (size_t)x->S;
-      x->v_home[c] = x->v_all + (size_t)(c - x->n_dev) * (size_t)x->S;
+      x->m_home[c] = (float *)((char *)x->m_all + (size_t)(c - x->n_dev) * x->mb);
+      x->v_home[c] = (float *)((char *)x->v_all + (size_t)(c - x->n_dev) * x->mb);
     }
+  }
+  if (x->sf != FY_STATE_F32 && !x->forward_only) {
+    if (!(x->ranges = calloc((size_t)nc, sizeof *x->ranges)) || !(x->dev_ranges = calloc((size_t)nc, sizeof *x->dev_ranges)) ||
+        !(x->n_ranges = calloc((size_t)nc, sizeof *x->n_ranges)))
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    for (int c = 0; c < nc; c++) FY_TRY(chunk_ranges(x, c));
   }
   FY_TRY(fy_stream_sync(x->copy_in));
   x->device_state_bytes = (int64_t)(x->dev->bytes_in_use - dev_before);
@@ -468,9 +502,41 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     const bool grads = !fy_offload_grads_in_copy(m->compute_dtype, x->max_micro);
     float **bufs[] = {&x->disk_m[0], &x->disk_v[0], &x->disk_m[1], &x->disk_v[1], &x->disk_g, &x->wb_disk,
                       &x->wb_disk_sum};
-    for (int i = 0; i < (grads ? 7 : 4); i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)bufs[i]));
+    for (int i = 0; i < (grads ? 7 : 4); i++) FY_TRY(fy_host_alloc(m->host, i < 4 ? x->mb : bytes, (void **)bufs[i]));
     struct fy_disk_req **reqs[] = {&x->req_g, &x->req_m[0], &x->req_v[0], &x->req_m[1], &x->req_v[1], &x->req_wb};
     for (int i = 0; i < 6; i++) FY_TRY(fy_disk_req_create(reqs[i]));
+  }
+  return FY_OK;
+}
+
+static int range_cmp(const void *a, const void *b) {
+  int64_t x = ((const struct fy_adamw_range *)a)->off, y = ((const struct fy_adamw_range *)b)->off;
+  return (x > y) - (x < y);
+}
+
+// Compressed state: chunk c's parameters as ranges of its state buffer (the part of each in this
+// rank's [lo, lo + state_elems)), sorted, weight decay 1 where it applies; then as many again for
+// the update to fill in with the step's decay.
+static fy_status chunk_ranges(struct fy_offload *x, int c) {
+  const struct fy_graph *g = x->m->graph;
+  const int64_t lo = c < x->n_dev ? 0 : x->lo, hi = lo + state_elems(x, c);
+  const int np = x->param_first[c + 1] - x->param_first[c];
+  struct fy_adamw_range *r = calloc((size_t)(2 * np + 1), sizeof *r);
+  if (!r) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int n = 0;
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    int64_t a = p->chunk_offset > lo ? p->chunk_offset : lo;
+    int64_t b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
+    if (a < b) r[n++] = (struct fy_adamw_range){a - lo, b - a, p->decay ? 1.0f : 0.0f};
+  }
+  qsort(r, (size_t)n, sizeof *r, range_cmp);
+  x->ranges[c] = r;
+  x->n_ranges[c] = n;
+  FY_TRY(fy_adamw_ranges_check(hi - lo, r, n));
+  if (c < x->n_dev && launches_kernels(x->m) && n > 0) {  // the kernels read them in device memory
+    fy_status st = fy_device_alloc(x->dev, (size_t)n * sizeof *r, (void **)&x->dev_ranges[c]);
+    if (st != FY_OK) return fy_error_wrap(st, "keeping device chunk %d's parameter ranges on the device", c);
   }
   return FY_OK;
 }
@@ -591,10 +657,19 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->shards_on_device = x->sharded && o->shards_on_device;
   x->S = ce / x->world;
   x->lo = (int64_t)x->rank * x->S;
+  x->sf = m->state_format;
+  x->mb = fy_state_moment_bytes(x->sf, x->S);
   fy_status st = FY_OK;
   if (x->sharded && ce % (16 * x->world) != 0)
     st = fy_error_set(FY_ERR_INVALID, "chunks of %lld elements do not split into %d shards of whole 64-byte lines",
                       (long long)ce, x->world);
+  // 8-bit state quantises blocks of FY_Q8_BLOCK elements from each buffer's start: a chunk, and a
+  // rank's shard of it, must start on a block of the unsharded run's for the same bits.
+  if (st == FY_OK && x->sf == FY_STATE_Q8 && !o->forward_only && (ce % FY_Q8_BLOCK != 0 || x->S % FY_Q8_BLOCK != 0))
+    st = fy_error_set(FY_ERR_INVALID, "--optimizer-state 8bit: chunks of %lld elements%s do not start every %s on a "
+                      "block of %d elements; give a chunk size that is a multiple of %d elements (%.4f MiB)",
+                      (long long)ce, x->sharded ? " split over the ranks" : "", x->sharded ? "shard" : "chunk",
+                      FY_Q8_BLOCK, FY_Q8_BLOCK * x->world, FY_Q8_BLOCK * x->world * 4.0 / 1048576.0);
   // A communicator per stream that runs collectives: each keeps the order of its own stream.
   struct fy_comm *blocks = o->block_comm ? o->block_comm : o->comm;
   if (st == FY_OK && x->sharded && (fy_comm_size(blocks) != x->world || fy_comm_rank(blocks) != x->rank))
@@ -705,7 +780,15 @@ void fy_offload_free(struct fy_offload *x) {
   disk_drain(x);
   float *bufs[] = {x->disk_g, x->disk_m[0], x->disk_v[0], x->disk_m[1], x->disk_v[1], x->wb_disk, x->wb_disk_sum};
   for (int i = 0; i < 7; i++)
-    if (bufs[i]) fy_host_dealloc(m->host, bufs[i], sbytes);
+    if (bufs[i]) fy_host_dealloc(m->host, bufs[i], i >= 1 && i <= 4 ? x->mb : sbytes);
+  for (int c = 0; c < nc; c++) {
+    if (x->ranges) free(x->ranges[c]);
+    if (x->dev_ranges && x->dev_ranges[c])
+      fy_device_dealloc(x->dev, x->dev_ranges[c], (size_t)x->n_ranges[c] * sizeof **x->dev_ranges);
+  }
+  free(x->ranges);
+  free(x->dev_ranges);
+  free(x->n_ranges);
   struct fy_disk_req *reqs[] = {x->req_g, x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1], x->req_wb};
   for (int i = 0; i < 6; i++) fy_disk_req_free(reqs[i]);
   for (int p = 0; p < 2; p++) {
@@ -742,8 +825,8 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->grad_ready);
   free(x->g_home);
   free(x->wb_jobs);
-  state_free(x, x->m_all, host_chunks(x) * sbytes);
-  state_free(x, x->v_all, host_chunks(x) * sbytes);
+  state_free(x, x->m_all, host_chunks(x) * x->mb);
+  state_free(x, x->v_all, host_chunks(x) * x->mb);
   free(x->m_home);
   free(x->v_home);
   free(x->disk_handle);
@@ -1088,7 +1171,7 @@ static int disk_set(const struct fy_offload *x, int c) {
 // Starts reading disk chunk c's m and v into its set (whose requests are idle).
 static fy_status disk_read_mv(struct fy_offload *x, int c) {
   const int b = disk_set(x, c);
-  const size_t used = (size_t)span(x, c) * 4;
+  const size_t used = state_bytes(x, c);
   fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), x->disk_m[b], used, x->req_m[b]);
   if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), x->disk_v[b], used, x->req_v[b]);
   return st;
@@ -1107,7 +1190,7 @@ static void adamw_fn(void *arg) {
   }
   const float scale = dscale ? dscale[0] : a->scale;
   const struct fy_graph *g = x->m->graph;
-  size_t used = (size_t)span(x, c) * 4;
+  size_t used = (size_t)span(x, c) * 4, sbytes = state_bytes(x, c);
   float *gg = (float *)j->grads, *mm = x->m_home[c], *vv = x->v_home[c];
   float *params = home_weights(x, c);
   int64_t lo = x->lo, hi = x->lo + span(x, c);
@@ -1136,8 +1219,22 @@ static void adamw_fn(void *arg) {
       return;
     }
   }
+  if (x->sf != FY_STATE_F32) {  // the chunk's whole buffer at once, a range a parameter (chunk_ranges)
+    const int nr = x->n_ranges[c];
+    struct fy_adamw_range *r = x->ranges[c] + nr;  // (the first nr say which parameters decay, with 1)
+    for (int i = 0; i < nr; i++) {
+      r[i] = x->ranges[c][i];
+      r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+    }
+    fy_status st = bf16_in_copy
+                       ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, (uint16_t *)j->copy, hi - lo, r, x->n_ranges[c],
+                                                    a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale)
+                       : fy_adamw_state_update(x->sf, params, mm, vv, gg, hi - lo, r, x->n_ranges[c], a->lr, a->h.beta1,
+                                               a->h.beta2, a->h.eps, a->t, scale);
+    if (st != FY_OK) async_fail(x, st);
+  }
   // AdamW is elementwise: a parameter's part in [lo, hi) is updated as the whole would be.
-  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+  for (int k = x->param_first[c]; x->sf == FY_STATE_F32 && k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
     int64_t b0 = p->chunk_offset > lo ? p->chunk_offset : lo;
     int64_t b1 = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
@@ -1159,8 +1256,8 @@ static void adamw_fn(void *arg) {
     // m and v go back to disk while the next disk chunk's are read into the other set (once that
     // set's writes, of the chunk before this one, are done); the step's last one waits for all.
     const int b = disk_set(x, c);
-    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, used, x->req_m[b]);
-    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, used, x->req_v[b]);
+    fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, sbytes, x->req_m[b]);
+    if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, sbytes, x->req_v[b]);
     fy_status w2 = fy_disk_wait(x->req_m[b ^ 1]), w3 = fy_disk_wait(x->req_v[b ^ 1]);
     if (st == FY_OK) st = w2 != FY_OK ? w2 : w3;
     if (st == FY_OK && c + 1 < x->m->layout->n_chunks && (st = disk_read_mv(x, c + 1)) == FY_OK)
@@ -1199,6 +1296,26 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *gr
   const struct step_args *a = &x->args[q];
   const char *gg = grads;
   enum fy_dtype dt = grads_dtype(x, c);
+  if (x->sf != FY_STATE_F32) {  // the chunk at once, its ranges in device memory (chunk_ranges)
+    const struct fy_model_kernels *kt = x->m->kernels;
+    const int nr = x->n_ranges[c];
+    if (!x->dev_ranges_set || x->dev_ranges_wd != a->h.weight_decay) {  // (once: the decay is the run's)
+      for (int d = 0; d < x->n_dev; d++) {
+        struct fy_adamw_range *r = x->ranges[d] + x->n_ranges[d];
+        for (int i = 0; i < x->n_ranges[d]; i++) {
+          r[i] = x->ranges[d][i];
+          r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+        }
+        if (x->n_ranges[d] > 0) FY_TRY(fy_copy_async(x->compute, x->dev_ranges[d], r, (size_t)x->n_ranges[d] * sizeof *r));
+      }
+      FY_TRY(fy_stream_sync(x->compute));  // (the host's ranges may change again only after the copy)
+      x->dev_ranges_set = true;
+      x->dev_ranges_wd = a->h.weight_decay;
+    }
+    return kt->chunk_adamw_state(x->m, x->sf, x->dev_w[c], x->dev_m[c], x->dev_v[c], gg, dt, x->dev_w16[c],
+                                 x->m->layout->chunks[c].used, x->dev_ranges[c], nr, a->lr, a->h.beta1, a->h.beta2,
+                                 a->h.eps, a->t, x->dev_scale + 2 * q);
+  }
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
     const struct fy_param *p = &g->params[x->param_ids[k]];
     int64_t o = p->chunk_offset;
@@ -1372,7 +1489,52 @@ void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out) 
   fy_device_cache_stats(x->cache, &out->cache);
 }
 
+// Compressed state: chunk c's m (k 0) or v (k 1), its whole buffer (state_elems elements), read
+// and decoded into dst, or encoded from src and stored, wherever it lives (through a host buffer).
+static fy_status state_io(struct fy_offload *x, int c, int k, float *dst, const float *src) {
+  const int64_t n = state_elems(x, c);
+  const size_t nb = state_bytes(x, c);
+  void *home = c < x->n_dev ? (void *)(k ? x->dev_v[c] : x->dev_m[c]) : (void *)(k ? x->v_home[c] : x->m_home[c]);
+  void *buf = malloc(nb ? nb : 1);
+  if (!buf) return fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk's optimizer state");
+  fy_status st = FY_OK;
+  if (src) fy_state_encode(x->sf, k ? FY_MOMENT_V : FY_MOMENT_M, buf, src, n);
+  if (home) {  // host tier or device memory: through the copy engine either way
+    st = fy_copy_async(x->copy_out, src ? home : buf, src ? buf : home, nb);
+    if (st == FY_OK) st = fy_stream_sync(x->copy_out);
+  } else {
+    st = disk_io(x, src != NULL, c, disk_off(x, c, 1 + k), buf, nb, k ? x->req_v[0] : x->req_m[0]);
+  }
+  if (st == FY_OK && !src) fy_state_decode(x->sf, k ? FY_MOMENT_V : FY_MOMENT_M, dst, buf, n);
+  free(buf);
+  return st;
+}
+
+// fy_offload_adam_state in a compressed format: this rank's elements of the chunk decoded into m
+// and v, or encoded from them (the buffer's padding as zeros).
+static fy_status adam_state_compressed(struct fy_offload *x, int c, float *m, float *v, bool store) {
+  const int64_t n = state_elems(x, c), at = c < x->n_dev ? 0 : x->lo;
+  int64_t keep = x->m->layout->chunks[c].used - at;  // the elements that hold parameters
+  if (keep > n) keep = n;
+  if (keep <= 0) return FY_OK;  // padding only
+  float *tmp = calloc((size_t)n, sizeof *tmp);
+  if (!tmp) return fy_error_set(FY_ERR_NOMEM, "cannot allocate a chunk's optimizer state");
+  fy_status st = FY_OK;
+  for (int k = 0; k < 2 && st == FY_OK; k++) {
+    float *mine = (k ? v : m) + at;
+    if (store) {
+      memcpy(tmp, mine, (size_t)keep * 4);
+      st = state_io(x, c, k, NULL, tmp);
+    } else if ((st = state_io(x, c, k, tmp, NULL)) == FY_OK) {
+      memcpy(mine, tmp, (size_t)keep * 4);
+    }
+  }
+  free(tmp);
+  return st;
+}
+
 fy_status fy_offload_adam_state(struct fy_offload *x, int c, float *m, float *v, bool store) {
+  if (x->sf != FY_STATE_F32) return adam_state_compressed(x, c, m, v, store);
   if (c < x->n_dev) {  // through the copy engines, as for any device memory
     size_t used = (size_t)x->m->layout->chunks[c].used * 4;
     FY_TRY(fy_copy_async(x->copy_out, store ? x->dev_m[c] : m, store ? m : x->dev_m[c], used));
@@ -1410,6 +1572,7 @@ static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
     FY_TRY(fy_copy_async(x->copy_out, dst, x->w_home[c], bytes));
     return fy_stream_sync(x->copy_out);
   }
+  if (x->sf != FY_STATE_F32) return state_io(x, c, which - 1, dst, NULL);  // (S elements)
   float *src = which == 1 ? x->m_home[c] : x->v_home[c];
   if (src) {
     FY_TRY(fy_copy_async(x->copy_out, dst, src, bytes));
@@ -1472,7 +1635,7 @@ int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   int64_t on_dev = 0;  // weights, gradients, their sum, m, v, the 16-bit weights
   for (int i = 0; i < 6; i++)
     if ((i != 2 || x->max_micro > 1) && (i != 5 || x->chome)) on_dev += (int64_t)x->n_dev * (int64_t)dev_buf_bytes(x, i);
-  int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * x->S * 4 * 4;  // weights, gradients, m, v
+  int64_t rest = (int64_t)(l->n_chunks - x->n_dev) * (x->S * 4 * 2 + 2 * (int64_t)x->mb);  // weights, gradients, m, v
   for (int c = x->n_dev; c < l->n_chunks; c++)
     if (grads_in_copy(x, c)) rest -= x->S * 4;  // the gradients come home over the 16-bit copy
   int64_t copies = x->chome ? (int64_t)l->n_chunks * x->S * (int64_t)x->esize : 0;  // 16-bit weights

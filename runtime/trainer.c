@@ -268,6 +268,13 @@ static enum fy_dtype precision_dtype(const struct fy_train_opts *o) {
   return dt;
 }
 
+// --optimizer-state as a format (checked in check_train_opts; NULL: fp32).
+static enum fy_state_format state_format(const struct fy_train_opts *o) {
+  enum fy_state_format f = FY_STATE_F32;
+  if (o->optimizer_state) fy_state_format_from_name(o->optimizer_state, &f);
+  return f;
+}
+
 // A communicator over c's ranks for collectives on the compute device's memory: an mpi one for
 // host memory, NCCL's for a GPU's (bootstrapped by an mpi one).
 static fy_status device_comm(struct fy_comm *c, int rank, bool cuda, struct fy_comm **out) {
@@ -367,8 +374,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   int64_t chunk = (int64_t)(o->chunk_mib * 1048576.0 / 4), ce0;  // --chunk-mib counts fp32 elements
   size_t need;
   FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, r->tp, o->recompute, r->eval, cuda, esize, chunk, &need, &ce0));
+  const enum fy_state_format sf = state_format(o);
   if (r->dp > 1) {  // chunks split into one shard per rank, each of whole 64-byte lines
-    int64_t q = 16 * (int64_t)r->dp;
+    // (8-bit state: of whole blocks of FY_Q8_BLOCK elements, so that each shard quantises the
+    // unsharded run's blocks; the layout's groups are packed at such multiples too, model.c)
+    int64_t q = (sf == FY_STATE_Q8 && !r->eval ? FY_Q8_BLOCK : 16) * (int64_t)r->dp;
     if (ce0 % q != 0)
       FY_TRY(fy_offload_plan_min_bytes(cfg, o->batch, o->seq, r->tp, o->recompute, r->eval, cuda, esize, (ce0 + q - 1) / q * q,
                                        &need, &ce0));
@@ -399,6 +409,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // evaluation (or sampling) in bf16 on a GPU, whose chunks' bf16 copies are the weights.
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
+                             .state_format = r->eval ? FY_STATE_F32 : sf,
                              .no_params = r->dp > 1 || (r->eval && cuda && cdt != FY_F32),
                              .act16 = cuda && cdt != FY_F32};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
@@ -419,14 +430,16 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // Per chunk: m, v, the gradients unless they come home over the 16-bit copy, and with sharding
   // the rank's shard of the master weights (one rank's stay in the model's buffer, counted in use).
   // (Evaluation keeps no gradients, m or v: only the sharded weights.)
+  // m and v in the run's state format: a slot of fy_state_moment_bytes(S) each (runtime/offload.c).
   size_t shard_bytes = chunk_bytes / (size_t)r->dp,
-         per_chunk = ((r->dp > 1) + (r->eval ? 0 : g16 ? 2 : 3)) * shard_bytes;
+         mv_bytes = 2 * fy_state_moment_bytes(sf, l->chunk_elems / r->dp),
+         per_chunk = ((r->dp > 1) + (r->eval || g16 ? 0 : 1)) * shard_bytes + (r->eval ? 0 : mv_bytes);
   size_t reserve = 3 * chunk_bytes;
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems / (size_t)r->dp * esize;  // 16-bit weights
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;
   if (fit < l->n_chunks && !r->eval) {
-    reserve += (g16 ? 4 : 7) * shard_bytes;  // (the disk chunks' buffers: runtime/offload.c)
+    reserve += 2 * mv_bytes + (g16 ? 0 : 3) * shard_bytes;  // (the disk chunks' buffers: runtime/offload.c)
     spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
     fit = (int)(spare / per_chunk);
   }
@@ -458,14 +471,15 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     return fy_error_set(FY_ERR_NOMEM,
                         "the gradients and AdamW state of %d of %d chunks (%s) do not fit in the host "
                         "memory (--host-mem %s, %s of it for the parameters); give a disk tier with --disk-dir",
-                        n_disk, l->n_chunks, fy_format_bytes((g16 ? 2.0 : 3.0) * n_disk * shard_bytes, b1, sizeof b1),
+                        n_disk, l->n_chunks,
+                        fy_format_bytes((double)n_disk * ((g16 ? 0.0 : (double)shard_bytes) + (double)mv_bytes), b1, sizeof b1),
                         fy_format_bytes((double)host_cap, b2, sizeof b2), fy_format_bytes((double)in_use, b3, sizeof b3));
   if (n_disk > 0) {
     // Each disk chunk's slot holds its m, v and, unless they come home over the 16-bit copy, its
     // gradients (fp32, this rank's shard). The file grows as steps write it, so a disk too small is
     // said now rather than at a step's first write; the ranks on this machine (given the same
     // --disk-dir) share its file system.
-    const size_t need = (size_t)n_disk * fy_disk_slot_bytes((g16 ? 2 : 3) * shard_bytes);
+    const size_t need = (size_t)n_disk * fy_disk_slot_bytes((g16 ? 0 : shard_bytes) + mv_bytes);
     const int local = r->comm && fy_comm_local_size(r->comm) > 1 ? fy_comm_local_size(r->comm) : 1;
     double space = 0;
     fy_status st = fy_mkdir_p(o->disk_dir);  // (made when missing, as --save's directory is)
@@ -642,7 +656,7 @@ static fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffl
     // model that cannot fit is refused before anything is allocated, with what it would need.
     FY_TRY(fy_device_cpu_create(rank_ram(r), &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm,
-                               .inference = r->eval};
+                               .inference = r->eval, .state_format = r->eval ? FY_STATE_F32 : state_format(o)};
     st = fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model);
     int local = fy_comm_local_size(r->comm);
     char ram[32];
@@ -1210,6 +1224,7 @@ static void options_json(const struct fy_train_opts *o, const char *model, doubl
   json_object_object_add(j, "recompute", json_object_new_boolean(o->recompute));
   json_object_object_add(j, "precision", json_object_new_string(o->precision ? o->precision : "fp32"));
   json_object_object_add(j, "dropout", json_object_new_double_s(dropout, drop));
+  json_object_object_add(j, "optimizer_state", json_object_new_string(fy_state_format_name(state_format(o))));
   json_object_object_add(j, "seed", json_object_new_uint64(o->seed));
   json_object_object_add(j, "schedule", json_object_new_string(o->schedule ? o->schedule : "cosine"));
   const char *text = json_object_to_json_string_ext(j, JSON_C_TO_STRING_PLAIN);
@@ -1227,6 +1242,7 @@ static void checkpoint_meta(const struct fy_train_opts *o, struct run *r, struct
   *meta = (struct fy_ckpt_meta){.step = steps_done, .sequences = fy_data_position(r->data) * o->batch * r->dp,
                                 .seed = o->seed, .loss_scale = scale, .loss_scale_good = scale_good,
                                 .updates = r->updates};
+  snprintf(meta->optimizer_state, sizeof meta->optimizer_state, "%s", fy_state_format_name(r->model->state_format));
   // (the model's name: --model's, else its config's, so that a run resumed without --model names it)
   options_json(o, o->model ? o->model : r->cfg.name, r->cfg.train_dropout, meta->options, sizeof meta->options);
 }
@@ -1290,9 +1306,9 @@ static fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct
     FY_TRY(fy_model_download(m, s->m, m->m, bytes));
     FY_TRY(fy_model_download(m, s->v, m->v, bytes));
     FY_TRY(fy_model_download(m, s->params, m->params, bytes));
-  } else {
-    memcpy(s->m, m->m, bytes);
-    memcpy(s->v, m->v, bytes);
+  } else {  // (compressed state: the values it reads back as, checkpoint.h)
+    fy_state_decode(m->state_format, FY_MOMENT_M, s->m, m->m, m->graph->n_param_elems);
+    fy_state_decode(m->state_format, FY_MOMENT_V, s->v, m->v, m->graph->n_param_elems);
     memcpy(s->params, m->params, bytes);
   }
   checkpoint_meta(o, r, &s->meta, steps_done, scale, scale_good);
@@ -1344,15 +1360,21 @@ static fy_status resume_state(const char *path, struct run *r, struct fy_ckpt_me
     return resume_adam_by_chunk(path, r);
   }
   size_t bytes = (size_t)m->graph->n_param_elems * 4;
-  const bool staged = fy_model_params_on_device(m);  // read into host buffers, then up to the GPU
+  // Read into host buffers, then up to the GPU, or (compressed state) stored in the run's format.
+  const bool staged = fy_model_params_on_device(m) || m->state_format != FY_STATE_F32;
   float *mm = m->m, *vv = m->v;
   if (staged && (!(mm = calloc(1, bytes)) || !(vv = calloc(1, bytes)))) {
     free(mm);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate %.1f MiB to read the AdamW state", 2 * bytes / 1048576.0);
   }
   fy_status st = fy_ckpt_load(path, m, mm, vv, meta);
-  if (st == FY_OK && staged) st = fy_model_upload(m, m->m, mm, bytes);
-  if (st == FY_OK && staged) st = fy_model_upload(m, m->v, vv, bytes);
+  if (st == FY_OK && m->state_format != FY_STATE_F32) {
+    fy_state_encode(m->state_format, FY_MOMENT_M, m->m, mm, m->graph->n_param_elems);
+    fy_state_encode(m->state_format, FY_MOMENT_V, m->v, vv, m->graph->n_param_elems);
+  } else if (st == FY_OK && staged) {
+    st = fy_model_upload(m, m->m, mm, bytes);
+    if (st == FY_OK) st = fy_model_upload(m, m->v, vv, bytes);
+  }
   if (staged) {
     free(mm);
     free(vv);
@@ -1406,6 +1428,11 @@ static fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *f
   struct fy_ckpt_meta meta;
   fy_status st = r->tp > 1 ? resume_tp(o->resume, r, &meta) : resume_state(o->resume, r, &meta);
   if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
+  const char *fmt = fy_state_format_name(r->model->state_format);
+  if (strcmp(meta.optimizer_state, fmt) != 0 && r->rank == 0)
+    fy_log_warn("--resume %s: its AdamW state was stored as %s and this run stores it as %s (--optimizer-state): "
+                "converted, so the run goes on from rounded m and v%s", o->resume, meta.optimizer_state, fmt,
+                r->model->state_format == FY_STATE_F32 ? " (widening loses nothing more)" : "");
   int64_t global_batch = o->batch * r->dp;
   if (meta.sequences % global_batch != 0)
     return fy_error_set(FY_ERR_INVALID, "--resume %s: %lld sequences were consumed, not a whole number of "
@@ -1539,8 +1566,9 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
   }
   struct fy_plan plan;
   if (automatic) {  // the global batch as if every rank were data-parallel, in this run's precision
-    FY_TRY(fy_plan_search_lag(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
-                              cuda && o->offload, o->precision, o->optimizer_lag, &probe, &plan, NULL));
+    FY_TRY(fy_plan_search_state(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
+                                cuda && o->offload, o->precision, o->optimizer_lag, o->optimizer_state, &probe, &plan,
+                                NULL));
   } else {
     FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.resident && !cuda)
@@ -1602,6 +1630,14 @@ static fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool 
     fy_log_info("--plan %s is for the one-step-delayed update: training with --optimizer-lag %d", o->plan,
                 k->optimizer_lag);
   if (k->optimizer_lag) o->optimizer_lag = k->optimizer_lag;
+  // The plan's AdamW state format is the run's (its host and disk bytes are that format's).
+  enum fy_state_format pf = FY_STATE_F32;
+  if (k->optimizer_state[0]) fy_state_format_from_name(k->optimizer_state, &pf);  // (checked when read)
+  if (o->optimizer_state && strcmp(o->optimizer_state, fy_state_format_name(pf)) != 0)
+    return fy_error_set(FY_ERR_INVALID, "--plan %s is for AdamW state stored as %s, not --optimizer-state %s: drop "
+                        "--optimizer-state, or write a plan for it (ferry plan --optimizer-state %s)", o->plan,
+                        fy_state_format_name(pf), o->optimizer_state, o->optimizer_state);
+  o->optimizer_state = fy_state_format_name(pf);
   if (o->quiet || fy_comm_launch_rank() != 0) return FY_OK;  // (rank 0 speaks for all)
   if (!cuda || automatic) {
     fy_plan_print(&plan, stdout);
@@ -1653,6 +1689,17 @@ static fy_status check_train_opts(struct fy_train_opts *e) {
   if (e->optimizer_lag > 0 && e->grad_accum > 1)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 does not combine with --grad-accum %lld (each step's "
                         "gradients would need a second fp32 sum)", (long long)e->grad_accum);
+  enum fy_state_format sf;
+  if (e->optimizer_state && !fy_state_format_from_name(e->optimizer_state, &sf))
+    return fy_error_set(FY_ERR_INVALID, "--optimizer-state %s: fp32, bf16 or 8bit", e->optimizer_state);
+  const bool compressed = e->optimizer_state && sf != FY_STATE_F32;
+  if (compressed && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s on a resident GPU run: the resident GPU keeps fp32 "
+                        "AdamW state; train offloaded (--offload, where host, disk and device chunks keep it in %s) "
+                        "or use --optimizer-state fp32", e->optimizer_state, e->optimizer_state);
+  if (compressed && e->tp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s with --tp %d: tensor-parallel slices keep fp32 AdamW "
+                        "state (use --optimizer-state fp32)", e->optimizer_state, e->tp);
   if (e->optimizer_lag > 0 && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 is for offloaded runs (--device cuda --offload, "
                         "--device sim) and the cpu: a resident GPU run updates on the GPU, where the lag hides nothing");
@@ -1862,11 +1909,13 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
       json_number(val_json, res->val_loss, "%.6f");
       fprintf(log, "{\"step\":%lld,\"loss\":%s,\"lr\":%.6g,\"grad_norm\":%s,\"step_s\":%.6f,"
               "\"tokens_per_s\":%.1f,\"gflops\":%.2f,\"gflops_llmc\":%.2f,\"peak_rss_mib\":%.1f,\"device_peak_mib\":%.4f,"
-              "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f",
+              "\"host_tier_mib\":%.4f,\"host_peak_mib\":%.4f,\"device_state_mib\":%.4f,\"chunk_mib\":%.4f,"
+              "\"optimizer_state\":\"%s\"",
               (long long)step + 1, loss_json, lr, norm_json, dt, tok_s, gflops, gflops * llmc_over, rss / 1048576.0,
               r.dev->bytes_peak / 1048576.0, r.host ? fy_host_in_use(r.host) / 1048576.0 : 0.0,
               r.host ? fy_host_peak(r.host) / 1048576.0 : 0.0,
-              r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0);
+              r.x ? fy_offload_device_state_bytes(r.x) / 1048576.0 : 0.0, res->chunk_bytes / 1048576.0,
+              fy_state_format_name(r.model->state_format));
       if (ignored || (overflow && o->loss_scale > 0))
         fprintf(log, ",\"skipped\":\"%s\"", ignored ? "every target ignored" : "gradient overflow");
       if (validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, val_s);

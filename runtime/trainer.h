@@ -78,6 +78,12 @@ struct fy_train_opts {
   // as fp32; on cuda real bf16 tensors), with fp32 master weights and AdamW state
   // (runtime/model.h, compute_dtype); fp16 without loss_scale scales from 65536.
   const char *precision;
+  // How AdamW's m and v are stored (ops/ops.h, "AdamW with compressed state"): "fp32" (default,
+  // NULL), "bf16" (2 bytes a value, rounded to nearest even at every store) or "8bit" (block-wise
+  // quantised codes, one byte a value and a float scale a block of 256: 1.016 bytes). Wherever the
+  // state lives: the cpu's model, and offloaded (sim, cuda --offload) the host tier, disk and device
+  // chunks; every placement gives the cpu's bits in each. Not on a resident GPU run, nor with --tp.
+  const char *optimizer_state;
   // Ranks (runtime/comm.h): under mpirun or srun every rank trains on its own part of each
   // global batch (batch x grad_accum x ranks sequences) and the gradients are summed across ranks
   // before the norm, so N ranks with --batch B follow one rank with --batch N*B.

@@ -416,6 +416,85 @@ int main(int argc, char **argv) {
   CHECK_OK(fy_train(&o, &b));
   CHECK(b.params_hash == straight.params_hash);
 
+  // --optimizer-state bf16 and 8bit: a checkpoint holds the values the stored state reads back as
+  // (f32 tensors) and says the format; the same format stores them again to the same bits, so a
+  // resume is exact on the cpu and under every placement (host chunks with eviction, device and
+  // disk chunks, checkpoints written chunk by chunk, 16-bit compute, the lag).
+  {
+    const char *fmts[] = {"bf16", "8bit"};
+    for (int f = 0; f < 2; f++) {
+      char what[160];
+      struct fy_train_opts q = base();
+      q.optimizer_state = fmts[f];
+      snprintf(what, sizeof what, "cpu, %s state", fmts[f]);
+      check_resume(what, q);
+      q.device = "sim";
+      q.device_mem = 4 << 20;
+      q.chunk_mib = 0.05;
+      q.blocks = 2;
+      snprintf(what, sizeof what, "sim, eviction, %s state", fmts[f]);
+      check_resume(what, q);
+      q.precision = "bf16";
+      q.device_chunks = 1;
+      q.disk_dir = dir;
+      q.disk_chunks = 1;
+      snprintf(what, sizeof what, "sim bf16, a device chunk and a disk chunk, %s state", fmts[f]);
+      check_resume(what, q);
+      q.optimizer_lag = 1;
+      snprintf(what, sizeof what, "sim bf16 lag 1, a device chunk and a disk chunk, %s state", fmts[f]);
+      check_resume(what, q);
+      q.optimizer_lag = 0;
+      q.device_chunks = 0;
+      q.disk_dir = NULL;
+      q.disk_chunks = -1;
+      struct fy_train_result one;
+      struct fy_train_opts p1 = q;
+      p1.steps = 1;
+      CHECK_OK(fy_train(&p1, &one));
+      q.host_mem = (size_t)(1.25 * one.host_tier_bytes);  // no room for a snapshot: chunk by chunk
+      snprintf(what, sizeof what, "sim bf16, checkpoints written chunk by chunk, %s state", fmts[f]);
+      check_resume(what, q);
+      CHECK(last_by_chunk);
+    }
+    // trainer.json says the format; a resume in another format converts, warns and trains on.
+    char root8[512], sd[600], line[4096];
+    path(root8, "state8");
+    struct fy_train_opts q = base();
+    q.optimizer_state = "8bit";
+    q.stop_after = 5;
+    q.save = root8;
+    q.save_every = 5;
+    struct fy_train_result r8, rc;
+    CHECK_OK(fy_train(&q, &r8));
+    CHECK_OK(fy_ckpt_resolve(root8, sd, sizeof sd));
+    snprintf(line, sizeof line, "grep -Eq '\"optimizer_state\": *\"8bit\"' %s/trainer.json", sd);
+    CHECKF(system(line) == 0, "%s/trainer.json does not say the 8-bit format", sd);
+    const char *to[] = {"fp32", "bf16"};
+    for (int k = 0; k < 2; k++) {
+      struct fy_train_opts c = base();
+      c.optimizer_state = to[k];
+      c.resume = root8;
+      c.device = k ? "sim" : NULL;
+      c.device_mem = 4 << 20;
+      c.chunk_mib = 0.05;
+      char errf[512];
+      path(errf, "convert.err");
+      fflush(stderr);
+      int saved = dup(2), fd = open(errf, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 2);
+      fy_status st = fy_train(&c, &rc);
+      fflush(stderr);
+      dup2(saved, 2);
+      close(saved);
+      close(fd);
+      CHECKF(st == FY_OK && rc.first_step == 5 && rc.last_loss < r8.first_loss, "resume 8bit -> %s: %s", to[k],
+             st == FY_OK ? "ok" : fy_error_msg());
+      snprintf(line, sizeof line, "grep -q 'stored as 8bit and this run stores it as %s' %s", to[k], errf);
+      CHECKF(system(line) == 0, "resume 8bit -> %s: no warning that the state is converted", to[k]);
+    }
+    fprintf(stderr, "  resume in another state format: converted with a warning\n");
+  }
+
   // Export: a Hugging Face directory with the checkpoint's weights.
   char out[512], sdir[600];
   path(out, "exported");

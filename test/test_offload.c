@@ -506,6 +506,95 @@ int main(int argc, char **argv) {
     CHECK(timed.params_hash == plain.params_hash && !plain.stalls_timed);
   }
 
+  // --optimizer-state bf16 and 8bit: m and v stored compressed wherever they live (host tier, disk
+  // read and written in their stored size, device chunks, fp32 and bf16 compute), every placement
+  // the cpu's bits in each format: 8-bit blocks hold the same elements whatever the chunk size (the
+  // layout packs groups at 256 elements). The formats' numbers differ from fp32's and each other's.
+  {
+    const char *fmts[] = {"bf16", "8bit"};
+    for (int f = 0; f < 2; f++) {
+      for (int prec = 0; prec < 2; prec++) {
+        struct fy_train_result cref;
+        o = base();
+        o.optimizer_state = fmts[f];
+        o.precision = prec ? "bf16" : NULL;
+        CHECK_OK(fy_train(&o, &cref));
+        CHECKF(cref.last_loss < cref.first_loss && (prec || cref.params_hash != ref.params_hash),
+               "%s state, %s: learns (%.9g -> %.9g) with other numbers than fp32 state's", fmts[f],
+               prec ? "bf16" : "fp32", cref.first_loss, cref.last_loss);
+        struct fy_train_opts q = s;
+        q.optimizer_state = fmts[f];
+        q.precision = o.precision;
+        q.blocks = 2;
+        q.disk_dir = NULL;
+        q.disk_chunks = -1;
+        q.device_chunks = 0;
+        char what[160];
+        snprintf(what, sizeof what, "%s state %s: host chunks, 2 blocks", fmts[f], prec ? "bf16" : "fp32");
+        same_as(what, q, &cref);
+        q.disk_dir = disk_dir;
+        q.disk_chunks = 1000;
+        q.sim_jitter_us = 300;
+        snprintf(what, sizeof what, "%s state %s: jitter, every chunk on disk", fmts[f], prec ? "bf16" : "fp32");
+        same_as(what, q, &cref);
+        q.sim_jitter_us = 0;
+        q.disk_chunks = 1;
+        q.device_chunks = 2;
+        q.blocks = 3;
+        snprintf(what, sizeof what, "%s state %s: 2 device chunks, 1 on disk", fmts[f], prec ? "bf16" : "fp32");
+        same_as(what, q, &cref);
+        q.chunk_mib = 0.1;  // other chunks: the same blocks
+        q.disk_dir = NULL;
+        q.disk_chunks = -1;
+        q.device_chunks = 0;
+        snprintf(what, sizeof what, "%s state %s: larger chunks", fmts[f], prec ? "bf16" : "fp32");
+        same_as(what, q, &cref);
+      }
+    }
+    // 2 micro-batches (fp32 gradients in the host tier and on disk) in 8-bit.
+    struct fy_train_result acc8;
+    o = base();
+    o.optimizer_state = "8bit";
+    o.grad_accum = 2;
+    o.batch = 1;
+    CHECK_OK(fy_train(&o, &acc8));
+    struct fy_train_opts q = s;
+    q.optimizer_state = "8bit";
+    q.grad_accum = 2;
+    q.batch = 1;
+    q.blocks = 2;
+    q.disk_dir = disk_dir;
+    q.disk_chunks = 2;
+    q.device_chunks = 1;
+    same_as("8bit state, 2 micro-batches, chunk 0 on the device, 2 on disk", q, &acc8);
+    // The lag and 8-bit state.
+    struct fy_train_result lag8;
+    o = base();
+    o.optimizer_state = "8bit";
+    o.precision = "bf16";
+    o.optimizer_lag = 1;
+    CHECK_OK(fy_train(&o, &lag8));
+    q = s;
+    q.optimizer_state = "8bit";
+    q.precision = "bf16";
+    q.optimizer_lag = 1;
+    q.blocks = 2;
+    q.disk_dir = disk_dir;
+    q.disk_chunks = 1;
+    q.device_chunks = 1;
+    same_as("8bit state, bf16 lag 1, chunk 0 on the device, 1 on disk", q, &lag8);
+    // What cannot be: an unknown format, a resident GPU, --tp.
+    q = s;
+    q.optimizer_state = "int4";
+    struct fy_train_result r;
+    CHECK_ERR(fy_train(&q, &r), FY_ERR_INVALID);
+    CHECK(strstr(fy_error_msg(), "fp32, bf16 or 8bit") != NULL);
+    q.optimizer_state = "8bit";
+    q.device = "cuda";
+    CHECK_ERR(fy_train(&q, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "--offload") != NULL);
+  }
+
   // The smallest device: refused before training, with the minimum it needs.
   s.blocks = 0;
   s.device_mem = 64 << 10;

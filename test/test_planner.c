@@ -527,6 +527,48 @@ int main(int argc, char **argv) {
              "bytes, the cost model %d in %.0f (%s)", o16.host_mem, r16.n_disk_chunks, r16.disk_tier_bytes,
              a16.n_disk_chunks, a16.disk_bytes, a16.fits ? "fits" : a16.why);
     }
+    // The same with 8-bit and bf16 AdamW state (m and v in their stored size in the host tier and
+    // on disk, chunks packed at 256 elements for 8-bit), in fp32 and bf16 compute.
+    for (int v = 0; v < 4; v++) {
+      const char *state = v & 1 ? "bf16" : "8bit";
+      struct fy_plan_knobs k8 = kd;
+      snprintf(k8.optimizer_state, sizeof k8.optimizer_state, "%s", state);
+      if (v & 2) snprintf(k8.precision, sizeof k8.precision, "bf16");
+      struct fy_probe p8 = hp;
+      struct fy_cost a8, every, none;
+      k8.disk_chunks = nc;
+      CHECK_OK(fy_cost_simulate(&cfg, &k8, &p8, &every, NULL));
+      k8.disk_chunks = 0;
+      CHECK_OK(fy_cost_simulate(&cfg, &k8, &p8, &none, NULL));
+      k8.disk_chunks = -1;
+      char hv[64];
+      snprintf(hv, sizeof hv, "%.0f", (every.host_bytes + none.host_bytes) / 2);
+      CHECK_OK(fy_probe_override(&p8, "host_mem", hv));
+      CHECK_OK(fy_cost_simulate(&cfg, &k8, &p8, &a8, NULL));
+      struct fy_train_opts o8 = o;
+      o8.optimizer_state = state;
+      o8.precision = v & 2 ? "bf16" : NULL;
+      o8.host_mem = (size_t)p8.host_mem;
+      struct fy_train_result r8;
+      CHECK_OK(fy_train(&o8, &r8));
+      CHECKF(a8.fits && r8.n_disk_chunks == a8.n_disk_chunks && r8.disk_tier_bytes == a8.disk_bytes &&
+             a8.n_disk_chunks > 0 && r8.n_chunks == a8.n_chunks,
+             "%s state, %s: at %zu bytes of host memory the runtime put %d of %d chunks on disk in %.0f bytes, the cost "
+             "model %d of %d in %.0f (%s)", state, v & 2 ? "bf16" : "fp32", o8.host_mem, r8.n_disk_chunks, r8.n_chunks,
+             r8.disk_tier_bytes, a8.n_disk_chunks, a8.n_chunks, a8.disk_bytes, a8.fits ? "fits" : a8.why);
+      struct fy_cost f32;  // (less host memory than fp32 state, with every chunk's state in the host tier)
+      struct fy_plan_knobs kf = k8;
+      kf.optimizer_state[0] = 0;
+      kf.disk_chunks = 0;
+      CHECK_OK(fy_cost_simulate(&cfg, &kf, &hp, &f32, NULL));
+      CHECKF(none.host_bytes < f32.host_bytes, "%s state: %.0f host bytes, fp32 state %.0f", state, none.host_bytes,
+             f32.host_bytes);
+      o8.host_mem = (size_t)ceil(every.host_bytes);  // the least the cost model allows: the runtime trains
+      o8.steps = 1;
+      fy_status sl = fy_train(&o8, &r8);
+      CHECKF(sl == FY_OK && r8.n_disk_chunks == every.n_chunks, "%s state at the least host memory, %zu bytes: %s (%d chunks on disk)",
+             state, o8.host_mem, sl == FY_OK ? "ok" : fy_error_msg(), r8.n_disk_chunks);
+    }
     // The disk's free space bounds it: a plan needing more is refused, and the search says so (or
     // finds one that fits it, the state kept on the device).
     {
@@ -585,6 +627,11 @@ int main(int argc, char **argv) {
   CHECK(fy_cost_host_bytes_per_param(FY_BF16, 4, false) == 16);  // sim's 16-bit copy: rounded floats
   CHECK(fy_cost_host_bytes_per_param(FY_F16, 4, true) == 20);
   CHECK(fy_cost_host_bytes_per_param(FY_F32, 4, true) == 16);
+  // AdamW state stored compressed (a chunk of 65536 elements: 256 blocks of 8-bit codes and scales)
+  CHECK(fy_cost_host_bytes_per_param_state(FY_BF16, 2, false, "fp32", 65536) == 14);
+  CHECK(fy_cost_host_bytes_per_param_state(FY_BF16, 2, false, "bf16", 65536) == 10);
+  CHECK(fy_cost_host_bytes_per_param_state(FY_BF16, 2, false, "8bit", 65536) == 6 + 2 * (65536 + 4 * 256) / 65536.0);
+  CHECK(fy_cost_host_bytes_per_param_state(FY_F32, 4, false, "8bit", 65536) == 8 + 2 * (65536 + 4 * 256) / 65536.0);
   struct fy_opt_config c125;
   fy_opt_preset("opt-125m", &c125);
   // Model FLOPs as PaLM and Megatron count them: the parameters less the positional table (a lookup;
