@@ -588,6 +588,11 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
   // (one moment's bytes an element on disk: 4 in fp32, its stored size otherwise)
   const double mv_bpp = sf == FY_STATE_F32 ? 4.0 : (double)fy_state_moment_bytes(sf, ce) / (double)ce;
+  // The host AdamW's memory traffic an element (the probe's host_adamw_gbps is timed on fp32
+  // state's 28: the master and m and v read and written, a gradient read and a weight written,
+  // 4 bytes each): the state's bytes as stored (bf16 20, 8-bit 16.06), its update kernel being
+  // memory-bound as fp32's is (bench/adamw).
+  const double adamw_b = 12 + 4 * mv_bpp;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
     s.counting = last;
@@ -707,13 +712,13 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     // lag the step before's, which waits for no norm)
     if (n_dev > 0) {
       if (!lag) fy_timeline_wait_until(s.compute, norm_at, FY_STALL_NORM);
-      double t = gpu ? dev_elems * (24 + (act16 ? 2 : 0) + dev_gb) / dev_mem : dev_elems * 28 / adamw;
+      double t = gpu ? dev_elems * (8 + 4 * mv_bpp + (act16 ? 2 : 0) + dev_gb) / dev_mem : dev_elems * adamw_b / adamw;
       fy_timeline_run(s.compute, t, "device AdamW");
       if (last) busy[0] += t;
     }
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       double u = (double)l->chunks[c].used * share;
-      double t = u * 28 / adamw;
+      double t = u * adamw_b / adamw;
       // A disk chunk: (its fp32 gradients,) m and v read, then the update while the chunk before's
       // m and v are written (runtime/offload.c: they go back behind it).
       const double mv = 2 * mv_bpp;  // m and v's bytes an element, read and written
