@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16, and with --optimizer-lag 1; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
+# fp32 and bf16, with --optimizer-lag 1 and with --optimizer-state 8bit; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
 # with validation between steps; ferry sample on the GPU, resident and offloaded. bench/gpu/check.sh
 # runs it on a GPU with opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
@@ -307,6 +307,21 @@ close = lambda u, v, e: len(u) == len(v) > 0 and all(abs(x - y) <= e * max(1.0, 
 ok = close(cpu, lag, 2e-2) and disk == lag and close(lag, dev, 5e-3)
 ok = ok and lag[0] == exact[0] and lag[1:] != exact[1:]
 sys.exit(0 if ok else 1)
+PY
+# --optimizer-state 8bit offloaded on the GPU: host chunks updated on the host, two chunks on the
+# GPU by its 8-bit kernel (the same codes as the CPU's), two on disk at their stored size: against
+# the CPU's bf16 run with 8-bit state within bf16's rounding.
+q8=(--offload --device-mem "$offload_mem" "${blocks[@]}" --optimizer-state 8bit)
+ferry_run cpuq8 "${common[@]}" --device cpu --precision bf16 --optimizer-state 8bit --log "$d/cpuq8.jsonl" || exit 1
+ferry_run q8 "${common[@]}" "${b16[@]}" "${q8[@]}" --device-chunks 2 --disk-dir "$d/diskq8" --disk-chunks 2 \
+  --log "$d/q8.jsonl" || exit 1
+python3 - "$d/cpuq8.jsonl" "$d/q8.jsonl" "$d/offload16.jsonl" <<'PY' || exit 1
+import json, sys
+cpu, q8, exact = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("8-bit state cpu  ", " ".join(f"{x:.5f}" for x in cpu))
+print("8-bit state GPU  ", " ".join(f"{x:.5f}" for x in q8))
+close = lambda u, v, e: len(u) == len(v) > 0 and all(abs(x - y) <= e * max(1.0, abs(x)) for x, y in zip(u, v))
+sys.exit(0 if close(cpu, q8, 2e-2) and q8 != exact else 1)
 PY
 # ferry sample on the GPU (a token at a time, the keys and values cached there) against the
 # CPU's: the same tokens drawn in fp32 (the same seed), past a window of 8 (the cache run again
