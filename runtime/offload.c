@@ -548,7 +548,6 @@ static fy_status chunk_ranges(struct fy_offload *x, int c) {
 static fy_status create_lag(struct fy_offload *x) {
   struct fy_model *m = x->m;
   const int nc = m->layout->n_chunks;
-  if (x->forward_only) return fy_error_set(FY_ERR_INVALID, "--optimizer-lag: an evaluation engine has no updates");
   if (!fy_offload_grads_in_copy(m->compute_dtype, x->max_micro))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 needs 16-bit compute (--precision bf16 or fp16) and one "
                         "micro-batch a step (no --grad-accum): the gradients then come home over the weights' "
@@ -647,7 +646,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->prefetch = o->prefetch;
   x->max_micro = o->max_micro > 0 ? o->max_micro : 1;
   x->forward_only = o->forward_only;
-  x->lag = o->optimizer_lag > 0;
+  x->lag = o->optimizer_lag > 0 && !o->forward_only;  // (evaluation makes no updates to delay)
   x->esize = payload_bytes(m);
   pthread_mutex_init(&x->err_lock, NULL);
   int64_t ce = m->layout->chunk_elems;
