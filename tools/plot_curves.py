@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Draws the loss curves of ferry train --log files as one SVG (no plotting library needed).
 
-usage: tools/plot_curves.py --out curves.svg [--title T] [--smooth N] LABEL=LOG.jsonl [LABEL=LOG.jsonl ...]
+usage: tools/plot_curves.py --out curves.svg [--title T] [--smooth N] [--from STEP] LABEL=LOG.jsonl ...
 
 Each log's "loss" per "step" is drawn as a line (steps whose loss is null are left out), averaged
-over a window of N steps (--smooth, default 1: as logged). The last averaged value of each is
+over a window of N steps (--smooth, default 1: as logged), from step STEP on (--from: the first
+steps' losses, far above the rest, would flatten the curves). The last averaged value of each is
 written in the legend and printed, so that the curves can be compared in numbers too.
 """
 import argparse
@@ -41,6 +42,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="training loss")
     ap.add_argument("--smooth", type=int, default=1)
+    ap.add_argument("--from", dest="start", type=int, default=0)
     ap.add_argument("curves", nargs="+", help="LABEL=LOG.jsonl")
     a = ap.parse_args()
     if a.smooth < 1:
@@ -50,7 +52,10 @@ def main():
         if "=" not in c:
             sys.exit(f"plot_curves: '{c}' is not LABEL=LOG.jsonl")
         label, path = c.split("=", 1)
-        series.append((label, smooth(read_log(path), a.smooth)))
+        pts = [p for p in smooth(read_log(path), a.smooth) if p[0] >= a.start]
+        if not pts:
+            sys.exit(f"plot_curves: {path} has no step from {a.start} on")
+        series.append((label, pts))
     xs = [p[0] for _, s in series for p in s]
     ys = [p[1] for _, s in series for p in s]
     x0, x1 = min(xs), max(xs)
