@@ -63,11 +63,15 @@ static inline float q8_val_m(uint8_t c) {
 
 static inline float q8_val_v(uint8_t c) { return q8_val(c, S_V); }
 
-// The same from m's code widened to int32.
-static inline float q8_val_m_i32(int32_t s) {
-  const float a = q8_val((uint32_t)(s < 0 ? -s : s), S_M);
-  return bits_f32(f32_bits(a) | ((uint32_t)s & 0x80000000u));
+// The read-back value of a widened code with the block's scale folded into the power of two:
+// bits(k << 20) * (2^(129-S) scale) is the same real number as value(k) * scale, so it rounds the
+// same, while 2^(129-S) scale stays finite (scale < 2^(S-1): q8_run checks).
+static inline float q8_read_m(int32_t s, float sm2) {
+  const uint32_t k = (uint32_t)(s < 0 ? -s : s);
+  return bits_f32((k << 20) | ((uint32_t)s & 0x80000000u)) * sm2;
 }
+
+static inline float q8_read_v(int32_t c, float sv2) { return bits_f32((uint32_t)c << 20) * sv2; }
 
 static float code_tables[2][256];
 static pthread_once_t codes_once = PTHREAD_ONCE_INIT;
@@ -108,14 +112,15 @@ static inline float q8_block_inv(uint32_t amax_bits, float *adj) {
   return 1.0f / (bits_f32(amax_bits) * *adj);
 }
 
-// One value's code: x (already times adj), inv -> m's signed code, v's code.
-static inline int32_t q8_code_m(float x, float inv) {
-  const int32_t k = (int32_t)q8_mag(fabsf(x) * inv, S_M);
+// One value's code: x, the block's adj and inv -> m's signed code, v's code (the rule for
+// positive v on x itself: x * adj may underflow to 0).
+static inline int32_t q8_code_m(float x, float adj, float inv) {
+  const int32_t k = (int32_t)q8_mag(fabsf(x * adj) * inv, S_M);
   return x < 0.0f ? -k : k;
 }
 
-static inline uint32_t q8_code_v(float x, float inv) {
-  const uint32_t k = q8_mag((x > 0.0f ? x : 0.0f) * inv, S_V);
+static inline uint32_t q8_code_v(float x, float adj, float inv) {
+  const uint32_t k = q8_mag((x > 0.0f ? x : 0.0f) * adj * inv, S_V);
   return k + ((k == 0) & (x > 0.0f));
 }
 
@@ -133,7 +138,7 @@ static void q8_store_m(int8_t *restrict code, float *scale, const float *restric
   float adj;
   const float inv = q8_block_inv(amax_bits, &adj);
   *scale = bits_f32(amax_bits);
-  for (int64_t i = 0; i < len; i++) code[i] = (int8_t)q8_code_m(vals[i] * adj, inv);
+  for (int64_t i = 0; i < len; i++) code[i] = (int8_t)q8_code_m(vals[i], adj, inv);
 }
 
 static void q8_store_v(uint8_t *restrict code, float *scale, const float *restrict vals, int64_t len,
@@ -146,7 +151,7 @@ static void q8_store_v(uint8_t *restrict code, float *scale, const float *restri
   float adj;
   const float inv = q8_block_inv(amax_bits, &adj);
   *scale = bits_f32(amax_bits);
-  for (int64_t i = 0; i < len; i++) code[i] = (uint8_t)q8_code_v(vals[i] * adj, inv);
+  for (int64_t i = 0; i < len; i++) code[i] = (uint8_t)q8_code_v(vals[i], adj, inv);
 }
 
 // ---- sizes and names ----
@@ -372,21 +377,19 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
 // scales sm, sv read back, updated, the new m and v to mn, vn and their amax_bits_of to *am,
 // *av; and the block before's new m and v pm, pv quantised with inv_m, inv_v to w->qm, w->qv.
 #define Q8_PIPE_ELEM(G)                                                                                  \
-  const float mo = q8_val_m_i32(w->cm[i]) * sm, vo = q8_val(w->cv[i], S_V) * sv;                         \
+  const float mo = q8_read_m(w->cm[i], sm2), vo = q8_read_v(w->cv[i], sv2);                             \
   float mi, vi;                                                                                          \
   const float pn = adamw_elem(&k, p[i], decay, mo, vo, (G), &mi, &vi);                                   \
   p[i] = pn;                                                                                             \
   mn[i] = mi;                                                                                            \
   vn[i] = vi;                                                                                            \
-  uint32_t a = f32_bits(mi) & 0x7fffffffu, c = f32_bits(vi) & 0x7fffffffu;                               \
-  a = a < 0x7f800000u ? a : 0x7f800000u;                                                                 \
-  c = c < 0x7f800000u ? c : 0x7f800000u;                                                                 \
-  amm = a > amm ? a : amm;                                                                               \
+  const uint32_t a = f32_bits(mi) & 0x7fffffffu, c = f32_bits(vi) & 0x7fffffffu;                         \
+  amm = a > amm ? a : amm; /* NaN's bits above infinity's: cut down after the loop */                    \
   amv = c > amv ? c : amv;                                                                               \
-  w->qm[i] = q8_code_m(pm[i], inv_m);                                                                    \
-  w->qv[i] = (int32_t)q8_code_v(pv[i], inv_v);
+  w->qm[i] = q8_code_m(pm[i], 1.0f, inv_m);                                                                    \
+  w->qv[i] = (int32_t)q8_code_v(pv[i], 1.0f, inv_v);
 
-static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm, float sv, struct q8_pipe *restrict w,
+static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2, struct q8_pipe *restrict w,
                           float *restrict mn, float *restrict vn, const float *restrict pm, const float *restrict pv,
                           float inv_m, float inv_v, uint32_t *am, uint32_t *av) {
   const struct step_k k = u->k;
@@ -404,8 +407,8 @@ static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
       g[i] = fy_f32_to_bf16(pn);
     }
   }
-  *am = amm;
-  *av = amv;
+  *am = amm < 0x7f800000u ? amm : 0x7f800000u;
+  *av = amv < 0x7f800000u ? amv : 0x7f800000u;
 }
 
 // The block before's store after the pipelined loop: its codes from w->qm, w->qv, or, for a block
@@ -446,14 +449,17 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
   for (int64_t b = bb; b < be; b++) {
     const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
     const int r = first_range(u->r, u->nr, b0);
-    const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len;
+    const struct q8_blk q = q8_blk_of(u, b0);
+    // whole and inside one range, and scales whose folded read-back factors stay finite (< 2^16
+    // for m, < 2^32 for v; NaN fails too)
+    const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
+                       *q.sm < 0x1p16f && *q.sv < 0x1p32f;
     if (!whole) {
       if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, false, false);
       pending = false;
       q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
       continue;
     }
-    const struct q8_blk q = q8_blk_of(u, b0);
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
       w.cm[i] = q.cm[i];
       w.cv[i] = q.cv[i];
@@ -461,7 +467,7 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
     bool ok_m = false, ok_v = false;
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
-    q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm, *q.sv, &w, w.mn[cur], w.vn[cur],
+    q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w, w.mn[cur], w.vn[cur],
                   w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
     if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
