@@ -30,8 +30,8 @@ static float bits_f32(uint32_t u) {
   return f;
 }
 
-// r, a float in [0, 1] -> k, the magnitude nearest to r, ties to the even k (the format's
-// round to nearest even). Branch-free, so that the loops calling it vectorise:
+// r, a float in [0, 1 + 2^-23] -> k, the magnitude nearest to r, ties to the even k (the
+// format's round to nearest even; 1 + 2^-23 gives the top code). Branch-free, so that the loops calling it vectorise:
 // - r >= 2^(3-S) (the normal binades): rounding r's 23-bit mantissa to 3 bits is adding
 //   0x7ffff plus the kept part's lowest bit (ties to even) to r's bits and dropping the low 20;
 //   a carry moves to the next binade by itself; the float's biased exponent E is e + 129 - S,
@@ -373,9 +373,10 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
   q8_store_v(q.cv, q.sv, vn, len, amax_bits_of(vn, len));
 }
 
-// The pipelined loop over one whole block at b0 (decay): its widened codes w->cm, w->cv and
-// scales sm, sv read back, updated, the new m and v to mn, vn and their amax_bits_of to *am,
-// *av; and the block before's new m and v pm, pv quantised with inv_m, inv_v to w->qm, w->qv.
+// The pipelined loop over one whole block at b0 (decay): its widened codes w->cm, w->cv read back
+// with the folded scales sm2 = 2^112 sm, sv2 = 2^96 sv (q8_read_m), updated, the new m and v to
+// mn, vn and their amax_bits_of to *am, *av; and the block before's new m and v pm, pv quantised
+// with inv_m, inv_v to w->qm, w->qv.
 #define Q8_PIPE_ELEM(G)                                                                                  \
   const float mo = q8_read_m(w->cm[i], sm2), vo = q8_read_v(w->cv[i], sv2);                             \
   float mi, vi;                                                                                          \
@@ -386,12 +387,13 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
   const uint32_t a = f32_bits(mi) & 0x7fffffffu, c = f32_bits(vi) & 0x7fffffffu;                         \
   amm = a > amm ? a : amm; /* NaN's bits above infinity's: cut down after the loop */                    \
   amv = c > amv ? c : amv;                                                                               \
-  w->qm[i] = q8_code_m(pm[i], 1.0f, inv_m);                                                                    \
+  w->qm[i] = q8_code_m(pm[i], 1.0f, inv_m);                                                              \
   w->qv[i] = (int32_t)q8_code_v(pv[i], 1.0f, inv_v);
 
-static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2, struct q8_pipe *restrict w,
-                          float *restrict mn, float *restrict vn, const float *restrict pm, const float *restrict pv,
-                          float inv_m, float inv_v, uint32_t *am, uint32_t *av) {
+static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
+                          struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
+                          const float *restrict pm, const float *restrict pv, float inv_m, float inv_v, uint32_t *am,
+                          uint32_t *av) {
   const struct step_k k = u->k;
   float *restrict p = u->param + b0;
   uint32_t amm = 0, amv = 0;
@@ -412,7 +414,7 @@ static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
 }
 
 // The block before's store after the pipelined loop: its codes from w->qm, w->qv, or, for a block
-// whose absmax is 0, not finite or outside [2^-126, 2^126) (inv_of_block said so: inv 0), by
+// whose absmax is 0, not finite or outside [2^-126, 2^126) (pipe_inv said so: done false), by
 // the plain store from its values.
 static void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, const float *restrict pm,
                           const float *restrict pv, uint32_t am, uint32_t av, bool done_m, bool done_v) {
@@ -443,7 +445,7 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
   memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
   memset(w.vn, 0, sizeof w.vn);
   int cur = 0;
-  bool pending = false;  // block pb waits for its store
+  bool pending = false;  // block pb waits for its store: its values in w.mn[cur ^ 1], w.vn[cur ^ 1]
   int64_t pb = 0;
   uint32_t pam = 0, pav = 0;
   for (int64_t b = bb; b < be; b++) {
@@ -454,8 +456,8 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
     // for m, < 2^32 for v; NaN fails too)
     const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
                        *q.sm < 0x1p16f && *q.sv < 0x1p32f;
-    if (!whole) {
-      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, false, false);
+    if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
+      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
       pending = false;
       q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
       continue;
@@ -467,14 +469,14 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
     bool ok_m = false, ok_v = false;
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
-    q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w, w.mn[cur], w.vn[cur],
-                  w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
+    q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
+                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
     if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
     pb = b, pam = am, pav = av;
     cur ^= 1;
   }
-  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, false, false);
+  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
 }
 
 static fy_status state_update(struct upd *u, float lr, float beta1, float beta2, float eps, int64_t t,
