@@ -62,7 +62,8 @@ static void test_codes(void) {
   int bad = 0;
   for (int k = 1; k < 128; k++) bad += cm[(uint8_t)(int8_t)-k] != -cm[k];
   CHECK(bad == 0 && cm[128] == -2.0f && cm[0] == 0.0f);
-  fprintf(stderr, "  codes: m 0, %g .. 1 (top 120), v 0, %g .. 1 (top 248)\n", cm[1], fy_q8_code_values(FY_MOMENT_V)[1]);
+  fprintf(stderr, "  codes: m 0, %g .. 1 (top 120), v 0, %g .. 1 (top 248)\n", cm[1],
+          fy_q8_code_values(FY_MOMENT_V)[1]);
   CHECK(fy_state_moment_bytes(FY_STATE_F32, 1000) == 4000 && fy_state_moment_bytes(FY_STATE_BF16, 1000) == 2000);
   CHECK(fy_q8_blocks(1000) == 4 && fy_q8_scales_offset(1000) == 1024 && fy_state_moment_bytes(FY_STATE_Q8, 1000) == 1040);
   CHECK(fy_state_bytes(FY_STATE_Q8, 256) == 2 * (256 + 4) && fy_state_moment_bytes(FY_STATE_Q8, 0) == 0);
