@@ -31,20 +31,18 @@ static float bits_f32(uint32_t u) {
 }
 
 // r, a float in [0, 1 + 2^-23] -> k, the magnitude nearest to r, ties to the even k (the
-// format's round to nearest even; 1 + 2^-23 gives the top code). Branch-free, so that the loops calling it vectorise:
-// - r >= 2^(3-S) (the normal binades): rounding r's 23-bit mantissa to 3 bits is adding
-//   0x7ffff plus the kept part's lowest bit (ties to even) to r's bits and dropping the low 20;
-//   a carry moves to the next binade by itself; the float's biased exponent E is e + 129 - S,
-//   so k = (rounded bits >> 20) - (129 - S) * 8.
-// - r < 2^(3-S) (the subnormal step 2^-S): the float sum 2^(23-S) + r has unit in the last place
-//   2^-S, so the addition itself rounds r to the step, to nearest even, and the sum's bits minus
-//   those of 2^(23-S) are k (0..8; 8 where r rounds up to the smallest normal).
+// format's round to nearest even; 1 + 2^-23 gives the top code). Branch-free, so that the loops
+// calling it vectorise. The step of the codes in r's binade [2^E, 2^(E+1)) is 2^(E-3), and
+// 2^(3-S), the smallest normal, below it (E clamped to Emin = 3 - S). The float sum magic + r with
+// magic = 2^(E+20) has unit in the last place 2^(E-3), so the addition itself rounds r to the
+// step, to nearest even (magic's mantissa is 0: the sum's last bit is k's); its bits minus
+// magic's are d = r / step rounded: 8 + f in a normal binade (16 where it carries into the next),
+// 0..8 below. k = 8 (E - Emin) + d, with E and Emin read off as float bits.
 static inline uint32_t q8_mag(float r, int S) {
-  const uint32_t u = f32_bits(r);
-  const uint32_t kn = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - ((uint32_t)(129 - S) << 3);
-  const float magic = bits_f32((uint32_t)(150 - S) << 23);  // 2^(23-S)
-  const uint32_t ks = f32_bits(r + magic) - f32_bits(magic);
-  return r < bits_f32((uint32_t)(130 - S) << 23) ? ks : kn;  // 2^(3-S)
+  const uint32_t emin = (uint32_t)(130 - S) << 23, e0 = f32_bits(r) & 0x7f800000u;
+  const uint32_t e = e0 > emin ? e0 : emin;
+  const uint32_t magic = e + (20u << 23);
+  return f32_bits(r + bits_f32(magic)) - magic + ((e - emin) >> 20);
 }
 
 // k (any 0..255) -> its value, exact in float (4 significant bits). k << 20 as float bits is the

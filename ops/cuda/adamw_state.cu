@@ -79,14 +79,13 @@ __device__ __forceinline__ float q8_float(uint32_t u) {
   return f;
 }
 
-// r in [0, 1 + 2^-23] -> the nearest magnitude, ties to even: the normal binades by rounding r's
-// bits to 3 mantissa bits, the subnormal step by the float sum 2^(23-S) + r (ulp 2^-S).
+// r in [0, 1 + 2^-23] -> the nearest magnitude, ties to even (ops/cpu/adamw_state.c q8_mag):
+// the float sum 2^(E+20) + r, E r's binade clamped to 3 - S, rounds r to the step 2^(E-3).
 __device__ __forceinline__ uint32_t q8_mag(float r, int S) {
-  const uint32_t u = q8_bits(r);
-  const uint32_t kn = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - ((uint32_t)(129 - S) << 3);
-  const float magic = q8_float((uint32_t)(150 - S) << 23);
-  const uint32_t ks = q8_bits(rn_add(r, magic)) - q8_bits(magic);
-  return r < q8_float((uint32_t)(130 - S) << 23) ? ks : kn;
+  const uint32_t emin = (uint32_t)(130 - S) << 23, e0 = q8_bits(r) & 0x7f800000u;
+  const uint32_t e = e0 > emin ? e0 : emin;
+  const uint32_t magic = e + (20u << 23);
+  return q8_bits(rn_add(r, q8_float(magic))) - magic + ((e - emin) >> 20);
 }
 
 // k -> its value: k << 20 as float bits (a float32 subnormal for k < 8) times 2^(129-S), exact.
