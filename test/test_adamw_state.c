@@ -418,9 +418,12 @@ static void test_drift(void) {
     }
   }
   const float *sm = (const float *)((char *)m8 + fy_q8_scales_offset(n));
-  double sq_m = 0, sq_v = 0;
+  const float *sv = (const float *)((char *)v8 + fy_q8_scales_offset(n));
+  double sq_m = 0, sq_v = 0, sa_m = 0, sa_v = 0;  // relative to the value; to the block's absmax
   int64_t cnt_m = 0;
   for (int64_t i = 0; i < n; i++) {
+    const double am = ((double)dm[i] - m[i]) / sm[i / FY_Q8_BLOCK], av = ((double)dv[i] - v[i]) / sv[i / FY_Q8_BLOCK];
+    sa_m += am * am, sa_v += av * av;
     if (fabs(m[i]) >= sm[i / FY_Q8_BLOCK] / 100) {
       const double e = ((double)dm[i] - m[i]) / m[i];
       sq_m += e * e, cnt_m++;
@@ -433,8 +436,9 @@ static void test_drift(void) {
   for (int64_t i = 0; i < n; i++) pd += ((double)p8[i] - p[i]) * ((double)p8[i] - p[i]), pn += (double)p[i] * p[i];
   fprintf(stderr,
           "  drift after %d steps: worst |m8-m| %.3f and |v8-v| %.3f of their bounds; RMS relative error: m %.2e "
-          "(%lld values >= absmax/100), v %.2e; weights' relative distance %.2e\n",
-          T, worst_m, worst_v, rms_m, (long long)cnt_m, rms_v, sqrt(pd / pn));
+          "(%lld values >= absmax/100), v %.2e; RMS error / block absmax: m %.2e, v %.2e; weights' relative "
+          "distance %.2e\n",
+          T, worst_m, worst_v, rms_m, (long long)cnt_m, rms_v, sqrt(sa_m / n), sqrt(sa_v / n), sqrt(pd / pn));
   CHECKF(bad == 0, "%d element-steps drifted past the bound", bad);
   CHECKF(rms_m < 0.25 && rms_v < 0.25 && cnt_m > n / 4, "RMS relative drift m %.3e v %.3e", rms_m, rms_v);
   free(p), free(m), free(v), free(g), free(p8), free(dm), free(dv), free(m8), free(v8), free(col), free(bm), free(bv);
