@@ -118,8 +118,8 @@ static inline int32_t q8_code_m(float x, float adj, float inv) {
 }
 
 static inline uint32_t q8_code_v(float x, float adj, float inv) {
-  const uint32_t k = q8_mag((x > 0.0f ? x : 0.0f) * adj * inv, S_V);
-  return k + ((k == 0) & (x > 0.0f));
+  const uint32_t k = q8_mag(x * adj * inv, S_V);  // (any bits for x <= 0: not used)
+  return x > 0.0f ? (k > 1 ? k : 1) : 0;
 }
 
 // vals (len), their amax_bits_of -> codes (len), *scale: the block's store (ops/ops.h). m: the
