@@ -20,7 +20,13 @@
 // other work the 8-bit update (a few dozen vector operations a parameter besides AdamW's, which
 // keep up with memory only when the cores are free) loses more to the neighbours than the
 // memory-bound fp32 update, so each of these lines also gives the fastest rep (ns_per_param_best,
-// gbps_best) and speedup_best, the fp32 line's fastest rep over this one's.
+// gbps_best) and speedup_best, the fp32 line's fastest rep over this one's; and the median of the
+// calling thread's CPU time (ns_per_param_cpu, gbps_cpu, and speedup_cpu against the fp32 line's
+// CPU time). The calling thread is one of the OpenMP threads and, with every kernel's static
+// split, does 1/threads of the work: its CPU time is that share's time while it ran, its memory
+// stalls included, the turns the machine gave to other work left out (a wait at the region's end
+// counts only while the thread spins). Per parameter it is divided by all n parameters, so with
+// T threads it reads as wall time would on T free cores.
 //
 // usage: adamw [--params 67108864] [--threads 2] [--reps 7]
 #include <omp.h>
@@ -78,6 +84,15 @@ __attribute__((noinline)) static double k_read(const float *restrict a, int64_t 
   }
   for (int64_t i = n / 64 * 64; i < n; i++) s += a[i];
   return s;
+}
+
+// The calling thread's CPU time: it stops while the thread waits for a core (a busy machine's
+// neighbours), not while it waits for memory or spins at the parallel region's end for the other
+// threads.
+static double cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 // The fastest of v[0..n).
@@ -156,8 +171,8 @@ int main(int argc, char **argv) {
   const struct fy_adamw_range all = {0, n, 0.01f};
 
   enum { COPY, TRIAD, READ, S4, ADAMW, SUMSQ, PAIR, ADAMW16, ST16, ST16G, ST8, ST8G, NB };
-  double *t[NB];
-  for (int k = 0; k < NB; k++) t[k] = malloc((size_t)reps * sizeof(double));
+  double *t[NB], *tc[NB];  // wall and the calling thread's CPU time
+  for (int k = 0; k < NB; k++) t[k] = malloc((size_t)reps * sizeof(double)), tc[k] = calloc((size_t)reps, sizeof(double));
   volatile double sink = 0.0;
   for (int r = -1; r < reps; r++) {  // r == -1: the warm-up, not timed
     double t0 = now_s();
@@ -168,33 +183,35 @@ int main(int argc, char **argv) {
     sink += k_read(param, n);
     double t3 = now_s();
     k_4r3w(param, m, v, grad, 0.5f, n);
-    double t4 = now_s();
+    double t4 = now_s(), c4 = cpu_s();
     fy_adamw_update(param, m, v, grad, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
-    double t5 = now_s();
+    double t5 = now_s(), c5 = cpu_s();
     sink += fy_sumsq(grad, n);
-    double t6 = now_s();
+    double t6 = now_s(), c6 = cpu_s();
     fy_adamw_update_bf16(param, m, v, gw, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, r + 2, 1.0f);
-    double t7 = now_s();
+    double t7 = now_s(), c7 = cpu_s();
     fy_status st = fy_adamw_state_update(FY_STATE_BF16, param, m16, v16, grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
                                          r + 2, 1.0f);
-    double t8 = now_s();
+    double t8 = now_s(), c8 = cpu_s();
     if (st == FY_OK)
       st = fy_adamw_state_update_bf16(FY_STATE_BF16, param, m16, v16, gw, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
                                       r + 2, 1.0f);
-    double t9 = now_s();
+    double t9 = now_s(), c9 = cpu_s();
     if (st == FY_OK)
       st = fy_adamw_state_update(FY_STATE_Q8, param, m8, v8, grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f);
-    double t10 = now_s();
+    double t10 = now_s(), c10 = cpu_s();
     if (st == FY_OK)
       st = fy_adamw_state_update_bf16(FY_STATE_Q8, param, m8, v8, gw, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2,
                                       1.0f);
-    double t11 = now_s();
+    double t11 = now_s(), c11 = cpu_s();
     if (st != FY_OK) {
       fprintf(stderr, "adamw: %s\n", fy_error_msg());
       return 1;
     }
     if (r < 0) continue;
     t[ST16][r] = t8 - t7, t[ST16G][r] = t9 - t8, t[ST8][r] = t10 - t9, t[ST8G][r] = t11 - t10;
+    tc[ST16][r] = c8 - c7, tc[ST16G][r] = c9 - c8, tc[ST8][r] = c10 - c9, tc[ST8G][r] = c11 - c10;
+    tc[ADAMW][r] = c5 - c4, tc[ADAMW16][r] = c7 - c6;
     t[ADAMW16][r] = t7 - t6;
     t[COPY][r] = t1 - t0, t[TRIAD][r] = t2 - t1, t[READ][r] = t3 - t2;
     t[S4][r] = t4 - t3, t[ADAMW][r] = t5 - t4, t[SUMSQ][r] = t6 - t5;
@@ -230,17 +247,19 @@ int main(int argc, char **argv) {
   for (int k = 0; k < 4; k++) {
     const double b = best(t[st_rows[k].k], reps), fb = best(t[st_rows[k].fp32_k], reps);
     const double s = median(t[st_rows[k].k], reps);  // (sorts: the best first)
+    const double c = median(tc[st_rows[k].k], reps), fc = median(tc[st_rows[k].fp32_k], reps);
     printf("{\"bench\":\"%s\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":%.4g,\"ms\":%.3f,"
            "\"gbps\":%.2f,\"ns_per_param\":%.3f,\"fraction_of_stream\":%.3f,\"speedup_vs_fp32\":%.3f,"
-           "\"ns_per_param_best\":%.3f,\"gbps_best\":%.2f,\"speedup_best\":%.3f}\n",
+           "\"ns_per_param_best\":%.3f,\"gbps_best\":%.2f,\"speedup_best\":%.3f,\"ns_per_param_cpu\":%.3f,"
+           "\"gbps_cpu\":%.2f,\"speedup_cpu\":%.3f}\n",
            st_rows[k].name, (long long)n, threads, st_rows[k].bytes, s * 1e3, st_rows[k].bytes * gb / s,
            s * 1e9 / (double)n, st_rows[k].bytes * gb / s / s4_gbps, st_rows[k].fp32_s / s, b * 1e9 / (double)n,
-           st_rows[k].bytes * gb / b, fb / b);
+           st_rows[k].bytes * gb / b, fb / b, c * 1e9 / (double)n, st_rows[k].bytes * gb / c, fc / c);
   }
   printf("{\"bench\":\"sumsq\",\"params\":%lld,\"threads\":%d,\"bytes_per_param\":4,\"gbps\":%.2f,"
          "\"fraction_of_stream\":%.3f}\n",
          (long long)n, threads, sumsq_gbps, sumsq_gbps / read_gbps);
-  for (int k = 0; k < NB; k++) free(t[k]);
+  for (int k = 0; k < NB; k++) free(t[k]), free(tc[k]);
   for (int k = 0; k < 4; k++) free(buf[k]);
   free(gw);
   free(m16), free(v16), free(m8), free(v8);
