@@ -233,29 +233,33 @@ size_t fy_state_bytes(enum fy_state_format f, int64_t n);
 int64_t fy_q8_blocks(int64_t n);
 size_t fy_q8_scales_offset(int64_t n);
 
-// The 8-bit codes ("decade-linear", dense near 0): magnitudes 0, and in each decade
-// (10^-(d+1), 10^-d] of the block's absmax, d = 0..D-1, k_d evenly spaced values
-// 10^-d * (1 + 9 j / k_d) / 10, j = 1..k_d (computed in double in that order, then rounded to
-// float). m (signed): D = 7, k = 49 24 14 10 10 10 10 (127 magnitudes, both signs, and 0; code
-// -128 is never written and reads as -1); smallest magnitude 1.9e-7. v (unsigned): D = 14, k = 70
-// 38 24 17 14 12 10 10 10 10 10 10 10 10 (255 magnitudes and 0); smallest 1.9e-14, so that
-// sqrt(v) spans the same 7 decades as m. Every k_d >= 10 keeps neighbouring nonzero magnitudes
-// within a factor 1.9 (2 after rounding to float) of one another, which makes the nearest-code test below exact in float.
-// Returns the 256 values indexed by the code's byte ((uint8_t)code), in [-1, 1] or [0, 1].
+// The 8-bit codes: small floats relative to the block's absmax. A code's magnitude k = 8 e + f
+// (e the exponent, f 3 mantissa bits) has the value f 2^-S for e = 0 (subnormals, step 2^-S) and
+// (8 + f) 2^(e-1-S) for e >= 1. m (int8_t, the code of -x is -k): S = 17, 4 exponent bits, the top
+// code k = 120 is exactly 1 (codes 121..127 and -128 are never written; they read as the formula
+// goes on, -128 as -2), the smallest nonzero 2^-17 = 7.6e-6. v (uint8_t): S = 33, 5 exponent
+// bits, the top code 248 is 1 (249..255 never written), the smallest nonzero 2^-33 = 1.2e-10, so
+// that sqrt(v) reaches about as far below its absmax as m (2^-16.5). Each binade holds 8 values,
+// the relative spacing 1/8 to 1/16: a float with 4 significant bits. The codes' values by byte
+// ((uint8_t)code), exact in float: in [-2, 1.875] and [0, 1.875].
 const float *fy_q8_code_values(enum fy_moment which);
 
 // Quantisation of a block (to the LAST code, the CUDA kernels' too): absmax = the largest |x| of
 // the block's values; a block holding a NaN or an infinity stores scale NaN and all codes 0 (it
 // reads back as NaN, as fp32 state would, rather than as a finite lie); absmax 0 stores scale 0
-// and codes 0. Otherwise a value x stores the code whose magnitude c is nearest to the float
-// a = |x| / absmax (IEEE division, so a <= 1 and a == 1 at the maximum), nearest in exact
-// arithmetic; a tie goes to the smaller magnitude (towards 0, so the code of -x is minus the
-// code of x); for m the sign of x is the code's sign (0 for a == 0). For v, a positive value whose
-// nearest magnitude is 0 stores the smallest positive code instead: a stored v is 0 only where
-// the value was, so a tiny v beside a large one in its block never turns m / (sqrt(v) + eps)
-// into m / eps. Error: |x - read back| <= absmax * (half the largest gap between neighbouring
-// magnitudes: 0.9 / 49 / 2 = 0.00919 for m, 0.9 / 70 / 2 = 0.00643 for v) plus the rounding of
-// the division and of the read-back product (each half an ulp).
+// and codes 0. Otherwise a value x stores the code nearest to the ratio r = |x| * (1 / absmax),
+// the reciprocal rounded to float and the product rounded to float (round to nearest even), both
+// as if float's exponent had no bounds (it matters only for absmax below 2^-126 or from 2^126 on,
+// and the code makes up for it exactly); nearest in exact arithmetic, a tie going to the even
+// magnitude k (round to nearest even on the code's 3 mantissa bits); r <= 1 + 2^-23, so the
+// absmax element stores the top code and reads back exactly. For m the sign of x is the code's
+// sign (0 for r rounding to 0). For v, a positive value whose nearest magnitude is 0 stores the
+// smallest positive code instead: a stored v is 0 only where the value was, so a tiny v beside a
+// large one in its block never turns m / (sqrt(v) + eps) into m / eps. Negative v (never written
+// by the update) stores 0. Error of a round trip: for |x| >= absmax 2^(3-S) (the normal binades)
+// |x - read back| <= |x| (1/17 + 2^-21) (the worst, 1/17, at r = 2^e (1 + 1/16)); below, half
+// the step, absmax 2^-(S+1) (v's positive values below that step: absmax 2^-S), plus the read
+// back product's rounding.
 
 // A run of a buffer's elements [off, off + n) updated with weight decay weight_decay. A call
 // takes the ranges of the whole buffer at once (sorted by off, disjoint, inside [0, n)), so that

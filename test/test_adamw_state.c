@@ -23,38 +23,47 @@ static void *xmalloc(size_t n) {
   return p;
 }
 
-// Half the largest gap between neighbouring magnitudes of a code (the round trip's bound / absmax).
-static double half_gap(enum fy_moment w) {
-  const float *c = fy_q8_code_values(w);
-  const int K = w == FY_MOMENT_M ? 127 : 255;
-  double g = 0;
-  for (int i = 1; i <= K; i++) g = fmax(g, (double)c[i] - (double)c[i - 1]);
-  return g / 2;
+// The codes (ops/ops.h): magnitude k = 8 e + f, value f 2^-S (e = 0) or (8 + f) 2^(e-1-S), S = 17
+// for m (top code 120 = 1.0, signed int8_t), 33 for v (top code 248 = 1.0).
+static int S_of(enum fy_moment w) { return w == FY_MOMENT_M ? 17 : 33; }
+static int top_of(enum fy_moment w) { return w == FY_MOMENT_M ? 120 : 248; }
+
+// The value of magnitude k, from the definition, in double (exact).
+static double mag_value(enum fy_moment w, int k) {
+  const int e = k >> 3, f = k & 7, S = S_of(w);
+  return e == 0 ? ldexp(f, -S) : ldexp(8 + f, e - 1 - S);
 }
 
-// The code tables from their definition (ops/ops.h), computed here again.
+// The value of code byte c: m's byte is an int8_t, -k for negative values.
+static double code_value(enum fy_moment w, int c) {
+  if (w == FY_MOMENT_V) return mag_value(w, c);
+  const int s = (int8_t)c;
+  return s < 0 ? -mag_value(w, -s) : mag_value(w, s);
+}
+
+// The round trip's relative bound in the normal binades (|x| >= absmax 2^(3-S)): the nearest of
+// r = fl(|x| * fl(1/absmax)) is within r/17 of it (the worst: r = 2^e (1 + 1/16), half a step
+// from 2^e), plus the roundings of the reciprocal, of the product and of the read-back product
+// (2^-24 each, relative): 1/17 + 2^-21 covers them.
+static const double REL_BOUND = 1.0 / 17 + 0x1p-21;
+
 static void test_codes(void) {
-  static const int km[] = {49, 24, 14, 10, 10, 10, 10};
-  static const int kv[] = {70, 38, 24, 17, 14, 12, 10, 10, 10, 10, 10, 10, 10, 10};
-  static const double dec[] = {1e0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10, 1e-11, 1e-12, 1e-13};
   for (int w = 0; w < 2; w++) {
-    const int *k = w ? kv : km, D = w ? 14 : 7;
-    float want[256];
-    int i = 0;
-    want[0] = 0;
-    for (int d = D - 1; d >= 0; d--)
-      for (int j = 1; j <= k[d]; j++) want[++i] = (float)((1.0 + 9.0 * j / k[d]) / 10.0 * dec[d]);
-    const float *c = fy_q8_code_values(w ? FY_MOMENT_V : FY_MOMENT_M);
+    const enum fy_moment mo = w ? FY_MOMENT_V : FY_MOMENT_M;
+    const float *c = fy_q8_code_values(mo);
     int bad = 0;
-    for (int j = 0; j <= i; j++) bad += c[j] != want[j];
-    if (!w) {
-      for (int j = 1; j < 128; j++) bad += c[(uint8_t)(int8_t)-j] != -want[j];
-      bad += c[128] != -1.0f;
-    }
-    CHECKF(bad == 0 && i == (w ? 255 : 127) && want[i] == 1.0f, "%s code: %d values differ", w ? "v" : "m", bad);
+    for (int j = 0; j < 256; j++) bad += (double)c[j] != code_value(mo, j);
+    for (int k = 1; k <= top_of(mo); k++) bad += !(mag_value(mo, k) > mag_value(mo, k - 1));
+    CHECKF(bad == 0 && c[top_of(mo)] == 1.0f && mag_value(mo, 1) == ldexp(1, -S_of(mo)),
+           "%s code: %d values differ from the definition", w ? "v" : "m", bad);
   }
-  fprintf(stderr, "  half gaps: m %.5f v %.5f\n", half_gap(FY_MOMENT_M), half_gap(FY_MOMENT_V));
-  CHECK(fabs(half_gap(FY_MOMENT_M) - 0.9 / 49 / 2) < 1e-6 && fabs(half_gap(FY_MOMENT_V) - 0.9 / 70 / 2) < 1e-6);
+  // m: the code of -x is minus that of x; -128 (never written) reads as the formula goes on: -2
+  const float *cm = fy_q8_code_values(FY_MOMENT_M);
+  int bad = 0;
+  for (int k = 1; k < 128; k++) bad += cm[(uint8_t)(int8_t)-k] != -cm[k];
+  CHECK(bad == 0 && cm[128] == -2.0f && cm[0] == 0.0f);
+  fprintf(stderr, "  codes: m 0, %g .. 1 (top 120), v 0, %g .. 1 (top 248)\n", cm[1],
+          fy_q8_code_values(FY_MOMENT_V)[1]);
   CHECK(fy_state_moment_bytes(FY_STATE_F32, 1000) == 4000 && fy_state_moment_bytes(FY_STATE_BF16, 1000) == 2000);
   CHECK(fy_q8_blocks(1000) == 4 && fy_q8_scales_offset(1000) == 1024 && fy_state_moment_bytes(FY_STATE_Q8, 1000) == 1040);
   CHECK(fy_state_bytes(FY_STATE_Q8, 256) == 2 * (256 + 4) && fy_state_moment_bytes(FY_STATE_Q8, 0) == 0);
@@ -63,126 +72,167 @@ static void test_codes(void) {
   CHECK(fy_state_format_from_name("bf16", &f) && f == FY_STATE_BF16 && !fy_state_format_from_name("int8", &f));
 }
 
-// The code of a (in [0, 1], absmax 1) by brute force: the smallest |a - c| over all magnitudes,
-// in double (exact for these), ties to the smaller magnitude; v: a > 0 never gives 0.
-static int brute(enum fy_moment w, float a) {
-  const float *c = fy_q8_code_values(w);
-  const int K = w == FY_MOMENT_M ? 127 : 255;
+// x rounded to float's 24 bits, to nearest even, with no bounds on the exponent.
+static double round24(double x) {
+  if (x == 0) return 0;
+  int e;
+  frexp(x, &e);
+  return ldexp((double)(float)ldexp(x, -e), e);  // ldexp(x, -e) in [0.5, 1): a normal float
+}
+
+// The code of x in a block of absmax amax, from the definition and by brute force: r =
+// round24(|x| * round24(1 / amax)), then the code byte whose value is nearest to r among all 256,
+// a tie to the even magnitude; -k for m's negative x; v: a positive x never gets 0.
+static int brute(enum fy_moment w, float x, float amax) {
+  static double val[2][256];
+  if (val[0][1] == 0)
+    for (int c = 0; c < 256; c++) val[0][c] = code_value(FY_MOMENT_M, c), val[1][c] = code_value(FY_MOMENT_V, c);
+  const double *t = val[w == FY_MOMENT_V];
+  const double r = round24(fabs((double)x) * round24(1.0 / amax));
   int best = 0;
-  for (int i = 1; i <= K; i++)
-    if (fabs((double)a - c[i]) < fabs((double)a - c[best])) best = i;
-  if (w == FY_MOMENT_V && best == 0 && a > 0) best = 1;
+  for (int c = 1; c < 256; c++) {
+    const double d = fabs(r - t[c]), db = fabs(r - t[best]);
+    const int k = w == FY_MOMENT_M ? abs((int8_t)c) : c;
+    if (d < db || (d == db && k % 2 == 0)) best = c;
+  }
+  if (w == FY_MOMENT_M) {
+    const int k = abs((int8_t)best);
+    return x < 0 ? -k : k;
+  }
+  if (best == 0 && x > 0) best = 1;
   return best;
 }
 
-// The nearest-code rule at every magnitude, its neighbouring floats, the midpoints and the floats
-// beside them, and random values (uniform and log-uniform over 16 decades), both signs for m.
+// The nearest-code rule against brute(): at every magnitude and the floats beside it, the
+// midpoints between neighbours (exact ties) and the floats beside them, a sweep over all floats
+// in [0, 1] (every 16411th), uniform and log-uniform random values over 45 decades; in blocks of
+// absmax 1 (r = |x|), 3 (a reciprocal that rounds) and, for the blocks whose 1 / absmax would
+// leave float's range, 1e-40 and 2e38; m's values also negated.
 static void test_nearest(void) {
-  enum { CAP = 200000 };
+  enum { CAP = 120000 };
   float *a = xmalloc(CAP * sizeof(float));
   for (int w = 0; w < 2; w++) {
     const enum fy_moment mo = w ? FY_MOMENT_V : FY_MOMENT_M;
-    const float *c = fy_q8_code_values(mo);
-    const int K = w ? 255 : 127;
+    const int K = top_of(mo);
     int n = 0;
     for (int i = 0; i <= K; i++) {
-      float x = c[i], y = c[i];
+      const float c = (float)mag_value(mo, i);
+      float x = c, y = c;
       for (int s = 0; s < 4; s++) {
         a[n++] = x, a[n++] = y;
         x = nextafterf(x, 2.0f), y = nextafterf(y, -1.0f);
       }
       if (i < K) {
-        float mid = (float)(((double)c[i] + c[i + 1]) / 2);
+        const float mid = (float)((mag_value(mo, i) + mag_value(mo, i + 1)) / 2);
         a[n++] = mid, a[n++] = nextafterf(mid, 2.0f), a[n++] = nextafterf(mid, -1.0f);
       }
     }
-    while (n < CAP / 2) a[n++] = (float)check_urand();
-    while (n < CAP) a[n++] = (float)pow(10.0, -16.0 * check_urand());
+    for (uint32_t u = 0; u <= 0x3f800000u; u += 16411) memcpy(&a[n++], &u, 4);
+    while (n < CAP * 3 / 4) a[n++] = (float)check_urand();
+    while (n < CAP) a[n++] = (float)pow(10.0, -45.0 * check_urand());
     for (int i = 0; i < n; i++) a[i] = fminf(fmaxf(a[i], 0.0f), 1.0f);
-    // blocks of [1 (the absmax, so a / absmax == a), 255 test values], m's also negated
+    // blocks of [amax, 255 test values times amax]
     const int nb = (n + 254) / 255;
     const int64_t len = (int64_t)nb * FY_Q8_BLOCK;
     float *x = xmalloc((size_t)len * 4);
     uint8_t *q = xmalloc(fy_state_moment_bytes(FY_STATE_Q8, len));
-    int bad = 0, ties = 0;
+    int bad = 0, ties = 0, tested = 0;
     for (int i = 0; i < n; i++) {
-      int k = brute(mo, a[i]);
-      ties += k < K && (double)a[i] - c[k] == (double)c[k + 1] - a[i];
+      const double r = a[i];
+      for (int k = 0; k < K; k++) ties += r - mag_value(mo, k) == mag_value(mo, k + 1) - r;
     }
-    for (int sign = 0; sign < (w ? 1 : 2); sign++) {
-      for (int b = 0; b < nb; b++) {
-        x[(int64_t)b * FY_Q8_BLOCK] = 1.0f;
-        for (int j = 1; j < FY_Q8_BLOCK; j++) {
-          int k = b * 255 + j - 1;
-          float v = k < n ? a[k] : 0.0f;
-          x[(int64_t)b * FY_Q8_BLOCK + j] = sign ? -v : v;
+    static const float amaxes[] = {1.0f, 3.0f, 1e-40f, 2e38f};
+    for (int ai = 0; ai < 4; ai++) {
+      const float amax = amaxes[ai];
+      for (int sign = 0; sign < (w ? 1 : 2); sign++) {
+        for (int b = 0; b < nb; b++) {
+          x[(int64_t)b * FY_Q8_BLOCK] = sign ? -amax : amax;
+          for (int j = 1; j < FY_Q8_BLOCK; j++) {
+            const int k = b * 255 + j - 1;
+            const float v = k < n ? fminf(a[k] * amax, amax) : 0.0f;
+            x[(int64_t)b * FY_Q8_BLOCK + j] = sign && j % 3 ? -v : v;
+          }
+        }
+        fy_state_encode(FY_STATE_Q8, mo, q, x, len);
+        for (int64_t i = 0; i < len; i++) {
+          const int want = brute(mo, x[i], amax);
+          const int got = w ? q[i] : (int8_t)q[i];
+          tested++;
+          if (got != want && bad++ < 5)
+            fprintf(stderr, "  %s: %.9g in a block of absmax %g -> code %d, nearest %d\n", w ? "v" : "m", x[i], amax,
+                    got, want);
         }
       }
-      fy_state_encode(FY_STATE_Q8, mo, q, x, len);
-      for (int64_t i = 0; i < len; i++) {
-        int want = brute(mo, fabsf(x[i]));
-        if (x[i] < 0) want = -want;
-        int got = w ? q[i] : (int8_t)q[i];
-        if (got != want && bad++ < 5)
-          fprintf(stderr, "  %s: %.9g -> code %d, nearest %d\n", w ? "v" : "m", x[i], got, want);
-      }
     }
-    fprintf(stderr, "  %s nearest: %d values, %d exact ties among them\n", w ? "v" : "m", n, ties);
-    CHECKF(bad == 0 && ties > 10, "%s: %d values away from the nearest code (%d ties)", w ? "v" : "m", bad, ties);
+    fprintf(stderr, "  %s nearest: %d codes checked, %d exact ties among the values\n", w ? "v" : "m", tested, ties);
+    CHECKF(bad == 0 && ties > 100, "%s: %d values away from the nearest code (%d ties)", w ? "v" : "m", bad, ties);
     free(x);
     free(q);
   }
   free(a);
 }
 
-// Round trip: |x - decode(encode(x))| <= absmax * (half gap + 2^-23) (the division's and the
-// product's roundings), on blocks of several kinds; zero, NaN and huge-outlier blocks; n not a
-// multiple of the block.
+// Round trip: in the normal binades |x - decode(encode(x))| <= |x| REL_BOUND; below them the
+// subnormal step's half (m: absmax 2^-18), or, for v's positive values below half the smallest
+// code, that code (absmax 2^-33); on blocks of several kinds: uniform, 12 and 40 decades, zeros,
+// one huge value, a NaN, an infinity, subnormal and near-overflow absmax; n not a multiple of the
+// block. The largest relative error seen in the normal binades is printed (1/17 is the bound).
 static void test_round_trip(void) {
-  const int64_t n = 7 * FY_Q8_BLOCK + 77;
+  const int64_t n = 11 * FY_Q8_BLOCK + 77;
   float *x = xmalloc((size_t)n * 4), *y = xmalloc((size_t)n * 4);
   uint8_t *q = xmalloc(fy_state_moment_bytes(FY_STATE_Q8, n));
   for (int w = 0; w < 2; w++) {
     const enum fy_moment mo = w ? FY_MOMENT_V : FY_MOMENT_M;
+    const int S = S_of(mo);
     for (int64_t i = 0; i < n; i++) {
       const int64_t b = i / FY_Q8_BLOCK;
-      float v = b == 0   ? check_frand(1.0f)                                        // uniform
-                : b == 1 ? (float)pow(10.0, -12.0 * check_urand()) * (check_urand() < 0.5 ? -1 : 1)  // 12 decades
-                : b == 2 ? 0.0f                                                      // zeros
-                : b == 3 ? (i % FY_Q8_BLOCK == 17 ? 1e30f : check_frand(1.0f))      // one huge value
-                : b == 4 ? (i % FY_Q8_BLOCK == 5 ? NAN : check_frand(1.0f))         // a NaN
-                : b == 5 ? check_frand(1e-30f)                                       // tiny (subnormal ratios)
-                         : check_frand(3.0f);                                        // and the short last block
-      y[i] = v;
+      const float sgn = check_urand() < 0.5 ? -1.0f : 1.0f;
+      float v = b == 0   ? check_frand(1.0f)                                               // uniform
+                : b == 1 ? (float)pow(10.0, -12.0 * check_urand()) * sgn                   // 12 decades
+                : b == 2 ? 0.0f                                                             // zeros
+                : b == 3 ? (i % FY_Q8_BLOCK == 17 ? 1e30f : check_frand(1.0f))             // one huge value
+                : b == 4 ? (i % FY_Q8_BLOCK == 5 ? NAN : check_frand(1.0f))                // a NaN
+                : b == 5 ? check_frand(1e-30f)                                              // tiny
+                : b == 6 ? (float)pow(10.0, -40.0 * check_urand()) * sgn                   // 40 decades
+                : b == 7 ? (i % FY_Q8_BLOCK == 9 ? -INFINITY : check_frand(1.0f))          // an infinity
+                : b == 8 ? check_frand(1e-39f)                                              // subnormal absmax
+                : b == 9 ? (i % FY_Q8_BLOCK == 3 ? 1e-30f : check_frand(3e38f))            // near overflow
+                         : check_frand(3.0f);                                               // and the short last block
       x[i] = w ? fabsf(v) : v;
     }
     fy_state_encode(FY_STATE_Q8, mo, q, x, n);
     fy_state_decode(FY_STATE_Q8, mo, y, q, n);
     const float *scale = (const float *)(q + fy_q8_scales_offset(n));
-    const double h = half_gap(mo) + 0x1p-23;
     double worst = 0;
     int bad = 0;
     for (int64_t i = 0; i < n; i++) {
       const int64_t b = i / FY_Q8_BLOCK;
-      if (b == 4) {
+      if (b == 4 || b == 7) {
         bad += !isnan(y[i]);
         continue;
       }
       double amax = 0;
       for (int64_t j = b * FY_Q8_BLOCK; j < (b + 1) * FY_Q8_BLOCK && j < n; j++) amax = fmax(amax, fabs(x[j]));
       bad += scale[b] != (float)amax;
-      double e = fabs((double)x[i] - y[i]);
-      if (amax > 0) worst = fmax(worst, e / amax);
-      bad += e > h * amax;
+      const double ax = fabs((double)x[i]), e = fabs((double)x[i] - y[i]);
+      if (ax >= amax * ldexp(1, 3 - S)) {
+        worst = fmax(worst, e / ax);
+        bad += e > ax * REL_BOUND;
+      } else {
+        bad += e > amax * ldexp(w ? 1 : 0.5, -S) * (1 + 0x1p-20) + 0x1p-149;
+      }
       if (w && x[i] > 0) bad += !(y[i] > 0);  // a positive v never reads back as 0
+      if (ax == amax) bad += y[i] != x[i];    // the absmax element reads back exactly
     }
     // the huge value reads back exactly; its small neighbours as 0 (m) or the smallest code (v)
     bad += y[3 * FY_Q8_BLOCK + 17] != 1e30f;
     bad += w ? q[3 * FY_Q8_BLOCK + 18] != 1 : q[3 * FY_Q8_BLOCK + 18] != 0;
     for (int64_t i = 2 * FY_Q8_BLOCK; i < 3 * FY_Q8_BLOCK; i++) bad += q[i] != 0 || y[i] != 0.0f;
-    bad += !isnan(scale[4]);
-    fprintf(stderr, "  %s round trip: worst error %.5f of absmax (bound %.5f)\n", w ? "v" : "m", worst, h);
-    CHECKF(bad == 0, "%s round trip: %d bad values", w ? "v" : "m", bad);
+    for (int64_t i = 4 * FY_Q8_BLOCK; i < 5 * FY_Q8_BLOCK; i++) bad += q[i] != 0;
+    bad += !isnan(scale[4]) || !isnan(scale[7]);
+    fprintf(stderr, "  %s round trip: worst relative error in the normal binades %.5f (bound %.5f)\n", w ? "v" : "m",
+            worst, REL_BOUND);
+    CHECKF(bad == 0 && worst > 0.05, "%s round trip: %d bad values", w ? "v" : "m", bad);
   }
   // bf16: round to nearest even and back
   uint16_t *hb = xmalloc((size_t)n * 2);
@@ -241,13 +291,20 @@ static bool state_equal(enum fy_state_format f, int64_t n, const struct state *a
 
 // The fused update against its definition made of other pieces: decode, fy_adamw_update(_bf16)
 // range by range on the floats, encode. Both gradient forms, both formats, several steps; and
-// with 1 and 2 threads the same bytes.
+// with 1 and 3 threads the same bytes.
 static void test_update(void) {
   const int64_t n = 300000 + 77;  // above the parallel threshold; the last block short
   float *p = xmalloc((size_t)n * 4), *m = xmalloc((size_t)n * 4), *v = xmalloc((size_t)n * 4), *g = xmalloc((size_t)n * 4);
   for (int64_t i = 0; i < n; i++) {
     p[i] = check_frand(0.1f);
     g[i] = check_frand(1.0f) * (float)pow(10.0, -4.0 * check_urand());
+  }
+  // three whole blocks inside a range whose absmax leaves [2^-126, 2^126), which the update
+  // stores by the plain path: v near 1e38, v subnormal, m subnormal (v then 0)
+  for (int64_t i = 200 * FY_Q8_BLOCK; i < 201 * FY_Q8_BLOCK; i++) g[i] *= 4e20f;
+  for (int64_t i = 201 * FY_Q8_BLOCK; i < 202 * FY_Q8_BLOCK; i++) g[i] *= 3e-20f;
+  for (int64_t i = 202 * FY_Q8_BLOCK; i < 203 * FY_Q8_BLOCK; i++) g[i] *= 1e-38f;
+  for (int64_t i = 0; i < n; i++) {
     m[i] = 0.1f * g[i];
     v[i] = 0.001f * g[i] * g[i];
   }
@@ -261,7 +318,7 @@ static void test_update(void) {
       int bad_ref = 0, bad_thr = 0;
       for (int step = 1; step <= 3; step++) {
         const float gs = step == 2 ? 0.5f : 1.0f;
-        omp_set_num_threads(2);
+        omp_set_num_threads(3);  // three runs of blocks: two pipeline seams against one thread's none
         CHECK_OK(bf ? fy_adamw_state_update_bf16(f, s.p, s.m, s.v, s.gw, n, r, nr, LR, B1, B2, EPS, step, gs)
                     : fy_adamw_state_update(f, s.p, s.m, s.v, s.g, n, r, nr, LR, B1, B2, EPS, step, gs));
         omp_set_num_threads(1);
@@ -294,7 +351,7 @@ static void test_update(void) {
       for (int64_t i = 0; i < n; i++) moved += s.p[i] != p[i];
       fprintf(stderr, "  update %s %s grads: %d weights moved\n", fy_state_format_name(f), bf ? "bf16" : "fp32", moved);
       CHECKF(bad_ref == 0 && bad_thr == 0 && bad_pad == 0 && moved > n / 2,
-             "%s %s: %d steps unlike decode+update+encode, %d unlike 1 thread, %d padding touched",
+             "%s %s: %d steps unlike decode+update+encode, %d unlike 1 thread (3 threads), %d padding touched",
              fy_state_format_name(f), bf ? "bf16" : "fp32", bad_ref, bad_thr, bad_pad);
       state_free(&s), state_free(&t1), state_free(&ref);
       free(fm), free(fv);
@@ -314,21 +371,23 @@ static void test_update(void) {
 
 // 100 steps of random gradients (with a heavy-tailed magnitude, so blocks hold values of several
 // decades) through fp32 state and 8-bit state: the 8-bit m and v against the fp32 ones.
-// Bound: each step's store moves a value by at most h * A (h the half gap, A the block's new
-// absmax; plus float rounding), and an error already there shrinks by beta each step, so after t
-// steps |m8 - m32| <= h * Amax * (1 - b1^t) / (1 - b1) with Amax the largest scale the element's
-// block had (the same for v with b2): 10 h Amax for m, 95 h Amax for v at t = 100, b2 = 0.999. The
-// roundings' errors do not all push one way, so the typical error is far smaller: the RMS over
-// all elements is also printed and held under a tenth of the worst-case bound's scale.
+// Bound, per element: a store moves the unrounded new value x by at most |x| / 17 (+ roundings)
+// in the normal binades and c A (A the block's new absmax; c = 2^-18 for m, 2^-33 for v) below
+// them; with |x| <= (17/16) (|y| + c A), y the value read back, one store's error is at most
+// d = (|y| + c A) / 16 + c A. An error already there shrinks by beta each step and the float
+// roundings of the two runs add at most 2^-20 (|y| + |x32|), so B_t = beta B_(t-1) + d_t +
+// 2^-20 (|y_t| + |x32_t|) bounds |y_t - x32_t| after step t (checked at every step). The RMS of
+// the error relative to each element's fp32 value (m: of values at least a hundredth of their
+// block's absmax) is printed and held under 1/4: each store's error is up to 1/17 of the value
+// and they add up over the steps (about 0.15 here for both; a wrong code or scale gives >= 1).
 static void test_drift(void) {
   const int64_t n = 64 * FY_Q8_BLOCK + 100;
   const int T = 100;
   float *p = xmalloc((size_t)n * 4), *m = xmalloc((size_t)n * 4), *v = xmalloc((size_t)n * 4), *g = xmalloc((size_t)n * 4);
   float *p8 = xmalloc((size_t)n * 4), *dm = xmalloc((size_t)n * 4), *dv = xmalloc((size_t)n * 4);
+  double *bm = xmalloc((size_t)n * 8), *bv = xmalloc((size_t)n * 8);
   void *m8 = xmalloc(fy_state_moment_bytes(FY_STATE_Q8, n)), *v8 = xmalloc(fy_state_moment_bytes(FY_STATE_Q8, n));
   float *col = xmalloc((size_t)n * 4);
-  const int64_t nb = fy_q8_blocks(n);
-  double *amax_m = xmalloc((size_t)nb * 8), *amax_v = xmalloc((size_t)nb * 8);
   for (int64_t i = 0; i < n; i++) {
     p[i] = p8[i] = check_frand(0.1f);
     col[i] = (float)pow(10.0, -3.0 * check_urand());  // each element's own gradient scale
@@ -336,41 +395,53 @@ static void test_drift(void) {
   struct fy_adamw_range r = {0, n, 0.01f};
   fy_state_encode(FY_STATE_Q8, FY_MOMENT_M, m8, m, n);
   fy_state_encode(FY_STATE_Q8, FY_MOMENT_V, v8, v, n);
+  const double cm = 0x1p-18, cv = 0x1p-33;
+  int bad = 0;
+  double worst_m = 0, worst_v = 0;
   for (int t = 1; t <= T; t++) {
     for (int64_t i = 0; i < n; i++) g[i] = check_frand(1.0f) * col[i];
     fy_adamw_update(p, m, v, g, n, LR, B1, B2, EPS, 0.01f, t, 1.0f);
     CHECK_OK(fy_adamw_state_update(FY_STATE_Q8, p8, m8, v8, g, n, &r, 1, LR, B1, B2, EPS, t, 1.0f));
+    fy_state_decode(FY_STATE_Q8, FY_MOMENT_M, dm, m8, n);
+    fy_state_decode(FY_STATE_Q8, FY_MOMENT_V, dv, v8, n);
     const float *sm = (const float *)((char *)m8 + fy_q8_scales_offset(n));
     const float *sv = (const float *)((char *)v8 + fy_q8_scales_offset(n));
-    for (int64_t b = 0; b < nb; b++) amax_m[b] = fmax(amax_m[b], sm[b]), amax_v[b] = fmax(amax_v[b], sv[b]);
+    for (int64_t i = 0; i < n; i++) {
+      const double am = sm[i / FY_Q8_BLOCK], av = sv[i / FY_Q8_BLOCK];
+      const double ym = fabs(dm[i]), yv = fabs(dv[i]);
+      bm[i] = B1 * bm[i] + (ym + cm * am) / 16 + cm * am + 0x1p-20 * (ym + fabs(m[i]));
+      bv[i] = B2 * bv[i] + (yv + cv * av) / 16 + cv * av + 0x1p-20 * (yv + fabs(v[i]));
+      const double em = fabs((double)dm[i] - m[i]), ev = fabs((double)dv[i] - v[i]);
+      bad += em > bm[i] || ev > bv[i];
+      worst_m = fmax(worst_m, em / bm[i]);
+      worst_v = fmax(worst_v, ev / bv[i]);
+    }
   }
-  fy_state_decode(FY_STATE_Q8, FY_MOMENT_M, dm, m8, n);
-  fy_state_decode(FY_STATE_Q8, FY_MOMENT_V, dv, v8, n);
-  const double fm = (1 - pow(B1, T)) / (1 - B1), fv = (1 - pow(B2, T)) / (1 - B2);
-  const double hm = half_gap(FY_MOMENT_M) + 0x1p-22, hv = half_gap(FY_MOMENT_V) + 0x1p-22;
-  int bad = 0;
-  double worst_m = 0, worst_v = 0, sq_m = 0, sq_v = 0, ref_m = 0, ref_v = 0;
+  const float *sm = (const float *)((char *)m8 + fy_q8_scales_offset(n));
+  const float *sv = (const float *)((char *)v8 + fy_q8_scales_offset(n));
+  double sq_m = 0, sq_v = 0, sa_m = 0, sa_v = 0;  // relative to the value; to the block's absmax
+  int64_t cnt_m = 0;
   for (int64_t i = 0; i < n; i++) {
-    const int64_t b = i / FY_Q8_BLOCK;
-    const double em = fabs((double)dm[i] - m[i]), ev = fabs((double)dv[i] - v[i]);
-    bad += em > hm * amax_m[b] * fm || ev > hv * amax_v[b] * fv;
-    worst_m = fmax(worst_m, em / (amax_m[b] * fm * hm));
-    worst_v = fmax(worst_v, ev / (amax_v[b] * fv * hv));
-    sq_m += (em / amax_m[b]) * (em / amax_m[b]);
-    sq_v += (ev / amax_v[b]) * (ev / amax_v[b]);
-    ref_m += (double)m[i] * m[i], ref_v += (double)v[i] * v[i];
+    const double am = ((double)dm[i] - m[i]) / sm[i / FY_Q8_BLOCK], av = ((double)dv[i] - v[i]) / sv[i / FY_Q8_BLOCK];
+    sa_m += am * am, sa_v += av * av;
+    if (fabs(m[i]) >= sm[i / FY_Q8_BLOCK] / 100) {
+      const double e = ((double)dm[i] - m[i]) / m[i];
+      sq_m += e * e, cnt_m++;
+    }
+    const double e = ((double)dv[i] - v[i]) / v[i];
+    sq_v += e * e;
   }
-  const double rms_m = sqrt(sq_m / n), rms_v = sqrt(sq_v / n);
+  const double rms_m = sqrt(sq_m / (double)cnt_m), rms_v = sqrt(sq_v / (double)n);
   double pd = 0, pn = 0;
-  for (int64_t i = 0; i < n; i++) pd += ((double)p8[i] - p[i]) * ((double)p8[i] - p[i]), pn += (double)(p[i] - 0) * p[i];
+  for (int64_t i = 0; i < n; i++) pd += ((double)p8[i] - p[i]) * ((double)p8[i] - p[i]), pn += (double)p[i] * p[i];
   fprintf(stderr,
-          "  drift after %d steps: worst |m8-m| %.3f and |v8-v| %.3f of their bounds; RMS error / block absmax: m "
-          "%.2e (h %.2e), v %.2e (h %.2e); weights' relative distance %.2e\n",
-          T, worst_m, worst_v, rms_m, hm, rms_v, hv, sqrt(pd / pn));
-  CHECKF(bad == 0, "%d elements drifted past the bound", bad);
-  CHECKF(rms_m < hm * fm / 10 && rms_v < hv * fv / 10, "RMS drift m %.3e v %.3e", rms_m, rms_v);
-  free(p), free(m), free(v), free(g), free(p8), free(dm), free(dv), free(m8), free(v8), free(col), free(amax_m),
-      free(amax_v);
+          "  drift after %d steps: worst |m8-m| %.3f and |v8-v| %.3f of their bounds; RMS relative error: m %.2e "
+          "(%lld values >= absmax/100), v %.2e; RMS error / block absmax: m %.2e, v %.2e; weights' relative "
+          "distance %.2e\n",
+          T, worst_m, worst_v, rms_m, (long long)cnt_m, rms_v, sqrt(sa_m / n), sqrt(sa_v / n), sqrt(pd / pn));
+  CHECKF(bad == 0, "%d element-steps drifted past the bound", bad);
+  CHECKF(rms_m < 0.25 && rms_v < 0.25 && cnt_m > n / 4, "RMS relative drift m %.3e v %.3e", rms_m, rms_v);
+  free(p), free(m), free(v), free(g), free(p8), free(dm), free(dv), free(m8), free(v8), free(col), free(bm), free(bv);
 }
 
 // ---- --dump DIR: the reference test's inputs and ferry's results ----
@@ -411,21 +482,25 @@ static int dump(const char *dir) {
   write_file(dir, "v.bin", v, (size_t)n * 4);
   write_file(dir, "grads.bin", g, (size_t)n * 4 * steps);
   // The nearest-code rule on its hard cases: every magnitude, the midpoints between neighbours
-  // (exact ties where the float holds them) and the floats beside them, both signs; absmax 1.
+  // (exact ties) and the floats beside them, both signs; each block opens with +-1 (its absmax).
   for (int w = 0; w < 2; w++) {
     const enum fy_moment mo = w ? FY_MOMENT_V : FY_MOMENT_M;
-    const float *c = fy_q8_code_values(mo);
-    const int K = w ? 255 : 127;
+    const int K = top_of(mo);
     const int64_t cn = 6 * 256 + 1;
     float *x = xmalloc((size_t)cn * 4);
     int64_t k = 0;
-    x[k++] = w ? 1.0f : -1.0f;
     for (int i = 0; i < K; i++) {
-      const float mid = (float)(((double)c[i] + c[i + 1]) / 2), s = i % 2 ? -1.0f : 1.0f;
-      x[k++] = (w ? 1 : s) * c[i];
-      x[k++] = (w ? 1 : s) * mid;
-      x[k++] = (w ? 1 : -s) * nextafterf(mid, 2.0f);
-      x[k++] = (w ? 1 : s) * nextafterf(mid, -1.0f);
+      const float c = (float)mag_value(mo, i), mid = (float)((mag_value(mo, i) + mag_value(mo, i + 1)) / 2);
+      const float s = i % 2 ? -1.0f : 1.0f, hard[4] = {(w ? 1 : s) * c, (w ? 1 : s) * mid,
+                                                      (w ? 1 : -s) * nextafterf(mid, 2.0f),
+                                                      (w ? 1 : s) * nextafterf(mid, -1.0f)};
+      for (int j = 0; j < 4; j++) {
+        if (k % FY_Q8_BLOCK == 0) {
+          x[k] = w || k % 512 ? 1.0f : -1.0f;
+          k++;
+        }
+        x[k++] = hard[j];
+      }
     }
     while (k < cn) x[k++] = 0.0f;
     uint8_t *q = xmalloc(fy_state_moment_bytes(FY_STATE_Q8, cn));

@@ -539,6 +539,14 @@ static void test_adamw_state(enum fy_dtype dt) {
     v[i] = 0.01f * m[i] * m[i] + 1e-12f * (i % 3);
   }
   g[1000] = 50.0f;  // one block with an outlier
+  // blocks whose absmax leaves [2^-126, 2^126) (the 8-bit ratio's scaled path): v near 2.4e38, v
+  // subnormal, m subnormal (v 0), from zero state
+  for (int64_t i = 10 * FY_Q8_BLOCK; i < 13 * FY_Q8_BLOCK; i++) {
+    const float f = i < 11 * FY_Q8_BLOCK ? 7e19f : i < 12 * FY_Q8_BLOCK ? 3e-20f : 1e-38f;
+    g[i] = (i % FY_Q8_BLOCK == 0 ? 0.99f : g[i]) * f;
+    if (dt == FY_BF16) g[i] = fy_bf16_to_f32(fy_f32_to_bf16(g[i]));
+    m[i] = v[i] = 0.0f;
+  }
   const struct fy_adamw_range r[] = {{0, 10000, 0.1f}, {10016, 1, 0.0f}, {10032, 20000, 0.0f}, {30048, n - 30048 - 40, 0.05f}};
   const int nr = 4;
   CHECK_OK(fy_adamw_ranges_check(n, r, nr));

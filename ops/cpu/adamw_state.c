@@ -1,7 +1,7 @@
 // AdamW with m and v stored in bf16 or block-wise 8-bit (ops/ops.h "AdamW with compressed state"),
 // and the conversions of a moment between float and its stored form.
-#include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,37 +11,12 @@
 
 // ---- the 8-bit codes ----
 
-// The decades of each code, largest first (ops/ops.h). Sums: 127 (m) and 255 (v).
-static const int k_m[] = {49, 24, 14, 10, 10, 10, 10};
-static const int k_v[] = {70, 38, 24, 17, 14, 12, 10, 10, 10, 10, 10, 10, 10, 10};
-// 10^-d as the literals a reader (and the Python reference) writes, correctly rounded.
-static const double decade[] = {1e0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6,
-                                1e-7, 1e-8, 1e-9, 1e-10, 1e-11, 1e-12, 1e-13};
-
-// The nearest magnitude of a in [0, 1] is found in O(1): a's float bits, exponent and top 7
-// mantissa bits, name a cell (binades from 2^(e0-127) up to [1, 2) cut in 128); the code's
-// spacing (at least 0.9/70 of a decade's top) is wider than a cell (at most 1/128 of its lower
-// end), so a cell holds at most one midpoint between neighbouring magnitudes, and the nearest
-// index of every a in the cell is base, or base + 1 from a float thr of the cell on (none when
-// the cell holds no midpoint). thr shares the cell's top 16 bits with a, so a >= thr compares
-// their low 16 bits, and one 32-bit word a cell holds both: base << 17 | thr's low 16 bits
-// (0x10000: none). One gather an element. Found when the tables are built with q_mag_exact, the
-// rule itself (below). Cells below e0 (all of a below a quarter of the smallest magnitude)
-// share cell 0: nearest 0. Checked when built; test_adamw_state checks the rule against a
-// brute-force search.
-#define CELL_BITS 7
-#define MAX_CELLS (64 << CELL_BITS)
-
-struct q8_code {
-  int K;              // magnitudes mag[1..K], mag[0] = 0, mag[K] = 1
-  float values[256];  // by code byte
-  float mag[258];     // mag[0..K], then +inf
-  int cell0, ncell;   // (e0 << CELL_BITS), cells
-  uint32_t cell[MAX_CELLS];  // base << 17 | threshold's low bits
-};
-
-static struct q8_code codes[2];
-static pthread_once_t codes_once = PTHREAD_ONCE_INIT;
+// A code's magnitude k (0..255) is a tiny float relative to the block's absmax (ops/ops.h): k =
+// 8 e + f, f the 3 mantissa bits, e the exponent; value f 2^-S for e = 0 (subnormal), (8 + f)
+// 2^(e-1-S) for e >= 1, so that k = 8 (S - 2) is exactly 1. S = 17 for m (4 exponent bits, k up
+// to 120, a sign besides) and 33 for v (5 exponent bits, k up to 248).
+#define S_M 17
+#define S_V 33
 
 static uint32_t f32_bits(float f) {
   uint32_t u;
@@ -55,115 +30,126 @@ static float bits_f32(uint32_t u) {
   return f;
 }
 
-// a in [0, 1] -> index of the nearest magnitude, ties to the smaller (the definition; used to build
-// the tables). The floor by bisection, then the two distances in float, which decide exactly: for
-// a in [mag[i], mag[i+1]] with mag[i] > 0, both differences are exact (Sterbenz: the neighbours
-// are within a factor 2); with mag[i] == 0, a - 0 is exact and mag[1] - a, when inexact
-// (a < mag[1] / 2), is still rounded to at least mag[1] / 2 > a; at the top mag[K+1] is +inf.
-static int q_mag_exact(const struct q8_code *q, float a) {
-  int lo = 0, hi = q->K;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (q->mag[mid] <= a) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo + ((q->mag[lo + 1] - a) < (a - q->mag[lo]));
+// r, a float in [0, 1 + 2^-23] -> k, the magnitude nearest to r, ties to the even k (the
+// format's round to nearest even; 1 + 2^-23 gives the top code). Branch-free, so that the loops
+// calling it vectorise. The step of the codes in r's binade [2^E, 2^(E+1)) is 2^(E-3), and
+// 2^(3-S), the smallest normal, below it (E clamped to Emin = 3 - S). The float sum magic + r with
+// magic = 2^(E+20) has unit in the last place 2^(E-3), so the addition itself rounds r to the
+// step, to nearest even (magic's mantissa is 0: the sum's last bit is k's); its bits minus
+// magic's are d = r / step rounded: 8 + f in a normal binade (16 where it carries into the next),
+// 0..8 below. k = 8 (E - Emin) + d, with E and Emin read off as float bits.
+static inline uint32_t q8_mag(float r, int S) {
+  const uint32_t emin = (uint32_t)(130 - S) << 23, e0 = f32_bits(r) & 0x7f800000u;
+  const uint32_t e = e0 > emin ? e0 : emin;
+  const uint32_t magic = e + (20u << 23);
+  return f32_bits(r + bits_f32(magic)) - magic + ((e - emin) >> 20);
 }
 
-static void build_code(struct q8_code *q, const int *k, int D, bool is_signed) {
-  int i = 0;
-  q->mag[0] = 0.0f;
-  // smallest first: decade D-1 up to decade 0
-  for (int d = D - 1; d >= 0; d--)
-    for (int j = 1; j <= k[d]; j++) q->mag[++i] = (float)((1.0 + (9.0 * j) / k[d]) / 10.0 * decade[d]);
-  q->K = i;
-  FY_ASSERT(q->K == (is_signed ? 127 : 255) && q->mag[q->K] == 1.0f);
-  for (int j = q->K + 1; j < 258; j++) q->mag[j] = INFINITY;
-  for (int j = 1; j <= q->K; j++) FY_ASSERT(q->mag[j] > q->mag[j - 1] && (j == 1 || q->mag[j] <= 2.0f * q->mag[j - 1]));
-  if (is_signed) {
-    for (int c = 0; c < 128; c++) q->values[c] = q->mag[c];
-    for (int c = 1; c < 128; c++) q->values[(uint8_t)(int8_t)-c] = -q->mag[c];
-    q->values[128] = -1.0f;  // code -128: never written
-  } else {
-    for (int c = 0; c < 256; c++) q->values[c] = q->mag[c];
-  }
-  // e0: the binade of a quarter of the smallest magnitude
-  const int e0 = (int)(f32_bits(q->mag[1] * 0.25f) >> 23);
-  q->cell0 = e0 << CELL_BITS;
-  q->ncell = (127 - e0 + 1) << CELL_BITS;
-  FY_ASSERT(q->ncell <= MAX_CELLS);
-  for (int c = 0; c < q->ncell; c++) {
-    const uint32_t lo = c == 0 ? 0 : (uint32_t)(q->cell0 + c) << (23 - CELL_BITS);
-    const uint32_t last = ((uint32_t)(q->cell0 + c + 1) << (23 - CELL_BITS)) - 1;
-    const float flast = bits_f32(last) < 1.0f ? bits_f32(last) : 1.0f;
-    const int b = q_mag_exact(q, bits_f32(lo)), e = q_mag_exact(q, flast);
-    FY_ASSERT(e == b || e == b + 1);  // at most one midpoint inside the cell
-    q->cell[c] = (uint32_t)b << 17 | 0x10000u;
-    if (e == b + 1) {  // the first float of the cell whose nearest is b + 1
-      uint32_t l = lo, h = f32_bits(flast);
-      while (l < h) {
-        uint32_t mid = l + (h - l) / 2;
-        if (q_mag_exact(q, bits_f32(mid)) > b) h = mid;
-        else l = mid + 1;
-      }
-      FY_ASSERT(c > 0 && l >> 16 == lo >> 16);
-      q->cell[c] = (uint32_t)b << 17 | (l & 0xffffu);
-    }
-  }
+// k (any 0..255) -> its value, exact in float (4 significant bits). k << 20 as float bits is the
+// float32 (1 + f/8) 2^(e-127) for e >= 1 and, for e = 0, the float32 subnormal f 2^-129: the
+// value times 2^(S-129) in both cases, so one exact multiplication by 2^(129-S) gives the value
+// (float32 subnormals are exact operands; nothing here runs with denormals flushed). Above the
+// top code the formula goes on (up to 1.875, and 2 for k = 128), values that no store writes.
+static inline float q8_val(uint32_t k, int S) { return bits_f32(k << 20) * bits_f32((uint32_t)(256 - S) << 23); }
+
+// The signed code byte of m (int8_t: -k for negative values) and v's byte -> value.
+static inline float q8_val_m(uint8_t c) {
+  const int32_t s = (int8_t)c;
+  const float a = q8_val((uint32_t)(s < 0 ? -s : s), S_M);
+  return bits_f32(f32_bits(a) | ((uint32_t)s & 0x80000000u));
 }
+
+static inline float q8_val_v(uint8_t c) { return q8_val(c, S_V); }
+
+// The read-back value of a widened code with the block's scale folded into the power of two:
+// bits(k << 20) * (2^(129-S) scale) is the same real number as value(k) * scale, so it rounds the
+// same, while 2^(129-S) scale stays finite (scale < 2^(S-1): q8_run checks).
+static inline float q8_read_m(int32_t s, float sm2) {
+  const uint32_t k = (uint32_t)(s < 0 ? -s : s);
+  return bits_f32((k << 20) | ((uint32_t)s & 0x80000000u)) * sm2;
+}
+
+static inline float q8_read_v(int32_t c, float sv2) { return bits_f32((uint32_t)c << 20) * sv2; }
+
+static float code_tables[2][256];
+static pthread_once_t codes_once = PTHREAD_ONCE_INIT;
 
 static void build_codes(void) {
-  build_code(&codes[FY_MOMENT_M], k_m, 7, true);
-  build_code(&codes[FY_MOMENT_V], k_v, 14, false);
+  for (int c = 0; c < 256; c++) {
+    code_tables[FY_MOMENT_M][c] = q8_val_m((uint8_t)c);
+    code_tables[FY_MOMENT_V][c] = q8_val_v((uint8_t)c);
+  }
 }
 
-static const struct q8_code *code_of(enum fy_moment which) {
+const float *fy_q8_code_values(enum fy_moment which) {
   pthread_once(&codes_once, build_codes);
-  return &codes[which == FY_MOMENT_V];
+  return code_tables[which == FY_MOMENT_V];
 }
 
-const float *fy_q8_code_values(enum fy_moment which) { return code_of(which)->values; }
-
-// a in [0, 1] -> index of the nearest magnitude: one gather and a compare.
-static inline int q_mag(const struct q8_code *q, float a) {
-  const uint32_t u = f32_bits(a);
-  int c = (int)(u >> (23 - CELL_BITS)) - q->cell0;
-  c = c < 0 ? 0 : c;
-  c = c > q->ncell - 1 ? q->ncell - 1 : c;
-  const uint32_t w = q->cell[c];
-  return (int)(w >> 17) + ((u & 0xffffu) >= (w & 0x1ffffu));
-}
-
-// vals (len) -> codes (len), *scale: the block's store (ops/ops.h)
-static void q8_store_block(const struct q8_code *q, bool is_signed, uint8_t *restrict code, float *scale,
-                           const float *restrict vals, int64_t len) {
-  // The largest |x| on the float's bits: for values >= 0 their order is the integers' (a vector
-  // max without NaN rules); NaN's bits, above infinity's, are cut down to it.
-  uint32_t amax_bits = 0;
+// The largest |x| of vals (len) as float bits, NaN and infinities as infinity's bits: for values
+// >= 0 the order of the bits is the integers' (a vector max without NaN rules); NaN's bits,
+// above infinity's, are cut down to it.
+static inline uint32_t amax_bits_of(const float *restrict vals, int64_t len) {
+  uint32_t amax = 0;
   for (int64_t i = 0; i < len; i++) {
     uint32_t u = f32_bits(vals[i]) & 0x7fffffffu;
     u = u < 0x7f800000u ? u : 0x7f800000u;
-    amax_bits = u > amax_bits ? u : amax_bits;
+    amax = u > amax ? u : amax;
   }
-  const float amax = bits_f32(amax_bits);
+  return amax;
+}
+
+// A block's factor: r = |x| * inv with inv = 1 / absmax rounded to float, as if float's exponent
+// had no bounds. For absmax in [2^-126, 2^126) it has; a block whose absmax is subnormal or
+// at least 2^126 (where 1 / absmax overflows or turns subnormal) has its values multiplied by
+// *adj = 2^64 or 2^-64 first, exactly, and inv = 1 / (absmax * adj). The one difference from
+// unbounded products, a ratio below 2^-126 rounded as a subnormal, is far below the smallest
+// step of either code (2^-33): the codes are those of the unbounded definition.
+static inline float q8_block_inv(uint32_t amax_bits, float *adj) {
+  *adj = amax_bits < 0x00800000u ? 0x1p64f : amax_bits >= (253u << 23) ? 0x1p-64f : 1.0f;
+  return 1.0f / (bits_f32(amax_bits) * *adj);
+}
+
+// One value's code: x, the block's adj and inv -> m's signed code, v's code (the rule for
+// positive v on x itself: x * adj may underflow to 0).
+static inline int32_t q8_code_m(float x, float adj, float inv) {
+  const int32_t k = (int32_t)q8_mag(fabsf(x * adj) * inv, S_M);
+  return x < 0.0f ? -k : k;
+}
+
+static inline uint32_t q8_code_v(float x, float adj, float inv) {
+  const uint32_t k = q8_mag(x * adj * inv, S_V);  // (any bits for x <= 0: not used)
+  return x > 0.0f ? (k > 1 ? k : 1) : 0;
+}
+
+// vals (len), their amax_bits_of -> codes (len), *scale: the block's store (ops/ops.h). m: the
+// code of -x is minus the code of x; v: a positive value never gets code 0, a negative one (not
+// written by the update) gets 0. A block holding NaN or infinity: scale NaN, codes 0; absmax 0:
+// scale 0, codes 0.
+static void q8_store_m(int8_t *restrict code, float *scale, const float *restrict vals, int64_t len,
+                       uint32_t amax_bits) {
   if (amax_bits == 0x7f800000u || amax_bits == 0) {
     *scale = amax_bits ? NAN : 0.0f;
     memset(code, 0, (size_t)len);
     return;
   }
-  *scale = amax;
-  if (is_signed) {
-    for (int64_t i = 0; i < len; i++) {
-      const int k = q_mag(q, fabsf(vals[i]) / amax);
-      code[i] = (uint8_t)(vals[i] < 0.0f ? -k : k);
-    }
-  } else {
-    for (int64_t i = 0; i < len; i++) {
-      const float x = vals[i], a = (x > 0.0f ? x : 0.0f) / amax;  // q_mag(0) is 0
-      const int k = q_mag(q, a);
-      code[i] = (uint8_t)(k + ((k == 0) & (x > 0.0f)));
-    }
+  float adj;
+  const float inv = q8_block_inv(amax_bits, &adj);
+  *scale = bits_f32(amax_bits);
+  for (int64_t i = 0; i < len; i++) code[i] = (int8_t)q8_code_m(vals[i], adj, inv);
+}
+
+static void q8_store_v(uint8_t *restrict code, float *scale, const float *restrict vals, int64_t len,
+                       uint32_t amax_bits) {
+  if (amax_bits == 0x7f800000u || amax_bits == 0) {
+    *scale = amax_bits ? NAN : 0.0f;
+    memset(code, 0, (size_t)len);
+    return;
   }
+  float adj;
+  const float inv = q8_block_inv(amax_bits, &adj);
+  *scale = bits_f32(amax_bits);
+  for (int64_t i = 0; i < len; i++) code[i] = (uint8_t)q8_code_v(vals[i], adj, inv);
 }
 
 // ---- sizes and names ----
@@ -260,35 +246,32 @@ struct upd {
   const struct fy_adamw_range *r;
   int nr;
   struct step_k k;
-  const struct q8_code *qm, *qv;
 };
 
-// 8-bit: elements [lo, hi) of one range (decay): the old moments from mo/vo (read back), the new
-// ones to mn/vn (indexed from lo), param and gradients at [lo, hi).
-static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, const float *restrict mo,
-                              const float *restrict vo, float *restrict mn, float *restrict vn) {
+// The AdamW element of ops/cpu/adamw.c, operation for operation: p, the moments read back mo, vo,
+// the gradient g (not yet scaled) -> *mi, *vi, the new weight.
+static inline float adamw_elem(const struct step_k *k, float p, float decay, float mo, float vo, float g, float *mi,
+                               float *vi) {
+  g = g * k->gs;
+  *mi = k->b1 * mo + k->ob1 * g;
+  *vi = k->b2 * vo + k->ob2 * g * g;
+  return p * decay - k->step * (*mi / (sqrtf(*vi) / k->bc2_sqrt + k->eps));
+}
+
+// 8-bit, a block's elements [lo, hi) of one range (decay): m and v (indexed from lo) read back
+// and updated in place; param and gradients at [lo, hi).
+static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m,
+                              float *restrict v) {
   const int64_t len = hi - lo;
   const struct step_k k = u->k;
   float *restrict p = u->param + lo;
   if (u->gf) {
     const float *restrict g = u->gf + lo;
-    for (int64_t i = 0; i < len; i++) {
-      const float gi = g[i] * k.gs;
-      const float mi = k.b1 * mo[i] + k.ob1 * gi;
-      const float vi = k.b2 * vo[i] + k.ob2 * gi * gi;
-      mn[i] = mi;
-      vn[i] = vi;
-      p[i] = p[i] * decay - k.step * (mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
-    }
+    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, p[i], decay, m[i], v[i], g[i], m + i, v + i);
   } else {
     uint16_t *restrict g = u->gh + lo;
     for (int64_t i = 0; i < len; i++) {
-      const float gi = fy_bf16_to_f32(g[i]) * k.gs;
-      const float mi = k.b1 * mo[i] + k.ob1 * gi;
-      const float vi = k.b2 * vo[i] + k.ob2 * gi * gi;
-      mn[i] = mi;
-      vn[i] = vi;
-      const float pn = p[i] * decay - k.step * (mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+      const float pn = adamw_elem(&k, p[i], decay, m[i], v[i], fy_bf16_to_f32(g[i]), m + i, v + i);
       p[i] = pn;
       g[i] = fy_f32_to_bf16(pn);
     }
@@ -304,22 +287,19 @@ static inline void update_run_bf16(const struct upd *u, int64_t lo, int64_t hi, 
   if (u->gf) {
     const float *restrict g = u->gf + lo;
     for (int64_t i = 0; i < len; i++) {
-      const float gi = g[i] * k.gs;
-      const float mi = k.b1 * fy_bf16_to_f32(m[i]) + k.ob1 * gi;
-      const float vi = k.b2 * fy_bf16_to_f32(v[i]) + k.ob2 * gi * gi;
+      float mi, vi;
+      p[i] = adamw_elem(&k, p[i], decay, fy_bf16_to_f32(m[i]), fy_bf16_to_f32(v[i]), g[i], &mi, &vi);
       m[i] = fy_f32_to_bf16(mi);
       v[i] = fy_f32_to_bf16(vi);
-      p[i] = p[i] * decay - k.step * (mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
     }
   } else {
     uint16_t *restrict g = u->gh + lo;
     for (int64_t i = 0; i < len; i++) {
-      const float gi = fy_bf16_to_f32(g[i]) * k.gs;
-      const float mi = k.b1 * fy_bf16_to_f32(m[i]) + k.ob1 * gi;
-      const float vi = k.b2 * fy_bf16_to_f32(v[i]) + k.ob2 * gi * gi;
+      float mi, vi;
+      const float pn = adamw_elem(&k, p[i], decay, fy_bf16_to_f32(m[i]), fy_bf16_to_f32(v[i]), fy_bf16_to_f32(g[i]),
+                                  &mi, &vi);
       m[i] = fy_f32_to_bf16(mi);
       v[i] = fy_f32_to_bf16(vi);
-      const float pn = p[i] * decay - k.step * (mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
       p[i] = pn;
       g[i] = fy_f32_to_bf16(pn);
     }
@@ -330,38 +310,171 @@ static inline void update_run_bf16(const struct upd *u, int64_t lo, int64_t hi, 
 // in pieces of one size whatever the ranges.
 #define WORK_BF16 4096
 
-// Elements [b0, b0 + len) (one 8-bit block, or a bf16 work item): read back, updated range by
-// range (elements in no range keep their m and v), stored back.
-static void update_block(const struct upd *u, int64_t b0, int64_t len) {
-  const bool q8 = u->f == FY_STATE_Q8;
-  float mo[FY_Q8_BLOCK], vo[FY_Q8_BLOCK], mn[FY_Q8_BLOCK], vn[FY_Q8_BLOCK];
-  float *scale_m = NULL, *scale_v = NULL;
-  if (q8) {
-    scale_m = (float *)((char *)u->m + fy_q8_scales_offset(u->n)) + b0 / FY_Q8_BLOCK;
-    scale_v = (float *)((char *)u->v + fy_q8_scales_offset(u->n)) + b0 / FY_Q8_BLOCK;
-    const int8_t *cm = (const int8_t *)u->m + b0;
-    const uint8_t *cv = (const uint8_t *)u->v + b0;
-    const float sm = *scale_m, sv = *scale_v, *tm = u->qm->values, *tv = u->qv->values;
-    for (int64_t i = 0; i < len; i++) {
-      mo[i] = tm[(uint8_t)cm[i]] * sm;
-      vo[i] = tv[cv[i]] * sv;
-    }
-    memcpy(mn, mo, sizeof mn);  // the elements in no range
-    memcpy(vn, vo, sizeof vn);
-  }
+// bf16 state: elements [b0, b0 + len) (a work item), updated range by range.
+static void update_items_bf16(const struct upd *u, int64_t b0, int64_t len) {
   const int64_t end = b0 + len;
   for (int r = first_range(u->r, u->nr, b0); r < u->nr && u->r[r].off < end; r++) {
     const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
     const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
-    if (lo >= hi) continue;
-    const float decay = range_decay(&u->k, u->r[r].weight_decay);
-    if (q8) update_run(u, lo, hi, decay, mo + (lo - b0), vo + (lo - b0), mn + (lo - b0), vn + (lo - b0));
-    else update_run_bf16(u, lo, hi, decay);
+    if (lo < hi) update_run_bf16(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay));
   }
-  if (q8) {
-    q8_store_block(u->qm, true, (uint8_t *)u->m + b0, scale_m, mn, len);
-    q8_store_block(u->qv, false, (uint8_t *)u->v + b0, scale_v, vn, len);
+}
+
+// ---- the 8-bit update ----
+//
+// Per element the update itself waits on the divider (a square root and two divisions, as
+// fp32 state), while reading back and quantising are a few dozen integer and float operations
+// on the other units. In one loop the two overlap, so a thread's run of blocks is pipelined: the
+// loop that updates block b also quantises block b - 1 (whose absmax is then known). A block
+// qualifies when it is whole and inside one range (all but a parameter's end blocks); others
+// take the plain path (read back, update the ranges' parts, store). The codes cross between
+// bytes and int32 in loops of their own: a loop that reads or writes bytes is vectorised 64
+// elements at a time and runs out of registers.
+
+struct q8_blk {  // a block's buffers and the result of its store
+  int8_t *cm;
+  uint8_t *cv;
+  float *sm, *sv;
+};
+
+static struct q8_blk q8_blk_of(const struct upd *u, int64_t b0) {
+  const int64_t b = b0 / FY_Q8_BLOCK;
+  return (struct q8_blk){.cm = (int8_t *)u->m + b0, .cv = (uint8_t *)u->v + b0,
+                         .sm = (float *)((char *)u->m + fy_q8_scales_offset(u->n)) + b,
+                         .sv = (float *)((char *)u->v + fy_q8_scales_offset(u->n)) + b};
+}
+
+// A thread's buffers: the codes of the block being updated (widened), the new m and v of it and
+// of the block before, the codes of the block before (int32).
+struct q8_pipe {
+  int32_t cm[FY_Q8_BLOCK], cv[FY_Q8_BLOCK], qm[FY_Q8_BLOCK], qv[FY_Q8_BLOCK];
+  float mn[2][FY_Q8_BLOCK], vn[2][FY_Q8_BLOCK];
+};
+
+// The plain path: elements [b0, b0 + len) read back, updated range by range (elements in no
+// range keep their m and v), stored.
+static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
+                           float *restrict vn) {
+  const struct q8_blk q = q8_blk_of(u, b0);
+  const float sm = *q.sm, sv = *q.sv;
+  const int64_t end = b0 + len;
+  for (int64_t i = 0; i < len; i++) {
+    mn[i] = q8_val_m((uint8_t)q.cm[i]) * sm;
+    vn[i] = q8_val_v(q.cv[i]) * sv;
   }
+  for (; r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    if (lo < hi) update_run(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0));
+  }
+  q8_store_m(q.cm, q.sm, mn, len, amax_bits_of(mn, len));
+  q8_store_v(q.cv, q.sv, vn, len, amax_bits_of(vn, len));
+}
+
+// The pipelined loop over one whole block at b0 (decay): its widened codes w->cm, w->cv read back
+// with the folded scales sm2 = 2^112 sm, sv2 = 2^96 sv (q8_read_m), updated, the new m and v to
+// mn, vn and their amax_bits_of to *am, *av; and the block before's new m and v pm, pv quantised
+// with inv_m, inv_v to w->qm, w->qv.
+#define Q8_PIPE_ELEM(G)                                                                                  \
+  const float mo = q8_read_m(w->cm[i], sm2), vo = q8_read_v(w->cv[i], sv2);                             \
+  float mi, vi;                                                                                          \
+  const float pn = adamw_elem(&k, p[i], decay, mo, vo, (G), &mi, &vi);                                   \
+  p[i] = pn;                                                                                             \
+  mn[i] = mi;                                                                                            \
+  vn[i] = vi;                                                                                            \
+  const uint32_t a = f32_bits(mi) & 0x7fffffffu, c = f32_bits(vi) & 0x7fffffffu;                         \
+  amm = a > amm ? a : amm; /* NaN's bits above infinity's: cut down after the loop */                    \
+  amv = c > amv ? c : amv;                                                                               \
+  w->qm[i] = q8_code_m(pm[i], 1.0f, inv_m);                                                              \
+  w->qv[i] = (int32_t)q8_code_v(pv[i], 1.0f, inv_v);
+
+static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
+                          struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
+                          const float *restrict pm, const float *restrict pv, float inv_m, float inv_v, uint32_t *am,
+                          uint32_t *av) {
+  const struct step_k k = u->k;
+  float *restrict p = u->param + b0;
+  uint32_t amm = 0, amv = 0;
+  if (u->gf) {
+    const float *restrict g = u->gf + b0;
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      Q8_PIPE_ELEM(g[i])
+    }
+  } else {
+    uint16_t *restrict g = u->gh + b0;
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      Q8_PIPE_ELEM(fy_bf16_to_f32(g[i]))
+      g[i] = fy_f32_to_bf16(pn);
+    }
+  }
+  *am = amm < 0x7f800000u ? amm : 0x7f800000u;
+  *av = amv < 0x7f800000u ? amv : 0x7f800000u;
+}
+
+// The block before's store after the pipelined loop: its codes from w->qm, w->qv, or, for a block
+// whose absmax is 0, not finite or outside [2^-126, 2^126) (pipe_inv said so: done false), by
+// the plain store from its values.
+static void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, const float *restrict pm,
+                          const float *restrict pv, uint32_t am, uint32_t av, bool done_m, bool done_v) {
+  if (done_m) {
+    *q.sm = bits_f32(am);
+    for (int i = 0; i < FY_Q8_BLOCK; i++) q.cm[i] = (int8_t)w->qm[i];
+  } else {
+    q8_store_m(q.cm, q.sm, pm, FY_Q8_BLOCK, am);
+  }
+  if (done_v) {
+    *q.sv = bits_f32(av);
+    for (int i = 0; i < FY_Q8_BLOCK; i++) q.cv[i] = (uint8_t)w->qv[i];
+  } else {
+    q8_store_v(q.cv, q.sv, pv, FY_Q8_BLOCK, av);
+  }
+}
+
+// inv of a block's absmax for the pipelined quantising, when the block needs no special
+// handling (absmax in [2^-126, 2^126)); else 0 (the loop then computes codes nobody uses).
+static inline float pipe_inv(uint32_t amax_bits, bool *ok) {
+  *ok = amax_bits >= 0x00800000u && amax_bits < (253u << 23);
+  return *ok ? 1.0f / bits_f32(amax_bits) : 0.0f;
+}
+
+// Blocks [bb, be) of one thread.
+static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
+  struct q8_pipe w;
+  memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
+  memset(w.vn, 0, sizeof w.vn);
+  int cur = 0;
+  bool pending = false;  // block pb waits for its store: its values in w.mn[cur ^ 1], w.vn[cur ^ 1]
+  int64_t pb = 0;
+  uint32_t pam = 0, pav = 0;
+  for (int64_t b = bb; b < be; b++) {
+    const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
+    const int r = first_range(u->r, u->nr, b0);
+    const struct q8_blk q = q8_blk_of(u, b0);
+    // whole and inside one range, and scales whose folded read-back factors stay finite (< 2^16
+    // for m, < 2^32 for v; NaN fails too)
+    const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
+                       *q.sm < 0x1p16f && *q.sv < 0x1p32f;
+    if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
+      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+      pending = false;
+      q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
+      continue;
+    }
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      w.cm[i] = q.cm[i];
+      w.cv[i] = q.cv[i];
+    }
+    bool ok_m = false, ok_v = false;
+    const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
+    uint32_t am, av;
+    q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
+                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
+    if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
+    pending = true;
+    pb = b, pam = am, pav = av;
+    cur ^= 1;
+  }
+  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
 }
 
 static fy_status state_update(struct upd *u, float lr, float beta1, float beta2, float eps, int64_t t,
@@ -381,14 +494,21 @@ static fy_status state_update(struct upd *u, float lr, float beta1, float beta2,
     return FY_OK;
   }
   u->k = step_consts(lr, beta1, beta2, eps, t, grad_scale);
-  u->qm = code_of(FY_MOMENT_M);
-  u->qv = code_of(FY_MOMENT_V);
-  // Q8: one 8-bit block a work item; bf16: WORK_BF16 elements (any split gives the same bits).
-  const int64_t bs = u->f == FY_STATE_Q8 ? FY_Q8_BLOCK : WORK_BF16, nb = (u->n + bs - 1) / bs;
+  if (u->f == FY_STATE_Q8) {  // each thread a run of whole blocks (any split gives the same bytes)
+    const int64_t nb = fy_q8_blocks(u->n);
+#pragma omp parallel if (parallel : u->n > FY_PAR_ELEMENTWISE)
+    {
+      const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+      q8_run(u, nb * t / nt, nb * (t + 1) / nt);
+    }
+    return FY_OK;
+  }
+  // bf16: WORK_BF16 elements a work item (any split gives the same bits).
+  const int64_t nb = (u->n + WORK_BF16 - 1) / WORK_BF16;
 #pragma omp parallel for schedule(static) if (parallel : u->n > FY_PAR_ELEMENTWISE)
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t b0 = b * bs;
-    update_block(u, b0, u->n - b0 < bs ? u->n - b0 : bs);
+    const int64_t b0 = b * WORK_BF16;
+    update_items_bf16(u, b0, u->n - b0 < WORK_BF16 ? u->n - b0 : WORK_BF16);
   }
   return FY_OK;
 }
@@ -418,13 +538,14 @@ void fy_state_encode(enum fy_state_format f, enum fy_moment which, void *dst, co
 #pragma omp parallel for simd schedule(static) if (parallel : n > FY_PAR_ELEMENTWISE)
     for (int64_t i = 0; i < n; i++) h[i] = fy_f32_to_bf16(src[i]);
   } else {
-    const struct q8_code *q = code_of(which);
     float *scale = (float *)((char *)dst + fy_q8_scales_offset(n));
     const int64_t nb = fy_q8_blocks(n);
 #pragma omp parallel for schedule(static) if (parallel : n > FY_PAR_ELEMENTWISE)
     for (int64_t b = 0; b < nb; b++) {
       const int64_t b0 = b * FY_Q8_BLOCK, len = n - b0 < FY_Q8_BLOCK ? n - b0 : FY_Q8_BLOCK;
-      q8_store_block(q, which == FY_MOMENT_M, (uint8_t *)dst + b0, scale + b, src + b0, len);
+      const uint32_t am = amax_bits_of(src + b0, len);
+      if (which == FY_MOMENT_M) q8_store_m((int8_t *)dst + b0, scale + b, src + b0, len, am);
+      else q8_store_v((uint8_t *)dst + b0, scale + b, src + b0, len, am);
     }
   }
 }
@@ -438,10 +559,17 @@ void fy_state_decode(enum fy_state_format f, enum fy_moment which, float *dst, c
 #pragma omp parallel for simd schedule(static) if (parallel : n > FY_PAR_ELEMENTWISE)
     for (int64_t i = 0; i < n; i++) dst[i] = fy_bf16_to_f32(h[i]);
   } else {
-    const float *t = code_of(which)->values;
     const uint8_t *c = src;
     const float *scale = (const float *)((const char *)src + fy_q8_scales_offset(n));
+    const int64_t nb = fy_q8_blocks(n);
 #pragma omp parallel for schedule(static) if (parallel : n > FY_PAR_ELEMENTWISE)
-    for (int64_t i = 0; i < n; i++) dst[i] = t[c[i]] * scale[i / FY_Q8_BLOCK];
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t b0 = b * FY_Q8_BLOCK, len = n - b0 < FY_Q8_BLOCK ? n - b0 : FY_Q8_BLOCK;
+      const float s = scale[b];
+      if (which == FY_MOMENT_M)
+        for (int64_t i = b0; i < b0 + len; i++) dst[i] = q8_val_m(c[i]) * s;
+      else
+        for (int64_t i = b0; i < b0 + len; i++) dst[i] = q8_val_v(c[i]) * s;
+    }
   }
 }

@@ -5,6 +5,7 @@
 // nvcc's default division and sqrtf are IEEE (no -use_fast_math, -prec-div and -prec-sqrt
 // default to true), and the intrinsics say so in the code as well.
 #include <math.h>
+#include <string.h>
 
 #include "ops/cuda/common.cuh"
 
@@ -29,11 +30,6 @@ static inline double rn_dsub(double a, double b) { return a - b; }
 #endif
 
 #define QB FY_Q8_BLOCK  // threads of the 8-bit kernel's block: one element each
-
-// The codes' values by code byte (fy_q8_code_values), passed by value with each launch.
-struct q8_tables {
-  float m[256], v[256];
-};
 
 struct step_k {
   float lr, step, bc2_sqrt, b1, b2, ob1, ob2, eps, gs;
@@ -66,17 +62,41 @@ __device__ __forceinline__ float range_decay(float lr, float wd) {
   return (float)rn_dsub(1.0, rn_dmul((double)lr, (double)wd));
 }
 
-// a in [0, 1], mag (K + 1) sorted -> the nearest's index, ties to the smaller (the CPU's rule:
-// floor by binary search, then the same two float differences)
-__device__ __forceinline__ int q_mag(const float *mag, int K, float a) {
-  int lo = 0, hi = K;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (mag[mid] <= a) lo = mid;
-    else hi = mid - 1;
-  }
-  const float up = lo < K ? mag[lo + 1] : INFINITY;
-  return lo + (rn_sub(up, a) < rn_sub(a, mag[lo]));
+// The 8-bit codes of ops/cpu/adamw_state.c (ops/ops.h): magnitude k = 8 e + f, value f 2^-S
+// (e = 0) or (8 + f) 2^(e-1-S); S = 17 for m, 33 for v.
+#define S_M 17
+#define S_V 33
+
+__device__ __forceinline__ uint32_t q8_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+__device__ __forceinline__ float q8_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// r in [0, 1 + 2^-23] -> the nearest magnitude, ties to even (ops/cpu/adamw_state.c q8_mag):
+// the float sum 2^(E+20) + r, E r's binade clamped to 3 - S, rounds r to the step 2^(E-3).
+__device__ __forceinline__ uint32_t q8_mag(float r, int S) {
+  const uint32_t emin = (uint32_t)(130 - S) << 23, e0 = q8_bits(r) & 0x7f800000u;
+  const uint32_t e = e0 > emin ? e0 : emin;
+  const uint32_t magic = e + (20u << 23);
+  return q8_bits(rn_add(r, q8_float(magic))) - magic + ((e - emin) >> 20);
+}
+
+// k -> its value: k << 20 as float bits (a float32 subnormal for k < 8) times 2^(129-S), exact.
+__device__ __forceinline__ float q8_val(uint32_t k, int S) {
+  return rn_mul(q8_float(k << 20), q8_float((uint32_t)(256 - S) << 23));
+}
+
+__device__ __forceinline__ float q8_val_m(int8_t c) {
+  const int32_t s = c;
+  const float a = q8_val((uint32_t)(s < 0 ? -s : s), S_M);
+  return q8_float(q8_bits(a) | ((uint32_t)s & 0x80000000u));
 }
 
 // The block's largest |x| (NaN and infinities as +inf), on every thread; red holds QB / 32 floats.
@@ -98,20 +118,17 @@ template <typename G>
 __global__ void __launch_bounds__(QB)
 adamw_q8_kernel(float *__restrict__ param, int8_t *cm, uint8_t *cv, float *sm, float *sv, const G *grad,
                 fy_bf16 *p16, int64_t n, const struct fy_adamw_range *__restrict__ r, int nr, step_k k,
-                const float *__restrict__ scale_skip, q8_tables tab) {
-  __shared__ float tm[256], tv[256], red[2][QB / 32];
+                const float *__restrict__ scale_skip) {
+  __shared__ float red[2][QB / 32];
   if (scale_skip) {
     if (scale_skip[1] != 0.0f) return;  // the same on every thread: no barrier is left waiting
     k.gs = scale_skip[0];
   }
-  tm[threadIdx.x] = tab.m[threadIdx.x];
-  tv[threadIdx.x] = tab.v[threadIdx.x];
-  __syncthreads();
   const int64_t b = blockIdx.x, i = b * QB + threadIdx.x;
   const bool in = i < n;
   float mi = 0.0f, vi = 0.0f;
   if (in) {
-    const float mo = rn_mul(tm[(uint8_t)cm[i]], sm[b]), vo = rn_mul(tv[cv[i]], sv[b]);
+    const float mo = rn_mul(q8_val_m(cm[i]), sm[b]), vo = rn_mul(q8_val(cv[i], S_V), sv[b]);
     const int ri = range_of(r, nr, i);
     if (ri >= 0) {
       const float p = adamw_elem(param[i], mo, vo, fy_ld(grad + i), range_decay(k.lr, r[ri].weight_decay), k, &mi, &vi);
@@ -130,13 +147,22 @@ adamw_q8_kernel(float *__restrict__ param, int8_t *cm, uint8_t *cv, float *sm, f
     sv[b] = bad_v ? NAN : av;
   }
   if (!in) return;
+  // The ratio r = |x| * (1 / absmax), both rounded, as if float's exponent had no bounds: a block
+  // whose absmax is subnormal or >= 2^126 scales its values by adj = 2^64 or 2^-64 first (exact),
+  // as the CPU does.
   int km = 0, kv = 0;
   if (!bad_m && am > 0.0f) {
-    km = q_mag(tm, 127, rn_div(fabsf(mi), am));
+    const uint32_t ab = q8_bits(am);
+    const float adj = ab < 0x00800000u ? 0x1p64f : ab >= (253u << 23) ? 0x1p-64f : 1.0f;
+    const float inv = rn_div(1.0f, rn_mul(am, adj));
+    km = (int)q8_mag(rn_mul(fabsf(rn_mul(mi, adj)), inv), S_M);
     km = mi < 0.0f ? -km : km;
   }
   if (!bad_v && av > 0.0f && vi > 0.0f) {
-    kv = q_mag(tv, 255, rn_div(vi, av));
+    const uint32_t ab = q8_bits(av);
+    const float adj = ab < 0x00800000u ? 0x1p64f : ab >= (253u << 23) ? 0x1p-64f : 1.0f;
+    const float inv = rn_div(1.0f, rn_mul(av, adj));
+    kv = (int)q8_mag(rn_mul(rn_mul(vi, adj), inv), S_V);
     kv += kv == 0;
   }
   cm[i] = (int8_t)km;
@@ -188,14 +214,11 @@ extern "C" fy_status fy_cuda_adamw_state_update(enum fy_state_format f, float *p
                          n_ranges, k, scale_skip));
     return fy_cuda_launched("adamw bf16 state");
   }
-  q8_tables tab;
-  memcpy(tab.m, fy_q8_code_values(FY_MOMENT_M), sizeof tab.m);
-  memcpy(tab.v, fy_q8_code_values(FY_MOMENT_V), sizeof tab.v);
   const int64_t nb = fy_q8_blocks(n);
   float *sm = (float *)((char *)m + fy_q8_scales_offset(n)), *sv = (float *)((char *)v + fy_q8_scales_offset(n));
   FY_CUDA_DISPATCH("adamw state", grad_dt, G,
                    adamw_q8_kernel<G><<<(unsigned)nb, QB, 0, st>>>(
                        param, (int8_t *)m, (uint8_t *)v, sm, sv, (const G *)grad, (fy_bf16 *)param_bf16, n, ranges,
-                       n_ranges, k, scale_skip, tab));
+                       n_ranges, k, scale_skip));
   return fy_cuda_launched("adamw 8-bit state");
 }

@@ -6,8 +6,9 @@
 Runs `TEST_ADAMW_STATE_EXE --dump DIR` (test/test_adamw_state.c), which writes the inputs (weights,
 m, v, several steps of gradients, the ranges and hyper-parameters) and ferry's state and weights
 after every step, then replays the same steps here from the definitions in ops/ops.h, written
-again without ferry's code: the decade-linear codes, the block's absmax, the nearest code by a
-search over all 256 values, torch.optim.AdamW's formula in float32 (each numpy operation on
+again without ferry's code: the 8-bit codes (small floats relative to the block's absmax), the
+block's absmax, the ratio through the rounded reciprocal, the nearest code with ties to the even
+magnitude, torch.optim.AdamW's formula in float32 (each numpy operation on
 operation rounded to float32 as the C rounds it with -ffp-contract=off). Plain Python, no numpy
 (not installed by tools/bootstrap.sh), so it runs on every machine that builds ferry. It never
 takes ferry's state as its own: the 8-bit and bf16 runs must match to the last code and bit at
@@ -23,8 +24,7 @@ import tempfile
 from array import array
 
 BLOCK = 256
-K_M = [49, 24, 14, 10, 10, 10, 10]
-K_V = [70, 38, 24, 17, 14, 12, 10, 10, 10, 10, 10, 10, 10, 10]
+S_M, S_V = 17, 33  # the codes' subnormal steps 2^-S
 
 
 def f32(xs):
@@ -39,28 +39,47 @@ def f1(x):
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def magnitudes(ks):
-    """0, then decade d (smallest first) in k evenly spaced steps: 10^-d * (1 + 9 j / k) / 10."""
-    out = [0.0]
-    for d in range(len(ks) - 1, -1, -1):
-        dec = float("1e-%d" % d)  # the literal, correctly rounded
-        for j in range(1, ks[d] + 1):
-            out.append((1.0 + (9.0 * j) / ks[d]) / 10.0 * dec)
-    return f32(out)
+def round24(x):
+    """x rounded to 24 significant bits, to nearest even, with no bounds on the exponent (the
+    8-bit codes' ratio is defined so)."""
+    if x == 0:
+        return 0.0
+    m, e = math.frexp(x)
+    return math.ldexp(f1(m), e)
 
 
-MAG_M, MAG_V = magnitudes(K_M), magnitudes(K_V)
-assert len(MAG_M) == 128 and len(MAG_V) == 256 and MAG_M[-1] == 1 and MAG_V[-1] == 1
+def magnitudes(S):
+    """Magnitude k = 8 e + f (3 mantissa bits f): f 2^-S for e = 0, (8 + f) 2^(e-1-S) for
+    e >= 1, up to k = 8 (S - 2), which is 1."""
+    out = []
+    for k in range(8 * (S - 2) + 1):
+        e, f = k >> 3, k & 7
+        out.append(math.ldexp(f, -S) if e == 0 else math.ldexp(8 + f, e - 1 - S))
+    return out
+
+
+MAG_M, MAG_V = magnitudes(S_M), magnitudes(S_V)
+assert len(MAG_M) == 121 and len(MAG_V) == 249 and MAG_M[-1] == 1 and MAG_V[-1] == 1
 
 
 def nearest(mag, a):
-    """Index of the magnitude nearest to a (a float32 value in [0, 1]), ties to the smaller: the
-    two neighbours of a by bisection, their distances in double (exact or, where not, far from a
-    tie)."""
+    """Index of the magnitude nearest to a (in [0, 1 + 2^-23]), a tie to the even index: the
+    two neighbours of a by bisection, their distances in double (exact where they tie)."""
     i = bisect.bisect_right(mag, a) - 1
-    if i + 1 < len(mag) and mag[i + 1] - a < a - mag[i]:
-        i += 1
+    if i + 1 < len(mag):
+        up, down = mag[i + 1] - a, a - mag[i]
+        if up < down or (up == down and i % 2 == 1):
+            i += 1
     return i
+
+
+def code_value(c, signed):
+    """A code's value; m's -128, never written, as the formula goes on (-2)."""
+    k = abs(c)
+    e, f = k >> 3, k & 7
+    S = S_M if signed else S_V
+    v = math.ldexp(f, -S) if e == 0 else math.ldexp(8 + f, e - 1 - S)
+    return -v if c < 0 else v
 
 
 def quantise(x, signed):
@@ -76,23 +95,21 @@ def quantise(x, signed):
         scales.append(amax)
         if amax == 0:
             continue
+        inv = round24(1.0 / amax)
         for j, e in enumerate(blk):
+            r = round24(abs(e) * inv)  # the product of two 24-bit values is exact in double
             if signed:
-                k = nearest(MAG_M, f1(abs(e) / amax))
+                k = nearest(MAG_M, r)
                 codes[b0 + j] = -k if e < 0 else k
             elif e > 0:
-                codes[b0 + j] = max(1, nearest(MAG_V, f1(e / amax)))
+                codes[b0 + j] = max(1, nearest(MAG_V, r))
     return codes, scales
 
 
 def dequantise(codes, scales, signed):
     out = []
     for i, c in enumerate(codes):
-        if signed:
-            val = -1.0 if c == -128 else (-MAG_M[-c] if c < 0 else MAG_M[c])
-        else:
-            val = MAG_V[c]
-        out.append(val * scales[i // BLOCK])
+        out.append(code_value(c, signed) * scales[i // BLOCK])
     return f32(out)
 
 
@@ -174,6 +191,7 @@ def main():
             mag = MAG_M if signed else MAG_V
             ties = sum(1 for e in x if 0 < abs(e) < 1 and
                        (lambda a, i: i + 1 < len(mag) and a - mag[i] == mag[i + 1] - a)(abs(e), bisect.bisect_right(mag, abs(e)) - 1))
+            assert ties > 100, "the hard cases hold too few ties"
             if read_bytes(path("nearest_%s.bin" % w)) != q8_pack(codes, scales, len(x)):
                 print("%s: codes of the magnitudes and midpoints differ" % w)
                 failures += 1
