@@ -1,39 +1,19 @@
 // --plan: a plan's knobs applied to a run's options.
 #include "runtime/trainer.h"
-#include "runtime/sample.h"
 
-#include <limits.h>
 #include <math.h>
-#include <omp.h>
-#include <sched.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <dirent.h>
-#include <errno.h>
-#include <time.h>
 #include <unistd.h>
-#include <json-c/json.h>
 
-#include "core/clock.h"
-#include "core/fileio.h"
 #include "core/log.h"
-#include "core/parse.h"
-#include "core/rand.h"
 #include "ops/ops.h"
-#include "core/safetensors.h"
 #include "fy_config.h"
-#include "runtime/data.h"
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
-#include "runtime/tp.h"
-#include "ops/cuda/parts.h"
-#include "runtime/engine_cuda.h"
 #include "planner/plan.h"
 #include "planner/probe.h"
 #include "memory/tier.h"

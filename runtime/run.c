@@ -1,28 +1,19 @@
 // A run's setup and teardown (struct run, runtime/run.h): the model's configuration, the
 // placement (cpu, GPU, offloaded), the ranks' communicators, and the weights each rank takes.
 #include "runtime/trainer.h"
-#include "runtime/sample.h"
 
 #include <limits.h>
-#include <math.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
-#include <dirent.h>
-#include <errno.h>
-#include <time.h>
 #include <unistd.h>
-#include <json-c/json.h>
 
-#include "core/clock.h"
 #include "core/fileio.h"
 #include "core/log.h"
 #include "core/parse.h"
-#include "core/rand.h"
 #include "ops/ops.h"
 #include "core/safetensors.h"
 #include "fy_config.h"
@@ -35,8 +26,7 @@
 #include "runtime/tp.h"
 #include "ops/cuda/parts.h"
 #include "runtime/engine_cuda.h"
-#include "planner/plan.h"
-#include "planner/probe.h"
+#include "planner/cost.h"
 #include "memory/tier.h"
 #include "runtime/run.h"
 
