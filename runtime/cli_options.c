@@ -12,6 +12,7 @@
 #include "fy_config.h"
 #include "runtime/cli.h"
 
+// ferry train's options and ferry eval's (cmd_train in main.c parses both; OPT_* in cli.h).
 const struct option train_opts[] = {
     {"model", required_argument, 0, OPT_MODEL}, {"init", required_argument, 0, OPT_INIT},
     {"data", required_argument, 0, OPT_DATA}, {"batch", required_argument, 0, OPT_BATCH},

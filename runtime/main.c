@@ -38,10 +38,8 @@ static int cmd_export(int argc, char **argv) {
   return 0;
 }
 
-static int cmd_train(int argc, char **argv, bool eval) {
-  stop_signals_start();  // before anything here starts a thread
-  struct fy_train_opts o;
-  fy_train_opts_defaults(&o);
+// ferry train's or ferry eval's command line into o: -1 to go on, else the exit code (--help: 0).
+static int parse_train_args(int argc, char **argv, bool eval, struct fy_train_opts *o) {
   const char *cmd = eval ? "eval" : "train";
   int64_t v;
   int c;
@@ -50,21 +48,21 @@ static int cmd_train(int argc, char **argv, bool eval) {
   while ((c = getopt_long(argc, argv, ":", eval ? eval_opts : train_opts, NULL)) != -1) {
     bool ok = true;
     switch (c) {
-      case OPT_MODEL: o.model = optarg; break;
-      case OPT_INIT: o.init = optarg; break;
-      case OPT_DATA: o.data = optarg; break;
-      case OPT_BATCH: ok = parse_i64("--batch", optarg, 1, &o.batch); o.batch_given = true; break;
-      case OPT_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
-      case OPT_ACCUM: ok = parse_i64("--grad-accum", optarg, 1, &o.grad_accum); o.batch_given = true; break;
-      case OPT_STEPS: ok = parse_i64("--steps", optarg, 0, &o.steps); break;
-      case OPT_LR: ok = parse_f32("--lr", optarg, 0, &o.lr); break;
-      case OPT_MIN_LR: ok = parse_f32("--min-lr", optarg, 0, &o.min_lr); break;
-      case OPT_WARMUP: ok = parse_i64("--warmup", optarg, 0, &o.warmup); break;
-      case OPT_WD: ok = parse_f32("--weight-decay", optarg, 0, &o.adamw.weight_decay); break;
+      case OPT_MODEL: o->model = optarg; break;
+      case OPT_INIT: o->init = optarg; break;
+      case OPT_DATA: o->data = optarg; break;
+      case OPT_BATCH: ok = parse_i64("--batch", optarg, 1, &o->batch); o->batch_given = true; break;
+      case OPT_SEQ: ok = parse_i64("--seq", optarg, 1, &o->seq); break;
+      case OPT_ACCUM: ok = parse_i64("--grad-accum", optarg, 1, &o->grad_accum); o->batch_given = true; break;
+      case OPT_STEPS: ok = parse_i64("--steps", optarg, 0, &o->steps); break;
+      case OPT_LR: ok = parse_f32("--lr", optarg, 0, &o->lr); break;
+      case OPT_MIN_LR: ok = parse_f32("--min-lr", optarg, 0, &o->min_lr); break;
+      case OPT_WARMUP: ok = parse_i64("--warmup", optarg, 0, &o->warmup); break;
+      case OPT_WD: ok = parse_f32("--weight-decay", optarg, 0, &o->adamw.weight_decay); break;
       case OPT_B1:
       case OPT_B2: {
         const char *flag = c == OPT_B1 ? "--beta1" : "--beta2";
-        float *beta = c == OPT_B1 ? &o.adamw.beta1 : &o.adamw.beta2;
+        float *beta = c == OPT_B1 ? &o->adamw.beta1 : &o->adamw.beta2;
         if ((ok = parse_f32(flag, optarg, 0, beta)) && !(*beta < 1)) {
           fprintf(stderr, "ferry: %s is an AdamW beta, in [0, 1): got '%s'\n", flag, optarg);
           ok = false;
@@ -73,90 +71,90 @@ static int cmd_train(int argc, char **argv, bool eval) {
       }
       case OPT_EPS:
         // (0 would divide a parameter's zero gradient by its zero second moment: NaN weights)
-        if ((ok = parse_f32("--eps", optarg, 0, &o.adamw.eps)) && !(o.adamw.eps > 0)) {
+        if ((ok = parse_f32("--eps", optarg, 0, &o->adamw.eps)) && !(o->adamw.eps > 0)) {
           fprintf(stderr, "ferry: --eps must be above 0 (AdamW divides by sqrt(v) + eps), got '%s'\n", optarg);
           ok = false;
         }
         break;
-      case OPT_CLIP: ok = parse_f32("--clip", optarg, 0, &o.adamw.clip); break;
-      case OPT_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
-      case OPT_NO_SHUFFLE: o.shuffle = false; break;
-      case OPT_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
-      case OPT_SAVE: o.save = optarg; break;
-      case OPT_LOG: o.log_path = optarg; break;
-      case OPT_QUIET: o.quiet = true; break;
-      case OPT_PROFILE: o.profile = true; break;
-      case OPT_RECOMPUTE: o.recompute = true; break;
-      case OPT_VAL_DATA: o.val_data = optarg; break;
+      case OPT_CLIP: ok = parse_f32("--clip", optarg, 0, &o->adamw.clip); break;
+      case OPT_SEED: ok = parse_i64("--seed", optarg, 0, &v); o->seed = (uint64_t)v; break;
+      case OPT_NO_SHUFFLE: o->shuffle = false; break;
+      case OPT_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o->threads = (int)v; break;
+      case OPT_SAVE: o->save = optarg; break;
+      case OPT_LOG: o->log_path = optarg; break;
+      case OPT_QUIET: o->quiet = true; break;
+      case OPT_PROFILE: o->profile = true; break;
+      case OPT_RECOMPUTE: o->recompute = true; break;
+      case OPT_VAL_DATA: o->val_data = optarg; break;
       case OPT_SCHEDULE:
-        o.schedule = optarg;
+        o->schedule = optarg;
         if (!fy_lr_schedule_known(optarg)) {
           fprintf(stderr, "ferry: --schedule is cosine, linear or constant, got '%s'\n", optarg);
           ok = false;
         }
         break;
-      case OPT_VAL_EVERY: ok = parse_i64("--val-every", optarg, 1, &o.val_every); break;
-      case OPT_VAL_BATCHES: ok = parse_i64("--val-batches", optarg, 1, &o.val_batches); break;
+      case OPT_VAL_EVERY: ok = parse_i64("--val-every", optarg, 1, &o->val_every); break;
+      case OPT_VAL_BATCHES: ok = parse_i64("--val-batches", optarg, 1, &o->val_batches); break;
       case OPT_DROPOUT:
         if (strcmp(optarg, "config") == 0)
-          o.dropout = FY_DROPOUT_CONFIG;
-        else if (!parse_f32("--dropout", optarg, 0, &o.dropout) || o.dropout >= 1) {
-          if (o.dropout >= 1) fprintf(stderr, "ferry: --dropout is a probability below 1 or 'config', got '%s'\n", optarg);
+          o->dropout = FY_DROPOUT_CONFIG;
+        else if (!parse_f32("--dropout", optarg, 0, &o->dropout) || o->dropout >= 1) {
+          if (o->dropout >= 1) fprintf(stderr, "ferry: --dropout is a probability below 1 or 'config', got '%s'\n", optarg);
           ok = false;
         }
         break;
       case OPT_DEVICE:
-        o.device = optarg;
+        o->device = optarg;
         if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "sim") != 0 && strcmp(optarg, "cuda") != 0) {
           fprintf(stderr, "ferry: --device is cpu, sim or cuda, got '%s'\n", optarg);
           ok = false;
         }
         break;
-      case OPT_DEVICE_MEM: ok = parse_size("--device-mem", optarg, &o.device_mem); break;
+      case OPT_DEVICE_MEM: ok = parse_size("--device-mem", optarg, &o->device_mem); break;
       case OPT_LINK: {
         float f;
         ok = parse_f32("--sim-link-gbps", optarg, 0, &f);
-        o.sim_link_gbps = f;
+        o->sim_link_gbps = f;
         break;
       }
-      case OPT_JITTER: ok = parse_i64("--sim-jitter-us", optarg, 0, &v); o.sim_jitter_us = (int)v; break;
-      case OPT_HOST_MEM: ok = parse_size("--host-mem", optarg, &o.host_mem); break;
-      case OPT_DISK_DIR: o.disk_dir = optarg; break;
-      case OPT_DISK_CHUNKS: ok = parse_i64("--disk-chunks", optarg, 0, &v); o.disk_chunks = (int)v; break;
-      case OPT_PREFETCH: ok = parse_i64("--prefetch", optarg, 0, &v); o.prefetch = (int)v; break;
-      case OPT_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v); o.blocks = (int)v; break;
-      case OPT_SAVE_EVERY: ok = parse_i64("--save-every", optarg, 1, &o.save_every); break;
-      case OPT_KEEP: ok = parse_i64("--keep", optarg, 1, &v); o.keep = (int)v; break;
-      case OPT_RESUME: o.resume = optarg; break;
-      case OPT_STOP_AFTER: ok = parse_i64("--stop-after", optarg, 1, &o.stop_after); break;
-      case OPT_PLAN: o.plan = optarg; break;
+      case OPT_JITTER: ok = parse_i64("--sim-jitter-us", optarg, 0, &v); o->sim_jitter_us = (int)v; break;
+      case OPT_HOST_MEM: ok = parse_size("--host-mem", optarg, &o->host_mem); break;
+      case OPT_DISK_DIR: o->disk_dir = optarg; break;
+      case OPT_DISK_CHUNKS: ok = parse_i64("--disk-chunks", optarg, 0, &v); o->disk_chunks = (int)v; break;
+      case OPT_PREFETCH: ok = parse_i64("--prefetch", optarg, 0, &v); o->prefetch = (int)v; break;
+      case OPT_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v); o->blocks = (int)v; break;
+      case OPT_SAVE_EVERY: ok = parse_i64("--save-every", optarg, 1, &o->save_every); break;
+      case OPT_KEEP: ok = parse_i64("--keep", optarg, 1, &v); o->keep = (int)v; break;
+      case OPT_RESUME: o->resume = optarg; break;
+      case OPT_STOP_AFTER: ok = parse_i64("--stop-after", optarg, 1, &o->stop_after); break;
+      case OPT_PLAN: o->plan = optarg; break;
       case OPT_LOSS_SCALE: {
         float f;
-        if (strcmp(optarg, "dynamic") == 0) o.loss_scale = 65536;
-        else if ((ok = parse_f32("--loss-scale", optarg, 1, &f))) o.loss_scale = f;
+        if (strcmp(optarg, "dynamic") == 0) o->loss_scale = 65536;
+        else if ((ok = parse_f32("--loss-scale", optarg, 1, &f))) o->loss_scale = f;
         break;
       }
-      case OPT_COMM: o.comm = optarg; break;
+      case OPT_COMM: o->comm = optarg; break;
       case OPT_COMM_TIMEOUT: {
         float f;
         ok = parse_f32("--comm-timeout", optarg, 0.001f, &f);
-        o.comm_timeout = f;
+        o->comm_timeout = f;
         break;
       }
-      case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o.device_chunks = (int)v; break;
-      case OPT_OPTIMIZER_LAG: ok = parse_i64("--optimizer-lag", optarg, 0, &v); o.optimizer_lag = (int)v; break;
-      case OPT_OPTIMIZER_STATE: o.optimizer_state = optarg; break;  // (checked by fy_train)
-      case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o.tp = (int)v; break;
-      case OPT_PRECISION: o.precision = optarg; break;
-      case OPT_OFFLOAD: o.offload = true; break;
+      case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o->device_chunks = (int)v; break;
+      case OPT_OPTIMIZER_LAG: ok = parse_i64("--optimizer-lag", optarg, 0, &v); o->optimizer_lag = (int)v; break;
+      case OPT_OPTIMIZER_STATE: o->optimizer_state = optarg; break;  // (checked by fy_train)
+      case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o->tp = (int)v; break;
+      case OPT_PRECISION: o->precision = optarg; break;
+      case OPT_OFFLOAD: o->offload = true; break;
       case OPT_CHUNK_MIB: {
         float f;
         ok = parse_f32("--chunk-mib", optarg, 0, &f);
-        o.chunk_mib = f;
+        o->chunk_mib = f;
         break;
       }
-      case OPT_BATCHES: ok = parse_i64("--batches", optarg, 1, &o.eval_batches); break;
-      case OPT_DUMP: o.dump = optarg; break;
+      case OPT_BATCHES: ok = parse_i64("--batches", optarg, 1, &o->eval_batches); break;
+      case OPT_DUMP: o->dump = optarg; break;
       case OPT_HELP: usage_train(stdout, eval); return 0;
       case ':':
         fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]);
@@ -172,6 +170,16 @@ static int cmd_train(int argc, char **argv, bool eval) {
     fprintf(stderr, "ferry %s: unexpected argument '%s' (see 'ferry %s --help')\n", cmd, argv[optind], cmd);
     return 2;
   }
+  return -1;
+}
+
+static int cmd_train(int argc, char **argv, bool eval) {
+  stop_signals_start();  // before anything here starts a thread
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  const char *cmd = eval ? "eval" : "train";
+  int rc = parse_train_args(argc, argv, eval, &o);
+  if (rc >= 0) return rc;
   fy_status st;
   o.stop = &stop_requested;
   if (!eval) {  // (evaluation has nothing to keep: it ends at once)
