@@ -1,0 +1,44 @@
+// Internal to the ferry executable (runtime/main.c, cli_options.c, cli_plan.c, cli_signals.c):
+// what the command-line files share. Not an API; nothing outside them includes it.
+#ifndef FY_CLI_H
+#define FY_CLI_H
+
+#include <getopt.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+// cli_options.c: ferry train's and ferry eval's options (getopt_long's codes and tables).
+enum {
+  OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
+  OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
+  OPT_SAVE, OPT_LOG, OPT_QUIET, OPT_BATCHES, OPT_DUMP, OPT_PROFILE, OPT_RECOMPUTE, OPT_DEVICE, OPT_DEVICE_MEM, OPT_LINK, OPT_JITTER, OPT_HOST_MEM,
+  OPT_DISK_DIR, OPT_DISK_CHUNKS, OPT_PREFETCH, OPT_BLOCKS, OPT_CHUNK_MIB, OPT_SAVE_EVERY, OPT_KEEP,
+  OPT_RESUME, OPT_STOP_AFTER, OPT_PLAN, OPT_DEVICE_CHUNKS, OPT_LOSS_SCALE, OPT_COMM, OPT_COMM_TIMEOUT, OPT_TP, OPT_PRECISION, OPT_OFFLOAD, OPT_DROPOUT, OPT_SCHEDULE, OPT_VAL_DATA, OPT_VAL_EVERY, OPT_VAL_BATCHES, OPT_OPTIMIZER_LAG, OPT_OPTIMIZER_STATE, OPT_HELP,
+};
+extern const struct option train_opts[], eval_opts[];
+
+// cli_options.c: the help texts.
+void usage_main(FILE *f);
+void usage_train(FILE *f, bool eval);
+void usage_sample(FILE *f);
+void usage_probe_or_plan(const char *cmd, bool plan);
+
+// cli_options.c: option values, said on stderr when they are not ones.
+bool parse_i64(const char *flag, const char *s, int64_t min, int64_t *out);
+bool parse_f32(const char *flag, const char *s, float min, float *out);
+bool parse_size(const char *flag, const char *s, size_t *out);
+int64_t parse_ids(const char *flag, const char *list, int32_t *out);
+
+// cli_signals.c: stop_requested is the trainer's stop flag (fy_train_opts.stop); a run sets
+// stop_armed when a first signal should stop it rather than end the process.
+extern atomic_int stop_requested;
+extern atomic_bool stop_armed;
+void stop_signals_start(void);
+
+// cli_plan.c: ferry probe (plan false) and ferry plan.
+int cmd_probe_or_plan(int argc, char **argv, bool plan);
+
+#endif
