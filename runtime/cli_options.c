@@ -39,7 +39,7 @@ const struct option train_opts[] = {
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
     {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
     {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
-    {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG},
+    {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG}, {"profile-waits", no_argument, 0, OPT_PROFILE_WAITS},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
 const struct option eval_opts[] = {
@@ -202,7 +202,10 @@ void usage_train(FILE *f, bool eval) {
           "  --val-batches K    batches per validation (default %lld)\n"
           "  --log FILE         one JSON line per step\n"
           "  --quiet            no step lines\n"
-          "  --profile          at the end, where a step's time went (per op kind and phase)\n"
+          "  --profile          at the end, where a step's time went (per op kind and phase; offloaded,\n"
+          "                     where the compute stream waited and why, as ferry plan predicts it)\n"
+          "  --profile-waits    offloaded: the compute stream's waits alone (--profile drains a GPU's\n"
+          "                     stream around each op, which changes what overlaps)\n"
           "\nseveral ranks (mpirun -np N ferry train ... or srun):\n"
           "  --comm K           auto (default: mpi under mpirun/srun), single or mpi\n"
           "  --comm-timeout S   seconds a collective may take before the job is aborted (default 300)\n"

@@ -84,6 +84,7 @@ static int parse_train_args(int argc, char **argv, bool eval, struct fy_train_op
       case OPT_LOG: o->log_path = optarg; break;
       case OPT_QUIET: o->quiet = true; break;
       case OPT_PROFILE: o->profile = true; break;
+      case OPT_PROFILE_WAITS: o->profile_waits = true; break;
       case OPT_RECOMPUTE: o->recompute = true; break;
       case OPT_VAL_DATA: o->val_data = optarg; break;
       case OPT_SCHEDULE:

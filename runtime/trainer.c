@@ -212,7 +212,7 @@ static fy_status prepare_steps(struct training *t) {
   struct fy_train_result *res = t->res;
   struct run *r = &t->r;
   r->model->profile = o->profile;
-  if (r->x && o->profile && !fy_offload_profile(r->x, true) && t->lead)
+  if (r->x && (o->profile || o->profile_waits) && !fy_offload_profile(r->x, true) && t->lead)
     fy_log_info("--profile: the %s device cannot time its streams; the compute stream's waits are not measured",
                 r->dev->name);
   res->first_step = t->first_step;
@@ -400,10 +400,16 @@ static fy_status profile_run(struct training *t) {
   struct run *r = &t->r;
   struct fy_model *model = r->model;
   const int64_t first_step = t->first_step;
-  if (r->x && o->profile && res->steps > first_step && fy_offload_profile(r->x, true)) {
+  if (r->x && (o->profile || o->profile_waits) && res->steps > first_step && fy_offload_profile(r->x, true)) {
     FY_TRY(fy_offload_stalls(r->x, res->stall_s));
     for (int i = 0; i < FY_STALL_COUNT; i++) res->stall_s[i] /= (double)(res->steps - first_step);
     res->stalls_timed = true;
+  }
+  if (!o->profile && res->stalls_timed && !o->quiet) {  // (--profile-waits alone)
+    printf("compute waited per step over %lld steps:", (long long)(res->steps - first_step));
+    for (int i = 0; i < FY_STALL_COUNT; i++)
+      printf("%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), res->stall_s[i]);
+    printf("\n");
   }
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);

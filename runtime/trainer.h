@@ -108,6 +108,9 @@ struct fy_train_opts {
   bool hash_params;       // compute fy_train_result.params_hash at the end (tests: runs compared bit
                           // for bit); a pass over every weight, on the lead rank, so off by default
   bool profile;           // print where a step's time goes, per op kind and phase
+  // Offloaded (sim, cuda --offload): time the compute stream's waits alone (--profile times them
+  // too, but drains the stream around each op on a GPU, which changes what overlaps).
+  bool profile_waits;
   // eval only
   int64_t eval_batches;
   const char *dump;       // write the first batch's inputs and logits here (safetensors)

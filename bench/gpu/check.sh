@@ -416,11 +416,11 @@ PY
 # and device chunks; the same global batch), and offloaded with --optimizer-lag 1, alternating
 # (resident, offloaded, lagged, twice), 4 steps each (the first not timed). Then what the planner,
 # from this GPU's probe, predicts for the offloaded runs, and where their compute stream waited
-# (--profile). Prints tokens/s, the ratios of medians, MFU (Megatron's FLOPs: 6 x parameters x
+# (--profile-waits, which drains nothing). Prints tokens/s, the ratios of medians, MFU (Megatron's FLOPs: 6 x parameters x
 # tokens plus 12 x layers x width x sequence per token, over the H200's 989 TFLOP/s dense bf16).
 offload_bf16_40g() {
   local common=(train --device cuda --precision bf16 --model opt-6.7b --batch 8 --seq 2048 --recompute --steps 4 --quiet)
-  local off=(--offload --device-mem 40GiB --plan auto --profile)
+  local off=(--offload --device-mem 40GiB --plan auto --profile-waits)
   [ -f "$logs/probe.json" ] || FERRY_PROBE="$logs/probe.json" "$build/ferry" probe --device cuda --remeasure \
     >"$logs/probe.out" 2>&1 || return 1
   local round
@@ -443,7 +443,7 @@ def rate(kind):
     rows = [json.loads(l) for r in (1, 2) for l in list(open(f"{d}/b40-{kind}-{r}.jsonl"))[1:]]
     return statistics.median(x["tokens_per_s"] for x in rows), statistics.median(x["gflops"] for x in rows)
 def waits(path):
-    m = re.search(r"compute waited per step: (.*)", open(path).read())
+    m = re.search(r"compute waited per step(?: over \d+ steps)?: (.*)", open(path).read())
     return m.group(1).strip() if m else None
 def predicted(path):
     m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(path).read())
