@@ -310,9 +310,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           c->compute_s, c->h2d_s, c->d2h_s, c->optim_s, c->bottleneck);
   if (!k->resident) {  // (ferry train --profile measures the same)
     fprintf(f, "  compute waited per step:");
-    for (int i = 0; i < FY_STALL_COUNT; i++)
-      fprintf(f, "%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), c->stall_s[i]);
-    fprintf(f, "\n");
+    fy_stall_print(f, c->stall_s);
   }
   if (k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0)
     fprintf(f, "  AdamW state stored as %s (ferry train --optimizer-state %s)\n", k->optimizer_state, k->optimizer_state);

@@ -407,9 +407,7 @@ static fy_status profile_run(struct training *t) {
   }
   if (!o->profile && res->stalls_timed && !o->quiet) {  // (--profile-waits alone)
     printf("compute waited per step over %lld steps:", (long long)(res->steps - first_step));
-    for (int i = 0; i < FY_STALL_COUNT; i++)
-      printf("%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), res->stall_s[i]);
-    printf("\n");
+    fy_stall_print(stdout, res->stall_s);
   }
   for (int k = 0; o->profile && res->steps > first_step && k < FY_OP_KIND_COUNT; k++)
     for (int ph = 0; ph < 2; ph++) res->op_seconds[k][ph] = model->op_seconds[k][ph] / (double)(res->steps - first_step);
@@ -424,9 +422,7 @@ static fy_status profile_run(struct training *t) {
                  1e3 * model->op_seconds[k][ph] / res->steps, 100 * model->op_seconds[k][ph] / total);
     if (res->stalls_timed) {  // (as ferry plan predicts them)
       printf("  compute waited per step:");
-      for (int i = 0; i < FY_STALL_COUNT; i++)
-        printf("%s %s %.3f s", i ? "," : "", fy_stall_name((enum fy_stall)i), res->stall_s[i]);
-      printf("\n");
+      fy_stall_print(stdout, res->stall_s);
     }
     if (!r->x) {
       printf("  %-23s %8.1f ms/step %5.1f%%\n", "sum micro-batches", 1e3 * t->t_sum / res->steps,
