@@ -126,8 +126,8 @@ static inline uint32_t q8_code_v(float x, float adj, float inv) {
 // code of -x is minus the code of x; v: a positive value never gets code 0, a negative one (not
 // written by the update) gets 0. A block holding NaN or infinity: scale NaN, codes 0; absmax 0:
 // scale 0, codes 0.
-static void q8_store_m(int8_t *restrict code, float *scale, const float *restrict vals, int64_t len,
-                       uint32_t amax_bits) {
+static void q8_store(enum fy_moment which, void *restrict code, float *scale, const float *restrict vals,
+                     int64_t len, uint32_t amax_bits) {
   if (amax_bits == 0x7f800000u || amax_bits == 0) {
     *scale = amax_bits ? NAN : 0.0f;
     memset(code, 0, (size_t)len);
@@ -136,20 +136,10 @@ static void q8_store_m(int8_t *restrict code, float *scale, const float *restric
   float adj;
   const float inv = q8_block_inv(amax_bits, &adj);
   *scale = bits_f32(amax_bits);
-  for (int64_t i = 0; i < len; i++) code[i] = (int8_t)q8_code_m(vals[i], adj, inv);
-}
-
-static void q8_store_v(uint8_t *restrict code, float *scale, const float *restrict vals, int64_t len,
-                       uint32_t amax_bits) {
-  if (amax_bits == 0x7f800000u || amax_bits == 0) {
-    *scale = amax_bits ? NAN : 0.0f;
-    memset(code, 0, (size_t)len);
-    return;
-  }
-  float adj;
-  const float inv = q8_block_inv(amax_bits, &adj);
-  *scale = bits_f32(amax_bits);
-  for (int64_t i = 0; i < len; i++) code[i] = (uint8_t)q8_code_v(vals[i], adj, inv);
+  if (which == FY_MOMENT_M)
+    for (int64_t i = 0; i < len; i++) ((int8_t *)code)[i] = (int8_t)q8_code_m(vals[i], adj, inv);
+  else
+    for (int64_t i = 0; i < len; i++) ((uint8_t *)code)[i] = (uint8_t)q8_code_v(vals[i], adj, inv);
 }
 
 // ---- sizes and names ----
@@ -367,8 +357,8 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
     const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
     if (lo < hi) update_run(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0));
   }
-  q8_store_m(q.cm, q.sm, mn, len, amax_bits_of(mn, len));
-  q8_store_v(q.cv, q.sv, vn, len, amax_bits_of(vn, len));
+  q8_store(FY_MOMENT_M, q.cm, q.sm, mn, len, amax_bits_of(mn, len));
+  q8_store(FY_MOMENT_V, q.cv, q.sv, vn, len, amax_bits_of(vn, len));
 }
 
 // The pipelined loop over one whole block at b0 (decay): its widened codes w->cm, w->cv read back
@@ -420,13 +410,13 @@ static void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, con
     *q.sm = bits_f32(am);
     for (int i = 0; i < FY_Q8_BLOCK; i++) q.cm[i] = (int8_t)w->qm[i];
   } else {
-    q8_store_m(q.cm, q.sm, pm, FY_Q8_BLOCK, am);
+    q8_store(FY_MOMENT_M, q.cm, q.sm, pm, FY_Q8_BLOCK, am);
   }
   if (done_v) {
     *q.sv = bits_f32(av);
     for (int i = 0; i < FY_Q8_BLOCK; i++) q.cv[i] = (uint8_t)w->qv[i];
   } else {
-    q8_store_v(q.cv, q.sv, pv, FY_Q8_BLOCK, av);
+    q8_store(FY_MOMENT_V, q.cv, q.sv, pv, FY_Q8_BLOCK, av);
   }
 }
 
@@ -544,8 +534,7 @@ void fy_state_encode(enum fy_state_format f, enum fy_moment which, void *dst, co
     for (int64_t b = 0; b < nb; b++) {
       const int64_t b0 = b * FY_Q8_BLOCK, len = n - b0 < FY_Q8_BLOCK ? n - b0 : FY_Q8_BLOCK;
       const uint32_t am = amax_bits_of(src + b0, len);
-      if (which == FY_MOMENT_M) q8_store_m((int8_t *)dst + b0, scale + b, src + b0, len, am);
-      else q8_store_v((uint8_t *)dst + b0, scale + b, src + b0, len, am);
+      q8_store(which, (uint8_t *)dst + b0, scale + b, src + b0, len, am);
     }
   }
 }
