@@ -280,6 +280,9 @@ static fy_status write_back(struct fy_device_cache *c, int chunk, void *dst, boo
   fy_stream *s = c->o.copy_out;
   int64_t n = ch->used;
   const char *src = (const char *)bl->ptr;
+  // (recorded again at the write-back: what the caller enqueued on the block after its release,
+  // a GPU's sums of squares of the gradients in it, comes before the copy and the block's reuse)
+  FY_TRY(fy_event_record(bl->used, c->o.compute));
   FY_TRY(fy_stream_wait(s, bl->used));
   if (c->o.shard_elems > 0) {  // the ranks' sum, this rank's shard of it
     FY_TRY(c->o.scatter(c->o.shard_ctx, chunk, bl->ptr, s));

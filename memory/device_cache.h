@@ -72,7 +72,7 @@ fy_status fy_device_cache_acquire(struct fy_device_cache *c, int64_t pos, int ch
 // backward uses. Returns the chunk's new state; READY_FOR_REDUCE asks for fy_device_cache_write_back.
 enum fy_chunk_state fy_device_cache_release(struct fy_device_cache *c, int chunk, bool backward);
 // Moves a READY_FOR_REDUCE chunk's block (its gradients; with sharding, this rank's shard of their
-// sum over ranks) to host memory dst (fp32) on copy_out: dst = block, or dst += block with
+// sum over ranks) to host memory dst (fp32) on copy_out, after the work enqueued on compute so far: dst = block, or dst += block with
 // accumulate (through the staging buffer, as is every bf16 block); records `done` on copy_out
 // when dst holds the result. The chunk becomes FREE.
 fy_status fy_device_cache_write_back(struct fy_device_cache *c, int chunk, float *dst, bool accumulate,

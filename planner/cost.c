@@ -82,6 +82,7 @@ struct sim {
   bool counting;
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
+  fy_stream *sums;  // optimizer_lag: the sums of squares and the norm, beside the updates (offload.c)
   fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready, *dev_sums_ready;
   fy_event **home_ready_alt;  // optimizer_lag: the other 16-bit copy's (runtime/offload.c)
   struct fy_device_cache *cache;
@@ -110,6 +111,7 @@ static void sim_free(struct sim *s, int nc) {
   fy_stream_free(s->copy_in);
   fy_stream_free(s->copy_out);
   fy_stream_free(s->optim);
+  fy_stream_free(s->sums);
   free(s->actions);
   free(s->home);
 }
@@ -340,6 +342,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   const struct fy_pattern *dpp = fy_pattern_find(dp_name);
   if (!dpp) return fy_error_set(FY_ERR_INVALID, "plan: unknown parallel pattern '%s'", dp_name);
   bool sharded = dp > 1 && dpp == &fy_pattern_zero;  // chunk-level, in the cache (as the runtime)
+  // A GPU takes the sums of squares of gradients that come home over the 16-bit copies from the
+  // blocks before they leave (runtime/offload.c, sums_on_device): the norm reads no host memory.
+  const bool sums_dev = gpu && g16 && !sharded;
   // One rank's part of the model (all ranks do the same work), and the whole model for the
   // patterns, which speak of whole tensors.
   struct fy_graph *g, *whole = NULL;
@@ -513,6 +518,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_in);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_out);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.optim);
+  if (st == FY_OK && lag) st = fy_stream_create(s.dev, &s.sums);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.batch_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.norm_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.dev_sums_ready);
@@ -535,6 +541,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     fy_timeline_name_stream(s.copy_out, "copy to host");
     fy_timeline_name_stream(s.optim, "host optimizer");
     fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
+    if (lag) fy_timeline_name_stream(s.sums, "gradient norm");
     s.n_actions = fy_graph_pass_actions(g, s.actions);
     int64_t n = 0;
     for (int a = 0; a < s.n_actions; a++) n += l->op_first[s.actions[a].op + 1] - l->op_first[s.actions[a].op];
@@ -580,6 +587,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // For charging the wait for the norm: the last norm's own work (its sums of squares), and when
   // the updates queued before it on the optimizer stream (the step before's) ended.
   double norm_work = 0, backlog_end = 0, adamw_end = 0;
+  double optim_own = 0;  // the last step's work on the optimizer stream itself (not the lag's sums)
   int64_t pos = 0, loads0 = 0;
   double mem = probe->host_mem_gbps * 1e9, adamw = probe->host_adamw_gbps * 1e9;
   const double dev_mem = fy_profile_mem_rate(probe);  // (memory-bound kernels on the device)
@@ -647,6 +655,11 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
           int c = l->op_chunks[j];
           if (c < n_dev) continue;
           if (fy_device_cache_release(s.cache, c, s.actions[a].kind == FY_ACT_BACKWARD) == FY_CHUNK_READY_FOR_REDUCE) {
+            if (sums_dev) {
+              double ts = (double)l->chunks[c].used * pb / dev_mem;
+              fy_timeline_run(s.compute, ts, "sums of squares");
+              if (last) busy[0] += ts;
+            }
             const bool to_disk = c >= nc - n_disk && !g16;
             st = fy_device_cache_write_back(s.cache, c, (float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block),
                                             micro > 0, to_disk ? NULL : s.grad_ready[c]);
@@ -671,7 +684,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       }
     }
     // Once per step, the patterns' gradient reductions (replicate's all-reduce over dp; zero's
-    // reduce-scatters were the cache's), before the norm.
+    // reduce-scatters were the cache's), before the norm, on the norm's stream: the optimizer's,
+    // or with the lag its own, beside the step before's updates.
+    fy_stream *ns = lag ? s.sums : s.optim;
     if (dp * tp > 1 && st == FY_OK) {
       double tg = 0;
       for (int o = 0; o < g->n_ops; o++) {
@@ -679,35 +694,38 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
         tg += pattern_seconds(pat[o], &pc, FY_PHASE_GRADS, bw);
       }
-      for (int c = 0; c < nc; c++) fy_stream_wait(s.optim, s.grad_ready[c]);
-      fy_timeline_run(s.optim, tg, "gradient all-reduce");
+      for (int c = 0; c < nc; c++) fy_stream_wait(ns, s.grad_ready[c]);
+      fy_timeline_run(ns, tg, "gradient all-reduce");
       optim_step += tg;
+      if (last && !lag) optim_own += tg;
       if (last) busy[3] += tg, s.comm_s += tg;
     }
     // The device's chunks: their sums of squares on the compute stream, which the norm waits for
     // (their AdamW follows it, there too).
     const double dev_gb = k->grad_accum > 1 ? 4 : pb;
-    if (n_dev > 0) {
+    if (n_dev > 0 || sums_dev) {
       double t = dev_elems * dev_gb / dev_mem;
       fy_timeline_run(s.compute, t, "device norm");
       fy_event_record(s.dev_sums_ready, s.compute);
-      fy_stream_wait(s.optim, s.dev_sums_ready);
+      fy_stream_wait(ns, s.dev_sums_ready);
       if (last) busy[0] += t;
     }
     // The optimizer: sums of squares as gradients arrive, the norm, then AdamW chunk by chunk.
     norm_work = 0;
     backlog_end = adamw_end;
-    for (int c = n_dev; st == FY_OK && c < nc; c++) {
-      fy_stream_wait(s.optim, s.grad_ready[c]);
+    for (int c = n_dev; st == FY_OK && !sums_dev && c < nc; c++) {
+      fy_stream_wait(ns, s.grad_ready[c]);
       // (the gradients read: a GPU's bf16 where they come home over the copy, else floats)
       double u = (double)l->chunks[c].used * share, t = u * (g16 ? pb : 4) / mem + (c >= nc - n_disk && !g16 ? u * 4 / dread : 0);
-      fy_timeline_run(s.optim, t, "norm");
+      fy_timeline_run(ns, t, "norm");
       norm_work += t;
+      if (last && !lag) optim_own += t;
       optim_step += t;
       if (last) busy[3] += t;
     }
-    fy_event_record(s.norm_ready, s.optim);
-    double norm_at = fy_timeline_clock(s.optim);
+    fy_event_record(s.norm_ready, ns);
+    double norm_at = fy_timeline_clock(ns);
+    if (lag) fy_stream_wait(s.optim, s.norm_ready);  // (this step's updates need its norm)
     // (a GPU's AdamW at its memory rate; on sim the host's AdamW, on the compute thread; with the
     // lag the step before's, which waits for no norm)
     if (n_dev > 0) {
@@ -724,9 +742,11 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       const double mv = 2 * mv_bpp;  // m and v's bytes an element, read and written
       if (c >= nc - n_disk) t = u * ((g16 ? 0 : 4) + mv) / dread + (t > u * mv / dwrite ? t : u * mv / dwrite);
       fy_timeline_set_cause(s.optim, c >= nc - n_disk ? FY_STALL_DISK : FY_STALL_OPTIMIZER);
+      if (sums_dev) fy_stream_wait(s.optim, s.grad_ready[c]);  // (no sum waited for it)
       fy_timeline_run(s.optim, t, "AdamW");
       fy_event_record(s.home_ready[c], s.optim);
       optim_step += t;
+      if (last) optim_own += t;
       if (last) busy[3] += t;
     }
     if (!gpu) {  // the same cores: the optimizer and the copies' memcpy delay the kernels
@@ -764,6 +784,17 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     out->d2h_s = busy[2];
     out->optim_s = busy[3];
     fy_timeline_stalls(s.compute, out->stall_s);
+    // In a steady state no stream does more than a step's time of work a step. With the lag the
+    // optimizer's backlog can outgrow the few steps simulated (each step's updates run under the
+    // next), so the step is at least the busiest stream's work a step; the difference is time the
+    // compute stream waits for that stream.
+    double own[] = {busy[1], busy[2], gpu ? optim_own : 0};
+    const enum fy_stall why[] = {FY_STALL_LOAD, FY_STALL_LOAD, FY_STALL_OPTIMIZER};
+    for (int i = 0; i < 3; i++) {
+      if (own[i] <= out->step_s) continue;
+      out->stall_s[why[i]] += own[i] - out->step_s;
+      out->step_s = own[i];
+    }
     out->device_peak = (double)s.dev->bytes_peak + scratch;  // (the timeline's device holds no scratch)
     step_rates(out, k, probe);
   }

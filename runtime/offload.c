@@ -35,6 +35,11 @@ struct fy_offload {
   struct fy_model *m;
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
+  // Where the gradients' sums of squares and the norm run: the optimizer stream, or with the lag a
+  // stream of their own (`sums`), so that step s's norm is known as soon as its gradients are home
+  // instead of after step s-1's updates queued on the optimizer stream (which read and write the
+  // other copies). The host waits for that norm before it enqueues step s+1.
+  fy_stream *sums, *norm_stream;
   struct fy_device_cache *cache;
   struct fy_trace *trace;
   struct fy_action *actions;
@@ -105,6 +110,12 @@ struct fy_offload {
   // compute stream, through the copy engine). On a GPU the work is the kernels' (m->kernels->
   // chunk_*, launched by this thread); elsewhere host functions on that stream do it.
   double *dev_sums, *host_sums;
+  // On a GPU, with the gradients coming home over the 16-bit copies (one micro-batch a step, not
+  // sharded), every chunk's sums of squares are taken from its block on the compute stream before
+  // it goes home (a few microseconds a chunk at the device's memory rate) instead of on the host
+  // after it arrived: the norm is known as soon as the last block is summed, not after the host
+  // has read every gradient again. The same kernels as the device chunks', so the same bits.
+  bool sums_on_device;
   float *dev_scale, *host_scale;
   double *sumsq;                  // per parameter
   struct chunk_job *jobs[2];
@@ -444,7 +455,9 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_m[c], 0, dev_buf_bytes(x, 3)));  // (zero in every format)
     FY_TRY(x->dev->ops->memset_async(x->copy_in, x->dev_v[c], 0, dev_buf_bytes(x, 4)));
   }
-  if (x->n_dev > 0) {
+  x->sums_on_device = launches_kernels(m) && kt->chunk_sumsq && !x->sharded && !x->forward_only &&
+                      fy_offload_grads_in_copy(m->compute_dtype, x->max_micro);
+  if (x->n_dev > 0 || x->sums_on_device) {
     size_t sums = (size_t)g->n_params * sizeof(double);
     fy_status st = fy_device_alloc(x->dev, sums, (void **)&x->dev_sums);
     if (st == FY_OK) st = fy_device_alloc(x->dev, 4 * sizeof(float), (void **)&x->dev_scale);
@@ -497,6 +510,11 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   }
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
   if (x->lag) FY_TRY(create_lag(x));
+  x->norm_stream = x->optim;
+  if (x->lag) {
+    FY_TRY(fy_stream_create(x->dev, &x->sums));
+    x->norm_stream = x->sums;
+  }
   x->disk_read_ahead = -1;
   if (x->n_disk_chunks > 0) {  // (m and v; the gradients' too unless they come home over the copy)
     const bool grads = !fy_offload_grads_in_copy(m->compute_dtype, x->max_micro);
@@ -751,6 +769,7 @@ void fy_offload_free(struct fy_offload *x) {
   fy_stream_free(x->copy_in);
   fy_stream_free(x->copy_out);
   fy_stream_free(x->optim);
+  fy_stream_free(x->sums);
   int nc = m->layout->n_chunks;
   size_t bytes = (size_t)m->layout->chunk_elems * 4, bt = (size_t)(m->graph->B * m->graph->T);
   size_t sbytes = (size_t)x->S * 4;
@@ -961,6 +980,8 @@ static fy_status from_whole_buffer(void *ctx, int64_t lo, int64_t hi, float *dst
   return FY_OK;
 }
 
+static fy_status kernels_sumsq(struct fy_offload *x, int c, const void *grad);
+
 // A pass of micro-batch `micro`: every action, or (forward_alone) the forward's, which come first,
 // without dropout; the trace's positions then skip the backward's accesses, so that the next pass
 // starts where the trace does.
@@ -1067,7 +1088,9 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
         continue;
       }
       enum fy_chunk_state st = fy_device_cache_release(x->cache, chunk_of[j], act->kind == FY_ACT_BACKWARD);
-      if (st == FY_CHUNK_READY_FOR_REDUCE) FY_TRY(write_back(x, chunk_of[j], micro > 0));
+      if (st != FY_CHUNK_READY_FOR_REDUCE) continue;
+      if (x->sums_on_device) FY_TRY(kernels_sumsq(x, chunk_of[j], base[j]));
+      FY_TRY(write_back(x, chunk_of[j], micro > 0));
     }
     FY_TRY(fy_device_cache_prefetch(x->cache, x->pos - 1));
   }
@@ -1117,7 +1140,7 @@ static void norm_fn(void *arg) {
   const struct fy_graph *g = x->m->graph;
   double s[2] = {0, 0};  // whole parameters, tensor-parallel slices
   for (int i = 0; i < g->n_params; i++)
-    s[g->params[i].split_dim >= 0] += g->params[i].chunk < x->n_dev ? x->host_sums[i] : x->sumsq[i];
+    s[g->params[i].split_dim >= 0] += g->params[i].chunk < x->n_dev || x->sums_on_device ? x->host_sums[i] : x->sumsq[i];
   // Every rank's sums, added in rank order (the same bits on every rank): the shards over the
   // data-parallel ranks, then the slices over the tensor-parallel ones. Doubles travel as words.
   fy_status st = FY_OK;
@@ -1269,20 +1292,25 @@ static void adamw_fn(void *arg) {
   }
 }
 
+// Chunk c's parameters' sums of squares into dev_sums, from its gradients at grad in device memory
+// (dtype grads_dtype): kernels launched on the compute stream.
+static fy_status kernels_sumsq(struct fy_offload *x, int c, const void *grad) {
+  const struct fy_graph *g = x->m->graph;
+  enum fy_dtype dt = grads_dtype(x, c);
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    FY_TRY(x->m->kernels->chunk_sumsq(x->m, &x->dev_sums[x->param_ids[k]],
+                                      (const char *)grad + p->chunk_offset * fy_dtype_size(dt), dt, p->numel));
+  }
+  return FY_OK;
+}
+
 // A device chunk's sums of squares, into dev_sums: kernels launched on the compute stream (GPU), or
 // sumsq_fn there.
 static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
   x->jobs[q][c].grads = chunk_grads(x, c);
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, sumsq_fn, &x->jobs[q][c]);
-  const struct fy_graph *g = x->m->graph;
-  const char *grad = (const char *)chunk_grads(x, c);
-  enum fy_dtype dt = grads_dtype(x, c);
-  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
-    const struct fy_param *p = &g->params[x->param_ids[k]];
-    FY_TRY(x->m->kernels->chunk_sumsq(x->m, &x->dev_sums[x->param_ids[k]], grad + p->chunk_offset * fy_dtype_size(dt),
-                                      dt, p->numel));
-  }
-  return FY_OK;
+  return kernels_sumsq(x, c, chunk_grads(x, c));
 }
 
 // A device chunk's AdamW from the gradients grads, with step q's scale and skip flag from
@@ -1394,19 +1422,20 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   int nc = x->m->layout->n_chunks;
   // Chunks on the device: their sums of squares and updates run there, on the compute stream.
   for (int c = 0; c < x->n_dev; c++) FY_TRY(device_sumsq(x, q, c));
-  if (x->n_dev > 0)
+  if (x->dev_sums)
     FY_TRY(fy_copy_async(x->compute, x->host_sums, x->dev_sums, (size_t)x->m->graph->n_params * sizeof(double)));
   FY_TRY(fy_event_record(x->dev_sumsq_done, x->compute));
   for (int i = 0; i < nc; i++) {  // as their gradients come home
     int c = x->grad_order[i];
-    if (c < x->n_dev) continue;
+    if (c < x->n_dev || x->sums_on_device) continue;
     x->jobs[q][c].grads = chunk_grads(x, c);
-    FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
-    FY_TRY(fy_stream_enqueue(x->optim, sumsq_fn, &x->jobs[q][c]));
+    FY_TRY(fy_stream_wait(x->norm_stream, x->grad_ready[c]));
+    FY_TRY(fy_stream_enqueue(x->norm_stream, sumsq_fn, &x->jobs[q][c]));
   }
-  FY_TRY(fy_stream_wait(x->optim, x->dev_sumsq_done));
-  FY_TRY(fy_stream_enqueue(x->optim, norm_fn, &x->jobs[q][0]));
-  FY_TRY(fy_event_record(x->norm_ready, x->optim));
+  FY_TRY(fy_stream_wait(x->norm_stream, x->dev_sumsq_done));
+  FY_TRY(fy_stream_enqueue(x->norm_stream, norm_fn, &x->jobs[q][0]));
+  FY_TRY(fy_event_record(x->norm_ready, x->norm_stream));
+  if (x->norm_stream != x->optim) FY_TRY(fy_stream_wait(x->optim, x->norm_ready));  // (the updates' scale)
   if (x->lag) {  // the device chunks' update of the step before (its scale is known), then this one's kept
     FY_TRY(device_pending_update(x));
     for (int c = 0; c < x->n_dev; c++) {
@@ -1423,6 +1452,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
   }
   for (int c = x->n_dev; c < nc; c++) {
+    if (x->sums_on_device) FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));  // (not waited for by a sum)
     x->jobs[q][c].grads = chunk_grads(x, c);
     x->jobs[q][c].copy = x->chome ? x->chome[c] : NULL;
     FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
@@ -1452,8 +1482,8 @@ fy_status fy_offload_drain(struct fy_offload *x) {
 }
 
 fy_status fy_offload_sync(struct fy_offload *x) {
-  fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->optim};
-  for (int i = 0; i < 4; i++)
+  fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->sums, x->optim};
+  for (int i = 0; i < 5; i++)
     if (s[i]) FY_TRY(fy_stream_sync(s[i]));
   // The host's copy of the device's chunks (for checkpoints and saving), and of their 16-bit copy.
   if (x->dev_uploaded && x->copy_out) {

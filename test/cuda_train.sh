@@ -261,6 +261,15 @@ PY
 # the same order, AdamW on the host instead of the GPU (last-bit differences may move a
 # weight's bf16 rounding).
 ferry_run offload16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --log "$d/offload16.jsonl" || exit 1
+# The first step's gradients are the resident run's (the same weights and kernels), and so is
+# their norm: the sums of squares are taken from the blocks on the GPU before the gradients go
+# home (a sum of a block already reused for another chunk's weights would differ).
+python3 - "$d/cuda16.jsonl" "$d/offload16.jsonl" <<'PY' || exit 1
+import json, sys
+a, b = ([json.loads(l)["grad_norm"] for l in open(p) if l.startswith("{") and '"grad_norm"' in l] for p in sys.argv[1:])
+print("first step's norm, resident and offloaded bf16:", a[0], b[0])
+sys.exit(0 if a[0] == b[0] else 1)
+PY
 # ... with two chunks' m and v on disk (their bf16 gradients come home over the host copy, as the
 # others'): the same numbers, bit for bit.
 ferry_run disk16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --disk-dir "$d/disk" \
