@@ -603,6 +603,11 @@ int main(int argc, char **argv) {
       }
       struct timespec ts = {0, (long)(50 + rand() % 400) * 1000000L};
       nanosleep(&ts, NULL);
+      // (On a loaded machine the run may not have written its first checkpoint yet: the first kill
+      // waits for one, up to a minute, so that some kill always lands after a checkpoint.)
+      char sdk[600];
+      for (int w = 0; !have && survived == 0 && w < 6000 && fy_ckpt_resolve(root, sdk, sizeof sdk) != FY_OK; w++)
+        nanosleep(&(struct timespec){0, 10000000L}, NULL);
       kill(pid, SIGKILL);
       int status;
       waitpid(pid, &status, 0);
