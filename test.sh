@@ -104,12 +104,20 @@ count_logged() {
   fi
 }
 
+# torch and transformers for the reference checks, in the project's virtual environment
+# (tools/bootstrap.sh); without them (no network) those checks are counted as skipped.
+have_refs=0
+if [ "$plain" = 1 ]; then
+  section "the reference checks' Python: torch, transformers, safetensors, numpy"
+  fy_reference_python && have_refs=1
+fi
+
 if [ "$plain" = 1 ]; then
   if fy_build build; then
     run_suite build "release build" --no-suite timing
     run_timing build
     # A checkpoint ferry saves loads in transformers and gives ferry's logits.
-    if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+    if [ "$have_refs" = 1 ]; then
       section "transformers loads a ferry checkpoint"
       count test/reference/check_export.sh build/ferry
       # Configurations the fixtures do not cover (no biases, no affine norms, untied lm_head, ...),
@@ -126,7 +134,7 @@ if [ "$plain" = 1 ]; then
       section "tools/convert.py: PyTorch pickles to safetensors"
       count test/reference/check_convert.sh build/ferry
     else
-      section "skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (pip install torch transformers safetensors)"
+      section "skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (no torch and transformers: see above)"
       skipped=$((skipped + 5))
     fi
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
@@ -168,12 +176,12 @@ if [ "$plain" = 1 ]; then
     fi
     section "random plans on 1 to 4 emulated GPUs, resident and offloaded: each trains in the memory it predicts"
     FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 30 1 --gpu
-    if python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+    if [ "$have_refs" = 1 ]; then
       section "random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
         --random 60 --seed 1 --gpu --gpus 4
     else
-      section "skipped: random configurations on the emulated GPU (pip install torch transformers safetensors)"
+      section "skipped: random configurations on the emulated GPU (no torch and transformers: see above)"
       skipped=$((skipped + 1))
     fi
   else

@@ -9,12 +9,17 @@ fy_install_deps() {
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
   done
   [ -z "$missing" ] && return 0
-  echo "ferry: installing Debian packages:$missing"
+  fy_apt_install $missing
+}
+
+# fy_apt_install PKG...: installs Debian packages (apt-get update first).
+fy_apt_install() {
+  echo "ferry: installing Debian packages: $*"
   local sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   $sudo apt-get update -q >/dev/null || { echo "ferry: apt-get update failed" >&2; return 1; }
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends $missing >/dev/null \
-    || { echo "ferry: apt-get install$missing failed" >&2; return 1; }
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "$@" >/dev/null \
+    || { echo "ferry: apt-get install $* failed" >&2; return 1; }
 }
 
 # fy_build DIR [meson options...]
@@ -32,4 +37,30 @@ fy_demo_data() {
     mkdir -p data/demo
     python3 tools/tokenize.py --tokenizer bytes --out data/demo/corpus data/corpus.txt
   fi
+}
+
+# fy_reference_python: the Python the reference checks run with (torch, transformers, safetensors
+# and numpy, from PyPI), in a virtual environment of the project's: $FERRY_VENV, or .venv in the
+# checkout. Made, or completed, when a package is missing; its bin/ then goes first on PATH, so the
+# scripts' python3 is that one. A machine with the packages in its own python3 uses that instead.
+# Returns 1, saying why, when they cannot be had (no network, no venv module): the checks that
+# need them are then skipped and counted as skipped.
+FY_PY_REFS="torch transformers safetensors numpy"
+fy_reference_python() {
+  local imports="import torch, transformers, safetensors, numpy"
+  python3 -c "$imports" 2>/dev/null && return 0
+  local venv="${FERRY_VENV:-$PWD/.venv}"
+  if [ ! -x "$venv/bin/python3" ]; then
+    python3 -m venv "$venv" >"$venv.log" 2>&1 || {
+      # Debian's python3 keeps the venv module in a package of its own.
+      fy_apt_install python3-venv && python3 -m venv "$venv" >"$venv.log" 2>&1
+    } || { echo "ferry: could not make a virtual environment in $venv (see $venv.log)" >&2; return 1; }
+  fi
+  if ! "$venv/bin/python3" -c "$imports" 2>/dev/null; then
+    echo "ferry: installing $FY_PY_REFS into $venv (the reference checks' Python; a few GB, once)"
+    "$venv/bin/python3" -m pip install -q --disable-pip-version-check $FY_PY_REFS >>"$venv.log" 2>&1 \
+      || { echo "ferry: pip install $FY_PY_REFS failed (see $venv.log)" >&2; return 1; }
+  fi
+  PATH="$venv/bin:$PATH"
+  export PATH
 }
