@@ -387,9 +387,9 @@ static void test_stored_state(const struct fy_opt_config *cfg) {
       for (int64_t e = 0; e < p->numel; e++) {
         double x = ((double)rand() / RAND_MAX - 0.5) * pow(10.0, -(double)(i % 9) - 4.0 * (double)((e / 200) % 3));
         if (i == 1) x = 0;                 // a parameter of zeros
-        if (i == 2) x *= 1e-30;            // near float's smallest
+        if (i == 2) x *= 1e-30;            // near float's smallest (and i == 4's v, below)
         val[0][p->offset + e] = (float)x;
-        val[1][p->offset + e] = (float)(x * x * (1.0 + (double)rand() / RAND_MAX));
+        val[1][p->offset + e] = (float)(x * x * (1.0 + (double)rand() / RAND_MAX) * (i == 4 ? 1e-28 : 1.0));
       }
       if (i == 3) val[0][p->offset + p->numel / 2] = NAN;  // a block that reads back NaN
     }
