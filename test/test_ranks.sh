@@ -283,6 +283,17 @@ then ok "validation on 2 sharded ranks and on a 2 x 2 grid: the single rank's lo
   --save "$tmp/tpres2" || bad "tensor-parallel ranks resume a 1-rank checkpoint"
 compare one tpres1 1e-5 && compare one tpres2 1e-5 && ok "tensor-parallel checkpoints resume on 1 rank and the reverse" \
   || bad "resuming across tensor parallelism differs"
+# Tensor-parallel slices keep fp32 AdamW state: an 8-bit checkpoint (codes and scales of whole
+# tensors) resumes on them converted, as on 1 rank with fp32 state.
+"$ferry" train "${common[@]}" --batch 4 --optimizer-state 8bit --save "$tmp/ck8" --save-every 100 --stop-after 6 >/dev/null 2>&1 \
+  || bad "1 rank with 8-bit state checkpoints"
+"$ferry" train "${common[@]}" --batch 4 --resume "$tmp/ck8" --log "$tmp/res8to1.json" --save "$tmp/res8to1" 2>"$tmp/res8to1.err" \
+  || bad "1 rank resumes an 8-bit checkpoint in fp32"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --resume "$tmp/ck8" --log "$tmp/res8tp.json" \
+  --save "$tmp/res8tp" >"$tmp/res8tp.out" 2>&1 || bad "tensor-parallel ranks resume an 8-bit checkpoint"
+compare res8to1 res8tp 1e-5 && grep -q "stored as 8bit and this run stores it as fp32" "$tmp/res8tp.out" \
+  && ok "an 8-bit checkpoint resumes on tensor-parallel ranks, converted with a warning, as on 1 rank" \
+  || { bad "an 8-bit checkpoint on tensor-parallel ranks"; cat "$tmp/res8tp.out"; }
 # Tensor parallelism with the zero pattern: 2 x 2 ranks, each tensor-parallel slice's chunks
 # sharded over the 2 data-parallel ranks that hold it; its checkpoint resumes on 1 rank.
 "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --log "$tmp/tpzero.json" --save "$tmp/tpzero" \
