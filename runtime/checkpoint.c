@@ -587,7 +587,8 @@ static fy_status put_adam(struct fy_ckpt_writer *w, fy_st_writer *adam, int64_t 
       if (!h) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the bf16 state of %s", prm->name);
       fy_status st = FY_OK;
       for (int k = 0; k < 2 && st == FY_OK; k++) {  // (values of bf16 state: exact in bf16)
-        fy_state_encode(FY_STATE_BF16, k ? FY_MOMENT_V : FY_MOMENT_M, h, (k ? v : m) + at, (int64_t)n);
+        const float *src = (k ? v : m) + at;  // (one thread: a background write runs beside training's)
+        for (size_t e = 0; e < n; e++) h[e] = fy_f32_to_bf16(src[e]);
         st = fy_st_writer_put(adam, 2 * i + k, (size_t)a * 2, h, n * 2);
       }
       free(h);
