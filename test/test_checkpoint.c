@@ -629,11 +629,17 @@ int main(int argc, char **argv) {
     CHECK_OK(fy_ckpt_resolve(root8, sd, sizeof sd));
     snprintf(line, sizeof line, "grep -Eq '\"optimizer_state\": *\"8bit\"' %s/trainer.json", sd);
     CHECKF(system(line) == 0, "%s/trainer.json does not say the 8-bit format", sd);
-    const char *to[] = {"fp32", "bf16"};
-    for (int k = 0; k < 2; k++) {
+    char rootb[512];  // (and a bf16 one, resumed in 8-bit)
+    path(rootb, "stateb");
+    q.optimizer_state = "bf16";
+    q.save = rootb;
+    struct fy_train_result rb;
+    CHECK_OK(fy_train(&q, &rb));
+    const char *to[] = {"fp32", "bf16", "8bit"}, *from[] = {"8bit", "8bit", "bf16"}, *froms[] = {root8, root8, rootb};
+    for (int k = 0; k < 3; k++) {
       struct fy_train_opts c = base();
       c.optimizer_state = to[k];
-      c.resume = root8;
+      c.resume = froms[k];
       c.device = k ? "sim" : NULL;
       c.device_mem = 4 << 20;
       c.chunk_mib = 0.05;
@@ -647,10 +653,10 @@ int main(int argc, char **argv) {
       dup2(saved, 2);
       close(saved);
       close(fd);
-      CHECKF(st == FY_OK && rc.first_step == 5 && rc.last_loss < r8.first_loss, "resume 8bit -> %s: %s", to[k],
+      CHECKF(st == FY_OK && rc.first_step == 5 && rc.last_loss < r8.first_loss, "resume %s -> %s: %s", from[k], to[k],
              st == FY_OK ? "ok" : fy_error_msg());
-      snprintf(line, sizeof line, "grep -q 'stored as 8bit and this run stores it as %s' %s", to[k], errf);
-      CHECKF(system(line) == 0, "resume 8bit -> %s: no warning that the state is converted", to[k]);
+      snprintf(line, sizeof line, "grep -q 'stored as %s and this run stores it as %s' %s", from[k], to[k], errf);
+      CHECKF(system(line) == 0, "resume %s -> %s: no warning that the state is converted", from[k], to[k]);
     }
     fprintf(stderr, "  resume in another state format: converted with a warning\n");
 
