@@ -5,9 +5,12 @@
 // written from a snapshot, the time of each write against the part of it that hashes the files
 // (read back after the fsync), and the time to check them as a load does, from the page cache and
 // with the files' pages dropped first (posix_fadvise: read from the disk, where it drops them).
-// Prints JSON lines.
+// Then, for each --optimizer-state format, one checkpoint of the model written from a snapshot: its
+// bytes a parameter (all files, and optimizer.safetensors, which holds m and v as the format stores
+// them) and its write time. Prints JSON lines.
 //
 // usage: checkpoint [--model opt-125m] [--steps 10] [--every 3] [--dir DIR] [--writes 3] [--checksums-only]
+//                   [--formats-only]
 #include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -101,11 +104,52 @@ static fy_status bench_checksums(const char *model, const struct fy_opt_config *
   return FY_OK;
 }
 
+// One checkpoint of the model (random weights, m and v made from them) in each state format under
+// root: bytes a parameter and the write's time.
+static fy_status bench_formats(const char *model, const struct fy_opt_config *cfg, const char *root) {
+  struct fy_device *dev = NULL;
+  struct fy_model *m = NULL;
+  struct fy_ckpt_writer *w = NULL;
+  fy_status st = fy_device_cpu_create(0, &dev);
+  if (st == FY_OK) st = fy_model_create(cfg, 1, 8, dev, &m);
+  if (st == FY_OK) fy_model_init_random(m, 1);
+  if (st == FY_OK) st = fy_ckpt_writer_create(root, 1, m, &w);
+  const double params = (double)fy_opt_num_params(cfg);
+  for (int f = FY_STATE_F32; st == FY_OK && f <= FY_STATE_Q8; f++) {
+    struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
+    if (!s) {
+      st = FY_ERR_NOMEM;
+      break;
+    }
+    size_t n = (size_t)m->graph->n_param_elems;
+    memcpy(s->params, m->params, n * 4);
+    for (size_t k = 0; k < n; k++) s->m[k] = s->params[k] * 1e-3f, s->v[k] = s->params[k] * s->params[k] * 1e-4f;
+    s->meta = (struct fy_ckpt_meta){.step = f + 1, .loss_scale = 1.0};
+    snprintf(s->meta.optimizer_state, sizeof s->meta.optimizer_state, "%s", fy_state_format_name((enum fy_state_format)f));
+    st = fy_ckpt_write_async(w);
+    if (st == FY_OK) st = fy_ckpt_wait(w);
+    char dir[4096], opt[4200];
+    if (st == FY_OK) st = fy_ckpt_resolve(root, dir, sizeof dir);
+    if (st != FY_OK) break;
+    struct stat sb;
+    snprintf(opt, sizeof opt, "%s/optimizer.safetensors", dir);
+    double all = dir_files(dir, false), state = stat(opt, &sb) == 0 ? (double)sb.st_size : 0;
+    printf("{\"bench\":\"checkpoint_state_format\",\"model\":\"%s\",\"optimizer_state\":\"%s\",\"size_mib\":%.1f,"
+           "\"bytes_a_parameter\":%.3f,\"optimizer_file_bytes_a_parameter\":%.3f,\"write_s\":%.3f,\"hash_s\":%.3f}\n",
+           model, fy_state_format_name((enum fy_state_format)f), all / 1048576.0, all / params, state / params,
+           fy_ckpt_last_seconds(w), fy_ckpt_last_hash_seconds(w));
+  }
+  fy_ckpt_writer_free(w);
+  fy_model_free(m);
+  fy_device_free(dev);
+  return st;
+}
+
 int main(int argc, char **argv) {
   const char *model = "opt-125m", *dir = NULL;
   int64_t steps = 10, every = 3;
   int writes = 3;
-  bool sums_only = false;
+  bool sums_only = false, formats_only = false;
   for (int i = 1; i < argc; i++) {
     if (i + 1 < argc && strcmp(argv[i], "--model") == 0) model = argv[++i];
     else if (i + 1 < argc && strcmp(argv[i], "--steps") == 0) steps = atoll(argv[++i]);
@@ -113,8 +157,10 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--dir") == 0) dir = argv[++i];
     else if (i + 1 < argc && strcmp(argv[i], "--writes") == 0) writes = atoi(argv[++i]);
     else if (strcmp(argv[i], "--checksums-only") == 0) sums_only = true;
+    else if (strcmp(argv[i], "--formats-only") == 0) formats_only = sums_only = true;
     else {
-      fprintf(stderr, "usage: checkpoint [--model P] [--steps N] [--every N] [--dir DIR] [--writes N] [--checksums-only]\n");
+      fprintf(stderr, "usage: checkpoint [--model P] [--steps N] [--every N] [--dir DIR] [--writes N] [--checksums-only]"
+                      " [--formats-only]\n");
       return 2;
     }
   }
@@ -146,8 +192,10 @@ int main(int argc, char **argv) {
          ck.step_s_ckpt / plain.step_s);
   char sroot[300];
   snprintf(sroot, sizeof sroot, "%s/sums", dir ? dir : shard.dir);
-  st = bench_checksums(model, &cfg, sroot, writes < 1 ? 1 : writes);
+  st = formats_only ? FY_OK : bench_checksums(model, &cfg, sroot, writes < 1 ? 1 : writes);
   snprintf(cmd, sizeof cmd, "rm -rf %s", sroot);
+  if (system(cmd) != 0) fprintf(stderr, "checkpoint: could not remove %s\n", sroot);
+  if (st == FY_OK) st = bench_formats(model, &cfg, sroot);
   if (system(cmd) != 0) fprintf(stderr, "checkpoint: could not remove %s\n", sroot);
   bench_shard_remove(&shard);
   if (st != FY_OK) {

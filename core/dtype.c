@@ -5,12 +5,13 @@ size_t fy_dtype_size(enum fy_dtype dt) {
     case FY_F32: case FY_I32: return 4;
     case FY_BF16: case FY_F16: case FY_U16: return 2;
     case FY_I64: return 8;
+    case FY_I8: case FY_U8: return 1;
   }
   return 0;
 }
 
-static const char *const fy_dtype_names[] = {"f32", "bf16", "f16", "i32", "u16", "i64"};
-static const char *const fy_dtype_st_names[] = {"F32", "BF16", "F16", "I32", "U16", "I64"};
+static const char *const fy_dtype_names[] = {"f32", "bf16", "f16", "i32", "u16", "i64", "i8", "u8"};
+static const char *const fy_dtype_st_names[] = {"F32", "BF16", "F16", "I32", "U16", "I64", "I8", "U8"};
 
 const char *fy_dtype_name(enum fy_dtype dt) { return fy_dtype_names[dt]; }
 const char *fy_dtype_safetensors_name(enum fy_dtype dt) { return fy_dtype_st_names[dt]; }

@@ -7,11 +7,13 @@
 #include <stdint.h>
 #include <string.h>
 
-enum fy_dtype { FY_F32, FY_BF16, FY_F16, FY_I32, FY_U16, FY_I64 };
+// (FY_I8, FY_U8: one-byte codes, 8-bit AdamW state in checkpoints; not a float type)
+enum fy_dtype { FY_F32, FY_BF16, FY_F16, FY_I32, FY_U16, FY_I64, FY_I8, FY_U8 };
 
 size_t fy_dtype_size(enum fy_dtype dt);
 const char *fy_dtype_name(enum fy_dtype dt);  // "f32", "bf16", ...
-// Safetensors spells them "F32", "BF16", "F16", "I32", "U16", "I64". Returns -1 if unknown.
+// Safetensors spells them "F32", "BF16", "F16", "I32", "U16", "I64", "I8", "U8". Returns -1 if
+// unknown.
 int fy_dtype_from_safetensors(const char *s);
 const char *fy_dtype_safetensors_name(enum fy_dtype dt);
 // Compute precisions as the command line and plan files name them: "fp32", "bf16", "fp16" ->

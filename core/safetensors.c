@@ -535,7 +535,7 @@ static fy_status st_check_tensor(const struct fy_st_tensor *t, int i, bool need_
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor %d has no name", i);
   if (strcmp(t->name, "__metadata__") == 0)
     return fy_error_set(FY_ERR_INVALID, "safetensors write: '__metadata__' is not a tensor name");
-  if ((unsigned)t->dtype > FY_I64)
+  if ((unsigned)t->dtype > FY_U8)
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor '%s' has an invalid dtype", t->name);
   if (t->rank < 0 || t->rank > FY_MAX_RANK)
     return fy_error_set(FY_ERR_INVALID, "safetensors write: tensor '%s' has rank %d", t->name, t->rank);

@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "core/safetensors.h"
 #include "memory/uv_pool.h"
+#include "ops/ops.h"
 #include "runtime/comm.h"
 
 #define MAX_SHARD_BYTES ((size_t)5 << 30)
@@ -38,7 +39,10 @@ struct fy_ckpt_writer {
   const struct fy_model *model;
   struct fy_ckpt_snapshot snap;    // the writer's own buffers (written asynchronously)
   struct ckpt_source src;          // what the write in progress reads
-  char **m_names, **v_names;
+  char **m_names, **v_names;      // exp_avg.NAME, exp_avg_sq.NAME
+  char **ms_names, **vs_names;    // 8-bit state: exp_avg_absmax.NAME, exp_avg_sq_absmax.NAME
+  char **phase_keys, **phase_vals;  // 8-bit state: the metadata of parameters not at a block start
+  int64_t *go, *glen;             // each parameter's offset in its group, the group's elements
   struct fy_uv_pool *pool;
   struct fy_uv_job job;
   fy_status st;  // of the last write (read after waiting)
@@ -451,19 +455,148 @@ fy_status fy_ckpt_verify(const char *dir) {
                       unchecked ? "carries no checksums (written by an older ferry)" : "is intact");
 }
 
+// ---- AdamW's state as it is stored ----
+//
+// optimizer.safetensors holds m and v in the run's --optimizer-state format (trainer.json says
+// which; the file's __metadata__ "optimizer_state" too, except for fp32, whose file is what it
+// always was):
+//   fp32  exp_avg.NAME and exp_avg_sq.NAME, F32 tensors of the parameter's shape.
+//   bf16  the same names, BF16 tensors (the stored bits).
+//   8bit  exp_avg.NAME (I8) and exp_avg_sq.NAME (U8), the codes, one a parameter element in the
+//         parameter's shape; exp_avg_absmax.NAME and exp_avg_sq_absmax.NAME (F32, 1-D), the scale
+//         (absmax) of every block of FY_Q8_BLOCK elements that holds an element of the parameter,
+//         in order. Blocks are counted from the start of the parameter's group, the parameters
+//         that one op uses first, laid end to end in the op's order: memory/chunk.c packs a group
+//         contiguously and, with 8-bit state, starts every group and every chunk at a multiple
+//         of FY_Q8_BLOCK, so each block holds the same elements in every chunk layout, shard and
+//         placement, and the training stores these same blocks. Element k of a parameter is in
+//         its block (phase + k) / FY_Q8_BLOCK, phase its offset in the group modulo FY_Q8_BLOCK
+//         (the __metadata__ "block_offset.NAME" where it is not 0), and reads back as
+//         code_value[code] * absmax (ops/ops.h); a block shared by two parameters appears in both.
+// The writer is handed the values the run's state reads back as (the snapshot and the pieces are
+// f32, whatever the format) and stores them again in the format's blocks: the same format stores
+// its values to the same bits (ops/ops.h), so the files hold the run's codes and scales; a
+// resume reads the values back and the run stores them in its format (again the same bits; in
+// another format, converted). Checkpoints before this held f32 values in every format: they are
+// read as fp32 files.
+
+#define Q8_BLOCK_TEXT "256"  // (the metadata's "block")
+_Static_assert(FY_Q8_BLOCK == 256, "Q8_BLOCK_TEXT spells FY_Q8_BLOCK");
+
+static enum fy_state_format meta_format(const struct fy_ckpt_meta *meta) {
+  enum fy_state_format f = FY_STATE_F32;
+  fy_state_format_from_name(meta->optimizer_state, &f);  // ("" reads as fp32)
+  return f;
+}
+
+// Each parameter's offset in its group (go) and its group's elements (glen), from the graph's ops
+// alone (memory/chunk.c's order), so the same in every layout. malloc'd; false when they cannot be.
+static bool param_groups(const struct fy_graph *g, int64_t **go_out, int64_t **glen_out) {
+  int64_t *go = calloc((size_t)(g->n_params > 0 ? g->n_params : 1), sizeof *go);
+  int64_t *glen = calloc((size_t)(g->n_params > 0 ? g->n_params : 1), sizeof *glen);
+  if (!go || !glen) {
+    free(go);
+    free(glen);
+    return false;
+  }
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    int64_t n = 0;
+    for (int k = 0; k < op->n_params; k++) {
+      const struct fy_param *p = &g->params[op->params[k]];
+      if (p->first_use != o) continue;
+      go[op->params[k]] = n;
+      n += p->numel;
+    }
+    for (int k = 0; k < op->n_params; k++)
+      if (g->params[op->params[k]].first_use == o) glen[op->params[k]] = n;
+  }
+  *go_out = go;
+  *glen_out = glen;
+  return true;
+}
+
+double fy_ckpt_bytes_per_param(enum fy_state_format f) {
+  return 4.0 + (f == FY_STATE_Q8 ? 2.0 * (1.0 + 4.0 / FY_Q8_BLOCK) : f == FY_STATE_BF16 ? 4.0 : 8.0);
+}
+
+// The 8-bit blocks that hold elements [a, b) of a parameter at offset go of its group: j0..j1.
+static void q8_block_span(int64_t go, int64_t a, int64_t b, int64_t *j0, int64_t *j1) {
+  const int64_t phase = go % FY_Q8_BLOCK;
+  *j0 = (phase + a) / FY_Q8_BLOCK;
+  *j1 = (phase + b - 1) / FY_Q8_BLOCK;
+}
+
 // ---- writing ----
 
-// The AdamW state's part in elements [lo, hi) of the flat layout (m and v hold those elements).
+// 8-bit: parameter i's elements [a, b) (its part in [lo, hi), flat holding those elements) as
+// codes and the scales of their blocks. A block's values are its group's elements in the flat
+// layout (the group is contiguous there); a block must lie inside the piece, as it does when the
+// pieces are chunks (groups never cross one). Elements of the group only: the padding after a
+// group, whose state is 0 (or NaN in a NaN block, whose elements are NaN too), adds nothing.
+static fy_status put_q8(struct fy_ckpt_writer *w, fy_st_writer *adam, int i, int64_t a, int64_t b, int64_t lo,
+                        int64_t hi, const float *m, const float *v) {
+  const struct fy_param *prm = &w->model->graph->params[i];
+  const int64_t go = w->go[i], glen = w->glen[i], gs = prm->offset - go;  // gs: the group's flat start
+  int64_t j0, j1;
+  q8_block_span(go, a, b, &j0, &j1);
+  uint8_t *codes = malloc((size_t)(b - a));
+  float *scales = malloc((size_t)(j1 - j0 + 1) * 4);
+  fy_status st = codes && scales ? FY_OK : fy_error_set(FY_ERR_NOMEM, "cannot allocate the 8-bit state of %s", prm->name);
+  _Alignas(64) uint8_t blk[FY_Q8_BLOCK + 64 + 4];
+  for (int k = 0; k < 2 && st == FY_OK; k++) {
+    const float *src = k ? v : m;
+    for (int64_t j = j0; j <= j1 && st == FY_OK; j++) {
+      // The parameter's block j is its group's block go / FY_Q8_BLOCK + j: group elements [b0, b1).
+      const int64_t b0 = (go / FY_Q8_BLOCK) * FY_Q8_BLOCK + j * FY_Q8_BLOCK;
+      const int64_t b1 = b0 + FY_Q8_BLOCK < glen ? b0 + FY_Q8_BLOCK : glen;
+      if (gs + b0 < lo || gs + b1 > hi) {
+        st = fy_error_set(FY_ERR_INTERNAL, "checkpoint: an 8-bit block of %s crosses the pieces written", prm->name);
+        break;
+      }
+      const int64_t len = b1 - b0;
+      fy_state_encode(FY_STATE_Q8, k ? FY_MOMENT_V : FY_MOMENT_M, blk, src + (gs + b0 - lo), len);
+      memcpy(&scales[j - j0], blk + fy_q8_scales_offset(len), 4);
+      // The parameter's elements in the block: [max(a, b0 - go), min(b, b1 - go)).
+      const int64_t p0 = b0 - go > a ? b0 - go : a, p1 = b1 - go < b ? b1 - go : b;
+      memcpy(codes + (p0 - a), blk + (go + p0 - b0), (size_t)(p1 - p0));
+    }
+    if (st == FY_OK) st = fy_st_writer_put(adam, 4 * i + k, (size_t)a, codes, (size_t)(b - a));
+    if (st == FY_OK) st = fy_st_writer_put(adam, 4 * i + 2 + k, (size_t)j0 * 4, scales, (size_t)(j1 - j0 + 1) * 4);
+  }
+  free(codes);
+  free(scales);
+  return st;
+}
+
+// The AdamW state's part in elements [lo, hi) of the flat layout (m and v hold those elements, the
+// values the run's state reads back as), stored in the checkpoint's format.
 static fy_status put_adam(struct fy_ckpt_writer *w, fy_st_writer *adam, int64_t lo, int64_t hi, const float *m,
                           const float *v) {
   const struct fy_graph *g = w->model->graph;
+  const enum fy_state_format f = meta_format(&w->src.meta);
   int64_t a, b;
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *prm = &g->params[i];
     if (!fy_param_part(prm, lo, hi, &a, &b)) continue;
-    size_t off = (size_t)a * 4, n = (size_t)(b - a) * 4, at = (size_t)(prm->offset + a - lo);
-    FY_TRY(fy_st_writer_put(adam, 2 * i, off, m + at, n));
-    FY_TRY(fy_st_writer_put(adam, 2 * i + 1, off, v + at, n));
+    const size_t at = (size_t)(prm->offset + a - lo), n = (size_t)(b - a);
+    if (f == FY_STATE_Q8) {
+      FY_TRY(put_q8(w, adam, i, a, b, lo, hi, m, v));
+    } else if (f == FY_STATE_BF16) {
+      uint16_t *h = malloc(n * 2);
+      if (!h) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the bf16 state of %s", prm->name);
+      fy_status st = FY_OK;
+      for (int k = 0; k < 2 && st == FY_OK; k++) {  // (values of bf16 state: exact in bf16)
+        const float *src = (k ? v : m) + at;  // (one thread: a background write runs beside training's)
+        for (size_t e = 0; e < n; e++) h[e] = fy_f32_to_bf16(src[e]);
+        st = fy_st_writer_put(adam, 2 * i + k, (size_t)a * 2, h, n * 2);
+      }
+      free(h);
+      FY_TRY(st);
+    } else {
+      FY_TRY(fy_st_writer_put(adam, 2 * i, (size_t)a * 4, m + at, n * 4));
+      FY_TRY(fy_st_writer_put(adam, 2 * i + 1, (size_t)a * 4, v + at, n * 4));
+    }
   }
   return FY_OK;
 }
@@ -473,22 +606,55 @@ static fy_status put_adam(struct fy_ckpt_writer *w, fy_st_writer *adam, int64_t 
 static fy_status write_tensors(struct fy_ckpt_writer *w, const char *dir) {
   const struct fy_graph *g = w->model->graph;
   const struct ckpt_source *s = &w->src;
-  struct fy_st_tensor *ts = calloc((size_t)g->n_params * 2, sizeof *ts);
-  if (!ts) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint's tensor list");
-  fy_st_writer *model = NULL, *adam = NULL;
+  const enum fy_state_format f = meta_format(&s->meta);
+  const int per = f == FY_STATE_Q8 ? 4 : 2;  // tensors a parameter (8-bit: the codes, then the scales)
+  const enum fy_dtype dt[4] = {f == FY_STATE_Q8 ? FY_I8 : f == FY_STATE_BF16 ? FY_BF16 : FY_F32,
+                               f == FY_STATE_Q8 ? FY_U8 : f == FY_STATE_BF16 ? FY_BF16 : FY_F32, FY_F32, FY_F32};
+  struct fy_st_tensor *ts = calloc((size_t)g->n_params * (size_t)per, sizeof *ts);
+  // The file says its format (fp32 files stay what they were: no metadata), and 8-bit files where
+  // a parameter does not start a block (put_q8).
+  const char **md = calloc((size_t)g->n_params * 2 + 8, sizeof *md);
+  if (!ts || !md) {
+    free(ts);
+    free(md);
+    return fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint's tensor list");
+  }
+  int nmd = 0;
+  if (f != FY_STATE_F32) {
+    md[nmd++] = "optimizer_state";
+    md[nmd++] = fy_state_format_name(f);
+  }
+  if (f == FY_STATE_Q8) {
+    md[nmd++] = "block";
+    md[nmd++] = Q8_BLOCK_TEXT;
+  }
   for (int i = 0; i < g->n_params; i++) {
     const struct fy_param *p = &g->params[i];
-    struct fy_st_tensor t = {.dtype = FY_F32, .rank = p->rank, .shape = {p->shape[0], p->shape[1]},
-                             .nbytes = (size_t)p->numel * 4};
-    ts[2 * i] = ts[2 * i + 1] = t;
-    ts[2 * i].name = w->m_names[i];
-    ts[2 * i + 1].name = w->v_names[i];
+    char **names[4] = {w->m_names, w->v_names, w->ms_names, w->vs_names};
+    for (int k = 0; k < per; k++) {
+      struct fy_st_tensor t = {.name = names[k][i], .dtype = dt[k], .rank = p->rank, .shape = {p->shape[0], p->shape[1]},
+                               .nbytes = (size_t)p->numel * fy_dtype_size(dt[k])};
+      if (k >= 2) {  // the scales of the blocks the parameter's elements are in
+        int64_t j0, j1;
+        q8_block_span(w->go[i], 0, p->numel, &j0, &j1);
+        t = (struct fy_st_tensor){.name = names[k][i], .dtype = FY_F32, .rank = 1, .shape = {j1 - j0 + 1},
+                                  .nbytes = (size_t)(j1 - j0 + 1) * 4};
+      }
+      ts[per * i + k] = t;
+    }
+    if (f == FY_STATE_Q8 && w->phase_vals[i]) {
+      md[nmd++] = w->phase_keys[i];
+      md[nmd++] = w->phase_vals[i];
+    }
   }
+  md[nmd] = NULL;
+  fy_st_writer *model = NULL, *adam = NULL;
   char path[4200];
   snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
   fy_status st = fy_model_save_open(w->model, dir, MAX_SHARD_BYTES, &model);
-  if (st == FY_OK) st = fy_st_writer_open(path, ts, 2 * g->n_params, NULL, &adam);
+  if (st == FY_OK) st = fy_st_writer_open(path, ts, per * g->n_params, nmd ? md : NULL, &adam);
   free(ts);
+  free(md);
   if (!s->fill) {
     if (st == FY_OK) st = fy_model_save_put(w->model, model, 0, g->n_param_elems, s->params);
     if (st == FY_OK) st = put_adam(w, adam, 0, g->n_param_elems, s->m, s->v);
@@ -605,16 +771,30 @@ fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_mode
   w->v_names = calloc((size_t)g->n_params, sizeof *w->v_names);
   fy_status st = !w->m_names || !w->v_names ? fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint writer")
                                             : FY_OK;
+  w->ms_names = calloc((size_t)g->n_params, sizeof *w->ms_names);
+  w->vs_names = calloc((size_t)g->n_params, sizeof *w->vs_names);
+  w->phase_keys = calloc((size_t)g->n_params, sizeof *w->phase_keys);
+  w->phase_vals = calloc((size_t)g->n_params, sizeof *w->phase_vals);
+  if (st == FY_OK && (!w->ms_names || !w->vs_names || !w->phase_keys || !w->phase_vals || !param_groups(g, &w->go, &w->glen)))
+    st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the checkpoint writer");
   for (int i = 0; st == FY_OK && i < g->n_params; i++) {
-    size_t len = strlen(g->params[i].name) + 16;
-    w->m_names[i] = malloc(len);
-    w->v_names[i] = malloc(len);
-    if (!w->m_names[i] || !w->v_names[i]) {
-      st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-      break;
+    size_t len = strlen(g->params[i].name) + 24;
+    char **names[4] = {w->m_names, w->v_names, w->ms_names, w->vs_names};
+    const char *prefix[4] = {"exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"};
+    for (int k = 0; st == FY_OK && k < 4; k++) {
+      if (!(names[k][i] = malloc(len))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+      else snprintf(names[k][i], len, "%s.%s", prefix[k], g->params[i].name);
     }
-    snprintf(w->m_names[i], len, "exp_avg.%s", g->params[i].name);
-    snprintf(w->v_names[i], len, "exp_avg_sq.%s", g->params[i].name);
+    if (st == FY_OK && w->go[i] % FY_Q8_BLOCK != 0) {  // (8-bit files: where the parameter starts in its first block)
+      w->phase_keys[i] = malloc(len);
+      w->phase_vals[i] = malloc(24);
+      if (!w->phase_keys[i] || !w->phase_vals[i]) {
+        st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+        break;
+      }
+      snprintf(w->phase_keys[i], len, "block_offset.%s", g->params[i].name);
+      snprintf(w->phase_vals[i], 24, "%lld", (long long)(w->go[i] % FY_Q8_BLOCK));
+    }
   }
   if (st == FY_OK) st = fy_uv_pool_create(&w->pool);
   if (st != FY_OK) {
@@ -629,12 +809,13 @@ void fy_ckpt_writer_free(struct fy_ckpt_writer *w) {
   if (!w) return;
   fy_uv_job_destroy(&w->job);
   fy_uv_pool_free(w->pool);
-  for (int i = 0; w->m_names && i < w->model->graph->n_params; i++) {
-    free(w->m_names[i]);
-    if (w->v_names) free(w->v_names[i]);
+  char **lists[6] = {w->m_names, w->v_names, w->ms_names, w->vs_names, w->phase_keys, w->phase_vals};
+  for (int k = 0; k < 6; k++) {
+    for (int i = 0; lists[k] && i < w->model->graph->n_params; i++) free(lists[k][i]);
+    free(lists[k]);
   }
-  free(w->m_names);
-  free(w->v_names);
+  free(w->go);
+  free(w->glen);
   free(w->snap.params);
   free(w->snap.m);
   free(w->snap.v);
@@ -700,14 +881,47 @@ double fy_ckpt_last_hash_seconds(const struct fy_ckpt_writer *w) { return w->has
 struct fy_ckpt_adam {
   fy_safetensors *st;
   const struct fy_graph *g;
-  const struct fy_st_tensor **t;  // per parameter: exp_avg, exp_avg_sq
+  const struct fy_st_tensor **t;  // per parameter: exp_avg, exp_avg_sq (F32, BF16, or I8 and U8 codes)
+  const struct fy_st_tensor **s;  // 8-bit: per parameter, the scales of exp_avg, exp_avg_sq
+  int64_t *go, *glen;             // each parameter's offset in its group (the blocks' phase)
 };
 
 void fy_ckpt_adam_close(struct fy_ckpt_adam *a) {
   if (!a) return;
   fy_safetensors_close(a->st);
   free(a->t);
+  free(a->s);
+  free(a->go);
+  free(a->glen);
   free(a);
+}
+
+// Tensor k (0: exp_avg, 1: exp_avg_sq) of parameter prm, checked: f32 in any checkpoint; bf16 or
+// 8-bit codes (I8 for m, U8 for v) with their scales, one a block the parameter's elements are in.
+static fy_status adam_tensor(struct fy_ckpt_adam *a, const char *path, int i, int k) {
+  const struct fy_param *prm = &a->g->params[i];
+  const char *pre = k ? "exp_avg_sq" : "exp_avg";
+  char name[FY_NAME_MAX + 32];
+  snprintf(name, sizeof name, "%s.%s", pre, prm->name);
+  const struct fy_st_tensor *t = fy_safetensors_find(a->st, name);
+  const enum fy_dtype code = k ? FY_U8 : FY_I8;
+  bool ok = t && (t->dtype == FY_F32 || t->dtype == FY_BF16 || t->dtype == code) && t->rank == prm->rank &&
+            t->shape[0] == prm->shape[0] && (prm->rank < 2 || t->shape[1] == prm->shape[1]);
+  if (!ok)
+    return fy_error_set(FY_ERR_FORMAT, "%s: %s is %s", path, name,
+                        t ? "not an f32, bf16 or 8-bit tensor of the parameter's shape" : "missing");
+  a->t[2 * i + k] = t;
+  if (t->dtype != code) return FY_OK;
+  int64_t j0, j1;
+  q8_block_span(a->go[i], 0, prm->numel, &j0, &j1);
+  snprintf(name, sizeof name, "%s_absmax.%s", pre, prm->name);
+  const struct fy_st_tensor *sc = fy_safetensors_find(a->st, name);
+  if (!sc || sc->dtype != FY_F32 || sc->rank != 1 || sc->shape[0] != j1 - j0 + 1)
+    return fy_error_set(FY_ERR_FORMAT, "%s: %s is %s (the scales of %lld blocks of %d elements)", path, name,
+                        sc ? "not an f32 vector of the parameter's blocks" : "missing", (long long)(j1 - j0 + 1),
+                        FY_Q8_BLOCK);
+  a->s[2 * i + k] = sc;
+  return FY_OK;
 }
 
 fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, struct fy_ckpt_adam **out) {
@@ -717,25 +931,15 @@ fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, stru
   snprintf(p, sizeof p, "%s/optimizer.safetensors", dir);
   const struct fy_graph *g = model->graph;
   struct fy_ckpt_adam *a = calloc(1, sizeof *a);
-  if (!a || !(a->t = calloc(2 * (size_t)g->n_params, sizeof *a->t))) {
-    free(a);
+  if (!a || !(a->t = calloc(2 * (size_t)g->n_params, sizeof *a->t)) || !(a->s = calloc(2 * (size_t)g->n_params, sizeof *a->s)) ||
+      !param_groups(g, &a->go, &a->glen)) {
+    fy_ckpt_adam_close(a);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the AdamW state's index");
   }
   a->g = g;
   fy_status status = fy_safetensors_open(p, &a->st);
-  for (int i = 0; i < g->n_params && status == FY_OK; i++) {
-    const struct fy_param *prm = &g->params[i];
-    for (int k = 0; k < 2 && status == FY_OK; k++) {
-      char name[FY_NAME_MAX + 16];
-      snprintf(name, sizeof name, "%s.%s", k ? "exp_avg_sq" : "exp_avg", prm->name);
-      const struct fy_st_tensor *t = fy_safetensors_find(a->st, name);
-      bool ok = t && t->dtype == FY_F32 && t->rank == prm->rank && t->shape[0] == prm->shape[0] &&
-                (prm->rank < 2 || t->shape[1] == prm->shape[1]);
-      if (!ok)
-        status = fy_error_set(FY_ERR_FORMAT, "%s: %s is %s", p, name, t ? "not an f32 tensor of the parameter's shape" : "missing");
-      a->t[2 * i + k] = t;
-    }
-  }
+  for (int i = 0; i < g->n_params && status == FY_OK; i++)
+    for (int k = 0; k < 2 && status == FY_OK; k++) status = adam_tensor(a, p, i, k);
   if (status != FY_OK) {
     fy_ckpt_adam_close(a);
     return status;
@@ -745,10 +949,23 @@ fy_status fy_ckpt_adam_open(const char *path, const struct fy_model *model, stru
 }
 
 void fy_ckpt_adam_read_param(const struct fy_ckpt_adam *a, int i, int64_t b0, int64_t b1, float *m, float *v) {
+  const int64_t n = b1 - b0;
   for (int k = 0; k < 2; k++) {
-    const float *src = (const float *)a->t[2 * i + k]->data + b0;
-    if (k ? v : m) memcpy(k ? v : m, src, (size_t)(b1 - b0) * 4);
-    fy_safetensors_done_with(src, (size_t)(b1 - b0) * 4);
+    const struct fy_st_tensor *t = a->t[2 * i + k];
+    const size_t es = fy_dtype_size(t->dtype);
+    const void *src = (const char *)t->data + (size_t)b0 * es;
+    float *dst = k ? v : m;
+    if (dst && t->dtype == FY_F32) {
+      memcpy(dst, src, (size_t)n * 4);
+    } else if (dst && t->dtype == FY_BF16) {
+      fy_state_decode(FY_STATE_BF16, k ? FY_MOMENT_V : FY_MOMENT_M, dst, src, n);
+    } else if (dst) {  // codes: code_value[code] * the scale of the element's block, as fy_state_decode
+      const float *val = fy_q8_code_values(k ? FY_MOMENT_V : FY_MOMENT_M), *scale = a->s[2 * i + k]->data;
+      const uint8_t *c = src;
+      const int64_t phase = a->go[i] % FY_Q8_BLOCK;
+      for (int64_t e = 0; e < n; e++) dst[e] = val[c[e]] * scale[(phase + b0 + e) / FY_Q8_BLOCK];
+    }
+    fy_safetensors_done_with(src, (size_t)n * es);
   }
 }
 

@@ -4,7 +4,9 @@
 //   ROOT/latest                      "step-00000010"
 //   ROOT/step-00000010/config.json   }  a Hugging Face model directory (transformers loads it)
 //   ROOT/step-00000010/model.safetensors (or shards and model.safetensors.index.json)
-//   ROOT/step-00000010/optimizer.safetensors  AdamW's exp_avg.<name> and exp_avg_sq.<name>, f32
+//   ROOT/step-00000010/optimizer.safetensors  AdamW's exp_avg.<name> and exp_avg_sq.<name>, stored as
+//                                    the run stored them (f32, bf16, or 8-bit codes and their
+//                                    blocks' scales: runtime/checkpoint.c)
 //   ROOT/step-00000010/trainer.json  step, sequences consumed, seed, loss scale, options
 //   ROOT/step-00000010/checksums.xxh128  XXH3-128 of every other file, written last (xxhsum -c reads it)
 //
@@ -34,9 +36,12 @@ struct fy_ckpt_meta {
   int64_t updates;     // AdamW updates applied: step less the skipped steps (overflow, no targets)
   char options[1024];  // the run's options as JSON (informative)
   // How the run stored AdamW's m and v ("fp32", "bf16", "8bit": --optimizer-state; "" reads as
-  // fp32, checkpoints before the option). optimizer.safetensors holds them as f32 whatever the
-  // format: the values the stored state reads back as, which the same format stores again to the
-  // same bits (a resume in another format converts them).
+  // fp32, checkpoints before the option). optimizer.safetensors holds them in that format (f32,
+  // bf16, or 8-bit codes with a scale a block, blocks counted from each parameter group's start so
+  // that they are the same in every layout: runtime/checkpoint.c); checkpoints before that held
+  // f32 values whatever the format, and still load. The writer takes the values the run's state
+  // reads back as and stores them again in the format, to the run's bits; a resume reads values,
+  // which the run's format stores to the same bits again (in another format, converted).
   char optimizer_state[8];
 };
 
@@ -51,6 +56,9 @@ struct fy_ckpt_writer;
 // root is created if missing. keep: complete checkpoints kept (at least 1).
 fy_status fy_ckpt_writer_create(const char *root, int keep, const struct fy_model *m,
                                  struct fy_ckpt_writer **out);
+// Bytes a parameter of a checkpoint of a run with AdamW state in format f: the f32 weights and m
+// and v as optimizer.safetensors holds them (8-bit: the codes and a scale a block, 2.03).
+double fy_ckpt_bytes_per_param(enum fy_state_format f);
 // Waits for a write in flight, then frees.
 void fy_ckpt_writer_free(struct fy_ckpt_writer *w);
 // The writer's own snapshot buffers, to fill before fy_ckpt_write_async (valid until then);
@@ -60,12 +68,12 @@ struct fy_ckpt_snapshot *fy_ckpt_snapshot_buffers(struct fy_ckpt_writer *w);
 // write. Returns the previous write's error, if it had one.
 fy_status fy_ckpt_write_async(struct fy_ckpt_writer *w);
 // A state handed to the writer piece by piece: fill puts elements [lo, hi) of the flat weights, m
-// and v into params, m and v (hi - lo floats each; NULL: the writer cannot take them, and the fill
+// and v (the values the state reads back as) into params, m and v (hi - lo floats each; NULL: the writer cannot take them, and the fill
 // only does its part, for instance in a gather with other ranks). It is called for consecutive
 // pieces covering the layout in order, each once, and for all of them even after an error.
 typedef fy_status (*fy_ckpt_fill_fn)(void *ctx, int64_t lo, int64_t hi, float *params, float *m, float *v);
 // Writes the state `fill` hands out in pieces of `piece` elements (the same files, the same atomic
-// steps) on the calling thread, holding one piece at a time: for a state no snapshot of which fits
+// steps; with 8-bit state piece a multiple of FY_Q8_BLOCK, as chunks are, so no block crosses two) on the calling thread, holding one piece at a time: for a state no snapshot of which fits
 // beside it (a model that fills the host memory, or chunks sharded across ranks that no rank holds
 // whole). Waits first for the previous write; returns this write's status (a fill's error among them).
 fy_status fy_ckpt_write_pieces(struct fy_ckpt_writer *w, const struct fy_ckpt_meta *meta, int64_t piece,
@@ -102,7 +110,8 @@ fy_status fy_ckpt_model_dir(const char *path, char *buf, size_t n, const char **
 fy_status fy_ckpt_config_read(const char *path, struct fy_opt_config *cfg);
 // Reads a checkpoint into the model's parameters and into m, v (flat layout; may be NULL to skip)
 // and its metadata. Checks every file's checksum (fy_ckpt_verify) and every tensor's name, shape
-// and dtype.
+// and dtype. m and v receive values, whatever the checkpoint's format (the values its stored
+// state reads back as).
 fy_status fy_ckpt_load(const char *path, struct fy_model *model, float *m, float *v, struct fy_ckpt_meta *meta);
 
 // A checkpoint's AdamW state read part by part, so that an offloaded run resumes one chunk at a

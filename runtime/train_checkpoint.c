@@ -350,7 +350,7 @@ fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckp
     FY_TRY(fy_model_download(m, s->m, m->m, bytes));
     FY_TRY(fy_model_download(m, s->v, m->v, bytes));
     FY_TRY(fy_model_download(m, s->params, m->params, bytes));
-  } else {  // (compressed state: the values it reads back as, checkpoint.h)
+  } else {  // (compressed state: the values it reads back as, which the writer stores again, checkpoint.h)
     fy_state_decode(m->state_format, FY_MOMENT_M, s->m, m->m, m->graph->n_param_elems);
     fy_state_decode(m->state_format, FY_MOMENT_V, s->v, m->v, m->graph->n_param_elems);
     memcpy(s->params, m->params, bytes);
@@ -491,8 +491,8 @@ fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_st
 }
 
 // Whether --save's file system can hold what the run will write there, said once at the start
-// rather than found at a write hours later: with --save-every, checkpoints of the whole state (12
-// bytes a parameter: weights, m, v), --keep of them kept and one more while it is written (those
+// rather than found at a write hours later: with --save-every, checkpoints of the whole state
+// (weights, m and v: 12 bytes a parameter with fp32 state, 8 with bf16, 6.03 with 8-bit), --keep of them kept and one more while it is written (those
 // already in the root count); else the final weights (4 bytes a parameter). A warning, as space
 // may be freed meanwhile: a write that does not fit stops the run, the checkpoints before it kept.
 void check_save_space(const struct fy_train_opts *o, double params, int64_t steps_left) {
@@ -517,7 +517,8 @@ void check_save_space(const struct fy_train_opts *o, double params, int64_t step
   int more = o->save_every > 0 ? (o->keep + 1 - existing > 1 ? o->keep + 1 - existing : 1) : 1;
   if (more > writes) more = (int)writes;
   if (more < 1) return;
-  const double each = (o->save_every > 0 ? 12.0 : 4.0) * params, need = each * more;
+  const double each = (o->save_every > 0 ? fy_ckpt_bytes_per_param(state_format(o)) : 4.0) * params,
+               need = each * more;
   if (space >= need) return;
   char b[3][32];
   if (o->save_every > 0)

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <json-c/json.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,9 +18,11 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "check.h"
 #include "core/opt.h"
+#include "core/safetensors.h"
 #include "ops/ops.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
@@ -47,18 +50,19 @@ static void path(char *out, const char *name) { snprintf(out, 512, "%s/%s", dir,
 
 static bool last_by_chunk;  // how check_resume's checkpoint was written
 
-// 10 steps straight against 5, a checkpoint, and 5 more resumed from it: bit for bit.
+// 10 steps straight against 5, a checkpoint, and 5 more resumed from it: bit for bit, the weights
+// and the AdamW state (both runs save step 10: the same optimizer.safetensors, which holds m and v
+// as the run stores them, and the same model.safetensors).
 static void check_resume(const char *what, struct fy_train_opts o) {
   char root[512];
   snprintf(root, sizeof root, "%s/resume_%d", dir, rand());
   struct fy_train_result straight, first, second;
   o.steps = 10;
-  char straight_root[600];
-  if (o.optimizer_lag) {  // (its checkpoints apply the pending update: the straight run writes them too)
-    snprintf(straight_root, sizeof straight_root, "%s_straight", root);
-    o.save = straight_root;
-    o.save_every = 5;
-  }
+  char straight_root[600], second_root[600];
+  snprintf(straight_root, sizeof straight_root, "%s_straight", root);
+  snprintf(second_root, sizeof second_root, "%s_second", root);
+  o.save = straight_root;  // (with the lag its checkpoints apply the pending update: the straight run writes them too)
+  o.save_every = 5;
   CHECK_OK(fy_train(&o, &straight));
   o.stop_after = 5;  // interrupted after 5 of 10 steps
   o.save = root;
@@ -71,13 +75,18 @@ static void check_resume(const char *what, struct fy_train_opts o) {
   CHECKF(access(sums, R_OK) == 0, "%s: the checkpoint has no %s", what, FY_CKPT_SUMS);
   o.stop_after = 0;
   o.steps = 10;
-  o.save = NULL;
-  o.save_every = 0;
+  o.save = second_root;
+  o.save_every = 5;
   o.resume = root;
   CHECK_OK(fy_train(&o, &second));
   CHECKF(second.first_step == 5 && second.steps == 10, "%s: resumed at %lld", what, (long long)second.first_step);
   CHECKF(second.last_loss == straight.last_loss && second.params_hash == straight.params_hash,
          "%s: resumed run ends at loss %.9g, straight %.9g", what, second.last_loss, straight.last_loss);
+  char cmd[2000];
+  snprintf(cmd, sizeof cmd, "cmp -s %s/step-00000010/optimizer.safetensors %s/step-00000010/optimizer.safetensors && "
+           "cmp -s %s/step-00000010/model.safetensors %s/step-00000010/model.safetensors", straight_root, second_root,
+           straight_root, second_root);
+  CHECKF(system(cmd) == 0, "%s: the resumed run's AdamW state or weights at step 10 differ from the straight run's", what);
   fprintf(stderr, "  resume exact: %s\n", what);
 }
 
@@ -299,6 +308,157 @@ static void test_full_disk(void) {
   CHECK(umount(small) == 0);
 }
 
+// Rewrites step directory d's checksums from its files as they stand (a checkpoint edited by a
+// test made to look as an older ferry wrote it, its list still valid).
+static void rewrite_sums(const char *d) {
+  char p[700], line[1024], text[8192] = "";
+  snprintf(p, sizeof p, "%s/" FY_CKPT_SUMS, d);
+  FILE *f = fopen(p, "r");
+  CHECKF(f != NULL, "cannot read %s", p);
+  if (!f) return;
+  size_t len = 0;
+  while (fgets(line, sizeof line, f)) {
+    char name[512], fp[1300];
+    if (sscanf(line, "%*32s  %511s", name) != 1) continue;
+    snprintf(fp, sizeof fp, "%s/%s", d, name);
+    FILE *g = fopen(fp, "rb");
+    CHECKF(g != NULL, "cannot read %s", fp);
+    if (!g) continue;
+    fseek(g, 0, SEEK_END);
+    long n = ftell(g);
+    fseek(g, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    CHECK(buf && fread(buf, 1, (size_t)n, g) == (size_t)n);
+    fclose(g);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits(buf, (size_t)n));
+    free(buf);
+    for (int i = 0; i < 16; i++) len += (size_t)snprintf(text + len, sizeof text - len, "%02x", c.digest[i]);
+    len += (size_t)snprintf(text + len, sizeof text - len, "  %s\n", name);
+  }
+  fclose(f);
+  f = fopen(p, "w");
+  fputs(text, f);
+  fclose(f);
+}
+
+// The tensor data's bytes of safetensors file d/name (less its header).
+static long data_bytes(const char *d, const char *name) {
+  char p[700];
+  snprintf(p, sizeof p, "%s/%s", d, name);
+  FILE *f = fopen(p, "rb");
+  uint64_t h = 0;
+  long n = -1;
+  if (f && fread(&h, 8, 1, f) == 1 && fseek(f, 0, SEEK_END) == 0) n = ftell(f) - 8 - (long)h;
+  if (f) fclose(f);
+  return n;
+}
+
+// A checkpoint holds AdamW's state as the run stores it: a model's bf16 and 8-bit state (random
+// values over many magnitudes, a NaN, a zero parameter, values near float's smallest) written
+// from the values it reads back as and read back, then stored again in the format: the same bytes
+// (codes, scales, padding) as the state written. Read into a model of another layout (fp32 state,
+// parameter groups 16-aligned instead of 256), each parameter reads back the same values. The
+// files: BF16 tensors, or I8 and U8 codes with F32 scales, about 1/2 and 1/4 of fp32's bytes.
+static void test_stored_state(const struct fy_opt_config *cfg) {
+  struct fy_device *dev;
+  CHECK_OK(fy_device_cpu_create(0, &dev));
+  long bytes[3] = {0};
+  for (int f = FY_STATE_F32; f <= FY_STATE_Q8; f++) {
+    struct fy_model_opts mo = {.state_format = (enum fy_state_format)f};
+    struct fy_model *m, *other;
+    CHECK_OK(fy_model_create_with(cfg, 1, 4, dev, &mo, &m));
+    CHECK_OK(fy_model_create(cfg, 1, 4, dev, &other));
+    const struct fy_graph *g = m->graph;
+    const int64_t n = g->n_param_elems;
+    const size_t sb = fy_state_moment_bytes((enum fy_state_format)f, n);
+    float *val[2], *back[2], *oth[2];
+    void *state[2], *again[2];
+    for (int k = 0; k < 2; k++) {
+      val[k] = calloc((size_t)n, 4);
+      back[k] = calloc((size_t)n, 4);
+      oth[k] = calloc((size_t)other->graph->n_param_elems, 4);
+      state[k] = calloc(sb, 1);
+      again[k] = calloc(sb, 1);
+    }
+    srand(17);
+    for (int i = 0; i < g->n_params; i++) {
+      const struct fy_param *p = &g->params[i];
+      for (int64_t e = 0; e < p->numel; e++) {
+        double x = ((double)rand() / RAND_MAX - 0.5) * pow(10.0, -(double)(i % 9) - 4.0 * (double)((e / 200) % 3));
+        if (i == 1) x = 0;                 // a parameter of zeros
+        if (i == 2) x *= 1e-30;            // near float's smallest (and i == 4's v, below)
+        val[0][p->offset + e] = (float)x;
+        val[1][p->offset + e] = (float)(x * x * (1.0 + (double)rand() / RAND_MAX) * (i == 4 ? 1e-28 : 1.0));
+      }
+      if (i == 3) val[0][p->offset + p->numel / 2] = NAN;  // a block that reads back NaN
+    }
+    for (int k = 0; k < 2; k++) fy_state_encode((enum fy_state_format)f, (enum fy_moment)k, state[k], val[k], n);
+    char root[512], sd[600];
+    snprintf(root, sizeof root, "%s/stored_%s", dir, fy_state_format_name((enum fy_state_format)f));
+    struct fy_ckpt_writer *w;
+    CHECK_OK(fy_ckpt_writer_create(root, 1, m, &w));
+    struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
+    CHECK(s != NULL);
+    memcpy(s->params, m->params, (size_t)n * 4);
+    fy_state_decode((enum fy_state_format)f, FY_MOMENT_M, s->m, state[0], n);
+    fy_state_decode((enum fy_state_format)f, FY_MOMENT_V, s->v, state[1], n);
+    s->meta = (struct fy_ckpt_meta){.step = 1, .seed = 1, .loss_scale = 1, .updates = 1};
+    snprintf(s->meta.optimizer_state, sizeof s->meta.optimizer_state, "%s", fy_state_format_name((enum fy_state_format)f));
+    CHECK_OK(fy_ckpt_write_async(w));
+    CHECK_OK(fy_ckpt_wait(w));
+    fy_ckpt_writer_free(w);
+    struct fy_ckpt_meta meta;
+    CHECK_OK(fy_ckpt_load(root, m, back[0], back[1], &meta));
+    CHECK(strcmp(meta.optimizer_state, fy_state_format_name((enum fy_state_format)f)) == 0);
+    for (int k = 0; k < 2; k++) fy_state_encode((enum fy_state_format)f, (enum fy_moment)k, again[k], back[k], n);
+    CHECKF(memcmp(again[0], state[0], sb) == 0 && memcmp(again[1], state[1], sb) == 0,
+           "%s state: a checkpoint's m and v, stored again, differ from the state written",
+           fy_state_format_name((enum fy_state_format)f));
+    CHECK_OK(fy_ckpt_load(root, other, oth[0], oth[1], &meta));
+    int differ = 0;
+    for (int i = 0; i < g->n_params; i++)
+      for (int k = 0; k < 2; k++)
+        differ += memcmp(back[k] + g->params[i].offset, oth[k] + other->graph->params[i].offset,
+                         (size_t)g->params[i].numel * 4) != 0;
+    CHECKF(differ == 0, "%s state: %d tensors read into another layout differ", fy_state_format_name((enum fy_state_format)f),
+           differ);
+    CHECK_OK(fy_ckpt_resolve(root, sd, sizeof sd));
+    fy_safetensors *st;
+    char opath[700];
+    snprintf(opath, sizeof opath, "%s/optimizer.safetensors", sd);
+    CHECK_OK(fy_safetensors_open(opath, &st));
+    char name[200];
+    snprintf(name, sizeof name, "exp_avg.%s", g->params[0].name);
+    const struct fy_st_tensor *tm = fy_safetensors_find(st, name);
+    snprintf(name, sizeof name, "exp_avg_sq.%s", g->params[0].name);
+    const struct fy_st_tensor *tv = fy_safetensors_find(st, name);
+    snprintf(name, sizeof name, "exp_avg_absmax.%s", g->params[0].name);
+    const struct fy_st_tensor *ts = fy_safetensors_find(st, name);
+    const enum fy_dtype want_m = f == FY_STATE_Q8 ? FY_I8 : f == FY_STATE_BF16 ? FY_BF16 : FY_F32;
+    const enum fy_dtype want_v = f == FY_STATE_Q8 ? FY_U8 : want_m;
+    CHECKF(tm && tv && tm->dtype == want_m && tv->dtype == want_v && (f == FY_STATE_Q8) == (ts != NULL),
+           "%s state: optimizer.safetensors does not hold the format's tensors", fy_state_format_name((enum fy_state_format)f));
+    fy_safetensors_close(st);
+    bytes[f] = data_bytes(sd, "optimizer.safetensors");
+    for (int k = 0; k < 2; k++) {
+      free(val[k]);
+      free(back[k]);
+      free(oth[k]);
+      free(state[k]);
+      free(again[k]);
+    }
+    fy_model_free(m);
+    fy_model_free(other);
+  }
+  const double params = (double)fy_opt_num_params(cfg);
+  fprintf(stderr, "  optimizer.safetensors' tensor data for %.0f parameters: fp32 %ld bytes (%.2f a parameter), bf16 "
+          "%ld (%.2f), 8bit %ld (%.2f)\n", params, bytes[0], bytes[0] / params, bytes[1],
+          bytes[1] / params, bytes[2], bytes[2] / params);
+  CHECK(bytes[0] == (long)(8 * params) && bytes[1] == (long)(4 * params) && bytes[2] < 0.3 * bytes[0]);
+  fy_device_free(dev);
+}
+
 int main(int argc, char **argv) {
   check_args(argc, argv);
   const char *ferry = argc > 1 && strcmp(argv[1], "--part") ? argv[1] : NULL;
@@ -469,11 +629,17 @@ int main(int argc, char **argv) {
     CHECK_OK(fy_ckpt_resolve(root8, sd, sizeof sd));
     snprintf(line, sizeof line, "grep -Eq '\"optimizer_state\": *\"8bit\"' %s/trainer.json", sd);
     CHECKF(system(line) == 0, "%s/trainer.json does not say the 8-bit format", sd);
-    const char *to[] = {"fp32", "bf16"};
-    for (int k = 0; k < 2; k++) {
+    char rootb[512];  // (and a bf16 one, resumed in 8-bit)
+    path(rootb, "stateb");
+    q.optimizer_state = "bf16";
+    q.save = rootb;
+    struct fy_train_result rb;
+    CHECK_OK(fy_train(&q, &rb));
+    const char *to[] = {"fp32", "bf16", "8bit"}, *from[] = {"8bit", "8bit", "bf16"}, *froms[] = {root8, root8, rootb};
+    for (int k = 0; k < 3; k++) {
       struct fy_train_opts c = base();
       c.optimizer_state = to[k];
-      c.resume = root8;
+      c.resume = froms[k];
       c.device = k ? "sim" : NULL;
       c.device_mem = 4 << 20;
       c.chunk_mib = 0.05;
@@ -487,13 +653,67 @@ int main(int argc, char **argv) {
       dup2(saved, 2);
       close(saved);
       close(fd);
-      CHECKF(st == FY_OK && rc.first_step == 5 && rc.last_loss < r8.first_loss, "resume 8bit -> %s: %s", to[k],
+      CHECKF(st == FY_OK && rc.first_step == 5 && rc.last_loss < r8.first_loss, "resume %s -> %s: %s", from[k], to[k],
              st == FY_OK ? "ok" : fy_error_msg());
-      snprintf(line, sizeof line, "grep -q 'stored as 8bit and this run stores it as %s' %s", to[k], errf);
-      CHECKF(system(line) == 0, "resume 8bit -> %s: no warning that the state is converted", to[k]);
+      snprintf(line, sizeof line, "grep -q 'stored as %s and this run stores it as %s' %s", from[k], to[k], errf);
+      CHECKF(system(line) == 0, "resume %s -> %s: no warning that the state is converted", from[k], to[k]);
     }
     fprintf(stderr, "  resume in another state format: converted with a warning\n");
+
+    // A checkpoint of an 8-bit run as ferry wrote them before they held the codes (m and v as f32
+    // values, trainer.json saying 8bit) still resumes, and exactly: the values store to the run's
+    // codes again. Made from root8: its values written as an fp32 checkpoint (a model of another
+    // layout), trainer.json then saying 8bit, the checksums made again.
+    struct fy_device *cdev;
+    struct fy_model *cm;
+    CHECK_OK(fy_device_cpu_create(0, &cdev));
+    CHECK_OK(fy_model_create(&cfg, 1, 4, cdev, &cm));
+    struct fy_ckpt_meta meta8;
+    CHECK_OK(fy_ckpt_load(root8, cm, cm->m, cm->v, &meta8));
+    char old8[512], sdo[600];
+    path(old8, "state8_f32");
+    struct fy_ckpt_writer *cw;
+    CHECK_OK(fy_ckpt_writer_create(old8, 1, cm, &cw));
+    struct fy_ckpt_snapshot *snap = fy_ckpt_snapshot_buffers(cw);
+    CHECK(snap != NULL);
+    const size_t nb = (size_t)cm->graph->n_param_elems * 4;
+    memcpy(snap->params, cm->params, nb);
+    memcpy(snap->m, cm->m, nb);
+    memcpy(snap->v, cm->v, nb);
+    snap->meta = meta8;
+    snprintf(snap->meta.optimizer_state, sizeof snap->meta.optimizer_state, "fp32");
+    CHECK_OK(fy_ckpt_write_async(cw));
+    CHECK_OK(fy_ckpt_wait(cw));
+    fy_ckpt_writer_free(cw);
+    fy_model_free(cm);
+    fy_device_free(cdev);
+    CHECK_OK(fy_ckpt_resolve(old8, sdo, sizeof sdo));
+    CHECK_OK(fy_ckpt_index_write(sdo, &meta8));  // (says 8bit)
+    rewrite_sums(sdo);
+    snprintf(line, sizeof line, "grep -Eq '\"optimizer_state\": *\"8bit\"' %s/trainer.json", sdo);
+    CHECKF(system(line) == 0, "%s/trainer.json does not say 8bit", sdo);
+    char s8[512], r8o[512];
+    path(s8, "state8_straight");
+    path(r8o, "state8_f32_resumed");
+    struct fy_train_opts q8 = base();
+    q8.optimizer_state = "8bit";
+    q8.save = s8;
+    q8.save_every = 5;
+    struct fy_train_result st8, ro8;
+    CHECK_OK(fy_train(&q8, &st8));
+    q8.save = r8o;
+    q8.resume = old8;
+    CHECK_OK(fy_train(&q8, &ro8));
+    snprintf(line, sizeof line, "cmp -s %s/step-00000010/optimizer.safetensors %s/step-00000010/optimizer.safetensors",
+             s8, r8o);
+    CHECKF(ro8.first_step == 5 && ro8.params_hash == st8.params_hash && system(line) == 0,
+           "an 8-bit checkpoint holding f32 values (before the codes) does not resume exactly");
+    CHECKF(data_bytes(sdo, "optimizer.safetensors") > 3 * data_bytes(sd, "optimizer.safetensors"),
+           "the f32 checkpoint's AdamW state is not the larger (%ld bytes against the 8-bit one's %ld)",
+           data_bytes(sdo, "optimizer.safetensors"), data_bytes(sd, "optimizer.safetensors"));
+    fprintf(stderr, "  an 8-bit checkpoint of f32 values (an older ferry's) resumes exactly\n");
   }
+  test_stored_state(&cfg);
 
   // Export: a Hugging Face directory with the checkpoint's weights.
   char out[512], sdir[600];

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Several ranks under mpirun (runtime/comm.h; replicated parameters on cpu, sharded chunks on sim):
 # 2 ranks with --batch 2 follow 1 rank with --batch 4 (losses and weights within 1e-5; 16-bit
-# sharded ranks: bit for bit the replicated 16-bit ranks), rank 0
+# sharded ranks: bit for bit the replicated 16-bit ranks; bf16 and 8-bit AdamW state: replicated and
+# sharded ranks bit for bit 1 rank with 2 micro-batches, and their checkpoints resume across
+# layouts exactly), rank 0
 # alone speaks and writes, a rank killed mid-run ends the job (non-zero, within the timeout
 # plus 10 s) instead of hanging it, and a signal to one rank stops them all with a checkpoint.
 # usage: test/test_ranks.sh path/to/ferry            (exit 77 = skipped: no mpirun)
@@ -181,6 +183,48 @@ assert abs(b["host_tier_mib"] - want) <= 0.1 * want + b["chunk_mib"], (a["host_t
 print("  bf16 host_tier_mib: 1 rank %.4f MiB, each of 2 ranks %.4f MiB" % (a["host_tier_mib"], b["host_tier_mib"]))
 PY
 then ok "each of 2 sharded bf16 ranks keeps half the model state"; else bad "sharded bf16 model state is not 1/2"; fi
+# AdamW state stored as bf16 or 8-bit (--optimizer-state): 1 rank with 2 micro-batches of 2, 2
+# replicated ranks of 2 and 2 sharded ranks of 2 (shards in the host tier; 16-bit compute also
+# with 4 chunks' shards on disk) end with the same bits: weights, m and v (the step-12
+# checkpoints' model.safetensors and optimizer.safetensors, which hold m and v as they are stored:
+# bf16, or 8-bit codes and scales), in fp32 and bf16 compute. A checkpoint written by 2 sharded
+# ranks resumes on 1 rank, and one written by 1 rank on 2 sharded ranks, to those same bits.
+# same_state A B: A's and B's step-12 checkpoints hold the same weights and AdamW state.
+same_state() {
+  cmp -s "$tmp/$1/step-00000012/optimizer.safetensors" "$tmp/$2/step-00000012/optimizer.safetensors" &&
+    cmp -s "$tmp/$1/step-00000012/model.safetensors" "$tmp/$2/step-00000012/model.safetensors"
+}
+for sf in bf16 8bit; do
+  for p in fp32 bf16; do
+    st=(--optimizer-state $sf --precision $p --save-every 12)
+    "$ferry" train "${common[@]}" --batch 2 --grad-accum 2 "${st[@]}" --save "$tmp/sf1$sf$p" || bad "1 rank with $sf state ($p) trains"
+    "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 "${st[@]}" --save "$tmp/sfrep$sf$p" \
+      || bad "2 replicated ranks with $sf state ($p) train"
+    "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${st[@]}" --save "$tmp/sfzero$sf$p" \
+      || bad "2 sharded ranks with $sf state ($p) train"
+    same_state "sf1$sf$p" "sfrep$sf$p" && same_state "sf1$sf$p" "sfzero$sf$p" \
+      && ok "$sf AdamW state, $p compute: 2 replicated and 2 sharded ranks end with 1 rank's bits (weights, m, v)" \
+      || bad "$sf AdamW state, $p compute: ranks differ from 1 rank"
+  done
+  st=(--optimizer-state $sf --precision bf16 --save-every 12)
+  "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${st[@]}" --disk-dir "$tmp/disk" --disk-chunks 4 \
+    --save "$tmp/sfdisk$sf" || bad "2 sharded ranks with $sf state on disk train"
+  same_state "sf1${sf}bf16" "sfdisk$sf" && ok "$sf AdamW state: 2 sharded ranks with 4 chunks' shards on disk end with 1 rank's bits" \
+    || bad "$sf AdamW state on disk: sharded ranks differ from 1 rank"
+  st=(--optimizer-state $sf)
+  "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${st[@]}" --save "$tmp/sfckz$sf" --save-every 100 --stop-after 6 \
+    >/dev/null 2>&1 || bad "2 sharded ranks with $sf state checkpoint"
+  "$ferry" train "${common[@]}" --batch 2 --grad-accum 2 "${st[@]}" --resume "$tmp/sfckz$sf" --save "$tmp/sfres1$sf" \
+    --save-every 12 || bad "1 rank resumes 2 sharded ranks' $sf checkpoint"
+  "$ferry" train "${common[@]}" --batch 2 --grad-accum 2 "${st[@]}" --save "$tmp/sfck1$sf" --save-every 100 --stop-after 6 \
+    >/dev/null 2>&1 \
+    || bad "1 rank with $sf state checkpoints"
+  "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${st[@]}" --resume "$tmp/sfck1$sf" \
+    --save "$tmp/sfresz$sf" --save-every 12 || bad "2 sharded ranks resume 1 rank's $sf checkpoint"
+  same_state "sf1${sf}fp32" "sfres1$sf" && same_state "sf1${sf}fp32" "sfresz$sf" \
+    && ok "$sf AdamW state: 2 sharded ranks' checkpoint resumes on 1 rank, and 1 rank's on 2 sharded ranks, exactly" \
+    || bad "$sf AdamW state: resuming across ranks and layouts differs"
+done
 if "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --device-chunks 3 >"$tmp/part.out" 2>&1; then
   bad "a partial --device-chunks with sharding is accepted"
 else grep -q "all in the host tier (0) or all on the device" "$tmp/part.out" && ok "a partial --device-chunks with sharding is refused" \
@@ -239,6 +283,17 @@ then ok "validation on 2 sharded ranks and on a 2 x 2 grid: the single rank's lo
   --save "$tmp/tpres2" || bad "tensor-parallel ranks resume a 1-rank checkpoint"
 compare one tpres1 1e-5 && compare one tpres2 1e-5 && ok "tensor-parallel checkpoints resume on 1 rank and the reverse" \
   || bad "resuming across tensor parallelism differs"
+# Tensor-parallel slices keep fp32 AdamW state: an 8-bit checkpoint (codes and scales of whole
+# tensors) resumes on them converted, as on 1 rank with fp32 state.
+"$ferry" train "${common[@]}" --batch 4 --optimizer-state 8bit --save "$tmp/ck8" --save-every 100 --stop-after 6 >/dev/null 2>&1 \
+  || bad "1 rank with 8-bit state checkpoints"
+"$ferry" train "${common[@]}" --batch 4 --resume "$tmp/ck8" --log "$tmp/res8to1.json" --save "$tmp/res8to1" 2>"$tmp/res8to1.err" \
+  || bad "1 rank resumes an 8-bit checkpoint in fp32"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --resume "$tmp/ck8" --log "$tmp/res8tp.json" \
+  --save "$tmp/res8tp" >"$tmp/res8tp.out" 2>&1 || bad "tensor-parallel ranks resume an 8-bit checkpoint"
+compare res8to1 res8tp 1e-5 && grep -q "stored as 8bit and this run stores it as fp32" "$tmp/res8tp.out" \
+  && ok "an 8-bit checkpoint resumes on tensor-parallel ranks, converted with a warning, as on 1 rank" \
+  || { bad "an 8-bit checkpoint on tensor-parallel ranks"; cat "$tmp/res8tp.out"; }
 # Tensor parallelism with the zero pattern: 2 x 2 ranks, each tensor-parallel slice's chunks
 # sharded over the 2 data-parallel ranks that hold it; its checkpoint resumes on 1 rank.
 "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --tp 2 --log "$tmp/tpzero.json" --save "$tmp/tpzero" \
