@@ -23,6 +23,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
 #include "memory/tier.h"
+#include "runtime/pipeline.h"
 #include "runtime/run.h"
 
 static double peak_rss_bytes(void) {
@@ -266,7 +267,7 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
     s->loss = NAN;
     res->ignored_steps++;
   }
-  if (st == FY_ERR_NUMERIC && !r->x) name_nonfinite(r);
+  if (st == FY_ERR_NUMERIC && !r->x && !r->pipe) name_nonfinite(r);  // (a stage holds part of the model)
   if (st != FY_OK) return fy_error_wrap(st, "step %lld", (long long)step + 1);
   // --optimizer-lag: the last step, and those that write a checkpoint, end with every update
   // applied (before their validation, so that the last one is the saved model's)
@@ -527,6 +528,7 @@ static fy_status finish_run(struct training *t) {
   if (r->tp > 1) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));
   } else if (!t->sharded) {
+    if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe));  // (every stage's weights to the first)
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
     if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
   }
