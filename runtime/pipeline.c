@@ -290,15 +290,22 @@ fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, flo
   return fy_optimizer_step_some(p->m, h, lr, t, grad_scale, norm, p->used);
 }
 
-fy_status fy_pipeline_gather_weights(struct fy_pipeline *p) {
+fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state) {
   struct fy_model *m = p->m;
   if (p->pp == 1) return FY_OK;
+  if (state && m->state_format != FY_STATE_F32)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline's compressed AdamW state: not supported yet");
+  float *bufs[3] = {m->params, m->m, m->v};
+  const int n_bufs = state ? 3 : 1;
   if (p->stage > 0) {
     if (p->own_lo >= p->own_hi) return FY_OK;
-    struct fy_comm_req *req;
-    FY_TRY(fy_comm_isend(p->comm, m->params + p->own_lo, (size_t)(p->own_hi - p->own_lo) * sizeof(float), 0,
-                         TAG_WEIGHTS, &req));
-    return fy_comm_wait(p->comm, req);
+    for (int k = 0; k < n_bufs; k++) {
+      struct fy_comm_req *req;
+      FY_TRY(fy_comm_isend(p->comm, bufs[k] + p->own_lo, (size_t)(p->own_hi - p->own_lo) * sizeof(float), 0,
+                           TAG_WEIGHTS, &req));
+      FY_TRY(fy_comm_wait(p->comm, req));
+    }
+    return FY_OK;
   }
   // The first stage learns each stage's range from the same layout (every stage builds the same
   // graph), and receives it over its stale copy.
@@ -313,7 +320,8 @@ fy_status fy_pipeline_gather_weights(struct fy_pipeline *p) {
       if (q->offset < a) a = q->offset;
       if (q->offset + q->numel > b) b = q->offset + q->numel;
     }
-    if (a < b) FY_TRY(fy_comm_recv(p->comm, m->params + a, (size_t)(b - a) * sizeof(float), s, TAG_WEIGHTS));
+    for (int k = 0; k < n_bufs && a < b; k++)
+      FY_TRY(fy_comm_recv(p->comm, bufs[k] + a, (size_t)(b - a) * sizeof(float), s, TAG_WEIGHTS));
   }
   m->cparams_fresh = false;
   return FY_OK;

@@ -13,9 +13,10 @@
 // optimizer (as Megatron does), one rounding apart from one rank's sum.
 //
 // What is here now: the resident cpu device (the model's buffers are the whole model's on every
-// stage, of which a stage computes, sums and updates only its own parameters' part; the final
-// weights come to the first stage for --save). Not yet: the sim and cuda devices, offloading,
-// tensor parallelism within the stages, checkpoints and resuming, the interleaved schedule.
+// stage, of which a stage computes, sums and updates only its own parameters' part; the weights,
+// and for a checkpoint AdamW's state, come to the first stage, so --save and checkpoints hold the
+// whole model and resume under any layout). Not yet: the sim and cuda devices, offloading, tensor
+// parallelism within the stages, the interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 
@@ -60,9 +61,10 @@ double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale);
 // AdamW on the parameters this stage uses (the tied weight on both ends), as fy_optimizer_step.
 fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, float lr, int64_t t, float grad_scale,
                             double norm);
-// Every stage's weights into the first stage's m->params (a collective over the pipeline): its
-// model is then the whole trained model, as one rank's (--save, the hash).
-fy_status fy_pipeline_gather_weights(struct fy_pipeline *p);
+// Every stage's weights into the first stage's m->params (a collective over the pipeline), and
+// with `state` AdamW's m and v too: its model is then the whole trained model as one rank's (--save,
+// the hash, a checkpoint, which any layout resumes: every stage loads the whole state).
+fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state);
 // A double from the last stage to every stage (the step's loss, reported by rank 0).
 fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x);
 

@@ -92,8 +92,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     const char *no = e->device && strcmp(e->device, "cpu") != 0 ? "--device sim or cuda (stages run on --device cpu)"
                      : e->tp > 1                               ? "--tp (tensor parallelism within the stages)"
                      : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
-                     : e->save_every > 0                       ? "--save-every (checkpoints of a pipeline's stages)"
-                     : e->resume                               ? "--resume (a pipeline resuming a checkpoint)"
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"
                      : compressed                              ? "--optimizer-state bf16 or 8bit (a stage keeps fp32)"

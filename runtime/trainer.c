@@ -385,8 +385,9 @@ static fy_status should_stop(struct training *t, int64_t step, bool *stop) {
 // A checkpoint every --save-every steps, after the last and when the run stops.
 static fy_status maybe_checkpoint(struct training *t, int64_t step, bool stop) {
   const struct fy_train_opts *o = t->o;
-  if (t->save_every > 0 && (t->ckpt || t->sharded) &&
+  if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe) &&
       (stop || (step + 1) % t->save_every == 0 || step + 1 == o->steps)) {
+    if (t->r.pipe) FY_TRY(fy_pipeline_gather_weights(t->r.pipe, true));  // (the whole state to the first stage)
     FY_TRY(checkpoint(o, &t->r, t->ckpt, step + 1, t->scale, t->scale_good));
     if (t->ckpt) t->res->checkpoints++;
   }
@@ -528,7 +529,7 @@ static fy_status finish_run(struct training *t) {
   if (r->tp > 1) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));
   } else if (!t->sharded) {
-    if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe));  // (every stage's weights to the first)
+    if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe, false));  // (every stage's weights to the first)
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
     if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
   }
