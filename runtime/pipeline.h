@@ -15,8 +15,8 @@
 // What is here now: the resident cpu device (the model's buffers are the whole model's on every
 // stage, of which a stage computes, sums and updates only its own parameters' part; the weights,
 // and for a checkpoint AdamW's state, come to the first stage, so --save and checkpoints hold the
-// whole model and resume under any layout). Not yet: the sim and cuda devices, offloading, tensor
-// parallelism within the stages, the interleaved schedule.
+// whole model and resume under any layout), with tensor-parallel groups within the stages. Not
+// yet: the sim and cuda devices, offloading, the interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 

@@ -525,11 +525,11 @@ static fy_status finish_run(struct training *t) {
   if (!o->quiet && t->tty) printf("\r\033[K");
   FY_TRY(profile_run(t));
   measure_run(t);
+  if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe, false));  // (every stage's weights to the first)
   // Tensor-parallel slices come together parameter by parameter for the hash and the final save.
   if (r->tp > 1) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));
   } else if (!t->sharded) {
-    if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe, false));  // (every stage's weights to the first)
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
     if (saving) st = fy_model_save(model, o->save, FY_F32, (size_t)5 << 30);
   }
