@@ -18,7 +18,8 @@ struct fy_pipeline {
   int lo, hi;              // this stage's ops
   int in_slot, out_slot;   // the activation entering op lo and the one leaving op hi - 1 (-1: none)
   int n_arenas;            // activation arenas: one per micro-batch in flight (1F1B: pp - stage)
-  float **arenas;          // [0] is the model's own
+  float **arenas;          // [0] is the model's own; the others hold the stage's span of it alone
+  int64_t span_lo, span_hi;  // the floats of the arena this stage's ops read and write
   struct fy_comm_req **act_sends;  // per arena: the send of its out_slot still in flight
   struct fy_comm_req *grad_send;   // the in_slot gradient's send in flight, from grad_buf
   float *grad_buf;
@@ -78,7 +79,7 @@ void fy_pipeline_free(struct fy_pipeline *p) {
   if (p->arenas) {
     p->m->acts = p->arenas[0];
     for (int a = 1; a < p->n_arenas; a++)
-      if (p->arenas[a]) fy_device_dealloc(p->m->dev, p->arenas[a], (size_t)p->m->graph->act_elems * 4);
+      if (p->arenas[a]) fy_device_dealloc(p->m->dev, p->arenas[a] + p->span_lo, (size_t)(p->span_hi - p->span_lo) * 4);
   }
   free(p->arenas);
   free(p->act_sends);
@@ -128,10 +129,35 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   p->zero_first = calloc((size_t)g->n_params + 1, sizeof *p->zero_first);
   if (!p->arenas || !p->act_sends || !p->used || !p->owned || !p->zero_first) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st == FY_OK) p->arenas[0] = m->acts;
+  // The slots this stage's ops touch lie in one span of the arena (slots are laid out in forward
+  // order; with recomputation the layers' shared region is at its start): a micro-batch in flight
+  // needs that span alone. Its arena is addressed as the model's is, from span_lo floats before
+  // the allocation (never read or written there).
+  p->span_lo = g->act_elems;
+  p->span_hi = 0;
+  for (int o = p->lo; o < p->hi; o++) {
+    const struct fy_op *op = &g->ops[o];
+    int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+    for (int k = 0; k < op->n_in; k++) touched[n++] = op->in[k];
+    touched[n++] = op->out;
+    for (int k = 0; k < op->n_aux; k++) touched[n++] = op->aux[k];
+    for (int k = 0; k < n; k++) {
+      const int64_t a = g->slots[touched[k]].offset, b = a + fy_graph_slot_floats(g, touched[k]);
+      if (a < p->span_lo) p->span_lo = a;
+      if (b > p->span_hi) p->span_hi = b;
+    }
+  }
+  if (p->span_lo >= p->span_hi) p->span_lo = 0, p->span_hi = 1;
   for (int a = 1; a < p->n_arenas && st == FY_OK; a++) {
-    st = fy_device_alloc(m->dev, (size_t)g->act_elems * 4, (void **)&p->arenas[a]);
-    if (st == FY_OK) memset(p->arenas[a], 0, (size_t)g->act_elems * 4);
-    else st = fy_error_wrap(st, "pipeline stage %d: the activations of %d micro-batches in flight", stage, p->n_arenas);
+    const size_t bytes = (size_t)(p->span_hi - p->span_lo) * 4;
+    float *buf;
+    st = fy_device_alloc(m->dev, bytes, (void **)&buf);
+    if (st == FY_OK) {
+      memset(buf, 0, bytes);
+      p->arenas[a] = buf - p->span_lo;
+    } else {
+      st = fy_error_wrap(st, "pipeline stage %d: the activations of %d micro-batches in flight", stage, p->n_arenas);
+    }
   }
   if (st == FY_OK && p->in_slot >= 0 &&
       !(p->grad_buf = malloc((size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float))))

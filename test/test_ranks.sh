@@ -394,6 +394,19 @@ compare p1untied pp2untied 0 && compare p1untied pp4untied 0 \
   && ok "pp 2 and pp 4 (untied lm_head): one rank's losses and weights, bit for bit" || bad "pp 2 or 4 (untied) differ from 1 rank"
 compare p1tied pp2tied 1e-5 && compare p1tied pp4tied 1e-5 \
   && ok "pp 2 and pp 4 (tied lm_head, its gradient summed between the ends) follow 1 rank" || bad "pp 2 or 4 (tied) differ from 1 rank"
+# The same bits with fewer micro-batches than stages (1 a step on 4 stages), and with
+# recomputation, bf16 numerics and dropout (whose masks follow the micro-batch, not the rank).
+"$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --grad-accum 1 --log "$tmp/pa1.json" --save "$tmp/pa1" \
+  || bad "1 rank without accumulation"
+"${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --grad-accum 1 --pp 4 \
+  --log "$tmp/pa4.json" --save "$tmp/pa4" || bad "pp 4 with 1 micro-batch a step"
+knobs=(--grad-accum 3 --recompute --precision bf16 --dropout 0.1)
+"$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 "${knobs[@]}" --log "$tmp/pk1.json" --save "$tmp/pk1" \
+  || bad "1 rank with recomputation, bf16 and dropout"
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 "${knobs[@]}" --pp 2 \
+  --log "$tmp/pk2.json" --save "$tmp/pk2" || bad "pp 2 with recomputation, bf16 and dropout"
+compare pa1 pa4 0 && compare pk1 pk2 0 \
+  && ok "pp 4 with 1 micro-batch, pp 2 with recomputation, bf16 and dropout: one rank's bits" || bad "pp with other knobs differs"
 # dp 2 x pp 2 (replicated): the global batch split over 2 pipelines, as 2 data-parallel ranks split it.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 2 --log "$tmp/pdp2.json" \
   --save "$tmp/pdp2" || bad "2 data-parallel ranks train the 4-layer model"
