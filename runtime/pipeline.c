@@ -288,6 +288,16 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
   return FY_OK;
 }
 
+fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp) {
+  struct fy_model *m = p->m;
+  if (p->own_lo < p->own_hi)
+    FY_TRY(fy_comm_all_reduce(dp, m->grads + p->own_lo, (size_t)(p->own_hi - p->own_lo), FY_COMM_F32, NULL));
+  if (p->tied >= 0 && !p->owned[p->tied])  // (the last stage's copy of the tied embedding's)
+    FY_TRY(fy_comm_all_reduce(dp, fy_model_grad(m, p->tied), (size_t)m->graph->params[p->tied].numel, FY_COMM_F32,
+                              NULL));
+  return FY_OK;
+}
+
 double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale) {
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;

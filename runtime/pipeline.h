@@ -54,6 +54,10 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
 // The tied embedding's gradient (in m->grads) summed between the first and the last stage, the
 // same bits on both (the last stage's part + the first's). Nothing without a tied lm_head.
 fy_status fy_pipeline_sum_tied(struct fy_pipeline *p);
+// Data parallelism across pipelines: this stage's parameters' gradients (m->grads) summed over dp
+// (the ranks of the same stage in the other pipelines), in place, as fy_engine_all_reduce_grads
+// sums them (the same bits), the rest of the buffer left alone.
+fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp);
 // The global gradient norm (sum of squares of this stage's own parameters, with a tensor-parallel
 // group's parts, added over the stages in stage order; the tied weight counted once), scaled as
 // fy_optimizer_grad_norm's. NAN when a sum failed (the step is refused).

@@ -120,7 +120,7 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   }
   model->grads_f32 = K > 1;
   FY_TRY(fy_pipeline_sum_tied(r->pipe));
-  if (r->dp > 1) FY_TRY(fy_engine_all_reduce_grads(model));
+  if (r->dp > 1) FY_TRY(fy_pipeline_all_reduce_grads(r->pipe, r->dp_comm));
   double t0 = fy_now();
   float unscale = (float)(1.0 / scale);
   *norm_out = fy_pipeline_grad_norm(r->pipe, unscale);

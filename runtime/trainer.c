@@ -192,6 +192,11 @@ static void print_header(const struct training *t) {
          (long long)fy_data_num_tokens(r->data), o->data);
   printf("ferry: %.4g GFLOP a step, model FLOPs as PaLM and Megatron count them (llm.c's count: %.4g)\n",
          t->flops_per_step / 1e9, t->flops_per_step * t->llmc_over / 1e9);
+  if (r->pp > 1)
+    printf("ferry: a grid of dp %d x pp %d x tp %d: %d pipeline stages of %lld decoder layers, 1F1B over %lld "
+           "micro-batches a step (bubble %.0f%% by (p - 1)/(m + p - 1))\n", r->dp, r->pp, r->tp, r->pp,
+           (long long)(r->cfg.num_hidden_layers / r->pp), (long long)o->grad_accum,
+           100.0 * (r->pp - 1) / (double)(o->grad_accum + r->pp - 1));
   char disk_b[32];
   if (r->x)
     printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
@@ -241,8 +246,8 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
   *s = (struct step_report){.t0 = fy_now()};
   if (t->ckpt) t->ckpt_busy[step] = fy_ckpt_busy(t->ckpt);
   if (r->x) fy_offload_set_step(r->x, step + 1);
-  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute};  // (a failed collective names its step)
-  for (int i = 0; i < 3 && r->world > 1; i++)
+  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute, r->pp_comm};  // (a failed collective names its step)
+  for (int i = 0; i < 4 && r->world > 1; i++)
     if (named[i]) fy_comm_set_step(named[i], step + 1);
   fy_status st = r->x ? step_offload(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow)
                       : step_resident(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow, &t->t_sum, &t->t_opt);
