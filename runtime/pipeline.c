@@ -77,7 +77,7 @@ void fy_pipeline_free(struct fy_pipeline *p) {
     for (int a = 0; a < p->n_arenas; a++) fy_comm_wait(p->comm, p->act_sends[a]);
   fy_comm_wait(p->comm, p->grad_send);
   if (p->arenas) {
-    p->m->acts = p->arenas[0];
+    if (p->arenas[0]) p->m->acts = p->arenas[0];
     for (int a = 1; a < p->n_arenas; a++)
       if (p->arenas[a]) fy_device_dealloc(p->m->dev, p->arenas[a] + p->span_lo, (size_t)(p->span_hi - p->span_lo) * 4);
   }

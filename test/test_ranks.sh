@@ -424,6 +424,12 @@ compare pdp2 pdp2pp2 0 && compare p1untied pdp2pp2 1e-5 \
   --save "$tmp/ptp2pp2t" >"$tmp/ptp2pp2t.out" 2>&1 || { bad "pp 2 x tp 2 (tied) trains"; cat "$tmp/ptp2pp2t.out"; }
 compare ptp2 ptp2pp2 0 && compare p1tied ptp2pp2t 1e-5 1e-4 \
   && ok "pp 2 x tp 2: the bits of tp 2 (untied); 1 rank's losses (tied)" || bad "pp 2 x tp 2 differs"
+# The whole grid, dp 2 x pp 2 x tp 2 (8 ranks): the bits of dp 2 x tp 2.
+"${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 2 --tp 2 --steps 4 --log "$tmp/pg1.json" \
+  --save "$tmp/pg1" || bad "dp 2 x tp 2 trains the 4-layer model"
+"${mpi[@]}" -np 8 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 2 --tp 2 --pp 2 --steps 4 \
+  --log "$tmp/pg2.json" --save "$tmp/pg2" >"$tmp/pg2.out" 2>&1 || { bad "dp 2 x pp 2 x tp 2 trains"; cat "$tmp/pg2.out"; }
+compare pg1 pg2 0 && ok "dp 2 x pp 2 x tp 2 (8 ranks): the bits of dp 2 x tp 2" || bad "dp 2 x pp 2 x tp 2 differs"
 # Checkpoints are layout-free: the first stage gathers the whole state and writes one rank's files.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 --save "$tmp/pck2" \
   --save-every 100 --stop-after 6 >/dev/null 2>&1 || bad "pp 2 checkpoints"
