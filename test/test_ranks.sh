@@ -468,6 +468,15 @@ refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
 refused "--pp 2 on --device sim" "--pp 2 with --device sim or cuda .*: not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --device sim
 refused "--pp 2 with --val-data" "not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --val-data "$tmp/data.bin"
+# A plan file's "pp" is read (plans are for sim and cuda, where stages do not run yet).
+python3 - "$tmp/plan2.json" "$tmp/planpp.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+p.update(dp=1, tp=1, pp=2)
+json.dump(p, open(sys.argv[2], "w"))
+PY
+refused "a plan file with \"pp\": 2" "lays out 2 pipeline stages: .*not supported yet" 2 --model opt-tiny --batch 4 \
+  --device-mem 4MiB --plan "$tmp/planpp.json"
 # A killed stage ends the job: its neighbour's receive times out (or mpirun ends it).
 start=$(date +%s)
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 --steps 100000 --comm-timeout 5 \
