@@ -52,6 +52,7 @@ const struct option eval_opts[] = {
     {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"precision", required_argument, 0, OPT_PRECISION},
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
     {"recompute", no_argument, 0, OPT_RECOMPUTE}, {"tp", required_argument, 0, OPT_TP},
+    {"pp", required_argument, 0, OPT_PP},  // (refused by fy_eval, saying why)
     {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
     {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
 

@@ -468,6 +468,10 @@ refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
 refused "--pp 2 on --device sim" "--pp 2 with --device sim or cuda .*: not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --device sim
 refused "--pp 2 with --val-data" "not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --val-data "$tmp/data.bin"
+if "${mpi[@]}" -np 2 "$ferry" eval --model "$tmp/cfg-untied" --data "$tmp/data.bin" --seq 32 --batch 2 --pp 2 \
+  >"$tmp/evpp.out" 2>&1; then bad "ferry eval --pp 2 is accepted"
+else grep -q "ferry eval --pp 2: not supported yet" "$tmp/evpp.out" && ok "ferry eval --pp 2 is refused, saying why" \
+  || { bad "ferry eval --pp 2: unclear message"; cat "$tmp/evpp.out"; }; fi
 # A plan file's "pp" is read (plans are for sim and cuda, where stages do not run yet).
 python3 - "$tmp/plan2.json" "$tmp/planpp.json" <<'PY'
 import json, sys
