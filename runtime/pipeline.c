@@ -195,11 +195,6 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
 
 bool fy_pipeline_is_last(const struct fy_pipeline *p) { return p->stage == p->pp - 1; }
 
-void fy_pipeline_ops(const struct fy_pipeline *p, int *lo, int *hi) {
-  *lo = p->lo;
-  *hi = p->hi;
-}
-
 static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, double *losses) {
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;

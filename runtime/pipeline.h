@@ -42,8 +42,6 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
                              struct fy_pipeline **out);
 void fy_pipeline_free(struct fy_pipeline *p);
 bool fy_pipeline_is_last(const struct fy_pipeline *p);
-// This stage's ops [*lo, *hi) (for messages and tests).
-void fy_pipeline_ops(const struct fy_pipeline *p, int *lo, int *hi);
 
 // One step's passes on the 1F1B schedule over the n micro-batches mb (n <= max_micro; every stage
 // passes the same ones), the loss scaled by loss_scale. Micro-batch k's parameter gradients are
