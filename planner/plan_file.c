@@ -33,6 +33,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
   json_object_object_add(o, "tp", json_object_new_int(p->tp));
+  if (p->pp > 1) json_object_object_add(o, "pp", json_object_new_int(p->pp));
   json_object *m = json_object_new_object();
   json_object_object_add(m, "device", json_object_new_string(p->machine.device));
   json_object_object_add(m, "device_mem", num(p->machine.device_mem));
@@ -87,7 +88,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp",
+                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp", "pp",
                                       "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
@@ -118,6 +119,9 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
     k->optimizer_lag = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "dp", 1, 1 << 16, &v)) == FY_OK) p->dp = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "tp", 1, 1 << 16, &v)) == FY_OK) p->tp = (int)v;
+  p->pp = 1;  // (optional: no pipeline when absent)
+  if (st == FY_OK && json_object_object_get_ex(o, "pp", NULL) && (st = get_int(o, path, "pp", 1, 1 << 16, &v)) == FY_OK)
+    p->pp = (int)v;
   json_object *x;
   if (st == FY_OK) {
     if (!json_object_object_get_ex(o, "recompute", &x) || !json_object_is_type(x, json_type_boolean))

@@ -36,6 +36,7 @@ const struct option train_opts[] = {
     {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
     {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
     {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
+    {"pp", required_argument, 0, OPT_PP},
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
     {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
     {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
@@ -51,6 +52,7 @@ const struct option eval_opts[] = {
     {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"precision", required_argument, 0, OPT_PRECISION},
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
     {"recompute", no_argument, 0, OPT_RECOMPUTE}, {"tp", required_argument, 0, OPT_TP},
+    {"pp", required_argument, 0, OPT_PP},  // (refused by fy_eval, saying why)
     {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
     {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
 
@@ -215,6 +217,9 @@ void usage_train(FILE *f, bool eval) {
           "                     without --offload each rank's slices and their AdamW state stay on\n"
           "                     its GPU); the groups are data-parallel (default 1; several groups on\n"
           "                     GPUs need --offload)\n"
+          "  --pp N             pipeline parallelism (--device cpu): groups of N ranks split the decoder\n"
+          "                     layers into N stages, run on the 1F1B schedule over the --grad-accum\n"
+          "                     micro-batches; ranks form a dp x pp x tp grid (default 1)\n"
           "  Each rank takes its own --batch sequences of every global batch; gradients are summed\n"
           "  across ranks; rank 0 prints, logs and saves. --device cpu replicates the parameters, and\n"
           "  so does --device cuda, one GPU per rank (the gradients summed through NCCL); --device\n"

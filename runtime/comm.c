@@ -575,6 +575,91 @@ static fy_status mpi_run(struct fy_comm *c, const struct fy_comm_call *call, fy_
   return st;
 }
 
+// ---- point-to-point (comm.h): pipeline stages' activations and their gradients ----
+
+struct fy_comm_req {
+  MPI_Request req;
+  size_t bytes;
+  int peer;
+  bool send;
+  double t0;
+};
+
+// Waits for one message as mpi_wait does for a collective's; past the timeout, the message and
+// the end of the job (the peer stage died or hangs).
+static fy_status p2p_wait(struct fy_comm *c, struct fy_comm_req *q) {
+  double spin_until = fy_now() + FY_COMM_SPIN_S + (double)q->bytes / FY_COMM_SPIN_BPS;
+  for (;;) {
+    int done = 0;
+    mpi_lock();
+    int rc = MPI_Test(&q->req, &done, MPI_STATUS_IGNORE);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) return fy_comm_fail(c, mpi_error(rc, "MPI_Test"));
+    if (done) return FY_OK;
+    double t = fy_now();
+    if (t - q->t0 > c->timeout_s) {
+      char sz[32], stp[48];
+      fy_error_set(FY_ERR_IO, "%s of %s %s rank %d did not complete within %g s %s (a rank died or hangs)",
+                   q->send ? "send" : "receive", fy_comm_size_text(q->bytes, sz, sizeof sz), q->send ? "to" : "from",
+                   q->peer, c->timeout_s, fy_comm_step_text(atomic_load(&c->step), stp, sizeof stp));
+      fy_comm_fail(c, FY_ERR_IO);
+      fprintf(stderr, "ferry: rank %d: %s; aborting the job\n", c->rank, fy_error_msg());
+      fflush(stderr);
+      mpi_lock();
+      MPI_Abort(MPI_COMM_WORLD, 3);
+      _exit(3);
+    }
+    if (t >= spin_until) {
+      struct timespec ts = {0, FY_COMM_POLL_NS};
+      nanosleep(&ts, NULL);
+    }
+  }
+}
+
+static fy_status p2p_start(struct fy_comm *c, void *buf, size_t bytes, int peer, int tag, bool send,
+                           struct fy_comm_req *q) {
+  if (c->kind != FY_COMM_MPI)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "point-to-point messages need the mpi communicator, not %s",
+                        fy_comm_kind_name(c));
+  if (atomic_load(&c->failed)) return fy_comm_status(c);
+  if (peer < 0 || peer >= c->size || peer == c->rank || bytes % 4 != 0 || bytes / 4 > INT_MAX || tag < 0)
+    return fy_error_set(FY_ERR_INVALID, "%s of %zu bytes with rank %d (tag %d) on a communicator of %d ranks",
+                        send ? "send" : "receive", bytes, peer, tag, c->size);
+  struct mpi_impl *m = c->impl;
+  *q = (struct fy_comm_req){.bytes = bytes, .peer = peer, .send = send, .t0 = fy_now()};
+  mpi_lock();
+  int rc = send ? MPI_Isend(buf, (int)(bytes / 4), MPI_FLOAT, peer, tag, m->comm, &q->req)
+                : MPI_Irecv(buf, (int)(bytes / 4), MPI_FLOAT, peer, tag, m->comm, &q->req);
+  mpi_unlock();
+  return rc == MPI_SUCCESS ? FY_OK : fy_comm_fail(c, mpi_error(rc, send ? "MPI_Isend" : "MPI_Irecv"));
+}
+
+fy_status fy_comm_isend(struct fy_comm *c, const void *buf, size_t bytes, int peer, int tag, struct fy_comm_req **out) {
+  *out = NULL;
+  struct fy_comm_req *q = malloc(sizeof *q);
+  if (!q) return fy_error_set(FY_ERR_NOMEM, "cannot allocate a send request");
+  fy_status st = p2p_start(c, (void *)buf, bytes, peer, tag, true, q);
+  if (st != FY_OK) {
+    free(q);
+    return st;
+  }
+  *out = q;
+  return FY_OK;
+}
+
+fy_status fy_comm_recv(struct fy_comm *c, void *buf, size_t bytes, int peer, int tag) {
+  struct fy_comm_req q;
+  FY_TRY(p2p_start(c, buf, bytes, peer, tag, false, &q));
+  return p2p_wait(c, &q);
+}
+
+fy_status fy_comm_wait(struct fy_comm *c, struct fy_comm_req *req) {
+  if (!req) return FY_OK;
+  fy_status st = p2p_wait(c, req);
+  free(req);
+  return st;
+}
+
 // Finalises MPI when ferry initialised it and no communicator is left. Holds g_life_mu.
 static void mpi_release_locked(void) {
   if (g_live == 0 && g_we_init) {

@@ -98,6 +98,17 @@ fy_status fy_comm_all_gather(struct fy_comm *c, const void *send, void *recv, si
                              enum fy_reduce_dtype dt, fy_stream *s);
 fy_status fy_comm_broadcast(struct fy_comm *c, void *buf, size_t bytes, int root, fy_stream *s);
 fy_status fy_comm_barrier(struct fy_comm *c);
+// Point-to-point messages (pipeline parallelism: runtime/pipeline.c), mpi backend only (host
+// buffers, on the calling thread): `bytes` (a multiple of 4) to or from rank `peer` of c. Messages
+// from one rank to another with one tag arrive in the order they were sent. fy_comm_isend starts a
+// send and hands back its request, to be waited on (fy_comm_wait, which frees it; NULL is done)
+// before the buffer changes; fy_comm_recv returns once the message is in buf. A wait that passes
+// the timeout ends the job as a collective's does ("send of 4 KiB to rank 1 did not complete ...").
+struct fy_comm_req;
+fy_status fy_comm_isend(struct fy_comm *c, const void *buf, size_t bytes, int peer, int tag, struct fy_comm_req **out);
+fy_status fy_comm_recv(struct fy_comm *c, void *buf, size_t bytes, int peer, int tag);
+fy_status fy_comm_wait(struct fy_comm *c, struct fy_comm_req *req);
+
 // FY_OK, or the first error of a collective on c (an enqueued one included), with its message set
 // as the calling thread's fy_error_msg(). Sticky: the communicator is broken after an error.
 fy_status fy_comm_status(struct fy_comm *c);

@@ -344,7 +344,8 @@ static fy_status stage_batch(struct fy_model *m, const struct fy_batch *batch, c
   return FY_OK;
 }
 
-static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool dropout, struct fy_loss *loss) {
+static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool dropout, int lo, int hi,
+                         struct fy_loss *loss) {
   FY_TRY(fy_engine_check_batch(m, batch));
   const struct fy_graph *g = m->graph;
   int32_t *pos = m->device_memory ? m->host_positions : m->positions;
@@ -360,7 +361,7 @@ static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool 
     m->kernels->prepare_weights(m);
     m->cparams_fresh = true;
   }
-  for (int o = 0; o < g->n_ops; o++) {
+  for (int o = lo; o < hi; o++) {
     struct fy_op_call c;
     resident_call(m, o, &b, &c);
     c.loss_sum = &loss->sum;
@@ -371,18 +372,23 @@ static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool 
 }
 
 fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
-  return forward(m, batch, true, loss);
+  return forward(m, batch, true, 0, m->graph->n_ops, loss);
 }
 
 fy_status fy_engine_forward_eval(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss) {
-  return forward(m, batch, false, loss);
+  return forward(m, batch, false, 0, m->graph->n_ops, loss);
 }
 
-fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {
+fy_status fy_engine_forward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, struct fy_loss *loss) {
+  FY_ASSERT(lo >= 0 && lo <= hi && hi <= m->graph->n_ops);
+  return forward(m, batch, true, lo, hi, loss);
+}
+
+static fy_status backward(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, float loss_scale) {
   const struct fy_graph *g = m->graph;
   struct fy_dev_batch b;
   FY_TRY(stage_batch(m, batch, NULL, &b));
-  for (int o = g->n_ops - 1; o >= 0; o--) {
+  for (int o = hi - 1; o >= lo; o--) {
     struct fy_op_call c;
     int first = g->recompute ? fy_graph_layer_first_op(g, o) : -1;
     for (int r = first; r >= 0 && r <= o; r++) {  // recompute the layer's activations
@@ -396,6 +402,17 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
     if (c.st != FY_OK) return c.st;
   }
   return FY_OK;
+}
+
+fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {
+  return backward(m, batch, 0, m->graph->n_ops, loss_scale);
+}
+
+fy_status fy_engine_backward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, float loss_scale) {
+  FY_ASSERT(lo >= 0 && lo <= hi && hi <= m->graph->n_ops);
+  if (m->device_memory) return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline stage's passes run on host-addressable memory");
+  fy_engine_positions(m->positions, batch->mask, m->graph->B, m->graph->T);
+  return backward(m, batch, lo, hi, loss_scale);
 }
 
 // ---- incremental decoding ----

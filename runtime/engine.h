@@ -127,6 +127,14 @@ fy_status fy_engine_forward(struct fy_model *m, const struct fy_batch *batch, st
 // The same forward as evaluation runs it on a training model: no dropout (validation).
 fy_status fy_engine_forward_eval(struct fy_model *m, const struct fy_batch *batch, struct fy_loss *loss);
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale);
+// A pipeline stage's part of both passes (runtime/pipeline.c): ops [lo, hi) forward (training,
+// with dropout), or backward in reverse, on the batch, each op exactly as the whole passes run
+// it. The activation entering op lo (when lo > 0) is the caller's to put in its slot first, and
+// the gradient of the one leaving op hi - 1 (when hi < n_ops) too before the backward; the
+// positions are computed again from the batch's mask before the backward (the position
+// embedding's reads them, and another micro-batch's forward may have run in between).
+fy_status fy_engine_forward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, struct fy_loss *loss);
+fy_status fy_engine_backward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, float loss_scale);
 // Data parallelism with replicated parameters: the gradients the optimizer reads (m->grads, or a
 // GPU's bf16 cgrads: fy_model_grads_16) summed over m->dp_comm's ranks in place, queued where the
 // kernels run (m->dp_comm then a device communicator, nccl) or, for the CPU's kernels, at once on

@@ -53,6 +53,11 @@ static fy_status step_compressed(struct fy_model *m, const struct fy_adamw *h, f
 
 fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double norm) {
+  return fy_optimizer_step_some(m, h, lr, t, grad_scale, norm, NULL);
+}
+
+fy_status fy_optimizer_step_some(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
+                                 float grad_scale, double norm, const bool *which) {
   if (!isfinite(norm))
     return fy_error_set(FY_ERR_NUMERIC, "the gradient norm is %f; no parameter was updated", norm);
   float scale = grad_scale;
@@ -61,8 +66,12 @@ fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float 
     if (coef < 1.0) scale = (float)((double)grad_scale * coef);
   }
   const struct fy_graph *g = m->graph;
+  if (m->state_format != FY_STATE_F32 && which)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s on some parameters alone (a pipeline stage's): "
+                        "not supported yet", fy_state_format_name(m->state_format));
   if (m->state_format != FY_STATE_F32) return step_compressed(m, h, lr, t, scale);
   for (int i = 0; i < g->n_params; i++) {
+    if (which && !which[i]) continue;
     const struct fy_param *p = &g->params[i];
     m->kernels->adamw(m, fy_model_param(m, i), m->m + p->offset, m->v + p->offset, fy_model_grad(m, i),
                     p->numel, lr, h->beta1, h->beta2, h->eps, p->decay ? h->weight_decay : 0.0f, t, scale);

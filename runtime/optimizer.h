@@ -22,6 +22,9 @@ double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale);
 // Refuses a non-finite norm (nothing is updated then).
 fy_status fy_optimizer_step(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double norm);
+// The same on the parameters i with which[i] alone (a pipeline stage's; fp32 state only).
+fy_status fy_optimizer_step_some(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t,
+                                 float grad_scale, double norm, const bool *which);
 
 // Dynamic loss scaling (as PyTorch's GradScaler): the loss is multiplied by `scale` (a power of
 // two, so that scaling and unscaling are exact) before backward. A step whose gradients overflow

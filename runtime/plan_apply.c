@@ -104,6 +104,9 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
       fy_log_info("--plan %s is for micro-batches of %lld sequences, %lld accumulated a step, not --batch %lld "
                   "--grad-accum %lld: the plan's are used", o->plan, (long long)plan.k.micro_batch,
                   (long long)plan.k.grad_accum, (long long)o->batch, (long long)o->grad_accum);
+    if (plan.pp > 1)  // (plans are for sim and cuda, where stages do not run yet)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s lays out %d pipeline stages: pipelines run on --device cpu "
+                          "alone, which plans are not for: not supported yet", o->plan, plan.pp);
     if (plan.dp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
                           plan.dp * plan.tp, plan.dp, plan.tp, ranks);

@@ -23,6 +23,7 @@
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
+#include "runtime/pipeline.h"
 #include "runtime/tp.h"
 #include "ops/cuda/parts.h"
 #include "runtime/engine_cuda.h"
@@ -506,22 +507,28 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   r->world = fy_comm_size(r->comm);
   if (r->world > 1) fy_log_set_rank(r->rank);
   r->tp = o->tp > 1 ? o->tp : 1;
+  r->pp = o->pp > 1 ? o->pp : 1;
+  if (r->pp > 1 && r->world % (r->pp * r->tp) != 0)  // (the layers' split is checked with the model's config)
+    return fy_pipeline_check_layout(r->pp, r->tp, r->world, INT64_MAX);
   if (r->world % r->tp != 0)
     return fy_error_set(FY_ERR_INVALID, "--tp %d does not divide the %d rank%s: run a multiple of %d ranks (mpirun -np %d "
                         "ferry ...)", r->tp, r->world, r->world == 1 ? "" : "s", r->tp, r->tp);
+  // The grid dp x pp x tp, tp innermost: rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
   r->tp_rank = r->rank % r->tp;
-  r->dp_rank = r->rank / r->tp;
-  r->dp = r->world / r->tp;
+  r->pp_rank = r->rank / r->tp % r->pp;
+  r->dp_rank = r->rank / (r->tp * r->pp);
+  r->dp = r->world / (r->tp * r->pp);
   r->dp_comm = r->comm;
-  if (r->tp > 1) {
-    FY_TRY(fy_comm_split(r->comm, r->dp_rank, r->tp_rank, &r->tp_comm));
-    FY_TRY(fy_comm_split(r->comm, r->tp_rank, r->dp_rank, &r->dp_comm));  // of one rank when dp is 1
-  }
+  if (r->tp > 1) FY_TRY(fy_comm_split(r->comm, r->rank / r->tp, r->tp_rank, &r->tp_comm));
+  if (r->tp > 1 || r->pp > 1)  // (of one rank when dp is 1)
+    FY_TRY(fy_comm_split(r->comm, r->pp_rank * r->tp + r->tp_rank, r->dp_rank, &r->dp_comm));
+  if (r->pp > 1) FY_TRY(fy_comm_split(r->comm, r->dp_rank * r->tp + r->tp_rank, r->pp_rank, &r->pp_comm));
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
   else share_cores(r);
   FY_TRY(resolve_config(o, &r->cfg));
+  if (r->pp > 1) FY_TRY(fy_pipeline_check_layout(r->pp, r->tp, r->world, r->cfg.num_hidden_layers));
   if (r->rank == 0) warn_weights_unread(o);
   // Dropout while training (evaluation has none); its probability is checked with the graph.
   if (!eval) r->cfg.train_dropout = train_dropout(o, &r->cfg);
@@ -628,6 +635,11 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     st = fy_model_load(r->model, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
+  if (r->pp > 1) {
+    if (!r->model->grads || r->x || r->model->device_memory)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu for now", r->pp);
+    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+  }
   if (!o->data && eval) return FY_OK;  // (fy_sample: no data set)
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
   if (st != FY_OK) {
@@ -652,6 +664,7 @@ void teardown(struct run *r) {
   fy_data_close(r->data);
   fy_data_close(r->val);
   fy_offload_free(r->x);  // before the communicators it duplicated
+  fy_pipeline_free(r->pipe);  // (its sends in flight finished: before the model and pp_comm)
   fy_comm_free(r->dp_blocks);
 #if FY_HAVE_CUDA
   if (r->model && r->model->kernels_ctx) fy_engine_cuda_detach(r->model);
@@ -665,5 +678,6 @@ void teardown(struct run *r) {
   fy_comm_free(r->dp_compute);
   fy_comm_free(r->tp_comm);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
+  fy_comm_free(r->pp_comm);
   fy_comm_free(r->comm);
 }

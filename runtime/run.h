@@ -24,6 +24,11 @@ struct run {
   // (the world without tensor parallelism); tp_comm: those sharing sequences (NULL for tp 1).
   int tp, tp_rank, dp, dp_rank;
   struct fy_comm *dp_comm, *tp_comm;
+  // Pipeline parallelism (--pp): the grid is dp x pp x tp, rank = (dp_rank * pp + pp_rank) * tp +
+  // tp_rank; pp_comm holds one pipeline's stages in order (NULL for pp 1), pipe its schedule.
+  int pp, pp_rank;
+  struct fy_comm *pp_comm;
+  struct fy_pipeline *pipe;
   // The groups of the ops' pattern hooks (sim and GPUs: on the compute stream); on GPUs with
   // resident parameters dp_compute also sums the replicas' gradients (nccl).
   struct fy_comm *tp_compute, *dp_compute;

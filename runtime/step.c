@@ -4,6 +4,8 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "core/clock.h"
 #include "fy_config.h"
@@ -11,6 +13,7 @@
 #include "runtime/engine.h"
 #include "runtime/model.h"
 #include "runtime/offload.h"
+#include "runtime/pipeline.h"
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
 #include "memory/tier.h"
@@ -65,9 +68,75 @@ fy_status drain_updates(const struct fy_train_opts *o, struct run *r) {
   return apply_lagged(o, r);
 }
 
+// One step of a pipeline stage (runtime/pipeline.h): the step's micro-batches on the 1F1B
+// schedule, the tied embedding's gradient summed between the ends, the replicas' gradients summed,
+// the norm over every stage, AdamW on this stage's parameters; the loss from the last stage.
+static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
+                               double *loss_out, double *norm_out, bool *overflow, double *t_opt) {
+  struct fy_model *model = r->model;
+  const int64_t K = o->grad_accum;
+  int64_t counts[K], total = 0;
+  FY_TRY(step_targets(o, r, counts, &total));
+  if (total == 0) return skip_step(o, r);
+  // Every stage reads the same micro-batches (the first its tokens, the last its targets, all the
+  // masks), kept until their backward: the loader keeps only the last.
+  const size_t bt = (size_t)(o->batch * o->seq);
+  int32_t *keep = malloc(3 * bt * (size_t)K * sizeof *keep);
+  if (!keep) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  struct fy_batch copies[K], *mb[K];
+  int n = 0;
+  fy_status st = FY_OK;
+  for (int64_t k = 0; k < K && st == FY_OK; k++) {
+    struct fy_batch *b;
+    if ((st = fy_data_next(r->data, &b)) != FY_OK || counts[k] == 0) continue;  // (no targets: no gradient)
+    int32_t *at = keep + 3 * bt * (size_t)n;
+    copies[n] = *b;
+    copies[n].inputs = memcpy(at, b->inputs, bt * sizeof *at);
+    copies[n].targets = memcpy(at + bt, b->targets, bt * sizeof *at);
+    copies[n].mask = b->mask ? memcpy(at + 2 * bt, b->mask, bt * sizeof *at) : NULL;
+    mb[n] = &copies[n];
+    n++;
+  }
+  double losses[K > 0 ? K : 1];
+  if (st == FY_OK) st = fy_pipeline_run(r->pipe, mb, n, (float)(scale / (double)total), K > 1, losses);
+  free(keep);
+  FY_TRY(st);
+  // The loss: the last stages' sums over the data-parallel ranks (each micro-batch's in fp32, as
+  // step_resident sums them), then from the last stage to the others.
+  double loss_sum = 0;
+  if (fy_pipeline_is_last(r->pipe)) {
+    float global[K > 0 ? K : 1];
+    for (int i = 0; i < n; i++) global[i] = (float)losses[i];
+    if (r->dp > 1 && n > 0) FY_TRY(fy_comm_all_reduce(r->dp_comm, global, (size_t)n, FY_COMM_F32, NULL));
+    for (int i = 0; i < n; i++) loss_sum += r->dp > 1 ? global[i] : losses[i];
+  }
+  FY_TRY(fy_pipeline_share_from_last(r->pipe, &loss_sum));
+  if (!isfinite(loss_sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", loss_sum / (double)total);
+  *loss_out = loss_sum / (double)total;
+  if (K > 1) {  // the optimizer reads m->grads: the fp32 sum
+    float *t = model->grads;
+    model->grads = model->grad_acc;
+    model->grad_acc = t;
+  }
+  model->grads_f32 = K > 1;
+  FY_TRY(fy_pipeline_sum_tied(r->pipe));
+  if (r->dp > 1) FY_TRY(fy_pipeline_all_reduce_grads(r->pipe, r->dp_comm));
+  double t0 = fy_now();
+  float unscale = (float)(1.0 / scale);
+  *norm_out = fy_pipeline_grad_norm(r->pipe, unscale);
+  *overflow = !isfinite(*norm_out);
+  if (!*overflow) {
+    st = fy_pipeline_adamw(r->pipe, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out);
+    if (st == FY_OK) r->updates++;
+  }
+  *t_opt += fy_now() - t0;
+  return st;
+}
+
 // One optimizer step on resident parameters: micro-batches, their sum, norm, AdamW.
 fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t step, double scale,
                         double *loss_out, double *norm_out, bool *overflow, double *t_sum, double *t_opt) {
+  if (r->pipe) return step_pipeline(o, r, step, scale, loss_out, norm_out, overflow, t_opt);
   struct fy_model *model = r->model;
   int64_t counts[o->grad_accum], total = 0, n_with_grads = 0;
   FY_TRY(step_targets(o, r, counts, &total));

@@ -23,6 +23,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
 #include "memory/tier.h"
+#include "runtime/pipeline.h"
 #include "runtime/run.h"
 
 static double peak_rss_bytes(void) {
@@ -191,6 +192,11 @@ static void print_header(const struct training *t) {
          (long long)fy_data_num_tokens(r->data), o->data);
   printf("ferry: %.4g GFLOP a step, model FLOPs as PaLM and Megatron count them (llm.c's count: %.4g)\n",
          t->flops_per_step / 1e9, t->flops_per_step * t->llmc_over / 1e9);
+  if (r->pp > 1)
+    printf("ferry: a grid of dp %d x pp %d x tp %d: %d pipeline stages of %lld decoder layers, 1F1B over %lld "
+           "micro-batches a step (bubble %.0f%% by (p - 1)/(m + p - 1))\n", r->dp, r->pp, r->tp, r->pp,
+           (long long)(r->cfg.num_hidden_layers / r->pp), (long long)o->grad_accum,
+           100.0 * (r->pp - 1) / (double)(o->grad_accum + r->pp - 1));
   char disk_b[32];
   if (r->x)
     printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
@@ -240,8 +246,8 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
   *s = (struct step_report){.t0 = fy_now()};
   if (t->ckpt) t->ckpt_busy[step] = fy_ckpt_busy(t->ckpt);
   if (r->x) fy_offload_set_step(r->x, step + 1);
-  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute};  // (a failed collective names its step)
-  for (int i = 0; i < 3 && r->world > 1; i++)
+  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute, r->pp_comm};  // (a failed collective names its step)
+  for (int i = 0; i < 4 && r->world > 1; i++)
     if (named[i]) fy_comm_set_step(named[i], step + 1);
   fy_status st = r->x ? step_offload(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow)
                       : step_resident(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow, &t->t_sum, &t->t_opt);
@@ -266,7 +272,7 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
     s->loss = NAN;
     res->ignored_steps++;
   }
-  if (st == FY_ERR_NUMERIC && !r->x) name_nonfinite(r);
+  if (st == FY_ERR_NUMERIC && !r->x && !r->pipe) name_nonfinite(r);  // (a stage holds part of the model)
   if (st != FY_OK) return fy_error_wrap(st, "step %lld", (long long)step + 1);
   // --optimizer-lag: the last step, and those that write a checkpoint, end with every update
   // applied (before their validation, so that the last one is the saved model's)
@@ -384,8 +390,9 @@ static fy_status should_stop(struct training *t, int64_t step, bool *stop) {
 // A checkpoint every --save-every steps, after the last and when the run stops.
 static fy_status maybe_checkpoint(struct training *t, int64_t step, bool stop) {
   const struct fy_train_opts *o = t->o;
-  if (t->save_every > 0 && (t->ckpt || t->sharded) &&
+  if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe) &&
       (stop || (step + 1) % t->save_every == 0 || step + 1 == o->steps)) {
+    if (t->r.pipe) FY_TRY(fy_pipeline_gather_weights(t->r.pipe, true));  // (the whole state to the first stage)
     FY_TRY(checkpoint(o, &t->r, t->ckpt, step + 1, t->scale, t->scale_good));
     if (t->ckpt) t->res->checkpoints++;
   }
@@ -523,6 +530,7 @@ static fy_status finish_run(struct training *t) {
   if (!o->quiet && t->tty) printf("\r\033[K");
   FY_TRY(profile_run(t));
   measure_run(t);
+  if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe, false));  // (every stage's weights to the first)
   // Tensor-parallel slices come together parameter by parameter for the hash and the final save.
   if (r->tp > 1) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));

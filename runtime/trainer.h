@@ -93,6 +93,10 @@ struct fy_train_opts {
   // tp consecutive ranks share each sequence; the ranks / tp groups are data-parallel (a 2-D
   // grid), each with its own part of the global batch. 0 or 1: none. --device cpu.
   int tp;
+  // Pipeline parallelism (runtime/pipeline.h): groups of pp ranks (each tp ranks apart) split the
+  // decoder layers into pp stages run on the 1F1B schedule over the step's grad_accum
+  // micro-batches; the grid is dp x pp x tp, tp innermost. 0 or 1: none. --device cpu for now.
+  int pp;
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
                           //   recomputation and disk placement on the sim device

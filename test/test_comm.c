@@ -66,6 +66,9 @@ static void test_single(void) {
   memcpy(b, a, n * 4);
   CHECK_OK(fy_comm_all_reduce(c, a, n, FY_COMM_F32, NULL));
   CHECK(memcmp(a, b, n * 4) == 0);
+  struct fy_comm_req *q = NULL;  // (no peers: point-to-point is the mpi backend's)
+  CHECK_ERR(fy_comm_isend(c, a, 4, 0, 1, &q), FY_ERR_UNSUPPORTED);
+  CHECK(q == NULL);
   float *r = calloc(n, 4);
   CHECK_OK(fy_comm_reduce_scatter(c, a, r, n, FY_COMM_F32, NULL));
   CHECK(memcmp(r, b, n * 4) == 0);
@@ -301,6 +304,33 @@ static void test_streams(struct fy_comm *c) {
   free(a), free(send), free(rs), free(ag), free(b), free(h), free(ranks);
 }
 
+// Point-to-point (pipeline stages): each rank sends two messages around the ring, both in flight
+// before either is received, and they arrive in the order sent, whole; bad arguments are refused.
+static void test_p2p(struct fy_comm *c) {
+  const int N = fy_comm_size(c), r = fy_comm_rank(c), next = (r + 1) % N, prev = (r + N - 1) % N;
+  const size_t n = 300001;
+  float *a = malloc(n * 4), *b = malloc(n * 4), *got = malloc(n * 4);
+  for (size_t i = 0; i < n; i++) a[i] = (float)(r * 7 + (int)(i % 1000)), b[i] = -a[i];
+  struct fy_comm_req *qa = NULL, *qb = NULL;
+  CHECK_OK(fy_comm_isend(c, a, n * 4, next, 5, &qa));
+  CHECK_OK(fy_comm_isend(c, b, n * 4, next, 5, &qb));
+  CHECK_OK(fy_comm_recv(c, got, n * 4, prev, 5));
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) bad += got[i] != (float)(prev * 7 + (int)(i % 1000));
+  CHECK_OK(fy_comm_recv(c, got, n * 4, prev, 5));
+  for (size_t i = 0; i < n; i++) bad += got[i] != -(float)(prev * 7 + (int)(i % 1000));
+  CHECKF(bad == 0, "point-to-point: %zu elements wrong or out of order", bad);
+  CHECK_OK(fy_comm_wait(c, qa));
+  CHECK_OK(fy_comm_wait(c, qb));
+  CHECK_OK(fy_comm_wait(c, NULL));
+  struct fy_comm_req *q = NULL;
+  CHECK_ERR(fy_comm_isend(c, a, 4, r, 5, &q), FY_ERR_INVALID);  // to itself
+  CHECK_ERR(fy_comm_isend(c, a, 4, N, 5, &q), FY_ERR_INVALID);  // no such rank
+  CHECK_ERR(fy_comm_recv(c, got, 6, prev, 5), FY_ERR_INVALID);  // not whole floats
+  CHECK(q == NULL);
+  free(a), free(b), free(got);
+}
+
 static void test_mpi(void) {
   struct fy_comm *c = NULL;
   CHECK_OK(fy_comm_create("auto", 60, &c));
@@ -328,6 +358,7 @@ static void test_mpi(void) {
   test_broadcast(c, 1, 0);
   test_split(c);
   test_streams(c);
+  test_p2p(c);
   CHECK_ERR(fy_comm_broadcast(c, &N, 4, -1, NULL), FY_ERR_INVALID);
   CHECK_OK(fy_comm_status(c));
   CHECK_OK(fy_comm_barrier(c));

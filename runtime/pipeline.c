@@ -1,0 +1,364 @@
+// Pipeline stages and their 1F1B schedule (runtime/pipeline.h).
+#include "runtime/pipeline.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "runtime/engine.h"
+
+// Message tags: a stage sends activations forward and gradients backward; between two ranks with
+// one tag they arrive in the order sent, which is the schedule's order on both.
+enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED, TAG_WEIGHTS };
+
+struct fy_pipeline {
+  struct fy_model *m;
+  struct fy_comm *comm;
+  int pp, stage;
+  int lo, hi;              // this stage's ops
+  int in_slot, out_slot;   // the activation entering op lo and the one leaving op hi - 1 (-1: none)
+  int n_arenas;            // activation arenas: one per micro-batch in flight (1F1B: pp - stage)
+  float **arenas;          // [0] is the model's own; the others hold the stage's span of it alone
+  int64_t span_lo, span_hi;  // the floats of the arena this stage's ops read and write
+  struct fy_comm_req **act_sends;  // per arena: the send of its out_slot still in flight
+  struct fy_comm_req *grad_send;   // the in_slot gradient's send in flight, from grad_buf
+  float *grad_buf;
+  bool *used;              // per parameter: an op of this stage reads it
+  bool *owned;             // per parameter: this stage's (where its first use is): norm, gather
+  bool *zero_first;        // used here, but its first gradient of a pass is written elsewhere
+  int tied;                // the embedding's weight used on the first and the last stage, or -1
+  float *tied_buf;
+  int64_t own_lo, own_hi;  // the flat range of the owned parameters
+};
+
+fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers) {
+  if (pp < 1) return fy_error_set(FY_ERR_INVALID, "--pp %d: at least 1 stage", pp);
+  if (world % (pp * tp) != 0)
+    return fy_error_set(FY_ERR_INVALID, "--pp %d x --tp %d = %d ranks a pipeline does not divide the %d rank%s: the "
+                        "grid is dp x pp x tp, so run a multiple of %d ranks (mpirun -np %d ferry ...)", pp, tp, pp * tp,
+                        world, world == 1 ? "" : "s", pp * tp, pp * tp);
+  if (pp > layers)
+    return fy_error_set(FY_ERR_INVALID, "--pp %d: more pipeline stages than the model's %lld decoder layers", pp,
+                        (long long)layers);
+  if (layers % pp != 0)
+    return fy_error_set(FY_ERR_INVALID, "--pp %d does not divide the model's %lld decoder layers (each stage takes "
+                        "the same number of layers): use a divisor of %lld", pp, (long long)layers, (long long)layers);
+  return FY_OK;
+}
+
+// The first op of decoder layer l (n_ops when there is none).
+static int layer_start(const struct fy_graph *g, int64_t l) {
+  for (int o = 0; o < g->n_ops; o++)
+    if (g->ops[o].layer == l) return o;
+  return g->n_ops;
+}
+
+// The one slot made before op `at` and read at or after it (the residual stream between two
+// layers), or -1 with the error set when there is not exactly one.
+static int crossing_slot(const struct fy_graph *g, int at) {
+  int found = -1;
+  for (int s = 0; s < g->n_slots; s++) {
+    const struct fy_slot *sl = &g->slots[s];
+    if (sl->producer < 0 || sl->producer >= at || sl->last_consumer < at) continue;
+    if (found >= 0) {
+      fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline stage starting at op %s would receive more than one activation",
+                   g->ops[at].name);
+      return -1;
+    }
+    found = s;
+  }
+  if (found < 0) fy_error_set(FY_ERR_INTERNAL, "no activation enters op %s", g->ops[at].name);
+  return found;
+}
+
+void fy_pipeline_free(struct fy_pipeline *p) {
+  if (!p) return;
+  if (p->act_sends)
+    for (int a = 0; a < p->n_arenas; a++) fy_comm_wait(p->comm, p->act_sends[a]);
+  fy_comm_wait(p->comm, p->grad_send);
+  if (p->arenas) {
+    if (p->arenas[0]) p->m->acts = p->arenas[0];
+    for (int a = 1; a < p->n_arenas; a++)
+      if (p->arenas[a]) fy_device_dealloc(p->m->dev, p->arenas[a] + p->span_lo, (size_t)(p->span_hi - p->span_lo) * 4);
+  }
+  free(p->arenas);
+  free(p->act_sends);
+  free(p->grad_buf);
+  free(p->used);
+  free(p->owned);
+  free(p->zero_first);
+  free(p->tied_buf);
+  free(p);
+}
+
+fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
+                             struct fy_pipeline **out) {
+  *out = NULL;
+  const struct fy_graph *g = m->graph;
+  if (m->host || m->device_memory || !m->grads)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on the cpu device's resident model for now");
+  if (fy_comm_size(comm) != pp || fy_comm_rank(comm) != stage)
+    return fy_error_set(FY_ERR_INTERNAL, "the pipeline's communicator is rank %d of %d, not stage %d of %d",
+                        fy_comm_rank(comm), fy_comm_size(comm), stage, pp);
+  FY_TRY(fy_pipeline_check_layout(pp, 1, pp, m->cfg.num_hidden_layers));
+  struct fy_pipeline *p = calloc(1, sizeof *p);
+  if (!p) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  p->m = m;
+  p->comm = comm;
+  p->pp = pp;
+  p->stage = stage;
+  p->tied = -1;
+  const int64_t per = m->cfg.num_hidden_layers / pp;
+  p->lo = stage == 0 ? 0 : layer_start(g, stage * per);
+  p->hi = stage == pp - 1 ? g->n_ops : layer_start(g, (stage + 1) * per);
+  p->in_slot = p->out_slot = -1;
+  fy_status st = FY_OK;
+  if (stage > 0 && (p->in_slot = crossing_slot(g, p->lo)) < 0) st = FY_ERR_UNSUPPORTED;
+  if (st == FY_OK && stage < pp - 1 && (p->out_slot = crossing_slot(g, p->hi)) < 0) st = FY_ERR_UNSUPPORTED;
+  if (st != FY_OK) {
+    fy_pipeline_free(p);
+    return st;
+  }
+  // 1F1B keeps at most pp - stage micro-batches' activations on a stage.
+  p->n_arenas = pp - stage < max_micro ? pp - stage : max_micro;
+  if (p->n_arenas < 1) p->n_arenas = 1;
+  p->arenas = calloc((size_t)p->n_arenas, sizeof *p->arenas);
+  p->act_sends = calloc((size_t)p->n_arenas, sizeof *p->act_sends);
+  p->used = calloc((size_t)g->n_params + 1, sizeof *p->used);
+  p->owned = calloc((size_t)g->n_params + 1, sizeof *p->owned);
+  p->zero_first = calloc((size_t)g->n_params + 1, sizeof *p->zero_first);
+  if (!p->arenas || !p->act_sends || !p->used || !p->owned || !p->zero_first) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK) p->arenas[0] = m->acts;
+  // The slots this stage's ops touch lie in one span of the arena (slots are laid out in forward
+  // order; with recomputation the layers' shared region is at its start): a micro-batch in flight
+  // needs that span alone. Its arena is addressed as the model's is, from span_lo floats before
+  // the allocation (never read or written there).
+  p->span_lo = g->act_elems;
+  p->span_hi = 0;
+  for (int o = p->lo; o < p->hi; o++) {
+    const struct fy_op *op = &g->ops[o];
+    int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+    for (int k = 0; k < op->n_in; k++) touched[n++] = op->in[k];
+    touched[n++] = op->out;
+    for (int k = 0; k < op->n_aux; k++) touched[n++] = op->aux[k];
+    for (int k = 0; k < n; k++) {
+      const int64_t a = g->slots[touched[k]].offset, b = a + fy_graph_slot_floats(g, touched[k]);
+      if (a < p->span_lo) p->span_lo = a;
+      if (b > p->span_hi) p->span_hi = b;
+    }
+  }
+  if (p->span_lo >= p->span_hi) p->span_lo = 0, p->span_hi = 1;
+  for (int a = 1; a < p->n_arenas && st == FY_OK; a++) {
+    const size_t bytes = (size_t)(p->span_hi - p->span_lo) * 4;
+    float *buf;
+    st = fy_device_alloc(m->dev, bytes, (void **)&buf);
+    if (st == FY_OK) {
+      memset(buf, 0, bytes);
+      p->arenas[a] = buf - p->span_lo;
+    } else {
+      st = fy_error_wrap(st, "pipeline stage %d: the activations of %d micro-batches in flight", stage, p->n_arenas);
+    }
+  }
+  if (st == FY_OK && p->in_slot >= 0 &&
+      !(p->grad_buf = malloc((size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float))))
+    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  p->own_lo = g->n_param_elems;
+  p->own_hi = 0;
+  for (int i = 0; i < g->n_params && st == FY_OK; i++) {
+    const struct fy_param *q = &g->params[i];
+    const bool first_here = q->first_use >= p->lo && q->first_use < p->hi,
+               last_here = q->last_use >= p->lo && q->last_use < p->hi;
+    p->used[i] = first_here || last_here;
+    p->owned[i] = first_here;
+    p->zero_first[i] = p->used[i] && !last_here;
+    if (first_here != last_here) p->tied = i;  // (a parameter read by two stages: the tied embedding)
+    if (p->owned[i]) {
+      if (q->offset < p->own_lo) p->own_lo = q->offset;
+      if (q->offset + q->numel > p->own_hi) p->own_hi = q->offset + q->numel;
+    }
+  }
+  // The owned parameters lie together in the flat layout (first-use order), the gather's one range.
+  for (int i = 0; i < g->n_params && st == FY_OK; i++) {
+    const struct fy_param *q = &g->params[i];
+    if (!p->owned[i] && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
+      st = fy_error_set(FY_ERR_INTERNAL, "parameter %s lies among pipeline stage %d's own", q->name, stage);
+  }
+  if (st == FY_OK && p->tied >= 0 && !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
+    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st != FY_OK) {
+    fy_pipeline_free(p);
+    return st;
+  }
+  *out = p;
+  return FY_OK;
+}
+
+bool fy_pipeline_is_last(const struct fy_pipeline *p) { return p->stage == p->pp - 1; }
+
+static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, double *losses) {
+  struct fy_model *m = p->m;
+  const struct fy_graph *g = m->graph;
+  const int a = i % p->n_arenas;
+  FY_TRY(fy_comm_wait(p->comm, p->act_sends[a]));  // (long done: its micro-batch's backward has run)
+  p->act_sends[a] = NULL;
+  m->acts = p->arenas[a];
+  if (p->in_slot >= 0)
+    FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
+                        (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
+  struct fy_loss loss = {0};
+  FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
+  losses[i] = fy_pipeline_is_last(p) ? loss.sum : 0;
+  if (p->out_slot >= 0)  // (the arena's slot stays as it is until this micro-batch's backward)
+    FY_TRY(fy_comm_isend(p->comm, m->acts + g->slots[p->out_slot].offset,
+                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_ACT,
+                         &p->act_sends[a]));
+  return FY_OK;
+}
+
+static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, float loss_scale,
+                              bool accumulate) {
+  struct fy_model *m = p->m;
+  const struct fy_graph *g = m->graph;
+  m->acts = p->arenas[i % p->n_arenas];
+  if (p->out_slot >= 0)
+    FY_TRY(fy_comm_recv(p->comm, m->dacts + g->slots[p->out_slot].grad_offset,
+                        (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_GRAD));
+  // A parameter whose first gradient of the pass is another stage's (the tied embedding on the
+  // first stage): this stage's part starts from zero, summed with the other's after the passes.
+  for (int k = 0; k < g->n_params; k++)
+    if (p->zero_first[k]) memset(fy_model_grad(m, k), 0, (size_t)g->params[k].numel * sizeof(float));
+  FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
+  if (p->in_slot >= 0) {
+    FY_TRY(fy_comm_wait(p->comm, p->grad_send));
+    p->grad_send = NULL;
+    const int64_t n = fy_graph_slot_floats(g, p->in_slot);
+    memcpy(p->grad_buf, m->dacts + g->slots[p->in_slot].grad_offset, (size_t)n * sizeof(float));
+    FY_TRY(fy_comm_isend(p->comm, p->grad_buf, (size_t)n * sizeof(float), p->stage - 1, TAG_GRAD, &p->grad_send));
+  }
+  // Micro-batches' gradients summed apart from the backward pass, in order, as one rank sums them.
+  if (accumulate) m->kernels->grads_sum(m, i == 0);
+  return FY_OK;
+}
+
+fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int n, float loss_scale, bool accumulate,
+                          double *losses) {
+  // 1F1B: stage s runs pp - s - 1 forwards ahead (warm-up), then one forward and one backward in
+  // turn while forwards remain, then the remaining backwards (cool-down).
+  const int warm = p->pp - p->stage - 1 < n ? p->pp - p->stage - 1 : n;
+  int f = 0, b = 0;
+  fy_status st = FY_OK;
+  while (st == FY_OK && f < warm) st = forward_one(p, mb, f++, losses);
+  while (st == FY_OK && f < n) {
+    st = forward_one(p, mb, f++, losses);
+    if (st == FY_OK) st = backward_one(p, mb, b++, loss_scale, accumulate);
+  }
+  while (st == FY_OK && b < n) st = backward_one(p, mb, b++, loss_scale, accumulate);
+  for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
+    st = fy_comm_wait(p->comm, p->act_sends[a]);
+    p->act_sends[a] = NULL;
+  }
+  if (st == FY_OK) st = fy_comm_wait(p->comm, p->grad_send);
+  if (st == FY_OK) p->grad_send = NULL;
+  p->m->acts = p->arenas[0];
+  return st;
+}
+
+fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
+  if (p->tied < 0 || p->pp == 1) return FY_OK;
+  const bool last = fy_pipeline_is_last(p);
+  FY_ASSERT(p->stage == 0 || last);
+  const int64_t n = p->m->graph->params[p->tied].numel;
+  float *mine = fy_model_grad(p->m, p->tied);
+  const int peer = last ? 0 : p->pp - 1;
+  struct fy_comm_req *req;
+  FY_TRY(fy_comm_isend(p->comm, mine, (size_t)n * sizeof(float), peer, TAG_TIED, &req));
+  fy_status st = fy_comm_recv(p->comm, p->tied_buf, (size_t)n * sizeof(float), peer, TAG_TIED);
+  fy_status w = fy_comm_wait(p->comm, req);
+  FY_TRY(st);
+  FY_TRY(w);
+  // The last stage's part (the lm_head's, which one rank writes first) plus the first's: one
+  // expression on both ends, so both hold the same bits.
+  const float *lm = last ? mine : p->tied_buf, *emb = last ? p->tied_buf : mine;
+  for (int64_t i = 0; i < n; i++) mine[i] = lm[i] + emb[i];
+  return FY_OK;
+}
+
+fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp) {
+  struct fy_model *m = p->m;
+  if (p->own_lo < p->own_hi)
+    FY_TRY(fy_comm_all_reduce(dp, m->grads + p->own_lo, (size_t)(p->own_hi - p->own_lo), FY_COMM_F32, NULL));
+  if (p->tied >= 0 && !p->owned[p->tied])  // (the last stage's copy of the tied embedding's)
+    FY_TRY(fy_comm_all_reduce(dp, fy_model_grad(m, p->tied), (size_t)m->graph->params[p->tied].numel, FY_COMM_F32,
+                              NULL));
+  return FY_OK;
+}
+
+double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale) {
+  struct fy_model *m = p->m;
+  const struct fy_graph *g = m->graph;
+  double s = 0, split = 0, sums[g->n_params > 0 ? g->n_params : 1];
+  if (m->kernels->grads_sumsq(m, sums) != FY_OK) return NAN;
+  for (int i = 0; i < g->n_params; i++) {
+    if (!p->owned[i]) continue;
+    if (g->params[i].split_dim >= 0) split += sums[i];
+    else s += sums[i];
+  }
+  if (g->tp > 1) {  // (as fy_optimizer_grad_norm: the group's parts in rank order)
+    double all[g->tp];
+    if (fy_comm_all_gather(m->tp_comm, &split, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;
+    split = 0;
+    for (int r = 0; r < g->tp; r++) split += all[r];
+  }
+  double mine = s + split, all[p->pp];
+  if (fy_comm_all_gather(p->comm, &mine, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;  // (doubles as 2 words)
+  double total = 0;
+  for (int k = 0; k < p->pp; k++) total += all[k];
+  return sqrt(total) * fabs((double)grad_scale);
+}
+
+fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, float lr, int64_t t, float grad_scale,
+                            double norm) {
+  return fy_optimizer_step_some(p->m, h, lr, t, grad_scale, norm, p->used);
+}
+
+fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state) {
+  struct fy_model *m = p->m;
+  if (p->pp == 1) return FY_OK;
+  if (state && m->state_format != FY_STATE_F32)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline's compressed AdamW state: not supported yet");
+  float *bufs[3] = {m->params, m->m, m->v};
+  const int n_bufs = state ? 3 : 1;
+  if (p->stage > 0) {
+    if (p->own_lo >= p->own_hi) return FY_OK;
+    for (int k = 0; k < n_bufs; k++) {
+      struct fy_comm_req *req;
+      FY_TRY(fy_comm_isend(p->comm, bufs[k] + p->own_lo, (size_t)(p->own_hi - p->own_lo) * sizeof(float), 0,
+                           TAG_WEIGHTS, &req));
+      FY_TRY(fy_comm_wait(p->comm, req));
+    }
+    return FY_OK;
+  }
+  // The first stage learns each stage's range from the same layout (every stage builds the same
+  // graph), and receives it over its stale copy.
+  const struct fy_graph *g = m->graph;
+  const int64_t per = m->cfg.num_hidden_layers / p->pp;
+  for (int s = 1; s < p->pp; s++) {
+    const int lo = layer_start(g, s * per), hi = s == p->pp - 1 ? g->n_ops : layer_start(g, (s + 1) * per);
+    int64_t a = g->n_param_elems, b = 0;
+    for (int i = 0; i < g->n_params; i++) {
+      const struct fy_param *q = &g->params[i];
+      if (q->first_use < lo || q->first_use >= hi) continue;
+      if (q->offset < a) a = q->offset;
+      if (q->offset + q->numel > b) b = q->offset + q->numel;
+    }
+    for (int k = 0; k < n_bufs && a < b; k++)
+      FY_TRY(fy_comm_recv(p->comm, bufs[k] + a, (size_t)(b - a) * sizeof(float), s, TAG_WEIGHTS));
+  }
+  m->cparams_fresh = false;
+  return FY_OK;
+}
+
+fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x) {
+  if (p->pp == 1) return FY_OK;
+  return fy_comm_broadcast(p->comm, x, sizeof *x, p->pp - 1, NULL);
+}

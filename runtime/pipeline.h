@@ -1,0 +1,73 @@
+// Pipeline parallelism (docs/ranks.md, "Pipeline parallelism"): the pp ranks of one pipeline each
+// run a contiguous range of the graph's operators, a stage: the first the embeddings and the first
+// layers, the last the last layers, the final norm, the lm_head and the loss. A step's micro-batches
+// go through the stages on the 1F1B schedule (warm-up forwards, then one forward and one backward
+// in turn, then the cool-down backwards); the activation leaving a stage and its gradient coming
+// back travel between neighbouring stages as point-to-point messages (runtime/comm.h).
+//
+// Each stage runs its ops exactly as the whole passes run them (fy_engine_forward_ops and
+// fy_engine_backward_ops), on its own arena of activations per micro-batch in flight, so every
+// activation, gradient and parameter gradient of a stage has the bits one rank computes. The
+// exception is a tied lm_head: the embedding's weight lives on the first and the last stage, each
+// computes its own part of its gradient, and the two parts are summed between them before the
+// optimizer (as Megatron does), one rounding apart from one rank's sum.
+//
+// What is here now: the resident cpu device (the model's buffers are the whole model's on every
+// stage, of which a stage computes, sums and updates only its own parameters' part; the weights,
+// and for a checkpoint AdamW's state, come to the first stage, so --save and checkpoints hold the
+// whole model and resume under any layout), with tensor-parallel groups within the stages. Not
+// yet: the sim and cuda devices, offloading, the interleaved schedule.
+#ifndef FY_PIPELINE_H
+#define FY_PIPELINE_H
+
+#include <stdbool.h>
+
+#include "runtime/comm.h"
+#include "runtime/data.h"
+#include "runtime/model.h"
+#include "runtime/optimizer.h"
+
+// Whether pp stages fit a model of `layers` decoder layers on `world` ranks with tp
+// tensor-parallel ranks a group: FY_ERR_INVALID naming the numbers that do not (pp not dividing
+// the layers, more stages than layers, dp x pp x tp not the ranks). For every rank before any
+// allocates.
+fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers);
+
+struct fy_pipeline;
+
+// Stage `stage` of pp over model m (built whole, its parameters set), its neighbours the ranks
+// stage - 1 and stage + 1 of comm (the pipeline's ranks, in stage order; not owned), for steps of
+// up to max_micro micro-batches. Keeps the model's activation arena as the first of its own.
+fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
+                             struct fy_pipeline **out);
+void fy_pipeline_free(struct fy_pipeline *p);
+bool fy_pipeline_is_last(const struct fy_pipeline *p);
+
+// One step's passes on the 1F1B schedule over the n micro-batches mb (n <= max_micro; every stage
+// passes the same ones), the loss scaled by loss_scale. Micro-batch k's parameter gradients are
+// summed into m->grad_acc (kernels->grads_sum, first for k = 0) when accumulate, else left in
+// m->grads (n = 1). On the last stage losses[k] = micro-batch k's sum of token losses (others: 0).
+fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int n, float loss_scale, bool accumulate,
+                          double *losses);
+// The tied embedding's gradient (in m->grads) summed between the first and the last stage, the
+// same bits on both (the last stage's part + the first's). Nothing without a tied lm_head.
+fy_status fy_pipeline_sum_tied(struct fy_pipeline *p);
+// Data parallelism across pipelines: this stage's parameters' gradients (m->grads) summed over dp
+// (the ranks of the same stage in the other pipelines), in place, as fy_engine_all_reduce_grads
+// sums them (the same bits), the rest of the buffer left alone.
+fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp);
+// The global gradient norm (sum of squares of this stage's own parameters, with a tensor-parallel
+// group's parts, added over the stages in stage order; the tied weight counted once), scaled as
+// fy_optimizer_grad_norm's. NAN when a sum failed (the step is refused).
+double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale);
+// AdamW on the parameters this stage uses (the tied weight on both ends), as fy_optimizer_step.
+fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, float lr, int64_t t, float grad_scale,
+                            double norm);
+// Every stage's weights into the first stage's m->params (a collective over the pipeline), and
+// with `state` AdamW's m and v too: its model is then the whole trained model as one rank's (--save,
+// the hash, a checkpoint, which any layout resumes: every stage loads the whole state).
+fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state);
+// A double from the last stage to every stage (the step's loss, reported by rank 0).
+fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x);
+
+#endif
