@@ -213,7 +213,8 @@ static int parse_plan_args(int argc, char **argv, bool plan, struct plan_args *a
       case PLAN_STATE:
       case PLAN_LARGEST:
         if (!plan) {
-          fprintf(stderr, "ferry probe: %s is ferry plan's\n", argv[optind - 1]);
+          // (by the option's name: argv[optind - 1] is the value when it came as a word of its own)
+          fprintf(stderr, "ferry probe: --%s is ferry plan's\n", plan_opts[idx].name);
           return 2;
         }
         if (c == PLAN_LARGEST) {
