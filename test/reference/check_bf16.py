@@ -16,13 +16,15 @@ probabilities; ferry's attention rounds its output once), so they cannot agree b
 must agree within what bf16's rounding allows (the tolerances below, derived from its unit
 roundoff), and the loss must fall.
 
-Checked for each model:
-  1. every step's loss within LOSS_RTOL (relative) of PyTorch's;
-  2. every final weight tensor within WEIGHT_RTOL (normalised L2 error ||a - b|| / ||b||) of
-     PyTorch's fp32 master, except k_proj's bias (below);
+Checked for each model, with tolerances derived below from bf16's unit roundoff and the number
+of roundings and steps:
+  1. every step's loss within loss_rtol(k) (relative) of PyTorch's;
+  2. every final weight tensor (ferry saves its fp32 masters) within rho of what moved it in
+     PyTorch's run, k_proj's bias within AdamW's bound (it has no gradient but rounding noise);
   3. the loss falls: the mean of the last 5 steps' losses at most FALL x the first step's, in both.
+One JSON line a model gives the worst step's and the worst tensor's share of their tolerance.
 
-usage: test/reference/check_bf16.py path/to/ferry [--keep DIR]
+usage: test/reference/check_bf16.py path/to/ferry [--keep DIR] [--seed S]
 Exit status 0 when both models pass, 1 otherwise. Needs torch, transformers, safetensors.
 """
 
@@ -38,7 +40,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("pre_ln", "post_ln")
-B, T, STEPS = 16, 24, 20
+B, T, STEPS = 32, 24, 20
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY, CLIP = 3e-3, 0.9, 0.95, 1e-8, 0.1, 1.0
 
 # ---- tolerances from bf16's rounding ----
@@ -73,15 +75,22 @@ def loss_rtol(n_fwd, n_fwd_bwd, k):
 
 
 def weight_rho(n_fwd_bwd):
-    """2. The final weights: how far they may part, as a fraction of how far training moved them
-    (||ferry - PyTorch|| <= rho * ||PyTorch - initial||, each tensor). A gradient element carries
-    the forward and backward roundings, u * sqrt(n_fwd_bwd) relative. AdamW's step is
-    m^ / (sqrt(v^) + eps), invariant to the gradients' scale, so the step's relative error is
-    the gradient's; summed over the steps the movement's relative error is the same fraction.
-    It does not compound through the steps: each gradient is taken afresh at weights that
-    differ by this same fraction of their movement. This needs gradients that are means over
-    enough tokens (B * T = 384 here): with a handful, a gradient element can hang on one ReLU
-    input within rounding of zero, which no bound on rounding covers."""
+    """2. The final weights, each tensor: ||ferry - PyTorch|| <= rho * M, M what moved the tensor
+    in PyTorch's run. A gradient element carries the forward's and the backward's roundings,
+    u * sqrt(n_fwd_bwd) relative. AdamW's step m^ / (sqrt(v^) + eps) does not see the gradients'
+    scale, so a step's relative error is the gradient's, and the run's is the same fraction of
+    what the steps moved: their sum where they agree (the net movement; an error that persists
+    through the later steps, as a weight that parted early does, grows with it), the root of the
+    sum of their squares where they do not (a tensor whose gradient is mostly noise walks at
+    random, and each step's error is its own). M = sqrt(||final - initial||^2 + sum over the
+    steps of ||step||^2) covers both.
+
+    Left out: a ReLU input within rounding of zero lies on opposite sides of it in the two runs,
+    and its token's whole share of fc1's gradient row differs. Such inputs are a few percent of
+    them (about 2 * phi(0) * sqrt(2) * u * sqrt(n_fwd) = 2.4%), and their effect on a row falls
+    as 1 / sqrt(B * T) against the part of the row that the tokens agree on, hence B * T = 768
+    tokens a step: with 384, fc1's bias of one data draw in 16 (--seed 10, post_ln) parted by
+    1.35 rho."""
     return SIGMAS * math.sqrt(2) * U * math.sqrt(n_fwd_bwd)
 
 
@@ -99,7 +108,7 @@ def adam_bound():
 
 # 3. The loss must fall: the data is a Markov chain the model can learn (markov_tokens), and the
 # mean of the last 5 steps' losses must be at most FALL of the first step's, on both sides. One
-# batch's loss spreads around the model's by 0.2% to 2.4% of it here (the per-token losses'
+# batch's loss spreads around the model's by 0.1% to 1.7% of it here (the per-token losses'
 # standard deviation over sqrt(B * T), at the first and at the last weights), the mean of 5 by
 # under half that: 5% is a fall, not a lucky draw.
 FALL = 0.95
@@ -146,7 +155,8 @@ def ferry_train(ferry, model_dir, data, out, log):
 def torch_train(torch, model_dir, toks):
     """bf16 compute, fp32 master weights and AdamW: each step the bf16 model gets the masters
     rounded to bf16, runs forward and backward in bf16, and its gradients (bf16) become the
-    masters' (fp32) for clipping and the update."""
+    masters' (fp32) for clipping and the update. Returns the step losses, the final masters and,
+    for each tensor, the sum over the steps of the squared norm of what its step moved it."""
     from transformers import OPTForCausalLM
     master = OPTForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     work = OPTForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
@@ -158,7 +168,7 @@ def torch_train(torch, model_dir, toks):
     groups = [dict(params=[p for p in m_params.values() if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
               dict(params=[p for p in m_params.values() if p.ndim < 2], weight_decay=0.0)]
     opt = torch.optim.AdamW(groups, lr=LR, betas=(BETA1, BETA2), eps=EPS)
-    losses = []
+    losses, steps_sq = [], {}  # steps_sq: each tensor's sum over the steps of its step's squared norm
     for k in range(STEPS):
         ids = batch_ids(torch, toks, k)
         with torch.no_grad():
@@ -172,9 +182,12 @@ def torch_train(torch, model_dir, toks):
         for n, p in m_params.items():
             p.grad = w_params[n].grad.float()
         torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP)
+        before = {n: p.detach().clone() for n, p in m_params.items()}
         opt.step()
+        for n, p in m_params.items():
+            steps_sq[n] = steps_sq.get(n, 0.0) + (p.detach().double() - before[n].double()).square().sum().item()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in master.state_dict().items()}
+    return losses, {n: p.detach().clone() for n, p in master.state_dict().items()}, steps_sq
 
 
 def check_model(torch, ferry, tmp, name, seed):
@@ -187,7 +200,7 @@ def check_model(torch, ferry, tmp, name, seed):
     write_shard(data, toks)
     out, log = os.path.join(tmp, name + ".out"), os.path.join(tmp, name + ".jsonl")
     f_losses = ferry_train(ferry, model_dir, data, out, log)
-    t_losses, t_final = torch_train(torch, model_dir, toks)
+    t_losses, t_final, t_steps_sq = torch_train(torch, model_dir, toks)
     initial = load_file(os.path.join(model_dir, "model.safetensors"))
     f_final = load_file(os.path.join(out, "model.safetensors"))
     problems = []
@@ -223,9 +236,9 @@ def check_model(torch, ferry, tmp, name, seed):
                 if not moved <= bound:
                     problems.append(f"{n} moved {moved:.3g} in {side}, beyond AdamW's bound {bound:.3g}")
             continue
-        diff, moved = (a - b).norm().item(), (b - w0).norm().item()
+        diff, moved = (a - b).norm().item(), math.sqrt((b - w0).square().sum().item() + t_steps_sq[n])
         if not diff <= rho * moved:
-            problems.append(f"final {n}: ||ferry - PyTorch|| {diff:.3g} > {rho:.3g} x {moved:.3g} (PyTorch's movement)")
+            problems.append(f"final {n}: ||ferry - PyTorch|| {diff:.3g} > {rho:.3g} x {moved:.3g} (what moved it)")
         share = diff / (rho * moved) if moved > 0 else math.inf
         if not share <= w_worst[0]:
             w_worst = (share, n, diff / b.norm().item(), rho * moved / b.norm().item())
