@@ -58,11 +58,13 @@ def roundings(cfg):
     """Roundings on the longest forward path of the side that rounds most (transformers' eager
     OPT in bf16), and on forward and backward together. A decoder layer: q_proj, q * scale,
     q k^T, + mask, softmax to bf16, p v, out_proj, residual add, fc1, fc2, residual add, and its
-    two layer norms (ReLU is exact): 13. Outside the layers: project_in if any, embedding +
-    positions, the final layer norm or project_out (or both), lm_head. Backward retraces the path,
-    each operator's input gradient rounded once: twice the forward's."""
-    outside = 2 + (cfg["word_embed_proj_dim"] != cfg["hidden_size"]) + 1
-    n_fwd = 13 * cfg["num_hidden_layers"] + outside
+    two layer norms (ReLU is exact): 13. Outside the layers: the embedding + positions add,
+    lm_head, project_in and project_out where the model has them, the final layer norm where it
+    has one. Backward retraces the path, each operator's input gradient rounded once: twice the
+    forward's."""
+    proj = cfg["word_embed_proj_dim"] != cfg["hidden_size"]
+    final_ln = cfg["do_layer_norm_before"] and not cfg.get("_remove_final_layer_norm", False)
+    n_fwd = 13 * cfg["num_hidden_layers"] + 2 + 2 * proj + final_ln
     return n_fwd, 2 * n_fwd
 
 
