@@ -10,8 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// cli_options.c: ferry train's and ferry eval's options (getopt_long's codes and tables; main.c
-// parses them).
+// cli_options.c: ferry train's and ferry eval's options (getopt_long's codes and tables).
 enum {
   OPT_MODEL = 256, OPT_INIT, OPT_DATA, OPT_BATCH, OPT_SEQ, OPT_ACCUM, OPT_STEPS, OPT_LR, OPT_MIN_LR,
   OPT_WARMUP, OPT_WD, OPT_B1, OPT_B2, OPT_EPS, OPT_CLIP, OPT_SEED, OPT_NO_SHUFFLE, OPT_THREADS,
