@@ -20,10 +20,29 @@ enum {
 };
 extern const struct option train_opts[], eval_opts[];
 
+// cli_options.c: ferry sample's options (cmd_sample in main.c parses them).
+enum {
+  SAMPLE_INIT = 256, SAMPLE_MODEL, SAMPLE_PROMPT, SAMPLE_IDS, SAMPLE_TOKENS, SAMPLE_TEMP, SAMPLE_TOPK, SAMPLE_TOPP,
+  SAMPLE_STOP, SAMPLE_SEQ, SAMPLE_SEED, SAMPLE_THREADS, SAMPLE_DEVICE, SAMPLE_OFFLOAD, SAMPLE_DEVMEM, SAMPLE_HOSTMEM,
+  SAMPLE_BLOCKS, SAMPLE_PRECISION, SAMPLE_QUIET, SAMPLE_HELP,
+};
+extern const struct option sample_opts[];
+
+// cli_options.c: ferry probe's and ferry plan's options, one table (cli_plan.c parses it; probe
+// refuses plan's own). PLAN_OVR: a probe field overridden by its own name, the option's with '_'
+// for '-'.
+enum {
+  PLAN_DEVICE = 300, PLAN_DEVICE_MEM, PLAN_LINK, PLAN_DISK, PLAN_FILE, PLAN_REMEASURE, PLAN_NO_WRITE, PLAN_SET,
+  PLAN_MODEL, PLAN_BATCH, PLAN_SEQ, PLAN_OUT, PLAN_SVG, PLAN_GPUS, PLAN_HELP, PLAN_OVR, PLAN_PROFILE, PLAN_OFFLOAD,
+  PLAN_PRECISION, PLAN_LAG, PLAN_STATE, PLAN_LARGEST,
+};
+extern const struct option plan_opts[];
+
 // cli_options.c: the help texts.
 void usage_main(FILE *f);
 void usage_train(FILE *f, bool eval);
 void usage_sample(FILE *f);
+void usage_export(FILE *f, bool full);
 void usage_probe_or_plan(const char *cmd, bool plan);
 
 // cli_options.c: option values, said on stderr when they are not ones.

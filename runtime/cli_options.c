@@ -1,5 +1,5 @@
-// ferry's command-line vocabulary: the train and eval option tables, every command's help text,
-// and the parsers of option values.
+// ferry's command-line vocabulary: every command's option table and help text, and the parsers of
+// option values.
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -55,6 +55,44 @@ const struct option eval_opts[] = {
     {"pp", required_argument, 0, OPT_PP},  // (refused by fy_eval, saying why)
     {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
     {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
+
+// ferry sample's options (SAMPLE_* in cli.h).
+const struct option sample_opts[] = {
+    {"init", required_argument, 0, SAMPLE_INIT}, {"model", required_argument, 0, SAMPLE_MODEL},
+    {"prompt", required_argument, 0, SAMPLE_PROMPT}, {"prompt-ids", required_argument, 0, SAMPLE_IDS},
+    {"tokens", required_argument, 0, SAMPLE_TOKENS}, {"temperature", required_argument, 0, SAMPLE_TEMP},
+    {"top-k", required_argument, 0, SAMPLE_TOPK}, {"top-p", required_argument, 0, SAMPLE_TOPP},
+    {"stop", required_argument, 0, SAMPLE_STOP}, {"seq", required_argument, 0, SAMPLE_SEQ},
+    {"seed", required_argument, 0, SAMPLE_SEED}, {"threads", required_argument, 0, SAMPLE_THREADS},
+    {"device", required_argument, 0, SAMPLE_DEVICE}, {"precision", required_argument, 0, SAMPLE_PRECISION},
+    {"offload", no_argument, 0, SAMPLE_OFFLOAD}, {"device-mem", required_argument, 0, SAMPLE_DEVMEM},
+    {"host-mem", required_argument, 0, SAMPLE_HOSTMEM}, {"blocks", required_argument, 0, SAMPLE_BLOCKS},
+    {"quiet", no_argument, 0, SAMPLE_QUIET},
+    {"help", no_argument, 0, SAMPLE_HELP}, {0, 0, 0, 0}};
+
+// ferry probe's and ferry plan's options (PLAN_* in cli.h).
+const struct option plan_opts[] = {
+    {"device", required_argument, 0, PLAN_DEVICE}, {"device-mem", required_argument, 0, PLAN_DEVICE_MEM},
+    {"sim-link-gbps", required_argument, 0, PLAN_LINK}, {"disk-dir", required_argument, 0, PLAN_DISK},
+    {"probe-file", required_argument, 0, PLAN_FILE}, {"remeasure", no_argument, 0, PLAN_REMEASURE},
+    {"no-write", no_argument, 0, PLAN_NO_WRITE}, {"set", required_argument, 0, PLAN_SET},
+    {"model", required_argument, 0, PLAN_MODEL}, {"batch", required_argument, 0, PLAN_BATCH},
+    {"seq", required_argument, 0, PLAN_SEQ}, {"out", required_argument, 0, PLAN_OUT},
+    {"svg", required_argument, 0, PLAN_SVG}, {"gpus", required_argument, 0, PLAN_GPUS},
+    {"help", no_argument, 0, PLAN_HELP}, {"profile", no_argument, 0, PLAN_PROFILE},
+    {"offload", no_argument, 0, PLAN_OFFLOAD}, {"optimizer-lag", required_argument, 0, PLAN_LAG},
+    {"precision", required_argument, 0, PLAN_PRECISION}, {"optimizer-state", required_argument, 0, PLAN_STATE},
+    {"largest", no_argument, 0, PLAN_LARGEST},
+    // Overrides by their own names.
+    {"host-mem", required_argument, 0, PLAN_OVR}, {"device-tflops", required_argument, 0, PLAN_OVR},
+    {"device-gflops", required_argument, 0, PLAN_OVR}, {"host-gflops", required_argument, 0, PLAN_OVR},
+    {"link-gbps", required_argument, 0, PLAN_OVR}, {"h2d-gbps", required_argument, 0, PLAN_OVR},
+    {"d2h-gbps", required_argument, 0, PLAN_OVR}, {"host-adamw-gbps", required_argument, 0, PLAN_OVR},
+    {"host-mem-gbps", required_argument, 0, PLAN_OVR}, {"disk-read-gbps", required_argument, 0, PLAN_OVR},
+    {"disk-write-gbps", required_argument, 0, PLAN_OVR}, {"comm-gbps", required_argument, 0, PLAN_OVR},
+    {"disk-space", required_argument, 0, PLAN_OVR}, {"bf16-speedup", required_argument, 0, PLAN_OVR},
+    {"device-mem-gbps", required_argument, 0, PLAN_OVR}, {"device-peak-tflops", required_argument, 0, PLAN_OVR},
+    {0, 0, 0, 0}};
 
 void usage_main(FILE *f) {
   fprintf(f,
@@ -346,6 +384,15 @@ int64_t parse_ids(const char *flag, const char *list, int32_t *out) {
   }
   if (n == 0) fprintf(stderr, "ferry sample: %s needs comma-separated token ids, got '%s'\n", flag, list);
   return n > 0 ? n : -1;
+}
+
+// ferry export's usage line, and with full what it does.
+void usage_export(FILE *f, bool full) {
+  fprintf(f, "usage: ferry export CHECKPOINT OUTDIR\n");
+  if (full)
+    fprintf(f, "\nWrites a Hugging Face model directory (config.json, model.safetensors or shards) that\n"
+               "OPTForCausalLM.from_pretrained loads, from a training checkpoint: its root (the\n"
+               "latest step) or one step directory.\n");
 }
 
 void usage_sample(FILE *f) {

@@ -144,108 +144,91 @@ static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload
   }
 }
 
-int cmd_probe_or_plan(int argc, char **argv, bool plan) {
-  enum { P_DEVICE = 300, P_DEVICE_MEM, P_LINK, P_DISK, P_FILE, P_REMEASURE, P_NO_WRITE, P_SET, P_MODEL, P_BATCH,
-         P_SEQ, P_OUT, P_SVG, P_GPUS, P_HELP, P_OVR, P_PROFILE, P_OFFLOAD, P_PRECISION, P_LAG, P_STATE, P_LARGEST };
-  static const struct option opts[] = {
-      {"device", required_argument, 0, P_DEVICE}, {"device-mem", required_argument, 0, P_DEVICE_MEM},
-      {"sim-link-gbps", required_argument, 0, P_LINK}, {"disk-dir", required_argument, 0, P_DISK},
-      {"probe-file", required_argument, 0, P_FILE}, {"remeasure", no_argument, 0, P_REMEASURE},
-      {"no-write", no_argument, 0, P_NO_WRITE}, {"set", required_argument, 0, P_SET},
-      {"model", required_argument, 0, P_MODEL}, {"batch", required_argument, 0, P_BATCH},
-      {"seq", required_argument, 0, P_SEQ}, {"out", required_argument, 0, P_OUT}, {"svg", required_argument, 0, P_SVG},
-      {"gpus", required_argument, 0, P_GPUS}, {"help", no_argument, 0, P_HELP},
-      {"profile", no_argument, 0, P_PROFILE}, {"offload", no_argument, 0, P_OFFLOAD},
-      {"optimizer-lag", required_argument, 0, P_LAG},
-      {"precision", required_argument, 0, P_PRECISION},
-      {"optimizer-state", required_argument, 0, P_STATE}, {"largest", no_argument, 0, P_LARGEST},
-      // Overrides by their own names.
-      {"host-mem", required_argument, 0, P_OVR}, {"device-tflops", required_argument, 0, P_OVR},
-      {"device-gflops", required_argument, 0, P_OVR}, {"host-gflops", required_argument, 0, P_OVR},
-      {"link-gbps", required_argument, 0, P_OVR}, {"h2d-gbps", required_argument, 0, P_OVR},
-      {"d2h-gbps", required_argument, 0, P_OVR}, {"host-adamw-gbps", required_argument, 0, P_OVR},
-      {"host-mem-gbps", required_argument, 0, P_OVR}, {"disk-read-gbps", required_argument, 0, P_OVR},
-      {"disk-write-gbps", required_argument, 0, P_OVR}, {"comm-gbps", required_argument, 0, P_OVR},
-      {"disk-space", required_argument, 0, P_OVR},
-      {"bf16-speedup", required_argument, 0, P_OVR}, {"device-mem-gbps", required_argument, 0, P_OVR},
-      {"device-peak-tflops", required_argument, 0, P_OVR},
-      {0, 0, 0, 0}};
+// ferry probe's or ferry plan's command line: the machine, and what to plan and show.
+struct plan_args {
+  struct machine_args machine;
+  const char *model, *out, *svg, *precision, *state;
+  int64_t batch, seq, gpus, lag;
+  bool profile, offload_only, largest;
+};
+
+// ferry probe's or ferry plan's command line into a: -1 to go on, else the exit code (--help: 0).
+// A plan option given to probe is refused; so is a value the probe or the planner would refuse.
+static int parse_plan_args(int argc, char **argv, bool plan, struct plan_args *a) {
   const char *cmd = plan ? "plan" : "probe";
-  struct machine_args a = {0};
-  const char *model = "opt-125m", *out = NULL, *svg = NULL, *precision = NULL, *state = NULL;
-  int64_t batch = 8, seq = 1024, gpus = 1;
-  bool profile = false, offload_only = false, largest = false;
-  int64_t lag = 0;
+  *a = (struct plan_args){.model = "opt-125m", .batch = 8, .seq = 1024, .gpus = 1};
+  struct machine_args *m = &a->machine;
+  static char keybuf[32][32];  // (the overrides' keys: the option's name, '_' for '-')
   int c, idx = 0;
   optind = 1;
   opterr = 0;
-  static char keybuf[32][32];
-  while ((c = getopt_long(argc, argv, ":", opts, &idx)) != -1) {
+  while ((c = getopt_long(argc, argv, ":", plan_opts, &idx)) != -1) {
     bool ok = true;
     switch (c) {
-      case P_DEVICE: a.device = optarg; break;
-      case P_DEVICE_MEM: ok = parse_size("--device-mem", optarg, &a.device_mem); break;
-      case P_LINK: {
+      case PLAN_DEVICE: m->device = optarg; break;
+      case PLAN_DEVICE_MEM: ok = parse_size("--device-mem", optarg, &m->device_mem); break;
+      case PLAN_LINK: {
         float f = 0;
         ok = parse_f32("--sim-link-gbps", optarg, 0, &f);
-        a.link = f;
+        m->link = f;
         break;
       }
-      case P_DISK: a.disk_dir = optarg; break;
-      case P_FILE: a.file = optarg; break;
-      case P_REMEASURE: a.remeasure = true; break;
-      case P_NO_WRITE: a.no_write = true; break;
-      case P_SET: {
+      case PLAN_DISK: m->disk_dir = optarg; break;
+      case PLAN_FILE: m->file = optarg; break;
+      case PLAN_REMEASURE: m->remeasure = true; break;
+      case PLAN_NO_WRITE: m->no_write = true; break;
+      case PLAN_SET: {
         char *eq = strchr(optarg, '=');
-        if (!eq || a.n_set == 32) { fprintf(stderr, "ferry %s: --set needs key=value\n", cmd); return 2; }
+        if (!eq || m->n_set == 32) { fprintf(stderr, "ferry %s: --set needs key=value\n", cmd); return 2; }
         *eq = 0;
-        a.set_key[a.n_set] = optarg;
-        a.set_val[a.n_set++] = eq + 1;
-        ok = override_ok(cmd, a.set_key[a.n_set - 1], eq + 1);
+        m->set_key[m->n_set] = optarg;
+        m->set_val[m->n_set++] = eq + 1;
+        ok = override_ok(cmd, m->set_key[m->n_set - 1], eq + 1);
         break;
       }
-      case P_OVR:
-        if (a.n_set == 32) return 2;
-        snprintf(keybuf[a.n_set], sizeof keybuf[0], "%s", opts[idx].name);
-        for (char *q = keybuf[a.n_set]; *q; q++) if (*q == '-') *q = '_';
-        a.set_key[a.n_set] = keybuf[a.n_set];
-        a.set_val[a.n_set++] = optarg;
-        ok = override_ok(cmd, keybuf[a.n_set - 1], optarg);
+      case PLAN_OVR:
+        if (m->n_set == 32) return 2;
+        snprintf(keybuf[m->n_set], sizeof keybuf[0], "%s", plan_opts[idx].name);
+        for (char *q = keybuf[m->n_set]; *q; q++) if (*q == '-') *q = '_';
+        m->set_key[m->n_set] = keybuf[m->n_set];
+        m->set_val[m->n_set++] = optarg;
+        ok = override_ok(cmd, keybuf[m->n_set - 1], optarg);
         break;
-      case P_MODEL: model = optarg; break;
-      case P_BATCH: ok = parse_i64("--batch", optarg, 1, &batch); break;
-      case P_SEQ: ok = parse_i64("--seq", optarg, 1, &seq); break;
-      case P_OUT: out = optarg; break;
-      case P_SVG: svg = optarg; break;
-      case P_GPUS: ok = parse_i64("--gpus", optarg, 1, &gpus); break;
-      case P_PROFILE: profile = true; break;
-      case P_OFFLOAD: offload_only = true; break;
-      case P_LAG:
+      case PLAN_MODEL: a->model = optarg; break;
+      case PLAN_BATCH: ok = parse_i64("--batch", optarg, 1, &a->batch); break;
+      case PLAN_SEQ: ok = parse_i64("--seq", optarg, 1, &a->seq); break;
+      case PLAN_OUT: a->out = optarg; break;
+      case PLAN_SVG: a->svg = optarg; break;
+      case PLAN_GPUS: ok = parse_i64("--gpus", optarg, 1, &a->gpus); break;
+      case PLAN_PROFILE: a->profile = true; break;
+      case PLAN_OFFLOAD: a->offload_only = true; break;
+      case PLAN_LAG:
         if (!plan) {
           fprintf(stderr, "ferry probe: --optimizer-lag is ferry plan's\n");
           return 2;
         }
-        ok = parse_i64("--optimizer-lag", optarg, 0, &lag) && (lag <= 1 || (fprintf(stderr, "ferry plan: "
-             "--optimizer-lag %lld: 0 or 1\n", (long long)lag), false));
+        ok = parse_i64("--optimizer-lag", optarg, 0, &a->lag) && (a->lag <= 1 || (fprintf(stderr, "ferry plan: "
+             "--optimizer-lag %lld: 0 or 1\n", (long long)a->lag), false));
         break;
-      case P_STATE:
-      case P_LARGEST:
+      case PLAN_STATE:
+      case PLAN_LARGEST:
         if (!plan) {
-          fprintf(stderr, "ferry probe: %s is ferry plan's\n", argv[optind - 1]);
+          // (by the option's name: argv[optind - 1] is the value when it came as a word of its own)
+          fprintf(stderr, "ferry probe: --%s is ferry plan's\n", plan_opts[idx].name);
           return 2;
         }
-        if (c == P_LARGEST) {
-          largest = true;
+        if (c == PLAN_LARGEST) {
+          a->largest = true;
         } else {
           enum fy_state_format sf;
           if (!fy_state_format_from_name(optarg, &sf)) {
             fprintf(stderr, "ferry plan: --optimizer-state %s: fp32, bf16 or 8bit\n", optarg);
             return 2;
           }
-          state = optarg;
+          a->state = optarg;
         }
         break;
-      case P_PRECISION:
+      case PLAN_PRECISION:
         if (!plan) {
           fprintf(stderr, "ferry probe: --precision is ferry plan's (the probe measures both bf16 and fp32 products)\n");
           return 2;
@@ -255,9 +238,9 @@ int cmd_probe_or_plan(int argc, char **argv, bool plan) {
           fprintf(stderr, "ferry plan: --precision %s: fp32, bf16 or fp16\n", optarg);
           return 2;
         }
-        precision = optarg;
+        a->precision = optarg;
         break;
-      case P_HELP:
+      case PLAN_HELP:
         usage_probe_or_plan(cmd, plan);
         return 0;
       case ':': fprintf(stderr, "ferry %s: %s needs a value\n", cmd, argv[optind - 1]); return 2;
@@ -265,91 +248,117 @@ int cmd_probe_or_plan(int argc, char **argv, bool plan) {
     }
     if (!ok) return 2;
   }
-  struct fy_probe probe;
-  bool measured;
-  fy_status st = load_machine(&a, &probe, &measured);
-  // The --gpus ranks share this machine's memory and disk, as ferry train's ranks do (each takes
-  // its share by default): each rank is planned with its share, unless given.
-  if (st == FY_OK && plan && gpus > 1) {
-    bool host_given = false, disk_given = false;
-    for (int i = 0; i < a.n_set; i++) {
-      host_given |= strcmp(a.set_key[i], "host_mem") == 0;
-      disk_given |= strcmp(a.set_key[i], "disk_space") == 0;
-    }
-    if (!host_given) probe.host_mem = floor(probe.host_mem / (double)gpus);
-    if (!disk_given) probe.disk_space = floor(probe.disk_space / (double)gpus);
+  return -1;
+}
+
+// The --gpus ranks share this machine's memory and disk, as ferry train's ranks do (each takes its
+// share by default): each rank is planned with its share, unless given.
+static void share_by_ranks(const struct machine_args *m, int64_t gpus, struct fy_probe *probe) {
+  bool host_given = false, disk_given = false;
+  for (int i = 0; i < m->n_set; i++) {
+    host_given |= strcmp(m->set_key[i], "host_mem") == 0;
+    disk_given |= strcmp(m->set_key[i], "disk_space") == 0;
   }
-  if (st == FY_OK && !plan) {
-    fy_probe_print(&probe, stdout);
-    if (measured) printf("(measured now%s)\n", a.no_write ? "" : "; cached");
-    return 0;
+  if (!host_given) probe->host_mem = floor(probe->host_mem / (double)gpus);
+  if (!disk_given) probe->disk_space = floor(probe->disk_space / (double)gpus);
+}
+
+// ferry plan --profile: each operator kind's count, FLOPs, activations and predicted times in one
+// micro-batch of the plan.
+static fy_status print_op_profile(const struct fy_opt_config *cfg, const struct fy_plan *best,
+                                  const struct fy_probe *probe) {
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph(cfg, best->k.micro_batch, best->k.seq, &g));
+  if (best->k.recompute) fy_graph_set_recompute(g, true);
+  double t[FY_OP_KIND_COUNT][2] = {{0}}, fl[FY_OP_KIND_COUNT] = {0}, act[FY_OP_KIND_COUNT] = {0};
+  int n[FY_OP_KIND_COUNT] = {0};
+  enum fy_dtype cdt = FY_F32;
+  fy_precision_dtype(fy_cost_precision(&best->k, probe->device), &cdt);
+  const int ab = strcmp(probe->device, "cuda") == 0 && cdt == FY_BF16 ? 2 : 4;
+  for (int o = 0; o < g->n_ops; o++) {
+    struct fy_op_profile pr;
+    fy_profile_op(g, o, probe, ab, cdt, &pr);
+    int kd = g->ops[o].kind;
+    n[kd]++;
+    t[kd][0] += pr.seconds[0];
+    t[kd][1] += pr.seconds[1];
+    fl[kd] += pr.flops[0] + pr.flops[1];
+    act[kd] += pr.act_bytes;
   }
+  printf("profile of one micro-batch (%lld x %lld):\n  %-14s %5s %12s %12s %12s %12s\n", (long long)best->k.micro_batch,
+         (long long)best->k.seq, "op kind", "ops", "GFLOP", "act MiB", "fwd ms", "bwd ms");
+  for (int kd = 0; kd < FY_OP_KIND_COUNT; kd++)
+    if (n[kd])
+      printf("  %-14s %5d %12.2f %12.1f %12.3f %12.3f\n", fy_op_kind_name(kd), n[kd], fl[kd] / 1e9,
+             act[kd] / 1048576.0, t[kd][0] * 1e3, t[kd][1] * 1e3);
+  fy_graph_free(g);
+  return FY_OK;
+}
+
+// ferry plan --svg: the predicted step drawn (an offloaded plan's streams and cache).
+static fy_status draw_plan(const struct fy_opt_config *cfg, const struct fy_plan *best, const struct fy_probe *probe,
+                           const char *svg) {
+  if (best->k.resident) {
+    printf("ferry: --svg draws an offloaded step's streams and cache; this plan is resident (no copies or cache to "
+           "draw): %s not written (--offload plans it offloaded)\n", svg);
+    return FY_OK;
+  }
+  struct fy_device *tl;
+  struct fy_cost cst;
+  FY_TRY(fy_cost_simulate(cfg, &best->k, probe, &cst, &tl));
+  fy_status st = fy_cost_svg(tl, &cst, svg);
+  fy_device_free(tl);
+  if (st == FY_OK) printf("ferry: drew the step in %s\n", svg);
+  return st;
+}
+
+// ferry plan on the machine described: the fastest plan, explained (and written with --out), then
+// what --largest, --profile and --svg ask for.
+static fy_status plan_and_explain(const struct plan_args *a, const struct fy_probe *probe) {
   struct fy_opt_config cfg;
   struct fy_plan best;
   int tried = 0;
-  if (st == FY_OK) {
-    struct stat sb;
-    st = stat(model, &sb) == 0 ? fy_ckpt_config_read(model, &cfg) : fy_opt_preset(model, &cfg);
+  struct stat sb;
+  FY_TRY(stat(a->model, &sb) == 0 ? fy_ckpt_config_read(a->model, &cfg) : fy_opt_preset(a->model, &cfg));
+  FY_TRY(fy_plan_search_state(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision,
+                              (int)a->lag, a->state, probe, &best, &tried));
+  fy_plan_print(&best, stdout);
+  printf("  (%d plans simulated)\n", tried);
+  say_bigger_batch(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision, (int)a->lag, a->state,
+                   probe, &best);
+  const double x = fy_probe_gemm_gflops(probe, true) / fy_probe_gemm_gflops(probe, false);
+  if (strcmp(best.k.precision, "bf16") == 0 && strcmp(probe->device, "cuda") != 0 && x <= 1.0)
+    printf("  (this processor multiplies bf16 as fp32: a bf16 step runs its products at the fp32 rate and rounds each "
+           "tensor besides, slower than an fp32 step here)\n");
+  else if (strcmp(best.k.precision, "fp32") == 0 && x >= 1.2)
+    printf("  (this %s multiplies bf16 %.1fx as fast as fp32: ferry plan --precision bf16 plans for that)\n",
+           strcmp(probe->device, "cuda") == 0 ? "GPU" : "processor", x);
+  if (a->out) {
+    FY_TRY(fy_plan_write(a->out, &best));
+    printf("ferry: wrote the plan to %s\n", a->out);
   }
-  if (st == FY_OK)
-    st = fy_plan_search_state(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, state, &probe, &best,
-                              &tried);
-  if (st == FY_OK) {
-    fy_plan_print(&best, stdout);
-    printf("  (%d plans simulated)\n", tried);
-    say_bigger_batch(&cfg, model, batch, seq, (int)gpus, offload_only, precision, (int)lag, state, &probe, &best);
-    const double x = fy_probe_gemm_gflops(&probe, true) / fy_probe_gemm_gflops(&probe, false);
-    if (strcmp(best.k.precision, "bf16") == 0 && strcmp(probe.device, "cuda") != 0 && x <= 1.0)
-      printf("  (this processor multiplies bf16 as fp32: a bf16 step runs its products at the fp32 rate and rounds each "
-             "tensor besides, slower than an fp32 step here)\n");
-    else if (strcmp(best.k.precision, "fp32") == 0 && x >= 1.2)
-      printf("  (this %s multiplies bf16 %.1fx as fast as fp32: ferry plan --precision bf16 plans for that)\n",
-             strcmp(probe.device, "cuda") == 0 ? "GPU" : "processor", x);
-    if (out && (st = fy_plan_write(out, &best)) == FY_OK) printf("ferry: wrote the plan to %s\n", out);
+  if (a->largest)
+    largest_by_state(a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision, (int)a->lag, probe);
+  if (a->profile) FY_TRY(print_op_profile(&cfg, &best, probe));
+  if (a->svg) FY_TRY(draw_plan(&cfg, &best, probe, a->svg));
+  return FY_OK;
+}
+
+int cmd_probe_or_plan(int argc, char **argv, bool plan) {
+  const char *cmd = plan ? "plan" : "probe";
+  struct plan_args a;
+  int rc = parse_plan_args(argc, argv, plan, &a);
+  if (rc >= 0) return rc;
+  struct fy_probe probe;
+  bool measured;
+  fy_status st = load_machine(&a.machine, &probe, &measured);
+  if (st == FY_OK && plan && a.gpus > 1) share_by_ranks(&a.machine, a.gpus, &probe);
+  if (st == FY_OK && !plan) {
+    fy_probe_print(&probe, stdout);
+    if (measured) printf("(measured now%s)\n", a.machine.no_write ? "" : "; cached");
+    return 0;
   }
-  if (st == FY_OK && largest) largest_by_state(batch, seq, (int)gpus, offload_only, precision, (int)lag, &probe);
-  if (st == FY_OK && profile) {
-    struct fy_graph *g;
-    st = fy_opt_build_graph(&cfg, best.k.micro_batch, best.k.seq, &g);
-    if (st == FY_OK) {
-      if (best.k.recompute) fy_graph_set_recompute(g, true);
-      double t[FY_OP_KIND_COUNT][2] = {{0}}, fl[FY_OP_KIND_COUNT] = {0}, act[FY_OP_KIND_COUNT] = {0};
-      int n[FY_OP_KIND_COUNT] = {0};
-      enum fy_dtype cdt = FY_F32;
-      fy_precision_dtype(fy_cost_precision(&best.k, probe.device), &cdt);
-      const int ab = strcmp(probe.device, "cuda") == 0 && cdt == FY_BF16 ? 2 : 4;
-      for (int o = 0; o < g->n_ops; o++) {
-        struct fy_op_profile pr;
-        fy_profile_op(g, o, &probe, ab, cdt, &pr);
-        int kd = g->ops[o].kind;
-        n[kd]++;
-        t[kd][0] += pr.seconds[0];
-        t[kd][1] += pr.seconds[1];
-        fl[kd] += pr.flops[0] + pr.flops[1];
-        act[kd] += pr.act_bytes;
-      }
-      printf("profile of one micro-batch (%lld x %lld):\n  %-14s %5s %12s %12s %12s %12s\n", (long long)best.k.micro_batch,
-             (long long)best.k.seq, "op kind", "ops", "GFLOP", "act MiB", "fwd ms", "bwd ms");
-      for (int kd = 0; kd < FY_OP_KIND_COUNT; kd++)
-        if (n[kd])
-          printf("  %-14s %5d %12.2f %12.1f %12.3f %12.3f\n", fy_op_kind_name(kd), n[kd], fl[kd] / 1e9,
-                 act[kd] / 1048576.0, t[kd][0] * 1e3, t[kd][1] * 1e3);
-      fy_graph_free(g);
-    }
-  }
-  if (st == FY_OK && svg && best.k.resident) {
-    printf("ferry: --svg draws an offloaded step's streams and cache; this plan is resident (no copies or cache to "
-           "draw): %s not written (--offload plans it offloaded)\n", svg);
-  } else if (st == FY_OK && svg) {
-    struct fy_device *tl;
-    struct fy_cost cst;
-    st = fy_cost_simulate(&cfg, &best.k, &probe, &cst, &tl);
-    if (st == FY_OK) {
-      st = fy_cost_svg(tl, &cst, svg);
-      fy_device_free(tl);
-      if (st == FY_OK) printf("ferry: drew the step in %s\n", svg);
-    }
-  }
+  if (st == FY_OK) st = plan_and_explain(&a, &probe);
   if (st != FY_OK) {
     fprintf(stderr, "ferry %s: error: %s\n", cmd, fy_error_msg());
     return 1;

@@ -1,6 +1,6 @@
-// ferry: the command line. `ferry train`, `ferry eval`, `ferry --help`. Each command is a
-// function here; the option tables, help texts and value parsers are in cli_options.c, ferry probe
-// and plan in cli_plan.c, the stop signals in cli_signals.c (runtime/cli.h declares them).
+// ferry: the command line. Each command is a function here that parses its options, checks them
+// and runs; the option tables, help texts and value parsers are in cli_options.c, ferry probe and
+// plan in cli_plan.c, the stop signals in cli_signals.c (runtime/cli.h declares them).
 #include <getopt.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -19,14 +19,11 @@
 
 static int cmd_export(int argc, char **argv) {
   if (argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-    printf("usage: ferry export CHECKPOINT OUTDIR\n\n"
-           "Writes a Hugging Face model directory (config.json, model.safetensors or shards) that\n"
-           "OPTForCausalLM.from_pretrained loads, from a training checkpoint: its root (the\n"
-           "latest step) or one step directory.\n");
+    usage_export(stdout, true);
     return 0;
   }
   if (argc != 3) {
-    fprintf(stderr, "usage: ferry export CHECKPOINT OUTDIR\n");
+    usage_export(stderr, false);
     return 2;
   }
   fy_status st = fy_export(argv[1], argv[2]);
@@ -35,6 +32,24 @@ static int cmd_export(int argc, char **argv) {
     return 1;
   }
   printf("ferry: exported %s to %s\n", argv[1], argv[2]);
+  return 0;
+}
+
+static int cmd_presets(void) {
+  for (const char *const *p = fy_opt_preset_names(); *p; p++) {
+    struct fy_opt_config c;
+    fy_opt_preset(*p, &c);
+    printf("%-10s %9.1fM parameters, %2lld layers, hidden %5lld, %3lld heads, %s\n", *p,
+           fy_opt_num_params(&c) / 1e6, (long long)c.num_hidden_layers, (long long)c.hidden_size,
+           (long long)c.num_attention_heads, c.do_layer_norm_before ? "pre-LN" : "post-LN");
+  }
+  return 0;
+}
+
+static int cmd_version(void) {
+  printf("ferry %s\n", FERRY_VERSION);
+  // The GPU architectures the CUDA kernels were compiled for (meson's -Dgpu_arch).
+  printf("CUDA: %s\n", FY_HAVE_CUDA ? FY_CUDA_ARCHS : "not built (no nvcc when it was configured)");
   return 0;
 }
 
@@ -206,62 +221,56 @@ static int cmd_train(int argc, char **argv, bool eval) {
   return 0;
 }
 
-static int cmd_sample(int argc, char **argv) {
-  enum { S_INIT = 256, S_MODEL, S_PROMPT, S_IDS, S_TOKENS, S_TEMP, S_TOPK, S_TOPP, S_STOP, S_SEQ, S_SEED, S_THREADS,
-         S_DEVICE, S_OFFLOAD, S_DEVMEM, S_HOSTMEM, S_BLOCKS, S_PRECISION, S_QUIET, S_HELP };
-  static const struct option opts[] = {
-      {"init", required_argument, 0, S_INIT}, {"model", required_argument, 0, S_MODEL},
-      {"prompt", required_argument, 0, S_PROMPT}, {"prompt-ids", required_argument, 0, S_IDS},
-      {"tokens", required_argument, 0, S_TOKENS}, {"temperature", required_argument, 0, S_TEMP},
-      {"top-k", required_argument, 0, S_TOPK}, {"top-p", required_argument, 0, S_TOPP},
-      {"stop", required_argument, 0, S_STOP}, {"seq", required_argument, 0, S_SEQ},
-      {"seed", required_argument, 0, S_SEED}, {"threads", required_argument, 0, S_THREADS},
-      {"device", required_argument, 0, S_DEVICE}, {"precision", required_argument, 0, S_PRECISION},
-      {"offload", no_argument, 0, S_OFFLOAD}, {"device-mem", required_argument, 0, S_DEVMEM},
-      {"host-mem", required_argument, 0, S_HOSTMEM}, {"blocks", required_argument, 0, S_BLOCKS},
-      {"quiet", no_argument, 0, S_QUIET},
-      {"help", no_argument, 0, S_HELP}, {0, 0, 0, 0}};
+// ferry sample's command line: what fy_sample takes, and how the prompt and stop tokens were given.
+struct sample_args {
   struct fy_train_opts o;
-  fy_train_opts_defaults(&o);
-  o.model = NULL;
-  o.init = NULL;
-  o.seq = 0;
-  const char *text = NULL, *ids = NULL, *stop = NULL;
-  bool quiet = false;
-  struct fy_sample_opts s = {.n_new = 100, .temperature = 1.0f, .top_p = 1.0f, .n_stop = -1};
+  struct fy_sample_opts s;
+  const char *text, *ids, *stop;  // --prompt, --prompt-ids, --stop
+  bool quiet;
+};
+
+// ferry sample's command line into a: -1 to go on, else the exit code (--help: 0).
+static int parse_sample_args(int argc, char **argv, struct sample_args *a) {
+  struct fy_train_opts *o = &a->o;
+  struct fy_sample_opts *s = &a->s;
+  *a = (struct sample_args){.s = {.n_new = 100, .temperature = 1.0f, .top_p = 1.0f, .n_stop = -1}};
+  fy_train_opts_defaults(o);
+  o->model = NULL;
+  o->init = NULL;
+  o->seq = 0;
   int64_t v;
   int c;
   optind = 1;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, ":", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":", sample_opts, NULL)) != -1) {
     bool ok = true;
     switch (c) {
-      case S_INIT: o.init = optarg; break;
-      case S_MODEL: o.model = optarg; break;
-      case S_PROMPT: text = optarg; break;
-      case S_IDS: ids = optarg; break;
-      case S_TOKENS: ok = parse_i64("--tokens", optarg, 0, &s.n_new); break;
-      case S_TEMP: ok = parse_f32("--temperature", optarg, 0, &s.temperature); break;
-      case S_TOPK: ok = parse_i64("--top-k", optarg, 0, &v) && v <= INT32_MAX; s.top_k = (int)v; break;
-      case S_TOPP:
-        ok = parse_f32("--top-p", optarg, 0, &s.top_p);
-        if (ok && !(s.top_p > 0 && s.top_p <= 1)) {
+      case SAMPLE_INIT: o->init = optarg; break;
+      case SAMPLE_MODEL: o->model = optarg; break;
+      case SAMPLE_PROMPT: a->text = optarg; break;
+      case SAMPLE_IDS: a->ids = optarg; break;
+      case SAMPLE_TOKENS: ok = parse_i64("--tokens", optarg, 0, &s->n_new); break;
+      case SAMPLE_TEMP: ok = parse_f32("--temperature", optarg, 0, &s->temperature); break;
+      case SAMPLE_TOPK: ok = parse_i64("--top-k", optarg, 0, &v) && v <= INT32_MAX; s->top_k = (int)v; break;
+      case SAMPLE_TOPP:
+        ok = parse_f32("--top-p", optarg, 0, &s->top_p);
+        if (ok && !(s->top_p > 0 && s->top_p <= 1)) {
           fprintf(stderr, "ferry sample: --top-p is a probability in (0, 1], got '%s'\n", optarg);
           ok = false;
         }
         break;
-      case S_STOP: stop = optarg; break;
-      case S_SEQ: ok = parse_i64("--seq", optarg, 1, &o.seq); break;
-      case S_SEED: ok = parse_i64("--seed", optarg, 0, &v); o.seed = (uint64_t)v; break;
-      case S_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o.threads = (int)v; break;
-      case S_DEVICE: o.device = optarg; break;
-      case S_OFFLOAD: o.offload = true; break;
-      case S_DEVMEM: ok = parse_size("--device-mem", optarg, &o.device_mem); break;
-      case S_HOSTMEM: ok = parse_size("--host-mem", optarg, &o.host_mem); break;
-      case S_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v) && v <= INT32_MAX; o.blocks = (int)v; break;
-      case S_QUIET: quiet = true; break;
-      case S_PRECISION: o.precision = optarg; break;
-      case S_HELP: usage_sample(stdout); return 0;
+      case SAMPLE_STOP: a->stop = optarg; break;
+      case SAMPLE_SEQ: ok = parse_i64("--seq", optarg, 1, &o->seq); break;
+      case SAMPLE_SEED: ok = parse_i64("--seed", optarg, 0, &v); o->seed = (uint64_t)v; break;
+      case SAMPLE_THREADS: ok = parse_i64("--threads", optarg, 1, &v); o->threads = (int)v; break;
+      case SAMPLE_DEVICE: o->device = optarg; break;
+      case SAMPLE_OFFLOAD: o->offload = true; break;
+      case SAMPLE_DEVMEM: ok = parse_size("--device-mem", optarg, &o->device_mem); break;
+      case SAMPLE_HOSTMEM: ok = parse_size("--host-mem", optarg, &o->host_mem); break;
+      case SAMPLE_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v) && v <= INT32_MAX; o->blocks = (int)v; break;
+      case SAMPLE_QUIET: a->quiet = true; break;
+      case SAMPLE_PRECISION: o->precision = optarg; break;
+      case SAMPLE_HELP: usage_sample(stdout); return 0;
       case ':': fprintf(stderr, "ferry sample: %s needs a value\n", argv[optind - 1]); return 2;
       default:
         fprintf(stderr, "ferry sample: unknown option '%s' (see 'ferry sample --help')\n", argv[optind - 1]);
@@ -273,56 +282,76 @@ static int cmd_sample(int argc, char **argv) {
     fprintf(stderr, "ferry sample: unexpected argument '%s' (see 'ferry sample --help')\n", argv[optind]);
     return 2;
   }
-  if (!o.init || (!text == !ids)) {
+  return -1;
+}
+
+// The prompt's ids (its bytes, or the list, checked against the vocabulary by fy_sample) and the
+// stop tokens likewise, into a->s, in prompt and stops (the caller frees both): -1 to go on, else
+// the exit code.
+static int sample_tokens(struct sample_args *a, int32_t **prompt, int32_t **stops) {
+  struct fy_sample_opts *s = &a->s;
+  if (!a->o.init || (!a->text == !a->ids)) {
     fprintf(stderr, "ferry sample: give --init DIR and one of --prompt TEXT or --prompt-ids IDS\n");
     return 2;
   }
-  // The prompt's ids: its bytes, or the list (checked against the vocabulary by fy_sample); the
-  // stop tokens likewise.
-  size_t cap = text ? strlen(text) : strlen(ids) / 2 + 1;
-  int32_t *prompt = malloc((cap ? cap : 1) * sizeof *prompt);
-  int32_t *stops = malloc((stop ? strlen(stop) / 2 + 1 : 1) * sizeof *stops);
-  if (!prompt || !stops) return 1;
-  if (text) {
-    for (size_t i = 0; i < cap; i++) prompt[i] = (unsigned char)text[i];
-    s.n_prompt = (int64_t)cap;
-  } else if ((s.n_prompt = parse_ids("--prompt-ids", ids, prompt)) < 0) {
-    free(prompt), free(stops);
+  size_t cap = a->text ? strlen(a->text) : strlen(a->ids) / 2 + 1;
+  *prompt = malloc((cap ? cap : 1) * sizeof **prompt);
+  *stops = malloc((a->stop ? strlen(a->stop) / 2 + 1 : 1) * sizeof **stops);
+  if (!*prompt || !*stops) return 1;
+  if (a->text) {
+    for (size_t i = 0; i < cap; i++) (*prompt)[i] = (unsigned char)a->text[i];
+    s->n_prompt = (int64_t)cap;
+  } else if ((s->n_prompt = parse_ids("--prompt-ids", a->ids, *prompt)) < 0) {
     return 2;
   }
-  if (stop && strcmp(stop, "none") == 0) {
-    s.n_stop = 0;
-  } else if (stop) {
-    int64_t n = parse_ids("--stop", stop, stops);
-    if (n < 0) {
-      free(prompt), free(stops);
-      return 2;
-    }
-    s.stop = stops, s.n_stop = (int)n;
+  if (a->stop && strcmp(a->stop, "none") == 0) {
+    s->n_stop = 0;
+  } else if (a->stop) {
+    int64_t n = parse_ids("--stop", a->stop, *stops);
+    if (n < 0) return 2;
+    s->stop = *stops, s->n_stop = (int)n;
   }
-  s.prompt = prompt;
-  int32_t *out = malloc((size_t)(s.n_prompt + s.n_new) * sizeof *out);
+  s->prompt = *prompt;
+  return -1;
+}
+
+// The tokens on stdout (as text when the prompt was), then, on stderr, how long the prompt's pass
+// and the tokens after it took.
+static void print_sample(const struct sample_args *a, const int32_t *out, int64_t n_out, double prompt_s,
+                         double new_s) {
+  for (int64_t i = 0; i < n_out; i++) {
+    if (a->text && out[i] < 256) putchar(out[i]);
+    else if (a->text) printf("<%d>", out[i]);
+    else printf(i ? ",%d" : "%d", out[i]);
+  }
+  putchar('\n');
+  const int64_t n_prompt = a->s.n_prompt;
+  if (a->quiet || n_out <= n_prompt) return;
+  fflush(stdout);  // (stdout is the tokens: the timing follows them, on stderr)
+  const int64_t more = n_out - n_prompt - 1;
+  fprintf(stderr, "ferry sample: the prompt's %lld tokens and the first new one in %.3f s (%.1f tokens/s)",
+          (long long)n_prompt, prompt_s, (double)n_prompt / (prompt_s > 0 ? prompt_s : 1e-9));
+  if (more > 0) fprintf(stderr, ", %lld more in %.3f s (%.1f tokens/s)", (long long)more, new_s,
+                        (double)more / (new_s > 0 ? new_s : 1e-9));
+  fputc('\n', stderr);
+}
+
+static int cmd_sample(int argc, char **argv) {
+  struct sample_args a;
+  int rc = parse_sample_args(argc, argv, &a);
+  if (rc >= 0) return rc;
+  int32_t *prompt = NULL, *stops = NULL;
+  rc = sample_tokens(&a, &prompt, &stops);
+  if (rc >= 0) {
+    free(prompt), free(stops);
+    return rc;
+  }
+  int32_t *out = malloc((size_t)(a.s.n_prompt + a.s.n_new) * sizeof *out);
   int64_t n_out = 0;
   double prompt_s = 0, new_s = 0;
-  s.prompt_seconds = &prompt_s, s.new_seconds = &new_s;
-  fy_status st = out ? fy_sample(&o, &s, out, &n_out) : fy_error_set(FY_ERR_NOMEM, "out of memory");
-  if (st == FY_OK) {
-    for (int64_t i = 0; i < n_out; i++) {
-      if (text && out[i] < 256) putchar(out[i]);
-      else if (text) printf("<%d>", out[i]);
-      else printf(i ? ",%d" : "%d", out[i]);
-    }
-    putchar('\n');
-  }
-  if (st == FY_OK && !quiet && n_out > s.n_prompt) {  // (on stderr, after the tokens: stdout is the tokens)
-    fflush(stdout);
-    const int64_t more = n_out - s.n_prompt - 1;
-    fprintf(stderr, "ferry sample: the prompt's %lld tokens and the first new one in %.3f s (%.1f tokens/s)",
-            (long long)s.n_prompt, prompt_s, (double)s.n_prompt / (prompt_s > 0 ? prompt_s : 1e-9));
-    if (more > 0) fprintf(stderr, ", %lld more in %.3f s (%.1f tokens/s)", (long long)more, new_s,
-                          (double)more / (new_s > 0 ? new_s : 1e-9));
-    fputc('\n', stderr);
-  }
+  a.s.prompt_seconds = &prompt_s, a.s.new_seconds = &new_s;
+  fy_status st = out ? fy_sample(&a.o, &a.s, out, &n_out) : fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (st == FY_OK) print_sample(&a, out, n_out, prompt_s, new_s);
   free(prompt), free(stops);
   free(out);
   fy_matmul_cache_clear();
@@ -342,22 +371,8 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "sample") == 0) return cmd_sample(argc - 1, argv + 1);
   if (strcmp(cmd, "probe") == 0) return cmd_probe_or_plan(argc - 1, argv + 1, false);
   if (strcmp(cmd, "plan") == 0) return cmd_probe_or_plan(argc - 1, argv + 1, true);
-  if (strcmp(cmd, "presets") == 0) {
-    for (const char *const *p = fy_opt_preset_names(); *p; p++) {
-      struct fy_opt_config c;
-      fy_opt_preset(*p, &c);
-      printf("%-10s %9.1fM parameters, %2lld layers, hidden %5lld, %3lld heads, %s\n", *p,
-             fy_opt_num_params(&c) / 1e6, (long long)c.num_hidden_layers, (long long)c.hidden_size,
-             (long long)c.num_attention_heads, c.do_layer_norm_before ? "pre-LN" : "post-LN");
-    }
-    return 0;
-  }
-  if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
-    printf("ferry %s\n", FERRY_VERSION);
-    // The GPU architectures the CUDA kernels were compiled for (meson's -Dgpu_arch).
-    printf("CUDA: %s\n", FY_HAVE_CUDA ? FY_CUDA_ARCHS : "not built (no nvcc when it was configured)");
-    return 0;
-  }
+  if (strcmp(cmd, "presets") == 0) return cmd_presets();
+  if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) return cmd_version();
   if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {
     usage_main(stdout);
     return 0;
