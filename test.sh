@@ -130,12 +130,15 @@ if [ "$plain" = 1 ]; then
       # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
       section "random OPT configurations: the sim device's placements give the cpu's bits"
       count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1
+      # ferry's bf16 on the cpu against PyTorch in bf16 with fp32 master weights (transformers' OPT).
+      section "bf16: ferry's training and PyTorch's agree within bf16's rounding, and the loss falls"
+      count python3 test/reference/check_bf16.py build/ferry
       # A model saved as PyTorch pickles, converted by tools/convert.py, gives ferry the same loss.
       section "tools/convert.py: PyTorch pickles to safetensors"
       count test/reference/check_convert.sh build/ferry
     else
-      section "skipped: the transformers round trip, the OPT variants, the random configurations and tools/convert.py (no torch and transformers: see above)"
-      skipped=$((skipped + 5))
+      section "skipped: the transformers round trip, the OPT variants, the random configurations, the bf16 check and tools/convert.py (no torch and transformers: see above)"
+      skipped=$((skipped + 6))
     fi
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
     # models, batches, memory, precisions and ranks on the sim device).
