@@ -3,8 +3,9 @@
 # tests (meson test), the CUDA backend on the CPU emulator (test/cudaemu), the same tests again
 # under AddressSanitizer and UndefinedBehaviorSanitizer, and the
 # transformers round trip of a saved checkpoint, the OPT variants that the fixtures do not cover,
-# random configurations trained along random paths, and tools/convert.py (when torch and
-# transformers are installed), and, with the sanitizers, ferry train with random options and the
+# random configurations trained along random paths, bf16 training against PyTorch's, and
+# tools/convert.py (with torch and transformers, which it installs in the project's virtual
+# environment, .venv, when missing), and, with the sanitizers, ferry train with random options and the
 # fuzz targets for 10 s each (skipped without clang's libFuzzer).
 # The checks that hold this machine to rates and times (meson suite "timing": the planner's
 # predicted steps, the probe's rates, prefetch overlap, the sim link's copies) run alone after the
@@ -22,7 +23,7 @@ for a in "$@"; do
   case "$a" in
     --no-sanitize) sanitize=0 ;;
     --sanitize-only) plain=0 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done
