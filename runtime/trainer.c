@@ -135,7 +135,8 @@ static fy_status open_training(struct training *t, struct fy_comm *comm) {
   t->lead = r->rank == 0;
   // Every rank knows when checkpoints are written: with sharded chunks all of them gather.
   t->save_every = given->save && given->save_every > 0 ? given->save_every : 0;
-  t->sharded = (r->x && r->world > 1) || r->tp > 1;
+  // (--disk-master: one rank's weights live with the engine as sharded ones do, some on disk)
+  t->sharded = (r->x && (r->world > 1 || !r->model->params)) || r->tp > 1;
   if (!t->lead) {
     t->eff.quiet = true;
     t->eff.log_path = NULL;
