@@ -1234,8 +1234,8 @@ static fy_status disk_read_mv(struct fy_offload *x, int c) {
   fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), x->disk_m[b], used, x->req_m[b]);
   if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), x->disk_v[b], used, x->req_v[b]);
   if (st == FY_OK && x->disk_master)
-    st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 3), x->disk_w[disk_set(x, c)],
-                            (size_t)span(x, c) * 4, x->req_w[b]);
+    st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 3), x->disk_w[b], (size_t)span(x, c) * 4,
+                            x->req_w[b]);
   return st;
 }
 

@@ -6,7 +6,8 @@
 // in goes back to the host. The optimizer runs per chunk on a host stream, after the global norm,
 // in first-use order, so that the next step's forward can start on the first chunks while later
 // ones are still being updated. Each chunk's gradients and AdamW m and v live in the host tier or,
-// for the last chunks when the host cannot hold them, on disk. With 16-bit compute (bf16 on a GPU)
+// for the last chunks when the host cannot hold them, on disk (with disk_master their fp32 master
+// weights too, the host keeping only the 16-bit copy). With 16-bit compute (bf16 on a GPU)
 // a chunk's compute payload is its weights in that dtype (docs/design.md, "Chunks"): a host copy that
 // every update refreshes from the fp32 master is what crosses the link, and the kernels write the
 // gradients over it in the block. With one micro-batch a step they come home as they are, over

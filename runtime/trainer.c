@@ -195,12 +195,12 @@ static void print_header(const struct training *t) {
   char disk_b[32];
   if (r->x)
     printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
-           "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk%s%s%s, %d on the device\n",
+           "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk%s%s%s%s, %d on the device\n",
            r->dev->name, r->dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
            model->act_bytes / 1048576.0, fy_host_in_use(r->host) / 1048576.0, fy_host_cap(r->host) / 1048576.0,
            res->n_disk_chunks, r->disk ? " (" : "",
            r->disk ? fy_format_bytes(res->disk_tier_bytes, disk_b, sizeof disk_b) : "", r->disk ? ")" : "",
-           res->n_device_chunks);
+           o->disk_master && res->n_disk_chunks > 0 ? ", their master weights there too" : "", res->n_device_chunks);
   else
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
