@@ -345,12 +345,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // and with --disk-master the rank's part of its master weights. The master weights stay in host
   // memory otherwise: one rank's in the model's buffer (counted in use), a sharded rank's shards
   // (counted here), and with --disk-master those of the chunks kept on the device.
-  // (Evaluation keeps no gradients, m or v: only the sharded weights.)
+  // (Evaluation keeps no gradients, m or v: only the sharded weights, one rank's in the model.)
   // m and v in the run's state format: a slot of fy_state_moment_bytes(S) each (runtime/offload.c).
   int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
   size_t shard_bytes = chunk_bytes / (size_t)r->dp,
          mv_bytes = 2 * fy_state_moment_bytes(sf, l->chunk_elems / r->dp),
-         per_chunk = r->eval ? shard_bytes : (g16 ? 0 : shard_bytes) + mv_bytes + (disk_master ? shard_bytes : 0);
+         per_chunk = r->eval ? (r->dp > 1 ? shard_bytes : 0)
+                           : (g16 ? 0 : shard_bytes) + mv_bytes + (disk_master ? shard_bytes : 0);
   size_t reserve = 3 * chunk_bytes;
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems / (size_t)r->dp * esize;  // 16-bit weights
   if (cdt != FY_F32 && o->optimizer_lag > 0 && !r->eval)  // (their second copy, but for the device's chunks)
