@@ -68,6 +68,17 @@ double fy_cost_host_bytes_per_param_state(enum fy_dtype compute, int payload_byt
   return host_weight_bytes(compute, payload_bytes) + chunk_state_bytes(compute, accumulate, f, chunk_elems) / (double)chunk_elems;
 }
 
+void fy_cost_disk_chunk_bytes_per_param(enum fy_dtype compute, int payload_bytes, bool accumulate, const char *state,
+                                        int64_t chunk_elems, bool disk_master, double *host, double *disk) {
+  const enum fy_state_format f = knob_state(state);
+  const bool dm = disk_master && compute != FY_F32;
+  if (chunk_elems < 1) chunk_elems = 1;
+  *host = host_weight_bytes(compute, payload_bytes) - (dm ? 4.0 : 0.0);
+  *disk = (f == FY_STATE_F32 ? host_state_bytes(compute, accumulate)
+                             : chunk_state_bytes(compute, accumulate, f, chunk_elems) / (double)chunk_elems) +
+          (dm ? 4.0 : 0.0);
+}
+
 static fy_status fake_spill_alloc(void *ctx, size_t n, void **out) {
   uintptr_t *next = ctx;
   *out = (void *)*next;
@@ -204,6 +215,9 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->resident && knob_state(k->optimizer_state) != FY_STATE_F32)
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan keeps fp32 AdamW state (optimizer_state %s is for "
                         "offloaded plans)", k->optimizer_state);
+  if (k->disk_master && (k->resident || k->disk_chunks == 0))
+    return fy_error_set(FY_ERR_INVALID, "plan: disk_master puts the disk chunks' master weights on disk: an offloaded "
+                        "plan with disk chunks (disk_chunks -1 or more than 0)");
   if (k->device_chunks > 0 && k->dp > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
                         "data-parallel ranks, whose chunks are sharded", k->dp);
@@ -327,6 +341,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (k->optimizer_lag < 0 || k->optimizer_lag > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag %d: 0 or 1", k->optimizer_lag);
   const bool lag = k->optimizer_lag > 0;
+  if (k->disk_master && cdt == FY_F32)
+    return fy_error_set(FY_ERR_INVALID, "plan: disk_master needs 16-bit compute (precision bf16 or fp16): in fp32 the "
+                        "master weights are what the device reads");
   if (lag && (k->resident || cdt == FY_F32 || k->grad_accum > 1))
     return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag 1 is for offloaded plans in 16-bit compute with one "
                         "micro-batch a step (grad_accum 1)");
@@ -444,13 +461,21 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // As the runtime counts (runtime/trainer.c, setup_offload): when the host cannot hold every
   // chunk's state, the disk tier's buffers are set aside first and what fits is counted again.
   // (gradients,) m, v; compressed m and v in buffers of a rank's shard, as the runtime's
-  double per_chunk_state = sf == FY_STATE_F32 ? ce * host_state_bytes(cdt, k->grad_accum > 1) * share
-                                              : chunk_state_bytes(cdt, k->grad_accum > 1, sf, (int64_t)llround(ce * share));
+  // disk_master: a chunk's master weights (a rank's shard) go with its state (to disk, for a disk
+  // chunk), kept by the engine in a buffer of the chunk's size; the device chunks' stay in host
+  // memory (their host copy), with the 16-bit copies of every chunk.
+  const bool dm = k->disk_master;
+  const double master_chunk = (double)ce * 4 / dp;
+  double per_chunk_state = (sf == FY_STATE_F32 ? ce * host_state_bytes(cdt, k->grad_accum > 1) * share
+                                               : chunk_state_bytes(cdt, k->grad_accum > 1, sf, (int64_t)llround(ce * share))) +
+                           (dm ? master_chunk : 0);
   // (--optimizer-lag: a second 16-bit copy of every chunk the host updates)
-  double params_host = (np * host_weight_bytes(cdt, pb) + (lag ? (nc - n_dev) * (double)ce * pb : 0)) * share,
+  double params_host = (np * (dm ? (double)pb : host_weight_bytes(cdt, pb)) + (lag ? (nc - n_dev) * (double)ce * pb : 0)) * share +
+                       (dm ? n_dev * master_chunk : 0),
          reserve = 3 * (double)ce * 4,
-         disk_reserve = sf == FY_STATE_F32 ? (g16 ? 4 : 7) * (double)ce * 4 / dp  // (the disk chunks' buffers: shards of a chunk)
-                                           : 4.0 * (double)fy_state_moment_bytes(sf, ce / dp) + (g16 ? 0 : 3) * (double)ce * 4 / dp;
+         disk_reserve = (sf == FY_STATE_F32 ? (g16 ? 4 : 7) * (double)ce * 4 / dp  // (the disk chunks' buffers: shards of a chunk)
+                                            : 4.0 * (double)fy_state_moment_bytes(sf, ce / dp) + (g16 ? 0 : 3) * (double)ce * 4 / dp) +
+                        (dm ? 2 * master_chunk : 0);  // (two sets of master weights)
   double fit_d = floor((probe->host_mem - params_host - reserve) / per_chunk_state);
   if (fit_d < nc) fit_d = floor((probe->host_mem - params_host - reserve - disk_reserve) / per_chunk_state);
   int fit = fit_d > 0 ? (fit_d < nc ? (int)fit_d : nc) : 0;
@@ -480,6 +505,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     out->fits = false;
     snprintf(out->why, sizeof out->why, "the host memory (%.1f GiB) cannot hold the parameters and buffers (%.1f GiB)",
              probe->host_mem / 1073741824.0, out->host_bytes / 1073741824.0);
+  } else if (dm && n_disk == 0) {
+    out->fits = false;
+    snprintf(out->why, sizeof out->why, "disk_master puts the disk chunks' master weights on disk, and no chunk's state "
+             "goes to disk (the host holds it all, or disk_chunks 0)");
   } else if (n_disk > 0 && !(probe->disk_write_gbps > 0)) {
     out->fits = false;
     snprintf(out->why, sizeof out->why, "the state of %d chunks (%.1f GiB) needs a disk tier (a --disk-dir)",
@@ -737,9 +766,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       double u = (double)l->chunks[c].used * share;
       double t = u * adamw_b / adamw;
-      // A disk chunk: (its fp32 gradients,) m and v read, then the update while the chunk before's
-      // m and v are written (runtime/offload.c: they go back behind it).
-      const double mv = 2 * mv_bpp;  // m and v's bytes an element, read and written
+      // A disk chunk: (its fp32 gradients,) m and v (and with disk_master the fp32 master) read,
+      // then the update while the chunk before's are written (runtime/offload.c: they go back
+      // behind it).
+      const double mv = 2 * mv_bpp + (dm ? 4 : 0);  // m and v's (and the master's) bytes an element, read and written
       if (c >= nc - n_disk) t = u * ((g16 ? 0 : 4) + mv) / dread + (t > u * mv / dwrite ? t : u * mv / dwrite);
       fy_timeline_set_cause(s.optim, c >= nc - n_disk ? FY_STALL_DISK : FY_STALL_OPTIMIZER);
       if (sums_dev) fy_stream_wait(s.optim, s.grad_ready[c]);  // (no sum waited for it)

@@ -23,6 +23,10 @@ struct fy_plan_knobs {
   int prefetch;
   bool recompute;
   int disk_chunks;       // chunks whose gradients and AdamW state live on disk; -1: as needed
+  // 16-bit compute: the disk chunks' fp32 master weights live on disk too, read and written with
+  // their m and v (ferry train --disk-master); the host keeps their 16-bit copy. Offloaded plans
+  // with disk chunks only.
+  bool disk_master;
   int device_chunks;     // the first chunks kept on the device with their gradients and AdamW
                          // state, updated there (ferry train --device-chunks); one data-parallel rank
   // Ranks (a dp x tp grid): tp ranks split each layer's attention and MLP linears (tp_col and
@@ -92,6 +96,13 @@ double fy_cost_host_bytes_per_param(enum fy_dtype compute, int payload_bytes, bo
 // parameter of a chunk of chunk_elems elements (8-bit: its codes and its blocks' scales).
 double fy_cost_host_bytes_per_param_state(enum fy_dtype compute, int payload_bytes, bool accumulate, const char *state,
                                           int64_t chunk_elems);
+// Per parameter of a chunk whose state is on disk (its slot holds its gradients unless they come
+// home over the 16-bit copy, m and v in `state`, and with disk_master the fp32 master): *host the
+// bytes left in host memory (the master unless disk_master, the 16-bit copy), *disk the slot's.
+// disk_master with fp32 compute is not a placement (the master is what the device reads): *host
+// then counts it as without.
+void fy_cost_disk_chunk_bytes_per_param(enum fy_dtype compute, int payload_bytes, bool accumulate, const char *state,
+                                        int64_t chunk_elems, bool disk_master, double *host, double *disk);
 
 // A model resident on a GPU with micro-batches of B x T, its graph as the cuda engine runs it
 // (flash attention; recomputation when asked; 16-bit activations with bf16): *bytes it takes there

@@ -150,6 +150,19 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             tried++;
             note_miss(&c, probe, &miss);
+            // 16-bit compute with a disk tier: the disk chunks' master weights on disk too
+            // (disk_master), when some chunks' state goes there or the host cannot hold the plan;
+            // kept when it fits where the plan without does not, or runs faster.
+            if (cdt != FY_F32 && probe->disk_write_gbps > 0 &&
+                (c.n_disk_chunks > 0 || (!c.fits && c.host_bytes > probe->host_mem))) {
+              struct fy_plan_knobs km = k;
+              km.disk_master = true;
+              struct fy_cost cm;
+              FY_TRY(fy_cost_simulate(cfg, &km, probe, &cm, NULL));
+              tried++;
+              note_miss(&cm, probe, &miss);
+              if (better(&cm, &c)) k = km, c = cm;
+            }
             consider(&k, &c, best);
             if (pf == 0 && !c.fits && c.min_device_bytes <= probe->device_mem) kbest = k, cbest = c;
             if (!c.fits) break;  // more prefetch will not fit either
@@ -207,8 +220,11 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
     fy_format_bytes(miss.least_host, need, sizeof need);
     if (probe->disk_write_gbps > 0 && miss.least_host > probe->host_mem)
       return fy_error_set(FY_ERR_NOMEM,
-                          "no plan for %s fits %s of host memory: the smallest needs %s there (the weights stay in "
-                          "host memory; the disk tier takes only gradients and AdamW state)", model, have, need);
+                          "no plan for %s fits %s of host memory: the smallest needs %s there (%s)", model, have, need,
+                          cdt == FY_F32 ? "in fp32 the weights stay in host memory; the disk tier takes only gradients "
+                                          "and AdamW state"
+                                        : "the weights' 16-bit copy stays in host memory; the disk tier takes "
+                                          "gradients, AdamW state and the master weights");
     return fy_error_set(FY_ERR_NOMEM,
                         "no plan for %s fits %s of host memory without a disk tier: give a --disk-dir for the AdamW "
                         "state (the smallest plan then needs %s of host memory)", model, have, need);
@@ -292,6 +308,9 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     if (c->n_device_chunks > 0)
       fprintf(f, "  the first %d chunks kept on the device with their gradients and AdamW state (updated there)\n",
               c->n_device_chunks);
+    if (k->disk_master)
+      fprintf(f, "  the disk chunks' fp32 master weights on disk too, read and written with their AdamW state; host "
+                 "memory keeps their 16-bit copy (ferry train --disk-master)\n");
     fprintf(f, "  memory per rank: device %s (peak), host %s, disk %s (state of %d chunks)\n",
             fy_format_bytes(c->device_peak, b1, sizeof b1), fy_format_bytes(c->host_bytes, b2, sizeof b2),
             fy_format_bytes(c->disk_bytes, b3, sizeof b3), c->n_disk_chunks);

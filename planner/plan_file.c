@@ -27,6 +27,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
     json_object_object_add(o, "precision", json_object_new_string(k->precision));
   json_object_object_add(o, "disk_chunks", json_object_new_int(k->disk_chunks));
   json_object_object_add(o, "device_chunks", json_object_new_int(k->device_chunks));
+  if (k->disk_master) json_object_object_add(o, "disk_master", json_object_new_boolean(true));
   if (k->optimizer_lag) json_object_object_add(o, "optimizer_lag", json_object_new_int(k->optimizer_lag));
   if (k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0)
     json_object_object_add(o, "optimizer_state", json_object_new_string(k->optimizer_state));
@@ -88,7 +89,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "precision", "disk_chunks", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp", "pp",
+                                      "recompute", "resident", "precision", "disk_chunks", "disk_master", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp", "pp",
                                       "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
@@ -128,6 +129,13 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
       st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"recompute\" must be true or false", path);
     else
       k->recompute = json_object_get_boolean(x);
+  }
+  // (Optional: false, the master weights in host memory, when absent.)
+  if (st == FY_OK && json_object_object_get_ex(o, "disk_master", &x)) {
+    if (!json_object_is_type(x, json_type_boolean))
+      st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"disk_master\" must be true or false", path);
+    else
+      k->disk_master = json_object_get_boolean(x);
   }
   // (Optional: plans written before resident ones existed are offloaded.)
   if (st == FY_OK && json_object_object_get_ex(o, "resident", &x)) {

@@ -29,6 +29,7 @@ const struct option train_opts[] = {
     {"device-mem", required_argument, 0, OPT_DEVICE_MEM}, {"sim-link-gbps", required_argument, 0, OPT_LINK},
     {"sim-jitter-us", required_argument, 0, OPT_JITTER}, {"host-mem", required_argument, 0, OPT_HOST_MEM},
     {"disk-dir", required_argument, 0, OPT_DISK_DIR}, {"disk-chunks", required_argument, 0, OPT_DISK_CHUNKS},
+    {"disk-master", no_argument, 0, OPT_DISK_MASTER},
     {"prefetch", required_argument, 0, OPT_PREFETCH}, {"blocks", required_argument, 0, OPT_BLOCKS},
     {"chunk-mib", required_argument, 0, OPT_CHUNK_MIB}, {"save-every", required_argument, 0, OPT_SAVE_EVERY},
     {"keep", required_argument, 0, OPT_KEEP}, {"resume", required_argument, 0, OPT_RESUME},
@@ -205,6 +206,9 @@ void usage_train(FILE *f, bool eval) {
           "                     hold under DIR (made if missing)\n"
           "  --disk-chunks N    sim, cuda --offload: put the AdamW state of the last N chunks on disk\n"
           "                     (default: auto)\n"
+          "  --disk-master      sim, cuda --offload with --precision bf16 or fp16: the disk chunks'\n"
+          "                     fp32 master weights go to disk too, read and written with their m\n"
+          "                     and v; host memory keeps only their 16-bit copy (needs disk chunks)\n"
           "  --device-chunks N  sim, cuda --offload: keep the first N chunks and their AdamW state on\n"
           "                     the device and update them there (default 0: on host threads)\n"
           "  --optimizer-lag N  1: each step's update runs under the next step, which uses the weights\n"

@@ -114,7 +114,8 @@ static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model,
 
 // ferry plan --largest: for each AdamW state format, the largest OPT preset any plan fits on this
 // machine at the batch, sequence, precision and ranks given (presets tried from the largest down,
-// the first that fits wins: one search each until then).
+// the first that fits wins: one search each until then). In 16-bit the search puts the disk
+// chunks' master weights on disk too where that is what fits (disk_master), and says so.
 static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload_only, const char *precision, int lag,
                              const struct fy_probe *probe) {
   const char *const *names = fy_opt_preset_names();
@@ -136,9 +137,9 @@ static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload
     }
     char hb[32], db[32];
     if (found)
-      printf("  --optimizer-state %-4s  %-9s host %s, disk %s, %.0f tokens/s predicted\n", fmts[f], found,
+      printf("  --optimizer-state %-4s  %-9s host %s, disk %s%s, %.0f tokens/s predicted\n", fmts[f], found,
              fy_format_bytes(p.predicted.host_bytes, hb, sizeof hb), fy_format_bytes(p.predicted.disk_bytes, db, sizeof db),
-             p.predicted.tokens_per_s);
+             p.k.disk_master ? " (master weights there too: --disk-master)" : "", p.predicted.tokens_per_s);
     else
       printf("  --optimizer-state %-4s  none\n", fmts[f]);
   }

@@ -137,6 +137,7 @@ static int parse_train_args(int argc, char **argv, bool eval, struct fy_train_op
       case OPT_HOST_MEM: ok = parse_size("--host-mem", optarg, &o->host_mem); break;
       case OPT_DISK_DIR: o->disk_dir = optarg; break;
       case OPT_DISK_CHUNKS: ok = parse_i64("--disk-chunks", optarg, 0, &v); o->disk_chunks = (int)v; break;
+      case OPT_DISK_MASTER: o->disk_master = true; break;
       case OPT_PREFETCH: ok = parse_i64("--prefetch", optarg, 0, &v); o->prefetch = (int)v; break;
       case OPT_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v); o->blocks = (int)v; break;
       case OPT_SAVE_EVERY: ok = parse_i64("--save-every", optarg, 1, &o->save_every); break;

@@ -91,6 +91,12 @@ struct fy_offload {
   float *disk_g, *disk_m[2], *disk_v[2];
   float *wb_disk, *wb_disk_sum;     // host buffers for writing back one disk chunk (copy stream)
   struct fy_disk_req *req_g, *req_m[2], *req_v[2], *req_wb;
+  // fy_offload_opts.disk_master: the disk chunks' fp32 master weights are in their slot after m and
+  // v (disk_off 3, S floats), read into disk_w[set] with m and v and written back with them; the
+  // host tier holds no master for them (w_home[c] NULL).
+  bool disk_master;
+  float *disk_w[2];
+  struct fy_disk_req *req_w[2];
   int disk_read_ahead;              // the disk chunk whose m and v are being read ahead, or -1
   struct disk_wb { struct fy_offload *x; int chunk; bool accumulate; } *wb_jobs;  // per chunk
   int n_disk_chunks;
@@ -142,7 +148,9 @@ struct fy_offload {
   enum fy_stall *home_cause;
   // Chunk sharding (fy_offload_opts.comm): this rank keeps elements [lo, lo + S) of every chunk;
   // without sharding lo = 0 and S = chunk_elems. slot: floats of each per-chunk state buffer.
-  bool sharded, shards_on_device, taken;
+  // own_weights (sharding, or disk_master): the engine keeps each chunk's master weights itself
+  // (w_home, or on disk), taken from the model's whole buffer (taken) or set by set_shards.
+  bool sharded, shards_on_device, taken, own_weights;
   bool forward_only;  // evaluation: forward passes alone, no gradients or AdamW state
   // Forward-only in 16 bits from a model without fp32 weights (unsharded): the 16-bit copies
   // (chome) are the weights, set by fy_offload_set_shards (2 bytes a parameter in host memory).
@@ -153,7 +161,7 @@ struct fy_offload {
   // block_comm) and the optimizer's (host memory; of comm, also for gathering the state).
   struct fy_comm *c_gather, *c_scatter, *c_optim;
   struct fy_comm *c_optim_tp;  // tensor parallelism: the optimizer stream's tensor-parallel group
-  float **w_home;       // sharded: this rank's weights of each chunk (S floats)
+  float **w_home;       // own_weights: this rank's weights of each chunk (S floats; NULL: on disk)
   float *gather_buf;    // sharded: chunk_elems floats for fy_offload_state_out
   int64_t device_state_bytes;  // device memory the shards took (the device's counter, before/after)
   // The first error a host function met (its message: fy_error is per thread).
@@ -186,20 +194,35 @@ static int64_t span(const struct fy_offload *x, int c) { return x->sharded ? x->
 
 // Where chunk c's weights live at home: this rank's shard, or the chunk in the model's buffer.
 static float *home_weights(const struct fy_offload *x, int c) {
-  return x->sharded ? x->w_home[c] : x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+  return x->own_weights ? x->w_home[c] : x->m->params + (int64_t)c * x->m->layout->chunk_elems;
+}
+
+// Chunk c's master weights live on disk (disk_master: a disk chunk's).
+static bool master_on_disk(const struct fy_offload *x, int c) {
+  return x->disk_master && c >= x->m->layout->n_chunks - x->n_disk_chunks;
 }
 
 // The 16-bit copy of chunk c's elements [lo, hi) <- the master weights there, in the compute dtype.
 // Both hold this rank's part of the chunk, S elements from element x->lo: its shard, or without
 // sharding the whole chunk (lo 0).
-// copy is chunk c's 16-bit copy: chome[c], or with --optimizer-lag either of its two.
-static void compute_copy(struct fy_offload *x, void *copy, int c, int64_t lo, int64_t hi) {
-  to_payload(x, (char *)copy + (size_t)(lo - x->lo) * x->esize, home_weights(x, c) + (lo - x->lo), hi - lo);
+// copy is chunk c's 16-bit copy: chome[c], or with --optimizer-lag either of its two; master the
+// chunk's master weights there (home_weights, or a disk chunk's as read into a buffer).
+static void compute_copy(struct fy_offload *x, void *copy, const float *master, int64_t lo, int64_t hi) {
+  to_payload(x, (char *)copy + (size_t)(lo - x->lo) * x->esize, master + (lo - x->lo), hi - lo);
 }
 
-// The whole copy of chunk c that this rank keeps (its shard, padding included, or the used part).
-static void compute_copy_all(struct fy_offload *x, void *copy, int c) {
-  compute_copy(x, copy, c, x->lo, x->lo + span(x, c));
+static fy_status master_read(struct fy_offload *x, int c, float *dst);
+
+// The whole copy of chunk c that this rank keeps (its shard, padding included, or the used part),
+// from its master weights (read from disk into buf, S floats, where they live there).
+static fy_status compute_copy_all(struct fy_offload *x, void *copy, int c, float *buf) {
+  const float *w = home_weights(x, c);
+  if (master_on_disk(x, c)) {
+    FY_TRY(master_read(x, c, buf));
+    w = buf;
+  }
+  compute_copy(x, copy, w, x->lo, x->lo + span(x, c));
+  return FY_OK;
 }
 
 // The chunks whose gradients, m and v live in the host tier: n_dev .. nc - n_disk_chunks - 1.
@@ -216,10 +239,16 @@ static bool grads_in_copy(const struct fy_offload *x, int c) {
 }
 
 // A disk chunk's slot: its fp32 gradients (which 0, S floats; none when they come home over the
-// 16-bit copy), m (1) and v (2), mb bytes each, one after the other.
+// 16-bit copy), m (1) and v (2), mb bytes each, and with disk_master its fp32 master weights (3, S
+// floats), one after the other.
 static size_t disk_off(const struct fy_offload *x, int c, int which) {
   size_t g = grads_in_copy(x, c) ? 0 : (size_t)x->S * 4;
   return which == 0 ? 0 : g + (size_t)(which - 1) * x->mb;
+}
+
+// The bytes of a disk chunk's slot.
+static size_t disk_slot(const struct fy_offload *x, int c) {
+  return disk_off(x, c, 3) + (x->disk_master ? (size_t)x->S * 4 : 0);
 }
 
 // The elements of chunk c's m and v buffers: a device chunk's used ones, else span (its shard, or
@@ -234,8 +263,8 @@ static size_t state_bytes(const struct fy_offload *x, int c) { return fy_state_m
 // Waits for the disk chunks' m and v requests in flight; the first error.
 static fy_status disk_drain(struct fy_offload *x) {
   fy_status st = FY_OK;
-  struct fy_disk_req *r[] = {x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1]};
-  for (int i = 0; i < 4; i++) {
+  struct fy_disk_req *r[] = {x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1], x->req_w[0], x->req_w[1]};
+  for (int i = 0; i < 6; i++) {
     fy_status w = r[i] ? fy_disk_wait(r[i]) : FY_OK;
     if (st == FY_OK) st = w;
   }
@@ -403,7 +432,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   x->sumsq = calloc((size_t)g->n_params, sizeof *x->sumsq);
   // (From the host tier: on a GPU that memory is pinned, so the write-backs through it are DMA.)
   if (fy_host_alloc(m->host, (size_t)ce * 4, (void **)&x->wb_staging) != FY_OK) x->wb_staging = NULL;
-  if (x->sharded && (!(x->w_home = calloc((size_t)nc, sizeof *x->w_home)) || !(x->gather_buf = malloc((size_t)ce * 4))))
+  if (x->own_weights && (!(x->w_home = calloc((size_t)nc, sizeof *x->w_home)) || !(x->gather_buf = malloc((size_t)ce * 4))))
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate the chunk tables");
   for (int q = 0; q < 2; q++) x->jobs[q] = calloc((size_t)nc, sizeof *x->jobs[q]);
   if (!x->home || !x->home_ready || !x->grad_ready || !x->m_home || !x->g_home || !x->wb_jobs || !x->v_home || !x->disk_handle ||
@@ -475,6 +504,14 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     return fy_error_set(FY_ERR_INVALID, "optimizer state on disk needs a disk tier (--disk-dir)");
   if (x->n_disk_chunks > 0 && x->shards_on_device)
     return fy_error_set(FY_ERR_INVALID, "shards on the device and optimizer state on disk do not combine");
+  if (x->disk_master && m->compute_dtype == FY_F32)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master needs 16-bit compute (--precision bf16 or fp16): the host "
+                        "then keeps the 16-bit copy the device reads while the fp32 master is on disk; in fp32 the "
+                        "master is what the device reads");
+  if (x->disk_master && (x->n_disk_chunks == 0 || x->forward_only))
+    return fy_error_set(FY_ERR_INVALID, "--disk-master puts the disk chunks' master weights on disk, and there are no "
+                        "disk chunks%s (give --disk-chunks N with a --disk-dir, or drop --disk-master)",
+                        x->forward_only ? " when evaluating" : "");
   size_t bytes = (size_t)x->S * 4;  // a chunk's, or with sharding this rank's shard of it
   if (x->forward_only && (x->n_dev > 0 || x->n_disk_chunks > 0))
     return fy_error_set(FY_ERR_INVALID, "a forward-only engine keeps no chunks on the device or disk");
@@ -484,11 +521,13 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   }
   for (int c = 0; c < nc; c++) {
     x->wb_jobs[c] = (struct disk_wb){x, c, false};
+    // (the master of a device chunk too when not sharded: the host's copy of it, for checkpoints)
+    if (x->own_weights && !master_on_disk(x, c) && (c >= x->n_dev || !x->sharded))
+      FY_TRY(state_alloc(x, bytes, &x->w_home[c]));
     if (c < x->n_dev) continue;
-    if (x->sharded) FY_TRY(state_alloc(x, bytes, &x->w_home[c]));
     if (x->forward_only) continue;  // (no gradients, m or v)
     if (c >= nc - x->n_disk_chunks) {
-      FY_TRY(fy_disk_alloc(x->disk, (grads_in_copy(x, c) ? 0 : bytes) + 2 * x->mb, &x->disk_handle[c]));
+      FY_TRY(fy_disk_alloc(x->disk, disk_slot(x, c), &x->disk_handle[c]));
     } else {
       if (!grads_in_copy(x, c)) FY_TRY(state_alloc(x, bytes, &x->g_home[c]));
       x->m_home[c] = (float *)((char *)x->m_all + (size_t)(c - x->n_dev) * x->mb);
@@ -521,8 +560,10 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
     float **bufs[] = {&x->disk_m[0], &x->disk_v[0], &x->disk_m[1], &x->disk_v[1], &x->disk_g, &x->wb_disk,
                       &x->wb_disk_sum};
     for (int i = 0; i < (grads ? 7 : 4); i++) FY_TRY(fy_host_alloc(m->host, i < 4 ? x->mb : bytes, (void **)bufs[i]));
-    struct fy_disk_req **reqs[] = {&x->req_g, &x->req_m[0], &x->req_v[0], &x->req_m[1], &x->req_v[1], &x->req_wb};
-    for (int i = 0; i < 6; i++) FY_TRY(fy_disk_req_create(reqs[i]));
+    for (int i = 0; x->disk_master && i < 2; i++) FY_TRY(fy_host_alloc(m->host, bytes, (void **)&x->disk_w[i]));
+    struct fy_disk_req **reqs[] = {&x->req_g, &x->req_m[0], &x->req_v[0], &x->req_m[1], &x->req_v[1], &x->req_wb,
+                                   &x->req_w[0], &x->req_w[1]};
+    for (int i = 0; i < 8; i++) FY_TRY(fy_disk_req_create(reqs[i]));
   }
   return FY_OK;
 }
@@ -672,6 +713,8 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->rank = o->comm ? fy_comm_rank(o->comm) : 0;
   x->sharded = x->world > 1;
   x->shards_on_device = x->sharded && o->shards_on_device;
+  x->disk_master = o->disk_master;
+  x->own_weights = x->sharded || x->disk_master;
   x->S = ce / x->world;
   x->lo = (int64_t)x->rank * x->S;
   x->sf = m->state_format;
@@ -698,7 +741,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     if (!o->tp_comm) st = fy_error_set(FY_ERR_INVALID, "tensor parallelism needs the tensor-parallel group");
     else st = fy_comm_split(o->tp_comm, 0, fy_comm_rank(o->tp_comm), &x->c_optim_tp);
   }
-  x->weights16 = !x->sharded && !m->params;
+  x->weights16 = !x->own_weights && !m->params;
   if (st == FY_OK && x->weights16 && (!x->forward_only || m->compute_dtype == FY_F32))
     st = fy_error_set(FY_ERR_INVALID, "a model without its weights offloads unsharded only to evaluate in 16 bits");
   if (st == FY_OK) st = create_streams(x);
@@ -799,6 +842,8 @@ void fy_offload_free(struct fy_offload *x) {
   float *bufs[] = {x->disk_g, x->disk_m[0], x->disk_v[0], x->disk_m[1], x->disk_v[1], x->wb_disk, x->wb_disk_sum};
   for (int i = 0; i < 7; i++)
     if (bufs[i]) fy_host_dealloc(m->host, bufs[i], i >= 1 && i <= 4 ? x->mb : sbytes);
+  for (int i = 0; i < 2; i++)
+    if (x->disk_w[i]) fy_host_dealloc(m->host, x->disk_w[i], sbytes);
   for (int c = 0; c < nc; c++) {
     if (x->ranges) free(x->ranges[c]);
     if (x->dev_ranges && x->dev_ranges[c])
@@ -807,8 +852,9 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->ranges);
   free(x->dev_ranges);
   free(x->n_ranges);
-  struct fy_disk_req *reqs[] = {x->req_g, x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1], x->req_wb};
-  for (int i = 0; i < 6; i++) fy_disk_req_free(reqs[i]);
+  struct fy_disk_req *reqs[] = {x->req_g, x->req_m[0], x->req_v[0], x->req_m[1], x->req_v[1], x->req_wb, x->req_w[0],
+                                x->req_w[1]};
+  for (int i = 0; i < 8; i++) fy_disk_req_free(reqs[i]);
   for (int p = 0; p < 2; p++) {
     fy_event_free(x->batch_ready[p]);
     fy_event_free(x->pass_done[p]);
@@ -866,6 +912,12 @@ static fy_status disk_io(struct fy_offload *x, bool write, int c, size_t off, fl
                        : fy_disk_read_async(x->disk, x->disk_handle[c], off, buf, n, r);
   fy_status st2 = fy_disk_wait(r);
   return st != FY_OK ? st : st2;
+}
+
+// disk_master: a disk chunk's master weights (this rank's part: span elements) into dst; waits.
+// Only while no request of the optimizer's is in flight (between steps, or a skipped step's).
+static fy_status master_read(struct fy_offload *x, int c, float *dst) {
+  return disk_io(x, false, c, disk_off(x, c, 3), dst, (size_t)span(x, c) * 4, x->req_w[0]);
 }
 
 // On the copy stream, after the block reached wb_disk: the gradients go to the chunk's disk slot,
@@ -935,7 +987,7 @@ static const float *chunk_grads(struct fy_offload *x, int c) {
 
 fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ctx, int64_t lo, int64_t hi, float *dst),
                                 void *ctx) {
-  if (!x->sharded && !x->weights16)
+  if (!x->own_weights && !x->weights16)
     return fy_error_set(FY_ERR_INVALID, "setting shards of chunks that are not sharded");
   FY_TRY(fy_offload_sync(x));
   const struct fy_chunk_layout *l = x->m->layout;
@@ -952,15 +1004,21 @@ fy_status fy_offload_set_shards(struct fy_offload *x, fy_status (*fill)(void *ct
     x->m->cparams_fresh = true;  // (nothing to copy them from)
     return FY_OK;
   }
-  float *tmp = NULL;  // shards in device memory are written through the copy engine
-  if (x->shards_on_device && !(tmp = malloc((size_t)x->S * 4)))
+  // Shards in device memory are written through the copy engine, master weights on disk (this
+  // rank's part of a disk chunk with disk_master) through a host buffer.
+  float *tmp = NULL;
+  if ((x->shards_on_device || x->disk_master) && !(tmp = malloc((size_t)x->S * 4)))
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate a shard");
   fy_status st = FY_OK;
   for (int c = 0; st == FY_OK && c < l->n_chunks; c++) {
     int64_t lo = (int64_t)c * l->chunk_elems + x->lo;
-    st = fill(ctx, lo, lo + x->S, tmp ? tmp : x->w_home[c]);
-    if (st == FY_OK && tmp) st = fy_copy_async(x->copy_in, x->w_home[c], tmp, (size_t)x->S * 4);
-    if (st == FY_OK && tmp) st = fy_stream_sync(x->copy_in);
+    const bool staged = x->shards_on_device || master_on_disk(x, c);
+    st = fill(ctx, lo, lo + span(x, c), staged ? tmp : x->w_home[c]);
+    if (st == FY_OK && master_on_disk(x, c))
+      st = disk_io(x, true, c, disk_off(x, c, 3), tmp, (size_t)span(x, c) * 4, x->req_w[0]);
+    else if (st == FY_OK && staged)
+      st = fy_copy_async(x->copy_in, x->w_home[c], tmp, (size_t)x->S * 4);
+    if (st == FY_OK && staged && !master_on_disk(x, c)) st = fy_stream_sync(x->copy_in);
   }
   free(tmp);
   FY_TRY(st);
@@ -993,7 +1051,7 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
   if (!kv) FY_TRY(fy_engine_check_batch(m, batch));
-  if (x->sharded && !x->taken) FY_TRY(fy_offload_set_shards(x, from_whole_buffer, x));
+  if (x->own_weights && !x->taken) FY_TRY(fy_offload_set_shards(x, from_whole_buffer, x));
   if (micro >= x->max_micro) return fy_error_set(FY_ERR_INVALID, "micro-batch %d of at most %d", micro, x->max_micro);
   int p = x->parity;
   x->parity ^= 1;
@@ -1030,8 +1088,9 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
     FY_TRY(fy_stream_sync(x->optim));
     FY_TRY(fy_stream_sync(x->copy_in));
     for (int c = 0; c < l->n_chunks; c++) {
-      compute_copy_all(x, x->chome[c], c);
-      if (x->chome_alt && x->chome_alt[c]) compute_copy_all(x, x->chome_alt[c], c);  // both hold the weights
+      FY_TRY(compute_copy_all(x, x->chome[c], c, x->gather_buf));
+      if (x->chome_alt && x->chome_alt[c])  // both hold the weights
+        FY_TRY(compute_copy_all(x, x->chome_alt[c], c, x->gather_buf));
     }
     m->cparams_fresh = true;
   }
@@ -1190,13 +1249,24 @@ static int disk_set(const struct fy_offload *x, int c) {
   return (c - (x->m->layout->n_chunks - x->n_disk_chunks)) & 1;
 }
 
-// Starts reading disk chunk c's m and v into its set (whose requests are idle).
+// Starts reading disk chunk c's m and v (and with disk_master its master weights) into its set
+// (whose requests are idle).
 static fy_status disk_read_mv(struct fy_offload *x, int c) {
   const int b = disk_set(x, c);
   const size_t used = state_bytes(x, c);
   fy_status st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), x->disk_m[b], used, x->req_m[b]);
   if (st == FY_OK) st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), x->disk_v[b], used, x->req_v[b]);
+  if (st == FY_OK && x->disk_master)
+    st = fy_disk_read_async(x->disk, x->disk_handle[c], disk_off(x, c, 3), x->disk_w[b], (size_t)span(x, c) * 4,
+                            x->req_w[b]);
   return st;
+}
+
+// Waits for set b's requests (m, v, and with disk_master the master's); the first error.
+static fy_status disk_wait_set(struct fy_offload *x, int b) {
+  fy_status s1 = fy_disk_wait(x->req_m[b]), s2 = fy_disk_wait(x->req_v[b]);
+  fy_status s3 = x->disk_master ? fy_disk_wait(x->req_w[b]) : FY_OK;
+  return s1 != FY_OK ? s1 : s2 != FY_OK ? s2 : s3;
 }
 
 static void adamw_fn(void *arg) {
@@ -1206,8 +1276,9 @@ static void adamw_fn(void *arg) {
   int c = j->chunk;
   // A device chunk takes the scale and the skip flag from device memory, as the kernels do.
   const float *dscale = c < x->n_dev ? x->dev_scale + 2 * j->q : NULL;
-  if (dscale ? dscale[1] != 0.0f : a->skip) {
-    if (grads_in_copy(x, c)) compute_copy_all(x, j->copy, c);  // weights again
+  if (dscale ? dscale[1] != 0.0f : a->skip) {  // (no disk request is in flight: the step's updates all skip)
+    fy_status st = grads_in_copy(x, c) ? compute_copy_all(x, j->copy, c, x->disk_w[0]) : FY_OK;  // weights again
+    if (st != FY_OK) async_fail(x, st);
     return;
   }
   const float scale = dscale ? dscale[0] : a->scale;
@@ -1227,10 +1298,11 @@ static void adamw_fn(void *arg) {
     const int b = disk_set(x, c);
     mm = x->disk_m[b];
     vv = x->disk_v[b];
+    if (x->disk_master) params = x->disk_w[b];  // (the master weights read with them)
     fy_status st = x->disk_read_ahead == c ? FY_OK : disk_read_mv(x, c);
     x->disk_read_ahead = -1;
-    fy_status s2 = fy_disk_wait(x->req_m[b]), s3 = fy_disk_wait(x->req_v[b]);
-    if (st == FY_OK) st = s2 != FY_OK ? s2 : s3;
+    fy_status s2 = disk_wait_set(x, b);
+    if (st == FY_OK) st = s2;
     if (st == FY_OK && !gg) {  // (fp32 gradients on disk)
       gg = x->disk_g;
       st = disk_io(x, false, c, disk_off(x, c, 0), gg, used, x->req_g);
@@ -1273,15 +1345,18 @@ static void adamw_fn(void *arg) {
   if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (lo is 0)
     to_payload(x, x->dev_w16[c], params, hi);
   else if (x->chome && !bf16_in_copy)
-    compute_copy(x, j->copy, c, lo, hi);
+    compute_copy(x, j->copy, params, lo, hi);
   if (c >= x->n_dev && !x->m_home[c]) {
-    // m and v go back to disk while the next disk chunk's are read into the other set (once that
-    // set's writes, of the chunk before this one, are done); the step's last one waits for all.
+    // m and v (and with disk_master the master weights) go back to disk while the next disk
+    // chunk's are read into the other set (once that set's writes, of the chunk before this one,
+    // are done); the step's last one waits for all.
     const int b = disk_set(x, c);
     fy_status st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 1), mm, sbytes, x->req_m[b]);
     if (st == FY_OK) st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 2), vv, sbytes, x->req_v[b]);
-    fy_status w2 = fy_disk_wait(x->req_m[b ^ 1]), w3 = fy_disk_wait(x->req_v[b ^ 1]);
-    if (st == FY_OK) st = w2 != FY_OK ? w2 : w3;
+    if (st == FY_OK && x->disk_master)
+      st = fy_disk_write_async(x->disk, x->disk_handle[c], disk_off(x, c, 3), params, used, x->req_w[b]);
+    fy_status w2 = disk_wait_set(x, b ^ 1);
+    if (st == FY_OK) st = w2;
     if (st == FY_OK && c + 1 < x->m->layout->n_chunks && (st = disk_read_mv(x, c + 1)) == FY_OK)
       x->disk_read_ahead = c + 1;
     if (st != FY_OK || c + 1 == x->m->layout->n_chunks) {
@@ -1597,8 +1672,9 @@ void fy_offload_shard(const struct fy_offload *x, int64_t *lo, int64_t *n) {
 // Sharding: this rank's shard of chunk c's weights (which 0), m (1) or v (2) into dst (S floats).
 static fy_status shard_out(struct fy_offload *x, int c, int which, float *dst) {
   size_t bytes = (size_t)x->S * 4;
-  if (which == 0) {
-    FY_TRY(fy_copy_async(x->copy_out, dst, x->w_home[c], bytes));
+  if (which == 0 && master_on_disk(x, c)) return master_read(x, c, dst);
+  if (which == 0) {  // (span: without sharding the chunk's used part, which dst may end with)
+    FY_TRY(fy_copy_async(x->copy_out, dst, x->w_home[c], (size_t)span(x, c) * 4));
     return fy_stream_sync(x->copy_out);
   }
   if (x->sf != FY_STATE_F32) return state_io(x, c, which - 1, dst, NULL);  // (S elements)
@@ -1628,12 +1704,14 @@ fy_status fy_offload_chunk_weights_out(struct fy_offload *x, int c, float *dst) 
     if (dst) fy_convert_to_f32(dst, x->chome[c], x->m->compute_dtype, (size_t)l->chunks[c].used);
     return FY_OK;
   }
-  // Unsharded, or before the first micro-batch, the weights are whole in the model's buffer.
-  if (!x->sharded || !x->taken) {
+  // Before the first micro-batch (or kept by the model), the weights are whole in the model's buffer.
+  if (!x->own_weights || !x->taken) {
     if (dst) memcpy(dst, x->m->params + c * l->chunk_elems, (size_t)l->chunks[c].used * 4);
     return FY_OK;
   }
-  return gather_chunk(x, c, 0, dst);
+  if (x->sharded) return gather_chunk(x, c, 0, dst);
+  // disk_master, one rank: the chunk's master in the host tier or on disk (span: its used part)
+  return dst ? shard_out(x, c, 0, dst) : FY_OK;
 }
 
 fy_status fy_offload_chunk_state_out(struct fy_offload *x, int c, float *params, float *m, float *v) {

@@ -6,7 +6,8 @@
 // in goes back to the host. The optimizer runs per chunk on a host stream, after the global norm,
 // in first-use order, so that the next step's forward can start on the first chunks while later
 // ones are still being updated. Each chunk's gradients and AdamW m and v live in the host tier or,
-// for the last chunks when the host cannot hold them, on disk. With 16-bit compute (bf16 on a GPU)
+// for the last chunks when the host cannot hold them, on disk (with disk_master their fp32 master
+// weights too, the host keeping only the 16-bit copy). With 16-bit compute (bf16 on a GPU)
 // a chunk's compute payload is its weights in that dtype (docs/design.md, "Chunks"): a host copy that
 // every update refreshes from the fp32 master is what crosses the link, and the kernels write the
 // gradients over it in the block. With one micro-batch a step they come home as they are, over
@@ -37,6 +38,13 @@ struct fy_offload_opts {
   int max_micro;                // micro-batches per step (gradient accumulation)
   struct fy_disk_tier *disk;    // where state goes that the host tier cannot hold
   int n_disk_chunks;            // the last n chunks keep gradients, m and v on disk (needs disk)
+  // With 16-bit compute: the disk chunks' fp32 master weights live on disk too, in their slot
+  // after m and v (this rank's shard with sharding), read and written with them in the optimizer's
+  // double-buffered pass; the host keeps only their 16-bit copy (copies, with optimizer_lag), which
+  // the device reads. The engine then keeps every chunk's master itself (as with sharding: the
+  // model's whole buffer is taken by fy_offload_set_shards, or the model has none), and the
+  // weights are read back through fy_offload_chunk_weights_out. Needs n_disk_chunks > 0.
+  bool disk_master;
   int n_device_chunks;          // the first n chunks stay on the device with their gradients and
                                 // AdamW state, and are updated there (on the compute stream); with
                                 // 16-bit compute the kernels read a copy of their weights in it
@@ -125,7 +133,7 @@ fy_status fy_offload_drain(struct fy_offload *x);
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard
 // of it. Only between steps (after fy_offload_sync), and `store` only before the first step.
 fy_status fy_offload_adam_state(struct fy_offload *x, int chunk, float *m, float *v, bool store);
-// Sharding: sets this rank's shard of every chunk's weights from fill, which writes elements
+// Sharding (or disk_master): sets this rank's shard of every chunk's weights from fill, which writes elements
 // [lo, hi) of the flat parameter buffer into dst (fy_model_source_fill, in the trainer),
 // instead of taking the shards from the model's whole buffer (which may be NULL: model opts'
 // no_params; freed if not). Before the first micro-batch.

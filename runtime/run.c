@@ -319,11 +319,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (r->world > 1) FY_TRY(fy_comm_split(r->dp_comm, 0, r->dp_rank, &r->dp_compute));
   // Chunks sharded across ranks: no whole-model weights, each rank sets its shards alone
   // (set_shards; with tensor parallelism from the whole model's tensors, tp_take_weights). So does
-  // evaluation (or sampling) in bf16 on a GPU, whose chunks' bf16 copies are the weights.
+  // --disk-master (the engine keeps each chunk's master, the disk chunks' on disk), and evaluation
+  // (or sampling) in bf16 on a GPU, whose chunks' bf16 copies are the weights.
+  const bool disk_master = o->disk_master && !r->eval;
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
                              .state_format = r->eval ? FY_STATE_F32 : sf,
-                             .no_params = r->dp > 1 || (r->eval && cuda && cdt != FY_F32),
+                             .no_params = r->dp > 1 || disk_master || (r->eval && cuda && cdt != FY_F32),
                              .act16 = cuda && cdt != FY_F32};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
@@ -340,25 +342,33 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // With sharding each rank keeps 1/N of every chunk's state (its weights too, once training starts).
   size_t chunk_bytes = (size_t)l->chunk_elems * 4, in_use = fy_host_in_use(r->host);
   bool g16 = fy_offload_grads_in_copy(cdt, (int)o->grad_accum);  // no fp32 gradients in the host tier
-  // Per chunk: m, v, the gradients unless they come home over the 16-bit copy, and with sharding
-  // the rank's shard of the master weights (one rank's stay in the model's buffer, counted in use).
-  // (Evaluation keeps no gradients, m or v: only the sharded weights.)
+  // Per chunk that may go to disk: m, v, the gradients unless they come home over the 16-bit copy,
+  // and with --disk-master the rank's part of its master weights. The master weights stay in host
+  // memory otherwise: one rank's in the model's buffer (counted in use), a sharded rank's shards
+  // (counted here), and with --disk-master those of the chunks kept on the device.
+  // (Evaluation keeps no gradients, m or v: only the sharded weights, one rank's in the model.)
   // m and v in the run's state format: a slot of fy_state_moment_bytes(S) each (runtime/offload.c).
+  int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
   size_t shard_bytes = chunk_bytes / (size_t)r->dp,
          mv_bytes = 2 * fy_state_moment_bytes(sf, l->chunk_elems / r->dp),
-         per_chunk = ((r->dp > 1) + (r->eval || g16 ? 0 : 1)) * shard_bytes + (r->eval ? 0 : mv_bytes);
+         per_chunk = r->eval ? (r->dp > 1 ? shard_bytes : 0)
+                           : (g16 ? 0 : shard_bytes) + mv_bytes + (disk_master ? shard_bytes : 0);
   size_t reserve = 3 * chunk_bytes;
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems / (size_t)r->dp * esize;  // 16-bit weights
+  if (cdt != FY_F32 && o->optimizer_lag > 0 && !r->eval)  // (their second copy, but for the device's chunks)
+    reserve += (size_t)(l->n_chunks - (r->dp == 1 ? n_dev : 0)) * (size_t)l->chunk_elems / (size_t)r->dp * esize;
+  if (r->dp > 1 && !r->eval && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;  // the master's shards
+  if (disk_master && r->dp == 1) reserve += (size_t)n_dev * shard_bytes;  // (the device chunks' masters' host copy)
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;
   if (fit < l->n_chunks && !r->eval) {
-    reserve += 2 * mv_bytes + (g16 ? 0 : 3) * shard_bytes;  // (the disk chunks' buffers: runtime/offload.c)
+    // (the disk chunks' buffers: runtime/offload.c; with --disk-master two sets of master weights)
+    reserve += 2 * mv_bytes + (g16 ? 0 : 3) * shard_bytes + (disk_master ? 2 * shard_bytes : 0);
     spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
     fit = (int)(spare / per_chunk);
   }
   if (r->eval && fit < l->n_chunks)
     return fy_error_set(FY_ERR_NOMEM, "the weights' shards do not fit in the host memory (--host-mem)");
-  int n_dev = o->device_chunks < l->n_chunks ? o->device_chunks : l->n_chunks;
   // (The device's own chunks keep their state there: the host tier holds the rest's.)
   int n_host = l->n_chunks - (n_dev > 0 && r->dp == 1 ? n_dev : 0);
   int n_disk = o->disk_chunks >= 0 ? o->disk_chunks : (fit >= n_host ? 0 : n_host - fit);
@@ -380,19 +390,24 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     return fy_error_set(FY_ERR_INVALID, "--device-chunks %d keeps every shard on the device; --disk-chunks must be 0",
                         o->device_chunks);
   char b1[32], b2[32], b3[32], b4[32];
+  if (disk_master && n_disk == 0)
+    return fy_error_set(FY_ERR_INVALID, "--disk-master puts the disk chunks' master weights on disk, and no chunk's "
+                        "state goes to disk here (%s): give --disk-chunks N with a --disk-dir, or drop --disk-master",
+                        o->disk_chunks == 0 ? "--disk-chunks 0" : shards_on_device ? "every shard is on the device"
+                                                                : "--host-mem holds every chunk's");
   if (n_disk > 0 && !o->disk_dir)
     return fy_error_set(FY_ERR_NOMEM,
-                        "the gradients and AdamW state of %d of %d chunks (%s) do not fit in the host "
+                        "the gradients and AdamW state%s of %d of %d chunks (%s) do not fit in the host "
                         "memory (--host-mem %s, %s of it for the parameters); give a disk tier with --disk-dir",
-                        n_disk, l->n_chunks,
-                        fy_format_bytes((double)n_disk * ((g16 ? 0.0 : (double)shard_bytes) + (double)mv_bytes), b1, sizeof b1),
+                        disk_master ? " and master weights" : "", n_disk, l->n_chunks,
+                        fy_format_bytes((double)n_disk * (double)per_chunk, b1, sizeof b1),
                         fy_format_bytes((double)host_cap, b2, sizeof b2), fy_format_bytes((double)in_use, b3, sizeof b3));
   if (n_disk > 0) {
-    // Each disk chunk's slot holds its m, v and, unless they come home over the 16-bit copy, its
-    // gradients (fp32, this rank's shard). The file grows as steps write it, so a disk too small is
-    // said now rather than at a step's first write; the ranks on this machine (given the same
-    // --disk-dir) share its file system.
-    const size_t need = (size_t)n_disk * fy_disk_slot_bytes((g16 ? 0 : shard_bytes) + mv_bytes);
+    // Each disk chunk's slot holds its m, v, unless they come home over the 16-bit copy its
+    // gradients (fp32, this rank's shard), and with --disk-master its master weights (fp32, the
+    // same). The file grows as steps write it, so a disk too small is said now rather than at a
+    // step's first write; the ranks on this machine (given the same --disk-dir) share its file system.
+    const size_t need = (size_t)n_disk * fy_disk_slot_bytes(per_chunk);
     const int local = r->comm && fy_comm_local_size(r->comm) > 1 ? fy_comm_local_size(r->comm) : 1;
     double space = 0;
     fy_status st = fy_mkdir_p(o->disk_dir);  // (made when missing, as --save's directory is)
@@ -400,9 +415,10 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     if (st == FY_OK && (double)need * local > space) {
       char b5[32];
       return fy_error_set(FY_ERR_NOMEM,
-                          "--disk-dir %s: the gradients and AdamW state of %d of %d chunks need %s on disk%s%s%s, and "
+                          "--disk-dir %s: the gradients and AdamW state%s of %d of %d chunks need %s on disk%s%s%s, and "
                           "its file system has %s free: free some space, give a --disk-dir on a larger disk, or more "
-                          "--host-mem (now %s, %s of it for the parameters)", o->disk_dir, n_disk, l->n_chunks,
+                          "--host-mem (now %s, %s of it for the parameters)", o->disk_dir,
+                          disk_master ? " (and master weights)" : "", n_disk, l->n_chunks,
                           fy_format_bytes((double)need, b1, sizeof b1), local > 1 ? " (" : "",
                           local > 1 ? fy_format_bytes((double)need * local, b4, sizeof b4) : "",
                           local > 1 ? " for the ranks on this machine)" : "",
@@ -421,7 +437,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .device_reserve = o->device_reserve, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
-                               .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag};
+                               .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master};
   fy_status st = fy_offload_create(r->model, &xo, &r->x);
   if (st == FY_ERR_NOMEM && in_use + reserve > host_cap)
     return fy_error_wrap(st, "--host-mem %s holds the parameters (%s) but not the chunk-sized buffers the offload "

@@ -97,6 +97,14 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                                                                : NULL;
     if (no) return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with %s: not supported yet", e->pp, no);
   }
+  if (e->disk_master && (!e->precision || strcmp(e->precision, "fp32") == 0))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master needs 16-bit compute (--precision bf16 or fp16): the host "
+                        "then keeps the 16-bit copy the device reads while the fp32 master is on disk; in fp32 the "
+                        "master is what the device reads");
+  if (e->disk_master && (!e->device || strcmp(e->device, "cpu") == 0 ||
+                         (strcmp(e->device, "cuda") == 0 && !e->offload)))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master is for offloaded runs (--device sim, --device cuda "
+                        "--offload), whose chunks' state may live on disk");
   if (e->optimizer_lag > 0 && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 is for offloaded runs (--device cuda --offload, "
                         "--device sim) and the cpu: a resident GPU run updates on the GPU, where the lag hides nothing");

@@ -136,7 +136,8 @@ static fy_status open_training(struct training *t, struct fy_comm *comm) {
   t->lead = r->rank == 0;
   // Every rank knows when checkpoints are written: with sharded chunks all of them gather.
   t->save_every = given->save && given->save_every > 0 ? given->save_every : 0;
-  t->sharded = (r->x && r->world > 1) || r->tp > 1;
+  // (--disk-master: one rank's weights live with the engine as sharded ones do, some on disk)
+  t->sharded = (r->x && (r->world > 1 || !r->model->params)) || r->tp > 1;
   if (!t->lead) {
     t->eff.quiet = true;
     t->eff.log_path = NULL;
@@ -200,12 +201,12 @@ static void print_header(const struct training *t) {
   char disk_b[32];
   if (r->x)
     printf("ferry: %s device %.0f MiB: %d cache blocks of %.1f MiB for %d chunks, activations %.1f MiB; "
-           "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk%s%s%s, %d on the device\n",
+           "host tier %.1f of %.0f MiB; gradients and AdamW state of %d chunks on disk%s%s%s%s, %d on the device\n",
            r->dev->name, r->dev->cap / 1048576.0, res->n_blocks, res->chunk_bytes / 1048576.0, res->n_chunks,
            model->act_bytes / 1048576.0, fy_host_in_use(r->host) / 1048576.0, fy_host_cap(r->host) / 1048576.0,
            res->n_disk_chunks, r->disk ? " (" : "",
            r->disk ? fy_format_bytes(res->disk_tier_bytes, disk_b, sizeof disk_b) : "", r->disk ? ")" : "",
-           res->n_device_chunks);
+           o->disk_master && res->n_disk_chunks > 0 ? ", their master weights there too" : "", res->n_device_chunks);
   else
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);

@@ -52,6 +52,9 @@ struct fy_train_opts {
   const char *disk_dir;   // disk tier directory (NULL: none)
   int disk_chunks;        // -1: as many as the host cannot hold; else the last N chunks'
                           //   gradients and AdamW state go to disk
+  bool disk_master;       // 16-bit compute offloaded: the disk chunks' fp32 master weights go to
+                          //   disk too (runtime/offload.h, disk_master); the host keeps their
+                          //   16-bit copy. Needs disk chunks.
   int device_chunks;      // the first N chunks stay on the device with their AdamW state, which
                           //   is updated there (default 0: every update runs on the host)
   int prefetch;           // chunks loaded ahead of use (default 2)

@@ -275,6 +275,10 @@ PY
 ferry_run disk16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --disk-dir "$d/disk" \
   --disk-chunks 2 --log "$d/disk16.jsonl" || exit 1
 grep -q "AdamW state of 2 chunks on disk" "$d/disk16.out" || { cat "$d/disk16.out"; echo "no chunks on disk"; exit 1; }
+# ... and with those two chunks' fp32 master weights on disk too (--disk-master; the host keeps
+# their bf16 copy, which the update writes from the master read back): the same bits.
+ferry_run diskm16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --disk-dir "$d/diskm" \
+  --disk-chunks 2 --disk-master --log "$d/diskm16.jsonl" || exit 1
 # ... and with the first two chunks on the GPU in bf16 (the kernels read their bf16 copy there;
 # the deferred AdamW reads bf16 gradients and rewrites the copy), alone and with accumulation
 # (the bf16 gradients summed in fp32 on the GPU) against the resident accumulated run.
@@ -283,12 +287,13 @@ ferry_run devchunks16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offloa
 ferry_run devchunks16acc "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --device-chunks 2 --batch "$half" \
   --grad-accum 2 --log "$d/devchunks16acc.jsonl" || exit 1
 python3 - "$d/cuda16.jsonl" "$d/offload16.jsonl" "$d/devchunks16.jsonl" "$d/accum.jsonl" "$d/devchunks16acc.jsonl" \
-  "$d/disk16.jsonl" <<'PY' || exit 1
+  "$d/disk16.jsonl" "$d/diskm16.jsonl" <<'PY' || exit 1
 import json, sys
-a, b, c, acc, dacc, disk = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+a, b, c, acc, dacc, disk, diskm = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
 print("offload bf16     ", " ".join(f"{x:.5f}" for x in b))
 print("2 chunks on disk ", " ".join(f"{x:.5f}" for x in disk), "(the same)" if disk == b else "(not the same)")
-if disk != b:
+print("+ masters there  ", " ".join(f"{x:.5f}" for x in diskm), "(the same)" if diskm == b else "(not the same)")
+if disk != b or diskm != b:
     sys.exit(1)
 print("dev chunks bf16  ", " ".join(f"{x:.5f}" for x in c))
 print("dev chunks accum ", " ".join(f"{x:.5f}" for x in dacc))

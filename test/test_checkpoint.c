@@ -549,6 +549,12 @@ int main(int argc, char **argv) {
     q = o;
     q.precision = "bf16";
     check_resume("sim bf16, AdamW state on disk", q);
+    q.disk_master = true;  // the master weights there too: checkpoints read them, a resume writes them
+    check_resume("sim bf16, master weights on disk", q);
+    q.optimizer_lag = 1;   // (the pending update applied to them before each checkpoint)
+    check_resume("sim bf16 lag 1, master weights on disk", q);
+    q.optimizer_lag = 0;
+    q.disk_master = false;
     q.steps = 1;
     CHECK_OK(fy_train(&q, &r));
     q.steps = o.steps;

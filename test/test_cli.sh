@@ -205,6 +205,11 @@ expect 0 "a disk directory that does not exist is made" "state of 1 chunks on di
   --device sim --device-mem 4MiB --disk-dir "$tmp/made/for/disk" --disk-chunks 1
 expect 1 "a disk directory that cannot be made" "cannot create directory .*Not a directory" -- train "${tiny[@]}" \
   --device sim --device-mem 4MiB --disk-dir "$tmp/ok.bin/disk" --disk-chunks 1
+expect 0 "--disk-master puts the disk chunks' master weights on disk" "state of 1 chunks on disk .*master weights there too" \
+  -- train "${tiny[@]}" --steps 1 --device sim --device-mem 4MiB --precision bf16 --disk-dir "$tmp/dm" --disk-chunks 1 \
+  --disk-master
+expect 1 "--disk-master in fp32 is refused with the reason" "--disk-master needs 16-bit compute" -- train "${tiny[@]}" \
+  --steps 1 --device sim --device-mem 4MiB --disk-dir "$tmp/dm" --disk-chunks 1 --disk-master
 
 # Checkpoints: stop after 2 of 4 steps, resume in a new process, export.
 expect 0 "a run stopped after 2 steps leaves a checkpoint" "stopped after step 2, checkpoint written" -- train \

@@ -595,6 +595,105 @@ int main(int argc, char **argv) {
     CHECK(strstr(fy_error_msg(), "--offload") != NULL);
   }
 
+  // --disk-master: the disk chunks' fp32 master weights live on disk too (the host keeps their
+  // 16-bit copy), read ahead and written back with m and v by the optimizer. Every state format,
+  // the lag, jitter on every stream and disk request, device chunks beside, skipped steps and
+  // validation between steps: the cpu's bits. The host tier holds no master for a disk chunk.
+  {
+    const char *fmts[] = {"fp32", "bf16", "8bit"};
+    struct fy_train_result cref, with, without;
+    for (int f = 0; f < 3; f++) {
+      o = base();
+      o.precision = "bf16";
+      o.optimizer_state = fmts[f];
+      CHECK_OK(fy_train(&o, &cref));
+      struct fy_train_opts q = s;
+      q.precision = "bf16";
+      q.optimizer_state = fmts[f];
+      q.blocks = 2;
+      q.disk_dir = disk_dir;
+      q.disk_chunks = 1000;
+      q.disk_master = true;
+      char what[160];
+      snprintf(what, sizeof what, "disk master, %s state: every chunk on disk", fmts[f]);
+      same_as(what, q, &cref);
+      q.disk_chunks = 2;
+      q.device_chunks = 1;
+      q.sim_jitter_us = 300;
+      snprintf(what, sizeof what, "disk master, %s state: jitter, 2 on disk, 1 on the device", fmts[f]);
+      same_as(what, q, &cref);
+    }
+    // The host tier without the disk chunks' masters: every chunk on disk saves the model's
+    // weights (4 bytes a parameter) less the optimizer's two chunk-sized buffers for them.
+    struct fy_train_opts q = s;
+    q.precision = "bf16";
+    q.optimizer_state = "8bit";
+    q.disk_dir = disk_dir;
+    q.disk_chunks = 1000;
+    q.steps = 2;
+    CHECK_OK(fy_train(&q, &without));
+    q.disk_master = true;
+    CHECK_OK(fy_train(&q, &with));
+    const double np = (double)fy_opt_num_params(&cfg), saved = without.host_tier_bytes - with.host_tier_bytes;
+    fprintf(stderr, "  disk master: host tier %.0f bytes against %.0f (%.3f bytes a parameter fewer; %d chunks of %.0f "
+            "bytes)\n", with.host_tier_bytes, without.host_tier_bytes, saved / np, with.n_chunks, with.chunk_bytes);
+    CHECKF(saved >= 4 * np - 2 * with.chunk_bytes - 65536 && saved <= 4 * np, "disk master saves %.0f bytes of host "
+           "memory; the masters are %.0f", saved, 4 * np);
+    // The lag: each disk chunk's master read and written under the next step.
+    struct fy_train_result lag16;
+    o = base();
+    o.precision = "bf16";
+    o.optimizer_lag = 1;
+    CHECK_OK(fy_train(&o, &lag16));
+    q = s;
+    q.precision = "bf16";
+    q.optimizer_lag = 1;
+    q.blocks = 2;
+    q.disk_dir = disk_dir;
+    q.disk_chunks = 1000;
+    q.disk_master = true;
+    q.sim_jitter_us = 300;
+    same_as("disk master, bf16 lag 1, jitter, every chunk on disk", q, &lag16);
+    q.sim_jitter_us = 0;
+    // Validation between steps reads the 16-bit copies, and changes nothing.
+    o.val_data = q.val_data = shard;
+    o.val_every = q.val_every = 7;
+    o.val_batches = q.val_batches = 2;
+    struct fy_train_result cpu_v, sim_v;
+    CHECK_OK(fy_train(&o, &cpu_v));
+    CHECK_OK(fy_train(&q, &sim_v));
+    CHECKF(sim_v.val_loss == cpu_v.val_loss && sim_v.params_hash == cpu_v.params_hash,
+           "disk master, lag: validation %.9g, cpu %.9g", sim_v.val_loss, cpu_v.val_loss);
+    // fp16 from 2^24: skipped steps rebuild a disk chunk's 16-bit copy from its master on disk.
+    struct fy_train_result f16;
+    o = base();
+    o.precision = "fp16";
+    o.loss_scale = 0x1p24f;
+    CHECK_OK(fy_train(&o, &f16));
+    q = s;
+    q.precision = "fp16";
+    q.loss_scale = 0x1p24f;
+    q.blocks = 2;
+    q.disk_dir = disk_dir;
+    q.disk_chunks = 2;
+    q.disk_master = true;
+    same_as("disk master, fp16 skipped steps, 2 chunks on disk", q, &f16);
+    // What cannot be is refused with the reason: fp32 compute, no disk chunks, the cpu device.
+    q.loss_scale = 0;
+    q.precision = NULL;
+    struct fy_train_result r;
+    CHECK_ERR(fy_train(&q, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "16-bit compute") != NULL);
+    q.precision = "bf16";
+    q.disk_chunks = 0;
+    CHECK_ERR(fy_train(&q, &r), FY_ERR_INVALID);
+    CHECK(strstr(fy_error_msg(), "no chunk's state goes to disk") != NULL);
+    q.disk_chunks = 2;
+    q.device = "cpu";
+    CHECK_ERR(fy_train(&q, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "offloaded") != NULL);
+  }
+
   // The smallest device: refused before training, with the minimum it needs.
   s.blocks = 0;
   s.device_mem = 64 << 10;

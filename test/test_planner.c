@@ -569,6 +569,58 @@ int main(int argc, char **argv) {
       CHECKF(sl == FY_OK && r8.n_disk_chunks == every.n_chunks, "%s state at the least host memory, %zu bytes: %s (%d chunks on disk)",
              state, o8.host_mem, sl == FY_OK ? "ok" : fy_error_msg(), r8.n_disk_chunks);
     }
+    // disk_master (ferry train --disk-master): the disk chunks' master weights go to disk with
+    // their m and v. Between the least host memory (every chunk on disk) and the most, the cost
+    // model puts as many chunks on disk as the runtime does, in as many disk bytes; the runtime
+    // trains at the least; the least is below the least without it by the masters, less the
+    // optimizer's two buffers for them.
+    for (int v = 0; v < 2; v++) {
+      const char *state = v ? "8bit" : "fp32";
+      struct fy_plan_knobs km = kd;
+      if (v) snprintf(km.optimizer_state, sizeof km.optimizer_state, "%s", state);
+      snprintf(km.precision, sizeof km.precision, "bf16");
+      struct fy_probe pm = hp;
+      struct fy_cost am, every, every_host, none;
+      km.disk_chunks = nc;
+      CHECK_OK(fy_cost_simulate(&cfg, &km, &pm, &every_host, NULL));
+      km.disk_master = true;
+      CHECK_OK(fy_cost_simulate(&cfg, &km, &pm, &every, NULL));
+      km.disk_chunks = 0;
+      CHECK_ERR(fy_cost_simulate(&cfg, &km, &pm, &none, NULL), FY_ERR_INVALID);  // (no disk chunks: refused)
+      km.disk_master = false;
+      CHECK_OK(fy_cost_simulate(&cfg, &km, &pm, &none, NULL));
+      const double ce = (double)every.chunk_bytes / 4;  // (sim: floats)
+      CHECKF(every.fits && every.host_bytes < every_host.host_bytes - 4 * 0.9 * (double)fy_opt_num_params(&cfg) + 2 * ce * 4,
+             "%s state, disk master: %.0f host bytes with every chunk on disk, %.0f without", state, every.host_bytes,
+             every_host.host_bytes);
+      CHECK(every.disk_bytes > every_host.disk_bytes + 4 * 0.9 * (double)fy_opt_num_params(&cfg));
+      km.disk_master = true;
+      km.disk_chunks = -1;
+      char hv[64];
+      snprintf(hv, sizeof hv, "%.0f", (every.host_bytes + none.host_bytes) / 2);
+      CHECK_OK(fy_probe_override(&pm, "host_mem", hv));
+      CHECK_OK(fy_cost_simulate(&cfg, &km, &pm, &am, NULL));
+      struct fy_train_opts om = o;
+      om.optimizer_state = state;
+      om.precision = "bf16";
+      om.disk_master = true;
+      om.host_mem = (size_t)pm.host_mem;
+      struct fy_train_result rm;
+      CHECK_OK(fy_train(&om, &rm));
+      CHECKF(am.fits && rm.n_disk_chunks == am.n_disk_chunks && rm.disk_tier_bytes == am.disk_bytes &&
+             am.n_disk_chunks > 0 && am.n_disk_chunks < nc,
+             "%s state, disk master: at %zu bytes of host memory the runtime put %d of %d chunks on disk in %.0f bytes, "
+             "the cost model %d of %d in %.0f (%s)", state, om.host_mem, rm.n_disk_chunks, rm.n_chunks,
+             rm.disk_tier_bytes, am.n_disk_chunks, am.n_chunks, am.disk_bytes, am.fits ? "fits" : am.why);
+      om.host_mem = (size_t)ceil(every.host_bytes);
+      om.steps = 1;
+      fy_status sl = fy_train(&om, &rm);
+      CHECKF(sl == FY_OK && rm.n_disk_chunks == nc, "%s state, disk master, at the least host memory, %zu bytes: %s (%d "
+             "chunks on disk)", state, om.host_mem, sl == FY_OK ? "ok" : fy_error_msg(), rm.n_disk_chunks);
+      // fp32 compute has no 16-bit copy to leave in host memory: refused.
+      km.precision[0] = 0;
+      CHECK_ERR(fy_cost_simulate(&cfg, &km, &pm, &am, NULL), FY_ERR_INVALID);
+    }
     // The disk's free space bounds it: a plan needing more is refused, and the search says so (or
     // finds one that fits it, the state kept on the device).
     {
@@ -632,6 +684,23 @@ int main(int argc, char **argv) {
   CHECK(fy_cost_host_bytes_per_param_state(FY_BF16, 2, false, "bf16", 65536) == 10);
   CHECK(fy_cost_host_bytes_per_param_state(FY_BF16, 2, false, "8bit", 65536) == 6 + 2 * (65536 + 4 * 256) / 65536.0);
   CHECK(fy_cost_host_bytes_per_param_state(FY_F32, 4, false, "8bit", 65536) == 8 + 2 * (65536 + 4 * 256) / 65536.0);
+  // A disk chunk's bytes a parameter: with --disk-master only the 16-bit copy stays in host memory
+  // (a GPU's bf16 2, the sim device's rounded floats 4), the master goes to disk (4 more there).
+  {
+    double host, disk, q8 = 2 * (65536 + 4 * 256) / 65536.0;
+    fy_cost_disk_chunk_bytes_per_param(FY_BF16, 2, false, "8bit", 65536, true, &host, &disk);
+    CHECK(host == 2 && disk == q8 + 4);
+    fy_cost_disk_chunk_bytes_per_param(FY_BF16, 4, false, "8bit", 65536, true, &host, &disk);
+    CHECK(host == 4 && disk == q8 + 4);
+    fy_cost_disk_chunk_bytes_per_param(FY_BF16, 2, false, "8bit", 65536, false, &host, &disk);
+    CHECK(host == 6 && disk == q8);
+    fy_cost_disk_chunk_bytes_per_param(FY_BF16, 2, false, "fp32", 65536, true, &host, &disk);
+    CHECK(host == 2 && disk == 12);
+    fy_cost_disk_chunk_bytes_per_param(FY_BF16, 2, true, "bf16", 65536, true, &host, &disk);  // fp32 gradients there too
+    CHECK(host == 2 && disk == 4 + 4 + 4);
+    fy_cost_disk_chunk_bytes_per_param(FY_F32, 4, false, "fp32", 65536, true, &host, &disk);  // (not a placement in fp32)
+    CHECK(host == 4 && disk == 12);
+  }
   struct fy_opt_config c125;
   fy_opt_preset("opt-125m", &c125);
   // Model FLOPs as PaLM and Megatron count them: the parameters less the positional table (a lookup;
@@ -677,6 +746,27 @@ int main(int argc, char **argv) {
   CHECK_OK(fy_plan_search(&c30, "opt-30b", 8, 2048, &gpu, &plan, NULL));
   CHECK(plan.predicted.fits && plan.predicted.device_peak <= 40.0 * 1073741824.0);
   fy_plan_print(&plan, stderr);
+  // The same with 128 GiB of host memory and a 1 TB disk: the weights' fp32 master and bf16 copy
+  // alone (6 bytes a parameter, 168 GiB) do not fit; with the disk chunks' masters on disk (and
+  // 8-bit state) a plan does, and a plan file keeps the knob.
+  {
+    struct fy_probe g = gpu;
+    const char *ov[][2] = {{"host_mem", "128GiB"}, {"disk_read_gbps", "3"}, {"disk_write_gbps", "2"}, {"disk_space", "1TB"}};
+    for (int i = 0; i < 4; i++) CHECK_OK(fy_probe_override(&g, ov[i][0], ov[i][1]));
+    struct fy_plan p30;
+    CHECK_OK(fy_plan_search_state(&c30, "opt-30b", 8, 2048, 1, true, "bf16", 0, "8bit", &g, &p30, NULL));
+    CHECKF(p30.predicted.fits && p30.k.disk_master && p30.predicted.n_disk_chunks > 0 &&
+           p30.predicted.host_bytes <= g.host_mem && p30.predicted.disk_bytes <= g.disk_space,
+           "OPT-30B, 128 GiB of host memory, 8-bit state: disk master %d, %d chunks on disk, host %.1f GiB",
+           p30.k.disk_master, p30.predicted.n_disk_chunks, p30.predicted.host_bytes / 1073741824.0);
+    fy_plan_print(&p30, stderr);
+    char pf[600];
+    snprintf(pf, sizeof pf, "%s/dm.plan.json", dir);
+    CHECK_OK(fy_plan_write(pf, &p30));
+    struct fy_plan back;
+    CHECK_OK(fy_plan_read(pf, &back));
+    CHECK(back.k.disk_master && back.k.disk_chunks == p30.k.disk_chunks);
+  }
   // A GPU's plan counts the kernels' scratch, as the cuda engine takes it from the device (cuBLASLt's
   // 32 MiB workspace among it): a tiny model does not fit in 16 MiB, and in 64 MiB its device peak
   // holds the scratch.

@@ -167,6 +167,11 @@ compare onebf16 zerobf16 1e-4 5e-3 && ok "2 sharded bf16 ranks follow 1 bf16 ran
   --disk-chunks 4 --log "$tmp/zeroacc16.json" --save "$tmp/zeroacc16" || bad "2 sharded bf16 ranks with accumulation and disk train"
 compare repacc16 zeroacc16 0 && ok "2 sharded bf16 ranks with 2 micro-batches and 4 chunks' shards on disk: the replicated run's bits" \
   || bad "sharded bf16 ranks with accumulation and disk differ"
+# --disk-master: each rank's shard of a disk chunk's fp32 master in its disk slot, with m and v.
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --disk-dir "$tmp/disk" --disk-chunks 4 \
+  --disk-master --log "$tmp/zerodm16.json" --save "$tmp/zerodm16" || bad "2 sharded bf16 ranks with master weights on disk train"
+compare repbf16 zerodm16 0 && ok "2 sharded bf16 ranks with 4 chunks' master shards on disk: the replicated run's bits" \
+  || bad "sharded bf16 ranks with master weights on disk differ"
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --save "$tmp/ckz16" --save-every 100 \
   --stop-after 6 >/dev/null 2>&1 || bad "2 sharded bf16 ranks checkpoint"
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --resume "$tmp/ckz16" \
