@@ -111,6 +111,7 @@ static const char *const op_kind_names[] = {
     [FY_OP_ADD] = "add",
     [FY_OP_CROSS_ENTROPY] = "cross_entropy",
     [FY_OP_GELU] = "gelu",
+    [FY_OP_MOE] = "moe",
 };
 _Static_assert(sizeof op_kind_names / sizeof op_kind_names[0] == FY_OP_KIND_COUNT, "an op kind without a name");
 

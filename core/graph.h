@@ -27,6 +27,9 @@ enum fy_op_kind {
   FY_OP_ADD,            // in a, b (N) -> out (N)
   FY_OP_CROSS_ENTROPY,  // in logits (BT,V), targets -> out: per-row losses (BT)
   FY_OP_GELU,           // in (N) -> out (N) (exact, with erf)
+  FY_OP_MOE,            // in (BT,C); params: gate (E,C), fc1 (E*F,C) [, fc1 bias (E*F)], fc2 (E*C,F)
+                        //   [, fc2 bias (E*C)] -> out (BT,C); aux: routing (BT, E+3K), dispatched
+                        //   rows (fy_moe_rows_cap, F+C) (ops/ops.h, "mixture of experts")
   FY_OP_KIND_COUNT,
 };
 
@@ -110,7 +113,28 @@ struct fy_op {
   // The parallel pattern (planner/pattern.h) whose runtime hooks run after this op's kernels:
   // "tp_col" / "tp_row" for split linears; empty for none (chunk-level patterns need none).
   char pattern[32];
+  // MOE: E experts of F = OC features, top K, the activation (gelu, else relu) and the
+  // load-balancing loss' coefficient.
+  int experts, top_k;
+  bool gelu;
+  float aux_coef;
 };
+
+// A mixture of experts (FY_OP_MOE) computes each expert's tokens as one product whose row count is
+// rounded up to 3 significant bits (8, 9, .., 15, 16, 18, ..: fy_moe_rows), so that the
+// data-dependent counts make few distinct problems for the products' kernels (oneDNN compiles one
+// per shape) at under 1/8 more rows; the rounding rows are zeros. The rows of all E experts
+// together, for BT tokens routed to K experts each, are at most fy_moe_rows_cap.
+static inline int64_t fy_moe_rows(int64_t n) {
+  if (n <= 0) return 0;
+  if (n <= 8) return 8;
+  int64_t step = 1;
+  while ((n + step - 1) / step > 15) step *= 2;  // n / step rounded up in [8, 15] or 16
+  return (n + step - 1) / step * step;
+}
+static inline int64_t fy_moe_rows_cap(int64_t BT, int64_t E, int64_t K) {
+  return BT * K + (BT * K) / 8 + 9 * E;
+}
 
 // Whether input k's gradient is its op's output gradient, handed down unchanged (an ADD's shared
 // input): its backward writes nothing for it, and a 16-bit run rounds nothing.

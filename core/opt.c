@@ -11,21 +11,27 @@ struct opt_preset {
   const char *name;
   int64_t hidden, layers, heads, ffn, proj, vocab, max_pos;
   bool pre_ln;
+  int64_t experts, top_k, moe_every;  // a mixture of experts (0: dense)
 };
 
 // The public sizes are those of facebook/opt-* config.json files.
 static const struct opt_preset fy_opt_presets[] = {
-    {"opt-tiny", 32, 2, 4, 64, 32, 97, 64, true},
-    {"opt-demo", 256, 4, 4, 1024, 256, 512, 256, true},
-    {"opt-125m", 768, 12, 12, 3072, 768, 50272, 2048, true},
-    {"opt-350m", 1024, 24, 16, 4096, 512, 50272, 2048, false},
-    {"opt-1.3b", 2048, 24, 32, 8192, 2048, 50272, 2048, true},
-    {"opt-2.7b", 2560, 32, 32, 10240, 2560, 50272, 2048, true},
-    {"opt-6.7b", 4096, 32, 32, 16384, 4096, 50272, 2048, true},
-    {"opt-13b", 5120, 40, 40, 20480, 5120, 50272, 2048, true},
-    {"opt-30b", 7168, 48, 56, 28672, 7168, 50272, 2048, true},
-    {"opt-66b", 9216, 64, 72, 36864, 9216, 50272, 2048, true},
-    {"opt-175b", 12288, 96, 96, 49152, 12288, 50272, 2048, true},
+    {"opt-tiny", 32, 2, 4, 64, 32, 97, 64, true, 0, 0, 0},
+    {"opt-demo", 256, 4, 4, 1024, 256, 512, 256, true, 0, 0, 0},
+    {"opt-125m", 768, 12, 12, 3072, 768, 50272, 2048, true, 0, 0, 0},
+    {"opt-350m", 1024, 24, 16, 4096, 512, 50272, 2048, false, 0, 0, 0},
+    {"opt-1.3b", 2048, 24, 32, 8192, 2048, 50272, 2048, true, 0, 0, 0},
+    {"opt-2.7b", 2560, 32, 32, 10240, 2560, 50272, 2048, true, 0, 0, 0},
+    {"opt-6.7b", 4096, 32, 32, 16384, 4096, 50272, 2048, true, 0, 0, 0},
+    {"opt-13b", 5120, 40, 40, 20480, 5120, 50272, 2048, true, 0, 0, 0},
+    {"opt-30b", 7168, 48, 56, 28672, 7168, 50272, 2048, true, 0, 0, 0},
+    {"opt-66b", 9216, 64, 72, 36864, 9216, 50272, 2048, true, 0, 0, 0},
+    {"opt-175b", 12288, 96, 96, 49152, 12288, 50272, 2048, true, 0, 0, 0},
+    // Mixtures of experts: opt-tiny's sizes over 4 layers (two dense, two of 4 experts), and
+    // opt-125m's shape with 8 experts and top-2 routing in every other layer (the Switch/GShard
+    // placement), 6 of its 12 layers: 305M parameters, about 125m's plus 1.6x in active FLOPs.
+    {"opt-moe-tiny", 32, 4, 4, 64, 32, 97, 64, true, 4, 2, 2},
+    {"opt-125m-moe8", 768, 12, 12, 3072, 768, 50272, 2048, true, 8, 2, 2},
 };
 #define N_PRESETS (int)(sizeof fy_opt_presets / sizeof *fy_opt_presets)
 
@@ -62,6 +68,11 @@ fy_status fy_opt_preset(const char *name, struct fy_opt_config *cfg) {
     cfg->bos_token_id = 2;
     cfg->eos_token_id = 2;
     snprintf(cfg->torch_dtype, sizeof cfg->torch_dtype, "float32");
+    cfg->num_local_experts = p->experts;
+    cfg->num_experts_per_tok = p->experts ? p->top_k : 2;
+    cfg->moe_layer_frequency = p->experts ? p->moe_every : 1;
+    // Switch Transformer's alpha (Mixtral's config says 0.001).
+    cfg->router_aux_loss_coef = p->experts ? 0.01f : 0.001f;
     return FY_OK;
   }
   return fy_error_set(FY_ERR_NOT_FOUND, "unknown model preset '%s' (see ferry train --help)", name);
@@ -72,6 +83,9 @@ int64_t fy_opt_num_params(const struct fy_opt_config *c) {
   int64_t bias = c->enable_bias, ln = c->layer_norm_elementwise_affine ? 2 : 0;
   int64_t layer = 4 * D * D + 2 * D * F + bias * (4 * D + F + D) + 2 * ln * D;
   int64_t n = V * W + (c->max_position_embeddings + 2) * D + c->num_hidden_layers * layer;
+  // A mixture's layer holds E feed-forwards and the router (E,D) in place of one feed-forward.
+  const int64_t ffn = 2 * D * F + bias * (F + D), E = c->num_local_experts;
+  n += fy_opt_moe_layers(c) * ((E - 1) * ffn + E * D);
   if (W != D) n += 2 * D * W;
   if (c->do_layer_norm_before && !c->remove_final_layer_norm) n += ln * D;
   if (!c->tie_word_embeddings) n += V * W;
@@ -98,12 +112,22 @@ double fy_opt_step_flops(const struct fy_opt_config *c, int64_t B, int64_t T, en
   // 0.3% above it at T 128 (its positional table outweighs the attention it leaves out).
   const double tokens = (double)B * (double)T, L = (double)c->num_hidden_layers, D = (double)c->hidden_size;
   const double all = (double)fy_opt_num_params(c);
-  if (count == FY_FLOPS_LLMC) return 6.0 * all * tokens + 6.0 * L * D * (double)T * tokens;
+  if (count == FY_FLOPS_LLMC && c->num_local_experts == 0) return 6.0 * all * tokens + 6.0 * L * D * (double)T * tokens;
+  if (count == FY_FLOPS_LLMC) {  // (every parameter a token computes with: the active experts)
+    const double F = (double)c->ffn_dim, E = (double)c->num_local_experts;
+    const double active = all - (double)fy_opt_moe_layers(c) * (E - (double)c->num_experts_per_tok) *
+                                    (2 * D * F + (c->enable_bias ? F + D : 0));
+    return 6.0 * active * tokens + 6.0 * L * D * (double)T * tokens;
+  }
   const double vw = (double)c->vocab_size * (double)c->word_embed_proj_dim;
   const double positions = (double)(c->max_position_embeddings + 2) * D;
   // all - positions holds the token table once (the lm_head's product when tied) and, untied, the
   // lm_head's matrix besides: then one of the two V x W is the input lookup and goes.
-  const double dense = all - positions - (c->tie_word_embeddings ? 0.0 : vw);
+  double dense = all - positions - (c->tie_word_embeddings ? 0.0 : vw);
+  // A mixture computes k of its E experts a token (and its router): the E - k others do not count.
+  const double F = (double)c->ffn_dim, E = (double)c->num_local_experts;
+  dense -= (double)fy_opt_moe_layers(c) * (E - (double)c->num_experts_per_tok) *
+           (2 * D * F + (c->enable_bias ? F + D : 0));
   return 6.0 * dense * tokens + 12.0 * L * D * (double)T * tokens;
 }
 
@@ -226,6 +250,37 @@ static int residual(struct builder *b, const char *name, int l, int h, int x, in
   return add_op(b, &op);
 }
 
+// A mixture-of-experts feed-forward block (FY_OP_MOE): Mixtral's gate name, and the experts'
+// weights stacked along their first dimension (expert e's fc1 is rows [e F, (e + 1) F) of
+// experts.fc1.weight), so that one product kernel walks them and a chunk holds them contiguously.
+static int moe(struct builder *b, int l, int x) {
+  const struct fy_opt_config *c = b->c;
+  const int64_t D = c->hidden_size, F = c->ffn_dim, E = c->num_local_experts;
+  const bool bias = c->enable_bias;
+  char pn[FY_NAME_MAX];
+  struct fy_op op = {.kind = FY_OP_MOE, .layer = l, .n_in = 1, .in = {x}, .out = slot(b, b->BT * D), .n_aux = 2,
+                     .aux = {slot(b, b->BT * (E + 3 * c->num_experts_per_tok)),
+                             slot(b, fy_moe_rows_cap(b->BT, E, c->num_experts_per_tok) * (F + D))},
+                     .C = D, .OC = F, .has_bias = bias, .experts = (int)E, .top_k = (int)c->num_experts_per_tok,
+                     .gelu = c->activation == FY_ACT_GELU, .aux_coef = c->router_aux_loss_coef};
+  snprintf(op.name, sizeof op.name, "layers.%d.block_sparse_moe", l);
+  snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.gate.weight", l);
+  op.params[op.n_params++] = param(b, pn, E, D);
+  snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc1.weight", l);
+  op.params[op.n_params++] = param(b, pn, E * F, D);
+  if (bias) {
+    snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc1.bias", l);
+    op.params[op.n_params++] = param(b, pn, E * F, 0);
+  }
+  snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc2.weight", l);
+  op.params[op.n_params++] = param(b, pn, E * D, F);
+  if (bias) {
+    snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc2.bias", l);
+    op.params[op.n_params++] = param(b, pn, E * D, 0);
+  }
+  return add_op(b, &op);
+}
+
 static int decoder_layer(struct builder *b, int l, int h) {
   const struct fy_opt_config *c = b->c;
   int64_t D = c->hidden_size, F = c->ffn_dim, NH = c->num_attention_heads;
@@ -261,6 +316,14 @@ static int decoder_layer(struct builder *b, int l, int h) {
   // Feed-forward block.
   snprintf(n1, sizeof n1, "%s.final_layer_norm", p);
   x = pre ? layernorm(b, n1, l, h) : h;
+  if (fy_opt_layer_is_moe(c, l)) {
+    int f = moe(b, l, x);
+    snprintf(label, sizeof label, "%s.ffn_residual", p);
+    h = residual(b, label, l, h, f, 2 * l + 1);
+    snprintf(n1, sizeof n1, "%s.final_layer_norm", p);
+    if (!pre) h = layernorm(b, n1, l, h);
+    return h;
+  }
   snprintf(n1, sizeof n1, "%s.fc1", p);
   const char *fc1[1] = {n1};
   int f = linear_split(b, n1, l, x, fc1, 1, D, F, bias, -1, FY_SPLIT_COL);
@@ -291,6 +354,9 @@ fy_status fy_opt_build_graph_tp(const struct fy_opt_config *c, int64_t B, int64_
     return fy_error_set(FY_ERR_INVALID, "%d tensor-parallel ranks must divide the %lld attention heads and the "
                         "feed-forward size %lld of %s", tp, (long long)c->num_attention_heads,
                         (long long)c->ffn_dim, c->name);
+  if (tp > 1 && c->num_local_experts > 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: tensor parallelism of its experts is not "
+                        "supported yet (train it on one rank or with data parallelism)", c->name);
   if (B < 1 || T < 1) return fy_error_set(FY_ERR_INVALID, "batch and sequence must be positive");
   if (T > c->max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID,

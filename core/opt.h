@@ -32,11 +32,33 @@ struct fy_opt_config {
   float train_dropout;
   int64_t pad_token_id, bos_token_id, eos_token_id;
   char torch_dtype[16];          // as written in config.json ("float16", "float32", ...)
+  // Mixture of experts (docs/training.md, "Mixture of experts"; Mixtral's config.json names plus
+  // moe_layer_frequency). num_local_experts 0: a dense model, the other three unused. Otherwise
+  // decoder layer l (from 0) is a mixture when (l + 1) % moe_layer_frequency == 0 (Qwen2-MoE's
+  // decoder_sparse_step rule: frequency 2 makes layers 1, 3, 5, ... sparse, 1 every layer): its
+  // feed-forward block is num_local_experts OPT feed-forwards, a linear router without bias,
+  // top-num_experts_per_tok routing with the chosen probabilities renormalised, dropless, and the
+  // load-balancing loss times router_aux_loss_coef added to the training objective.
+  int64_t num_local_experts;     // E
+  int64_t num_experts_per_tok;   // k
+  int64_t moe_layer_frequency;   // n
+  float router_aux_loss_coef;
 };
+
+// Whether decoder layer l of cfg is a mixture of experts.
+static inline bool fy_opt_layer_is_moe(const struct fy_opt_config *c, int64_t l) {
+  return c->num_local_experts > 0 && c->moe_layer_frequency > 0 && (l + 1) % c->moe_layer_frequency == 0;
+}
+// Number of mixture-of-experts layers of cfg.
+static inline int64_t fy_opt_moe_layers(const struct fy_opt_config *c) {
+  return c->num_local_experts > 0 && c->moe_layer_frequency > 0 ? c->num_hidden_layers / c->moe_layer_frequency : 0;
+}
 
 // Fills `cfg` with a preset: "opt-125m", "opt-350m", "opt-1.3b", "opt-2.7b", "opt-6.7b",
 // "opt-13b", "opt-30b", "opt-66b", "opt-175b", and the small ones "opt-tiny" (tests) and
-// "opt-demo" (the bundled corpus' byte-level vocabulary). The "facebook/" prefix is accepted.
+// "opt-demo" (the bundled corpus' byte-level vocabulary); mixtures of experts: "opt-moe-tiny"
+// (tests) and "opt-125m-moe8" (opt-125m's shape, 8 experts, top 2, every other layer). The
+// "facebook/" prefix is accepted.
 fy_status fy_opt_preset(const char *name, struct fy_opt_config *cfg);
 // A NULL-terminated list of preset names, for --help.
 const char *const *fy_opt_preset_names(void);
@@ -48,7 +70,7 @@ fy_status fy_opt_config_read(const char *path, struct fy_opt_config *cfg);
 fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *cfg);
 // Checks the fields for consistency (used by both of the above).
 fy_status fy_opt_config_check(const struct fy_opt_config *cfg);
-// Number of parameters (tied embeddings counted once).
+// Number of parameters (tied embeddings counted once; every expert of a mixture).
 int64_t fy_opt_num_params(const struct fy_opt_config *cfg);
 
 // Builds the graph of OPTForCausalLM for micro-batches of B x T tokens: parameters named as in

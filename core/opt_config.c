@@ -45,6 +45,11 @@ static void cfg_defaults(struct fy_opt_config *c) {
   c->bos_token_id = 2;
   c->eos_token_id = 2;
   snprintf(c->torch_dtype, sizeof c->torch_dtype, "float32");
+  // Dense unless config.json names experts; then Mixtral's defaults for the rest.
+  c->num_local_experts = 0;
+  c->num_experts_per_tok = 2;
+  c->moe_layer_frequency = 1;
+  c->router_aux_loss_coef = 0.001f;
 }
 
 // The parameter count in double precision (cannot overflow), for the sanity bound only;
@@ -56,7 +61,28 @@ static double cfg_params_estimate(const struct fy_opt_config *c) {
   double emb = V * P + ((double)c->max_position_embeddings + 2) * D;
   if (P != D) emb += 2 * P * D;
   if (!c->tie_word_embeddings) emb += V * P;
+  if (c->num_local_experts > 0 && c->moe_layer_frequency > 0)
+    layer += 1.0 / (double)c->moe_layer_frequency * ((double)c->num_local_experts - 1) * (2 * D * F + F + D);
   return L * layer + emb + 2 * D;
+}
+
+// The mixture-of-experts keys: all or nothing checked only when num_local_experts says a mixture.
+static fy_status cfg_check_moe(const struct fy_opt_config *c) {
+  if (c->num_local_experts == 0) return FY_OK;
+  if (c->num_local_experts < 0 || c->num_local_experts > 4096)
+    return fy_error_set(FY_ERR_INVALID, "OPT config: num_local_experts = %lld is out of range [0, 4096] (0: dense)",
+                        (long long)c->num_local_experts);
+  if (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->num_local_experts)
+    return fy_error_set(FY_ERR_INVALID, "OPT config: num_experts_per_tok = %lld must be in [1, num_local_experts = %lld]",
+                        (long long)c->num_experts_per_tok, (long long)c->num_local_experts);
+  if (c->moe_layer_frequency < 1 || c->moe_layer_frequency > c->num_hidden_layers)
+    return fy_error_set(FY_ERR_INVALID, "OPT config: moe_layer_frequency = %lld must be in [1, num_hidden_layers = %lld] "
+                        "(layer l is a mixture when (l + 1) %% moe_layer_frequency == 0)",
+                        (long long)c->moe_layer_frequency, (long long)c->num_hidden_layers);
+  if (!(c->router_aux_loss_coef >= 0 && c->router_aux_loss_coef <= 1e3f))
+    return fy_error_set(FY_ERR_INVALID, "OPT config: router_aux_loss_coef = %g is out of range [0, 1000]",
+                        (double)c->router_aux_loss_coef);
+  return FY_OK;
 }
 
 fy_status fy_opt_config_check(const struct fy_opt_config *c) {
@@ -113,6 +139,7 @@ fy_status fy_opt_config_check(const struct fy_opt_config *c) {
   if (!(c->train_dropout >= 0 && c->train_dropout < 1))
     return fy_error_set(FY_ERR_INVALID, "dropout %g: a probability in [0, 1) (1 would drop every branch)",
                         (double)c->train_dropout);
+  FY_TRY(cfg_check_moe(c));
   double np = cfg_params_estimate(c);
   if (np > CFG_MAX_PARAMS)
     return fy_error_set(FY_ERR_INVALID, "OPT config: %.3g parameters is absurd (limit 2^50)", np);
@@ -241,6 +268,10 @@ static fy_status cfg_parse(json_object *root, const char *path, struct fy_opt_co
   FY_TRY(cfg_float(root, path, "activation_dropout", &c->activation_dropout));
   FY_TRY(cfg_float(root, path, "layerdrop", &c->layerdrop));
   FY_TRY(cfg_float(root, path, "init_std", &c->init_std));
+  FY_TRY(cfg_int(root, path, "num_local_experts", &c->num_local_experts, NULL));
+  FY_TRY(cfg_int(root, path, "num_experts_per_tok", &c->num_experts_per_tok, NULL));
+  FY_TRY(cfg_int(root, path, "moe_layer_frequency", &c->moe_layer_frequency, NULL));
+  FY_TRY(cfg_float(root, path, "router_aux_loss_coef", &c->router_aux_loss_coef));
   c->layer_norm_eps = 1e-5f;
   fy_status st = fy_opt_config_check(c);
   if (st != FY_OK) fy_error_wrap(st, "%s", path);
@@ -363,7 +394,9 @@ fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *c) {
     json_object_put(arch);
     return fy_error_set(FY_ERR_NOMEM, "out of memory");
   }
-  json_object_array_add(arch, json_object_new_string("OPTForCausalLM"));
+  // A mixture has no class in transformers: the name says what it is, and no loader mistakes it
+  // for a dense OPT model.
+  json_object_array_add(arch, json_object_new_string(c->num_local_experts > 0 ? "OPTMoEForCausalLM" : "OPTForCausalLM"));
   // Sorted keys, as transformers' to_json_string writes them.
   json_object_object_add(o, "_remove_final_layer_norm", json_object_new_boolean(c->remove_final_layer_norm));
   json_object_object_add(o, "activation_dropout", cfg_new_float(c->activation_dropout));
@@ -382,10 +415,19 @@ fy_status fy_opt_config_write(const char *dir, const struct fy_opt_config *c) {
                          json_object_new_boolean(c->layer_norm_elementwise_affine));
   json_object_object_add(o, "layerdrop", cfg_new_float(c->layerdrop));
   json_object_object_add(o, "max_position_embeddings", json_object_new_int64(c->max_position_embeddings));
+  if (c->num_local_experts > 0)
+    json_object_object_add(o, "moe_layer_frequency", json_object_new_int64(c->moe_layer_frequency));
   json_object_object_add(o, "model_type", json_object_new_string("opt"));
   json_object_object_add(o, "num_attention_heads", json_object_new_int64(c->num_attention_heads));
+  if (c->num_local_experts > 0) {
+    json_object_object_add(o, "num_experts_per_tok", json_object_new_int64(c->num_experts_per_tok));
+  }
   json_object_object_add(o, "num_hidden_layers", json_object_new_int64(c->num_hidden_layers));
+  if (c->num_local_experts > 0)
+    json_object_object_add(o, "num_local_experts", json_object_new_int64(c->num_local_experts));
   json_object_object_add(o, "pad_token_id", cfg_new_token(c->pad_token_id));
+  if (c->num_local_experts > 0)
+    json_object_object_add(o, "router_aux_loss_coef", cfg_new_float(c->router_aux_loss_coef));
   json_object_object_add(o, "tie_word_embeddings", json_object_new_boolean(c->tie_word_embeddings));
   json_object_object_add(o, "torch_dtype", json_object_new_string(c->torch_dtype[0] ? c->torch_dtype : "float32"));
   json_object_object_add(o, "use_cache", json_object_new_boolean(true));

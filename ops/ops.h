@@ -147,6 +147,35 @@ void fy_add_backward(float *da, float *db, const float *dout, int64_t N);
 // its partial products: planner/patterns/tp_row.c)
 void fy_bias_add(float *out, const float *bias, int64_t rows, int64_t C);
 
+// ---- mixture of experts (ops/cpu/moe.c; core/graph.h FY_OP_MOE) ----
+//
+// route (BT, E+3K), per token: the router's softmax over the E experts, the K chosen (expert ids
+// as floats, the most probable first, the lower id on a tie), their weights (the chosen
+// probabilities over their sum) and their rows in the dispatch layout (floats: exact below 2^24).
+// rows: fy_moe_rows_cap(BT,E,K) x F floats of the experts' fc1 outputs (before the activation),
+// then as many x C of their fc2 outputs (before the weights), expert e's block of fy_moe_rows(n_e)
+// rows after expert e-1's. balance = E x sum_e f_e P_e (the Switch/Mixtral load-balancing term:
+// f_e the token-choices routed to e over BT, each of the K choices counted; P_e the mean
+// probability of e over the tokens); the caller scales it by its coefficient.
+struct fy_moe_dims {
+  int64_t BT, C, F;  // tokens, model width, an expert's feed-forward width
+  int E, K;          // experts, experts a token
+  bool gelu;         // the experts' activation: gelu (else relu)
+  bool bf16;         // the experts' products with bf16 operands, as fy_linear_forward's
+};
+// inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
+//   -> out (BT,C), route, rows, *balance
+fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance, const float *inp, const float *gate,
+                         const float *w1, const float *b1, const float *w2, const float *b2,
+                         const struct fy_moe_dims *d);
+// dout (BT,C) and forward's tensors; dbalance = d(objective)/d(balance) -> dinp (BT,C) += (NULL:
+// not wanted), dgate (E,C), dw1, db1, dw2, db2 = (or += with accumulate). An expert that got no
+// token has a zero gradient (left as it is with accumulate). The routing itself (top-K) has no
+// gradient; its weights do, through the renormalisation and the softmax, and so does P_e.
+fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, float *dw2, float *db2, const float *dout,
+                          const float *inp, const float *route, const float *rows, const float *gate, const float *w1,
+                          const float *w2, float dbalance, bool accumulate, const struct fy_moe_dims *d);
+
 // ---- dropout on a residual branch, fused with the add (OPT: before each residual add) ----
 //
 // The mask is drawn, never stored, from key (fy_dropout_key: the seed and the site) and the

@@ -118,6 +118,26 @@ static void cross_entropy_regions(const struct fy_graph *g, const struct fy_op *
   r[0] = r[1] = (double)g->B * (double)g->T * (double)op->V > (double)FY_PAR_ROWS ? 1 : 0;
 }
 
+// A mixture of experts: the router's product and the K experts' two products a token (the
+// rounding rows of fy_moe_rows ignored), backward twice forward; the gathers, the weighted sums and
+// the softmax pass over memory. Its workspace (ops/cpu/moe.c's own allocation) is not counted yet.
+static void moe_cost(const struct fy_graph *g, const struct fy_op *op, int ab, struct fy_op_profile *out) {
+  const double BT = (double)g->B * (double)g->T, C = (double)op->C, F = (double)op->OC, E = op->experts,
+               K = op->top_k;
+  out->flops[0] = 2 * BT * C * E + K * 4 * BT * C * F;
+  out->flops[1] = 2 * out->flops[0];
+  out->mem_bytes[0] = BT * K * (3 * C + 2 * F) * ab;
+  out->mem_bytes[1] = 2 * out->mem_bytes[0];
+}
+static void moe_regions(const struct fy_graph *g, const struct fy_op *op, enum fy_dtype compute, bool bf16_products,
+                        double r[2]) {
+  (void)g, (void)compute, (void)bf16_products;
+  // forward: the router's product, the softmax, the gather, two products an expert, the sum;
+  // backward: three loops, four products an expert, the router's two
+  r[0] = 4 + 2.0 * op->experts;
+  r[1] = 5 + 4.0 * op->experts;
+}
+
 // The planner's table of op kinds: a new op kind is one line here. efficiency: the share of the
 // probed GEMM rate the op's FLOPs run at.
 static const struct profile_kind {
@@ -134,6 +154,7 @@ static const struct profile_kind {
     [FY_OP_ADD] = {add_cost, add_regions, 1.0},
     [FY_OP_CROSS_ENTROPY] = {cross_entropy_cost, cross_entropy_regions, 1.0},
     [FY_OP_GELU] = {elementwise_cost, gelu_regions, 1.0},
+    [FY_OP_MOE] = {moe_cost, moe_regions, 1.0},
 };
 _Static_assert(sizeof profile_kinds / sizeof profile_kinds[0] == FY_OP_KIND_COUNT, "an op kind without costs");
 

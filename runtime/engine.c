@@ -150,6 +150,45 @@ static fy_status cross_entropy_fwd(const struct fy_op_args *a) {
   return FY_OK;
 }
 
+// A mixture of experts' kernels (ops/ops.h): its parameters in op->params order.
+static struct fy_moe_dims moe_dims(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
+                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
+}
+
+// The targets of the call's rows not ignored: the weight of its balance term (struct fy_loss).
+static int64_t moe_targets(const struct fy_op_args *a) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < a->BT; i++) n += a->c->batch->targets[i] != -100;
+  return n;
+}
+
+static fy_status moe_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  const struct fy_moe_dims d = moe_dims(a);
+  const int b = op->has_bias;
+  double balance;
+  FY_TRY(fy_moe_forward(a->out, fy_engine_act(a->m, op->aux[0]), fy_engine_act(a->m, op->aux[1]), &balance, a->in0,
+                        c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, &d));
+  if (c->aux_sum) *c->aux_sum += (double)op->aux_coef * balance * (double)moe_targets(a);
+  return FY_OK;
+}
+
+static fy_status moe_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  const struct fy_moe_dims d = moe_dims(a);
+  const int b = op->has_bias;
+  // The objective's balance term is coef x balance x (this micro-batch's targets) x loss_scale
+  // (1 / the step's targets): with one micro-batch, coef x balance added to the mean loss.
+  const float dbalance = op->aux_coef * c->loss_scale * (float)moe_targets(a);
+  return fy_moe_backward(fy_engine_dinput(a->m, op, 0), c->g[0], c->g[1], b ? c->g[2] : NULL, c->g[2 + b],
+                         b ? c->g[4] : NULL, a->dout, a->in0, fy_engine_act(a->m, op->aux[0]),
+                         fy_engine_act(a->m, op->aux[1]), c->w[0], c->w[1], c->w[2 + b], dbalance, !a->first[0], &d);
+}
+
 static fy_status embedding_bwd(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
   const struct fy_param *p = &a->g->params[op->params[0]];
@@ -250,6 +289,7 @@ static const struct fy_op_kernels cpu_ops[] = {
     [FY_OP_ADD] = {add_fwd, add_bwd},
     [FY_OP_CROSS_ENTROPY] = {cross_entropy_fwd, cross_entropy_bwd},
     [FY_OP_GELU] = {gelu_fwd, gelu_bwd},
+    [FY_OP_MOE] = {moe_fwd, moe_bwd},
 };
 _Static_assert(sizeof cpu_ops / sizeof cpu_ops[0] == FY_OP_KIND_COUNT, "an op kind without CPU kernels");
 
@@ -354,6 +394,7 @@ static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool 
   FY_TRY(stage_batch(m, batch, pos, &b));
   b.no_dropout = !dropout;
   loss->sum = 0;
+  loss->aux_sum = 0;
   loss->count = fy_engine_count_targets(batch);
   // 16-bit numerics: the kernels read the master weights in the compute dtype (refreshed once after
   // they changed, not every micro-batch).
@@ -365,6 +406,7 @@ static fy_status forward(struct fy_model *m, const struct fy_batch *batch, bool 
     struct fy_op_call c;
     resident_call(m, o, &b, &c);
     c.loss_sum = &loss->sum;
+    c.aux_sum = &loss->aux_sum;
     m->kernels->op_forward(&c);
     if (c.st != FY_OK) return c.st;
   }

@@ -18,6 +18,9 @@
 struct fy_loss {
   double sum;      // sum of per-token losses over targets not ignored
   int64_t count;   // number of targets not ignored
+  double aux_sum;  // mixtures of experts: the load-balancing terms times their coefficient, each
+                   //   weighted by count (so that over micro-batches and ranks sum / total count
+                   //   is their token-weighted mean, the `aux_loss` of the log); 0 for a dense model
 };
 
 // A micro-batch as the kernels read it (device memory on an offloading device).
@@ -35,6 +38,7 @@ struct fy_op_call {
   float *g[FY_OP_MAX_PARAMS];  // where their gradients go (may be the same memory as w)
   float loss_scale;            // backward of the loss: d(loss_scale x sum of losses)
   double *loss_sum;            // forward of the loss adds the sum of its per-row losses here
+  double *aux_sum;             // forward of a mixture of experts adds its weighted balance term here
   int64_t rows;                // forward of a model built for one sequence (B = 1): only its first
                                // `rows` tokens (0: all T), for decoding fewer than it was built for
                                // (not attention: decoding runs kernels->attention_decode instead)

@@ -272,6 +272,13 @@ static fy_status cross_entropy_bwd(const struct fy_op_args *a) {
                                        a->m->compute_dtype, a->BT, op->V, a->c->loss_scale, ctx_of(a->m)->st);
 }
 
+// A mixture of experts has no CUDA kernels yet (issue 37): the run is refused before it starts
+// (runtime/run.c); these say so should a call get here all the same.
+static fy_status moe_unsupported(const struct fy_op_args *a) {
+  return fy_error_set(FY_ERR_UNSUPPORTED, "%s: mixtures of experts have no CUDA kernels yet (train on --device cpu)",
+                      a->op->name);
+}
+
 // The cuda backend's op table: a new op kind is one line here (and one in runtime/engine.c's).
 static const struct fy_op_kernels cuda_ops[] = {
     [FY_OP_EMBEDDING] = {embedding_fwd, embedding_bwd},
@@ -282,6 +289,7 @@ static const struct fy_op_kernels cuda_ops[] = {
     [FY_OP_ADD] = {add_fwd, add_bwd},
     [FY_OP_CROSS_ENTROPY] = {cross_entropy_fwd, cross_entropy_bwd},
     [FY_OP_GELU] = {gelu_fwd, gelu_bwd},
+    [FY_OP_MOE] = {moe_unsupported, moe_unsupported},
 };
 _Static_assert(sizeof cuda_ops / sizeof cuda_ops[0] == FY_OP_KIND_COUNT, "an op kind without cuda kernels");
 
