@@ -551,6 +551,12 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   FY_TRY(seq_fits(o->seq, &r->cfg));
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
+  // A mixture of experts runs the CPU's kernels on resident state (issue 37: the expert pattern,
+  // offloading by expert and the CUDA kernels are to come).
+  if (r->cfg.num_local_experts > 0 && strcmp(device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu for now (resident "
+                        "state, replicas across ranks); the sim and cuda devices, offloading and expert "
+                        "parallelism are not supported yet", r->cfg.name);
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim and on GPUs.
   enum fy_dtype cdt;
   if (o->precision && !fy_precision_dtype(o->precision, &cdt))

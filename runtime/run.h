@@ -55,6 +55,7 @@ struct run {
   // model's own, which lag_own was allocated to stand in for) and that step's update's arguments,
   // applied after the next step's passes (step_resident) or by drain_updates.
   float *lag_grads, *lag_own;
+  double aux_loss;       // a mixture of experts: the last step's load-balancing terms (struct fy_loss)
   struct lagged_update { bool pending, skip; float lr, grad_scale; int64_t t; double norm; } lag;
 };
 

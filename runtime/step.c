@@ -141,7 +141,7 @@ fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t st
   int64_t counts[o->grad_accum], total = 0, n_with_grads = 0;
   FY_TRY(step_targets(o, r, counts, &total));
   if (total == 0) return skip_step(o, r);
-  double loss_sum = 0;
+  double loss_sum = 0, aux_sum = 0;
   for (int64_t micro = 0; micro < o->grad_accum; micro++) {
     struct fy_batch *batch;
     struct fy_loss loss;
@@ -150,11 +150,12 @@ fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t st
     FY_TRY(fy_engine_forward(model, batch, &loss));
     // Every data-parallel rank's part of the micro-batch (tensor-parallel ranks share their
     // sequences: the sum runs over the data-parallel group), so that all see a non-finite loss.
-    float global = (float)loss.sum;
-    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, &global, 1, FY_COMM_F32, NULL));
-    const double sum = r->dp > 1 ? global : loss.sum;
+    float global[2] = {(float)loss.sum, (float)loss.aux_sum};
+    if (r->dp > 1) FY_TRY(fy_comm_all_reduce(r->dp_comm, global, 2, FY_COMM_F32, NULL));
+    const double sum = r->dp > 1 ? global[0] : loss.sum;
     if (!isfinite(sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", sum / (double)counts[micro]);
     loss_sum += sum;
+    aux_sum += r->dp > 1 ? global[1] : loss.aux_sum;
     FY_TRY(fy_engine_backward(model, batch, (float)(scale / (double)total)));
     // Micro-batches' gradients are summed apart from the backward pass (which overwrites), in
     // the same order and with the same adds on every placement.
@@ -166,6 +167,7 @@ fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t st
     n_with_grads++;
   }
   *loss_out = loss_sum / (double)total;
+  r->aux_loss = aux_sum / (double)total;
   if (o->grad_accum > 1) {  // the optimizer reads m->grads: the fp32 sum
     float *t = model->grads;
     model->grads = model->grad_acc;

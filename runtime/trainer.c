@@ -333,6 +333,11 @@ static void log_step(const struct training *t, int64_t step, const struct step_r
           fy_state_format_name(r->model->state_format));
   if (s->ignored || (s->overflow && o->loss_scale > 0))
     fprintf(log, ",\"skipped\":\"%s\"", s->ignored ? "every target ignored" : "gradient overflow");
+  if (r->model->cfg.num_local_experts > 0 && !s->ignored) {  // (the objective is loss + aux_loss)
+    char aux_json[32];
+    json_number(aux_json, r->aux_loss, "%.6f");
+    fprintf(log, ",\"aux_loss\":%s", aux_json);
+  }
   if (s->validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, t->val_s);
   if (r->gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(r) / 1048576.0);
   if (r->disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);
