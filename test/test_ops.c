@@ -17,6 +17,7 @@
 
 #include "core/dtype.h"
 #include "ops/dropout.h"
+#include "core/graph.h"
 #include "ops/ops.h"
 #include "test/check.h"
 
@@ -1180,12 +1181,166 @@ static void test_params_overwrite(void) {
   CHECK(memcmp(lw, dlw, sizeof lw) == 0 && memcmp(lb, dlb, sizeof lb) == 0);
 }
 
+
+// ---- mixture of experts ----
+
+struct moe_ctx {
+  double *inp, *gate, *w1, *b1, *w2, *b2;  // b1, b2 NULL without biases
+  const float *R;                          // the loss: sum(out * R) + dbal * balance
+  double dbal;
+  int64_t BT, C, F;
+  int E, K;
+  bool gelu;
+  int *picks;                              // (BT, K): the experts the fp32 kernel chose
+};
+
+// The block in double by its definition, each token alone; the routing is the kernel's (picks),
+// checked apart, so that finite differences move the weights, not the choice.
+static double moe_ref(const struct moe_ctx *x, double *out, double *balance) {
+  const int64_t BT = x->BT, C = x->C, F = x->F;
+  const int E = x->E, K = x->K;
+  double P[E], cnt[E];
+  for (int e = 0; e < E; e++) P[e] = cnt[e] = 0;
+  for (int64_t t = 0; t < BT; t++) {
+    double p[E], mx = -1e300, sum = 0, chosen = 0;
+    for (int e = 0; e < E; e++) {
+      p[e] = 0;
+      for (int64_t c = 0; c < C; c++) p[e] += x->inp[t * C + c] * x->gate[e * C + c];
+      mx = p[e] > mx ? p[e] : mx;
+    }
+    for (int e = 0; e < E; e++) sum += p[e] = exp(p[e] - mx);
+    for (int e = 0; e < E; e++) P[e] += (p[e] /= sum) / (double)BT;
+    for (int j = 0; j < K; j++) chosen += p[x->picks[t * K + j]];
+    for (int64_t c = 0; c < C; c++) out[t * C + c] = 0;
+    for (int j = 0; j < K; j++) {
+      const int e = x->picks[t * K + j];
+      cnt[e] += 1;
+      double h[F];
+      for (int64_t f = 0; f < F; f++) {
+        double s = x->b1 ? x->b1[e * F + f] : 0;
+        for (int64_t c = 0; c < C; c++) s += x->inp[t * C + c] * x->w1[(e * F + f) * C + c];
+        h[f] = x->gelu ? 0.5 * s * erfc(-s / sqrt(2.0)) : (s > 0 ? s : 0);
+      }
+      for (int64_t c = 0; c < C; c++) {
+        double s = x->b2 ? x->b2[e * C + c] : 0;
+        for (int64_t f = 0; f < F; f++) s += h[f] * x->w2[(e * C + c) * F + f];
+        out[t * C + c] += p[e] / chosen * s;
+      }
+    }
+  }
+  double b = 0;
+  for (int e = 0; e < E; e++) b += cnt[e] / (double)BT * P[e];
+  *balance = E * b;
+  return *balance;
+}
+static double moe_loss(void *p) {
+  struct moe_ctx *x = p;
+  double *out = dnew(x->BT * x->C), bal;
+  moe_ref(x, out, &bal);
+  double L = dot_dd(out, x->R, x->BT * x->C) + x->dbal * bal;
+  free(out);
+  return L;
+}
+
+// One configuration: forward against the double reference (the routing checked by its own top-K
+// of the double probabilities), backward against finite differences, written then accumulated;
+// with `starve`, expert E-1 gets no token and its gradient must be 0 (written) or untouched.
+static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, bool bias, bool starve) {
+  const int S = E + 3 * K;
+  const int64_t cap = fy_moe_rows_cap(BT, E, K);
+  float *inp = frand_new(BT * C, 1), *gate = frand_new(E * C, 1), *w1 = frand_new(E * F * C, 0.5f);
+  float *b1 = frand_new(E * F, 0.5f), *w2 = frand_new(E * C * F, 0.5f), *b2 = frand_new(E * C, 0.5f);
+  if (starve) {  // inputs positive, the last expert's row negative: its logit is the lowest
+    for (int64_t i = 0; i < BT * C; i++) inp[i] = 0.2f + fabsf(inp[i]);
+    for (int64_t c = 0; c < C; c++) gate[(E - 1) * C + c] = -2.0f;
+  }
+  float *out = check_fnew(BT * C), *route = check_fnew(BT * S), *rows = check_fnew(cap * (F + C));
+  float *R = frand_new(BT * C, 1);
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu};
+  double balance;
+  CHECK_OK(fy_moe_forward(out, route, rows, &balance, inp, gate, w1, bias ? b1 : NULL, w2, bias ? b2 : NULL, &d));
+  int *picks = calloc((size_t)(BT * K), sizeof(int));
+  bool picks_ok = true, starved = true;
+  for (int64_t t = 0; t < BT; t++)
+    for (int j = 0; j < K; j++) {
+      picks[t * K + j] = (int)route[t * S + E + j];
+      starved &= picks[t * K + j] != E - 1;
+      // the pick is the j-th largest probability: exactly j others are larger
+      int larger = 0;
+      for (int e = 0; e < E; e++) larger += route[t * S + e] > route[t * S + picks[t * K + j]];
+      picks_ok &= larger == j;
+    }
+  CHECKF(picks_ok, "moe E=%d K=%d: the routing is not the top %d", E, K, K);
+  if (starve) CHECKF(starved, "moe: the starved expert got a token");
+  struct moe_ctx ctx = {to_d(inp, BT * C), to_d(gate, E * C), to_d(w1, E * F * C), bias ? to_d(b1, E * F) : NULL,
+                        to_d(w2, E * C * F), bias ? to_d(b2, E * C) : NULL, R, 0.7, BT, C, F, E, K, gelu, picks};
+  double *ref = dnew(BT * C), rbal, e;
+  moe_ref(&ctx, ref, &rbal);
+  CHECKF((e = err_d(out, ref, BT * C)) < FWD_TOL, "moe E=%d K=%d gelu=%d bias=%d forward err %g", E, K, gelu, bias, e);
+  CHECKF(fabs(balance - rbal) < 1e-6 * fabs(rbal), "moe balance %g, reference %g", balance, rbal);
+
+  // Backward, written (the parameter gradients pre-filled with garbage) and then accumulated.
+  float *di = frand_new(BT * C, 1), *dg = frand_new(E * C, 1), *dw1 = frand_new(E * F * C, 1);
+  float *db1 = frand_new(E * F, 1), *dw2 = frand_new(E * C * F, 1), *db2 = frand_new(E * C, 1);
+  float *di0 = fdup(di, BT * C);
+  CHECK_OK(fy_moe_backward(di, dg, dw1, bias ? db1 : NULL, dw2, bias ? db2 : NULL, R, inp, route, rows, gate, w1, w2,
+                           (float)ctx.dbal, false, &d));
+  double *gi = dnew(BT * C), *gg = dnew(E * C), *gw1 = dnew(E * F * C), *gb1 = dnew(E * F), *gw2 = dnew(E * C * F);
+  double *gb2 = dnew(E * C);
+  fd_grad(gi, ctx.inp, BT * C, moe_loss, &ctx, FD_H);
+  fd_grad(gg, ctx.gate, E * C, moe_loss, &ctx, FD_H);
+  fd_grad(gw1, ctx.w1, E * F * C, moe_loss, &ctx, FD_H);
+  fd_grad(gw2, ctx.w2, E * C * F, moe_loss, &ctx, FD_H);
+  if (bias) {
+    fd_grad(gb1, ctx.b1, E * F, moe_loss, &ctx, FD_H);
+    fd_grad(gb2, ctx.b2, E * C, moe_loss, &ctx, FD_H);
+  }
+  CHECKF((e = err_acc(di, di0, gi, BT * C)) < GRAD_TOL, "moe dinp err %g", e);
+  CHECKF((e = err_d(dg, gg, E * C)) < GRAD_TOL, "moe dgate err %g", e);
+  CHECKF((e = err_d(dw1, gw1, E * F * C)) < GRAD_TOL, "moe dw1 err %g", e);
+  CHECKF((e = err_d(dw2, gw2, E * C * F)) < GRAD_TOL, "moe dw2 err %g", e);
+  if (bias) {
+    CHECKF((e = err_d(db1, gb1, E * F)) < GRAD_TOL, "moe db1 err %g", e);
+    CHECKF((e = err_d(db2, gb2, E * C)) < GRAD_TOL, "moe db2 err %g", e);
+  }
+  if (starve) {  // written: exactly zero
+    bool zero = true;
+    for (int64_t i = (E - 1) * F * C; i < E * F * C; i++) zero &= dw1[i] == 0.0f && dw2[i] == 0.0f;
+    for (int64_t i = (E - 1) * F; i < E * F && bias; i++) zero &= db1[i] == 0.0f;
+    for (int64_t i = (E - 1) * C; i < E * C && bias; i++) zero &= db2[i] == 0.0f;
+    CHECKF(zero, "moe: the starved expert's gradient is not zero");
+  }
+  float *dw1a = fdup(dw1, E * F * C), *dga = fdup(dg, E * C);
+  CHECK_OK(fy_moe_backward(NULL, dg, dw1, bias ? db1 : NULL, dw2, bias ? db2 : NULL, R, inp, route, rows, gate, w1, w2,
+                           (float)ctx.dbal, true, &d));
+  CHECKF((e = err_acc(dw1, dw1a, gw1, E * F * C)) < GRAD_TOL, "moe dw1 accumulated err %g", e);
+  CHECKF((e = err_acc(dg, dga, gg, E * C)) < GRAD_TOL, "moe dgate accumulated err %g", e);
+  free(ctx.inp), free(ctx.gate), free(ctx.w1), free(ctx.b1), free(ctx.w2), free(ctx.b2), free(picks);
+  free(inp), free(gate), free(w1), free(b1), free(w2), free(b2), free(out), free(route), free(rows), free(R), free(ref);
+  free(di), free(dg), free(dw1), free(db1), free(dw2), free(db2), free(di0), free(dw1a), free(dga);
+  free(gi), free(gg), free(gw1), free(gb1), free(gw2), free(gb2);
+}
+
+static void test_moe(void) {
+  // fy_moe_rows: 3 significant bits, at least 8, under 1/8 more rows
+  CHECK(fy_moe_rows(0) == 0 && fy_moe_rows(1) == 8 && fy_moe_rows(8) == 8 && fy_moe_rows(15) == 15);
+  CHECK(fy_moe_rows(16) == 16 && fy_moe_rows(17) == 18 && fy_moe_rows(33) == 36 && fy_moe_rows(1000) == 1024);
+  bool bound = true;
+  for (int64_t n = 1; n < 5000; n++) bound &= fy_moe_rows(n) >= n && fy_moe_rows(n) <= n + n / 8 + 8;
+  CHECK(bound);
+  moe_case(13, 6, 5, 4, 2, false, true, false);
+  moe_case(11, 5, 7, 3, 1, true, false, false);
+  moe_case(9, 4, 3, 3, 3, false, true, false);   // every expert for every token
+  moe_case(40, 6, 5, 4, 2, true, true, true);    // expert 3 gets no token (more than 8 rows an expert)
+}
+
 int main(void) {
   test_matmul();
   test_matmul16();
   test_embedding();
   test_layernorm();
   test_linear();
+  test_moe();
   test_attention();
   test_elementwise();
   test_dropout();
