@@ -7,6 +7,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/fileio.h"
+#include "core/graph.h"
 #include "core/opt.h"
 #include "core/parse.h"
 #include "test/check.h"
@@ -263,6 +265,88 @@ static void test_sizes(void) {
   CHECK(fy_parse_size(fy_format_bytes(3.25 * 1073741824, buf, sizeof buf), &b) && b == 3.25 * 1073741824);
 }
 
+// Mixtures of experts: Mixtral's keys and moe_layer_frequency, their checks, writing them (only
+// for a mixture), the presets, and the parameter count against the graph's.
+static void test_moe(void) {
+  struct fy_opt_config c;
+  CHECK_OK(fy_opt_config_read(put("moe.json", "{\"num_hidden_layers\": 4, \"num_local_experts\": 8}"), &c));
+  CHECK(c.num_local_experts == 8 && c.num_experts_per_tok == 2 && c.moe_layer_frequency == 1 &&
+        c.router_aux_loss_coef == 0.001f);  // Mixtral's defaults
+  CHECK(fy_opt_layer_is_moe(&c, 0) && fy_opt_layer_is_moe(&c, 3) && fy_opt_moe_layers(&c) == 4);
+  CHECK_OK(fy_opt_config_read(put("moe.json", "{\"num_hidden_layers\": 5, \"num_local_experts\": 4, "
+                                  "\"num_experts_per_tok\": 1, \"moe_layer_frequency\": 2, "
+                                  "\"router_aux_loss_coef\": 0.02}"), &c));
+  CHECK(!fy_opt_layer_is_moe(&c, 0) && fy_opt_layer_is_moe(&c, 1) && !fy_opt_layer_is_moe(&c, 2) &&
+        fy_opt_layer_is_moe(&c, 3) && fy_opt_moe_layers(&c) == 2 && c.router_aux_loss_coef == 0.02f);
+  CHECK_OK(fy_opt_config_read(put("dense.json", "{\"num_experts_per_tok\": 9}"), &c));  // (dense: unused)
+  CHECK(c.num_local_experts == 0 && fy_opt_moe_layers(&c) == 0);
+  static const struct {
+    const char *json, *key;
+  } bad[] = {
+      {"{\"num_local_experts\": 4, \"num_experts_per_tok\": 5}", "num_experts_per_tok"},
+      {"{\"num_local_experts\": 4, \"num_experts_per_tok\": 0}", "num_experts_per_tok"},
+      {"{\"num_local_experts\": 1}", "num_experts_per_tok"},  // Mixtral's default k = 2 > 1
+      {"{\"num_local_experts\": -2}", "num_local_experts"},
+      {"{\"num_local_experts\": 4, \"moe_layer_frequency\": 0}", "moe_layer_frequency"},
+      {"{\"num_local_experts\": 4, \"num_hidden_layers\": 2, \"moe_layer_frequency\": 3}", "moe_layer_frequency"},
+      {"{\"num_local_experts\": 4, \"router_aux_loss_coef\": -0.1}", "router_aux_loss_coef"},
+      {"{\"num_local_experts\": 4, \"num_experts_per_tok\": 2.5}", "num_experts_per_tok"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    fy_status st = fy_opt_config_read(put("bad.json", bad[i].json), &c);
+    CHECKF(st == FY_ERR_INVALID, "%s gave %d", bad[i].json, (int)st);
+    CHECKF(strstr(fy_error_msg(), bad[i].key) != NULL, "%s: message '%s' lacks '%s'", bad[i].json, fy_error_msg(),
+           bad[i].key);
+    fprintf(stderr, "  expected error: %s\n", fy_error_msg());
+  }
+  // Presets, written and read back; a dense config says nothing of experts.
+  struct fy_opt_config p, r;
+  CHECK_OK(fy_opt_preset("opt-125m-moe8", &p));
+  CHECK(p.num_local_experts == 8 && p.num_experts_per_tok == 2 && p.moe_layer_frequency == 2 &&
+        p.hidden_size == 768 && p.num_hidden_layers == 12 && fy_opt_moe_layers(&p) == 6);
+  CHECK_OK(fy_opt_preset("opt-moe-tiny", &p));
+  char out[256];
+  snprintf(out, sizeof out, "%s/moe_out", tmpdir);
+  CHECK_OK(fy_opt_config_write(out, &p));
+  CHECK_OK(fy_opt_config_read(out, &r));
+  CHECK(r.num_local_experts == p.num_local_experts && r.num_experts_per_tok == p.num_experts_per_tok &&
+        r.moe_layer_frequency == p.moe_layer_frequency && r.router_aux_loss_coef == p.router_aux_loss_coef);
+  char *text = NULL;
+  size_t len = 0;
+  CHECK_OK(fy_file_read_all(check_path(out, "config.json"), 1 << 20, "config", &text, &len));
+  CHECK(text && strstr(text, "OPTMoEForCausalLM") && strstr(text, "\"num_local_experts\": 4"));
+  free(text);
+  CHECK_OK(fy_opt_preset("opt-tiny", &p));
+  CHECK_OK(fy_opt_config_write(out, &p));
+  text = NULL;
+  CHECK_OK(fy_file_read_all(check_path(out, "config.json"), 1 << 20, "config", &text, &len));
+  CHECK(text && !strstr(text, "experts") && !strstr(text, "moe") && strstr(text, "\"OPTForCausalLM\""));
+  free(text);
+  // The count of parameters is the graph's; the FLOPs count the k active experts alone.
+  const char *names[] = {"opt-moe-tiny", "opt-125m-moe8"};
+  for (int i = 0; i < 2; i++) {
+    CHECK_OK(fy_opt_preset(names[i], &p));
+    struct fy_graph *g = NULL;
+    CHECK_OK(fy_opt_build_graph(&p, 1, 8, &g));
+    int64_t n = 0, moe_ops = 0;
+    for (int k = 0; g && k < g->n_params; k++) n += g->params[k].numel;
+    for (int k = 0; g && k < g->n_ops; k++) moe_ops += g->ops[k].kind == FY_OP_MOE;
+    CHECKF(n == fy_opt_num_params(&p), "%s: graph %lld, count %lld", names[i], (long long)n,
+           (long long)fy_opt_num_params(&p));
+    CHECK(moe_ops == fy_opt_moe_layers(&p));
+    CHECK(g && fy_graph_find_param(g, "model.decoder.layers.1.block_sparse_moe.gate.weight") >= 0 &&
+          fy_graph_find_param(g, "model.decoder.layers.1.fc1.weight") < 0 &&
+          fy_graph_find_param(g, "model.decoder.layers.0.fc1.weight") >= 0);
+    fy_graph_free(g);
+    struct fy_opt_config all = p;  // every expert active: more FLOPs
+    all.num_experts_per_tok = all.num_local_experts;
+    CHECK(fy_opt_step_flops(&p, 1, 8, FY_FLOPS_PALM) < fy_opt_step_flops(&all, 1, 8, FY_FLOPS_PALM));
+  }
+  CHECK_OK(fy_opt_preset("opt-125m-moe8", &p));
+  struct fy_graph *g = NULL;
+  CHECK_ERR(fy_opt_build_graph_tp(&p, 1, 8, 2, 0, &g), FY_ERR_UNSUPPORTED);
+}
+
 int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/fy_cfg_XXXXXX");
   if (!mkdtemp(tmpdir)) {
@@ -274,6 +358,7 @@ int main(void) {
   test_bad();
   test_check();
   test_write();
+  test_moe();
   test_sizes();
   check_rm_rf(tmpdir);
   return check_summary("config");
