@@ -18,6 +18,12 @@ struct opt_preset {
 static const struct opt_preset fy_opt_presets[] = {
     {"opt-tiny", 32, 2, 4, 64, 32, 97, 64, true, 0, 0, 0},
     {"opt-demo", 256, 4, 4, 1024, 256, 512, 256, true, 0, 0, 0},
+    // Mixtures of experts (before the dense sizes, which stay in increasing order for ferry plan
+    // --largest): opt-tiny's sizes over 4 layers (two dense, two of 4 experts), and opt-125m's
+    // shape with 8 experts and top-2 routing in every other layer (the Switch/GShard placement),
+    // 6 of its 12 layers.
+    {"opt-moe-tiny", 32, 4, 4, 64, 32, 97, 64, true, 4, 2, 2},
+    {"opt-125m-moe8", 768, 12, 12, 3072, 768, 50272, 2048, true, 8, 2, 2},
     {"opt-125m", 768, 12, 12, 3072, 768, 50272, 2048, true, 0, 0, 0},
     {"opt-350m", 1024, 24, 16, 4096, 512, 50272, 2048, false, 0, 0, 0},
     {"opt-1.3b", 2048, 24, 32, 8192, 2048, 50272, 2048, true, 0, 0, 0},
@@ -27,11 +33,6 @@ static const struct opt_preset fy_opt_presets[] = {
     {"opt-30b", 7168, 48, 56, 28672, 7168, 50272, 2048, true, 0, 0, 0},
     {"opt-66b", 9216, 64, 72, 36864, 9216, 50272, 2048, true, 0, 0, 0},
     {"opt-175b", 12288, 96, 96, 49152, 12288, 50272, 2048, true, 0, 0, 0},
-    // Mixtures of experts: opt-tiny's sizes over 4 layers (two dense, two of 4 experts), and
-    // opt-125m's shape with 8 experts and top-2 routing in every other layer (the Switch/GShard
-    // placement), 6 of its 12 layers: 305M parameters, about 125m's plus 1.6x in active FLOPs.
-    {"opt-moe-tiny", 32, 4, 4, 64, 32, 97, 64, true, 4, 2, 2},
-    {"opt-125m-moe8", 768, 12, 12, 3072, 768, 50272, 2048, true, 8, 2, 2},
 };
 #define N_PRESETS (int)(sizeof fy_opt_presets / sizeof *fy_opt_presets)
 

@@ -130,6 +130,7 @@ static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload
     for (int i = n - 1; i >= 0 && !found; i--) {
       struct fy_opt_config cfg;
       if (strncmp(names[i], "opt-", 4) != 0 || fy_opt_preset(names[i], &cfg) != FY_OK) continue;
+      if (cfg.num_local_experts > 0) continue;  // (mixtures train on the cpu device alone for now)
       if (seq > cfg.max_position_embeddings) continue;
       if (fy_plan_search_state(&cfg, names[i], batch, seq, ranks, offload_only, precision, lag, fmts[f], probe, &p,
                                NULL) == FY_OK)

@@ -42,6 +42,9 @@ static int cmd_presets(void) {
     printf("%-10s %9.1fM parameters, %2lld layers, hidden %5lld, %3lld heads, %s\n", *p,
            fy_opt_num_params(&c) / 1e6, (long long)c.num_hidden_layers, (long long)c.hidden_size,
            (long long)c.num_attention_heads, c.do_layer_norm_before ? "pre-LN" : "post-LN");
+    if (c.num_local_experts > 0)
+      printf("%-10s a mixture of %lld experts, top %lld, in one layer of %lld\n", "", (long long)c.num_local_experts,
+             (long long)c.num_experts_per_tok, (long long)c.moe_layer_frequency);
   }
   return 0;
 }
