@@ -190,6 +190,11 @@ fy_status fy_export(const char *checkpoint, const char *out_dir) {
   // Check what we copy: the config parses and the weights open with every header claim checked.
   struct fy_opt_config cfg;
   FY_TRY(fy_opt_config_read(dir, &cfg));
+  if (cfg.num_local_experts > 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts (%lld experts): transformers has no OPT "
+                        "mixture-of-experts class to load it into, so there is nothing to export to; its weights "
+                        "are ferry's safetensors in %s (ferry train --init, ferry eval and ferry sample read them)",
+                        checkpoint, (long long)cfg.num_local_experts, dir);
   fy_safetensors *st;
   FY_TRY(fy_safetensors_open_dir(dir, &st));
   int n = fy_safetensors_count(st);

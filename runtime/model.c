@@ -380,7 +380,37 @@ struct fy_model_source {
   uint64_t seed;
   fy_safetensors *st;             // NULL: OPT's initialisation
   const struct fy_st_tensor **t;  // with files: each parameter's tensor
+  // Upcycling (a mixture of experts from a dense checkpoint): per parameter, the elements of the
+  // dense tensor its values repeat (every expert a copy of the layer's feed-forward), or -1 for a
+  // router drawn as OPT's initialisation; 0 for a parameter read as it is.
+  int64_t *repeat;
 };
+
+// A mixture's parameter the dense checkpoint lacks: layers.l.block_sparse_moe.experts.fcN.x is
+// E copies of layers.l.fcN.x (*dense, *repeat its elements), the gate is drawn (*repeat -1).
+static fy_status upcycle_tensor(const fy_safetensors *st, const char *dir, const struct fy_opt_config *c,
+                                const struct fy_param *p, const struct fy_st_tensor **dense, int64_t *repeat) {
+  const char *moe = strstr(p->name, ".block_sparse_moe.");
+  if (!moe || c->num_local_experts <= 0) return FY_ERR_NOT_FOUND;
+  const char *what = moe + strlen(".block_sparse_moe.");
+  if (strcmp(what, "gate.weight") == 0) {
+    *dense = NULL;
+    *repeat = -1;
+    return FY_OK;
+  }
+  if (strncmp(what, "experts.", 8) != 0) return FY_ERR_NOT_FOUND;
+  char name[FY_NAME_MAX + 16];
+  snprintf(name, sizeof name, "%.*s.%s", (int)(moe - p->name), p->name, what + 8);  // layers.l.fc1.weight
+  struct fy_param one = *p;  // the dense tensor's shape: one expert's
+  snprintf(one.name, sizeof one.name, "%s", name);
+  one.shape[0] = p->shape[0] / c->num_local_experts;
+  one.numel = p->numel / c->num_local_experts;
+  fy_status st2 = param_tensor(st, dir, &one, dense);
+  if (st2 != FY_OK)
+    return fy_error_wrap(st2, "%s has neither %s nor a dense %s to start its experts from", dir, p->name, name);
+  *repeat = one.numel;
+  return FY_OK;
+}
 
 fy_status fy_model_source_open(const struct fy_model *m, const char *dir, uint64_t seed,
                                struct fy_model_source **out) {
@@ -390,9 +420,25 @@ fy_status fy_model_source_open(const struct fy_model *m, const char *dir, uint64
     free(s);
     return fy_error_set(FY_ERR_NOMEM, "cannot allocate a weights source");
   }
-  *s = (struct fy_model_source){.m = m, .seed = seed, .t = s->t};
+  *s = (struct fy_model_source){.m = m, .seed = seed, .t = s->t};  // (repeat: allocated when upcycling)
   fy_status status = dir ? fy_safetensors_open_dir(dir, &s->st) : FY_OK;
-  for (int i = 0; dir && i < g->n_params && status == FY_OK; i++) status = param_tensor(s->st, dir, &g->params[i], &s->t[i]);
+  int upcycled = 0;
+  for (int i = 0; dir && i < g->n_params && status == FY_OK; i++) {
+    if (!find_tensor(s->st, g->params[i].name) && strstr(g->params[i].name, ".block_sparse_moe.")) {
+      if (!s->repeat && !(s->repeat = calloc((size_t)g->n_params, sizeof *s->repeat))) {
+        status = fy_error_set(FY_ERR_NOMEM, "cannot allocate a weights source");
+        break;
+      }
+      status = upcycle_tensor(s->st, dir, &m->cfg, &g->params[i], &s->t[i], &s->repeat[i]);
+      upcycled += status == FY_OK;
+      if (status == FY_ERR_NOT_FOUND) status = param_tensor(s->st, dir, &g->params[i], &s->t[i]);
+      continue;
+    }
+    status = param_tensor(s->st, dir, &g->params[i], &s->t[i]);
+  }
+  if (status == FY_OK && upcycled)
+    fy_log_info("%s: a dense checkpoint: each mixture layer's experts start as copies of its feed-forward, its "
+                "router drawn as OPT's initialisation (upcycling)", dir);
   if (status != FY_OK) {
     fy_model_source_close(s);
     return status;
@@ -408,15 +454,26 @@ void fy_model_source_read(const struct fy_model_source *s, int i, int64_t a, int
     return;
   }
   const struct fy_st_tensor *t = s->t[i];
-  const char *src = (const char *)t->data + (size_t)a * fy_dtype_size(t->dtype);
-  fy_convert_to_f32(dst, src, t->dtype, (size_t)(b - a));
-  fy_safetensors_done_with(src, (size_t)(b - a) * fy_dtype_size(t->dtype));
+  const int64_t rep = s->repeat ? s->repeat[i] : 0;
+  if (rep < 0) {  // an upcycled router: drawn
+    init_param(s->m, p, s->seed, a, b, dst);
+    return;
+  }
+  // (upcycled experts: element k is the dense tensor's k mod rep, read in runs)
+  for (int64_t k = a; k < b;) {
+    const int64_t at = rep ? k % rep : k, n = rep && rep - at < b - k ? rep - at : b - k;
+    const char *src = (const char *)t->data + (size_t)at * fy_dtype_size(t->dtype);
+    fy_convert_to_f32(dst + (k - a), src, t->dtype, (size_t)n);
+    fy_safetensors_done_with(src, (size_t)n * fy_dtype_size(t->dtype));
+    k += n;
+  }
 }
 
 void fy_model_source_close(struct fy_model_source *s) {
   if (!s) return;
   fy_safetensors_close(s->st);
   free(s->t);
+  free(s->repeat);
   free(s);
 }
 

@@ -20,6 +20,11 @@ model.safetensors), then:
      loss within 1e-5 relative, and ferry's logged aux_loss with it;
   2. the weights ferry saves equal PyTorch's after the same steps, each tensor's normalised error
      within 1e-4, and after one step too.
+The "upcycle" case starts a mixture from a dense transformers checkpoint (ferry train --init DENSE
+--model MOE_DIR): at learning rate 0 the saved experts are exact copies of the dense feed-forwards,
+and the first step's loss is transformers' dense loss (a mixture of identical experts, weights
+summing to 1, is the dense block) within 1e-5; then 5 steps of it against the reference started
+from those weights.
 The "starved" case sets one expert's router row so that no token ever picks it (the layer norm's
 bias pushes every input along the row, which points the other way): the check asserts it got no
 token in any step, and its weights then moved by the weight decay alone, in both.
@@ -293,6 +298,63 @@ def check_case(torch, ferry, tmp, name, spec, toks, data):
     return problems
 
 
+def check_upcycle(torch, ferry, tmp, toks, data):
+    """A mixture from a dense transformers checkpoint (see the docstring)."""
+    from transformers import OPTConfig, OPTForCausalLM
+    cfg = {**BASE, **MOE}
+    dense_dir, moe_dir = os.path.join(tmp, "up_dense"), os.path.join(tmp, "up_moe")
+    torch.manual_seed(99)
+    dense = OPTForCausalLM(OPTConfig(**BASE))
+    with torch.no_grad():
+        for n, p in dense.named_parameters():
+            one = 1.0 if "layer_norm" in n and n.endswith(".weight") else 0.0
+            p.copy_(one + 0.1 * torch.randn(p.shape))
+    dense.save_pretrained(dense_dir)
+    os.makedirs(moe_dir, exist_ok=True)
+    with open(os.path.join(moe_dir, "config.json"), "w") as f:
+        json.dump(dict(cfg, model_type="opt", architectures=["OPTMoEForCausalLM"]), f)
+    problems = []
+    # lr 0: the saved weights are the upcycled start
+    start = os.path.join(tmp, "up_start")
+    cmd = [ferry, "train", "--init", dense_dir, "--model", moe_dir, "--data", data, "--seq", str(T), "--batch", str(B),
+           "--steps", "1", "--lr", "0", "--min-lr", "0", "--warmup", "0", "--no-shuffle", "--threads", "2", "--quiet",
+           "--log", start + ".log", "--save", start]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return [f"ferry train failed ({' '.join(cmd)}): {(r.stderr or r.stdout).strip()}"]
+    first = json.loads(open(start + ".log").readline())["loss"]
+    ids = torch.tensor([toks[w * T:w * T + T + 1] for w in range(B)], dtype=torch.long)
+    with torch.no_grad():
+        logits = dense(input_ids=ids[:, :T], use_cache=False).logits
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
+    print(f"  upcycle: first loss {first}, transformers' dense {want:.6f} (rel {rel(first, want):.1e})")
+    if rel(first, want) > 1e-5:
+        problems.append(f"the upcycled model's first loss {first} is not the dense model's {want}")
+    saved = load_saved(torch, start)
+    dsd = dense.state_dict()
+    E, F, D = cfg["num_local_experts"], cfg["ffn_dim"], cfg["hidden_size"]
+    for l in moe_layers(cfg):
+        names = ferry_names(l)
+        for k, dn, rows in (("w1", "fc1.weight", F), ("b1", "fc1.bias", F), ("w2", "fc2.weight", D), ("b2", "fc2.bias", D)):
+            got = saved[names[k]]
+            for e in range(E):
+                if not torch.equal(got[e * rows:(e + 1) * rows], dsd[f"model.decoder.layers.{l}.{dn}"]):
+                    problems.append(f"upcycled {names[k]}: expert {e} is not the dense {dn}")
+        if float(saved[names["gate"]].std()) < 0.01:
+            problems.append(f"upcycled {names['gate']} is not drawn")
+    # 5 steps of the upcycled model against the reference from the same start
+    state = dict(saved)
+    save, log = os.path.join(tmp, "up.out"), os.path.join(tmp, "up.log")
+    f_loss, f_aux = ferry_train(ferry, start, data, save, log, STEPS)
+    r_loss, r_aux, _, r_state = torch_train(torch, cfg, state, toks, STEPS)
+    le, ae = max(rel(a, b) for a, b in zip(f_loss, r_loss)), max(rel(a, b) for a, b in zip(f_aux, r_aux))
+    we, worst, missing = weights_error(load_saved(torch, save), r_state)
+    print(f"  upcycle {STEPS} steps: loss rel {le:.2e}, aux_loss rel {ae:.2e}, weights {we:.2e} ({worst})")
+    if le > 1e-5 or ae > 1e-5 or we > 1e-4 or missing:
+        problems.append(f"upcycled training: losses {le:.2e}, aux {ae:.2e}, weights {we:.2e} ({worst}), {missing}")
+    return problems
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ferry")
@@ -319,7 +381,17 @@ def main():
         for p in problems:
             print(f"       {p}")
         failed += bool(problems)
-    print(f"check_moe: {len(CASES) - failed if not a.only else int(not failed)} passed, {failed} failed")
+    if not a.only or a.only == "upcycle":
+        try:
+            problems = check_upcycle(torch, ferry, tmp, toks, data)
+        except Exception as e:
+            problems = [f"{type(e).__name__}: {e}"]
+        print(f"{'ok  ' if not problems else 'FAIL'} upcycle")
+        for p in problems:
+            print(f"       {p}")
+        failed += bool(problems)
+    total = (len(CASES) + 1) if not a.only else 1
+    print(f"check_moe: {total - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
