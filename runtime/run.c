@@ -557,6 +557,9 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu for now (resident "
                         "state, replicas across ranks); the sim and cuda devices, offloading and expert "
                         "parallelism are not supported yet", r->cfg.name);
+  if (r->cfg.num_local_experts > 0 && r->pp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: pipeline parallelism (--pp %d) of a mixture is "
+                        "not supported yet (its load-balancing term is not carried across stages)", r->cfg.name, r->pp);
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim and on GPUs.
   enum fy_dtype cdt;
   if (o->precision && !fy_precision_dtype(o->precision, &cdt))
