@@ -25,6 +25,9 @@ The "upcycle" case starts a mixture from a dense transformers checkpoint (ferry 
 and the first step's loss is transformers' dense loss (a mixture of identical experts, weights
 summing to 1, is the dense block) within 1e-5; then 5 steps of it against the reference started
 from those weights.
+The "ranks" case (where mpirun is installed) trains opt-moe-tiny on 2 ranks of one micro-batch each
+and on one rank accumulating the same two micro-batches: the same losses, aux_loss and weights,
+bit for bit (the balance term is a micro-batch's, so the micro-batches must be the same).
 The "starved" case sets one expert's router row so that no token ever picks it (the layer norm's
 bias pushes every input along the row, which points the other way): the check asserts it got no
 token in any step, and its weights then moved by the weight decay alone, in both.
@@ -355,6 +358,31 @@ def check_upcycle(torch, ferry, tmp, toks, data):
     return problems
 
 
+def check_ranks(ferry, tmp, data):
+    """2 data-parallel ranks against accumulation on one: the same bits (see the docstring)."""
+    import shutil
+    if not shutil.which("mpirun"):
+        print("  ranks: skipped, mpirun is not installed")
+        return None
+    common = ["train", "--model", "opt-moe-tiny", "--data", data, "--seq", str(T), "--batch", "1", "--steps", "3",
+              "--no-shuffle", "--threads", "1", "--device", "cpu", "--quiet"]
+    runs = {"ranks": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", ferry],
+            "accum": [ferry]}
+    out = {}
+    for name, launch in runs.items():
+        save, log = os.path.join(tmp, f"ranks_{name}"), os.path.join(tmp, f"ranks_{name}.log")
+        extra = ["--grad-accum", "2"] if name == "accum" else []
+        r = subprocess.run([*launch, *common, *extra, "--log", log, "--save", save], capture_output=True, text=True)
+        if r.returncode != 0:
+            return [f"ferry train ({name}) failed: {(r.stderr or r.stdout).strip()[-400:]}"]
+        lines = [json.loads(x) for x in open(log) if x.strip()]
+        out[name] = ([(x["loss"], x["aux_loss"], x["grad_norm"]) for x in lines],
+                     open(os.path.join(save, "model.safetensors"), "rb").read())
+    same_log, same_weights = out["ranks"][0] == out["accum"][0], out["ranks"][1] == out["accum"][1]
+    print(f"  ranks: 2 ranks {out['ranks'][0]}, accumulation {out['accum'][0]}; weights the same bits: {same_weights}")
+    return [] if same_log and same_weights else ["2 ranks and accumulation on one rank differ"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ferry")
@@ -390,7 +418,19 @@ def main():
         for p in problems:
             print(f"       {p}")
         failed += bool(problems)
-    total = (len(CASES) + 1) if not a.only else 1
+    extra = 1
+    if not a.only or a.only == "ranks":
+        try:
+            problems = check_ranks(ferry, tmp, data)
+        except Exception as e:
+            problems = [f"{type(e).__name__}: {e}"]
+        if problems is not None:
+            extra += 1
+            print(f"{'ok  ' if not problems else 'FAIL'} ranks")
+            for p in problems:
+                print(f"       {p}")
+            failed += bool(problems)
+    total = (len(CASES) + extra) if not a.only else 1
     print(f"check_moe: {total - failed} passed, {failed} failed")
     return 1 if failed else 0
 
