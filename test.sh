@@ -131,6 +131,9 @@ if [ "$plain" = 1 ]; then
       # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
       section "random OPT configurations: the sim device's placements give the cpu's bits"
       count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1
+      # A mixture of experts (issue 37), trained by ferry and by a PyTorch mixture written in the script.
+      section "mixture of experts: ferry and a PyTorch reference train it alike"
+      count python3 test/reference/check_moe.py build/ferry
       # ferry's bf16 on the cpu against PyTorch in bf16 with fp32 master weights (transformers' OPT).
       section "bf16: ferry's training and PyTorch's agree within bf16's rounding, and the loss falls"
       count python3 test/reference/check_bf16.py build/ferry
@@ -138,8 +141,8 @@ if [ "$plain" = 1 ]; then
       section "tools/convert.py: PyTorch pickles to safetensors"
       count test/reference/check_convert.sh build/ferry
     else
-      section "skipped: the transformers round trip, the OPT variants, the random configurations, the bf16 check and tools/convert.py (no torch and transformers: see above)"
-      skipped=$((skipped + 6))
+      section "skipped: the transformers round trip, the OPT variants, the random configurations, the bf16 check, the mixture of experts and tools/convert.py (no torch and transformers: see above)"
+      skipped=$((skipped + 7))
     fi
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
     # models, batches, memory, precisions and ranks on the sim device).
