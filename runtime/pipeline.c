@@ -9,7 +9,7 @@
 
 // Message tags: a stage sends activations forward and gradients backward; between two ranks with
 // one tag they arrive in the order sent, which is the schedule's order on both.
-enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED, TAG_WEIGHTS };
+enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED };
 
 struct fy_pipeline {
   struct fy_model *m;
@@ -44,13 +44,6 @@ fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers) {
     return fy_error_set(FY_ERR_INVALID, "--pp %d does not divide the model's %lld decoder layers (each stage takes "
                         "the same number of layers): use a divisor of %lld", pp, (long long)layers, (long long)layers);
   return FY_OK;
-}
-
-// The first op of decoder layer l (n_ops when there is none).
-static int layer_start(const struct fy_graph *g, int64_t l) {
-  for (int o = 0; o < g->n_ops; o++)
-    if (g->ops[o].layer == l) return o;
-  return g->n_ops;
 }
 
 // The one slot made before op `at` and read at or after it (the residual stream between two
@@ -97,6 +90,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   const struct fy_graph *g = m->graph;
   if (m->host || m->device_memory || !m->grads)
     return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on the cpu device's resident model for now");
+  for (int i = 0; i < g->n_params; i++)  // (fy_model_opts.pp: the stage's parameters alone)
+    if (!g->params[i].absent && g->params[i].offset < 0)
+      return fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s has no place", stage, g->params[i].name);
   if (fy_comm_size(comm) != pp || fy_comm_rank(comm) != stage)
     return fy_error_set(FY_ERR_INTERNAL, "the pipeline's communicator is rank %d of %d, not stage %d of %d",
                         fy_comm_rank(comm), fy_comm_size(comm), stage, pp);
@@ -108,12 +104,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   p->pp = pp;
   p->stage = stage;
   p->tied = -1;
-  const int64_t per = m->cfg.num_hidden_layers / pp;
-  p->lo = stage == 0 ? 0 : layer_start(g, stage * per);
-  p->hi = stage == pp - 1 ? g->n_ops : layer_start(g, (stage + 1) * per);
   p->in_slot = p->out_slot = -1;
-  fy_status st = FY_OK;
-  if (stage > 0 && (p->in_slot = crossing_slot(g, p->lo)) < 0) st = FY_ERR_UNSUPPORTED;
+  fy_status st = fy_graph_stage_ops(g, m->cfg.num_hidden_layers, pp, stage, &p->lo, &p->hi);
+  if (st == FY_OK && stage > 0 && (p->in_slot = crossing_slot(g, p->lo)) < 0) st = FY_ERR_UNSUPPORTED;
   if (st == FY_OK && stage < pp - 1 && (p->out_slot = crossing_slot(g, p->hi)) < 0) st = FY_ERR_UNSUPPORTED;
   if (st != FY_OK) {
     fy_pipeline_free(p);
@@ -169,6 +162,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     const bool first_here = q->first_use >= p->lo && q->first_use < p->hi,
                last_here = q->last_use >= p->lo && q->last_use < p->hi;
     p->used[i] = first_here || last_here;
+    if (p->used[i] == q->absent)  // (the model was made for this stage: fy_model_opts.pp)
+      st = fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s %s", stage, q->name,
+                        q->absent ? "is read here but absent" : "is held but not read here");
     p->owned[i] = first_here;
     p->zero_first[i] = p->used[i] && !last_here;
     if (first_here != last_here) p->tied = i;  // (a parameter read by two stages: the tied embedding)
@@ -177,10 +173,10 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
       if (q->offset + q->numel > p->own_hi) p->own_hi = q->offset + q->numel;
     }
   }
-  // The owned parameters lie together in the flat layout (first-use order), the gather's one range.
+  // The owned parameters lie together in the flat layout (first-use order): the data-parallel sum's one range.
   for (int i = 0; i < g->n_params && st == FY_OK; i++) {
     const struct fy_param *q = &g->params[i];
-    if (!p->owned[i] && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
+    if (!p->owned[i] && !q->absent && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
       st = fy_error_set(FY_ERR_INTERNAL, "parameter %s lies among pipeline stage %d's own", q->name, stage);
   }
   if (st == FY_OK && p->tied >= 0 && !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
@@ -321,44 +317,15 @@ fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, flo
   return fy_optimizer_step_some(p->m, h, lr, t, grad_scale, norm, p->used);
 }
 
-fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state) {
-  struct fy_model *m = p->m;
-  if (p->pp == 1) return FY_OK;
-  if (state && m->state_format != FY_STATE_F32)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline's compressed AdamW state: not supported yet");
-  float *bufs[3] = {m->params, m->m, m->v};
-  const int n_bufs = state ? 3 : 1;
-  if (p->stage > 0) {
-    if (p->own_lo >= p->own_hi) return FY_OK;
-    for (int k = 0; k < n_bufs; k++) {
-      struct fy_comm_req *req;
-      FY_TRY(fy_comm_isend(p->comm, bufs[k] + p->own_lo, (size_t)(p->own_hi - p->own_lo) * sizeof(float), 0,
-                           TAG_WEIGHTS, &req));
-      FY_TRY(fy_comm_wait(p->comm, req));
-    }
-    return FY_OK;
-  }
-  // The first stage learns each stage's range from the same layout (every stage builds the same
-  // graph), and receives it over its stale copy.
-  const struct fy_graph *g = m->graph;
-  const int64_t per = m->cfg.num_hidden_layers / p->pp;
-  for (int s = 1; s < p->pp; s++) {
-    const int lo = layer_start(g, s * per), hi = s == p->pp - 1 ? g->n_ops : layer_start(g, (s + 1) * per);
-    int64_t a = g->n_param_elems, b = 0;
-    for (int i = 0; i < g->n_params; i++) {
-      const struct fy_param *q = &g->params[i];
-      if (q->first_use < lo || q->first_use >= hi) continue;
-      if (q->offset < a) a = q->offset;
-      if (q->offset + q->numel > b) b = q->offset + q->numel;
-    }
-    for (int k = 0; k < n_bufs && a < b; k++)
-      FY_TRY(fy_comm_recv(p->comm, bufs[k] + a, (size_t)(b - a) * sizeof(float), s, TAG_WEIGHTS));
-  }
-  m->cparams_fresh = false;
-  return FY_OK;
-}
-
 fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x) {
   if (p->pp == 1) return FY_OK;
   return fy_comm_broadcast(p->comm, x, sizeof *x, p->pp - 1, NULL);
+}
+
+int fy_pipeline_owner(const struct fy_graph *g, int64_t layers, int pp, int i) {
+  for (int s = 0; s < pp; s++) {
+    int lo, hi;
+    if (fy_graph_stage_ops(g, layers, pp, s, &lo, &hi) == FY_OK && g->params[i].first_use < hi) return s;
+  }
+  return pp - 1;
 }
