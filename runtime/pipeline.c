@@ -18,13 +18,15 @@ struct fy_pipeline {
   int lo, hi;              // this stage's ops
   int in_slot, out_slot;   // the activation entering op lo and the one leaving op hi - 1 (-1: none)
   int n_arenas;            // activation arenas: one per micro-batch in flight (1F1B: pp - stage)
-  float **arenas;          // [0] is the model's own; the others hold the stage's span of it alone
+  float **arenas;          // each the stage's span of the model's arena alone (the model's own given
+                           // back: m->acts is one of these while the pipeline lives, NULL after)
+  bool took_acts;          // the model's arena given back, m->acts arenas[0]
   int64_t span_lo, span_hi;  // the floats of the arena this stage's ops read and write
   struct fy_comm_req **act_sends;  // per arena: the send of its out_slot still in flight
   struct fy_comm_req *grad_send;   // the in_slot gradient's send in flight, from grad_buf
   float *grad_buf;
   bool *used;              // per parameter: an op of this stage reads it
-  bool *owned;             // per parameter: this stage's (where its first use is): norm, gather
+  bool *owned;             // per parameter: this stage's (where its first use is): the norm, the sums
   bool *zero_first;        // used here, but its first gradient of a pass is written elsewhere
   int tied;                // the embedding's weight used on the first and the last stage, or -1
   float *tied_buf;
@@ -70,9 +72,9 @@ void fy_pipeline_free(struct fy_pipeline *p) {
     for (int a = 0; a < p->n_arenas; a++) fy_comm_wait(p->comm, p->act_sends[a]);
   fy_comm_wait(p->comm, p->grad_send);
   if (p->arenas) {
-    if (p->arenas[0]) p->m->acts = p->arenas[0];
-    for (int a = 1; a < p->n_arenas; a++)
+    for (int a = 0; a < p->n_arenas; a++)
       if (p->arenas[a]) fy_device_dealloc(p->m->dev, p->arenas[a] + p->span_lo, (size_t)(p->span_hi - p->span_lo) * 4);
+    if (p->took_acts) p->m->acts = NULL;  // (the model's own went back at creation)
   }
   free(p->arenas);
   free(p->act_sends);
@@ -121,7 +123,6 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   p->owned = calloc((size_t)g->n_params + 1, sizeof *p->owned);
   p->zero_first = calloc((size_t)g->n_params + 1, sizeof *p->zero_first);
   if (!p->arenas || !p->act_sends || !p->used || !p->owned || !p->zero_first) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-  if (st == FY_OK) p->arenas[0] = m->acts;
   // The slots this stage's ops touch lie in one span of the arena (slots are laid out in forward
   // order; with recomputation the layers' shared region is at its start): a micro-batch in flight
   // needs that span alone. Its arena is addressed as the model's is, from span_lo floats before
@@ -141,7 +142,7 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     }
   }
   if (p->span_lo >= p->span_hi) p->span_lo = 0, p->span_hi = 1;
-  for (int a = 1; a < p->n_arenas && st == FY_OK; a++) {
+  for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     const size_t bytes = (size_t)(p->span_hi - p->span_lo) * 4;
     float *buf;
     st = fy_device_alloc(m->dev, bytes, (void **)&buf);
@@ -151,6 +152,14 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     } else {
       st = fy_error_wrap(st, "pipeline stage %d: the activations of %d micro-batches in flight", stage, p->n_arenas);
     }
+  }
+  // The model's own arena (the whole graph's activations) goes back: the stage's span is all it uses.
+  if (st == FY_OK) {
+    fy_device_dealloc(m->dev, m->acts, (size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4);
+    m->acts = p->arenas[0];
+    p->took_acts = true;
+    m->act_bytes = 4 * ((int64_t)p->n_arenas * (p->span_hi - p->span_lo) + g->grad_elems + g->scratch_elems +
+                        g->B * g->T);
   }
   if (st == FY_OK && p->in_slot >= 0 &&
       !(p->grad_buf = malloc((size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float))))

@@ -222,12 +222,17 @@ static void print_stage(const struct training *t) {
   for (int i = 0; i < g->n_params; i++) held += g->params[i].absent ? 0 : g->params[i].numel;
   for (int i = 0; i < r->whole_graph->n_params; i++) whole += r->whole_graph->params[i].numel;
   const int64_t per = r->cfg.num_hidden_layers / r->pp;
-  char b[32];
-  printf("ferry: pipeline stage %d of %d (rank %d, tp rank %d): decoder layers %lld-%lld%s%s, %lld of the model's %lld "
-         "parameters (%s of weights, gradients and AdamW state)\n", r->pp_rank, r->pp, r->rank, r->tp_rank,
-         (long long)(r->pp_rank * per), (long long)((r->pp_rank + 1) * per - 1), r->pp_rank == 0 ? ", the embeddings" : "",
+  char b[32], a[32];
+  char layers[48];
+  if (per == 1) snprintf(layers, sizeof layers, "decoder layer %d", r->pp_rank);
+  else snprintf(layers, sizeof layers, "decoder layers %lld-%lld", (long long)(r->pp_rank * per),
+                (long long)((r->pp_rank + 1) * per - 1));
+  printf("ferry: pipeline stage %d of %d (rank %d, tp rank %d): %s%s%s, %lld of the model's %lld "
+         "parameters (%s of weights, gradients and AdamW state), activations %s\n", r->pp_rank, r->pp, r->rank, r->tp_rank,
+         layers, r->pp_rank == 0 ? ", the embeddings" : "",
          r->pp_rank == r->pp - 1 ? ", the final norm and lm_head" : "", (long long)held, (long long)whole,
-         fy_format_bytes((double)r->model->state_bytes, b, sizeof b));
+         fy_format_bytes((double)r->model->state_bytes, b, sizeof b),
+         fy_format_bytes((double)r->model->act_bytes, a, sizeof a));
   fflush(stdout);
 }
 
