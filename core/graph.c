@@ -103,7 +103,8 @@ static int layer_start(const struct fy_graph *g, int64_t l) {
 
 fy_status fy_graph_stage_ops(const struct fy_graph *g, int64_t layers, int pp, int stage, int *lo, int *hi) {
   if (pp < 1 || stage < 0 || stage >= pp || layers % pp != 0)
-    return fy_error_set(FY_ERR_INVALID, "pipeline stage %d of %d over %lld decoder layers", stage, pp, (long long)layers);
+    return fy_error_set(FY_ERR_INVALID, "pipeline stage %d of %d over %lld decoder layers", stage, pp,
+                        (long long)layers);
   const int64_t per = layers / pp;
   *lo = stage == 0 ? 0 : layer_start(g, stage * per);
   *hi = stage == pp - 1 ? g->n_ops : layer_start(g, (stage + 1) * per);

@@ -36,9 +36,9 @@ fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers);
 
 struct fy_pipeline;
 
-// Stage `stage` of pp over model m (built whole, its parameters set), its neighbours the ranks
-// stage - 1 and stage + 1 of comm (the pipeline's ranks, in stage order; not owned), for steps of
-// up to max_micro micro-batches. The model's activation arena goes back to its device: each of the
+// Stage `stage` of pp over model m (made for this stage, fy_model_opts.pp; its parameters set),
+// its neighbours the ranks stage - 1 and stage + 1 of comm (the pipeline's ranks, in stage order;
+// not owned), for steps of up to max_micro micro-batches. The model's activation arena goes back to its device: each of the
 // stage's arenas (one per micro-batch in flight) holds the stage's span of it alone, m->acts one of
 // them while the pipeline lives (NULL after fy_pipeline_free).
 fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,

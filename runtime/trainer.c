@@ -228,8 +228,8 @@ static void print_stage(const struct training *t) {
   else snprintf(layers, sizeof layers, "decoder layers %lld-%lld", (long long)(r->pp_rank * per),
                 (long long)((r->pp_rank + 1) * per - 1));
   printf("ferry: pipeline stage %d of %d (rank %d, tp rank %d): %s%s%s, %lld of the model's %lld "
-         "parameters (%s of weights, gradients and AdamW state), activations %s\n", r->pp_rank, r->pp, r->rank, r->tp_rank,
-         layers, r->pp_rank == 0 ? ", the embeddings" : "",
+         "parameters (%s of weights, gradients and AdamW state), activations %s\n", r->pp_rank, r->pp, r->rank,
+         r->tp_rank, layers, r->pp_rank == 0 ? ", the embeddings" : "",
          r->pp_rank == r->pp - 1 ? ", the final norm and lm_head" : "", (long long)held, (long long)whole,
          fy_format_bytes((double)r->model->state_bytes, b, sizeof b),
          fy_format_bytes((double)r->model->act_bytes, a, sizeof a));

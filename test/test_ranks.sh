@@ -517,10 +517,12 @@ compare p1untied pres1 0 && compare pres22r1 pres4 0 && compare pres1tp pres22 0
 ploud=(--data "$tmp/data.bin" --seq 32 --steps 12 --threads 1 --grad-accum 4)  # (pcommon without --quiet)
 for v in untied tied; do
   "${mpi[@]}" -np 2 "$ferry" train "${ploud[@]}" --model "$tmp/cfg-$v" --batch 4 --pp 2 --init "$tmp/p1$v" \
-    --log "$tmp/pi2$v.json" --save "$tmp/pi2$v" >"$tmp/pi2$v.out" 2>&1 || { bad "pp 2 --init ($v)"; cat "$tmp/pi2$v.out"; }
+    --log "$tmp/pi2$v.json" --save "$tmp/pi2$v" >"$tmp/pi2$v.out" 2>&1 \
+    || { bad "pp 2 --init ($v)"; cat "$tmp/pi2$v.out"; }
   "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-$v" --batch 4 --init "$tmp/p1$v" --log "$tmp/pi1$v.json" \
     --save "$tmp/pi1$v" || bad "1 rank --init ($v)"
-  python3 - "$tmp/p1$v/model.safetensors" "$tmp/pi2$v.out" "$v" <<'PY' && ok "pp 2 ($v): each stage holds its parameters alone (counted from the tensors)" || bad "pp 2 ($v): a stage's parameters"
+  python3 - "$tmp/p1$v/model.safetensors" "$tmp/pi2$v.out" "$v" <<'PY' \
+    && ok "pp 2 ($v): each stage holds its parameters alone (counted from the tensors)" || bad "pp 2 ($v): a stage's parameters"
 import json, re, struct, sys
 path, out, tied = sys.argv[1], sys.argv[2], sys.argv[3] == "tied"
 raw = open(path, "rb").read()
