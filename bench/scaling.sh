@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # bench/scaling.sh: scaling of ferry train over ranks with the mpi backend. Layouts: replicate
 # (data parallelism on the cpu device, the default), zero (data parallelism with the chunks sharded
-# over the ranks, on the sim device) and tp (tensor parallelism on the cpu device: the ranks share
-# every sequence, so only strong scaling applies).
+# over the ranks, on the sim device), tp (tensor parallelism on the cpu device: the ranks share
+# every sequence, so only strong scaling applies) and pp (pipeline parallelism on the cpu device,
+# one stage a rank: the step's micro-batches, 4 a stage, go through the stages on the 1F1B
+# schedule, against one rank running the same micro-batches; strong scaling alone, whose bound on
+# the same cores is the bubble's, m / (m + p - 1), reported beside it).
 # Weak scaling: every rank keeps the same per-rank batch (the global batch grows with the ranks).
 # Strong scaling: the global batch stays (the per-rank batch shrinks). The machine's cores are
 # split evenly between the ranks (OMP threads = cores / ranks), so that 1 and N ranks use the same
@@ -10,7 +13,7 @@
 # N x one-rank time / N-rank time, 1 is ideal) and ideal strong scaling takes as long (speedup 1).
 # On a cluster, give each rank its own cores or GPU and read the same numbers against N.
 # usage: bench/scaling.sh [build dir=build] [ranks=2] [model=opt-demo] [batch=16] [seq=128] [steps=8]
-#                         [layout=replicate|zero|tp]
+#                         [layout=replicate|zero|tp|pp]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${1:-build}" n="${2:-2}" model="${3:-opt-demo}" batch="${4:-16}" seq="${5:-128}" steps="${6:-8}"
@@ -19,7 +22,8 @@ case "$layout" in
   replicate) extra=() ;;
   zero) extra=(--device sim --device-mem 2GiB) ;;
   tp) extra=() ;;
-  *) echo "scaling: layout is replicate, zero or tp, not '$layout'" >&2; exit 2 ;;
+  pp) micro=$((4 * n)); extra=(--grad-accum "$micro") ;;  # (the micro-batch: batch / micro sequences)
+  *) echo "scaling: layout is replicate, zero, tp or pp, not '$layout'" >&2; exit 2 ;;
 esac
 command -v mpirun >/dev/null || { echo "scaling: mpirun is not installed" >&2; exit 1; }
 cores=$(nproc)
@@ -49,15 +53,25 @@ print(statistics.median(r["step_s"] for r in rows))
 PY
 }
 per=$((cores / n > 0 ? cores / n : 1))
-one=$(run one 1 "$batch" "$cores")
-if [ "$layout" = tp ]; then  # the tensor-parallel ranks share each sequence: the same global batch
+bubble=1
+if [ "$layout" = pp ]; then  # the same micro-batches a step, on one rank and through n stages
+  mb=$((batch / micro > 0 ? batch / micro : 1))
+  one=$(run one 1 "$mb" "$cores")
+  weak=0
+  strong=$(run strong "$n" "$mb" "$per" --pp "$n")
+  bubble=$(python3 -c "print(round($micro / ($micro + $n - 1), 3))")
+else
+  one=$(run one 1 "$batch" "$cores")
+fi
+if [ "$layout" = pp ]; then :
+elif [ "$layout" = tp ]; then  # the tensor-parallel ranks share each sequence: the same global batch
   weak=0
   strong=$(run strong "$n" "$batch" "$per" --tp "$n")
 else
   weak=$(run weak "$n" "$batch" "$per")
   strong=$(run strong "$n" $((batch / n)) "$per")
 fi
-python3 - "$one" "$weak" "$strong" "$n" "$model" "$batch" "$seq" "$layout" <<'PY'
+python3 - "$one" "$weak" "$strong" "$n" "$model" "$batch" "$seq" "$layout" "$bubble" <<'PY'
 import json, sys
 one, weak, strong = map(float, sys.argv[1:4])
 n = int(sys.argv[4])
@@ -66,5 +80,7 @@ row = {"bench": "scaling", "layout": sys.argv[8], "model": sys.argv[5], "ranks":
 if weak > 0:
     row.update({"weak_step_s": round(weak, 4), "weak_efficiency": round(n * one / weak, 3)})
 row.update({"strong_step_s": round(strong, 4), "strong_speedup": round(one / strong, 3)})
+if sys.argv[8] == "pp":  # the 1F1B bound on the same cores: m / (m + p - 1)
+    row["bubble_bound"] = float(sys.argv[9])
 print(json.dumps(row))
 PY

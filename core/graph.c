@@ -94,6 +94,31 @@ int fy_graph_add_op(struct fy_graph *g, const struct fy_op *op) {
   return g->n_ops++;
 }
 
+// The first op of decoder layer l (n_ops when there is none).
+static int layer_start(const struct fy_graph *g, int64_t l) {
+  for (int o = 0; o < g->n_ops; o++)
+    if (g->ops[o].layer == l) return o;
+  return g->n_ops;
+}
+
+fy_status fy_graph_stage_ops(const struct fy_graph *g, int64_t layers, int pp, int stage, int *lo, int *hi) {
+  if (pp < 1 || stage < 0 || stage >= pp || layers % pp != 0)
+    return fy_error_set(FY_ERR_INVALID, "pipeline stage %d of %d over %lld decoder layers", stage, pp,
+                        (long long)layers);
+  const int64_t per = layers / pp;
+  *lo = stage == 0 ? 0 : layer_start(g, stage * per);
+  *hi = stage == pp - 1 ? g->n_ops : layer_start(g, (stage + 1) * per);
+  return FY_OK;
+}
+
+void fy_graph_set_stage(struct fy_graph *g, int lo, int hi) {
+  for (int i = 0; i < g->n_params; i++) g->params[i].absent = true;
+  for (int o = lo; o < hi; o++)
+    for (int k = 0; k < g->ops[o].n_params; k++) g->params[g->ops[o].params[k]].absent = false;
+  for (int i = 0; i < g->n_params; i++)
+    if (g->params[i].absent) g->params[i].offset = g->params[i].chunk_offset = -1, g->params[i].chunk = -1;
+}
+
 int fy_graph_find_param(const struct fy_graph *g, const char *name) {
   for (int i = 0; i < g->n_params; i++)
     if (strcmp(g->params[i].name, name) == 0) return i;

@@ -58,11 +58,15 @@ struct fy_param {
   // full_shape), 1 when split by columns (input features). shape is this rank's part.
   int split_dim;
   int64_t full_shape[2];
+  // A pipeline stage's graph (fy_graph_set_stage): no op of the stage reads it, so no buffer holds
+  // it (offset -1, chunk -1, outside n_param_elems); its op indices stay the whole graph's.
+  bool absent;
 };
 
 // The part of parameter p in elements [lo, hi) of the flat parameter buffer: [*a, *b) of p, false
 // when it has none (reading or writing a range of the buffer parameter by parameter).
 static inline bool fy_param_part(const struct fy_param *p, int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
+  if (p->absent) return false;  // (no part of a pipeline stage's buffers)
   *a = lo > p->offset ? lo - p->offset : 0;
   *b = hi < p->offset + p->numel ? hi - p->offset : p->numel;
   return *a < *b;
@@ -218,6 +222,14 @@ int fy_graph_pass_actions(const struct fy_graph *g, struct fy_action *out);
 // The first op of the decoder layer that op o ends, or -1 when o is outside the stack or is not
 // its layer's last op.
 int fy_graph_layer_first_op(const struct fy_graph *g, int o);
+// Pipeline stage `stage` of pp (docs/ranks.md): the ops [*lo, *hi) of its decoder layers (each
+// stage the same number; the embeddings with the first, the final norm, lm_head and loss with the
+// last). FY_ERR_INVALID when pp does not divide the layers.
+fy_status fy_graph_stage_ops(const struct fy_graph *g, int64_t layers, int pp, int stage, int *lo, int *hi);
+// Keeps only the parameters ops [lo, hi) read (a pipeline stage's: a tied embedding on the first
+// and the last stage), the others marked absent; before the parameters are packed into chunks
+// (memory/chunk.h), which lays out the kept ones alone.
+void fy_graph_set_stage(struct fy_graph *g, int lo, int hi);
 // Index of the parameter with this name, or -1.
 int fy_graph_find_param(const struct fy_graph *g, const char *name);
 // The largest channel count C of any op (at least 1): the widest row a kernel's scratch holds.

@@ -19,7 +19,7 @@ static int64_t group_elems(const struct fy_graph *g, int o) {
   const struct fy_op *op = &g->ops[o];
   for (int k = 0; k < op->n_params; k++) {
     const struct fy_param *p = &g->params[op->params[k]];
-    if (p->first_use == o) n += p->numel;
+    if (p->first_use == o && !p->absent) n += p->numel;
   }
   return n;
 }
@@ -59,7 +59,7 @@ fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct
     const struct fy_op *op = &g->ops[o];
     for (int k = 0; k < op->n_params; k++) {
       struct fy_param *p = &g->params[op->params[k]];
-      if (p->first_use != o) continue;
+      if (p->first_use != o || p->absent) continue;  // (absent: another pipeline stage's)
       p->chunk = c;
       p->chunk_offset = off;
       p->offset = (int64_t)c * chunk_elems + off;
@@ -79,6 +79,7 @@ fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct
   for (int i = 0; i < l->n_chunks; i++)
     l->chunks[i] = (struct fy_chunk){.id = i, .first_use = -1, .last_use = -1, .state = FY_CHUNK_FREE, .block = -1};
   for (int i = 0; i < g->n_params; i++) {
+    if (g->params[i].absent) continue;
     struct fy_chunk *ch = &l->chunks[g->params[i].chunk];
     int64_t end = g->params[i].chunk_offset + g->params[i].numel;
     if (end > ch->used) ch->used = end;
@@ -89,6 +90,7 @@ fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct
     l->op_first[o] = n;
     const struct fy_op *op = &g->ops[o];
     for (int k = 0; k < op->n_params; k++) {
+      if (g->params[op->params[k]].absent) continue;
       int ch = g->params[op->params[k]].chunk;
       bool seen = false;
       for (int j = l->op_first[o]; j < n; j++) seen |= l->op_chunks[j] == ch;

@@ -54,7 +54,8 @@ fy_status fy_model_download(struct fy_model *m, void *dst, const void *src, size
 }
 
 static fy_status cpu_grads_sumsq(struct fy_model *m, double *sums) {
-  for (int i = 0; i < m->graph->n_params; i++) sums[i] = fy_sumsq(fy_model_grad(m, i), m->graph->params[i].numel);
+  for (int i = 0; i < m->graph->n_params; i++)
+    sums[i] = m->graph->params[i].absent ? 0 : fy_sumsq(fy_model_grad(m, i), m->graph->params[i].numel);
   return FY_OK;
 }
 
@@ -155,6 +156,11 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   m->host = opts ? opts->host : NULL;
   m->state_format = opts ? opts->state_format : FY_STATE_F32;
   if (m->state_format == FY_STATE_Q8) m->graph->chunk_align = FY_Q8_BLOCK;  // (memory/chunk.c)
+  if (st == FY_OK && opts && opts->pp > 1) {  // a pipeline stage: its parameters alone take room
+    int lo, hi;
+    st = fy_graph_stage_ops(m->graph, cfg->num_hidden_layers, opts->pp, opts->pp_stage, &lo, &hi);
+    if (st == FY_OK) fy_graph_set_stage(m->graph, lo, hi);
+  }
   if (st == FY_OK) st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
   if (st != FY_OK) {
     free(m->patterns);
@@ -533,7 +539,7 @@ fy_status fy_model_load(struct fy_model *m, const char *dir) {
   float *host = fy_model_params_on_device(m) ? calloc((size_t)g->n_param_elems, 4) : m->params;
   if (!host) status = fy_error_set(FY_ERR_NOMEM, "cannot stage the weights");
   for (int i = 0; i < g->n_params && status == FY_OK; i++)
-    fy_model_source_read(src, i, 0, g->params[i].numel, host + g->params[i].offset);
+    if (!g->params[i].absent) fy_model_source_read(src, i, 0, g->params[i].numel, host + g->params[i].offset);
   if (fy_model_params_on_device(m) && host) {
     if (status == FY_OK) status = upload_weights(m, host);
     free(host);

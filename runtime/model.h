@@ -170,6 +170,10 @@ struct fy_model_opts {
   // at multiples of FY_Q8_BLOCK elements (fy_graph.chunk_align), so that every chunk size
   // quantises the same blocks.
   enum fy_state_format state_format;
+  // Pipeline parallelism (runtime/pipeline.h): stage pp_stage of pp (pp > 1) holds only the
+  // parameters its ops read (fy_graph_set_stage), with their gradients and AdamW state; the
+  // others are absent from every buffer. 0, 0: the whole model.
+  int pp, pp_stage;
 };
 
 // Allocates every buffer on `dev` for micro-batches of B x T; parameters are zero until

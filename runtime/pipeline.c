@@ -9,7 +9,7 @@
 
 // Message tags: a stage sends activations forward and gradients backward; between two ranks with
 // one tag they arrive in the order sent, which is the schedule's order on both.
-enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED, TAG_WEIGHTS };
+enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED };
 
 struct fy_pipeline {
   struct fy_model *m;
@@ -18,13 +18,15 @@ struct fy_pipeline {
   int lo, hi;              // this stage's ops
   int in_slot, out_slot;   // the activation entering op lo and the one leaving op hi - 1 (-1: none)
   int n_arenas;            // activation arenas: one per micro-batch in flight (1F1B: pp - stage)
-  float **arenas;          // [0] is the model's own; the others hold the stage's span of it alone
+  float **arenas;          // each the stage's span of the model's arena alone (the model's own given
+                           // back: m->acts is one of these while the pipeline lives, NULL after)
+  bool took_acts;          // the model's arena given back, m->acts arenas[0]
   int64_t span_lo, span_hi;  // the floats of the arena this stage's ops read and write
   struct fy_comm_req **act_sends;  // per arena: the send of its out_slot still in flight
   struct fy_comm_req *grad_send;   // the in_slot gradient's send in flight, from grad_buf
   float *grad_buf;
   bool *used;              // per parameter: an op of this stage reads it
-  bool *owned;             // per parameter: this stage's (where its first use is): norm, gather
+  bool *owned;             // per parameter: this stage's (where its first use is): the norm, the sums
   bool *zero_first;        // used here, but its first gradient of a pass is written elsewhere
   int tied;                // the embedding's weight used on the first and the last stage, or -1
   float *tied_buf;
@@ -44,13 +46,6 @@ fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers) {
     return fy_error_set(FY_ERR_INVALID, "--pp %d does not divide the model's %lld decoder layers (each stage takes "
                         "the same number of layers): use a divisor of %lld", pp, (long long)layers, (long long)layers);
   return FY_OK;
-}
-
-// The first op of decoder layer l (n_ops when there is none).
-static int layer_start(const struct fy_graph *g, int64_t l) {
-  for (int o = 0; o < g->n_ops; o++)
-    if (g->ops[o].layer == l) return o;
-  return g->n_ops;
 }
 
 // The one slot made before op `at` and read at or after it (the residual stream between two
@@ -77,9 +72,9 @@ void fy_pipeline_free(struct fy_pipeline *p) {
     for (int a = 0; a < p->n_arenas; a++) fy_comm_wait(p->comm, p->act_sends[a]);
   fy_comm_wait(p->comm, p->grad_send);
   if (p->arenas) {
-    if (p->arenas[0]) p->m->acts = p->arenas[0];
-    for (int a = 1; a < p->n_arenas; a++)
+    for (int a = 0; a < p->n_arenas; a++)
       if (p->arenas[a]) fy_device_dealloc(p->m->dev, p->arenas[a] + p->span_lo, (size_t)(p->span_hi - p->span_lo) * 4);
+    if (p->took_acts) p->m->acts = NULL;  // (the model's own went back at creation)
   }
   free(p->arenas);
   free(p->act_sends);
@@ -97,6 +92,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   const struct fy_graph *g = m->graph;
   if (m->host || m->device_memory || !m->grads)
     return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on the cpu device's resident model for now");
+  for (int i = 0; i < g->n_params; i++)  // (fy_model_opts.pp: the stage's parameters alone)
+    if (!g->params[i].absent && g->params[i].offset < 0)
+      return fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s has no place", stage, g->params[i].name);
   if (fy_comm_size(comm) != pp || fy_comm_rank(comm) != stage)
     return fy_error_set(FY_ERR_INTERNAL, "the pipeline's communicator is rank %d of %d, not stage %d of %d",
                         fy_comm_rank(comm), fy_comm_size(comm), stage, pp);
@@ -108,12 +106,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   p->pp = pp;
   p->stage = stage;
   p->tied = -1;
-  const int64_t per = m->cfg.num_hidden_layers / pp;
-  p->lo = stage == 0 ? 0 : layer_start(g, stage * per);
-  p->hi = stage == pp - 1 ? g->n_ops : layer_start(g, (stage + 1) * per);
   p->in_slot = p->out_slot = -1;
-  fy_status st = FY_OK;
-  if (stage > 0 && (p->in_slot = crossing_slot(g, p->lo)) < 0) st = FY_ERR_UNSUPPORTED;
+  fy_status st = fy_graph_stage_ops(g, m->cfg.num_hidden_layers, pp, stage, &p->lo, &p->hi);
+  if (st == FY_OK && stage > 0 && (p->in_slot = crossing_slot(g, p->lo)) < 0) st = FY_ERR_UNSUPPORTED;
   if (st == FY_OK && stage < pp - 1 && (p->out_slot = crossing_slot(g, p->hi)) < 0) st = FY_ERR_UNSUPPORTED;
   if (st != FY_OK) {
     fy_pipeline_free(p);
@@ -128,7 +123,6 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   p->owned = calloc((size_t)g->n_params + 1, sizeof *p->owned);
   p->zero_first = calloc((size_t)g->n_params + 1, sizeof *p->zero_first);
   if (!p->arenas || !p->act_sends || !p->used || !p->owned || !p->zero_first) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-  if (st == FY_OK) p->arenas[0] = m->acts;
   // The slots this stage's ops touch lie in one span of the arena (slots are laid out in forward
   // order; with recomputation the layers' shared region is at its start): a micro-batch in flight
   // needs that span alone. Its arena is addressed as the model's is, from span_lo floats before
@@ -148,7 +142,7 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     }
   }
   if (p->span_lo >= p->span_hi) p->span_lo = 0, p->span_hi = 1;
-  for (int a = 1; a < p->n_arenas && st == FY_OK; a++) {
+  for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     const size_t bytes = (size_t)(p->span_hi - p->span_lo) * 4;
     float *buf;
     st = fy_device_alloc(m->dev, bytes, (void **)&buf);
@@ -158,6 +152,14 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     } else {
       st = fy_error_wrap(st, "pipeline stage %d: the activations of %d micro-batches in flight", stage, p->n_arenas);
     }
+  }
+  // The model's own arena (the whole graph's activations) goes back: the stage's span is all it uses.
+  if (st == FY_OK) {
+    fy_device_dealloc(m->dev, m->acts, (size_t)(g->act_elems > 0 ? g->act_elems : 1) * 4);
+    m->acts = p->arenas[0];
+    p->took_acts = true;
+    m->act_bytes = 4 * ((int64_t)p->n_arenas * (p->span_hi - p->span_lo) + g->grad_elems + g->scratch_elems +
+                        g->B * g->T);
   }
   if (st == FY_OK && p->in_slot >= 0 &&
       !(p->grad_buf = malloc((size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float))))
@@ -169,6 +171,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     const bool first_here = q->first_use >= p->lo && q->first_use < p->hi,
                last_here = q->last_use >= p->lo && q->last_use < p->hi;
     p->used[i] = first_here || last_here;
+    if (p->used[i] == q->absent)  // (the model was made for this stage: fy_model_opts.pp)
+      st = fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s %s", stage, q->name,
+                        q->absent ? "is read here but absent" : "is held but not read here");
     p->owned[i] = first_here;
     p->zero_first[i] = p->used[i] && !last_here;
     if (first_here != last_here) p->tied = i;  // (a parameter read by two stages: the tied embedding)
@@ -177,10 +182,10 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
       if (q->offset + q->numel > p->own_hi) p->own_hi = q->offset + q->numel;
     }
   }
-  // The owned parameters lie together in the flat layout (first-use order), the gather's one range.
+  // The owned parameters lie together in the flat layout (first-use order): the data-parallel sum's one range.
   for (int i = 0; i < g->n_params && st == FY_OK; i++) {
     const struct fy_param *q = &g->params[i];
-    if (!p->owned[i] && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
+    if (!p->owned[i] && !q->absent && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
       st = fy_error_set(FY_ERR_INTERNAL, "parameter %s lies among pipeline stage %d's own", q->name, stage);
   }
   if (st == FY_OK && p->tied >= 0 && !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
@@ -321,44 +326,15 @@ fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, flo
   return fy_optimizer_step_some(p->m, h, lr, t, grad_scale, norm, p->used);
 }
 
-fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state) {
-  struct fy_model *m = p->m;
-  if (p->pp == 1) return FY_OK;
-  if (state && m->state_format != FY_STATE_F32)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline's compressed AdamW state: not supported yet");
-  float *bufs[3] = {m->params, m->m, m->v};
-  const int n_bufs = state ? 3 : 1;
-  if (p->stage > 0) {
-    if (p->own_lo >= p->own_hi) return FY_OK;
-    for (int k = 0; k < n_bufs; k++) {
-      struct fy_comm_req *req;
-      FY_TRY(fy_comm_isend(p->comm, bufs[k] + p->own_lo, (size_t)(p->own_hi - p->own_lo) * sizeof(float), 0,
-                           TAG_WEIGHTS, &req));
-      FY_TRY(fy_comm_wait(p->comm, req));
-    }
-    return FY_OK;
-  }
-  // The first stage learns each stage's range from the same layout (every stage builds the same
-  // graph), and receives it over its stale copy.
-  const struct fy_graph *g = m->graph;
-  const int64_t per = m->cfg.num_hidden_layers / p->pp;
-  for (int s = 1; s < p->pp; s++) {
-    const int lo = layer_start(g, s * per), hi = s == p->pp - 1 ? g->n_ops : layer_start(g, (s + 1) * per);
-    int64_t a = g->n_param_elems, b = 0;
-    for (int i = 0; i < g->n_params; i++) {
-      const struct fy_param *q = &g->params[i];
-      if (q->first_use < lo || q->first_use >= hi) continue;
-      if (q->offset < a) a = q->offset;
-      if (q->offset + q->numel > b) b = q->offset + q->numel;
-    }
-    for (int k = 0; k < n_bufs && a < b; k++)
-      FY_TRY(fy_comm_recv(p->comm, bufs[k] + a, (size_t)(b - a) * sizeof(float), s, TAG_WEIGHTS));
-  }
-  m->cparams_fresh = false;
-  return FY_OK;
-}
-
 fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x) {
   if (p->pp == 1) return FY_OK;
   return fy_comm_broadcast(p->comm, x, sizeof *x, p->pp - 1, NULL);
+}
+
+int fy_pipeline_owner(const struct fy_graph *g, int64_t layers, int pp, int i) {
+  for (int s = 0; s < pp; s++) {
+    int lo, hi;
+    if (fy_graph_stage_ops(g, layers, pp, s, &lo, &hi) == FY_OK && g->params[i].first_use < hi) return s;
+  }
+  return pp - 1;
 }

@@ -12,11 +12,12 @@
 // computes its own part of its gradient, and the two parts are summed between them before the
 // optimizer (as Megatron does), one rounding apart from one rank's sum.
 //
-// What is here now: the resident cpu device (the model's buffers are the whole model's on every
-// stage, of which a stage computes, sums and updates only its own parameters' part; the weights,
-// and for a checkpoint AdamW's state, come to the first stage, so --save and checkpoints hold the
-// whole model and resume under any layout), with tensor-parallel groups within the stages. Not
-// yet: the sim and cuda devices, offloading, the interleaved schedule.
+// What is here now: the resident cpu device, each stage's model made for it (fy_model_opts.pp:
+// its parameters alone, with their gradients and AdamW state; the tied embedding on both ends),
+// with tensor-parallel groups within the stages. --save, checkpoints and --resume go parameter by
+// parameter (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each
+// stage reads its own tensors), so no rank holds the whole model and any layout resumes any
+// other's. Not yet: the sim and cuda devices, offloading, the interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 
@@ -35,9 +36,11 @@ fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers);
 
 struct fy_pipeline;
 
-// Stage `stage` of pp over model m (built whole, its parameters set), its neighbours the ranks
-// stage - 1 and stage + 1 of comm (the pipeline's ranks, in stage order; not owned), for steps of
-// up to max_micro micro-batches. Keeps the model's activation arena as the first of its own.
+// Stage `stage` of pp over model m (made for this stage, fy_model_opts.pp; its parameters set),
+// its neighbours the ranks stage - 1 and stage + 1 of comm (the pipeline's ranks, in stage order;
+// not owned), for steps of up to max_micro micro-batches. The model's activation arena goes back to its device: each of the
+// stage's arenas (one per micro-batch in flight) holds the stage's span of it alone, m->acts one of
+// them while the pipeline lives (NULL after fy_pipeline_free).
 fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
                              struct fy_pipeline **out);
 void fy_pipeline_free(struct fy_pipeline *p);
@@ -63,10 +66,9 @@ double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale);
 // AdamW on the parameters this stage uses (the tied weight on both ends), as fy_optimizer_step.
 fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, float lr, int64_t t, float grad_scale,
                             double norm);
-// Every stage's weights into the first stage's m->params (a collective over the pipeline), and
-// with `state` AdamW's m and v too: its model is then the whole trained model as one rank's (--save,
-// the hash, a checkpoint, which any layout resumes: every stage loads the whole state).
-fy_status fy_pipeline_gather_weights(struct fy_pipeline *p, bool state);
+// The stage whose parameters include the whole model's parameter i (where its first use is; a
+// tied embedding the first stage's), for gathering the whole model (runtime/train_checkpoint.c).
+int fy_pipeline_owner(const struct fy_graph *g, int64_t layers, int pp, int i);
 // A double from the last stage to every stage (the step's loss, reported by rank 0).
 fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x);
 

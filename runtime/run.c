@@ -600,7 +600,8 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     // model that cannot fit is refused before anything is allocated, with what it would need.
     FY_TRY(fy_device_cpu_create(rank_ram(r), &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm,
-                               .inference = r->eval, .state_format = r->eval ? FY_STATE_F32 : state_format(o)};
+                               .inference = r->eval, .state_format = r->eval ? FY_STATE_F32 : state_format(o),
+                               .pp = r->pp, .pp_stage = r->pp_rank};  // (a pipeline stage: its parameters alone)
     st = fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model);
     int local = fy_comm_local_size(r->comm);
     char ram[32];
@@ -642,13 +643,14 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   }
   r->model->dropout_seed = o->seed;
   // With tensor parallelism each rank takes its slices of the whole model's tensors (so that any
-  // tp starts from the same weights as one rank); r->whole describes the whole model (no buffers).
-  if (r->tp > 1) {
+  // tp starts from the same weights as one rank), and a pipeline stage its own parameters;
+  // r->whole describes the whole model (no buffers).
+  if (r->tp > 1 || r->pp > 1) {
     FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
     r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
   }
   bool random = !o->init || strcmp(o->init, "random") == 0;
-  if (r->tp > 1) {
+  if (r->tp > 1 || r->pp > 1) {
     st = tp_take_weights(r, random ? NULL : o->init, o->seed);  // (m and v are zero from their allocation)
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   } else if (r->model->host && !r->model->params) {  // sharded, or bf16 chunks alone: this rank's part

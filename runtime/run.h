@@ -35,8 +35,8 @@ struct run {
   // Sharded chunks: the blocks' collectives, over dp_comm's ranks: nccl on GPUs, an mpi
   // communicator of their own on sim (the same plumbing as on GPUs).
   struct fy_comm *dp_blocks;
-  // With tensor parallelism: the whole model's graph and, when needed, its weights (the model as
-  // Hugging Face files and checkpoints hold it; params NULL while not needed).
+  // With tensor or pipeline parallelism: the whole model's graph and, when needed, its weights (the
+  // model as Hugging Face files and checkpoints hold it; params NULL while not needed).
   struct fy_graph *whole_graph;
   struct fy_model whole;
   struct fy_opt_config cfg;

@@ -34,6 +34,7 @@ void fy_tp_take(const struct fy_graph *part, float *local, const struct fy_graph
   FY_ASSERT(part->n_params == whole->n_params);
   for (int i = 0; i < part->n_params; i++) {
     FY_ASSERT(strcmp(part->params[i].name, whole->params[i].name) == 0);
+    if (part->params[i].absent) continue;  // (another pipeline stage's)
     fy_tp_read_part(part, i, 0, part->params[i].numel, read, ctx, local + part->params[i].offset);
   }
 }

@@ -21,6 +21,7 @@
 #include "runtime/offload.h"
 #include "runtime/checkpoint.h"
 #include "runtime/comm.h"
+#include "runtime/pipeline.h"
 #include "runtime/tp.h"
 #include "memory/tier.h"
 #include "runtime/run.h"
@@ -111,10 +112,13 @@ fy_status finish_sharded(struct run *r, const char *save, bool lead, uint64_t *h
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
 }
 
-// The whole model's state from the tensor-parallel slices, one parameter at a time in the whole
-// layout's order, for checkpoints and the final save: no rank holds the whole model. The ranks of
-// a tensor-parallel group walk the same parameters (each split one is a gather, a collective); the
-// lead keeps what they give.
+// The whole model's state from the tensor-parallel slices and the pipeline stages' parameters, one
+// parameter at a time in the whole layout's order, for checkpoints and the final save: no rank
+// holds the whole model. The ranks of a tensor-parallel group walk the same parameters (each split
+// one is a gather, a collective); with pipeline stages, every stage of the pipeline walks them too,
+// and a parameter of a later stage goes whole from its stage's first tensor-parallel rank to the
+// first stage's (point-to-point, in the walk's order on both ends). The lead (rank 0, of the first
+// stage) keeps what they give.
 struct tp_walk {
   struct run *r;
   int kinds;                 // 1: the weights; 3: weights, m and v
@@ -124,8 +128,19 @@ struct tp_walk {
   int *order;                // the whole model's parameters by offset
   int next;                  // order[next]: the first parameter not yet handed out whole
   int held;                  // the split parameter in whole[] (-1: none)
-  float *whole[3], *buf;     // whole[]: the lead's copy of one parameter; buf: the gathered slices
+  float *whole[3], *buf;     // whole[]: the lead's copy of one parameter (a later stage's first
+                             // tensor-parallel rank's, to send); buf: the gathered slices
 };
+
+enum { TAG_WALK = 1 << 21 };  // (point-to-point messages of the walk over the pipeline's stages)
+
+// The stage whose parameter i is, when a pipeline's first stage does not hold it (-1: it does).
+static int walk_sender(const struct tp_walk *t, int i) {
+  const struct run *r = t->r;
+  if (r->pp <= 1) return -1;
+  const int s = fy_pipeline_owner(r->model->graph, r->cfg.num_hidden_layers, r->pp, i);
+  return s > 0 ? s : -1;
+}
 
 static void tp_walk_free(struct tp_walk *t) {
   for (int k = 0; k < 3; k++) free(t->whole[k]);
@@ -142,9 +157,11 @@ static void tp_walk_free(struct tp_walk *t) {
 static fy_status tp_walk_init(struct tp_walk *t, struct run *r, int kinds, float *const local[3], bool lead) {
   *t = (struct tp_walk){.r = r, .kinds = kinds, .held = -1, .chunk = -1};
   const struct fy_graph *g = r->whole_graph;
-  int64_t most = 1;  // the largest split parameter, whole
+  int64_t most = 1;  // the largest split parameter, whole, or one that moves between stages
   for (int i = 0; i < g->n_params; i++)
-    if (r->model->graph->params[i].split_dim >= 0 && g->params[i].numel > most) most = g->params[i].numel;
+    if ((r->model->graph->params[i].split_dim >= 0 || walk_sender(t, i) >= 0) && g->params[i].numel > most)
+      most = g->params[i].numel;
+  lead = lead || (r->pp > 1 && r->tp_rank == 0);  // (a later stage's first rank gathers what it sends)
   int64_t gathered = fy_tp_gather_floats(r->model->graph);
   bool ok = (t->order = param_order(g)) && (t->buf = malloc((size_t)(gathered > 0 ? gathered : 1) * 4));
   if (ok && !local) ok = (t->cbuf = malloc((size_t)r->model->layout->chunk_elems * 3 * 4)) != NULL;
@@ -153,7 +170,8 @@ static fy_status tp_walk_init(struct tp_walk *t, struct run *r, int kinds, float
     if (lead && ok) ok = (t->whole[k] = malloc((size_t)most * 4)) != NULL;
   }
   float failed = ok ? 0.0f : 1.0f;
-  fy_status st = fy_comm_all_reduce(r->tp_comm, &failed, 1, FY_COMM_F32, NULL);
+  fy_status st = r->tp > 1 ? fy_comm_all_reduce(r->tp_comm, &failed, 1, FY_COMM_F32, NULL) : FY_OK;
+  if (st == FY_OK && r->pp > 1) st = fy_comm_all_reduce(r->pp_comm, &failed, 1, FY_COMM_F32, NULL);
   char size[32];
   if (st == FY_OK && failed > 0)
     st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the buffers to gather the tensor-parallel slices (%s on the "
@@ -169,6 +187,15 @@ static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
   const struct fy_param *p = &part->params[i];
   fy_status st = FY_OK;
   const float *slice[3];
+  const int sender = walk_sender(t, i);
+  if (p->absent) {  // another pipeline stage's: the first stage's first rank receives it whole
+    for (int k = 0; k < t->kinds; k++) out[k] = t->whole[k];
+    if (t->r->pp_rank != 0 || t->r->tp_rank != 0 || sender < 0 || t->held == i) return FY_OK;
+    for (int k = 0; k < t->kinds && st == FY_OK; k++)
+      st = fy_comm_recv(t->r->pp_comm, t->whole[k], (size_t)t->r->whole_graph->params[i].numel * 4, sender, TAG_WALK);
+    t->held = st == FY_OK ? i : -1;
+    return st == FY_OK ? FY_OK : fy_error_wrap(st, "receiving %s from pipeline stage %d", p->name, sender);
+  }
   if (t->cbuf) {  // offloaded: the chunk that holds it (each chunk once, in order: the walk's order)
     const int64_t ce = t->r->model->layout->chunk_elems;
     const int c = (int)(p->offset / ce);
@@ -188,7 +215,16 @@ static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
     fy_status s1 = fy_tp_gather_param(part, slice[k], t->r->whole_graph, i, t->whole[k], t->buf, t->r->tp_comm);
     if (st == FY_OK) st = s1;  // (the other kinds' gathers still run: the group's ranks call them all)
   }
-  if (p->split_dim >= 0) t->held = st == FY_OK ? i : -1;
+  if (sender >= 0 && t->r->tp_rank == 0 && t->held != i) {  // a later stage's: whole to the first stage
+    const size_t bytes = (size_t)t->r->whole_graph->params[i].numel * 4;
+    for (int k = 0; k < t->kinds && st == FY_OK; k++) {
+      struct fy_comm_req *req;
+      st = fy_comm_isend(t->r->pp_comm, out[k], bytes, 0, TAG_WALK, &req);
+      if (st == FY_OK) st = fy_comm_wait(t->r->pp_comm, req);
+    }
+    if (st != FY_OK) st = fy_error_wrap(st, "sending %s to the first pipeline stage", p->name);
+  }
+  if (p->split_dim >= 0 || sender >= 0) t->held = st == FY_OK ? i : -1;
   return st;
 }
 
@@ -333,7 +369,10 @@ fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckp
   FY_TRY(drain_updates(o, r));  // (--optimizer-lag: a checkpoint holds every update so far)
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
-  if (r->tp > 1) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
+  if (r->pp > 1 && m->state_format != FY_STATE_F32)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "checkpoints of a pipeline's compressed AdamW state (--optimizer-state "
+                        "%s): not supported yet", fy_state_format_name(m->state_format));
+  if (r->tp > 1 || r->pp > 1) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
   struct fy_ckpt_snapshot *s = w && !r->ckpt_by_chunk ? fy_ckpt_snapshot_buffers(w) : NULL;
   if (w && !r->ckpt_by_chunk && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
   if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
@@ -470,7 +509,7 @@ static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta 
 fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
                  int64_t *scale_good) {
   struct fy_ckpt_meta meta;
-  fy_status st = r->tp > 1 ? resume_tp(o->resume, r, &meta) : resume_state(o->resume, r, &meta);
+  fy_status st = r->tp > 1 || r->pp > 1 ? resume_tp(o->resume, r, &meta) : resume_state(o->resume, r, &meta);
   if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
   const char *fmt = fy_state_format_name(r->model->state_format);
   if (strcmp(meta.optimizer_state, fmt) != 0 && r->rank == 0)

@@ -120,7 +120,7 @@ static fy_status open_training(struct training *t, struct fy_comm *comm) {
   }
   if (st == FY_OK && o->resume) st = resume(o, r, &t->first_step, &t->scale, &t->scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r->rank == 0)
-    st = fy_ckpt_writer_create(o->save, o->keep, r->tp > 1 ? &r->whole : r->model, &t->ckpt);
+    st = fy_ckpt_writer_create(o->save, o->keep, r->tp > 1 || r->pp > 1 ? &r->whole : r->model, &t->ckpt);
   if (st == FY_OK && o->save && r->rank == 0) check_save_space(o, fy_opt_num_params(&r->cfg), o->steps - t->first_step);
   // A snapshot is the whole state again (weights, m and v: 12 bytes a parameter). When the host
   // tier cannot hold one beside the state (a model that fills the host memory, or chunks sharded
@@ -210,6 +210,30 @@ static void print_header(const struct training *t) {
   else
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
+  fflush(stdout);
+}
+
+// A pipeline stage's share of the model, said by every stage (each holds its own parameters
+// alone, runtime/pipeline.h): its layers, its parameters and the bytes of their state.
+static void print_stage(const struct training *t) {
+  const struct run *r = &t->r;
+  if (r->pp <= 1 || t->given->quiet) return;
+  const struct fy_graph *g = r->model->graph;
+  int64_t held = 0, whole = 0;
+  for (int i = 0; i < g->n_params; i++) held += g->params[i].absent ? 0 : g->params[i].numel;
+  for (int i = 0; i < r->whole_graph->n_params; i++) whole += r->whole_graph->params[i].numel;
+  const int64_t per = r->cfg.num_hidden_layers / r->pp;
+  char b[32], a[32];
+  char layers[48];
+  if (per == 1) snprintf(layers, sizeof layers, "decoder layer %d", r->pp_rank);
+  else snprintf(layers, sizeof layers, "decoder layers %lld-%lld", (long long)(r->pp_rank * per),
+                (long long)((r->pp_rank + 1) * per - 1));
+  printf("ferry: pipeline stage %d of %d (rank %d, tp rank %d): %s%s%s, %lld of the model's %lld "
+         "parameters (%s of weights, gradients and AdamW state), activations %s\n", r->pp_rank, r->pp, r->rank,
+         r->tp_rank, layers, r->pp_rank == 0 ? ", the embeddings" : "",
+         r->pp_rank == r->pp - 1 ? ", the final norm and lm_head" : "", (long long)held, (long long)whole,
+         fy_format_bytes((double)r->model->state_bytes, b, sizeof b),
+         fy_format_bytes((double)r->model->act_bytes, a, sizeof a));
   fflush(stdout);
 }
 
@@ -398,7 +422,6 @@ static fy_status maybe_checkpoint(struct training *t, int64_t step, bool stop) {
   const struct fy_train_opts *o = t->o;
   if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe) &&
       (stop || (step + 1) % t->save_every == 0 || step + 1 == o->steps)) {
-    if (t->r.pipe) FY_TRY(fy_pipeline_gather_weights(t->r.pipe, true));  // (the whole state to the first stage)
     FY_TRY(checkpoint(o, &t->r, t->ckpt, step + 1, t->scale, t->scale_good));
     if (t->ckpt) t->res->checkpoints++;
   }
@@ -536,9 +559,9 @@ static fy_status finish_run(struct training *t) {
   if (!o->quiet && t->tty) printf("\r\033[K");
   FY_TRY(profile_run(t));
   measure_run(t);
-  if (r->pipe && gather) FY_TRY(fy_pipeline_gather_weights(r->pipe, false));  // (every stage's weights to the first)
-  // Tensor-parallel slices come together parameter by parameter for the hash and the final save.
-  if (r->tp > 1) {
+  // Tensor-parallel slices and pipeline stages' parameters come together parameter by parameter
+  // for the hash and the final save.
+  if (r->tp > 1 || r->pp > 1) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));
   } else if (!t->sharded) {
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
@@ -584,6 +607,7 @@ fy_status fy_train(const struct fy_train_opts *given, struct fy_train_result *re
   size_run(&t);
   t.tty = isatty(STDOUT_FILENO);
   print_header(&t);
+  print_stage(&t);
   if ((st = prepare_steps(&t)) != FY_OK) goto done;
   for (int64_t step = t.first_step; step < t.o->steps; step++) {
     struct step_report s;

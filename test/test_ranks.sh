@@ -490,7 +490,8 @@ compare ptp2 ptp2pp2 0 && compare p1tied ptp2pp2t 1e-5 1e-4 \
 "${mpi[@]}" -np 8 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 2 --tp 2 --pp 2 --steps 4 \
   --log "$tmp/pg2.json" --save "$tmp/pg2" >"$tmp/pg2.out" 2>&1 || { bad "dp 2 x pp 2 x tp 2 trains"; cat "$tmp/pg2.out"; }
 compare pg1 pg2 0 && ok "dp 2 x pp 2 x tp 2 (8 ranks): the bits of dp 2 x tp 2" || bad "dp 2 x pp 2 x tp 2 differs"
-# Checkpoints are layout-free: the first stage gathers the whole state and writes one rank's files.
+# Checkpoints are layout-free: the stages send their parameters, one at a time, to the first, which
+# writes one rank's files; each stage of a resumed run reads its own tensors.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 --save "$tmp/pck2" \
   --save-every 100 --stop-after 6 >/dev/null 2>&1 || bad "pp 2 checkpoints"
 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --save "$tmp/pck1" --save-every 100 --stop-after 6 \
@@ -514,6 +515,47 @@ for f in model.safetensors optimizer.safetensors; do cmp -s "$tmp/pck1/step-0000
 compare p1untied pres1 0 && compare pres22r1 pres4 0 && compare pres1tp pres22 0 \
   && ok "checkpoints across layouts, bit for bit: pp 2 -> 1 rank, pp 2 x tp 2 -> pp 4, 1 rank -> pp 2 x tp 2" \
   || bad "resuming across pipeline layouts differs"
+# Each stage holds its own parameters alone, with their gradients and AdamW state (the embeddings
+# with the first, the final norm and lm_head with the last, a tied lm_head's weight on both), and
+# every stage says how many: the test counts the same from the 1-rank model's tensors. --init from
+# a Hugging Face model: each stage reads its own tensors, and trains as 1 rank from the same file.
+ploud=(--data "$tmp/data.bin" --seq 32 --steps 12 --threads 1 --grad-accum 4)  # (pcommon without --quiet)
+for v in untied tied; do
+  "${mpi[@]}" -np 2 "$ferry" train "${ploud[@]}" --model "$tmp/cfg-$v" --batch 4 --pp 2 --init "$tmp/p1$v" \
+    --log "$tmp/pi2$v.json" --save "$tmp/pi2$v" >"$tmp/pi2$v.out" 2>&1 \
+    || { bad "pp 2 --init ($v)"; cat "$tmp/pi2$v.out"; }
+  "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-$v" --batch 4 --init "$tmp/p1$v" --log "$tmp/pi1$v.json" \
+    --save "$tmp/pi1$v" || bad "1 rank --init ($v)"
+  python3 - "$tmp/p1$v/model.safetensors" "$tmp/pi2$v.out" "$v" <<'PY' \
+    && ok "pp 2 ($v): each stage holds its parameters alone (counted from the tensors)" || bad "pp 2 ($v): a stage's parameters"
+import json, re, struct, sys
+path, out, tied = sys.argv[1], sys.argv[2], sys.argv[3] == "tied"
+raw = open(path, "rb").read()
+header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+pp, layers = 2, 4
+held, total = [0] * pp, 0
+for name, t in header.items():
+    if name == "__metadata__": continue
+    n = 1
+    for d in t["shape"]: n *= d
+    total += n
+    m = re.search(r"layers\.(\d+)\.", name)
+    stage = int(m.group(1)) // (layers // pp) if m else 0 if "embed_" in name else pp - 1
+    held[stage] += n
+    if tied and "embed_tokens" in name: held[pp - 1] += n  # (the lm_head's weight on the last stage)
+said = {int(s): (int(h), int(w)) for s, h, w in
+        re.findall(r"pipeline stage (\d+) of 2 \(rank \d+, tp rank 0\): .*?, (\d+) of the model's (\d+) parameters",
+                   open(out).read())}
+print("  counted", held, "of", total, "; the stages say", said)
+assert sorted(said) == list(range(pp)), said
+for s in range(pp):
+    assert said[s] == (held[s], total), (s, said[s], held[s], total)
+    assert 0.35 * total < held[s] < 0.65 * total, (s, held[s], total)  # about half each
+PY
+done
+compare pi1untied pi2untied 0 && compare pi1tied pi2tied 1e-5 \
+  && ok "pp 2 --init from a Hugging Face model: 1 rank's losses and weights (untied bit for bit)" \
+  || bad "pp 2 --init differs from 1 rank"
 # Layouts that do not fit are refused before anything is allocated, naming the numbers; what
 # pipelines do not run yet says so.
 refused() {  # refused NAME EXPECTED-TEXT NP ARGS...: the run fails, saying EXPECTED-TEXT
