@@ -541,8 +541,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       if (dev_buf[i]) st = fy_device_alloc(s.dev, dev_buf[i], &p);
     if (st == FY_OK && lag) st = fy_device_alloc(s.dev, (size_t)ce * pb, &p);
   }
-  if (st == FY_OK && n_dev > 0) st = fy_device_alloc(s.dev, (size_t)g->n_params * 8, &p);
-  if (st == FY_OK && n_dev > 0) st = fy_device_alloc(s.dev, 16, &p);
+  // (the sums of squares and the scale: the device chunks', or the blocks' on a GPU, sums_dev)
+  if (st == FY_OK && (n_dev > 0 || sums_dev)) st = fy_device_alloc(s.dev, (size_t)g->n_params * 8, &p);
+  if (st == FY_OK && (n_dev > 0 || sums_dev)) st = fy_device_alloc(s.dev, 16, &p);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.compute);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_in);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_out);
