@@ -5,7 +5,7 @@
 # transformers round trip of a saved checkpoint, the OPT variants that the fixtures do not cover,
 # random configurations trained along random paths, bf16 training against PyTorch's, and
 # tools/convert.py (with torch and transformers, which it installs in the project's virtual
-# environment, .venv, when missing), and, with the sanitizers, ferry train with random options and the
+# environment, ~/.cache/ferry/venv, when missing), and, with the sanitizers, ferry train with random options and the
 # fuzz targets for 10 s each (skipped without clang's libFuzzer).
 # The checks that hold this machine to rates and times (meson suite "timing": the planner's
 # predicted steps, the probe's rates, prefetch overlap, the sim link's copies) run alone after the

@@ -40,17 +40,20 @@ fy_demo_data() {
 }
 
 # fy_reference_python: the Python the reference checks run with (torch, transformers, safetensors
-# and numpy, from PyPI), in a virtual environment of the project's: $FERRY_VENV, or .venv in the
-# checkout. Made, or completed, when a package is missing; its bin/ then goes first on PATH, so the
-# scripts' python3 is that one. A machine with the packages in its own python3 uses that instead.
+# and numpy, from PyPI), in a virtual environment of the project's: $FERRY_VENV, or ferry/venv in
+# the user's cache directory (~/.cache), so that every checkout and CI run on the machine shares
+# the one install of a few GB. Made, or completed, when a package is missing; its bin/ then goes
+# first on PATH, so the scripts' python3 is that one. A machine with the packages in its own
+# python3 uses that instead.
 # Returns 1, saying why, when they cannot be had (no network, no venv module): the checks that
 # need them are then skipped and counted as skipped.
 FY_PY_REFS="torch transformers safetensors numpy"
 fy_reference_python() {
   local imports="import torch, transformers, safetensors, numpy"
   python3 -c "$imports" 2>/dev/null && return 0
-  local venv="${FERRY_VENV:-$PWD/.venv}"
+  local venv="${FERRY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/ferry/venv}"
   if [ ! -x "$venv/bin/python3" ]; then
+    mkdir -p "$(dirname "$venv")" || return 1
     python3 -m venv "$venv" >"$venv.log" 2>&1 || {
       # Debian's python3 keeps the venv module in a package of its own.
       fy_apt_install python3-venv && python3 -m venv "$venv" >"$venv.log" 2>&1
