@@ -6,7 +6,7 @@
 # random configurations trained along random paths, bf16 training against PyTorch's, and
 # tools/convert.py (with torch and transformers, which it installs in the project's virtual
 # environment, ~/.cache/ferry/venv, when missing), and, with the sanitizers, ferry train with random options and the
-# fuzz targets for 10 s each (skipped without clang's libFuzzer).
+# fuzz targets for 6 s each (skipped without clang's libFuzzer).
 # The checks that hold this machine to rates and times (meson suite "timing": the planner's
 # predicted steps, the probe's rates, prefetch overlap, the sim link's copies) run alone after the
 # release build's suite and are reported on a line of their own, "timing: N passed, N failed": a
@@ -127,10 +127,10 @@ if [ "$plain" = 1 ]; then
       count python3 test/reference/check_variants.py build/ferry
       # Random configurations, each trained along a random path (ranks, accumulation, offload, resume).
       section "random OPT configurations along random paths: ferry and transformers train them alike"
-      count_logged build/random_variants.log python3 test/reference/check_variants.py build/ferry --random 40 --seed 1
+      count_logged build/random_variants.log python3 test/reference/check_variants.py build/ferry --random 30 --seed 1
       # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
       section "random OPT configurations: the sim device's placements give the cpu's bits"
-      count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 40 --seed 1
+      count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 30 --seed 1
       # A mixture of experts (issue 37), trained by ferry and by a PyTorch mixture written in the script.
       section "mixture of experts: ferry and a PyTorch reference train it alike"
       count python3 test/reference/check_moe.py build/ferry
@@ -147,7 +147,7 @@ if [ "$plain" = 1 ]; then
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
     # models, batches, memory, precisions and ranks on the sim device).
     section "random plans on the sim device: each trains in the memory it predicts (test/plan_random.py)"
-    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 40 1
+    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 30 1
   else
     failed=$((failed + 1))
   fi
@@ -182,11 +182,11 @@ if [ "$plain" = 1 ]; then
       skipped=$((skipped + 1))
     fi
     section "random plans on 1 to 4 emulated GPUs, resident and offloaded: each trains in the memory it predicts"
-    FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 30 1 --gpu
+    FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 20 1 --gpu
     if [ "$have_refs" = 1 ]; then
       section "random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
-        --random 60 --seed 1 --gpu --gpus 4
+        --random 30 --seed 1 --gpu --gpus 4
     else
       section "skipped: random configurations on the emulated GPU (no torch and transformers: see above)"
       skipped=$((skipped + 1))
@@ -211,9 +211,9 @@ if [ "$sanitize" = 1 ]; then
   section "ferry train and eval with random options (test/cli_random.py, AddressSanitizer build)"
   mkdir -p build-asan
   count_logged build-asan/cli_random.log python3 test/cli_random.py build-asan/ferry 100 1
-  # The parsers of untrusted files under libFuzzer, 10 s each (test/fuzz/README.md).
-  section "fuzz targets (test/fuzz/run.sh 10)"
-  test/fuzz/run.sh 10
+  # The parsers of untrusted files under libFuzzer, 6 s each (test/fuzz/README.md).
+  section "fuzz targets (test/fuzz/run.sh 6)"
+  test/fuzz/run.sh 6
   case $? in
     0) passed=$((passed + 1)) ;;
     77) skipped=$((skipped + 1)) ;;
