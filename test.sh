@@ -202,7 +202,8 @@ if [ "$sanitize" = 1 ]; then
   export LSAN_OPTIONS="suppressions=$PWD/test/lsan.supp"
   # Sanitizers instrument host code; the CUDA kernels (which nvcc builds) stay out of this build.
   if fy_build build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized -Dcuda=disabled; then
-    run_suite build-asan "AddressSanitizer + UndefinedBehaviorSanitizer"
+    # (the slowest test, the layouts against one rank, runs once: in the release build)
+    run_suite build-asan "AddressSanitizer + UndefinedBehaviorSanitizer" --no-suite release_only
   else
     failed=$((failed + 1))
   fi
