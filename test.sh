@@ -8,19 +8,20 @@
 # environment, ~/.cache/ferry/venv, when missing), and, with the sanitizers, ferry train with random options and the
 # fuzz targets for 6 s each (skipped without clang's libFuzzer).
 # The checks that hold this machine to rates and times (meson suite "timing": the planner's
-# predicted steps, the probe's rates, prefetch overlap, the sim link's copies) run alone after the
-# release build's suite and are reported on a line of their own, "timing: N passed, N failed": a
-# loaded machine can fail them, so they are not in the count.
+# predicted steps, the probe's rates, prefetch overlap, the sim link's copies) run with --timing,
+# alone after the release build's suite, and are reported on a line of their own, "timing: N
+# passed, N failed": a loaded machine can fail them, so they are not in the count.
 # Ends with one line: "N passed, N failed[, N skipped]".
 #
-# usage: ./test.sh [--no-sanitize] [--sanitize-only]
+# usage: ./test.sh [--no-sanitize] [--sanitize-only] [--timing]
 set -uo pipefail
 cd "$(dirname "$0")"
 . tools/bootstrap.sh
 
-sanitize=1 plain=1
+sanitize=1 plain=1 timing=0
 for a in "$@"; do
   case "$a" in
+    --timing) timing=1 ;;
     --no-sanitize) sanitize=0 ;;
     --sanitize-only) plain=0 ;;
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
@@ -116,7 +117,7 @@ fi
 if [ "$plain" = 1 ]; then
   if fy_build build; then
     run_suite build "release build" --no-suite timing
-    run_timing build
+    [ "$timing" = 1 ] && run_timing build
     # A checkpoint ferry saves loads in transformers and gives ferry's logits.
     if [ "$have_refs" = 1 ]; then
       section "transformers loads a ferry checkpoint"
@@ -147,7 +148,7 @@ if [ "$plain" = 1 ]; then
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
     # models, batches, memory, precisions and ranks on the sim device).
     section "random plans on the sim device: each trains in the memory it predicts (test/plan_random.py)"
-    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 30 1
+    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 24 1
   else
     failed=$((failed + 1))
   fi
@@ -186,7 +187,7 @@ if [ "$plain" = 1 ]; then
     if [ "$have_refs" = 1 ]; then
       section "random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
-        --random 30 --seed 1 --gpu --gpus 4
+        --random 20 --seed 1 --gpu --gpus 4
     else
       section "skipped: random configurations on the emulated GPU (no torch and transformers: see above)"
       skipped=$((skipped + 1))
