@@ -39,10 +39,11 @@ Exit status 0 when every case passes, 1 otherwise. Needs torch, transformers, sa
 import argparse
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
+
+from check_variants import write_shard  # (the same token shard writer, llm.c's format)
 
 B, T, STEPS = 2, 12, 5
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY, CLIP = 1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0
@@ -188,16 +189,6 @@ def reference_state(model, blocks):
             if getattr(blk, k) is not None:
                 out[n] = getattr(blk, k).detach().clone()
     return out
-
-
-def write_shard(path, n=4000, vocab=VOCAB, low=3, seed=7):
-    import random
-    rnd = random.Random(seed)
-    toks = [rnd.randrange(low, vocab) for _ in range(n)]
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, len(toks), *([0] * 253)))
-        f.write(struct.pack("<%dH" % len(toks), *toks))
-    return toks
 
 
 def torch_train(torch, cfg, state, toks, steps):
