@@ -44,16 +44,23 @@ static double dir_files(const char *dir, bool drop) {
   return total;
 }
 
+// A cpu model of cfg with random weights and a checkpoint writer under root (the caller frees
+// all three, whatever the status).
+static fy_status model_and_writer(const struct fy_opt_config *cfg, const char *root, struct fy_device **dev,
+                                  struct fy_model **m, struct fy_ckpt_writer **w) {
+  FY_TRY(fy_device_cpu_create(0, dev));
+  FY_TRY(fy_model_create(cfg, 1, 8, *dev, m));
+  fy_model_init_random(*m, 1);
+  return fy_ckpt_writer_create(root, 1, *m, w);
+}
+
 // `writes` checkpoints of the model (random weights) under root: medians of the write, its hashing,
 // and the check of a written checkpoint warm and cold.
 static fy_status bench_checksums(const char *model, const struct fy_opt_config *cfg, const char *root, int writes) {
   struct fy_device *dev = NULL;
   struct fy_model *m = NULL;
   struct fy_ckpt_writer *w = NULL;
-  fy_status st = fy_device_cpu_create(0, &dev);
-  if (st == FY_OK) st = fy_model_create(cfg, 1, 8, dev, &m);
-  if (st == FY_OK) fy_model_init_random(m, 1);
-  if (st == FY_OK) st = fy_ckpt_writer_create(root, 1, m, &w);
+  fy_status st = model_and_writer(cfg, root, &dev, &m, &w);
   double write_s[16], hash_s[16], warm_s[16], cold_s[16], bytes = 0;
   if (writes > 16) writes = 16;
   for (int i = 0; st == FY_OK && i < writes; i++) {
@@ -110,10 +117,7 @@ static fy_status bench_formats(const char *model, const struct fy_opt_config *cf
   struct fy_device *dev = NULL;
   struct fy_model *m = NULL;
   struct fy_ckpt_writer *w = NULL;
-  fy_status st = fy_device_cpu_create(0, &dev);
-  if (st == FY_OK) st = fy_model_create(cfg, 1, 8, dev, &m);
-  if (st == FY_OK) fy_model_init_random(m, 1);
-  if (st == FY_OK) st = fy_ckpt_writer_create(root, 1, m, &w);
+  fy_status st = model_and_writer(cfg, root, &dev, &m, &w);
   const double params = (double)fy_opt_num_params(cfg);
   for (int f = FY_STATE_F32; st == FY_OK && f <= FY_STATE_Q8; f++) {
     struct fy_ckpt_snapshot *s = fy_ckpt_snapshot_buffers(w);
