@@ -142,9 +142,10 @@ static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
   return sim_collective(ctx, ((struct sim *)ctx)->scatter_s, "reduce-scatter", s);
 }
 
-// Seconds of a pattern's steps for `phase` at bus bandwidth bw (B/s): a ring all-reduce moves
-// 2(n-1)/n of the buffer per rank, the other collectives (n-1)/n.
-static double pattern_seconds(const struct fy_pattern *p, const struct fy_pattern_ctx *c, int phase, double bw) {
+// Seconds of a pattern's steps for `phase`, each group's collectives at its bus bandwidth bw[group]
+// (B/s; FY_PATTERN_GROUP_DP, FY_PATTERN_GROUP_TP): a ring all-reduce moves 2(n-1)/n of the buffer
+// per rank, the other collectives (n-1)/n.
+static double pattern_seconds(const struct fy_pattern *p, const struct fy_pattern_ctx *c, int phase, const double bw[2]) {
   struct fy_comm_step st[FY_PATTERN_MAX_STEPS];
   int n = p->comm(c, phase, st, FY_PATTERN_MAX_STEPS);
   double t = 0;
@@ -152,9 +153,28 @@ static double pattern_seconds(const struct fy_pattern *p, const struct fy_patter
     double ranks = fy_pattern_group_size(c, st[i].group);
     if (ranks <= 1) continue;
     double f = st[i].op == FY_COMM_ALL_REDUCE ? 2 * (ranks - 1) / ranks : (ranks - 1) / ranks;
-    t += f * st[i].bytes / bw;
+    t += f * st[i].bytes / bw[st[i].group == FY_PATTERN_GROUP_TP];
   }
   return t;
+}
+
+double fy_cluster_group_gbps(const struct fy_cluster *cl, const struct fy_probe *p, int n, int stride) {
+  if (!cl || cl->nodes < 1 || cl->gpus_per_node < 1) return fy_probe_comm_gbps(p);
+  const int G = cl->gpus_per_node;
+  if (stride < 1) stride = 1;
+  // q of the group's ranks on a node (its ranks are stride apart, nodes G ranks wide)
+  int q = stride >= G ? 1 : G / stride;
+  if (q > n) q = n;
+  if (n <= 1 || (q >= n && stride * (n - 1) < G)) return cl->intra_gbps;
+  const double net = cl->inter_gbps * q / G;  // the node's network over the G / q groups crossing it
+  return q > 1 && cl->intra_gbps < net ? cl->intra_gbps : net;
+}
+
+double fy_cluster_p2p_gbps(const struct fy_cluster *cl, const struct fy_probe *p, int a, int b, int tp) {
+  if (!cl || cl->nodes < 1 || cl->gpus_per_node < 1) return fy_probe_comm_gbps(p);
+  const int G = cl->gpus_per_node;
+  if (a / G == b / G) return cl->intra_gbps;
+  return cl->inter_gbps / (tp < G ? (tp > 1 ? tp : 1) : G);
 }
 
 static void bump(fy_stream *s, double t) {
@@ -188,12 +208,14 @@ static enum fy_dtype compute_dtype(const struct fy_plan_knobs *k, const struct f
 // What follows from a step's time and busy streams: tokens/s, MFU (of the device's measured GEMM
 // rate in the plan's precision, and of its peak where known) and the busiest stream's name.
 static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const struct fy_probe *probe) {
-  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1;
+  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
   c->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / c->step_s;
   const bool bf16 = compute_dtype(k, probe) == FY_BF16;
-  c->mfu = c->flops_per_step / c->step_s / (fy_probe_gemm_gflops(probe, bf16) * 1e9 * dp * tp);
+  const double gpus = (double)dp * tp * pp;
+  c->mfu = c->flops_per_step / c->step_s / (fy_probe_gemm_gflops(probe, bf16) * 1e9 * gpus);
   c->peak_gflops = fy_probe_peak_gflops(probe, bf16);
-  c->mfu_peak = c->peak_gflops > 0 ? c->flops_per_step / c->step_s / (c->peak_gflops * 1e9 * dp * tp) : c->mfu;
+  c->mfu_peak = c->peak_gflops > 0 ? c->flops_per_step / c->step_s / (c->peak_gflops * 1e9 * gpus) : c->mfu;
+  if (c->bottleneck[0]) return;  // (a staged plan names its own)
   const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
   const double busy[4] = {c->compute_s, c->h2d_s, c->d2h_s, c->optim_s};
   int worst = 0;
@@ -221,10 +243,25 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->device_chunks > 0 && k->dp > 1)
     return fy_error_set(FY_ERR_INVALID, "plan: chunks kept on the device (device_chunks) do not combine with %d "
                         "data-parallel ranks, whose chunks are sharded", k->dp);
+  if (k->pp < 0 || k->pp > FY_COST_MAX_STAGES)
+    return fy_error_set(FY_ERR_INVALID, "plan: pp %d: 1 to %d pipeline stages", k->pp, FY_COST_MAX_STAGES);
+  if (k->pp > 1 && !k->resident)
+    return fy_error_set(FY_ERR_INVALID, "plan: pipeline stages (pp %d) are planned resident, each stage's layers on "
+                        "its GPUs (resident true); offloading a stage's chunks is not planned yet", k->pp);
+  if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
+      (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
+    return fy_error_set(FY_ERR_INVALID, "plan: a cluster is nodes >= 1 of gpus_per_node >= 1 GPUs with positive "
+                        "intra- and inter-node bandwidths");
   if (!k->resident) return FY_OK;
   if (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks)
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
                         "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
+  if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
+    if (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0 && strcmp(k->pattern, "zero") != 0)
+      return fy_error_set(FY_ERR_INVALID, "plan: the data-parallel ranks of pipeline stages replicate their state or "
+                          "shard it (zero), not %s", k->pattern);
+    return FY_OK;
+  }
   if (k->tp > 1 || (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0))
     return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1, pattern replicate), "
                         "not %d x %d %s; tensor parallelism on GPUs is planned through the chunks (all of them kept "
@@ -321,7 +358,7 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   out->compute_s = a * pass + (accumulate ? (a - 1) * np * gpu_grad_sum_bytes(cb, false) / mem +
                                                 np * gpu_grad_sum_bytes(cb, true) / mem
                                           : 0);
-  out->comm_s = dp > 1 ? 2.0 * (dp - 1) / dp * np * gb / (fy_probe_comm_gbps(probe) * 1e9) : 0;
+  out->comm_s = dp > 1 ? 2.0 * (dp - 1) / dp * np * gb / (fy_cluster_group_gbps(&k->cluster, probe, dp, 1) * 1e9) : 0;
   // The norm reads the gradients; AdamW reads them with the weights, m and v, and writes those
   // (and in bf16 the weights' bf16 copy).
   out->optim_s = np * gb / mem + np * (24 + (bf16 ? 2 : 0) + gb) / mem + out->comm_s;
@@ -329,6 +366,209 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   step_rates(out, k, probe);
   fy_graph_free(g);
   return FY_OK;
+}
+
+// A resident layout costed stage by stage (knobs.pp > 1, or resident tensor-parallel ranks): each
+// of the pp stages runs its decoder layers (the embeddings with the first, the final norm, lm_head
+// and loss with the last: fy_graph_stage_ops, as runtime/pipeline.c splits them) on one rank of
+// each tp group, resident (as the runtime's pipeline runs its stages), grad_accum micro-batches a
+// step on the 1F1B schedule.
+// - A stage's compute a micro-batch: its ops' forward and backward (and recomputed forward) times
+//   from the profiler, the tensor-parallel collectives of its split linears at the tp group's link
+//   (on the path: a linear's all-reduce is waited for), with accumulation the gradients added to
+//   their fp32 sum.
+// - The step: the first micro-batch goes through every stage and back, each later one costs the
+//   slowest stage's cycle (a forward and a backward) and its two receives (the activation from
+//   the stage before, the gradient from the one after, each the size of a hidden state, sent by
+//   each tp rank over the link between the two stages' GPUs): (m - 1) x cycle + the stages' sum.
+//   With equal stages and free sends that is (m + p - 1) x (F + B): the bubble (p - 1)/(m + p - 1).
+// - Then, once a step: each stage's gradients reduced over its data-parallel group (ranks pp x tp
+//   apart: another node when pp x tp fills one), a tied embedding's gradient summed between the
+//   first and last stage, the norm and AdamW over the stage's (or with zero its dp shard's)
+//   parameters at the device's memory rate. The slowest stage sets each.
+// - Memory of stage s: its parameters' (a tied embedding on both ends) weights, gradients and
+//   AdamW state (zero: the fp32 ones sharded over dp), the activations of the micro-batches it
+//   holds at once on 1F1B (min(pp - s, m): pp on the first, one on the last; each its ops' span of
+//   the activation arena, as runtime/pipeline.c allocates them), the activation-gradient arena,
+//   and on a GPU the kernels' scratch.
+static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                                 const struct fy_probe *probe, struct fy_cost *out) {
+  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
+  const int64_t layers = cfg->num_hidden_layers, m = k->grad_accum;
+  if (pp > layers)
+    return fy_error_set(FY_ERR_INVALID, "plan: pp %d: more pipeline stages than the model's %lld decoder layers", pp,
+                        (long long)layers);
+  if (layers % pp)
+    return fy_error_set(FY_ERR_INVALID, "plan: pp %d does not divide the model's %lld decoder layers (each stage takes "
+                        "the same number)", pp, (long long)layers);
+  if (cfg->num_attention_heads % tp || cfg->ffn_dim % tp)
+    return fy_error_set(FY_ERR_INVALID, "plan: tp %d must divide the %lld heads and the feed-forward size %lld", tp,
+                        (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim);
+  const bool gpu = strcmp(probe->device, "cuda") == 0;
+  const enum fy_dtype cdt = compute_dtype(k, probe);
+  const bool act16 = gpu && cdt == FY_BF16, acc = m > 1;
+  const int pb = act16 ? 2 : 4;  // activations and the 16-bit weights and gradients: bf16 on a GPU, else floats
+  const char *dp_name = k->pattern[0] ? k->pattern : "replicate";
+  const bool zero = dp > 1 && strcmp(dp_name, "zero") == 0;
+  struct fy_graph *g = NULL, *whole = NULL;
+  FY_TRY(fy_opt_build_graph_tp(cfg, k->micro_batch, k->seq, tp, 0, &g));
+  fy_status st = fy_opt_build_graph(cfg, k->micro_batch, k->seq, &whole);
+  struct fy_graph *gs[2] = {g, whole};
+  for (int i = 0; i < 2 && st == FY_OK; i++) {
+    if (gpu) fy_graph_set_flash_attention(gs[i], true);
+    if (k->recompute) fy_graph_set_recompute(gs[i], true);
+    if (act16) st = fy_graph_set_act16(gs[i], true);
+  }
+  int *stage_of = NULL, *used = NULL, *seen = NULL;
+  struct fy_action *actions = NULL;
+  if (st == FY_OK) {
+    stage_of = calloc((size_t)g->n_ops, sizeof *stage_of);
+    used = calloc((size_t)g->n_params + 1, sizeof *used);
+    seen = calloc((size_t)g->n_params + 1, sizeof *seen);
+    actions = calloc((size_t)fy_graph_max_actions(g), sizeof *actions);
+    if (!stage_of || !used || !seen || !actions) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  double F[FY_COST_MAX_STAGES] = {0}, Bk[FY_COST_MAX_STAGES] = {0}, tpc[FY_COST_MAX_STAGES] = {0};
+  double P[FY_COST_MAX_STAGES] = {0}, span[FY_COST_MAX_STAGES] = {0}, tied_elems = 0;
+  for (int s = 0; s < pp && st == FY_OK; s++) {
+    int lo, hi;
+    st = fy_graph_stage_ops(g, layers, pp, s, &lo, &hi);
+    if (st != FY_OK) break;
+    int64_t a_lo = g->act_elems, a_hi = 0;
+    for (int o = lo; o < hi; o++) {
+      stage_of[o] = s;
+      const struct fy_op *op = &g->ops[o];
+      for (int j = 0; j < op->n_params; j++) used[op->params[j]] |= 1 << (s == 0 ? 0 : s == pp - 1 ? 1 : 2);
+      int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+      for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
+      touched[n++] = op->out;
+      for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
+      for (int j = 0; j < n; j++) {  // (the stage's span of the arena: runtime/pipeline.c)
+        const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
+        if (a < a_lo) a_lo = a;
+        if (b > a_hi) a_hi = b;
+      }
+    }
+    span[s] = a_hi > a_lo ? (double)(a_hi - a_lo) * 4 : 4;
+    for (int o = lo; o < hi; o++)  // (each parameter the stage's ops read, once)
+      for (int j = 0; j < g->ops[o].n_params; j++) {
+        const int i = g->ops[o].params[j];
+        if (seen[i] == s + 1) continue;
+        seen[i] = s + 1;
+        P[s] += (double)g->params[i].numel;
+      }
+  }
+  for (int i = 0; st == FY_OK && pp > 1 && i < g->n_params; i++)
+    if ((used[i] & 3) == 3) tied_elems += (double)g->params[i].numel;  // (on the first and the last stage)
+  // Each stage's compute a micro-batch, the tensor-parallel collectives on its path.
+  const double bw_tp[2] = {1, fy_cluster_group_gbps(&k->cluster, probe, tp, 1) * 1e9};
+  const int n_actions = st == FY_OK ? fy_graph_pass_actions(g, actions) : 0;
+  for (int a = 0; a < n_actions; a++) {
+    const int o = actions[a].op, s = stage_of[o];
+    const bool bwd = actions[a].kind == FY_ACT_BACKWARD;
+    struct fy_op_profile pr;
+    fy_profile_op(g, o, probe, pb, cdt, &pr);
+    double t = pr.seconds[bwd] + (gpu ? 0 : pr.kernel_calls[bwd] * sim_op_overhead(probe)), tc = 0;
+    if (tp > 1 && g->ops[o].pattern[0] && actions[a].kind != FY_ACT_RECOMPUTE) {
+      const struct fy_pattern *pat = fy_pattern_find(g->ops[o].pattern);
+      struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = 1, .tp = tp, .param_bytes = pb};
+      if (pat)
+        tc = pattern_seconds(pat, &pc, bwd ? FY_PHASE_PRE_BACKWARD : FY_PHASE_PRE_FORWARD, bw_tp) +
+             pattern_seconds(pat, &pc, bwd ? FY_PHASE_POST_BACKWARD : FY_PHASE_POST_FORWARD, bw_tp);
+    }
+    if (actions[a].kind == FY_ACT_FORWARD) F[s] += t + tc;
+    else Bk[s] += t + tc;
+    tpc[s] += tc;
+  }
+  const double mem = fy_profile_mem_rate(probe);
+  const double cb = act16 ? 2 : 4, gb = acc ? 4 : cb;  // a computed gradient's bytes; the reduced and updated one's
+  // Bytes a parameter: replicated, everything (as fy_cost_resident_bytes counts a resident model:
+  // fp32 weights, gradients, m and v, and in bf16 the 16-bit weights and gradients; the fp32 sum
+  // with accumulation); zero, the fp32 state sharded over dp and the compute's weights and
+  // gradients whole.
+  const double whole_b = (act16 ? 4.0 : 8.0) + (acc ? 4.0 : 0.0), shard_b = act16 ? 16.0 : 8.0;
+  const double per_param = zero ? whole_b + shard_b / dp : 4.0 + 12.0 + (acc ? 4.0 : 0.0) + (act16 ? 4.0 : 0.0);
+  const double scratch = gpu && st == FY_OK ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
+  const double fixed = st == FY_OK ? 4.0 * (double)(g->grad_elems + g->scratch_elems + g->B * g->T) + scratch : 0;
+  const double hidden_bytes = (double)(k->micro_batch * k->seq * cfg->hidden_size) * pb;  // a stage's output
+  double c[FY_COST_MAX_STAGES], x[FY_COST_MAX_STAGES] = {0}, cmax = 0, csum = 0, xsum = 0, period = 0;
+  double dp_max = 0, opt_max = 0, tp_max = 0;
+  int worst = 0, worst_mem = 0;
+  out->pp = pp;
+  for (int s = 0; s < pp && st == FY_OK; s++) {
+    // with accumulation each micro-batch's gradients added to the fp32 sum (the first copied in)
+    const double sum = acc ? P[s] * ((double)(m - 1) * (gpu ? gpu_grad_sum_bytes(cb, false) : 12.0) +
+                                     (gpu ? gpu_grad_sum_bytes(cb, true) : 4.0)) / (double)m / mem
+                           : 0;
+    c[s] = F[s] + Bk[s] + sum;
+    out->stage_s[s] = c[s];
+    if (c[s] > cmax) cmax = c[s], worst = s, tp_max = tpc[s];
+    csum += c[s];
+    if (s < pp - 1) {  // (dp rank 0's pipeline: the others' stages lie alike, or as far apart)
+      x[s] = hidden_bytes / (fy_cluster_p2p_gbps(&k->cluster, probe, s * tp, (s + 1) * tp, tp) * 1e9);
+      xsum += x[s];
+    }
+    const int64_t held = pp - s < m ? pp - s : m;
+    out->stage_bytes[s] = P[s] * per_param + (double)held * span[s] + fixed;
+    if (out->stage_bytes[s] > out->stage_bytes[worst_mem]) worst_mem = s;
+    // the stage's gradients over its data-parallel group (its ranks pp x tp apart); zero's reduced
+    // to their shards and the updated weights gathered back
+    if (dp > 1) {
+      const double bw = fy_cluster_group_gbps(&k->cluster, probe, dp, pp * tp) * 1e9, f = (dp - 1.0) / dp;
+      const double t = zero ? f * P[s] * (gb + cb) / bw : 2 * f * P[s] * gb / bw;
+      if (t > dp_max) dp_max = t;
+    }
+    const double mine = zero ? P[s] / dp : P[s];  // the norm, then AdamW (as a resident plan's)
+    const double t = mine * gb / mem + mine * (24 + (act16 ? 2 : 0) + gb) / mem;
+    if (t > opt_max) opt_max = t;
+  }
+  for (int s = 0; s < pp && st == FY_OK; s++) {
+    const double cyc = c[s] + (s > 0 ? x[s - 1] : 0) + (s < pp - 1 ? x[s] : 0);
+    if (cyc > period) period = cyc;
+  }
+  if (st == FY_OK) {
+    const double md = (double)m, ideal = (md - 1) * cmax + csum, pipe = (md - 1) * period + csum + 2 * xsum;
+    const double tied = tied_elems > 0 ? tied_elems * gb / (fy_cluster_p2p_gbps(&k->cluster, probe, 0, (pp - 1) * tp, tp) * 1e9)
+                                       : 0;
+    out->bubble = ideal > 0 ? 1 - md * cmax / ideal : 0;
+    out->p2p_s = pipe - ideal + tied;
+    out->dp_comm_s = dp_max;
+    out->tp_comm_s = md * tp_max;
+    out->slowest_stage = worst;
+    out->compute_s = md * cmax;
+    out->optim_s = opt_max;
+    out->comm_s = out->p2p_s + out->dp_comm_s + out->tp_comm_s;
+    out->step_s = pipe + tied + dp_max + opt_max;
+    out->device_peak = out->min_device_bytes = out->stage_bytes[worst_mem];
+    out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * md * dp;
+    out->fits = out->device_peak <= probe->device_mem;
+    // What holds the step up most: the slowest stage's own work, the bubble, the sends, the
+    // gradient reduction or the optimizer.
+    const char *names[] = {"compute", "pipeline bubble", "pipeline sends", "tp collectives", "dp gradients", "optimizer"};
+    const double part[] = {md * (cmax - tp_max), ideal * out->bubble, out->p2p_s, out->tp_comm_s, dp_max, opt_max};
+    int b = 0;
+    for (int i = 1; i < 6; i++)
+      if (part[i] > part[b]) b = i;
+    snprintf(out->bottleneck, sizeof out->bottleneck, "%s", names[b]);
+    if (!out->fits) {
+      const int s = worst_mem;
+      const int64_t held = pp - s < m ? pp - s : m;
+      snprintf(out->why, sizeof out->why,
+               "stage %d of %d (dp %d x pp %d x tp %d) needs %.2f GiB a GPU: weights, gradients and AdamW state of "
+               "%.3g parameters %.2f GiB, activations of %lld micro-batch%s in flight %.2f GiB, gradient arena, "
+               "scratch and batch %.2f GiB; the device has %.2f GiB", s, pp, dp, pp, tp, out->device_peak / 1073741824.0,
+               P[s], P[s] * per_param / 1073741824.0, (long long)held, held == 1 ? "" : "es",
+               (double)held * span[s] / 1073741824.0, fixed / 1073741824.0, probe->device_mem / 1073741824.0);
+    }
+    step_rates(out, k, probe);
+  }
+  free(actions);
+  free(used);
+  free(seen);
+  free(stage_of);
+  fy_graph_free(whole);
+  fy_graph_free(g);
+  return st;
 }
 
 static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
@@ -349,6 +589,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                         "micro-batch a step (grad_accum 1)");
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
+    if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
     return simulate_resident(cfg, k, probe, out);
   }
   const bool act16 = gpu && cdt == FY_BF16, g16 = grads_in_copy(cdt, k->grad_accum > 1);
@@ -525,7 +766,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     fy_graph_free(g);
     return FY_OK;
   }
-  double bw = fy_probe_comm_gbps(probe) * 1e9;
+  // (the dp group's ranks are tp apart, the tp group's neighbours: each at its links' bandwidth)
+  const double bwg[2] = {fy_cluster_group_gbps(&k->cluster, probe, dp, tp) * 1e9,
+                         fy_cluster_group_gbps(&k->cluster, probe, tp, 1) * 1e9};
+  double bw = bwg[0];
 
   // The simulation: the real cache on a device that keeps time.
   struct sim s = {0};
@@ -676,8 +920,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         double tc = 0;
         if (dp * tp > 1 && !(sharded && pat[o] == dpp) && s.actions[a].kind != FY_ACT_RECOMPUTE) {
           struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
-          tc = pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_PRE_BACKWARD : FY_PHASE_PRE_FORWARD, bw) +
-               pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_POST_BACKWARD : FY_PHASE_POST_FORWARD, bw);
+          tc = pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_PRE_BACKWARD : FY_PHASE_PRE_FORWARD, bwg) +
+               pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_POST_BACKWARD : FY_PHASE_POST_FORWARD, bwg);
         }
         fy_timeline_run(s.compute, t + tc, op->name);
         if (last) busy[0] += t + tc, s.comm_s += tc;
@@ -722,7 +966,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
       for (int o = 0; o < g->n_ops; o++) {
         if (sharded) break;
         struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
-        tg += pattern_seconds(pat[o], &pc, FY_PHASE_GRADS, bw);
+        tg += pattern_seconds(pat[o], &pc, FY_PHASE_GRADS, bwg);
       }
       for (int c = 0; c < nc; c++) fy_stream_wait(ns, s.grad_ready[c]);
       fy_timeline_run(ns, tg, "gradient all-reduce");

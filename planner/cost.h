@@ -15,6 +15,26 @@
 #include "core/stall.h"
 #include "planner/probe.h"
 
+// Where a plan's ranks lie (ferry plan --nodes K --gpus-per-node G --intra-gbps --inter-gbps): K
+// nodes of G GPUs each, ranks numbered node by node (rank r on node r / G), GPUs of a node joined
+// at intra_gbps (GB/s each way, a GPU's), nodes at inter_gbps (GB/s each way, a node's network
+// links together, shared by its GPUs). nodes 0: no cluster given — every link between ranks is the
+// probe's comm_gbps (fy_probe_comm_gbps), as on one machine.
+struct fy_cluster {
+  int nodes, gpus_per_node;
+  double intra_gbps, inter_gbps;
+};
+
+// The bandwidth (GB/s) of a ring collective over a group of n ranks `stride` apart (the dp x pp x tp
+// grid's groups: tp's stride 1, a stage's data-parallel group's pp x tp): the intra-node link when
+// the group lies in one node, else the slowest hop: the intra-node link or the node's network
+// shared by the groups that cross it at once (G / q of them, q of each group's ranks on a node).
+double fy_cluster_group_gbps(const struct fy_cluster *cl, const struct fy_probe *p, int n, int stride);
+// The bandwidth (GB/s) one rank of a tp group of `tp` sends at from global rank a to rank b (a
+// pipeline stage's activation to the next one's): the intra-node link within a node, the node's
+// network shared by the tp ranks that send across it at once between nodes.
+double fy_cluster_p2p_gbps(const struct fy_cluster *cl, const struct fy_probe *p, int a, int b, int tp);
+
 // What the planner decides (and a plan file holds).
 struct fy_plan_knobs {
   int64_t micro_batch, grad_accum, seq;
@@ -35,6 +55,18 @@ struct fy_plan_knobs {
   // 0 means 1; an empty pattern means zero with dp > 1, else replicate.
   int dp, tp;
   char pattern[32];
+  // Pipeline stages (runtime/pipeline.h; 0 or 1: none): the grid is dp x pp x tp, tp innermost
+  // (rank = (dp_rank x pp + stage) x tp + tp_rank), the decoder layers split evenly over the
+  // stages (the embeddings with the first, the final norm, lm_head and loss with the last), each
+  // stage resident on its ranks (a resident plan), grad_accum micro-batches a step on the 1F1B
+  // schedule. A resident plan with pp > 1 or tp > 1 is costed stage by stage (fy_cost_simulate):
+  // there "zero" shards the fp32 master weights, AdamW's m and v and the fp32 gradients over the
+  // stage's data-parallel group (ZeRO-1: the 16-bit weights and gradients stay whole; the
+  // gradients reduce-scattered and the weights all-gathered once a step), "replicate" keeps them all.
+  int pp;
+  // Where the ranks lie (not a choice: the machine's; the search copies it in). Every collective
+  // and point-to-point send is timed over the links its ranks cross.
+  struct fy_cluster cluster;
   // Everything resident on a GPU (probe "cuda" only): weights, gradients, AdamW's state and the
   // activations on the device, the optimizer there too; no chunks, blocks, prefetch or disk (the
   // knobs above that say so are 0). Several ranks are replicas (tp 1, pattern "replicate") whose
@@ -85,6 +117,17 @@ struct fy_cost {
   double chunk_bytes;
   double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
   int64_t loads_per_step;
+  // A plan of pipeline stages (knobs.pp > 1) or resident tensor-parallel ranks, costed stage by
+  // stage: the 1F1B bubble (the idle share of the slowest stage's step, (p - 1) / (m + p - 1) for
+  // p equal stages and m micro-batches), the point-to-point sends' seconds on the step's path
+  // (p2p_s), the data-parallel gradient reduction (dp_comm_s, the slowest stage's) and the
+  // tensor-parallel collectives (tp_comm_s, inside the stages' compute); each stage's device bytes
+  // (stage_bytes[s], s < FY_COST_MAX_STAGES; device_peak their largest), compute seconds a
+  // micro-batch (forward and backward, stage_s[s]) and the slowest stage.
+  int pp, slowest_stage;
+  double bubble, p2p_s, dp_comm_s, tp_comm_s;
+#define FY_COST_MAX_STAGES 256
+  double stage_bytes[FY_COST_MAX_STAGES], stage_s[FY_COST_MAX_STAGES];
 };
 
 // Host bytes per parameter of an offloaded model (runtime/offload.h), as runtime/trainer.c counts

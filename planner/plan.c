@@ -31,6 +31,7 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
   best->predicted = *c;
   best->dp = k->dp;
   best->tp = k->tp;
+  best->pp = k->pp > 1 ? k->pp : 1;
   snprintf(best->pattern, sizeof best->pattern, "%s", k->pattern);
 }
 
@@ -57,6 +58,43 @@ static void note_miss(const struct fy_cost *c, const struct fy_probe *probe, str
   if (c->fits && c->min_device_bytes < m->smallest) m->smallest = c->min_device_bytes;
 }
 
+// A grid that can be laid out, or FY_ERR_INVALID naming the numbers that do not fit.
+static fy_status check_grid(const struct fy_opt_config *cfg, int64_t batch, int ranks, const struct fy_plan_grid *g) {
+  const struct fy_cluster *cl = &g->cluster;
+  const long long L = (long long)cfg->num_hidden_layers, H = (long long)cfg->num_attention_heads,
+                  FF = (long long)cfg->ffn_dim;
+  if (cl->nodes > 0 && (long long)cl->nodes * cl->gpus_per_node != ranks)
+    return fy_error_set(FY_ERR_INVALID, "plan: --gpus %d is not --nodes %d x --gpus-per-node %d = %lld", ranks, cl->nodes,
+                        cl->gpus_per_node, (long long)cl->nodes * cl->gpus_per_node);
+  if (g->dp < 0 || g->pp < 0 || g->tp < 0) return fy_error_set(FY_ERR_INVALID, "plan: --dp, --pp and --tp must be positive");
+  if (g->tp && (ranks % g->tp || H % g->tp || FF % g->tp))
+    return fy_error_set(FY_ERR_INVALID, "plan: --tp %d must divide the %d ranks, the model's %lld heads and its "
+                        "feed-forward size %lld", g->tp, ranks, H, FF);
+  if (g->tp && cl->nodes > 0 && cl->gpus_per_node % g->tp)
+    return fy_error_set(FY_ERR_INVALID, "plan: --tp %d does not lie within a node of %d GPUs (a tensor-parallel group's "
+                        "ranks are one node's: tp must divide --gpus-per-node)", g->tp, cl->gpus_per_node);
+  if (g->pp && g->pp > L)
+    return fy_error_set(FY_ERR_INVALID, "plan: --pp %d: more pipeline stages than the model's %lld decoder layers", g->pp, L);
+  if (g->pp && L % g->pp)
+    return fy_error_set(FY_ERR_INVALID, "plan: --pp %d does not divide the model's %lld decoder layers (each stage takes "
+                        "the same number)", g->pp, L);
+  if (g->pp > FY_COST_MAX_STAGES)
+    return fy_error_set(FY_ERR_INVALID, "plan: --pp %d: at most %d stages are planned", g->pp, FY_COST_MAX_STAGES);
+  const long long fixed = (long long)(g->dp ? g->dp : 1) * (g->pp ? g->pp : 1) * (g->tp ? g->tp : 1);
+  if (ranks % fixed || (g->dp && g->pp && g->tp && fixed != ranks)) {
+    char d[16] = "?", p[16] = "?", t[16] = "?";
+    if (g->dp) snprintf(d, sizeof d, "%d", g->dp);
+    if (g->pp) snprintf(p, sizeof p, "%d", g->pp);
+    if (g->tp) snprintf(t, sizeof t, "%d", g->tp);
+    return fy_error_set(FY_ERR_INVALID, "plan: dp %s x pp %s x tp %s does not lay out %d ranks (the fixed axes multiply "
+                        "to %lld, which must %s %d)", d, p, t, ranks, fixed, g->dp && g->pp && g->tp ? "equal" : "divide",
+                        ranks);
+  }
+  if (g->dp && batch % g->dp)
+    return fy_error_set(FY_ERR_INVALID, "plan: --dp %d does not divide the batch of %lld sequences", g->dp, (long long)batch);
+  return FY_OK;
+}
+
 fy_status fy_plan_search_ranks(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                                int ranks, bool offload_only, const char *precision, const struct fy_probe *probe,
                                struct fy_plan *best, int *n_tried) {
@@ -73,6 +111,66 @@ fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model,
 fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                                int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
                                const struct fy_probe *probe, struct fy_plan *best, int *n_tried) {
+  return fy_plan_search_grid(cfg, model, batch, seq, ranks, offload_only, precision, optimizer_lag, state, NULL, probe,
+                             best, n_tried);
+}
+
+bool fy_plan_pp_runs(const char *device) {
+  // runtime/pipeline.c runs stages on the cpu device; plans run on sim and cuda, where they do not
+  // yet. (The merge that runs them there says so here.)
+  return device && strcmp(device, "cpu") == 0;
+}
+
+// The layouts of `ranks` a grid allows, each priced resident stage by stage (fy_plan_search_grid
+// with a cluster or a fixed axis; or, where pipelines run, the pp > 1 ones beside the other plans:
+// pp_only).
+static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
+                                const struct fy_plan_grid *grid, bool pp_only, const struct fy_probe *probe,
+                                struct fy_plan *best, int *tried, int *layouts, double *least, char *least_what,
+                                size_t least_cap) {
+  const struct fy_cluster *cl = &grid->cluster;
+  const int64_t layers = cfg->num_hidden_layers;
+  for (int tp = 1; tp <= ranks; tp++) {
+    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (grid->tp && tp != grid->tp)) continue;
+    if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
+    for (int pp = pp_only ? 2 : 1; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
+      if ((ranks / tp) % pp || layers % pp || pp > layers || (grid->pp && pp != grid->pp)) continue;
+      const int dp = ranks / tp / pp;
+      if ((grid->dp && dp != grid->dp) || batch % dp) continue;
+      const int64_t per = batch / dp;
+      ++*layouts;
+      for (int64_t micro = per; micro >= 1; micro--) {
+        if (per % micro) continue;
+        for (int rc = 0; rc < 2; rc++)
+          for (int z = 0; z < (dp > 1 ? 2 : 1); z++) {
+            struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per / micro, .seq = seq, .recompute = rc,
+                                      .dp = dp, .tp = tp, .pp = pp, .resident = true, .cluster = *cl};
+            snprintf(k.pattern, sizeof k.pattern, "%s", z ? "zero" : "replicate");
+            snprintf(k.precision, sizeof k.precision, "%s", prec);
+            struct fy_cost c;
+            FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
+            ++*tried;
+            if (!c.fits && c.device_peak < *least) {
+              *least = c.device_peak;
+              snprintf(least_what, least_cap, "%s", c.why);
+            }
+            consider(&k, &c, best);
+          }
+      }
+    }
+  }
+  return FY_OK;
+}
+
+fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                              int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
+                              const struct fy_plan_grid *grid, const struct fy_probe *probe, struct fy_plan *best,
+                              int *n_tried) {
+  const struct fy_plan_grid none = {.dp = 0};
+  if (!grid) grid = &none;
+  const struct fy_cluster *cl = &grid->cluster;
+  const bool priced = cl->nodes > 0 || grid->dp || grid->pp || grid->tp;  // (layouts priced, stage by stage)
+  if (priced) FY_TRY(check_grid(cfg, batch, ranks, grid));
   enum fy_state_format sf = FY_STATE_F32;
   if (state && !fy_state_format_from_name(state, &sf))
     return fy_error_set(FY_ERR_INVALID, "plan: optimizer state '%s': fp32, bf16 or 8bit", state);
@@ -90,9 +188,33 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
   memset(best, 0, sizeof *best);
   snprintf(best->model, sizeof best->model, "%s", model);
   snprintf(best->pattern, sizeof best->pattern, "replicate");
-  best->dp = best->tp = 1;
+  best->dp = best->tp = best->pp = 1;
   best->machine = *probe;
   int tried = 0, grids = 0;
+  double least = INFINITY;
+  char least_why[320] = "";
+  if (priced) {  // the layouts of the grid, resident stage by stage
+    if (offload_only || optimizer_lag || sf != FY_STATE_F32)
+      return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced resident, each stage "
+                          "on its GPUs with fp32 AdamW state (no --offload, --optimizer-lag or --optimizer-state)");
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, probe, best, &tried, &grids, &least, least_why,
+                          sizeof least_why));
+    if (n_tried) *n_tried = tried;
+    if (grids == 0)
+      return fy_error_set(FY_ERR_INVALID, "plan: no dp x pp x tp layout of %d ranks for %s: tp must divide the %lld "
+                          "heads, the feed-forward size %lld%s, pp the %lld decoder layers, dp the batch of %lld", ranks,
+                          model, (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim,
+                          cl->nodes > 0 ? " and the GPUs of a node" : "", (long long)cfg->num_hidden_layers,
+                          (long long)batch);
+    if (!best->predicted.fits) {
+      char have[32], need[32];
+      return fy_error_set(FY_ERR_NOMEM, "no layout of %s with %lld x %lld tokens a step fits %s a GPU; the least any "
+                          "needs is %s: %s", model, (long long)batch, (long long)seq,
+                          fy_format_bytes(probe->device_mem, have, sizeof have), fy_format_bytes(least, need, sizeof need),
+                          least_why);
+    }
+    return FY_OK;
+  }
   struct misses miss = {INFINITY, INFINITY, INFINITY};
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
@@ -189,6 +311,13 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
         }
     }
   }
+  // Pipelines (pp > 1), where their stages run: each stage resident on its GPUs, beside the rest.
+  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32) {
+    int layouts = 0;
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, probe, best, &tried, &layouts, &least, least_why,
+                          sizeof least_why));
+    grids += layouts;
+  }
   // A resident plan is the simpler run (no host tier, no cache): it stands when it is within 2% of
   // the fastest (an offloaded plan with every chunk on the device can come out a hair ahead).
   if (resident.predicted.fits && !best->k.resident && resident.predicted.step_s <= 1.02 * best->predicted.step_s)
@@ -244,8 +373,12 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
                         (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim);
   k->dp = p->dp;
   k->tp = p->tp;
+  k->pp = p->pp > 1 ? p->pp : 0;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
   FY_TRY(fy_cost_check_knobs(k));
+  if (p->pp > 1 && (cfg->num_hidden_layers % p->pp || p->pp > cfg->num_hidden_layers))
+    return fy_error_set(FY_ERR_INVALID, "plan: pp %d must divide the model's %lld decoder layers (and not exceed them)",
+                        p->pp, (long long)cfg->num_hidden_layers);
   enum fy_dtype cdt;
   if (k->precision[0]) FY_TRY(fy_cost_check_precision(k->precision, p->machine.device, &cdt));
   if (p->dp > 1 && k->chunk_elems % (16 * p->dp))
@@ -287,7 +420,24 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
           fy_probe_gemm_gflops(&p->machine, strcmp(prec, "bf16") == 0), strcmp(prec, "bf16") == 0 ? "bf16" : "fp32",
           p->machine.h2d_gbps, p->machine.d2h_gbps);
-  if (p->dp * p->tp == 1)
+  const bool staged = k->resident && (p->pp > 1 || p->tp > 1 || k->cluster.nodes > 0);
+  if (k->cluster.nodes > 0)
+    fprintf(f, "  cluster: %d nodes of %d GPUs, %.1f GB/s between a node's GPUs, %.1f GB/s a node between nodes\n",
+            k->cluster.nodes, k->cluster.gpus_per_node, k->cluster.intra_gbps, k->cluster.inter_gbps);
+  if (staged) {
+    fprintf(f, "  %d ranks: %d data-parallel (%s) x %d pipeline stages x %d tensor-parallel (tp innermost); per "
+               "pipeline micro-batch %lld x %lld tokens, %lld micro-batches a step (1F1B); recompute %s\n",
+            p->dp * p->pp * p->tp, p->dp, p->dp > 1 ? p->pattern : "-", p->pp, p->tp, (long long)k->micro_batch,
+            (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
+    fprintf(f, "  each stage resident on its GPUs (weights, gradients, AdamW state%s and activations); device memory "
+               "a GPU: stage 0 %s, last stage %s, most %s\n", strcmp(p->pattern, "zero") == 0 && p->dp > 1 ?
+            " sharded over dp (ZeRO-1)" : "", fy_format_bytes(c->stage_bytes[0], b1, sizeof b1),
+            fy_format_bytes(c->stage_bytes[p->pp - 1], b2, sizeof b2), fy_format_bytes(c->device_peak, b3, sizeof b3));
+    fprintf(f, "  per step: the slowest stage (%d) computes %.3f s a micro-batch; pipeline bubble %.1f%% ((p - 1)/(m + p - 1) "
+               "= %.1f%% for equal stages), sends on the path %.3f s, tp collectives %.3f s, dp gradients %.3f s, "
+               "optimizer %.3f s\n", c->slowest_stage, c->stage_s[c->slowest_stage], 100 * c->bubble,
+            100.0 * (p->pp - 1) / (double)(k->grad_accum + p->pp - 1), c->p2p_s, c->tp_comm_s, c->dp_comm_s, c->optim_s);
+  } else if (p->dp * p->tp == 1)
     fprintf(f, "  micro-batch %lld x %lld tokens, %lld accumulated; one rank\n", (long long)k->micro_batch,
             (long long)k->seq, (long long)k->grad_accum);
   else if (k->resident)
@@ -298,7 +448,8 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     fprintf(f, "  %d ranks: %d data-parallel (%s) x %d tensor-parallel (tp_col / tp_row); per data-parallel rank "
                "micro-batch %lld x %lld tokens, %lld accumulated\n", p->dp * p->tp, p->dp, p->pattern, p->tp,
             (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum);
-  if (k->resident) {
+  if (staged) {
+  } else if (k->resident) {
     fprintf(f, "  resident: weights, gradients, AdamW state and activations on the device, the optimizer there "
                "too (ferry train --device cuda, no --offload); recompute %s\n", k->recompute ? "on" : "off");
     fprintf(f, "  memory per rank: device %s (peak)\n", fy_format_bytes(c->device_peak, b1, sizeof b1));
@@ -325,8 +476,11 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
             gpu ? (bf16 ? "dense bf16" : "fp32, no TF32") : (bf16 ? "bf16 from the fp32 FMA peak" : "fp32 FMA, all cores"));
   else
     fprintf(f, "; its peak is unknown (give --device-peak-tflops), so MFU of the peak is taken as the same\n");
-  fprintf(f, "  busy per step: compute %.3f s, to device %.3f s, to host %.3f s, optimizer %.3f s; bottleneck: %s\n",
-          c->compute_s, c->h2d_s, c->d2h_s, c->optim_s, c->bottleneck);
+  if (staged)
+    fprintf(f, "  bottleneck: %s\n", c->bottleneck);
+  else
+    fprintf(f, "  busy per step: compute %.3f s, to device %.3f s, to host %.3f s, optimizer %.3f s; bottleneck: %s\n",
+            c->compute_s, c->h2d_s, c->d2h_s, c->optim_s, c->bottleneck);
   if (!k->resident) {  // (ferry train --profile measures the same)
     fprintf(f, "  compute waited per step:");
     fy_stall_print(f, c->stall_s);
@@ -336,7 +490,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
   if (k->optimizer_lag)
     fprintf(f, "  optimizer lag 1: each step's host updates run under the next step (ferry train --optimizer-lag 1; "
                "other numbers than the exact step's)\n");
-  if (p->dp * p->tp > 1)
+  if (p->dp * p->tp > 1 && !staged)
     fprintf(f, "  collectives per step: %.3f s of the above at %.1f GB/s between ranks\n", c->comm_s,
             fy_probe_comm_gbps(&p->machine));
 }

@@ -47,6 +47,27 @@ fy_status fy_plan_search_lag(const struct fy_opt_config *cfg, const char *model,
 fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                                int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
                                const struct fy_probe *probe, struct fy_plan *best, int *n_tried);
+// How `ferry plan --gpus N` lays its ranks out: the cluster they lie on (cluster.nodes 0: one
+// machine, every link the probe's comm_gbps) and the axes the user fixed (0: searched).
+struct fy_plan_grid {
+  struct fy_cluster cluster;
+  int dp, pp, tp;
+};
+// The same on a grid: without a cluster or a fixed axis, fy_plan_search_state's plans, and
+// pipelines (pp > 1) where their stages run (fy_plan_pp_runs). With a cluster or an axis fixed it
+// prices layouts: every dp x pp x tp grid of the ranks (tp dividing the heads, the feed-forward
+// size and a node's GPUs, pp the decoder layers, dp the batch; the fixed axes as given), each
+// micro-batch count, recomputation and data-parallel pattern (replicate, zero), each stage
+// resident on its GPUs (fy_cost_simulate's stage-by-stage cost); offloaded plans are not priced
+// on a cluster. FY_ERR_INVALID naming the numbers when the grid or a fixed axis cannot be laid
+// out; FY_ERR_NOMEM with the fixed layout's memory (or the least any layout needs) when none fits.
+fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                              int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
+                              const struct fy_plan_grid *grid, const struct fy_probe *probe, struct fy_plan *best,
+                              int *n_tried);
+// Whether pipeline stages (pp > 1) run on `device` ("cpu", "sim", "cuda"): the one place that
+// says so, for the search and for ferry train --plan (runtime/plan_apply.c).
+bool fy_plan_pp_runs(const char *device);
 // Re-simulates a (perhaps hand-edited) plan on `probe`: FY_ERR_INVALID with the reason when it is
 // inconsistent (unknown pattern, a chunk size that is not a multiple of 16 floats or cannot hold
 // the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does

@@ -2,6 +2,7 @@
 // the search so that the reader builds alone for the fuzzer (test/fuzz/fuzz_plan.c).
 #include <errno.h>
 #include <json-c/json.h>
+#include <math.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -35,6 +36,14 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
   json_object_object_add(o, "tp", json_object_new_int(p->tp));
   if (p->pp > 1) json_object_object_add(o, "pp", json_object_new_int(p->pp));
+  if (k->cluster.nodes > 0) {  // (where the ranks were priced: ferry plan --nodes ...)
+    json_object *cl = json_object_new_object();
+    json_object_object_add(cl, "nodes", json_object_new_int(k->cluster.nodes));
+    json_object_object_add(cl, "gpus_per_node", json_object_new_int(k->cluster.gpus_per_node));
+    json_object_object_add(cl, "intra_gbps", num(k->cluster.intra_gbps));
+    json_object_object_add(cl, "inter_gbps", num(k->cluster.inter_gbps));
+    json_object_object_add(o, "cluster", cl);
+  }
   json_object *m = json_object_new_object();
   json_object_object_add(m, "device", json_object_new_string(p->machine.device));
   json_object_object_add(m, "device_mem", num(p->machine.device_mem));
@@ -90,7 +99,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
                                       "recompute", "resident", "precision", "disk_chunks", "disk_master", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp", "pp",
-                                      "machine", "predicted"};
+                                      "cluster", "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
     return fy_error_set(FY_ERR_FORMAT, "plan %s: not a JSON object", path);
@@ -123,7 +132,26 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   p->pp = 1;  // (optional: no pipeline when absent)
   if (st == FY_OK && json_object_object_get_ex(o, "pp", NULL) && (st = get_int(o, path, "pp", 1, 1 << 16, &v)) == FY_OK)
     p->pp = (int)v;
+  k->pp = p->pp > 1 ? p->pp : 0;
   json_object *x;
+  // (Optional: the cluster the plan was priced for; every link the probe's comm_gbps without it.)
+  if (st == FY_OK && json_object_object_get_ex(o, "cluster", &x)) {
+    json_object *y;
+    const char *ik[] = {"nodes", "gpus_per_node"}, *dk[] = {"intra_gbps", "inter_gbps"};
+    int *iv[] = {&k->cluster.nodes, &k->cluster.gpus_per_node};
+    double *dv[] = {&k->cluster.intra_gbps, &k->cluster.inter_gbps};
+    if (!json_object_is_type(x, json_type_object)) st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"cluster\" must be an object", path);
+    for (int i = 0; i < 2 && st == FY_OK; i++)
+      if ((st = get_int(x, path, ik[i], 1, 1 << 20, &v)) == FY_OK) *iv[i] = (int)v;
+    for (int i = 0; i < 2 && st == FY_OK; i++) {
+      if (!json_object_object_get_ex(x, dk[i], &y) ||
+          !(json_object_is_type(y, json_type_double) || json_object_is_type(y, json_type_int)) ||
+          !(json_object_get_double(y) > 0) || !isfinite(json_object_get_double(y)))
+        st = fy_error_set(FY_ERR_FORMAT, "plan %s: cluster \"%s\" must be a positive number", path, dk[i]);
+      else
+        *dv[i] = json_object_get_double(y);
+    }
+  }
   if (st == FY_OK) {
     if (!json_object_object_get_ex(o, "recompute", &x) || !json_object_is_type(x, json_type_boolean))
       st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"recompute\" must be true or false", path);

@@ -84,6 +84,9 @@ const struct option plan_opts[] = {
     {"offload", no_argument, 0, PLAN_OFFLOAD}, {"optimizer-lag", required_argument, 0, PLAN_LAG},
     {"precision", required_argument, 0, PLAN_PRECISION}, {"optimizer-state", required_argument, 0, PLAN_STATE},
     {"largest", no_argument, 0, PLAN_LARGEST},
+    {"nodes", required_argument, 0, PLAN_NODES}, {"gpus-per-node", required_argument, 0, PLAN_GPN},
+    {"intra-gbps", required_argument, 0, PLAN_INTRA}, {"inter-gbps", required_argument, 0, PLAN_INTER},
+    {"dp", required_argument, 0, PLAN_DP}, {"pp", required_argument, 0, PLAN_PP}, {"tp", required_argument, 0, PLAN_TP},
     // Overrides by their own names.
     {"host-mem", required_argument, 0, PLAN_OVR}, {"device-tflops", required_argument, 0, PLAN_OVR},
     {"device-gflops", required_argument, 0, PLAN_OVR}, {"host-gflops", required_argument, 0, PLAN_OVR},
@@ -299,7 +302,15 @@ void usage_probe_or_plan(const char *cmd, bool plan) {
            "  --gpus N           ranks (default 1): every dp x tp grid is tried, tensor-parallel\n"
            "                     ranks splitting each layer, data-parallel ones sharding the\n"
            "                     chunks; --batch is then the global batch (run the plan with\n"
-           "                     mpirun -np N ferry train --plan FILE)\n"
+           "                     mpirun -np N ferry train --plan FILE); pipelines (dp x pp x tp)\n"
+           "                     too where their stages run (the cpu device, for now)\n"
+           "  --nodes K --gpus-per-node G   a cluster of K nodes of G GPUs (--gpus K x G): every\n"
+           "                     dp x pp x tp layout (tp within a node, pp dividing the layers)\n"
+           "                     and micro-batch count is priced, each stage resident on its GPUs\n"
+           "  --intra-gbps X     GB/s between the GPUs of a node (each GPU's; default --comm-gbps)\n"
+           "  --inter-gbps X     GB/s between nodes, a node's network links together (default\n"
+           "                     --comm-gbps)\n"
+           "  --dp N --pp N --tp N  fix those axes and price just that layout (the others searched)\n"
            "  --comm-gbps X      collectives between ranks (default: derived, see ferry probe)\n"
            "  --offload          offloaded plans only (a GPU's default also tries it resident)\n"
            "  --precision P      the compute the plan is for: fp32 (default on cpu, sim), bf16\n"

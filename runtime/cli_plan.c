@@ -151,7 +151,9 @@ struct plan_args {
   struct machine_args machine;
   const char *model, *out, *svg, *precision, *state;
   int64_t batch, seq, gpus, lag;
-  bool profile, offload_only, largest;
+  bool profile, offload_only, largest, gpus_given;
+  int64_t nodes, gpus_per_node, dp, pp, tp;  // (0: not given)
+  double intra_gbps, inter_gbps;
 };
 
 // ferry probe's or ferry plan's command line into a: -1 to go on, else the exit code (--help: 0).
@@ -201,7 +203,32 @@ static int parse_plan_args(int argc, char **argv, bool plan, struct plan_args *a
       case PLAN_SEQ: ok = parse_i64("--seq", optarg, 1, &a->seq); break;
       case PLAN_OUT: a->out = optarg; break;
       case PLAN_SVG: a->svg = optarg; break;
-      case PLAN_GPUS: ok = parse_i64("--gpus", optarg, 1, &a->gpus); break;
+      case PLAN_GPUS: ok = parse_i64("--gpus", optarg, 1, &a->gpus), a->gpus_given = true; break;
+      case PLAN_NODES:
+      case PLAN_GPN:
+      case PLAN_DP:
+      case PLAN_PP:
+      case PLAN_TP:
+      case PLAN_INTRA:
+      case PLAN_INTER: {
+        if (!plan) {
+          fprintf(stderr, "ferry probe: --%s is ferry plan's\n", plan_opts[idx].name);
+          return 2;
+        }
+        char flag[40];
+        snprintf(flag, sizeof flag, "--%s", plan_opts[idx].name);
+        if (c == PLAN_INTRA || c == PLAN_INTER) {
+          float f = 0;
+          ok = parse_f32(flag, optarg, 0, &f);
+          if (ok && !(f > 0)) ok = false, fprintf(stderr, "ferry plan: %s must be positive GB/s\n", flag);
+          *(c == PLAN_INTRA ? &a->intra_gbps : &a->inter_gbps) = f;
+        } else {
+          int64_t *dst = c == PLAN_NODES ? &a->nodes : c == PLAN_GPN ? &a->gpus_per_node : c == PLAN_DP ? &a->dp
+                         : c == PLAN_PP ? &a->pp : &a->tp;
+          ok = parse_i64(flag, optarg, 1, dst);
+        }
+        break;
+      }
       case PLAN_PROFILE: a->profile = true; break;
       case PLAN_OFFLOAD: a->offload_only = true; break;
       case PLAN_LAG:
@@ -249,6 +276,35 @@ static int parse_plan_args(int argc, char **argv, bool plan, struct plan_args *a
       default: fprintf(stderr, "ferry %s: unknown option '%s' (see 'ferry %s --help')\n", cmd, argv[optind - 1], cmd); return 2;
     }
     if (!ok) return 2;
+  }
+  // The cluster: both of --nodes and --gpus-per-node, --gpus their product (or given as it).
+  if ((a->nodes > 0) != (a->gpus_per_node > 0)) {
+    fprintf(stderr, "ferry plan: a cluster is --nodes K and --gpus-per-node G together\n");
+    return 2;
+  }
+  if ((a->intra_gbps > 0 || a->inter_gbps > 0) && !a->nodes) {
+    fprintf(stderr, "ferry plan: --intra-gbps and --inter-gbps describe a cluster's links: give --nodes K "
+            "--gpus-per-node G too (one machine's link is --comm-gbps)\n");
+    return 2;
+  }
+  if (a->nodes > 0) {
+    const int64_t all = a->nodes * a->gpus_per_node;
+    if (a->gpus_given && a->gpus != all) {
+      fprintf(stderr, "ferry plan: --gpus %lld is not --nodes %lld x --gpus-per-node %lld = %lld\n", (long long)a->gpus,
+              (long long)a->nodes, (long long)a->gpus_per_node, (long long)all);
+      return 2;
+    }
+    a->gpus = all;
+  }
+  if (a->dp || a->pp || a->tp) {  // (what cannot multiply to the ranks, said before any measuring)
+    const int64_t fixed = (a->dp ? a->dp : 1) * (a->pp ? a->pp : 1) * (a->tp ? a->tp : 1);
+    if (!a->gpus_given && !a->nodes && a->dp && a->pp && a->tp) a->gpus = fixed;  // (the layout's ranks)
+    if (a->gpus % fixed || (a->dp && a->pp && a->tp && fixed != a->gpus)) {
+      fprintf(stderr, "ferry plan: --dp %lld x --pp %lld x --tp %lld (%lld) does not lay out %lld GPUs\n",
+              (long long)(a->dp ? a->dp : 1), (long long)(a->pp ? a->pp : 1), (long long)(a->tp ? a->tp : 1),
+              (long long)fixed, (long long)a->gpus);
+      return 2;
+    }
   }
   return -1;
 }
@@ -326,10 +382,31 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it trains on --device cpu with resident state "
                         "for now, nothing to plan (offloading, the GPUs and expert parallelism are not supported yet)",
                         a->model);
-  FY_TRY(fy_plan_search_state(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision,
-                              (int)a->lag, a->state, probe, &best, &tried));
+  // The cluster's links default to the probe's collectives' bandwidth.
+  const double comm = fy_probe_comm_gbps(probe);
+  const struct fy_plan_grid grid = {
+      .cluster = {.nodes = (int)a->nodes, .gpus_per_node = (int)a->gpus_per_node,
+                  .intra_gbps = a->nodes ? (a->intra_gbps > 0 ? a->intra_gbps : comm) : 0,
+                  .inter_gbps = a->nodes ? (a->inter_gbps > 0 ? a->inter_gbps : comm) : 0},
+      .dp = (int)a->dp, .pp = (int)a->pp, .tp = (int)a->tp};
+  FY_TRY(fy_plan_search_grid(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision,
+                             (int)a->lag, a->state, &grid, probe, &best, &tried));
   fy_plan_print(&best, stdout);
   printf("  (%d plans simulated)\n", tried);
+  if (best.pp > 1) {  // (how to run it: the plan file, and the same layout spelled out)
+    const bool gpu = strcmp(probe->device, "cuda") == 0;
+    printf("  run it: mpirun -np %d ./build/ferry train --plan %s%s --data DIR%s\n", best.dp * best.pp * best.tp,
+           a->out ? a->out : "FILE", gpu ? " --device cuda" : "",
+           fy_plan_pp_runs(gpu ? "cuda" : "sim") ? "" : "  (refused until pipeline stages run on sim and cuda)");
+    printf("     or: mpirun -np %d ./build/ferry train --device cpu --model %s --data DIR --batch %lld --grad-accum %lld "
+           "--seq %lld --pp %d --tp %d%s%s  (the cpu device's pipelines; dp %d replicated)\n", best.dp * best.pp * best.tp,
+           a->model, (long long)best.k.micro_batch, (long long)best.k.grad_accum, (long long)best.k.seq, best.pp, best.tp,
+           best.k.recompute ? " --recompute" : "", best.k.precision[0] ? (strcmp(best.k.precision, "bf16") == 0 ?
+           " --precision bf16" : "") : "", best.dp);
+  } else if (best.dp * best.tp > 1) {
+    printf("  run it: mpirun -np %d ./build/ferry train --plan %s%s --data DIR\n", best.dp * best.tp,
+           a->out ? a->out : "FILE", strcmp(probe->device, "cuda") == 0 ? " --device cuda" : "");
+  }
   say_bigger_batch(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision, (int)a->lag, a->state,
                    probe, &best);
   const double x = fy_probe_gemm_gflops(probe, true) / fy_probe_gemm_gflops(probe, false);

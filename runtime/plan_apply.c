@@ -104,12 +104,21 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
       fy_log_info("--plan %s is for micro-batches of %lld sequences, %lld accumulated a step, not --batch %lld "
                   "--grad-accum %lld: the plan's are used", o->plan, (long long)plan.k.micro_batch,
                   (long long)plan.k.grad_accum, (long long)o->batch, (long long)o->grad_accum);
-    if (plan.pp > 1)  // (plans are for sim and cuda, where stages do not run yet)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s lays out %d pipeline stages: pipelines run on --device cpu "
-                          "alone, which plans are not for: not supported yet", o->plan, plan.pp);
-    if (plan.dp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
-      return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d); this run has %d", o->plan,
-                          plan.dp * plan.tp, plan.dp, plan.tp, ranks);
+    // Pipeline stages run where fy_plan_pp_runs says (planner/plan.c: the one place to relax
+    // when they run on sim and cuda); a plan runs on sim or on cuda.
+    if (plan.pp > 1 && !fy_plan_pp_runs(cuda ? "cuda" : "sim"))
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s lays out %d pipeline stages: dp %d x pp %d x tp %d; pipeline "
+                          "stages run on --device cpu for now, not on %s, where a plan runs: not supported yet (the "
+                          "same layout on the cpu device: mpirun -np %d ferry train --device cpu --pp %d --tp %d "
+                          "--batch %lld --grad-accum %lld)", o->plan, plan.pp, plan.dp, plan.pp, plan.tp,
+                          cuda ? "cuda" : "sim", plan.dp * plan.pp * plan.tp, plan.pp, plan.tp,
+                          (long long)plan.k.micro_batch, (long long)plan.k.grad_accum);
+    if (plan.k.resident && plan.tp > 1)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s keeps %d tensor-parallel ranks resident: tensor parallelism on "
+                          "a GPU runs offloaded (ferry plan --offload): not supported yet", o->plan, plan.tp);
+    if (plan.dp * plan.pp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
+      return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d x %d); this run has %d", o->plan,
+                          plan.dp * plan.pp * plan.tp, plan.dp, plan.pp, plan.tp, ranks);
     fy_status st = cuda ? fy_plan_validate(&cfg, &plan) : fy_plan_check(&cfg, &plan, &probe);
     if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
     if (plan.dp > 1 && !plan.k.resident && strcmp(plan.pattern, "zero") != 0)
@@ -130,6 +139,7 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
                 "--precision %s", o->plan, prec, o->precision);
   if (!o->precision) o->precision = prec;
   o->tp = plan.tp;
+  o->pp = plan.pp > 1 ? plan.pp : 1;
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {
     o->offload = !k->resident;  // (--device-mem stays the run's: the GPU's unless given)
