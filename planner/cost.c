@@ -256,7 +256,7 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks)
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
                         "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
-  if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
+  if (k->pp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
     if (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0 && strcmp(k->pattern, "zero") != 0)
       return fy_error_set(FY_ERR_INVALID, "plan: the data-parallel ranks of pipeline stages replicate their state or "
                           "shard it (zero), not %s", k->pattern);
@@ -589,7 +589,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                         "micro-batch a step (grad_accum 1)");
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
-    if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
+    if (k->pp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
     return simulate_resident(cfg, k, probe, out);
   }
   const bool act16 = gpu && cdt == FY_BF16, g16 = grads_in_copy(cdt, k->grad_accum > 1);

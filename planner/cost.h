@@ -59,7 +59,7 @@ struct fy_plan_knobs {
   // (rank = (dp_rank x pp + stage) x tp + tp_rank), the decoder layers split evenly over the
   // stages (the embeddings with the first, the final norm, lm_head and loss with the last), each
   // stage resident on its ranks (a resident plan), grad_accum micro-batches a step on the 1F1B
-  // schedule. A resident plan with pp > 1 or tp > 1 is costed stage by stage (fy_cost_simulate):
+  // schedule. A resident plan with pp > 1 or a cluster is costed stage by stage (fy_cost_simulate):
   // there "zero" shards the fp32 master weights, AdamW's m and v and the fp32 gradients over the
   // stage's data-parallel group (ZeRO-1: the 16-bit weights and gradients stay whole; the
   // gradients reduce-scattered and the weights all-gathered once a step), "replicate" keeps them all.
@@ -117,8 +117,7 @@ struct fy_cost {
   double chunk_bytes;
   double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
   int64_t loads_per_step;
-  // A plan of pipeline stages (knobs.pp > 1) or resident tensor-parallel ranks, costed stage by
-  // stage: the 1F1B bubble (the idle share of the slowest stage's step, (p - 1) / (m + p - 1) for
+  // A resident plan of pipeline stages (knobs.pp > 1) or on a cluster, costed stage by stage: the 1F1B bubble (the idle share of the slowest stage's step, (p - 1) / (m + p - 1) for
   // p equal stages and m micro-batches), the point-to-point sends' seconds on the step's path
   // (p2p_s), the data-parallel gradient reduction (dp_comm_s, the slowest stage's) and the
   // tensor-parallel collectives (tp_comm_s, inside the stages' compute); each stage's device bytes

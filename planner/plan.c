@@ -168,9 +168,14 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
                               int *n_tried) {
   const struct fy_plan_grid none = {.dp = 0};
   if (!grid) grid = &none;
-  const struct fy_cluster *cl = &grid->cluster;
-  const bool priced = cl->nodes > 0 || grid->dp || grid->pp || grid->tp;  // (layouts priced, stage by stage)
+  const bool priced = grid->cluster.nodes > 0 || grid->dp || grid->pp || grid->tp;  // (layouts priced, stage by stage)
   if (priced) FY_TRY(check_grid(cfg, batch, ranks, grid));
+  struct fy_plan_grid one_node = *grid;  // (priced without a cluster: one machine of the ranks, at comm_gbps)
+  if (priced && one_node.cluster.nodes == 0)
+    one_node.cluster = (struct fy_cluster){.nodes = 1, .gpus_per_node = ranks, .intra_gbps = fy_probe_comm_gbps(probe),
+                                           .inter_gbps = fy_probe_comm_gbps(probe)};
+  grid = &one_node;
+  const struct fy_cluster *cl = &grid->cluster;
   enum fy_state_format sf = FY_STATE_F32;
   if (state && !fy_state_format_from_name(state, &sf))
     return fy_error_set(FY_ERR_INVALID, "plan: optimizer state '%s': fp32, bf16 or 8bit", state);
@@ -420,7 +425,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
           fy_probe_gemm_gflops(&p->machine, strcmp(prec, "bf16") == 0), strcmp(prec, "bf16") == 0 ? "bf16" : "fp32",
           p->machine.h2d_gbps, p->machine.d2h_gbps);
-  const bool staged = k->resident && (p->pp > 1 || p->tp > 1 || k->cluster.nodes > 0);
+  const bool staged = k->resident && (p->pp > 1 || k->cluster.nodes > 0);
   if (k->cluster.nodes > 0)
     fprintf(f, "  cluster: %d nodes of %d GPUs, %.1f GB/s between a node's GPUs, %.1f GB/s a node between nodes\n",
             k->cluster.nodes, k->cluster.gpus_per_node, k->cluster.intra_gbps, k->cluster.inter_gbps);
@@ -448,12 +453,11 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     fprintf(f, "  %d ranks: %d data-parallel (%s) x %d tensor-parallel (tp_col / tp_row); per data-parallel rank "
                "micro-batch %lld x %lld tokens, %lld accumulated\n", p->dp * p->tp, p->dp, p->pattern, p->tp,
             (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum);
-  if (staged) {
-  } else if (k->resident) {
+  if (k->resident && !staged) {
     fprintf(f, "  resident: weights, gradients, AdamW state and activations on the device, the optimizer there "
                "too (ferry train --device cuda, no --offload); recompute %s\n", k->recompute ? "on" : "off");
     fprintf(f, "  memory per rank: device %s (peak)\n", fy_format_bytes(c->device_peak, b1, sizeof b1));
-  } else {
+  } else if (!staged) {
     fprintf(f, "  %d chunks of %s, %d device cache blocks, prefetch %d, recompute %s\n", c->n_chunks,
             fy_format_bytes(c->chunk_bytes, b1, sizeof b1), c->n_blocks, k->prefetch, k->recompute ? "on" : "off");
     if (c->n_device_chunks > 0)

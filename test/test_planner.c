@@ -162,6 +162,166 @@ static void timing_search_speed(void) {
   CHECKF(secs < 15, "the 8-rank search took %.1f s", secs);
 }
 
+// Pipelines and clusters on paper (planner/cost.c, simulate_staged; planner/plan.c,
+// fy_plan_search_grid): GPUs of 80 GiB, 312 TFLOP/s and 2 TB/s, nothing measured.
+static void check_pipeline(void) {
+  const double t0 = fy_now();
+  struct fy_probe g = gpu_probe();
+  CHECK_OK(fy_probe_override(&g, "device_mem", "80GiB"));
+  CHECK_OK(fy_probe_override(&g, "device_mem_gbps", "2000"));
+  struct fy_opt_config c13, flat;
+  fy_opt_preset("opt-13b", &c13);  // 40 layers, 40 heads, 5120 wide
+  fy_opt_preset("opt-1.3b", &flat);
+  flat.vocab_size = 64;            // (the end stages' embeddings and lm_head next to nothing: equal stages)
+  flat.max_position_embeddings = 2048;
+  const double eps = 1e-9;
+
+  // The bubble against 1F1B's (p - 1) / (m + p - 1): stages of equal work (the end stages' extra
+  // ops are a vocabulary of 64), every link free; within 1% of it for m = 4, 8, 32 on 4 stages.
+  for (int m = 4; m <= 32; m *= 2) {
+    if (m == 16) continue;
+    struct fy_plan_knobs k = {.micro_batch = 1, .grad_accum = m, .seq = 1024, .dp = 1, .tp = 1, .pp = 4,
+                              .resident = true, .cluster = {1, 4, 1e6, 1e6}};
+    snprintf(k.precision, sizeof k.precision, "bf16");
+    struct fy_cost c;
+    CHECK_OK(fy_cost_simulate(&flat, &k, &g, &c, NULL));
+    const double want = 3.0 / (m + 3);
+    CHECKF(c.fits && fabs(c.bubble - want) < 0.01 * want, "pp 4, m %d: bubble %.4f, 1F1B's %.4f", m, c.bubble, want);
+    // and the step: (m + p - 1) cycles of the slowest stage, to within the equal stages' spread
+    const double cyc = c.stage_s[c.slowest_stage];
+    CHECKF(fabs((c.step_s - c.optim_s - c.dp_comm_s - c.p2p_s) - (m + 3) * cyc) < 0.01 * (m + 3) * cyc,
+           "pp 4, m %d: %.4f s of passes, %.4f s = (m + 3) x %.4f", m, c.step_s - c.optim_s - c.p2p_s, (m + 3) * cyc, cyc);
+  }
+
+  // A fixed layout priced (ferry plan --dp 2 --pp 4 --tp 2 on 4 nodes of 4 GPUs): the layout
+  // asked for, and its step put together as documented from the stages' cycles, the sends (a
+  // hidden state a micro-batch, each tp rank's own, stages 1 -> 2 across nodes at the node's
+  // link over its 2 senders, the others within a node) and the data-parallel reduction (each
+  // stage's ranks 8 apart: one a node, 4 such groups through each node's link).
+  {
+    const struct fy_plan_grid grid = {.cluster = {4, 4, 100, 20}, .dp = 2, .pp = 4, .tp = 2};
+    struct fy_plan p;
+    int tried = 0;
+    CHECK_OK(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 16, false, "bf16", 0, NULL, &grid, &g, &p, &tried));
+    fy_plan_print(&p, stderr);
+    const struct fy_cost *c = &p.predicted;
+    CHECKF(p.dp == 2 && p.pp == 4 && p.tp == 2 && p.k.resident && c->fits && c->pp == 4, "layout dp %d x pp %d x tp %d",
+           p.dp, p.pp, p.tp);
+    const double m = (double)p.k.grad_accum, hid = (double)p.k.micro_batch * 2048 * 5120 * 2;
+    const double x[3] = {hid / 100e9, hid / (20e9 / 2), hid / 100e9};
+    double period = 0, sum = 0, xs = x[0] + x[1] + x[2];
+    for (int s = 0; s < 4; s++) {
+      const double cyc = c->stage_s[s] + (s > 0 ? x[s - 1] : 0) + (s < 3 ? x[s] : 0);
+      if (cyc > period) period = cyc;
+      sum += c->stage_s[s];
+    }
+    // (and the tied embedding's gradient summed between stage 0, rank 0, and stage 3, rank 6, on
+    // the next node: 50272 x 5120 fp32 sums at 20 GB/s over the 2 ranks sending)
+    const double tied = 50272.0 * 5120 * 4 / (20e9 / 2);
+    const double want = (m - 1) * period + sum + 2 * xs + tied + c->dp_comm_s + c->optim_s;
+    CHECKF(fabs(c->step_s - want) < 1e-6 * want, "step %.6f s, put together %.6f s", c->step_s, want);
+    // the data-parallel reduction: the largest stage's parameters, a ring of 2 at 20 GB/s / 4
+    CHECKF(c->dp_comm_s > 0, "dp %g s", c->dp_comm_s);
+    const double flops = fy_opt_step_flops(&c13, 1, 2048, FY_FLOPS_PALM) * 32;
+    CHECK(fabs(c->flops_per_step - flops) < eps * flops);
+    // the same layout on a 10x slower network: the sends across nodes and the reduction 10x, the
+    // stages' compute and the sends within a node the same
+    struct fy_plan_knobs slow = p.k;
+    slow.cluster.inter_gbps = 2;
+    struct fy_cost cs;
+    CHECK_OK(fy_cost_simulate(&c13, &slow, &g, &cs, NULL));
+    CHECKF(fabs(cs.dp_comm_s - 10 * c->dp_comm_s) < 1e-6 * cs.dp_comm_s && cs.stage_s[1] == c->stage_s[1] &&
+               cs.step_s > c->step_s, "dp %.4f s at 2 GB/s, %.4f s at 20", cs.dp_comm_s, c->dp_comm_s);
+    // The plan file keeps the layout, the micro-batches and the cluster, and prices the same again.
+    char path[400];
+    snprintf(path, sizeof path, "%s/plan-pp.json", dir);
+    CHECK_OK(fy_plan_write(path, &p));
+    struct fy_plan back;
+    CHECK_OK(fy_plan_read(path, &back));
+    CHECK(back.pp == 4 && back.dp == 2 && back.tp == 2 && back.k.grad_accum == p.k.grad_accum &&
+          back.k.cluster.nodes == 4 && back.k.cluster.gpus_per_node == 4 && back.k.cluster.inter_gbps == 20);
+    CHECK_OK(fy_plan_check(&c13, &back, &g));
+    CHECKF(fabs(back.predicted.step_s - c->step_s) < 1e-9 * c->step_s, "read back: %g s, %g s", back.predicted.step_s,
+           c->step_s);
+  }
+
+  // Each stage's memory on 1F1B: stage s holds min(pp - s, m) micro-batches' activations. From 2
+  // to 8 micro-batches on 4 stages: the first stage holds 2 more (2 -> 4), the second 1 more
+  // (2 -> 3), the last none more (1); and with 8 the first stage needs more than the last.
+  {
+    struct fy_plan_knobs k = {.micro_batch = 2, .grad_accum = 2, .seq = 2048, .dp = 1, .tp = 2, .pp = 4,
+                              .resident = true, .cluster = {1, 8, 100, 100}};
+    snprintf(k.precision, sizeof k.precision, "bf16");
+    struct fy_cost two, eight;
+    CHECK_OK(fy_cost_simulate(&c13, &k, &g, &two, NULL));
+    k.grad_accum = 8;
+    CHECK_OK(fy_cost_simulate(&c13, &k, &g, &eight, NULL));
+    const double d0 = eight.stage_bytes[0] - two.stage_bytes[0], d1 = eight.stage_bytes[1] - two.stage_bytes[1];
+    const double d3 = eight.stage_bytes[3] - two.stage_bytes[3];
+    CHECKF(d3 == 0 && d1 > 0 && fabs(d0 - 2 * d1) < 0.05 * d0, "from 2 to 8 micro-batches: stage 0 +%.0f MiB, stage 1 "
+           "+%.0f MiB, stage 3 +%.0f MiB", d0 / 1048576, d1 / 1048576, d3 / 1048576);
+    CHECKF(eight.stage_bytes[0] > eight.stage_bytes[3] + 2 * d1 && eight.device_peak == eight.stage_bytes[0],
+           "stage 0 %.2f GiB, stage 3 %.2f GiB", eight.stage_bytes[0] / 1073741824.0, eight.stage_bytes[3] / 1073741824.0);
+  }
+
+  // Layouts refused, naming the numbers.
+  {
+    struct fy_plan p;
+    const struct fy_cluster cl = {4, 4, 100, 20};
+    struct fy_plan_grid grid = {.cluster = cl, .pp = 3};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 16, false, NULL, 0, NULL, &grid, &g, &p, NULL), FY_ERR_INVALID);
+    CHECKF(strstr(fy_error_msg(), "--pp 3 does not divide the model's 40 decoder layers") != NULL, "%s", fy_error_msg());
+    grid = (struct fy_plan_grid){.cluster = cl};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 12, false, NULL, 0, NULL, &grid, &g, &p, NULL), FY_ERR_INVALID);
+    CHECKF(strstr(fy_error_msg(), "--gpus 12 is not --nodes 4 x --gpus-per-node 4 = 16") != NULL, "%s", fy_error_msg());
+    grid = (struct fy_plan_grid){.cluster = cl, .tp = 8};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 16, false, NULL, 0, NULL, &grid, &g, &p, NULL), FY_ERR_INVALID);
+    CHECKF(strstr(fy_error_msg(), "within a node of 4 GPUs") != NULL, "%s", fy_error_msg());
+    grid = (struct fy_plan_grid){.pp = 80};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 80, 2048, 80, false, NULL, 0, NULL, &grid, &g, &p, NULL), FY_ERR_INVALID);
+    CHECKF(strstr(fy_error_msg(), "more pipeline stages than the model's 40 decoder layers") != NULL, "%s", fy_error_msg());
+    grid = (struct fy_plan_grid){.cluster = cl, .dp = 2, .pp = 4, .tp = 4};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 16, false, NULL, 0, NULL, &grid, &g, &p, NULL), FY_ERR_INVALID);
+    CHECKF(strstr(fy_error_msg(), "dp 2 x pp 4 x tp 4 does not lay out 16 ranks") != NULL, "%s", fy_error_msg());
+    // One that can be laid out but does not fit: opt-13b whole on each of 2 GPUs of 40 GiB.
+    struct fy_probe g40 = g;
+    CHECK_OK(fy_probe_override(&g40, "device_mem", "40GiB"));
+    grid = (struct fy_plan_grid){.cluster = {1, 2, 100, 100}, .dp = 2, .pp = 1, .tp = 1};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 2, 2048, 2, false, NULL, 0, NULL, &grid, &g40, &p, NULL), FY_ERR_NOMEM);
+    CHECKF(strstr(fy_error_msg(), "stage 0 of 1 (dp 2 x pp 1 x tp 1) needs") != NULL &&
+               strstr(fy_error_msg(), "the device has 40.00 GiB") != NULL, "%s", fy_error_msg());
+  }
+
+  // The search. On 4 nodes of 2 GPUs with 80 GiB, OPT-1.3B fits one GPU: over a fast network the
+  // data-parallel ranks win (no bubble); over a slow one a pipeline, whose sends between nodes are
+  // a hidden state a micro-batch rather than every gradient a step.
+  {
+    struct fy_opt_config c1;
+    fy_opt_preset("opt-1.3b", &c1);
+    struct fy_plan fast, slow;
+    struct fy_plan_grid grid = {.cluster = {4, 2, 100, 100}};
+    CHECK_OK(fy_plan_search_grid(&c1, "opt-1.3b", 32, 2048, 8, false, NULL, 0, NULL, &grid, &g, &fast, NULL));
+    grid.cluster.inter_gbps = 1;
+    CHECK_OK(fy_plan_search_grid(&c1, "opt-1.3b", 32, 2048, 8, false, NULL, 0, NULL, &grid, &g, &slow, NULL));
+    CHECKF(fast.pp == 1 && fast.dp == 8 && slow.pp > 1, "100 GB/s: dp %d x pp %d x tp %d; 1 GB/s: dp %d x pp %d x tp %d",
+           fast.dp, fast.pp, fast.tp, slow.dp, slow.pp, slow.tp);
+    // OPT-13B on 4 nodes of 2 GPUs of 48 GiB: no dp x tp layout holds it (tp at most a node's 2
+    // GPUs: 6.5 billion parameters a GPU, 8 bytes each even sharded over 4, and a micro-batch's
+    // activations), so a pipeline (pp 4 x tp 2: 1.8 billion parameters on the first stage).
+    struct fy_probe g40 = g;
+    CHECK_OK(fy_probe_override(&g40, "device_mem", "48GiB"));
+    grid = (struct fy_plan_grid){.cluster = {4, 2, 100, 1}, .pp = 1};
+    CHECK_ERR(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 8, false, NULL, 0, NULL, &grid, &g40, &slow, NULL),
+              FY_ERR_NOMEM);
+    grid.pp = 0;
+    CHECK_OK(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 8, false, NULL, 0, NULL, &grid, &g40, &slow, NULL));
+    fy_plan_print(&slow, stderr);
+    CHECKF(slow.pp > 1 && slow.predicted.fits, "opt-13b on 8 GPUs of 48 GiB: dp %d x pp %d x tp %d", slow.dp, slow.pp,
+           slow.tp);
+  }
+  fprintf(stderr, "  pipelines and clusters: %.2f s\n", fy_now() - t0);
+}
+
 int main(int argc, char **argv) {
   check_args(argc, argv);
   timing = check_part("timing");
@@ -1141,6 +1301,8 @@ int main(int argc, char **argv) {
     CHECK_ERR(fy_plan_check(&c30, &bad, &g8), FY_ERR_INVALID);
     CHECK_ERR(fy_plan_search_ranks(&cfg, "tiny", 3, 96, 5, false, NULL, &probe, &bad, NULL), FY_ERR_INVALID);
   }
+
+  check_pipeline();
 
   // Plan files: round trip, and what is refused.
   char path[400];
