@@ -358,6 +358,17 @@ expect 0 "ferry plan explains a plan and writes it" "predicted: .* s/step" -- pl
   --model opt-tiny --batch 4 --seq 32 --out "$tmp/plan.json" --svg "$tmp/plan.svg"
 expect 0 "ferry plan --model of a checkpoint root plans its model" "predicted: .* s/step" -- plan --device sim \
   --device-mem 64MiB --model "$tmp/ck" --batch 4 --seq 32
+# A cluster you do not have, and a layout priced on it (docs/planning.md, "Pipelines and clusters").
+expect 0 "ferry plan prices a dp x pp x tp layout on a cluster" "2 data-parallel .* x 2 pipeline stages x 2 tensor-parallel" \
+  -- plan --device cuda --device-mem 80GiB --device-tflops 312 --model opt-1.3b --batch 8 --seq 2048 --nodes 2 \
+  --gpus-per-node 4 --intra-gbps 200 --inter-gbps 25 --dp 2 --pp 2 --tp 2 --out "$tmp/planpp.json"
+grep -q '"pp":2' "$tmp/planpp.json" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the plan file keeps pp"; } ||
+  { fail=$((fail + 1)); echo "FAIL  the plan file lacks \"pp\":2"; }
+expect 2 "ferry plan --gpus that is not --nodes x --gpus-per-node" "--gpus 6 is not --nodes 2 x --gpus-per-node 4 = 8" \
+  -- plan --nodes 2 --gpus-per-node 4 --gpus 6
+expect 2 "ferry plan --inter-gbps without a cluster" "give --nodes K --gpus-per-node G" -- plan --inter-gbps 10
+expect 1 "ferry plan --pp that does not divide the layers" "--pp 5 does not divide the model's 24 decoder layers" \
+  -- plan --device cuda --device-mem 80GiB --model opt-1.3b --batch 8 --seq 2048 --nodes 2 --gpus-per-node 5 --pp 5
 grep -q "<svg" "$tmp/plan.svg" 2>/dev/null && { pass=$((pass + 1)); echo "ok    the step is drawn as SVG"; } || { fail=$((fail + 1)); echo "FAIL  no SVG"; }
 expect 0 "ferry train --plan FILE runs the plan" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" \
   --device-mem 64MiB --plan "$tmp/plan.json" --steps 2
