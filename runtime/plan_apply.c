@@ -113,6 +113,10 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
                           "--batch %lld --grad-accum %lld)", o->plan, plan.pp, plan.dp, plan.pp, plan.tp,
                           cuda ? "cuda" : "sim", plan.dp * plan.pp * plan.tp, plan.pp, plan.tp,
                           (long long)plan.k.micro_batch, (long long)plan.k.grad_accum);
+    if (plan.k.resident && plan.dp > 1 && strcmp(plan.pattern, "replicate") != 0)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s shards the optimizer state of %d resident data-parallel ranks "
+                          "(%s, priced by ferry plan on a cluster): resident ranks run as replicas: not supported yet",
+                          o->plan, plan.dp, plan.pattern);
     if (plan.k.resident && plan.tp > 1)
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s keeps %d tensor-parallel ranks resident: tensor parallelism on "
                           "a GPU runs offloaded (ferry plan --offload): not supported yet", o->plan, plan.tp);

@@ -243,6 +243,24 @@ static void check_pipeline(void) {
     CHECK_OK(fy_plan_check(&c13, &back, &g));
     CHECKF(fabs(back.predicted.step_s - c->step_s) < 1e-9 * c->step_s, "read back: %g s, %g s", back.predicted.step_s,
            c->step_s);
+    // (a cluster of no nodes, or of a link that is not a positive number, is refused when read)
+    static char text[16384];
+    read_text(path, text, sizeof text);
+    char *at = strstr(text, "\"nodes\":4");
+    CHECK(at != NULL);
+    if (at) {
+      memcpy(at, "\"nodes\":0", 9);
+      write_text(path, text);
+      CHECK_ERR(fy_plan_read(path, &back), FY_ERR_FORMAT);
+      memcpy(at, "\"nodes\":4", 9);
+    }
+    at = strstr(text, "\"inter_gbps\":");
+    CHECK(at != NULL);
+    if (at) {
+      memcpy(at, "\"inter_gbpx\":", 13);
+      write_text(path, text);
+      CHECK_ERR(fy_plan_read(path, &back), FY_ERR_FORMAT);
+    }
   }
 
   // Each stage's memory on 1F1B: stage s holds min(pp - s, m) micro-batches' activations. From 2
