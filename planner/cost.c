@@ -215,7 +215,7 @@ static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const s
   c->mfu = c->flops_per_step / c->step_s / (fy_probe_gemm_gflops(probe, bf16) * 1e9 * gpus);
   c->peak_gflops = fy_probe_peak_gflops(probe, bf16);
   c->mfu_peak = c->peak_gflops > 0 ? c->flops_per_step / c->step_s / (c->peak_gflops * 1e9 * gpus) : c->mfu;
-  if (c->bottleneck[0]) return;  // (a staged plan names its own)
+  if (c->pp > 0) return;  // (a plan costed stage by stage names its own)
   const char *names[] = {"compute", "copy to device", "copy to host", "optimizer"};
   const double busy[4] = {c->compute_s, c->h2d_s, c->d2h_s, c->optim_s};
   int worst = 0;
