@@ -614,7 +614,7 @@ PY
 }
 # Issue 37's figure on a GPU: opt-125m-moe8 (8 experts, top 2, every other layer; 323.6M
 # parameters, 153.6M acting on a token) against a dense model of the same total parameters
-# (opt-125m's shape with ffn_dim 13824: 323.5M), resident in bf16, batch 8 x 1024, 6 steps each
+# (opt-125m's shape with ffn_dim 13824: 323.5M; no dropout, as the presets), resident in bf16, batch 8 x 1024, 6 steps each
 # (the first not timed), after test/cuda_train_moe.sh has checked the mixture's training on this
 # GPU against the CPU. ratio: the mixture's tokens/s over the dense model's; flop_ratio: the
 # dense model's FLOPs a token over the mixture's (ferry's count: active experts only); efficiency =
@@ -628,7 +628,7 @@ moe_vs_dense() {
 import json, sys
 json.dump(dict(model_type="opt", architectures=["OPTForCausalLM"], vocab_size=50272, hidden_size=768,
                num_attention_heads=12, ffn_dim=13824, num_hidden_layers=12, max_position_embeddings=2048,
-               word_embed_proj_dim=768, do_layer_norm_before=True, dropout=0.1, attention_dropout=0.0,
+               word_embed_proj_dim=768, do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0,
                layerdrop=0.0, activation_function="relu", enable_bias=True), open(sys.argv[1], "w"))
 PY
   local run=(train --device cuda --precision bf16 --batch 8 --seq 1024 --steps 6 --quiet)
