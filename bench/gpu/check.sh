@@ -614,8 +614,8 @@ PY
 }
 # Issue 37's figure on a GPU: opt-125m-moe8 (8 experts, top 2, every other layer; 323.6M
 # parameters, 153.6M acting on a token) against a dense model of the same total parameters
-# (opt-125m's shape with ffn_dim 13824: 323.5M; no dropout, as the presets), resident in bf16, batch 8 x 1024, 6 steps each
-# (the first not timed), after test/cuda_train_moe.sh has checked the mixture's training on this
+# (opt-125m's shape with ffn_dim 13824: 323.5M; no dropout, as the presets), resident in bf16,
+# batch 8 x 1024, 6 steps each (the first not timed), after test/cuda_train_moe.sh has checked the mixture's training on this
 # GPU against the CPU. ratio: the mixture's tokens/s over the dense model's; flop_ratio: the
 # dense model's FLOPs a token over the mixture's (ferry's count: active experts only); efficiency =
 # ratio / flop_ratio, what the mixture keeps of its FLOP advantage after routing, gathering, the
