@@ -9,13 +9,13 @@
 # usage: test/cuda_train_moe.sh FERRY DIR [--model M] [--batch B] [--seq T] [--steps N]
 #   DIR          where the runs' logs and the token shard go (made if missing)
 #   --model M    a mixture's preset or config.json directory (default opt-moe-tiny), --batch B (4, even),
-#                --seq T (32), --steps N (6)
+#                --seq T (32), --steps N (4)
 set -uo pipefail
 
 [ $# -ge 2 ] || { sed -n '9,12p' "$0" >&2; exit 2; }
 ferry="$1" d="$2"
 shift 2
-model=opt-moe-tiny batch=4 seq=32 steps=6
+model=opt-moe-tiny batch=4 seq=32 steps=4
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || { echo "cuda_train_moe.sh: $1 needs a value" >&2; exit 2; }
   case "$1" in
