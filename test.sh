@@ -164,9 +164,9 @@ fi
 if [ "$plain" = 1 ]; then
   if [ ! -f /usr/local/cuda/include/cublasLt.h ] && [ ! -f /usr/include/cublasLt.h ]; then
     section "skipped: the CUDA emulator (no CUDA toolkit headers)"
-    skipped=$((skipped + 11))
+    skipped=$((skipped + 12))
   elif fy_build build-emu -Dcuda=disabled -Demulate_cuda=true; then
-    run_suite build-emu "CUDA emulator" backend_ops reference_cuda comm_nccl comm_nccl_2_ranks comm_nccl_3_ranks \
+    run_suite build-emu "CUDA emulator" backend_ops reference_cuda cuda_train_moe comm_nccl comm_nccl_2_ranks comm_nccl_3_ranks \
       bench_gpu_gemm bench_gpu_attention
     section "training on the emulated GPU against the CPU (test/cuda_train.sh)"
     count_logged build-emu/cuda_train.log test/cuda_train.sh build-emu/ferry build-emu/cuda_train \

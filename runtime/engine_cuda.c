@@ -39,6 +39,13 @@ struct cuda_ctx {
   // it one block per 32 channels walks all B x T rows (64 blocks for OPT-1.3B's C = 2048).
   float *lnscratch;
   size_t buf_bytes[FY_CUDA_SCRATCH_BUFS];  // of workspace, row, dsums, dscratch, lnscratch (engine_buf)
+  // Mixtures of experts (fy_cuda_moe_forward): the ops' workspace (sized for the largest, device
+  // memory), the experts' counts brought down (page-locked) and the targets, to count those not
+  // ignored (the balance term's weight, as runtime/engine.c's moe_targets); NULL without them.
+  void *moe_work;
+  size_t moe_work_bytes;
+  void *moe_pinned;     // fy_cuda_moe_pinned_bytes of the largest E, then (B*T) int32 targets
+  size_t moe_pinned_bytes;
   // Per op: fy_graph_fusion's verdict, a linear run with the relu or residual add after it in
   // cuBLASLt's epilogue (relu; the residual as the product's C, beta 1); that op then does nothing.
   unsigned char *fused;
@@ -272,11 +279,72 @@ static fy_status cross_entropy_bwd(const struct fy_op_args *a) {
                                        a->m->compute_dtype, a->BT, op->V, a->c->loss_scale, ctx_of(a->m)->st);
 }
 
-// A mixture of experts has no CUDA kernels yet (issue 37): the run is refused before it starts
-// (runtime/run.c); these say so should a call get here all the same.
-static fy_status moe_unsupported(const struct fy_op_args *a) {
-  return fy_error_set(FY_ERR_UNSUPPORTED, "%s: mixtures of experts have no CUDA kernels yet (train on --device cpu)",
-                      a->op->name);
+// A mixture of experts (ops/cuda/moe.cu): its parameters in op->params order, as runtime/engine.c's.
+static struct fy_moe_dims moe_dims(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
+                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
+}
+
+// The targets not ignored of the call's first BT rows (the balance term's weight, struct fy_loss):
+// the batch's targets (device memory) come down in stream order; valid after the next wait.
+static int32_t *moe_targets_down(const struct fy_op_args *a) {
+  struct cuda_ctx *x = ctx_of(a->m);
+  int32_t *t = (int32_t *)((char *)x->moe_pinned + x->moe_pinned_bytes) - a->g->B * a->g->T;
+  if (cudaMemcpyAsync(t, a->c->batch->targets, (size_t)a->BT * 4, cudaMemcpyDeviceToHost, x->st) != cudaSuccess) return NULL;
+  return t;
+}
+static int64_t moe_count(const int32_t *t, int64_t n) {
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; i++) k += t[i] != -100;
+  return k;
+}
+
+static fy_status moe_check(const struct fy_op_args *a, const struct fy_moe_dims *d) {
+  struct cuda_ctx *x = ctx_of(a->m);
+  if (a->m->host)  // (runtime/run.c refuses it first: offloading by expert is to come, issue 37)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s: a mixture of experts runs on a GPU resident, not offloaded", a->op->name);
+  FY_ASSERT(x->moe_work && fy_cuda_moe_workspace_bytes(d, a->m->compute_dtype) <= x->moe_work_bytes);
+  return FY_OK;
+}
+
+static fy_status moe_fwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_moe_dims d = moe_dims(a);
+  const int b = op->has_bias;
+  FY_TRY(moe_check(a, &d));
+  int32_t *targets = NULL;
+  if (c->aux_sum && !(targets = moe_targets_down(a)))
+    return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
+  double balance;
+  FY_TRY(fy_cuda_moe_forward(x->blas, a->out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), &balance,
+                             a->in0, c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL,
+                             m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st));
+  // (fy_cuda_moe_forward waited for the stream: the targets are down)
+  if (c->aux_sum) *c->aux_sum += (double)op->aux_coef * balance * (double)moe_count(targets, a->BT);
+  return FY_OK;
+}
+
+static fy_status moe_bwd(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  struct fy_model *m = a->m;
+  const struct fy_op_call *c = a->c;
+  struct cuda_ctx *x = ctx_of(m);
+  const struct fy_moe_dims d = moe_dims(a);
+  const int b = op->has_bias;
+  FY_TRY(moe_check(a, &d));
+  int32_t *targets = moe_targets_down(a);
+  if (!targets || cudaStreamSynchronize(x->st) != cudaSuccess)
+    return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
+  // The objective's balance term is coef x balance x (the micro-batch's targets) x loss_scale.
+  const float dbalance = op->aux_coef * c->loss_scale * (float)moe_count(targets, a->BT);
+  return fy_cuda_moe_backward(x->blas, fy_engine_dinput(m, op, 0), c->g[0], c->g[1], b ? c->g[2] : NULL, c->g[2 + b],
+                              b ? c->g[4] : NULL, a->dout, a->in0, fy_engine_act(m, op->aux[0]),
+                              fy_engine_act(m, op->aux[1]), c->w[0], c->w[1], c->w[2 + b], dbalance, !a->first[0],
+                              m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st);
 }
 
 // The cuda backend's op table: a new op kind is one line here (and one in runtime/engine.c's).
@@ -289,7 +357,7 @@ static const struct fy_op_kernels cuda_ops[] = {
     [FY_OP_ADD] = {add_fwd, add_bwd},
     [FY_OP_CROSS_ENTROPY] = {cross_entropy_fwd, cross_entropy_bwd},
     [FY_OP_GELU] = {gelu_fwd, gelu_bwd},
-    [FY_OP_MOE] = {moe_unsupported, moe_unsupported},
+    [FY_OP_MOE] = {moe_fwd, moe_bwd},
 };
 _Static_assert(sizeof cuda_ops / sizeof cuda_ops[0] == FY_OP_KIND_COUNT, "an op kind without cuda kernels");
 
@@ -479,6 +547,31 @@ static void **engine_buf(struct cuda_ctx *x, int i) {
   return p[i];
 }
 
+// The mixtures' workspace (the largest op's, for all B x T rows in dtype dt) from the device, and
+// their page-locked host buffer; none for a dense model.
+static fy_status moe_buffers(struct fy_model *m, struct cuda_ctx *x, enum fy_dtype dt) {
+  const struct fy_graph *g = m->graph;
+  size_t work = 0, pinned = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    const struct fy_moe_dims d = {.BT = g->B * g->T, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k};
+    const size_t w = fy_cuda_moe_workspace_bytes(&d, dt), p = fy_cuda_moe_pinned_bytes(&d);
+    work = w > work ? w : work;
+    pinned = p > pinned ? p : pinned;
+  }
+  if (!work) return FY_OK;
+  x->moe_pinned_bytes = pinned + (size_t)(g->B * g->T) * 4;
+  if (cudaMallocHost(&x->moe_pinned, x->moe_pinned_bytes) != cudaSuccess) {
+    x->moe_pinned = NULL;
+    return fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the mixtures of experts");
+  }
+  fy_status st = fy_device_alloc(m->dev, work, &x->moe_work);
+  if (st != FY_OK) return fy_error_wrap(st, "cuda: the mixtures of experts' workspace (%.1f MiB)", (double)work / 1048576.0);
+  x->moe_work_bytes = work;
+  return FY_OK;
+}
+
 void fy_engine_cuda_detach(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);
   if (!x) return;
@@ -488,6 +581,8 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++)
     if (*engine_buf(x, i)) fy_device_dealloc(m->dev, *engine_buf(x, i), x->buf_bytes[i]);
   cudaFreeHost(x->losses_pinned);
+  if (x->moe_work) fy_device_dealloc(m->dev, x->moe_work, x->moe_work_bytes);
+  cudaFreeHost(x->moe_pinned);
   fy_stream_free(x->stream);
   free(x->fused);
   free(x);
@@ -519,6 +614,7 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
   }
   if (st == FY_OK && cudaMallocHost((void **)&x->losses_pinned, (size_t)(g->B * g->T) * 4) != cudaSuccess)
     st = fy_error_set(FY_ERR_NOMEM, "cuda: cannot allocate page-locked memory for the losses");
+  if (st == FY_OK) st = moe_buffers(m, x, adt);
   if (st == FY_OK) st = fy_cuda_blas_create(x->workspace, x->buf_bytes[0], &x->blas);
   if (st == FY_OK && !(x->fused = calloc((size_t)g->n_ops + 1, 1))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st != FY_OK) {

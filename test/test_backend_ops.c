@@ -806,6 +806,95 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
   free(inp); free(w); free(bias); free(out); free(dout); free(dinp); free(dw); free(db);
 }
 
+// The mixture of experts (ops/cuda/moe.cu) against ops/cpu/moe.c: E = 5 experts, top 2, of
+// F = 40 features, relu with biases and gelu without; every token's first channel and expert 4's
+// gate make expert 4's logit about -16, so that it gets no token (its gradient: zero, or left as
+// it was when accumulating). The routing record (probabilities, choices, weights, rows) is compared
+// too; backward with random starting gradients, accumulating and not.
+static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, bool bias) {
+  const int E = 5, K = 2;
+  const int64_t F = 40, S = E + 3 * K, cap = fy_moe_rows_cap(BT, E, K);
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = false};
+  float *inp = frand_new(BT * C, 1.0f, dt), *gate = frand_new(E * C, 0.3f, dt);
+  for (int64_t t = 0; t < BT; t++) inp[t * C] = 4.0f;
+  gate[4 * C] = -4.0f;
+  float *w1 = frand_new(E * F * C, 0.2f, dt), *b1 = bias ? frand_new(E * F, 0.5f, dt) : NULL;
+  float *w2 = frand_new(E * C * F, 0.2f, dt), *b2 = bias ? frand_new(E * C, 0.5f, dt) : NULL;
+  float *out = check_fnew(BT * C), *route = check_fnew(BT * S), *rows = check_fnew(cap * (F + C));
+  double bal = 0, gbal = 0;
+  CHECK_OK(fy_moe_forward(out, route, rows, &bal, inp, gate, w1, b1, w2, b2, &d));
+  int64_t to4 = 0;
+  for (int64_t t = 0; t < BT; t++)
+    for (int j = 0; j < K; j++) to4 += (int)route[t * S + E + j] == 4;
+  CHECKF(to4 == 0, "moe test: expert 4 got %lld tokens (the case wants none)", (long long)to4);
+  void *d_inp = dput(inp, BT * C, dt), *d_gate = dput(gate, E * C, dt), *d_w1 = dput(w1, E * F * C, dt);
+  void *d_w2 = dput(w2, E * C * F, dt), *d_b1 = bias ? dput(b1, E * F, dt) : NULL;
+  void *d_b2 = bias ? dput(b2, E * C, dt) : NULL;
+  void *d_out = dalloc((size_t)(BT * C) * fy_dtype_size(dt));
+  float *d_route = dalloc((size_t)(BT * S) * 4);
+  void *d_rows = dalloc((size_t)(cap * (F + C)) * 4), *work = dalloc(fy_cuda_moe_workspace_bytes(&d, dt));
+  void *pinned = NULL;
+  CHECKF(cudaMallocHost(&pinned, fy_cuda_moe_pinned_bytes(&d)) == cudaSuccess, "moe test: pinned memory");
+  char what[96];
+  const char *kind = gelu ? "gelu, no bias" : "relu, bias";
+  CHECK_OK(fy_cuda_moe_forward(h, d_out, d_route, d_rows, &gbal, d_inp, d_gate, d_w1, d_b1, d_w2, d_b2, dt, &d, work,
+                               pinned, cs));
+  snprintf(what, sizeof what, "moe forward (%s)", kind);
+  cmp_dev(what, dt, d_out, out, BT * C, true);
+  snprintf(what, sizeof what, "moe routing record (%s)", kind);
+  cmp_dev(what, FY_F32, d_route, route, BT * S, true);
+  CHECKF(fabs(gbal - bal) <= 1e-5 * fabs(bal), "moe balance: cuda %.9g, cpu %.9g", gbal, bal);
+
+  float *dout = frand_new(BT * C, 1.0f, dt);
+  void *d_dout = dput(dout, BT * C, dt);
+  for (int acc = 1; acc >= 0; acc--) {
+    float *dinp = frand_new(BT * C, 1.0f, dt), *dgate = frand_new(E * C, 1.0f, dt);
+    float *dw1 = frand_new(E * F * C, 1.0f, dt), *dw2 = frand_new(E * C * F, 1.0f, dt);
+    float *db1 = bias ? frand_new(E * F, 1.0f, dt) : NULL, *db2 = bias ? frand_new(E * C, 1.0f, dt) : NULL;
+    void *d_dinp = dput(dinp, BT * C, dt), *d_dgate = dput(dgate, E * C, dt), *d_dw1 = dput(dw1, E * F * C, dt);
+    void *d_dw2 = dput(dw2, E * C * F, dt), *d_db1 = bias ? dput(db1, E * F, dt) : NULL;
+    void *d_db2 = bias ? dput(db2, E * C, dt) : NULL;
+    CHECK_OK(fy_moe_backward(dinp, dgate, dw1, db1, dw2, db2, dout, inp, route, rows, gate, w1, w2, 0.37f, acc, &d));
+    CHECK_OK(fy_cuda_moe_backward(h, d_dinp, d_dgate, d_dw1, d_db1, d_dw2, d_db2, d_dout, d_inp, d_route, d_rows,
+                                  d_gate, d_w1, d_w2, 0.37f, acc, dt, &d, work, pinned, cs));
+    const char *op = acc ? "+=" : "=";
+    snprintf(what, sizeof what, "moe backward dinp += (%s)", kind);
+    cmp_dev(what, dt, d_dinp, dinp, BT * C, true);
+    snprintf(what, sizeof what, "moe backward dgate %s (%s)", op, kind);
+    cmp_dev(what, dt, d_dgate, dgate, E * C, true);
+    snprintf(what, sizeof what, "moe backward dw1 %s (%s)", op, kind);
+    cmp_dev(what, dt, d_dw1, dw1, E * F * C, true);
+    snprintf(what, sizeof what, "moe backward dw2 %s (%s)", op, kind);
+    cmp_dev(what, dt, d_dw2, dw2, E * C * F, true);
+    if (bias) {
+      snprintf(what, sizeof what, "moe backward db1 %s (%s)", op, kind);
+      cmp_dev(what, dt, d_db1, db1, E * F, true);
+      snprintf(what, sizeof what, "moe backward db2 %s (%s)", op, kind);
+      cmp_dev(what, dt, d_db2, db2, E * C, true);
+    }
+    // Expert 4 (no token): exactly what it was, or zeros.
+    float *got = check_fnew(E * F * C);
+    dget(got, d_dw1, E * F * C, dt);
+    bool same = true;
+    for (int64_t i = 4 * F * C; i < 5 * F * C; i++) same = same && got[i] == (acc ? dw1[i] : 0.0f);
+    CHECKF(same, "moe backward (%s, %s): expert 4's dw1 is not %s", kind, fy_dtype_name(dt), acc ? "unchanged" : "zero");
+    dget(got, d_dw2, E * C * F, dt);
+    for (int64_t i = 4 * C * F; i < 5 * C * F; i++) same = same && got[i] == (acc ? dw2[i] : 0.0f);
+    CHECKF(same, "moe backward (%s, %s): expert 4's dw2 is not %s", kind, fy_dtype_name(dt), acc ? "unchanged" : "zero");
+    free(got);
+    free(dinp); free(dgate); free(dw1); free(dw2); free(db1); free(db2);
+  }
+  CHECK_OK(fy_stream_sync(st));
+  cudaFreeHost(pinned);
+  dfree_all();
+  free(inp); free(gate); free(w1); free(b1); free(w2); free(b2); free(out); free(route); free(rows); free(dout);
+}
+
+static void test_moe(struct fy_cuda_blas *h, enum fy_dtype dt) {
+  test_moe_case(h, dt, false, true);
+  test_moe_case(h, dt, true, false);
+}
+
 // Mask kinds: 0 = none (NULL), 1 = padding: batch 1 left-padded by 5 and right-padded by 3 (its
 // first queries have no key), batch 2 with random holes.
 static void test_attention_shape(enum fy_dtype dt, int64_t Bn, int64_t Tn, int64_t Cn, int64_t NHn,
@@ -1149,6 +1238,7 @@ int main(void) {
     test_sumsq(dt);
     test_matmul(h, dt, false);
     test_linear(h, dt);
+    test_moe(h, dt);
     CHECK_OK(fy_cuda_attention_set_variant("basic"));
     test_attention(dt);
     test_attention_decode(dt, 37, 36, 3);    // HS 12

@@ -612,6 +612,41 @@ print(json.dumps({"bench": "ferry_cuda_sample", "model": sys.argv[2], "options":
                   "prompt_tokens_per_s": float(m.group(2)), "tokens_per_s": float(m.group(3))}))
 PY
 }
+# Issue 37's figure on a GPU: opt-125m-moe8 (8 experts, top 2, every other layer; 323.6M
+# parameters, 153.6M acting on a token) against a dense model of the same total parameters
+# (opt-125m's shape with ffn_dim 13824: 323.5M; no dropout, as the presets), resident in bf16,
+# batch 8 x 1024, 6 steps each (the first not timed), after test/cuda_train_moe.sh has checked the mixture's training on this
+# GPU against the CPU. ratio: the mixture's tokens/s over the dense model's; flop_ratio: the
+# dense model's FLOPs a token over the mixture's (ferry's count: active experts only); efficiency =
+# ratio / flop_ratio, what the mixture keeps of its FLOP advantage after routing, gathering, the
+# per-expert products and the wait for the experts' counts.
+moe_vs_dense() {
+  local d="$logs/moe"
+  "$root/test/cuda_train_moe.sh" "$build/ferry" "$d/check" || return 1
+  mkdir -p "$d/dense" || return 1
+  python3 - "$d/dense/config.json" <<'PY' || return 1
+import json, sys
+json.dump(dict(model_type="opt", architectures=["OPTForCausalLM"], vocab_size=50272, hidden_size=768,
+               num_attention_heads=12, ffn_dim=13824, num_hidden_layers=12, max_position_embeddings=2048,
+               word_embed_proj_dim=768, do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0,
+               layerdrop=0.0, activation_function="relu", enable_bias=True), open(sys.argv[1], "w"))
+PY
+  local run=(train --device cuda --precision bf16 --batch 8 --seq 1024 --steps 6 --quiet)
+  "$build/ferry" "${run[@]}" --model opt-125m-moe8 --log "$d/moe.jsonl" || return 1
+  "$build/ferry" "${run[@]}" --model "$d/dense" --log "$d/dense.jsonl" || return 1
+  python3 - "$d/moe.jsonl" "$d/dense.jsonl" <<'PY'
+import json, statistics, sys
+m, dn = ([json.loads(l) for l in open(p) if l.startswith("{") and '"loss"' in l][1:] for p in sys.argv[1:3])
+tm, td = (statistics.median(r["tokens_per_s"] for r in rows) for rows in (m, dn))
+gm, gd = (statistics.median(r["gflops"] for r in rows) for rows in (m, dn))
+flop_ratio = (gd / td) / (gm / tm)  # FLOPs a token, dense over mixture
+print(json.dumps({"bench": "ferry_cuda_moe_vs_dense", "model": "opt-125m-moe8", "dense": "opt-125m ffn 13824",
+                  "batch": 8, "seq": 1024, "precision": "bf16", "tokens_per_s": round(tm, 1),
+                  "dense_tokens_per_s": round(td, 1), "ratio": round(tm / td, 3), "flop_ratio": round(flop_ratio, 3),
+                  "efficiency": round(tm / td / flop_ratio, 3), "gflops": round(gm, 1), "dense_gflops": round(gd, 1),
+                  "aux_loss_last": m[-1].get("aux_loss")}))
+PY
+}
 have_torch() { python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; }
 if [ "$bench" = 1 ]; then
   # OPT-1.3B in bf16, everything on the GPU, batch 8 x 2048: ferry against PyTorch (autocast bf16,
@@ -685,6 +720,8 @@ if [ "$bench" = 1 ]; then
   # Sampling (ferry sample --device cuda): OPT-1.3B resident in bf16; OPT-6.7B offloaded through a
   # cache of 6 GiB of its 12.5 GiB of bf16 weights (every token loads what the cache lacks).
   bench_step "bench sample 1.3b" 60 sample_bench opt-1.3b 128
+  # A mixture of experts against a dense model of its total size (alone: --steps 'bench moe*').
+  bench_step "bench moe 125m-moe8 vs dense" 150 moe_vs_dense
   if [ "$big" = 1 ]; then
     bench_step "bench sample 6.7b offloaded" 120 sample_bench opt-6.7b 32 --offload --device-mem 6GiB
   fi
@@ -692,7 +729,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","mfu_h200_bf16_llmc","ratio","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","mfu_h200_bf16_llmc","ratio","flop_ratio","efficiency","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"

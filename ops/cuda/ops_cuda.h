@@ -233,6 +233,31 @@ fy_status fy_cuda_linear_backward_params(struct fy_cuda_blas *h, void *dweight, 
                                          int64_t BT, int64_t C, int64_t OC, bool accumulate,
                                          cudaStream_t st);
 
+// ---- mixture of experts (ops/cuda/moe.cu; ops/ops.h "mixture of experts") ----
+//
+// fy_moe_forward and fy_moe_backward on the GPU: the same routing record route (BT, E+3K) fp32,
+// the same dispatch layout, the experts' products through cuBLASLt in a loop over the experts
+// (d->bf16 is not read: dt says). rows is the op's aux slot, holding h (cap,F) then y (cap,C) in
+// dt (cap = fy_moe_rows_cap). work: device memory of fy_cuda_moe_workspace_bytes(d, dt); pinned:
+// page-locked host memory of fy_cuda_moe_pinned_bytes(d). Unlike the other kernels these WAIT for
+// the stream once: the experts' token counts come down to size their products. An expert with no
+// token is skipped; its gradient is zero (=) or left as it is (accumulate).
+size_t fy_cuda_moe_workspace_bytes(const struct fy_moe_dims *d, enum fy_dtype dt);
+size_t fy_cuda_moe_pinned_bytes(const struct fy_moe_dims *d);
+// inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL -> out (BT,C),
+// route, rows, *balance (host: E x sum_e f_e P_e, as fy_moe_forward's)
+fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, float *route, void *rows, double *balance,
+                              const void *inp, const void *gate, const void *w1, const void *b1, const void *w2,
+                              const void *b2, enum fy_dtype dt, const struct fy_moe_dims *d, void *work, void *pinned,
+                              cudaStream_t st);
+// dout (BT,C) and forward's tensors -> dinp (BT,C) += (NULL: not wanted), dgate, dw1, db1, dw2, db2
+// = (or += with accumulate); db1, db2 NULL without biases. dbalance as fy_moe_backward's.
+fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, void *dgate, void *dw1, void *db1, void *dw2,
+                               void *db2, const void *dout, const void *inp, const float *route, const void *rows,
+                               const void *gate, const void *w1, const void *w2, float dbalance, bool accumulate,
+                               enum fy_dtype dt, const struct fy_moe_dims *d, void *work, void *pinned,
+                               cudaStream_t st);
+
 // ---- causal multi-head attention, flash style (the T x T matrix is never stored) ----
 //
 // Layout and masking as fy_attention_forward (ops/ops.h): qkv (B,T,3C) with q, k, v side by side,
