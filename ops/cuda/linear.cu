@@ -35,7 +35,7 @@ extern "C" {
 #include "core/log.h"
 }
 
-#define MM_CACHE 64
+#define MM_CACHE 256  // (a mixture's experts bring a few shapes each per distinct row count)
 #define TUNE_MAX 16  // candidates tried at most
 #define TUNE_REPS 3  // runs of each (the smallest time counts: a first run may load its kernel)
 
