@@ -506,6 +506,7 @@ static void measure_run(struct training *t) {
     res->cache_prefetches = xs.cache.prefetches;
     res->cache_evictions = xs.cache.evictions;
     res->cache_spills = xs.cache.spills;
+    fy_offload_experts(r->x, &res->expert_loads, &res->expert_parts);
   }
   struct fy_copy_stats cs;
   fy_device_copy_stats(r->dev, &cs);
@@ -527,6 +528,8 @@ static void print_summary(const struct training *t) {
          "peak RSS %.2f GiB%s\n",
          (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops, res->gflops_llmc,
          res->peak_rss_bytes / 1073741824.0, other);
+  if (res->expert_parts > 0)  // (offloaded mixtures of experts: only the experts that got tokens are loaded)
+    printf("ferry: expert chunks loaded: %lld of %lld\n", (long long)res->expert_loads, (long long)res->expert_parts);
 }
 
 // After the last step: the checkpoints written, every update applied, the weights' hash and the

@@ -1,0 +1,145 @@
+// An offloaded mixture of experts (docs/offloading.md, "Mixtures of experts"): on the sim device a
+// mixture's experts are loaded into the device cache only when they got tokens, and the losses and
+// weights are still bit for bit the resident cpu run's, in every placement (eviction, spills,
+// jitter, the disk tier, chunks kept on the device, recomputation with micro-batches, bf16). With
+// 4 tokens a pass, each routed to 1 of 8 experts, at least half of a mixture's experts get no
+// token (a zero gradient, and AdamW still moves their weights and state): fewer expert chunks are
+// loaded than loading whole chunks would move, and the count says so.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "core/opt.h"
+#include "runtime/data.h"
+#include "runtime/trainer.h"
+
+static char dir[256], model_dir[300], shard[300], disk_dir[300];
+
+static struct fy_train_opts base(void) {
+  struct fy_train_opts o;
+  fy_train_opts_defaults(&o);
+  o.hash_params = true;
+  o.model = model_dir;
+  o.data = shard;
+  o.batch = 1;
+  o.seq = 4;
+  o.steps = 12;
+  o.lr = 3e-3f;
+  o.warmup = 2;
+  o.quiet = true;
+  o.seed = 7;
+  return o;
+}
+
+// Runs `o` (sim) against the cpu reference: the same losses, balance terms and weights; returns
+// whether the run loaded fewer expert chunks than whole chunks would have moved.
+static bool same_as(const char *what, struct fy_train_opts o, const struct fy_train_result *ref) {
+  struct fy_train_result r;
+  fy_status st = fy_train(&o, &r);
+  CHECKF(st == FY_OK, "%s: %s", what, fy_error_msg());
+  if (st != FY_OK) return false;
+  CHECKF(r.first_loss == ref->first_loss && r.last_loss == ref->last_loss, "%s: losses %.9g %.9g, reference %.9g %.9g",
+         what, r.first_loss, r.last_loss, ref->first_loss, ref->last_loss);
+  CHECKF(r.params_hash == ref->params_hash, "%s: the parameters differ from the reference", what);
+  CHECKF(r.device_peak_bytes <= (double)o.device_mem, "%s: device peak %.0f over the cap %zu", what, r.device_peak_bytes,
+         o.device_mem);
+  fprintf(stderr, "  %-48s blocks %d/%d chunks, loads %lld, spills %lld, expert chunks loaded: %lld of %lld\n", what,
+          r.n_blocks, r.n_chunks, (long long)r.cache_loads, (long long)r.cache_spills, (long long)r.expert_loads,
+          (long long)r.expert_parts);
+  return r.expert_parts > 0 && r.expert_loads < r.expert_parts;
+}
+
+int main(int argc, char **argv) {
+  check_args(argc, argv);
+  if (!check_plain()) return check_summary("offload_moe");
+  snprintf(dir, sizeof dir, "/tmp/ferry_offload_moe_XXXXXX");
+  if (!mkdtemp(dir)) return 1;
+  snprintf(model_dir, sizeof model_dir, "%s/model", dir);
+  snprintf(shard, sizeof shard, "%s/data.bin", dir);
+  snprintf(disk_dir, sizeof disk_dir, "%s/disk", dir);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "mkdir -p %s %s", model_dir, disk_dir);
+  CHECK(system(cmd) == 0);
+  // opt-moe-tiny (layers 1 and 3 mixtures) with 8 experts and top 1.
+  struct fy_opt_config cfg;
+  fy_opt_preset("opt-moe-tiny", &cfg);
+  cfg.num_local_experts = 8;
+  cfg.num_experts_per_tok = 1;
+  CHECK_OK(fy_opt_config_write(model_dir, &cfg));
+  uint16_t *tok = malloc(4000 * sizeof *tok);
+  for (int i = 0; i < 4000; i++) tok[i] = (uint16_t)((i * 31 + (i / 7) * 3) % 97);
+  CHECK_OK(fy_shard_write(shard, tok, 4000));
+  free(tok);
+
+  struct fy_train_result ref, ref_acc, ref16;
+  struct fy_train_opts o = base();
+  CHECK_OK(fy_train(&o, &ref));
+  CHECKF(ref.last_loss < ref.first_loss, "the reference run learns: %f -> %f", ref.first_loss, ref.last_loss);
+  CHECKF(ref.expert_parts == 0, "a resident run loads no expert chunks (%lld)", (long long)ref.expert_parts);
+
+  // Chunks of about a layer (a mixture's router and experts are one group: 34k parameters).
+  struct fy_train_opts s = base();
+  s.device = "sim";
+  s.device_mem = 8 << 20;
+  s.chunk_mib = 0.15;
+  s.blocks = 2;  // eviction: experts loaded again after their chunk was
+  CHECKF(same_as("2 blocks (eviction), prefetch 2", s, &ref), "fewer expert chunks loaded than all");
+  s.blocks = 1;  // spills in backward
+  same_as("1 block (spills)", s, &ref);
+  s.blocks = 3;
+  s.sim_jitter_us = 200;
+  s.sim_link_gbps = 0.5;
+  same_as("3 blocks, jitter, a throttled link", s, &ref);
+  s.sim_jitter_us = 0;
+  s.sim_link_gbps = 0;
+  s.disk_dir = disk_dir;
+  s.disk_chunks = 2;
+  same_as("3 blocks, AdamW state of 2 chunks on disk", s, &ref);
+  s.disk_chunks = 0;
+  s.disk_dir = NULL;
+  s.device_chunks = 2;
+  same_as("2 chunks kept on the device", s, &ref);
+  s.device_chunks = 0;
+
+  o.recompute = true;
+  o.grad_accum = 2;
+  CHECK_OK(fy_train(&o, &ref_acc));
+  s.recompute = true;
+  s.grad_accum = 2;
+  s.blocks = 2;
+  s.sim_jitter_us = 200;
+  same_as("recompute, 2 micro-batches, 2 blocks, jitter", s, &ref_acc);
+  s.recompute = false;
+  s.grad_accum = 1;
+  s.sim_jitter_us = 0;
+
+  o = base();
+  o.precision = "bf16";
+  CHECK_OK(fy_train(&o, &ref16));
+  s.precision = "bf16";
+  same_as("bf16, 2 blocks", s, &ref16);
+
+  // Top 2 of 4 experts and 32 tokens a pass: most experts get tokens.
+  cfg.num_local_experts = 4;
+  cfg.num_experts_per_tok = 2;
+  CHECK_OK(fy_opt_config_write(model_dir, &cfg));
+  o = base();
+  o.batch = 2;
+  o.seq = 16;
+  o.steps = 4;
+  CHECK_OK(fy_train(&o, &ref));
+  s = base();
+  s.batch = 2;
+  s.seq = 16;
+  s.steps = 4;
+  s.device = "sim";
+  s.device_mem = 8 << 20;
+  s.chunk_mib = 0.15;
+  s.blocks = 2;
+  same_as("top 2 of 4, 32 tokens, 2 blocks", s, &ref);
+
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  CHECK(system(cmd) == 0);
+  return check_summary("offload_moe");
+}
