@@ -322,10 +322,10 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
   int tried = 0;
   struct stat sb;
   FY_TRY(stat(a->model, &sb) == 0 ? fy_ckpt_config_read(a->model, &cfg) : fy_opt_preset(a->model, &cfg));
-  if (cfg.num_local_experts > 0)  // (the planner's places are the sim and cuda devices')
+  if (cfg.num_local_experts > 0 && (strcmp(probe->device, "sim") != 0 || a->gpus > 1))  // (what trains offloaded)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it trains on --device cpu with resident state "
-                        "for now, nothing to plan (offloading, the GPUs and expert parallelism are not supported yet)",
-                        a->model);
+                        "and on one sim rank offloaded for now, so only the sim device's one-rank plans are made (the "
+                        "GPUs and expert parallelism are not supported yet)", a->model);
   FY_TRY(fy_plan_search_state(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision,
                               (int)a->lag, a->state, probe, &best, &tried));
   fy_plan_print(&best, stdout);
