@@ -440,18 +440,18 @@ static void moe_route_fn(void *arg) {
 static fy_status moe_load_home(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
   struct fy_offload *x = ctx;
   const struct fy_graph *g = x->m->graph;
-  int64_t cut[16][2];  // [start, end) of the stacked parameters in the chunk, sorted
+  int64_t cut[4 * g->n_ops + 1][2];  // [start, end) of the stacked parameters in the chunk, sorted
   int n = 0;
   x->home_loads[chunk]++;
   for (int o = 0; o < g->n_ops; o++) {
     const struct moe_load *ml = &x->moe[o];
     if (!ml->on || ml->chunk != chunk) continue;
     x->expert_parts += ml->E;
-    for (int k = 0; k < 4 && n < 16; k++)
+    for (int k = 0; k < 4; k++)
       if (ml->len[k] > 0) cut[n][0] = ml->off[k], cut[n][1] = ml->off[k] + ml->len[k] * ml->E, n++;
   }
   if (n == 0) return FY_OK;
-  for (int i = 1; i < n; i++)  // (insertion sort: a few ranges)
+  for (int i = 1; i < n; i++)  // (insertion sort: a few ranges, 4 a mixture in the chunk)
     for (int j = i; j > 0 && cut[j][0] < cut[j - 1][0]; j--) {
       int64_t t0 = cut[j][0], t1 = cut[j][1];
       cut[j][0] = cut[j - 1][0], cut[j][1] = cut[j - 1][1];

@@ -91,6 +91,10 @@ int main(int argc, char **argv) {
   s.chunk_mib = 0.15;
   s.blocks = 2;  // eviction: experts loaded again after their chunk was
   CHECKF(same_as("2 blocks (eviction), prefetch 2", s, &ref), "fewer expert chunks loaded than all");
+  s.chunk_mib = 0.5;  // one chunk for the whole model: both mixtures' experts in it
+  s.blocks = 0;
+  same_as("one chunk", s, &ref);
+  s.chunk_mib = 0.15;
   s.blocks = 1;  // spills in backward
   same_as("1 block (spills)", s, &ref);
   s.blocks = 3;
@@ -107,6 +111,20 @@ int main(int argc, char **argv) {
   s.device_chunks = 2;
   same_as("2 chunks kept on the device", s, &ref);
   s.device_chunks = 0;
+
+  {  // Evaluation through the cache (forward passes alone): the cpu's mean loss.
+    struct fy_train_opts e = base();
+    e.eval_batches = 5;
+    double cpu = 0, got = -1;
+    CHECK_OK(fy_eval(&e, &cpu));
+    e.device = "sim";
+    e.device_mem = 8 << 20;
+    e.chunk_mib = 0.15;
+    e.blocks = 2;
+    fy_status st = fy_eval(&e, &got);
+    CHECKF(st == FY_OK && got == cpu, "eval on sim, 2 blocks: %.9g (%s), cpu %.9g", got, st == FY_OK ? "ok" : fy_error_msg(),
+           cpu);
+  }
 
   o.recompute = true;
   o.grad_accum = 2;
