@@ -362,6 +362,10 @@ static void log_step(const struct training *t, int64_t step, const struct step_r
     json_number(aux_json, r->aux_loss, "%.6f");
     fprintf(log, ",\"aux_loss\":%s", aux_json);
   }
+  int64_t experts_loaded = 0, experts = 0;  // (offloaded mixtures: so far, fy_offload_experts)
+  if (r->x) fy_offload_experts(r->x, &experts_loaded, &experts);
+  if (experts > 0)
+    fprintf(log, ",\"expert_chunks_loaded\":%lld,\"expert_chunks\":%lld", (long long)experts_loaded, (long long)experts);
   if (s->validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, t->val_s);
   if (r->gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(r) / 1048576.0);
   if (r->disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);

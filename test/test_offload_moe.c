@@ -90,7 +90,22 @@ int main(int argc, char **argv) {
   s.device_mem = 8 << 20;
   s.chunk_mib = 0.15;
   s.blocks = 2;  // eviction: experts loaded again after their chunk was
+  char log_path[320];
+  snprintf(log_path, sizeof log_path, "%s/log.jsonl", dir);
+  s.log_path = log_path;
+  struct fy_train_result got;
+  CHECK_OK(fy_train(&s, &got));
+  s.log_path = NULL;
   CHECKF(same_as("2 blocks (eviction), prefetch 2", s, &ref), "fewer expert chunks loaded than all");
+  {  // The log's last step says the run's count.
+    FILE *f = fopen(log_path, "r");
+    char line[4096], last[4096] = "", want[96];
+    while (f && fgets(line, sizeof line, f)) memcpy(last, line, sizeof last);
+    if (f) fclose(f);
+    snprintf(want, sizeof want, "\"expert_chunks_loaded\":%lld,\"expert_chunks\":%lld", (long long)got.expert_loads,
+             (long long)got.expert_parts);
+    CHECKF(strstr(last, want) != NULL, "the log's last step: %s (want %s)", last, want);
+  }
   s.chunk_mib = 0.5;  // one chunk for the whole model: both mixtures' experts in it
   s.blocks = 0;
   same_as("one chunk", s, &ref);
