@@ -158,6 +158,15 @@ int main(int argc, char **argv) {
   CHECK_OK(fy_train(&o, &ref16));
   s.precision = "bf16";
   same_as("bf16, 2 blocks", s, &ref16);
+  // The one-step-delayed update (two 16-bit copies a chunk that swap roles) with the master weights
+  // of the disk chunks on disk.
+  o.optimizer_lag = 1;
+  CHECK_OK(fy_train(&o, &ref16));
+  s.optimizer_lag = 1;
+  s.disk_dir = disk_dir;
+  s.disk_chunks = 2;
+  s.disk_master = true;
+  same_as("bf16, lag 1, 2 chunks' state and master on disk", s, &ref16);
 
   // The planner's loads (planner/cost.c): a pass of 4 tokens, each to 1 of 8 experts, moves
   // 1 - (7/8)^4 = 41% of the experts' weights in expectation, one of 64 tokens nearly all of them;
