@@ -223,7 +223,9 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
     FY_TRY(c->o.gather(c->o.shard_ctx, chunk, bl->ptr, s));
   } else {
     FY_TRY(wait_home(c, chunk, bl));
-    FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * elem(c)));
+    bool done = false;
+    if (c->o.load_home) FY_TRY(c->o.load_home(c->o.load_ctx, chunk, bl->ptr, s, &done));
+    if (!done) FY_TRY(fy_copy_async(s, bl->ptr, c->o.home[chunk], (size_t)ch->used * elem(c)));
   }
   FY_TRY(fy_event_record(bl->loaded, s));
   bl->chunk = chunk;

@@ -168,9 +168,15 @@ struct fy_moe_dims {
 fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance, const float *inp, const float *gate,
                          const float *w1, const float *b1, const float *w2, const float *b2,
                          const struct fy_moe_dims *d);
+// inp (BT,C), gate (E,C) -> route's first E+2K columns per token (the softmax, the K chosen, their
+// weights): forward's routing alone, the same bits, so that an offloaded step knows which experts'
+// weights to load before their products run (runtime/offload.c).
+fy_status fy_moe_route(float *route, const float *inp, const float *gate, const struct fy_moe_dims *d);
 // dout (BT,C) and forward's tensors; dbalance = d(objective)/d(balance) -> dinp (BT,C) += (NULL:
 // not wanted), dgate (E,C), dw1, db1, dw2, db2 = (or += with accumulate). An expert that got no
-// token has a zero gradient (left as it is with accumulate). The routing itself (top-K) has no
+// token has a zero gradient (left as it is with accumulate), and its weights are not read. Without
+// accumulate a gradient may be its weight's memory (dgate = gate, dw1 = w1, ...: an offloaded step
+// writes gradients over the weights): every weight is read before its gradient is written. The routing itself (top-K) has no
 // gradient; its weights do, through the renormalisation and the softmax, and so does P_e.
 fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, float *dw2, float *db2, const float *dout,
                           const float *inp, const float *route, const float *rows, const float *gate, const float *w1,

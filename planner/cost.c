@@ -127,6 +127,45 @@ static void sim_free(struct sim *s, int nc) {
   free(s->home);
 }
 
+// ---- mixtures of experts: the loads that depend on the routing ----
+//
+// An offloaded mixture's chunk is loaded without its experts' weights, then only the experts that
+// got tokens (runtime/offload.c, docs/offloading.md). Which ones depends on the data; the plan
+// takes the expectation under routing spread evenly: each of a micro-batch's N tokens picks K of
+// the E experts, so an expert goes without all N with probability (1 - K/E)^N (independent
+// tokens), and a load moves 1 - (1 - K/E)^N of the experts' bytes in expectation. A router whose
+// choices are uneven (early in training, or one that collapsed) leaves more experts idle, so this
+// is the load's upper side: it is exact for one token and tends to every expert as N grows.
+struct moe_sim {
+  const struct fy_graph *g;
+  const struct fy_chunk_layout *l;
+  const float *const *home;
+  size_t pb;
+  double tokens;
+};
+
+// The elements of chunk c a load is expected to move: all but the idle experts' share.
+static double moe_expected_elems(const struct moe_sim *m, int c) {
+  double elems = (double)m->l->chunks[c].used;
+  for (int o = 0; o < m->g->n_ops; o++) {
+    const struct fy_op *op = &m->g->ops[o];
+    if (op->kind != FY_OP_MOE || m->g->params[op->params[0]].chunk != c) continue;
+    double experts = 0;  // the stacked parameters (all but the router, params[0])
+    for (int k = 1; k < op->n_params; k++) experts += (double)m->g->params[op->params[k]].numel;
+    elems -= experts * pow(1.0 - (double)op->top_k / (double)op->experts, m->tokens);
+  }
+  return elems;
+}
+
+// The cache's load hook on the timeline: a mixture's chunk moves its expected bytes.
+static fy_status moe_sim_load(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
+  const struct moe_sim *m = ctx;
+  const double elems = moe_expected_elems(m, chunk);
+  if (elems >= (double)m->l->chunks[chunk].used) return FY_OK;  // (no mixture in it)
+  *done = true;
+  return fy_copy_async(s, block, m->home[chunk], (size_t)(elems * (double)m->pb));
+}
+
 // A chunk's collective on the timeline (the cache's shard hooks): seconds of `what` on stream s.
 static fy_status sim_collective(struct sim *x, double seconds, const char *what, fy_stream *s) {
   fy_timeline_run(s, seconds, what);
@@ -773,6 +812,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
 
   // The simulation: the real cache on a device that keeps time.
   struct sim s = {0};
+  struct moe_sim moe = {0};  // (the cache's load hook's, for a mixture of experts)
   double h2d = probe->h2d_gbps, d2h = probe->d2h_gbps;
   st = fy_timeline_create((size_t)probe->device_mem + 4096, h2d, d2h, &s.dev);
   if (st == FY_OK) fy_timeline_set_copy_latency(s.dev, probe->copy_latency_us * 1e-6);
@@ -836,6 +876,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
                                       .staging = (float *)(s.spill_next - 2048), .spill_alloc = fake_spill_alloc,
                                       .spill_free = fake_spill_free, .spill_ctx = &s.spill_next,
                                       .elem_bytes = (size_t)pb};
+    if (!sharded && !gpu && cfg->num_local_experts > 0) {  // (the engine's: CPU kernels, unsharded chunks)
+      moe = (struct moe_sim){.g = g, .l = l, .home = s.home, .pb = (size_t)pb,
+                             .tokens = (double)(k->micro_batch * k->seq)};
+      co.load_home = moe_sim_load;
+      co.load_ctx = &moe;
+    }
     if (sharded) {  // this rank's shard crosses the link; the collectives fill in the rest
       co.shard_off = 0;
       co.shard_elems = ce / dp;

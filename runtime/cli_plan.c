@@ -378,10 +378,10 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
   int tried = 0;
   struct stat sb;
   FY_TRY(stat(a->model, &sb) == 0 ? fy_ckpt_config_read(a->model, &cfg) : fy_opt_preset(a->model, &cfg));
-  if (cfg.num_local_experts > 0)  // (the planner's places are the sim and cuda devices')
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it trains on --device cpu with resident state "
-                        "for now, nothing to plan (offloading, the GPUs and expert parallelism are not supported yet)",
-                        a->model);
+  if (cfg.num_local_experts > 0 && (strcmp(probe->device, "sim") != 0 || a->gpus > 1))  // (what trains offloaded)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it trains resident on --device cpu or cuda and "
+                        "offloaded on one sim rank for now, so only the sim device's one-rank plans are made (the "
+                        "GPU's offloading of a mixture and expert parallelism are not supported yet)", a->model);
   // The cluster's links default to the probe's collectives' bandwidth.
   const double comm = fy_probe_comm_gbps(probe);
   const struct fy_plan_grid grid = {

@@ -164,6 +164,15 @@ struct fy_offload {
   float **w_home;       // own_weights: this rank's weights of each chunk (S floats; NULL: on disk)
   float *gather_buf;    // sharded: chunk_elems floats for fy_offload_state_out
   int64_t device_state_bytes;  // device memory the shards took (the device's counter, before/after)
+  // Mixtures of experts (FY_OP_MOE; "loading the experts that got tokens" below): per op, where
+  // its experts' weights lie in its chunk and which are in the chunk's block; per chunk, its loads
+  // from home so far; the experts' parts loaded and those a whole chunk's loads would have moved.
+  struct moe_load *moe;
+  int64_t *home_loads;
+  int64_t expert_loads, expert_parts;
+  float *route_host;      // the router's output of the op at hand, copied from the device
+  fy_event *moe_routed;
+  double *aux_sums;       // per micro-batch: the load-balancing terms (struct fy_loss's aux_sum)
   // The first error a host function met (its message: fy_error is per thread).
   pthread_mutex_t err_lock;
   fy_status async_st;
@@ -391,6 +400,177 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
   fy_chunk_layout_free(m.layout);
   fy_graph_free(m.graph);
   return st;
+}
+
+// ---- mixture of experts: loading the experts that got tokens ----
+//
+// A mixture's experts are stacked in four parameters (fc1's and fc2's weights and biases, expert e
+// at rows e of each), which the layout packs in one chunk with its router. Expert e's weights are
+// four ranges of that chunk, its "expert chunk": a load of the chunk from home copies everything
+// but the experts' ranges (moe_load_home); before the op's kernel runs, its router runs alone on
+// the compute stream, the host reads which experts got tokens, and only their ranges are copied
+// into the block (moe_experts). The other experts' ranges of the block hold whatever was there:
+// their kernels read no weight of an expert without tokens and write its gradient, zero, over it,
+// so the write-back brings every expert's gradient home and AdamW updates every expert as the
+// cpu does. Backward (and recomputation) reuses the forward's choice: the experts loaded are
+// still in the block unless the chunk was loaded again from home since (home_loads), and then
+// they are loaded again. CPU kernels on an unsharded cache only (the router is the CPU's); a GPU
+// or sharded chunks load whole chunks.
+struct moe_load {
+  bool on;
+  int chunk;
+  int E;
+  int64_t off[4], len[4];  // per stacked parameter: its offset in the chunk, an expert's elements
+  int64_t gen;             // home_loads[chunk] when `valid` was last true of the block
+  bool *valid, *used;      // per expert: its weights are in the block; it got tokens this pass
+  struct moe_route_job {
+    float *route;
+    const float *inp, *gate;
+    struct fy_moe_dims d;
+    fy_status st;
+  } job;
+};
+
+static void moe_route_fn(void *arg) {
+  struct moe_route_job *j = arg;
+  j->st = fy_moe_route(j->route, j->inp, j->gate, &j->d);
+}
+
+// The cache's hook: chunk c's load from home, leaving out the ranges of its mixtures' experts.
+static fy_status moe_load_home(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
+  struct fy_offload *x = ctx;
+  const struct fy_graph *g = x->m->graph;
+  int64_t cut[4 * g->n_ops + 1][2];  // [start, end) of the stacked parameters in the chunk, sorted
+  int n = 0;
+  x->home_loads[chunk]++;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct moe_load *ml = &x->moe[o];
+    if (!ml->on || ml->chunk != chunk) continue;
+    x->expert_parts += ml->E;
+    for (int k = 0; k < 4; k++)
+      if (ml->len[k] > 0) cut[n][0] = ml->off[k], cut[n][1] = ml->off[k] + ml->len[k] * ml->E, n++;
+  }
+  if (n == 0) return FY_OK;
+  for (int i = 1; i < n; i++)  // (insertion sort: a few ranges, 4 a mixture in the chunk)
+    for (int j = i; j > 0 && cut[j][0] < cut[j - 1][0]; j--) {
+      int64_t t0 = cut[j][0], t1 = cut[j][1];
+      cut[j][0] = cut[j - 1][0], cut[j][1] = cut[j - 1][1];
+      cut[j - 1][0] = t0, cut[j - 1][1] = t1;
+    }
+  const char *home = (const char *)x->home[chunk];
+  int64_t at = 0;
+  for (int i = 0; i <= n; i++) {
+    int64_t end = i < n ? cut[i][0] : x->m->layout->chunks[chunk].used;
+    if (end > at) FY_TRY(fy_copy_async(s, (char *)block + at * x->esize, home + at * x->esize, (size_t)(end - at) * x->esize));
+    if (i < n && cut[i][1] > at) at = cut[i][1];
+  }
+  *done = true;
+  return FY_OK;
+}
+
+// Which ops are mixtures whose experts load by need, and where their experts lie.
+static fy_status moe_setup(struct fy_offload *x) {
+  const struct fy_graph *g = x->m->graph;
+  bool any = false;
+  if (!(x->aux_sums = calloc((size_t)x->max_micro, sizeof *x->aux_sums)) ||
+      !(x->moe = calloc((size_t)g->n_ops, sizeof *x->moe)) ||
+      !(x->home_loads = calloc((size_t)x->m->layout->n_chunks, sizeof *x->home_loads)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int64_t route_max = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE || x->sharded || launches_kernels(x->m)) continue;
+    struct moe_load *ml = &x->moe[o];
+    const int b = op->has_bias;
+    const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
+    ml->chunk = g->params[op->params[0]].chunk;
+    if (ml->chunk < x->n_dev) continue;  // (kept on the device with all its experts)
+    ml->E = op->experts;
+    for (int k = 0; k < 4; k++) {
+      if (ids[k] < 0) continue;
+      const struct fy_param *p = &g->params[ids[k]];
+      FY_ASSERT(p->chunk == ml->chunk);  // (an op's first-use group is one chunk)
+      ml->off[k] = p->chunk_offset;
+      ml->len[k] = p->numel / ml->E;
+    }
+    ml->gen = -1;
+    if (!(ml->valid = calloc((size_t)ml->E, sizeof *ml->valid)) || !(ml->used = calloc((size_t)ml->E, sizeof *ml->used)))
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    ml->on = any = true;
+    const int64_t r = g->B * g->T * (op->experts + 3 * op->top_k);
+    if (r > route_max) route_max = r;
+  }
+  if (!any) return FY_OK;
+  FY_TRY(fy_event_create(x->dev, &x->moe_routed));
+  if (!(x->route_host = malloc((size_t)route_max * 4))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  return FY_OK;
+}
+
+static void moe_free(struct fy_offload *x) {
+  for (int o = 0; x->moe && o < x->m->graph->n_ops; o++) {
+    free(x->moe[o].valid);
+    free(x->moe[o].used);
+  }
+  free(x->moe);
+  free(x->home_loads);
+  free(x->route_host);
+  free(x->aux_sums);
+  fy_event_free(x->moe_routed);
+}
+
+// Before mixture op act->op's kernel, its block at `block` (acquired): in forward (and when
+// recomputed), its router alone, then the host reads which experts got tokens; the weights of
+// those not in the block yet are loaded into it, and the compute stream waits for them.
+static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                             float *block) {
+  struct moe_load *ml = &x->moe[act->op];
+  if (!ml->on) return FY_OK;
+  struct fy_model *m = x->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = &g->ops[act->op];
+  if (act->kind != FY_ACT_BACKWARD) {
+    const int64_t BT = g->B * g->T, S = op->experts + 3 * op->top_k;
+    ml->job = (struct moe_route_job){.route = fy_engine_act(m, op->aux[0]), .inp = fy_engine_act(m, op->in[0]),
+                                     .gate = call->w[0],
+                                     .d = {.BT = BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k}};
+    FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
+    FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(BT * S) * 4));
+    FY_TRY(fy_event_record(x->moe_routed, x->compute));
+    FY_TRY(fy_event_sync(x->moe_routed));
+    if (ml->job.st != FY_OK) return ml->job.st;
+    memset(ml->used, 0, (size_t)ml->E * sizeof *ml->used);
+    for (int64_t t = 0; t < BT; t++)
+      for (int j = 0; j < op->top_k; j++) ml->used[(int)x->route_host[t * S + op->experts + j]] = true;
+  }
+  if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in the block
+    memset(ml->valid, 0, (size_t)ml->E * sizeof *ml->valid);
+    ml->gen = x->home_loads[ml->chunk];
+  }
+  const char *home = (const char *)x->home[ml->chunk];
+  int n = 0;
+  for (int e = 0; e < ml->E; e++) {
+    if (!ml->used[e] || ml->valid[e]) continue;
+    for (int k = 0; k < 4; k++) {
+      if (ml->len[k] == 0) continue;
+      size_t at = (size_t)(ml->off[k] + e * ml->len[k]) * x->esize;
+      FY_TRY(fy_copy_async(x->copy_in, (char *)block + at, home + at, (size_t)ml->len[k] * x->esize));
+    }
+    ml->valid[e] = true;
+    n++;
+  }
+  if (n == 0) return FY_OK;
+  x->expert_loads += n;
+  FY_TRY(fy_event_record(x->moe_routed, x->copy_in));
+  return fy_wait_timed(x->wprof, x->compute, x->moe_routed, FY_STALL_LOAD, -1, NULL);
+}
+
+void fy_offload_experts(const struct fy_offload *x, int64_t *loaded, int64_t *total) {
+  *loaded = x->expert_loads;
+  *total = x->expert_parts;
+}
+
+double fy_offload_aux_sum(const struct fy_offload *x, int micro) {
+  return micro >= 0 && micro < x->max_micro && x->aux_sums ? x->aux_sums[micro] : 0.0;
 }
 
 // ---- creation ----
@@ -752,6 +932,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
     x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
   if (st == FY_OK) st = create_pass(x);
+  if (st == FY_OK) st = moe_setup(x);
   if (st != FY_OK) {
     fy_offload_free(x);
     return st;
@@ -786,6 +967,10 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
                                     .staging = x->wb_staging, .elem_bytes = x->esize, .spill_alloc = spill_alloc,
                                     .spill_free = spill_free, .spill_ctx = m->host, .profile = x->wprof,
                                     .home_cause = x->home_cause};
+  if (x->moe_routed) {  // (a mixture whose experts load by need)
+    co.load_home = moe_load_home;
+    co.load_ctx = x;
+  }
   if (x->sharded) {
     co.shard_off = x->lo;
     co.shard_elems = x->S;
@@ -899,6 +1084,7 @@ void fy_offload_free(struct fy_offload *x) {
   free(x->sumsq);
   if (x->wb_staging) fy_host_dealloc(m->host, x->wb_staging, bytes);
   free(x->loss_sums);
+  moe_free(x);
   pthread_mutex_destroy(&x->err_lock);
   free(x);
 }
@@ -1082,6 +1268,7 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   const int64_t pass_start = x->pos;
   const int n_actions = forward_alone ? g->n_ops : x->n_actions;
   x->loss_sums[micro] = 0;
+  if (x->aux_sums) x->aux_sums[micro] = 0;
   fy_device_cache_begin_pass(x->cache);
   memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);
   if (x->chome && !m->cparams_fresh) {  // the master weights were set (initialised, loaded, resumed)
@@ -1131,7 +1318,11 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
           c->g[k] = (float *)((char *)x->dev_g[pp->chunk] + (size_t)pp->chunk_offset * x->esize);
       }
     }
-    if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
+    if (act->kind == FY_ACT_FORWARD) {
+      c->loss_sum = &x->loss_sums[micro];
+      c->aux_sum = x->aux_sums ? &x->aux_sums[micro] : NULL;
+    }
+    if (op->kind == FY_OP_MOE && x->moe && nk > 0) FY_TRY(moe_experts(x, act, c, base[0]));
     if (kv && op->kind == FY_OP_ATTENTION) {  // against the cache (GPU kernels, on the compute stream)
       FY_TRY(fy_kv_cache_attend(kv, m, act->op, n));
     } else if (launches_kernels(m)) {  // GPU kernels: launched now, on the compute stream, in order

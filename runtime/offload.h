@@ -167,6 +167,14 @@ struct fy_offload_stats {
   struct fy_device_cache_stats cache;
 };
 void fy_offload_stats(const struct fy_offload *x, struct fy_offload_stats *out);
+// Mixtures of experts: the experts' weights loaded into the device cache so far, each expert of a
+// mixture's chunk counted once a load (*loaded), and as many as loading whole chunks would have
+// moved (*total: the mixtures' experts times their chunks' loads from home). Only the experts
+// that got tokens in a pass are loaded (docs/offloading.md, "Mixtures of experts").
+void fy_offload_experts(const struct fy_offload *x, int64_t *loaded, int64_t *total);
+// Micro-batch `micro`'s load-balancing terms of the last step (struct fy_loss's aux_sum), after
+// fy_offload_update.
+double fy_offload_aux_sum(const struct fy_offload *x, int micro);
 // ferry train --profile: the compute stream's waits in training passes are timed from now on (on
 // devices with timers: sim and cuda; false where they cannot be), charged to their causes
 // (core/stall.h) as ferry plan predicts them.

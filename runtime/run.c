@@ -551,13 +551,14 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   FY_TRY(seq_fits(o->seq, &r->cfg));
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
-  // A mixture of experts runs on resident state: the CPU's kernels, or the GPU's without --offload
-  // or --tp (issue 37: the expert pattern and offloading by expert are to come).
-  if (r->cfg.num_local_experts > 0 && strcmp(device, "cpu") != 0 &&
+  // A mixture of experts runs on resident state with the CPU's kernels or the GPU's (without --offload
+  // or --tp), and offloaded on sim (issue 37: the expert pattern and the GPU's offloading by expert
+  // are to come).
+  if (r->cfg.num_local_experts > 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
       !(strcmp(device, "cuda") == 0 && !o->offload && r->tp == 1))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, or cuda without "
-                        "--offload and --tp, for now (resident state, replicas across ranks); the sim device, "
-                        "offloading and expert parallelism are not supported yet", r->cfg.name);
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded), "
+                        "or cuda without --offload and --tp, for now; the GPU's offloading of a mixture is not "
+                        "supported yet", r->cfg.name);
   if (r->cfg.num_local_experts > 0 && r->pp > 1)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: pipeline parallelism (--pp %d) of a mixture is "
                         "not supported yet (its load-balancing term is not carried across stages)", r->cfg.name, r->pp);

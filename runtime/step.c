@@ -224,15 +224,18 @@ fy_status step_offload(const struct fy_train_opts *o, struct run *r, int64_t ste
   FY_TRY(fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), r->updates + 1, (float)(1.0 / scale), norm_out, sums,
                            overflow));
   if (!*overflow) r->updates++;
+  double aux[n > 0 ? n : 1];  // a mixture of experts' load-balancing terms, as step_resident sums them
+  for (int i = 0; i < n; i++) aux[i] = fy_offload_aux_sum(r->x, i);
   if (r->dp > 1) {
-    float tally[o->grad_accum];
-    for (int i = 0; i < n; i++) tally[i] = (float)sums[i];
-    FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, (size_t)n, FY_COMM_F32, NULL));
-    for (int i = 0; i < n; i++) sums[i] = tally[i];
+    float tally[2 * o->grad_accum];
+    for (int i = 0; i < n; i++) tally[i] = (float)sums[i], tally[n + i] = (float)aux[i];
+    FY_TRY(fy_comm_all_reduce(r->dp_comm, tally, (size_t)(2 * n), FY_COMM_F32, NULL));
+    for (int i = 0; i < n; i++) sums[i] = tally[i], aux[i] = tally[n + i];
   }
-  double loss_sum = 0;
-  for (int i = 0; i < n; i++) loss_sum += sums[i];
+  double loss_sum = 0, aux_sum = 0;
+  for (int i = 0; i < n; i++) loss_sum += sums[i], aux_sum += aux[i];
   *loss_out = loss_sum / (double)total;
+  r->aux_loss = aux_sum / (double)total;
   if (!isfinite(*loss_out)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", *loss_out);
   return FY_OK;
 }

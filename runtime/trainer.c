@@ -362,6 +362,10 @@ static void log_step(const struct training *t, int64_t step, const struct step_r
     json_number(aux_json, r->aux_loss, "%.6f");
     fprintf(log, ",\"aux_loss\":%s", aux_json);
   }
+  int64_t experts_loaded = 0, experts = 0;  // (offloaded mixtures: so far, fy_offload_experts)
+  if (r->x) fy_offload_experts(r->x, &experts_loaded, &experts);
+  if (experts > 0)
+    fprintf(log, ",\"expert_chunks_loaded\":%lld,\"expert_chunks\":%lld", (long long)experts_loaded, (long long)experts);
   if (s->validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, t->val_s);
   if (r->gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(r) / 1048576.0);
   if (r->disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);
@@ -506,6 +510,7 @@ static void measure_run(struct training *t) {
     res->cache_prefetches = xs.cache.prefetches;
     res->cache_evictions = xs.cache.evictions;
     res->cache_spills = xs.cache.spills;
+    fy_offload_experts(r->x, &res->expert_loads, &res->expert_parts);
   }
   struct fy_copy_stats cs;
   fy_device_copy_stats(r->dev, &cs);
@@ -527,6 +532,8 @@ static void print_summary(const struct training *t) {
          "peak RSS %.2f GiB%s\n",
          (long long)res->steps, res->first_loss, res->last_loss, res->tokens_per_s, res->gflops, res->gflops_llmc,
          res->peak_rss_bytes / 1073741824.0, other);
+  if (res->expert_parts > 0)  // (offloaded mixtures of experts: only the experts that got tokens are loaded)
+    printf("ferry: expert chunks loaded: %lld of %lld\n", (long long)res->expert_loads, (long long)res->expert_parts);
 }
 
 // After the last step: the checkpoints written, every update applied, the weights' hash and the

@@ -150,6 +150,9 @@ struct fy_train_result {
   double copy_bytes[2], copy_busy_s[2];  // sim: host->device [0] and device->host [1], whole run
   int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;
   int64_t cache_loads, cache_prefetches, cache_evictions, cache_spills;  // sim: the chunk cache
+  // sim, a mixture of experts: the experts' weights loaded, of those whole chunks would have moved
+  // (fy_offload_experts; the summary's "expert chunks loaded: X of Y")
+  int64_t expert_loads, expert_parts;
   double chunk_bytes;
   uint64_t params_hash;          // with opts.hash_params: FNV-1a of the parameters after training,
                                  // equal iff bit-identical (else 0)

@@ -54,16 +54,10 @@ static void moe_act(float *a, const float *h, int64_t n, bool gelu) {
   else fy_relu_forward(a, h, n);
 }
 
-// inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
-//   -> out (BT,C), route (BT, E+3K), rows (fy_moe_rows_cap, F) fc1 outputs then (.., C) the experts'
-//      outputs, *balance
-fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance, const float *inp, const float *gate,
-                         const float *w1, const float *b1, const float *w2, const float *b2,
-                         const struct fy_moe_dims *d) {
-  const int64_t BT = d->BT, C = d->C, F = d->F, E = d->E, K = d->K, S = E + 3 * K;
-  const int64_t cap = fy_moe_rows_cap(BT, E, K);
-  if (cap >= (int64_t)1 << 24) return fy_error_set(FY_ERR_UNSUPPORTED, "mixture of experts: %lld routed rows "
-                                                   "(the routing record holds rows below 2^24)", (long long)cap);
+// inp (BT,C), gate (E,C) -> route (BT, E+3K): the softmax, the K chosen and their weights (the
+// rows column is forward's). Alone, it tells an offloaded step which experts' weights to load.
+fy_status fy_moe_route(float *route, const float *inp, const float *gate, const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
   // logits (BT,E) = inp (BT,C) @ gate^T (C,E), written with the routing record's row stride
   FY_TRY(fy_matmul_bias(route, inp, gate, NULL, 1, BT, E, C, false, true, 1.0f, 0.0f, 0, 0, S, 0, 0, 0));
   // Softmax, the top K (the larger probability first, the lower index on a tie) and their weights.
@@ -87,6 +81,20 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
     }
     for (int64_t j = 0; j < K; j++) r[E + K + j] = r[(int64_t)r[E + j]] / chosen;
   }
+  return FY_OK;
+}
+
+// inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
+//   -> out (BT,C), route (BT, E+3K), rows (fy_moe_rows_cap, F) fc1 outputs then (.., C) the experts'
+//      outputs, *balance
+fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance, const float *inp, const float *gate,
+                         const float *w1, const float *b1, const float *w2, const float *b2,
+                         const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, F = d->F, E = d->E, K = d->K, S = E + 3 * K;
+  const int64_t cap = fy_moe_rows_cap(BT, E, K);
+  if (cap >= (int64_t)1 << 24) return fy_error_set(FY_ERR_UNSUPPORTED, "mixture of experts: %lld routed rows "
+                                                   "(the routing record holds rows below 2^24)", (long long)cap);
+  FY_TRY(fy_moe_route(route, inp, gate, d));
   int64_t n[E], off[E], fill[E];
   const int64_t total = moe_layout(route, d, n, off);
   for (int64_t e = 0; e < E; e++) fill[e] = off[e];
@@ -179,19 +187,21 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
       continue;
     }
     moe_act(as + o * F, h + o * F, R * F, d->gelu);
-    // dw2_e (C,F) (+)= dy^T @ as, db2_e (+)= column sums of dy (the rounding rows are zeros)
-    st = fy_linear_backward_params(gw2, gb2, dy + o * C, as + o * F, R, F, C, accumulate, d->bf16);
+    // Each weight is read before its gradient is written: an offloaded step writes the gradients
+    // over the weights (ops/ops.h).
     // dh (R,F) = dy (R,C) @ w2_e (C,F), then times act'(h)
-    if (st == FY_OK) st = mm(dh + o * F, dy + o * C, w2 + e * C * F, R, F, C, false, 0.0f, d->bf16);
+    st = mm(dh + o * F, dy + o * C, w2 + e * C * F, R, F, C, false, 0.0f, d->bf16);
+    // dw2_e (C,F) (+)= dy^T @ as, db2_e (+)= column sums of dy (the rounding rows are zeros)
+    if (st == FY_OK) st = fy_linear_backward_params(gw2, gb2, dy + o * C, as + o * F, R, F, C, accumulate, d->bf16);
     if (st != FY_OK) break;
     if (d->gelu) {
       fy_gelu_backward(dh + o * F, dh + o * F, h + o * F, R * F);
     } else {
       fy_relu_backward(dh + o * F, dh + o * F, as + o * F, R * F);
     }
-    // dw1_e (F,C) (+)= dh^T @ xs, db1_e (+)= column sums of dh; dx (R,C) = dh (R,F) @ w1_e (F,C)
-    st = fy_linear_backward_params(gw1, gb1, dh + o * F, xs + o * C, R, C, F, accumulate, d->bf16);
-    if (st == FY_OK) st = mm(dx + o * C, dh + o * F, w1 + e * F * C, R, C, F, false, 0.0f, d->bf16);
+    // dx (R,C) = dh (R,F) @ w1_e (F,C); dw1_e (F,C) (+)= dh^T @ xs, db1_e (+)= column sums of dh
+    st = mm(dx + o * C, dh + o * F, w1 + e * F * C, R, C, F, false, 0.0f, d->bf16);
+    if (st == FY_OK) st = fy_linear_backward_params(gw1, gb1, dh + o * F, xs + o * C, R, C, F, accumulate, d->bf16);
   }
   if (st != FY_OK) {
     free(xs);
@@ -216,10 +226,9 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
     for (int64_t e = 0; e < E; e++) pdp += r[e] * dp[e];
     for (int64_t e = 0; e < E; e++) dlog[t * E + e] = r[e] * (dp[e] - pdp);
   }
-  // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
-  st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
-  if (dinp && st == FY_OK) {
-    // dinp (BT,C) += dlog (BT,E) @ gate (E,C), then each token's rows of dx in the choices' order
+  if (dinp) {
+    // dinp (BT,C) += dlog (BT,E) @ gate (E,C) (before dgate may overwrite gate), then each token's
+    // rows of dx in the choices' order
     st = fy_matmul(dinp, dlog, gate, BT, C, E, false, false, 1.0f, 1.0f);
 #pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
     for (int64_t t = 0; t < BT; t++)
@@ -229,6 +238,8 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
         for (int64_t c = 0; c < C; c++) o[c] += xr[c];
       }
   }
+  // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
+  if (st == FY_OK) st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
   free(xs);
   return st;
 }
