@@ -45,6 +45,16 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
                              struct fy_pipeline **out);
 void fy_pipeline_free(struct fy_pipeline *p);
 bool fy_pipeline_is_last(const struct fy_pipeline *p);
+// Offloaded (--device sim): the engine made for the stage (fy_offload_opts.stage_lo/hi, after the
+// pipeline, so that its cache's blocks come out of what the activations leave of the device) runs
+// its ops' half-passes; it sums the micro-batches' gradients as they come home, and its
+// fy_offload_update sums the tied embedding's gradient between the ends and the norm over the
+// stages, instead of fy_pipeline_sum_tied, _grad_norm and _adamw.
+struct fy_offload;
+void fy_pipeline_set_offload(struct fy_pipeline *p, struct fy_offload *x);
+// The 1F1B order of stage `stage` of pp over n micro-batches: forward[k] true for a forward, false
+// for a backward, 2n in all (returned); fy_pipeline_run's order, and the offload engine's trace.
+int fy_pipeline_schedule(int pp, int stage, int n, bool *forward);
 
 // One step's passes on the 1F1B schedule over the n micro-batches mb (n <= max_micro; every stage
 // passes the same ones), the loss scaled by loss_scale. Micro-batch k's parameter gradients are
