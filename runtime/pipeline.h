@@ -12,12 +12,19 @@
 // computes its own part of its gradient, and the two parts are summed between them before the
 // optimizer (as Megatron does), one rounding apart from one rank's sum.
 //
-// What is here now: the resident cpu device, each stage's model made for it (fy_model_opts.pp:
-// its parameters alone, with their gradients and AdamW state; the tied embedding on both ends),
-// with tensor-parallel groups within the stages. --save, checkpoints and --resume go parameter by
-// parameter (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each
-// stage reads its own tensors), so no rank holds the whole model and any layout resumes any
-// other's. Not yet: the sim and cuda devices, offloading, the interleaved schedule.
+// What is here now: the resident cpu device, and the offloading engine on sim (runtime/offload.h:
+// each stage's chunks, its parameters' alone, in its own host tier, disk and device cache; the
+// engine runs the stage's ops a half-pass at a time, a micro-batch's forward or backward, on the
+// activations of that micro-batch's arena, and returns when they are done so that they can be
+// sent; its cache's trace is the step's 1F1B order of half-passes, and its fy_offload_update sums
+// the tied embedding's gradient between the ends and the norm over the stages; chunks sharded
+// over the data-parallel ranks of a stage, their state on disk, and compressed AdamW state as on
+// one rank), each stage's model made for it (fy_model_opts.pp: its parameters alone, with their
+// gradients and AdamW state; the tied embedding on both ends), with tensor-parallel groups within
+// the stages. --save, checkpoints and --resume go parameter by parameter
+// (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each stage
+// reads its own tensors), so no rank holds the whole model and any layout resumes any other's.
+// Not yet: the cuda device, the interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 
