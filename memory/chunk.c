@@ -110,7 +110,10 @@ fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct
 }
 
 void fy_chunk_layout_keep_ops(struct fy_chunk_layout *l, int n_ops, int lo, int hi) {
-  for (int i = 0; i < l->n_chunks; i++) l->chunks[i].first_use = l->chunks[i].last_use = -1, l->chunks[i].n_users_bwd = 0;
+  for (int i = 0; i < l->n_chunks; i++) {
+    l->chunks[i].first_use = l->chunks[i].last_use = -1;
+    l->chunks[i].n_users_bwd = 0;
+  }
   int n = 0;
   for (int o = 0; o < n_ops; o++) {
     const int a = l->op_first[o], b = l->op_first[o + 1];

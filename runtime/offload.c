@@ -1228,8 +1228,10 @@ static fy_status run_actions(struct fy_offload *x, const struct fy_batch *batch,
 
 static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale,
                           bool forward_alone, struct fy_kv_cache *kv, int64_t n) {
-  if (x->staged) return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine runs half-passes (fy_offload_stage_pass)");
-  return run_actions(x, batch, micro, loss_scale, forward_alone, kv, n, 0, forward_alone ? x->m->graph->n_ops : x->n_actions);
+  if (x->staged)
+    return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine runs half-passes (fy_offload_stage_pass)");
+  const int a1 = forward_alone ? x->m->graph->n_ops : x->n_actions;
+  return run_actions(x, batch, micro, loss_scale, forward_alone, kv, n, 0, a1);
 }
 
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {

@@ -95,7 +95,8 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"
                      : compressed && (!e->device || strcmp(e->device, "sim") != 0)
-                         ? "--optimizer-state bf16 or 8bit on --device cpu (a resident stage keeps fp32; sim's chunks keep it)"
+                         ? "--optimizer-state bf16 or 8bit on --device cpu (a resident stage keeps fp32; sim's "
+                           "chunks keep it)"
                                                                : NULL;
     if (no) return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with %s: not supported yet", e->pp, no);
   }

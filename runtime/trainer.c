@@ -555,7 +555,8 @@ static fy_status finish_run(struct training *t) {
   const bool final_save = given->save && t->save_every == 0, saving = t->lead && final_save;
   uint64_t *hash = o->hash_params ? &res->params_hash : NULL;
   const bool gather = final_save || hash;
-  if (t->sharded && r->tp == 1 && r->pp == 1 && gather) FY_TRY(finish_sharded(r, saving ? o->save : NULL, t->lead, hash));
+  if (t->sharded && r->tp == 1 && r->pp == 1 && gather)  // (a pipeline's stages: below)
+    FY_TRY(finish_sharded(r, saving ? o->save : NULL, t->lead, hash));
   if (!o->quiet && t->tty) printf("\r\033[K");
   FY_TRY(profile_run(t));
   measure_run(t);
