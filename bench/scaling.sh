@@ -5,7 +5,8 @@
 # every sequence, so only strong scaling applies) and pp (pipeline parallelism on the cpu device,
 # one stage a rank: the step's micro-batches, 4 a stage, go through the stages on the 1F1B
 # schedule, against one rank running the same micro-batches; strong scaling alone, whose bound on
-# the same cores is the bubble's, m / (m + p - 1), reported beside it).
+# the same cores is the bubble's, m / (m + p - 1), reported beside it), and ppsim (the same on the
+# sim device: each stage offloads its own layers' chunks, against one rank offloading them all).
 # Weak scaling: every rank keeps the same per-rank batch (the global batch grows with the ranks).
 # Strong scaling: the global batch stays (the per-rank batch shrinks). The machine's cores are
 # split evenly between the ranks (OMP threads = cores / ranks), so that 1 and N ranks use the same
@@ -13,7 +14,7 @@
 # N x one-rank time / N-rank time, 1 is ideal) and ideal strong scaling takes as long (speedup 1).
 # On a cluster, give each rank its own cores or GPU and read the same numbers against N.
 # usage: bench/scaling.sh [build dir=build] [ranks=2] [model=opt-demo] [batch=16] [seq=128] [steps=8]
-#                         [layout=replicate|zero|tp|pp]
+#                         [layout=replicate|zero|tp|pp|ppsim]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${1:-build}" n="${2:-2}" model="${3:-opt-demo}" batch="${4:-16}" seq="${5:-128}" steps="${6:-8}"
@@ -23,7 +24,8 @@ case "$layout" in
   zero) extra=(--device sim --device-mem 2GiB) ;;
   tp) extra=() ;;
   pp) micro=$((4 * n)); extra=(--grad-accum "$micro") ;;  # (the micro-batch: batch / micro sequences)
-  *) echo "scaling: layout is replicate, zero, tp or pp, not '$layout'" >&2; exit 2 ;;
+  ppsim) micro=$((4 * n)); extra=(--grad-accum "$micro" --device sim --device-mem 2GiB) ;;
+  *) echo "scaling: layout is replicate, zero, tp, pp or ppsim, not '$layout'" >&2; exit 2 ;;
 esac
 command -v mpirun >/dev/null || { echo "scaling: mpirun is not installed" >&2; exit 1; }
 cores=$(nproc)
@@ -54,7 +56,7 @@ PY
 }
 per=$((cores / n > 0 ? cores / n : 1))
 bubble=1
-if [ "$layout" = pp ]; then  # the same micro-batches a step, on one rank and through n stages
+if [ "$layout" = pp ] || [ "$layout" = ppsim ]; then  # the same micro-batches a step, on one rank and through n stages
   mb=$((batch / micro > 0 ? batch / micro : 1))
   one=$(run one 1 "$mb" "$cores")
   weak=0
@@ -63,7 +65,7 @@ if [ "$layout" = pp ]; then  # the same micro-batches a step, on one rank and th
 else
   one=$(run one 1 "$batch" "$cores")
 fi
-if [ "$layout" = pp ]; then :
+if [ "$layout" = pp ] || [ "$layout" = ppsim ]; then :
 elif [ "$layout" = tp ]; then  # the tensor-parallel ranks share each sequence: the same global batch
   weak=0
   strong=$(run strong "$n" "$batch" "$per" --tp "$n")
@@ -80,7 +82,7 @@ row = {"bench": "scaling", "layout": sys.argv[8], "model": sys.argv[5], "ranks":
 if weak > 0:
     row.update({"weak_step_s": round(weak, 4), "weak_efficiency": round(n * one / weak, 3)})
 row.update({"strong_step_s": round(strong, 4), "strong_speedup": round(one / strong, 3)})
-if sys.argv[8] == "pp":  # the 1F1B bound on the same cores: m / (m + p - 1)
+if sys.argv[8] in ("pp", "ppsim"):  # the 1F1B bound on the same cores: m / (m + p - 1)
     row["bubble_bound"] = float(sys.argv[9])
 print(json.dumps(row))
 PY

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "runtime/engine.h"
+#include "runtime/offload.h"
 
 // Message tags: a stage sends activations forward and gradients backward; between two ranks with
 // one tag they arrive in the order sent, which is the schedule's order on both.
@@ -13,6 +14,7 @@ enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED };
 
 struct fy_pipeline {
   struct fy_model *m;
+  struct fy_offload *x;    // the offload engine running the stage's ops (fy_pipeline_set_offload), or NULL
   struct fy_comm *comm;
   int pp, stage;
   int lo, hi;              // this stage's ops
@@ -90,8 +92,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
                              struct fy_pipeline **out) {
   *out = NULL;
   const struct fy_graph *g = m->graph;
-  if (m->host || m->device_memory || !m->grads)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on the cpu device's resident model for now");
+  if (m->device_memory || (!m->host && !m->grads))  // (offloaded: the engine keeps the gradients)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on the cpu device's resident model and offloaded "
+                        "on sim for now");
   for (int i = 0; i < g->n_params; i++)  // (fy_model_opts.pp: the stage's parameters alone)
     if (!g->params[i].absent && g->params[i].offset < 0)
       return fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s has no place", stage, g->params[i].name);
@@ -200,7 +203,24 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
 
 bool fy_pipeline_is_last(const struct fy_pipeline *p) { return p->stage == p->pp - 1; }
 
-static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, double *losses) {
+void fy_pipeline_set_offload(struct fy_pipeline *p, struct fy_offload *x) { p->x = x; }
+
+int fy_pipeline_schedule(int pp, int stage, int n, bool *forward) {
+  // 1F1B: stage s runs pp - s - 1 forwards ahead (warm-up), then one forward and one backward in
+  // turn while forwards remain, then the remaining backwards (cool-down).
+  const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
+  int f = 0, b = 0, k = 0;
+  while (f < warm) forward[k++] = true, f++;
+  while (f < n) {
+    forward[k++] = true, f++;
+    forward[k++] = false, b++;
+  }
+  while (b < n) forward[k++] = false, b++;
+  return k;
+}
+
+static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, float loss_scale,
+                             double *losses) {
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;
   const int a = i % p->n_arenas;
@@ -211,7 +231,8 @@ static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, 
     FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
                         (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
   struct fy_loss loss = {0};
-  FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
+  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, true, loss_scale, &loss.sum));  // (done when it returns)
+  else FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
   losses[i] = fy_pipeline_is_last(p) ? loss.sum : 0;
   if (p->out_slot >= 0)  // (the arena's slot stays as it is until this micro-batch's backward)
     FY_TRY(fy_comm_isend(p->comm, m->acts + g->slots[p->out_slot].offset,
@@ -228,11 +249,14 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
   if (p->out_slot >= 0)
     FY_TRY(fy_comm_recv(p->comm, m->dacts + g->slots[p->out_slot].grad_offset,
                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_GRAD));
+  // Offloaded, the engine does what follows on its chunks: the tied embedding's part zeroed in
+  // its block, the micro-batches' gradients summed as they come home.
+  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, false, loss_scale, NULL));
   // A parameter whose first gradient of the pass is another stage's (the tied embedding on the
   // first stage): this stage's part starts from zero, summed with the other's after the passes.
-  for (int k = 0; k < g->n_params; k++)
+  for (int k = 0; !p->x && k < g->n_params; k++)
     if (p->zero_first[k]) memset(fy_model_grad(m, k), 0, (size_t)g->params[k].numel * sizeof(float));
-  FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
+  if (!p->x) FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
   if (p->in_slot >= 0) {
     FY_TRY(fy_comm_wait(p->comm, p->grad_send));
     p->grad_send = NULL;
@@ -241,23 +265,18 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
     FY_TRY(fy_comm_isend(p->comm, p->grad_buf, (size_t)n * sizeof(float), p->stage - 1, TAG_GRAD, &p->grad_send));
   }
   // Micro-batches' gradients summed apart from the backward pass, in order, as one rank sums them.
-  if (accumulate) m->kernels->grads_sum(m, i == 0);
+  if (accumulate && !p->x) m->kernels->grads_sum(m, i == 0);
   return FY_OK;
 }
 
 fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int n, float loss_scale, bool accumulate,
                           double *losses) {
-  // 1F1B: stage s runs pp - s - 1 forwards ahead (warm-up), then one forward and one backward in
-  // turn while forwards remain, then the remaining backwards (cool-down).
-  const int warm = p->pp - p->stage - 1 < n ? p->pp - p->stage - 1 : n;
+  bool order[2 * (n > 0 ? n : 1)];
+  const int steps = fy_pipeline_schedule(p->pp, p->stage, n, order);
   int f = 0, b = 0;
   fy_status st = FY_OK;
-  while (st == FY_OK && f < warm) st = forward_one(p, mb, f++, losses);
-  while (st == FY_OK && f < n) {
-    st = forward_one(p, mb, f++, losses);
-    if (st == FY_OK) st = backward_one(p, mb, b++, loss_scale, accumulate);
-  }
-  while (st == FY_OK && b < n) st = backward_one(p, mb, b++, loss_scale, accumulate);
+  for (int k = 0; k < steps && st == FY_OK; k++)
+    st = order[k] ? forward_one(p, mb, f++, loss_scale, losses) : backward_one(p, mb, b++, loss_scale, accumulate);
   for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     st = fy_comm_wait(p->comm, p->act_sends[a]);
     p->act_sends[a] = NULL;

@@ -98,7 +98,7 @@ struct fy_train_opts {
   int tp;
   // Pipeline parallelism (runtime/pipeline.h): groups of pp ranks (each tp ranks apart) split the
   // decoder layers into pp stages run on the 1F1B schedule over the step's grad_accum
-  // micro-batches; the grid is dp x pp x tp, tp innermost. 0 or 1: none. --device cpu for now.
+  // micro-batches; the grid is dp x pp x tp, tp innermost. 0 or 1: none. --device cpu and sim for now.
   int pp;
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
