@@ -120,7 +120,7 @@ static fy_status open_training(struct training *t, struct fy_comm *comm) {
   }
   if (st == FY_OK && o->resume) st = resume(o, r, &t->first_step, &t->scale, &t->scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r->rank == 0)
-    st = fy_ckpt_writer_create(o->save, o->keep, r->tp > 1 || r->pp > 1 ? &r->whole : r->model, &t->ckpt);
+    st = fy_ckpt_writer_create(o->save, o->keep, run_split(r) ? &r->whole : r->model, &t->ckpt);
   if (st == FY_OK && o->save && r->rank == 0) check_save_space(o, fy_opt_num_params(&r->cfg), o->steps - t->first_step);
   // A snapshot is the whole state again (weights, m and v: 12 bytes a parameter). When the host
   // tier cannot hold one beside the state (a model that fills the host memory, or chunks sharded
@@ -561,7 +561,7 @@ static fy_status finish_run(struct training *t) {
   measure_run(t);
   // Tensor-parallel slices and pipeline stages' parameters come together parameter by parameter
   // for the hash and the final save.
-  if (r->tp > 1 || r->pp > 1) {
+  if (run_split(r)) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));
   } else if (!t->sharded) {
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)
