@@ -517,9 +517,9 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   r->ep = o->ep > 1 ? o->ep : 1;
   if (r->ep == 1) return FY_OK;
   if (r->dp % r->ep != 0)
-    return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d ranks / tp %d / pp "
-                        "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world, r->tp, r->pp,
-                        r->ep * r->tp * r->pp);
+    return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
+                        "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
+                        r->world == 1 ? "" : "s", r->tp, r->pp, r->ep * r->tp * r->pp);
   r->ep_rank = r->dp_rank % r->ep;
   FY_TRY(fy_comm_split(r->dp_comm, r->dp_rank / r->ep, r->ep_rank, &r->ep_comm));
   if (r->dp > r->ep) FY_TRY(fy_comm_split(r->dp_comm, r->ep_rank, r->dp_rank, &r->ep_rep));

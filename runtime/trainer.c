@@ -420,7 +420,7 @@ static fy_status should_stop(struct training *t, int64_t step, bool *stop) {
 // A checkpoint every --save-every steps, after the last and when the run stops.
 static fy_status maybe_checkpoint(struct training *t, int64_t step, bool stop) {
   const struct fy_train_opts *o = t->o;
-  if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe) &&
+  if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe || t->r.ep > 1) &&
       (stop || (step + 1) % t->save_every == 0 || step + 1 == o->steps)) {
     FY_TRY(checkpoint(o, &t->r, t->ckpt, step + 1, t->scale, t->scale_good));
     if (t->ckpt) t->res->checkpoints++;
