@@ -23,7 +23,41 @@ struct ep_op {  // what a mixture op's forward leaves for its backward
 struct fy_ep {
   int n_ops;
   struct ep_op *ops;
+  // The flat gradient buffer as runs of experts' or dense elements (fy_ep_all_reduce_grads);
+  // padding between parameters goes with the run before it.
+  int n_runs;
+  struct ep_run { int64_t lo, hi; bool expert; } *runs;
 };
+
+static int by_offset(const void *a, const void *b) {
+  const struct fy_param *x = *(const struct fy_param *const *)a, *y = *(const struct fy_param *const *)b;
+  return (x->offset > y->offset) - (x->offset < y->offset);
+}
+
+// Cuts [0, n_param_elems) into runs where the parameters change between experts and dense.
+static fy_status make_runs(const struct fy_graph *g, struct fy_ep *ep) {
+  const struct fy_param **p = malloc((size_t)(g->n_params + 1) * sizeof *p);
+  ep->runs = malloc((size_t)(g->n_params + 1) * sizeof *ep->runs);
+  if (!p || !ep->runs) {
+    free(p);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  int n = 0;
+  for (int i = 0; i < g->n_params; i++)
+    if (!g->params[i].absent) p[n++] = &g->params[i];
+  qsort(p, (size_t)n, sizeof *p, by_offset);
+  ep->n_runs = 0;
+  for (int i = 0; i < n; i++) {
+    struct ep_run *last = ep->n_runs ? &ep->runs[ep->n_runs - 1] : NULL;
+    if (last && last->expert == p[i]->expert) continue;
+    if (last) last->hi = p[i]->offset;
+    const int64_t lo = last ? p[i]->offset : 0;
+    ep->runs[ep->n_runs++] = (struct ep_run){.lo = lo, .expert = p[i]->expert};
+  }
+  if (ep->n_runs) ep->runs[ep->n_runs - 1].hi = g->n_param_elems;
+  free(p);
+  return FY_OK;
+}
 
 fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
   const struct fy_graph *g = m->graph;
@@ -33,6 +67,11 @@ fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
     return fy_error_set(FY_ERR_NOMEM, "out of memory");
   }
   ep->n_ops = g->n_ops;
+  fy_status st = make_runs(g, ep);
+  if (st != FY_OK) {
+    fy_ep_free(ep);
+    return st;
+  }
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
     if (op->kind != FY_OP_MOE) continue;
@@ -57,6 +96,7 @@ void fy_ep_free(struct fy_ep *ep) {
     free(ep->ops[o].hpad);
   }
   free(ep->ops);
+  free(ep->runs);
   free(ep);
 }
 
@@ -160,24 +200,15 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   return st;
 }
 
-// Runs of the flat gradient buffer that are all experts' or all dense, in offset order: each
-// summed over its own group (the all-reduce sums every element in rank order, whatever the runs).
+// The runs of the flat gradient buffer (make_runs), each summed over its own group (the all-reduce
+// sums every element in rank order, whatever the runs: the dense ones get the replicas' bits).
 fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep) {
-  const struct fy_graph *g = m->graph;
-  const int64_t np = g->n_param_elems;
-  char *kind = malloc((size_t)(np > 0 ? np : 1));  // per element: 1 an expert's (padding goes with the run before)
-  if (!kind) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  memset(kind, 0, (size_t)np);
-  for (int i = 0; i < g->n_params; i++)
-    if (!g->params[i].absent && g->params[i].expert) memset(kind + g->params[i].offset, 1, (size_t)g->params[i].numel);
+  const struct fy_ep *ep = m->ep;
   fy_status st = FY_OK;
-  for (int64_t lo = 0; lo < np && st == FY_OK;) {
-    int64_t hi = lo;
-    while (hi < np && kind[hi] == kind[lo]) hi++;
-    struct fy_comm *c = kind[lo] ? rep : dp;
-    if (c) st = fy_comm_all_reduce(c, m->grads + lo, (size_t)(hi - lo), FY_COMM_F32, NULL);
-    lo = hi;
+  for (int i = 0; i < ep->n_runs && st == FY_OK; i++) {
+    struct fy_comm *c = ep->runs[i].expert ? rep : dp;
+    if (c && ep->runs[i].hi > ep->runs[i].lo)
+      st = fy_comm_all_reduce(c, m->grads + ep->runs[i].lo, (size_t)(ep->runs[i].hi - ep->runs[i].lo), FY_COMM_F32, NULL);
   }
-  free(kind);
   return st;
 }

@@ -297,7 +297,9 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
     s->loss = NAN;
     res->ignored_steps++;
   }
-  if (st == FY_ERR_NUMERIC && !r->x && !r->pipe) name_nonfinite(r);  // (a stage holds part of the model)
+  // (a stage holds part of the model; expert-parallel ranks would stop at different ops, each
+  // waiting in another all-to-all)
+  if (st == FY_ERR_NUMERIC && !r->x && !r->pipe && r->ep == 1) name_nonfinite(r);
   if (st != FY_OK) return fy_error_wrap(st, "step %lld", (long long)step + 1);
   // --optimizer-lag: the last step, and those that write a checkpoint, end with every update
   // applied (before their validation, so that the last one is the saved model's)
