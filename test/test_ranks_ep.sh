@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Expert parallelism under mpirun (--ep, runtime/ep.h): opt-moe-tiny (4 experts a mixture layer)
-# with each rank of ep 2 and ep 4 holding 2 and 1 of them follows 1 rank accumulating the same
-# micro-batches (the same global batch): without gradient clipping bit for bit (the experts' rows
-# are computed in the same blocks, their gradients summed in rank order), with it within 1e-5 (the
-# norm adds the experts' parts in another order); 4 ranks as 2 groups of ep 2 within 1e-5; an ep 2
-# checkpoint resumes on 1 rank and a 1-rank one on ep 2, bit for bit; experts that get no token
-# (routing forced onto two experts of one rank; with --recompute) still train in step with 1 rank,
-# without a hang;
-# layouts that do not fit are refused, naming the numbers.
+# Expert parallelism under mpirun (--ep, runtime/ep.h) on opt-moe-tiny (4 experts a mixture layer)
+# against 1 rank accumulating the same micro-batches (the same global batch): ep 2 (2 experts a
+# rank) gives its weights bit for bit without gradient clipping (each source's rows for an expert
+# are one product, as on one rank, and the sources' gradients add in rank order); ep 4 (1 expert a
+# rank) and 4 ranks as 2 groups of ep 2 with clipping (the norm adds the experts' parts in another
+# order) within 1e-5; an ep 2 checkpoint resumes on 1 rank and a 1-rank one under ep 2, bit for
+# bit; experts that get no token (routing forced onto two experts of one rank; with --recompute)
+# train in step with 1 rank, without a hang; layouts that do not fit are refused, naming the numbers.
 # usage: test/test_ranks_ep.sh path/to/ferry            (exit 77 = skipped: no mpirun)
 set -u
 ferry="$1"
