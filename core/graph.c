@@ -38,6 +38,7 @@ fy_status fy_graph_create(int64_t B, int64_t T, struct fy_graph **out) {
   box->g.T = T;
   box->g.loss_slot = box->g.logits_slot = -1;
   box->g.tp = 1;
+  box->g.ep = 1;
   *out = &box->g;
   return FY_OK;
 }
@@ -117,6 +118,30 @@ void fy_graph_set_stage(struct fy_graph *g, int lo, int hi) {
     for (int k = 0; k < g->ops[o].n_params; k++) g->params[g->ops[o].params[k]].absent = false;
   for (int i = 0; i < g->n_params; i++)
     if (g->params[i].absent) g->params[i].offset = g->params[i].chunk_offset = -1, g->params[i].chunk = -1;
+}
+
+fy_status fy_graph_set_experts(struct fy_graph *g, int ep, int ep_rank) {
+  if (ep < 1 || ep_rank < 0 || ep_rank >= ep)
+    return fy_error_set(FY_ERR_INVALID, "expert-parallel rank %d of %d", ep_rank, ep);
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    if (op->experts % ep != 0)
+      return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d experts of %s: each rank of an "
+                          "expert-parallel group holds experts/ep of them", ep, op->experts, op->name);
+    for (int k = 1; k < op->n_params && ep > 1; k++) {  // (params[0]: the router, whole on every rank)
+      struct fy_param *p = &g->params[op->params[k]];
+      if (p->expert) continue;
+      p->expert = true;
+      p->split_dim = 0;
+      p->full_shape[0] = p->shape[0], p->full_shape[1] = p->shape[1];
+      p->shape[0] /= ep;
+      p->numel /= ep;
+    }
+  }
+  g->ep = ep;
+  g->ep_rank = ep_rank;
+  return FY_OK;
 }
 
 int fy_graph_find_param(const struct fy_graph *g, const char *name) {

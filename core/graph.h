@@ -61,6 +61,10 @@ struct fy_param {
   // A pipeline stage's graph (fy_graph_set_stage): no op of the stage reads it, so no buffer holds
   // it (offset -1, chunk -1, outside n_param_elems); its op indices stay the whole graph's.
   bool absent;
+  // Expert parallelism (fy_graph_set_experts): a mixture's stacked experts split by rows over the
+  // g->ep ranks of an expert-parallel group (split_dim 0: this rank holds experts [ep_rank E/ep,
+  // (ep_rank + 1) E/ep), rows [ep_rank*shape[0], +shape[0]) of full_shape).
+  bool expert;
 };
 
 // The part of parameter p in elements [lo, hi) of the flat parameter buffer: [*a, *b) of p, false
@@ -169,6 +173,7 @@ struct fy_graph {
   int loss_slot;           // per-row losses of the cross-entropy op
   int logits_slot;
   int tp, tp_rank;         // tensor-parallel group size and this rank's place in it (1, 0: none)
+  int ep, ep_rank;         // expert-parallel group size and this rank's place in it (1, 0: none)
 };
 
 // Construction (used by model builders): ops, params and slots are appended in forward order.
@@ -230,6 +235,11 @@ fy_status fy_graph_stage_ops(const struct fy_graph *g, int64_t layers, int pp, i
 // and the last stage), the others marked absent; before the parameters are packed into chunks
 // (memory/chunk.h), which lays out the kept ones alone.
 void fy_graph_set_stage(struct fy_graph *g, int lo, int hi);
+// Expert parallelism over ep ranks (docs/ranks.md): every mixture's experts (fc1, fc2 and their
+// biases, not the router) keep the rows of the E/ep experts of ep_rank (fy_param.expert); before
+// the parameters are packed into chunks (memory/chunk.h), which lays out the smaller ones.
+// FY_ERR_INVALID, naming the numbers, when ep does not divide a mixture's experts.
+fy_status fy_graph_set_experts(struct fy_graph *g, int ep, int ep_rank);
 // Index of the parameter with this name, or -1.
 int fy_graph_find_param(const struct fy_graph *g, const char *name);
 // The largest channel count C of any op (at least 1): the widest row a kernel's scratch holds.

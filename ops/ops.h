@@ -182,6 +182,43 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
                           const float *inp, const float *route, const float *rows, const float *gate, const float *w1,
                           const float *w2, float dbalance, bool accumulate, const struct fy_moe_dims *d);
 
+// ---- mixture of experts in pieces, for expert parallelism (ops/cpu/moe_ep.c; runtime/ep.c) ----
+//
+// The arithmetic of fy_moe_forward / fy_moe_backward split where the rows leave for the ranks
+// that hold their experts and come back. route as above, but the row field holds the token-choice's
+// row in the unpadded dispatch order (expert by expert, tokens in order); n (E): the rows of each
+// expert. A block is one source's rows for one expert (ex[i] its index among the experts w1, w2
+// hold, cnt[i] its rows), computed as one product of fy_moe_rows(cnt[i]) rows as fy_moe_forward
+// computes an expert; blocks lie one after another, unpadded in x, y, dy, dx, padded (rounding rows
+// zero) in xpad (rows, C) and hpad (rows, F), rows = fy_moe_blocks_rows.
+// inp (BT,C), gate (E,C) -> route, n (E), *balance (fy_moe_forward's)
+fy_status fy_moe_route(float *route, int64_t *n, double *balance, const float *inp, const float *gate,
+                       const struct fy_moe_dims *d);
+// xs (BT*K, C) <- each token's row once per choice, in the dispatch order
+void fy_moe_dispatch(float *xs, const float *inp, const float *route, const struct fy_moe_dims *d);
+int64_t fy_moe_blocks_rows(const int64_t *cnt, int nb);
+// x (sum cnt, C), w1 (E'*F,C), b1, w2 (E'*C,F), b2 (the held experts') -> y (sum cnt, C), xpad, hpad
+fy_status fy_moe_experts_forward(float *y, float *xpad, float *hpad, const float *x, const int *ex, const int64_t *cnt,
+                                 int nb, const float *w1, const float *b1, const float *w2, const float *b2,
+                                 const struct fy_moe_dims *d);
+// dy (sum cnt, C), forward's xpad, hpad -> dx (sum cnt, C); dw1, db1, dw2, db2 of the `experts`
+// held: the sum of their blocks' gradients in block order (=, or += with accumulate), zero for an
+// expert without blocks or rows.
+fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2, float *db2, const float *dy,
+                                  const float *xpad, const float *hpad, const int *ex, const int64_t *cnt, int nb,
+                                  const float *w1, const float *w2, int experts, bool accumulate,
+                                  const struct fy_moe_dims *d);
+// route, y (BT*K, C) in the dispatch order -> out (BT,C) = sum_j weight_j y[row j]
+void fy_moe_combine(float *out, const float *route, const float *y, const struct fy_moe_dims *d);
+// dout (BT,C), route, y -> dy (BT*K, C) in the dispatch order, dw (BT,K) the weights' gradients
+void fy_moe_combine_backward(float *dy, float *dw, const float *dout, const float *route, const float *y,
+                             const struct fy_moe_dims *d);
+// dw, dx (BT*K, C) in the dispatch order, inp, route, gate, n -> dinp (BT,C) += (NULL: not
+// wanted), dgate (E,C) = (+= with accumulate)
+fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, const float *dx, const float *inp,
+                                const float *route, const float *gate, const int64_t *n, float dbalance,
+                                bool accumulate, const struct fy_moe_dims *d);
+
 // ---- dropout on a residual branch, fused with the add (OPT: before each residual add) ----
 //
 // The mask is drawn, never stored, from key (fy_dropout_key: the seed and the site) and the

@@ -58,7 +58,7 @@ static fy_status add(const struct fy_pattern *p) {
 
 static void register_builtin_once(void) {
   static const struct fy_pattern *const builtin[] = {
-      &fy_pattern_replicate, &fy_pattern_zero, &fy_pattern_tp_col, &fy_pattern_tp_row,
+      &fy_pattern_replicate, &fy_pattern_zero, &fy_pattern_tp_col, &fy_pattern_tp_row, &fy_pattern_expert,
   };
   for (size_t i = 0; i < sizeof builtin / sizeof *builtin; i++)
     FY_ASSERT(add(builtin[i]) == FY_OK);
@@ -139,7 +139,13 @@ bool fy_pattern_params_private(const struct fy_pattern_ctx *c) {
 }
 
 int fy_pattern_group_size(const struct fy_pattern_ctx *c, int group) {
-  return group == FY_PATTERN_GROUP_TP ? c->tp : c->dp;
+  const int ep = c->ep > 1 ? c->ep : 1;
+  switch (group) {
+  case FY_PATTERN_GROUP_TP: return c->tp;
+  case FY_PATTERN_GROUP_EP: return ep;
+  case FY_PATTERN_GROUP_EP_REP: return c->dp / ep;
+  default: return c->dp;
+  }
 }
 
 int fy_pattern_push(const struct fy_pattern_ctx *c, struct fy_comm_step *steps, int n, int max,
@@ -157,6 +163,7 @@ const char *fy_comm_op_name(enum fy_comm_op op) {
   case FY_COMM_ALL_GATHER: return "all_gather";
   case FY_COMM_REDUCE_SCATTER: return "reduce_scatter";
   case FY_COMM_BROADCAST: return "broadcast";
+  case FY_COMM_ALL_TO_ALL: return "all_to_all";
   }
   return "?";
 }

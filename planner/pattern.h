@@ -3,7 +3,7 @@
 //
 // A pattern is a table of functions filled with designated initialisers (as ggml's and libuv's
 // backends are). Patterns live in one process-wide registry by name, the name a plan file uses;
-// the built-ins (replicate, zero, tp_col, tp_row) are always there — every entry point registers
+// the built-ins (replicate, zero, tp_col, tp_row, expert) are always there — every entry point registers
 // them first, so a plug-in cannot take a built-in's name by registering early. A new pattern is
 // one file that defines a `const struct fy_pattern` and one fy_pattern_register call.
 //
@@ -36,14 +36,17 @@ enum fy_comm_op {
   FY_COMM_ALL_GATHER,
   FY_COMM_REDUCE_SCATTER,
   FY_COMM_BROADCAST,
+  FY_COMM_ALL_TO_ALL,  // bytes: what one rank sends (every rank's rows to their ranks; the expert pattern)
 };
 
-enum { FY_PATTERN_GROUP_DP = 0, FY_PATTERN_GROUP_TP = 1 };
+// Groups 2 and 3 are expert parallelism's (the expert pattern): the ep ranks of an
+// expert-parallel group, and the dp/ep ranks that hold the same experts.
+enum { FY_PATTERN_GROUP_DP = 0, FY_PATTERN_GROUP_TP = 1, FY_PATTERN_GROUP_EP = 2, FY_PATTERN_GROUP_EP_REP = 3 };
 
 struct fy_comm_step {
   enum fy_comm_op op;
   double bytes;
-  int group;  // FY_PATTERN_GROUP_DP (0) or FY_PATTERN_GROUP_TP (1)
+  int group;  // FY_PATTERN_GROUP_DP (0), _TP (1), _EP (2) or _EP_REP (3)
 };
 
 // What a pattern is asked about.
@@ -51,6 +54,7 @@ struct fy_pattern_ctx {
   const struct fy_graph *g;
   int op;                 // index into g->ops: its kind, params and sizes (C, OC, ...)
   int dp, tp;             // data- and tensor-parallel group sizes (ranks = dp * tp)
+  int ep;                 // expert-parallel group size, a divisor of dp (0 or 1: none)
   int64_t chunk_elems;    // the plan's chunk size (floats)
   int param_bytes;        // compute dtype bytes (4 fp32, 2 bf16); activations use it too
 };
@@ -137,7 +141,7 @@ double fy_pattern_state_bytes(const struct fy_pattern *p, const struct fy_patter
 int64_t fy_pattern_param_elems(const struct fy_pattern_ctx *c, int which, bool owned_only);
 // Whether each of the op's parameters is read by this op alone (no tied weight to keep in step).
 bool fy_pattern_params_private(const struct fy_pattern_ctx *c);
-// Size of the group a step runs over (c->dp or c->tp).
+// Size of the group a step runs over (c->dp, c->tp, c->ep or c->dp / c->ep).
 int fy_pattern_group_size(const struct fy_pattern_ctx *c, int group);
 // Appends a step to steps[0..n) unless its group has one rank or it moves nothing; returns the
 // new count. Asserts n < max when a step is added (a pattern never needs more than it allowed).
@@ -150,5 +154,6 @@ extern const struct fy_pattern fy_pattern_replicate;
 extern const struct fy_pattern fy_pattern_zero;
 extern const struct fy_pattern fy_pattern_tp_col;
 extern const struct fy_pattern fy_pattern_tp_row;
+extern const struct fy_pattern fy_pattern_expert;
 
 #endif

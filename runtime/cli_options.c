@@ -37,7 +37,7 @@ const struct option train_opts[] = {
     {"device-chunks", required_argument, 0, OPT_DEVICE_CHUNKS}, {"loss-scale", required_argument, 0, OPT_LOSS_SCALE},
     {"comm", required_argument, 0, OPT_COMM}, {"comm-timeout", required_argument, 0, OPT_COMM_TIMEOUT},
     {"tp", required_argument, 0, OPT_TP}, {"precision", required_argument, 0, OPT_PRECISION},
-    {"pp", required_argument, 0, OPT_PP},
+    {"pp", required_argument, 0, OPT_PP}, {"ep", required_argument, 0, OPT_EP},
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
     {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
     {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
@@ -265,6 +265,10 @@ void usage_train(FILE *f, bool eval) {
           "  --pp N             pipeline parallelism (--device cpu): groups of N ranks split the decoder\n"
           "                     layers into N stages, run on the 1F1B schedule over the --grad-accum\n"
           "                     micro-batches; ranks form a dp x pp x tp grid (default 1)\n"
+          "  --ep N             expert parallelism (--device cpu, a mixture of experts): within groups\n"
+          "                     of N consecutive data-parallel ranks each holds experts/N of every\n"
+          "                     mixture layer, and tokens go to their experts' ranks and back by\n"
+          "                     all-to-all (default 1)\n"
           "  Each rank takes its own --batch sequences of every global batch; gradients are summed\n"
           "  across ranks; rank 0 prints, logs and saves. --device cpu replicates the parameters, and\n"
           "  so does --device cuda, one GPU per rank (the gradients summed through NCCL); --device\n"

@@ -660,6 +660,99 @@ fy_status fy_comm_wait(struct fy_comm *c, struct fy_comm_req *req) {
   return st;
 }
 
+// ---- all-to-all (comm.h): expert parallelism's tokens to their experts' ranks and back ----
+
+// Waits for an all-to-all as mpi_wait does for a collective; past the timeout, the message and the
+// end of the job.
+static fy_status a2a_wait(struct fy_comm *c, MPI_Request *req, size_t bytes, double t0) {
+  double spin_until = fy_now() + FY_COMM_SPIN_S + (double)bytes / FY_COMM_SPIN_BPS;
+  for (;;) {
+    int done = 0;
+    mpi_lock();
+    int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    mpi_unlock();
+    if (rc != MPI_SUCCESS) return fy_comm_fail(c, mpi_error(rc, "MPI_Test (all-to-all)"));
+    if (done) return FY_OK;
+    double t = fy_now();
+    if (t - t0 > c->timeout_s) {
+      char sz[32], stp[48];
+      fy_error_set(FY_ERR_IO, "all-to-all of %s did not complete within %g s %s (a rank died or hangs)",
+                   fy_comm_size_text(bytes, sz, sizeof sz), c->timeout_s,
+                   fy_comm_step_text(atomic_load(&c->step), stp, sizeof stp));
+      fy_comm_fail(c, FY_ERR_IO);
+      fprintf(stderr, "ferry: rank %d: %s; aborting the job\n", c->rank, fy_error_msg());
+      fflush(stderr);
+      mpi_lock();
+      MPI_Abort(MPI_COMM_WORLD, 3);
+      _exit(3);
+    }
+    if (t >= spin_until) {
+      struct timespec ts = {0, FY_COMM_POLL_NS};
+      nanosleep(&ts, NULL);
+    }
+  }
+}
+
+// One MPI_Ialltoallv of `type` elements (counts and displacements in elements, ints for MPI) and its wait.
+static fy_status a2a_run(struct fy_comm *c, const void *send, const int64_t *sc, void *recv, const int64_t *rc_,
+                         MPI_Datatype type, size_t esize) {
+  const int N = c->size;
+  int scnt[N], sdis[N], rcnt[N], rdis[N];
+  int64_t so = 0, ro = 0;
+  for (int p = 0; p < N; p++) {
+    if (sc[p] < 0 || rc_[p] < 0 || so + sc[p] > INT_MAX || ro + rc_[p] > INT_MAX)
+      return fy_error_set(FY_ERR_INVALID, "all-to-all: counts %lld to and %lld from rank %d (at most 2^31 elements "
+                          "in all)", (long long)sc[p], (long long)rc_[p], p);
+    scnt[p] = (int)sc[p], sdis[p] = (int)so, rcnt[p] = (int)rc_[p], rdis[p] = (int)ro;
+    so += sc[p], ro += rc_[p];
+  }
+  struct mpi_impl *m = c->impl;
+  pthread_mutex_lock(&m->op_mu);
+  double t0 = fy_now();
+  MPI_Request req;
+  mpi_lock();
+  int rc = MPI_Ialltoallv(send, scnt, sdis, type, recv, rcnt, rdis, type, m->comm, &req);
+  mpi_unlock();
+  fy_status st = rc == MPI_SUCCESS ? a2a_wait(c, &req, (size_t)(so + ro) * esize, t0)
+                                   : fy_comm_fail(c, mpi_error(rc, "MPI_Ialltoallv"));
+  pthread_mutex_unlock(&m->op_mu);
+  return st;
+}
+
+static fy_status a2a_check(struct fy_comm *c) {
+  if (!c) return fy_error_set(FY_ERR_INVALID, "all-to-all: no communicator");
+  if (c->kind != FY_COMM_MPI && c->kind != FY_COMM_SINGLE)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "all-to-all needs the mpi or single communicator, not %s",
+                        fy_comm_kind_name(c));
+  if (atomic_load(&c->failed)) return fy_comm_status(c);
+  return FY_OK;
+}
+
+fy_status fy_comm_all_to_all_v(struct fy_comm *c, const float *send, const int64_t *send_counts, float *recv,
+                               const int64_t *recv_counts) {
+  FY_TRY(a2a_check(c));
+  if (c->kind == FY_COMM_SINGLE) {
+    if (send_counts[0] != recv_counts[0])
+      return fy_error_set(FY_ERR_INVALID, "all-to-all on one rank: %lld floats sent, %lld received",
+                          (long long)send_counts[0], (long long)recv_counts[0]);
+    if (send_counts[0] > 0 && send != recv) memmove(recv, send, (size_t)send_counts[0] * 4);
+    return FY_OK;
+  }
+  return a2a_run(c, send, send_counts, recv, recv_counts, MPI_FLOAT, 4);
+}
+
+fy_status fy_comm_all_to_all(struct fy_comm *c, const int64_t *send, int64_t *recv, size_t count) {
+  FY_TRY(a2a_check(c));
+  if (count == 0) return FY_OK;
+  if (c->kind == FY_COMM_SINGLE) {
+    if (send != recv) memmove(recv, send, count * sizeof *send);
+    return FY_OK;
+  }
+  int64_t n[c->size];
+  for (int p = 0; p < c->size; p++) n[p] = (int64_t)count;
+  return a2a_run(c, send, n, recv, n, MPI_INT64_T, 8);
+}
+
 // Finalises MPI when ferry initialised it and no communicator is left. Holds g_life_mu.
 static void mpi_release_locked(void) {
   if (g_live == 0 && g_we_init) {

@@ -109,6 +109,18 @@ fy_status fy_comm_isend(struct fy_comm *c, const void *buf, size_t bytes, int pe
 fy_status fy_comm_recv(struct fy_comm *c, void *buf, size_t bytes, int peer, int tag);
 fy_status fy_comm_wait(struct fy_comm *c, struct fy_comm_req *req);
 
+// All-to-all of varying sizes (expert parallelism: runtime/ep.c), mpi and single backends (host
+// buffers, on the calling thread, as MPI_Alltoallv): this rank sends send_counts[p] floats to rank p,
+// its block p of send (the blocks in rank order, packed), and receives recv_counts[p] floats from
+// rank p into its block p of recv (packed likewise). The counts must agree pairwise across ranks
+// (the callers exchange them first, with fy_comm_all_to_all of one count a pair). Past the timeout
+// it ends the job as a collective does ("all-to-all of 4 KiB did not complete ...").
+fy_status fy_comm_all_to_all_v(struct fy_comm *c, const float *send, const int64_t *send_counts, float *recv,
+                               const int64_t *recv_counts);
+// All-to-all of `count` int64 values a pair: rank p's block of send goes to rank p, which
+// receives it as this rank's block of recv (both size x count values).
+fy_status fy_comm_all_to_all(struct fy_comm *c, const int64_t *send, int64_t *recv, size_t count);
+
 // FY_OK, or the first error of a collective on c (an enqueued one included), with its message set
 // as the calling thread's fy_error_msg(). Sticky: the communicator is broken after an error.
 fy_status fy_comm_status(struct fy_comm *c);

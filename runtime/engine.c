@@ -1,4 +1,5 @@
 #include "runtime/engine.h"
+#include "runtime/ep.h"
 
 #include <math.h>
 #include <omp.h>
@@ -170,8 +171,10 @@ static fy_status moe_fwd(const struct fy_op_args *a) {
   const struct fy_moe_dims d = moe_dims(a);
   const int b = op->has_bias;
   double balance;
-  FY_TRY(fy_moe_forward(a->out, fy_engine_act(a->m, op->aux[0]), fy_engine_act(a->m, op->aux[1]), &balance, a->in0,
-                        c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, &d));
+  if (a->m->ep) FY_TRY(fy_ep_moe_forward(a, &balance));  // (experts over ranks: runtime/ep.c)
+  else
+    FY_TRY(fy_moe_forward(a->out, fy_engine_act(a->m, op->aux[0]), fy_engine_act(a->m, op->aux[1]), &balance, a->in0,
+                          c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, &d));
   if (c->aux_sum) *c->aux_sum += (double)op->aux_coef * balance * (double)moe_targets(a);
   return FY_OK;
 }
@@ -184,6 +187,7 @@ static fy_status moe_bwd(const struct fy_op_args *a) {
   // The objective's balance term is coef x balance x (this micro-batch's targets) x loss_scale
   // (1 / the step's targets): with one micro-batch, coef x balance added to the mean loss.
   const float dbalance = op->aux_coef * c->loss_scale * (float)moe_targets(a);
+  if (a->m->ep) return fy_ep_moe_backward(a, dbalance);
   return fy_moe_backward(fy_engine_dinput(a->m, op, 0), c->g[0], c->g[1], b ? c->g[2] : NULL, c->g[2 + b],
                          b ? c->g[4] : NULL, a->dout, a->in0, fy_engine_act(a->m, op->aux[0]),
                          fy_engine_act(a->m, op->aux[1]), c->w[0], c->w[1], c->w[2 + b], dbalance, !a->first[0], &d);

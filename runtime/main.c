@@ -166,6 +166,7 @@ static int parse_train_args(int argc, char **argv, bool eval, struct fy_train_op
       case OPT_OPTIMIZER_STATE: o->optimizer_state = optarg; break;  // (checked by fy_train)
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o->tp = (int)v; break;
       case OPT_PP: ok = parse_i64("--pp", optarg, 1, &v); o->pp = (int)v; break;
+      case OPT_EP: ok = parse_i64("--ep", optarg, 1, &v); o->ep = (int)v; break;
       case OPT_PRECISION: o->precision = optarg; break;
       case OPT_OFFLOAD: o->offload = true; break;
       case OPT_CHUNK_MIB: {

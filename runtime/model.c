@@ -1,4 +1,5 @@
 #include "runtime/model.h"
+#include "runtime/ep.h"
 
 #include <errno.h>
 #include <math.h>
@@ -156,6 +157,12 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
   m->host = opts ? opts->host : NULL;
   m->state_format = opts ? opts->state_format : FY_STATE_F32;
   if (m->state_format == FY_STATE_Q8) m->graph->chunk_align = FY_Q8_BLOCK;  // (memory/chunk.c)
+  if (st == FY_OK && opts && opts->ep > 1) {  // expert parallelism: this rank's experts alone take room
+    if (!opts->ep_comm || fy_comm_size(opts->ep_comm) != opts->ep)
+      st = fy_error_set(FY_ERR_INVALID, "expert parallelism over %d ranks needs their communicator", opts->ep);
+    if (st == FY_OK) st = fy_graph_set_experts(m->graph, opts->ep, opts->ep_rank);
+    if (st == FY_OK) m->ep_comm = opts->ep_comm;
+  }
   if (st == FY_OK && opts && opts->pp > 1) {  // a pipeline stage: its parameters alone take room
     int lo, hi;
     st = fy_graph_stage_ops(m->graph, cfg->num_hidden_layers, opts->pp, opts->pp_stage, &lo, &hi);
@@ -210,6 +217,10 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     char sb[32];
     return fy_error_wrap(st, "allocating the model's state (%s of parameter state)",
                          fy_format_bytes(state, sb, sizeof sb));
+  }
+  if (g->ep > 1 && (st = fy_ep_create(m, &m->ep)) != FY_OK) {
+    fy_model_free(m);
+    return st;
   }
   m->state_bytes = m->host ? 4 * np : (int64_t)state;
   m->act_bytes = 4 * (g->act_elems + g->grad_elems + g->scratch_elems + B * T);
@@ -293,6 +304,7 @@ void fy_model_free(struct fy_model *m) {
     if (m->cgrads) fy_device_dealloc(m->dev, m->cgrads, n16 * 2);
   }
   free(m->host_positions);
+  fy_ep_free(m->ep);
   free(m->patterns);
   fy_stream_free(m->staging);
   fy_chunk_layout_free(m->layout);

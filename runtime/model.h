@@ -70,6 +70,10 @@ struct fy_model {
   struct fy_comm *tp_comm;
   float *tp_buf;
   int64_t tp_buf_elems;
+  // Expert parallelism (graph->ep > 1, runtime/ep.h): the expert-parallel group's communicator
+  // (not owned) and what its mixtures' forward passes keep for their backward.
+  struct fy_comm *ep_comm;
+  struct fy_ep *ep;
   // Per op: the parallel pattern whose runtime hooks run after its kernels (NULL: none), from
   // the graph's op->pattern; and the data-parallel group those hooks may sum over (not owned).
   const struct fy_pattern **patterns;
@@ -156,6 +160,8 @@ struct fy_model_opts {
                               // gradients and AdamW's m and v are left to the caller (NULL here)
   int tp, tp_rank;            // tensor parallelism: this rank's part of the graph (0, 0: none)
   struct fy_comm *tp_comm;    // the tensor-parallel group (tp > 1), not owned
+  int ep, ep_rank;            // expert parallelism: this rank's experts (0, 0: none; runtime/ep.h)
+  struct fy_comm *ep_comm;    // the expert-parallel group (ep > 1), not owned
   bool inference;             // forward only (evaluation): no parameter gradients, m or v
   bool no_params;             // with host: no buffer for the whole model's weights (m->params
                               // NULL): chunks sharded across ranks keep only their shards, which

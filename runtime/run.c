@@ -522,6 +522,21 @@ fy_status make_comm(const struct fy_train_opts *o, struct fy_comm **out) {
   return fy_comm_create(o->comm ? o->comm : "auto", o->comm_timeout > 0 ? o->comm_timeout : 300, out);
 }
 
+// Expert parallelism (--ep): groups of ep consecutive data-parallel ranks, checked before any rank
+// allocates (the experts' count against ep comes with the model's config, in setup).
+static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
+  r->ep = o->ep > 1 ? o->ep : 1;
+  if (r->ep == 1) return FY_OK;
+  if (r->dp % r->ep != 0)
+    return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
+                        "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
+                        r->world == 1 ? "" : "s", r->tp, r->pp, r->ep * r->tp * r->pp);
+  r->ep_rank = r->dp_rank % r->ep;
+  FY_TRY(fy_comm_split(r->dp_comm, r->dp_rank / r->ep, r->ep_rank, &r->ep_comm));
+  if (r->dp > r->ep) FY_TRY(fy_comm_split(r->dp_comm, r->ep_rank, r->dp_rank, &r->ep_rep));
+  return FY_OK;
+}
+
 // comm: the run's communicator when the caller made it already (it is the run's then, freed by
 // teardown), else NULL to make it here.
 fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool eval, struct fy_comm *comm) {
@@ -550,6 +565,7 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   if (r->tp > 1 || r->pp > 1)  // (of one rank when dp is 1)
     FY_TRY(fy_comm_split(r->comm, r->pp_rank * r->tp + r->tp_rank, r->dp_rank, &r->dp_comm));
   if (r->pp > 1) FY_TRY(fy_comm_split(r->comm, r->dp_rank * r->tp + r->tp_rank, r->pp_rank, &r->pp_comm));
+  FY_TRY(ep_layout(o, r));
   if (o->batch < 1) return fy_error_set(FY_ERR_INVALID, "--batch must be at least 1");
   if (o->seq < 1) return fy_error_set(FY_ERR_INVALID, "--seq must be at least 1");
   if (o->threads > 0) omp_set_num_threads(o->threads);
@@ -570,6 +586,22 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded), "
                         "or cuda without --offload and --tp, for now; the GPU's offloading of a mixture is not "
                         "supported yet", r->cfg.name);
+  if (r->ep > 1 && strcmp(device, "cpu") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu for now "
+                        "(resident state)", r->ep, device);
+  if (r->ep > 1 && r->cfg.num_local_experts == 0)
+    return fy_error_set(FY_ERR_INVALID, "--ep %d: %s has no mixture-of-experts layers (num_local_experts 0) to split",
+                        r->ep, r->cfg.name);
+  if (r->ep > 1 && r->cfg.num_local_experts % r->ep != 0)
+    return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %lld experts of %s's mixture layers: each rank of "
+                        "an expert-parallel group holds experts/ep of them", r->ep,
+                        (long long)r->cfg.num_local_experts, r->cfg.name);
+  if (r->ep > 1 && o->precision && strcmp(o->precision, "fp32") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --precision %s: expert parallelism computes in fp32 for now",
+                        r->ep, o->precision);
+  if (r->ep > 1 && o->optimizer_state && strcmp(o->optimizer_state, "fp32") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --optimizer-state %s: expert parallelism keeps AdamW's state "
+                        "in fp32 for now", r->ep, o->optimizer_state);
   if (r->cfg.num_local_experts > 0 && r->pp > 1)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: pipeline parallelism (--pp %d) of a mixture is "
                         "not supported yet (its load-balancing term is not carried across stages)", r->cfg.name, r->pp);
@@ -614,7 +646,8 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     FY_TRY(fy_device_cpu_create(rank_ram(r), &r->dev));
     struct fy_model_opts mo = {.recompute = o->recompute, .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_comm,
                                .inference = r->eval, .state_format = r->eval ? FY_STATE_F32 : state_format(o),
-                               .pp = r->pp, .pp_stage = r->pp_rank};  // (a pipeline stage: its parameters alone)
+                               .pp = r->pp, .pp_stage = r->pp_rank,  // (a pipeline stage: its parameters alone)
+                               .ep = r->ep, .ep_rank = r->ep_rank, .ep_comm = r->ep_comm};  // (its experts alone)
     st = fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model);
     int local = fy_comm_local_size(r->comm);
     char ram[32];
@@ -658,7 +691,7 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   // With tensor parallelism each rank takes its slices of the whole model's tensors (so that any
   // tp starts from the same weights as one rank), and a pipeline stage its own parameters;
   // r->whole describes the whole model (no buffers).
-  if (r->tp > 1 || r->pp > 1) {
+  if (run_split(r)) {
     FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
     // Offloaded stages with 8-bit AdamW state: the whole model laid out in one rank's chunks, so
     // that a checkpoint's pieces (a chunk each) hold whole 8-bit blocks, as one rank's do.
@@ -671,7 +704,7 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
   }
   bool random = !o->init || strcmp(o->init, "random") == 0;
-  if (r->tp > 1 || r->pp > 1) {
+  if (run_split(r)) {
     st = tp_take_weights(r, random ? NULL : o->init, o->seed);  // (m and v are zero from their allocation)
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   } else if (r->model->host && !r->model->params) {  // sharded, or bf16 chunks alone: this rank's part
@@ -725,6 +758,8 @@ void teardown(struct run *r) {
   fy_comm_free(r->tp_compute);
   fy_comm_free(r->dp_compute);
   fy_comm_free(r->tp_comm);
+  fy_comm_free(r->ep_comm);
+  fy_comm_free(r->ep_rep);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
   fy_comm_free(r->pp_comm);
   fy_comm_free(r->comm);

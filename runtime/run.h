@@ -29,6 +29,11 @@ struct run {
   int pp, pp_rank;
   struct fy_comm *pp_comm;
   struct fy_pipeline *pipe;
+  // Expert parallelism (--ep, runtime/ep.h): data-parallel rank dp_rank is rank ep_rank = dp_rank %
+  // ep of expert-parallel group dp_rank / ep (ep_comm, NULL for ep 1); ep_rep: the ranks holding the
+  // same experts, one a group (NULL when there is one group), over which the experts' gradients sum.
+  int ep, ep_rank;
+  struct fy_comm *ep_comm, *ep_rep;
   // The groups of the ops' pattern hooks (sim and GPUs: on the compute stream); on GPUs with
   // resident parameters dp_compute also sums the replicas' gradients (nccl).
   struct fy_comm *tp_compute, *dp_compute;
@@ -58,6 +63,11 @@ struct run {
   double aux_loss;       // a mixture of experts: the last step's load-balancing terms (struct fy_loss)
   struct lagged_update { bool pending, skip; float lr, grad_scale; int64_t t; double norm; } lag;
 };
+
+// Whether the rank's parameters are parts of the whole model's (tensor-parallel slices, a pipeline
+// stage's, expert-parallel experts): the weights are taken, checkpointed and saved through the
+// whole model's graph (r->whole_graph, runtime/tp.h).
+static inline bool run_split(const struct run *r) { return r->tp > 1 || r->pp > 1 || r->ep > 1; }
 
 // run.c: the run's configuration, placement and weights.
 fy_status resolve_init(const char **init, char *buf, size_t n);

@@ -11,6 +11,7 @@
 #include "fy_config.h"
 #include "runtime/data.h"
 #include "runtime/engine.h"
+#include "runtime/ep.h"
 #include "runtime/model.h"
 #include "runtime/offload.h"
 #include "runtime/pipeline.h"
@@ -185,7 +186,9 @@ fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t st
   // Data parallelism: the gradients summed across ranks (in rank order, the same bits on every
   // rank), so every rank applies the same update to its replica; on GPUs by NCCL, in the dtype the
   // optimizer reads them in.
-  if (r->dp > 1) FY_TRY(fy_engine_all_reduce_grads(model));
+  // Expert parallelism: the dense parameters' over every data-parallel rank, each expert's over the
+  // ranks holding it (runtime/ep.h).
+  if (r->dp > 1) FY_TRY(r->ep > 1 ? fy_ep_all_reduce_grads(model, r->dp_comm, r->ep_rep) : fy_engine_all_reduce_grads(model));
   double t0 = fy_now();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);

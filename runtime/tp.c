@@ -13,6 +13,13 @@ static void slice_rows(const struct fy_param *p, int r, int64_t *rows, int64_t *
   }
 }
 
+// The group a split parameter is split over: a mixture's experts over the expert-parallel ranks
+// (fy_param.expert), the others over the tensor-parallel ones. Its size and this rank's place.
+static int split_ranks(const struct fy_graph *part, const struct fy_param *p) { return p->expert ? part->ep : part->tp; }
+static int split_rank(const struct fy_graph *part, const struct fy_param *p) {
+  return p->expert ? part->ep_rank : part->tp_rank;
+}
+
 void fy_tp_read_part(const struct fy_graph *part, int i, int64_t a, int64_t b, fy_tp_read_fn read, void *ctx,
                      float *dst) {
   const struct fy_param *p = &part->params[i];
@@ -21,7 +28,7 @@ void fy_tp_read_part(const struct fy_graph *part, int i, int64_t a, int64_t b, f
     return;
   }
   int64_t rows, first, stride, len;
-  slice_rows(p, part->tp_rank, &rows, &first, &stride, &len);
+  slice_rows(p, split_rank(part, p), &rows, &first, &stride, &len);
   for (int64_t e = a; e < b;) {  // slice element e is element c of run k
     const int64_t k = e / len, c = e - k * len, n = len - c < b - e ? len - c : b - e;
     read(ctx, i, first + k * stride + c, first + k * stride + c + n, dst + (e - a));
@@ -51,8 +58,9 @@ void fy_tp_fill(const struct fy_graph *part, int64_t lo, int64_t hi, fy_tp_read_
 int64_t fy_tp_gather_floats(const struct fy_graph *part) {
   int64_t most = 0;
   for (int i = 0; i < part->n_params; i++)
-    if (part->params[i].split_dim >= 0 && part->params[i].numel > most) most = part->params[i].numel;
-  return most * part->tp;
+    if (part->params[i].split_dim >= 0 && part->params[i].numel * split_ranks(part, &part->params[i]) > most)
+      most = part->params[i].numel * split_ranks(part, &part->params[i]);
+  return most;
 }
 
 fy_status fy_tp_gather_param(const struct fy_graph *part, const float *slice, const struct fy_graph *whole, int i,
@@ -65,7 +73,7 @@ fy_status fy_tp_gather_param(const struct fy_graph *part, const float *slice, co
   }
   fy_status st = fy_comm_all_gather(tp_comm, slice, buf, (size_t)p->numel, FY_COMM_F32, NULL);
   if (st != FY_OK) return fy_error_wrap(st, "gathering the tensor-parallel slices of %s", whole->params[i].name);
-  for (int r = 0; dst && r < part->tp; r++) {
+  for (int r = 0; dst && r < split_ranks(part, p); r++) {
     int64_t rows, first, stride, len;
     slice_rows(p, r, &rows, &first, &stride, &len);
     for (int64_t k = 0; k < rows; k++) memcpy(dst + first + k * stride, buf + r * p->numel + k * len, (size_t)len * 4);

@@ -172,6 +172,7 @@ static fy_status tp_walk_init(struct tp_walk *t, struct run *r, int kinds, float
   float failed = ok ? 0.0f : 1.0f;
   fy_status st = r->tp > 1 ? fy_comm_all_reduce(r->tp_comm, &failed, 1, FY_COMM_F32, NULL) : FY_OK;
   if (st == FY_OK && r->pp > 1) st = fy_comm_all_reduce(r->pp_comm, &failed, 1, FY_COMM_F32, NULL);
+  if (st == FY_OK && r->ep > 1) st = fy_comm_all_reduce(r->ep_comm, &failed, 1, FY_COMM_F32, NULL);
   char size[32];
   if (st == FY_OK && failed > 0)
     st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the buffers to gather the tensor-parallel slices (%s on the "
@@ -212,7 +213,8 @@ static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
   for (int k = 0; k < t->kinds; k++) {
     out[k] = p->split_dim < 0 ? slice[k] : t->whole[k];
     if (p->split_dim < 0 || t->held == i) continue;
-    fy_status s1 = fy_tp_gather_param(part, slice[k], t->r->whole_graph, i, t->whole[k], t->buf, t->r->tp_comm);
+    fy_status s1 = fy_tp_gather_param(part, slice[k], t->r->whole_graph, i, t->whole[k], t->buf,
+                                      p->expert ? t->r->ep_comm : t->r->tp_comm);
     if (st == FY_OK) st = s1;  // (the other kinds' gathers still run: the group's ranks call them all)
   }
   if (sender >= 0 && t->r->tp_rank == 0 && t->held != i) {  // a later stage's: whole to the first stage
@@ -257,7 +259,7 @@ static fy_status tp_walk_fill(void *ctx, int64_t lo, int64_t hi, float *params, 
 // chunk by chunk (no rank holds its slices whole).
 fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t *hash) {
   if (r->x) FY_TRY(fy_offload_sync(r->x));
-  if (r->dp_rank != 0) {
+  if (r->dp_rank / r->ep != 0) {  // (with --ep the ranks of the first expert-parallel group gather)
     for (int c = 0; r->x && r->dp > 1 && c < r->model->layout->n_chunks; c++)
       FY_TRY(fy_offload_chunk_weights_out(r->x, c, NULL));
     return FY_OK;
@@ -338,7 +340,7 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
   struct fy_model *m = r->model;
   float *local[3] = {m->params, m->m, m->v};
   if (r->x) FY_TRY(fy_offload_sync(r->x));
-  if (r->dp_rank != 0) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
+  if (r->dp_rank / r->ep != 0) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   struct tp_walk t;
   fy_status st = tp_walk_init(&t, r, 3, r->x ? NULL : local, w != NULL);
   if (st != FY_OK) return st;
@@ -372,7 +374,7 @@ fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckp
   if (r->pp > 1 && m->state_format != FY_STATE_F32 && !r->x)  // (offloaded, the chunks give it decoded)
     return fy_error_set(FY_ERR_UNSUPPORTED, "checkpoints of a pipeline's compressed AdamW state (--optimizer-state "
                         "%s): not supported yet", fy_state_format_name(m->state_format));
-  if (r->tp > 1 || r->pp > 1) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
+  if (run_split(r)) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
   struct fy_ckpt_snapshot *s = w && !r->ckpt_by_chunk ? fy_ckpt_snapshot_buffers(w) : NULL;
   if (w && !r->ckpt_by_chunk && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
   if (!w) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
@@ -509,7 +511,7 @@ static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta 
 fy_status resume(const struct fy_train_opts *o, struct run *r, int64_t *first_step, double *scale,
                  int64_t *scale_good) {
   struct fy_ckpt_meta meta;
-  fy_status st = r->tp > 1 || r->pp > 1 ? resume_tp(o->resume, r, &meta) : resume_state(o->resume, r, &meta);
+  fy_status st = run_split(r) ? resume_tp(o->resume, r, &meta) : resume_state(o->resume, r, &meta);
   if (st != FY_OK) return fy_error_wrap(st, "--resume %s", o->resume);
   const char *fmt = fy_state_format_name(r->model->state_format);
   if (strcmp(meta.optimizer_state, fmt) != 0 && r->rank == 0)

@@ -120,7 +120,7 @@ static fy_status open_training(struct training *t, struct fy_comm *comm) {
   }
   if (st == FY_OK && o->resume) st = resume(o, r, &t->first_step, &t->scale, &t->scale_good);
   if (st == FY_OK && o->save && o->save_every > 0 && r->rank == 0)
-    st = fy_ckpt_writer_create(o->save, o->keep, r->tp > 1 || r->pp > 1 ? &r->whole : r->model, &t->ckpt);
+    st = fy_ckpt_writer_create(o->save, o->keep, run_split(r) ? &r->whole : r->model, &t->ckpt);
   if (st == FY_OK && o->save && r->rank == 0) check_save_space(o, fy_opt_num_params(&r->cfg), o->steps - t->first_step);
   // A snapshot is the whole state again (weights, m and v: 12 bytes a parameter). When the host
   // tier cannot hold one beside the state (a model that fills the host memory, or chunks sharded
@@ -271,8 +271,9 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
   *s = (struct step_report){.t0 = fy_now()};
   if (t->ckpt) t->ckpt_busy[step] = fy_ckpt_busy(t->ckpt);
   if (r->x) fy_offload_set_step(r->x, step + 1);
-  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute, r->pp_comm};  // (a failed collective names its step)
-  for (int i = 0; i < 4 && r->world > 1; i++)
+  // (a failed collective names its step)
+  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute, r->pp_comm, r->ep_comm, r->ep_rep};
+  for (int i = 0; i < (int)(sizeof named / sizeof *named) && r->world > 1; i++)
     if (named[i]) fy_comm_set_step(named[i], step + 1);
   fy_status st = r->x && !r->pipe ? step_offload(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow)
                       : step_resident(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow, &t->t_sum, &t->t_opt);
@@ -297,7 +298,9 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
     s->loss = NAN;
     res->ignored_steps++;
   }
-  if (st == FY_ERR_NUMERIC && !r->x && !r->pipe) name_nonfinite(r);  // (a stage holds part of the model)
+  // (a stage holds part of the model; expert-parallel ranks would stop at different ops, each
+  // waiting in another all-to-all)
+  if (st == FY_ERR_NUMERIC && !r->x && !r->pipe && r->ep == 1) name_nonfinite(r);
   if (st != FY_OK) return fy_error_wrap(st, "step %lld", (long long)step + 1);
   // --optimizer-lag: the last step, and those that write a checkpoint, end with every update
   // applied (before their validation, so that the last one is the saved model's)
@@ -424,7 +427,7 @@ static fy_status should_stop(struct training *t, int64_t step, bool *stop) {
 // A checkpoint every --save-every steps, after the last and when the run stops.
 static fy_status maybe_checkpoint(struct training *t, int64_t step, bool stop) {
   const struct fy_train_opts *o = t->o;
-  if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe) &&
+  if (t->save_every > 0 && (t->ckpt || t->sharded || t->r.pipe || t->r.ep > 1) &&
       (stop || (step + 1) % t->save_every == 0 || step + 1 == o->steps)) {
     FY_TRY(checkpoint(o, &t->r, t->ckpt, step + 1, t->scale, t->scale_good));
     if (t->ckpt) t->res->checkpoints++;
@@ -569,7 +572,7 @@ static fy_status finish_run(struct training *t) {
   measure_run(t);
   // Tensor-parallel slices and pipeline stages' parameters come together parameter by parameter
   // for the hash and the final save.
-  if (r->tp > 1 || r->pp > 1) {
+  if (run_split(r)) {
     if (gather) FY_TRY(finish_tp(r, saving ? o->save : NULL, t->lead, hash));
   } else if (!t->sharded) {
     if (hash && model->params) *hash = hash_params(model);  // (0 on the ranks that only took part)

@@ -100,6 +100,10 @@ struct fy_train_opts {
   // decoder layers into pp stages run on the 1F1B schedule over the step's grad_accum
   // micro-batches; the grid is dp x pp x tp, tp innermost. 0 or 1: none. --device cpu and sim for now.
   int pp;
+  // Expert parallelism (runtime/ep.h): within groups of ep consecutive data-parallel ranks each
+  // holds E/ep experts of every mixture layer; tokens go to their experts' ranks and back by
+  // all-to-all. 0 or 1: none. --device cpu, a mixture of experts.
+  int ep;
   const char *plan;       // "auto" (search with the cached probe) or a plan file (planner/plan.h):
                           //   sets micro-batch, accumulation, chunks, blocks, prefetch,
                           //   recomputation and disk placement on the sim device

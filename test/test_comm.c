@@ -82,6 +82,13 @@ static void test_single(void) {
   CHECK_ERR(fy_comm_all_reduce(c, a, n, (enum fy_reduce_dtype)7, NULL), FY_ERR_INVALID);
   CHECK_ERR(fy_comm_reduce_scatter(c, a, a + 1, n - 1, FY_COMM_F32, NULL), FY_ERR_INVALID);
   CHECK_OK(fy_comm_status(c));
+  int64_t cnt = (int64_t)n, got = 0;  // all-to-all with itself: a copy
+  float *r2 = calloc(n, 4);
+  CHECK_OK(fy_comm_all_to_all(c, &cnt, &got, 1));
+  CHECK(got == cnt);
+  CHECK_OK(fy_comm_all_to_all_v(c, b, &cnt, r2, &cnt));
+  CHECK(memcmp(r2, b, n * 4) == 0);
+  free(r2);
 
   // Stream form on the sim device, device memory: the copies go through the stream.
   struct fy_device *dev = NULL;
@@ -331,6 +338,30 @@ static void test_p2p(struct fy_comm *c) {
   free(a), free(b), free(got);
 }
 
+// All-to-all (expert parallelism): rank r sends (r + 2p) % 3 * 1000 floats to rank p (some pairs
+// nothing), the counts exchanged first by fy_comm_all_to_all as runtime/ep.c does; every block
+// arrives whole and in place.
+static void test_all_to_all(struct fy_comm *c) {
+  const int N = fy_comm_size(c), r = fy_comm_rank(c);
+  int64_t send_n[N], recv_n[N], sent = 0;
+  for (int p = 0; p < N; p++) sent += send_n[p] = (r + 2 * p) % 3 * 1000;
+  CHECK_OK(fy_comm_all_to_all(c, send_n, recv_n, 1));
+  int64_t got = 0;
+  for (int p = 0; p < N; p++) {
+    CHECKF(recv_n[p] == (p + 2 * r) % 3 * 1000, "all-to-all: rank %d's count from rank %d", r, p);
+    got += recv_n[p];
+  }
+  float *a = malloc((size_t)(sent + 1) * 4), *b = malloc((size_t)(got + 1) * 4);
+  for (int p = 0, k = 0; p < N; p++)
+    for (int64_t i = 0; i < send_n[p]; i++) a[k++] = (float)(r * 100000 + p * 10000 + i);
+  CHECK_OK(fy_comm_all_to_all_v(c, a, send_n, b, recv_n));
+  size_t bad = 0;
+  for (int p = 0, k = 0; p < N; p++)
+    for (int64_t i = 0; i < recv_n[p]; i++) bad += b[k++] != (float)(p * 100000 + r * 10000 + i);
+  CHECKF(bad == 0, "all-to-all: %zu elements wrong", bad);
+  free(a), free(b);
+}
+
 static void test_mpi(void) {
   struct fy_comm *c = NULL;
   CHECK_OK(fy_comm_create("auto", 60, &c));
@@ -359,6 +390,7 @@ static void test_mpi(void) {
   test_split(c);
   test_streams(c);
   test_p2p(c);
+  test_all_to_all(c);
   CHECK_ERR(fy_comm_broadcast(c, &N, 4, -1, NULL), FY_ERR_INVALID);
   CHECK_OK(fy_comm_status(c));
   CHECK_OK(fy_comm_barrier(c));

@@ -92,11 +92,11 @@ static void check_phase(const struct fy_pattern *p, const struct fy_pattern_ctx 
 static void test_builtin(void) {
   fy_pattern_register_builtin();
   fy_pattern_register_builtin();  // idempotent
-  CHECK(fy_pattern_count() == 4);
-  const char *names[] = {"replicate", "zero", "tp_col", "tp_row"};
+  CHECK(fy_pattern_count() == 5);
+  const char *names[] = {"replicate", "zero", "tp_col", "tp_row", "expert"};
   const struct fy_pattern *want[] = {&fy_pattern_replicate, &fy_pattern_zero, &fy_pattern_tp_col,
-                                     &fy_pattern_tp_row};
-  for (int i = 0; i < 4; i++) {
+                                     &fy_pattern_tp_row, &fy_pattern_expert};
+  for (int i = 0; i < 5; i++) {
     const struct fy_pattern *p = fy_pattern_find(names[i]);
     CHECKF(p == want[i], "find(%s)", names[i]);
     CHECK(fy_pattern_at(i) == want[i]);
@@ -106,7 +106,80 @@ static void test_builtin(void) {
   CHECK(fy_pattern_find("") == NULL);
   CHECK(fy_pattern_find(NULL) == NULL);
   CHECK(fy_pattern_at(-1) == NULL);
-  CHECK(fy_pattern_at(4) == NULL);
+  CHECK(fy_pattern_at(5) == NULL);
+}
+
+// The expert pattern on opt-moe-tiny's mixture (E 4, top 2, C 32, F 64, biases): where it applies,
+// its layout (the router whole, the experts over ep) and its steps against hand-computed bytes.
+static void test_expert(void) {
+  struct fy_opt_config cfg;
+  CHECK_OK(fy_opt_preset("opt-moe-tiny", &cfg));
+  const int64_t B = 2, T = 8, BT = B * T, C = 32, F = 64, E = 4, K = 2;
+  CHECK(cfg.hidden_size == C && cfg.ffn_dim == F && cfg.num_local_experts == E && cfg.num_experts_per_tok == K);
+  struct fy_graph *g, *part;
+  fy_status st = fy_opt_build_graph(&cfg, B, T, &g);
+  CHECK_OK(st);
+  if (st != FY_OK) return;
+  const struct fy_pattern *ex = fy_pattern_find("expert");
+  CHECK(ex == &fy_pattern_expert);
+  const int moe = find_op(g, "layers.1.block_sparse_moe"), fc1 = find_op(g, "layers.0.fc1");
+  CHECK(moe >= 0 && fc1 >= 0);
+  if (moe < 0 || fc1 < 0 || !ex) return;
+  const double router = (double)(E * C), experts = (double)(E * (F * C + F + C * F + C));
+  struct fy_pattern_ctx c = {.g = g, .op = moe, .dp = 4, .tp = 1, .ep = 2, .param_bytes = 4};
+  CHECK(ex->applies(&c));
+  for (int ep = 1; ep <= 4; ep *= 2) {  // ep 1, 2, 4 of dp 4
+    c.ep = ep;
+    CHECKF(ex->applies(&c), "expert applies with ep %d of dp 4", ep);
+    struct fy_pattern_layout l = layout_of(ex, &c);
+    CHECKF(near(l.param_elems_per_rank, router + experts / ep) && near(l.optim_elems_per_rank, router + experts / ep) &&
+           l.split_dim == 0, "expert layout with ep %d: %.0f elements", ep, l.param_elems_per_rank);
+    CHECK(near(fy_pattern_state_bytes(ex, &c), (router + experts / ep) * (4 + 8)));
+    // Forward and backward: two all-to-alls of the BT*K rows of C values over the ep group.
+    for (int ph = FY_PHASE_POST_FORWARD; ph <= FY_PHASE_POST_BACKWARD; ph += FY_PHASE_POST_BACKWARD - FY_PHASE_POST_FORWARD) {
+      struct fy_comm_step s[FY_PATTERN_MAX_STEPS];
+      int n = ex->comm(&c, ph, s, FY_PATTERN_MAX_STEPS);
+      CHECKF(n == (ep > 1 ? 2 : 0), "expert phase %d ep %d: %d steps", ph, ep, n);
+      for (int i = 0; i < n; i++)
+        CHECK(s[i].op == FY_COMM_ALL_TO_ALL && near(s[i].bytes, (double)(BT * K * C * 4)) &&
+              s[i].group == FY_PATTERN_GROUP_EP && fy_pattern_group_size(&c, s[i].group) == ep);
+    }
+    // Nothing before forward or backward (the rows move inside the op).
+    struct fy_comm_step s[FY_PATTERN_MAX_STEPS];
+    CHECK(ex->comm(&c, FY_PHASE_PRE_FORWARD, s, FY_PATTERN_MAX_STEPS) == 0);
+    CHECK(ex->comm(&c, FY_PHASE_PRE_BACKWARD, s, FY_PATTERN_MAX_STEPS) == 0);
+    // Once a step: the router over dp, each expert over the dp/ep ranks that hold it (none when ep = dp).
+    int n = ex->comm(&c, FY_PHASE_GRADS, s, FY_PATTERN_MAX_STEPS);
+    CHECKF(n == (ep < 4 ? 2 : 1), "expert grads ep %d: %d steps", ep, n);
+    CHECK(n >= 1 && s[0].op == FY_COMM_ALL_REDUCE && near(s[0].bytes, router * 4) && s[0].group == FY_PATTERN_GROUP_DP);
+    if (n == 2)
+      CHECK(s[1].op == FY_COMM_ALL_REDUCE && near(s[1].bytes, experts / ep * 4) && s[1].group == FY_PATTERN_GROUP_EP_REP &&
+            fy_pattern_group_size(&c, s[1].group) == 4 / ep);
+    CHECK(near(fy_pattern_comm_bytes(ex, &c), (ep > 1 ? 4.0 * BT * K * C * 4 : 0) + router * 4 + (ep < 4 ? experts / ep * 4 : 0)));
+    CHECK(ep > 1 ? ex->act_bytes(&c) > 0 : ex->act_bytes(&c) == 0);
+  }
+  c.ep = 3;  // 3 does not divide the 4 experts (nor dp 4)
+  CHECK(!ex->applies(&c));
+  c.ep = 4, c.dp = 2;  // ep must divide the data-parallel ranks
+  CHECK(!ex->applies(&c));
+  c.ep = 2, c.op = fc1;  // a dense feed-forward is not a mixture
+  CHECK(!ex->applies(&c));
+  // A rank's graph (fy_graph_set_experts) holds its experts' rows: the pattern counts the whole op
+  // all the same, and the graph's expert parameters are half of the whole ones.
+  CHECK_OK(fy_opt_build_graph(&cfg, B, T, &part));
+  CHECK_ERR(fy_graph_set_experts(part, 3, 0), FY_ERR_INVALID);
+  CHECK_OK(fy_graph_set_experts(part, 2, 1));
+  struct fy_pattern_ctx pc = {.g = part, .op = moe, .dp = 2, .tp = 1, .ep = 2, .param_bytes = 4};
+  c.op = moe, c.dp = 2;
+  CHECK(near(layout_of(ex, &pc).param_elems_per_rank, layout_of(ex, &c).param_elems_per_rank));
+  const struct fy_op *op = &part->ops[moe];
+  for (int k = 0; k < op->n_params; k++) {
+    const struct fy_param *p = &part->params[op->params[k]], *w = &g->params[op->params[k]];
+    CHECKF(p->expert == (k > 0) && p->numel * (k > 0 ? 2 : 1) == w->numel &&
+           (k == 0 || (p->split_dim == 0 && p->full_shape[0] == w->shape[0])), "%s on expert-parallel rank 1", p->name);
+  }
+  fy_graph_free(part);
+  fy_graph_free(g);
 }
 
 static void test_costs(void) {
@@ -434,6 +507,7 @@ static void test_full(void) {
 
 int main(void) {
   test_builtin();
+  test_expert();
   test_costs();
   test_refused();
   test_plugin();

@@ -1,0 +1,261 @@
+// A mixture of experts in pieces, for expert parallelism (ops/ops.h, "mixture of experts in
+// pieces"; runtime/ep.c moves the rows between the ranks). A source rank routes its tokens and
+// lays their rows out expert by expert (fy_moe_route, fy_moe_dispatch); the ranks holding the
+// experts compute them on the rows they receive, block by block (fy_moe_experts_forward and
+// _backward); the source weighs the results (fy_moe_combine) and, in backward, sends the rows'
+// gradients out (fy_moe_combine_backward) and finishes the router's (fy_moe_route_backward).
+//
+// Each piece does the arithmetic of fy_moe_forward / fy_moe_backward (ops/cpu/moe.c) in the same
+// order: a block of one source's rows for one expert is rounded up to fy_moe_rows and computed as
+// one product, as one rank computes that expert for its own tokens, so that the experts split
+// over ranks give one rank's numbers (the gradients summed over sources in source order, as the
+// replicas' all-reduce sums them in rank order).
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/graph.h"
+#include "ops/ops.h"
+
+fy_status fy_moe_route(float *route, int64_t *n, double *balance, const float *inp, const float *gate,
+                       const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
+  if (BT * K >= (int64_t)1 << 24)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "mixture of experts: %lld routed rows (the routing record holds rows "
+                        "below 2^24)", (long long)(BT * K));
+  // logits (BT,E) = inp (BT,C) @ gate^T (C,E), written with the routing record's row stride
+  FY_TRY(fy_matmul_bias(route, inp, gate, NULL, 1, BT, E, C, false, true, 1.0f, 0.0f, 0, 0, S, 0, 0, 0));
+  // Softmax, the top K (the larger probability first, the lower index on a tie) and their weights.
+#pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
+  for (int64_t t = 0; t < BT; t++) {
+    float *r = route + t * S;
+    float mx = r[0], sum = 0;
+    for (int64_t e = 1; e < E; e++) mx = r[e] > mx ? r[e] : mx;
+    for (int64_t e = 0; e < E; e++) sum += r[e] = expf(r[e] - mx);
+    for (int64_t e = 0; e < E; e++) r[e] /= sum;
+    float chosen = 0;
+    for (int64_t j = 0; j < K; j++) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; e++) {
+        bool taken = false;
+        for (int64_t i = 0; i < j; i++) taken |= (int64_t)r[E + i] == e;
+        if (!taken && (best < 0 || r[e] > r[best])) best = e;
+      }
+      r[E + j] = (float)best;
+      chosen += r[best];
+    }
+    for (int64_t j = 0; j < K; j++) r[E + K + j] = r[(int64_t)r[E + j]] / chosen;
+  }
+  // The dispatch rows, unpadded: expert by expert, each expert's token-choices in token order.
+  int64_t fill[E];
+  for (int64_t e = 0; e < E; e++) n[e] = 0;
+  for (int64_t t = 0; t < BT; t++)
+    for (int64_t j = 0; j < K; j++) n[(int64_t)route[t * S + E + j]]++;
+  for (int64_t e = 0, rows = 0; e < E; e++) fill[e] = rows, rows += n[e];
+  for (int64_t t = 0; t < BT; t++)
+    for (int64_t j = 0; j < K; j++) route[t * S + E + 2 * K + j] = (float)fill[(int64_t)route[t * S + E + j]]++;
+  double b = 0;
+  for (int64_t e = 0; e < E; e++) {
+    double p = 0;
+    for (int64_t t = 0; t < BT; t++) p += route[t * S + e];
+    b += (double)n[e] / (double)BT * (p / (double)BT);
+  }
+  *balance = (double)E * b;
+  return FY_OK;
+}
+
+void fy_moe_dispatch(float *xs, const float *inp, const float *route, const struct fy_moe_dims *d) {
+  const int64_t S = d->E + 3 * d->K, C = d->C;
+#pragma omp parallel for schedule(static) if (d->BT * C > FY_PAR_ROWS)
+  for (int64_t t = 0; t < d->BT; t++)
+    for (int j = 0; j < d->K; j++)
+      memcpy(xs + (int64_t)route[t * S + d->E + 2 * d->K + j] * C, inp + t * C, (size_t)C * 4);
+}
+
+int64_t fy_moe_blocks_rows(const int64_t *cnt, int nb) {
+  int64_t rows = 0;
+  for (int i = 0; i < nb; i++) rows += fy_moe_rows(cnt[i]);
+  return rows;
+}
+
+static void act(float *a, const float *h, int64_t n, bool gelu) {
+  if (gelu) fy_gelu_forward(a, h, n);
+  else fy_relu_forward(a, h, n);
+}
+
+fy_status fy_moe_experts_forward(float *y, float *xpad, float *hpad, const float *x, const int *ex, const int64_t *cnt,
+                                 int nb, const float *w1, const float *b1, const float *w2, const float *b2,
+                                 const struct fy_moe_dims *d) {
+  const int64_t C = d->C, F = d->F;
+  int64_t most = 0;
+  for (int i = 0; i < nb; i++) most = fy_moe_rows(cnt[i]) > most ? fy_moe_rows(cnt[i]) : most;
+  float *as = malloc((size_t)(most * (F + C)) * 4 + 4);
+  if (!as) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)most);
+  float *ypad = as + most * F;
+  fy_status st = FY_OK;
+  for (int64_t i = 0, o = 0, u = 0; i < nb && st == FY_OK; i++) {  // o: padded rows before block i, u: unpadded
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    memcpy(xpad + o * C, x + u * C, (size_t)(cnt[i] * C) * 4);
+    memset(xpad + (o + cnt[i]) * C, 0, (size_t)((R - cnt[i]) * C) * 4);
+    if (R > 0) {
+      // h (R,F) = xs (R,C) @ w1_e^T + b1_e; as = act(h); y (R,C) = as @ w2_e^T + b2_e
+      st = fy_linear_forward(hpad + o * F, xpad + o * C, w1 + e * F * C, b1 ? b1 + e * F : NULL, R, C, F, d->bf16);
+      if (st != FY_OK) break;
+      act(as, hpad + o * F, R * F, d->gelu);
+      st = fy_linear_forward(ypad, as, w2 + e * C * F, b2 ? b2 + e * C : NULL, R, F, C, d->bf16);
+      memcpy(y + u * C, ypad, (size_t)(cnt[i] * C) * 4);
+    }
+    o += R, u += cnt[i];
+  }
+  free(as);
+  return st;
+}
+
+fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2, float *db2, const float *dy,
+                                  const float *xpad, const float *hpad, const int *ex, const int64_t *cnt, int nb,
+                                  const float *w1, const float *w2, int experts, bool accumulate,
+                                  const struct fy_moe_dims *d) {
+  const int64_t C = d->C, F = d->F;
+  int64_t most = 0;
+  for (int i = 0; i < nb; i++) most = fy_moe_rows(cnt[i]) > most ? fy_moe_rows(cnt[i]) : most;
+  // per block: as (R,F), dy (R,C) padded, dh (R,F), dxp (R,C); one expert's gradients (F*C, C*F, F, C)
+  const int64_t gsz = 2 * F * C + F + C;
+  float *as = malloc((size_t)(most * (2 * F + 2 * C) + gsz) * 4 + 4);
+  bool *seen = calloc((size_t)(experts > 0 ? experts : 1), 1);
+  if (!as || !seen) {
+    free(as);
+    free(seen);
+    return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)most);
+  }
+  float *dyp = as + most * F, *dh = dyp + most * C, *dxp = dh + most * F;
+  float *tw1 = dxp + most * C, *tw2 = tw1 + F * C, *tb1 = tw2 + C * F, *tb2 = tb1 + F;
+  fy_status st = FY_OK;
+  for (int64_t i = 0, o = 0, u = 0; i < nb && st == FY_OK; i++) {
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    float *gw1 = dw1 + e * F * C, *gb1 = db1 ? db1 + e * F : NULL, *gw2 = dw2 + e * C * F, *gb2 = db2 ? db2 + e * C : NULL;
+    // This block's gradients of expert e: written into its gradient by its first block (unless
+    // accumulating), added after (zeros for a block without rows), as the sum over sources.
+    const bool first = !seen[e] && !accumulate;
+    seen[e] = true;
+    float *w1g = first ? gw1 : tw1, *w2g = first ? gw2 : tw2, *b1g = first ? gb1 : tb1, *b2g = first ? gb2 : tb2;
+    if (R == 0) {
+      memset(w1g, 0, (size_t)(F * C) * 4);
+      memset(w2g, 0, (size_t)(C * F) * 4);
+      if (gb1) memset(b1g, 0, (size_t)F * 4);
+      if (gb2) memset(b2g, 0, (size_t)C * 4);
+    } else {
+      memcpy(dyp, dy + u * C, (size_t)(cnt[i] * C) * 4);
+      memset(dyp + cnt[i] * C, 0, (size_t)((R - cnt[i]) * C) * 4);
+      act(as, hpad + o * F, R * F, d->gelu);
+      // dw2_e (C,F) = dy^T @ as, db2_e = column sums of dy (the rounding rows are zeros)
+      st = fy_linear_backward_params(w2g, gb2 ? b2g : NULL, dyp, as, R, F, C, false, d->bf16);
+      // dh (R,F) = dy (R,C) @ w2_e (C,F), then times act'(h)
+      if (st == FY_OK)
+        st = d->bf16 ? fy_matmul16(dh, dyp, w2 + e * C * F, NULL, R, F, C, false, false, 0.0f)
+                     : fy_matmul(dh, dyp, w2 + e * C * F, R, F, C, false, false, 1.0f, 0.0f);
+      if (st != FY_OK) break;
+      if (d->gelu) fy_gelu_backward(dh, dh, hpad + o * F, R * F);
+      else fy_relu_backward(dh, dh, as, R * F);
+      // dw1_e (F,C) = dh^T @ xs, db1_e = column sums of dh; dx (R,C) = dh (R,F) @ w1_e (F,C)
+      st = fy_linear_backward_params(w1g, gb1 ? b1g : NULL, dh, xpad + o * C, R, C, F, false, d->bf16);
+      if (st == FY_OK)
+        st = d->bf16 ? fy_matmul16(dxp, dh, w1 + e * F * C, NULL, R, C, F, false, false, 0.0f)
+                     : fy_matmul(dxp, dh, w1 + e * F * C, R, C, F, false, false, 1.0f, 0.0f);
+      if (st != FY_OK) break;
+      memcpy(dx + u * C, dxp, (size_t)(cnt[i] * C) * 4);
+    }
+    if (!first) {
+      for (int64_t k = 0; k < F * C; k++) gw1[k] += tw1[k];
+      for (int64_t k = 0; k < C * F; k++) gw2[k] += tw2[k];
+      for (int64_t k = 0; gb1 && k < F; k++) gb1[k] += tb1[k];
+      for (int64_t k = 0; gb2 && k < C; k++) gb2[k] += tb2[k];
+    }
+    o += R, u += cnt[i];
+  }
+  // An expert no block named (no source sent it a row, and none was listed): a zero gradient.
+  for (int64_t e = 0; e < experts && st == FY_OK && !accumulate; e++) {
+    if (seen[e]) continue;
+    memset(dw1 + e * F * C, 0, (size_t)(F * C) * 4);
+    memset(dw2 + e * C * F, 0, (size_t)(C * F) * 4);
+    if (db1) memset(db1 + e * F, 0, (size_t)F * 4);
+    if (db2) memset(db2 + e * C, 0, (size_t)C * 4);
+  }
+  free(as);
+  free(seen);
+  return st;
+}
+
+void fy_moe_combine(float *out, const float *route, const float *y, const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
+  for (int64_t t = 0; t < BT; t++) {
+    const float *r = route + t * S;
+    float *o = out + t * C;
+    for (int64_t c = 0; c < C; c++) o[c] = 0;
+    for (int64_t j = 0; j < K; j++) {
+      const float w = r[E + K + j], *yr = y + (int64_t)r[E + 2 * K + j] * C;
+      for (int64_t c = 0; c < C; c++) o[c] += w * yr[c];
+    }
+  }
+}
+
+void fy_moe_combine_backward(float *dy, float *dw, const float *dout, const float *route, const float *y,
+                             const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
+  for (int64_t t = 0; t < BT; t++) {
+    const float *r = route + t * S, *g = dout + t * C;
+    for (int64_t j = 0; j < K; j++) {
+      const int64_t row = (int64_t)r[E + 2 * K + j];
+      const float w = r[E + K + j], *yr = y + row * C;
+      float *dyr = dy + row * C, s = 0;
+      for (int64_t c = 0; c < C; c++) {
+        dyr[c] = w * g[c];
+        s += g[c] * yr[c];
+      }
+      dw[t * K + j] = s;
+    }
+  }
+}
+
+fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, const float *dx, const float *inp,
+                                const float *route, const float *gate, const int64_t *n, float dbalance,
+                                bool accumulate, const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
+  float *dlog = malloc((size_t)(BT * E) * 4 + 4);
+  if (!dlog) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate the router's gradient");
+  // The router: d(weight_j)/d(p_m) for the renormalised weights p_{i_j} / sum_i p_i, and the
+  // balance term's d(P_e)/d(p[t][e]) = 1/BT times E f_e; then the softmax's backward.
+  double f[E];
+  for (int64_t e = 0; e < E; e++) f[e] = (double)n[e] / (double)BT;
+  const float bal = dbalance * (float)E / (float)BT;
+#pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
+  for (int64_t t = 0; t < BT; t++) {
+    const float *r = route + t * S;
+    float dp[E], chosen = 0, wdw = 0;
+    for (int64_t e = 0; e < E; e++) dp[e] = bal * (float)f[e];
+    for (int64_t j = 0; j < K; j++) {
+      chosen += r[(int64_t)r[E + j]];
+      wdw += dw[t * K + j] * r[E + K + j];
+    }
+    for (int64_t j = 0; j < K; j++) dp[(int64_t)r[E + j]] += (dw[t * K + j] - wdw) / chosen;
+    float pdp = 0;
+    for (int64_t e = 0; e < E; e++) pdp += r[e] * dp[e];
+    for (int64_t e = 0; e < E; e++) dlog[t * E + e] = r[e] * (dp[e] - pdp);
+  }
+  // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
+  fy_status st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
+  if (dinp && st == FY_OK) {
+    // dinp (BT,C) += dlog (BT,E) @ gate (E,C), then each token's rows of dx in the choices' order
+    st = fy_matmul(dinp, dlog, gate, BT, C, E, false, false, 1.0f, 1.0f);
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
+    for (int64_t t = 0; t < BT; t++)
+      for (int64_t j = 0; j < K; j++) {
+        const float *xr = dx + (int64_t)route[t * S + E + 2 * K + j] * C;
+        float *o = dinp + t * C;
+        for (int64_t c = 0; c < C; c++) o[c] += xr[c];
+      }
+  }
+  free(dlog);
+  return st;
+}

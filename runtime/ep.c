@@ -1,0 +1,214 @@
+// Expert parallelism: a mixture's rows to their experts' ranks and back (runtime/ep.h).
+//
+// The order of rows on the wire: a source sends its rows in its dispatch order (expert by expert,
+// so the rows for one rank are contiguous, its experts in order); a rank holding experts receives
+// them source by source, each source's expert by expert: block (s, e) is source s's rows for local
+// expert e. It computes the blocks in that order and sends each source's results back in the
+// order they came. Each expert's gradient is its blocks' sum in source order, and the source ranks
+// are the data-parallel ranks in order, so the sum is the replicated run's all-reduce's.
+#include "runtime/ep.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops/ops.h"
+
+struct ep_op {  // what a mixture op's forward leaves for its backward
+  int64_t *n;       // E: this rank's token-choices per expert
+  int64_t *recv_n;  // ep x E/ep: the rows each source sent to each expert held here
+  float *xpad, *hpad;
+  int64_t pad_cap;  // rows xpad and hpad hold
+};
+
+struct fy_ep {
+  int n_ops;
+  struct ep_op *ops;
+  // The flat gradient buffer as runs of experts' or dense elements (fy_ep_all_reduce_grads);
+  // padding between parameters goes with the run before it.
+  int n_runs;
+  struct ep_run { int64_t lo, hi; bool expert; } *runs;
+};
+
+static int by_offset(const void *a, const void *b) {
+  const struct fy_param *x = *(const struct fy_param *const *)a, *y = *(const struct fy_param *const *)b;
+  return (x->offset > y->offset) - (x->offset < y->offset);
+}
+
+// Cuts [0, n_param_elems) into runs where the parameters change between experts and dense.
+static fy_status make_runs(const struct fy_graph *g, struct fy_ep *ep) {
+  const struct fy_param **p = malloc((size_t)(g->n_params + 1) * sizeof *p);
+  ep->runs = malloc((size_t)(g->n_params + 1) * sizeof *ep->runs);
+  if (!p || !ep->runs) {
+    free(p);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  int n = 0;
+  for (int i = 0; i < g->n_params; i++)
+    if (!g->params[i].absent) p[n++] = &g->params[i];
+  qsort(p, (size_t)n, sizeof *p, by_offset);
+  ep->n_runs = 0;
+  for (int i = 0; i < n; i++) {
+    struct ep_run *last = ep->n_runs ? &ep->runs[ep->n_runs - 1] : NULL;
+    if (last && last->expert == p[i]->expert) continue;
+    if (last) last->hi = p[i]->offset;
+    const int64_t lo = last ? p[i]->offset : 0;
+    ep->runs[ep->n_runs++] = (struct ep_run){.lo = lo, .expert = p[i]->expert};
+  }
+  if (ep->n_runs) ep->runs[ep->n_runs - 1].hi = g->n_param_elems;
+  free(p);
+  return FY_OK;
+}
+
+fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
+  const struct fy_graph *g = m->graph;
+  struct fy_ep *ep = calloc(1, sizeof *ep);
+  if (!ep || !(ep->ops = calloc((size_t)g->n_ops, sizeof *ep->ops))) {
+    free(ep);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  ep->n_ops = g->n_ops;
+  fy_status st = make_runs(g, ep);
+  if (st != FY_OK) {
+    fy_ep_free(ep);
+    return st;
+  }
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    struct ep_op *s = &ep->ops[o];
+    s->n = calloc((size_t)op->experts, sizeof *s->n);
+    s->recv_n = calloc((size_t)op->experts, sizeof *s->recv_n);  // (ep x E/ep = E)
+    if (!s->n || !s->recv_n) {
+      fy_ep_free(ep);
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    }
+  }
+  *out = ep;
+  return FY_OK;
+}
+
+void fy_ep_free(struct fy_ep *ep) {
+  if (!ep) return;
+  for (int o = 0; o < ep->n_ops; o++) {
+    free(ep->ops[o].n);
+    free(ep->ops[o].recv_n);
+    free(ep->ops[o].xpad);
+    free(ep->ops[o].hpad);
+  }
+  free(ep->ops);
+  free(ep->runs);
+  free(ep);
+}
+
+static struct fy_moe_dims dims(const struct fy_op_args *a) {
+  const struct fy_op *op = a->op;
+  return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
+                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
+}
+
+// The floats sent to and received from each rank of the group, from the row counts.
+static void counts(const struct ep_op *s, int P, int El, int64_t C, int64_t *send, int64_t *recv, int64_t *rows_in) {
+  *rows_in = 0;
+  for (int p = 0; p < P; p++) {
+    send[p] = recv[p] = 0;
+    for (int e = 0; e < El; e++) send[p] += s->n[p * El + e], recv[p] += s->recv_n[p * El + e];
+    *rows_in += recv[p];
+    send[p] *= C, recv[p] *= C;
+  }
+}
+
+// The blocks held here: source-major, then local expert (ex[i] = i % El, cnt[i] = recv_n[i]).
+static int *block_experts(int P, int El) {
+  int *ex = malloc((size_t)(P * El) * sizeof *ex);
+  for (int i = 0; ex && i < P * El; i++) ex[i] = i % El;
+  return ex;
+}
+
+fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
+  struct fy_model *m = a->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  struct ep_op *s = &m->ep->ops[a->c->op];
+  const struct fy_moe_dims d = dims(a);
+  const int P = g->ep, El = op->experts / P, b = op->has_bias;
+  const int64_t C = d.C, BTK = d.BT * d.K;
+  float *route = fy_engine_act(m, op->aux[0]), *ys = fy_engine_act(m, op->aux[1]);  // (BTK*C <= the slot's)
+  FY_TRY(fy_moe_route(route, s->n, balance, a->in0, c->w[0], &d));
+  // The counts first: each rank learns how many rows each source sends each of its experts.
+  FY_TRY(fy_comm_all_to_all(m->ep_comm, s->n, s->recv_n, (size_t)El));
+  int64_t send[P], recv[P], rows_in;
+  counts(s, P, El, C, send, recv, &rows_in);
+  const int64_t pad = fy_moe_blocks_rows(s->recv_n, P * El);
+  if (pad > s->pad_cap) {
+    free(s->xpad);
+    free(s->hpad);
+    s->xpad = malloc((size_t)(pad * C) * 4);
+    s->hpad = malloc((size_t)(pad * d.F) * 4);
+    s->pad_cap = s->xpad && s->hpad ? pad : 0;
+    if (!s->pad_cap) return fy_error_set(FY_ERR_NOMEM, "%s: cannot keep %lld rows", op->name, (long long)pad);
+  }
+  float *xs = malloc((size_t)((BTK + 2 * rows_in) * C) * 4 + 4);
+  int *ex = block_experts(P, El);
+  fy_status st = xs && ex ? FY_OK : fy_error_set(FY_ERR_NOMEM, "%s: cannot allocate %lld rows", op->name,
+                                                 (long long)(BTK + 2 * rows_in));
+  float *xr = xs + BTK * C, *yr = xr + rows_in * C;
+  if (st == FY_OK) {
+    fy_moe_dispatch(xs, a->in0, route, &d);
+    st = fy_comm_all_to_all_v(m->ep_comm, xs, send, xr, recv);
+  }
+  if (st == FY_OK)
+    st = fy_moe_experts_forward(yr, s->xpad, s->hpad, xr, ex, s->recv_n, P * El, c->w[1], b ? c->w[2] : NULL,
+                                c->w[2 + b], b ? c->w[4] : NULL, &d);
+  if (st == FY_OK) st = fy_comm_all_to_all_v(m->ep_comm, yr, recv, ys, send);  // (the results, back the same way)
+  if (st == FY_OK) fy_moe_combine(a->out, route, ys, &d);
+  free(xs);
+  free(ex);
+  return st;
+}
+
+fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
+  struct fy_model *m = a->m;
+  const struct fy_graph *g = m->graph;
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  const struct ep_op *s = &m->ep->ops[a->c->op];
+  const struct fy_moe_dims d = dims(a);
+  const int P = g->ep, El = op->experts / P, b = op->has_bias;
+  const int64_t C = d.C, BTK = d.BT * d.K;
+  const float *route = fy_engine_act(m, op->aux[0]), *ys = fy_engine_act(m, op->aux[1]);
+  int64_t send[P], recv[P], rows_in;
+  counts(s, P, El, C, send, recv, &rows_in);
+  // dy and dx in the dispatch order (BTK rows each), the weights' gradients, dy and dx as received
+  float *dy = malloc((size_t)((2 * BTK + 2 * rows_in) * C + BTK) * 4 + 4);
+  int *ex = block_experts(P, El);
+  fy_status st = dy && ex ? FY_OK : fy_error_set(FY_ERR_NOMEM, "%s: cannot allocate the rows' gradients", op->name);
+  float *dx = dy + BTK * C, *dyr = dx + BTK * C, *dxr = dyr + rows_in * C, *dw = dxr + rows_in * C;
+  if (st == FY_OK) {
+    fy_moe_combine_backward(dy, dw, a->dout, route, ys, &d);
+    st = fy_comm_all_to_all_v(m->ep_comm, dy, send, dyr, recv);
+  }
+  if (st == FY_OK)
+    st = fy_moe_experts_backward(dxr, c->g[1], b ? c->g[2] : NULL, c->g[2 + b], b ? c->g[4] : NULL, dyr, s->xpad,
+                                 s->hpad, ex, s->recv_n, P * El, c->w[1], c->w[2 + b], El, !a->first[1], &d);
+  if (st == FY_OK) st = fy_comm_all_to_all_v(m->ep_comm, dxr, recv, dx, send);
+  if (st == FY_OK)
+    st = fy_moe_route_backward(fy_engine_dinput(m, op, 0), c->g[0], dw, dx, a->in0, route, c->w[0], s->n, dbalance,
+                               !a->first[0], &d);
+  free(dy);
+  free(ex);
+  return st;
+}
+
+// The runs of the flat gradient buffer (make_runs), each summed over its own group (the all-reduce
+// sums every element in rank order, whatever the runs: the dense ones get the replicas' bits).
+fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep) {
+  const struct fy_ep *ep = m->ep;
+  fy_status st = FY_OK;
+  for (int i = 0; i < ep->n_runs && st == FY_OK; i++) {
+    struct fy_comm *c = ep->runs[i].expert ? rep : dp;
+    if (c && ep->runs[i].hi > ep->runs[i].lo)
+      st = fy_comm_all_reduce(c, m->grads + ep->runs[i].lo, (size_t)(ep->runs[i].hi - ep->runs[i].lo), FY_COMM_F32, NULL);
+  }
+  return st;
+}

@@ -1,0 +1,29 @@
+// Expert parallelism (docs/ranks.md, "Expert parallelism"): within a group of ep data-parallel
+// ranks each holds E/ep experts of every mixture layer (core/graph.h, fy_graph_set_experts), the
+// router and the dense weights whole. A mixture's forward routes this rank's tokens, sends each
+// token's row to the ranks holding its experts and gets their results back (two all-to-alls,
+// fy_comm_all_to_all_v, the row counts exchanged first); its backward sends the rows' gradients
+// the same way and gets the inputs' gradients back. The kernels are ops/cpu/moe_ep.c's.
+#ifndef FY_EP_H
+#define FY_EP_H
+
+#include "runtime/comm.h"
+#include "runtime/engine.h"
+#include "runtime/model.h"
+
+struct fy_ep;
+// The per-op state of a model whose graph has ep > 1 (m->ep), over the group m->ep_comm.
+fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out);
+void fy_ep_free(struct fy_ep *ep);
+// A mixture op's passes under expert parallelism (runtime/engine.c calls them for FY_OP_MOE):
+// collectives over the expert-parallel group, which every rank of it runs in the same order.
+// forward: the op's output and *balance (the load-balancing term of this rank's tokens).
+fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance);
+fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance);
+// The gradients summed over the data-parallel ranks (in rank order, as fy_engine_all_reduce_grads):
+// the dense parameters' over dp (all of them), the experts' over rep, the ranks that hold the same
+// experts (NULL when there is one such rank: nothing to sum). Every expert's gradient every step,
+// whether or not it got a token.
+fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep);
+
+#endif

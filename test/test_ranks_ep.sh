@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Expert parallelism under mpirun (--ep, runtime/ep.h) on opt-moe-tiny (4 experts a mixture layer)
+# against 1 rank accumulating the same micro-batches (the same global batch): ep 2 (2 experts a
+# rank) gives its weights bit for bit without gradient clipping (each source's rows for an expert
+# are one product, as on one rank, and the sources' gradients add in rank order); ep 4 (1 expert a
+# rank) and 4 ranks as 2 groups of ep 2 with clipping (the norm adds the experts' parts in another
+# order) within 1e-5; an ep 2 checkpoint resumes on 1 rank and a 1-rank one under ep 2, bit for
+# bit; experts that get no token (routing forced onto two experts of one rank; with --recompute)
+# train in step with 1 rank, without a hang; layouts that do not fit are refused, naming the numbers.
+# usage: test/test_ranks_ep.sh path/to/ferry            (exit 77 = skipped: no mpirun)
+set -u
+ferry="$1"
+command -v mpirun >/dev/null 2>&1 || { echo "skipped: mpirun is not installed"; exit 77; }
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+mpi=(env ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0" mpirun --allow-run-as-root --oversubscribe -x ASAN_OPTIONS)
+pass=0 fail=0
+ok() { pass=$((pass + 1)); echo "ok    $1"; }
+bad() { fail=$((fail + 1)); echo "FAIL  $1"; }
+
+python3 - "$tmp/data.bin" <<'PY'
+import random, struct, sys
+random.seed(5)
+n = 20000
+t = [(i * 7 + random.randrange(3)) % 97 for i in range(n)]
+open(sys.argv[1], "wb").write(struct.pack("<256i", 20240520, 1, n, *([0] * 253)) + struct.pack("<%dH" % n, *t))
+PY
+# compare REF RUN TOL [WTOL]: the losses and aux_losses of RUN.json (the last steps of REF.json's)
+# within TOL relative, the saved weights within WTOL (default TOL) normalised error; WTOL 0: the
+# same bytes. (Bit-for-bit runs still print losses 1e-6 apart: the ranks sum their losses in fp32.)
+compare() {
+  python3 - "$tmp" "$1" "$2" "$3" "${4:-$3}" <<'PY'
+import json, struct, sys
+d, a, b, tol, wtol = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+la = {r["step"]: (r["loss"], r["aux_loss"]) for r in map(json.loads, open("%s/%s.json" % (d, a)))}
+lb = {r["step"]: (r["loss"], r["aux_loss"]) for r in map(json.loads, open("%s/%s.json" % (d, b)))}
+assert sorted(lb) == sorted(la)[-len(lb):] and lb, (sorted(la), sorted(lb))
+for s in lb:
+    for x, y in zip(la[s], lb[s]):
+        assert abs(x - y) <= tol * abs(x), (s, la[s], lb[s])
+ra, rb = (open("%s/%s/model.safetensors" % (d, x), "rb").read() for x in (a, b))
+def tensors(raw):
+    n = struct.unpack("<Q", raw[:8])[0]
+    hdr = json.loads(raw[8:8 + n])
+    return {k: struct.unpack("<%df" % ((v["data_offsets"][1] - v["data_offsets"][0]) // 4),
+                             raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in hdr.items() if k != "__metadata__"}
+x, y = tensors(ra), tensors(rb)
+assert x.keys() == y.keys() and all(len(x[k]) == len(y[k]) for k in x)
+err = (sum((p - q) ** 2 for k in x for p, q in zip(x[k], y[k])) / sum(p * p for k in x for p in x[k])) ** 0.5
+assert err <= wtol, err
+if wtol == 0: assert ra == rb
+print("  %s vs %s: %d losses and aux_losses within %g, weights %s" % (a, b, len(lb), tol,
+      "the same bytes" if wtol == 0 else "within %.2g" % err))
+PY
+}
+common=(--model opt-moe-tiny --data "$tmp/data.bin" --seq 32 --batch 2 --steps 6 --threads 1 --quiet --comm-timeout 30)
+run() {  # run NAME RANKS [options...]: 1 rank accumulating RANKS micro-batches, or RANKS ranks
+  local name="$1" n="$2"; shift 2
+  if [ "$n" = 1 ]; then "$ferry" train "${common[@]}" --log "$tmp/$name.json" --save "$tmp/$name" "$@" >"$tmp/$name.out" 2>&1
+  else "${mpi[@]}" -np "$n" "$ferry" train "${common[@]}" --log "$tmp/$name.json" --save "$tmp/$name" "$@" >"$tmp/$name.out" 2>&1
+  fi || { bad "$name trains"; cat "$tmp/$name.out"; }
+}
+
+run one2 1 --grad-accum 2 --clip 0
+run ep2 2 --ep 2 --clip 0
+compare one2 ep2 1e-6 0 && ok "ep 2 (2 experts a rank): 1 rank's weights bit for bit (no clipping)" || bad "ep 2 differs from 1 rank"
+run one4 1 --grad-accum 4
+run ep4 4 --ep 4
+compare one4 ep4 1e-5 && ok "ep 4 (1 expert a rank) within 1e-5 of 1 rank (gradient clipping on)" || bad "ep 4 differs from 1 rank"
+run dp2ep2 4 --ep 2
+compare one4 dp2ep2 1e-5 && ok "4 ranks as 2 groups of ep 2 (experts' gradients summed over the replicas) within 1e-5 of 1 rank" \
+  || bad "2 groups of ep 2 differ from 1 rank"
+# Each rank holds its experts alone: the model state of ep 4 is smaller than 1 rank's.
+python3 - "$tmp/one4.json" "$tmp/ep4.json" <<'PY' && ok "ep 4 holds less state than 1 rank" || bad "ep 4's state"
+import json, sys
+one, ep = (json.loads(open(p).readline())["device_peak_mib"] for p in sys.argv[1:])
+assert ep < one, (one, ep)
+print("  device peak %.3f MiB on 1 rank, %.3f MiB on each rank of ep 4" % (one, ep))
+PY
+
+# Checkpoints stay layout-free: ep 2 stops after 4 steps, 1 rank resumes; 1 rank stops, ep 2 resumes.
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --clip 0 --ep 2 --save "$tmp/ck_ep" --save-every 100 --stop-after 3 \
+  >"$tmp/ck_ep.out" 2>&1 || { bad "ep 2 checkpoints"; cat "$tmp/ck_ep.out"; }
+run res1 1 --grad-accum 2 --clip 0 --resume "$tmp/ck_ep"
+compare one2 res1 1e-6 0 && ok "an ep 2 checkpoint resumes on 1 rank bit for bit" || bad "ep 2 -> 1 rank resume differs"
+"$ferry" train "${common[@]}" --clip 0 --grad-accum 2 --save "$tmp/ck_one" --save-every 100 --stop-after 3 \
+  >"$tmp/ck_one.out" 2>&1 || { bad "1 rank checkpoints"; cat "$tmp/ck_one.out"; }
+run res2 2 --ep 2 --clip 0 --resume "$tmp/ck_one"
+compare one2 res2 1e-6 0 && ok "a 1-rank checkpoint resumes under ep 2 bit for bit" || bad "1 rank -> ep 2 resume differs"
+
+# Starved experts: layer 1's and 3's final_layer_norm weight 0 and a gate that prefers experts 0 and
+# 1 for its bias make every token choose experts 0 and 1 (both on rank 0 under ep 2): rank 1's
+# experts get no row, rank 1 sends all of its rows away, and every gradient is still summed.
+python3 - "$tmp/one2/model.safetensors" "$tmp/starve" <<'PY'
+import json, os, struct, sys
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+hdr = json.loads(raw[8:8 + n])
+data = bytearray(raw[8 + n:])
+def put(name, values):
+    a, b = hdr[name]["data_offsets"]
+    assert (b - a) // 4 == len(values)
+    data[a:b] = struct.pack("<%df" % len(values), *values)
+for l in (1, 3):
+    C = hdr["model.decoder.layers.%d.final_layer_norm.weight" % l]["shape"][0]
+    put("model.decoder.layers.%d.final_layer_norm.weight" % l, [0.0] * C)
+    put("model.decoder.layers.%d.final_layer_norm.bias" % l, [1.0] * C)
+    put("model.decoder.layers.%d.block_sparse_moe.gate.weight" % l, sum(([c / C] * C for c in (3, 2, -3, -3)), []))
+os.makedirs(sys.argv[2])
+open(os.path.join(sys.argv[2], "model.safetensors"), "wb").write(raw[:8 + n] + bytes(data))
+cfg = os.path.join(os.path.dirname(sys.argv[1]), "config.json")
+open(os.path.join(sys.argv[2], "config.json"), "w").write(open(cfg).read())
+PY
+run starve1 1 --grad-accum 2 --clip 0 --init "$tmp/starve"
+run starve2 2 --ep 2 --clip 0 --init "$tmp/starve" --recompute  # (recomputed forwards move the rows again)
+compare starve1 starve2 1e-6 0 && ok "experts that get no token (and --recompute): ep 2 finishes, bit for bit 1 rank's run" || bad "starved experts under ep 2"
+python3 - "$tmp/starve/model.safetensors" "$tmp/starve2/model.safetensors" <<'PY' && ok "the starved experts' fc1 moved by weight decay alone" || bad "the starved experts"
+import json, struct, sys
+def t(path, name):
+    raw = open(path, "rb").read(); n = struct.unpack("<Q", raw[:8])[0]; h = json.loads(raw[8:8 + n])[name]
+    a, b = h["data_offsets"]; return h["shape"], struct.unpack("<%df" % ((b - a) // 4), raw[8 + n + a:8 + n + b])
+name = "model.decoder.layers.1.block_sparse_moe.experts.fc1.weight"
+(shape, w0), (_, w1) = t(sys.argv[1], name), t(sys.argv[2], name)
+half = len(w0) // 2  # experts 2 and 3: the second half of the stacked rows
+r = [b / a for a, b in zip(w0[half:], w1[half:]) if abs(a) > 1e-3]
+assert r and max(r) - min(r) < 1e-5 and max(r) < 1, (min(r), max(r))  # one factor (1 - lr wd) a step for all
+assert any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(w0[:half], w1[:half]))  # the chosen ones trained
+PY
+
+# Layouts that do not fit, refused before anything is allocated.
+out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"
+[ $? -ne 0 ] && grep -q -- "--ep 4 does not divide the 2 data-parallel ranks" <<<"$out" && ok "ep 4 on 2 ranks refused" \
+  || { bad "ep 4 on 2 ranks"; echo "$out" | tail -3; }
+out="$("${mpi[@]}" -np 3 "$ferry" train "${common[@]}" --ep 3 2>&1)"
+[ $? -ne 0 ] && grep -q -- "--ep 3 does not divide the 4 experts" <<<"$out" && ok "ep 3 of 4 experts refused" \
+  || { bad "ep 3 of 4 experts"; echo "$out" | tail -3; }
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
