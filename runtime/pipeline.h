@@ -17,7 +17,9 @@
 // with tensor-parallel groups within the stages. --save, checkpoints and --resume go parameter by
 // parameter (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each
 // stage reads its own tensors), so no rank holds the whole model and any layout resumes any
-// other's. Not yet: the sim and cuda devices, offloading, the interleaved schedule.
+// other's. On --device cuda (fy_pipeline_create_gpu) the stage's model is resident on its GPU
+// and the messages go by NCCL send/recv (runtime/pipeline_cuda.h). Not yet: the sim device,
+// offloading, the interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 
@@ -43,6 +45,10 @@ struct fy_pipeline;
 // them while the pipeline lives (NULL after fy_pipeline_free).
 fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
                              struct fy_pipeline **out);
+// The same on a GPU: m on a cuda device with its kernels attached, the activations and their
+// gradients sent over nccl (the same ranks as comm, a nccl communicator; not owned).
+fy_status fy_pipeline_create_gpu(struct fy_model *m, struct fy_comm *comm, struct fy_comm *nccl, int pp, int stage,
+                                 int max_micro, struct fy_pipeline **out);
 void fy_pipeline_free(struct fy_pipeline *p);
 bool fy_pipeline_is_last(const struct fy_pipeline *p);
 

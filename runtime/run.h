@@ -28,6 +28,7 @@ struct run {
   // tp_rank; pp_comm holds one pipeline's stages in order (NULL for pp 1), pipe its schedule.
   int pp, pp_rank;
   struct fy_comm *pp_comm;
+  struct fy_comm *pp_compute;  // on GPUs: pp_comm's ranks as a nccl communicator (the stages' messages)
   struct fy_pipeline *pipe;
   // The groups of the ops' pattern hooks (sim and GPUs: on the compute stream); on GPUs with
   // resident parameters dp_compute also sums the replicas' gradients (nccl).

@@ -89,7 +89,10 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s with --tp %d: tensor-parallel slices keep fp32 AdamW "
                         "state (use --optimizer-state fp32)", e->optimizer_state, e->tp);
   if (e->pp > 1) {  // (what pipeline stages do not run yet: docs/ranks.md, "Pipeline parallelism")
-    const char *no = e->device && strcmp(e->device, "cpu") != 0 ? "--device sim or cuda (stages run on --device cpu)"
+    const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
+    const char *no = e->device && strcmp(e->device, "cpu") != 0 && !cuda ? "--device sim (stages run on --device cpu and cuda)"
+                     : cuda && e->offload                      ? "--device cuda --offload (stages on GPUs run resident)"
+                     : cuda && e->tp > 1                       ? "--tp on GPUs (stages on GPUs run without tensor parallelism)"
                      : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"

@@ -568,7 +568,7 @@ refused "--pp 3 with 4 layers" "--pp 3 does not divide the model's 4 decoder lay
 refused "--pp 4 with opt-tiny's 2 layers" "more pipeline stages than the model's 2 decoder layers" 4 --model opt-tiny --batch 4 --pp 4
 refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3 --model "$tmp/cfg-untied" --batch 4 --pp 2
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
-refused "--pp 2 on --device sim" "--pp 2 with --device sim or cuda .*: not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --device sim
+refused "--pp 2 on --device sim" "--pp 2 with --device sim .*: not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --device sim
 refused "--pp 2 with --val-data" "not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --val-data "$tmp/data.bin"
 if "${mpi[@]}" -np 2 "$ferry" eval --model "$tmp/cfg-untied" --data "$tmp/data.bin" --seq 32 --batch 2 --pp 2 \
   >"$tmp/evpp.out" 2>&1; then bad "ferry eval --pp 2 is accepted"
