@@ -335,7 +335,18 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
 
 fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp) {
   struct fy_model *m = p->m;
-  if (p->gpu) return fy_error_set(FY_ERR_UNSUPPORTED, "data parallelism across pipelines on GPUs: not supported yet");
+  if (p->gpu) {  // dp a nccl communicator: summed where the kernels run, in the dtype the optimizer reads
+    const bool b16 = fy_model_grads_16(m);
+    char *base = b16 ? (char *)m->cgrads : (char *)m->grads;
+    const size_t es = b16 ? 2 : 4;
+    const enum fy_reduce_dtype dt = b16 ? FY_COMM_BF16 : FY_COMM_F32;
+    if (p->own_lo < p->own_hi)
+      FY_TRY(m->kernels->all_reduce(m, dp, base + (size_t)p->own_lo * es, (size_t)(p->own_hi - p->own_lo), dt));
+    if (p->tied >= 0 && !p->owned[p->tied])
+      FY_TRY(m->kernels->all_reduce(m, dp, base + (size_t)m->graph->params[p->tied].offset * es,
+                                    (size_t)m->graph->params[p->tied].numel, dt));
+    return FY_OK;
+  }
   if (p->own_lo < p->own_hi)
     FY_TRY(fy_comm_all_reduce(dp, m->grads + p->own_lo, (size_t)(p->own_hi - p->own_lo), FY_COMM_F32, NULL));
   if (p->tied >= 0 && !p->owned[p->tied])  // (the last stage's copy of the tied embedding's)

@@ -63,7 +63,8 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
 fy_status fy_pipeline_sum_tied(struct fy_pipeline *p);
 // Data parallelism across pipelines: this stage's parameters' gradients (m->grads) summed over dp
 // (the ranks of the same stage in the other pipelines), in place, as fy_engine_all_reduce_grads
-// sums them (the same bits), the rest of the buffer left alone.
+// sums them (the same bits), the rest of the buffer left alone. On GPUs dp is a nccl
+// communicator, and the sum is queued on the kernels' stream.
 fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp);
 // The global gradient norm (sum of squares of this stage's own parameters, with a tensor-parallel
 // group's parts, added over the stages in stage order; the tied weight counted once), scaled as

@@ -631,9 +631,6 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     // several ranks are replicas, one GPU each, whose gradients NCCL sums.
     FY_TRY(open_gpu(o, r));
     FY_TRY(resident_fits(o, r));
-    if (r->pp > 1 && r->dp > 1)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d on %d ranks with --device cuda: data parallelism across "
-                          "pipelines on GPUs is not supported yet (run %d ranks)", r->pp, r->world, r->pp);
     if (r->dp > 1) {
       st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
