@@ -109,6 +109,23 @@ fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems, struct
   return FY_OK;
 }
 
+void fy_chunk_layout_keep_ops(struct fy_chunk_layout *l, int n_ops, int lo, int hi) {
+  for (int i = 0; i < l->n_chunks; i++) l->chunks[i].first_use = l->chunks[i].last_use = -1, l->chunks[i].n_users_bwd = 0;
+  int n = 0;
+  for (int o = 0; o < n_ops; o++) {
+    const int a = l->op_first[o], b = l->op_first[o + 1];
+    l->op_first[o] = n;
+    if (o < lo || o >= hi) continue;
+    for (int k = a; k < b; k++) {  // (n <= a: moved down in place)
+      struct fy_chunk *cc = &l->chunks[l->op_chunks[n++] = l->op_chunks[k]];
+      if (cc->first_use < 0) cc->first_use = o;
+      cc->last_use = o;
+      cc->n_users_bwd++;
+    }
+  }
+  l->op_first[n_ops] = n;
+}
+
 void fy_chunk_layout_free(struct fy_chunk_layout *l) {
   if (!l) return;
   free(l->chunks);

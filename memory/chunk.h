@@ -55,6 +55,10 @@ int64_t fy_chunk_min_elems(const struct fy_graph *g);
 fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems,
                                  struct fy_chunk_layout **out);
 void fy_chunk_layout_free(struct fy_chunk_layout *l);
+// A pipeline stage's layout (runtime/pipeline.h): only ops [lo, hi) of the graph's n_ops use chunks,
+// and each chunk's users are counted among them (a tied embedding's chunk has one backward use on
+// the first stage and one on the last, not the two of the whole graph).
+void fy_chunk_layout_keep_ops(struct fy_chunk_layout *l, int n_ops, int lo, int hi);
 // The device blocks a pass needs at once: the most chunks one op uses (chunks that backward has
 // started writing gradients into can be spilled, so they need not stay).
 int fy_chunk_min_blocks(const struct fy_chunk_layout *l, int n_ops);

@@ -162,6 +162,11 @@ fy_status fy_model_create_with(const struct fy_opt_config *cfg, int64_t B, int64
     if (st == FY_OK) fy_graph_set_stage(m->graph, lo, hi);
   }
   if (st == FY_OK) st = fy_chunk_layout_create(m->graph, opts ? opts->chunk_elems : 0, &m->layout);
+  if (st == FY_OK && opts && opts->pp > 1) {  // (the offload engine's chunks: the stage's ops use them)
+    int lo, hi;
+    fy_graph_stage_ops(m->graph, cfg->num_hidden_layers, opts->pp, opts->pp_stage, &lo, &hi);
+    fy_chunk_layout_keep_ops(m->layout, m->graph->n_ops, lo, hi);
+  }
   if (st != FY_OK) {
     free(m->patterns);
     fy_graph_free(m->graph);

@@ -164,6 +164,16 @@ struct fy_offload {
   float **w_home;       // own_weights: this rank's weights of each chunk (S floats; NULL: on disk)
   float *gather_buf;    // sharded: chunk_elems floats for fy_offload_state_out
   int64_t device_state_bytes;  // device memory the shards took (the device's counter, before/after)
+  // A pipeline stage (fy_offload_opts.stage_hi): the actions are those of ops [stage_lo, stage_hi),
+  // [0, n_fwd) the forward's and the rest the backward's; c_stage takes the norm's sum over the
+  // stages and the tied embedding's gradient (tied: the parameter read by this stage and another,
+  // or -1). norm_skip: the parameters another stage counts in the norm (the tied one on the last);
+  // zero_first: those whose first gradient of a backward another stage writes, so this stage's
+  // part starts from zero (the tied one on the first), zeroed[] this half-pass.
+  bool staged;
+  int stage_lo, stage_hi, n_fwd, tied;
+  struct fy_comm *c_stage;
+  bool *norm_skip, *zero_first, *zeroed;
   // The first error a host function met (its message: fy_error is per thread).
   pthread_mutex_t err_lock;
   fy_status async_st;
@@ -652,7 +662,7 @@ static fy_status make_grad_order(struct fy_offload *x) {
   return st;
 }
 
-static fy_status create_pass(struct fy_offload *x) {
+static fy_status create_pass(struct fy_offload *x, const struct fy_offload_opts *o) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
@@ -664,16 +674,30 @@ static fy_status create_pass(struct fy_offload *x) {
   } else {
     x->n_actions = fy_graph_pass_actions(g, x->actions);
   }
-  // The cache's trace: the accesses of chunks it manages (not those kept on the device).
+  x->n_fwd = x->n_actions;
+  if (x->staged) {  // the stage's ops' actions: their forward, then their backward (recomputation's too)
+    int n = 0;
+    for (int a = 0; a < x->n_actions; a++)
+      if (x->actions[a].op >= x->stage_lo && x->actions[a].op < x->stage_hi) x->actions[n++] = x->actions[a];
+    x->n_actions = n;
+    for (x->n_fwd = 0; x->n_fwd < n && x->actions[x->n_fwd].kind == FY_ACT_FORWARD;) x->n_fwd++;
+  }
+  // The cache's trace: the accesses of chunks it manages (not those kept on the device), of a
+  // pass, or of a pipeline stage's step: its half-passes in the schedule's order.
+  const int n_parts = x->staged ? o->n_schedule : 1;
   int64_t n = 0;
   for (int a = 0; a < x->n_actions; a++) n += l->op_first[x->actions[a].op + 1] - l->op_first[x->actions[a].op];
-  int32_t *trace = calloc((size_t)n + 1, sizeof *trace);
+  int32_t *trace = calloc((size_t)n * (size_t)n_parts + 1, sizeof *trace);
   if (!trace) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the trace");
   n = 0;
-  for (int a = 0; a < x->n_actions; a++) {
-    int o = x->actions[a].op;
-    for (int k = l->op_first[o]; k < l->op_first[o + 1]; k++)
-      if (l->op_chunks[k] >= x->n_dev) trace[n++] = l->op_chunks[k];
+  for (int part = 0; part < n_parts; part++) {
+    const bool fwd = x->staged && o->schedule[part];
+    const int a0 = x->staged && !fwd ? x->n_fwd : 0, a1 = fwd ? x->n_fwd : x->n_actions;
+    for (int a = a0; a < a1; a++) {
+      int op = x->actions[a].op;
+      for (int k = l->op_first[op]; k < l->op_first[op + 1]; k++)
+        if (l->op_chunks[k] >= x->n_dev) trace[n++] = l->op_chunks[k];
+    }
   }
   fy_status st = fy_trace_create(trace, n, l->n_chunks, &x->trace);
   free(trace);
@@ -690,6 +714,36 @@ static fy_status create_pass(struct fy_offload *x) {
   }
   x->loss_sums = calloc((size_t)x->max_micro, sizeof *x->loss_sums);
   if (!x->loss_sums) return fy_error_set(FY_ERR_NOMEM, "cannot allocate the pass");
+  return FY_OK;
+}
+
+// A pipeline stage: which of its parameters another stage also reads (a tied embedding), and the
+// communicator over the stages.
+static fy_status create_stage(struct fy_offload *x, const struct fy_offload_opts *o) {
+  const struct fy_graph *g = x->m->graph;
+  x->staged = true;
+  x->stage_lo = o->stage_lo;
+  x->stage_hi = o->stage_hi;
+  x->tied = -1;
+  if (x->forward_only || x->lag)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline stage's engine trains without %s",
+                        x->lag ? "--optimizer-lag" : "forward-only passes");
+  if (!o->stage_comm || !o->schedule || o->n_schedule < 2)
+    return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine needs its stages' communicator and schedule");
+  FY_TRY(fy_comm_split(o->stage_comm, 0, fy_comm_rank(o->stage_comm), &x->c_stage));
+  x->norm_skip = calloc((size_t)g->n_params + 1, sizeof *x->norm_skip);
+  x->zero_first = calloc((size_t)g->n_params + 1, sizeof *x->zero_first);
+  x->zeroed = calloc((size_t)g->n_params + 1, sizeof *x->zeroed);
+  if (!x->norm_skip || !x->zero_first || !x->zeroed) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int i = 0; i < g->n_params; i++) {
+    const struct fy_param *p = &g->params[i];
+    if (p->absent) continue;
+    const bool first_here = p->first_use >= x->stage_lo && p->first_use < x->stage_hi,
+               last_here = p->last_use >= x->stage_lo && p->last_use < x->stage_hi;
+    x->norm_skip[i] = !first_here;
+    x->zero_first[i] = !last_here;
+    if (first_here != last_here) x->tied = i;
+  }
   return FY_OK;
 }
 
@@ -744,6 +798,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->weights16 = !x->own_weights && !m->params;
   if (st == FY_OK && x->weights16 && (!x->forward_only || m->compute_dtype == FY_F32))
     st = fy_error_set(FY_ERR_INVALID, "a model without its weights offloads unsharded only to evaluate in 16 bits");
+  if (st == FY_OK && o->stage_hi > 0) st = create_stage(x, o);
   if (st == FY_OK) st = create_streams(x);
   if (st == FY_OK) st = create_chunks(x, o);
   if (st == FY_OK) st = fy_wait_profile_create(x->compute, &x->wprof);
@@ -751,7 +806,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
     x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
-  if (st == FY_OK) st = create_pass(x);
+  if (st == FY_OK) st = create_pass(x, o);
   if (st != FY_OK) {
     fy_offload_free(x);
     return st;
@@ -838,6 +893,10 @@ void fy_offload_free(struct fy_offload *x) {
   fy_comm_free(x->c_scatter);
   fy_comm_free(x->c_optim);
   fy_comm_free(x->c_optim_tp);
+  fy_comm_free(x->c_stage);
+  free(x->norm_skip);
+  free(x->zero_first);
+  free(x->zeroed);
   disk_drain(x);
   float *bufs[] = {x->disk_g, x->disk_m[0], x->disk_v[0], x->disk_m[1], x->disk_v[1], x->wb_disk, x->wb_disk_sum};
   for (int i = 0; i < 7; i++)
@@ -1045,8 +1104,9 @@ static fy_status kernels_sumsq(struct fy_offload *x, int c, const void *grad);
 // starts where the trace does.
 // Decoding (kv set): a forward pass over the batch's first n tokens at the cache's positions, their
 // attention against the cache, no loss.
-static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale,
-                          bool forward_alone, struct fy_kv_cache *kv, int64_t n) {
+// A pipeline stage's half-pass is the actions [a0, a1) alone (its forward's or its backward's).
+static fy_status run_actions(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale,
+                             bool forward_alone, struct fy_kv_cache *kv, int64_t n, int a0, int a1) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_chunk_layout *l = m->layout;
@@ -1080,8 +1140,8 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   db->row0 = batch->row0;
   db->no_dropout = forward_alone;
   const int64_t pass_start = x->pos;
-  const int n_actions = forward_alone ? g->n_ops : x->n_actions;
-  x->loss_sums[micro] = 0;
+  if (a0 == 0) x->loss_sums[micro] = 0;
+  if (x->zeroed) memset(x->zeroed, 0, (size_t)g->n_params * sizeof *x->zeroed);
   fy_device_cache_begin_pass(x->cache);
   memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);
   if (x->chome && !m->cparams_fresh) {  // the master weights were set (initialised, loaded, resumed)
@@ -1106,7 +1166,7 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
 
   float *base[FY_OP_MAX_PARAMS];
   int chunk_of[FY_OP_MAX_PARAMS];
-  for (int a = 0; a < n_actions; a++) {
+  for (int a = a0; a < a1; a++) {
     const struct fy_action *act = &x->actions[a];
     const struct fy_op *op = &g->ops[act->op];
     struct fy_op_call *c = &x->calls[p][a];
@@ -1132,6 +1192,14 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
       }
     }
     if (act->kind == FY_ACT_FORWARD) c->loss_sum = &x->loss_sums[micro];
+    // A pipeline stage's part of a gradient whose first write is another stage's (the tied
+    // embedding on the first stage): from zero, as that stage's part starts (fy_offload_update sums them).
+    for (int k = 0; x->zero_first && act->kind == FY_ACT_BACKWARD && k < op->n_params; k++) {
+      const int i = op->params[k];
+      if (!x->zero_first[i] || x->zeroed[i]) continue;
+      x->zeroed[i] = true;
+      FY_TRY(x->dev->ops->memset_async(x->compute, c->g[k], 0, (size_t)g->params[i].numel * x->esize));
+    }
     if (kv && op->kind == FY_OP_ATTENTION) {  // against the cache (GPU kernels, on the compute stream)
       FY_TRY(fy_kv_cache_attend(kv, m, act->op, n));
     } else if (launches_kernels(m)) {  // GPU kernels: launched now, on the compute stream, in order
@@ -1158,8 +1226,31 @@ static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, in
   return FY_OK;
 }
 
+static fy_status run_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale,
+                          bool forward_alone, struct fy_kv_cache *kv, int64_t n) {
+  if (x->staged) return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine runs half-passes (fy_offload_stage_pass)");
+  return run_actions(x, batch, micro, loss_scale, forward_alone, kv, n, 0, forward_alone ? x->m->graph->n_ops : x->n_actions);
+}
+
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale) {
   return run_pass(x, batch, micro, loss_scale, false, NULL, 0);
+}
+
+fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, bool forward,
+                                float loss_scale, double *loss_sum) {
+  if (!x->staged) return fy_error_set(FY_ERR_INVALID, "fy_offload_stage_pass: not a pipeline stage's engine");
+  // A step's first half-pass starts the trace's step again (a step of fewer micro-batches than the
+  // schedule's left the rest of the last one unread).
+  const int64_t len = fy_trace_length(x->trace);
+  if (forward && micro == 0 && len > 0 && x->pos % len != 0) x->pos += len - x->pos % len;
+  const int p = x->parity, a0 = forward ? 0 : x->n_fwd, a1 = forward ? x->n_fwd : x->n_actions;
+  FY_TRY(run_actions(x, batch, micro, loss_scale, false, NULL, 0, a0, a1));
+  FY_TRY(fy_event_sync(x->pass_done[p]));  // (the activations it wrote are read, or sent, next)
+  FY_TRY(async_status(x));
+  for (int a = a0; a < a1; a++)
+    if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
+  if (loss_sum) *loss_sum = forward ? x->loss_sums[micro] : 0;
+  return FY_OK;
 }
 
 // ---- the optimizer, per chunk on the optimizer stream ----
@@ -1198,8 +1289,10 @@ static void norm_fn(void *arg) {
   struct step_args *a = &x->args[j->q];
   const struct fy_graph *g = x->m->graph;
   double s[2] = {0, 0};  // whole parameters, tensor-parallel slices
-  for (int i = 0; i < g->n_params; i++)
+  for (int i = 0; i < g->n_params; i++) {
+    if (g->params[i].absent || (x->norm_skip && x->norm_skip[i])) continue;  // (another stage's)
     s[g->params[i].split_dim >= 0] += g->params[i].chunk < x->n_dev || x->sums_on_device ? x->host_sums[i] : x->sumsq[i];
+  }
   // Every rank's sums, added in rank order (the same bits on every rank): the shards over the
   // data-parallel ranks, then the slices over the tensor-parallel ones. Doubles travel as words.
   fy_status st = FY_OK;
@@ -1222,6 +1315,14 @@ static void norm_fn(void *arg) {
     if ((st = fy_comm_all_gather(x->c_optim_tp, &s[1], all, 2, FY_COMM_F32, NULL)) == FY_OK) {
       s[1] = 0;
       for (int r = 0; r < g->tp; r++) s[1] += all[r];
+    }
+  }
+  if (st == FY_OK && x->c_stage) {  // a pipeline's stages, added in stage order (the same bits on each)
+    const int n = fy_comm_size(x->c_stage);
+    double mine = s[0] + s[1], all[n];
+    if ((st = fy_comm_all_gather(x->c_stage, &mine, all, 2, FY_COMM_F32, NULL)) == FY_OK) {
+      s[0] = s[1] = 0;
+      for (int r = 0; r < n; r++) s[0] += all[r];
     }
   }
   if (st != FY_OK) {
@@ -1486,9 +1587,57 @@ fy_status fy_offload_decode(struct fy_offload *x, struct fy_kv_cache *kv, const 
   return fy_kv_cache_advance(kv, x->m, n, logits);
 }
 
+enum { TAG_TIED_GRAD = 1 << 22 };  // (the stages' point-to-point messages of the tied gradient)
+
+// A pipeline's tied embedding: this rank's part of its gradient, summed between the first stage
+// (the embedding's part) and the last (the lm_head's), the same bits on both: lm_head's + the
+// embedding's, the order one rank adds them in. The stages' chunk layouts have the same chunk
+// size and the tied weight at the start of chunk 0 (its first use is the first op), so both ends
+// hold the same elements of it (with sharding, this data-parallel rank's). After the step's passes.
+static fy_status sum_tied(struct fy_offload *x) {
+  const int n_stages = fy_comm_size(x->c_stage), me = fy_comm_rank(x->c_stage);
+  if (n_stages == 1 || (me != 0 && me != n_stages - 1)) return FY_OK;
+  const struct fy_param *p = &x->m->graph->params[x->tied];
+  const int c = p->chunk;
+  if (grads_dtype(x, c) != FY_F32)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline's tied embedding with %s gradients: not supported yet",
+                        fy_dtype_name(grads_dtype(x, c)));
+  const int64_t lo = c < x->n_dev ? 0 : x->lo, hi = lo + state_elems(x, c);
+  const int64_t a = p->chunk_offset > lo ? p->chunk_offset : lo,
+                b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
+  if (a >= b) return FY_OK;  // (none of it in this rank's shard, on either end)
+  FY_TRY(fy_stream_sync(x->compute));
+  FY_TRY(fy_stream_sync(x->copy_out));  // (its write-backs are home)
+  FY_TRY(fy_stream_sync(x->optim));  // (the last step's updates done with the disk's requests)
+  FY_TRY(async_status(x));
+  const size_t bytes = (size_t)(b - a) * 4;
+  float *mine = malloc(bytes), *theirs = malloc(bytes), *home = (float *)chunk_grads(x, c);
+  fy_status st = mine && theirs ? FY_OK : fy_error_set(FY_ERR_NOMEM, "out of memory");
+  // Wherever they live (host tier, device, disk): through the copy engine or the disk.
+  if (st == FY_OK && home) st = fy_copy_async(x->copy_out, mine, home + (a - lo), bytes);
+  if (st == FY_OK && home) st = fy_stream_sync(x->copy_out);
+  if (st == FY_OK && !home) st = disk_io(x, false, c, disk_off(x, c, 0) + (size_t)(a - lo) * 4, mine, bytes, x->req_g);
+  const bool last = me == n_stages - 1;
+  const int peer = last ? 0 : n_stages - 1;
+  struct fy_comm_req *req = NULL;
+  if (st == FY_OK) st = fy_comm_isend(x->c_stage, mine, bytes, peer, TAG_TIED_GRAD, &req);
+  if (st == FY_OK) st = fy_comm_recv(x->c_stage, theirs, bytes, peer, TAG_TIED_GRAD);
+  fy_status w = fy_comm_wait(x->c_stage, req);
+  if (st == FY_OK) st = w;
+  float *sum = theirs;  // (mine may still be read by the send until it is waited for: done)
+  for (int64_t i = 0; st == FY_OK && i < b - a; i++) sum[i] = last ? mine[i] + theirs[i] : theirs[i] + mine[i];
+  if (st == FY_OK && home) st = fy_copy_async(x->copy_out, home + (a - lo), sum, bytes);
+  if (st == FY_OK && home) st = fy_stream_sync(x->copy_out);
+  if (st == FY_OK && !home) st = disk_io(x, true, c, disk_off(x, c, 0) + (size_t)(a - lo) * 4, sum, bytes, x->req_g);
+  free(mine);
+  free(theirs);
+  return st == FY_OK ? FY_OK : fy_error_wrap(st, "summing the tied embedding's gradient between the pipeline's ends");
+}
+
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double *norm, double *loss_sum, bool *skipped) {
   if (x->forward_only) return fy_error_set(FY_ERR_INVALID, "fy_offload_update: a forward-only engine");
+  if (x->staged && x->tied >= 0) FY_TRY(sum_tied(x));
   int q = x->step_parity;
   x->step_parity ^= 1;
   FY_TRY(fy_event_sync(x->updates_done[q]));  // the arguments of two steps ago are free
@@ -1730,8 +1879,8 @@ fy_status fy_offload_state_out(struct fy_offload *x, float *params, float *m, fl
 }
 
 void fy_offload_set_step(struct fy_offload *x, int64_t step) {
-  struct fy_comm *cs[] = {x->c_gather, x->c_scatter, x->c_optim};
-  for (int i = 0; i < 3; i++)
+  struct fy_comm *cs[] = {x->c_gather, x->c_scatter, x->c_optim, x->c_stage};
+  for (int i = 0; i < 4; i++)
     if (cs[i]) fy_comm_set_step(cs[i], step);
 }
 

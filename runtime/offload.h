@@ -72,6 +72,16 @@ struct fy_offload_opts {
   // bytes a parameter more; each device chunk keeps its gradients a step, esize bytes a parameter
   // of device memory). fy_offload_drain applies what is pending. 0: the exact step.
   int optimizer_lag;
+  // A pipeline stage (runtime/pipeline.h; the model made for it, fy_model_opts.pp): the engine runs
+  // the graph's ops [stage_lo, stage_hi) alone, a micro-batch's forward and backward as two
+  // half-passes (fy_offload_stage_pass), in the order schedule[0 .. n_schedule) gives for a step
+  // (true: a forward; the cache's trace follows it). stage_comm, the pipeline's ranks in stage
+  // order (duplicated), takes the gradient norm's sum over the stages and a tied embedding's
+  // gradient, summed between the first and the last stage by fy_offload_update. stage_hi 0: none.
+  int stage_lo, stage_hi;
+  const bool *schedule;
+  int n_schedule;
+  struct fy_comm *stage_comm;
 };
 
 struct fy_offload;
@@ -104,6 +114,13 @@ bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro);
 // Enqueues forward and backward of micro-batch `micro` (0-based within the step); its gradients
 // are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale);
+// A pipeline stage's half-pass of micro-batch `micro` (0-based within the step): its ops' forward
+// (forward true; *loss_sum receives the micro-batch's sum of token losses, 0 but on the last
+// stage) or their backward, whose gradients are written (micro 0) or added to the host gradients.
+// Reads and writes the activations at m->acts and m->dacts, and returns once they are done (the
+// activation leaving the stage, or the gradient of the one entering it, may then be sent).
+fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, bool forward,
+                                float loss_scale, double *loss_sum);
 // Enqueues the optimizer for the step (global norm, clipping, AdamW per chunk) on gradients
 // multiplied by grad_scale (1/loss scale), and waits until the norm is known. A norm that is not
 // finite updates nothing and sets *skipped. loss_sum[i] receives micro-batch i's sum of token

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "runtime/engine.h"
+#include "runtime/offload.h"
 #include "runtime/pipeline_cuda.h"
 
 // Message tags: a stage sends activations forward and gradients backward; between two ranks with
@@ -14,6 +15,7 @@ enum { TAG_ACT = 1 << 20, TAG_GRAD, TAG_TIED };
 
 struct fy_pipeline {
   struct fy_model *m;
+  struct fy_offload *x;    // the offload engine running the stage's ops (fy_pipeline_set_offload), or NULL
   struct fy_comm *comm;
   int pp, stage;
   int lo, hi;              // this stage's ops
@@ -93,8 +95,9 @@ static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm
                         int max_micro, struct fy_pipeline **out) {
   *out = NULL;
   const struct fy_graph *g = m->graph;
-  if (m->host || (m->device_memory && !nccl) || !m->grads)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on resident models (cpu, cuda) for now");
+  if ((m->device_memory && !nccl) || (!m->host && !m->grads))  // (offloaded: the engine keeps the gradients)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on resident models (cpu, cuda) and offloaded (sim, "
+                        "cuda --offload) for now");
   for (int i = 0; i < g->n_params; i++)  // (fy_model_opts.pp: the stage's parameters alone)
     if (!g->params[i].absent && g->params[i].offset < 0)
       return fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s has no place", stage, g->params[i].name);
@@ -215,7 +218,24 @@ fy_status fy_pipeline_create_gpu(struct fy_model *m, struct fy_comm *comm, struc
 
 bool fy_pipeline_is_last(const struct fy_pipeline *p) { return p->stage == p->pp - 1; }
 
-static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, double *losses) {
+void fy_pipeline_set_offload(struct fy_pipeline *p, struct fy_offload *x) { p->x = x; }
+
+int fy_pipeline_schedule(int pp, int stage, int n, bool *forward) {
+  // 1F1B: stage s runs pp - s - 1 forwards ahead (warm-up), then one forward and one backward in
+  // turn while forwards remain, then the remaining backwards (cool-down).
+  const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
+  int f = 0, b = 0, k = 0;
+  while (f < warm) forward[k++] = true, f++;
+  while (f < n) {
+    forward[k++] = true, f++;
+    forward[k++] = false, b++;
+  }
+  while (b < n) forward[k++] = false, b++;
+  return k;
+}
+
+static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, int i, float loss_scale,
+                             double *losses) {
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;
   const int a = i % p->n_arenas;
@@ -229,7 +249,8 @@ static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, 
     FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
                         (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
   struct fy_loss loss = {0};
-  FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
+  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, true, loss_scale, &loss.sum));  // (done when it returns)
+  else FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
   losses[i] = fy_pipeline_is_last(p) ? loss.sum : 0;
   if (p->out_slot >= 0 && p->gpu)
     FY_TRY(fy_pipeline_gpu_send(p->gpu, m->acts + g->slots[p->out_slot].offset,
@@ -252,9 +273,12 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
   else if (p->out_slot >= 0)
     FY_TRY(fy_comm_recv(p->comm, m->dacts + g->slots[p->out_slot].grad_offset,
                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_GRAD));
+  // Offloaded, the engine does what follows on its chunks: the tied embedding's part zeroed in
+  // its block, the micro-batches' gradients summed as they come home.
+  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, false, loss_scale, NULL));
   // A parameter whose first gradient of the pass is another stage's (the tied embedding on the
   // first stage): this stage's part starts from zero, summed with the other's after the passes.
-  for (int k = 0; k < g->n_params; k++) {
+  for (int k = 0; !p->x && k < g->n_params; k++) {
     if (!p->zero_first[k]) continue;
     if (!p->gpu) {
       memset(fy_model_grad(m, k), 0, (size_t)g->params[k].numel * sizeof(float));
@@ -265,7 +289,7 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
     FY_TRY(fy_pipeline_gpu_zero(p->gpu, c16 ? (void *)((char *)m->cgrads + g->params[k].offset * 2) : fy_model_grad(m, k),
                                 (size_t)g->params[k].numel * (c16 ? 2 : 4)));
   }
-  FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
+  if (!p->x) FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
   if (p->in_slot >= 0 && p->gpu) {  // (sent from the arena: pipeline_cuda.h says why it stays)
     FY_TRY(fy_pipeline_gpu_send(p->gpu, m->dacts + g->slots[p->in_slot].grad_offset,
                                 (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1));
@@ -277,26 +301,21 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
     FY_TRY(fy_comm_isend(p->comm, p->grad_buf, (size_t)n * sizeof(float), p->stage - 1, TAG_GRAD, &p->grad_send));
   }
   // Micro-batches' gradients summed apart from the backward pass, in order, as one rank sums them.
-  if (accumulate) m->kernels->grads_sum(m, i == 0);
+  if (accumulate && !p->x) m->kernels->grads_sum(m, i == 0);
   return FY_OK;
 }
 
 fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int n, float loss_scale, bool accumulate,
                           double *losses) {
-  // 1F1B: stage s runs pp - s - 1 forwards ahead (warm-up), then one forward and one backward in
-  // turn while forwards remain, then the remaining backwards (cool-down).
-  const int warm = p->pp - p->stage - 1 < n ? p->pp - p->stage - 1 : n;
+  bool order[2 * (n > 0 ? n : 1)];
+  const int steps = fy_pipeline_schedule(p->pp, p->stage, n, order);
   int f = 0, b = 0;
   fy_status st = FY_OK;
-  while (st == FY_OK && f < warm) {
-    st = forward_one(p, mb, f++, losses);
-    if (st == FY_OK && p->gpu) st = fy_pipeline_gpu_flush(p->gpu, false);  // (its next receive may be far)
+  const int warm = p->pp - p->stage - 1 < n ? p->pp - p->stage - 1 : n;  // (the warm-up's forwards)
+  for (int k = 0; k < steps && st == FY_OK; k++) {
+    st = order[k] ? forward_one(p, mb, f++, loss_scale, losses) : backward_one(p, mb, b++, loss_scale, accumulate);
+    if (st == FY_OK && p->gpu && order[k] && f <= warm) st = fy_pipeline_gpu_flush(p->gpu, false);  // (its next receive may be far)
   }
-  while (st == FY_OK && f < n) {
-    st = forward_one(p, mb, f++, losses);
-    if (st == FY_OK) st = backward_one(p, mb, b++, loss_scale, accumulate);
-  }
-  while (st == FY_OK && b < n) st = backward_one(p, mb, b++, loss_scale, accumulate);
   for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     st = fy_comm_wait(p->comm, p->act_sends[a]);
     p->act_sends[a] = NULL;

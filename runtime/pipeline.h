@@ -12,14 +12,21 @@
 // computes its own part of its gradient, and the two parts are summed between them before the
 // optimizer (as Megatron does), one rounding apart from one rank's sum.
 //
-// What is here now: the resident cpu device, each stage's model made for it (fy_model_opts.pp:
-// its parameters alone, with their gradients and AdamW state; the tied embedding on both ends),
-// with tensor-parallel groups within the stages. --save, checkpoints and --resume go parameter by
-// parameter (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each
-// stage reads its own tensors), so no rank holds the whole model and any layout resumes any
-// other's. On --device cuda (fy_pipeline_create_gpu) the stage's model is resident on its GPU
-// and the messages go by NCCL send/recv (runtime/pipeline_cuda.h). Not yet: the sim device,
-// offloading, the interleaved schedule.
+// What is here now: the resident cpu device, and the offloading engine on sim (runtime/offload.h:
+// each stage's chunks, its parameters' alone, in its own host tier, disk and device cache; the
+// engine runs the stage's ops a half-pass at a time, a micro-batch's forward or backward, on the
+// activations of that micro-batch's arena, and returns when they are done so that they can be
+// sent; its cache's trace is the step's 1F1B order of half-passes, and its fy_offload_update sums
+// the tied embedding's gradient between the ends and the norm over the stages; chunks sharded
+// over the data-parallel ranks of a stage, their state on disk, and compressed AdamW state as on
+// one rank), each stage's model made for it (fy_model_opts.pp: its parameters alone, with their
+// gradients and AdamW state; the tied embedding on both ends), with tensor-parallel groups within
+// the stages. --save, checkpoints and --resume go parameter by parameter
+// (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each stage
+// reads its own tensors), so no rank holds the whole model and any layout resumes any other's.
+// On --device cuda (fy_pipeline_create_gpu), resident or offloaded, the activations are on the
+// stage's GPU and the messages go by NCCL send/recv (runtime/pipeline_cuda.h). Not yet: the
+// interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 
@@ -51,6 +58,16 @@ fy_status fy_pipeline_create_gpu(struct fy_model *m, struct fy_comm *comm, struc
                                  int max_micro, struct fy_pipeline **out);
 void fy_pipeline_free(struct fy_pipeline *p);
 bool fy_pipeline_is_last(const struct fy_pipeline *p);
+// Offloaded (--device sim): the engine made for the stage (fy_offload_opts.stage_lo/hi, after the
+// pipeline, so that its cache's blocks come out of what the activations leave of the device) runs
+// its ops' half-passes; it sums the micro-batches' gradients as they come home, and its
+// fy_offload_update sums the tied embedding's gradient between the ends and the norm over the
+// stages, instead of fy_pipeline_sum_tied, _grad_norm and _adamw.
+struct fy_offload;
+void fy_pipeline_set_offload(struct fy_pipeline *p, struct fy_offload *x);
+// The 1F1B order of stage `stage` of pp over n micro-batches: forward[k] true for a forward, false
+// for a backward, 2n in all (returned); fy_pipeline_run's order, and the offload engine's trace.
+int fy_pipeline_schedule(int pp, int stage, int n, bool *forward);
 
 // One step's passes on the 1F1B schedule over the n micro-batches mb (n <= max_micro; every stage
 // passes the same ones), the loss scaled by loss_scale. Micro-batch k's parameter gradients are

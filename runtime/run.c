@@ -326,7 +326,7 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
                              .state_format = r->eval ? FY_STATE_F32 : sf,
                              .no_params = r->dp > 1 || disk_master || (r->eval && cuda && cdt != FY_F32),
-                             .act16 = cuda && cdt != FY_F32};
+                             .act16 = cuda && cdt != FY_F32, .pp = r->pp, .pp_stage = r->pp_rank};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
 #if FY_HAVE_CUDA
@@ -438,7 +438,25 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master};
+  // A pipeline stage: its activations' arenas (one per micro-batch in flight) before the cache's
+  // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
+  bool order[2 * (o->grad_accum > 0 ? o->grad_accum : 1)];
+  if (r->pp > 1 && !r->eval && cuda) {  // (on GPUs the stages' messages go by NCCL send/recv)
+    fy_status sp = device_comm(r->pp_comm, r->pp_rank, true, &r->pp_compute);
+    if (sp != FY_OK) return fy_error_wrap(sp, "%d pipeline stages on GPUs", r->pp);
+    FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
+                                  &r->pipe));
+  } else if (r->pp > 1 && !r->eval) {
+    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+  }
+  if (r->pp > 1 && !r->eval) {
+    FY_TRY(fy_graph_stage_ops(r->model->graph, cfg->num_hidden_layers, r->pp, r->pp_rank, &xo.stage_lo, &xo.stage_hi));
+    xo.n_schedule = fy_pipeline_schedule(r->pp, r->pp_rank, (int)o->grad_accum, order);
+    xo.schedule = order;
+    xo.stage_comm = r->pp_comm;
+  }
   fy_status st = fy_offload_create(r->model, &xo, &r->x);
+  if (st == FY_OK && r->pipe) fy_pipeline_set_offload(r->pipe, r->x);
   if (st == FY_ERR_NOMEM && in_use + reserve > host_cap)
     return fy_error_wrap(st, "--host-mem %s holds the parameters (%s) but not the chunk-sized buffers the offload "
                          "keeps beside them (about %s): give more, about %s", fy_format_bytes((double)host_cap, b1, sizeof b1),
@@ -661,6 +679,14 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   // r->whole describes the whole model (no buffers).
   if (r->tp > 1 || r->pp > 1) {
     FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
+    // Offloaded stages with 8-bit AdamW state: the whole model laid out in one rank's chunks, so
+    // that a checkpoint's pieces (a chunk each) hold whole 8-bit blocks, as one rank's do.
+    if (r->x && r->pp > 1 && r->model->state_format == FY_STATE_Q8) {
+      struct fy_chunk_layout *l;
+      r->whole_graph->chunk_align = FY_Q8_BLOCK;
+      FY_TRY(fy_chunk_layout_create(r->whole_graph, r->model->layout->chunk_elems, &l));
+      fy_chunk_layout_free(l);
+    }
     r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
   }
   bool random = !o->init || strcmp(o->init, "random") == 0;
@@ -676,10 +702,10 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     st = fy_model_load(r->model, o->init);
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
-  if (r->pp > 1) {
+  if (r->pp > 1 && !r->pipe) {  // (offloaded, setup_offload made it)
     if (!r->model->grads || r->x || (r->model->device_memory && !r->pp_compute))
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu and cuda (resident) for "
-                          "now", r->pp);
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu, sim and cuda for now",
+                          r->pp);
     if (r->pp_compute)
       FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
                                     &r->pipe));

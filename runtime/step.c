@@ -113,6 +113,14 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   FY_TRY(fy_pipeline_share_from_last(r->pipe, &loss_sum));
   if (!isfinite(loss_sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", loss_sum / (double)total);
   *loss_out = loss_sum / (double)total;
+  if (r->x) {  // offloaded: the engine sums the tied gradient, the norm over the stages, and updates
+    double t0 = fy_now(), sums[K > 0 ? K : 1];
+    st = fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), r->updates + 1, (float)(1.0 / scale), norm_out, sums,
+                           overflow);
+    if (st == FY_OK && !*overflow) r->updates++;
+    *t_opt += fy_now() - t0;
+    return st;
+  }
   if (K > 1) {  // the optimizer reads m->grads: the fp32 sum
     float *t = model->grads;
     model->grads = model->grad_acc;

@@ -402,7 +402,7 @@ fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckp
   FY_TRY(drain_updates(o, r));  // (--optimizer-lag: a checkpoint holds every update so far)
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
-  if (r->pp > 1 && m->state_format != FY_STATE_F32)
+  if (r->pp > 1 && m->state_format != FY_STATE_F32 && !r->x)  // (offloaded, the chunks give it decoded)
     return fy_error_set(FY_ERR_UNSUPPORTED, "checkpoints of a pipeline's compressed AdamW state (--optimizer-state "
                         "%s): not supported yet", fy_state_format_name(m->state_format));
   if (r->tp > 1 || r->pp > 1) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);

@@ -274,7 +274,7 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
   struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute, r->pp_comm, r->pp_compute};  // (a failed collective names its step)
   for (int i = 0; i < 5 && r->world > 1; i++)
     if (named[i]) fy_comm_set_step(named[i], step + 1);
-  fy_status st = r->x ? step_offload(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow)
+  fy_status st = r->x && !r->pipe ? step_offload(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow)
                       : step_resident(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow, &t->t_sum, &t->t_opt);
   if (st == FY_OK && s->overflow && o->loss_scale <= 0)
     st = fy_error_set(FY_ERR_NUMERIC, "the gradient norm is %f; no parameter was updated", s->norm);
@@ -555,7 +555,7 @@ static fy_status finish_run(struct training *t) {
   const bool final_save = given->save && t->save_every == 0, saving = t->lead && final_save;
   uint64_t *hash = o->hash_params ? &res->params_hash : NULL;
   const bool gather = final_save || hash;
-  if (t->sharded && r->tp == 1 && gather) FY_TRY(finish_sharded(r, saving ? o->save : NULL, t->lead, hash));
+  if (t->sharded && r->tp == 1 && r->pp == 1 && gather) FY_TRY(finish_sharded(r, saving ? o->save : NULL, t->lead, hash));
   if (!o->quiet && t->tty) printf("\r\033[K");
   FY_TRY(profile_run(t));
   measure_run(t);
