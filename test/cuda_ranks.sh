@@ -187,17 +187,18 @@ check "a checkpoint of 2 replicas resumed by 1 offloaded rank" rtwobf16 rres1 2e
 # gradients sent GPU to GPU by NCCL send/recv, grouped where both directions go at once): 4
 # micro-batches of 1 on the 1F1B schedule = 1 resident rank running the same micro-batches, fp32
 # (the same sums in the same order: within 1e-5), and = 1 rank x 4 in bf16; the stages' checkpoint
-# of step 4 resumes on 1 rank (the straight run's losses); with 4 GPUs, 2 pipelines of 2 stages.
-RES=1 run pone 1 --precision fp32 --batch 1 --grad-accum 4 || exit 1
+# of step 2 resumes on 1 rank (the straight run's losses); with 4 GPUs, 2 pipelines of 2 stages.
+# (Each stops after 4 of the 8 steps.)
+RES=1 run pone 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 || exit 1
 rm -rf "$d/ppck"
-RES=1 run ppfp32 2 --precision fp32 --batch 1 --grad-accum 4 --pp 2 --save "$d/ppck" --save-every 4 || exit 1
-RES=1 run ppbf16 2 --precision bf16 --batch 1 --grad-accum 4 --pp 2 || exit 1
+RES=1 run ppfp32 2 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 --save "$d/ppck" --save-every 2 || exit 1
 check "--pp 2 on 2 GPUs = 1 rank, fp32" pone ppfp32 1e-5
+RES=1 run ppbf16 2 --precision bf16 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 || exit 1
 check "--pp 2 on 2 GPUs = 1 rank x 4, bf16" onebf16 ppbf16 2e-2
-RES=1 run ppres1 1 --precision fp32 --batch 1 --grad-accum 4 --resume "$d/ppck/step-00000004" || exit 1
+RES=1 run ppres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --resume "$d/ppck/step-00000002" || exit 1
 check "a --pp 2 checkpoint on GPUs resumed by 1 rank" ppfp32 ppres1 1e-5
 if [ "$gpus" -ge 4 ]; then  # two pipelines, their stages' gradients summed by NCCL across them
-  RES=1 run dppp 4 --precision fp32 --batch 1 --grad-accum 2 --pp 2 || exit 1
+  RES=1 run dppp 4 --precision fp32 --batch 1 --grad-accum 2 --pp 2 --stop-after 4 || exit 1
   check "dp 2 x pp 2 on 4 GPUs = 1 rank x 4, fp32" onefp32 dppp 1e-4
 fi
 # ferry plan for 2 GPUs with room for the whole model on each and too little host memory to
