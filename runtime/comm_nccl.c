@@ -331,15 +331,16 @@ static ncclResult_t nccl_enqueue(struct nccl_impl *m, const struct fy_comm_call 
     case FY_COMM_OP_BARRIER:
       return ncclAllReduce(m->one, m->one, 1, ncclFloat32, ncclSum, m->comm, cs);
     case FY_COMM_OP_P2P: {  // one group: NCCL progresses its sends and receives together
+      // (A non-blocking communicator may answer ncclInProgress; the group's end is what settles.)
       ncclResult_t r = ncclGroupStart();
-      for (int k = 0; k < call->n_msgs && r == ncclSuccess; k++) {
+      for (int k = 0; k < call->n_msgs && (r == ncclSuccess || r == ncclInProgress); k++) {
         const struct fy_comm_p2p *q = &call->msgs[k];
         if (q->bytes == 0) continue;
         r = q->send ? ncclSend(q->buf, q->bytes, ncclUint8, q->peer, m->comm, cs)
                     : ncclRecv(q->buf, q->bytes, ncclUint8, q->peer, m->comm, cs);
       }
       ncclResult_t e = ncclGroupEnd();  // (also after a failed call: the group is closed)
-      return r != ncclSuccess ? r : e;
+      return r != ncclSuccess && r != ncclInProgress ? r : e;
     }
   }
   return ncclInvalidArgument;
