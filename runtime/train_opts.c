@@ -90,9 +90,11 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                         "state (use --optimizer-state fp32)", e->optimizer_state, e->tp);
   if (e->pp > 1) {  // (what pipeline stages do not run yet: docs/ranks.md, "Pipeline parallelism")
     const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
-    const char *no = e->device && strcmp(e->device, "cpu") != 0 && !cuda ? "--device sim (stages run on --device cpu and cuda)"
+    const char *no = e->device && strcmp(e->device, "cpu") != 0 && !cuda
+                         ? "--device sim (stages run on --device cpu and cuda)"
                      : cuda && e->offload                      ? "--device cuda --offload (stages on GPUs run resident)"
-                     : cuda && e->tp > 1                       ? "--tp on GPUs (stages on GPUs run without tensor parallelism)"
+                     : cuda && e->tp > 1                       ? "--tp on GPUs (stages on GPUs run without tensor "
+                                                                 "parallelism)"
                      : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"
