@@ -578,7 +578,8 @@ static fy_status mpi_run_locked(struct fy_comm *c, const struct fy_comm_call *ca
       return mpi_wait(c, call, &req, 1, 0, t0);
     }
     case FY_COMM_OP_P2P:  // (fy_comm_group_p2p refuses it first: device memory, nccl alone)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "grouped send/receive on the mpi communicator (fy_comm_isend, fy_comm_recv)");
+      return fy_error_set(FY_ERR_UNSUPPORTED, "grouped send/receive on the mpi communicator (fy_comm_isend, "
+                          "fy_comm_recv)");
   }
   return fy_error_set(FY_ERR_INTERNAL, "unknown collective %d", (int)call->op);
 }

@@ -409,7 +409,8 @@ static fy_status nccl_check_buffers(struct nccl_impl *m, const struct fy_comm_ca
     case FY_COMM_OP_BARRIER: return FY_OK;
     case FY_COMM_OP_P2P:
       for (int k = 0; k < call->n_msgs; k++)
-        if (call->msgs[k].bytes) FY_TRY(nccl_check_ptr(m, call->msgs[k].buf, call->msgs[k].send ? "send buffer" : "receive buffer"));
+        if (call->msgs[k].bytes)
+          FY_TRY(nccl_check_ptr(m, call->msgs[k].buf, call->msgs[k].send ? "send buffer" : "receive buffer"));
       return FY_OK;
   }
   return FY_OK;

@@ -196,7 +196,8 @@ static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm
     if (!p->owned[i] && !q->absent && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
       st = fy_error_set(FY_ERR_INTERNAL, "parameter %s lies among pipeline stage %d's own", q->name, stage);
   }
-  if (st == FY_OK && p->tied >= 0 && !p->gpu && !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
+  if (st == FY_OK && p->tied >= 0 && !p->gpu &&
+      !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
     st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st != FY_OK) {
     fy_pipeline_free(p);
@@ -286,8 +287,8 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
     }
     // (On a GPU the kernels write 16-bit compute's gradients in cgrads.)
     const bool c16 = m->cgrads && m->compute_dtype != FY_F32;
-    FY_TRY(fy_pipeline_gpu_zero(p->gpu, c16 ? (void *)((char *)m->cgrads + g->params[k].offset * 2) : fy_model_grad(m, k),
-                                (size_t)g->params[k].numel * (c16 ? 2 : 4)));
+    void *at = c16 ? (void *)((char *)m->cgrads + g->params[k].offset * 2) : (void *)fy_model_grad(m, k);
+    FY_TRY(fy_pipeline_gpu_zero(p->gpu, at, (size_t)g->params[k].numel * (c16 ? 2 : 4)));
   }
   if (!p->x) FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
   if (p->in_slot >= 0 && p->gpu) {  // (sent from the arena: pipeline_cuda.h says why it stays)
@@ -314,7 +315,8 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
   const int warm = p->pp - p->stage - 1 < n ? p->pp - p->stage - 1 : n;  // (the warm-up's forwards)
   for (int k = 0; k < steps && st == FY_OK; k++) {
     st = order[k] ? forward_one(p, mb, f++, loss_scale, losses) : backward_one(p, mb, b++, loss_scale, accumulate);
-    if (st == FY_OK && p->gpu && order[k] && f <= warm) st = fy_pipeline_gpu_flush(p->gpu, false);  // (its next receive may be far)
+    if (st == FY_OK && p->gpu && order[k] && f <= warm)  // (a warm-up send: its next receive may be far)
+      st = fy_pipeline_gpu_flush(p->gpu, false);
   }
   for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     st = fy_comm_wait(p->comm, p->act_sends[a]);
@@ -336,8 +338,8 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
   const int peer = last ? 0 : p->pp - 1;
   if (p->gpu) {  // the gradients the optimizer reads: 16-bit ones in cgrads, or the fp32 sum
     const bool b16 = fy_model_grads_16(p->m);
-    return fy_pipeline_gpu_sum_tied(p->gpu, b16 ? (void *)((char *)p->m->cgrads + p->m->graph->params[p->tied].offset * 2)
-                                                : (void *)mine, b16, n, peer);
+    void *at = b16 ? (void *)((char *)p->m->cgrads + p->m->graph->params[p->tied].offset * 2) : (void *)mine;
+    return fy_pipeline_gpu_sum_tied(p->gpu, at, b16, n, peer);
   }
   struct fy_comm_req *req;
   FY_TRY(fy_comm_isend(p->comm, mine, (size_t)n * sizeof(float), peer, TAG_TIED, &req));

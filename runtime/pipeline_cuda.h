@@ -73,7 +73,8 @@ static inline fy_status fy_pipeline_gpu_flush(struct fy_pipeline_gpu *g, bool wa
   (void)g, (void)wait;
   return fy_pipeline_gpu_unavailable();
 }
-static inline fy_status fy_pipeline_gpu_sum_tied(struct fy_pipeline_gpu *g, void *grad, bool bf16, int64_t n, int peer) {
+static inline fy_status fy_pipeline_gpu_sum_tied(struct fy_pipeline_gpu *g, void *grad, bool bf16, int64_t n,
+                                                 int peer) {
   (void)g, (void)grad, (void)bf16, (void)n, (void)peer;
   return fy_pipeline_gpu_unavailable();
 }

@@ -352,7 +352,8 @@ ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, siz
   comm_state *s = c->st.get();
   if (s->aborted.load()) return set_error(s, ncclInvalidUsage, "%s on an aborted communicator", op_name(op));
   if (!s->ready.load()) return set_error(s, ncclInvalidUsage, "%s before the communicator was set up", op_name(op));
-  if (group_depth > 0) return set_error(s, ncclInvalidUsage, "%s inside ncclGroupStart/End is not emulated", op_name(op));
+  if (group_depth > 0)
+    return set_error(s, ncclInvalidUsage, "%s inside ncclGroupStart/End is not emulated", op_name(op));
   const bool bytes = t == ncclUint8 || t == ncclInt8;
   if (t != ncclFloat32 && t != ncclBfloat16 && !(bytes && (op == OP_BROADCAST || op == OP_ALL_GATHER)))
     return set_error(s, ncclInvalidArgument, "%s: type %d is not emulated", op_name(op), (int)t);
@@ -497,7 +498,8 @@ ncclResult_t p2p(ncclComm *c, bool send, void *buf, size_t count, ncclDataType_t
   if (peer < 0 || peer >= s->nranks || peer == s->rank)
     return set_error(s, ncclInvalidArgument, "%s: peer %d (rank %d of %d)", fn, peer, s->rank, s->nranks);
   const int sd = fy_emu_stream_device(stream);
-  if (sd >= 0 && sd != s->device) fy_emu_fail("nccl: %s on a stream of GPU %d, the communicator is on GPU %d", fn, sd, s->device);
+  if (sd >= 0 && sd != s->device)
+    fy_emu_fail("nccl: %s on a stream of GPU %d, the communicator is on GPU %d", fn, sd, s->device);
   const size_t bytes = count * type_size(t);
   if (bytes > 0 && fy_emu_device_of(buf, bytes) != s->device)
     fy_emu_fail("nccl: %s's buffer (%zu bytes at %p) is not device memory of GPU %d: a fault on a GPU", fn, bytes, buf,
@@ -540,7 +542,8 @@ ncclResult_t ncclGroupEnd(void) {
   return ncclSuccess;
 }
 
-ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm, cudaStream_t stream) {
+ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
   return p2p(comm, true, (void *)send, count, t, peer, stream);
 }
 
