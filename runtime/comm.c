@@ -56,6 +56,7 @@ const char *fy_collective_name(enum fy_collective op) {
     case FY_COMM_OP_ALL_GATHER: return "all-gather";
     case FY_COMM_OP_BROADCAST: return "broadcast";
     case FY_COMM_OP_BARRIER: return "barrier";
+    case FY_COMM_OP_P2P: return "send/receive";
   }
   return "collective";
 }
@@ -68,6 +69,7 @@ size_t fy_comm_call_bytes(const struct fy_comm *c, const struct fy_comm_call *ca
     case FY_COMM_OP_ALL_GATHER: return (size_t)c->size * call->count * es;
     case FY_COMM_OP_BROADCAST: return call->count;
     case FY_COMM_OP_BARRIER: return 0;
+    case FY_COMM_OP_P2P: return call->count;
   }
   return 0;
 }
@@ -253,6 +255,25 @@ fy_status fy_comm_barrier(struct fy_comm *c) {
   if (!c) return fy_error_set(FY_ERR_INVALID, "barrier: no communicator");
   struct fy_comm_call call = {.op = FY_COMM_OP_BARRIER};
   return comm_submit(c, &call, NULL);
+}
+
+fy_status fy_comm_group_p2p(struct fy_comm *c, const struct fy_comm_p2p *msgs, int n, fy_stream *s) {
+  const char *op = "send/receive";
+  if (!c) return fy_error_set(FY_ERR_INVALID, "%s: no communicator", op);
+  if (c->kind != FY_COMM_NCCL)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s of device memory needs the nccl communicator, not %s (host buffers: "
+                        "fy_comm_isend and fy_comm_recv)", op, fy_comm_kind_name(c));
+  size_t total = 0;
+  for (int k = 0; k < n; k++) {
+    if (msgs[k].peer < 0 || msgs[k].peer >= c->size || msgs[k].peer == c->rank)
+      return fy_error_set(FY_ERR_INVALID, "%s with rank %d: rank %d of a communicator of %d", op, msgs[k].peer, c->rank,
+                          c->size);
+    if (msgs[k].bytes && !msgs[k].buf) return fy_error_set(FY_ERR_INVALID, "%s: NULL buffer", op);
+    total += msgs[k].bytes;
+  }
+  if (total == 0) return FY_OK;
+  struct fy_comm_call call = {.op = FY_COMM_OP_P2P, .count = total, .root = msgs[0].peer, .msgs = msgs, .n_msgs = n};
+  return comm_submit(c, &call, s);
 }
 
 fy_status fy_comm_split(struct fy_comm *c, int color, int key, struct fy_comm **out) {
@@ -556,6 +577,9 @@ static fy_status mpi_run_locked(struct fy_comm *c, const struct fy_comm_call *ca
       if (rc != MPI_SUCCESS) return mpi_error(rc, "MPI_Ibarrier");
       return mpi_wait(c, call, &req, 1, 0, t0);
     }
+    case FY_COMM_OP_P2P:  // (fy_comm_group_p2p refuses it first: device memory, nccl alone)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "grouped send/receive on the mpi communicator (fy_comm_isend, "
+                          "fy_comm_recv)");
   }
   return fy_error_set(FY_ERR_INTERNAL, "unknown collective %d", (int)call->op);
 }

@@ -108,6 +108,20 @@ struct fy_comm_req;
 fy_status fy_comm_isend(struct fy_comm *c, const void *buf, size_t bytes, int peer, int tag, struct fy_comm_req **out);
 fy_status fy_comm_recv(struct fy_comm *c, void *buf, size_t bytes, int peer, int tag);
 fy_status fy_comm_wait(struct fy_comm *c, struct fy_comm_req *req);
+// Point-to-point messages on device memory, nccl backend only (ncclSend and ncclRecv; pipeline
+// stages on GPUs): the n messages (each `bytes` to or from rank `peer` of c, not this rank) go as one
+// NCCL group enqueued on stream s (of the communicator's GPU), so that they progress together. A
+// send blocks its stream until the peer has received it (NCCL's rule), so two ranks that send to
+// each other at once must each group the send with the receive. Messages from one rank to another
+// arrive in the order they were issued; a receive must name the bytes the peer sends. Errors and
+// timeouts are a collective's (the watchdog's "send/receive of 4 KiB ... did not complete").
+struct fy_comm_p2p {
+  void *buf;
+  size_t bytes;
+  int peer;
+  int send;  // 1: buf goes to peer; 0: it comes from peer
+};
+fy_status fy_comm_group_p2p(struct fy_comm *c, const struct fy_comm_p2p *msgs, int n, fy_stream *s);
 
 // All-to-all of varying sizes (expert parallelism: runtime/ep.c), mpi and single backends (host
 // buffers, on the calling thread, as MPI_Alltoallv): this rank sends send_counts[p] floats to rank p,
@@ -132,7 +146,7 @@ void fy_comm_set_step(struct fy_comm *c, int64_t step);
 // ---- For backends (runtime/comm.c, runtime/comm_nccl.c) ----
 
 enum fy_collective { FY_COMM_OP_ALL_REDUCE, FY_COMM_OP_REDUCE_SCATTER, FY_COMM_OP_ALL_GATHER,
-                  FY_COMM_OP_BROADCAST, FY_COMM_OP_BARRIER };
+                  FY_COMM_OP_BROADCAST, FY_COMM_OP_BARRIER, FY_COMM_OP_P2P };
 
 // One collective, as the front end hands it to a backend (already checked).
 struct fy_comm_call {
@@ -144,6 +158,8 @@ struct fy_comm_call {
   enum fy_reduce_dtype dt;
   int root;
   int64_t step;       // for messages
+  const struct fy_comm_p2p *msgs;  // point-to-point (count: their bytes in all; valid during run() alone)
+  int n_msgs;
 };
 
 struct fy_comm_ops {

@@ -48,6 +48,10 @@
 // Creation and split poll their NCCL calls with the same deadline, and fail (they do not end the
 // job) when it passes.
 //
+// Point-to-point (fy_comm_group_p2p, pipeline stages): the messages of one call go as ncclSend and
+// ncclRecv inside one ncclGroupStart/End, on the stream, watched as one collective (bracketed by
+// its two events; a timeout names "send/receive of N MiB").
+//
 // Threads: collectives may be issued from any thread; every NCCL call on a communicator, and the
 // watchdog's polls, are made under its mutex, and an abort first takes the communicator away under
 // it, so that an abort by the watchdog never races a launch.
@@ -116,6 +120,7 @@ static const char *nccl_fn_name(enum fy_collective op) {
     case FY_COMM_OP_ALL_GATHER: return "ncclAllGather";
     case FY_COMM_OP_BROADCAST: return "ncclBroadcast";
     case FY_COMM_OP_BARRIER: return "ncclAllReduce (barrier)";
+    case FY_COMM_OP_P2P: return "ncclSend/ncclRecv";
   }
   return "nccl";
 }
@@ -325,6 +330,18 @@ static ncclResult_t nccl_enqueue(struct nccl_impl *m, const struct fy_comm_call 
       return ncclBroadcast(call->buf, call->buf, call->count, ncclUint8, call->root, m->comm, cs);
     case FY_COMM_OP_BARRIER:
       return ncclAllReduce(m->one, m->one, 1, ncclFloat32, ncclSum, m->comm, cs);
+    case FY_COMM_OP_P2P: {  // one group: NCCL progresses its sends and receives together
+      // (A non-blocking communicator may answer ncclInProgress; the group's end is what settles.)
+      ncclResult_t r = ncclGroupStart();
+      for (int k = 0; k < call->n_msgs && (r == ncclSuccess || r == ncclInProgress); k++) {
+        const struct fy_comm_p2p *q = &call->msgs[k];
+        if (q->bytes == 0) continue;
+        r = q->send ? ncclSend(q->buf, q->bytes, ncclUint8, q->peer, m->comm, cs)
+                    : ncclRecv(q->buf, q->bytes, ncclUint8, q->peer, m->comm, cs);
+      }
+      ncclResult_t e = ncclGroupEnd();  // (also after a failed call: the group is closed)
+      return r != ncclSuccess && r != ncclInProgress ? r : e;
+    }
   }
   return ncclInvalidArgument;
 }
@@ -339,6 +356,7 @@ static fy_status nccl_launch_locked(struct fy_comm *c, const struct fy_comm_call
   struct nccl_pending *p = NULL;
   FY_TRY(nccl_pending_get(m, &p));
   p->call = *call;
+  p->call.msgs = NULL;  // (the watchdog keeps the call for messages alone: the list is the caller's)
   fy_status st = cuda_check(cudaEventRecord(p->start, cs), "cudaEventRecord");
   if (st == FY_OK) {
     double t0 = fy_now();
@@ -389,6 +407,11 @@ static fy_status nccl_check_buffers(struct nccl_impl *m, const struct fy_comm_ca
     case FY_COMM_OP_ALL_REDUCE:
     case FY_COMM_OP_BROADCAST: return nccl_check_ptr(m, call->buf, "buffer");
     case FY_COMM_OP_BARRIER: return FY_OK;
+    case FY_COMM_OP_P2P:
+      for (int k = 0; k < call->n_msgs; k++)
+        if (call->msgs[k].bytes)
+          FY_TRY(nccl_check_ptr(m, call->msgs[k].buf, call->msgs[k].send ? "send buffer" : "receive buffer"));
+      return FY_OK;
   }
   return FY_OK;
 }

@@ -430,10 +430,11 @@ fy_status fy_engine_forward_ops(struct fy_model *m, const struct fy_batch *batch
   return forward(m, batch, true, lo, hi, loss);
 }
 
-static fy_status backward(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, float loss_scale) {
+static fy_status backward(struct fy_model *m, const struct fy_batch *batch, const int32_t *positions, int lo, int hi,
+                          float loss_scale) {
   const struct fy_graph *g = m->graph;
   struct fy_dev_batch b;
-  FY_TRY(stage_batch(m, batch, NULL, &b));
+  FY_TRY(stage_batch(m, batch, positions, &b));
   for (int o = hi - 1; o >= lo; o--) {
     struct fy_op_call c;
     int first = g->recompute ? fy_graph_layer_first_op(g, o) : -1;
@@ -451,14 +452,15 @@ static fy_status backward(struct fy_model *m, const struct fy_batch *batch, int 
 }
 
 fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, float loss_scale) {
-  return backward(m, batch, 0, m->graph->n_ops, loss_scale);
+  return backward(m, batch, NULL, 0, m->graph->n_ops, loss_scale);
 }
 
 fy_status fy_engine_backward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, float loss_scale) {
   FY_ASSERT(lo >= 0 && lo <= hi && hi <= m->graph->n_ops);
-  if (m->device_memory) return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline stage's passes run on host-addressable memory");
-  fy_engine_positions(m->positions, batch->mask, m->graph->B, m->graph->T);
-  return backward(m, batch, lo, hi, loss_scale);
+  // (On a GPU the positions are computed on the host and go up with the batch, as the forward's.)
+  int32_t *pos = m->device_memory ? m->host_positions : m->positions;
+  fy_engine_positions(pos, batch->mask, m->graph->B, m->graph->T);
+  return backward(m, batch, m->device_memory ? pos : NULL, lo, hi, loss_scale);
 }
 
 // ---- incremental decoding ----

@@ -418,13 +418,16 @@ static fy_status grads_sumsq_cuda(struct fy_model *m, double *sums) {
   struct cuda_ctx *x = ctx_of(m);
   const struct fy_graph *g = m->graph;
   for (int i = 0; i < g->n_params; i++)
-    FY_TRY(fy_cuda_sumsq(x->dsums + i, grads_of(m, fy_model_grad(m, i)), grads_bf16(m) ? FY_BF16 : FY_F32,
-                         g->params[i].numel, x->dscratch, false, x->st));
+    if (!g->params[i].absent)  // (another pipeline stage's: no gradient here)
+      FY_TRY(fy_cuda_sumsq(x->dsums + i, grads_of(m, fy_model_grad(m, i)), grads_bf16(m) ? FY_BF16 : FY_F32,
+                           g->params[i].numel, x->dscratch, false, x->st));
   if (cudaMemcpyAsync(sums, x->dsums, (size_t)g->n_params * sizeof *sums, cudaMemcpyDeviceToHost, x->st) !=
           cudaSuccess ||
       cudaStreamSynchronize(x->st) != cudaSuccess)
     return fy_error_set(FY_ERR_INTERNAL, "cuda: reading the gradients' sums of squares: %s",
                         cudaGetErrorString(cudaGetLastError()));
+  for (int i = 0; i < g->n_params; i++)
+    if (g->params[i].absent) sums[i] = 0;
   return FY_OK;
 }
 
@@ -571,6 +574,8 @@ static fy_status moe_buffers(struct fy_model *m, struct cuda_ctx *x, enum fy_dty
   x->moe_work_bytes = work;
   return FY_OK;
 }
+
+fy_stream *fy_engine_cuda_stream(const struct fy_model *m) { return ctx_of(m)->launch; }
 
 void fy_engine_cuda_detach(struct fy_model *m) {
   struct cuda_ctx *x = ctx_of(m);

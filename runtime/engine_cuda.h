@@ -27,6 +27,9 @@ fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out);
 // (ops/cuda/parts.h) for the model's parameters and widest op.
 fy_status fy_engine_cuda_attach(struct fy_model *m);
 void fy_engine_cuda_detach(struct fy_model *m);
+// The stream the model's kernels launch on (its own, or the offload engine's compute stream), for
+// work that must be ordered with them (a pipeline stage's messages: runtime/pipeline_cuda.c).
+fy_stream *fy_engine_cuda_stream(const struct fy_model *m);
 // The first op kind the cuda op table lacks a kernel for, or -1 (runtime/engine.h,
 // fy_op_kernels_missing).
 int fy_engine_cuda_ops_missing(void);

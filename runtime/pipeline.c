@@ -7,6 +7,7 @@
 
 #include "runtime/engine.h"
 #include "runtime/offload.h"
+#include "runtime/pipeline_cuda.h"
 
 // Message tags: a stage sends activations forward and gradients backward; between two ranks with
 // one tag they arrive in the order sent, which is the schedule's order on both.
@@ -33,6 +34,7 @@ struct fy_pipeline {
   int tied;                // the embedding's weight used on the first and the last stage, or -1
   float *tied_buf;
   int64_t own_lo, own_hi;  // the flat range of the owned parameters
+  struct fy_pipeline_gpu *gpu;  // on a GPU: its messages (runtime/pipeline_cuda.h); NULL on the cpu
 };
 
 fy_status fy_pipeline_check_layout(int pp, int tp, int world, int64_t layers) {
@@ -70,6 +72,7 @@ static int crossing_slot(const struct fy_graph *g, int at) {
 
 void fy_pipeline_free(struct fy_pipeline *p) {
   if (!p) return;
+  fy_pipeline_gpu_free(p->gpu);  // (its messages done first: they read and write the arenas)
   if (p->act_sends)
     for (int a = 0; a < p->n_arenas; a++) fy_comm_wait(p->comm, p->act_sends[a]);
   fy_comm_wait(p->comm, p->grad_send);
@@ -88,13 +91,13 @@ void fy_pipeline_free(struct fy_pipeline *p) {
   free(p);
 }
 
-fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
-                             struct fy_pipeline **out) {
+static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm *nccl, int pp, int stage,
+                        int max_micro, struct fy_pipeline **out) {
   *out = NULL;
   const struct fy_graph *g = m->graph;
-  if (m->device_memory || (!m->host && !m->grads))  // (offloaded: the engine keeps the gradients)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on the cpu device's resident model and offloaded "
-                        "on sim for now");
+  if ((m->device_memory && !nccl) || (!m->host && !m->grads))  // (offloaded: the engine keeps the gradients)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on resident models (cpu, cuda) and offloaded (sim, "
+                        "cuda --offload) for now");
   for (int i = 0; i < g->n_params; i++)  // (fy_model_opts.pp: the stage's parameters alone)
     if (!g->params[i].absent && g->params[i].offset < 0)
       return fy_error_set(FY_ERR_INTERNAL, "pipeline stage %d: parameter %s has no place", stage, g->params[i].name);
@@ -110,7 +113,8 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   p->stage = stage;
   p->tied = -1;
   p->in_slot = p->out_slot = -1;
-  fy_status st = fy_graph_stage_ops(g, m->cfg.num_hidden_layers, pp, stage, &p->lo, &p->hi);
+  fy_status st = nccl ? fy_pipeline_gpu_create(m, nccl, &p->gpu) : FY_OK;
+  if (st == FY_OK) st = fy_graph_stage_ops(g, m->cfg.num_hidden_layers, pp, stage, &p->lo, &p->hi);
   if (st == FY_OK && stage > 0 && (p->in_slot = crossing_slot(g, p->lo)) < 0) st = FY_ERR_UNSUPPORTED;
   if (st == FY_OK && stage < pp - 1 && (p->out_slot = crossing_slot(g, p->hi)) < 0) st = FY_ERR_UNSUPPORTED;
   if (st != FY_OK) {
@@ -150,8 +154,9 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     float *buf;
     st = fy_device_alloc(m->dev, bytes, (void **)&buf);
     if (st == FY_OK) {
-      memset(buf, 0, bytes);
       p->arenas[a] = buf - p->span_lo;
+      if (p->gpu) st = fy_pipeline_gpu_zero(p->gpu, buf, bytes);
+      else memset(buf, 0, bytes);
     } else {
       st = fy_error_wrap(st, "pipeline stage %d: the activations of %d micro-batches in flight", stage, p->n_arenas);
     }
@@ -164,7 +169,7 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     m->act_bytes = 4 * ((int64_t)p->n_arenas * (p->span_hi - p->span_lo) + g->grad_elems + g->scratch_elems +
                         g->B * g->T);
   }
-  if (st == FY_OK && p->in_slot >= 0 &&
+  if (st == FY_OK && p->in_slot >= 0 && !p->gpu &&  // (a GPU sends from the gradient arena: pipeline_cuda.h)
       !(p->grad_buf = malloc((size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float))))
     st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   p->own_lo = g->n_param_elems;
@@ -191,7 +196,8 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
     if (!p->owned[i] && !q->absent && q->offset < p->own_hi && q->offset + q->numel > p->own_lo)
       st = fy_error_set(FY_ERR_INTERNAL, "parameter %s lies among pipeline stage %d's own", q->name, stage);
   }
-  if (st == FY_OK && p->tied >= 0 && !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
+  if (st == FY_OK && p->tied >= 0 && !p->gpu &&
+      !(p->tied_buf = malloc((size_t)g->params[p->tied].numel * sizeof(float))))
     st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (st != FY_OK) {
     fy_pipeline_free(p);
@@ -199,6 +205,16 @@ fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, i
   }
   *out = p;
   return FY_OK;
+}
+
+fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
+                             struct fy_pipeline **out) {
+  return create(m, comm, NULL, pp, stage, max_micro, out);
+}
+
+fy_status fy_pipeline_create_gpu(struct fy_model *m, struct fy_comm *comm, struct fy_comm *nccl, int pp, int stage,
+                                 int max_micro, struct fy_pipeline **out) {
+  return create(m, comm, nccl, pp, stage, max_micro, out);
 }
 
 bool fy_pipeline_is_last(const struct fy_pipeline *p) { return p->stage == p->pp - 1; }
@@ -227,14 +243,20 @@ static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, 
   FY_TRY(fy_comm_wait(p->comm, p->act_sends[a]));  // (long done: its micro-batch's backward has run)
   p->act_sends[a] = NULL;
   m->acts = p->arenas[a];
-  if (p->in_slot >= 0)
+  if (p->in_slot >= 0 && p->gpu)
+    FY_TRY(fy_pipeline_gpu_recv(p->gpu, m->acts + g->slots[p->in_slot].offset,
+                                (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1));
+  else if (p->in_slot >= 0)
     FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
                         (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
   struct fy_loss loss = {0};
   if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, true, loss_scale, &loss.sum));  // (done when it returns)
   else FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
   losses[i] = fy_pipeline_is_last(p) ? loss.sum : 0;
-  if (p->out_slot >= 0)  // (the arena's slot stays as it is until this micro-batch's backward)
+  if (p->out_slot >= 0 && p->gpu)
+    FY_TRY(fy_pipeline_gpu_send(p->gpu, m->acts + g->slots[p->out_slot].offset,
+                                (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1));
+  else if (p->out_slot >= 0)  // (the arena's slot stays as it is until this micro-batch's backward)
     FY_TRY(fy_comm_isend(p->comm, m->acts + g->slots[p->out_slot].offset,
                          (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_ACT,
                          &p->act_sends[a]));
@@ -246,7 +268,10 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;
   m->acts = p->arenas[i % p->n_arenas];
-  if (p->out_slot >= 0)
+  if (p->out_slot >= 0 && p->gpu)
+    FY_TRY(fy_pipeline_gpu_recv(p->gpu, m->dacts + g->slots[p->out_slot].grad_offset,
+                                (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1));
+  else if (p->out_slot >= 0)
     FY_TRY(fy_comm_recv(p->comm, m->dacts + g->slots[p->out_slot].grad_offset,
                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_GRAD));
   // Offloaded, the engine does what follows on its chunks: the tied embedding's part zeroed in
@@ -254,10 +279,22 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
   if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, false, loss_scale, NULL));
   // A parameter whose first gradient of the pass is another stage's (the tied embedding on the
   // first stage): this stage's part starts from zero, summed with the other's after the passes.
-  for (int k = 0; !p->x && k < g->n_params; k++)
-    if (p->zero_first[k]) memset(fy_model_grad(m, k), 0, (size_t)g->params[k].numel * sizeof(float));
+  for (int k = 0; !p->x && k < g->n_params; k++) {
+    if (!p->zero_first[k]) continue;
+    if (!p->gpu) {
+      memset(fy_model_grad(m, k), 0, (size_t)g->params[k].numel * sizeof(float));
+      continue;
+    }
+    // (On a GPU the kernels write 16-bit compute's gradients in cgrads.)
+    const bool c16 = m->cgrads && m->compute_dtype != FY_F32;
+    void *at = c16 ? (void *)((char *)m->cgrads + g->params[k].offset * 2) : (void *)fy_model_grad(m, k);
+    FY_TRY(fy_pipeline_gpu_zero(p->gpu, at, (size_t)g->params[k].numel * (c16 ? 2 : 4)));
+  }
   if (!p->x) FY_TRY(fy_engine_backward_ops(m, mb[i], p->lo, p->hi, loss_scale));
-  if (p->in_slot >= 0) {
+  if (p->in_slot >= 0 && p->gpu) {  // (sent from the arena: pipeline_cuda.h says why it stays)
+    FY_TRY(fy_pipeline_gpu_send(p->gpu, m->dacts + g->slots[p->in_slot].grad_offset,
+                                (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1));
+  } else if (p->in_slot >= 0) {
     FY_TRY(fy_comm_wait(p->comm, p->grad_send));
     p->grad_send = NULL;
     const int64_t n = fy_graph_slot_floats(g, p->in_slot);
@@ -275,14 +312,19 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
   const int steps = fy_pipeline_schedule(p->pp, p->stage, n, order);
   int f = 0, b = 0;
   fy_status st = FY_OK;
-  for (int k = 0; k < steps && st == FY_OK; k++)
+  const int warm = p->pp - p->stage - 1 < n ? p->pp - p->stage - 1 : n;  // (the warm-up's forwards)
+  for (int k = 0; k < steps && st == FY_OK; k++) {
     st = order[k] ? forward_one(p, mb, f++, loss_scale, losses) : backward_one(p, mb, b++, loss_scale, accumulate);
+    if (st == FY_OK && p->gpu && order[k] && f <= warm)  // (a warm-up send: its next receive may be far)
+      st = fy_pipeline_gpu_flush(p->gpu, false);
+  }
   for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     st = fy_comm_wait(p->comm, p->act_sends[a]);
     p->act_sends[a] = NULL;
   }
   if (st == FY_OK) st = fy_comm_wait(p->comm, p->grad_send);
   if (st == FY_OK) p->grad_send = NULL;
+  if (st == FY_OK && p->gpu) st = fy_pipeline_gpu_flush(p->gpu, true);
   p->m->acts = p->arenas[0];
   return st;
 }
@@ -294,6 +336,11 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
   const int64_t n = p->m->graph->params[p->tied].numel;
   float *mine = fy_model_grad(p->m, p->tied);
   const int peer = last ? 0 : p->pp - 1;
+  if (p->gpu) {  // the gradients the optimizer reads: 16-bit ones in cgrads, or the fp32 sum
+    const bool b16 = fy_model_grads_16(p->m);
+    void *at = b16 ? (void *)((char *)p->m->cgrads + p->m->graph->params[p->tied].offset * 2) : (void *)mine;
+    return fy_pipeline_gpu_sum_tied(p->gpu, at, b16, n, peer);
+  }
   struct fy_comm_req *req;
   FY_TRY(fy_comm_isend(p->comm, mine, (size_t)n * sizeof(float), peer, TAG_TIED, &req));
   fy_status st = fy_comm_recv(p->comm, p->tied_buf, (size_t)n * sizeof(float), peer, TAG_TIED);
@@ -309,6 +356,18 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
 
 fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp) {
   struct fy_model *m = p->m;
+  if (p->gpu) {  // dp a nccl communicator: summed where the kernels run, in the dtype the optimizer reads
+    const bool b16 = fy_model_grads_16(m);
+    char *base = b16 ? (char *)m->cgrads : (char *)m->grads;
+    const size_t es = b16 ? 2 : 4;
+    const enum fy_reduce_dtype dt = b16 ? FY_COMM_BF16 : FY_COMM_F32;
+    if (p->own_lo < p->own_hi)
+      FY_TRY(m->kernels->all_reduce(m, dp, base + (size_t)p->own_lo * es, (size_t)(p->own_hi - p->own_lo), dt));
+    if (p->tied >= 0 && !p->owned[p->tied])
+      FY_TRY(m->kernels->all_reduce(m, dp, base + (size_t)m->graph->params[p->tied].offset * es,
+                                    (size_t)m->graph->params[p->tied].numel, dt));
+    return FY_OK;
+  }
   if (p->own_lo < p->own_hi)
     FY_TRY(fy_comm_all_reduce(dp, m->grads + p->own_lo, (size_t)(p->own_hi - p->own_lo), FY_COMM_F32, NULL));
   if (p->tied >= 0 && !p->owned[p->tied])  // (the last stage's copy of the tied embedding's)

@@ -24,7 +24,9 @@
 // the stages. --save, checkpoints and --resume go parameter by parameter
 // (runtime/train_checkpoint.c: the stages send theirs to the first, which writes; each stage
 // reads its own tensors), so no rank holds the whole model and any layout resumes any other's.
-// Not yet: the cuda device, the interleaved schedule.
+// On --device cuda (fy_pipeline_create_gpu), resident or offloaded, the activations are on the
+// stage's GPU and the messages go by NCCL send/recv (runtime/pipeline_cuda.h). Not yet: the
+// interleaved schedule.
 #ifndef FY_PIPELINE_H
 #define FY_PIPELINE_H
 
@@ -50,6 +52,10 @@ struct fy_pipeline;
 // them while the pipeline lives (NULL after fy_pipeline_free).
 fy_status fy_pipeline_create(struct fy_model *m, struct fy_comm *comm, int pp, int stage, int max_micro,
                              struct fy_pipeline **out);
+// The same on a GPU: m on a cuda device with its kernels attached, the activations and their
+// gradients sent over nccl (the same ranks as comm, a nccl communicator; not owned).
+fy_status fy_pipeline_create_gpu(struct fy_model *m, struct fy_comm *comm, struct fy_comm *nccl, int pp, int stage,
+                                 int max_micro, struct fy_pipeline **out);
 void fy_pipeline_free(struct fy_pipeline *p);
 bool fy_pipeline_is_last(const struct fy_pipeline *p);
 // Offloaded (--device sim): the engine made for the stage (fy_offload_opts.stage_lo/hi, after the
@@ -74,7 +80,8 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
 fy_status fy_pipeline_sum_tied(struct fy_pipeline *p);
 // Data parallelism across pipelines: this stage's parameters' gradients (m->grads) summed over dp
 // (the ranks of the same stage in the other pipelines), in place, as fy_engine_all_reduce_grads
-// sums them (the same bits), the rest of the buffer left alone.
+// sums them (the same bits), the rest of the buffer left alone. On GPUs dp is a nccl
+// communicator, and the sum is queued on the kernels' stream.
 fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp);
 // The global gradient norm (sum of squares of this stage's own parameters, with a tensor-parallel
 // group's parts, added over the stages in stage order; the tied weight counted once), scaled as

@@ -441,8 +441,15 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // A pipeline stage: its activations' arenas (one per micro-batch in flight) before the cache's
   // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
   bool order[2 * (o->grad_accum > 0 ? o->grad_accum : 1)];
-  if (r->pp > 1 && !r->eval) {
+  if (r->pp > 1 && !r->eval && cuda) {  // (on GPUs the stages' messages go by NCCL send/recv)
+    fy_status sp = device_comm(r->pp_comm, r->pp_rank, true, &r->pp_compute);
+    if (sp != FY_OK) return fy_error_wrap(sp, "%d pipeline stages on GPUs", r->pp);
+    FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
+                                  &r->pipe));
+  } else if (r->pp > 1 && !r->eval) {
     FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+  }
+  if (r->pp > 1 && !r->eval) {
     FY_TRY(fy_graph_stage_ops(r->model->graph, cfg->num_hidden_layers, r->pp, r->pp_rank, &xo.stage_lo, &xo.stage_hi));
     xo.n_schedule = fy_pipeline_schedule(r->pp, r->pp_rank, (int)o->grad_accum, order);
     xo.schedule = order;
@@ -499,7 +506,15 @@ fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) {
   struct fy_model_source *s;
   FY_TRY(fy_model_source_open(&r->whole, dir, seed, &s));
   fy_status st = FY_OK;
-  if (r->model->params) {
+  if (r->model->params && fy_model_params_on_device(r->model)) {  // (a GPU's: taken on the host, then up)
+    const size_t bytes = (size_t)r->model->graph->n_param_elems * 4;
+    float *host = calloc(bytes / 4 + 1, 4);
+    if (!host) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    if (st == FY_OK) fy_tp_take(r->model->graph, host, r->whole_graph, tp_read_weights, s);
+    if (st == FY_OK) st = fy_model_upload(r->model, r->model->params, host, bytes);
+    r->model->cparams_fresh = false;
+    free(host);
+  } else if (r->model->params) {
     fy_tp_take(r->model->graph, r->model->params, r->whole_graph, tp_read_weights, s);
     r->model->cparams_fresh = false;
   } else {
@@ -673,9 +688,15 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
       st = device_comm(r->dp_comm, r->dp_rank, true, &r->dp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d ranks on GPUs", r->dp);
     }
-    // (Evaluation or sampling in bf16 keeps the weights in bf16 alone: 2 bytes a parameter.)
+    if (r->pp > 1) {  // the stages' activations and gradients go GPU to GPU by NCCL send/recv
+      st = device_comm(r->pp_comm, r->pp_rank, true, &r->pp_compute);
+      if (st != FY_OK) return fy_error_wrap(st, "%d pipeline stages on GPUs", r->pp);
+    }
+    // (Evaluation or sampling in bf16 keeps the weights in bf16 alone: 2 bytes a parameter.) A
+    // pipeline stage holds its own parameters alone.
     struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval,
-                               .act16 = precision_dtype(o) != FY_F32, .weights16 = r->eval};
+                               .act16 = precision_dtype(o) != FY_F32, .weights16 = r->eval,
+                               .pp = r->pp, .pp_stage = r->pp_rank};
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     r->model->dp_comm = r->dp_compute;  // (the hooks and the gradients' sum: on the GPU's stream)
     FY_TRY(fy_engine_cuda_attach(r->model));
@@ -717,9 +738,14 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
   if (r->pp > 1 && !r->pipe) {  // (offloaded, setup_offload made it)
-    if (!r->model->grads || r->x || r->model->device_memory)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu and sim for now", r->pp);
-    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+    if (!r->model->grads || r->x || (r->model->device_memory && !r->pp_compute))
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu, sim and cuda for now",
+                          r->pp);
+    if (r->pp_compute)
+      FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
+                                    &r->pipe));
+    else
+      FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
   }
   if (!o->data && eval) return FY_OK;  // (fy_sample: no data set)
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);
@@ -761,6 +787,7 @@ void teardown(struct run *r) {
   fy_comm_free(r->ep_comm);
   fy_comm_free(r->ep_rep);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
+  fy_comm_free(r->pp_compute);
   fy_comm_free(r->pp_comm);
   fy_comm_free(r->comm);
 }

@@ -28,6 +28,7 @@ struct run {
   // tp_rank; pp_comm holds one pipeline's stages in order (NULL for pp 1), pipe its schedule.
   int pp, pp_rank;
   struct fy_comm *pp_comm;
+  struct fy_comm *pp_compute;  // on GPUs: pp_comm's ranks as a nccl communicator (the stages' messages)
   struct fy_pipeline *pipe;
   // Expert parallelism (--ep, runtime/ep.h): data-parallel rank dp_rank is rank ep_rank = dp_rank %
   // ep of expert-parallel group dp_rank / ep (ep_comm, NULL for ep 1); ep_rep: the ranks holding the

@@ -129,10 +129,12 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   }
   model->grads_f32 = K > 1;
   FY_TRY(fy_pipeline_sum_tied(r->pipe));
-  if (r->dp > 1) FY_TRY(fy_pipeline_all_reduce_grads(r->pipe, r->dp_comm));
+  if (r->dp > 1) FY_TRY(fy_pipeline_all_reduce_grads(r->pipe, r->pp_compute ? r->dp_compute : r->dp_comm));
   double t0 = fy_now();
   float unscale = (float)(1.0 / scale);
-  *norm_out = fy_pipeline_grad_norm(r->pipe, unscale);
+  *norm_out = fy_pipeline_grad_norm(r->pipe, unscale);  // (on GPUs: after the streams' messages and sums)
+  if (r->pp_compute) FY_TRY(fy_comm_status(r->pp_compute));  // their errors, before an update uses them
+  if (r->pp_compute && r->dp_compute) FY_TRY(fy_comm_status(r->dp_compute));
   *overflow = !isfinite(*norm_out);
   if (!*overflow) {
     st = fy_pipeline_adamw(r->pipe, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out);

@@ -150,6 +150,29 @@ static void tp_walk_free(struct tp_walk *t) {
   memset(t, 0, sizeof *t);
 }
 
+// A GPU's resident state (a pipeline stage on --device cuda) copied to the host for the walk:
+// local[k] then points at the copies (weights; with kinds 3 also m and v), *own at what to free.
+// Nothing elsewhere (the cpu's state is host memory; offloaded state comes chunk by chunk).
+static fy_status walk_host_copies(struct run *r, int kinds, float *local[3], float **own) {
+  *own = NULL;
+  struct fy_model *m = r->model;
+  if (r->x || !fy_model_params_on_device(m)) return FY_OK;
+  const size_t n = (size_t)m->graph->n_param_elems;
+  float *h = malloc(n * (size_t)kinds * 4 + 4);
+  if (!h) return fy_error_set(FY_ERR_NOMEM, "cannot allocate a host copy of this rank's state (%zu floats)", n * kinds);
+  const float *src[3] = {m->params, m->m, m->v};
+  for (int k = 0; k < kinds; k++) {
+    fy_status st = fy_model_download(m, h + (size_t)k * n, src[k], n * 4);
+    if (st != FY_OK) {
+      free(h);
+      return st;
+    }
+    local[k] = h + (size_t)k * n;
+  }
+  *own = h;
+  return FY_OK;
+}
+
 // A collective over the tensor-parallel group: every rank of it gets the buffers or none does.
 // local NULL: the slices come chunk by chunk from the offloaded state (fy_offload_chunk_state_out,
 // in order: parameters have the same order in every layout; a collective over the data-parallel
@@ -266,8 +289,11 @@ fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t *hash) 
   }
   const struct fy_graph *g = r->whole_graph;
   struct tp_walk t;
-  float *local[3] = {r->model->params, NULL, NULL};
-  FY_TRY(tp_walk_init(&t, r, 1, r->x ? NULL : local, lead));
+  float *local[3] = {r->model->params, NULL, NULL}, *own;
+  FY_TRY(walk_host_copies(r, 1, local, &own));
+  fy_status si = tp_walk_init(&t, r, 1, r->x ? NULL : local, lead);
+  if (si != FY_OK) free(own);
+  FY_TRY(si);
   struct weights_hash wh = {0};
   struct fy_st_writer *w = NULL;
   fy_status st = lead && hash ? weights_hash_init(&wh, g) : FY_OK;
@@ -286,6 +312,7 @@ fy_status finish_tp(struct run *r, const char *save, bool lead, uint64_t *hash) 
   if (st == FY_OK && lead && hash) *hash = wh.h;
   free(wh.order);
   tp_walk_free(&t);
+  free(own);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "gathering the weights at the end of training");
 }
 
@@ -342,8 +369,13 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
   if (r->x) FY_TRY(fy_offload_sync(r->x));
   if (r->dp_rank / r->ep != 0) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
   struct tp_walk t;
+  float *own;
+  FY_TRY(walk_host_copies(r, 3, local, &own));
   fy_status st = tp_walk_init(&t, r, 3, r->x ? NULL : local, w != NULL);
-  if (st != FY_OK) return st;
+  if (st != FY_OK) {
+    free(own);
+    return st;
+  }
   const int64_t piece = r->x ? r->model->layout->chunk_elems : TP_CKPT_PIECE;
   if (w) {
     struct fy_ckpt_meta meta;
@@ -353,6 +385,7 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
     st = fy_ckpt_fill_without(r->whole_graph->n_param_elems, piece, tp_walk_fill, &t);
   }
   tp_walk_free(&t);
+  free(own);
   return st;
 }
 
@@ -499,6 +532,15 @@ static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta 
   fy_status st = FY_OK;
   if (r->x) {
     st = adam_into_chunks(r, tp_adam_fill_read, &f);
+  } else if (fy_model_params_on_device(m)) {  // (a pipeline stage on a GPU: taken on the host, then up)
+    const size_t n = (size_t)m->graph->n_param_elems;
+    float *h = calloc(n + 1, 4);
+    if (!h) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    for (int k = 0; k < 2 && st == FY_OK; k++) {
+      fy_tp_take(m->graph, h, r->whole_graph, tp_read_adam, &f.src[k]);
+      st = fy_model_upload(m, k ? m->v : m->m, h, n * 4);
+    }
+    free(h);
   } else {
     fy_tp_take(m->graph, m->m, r->whole_graph, tp_read_adam, &f.src[0]);
     fy_tp_take(m->graph, m->v, r->whole_graph, tp_read_adam, &f.src[1]);

@@ -89,14 +89,17 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s with --tp %d: tensor-parallel slices keep fp32 AdamW "
                         "state (use --optimizer-state fp32)", e->optimizer_state, e->tp);
   if (e->pp > 1) {  // (what pipeline stages do not run yet: docs/ranks.md, "Pipeline parallelism")
-    const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0
-                         ? "--device cuda (stages run on --device cpu and sim)"
+    const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
+    const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0 && !cuda
+                         ? "another device (stages run on --device cpu, sim and cuda)"
+                     : cuda && e->tp > 1                       ? "--tp on GPUs (stages on GPUs run without tensor "
+                                                                 "parallelism)"
                      : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"
                      : compressed && (!e->device || strcmp(e->device, "sim") != 0)
-                         ? "--optimizer-state bf16 or 8bit on --device cpu (a resident stage keeps fp32; sim's "
-                           "chunks keep it)"
+                         ? "--optimizer-state bf16 or 8bit on --device cpu or cuda (a resident stage keeps fp32; "
+                           "sim's chunks keep it)"
                                                                : NULL;
     if (no) return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with %s: not supported yet", e->pp, no);
   }

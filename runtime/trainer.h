@@ -98,7 +98,8 @@ struct fy_train_opts {
   int tp;
   // Pipeline parallelism (runtime/pipeline.h): groups of pp ranks (each tp ranks apart) split the
   // decoder layers into pp stages run on the 1F1B schedule over the step's grad_accum
-  // micro-batches; the grid is dp x pp x tp, tp innermost. 0 or 1: none. --device cpu and sim for now.
+  // micro-batches; the grid is dp x pp x tp, tp innermost. 0 or 1: none. --device cpu, sim and
+  // cuda (resident or --offload; not with --tp on cuda).
   int pp;
   // Expert parallelism (runtime/ep.h): within groups of ep consecutive data-parallel ranks each
   // holds E/ep experts of every mixture layer; tokens go to their experts' ranks and back by

@@ -18,7 +18,8 @@
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
 # checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
-# checkpoint, and planned; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint, and dp 2 x
+# pp 2 with four GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -182,6 +183,24 @@ RES=1 run rres2 2 --precision bf16 --batch 2 --resume "$d/rck" || exit 1
 run rres1 1 --precision bf16 --batch 4 --resume "$d/rck" || exit 1
 check "a checkpoint of 2 replicas resumed by 2: the straight run" rtwobf16 rres2 1e-5
 check "a checkpoint of 2 replicas resumed by 1 offloaded rank" rtwobf16 rres1 2e-2
+# Pipeline stages (--pp 2: each stage's layers on its GPU, the activations and their gradients
+# sent GPU to GPU by NCCL send/recv, grouped where both directions go at once): 4 micro-batches of
+# 1 on the 1F1B schedule, resident, = 1 resident rank running the same micro-batches in fp32 (the
+# same sums in the same order: within 1e-5), and offloaded (--offload: each stage's chunks through
+# its GPU's cache) = 1 rank x 4 in bf16; the stages' checkpoint of step 2 resumes on 1 rank (the
+# straight run's losses); with 4 GPUs, 2 pipelines of 2 stages. (Each stops after 4 of the 8 steps.)
+RES=1 run pone 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 || exit 1
+rm -rf "$d/ppck"
+RES=1 run ppfp32 2 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 --save "$d/ppck" --save-every 2 || exit 1
+check "--pp 2 on 2 GPUs = 1 rank, fp32" pone ppfp32 1e-5
+run ppoff 2 --precision bf16 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 || exit 1
+check "--pp 2 --offload on 2 GPUs = 1 rank x 4, bf16" onebf16 ppoff 2e-2
+RES=1 run ppres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --resume "$d/ppck/step-00000002" || exit 1
+check "a --pp 2 checkpoint on GPUs resumed by 1 rank" ppfp32 ppres1 1e-5
+if [ "$gpus" -ge 4 ]; then  # two pipelines, their stages' gradients summed by NCCL across them
+  RES=1 run dppp 4 --precision fp32 --batch 1 --grad-accum 2 --pp 2 --stop-after 4 || exit 1
+  check "dp 2 x pp 2 on 4 GPUs = 1 rank x 4, fp32" onefp32 dppp 1e-4
+fi
 # ferry plan for 2 GPUs with room for the whole model on each and too little host memory to
 # offload it plans replicas (resident, pattern replicate), and mpirun -np 2 ferry train --plan
 # trains them as the replicas above.

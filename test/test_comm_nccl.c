@@ -346,6 +346,76 @@ static void close_comm(struct fy_comm *c) {
   fy_comm_free(c);
 }
 
+// ---- point-to-point (fy_comm_group_p2p: ncclSend and ncclRecv in one group) ----
+
+// Every rank sends to the next (in a ring) and receives from the one before, in one group (with two
+// ranks: both directions at once, which only a group lets NCCL complete); messages of several
+// pieces of the emulator's channel and of odd sizes; then three messages in a row to the next rank
+// grouped with their three receives, which must arrive in order; each rank's bytes are its own
+// pattern, so a message from the wrong rank or in the wrong order shows. On s (NULL: the default
+// stream). One rank: a message to itself and a mpi-style call refused.
+static void test_p2p(struct fy_comm *c, fy_stream *s) {
+  int N = fy_comm_size(c), r = fy_comm_rank(c);
+  if (N == 1) {
+    float *d = dev_alloc(4);
+    struct fy_comm_p2p self = {.buf = d, .bytes = 4, .peer = 0, .send = 1};
+    CHECK(fy_comm_group_p2p(c, &self, 1, s) == FY_ERR_INVALID);
+    fy_device_dealloc(g_dev, d, 4);
+    return;
+  }
+  const int next = (r + 1) % N, prev = (r + N - 1) % N;
+  const size_t sizes[] = {4, 1000003 * 4, 3 * (1 << 20) + 12};
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+    const size_t n = sizes[k] / 4;
+    float *x = malloc(sizes[k]), *y = malloc(sizes[k]);
+    void *ds = dev_alloc(sizes[k]), *dr = dev_alloc(sizes[k]);
+    fill(x, FY_COMM_F32, r, k * 7, n);
+    put(ds, x, sizes[k]);
+    struct fy_comm_p2p m[2] = {{.buf = ds, .bytes = sizes[k], .peer = next, .send = 1},
+                               {.buf = dr, .bytes = sizes[k], .peer = prev, .send = 0}};
+    CHECK_OK(fy_comm_group_p2p(c, m, 2, s));
+    done(s);
+    get(y, dr, sizes[k]);
+    fill(x, FY_COMM_F32, prev, k * 7, n);
+    CHECK(memcmp(x, y, sizes[k]) == 0);
+    fy_device_dealloc(g_dev, ds, sizes[k]);
+    fy_device_dealloc(g_dev, dr, sizes[k]);
+    free(x);
+    free(y);
+  }
+  enum { K = 3, E = 70001 };
+  float *x = malloc(K * E * 4), *y = malloc(K * E * 4);
+  float *ds = dev_alloc(K * E * 4), *dr = dev_alloc(K * E * 4);
+  struct fy_comm_p2p m[2 * K];
+  for (int k = 0; k < K; k++) {
+    fill(x + k * E, FY_COMM_F32, r, (size_t)k * E, E);
+    m[k] = (struct fy_comm_p2p){.buf = ds + k * E, .bytes = E * 4, .peer = next, .send = 1};
+    m[K + k] = (struct fy_comm_p2p){.buf = dr + k * E, .bytes = E * 4, .peer = prev, .send = 0};
+  }
+  put(ds, x, K * E * 4);
+  CHECK_OK(fy_comm_group_p2p(c, m, 2 * K, s));
+  done(s);
+  get(y, dr, K * E * 4);
+  fill(x, FY_COMM_F32, prev, 0, K * E);
+  CHECK(memcmp(x, y, K * E * 4) == 0);
+  // One direction alone needs no group: rank 0 sends to rank 1 and rank 1 receives, on its own.
+  if (r < 2) {
+    fill(x, FY_COMM_F32, 0, 5, E);
+    if (r == 0) put(ds, x, E * 4);
+    struct fy_comm_p2p one = {.buf = r == 0 ? (void *)ds : (void *)dr, .bytes = E * 4, .peer = 1 - r, .send = r == 0};
+    CHECK_OK(fy_comm_group_p2p(c, &one, 1, s));
+    done(s);
+    if (r == 1) {
+      get(y, dr, E * 4);
+      CHECK(memcmp(x, y, E * 4) == 0);
+    }
+  }
+  fy_device_dealloc(g_dev, ds, K * E * 4);
+  fy_device_dealloc(g_dev, dr, K * E * 4);
+  free(x);
+  free(y);
+}
+
 static int run_checks(void) {
   struct fy_comm *c = open_comm(60);
   CHECK(c != NULL);
@@ -373,6 +443,8 @@ static int run_checks(void) {
   test_broadcast(c, 1000003, N - 1, NULL);
   test_broadcast(c, 1, 0, g_s);
   test_stream_chain(c);
+  test_p2p(c, NULL);
+  test_p2p(c, g_s);
   test_split(c);
   test_refusals(c);
   CHECK_OK(fy_comm_status(c));

@@ -605,7 +605,7 @@ refused "--pp 3 with 4 layers" "--pp 3 does not divide the model's 4 decoder lay
 refused "--pp 4 with opt-tiny's 2 layers" "more pipeline stages than the model's 2 decoder layers" 4 --model opt-tiny --batch 4 --pp 4
 refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3 --model "$tmp/cfg-untied" --batch 4 --pp 2
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
-refused "--pp 2 on --device cuda" "--pp 2 with --device cuda .*: not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --device cuda
+refused "--pp 2 --tp 2 on --device cuda" "--pp 2 with --tp on GPUs .*: not supported yet" 4 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2 --device cuda
 refused "--pp 2 with 8-bit state on --device cpu" "--pp 2 with --optimizer-state bf16 or 8bit on --device cpu .*: not supported yet" 2 \
   --model "$tmp/cfg-untied" --batch 4 --pp 2 --optimizer-state 8bit
 refused "--pp 2 with --val-data" "not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --val-data "$tmp/data.bin"

@@ -15,7 +15,16 @@
 // one (config.blocking = 0) answers ncclInProgress from its creation until every rank has joined,
 // and from ncclCommFinalize until its collectives are done; a collective waiting for a rank that
 // never comes waits for ever, until ncclCommAbort, which makes it give up (its results undefined).
-// Not emulated: ncclGroupStart/End, point-to-point, other reductions, ncclCommSplit.
+// Not emulated: collectives inside ncclGroupStart/End, other reductions, ncclCommSplit.
+//
+// Point-to-point (ncclSend, ncclRecv): each ordered pair of ranks that exchanges messages has a
+// channel of its own, a shared segment (named after the communicator's, made by whichever rank
+// comes first) holding one 1 MiB piece at a time. A send runs on its stream's worker as NCCL's
+// kernel does, blocking that stream until the peer's ncclRecv has taken its last piece (NCCL calls
+// both blocking for the GPU), so a schedule whose sends and receives wait on each other hangs here
+// as it would on GPUs. Between ncclGroupStart and ncclGroupEnd the sends and receives of one stream
+// form one job that advances them all together, as NCCL's group does (the only way two ranks can
+// send to each other at once). A receive whose count (in bytes) is not the send's stops the program.
 //
 // FY_EMU_NCCL_FAIL=OP:N (OP one of ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast)
 // makes the process's N-th collective of that kind (counted from 1, over all its communicators) fail
@@ -37,10 +46,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "test/cudaemu/emu_internal.h"
 
@@ -67,6 +79,17 @@ struct shm_header {
 
 size_t header_bytes() { return (sizeof(shm_header) + 4095) / 4096 * 4096; }
 
+// A point-to-point channel from one rank to another: one piece of a message at a time.
+struct p2p_channel {
+  std::atomic<uint32_t> attached;  // ranks that mapped it (the second unlinks its name)
+  std::atomic<uint32_t> filled;    // pieces written by the sender (a futex word)
+  std::atomic<uint32_t> drained;   // pieces taken by the receiver (a futex word)
+  uint32_t pad;
+  uint64_t piece_bytes;  // the piece in the buffer
+  uint64_t msg_bytes;    // the message it belongs to (the receiver's must be the same)
+};
+const size_t P2P_HEADER = 4096;
+
 // A communicator's state, shared by its handle and the collectives queued on streams (which may
 // run after ncclCommAbort or ncclCommDestroy returned: they find `aborted` and give up).
 struct comm_state {
@@ -82,8 +105,10 @@ struct comm_state {
   std::mutex mu;                    // seq, last
   uint64_t seq = 0;                 // collectives issued
   std::string last;                 // ncclGetLastError
+  std::map<std::pair<int, int>, p2p_channel *> channels;  // (from, to): mapped point-to-point channels
   ~comm_state() {
     if (hdr) munmap(hdr, map_bytes);
+    for (auto &c : channels) munmap(c.second, P2P_HEADER + SLOT);
   }
 };
 
@@ -94,6 +119,22 @@ struct ncclComm {
 };
 
 namespace {
+
+// One send or receive of a group, as the job that runs the group advances it.
+struct p2p_op {
+  bool send;
+  int peer;
+  unsigned char *buf;
+  size_t bytes, off;  // off: bytes written (send) or taken (receive) so far
+  p2p_channel *ch;
+  bool done;
+};
+
+// Ops that ncclSend and ncclRecv gathered since ncclGroupStart, with their stream (this thread's).
+thread_local int group_depth = 0;
+thread_local std::vector<p2p_op> group_ops;
+thread_local std::shared_ptr<comm_state> group_comm;
+thread_local cudaStream_t group_stream;
 
 thread_local std::string last_error_text;  // ncclGetLastError(NULL)
 
@@ -311,6 +352,8 @@ ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, siz
   comm_state *s = c->st.get();
   if (s->aborted.load()) return set_error(s, ncclInvalidUsage, "%s on an aborted communicator", op_name(op));
   if (!s->ready.load()) return set_error(s, ncclInvalidUsage, "%s before the communicator was set up", op_name(op));
+  if (group_depth > 0)
+    return set_error(s, ncclInvalidUsage, "%s inside ncclGroupStart/End is not emulated", op_name(op));
   const bool bytes = t == ncclUint8 || t == ncclInt8;
   if (t != ncclFloat32 && t != ncclBfloat16 && !(bytes && (op == OP_BROADCAST || op == OP_ALL_GATHER)))
     return set_error(s, ncclInvalidArgument, "%s: type %d is not emulated", op_name(op), (int)t);
@@ -353,9 +396,160 @@ ncclResult_t enqueue(ncclComm *c, uint32_t op, const void *send, void *recv, siz
   return ncclSuccess;
 }
 
+// The channel from rank `from` to rank `to` of s, mapped on first use (under s->mu); NULL with
+// *why set when the segment cannot be made.
+p2p_channel *channel(comm_state *s, int from, int to, std::string *why) {
+  std::lock_guard<std::mutex> lk(s->mu);
+  auto it = s->channels.find({from, to});
+  if (it != s->channels.end()) return it->second;
+  const std::string name = s->name + "-p" + std::to_string(from) + "-" + std::to_string(to);
+  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT, 0600);
+  if (fd < 0) {
+    *why = "shm_open " + name + ": " + strerror(errno);
+    return NULL;
+  }
+  int e = posix_fallocate(fd, 0, (off_t)(P2P_HEADER + SLOT));
+  void *m = e == 0 ? mmap(NULL, P2P_HEADER + SLOT, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  if (m == MAP_FAILED) {
+    *why = "mapping " + name + " (/dev/shm): " + strerror(e ? e : errno);
+    return NULL;
+  }
+  p2p_channel *c = (p2p_channel *)m;
+  if (c->attached.fetch_add(1) + 1 == 2) shm_unlink(name.c_str());  // both ends have it
+  s->channels[{from, to}] = c;
+  return c;
+}
+
+
+// One step of op k of ops (false: it cannot move now). An op waits for the earlier ones of its
+// channel, so that messages between two ranks keep their order.
+bool p2p_step(comm_state *s, std::vector<p2p_op> &ops, size_t k) {
+  p2p_op &o = ops[k];
+  for (size_t j = 0; j < k; j++)
+    if (!ops[j].done && ops[j].ch == o.ch) return false;
+  p2p_channel *c = o.ch;
+  const uint32_t f = c->filled.load(std::memory_order_acquire), d = c->drained.load(std::memory_order_acquire);
+  unsigned char *piece = (unsigned char *)c + P2P_HEADER;
+  if (o.send) {
+    if (f != d) return false;  // the peer has not taken the last piece yet
+    if (o.off == o.bytes) {    // taken: the send is done (blocking for the stream until then, as NCCL's)
+      o.done = true;
+      return true;
+    }
+    const size_t p = o.bytes - o.off < SLOT ? o.bytes - o.off : SLOT;
+    memcpy(piece, o.buf + o.off, p);
+    c->piece_bytes = p;
+    c->msg_bytes = o.bytes;
+    o.off += p;
+    c->filled.store(f + 1, std::memory_order_release);
+    futex_wake(&c->filled);
+    return true;
+  }
+  if (f == d) return false;  // nothing there yet
+  if (c->msg_bytes != o.bytes)
+    fy_emu_fail("nccl: rank %d receives %zu bytes from rank %d, which sends %llu: on GPUs a hang or garbage", s->rank,
+                o.bytes, o.peer, (unsigned long long)c->msg_bytes);
+  memcpy(o.buf + o.off, piece, c->piece_bytes);
+  o.off += c->piece_bytes;
+  c->drained.store(d + 1, std::memory_order_release);
+  futex_wake(&c->drained);
+  o.done = o.off == o.bytes;
+  return true;
+}
+
+// Runs a group's sends and receives to completion on the stream's worker (or until an abort).
+void run_p2p(comm_state *s, std::vector<p2p_op> ops) {
+  size_t left = ops.size(), idle = 0;
+  while (left > 0) {
+    bool moved = false;
+    for (size_t k = 0; k < ops.size(); k++)
+      if (!ops[k].done && p2p_step(s, ops, k)) {
+        moved = true;
+        if (ops[k].done) left--;
+      }
+    if (moved) {
+      idle = 0;
+      continue;
+    }
+    if (s->aborted.load()) return;
+    if (++idle > 200) nap(20000);  // spin a little, then poll every 20 us
+  }
+}
+
+// Queues a group's ops (one send or receive alone, outside a group) on the stream.
+void p2p_enqueue(const std::shared_ptr<comm_state> &keep, std::vector<p2p_op> ops, cudaStream_t stream) {
+  keep->pending++;
+  fy_emu_enqueue(stream, [keep, ops] {
+    if (!keep->aborted.load()) run_p2p(keep.get(), ops);
+    keep->pending--;
+  });
+}
+
+// Checks a send or a receive and queues it (or, in a group, adds it to the group's).
+ncclResult_t p2p(ncclComm *c, bool send, void *buf, size_t count, ncclDataType_t t, int peer, cudaStream_t stream) {
+  const char *fn = send ? "ncclSend" : "ncclRecv";
+  if (!c) return set_error(NULL, ncclInvalidArgument, "%s: no communicator", fn);
+  comm_state *s = c->st.get();
+  if (s->aborted.load()) return set_error(s, ncclInvalidUsage, "%s on an aborted communicator", fn);
+  if (!s->ready.load()) return set_error(s, ncclInvalidUsage, "%s before the communicator was set up", fn);
+  if (t != ncclFloat32 && t != ncclBfloat16 && t != ncclUint8 && t != ncclInt8)
+    return set_error(s, ncclInvalidArgument, "%s: type %d is not emulated", fn, (int)t);
+  if (peer < 0 || peer >= s->nranks || peer == s->rank)
+    return set_error(s, ncclInvalidArgument, "%s: peer %d (rank %d of %d)", fn, peer, s->rank, s->nranks);
+  const int sd = fy_emu_stream_device(stream);
+  if (sd >= 0 && sd != s->device)
+    fy_emu_fail("nccl: %s on a stream of GPU %d, the communicator is on GPU %d", fn, sd, s->device);
+  const size_t bytes = count * type_size(t);
+  if (bytes > 0 && fy_emu_device_of(buf, bytes) != s->device)
+    fy_emu_fail("nccl: %s's buffer (%zu bytes at %p) is not device memory of GPU %d: a fault on a GPU", fn, bytes, buf,
+                s->device);
+  if (group_depth > 0 && group_comm && (group_comm.get() != s || group_stream != stream))
+    return set_error(s, ncclInvalidUsage, "%s: the emulator takes one communicator and one stream a group", fn);
+  std::string why;
+  p2p_channel *ch = bytes == 0 ? NULL : channel(s, send ? s->rank : peer, send ? peer : s->rank, &why);
+  if (bytes > 0 && !ch) return set_error(s, ncclSystemError, "%s: %s", fn, why.c_str());
+  std::vector<p2p_op> one;
+  std::vector<p2p_op> &ops = group_depth > 0 ? group_ops : one;
+  if (bytes > 0) ops.push_back(p2p_op{send, peer, (unsigned char *)buf, bytes, 0, ch, false});
+  if (group_depth > 0) {
+    group_comm = c->st;
+    group_stream = stream;
+  } else if (!one.empty()) {
+    p2p_enqueue(c->st, one, stream);
+  }
+  return ncclSuccess;
+}
+
 }  // namespace
 
 extern "C" {
+
+ncclResult_t ncclGroupStart(void) {
+  if (group_depth++ == 0) {
+    group_ops.clear();
+    group_comm.reset();
+  }
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+  if (group_depth == 0) return set_error(NULL, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+  if (--group_depth > 0) return ncclSuccess;
+  if (group_comm && !group_ops.empty()) p2p_enqueue(group_comm, group_ops, group_stream);
+  group_ops.clear();
+  group_comm.reset();
+  return ncclSuccess;
+}
+
+ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return p2p(comm, true, (void *)send, count, t, peer, stream);
+}
+
+ncclResult_t ncclRecv(void *recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm, cudaStream_t stream) {
+  return p2p(comm, false, recv, count, t, peer, stream);
+}
 
 const char *ncclGetErrorString(ncclResult_t r) {
   switch (r) {
