@@ -191,9 +191,10 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
 // hold, cnt[i] its rows), computed as one product of fy_moe_rows(cnt[i]) rows as fy_moe_forward
 // computes an expert; blocks lie one after another, unpadded in x, y, dy, dx, padded (rounding rows
 // zero) in xpad (rows, C) and hpad (rows, F), rows = fy_moe_blocks_rows.
-// inp (BT,C), gate (E,C) -> route, n (E), *balance (fy_moe_forward's)
-fy_status fy_moe_route(float *route, int64_t *n, double *balance, const float *inp, const float *gate,
-                       const struct fy_moe_dims *d);
+// inp (BT,C), gate (E,C) -> route (fy_moe_route's, and the rows in dispatch order), n (E), *balance
+// (fy_moe_forward's)
+fy_status fy_moe_route_rows(float *route, int64_t *n, double *balance, const float *inp, const float *gate,
+                           const struct fy_moe_dims *d);
 // xs (BT*K, C) <- each token's row once per choice, in the dispatch order
 void fy_moe_dispatch(float *xs, const float *inp, const float *route, const struct fy_moe_dims *d);
 int64_t fy_moe_blocks_rows(const int64_t *cnt, int nb);

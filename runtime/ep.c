@@ -134,7 +134,7 @@ fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
   const int P = g->ep, El = op->experts / P, b = op->has_bias;
   const int64_t C = d.C, BTK = d.BT * d.K;
   float *route = fy_engine_act(m, op->aux[0]), *ys = fy_engine_act(m, op->aux[1]);  // (BTK*C <= the slot's)
-  FY_TRY(fy_moe_route(route, s->n, balance, a->in0, c->w[0], &d));
+  FY_TRY(fy_moe_route_rows(route, s->n, balance, a->in0, c->w[0], &d));
   // The counts first: each rank learns how many rows each source sends each of its experts.
   FY_TRY(fy_comm_all_to_all(m->ep_comm, s->n, s->recv_n, (size_t)El));
   int64_t send[P], recv[P], rows_in;

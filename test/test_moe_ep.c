@@ -60,7 +60,7 @@ static void run_case(bool starve, bool gelu, bool accumulate) {
   int64_t n[P][E];
   double bal[P];
   for (int s = 0; s < P; s++) {
-    CHECK_OK(fy_moe_route(route[s], n[s], &bal[s], inp[s], gate, &d));
+    CHECK_OK(fy_moe_route_rows(route[s], n[s], &bal[s], inp[s], gate, &d));
     CHECK(bal[s] == bal_r[s]);
     fy_moe_dispatch(xs[s], inp[s], route[s], &d);
   }

@@ -1,6 +1,6 @@
 // A mixture of experts in pieces, for expert parallelism (ops/ops.h, "mixture of experts in
 // pieces"; runtime/ep.c moves the rows between the ranks). A source rank routes its tokens and
-// lays their rows out expert by expert (fy_moe_route, fy_moe_dispatch); the ranks holding the
+// lays their rows out expert by expert (fy_moe_route_rows, fy_moe_dispatch); the ranks holding the
 // experts compute them on the rows they receive, block by block (fy_moe_experts_forward and
 // _backward); the source weighs the results (fy_moe_combine) and, in backward, sends the rows'
 // gradients out (fy_moe_combine_backward) and finishes the router's (fy_moe_route_backward).
@@ -17,35 +17,13 @@
 #include "core/graph.h"
 #include "ops/ops.h"
 
-fy_status fy_moe_route(float *route, int64_t *n, double *balance, const float *inp, const float *gate,
-                       const struct fy_moe_dims *d) {
-  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
+fy_status fy_moe_route_rows(float *route, int64_t *n, double *balance, const float *inp, const float *gate,
+                           const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, E = d->E, K = d->K, S = E + 3 * K;
   if (BT * K >= (int64_t)1 << 24)
     return fy_error_set(FY_ERR_UNSUPPORTED, "mixture of experts: %lld routed rows (the routing record holds rows "
                         "below 2^24)", (long long)(BT * K));
-  // logits (BT,E) = inp (BT,C) @ gate^T (C,E), written with the routing record's row stride
-  FY_TRY(fy_matmul_bias(route, inp, gate, NULL, 1, BT, E, C, false, true, 1.0f, 0.0f, 0, 0, S, 0, 0, 0));
-  // Softmax, the top K (the larger probability first, the lower index on a tie) and their weights.
-#pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
-  for (int64_t t = 0; t < BT; t++) {
-    float *r = route + t * S;
-    float mx = r[0], sum = 0;
-    for (int64_t e = 1; e < E; e++) mx = r[e] > mx ? r[e] : mx;
-    for (int64_t e = 0; e < E; e++) sum += r[e] = expf(r[e] - mx);
-    for (int64_t e = 0; e < E; e++) r[e] /= sum;
-    float chosen = 0;
-    for (int64_t j = 0; j < K; j++) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < E; e++) {
-        bool taken = false;
-        for (int64_t i = 0; i < j; i++) taken |= (int64_t)r[E + i] == e;
-        if (!taken && (best < 0 || r[e] > r[best])) best = e;
-      }
-      r[E + j] = (float)best;
-      chosen += r[best];
-    }
-    for (int64_t j = 0; j < K; j++) r[E + K + j] = r[(int64_t)r[E + j]] / chosen;
-  }
+  FY_TRY(fy_moe_route(route, inp, gate, d));  // (fy_moe_forward's routing, the same bits)
   // The dispatch rows, unpadded: expert by expert, each expert's token-choices in token order.
   int64_t fill[E];
   for (int64_t e = 0; e < E; e++) n[e] = 0;
