@@ -3,7 +3,7 @@
 # against --device cpu: a few steps of a small mixture (opt-moe-tiny) on random tokens, the fp32
 # losses, load-balancing terms and gradient norms to rounding (test/cuda_train.sh's 1e-3), with
 # gradient accumulation (2 x B/2) too, and bf16 within bf16's rounding (cuda_train.sh's 2e-2); the
-# runs a mixture is refused on yet (--offload, the sim device) say so. On the emulator (test/cudaemu)
+# run a mixture is refused on yet (--offload on the GPU) says so. On the emulator (test/cudaemu)
 # in ./test.sh; on a GPU by bench/gpu/check.sh. Exit 77 (skipped) where there is no GPU.
 #
 # usage: test/cuda_train_moe.sh FERRY DIR [--model M] [--batch B] [--seq T] [--steps N]
@@ -85,8 +85,9 @@ same "$d/accumcpu.jsonl" "$d/accumcuda.jsonl" 1e-3 || exit 1
 echo "bf16, cpu against cuda:"
 same "$d/cpu16.jsonl" "$d/cuda16.jsonl" 2e-2 || exit 1
 
-# Not yet for a mixture: offloaded on the GPU (and the sim device): refused, saying so.
-for dev in "--device cuda --offload" "--device sim"; do
+# Not yet for a mixture: offloaded on the GPU: refused, saying so (sim's offloading is
+# test_offload_moe's).
+for dev in "--device cuda --offload"; do
   # shellcheck disable=SC2086
   if "$ferry" "${common[@]}" $dev --steps 1 >"$d/refused.out" 2>&1 ||
     ! grep -q "is a mixture of experts" "$d/refused.out"; then
