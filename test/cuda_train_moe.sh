@@ -95,12 +95,15 @@ echo "fp32, cpu against cuda --offload:"
 same "$d/cpu.jsonl" "$d/offload.jsonl" 1e-3 || exit 1
 echo "bf16, cpu against cuda --offload:"
 same "$d/cpu16.jsonl" "$d/offload16.jsonl" 2e-2 || exit 1
-# One token a pass (--batch 1 --seq 1): 2 of each mixture's 4 experts get it, and only those are
-# loaded (the log's count so far of the experts' ranges loaded, against the experts of the chunks
-# loaded from home); the others' zero gradients still go through AdamW as on the cpu.
-one=(--batch 1 --seq 1)
+# One token a pass (--batch 1 --seq 1, 2 micro-batches a step): 2 of each mixture's 4 experts get
+# it, and only those are loaded (the log's count so far of the experts' ranges loaded, against the
+# experts of the chunks loaded from home); 2 cache blocks for the 6 chunks, so that backward loads
+# the mixtures' chunks and their experts again; the others' zero gradients still go through the
+# micro-batches' sum and AdamW as on the cpu.
+one=(--batch 1 --seq 1 --grad-accum 2)
 ferry_run onecpu "${common[@]}" "${one[@]}" --device cpu --log "$d/onecpu.jsonl"
-ferry_run oneoffload "${common[@]}" "${one[@]}" --device cuda --precision fp32 --offload --log "$d/oneoffload.jsonl"
+ferry_run oneoffload "${common[@]}" "${one[@]}" --device cuda --precision fp32 --offload --blocks 2 \
+  --log "$d/oneoffload.jsonl"
 echo "fp32, one token a pass, cpu against cuda --offload:"
 same "$d/onecpu.jsonl" "$d/oneoffload.jsonl" 1e-3 || exit 1
 python3 - "$d/oneoffload.jsonl" <<'PY' || exit 1
