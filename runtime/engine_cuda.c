@@ -302,8 +302,6 @@ static int64_t moe_count(const int32_t *t, int64_t n) {
 
 static fy_status moe_check(const struct fy_op_args *a, const struct fy_moe_dims *d) {
   struct cuda_ctx *x = ctx_of(a->m);
-  if (a->m->host)  // (runtime/run.c refuses it first: offloading by expert is to come, issue 37)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s: a mixture of experts runs on a GPU resident, not offloaded", a->op->name);
   FY_ASSERT(x->moe_work && fy_cuda_moe_workspace_bytes(d, a->m->compute_dtype) <= x->moe_work_bytes);
   return FY_OK;
 }
@@ -345,6 +343,15 @@ static fy_status moe_bwd(const struct fy_op_args *a) {
                               b ? c->g[4] : NULL, a->dout, a->in0, fy_engine_act(m, op->aux[0]),
                               fy_engine_act(m, op->aux[1]), c->w[0], c->w[1], c->w[2 + b], dbalance, !a->first[0],
                               m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st);
+}
+
+// The offload engine's router alone (runtime/offload.c, moe_experts), the op's forward's first step.
+static fy_status moe_route_cuda(struct fy_model *m, int o, const void *gate, int64_t rows) {
+  const struct fy_op *op = &m->graph->ops[o];
+  const struct fy_moe_dims d = {.BT = rows, .C = op->C, .F = op->OC, .E = op->experts,
+                                .K = op->top_k};
+  return fy_cuda_moe_route(fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->in[0]), gate, m->compute_dtype, &d,
+                           ctx_of(m)->st);
 }
 
 // The cuda backend's op table: a new op kind is one line here (and one in runtime/engine.c's).
@@ -540,6 +547,7 @@ static const struct fy_model_kernels cuda_kernels = {
     .pattern_add = pattern_add_cuda,
     .pattern_bias_add = pattern_bias_add_cuda,
     .attention_decode = attention_decode_cuda,
+    .moe_route = moe_route_cuda,
 };
 
 // The engine's own device buffers, taken from the device as every other allocation is, so that its

@@ -145,6 +145,11 @@ struct fy_model_kernels {
   // CPU's).
   fy_status (*attention_decode)(struct fy_model *m, int op, void *kcache, void *vcache, float *scratch, int64_t len,
                                 int64_t n, int64_t cap);
+  // The router alone of mixture op `op` over its first `rows` tokens (its routing record, aux[0],
+  // from its input and `gate`, where the kernels read), launched on the stream of set_stream: the
+  // offload engine's look at which experts get tokens before the op runs (NULL in the CPU's table:
+  // the engine runs fy_moe_route as a host function on its stream).
+  fy_status (*moe_route)(struct fy_model *m, int op, const void *gate, int64_t rows);
 };
 
 // Whether the optimizer reads the gradients in cgrads (a GPU's 16-bit ones, no fp32 sum over

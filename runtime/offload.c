@@ -424,8 +424,9 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // so the write-back brings every expert's gradient home and AdamW updates every expert as the
 // cpu does. Backward (and recomputation) reuses the forward's choice: the experts loaded are
 // still in the block unless the chunk was loaded again from home since (home_loads), and then
-// they are loaded again. CPU kernels on an unsharded cache only (the router is the CPU's); a GPU
-// or sharded chunks load whole chunks.
+// they are loaded again. On a GPU the router is the kernels' (kernels->moe_route, launched on the
+// compute stream; ops/cuda/moe.cu), the rest is the same: its choices come down, the used experts'
+// ranges go up. An unsharded cache only: sharded chunks load whole chunks.
 struct moe_load {
   bool on;
   int chunk;
@@ -489,7 +490,7 @@ static fy_status moe_setup(struct fy_offload *x) {
   int64_t route_max = 0;
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
-    if (op->kind != FY_OP_MOE || x->sharded || launches_kernels(x->m)) continue;
+    if (op->kind != FY_OP_MOE || x->sharded || (launches_kernels(x->m) && !x->m->kernels->moe_route)) continue;
     struct moe_load *ml = &x->moe[o];
     const int b = op->has_bias;
     const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
@@ -543,13 +544,18 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
     ml->job = (struct moe_route_job){.route = fy_engine_act(m, op->aux[0]), .inp = fy_engine_act(m, op->in[0]),
                                      .gate = call->w[0],
                                      .d = {.BT = BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k}};
-    FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
-    FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(BT * S) * 4));
+    if (launches_kernels(m)) {  // the GPU's router, its routing record copied down after it
+      ml->job.d.BT = fy_op_call_rows(call);
+      FY_TRY(m->kernels->moe_route(m, act->op, call->w[0], ml->job.d.BT));
+    } else {
+      FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
+    }
+    FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(ml->job.d.BT * S) * 4));
     FY_TRY(fy_event_record(x->moe_routed, x->compute));
     FY_TRY(fy_event_sync(x->moe_routed));
     if (ml->job.st != FY_OK) return ml->job.st;
     memset(ml->used, 0, (size_t)ml->E * sizeof *ml->used);
-    for (int64_t t = 0; t < BT; t++)
+    for (int64_t t = 0; t < ml->job.d.BT; t++)
       for (int j = 0; j < op->top_k; j++) ml->used[(int)x->route_host[t * S + op->experts + j]] = true;
   }
   if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in the block

@@ -593,14 +593,12 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   FY_TRY(seq_fits(o->seq, &r->cfg));
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
-  // A mixture of experts runs on resident state with the CPU's kernels or the GPU's (without --offload
-  // or --tp), and offloaded on sim (issue 37: the expert pattern and the GPU's offloading by expert
-  // are to come).
+  // A mixture of experts runs with the CPU's kernels (cpu, sim offloaded) or the GPU's (resident or
+  // --offload), not yet with --tp on GPUs (issue 37).
   if (r->cfg.num_local_experts > 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
-      !(strcmp(device, "cuda") == 0 && !o->offload && r->tp == 1))
+      !(strcmp(device, "cuda") == 0 && r->tp == 1))
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded), "
-                        "or cuda without --offload and --tp, for now; the GPU's offloading of a mixture is not "
-                        "supported yet", r->cfg.name);
+                        "or cuda (resident or --offload) without --tp, for now", r->cfg.name);
   if (r->ep > 1 && strcmp(device, "cpu") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu for now "
                         "(resident state)", r->ep, device);

@@ -2,9 +2,11 @@
 # test/cuda_train_moe.sh: a mixture of experts (ops/cuda/moe.cu) trained on --device cuda, resident,
 # against --device cpu: a few steps of a small mixture (opt-moe-tiny) on random tokens, the fp32
 # losses, load-balancing terms and gradient norms to rounding (test/cuda_train.sh's 1e-3), with
-# gradient accumulation (2 x B/2) too, and bf16 within bf16's rounding (cuda_train.sh's 2e-2); the
-# run a mixture is refused on yet (--offload on the GPU) says so. On the emulator (test/cudaemu)
-# in ./test.sh; on a GPU by bench/gpu/check.sh. Exit 77 (skipped) where there is no GPU.
+# gradient accumulation (2 x B/2) too, and bf16 within bf16's rounding (cuda_train.sh's 2e-2); then
+# offloaded (--offload: the router alone first, only the experts that got tokens loaded into the
+# GPU's cache, runtime/offload.c) against the same cpu runs, and with one token a pass (its top 2 of
+# 4 experts) fewer expert chunks loaded than the mixtures hold. On the emulator (test/cudaemu) in
+# ./test.sh; on a GPU by bench/gpu/check.sh. Exit 77 (skipped) where there is no GPU.
 #
 # usage: test/cuda_train_moe.sh FERRY DIR [--model M] [--batch B] [--seq T] [--steps N]
 #   DIR          where the runs' logs and the token shard go (made if missing)
@@ -12,7 +14,7 @@
 #                --seq T (32), --steps N (4)
 set -uo pipefail
 
-[ $# -ge 2 ] || { sed -n '9,12p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '11,14p' "$0" >&2; exit 2; }
 ferry="$1" d="$2"
 shift 2
 model=opt-moe-tiny batch=4 seq=32 steps=4
@@ -85,15 +87,32 @@ same "$d/accumcpu.jsonl" "$d/accumcuda.jsonl" 1e-3 || exit 1
 echo "bf16, cpu against cuda:"
 same "$d/cpu16.jsonl" "$d/cuda16.jsonl" 2e-2 || exit 1
 
-# Not yet for a mixture: offloaded on the GPU: refused, saying so (sim's offloading is
-# test_offload_moe's).
-for dev in "--device cuda --offload"; do
-  # shellcheck disable=SC2086
-  if "$ferry" "${common[@]}" $dev --steps 1 >"$d/refused.out" 2>&1 ||
-    ! grep -q "is a mixture of experts" "$d/refused.out"; then
-    echo "cuda_train_moe.sh: $dev with a mixture: not refused as it should be:"
-    cat "$d/refused.out"
-    exit 1
-  fi
-done
+# Offloaded on the GPU (the state in pinned host memory, a cache of chunks on the GPU): the same
+# steps, fp32 and bf16, against the same cpu runs.
+ferry_run offload "${common[@]}" --device cuda --precision fp32 --offload --log "$d/offload.jsonl"
+ferry_run offload16 "${common[@]}" --device cuda --precision bf16 --offload --log "$d/offload16.jsonl"
+echo "fp32, cpu against cuda --offload:"
+same "$d/cpu.jsonl" "$d/offload.jsonl" 1e-3 || exit 1
+echo "bf16, cpu against cuda --offload:"
+same "$d/cpu16.jsonl" "$d/offload16.jsonl" 2e-2 || exit 1
+# One token a pass (--batch 1 --seq 1, 2 micro-batches a step): 2 of each mixture's 4 experts get
+# it, and only those are loaded (the log's count so far of the experts' ranges loaded, against the
+# experts of the chunks loaded from home); 2 cache blocks for the 6 chunks, so that backward loads
+# the mixtures' chunks and their experts again; the others' zero gradients still go through the
+# micro-batches' sum and AdamW as on the cpu.
+one=(--batch 1 --seq 1 --grad-accum 2)
+ferry_run onecpu "${common[@]}" "${one[@]}" --device cpu --log "$d/onecpu.jsonl"
+ferry_run oneoffload "${common[@]}" "${one[@]}" --device cuda --precision fp32 --offload --blocks 2 \
+  --log "$d/oneoffload.jsonl"
+echo "fp32, one token a pass, cpu against cuda --offload:"
+same "$d/onecpu.jsonl" "$d/oneoffload.jsonl" 1e-3 || exit 1
+python3 - "$d/oneoffload.jsonl" <<'PY' || exit 1
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{") and '"expert_chunks"' in l]
+if not r:
+    sys.exit("cuda_train_moe.sh: the offloaded run's log has no expert chunk counts")
+n, total = r[-1]["expert_chunks_loaded"], r[-1]["expert_chunks"]
+print(f"one token a pass: expert chunks loaded {n} of {total}")
+sys.exit(0 if 0 < n and 2 * n <= total else 1)
+PY
 echo "cuda_train_moe.sh: all agree"

@@ -284,6 +284,17 @@ static fy_status moe_act(void *out, const void *h, bool gelu, enum fy_dtype dt, 
   return gelu ? fy_cuda_gelu_forward(out, h, dt, n, st) : fy_cuda_relu_forward(out, h, dt, n, st);
 }
 
+// The router alone (route's first E+2K entries a token); fy_cuda_moe_forward runs it first too.
+extern "C" fy_status fy_cuda_moe_route(float *route, const void *inp, const void *gate, enum fy_dtype dt,
+                                       const struct fy_moe_dims *d, cudaStream_t st) {
+  const int E = d->E, K = d->K;
+  if (E < 1 || K < 1 || K > E) return fy_error_set(FY_ERR_INVALID, "cuda moe: top %d of %d experts", K, E);
+  FY_CUDA_DISPATCH("moe_route", dt, T,
+                   moe_route_kernel<T><<<(unsigned)d->BT, 128, (size_t)E * 4, st>>>(route, (const T *)inp,
+                                                                                    (const T *)gate, d->C, E, K));
+  return fy_cuda_launched("moe: routing");
+}
+
 extern "C" fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, float *route, void *rows, double *balance,
                                          const void *inp, const void *gate, const void *w1, const void *b1,
                                          const void *w2, const void *b2, enum fy_dtype dt, const struct fy_moe_dims *d,
@@ -300,9 +311,8 @@ extern "C" fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, floa
   char *hb = (char *)rows, *yb = hb + (size_t)(cap * F) * es;  // h (cap,F) then y (cap,C), in dt
   int *hc = (int *)pinned;
   const float *hp = (const float *)pinned + E;
+  FY_TRY(fy_cuda_moe_route(route, inp, gate, dt, d, st));
   FY_CUDA_DISPATCH("moe_forward", dt, T,
-                   moe_route_kernel<T><<<(unsigned)BT, 128, (size_t)E * 4, st>>>(route, (const T *)inp, (const T *)gate,
-                                                                                 C, E, K);
                    moe_count_kernel<<<E, MOE_THREADS, 0, st>>>(w.counts, w.psum, route, BT, E, K);
                    moe_place_kernel<<<E, MOE_THREADS, 0, st>>>(route, w.counts, BT, E, K);
                    moe_gather_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)w.xs, (const T *)inp, route, C, E, K);

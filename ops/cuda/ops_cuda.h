@@ -250,6 +250,12 @@ fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, float *route, v
                               const void *inp, const void *gate, const void *w1, const void *b1, const void *w2,
                               const void *b2, enum fy_dtype dt, const struct fy_moe_dims *d, void *work, void *pinned,
                               cudaStream_t st);
+// The router alone, as fy_cuda_moe_forward's first step (no wait): route's first E+2K entries a
+// token (the probabilities, the choices, their weights; not the rows). The offload engine runs it
+// before the op to learn which experts get tokens (runtime/offload.c, moe_experts); the forward
+// then routes again, to the same bits.
+fy_status fy_cuda_moe_route(float *route, const void *inp, const void *gate, enum fy_dtype dt,
+                            const struct fy_moe_dims *d, cudaStream_t st);
 // dout (BT,C) and forward's tensors -> dinp (BT,C) += (NULL: not wanted), dgate, dw1, db1, dw2, db2
 // = (or += with accumulate); db1, db2 NULL without biases. dbalance as fy_moe_backward's.
 fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, void *dgate, void *dw1, void *db1, void *dw2,
