@@ -19,8 +19,8 @@
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
 # checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
 # checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint, and dp 2 x
-# pp 2 and pp 2 x tp 2 (with its checkpoint) with four GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
-# --comm-timeout plus 10 s.
+# pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with four GPUs; two ranks on
+# one GPU refused; a rank killed mid-run ends the job within --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
 set -uo pipefail
