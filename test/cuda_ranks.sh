@@ -209,7 +209,8 @@ if [ "$gpus" -ge 4 ]; then  # two pipelines, their stages' gradients summed by N
   RES=1 run pptp 4 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --pp 2 --tp 2 --save "$d/pptpck" \
     --save-every 1 || exit 1
   check "pp 2 x tp 2 on 4 GPUs = 1 rank, fp32" pone pptp 1e-4
-  RES=1 run pptpres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 1 --resume "$d/pptpck/step-00000001" || exit 1
+  RES=1 run pptpres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 1 --resume "$d/pptpck/step-00000001" \
+    || exit 1
   check "a pp 2 x tp 2 checkpoint on GPUs resumed by 1 rank" pptp pptpres1 1e-4
   run pptpoff 4 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --pp 2 --tp 2 || exit 1
   check "pp 2 x tp 2 --offload on 4 GPUs = 1 rank, fp32" pone pptpoff 1e-4
