@@ -92,8 +92,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
     const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0 && !cuda
                          ? "another device (stages run on --device cpu, sim and cuda)"
-                     : cuda && e->tp > 1                       ? "--tp on GPUs (stages on GPUs run without tensor "
-                                                                 "parallelism)"
                      : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"

@@ -19,7 +19,8 @@
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
 # checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
 # checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint, and dp 2 x
-# pp 2 with four GPUs; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with four GPUs, dp 2 x pp 2 x
+# tp 2 with eight; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -200,6 +201,27 @@ check "a --pp 2 checkpoint on GPUs resumed by 1 rank" ppfp32 ppres1 1e-5
 if [ "$gpus" -ge 4 ]; then  # two pipelines, their stages' gradients summed by NCCL across them
   RES=1 run dppp 4 --precision fp32 --batch 1 --grad-accum 2 --pp 2 --stop-after 4 || exit 1
   check "dp 2 x pp 2 on 4 GPUs = 1 rank x 4, fp32" onefp32 dppp 1e-4
+  # pp 2 x tp 2: a tensor-parallel pair in each stage (its sums by NCCL on the kernels' stream),
+  # each tp rank sending to the next stage's same tp rank (on the messages' stream): resident,
+  # = 1 rank on the same micro-batches in fp32, its checkpoint of step 1 resumed on 1 rank, and
+  # offloaded (each rank's slices of its stage's chunks through its GPU's cache), = 1 rank too.
+  # (2 steps each: the emulator's 4 ranks are slow.)
+  rm -rf "$d/pptpck"
+  RES=1 run pptp 4 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --pp 2 --tp 2 --save "$d/pptpck" \
+    --save-every 1 || exit 1
+  check "pp 2 x tp 2 on 4 GPUs = 1 rank, fp32" pone pptp 1e-4
+  RES=1 run pptpres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 1 --resume "$d/pptpck/step-00000001" \
+    || exit 1
+  check "a pp 2 x tp 2 checkpoint on GPUs resumed by 1 rank" pptp pptpres1 1e-4
+  run pptpoff 4 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --pp 2 --tp 2 || exit 1
+  check "pp 2 x tp 2 --offload on 4 GPUs = 1 rank, fp32" pone pptpoff 1e-4
+fi
+# With 8 GPUs the whole grid, dp 2 x pp 2 x tp 2, offloaded (each tp rank's slices of its stage's
+# chunks sharded over the 2 pipelines). (./test.sh emulates 4 GPUs; with FY_EMU_GPUS=8 and --gpus 8
+# it took 5 s.)
+if [ "$gpus" -ge 8 ]; then
+  run grid8 8 --precision fp32 --batch 1 --grad-accum 2 --pp 2 --tp 2 --stop-after 2 || exit 1
+  check "dp 2 x pp 2 x tp 2 --offload on 8 GPUs = 1 rank x 4, fp32" onefp32 grid8 1e-4
 fi
 # ferry plan for 2 GPUs with room for the whole model on each and too little host memory to
 # offload it plans replicas (resident, pattern replicate), and mpirun -np 2 ferry train --plan
