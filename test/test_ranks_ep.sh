@@ -131,7 +131,8 @@ PY
 # Offloaded (--device sim, AdamW's state of 4 chunks on the disk tier): every chunk sharded across
 # the data-parallel ranks (zero), a mixture's rows moved to the ranks computing its experts inside
 # the engine's op call. ep 2 gives 1 rank's (and ep 2 on the cpu's) weights bit for bit; 2 groups of
-# ep 2 within 1e-5 (clipping); its checkpoint resumes on 1 rank bit for bit; starved experts (rank
+# ep 2 within 1e-5 (clipping); its checkpoint resumes on 1 rank and a 1-rank one under it, bit for
+# bit; starved experts (rank
 # 1's get no row; --recompute) still have their gradients reduced (the chunks' reduce-scatter).
 sim=(--device sim --blocks 4 --prefetch 2 --disk-chunks 4)
 run sep2 2 --ep 2 --clip 0 "${sim[@]}" --disk-dir "$tmp/d_sep2"
@@ -144,6 +145,8 @@ compare one4 sdp2ep2 1e-5 && compare dp2ep2 sdp2ep2 1e-5 && ok "4 sim ranks as 2
   --save-every 100 --stop-after 3 >"$tmp/ck_sep.out" 2>&1 || { bad "ep 2 on sim checkpoints"; cat "$tmp/ck_sep.out"; }
 run sres1 1 --grad-accum 2 --clip 0 --resume "$tmp/ck_sep"
 compare one2 sres1 1e-6 0 && ok "an ep 2 checkpoint from sim resumes on 1 rank bit for bit" || bad "ep 2 on sim -> 1 rank resume differs"
+run sres2 2 --ep 2 --clip 0 "${sim[@]}" --disk-dir "$tmp/d_res2" --resume "$tmp/ck_one"
+compare one2 sres2 1e-6 0 && ok "a 1-rank checkpoint resumes under ep 2 on sim bit for bit" || bad "1 rank -> ep 2 on sim resume differs"
 run sstarve2 2 --ep 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --disk-dir "$tmp/d_starve"
 compare starve1 sstarve2 1e-6 0 && ok "experts that get no token on sim (and --recompute): bit for bit 1 rank's run" \
   || bad "starved experts under ep 2 on sim"
