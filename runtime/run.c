@@ -339,7 +339,6 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (r->ep > 1 && !cuda) {
     r->model->ep_comm = r->ep_comm;
     FY_TRY(fy_ep_create(r->model, &r->model->ep));
-    r->ep_offloaded = r->ep;
     r->ep = 1;
   }
 #if FY_HAVE_CUDA

@@ -35,7 +35,6 @@ struct run {
   // same experts, one a group (NULL when there is one group), over which the experts' gradients sum.
   int ep, ep_rank;
   struct fy_comm *ep_comm, *ep_rep;
-  int ep_offloaded;  // --ep on sim: the group's size (ep is 1 there: the graph keeps every expert, run.c)
   // The groups of the ops' pattern hooks (sim and GPUs: on the compute stream); on GPUs with
   // resident parameters dp_compute also sums the replicas' gradients (nccl).
   struct fy_comm *tp_compute, *dp_compute;
