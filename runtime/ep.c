@@ -21,6 +21,13 @@ struct ep_op {  // what a mixture op's forward leaves for its backward
 };
 
 struct fy_ep {
+  // The group's size and this rank's place in it. whole: the graph keeps every expert (the offload
+  // engine's chunks, sharded across the data-parallel ranks like the dense weights, gather them all):
+  // this rank computes experts [rank E/P, (rank + 1) E/P) of the stacked parameters and writes the
+  // others' gradients as zeros, so the chunks' reduce-scatter sums each expert's gradient from the
+  // rank that computed it (x + 0 = x: the bits of the split graph's).
+  int P, rank;
+  bool whole;
   int n_ops;
   struct ep_op *ops;
   // The flat gradient buffer as runs of experts' or dense elements (fy_ep_all_reduce_grads);
@@ -67,6 +74,13 @@ fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
     return fy_error_set(FY_ERR_NOMEM, "out of memory");
   }
   ep->n_ops = g->n_ops;
+  ep->whole = g->ep <= 1;
+  ep->P = ep->whole ? (m->ep_comm ? fy_comm_size(m->ep_comm) : 1) : g->ep;
+  ep->rank = ep->whole ? (m->ep_comm ? fy_comm_rank(m->ep_comm) : 0) : g->ep_rank;
+  if (ep->P < 2) {
+    fy_ep_free(ep);
+    return fy_error_set(FY_ERR_INVALID, "expert parallelism needs a group of at least 2 ranks");
+  }
   fy_status st = make_runs(g, ep);
   if (st != FY_OK) {
     fy_ep_free(ep);
@@ -75,6 +89,10 @@ fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
     if (op->kind != FY_OP_MOE) continue;
+    if (op->experts % ep->P != 0) {
+      fy_ep_free(ep);
+      return fy_error_set(FY_ERR_INVALID, "%s: %d experts do not split over %d ranks", op->name, op->experts, ep->P);
+    }
     struct ep_op *s = &ep->ops[o];
     s->n = calloc((size_t)op->experts, sizeof *s->n);
     s->recv_n = calloc((size_t)op->experts, sizeof *s->recv_n);  // (ep x E/ep = E)
@@ -106,6 +124,21 @@ static struct fy_moe_dims dims(const struct fy_op_args *a) {
                               .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
 }
 
+// This rank's experts' part of a stacked parameter (whole: experts [e0, e0 + El) of E, each of n
+// elements; split: the parameter is theirs alone).
+static float *local(const struct fy_ep *ep, float *p, int El, int64_t n) {
+  return p && ep->whole ? p + (int64_t)ep->rank * El * n : p;
+}
+
+// whole, on a backward's first write: the other ranks' experts' gradients are zeros here (they add
+// nothing to the sum over the data-parallel ranks).
+static void zero_others(const struct fy_ep *ep, float *g, int E, int El, int64_t n) {
+  if (!g || !ep->whole) return;
+  memset(g, 0, (size_t)((int64_t)ep->rank * El * n) * 4);
+  const int64_t hi = (int64_t)(ep->rank + 1) * El;
+  memset(g + hi * n, 0, (size_t)((E - hi) * n) * 4);
+}
+
 // The floats sent to and received from each rank of the group, from the row counts.
 static void counts(const struct ep_op *s, int P, int El, int64_t C, int64_t *send, int64_t *recv, int64_t *rows_in) {
   *rows_in = 0;
@@ -126,13 +159,13 @@ static int *block_experts(int P, int El) {
 
 fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
   struct fy_model *m = a->m;
-  const struct fy_graph *g = m->graph;
+  const struct fy_ep *ep = m->ep;
   const struct fy_op *op = a->op;
   const struct fy_op_call *c = a->c;
   struct ep_op *s = &m->ep->ops[a->c->op];
   const struct fy_moe_dims d = dims(a);
-  const int P = g->ep, El = op->experts / P, b = op->has_bias;
-  const int64_t C = d.C, BTK = d.BT * d.K;
+  const int P = m->ep->P, El = op->experts / P, b = op->has_bias;
+  const int64_t C = d.C, F = d.F, BTK = d.BT * d.K;
   float *route = fy_engine_act(m, op->aux[0]), *ys = fy_engine_act(m, op->aux[1]);  // (BTK*C <= the slot's)
   FY_TRY(fy_moe_route_rows(route, s->n, balance, a->in0, c->w[0], &d));
   // The counts first: each rank learns how many rows each source sends each of its experts.
@@ -158,8 +191,9 @@ fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
     st = fy_comm_all_to_all_v(m->ep_comm, xs, send, xr, recv);
   }
   if (st == FY_OK)
-    st = fy_moe_experts_forward(yr, s->xpad, s->hpad, xr, ex, s->recv_n, P * El, c->w[1], b ? c->w[2] : NULL,
-                                c->w[2 + b], b ? c->w[4] : NULL, &d);
+    st = fy_moe_experts_forward(yr, s->xpad, s->hpad, xr, ex, s->recv_n, P * El, local(ep, c->w[1], El, F * C),
+                                b ? local(ep, c->w[2], El, F) : NULL, local(ep, c->w[2 + b], El, C * F),
+                                b ? local(ep, c->w[4], El, C) : NULL, &d);
   if (st == FY_OK) st = fy_comm_all_to_all_v(m->ep_comm, yr, recv, ys, send);  // (the results, back the same way)
   if (st == FY_OK) fy_moe_combine(a->out, route, ys, &d);
   free(xs);
@@ -169,13 +203,13 @@ fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
 
 fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   struct fy_model *m = a->m;
-  const struct fy_graph *g = m->graph;
+  const struct fy_ep *ep = m->ep;
   const struct fy_op *op = a->op;
   const struct fy_op_call *c = a->c;
   const struct ep_op *s = &m->ep->ops[a->c->op];
   const struct fy_moe_dims d = dims(a);
-  const int P = g->ep, El = op->experts / P, b = op->has_bias;
-  const int64_t C = d.C, BTK = d.BT * d.K;
+  const int P = m->ep->P, El = op->experts / P, b = op->has_bias;
+  const int64_t C = d.C, F = d.F, BTK = d.BT * d.K;
   const float *route = fy_engine_act(m, op->aux[0]), *ys = fy_engine_act(m, op->aux[1]);
   int64_t send[P], recv[P], rows_in;
   counts(s, P, El, C, send, recv, &rows_in);
@@ -184,17 +218,42 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   int *ex = block_experts(P, El);
   fy_status st = dy && ex ? FY_OK : fy_error_set(FY_ERR_NOMEM, "%s: cannot allocate the rows' gradients", op->name);
   float *dx = dy + BTK * C, *dyr = dx + BTK * C, *dxr = dyr + rows_in * C, *dw = dxr + rows_in * C;
+  // Offloaded, the gradients land over the weights in the chunk's block (c->g[k] == c->w[k]); the
+  // pieces read the router's and the experts' weights after writing some gradients (the experts'
+  // second source block reads w2_e after the first wrote dw2_e; the router reads the gate after
+  // writing dgate), so they read copies, taken before anything is written.
+  const float *gate = c->w[0], *w1 = local(ep, c->w[1], El, F * C), *w2 = local(ep, c->w[2 + b], El, C * F);
+  float *keep = NULL;
+  if (st == FY_OK && c->g[0] == c->w[0]) {
+    const int64_t ng = (int64_t)d.E * C, n1 = (int64_t)El * F * C;
+    if (!(keep = malloc((size_t)(ng + 2 * n1) * 4)))
+      st = fy_error_set(FY_ERR_NOMEM, "%s: cannot keep the weights the backward reads", op->name);
+    else {
+      memcpy(keep, gate, (size_t)ng * 4);
+      memcpy(keep + ng, w1, (size_t)n1 * 4);
+      memcpy(keep + ng + n1, w2, (size_t)n1 * 4);
+      gate = keep, w1 = keep + ng, w2 = keep + ng + n1;
+    }
+  }
   if (st == FY_OK) {
     fy_moe_combine_backward(dy, dw, a->dout, route, ys, &d);
     st = fy_comm_all_to_all_v(m->ep_comm, dy, send, dyr, recv);
   }
+  if (st == FY_OK && a->first[1]) {
+    zero_others(ep, c->g[1], d.E, El, F * C);
+    zero_others(ep, b ? c->g[2] : NULL, d.E, El, F);
+    zero_others(ep, c->g[2 + b], d.E, El, C * F);
+    zero_others(ep, b ? c->g[4] : NULL, d.E, El, C);
+  }
   if (st == FY_OK)
-    st = fy_moe_experts_backward(dxr, c->g[1], b ? c->g[2] : NULL, c->g[2 + b], b ? c->g[4] : NULL, dyr, s->xpad,
-                                 s->hpad, ex, s->recv_n, P * El, c->w[1], c->w[2 + b], El, !a->first[1], &d);
+    st = fy_moe_experts_backward(dxr, local(ep, c->g[1], El, F * C), b ? local(ep, c->g[2], El, F) : NULL,
+                                 local(ep, c->g[2 + b], El, C * F), b ? local(ep, c->g[4], El, C) : NULL, dyr,
+                                 s->xpad, s->hpad, ex, s->recv_n, P * El, w1, w2, El, !a->first[1], &d);
   if (st == FY_OK) st = fy_comm_all_to_all_v(m->ep_comm, dxr, recv, dx, send);
   if (st == FY_OK)
-    st = fy_moe_route_backward(fy_engine_dinput(m, op, 0), c->g[0], dw, dx, a->in0, route, c->w[0], s->n, dbalance,
+    st = fy_moe_route_backward(fy_engine_dinput(m, op, 0), c->g[0], dw, dx, a->in0, route, gate, s->n, dbalance,
                                !a->first[0], &d);
+  free(keep);
   free(dy);
   free(ex);
   return st;

@@ -4,6 +4,8 @@
 // token's row to the ranks holding its experts and gets their results back (two all-to-alls,
 // fy_comm_all_to_all_v, the row counts exchanged first); its backward sends the rows' gradients
 // the same way and gets the inputs' gradients back. The kernels are ops/cpu/moe_ep.c's.
+// Offloaded (--device sim, sharded chunks) the graph keeps every expert instead: a rank computes
+// its E/ep of them and writes zeros for the others' gradients (runtime/ep.c, "whole").
 #ifndef FY_EP_H
 #define FY_EP_H
 
@@ -12,7 +14,8 @@
 #include "runtime/model.h"
 
 struct fy_ep;
-// The per-op state of a model whose graph has ep > 1 (m->ep), over the group m->ep_comm.
+// The per-op state of a model whose graph has ep > 1 (m->ep), over the group m->ep_comm; with
+// graph->ep 1, of a graph that keeps every expert, split over m->ep_comm's ranks (at least 2).
 fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out);
 void fy_ep_free(struct fy_ep *ep);
 // A mixture op's passes under expert parallelism (runtime/engine.c calls them for FY_OP_MOE):

@@ -30,6 +30,7 @@
 #include "planner/cost.h"
 #include "memory/tier.h"
 #include "runtime/run.h"
+#include "runtime/ep.h"
 
 // --init naming a checkpoint root: its latest step directory (the weights; the AdamW state there
 // is not read). buf holds the path.
@@ -329,6 +330,17 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                              .act16 = cuda && cdt != FY_F32, .pp = r->pp, .pp_stage = r->pp_rank};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
+  // --ep offloaded (sim): every rank's graph keeps every expert, in chunks sharded across the
+  // data-parallel ranks like the dense weights (the cache gathers a mixture's whole chunk, the
+  // reduce-scatter sums its gradients: every expert's every step, whoever got tokens); a mixture's
+  // op computes this rank's experts alone, its rows moved by the all-to-alls of runtime/ep.c on the
+  // compute stream (ep_comm, which no other thread uses). The graph is not split: checkpoints and
+  // resuming are the dense sharded run's (r->ep 1 from here on).
+  if (r->ep > 1 && !cuda) {
+    r->model->ep_comm = r->ep_comm;
+    FY_TRY(fy_ep_create(r->model, &r->model->ep));
+    r->ep = 1;
+  }
 #if FY_HAVE_CUDA
   if (cuda) FY_TRY(fy_engine_cuda_attach(r->model));  // its kernels launch on the offload's compute stream
 #endif
@@ -599,9 +611,9 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
       !(strcmp(device, "cuda") == 0 && r->tp == 1))
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded), "
                         "or cuda (resident or --offload) without --tp, for now", r->cfg.name);
-  if (r->ep > 1 && strcmp(device, "cpu") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu for now "
-                        "(resident state)", r->ep, device);
+  if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu (resident "
+                        "state) and sim (offloaded, sharded) for now", r->ep, device);
   if (r->ep > 1 && r->cfg.num_local_experts == 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d: %s has no mixture-of-experts layers (num_local_experts 0) to split",
                         r->ep, r->cfg.name);

@@ -128,6 +128,29 @@ assert r and max(r) - min(r) < 1e-5 and max(r) < 1, (min(r), max(r))  # one fact
 assert any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(w0[:half], w1[:half]))  # the chosen ones trained
 PY
 
+# Offloaded (--device sim, AdamW's state of 4 chunks on the disk tier): every chunk sharded across
+# the data-parallel ranks (zero), a mixture's rows moved to the ranks computing its experts inside
+# the engine's op call. ep 2 gives 1 rank's (and ep 2 on the cpu's) weights bit for bit; 2 groups of
+# ep 2 within 1e-5 (clipping); its checkpoint resumes on 1 rank and a 1-rank one under it, bit for
+# bit; starved experts (rank
+# 1's get no row; --recompute) still have their gradients reduced (the chunks' reduce-scatter).
+sim=(--device sim --blocks 4 --prefetch 2 --disk-chunks 4)
+run sep2 2 --ep 2 --clip 0 "${sim[@]}" --disk-dir "$tmp/d_sep2"
+compare one2 sep2 1e-6 0 && compare ep2 sep2 1e-6 0 && ok "ep 2 on sim, sharded, disk tier: 1 rank's and ep 2 on the cpu's weights bit for bit" \
+  || bad "ep 2 on sim differs"
+run sdp2ep2 4 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_sdp2ep2"
+compare one4 sdp2ep2 1e-5 && compare dp2ep2 sdp2ep2 1e-5 && ok "4 sim ranks as 2 groups of ep 2 within 1e-5 of 1 rank and of the cpu's" \
+  || bad "2 groups of ep 2 on sim differ"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --clip 0 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_ck" --save "$tmp/ck_sep" \
+  --save-every 100 --stop-after 3 >"$tmp/ck_sep.out" 2>&1 || { bad "ep 2 on sim checkpoints"; cat "$tmp/ck_sep.out"; }
+run sres1 1 --grad-accum 2 --clip 0 --resume "$tmp/ck_sep"
+compare one2 sres1 1e-6 0 && ok "an ep 2 checkpoint from sim resumes on 1 rank bit for bit" || bad "ep 2 on sim -> 1 rank resume differs"
+run sres2 2 --ep 2 --clip 0 "${sim[@]}" --disk-dir "$tmp/d_res2" --resume "$tmp/ck_one"
+compare one2 sres2 1e-6 0 && ok "a 1-rank checkpoint resumes under ep 2 on sim bit for bit" || bad "1 rank -> ep 2 on sim resume differs"
+run sstarve2 2 --ep 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --disk-dir "$tmp/d_starve"
+compare starve1 sstarve2 1e-6 0 && ok "experts that get no token on sim (and --recompute): bit for bit 1 rank's run" \
+  || bad "starved experts under ep 2 on sim"
+
 # Layouts that do not fit, refused before anything is allocated.
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"
 [ $? -ne 0 ] && grep -q -- "--ep 4 does not divide the 2 data-parallel ranks" <<<"$out" && ok "ep 4 on 2 ranks refused" \
