@@ -166,6 +166,32 @@ static fy_status moe_sim_load(void *ctx, int chunk, void *block, fy_stream *s, b
   return fy_copy_async(s, block, m->home[chunk], (size_t)(elems * (double)m->pb));
 }
 
+// Expert parallelism (knobs.ep > 1): what runs it, runtime/ep.c on sim, where every chunk is
+// sharded over the data-parallel ranks (pattern zero) and every rank's chunks keep every expert.
+// A rank then computes its E/ep experts on the rows all ep ranks of its group routed to them: with
+// routing spread evenly, ep ranks' BT k rows times its share 1/ep of the experts, BT k rows, as
+// many as one rank computes without ep; so the compute is the op's own (fy_profile_op's), the
+// state is zero's, and what ep adds is the expert pattern's all-to-alls, forward and backward,
+// on the data-parallel link (pattern_seconds).
+static fy_status check_ep(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, bool gpu,
+                          const struct fy_pattern *dpp) {
+  if (k->ep < 0) return fy_error_set(FY_ERR_INVALID, "plan: ep %d must be positive", k->ep);
+  if (k->ep <= 1) return FY_OK;
+  const int dp = k->dp > 1 ? k->dp : 1;
+  if (cfg->num_local_experts < 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d splits a mixture's experts; this model has none", k->ep);
+  if (cfg->num_local_experts % k->ep || dp % k->ep)
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d must divide the %lld experts and the %d data-parallel ranks", k->ep,
+                        (long long)cfg->num_local_experts, dp);
+  if ((k->precision[0] && strcmp(k->precision, "fp32") != 0) || knob_state(k->optimizer_state) != FY_STATE_F32)
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d computes in fp32 with fp32 AdamW state (runtime/run.c)", k->ep);
+  if (gpu || k->resident || (k->tp > 1) || (k->pp > 1) || dpp != &fy_pattern_zero)
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d is planned offloaded on sim, its chunks sharded over the "
+                        "data-parallel ranks (pattern zero, tp 1, no pipeline): what runs expert parallelism offloaded",
+                        k->ep);
+  return FY_OK;
+}
+
 // A chunk's collective on the timeline (the cache's shard hooks): seconds of `what` on stream s.
 static fy_status sim_collective(struct sim *x, double seconds, const char *what, fy_stream *s) {
   fy_timeline_run(s, seconds, what);
@@ -638,6 +664,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   const char *dp_name = k->pattern[0] ? k->pattern : dp > 1 ? "zero" : "replicate";
   const struct fy_pattern *dpp = fy_pattern_find(dp_name);
   if (!dpp) return fy_error_set(FY_ERR_INVALID, "plan: unknown parallel pattern '%s'", dp_name);
+  FY_TRY(check_ep(cfg, k, gpu, dpp));
+  const int ep = k->ep > 1 ? k->ep : 1;
   bool sharded = dp > 1 && dpp == &fy_pattern_zero;  // chunk-level, in the cache (as the runtime)
   // A GPU takes the sums of squares of gradients that come home over the 16-bit copies from the
   // blocks before they leave (runtime/offload.c, sums_on_device): the norm reads no host memory.
@@ -671,7 +699,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   for (int o = 0; st == FY_OK && o < g->n_ops; o++) {
     pat[o] = g->ops[o].pattern[0] ? fy_pattern_find(g->ops[o].pattern) : dpp;
     if (g->ops[o].n_params == 0) pat[o] = &fy_pattern_replicate;  // nothing to lay out
-    struct fy_pattern_ctx c = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
+    if (ep > 1 && g->ops[o].kind == FY_OP_MOE) pat[o] = &fy_pattern_expert;  // (check_ep)
+    struct fy_pattern_ctx c = {.g = whole, .op = o, .dp = dp, .tp = tp, .ep = ep, .chunk_elems = ce, .param_bytes = pb};
     if (!pat[o] || !pat[o]->applies(&c)) {
       st = fy_error_set(FY_ERR_INVALID, "plan: the pattern %s does not apply to %s", pat[o] ? pat[o]->name : "?",
                         g->ops[o].name);
@@ -965,7 +994,8 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
         // a recomputed forward's are counted before backward, as the patterns do).
         double tc = 0;
         if (dp * tp > 1 && !(sharded && pat[o] == dpp) && s.actions[a].kind != FY_ACT_RECOMPUTE) {
-          struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .chunk_elems = ce, .param_bytes = pb};
+          struct fy_pattern_ctx pc = {.g = whole, .op = o, .dp = dp, .tp = tp, .ep = ep, .chunk_elems = ce,
+                                      .param_bytes = pb};
           tc = pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_PRE_BACKWARD : FY_PHASE_PRE_FORWARD, bwg) +
                pattern_seconds(pat[o], &pc, bwd ? FY_PHASE_POST_BACKWARD : FY_PHASE_POST_FORWARD, bwg);
         }

@@ -64,6 +64,11 @@ struct fy_plan_knobs {
   // stage's data-parallel group (ZeRO-1: the 16-bit weights and gradients stay whole; the
   // gradients reduce-scattered and the weights all-gathered once a step), "replicate" keeps them all.
   int pp;
+  // Expert parallelism (runtime/ep.c; 0 or 1: none): a mixture's experts computed by groups of ep
+  // data-parallel ranks, each rank E/ep of them, the rows moved by all-to-alls (the `expert`
+  // pattern's comm(), costed on the data-parallel link). Offloaded sim plans with sharded chunks
+  // (pattern zero) only, ep dividing dp and the experts; every rank's chunks keep every expert.
+  int ep;
   // Where the ranks lie (not a choice: the machine's; the search copies it in). Every collective
   // and point-to-point send is timed over the links its ranks cross.
   struct fy_cluster cluster;

@@ -32,6 +32,7 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
   best->dp = k->dp;
   best->tp = k->tp;
   best->pp = k->pp > 1 ? k->pp : 1;
+  best->ep = k->ep > 1 ? k->ep : 1;
   snprintf(best->pattern, sizeof best->pattern, "%s", k->pattern);
 }
 
@@ -115,6 +116,19 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
                              best, n_tried);
 }
 
+// The expert-parallel sizes the search tries on a dp x tp grid (into eps, ep 1 first; returns how
+// many): for a mixture on sim with its chunks sharded (tp 1, dp > 1) in fp32 with fp32 AdamW state
+// (fp32: what runtime/run.c runs ep in), every divisor of the experts that divides dp (runtime/ep.c's
+// offloaded expert parallelism); else 1 alone.
+static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp, int tp, bool fp32, int eps[16]) {
+  int n = 0;
+  eps[n++] = 1;
+  if (cfg->num_local_experts < 2 || strcmp(device, "sim") != 0 || tp > 1 || dp < 2 || !fp32) return n;
+  for (int e = 2; e <= dp && n < 16; e++)
+    if (dp % e == 0 && cfg->num_local_experts % e == 0) eps[n++] = e;
+  return n;
+}
+
 bool fy_plan_pp_runs(const char *device) {
   // runtime/pipeline.c runs stages on the cpu device; plans run on sim and cuda, where they do not
   // yet. (The merge that runs them there says so here.)
@@ -193,7 +207,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   memset(best, 0, sizeof *best);
   snprintf(best->model, sizeof best->model, "%s", model);
   snprintf(best->pattern, sizeof best->pattern, "replicate");
-  best->dp = best->tp = best->pp = 1;
+  best->dp = best->tp = best->pp = best->ep = 1;
   best->machine = *probe;
   int tried = 0, grids = 0;
   double least = INFINITY;
@@ -224,8 +238,11 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
+  // A mixture of experts trains without tp (its experts are not split: core/opt.c), and on a GPU
+  // on one rank or as resident replicas (runtime/run.c).
+  const bool moe = cfg->num_local_experts > 0, moe_gpu = moe && strcmp(probe->device, "cuda") == 0;
   for (int tp = 1; tp <= ranks; tp++) {
-    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp) continue;
+    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (moe && tp > 1)) continue;
     int dp = ranks / tp;
     if (batch % dp) continue;
     int64_t per_rank = batch / dp;
@@ -246,6 +263,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
         consider(&k, &c, &resident);
       }
     }
+    if (moe_gpu && dp > 1) continue;  // (its offloaded ranks would shard the chunks: not run yet)
     // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
     struct fy_graph *g;
     FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
@@ -265,11 +283,15 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
           // it fails for the host's memory or the disk alone (device chunks take state off both).
           struct fy_plan_knobs kbest = {0};
           struct fy_cost cbest = {0};
+          // A mixture on sim's sharded chunks: each expert-parallel size (ep_sizes), ep 1 first (a
+          // tie keeps it: the simpler run). kbest and the device chunks below are ep 1's.
+          int eps[16], n_ep = ep_sizes(cfg, probe->device, dp, tp, cdt == FY_F32 && sf == FY_STATE_F32, eps);
+          for (int e = 0; e < n_ep; e++)
           for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
             struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
                                       .chunk_elems = ce, .blocks = 0, .prefetch = pf,
                                       .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp,
-                                      .optimizer_lag = optimizer_lag};
+                                      .optimizer_lag = optimizer_lag, .ep = eps[e]};
             snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);
             if (sf != FY_STATE_F32) snprintf(k.optimizer_state, sizeof k.optimizer_state, "%s", fy_state_format_name(sf));
@@ -291,6 +313,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
               if (better(&cm, &c)) k = km, c = cm;
             }
             consider(&k, &c, best);
+            if (e > 0) {
+              if (!c.fits) break;
+              continue;
+            }
             if (pf == 0 && !c.fits && c.min_device_bytes <= probe->device_mem) kbest = k, cbest = c;
             if (!c.fits) break;  // more prefetch will not fit either
             if (better(&c, &cbest)) kbest = k, cbest = c;
@@ -379,8 +405,12 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   k->dp = p->dp;
   k->tp = p->tp;
   k->pp = p->pp > 1 ? p->pp : 0;
+  k->ep = p->ep > 1 ? p->ep : 0;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
   FY_TRY(fy_cost_check_knobs(k));
+  if (p->ep > 1 && (cfg->num_local_experts < 1 || cfg->num_local_experts % p->ep || p->dp % p->ep))
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d must divide the model's experts (%lld) and dp %d", p->ep,
+                        (long long)cfg->num_local_experts, p->dp);
   if (p->pp > 1 && (cfg->num_hidden_layers % p->pp || p->pp > cfg->num_hidden_layers))
     return fy_error_set(FY_ERR_INVALID, "plan: pp %d must divide the model's %lld decoder layers (and not exceed them)",
                         p->pp, (long long)cfg->num_hidden_layers);
@@ -453,6 +483,10 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     fprintf(f, "  %d ranks: %d data-parallel (%s) x %d tensor-parallel (tp_col / tp_row); per data-parallel rank "
                "micro-batch %lld x %lld tokens, %lld accumulated\n", p->dp * p->tp, p->dp, p->pattern, p->tp,
             (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum);
+  if (p->ep > 1)
+    fprintf(f, "  expert parallelism: ep %d (ferry train --ep %d): each rank computes E/%d experts of every mixture layer "
+               "on the rows its group routes to them, moved by all-to-alls forward and backward (the expert pattern)\n",
+            p->ep, p->ep, p->ep);
   if (k->resident && !staged) {
     fprintf(f, "  resident: weights, gradients, AdamW state and activations on the device, the optimizer there "
                "too (ferry train --device cuda, no --offload); recompute %s\n", k->recompute ? "on" : "off");

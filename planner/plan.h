@@ -18,6 +18,7 @@ struct fy_plan {
   char pattern[32];        // the parallel pattern of every operator (one rank: replicate)
   int dp, tp;              // data- and tensor-parallel ranks
   int pp;                  // pipeline stages (runtime/pipeline.h; 0 or 1: none, as plan files without "pp")
+  int ep;                  // expert-parallel group size (knobs.ep; 1: none, as plan files without "ep")
   struct fy_probe machine; // the machine it was made for
   struct fy_cost predicted;
 };

@@ -36,6 +36,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(o, "dp", json_object_new_int(p->dp));
   json_object_object_add(o, "tp", json_object_new_int(p->tp));
   if (p->pp > 1) json_object_object_add(o, "pp", json_object_new_int(p->pp));
+  if (p->ep > 1) json_object_object_add(o, "ep", json_object_new_int(p->ep));
   if (k->cluster.nodes > 0) {  // (where the ranks were priced: ferry plan --nodes ...)
     json_object *cl = json_object_new_object();
     json_object_object_add(cl, "nodes", json_object_new_int(k->cluster.nodes));
@@ -98,7 +99,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "precision", "disk_chunks", "disk_master", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp", "pp",
+                                      "recompute", "resident", "precision", "disk_chunks", "disk_master", "device_chunks", "optimizer_lag", "optimizer_state", "pattern", "dp", "tp", "pp", "ep",
                                       "cluster", "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
@@ -133,6 +134,13 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   if (st == FY_OK && json_object_object_get_ex(o, "pp", NULL) && (st = get_int(o, path, "pp", 1, 1 << 16, &v)) == FY_OK)
     p->pp = (int)v;
   k->pp = p->pp > 1 ? p->pp : 0;
+  p->ep = 1;  // (optional: no expert parallelism when absent)
+  if (st == FY_OK && json_object_object_get_ex(o, "ep", NULL) && (st = get_int(o, path, "ep", 1, 1 << 16, &v)) == FY_OK)
+    p->ep = (int)v;
+  if (st == FY_OK && p->ep > 1 && p->dp % p->ep)
+    st = fy_error_set(FY_ERR_FORMAT, "plan %s: \"ep\" is %d, which does not divide \"dp\" %d (an expert-parallel group is "
+                      "ep of the data-parallel ranks)", path, p->ep, p->dp);
+  k->ep = p->ep > 1 ? p->ep : 0;
   json_object *x;
   // (Optional: the cluster the plan was priced for; every link the probe's comm_gbps without it.)
   if (st == FY_OK && json_object_object_get_ex(o, "cluster", &x)) {

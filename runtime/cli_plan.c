@@ -130,7 +130,7 @@ static void largest_by_state(int64_t batch, int64_t seq, int ranks, bool offload
     for (int i = n - 1; i >= 0 && !found; i--) {
       struct fy_opt_config cfg;
       if (strncmp(names[i], "opt-", 4) != 0 || fy_opt_preset(names[i], &cfg) != FY_OK) continue;
-      if (cfg.num_local_experts > 0) continue;  // (mixtures train on the cpu device alone for now)
+      if (cfg.num_local_experts > 0) continue;  // (--largest compares the dense presets)
       if (seq > cfg.max_position_embeddings) continue;
       if (fy_plan_search_state(&cfg, names[i], batch, seq, ranks, offload_only, precision, lag, fmts[f], probe, &p,
                                NULL) == FY_OK)
@@ -378,10 +378,22 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
   int tried = 0;
   struct stat sb;
   FY_TRY(stat(a->model, &sb) == 0 ? fy_ckpt_config_read(a->model, &cfg) : fy_opt_preset(a->model, &cfg));
-  if (cfg.num_local_experts > 0 && (strcmp(probe->device, "sim") != 0 || a->gpus > 1))  // (what trains offloaded)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it trains resident on --device cpu or cuda and "
-                        "offloaded on one sim rank for now, so only the sim device's one-rank plans are made (the "
-                        "GPU's offloading of a mixture and expert parallelism are not supported yet)", a->model);
+  // A mixture of experts is planned where it trains (runtime/run.c): on sim with any number of
+  // data-parallel ranks, its expert-parallel size searched (planner/plan.c); on a GPU on one rank
+  // (resident or offloaded) or as resident replicas, without tp or ep. No pipeline or cluster.
+  if (cfg.num_local_experts > 0) {
+    const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
+    if (!sim && !cuda)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: plans are made for --device sim and cuda "
+                          "(the cpu device trains it resident without a plan)", a->model);
+    if (a->nodes || a->dp || a->pp || a->tp)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: its plans lay the ranks out by the search "
+                          "(data-parallel ranks%s), not on a cluster or with a fixed --dp, --pp or --tp: not supported "
+                          "yet", a->model, sim ? " and the expert-parallel size" : ", replicas on a GPU");
+    if (cuda && a->gpus > 1 && a->offload_only)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: on several GPUs it trains as resident "
+                          "replicas; offloaded (--offload) on one GPU: not supported yet", a->model);
+  }
   // The cluster's links default to the probe's collectives' bandwidth.
   const double comm = fy_probe_comm_gbps(probe);
   const struct fy_plan_grid grid = {
@@ -404,8 +416,9 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
            best.k.recompute ? " --recompute" : "", best.k.precision[0] ? (strcmp(best.k.precision, "bf16") == 0 ?
            " --precision bf16" : "") : "", best.dp);
   } else if (best.dp * best.tp > 1) {
-    printf("  run it: mpirun -np %d ./build/ferry train --plan %s%s --data DIR\n", best.dp * best.tp,
-           a->out ? a->out : "FILE", strcmp(probe->device, "cuda") == 0 ? " --device cuda" : "");
+    printf("  run it: mpirun -np %d ./build/ferry train --plan %s%s --data DIR%s\n", best.dp * best.tp,
+           a->out ? a->out : "FILE", strcmp(probe->device, "cuda") == 0 ? " --device cuda" : "",
+           best.ep > 1 ? "  (its ep: the plan file's)" : "");
   }
   say_bigger_batch(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision, (int)a->lag, a->state,
                    probe, &best);

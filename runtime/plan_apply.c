@@ -120,6 +120,13 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
     if (plan.k.resident && plan.tp > 1)
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s keeps %d tensor-parallel ranks resident: tensor parallelism on "
                           "a GPU runs offloaded (ferry plan --offload): not supported yet", o->plan, plan.tp);
+    if (plan.ep > 1 && cuda)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s splits the experts over groups of %d ranks (ep %d): expert "
+                          "parallelism runs on --device cpu and sim, not yet on cuda: not supported yet", o->plan,
+                          plan.ep, plan.ep);
+    if (o->ep > 1 && o->ep != plan.ep)
+      return fy_error_set(FY_ERR_INVALID, "--plan %s is for ep %d, not --ep %d: drop --ep, or write a plan for it",
+                          o->plan, plan.ep, o->ep);
     if (plan.dp * plan.pp * plan.tp != ranks)  // (first: its memory and chunks are for that many)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for %d ranks (%d x %d x %d); this run has %d", o->plan,
                           plan.dp * plan.pp * plan.tp, plan.dp, plan.pp, plan.tp, ranks);
@@ -144,6 +151,7 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
   if (!o->precision) o->precision = prec;
   o->tp = plan.tp;
   o->pp = plan.pp > 1 ? plan.pp : 1;
+  o->ep = plan.ep > 1 ? plan.ep : 0;
   const struct fy_plan_knobs *k = &plan.k;
   if (cuda) {
     o->offload = !k->resident;  // (--device-mem stays the run's: the GPU's unless given)

@@ -340,6 +340,82 @@ static void check_pipeline(void) {
   fprintf(stderr, "  pipelines and clusters: %.2f s\n", fy_now() - t0);
 }
 
+// Expert parallelism on paper (planner/cost.c, check_ep; planner/plan.c, ep_sizes): opt-moe-tiny
+// on 2 sim ranks whose figures are fixed. With routing spread evenly a rank computes as many rows
+// with ep 2 as without (its 2 experts on both ranks' choices of them), its chunks hold every
+// expert either way, so ep 2 costs what ep 1 does plus the expert pattern's four all-to-alls a
+// mixture layer and micro-batch, each (ep - 1)/ep of a rank's BT k rows of C floats on the link.
+static void moe_ep_plans(void) {
+  struct fy_probe p = gpu_probe();
+  CHECK_OK(fy_probe_override(&p, "device", "sim"));
+  CHECK_OK(fy_probe_override(&p, "device_mem", "1GiB"));
+  CHECK_OK(fy_probe_override(&p, "host_mem", "8GiB"));
+  CHECK_OK(fy_probe_override(&p, "comm_gbps", "2"));
+  struct fy_opt_config moe;
+  CHECK_OK(fy_opt_preset("opt-moe-tiny", &moe));
+  struct fy_plan_knobs k = {.micro_batch = 2, .grad_accum = 2, .seq = 32, .prefetch = 1, .disk_chunks = 0, .dp = 2};
+  snprintf(k.pattern, sizeof k.pattern, "zero");
+  struct fy_cost c1, c2;
+  CHECK_OK(fy_cost_simulate(&moe, &k, &p, &c1, NULL));
+  k.ep = 2;
+  CHECK_OK(fy_cost_simulate(&moe, &k, &p, &c2, NULL));
+  CHECK(c1.fits && c2.fits);
+  const double rows = 2.0 * 32 * (double)moe.num_experts_per_tok * (double)moe.hidden_size * 4;  // BT k C floats
+  const double a2a = (double)fy_opt_moe_layers(&moe) * 4 * 0.5 * rows / (fy_probe_comm_gbps(&p) * 1e9) * 2;  // x accum
+  CHECKF(fabs((c2.comm_s - c1.comm_s) - a2a) <= 1e-9 + 1e-6 * a2a, "ep 2 adds %.9f s of collectives, the all-to-alls "
+         "are %.9f s", c2.comm_s - c1.comm_s, a2a);
+  CHECKF(fabs((c2.compute_s - c1.compute_s) - a2a) <= 1e-9 + 1e-6 * a2a, "ep 2's compute stream: %.9f s more, not %.9f",
+         c2.compute_s - c1.compute_s, a2a);
+  CHECK(c2.host_bytes == c1.host_bytes && c2.device_peak == c1.device_peak && c2.n_chunks == c1.n_chunks);
+  CHECK(c2.step_s > c1.step_s);
+  // What does not run is refused: ep not dividing dp or the experts, a dense model, bf16, a GPU.
+  k.ep = 4;
+  CHECK_ERR(fy_cost_simulate(&moe, &k, &p, &c2, NULL), FY_ERR_INVALID);  // (dp 2)
+  k.ep = 2;
+  struct fy_opt_config dense;
+  CHECK_OK(fy_opt_preset("opt-tiny", &dense));
+  CHECK_ERR(fy_cost_simulate(&dense, &k, &p, &c2, NULL), FY_ERR_INVALID);
+  snprintf(k.precision, sizeof k.precision, "bf16");
+  CHECK_ERR(fy_cost_simulate(&moe, &k, &p, &c2, NULL), FY_ERR_INVALID);
+  k.precision[0] = 0;
+  // The search tries ep 2 beside ep 1 (fp32; bf16, where ep does not run, tries the same plans
+  // without it: as many fewer as ep 2's) and keeps ep 1, which the model prices lower.
+  struct fy_plan best;
+  int tried32 = 0, tried16 = 0;
+  CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", &p, &best, &tried32));
+  CHECK(best.ep == 1 && best.dp == 2 && best.k.ep <= 1);
+  CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "bf16", &p, &best, &tried16));
+  CHECKF(tried32 > tried16, "the fp32 search tried %d plans, bf16's %d: no ep 2 plans", tried32, tried16);
+  // A plan with ep 2 is written, read back and checked as the one it was.
+  struct fy_plan e1, e2;
+  CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", &p, &e1, NULL));
+  e2 = e1;
+  e2.ep = 2;
+  CHECK_OK(fy_plan_check(&moe, &e2, &p));
+  CHECK(e2.k.ep == 2 && e2.predicted.comm_s > e1.predicted.comm_s && e2.predicted.step_s > e1.predicted.step_s);
+  char path[400];
+  snprintf(path, sizeof path, "%s/ep.plan", dir);
+  CHECK_OK(fy_plan_write(path, &e2));
+  struct fy_plan back;
+  CHECK_OK(fy_plan_read(path, &back));
+  CHECK(back.ep == 2 && back.k.ep == 2);
+  CHECK_OK(fy_plan_check(&moe, &back, &p));
+  CHECK(back.predicted.step_s == e2.predicted.step_s);
+  static char text[1 << 16];
+  read_text(path, text, sizeof text);
+  char *key = strstr(text, "\"ep\":2");
+  CHECK(key != NULL);
+  if (key) {
+    key[5] = '3';  // (ep 3 does not divide dp 2)
+    write_text(path, text);
+    CHECK_ERR(fy_plan_read(path, &back), FY_ERR_FORMAT);
+    drop_key(key);  // (absent: no expert parallelism)
+    write_text(path, text);
+    CHECK_OK(fy_plan_read(path, &back));
+    CHECK(back.ep == 1 && back.k.ep == 0);
+  }
+}
+
 int main(int argc, char **argv) {
   check_args(argc, argv);
   timing = check_part("timing");
@@ -363,6 +439,8 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 60000; i++) tok[i] = (uint16_t)((i * 7 + i / 3) % 97);
   CHECK_OK(fy_shard_write(shard, tok, 60000));
   free(tok);
+
+  if (!timing) moe_ep_plans();
 
   struct fy_probe probe;
   CHECK_OK(fy_probe_measure("sim", 64 << 20, 0.5, NULL, &probe));

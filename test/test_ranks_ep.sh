@@ -151,6 +151,32 @@ run sstarve2 2 --ep 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --di
 compare starve1 sstarve2 1e-6 0 && ok "experts that get no token on sim (and --recompute): bit for bit 1 rank's run" \
   || bad "starved experts under ep 2 on sim"
 
+# The planner's expert parallelism (planner/plan.c, ep_sizes): ferry plan of the mixture on 2 sim
+# ranks searches ep 1 and 2; its plan file with "ep": 2 (and one micro-batch of 2 sequences a rank)
+# runs under mpirun as --ep 2 does: 1 rank's weights bit for bit. An ep that does not divide dp is
+# refused when the file is read.
+"$ferry" plan --model opt-moe-tiny --batch 4 --seq 32 --gpus 2 --device sim --device-mem 4MiB --out "$tmp/planep.json" \
+  >"$tmp/planep.out" 2>&1 && grep -q "^  2 ranks: 2 data-parallel (zero)" "$tmp/planep.out" \
+  && ok "ferry plan --gpus 2 of a mixture on sim lays out 2 data-parallel ranks" || { bad "ferry plan of a mixture"; cat "$tmp/planep.out"; }
+python3 - "$tmp/planep.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+p.update(micro_batch=2, grad_accum=1, seq=32, ep=2)
+json.dump(p, open(sys.argv[1], "w"))
+p["ep"] = 3
+json.dump(p, open(sys.argv[1] + ".bad", "w"))
+PY
+loud=()
+for a in "${common[@]}"; do [ "$a" = --quiet ] || loud+=("$a"); done
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --clip 0 --device-mem 4MiB --plan "$tmp/planep.json" --log "$tmp/planrun.json" \
+  --save "$tmp/planrun" >"$tmp/planrun.out" 2>&1 || { bad "2 ranks run the plan with ep 2"; cat "$tmp/planrun.out"; }
+grep -q "expert parallelism: ep 2" "$tmp/planrun.out" && compare one2 planrun 1e-6 0 \
+  && ok "a plan file with ep 2 runs expert-parallel on 2 sim ranks: 1 rank's weights bit for bit" \
+  || { bad "the plan with ep 2"; tail -5 "$tmp/planrun.out"; }
+out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/planep.json.bad" 2>&1)"
+[ $? -ne 0 ] && grep -q '"ep" is 3, which does not divide "dp" 2' <<<"$out" && ok "a plan file's ep 3 on dp 2 refused" \
+  || { bad "a plan file's ep 3"; echo "$out" | tail -3; }
+
 # Layouts that do not fit, refused before anything is allocated.
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"
 [ $? -ne 0 ] && grep -q -- "--ep 4 does not divide the 2 data-parallel ranks" <<<"$out" && ok "ep 4 on 2 ranks refused" \
