@@ -440,11 +440,12 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master};
   // A pipeline stage: its activations' arenas (one per micro-batch in flight) before the cache's
   // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
+  // (Evaluation: forward passes alone, one a step in the engine's trace.)
   bool order[2 * (o->grad_accum > 0 ? o->grad_accum : 1)];
-  if (r->pp > 1 && !r->eval) {
-    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+  if (r->pp > 1) {
+    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, r->eval ? 1 : (int)o->grad_accum, &r->pipe));
     FY_TRY(fy_graph_stage_ops(r->model->graph, cfg->num_hidden_layers, r->pp, r->pp_rank, &xo.stage_lo, &xo.stage_hi));
-    xo.n_schedule = fy_pipeline_schedule(r->pp, r->pp_rank, (int)o->grad_accum, order);
+    xo.n_schedule = r->eval ? (order[0] = true, 1) : fy_pipeline_schedule(r->pp, r->pp_rank, (int)o->grad_accum, order);
     xo.schedule = order;
     xo.stage_comm = r->pp_comm;
   }
@@ -684,9 +685,9 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
   if (r->pp > 1 && !r->pipe) {  // (offloaded, setup_offload made it)
-    if (!r->model->grads || r->x || r->model->device_memory)
+    if ((!r->model->grads && !r->eval) || r->x || r->model->device_memory)
       return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu and sim for now", r->pp);
-    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, r->eval ? 1 : (int)o->grad_accum, &r->pipe));
   }
   if (!o->data && eval) return FY_OK;  // (fy_sample: no data set)
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);

@@ -261,7 +261,10 @@ fy_status mean_loss(struct run *r, fy_data *data, int64_t n, double *mean,
     struct fy_batch *batch;
     struct fy_loss loss = {0};
     FY_TRY(fy_data_next(data, &batch));
-    if (r->x) {
+    if (r->pipe) {  // through the stages in turn: the loss on the last
+      FY_TRY(fy_pipeline_forward_eval(r->pipe, batch, &loss.sum));
+      loss.count = fy_engine_count_targets(batch);
+    } else if (r->x) {
       FY_TRY(fy_offload_forward(r->x, batch, &loss.sum));
       loss.count = fy_engine_count_targets(batch);
     } else {
@@ -271,6 +274,7 @@ fy_status mean_loss(struct run *r, fy_data *data, int64_t n, double *mean,
     count += loss.count;
     if (i == 0 && first) FY_TRY(first(r, batch, ctx));
   }
+  if (r->pipe) FY_TRY(fy_pipeline_share_from_last(r->pipe, &sum));  // (the same sum of the same adds)
   if (r->dp > 1) {
     double mine[2] = {sum, (double)count}, all[2 * r->dp];
     FY_TRY(fy_comm_all_gather(r->dp_comm, mine, all, 4, FY_COMM_F32, NULL));
