@@ -69,6 +69,7 @@ const struct option sample_opts[] = {
     {"offload", no_argument, 0, SAMPLE_OFFLOAD}, {"device-mem", required_argument, 0, SAMPLE_DEVMEM},
     {"host-mem", required_argument, 0, SAMPLE_HOSTMEM}, {"blocks", required_argument, 0, SAMPLE_BLOCKS},
     {"quiet", no_argument, 0, SAMPLE_QUIET},
+    {"pp", required_argument, 0, SAMPLE_PP}, {"tp", required_argument, 0, SAMPLE_TP},  // (refused by fy_sample, saying why)
     {"help", no_argument, 0, SAMPLE_HELP}, {0, 0, 0, 0}};
 
 // ferry probe's and ferry plan's options (PLAN_* in cli.h).

@@ -78,6 +78,13 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
     return fy_error_set(FY_ERR_INVALID, "sample: tokens, temperature and top-k must not be negative");
   if (!(s->top_p >= 0 && s->top_p <= 1))
     return fy_error_set(FY_ERR_INVALID, "sample: top-p %g is not in [0, 1]", s->top_p);
+  // Decoding runs the whole model on one rank: a layout's stages or slices would pass one token's
+  // activations (a row) between ranks per layer or stage for every token, which is not built.
+  if (o->pp > 1 || o->tp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "ferry sample --%s %d: not supported (sampling decodes on one rank with "
+                        "the whole model and its key/value cache; a model trained under any layout is one Hugging "
+                        "Face model (--save), which ferry sample --init reads on one rank)", o->pp > 1 ? "pp" : "tp",
+                        o->pp > 1 ? o->pp : o->tp);
   struct fy_train_opts e = *o;
   e.batch = 1;
   e.data = NULL;

@@ -905,7 +905,6 @@ static fy_status create_stage(struct fy_offload *x, const struct fy_offload_opts
   x->stage_lo = o->stage_lo;
   x->stage_hi = o->stage_hi;
   x->tied = -1;
-  if (x->lag) return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline stage's engine trains without --optimizer-lag");
   // (A forward-only stage, ferry eval's, runs one forward a step: a schedule of one half-pass.)
   if (!o->stage_comm || !o->schedule || o->n_schedule < (x->forward_only ? 1 : 2))
     return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine needs its stages' communicator and schedule");

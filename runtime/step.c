@@ -55,7 +55,8 @@ static fy_status apply_lagged(const struct fy_train_opts *o, struct run *r) {
   struct fy_model *m = r->model;
   float *g = m->grads;
   m->grads = r->lag_grads;
-  fy_status st = fy_optimizer_step(m, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm);
+  fy_status st = r->pipe ? fy_pipeline_adamw(r->pipe, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm)
+                         : fy_optimizer_step(m, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm);
   m->grads = g;
   return st;
 }
@@ -133,7 +134,15 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   float unscale = (float)(1.0 / scale);
   *norm_out = fy_pipeline_grad_norm(r->pipe, unscale);
   *overflow = !isfinite(*norm_out);
-  if (!*overflow) {
+  if (r->lag_own) {  // --optimizer-lag: the step before's update now, this one's after the next step's passes
+    st = apply_lagged(o, r);
+    float *t = model->grads;
+    model->grads = r->lag_grads;
+    r->lag_grads = t;
+    r->lag = (struct lagged_update){.pending = true, .skip = *overflow, .lr = fy_lr_at(o, step), .grad_scale = unscale,
+                                    .t = r->updates + 1, .norm = *norm_out};
+    if (!*overflow) r->updates++;
+  } else if (!*overflow) {
     st = fy_pipeline_adamw(r->pipe, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out);
     if (st == FY_OK) r->updates++;
   }
