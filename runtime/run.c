@@ -661,12 +661,12 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   // r->whole describes the whole model (no buffers).
   if (r->tp > 1 || r->pp > 1) {
     FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
-    // Offloaded stages with 8-bit AdamW state: the whole model laid out in one rank's chunks, so
-    // that a checkpoint's pieces (a chunk each) hold whole 8-bit blocks, as one rank's do.
-    if (r->x && r->pp > 1 && r->model->state_format == FY_STATE_Q8) {
+    // Stages with 8-bit AdamW state: the whole model laid out in one rank's chunks (resident: one
+    // chunk), so that a checkpoint's pieces hold whole 8-bit blocks, as one rank's do.
+    if (r->pp > 1 && r->model->state_format == FY_STATE_Q8) {
       struct fy_chunk_layout *l;
       r->whole_graph->chunk_align = FY_Q8_BLOCK;
-      FY_TRY(fy_chunk_layout_create(r->whole_graph, r->model->layout->chunk_elems, &l));
+      FY_TRY(fy_chunk_layout_create(r->whole_graph, r->x ? r->model->layout->chunk_elems : 0, &l));
       fy_chunk_layout_free(l);
     }
     r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};

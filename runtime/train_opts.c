@@ -92,9 +92,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0
                          ? "--device cuda (stages run on --device cpu and sim)"
                      : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
-                     : compressed && (!e->device || strcmp(e->device, "sim") != 0)
-                         ? "--optimizer-state bf16 or 8bit on --device cpu (a resident stage keeps fp32; sim's "
-                           "chunks keep it)"
                                                                : NULL;
     if (no) return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with %s: not supported yet", e->pp, no);
   }

@@ -631,6 +631,22 @@ done
 [ $same = 1 ] && compare p1untied psres 0 && compare pq1 pq2res 0 \
   && ok "pp 2 on sim (fp32 and 8-bit AdamW state): one rank's checkpoint bytes, resumed on 1 rank bit for bit" \
   || bad "pp 2 sim checkpoints differ from 1 rank's"
+# 8-bit AdamW state on cpu stages (each stage's blocks those of one rank's flat buffer): one
+# rank's bits and checkpoint bytes (a 1-rank 8-bit run on sim has the cpu's), and a 1-rank
+# checkpoint resumed on a cpu pipeline.
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --optimizer-state 8bit --pp 2 \
+  --save "$tmp/pqc2.d" --save-every 6 --log "$tmp/pqc2.json" >"$tmp/pqc2.out" 2>&1 || { bad "pp 2 with 8-bit state on cpu"; cat "$tmp/pqc2.out"; }
+ln -sfn "$tmp/pqc2.d/step-00000012" "$tmp/pqc2"
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --optimizer-state 8bit --pp 2 \
+  --resume "$tmp/pq1ck" --save "$tmp/pqc2res" --log "$tmp/pqc2res.json" >"$tmp/pqc2.out" 2>&1 \
+  || { bad "pp 2 on cpu resumes a 1-rank 8-bit checkpoint"; cat "$tmp/pqc2.out"; }
+same=1
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$tmp/pqc2.d/step-00000006/$f" "$tmp/pq1ck/step-00000006/$f" || same=0
+done
+[ $same = 1 ] && compare pq1 pqc2 0 && compare pq1 pqc2res 0 \
+  && ok "pp 2 on cpu with 8-bit AdamW state: one rank's bits and checkpoint bytes; a 1-rank checkpoint resumes on it" \
+  || bad "pp 2 on cpu with 8-bit state differs from 1 rank"
 # Layouts that do not fit are refused before anything is allocated, naming the numbers; what
 # pipelines do not run yet says so.
 refused() {  # refused NAME EXPECTED-TEXT NP ARGS...: the run fails, saying EXPECTED-TEXT
@@ -644,8 +660,6 @@ refused "--pp 4 with opt-tiny's 2 layers" "more pipeline stages than the model's
 refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3 --model "$tmp/cfg-untied" --batch 4 --pp 2
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
 refused "--pp 2 on --device cuda" "--pp 2 with --device cuda .*: not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --device cuda
-refused "--pp 2 with 8-bit state on --device cpu" "--pp 2 with --optimizer-state bf16 or 8bit on --device cpu .*: not supported yet" 2 \
-  --model "$tmp/cfg-untied" --batch 4 --pp 2 --optimizer-state 8bit
 # ferry eval through the stages: 1 rank's loss on pp 2, pp 4, pp 2 x tp 2 (cpu) and pp 2 on sim.
 evals=(--init "$tmp/p1tied" --data "$tmp/data.bin" --seq 32 --batch 2 --batches 3 --threads 1)
 "$ferry" eval "${evals[@]}" >"$tmp/ev1.out" 2>&1 || bad "ferry eval on 1 rank"
@@ -656,6 +670,11 @@ for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2" "2:--pp 2 --device sim --blocks
 done
 [ $same = 1 ] && ok "ferry eval --pp (2, 4, 2 x tp 2, 2 on sim): one rank's loss ($(cut -d' ' -f3 "$tmp/ev1.out"))" \
   || bad "ferry eval --pp differs from 1 rank"
+# ferry sample decodes on one rank: --pp (and --tp) refused, saying so.
+if "$ferry" sample --init "$tmp/p1tied" --prompt-ids 5,6 --tokens 2 --pp 2 >"$tmp/spp.out" 2>&1; then
+  bad "ferry sample --pp 2 is accepted"
+else grep -q "ferry sample --pp 2: not supported (sampling decodes on one rank" "$tmp/spp.out" \
+  && ok "ferry sample --pp 2 is refused, saying why" || { bad "ferry sample --pp 2: unclear message"; cat "$tmp/spp.out"; }; fi
 # A plan file's "pp" is read (the planner does not lay out pipelines yet: refused).
 python3 - "$tmp/plan2.json" "$tmp/planpp.json" <<'PY'
 import json, sys
