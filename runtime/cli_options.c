@@ -162,6 +162,8 @@ void usage_train(FILE *f, bool eval) {
             "  --comm-timeout S   seconds a collective may take before the job is aborted (default 300)\n"
             "  --tp N             groups of N consecutive ranks split each layer's attention heads and\n"
             "                     feed-forward features, as ferry train --tp does (default 1)\n"
+            "  --pp N             groups of N ranks split the decoder layers into stages, as ferry\n"
+            "                     train --pp does; each batch goes through them in turn (default 1)\n"
             "  Each group reads its own --batch sequences of every batch (the mean is over all of\n"
             "  them: --batches batches of groups x --batch); rank 0 prints it.\n",
             (long long)d.eval_batches);
@@ -263,7 +265,7 @@ void usage_train(FILE *f, bool eval) {
           "                     without --offload each rank's slices and their AdamW state stay on\n"
           "                     its GPU); the groups are data-parallel (default 1; several groups on\n"
           "                     GPUs need --offload)\n"
-          "  --pp N             pipeline parallelism (--device cpu): groups of N ranks split the decoder\n"
+          "  --pp N             pipeline parallelism (--device cpu, sim): groups of N ranks split the decoder\n"
           "                     layers into N stages, run on the 1F1B schedule over the --grad-accum\n"
           "                     micro-batches; ranks form a dp x pp x tp grid (default 1)\n"
           "  Each rank takes its own --batch sequences of every global batch; gradients are summed\n"
