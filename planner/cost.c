@@ -758,12 +758,17 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     if (stage_held < 1) stage_held = 1;
     fixed_bytes += stage_held * (double)fy_device_round(stage_span, gran) - (double)fy_device_round(fixed[0], gran);
   }
+  // (while the pipeline allocates its arenas the model's whole one is still there: a peak of its own)
+  double stage_transient = 0;
+  for (int i = 0; stage >= 0 && i < n_fixed - 2; i++) stage_transient += (double)fy_device_round(fixed[i], gran);
+  if (stage >= 0) stage_transient += stage_held * (double)fy_device_round(stage_span, gran);
   // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
   const double scratch = gpu ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
   double block = (double)fy_device_round((size_t)chunk_bytes, gran);
   out->min_device_bytes = fixed_bytes + dev_state + min_blocks * block;
+  if (stage_transient > out->min_device_bytes) out->min_device_bytes = stage_transient;
   int n_blocks = k->blocks;
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (as the runtime)
     double left = probe->device_mem - fixed_bytes - dev_state;

@@ -91,7 +91,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
   if (e->pp > 1) {  // (what pipeline stages do not run yet: docs/ranks.md, "Pipeline parallelism")
     const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0
                          ? "--device cuda (stages run on --device cpu and sim)"
-                     : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
                      : e->val_data                             ? "--val-data (validation through the stages)"
                      : e->optimizer_lag > 0                    ? "--optimizer-lag"
                      : compressed && (!e->device || strcmp(e->device, "sim") != 0)
