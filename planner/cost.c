@@ -1312,8 +1312,40 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
 // large batch then no longer simulates every micro-batch of every candidate (a batch of 100000
 // sequences took the planner two minutes). A timeline to draw is always the whole step.
 
+// Ranks on one CPU machine (the cpu and sim devices: ferry train's ranks there each take their
+// share of the cores, runtime/trainer.c) share its cores and its memory bandwidth: each runs its
+// kernels, its AdamW and its memory-bound ops at 1/n of the rates the probe measured with all of
+// them, n the ranks on a machine (all of them without a cluster, a node's with one). A GPU's
+// ranks have a device each.
+static fy_status cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                               const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out);
+
+static struct fy_probe rank_share(const struct fy_plan_knobs *k, const struct fy_probe *probe) {
+  struct fy_probe p = *probe;
+  const int ranks = (k->dp > 1 ? k->dp : 1) * (k->tp > 1 ? k->tp : 1) * (k->pp > 1 ? k->pp : 1);
+  int local = k->cluster.nodes > 0 && k->cluster.gpus_per_node < ranks ? k->cluster.gpus_per_node : ranks;
+  if (strcmp(probe->device, "cuda") == 0 || local <= 1) return p;
+  const double f = 1.0 / local;
+  p.device_gflops *= f;
+  p.host_gflops *= f;
+  p.host_mem_gbps *= f;
+  p.host_adamw_gbps *= f;
+  p.peak_gflops *= f;
+  return p;
+}
+
 fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
-                           const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
+                           const struct fy_probe *whole_machine, struct fy_cost *out, struct fy_device **timeline_out) {
+  const struct fy_probe shared = rank_share(k, whole_machine), *probe = &shared;
+  const fy_status st = cost_simulate(cfg, k, probe, out, timeline_out);
+  // (MFU is of the whole machine's rates, the ranks' shares together; its peak is said whole)
+  if (st == FY_OK && shared.peak_gflops != whole_machine->peak_gflops)
+    out->peak_gflops = fy_probe_peak_gflops(whole_machine, compute_dtype(k, whole_machine) == FY_BF16);
+  return st;
+}
+
+static fy_status cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                               const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
   if (timeline_out || k->resident || k->pp > 1 || k->grad_accum <= ACCUM_SIMULATED)
     return simulate(cfg, k, probe, out, timeline_out);
   struct fy_plan_knobs less = *k, most = *k;

@@ -376,12 +376,15 @@ static void check_pipeline_sim(const struct fy_opt_config *cfg) {
   CHECKF(fabs(c.bubble - bub) < 1e-9 && c.bubble > 0 && c.bubble <= 1.0 / (m + 1) + 1e-12, "bubble %.4f (%.4f, 1F1B %.4f)",
          c.bubble, bub, 1.0 / (m + 1));
   // the stages' cycles add up to about one rank's (the same ops and chunks, the cache holding all)
+  // on half the machine (2 ranks on one CPU machine: each its share of the cores and memory)
+  struct fy_probe half = p;
+  half.device_gflops /= 2, half.host_gflops /= 2, half.host_mem_gbps /= 2, half.host_adamw_gbps /= 2;
   struct fy_plan_knobs one = k, one3 = k;
   one.pp = one3.pp = 0;
   one3.grad_accum = m - 1;
   struct fy_cost c1, c3;
-  CHECK_OK(fy_cost_simulate(cfg, &one, &p, &c1, NULL));
-  CHECK_OK(fy_cost_simulate(cfg, &one3, &p, &c3, NULL));
+  CHECK_OK(fy_cost_simulate(cfg, &one, &half, &c1, NULL));
+  CHECK_OK(fy_cost_simulate(cfg, &one3, &half, &c3, NULL));
   const double cyc1 = c1.step_s - c3.step_s;
   CHECKF(fabs(sum - cyc1) < 0.05 * cyc1, "the stages' cycles %.5f s, one rank's %.5f s", sum, cyc1);
   // stage 0 holds 2 micro-batches' activations, the last 1: more device memory on the first
