@@ -164,8 +164,8 @@ def main():
         if disk:
             auto += ["--disk-dir", tmp]
         r = subprocess.run(auto, capture_output=True, text=True, env=dict(env, FERRY_PROBE=ppath), timeout=600)
-        def plan_lines(out):  # (not ferry plan's parenthesised notes: its count of plans, its precision hints)
-            return [l for l in out.splitlines() if l.startswith("  ") and not l.startswith("  (")]
+        def plan_lines(out):  # (not ferry plan's parenthesised notes, nor how to run it: its count of plans, its hints)
+            return [l for l in out.splitlines() if l.startswith("  ") and not l.startswith(("  (", "  run it:", "     or:"))]
         said_plan, auto_plan = plan_lines(plan_out), plan_lines(r.stdout)
         losses = [(x["step"], x["loss"]) for x in logged]
         if r.returncode != 0 or auto_plan != said_plan or losses != [
