@@ -92,7 +92,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
     const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0 && !cuda
                          ? "another device (stages run on --device cpu, sim and cuda)"
-                     : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
                      : cuda && e->val_data                     ? "--val-data on GPUs (validation through the stages runs "
                                                                  "on --device cpu and sim)"
                      : cuda && e->optimizer_lag > 0            ? "--optimizer-lag on GPUs (cpu and sim stages take it)"

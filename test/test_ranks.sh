@@ -383,7 +383,7 @@ compare one planned 1e-5 && ok "2 ranks running the planner's 2-rank plan follow
 python3 - "$tmp/plan2.json" "$tmp/plantp.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
-p.update(dp=1, tp=2, pattern="replicate", micro_batch=4, grad_accum=1, chunk_elems=3104, blocks=2, device_chunks=0)
+p.update(dp=1, tp=2, pp=1, pattern="replicate", micro_batch=4, grad_accum=1, chunk_elems=3104, blocks=2, device_chunks=0)
 json.dump(p, open(sys.argv[2], "w"))
 PY
 "${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/plantp.json" --log "$tmp/plannedtp.json" \
@@ -674,15 +674,17 @@ if "$ferry" sample --init "$tmp/p1tied" --prompt-ids 5,6 --tokens 2 --pp 2 >"$tm
   bad "ferry sample --pp 2 is accepted"
 else grep -q "ferry sample --pp 2: not supported (sampling decodes on one rank" "$tmp/spp.out" \
   && ok "ferry sample --pp 2 is refused, saying why" || { bad "ferry sample --pp 2: unclear message"; cat "$tmp/spp.out"; }; fi
-# A plan file's "pp" is read (the planner does not lay out pipelines yet: refused).
-python3 - "$tmp/plan2.json" "$tmp/planpp.json" <<'PY'
-import json, sys
-p = json.load(open(sys.argv[1]))
-p.update(dp=1, tp=1, pp=2)
-json.dump(p, open(sys.argv[2], "w"))
-PY
-refused "a plan file with \"pp\": 2" "lays out 2 pipeline stages: .*not supported yet" 2 --model opt-tiny --batch 4 \
-  --device-mem 4MiB --plan "$tmp/planpp.json"
+# A pipeline plan on sim (ferry plan --gpus 2 --pp 2: offloaded stages): its file runs under
+# mpirun with --plan (the plan's "pp" and micro-batches applied) and follows 1 rank's 4 sequences a
+# step; rank 0 prints the plan it runs.
+"$ferry" plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --pp 2 --device sim --device-mem 4MiB \
+  --out "$tmp/planpp.json" >"$tmp/planpp.out" 2>&1 || { bad "ferry plan --gpus 2 --pp 2 on sim"; cat "$tmp/planpp.out"; }
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/planpp.json" --log "$tmp/plannedpp.json" \
+  --save "$tmp/plannedpp" \
+  >"$tmp/plannedpp.out" 2>&1 || { bad "2 ranks run a pipeline plan file"; cat "$tmp/plannedpp.out"; }
+if grep -q "x 2 pipeline stages" "$tmp/plannedpp.out" && grep -q "each stage offloads its own chunks" "$tmp/plannedpp.out" \
+  && compare one plannedpp 1e-5; then ok "a pp 2 plan file (sim, offloaded stages) runs under mpirun and follows 1 rank"
+else bad "the pp 2 plan file's run"; cat "$tmp/planpp.out" "$tmp/plannedpp.out"; fi
 # A dead stage ends the job within --comm-timeout (5 s here) and says what failed. Stage 1 (rank
 # 1, found by its OMPI_COMM_WORLD_RANK) is killed once training has started (its log has a step):
 # mpirun sees it die and ends the job, naming it (or stage 0 times out first). Then stage 1 is
