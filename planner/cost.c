@@ -310,9 +310,6 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
                         "data-parallel ranks, whose chunks are sharded", k->dp);
   if (k->pp < 0 || k->pp > FY_COST_MAX_STAGES)
     return fy_error_set(FY_ERR_INVALID, "plan: pp %d: 1 to %d pipeline stages", k->pp, FY_COST_MAX_STAGES);
-  if (k->pp > 1 && !k->resident)
-    return fy_error_set(FY_ERR_INVALID, "plan: pipeline stages (pp %d) are planned resident, each stage's layers on "
-                        "its GPUs (resident true); offloading a stage's chunks is not planned yet", k->pp);
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
     return fy_error_set(FY_ERR_INVALID, "plan: a cluster is nodes >= 1 of gpus_per_node >= 1 GPUs with positive "
@@ -636,8 +633,16 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
   return st;
 }
 
-static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
-                          struct fy_cost *out, struct fy_device **timeline_out) {
+static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                                           const struct fy_probe *probe, struct fy_cost *out);
+
+// stage >= 0: pipeline stage `stage` of k->pp alone, offloaded as runtime/run.c runs it (its
+// graph's other parameters absent, its chunk layout packing its own and counting its ops' uses,
+// its actions those of its ops, its activations one span of the arena for each micro-batch it
+// holds under 1F1B), its micro-batches one after another (simulate_offloaded_staged lays the
+// stages out on the schedule).
+static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
+                              struct fy_cost *out, struct fy_device **timeline_out, int stage, int64_t sched_m) {
   memset(out, 0, sizeof *out);
   FY_TRY(fy_cost_check_knobs(k));
   bool gpu = strcmp(probe->device, "cuda") == 0;
@@ -656,6 +661,10 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     if (timeline_out) *timeline_out = NULL;
     if (k->pp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
     return simulate_resident(cfg, k, probe, out);
+  }
+  if (k->pp > 1 && stage < 0) {
+    if (timeline_out) *timeline_out = NULL;
+    return simulate_offloaded_staged(cfg, k, probe, out);
   }
   const bool act16 = gpu && cdt == FY_BF16, g16 = grads_in_copy(cdt, k->grad_accum > 1);
   int pb = act16 ? 2 : 4;  // compute payload and activations: bf16 on a GPU, else floats (cpu/sim in any precision)
@@ -691,6 +700,9 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   // whole 64-byte lines per shard (8-bit state: whole blocks, runtime/trainer.c)
   const int64_t line = (sf == FY_STATE_Q8 ? FY_Q8_BLOCK : 16) * (int64_t)dp;
   if (sharded) ce = (ce + line - 1) / line * line;
+  int st_lo = 0, st_hi = g->n_ops;  // (the stage's ops; a stage's chunks are the whole model's size)
+  if (stage >= 0 && st == FY_OK) st = fy_graph_stage_ops(g, cfg->num_hidden_layers, k->pp, stage, &st_lo, &st_hi);
+  if (stage >= 0 && st == FY_OK) fy_graph_set_stage(g, st_lo, st_hi);
   // Each op's pattern: tp_col / tp_row for split linears, the data-parallel one for the rest; the
   // share of the model state a rank keeps under the data-parallel pattern.
   const struct fy_pattern **pat = calloc((size_t)g->n_ops, sizeof *pat);
@@ -722,6 +734,7 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     return st;
   }
   ce = l->chunk_elems;
+  if (stage >= 0) fy_chunk_layout_keep_ops(l, g->n_ops, st_lo, st_hi);
   int nc = l->n_chunks;
   double chunk_bytes = (double)ce * pb, np = (double)g->n_param_elems;
   // The first n_dev chunks stay on the device with their state (runtime/offload.c): the fp32
@@ -751,12 +764,40 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   const int n_fixed = fy_graph_offload_buffers(g, cfg->hidden_size, gpu, fixed);
   double fixed_bytes = 0;
   for (int i = 0; i < n_fixed; i++) fixed_bytes += (double)fy_device_round(fixed[i], gran);
+  // A stage: the model's arena allocated, then one span of it for each micro-batch held at once
+  // on 1F1B (min(pp - stage, grad_accum)), then the whole arena freed (runtime/pipeline.c).
+  size_t stage_span = 0;
+  int stage_held = 0;
+  if (stage >= 0) {
+    int64_t a_lo = g->act_elems, a_hi = 0;
+    for (int o = st_lo; o < st_hi; o++) {
+      const struct fy_op *op = &g->ops[o];
+      int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+      for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
+      touched[n++] = op->out;
+      for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
+      for (int j = 0; j < n; j++) {
+        const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
+        if (a < a_lo) a_lo = a;
+        if (b > a_hi) a_hi = b;
+      }
+    }
+    stage_span = (size_t)(a_hi > a_lo ? a_hi - a_lo : 1) * 4;
+    stage_held = k->pp - stage < sched_m ? k->pp - stage : (int)sched_m;
+    if (stage_held < 1) stage_held = 1;
+    fixed_bytes += stage_held * (double)fy_device_round(stage_span, gran) - (double)fy_device_round(fixed[0], gran);
+  }
+  // (while the pipeline allocates its arenas the model's whole one is still there: a peak of its own)
+  double stage_transient = 0;
+  for (int i = 0; stage >= 0 && i < n_fixed - 2; i++) stage_transient += (double)fy_device_round(fixed[i], gran);
+  if (stage >= 0) stage_transient += stage_held * (double)fy_device_round(stage_span, gran);
   // and on a GPU the kernels' scratch (cuBLASLt's workspace ...), as the engine sizes it
   const double scratch = gpu ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   fixed_bytes += scratch;
   int min_blocks = fy_chunk_min_blocks(l, g->n_ops);
   double block = (double)fy_device_round((size_t)chunk_bytes, gran);
   out->min_device_bytes = fixed_bytes + dev_state + min_blocks * block;
+  if (stage_transient > out->min_device_bytes) out->min_device_bytes = stage_transient;
   int n_blocks = k->blocks;
   if (n_blocks <= 0) {  // as many as fit, up to one per chunk the cache manages (as the runtime)
     double left = probe->device_mem - fixed_bytes - dev_state;
@@ -847,7 +888,15 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   if (st == FY_OK) fy_timeline_set_copy_latency(s.dev, probe->copy_latency_us * 1e-6);
   if (st == FY_OK) fy_timeline_set_granule(s.dev, gran);
   void *p;
-  for (int i = 0; st == FY_OK && i < n_fixed; i++) st = fy_device_alloc(s.dev, fixed[i], &p);
+  void *arena = NULL;
+  for (int i = 0; st == FY_OK && i < n_fixed; i++) {
+    st = fy_device_alloc(s.dev, fixed[i], &p);
+    if (i == 0) arena = p;
+    if (st == FY_OK && i == n_fixed - 3 && stage >= 0) {  // (before the engine's batches: the pipeline's arenas)
+      for (int a = 0; st == FY_OK && a < stage_held; a++) st = fy_device_alloc(s.dev, stage_span, &p);
+      if (st == FY_OK) fy_device_dealloc(s.dev, arena, fixed[0]);
+    }
+  }
   void *dbatch = p;
   for (int c = 0; st == FY_OK && c < n_dev; c++) {
     for (size_t i = 0; st == FY_OK && i < sizeof dev_buf / sizeof *dev_buf; i++)
@@ -886,6 +935,12 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
     fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
     if (lag) fy_timeline_name_stream(s.sums, "gradient norm");
     s.n_actions = fy_graph_pass_actions(g, s.actions);
+    if (stage >= 0) {  // (the stage's ops' actions: their forward, then their backward)
+      int na = 0;
+      for (int a = 0; a < s.n_actions; a++)
+        if (s.actions[a].op >= st_lo && s.actions[a].op < st_hi) s.actions[na++] = s.actions[a];
+      s.n_actions = na;
+    }
     int64_t n = 0;
     for (int a = 0; a < s.n_actions; a++) n += l->op_first[s.actions[a].op + 1] - l->op_first[s.actions[a].op];
     int32_t *trace = malloc((size_t)(n + 1) * sizeof *trace);
@@ -1163,17 +1218,166 @@ static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_
   return st;
 }
 
+#define ACCUM_SIMULATED 8  // (fy_cost_simulate)
+
+static fy_status simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, const struct fy_probe *probe,
+                          struct fy_cost *out, struct fy_device **timeline_out) {
+  return simulate_one(cfg, k, probe, out, timeline_out, -1, k->grad_accum);
+}
+
+// Offloaded pipeline stages (knobs.pp > 1 without resident: the sim device, runtime/run.c): each
+// stage is one rank's offloaded step of its own ops and chunks (simulate_one with its stage: the
+// same cache, copies, host AdamW and the host work that shares the compute thread on sim), timed
+// at two micro-batch counts, a and b. Their difference is the stage's cycle c_s, what one more
+// micro-batch's forward and backward half-pass cost it (its ops, its chunks loaded for each
+// half-pass and the loads it waited for, their copies' memcpy on the cores); the rest of its step,
+// T_s(m) - m c_s, is once a step (the gradients' norm and AdamW of its chunks, what the copies
+// still owe). Then the stages on the 1F1B schedule as simulate_staged lays them out: the first
+// micro-batch through every stage and back, each later one the slowest cycle with its two
+// receives (a hidden state each way, MPI through host memory: the probe's comm_gbps; a sim stage
+// waits for each half-pass before it sends and receives before the next, so they are on its path),
+// (m - 1) x period + sum c_s + the sends; a tied embedding's gradient summed between the ends;
+// then the slowest stage's once-a-step part (every stage's update waits for the norm over all).
+// Memory is each stage's own (its blocks, its arenas, its host and disk tiers).
+static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                                           const struct fy_probe *probe, struct fy_cost *out) {
+  const int pp = k->pp, tp = k->tp > 1 ? k->tp : 1, dp = k->dp > 1 ? k->dp : 1;
+  const int64_t layers = cfg->num_hidden_layers, m = k->grad_accum;
+  if (pp > layers || layers % pp)
+    return fy_error_set(FY_ERR_INVALID, "plan: pp %d must divide the model's %lld decoder layers (and not exceed them)",
+                        pp, (long long)layers);
+  if (pp > FY_COST_MAX_STAGES) return fy_error_set(FY_ERR_INVALID, "plan: pp %d: at most %d stages", pp, FY_COST_MAX_STAGES);
+  if (k->optimizer_lag) return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag 1 does not run on pipeline stages");
+  if (strcmp(probe->device, "cuda") == 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: pipeline stages (pp %d) on a GPU are planned resident, each stage's layers "
+                        "on its GPUs (resident true); offloaded stages are planned on the sim device", pp);
+  // The two micro-batch counts: m itself (up to ACCUM_SIMULATED, the rest extrapolated as
+  // fy_cost_simulate does) and one beside it, both accumulating when m does.
+  const int64_t a = m < ACCUM_SIMULATED ? m : ACCUM_SIMULATED, b = a - 1 >= 2 ? a - 1 : a + 1;
+  memset(out, 0, sizeof *out);
+  out->pp = pp;
+  out->fits = true;
+  double c[FY_COST_MAX_STAGES], f[FY_COST_MAX_STAGES], x[FY_COST_MAX_STAGES] = {0};
+  double cmax = 0, csum = 0, xsum = 0, period = 0, fmax = 0;
+  int worst = 0;
+  struct fy_cost slow_a = {0}, slow_b = {0};
+  for (int s = 0; s < pp; s++) {
+    struct fy_plan_knobs ka = *k, kb = *k;
+    ka.grad_accum = a;
+    kb.grad_accum = b;
+    struct fy_cost ca, cb;
+    FY_TRY(simulate_one(cfg, &ka, probe, &ca, NULL, s, m));
+    if (!ca.fits) {
+      *out = ca;
+      out->pp = pp;
+      snprintf(out->why, sizeof out->why, "stage %d of %d: %s", s, pp, ca.why);
+      return FY_OK;
+    }
+    FY_TRY(simulate_one(cfg, &kb, probe, &cb, NULL, s, m));
+    c[s] = (cb.step_s - ca.step_s) / (double)(b - a);
+    if (c[s] < 0) c[s] = 0;
+    const double tm = ca.step_s + (double)(m - a) * c[s];
+    f[s] = tm - (double)m * c[s];
+    if (f[s] < 0) f[s] = 0;
+    out->stage_s[s] = c[s];
+    out->stage_once_s[s] = f[s];
+    out->stage_bytes[s] = ca.device_peak;
+    if (ca.device_peak > out->device_peak) out->device_peak = ca.device_peak;
+    if (ca.min_device_bytes > out->min_device_bytes) out->min_device_bytes = ca.min_device_bytes;
+    if (ca.host_bytes > out->host_bytes) out->host_bytes = ca.host_bytes;
+    if (ca.disk_bytes > out->disk_bytes) out->disk_bytes = ca.disk_bytes;
+    if (ca.n_chunks > out->n_chunks) out->n_chunks = ca.n_chunks, out->chunk_bytes = ca.chunk_bytes;
+    out->n_disk_chunks += ca.n_disk_chunks;
+    out->n_device_chunks += ca.n_device_chunks;
+    out->loads_per_step += ca.loads_per_step + (int64_t)(m - a) * (cb.loads_per_step - ca.loads_per_step) / (b - a);
+    if (s == 0 || c[s] > cmax) cmax = c[s], worst = s, slow_a = ca, slow_b = cb;
+    if (f[s] > fmax) fmax = f[s];
+    csum += c[s];
+    if (s < pp - 1) {
+      x[s] = (double)(k->micro_batch * k->seq * cfg->hidden_size) * 4 /
+             (fy_cluster_p2p_gbps(&k->cluster, probe, s * tp, (s + 1) * tp, tp) * 1e9);
+      xsum += x[s];
+    }
+  }
+  for (int s = 0; s < pp; s++) {
+    const double cyc = c[s] + (s > 0 ? x[s - 1] : 0) + (s < pp - 1 ? x[s] : 0);
+    if (cyc > period) period = cyc;
+  }
+  // A tied embedding's gradient between the first and the last stage, once a step.
+  double tied = 0;
+  if (cfg->tie_word_embeddings)
+    tied = (double)(cfg->vocab_size * cfg->word_embed_proj_dim) * 4 /  // (not split over tp)
+           
+           (fy_cluster_p2p_gbps(&k->cluster, probe, 0, (pp - 1) * tp, tp) * 1e9);
+  const double md = (double)m, ideal = (md - 1) * cmax + csum, pipe = (md - 1) * period + csum + 2 * xsum;
+  out->n_blocks = k->blocks;  // (0: each stage as many as fit its device)
+  out->bubble = ideal > 0 ? 1 - md * cmax / ideal : 0;
+  out->p2p_s = pipe - ideal + tied;
+  out->slowest_stage = worst;
+  out->step_s = pipe + tied + fmax;
+  // The slowest stage's streams, at m micro-batches.
+  const double more = (double)(m - a) / (double)(b - a);
+  out->compute_s = slow_a.compute_s + more * (slow_b.compute_s - slow_a.compute_s);
+  out->h2d_s = slow_a.h2d_s + more * (slow_b.h2d_s - slow_a.h2d_s);
+  out->d2h_s = slow_a.d2h_s + more * (slow_b.d2h_s - slow_a.d2h_s);
+  out->optim_s = slow_a.optim_s + more * (slow_b.optim_s - slow_a.optim_s);
+  out->comm_s = slow_a.comm_s + more * (slow_b.comm_s - slow_a.comm_s) + out->p2p_s;
+  for (int i = 0; i < FY_STALL_COUNT; i++)
+    out->stall_s[i] = slow_a.stall_s[i] + more * (slow_b.stall_s[i] - slow_a.stall_s[i]);
+  out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * md * dp;
+  const char *names[] = {"compute", "pipeline bubble", "pipeline sends", "optimizer"};
+  const double part[] = {md * cmax, ideal * out->bubble, out->p2p_s, fmax};
+  int bi = 0;
+  for (int i = 1; i < 4; i++)
+    if (part[i] > part[bi]) bi = i;
+  snprintf(out->bottleneck, sizeof out->bottleneck, "%s", names[bi]);
+  step_rates(out, k, probe);
+  return FY_OK;
+}
+
 // A step of many micro-batches: each after the first few costs what the one before it did (the
 // same ops, chunk loads and copies), so a step of A > ACCUM_SIMULATED micro-batches is simulated
 // with ACCUM_SIMULATED - 1 and ACCUM_SIMULATED of them and extended by the last one's share per
 // further micro-batch (memory does not grow with A). A search over the micro-batch sizes of a
 // large batch then no longer simulates every micro-batch of every candidate (a batch of 100000
 // sequences took the planner two minutes). A timeline to draw is always the whole step.
-#define ACCUM_SIMULATED 8
+
+// Ranks on one CPU machine (the cpu and sim devices: ferry train's ranks there each take their
+// share of the cores, runtime/trainer.c) share its cores and its memory bandwidth: each runs its
+// kernels, its AdamW and its memory-bound ops at 1/n of the rates the probe measured with all of
+// them, n the ranks on a machine (all of them without a cluster, a node's with one). A GPU's
+// ranks have a device each.
+static fy_status cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                               const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out);
+
+static struct fy_probe rank_share(const struct fy_plan_knobs *k, const struct fy_probe *probe) {
+  struct fy_probe p = *probe;
+  const int ranks = (k->dp > 1 ? k->dp : 1) * (k->tp > 1 ? k->tp : 1) * (k->pp > 1 ? k->pp : 1);
+  int local = k->cluster.nodes > 0 && k->cluster.gpus_per_node < ranks ? k->cluster.gpus_per_node : ranks;
+  if (strcmp(probe->device, "cuda") == 0 || local <= 1) return p;
+  const double f = 1.0 / local;
+  p.device_gflops *= f;
+  p.host_gflops *= f;
+  p.host_mem_gbps *= f;
+  p.host_adamw_gbps *= f;
+  p.peak_gflops *= f;
+  return p;
+}
 
 fy_status fy_cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
-                           const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
-  if (timeline_out || k->resident || k->grad_accum <= ACCUM_SIMULATED) return simulate(cfg, k, probe, out, timeline_out);
+                           const struct fy_probe *whole_machine, struct fy_cost *out, struct fy_device **timeline_out) {
+  const struct fy_probe shared = rank_share(k, whole_machine), *probe = &shared;
+  const fy_status st = cost_simulate(cfg, k, probe, out, timeline_out);
+  // (MFU is of the whole machine's rates, the ranks' shares together; its peak is said whole)
+  if (st == FY_OK && shared.peak_gflops != whole_machine->peak_gflops)
+    out->peak_gflops = fy_probe_peak_gflops(whole_machine, compute_dtype(k, whole_machine) == FY_BF16);
+  return st;
+}
+
+static fy_status cost_simulate(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
+                               const struct fy_probe *probe, struct fy_cost *out, struct fy_device **timeline_out) {
+  if (timeline_out || k->resident || k->pp > 1 || k->grad_accum <= ACCUM_SIMULATED)
+    return simulate(cfg, k, probe, out, timeline_out);
   struct fy_plan_knobs less = *k, most = *k;
   less.grad_accum = ACCUM_SIMULATED - 1;
   most.grad_accum = ACCUM_SIMULATED;

@@ -132,6 +132,12 @@ struct fy_cost {
   double bubble, p2p_s, dp_comm_s, tp_comm_s;
 #define FY_COST_MAX_STAGES 256
   double stage_bytes[FY_COST_MAX_STAGES], stage_s[FY_COST_MAX_STAGES];
+  // Offloaded stages (pp > 1 on sim): stage_s[s] is a stage's cycle (one more micro-batch's
+  // forward and backward half-pass, its chunk loads and copies with it) and stage_once_s[s] its
+  // once-a-step part (norm, host AdamW, what its copies still owe); the step is
+  // (m - 1) x the slowest cycle with its receives + the cycles' sum + the sends + the largest
+  // once-a-step part (planner/cost.c, simulate_offloaded_staged).
+  double stage_once_s[FY_COST_MAX_STAGES];
 };
 
 // Host bytes per parameter of an offloaded model (runtime/offload.h), as runtime/trainer.c counts

@@ -130,20 +130,62 @@ static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp,
 }
 
 bool fy_plan_pp_runs(const char *device) {
-  // runtime/pipeline.c runs stages on the cpu device; plans run on sim and cuda, where they do not
-  // yet. (The merge that runs them there says so here.)
-  return device && strcmp(device, "cpu") == 0;
+  // runtime/pipeline.c runs stages on every device: the cpu's resident ones, sim's offloaded ones
+  // (priced stage by stage: search_offloaded_stages), the GPUs' resident ones (NCCL send/recv).
+  return device && (strcmp(device, "cpu") == 0 || strcmp(device, "sim") == 0 || strcmp(device, "cuda") == 0);
+}
+
+// One dp x pp x tp layout with offloaded stages (the sim device: runtime/run.c runs each stage on
+// its own offload engine): each micro-batch count, recomputation, chunk size (the smallest that
+// holds the largest group, and twice it) and prefetch depth, every stage's cache taking as many
+// blocks as fit its device and putting on disk what its host share cannot hold (blocks 0 and
+// disk_chunks -1 in the plan: each stage's own, as ferry train counts them); the chunks sharded
+// over dp (zero).
+static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_t per, int64_t seq, int dp, int pp, int tp,
+                                         const char *prec, const struct fy_cluster *cl, const struct fy_probe *probe,
+                                         struct fy_plan *best, int *tried, double *least, char *least_what,
+                                         size_t least_cap) {
+  struct fy_graph *g;
+  FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
+  const int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems, line = 16 * (int64_t)dp;
+  fy_graph_free(g);
+  for (int64_t micro = per; micro >= 1; micro--) {
+    if (per % micro) continue;
+    for (int rc = 0; rc < 2; rc++)
+      for (int64_t mult = 1; mult <= 2; mult *= 2) {
+        if (mult > 1 && min_chunk * mult / 2 > total) break;
+        const int64_t ce = (min_chunk * mult + line - 1) / line * line;
+        for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
+          struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per / micro, .seq = seq, .chunk_elems = ce,
+                                    .prefetch = pf, .recompute = rc, .disk_chunks = -1, .dp = dp, .tp = tp, .pp = pp,
+                                    .cluster = *cl};
+          snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
+          snprintf(k.precision, sizeof k.precision, "%s", prec);
+          struct fy_cost c;
+          FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
+          ++*tried;
+          if (!c.fits && c.device_peak < *least) {
+            *least = c.min_device_bytes > c.device_peak ? c.min_device_bytes : c.device_peak;
+            snprintf(least_what, least_cap, "%s", c.why);
+          }
+          consider(&k, &c, best);
+          if (!c.fits) break;  // (more prefetch will not fit either)
+        }
+      }
+  }
+  return FY_OK;
 }
 
 // The layouts of `ranks` a grid allows, each priced resident stage by stage (fy_plan_search_grid
 // with a cluster or a fixed axis; or, where pipelines run, the pp > 1 ones beside the other plans:
-// pp_only).
+// pp_only); on the sim device (offloaded) the pipelines' stages offloaded, each its own chunks.
 static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
                                 const struct fy_plan_grid *grid, bool pp_only, const struct fy_probe *probe,
                                 struct fy_plan *best, int *tried, int *layouts, double *least, char *least_what,
                                 size_t least_cap) {
   const struct fy_cluster *cl = &grid->cluster;
   const int64_t layers = cfg->num_hidden_layers;
+  const bool offloaded = strcmp(probe->device, "sim") == 0;
   for (int tp = 1; tp <= ranks; tp++) {
     if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (grid->tp && tp != grid->tp)) continue;
     if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
@@ -153,6 +195,11 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
       if ((grid->dp && dp != grid->dp) || batch % dp) continue;
       const int64_t per = batch / dp;
       ++*layouts;
+      if (offloaded) {  // (each stage offloading its own chunks: the sim device's pipeline)
+        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, best, tried, least, least_what,
+                                       least_cap));
+        continue;
+      }
       for (int64_t micro = per; micro >= 1; micro--) {
         if (per % micro) continue;
         for (int rc = 0; rc < 2; rc++)
@@ -212,8 +259,8 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   int tried = 0, grids = 0;
   double least = INFINITY;
   char least_why[320] = "";
-  if (priced) {  // the layouts of the grid, resident stage by stage
-    if (offload_only || optimizer_lag || sf != FY_STATE_F32)
+  if (priced) {  // the layouts of the grid, resident stage by stage (on sim, offloaded)
+    if ((offload_only && strcmp(probe->device, "sim") != 0) || optimizer_lag || sf != FY_STATE_F32)
       return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced resident, each stage "
                           "on its GPUs with fp32 AdamW state (no --offload, --optimizer-lag or --optimizer-state)");
     FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, probe, best, &tried, &grids, &least, least_why,
@@ -343,7 +390,8 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
     }
   }
   // Pipelines (pp > 1), where their stages run: each stage resident on its GPUs, beside the rest.
-  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32) {
+  // (Not of a mixture of experts: its load-balancing term is not carried across stages, runtime/run.c.)
+  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32 && !moe) {
     int layouts = 0;
     FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, probe, best, &tried, &layouts, &least, least_why,
                           sizeof least_why));
@@ -389,6 +437,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
                         "no plan for %s fits %s of host memory without a disk tier: give a --disk-dir for the AdamW "
                         "state (the smallest plan then needs %s of host memory)", model, have, need);
   }
+  if (best->k.pp > 1) return FY_OK;  // (stages: blocks 0 and disk_chunks -1, each stage's own)
   best->k.blocks = best->predicted.n_blocks;
   best->k.disk_chunks = best->predicted.n_disk_chunks;
   return FY_OK;
@@ -408,6 +457,9 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   k->ep = p->ep > 1 ? p->ep : 0;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
   FY_TRY(fy_cost_check_knobs(k));
+  if (p->ep > 1 && (p->pp > 1 || p->tp > 1))
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d with pp %d and tp %d: expert parallelism is planned over "
+                        "data-parallel ranks alone (pp 1, tp 1)", p->ep, p->pp, p->tp);
   if (p->ep > 1 && (cfg->num_local_experts < 1 || cfg->num_local_experts % p->ep || p->dp % p->ep))
     return fy_error_set(FY_ERR_INVALID, "plan: ep %d must divide the model's experts (%lld) and dp %d", p->ep,
                         (long long)cfg->num_local_experts, p->dp);
@@ -455,7 +507,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
           fy_probe_gemm_gflops(&p->machine, strcmp(prec, "bf16") == 0), strcmp(prec, "bf16") == 0 ? "bf16" : "fp32",
           p->machine.h2d_gbps, p->machine.d2h_gbps);
-  const bool staged = k->resident && (p->pp > 1 || k->cluster.nodes > 0);
+  const bool staged = (k->resident && (p->pp > 1 || k->cluster.nodes > 0)) || p->pp > 1;
   if (k->cluster.nodes > 0)
     fprintf(f, "  cluster: %d nodes of %d GPUs, %.1f GB/s between a node's GPUs, %.1f GB/s a node between nodes\n",
             k->cluster.nodes, k->cluster.gpus_per_node, k->cluster.intra_gbps, k->cluster.inter_gbps);
@@ -464,10 +516,19 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
                "pipeline micro-batch %lld x %lld tokens, %lld micro-batches a step (1F1B); recompute %s\n",
             p->dp * p->pp * p->tp, p->dp, p->dp > 1 ? p->pattern : "-", p->pp, p->tp, (long long)k->micro_batch,
             (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
-    fprintf(f, "  each stage resident on its GPUs (weights, gradients, AdamW state%s and activations); device memory "
-               "a GPU: stage 0 %s, last stage %s, most %s\n", strcmp(p->pattern, "zero") == 0 && p->dp > 1 ?
-            " sharded over dp (ZeRO-1)" : "", fy_format_bytes(c->stage_bytes[0], b1, sizeof b1),
-            fy_format_bytes(c->stage_bytes[p->pp - 1], b2, sizeof b2), fy_format_bytes(c->device_peak, b3, sizeof b3));
+    if (k->resident)
+      fprintf(f, "  each stage resident on its GPUs (weights, gradients, AdamW state%s and activations); device memory "
+                 "a GPU: stage 0 %s, last stage %s, most %s\n", strcmp(p->pattern, "zero") == 0 && p->dp > 1 ?
+              " sharded over dp (ZeRO-1)" : "", fy_format_bytes(c->stage_bytes[0], b1, sizeof b1),
+              fy_format_bytes(c->stage_bytes[p->pp - 1], b2, sizeof b2), fy_format_bytes(c->device_peak, b3, sizeof b3));
+    else {
+      char b4[32], b5[32];
+      fprintf(f, "  each stage offloads its own chunks (chunks of %s%s, prefetch %d, each stage's cache as many blocks "
+                 "as fit); device memory a rank: stage 0 %s, last stage %s; host %s, disk %s (most of a stage)\n",
+              fy_format_bytes(c->chunk_bytes, b1, sizeof b1), p->dp > 1 ? ", sharded over dp" : "", k->prefetch,
+              fy_format_bytes(c->stage_bytes[0], b2, sizeof b2), fy_format_bytes(c->stage_bytes[p->pp - 1], b3, sizeof b3),
+              fy_format_bytes(c->host_bytes, b4, sizeof b4), fy_format_bytes(c->disk_bytes, b5, sizeof b5));
+    }
     fprintf(f, "  per step: the slowest stage (%d) computes %.3f s a micro-batch; pipeline bubble %.1f%% ((p - 1)/(m + p - 1) "
                "= %.1f%% for equal stages), sends on the path %.3f s, tp collectives %.3f s, dp gradients %.3f s, "
                "optimizer %.3f s\n", c->slowest_stage, c->stage_s[c->slowest_stage], 100 * c->bubble,

@@ -67,6 +67,11 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   json_object_object_add(pr, "host_bytes", num(c->host_bytes));
   json_object_object_add(pr, "disk_bytes", num(c->disk_bytes));
   json_object_object_add(pr, "chunks", json_object_new_int(c->n_chunks));
+  if (p->pp > 1) {  // (each stage's device peak: a rank's own, as its run logs it)
+    json_object *sb = json_object_new_array();
+    for (int s = 0; s < p->pp && s < FY_COST_MAX_STAGES; s++) json_object_array_add(sb, num(c->stage_bytes[s]));
+    json_object_object_add(pr, "stage_peak_bytes", sb);
+  }
   json_object_object_add(o, "predicted", pr);
   const char *text = json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY);
   struct fy_file_piece pieces[2] = {{text, strlen(text)}, {"\n", 1}};

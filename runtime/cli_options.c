@@ -69,6 +69,7 @@ const struct option sample_opts[] = {
     {"offload", no_argument, 0, SAMPLE_OFFLOAD}, {"device-mem", required_argument, 0, SAMPLE_DEVMEM},
     {"host-mem", required_argument, 0, SAMPLE_HOSTMEM}, {"blocks", required_argument, 0, SAMPLE_BLOCKS},
     {"quiet", no_argument, 0, SAMPLE_QUIET},
+    {"pp", required_argument, 0, SAMPLE_PP}, {"tp", required_argument, 0, SAMPLE_TP},  // (refused by fy_sample, saying why)
     {"help", no_argument, 0, SAMPLE_HELP}, {0, 0, 0, 0}};
 
 // ferry probe's and ferry plan's options (PLAN_* in cli.h).
@@ -161,6 +162,8 @@ void usage_train(FILE *f, bool eval) {
             "  --comm-timeout S   seconds a collective may take before the job is aborted (default 300)\n"
             "  --tp N             groups of N consecutive ranks split each layer's attention heads and\n"
             "                     feed-forward features, as ferry train --tp does (default 1)\n"
+            "  --pp N             groups of N ranks split the decoder layers into stages, as ferry\n"
+            "                     train --pp does; each batch goes through them in turn (default 1)\n"
             "  Each group reads its own --batch sequences of every batch (the mean is over all of\n"
             "  them: --batches batches of groups x --batch); rank 0 prints it.\n",
             (long long)d.eval_batches);
@@ -262,11 +265,11 @@ void usage_train(FILE *f, bool eval) {
           "                     without --offload each rank's slices and their AdamW state stay on\n"
           "                     its GPU); the groups are data-parallel (default 1; several groups on\n"
           "                     GPUs need --offload)\n"
-          "  --pp N             pipeline parallelism (--device cpu, cuda): groups of N ranks split\n"
+          "  --pp N             pipeline parallelism (--device cpu, sim, cuda): groups of N ranks split\n"
           "                     the decoder layers into N stages, run on the 1F1B schedule over the\n"
           "                     --grad-accum micro-batches; ranks form a dp x pp x tp grid (default 1)\n"
-          "  --ep N             expert parallelism (--device cpu, a mixture of experts): within groups\n"
-          "                     of N consecutive data-parallel ranks each holds experts/N of every\n"
+          "  --ep N             expert parallelism (--device cpu, sim; a mixture of experts): within\n"
+          "                     groups of N consecutive data-parallel ranks each holds experts/N of every\n"
           "                     mixture layer, and tokens go to their experts' ranks and back by\n"
           "                     all-to-all (default 1)\n"
           "  Each rank takes its own --batch sequences of every global batch; gradients are summed\n"

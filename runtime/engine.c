@@ -430,6 +430,12 @@ fy_status fy_engine_forward_ops(struct fy_model *m, const struct fy_batch *batch
   return forward(m, batch, true, lo, hi, loss);
 }
 
+fy_status fy_engine_forward_eval_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi,
+                                     struct fy_loss *loss) {
+  FY_ASSERT(lo >= 0 && lo <= hi && hi <= m->graph->n_ops);
+  return forward(m, batch, false, lo, hi, loss);
+}
+
 static fy_status backward(struct fy_model *m, const struct fy_batch *batch, const int32_t *positions, int lo, int hi,
                           float loss_scale) {
   const struct fy_graph *g = m->graph;

@@ -139,6 +139,10 @@ fy_status fy_engine_backward(struct fy_model *m, const struct fy_batch *batch, f
 // embedding's reads them, and another micro-batch's forward may have run in between).
 fy_status fy_engine_forward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, struct fy_loss *loss);
 fy_status fy_engine_backward_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi, float loss_scale);
+// Ops [lo, hi) forward as evaluation runs them (no dropout): a stage's part of a validation or
+// ferry eval pass.
+fy_status fy_engine_forward_eval_ops(struct fy_model *m, const struct fy_batch *batch, int lo, int hi,
+                                     struct fy_loss *loss);
 // Data parallelism with replicated parameters: the gradients the optimizer reads (m->grads, or a
 // GPU's bf16 cgrads: fy_model_grads_16) summed over m->dp_comm's ranks in place, queued where the
 // kernels run (m->dp_comm then a device communicator, nccl) or, for the CPU's kernels, at once on

@@ -43,9 +43,11 @@ fy_status fy_eval(const struct fy_train_opts *o, double *mean_loss_out) {
   // The whole model on the cpu or a GPU; or, offloaded (sim, or a GPU with --offload), the chunks
   // through the device cache in forward passes alone (no gradients or AdamW state kept). On a GPU
   // the forward runs in bf16 unless told otherwise.
-  if (o->pp > 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "ferry eval --pp %d: not supported yet (evaluation runs the whole model "
-                        "on every rank, its batches split across them; --tp splits the layers)", o->pp);
+  // With --pp each batch goes through the stages in turn (forward passes alone), the loss from the
+  // last stage; the logits --dump writes are the last stage's, and rank 0 writes: refused.
+  if (o->pp > 1 && o->dump)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--dump with --pp %d: the logits are the last stage's; dump them from a "
+                        "run without --pp", o->pp);
   if (!e.device) e.device = "cpu";
   const bool cuda = strcmp(e.device, "cuda") == 0, sim = strcmp(e.device, "sim") == 0;
   if (!cuda && !sim && strcmp(e.device, "cpu") != 0)
@@ -76,6 +78,13 @@ fy_status fy_sample(const struct fy_train_opts *o, const struct fy_sample_opts *
     return fy_error_set(FY_ERR_INVALID, "sample: tokens, temperature and top-k must not be negative");
   if (!(s->top_p >= 0 && s->top_p <= 1))
     return fy_error_set(FY_ERR_INVALID, "sample: top-p %g is not in [0, 1]", s->top_p);
+  // Decoding runs the whole model on one rank: a layout's stages or slices would pass one token's
+  // activations (a row) between ranks per layer or stage for every token, which is not built.
+  if (o->pp > 1 || o->tp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "ferry sample --%s %d: not supported (sampling decodes on one rank with "
+                        "the whole model and its key/value cache; a model trained under any layout is one Hugging "
+                        "Face model (--save), which ferry sample --init reads on one rank)", o->pp > 1 ? "pp" : "tp",
+                        o->pp > 1 ? o->pp : o->tp);
   struct fy_train_opts e = *o;
   e.batch = 1;
   e.data = NULL;

@@ -275,6 +275,8 @@ static int parse_sample_args(int argc, char **argv, struct sample_args *a) {
       case SAMPLE_BLOCKS: ok = parse_i64("--blocks", optarg, 1, &v) && v <= INT32_MAX; o->blocks = (int)v; break;
       case SAMPLE_QUIET: a->quiet = true; break;
       case SAMPLE_PRECISION: o->precision = optarg; break;
+      case SAMPLE_PP: ok = parse_i64("--pp", optarg, 1, &v); o->pp = (int)v; break;
+      case SAMPLE_TP: ok = parse_i64("--tp", optarg, 1, &v); o->tp = (int)v; break;
       case SAMPLE_HELP: usage_sample(stdout); return 0;
       case ':': fprintf(stderr, "ferry sample: %s needs a value\n", argv[optind - 1]); return 2;
       default:

@@ -911,10 +911,8 @@ static fy_status create_stage(struct fy_offload *x, const struct fy_offload_opts
   x->stage_lo = o->stage_lo;
   x->stage_hi = o->stage_hi;
   x->tied = -1;
-  if (x->forward_only || x->lag)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline stage's engine trains without %s",
-                        x->lag ? "--optimizer-lag" : "forward-only passes");
-  if (!o->stage_comm || !o->schedule || o->n_schedule < 2)
+  // (A forward-only stage, ferry eval's, runs one forward a step: a schedule of one half-pass.)
+  if (!o->stage_comm || !o->schedule || o->n_schedule < (x->forward_only ? 1 : 2))
     return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine needs its stages' communicator and schedule");
   FY_TRY(fy_comm_split(o->stage_comm, 0, fy_comm_rank(o->stage_comm), &x->c_stage));
   x->norm_skip = calloc((size_t)g->n_params + 1, sizeof *x->norm_skip);
@@ -1451,6 +1449,22 @@ fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *bat
   for (int a = a0; a < a1; a++)
     if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
   if (loss_sum) *loss_sum = forward ? x->loss_sums[micro] : 0;
+  return FY_OK;
+}
+
+fy_status fy_offload_stage_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum) {
+  if (!x->staged) return fy_error_set(FY_ERR_INVALID, "fy_offload_stage_forward: not a pipeline stage's engine");
+  // From a step's start in the trace (its first half-pass is a forward on every stage), which the
+  // pass's end skips to the next step's start (run_actions, forward_alone).
+  const int64_t len = fy_trace_length(x->trace);
+  if (len > 0 && x->pos % len != 0) x->pos += len - x->pos % len;
+  const int p = x->parity;
+  FY_TRY(run_actions(x, batch, 0, 1.0f, true, NULL, 0, 0, x->n_fwd));
+  FY_TRY(fy_event_sync(x->pass_done[p]));
+  FY_TRY(async_status(x));
+  for (int a = 0; a < x->n_fwd; a++)
+    if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
+  *loss_sum = x->loss_sums[0];
   return FY_OK;
 }
 

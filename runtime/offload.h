@@ -121,6 +121,11 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
 // activation leaving the stage, or the gradient of the one entering it, may then be sent).
 fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, bool forward,
                                 float loss_scale, double *loss_sum);
+// A pipeline stage's forward half-pass as evaluation runs it (no dropout; validation between
+// steps on a training stage, or ferry eval's forward-only stage): *loss_sum the batch's sum of
+// token losses (0 but on the last stage). The trace's positions go on at the next step's start, as
+// fy_offload_forward's do; the weights, gradients and AdamW state stay as they were.
+fy_status fy_offload_stage_forward(struct fy_offload *x, const struct fy_batch *batch, double *loss_sum);
 // Enqueues the optimizer for the step (global norm, clipping, AdamW per chunk) on gradients
 // multiplied by grad_scale (1/loss scale), and waits until the norm is known. A norm that is not
 // finite updates nothing and sets *skipped. loss_sum[i] receives micro-batch i's sum of token

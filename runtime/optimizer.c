@@ -42,18 +42,25 @@ static int range_cmp(const void *a, const void *b) {
 // m and v stored as bf16 or 8-bit codes (model.h, state_format): one call over the whole buffer
 // with a range a parameter, so that a block two parameters share is quantised once, after both
 // are updated (ops/ops.h); the same blocks as every chunk of an offloaded run (fy_graph.chunk_align).
-static fy_status step_compressed(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t, float scale) {
+// which (NULL: all) picks the parameters updated, a pipeline stage's: those it holds, whose groups
+// start at block multiples in its flat buffer as in the whole model's (fy_graph.chunk_align), so
+// the blocks hold the same elements as one rank's.
+static fy_status step_compressed(struct fy_model *m, const struct fy_adamw *h, float lr, int64_t t, float scale,
+                                 const bool *which) {
   const struct fy_graph *g = m->graph;
   if (m->device_memory)  // (refused by the trainer before this: the resident GPU keeps fp32 state)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s on a resident GPU model",
                         fy_state_format_name(m->state_format));
   struct fy_adamw_range *r = malloc((size_t)(g->n_params > 0 ? g->n_params : 1) * sizeof *r);
   if (!r) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int n = 0;
   for (int i = 0; i < g->n_params; i++)
-    r[i] = (struct fy_adamw_range){g->params[i].offset, g->params[i].numel, g->params[i].decay ? h->weight_decay : 0.0f};
-  qsort(r, (size_t)g->n_params, sizeof *r, range_cmp);
+    if (!g->params[i].absent && (!which || which[i]))
+      r[n++] = (struct fy_adamw_range){g->params[i].offset, g->params[i].numel,
+                                       g->params[i].decay ? h->weight_decay : 0.0f};
+  qsort(r, (size_t)n, sizeof *r, range_cmp);
   m->cparams_fresh = false;  // the 16-bit copy is refreshed before the next forward
-  fy_status st = fy_adamw_state_update(m->state_format, m->params, m->m, m->v, m->grads, g->n_param_elems, r, g->n_params,
+  fy_status st = fy_adamw_state_update(m->state_format, m->params, m->m, m->v, m->grads, g->n_param_elems, r, n,
                                        lr, h->beta1, h->beta2, h->eps, t, scale);
   free(r);
   return st;
@@ -74,10 +81,7 @@ fy_status fy_optimizer_step_some(struct fy_model *m, const struct fy_adamw *h, f
     if (coef < 1.0) scale = (float)((double)grad_scale * coef);
   }
   const struct fy_graph *g = m->graph;
-  if (m->state_format != FY_STATE_F32 && which)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-state %s on some parameters alone (a pipeline stage's): "
-                        "not supported yet", fy_state_format_name(m->state_format));
-  if (m->state_format != FY_STATE_F32) return step_compressed(m, h, lr, t, scale);
+  if (m->state_format != FY_STATE_F32) return step_compressed(m, h, lr, t, scale, which);
   for (int i = 0; i < g->n_params; i++) {
     if (which && !which[i]) continue;
     const struct fy_param *p = &g->params[i];

@@ -95,7 +95,7 @@ static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm
                         int max_micro, struct fy_pipeline **out) {
   *out = NULL;
   const struct fy_graph *g = m->graph;
-  if ((m->device_memory && !nccl) || (!m->host && !m->grads))  // (offloaded: the engine keeps the gradients)
+  if ((m->device_memory && !nccl) || (!m->host && !m->grads && !g->forward_only))  // (offloaded: the engine keeps them)
     return fy_error_set(FY_ERR_UNSUPPORTED, "pipeline stages run on resident models (cpu, cuda) and offloaded (sim, "
                         "cuda --offload) for now");
   for (int i = 0; i < g->n_params; i++)  // (fy_model_opts.pp: the stage's parameters alone)
@@ -327,6 +327,31 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
   if (st == FY_OK && p->gpu) st = fy_pipeline_gpu_flush(p->gpu, true);
   p->m->acts = p->arenas[0];
   return st;
+}
+
+fy_status fy_pipeline_forward_eval(struct fy_pipeline *p, const struct fy_batch *b, double *loss_sum) {
+  if (p->gpu)  // (its messages would be the host's, of device memory)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "validation and evaluation through pipeline stages on GPUs: not supported "
+                        "yet (they run on --device cpu and sim)");
+  struct fy_model *m = p->m;
+  const struct fy_graph *g = m->graph;
+  // One batch at a time on the first arena: the send of the last one's activation is done before
+  // this one's forward overwrites it (its receiver is already past it, one batch ahead at most).
+  FY_TRY(fy_comm_wait(p->comm, p->act_sends[0]));
+  p->act_sends[0] = NULL;
+  m->acts = p->arenas[0];
+  if (p->in_slot >= 0)
+    FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
+                        (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
+  struct fy_loss loss = {0};
+  if (p->x) FY_TRY(fy_offload_stage_forward(p->x, b, &loss.sum));
+  else FY_TRY(fy_engine_forward_eval_ops(m, b, p->lo, p->hi, &loss));
+  *loss_sum = fy_pipeline_is_last(p) ? loss.sum : 0;
+  if (p->out_slot >= 0)  // (in flight until the next batch, or the next step's first forward, waits for it)
+    FY_TRY(fy_comm_isend(p->comm, m->acts + g->slots[p->out_slot].offset,
+                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_ACT,
+                         &p->act_sends[0]));
+  return FY_OK;
 }
 
 fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {

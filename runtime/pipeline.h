@@ -75,6 +75,11 @@ int fy_pipeline_schedule(int pp, int stage, int n, bool *forward);
 // m->grads (n = 1). On the last stage losses[k] = micro-batch k's sum of token losses (others: 0).
 fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int n, float loss_scale, bool accumulate,
                           double *losses);
+// Forward passes alone (validation between steps, ferry eval): batch b (the same on every stage)
+// through the stages in turn, each stage's ops as evaluation runs them (no dropout, no backward),
+// on its first arena; *loss_sum the batch's sum of token losses on the last stage (others: 0).
+// Between steps; a stage then runs the next batch's while the later stages run this one's.
+fy_status fy_pipeline_forward_eval(struct fy_pipeline *p, const struct fy_batch *b, double *loss_sum);
 // The tied embedding's gradient (in m->grads) summed between the first and the last stage, the
 // same bits on both (the last stage's part + the first's). Nothing without a tied lm_head.
 fy_status fy_pipeline_sum_tied(struct fy_pipeline *p);

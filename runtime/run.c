@@ -452,18 +452,22 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master};
   // A pipeline stage: its activations' arenas (one per micro-batch in flight) before the cache's
   // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
+  // (Evaluation: forward passes alone, one a step in the engine's trace.)
   bool order[2 * (o->grad_accum > 0 ? o->grad_accum : 1)];
-  if (r->pp > 1 && !r->eval && cuda) {  // (on GPUs the stages' messages go by NCCL send/recv)
+  if (r->pp > 1 && r->eval && cuda)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "ferry eval --pp %d on GPUs: not supported yet (evaluation through "
+                        "pipeline stages runs on --device cpu and sim)", r->pp);
+  if (r->pp > 1 && cuda) {  // (on GPUs the stages' messages go by NCCL send/recv)
     fy_status sp = device_comm(r->pp_comm, r->pp_rank, true, &r->pp_compute);
     if (sp != FY_OK) return fy_error_wrap(sp, "%d pipeline stages on GPUs", r->pp);
     FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
                                   &r->pipe));
-  } else if (r->pp > 1 && !r->eval) {
-    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+  } else if (r->pp > 1) {
+    FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, r->eval ? 1 : (int)o->grad_accum, &r->pipe));
   }
-  if (r->pp > 1 && !r->eval) {
+  if (r->pp > 1) {
     FY_TRY(fy_graph_stage_ops(r->model->graph, cfg->num_hidden_layers, r->pp, r->pp_rank, &xo.stage_lo, &xo.stage_hi));
-    xo.n_schedule = fy_pipeline_schedule(r->pp, r->pp_rank, (int)o->grad_accum, order);
+    xo.n_schedule = r->eval ? (order[0] = true, 1) : fy_pipeline_schedule(r->pp, r->pp_rank, (int)o->grad_accum, order);
     xo.schedule = order;
     xo.stage_comm = r->pp_comm;
   }
@@ -724,12 +728,12 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   // r->whole describes the whole model (no buffers).
   if (run_split(r)) {
     FY_TRY(fy_opt_build_graph(&r->cfg, o->batch, o->seq, &r->whole_graph));
-    // Offloaded stages with 8-bit AdamW state: the whole model laid out in one rank's chunks, so
-    // that a checkpoint's pieces (a chunk each) hold whole 8-bit blocks, as one rank's do.
-    if (r->x && r->pp > 1 && r->model->state_format == FY_STATE_Q8) {
+    // Stages with 8-bit AdamW state: the whole model laid out in one rank's chunks (resident: one
+    // chunk), so that a checkpoint's pieces hold whole 8-bit blocks, as one rank's do.
+    if (r->pp > 1 && r->model->state_format == FY_STATE_Q8) {
       struct fy_chunk_layout *l;
       r->whole_graph->chunk_align = FY_Q8_BLOCK;
-      FY_TRY(fy_chunk_layout_create(r->whole_graph, r->model->layout->chunk_elems, &l));
+      FY_TRY(fy_chunk_layout_create(r->whole_graph, r->x ? r->model->layout->chunk_elems : 0, &l));
       fy_chunk_layout_free(l);
     }
     r->whole = (struct fy_model){.cfg = r->cfg, .graph = r->whole_graph, .kernels = &fy_model_cpu_kernels};
@@ -748,14 +752,18 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     if (st != FY_OK) return fy_error_wrap(st, "--init");
   }
   if (r->pp > 1 && !r->pipe) {  // (offloaded, setup_offload made it)
-    if (!r->model->grads || r->x || (r->model->device_memory && !r->pp_compute))
+    if ((!r->model->grads && !r->eval) || r->x || (r->model->device_memory && !r->pp_compute))
       return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu, sim and cuda for now",
                           r->pp);
+    if (r->pp_compute && r->eval)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "ferry eval --pp %d on GPUs: not supported yet (evaluation through "
+                          "pipeline stages runs on --device cpu and sim)", r->pp);
     if (r->pp_compute)
       FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
                                     &r->pipe));
     else
-      FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, (int)o->grad_accum, &r->pipe));
+      FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, r->eval ? 1 : (int)o->grad_accum,
+                                &r->pipe));
   }
   if (!o->data && eval) return FY_OK;  // (fy_sample: no data set)
   st = fy_data_open(o->data, r->cfg.vocab_size, o->batch, o->seq, shuffle, o->seed, r->dp_rank, r->dp, &r->data);

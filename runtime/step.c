@@ -56,7 +56,8 @@ static fy_status apply_lagged(const struct fy_train_opts *o, struct run *r) {
   struct fy_model *m = r->model;
   float *g = m->grads;
   m->grads = r->lag_grads;
-  fy_status st = fy_optimizer_step(m, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm);
+  fy_status st = r->pipe ? fy_pipeline_adamw(r->pipe, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm)
+                         : fy_optimizer_step(m, &o->adamw, r->lag.lr, r->lag.t, r->lag.grad_scale, r->lag.norm);
   m->grads = g;
   return st;
 }
@@ -136,7 +137,15 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   if (r->pp_compute) FY_TRY(fy_comm_status(r->pp_compute));  // their errors, before an update uses them
   if (r->pp_compute && r->dp_compute) FY_TRY(fy_comm_status(r->dp_compute));
   *overflow = !isfinite(*norm_out);
-  if (!*overflow) {
+  if (r->lag_own) {  // --optimizer-lag: the step before's update now, this one's after the next step's passes
+    st = apply_lagged(o, r);
+    float *t = model->grads;
+    model->grads = r->lag_grads;
+    r->lag_grads = t;
+    r->lag = (struct lagged_update){.pending = true, .skip = *overflow, .lr = fy_lr_at(o, step), .grad_scale = unscale,
+                                    .t = r->updates + 1, .norm = *norm_out};
+    if (!*overflow) r->updates++;
+  } else if (!*overflow) {
     st = fy_pipeline_adamw(r->pipe, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out);
     if (st == FY_OK) r->updates++;
   }
@@ -266,7 +275,10 @@ fy_status mean_loss(struct run *r, fy_data *data, int64_t n, double *mean,
     struct fy_batch *batch;
     struct fy_loss loss = {0};
     FY_TRY(fy_data_next(data, &batch));
-    if (r->x) {
+    if (r->pipe) {  // through the stages in turn: the loss on the last
+      FY_TRY(fy_pipeline_forward_eval(r->pipe, batch, &loss.sum));
+      loss.count = fy_engine_count_targets(batch);
+    } else if (r->x) {
       FY_TRY(fy_offload_forward(r->x, batch, &loss.sum));
       loss.count = fy_engine_count_targets(batch);
     } else {
@@ -276,6 +288,7 @@ fy_status mean_loss(struct run *r, fy_data *data, int64_t n, double *mean,
     count += loss.count;
     if (i == 0 && first) FY_TRY(first(r, batch, ctx));
   }
+  if (r->pipe) FY_TRY(fy_pipeline_share_from_last(r->pipe, &sum));  // (the same sum of the same adds)
   if (r->dp > 1) {
     double mine[2] = {sum, (double)count}, all[2 * r->dp];
     FY_TRY(fy_comm_all_gather(r->dp_comm, mine, all, 4, FY_COMM_F32, NULL));

@@ -368,12 +368,23 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
   float *local[3] = {m->params, m->m, m->v};
   if (r->x) FY_TRY(fy_offload_sync(r->x));
   if (r->dp_rank / r->ep != 0) return r->x ? fy_offload_state_out(r->x, NULL, NULL, NULL) : FY_OK;
+  // A resident stage's compressed m and v: the values they read back as (fp32), which the writer
+  // stores again in the run's format, as one rank's checkpoint does.
+  float *decoded = NULL;
+  const int64_t np = m->graph->n_param_elems;
+  if (!r->x && m->state_format != FY_STATE_F32) {
+    if (!(decoded = malloc((size_t)(np > 0 ? 2 * np : 1) * 4)))
+      return fy_error_set(FY_ERR_NOMEM, "cannot allocate the stage's AdamW state to checkpoint it");
+    fy_state_decode(m->state_format, FY_MOMENT_M, local[1] = decoded, m->m, np);
+    fy_state_decode(m->state_format, FY_MOMENT_V, local[2] = decoded + np, m->v, np);
+  }
   struct tp_walk t;
   float *own;
   FY_TRY(walk_host_copies(r, 3, local, &own));
   fy_status st = tp_walk_init(&t, r, 3, r->x ? NULL : local, w != NULL);
   if (st != FY_OK) {
     free(own);
+    free(decoded);
     return st;
   }
   const int64_t piece = r->x ? r->model->layout->chunk_elems : TP_CKPT_PIECE;
@@ -386,6 +397,7 @@ static fy_status checkpoint_tp(struct run *r, struct fy_ckpt_writer *w, const st
   }
   tp_walk_free(&t);
   free(own);
+  free(decoded);
   return st;
 }
 
@@ -404,9 +416,6 @@ fy_status checkpoint(const struct fy_train_opts *o, struct run *r, struct fy_ckp
   FY_TRY(drain_updates(o, r));  // (--optimizer-lag: a checkpoint holds every update so far)
   // With chunks sharded across ranks, or tensor-parallel slices, every rank takes part in
   // gathering the state; only the writer (rank 0, w != NULL) keeps it.
-  if (r->pp > 1 && m->state_format != FY_STATE_F32 && !r->x)  // (offloaded, the chunks give it decoded)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "checkpoints of a pipeline's compressed AdamW state (--optimizer-state "
-                        "%s): not supported yet", fy_state_format_name(m->state_format));
   if (run_split(r)) return checkpoint_tp(r, w, o, steps_done, scale, scale_good);
   struct fy_ckpt_snapshot *s = w && !r->ckpt_by_chunk ? fy_ckpt_snapshot_buffers(w) : NULL;
   if (w && !r->ckpt_by_chunk && !s) return fy_error_wrap(FY_ERR_NOMEM, "checkpoint");
@@ -541,6 +550,17 @@ static fy_status resume_tp(const char *path, struct run *r, struct fy_ckpt_meta 
       st = fy_model_upload(m, k ? m->v : m->m, h, n * 4);
     }
     free(h);
+  } else if (m->state_format != FY_STATE_F32) {  // (a resident stage's compressed state: read, then stored so)
+    const int64_t np = m->graph->n_param_elems;
+    float *buf = calloc((size_t)(np > 0 ? 2 * np : 1), 4);
+    if (!buf) st = fy_error_set(FY_ERR_NOMEM, "cannot allocate the stage's AdamW state to read it");
+    if (st == FY_OK) {
+      fy_tp_take(m->graph, buf, r->whole_graph, tp_read_adam, &f.src[0]);
+      fy_tp_take(m->graph, buf + np, r->whole_graph, tp_read_adam, &f.src[1]);
+      fy_state_encode(m->state_format, FY_MOMENT_M, m->m, buf, np);
+      fy_state_encode(m->state_format, FY_MOMENT_V, m->v, buf + np, np);
+    }
+    free(buf);
   } else {
     fy_tp_take(m->graph, m->m, r->whole_graph, tp_read_adam, &f.src[0]);
     fy_tp_take(m->graph, m->v, r->whole_graph, tp_read_adam, &f.src[1]);

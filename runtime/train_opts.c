@@ -92,12 +92,11 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
     const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0 && !cuda
                          ? "another device (stages run on --device cpu, sim and cuda)"
-                     : e->plan                                 ? "--plan (the planner does not lay out pipelines)"
-                     : e->val_data                             ? "--val-data (validation through the stages)"
-                     : e->optimizer_lag > 0                    ? "--optimizer-lag"
-                     : compressed && (!e->device || strcmp(e->device, "sim") != 0)
-                         ? "--optimizer-state bf16 or 8bit on --device cpu or cuda (a resident stage keeps fp32; "
-                           "sim's chunks keep it)"
+                     : cuda && e->val_data                     ? "--val-data on GPUs (validation through the stages runs "
+                                                                 "on --device cpu and sim)"
+                     : cuda && e->optimizer_lag > 0            ? "--optimizer-lag on GPUs (cpu and sim stages take it)"
+                     : cuda && compressed                      ? "--optimizer-state bf16 or 8bit on GPUs (cpu and sim "
+                                                                 "stages keep it)"
                                                                : NULL;
     if (no) return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with %s: not supported yet", e->pp, no);
   }

@@ -127,7 +127,7 @@ def main():
             continue
         plan_out = r.stdout
         knobs = json.load(open(plan))
-        lay = "dp %d x tp %d, chunk %d, %s" % (knobs["dp"], knobs["tp"], knobs["chunk_elems"],
+        lay = "dp %d x pp %d x tp %d, chunk %d, %s" % (knobs["dp"], knobs.get("pp", 1), knobs["tp"], knobs["chunk_elems"],
                                               "resident" if knobs.get("resident") else "%d blocks" % knobs["blocks"])
         train = ([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)] if ranks > 1 else []) + [
             ferry, "train", "--data", data, "--plan", plan, "--log", log, "--steps", "2", "--threads", "1", "--seq", str(seq)] + common
@@ -145,6 +145,8 @@ def main():
             continue
         ran += 1
         said = knobs["predicted"]["device_peak_bytes"]
+        if knobs.get("pp", 1) > 1:  # (a pipeline's log is rank 0's: the first stage's own peak)
+            said = knobs["predicted"]["stage_peak_bytes"][0]
         logged = [json.loads(l) for l in open(log)]
         got = max(r["device_peak_mib"] for r in logged) * 2 ** 20
         if abs(got - said) > 128:  # (the log's MiB have 4 decimals)
@@ -162,8 +164,8 @@ def main():
         if disk:
             auto += ["--disk-dir", tmp]
         r = subprocess.run(auto, capture_output=True, text=True, env=dict(env, FERRY_PROBE=ppath), timeout=600)
-        def plan_lines(out):  # (not ferry plan's parenthesised notes: its count of plans, its precision hints)
-            return [l for l in out.splitlines() if l.startswith("  ") and not l.startswith("  (")]
+        def plan_lines(out):  # (not ferry plan's parenthesised notes, nor how to run it: its count of plans, its hints)
+            return [l for l in out.splitlines() if l.startswith("  ") and not l.startswith(("  (", "  run it:", "     or:"))]
         said_plan, auto_plan = plan_lines(plan_out), plan_lines(r.stdout)
         losses = [(x["step"], x["loss"]) for x in logged]
         if r.returncode != 0 or auto_plan != said_plan or losses != [

@@ -416,6 +416,74 @@ static void moe_ep_plans(void) {
   }
 }
 
+// Offloaded pipeline stages on the sim device (planner/cost.c, simulate_offloaded_staged), on
+// fixed figures (nothing measured): each stage an offloaded rank of its own ops and chunks, the
+// step put together from the stages' cycles, the sends, the tied gradient and the largest
+// once-a-step part; the bubble against 1F1B's; the stages' sum against one rank's cycle; the
+// search with --pp fixed; the plan file.
+static void check_pipeline_sim(const struct fy_opt_config *cfg) {
+  struct fy_probe p;
+  memset(&p, 0, sizeof p);
+  p.format = FY_PROBE_FORMAT;
+  const char *ov[][2] = {{"device", "sim"},           {"device_mem", "64MiB"},   {"host_mem", "8GiB"},
+                         {"device_tflops", "0.05"},   {"host_tflops", "0.05"},   {"link_gbps", "4"},
+                         {"host_adamw_gbps", "5"},    {"host_mem_gbps", "10"},   {"copy_latency_us", "10"},
+                         {"host_copy_gbps", "5"},     {"kernel_overhead_us", "20"}, {"comm_gbps", "2"}};
+  for (size_t i = 0; i < sizeof ov / sizeof *ov; i++) CHECK_OK(fy_probe_override(&p, ov[i][0], ov[i][1]));
+  struct fy_graph *g;
+  CHECK_OK(fy_opt_build_graph(cfg, 1, 64, &g));
+  const int64_t ce = (fy_chunk_min_elems(g) * 2 + 15) / 16 * 16;
+  fy_graph_free(g);
+  const int m = 4;
+  struct fy_plan_knobs k = {.micro_batch = 2, .grad_accum = m, .seq = 64, .chunk_elems = ce, .prefetch = 2,
+                            .disk_chunks = -1, .dp = 1, .tp = 1, .pp = 2};
+  snprintf(k.pattern, sizeof k.pattern, "replicate");
+  struct fy_cost c;
+  CHECK_OK(fy_cost_simulate(cfg, &k, &p, &c, NULL));
+  CHECKF(c.fits && c.pp == 2 && c.stage_s[0] > 0 && c.stage_s[1] > 0, "pp 2 on sim: %s", c.fits ? "" : c.why);
+  // the step from its parts: a hidden state each way at comm_gbps, the tied embedding's gradient
+  const double x = 2.0 * 64 * cfg->hidden_size * 4 / 2e9;
+  const double tied = cfg->tie_word_embeddings ? (double)(cfg->vocab_size * cfg->word_embed_proj_dim) * 4 / 2e9 : 0;
+  const double period = fmax(c.stage_s[0], c.stage_s[1]) + x, sum = c.stage_s[0] + c.stage_s[1];
+  const double want = (m - 1) * period + sum + 2 * x + tied + fmax(c.stage_once_s[0], c.stage_once_s[1]);
+  CHECKF(fabs(c.step_s - want) < 1e-9 * want, "pp 2 on sim: step %.6f s, put together %.6f s", c.step_s, want);
+  // the bubble: 1F1B's on the stages' cycles, at most (p - 1)/(m + p - 1) (equal stages)
+  const double cmax = fmax(c.stage_s[0], c.stage_s[1]), bub = 1 - m * cmax / ((m - 1) * cmax + sum);
+  CHECKF(fabs(c.bubble - bub) < 1e-9 && c.bubble > 0 && c.bubble <= 1.0 / (m + 1) + 1e-12, "bubble %.4f (%.4f, 1F1B %.4f)",
+         c.bubble, bub, 1.0 / (m + 1));
+  // the stages' cycles add up to about one rank's (the same ops and chunks, the cache holding all)
+  // on half the machine (2 ranks on one CPU machine: each its share of the cores and memory)
+  struct fy_probe half = p;
+  half.device_gflops /= 2, half.host_gflops /= 2, half.host_mem_gbps /= 2, half.host_adamw_gbps /= 2;
+  struct fy_plan_knobs one = k, one3 = k;
+  one.pp = one3.pp = 0;
+  one3.grad_accum = m - 1;
+  struct fy_cost c1, c3;
+  CHECK_OK(fy_cost_simulate(cfg, &one, &half, &c1, NULL));
+  CHECK_OK(fy_cost_simulate(cfg, &one3, &half, &c3, NULL));
+  const double cyc1 = c1.step_s - c3.step_s;
+  CHECKF(fabs(sum - cyc1) < 0.05 * cyc1, "the stages' cycles %.5f s, one rank's %.5f s", sum, cyc1);
+  // stage 0 holds 2 micro-batches' activations, the last 1: more device memory on the first
+  CHECKF(c.stage_bytes[0] > 0 && c.stage_bytes[1] > 0 && c.device_peak >= c.stage_bytes[0], "stage bytes %.0f %.0f",
+         c.stage_bytes[0], c.stage_bytes[1]);
+  // ferry plan --gpus 2 --pp 2 on sim: offloaded stages, each its own blocks and disk chunks
+  const struct fy_plan_grid grid = {.pp = 2};
+  struct fy_plan plan;
+  CHECK_OK(fy_plan_search_grid(cfg, "tiny", 8, 64, 2, false, NULL, 0, NULL, &grid, &p, &plan, NULL));
+  fy_plan_print(&plan, stderr);
+  CHECKF(plan.pp == 2 && plan.dp == 1 && !plan.k.resident && plan.predicted.fits && plan.k.blocks == 0 &&
+             plan.k.disk_chunks == -1, "searched pp %d dp %d resident %d blocks %d", plan.pp, plan.dp, plan.k.resident,
+         plan.k.blocks);
+  char path[400];
+  snprintf(path, sizeof path, "%s/plan-ppsim.json", dir);
+  CHECK_OK(fy_plan_write(path, &plan));
+  struct fy_plan back;
+  CHECK_OK(fy_plan_read(path, &back));
+  CHECK_OK(fy_plan_check(cfg, &back, &p));
+  CHECKF(back.pp == 2 && fabs(back.predicted.step_s - plan.predicted.step_s) < 1e-9 * plan.predicted.step_s,
+         "the plan file prices %.6f s, the search %.6f s", back.predicted.step_s, plan.predicted.step_s);
+}
+
 int main(int argc, char **argv) {
   check_args(argc, argv);
   timing = check_part("timing");
@@ -1399,6 +1467,7 @@ int main(int argc, char **argv) {
   }
 
   check_pipeline();
+  check_pipeline_sim(&cfg);
 
   // Plan files: round trip, and what is refused.
   char path[400];

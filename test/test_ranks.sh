@@ -383,7 +383,7 @@ compare one planned 1e-5 && ok "2 ranks running the planner's 2-rank plan follow
 python3 - "$tmp/plan2.json" "$tmp/plantp.json" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
-p.update(dp=1, tp=2, pattern="replicate", micro_batch=4, grad_accum=1, chunk_elems=3104, blocks=2, device_chunks=0)
+p.update(dp=1, tp=2, pp=1, pattern="replicate", micro_batch=4, grad_accum=1, chunk_elems=3104, blocks=2, device_chunks=0)
 json.dump(p, open(sys.argv[2], "w"))
 PY
 "${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/plantp.json" --log "$tmp/plannedtp.json" \
@@ -442,18 +442,34 @@ json.dump({"model_type": "opt", "vocab_size": 97, "hidden_size": 32, "word_embed
 PY
 done
 pcommon=(--data "$tmp/data.bin" --seq 32 --steps 12 --threads 1 --quiet --grad-accum 4)
+# Validation (--val-data) every 4 steps: each batch's forward through the stages in turn.
+pval=(--val-data "$tmp/data.bin" --val-every 4 --val-batches 2)
+# compare_val REF RUN TOL: RUN.json's validation losses are REF.json's (within TOL relative).
+compare_val() {
+  python3 - "$tmp" "$1" "$2" "$3" <<'PY'
+import json, sys
+d, a, b, tol = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+va, vb = ({r["step"]: r["val_loss"] for r in map(json.loads, open("%s/%s.json" % (d, x))) if "val_loss" in r} for x in (a, b))
+assert va and sorted(va) == sorted(vb), (va, vb)
+assert all(abs(va[s] - vb[s]) <= tol * abs(va[s]) for s in va), (va, vb)
+print("  %s vs %s: %d validation losses within %g" % (a, b, len(va), tol))
+PY
+}
 for v in tied untied; do
-  "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-$v" --batch 4 --log "$tmp/p1$v.json" --save "$tmp/p1$v" \
+  "$ferry" train "${pcommon[@]}" "${pval[@]}" --model "$tmp/cfg-$v" --batch 4 --log "$tmp/p1$v.json" --save "$tmp/p1$v" \
     || bad "1 rank trains the 4-layer $v model"
   for p in 2 4; do
-    "${mpi[@]}" -np $p "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-$v" --batch 4 --pp $p --log "$tmp/pp$p$v.json" \
-      --save "$tmp/pp$p$v" >"$tmp/pp$p$v.out" 2>&1 || { bad "pp $p ($v) trains"; cat "$tmp/pp$p$v.out"; }
+    "${mpi[@]}" -np $p "$ferry" train "${pcommon[@]}" "${pval[@]}" --model "$tmp/cfg-$v" --batch 4 --pp $p \
+      --log "$tmp/pp$p$v.json" --save "$tmp/pp$p$v" >"$tmp/pp$p$v.out" 2>&1 || { bad "pp $p ($v) trains"; cat "$tmp/pp$p$v.out"; }
   done
 done
 compare p1untied pp2untied 0 && compare p1untied pp4untied 0 \
   && ok "pp 2 and pp 4 (untied lm_head): one rank's losses and weights, bit for bit" || bad "pp 2 or 4 (untied) differ from 1 rank"
 compare p1tied pp2tied 1e-5 && compare p1tied pp4tied 1e-5 \
   && ok "pp 2 and pp 4 (tied lm_head, its gradient summed between the ends) follow 1 rank" || bad "pp 2 or 4 (tied) differ from 1 rank"
+compare_val p1untied pp2untied 0 && compare_val p1untied pp4untied 0 && compare_val p1tied pp2tied 1e-5 \
+  && compare_val p1tied pp4tied 1e-5 && ok "validation through pp 2 and pp 4: one rank's losses (untied: the same)" \
+  || bad "validation through the stages differs from 1 rank's"
 # The same bits with fewer micro-batches than stages (1 a step on 4 stages), and with
 # recomputation, bf16 numerics and dropout (whose masks follow the micro-batch, not the rank).
 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --grad-accum 1 --log "$tmp/pa1.json" --save "$tmp/pa1" \
@@ -461,12 +477,34 @@ compare p1tied pp2tied 1e-5 && compare p1tied pp4tied 1e-5 \
 "${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --grad-accum 1 --pp 4 \
   --log "$tmp/pa4.json" --save "$tmp/pa4" || bad "pp 4 with 1 micro-batch a step"
 knobs=(--grad-accum 3 --recompute --precision bf16 --dropout 0.1)
-"$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 "${knobs[@]}" --log "$tmp/pk1.json" --save "$tmp/pk1" \
-  || bad "1 rank with recomputation, bf16 and dropout"
-"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 "${knobs[@]}" --pp 2 \
+"$ferry" train "${pcommon[@]}" "${pval[@]}" --model "$tmp/cfg-untied" --batch 4 "${knobs[@]}" --log "$tmp/pk1.json" \
+  --save "$tmp/pk1" || bad "1 rank with recomputation, bf16 and dropout"
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" "${pval[@]}" --model "$tmp/cfg-untied" --batch 4 "${knobs[@]}" --pp 2 \
   --log "$tmp/pk2.json" --save "$tmp/pk2" || bad "pp 2 with recomputation, bf16 and dropout"
-compare pa1 pa4 0 && compare pk1 pk2 0 \
-  && ok "pp 4 with 1 micro-batch, pp 2 with recomputation, bf16 and dropout: one rank's bits" || bad "pp with other knobs differs"
+compare pa1 pa4 0 && compare pk1 pk2 0 && compare_val pk1 pk2 0 \
+  && ok "pp 4 with 1 micro-batch, pp 2 with recomputation, bf16 and dropout (validation without): one rank's bits" \
+  || bad "pp with other knobs differs"
+# --optimizer-lag 1 (each update a step late, 1 micro-batch a step): on cpu stages the lagged
+# update of each stage's parameters, on sim stages the engine's own (bf16); one rank's lagged
+# run's bits, its checkpoint (written after the pending update) the same bytes.
+lag=(--model "$tmp/cfg-untied" --batch 4 --grad-accum 1 --steps 6 --optimizer-lag 1 --save-every 3)
+for d in cpu:"--device cpu" sim:"--device sim --blocks 4 --precision bf16"; do
+  for n in 1 2; do
+    run=("$ferry"); [ $n = 1 ] || run=("${mpi[@]}" -np $n "$ferry")
+    "${run[@]}" train "${pcommon[@]}" "${lag[@]}" ${d#*:} --pp $n --log "$tmp/plag$n${d%%:*}.json" \
+      --save "$tmp/plag$n${d%%:*}.d" >"$tmp/plag.out" 2>&1 || { bad "pp $n with --optimizer-lag 1 (${d%%:*})"; cat "$tmp/plag.out"; }
+    ln -sfn "$tmp/plag$n${d%%:*}.d/step-00000006" "$tmp/plag$n${d%%:*}"  # (the last checkpoint: compare's weights)
+  done
+done
+same=1
+for d in cpu sim; do
+  for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$tmp/plag1$d.d/step-00000003/$f" "$tmp/plag2$d.d/step-00000003/$f" || same=0
+  done
+done
+[ $same = 1 ] && compare plag1cpu plag2cpu 0 && compare plag1sim plag2sim 0 \
+  && ok "pp 2 with --optimizer-lag 1 on cpu and sim: one rank's lagged bits and checkpoint bytes" \
+  || bad "pp 2 with --optimizer-lag 1 differs from 1 rank's lagged run"
 # dp 2 x pp 2 (replicated): the global batch split over 2 pipelines, as 2 data-parallel ranks split it.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 2 --log "$tmp/pdp2.json" \
   --save "$tmp/pdp2" || bad "2 data-parallel ranks train the 4-layer model"
@@ -562,12 +600,12 @@ compare pi1untied pi2untied 0 && compare pi1tied pi2tied 1e-5 \
 # stage's bits. dp 2 x pp 2 shards each stage's chunks over its 2 data-parallel ranks, with every
 # chunk's gradients and AdamW state on disk (the tied embedding's summed between the ends there).
 psim=(--device sim --blocks 4 --prefetch 2)
-"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" \
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" "${pval[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" \
   --log "$tmp/ps2.json" --save "$tmp/ps2" >"$tmp/ps2.out" 2>&1 || { bad "pp 2 on sim trains"; cat "$tmp/ps2.out"; }
-"${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-tied" --batch 4 --pp 4 "${psim[@]}" \
+"${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" "${pval[@]}" --model "$tmp/cfg-tied" --batch 4 --pp 4 "${psim[@]}" \
   --log "$tmp/ps4.json" --save "$tmp/ps4" >"$tmp/ps4.out" 2>&1 || { bad "pp 4 (tied) on sim trains"; cat "$tmp/ps4.out"; }
-compare p1untied ps2 0 && compare pp4tied ps4 0 \
-  && ok "pp 2 (untied) and pp 4 (tied) on sim: one rank's bits, the cpu pipeline's bits" || bad "pp on sim differs"
+compare p1untied ps2 0 && compare pp4tied ps4 0 && compare_val p1untied ps2 0 && compare_val pp4tied ps4 0 \
+  && ok "pp 2 (untied) and pp 4 (tied) on sim, validating: one rank's bits, the cpu pipeline's bits" || bad "pp on sim differs"
 "${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-tied" --batch 2 --pp 2 "${psim[@]}" --disk-dir "$tmp/disk" \
   --disk-chunks 100 --log "$tmp/psd.json" --save "$tmp/psd" >"$tmp/psd.out" 2>&1 || { bad "dp 2 x pp 2 sharded on disk trains"; cat "$tmp/psd.out"; }
 compare p1tied psd 1e-5 && ok "dp 2 x pp 2 on sim, chunks sharded, their state on disk: 1 rank's losses and weights within 1e-5" \
@@ -593,6 +631,22 @@ done
 [ $same = 1 ] && compare p1untied psres 0 && compare pq1 pq2res 0 \
   && ok "pp 2 on sim (fp32 and 8-bit AdamW state): one rank's checkpoint bytes, resumed on 1 rank bit for bit" \
   || bad "pp 2 sim checkpoints differ from 1 rank's"
+# 8-bit AdamW state on cpu stages (each stage's blocks those of one rank's flat buffer): one
+# rank's bits and checkpoint bytes (a 1-rank 8-bit run on sim has the cpu's), and a 1-rank
+# checkpoint resumed on a cpu pipeline.
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --optimizer-state 8bit --pp 2 \
+  --save "$tmp/pqc2.d" --save-every 6 --log "$tmp/pqc2.json" >"$tmp/pqc2.out" 2>&1 || { bad "pp 2 with 8-bit state on cpu"; cat "$tmp/pqc2.out"; }
+ln -sfn "$tmp/pqc2.d/step-00000012" "$tmp/pqc2"
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --optimizer-state 8bit --pp 2 \
+  --resume "$tmp/pq1ck" --save "$tmp/pqc2res" --log "$tmp/pqc2res.json" >"$tmp/pqc2.out" 2>&1 \
+  || { bad "pp 2 on cpu resumes a 1-rank 8-bit checkpoint"; cat "$tmp/pqc2.out"; }
+same=1
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$tmp/pqc2.d/step-00000006/$f" "$tmp/pq1ck/step-00000006/$f" || same=0
+done
+[ $same = 1 ] && compare pq1 pqc2 0 && compare pq1 pqc2res 0 \
+  && ok "pp 2 on cpu with 8-bit AdamW state: one rank's bits and checkpoint bytes; a 1-rank checkpoint resumes on it" \
+  || bad "pp 2 on cpu with 8-bit state differs from 1 rank"
 # Layouts that do not fit are refused before anything is allocated, naming the numbers; what
 # pipelines do not run yet says so.
 refused() {  # refused NAME EXPECTED-TEXT NP ARGS...: the run fails, saying EXPECTED-TEXT
@@ -605,22 +659,32 @@ refused "--pp 3 with 4 layers" "--pp 3 does not divide the model's 4 decoder lay
 refused "--pp 4 with opt-tiny's 2 layers" "more pipeline stages than the model's 2 decoder layers" 4 --model opt-tiny --batch 4 --pp 4
 refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3 --model "$tmp/cfg-untied" --batch 4 --pp 2
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
-refused "--pp 2 with 8-bit state on --device cpu" "--pp 2 with --optimizer-state bf16 or 8bit on --device cpu .*: not supported yet" 2 \
-  --model "$tmp/cfg-untied" --batch 4 --pp 2 --optimizer-state 8bit
-refused "--pp 2 with --val-data" "not supported yet" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --val-data "$tmp/data.bin"
-if "${mpi[@]}" -np 2 "$ferry" eval --model "$tmp/cfg-untied" --data "$tmp/data.bin" --seq 32 --batch 2 --pp 2 \
-  >"$tmp/evpp.out" 2>&1; then bad "ferry eval --pp 2 is accepted"
-else grep -q "ferry eval --pp 2: not supported yet" "$tmp/evpp.out" && ok "ferry eval --pp 2 is refused, saying why" \
-  || { bad "ferry eval --pp 2: unclear message"; cat "$tmp/evpp.out"; }; fi
-# A plan file's "pp" is read (the planner does not lay out pipelines yet: refused).
-python3 - "$tmp/plan2.json" "$tmp/planpp.json" <<'PY'
-import json, sys
-p = json.load(open(sys.argv[1]))
-p.update(dp=1, tp=1, pp=2)
-json.dump(p, open(sys.argv[2], "w"))
-PY
-refused "a plan file with \"pp\": 2" "lays out 2 pipeline stages: .*not supported yet" 2 --model opt-tiny --batch 4 \
-  --device-mem 4MiB --plan "$tmp/planpp.json"
+# ferry eval through the stages: 1 rank's loss on pp 2, pp 2 x tp 2 (cpu) and pp 2 on sim.
+evals=(--init "$tmp/p1tied" --data "$tmp/data.bin" --seq 32 --batch 2 --batches 3 --threads 1)
+"$ferry" eval "${evals[@]}" >"$tmp/ev1.out" 2>&1 || bad "ferry eval on 1 rank"
+same=1
+for l in "2:--pp 2" "4:--pp 2 --tp 2" "2:--pp 2 --device sim"; do
+  "${mpi[@]}" -np ${l%%:*} "$ferry" eval "${evals[@]}" ${l#*:} >"$tmp/evpp.out" 2>&1 && cmp -s "$tmp/ev1.out" "$tmp/evpp.out" \
+    || { same=0; echo "  $l:"; cat "$tmp/evpp.out"; }
+done
+[ $same = 1 ] && ok "ferry eval --pp (2, 2 x tp 2, 2 on sim): one rank's loss ($(cut -d' ' -f3 "$tmp/ev1.out"))" \
+  || bad "ferry eval --pp differs from 1 rank"
+# ferry sample decodes on one rank: --pp (and --tp) refused, saying so.
+if "$ferry" sample --init "$tmp/p1tied" --prompt-ids 5,6 --tokens 2 --pp 2 >"$tmp/spp.out" 2>&1; then
+  bad "ferry sample --pp 2 is accepted"
+else grep -q "ferry sample --pp 2: not supported (sampling decodes on one rank" "$tmp/spp.out" \
+  && ok "ferry sample --pp 2 is refused, saying why" || { bad "ferry sample --pp 2: unclear message"; cat "$tmp/spp.out"; }; fi
+# A pipeline plan on sim (ferry plan --gpus 2 --pp 2: offloaded stages): its file runs under
+# mpirun with --plan (the plan's "pp" and micro-batches applied) and follows 1 rank's 4 sequences a
+# step; rank 0 prints the plan it runs.
+"$ferry" plan --model opt-tiny --batch 4 --seq 32 --gpus 2 --pp 2 --device sim --device-mem 4MiB \
+  --out "$tmp/planpp.json" >"$tmp/planpp.out" 2>&1 || { bad "ferry plan --gpus 2 --pp 2 on sim"; cat "$tmp/planpp.out"; }
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/planpp.json" --log "$tmp/plannedpp.json" \
+  --save "$tmp/plannedpp" \
+  >"$tmp/plannedpp.out" 2>&1 || { bad "2 ranks run a pipeline plan file"; cat "$tmp/plannedpp.out"; }
+if grep -q "x 2 pipeline stages" "$tmp/plannedpp.out" && grep -q "each stage offloads its own chunks" "$tmp/plannedpp.out" \
+  && compare one plannedpp 1e-5; then ok "a pp 2 plan file (sim, offloaded stages) runs under mpirun and follows 1 rank"
+else bad "the pp 2 plan file's run"; cat "$tmp/planpp.out" "$tmp/plannedpp.out"; fi
 # A dead stage ends the job within --comm-timeout (5 s here) and says what failed. Stage 1 (rank
 # 1, found by its OMPI_COMM_WORLD_RANK) is killed once training has started (its log has a step):
 # mpirun sees it die and ends the job, naming it (or stage 0 times out first). Then stage 1 is
