@@ -157,11 +157,16 @@ void fy_bias_add(float *out, const float *bias, int64_t rows, int64_t C);
 // rows after expert e-1's. balance = E x sum_e f_e P_e (the Switch/Mixtral load-balancing term:
 // f_e the token-choices routed to e over BT, each of the K choices counted; P_e the mean
 // probability of e over the tokens); the caller scales it by its coefficient.
+// Padding (mask 0, the attention mask's padding) is routed to no expert, as if every router logit
+// of it were masked: its choices and rows are -1 and its weights 0 in route, its output row is 0
+// (the layer passes the residual alone), it has no gradient through the block, and f_e and P_e
+// are over the routed tokens only (none: balance 0).
 struct fy_moe_dims {
-  int64_t BT, C, F;  // tokens, model width, an expert's feed-forward width
-  int E, K;          // experts, experts a token
-  bool gelu;         // the experts' activation: gelu (else relu)
-  bool bf16;         // the experts' products with bf16 operands, as fy_linear_forward's
+  int64_t BT, C, F;      // tokens, model width, an expert's feed-forward width
+  int E, K;              // experts, experts a token
+  bool gelu;             // the experts' activation: gelu (else relu)
+  bool bf16;             // the experts' products with bf16 operands, as fy_linear_forward's
+  const int32_t *mask;   // (BT): 0 = padding, routed to no expert; NULL: every token routed
 };
 // inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
 //   -> out (BT,C), route, rows, *balance
