@@ -180,6 +180,9 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
 fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, float *dw2, float *db2, const float *dout,
                           const float *inp, const float *route, const float *rows, const float *gate, const float *w1,
                           const float *w2, float dbalance, bool accumulate, const struct fy_moe_dims *d);
+// The kernels keep their gathered rows and scratch from call to call (fy_moe_rows_cap's rows of the
+// largest call so far); this frees them (fy_matmul_cache_clear calls it with the products' caches).
+void fy_moe_workspace_free(void);
 
 // ---- dropout on a residual branch, fused with the add (OPT: before each residual add) ----
 //
