@@ -21,6 +21,10 @@
 #                  + 12 x layers x hidden x seq for attention's QK^T and AV
 #   efficiency   = tokens_ratio / flop_ratio: 1 when the mixture's routing, gathering and balance
 #                  term cost nothing beyond their FLOPs; issue 37 asks for >= 0.8
+#   cpu_tokens_ratio, cpu_efficiency: the same from each step's CPU time (user + system, all
+#                  threads, read from /proc as ferry prints the step): on a machine shared with
+#                  other work the wall-clock ratio moves with the load, the CPU-time one far less
+#                  (with --threads 1: no thread spins at a barrier for a descheduled partner)
 #
 # usage: bench/moe.sh [--build DIR] [--batch 4] [--seq 128] [--steps 8] [--runs 3] [--threads 2]
 set -euo pipefail
