@@ -157,11 +157,16 @@ void fy_bias_add(float *out, const float *bias, int64_t rows, int64_t C);
 // rows after expert e-1's. balance = E x sum_e f_e P_e (the Switch/Mixtral load-balancing term:
 // f_e the token-choices routed to e over BT, each of the K choices counted; P_e the mean
 // probability of e over the tokens); the caller scales it by its coefficient.
+// Padding (mask 0, the attention mask's padding) is routed to no expert, as if every router logit
+// of it were masked: its choices and rows are -1 and its weights 0 in route, its output row is 0
+// (the layer passes the residual alone), it has no gradient through the block, and f_e and P_e
+// are over the routed tokens only (none: balance 0).
 struct fy_moe_dims {
-  int64_t BT, C, F;  // tokens, model width, an expert's feed-forward width
-  int E, K;          // experts, experts a token
-  bool gelu;         // the experts' activation: gelu (else relu)
-  bool bf16;         // the experts' products with bf16 operands, as fy_linear_forward's
+  int64_t BT, C, F;      // tokens, model width, an expert's feed-forward width
+  int E, K;              // experts, experts a token
+  bool gelu;             // the experts' activation: gelu (else relu)
+  bool bf16;             // the experts' products with bf16 operands, as fy_linear_forward's
+  const int32_t *mask;   // (BT): 0 = padding, routed to no expert; NULL: every token routed
 };
 // inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
 //   -> out (BT,C), route, rows, *balance
@@ -181,6 +186,9 @@ fy_status fy_moe_route(float *route, const float *inp, const float *gate, const 
 fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, float *dw2, float *db2, const float *dout,
                           const float *inp, const float *route, const float *rows, const float *gate, const float *w1,
                           const float *w2, float dbalance, bool accumulate, const struct fy_moe_dims *d);
+// The kernels keep their gathered rows and scratch from call to call (fy_moe_rows_cap's rows of the
+// largest call so far); this frees them (fy_matmul_cache_clear calls it with the products' caches).
+void fy_moe_workspace_free(void);
 
 // ---- mixture of experts in pieces, for expert parallelism (ops/cpu/moe_ep.c; runtime/ep.c) ----
 //

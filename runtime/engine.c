@@ -154,8 +154,9 @@ static fy_status cross_entropy_fwd(const struct fy_op_args *a) {
 // A mixture of experts' kernels (ops/ops.h): its parameters in op->params order.
 static struct fy_moe_dims moe_dims(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
+  // (padding, the batch's attention mask 0, goes to no expert; the call's rows are the batch's first)
   return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
-                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
+                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16, .mask = a->c->batch->mask};
 }
 
 // The targets of the call's rows not ignored: the weight of its balance term (struct fy_loss).

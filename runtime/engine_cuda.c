@@ -303,6 +303,9 @@ static int64_t moe_count(const int32_t *t, int64_t n) {
 static fy_status moe_check(const struct fy_op_args *a, const struct fy_moe_dims *d) {
   struct cuda_ctx *x = ctx_of(a->m);
   FY_ASSERT(x->moe_work && fy_cuda_moe_workspace_bytes(d, a->m->compute_dtype) <= x->moe_work_bytes);
+  if (a->c->batch->mask)  // (the cpu's kernels route padding to no expert; these route every row)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "a mixture of experts on the GPU with a padded batch (an attention "
+                        "mask): not supported yet (the cpu device routes its padding to no expert)");
   return FY_OK;
 }
 

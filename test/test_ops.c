@@ -1192,6 +1192,7 @@ struct moe_ctx {
   int E, K;
   bool gelu;
   int *picks;                              // (BT, K): the experts the fp32 kernel chose
+  const int32_t *mask;                     // (BT) 0: padding, no expert (NULL: none)
 };
 
 // The block in double by its definition, each token alone; the routing is the kernel's (picks),
@@ -1199,17 +1200,22 @@ struct moe_ctx {
 static double moe_ref(const struct moe_ctx *x, double *out, double *balance) {
   const int64_t BT = x->BT, C = x->C, F = x->F;
   const int E = x->E, K = x->K;
-  double P[E], cnt[E];
+  double P[E], cnt[E], N = 0;
   for (int e = 0; e < E; e++) P[e] = cnt[e] = 0;
+  for (int64_t t = 0; t < BT; t++) N += !x->mask || x->mask[t];
   for (int64_t t = 0; t < BT; t++) {
     double p[E], mx = -1e300, sum = 0, chosen = 0;
+    if (x->mask && !x->mask[t]) {  // padding: every logit masked, no expert, out 0
+      for (int64_t c = 0; c < C; c++) out[t * C + c] = 0;
+      continue;
+    }
     for (int e = 0; e < E; e++) {
       p[e] = 0;
       for (int64_t c = 0; c < C; c++) p[e] += x->inp[t * C + c] * x->gate[e * C + c];
       mx = p[e] > mx ? p[e] : mx;
     }
     for (int e = 0; e < E; e++) sum += p[e] = exp(p[e] - mx);
-    for (int e = 0; e < E; e++) P[e] += (p[e] /= sum) / (double)BT;
+    for (int e = 0; e < E; e++) P[e] += (p[e] /= sum) / N;
     for (int j = 0; j < K; j++) chosen += p[x->picks[t * K + j]];
     for (int64_t c = 0; c < C; c++) out[t * C + c] = 0;
     for (int j = 0; j < K; j++) {
@@ -1229,7 +1235,7 @@ static double moe_ref(const struct moe_ctx *x, double *out, double *balance) {
     }
   }
   double b = 0;
-  for (int e = 0; e < E; e++) b += cnt[e] / (double)BT * P[e];
+  for (int e = 0; e < E && N > 0; e++) b += cnt[e] / N * P[e];
   *balance = E * b;
   return *balance;
 }
@@ -1245,7 +1251,10 @@ static double moe_loss(void *p) {
 // One configuration: forward against the double reference (the routing checked by its own top-K
 // of the double probabilities), backward against finite differences, written then accumulated;
 // with `starve`, expert E-1 gets no token and its gradient must be 0 (written) or untouched.
-static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, bool bias, bool starve) {
+// With mask_every n > 0, every n-th token (from the second) is padding: routed to no expert, its
+// output row 0, its input's gradient from the block 0, left out of the balance term.
+static void moe_case_masked(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, bool bias, bool starve,
+                            int mask_every) {
   const int S = E + 3 * K;
   const int64_t cap = fy_moe_rows_cap(BT, E, K);
   float *inp = frand_new(BT * C, 1), *gate = frand_new(E * C, 1), *w1 = frand_new(E * F * C, 0.5f);
@@ -1256,14 +1265,25 @@ static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, 
   }
   float *out = check_fnew(BT * C), *route = check_fnew(BT * S), *rows = check_fnew(cap * (F + C));
   float *R = frand_new(BT * C, 1);
-  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu};
+  int32_t *mask = NULL;
+  if (mask_every > 0) {
+    mask = malloc((size_t)BT * sizeof *mask);
+    for (int64_t t = 0; t < BT; t++) mask[t] = t % mask_every != 1;
+  }
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .mask = mask};
   double balance;
   CHECK_OK(fy_moe_forward(out, route, rows, &balance, inp, gate, w1, bias ? b1 : NULL, w2, bias ? b2 : NULL, &d));
   int *picks = calloc((size_t)(BT * K), sizeof(int));
   bool picks_ok = true, starved = true;
+  bool pads_ok = true;
   for (int64_t t = 0; t < BT; t++)
     for (int j = 0; j < K; j++) {
       picks[t * K + j] = (int)route[t * S + E + j];
+      if (mask && !mask[t]) {  // no expert, no weight, no row, nothing out
+        pads_ok &= picks[t * K + j] == -1 && route[t * S + E + K + j] == 0.0f && route[t * S + E + 2 * K + j] == -1.0f;
+        for (int64_t c = 0; c < C; c++) pads_ok &= out[t * C + c] == 0.0f;
+        continue;
+      }
       starved &= picks[t * K + j] != E - 1;
       // the pick is the j-th largest probability: exactly j others are larger
       int larger = 0;
@@ -1272,8 +1292,9 @@ static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, 
     }
   CHECKF(picks_ok, "moe E=%d K=%d: the routing is not the top %d", E, K, K);
   if (starve) CHECKF(starved, "moe: the starved expert got a token");
+  CHECKF(pads_ok, "moe: a padding token was routed or has an output");
   struct moe_ctx ctx = {to_d(inp, BT * C), to_d(gate, E * C), to_d(w1, E * F * C), bias ? to_d(b1, E * F) : NULL,
-                        to_d(w2, E * C * F), bias ? to_d(b2, E * C) : NULL, R, 0.7, BT, C, F, E, K, gelu, picks};
+                        to_d(w2, E * C * F), bias ? to_d(b2, E * C) : NULL, R, 0.7, BT, C, F, E, K, gelu, picks, mask};
   double *ref = dnew(BT * C), rbal, e;
   moe_ref(&ctx, ref, &rbal);
   CHECKF((e = err_d(out, ref, BT * C)) < FWD_TOL, "moe E=%d K=%d gelu=%d bias=%d forward err %g", E, K, gelu, bias, e);
@@ -1318,7 +1339,10 @@ static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, 
   free(ctx.inp), free(ctx.gate), free(ctx.w1), free(ctx.b1), free(ctx.w2), free(ctx.b2), free(picks);
   free(inp), free(gate), free(w1), free(b1), free(w2), free(b2), free(out), free(route), free(rows), free(R), free(ref);
   free(di), free(dg), free(dw1), free(db1), free(dw2), free(db2), free(di0), free(dw1a), free(dga);
-  free(gi), free(gg), free(gw1), free(gb1), free(gw2), free(gb2);
+  free(gi), free(gg), free(gw1), free(gb1), free(gw2), free(gb2), free(mask);
+}
+static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, bool bias, bool starve) {
+  moe_case_masked(BT, C, F, E, K, gelu, bias, starve, 0);
 }
 
 static void test_moe(void) {
@@ -1332,6 +1356,7 @@ static void test_moe(void) {
   moe_case(11, 5, 7, 3, 1, true, false, false);
   moe_case(9, 4, 3, 3, 3, false, true, false);   // every expert for every token
   moe_case(40, 6, 5, 4, 2, true, true, true);    // expert 3 gets no token (more than 8 rows an expert)
+  moe_case_masked(13, 6, 5, 4, 2, false, true, false, 3);  // tokens 1, 4, 7, 10 padding: no expert
 }
 
 int main(void) {

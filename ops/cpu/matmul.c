@@ -354,6 +354,7 @@ fy_status fy_matmul_batched(float *c, const float *a, const float *b, int64_t ba
 }
 
 void fy_matmul_cache_clear(void) {
+  fy_moe_workspace_free();  // (the mixture-of-experts kernels' rows, kept between calls like these)
   free(mm_a16);
   free(mm_b16);
   mm_a16 = mm_b16 = NULL;

@@ -7,6 +7,9 @@
 // Expert e's rows start at off[e] in the dispatch layout, its tokens in increasing order (a token's
 // choices in the order chosen), its row count rounded up by fy_moe_rows with rows of zeros.
 // Everything adds in a fixed order: the result depends on the routing, never on the threads.
+// A token that d->mask marks as padding has every router logit masked: it goes to no expert (its
+// choices -1, its weights 0), its output row is 0 (the layer passes the residual alone), it has no
+// part in the balance term and no gradient through the block.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,13 +24,45 @@ static fy_status mm(float *c, const float *a, const float *b, int64_t M, int64_t
   return fy_matmul(c, a, b, M, N, K, false, tb, 1.0f, beta);
 }
 
+// The gathered rows and the backward's scratch, kept from call to call and grown as needed (one
+// caller at a time, as every product: ops/cpu/matmul.c). Sized by the bound fy_moe_rows_cap, not by
+// a call's rows, so that a model's calls share one allocation: a fresh one each call touched ~165 MB
+// of new pages a step of opt-125m-moe8 at 4 x 128 (page faults, and the kernel zeroing them).
+static float *moe_ws;
+static size_t moe_ws_floats;
+
+static float *moe_workspace(size_t floats) {
+  if (floats > moe_ws_floats) {
+    free(moe_ws);
+    moe_ws = malloc(floats * 4);
+    moe_ws_floats = moe_ws ? floats : 0;
+  }
+  return moe_ws;
+}
+
+void fy_moe_workspace_free(void) {
+  free(moe_ws);
+  moe_ws = NULL;
+  moe_ws_floats = 0;
+}
+
+// Whether token t is routed (not padding).
+static inline bool moe_routed(const struct fy_moe_dims *d, int64_t t) { return !d->mask || d->mask[t] != 0; }
+
+// The tokens routed (not padding).
+static int64_t moe_routed_tokens(const struct fy_moe_dims *d) {
+  int64_t N = 0;
+  for (int64_t t = 0; t < d->BT; t++) N += moe_routed(d, t);
+  return N;
+}
+
 // Per expert: its token-choices n[e] and the first row off[e] of its rounded block, from the
 // chosen experts in route; returns the rows of all blocks (<= fy_moe_rows_cap).
 static int64_t moe_layout(const float *route, const struct fy_moe_dims *d, int64_t *n, int64_t *off) {
   const int64_t S = d->E + 3 * d->K;
   for (int e = 0; e < d->E; e++) n[e] = 0;
   for (int64_t t = 0; t < d->BT; t++)
-    for (int j = 0; j < d->K; j++) n[(int)route[t * S + d->E + j]]++;
+    for (int j = 0; j < d->K && moe_routed(d, t); j++) n[(int)route[t * S + d->E + j]]++;
   int64_t rows = 0;
   for (int e = 0; e < d->E; e++) {
     off[e] = rows;
@@ -45,7 +80,7 @@ static void moe_gather(float *xs, const float *inp, const float *route, const st
   (void)rows;
 #pragma omp parallel for schedule(static) if (d->BT * C > FY_PAR_ROWS)
   for (int64_t t = 0; t < d->BT; t++)
-    for (int j = 0; j < d->K; j++)
+    for (int j = 0; j < d->K && moe_routed(d, t); j++)
       memcpy(xs + (int64_t)route[t * S + d->E + 2 * d->K + j] * C, inp + t * C, (size_t)C * 4);
 }
 
@@ -80,6 +115,8 @@ fy_status fy_moe_route(float *route, const float *inp, const float *gate, const 
       chosen += r[best];
     }
     for (int64_t j = 0; j < K; j++) r[E + K + j] = r[(int64_t)r[E + j]] / chosen;
+    if (!moe_routed(d, t))  // padding: no expert (its probabilities stay, counted nowhere)
+      for (int64_t j = 0; j < K; j++) r[E + j] = -1.0f, r[E + K + j] = 0.0f, r[E + 2 * K + j] = -1.0f;
   }
   return FY_OK;
 }
@@ -99,10 +136,12 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
   const int64_t total = moe_layout(route, d, n, off);
   for (int64_t e = 0; e < E; e++) fill[e] = off[e];
   for (int64_t t = 0; t < BT; t++)
-    for (int64_t j = 0; j < K; j++) route[t * S + E + 2 * K + j] = (float)fill[(int64_t)route[t * S + E + j]]++;
+    for (int64_t j = 0; j < K && moe_routed(d, t); j++)
+      route[t * S + E + 2 * K + j] = (float)fill[(int64_t)route[t * S + E + j]]++;
   float *h = rows, *y = rows + cap * F;
-  float *xs = malloc((size_t)(total * C + total * F) * 4 + 4);
-  if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)total);
+  // xs (total,C), as (total,F) in the backward's workspace (its size, so that it is made once)
+  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E)));
+  if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)cap);
   float *as = xs + total * C;
   moe_gather(xs, inp, route, d, n, off, total);
   fy_status st = FY_OK;
@@ -115,7 +154,6 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
     moe_act(as + o * F, h + o * F, R * F, d->gelu);
     st = fy_linear_forward(y + o * C, as + o * F, w2 + e * C * F, b2 ? b2 + e * C : NULL, R, F, C, d->bf16);
   }
-  free(xs);
   FY_TRY(st);
   // out[t] = sum_j weight_j y[row of choice j], the choices in order.
 #pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
@@ -123,17 +161,20 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
     const float *r = route + t * S;
     float *o = out + t * C;
     for (int64_t c = 0; c < C; c++) o[c] = 0;
-    for (int64_t j = 0; j < K; j++) {
+    for (int64_t j = 0; j < K && moe_routed(d, t); j++) {
       const float w = r[E + K + j], *yr = y + (int64_t)r[E + 2 * K + j] * C;
       for (int64_t c = 0; c < C; c++) o[c] += w * yr[c];
     }
   }
-  // E x sum_e f_e P_e: f_e the token-choices routed to e over the tokens, P_e the mean probability.
+  // E x sum_e f_e P_e: f_e the token-choices routed to e over the routed tokens, P_e their mean
+  // probability of e (padding left out of both, as Mixtral's attention mask leaves it; none: 0).
+  const int64_t N = moe_routed_tokens(d);
   double b = 0;
-  for (int64_t e = 0; e < E; e++) {
+  for (int64_t e = 0; e < E && N > 0; e++) {
     double p = 0;
-    for (int64_t t = 0; t < BT; t++) p += route[t * S + e];
-    b += (double)n[e] / (double)BT * (p / (double)BT);
+    for (int64_t t = 0; t < BT; t++)
+      if (moe_routed(d, t)) p += route[t * S + e];
+    b += (double)n[e] / (double)N * (p / (double)N);
   }
   *balance = (double)E * b;
   return FY_OK;
@@ -151,8 +192,8 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
   const int64_t total = moe_layout(route, d, n, off);
   const float *h = rows, *y = rows + cap * F;
   // xs (total,C), as (total,F), dy (total,C), dh (total,F), dx (total,C), dw (BT,K), dlog (BT,E)
-  float *xs = malloc((size_t)(total * (3 * C + 2 * F) + BT * (K + E)) * 4 + 4);
-  if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)total);
+  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E)));
+  if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)cap);
   float *as = xs + total * C, *dy = as + total * F, *dh = dy + total * C, *dx = dh + total * F;
   float *dw = dx + total * C, *dlog = dw + BT * K;
   moe_gather(xs, inp, route, d, n, off, total);
@@ -162,7 +203,7 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
 #pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
   for (int64_t t = 0; t < BT; t++) {
     const float *r = route + t * S, *g = dout + t * C;
-    for (int64_t j = 0; j < K; j++) {
+    for (int64_t j = 0; j < K && moe_routed(d, t); j++) {
       const int64_t row = (int64_t)r[E + 2 * K + j];
       const float w = r[E + K + j], *yr = y + row * C;
       float *dyr = dy + row * C, s = 0;
@@ -203,18 +244,20 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
     st = mm(dx + o * C, dh + o * F, w1 + e * F * C, R, C, F, false, 0.0f, d->bf16);
     if (st == FY_OK) st = fy_linear_backward_params(gw1, gb1, dh + o * F, xs + o * C, R, C, F, accumulate, d->bf16);
   }
-  if (st != FY_OK) {
-    free(xs);
-    return st;
-  }
+  FY_TRY(st);
   // The router: d(weight_j)/d(p_m) for the renormalised weights p_{i_j} / sum_i p_i, and the
-  // balance term's d(P_e)/d(p[t][e]) = 1/BT times E f_e; then the softmax's backward.
+  // balance term's d(P_e)/d(p[t][e]) = 1/N times E f_e (N the routed tokens); then the softmax's backward.
+  const int64_t N = moe_routed_tokens(d);
   double f[E];
-  for (int64_t e = 0; e < E; e++) f[e] = (double)n[e] / (double)BT;
-  const float bal = dbalance * (float)E / (float)BT;
+  for (int64_t e = 0; e < E; e++) f[e] = N > 0 ? (double)n[e] / (double)N : 0.0;
+  const float bal = N > 0 ? dbalance * (float)E / (float)N : 0.0f;
 #pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
   for (int64_t t = 0; t < BT; t++) {
     const float *r = route + t * S;
+    if (!moe_routed(d, t)) {  // padding: no gradient through the router
+      for (int64_t e = 0; e < E; e++) dlog[t * E + e] = 0.0f;
+      continue;
+    }
     float dp[E], chosen = 0, wdw = 0;
     for (int64_t e = 0; e < E; e++) dp[e] = bal * (float)f[e];
     for (int64_t j = 0; j < K; j++) {
@@ -232,7 +275,7 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
     st = fy_matmul(dinp, dlog, gate, BT, C, E, false, false, 1.0f, 1.0f);
 #pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
     for (int64_t t = 0; t < BT; t++)
-      for (int64_t j = 0; j < K; j++) {
+      for (int64_t j = 0; j < K && moe_routed(d, t); j++) {
         const float *xr = dx + (int64_t)route[t * S + E + 2 * K + j] * C;
         float *o = dinp + t * C;
         for (int64_t c = 0; c < C; c++) o[c] += xr[c];
@@ -240,6 +283,5 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
   }
   // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
   if (st == FY_OK) st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
-  free(xs);
   return st;
 }

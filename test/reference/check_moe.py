@@ -31,8 +31,19 @@ bit for bit (the balance term is a micro-batch's, so the micro-batches must be t
 The "starved" case sets one expert's router row so that no token ever picks it (the layer norm's
 bias pushes every input along the row, which points the other way): the check asserts it got no
 token in any step, and its weights then moved by the weight decay alone, in both.
+The "padded" case is the tokens dropped to no expert by masking: a batch whose second sequence
+ends in 5 padding tokens (attention mask 0, pad token id, labels -100; ferry's training data never
+pads, its engine takes such batches as transformers does) and two real tokens whose loss is masked
+(labels -100). Padding goes to no expert, as if every router logit of it were masked: the block's
+output there is 0, so the layer passes the residual alone, and the balance term's f_e and P_e are
+over the routed tokens (Mixtral's load-balancing loss with an attention mask); loss-masked real
+tokens are routed like any other (later tokens attend to them). The reference written below takes
+the mask; the case writes a fixture in test/test_reference.c's format (the batch, the logits and
+loss, every gradient of loss + aux_loss, 5 AdamW steps' losses, norms and weights) and runs
+build/test/test_reference on it: logits and loss within 1e-5, gradients and weights within 1e-4.
 
 usage: test/reference/check_moe.py path/to/ferry [--only NAME] [--keep DIR]
+(the "padded" case runs test/test_reference from the same build directory as ferry)
 Exit status 0 when every case passes, 1 otherwise. Needs torch, transformers, safetensors.
 """
 
@@ -87,16 +98,18 @@ class MoE:
                 self.b2 = torch.nn.Parameter(torch.zeros(E * D)) if bias else None
                 self.balance = None
                 self.counts = None
+                self.mask = None  # (N,) bool: False for padding, which goes to no expert
 
             def forward(self, x):  # x (N, D): every token of the batch
                 N = x.shape[0]
+                keep = self.mask if self.mask is not None else torch.ones(N, dtype=torch.bool)
                 probs = torch.softmax(x @ self.gate.t(), dim=-1)
                 top_p, top_i = torch.topk(probs, K, dim=-1)
                 weights = top_p / top_p.sum(dim=-1, keepdim=True)
                 out = torch.zeros_like(x)
                 counts = []
                 for e in range(E):
-                    tok, j = (top_i == e).nonzero(as_tuple=True)
+                    tok, j = ((top_i == e) & keep.unsqueeze(1)).nonzero(as_tuple=True)
                     counts.append(len(tok))
                     if len(tok) == 0:
                         continue
@@ -107,8 +120,10 @@ class MoE:
                     if bias:
                         y = y + self.b2[e * D:(e + 1) * D]
                     out = out.index_add(0, tok, weights[tok, j].unsqueeze(1) * y)
-                f = torch.tensor(counts, dtype=x.dtype) / N
-                self.balance = E * (f * probs.mean(dim=0)).sum()
+                # f and P over the routed tokens (padding left out, as Mixtral's attention mask does)
+                routed = int(keep.sum())
+                f = torch.tensor(counts, dtype=x.dtype) / max(routed, 1)
+                self.balance = E * (f * probs[keep].mean(dim=0)).sum() if routed else x.new_zeros(())
                 self.counts = counts
                 return out
 
@@ -349,6 +364,92 @@ def check_upcycle(torch, ferry, tmp, toks, data):
     return problems
 
 
+def ferry_named_parameters(model, blocks):
+    """(ferry's name, parameter) of the reference model, the mixture blocks' under ferry's names."""
+    out = [(n, p) for n, p in model.named_parameters() if not any(f"layers.{l}.fc1." in n for l in blocks)]
+    for l, blk in blocks.items():
+        out += [(n, getattr(blk, k)) for k, n in ferry_names(l).items() if getattr(blk, k) is not None]
+    return out
+
+
+PAD_TAIL = 5  # the second sequence's last 5 tokens are padding
+
+
+def check_padded(torch, ferry, tmp):
+    """Padding goes to no expert (see the docstring): a fixture in test_reference's format, checked by
+    build/test/test_reference against the reference with the blocks given the attention mask."""
+    from safetensors.torch import save_file
+    cfg = {**BASE, **MOE, "pad_token_id": 1}
+    fixture = os.path.join(tmp, "padded")
+    state = build(torch, "padded", cfg, None, fixture)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, VOCAB, (B, T), generator=g)  # (never the pad token: its embedding row is frozen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, T - PAD_TAIL:] = 0
+    ids[1, T - PAD_TAIL:] = cfg["pad_token_id"]
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[0, 4] = labels[1, 3] = -100  # loss-masked real tokens: routed like any other
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    keep = mask.reshape(-1).bool()
+    coef = cfg["router_aux_loss_coef"]
+
+    def objective(model, blocks):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
+        return logits, ce, ce + coef * sum(blk.balance for blk in blocks.values())
+
+    model, blocks = reference_model(torch, cfg, state)
+    for blk in blocks.values():
+        blk.mask = keep
+    model.train()
+    logits, ce, total = objective(model, blocks)
+    total.backward()
+    problems = []
+    for l, blk in blocks.items():  # every real token's K choices are counted, and nothing else
+        if sum(blk.counts) != int(keep.sum()) * cfg["num_experts_per_tok"]:
+            problems.append(f"the reference routed {sum(blk.counts)} choices in layer {l}")
+    tensors = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),
+               "targets": targets.to(torch.int32), "logits": logits.detach().contiguous(),
+               "loss": ce.detach().reshape(1)}
+    tensors.update({f"grad.{n}": p.grad.detach().clone() for n, p in ferry_named_parameters(model, blocks)})
+    # 5 AdamW steps from the same weights (test_reference's hyperparameters: those of this script)
+    model, blocks = reference_model(torch, cfg, state)
+    for blk in blocks.values():
+        blk.mask = keep
+    model.train()
+    named = ferry_named_parameters(model, blocks)
+    groups = [dict(params=[p for _, p in named if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
+              dict(params=[p for _, p in named if p.ndim < 2], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(BETA1, BETA2), eps=EPS)
+    step_loss, step_norm = [], []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        _, ce, total = objective(model, blocks)
+        total.backward()
+        step_norm.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)))
+        opt.step()
+        step_loss.append(ce.item())
+    tensors["step_loss"] = torch.tensor(step_loss, dtype=torch.float32)
+    tensors["step_grad_norm"] = torch.tensor(step_norm, dtype=torch.float32)
+    tensors.update({f"final.{n}": p.detach().clone() for n, p in named})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(fixture, "expected.safetensors"))
+    # test_reference: logits and loss within 1e-5, every gradient within 1e-4, the 5 steps' losses and
+    # norms within 1e-4 and the weights after them within 1e-4 (its own tolerances)
+    exe = os.path.join(os.path.dirname(ferry), "test", "test_reference")
+    if not os.path.exists(exe):
+        return problems + [f"no {exe} (build the tests)"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([exe, fixture], capture_output=True, text=True, env=dict(os.environ, FY_SOURCE_DIR=root))
+    ours = r.stderr[r.stderr.find(f"fixture {fixture}"):] if f"fixture {fixture}" in r.stderr else r.stderr
+    for line in ours.strip().splitlines()[1:]:
+        print(f"  padded: {line.strip()}")
+    if r.returncode != 0:
+        problems.append(f"test_reference failed on the padded fixture:\n{ours.strip()[-1500:]}")
+    return problems
+
+
 def check_ranks(ferry, tmp, data):
     """2 data-parallel ranks against accumulation on one: the same bits (see the docstring)."""
     import shutil
@@ -409,7 +510,16 @@ def main():
         for p in problems:
             print(f"       {p}")
         failed += bool(problems)
-    extra = 1
+    extra = 2
+    if not a.only or a.only == "padded":
+        try:
+            problems = check_padded(torch, ferry, tmp)
+        except Exception as e:
+            problems = [f"{type(e).__name__}: {e}"]
+        print(f"{'ok  ' if not problems else 'FAIL'} padded")
+        for p in problems:
+            print(f"       {p}")
+        failed += bool(problems)
     if not a.only or a.only == "ranks":
         try:
             problems = check_ranks(ferry, tmp, data)
