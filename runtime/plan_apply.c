@@ -104,7 +104,8 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
       fy_log_info("--plan %s is for micro-batches of %lld sequences, %lld accumulated a step, not --batch %lld "
                   "--grad-accum %lld: the plan's are used", o->plan, (long long)plan.k.micro_batch,
                   (long long)plan.k.grad_accum, (long long)o->batch, (long long)o->grad_accum);
-    // Pipeline stages run where fy_plan_pp_runs says (planner/plan.c); a plan runs on sim or on cuda.
+    // Pipeline stages run where fy_plan_pp_runs says (planner/plan.c: the one place to relax
+    // when they run on sim and cuda); a plan runs on sim or on cuda.
     if (plan.pp > 1 && !fy_plan_pp_runs(cuda ? "cuda" : "sim"))
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s lays out %d pipeline stages: dp %d x pp %d x tp %d; pipeline "
                           "stages run on --device cpu for now, not on %s, where a plan runs: not supported yet (the "

@@ -237,18 +237,6 @@ else
   cat "$d/rplan_plan.out"
   echo "FAIL  the plan for 2 GPUs with room for the whole model is not 2 resident replicas"
 fi
-# ferry plan --gpus 2 --pp 2 prices two resident pipeline stages (1F1B over its micro-batches), and
-# the plan file runs under mpirun and follows 1 rank (the stages' device peak as predicted, by hand).
-FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --pp 2 --device-mem 2GiB --host-mem 64KiB \
-  --model "$model" --batch 4 --seq "$seq" --out "$d/pplan.json" >"$d/pplan_plan.out" 2>&1 || { cat "$d/pplan_plan.out"; exit 1; }
-if grep -q '"pp":2' "$d/pplan.json" && grep -q '"resident":true' "$d/pplan.json"; then
-  RES=1 run pplan 2 --precision bf16 --plan "$d/pplan.json" --stop-after 4 || exit 1
-  check "a resident pipeline plan for 2 GPUs (pp 2) = 1 rank x 4, bf16" onebf16 pplan 2e-2
-else
-  fail=$((fail + 1))
-  cat "$d/pplan_plan.out"
-  echo "FAIL  ferry plan --gpus 2 --pp 2 on cuda is not 2 resident stages"
-fi
 
 # Without --offload, --tp keeps each rank's slices on its GPU with their gradients and AdamW state
 # (updated there; the cache is not used): = 1 rank in fp32, and a checkpoint of it resumes on
