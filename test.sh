@@ -148,7 +148,7 @@ if [ "$plain" = 1 ]; then
     # Every plan ferry plan writes trains, in the device and host memory it says (random machines,
     # models, batches, memory, precisions and ranks on the sim device).
     section "random plans on the sim device: each trains in the memory it predicts (test/plan_random.py)"
-    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 24 1
+    count_logged build/plan_random.log python3 test/plan_random.py build/ferry 20 1
   else
     failed=$((failed + 1))
   fi
@@ -183,11 +183,11 @@ if [ "$plain" = 1 ]; then
       skipped=$((skipped + 1))
     fi
     section "random plans on 1 to 4 emulated GPUs, resident and offloaded: each trains in the memory it predicts"
-    FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 20 1 --gpu
+    FY_EMU_GPUS=4 count_logged build-emu/plan_random.log python3 test/plan_random.py build-emu/ferry 16 1 --gpu
     if [ "$have_refs" = 1 ]; then
       section "random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
-        --random 20 --seed 1 --gpu --gpus 4
+        --random 14 --seed 1 --gpu --gpus 4
     else
       section "skipped: random configurations on the emulated GPU (no torch and transformers: see above)"
       skipped=$((skipped + 1))
