@@ -177,6 +177,10 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
 // weights): forward's routing alone, the same bits, so that an offloaded step knows which experts'
 // weights to load before their products run (runtime/offload.c).
 fy_status fy_moe_route(float *route, const float *inp, const float *gate, const struct fy_moe_dims *d);
+// route, dw (BT,K) the gradients of each token's K weights, n (E) the experts' token-choices ->
+// dlog (BT,E): the gradient of the router's logits (fy_moe_backward's and fy_moe_route_backward's)
+void fy_moe_router_dlogits(float *dlog, const float *route, const float *dw, const int64_t *n, float dbalance,
+                           const struct fy_moe_dims *d);
 // dout (BT,C) and forward's tensors; dbalance = d(objective)/d(balance) -> dinp (BT,C) += (NULL:
 // not wanted), dgate (E,C), dw1, db1, dw2, db2 = (or += with accumulate). An expert that got no
 // token has a zero gradient (left as it is with accumulate), and its weights are not read. Without

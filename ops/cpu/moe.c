@@ -180,6 +180,38 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
   return FY_OK;
 }
 
+// The router's gradient: route (BT, E+3K), dw (BT,K) the gradients of each token's K weights, n (E)
+// the experts' token-choices, dbalance -> dlog (BT,E), the gradient of the router's logits (d(weight_j)/
+// d(p_m) for the renormalised weights, the balance term's, then the softmax's backward; padding none).
+void fy_moe_router_dlogits(float *dlog, const float *route, const float *dw, const int64_t *n, float dbalance,
+                           const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, E = d->E, K = d->K, S = E + 3 * K;
+  // The router: d(weight_j)/d(p_m) for the renormalised weights p_{i_j} / sum_i p_i, and the
+  // balance term's d(P_e)/d(p[t][e]) = 1/N times E f_e (N the routed tokens); then the softmax's backward.
+  const int64_t N = moe_routed_tokens(d);
+  double f[E];
+  for (int64_t e = 0; e < E; e++) f[e] = N > 0 ? (double)n[e] / (double)N : 0.0;
+  const float bal = N > 0 ? dbalance * (float)E / (float)N : 0.0f;
+#pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
+  for (int64_t t = 0; t < BT; t++) {
+    const float *r = route + t * S;
+    if (!moe_routed(d, t)) {  // padding: no gradient through the router
+      for (int64_t e = 0; e < E; e++) dlog[t * E + e] = 0.0f;
+      continue;
+    }
+    float dp[E], chosen = 0, wdw = 0;
+    for (int64_t e = 0; e < E; e++) dp[e] = bal * (float)f[e];
+    for (int64_t j = 0; j < K; j++) {
+      chosen += r[(int64_t)r[E + j]];
+      wdw += dw[t * K + j] * r[E + K + j];
+    }
+    for (int64_t j = 0; j < K; j++) dp[(int64_t)r[E + j]] += (dw[t * K + j] - wdw) / chosen;
+    float pdp = 0;
+    for (int64_t e = 0; e < E; e++) pdp += r[e] * dp[e];
+    for (int64_t e = 0; e < E; e++) dlog[t * E + e] = r[e] * (dp[e] - pdp);
+  }
+}
+
 // dout (BT,C), inp, route, rows, gate, w1, w2 as forward's; dbalance the balance term's weight in
 // the objective -> dinp (BT,C) +=, dgate, dw1, db1, dw2, db2 (=, or += with accumulate; an expert
 // that got no token: 0, or unchanged). db1 and db2 may be NULL (no biases).
@@ -245,30 +277,7 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
     if (st == FY_OK) st = fy_linear_backward_params(gw1, gb1, dh + o * F, xs + o * C, R, C, F, accumulate, d->bf16);
   }
   FY_TRY(st);
-  // The router: d(weight_j)/d(p_m) for the renormalised weights p_{i_j} / sum_i p_i, and the
-  // balance term's d(P_e)/d(p[t][e]) = 1/N times E f_e (N the routed tokens); then the softmax's backward.
-  const int64_t N = moe_routed_tokens(d);
-  double f[E];
-  for (int64_t e = 0; e < E; e++) f[e] = N > 0 ? (double)n[e] / (double)N : 0.0;
-  const float bal = N > 0 ? dbalance * (float)E / (float)N : 0.0f;
-#pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
-  for (int64_t t = 0; t < BT; t++) {
-    const float *r = route + t * S;
-    if (!moe_routed(d, t)) {  // padding: no gradient through the router
-      for (int64_t e = 0; e < E; e++) dlog[t * E + e] = 0.0f;
-      continue;
-    }
-    float dp[E], chosen = 0, wdw = 0;
-    for (int64_t e = 0; e < E; e++) dp[e] = bal * (float)f[e];
-    for (int64_t j = 0; j < K; j++) {
-      chosen += r[(int64_t)r[E + j]];
-      wdw += dw[t * K + j] * r[E + K + j];
-    }
-    for (int64_t j = 0; j < K; j++) dp[(int64_t)r[E + j]] += (dw[t * K + j] - wdw) / chosen;
-    float pdp = 0;
-    for (int64_t e = 0; e < E; e++) pdp += r[e] * dp[e];
-    for (int64_t e = 0; e < E; e++) dlog[t * E + e] = r[e] * (dp[e] - pdp);
-  }
+  fy_moe_router_dlogits(dlog, route, dw, n, dbalance, d);
   if (dinp) {
     // dinp (BT,C) += dlog (BT,E) @ gate (E,C) (before dgate may overwrite gate), then each token's
     // rows of dx in the choices' order

@@ -202,25 +202,7 @@ fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, cons
   const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
   float *dlog = malloc((size_t)(BT * E) * 4 + 4);
   if (!dlog) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate the router's gradient");
-  // The router: d(weight_j)/d(p_m) for the renormalised weights p_{i_j} / sum_i p_i, and the
-  // balance term's d(P_e)/d(p[t][e]) = 1/BT times E f_e; then the softmax's backward.
-  double f[E];
-  for (int64_t e = 0; e < E; e++) f[e] = (double)n[e] / (double)BT;
-  const float bal = dbalance * (float)E / (float)BT;
-#pragma omp parallel for schedule(static) if (BT * E > FY_PAR_ROWS)
-  for (int64_t t = 0; t < BT; t++) {
-    const float *r = route + t * S;
-    float dp[E], chosen = 0, wdw = 0;
-    for (int64_t e = 0; e < E; e++) dp[e] = bal * (float)f[e];
-    for (int64_t j = 0; j < K; j++) {
-      chosen += r[(int64_t)r[E + j]];
-      wdw += dw[t * K + j] * r[E + K + j];
-    }
-    for (int64_t j = 0; j < K; j++) dp[(int64_t)r[E + j]] += (dw[t * K + j] - wdw) / chosen;
-    float pdp = 0;
-    for (int64_t e = 0; e < E; e++) pdp += r[e] * dp[e];
-    for (int64_t e = 0; e < E; e++) dlog[t * E + e] = r[e] * (dp[e] - pdp);
-  }
+  fy_moe_router_dlogits(dlog, route, dw, n, dbalance, d);  // (one rank's router gradient, the same bits)
   // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
   fy_status st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
   if (dinp && st == FY_OK) {
