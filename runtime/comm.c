@@ -57,6 +57,7 @@ const char *fy_collective_name(enum fy_collective op) {
     case FY_COMM_OP_BROADCAST: return "broadcast";
     case FY_COMM_OP_BARRIER: return "barrier";
     case FY_COMM_OP_P2P: return "send/receive";
+    case FY_COMM_OP_ALL_TO_ALL: return "all-to-all";
   }
   return "collective";
 }
@@ -69,7 +70,8 @@ size_t fy_comm_call_bytes(const struct fy_comm *c, const struct fy_comm_call *ca
     case FY_COMM_OP_ALL_GATHER: return (size_t)c->size * call->count * es;
     case FY_COMM_OP_BROADCAST: return call->count;
     case FY_COMM_OP_BARRIER: return 0;
-    case FY_COMM_OP_P2P: return call->count;
+    case FY_COMM_OP_P2P:
+    case FY_COMM_OP_ALL_TO_ALL: return call->count;
   }
   return 0;
 }
@@ -580,6 +582,7 @@ static fy_status mpi_run_locked(struct fy_comm *c, const struct fy_comm_call *ca
     case FY_COMM_OP_P2P:  // (fy_comm_group_p2p refuses it first: device memory, nccl alone)
       return fy_error_set(FY_ERR_UNSUPPORTED, "grouped send/receive on the mpi communicator (fy_comm_isend, "
                           "fy_comm_recv)");
+    case FY_COMM_OP_ALL_TO_ALL: break;  // (fy_comm_all_to_all_v runs it)
   }
   return fy_error_set(FY_ERR_INTERNAL, "unknown collective %d", (int)call->op);
 }
@@ -686,37 +689,6 @@ fy_status fy_comm_wait(struct fy_comm *c, struct fy_comm_req *req) {
 
 // ---- all-to-all (comm.h): expert parallelism's tokens to their experts' ranks and back ----
 
-// Waits for an all-to-all as mpi_wait does for a collective; past the timeout, the message and the
-// end of the job.
-static fy_status a2a_wait(struct fy_comm *c, MPI_Request *req, size_t bytes, double t0) {
-  double spin_until = fy_now() + FY_COMM_SPIN_S + (double)bytes / FY_COMM_SPIN_BPS;
-  for (;;) {
-    int done = 0;
-    mpi_lock();
-    int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
-    mpi_unlock();
-    if (rc != MPI_SUCCESS) return fy_comm_fail(c, mpi_error(rc, "MPI_Test (all-to-all)"));
-    if (done) return FY_OK;
-    double t = fy_now();
-    if (t - t0 > c->timeout_s) {
-      char sz[32], stp[48];
-      fy_error_set(FY_ERR_IO, "all-to-all of %s did not complete within %g s %s (a rank died or hangs)",
-                   fy_comm_size_text(bytes, sz, sizeof sz), c->timeout_s,
-                   fy_comm_step_text(atomic_load(&c->step), stp, sizeof stp));
-      fy_comm_fail(c, FY_ERR_IO);
-      fprintf(stderr, "ferry: rank %d: %s; aborting the job\n", c->rank, fy_error_msg());
-      fflush(stderr);
-      mpi_lock();
-      MPI_Abort(MPI_COMM_WORLD, 3);
-      _exit(3);
-    }
-    if (t >= spin_until) {
-      struct timespec ts = {0, FY_COMM_POLL_NS};
-      nanosleep(&ts, NULL);
-    }
-  }
-}
-
 // One MPI_Ialltoallv of `type` elements (counts and displacements in elements, ints for MPI) and its wait.
 static fy_status a2a_run(struct fy_comm *c, const void *send, const int64_t *sc, void *recv, const int64_t *rc_,
                          MPI_Datatype type, size_t esize) {
@@ -737,8 +709,11 @@ static fy_status a2a_run(struct fy_comm *c, const void *send, const int64_t *sc,
   mpi_lock();
   int rc = MPI_Ialltoallv(send, scnt, sdis, type, recv, rcnt, rdis, type, m->comm, &req);
   mpi_unlock();
-  fy_status st = rc == MPI_SUCCESS ? a2a_wait(c, &req, (size_t)(so + ro) * esize, t0)
-                                   : fy_comm_fail(c, mpi_error(rc, "MPI_Ialltoallv"));
+  // (waited for as a collective: past the timeout, the message and the end of the job)
+  const struct fy_comm_call call = {.op = FY_COMM_OP_ALL_TO_ALL, .count = (size_t)(so + ro) * esize,
+                                    .step = atomic_load(&c->step)};
+  fy_status st = rc == MPI_SUCCESS ? mpi_wait(c, &call, &req, 1, call.count, t0) : mpi_error(rc, "MPI_Ialltoallv");
+  if (st != FY_OK) fy_comm_fail(c, st);
   pthread_mutex_unlock(&m->op_mu);
   return st;
 }

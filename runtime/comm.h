@@ -146,7 +146,8 @@ void fy_comm_set_step(struct fy_comm *c, int64_t step);
 // ---- For backends (runtime/comm.c, runtime/comm_nccl.c) ----
 
 enum fy_collective { FY_COMM_OP_ALL_REDUCE, FY_COMM_OP_REDUCE_SCATTER, FY_COMM_OP_ALL_GATHER,
-                  FY_COMM_OP_BROADCAST, FY_COMM_OP_BARRIER, FY_COMM_OP_P2P };
+                  FY_COMM_OP_BROADCAST, FY_COMM_OP_BARRIER, FY_COMM_OP_P2P,
+                  FY_COMM_OP_ALL_TO_ALL };  // (fy_comm_all_to_all_v's, count its bytes: no backend's run())
 
 // One collective, as the front end hands it to a backend (already checked).
 struct fy_comm_call {

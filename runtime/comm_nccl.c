@@ -121,6 +121,7 @@ static const char *nccl_fn_name(enum fy_collective op) {
     case FY_COMM_OP_BROADCAST: return "ncclBroadcast";
     case FY_COMM_OP_BARRIER: return "ncclAllReduce (barrier)";
     case FY_COMM_OP_P2P: return "ncclSend/ncclRecv";
+    case FY_COMM_OP_ALL_TO_ALL: break;
   }
   return "nccl";
 }
@@ -342,6 +343,7 @@ static ncclResult_t nccl_enqueue(struct nccl_impl *m, const struct fy_comm_call 
       ncclResult_t e = ncclGroupEnd();  // (also after a failed call: the group is closed)
       return r != ncclSuccess && r != ncclInProgress ? r : e;
     }
+    case FY_COMM_OP_ALL_TO_ALL: break;  // (the mpi communicator's alone)
   }
   return ncclInvalidArgument;
 }
@@ -412,6 +414,7 @@ static fy_status nccl_check_buffers(struct nccl_impl *m, const struct fy_comm_ca
         if (call->msgs[k].bytes)
           FY_TRY(nccl_check_ptr(m, call->msgs[k].buf, call->msgs[k].send ? "send buffer" : "receive buffer"));
       return FY_OK;
+    case FY_COMM_OP_ALL_TO_ALL: return FY_OK;  // (never a backend's call)
   }
   return FY_OK;
 }
