@@ -180,6 +180,25 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
   return FY_OK;
 }
 
+void fy_moe_combine_backward(float *dy, float *dw, const float *dout, const float *route, const float *y,
+                             const struct fy_moe_dims *d) {
+  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
+#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
+  for (int64_t t = 0; t < BT; t++) {
+    const float *r = route + t * S, *g = dout + t * C;
+    for (int64_t j = 0; j < K && moe_routed(d, t); j++) {
+      const int64_t row = (int64_t)r[E + 2 * K + j];
+      const float w = r[E + K + j], *yr = y + row * C;
+      float *dyr = dy + row * C, s = 0;
+      for (int64_t c = 0; c < C; c++) {
+        dyr[c] = w * g[c];
+        s += g[c] * yr[c];
+      }
+      dw[t * K + j] = s;
+    }
+  }
+}
+
 // The router's gradient: route (BT, E+3K), dw (BT,K) the gradients of each token's K weights, n (E)
 // the experts' token-choices, dbalance -> dlog (BT,E), the gradient of the router's logits (d(weight_j)/
 // d(p_m) for the renormalised weights, the balance term's, then the softmax's backward; padding none).
@@ -232,20 +251,7 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
   for (int64_t e = 0; e < E; e++)
     memset(dy + (off[e] + n[e]) * C, 0, (size_t)((fy_moe_rows(n[e]) - n[e]) * C) * 4);
   // dy[row] = weight_j dout[t]; the weights' gradients dw[t][j] = dout[t] . y[row].
-#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
-  for (int64_t t = 0; t < BT; t++) {
-    const float *r = route + t * S, *g = dout + t * C;
-    for (int64_t j = 0; j < K && moe_routed(d, t); j++) {
-      const int64_t row = (int64_t)r[E + 2 * K + j];
-      const float w = r[E + K + j], *yr = y + row * C;
-      float *dyr = dy + row * C, s = 0;
-      for (int64_t c = 0; c < C; c++) {
-        dyr[c] = w * g[c];
-        s += g[c] * yr[c];
-      }
-      dw[t * K + j] = s;
-    }
-  }
+  fy_moe_combine_backward(dy, dw, dout, route, y, d);
   fy_status st = FY_OK;
   for (int64_t e = 0; e < E && st == FY_OK; e++) {
     const int64_t R = fy_moe_rows(n[e]), o = off[e];

@@ -177,25 +177,6 @@ void fy_moe_combine(float *out, const float *route, const float *y, const struct
   }
 }
 
-void fy_moe_combine_backward(float *dy, float *dw, const float *dout, const float *route, const float *y,
-                             const struct fy_moe_dims *d) {
-  const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
-#pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
-  for (int64_t t = 0; t < BT; t++) {
-    const float *r = route + t * S, *g = dout + t * C;
-    for (int64_t j = 0; j < K; j++) {
-      const int64_t row = (int64_t)r[E + 2 * K + j];
-      const float w = r[E + K + j], *yr = y + row * C;
-      float *dyr = dy + row * C, s = 0;
-      for (int64_t c = 0; c < C; c++) {
-        dyr[c] = w * g[c];
-        s += g[c] * yr[c];
-      }
-      dw[t * K + j] = s;
-    }
-  }
-}
-
 fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, const float *dx, const float *inp,
                                 const float *route, const float *gate, const int64_t *n, float dbalance,
                                 bool accumulate, const struct fy_moe_dims *d) {
