@@ -62,6 +62,21 @@ static fy_status apply_lagged(const struct fy_train_opts *o, struct run *r) {
   return st;
 }
 
+// --optimizer-lag (resident): the step before's update now; this step's gradients kept (swapped with
+// the lag's buffer) and its update applied after the next step's passes.
+static fy_status defer_update(const struct fy_train_opts *o, struct run *r, int64_t step, float unscale, double norm,
+                              bool overflow) {
+  struct fy_model *model = r->model;
+  fy_status st = apply_lagged(o, r);
+  float *t = model->grads;
+  model->grads = r->lag_grads;
+  r->lag_grads = t;
+  r->lag = (struct lagged_update){.pending = true, .skip = overflow, .lr = fy_lr_at(o, step), .grad_scale = unscale,
+                                  .t = r->updates + 1, .norm = norm};
+  if (!overflow) r->updates++;
+  return st;
+}
+
 // --optimizer-lag: the update still pending applied, so that the weights are those after every
 // step so far (before a checkpoint, a validation that ends the run, the end); the next step starts
 // the lag again. Without the lag, offloaded: the engine's streams synced.
@@ -138,13 +153,7 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   if (r->pp_compute && r->dp_compute) FY_TRY(fy_comm_status(r->dp_compute));
   *overflow = !isfinite(*norm_out);
   if (r->lag_own) {  // --optimizer-lag: the step before's update now, this one's after the next step's passes
-    st = apply_lagged(o, r);
-    float *t = model->grads;
-    model->grads = r->lag_grads;
-    r->lag_grads = t;
-    r->lag = (struct lagged_update){.pending = true, .skip = *overflow, .lr = fy_lr_at(o, step), .grad_scale = unscale,
-                                    .t = r->updates + 1, .norm = *norm_out};
-    if (!*overflow) r->updates++;
+    st = defer_update(o, r, step, unscale, *norm_out, *overflow);
   } else if (!*overflow) {
     st = fy_pipeline_adamw(r->pipe, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out);
     if (st == FY_OK) r->updates++;
@@ -213,13 +222,7 @@ fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t st
   *overflow = !isfinite(*norm_out);
   fy_status st = FY_OK;
   if (r->lag_own) {  // the step before's update now, this one's after the next step's passes
-    st = apply_lagged(o, r);
-    float *t = model->grads;
-    model->grads = r->lag_grads;
-    r->lag_grads = t;
-    r->lag = (struct lagged_update){.pending = true, .skip = *overflow, .lr = fy_lr_at(o, step), .grad_scale = unscale,
-                                    .t = r->updates + 1, .norm = *norm_out};
-    if (!*overflow) r->updates++;
+    st = defer_update(o, r, step, unscale, *norm_out, *overflow);
   } else if (!*overflow &&
              (st = fy_optimizer_step(model, &o->adamw, fy_lr_at(o, step), r->updates + 1, unscale, *norm_out)) == FY_OK) {
     r->updates++;
