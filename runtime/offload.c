@@ -179,10 +179,14 @@ struct fy_offload {
   // or -1). norm_skip: the parameters another stage counts in the norm (the tied one on the last);
   // zero_first: those whose first gradient of a backward another stage writes, so this stage's
   // part starts from zero (the tied one on the first), zeroed[] this half-pass.
+  // tied_sumsq: the tied gradient's sum of squares after sum_tied, where sums_on_device took it
+  // of one end's part (tied_sumsq_set; the norm reads it instead).
   bool staged;
   int stage_lo, stage_hi, n_fwd, tied;
   struct fy_comm *c_stage;
   bool *norm_skip, *zero_first, *zeroed;
+  bool tied_sumsq_set;
+  double tied_sumsq;
   // The first error a host function met (its message: fy_error is per thread).
   pthread_mutex_t err_lock;
   fy_status async_st;
@@ -1506,7 +1510,9 @@ static void norm_fn(void *arg) {
   double s[2] = {0, 0};  // whole parameters, tensor-parallel slices
   for (int i = 0; i < g->n_params; i++) {
     if (g->params[i].absent || (x->norm_skip && x->norm_skip[i])) continue;  // (another stage's)
-    s[g->params[i].split_dim >= 0] += g->params[i].chunk < x->n_dev || x->sums_on_device ? x->host_sums[i] : x->sumsq[i];
+    s[g->params[i].split_dim >= 0] += i == x->tied && x->tied_sumsq_set                    ? x->tied_sumsq
+                                      : g->params[i].chunk < x->n_dev || x->sums_on_device ? x->host_sums[i]
+                                                                                           : x->sumsq[i];
   }
   // Every rank's sums, added in rank order (the same bits on every rank): the shards over the
   // data-parallel ranks, then the slices over the tensor-parallel ones. Doubles travel as words.
@@ -1806,17 +1812,21 @@ enum { TAG_TIED_GRAD = 1 << 22 };  // (the stages' point-to-point messages of th
 
 // A pipeline's tied embedding: this rank's part of its gradient, summed between the first stage
 // (the embedding's part) and the last (the lm_head's), the same bits on both: lm_head's + the
-// embedding's, the order one rank adds them in. The stages' chunk layouts have the same chunk
-// size and the tied weight at the start of chunk 0 (its first use is the first op), so both ends
-// hold the same elements of it (with sharding, this data-parallel rank's). After the step's passes.
+// embedding's, the order one rank adds them in (16-bit gradients, a GPU's coming home over the
+// 16-bit copy: added in fp32, rounded once, as the resident GPU stages' sum). The stages' chunk
+// layouts have the same chunk size and the tied weight at the start of chunk 0 (its first use is
+// the first op), so both ends hold the same elements of it (with sharding, this data-parallel
+// rank's). After the step's passes.
 static fy_status sum_tied(struct fy_offload *x) {
   const int n_stages = fy_comm_size(x->c_stage), me = fy_comm_rank(x->c_stage);
   if (n_stages == 1 || (me != 0 && me != n_stages - 1)) return FY_OK;
   const struct fy_param *p = &x->m->graph->params[x->tied];
   const int c = p->chunk;
-  if (grads_dtype(x, c) != FY_F32)
+  const enum fy_dtype dt = grads_dtype(x, c);
+  if (dt != FY_F32 && dt != FY_BF16)
     return fy_error_set(FY_ERR_UNSUPPORTED, "a pipeline's tied embedding with %s gradients: not supported yet",
-                        fy_dtype_name(grads_dtype(x, c)));
+                        fy_dtype_name(dt));
+  const size_t es = fy_dtype_size(dt);
   const int64_t lo = c < x->n_dev ? 0 : x->lo, hi = lo + state_elems(x, c);
   const int64_t a = p->chunk_offset > lo ? p->chunk_offset : lo,
                 b = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
@@ -1825,11 +1835,12 @@ static fy_status sum_tied(struct fy_offload *x) {
   FY_TRY(fy_stream_sync(x->copy_out));  // (its write-backs are home)
   FY_TRY(fy_stream_sync(x->optim));  // (the last step's updates done with the disk's requests)
   FY_TRY(async_status(x));
-  const size_t bytes = (size_t)(b - a) * 4;
-  float *mine = malloc(bytes), *theirs = malloc(bytes), *home = (float *)chunk_grads(x, c);
+  const size_t bytes = (size_t)(b - a) * es;
+  void *mine = malloc(bytes), *theirs = malloc(bytes);
+  char *home = (char *)chunk_grads(x, c);
   fy_status st = mine && theirs ? FY_OK : fy_error_set(FY_ERR_NOMEM, "out of memory");
   // Wherever they live (host tier, device, disk): through the copy engine or the disk.
-  if (st == FY_OK && home) st = fy_copy_async(x->copy_out, mine, home + (a - lo), bytes);
+  if (st == FY_OK && home) st = fy_copy_async(x->copy_out, mine, home + (size_t)(a - lo) * es, bytes);
   if (st == FY_OK && home) st = fy_stream_sync(x->copy_out);
   if (st == FY_OK && !home) st = disk_io(x, false, c, disk_off(x, c, 0) + (size_t)(a - lo) * 4, mine, bytes, x->req_g);
   const bool last = me == n_stages - 1;
@@ -1839,11 +1850,23 @@ static fy_status sum_tied(struct fy_offload *x) {
   if (st == FY_OK) st = fy_comm_recv(x->c_stage, theirs, bytes, peer, TAG_TIED_GRAD);
   fy_status w = fy_comm_wait(x->c_stage, req);
   if (st == FY_OK) st = w;
-  float *sum = theirs;  // (mine may still be read by the send until it is waited for: done)
-  for (int64_t i = 0; st == FY_OK && i < b - a; i++) sum[i] = last ? mine[i] + theirs[i] : theirs[i] + mine[i];
-  if (st == FY_OK && home) st = fy_copy_async(x->copy_out, home + (a - lo), sum, bytes);
+  // (mine may still be read by the send until it is waited for: done)
+  const void *lm = last ? mine : theirs, *emb = last ? theirs : mine;
+  if (st == FY_OK && dt == FY_F32)
+    for (int64_t i = 0; i < b - a; i++) ((float *)theirs)[i] = ((const float *)lm)[i] + ((const float *)emb)[i];
+  if (st == FY_OK && dt == FY_BF16)
+    for (int64_t i = 0; i < b - a; i++)
+      ((uint16_t *)theirs)[i] = fy_f32_to_bf16(fy_bf16_to_f32(((const uint16_t *)lm)[i]) +
+                                               fy_bf16_to_f32(((const uint16_t *)emb)[i]));
+  // The norm's sum of squares of it (the first stage counts it), where the kernels took it from
+  // the block of one end's part alone (sums_on_device): taken again here, of the sum.
+  if (st == FY_OK && x->sums_on_device && c >= x->n_dev && dt == FY_BF16) {
+    x->tied_sumsq = fy_sumsq_bf16(theirs, b - a);
+    x->tied_sumsq_set = true;
+  }
+  if (st == FY_OK && home) st = fy_copy_async(x->copy_out, home + (size_t)(a - lo) * es, theirs, bytes);
   if (st == FY_OK && home) st = fy_stream_sync(x->copy_out);
-  if (st == FY_OK && !home) st = disk_io(x, true, c, disk_off(x, c, 0) + (size_t)(a - lo) * 4, sum, bytes, x->req_g);
+  if (st == FY_OK && !home) st = disk_io(x, true, c, disk_off(x, c, 0) + (size_t)(a - lo) * 4, theirs, bytes, x->req_g);
   free(mine);
   free(theirs);
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "summing the tied embedding's gradient between the pipeline's ends");

@@ -330,28 +330,35 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
 }
 
 fy_status fy_pipeline_forward_eval(struct fy_pipeline *p, const struct fy_batch *b, double *loss_sum) {
-  if (p->gpu)  // (its messages would be the host's, of device memory)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "validation and evaluation through pipeline stages on GPUs: not supported "
-                        "yet (they run on --device cpu and sim)");
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;
   // One batch at a time on the first arena: the send of the last one's activation is done before
   // this one's forward overwrites it (its receiver is already past it, one batch ahead at most).
+  // On a GPU the kernels' stream waited for it after it was issued (below).
   FY_TRY(fy_comm_wait(p->comm, p->act_sends[0]));
   p->act_sends[0] = NULL;
   m->acts = p->arenas[0];
-  if (p->in_slot >= 0)
-    FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
-                        (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
+  const size_t in_bytes = p->in_slot >= 0 ? (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float) : 0;
+  if (p->in_slot >= 0 && p->gpu)
+    FY_TRY(fy_pipeline_gpu_recv(p->gpu, m->acts + g->slots[p->in_slot].offset, in_bytes, p->stage - 1));
+  else if (p->in_slot >= 0)
+    FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset, in_bytes, p->stage - 1, TAG_ACT));
   struct fy_loss loss = {0};
   if (p->x) FY_TRY(fy_offload_stage_forward(p->x, b, &loss.sum));
   else FY_TRY(fy_engine_forward_eval_ops(m, b, p->lo, p->hi, &loss));
   *loss_sum = fy_pipeline_is_last(p) ? loss.sum : 0;
-  if (p->out_slot >= 0)  // (in flight until the next batch, or the next step's first forward, waits for it)
-    FY_TRY(fy_comm_isend(p->comm, m->acts + g->slots[p->out_slot].offset,
-                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_ACT,
-                         &p->act_sends[0]));
-  return FY_OK;
+  if (p->out_slot < 0) return FY_OK;
+  const size_t out_bytes = (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float);
+  if (p->gpu) {
+    // Issued now, not held: nothing comes back from the next stage to group it with. The kernels'
+    // stream waits for it (until the next stage receives, which it does when it reaches this
+    // batch), so the next forward on this arena, an evaluation's or a step's, finds it sent.
+    FY_TRY(fy_pipeline_gpu_send(p->gpu, m->acts + g->slots[p->out_slot].offset, out_bytes, p->stage + 1));
+    return fy_pipeline_gpu_flush(p->gpu, true);
+  }
+  // (in flight until the next batch, or the next step's first forward, waits for it)
+  return fy_comm_isend(p->comm, m->acts + g->slots[p->out_slot].offset, out_bytes, p->stage + 1, TAG_ACT,
+                       &p->act_sends[0]);
 }
 
 fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {

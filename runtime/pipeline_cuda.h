@@ -17,7 +17,9 @@
 // that receives before its next kernel (it reads what came). A send alone is not waited for: its
 // buffer is not written again before a later receive the kernels do wait for (the stage's
 // activation arena waits for its micro-batch's backward, after the gradient's receive; the
-// activations' gradient arena for the next receive, or fy_pipeline_gpu_flush(wait)).
+// activations' gradient arena for the next receive, or fy_pipeline_gpu_flush(wait)). Evaluation's
+// forward passes (fy_pipeline_forward_eval) send forward alone, so a send is issued at once and
+// waited for (flush with wait): the next batch's forward on the same arena finds it sent.
 #ifndef FY_PIPELINE_CUDA_H
 #define FY_PIPELINE_CUDA_H
 

@@ -454,14 +454,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
   // (Evaluation: forward passes alone, one a step in the engine's trace.)
   bool order[2 * (o->grad_accum > 0 ? o->grad_accum : 1)];
-  if (r->pp > 1 && r->eval && cuda)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "ferry eval --pp %d on GPUs: not supported yet (evaluation through "
-                        "pipeline stages runs on --device cpu and sim)", r->pp);
   if (r->pp > 1 && cuda) {  // (on GPUs the stages' messages go by NCCL send/recv)
     fy_status sp = device_comm(r->pp_comm, r->pp_rank, true, &r->pp_compute);
     if (sp != FY_OK) return fy_error_wrap(sp, "%d pipeline stages on GPUs", r->pp);
-    FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
-                                  &r->pipe));
+    FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank,
+                                  r->eval ? 1 : (int)o->grad_accum, &r->pipe));
   } else if (r->pp > 1) {
     FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, r->eval ? 1 : (int)o->grad_accum, &r->pipe));
   }
@@ -522,14 +519,23 @@ fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) {
   struct fy_model_source *s;
   FY_TRY(fy_model_source_open(&r->whole, dir, seed, &s));
   fy_status st = FY_OK;
-  if (r->model->params && fy_model_params_on_device(r->model)) {  // (a GPU's: taken on the host, then up)
-    const size_t bytes = (size_t)r->model->graph->n_param_elems * 4;
-    float *host = calloc(bytes / 4 + 1, 4);
-    if (!host) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-    if (st == FY_OK) fy_tp_take(r->model->graph, host, r->whole_graph, tp_read_weights, s);
-    if (st == FY_OK) st = fy_model_upload(r->model, r->model->params, host, bytes);
-    r->model->cparams_fresh = false;
+  if ((r->model->params && fy_model_params_on_device(r->model)) || r->model->weights16) {
+    // (a GPU's: taken on the host, then up; evaluating in 16 bits, a pipeline stage's weights are
+    // its 16-bit copy alone, converted on the host as fy_model_load converts one rank's)
+    struct fy_model *m = r->model;
+    const size_t n = (size_t)m->graph->n_param_elems;
+    float *host = calloc(n + 1, 4);
+    void *w16 = m->weights16 ? malloc(n * m->cparams_esize + 1) : NULL;
+    if (!host || (m->weights16 && !w16)) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    if (st == FY_OK && m->weights16 && !m->cparams)
+      st = fy_error_set(FY_ERR_INTERNAL, "16-bit weights before the compute dtype is set");
+    if (st == FY_OK) fy_tp_take(m->graph, host, r->whole_graph, tp_read_weights, s);
+    if (st == FY_OK && w16) fy_convert_from_f32(w16, m->compute_dtype, host, n);
+    if (st == FY_OK) st = w16 ? fy_model_upload(m, m->cparams, w16, n * m->cparams_esize)
+                              : fy_model_upload(m, m->params, host, n * 4);
+    m->cparams_fresh = w16 && st == FY_OK;  // (the 16-bit weights are current; fp32 ones are converted at the next pass)
     free(host);
+    free(w16);
   } else if (r->model->params) {
     fy_tp_take(r->model->graph, r->model->params, r->whole_graph, tp_read_weights, s);
     r->model->cparams_fresh = false;
@@ -755,12 +761,9 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     if ((!r->model->grads && !r->eval) || r->x || (r->model->device_memory && !r->pp_compute))
       return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d: pipeline stages train on --device cpu, sim and cuda for now",
                           r->pp);
-    if (r->pp_compute && r->eval)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "ferry eval --pp %d on GPUs: not supported yet (evaluation through "
-                          "pipeline stages runs on --device cpu and sim)", r->pp);
     if (r->pp_compute)
-      FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank, (int)o->grad_accum,
-                                    &r->pipe));
+      FY_TRY(fy_pipeline_create_gpu(r->model, r->pp_comm, r->pp_compute, r->pp, r->pp_rank,
+                                    r->eval ? 1 : (int)o->grad_accum, &r->pipe));
     else
       FY_TRY(fy_pipeline_create(r->model, r->pp_comm, r->pp, r->pp_rank, r->eval ? 1 : (int)o->grad_accum,
                                 &r->pipe));

@@ -90,15 +90,9 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                         "state (use --optimizer-state fp32)", e->optimizer_state, e->tp);
   if (e->pp > 1) {  // (what pipeline stages do not run yet: docs/ranks.md, "Pipeline parallelism")
     const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
-    const char *no = e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0 && !cuda
-                         ? "another device (stages run on --device cpu, sim and cuda)"
-                     : cuda && e->val_data                     ? "--val-data on GPUs (validation through the stages runs "
-                                                                 "on --device cpu and sim)"
-                     : cuda && e->optimizer_lag > 0            ? "--optimizer-lag on GPUs (cpu and sim stages take it)"
-                     : cuda && compressed                      ? "--optimizer-state bf16 or 8bit on GPUs (cpu and sim "
-                                                                 "stages keep it)"
-                                                               : NULL;
-    if (no) return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with %s: not supported yet", e->pp, no);
+    if (e->device && strcmp(e->device, "cpu") != 0 && strcmp(e->device, "sim") != 0 && !cuda)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--pp %d with another device (stages run on --device cpu, sim and "
+                          "cuda): not supported yet", e->pp);
   }
   if (e->disk_master && (!e->precision || strcmp(e->precision, "fp32") == 0))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master needs 16-bit compute (--precision bf16 or fp16): the host "
