@@ -18,9 +18,10 @@
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
 # checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
-# checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint, and dp 2 x
-# pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with four GPUs, dp 2 x pp 2 x
-# tp 2 with eight; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint and
+# validation, offloaded with 8-bit AdamW state and with --optimizer-lag 1, and ferry eval --pp 2 =
+# 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
+# four GPUs, dp 2 x pp 2 x tp 2 with eight; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -190,14 +191,44 @@ check "a checkpoint of 2 replicas resumed by 1 offloaded rank" rtwobf16 rres1 2e
 # same sums in the same order: within 1e-5), and offloaded (--offload: each stage's chunks through
 # its GPU's cache) = 1 rank x 4 in bf16; the stages' checkpoint of step 2 resumes on 1 rank (the
 # straight run's losses); with 4 GPUs, 2 pipelines of 2 stages. (Each stops after 4 of the 8 steps.)
-RES=1 run pone 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 || exit 1
+pv=(--val-data "$data" --val-every 2 --val-batches 2)  # (validation: each batch's forward through the stages)
+RES=1 run pone 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 "${pv[@]}" || exit 1
 rm -rf "$d/ppck"
-RES=1 run ppfp32 2 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 --save "$d/ppck" --save-every 2 || exit 1
+RES=1 run ppfp32 2 --precision fp32 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 --save "$d/ppck" --save-every 2 \
+  "${pv[@]}" || exit 1
 check "--pp 2 on 2 GPUs = 1 rank, fp32" pone ppfp32 1e-5
+check "validation through --pp 2 on 2 GPUs = 1 rank, fp32" pone ppfp32 1e-6 val_loss
 run ppoff 2 --precision bf16 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 || exit 1
 check "--pp 2 --offload on 2 GPUs = 1 rank x 4, bf16" onebf16 ppoff 2e-2
 RES=1 run ppres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --resume "$d/ppck/step-00000002" || exit 1
 check "a --pp 2 checkpoint on GPUs resumed by 1 rank" ppfp32 ppres1 1e-5
+# Offloaded stages keep what one offloaded rank keeps: 8-bit AdamW state (fp32 compute, the same
+# sums: every printed digit), and with --optimizer-lag 1 (bf16, one micro-batch a step: each update
+# a step late, the gradients home over the 16-bit copy) 8-bit state too, validating each time; the
+# lagged run within 2e-4 of 1 rank's (the tied embedding's two bf16 parts summed with one rounding
+# more than 1 rank's; no lag would be 3e-2 off by step 2).
+for how in "q8:--precision fp32 --grad-accum 4 --optimizer-state 8bit" \
+  "lag:--precision bf16 --grad-accum 1 --optimizer-lag 1 --optimizer-state 8bit"; do
+  run "pxone${how%%:*}" 1 --batch 1 --stop-after 4 ${how#*:} "${pv[@]}" || exit 1
+  run "pxpp${how%%:*}" 2 --batch 1 --stop-after 4 ${how#*:} "${pv[@]}" --pp 2 || exit 1
+done
+check "--pp 2 --offload with 8-bit AdamW state on 2 GPUs = 1 rank, fp32" pxoneq8 pxppq8 1e-6
+check "validation through --pp 2 --offload on 2 GPUs = 1 rank, fp32" pxoneq8 pxppq8 1e-6 val_loss
+check "--pp 2 --offload with --optimizer-lag 1 and 8-bit state on 2 GPUs = 1 rank, bf16" pxonelag pxpplag 2e-4
+check "validation through lagged --pp 2 --offload on 2 GPUs = 1 rank, bf16" pxonelag pxpplag 2e-4 val_loss
+# ferry eval --pp 2 on 2 GPUs (offloaded in fp32, resident in bf16, whose stages keep the 16-bit
+# weights alone): 1 GPU's loss, every digit.
+for how in "fp32:--offload --device-mem $mem" "bf16:"; do
+  evp=(eval --data "$data" --seq "$seq" --batch 2 --batches 3 --device cuda --init "$d/onemodel" --precision ${how%%:*}
+    ${how#*:})
+  what="${how%%:*} ${how#*:}" && [ -n "${how#*:}" ] || what="${how%%:*} resident"
+  if e1=$("$ferry" "${evp[@]}" 2>&1 | grep '^eval loss') && e2=$("${mpi[@]}" -np 2 "$ferry" "${evp[@]}" --pp 2 2>&1 |
+    grep '^eval loss') && [ -n "$e1" ] && [ "$e1" = "$e2" ]; then
+    pass=$((pass + 1)); echo "ok    ferry eval --pp 2 on 2 GPUs ($what): 1 GPU's loss ($(echo "$e1" | cut -d' ' -f3))"
+  else
+    fail=$((fail + 1)); echo "FAIL  ferry eval --pp 2 on 2 GPUs ($what): '${e2:-}' against 1 GPU's '${e1:-}'"
+  fi
+done
 if [ "$gpus" -ge 4 ]; then  # two pipelines, their stages' gradients summed by NCCL across them
   RES=1 run dppp 4 --precision fp32 --batch 1 --grad-accum 2 --pp 2 --stop-after 4 || exit 1
   check "dp 2 x pp 2 on 4 GPUs = 1 rank x 4, fp32" onefp32 dppp 1e-4
