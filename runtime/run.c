@@ -533,7 +533,7 @@ fy_status tp_take_weights(struct run *r, const char *dir, uint64_t seed) {
     if (st == FY_OK && w16) fy_convert_from_f32(w16, m->compute_dtype, host, n);
     if (st == FY_OK) st = w16 ? fy_model_upload(m, m->cparams, w16, n * m->cparams_esize)
                               : fy_model_upload(m, m->params, host, n * 4);
-    m->cparams_fresh = w16 && st == FY_OK;  // (the 16-bit weights are current; fp32 ones are converted at the next pass)
+    m->cparams_fresh = w16 && st == FY_OK;  // (16-bit weights current; fp32 ones converted at the next pass)
     free(host);
     free(w16);
   } else if (r->model->params) {
