@@ -5,7 +5,8 @@
 // gradient and router gradient must be the whole kernel's bit for bit on each rank's tokens, and
 // each expert's gradient the sum of the two ranks' in rank order; an expert no token chooses has a
 // zero gradient, or keeps its gradient when accumulating. With bf16 products (16-bit compute, as
-// the engine runs --precision bf16) the pieces' products are the whole kernel's too.
+// the engine runs --precision bf16) the pieces' products are the whole kernel's too, and each
+// expert's gradient the sum of the two ranks' rounded to bf16 (fy_moe_dims.block_grads).
 #include <string.h>
 
 #include "check.h"
@@ -32,7 +33,8 @@ static int64_t first_row(const int64_t *n, int e) {
 }
 
 static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
-  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = bf16};
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = bf16,
+                                .block_grads = bf16 ? FY_BF16 : FY_F32};
   const int64_t cap = fy_moe_rows_cap(BT, E, K);
   static float inp[P][BT * C], dout[P][BT * C], gate[E * C], w1[E * F * C], b1[E * F], w2[E * C * F], b2[E * C];
   for (int s = 0; s < P; s++) fill(inp[s], BT * C, 2.0f, starve), fill(dout[s], BT * C, 1.0f, false);
@@ -53,6 +55,10 @@ static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
   }
   (void)cap;
   static float s1[E * F * C], sb1[E * F], s2[E * C * F], sb2[E * C];  // the replicas' all-reduce
+  for (int s = 0; s < P && bf16; s++) {  // (16-bit numerics: of each replica's gradients as the engine rounds them)
+    fy_round_to_dtype(g1[s], g1[s], FY_BF16, E * F * C), fy_round_to_dtype(g2[s], g2[s], FY_BF16, E * C * F);
+    fy_round_to_dtype(gb1[s], gb1[s], FY_BF16, E * F), fy_round_to_dtype(gb2[s], gb2[s], FY_BF16, E * C);
+  }
   for (int64_t i = 0; i < E * F * C; i++) s1[i] = g1[0][i] + g1[1][i], s2[i] = g2[0][i] + g2[1][i];
   for (int64_t i = 0; i < E * F; i++) sb1[i] = gb1[0][i] + gb1[1][i];
   for (int64_t i = 0; i < E * C; i++) sb2[i] = gb2[0][i] + gb2[1][i];
