@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/dtype.h"
 #include "core/status.h"
 
 // The sizes (elements of the loop) above which a kernel's loop is split among OpenMP threads; at
@@ -167,6 +168,8 @@ struct fy_moe_dims {
   bool gelu;             // the experts' activation: gelu (else relu)
   bool bf16;             // the experts' products with bf16 operands, as fy_linear_forward's
   const int32_t *mask;   // (BT): 0 = padding, routed to no expert; NULL: every token routed
+  enum fy_dtype block_grads;  // fy_moe_experts_backward: each block's weight gradients rounded to this
+                              // dtype before they add (16-bit numerics); FY_F32 (0): not rounded
 };
 // inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
 //   -> out (BT,C), route, rows, *balance
@@ -215,8 +218,8 @@ fy_status fy_moe_experts_forward(float *y, float *xpad, float *hpad, const float
                                  int nb, const float *w1, const float *b1, const float *w2, const float *b2,
                                  const struct fy_moe_dims *d);
 // dy (sum cnt, C), forward's xpad, hpad -> dx (sum cnt, C); dw1, db1, dw2, db2 of the `experts`
-// held: the sum of their blocks' gradients in block order (=, or += with accumulate), zero for an
-// expert without blocks or rows.
+// held: the sum of their blocks' gradients in block order (=, or += with accumulate), each rounded
+// to d->block_grads first, zero for an expert without blocks or rows.
 fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2, float *db2, const float *dy,
                                   const float *xpad, const float *hpad, const int *ex, const int64_t *cnt, int nb,
                                   const float *w1, const float *w2, int experts, bool accumulate,

@@ -346,8 +346,10 @@ void fy_op_call_backward(void *arg) {
       float *d = fy_engine_dinput_own(m, op, k);  // (an add's shared one is dout, already rounded)
       if (d) fy_round_to_dtype(d, d, m->compute_dtype, (size_t)g->slots[op->in[k]].numel);
     }
-    for (int k = 0; k < op->n_params; k++)
+    for (int k = 0; k < op->n_params; k++) {
+      if (m->ep && op->kind == FY_OP_MOE && k > 0) continue;  // (the experts': ep.c rounds each source's part)
       fy_round_to_dtype(c->g[k], c->g[k], m->compute_dtype, (size_t)g->params[op->params[k]].numel);
+    }
   }
   if (m->profile) m->op_seconds[op->kind][1] += omp_get_wtime() - t0;
   if (st != FY_OK) c->st = fy_error_wrap(st, "backward of %s", op->name);

@@ -120,8 +120,12 @@ void fy_ep_free(struct fy_ep *ep) {
 
 static struct fy_moe_dims dims(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
+  // 16-bit numerics: the whole op's products, and each source's part of an expert's gradients
+  // rounded as its own backward would round them before the sources add (the engine leaves the
+  // experts' sums as they are: fy_op_call_backward), so the sum is 1 rank's over its micro-batches.
   return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
-                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
+                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16,
+                              .block_grads = a->m->compute_dtype};
 }
 
 // This rank's experts' part of a stacked parameter (whole: experts [e0, e0 + El) of E, each of n

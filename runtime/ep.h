@@ -3,7 +3,9 @@
 // router and the dense weights whole. A mixture's forward routes this rank's tokens, sends each
 // token's row to the ranks holding its experts and gets their results back (two all-to-alls,
 // fy_comm_all_to_all_v, the row counts exchanged first); its backward sends the rows' gradients
-// the same way and gets the inputs' gradients back. The kernels are ops/cpu/moe_ep.c's.
+// the same way and gets the inputs' gradients back. The kernels are ops/cpu/moe_ep.c's; in 16-bit
+// numerics they compute the whole op's products and round each source's part of an expert's
+// gradient before the sources add (fy_moe_dims.block_grads), as 1 rank rounds each micro-batch's.
 // Offloaded (--device sim, sharded chunks) the graph keeps every expert instead: a rank computes
 // its E/ep of them and writes zeros for the others' gradients (runtime/ep.c, "whole").
 #ifndef FY_EP_H

@@ -631,12 +631,6 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %lld experts of %s's mixture layers: each rank of "
                         "an expert-parallel group holds experts/ep of them", r->ep,
                         (long long)r->cfg.num_local_experts, r->cfg.name);
-  if (r->ep > 1 && o->precision && strcmp(o->precision, "fp32") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --precision %s: expert parallelism computes in fp32 for now",
-                        r->ep, o->precision);
-  if (r->ep > 1 && o->optimizer_state && strcmp(o->optimizer_state, "fp32") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --optimizer-state %s: expert parallelism keeps AdamW's state "
-                        "in fp32 for now", r->ep, o->optimizer_state);
   if (r->cfg.num_local_experts > 0 && r->pp > 1)
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: pipeline parallelism (--pp %d) of a mixture is "
                         "not supported yet (its load-balancing term is not carried across stages)", r->cfg.name, r->pp);

@@ -4,7 +4,9 @@
 // owner computes its two experts block by block, and the results come back. Every output, input
 // gradient and router gradient must be the whole kernel's bit for bit on each rank's tokens, and
 // each expert's gradient the sum of the two ranks' in rank order; an expert no token chooses has a
-// zero gradient, or keeps its gradient when accumulating.
+// zero gradient, or keeps its gradient when accumulating. With bf16 products (16-bit compute, as
+// the engine runs --precision bf16) the pieces' products are the whole kernel's too, and each
+// expert's gradient the sum of the two ranks' rounded to bf16 (fy_moe_dims.block_grads).
 #include <string.h>
 
 #include "check.h"
@@ -30,8 +32,9 @@ static int64_t first_row(const int64_t *n, int e) {
   return r;
 }
 
-static void run_case(bool starve, bool gelu, bool accumulate) {
-  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu};
+static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = bf16,
+                                .block_grads = bf16 ? FY_BF16 : FY_F32};
   const int64_t cap = fy_moe_rows_cap(BT, E, K);
   static float inp[P][BT * C], dout[P][BT * C], gate[E * C], w1[E * F * C], b1[E * F], w2[E * C * F], b2[E * C];
   for (int s = 0; s < P; s++) fill(inp[s], BT * C, 2.0f, starve), fill(dout[s], BT * C, 1.0f, false);
@@ -52,6 +55,10 @@ static void run_case(bool starve, bool gelu, bool accumulate) {
   }
   (void)cap;
   static float s1[E * F * C], sb1[E * F], s2[E * C * F], sb2[E * C];  // the replicas' all-reduce
+  for (int s = 0; s < P && bf16; s++) {  // (16-bit numerics: of each replica's gradients as the engine rounds them)
+    fy_round_to_dtype(g1[s], g1[s], FY_BF16, E * F * C), fy_round_to_dtype(g2[s], g2[s], FY_BF16, E * C * F);
+    fy_round_to_dtype(gb1[s], gb1[s], FY_BF16, E * F), fy_round_to_dtype(gb2[s], gb2[s], FY_BF16, E * C);
+  }
   for (int64_t i = 0; i < E * F * C; i++) s1[i] = g1[0][i] + g1[1][i], s2[i] = g2[0][i] + g2[1][i];
   for (int64_t i = 0; i < E * F; i++) sb1[i] = gb1[0][i] + gb1[1][i];
   for (int64_t i = 0; i < E * C; i++) sb2[i] = gb2[0][i] + gb2[1][i];
@@ -93,7 +100,7 @@ static void run_case(bool starve, bool gelu, bool accumulate) {
       }
   for (int s = 0; s < P; s++) {
     fy_moe_combine(out[s], route[s], ys[s], &d);
-    CHECKF(same(out[s], out_r[s], BT * C), "rank %d's output (starve %d gelu %d)", s, starve, gelu);
+    CHECKF(same(out[s], out_r[s], BT * C), "rank %d's output (starve %d gelu %d bf16 %d)", s, starve, gelu, bf16);
   }
   // Backward: the rows' gradients out, the experts' gradients summed over sources, dx back.
   static float dy[P][BT * K * C], dw[P][BT * K], dx[P][BT * K * C], din[P][BT * C], dg[P][E * C];
@@ -117,7 +124,8 @@ static void run_case(bool starve, bool gelu, bool accumulate) {
   }
   if (!accumulate) {
     CHECKF(same(h1, s1, E * F * C) && same(hb1, sb1, E * F) && same(h2, s2, E * C * F) && same(hb2, sb2, E * C),
-           "the experts' gradients against the whole kernel's summed over ranks (starve %d gelu %d)", starve, gelu);
+           "the experts' gradients against the whole kernel's summed over ranks (starve %d gelu %d bf16 %d)", starve, gelu,
+           bf16);
   } else if (starve) {  // expert 3: no token anywhere, its gradient left as it was
     CHECK(same(h1 + 3 * F * C, keep1 + 3 * F * C, F * C));
   }
@@ -137,14 +145,16 @@ static void run_case(bool starve, bool gelu, bool accumulate) {
     memset(din[s], 0, sizeof din[s]);
     CHECK_OK(fy_moe_route_backward(din[s], dg[s], dw[s], dx[s], inp[s], route[s], gate, n[s], dbal, false, &d));
     CHECKF(same(din[s], din_r[s], BT * C) && same(dg[s], dg_r[s], E * C),
-           "rank %d's input and router gradients (starve %d gelu %d)", s, starve, gelu);
+           "rank %d's input and router gradients (starve %d gelu %d bf16 %d)", s, starve, gelu, bf16);
   }
 }
 
 int main(void) {
-  run_case(false, true, false);
-  run_case(false, false, false);
-  run_case(true, true, false);
-  run_case(true, false, true);
+  run_case(false, true, false, false);
+  run_case(false, false, false, false);
+  run_case(true, true, false, false);
+  run_case(true, false, true, false);
+  run_case(false, true, false, true);
+  run_case(true, false, true, true);
   return check_summary("test_moe_ep");
 }

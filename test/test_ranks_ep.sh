@@ -6,7 +6,9 @@
 # rank) and 4 ranks as 2 groups of ep 2 with clipping (the norm adds the experts' parts in another
 # order) within 1e-5; an ep 2 checkpoint resumes on 1 rank and a 1-rank one under ep 2, bit for
 # bit; experts that get no token (routing forced onto two experts of one rank; with --recompute)
-# train in step with 1 rank, without a hang; layouts that do not fit are refused, naming the numbers.
+# train in step with 1 rank, without a hang; bf16 and fp16 compute and bf16 and 8-bit AdamW state
+# against 1 rank in the same numbers (and their checkpoints); layouts that do not fit are refused,
+# naming the numbers.
 # usage: test/test_ranks_ep.sh path/to/ferry            (exit 77 = skipped: no mpirun)
 set -u
 ferry="$1"
@@ -150,6 +152,82 @@ compare one2 sres2 1e-6 0 && ok "a 1-rank checkpoint resumes under ep 2 on sim b
 run sstarve2 2 --ep 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --disk-dir "$tmp/d_starve"
 compare starve1 sstarve2 1e-6 0 && ok "experts that get no token on sim (and --recompute): bit for bit 1 rank's run" \
   || bad "starved experts under ep 2 on sim"
+
+# 16-bit compute and compressed AdamW state, 3 steps each (docs/ranks.md, "16-bit numerics and
+# compressed AdamW state"). --precision bf16 and fp16: the pieces compute the whole op's 16-bit
+# products on its fp32 rows, and each source's part of an expert's gradient is rounded as that
+# source's own backward rounds it before the sources add: 1 rank's weights bit for bit, on the cpu
+# and on sim. --optimizer-state bf16 (element by element): 1 rank's bits. 8bit: on the cpu a rank
+# quantises the blocks of its own experts' flat layout; opt-moe-tiny's experts' slices (C 32) are
+# not whole blocks, so a block of 1 rank's that holds two ranks' experts is two blocks here: within
+# the tolerance of test_ranks.sh's bf16 ranks against 1 bf16 rank (losses 1e-4, weights 5e-3); its
+# checkpoint is 1 rank's file (the same tensors and metadata), written from m and v read back, and
+# resumes on 1 rank (and a 1-rank one under ep 2) re-quantised. With slices of whole blocks (a model
+# 256 wide) 1 rank's bits and checkpoint bytes. On sim (the graph keeps every expert, its chunks
+# sharded as the dense ones) 1 rank's bits, and its checkpoint holds 1 rank's bytes.
+q=(--steps 3 --clip 0)
+for p in bf16 fp16; do
+  run one2p$p 1 --grad-accum 2 "${q[@]}" --precision $p
+  run ep2p$p 2 --ep 2 "${q[@]}" --precision $p
+  compare one2p$p ep2p$p 1e-6 0 && ok "ep 2 in $p: 1 $p rank's weights bit for bit" || bad "ep 2 in $p differs from 1 rank"
+done
+run sep2pbf16 2 --ep 2 "${q[@]}" --precision bf16 "${sim[@]}" --disk-dir "$tmp/d_sep2p"
+compare one2pbf16 sep2pbf16 1e-6 0 && ok "ep 2 in bf16 on sim: 1 bf16 rank's weights bit for bit" || bad "ep 2 in bf16 on sim differs"
+# stateq NAME RANKS [options...]: a 3-step run with 8-bit state that also checkpoints after step 2
+# (NAME.d/step-00000002; NAME: its last checkpoint, the final weights)
+stateq() {
+  local name="$1" n="$2"; shift 2
+  run "$name" "$n" "${q[@]}" --optimizer-state 8bit --save "$tmp/$name.d" --save-every 2 "$@"
+  ln -sfn "$tmp/$name.d/step-00000003" "$tmp/$name"
+}
+run one2sbf16 1 --grad-accum 2 "${q[@]}" --optimizer-state bf16
+run ep2sbf16 2 --ep 2 "${q[@]}" --optimizer-state bf16
+compare one2sbf16 ep2sbf16 1e-6 0 && ok "ep 2 with bf16 AdamW state: 1 rank's weights bit for bit" || bad "ep 2 with bf16 state differs"
+stateq one2s8bit 1 --grad-accum 2
+stateq ep2s8bit 2 --ep 2
+compare one2s8bit ep2s8bit 1e-4 5e-3 && ok "ep 2 with 8-bit AdamW state within 1e-4 and 5e-3 of 1 rank (experts' slices not whole blocks: its own blocks)" \
+  || bad "ep 2 with 8-bit state drifts from 1 rank"
+run q8res1 1 --grad-accum 2 "${q[@]}" --optimizer-state 8bit --resume "$tmp/ep2s8bit.d/step-00000002"
+run q8res2 2 --ep 2 "${q[@]}" --optimizer-state 8bit --resume "$tmp/one2s8bit.d/step-00000002"
+python3 - "$tmp/one2s8bit.d/step-00000002" "$tmp/ep2s8bit.d/step-00000002" <<'PY' && compare ep2s8bit q8res1 1e-5 1e-3 \
+  && compare one2s8bit q8res2 1e-5 1e-3 && ok "an ep 2 checkpoint with 8-bit state is 1 rank's file, resumes on 1 rank, and a 1-rank one under ep 2" \
+  || bad "8-bit checkpoints across ep 2 and 1 rank"
+import json, struct, sys
+def header(d):
+    raw = open(d + "/optimizer.safetensors", "rb").read()
+    return json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+a, b = header(sys.argv[1]), header(sys.argv[2])
+assert a == b and a["__metadata__"]["optimizer_state"] == "8bit", "the ep 2 file's tensors are not 1 rank's"
+assert any(k.startswith("exp_avg_absmax.") and "experts" in k for k in a)
+print("  optimizer.safetensors: %d tensors, 1 rank's names, dtypes, shapes and block offsets" % (len(a) - 1))
+PY
+# A model whose experts' slices are whole blocks (hidden and ffn sizes multiples of 256, as
+# opt-125m-moe8's): a rank's 8-bit blocks are 1 rank's, so the run and its checkpoint are 1 rank's bits.
+mkdir -p "$tmp/cfg-wide"
+python3 - "$tmp/cfg-wide/config.json" <<'PY'
+import json, sys
+json.dump({"model_type": "opt", "vocab_size": 97, "hidden_size": 256, "word_embed_proj_dim": 256, "ffn_dim": 256,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+           "do_layer_norm_before": True, "activation_function": "relu", "pad_token_id": 1, "dropout": 0.0,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layer_frequency": 2}, open(sys.argv[1], "w"))
+PY
+stateq wide1 1 --grad-accum 2 --model "$tmp/cfg-wide"
+stateq wide2 2 --ep 2 --model "$tmp/cfg-wide"
+same=1
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$tmp/wide1.d/step-00000002/$f" "$tmp/wide2.d/step-00000002/$f" || same=0
+done
+compare wide1 wide2 1e-6 0 && [ $same = 1 ] \
+  && ok "experts' slices of whole 8-bit blocks: ep 2 on the cpu gives 1 rank's weights bit for bit, its checkpoint 1 rank's bytes" \
+  || bad "ep 2 with 8-bit state of whole blocks differs from 1 rank (checkpoint the same bytes: $same)"
+stateq sep2s8bit 2 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_sep2s"
+same=1
+for f in model.safetensors optimizer.safetensors; do
+  cmp -s "$tmp/one2s8bit.d/step-00000002/$f" "$tmp/sep2s8bit.d/step-00000002/$f" || same=0
+done
+compare one2s8bit sep2s8bit 1e-6 0 && [ $same = 1 ] \
+  && ok "ep 2 with 8-bit AdamW state on sim: 1 rank's weights bit for bit, and its checkpoint 1 rank's bytes" \
+  || bad "ep 2 with 8-bit state on sim differs (checkpoint the same bytes: $same)"
 
 # The planner's expert parallelism (planner/plan.c, ep_sizes): ferry plan of the mixture on 2 sim
 # ranks searches ep 1 and 2; its plan file with "ep": 2 (and one micro-batch of 2 sequences a rank)

@@ -9,7 +9,9 @@
 // order: a block of one source's rows for one expert is rounded up to fy_moe_rows and computed as
 // one product, as one rank computes that expert for its own tokens, so that the experts split
 // over ranks give one rank's numbers (the gradients summed over sources in source order, as the
-// replicas' all-reduce sums them in rank order).
+// replicas' all-reduce sums them in rank order). In 16-bit numerics (--precision bf16, fp16) the
+// products are the whole op's (fy_moe_dims.bf16) on the same fp32 rows holding 16-bit values, and
+// each block's gradients are rounded before the sources add (fy_moe_dims.block_grads).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,6 +143,15 @@ fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2,
                      : fy_matmul(dxp, dh, w1 + e * F * C, R, C, F, false, false, 1.0f, 0.0f);
       if (st != FY_OK) break;
       memcpy(dx + u * C, dxp, (size_t)(cnt[i] * C) * 4);
+    }
+    // 16-bit numerics: a block is one source's rows for expert e, and its gradients are rounded as
+    // that source's own backward rounds them (the engine's, fy_op_call_backward) before the
+    // sources add in fp32, as one rank adds its micro-batches' and the replicas' all-reduce theirs.
+    if (d->block_grads != FY_F32 && R > 0) {
+      fy_round_to_dtype(w1g, w1g, d->block_grads, (size_t)(F * C));
+      fy_round_to_dtype(w2g, w2g, d->block_grads, (size_t)(C * F));
+      if (gb1) fy_round_to_dtype(b1g, b1g, d->block_grads, (size_t)F);
+      if (gb2) fy_round_to_dtype(b2g, b2g, d->block_grads, (size_t)C);
     }
     if (!first) {
       for (int64_t k = 0; k < F * C; k++) gw1[k] += tw1[k];
