@@ -450,6 +450,16 @@ else
 fi
 n=$(grep -c "^  2 ranks: " "$tmp/planned.out")
 [ "$n" -eq 1 ] && ok "rank 0 alone prints the plan it runs" || { bad "the plan printed $n times"; cat "$tmp/planned.out"; }
+# A mixture's tensor-parallel plan (ferry plan --tp 2 on sim: the expert pattern counts each rank's
+# slices of the experts): it runs as 1 rank does, in the device memory it predicts.
+"$ferry" plan --model opt-moe-tiny --batch 4 --seq 32 --gpus 2 --tp 2 --device sim --device-mem 2MiB \
+  --out "$tmp/planmoe.json" >"$tmp/planmoe.out" 2>&1 || { bad "ferry plan --tp 2 of a mixture"; cat "$tmp/planmoe.out"; }
+peak=$(python3 -c "import json, sys; print(int(json.load(open(sys.argv[1]))['predicted']['device_peak_bytes']))" \
+  "$tmp/planmoe.json" 2>/dev/null)
+if [ -n "$peak" ] && "${mpi[@]}" -np 2 "$ferry" train "${moe[@]}" --device-mem "$peak" --plan "$tmp/planmoe.json" \
+    --log "$tmp/plannedmoe.json" --save "$tmp/plannedmoe" >"$tmp/plannedmoe.out" 2>&1 && compare moe1 plannedmoe 1e-5; then
+  ok "a mixture's tensor-parallel plan runs as 1 rank in the device memory it predicts ($peak bytes)"
+else bad "a mixture's tensor-parallel plan (${peak:-?} bytes)"; cat "$tmp/planmoe.out" "$tmp/plannedmoe.out"; fi
 # --plan auto under mpirun: rank 0 alone reads or measures the machine, and every rank plans from
 # its figures: with the probe above, the plan ferry plan --gpus 2 wrote (the same numbers); with
 # none cached, one rank measures (not both, timing each other); with a broken probe file, every
