@@ -368,12 +368,13 @@ else grep -q "does not divide the 3 ranks" "$tmp/ev3.out" && ok "ferry eval --tp
 # A mixture of experts under --tp (core/opt.c, planner/patterns/expert.c): each expert's fc1 split
 # by its output rows and its fc2 by its input columns, the router whole on every rank; the output,
 # the routing weights' gradients and the experts' part of the input gradient summed over the pair.
-# 3 steps of opt-moe-tiny (about 20 s in all, mostly mpirun's starts, on the 2-core dev machine):
-# 2 ranks on cpu and on sim (offloaded, its experts loaded by need) give 1 rank's losses and
-# load-balancing losses within 1e-5 (the printed digits) and its weights within 1e-5, as the dense
-# tp runs above (7.4e-7 on the dev machine); a 2 x 2 grid gives 1 rank accumulating 2 micro-batches
-# (each data-parallel rank balances its own tokens' routing); a tp checkpoint resumes on 1 rank
-# and a 1-rank one on tp ranks; --ep with --tp is refused.
+# 3 steps of opt-moe-tiny (about 30 s in all, mostly mpirun's starts, on the busy 2-core dev
+# machine): 2 ranks on cpu and on sim (offloaded, its experts loaded by need) give 1 rank's losses
+# and load-balancing losses within 1e-5 (the printed digits) and its weights within 1e-5, as the
+# dense tp runs above (7.4e-7 on the dev machine); a 2 x 2 grid, replicated on cpu and sharded on
+# sim, gives 1 rank accumulating 2 micro-batches (each data-parallel rank balances its own tokens'
+# routing); a tp checkpoint resumes on 1 rank and a 1-rank one on tp ranks; --ep with --tp is
+# refused.
 moe=(--model opt-moe-tiny --data "$tmp/data.bin" --seq 32 --steps 3 --threads 1 --quiet --comm-timeout 30)
 aux_same() {  # aux_same REF RUN: the load-balancing losses of RUN.json within 1e-5 of REF.json's
   python3 - "$tmp/$1.json" "$tmp/$2.json" <<'PY'
@@ -396,8 +397,10 @@ compare moe1 moetpsim 1e-5 && aux_same moe1 moetpsim \
   || bad "a mixture of experts on tensor-parallel ranks on sim differs from 1 rank"
 "${mpi[@]}" -np 4 "$ferry" train "${moe[@]}" --batch 2 --tp 2 --log "$tmp/moegrid.json" --save "$tmp/moegrid" \
   >"$tmp/moegrid.out" 2>&1 || { bad "a 2 x 2 grid trains opt-moe-tiny"; cat "$tmp/moegrid.out"; }
-compare moeacc moegrid 1e-5 && aux_same moeacc moegrid \
-  && ok "a mixture of experts on a 2 x 2 grid follows 1 rank accumulating its 2 micro-batches" \
+"${mpi[@]}" -np 4 "$ferry" train "${moe[@]}" "${sim[@]}" --batch 2 --tp 2 --log "$tmp/moegridsim.json" \
+  --save "$tmp/moegridsim" >"$tmp/moegridsim.out" 2>&1 || { bad "a 2 x 2 grid trains opt-moe-tiny on sim"; cat "$tmp/moegridsim.out"; }
+compare moeacc moegrid 1e-5 && aux_same moeacc moegrid && compare moeacc moegridsim 1e-5 && aux_same moeacc moegridsim \
+  && ok "a mixture of experts on a 2 x 2 grid (cpu; sim, its chunks sharded) follows 1 rank accumulating its 2 micro-batches" \
   || bad "a mixture of experts on a 2 x 2 grid differs"
 "${mpi[@]}" -np 2 "$ferry" train "${moe[@]}" --batch 4 --tp 2 --save "$tmp/moecktp" --save-every 100 --stop-after 2 \
   >/dev/null 2>&1 || bad "tensor-parallel ranks checkpoint opt-moe-tiny"
