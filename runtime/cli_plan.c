@@ -390,7 +390,8 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
     if (a->nodes || a->pp || (cuda && (a->dp || a->tp)))
       return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: its plans lay the ranks out by the search "
                           "(data-parallel ranks%s), not on a cluster or with a fixed %s: not supported yet", a->model,
-                          sim ? " and the expert-parallel size" : ", replicas on a GPU", sim ? "--pp" : "--dp, --pp or --tp");
+                          sim ? " and the expert-parallel size" : ", replicas on a GPU",
+                          sim ? "--pp" : "--dp, --pp or --tp");
     if (cuda && a->gpus > 1 && a->offload_only)
       return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: on several GPUs it trains as resident "
                           "replicas; offloaded (--offload) on one GPU: not supported yet", a->model);

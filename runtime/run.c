@@ -559,9 +559,9 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   r->ep = o->ep > 1 ? o->ep : 1;
   if (r->ep == 1) return FY_OK;
   if (r->tp > 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --tp %d: a mixture's experts are split over an expert-parallel "
-                        "group or a tensor-parallel one, not both (expert parallelism moves whole experts' rows)",
-                        r->ep, r->tp);
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --tp %d: a mixture's experts are split over an "
+                        "expert-parallel group or a tensor-parallel one, not both (expert parallelism moves whole "
+                        "experts' rows)", r->ep, r->tp);
   if (r->dp % r->ep != 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,

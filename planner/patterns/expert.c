@@ -32,7 +32,8 @@ static void expert_elems(const struct fy_pattern_ctx *c, double *router, double 
   *router = *experts = *split = 0;
   for (int k = 0; k < op->n_params; k++) {
     const struct fy_param *p = &c->g->params[op->params[k]];
-    const double whole = (double)p->numel * (p->expert ? c->g->ep : 1) * (p->split_dim >= 0 && !p->expert ? c->g->tp : 1);
+    const int ranks = p->expert ? c->g->ep : p->split_dim >= 0 ? c->g->tp : 1;  // (the slices' group)
+    const double whole = (double)p->numel * ranks;
     if (k == 0) *router += whole;
     else *experts += whole;
     if (k > 0 && !(op->has_bias && k == 4)) *split += whole;
