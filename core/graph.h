@@ -58,6 +58,10 @@ struct fy_param {
   // full_shape), 1 when split by columns (input features). shape is this rank's part.
   int split_dim;
   int64_t full_shape[2];
+  // split_dim 0 within each of split_blocks equal blocks of rows (0 or 1: one block, the above): a
+  // mixture's stacked experts under tensor parallelism, expert e's fc1 rows [e F, (e+1) F) each
+  // split, so that this rank holds rows [e F + tp_rank F/tp, +F/tp) of every expert, expert by expert.
+  int64_t split_blocks;
   // A pipeline stage's graph (fy_graph_set_stage): no op of the stage reads it, so no buffer holds
   // it (offset -1, chunk -1, outside n_param_elems); its op indices stay the whole graph's.
   bool absent;

@@ -196,6 +196,12 @@ static void split_param(struct builder *b, int id, int dim) {
   p->full_shape[dim] = p->shape[dim] * b->tp;
 }
 
+// The same for a mixture's stacked experts' rows, each of `blocks` experts' rows split apart.
+static void split_param_blocks(struct builder *b, int id, int64_t blocks) {
+  split_param(b, id, 0);
+  if (id >= 0 && b->tp > 1) b->g->params[id].split_blocks = blocks;
+}
+
 // A linear layer over `n` fused projections named names[i] (each OC x C), with or without biases.
 // split COL: this rank holds OC/tp of each projection's outputs (rows of the weight, and of the
 // bias); ROW: C/tp of the inputs (columns of the weight; the bias is held whole).
@@ -254,9 +260,12 @@ static int residual(struct builder *b, const char *name, int l, int h, int x, in
 // A mixture-of-experts feed-forward block (FY_OP_MOE): Mixtral's gate name, and the experts'
 // weights stacked along their first dimension (expert e's fc1 is rows [e F, (e + 1) F) of
 // experts.fc1.weight), so that one product kernel walks them and a chunk holds them contiguously.
+// With tensor parallelism each expert is split as the dense fc1 / fc2 are (the expert pattern):
+// this rank holds F/tp of every expert's fc1 rows (and biases) and the same F/tp columns of its
+// fc2, so op.OC is F/tp; the router and fc2's bias are whole on every rank.
 static int moe(struct builder *b, int l, int x) {
   const struct fy_opt_config *c = b->c;
-  const int64_t D = c->hidden_size, F = c->ffn_dim, E = c->num_local_experts;
+  const int64_t D = c->hidden_size, F = c->ffn_dim / b->tp, E = c->num_local_experts;
   const bool bias = c->enable_bias;
   char pn[FY_NAME_MAX];
   struct fy_op op = {.kind = FY_OP_MOE, .layer = l, .n_in = 1, .in = {x}, .out = slot(b, b->BT * D), .n_aux = 2,
@@ -265,16 +274,20 @@ static int moe(struct builder *b, int l, int x) {
                      .C = D, .OC = F, .has_bias = bias, .experts = (int)E, .top_k = (int)c->num_experts_per_tok,
                      .gelu = c->activation == FY_ACT_GELU, .aux_coef = c->router_aux_loss_coef};
   snprintf(op.name, sizeof op.name, "layers.%d.block_sparse_moe", l);
+  if (b->tp > 1) snprintf(op.pattern, sizeof op.pattern, "expert");
   snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.gate.weight", l);
   op.params[op.n_params++] = param(b, pn, E, D);
   snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc1.weight", l);
   op.params[op.n_params++] = param(b, pn, E * F, D);
+  split_param_blocks(b, op.params[op.n_params - 1], E);
   if (bias) {
     snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc1.bias", l);
     op.params[op.n_params++] = param(b, pn, E * F, 0);
+    split_param_blocks(b, op.params[op.n_params - 1], E);
   }
   snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc2.weight", l);
   op.params[op.n_params++] = param(b, pn, E * D, F);
+  split_param(b, op.params[op.n_params - 1], 1);
   if (bias) {
     snprintf(pn, sizeof pn, "layers.%d.block_sparse_moe.experts.fc2.bias", l);
     op.params[op.n_params++] = param(b, pn, E * D, 0);
@@ -355,9 +368,6 @@ fy_status fy_opt_build_graph_tp(const struct fy_opt_config *c, int64_t B, int64_
     return fy_error_set(FY_ERR_INVALID, "%d tensor-parallel ranks must divide the %lld attention heads and the "
                         "feed-forward size %lld of %s", tp, (long long)c->num_attention_heads,
                         (long long)c->ffn_dim, c->name);
-  if (tp > 1 && c->num_local_experts > 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: tensor parallelism of its experts is not "
-                        "supported yet (train it on one rank or with data parallelism)", c->name);
   if (B < 1 || T < 1) return fy_error_set(FY_ERR_INVALID, "batch and sequence must be positive");
   if (T > c->max_position_embeddings)
     return fy_error_set(FY_ERR_INVALID,

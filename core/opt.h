@@ -81,7 +81,9 @@ fy_status fy_opt_build_graph(const struct fy_opt_config *cfg, int64_t B, int64_t
                              struct fy_graph **out);
 // One rank's part of the graph under tensor parallelism over tp ranks (Megatron's split): in each
 // decoder layer the fused QKV and fc1 are column-split (FY_SPLIT_COL: NH/tp heads, ffn/tp
-// features), out_proj and fc2 row-split (FY_SPLIT_ROW); everything else is whole on every rank.
+// features), out_proj and fc2 row-split (FY_SPLIT_ROW); a mixture's experts each split the same
+// way (ffn/tp of every expert's fc1 rows and fc2 columns: the expert pattern, the router whole);
+// everything else is whole on every rank.
 // tp must divide the heads and the feed-forward size. tp 1 is fy_opt_build_graph.
 fy_status fy_opt_build_graph_tp(const struct fy_opt_config *cfg, int64_t B, int64_t T, int tp, int tp_rank,
                                 struct fy_graph **out);

@@ -170,6 +170,15 @@ struct fy_moe_dims {
   const int32_t *mask;   // (BT): 0 = padding, routed to no expert; NULL: every token routed
   enum fy_dtype block_grads;  // fy_moe_experts_backward: each block's weight gradients rounded to this
                               // dtype before they add (16-bit numerics); FY_F32 (0): not rounded
+  // Tensor parallelism (planner/patterns/expert.c): w1, b1 and w2 are this rank's slices of every expert
+  // (F its share of the rows of fc1, the same columns of fc2) and tp_sum(tp_ctx, buf, n) sums n
+  // floats over the group in place (the same bits on every rank). Forward sums the output (each
+  // rank's experts' products are partial), backward the routing weights' gradients (BT,K) and the
+  // experts' part of the input's gradient; fc2's bias is given to one rank of the group alone, so
+  // that it is in the sum once. The routing, the balance term and the router's gradient are then
+  // the same on every rank. NULL: one rank holds the experts whole.
+  fy_status (*tp_sum)(void *tp_ctx, float *buf, int64_t n);
+  void *tp_ctx;
 };
 // inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL
 //   -> out (BT,C), route, rows, *balance

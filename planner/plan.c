@@ -285,11 +285,11 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
-  // A mixture of experts trains without tp (its experts are not split: core/opt.c), and on a GPU
-  // on one rank or as resident replicas (runtime/run.c).
+  // A mixture of experts trains with tp on cpu and sim (each expert split: core/opt.c), on a GPU
+  // without it, on one rank or as resident replicas (runtime/run.c).
   const bool moe = cfg->num_local_experts > 0, moe_gpu = moe && strcmp(probe->device, "cuda") == 0;
   for (int tp = 1; tp <= ranks; tp++) {
-    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (moe && tp > 1)) continue;
+    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (moe_gpu && tp > 1)) continue;
     int dp = ranks / tp;
     if (batch % dp) continue;
     int64_t per_rank = batch / dp;

@@ -151,12 +151,21 @@ static fy_status cross_entropy_fwd(const struct fy_op_args *a) {
   return FY_OK;
 }
 
+// A tensor-parallel mixture's sums over the group (struct fy_moe_dims), in fp32 whatever the
+// activations' dtype: the routing weights' gradients feed the router's.
+static fy_status moe_tp_sum(void *ctx, float *buf, int64_t n) {
+  struct fy_model *m = ctx;
+  return all_reduce(m, m->tp_comm, buf, (size_t)n, FY_COMM_F32);
+}
+
 // A mixture of experts' kernels (ops/ops.h): its parameters in op->params order.
 static struct fy_moe_dims moe_dims(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
+  const bool tp = a->m->tp_comm && fy_comm_size(a->m->tp_comm) > 1;  // (its experts are slices: core/opt.c)
   // (padding, the batch's attention mask 0, goes to no expert; the call's rows are the batch's first)
   return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
-                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16, .mask = a->c->batch->mask};
+                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16, .mask = a->c->batch->mask,
+                              .tp_sum = tp ? moe_tp_sum : NULL, .tp_ctx = a->m};
 }
 
 // The targets of the call's rows not ignored: the weight of its balance term (struct fy_loss).
@@ -172,10 +181,12 @@ static fy_status moe_fwd(const struct fy_op_args *a) {
   const struct fy_moe_dims d = moe_dims(a);
   const int b = op->has_bias;
   double balance;
+  // With tensor parallelism fc2's bias goes into the group's sum once, from its rank 0 (ops/ops.h).
+  const float *b2 = b && (!d.tp_sum || a->g->tp_rank == 0) ? c->w[4] : NULL;
   if (a->m->ep) FY_TRY(fy_ep_moe_forward(a, &balance));  // (experts over ranks: runtime/ep.c)
   else
     FY_TRY(fy_moe_forward(a->out, fy_engine_act(a->m, op->aux[0]), fy_engine_act(a->m, op->aux[1]), &balance, a->in0,
-                          c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, &d));
+                          c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b2, &d));
   if (c->aux_sum) *c->aux_sum += (double)op->aux_coef * balance * (double)moe_targets(a);
   return FY_OK;
 }

@@ -306,6 +306,9 @@ static fy_status moe_check(const struct fy_op_args *a, const struct fy_moe_dims 
   if (a->c->batch->mask)  // (the cpu's kernels route padding to no expert; these route every row)
     return fy_error_set(FY_ERR_UNSUPPORTED, "a mixture of experts on the GPU with a padded batch (an attention "
                         "mask): not supported yet (the cpu device routes its padding to no expert)");
+  if (a->g->tp > 1)  // (runtime/run.c refuses it first: these kernels have no fy_moe_dims.tp_sum)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "a mixture of experts on the GPU with tensor parallelism: not supported "
+                        "yet (the cpu and sim devices run it)");
   return FY_OK;
 }
 

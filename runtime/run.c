@@ -564,6 +564,10 @@ fy_status make_comm(const struct fy_train_opts *o, struct fy_comm **out) {
 static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   r->ep = o->ep > 1 ? o->ep : 1;
   if (r->ep == 1) return FY_OK;
+  if (r->tp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --tp %d: a mixture's experts are split over an "
+                        "expert-parallel group or a tensor-parallel one, not both (expert parallelism moves whole "
+                        "experts' rows)", r->ep, r->tp);
   if (r->dp % r->ep != 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
@@ -615,12 +619,13 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   FY_TRY(seq_fits(o->seq, &r->cfg));
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
-  // A mixture of experts runs with the CPU's kernels (cpu, sim offloaded) or the GPU's (resident or
-  // --offload), not yet with --tp on GPUs (issue 37).
+  // A mixture of experts runs with the CPU's kernels (cpu, sim offloaded; with --tp too: each
+  // expert split as the dense feed-forward, core/opt.c) or the GPU's (resident or --offload), not
+  // with --tp on GPUs: the CUDA kernels have no tensor-parallel sums (ops/ops.h, fy_moe_dims.tp_sum).
   if (r->cfg.num_local_experts > 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
       !(strcmp(device, "cuda") == 0 && r->tp == 1))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded), "
-                        "or cuda (resident or --offload) without --tp, for now", r->cfg.name);
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu or sim (offloaded), "
+                        "with or without --tp, or cuda (resident or --offload) without --tp, for now", r->cfg.name);
   if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu (resident "
                         "state) and sim (offloaded, sharded) for now", r->ep, device);

@@ -3,10 +3,14 @@
 #include <string.h>
 
 // Rank r's slice of a parameter split by rows (dim 0, or a vector: elements [r*n, (r+1)*n) of
-// the whole, contiguous) or by columns (dim 1: columns [r*Cl, (r+1)*Cl) of every row), as *rows
-// runs of *len elements: run k is whole elements [first + k*stride, first + k*stride + len).
+// the whole, contiguous; in split_blocks blocks, a mixture's experts: run k is its part of block
+// k) or by columns (dim 1: columns [r*Cl, (r+1)*Cl) of every row), as *rows runs of *len
+// elements: run k is whole elements [first + k*stride, first + k*stride + len).
 static void slice_rows(const struct fy_param *p, int r, int64_t *rows, int64_t *first, int64_t *stride, int64_t *len) {
-  if (p->split_dim == 0 || p->rank == 1) {
+  if (p->split_dim == 0 && p->split_blocks > 1) {
+    const int64_t n = p->numel / p->split_blocks;  // (a block's elements on one rank)
+    *rows = p->split_blocks, *first = (int64_t)r * n, *stride = n * (p->full_shape[0] / p->shape[0]), *len = n;
+  } else if (p->split_dim == 0 || p->rank == 1) {
     *rows = 1, *first = (int64_t)r * p->numel, *stride = 0, *len = p->numel;
   } else {
     *rows = p->shape[0], *first = (int64_t)r * p->shape[1], *stride = p->full_shape[1], *len = p->shape[1];

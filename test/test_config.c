@@ -342,9 +342,16 @@ static void test_moe(void) {
     all.num_experts_per_tok = all.num_local_experts;
     CHECK(fy_opt_step_flops(&p, 1, 8, FY_FLOPS_PALM) < fy_opt_step_flops(&all, 1, 8, FY_FLOPS_PALM));
   }
+  // Under tensor parallelism each expert is split (core/opt.c): a rank's slices, counted whole, are
+  // the model's parameters.
   CHECK_OK(fy_opt_preset("opt-125m-moe8", &p));
   struct fy_graph *g = NULL;
-  CHECK_ERR(fy_opt_build_graph_tp(&p, 1, 8, 2, 0, &g), FY_ERR_UNSUPPORTED);
+  CHECK_OK(fy_opt_build_graph_tp(&p, 1, 8, 2, 0, &g));
+  int64_t whole = 0;
+  for (int k = 0; g && k < g->n_params; k++) whole += g->params[k].numel * (g->params[k].split_dim >= 0 ? 2 : 1);
+  CHECKF(whole == fy_opt_num_params(&p), "opt-125m-moe8 over tp 2: %lld, count %lld", (long long)whole,
+         (long long)fy_opt_num_params(&p));
+  fy_graph_free(g);
 }
 
 int main(void) {

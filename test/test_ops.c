@@ -1345,6 +1345,98 @@ static void moe_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, 
   moe_case_masked(BT, C, F, E, K, gelu, bias, starve, 0);
 }
 
+// A tensor-parallel pair emulated in one process (fy_moe_dims.tp_sum): rank 1 runs first and its
+// sums keep copies of what it would send; rank 0 then adds those copies in the same order, so its
+// results are what the pair's sums would give it. They must be one rank's on the whole experts.
+struct moe_tp_pair {
+  bool add;        // rank 0's turn: add rank 1's buffers
+  int k;           // the sums so far this turn
+  float *sent[4];  // rank 1's buffers, in order
+};
+
+static fy_status moe_tp_sum(void *ctx, float *buf, int64_t n) {
+  struct moe_tp_pair *x = ctx;
+  FY_ASSERT(x->k < 4);
+  if (x->add) {
+    for (int64_t i = 0; i < n; i++) buf[i] += x->sent[x->k][i];
+    free(x->sent[x->k]);
+  } else {
+    x->sent[x->k] = fdup(buf, n);
+  }
+  x->k++;
+  return FY_OK;
+}
+
+// Slices of rank r of 2: w1 (E*F,C) rows [e F + r F/2, +F/2) of every expert, b1 likewise, w2
+// (E*C,F) columns [r F/2, +F/2).
+static void moe_tp_slice(float *w1r, float *b1r, float *w2r, const float *w1, const float *b1, const float *w2,
+                         int64_t C, int64_t F, int E, int r) {
+  const int64_t Fl = F / 2;
+  for (int64_t e = 0; e < E; e++) {
+    memcpy(w1r + e * Fl * C, w1 + (e * F + r * Fl) * C, (size_t)(Fl * C) * 4);
+    memcpy(b1r + e * Fl, b1 + e * F + r * Fl, (size_t)Fl * 4);
+  }
+  for (int64_t i = 0; i < E * C; i++) memcpy(w2r + i * Fl, w2 + i * F + r * Fl, (size_t)Fl * 4);
+}
+
+static void moe_tp_case(int64_t BT, int64_t C, int64_t F, int E, int K, bool gelu, int mask_every) {
+  const int S = E + 3 * K;
+  const int64_t cap = fy_moe_rows_cap(BT, E, K), Fl = F / 2;
+  float *inp = frand_new(BT * C, 1), *gate = frand_new(E * C, 1), *w1 = frand_new(E * F * C, 0.5f);
+  float *b1 = frand_new(E * F, 0.5f), *w2 = frand_new(E * C * F, 0.5f), *b2 = frand_new(E * C, 0.5f);
+  float *R = frand_new(BT * C, 1);
+  int32_t *mask = NULL;
+  if (mask_every > 0) {
+    mask = malloc((size_t)BT * sizeof *mask);
+    for (int64_t t = 0; t < BT; t++) mask[t] = t % mask_every != 1;
+  }
+  // One rank, whole experts.
+  struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .mask = mask};
+  float *out = check_fnew(BT * C), *route = check_fnew(BT * S), *rows = check_fnew(cap * (F + C));
+  double balance, bal[2];
+  CHECK_OK(fy_moe_forward(out, route, rows, &balance, inp, gate, w1, b1, w2, b2, &d));
+  float *di = check_fnew(BT * C), *dg = check_fnew(E * C), *dw1 = check_fnew(E * F * C), *db1 = check_fnew(E * F);
+  float *dw2 = check_fnew(E * C * F), *db2 = check_fnew(E * C);
+  CHECK_OK(fy_moe_backward(di, dg, dw1, db1, dw2, db2, R, inp, route, rows, gate, w1, w2, 0.3f, false, &d));
+  // The pair: rank 1, then rank 0 (fc2's bias: rank 0's alone).
+  struct moe_tp_pair pair = {0};
+  struct fy_moe_dims dt = d;
+  dt.F = Fl, dt.tp_sum = moe_tp_sum, dt.tp_ctx = &pair;
+  float *w1r = check_fnew(E * Fl * C), *b1r = check_fnew(E * Fl), *w2r = check_fnew(E * C * Fl);
+  float *outr[2], *router[2], *rowsr[2], *dir[2], *dgr[2], *dw1r[2], *db1r[2], *dw2r[2], *db2r[2];
+  for (int r = 1; r >= 0; r--) {
+    pair.add = r == 0, pair.k = 0;
+    moe_tp_slice(w1r, b1r, w2r, w1, b1, w2, C, F, E, r);
+    outr[r] = check_fnew(BT * C), router[r] = check_fnew(BT * S), rowsr[r] = check_fnew(cap * (Fl + C));
+    CHECK_OK(fy_moe_forward(outr[r], router[r], rowsr[r], &bal[r], inp, gate, w1r, b1r, w2r, r == 0 ? b2 : NULL, &dt));
+    CHECKF(pair.k == 1, "moe tp rank %d: %d sums in forward, wanted 1 (the output)", r, pair.k);
+    dir[r] = check_fnew(BT * C), dgr[r] = check_fnew(E * C), dw1r[r] = check_fnew(E * Fl * C);
+    db1r[r] = check_fnew(E * Fl), dw2r[r] = check_fnew(E * C * Fl), db2r[r] = check_fnew(E * C);
+    CHECK_OK(fy_moe_backward(dir[r], dgr[r], dw1r[r], db1r[r], dw2r[r], db2r[r], R, inp, router[r], rowsr[r], gate, w1r,
+                             w2r, 0.3f, false, &dt));
+    CHECKF(pair.k == 3, "moe tp rank %d: %d sums in backward, wanted 2 (the weights' and the input's gradients)", r,
+           pair.k - 1);
+  }
+  // Rank 0's whole results are one rank's; its slices' gradients are the matching parts.
+  moe_tp_slice(w1r, b1r, w2r, dw1, db1, dw2, C, F, E, 0);
+  double e;
+  CHECKF((e = check_rel_err(outr[0], out, BT * C)) < 1e-5, "moe tp BT %lld F %lld gelu %d mask %d: forward err %g", (long long)BT, (long long)F, gelu, mask_every, e);
+  CHECK(bal[0] == balance && bal[1] == balance && memcmp(router[0], route, (size_t)(BT * S) * 4) == 0);
+  CHECKF((e = check_rel_err(dir[0], di, BT * C)) < 1e-5, "moe tp dinp err %g", e);
+  CHECKF((e = check_rel_err(dgr[0], dg, E * C)) < 1e-5, "moe tp dgate err %g", e);
+  CHECKF((e = check_rel_err(dw1r[0], w1r, E * Fl * C)) < 1e-5, "moe tp dw1 err %g", e);
+  CHECKF((e = check_rel_err(db1r[0], b1r, E * Fl)) < 1e-5, "moe tp db1 err %g", e);
+  CHECKF((e = check_rel_err(dw2r[0], w2r, E * C * Fl)) < 1e-5, "moe tp dw2 err %g", e);
+  CHECKF((e = check_rel_err(db2r[0], db2, E * C)) < 1e-5, "moe tp db2 err %g", e);
+  for (int r = 0; r < 2; r++) {
+    float *bufs[] = {outr[r], router[r], rowsr[r], dir[r], dgr[r], dw1r[r], db1r[r], dw2r[r], db2r[r]};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+  }
+  float *bufs[] = {inp, gate, w1, b1, w2, b2, R, out, route, rows, di, dg, dw1, db1, dw2, db2, w1r, b1r, w2r};
+  for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+  free(mask);
+}
+
 static void test_moe(void) {
   // fy_moe_rows: 3 significant bits, at least 8, under 1/8 more rows
   CHECK(fy_moe_rows(0) == 0 && fy_moe_rows(1) == 8 && fy_moe_rows(8) == 8 && fy_moe_rows(15) == 15);
@@ -1357,6 +1449,8 @@ static void test_moe(void) {
   moe_case(9, 4, 3, 3, 3, false, true, false);   // every expert for every token
   moe_case(40, 6, 5, 4, 2, true, true, true);    // expert 3 gets no token (more than 8 rows an expert)
   moe_case_masked(13, 6, 5, 4, 2, false, true, false, 3);  // tokens 1, 4, 7, 10 padding: no expert
+  moe_tp_case(13, 6, 8, 4, 2, false, 0);  // tensor parallelism over 2 ranks, emulated
+  moe_tp_case(40, 6, 10, 4, 2, true, 3);  // (more than 8 rows an expert, padding)
 }
 
 int main(void) {

@@ -140,7 +140,7 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
       route[t * S + E + 2 * K + j] = (float)fill[(int64_t)route[t * S + E + j]]++;
   float *h = rows, *y = rows + cap * F;
   // xs (total,C), as (total,F) in the backward's workspace (its size, so that it is made once)
-  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E)));
+  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E + C)));
   if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)cap);
   float *as = xs + total * C;
   moe_gather(xs, inp, route, d, n, off, total);
@@ -166,6 +166,9 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
       for (int64_t c = 0; c < C; c++) o[c] += w * yr[c];
     }
   }
+  // Tensor parallelism: each rank's y rows are partial products (its F columns of fc2), so the
+  // weighted combine is too, and sums to the whole over the group (fc2's bias from one rank).
+  if (d->tp_sum) FY_TRY(d->tp_sum(d->tp_ctx, out, BT * C));
   // E x sum_e f_e P_e: f_e the token-choices routed to e over the routed tokens, P_e their mean
   // probability of e (padding left out of both, as Mixtral's attention mask leaves it; none: 0).
   const int64_t N = moe_routed_tokens(d);
@@ -242,16 +245,20 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
   int64_t n[E], off[E];
   const int64_t total = moe_layout(route, d, n, off);
   const float *h = rows, *y = rows + cap * F;
-  // xs (total,C), as (total,F), dy (total,C), dh (total,F), dx (total,C), dw (BT,K), dlog (BT,E)
-  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E)));
+  // xs (total,C), as (total,F), dy (total,C), dh (total,F), dx (total,C), dw (BT,K), dlog (BT,E),
+  // with tensor parallelism the input gradient's part (BT,C)
+  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E + C)));
   if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)cap);
   float *as = xs + total * C, *dy = as + total * F, *dh = dy + total * C, *dx = dh + total * F;
   float *dw = dx + total * C, *dlog = dw + BT * K;
   moe_gather(xs, inp, route, d, n, off, total);
   for (int64_t e = 0; e < E; e++)
     memset(dy + (off[e] + n[e]) * C, 0, (size_t)((fy_moe_rows(n[e]) - n[e]) * C) * 4);
-  // dy[row] = weight_j dout[t]; the weights' gradients dw[t][j] = dout[t] . y[row].
+  // dy[row] = weight_j dout[t]; the weights' gradients dw[t][j] = dout[t] . y[row] (with tensor
+  // parallelism y is this rank's part, so dw is, summed over the group: the router's gradient
+  // below is then the same on every rank, as the router is).
   fy_moe_combine_backward(dy, dw, dout, route, y, d);
+  if (d->tp_sum) FY_TRY(d->tp_sum(d->tp_ctx, dw, BT * K));
   fy_status st = FY_OK;
   for (int64_t e = 0; e < E && st == FY_OK; e++) {
     const int64_t R = fy_moe_rows(n[e]), o = off[e];
@@ -286,15 +293,21 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
   fy_moe_router_dlogits(dlog, route, dw, n, dbalance, d);
   if (dinp) {
     // dinp (BT,C) += dlog (BT,E) @ gate (E,C) (before dgate may overwrite gate), then each token's
-    // rows of dx in the choices' order
+    // rows of dx in the choices' order. With tensor parallelism dx is this rank's part (its F
+    // columns of fc1): the tokens' sums of it go to part (BT,C), summed over the group, then added;
+    // the router's term is whole on every rank already.
+    float *part = d->tp_sum ? dlog + BT * E : dinp;
+    if (d->tp_sum) memset(part, 0, (size_t)(BT * C) * 4);
     st = fy_matmul(dinp, dlog, gate, BT, C, E, false, false, 1.0f, 1.0f);
 #pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
     for (int64_t t = 0; t < BT; t++)
       for (int64_t j = 0; j < K && moe_routed(d, t); j++) {
         const float *xr = dx + (int64_t)route[t * S + E + 2 * K + j] * C;
-        float *o = dinp + t * C;
+        float *o = part + t * C;
         for (int64_t c = 0; c < C; c++) o[c] += xr[c];
       }
+    if (d->tp_sum && st == FY_OK) st = d->tp_sum(d->tp_ctx, part, BT * C);
+    if (d->tp_sum && st == FY_OK) fy_add_forward(dinp, dinp, part, BT * C);
   }
   // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
   if (st == FY_OK) st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);

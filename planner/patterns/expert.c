@@ -10,49 +10,80 @@
 // Bytes: an all-to-all's are the rows one rank sends, BT*k*C values (the cost model's (n-1)/n of
 // them leave the rank when routing is balanced). The runtime's work is inside the op's kernels
 // (the rows move between routing and the experts' products), so the pattern has no hooks.
+//
+// Under tensor parallelism (ep 1; core/opt.c gives a tp graph's mixtures this pattern) each expert
+// is split over the tp group as the dense feed-forward is by tp_col and tp_row: F/tp of its fc1
+// rows (and fc1's bias) and the same F/tp columns of its fc2 on each rank, the router and fc2's
+// bias whole. Every rank routes the same tokens the same way; the kernels (ops/ops.h,
+// fy_moe_dims.tp_sum) all-reduce the output's partial sums over tp in forward (BT*C values, as
+// tp_row's), and in backward the routing weights' gradients (BT*k floats) and the experts' part of
+// the input's gradient (BT*C, as tp_col's). Once a step each rank's part is all-reduced over dp.
 #include "planner/pattern.h"
 
 static int ep_of(const struct fy_pattern_ctx *c) { return c->ep > 1 ? c->ep : 1; }
 
-// The op's router elements and its experts' (all E of them, whether or not g already holds a
-// rank's part: fy_graph_set_experts).
-static void expert_elems(const struct fy_pattern_ctx *c, double *router, double *experts) {
+static int tp_of(const struct fy_pattern_ctx *c) { return c->tp > 1 ? c->tp : 1; }
+
+// The op's router elements, its experts' (all E of them, whether or not g already holds a rank's
+// part: fy_graph_set_experts, or a tp graph's slices) and of those the ones tp splits (all but
+// fc2's bias, params[4] with biases).
+static void expert_elems(const struct fy_pattern_ctx *c, double *router, double *experts, double *split) {
   const struct fy_op *op = &c->g->ops[c->op];
-  *router = *experts = 0;
+  *router = *experts = *split = 0;
   for (int k = 0; k < op->n_params; k++) {
     const struct fy_param *p = &c->g->params[op->params[k]];
-    if (k == 0) *router += (double)p->numel;
-    else *experts += (double)p->numel * (p->expert ? c->g->ep : 1);
+    const int ranks = p->expert ? c->g->ep : p->split_dim >= 0 ? c->g->tp : 1;  // (the slices' group)
+    const double whole = (double)p->numel * ranks;
+    if (k == 0) *router += whole;
+    else *experts += whole;
+    if (k > 0 && !(op->has_bias && k == 4)) *split += whole;
   }
+}
+
+// Its elements on one rank: the router, E/ep of the experts, and with tp its share of each.
+static double expert_rank_elems(const struct fy_pattern_ctx *c) {
+  double router, experts, split;
+  expert_elems(c, &router, &experts, &split);
+  return router + (experts - split + split / tp_of(c)) / ep_of(c);
 }
 
 static bool expert_applies(const struct fy_pattern_ctx *c) {
   const struct fy_op *op = &c->g->ops[c->op];
-  const int ep = ep_of(c);
-  return op->kind == FY_OP_MOE && op->experts % ep == 0 && c->dp % ep == 0 && fy_pattern_params_private(c);
+  const int ep = ep_of(c), tp = tp_of(c);
+  // (ep and tp together: runtime/run.c refuses it, so no plan has it)
+  return op->kind == FY_OP_MOE && op->experts % ep == 0 && c->dp % ep == 0 && (ep == 1 || tp == 1) &&
+         fy_pattern_params_private(c);
 }
 
 static void expert_layout(const struct fy_pattern_ctx *c, struct fy_pattern_layout *out) {
-  double router, experts;
-  expert_elems(c, &router, &experts);
-  const double n = router + experts / ep_of(c);
+  const double n = expert_rank_elems(c);
   *out = (struct fy_pattern_layout){.param_elems_per_rank = n, .optim_elems_per_rank = n, .split_dim = 0};
 }
 
 static int expert_comm(const struct fy_pattern_ctx *c, int phase, struct fy_comm_step *steps, int max) {
   const struct fy_op *op = &c->g->ops[c->op];
-  const double rows = (double)(c->g->B * c->g->T) * op->top_k * op->C * c->param_bytes;
+  const double BT = (double)(c->g->B * c->g->T), rows = BT * op->top_k * op->C * c->param_bytes;
+  const double out = BT * op->C * c->param_bytes;  // tp's sums (the kernels' fp32 on the CPU)
   switch (phase) {
-  case FY_PHASE_POST_FORWARD:    // the rows to their experts, the experts' outputs back
-  case FY_PHASE_POST_BACKWARD: { // the rows' gradients out, the inputs' gradients back
-    int n = fy_pattern_push(c, steps, 0, max, FY_COMM_ALL_TO_ALL, rows, FY_PATTERN_GROUP_EP);
+  case FY_PHASE_POST_FORWARD: {  // the rows to their experts, the experts' outputs back; tp's output
+    int n = fy_pattern_push(c, steps, 0, max, FY_COMM_ALL_REDUCE, out, FY_PATTERN_GROUP_TP);
+    n = fy_pattern_push(c, steps, n, max, FY_COMM_ALL_TO_ALL, rows, FY_PATTERN_GROUP_EP);
+    return fy_pattern_push(c, steps, n, max, FY_COMM_ALL_TO_ALL, rows, FY_PATTERN_GROUP_EP);
+  }
+  case FY_PHASE_PRE_BACKWARD:  // a recomputed forward's sum again (as tp_row's)
+    if (!(c->g->recompute && op->layer >= 0)) return 0;
+    return fy_pattern_push(c, steps, 0, max, FY_COMM_ALL_REDUCE, out, FY_PATTERN_GROUP_TP);
+  case FY_PHASE_POST_BACKWARD: { // the rows' gradients out, the inputs' gradients back; tp's sums
+    int n = fy_pattern_push(c, steps, 0, max, FY_COMM_ALL_REDUCE, BT * op->top_k * 4.0, FY_PATTERN_GROUP_TP);
+    n = fy_pattern_push(c, steps, n, max, FY_COMM_ALL_REDUCE, out, FY_PATTERN_GROUP_TP);
+    n = fy_pattern_push(c, steps, n, max, FY_COMM_ALL_TO_ALL, rows, FY_PATTERN_GROUP_EP);
     return fy_pattern_push(c, steps, n, max, FY_COMM_ALL_TO_ALL, rows, FY_PATTERN_GROUP_EP);
   }
   case FY_PHASE_GRADS: {
-    double router, experts;
-    expert_elems(c, &router, &experts);
+    double router, experts, split;
+    expert_elems(c, &router, &experts, &split);
     int n = fy_pattern_push(c, steps, 0, max, FY_COMM_ALL_REDUCE, router * c->param_bytes, FY_PATTERN_GROUP_DP);
-    return fy_pattern_push(c, steps, n, max, FY_COMM_ALL_REDUCE, experts / ep_of(c) * c->param_bytes,
+    return fy_pattern_push(c, steps, n, max, FY_COMM_ALL_REDUCE, (expert_rank_elems(c) - router) * c->param_bytes,
                            FY_PATTERN_GROUP_EP_REP);
   }
   default:
@@ -64,7 +95,8 @@ static int expert_comm(const struct fy_pattern_ctx *c, int phase, struct fy_comm
 // inputs and fc1 outputs: BT*k rows of C + F values when routing is balanced), and moves the rows
 // through send and receive buffers (BT*k rows of C values each) during each all-to-all.
 static double expert_act_bytes(const struct fy_pattern_ctx *c) {
-  if (ep_of(c) <= 1) return 0;
+  // (tp: the input gradient's part, BT*C floats beside the kernels' workspace)
+  if (ep_of(c) <= 1) return tp_of(c) > 1 ? (double)(c->g->B * c->g->T * c->g->ops[c->op].C) * 4.0 : 0;
   const struct fy_op *op = &c->g->ops[c->op];
   const double rows = (double)(c->g->B * c->g->T) * op->top_k;
   return rows * (op->OC + 3.0 * op->C) * c->param_bytes;
@@ -72,8 +104,8 @@ static double expert_act_bytes(const struct fy_pattern_ctx *c) {
 
 const struct fy_pattern fy_pattern_expert = {
     .name = "expert",
-    .doc = "expert parallelism: a mixture's experts split over groups of ep data-parallel ranks; "
-           "tokens to their experts' ranks and back by all-to-all, forward and backward",
+    .doc = "a mixture's experts split over groups of ep data-parallel ranks (tokens to their experts' ranks "
+           "and back by all-to-all), or each expert over tp (its output and input gradient all-reduced)",
     .applies = expert_applies,
     .layout = expert_layout,
     .comm = expert_comm,
