@@ -654,7 +654,9 @@ done
 # bit for bit, and one rank's checkpoint bytes (resumed on 1 rank, the straight run's bits); dp 2 x
 # pp 2 sharded on sim gives dp 2 sharded's (each rank's balance term is of its own rows, so dp
 # 2's, not one rank's); with 8 experts top 1 and 4 tokens a micro-batch a sim stage loads only the
-# experts that got tokens. --ep with --pp is refused (below).
+# experts that got tokens, each micro-batch's backward those of its own forward (1F1B runs the next
+# micro-batch's forward between them; 2 cache blocks: the chunk is loaded again in between). --ep
+# with --pp is refused (below).
 for v in moe:4:2 moe8:8:1; do
   IFS=: read -r name e k <<<"$v"
   mkdir -p "$tmp/cfg-$name"
@@ -696,9 +698,9 @@ for f in model.safetensors optimizer.safetensors; do cmp -s "$tmp/m1.d/step-0000
 [ $same = 1 ] && compare_moe m1 mpp && compare_moe m1 mps && compare_moe m1 mres && compare_moe md2 md2p2 \
   && ok "a mixture through pp 2 (cpu, sim): one rank's losses, aux_losses, weights and checkpoint bytes; dp 2 x pp 2 sharded on sim: dp 2's" \
   || bad "a mixture's pipeline differs from 1 rank (or dp 2 x pp 2 from dp 2)"
-m8=(--data "$tmp/data.bin" --seq 4 --steps 2 --threads 1 --quiet --grad-accum 2 --batch 1 --model "$tmp/cfg-moe8")
+m8=(--data "$tmp/data.bin" --seq 4 --steps 2 --threads 1 --quiet --grad-accum 4 --batch 1 --model "$tmp/cfg-moe8")
 "$ferry" train "${m8[@]}" --log "$tmp/m81.json" --save "$tmp/m81" || bad "1 rank trains 8 experts top 1"
-"${mpi[@]}" -np 2 "$ferry" train "${m8[@]}" --pp 2 "${psim[@]}" --log "$tmp/m8s.json" --save "$tmp/m8s" \
+"${mpi[@]}" -np 2 "$ferry" train "${m8[@]}" --pp 2 --device sim --blocks 2 --prefetch 0 --log "$tmp/m8s.json" --save "$tmp/m8s" \
   >"$tmp/m8s.out" 2>&1 || { bad "pp 2 on sim trains 8 experts top 1"; cat "$tmp/m8s.out"; }
 loaded=$(python3 -c "import json, sys; r = [json.loads(l) for l in open(sys.argv[1])][-1]; \
 print('%d of %d' % (r['expert_chunks_loaded'], r['expert_chunks']))" "$tmp/m8s.json" 2>/dev/null)
