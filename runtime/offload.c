@@ -425,9 +425,9 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // cpu does. Backward (and recomputation) reuses its micro-batch's forward's choice (kept per
 // micro-batch: a pipeline stage runs other micro-batches' forwards between one's forward and its
 // backward): the experts loaded are still in the block unless the chunk was loaded again from home
-// since (home_loads), and then they are loaded again. On a GPU the router is the kernels' (kernels->moe_route, launched on the
-// compute stream; ops/cuda/moe.cu), the rest is the same: its choices come down, the used experts'
-// ranges go up. An unsharded cache only: sharded chunks load whole chunks.
+// since (home_loads), and then they are loaded again. On a GPU the router is the kernels'
+// (kernels->moe_route, launched on the compute stream; ops/cuda/moe.cu), the rest is the same: its
+// choices come down, the used experts' ranges go up. An unsharded cache only: sharded chunks load whole chunks.
 struct moe_load {
   bool on;
   int chunk;

@@ -34,7 +34,7 @@ struct fy_pipeline {
   int tied;                // the embedding's weight used on the first and the last stage, or -1
   float *tied_buf;
   int64_t own_lo, own_hi;  // the flat range of the owned parameters
-  int max_micro;
+  int max_micro;           // micro-batches a step at most (fy_pipeline_create's)
   double *aux;             // per micro-batch of the step: this stage's mixtures' balance terms (struct
                            // fy_loss's aux_sum; resident, forward_one keeps them; offloaded, the engine)
   struct fy_pipeline_gpu *gpu;  // on a GPU: its messages (runtime/pipeline_cuda.h); NULL on the cpu
