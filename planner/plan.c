@@ -235,6 +235,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   if (priced && one_node.cluster.nodes == 0)
     one_node.cluster = (struct fy_cluster){.nodes = 1, .gpus_per_node = ranks, .intra_gbps = fy_probe_comm_gbps(probe),
                                            .inter_gbps = fy_probe_comm_gbps(probe)};
+  if (cfg->num_local_experts > 0) {  // (its experts are not split by tp: core/opt.c; its layouts tp 1)
+    if (grid->tp > 1) return fy_error_set(FY_ERR_INVALID, "plan: tp %d: a mixture of experts trains without tp", grid->tp);
+    one_node.tp = 1;
+  }
   grid = &one_node;
   const struct fy_cluster *cl = &grid->cluster;
   enum fy_state_format sf = FY_STATE_F32;
@@ -390,8 +394,8 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
     }
   }
   // Pipelines (pp > 1), where their stages run: each stage resident on its GPUs, beside the rest.
-  // (Not of a mixture of experts: its load-balancing term is not carried across stages, runtime/run.c.)
-  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32 && !moe) {
+  // A mixture's stages each hold their layers' mixtures (runtime/pipeline.h), tp 1 (grid's, above).
+  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32) {
     int layouts = 0;
     FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, probe, best, &tried, &layouts, &least, least_why,
                           sizeof least_why));

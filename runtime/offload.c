@@ -426,18 +426,20 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // into the block (moe_experts). The other experts' ranges of the block hold whatever was there:
 // their kernels read no weight of an expert without tokens and write its gradient, zero, over it,
 // so the write-back brings every expert's gradient home and AdamW updates every expert as the
-// cpu does. Backward (and recomputation) reuses the forward's choice: the experts loaded are
-// still in the block unless the chunk was loaded again from home since (home_loads), and then
-// they are loaded again. On a GPU the router is the kernels' (kernels->moe_route, launched on the
-// compute stream; ops/cuda/moe.cu), the rest is the same: its choices come down, the used experts'
-// ranges go up. An unsharded cache only: sharded chunks load whole chunks.
+// cpu does. Backward (and recomputation) reuses its micro-batch's forward's choice (kept per
+// micro-batch: a pipeline stage runs other micro-batches' forwards between one's forward and its
+// backward): the experts loaded are still in the block unless the chunk was loaded again from home
+// since (home_loads), and then they are loaded again. On a GPU the router is the kernels'
+// (kernels->moe_route, launched on the compute stream; ops/cuda/moe.cu), the rest is the same: its
+// choices come down, the used experts' ranges go up. An unsharded cache only: sharded chunks load whole chunks.
 struct moe_load {
   bool on;
   int chunk;
   int E;
   int64_t off[4], len[4];  // per stacked parameter: its offset in the chunk, an expert's elements
   int64_t gen;             // home_loads[chunk] when `valid` was last true of the block
-  bool *valid, *used;      // per expert: its weights are in the block; it got tokens this pass
+  bool *valid, *used;      // per expert: its weights are in the block; (E per micro-batch) it got
+                           // tokens in that micro-batch's forward
   struct moe_route_job {
     float *route;
     const float *inp, *gate;
@@ -509,7 +511,8 @@ static fy_status moe_setup(struct fy_offload *x) {
       ml->len[k] = p->numel / ml->E;
     }
     ml->gen = -1;
-    if (!(ml->valid = calloc((size_t)ml->E, sizeof *ml->valid)) || !(ml->used = calloc((size_t)ml->E, sizeof *ml->used)))
+    if (!(ml->valid = calloc((size_t)ml->E, sizeof *ml->valid)) ||
+        !(ml->used = calloc((size_t)ml->E * (size_t)x->max_micro, sizeof *ml->used)))
       return fy_error_set(FY_ERR_NOMEM, "out of memory");
     ml->on = any = true;
     const int64_t r = g->B * g->T * (op->experts + 3 * op->top_k);
@@ -537,9 +540,10 @@ static void moe_free(struct fy_offload *x) {
 // recomputed), its router alone, then the host reads which experts got tokens; the weights of
 // those not in the block yet are loaded into it, and the compute stream waits for them.
 static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
-                             float *block) {
+                             int micro, float *block) {
   struct moe_load *ml = &x->moe[act->op];
   if (!ml->on) return FY_OK;
+  bool *used = ml->used + (size_t)micro * (size_t)ml->E;
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[act->op];
@@ -558,9 +562,9 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
     FY_TRY(fy_event_record(x->moe_routed, x->compute));
     FY_TRY(fy_event_sync(x->moe_routed));
     if (ml->job.st != FY_OK) return ml->job.st;
-    memset(ml->used, 0, (size_t)ml->E * sizeof *ml->used);
+    memset(used, 0, (size_t)ml->E * sizeof *used);
     for (int64_t t = 0; t < ml->job.d.BT; t++)
-      for (int j = 0; j < op->top_k; j++) ml->used[(int)x->route_host[t * S + op->experts + j]] = true;
+      for (int j = 0; j < op->top_k; j++) used[(int)x->route_host[t * S + op->experts + j]] = true;
   }
   if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in the block
     memset(ml->valid, 0, (size_t)ml->E * sizeof *ml->valid);
@@ -569,7 +573,7 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
   const char *home = (const char *)x->home[ml->chunk];
   int n = 0;
   for (int e = 0; e < ml->E; e++) {
-    if (!ml->used[e] || ml->valid[e]) continue;
+    if (!used[e] || ml->valid[e]) continue;
     for (int k = 0; k < 4; k++) {
       if (ml->len[k] == 0) continue;
       size_t at = (size_t)(ml->off[k] + e * ml->len[k]) * x->esize;
@@ -1392,7 +1396,7 @@ static fy_status run_actions(struct fy_offload *x, const struct fy_batch *batch,
       c->loss_sum = &x->loss_sums[micro];
       c->aux_sum = x->aux_sums ? &x->aux_sums[micro] : NULL;
     }
-    if (op->kind == FY_OP_MOE && x->moe && nk > 0) FY_TRY(moe_experts(x, act, c, base[0]));
+    if (op->kind == FY_OP_MOE && x->moe && nk > 0) FY_TRY(moe_experts(x, act, c, micro, base[0]));
     // A pipeline stage's part of a gradient whose first write is another stage's (the tied
     // embedding on the first stage): from zero, as that stage's part starts (fy_offload_update sums them).
     for (int k = 0; x->zero_first && act->kind == FY_ACT_BACKWARD && k < op->n_params; k++) {

@@ -34,6 +34,9 @@ struct fy_pipeline {
   int tied;                // the embedding's weight used on the first and the last stage, or -1
   float *tied_buf;
   int64_t own_lo, own_hi;  // the flat range of the owned parameters
+  int max_micro;           // micro-batches a step at most (fy_pipeline_create's)
+  double *aux;             // per micro-batch of the step: this stage's mixtures' balance terms (struct
+                           // fy_loss's aux_sum; resident, forward_one keeps them; offloaded, the engine)
   struct fy_pipeline_gpu *gpu;  // on a GPU: its messages (runtime/pipeline_cuda.h); NULL on the cpu
 };
 
@@ -88,6 +91,7 @@ void fy_pipeline_free(struct fy_pipeline *p) {
   free(p->owned);
   free(p->zero_first);
   free(p->tied_buf);
+  free(p->aux);
   free(p);
 }
 
@@ -129,7 +133,10 @@ static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm
   p->used = calloc((size_t)g->n_params + 1, sizeof *p->used);
   p->owned = calloc((size_t)g->n_params + 1, sizeof *p->owned);
   p->zero_first = calloc((size_t)g->n_params + 1, sizeof *p->zero_first);
-  if (!p->arenas || !p->act_sends || !p->used || !p->owned || !p->zero_first) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  p->max_micro = max_micro > 1 ? max_micro : 1;
+  p->aux = calloc((size_t)p->max_micro, sizeof *p->aux);
+  if (!p->arenas || !p->act_sends || !p->used || !p->owned || !p->zero_first || !p->aux)
+    st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   // The slots this stage's ops touch lie in one span of the arena (slots are laid out in forward
   // order; with recomputation the layers' shared region is at its start): a micro-batch in flight
   // needs that span alone. Its arena is addressed as the model's is, from span_lo floats before
@@ -253,6 +260,7 @@ static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, 
   if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, true, loss_scale, &loss.sum));  // (done when it returns)
   else FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
   losses[i] = fy_pipeline_is_last(p) ? loss.sum : 0;
+  p->aux[i] = loss.aux_sum;
   if (p->out_slot >= 0 && p->gpu)
     FY_TRY(fy_pipeline_gpu_send(p->gpu, m->acts + g->slots[p->out_slot].offset,
                                 (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1));
@@ -434,6 +442,22 @@ double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale) {
 fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, float lr, int64_t t, float grad_scale,
                             double norm) {
   return fy_optimizer_step_some(p->m, h, lr, t, grad_scale, norm, p->used);
+}
+
+fy_status fy_pipeline_aux_sums(struct fy_pipeline *p, int n, double *aux) {
+  if (n < 1) return FY_OK;
+  if (n > p->max_micro) return fy_error_set(FY_ERR_INTERNAL, "%d micro-batches of at most %d", n, p->max_micro);
+  double mine[n], all[(size_t)p->pp * (size_t)n];
+  for (int i = 0; i < n; i++) mine[i] = p->x ? fy_offload_aux_sum(p->x, i) : p->aux[i];
+  if (p->pp > 1) FY_TRY(fy_comm_all_gather(p->comm, mine, all, (size_t)(2 * n), FY_COMM_F32, NULL));  // (doubles as 2 words)
+  else memcpy(all, mine, sizeof mine);
+  // Added in stage order, the layers' order: one rank adds them one layer at a time, so this is
+  // one rank's sum up to the rounding of a double (far below the log's 6 digits).
+  for (int i = 0; i < n; i++) {
+    aux[i] = 0;
+    for (int s = 0; s < p->pp; s++) aux[i] += all[(size_t)s * (size_t)n + (size_t)i];
+  }
+  return FY_OK;
 }
 
 fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x) {

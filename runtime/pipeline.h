@@ -98,6 +98,11 @@ fy_status fy_pipeline_adamw(struct fy_pipeline *p, const struct fy_adamw *h, flo
 // The stage whose parameters include the whole model's parameter i (where its first use is; a
 // tied embedding the first stage's), for gathering the whole model (runtime/train_checkpoint.c).
 int fy_pipeline_owner(const struct fy_graph *g, int64_t layers, int pp, int i);
+// A mixture of experts' load-balancing terms of the last fy_pipeline_run's n micro-batches, every
+// stage's (each its own layers' mixtures: the gradient of a layer's term is its router's, local to
+// its stage) added in stage order: aux[k] that of micro-batch k, as one rank's forward sums it
+// (struct fy_loss's aux_sum), the same on every stage. A collective of the pipeline's stages.
+fy_status fy_pipeline_aux_sums(struct fy_pipeline *p, int n, double *aux);
 // A double from the last stage to every stage (the step's loss, reported by rank 0).
 fy_status fy_pipeline_share_from_last(struct fy_pipeline *p, double *x);
 

@@ -568,6 +568,14 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --tp %d: a mixture's experts are split over an "
                         "expert-parallel group or a tensor-parallel one, not both (expert parallelism moves whole "
                         "experts' rows)", r->ep, r->tp);
+  // A mixture's pipeline stages each hold their layers' mixtures whole (their load-balancing terms
+  // added into the reported one: fy_pipeline_aux_sums); expert-parallel groups within the stages
+  // would need the stages' gradient sums, norm and checkpoints to take their experts' parts as
+  // runtime/ep.c does.
+  if (r->pp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --pp %d: expert parallelism within pipeline stages is not "
+                        "supported yet (use one of them: --pp with data-parallel replicas, or --ep without --pp)", r->ep,
+                        r->pp);
   if (r->dp % r->ep != 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
@@ -636,9 +644,6 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %lld experts of %s's mixture layers: each rank of "
                         "an expert-parallel group holds experts/ep of them", r->ep,
                         (long long)r->cfg.num_local_experts, r->cfg.name);
-  if (r->cfg.num_local_experts > 0 && r->pp > 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: pipeline parallelism (--pp %d) of a mixture is "
-                        "not supported yet (its load-balancing term is not carried across stages)", r->cfg.name, r->pp);
   // Several ranks: replicated parameters on the cpu device, chunk-sharded ones (zero) on sim and on GPUs.
   enum fy_dtype cdt;
   if (o->precision && !fy_precision_dtype(o->precision, &cdt))

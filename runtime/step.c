@@ -118,18 +118,28 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   if (st == FY_OK) st = fy_pipeline_run(r->pipe, mb, n, (float)(scale / (double)total), K > 1, losses);
   free(keep);
   FY_TRY(st);
+  // A mixture of experts: each micro-batch's load-balancing terms, every stage's layers' added.
+  const bool moe = model->cfg.num_local_experts > 0;
+  double aux[K > 0 ? K : 1];
+  if (moe) FY_TRY(fy_pipeline_aux_sums(r->pipe, n, aux));
   // The loss: the last stages' sums over the data-parallel ranks (each micro-batch's in fp32, as
-  // step_resident sums them), then from the last stage to the others.
-  double loss_sum = 0;
+  // step_resident sums them, with its balance terms), then from the last stage to the others.
+  double loss_sum = 0, aux_sum = 0;
   if (fy_pipeline_is_last(r->pipe)) {
-    float global[K > 0 ? K : 1];
-    for (int i = 0; i < n; i++) global[i] = (float)losses[i];
-    if (r->dp > 1 && n > 0) FY_TRY(fy_comm_all_reduce(r->dp_comm, global, (size_t)n, FY_COMM_F32, NULL));
-    for (int i = 0; i < n; i++) loss_sum += r->dp > 1 ? global[i] : losses[i];
+    float global[2 * (K > 0 ? K : 1)];
+    for (int i = 0; i < n; i++) global[i] = (float)losses[i], global[n + i] = moe ? (float)aux[i] : 0.0f;
+    if (r->dp > 1 && n > 0)
+      FY_TRY(fy_comm_all_reduce(r->dp_comm, global, (size_t)(moe ? 2 * n : n), FY_COMM_F32, NULL));
+    for (int i = 0; i < n; i++) {
+      loss_sum += r->dp > 1 ? global[i] : losses[i];
+      if (moe) aux_sum += r->dp > 1 ? global[n + i] : aux[i];
+    }
   }
   FY_TRY(fy_pipeline_share_from_last(r->pipe, &loss_sum));
+  if (moe) FY_TRY(fy_pipeline_share_from_last(r->pipe, &aux_sum));
   if (!isfinite(loss_sum)) return fy_error_set(FY_ERR_NUMERIC, "the loss is %f", loss_sum / (double)total);
   *loss_out = loss_sum / (double)total;
+  r->aux_loss = aux_sum / (double)total;
   if (r->x) {  // offloaded: the engine sums the tied gradient, the norm over the stages, and updates
     double t0 = fy_now(), sums[K > 0 ? K : 1];
     st = fy_offload_update(r->x, &o->adamw, fy_lr_at(o, step), r->updates + 1, (float)(1.0 / scale), norm_out, sums,

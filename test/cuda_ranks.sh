@@ -21,7 +21,8 @@
 # checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint and
 # validation, offloaded with 8-bit AdamW state and with --optimizer-lag 1, and ferry eval --pp 2 =
 # 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
-# four GPUs, dp 2 x pp 2 x tp 2 with eight; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
+# offloaded) = 1 rank; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -254,6 +255,34 @@ if [ "$gpus" -ge 8 ]; then
   run grid8 8 --precision fp32 --batch 1 --grad-accum 2 --pp 2 --tp 2 --stop-after 2 || exit 1
   check "dp 2 x pp 2 x tp 2 --offload on 8 GPUs = 1 rank x 4, fp32" onefp32 grid8 1e-4
 fi
+# A mixture of experts through 2 stages (opt-moe-tiny's widths over 4 layers, each a mixture of 8
+# experts, top 1, untied; 4 micro-batches of 8 random tokens a step): resident, and offloaded with
+# 2 cache blocks (each stage loads only the experts its micro-batches routed to, a micro-batch's
+# backward those of its own forward), fp32, = 1 resident rank: losses and aux_losses within 1e-5.
+mkdir -p "$d/moe/cfg" "$d/moe/data"
+python3 - "$d/moe" <<'PY' || exit 2
+import json, random, struct, sys
+json.dump({"model_type": "opt", "vocab_size": 97, "hidden_size": 32, "word_embed_proj_dim": 32, "ffn_dim": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 64,
+           "do_layer_norm_before": True, "activation_function": "relu", "pad_token_id": 1, "dropout": 0.0,
+           "tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 1,
+           "moe_layer_frequency": 1, "router_aux_loss_coef": 0.01}, open(sys.argv[1] + "/cfg/config.json", "w"))
+rnd = random.Random(5)
+toks = [rnd.randrange(3, 97) for _ in range(4000)]
+open(sys.argv[1] + "/data/shard_000.bin", "wb").write(struct.pack("<256i", 20240520, 1, len(toks), *([0] * 253)) +
+                                                      struct.pack("<%dH" % len(toks), *toks))
+PY
+kept=("${common[@]}")
+common=(train --model "$d/moe/cfg" --data "$d/moe/data" --steps 2 --seq 8 --batch 1 --grad-accum 4 --seed 1 --lr 1e-3
+  --warmup 0 --no-shuffle --device cuda --precision fp32 --quiet)
+run moe1 1 || exit 1
+run moepp 2 --pp 2 || exit 1
+run moeppoff 2 --pp 2 --offload --blocks 2 || exit 1
+for r in moepp moeppoff; do
+  check "a mixture through --pp 2 ($r) = 1 rank: losses" moe1 $r 1e-5
+  check "a mixture through --pp 2 ($r) = 1 rank: aux_losses" moe1 $r 1e-5 aux_loss
+done
+common=("${kept[@]}")
 # ferry plan for 2 GPUs with room for the whole model on each and too little host memory to
 # offload it plans replicas (resident, pattern replicate), and mpirun -np 2 ferry train --plan
 # trains them as the replicas above.

@@ -414,6 +414,16 @@ static void moe_ep_plans(void) {
     CHECK_OK(fy_plan_read(path, &back));
     CHECK(back.ep == 1 && back.k.ep == 0);
   }
+  // Pipelines of a mixture (runtime/pipeline.h: each stage its layers' mixtures): a fixed pp 2 is
+  // priced, its stages offloaded with tp 1 (the search above tries the same beside the others), and
+  // a fixed tp is refused.
+  struct fy_plan_grid pg = {.pp = 2};
+  struct fy_plan pb;
+  CHECK_OK(fy_plan_search_grid(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", 0, NULL, &pg, &p, &pb, NULL));
+  CHECK(pb.pp == 2 && pb.dp == 1 && pb.tp == 1 && pb.ep == 1 && pb.predicted.fits);
+  CHECK_OK(fy_plan_check(&moe, &pb, &p));
+  pg = (struct fy_plan_grid){.tp = 2};
+  CHECK_ERR(fy_plan_search_grid(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", 0, NULL, &pg, &p, &pb, NULL), FY_ERR_INVALID);
 }
 
 // Offloaded pipeline stages on the sim device (planner/cost.c, simulate_offloaded_staged), on
