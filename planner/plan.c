@@ -235,8 +235,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   if (priced && one_node.cluster.nodes == 0)
     one_node.cluster = (struct fy_cluster){.nodes = 1, .gpus_per_node = ranks, .intra_gbps = fy_probe_comm_gbps(probe),
                                            .inter_gbps = fy_probe_comm_gbps(probe)};
-  if (cfg->num_local_experts > 0) {  // (its experts are not split by tp: core/opt.c; its layouts tp 1)
-    if (grid->tp > 1) return fy_error_set(FY_ERR_INVALID, "plan: tp %d: a mixture of experts trains without tp", grid->tp);
+  // A mixture's experts split over tp on the cpu and sim (core/opt.c), not on GPUs (runtime/run.c).
+  if (cfg->num_local_experts > 0 && strcmp(probe->device, "cuda") == 0) {
+    if (grid->tp > 1)
+      return fy_error_set(FY_ERR_INVALID, "plan: tp %d: a mixture of experts trains on GPUs without tp", grid->tp);
     one_node.tp = 1;
   }
   grid = &one_node;

@@ -381,19 +381,19 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
   // A mixture of experts is planned where it trains (runtime/run.c): on sim with any number of
   // data-parallel ranks, its expert-parallel size searched, a fixed --dp / --tp (each expert split
   // over tp: core/opt.c) and pipelines of offloaded stages (planner/plan.c; a fixed --pp prices that
-  // layout's stages, tp 1); on a GPU on one rank (resident or offloaded) or as resident replicas,
+  // layout's stages); on a GPU on one rank (resident or offloaded) or as resident replicas,
   // without tp or ep. No cluster.
   if (cfg.num_local_experts > 0) {
     const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
     if (!sim && !cuda)
       return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: plans are made for --device sim and cuda "
                           "(the cpu device trains it resident without a plan)", a->model);
-    if (a->nodes || (cuda && (a->dp || a->pp || a->tp)) || (a->tp > 1 && a->pp > 1))
+    if (a->nodes || (cuda && (a->dp || a->pp || a->tp)))
       return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: its plans lay the ranks out by the search "
                           "(%s), not on a cluster or with a fixed %s: not supported yet", a->model,
                           sim ? "data-parallel ranks, the expert-parallel size, tensor-parallel experts and pipelines"
                               : "replicas on a GPU",
-                          sim ? "--tp with --pp" : "--dp, --pp or --tp");
+                          sim ? "layout" : "--dp, --pp or --tp");
     if (cuda && a->gpus > 1 && a->offload_only)
       return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: on several GPUs it trains as resident "
                           "replicas; offloaded (--offload) on one GPU: not supported yet", a->model);
