@@ -286,7 +286,7 @@ common=(train --model opt-moe-tiny --data "$d/moe.bin" --seq 32 --batch 2 --step
   --no-shuffle --device cuda --precision fp32 --clip 0 --quiet)
 rm -rf "$d/moeone" "$d/moeep2" "$d/moestarve"
 run moeone 1 --grad-accum 2 --save "$d/moeone" || exit 1
-run moeep2 2 --ep 2 --save "$d/moeep2" || exit 1
+LOUD=1 run moeep2 2 --ep 2 --save "$d/moeep2" || exit 1
 check "--ep 2 on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeep2 1e-6
 if [ -n "${FY_EMU_GPUS:-}" ]; then
   if cmp -s "$d/moeone/model.safetensors" "$d/moeep2/model.safetensors"; then
@@ -324,6 +324,25 @@ else
   run moestarve1 1 --grad-accum 2 --steps 2 --init "$d/moestarve" || exit 1
   run moestarve 2 --ep 2 --steps 2 --init "$d/moestarve" --recompute || exit 1
   check "starved experts, --ep 2 on 2 GPUs (--recompute) = 1 rank accumulating 2, fp32" moestarve1 moestarve 1e-6
+fi
+# A resident plan for 2 GPUs with "ep": 2 (ferry plan's, its precision fp32) trains as --ep 2 does,
+# each rank holding its experts alone (the same model state).
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --device-mem 2GiB --host-mem 64KiB --model opt-moe-tiny \
+  --batch 4 --seq 32 --out "$d/moeplan.json" >"$d/moeplan_plan.out" 2>&1 || { cat "$d/moeplan_plan.out"; exit 1; }
+python3 - "$d/moeplan.json" <<'PY' || exit 2
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert p["resident"] and p["dp"] == 2, p
+p.update(ep=2, precision="fp32", micro_batch=2, grad_accum=1)
+json.dump(p, open(sys.argv[1], "w"))
+PY
+LOUD=1 run moeplan 2 --plan "$d/moeplan.json" || exit 1
+check "a resident plan with ep 2 on 2 GPUs = --ep 2" moeep2 moeplan 1e-6
+a="$(grep -m1 'model state' "$d/moeep2.out")" b="$(grep -m1 'model state' "$d/moeplan.out")"
+if [ -n "$a" ] && [ "$a" = "$b" ]; then
+  pass=$((pass + 1)); echo "ok    the plan's ranks hold their experts alone as --ep 2's (${a#*ferry: })"
+else
+  fail=$((fail + 1)); echo "FAIL  the plan with ep 2: '$b' against --ep 2's '$a'"
 fi
 out="$(timeout 120 "${mpi[@]}" -np 2 "$ferry" "${common[@]}" --ep 2 --offload --steps 1 2>&1)"
 if [ $? -ne 0 ] && grep -q -- "--ep 2 on --device cuda --offload" <<<"$out"; then
