@@ -659,8 +659,7 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
 
 fy_status fy_engine_cuda_set_ep(struct fy_model *m, struct fy_comm *nccl) {
   struct cuda_ctx *x = ctx_of(m);
-  if (!x || !x->stream || m->host)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "expert parallelism on GPUs: a resident model's (not offloaded) for now");
+  if (!x) return fy_error_set(FY_ERR_INVALID, "expert parallelism on GPUs: the model has no cuda kernels");
   FY_ASSERT(!x->ep);
   return fy_ep_cuda_create(m, nccl, &x->ep);
 }

@@ -26,7 +26,12 @@ struct ep_cuda_op {
 };
 
 struct fy_ep_cuda {
+  // The group's size and this rank's place in it. whole: the graph keeps every expert (the offload
+  // engine's chunks, sharded across the data-parallel ranks, gather them all, as on sim:
+  // runtime/ep.c): this rank computes experts [rank E/P, (rank + 1) E/P) of the stacked parameters
+  // and writes the others' gradients as zeros, which the chunks' reduce-scatter adds.
   int P, rank, n_ops;
+  bool whole;
   struct fy_comm *nccl;
   struct ep_cuda_op *ops;
   // The blocks' scratch, shared by the ops: as (rows, F), dh (rows, F), y or dy (rows, C), dx (rows, C).
@@ -35,6 +40,10 @@ struct fy_ep_cuda {
   int *ex;  // ep x E/ep: block i's local expert, i % (E/ep)
   int64_t *rows;  // 4 x ep: struct ep_rows's arrays
   size_t es;  // the compute dtype's bytes
+  // Offloaded, the gradients may land over the weights in the cache's block (c->g[k] == c->w[k]):
+  // the experts' backward reads copies of the local experts' w1 and w2, taken first.
+  void *keep;
+  size_t keep_bytes;
 };
 
 // (F, C of the widest mixture: the scratch's row)
@@ -49,19 +58,21 @@ static void widest(const struct fy_graph *g, int64_t *F, int64_t *C) {
 
 fy_status fy_ep_cuda_create(struct fy_model *m, struct fy_comm *nccl, struct fy_ep_cuda **out) {
   const struct fy_graph *g = m->graph;
-  if (g->ep < 2 || !m->ep_comm || !nccl)
+  const bool whole = g->ep <= 1;
+  const int P = whole && nccl ? fy_comm_size(nccl) : g->ep;
+  if (P < 2 || !m->ep_comm || !nccl)
     return fy_error_set(FY_ERR_INVALID, "expert parallelism on GPUs needs a group of at least 2 ranks and its "
                         "communicators");
-  if (strcmp(fy_comm_kind_name(nccl), "nccl") != 0 || fy_comm_size(nccl) != g->ep)
-    return fy_error_set(FY_ERR_INVALID, "expert parallelism on GPUs: the rows go by nccl over the group's %d ranks",
-                        g->ep);
+  if (strcmp(fy_comm_kind_name(nccl), "nccl") != 0 || fy_comm_size(nccl) != P)
+    return fy_error_set(FY_ERR_INVALID, "expert parallelism on GPUs: the rows go by nccl over the group's %d ranks", P);
   struct fy_ep_cuda *e = calloc(1, sizeof *e);
   if (!e || !(e->ops = calloc((size_t)g->n_ops, sizeof *e->ops))) {
     free(e);
     return fy_error_set(FY_ERR_NOMEM, "out of memory");
   }
-  e->P = g->ep;
-  e->rank = g->ep_rank;
+  e->P = P;
+  e->rank = whole ? fy_comm_rank(nccl) : g->ep_rank;
+  e->whole = whole;
   e->n_ops = g->n_ops;
   e->nccl = nccl;
   e->es = 4;  // (fp32 compute: run.c refuses 16-bit compute with --ep; a later call reads the model's)
@@ -77,6 +88,10 @@ fy_status fy_ep_cuda_create(struct fy_model *m, struct fy_comm *nccl, struct fy_
       return fy_error_set(FY_ERR_NOMEM, "out of memory");
     }
     most = op->experts > most ? op->experts : most;
+    if (op->experts % P != 0) {
+      fy_ep_cuda_free(m, e);
+      return fy_error_set(FY_ERR_INVALID, "%s: %d experts do not split over %d ranks", op->name, op->experts, P);
+    }
   }
   e->ex = malloc((size_t)(most ? most : 1) * sizeof *e->ex);
   e->rows = malloc((size_t)(4 * e->P) * sizeof *e->rows);
@@ -106,6 +121,7 @@ void fy_ep_cuda_free(struct fy_model *m, struct fy_ep_cuda *e) {
     buf_free(m, &s->hr, (size_t)(s->rows_cap * op->OC) * e->es);
   }
   buf_free(m, &e->scratch, (size_t)(e->scratch_rows * 2 * (F + C)) * e->es);
+  buf_free(m, &e->keep, e->keep_bytes);
   free(e->ex);
   free(e->rows);
   free(e->ops);
@@ -189,6 +205,23 @@ static fy_status all_to_all(struct fy_ep_cuda *e, const void *from, const int64_
   return n ? fy_comm_group_p2p(e->nccl, msgs, n, s) : FY_OK;
 }
 
+// This rank's experts' part of a stacked parameter (whole: experts [rank El, (rank + 1) El) of E,
+// each of n elements; split: the parameter is theirs alone).
+static void *local(const struct fy_ep_cuda *e, void *p, int El, int64_t n) {
+  return p && e->whole ? (char *)p + (size_t)((int64_t)e->rank * El * n) * e->es : p;
+}
+
+// whole, on a backward's first write: the other ranks' experts' gradients are zeros here.
+static fy_status zero_others(const struct fy_ep_cuda *e, void *g, int E, int El, int64_t n, cudaStream_t st) {
+  if (!g || !e->whole) return FY_OK;
+  const int64_t lo = (int64_t)e->rank * El, hi = lo + El;
+  if (cudaMemsetAsync(g, 0, (size_t)(lo * n) * e->es, st) != cudaSuccess ||
+      cudaMemsetAsync((char *)g + (size_t)(hi * n) * e->es, 0, (size_t)((E - hi) * n) * e->es, st) != cudaSuccess)
+    return fy_error_set(FY_ERR_INTERNAL, "cuda: zeroing the other ranks' experts' gradients: %s",
+                        cudaGetErrorString(cudaGetLastError()));
+  return FY_OK;
+}
+
 static struct fy_moe_dims dims(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
   return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
@@ -231,8 +264,11 @@ fy_status fy_ep_cuda_moe_forward(struct fy_ep_cuda *e, const struct fy_op_args *
   char *as = e->scratch, *yr = as + (size_t)(2 * e->scratch_rows * d.F) * es;
   FY_TRY(all_to_all(e, xs, r.soff, r.send, s->xr, r.roff, r.recv, (size_t)d.C * es, env->launch));
   for (int i = 0; i < P * El; i++) e->ex[i] = i % El;
-  FY_TRY(fy_cuda_moe_ep_experts_forward(env->blas, yr, s->hr, as, s->xr, e->ex, s->recv_n, P * El, c->w[1],
-                                        b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, dt, &d, st));
+  const int64_t F = d.F, C = d.C;
+  FY_TRY(fy_cuda_moe_ep_experts_forward(env->blas, yr, s->hr, as, s->xr, e->ex, s->recv_n, P * El,
+                                        local(e, c->w[1], El, F * C), b ? local(e, c->w[2], El, F) : NULL,
+                                        local(e, c->w[2 + b], El, C * F), b ? local(e, c->w[4], El, C) : NULL, dt, &d,
+                                        st));
   void *ys = source_y(a, &d, es);
   FY_TRY(all_to_all(e, yr, r.roff, r.recv, ys, r.soff, r.send, (size_t)d.C * es, env->launch));  // (back the same way)
   return fy_cuda_moe_ep_combine(a->out, ys, route, dt, &d, st);
@@ -259,9 +295,33 @@ fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args 
   FY_TRY(fy_cuda_moe_ep_dispatch_grad(a->dout, source_y(a, &d, es), route, dt, &d, env->work, st));
   FY_TRY(all_to_all(e, dy, r.soff, r.send, dyr, r.roff, r.recv, (size_t)d.C * es, env->launch));
   for (int i = 0; i < P * El; i++) e->ex[i] = i % El;
-  FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr, c->g[1], b ? c->g[2] : NULL, c->g[2 + b], b ? c->g[4] : NULL,
-                                         as, dh, dyr, s->xr, s->hr, e->ex, s->recv_n, P * El, El, c->w[1],
-                                         c->w[2 + b], !a->first[1], dt, &d, st));
+  const int64_t F = d.F, C = d.C;
+  const void *w1 = local(e, c->w[1], El, F * C), *w2 = local(e, c->w[2 + b], El, C * F);
+  if (c->g[1] == c->w[1]) {  // (offloaded: the gradients over the weights; copies of the local experts' first)
+    const size_t n = (size_t)(El * F * C) * es;
+    if (2 * n > e->keep_bytes) {
+      if (cudaStreamSynchronize(st) != cudaSuccess)
+        return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s", cudaGetErrorString(cudaGetLastError()));
+      buf_free(m, &e->keep, e->keep_bytes);
+      e->keep_bytes = 0;
+      FY_TRY(fy_device_alloc(m->dev, 2 * n, &e->keep));
+      e->keep_bytes = 2 * n;
+    }
+    if (cudaMemcpyAsync(e->keep, w1, n, cudaMemcpyDeviceToDevice, st) != cudaSuccess ||
+        cudaMemcpyAsync((char *)e->keep + n, w2, n, cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+      return fy_error_set(FY_ERR_INTERNAL, "cuda: keeping the experts' weights: %s", cudaGetErrorString(cudaGetLastError()));
+    w1 = e->keep, w2 = (char *)e->keep + n;
+  }
+  if (a->first[1]) {
+    FY_TRY(zero_others(e, c->g[1], d.E, El, F * C, st));
+    FY_TRY(zero_others(e, b ? c->g[2] : NULL, d.E, El, F, st));
+    FY_TRY(zero_others(e, c->g[2 + b], d.E, El, C * F, st));
+    FY_TRY(zero_others(e, b ? c->g[4] : NULL, d.E, El, C, st));
+  }
+  FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr, local(e, c->g[1], El, F * C), b ? local(e, c->g[2], El, F) : NULL,
+                                         local(e, c->g[2 + b], El, C * F), b ? local(e, c->g[4], El, C) : NULL, as, dh,
+                                         dyr, s->xr, s->hr, e->ex, s->recv_n, P * El, El, w1, w2, !a->first[1], dt, &d,
+                                         st));
   FY_TRY(all_to_all(e, dxr, r.roff, r.recv, dx, r.soff, r.send, (size_t)d.C * es, env->launch));
   return fy_cuda_moe_ep_route_backward(env->blas, fy_engine_dinput(m, op, 0), c->g[0], a->in0, route, c->w[0],
                                        dbalance, !a->first[0], dt, &d, env->work, st);

@@ -336,6 +336,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // op computes this rank's experts alone, its rows moved by the all-to-alls of runtime/ep.c on the
   // compute stream (ep_comm, which no other thread uses). The graph is not split: checkpoints and
   // resuming are the dense sharded run's (r->ep 1 from here on).
+  // On GPUs (cuda --offload) the same with the GPU's pieces (runtime/ep_cuda.h): the rows by NCCL
+  // send/recv on the compute stream over ep_compute, the counts over ep_comm on the host.
   if (r->ep > 1 && !cuda) {
     r->model->ep_comm = r->ep_comm;
     FY_TRY(fy_ep_create(r->model, &r->model->ep));
@@ -343,6 +345,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
 #if FY_HAVE_CUDA
   if (cuda) FY_TRY(fy_engine_cuda_attach(r->model));  // its kernels launch on the offload's compute stream
+  if (cuda && r->ep > 1) {
+    fy_status se = device_comm(r->ep_comm, r->ep_rank, true, &r->ep_compute);
+    if (se != FY_OK) return fy_error_wrap(se, "--ep %d on GPUs", r->ep);
+    r->model->ep_comm = r->ep_comm;
+    FY_TRY(fy_engine_cuda_set_ep(r->model, r->ep_compute));
+    r->ep = 1;
+  }
 #endif
   if (cdt != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, cdt));
   const struct fy_chunk_layout *l = r->model->layout;
@@ -615,11 +624,9 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
       !(strcmp(device, "cuda") == 0 && r->tp == 1))
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded), "
                         "or cuda (resident or --offload) without --tp, for now", r->cfg.name);
-  if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
-      !(strcmp(device, "cuda") == 0 && !o->offload))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s%s: expert parallelism runs on --device cpu "
-                        "(resident state), sim (offloaded, sharded) and cuda (resident, without --offload) for now",
-                        r->ep, device, o->offload ? " --offload" : "");
+  if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu, sim and "
+                        "cuda", r->ep, device);
   if (r->ep > 1 && r->cfg.num_local_experts == 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d: %s has no mixture-of-experts layers (num_local_experts 0) to split",
                         r->ep, r->cfg.name);
