@@ -173,7 +173,10 @@ static void rows_of(const struct ep_cuda_op *s, int P, int El, struct ep_rows *r
   int64_t so = 0, ro = 0;
   for (int p = 0; p < P; p++) {
     r->send[p] = r->recv[p] = 0;
-    for (int e = 0; e < El; e++) r->send[p] += fy_moe_rows(s->n[p * El + e]), r->recv[p] += fy_moe_rows(s->recv_n[p * El + e]);
+    for (int e = 0; e < El; e++) {
+      r->send[p] += fy_moe_rows(s->n[p * El + e]);
+      r->recv[p] += fy_moe_rows(s->recv_n[p * El + e]);
+    }
     r->soff[p] = so, r->roff[p] = ro;
     so += r->send[p], ro += r->recv[p];
   }
@@ -188,19 +191,16 @@ static fy_status all_to_all(struct fy_ep_cuda *e, const void *from, const int64_
   struct fy_comm_p2p msgs[2 * e->P];
   int n = 0;
   for (int p = 0; p < e->P; p++) {
+    char *src = (char *)from + (size_t)fo[p] * row_bytes, *dst = (char *)to + (size_t)to_off[p] * row_bytes;
     if (p == e->rank) {
-      if (fn[p] && cudaMemcpyAsync((char *)to + (size_t)to_off[p] * row_bytes, (const char *)from + (size_t)fo[p] * row_bytes,
-                                   (size_t)fn[p] * row_bytes, cudaMemcpyDeviceToDevice, fy_cuda_stream(s)) != cudaSuccess)
+      if (fn[p] && cudaMemcpyAsync(dst, src, (size_t)fn[p] * row_bytes, cudaMemcpyDeviceToDevice, fy_cuda_stream(s)) !=
+                       cudaSuccess)
         return fy_error_set(FY_ERR_INTERNAL, "cuda: copying this rank's own rows: %s",
                             cudaGetErrorString(cudaGetLastError()));
       continue;
     }
-    if (fn[p])
-      msgs[n++] = (struct fy_comm_p2p){.buf = (char *)from + (size_t)fo[p] * row_bytes, .bytes = (size_t)fn[p] * row_bytes,
-                                       .peer = p, .send = 1};
-    if (tn[p])
-      msgs[n++] = (struct fy_comm_p2p){.buf = (char *)to + (size_t)to_off[p] * row_bytes, .bytes = (size_t)tn[p] * row_bytes,
-                                       .peer = p, .send = 0};
+    if (fn[p]) msgs[n++] = (struct fy_comm_p2p){.buf = src, .bytes = (size_t)fn[p] * row_bytes, .peer = p, .send = 1};
+    if (tn[p]) msgs[n++] = (struct fy_comm_p2p){.buf = dst, .bytes = (size_t)tn[p] * row_bytes, .peer = p, .send = 0};
   }
   return n ? fy_comm_group_p2p(e->nccl, msgs, n, s) : FY_OK;
 }
@@ -290,8 +290,8 @@ fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args 
   rows_of(s, P, El, &r);  // (the forward's counts: the blocks it kept)
   void *xs, *dy, *dx;
   fy_cuda_moe_ep_buffers(&d, dt, env->work, &xs, &dy, &dx);
-  char *as = e->scratch, *dh = as + (size_t)(e->scratch_rows * d.F) * es, *dyr = dh + (size_t)(e->scratch_rows * d.F) * es,
-       *dxr = dyr + (size_t)(e->scratch_rows * d.C) * es;
+  const size_t rf = (size_t)(e->scratch_rows * d.F) * es, rc = (size_t)(e->scratch_rows * d.C) * es;
+  char *as = e->scratch, *dh = as + rf, *dyr = dh + rf, *dxr = dyr + rc;  // (the scratch's layout)
   FY_TRY(fy_cuda_moe_ep_dispatch_grad(a->dout, source_y(a, &d, es), route, dt, &d, env->work, st));
   FY_TRY(all_to_all(e, dy, r.soff, r.send, dyr, r.roff, r.recv, (size_t)d.C * es, env->launch));
   for (int i = 0; i < P * El; i++) e->ex[i] = i % El;
@@ -301,7 +301,8 @@ fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args 
     const size_t n = (size_t)(El * F * C) * es;
     if (2 * n > e->keep_bytes) {
       if (cudaStreamSynchronize(st) != cudaSuccess)
-        return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s", cudaGetErrorString(cudaGetLastError()));
+        return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s",
+                            cudaGetErrorString(cudaGetLastError()));
       buf_free(m, &e->keep, e->keep_bytes);
       e->keep_bytes = 0;
       FY_TRY(fy_device_alloc(m->dev, 2 * n, &e->keep));
@@ -309,7 +310,8 @@ fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args 
     }
     if (cudaMemcpyAsync(e->keep, w1, n, cudaMemcpyDeviceToDevice, st) != cudaSuccess ||
         cudaMemcpyAsync((char *)e->keep + n, w2, n, cudaMemcpyDeviceToDevice, st) != cudaSuccess)
-      return fy_error_set(FY_ERR_INTERNAL, "cuda: keeping the experts' weights: %s", cudaGetErrorString(cudaGetLastError()));
+      return fy_error_set(FY_ERR_INTERNAL, "cuda: keeping the experts' weights: %s",
+                          cudaGetErrorString(cudaGetLastError()));
     w1 = e->keep, w2 = (char *)e->keep + n;
   }
   if (a->first[1]) {
@@ -318,10 +320,10 @@ fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args 
     FY_TRY(zero_others(e, c->g[2 + b], d.E, El, C * F, st));
     FY_TRY(zero_others(e, b ? c->g[4] : NULL, d.E, El, C, st));
   }
-  FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr, local(e, c->g[1], El, F * C), b ? local(e, c->g[2], El, F) : NULL,
-                                         local(e, c->g[2 + b], El, C * F), b ? local(e, c->g[4], El, C) : NULL, as, dh,
-                                         dyr, s->xr, s->hr, e->ex, s->recv_n, P * El, El, w1, w2, !a->first[1], dt, &d,
-                                         st));
+  FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr, local(e, c->g[1], El, F * C),
+                                         b ? local(e, c->g[2], El, F) : NULL, local(e, c->g[2 + b], El, C * F),
+                                         b ? local(e, c->g[4], El, C) : NULL, as, dh, dyr, s->xr, s->hr, e->ex,
+                                         s->recv_n, P * El, El, w1, w2, !a->first[1], dt, &d, st));
   FY_TRY(all_to_all(e, dxr, r.roff, r.recv, dx, r.soff, r.send, (size_t)d.C * es, env->launch));
   return fy_cuda_moe_ep_route_backward(env->blas, fy_engine_dinput(m, op, 0), c->g[0], a->in0, route, c->w[0],
                                        dbalance, !a->first[0], dt, &d, env->work, st);
