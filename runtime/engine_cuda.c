@@ -14,6 +14,7 @@
 #include "planner/pattern.h"
 #include "runtime/comm.h"
 #include "runtime/engine.h"
+#include "runtime/ep_cuda.h"
 
 // A micro-batch's loss, summed on the host by a host function once its per-row losses have come
 // down (in stream order).
@@ -46,6 +47,9 @@ struct cuda_ctx {
   size_t moe_work_bytes;
   void *moe_pinned;     // fy_cuda_moe_pinned_bytes of the largest E, then (B*T) int32 targets
   size_t moe_pinned_bytes;
+  // Expert parallelism (graph->ep > 1): the mixtures' rows to their experts' ranks and back
+  // (runtime/ep_cuda.h; fy_engine_cuda_set_ep), NULL otherwise.
+  struct fy_ep_cuda *ep;
   // Per op: fy_graph_fusion's verdict, a linear run with the relu or residual add after it in
   // cuBLASLt's epilogue (relu; the residual as the product's C, beta 1); that op then does nothing.
   unsigned char *fused;
@@ -324,9 +328,12 @@ static fy_status moe_fwd(const struct fy_op_args *a) {
   if (c->aux_sum && !(targets = moe_targets_down(a)))
     return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
   double balance;
-  FY_TRY(fy_cuda_moe_forward(x->blas, a->out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), &balance,
-                             a->in0, c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL,
-                             m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st));
+  const struct fy_ep_cuda_env env = {x->blas, x->moe_work, x->moe_pinned, x->launch};
+  if (x->ep) FY_TRY(fy_ep_cuda_moe_forward(x->ep, a, &env, &balance));  // (experts over ranks: runtime/ep_cuda.c)
+  else
+    FY_TRY(fy_cuda_moe_forward(x->blas, a->out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), &balance,
+                               a->in0, c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL,
+                               m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st));
   // (fy_cuda_moe_forward waited for the stream: the targets are down)
   if (c->aux_sum) *c->aux_sum += (double)op->aux_coef * balance * (double)moe_count(targets, a->BT);
   return FY_OK;
@@ -345,6 +352,10 @@ static fy_status moe_bwd(const struct fy_op_args *a) {
     return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
   // The objective's balance term is coef x balance x (the micro-batch's targets) x loss_scale.
   const float dbalance = op->aux_coef * c->loss_scale * (float)moe_count(targets, a->BT);
+  if (x->ep) {
+    const struct fy_ep_cuda_env env = {x->blas, x->moe_work, x->moe_pinned, x->launch};
+    return fy_ep_cuda_moe_backward(x->ep, a, &env, dbalance);
+  }
   return fy_cuda_moe_backward(x->blas, fy_engine_dinput(m, op, 0), c->g[0], c->g[1], b ? c->g[2] : NULL, c->g[2 + b],
                               b ? c->g[4] : NULL, a->dout, a->in0, fy_engine_act(m, op->aux[0]),
                               fy_engine_act(m, op->aux[1]), c->w[0], c->w[1], c->w[2 + b], dbalance, !a->first[0],
@@ -596,6 +607,7 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   if (!x) return;
   // (Its own stream: the offload engine's, if kernels launched there, is gone by now.)
   if (x->stream) cudaStreamSynchronize(fy_cuda_stream(x->stream));
+  fy_ep_cuda_free(m, x->ep);
   fy_cuda_blas_free(x->blas);
   for (int i = 0; i < FY_CUDA_SCRATCH_BUFS; i++)
     if (*engine_buf(x, i)) fy_device_dealloc(m->dev, *engine_buf(x, i), x->buf_bytes[i]);
@@ -646,6 +658,13 @@ fy_status fy_engine_cuda_attach(struct fy_model *m) {
     x->fused[o] = (unsigned char)fy_graph_fusion(g, o);
   m->kernels = &cuda_kernels;
   return FY_OK;
+}
+
+fy_status fy_engine_cuda_set_ep(struct fy_model *m, struct fy_comm *nccl) {
+  struct cuda_ctx *x = ctx_of(m);
+  if (!x) return fy_error_set(FY_ERR_INVALID, "expert parallelism on GPUs: the model has no cuda kernels");
+  FY_ASSERT(!x->ep);
+  return fy_ep_cuda_create(m, nccl, &x->ep);
 }
 
 void fy_engine_cuda_memory(int ordinal, size_t *free_bytes, size_t *total_bytes) {

@@ -27,6 +27,11 @@ fy_status fy_engine_cuda_host_tier(size_t cap, struct fy_host_tier **out);
 // (ops/cuda/parts.h) for the model's parameters and widest op.
 fy_status fy_engine_cuda_attach(struct fy_model *m);
 void fy_engine_cuda_detach(struct fy_model *m);
+// Expert parallelism (m's graph has ep > 1, m->ep_comm its group over mpi): the mixtures' rows go
+// to their experts' ranks and back over nccl, the same group's nccl communicator (not owned; it
+// outlives the model's kernels). A resident model's, after fy_engine_cuda_attach.
+struct fy_comm;
+fy_status fy_engine_cuda_set_ep(struct fy_model *m, struct fy_comm *nccl);
 // The stream the model's kernels launch on (its own, or the offload engine's compute stream), for
 // work that must be ordered with them (a pipeline stage's messages: runtime/pipeline_cuda.c).
 fy_stream *fy_engine_cuda_stream(const struct fy_model *m);

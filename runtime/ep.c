@@ -273,8 +273,11 @@ fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct 
   fy_status st = FY_OK;
   for (int i = 0; i < ep->n_runs && st == FY_OK; i++) {
     struct fy_comm *c = ep->runs[i].expert ? rep : dp;
-    if (c && ep->runs[i].hi > ep->runs[i].lo)
-      st = fy_comm_all_reduce(c, m->grads + ep->runs[i].lo, (size_t)(ep->runs[i].hi - ep->runs[i].lo), FY_COMM_F32, NULL);
+    const size_t n = (size_t)(ep->runs[i].hi - ep->runs[i].lo);
+    if (!c || !n) continue;
+    // (on GPUs through the kernels' all-reduce: nccl on their stream, runtime/ep_cuda.h)
+    st = m->kernels->all_reduce ? m->kernels->all_reduce(m, c, m->grads + ep->runs[i].lo, n, FY_COMM_F32)
+                                : fy_comm_all_reduce(c, m->grads + ep->runs[i].lo, n, FY_COMM_F32, NULL);
   }
   return st;
 }

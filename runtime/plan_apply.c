@@ -120,10 +120,6 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
     if (plan.k.resident && plan.tp > 1)
       return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s keeps %d tensor-parallel ranks resident: tensor parallelism on "
                           "a GPU runs offloaded (ferry plan --offload): not supported yet", o->plan, plan.tp);
-    if (plan.ep > 1 && cuda)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s splits the experts over groups of %d ranks (ep %d): expert "
-                          "parallelism runs on --device cpu and sim, not yet on cuda: not supported yet", o->plan,
-                          plan.ep, plan.ep);
     if (o->ep > 1 && o->ep != plan.ep)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for ep %d, not --ep %d: drop --ep, or write a plan for it",
                           o->plan, plan.ep, o->ep);

@@ -336,6 +336,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // op computes this rank's experts alone, its rows moved by the all-to-alls of runtime/ep.c on the
   // compute stream (ep_comm, which no other thread uses). The graph is not split: checkpoints and
   // resuming are the dense sharded run's (r->ep 1 from here on).
+  // On GPUs (cuda --offload) the same with the GPU's pieces (runtime/ep_cuda.h): the rows by NCCL
+  // send/recv on the compute stream over ep_compute, the counts over ep_comm on the host.
   if (r->ep > 1 && !cuda) {
     r->model->ep_comm = r->ep_comm;
     FY_TRY(fy_ep_create(r->model, &r->model->ep));
@@ -343,6 +345,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   }
 #if FY_HAVE_CUDA
   if (cuda) FY_TRY(fy_engine_cuda_attach(r->model));  // its kernels launch on the offload's compute stream
+  if (cuda && r->ep > 1) {
+    fy_status se = device_comm(r->ep_comm, r->ep_rank, true, &r->ep_compute);
+    if (se != FY_OK) return fy_error_wrap(se, "--ep %d on GPUs", r->ep);
+    r->model->ep_comm = r->ep_comm;
+    FY_TRY(fy_engine_cuda_set_ep(r->model, r->ep_compute));
+    r->ep = 1;
+  }
 #endif
   if (cdt != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, cdt));
   const struct fy_chunk_layout *l = r->model->layout;
@@ -634,9 +643,13 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
       !(strcmp(device, "cuda") == 0 && r->tp == 1))
     return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu or sim (offloaded), "
                         "with or without --tp, or cuda (resident or --offload) without --tp, for now", r->cfg.name);
-  if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu (resident "
-                        "state) and sim (offloaded, sharded) for now", r->ep, device);
+  if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu, sim and "
+                        "cuda", r->ep, device);
+  // (the GPU's pieces move fp32 rows and sum fp32 gradients: runtime/ep_cuda.c)
+  if (r->ep > 1 && strcmp(device, "cuda") == 0 && (!o->precision || strcmp(o->precision, "fp32") != 0))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device cuda computes in fp32 for now: add --precision fp32",
+                        r->ep);
   if (r->ep > 1 && r->cfg.num_local_experts == 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d: %s has no mixture-of-experts layers (num_local_experts 0) to split",
                         r->ep, r->cfg.name);
@@ -716,14 +729,21 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
       st = device_comm(r->pp_comm, r->pp_rank, true, &r->pp_compute);
       if (st != FY_OK) return fy_error_wrap(st, "%d pipeline stages on GPUs", r->pp);
     }
+    if (r->ep > 1) {  // a mixture's rows to their experts' GPUs and back by NCCL send/recv (runtime/ep_cuda.h)
+      st = device_comm(r->ep_comm, r->ep_rank, true, &r->ep_compute);
+      if (st == FY_OK && r->ep_rep) st = device_comm(r->ep_rep, fy_comm_rank(r->ep_rep), true, &r->rep_compute);
+      if (st != FY_OK) return fy_error_wrap(st, "--ep %d on GPUs", r->ep);
+    }
     // (Evaluation or sampling in bf16 keeps the weights in bf16 alone: 2 bytes a parameter.) A
     // pipeline stage holds its own parameters alone.
     struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval,
                                .act16 = precision_dtype(o) != FY_F32, .weights16 = r->eval,
-                               .pp = r->pp, .pp_stage = r->pp_rank};
+                               .pp = r->pp, .pp_stage = r->pp_rank,
+                               .ep = r->ep, .ep_rank = r->ep_rank, .ep_comm = r->ep_comm};  // (its experts alone)
     FY_TRY(fy_model_create_with(&r->cfg, o->batch, o->seq, r->dev, &mo, &r->model));
     r->model->dp_comm = r->dp_compute;  // (the hooks and the gradients' sum: on the GPU's stream)
     FY_TRY(fy_engine_cuda_attach(r->model));
+    if (r->ep > 1) FY_TRY(fy_engine_cuda_set_ep(r->model, r->ep_compute));
     if (precision_dtype(o) != FY_F32) FY_TRY(fy_model_set_compute_dtype(r->model, precision_dtype(o)));
     if (o->grad_accum > 1) FY_TRY(fy_model_enable_accumulation(r->model));
 #else
@@ -809,6 +829,8 @@ void teardown(struct run *r) {
   fy_comm_free(r->tp_compute);
   fy_comm_free(r->dp_compute);
   fy_comm_free(r->tp_comm);
+  fy_comm_free(r->ep_compute);
+  fy_comm_free(r->rep_compute);
   fy_comm_free(r->ep_comm);
   fy_comm_free(r->ep_rep);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);

@@ -35,6 +35,9 @@ struct run {
   // same experts, one a group (NULL when there is one group), over which the experts' gradients sum.
   int ep, ep_rank;
   struct fy_comm *ep_comm, *ep_rep;
+  // On GPUs (resident): ep_comm's and ep_rep's ranks as nccl communicators (the mixtures' rows;
+  // the experts' gradients' sum over their replicas).
+  struct fy_comm *ep_compute, *rep_compute;
   // The groups of the ops' pattern hooks (sim and GPUs: on the compute stream); on GPUs with
   // resident parameters dp_compute also sums the replicas' gradients (nccl).
   struct fy_comm *tp_compute, *dp_compute;

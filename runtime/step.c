@@ -218,7 +218,10 @@ fy_status step_resident(const struct fy_train_opts *o, struct run *r, int64_t st
   // optimizer reads them in.
   // Expert parallelism: the dense parameters' over every data-parallel rank, each expert's over the
   // ranks holding it (runtime/ep.h).
-  if (r->dp > 1) FY_TRY(r->ep > 1 ? fy_ep_all_reduce_grads(model, r->dp_comm, r->ep_rep) : fy_engine_all_reduce_grads(model));
+  // (On GPUs model->dp_comm and rep_compute are nccl communicators over dp_comm's and ep_rep's ranks.)
+  if (r->dp > 1)
+    FY_TRY(r->ep > 1 ? fy_ep_all_reduce_grads(model, model->dp_comm, r->rep_compute ? r->rep_compute : r->ep_rep)
+                     : fy_engine_all_reduce_grads(model));
   double t0 = fy_now();
   float unscale = (float)(1.0 / scale);  // exact: the scale is a power of two
   *norm_out = fy_optimizer_grad_norm(model, unscale);

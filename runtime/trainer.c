@@ -272,7 +272,8 @@ static fy_status run_step(struct training *t, int64_t step, struct step_report *
   if (t->ckpt) t->ckpt_busy[step] = fy_ckpt_busy(t->ckpt);
   if (r->x) fy_offload_set_step(r->x, step + 1);
   // (a failed collective names its step)
-  struct fy_comm *named[] = {r->comm, r->tp_compute, r->dp_compute, r->pp_comm, r->pp_compute, r->ep_comm, r->ep_rep};
+  struct fy_comm *named[] = {r->comm,    r->tp_compute, r->dp_compute, r->pp_comm,    r->pp_compute,
+                             r->ep_comm, r->ep_rep,     r->ep_compute, r->rep_compute};
   for (int i = 0; i < (int)(sizeof named / sizeof *named) && r->world > 1; i++)
     if (named[i]) fy_comm_set_step(named[i], step + 1);
   fy_status st = r->x && !r->pipe ? step_offload(o, r, step, t->scale, &s->loss, &s->norm, &s->overflow)

@@ -22,7 +22,9 @@
 # validation, offloaded with 8-bit AdamW state and with --optimizer-lag 1, and ferry eval --pp 2 =
 # 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
 # four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
-# offloaded) = 1 rank; two ranks on one GPU refused; a rank killed mid-run ends the job within
+# offloaded) = 1 rank; expert parallelism (--ep 2, resident, opt-moe-tiny) = 1 rank accumulating,
+# with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded; two
+# ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
 # or without mpirun.
@@ -324,6 +326,102 @@ if [ "$gpus" -ge 4 ]; then
     fail=$((fail + 1)); echo "FAIL  a 2 x 2 grid without --offload: exit $code"; tail -5 "$d/gridresident.out"
   fi
 fi
+
+# Expert parallelism (--ep, runtime/ep_cuda.h) on opt-moe-tiny (4 experts a mixture layer), resident:
+# each rank holds its experts alone, a mixture's rows go to their experts' GPUs and back by grouped
+# NCCL send/recv (the counts first, by a host all-to-all). ep 2 = 1 rank accumulating the same 2
+# micro-batches without clipping: the same losses and, on the emulator (deterministic kernels), the
+# same saved weights byte for byte. Experts that get no token (every token routed to rank 0's two
+# experts; with --recompute, whose forwards move the rows again): with 4 GPUs 2 groups of ep 2
+# (each expert's gradient summed over its 2 replicas) within 1e-5 of 1 rank accumulating 4, with 2
+# ep 2 = 1 rank accumulating 2. A resident plan with ep 2 trains as --ep 2; --ep 2 --offload (the
+# experts' chunks sharded with the dense ones) gives 1 rank's weights too.
+python3 - "$d/moe.bin" <<'PY' || exit 2
+import random, struct, sys
+random.seed(5)
+t = [(i * 7 + random.randrange(3)) % 97 for i in range(20000)]  # (below opt-moe-tiny's vocabulary)
+open(sys.argv[1], "wb").write(struct.pack("<256i", 20240520, 1, len(t), *([0] * 253)) + struct.pack("<%dH" % len(t), *t))
+PY
+dense=("${common[@]}")
+common=(train --model opt-moe-tiny --data "$d/moe.bin" --seq 32 --batch 2 --steps 3 --seed 1 --lr 1e-3 --warmup 0
+  --no-shuffle --device cuda --precision fp32 --clip 0 --quiet)
+rm -rf "$d/moeone" "$d/moeep2" "$d/moestarve"
+run moeone 1 --grad-accum 2 --save "$d/moeone" || exit 1
+LOUD=1 run moeep2 2 --ep 2 --save "$d/moeep2" || exit 1
+check "--ep 2 on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeep2 1e-6
+if [ -n "${FY_EMU_GPUS:-}" ]; then
+  if cmp -s "$d/moeone/model.safetensors" "$d/moeep2/model.safetensors"; then
+    pass=$((pass + 1)); echo "ok    --ep 2 on 2 emulated GPUs saves 1 rank's weights byte for byte"
+  else
+    fail=$((fail + 1)); echo "FAIL  --ep 2 on 2 emulated GPUs: its saved weights are not 1 rank's"
+  fi
+fi
+# (layers 1 and 3 are the mixtures: their final_layer_norm makes every token's input the bias,
+# and a gate that prefers experts 0 and 1 for it)
+python3 - "$d/moeep2" "$d/moestarve" <<'PY' || exit 2
+import json, os, struct, sys
+raw = open(os.path.join(sys.argv[1], "model.safetensors"), "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+hdr, data = json.loads(raw[8:8 + n]), bytearray(raw[8 + n:])
+def put(name, values):
+    a, b = hdr[name]["data_offsets"]
+    assert (b - a) // 4 == len(values), name
+    data[a:b] = struct.pack("<%df" % len(values), *values)
+for l in (1, 3):
+    pre = "model.decoder.layers.%d." % l
+    C = hdr[pre + "final_layer_norm.weight"]["shape"][0]
+    put(pre + "final_layer_norm.weight", [0.0] * C)
+    put(pre + "final_layer_norm.bias", [1.0] * C)
+    put(pre + "block_sparse_moe.gate.weight", [w / C for w in (3, 2, -3, -3) for _ in range(C)])
+os.makedirs(sys.argv[2])
+open(os.path.join(sys.argv[2], "model.safetensors"), "wb").write(raw[:8 + n] + bytes(data))
+open(os.path.join(sys.argv[2], "config.json"), "w").write(open(os.path.join(sys.argv[1], "config.json")).read())
+PY
+if [ "$gpus" -ge 4 ]; then
+  run moestarve1 1 --batch 1 --grad-accum 4 --steps 2 --init "$d/moestarve" || exit 1
+  run moestarve 4 --batch 1 --steps 2 --ep 2 --init "$d/moestarve" --recompute || exit 1
+  check "starved experts, 2 groups of ep 2 on 4 GPUs (--recompute) = 1 rank accumulating 4, fp32" moestarve1 moestarve 1e-5
+else
+  run moestarve1 1 --grad-accum 2 --steps 2 --init "$d/moestarve" || exit 1
+  run moestarve 2 --ep 2 --steps 2 --init "$d/moestarve" --recompute || exit 1
+  check "starved experts, --ep 2 on 2 GPUs (--recompute) = 1 rank accumulating 2, fp32" moestarve1 moestarve 1e-6
+fi
+# A resident plan for 2 GPUs with "ep": 2 (ferry plan's, its precision fp32) trains as --ep 2 does,
+# each rank holding its experts alone (the same model state).
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --device-mem 2GiB --host-mem 64KiB --model opt-moe-tiny \
+  --batch 4 --seq 32 --out "$d/moeplan.json" >"$d/moeplan_plan.out" 2>&1 || { cat "$d/moeplan_plan.out"; exit 1; }
+if python3 - "$d/moeplan.json" <<'PY'; then
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert p["resident"] and p["dp"] == 2, "not 2 resident replicas: %s" % p
+p.update(ep=2, precision="fp32", micro_batch=2, grad_accum=1)
+json.dump(p, open(sys.argv[1], "w"))
+PY
+  LOUD=1 run moeplan 2 --plan "$d/moeplan.json" || exit 1
+  check "a resident plan with ep 2 on 2 GPUs = --ep 2" moeep2 moeplan 1e-6
+  a="$(grep -m1 'model state' "$d/moeep2.out")" b="$(grep -m1 'model state' "$d/moeplan.out")"
+else
+  a="" b="the plan for 2 GPUs of opt-moe-tiny"
+fi
+if [ -n "$a" ] && [ "$a" = "$b" ]; then
+  pass=$((pass + 1)); echo "ok    the plan's ranks hold their experts alone as --ep 2's (${a#*ferry: })"
+else
+  fail=$((fail + 1)); echo "FAIL  the plan with ep 2: '$b' against --ep 2's '$a'"
+fi
+# Offloaded (--offload: every chunk sharded across the ranks, as on sim): each rank's graph keeps
+# every expert, computes its own and writes zeros for the others' gradients, which the chunks'
+# reduce-scatter adds: 1 rank's losses, and on the emulator its weights byte for byte.
+rm -rf "$d/moeoff"
+run moeoff 2 --ep 2 --offload --save "$d/moeoff" || exit 1
+check "--ep 2 --offload on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeoff 1e-6
+if [ -n "${FY_EMU_GPUS:-}" ]; then
+  if cmp -s "$d/moeone/model.safetensors" "$d/moeoff/model.safetensors"; then
+    pass=$((pass + 1)); echo "ok    --ep 2 --offload on 2 emulated GPUs saves 1 rank's weights byte for byte"
+  else
+    fail=$((fail + 1)); echo "FAIL  --ep 2 --offload on 2 emulated GPUs: its saved weights are not 1 rank's"
+  fi
+fi
+common=("${dense[@]}")
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last
 # reduce-scatter of step 1 (one per chunk) fails as a lost peer makes NCCL's fail. The stream goes

@@ -338,18 +338,20 @@ fi
 # 1e-4, bf16 within 2e-2), with accumulation, dropout and validation, a checkpoint saved by 2
 # ranks and resumed by 2 and by 1, 3 ranks with 3 GPUs, tensor parallelism (--tp 2; a 2 x 2 grid
 # with 4 GPUs), pipeline stages (--pp 2, resident, NCCL send/recv between the GPUs, with their
-# checkpoint resumed by 1 rank), and a killed rank ending the job.
+# checkpoint resumed by 1 rank), expert parallelism (--ep 2 on opt-moe-tiny, resident and
+# --offload, vs 1 rank accumulating; tested on the emulator only so far), and a killed rank ending
+# the job.
 gpu_ranks() {
   "$root/test/cuda_ranks.sh" "$build/ferry" "$logs/ranks" --model opt-demo --seq 128 --offload-mem 160MiB
 }
 if [ "$dry" = 1 ]; then
-  selected "gpu ranks" && echo "plan: [gpu ranks] test/cuda_ranks.sh: mpirun -np 2 (3, 4) ferry train --device cuda --offload (and --tp 2, --pp 2) vs 1 rank (with 2 GPUs or more)"
+  selected "gpu ranks" && echo "plan: [gpu ranks] test/cuda_ranks.sh: mpirun -np 2 (3, 4) ferry train --device cuda --offload (and --tp 2, --pp 2, --ep 2) vs 1 rank (with 2 GPUs or more)"
 elif ! command -v mpirun >/dev/null 2>&1; then
   row "gpu ranks" "skipped" 0 "no mpirun"
 elif [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
   row "gpu ranks" "skipped" 0 "needs 2 GPUs"
 else
-  run_step "gpu ranks" 300 "2 ranks, sharded chunks, --tp and --pp through NCCL, vs 1 rank (test/cuda_ranks.sh)" gpu_ranks
+  run_step "gpu ranks" 300 "2 ranks, sharded chunks, --tp, --pp and --ep through NCCL, vs 1 rank (test/cuda_ranks.sh)" gpu_ranks
 fi
 
 # ---- 5. benchmarks ----

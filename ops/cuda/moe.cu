@@ -435,3 +435,168 @@ extern "C" fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, vo
   }
   return fy_cuda_matmul(h, dgate, w.dlog, inp, NULL, dt, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f, st);
 }
+
+// ---- expert parallelism's pieces (runtime/ep_cuda.c) ----
+// The steps of fy_cuda_moe_forward and _backward above, apart, so that the rows can go to the ranks
+// holding their experts and back in between. The rows stay in the padded dispatch layout all the
+// way: a source's block for expert e is fy_moe_rows(n_e) rows (its rounding rows zeros), the
+// blocks of one rank's experts are contiguous, and a rank holding experts computes each block it
+// receives as one product of that many rows, as one rank computes that expert for its own tokens.
+
+extern "C" void fy_cuda_moe_ep_buffers(const struct fy_moe_dims *d, enum fy_dtype dt, void *work, void **xs, void **dy,
+                                       void **dx) {
+  struct moe_ws w;
+  moe_ws_layout(d, fy_dtype_size(dt), (char *)work, &w);
+  *xs = w.xs, *dy = w.dy, *dx = w.dx;
+}
+
+extern "C" fy_status fy_cuda_moe_ep_route(float *route, double *balance, const void *inp, const void *gate,
+                                          enum fy_dtype dt, const struct fy_moe_dims *d, void *work, void *pinned,
+                                          cudaStream_t st) {
+  const int64_t BT = d->BT, C = d->C, cap = fy_moe_rows_cap(BT, d->E, d->K);
+  const int E = d->E, K = d->K;
+  if (cap >= (int64_t)1 << 24)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "cuda moe: %lld routed rows (the routing record holds rows below 2^24)",
+                        (long long)cap);
+  struct moe_ws w;
+  moe_ws_layout(d, fy_dtype_size(dt), (char *)work, &w);
+  FY_TRY(fy_cuda_moe_route(route, inp, gate, dt, d, st));
+  FY_CUDA_DISPATCH("moe_ep_route", dt, T,
+                   moe_count_kernel<<<E, MOE_THREADS, 0, st>>>(w.counts, w.psum, route, BT, E, K);
+                   moe_place_kernel<<<E, MOE_THREADS, 0, st>>>(route, w.counts, BT, E, K);
+                   moe_gather_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)w.xs, (const T *)inp, route, C, E, K);
+                   moe_pad_kernel<T><<<E, MOE_THREADS, 0, st>>>((T *)w.xs, w.counts, C));
+  FY_TRY(fy_cuda_launched("moe_ep_route"));
+  FY_TRY(moe_counts_down((int *)pinned, &w, E, st));
+  const int *hc = (const int *)pinned;
+  const float *hp = (const float *)pinned + E;
+  double b = 0;  // (as fy_cuda_moe_forward's)
+  for (int e = 0; e < E; e++) b += (double)hc[e] / (double)BT * ((double)hp[e] / (double)BT);
+  *balance = (double)E * b;
+  return FY_OK;
+}
+
+extern "C" fy_status fy_cuda_moe_ep_experts_forward(struct fy_cuda_blas *h, void *y, void *hrows, void *as,
+                                                    const void *x, const int *ex, const int64_t *cnt, int nb,
+                                                    const void *w1, const void *b1, const void *w2, const void *b2,
+                                                    enum fy_dtype dt, const struct fy_moe_dims *d, cudaStream_t st) {
+  const int64_t C = d->C, F = d->F;
+  const size_t es = fy_dtype_size(dt);
+  int64_t off = 0;
+  for (int i = 0; i < nb; i++) {  // h (R,F) = x (R,C) @ w1_e^T + b1_e
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    if (R)
+      FY_TRY(fy_cuda_linear_forward(h, (char *)hrows + (size_t)(off * F) * es, (const char *)x + (size_t)(off * C) * es,
+                                    (const char *)w1 + (size_t)(e * F * C) * es,
+                                    b1 ? (const char *)b1 + (size_t)(e * F) * es : NULL, dt, R, C, F, st));
+    off += R;
+  }
+  if (off) FY_TRY(moe_act(as, hrows, d->gelu, dt, off * F, st));
+  off = 0;
+  for (int i = 0; i < nb; i++) {  // y (R,C) = act(h) @ w2_e^T + b2_e
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    if (R)
+      FY_TRY(fy_cuda_linear_forward(h, (char *)y + (size_t)(off * C) * es, (const char *)as + (size_t)(off * F) * es,
+                                    (const char *)w2 + (size_t)(e * C * F) * es,
+                                    b2 ? (const char *)b2 + (size_t)(e * C) * es : NULL, dt, R, F, C, st));
+    off += R;
+  }
+  return FY_OK;
+}
+
+extern "C" fy_status fy_cuda_moe_ep_combine(void *out, const void *y, const float *route, enum fy_dtype dt,
+                                            const struct fy_moe_dims *d, cudaStream_t st) {
+  FY_CUDA_DISPATCH("moe_ep_combine", dt, T,
+                   moe_combine_kernel<T><<<(unsigned)d->BT, 128, 0, st>>>((T *)out, (const T *)y, route, d->C, d->E,
+                                                                          d->K));
+  return fy_cuda_launched("moe_ep_combine");
+}
+
+extern "C" fy_status fy_cuda_moe_ep_dispatch_grad(const void *dout, const void *y, const float *route, enum fy_dtype dt,
+                                                  const struct fy_moe_dims *d, void *work, cudaStream_t st) {
+  const int64_t BT = d->BT, C = d->C;
+  const int E = d->E, K = d->K;
+  struct moe_ws w;
+  moe_ws_layout(d, fy_dtype_size(dt), (char *)work, &w);
+  FY_CUDA_DISPATCH("moe_ep_dispatch_grad", dt, T,
+                   moe_count_kernel<<<E, MOE_THREADS, 0, st>>>(w.counts, w.psum, route, BT, E, K);
+                   moe_dispatch_grad_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)w.dy, w.dw, (const T *)dout,
+                                                                              (const T *)y, route, C, E, K);
+                   moe_pad_kernel<T><<<E, MOE_THREADS, 0, st>>>((T *)w.dy, w.counts, C));
+  return fy_cuda_launched("moe_ep_dispatch_grad");
+}
+
+extern "C" fy_status fy_cuda_moe_ep_experts_backward(struct fy_cuda_blas *h, void *dx, void *dw1, void *db1, void *dw2,
+                                                     void *db2, void *as, void *dh, const void *dy, const void *x,
+                                                     const void *hrows, const int *ex, const int64_t *cnt, int nb,
+                                                     int experts, const void *w1, const void *w2, bool accumulate,
+                                                     enum fy_dtype dt, const struct fy_moe_dims *d, cudaStream_t st) {
+  const int64_t C = d->C, F = d->F;
+  const size_t es = fy_dtype_size(dt);
+  // Each block's gradients add to its expert's, in block (source) order, onto zeros unless
+  // accumulating: 0 + g_0 + g_1 .. as the replicas' all-reduce adds them in rank order (an expert
+  // that got no row keeps its zeros).
+  if (!accumulate) {
+    const size_t n = (size_t)experts * (size_t)(F * C) * es;
+    if (cudaMemsetAsync(dw1, 0, n, st) != cudaSuccess || cudaMemsetAsync(dw2, 0, n, st) != cudaSuccess ||
+        (db1 && cudaMemsetAsync(db1, 0, (size_t)(experts * F) * es, st) != cudaSuccess) ||
+        (db2 && cudaMemsetAsync(db2, 0, (size_t)(experts * C) * es, st) != cudaSuccess))
+      return fy_cuda_launched("moe_ep_experts_backward: zeros");
+  }
+  int64_t total = 0;
+  for (int i = 0; i < nb; i++) total += fy_moe_rows(cnt[i]);
+  if (!total) return FY_OK;
+  FY_TRY(moe_act(as, hrows, d->gelu, dt, total * F, st));
+  // Per block: dh (R,F) = dy (R,C) @ w2_e (C,F), dw2_e += dy^T @ as, db2_e += column sums of dy
+  int64_t off = 0;
+  for (int i = 0; i < nb; i++) {
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    if (!R) continue;
+    FY_TRY(fy_cuda_matmul(h, (char *)dh + (size_t)(off * F) * es, (const char *)dy + (size_t)(off * C) * es,
+                          (const char *)w2 + (size_t)(e * C * F) * es, NULL, dt, R, F, C, false, false, 1.0f, 0.0f, st));
+    FY_TRY(fy_cuda_linear_backward_params(h, (char *)dw2 + (size_t)(e * C * F) * es,
+                                          db2 ? (char *)db2 + (size_t)(e * C) * es : NULL,
+                                          (const char *)dy + (size_t)(off * C) * es,
+                                          (const char *)as + (size_t)(off * F) * es, dt, R, F, C, true, st));
+    off += R;
+  }
+  if (d->gelu) FY_TRY(fy_cuda_gelu_backward(dh, dh, hrows, dt, total * F, st));
+  else FY_TRY(fy_cuda_relu_backward(dh, dh, as, dt, total * F, st));
+  // Per block: dx (R,C) = dh (R,F) @ w1_e (F,C), dw1_e += dh^T @ x, db1_e += column sums of dh
+  off = 0;
+  for (int i = 0; i < nb; i++) {
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    if (!R) continue;
+    FY_TRY(fy_cuda_matmul(h, (char *)dx + (size_t)(off * C) * es, (const char *)dh + (size_t)(off * F) * es,
+                          (const char *)w1 + (size_t)(e * F * C) * es, NULL, dt, R, C, F, false, false, 1.0f, 0.0f, st));
+    FY_TRY(fy_cuda_linear_backward_params(h, (char *)dw1 + (size_t)(e * F * C) * es,
+                                          db1 ? (char *)db1 + (size_t)(e * F) * es : NULL,
+                                          (const char *)dh + (size_t)(off * F) * es,
+                                          (const char *)x + (size_t)(off * C) * es, dt, R, C, F, true, st));
+    off += R;
+  }
+  return FY_OK;
+}
+
+extern "C" fy_status fy_cuda_moe_ep_route_backward(struct fy_cuda_blas *h, void *dinp, void *dgate, const void *inp,
+                                                   const float *route, const void *gate, float dbalance,
+                                                   bool accumulate, enum fy_dtype dt, const struct fy_moe_dims *d,
+                                                   void *work, cudaStream_t st) {
+  const int64_t BT = d->BT, C = d->C;
+  const int E = d->E, K = d->K;
+  struct moe_ws w;
+  moe_ws_layout(d, fy_dtype_size(dt), (char *)work, &w);
+  const float bal = dbalance * (float)E / (float)BT;  // (as fy_cuda_moe_backward's router, from here on)
+  FY_CUDA_DISPATCH("moe_ep_route_backward", dt, T,
+                   moe_router_grad_kernel<T><<<(unsigned)((BT + 127) / 128), 128, 0, st>>>((T *)w.dlog, route, w.dw,
+                                                                                           w.counts, BT, E, K, bal));
+  FY_TRY(fy_cuda_launched("moe_ep_route_backward: router"));
+  if (dinp) {
+    FY_TRY(fy_cuda_matmul(h, dinp, w.dlog, gate, NULL, dt, BT, C, E, false, false, 1.0f, 1.0f, st));
+    FY_CUDA_DISPATCH("moe_ep_route_backward", dt, T,
+                     moe_scatter_add_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)dinp, (const T *)w.dx, route, C, E,
+                                                                             K));
+    FY_TRY(fy_cuda_launched("moe_ep_route_backward: scatter"));
+  }
+  return fy_cuda_matmul(h, dgate, w.dlog, inp, NULL, dt, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f, st);
+}

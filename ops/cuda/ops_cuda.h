@@ -264,6 +264,45 @@ fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, void *dgate, 
                                enum fy_dtype dt, const struct fy_moe_dims *d, void *work, void *pinned,
                                cudaStream_t st);
 
+// Expert parallelism's pieces (runtime/ep_cuda.c moves the rows between the ranks in between):
+// the steps of fy_cuda_moe_forward and _backward apart, the rows in the same padded dispatch
+// layout throughout (a block of fy_moe_rows(n) rows a source and expert, its rounding rows zeros).
+// fy_cuda_moe_ep_buffers: the source's rows in work (each (cap,C) in dt): xs the dispatched
+// inputs (fy_cuda_moe_ep_route's), dy their gradients (fy_cuda_moe_ep_dispatch_grad's), dx the
+// inputs' gradients that come back (fy_cuda_moe_ep_route_backward reads them).
+void fy_cuda_moe_ep_buffers(const struct fy_moe_dims *d, enum fy_dtype dt, void *work, void **xs, void **dy, void **dx);
+// The source's forward, first: inp, gate -> route (its rows too), xs; the counts and the
+// probabilities' sums come down to pinned (E int32, then E fp32: WAITS for the stream); *balance.
+fy_status fy_cuda_moe_ep_route(float *route, double *balance, const void *inp, const void *gate, enum fy_dtype dt,
+                               const struct fy_moe_dims *d, void *work, void *pinned, cudaStream_t st);
+// The experts held here on the nb blocks received, in order: block i is fy_moe_rows(cnt[i]) rows of
+// x for local expert ex[i] (w1, b1, w2, b2 the local experts' stacked parameters) -> y and hrows
+// (the blocks' h, kept for backward) in the same rows; as: scratch of as many rows of F.
+fy_status fy_cuda_moe_ep_experts_forward(struct fy_cuda_blas *h, void *y, void *hrows, void *as, const void *x,
+                                         const int *ex, const int64_t *cnt, int nb, const void *w1, const void *b1,
+                                         const void *w2, const void *b2, enum fy_dtype dt, const struct fy_moe_dims *d,
+                                         cudaStream_t st);
+// The source's forward, last: y (its rows' results, back in its dispatch layout), route -> out (BT,C).
+fy_status fy_cuda_moe_ep_combine(void *out, const void *y, const float *route, enum fy_dtype dt,
+                                 const struct fy_moe_dims *d, cudaStream_t st);
+// The source's backward, first: dout, y, route -> dy (the buffers') and the routing weights'
+// gradients (in work).
+fy_status fy_cuda_moe_ep_dispatch_grad(const void *dout, const void *y, const float *route, enum fy_dtype dt,
+                                       const struct fy_moe_dims *d, void *work, cudaStream_t st);
+// The experts held here, backward, on the blocks forward computed: dy, x, hrows -> dx (the same
+// rows) and the local experts' (`experts` of them) gradients, each block's added in block order
+// onto zeros (or onto what they hold, accumulate); as, dh: scratch of the blocks' rows of F.
+fy_status fy_cuda_moe_ep_experts_backward(struct fy_cuda_blas *h, void *dx, void *dw1, void *db1, void *dw2, void *db2,
+                                          void *as, void *dh, const void *dy, const void *x, const void *hrows,
+                                          const int *ex, const int64_t *cnt, int nb, int experts, const void *w1,
+                                          const void *w2, bool accumulate, enum fy_dtype dt,
+                                          const struct fy_moe_dims *d, cudaStream_t st);
+// The source's backward, last: the router's gradient, dinp (BT,C) += (NULL: not wanted) through the
+// router and the rows' dx (the buffers'), dgate = (or +=).
+fy_status fy_cuda_moe_ep_route_backward(struct fy_cuda_blas *h, void *dinp, void *dgate, const void *inp,
+                                        const float *route, const void *gate, float dbalance, bool accumulate,
+                                        enum fy_dtype dt, const struct fy_moe_dims *d, void *work, cudaStream_t st);
+
 // ---- causal multi-head attention, flash style (the T x T matrix is never stored) ----
 //
 // Layout and masking as fy_attention_forward (ops/ops.h): qkv (B,T,3C) with q, k, v side by side,
