@@ -18,6 +18,9 @@
 // buffer is not written again before a later receive the kernels do wait for (the stage's
 // activation arena waits for its micro-batch's backward, after the gradient's receive; the
 // activations' gradient arena for the next receive, or fy_pipeline_gpu_flush(wait)).
+// An offloaded stage (--offload) is ordered the same way: its kernels' stream is its offload
+// engine's compute stream, and fy_offload_stage_pass returns without waiting for the half-pass, so
+// neither the host nor a message waits for the engine's write-backs (on its copy stream).
 #ifndef FY_PIPELINE_CUDA_H
 #define FY_PIPELINE_CUDA_H
 
