@@ -181,9 +181,14 @@ struct fy_offload {
   // part starts from zero (the tied one on the first), zeroed[] this half-pass.
   // tied_sumsq: the tied gradient's sum of squares after sum_tied, where sums_on_device took it
   // of one end's part (tied_sumsq_set; the norm reads it instead).
+  // boundary: recorded on the compute stream right after a half-pass's last action (the op that
+  // writes the activation leaving the stage, or the gradient of the one entering it), before what
+  // follows it there (its chunks' releases, a device chunk's sum over micro-batches): what a
+  // stage's message waits for (fy_offload_stage_pass).
   bool staged;
   int stage_lo, stage_hi, n_fwd, tied;
   struct fy_comm *c_stage;
+  fy_event *boundary;
   bool *norm_skip, *zero_first, *zeroed;
   bool tied_sumsq_set;
   double tied_sumsq;
@@ -923,6 +928,7 @@ static fy_status create_stage(struct fy_offload *x, const struct fy_offload_opts
   if (!o->stage_comm || !o->schedule || o->n_schedule < (x->forward_only ? 1 : 2))
     return fy_error_set(FY_ERR_INVALID, "a pipeline stage's engine needs its stages' communicator and schedule");
   FY_TRY(fy_comm_split(o->stage_comm, 0, fy_comm_rank(o->stage_comm), &x->c_stage));
+  FY_TRY(fy_event_create(x->dev, &x->boundary));
   x->norm_skip = calloc((size_t)g->n_params + 1, sizeof *x->norm_skip);
   x->zero_first = calloc((size_t)g->n_params + 1, sizeof *x->zero_first);
   x->zeroed = calloc((size_t)g->n_params + 1, sizeof *x->zeroed);
@@ -1121,6 +1127,7 @@ void fy_offload_free(struct fy_offload *x) {
     free(x->jobs[p]);
   }
   fy_event_free(x->norm_ready);
+  fy_event_free(x->boundary);
   fy_event_free(x->dev_sumsq_done);
   fy_event_free(x->dev_updates_done[0]);
   fy_event_free(x->dev_updates_done[1]);
@@ -1413,6 +1420,7 @@ static fy_status run_actions(struct fy_offload *x, const struct fy_batch *batch,
     } else {  // CPU kernels: host functions on the compute stream's thread
       FY_TRY(fy_stream_enqueue(x->compute, act->kind == FY_ACT_BACKWARD ? fy_op_call_backward : fy_op_call_forward, c));
     }
+    if (x->staged && a == a1 - 1) FY_TRY(fy_event_record(x->boundary, x->compute));
     for (int j = 0; j < nk; j++) {
       if (chunk_of[j] < x->n_dev) {
         if (act->kind == FY_ACT_BACKWARD && ++x->dev_bwd_done[chunk_of[j]] == l->chunks[chunk_of[j]].n_users_bwd)
@@ -1444,7 +1452,7 @@ fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, i
 }
 
 fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, bool forward,
-                                float loss_scale, double *loss_sum) {
+                                float loss_scale) {
   if (!x->staged) return fy_error_set(FY_ERR_INVALID, "fy_offload_stage_pass: not a pipeline stage's engine");
   // A step's first half-pass starts the trace's step again (a step of fewer micro-batches than the
   // schedule's left the rest of the last one unread).
@@ -1452,11 +1460,25 @@ fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *bat
   if (forward && micro == 0 && len > 0 && x->pos % len != 0) x->pos += len - x->pos % len;
   const int p = x->parity, a0 = forward ? 0 : x->n_fwd, a1 = forward ? x->n_fwd : x->n_actions;
   FY_TRY(run_actions(x, batch, micro, loss_scale, false, NULL, 0, a0, a1));
-  FY_TRY(fy_event_sync(x->pass_done[p]));  // (the activations it wrote are read, or sent, next)
+  // A GPU's messages are ordered on its streams after the kernels (runtime/pipeline_cuda.h): the
+  // host goes on at once, as a resident stage's does (its launches report their errors; the host
+  // functions' come with the next half-pass or fy_offload_stage_losses).
+  if (launches_kernels(x->m)) return FY_OK;
+  // The host sends: it waits for the last op's result alone, not for what follows it on the
+  // compute stream, nor for the write-backs, loads and updates on the other streams.
+  FY_TRY(fy_event_sync(x->boundary));
   FY_TRY(async_status(x));
   for (int a = a0; a < a1; a++)
     if (x->calls[p][a].st != FY_OK) return x->calls[p][a].st;
-  if (loss_sum) *loss_sum = forward ? x->loss_sums[micro] : 0;
+  return FY_OK;
+}
+
+fy_status fy_offload_stage_losses(struct fy_offload *x, int n, double *loss_sums) {
+  if (!x->staged) return fy_error_set(FY_ERR_INVALID, "fy_offload_stage_losses: not a pipeline stage's engine");
+  if (n > x->max_micro) return fy_error_set(FY_ERR_INVALID, "%d micro-batches of at most %d", n, x->max_micro);
+  FY_TRY(fy_stream_sync(x->compute));  // (the losses are summed in stream order: a GPU's by a host function)
+  FY_TRY(async_status(x));
+  for (int i = 0; i < n; i++) loss_sums[i] = x->loss_sums[i];
   return FY_OK;
 }
 

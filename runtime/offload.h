@@ -115,12 +115,19 @@ bool fy_offload_grads_in_copy(enum fy_dtype compute, int max_micro);
 // are written (micro 0) or added to the host gradients. loss_scale as in fy_engine_backward.
 fy_status fy_offload_micro(struct fy_offload *x, const struct fy_batch *batch, int micro, float loss_scale);
 // A pipeline stage's half-pass of micro-batch `micro` (0-based within the step): its ops' forward
-// (forward true; *loss_sum receives the micro-batch's sum of token losses, 0 but on the last
-// stage) or their backward, whose gradients are written (micro 0) or added to the host gradients.
-// Reads and writes the activations at m->acts and m->dacts, and returns once they are done (the
-// activation leaving the stage, or the gradient of the one entering it, may then be sent).
+// (forward true) or their backward, whose gradients are written (micro 0) or added to the host
+// gradients. Reads and writes the activations at m->acts and m->dacts. Where the host sends the
+// messages (sim) it returns once the half-pass's last op is done (the activation leaving the
+// stage, or the gradient of the one entering it, may then be sent), while the rest of the
+// half-pass goes on: its chunks' gradients going home, the next chunks' loads. On a GPU it returns
+// once the half-pass is enqueued: the messages go on streams ordered after its kernels
+// (runtime/pipeline_cuda.h), and m->acts and m->dacts may then point elsewhere (its kernels took
+// their addresses).
 fy_status fy_offload_stage_pass(struct fy_offload *x, const struct fy_batch *batch, int micro, bool forward,
-                                float loss_scale, double *loss_sum);
+                                float loss_scale);
+// After a step's half-passes: waits until they are computed (not for their write-backs) and
+// copies micro-batches [0, n)'s sums of token losses to loss_sums (0 but on the last stage).
+fy_status fy_offload_stage_losses(struct fy_offload *x, int n, double *loss_sums);
 // A pipeline stage's forward half-pass as evaluation runs it (no dropout; validation between
 // steps on a training stage, or ferry eval's forward-only stage): *loss_sum the batch's sum of
 // token losses (0 but on the last stage). The trace's positions go on at the next step's start, as

@@ -257,7 +257,9 @@ static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, 
     FY_TRY(fy_comm_recv(p->comm, m->acts + g->slots[p->in_slot].offset,
                         (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1, TAG_ACT));
   struct fy_loss loss = {0};
-  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, true, loss_scale, &loss.sum));  // (done when it returns)
+  // (Offloaded: the out_slot computed when it returns, or on a GPU ordered before the send; its
+  // loss comes after the step's passes, fy_pipeline_run.)
+  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, true, loss_scale));
   else FY_TRY(fy_engine_forward_ops(m, mb[i], p->lo, p->hi, &loss));
   losses[i] = fy_pipeline_is_last(p) ? loss.sum : 0;
   p->aux[i] = loss.aux_sum;
@@ -284,7 +286,7 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
                         (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1, TAG_GRAD));
   // Offloaded, the engine does what follows on its chunks: the tied embedding's part zeroed in
   // its block, the micro-batches' gradients summed as they come home.
-  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, false, loss_scale, NULL));
+  if (p->x) FY_TRY(fy_offload_stage_pass(p->x, mb[i], i, false, loss_scale));
   // A parameter whose first gradient of the pass is another stage's (the tied embedding on the
   // first stage): this stage's part starts from zero, summed with the other's after the passes.
   for (int k = 0; !p->x && k < g->n_params; k++) {
@@ -333,6 +335,10 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
   if (st == FY_OK) st = fy_comm_wait(p->comm, p->grad_send);
   if (st == FY_OK) p->grad_send = NULL;
   if (st == FY_OK && p->gpu) st = fy_pipeline_gpu_flush(p->gpu, true);
+  // Offloaded, the losses and balance terms (fy_pipeline_aux_sums) are read once the stage's
+  // passes are computed: on a GPU the host did not wait for them.
+  if (st == FY_OK && p->x) st = fy_offload_stage_losses(p->x, n, losses);
+  for (int i = 0; st == FY_OK && p->x && !fy_pipeline_is_last(p) && i < n; i++) losses[i] = 0;
   p->m->acts = p->arenas[0];
   return st;
 }

@@ -20,6 +20,9 @@
 // activations' gradient arena for the next receive, or fy_pipeline_gpu_flush(wait)). Evaluation's
 // forward passes (fy_pipeline_forward_eval) send forward alone, so a send is issued at once and
 // waited for (flush with wait): the next batch's forward on the same arena finds it sent.
+// An offloaded stage (--offload) is ordered the same way: its kernels' stream is its offload
+// engine's compute stream, and fy_offload_stage_pass returns without waiting for the half-pass, so
+// neither the host nor a message waits for the engine's write-backs (on its copy stream).
 #ifndef FY_PIPELINE_CUDA_H
 #define FY_PIPELINE_CUDA_H
 

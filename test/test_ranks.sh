@@ -673,6 +673,13 @@ compare p1untied ps2 0 && compare pp4tied ps4 0 && compare_val p1untied ps2 0 &&
   --disk-chunks 100 --log "$tmp/psd.json" --save "$tmp/psd" >"$tmp/psd.out" 2>&1 || { bad "dp 2 x pp 2 sharded on disk trains"; cat "$tmp/psd.out"; }
 compare p1tied psd 1e-5 && ok "dp 2 x pp 2 on sim, chunks sharded, their state on disk: 1 rank's losses and weights within 1e-5" \
   || bad "dp 2 x pp 2 sharded on sim with the disk tier differs from 1 rank"
+# A stage sends once its half-pass's last op is done, before the rest of that half-pass on the
+# compute stream: here each stage's first 2 chunks live on the device, and their gradients' sum
+# over the micro-batches follows the backward's last op (fy_offload_stage_pass).
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" --device-chunks 2 \
+  --log "$tmp/psdc.json" --save "$tmp/psdc" >"$tmp/psdc.out" 2>&1 || { bad "pp 2 on sim with device chunks trains"; cat "$tmp/psdc.out"; }
+compare p1untied psdc 0 && ok "pp 2 on sim with 2 chunks a stage on the device: one rank's bits" \
+  || bad "pp 2 on sim with device chunks differs from 1 rank"
 # A sim pipeline's checkpoint is one rank's (bytes), and resumes on 1 rank: fp32 state, and 8-bit
 # AdamW state kept compressed in the stages' chunks.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" --save "$tmp/psck" \
