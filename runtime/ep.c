@@ -268,16 +268,28 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
 
 // The runs of the flat gradient buffer (make_runs), each summed over its own group (the all-reduce
 // sums every element in rank order, whatever the runs: the dense ones get the replicas' bits).
+// A GPU's 16-bit gradients (cgrads, fy_model_grads_16) are summed in fp32: the dense runs widened
+// into m->grads first, the experts' there already (runtime/ep_cuda.c sums each expert's blocks in
+// fp32, each rounded as its source's own backward rounds it), and the optimizer reads that fp32 sum
+// (grads_f32), as it reads one rank's sum of its micro-batches' rounded gradients: so ep 2 gives the
+// bits of 1 rank accumulating the same micro-batches (a 16-bit all-reduce would round the sum).
 fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep) {
   const struct fy_ep *ep = m->ep;
   fy_status st = FY_OK;
+  const bool g16 = fy_model_grads_16(m);
+  if (g16 && !m->kernels->chunk_add)
+    return fy_error_set(FY_ERR_INTERNAL, "--ep: 16-bit gradients without the kernels to widen them");
   for (int i = 0; i < ep->n_runs && st == FY_OK; i++) {
     struct fy_comm *c = ep->runs[i].expert ? rep : dp;
     const size_t n = (size_t)(ep->runs[i].hi - ep->runs[i].lo);
-    if (!c || !n) continue;
+    if (g16 && !ep->runs[i].expert && n)
+      st = m->kernels->chunk_add(m, m->grads + ep->runs[i].lo, (const uint16_t *)m->cgrads + ep->runs[i].lo,
+                                 m->compute_dtype, (int64_t)n, true);
+    if (st != FY_OK || !c || !n) continue;
     // (on GPUs through the kernels' all-reduce: nccl on their stream, runtime/ep_cuda.h)
     st = m->kernels->all_reduce ? m->kernels->all_reduce(m, c, m->grads + ep->runs[i].lo, n, FY_COMM_F32)
                                 : fy_comm_all_reduce(c, m->grads + ep->runs[i].lo, n, FY_COMM_F32, NULL);
   }
+  if (g16) m->grads_f32 = true;
   return st;
 }

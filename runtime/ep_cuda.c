@@ -44,6 +44,11 @@ struct fy_ep_cuda {
   // the experts' backward reads copies of the local experts' w1 and w2, taken first.
   void *keep;
   size_t keep_bytes;
+  // 16-bit compute: one block's gradients of one expert (w1, b1, w2, b2 in the compute dtype, each
+  // block's rounded as one rank's backward rounds its micro-batch's), and, offloaded, the local
+  // experts' fp32 sums of them (resident, the sums go to m->grads: fy_ep_all_reduce_grads).
+  void *blockg, *sums;
+  size_t blockg_bytes, sums_bytes;
 };
 
 // (F, C of the widest mixture: the scratch's row)
@@ -75,7 +80,7 @@ fy_status fy_ep_cuda_create(struct fy_model *m, struct fy_comm *nccl, struct fy_
   e->whole = whole;
   e->n_ops = g->n_ops;
   e->nccl = nccl;
-  e->es = 4;  // (fp32 compute: run.c refuses 16-bit compute with --ep; a later call reads the model's)
+  e->es = 4;  // (the compute dtype is set after this: the first forward reads the model's, set_dtype)
   int most = 0;
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
@@ -122,6 +127,8 @@ void fy_ep_cuda_free(struct fy_model *m, struct fy_ep_cuda *e) {
   }
   buf_free(m, &e->scratch, (size_t)(e->scratch_rows * 2 * (F + C)) * e->es);
   buf_free(m, &e->keep, e->keep_bytes);
+  buf_free(m, &e->blockg, e->blockg_bytes);
+  buf_free(m, &e->sums, e->sums_bytes);
   free(e->ex);
   free(e->rows);
   free(e->ops);
@@ -159,6 +166,40 @@ static fy_status ensure_rows(struct fy_model *m, struct fy_ep_cuda *e, int o, in
                                            (long long)rows);
     e->scratch_rows = want;
   }
+  return FY_OK;
+}
+
+// The compute dtype's element size for the buffers: the model's is set after fy_ep_cuda_create,
+// before the first forward (a change frees the buffers sized in the old one).
+static void set_dtype(struct fy_model *m, struct fy_ep_cuda *e, enum fy_dtype dt, cudaStream_t st) {
+  const size_t es = fy_dtype_size(dt);
+  if (es == e->es) return;
+  int64_t F, C;
+  widest(m->graph, &F, &C);
+  cudaStreamSynchronize(st);  // (before the first forward nothing is queued on them; to be safe)
+  for (int o = 0; o < e->n_ops; o++) {
+    struct ep_cuda_op *s = &e->ops[o];
+    const struct fy_op *op = &m->graph->ops[o];
+    buf_free(m, &s->xr, (size_t)(s->rows_cap * op->C) * e->es);
+    buf_free(m, &s->hr, (size_t)(s->rows_cap * op->OC) * e->es);
+    s->rows_cap = 0;
+  }
+  buf_free(m, &e->scratch, (size_t)(e->scratch_rows * 2 * (F + C)) * e->es);
+  e->scratch_rows = 0;
+  buf_free(m, &e->keep, e->keep_bytes);
+  e->keep_bytes = 0;
+  e->es = es;
+}
+
+// A device buffer of at least `bytes` (grown after the stream has finished with the old one).
+static fy_status ensure_buf(struct fy_model *m, void **p, size_t *have, size_t bytes, cudaStream_t st) {
+  if (bytes <= *have) return FY_OK;
+  if (*p && cudaStreamSynchronize(st) != cudaSuccess)
+    return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s", cudaGetErrorString(cudaGetLastError()));
+  buf_free(m, p, *have);
+  *have = 0;
+  FY_TRY(fy_device_alloc(m->dev, bytes, p));
+  *have = bytes;
   return FY_OK;
 }
 
@@ -243,9 +284,8 @@ fy_status fy_ep_cuda_moe_forward(struct fy_ep_cuda *e, const struct fy_op_args *
   const enum fy_dtype dt = m->compute_dtype;
   const int P = e->P, El = op->experts / P, b = op->has_bias;
   const cudaStream_t st = fy_cuda_stream(env->launch);
+  set_dtype(m, e, dt, st);
   const size_t es = e->es;
-  if (fy_dtype_size(dt) != es)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep on GPUs computes in fp32 for now");
   if (c->batch->mask)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep with a padded batch (an attention mask): not supported yet (one "
                         "rank routes its padding to no expert)");
@@ -272,6 +312,77 @@ fy_status fy_ep_cuda_moe_forward(struct fy_ep_cuda *e, const struct fy_op_args *
   void *ys = source_y(a, &d, es);
   FY_TRY(all_to_all(e, yr, r.roff, r.recv, ys, r.soff, r.send, (size_t)d.C * es, env->launch));  // (back the same way)
   return fy_cuda_moe_ep_combine(a->out, ys, route, dt, &d, st);
+}
+
+// 16-bit compute: the local experts' backward block by block. Each block's weight gradients are one
+// product of its rows rounded to the compute dtype, as one rank's backward rounds its micro-batch's
+// gradient of that expert, and the blocks add in fp32 in source order: 0 + g_0 + g_1 .., as one
+// rank accumulating adds its micro-batches' rounded gradients (grads_sum) and the replicas' fp32
+// sum adds theirs (fy_ep_all_reduce_grads). Resident, the sums are the experts' gradients in
+// m->grads (the fp32 buffer at the 16-bit one's offsets; their rounding goes to cgrads too, which
+// an accumulating step's grads_sum reads); offloaded, they are rounded into the chunk's block,
+// whose reduce-scatter sums the ranks' gradients in 16 bits as it sums the dense ones.
+static fy_status experts_backward_16(struct fy_ep_cuda *e, const struct fy_op_args *a,
+                                     const struct fy_ep_cuda_env *env, char *dxr, char *as, char *dh,
+                                     const char *dyr, const void *w1, const void *w2, const struct fy_moe_dims *d,
+                                     cudaStream_t st) {
+  struct fy_model *m = a->m;
+  const struct fy_op *op = a->op;
+  const struct fy_op_call *c = a->c;
+  const struct ep_cuda_op *s = &e->ops[c->op];
+  const enum fy_dtype dt = m->compute_dtype;
+  const int P = e->P, El = op->experts / P, b = op->has_bias;
+  const int64_t F = d->F, C = d->C;
+  const size_t es = e->es;
+  const int64_t n[4] = {F * C, b ? F : 0, C * F, b ? C : 0};  // w1, b1, w2, b2: one expert's elements
+  void *gl[4] = {local(e, c->g[1], El, n[0]), b ? local(e, c->g[2], El, n[1]) : NULL, local(e, c->g[2 + b], El, n[2]),
+                 b ? local(e, c->g[4], El, n[3]) : NULL};
+  const int64_t one = n[0] + n[1] + n[2] + n[3];
+  FY_TRY(ensure_buf(m, &e->blockg, &e->blockg_bytes, (size_t)one * es, st));
+  float *acc[4];
+  void *bg[4];
+  int64_t at = 0;
+  if (!e->whole && !m->cgrads)
+    return fy_error_set(FY_ERR_INTERNAL, "--ep on GPUs in 16-bit compute: the model has no 16-bit gradients");
+  if (e->whole) FY_TRY(ensure_buf(m, &e->sums, &e->sums_bytes, (size_t)(El * one) * 4, st));
+  for (int k = 0; k < 4; k++) {
+    bg[k] = (char *)e->blockg + (size_t)at * es;
+    acc[k] = !gl[k]   ? NULL
+             : e->whole ? (float *)e->sums + El * at
+                        : m->grads + ((const uint16_t *)gl[k] - (const uint16_t *)m->cgrads);
+    at += n[k];
+  }
+  const bool first = a->first[1];
+  if (e->whole && !first)  // (a sum already in the block: it goes on from there)
+    for (int k = 0; k < 4; k++)
+      if (gl[k]) FY_TRY(fy_cuda_accumulate(acc[k], gl[k], dt, El * n[k], true, st));
+  bool written[El];
+  memset(written, 0, sizeof written);
+  static const int zero = 0;  // (each block alone: its expert's weights are the pointers given)
+  int64_t off = 0;
+  for (int i = 0; i < P * El; i++) {
+    const int64_t R = fy_moe_rows(s->recv_n[i]);
+    const int x = i % El;
+    if (!R) continue;
+    FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr + (size_t)(off * C) * es, bg[0], bg[1], bg[2], bg[3],
+                                           as + (size_t)(off * F) * es, dh + (size_t)(off * F) * es,
+                                           dyr + (size_t)(off * C) * es, (const char *)s->xr + (size_t)(off * C) * es,
+                                           (const char *)s->hr + (size_t)(off * F) * es, &zero, &s->recv_n[i], 1, 1,
+                                           (const char *)w1 + (size_t)(x * F * C) * es,
+                                           (const char *)w2 + (size_t)(x * C * F) * es, false, dt, d, st));
+    for (int k = 0; k < 4; k++)
+      if (gl[k]) FY_TRY(fy_cuda_accumulate(acc[k] + x * n[k], bg[k], dt, n[k], first && !written[x], st));
+    written[x] = true;
+    off += R;
+  }
+  for (int x = 0; x < El; x++)  // (an expert no source sent a row to: zeros, as one rank's)
+    for (int k = 0; k < 4 && first && !written[x]; k++)
+      if (gl[k] && cudaMemsetAsync(acc[k] + x * n[k], 0, (size_t)n[k] * 4, st) != cudaSuccess)
+        return fy_error_set(FY_ERR_INTERNAL, "cuda: zeroing an expert's gradients: %s",
+                            cudaGetErrorString(cudaGetLastError()));
+  for (int k = 0; k < 4; k++)
+    if (gl[k]) FY_TRY(fy_cuda_convert(gl[k], dt, acc[k], FY_F32, El * n[k], st));
+  return FY_OK;
 }
 
 fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args *a, const struct fy_ep_cuda_env *env,
@@ -320,10 +431,13 @@ fy_status fy_ep_cuda_moe_backward(struct fy_ep_cuda *e, const struct fy_op_args 
     FY_TRY(zero_others(e, c->g[2 + b], d.E, El, C * F, st));
     FY_TRY(zero_others(e, b ? c->g[4] : NULL, d.E, El, C, st));
   }
-  FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr, local(e, c->g[1], El, F * C),
-                                         b ? local(e, c->g[2], El, F) : NULL, local(e, c->g[2 + b], El, C * F),
-                                         b ? local(e, c->g[4], El, C) : NULL, as, dh, dyr, s->xr, s->hr, e->ex,
-                                         s->recv_n, P * El, El, w1, w2, !a->first[1], dt, &d, st));
+  if (es != 4)
+    FY_TRY(experts_backward_16(e, a, env, dxr, as, dh, dyr, w1, w2, &d, st));
+  else
+    FY_TRY(fy_cuda_moe_ep_experts_backward(env->blas, dxr, local(e, c->g[1], El, F * C),
+                                           b ? local(e, c->g[2], El, F) : NULL, local(e, c->g[2 + b], El, C * F),
+                                           b ? local(e, c->g[4], El, C) : NULL, as, dh, dyr, s->xr, s->hr, e->ex,
+                                           s->recv_n, P * El, El, w1, w2, !a->first[1], dt, &d, st));
   FY_TRY(all_to_all(e, dxr, r.roff, r.recv, dx, r.soff, r.send, (size_t)d.C * es, env->launch));
   return fy_cuda_moe_ep_route_backward(env->blas, fy_engine_dinput(m, op, 0), c->g[0], a->in0, route, c->w[0],
                                        dbalance, !a->first[0], dt, &d, env->work, st);

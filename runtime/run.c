@@ -646,10 +646,6 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu, sim and "
                         "cuda", r->ep, device);
-  // (the GPU's pieces move fp32 rows and sum fp32 gradients: runtime/ep_cuda.c)
-  if (r->ep > 1 && strcmp(device, "cuda") == 0 && (!o->precision || strcmp(o->precision, "fp32") != 0))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device cuda computes in fp32 for now: add --precision fp32",
-                        r->ep);
   if (r->ep > 1 && r->cfg.num_local_experts == 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d: %s has no mixture-of-experts layers (num_local_experts 0) to split",
                         r->ep, r->cfg.name);
