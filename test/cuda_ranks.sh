@@ -23,7 +23,8 @@
 # 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
 # four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
 # offloaded) = 1 rank; expert parallelism (--ep 2, resident, opt-moe-tiny) = 1 rank accumulating,
-# with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded; two
+# with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded, and
+# in bf16 = 1 rank accumulating; two
 # ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
@@ -419,6 +420,21 @@ if [ -n "${FY_EMU_GPUS:-}" ]; then
     pass=$((pass + 1)); echo "ok    --ep 2 --offload on 2 emulated GPUs saves 1 rank's weights byte for byte"
   else
     fail=$((fail + 1)); echo "FAIL  --ep 2 --offload on 2 emulated GPUs: its saved weights are not 1 rank's"
+  fi
+fi
+# In bf16 (the GPU's default): each source's block of an expert's gradient rounded to bf16 as its
+# own backward rounds it, the blocks and the dense gradients summed in fp32 (runtime/ep_cuda.c,
+# fy_ep_all_reduce_grads), as 1 rank adds its micro-batches' rounded gradients: the same losses and,
+# on the emulator, the same saved weights byte for byte (2 replicas summing in bf16: step 3 1e-4 off).
+rm -rf "$d/moeonebf16" "$d/moeep2bf16"
+run moeonebf16 1 --grad-accum 2 --precision bf16 --save "$d/moeonebf16" || exit 1
+run moeep2bf16 2 --ep 2 --precision bf16 --save "$d/moeep2bf16" || exit 1
+check "--ep 2 on 2 GPUs = 1 rank accumulating 2, bf16" moeonebf16 moeep2bf16 1e-6
+if [ -n "${FY_EMU_GPUS:-}" ]; then
+  if cmp -s "$d/moeonebf16/model.safetensors" "$d/moeep2bf16/model.safetensors"; then
+    pass=$((pass + 1)); echo "ok    --ep 2 in bf16 on 2 emulated GPUs saves 1 rank's weights byte for byte"
+  else
+    fail=$((fail + 1)); echo "FAIL  --ep 2 in bf16 on 2 emulated GPUs: its saved weights are not 1 rank's"
   fi
 fi
 common=("${dense[@]}")
