@@ -10,7 +10,9 @@
 // nccl communicator); backward sends the rows' gradients the same way and gets the inputs' back.
 // Resident, the experts' gradients stay on the rank that holds them; fy_ep_all_reduce_grads sums
 // them over the ranks that hold the same experts, and the dense ones over every data-parallel rank
-// (offloaded, the chunks' reduce-scatter sums them all).
+// (offloaded, the chunks' reduce-scatter sums them all). In bf16 the rows move in bf16, and each
+// source's block of an expert's gradient is rounded to bf16 before the blocks add in fp32 (resident:
+// in m->grads, which fy_ep_all_reduce_grads sums in fp32), as 1 rank accumulating rounds and adds.
 #ifndef FY_EP_CUDA_H
 #define FY_EP_CUDA_H
 
