@@ -25,6 +25,20 @@ struct loss_job {
 };
 #define LOSS_JOBS 64  // in flight at once: a step's micro-batches, two steps deep
 
+// What a mixture's backward needs from the host, kept from the forward that wrote its routing
+// record so that the backward does not wait for the stream: the experts' token counts (sizing the
+// products) and the targets not ignored (the balance term's weight). Keyed by the routing record's
+// address, distinct per op and per activation arena (a pipeline stage runs other micro-batches'
+// forwards between one's forward and its backward): an entry is that record's last forward.
+struct moe_kept {
+  const float *route;
+  int64_t BT;
+  int64_t targets;  // -1: unknown (that forward had no targets)
+  int E;
+  int *counts;      // (E)
+};
+#define MOE_KEPT_MAX 4096  // a bound on the entries (then all dropped: the backward waits instead)
+
 struct cuda_ctx {
   fy_stream *stream;   // owned: the engine's own stream (the resident path)
   fy_stream *launch;   // where kernels launch: stream, or the offload engine's compute stream
@@ -47,6 +61,8 @@ struct cuda_ctx {
   size_t moe_work_bytes;
   void *moe_pinned;     // fy_cuda_moe_pinned_bytes of the largest E, then (B*T) int32 targets
   size_t moe_pinned_bytes;
+  struct moe_kept *moe_kept;  // (n_moe_kept) the forwards' counts, for the backwards
+  int n_moe_kept;
   // Expert parallelism (graph->ep > 1): the mixtures' rows to their experts' ranks and back
   // (runtime/ep_cuda.h; fy_engine_cuda_set_ep), NULL otherwise.
   struct fy_ep_cuda *ep;
@@ -284,11 +300,6 @@ static fy_status cross_entropy_bwd(const struct fy_op_args *a) {
 }
 
 // A mixture of experts (ops/cuda/moe.cu): its parameters in op->params order, as runtime/engine.c's.
-static struct fy_moe_dims moe_dims(const struct fy_op_args *a) {
-  const struct fy_op *op = a->op;
-  return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
-                              .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16};
-}
 
 // The targets not ignored of the call's first BT rows (the balance term's weight, struct fy_loss):
 // the batch's targets (device memory) come down in stream order; valid after the next wait.
@@ -304,38 +315,95 @@ static int64_t moe_count(const int32_t *t, int64_t n) {
   return k;
 }
 
-static fy_status moe_check(const struct fy_op_args *a, const struct fy_moe_dims *d) {
+// The preamble of moe_fwd and moe_bwd: the op's dims (its padding mask the batch's), its routing
+// record, and the checks.
+struct moe_call {
+  struct cuda_ctx *x;
+  struct fy_moe_dims d;
+  float *route;  // the routing record (op->aux[0])
+  int b;         // 1 with biases (they sit between the weights in op->params)
+};
+
+static fy_status moe_begin(const struct fy_op_args *a, struct moe_call *mc) {
+  const struct fy_op *op = a->op;
   struct cuda_ctx *x = ctx_of(a->m);
-  FY_ASSERT(x->moe_work && fy_cuda_moe_workspace_bytes(d, a->m->compute_dtype) <= x->moe_work_bytes);
-  if (a->c->batch->mask)  // (the cpu's kernels route padding to no expert; these route every row)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "a mixture of experts on the GPU with a padded batch (an attention "
-                        "mask): not supported yet (the cpu device routes its padding to no expert)");
+  *mc = (struct moe_call){.x = x, .route = fy_engine_act(a->m, op->aux[0]), .b = op->has_bias,
+                          .d = {.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
+                                .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16, .mask = a->c->batch->mask}};
+  FY_ASSERT(x->moe_work && fy_cuda_moe_workspace_bytes(&mc->d, a->m->compute_dtype) <= x->moe_work_bytes);
   if (a->g->tp > 1)  // (runtime/run.c refuses it first: these kernels have no fy_moe_dims.tp_sum)
     return fy_error_set(FY_ERR_UNSUPPORTED, "a mixture of experts on the GPU with tensor parallelism: not supported "
                         "yet (the cpu and sim devices run it)");
   return FY_OK;
 }
 
+static struct moe_kept *moe_kept_find(struct cuda_ctx *x, const float *route) {
+  for (int i = 0; i < x->n_moe_kept; i++)
+    if (x->moe_kept[i].route == route) return &x->moe_kept[i];
+  return NULL;
+}
+
+static void moe_kept_free(struct cuda_ctx *x) {
+  for (int i = 0; i < x->n_moe_kept; i++) free(x->moe_kept[i].counts);
+  free(x->moe_kept);
+  x->moe_kept = NULL;
+  x->n_moe_kept = 0;
+}
+
+// After a forward that left its counts in pinned memory: keep them (and the targets' count, -1 when
+// unknown) for this routing record's backward. Out of memory only loses the entry (the backward waits).
+static void moe_keep(struct cuda_ctx *x, const struct moe_call *mc, const int *counts, int64_t targets) {
+  struct moe_kept *k = moe_kept_find(x, mc->route);
+  if (!k) {
+    if (x->n_moe_kept >= MOE_KEPT_MAX) moe_kept_free(x);
+    struct moe_kept *grown = realloc(x->moe_kept, (size_t)(x->n_moe_kept + 1) * sizeof *grown);
+    if (!grown) return;
+    x->moe_kept = grown;
+    k = &grown[x->n_moe_kept];
+    *k = (struct moe_kept){.route = mc->route};
+    if (!(k->counts = malloc((size_t)mc->d.E * sizeof *k->counts))) return;
+    x->n_moe_kept++;
+  } else if (k->E != mc->d.E) {
+    int *c = realloc(k->counts, (size_t)mc->d.E * sizeof *c);
+    if (!c) {
+      k->BT = -1;  // (unusable)
+      return;
+    }
+    k->counts = c;
+  }
+  k->BT = mc->d.BT;
+  k->E = mc->d.E;
+  k->targets = targets;
+  memcpy(k->counts, counts, (size_t)mc->d.E * sizeof *counts);
+}
+
 static fy_status moe_fwd(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
   struct fy_model *m = a->m;
   const struct fy_op_call *c = a->c;
-  struct cuda_ctx *x = ctx_of(m);
-  const struct fy_moe_dims d = moe_dims(a);
-  const int b = op->has_bias;
-  FY_TRY(moe_check(a, &d));
+  struct moe_call mc;
+  FY_TRY(moe_begin(a, &mc));
+  struct cuda_ctx *x = mc.x;
+  const int b = mc.b;
+  // The targets come down with the counts (the forward waits for them anyway): the balance term's
+  // weight now, and the backward's later (moe_keep).
   int32_t *targets = NULL;
-  if (c->aux_sum && !(targets = moe_targets_down(a)))
+  if (c->batch->targets && !(targets = moe_targets_down(a)))
     return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
   double balance;
   const struct fy_ep_cuda_env env = {x->blas, x->moe_work, x->moe_pinned, x->launch};
   if (x->ep) FY_TRY(fy_ep_cuda_moe_forward(x->ep, a, &env, &balance));  // (experts over ranks: runtime/ep_cuda.c)
   else
-    FY_TRY(fy_cuda_moe_forward(x->blas, a->out, fy_engine_act(m, op->aux[0]), fy_engine_act(m, op->aux[1]), &balance,
-                               a->in0, c->w[0], c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL,
-                               m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st));
-  // (fy_cuda_moe_forward waited for the stream: the targets are down)
-  if (c->aux_sum) *c->aux_sum += (double)op->aux_coef * balance * (double)moe_count(targets, a->BT);
+    FY_TRY(fy_cuda_moe_forward(x->blas, a->out, mc.route, fy_engine_act(m, op->aux[1]), &balance, a->in0, c->w[0],
+                               c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, m->compute_dtype, &mc.d,
+                               x->moe_work, x->moe_pinned, x->st));
+  // (fy_cuda_moe_forward waited for the stream: the targets and the counts are down)
+  const int64_t ntargets = targets ? moe_count(targets, a->BT) : -1;
+  if (c->aux_sum) {
+    if (!targets) return fy_error_set(FY_ERR_INVALID, "cuda moe: a balance term without targets");
+    *c->aux_sum += (double)op->aux_coef * balance * (double)ntargets;
+  }
+  moe_keep(x, &mc, (const int *)x->moe_pinned, ntargets);
   return FY_OK;
 }
 
@@ -343,23 +411,30 @@ static fy_status moe_bwd(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
   struct fy_model *m = a->m;
   const struct fy_op_call *c = a->c;
-  struct cuda_ctx *x = ctx_of(m);
-  const struct fy_moe_dims d = moe_dims(a);
-  const int b = op->has_bias;
-  FY_TRY(moe_check(a, &d));
-  int32_t *targets = moe_targets_down(a);
-  if (!targets || cudaStreamSynchronize(x->st) != cudaSuccess)
-    return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
+  struct moe_call mc;
+  FY_TRY(moe_begin(a, &mc));
+  struct cuda_ctx *x = mc.x;
+  const int b = mc.b;
+  // The forward's counts and targets (no wait), else the targets brought down now (one wait).
+  const struct moe_kept *k = moe_kept_find(x, mc.route);
+  if (k && k->BT != a->BT) k = NULL;
+  int64_t ntargets = k ? k->targets : -1;
+  if (ntargets < 0) {
+    int32_t *targets = moe_targets_down(a);
+    if (!targets || cudaStreamSynchronize(x->st) != cudaSuccess)
+      return fy_error_set(FY_ERR_INTERNAL, "cuda moe: reading the targets: %s", cudaGetErrorString(cudaGetLastError()));
+    ntargets = moe_count(targets, a->BT);
+  }
   // The objective's balance term is coef x balance x (the micro-batch's targets) x loss_scale.
-  const float dbalance = op->aux_coef * c->loss_scale * (float)moe_count(targets, a->BT);
+  const float dbalance = op->aux_coef * c->loss_scale * (float)ntargets;
   if (x->ep) {
     const struct fy_ep_cuda_env env = {x->blas, x->moe_work, x->moe_pinned, x->launch};
     return fy_ep_cuda_moe_backward(x->ep, a, &env, dbalance);
   }
   return fy_cuda_moe_backward(x->blas, fy_engine_dinput(m, op, 0), c->g[0], c->g[1], b ? c->g[2] : NULL, c->g[2 + b],
-                              b ? c->g[4] : NULL, a->dout, a->in0, fy_engine_act(m, op->aux[0]),
-                              fy_engine_act(m, op->aux[1]), c->w[0], c->w[1], c->w[2 + b], dbalance, !a->first[0],
-                              m->compute_dtype, &d, x->moe_work, x->moe_pinned, x->st);
+                              b ? c->g[4] : NULL, a->dout, a->in0, mc.route, fy_engine_act(m, op->aux[1]), c->w[0],
+                              c->w[1], c->w[2 + b], dbalance, !a->first[0], m->compute_dtype, &mc.d, x->moe_work,
+                              x->moe_pinned, k ? k->counts : NULL, x->st);
 }
 
 // The offload engine's router alone (runtime/offload.c, moe_experts), the op's forward's first step.
@@ -614,6 +689,7 @@ void fy_engine_cuda_detach(struct fy_model *m) {
   cudaFreeHost(x->losses_pinned);
   if (x->moe_work) fy_device_dealloc(m->dev, x->moe_work, x->moe_work_bytes);
   cudaFreeHost(x->moe_pinned);
+  moe_kept_free(x);
   fy_stream_free(x->stream);
   free(x->fused);
   free(x);

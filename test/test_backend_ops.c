@@ -810,11 +810,22 @@ static void test_linear(struct fy_cuda_blas *h, enum fy_dtype dt) {
 // F = 40 features, relu with biases and gelu without; every token's first channel and expert 4's
 // gate make expert 4's logit about -16, so that it gets no token (its gradient: zero, or left as
 // it was when accumulating). The routing record (probabilities, choices, weights, rows) is compared
-// too; backward with random starting gradients, accumulating and not.
-static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, bool bias) {
+// too; backward with random starting gradients, accumulating and not, the first with the forward's
+// counts handed in (no wait), the second counting them again. Padded: a mask (the first 5 tokens
+// and about a fifth of the rest padding) routes those tokens to no expert, out of the balance term.
+static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, bool bias, bool padded) {
   const int E = 5, K = 2;
   const int64_t F = 40, S = E + 3 * K, cap = fy_moe_rows_cap(BT, E, K);
-  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = false};
+  int32_t *mask = NULL;
+  if (padded) {
+    mask = malloc((size_t)BT * sizeof *mask);
+    CHECKF(mask != NULL, "moe test: out of memory");
+    for (int64_t t = 0; t < BT; t++) mask[t] = t >= 5 && check_urand() > 0.2;
+  }
+  int32_t *d_mask = mask ? dput_raw(mask, (size_t)BT * sizeof *mask) : NULL;
+  // (the cpu's with the mask in host memory, the GPU's with it in device memory)
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = false, .mask = mask};
+  const struct fy_moe_dims dg = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = false, .mask = d_mask};
   float *inp = frand_new(BT * C, 1.0f, dt), *gate = frand_new(E * C, 0.3f, dt);
   for (int64_t t = 0; t < BT; t++) inp[t * C] = 4.0f;
   gate[4 * C] = -4.0f;
@@ -827,6 +838,10 @@ static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, b
   for (int64_t t = 0; t < BT; t++)
     for (int j = 0; j < K; j++) to4 += (int)route[t * S + E + j] == 4;
   CHECKF(to4 == 0, "moe test: expert 4 got %lld tokens (the case wants none)", (long long)to4);
+  int64_t unrouted = 0, padding = 0;
+  for (int64_t t = 0; t < BT; t++) unrouted += (int)route[t * S + E] < 0, padding += mask && !mask[t];
+  CHECKF(unrouted == padding && (!padded || (padding > 5 && padding < BT)),
+         "moe test: %lld tokens routed to no expert, %lld padding", (long long)unrouted, (long long)padding);
   void *d_inp = dput(inp, BT * C, dt), *d_gate = dput(gate, E * C, dt), *d_w1 = dput(w1, E * F * C, dt);
   void *d_w2 = dput(w2, E * C * F, dt), *d_b1 = bias ? dput(b1, E * F, dt) : NULL;
   void *d_b2 = bias ? dput(b2, E * C, dt) : NULL;
@@ -837,8 +852,11 @@ static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, b
   CHECKF(cudaMallocHost(&pinned, fy_cuda_moe_pinned_bytes(&d)) == cudaSuccess, "moe test: pinned memory");
   char what[96];
   const char *kind = gelu ? "gelu, no bias" : "relu, bias";
-  CHECK_OK(fy_cuda_moe_forward(h, d_out, d_route, d_rows, &gbal, d_inp, d_gate, d_w1, d_b1, d_w2, d_b2, dt, &d, work,
-                               pinned, cs));
+  CHECK_OK(fy_cuda_moe_forward(h, d_out, d_route, d_rows, &gbal, d_inp, d_gate, d_w1, d_b1, d_w2, d_b2, dt, &dg,
+                               work, pinned, cs));
+  int counts[5];
+  memcpy(counts, pinned, sizeof counts);  // (the forward's, as runtime/engine_cuda.c keeps them)
+  if (padded) kind = gelu ? "gelu, no bias, padded" : "relu, bias, padded";
   snprintf(what, sizeof what, "moe forward (%s)", kind);
   cmp_dev(what, dt, d_out, out, BT * C, true);
   snprintf(what, sizeof what, "moe routing record (%s)", kind);
@@ -855,8 +873,9 @@ static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, b
     void *d_dw2 = dput(dw2, E * C * F, dt), *d_db1 = bias ? dput(db1, E * F, dt) : NULL;
     void *d_db2 = bias ? dput(db2, E * C, dt) : NULL;
     CHECK_OK(fy_moe_backward(dinp, dgate, dw1, db1, dw2, db2, dout, inp, route, rows, gate, w1, w2, 0.37f, acc, &d));
+    memset(pinned, 0xff, sizeof counts);  // (not read when the counts are handed in)
     CHECK_OK(fy_cuda_moe_backward(h, d_dinp, d_dgate, d_dw1, d_db1, d_dw2, d_db2, d_dout, d_inp, d_route, d_rows,
-                                  d_gate, d_w1, d_w2, 0.37f, acc, dt, &d, work, pinned, cs));
+                                  d_gate, d_w1, d_w2, 0.37f, acc, dt, &dg, work, pinned, acc ? counts : NULL, cs));
     const char *op = acc ? "+=" : "=";
     snprintf(what, sizeof what, "moe backward dinp += (%s)", kind);
     cmp_dev(what, dt, d_dinp, dinp, BT * C, true);
@@ -888,11 +907,13 @@ static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, b
   cudaFreeHost(pinned);
   dfree_all();
   free(inp); free(gate); free(w1); free(b1); free(w2); free(b2); free(out); free(route); free(rows); free(dout);
+  free(mask);
 }
 
 static void test_moe(struct fy_cuda_blas *h, enum fy_dtype dt) {
-  test_moe_case(h, dt, false, true);
-  test_moe_case(h, dt, true, false);
+  test_moe_case(h, dt, false, true, false);
+  test_moe_case(h, dt, true, false, false);
+  test_moe_case(h, dt, false, true, true);
 }
 
 // Mask kinds: 0 = none (NULL), 1 = padding: batch 1 left-padded by 5 and right-padded by 3 (its

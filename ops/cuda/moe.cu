@@ -12,8 +12,13 @@
 // wait for the stream: the products' row counts depend on them), and each expert with tokens runs
 // its two products through cuBLASLt, in a loop over the experts, with the activation between them
 // over all rows at once. Last, each token's output is the weighted sum of its K rows, in the order
-// chosen. Backward reads the record (the counts again, one wait) and runs the same steps the other
-// way. Every sum has a fixed order: the results depend on the routing, never on the scheduling.
+// chosen. Backward reads the record and runs the same steps the other way; the experts' counts
+// that size its products are the forward's, handed in by the caller (else brought down again, one
+// wait). Every sum has a fixed order: the results depend on the routing, never on the scheduling.
+// A token that d->mask marks as padding goes to no expert (its choices and rows -1, its weights 0),
+// as ops/cpu/moe.c's: its output row is 0, it is left out of the balance term (the counts and the
+// probabilities' means over the N routed tokens; N = the counts' sum / K, so that no kernel needs
+// the mask but the router) and it has no gradient through the block.
 #include "ops/cuda/common.cuh"
 
 extern "C" {
@@ -40,10 +45,12 @@ __device__ __forceinline__ int64_t moe_first_row(const int *counts, int e) {
 
 // inp (BT,C), gate (E,C) -> route (BT, E+3K): per token (one block): the logits (a warp per expert,
 // lanes over the channels, a butterfly sum), then in thread 0 the softmax, the top K (the larger
-// probability first, the lower index on a tie) and their weights, as ops/cpu/moe.c does. The rows
-// (the last K entries) are the placing kernel's. Dynamic shared memory: E floats.
+// probability first, the lower index on a tie) and their weights, as ops/cpu/moe.c does; a token
+// that mask (BT, device; NULL: none) marks as padding then gets choice -1, weight 0 and row -1. The
+// other rows (the last K entries) are the placing kernel's. Dynamic shared memory: E floats.
 template <typename T>
-__global__ void moe_route_kernel(float *route, const T *inp, const T *gate, int64_t C, int E, int K) {
+__global__ void moe_route_kernel(float *route, const T *inp, const T *gate, const int32_t *mask, int64_t C, int E,
+                                 int K) {
   extern __shared__ float logit[];
   const int64_t t = blockIdx.x, S = E + 3 * K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
@@ -74,10 +81,22 @@ __global__ void moe_route_kernel(float *route, const T *inp, const T *gate, int6
     chosen += r[best];
   }
   for (int j = 0; j < K; j++) r[E + K + j] = r[(int)r[E + j]] / chosen;
+  if (mask && mask[t] == 0)  // padding: no expert (its probabilities stay, counted nowhere)
+    for (int j = 0; j < K; j++) r[E + j] = -1.0f, r[E + K + j] = 0.0f, r[E + 2 * K + j] = -1.0f;
+}
+
+// Whether a token's routing record r is padding's (routed to no expert).
+__device__ __forceinline__ bool moe_padding(const float *r, int E) { return r[E] < 0.0f; }
+
+// The routed tokens N from the counts (E): each has exactly K choices.
+__device__ __forceinline__ int64_t moe_routed_tokens(const int *counts, int E, int K) {
+  int64_t n = 0;
+  for (int e = 0; e < E; e++) n += counts[e];
+  return n / K;
 }
 
 // route (BT, E+3K) -> counts (E): each expert's token-choices, psum (E): the sum of its
-// probabilities over the tokens (NULL: not wanted). One block per expert; threads walk the tokens
+// probabilities over the routed tokens (NULL: not wanted; padding chose no expert and adds nothing). One block per expert; threads walk the tokens
 // with a stride, then a fixed tree in shared memory.
 __global__ void moe_count_kernel(int *counts, float *psum, const float *route, int64_t BT, int E, int K) {
   __shared__ int sn[MOE_THREADS];
@@ -88,6 +107,7 @@ __global__ void moe_count_kernel(int *counts, float *psum, const float *route, i
   float p = 0.0f;
   for (int64_t t = threadIdx.x; t < BT; t += blockDim.x) {
     const float *r = route + t * S;
+    if (moe_padding(r, E)) continue;
     for (int j = 0; j < K; j++) n += (int)r[E + j] == e;
     p += r[e];
   }
@@ -128,11 +148,13 @@ __global__ void moe_place_kernel(float *route, const int *counts, int64_t BT, in
   }
 }
 
-// inp (BT,C), route -> xs (rows,C): each token's input copied to its K rows. One block a token.
+// inp (BT,C), route -> xs (rows,C): each token's input copied to its K rows (padding: none). One
+// block a token.
 template <typename T>
 __global__ void moe_gather_kernel(T *xs, const T *inp, const float *route, int64_t C, int E, int K) {
   const int64_t t = blockIdx.x, S = E + 3 * K;
   const float *r = route + t * S;
+  if (moe_padding(r, E)) return;
   for (int j = 0; j < K; j++) {
     T *o = xs + (int64_t)r[E + 2 * K + j] * C;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = inp[t * C + c];
@@ -148,20 +170,23 @@ __global__ void moe_pad_kernel(T *buf, const int *counts, int64_t W) {
   for (int64_t i = from + threadIdx.x; i < to; i += blockDim.x) fy_st(buf + i, 0.0f);
 }
 
-// y (rows,C), route -> out (BT,C) = sum_j weight_j y[row_j], the choices in order. One block a token.
+// y (rows,C), route -> out (BT,C) = sum_j weight_j y[row_j], the choices in order (padding: 0).
+// One block a token.
 template <typename T>
 __global__ void moe_combine_kernel(T *out, const T *y, const float *route, int64_t C, int E, int K) {
   const int64_t t = blockIdx.x, S = E + 3 * K;
   const float *r = route + t * S;
+  const int k = moe_padding(r, E) ? 0 : K;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float s = 0.0f;
-    for (int j = 0; j < K; j++) s += r[E + K + j] * fy_ld(y + (int64_t)r[E + 2 * K + j] * C + c);
+    for (int j = 0; j < k; j++) s += r[E + K + j] * fy_ld(y + (int64_t)r[E + 2 * K + j] * C + c);
     fy_st(out + t * C + c, s);
   }
 }
 
 // dout (BT,C), y (rows,C), route -> dy (rows,C): dy[row_j] = weight_j dout[t]; dw (BT,K) fp32:
-// dw[t][j] = dout[t] . y[row_j] (lanes over channels, then warps in order). One block a token.
+// dw[t][j] = dout[t] . y[row_j] (lanes over channels, then warps in order); padding: no rows, its
+// dw 0. One block a token.
 template <typename T>
 __global__ void moe_dispatch_grad_kernel(T *dy, float *dw, const T *dout, const T *y, const float *route, int64_t C,
                                          int E, int K) {
@@ -170,6 +195,10 @@ __global__ void moe_dispatch_grad_kernel(T *dy, float *dw, const T *dout, const 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
   const float *r = route + t * S;
   const T *g = dout + t * C;
+  if (moe_padding(r, E)) {
+    if (threadIdx.x < K) dw[t * K + threadIdx.x] = 0.0f;
+    return;
+  }
   for (int j = 0; j < K; j++) {
     const int64_t row = (int64_t)r[E + 2 * K + j];
     const float w = r[E + K + j];
@@ -192,15 +221,22 @@ __global__ void moe_dispatch_grad_kernel(T *dy, float *dw, const T *dout, const 
 }
 
 // route, dw (BT,K), counts (E) -> dlog (BT,E): the router's logits' gradient, as ops/cpu/moe.c: the
-// renormalised weights' d/dp, the balance term's bal x f_e (bal = dbalance E / BT, f_e = n_e / BT),
-// then the softmax's backward. One thread a token.
+// renormalised weights' d/dp, the balance term's bal x f_e (bal = dbalance_E / N with dbalance_E =
+// dbalance x E, f_e = n_e / N, N the routed tokens), then the softmax's backward; padding: 0. One
+// thread a token.
 template <typename T>
 __global__ void moe_router_grad_kernel(T *dlog, const float *route, const float *dw, const int *counts, int64_t BT,
-                                       int E, int K, float bal) {
+                                       int E, int K, float dbalance_E) {
   const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (t >= BT) return;
   const int64_t S = E + 3 * K;
   const float *r = route + t * S;
+  if (moe_padding(r, E)) {
+    for (int e = 0; e < E; e++) fy_st(dlog + t * E + e, 0.0f);
+    return;
+  }
+  const int64_t N = moe_routed_tokens(counts, E, K);  // (>= 1: this token is routed)
+  const float bal = dbalance_E / (float)N;
   float chosen = 0.0f, wdw = 0.0f;
   for (int j = 0; j < K; j++) {
     chosen += r[(int)r[E + j]];
@@ -209,24 +245,26 @@ __global__ void moe_router_grad_kernel(T *dlog, const float *route, const float 
   // dp[e] = bal f_e + (dw_j - wdw) / chosen for the choice j of e (if any)
   float pdp = 0.0f;
   for (int e = 0; e < E; e++) {
-    float dp = bal * (float)((double)counts[e] / (double)BT);
+    float dp = bal * (float)((double)counts[e] / (double)N);
     for (int j = 0; j < K; j++)
       if ((int)r[E + j] == e) dp += (dw[t * K + j] - wdw) / chosen;
     pdp += r[e] * dp;
   }
   for (int e = 0; e < E; e++) {
-    float dp = bal * (float)((double)counts[e] / (double)BT);
+    float dp = bal * (float)((double)counts[e] / (double)N);
     for (int j = 0; j < K; j++)
       if ((int)r[E + j] == e) dp += (dw[t * K + j] - wdw) / chosen;
     fy_st(dlog + t * E + e, r[e] * (dp - pdp));
   }
 }
 
-// dx (rows,C), route -> dinp (BT,C) += each token's K rows, in the choices' order. One block a token.
+// dx (rows,C), route -> dinp (BT,C) += each token's K rows, in the choices' order (padding: none).
+// One block a token.
 template <typename T>
 __global__ void moe_scatter_add_kernel(T *dinp, const T *dx, const float *route, int64_t C, int E, int K) {
   const int64_t t = blockIdx.x, S = E + 3 * K;
   const float *r = route + t * S;
+  if (moe_padding(r, E)) return;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float s = fy_ld(dinp + t * C + c);
     for (int j = 0; j < K; j++) s += fy_ld(dx + (int64_t)r[E + 2 * K + j] * C + c);
@@ -290,8 +328,8 @@ extern "C" fy_status fy_cuda_moe_route(float *route, const void *inp, const void
   const int E = d->E, K = d->K;
   if (E < 1 || K < 1 || K > E) return fy_error_set(FY_ERR_INVALID, "cuda moe: top %d of %d experts", K, E);
   FY_CUDA_DISPATCH("moe_route", dt, T,
-                   moe_route_kernel<T><<<(unsigned)d->BT, 128, (size_t)E * 4, st>>>(route, (const T *)inp,
-                                                                                    (const T *)gate, d->C, E, K));
+                   moe_route_kernel<T><<<(unsigned)d->BT, 128, (size_t)E * 4, st>>>(
+                       route, (const T *)inp, (const T *)gate, d->mask, d->C, E, K));
   return fy_cuda_launched("moe: routing");
 }
 
@@ -343,9 +381,13 @@ extern "C" fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, floa
   FY_CUDA_DISPATCH("moe_forward", dt, T,
                    moe_combine_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)out, (const T *)yb, route, C, E, K));
   FY_TRY(fy_cuda_launched("moe_forward: combine"));
-  // E x sum_e f_e P_e, from the counts and the probabilities' sums (fp32 sums on the device).
+  // E x sum_e f_e P_e, from the counts and the probabilities' sums (fp32 sums on the device), over
+  // the N routed tokens (every token without a mask; none routed: 0).
+  int64_t N = 0;
+  for (int e = 0; e < E; e++) N += hc[e];
+  N /= K;
   double b = 0;
-  for (int e = 0; e < E; e++) b += (double)hc[e] / (double)BT * ((double)hp[e] / (double)BT);
+  for (int e = 0; e < E && N > 0; e++) b += (double)hc[e] / (double)N * ((double)hp[e] / (double)N);
   *balance = (double)E * b;
   return FY_OK;
 }
@@ -354,14 +396,14 @@ extern "C" fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, vo
                                           void *dw2, void *db2, const void *dout, const void *inp, const float *route,
                                           const void *rows, const void *gate, const void *w1, const void *w2,
                                           float dbalance, bool accumulate, enum fy_dtype dt,
-                                          const struct fy_moe_dims *d, void *work, void *pinned, cudaStream_t st) {
+                                          const struct fy_moe_dims *d, void *work, void *pinned, const int *counts,
+                                          cudaStream_t st) {
   const int64_t BT = d->BT, C = d->C, F = d->F, cap = fy_moe_rows_cap(BT, d->E, d->K);
   const int E = d->E, K = d->K;
   const size_t es = fy_dtype_size(dt);
   struct moe_ws w;
   moe_ws_layout(d, es, (char *)work, &w);
   const char *hb = (const char *)rows, *yb = hb + (size_t)(cap * F) * es;
-  int *hc = (int *)pinned;
   FY_CUDA_DISPATCH("moe_backward", dt, T,
                    moe_count_kernel<<<E, MOE_THREADS, 0, st>>>(w.counts, w.psum, route, BT, E, K);
                    moe_gather_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)w.xs, (const T *)inp, route, C, E, K);
@@ -370,7 +412,12 @@ extern "C" fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, vo
                                                                               (const T *)yb, route, C, E, K);
                    moe_pad_kernel<T><<<E, MOE_THREADS, 0, st>>>((T *)w.dy, w.counts, C));
   FY_TRY(fy_cuda_launched("moe_backward: dispatch"));
-  FY_TRY(moe_counts_down(hc, &w, E, st));
+  // The products' row counts: the forward's (no wait), else the ones just counted, brought down.
+  const int *hc = counts;
+  if (!hc) {
+    FY_TRY(moe_counts_down((int *)pinned, &w, E, st));
+    hc = (const int *)pinned;
+  }
   int64_t total = 0;
   for (int e = 0; e < E; e++) total += fy_moe_rows(hc[e]);
   FY_TRY(moe_act(w.as, hb, d->gelu, dt, total * F, st));
@@ -421,10 +468,10 @@ extern "C" fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, vo
   }
   // The router: dlog (BT,E), then dinp (BT,C) += dlog @ gate (E,C) and each token's rows of dx
   // (before dgate is written, as above), and dgate (E,C) (+)= dlog^T @ inp (BT,C).
-  const float bal = dbalance * (float)E / (float)BT;
+  // (the balance term's 1/N on the device, from the counts counted there: N is not on the host)
   FY_CUDA_DISPATCH("moe_backward", dt, T,
-                   moe_router_grad_kernel<T><<<(unsigned)((BT + 127) / 128), 128, 0, st>>>((T *)w.dlog, route, w.dw, w.counts, BT,
-                                                                               E, K, bal));
+                   moe_router_grad_kernel<T><<<(unsigned)((BT + 127) / 128), 128, 0, st>>>(
+                       (T *)w.dlog, route, w.dw, w.counts, BT, E, K, dbalance * (float)E));
   FY_TRY(fy_cuda_launched("moe_backward: router"));
   if (dinp) {
     FY_TRY(fy_cuda_matmul(h, dinp, w.dlog, gate, NULL, dt, BT, C, E, false, false, 1.0f, 1.0f, st));
@@ -586,7 +633,7 @@ extern "C" fy_status fy_cuda_moe_ep_route_backward(struct fy_cuda_blas *h, void 
   const int E = d->E, K = d->K;
   struct moe_ws w;
   moe_ws_layout(d, fy_dtype_size(dt), (char *)work, &w);
-  const float bal = dbalance * (float)E / (float)BT;  // (as fy_cuda_moe_backward's router, from here on)
+  const float bal = dbalance * (float)E;  // (as fy_cuda_moe_backward's router, from here on)
   FY_CUDA_DISPATCH("moe_ep_route_backward", dt, T,
                    moe_router_grad_kernel<T><<<(unsigned)((BT + 127) / 128), 128, 0, st>>>((T *)w.dlog, route, w.dw,
                                                                                            w.counts, BT, E, K, bal));

@@ -239,9 +239,11 @@ fy_status fy_cuda_linear_backward_params(struct fy_cuda_blas *h, void *dweight, 
 // the same dispatch layout, the experts' products through cuBLASLt in a loop over the experts
 // (d->bf16 is not read: dt says). rows is the op's aux slot, holding h (cap,F) then y (cap,C) in
 // dt (cap = fy_moe_rows_cap). work: device memory of fy_cuda_moe_workspace_bytes(d, dt); pinned:
-// page-locked host memory of fy_cuda_moe_pinned_bytes(d). Unlike the other kernels these WAIT for
-// the stream once: the experts' token counts come down to size their products. An expert with no
-// token is skipped; its gradient is zero (=) or left as it is (accumulate).
+// page-locked host memory of fy_cuda_moe_pinned_bytes(d). Unlike the other kernels the forward
+// WAITS for the stream once: the experts' token counts come down (into pinned's first E ints) to
+// size their products; the backward reuses them when handed in (else it waits once too). An expert
+// with no token is skipped; its gradient is zero (=) or left as it is (accumulate). d->mask (BT,
+// device memory; NULL: none) marks padding, routed to no expert as fy_moe_forward's.
 size_t fy_cuda_moe_workspace_bytes(const struct fy_moe_dims *d, enum fy_dtype dt);
 size_t fy_cuda_moe_pinned_bytes(const struct fy_moe_dims *d);
 // inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL -> out (BT,C),
@@ -257,12 +259,14 @@ fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, float *route, v
 fy_status fy_cuda_moe_route(float *route, const void *inp, const void *gate, enum fy_dtype dt,
                             const struct fy_moe_dims *d, cudaStream_t st);
 // dout (BT,C) and forward's tensors -> dinp (BT,C) += (NULL: not wanted), dgate, dw1, db1, dw2, db2
-// = (or += with accumulate); db1, db2 NULL without biases. dbalance as fy_moe_backward's.
+// = (or += with accumulate); db1, db2 NULL without biases. dbalance as fy_moe_backward's. counts
+// (E, host): the experts' token counts of the forward that wrote route (fy_cuda_moe_forward left
+// them in pinned), so that the backward does not wait; NULL: counted again and brought down (a wait).
 fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, void *dgate, void *dw1, void *db1, void *dw2,
                                void *db2, const void *dout, const void *inp, const float *route, const void *rows,
                                const void *gate, const void *w1, const void *w2, float dbalance, bool accumulate,
                                enum fy_dtype dt, const struct fy_moe_dims *d, void *work, void *pinned,
-                               cudaStream_t st);
+                               const int *counts, cudaStream_t st);
 
 // Expert parallelism's pieces (runtime/ep_cuda.c moves the rows between the ranks in between):
 // the steps of fy_cuda_moe_forward and _backward apart, the rows in the same padded dispatch
