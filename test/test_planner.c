@@ -368,6 +368,14 @@ static void moe_ep_plans(void) {
          c2.compute_s - c1.compute_s, a2a);
   CHECK(c2.host_bytes == c1.host_bytes && c2.device_peak == c1.device_peak && c2.n_chunks == c1.n_chunks);
   CHECK(c2.step_s > c1.step_s);
+  // ep with tp (4 ranks, each its tp slice of its experts: runtime/ep.c): priced, the all-to-alls added.
+  struct fy_plan_knobs kt = k;
+  struct fy_cost c3, c4;
+  kt.tp = 2, kt.ep = 0;
+  CHECK_OK(fy_cost_simulate(&moe, &kt, &p, &c3, NULL));
+  kt.ep = 2;
+  CHECK_OK(fy_cost_simulate(&moe, &kt, &p, &c4, NULL));
+  CHECK(c3.fits && c4.fits && c4.comm_s > c3.comm_s);
   // What does not run is refused: ep not dividing dp or the experts, a dense model, bf16, a GPU.
   k.ep = 4;
   CHECK_ERR(fy_cost_simulate(&moe, &k, &p, &c2, NULL), FY_ERR_INVALID);  // (dp 2)

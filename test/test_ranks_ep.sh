@@ -279,6 +279,17 @@ compare one2q eptpres1 1e-5 && ok "an ep 2 x tp 2 checkpoint resumes on 1 rank" 
 run septp 4 --ep 2 --tp 2 "${q[@]}" "${sim[@]}" --disk-dir "$tmp/d_septp"
 compare eptp septp 1e-6 0 && ok "ep 2 x tp 2 on sim (sharded, disk tier): the cpu's weights bit for bit" \
   || bad "ep 2 x tp 2 on sim differs"
+# A plan of 2 x tp 2 sim ranks with "ep": 2 is checked and priced, and runs as --ep 2 --tp 2 does.
+"$ferry" plan --model opt-moe-tiny --batch 4 --seq 32 --gpus 4 --tp 2 --device sim --device-mem 4MiB \
+  --out "$tmp/planeptp.json" >"$tmp/planeptp.out" 2>&1 || { bad "ferry plan --tp 2 of a mixture"; cat "$tmp/planeptp.out"; }
+python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p["ep"] = 2; json.dump(p, open(sys.argv[1], "w"))' \
+  "$tmp/planeptp.json"
+"${mpi[@]}" -np 4 "$ferry" train "${loud[@]}" "${q[@]}" --device-mem 4MiB --plan "$tmp/planeptp.json" \
+  --log "$tmp/planeptprun.json" --save "$tmp/planeptprun" >"$tmp/planeptprun.out" 2>&1 \
+  || { bad "4 ranks run the plan with ep 2 x tp 2"; cat "$tmp/planeptprun.out"; }
+grep -q "expert parallelism: ep 2" "$tmp/planeptprun.out" && compare tp2q planeptprun 1e-6 0 \
+  && ok "a plan file with ep 2 and tp 2 runs on 4 sim ranks: the tp grid's weights bit for bit" \
+  || { bad "the plan with ep 2 x tp 2"; tail -5 "$tmp/planeptprun.out"; }
 
 # Layouts that do not fit, refused before anything is allocated.
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"
