@@ -123,9 +123,6 @@ void fy_graph_set_stage(struct fy_graph *g, int lo, int hi) {
 fy_status fy_graph_set_experts(struct fy_graph *g, int ep, int ep_rank) {
   if (ep < 1 || ep_rank < 0 || ep_rank >= ep)
     return fy_error_set(FY_ERR_INVALID, "expert-parallel rank %d of %d", ep_rank, ep);
-  if (ep > 1 && g->tp > 1)  // (a parameter is split over one group: fy_param.split_dim)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "expert parallelism (ep %d) of a tensor-parallel graph (tp %d): the "
-                        "experts are split over one group or the other, not both", ep, g->tp);
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
     if (op->kind != FY_OP_MOE) continue;
@@ -135,9 +132,12 @@ fy_status fy_graph_set_experts(struct fy_graph *g, int ep, int ep_rank) {
     for (int k = 1; k < op->n_params && ep > 1; k++) {  // (params[0]: the router, whole on every rank)
       struct fy_param *p = &g->params[op->params[k]];
       if (p->expert) continue;
+      // (tp's slices keep their split and the whole full_shape: its rows are all the experts' already)
+      if (!fy_param_split_tp(g, p)) {
+        p->split_dim = 0;
+        p->full_shape[0] = p->shape[0], p->full_shape[1] = p->shape[1];
+      }
       p->expert = true;
-      p->split_dim = 0;
-      p->full_shape[0] = p->shape[0], p->full_shape[1] = p->shape[1];
       p->shape[0] /= ep;
       p->numel /= ep;
     }

@@ -67,7 +67,10 @@ struct fy_param {
   bool absent;
   // Expert parallelism (fy_graph_set_experts): a mixture's stacked experts split by rows over the
   // g->ep ranks of an expert-parallel group (split_dim 0: this rank holds experts [ep_rank E/ep,
-  // (ep_rank + 1) E/ep), rows [ep_rank*shape[0], +shape[0]) of full_shape).
+  // (ep_rank + 1) E/ep), rows [ep_rank*shape[0], +shape[0]) of full_shape). With tensor parallelism
+  // too (fy_param_split_tp) the experts' fc1 and fc2 keep tp's split_dim (and split_blocks, the
+  // whole E) and full_shape the whole tensor's: this rank holds its tp slice of each of its E/ep
+  // experts; fc2's bias, which tp does not split, is split by ep alone as above.
   bool expert;
 };
 
@@ -180,6 +183,12 @@ struct fy_graph {
   int ep, ep_rank;         // expert-parallel group size and this rank's place in it (1, 0: none)
 };
 
+// Whether p is split over the tensor-parallel group of g (a mixture's experts may be split over the
+// expert-parallel group too, or alone: fy_param.expert).
+static inline bool fy_param_split_tp(const struct fy_graph *g, const struct fy_param *p) {
+  return g->tp > 1 && p->split_dim >= 0 && (!p->expert || p->split_dim == 1 || p->split_blocks > 1);
+}
+
 // Construction (used by model builders): ops, params and slots are appended in forward order.
 fy_status fy_graph_create(int64_t B, int64_t T, struct fy_graph **out);
 void fy_graph_free(struct fy_graph *g);
@@ -240,7 +249,8 @@ fy_status fy_graph_stage_ops(const struct fy_graph *g, int64_t layers, int pp, i
 // (memory/chunk.h), which lays out the kept ones alone.
 void fy_graph_set_stage(struct fy_graph *g, int lo, int hi);
 // Expert parallelism over ep ranks (docs/ranks.md): every mixture's experts (fc1, fc2 and their
-// biases, not the router) keep the rows of the E/ep experts of ep_rank (fy_param.expert); before
+// biases, not the router) keep the rows of the E/ep experts of ep_rank (fy_param.expert; of a
+// tensor-parallel graph, its slices of them); before
 // the parameters are packed into chunks (memory/chunk.h), which lays out the smaller ones.
 // FY_ERR_INVALID, naming the numbers, when ep does not divide a mixture's experts.
 fy_status fy_graph_set_experts(struct fy_graph *g, int ep, int ep_rank);

@@ -117,13 +117,14 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
 }
 
 // The expert-parallel sizes the search tries on a dp x tp grid (into eps, ep 1 first; returns how
-// many): for a mixture on sim with its chunks sharded (tp 1, dp > 1) in fp32 with fp32 AdamW state
-// (fp32: what runtime/run.c runs ep in), every divisor of the experts that divides dp (runtime/ep.c's
-// offloaded expert parallelism); else 1 alone.
+// many): for a mixture on sim with its chunks sharded (dp > 1; with tp too, each rank its slices of
+// the experts) in fp32 with fp32 AdamW state, every divisor of the experts that divides dp
+// (runtime/ep.c's offloaded expert parallelism); else 1 alone.
 static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp, int tp, bool fp32, int eps[16]) {
+  (void)tp;  // (any tp: ep x tp runs, runtime/ep.c)
   int n = 0;
   eps[n++] = 1;
-  if (cfg->num_local_experts < 2 || strcmp(device, "sim") != 0 || tp > 1 || dp < 2 || !fp32) return n;
+  if (cfg->num_local_experts < 2 || strcmp(device, "sim") != 0 || dp < 2 || !fp32) return n;
   for (int e = 2; e <= dp && n < 16; e++)
     if (dp % e == 0 && cfg->num_local_experts % e == 0) eps[n++] = e;
   return n;
@@ -463,9 +464,9 @@ fy_status fy_plan_validate(const struct fy_opt_config *cfg, struct fy_plan *p) {
   k->ep = p->ep > 1 ? p->ep : 0;
   snprintf(k->pattern, sizeof k->pattern, "%s", p->pattern);
   FY_TRY(fy_cost_check_knobs(k));
-  if (p->ep > 1 && (p->pp > 1 || p->tp > 1))
-    return fy_error_set(FY_ERR_INVALID, "plan: ep %d with pp %d and tp %d: expert parallelism is planned over "
-                        "data-parallel ranks alone (pp 1, tp 1)", p->ep, p->pp, p->tp);
+  if (p->ep > 1 && p->pp > 1)
+    return fy_error_set(FY_ERR_INVALID, "plan: ep %d with pp %d: expert parallelism is planned without pipeline "
+                        "stages (pp 1)", p->ep, p->pp);
   if (p->ep > 1 && (cfg->num_local_experts < 1 || cfg->num_local_experts % p->ep || p->dp % p->ep))
     return fy_error_set(FY_ERR_INVALID, "plan: ep %d must divide the model's experts (%lld) and dp %d", p->ep,
                         (long long)cfg->num_local_experts, p->dp);

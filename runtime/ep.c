@@ -118,14 +118,27 @@ void fy_ep_free(struct fy_ep *ep) {
   free(ep);
 }
 
+// Tensor parallelism within the expert-parallel ranks (--ep with --tp): the sums over the
+// tensor-parallel group, in fp32, as a tensor-parallel mixture's (runtime/engine.c).
+static fy_status tp_sum(void *ctx, float *buf, int64_t n) {
+  struct fy_model *m = ctx;
+  return m->kernels->all_reduce ? m->kernels->all_reduce(m, m->tp_comm, buf, (size_t)n, FY_COMM_F32)
+                                : fy_comm_all_reduce(m->tp_comm, buf, (size_t)n, FY_COMM_F32, NULL);
+}
+
 static struct fy_moe_dims dims(const struct fy_op_args *a) {
   const struct fy_op *op = a->op;
   // 16-bit numerics: the whole op's products, and each source's part of an expert's gradients
   // rounded as its own backward would round them before the sources add (the engine leaves the
   // experts' sums as they are: fy_op_call_backward), so the sum is 1 rank's over its micro-batches.
+  // With --tp the experts held here are this rank's tp slices of them (F is its share, op->OC):
+  // the rows they get are the same on each rank of the tp group (its ranks route the same tokens
+  // alike and send them to the same ep ranks of their own tp_rank), and their partial outputs and
+  // input gradients are summed over tp as a tensor-parallel mixture's (ops/ops.h, tp_sum).
+  const bool tp = a->m->tp_comm && fy_comm_size(a->m->tp_comm) > 1;
   return (struct fy_moe_dims){.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
                               .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16,
-                              .block_grads = a->m->compute_dtype};
+                              .block_grads = a->m->compute_dtype, .tp_sum = tp ? tp_sum : NULL, .tp_ctx = a->m};
 }
 
 // This rank's experts' part of a stacked parameter (whole: experts [e0, e0 + El) of E, each of n
@@ -197,12 +210,15 @@ fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
     fy_moe_dispatch(xs, a->in0, route, &d);
     st = fy_comm_all_to_all_v(m->ep_comm, xs, send, xr, recv);
   }
+  // (with --tp fc2's bias from the group's rank 0 alone: it is in the outputs' sum once)
+  const bool b2 = b && (!d.tp_sum || a->g->tp_rank == 0);
   if (st == FY_OK)
     st = fy_moe_experts_forward(yr, s->xpad, s->hpad, xr, ex, s->recv_n, P * El, local(ep, c->w[1], El, F * C),
                                 b ? local(ep, c->w[2], El, F) : NULL, local(ep, c->w[2 + b], El, C * F),
-                                b ? local(ep, c->w[4], El, C) : NULL, &d);
+                                b2 ? local(ep, c->w[4], El, C) : NULL, &d);
   if (st == FY_OK) st = fy_comm_all_to_all_v(m->ep_comm, yr, recv, ys, send);  // (the results, back the same way)
   if (st == FY_OK) fy_moe_combine(a->out, route, ys, &d);
+  if (st == FY_OK && d.tp_sum) st = d.tp_sum(d.tp_ctx, a->out, d.BT * C);  // (each rank's slices: partial sums)
   free(xs);
   free(ex);
   return st;
@@ -244,7 +260,9 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   }
   if (st == FY_OK) {
     fy_moe_combine_backward(dy, dw, a->dout, route, ys, &d);
-    st = fy_comm_all_to_all_v(m->ep_comm, dy, send, dyr, recv);
+    // (with --tp ys is this rank's part, so dw is: summed, the router's gradient is the group's)
+    if (d.tp_sum) st = d.tp_sum(d.tp_ctx, dw, BTK);
+    if (st == FY_OK) st = fy_comm_all_to_all_v(m->ep_comm, dy, send, dyr, recv);
   }
   if (st == FY_OK && a->first[1]) {
     zero_others(ep, c->g[1], d.E, El, F * C);

@@ -7,7 +7,10 @@
 // numerics they compute the whole op's products and round each source's part of an expert's
 // gradient before the sources add (fy_moe_dims.block_grads), as 1 rank rounds each micro-batch's.
 // Offloaded (--device sim, sharded chunks) the graph keeps every expert instead: a rank computes
-// its E/ep of them and writes zeros for the others' gradients (runtime/ep.c, "whole").
+// its E/ep of them and writes zeros for the others' gradients (runtime/ep.c, "whole"). With
+// tensor parallelism too (--ep with --tp) the experts held are this rank's tp slices of them, the
+// group is the ep ranks of this tp_rank, and the slices' partial sums are summed over tp as a
+// tensor-parallel mixture's (fy_moe_dims.tp_sum, over m->tp_comm).
 #ifndef FY_EP_H
 #define FY_EP_H
 

@@ -11,20 +11,22 @@ struct fy_adamw fy_adamw_defaults(void) {
 
 double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
   const struct fy_graph *g = m->graph;
-  double s = 0, split = 0, experts = 0, sums[g->n_params > 0 ? g->n_params : 1];
+  // experts[1]: the experts' tp slices (ep with tp), summed over ep and then with the split ones
+  double s = 0, split = 0, experts[2] = {0, 0}, sums[g->n_params > 0 ? g->n_params : 1];
   if (m->kernels->grads_sumsq((struct fy_model *)m, sums) != FY_OK) return NAN;  // the step is then refused
   for (int i = 0; i < g->n_params; i++) {
-    if (g->params[i].expert) experts += sums[i];
+    if (g->params[i].expert) experts[fy_param_split_tp(g, &g->params[i])] += sums[i];
     else if (g->params[i].split_dim >= 0) split += sums[i];
     else s += sums[i];
   }
   if (g->ep > 1) {  // a mixture's experts over the expert-parallel group: every rank's, in rank order
-    double all[g->ep];
-    if (fy_comm_all_gather(m->ep_comm, &experts, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;
-    experts = 0;
-    for (int r = 0; r < g->ep; r++) experts += all[r];
+    double all[2 * g->ep];
+    if (fy_comm_all_gather(m->ep_comm, experts, all, 4, FY_COMM_F32, NULL) != FY_OK) return NAN;
+    experts[0] = experts[1] = 0;
+    for (int r = 0; r < g->ep; r++) experts[0] += all[2 * r], experts[1] += all[2 * r + 1];
   }
-  s += experts;
+  s += experts[0];
+  split += experts[1];
   if (g->tp > 1) {  // split parameters: every rank's part, added in rank order (the same bits everywhere)
     double all[g->tp];
     if (fy_comm_all_gather(m->tp_comm, &split, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;  // a double as two words

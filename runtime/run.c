@@ -573,10 +573,6 @@ fy_status make_comm(const struct fy_train_opts *o, struct fy_comm **out) {
 static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   r->ep = o->ep > 1 ? o->ep : 1;
   if (r->ep == 1) return FY_OK;
-  if (r->tp > 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --tp %d: a mixture's experts are split over an "
-                        "expert-parallel group or a tensor-parallel one, not both (expert parallelism moves whole "
-                        "experts' rows)", r->ep, r->tp);
   // A mixture's pipeline stages each hold their layers' mixtures whole (their load-balancing terms
   // added into the reported one: fy_pipeline_aux_sums); expert-parallel groups within the stages
   // would need the stages' gradient sums, norm and checkpoints to take their experts' parts as
@@ -589,9 +585,14 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
                         r->world == 1 ? "" : "s", r->tp, r->pp, r->ep * r->tp * r->pp);
+  // With --tp the groups are of the data-parallel ranks of one tp_rank (dp_comm's): the ranks of a
+  // tensor-parallel group see the same tokens, route them alike and send them to the same
+  // expert-parallel ranks of their own tp_rank, each computing its tp slice of the experts there
+  // (runtime/ep.c sums the slices' outputs over tp as a tensor-parallel mixture does).
   r->ep_rank = r->dp_rank % r->ep;
   FY_TRY(fy_comm_split(r->dp_comm, r->dp_rank / r->ep, r->ep_rank, &r->ep_comm));
   if (r->dp > r->ep) FY_TRY(fy_comm_split(r->dp_comm, r->ep_rank, r->dp_rank, &r->ep_rep));
+  if (r->tp > 1) FY_TRY(fy_comm_split(r->comm, r->dp_rank / r->ep, r->ep_rank * r->tp + r->tp_rank, &r->eptp_comm));
   return FY_OK;
 }
 
@@ -829,6 +830,7 @@ void teardown(struct run *r) {
   fy_comm_free(r->rep_compute);
   fy_comm_free(r->ep_comm);
   fy_comm_free(r->ep_rep);
+  fy_comm_free(r->eptp_comm);
   if (r->dp_comm != r->comm) fy_comm_free(r->dp_comm);
   fy_comm_free(r->pp_compute);
   fy_comm_free(r->pp_comm);

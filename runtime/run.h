@@ -35,6 +35,10 @@ struct run {
   // same experts, one a group (NULL when there is one group), over which the experts' gradients sum.
   int ep, ep_rank;
   struct fy_comm *ep_comm, *ep_rep;
+  // With --tp too: ep_comm holds the group's ranks of this tp_rank (they exchange the rows of the
+  // experts' slices they hold); eptp_comm all ep x tp ranks of the group, rank ep_rank * tp + tp_rank,
+  // over which an expert's tp slice is gathered whole (runtime/tp.h). NULL otherwise.
+  struct fy_comm *eptp_comm;
   // On GPUs (resident): ep_comm's and ep_rep's ranks as nccl communicators (the mixtures' rows;
   // the experts' gradients' sum over their replicas).
   struct fy_comm *ep_compute, *rep_compute;

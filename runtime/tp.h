@@ -30,7 +30,8 @@ int64_t fy_tp_gather_floats(const struct fy_graph *part);
 // through buf (a collective for a split parameter: every rank of the group calls it; dst may be
 // NULL on ranks that need no result). An unsplit parameter is copied, without communication.
 // A mixture's experts under expert parallelism (fy_param.expert) are split the same way over the
-// expert-parallel group: tp_comm is then that group's communicator.
+// expert-parallel group: tp_comm is then that group's communicator (with tensor parallelism too,
+// the slices of the experts' fc1 and fc2 over the ep x tp ranks, rank ep_rank * tp + tp_rank).
 fy_status fy_tp_gather_param(const struct fy_graph *part, const float *slice, const struct fy_graph *whole, int i,
                              float *dst, float *buf, struct fy_comm *tp_comm);
 

@@ -237,7 +237,8 @@ static fy_status tp_walk_param(struct tp_walk *t, int i, const float *out[3]) {
     out[k] = p->split_dim < 0 ? slice[k] : t->whole[k];
     if (p->split_dim < 0 || t->held == i) continue;
     fy_status s1 = fy_tp_gather_param(part, slice[k], t->r->whole_graph, i, t->whole[k], t->buf,
-                                      p->expert ? t->r->ep_comm : t->r->tp_comm);
+                                      !p->expert ? t->r->tp_comm
+                                      : fy_param_split_tp(part, p) ? t->r->eptp_comm : t->r->ep_comm);
     if (st == FY_OK) st = s1;  // (the other kinds' gathers still run: the group's ranks call them all)
   }
   if (sender >= 0 && t->r->tp_rank == 0 && t->held != i) {  // a later stage's: whole to the first stage

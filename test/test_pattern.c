@@ -236,9 +236,6 @@ static void test_expert_tp(void) {
   CHECK(n == 2 && near(s[0].bytes, router * 4) && s[0].group == FY_PATTERN_GROUP_DP &&
         near(s[1].bytes, (held - router) * 4) && fy_pattern_group_size(&c, s[1].group) == 2);
   CHECK(fy_pattern_expert.act_bytes(&c) > 0);
-  c.ep = 2;  // experts split over tp and ep at once: not run (runtime/run.c refuses it)
-  CHECK(!fy_pattern_expert.applies(&c));
-  CHECK_ERR(fy_graph_set_experts(part, 2, 0), FY_ERR_UNSUPPORTED);
   // The slices: fc1's rows expert by expert, fc2's columns, fc2's bias whole.
   const struct fy_param *w1 = &part->params[op->params[1]], *b1 = &part->params[op->params[2]],
                        *w2 = &part->params[op->params[3]], *b2 = &part->params[op->params[4]];
@@ -258,6 +255,38 @@ static void test_expert_tp(void) {
       for (int64_t f = 0; f < F / 2; f++) cols_ok &= slice[r * F / 2 + f] == (float)(r * F + F / 2 + f);
   }
   CHECK(rows_ok && cols_ok);
+  // ep 2 with tp 2 (runtime/ep.c): ep rank 1, tp rank 1 holds experts 2 and 3, of each its tp
+  // slice (fc1 rows [e F + F/2, (e + 1) F), fc2 rows [e C, (e + 1) C) columns [F/2, F)), fc2's
+  // bias their rows whole; the layout counts a quarter of the split and half of fc2's bias.
+  CHECK_OK(fy_graph_set_experts(part, 2, 1));
+  CHECK(w1->expert && w1->split_dim == 0 && w1->numel == E * F * C / 4 && w2->split_dim == 1 && w2->numel == E * C * F / 4 &&
+        b2->expert && b2->split_dim == 0 && b2->numel == E * C / 2 && fy_param_split_tp(part, w1) &&
+        fy_param_split_tp(part, b1) && fy_param_split_tp(part, w2) && !fy_param_split_tp(part, b2));
+  if (slice) {
+    fy_tp_read_part(part, op->params[1], 0, w1->numel, read_index, NULL, slice);
+    for (int64_t e = 0; e < E / 2; e++)
+      for (int64_t f = 0; f < F / 2; f++)
+        for (int64_t x = 0; x < C; x++)
+          rows_ok &= slice[(e * F / 2 + f) * C + x] == (float)(((E / 2 + e) * F + F / 2 + f) * C + x);
+    fy_tp_read_part(part, op->params[2], 0, b1->numel, read_index, NULL, slice);
+    for (int64_t e = 0; e < E / 2; e++)
+      for (int64_t f = 0; f < F / 2; f++) rows_ok &= slice[e * F / 2 + f] == (float)((E / 2 + e) * F + F / 2 + f);
+    fy_tp_read_part(part, op->params[3], 0, w2->numel, read_index, NULL, slice);
+    for (int64_t r = 0; r < E / 2 * C; r++)
+      for (int64_t f = 0; f < F / 2; f++) cols_ok &= slice[r * F / 2 + f] == (float)((E / 2 * C + r) * F + F / 2 + f);
+    fy_tp_read_part(part, op->params[4], 0, b2->numel, read_index, NULL, slice);
+    for (int64_t r = 0; r < E / 2 * C; r++) cols_ok &= slice[r] == (float)(E / 2 * C + r);
+  }
+  CHECK(rows_ok && cols_ok);
+  held = 0;
+  for (int k = 0; k < op->n_params; k++) held += (double)part->params[op->params[k]].numel;
+  CHECK(near(held, router + E * C / 2 + split / 4));
+  c.ep = 2;
+  CHECK(fy_pattern_expert.applies(&c));
+  CHECKF(near(layout_of(&fy_pattern_expert, &c).param_elems_per_rank, held), "expert layout with ep 2 x tp 2: %.0f "
+         "elements, a rank's graph holds %.0f", layout_of(&fy_pattern_expert, &c).param_elems_per_rank, held);
+  pc.g = part, pc.ep = 2;
+  CHECK(near(layout_of(&fy_pattern_expert, &pc).param_elems_per_rank, held));
   free(slice);
   fy_graph_free(part);
   fy_graph_free(g);

@@ -368,6 +368,14 @@ static void moe_ep_plans(void) {
          c2.compute_s - c1.compute_s, a2a);
   CHECK(c2.host_bytes == c1.host_bytes && c2.device_peak == c1.device_peak && c2.n_chunks == c1.n_chunks);
   CHECK(c2.step_s > c1.step_s);
+  // ep with tp (4 ranks, each its tp slice of its experts: runtime/ep.c): priced, the all-to-alls added.
+  struct fy_plan_knobs kt = k;
+  struct fy_cost c3, c4;
+  kt.tp = 2, kt.ep = 0;
+  CHECK_OK(fy_cost_simulate(&moe, &kt, &p, &c3, NULL));
+  kt.ep = 2;
+  CHECK_OK(fy_cost_simulate(&moe, &kt, &p, &c4, NULL));
+  CHECK(c3.fits && c4.fits && c4.comm_s > c3.comm_s);
   // What does not run is refused: ep not dividing dp or the experts, a dense model, bf16, a GPU.
   k.ep = 4;
   CHECK_ERR(fy_cost_simulate(&moe, &k, &p, &c2, NULL), FY_ERR_INVALID);  // (dp 2)
@@ -415,15 +423,22 @@ static void moe_ep_plans(void) {
     CHECK(back.ep == 1 && back.k.ep == 0);
   }
   // Pipelines of a mixture (runtime/pipeline.h: each stage its layers' mixtures): a fixed pp 2 is
-  // priced, its stages offloaded with tp 1 (the search above tries the same beside the others), and
-  // a fixed tp is refused.
+  // priced, its stages offloaded (the search above tries the same beside the others); a fixed tp
+  // is priced on sim (each expert split over tp, as the cpu and sim train it) and refused on a GPU
+  // (the GPU's kernels have no tensor-parallel sums: runtime/run.c).
   struct fy_plan_grid pg = {.pp = 2};
   struct fy_plan pb;
   CHECK_OK(fy_plan_search_grid(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", 0, NULL, &pg, &p, &pb, NULL));
   CHECK(pb.pp == 2 && pb.dp == 1 && pb.tp == 1 && pb.ep == 1 && pb.predicted.fits);
   CHECK_OK(fy_plan_check(&moe, &pb, &p));
   pg = (struct fy_plan_grid){.tp = 2};
-  CHECK_ERR(fy_plan_search_grid(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", 0, NULL, &pg, &p, &pb, NULL), FY_ERR_INVALID);
+  CHECK_OK(fy_plan_search_grid(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", 0, NULL, &pg, &p, &pb, NULL));
+  CHECK(pb.tp == 2 && pb.dp == 1 && pb.pp == 1 && pb.predicted.fits);
+  CHECK_OK(fy_plan_check(&moe, &pb, &p));
+  struct fy_probe gpu = p;
+  snprintf(gpu.device, sizeof gpu.device, "cuda");
+  CHECK_ERR(fy_plan_search_grid(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", 0, NULL, &pg, &gpu, &pb, NULL),
+            FY_ERR_INVALID);
 }
 
 // Offloaded pipeline stages on the sim device (planner/cost.c, simulate_offloaded_staged), on

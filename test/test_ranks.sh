@@ -373,8 +373,8 @@ else grep -q "does not divide the 3 ranks" "$tmp/ev3.out" && ok "ferry eval --tp
 # and load-balancing losses within 1e-5 (the printed digits) and its weights within 1e-5, as the
 # dense tp runs above (7.4e-7 on the dev machine); a 2 x 2 grid, replicated on cpu and sharded on
 # sim, gives 1 rank accumulating 2 micro-batches (each data-parallel rank balances its own tokens'
-# routing); a tp checkpoint resumes on 1 rank and a 1-rank one on tp ranks; --ep with --tp is
-# refused.
+# routing); a tp checkpoint resumes on 1 rank and a 1-rank one on tp ranks (--ep with --tp:
+# test_ranks_ep.sh).
 moe=(--model opt-moe-tiny --data "$tmp/data.bin" --seq 32 --steps 3 --threads 1 --quiet --comm-timeout 30)
 aux_same() {  # aux_same REF RUN: the load-balancing losses of RUN.json within 1e-5 of REF.json's
   python3 - "$tmp/$1.json" "$tmp/$2.json" <<'PY'
@@ -413,10 +413,6 @@ compare moeacc moegrid 1e-5 && aux_same moeacc moegrid && compare moeacc moegrid
 compare moe1 moeres1 1e-5 && compare moe1 moeres2 1e-5 && aux_same moe1 moeres1 && aux_same moe1 moeres2 \
   && ok "a tensor-parallel mixture's checkpoint resumes on 1 rank and the reverse" \
   || bad "resuming a mixture across tensor parallelism differs"
-if "${mpi[@]}" -np 4 "$ferry" train "${moe[@]}" --batch 2 --tp 2 --ep 2 >"$tmp/moeeptp.out" 2>&1; then
-  bad "--ep 2 with --tp 2 is accepted"
-else grep -q "with --tp 2: a mixture's experts are split over an expert-parallel group or a tensor-parallel one" \
-  "$tmp/moeeptp.out" && ok "--ep with --tp is refused, saying why" || { bad "--ep with --tp: unclear"; cat "$tmp/moeeptp.out"; }; fi
 # The planner over ranks: ferry plan --gpus 2 chooses a grid and its knobs; mpirun -np 2 ferry
 # train --plan FILE runs it (the same sequences as 1 rank with the plan's global batch), and a run
 # with another number of ranks refuses it.

@@ -7,8 +7,8 @@
 # order) within 1e-5; an ep 2 checkpoint resumes on 1 rank and a 1-rank one under ep 2, bit for
 # bit; experts that get no token (routing forced onto two experts of one rank; with --recompute)
 # train in step with 1 rank, without a hang; bf16 and fp16 compute and bf16 and 8-bit AdamW state
-# against 1 rank in the same numbers (and their checkpoints); layouts that do not fit are refused,
-# naming the numbers.
+# against 1 rank in the same numbers (and their checkpoints); ep 2 x tp 2 against the tp grid and
+# 1 rank; layouts that do not fit are refused, naming the numbers.
 # usage: test/test_ranks_ep.sh path/to/ferry            (exit 77 = skipped: no mpirun)
 set -u
 ferry="$1"
@@ -254,6 +254,42 @@ grep -q "expert parallelism: ep 2" "$tmp/planrun.out" && compare one2 planrun 1e
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --device-mem 4MiB --plan "$tmp/planep.json.bad" 2>&1)"
 [ $? -ne 0 ] && grep -q '"ep" is 3, which does not divide "dp" 2' <<<"$out" && ok "a plan file's ep 3 on dp 2 refused" \
   || { bad "a plan file's ep 3"; echo "$out" | tail -3; }
+
+# Expert and tensor parallelism together (docs/ranks.md, "With tensor parallelism"): 4 ranks as a
+# data-parallel pair (one ep 2 group) of tp 2 pairs, each rank its tp slice of 2 experts, 3 steps.
+# Against the same grid without --ep (a 2 x 2 grid of replicated tp pairs) bit for bit without
+# clipping (each source's rows for an expert are one product and the sources add in rank order, as
+# the replicas' all-reduce), and with clipping within 1e-5; against 1 rank accumulating the 2
+# micro-batches within 1e-5 (the tp sums add the slices' parts in another order); its checkpoint
+# resumes on 1 rank within 1e-5; and on sim (offloaded, the experts' tp slices in chunks sharded over the data-parallel ranks) the
+# cpu's weights bit for bit.
+run one2q 1 --grad-accum 2 "${q[@]}"
+run tp2q 4 --tp 2 "${q[@]}"
+run eptp 4 --ep 2 --tp 2 "${q[@]}"
+compare tp2q eptp 1e-6 0 && compare one2q eptp 1e-5 \
+  && ok "ep 2 x tp 2: the 2 x 2 tp grid's weights bit for bit, 1 rank's within 1e-5" || bad "ep 2 x tp 2 differs"
+run tp2c 4 --tp 2 --steps 3
+run eptpc 4 --ep 2 --tp 2 --steps 3
+compare tp2c eptpc 1e-5 && ok "ep 2 x tp 2 with gradient clipping (the experts' slices' norm over ep, then tp) within 1e-5 of the tp grid" \
+  || bad "ep 2 x tp 2 with clipping differs"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${q[@]}" --ep 2 --tp 2 --save "$tmp/ck_eptp" --save-every 100 \
+  --stop-after 2 >"$tmp/ck_eptp.out" 2>&1 || { bad "ep 2 x tp 2 checkpoints"; cat "$tmp/ck_eptp.out"; }
+run eptpres1 1 --grad-accum 2 "${q[@]}" --resume "$tmp/ck_eptp"
+compare one2q eptpres1 1e-5 && ok "an ep 2 x tp 2 checkpoint resumes on 1 rank" || bad "ep 2 x tp 2 -> 1 rank resume differs"
+run septp 4 --ep 2 --tp 2 "${q[@]}" "${sim[@]}" --disk-dir "$tmp/d_septp"
+compare eptp septp 1e-6 0 && ok "ep 2 x tp 2 on sim (sharded, disk tier): the cpu's weights bit for bit" \
+  || bad "ep 2 x tp 2 on sim differs"
+# A plan of 2 x tp 2 sim ranks with "ep": 2 is checked and priced, and runs as --ep 2 --tp 2 does.
+"$ferry" plan --model opt-moe-tiny --batch 4 --seq 32 --gpus 4 --tp 2 --device sim --device-mem 4MiB \
+  --out "$tmp/planeptp.json" >"$tmp/planeptp.out" 2>&1 || { bad "ferry plan --tp 2 of a mixture"; cat "$tmp/planeptp.out"; }
+python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p["ep"] = 2; json.dump(p, open(sys.argv[1], "w"))' \
+  "$tmp/planeptp.json"
+"${mpi[@]}" -np 4 "$ferry" train "${loud[@]}" "${q[@]}" --device-mem 4MiB --plan "$tmp/planeptp.json" \
+  --log "$tmp/planeptprun.json" --save "$tmp/planeptprun" >"$tmp/planeptprun.out" 2>&1 \
+  || { bad "4 ranks run the plan with ep 2 x tp 2"; cat "$tmp/planeptprun.out"; }
+grep -q "expert parallelism: ep 2" "$tmp/planeptprun.out" && compare tp2q planeptprun 1e-6 0 \
+  && ok "a plan file with ep 2 and tp 2 runs on 4 sim ranks: the tp grid's weights bit for bit" \
+  || { bad "the plan with ep 2 x tp 2"; tail -5 "$tmp/planeptprun.out"; }
 
 # Layouts that do not fit, refused before anything is allocated.
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"

@@ -192,21 +192,28 @@ fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, cons
                                 const float *route, const float *gate, const int64_t *n, float dbalance,
                                 bool accumulate, const struct fy_moe_dims *d) {
   const int64_t BT = d->BT, C = d->C, E = d->E, K = d->K, S = E + 3 * K;
-  float *dlog = malloc((size_t)(BT * E) * 4 + 4);
+  // dlog (BT,E), then with tensor parallelism the tokens' sums of dx (BT,C), this rank's part
+  float *dlog = malloc((size_t)(BT * E + (d->tp_sum ? BT * C : 0)) * 4 + 4);
   if (!dlog) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate the router's gradient");
   fy_moe_router_dlogits(dlog, route, dw, n, dbalance, d);  // (one rank's router gradient, the same bits)
   // dgate (E,C) (+)= dlog^T (E,BT) @ inp (BT,C)
   fy_status st = fy_matmul(dgate, dlog, inp, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
   if (dinp && st == FY_OK) {
-    // dinp (BT,C) += dlog (BT,E) @ gate (E,C), then each token's rows of dx in the choices' order
+    // dinp (BT,C) += dlog (BT,E) @ gate (E,C), then each token's rows of dx in the choices' order;
+    // with tensor parallelism dx holds this rank's slices' part: its sums go to part, summed over
+    // the group and then added (fy_moe_backward's order: the same bits as a tp mixture's).
+    float *part = d->tp_sum ? dlog + BT * E : dinp;
+    if (d->tp_sum) memset(part, 0, (size_t)(BT * C) * 4);
     st = fy_matmul(dinp, dlog, gate, BT, C, E, false, false, 1.0f, 1.0f);
 #pragma omp parallel for schedule(static) if (BT * C > FY_PAR_ROWS)
     for (int64_t t = 0; t < BT; t++)
       for (int64_t j = 0; j < K; j++) {
         const float *xr = dx + (int64_t)route[t * S + E + 2 * K + j] * C;
-        float *o = dinp + t * C;
+        float *o = part + t * C;
         for (int64_t c = 0; c < C; c++) o[c] += xr[c];
       }
+    if (d->tp_sum && st == FY_OK) st = d->tp_sum(d->tp_ctx, part, BT * C);
+    if (d->tp_sum && st == FY_OK) fy_add_forward(dinp, dinp, part, BT * C);
   }
   free(dlog);
   return st;

@@ -11,13 +11,17 @@
 // them leave the rank when routing is balanced). The runtime's work is inside the op's kernels
 // (the rows move between routing and the experts' products), so the pattern has no hooks.
 //
-// Under tensor parallelism (ep 1; core/opt.c gives a tp graph's mixtures this pattern) each expert
+// Under tensor parallelism (core/opt.c gives a tp graph's mixtures this pattern) each expert
 // is split over the tp group as the dense feed-forward is by tp_col and tp_row: F/tp of its fc1
 // rows (and fc1's bias) and the same F/tp columns of its fc2 on each rank, the router and fc2's
 // bias whole. Every rank routes the same tokens the same way; the kernels (ops/ops.h,
 // fy_moe_dims.tp_sum) all-reduce the output's partial sums over tp in forward (BT*C values, as
 // tp_row's), and in backward the routing weights' gradients (BT*k floats) and the experts' part of
 // the input's gradient (BT*C, as tp_col's). Once a step each rank's part is all-reduced over dp.
+// Both (ep x tp, runtime/ep.c): a rank holds its tp slice of each of its E/ep experts; the
+// all-to-alls run among the ep group's ranks of one tp_rank (the tp group's ranks route the same
+// tokens alike), and the tp sums are as above.
+
 #include "planner/pattern.h"
 
 static int ep_of(const struct fy_pattern_ctx *c) { return c->ep > 1 ? c->ep : 1; }
@@ -32,7 +36,8 @@ static void expert_elems(const struct fy_pattern_ctx *c, double *router, double 
   *router = *experts = *split = 0;
   for (int k = 0; k < op->n_params; k++) {
     const struct fy_param *p = &c->g->params[op->params[k]];
-    const int ranks = p->expert ? c->g->ep : p->split_dim >= 0 ? c->g->tp : 1;  // (the slices' group)
+    // (the slices' group: the experts' over ep, and each over tp too where tp splits it)
+    const int ranks = (p->expert ? c->g->ep : 1) * (fy_param_split_tp(c->g, p) ? c->g->tp : 1);
     const double whole = (double)p->numel * ranks;
     if (k == 0) *router += whole;
     else *experts += whole;
@@ -49,10 +54,8 @@ static double expert_rank_elems(const struct fy_pattern_ctx *c) {
 
 static bool expert_applies(const struct fy_pattern_ctx *c) {
   const struct fy_op *op = &c->g->ops[c->op];
-  const int ep = ep_of(c), tp = tp_of(c);
-  // (ep and tp together: runtime/run.c refuses it, so no plan has it)
-  return op->kind == FY_OP_MOE && op->experts % ep == 0 && c->dp % ep == 0 && (ep == 1 || tp == 1) &&
-         fy_pattern_params_private(c);
+  const int ep = ep_of(c);
+  return op->kind == FY_OP_MOE && op->experts % ep == 0 && c->dp % ep == 0 && fy_pattern_params_private(c);
 }
 
 static void expert_layout(const struct fy_pattern_ctx *c, struct fy_pattern_layout *out) {
@@ -99,7 +102,10 @@ static double expert_act_bytes(const struct fy_pattern_ctx *c) {
   if (ep_of(c) <= 1) return tp_of(c) > 1 ? (double)(c->g->B * c->g->T * c->g->ops[c->op].C) * 4.0 : 0;
   const struct fy_op *op = &c->g->ops[c->op];
   const double rows = (double)(c->g->B * c->g->T) * op->top_k;
-  return rows * (op->OC + 3.0 * op->C) * c->param_bytes;
+  // (the rows' fc1 outputs are of a rank's tp slices alone: F/tp of a whole graph's op->OC F, a tp
+  // graph's op->OC already; with tp the input gradient's part besides)
+  const double F = c->g->tp > 1 ? (double)op->OC : (double)op->OC / tp_of(c);
+  return rows * (F + 3.0 * op->C) * c->param_bytes + (tp_of(c) > 1 ? (double)(c->g->B * c->g->T * op->C) * 4.0 : 0);
 }
 
 const struct fy_pattern fy_pattern_expert = {
