@@ -173,6 +173,16 @@ struct fy_offload {
   float *route_host;      // the router's output of the op at hand, copied from the device
   fy_event *moe_routed;
   double *aux_sums;       // per micro-batch: the load-balancing terms (struct fy_loss's aux_sum)
+  // Expert parallelism over sharded chunks ("expert parallelism: each rank's experts" below):
+  // this rank holds experts [ep_rank E/ep_P, (ep_rank + 1) E/ep_P) of every mixture; per chunk,
+  // its mixtures' expert ranges (ep_cut[c], ep_n[c] of them: start, end, the ep rank holding them),
+  // and the ranged gather's and scatter's buffers (chunk_elems floats each).
+  bool ep_ranged;
+  int ep_P, ep_rank;
+  int *ep_n, *ep_E;  // per chunk: its expert ranges, the experts of its mixtures
+  int64_t (**ep_cut)[3];
+  float *ep_buf[4];  // gather: send, receive; scatter: send, receive
+  int64_t *ep_counts;  // 5 x world: the gather's floats sent and received a rank, the scatter's, its offsets
   // A pipeline stage (fy_offload_opts.stage_hi): the actions are those of ops [stage_lo, stage_hi),
   // [0, n_fwd) the forward's and the rest the backward's; c_stage takes the norm's sum over the
   // stages and the tied embedding's gradient (tied: the parameter read by this stage and another,
@@ -348,16 +358,18 @@ static enum fy_reduce_dtype block_comm_dtype(const struct fy_offload *x) {
   return x->esize == 2 ? FY_COMM_BF16 : FY_COMM_F32;
 }
 
+static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_stream *s, bool scatter);
+
 static fy_status gather_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
-  (void)chunk;
+  if (x->ep_ranged && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, false);  // (this rank's experts)
   char *b = (char *)block;
   return fy_comm_all_gather(x->c_gather, b + (size_t)x->lo * x->esize, b, (size_t)x->S, block_comm_dtype(x), s);
 }
 
 static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
-  (void)chunk;
+  if (x->ep_ranged && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, true);
   char *b = (char *)block;
   return fy_comm_reduce_scatter(x->c_scatter, b, b + (size_t)x->lo * x->esize, (size_t)x->S, block_comm_dtype(x), s);
 }
@@ -448,8 +460,10 @@ static void moe_route_fn(void *arg) {
 }
 
 // The cache's hook: chunk c's load from home, leaving out the ranges of its mixtures' experts.
+static fy_status ep_load_home(struct fy_offload *x, int c, void *block, fy_stream *s, bool *done);
 static fy_status moe_load_home(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
   struct fy_offload *x = ctx;
+  if (x->ep_ranged) return ep_load_home(x, chunk, block, s, done);  // (sharded: this rank's experts)
   const struct fy_graph *g = x->m->graph;
   int64_t cut[4 * g->n_ops + 1][2];  // [start, end) of the stacked parameters in the chunk, sorted
   int n = 0;
@@ -578,6 +592,248 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
   x->expert_loads += n;
   FY_TRY(fy_event_record(x->moe_routed, x->copy_in));
   return fy_wait_timed(x->wprof, x->compute, x->moe_routed, FY_STALL_LOAD, -1, NULL);
+}
+
+// ---- expert parallelism over sharded chunks: each rank's experts ----
+//
+// Under --ep on sim every rank's graph keeps every expert (runtime/ep.c, "whole"), and a rank's
+// mixture op reads and writes only its own experts' rows of the stacked parameters besides the
+// router and the dense weights: experts [ep_rank El, (ep_rank + 1) El), El = E / ep_P. So a load of
+// a chunk with mixtures brings only those: this rank's shard from home less the other ranks'
+// experts (ep_load_home), and instead of the all-gather an all-to-all in which every rank sends
+// each other rank the parts of its shard that rank needs (ep_gather). The block's ranges of the
+// other ranks' experts keep whatever was there; nothing reads them. The write-back's reduce-scatter
+// is ranged the same way (ep_scatter): each rank sends each shard's owner the parts it computed
+// (the dense elements, its experts'), and the owner sums them in rank order as the reduce-scatter
+// does, adding 0 to an expert's sum where the ranks that did not compute it added their zeros (x +
+// 0 turns -0 into +0 and changes nothing else): the bits of the whole chunk's collectives, with
+// 1/ep_P of the experts' weights and gradients on the wire. Data-parallel rank q holds ep rank
+// q % ep_P's experts (runtime/run.c: groups of ep_P consecutive ranks). Chunks without mixtures
+// keep the whole-chunk collectives.
+
+// What is left of chunk c's elements [lo, hi) without the ranges of the experts that ep ranks
+// other than j hold, in order, into out (ep_n[c] + 1 pieces at most); the number of pieces.
+static int ep_pieces(const struct fy_offload *x, int c, int j, int64_t lo, int64_t hi, int64_t (*out)[2]) {
+  int n = 0;
+  int64_t at = lo;
+  for (int i = 0; i < x->ep_n[c] && at < hi; i++) {
+    const int64_t *k = x->ep_cut[c][i];
+    if (k[2] == j || k[1] <= at) continue;
+    if (k[0] >= hi) break;
+    if (k[0] > at) out[n][0] = at, out[n][1] = k[0], n++;
+    at = k[1];
+  }
+  if (at < hi) out[n][0] = at, out[n][1] = hi, n++;
+  return n;
+}
+
+// Chunk c's elements [lo, hi) as runs of one kind, into out (start, end, and -1 for dense elements
+// or the ep rank whose experts they are; 2 ep_n[c] + 1 runs at most); the number of runs.
+static int ep_runs(const struct fy_offload *x, int c, int64_t lo, int64_t hi, int64_t (*out)[3]) {
+  int n = 0;
+  int64_t at = lo;
+  for (int i = 0; i < x->ep_n[c] && at < hi; i++) {
+    const int64_t *k = x->ep_cut[c][i];
+    if (k[1] <= at) continue;
+    if (k[0] >= hi) break;
+    if (k[0] > at) out[n][0] = at, out[n][1] = k[0], out[n][2] = -1, n++;
+    const int64_t end = k[1] < hi ? k[1] : hi;
+    out[n][0] = k[0] > at ? k[0] : at, out[n][1] = end, out[n][2] = k[2], n++;
+    at = end;
+  }
+  if (at < hi) out[n][0] = at, out[n][1] = hi, out[n][2] = -1, n++;
+  return n;
+}
+
+// Copies the pieces (elements of the chunk) of src, which holds the chunk's elements from `base` on,
+// to dst one after the other; the floats copied.
+static int64_t ep_pack(float *dst, const float *src, int64_t base, const int64_t (*pc)[2], int n) {
+  int64_t at = 0;
+  for (int i = 0; i < n; i++) {
+    memcpy(dst + at, src + (pc[i][0] - base), (size_t)(pc[i][1] - pc[i][0]) * 4);
+    at += pc[i][1] - pc[i][0];
+  }
+  return at;
+}
+
+static int64_t ep_unpack(float *block, const float *src, const int64_t (*pc)[2], int n) {
+  int64_t at = 0;
+  for (int i = 0; i < n; i++) {
+    memcpy(block + pc[i][0], src + at, (size_t)(pc[i][1] - pc[i][0]) * 4);
+    at += pc[i][1] - pc[i][0];
+  }
+  return at;
+}
+
+static int64_t ep_count(const int64_t (*pc)[2], int n) {
+  int64_t len = 0;
+  for (int i = 0; i < n; i++) len += pc[i][1] - pc[i][0];
+  return len;
+}
+
+// The load of chunk c's block, after the parts of this rank's shard that it needs came from home:
+// the parts of the other ranks' shards that it needs. (What it sends comes from its shard at home:
+// the block holds only its own parts.)
+static fy_status ep_gather(struct fy_offload *x, int c, float *block) {
+  const int W = x->world;
+  int64_t pc[x->ep_n[c] + 1][2], *sc = x->ep_counts, *rc = sc + W;
+  float *send = x->ep_buf[0], *recv = x->ep_buf[1];
+  int64_t at = 0;
+  for (int q = 0; q < W; q++) {  // this rank's shard: the parts rank q needs
+    sc[q] = rc[q] = 0;
+    if (q == x->rank) continue;
+    sc[q] = ep_pack(send + at, x->home[c], x->lo, pc, ep_pieces(x, c, q % x->ep_P, x->lo, x->lo + x->S, pc));
+    at += sc[q];
+    rc[q] = ep_count(pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+  }
+  FY_TRY(fy_comm_all_to_all_v(x->c_gather, send, sc, recv, rc));
+  at = 0;
+  for (int q = 0; q < W; q++)
+    if (q != x->rank)
+      at += ep_unpack(block, recv + at, pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+  return FY_OK;
+}
+
+// The write-back of chunk c's block: this rank's shard <- the ranks' gradients summed, each element
+// over the ranks that computed it, in rank order (comm.c's sum_f32: ((x0 + x1) + x2) ...).
+static fy_status ep_scatter(struct fy_offload *x, int c, float *block) {
+  const int W = x->world, P = x->ep_P;
+  int64_t pc[x->ep_n[c] + 1][2], run[2 * x->ep_n[c] + 1][3];
+  int64_t *sc = x->ep_counts + 2 * W, *rc = sc + W, *off = rc + W;
+  float *send = x->ep_buf[2], *recv = x->ep_buf[3];
+  int64_t at = 0, rat = 0;
+  for (int q = 0; q < W; q++) {  // rank q's shard: the parts this rank computed; this rank's: those q did
+    sc[q] = ep_pack(send + at, block, 0, pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+    at += sc[q];
+    rc[q] = ep_count(pc, ep_pieces(x, c, q % P, x->lo, x->lo + x->S, pc));
+    off[q] = rat;
+    rat += rc[q];
+  }
+  FY_TRY(fy_comm_all_to_all_v(x->c_scatter, send, sc, recv, rc));
+  const int n = ep_runs(x, c, x->lo, x->lo + x->S, run);
+  for (int i = 0; i < n; i++) {
+    const int64_t len = run[i][1] - run[i][0];
+    const int j = (int)run[i][2];
+    float *dst = block + run[i][0];
+    bool first = true;
+    for (int q = 0; q < W; q++) {
+      if (j >= 0 && q % P != j) continue;  // (an expert's gradient: from the ranks holding it)
+      const float *v = recv + off[q];
+      off[q] += len;
+      if (first) memcpy(dst, v, (size_t)len * 4);
+      else
+        for (int64_t e = 0; e < len; e++) dst[e] += v[e];
+      first = false;
+    }
+    if (j >= 0)  // (the other ranks' zeros)
+      for (int64_t e = 0; e < len; e++) dst[e] += 0.0f;
+  }
+  return FY_OK;
+}
+
+struct ep_job {
+  struct fy_offload *x;
+  int chunk;
+  float *block;
+  bool scatter;
+};
+
+static void ep_fn(void *arg) {
+  struct ep_job *j = arg;
+  fy_status st = j->scatter ? ep_scatter(j->x, j->chunk, j->block) : ep_gather(j->x, j->chunk, j->block);
+  if (st != FY_OK) async_fail(j->x, st);
+  free(j);
+}
+
+// The gather or scatter hook of a chunk with mixtures: its host function on stream s (a job of its
+// own: a chunk may be loaded again, or its block reused, before an earlier one ran).
+static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_stream *s, bool scatter) {
+  struct ep_job *j = malloc(sizeof *j);
+  if (!j) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  *j = (struct ep_job){.x = x, .chunk = chunk, .block = block, .scatter = scatter};
+  fy_status st = fy_stream_enqueue(s, ep_fn, j);
+  if (st != FY_OK) free(j);
+  return st;
+}
+
+// The cache's hook for a sharded load: this rank's shard from home, less the other ranks' experts.
+static fy_status ep_load_home(struct fy_offload *x, int c, void *block, fy_stream *s, bool *done) {
+  if (x->ep_n[c] == 0) return FY_OK;
+  int64_t pc[x->ep_n[c] + 1][2];
+  const int n = ep_pieces(x, c, x->ep_rank, x->lo, x->lo + x->S, pc);
+  const char *home = (const char *)x->home[c];
+  for (int i = 0; i < n; i++)
+    FY_TRY(fy_copy_async(s, (char *)block + (size_t)pc[i][0] * x->esize, home + (size_t)(pc[i][0] - x->lo) * x->esize,
+                         (size_t)(pc[i][1] - pc[i][0]) * x->esize));
+  x->expert_parts += x->ep_E[c];
+  x->expert_loads += x->ep_E[c] / x->ep_P;
+  *done = true;
+  return FY_OK;
+}
+
+static int cut_cmp(const void *a, const void *b) {
+  const int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
+  return (x > y) - (x < y);
+}
+
+// Whether this engine's loads and write-backs are ranged (expert parallelism over sharded chunks on
+// a host-memory device, the mpi communicator's all-to-all), and each chunk's expert ranges.
+static fy_status ep_setup(struct fy_offload *x) {
+  struct fy_model *m = x->m;
+  const struct fy_graph *g = m->graph;
+  if (!x->sharded || !m->ep || !m->ep_comm || g->ep > 1 || launches_kernels(m) || x->esize != 4 ||
+      fy_comm_kind(x->c_gather) != FY_COMM_MPI)
+    return FY_OK;
+  const int P = fy_comm_size(m->ep_comm), nc = m->layout->n_chunks;
+  if (P < 2 || x->world % P != 0 || x->rank % P != fy_comm_rank(m->ep_comm)) return FY_OK;  // (whole chunks)
+  x->ep_P = P;
+  x->ep_rank = fy_comm_rank(m->ep_comm);
+  if (!(x->ep_n = calloc((size_t)nc, sizeof *x->ep_n)) || !(x->ep_E = calloc((size_t)nc, sizeof *x->ep_E)) ||
+      !(x->ep_cut = calloc((size_t)nc, sizeof *x->ep_cut)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int pass = 0; pass < 2; pass++) {  // count the ranges, then fill them in
+    for (int o = 0; o < g->n_ops; o++) {
+      const struct fy_op *op = &g->ops[o];
+      if (op->kind != FY_OP_MOE) continue;
+      const int b = op->has_bias, El = op->experts / P, c = g->params[op->params[0]].chunk;
+      const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
+      if (pass == 0) x->ep_E[c] += op->experts;
+      for (int k = 0; k < 4; k++) {
+        if (ids[k] < 0) continue;
+        const struct fy_param *p = &g->params[ids[k]];
+        FY_ASSERT(p->chunk == c);  // (an op's first-use group is one chunk)
+        const int64_t len = p->numel / op->experts * El;  // (ep rank j's experts' elements)
+        for (int j = 0; j < P; j++, x->ep_n[c]++)
+          if (pass == 1) {
+            int64_t *k3 = x->ep_cut[c][x->ep_n[c]];
+            k3[0] = p->chunk_offset + j * len, k3[1] = k3[0] + len, k3[2] = j;
+          }
+      }
+    }
+    for (int c = 0; c < nc; c++) {
+      if (pass == 0 && x->ep_n[c] > 0 && !(x->ep_cut[c] = malloc((size_t)x->ep_n[c] * sizeof *x->ep_cut[c])))
+        return fy_error_set(FY_ERR_NOMEM, "out of memory");
+      if (pass == 0) x->ep_n[c] = 0;
+      if (pass == 1 && x->ep_n[c] > 0) {
+        qsort(x->ep_cut[c], (size_t)x->ep_n[c], sizeof *x->ep_cut[c], cut_cmp);
+        x->ep_ranged = true;
+      }
+    }
+  }
+  for (int i = 0; i < 4 && x->ep_ranged; i++)
+    if (!(x->ep_buf[i] = malloc((size_t)m->layout->chunk_elems * 4))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (x->ep_ranged && !(x->ep_counts = calloc(5 * (size_t)x->world, sizeof *x->ep_counts)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  return FY_OK;
+}
+
+static void ep_free(struct fy_offload *x) {
+  for (int c = 0; x->ep_cut && c < x->m->layout->n_chunks; c++) free(x->ep_cut[c]);
+  free(x->ep_cut);
+  free(x->ep_n);
+  free(x->ep_E);
+  for (int i = 0; i < 4; i++) free(x->ep_buf[i]);
+  free(x->ep_counts);
 }
 
 void fy_offload_experts(const struct fy_offload *x, int64_t *loaded, int64_t *total) {
@@ -992,6 +1248,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
   if (st == FY_OK) st = create_pass(x, o);
   if (st == FY_OK) st = moe_setup(x);
+  if (st == FY_OK) st = ep_setup(x);
   if (st != FY_OK) {
     fy_offload_free(x);
     return st;
@@ -1026,7 +1283,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
                                     .staging = x->wb_staging, .elem_bytes = x->esize, .spill_alloc = spill_alloc,
                                     .spill_free = spill_free, .spill_ctx = m->host, .profile = x->wprof,
                                     .home_cause = x->home_cause};
-  if (x->moe_routed) {  // (a mixture whose experts load by need)
+  if (x->moe_routed || x->ep_ranged) {  // (a mixture whose experts load by need, or this rank's alone)
     co.load_home = moe_load_home;
     co.load_ctx = x;
   }
@@ -1148,6 +1405,7 @@ void fy_offload_free(struct fy_offload *x) {
   if (x->wb_staging) fy_host_dealloc(m->host, x->wb_staging, bytes);
   free(x->loss_sums);
   moe_free(x);
+  ep_free(x);
   pthread_mutex_destroy(&x->err_lock);
   free(x);
 }
