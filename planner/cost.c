@@ -90,6 +90,12 @@ static void fake_spill_free(void *ctx, void *p, size_t n) {}
 struct sim {
   // Ranks: the chunk-level collectives of the zero pattern, timed on the stream they run on.
   double gather_s, scatter_s, comm_s;
+  // Expert parallelism (knobs.ep > 1): per chunk, the elements a rank leaves out of its loads and
+  // write-backs (the other ranks' experts), and the seconds of the collectives an element.
+  double *ep_skip, ep_elem_s;
+  int dp;
+  int64_t ce;
+  size_t pb;
   bool counting;
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
@@ -125,6 +131,7 @@ static void sim_free(struct sim *s, int nc) {
   fy_stream_free(s->sums);
   free(s->actions);
   free(s->home);
+  free(s->ep_skip);
 }
 
 // ---- mixtures of experts: the loads that depend on the routing ----
@@ -171,8 +178,14 @@ static fy_status moe_sim_load(void *ctx, int chunk, void *block, fy_stream *s, b
 // A rank then computes its E/ep experts on the rows all ep ranks of its group routed to them: with
 // routing spread evenly, ep ranks' BT k rows times its share 1/ep of the experts, BT k rows, as
 // many as one rank computes without ep; so the compute is the op's own (fy_profile_op's), the
-// state is zero's, and what ep adds is the expert pattern's all-to-alls, forward and backward,
-// on the data-parallel link (pattern_seconds).
+// state is zero's, and ep adds the expert pattern's all-to-alls, forward and backward, on the
+// data-parallel link (pattern_seconds). What it takes away: a rank's load of a mixture's chunk
+// brings only its own experts' ranges (runtime/offload.c, "expert parallelism: each rank's
+// experts"), its shard less the other ranks' experts over the link and the other shards' parts it
+// needs by the ranged all-to-all, and the write-back's ranged reduce-scatter moves as much; so the
+// chunk's loads, gathers and scatters leave out (ep - 1)/ep of its experts' elements (ep_skip). All
+// of a rank's experts are loaded, whether or not they got tokens (the loads by need are one
+// unsharded rank's: moe_sim above).
 static fy_status check_ep(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, bool gpu,
                           const struct fy_pattern *dpp) {
   if (k->ep < 0) return fy_error_set(FY_ERR_INVALID, "plan: ep %d must be positive", k->ep);
@@ -198,13 +211,33 @@ static fy_status sim_collective(struct sim *x, double seconds, const char *what,
   if (x->counting) x->comm_s += seconds;
   return FY_OK;
 }
+// (ep: chunk's collective less the other ranks' experts, skip elements at ep_elem_s)
+static double ep_less(const struct sim *x, int chunk) { return x->ep_skip ? x->ep_skip[chunk] * x->ep_elem_s : 0; }
 static fy_status sim_gather(void *ctx, int chunk, float *block, fy_stream *s) {
-  (void)chunk, (void)block;
-  return sim_collective(ctx, ((struct sim *)ctx)->gather_s, "all-gather", s);
+  (void)block;
+  return sim_collective(ctx, ((struct sim *)ctx)->gather_s - ep_less(ctx, chunk), "all-gather", s);
 }
 static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
-  (void)chunk, (void)block;
-  return sim_collective(ctx, ((struct sim *)ctx)->scatter_s, "reduce-scatter", s);
+  (void)block;
+  return sim_collective(ctx, ((struct sim *)ctx)->scatter_s - ep_less(ctx, chunk), "reduce-scatter", s);
+}
+// The sharded load's own part under ep: this rank's shard less its share of the other ranks' experts.
+static fy_status ep_sim_load(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
+  const struct sim *x = ctx;
+  if (x->ep_skip[chunk] <= 0) return FY_OK;
+  *done = true;
+  return fy_copy_async(s, block, x->home[chunk], (size_t)(((double)x->ce - x->ep_skip[chunk]) / x->dp * (double)x->pb));
+}
+
+// The elements of each chunk an ep rank leaves out: (ep - 1)/ep of its mixtures' experts' (into skip, per chunk).
+static void ep_skips(const struct fy_graph *g, int ep, double *skip) {
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    double experts = 0;  // the stacked parameters (all but the router, params[0])
+    for (int k = 1; k < op->n_params; k++) experts += (double)g->params[op->params[k]].numel;
+    skip[g->params[op->params[0]].chunk] += experts * (ep - 1.0) / ep;
+  }
 }
 
 // Seconds of a pattern's steps for `phase`, each group's collectives at its bus bandwidth bw[group]
@@ -973,8 +1006,16 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       co.scatter = sim_scatter;
       co.shard_ctx = &s;
       s.gather_s = s.scatter_s = (dp - 1.0) / dp * chunk_bytes / bw;
+      if (ep > 1) {  // (the ranged collectives and load of an expert-parallel rank)
+        if (!(s.ep_skip = calloc((size_t)nc, sizeof *s.ep_skip))) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+        else ep_skips(g, ep, s.ep_skip);
+        s.ep_elem_s = (dp - 1.0) / dp * pb / bw;
+        s.dp = dp, s.ce = ce, s.pb = (size_t)pb;
+        co.load_home = ep_sim_load;
+        co.load_ctx = &s;
+      }
     }
-    st = fy_device_cache_create(l, &co, &s.cache);
+    if (st == FY_OK) st = fy_device_cache_create(l, &co, &s.cache);
   }
   // The action after which each device chunk's gradients of a micro-batch are complete: its last
   // backward op (with accumulation, they go into their fp32 sum there: runtime/offload.c).
