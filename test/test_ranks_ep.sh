@@ -141,6 +141,16 @@ compare one2 sep2 1e-6 0 && compare ep2 sep2 1e-6 0 && ok "ep 2 on sim, sharded,
 run sdp2ep2 4 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_sdp2ep2"
 compare one4 sdp2ep2 1e-5 && compare dp2ep2 sdp2ep2 1e-5 && ok "4 sim ranks as 2 groups of ep 2 within 1e-5 of 1 rank and of the cpu's" \
   || bad "2 groups of ep 2 on sim differ"
+# A rank loads its own experts alone (runtime/offload.c, "each rank's experts"): the log's expert
+# chunks loaded are half of those its loads of the mixtures' chunks hold, every step.
+python3 - "$tmp/sep2.json" "$tmp/sdp2ep2.json" <<'PY' && ok "ep 2 on sim loads half of the experts (the log's expert chunks)" \
+  || bad "the expert chunks ep 2 on sim loads"
+import json, sys
+for f in sys.argv[1:]:
+    rs = [json.loads(l) for l in open(f)]
+    assert rs and all(r["expert_chunks"] > 0 and 2 * r["expert_chunks_loaded"] == r["expert_chunks"] for r in rs), \
+        [(r.get("expert_chunks_loaded"), r.get("expert_chunks")) for r in rs]
+PY
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --clip 0 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_ck" --save "$tmp/ck_sep" \
   --save-every 100 --stop-after 3 >"$tmp/ck_sep.out" 2>&1 || { bad "ep 2 on sim checkpoints"; cat "$tmp/ck_sep.out"; }
 run sres1 1 --grad-accum 2 --clip 0 --resume "$tmp/ck_sep"
