@@ -674,7 +674,7 @@ static int64_t ep_count(const int64_t (*pc)[2], int n) {
 // The load of chunk c's block, after the parts of this rank's shard that it needs came from home:
 // the parts of the other ranks' shards that it needs. (What it sends comes from its shard at home:
 // the block holds only its own parts.)
-static fy_status ep_gather(struct fy_offload *x, int c, float *block) {
+static fy_status ep_gather(struct fy_offload *x, int c, float *block, const float *home) {
   const int W = x->world;
   int64_t pc[x->ep_n[c] + 1][2], *sc = x->ep_counts, *rc = sc + W;
   float *send = x->ep_buf[0], *recv = x->ep_buf[1];
@@ -682,7 +682,7 @@ static fy_status ep_gather(struct fy_offload *x, int c, float *block) {
   for (int q = 0; q < W; q++) {  // this rank's shard: the parts rank q needs
     sc[q] = rc[q] = 0;
     if (q == x->rank) continue;
-    sc[q] = ep_pack(send + at, x->home[c], x->lo, pc, ep_pieces(x, c, q % x->ep_P, x->lo, x->lo + x->S, pc));
+    sc[q] = ep_pack(send + at, home, x->lo, pc, ep_pieces(x, c, q % x->ep_P, x->lo, x->lo + x->S, pc));
     at += sc[q];
     rc[q] = ep_count(pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
   }
@@ -735,12 +735,13 @@ struct ep_job {
   struct fy_offload *x;
   int chunk;
   float *block;
+  const float *home;  // (the gather's: home[chunk] when it was enqueued, as the cache's own copy reads it)
   bool scatter;
 };
 
 static void ep_fn(void *arg) {
   struct ep_job *j = arg;
-  fy_status st = j->scatter ? ep_scatter(j->x, j->chunk, j->block) : ep_gather(j->x, j->chunk, j->block);
+  fy_status st = j->scatter ? ep_scatter(j->x, j->chunk, j->block) : ep_gather(j->x, j->chunk, j->block, j->home);
   if (st != FY_OK) async_fail(j->x, st);
   free(j);
 }
@@ -750,7 +751,7 @@ static void ep_fn(void *arg) {
 static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_stream *s, bool scatter) {
   struct ep_job *j = malloc(sizeof *j);
   if (!j) return fy_error_set(FY_ERR_NOMEM, "out of memory");
-  *j = (struct ep_job){.x = x, .chunk = chunk, .block = block, .scatter = scatter};
+  *j = (struct ep_job){.x = x, .chunk = chunk, .block = block, .home = x->home[chunk], .scatter = scatter};
   fy_status st = fy_stream_enqueue(s, ep_fn, j);
   if (st != FY_OK) free(j);
   return st;
