@@ -183,6 +183,8 @@ struct fy_offload {
   int64_t (**ep_cut)[3];
   float *ep_buf[4];  // gather: send, receive; scatter: send, receive
   int64_t *ep_counts;  // 5 x world: the gather's floats sent and received a rank, the scatter's, its offsets
+  struct fy_comm *c_mask;  // the host thread's: which experts each rank's tokens chose (ep_experts)
+  float *ep_masks;         // world x the most experts of a mixture: those choices
   // A pipeline stage (fy_offload_opts.stage_hi): the actions are those of ops [stage_lo, stage_hi),
   // [0, n_fwd) the forward's and the rest the backward's; c_stage takes the norm's sum over the
   // stages and the tied embedding's gradient (tied: the parameter read by this stage and another,
@@ -441,6 +443,7 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // ranges go up. An unsharded cache only: sharded chunks load whole chunks.
 struct moe_load {
   bool on;
+  bool ep;  // expert parallelism over sharded chunks: valid and used are per group of ep ranks (ep_experts)
   int chunk;
   int E;
   int64_t off[4], len[4];  // per stacked parameter: its offset in the chunk, an expert's elements
@@ -543,34 +546,51 @@ static void moe_free(struct fy_offload *x) {
   fy_event_free(x->moe_routed);
 }
 
-// Before mixture op act->op's kernel, its block at `block` (acquired): in forward (and when
-// recomputed), its router alone, then the host reads which experts got tokens; the weights of
-// those not in the block yet are loaded into it, and the compute stream waits for them.
-static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
-                             float *block) {
+// Mixture op act->op's router alone on the compute stream, its routing record copied to the host
+// (route_host) and waited for.
+static fy_status moe_route_host(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call) {
   struct moe_load *ml = &x->moe[act->op];
-  if (!ml->on) return FY_OK;
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[act->op];
+  const int64_t BT = g->B * g->T, S = op->experts + 3 * op->top_k;
+  ml->job = (struct moe_route_job){.route = fy_engine_act(m, op->aux[0]), .inp = fy_engine_act(m, op->in[0]),
+                                   .gate = call->w[0],
+                                   .d = {.BT = BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k}};
+  if (launches_kernels(m)) {  // the GPU's router, its routing record copied down after it
+    ml->job.d.BT = fy_op_call_rows(call);
+    FY_TRY(m->kernels->moe_route(m, act->op, call->w[0], ml->job.d.BT));
+  } else {
+    FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
+  }
+  FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(ml->job.d.BT * S) * 4));
+  FY_TRY(fy_event_record(x->moe_routed, x->compute));
+  FY_TRY(fy_event_sync(x->moe_routed));
+  return ml->job.st;
+}
+
+// The experts the routing record in route_host chose for some token: chosen[e] set (not cleared).
+static void moe_chosen(const struct fy_offload *x, int o, bool *chosen) {
+  const struct fy_op *op = &x->m->graph->ops[o];
+  const int64_t S = op->experts + 3 * op->top_k;
+  for (int64_t t = 0; t < x->moe[o].job.d.BT; t++)
+    for (int j = 0; j < op->top_k; j++) chosen[(int)x->route_host[t * S + op->experts + j]] = true;
+}
+
+// Before mixture op act->op's kernel, its block at `block` (acquired): in forward (and when
+// recomputed), its router alone, then the host reads which experts got tokens; the weights of
+// those not in the block yet are loaded into it, and the compute stream waits for them.
+static fy_status ep_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                            float *block);
+static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                             float *block) {
+  struct moe_load *ml = &x->moe[act->op];
+  if (ml->ep) return ep_experts(x, act, call, block);
+  if (!ml->on) return FY_OK;
   if (act->kind != FY_ACT_BACKWARD) {
-    const int64_t BT = g->B * g->T, S = op->experts + 3 * op->top_k;
-    ml->job = (struct moe_route_job){.route = fy_engine_act(m, op->aux[0]), .inp = fy_engine_act(m, op->in[0]),
-                                     .gate = call->w[0],
-                                     .d = {.BT = BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k}};
-    if (launches_kernels(m)) {  // the GPU's router, its routing record copied down after it
-      ml->job.d.BT = fy_op_call_rows(call);
-      FY_TRY(m->kernels->moe_route(m, act->op, call->w[0], ml->job.d.BT));
-    } else {
-      FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
-    }
-    FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(ml->job.d.BT * S) * 4));
-    FY_TRY(fy_event_record(x->moe_routed, x->compute));
-    FY_TRY(fy_event_sync(x->moe_routed));
-    if (ml->job.st != FY_OK) return ml->job.st;
+    FY_TRY(moe_route_host(x, act, call));
     memset(ml->used, 0, (size_t)ml->E * sizeof *ml->used);
-    for (int64_t t = 0; t < ml->job.d.BT; t++)
-      for (int j = 0; j < op->top_k; j++) ml->used[(int)x->route_host[t * S + op->experts + j]] = true;
+    moe_chosen(x, act->op, ml->used);
   }
   if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in the block
     memset(ml->valid, 0, (size_t)ml->E * sizeof *ml->valid);
@@ -612,7 +632,9 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
 // keep the whole-chunk collectives.
 
 // What is left of chunk c's elements [lo, hi) without the ranges of the experts that ep ranks
-// other than j hold, in order, into out (ep_n[c] + 1 pieces at most); the number of pieces.
+// other than j hold (EP_DENSE: without every expert's), in order, into out (ep_n[c] + 1 pieces at
+// most); the number of pieces.
+#define EP_DENSE (-2)
 static int ep_pieces(const struct fy_offload *x, int c, int j, int64_t lo, int64_t hi, int64_t (*out)[2]) {
   int n = 0;
   int64_t at = lo;
@@ -682,15 +704,15 @@ static fy_status ep_gather(struct fy_offload *x, int c, float *block, const floa
   for (int q = 0; q < W; q++) {  // this rank's shard: the parts rank q needs
     sc[q] = rc[q] = 0;
     if (q == x->rank) continue;
-    sc[q] = ep_pack(send + at, home, x->lo, pc, ep_pieces(x, c, q % x->ep_P, x->lo, x->lo + x->S, pc));
+    sc[q] = ep_pack(send + at, home, x->lo, pc, ep_pieces(x, c, EP_DENSE, x->lo, x->lo + x->S, pc));
     at += sc[q];
-    rc[q] = ep_count(pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+    rc[q] = ep_count(pc, ep_pieces(x, c, EP_DENSE, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
   }
   FY_TRY(fy_comm_all_to_all_v(x->c_gather, send, sc, recv, rc));
   at = 0;
   for (int q = 0; q < W; q++)
     if (q != x->rank)
-      at += ep_unpack(block, recv + at, pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+      at += ep_unpack(block, recv + at, pc, ep_pieces(x, c, EP_DENSE, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
   return FY_OK;
 }
 
@@ -757,19 +779,162 @@ static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_st
   return st;
 }
 
-// The cache's hook for a sharded load: this rank's shard from home, less the other ranks' experts.
+// The cache's hook for a sharded load: this rank's shard from home, less every expert.
 static fy_status ep_load_home(struct fy_offload *x, int c, void *block, fy_stream *s, bool *done) {
   if (x->ep_n[c] == 0) return FY_OK;
   int64_t pc[x->ep_n[c] + 1][2];
-  const int n = ep_pieces(x, c, x->ep_rank, x->lo, x->lo + x->S, pc);
+  const int n = ep_pieces(x, c, EP_DENSE, x->lo, x->lo + x->S, pc);
+  x->home_loads[c]++;  // (no expert is in the block: ep_experts loads them)
   const char *home = (const char *)x->home[c];
   for (int i = 0; i < n; i++)
     FY_TRY(fy_copy_async(s, (char *)block + (size_t)pc[i][0] * x->esize, home + (size_t)(pc[i][0] - x->lo) * x->esize,
                          (size_t)(pc[i][1] - pc[i][0]) * x->esize));
   x->expert_parts += x->ep_E[c];
-  x->expert_loads += x->ep_E[c] / x->ep_P;
   *done = true;
   return FY_OK;
+}
+
+// ---- expert parallelism over sharded chunks: the experts that got tokens ----
+//
+// A load of a mixture's chunk brings its dense elements alone (ep_load_home, ep_gather). Before the
+// op's kernel in forward (and when recomputed) its router runs alone (moe_route_host), and the ranks
+// tell each other which experts their tokens chose (an all-gather of one flag an expert, on the host
+// thread's communicator c_mask): an expert got rows if a rank of its group chose it. Each rank then
+// needs its own experts that got rows and are not in its block yet, and every rank knows what every
+// rank needs (the groups' `used` and `valid`, one flag an expert of each group: expert e of group g
+// is one rank's), so one all-to-all on copy_in (ep_fetch) moves each needed expert's parts from the
+// shards' owners; the rank's own part comes from its home over the link. Backward (and a chunk
+// loaded again from home since the forward: every rank's cache loads alike) reuses the forward's
+// choice, as one rank's loads by need do. An expert of this rank without rows is never read; its
+// gradient, zero, is written by the kernels and summed by the ranged scatter as before.
+
+// A needed expert e's ranges within [a, b) of op ml's chunk, in order (k = 0..3).
+static int ep_expert_pieces(const struct moe_load *ml, int e, int64_t a, int64_t b, int64_t (*out)[2]) {
+  int n = 0;
+  for (int k = 0; k < 4; k++) {
+    if (ml->len[k] == 0) continue;
+    int64_t r0 = ml->off[k] + e * ml->len[k], r1 = r0 + ml->len[k];
+    if (r0 < a) r0 = a;
+    if (r1 > b) r1 = b;
+    if (r0 < r1) out[n][0] = r0, out[n][1] = r1, n++;
+  }
+  return n;
+}
+
+struct ep_fetch_job {
+  struct fy_offload *x;
+  int op;
+  float *block;
+  const float *home;
+  bool *need;  // world x E: rank q needs expert e
+};
+
+static fy_status ep_fetch(struct ep_fetch_job *j) {
+  struct fy_offload *x = j->x;
+  const struct moe_load *ml = &x->moe[j->op];
+  const int W = x->world, E = ml->E, me = x->rank;
+  int64_t pc[4][2], *sc = x->ep_counts, *rc = sc + W;
+  float *send = x->ep_buf[0], *recv = x->ep_buf[1];
+  int64_t at = 0;
+  for (int q = 0; q < W; q++) {  // what rank q needs of this rank's shard; what this rank needs of q's
+    sc[q] = rc[q] = 0;
+    if (q == me) continue;
+    for (int e = 0; e < E; e++) {
+      if (j->need[q * E + e]) {
+        const int64_t n = ep_pack(send + at, j->home, x->lo, pc, ep_expert_pieces(ml, e, x->lo, x->lo + x->S, pc));
+        sc[q] += n, at += n;
+      }
+      if (j->need[me * E + e])
+        rc[q] += ep_count(pc, ep_expert_pieces(ml, e, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+    }
+  }
+  FY_TRY(fy_comm_all_to_all_v(x->c_gather, send, sc, recv, rc));
+  at = 0;
+  for (int q = 0; q < W; q++)
+    for (int e = 0; q != me && e < E; e++)
+      if (j->need[me * E + e])
+        at += ep_unpack(j->block, recv + at, pc, ep_expert_pieces(ml, e, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+  return FY_OK;
+}
+
+static void ep_fetch_fn(void *arg) {
+  struct ep_fetch_job *j = arg;
+  fy_status st = ep_fetch(j);
+  if (st != FY_OK) async_fail(j->x, st);
+  free(j->need);
+  free(j);
+}
+
+static fy_status ep_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                            float *block) {
+  struct moe_load *ml = &x->moe[act->op];
+  const int W = x->world, P = x->ep_P, G = W / P, E = ml->E, El = E / P;
+  if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in any rank's block
+    memset(ml->valid, 0, (size_t)(G * E) * sizeof *ml->valid);
+    ml->gen = x->home_loads[ml->chunk];
+  }
+  if (act->kind != FY_ACT_BACKWARD) {  // which experts each group's tokens chose
+    FY_TRY(moe_route_host(x, act, call));
+    bool *mine = ml->used + (size_t)(x->rank / P) * E;  // (scratch until the all-gather's flags are read)
+    memset(mine, 0, (size_t)E * sizeof *mine);
+    moe_chosen(x, act->op, mine);
+    float *flags = x->ep_masks + (size_t)x->rank * E;
+    for (int e = 0; e < E; e++) flags[e] = mine[e] ? 1.0f : 0.0f;
+    FY_TRY(fy_comm_all_gather(x->c_mask, flags, x->ep_masks, (size_t)E, FY_COMM_F32, NULL));
+    memset(ml->used, 0, (size_t)(G * E) * sizeof *ml->used);
+    for (int q = 0; q < W; q++)
+      for (int e = 0; e < E; e++)
+        if (x->ep_masks[(size_t)q * E + e] != 0.0f) ml->used[(q / P) * E + e] = true;
+  }
+  bool *need = calloc((size_t)(W * E), sizeof *need);
+  if (!need) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int any = 0, mine = 0;
+  for (int q = 0; q < W; q++)
+    for (int e = (q % P) * El; e < (q % P + 1) * El; e++) {
+      const int ge = (q / P) * E + e;
+      if (!ml->used[ge] || ml->valid[ge]) continue;
+      need[q * E + e] = true;
+      any++;
+      if (q == x->rank) mine++;
+    }
+  for (int q = 0; q < W; q++)
+    for (int e = 0; e < E; e++)
+      if (need[q * E + e]) ml->valid[(q / P) * E + e] = true;
+  if (!any) {  // (every rank sees the same: no rank needs anything)
+    free(need);
+    return FY_OK;
+  }
+  // This rank's own parts of its needed experts from its shard at home, over the link; the rest
+  // from the other ranks' shards.
+  const float *home = x->home[ml->chunk];
+  int64_t pc[4][2];
+  for (int e = 0; e < E; e++) {
+    if (!need[x->rank * E + e]) continue;
+    const int n = ep_expert_pieces(ml, e, x->lo, x->lo + x->S, pc);
+    for (int i = 0; i < n; i++) {
+      fy_status st = fy_copy_async(x->copy_in, block + pc[i][0], home + (pc[i][0] - x->lo),
+                                   (size_t)(pc[i][1] - pc[i][0]) * 4);
+      if (st != FY_OK) {
+        free(need);
+        return st;
+      }
+    }
+  }
+  x->expert_loads += mine;
+  struct ep_fetch_job *j = malloc(sizeof *j);
+  if (!j) {
+    free(need);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  *j = (struct ep_fetch_job){.x = x, .op = act->op, .block = block, .home = home, .need = need};
+  fy_status st = fy_stream_enqueue(x->copy_in, ep_fetch_fn, j);
+  if (st != FY_OK) {
+    free(need);
+    free(j);
+    return st;
+  }
+  FY_TRY(fy_event_record(x->moe_routed, x->copy_in));
+  return fy_wait_timed(x->wprof, x->compute, x->moe_routed, FY_STALL_LOAD, -1, NULL);
 }
 
 static int cut_cmp(const void *a, const void *b) {
@@ -821,6 +986,35 @@ static fy_status ep_setup(struct fy_offload *x) {
       }
     }
   }
+  if (!x->ep_ranged) return FY_OK;
+  // The mixtures' experts, loaded by need (ep_experts).
+  const int G = x->world / P;
+  int E_max = 0;
+  int64_t route_max = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    struct moe_load *ml = &x->moe[o];
+    const int b = op->has_bias;
+    const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
+    ml->chunk = g->params[op->params[0]].chunk;
+    ml->E = op->experts;
+    for (int k = 0; k < 4; k++)
+      if (ids[k] >= 0) ml->off[k] = g->params[ids[k]].chunk_offset, ml->len[k] = g->params[ids[k]].numel / ml->E;
+    ml->gen = -1;
+    if (!(ml->valid = calloc((size_t)(G * ml->E), sizeof *ml->valid)) ||
+        !(ml->used = calloc((size_t)(G * ml->E), sizeof *ml->used)))
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    ml->ep = true;
+    if (op->experts > E_max) E_max = op->experts;
+    const int64_t r = g->B * g->T * (op->experts + 3 * op->top_k);
+    if (r > route_max) route_max = r;
+  }
+  FY_TRY(fy_comm_split(x->c_gather, 0, x->rank, &x->c_mask));
+  if (!(x->ep_masks = calloc((size_t)x->world * (size_t)E_max, sizeof *x->ep_masks)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (!x->moe_routed) FY_TRY(fy_event_create(x->dev, &x->moe_routed));
+  if (!x->route_host && !(x->route_host = malloc((size_t)route_max * 4))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int i = 0; i < 4 && x->ep_ranged; i++)
     if (!(x->ep_buf[i] = malloc((size_t)m->layout->chunk_elems * 4))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
   if (x->ep_ranged && !(x->ep_counts = calloc(5 * (size_t)x->world, sizeof *x->ep_counts)))
@@ -835,6 +1029,8 @@ static void ep_free(struct fy_offload *x) {
   free(x->ep_E);
   for (int i = 0; i < 4; i++) free(x->ep_buf[i]);
   free(x->ep_counts);
+  free(x->ep_masks);
+  fy_comm_free(x->c_mask);
 }
 
 void fy_offload_experts(const struct fy_offload *x, int64_t *loaded, int64_t *total) {
