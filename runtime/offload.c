@@ -173,7 +173,7 @@ struct fy_offload {
   float *route_host;      // the router's output of the op at hand, copied from the device
   fy_event *moe_routed;
   double *aux_sums;       // per micro-batch: the load-balancing terms (struct fy_loss's aux_sum)
-  // Expert parallelism over sharded chunks ("expert parallelism: each rank's experts" below):
+  // Expert parallelism over sharded chunks ("expert parallelism over sharded chunks" below):
   // this rank holds experts [ep_rank E/ep_P, (ep_rank + 1) E/ep_P) of every mixture; per chunk,
   // its mixtures' expert ranges (ep_cut[c], ep_n[c] of them: start, end, the ep rank holding them),
   // and the ranged gather's and scatter's buffers (chunk_elems floats each).
@@ -618,18 +618,19 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
 //
 // Under --ep on sim every rank's graph keeps every expert (runtime/ep.c, "whole"), and a rank's
 // mixture op reads and writes only its own experts' rows of the stacked parameters besides the
-// router and the dense weights: experts [ep_rank El, (ep_rank + 1) El), El = E / ep_P. So a load of
-// a chunk with mixtures brings only those: this rank's shard from home less the other ranks'
-// experts (ep_load_home), and instead of the all-gather an all-to-all in which every rank sends
-// each other rank the parts of its shard that rank needs (ep_gather). The block's ranges of the
-// other ranks' experts keep whatever was there; nothing reads them. The write-back's reduce-scatter
-// is ranged the same way (ep_scatter): each rank sends each shard's owner the parts it computed
-// (the dense elements, its experts'), and the owner sums them in rank order as the reduce-scatter
-// does, adding 0 to an expert's sum where the ranks that did not compute it added their zeros (x +
-// 0 turns -0 into +0 and changes nothing else): the bits of the whole chunk's collectives, with
-// 1/ep_P of the experts' weights and gradients on the wire. Data-parallel rank q holds ep rank
-// q % ep_P's experts (runtime/run.c: groups of ep_P consecutive ranks). Chunks without mixtures
-// keep the whole-chunk collectives.
+// router and the dense weights: experts [ep_rank El, (ep_rank + 1) El), El = E / ep_P, and of
+// those only the ones that got rows from some rank of its group. So a load of a chunk with
+// mixtures brings its dense elements alone: this rank's shard of them from home (ep_load_home),
+// and instead of the all-gather an all-to-all in which every rank sends each other rank the dense
+// parts of its shard (ep_gather); the experts come before the op, by need ("the experts that got
+// tokens" below). The block's ranges of experts not loaded keep whatever was there; nothing reads
+// them. The write-back's reduce-scatter is ranged (ep_scatter): each rank sends each shard's owner
+// the parts it computed (the dense elements, its experts', zeros for those without rows), and the
+// owner sums them in rank order as the reduce-scatter does, adding 0 to an expert's sum where the
+// ranks that did not compute it added their zeros (x + 0 turns -0 into +0 and changes nothing
+// else): the bits of the whole chunk's collectives, with 1/ep_P of the experts' gradients on the
+// wire. Data-parallel rank q holds ep rank q % ep_P's experts (runtime/run.c: groups of ep_P
+// consecutive ranks). Chunks without mixtures keep the whole-chunk collectives.
 
 // What is left of chunk c's elements [lo, hi) without the ranges of the experts that ep ranks
 // other than j hold (EP_DENSE: without every expert's), in order, into out (ep_n[c] + 1 pieces at
@@ -693,9 +694,8 @@ static int64_t ep_count(const int64_t (*pc)[2], int n) {
   return len;
 }
 
-// The load of chunk c's block, after the parts of this rank's shard that it needs came from home:
-// the parts of the other ranks' shards that it needs. (What it sends comes from its shard at home:
-// the block holds only its own parts.)
+// The load of chunk c's block, after the dense parts of this rank's shard came from home: the dense
+// parts of the other ranks' shards (what it sends, from its shard at home).
 static fy_status ep_gather(struct fy_offload *x, int c, float *block, const float *home) {
   const int W = x->world;
   int64_t pc[x->ep_n[c] + 1][2], *sc = x->ep_counts, *rc = sc + W;

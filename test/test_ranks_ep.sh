@@ -141,9 +141,9 @@ compare one2 sep2 1e-6 0 && compare ep2 sep2 1e-6 0 && ok "ep 2 on sim, sharded,
 run sdp2ep2 4 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_sdp2ep2"
 compare one4 sdp2ep2 1e-5 && compare dp2ep2 sdp2ep2 1e-5 && ok "4 sim ranks as 2 groups of ep 2 within 1e-5 of 1 rank and of the cpu's" \
   || bad "2 groups of ep 2 on sim differ"
-# A rank loads its own experts alone (runtime/offload.c, "each rank's experts"), those that got
-# rows: the log's expert chunks loaded are at most half of those its loads of the mixtures' chunks
-# hold (here every expert gets rows: half), every step.
+# A rank loads its own experts alone, those that got rows (runtime/offload.c, "expert parallelism
+# over sharded chunks"): the log's expert chunks loaded are at most half of those its loads of the
+# mixtures' chunks hold (here every expert gets rows: half), every step.
 python3 - "$tmp/sep2.json" "$tmp/sdp2ep2.json" <<'PY' && ok "ep 2 on sim loads half of the experts (the log's expert chunks)" \
   || bad "the expert chunks ep 2 on sim loads"
 import json, sys
