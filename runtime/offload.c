@@ -371,7 +371,7 @@ static fy_status gather_hook(void *ctx, int chunk, float *block, fy_stream *s) {
 
 static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
-  if (x->ep_ranged && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, true);
+  if (x->ep_ranged && x->ep_P > 1 && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, true);  // (ep_scatter)
   char *b = (char *)block;
   return fy_comm_reduce_scatter(x->c_scatter, b, b + (size_t)x->lo * x->esize, (size_t)x->S, block_comm_dtype(x), s);
 }
@@ -630,7 +630,10 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
 // ranks that did not compute it added their zeros (x + 0 turns -0 into +0 and changes nothing
 // else): the bits of the whole chunk's collectives, with 1/ep_P of the experts' gradients on the
 // wire. Data-parallel rank q holds ep rank q % ep_P's experts (runtime/run.c: groups of ep_P
-// consecutive ranks). Chunks without mixtures keep the whole-chunk collectives.
+// consecutive ranks). Chunks without mixtures keep the whole-chunk collectives. Sharded ranks
+// without --ep are the case ep_P 1: every rank one ep rank holding every expert, in a group of its
+// own (it loads the experts its own tokens chose), with the whole reduce-scatter (every rank
+// computes every expert its tokens chose).
 
 // What is left of chunk c's elements [lo, hi) without the ranges of the experts that ep ranks
 // other than j hold (EP_DENSE: without every expert's), in order, into out (ep_n[c] + 1 pieces at
@@ -942,18 +945,22 @@ static int cut_cmp(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-// Whether this engine's loads and write-backs are ranged (expert parallelism over sharded chunks on
-// a host-memory device, the mpi communicator's all-to-all), and each chunk's expert ranges.
+// Whether this engine's loads and write-backs are ranged (mixtures in chunks sharded on a
+// host-memory device, the mpi communicator's all-to-all; with expert parallelism, or without it as
+// one ep rank holding every expert, whose scatters stay whole), and each chunk's expert ranges.
 static fy_status ep_setup(struct fy_offload *x) {
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
-  if (!x->sharded || !m->ep || !m->ep_comm || g->ep > 1 || launches_kernels(m) || x->esize != 4 ||
-      fy_comm_kind(x->c_gather) != FY_COMM_MPI)
-    return FY_OK;
-  const int P = fy_comm_size(m->ep_comm), nc = m->layout->n_chunks;
-  if (P < 2 || x->world % P != 0 || x->rank % P != fy_comm_rank(m->ep_comm)) return FY_OK;  // (whole chunks)
+  if (!x->sharded || launches_kernels(m) || x->esize != 4 || fy_comm_kind(x->c_gather) != FY_COMM_MPI) return FY_OK;
+  int P = 1, r = 0;  // (without --ep every rank holds every expert: one ep rank, P 1)
+  if (m->ep) {
+    if (!m->ep_comm || g->ep > 1) return FY_OK;
+    P = fy_comm_size(m->ep_comm), r = fy_comm_rank(m->ep_comm);
+    if (P < 2 || x->world % P != 0 || x->rank % P != r) return FY_OK;  // (whole chunks)
+  }
+  const int nc = m->layout->n_chunks;
   x->ep_P = P;
-  x->ep_rank = fy_comm_rank(m->ep_comm);
+  x->ep_rank = r;
   if (!(x->ep_n = calloc((size_t)nc, sizeof *x->ep_n)) || !(x->ep_E = calloc((size_t)nc, sizeof *x->ep_E)) ||
       !(x->ep_cut = calloc((size_t)nc, sizeof *x->ep_cut)))
     return fy_error_set(FY_ERR_NOMEM, "out of memory");

@@ -169,6 +169,17 @@ rs = [json.loads(l) for l in open(sys.argv[1])]
 assert rs and all(r["expert_chunks"] > 0 and r["expert_chunks_loaded"] == 0 for r in rs), \
     [(r.get("expert_chunks_loaded"), r.get("expert_chunks")) for r in rs]
 PY
+# Without --ep, 2 sharded sim ranks load the experts their own tokens chose, the same way (every rank
+# one ep rank holding every expert; the reduce-scatter stays whole): here experts 2 and 3, half of
+# them; bit for bit 1 rank's run.
+run szero2 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --disk-dir "$tmp/d_szero2"
+compare starve1 szero2 1e-6 0 && python3 - "$tmp/szero2.json" <<'PY' \
+  && ok "2 sharded sim ranks without --ep load the experts that got tokens, bit for bit 1 rank's run" || bad "2 sharded sim ranks' experts"
+import json, sys
+rs = [json.loads(l) for l in open(sys.argv[1])]
+assert rs and all(r["expert_chunks"] > 0 and 2 * r["expert_chunks_loaded"] == r["expert_chunks"] for r in rs), \
+    [(r.get("expert_chunks_loaded"), r.get("expert_chunks")) for r in rs]
+PY
 
 # The planner's expert parallelism (planner/plan.c, ep_sizes): ferry plan of the mixture on 2 sim
 # ranks searches ep 1 and 2; its plan file with "ep": 2 (and one micro-batch of 2 sequences a rank)
