@@ -188,6 +188,7 @@ static fy_status moe_sim_load(void *ctx, int chunk, void *block, fy_stream *s, b
 // So a chunk's loads and gathers leave out all its experts but the expected used share of a rank's
 // 1/ep of them, and its scatters (ep - 1)/ep of them (ep_skips). The experts' fetch after the
 // router is taken as part of the load, where it waits on the compute stream in the runtime.
+// Sharded ranks without ep (on sim) load the experts their own tokens chose the same way: ep 1.
 static fy_status check_ep(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, bool gpu,
                           const struct fy_pattern *dpp) {
   if (k->ep < 0) return fy_error_set(FY_ERR_INVALID, "plan: ep %d must be positive", k->ep);
@@ -236,7 +237,8 @@ static fy_status ep_sim_load(void *ctx, int chunk, void *block, fy_stream *s, bo
 // The elements of each chunk an ep rank leaves out, per chunk: of its loads (skip_in) all of its
 // mixtures' experts but its own 1/ep of them that got rows, an expert getting none of its group's
 // ep x tokens rows with probability (1 - K/E)^(ep tokens) as moe_sim takes it; of its write-backs
-// (skip_out) the other ranks' (ep - 1)/ep of them.
+// (skip_out) the other ranks' (ep - 1)/ep of them. (ep 1: a sharded rank without expert
+// parallelism, which loads the experts its own tokens chose and writes back every expert.)
 static void ep_skips(const struct fy_graph *g, int ep, double tokens, double *skip_in, double *skip_out) {
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
@@ -1015,7 +1017,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       co.scatter = sim_scatter;
       co.shard_ctx = &s;
       s.gather_s = s.scatter_s = (dp - 1.0) / dp * chunk_bytes / bw;
-      if (ep > 1) {  // (the ranged collectives and load of an expert-parallel rank)
+      if (!gpu && cfg->num_local_experts > 0) {  // (the ranged loads and collectives of a mixture's chunks, ep_skips)
         if (!(s.ep_skip = calloc((size_t)nc, sizeof *s.ep_skip)) || !(s.ep_skip_out = calloc((size_t)nc, sizeof *s.ep_skip)))
           st = fy_error_set(FY_ERR_NOMEM, "out of memory");
         else ep_skips(g, ep, (double)(k->micro_batch * k->seq), s.ep_skip, s.ep_skip_out);

@@ -348,10 +348,10 @@ static void check_pipeline(void) {
 // chunk (ep - 1)/ep of its experts' elements, the other rank's experts (runtime/offload.c).
 // ep 2 against ep 1 on 2 ranks with knobs k (every chunk loaded once a micro-batch): the collectives
 // differ by the all-to-alls, four a mixture layer and micro-batch of half a rank's B T k rows of C
-// floats, less what the mixtures' chunks leave out, half of it on the wire each time (dp 2): of a
-// load, all of the experts but half of those that got rows (an expert none of the group's 2 B T
-// tokens chose, with probability (1 - K/E)^(2 B T), is not loaded), of a write-back the other
-// rank's half.
+// floats, less what ep 2's mixtures' chunks leave out beyond ep 1's, half of it on the wire each
+// time (dp 2). A load leaves out the experts that got no row: ep 1 those none of the rank's B T
+// tokens chose (an expert with probability (1 - K/E)^(B T)), ep 2 all of the experts but half of
+// those its group's 2 B T tokens chose; a write-back ep 2 the other rank's half, ep 1 none.
 static void moe_ep_saving(const struct fy_opt_config *cfg, struct fy_plan_knobs k, const struct fy_probe *p) {
   struct fy_cost c1, c2;
   k.ep = 0;
@@ -363,10 +363,11 @@ static void moe_ep_saving(const struct fy_opt_config *cfg, struct fy_plan_knobs 
          "%lld and %lld loads a step of %d chunks", (long long)c1.loads_per_step, (long long)c2.loads_per_step, c1.n_chunks);
   const double bw = fy_probe_comm_gbps(p) * 1e9, tokens = (double)(k.micro_batch * k.seq), E = (double)cfg->num_local_experts;
   const double experts = E * (2.0 * cfg->hidden_size * cfg->ffn_dim + cfg->ffn_dim + cfg->hidden_size);
-  const double used = 1 - pow(1 - (double)cfg->num_experts_per_tok / E, 2 * tokens);
+  const double used1 = 1 - pow(1 - (double)cfg->num_experts_per_tok / E, tokens),
+               used = 1 - pow(1 - (double)cfg->num_experts_per_tok / E, 2 * tokens);
   const double layers = (double)fy_opt_moe_layers(cfg), micro = (double)k.grad_accum;
   const double a2a = layers * 4 * 0.5 * tokens * (double)cfg->num_experts_per_tok * cfg->hidden_size * 4 / bw * micro;
-  const double left = layers * micro * 0.5 * experts * ((1 - used / 2) + 0.5) * 4 / bw;
+  const double left = layers * micro * 0.5 * experts * ((used1 - used / 2) + 0.5) * 4 / bw;
   const double want = c1.comm_s + a2a - left;
   CHECKF(fabs(c2.comm_s - want) <= 1e-9 + 1e-6 * want, "%lld x %lld tokens: ep 2's collectives %.9f s, not %.9f "
          "(ep 1's %.9f + all-to-alls %.9f - left out %.9f)", (long long)k.micro_batch, (long long)k.seq, c2.comm_s,
