@@ -173,8 +173,8 @@ struct fy_offload {
   float *route_host;      // the router's output of the op at hand, copied from the device
   fy_event *moe_routed;
   double *aux_sums;       // per micro-batch: the load-balancing terms (struct fy_loss's aux_sum)
-  // Expert parallelism over sharded chunks ("expert parallelism over sharded chunks" below):
-  // this rank holds experts [ep_rank E/ep_P, (ep_rank + 1) E/ep_P) of every mixture; per chunk,
+  // Mixtures in sharded chunks ("expert parallelism over sharded chunks" below; ep_P 1 without
+  // --ep): this rank holds experts [ep_rank E/ep_P, (ep_rank + 1) E/ep_P) of every mixture; per chunk,
   // its mixtures' expert ranges (ep_cut[c], ep_n[c] of them: start, end, the ep rank holding them),
   // and the ranged gather's and scatter's buffers (chunk_elems floats each).
   bool ep_ranged;
@@ -364,7 +364,7 @@ static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_st
 
 static fy_status gather_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
-  if (x->ep_ranged && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, false);  // (this rank's experts)
+  if (x->ep_ranged && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, false);  // (ep_gather)
   char *b = (char *)block;
   return fy_comm_all_gather(x->c_gather, b + (size_t)x->lo * x->esize, b, (size_t)x->S, block_comm_dtype(x), s);
 }
@@ -440,10 +440,11 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // still in the block unless the chunk was loaded again from home since (home_loads), and then
 // they are loaded again. On a GPU the router is the kernels' (kernels->moe_route, launched on the
 // compute stream; ops/cuda/moe.cu), the rest is the same: its choices come down, the used experts'
-// ranges go up. An unsharded cache only: sharded chunks load whole chunks.
+// ranges go up. An unsharded cache: sharded chunks (on sim) load their experts by need through
+// ep_experts ("expert parallelism over sharded chunks" below).
 struct moe_load {
   bool on;
-  bool ep;  // expert parallelism over sharded chunks: valid and used are per group of ep ranks (ep_experts)
+  bool ep;  // sharded chunks: valid and used are per group of ep ranks (ep_experts)
   int chunk;
   int E;
   int64_t off[4], len[4];  // per stacked parameter: its offset in the chunk, an expert's elements
@@ -466,7 +467,7 @@ static void moe_route_fn(void *arg) {
 static fy_status ep_load_home(struct fy_offload *x, int c, void *block, fy_stream *s, bool *done);
 static fy_status moe_load_home(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
   struct fy_offload *x = ctx;
-  if (x->ep_ranged) return ep_load_home(x, chunk, block, s, done);  // (sharded: this rank's experts)
+  if (x->ep_ranged) return ep_load_home(x, chunk, block, s, done);  // (sharded: the dense elements)
   const struct fy_graph *g = x->m->graph;
   int64_t cut[4 * g->n_ops + 1][2];  // [start, end) of the stacked parameters in the chunk, sorted
   int n = 0;
