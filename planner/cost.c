@@ -90,9 +90,9 @@ static void fake_spill_free(void *ctx, void *p, size_t n) {}
 struct sim {
   // Ranks: the chunk-level collectives of the zero pattern, timed on the stream they run on.
   double gather_s, scatter_s, comm_s;
-  // Expert parallelism (knobs.ep > 1): per chunk, the elements a rank's loads leave out in
-  // expectation (every expert but its own that got rows) and its write-backs (the other ranks'
-  // experts), and the seconds of the collectives an element.
+  // A mixture's sharded chunks (on sim, any ep): per chunk, the elements a rank's loads leave out
+  // in expectation (every expert but its own that got rows) and its write-backs (the other ranks'
+  // experts), and the seconds of the collectives an element (ep_skips).
   double *ep_skip, *ep_skip_out, ep_elem_s;
   int dp;
   int64_t ce;
@@ -226,7 +226,7 @@ static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
   (void)block;
   return sim_collective(ctx, x->scatter_s - ep_less(x, x->ep_skip_out, chunk), "reduce-scatter", s);
 }
-// The sharded load's own part under ep: this rank's shard less its share of the experts it leaves out.
+// The sharded load's own part of a mixture's chunk: this rank's shard less its share of the experts it leaves out.
 static fy_status ep_sim_load(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
   const struct sim *x = ctx;
   if (x->ep_skip[chunk] <= 0) return FY_OK;
