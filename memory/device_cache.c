@@ -218,8 +218,11 @@ static fy_status load(struct fy_device_cache *c, int chunk, int b, enum fy_chunk
     c->spilled[chunk] = -1;
   } else if (c->o.shard_elems > 0) {  // this rank's shard from home, the others' from theirs
     FY_TRY(wait_home(c, chunk, bl));
-    FY_TRY(fy_copy_async(s, (char *)bl->ptr + c->o.shard_off * elem(c), c->o.home[chunk],
-                         (size_t)c->o.shard_elems * elem(c)));
+    bool done = false;  // (load_home may copy parts of the shard alone: an expert-parallel rank's experts)
+    if (c->o.load_home) FY_TRY(c->o.load_home(c->o.load_ctx, chunk, bl->ptr, s, &done));
+    if (!done)
+      FY_TRY(fy_copy_async(s, (char *)bl->ptr + c->o.shard_off * elem(c), c->o.home[chunk],
+                           (size_t)c->o.shard_elems * elem(c)));
     FY_TRY(c->o.gather(c->o.shard_ctx, chunk, bl->ptr, s));
   } else {
     FY_TRY(wait_home(c, chunk, bl));

@@ -52,10 +52,12 @@ struct fy_device_cache_opts {
   fy_status (*gather)(void *ctx, int chunk, float *block, fy_stream *s);
   fy_status (*scatter)(void *ctx, int chunk, float *block, fy_stream *s);
   void *shard_ctx;
-  // A load from home (unsharded, not a spilled chunk's) through the caller (NULL: none): load_home
-  // may enqueue the copies itself on s, from home[chunk] into block, and set *done; otherwise the
-  // whole chunk is copied. (runtime/offload.c: a mixture of experts' chunk without its experts'
-  // weights, which are loaded after the router ran, only for the experts that got tokens.)
+  // A load from home (not a spilled chunk's) through the caller (NULL: none): load_home may enqueue
+  // the copies itself on s, from home[chunk] into block, and set *done; otherwise the whole chunk
+  // (sharded: this rank's shard, before the gather) is copied. (runtime/offload.c: a mixture of
+  // experts' chunk without its experts' weights, which are loaded after the router ran, only for
+  // the experts that got tokens; sharded, under expert parallelism, the shard less the other ranks'
+  // experts.)
   fy_status (*load_home)(void *ctx, int chunk, void *block, fy_stream *s, bool *done);
   void *load_ctx;
   // Profiling (NULL: none): the compute stream's waits for loads are timed, charged to chunk

@@ -90,6 +90,13 @@ static void fake_spill_free(void *ctx, void *p, size_t n) {}
 struct sim {
   // Ranks: the chunk-level collectives of the zero pattern, timed on the stream they run on.
   double gather_s, scatter_s, comm_s;
+  // A mixture's sharded chunks (on sim, any ep): per chunk, the elements a rank's loads leave out
+  // in expectation (every expert but its own that got rows) and its write-backs (the other ranks'
+  // experts), and the seconds of the collectives an element (ep_skips).
+  double *ep_skip, *ep_skip_out, ep_elem_s;
+  int dp;
+  int64_t ce;
+  size_t pb;
   bool counting;
   struct fy_device *dev;
   fy_stream *compute, *copy_in, *copy_out, *optim;
@@ -125,6 +132,8 @@ static void sim_free(struct sim *s, int nc) {
   fy_stream_free(s->sums);
   free(s->actions);
   free(s->home);
+  free(s->ep_skip);
+  free(s->ep_skip_out);
 }
 
 // ---- mixtures of experts: the loads that depend on the routing ----
@@ -171,8 +180,15 @@ static fy_status moe_sim_load(void *ctx, int chunk, void *block, fy_stream *s, b
 // A rank then computes its E/ep experts on the rows all ep ranks of its group routed to them: with
 // routing spread evenly, ep ranks' BT k rows times its share 1/ep of the experts, BT k rows, as
 // many as one rank computes without ep; so the compute is the op's own (fy_profile_op's), the
-// state is zero's, and what ep adds is the expert pattern's all-to-alls, forward and backward,
-// on the data-parallel link (pattern_seconds).
+// state is zero's, and ep adds the expert pattern's all-to-alls, forward and backward, on the
+// data-parallel link (pattern_seconds). What it takes away: a rank's load of a mixture's chunk
+// brings only its own experts' ranges, of those only the ones that got rows (runtime/offload.c,
+// "expert parallelism over sharded chunks"): its shard of them over the link, the other shards'
+// parts by ranged all-to-alls; the write-back's ranged reduce-scatter moves its own experts' whole.
+// So a chunk's loads and gathers leave out all its experts but the expected used share of a rank's
+// 1/ep of them, and its scatters (ep - 1)/ep of them (ep_skips). The experts' fetch after the
+// router is taken as part of the load, where it waits on the compute stream in the runtime.
+// Sharded ranks without ep (on sim) load the experts their own tokens chose the same way: ep 1.
 static fy_status check_ep(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, bool gpu,
                           const struct fy_pattern *dpp) {
   if (k->ep < 0) return fy_error_set(FY_ERR_INVALID, "plan: ep %d must be positive", k->ep);
@@ -198,13 +214,41 @@ static fy_status sim_collective(struct sim *x, double seconds, const char *what,
   if (x->counting) x->comm_s += seconds;
   return FY_OK;
 }
+// (ep: a chunk's collective less the elements it leaves out, skip of them at ep_elem_s)
+static double ep_less(const struct sim *x, const double *skip, int chunk) { return skip ? skip[chunk] * x->ep_elem_s : 0; }
 static fy_status sim_gather(void *ctx, int chunk, float *block, fy_stream *s) {
-  (void)chunk, (void)block;
-  return sim_collective(ctx, ((struct sim *)ctx)->gather_s, "all-gather", s);
+  const struct sim *x = ctx;
+  (void)block;
+  return sim_collective(ctx, x->gather_s - ep_less(x, x->ep_skip, chunk), "all-gather", s);
 }
 static fy_status sim_scatter(void *ctx, int chunk, float *block, fy_stream *s) {
-  (void)chunk, (void)block;
-  return sim_collective(ctx, ((struct sim *)ctx)->scatter_s, "reduce-scatter", s);
+  const struct sim *x = ctx;
+  (void)block;
+  return sim_collective(ctx, x->scatter_s - ep_less(x, x->ep_skip_out, chunk), "reduce-scatter", s);
+}
+// The sharded load's own part of a mixture's chunk: this rank's shard less its share of the experts it leaves out.
+static fy_status ep_sim_load(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
+  const struct sim *x = ctx;
+  if (x->ep_skip[chunk] <= 0) return FY_OK;
+  *done = true;
+  return fy_copy_async(s, block, x->home[chunk], (size_t)(((double)x->ce - x->ep_skip[chunk]) / x->dp * (double)x->pb));
+}
+
+// The elements of each chunk an ep rank leaves out, per chunk: of its loads (skip_in) all of its
+// mixtures' experts but its own 1/ep of them that got rows, an expert getting none of its group's
+// ep x tokens rows with probability (1 - K/E)^(ep tokens) as moe_sim takes it; of its write-backs
+// (skip_out) the other ranks' (ep - 1)/ep of them. (ep 1: a sharded rank without expert
+// parallelism, which loads the experts its own tokens chose and writes back every expert.)
+static void ep_skips(const struct fy_graph *g, int ep, double tokens, double *skip_in, double *skip_out) {
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    double experts = 0;  // the stacked parameters (all but the router, params[0])
+    for (int k = 1; k < op->n_params; k++) experts += (double)g->params[op->params[k]].numel;
+    const double used = 1.0 - pow(1.0 - (double)op->top_k / (double)op->experts, ep * tokens);
+    skip_in[g->params[op->params[0]].chunk] += experts * (1.0 - used / ep);
+    skip_out[g->params[op->params[0]].chunk] += experts * (ep - 1.0) / ep;
+  }
 }
 
 // Seconds of a pattern's steps for `phase`, each group's collectives at its bus bandwidth bw[group]
@@ -973,8 +1017,17 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       co.scatter = sim_scatter;
       co.shard_ctx = &s;
       s.gather_s = s.scatter_s = (dp - 1.0) / dp * chunk_bytes / bw;
+      if (!gpu && cfg->num_local_experts > 0) {  // (the ranged loads and collectives of a mixture's chunks, ep_skips)
+        if (!(s.ep_skip = calloc((size_t)nc, sizeof *s.ep_skip)) || !(s.ep_skip_out = calloc((size_t)nc, sizeof *s.ep_skip)))
+          st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+        else ep_skips(g, ep, (double)(k->micro_batch * k->seq), s.ep_skip, s.ep_skip_out);
+        s.ep_elem_s = (dp - 1.0) / dp * pb / bw;
+        s.dp = dp, s.ce = ce, s.pb = (size_t)pb;
+        co.load_home = ep_sim_load;
+        co.load_ctx = &s;
+      }
     }
-    st = fy_device_cache_create(l, &co, &s.cache);
+    if (st == FY_OK) st = fy_device_cache_create(l, &co, &s.cache);
   }
   // The action after which each device chunk's gradients of a micro-batch are complete: its last
   // backward op (with accumulation, they go into their fp32 sum there: runtime/offload.c).

@@ -173,6 +173,18 @@ struct fy_offload {
   float *route_host;      // the router's output of the op at hand, copied from the device
   fy_event *moe_routed;
   double *aux_sums;       // per micro-batch: the load-balancing terms (struct fy_loss's aux_sum)
+  // Mixtures in sharded chunks ("expert parallelism over sharded chunks" below; ep_P 1 without
+  // --ep): this rank holds experts [ep_rank E/ep_P, (ep_rank + 1) E/ep_P) of every mixture; per chunk,
+  // its mixtures' expert ranges (ep_cut[c], ep_n[c] of them: start, end, the ep rank holding them),
+  // and the ranged gather's and scatter's buffers (chunk_elems floats each).
+  bool ep_ranged;
+  int ep_P, ep_rank;
+  int *ep_n, *ep_E;  // per chunk: its expert ranges, the experts of its mixtures
+  int64_t (**ep_cut)[3];
+  float *ep_buf[4];  // gather: send, receive; scatter: send, receive
+  int64_t *ep_counts;  // 5 x world: the gather's floats sent and received a rank, the scatter's, its offsets
+  struct fy_comm *c_mask;  // the host thread's: which experts each rank's tokens chose (ep_experts)
+  float *ep_masks;         // world x the most experts of a mixture: those choices
   // A pipeline stage (fy_offload_opts.stage_hi): the actions are those of ops [stage_lo, stage_hi),
   // [0, n_fwd) the forward's and the rest the backward's; c_stage takes the norm's sum over the
   // stages and the tied embedding's gradient (tied: the parameter read by this stage and another,
@@ -357,16 +369,18 @@ static enum fy_reduce_dtype block_comm_dtype(const struct fy_offload *x) {
   return x->esize == 2 ? FY_COMM_BF16 : FY_COMM_F32;
 }
 
+static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_stream *s, bool scatter);
+
 static fy_status gather_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
-  (void)chunk;
+  if (x->ep_ranged && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, false);  // (ep_gather)
   char *b = (char *)block;
   return fy_comm_all_gather(x->c_gather, b + (size_t)x->lo * x->esize, b, (size_t)x->S, block_comm_dtype(x), s);
 }
 
 static fy_status scatter_hook(void *ctx, int chunk, float *block, fy_stream *s) {
   struct fy_offload *x = ctx;
-  (void)chunk;
+  if (x->ep_ranged && x->ep_P > 1 && x->ep_n[chunk] > 0) return ep_enqueue(x, chunk, block, s, true);  // (ep_scatter)
   char *b = (char *)block;
   return fy_comm_reduce_scatter(x->c_scatter, b, b + (size_t)x->lo * x->esize, (size_t)x->S, block_comm_dtype(x), s);
 }
@@ -436,9 +450,11 @@ fy_status fy_offload_plan_min_bytes(const struct fy_opt_config *cfg, int64_t B, 
 // backward): the experts loaded are still in the block unless the chunk was loaded again from home
 // since (home_loads), and then they are loaded again. On a GPU the router is the kernels'
 // (kernels->moe_route, launched on the compute stream; ops/cuda/moe.cu), the rest is the same: its
-// choices come down, the used experts' ranges go up. An unsharded cache only: sharded chunks load whole chunks.
+// choices come down, the used experts' ranges go up. An unsharded cache: sharded chunks (on sim)
+// load their experts by need through ep_experts ("expert parallelism over sharded chunks" below).
 struct moe_load {
   bool on;
+  bool ep;  // sharded chunks: valid and used are per group of ep ranks (ep_experts)
   int chunk;
   int E;
   int64_t off[4], len[4];  // per stacked parameter: its offset in the chunk, an expert's elements
@@ -459,8 +475,10 @@ static void moe_route_fn(void *arg) {
 }
 
 // The cache's hook: chunk c's load from home, leaving out the ranges of its mixtures' experts.
+static fy_status ep_load_home(struct fy_offload *x, int c, void *block, fy_stream *s, bool *done);
 static fy_status moe_load_home(void *ctx, int chunk, void *block, fy_stream *s, bool *done) {
   struct fy_offload *x = ctx;
+  if (x->ep_ranged) return ep_load_home(x, chunk, block, s, done);  // (sharded: the dense elements)
   const struct fy_graph *g = x->m->graph;
   int64_t cut[4 * g->n_ops + 1][2];  // [start, end) of the stacked parameters in the chunk, sorted
   int n = 0;
@@ -541,35 +559,52 @@ static void moe_free(struct fy_offload *x) {
   fy_event_free(x->moe_routed);
 }
 
-// Before mixture op act->op's kernel, its block at `block` (acquired): in forward (and when
-// recomputed), its router alone, then the host reads which experts got tokens; the weights of
-// those not in the block yet are loaded into it, and the compute stream waits for them.
-static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
-                             int micro, float *block) {
+// Mixture op act->op's router alone on the compute stream, its routing record copied to the host
+// (route_host) and waited for.
+static fy_status moe_route_host(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call) {
   struct moe_load *ml = &x->moe[act->op];
-  if (!ml->on) return FY_OK;
-  bool *used = ml->used + (size_t)micro * (size_t)ml->E;
   struct fy_model *m = x->m;
   const struct fy_graph *g = m->graph;
   const struct fy_op *op = &g->ops[act->op];
+  const int64_t BT = g->B * g->T, S = op->experts + 3 * op->top_k;
+  ml->job = (struct moe_route_job){.route = fy_engine_act(m, op->aux[0]), .inp = fy_engine_act(m, op->in[0]),
+                                   .gate = call->w[0],
+                                   .d = {.BT = BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k}};
+  if (launches_kernels(m)) {  // the GPU's router, its routing record copied down after it
+    ml->job.d.BT = fy_op_call_rows(call);
+    FY_TRY(m->kernels->moe_route(m, act->op, call->w[0], ml->job.d.BT));
+  } else {
+    FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
+  }
+  FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(ml->job.d.BT * S) * 4));
+  FY_TRY(fy_event_record(x->moe_routed, x->compute));
+  FY_TRY(fy_event_sync(x->moe_routed));
+  return ml->job.st;
+}
+
+// The experts the routing record in route_host chose for some token: chosen[e] set (not cleared).
+static void moe_chosen(const struct fy_offload *x, int o, bool *chosen) {
+  const struct fy_op *op = &x->m->graph->ops[o];
+  const int64_t S = op->experts + 3 * op->top_k;
+  for (int64_t t = 0; t < x->moe[o].job.d.BT; t++)
+    for (int j = 0; j < op->top_k; j++) chosen[(int)x->route_host[t * S + op->experts + j]] = true;
+}
+
+// Before mixture op act->op's kernel, its block at `block` (acquired): in forward (and when
+// recomputed), its router alone, then the host reads which experts got tokens; the weights of
+// those not in the block yet are loaded into it, and the compute stream waits for them.
+static fy_status ep_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                            int micro, float *block);
+static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                             int micro, float *block) {
+  struct moe_load *ml = &x->moe[act->op];
+  if (ml->ep) return ep_experts(x, act, call, micro, block);
+  if (!ml->on) return FY_OK;
+  bool *used = ml->used + (size_t)micro * (size_t)ml->E;
   if (act->kind != FY_ACT_BACKWARD) {
-    const int64_t BT = g->B * g->T, S = op->experts + 3 * op->top_k;
-    ml->job = (struct moe_route_job){.route = fy_engine_act(m, op->aux[0]), .inp = fy_engine_act(m, op->in[0]),
-                                     .gate = call->w[0],
-                                     .d = {.BT = BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k}};
-    if (launches_kernels(m)) {  // the GPU's router, its routing record copied down after it
-      ml->job.d.BT = fy_op_call_rows(call);
-      FY_TRY(m->kernels->moe_route(m, act->op, call->w[0], ml->job.d.BT));
-    } else {
-      FY_TRY(fy_stream_enqueue(x->compute, moe_route_fn, &ml->job));
-    }
-    FY_TRY(fy_copy_async(x->compute, x->route_host, ml->job.route, (size_t)(ml->job.d.BT * S) * 4));
-    FY_TRY(fy_event_record(x->moe_routed, x->compute));
-    FY_TRY(fy_event_sync(x->moe_routed));
-    if (ml->job.st != FY_OK) return ml->job.st;
+    FY_TRY(moe_route_host(x, act, call));
     memset(used, 0, (size_t)ml->E * sizeof *used);
-    for (int64_t t = 0; t < ml->job.d.BT; t++)
-      for (int j = 0; j < op->top_k; j++) used[(int)x->route_host[t * S + op->experts + j]] = true;
+    moe_chosen(x, act->op, used);
   }
   if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in the block
     memset(ml->valid, 0, (size_t)ml->E * sizeof *ml->valid);
@@ -591,6 +626,433 @@ static fy_status moe_experts(struct fy_offload *x, const struct fy_action *act, 
   x->expert_loads += n;
   FY_TRY(fy_event_record(x->moe_routed, x->copy_in));
   return fy_wait_timed(x->wprof, x->compute, x->moe_routed, FY_STALL_LOAD, -1, NULL);
+}
+
+// ---- expert parallelism over sharded chunks: each rank's experts ----
+//
+// Under --ep on sim every rank's graph keeps every expert (runtime/ep.c, "whole"), and a rank's
+// mixture op reads and writes only its own experts' rows of the stacked parameters besides the
+// router and the dense weights: experts [ep_rank El, (ep_rank + 1) El), El = E / ep_P, and of
+// those only the ones that got rows from some rank of its group. So a load of a chunk with
+// mixtures brings its dense elements alone: this rank's shard of them from home (ep_load_home),
+// and instead of the all-gather an all-to-all in which every rank sends each other rank the dense
+// parts of its shard (ep_gather); the experts come before the op, by need ("the experts that got
+// tokens" below). The block's ranges of experts not loaded keep whatever was there; nothing reads
+// them. The write-back's reduce-scatter is ranged (ep_scatter): each rank sends each shard's owner
+// the parts it computed (the dense elements, its experts', zeros for those without rows), and the
+// owner sums them in rank order as the reduce-scatter does, adding 0 to an expert's sum where the
+// ranks that did not compute it added their zeros (x + 0 turns -0 into +0 and changes nothing
+// else): the bits of the whole chunk's collectives, with 1/ep_P of the experts' gradients on the
+// wire. Data-parallel rank q holds ep rank q % ep_P's experts (runtime/run.c: groups of ep_P
+// consecutive ranks). Chunks without mixtures keep the whole-chunk collectives. Sharded ranks
+// without --ep are the case ep_P 1: every rank one ep rank holding every expert, in a group of its
+// own (it loads the experts its own tokens chose), with the whole reduce-scatter (every rank
+// computes every expert its tokens chose).
+
+// What is left of chunk c's elements [lo, hi) without the ranges of the experts that ep ranks
+// other than j hold (EP_DENSE: without every expert's), in order, into out (ep_n[c] + 1 pieces at
+// most); the number of pieces.
+#define EP_DENSE (-2)
+static int ep_pieces(const struct fy_offload *x, int c, int j, int64_t lo, int64_t hi, int64_t (*out)[2]) {
+  int n = 0;
+  int64_t at = lo;
+  for (int i = 0; i < x->ep_n[c] && at < hi; i++) {
+    const int64_t *k = x->ep_cut[c][i];
+    if (k[2] == j || k[1] <= at) continue;
+    if (k[0] >= hi) break;
+    if (k[0] > at) out[n][0] = at, out[n][1] = k[0], n++;
+    at = k[1];
+  }
+  if (at < hi) out[n][0] = at, out[n][1] = hi, n++;
+  return n;
+}
+
+// Chunk c's elements [lo, hi) as runs of one kind, into out (start, end, and -1 for dense elements
+// or the ep rank whose experts they are; 2 ep_n[c] + 1 runs at most); the number of runs.
+static int ep_runs(const struct fy_offload *x, int c, int64_t lo, int64_t hi, int64_t (*out)[3]) {
+  int n = 0;
+  int64_t at = lo;
+  for (int i = 0; i < x->ep_n[c] && at < hi; i++) {
+    const int64_t *k = x->ep_cut[c][i];
+    if (k[1] <= at) continue;
+    if (k[0] >= hi) break;
+    if (k[0] > at) out[n][0] = at, out[n][1] = k[0], out[n][2] = -1, n++;
+    const int64_t end = k[1] < hi ? k[1] : hi;
+    out[n][0] = k[0] > at ? k[0] : at, out[n][1] = end, out[n][2] = k[2], n++;
+    at = end;
+  }
+  if (at < hi) out[n][0] = at, out[n][1] = hi, out[n][2] = -1, n++;
+  return n;
+}
+
+// Copies the pieces (elements of the chunk) of src, which holds the chunk's elements from `base` on,
+// to dst one after the other; the floats copied.
+static int64_t ep_pack(float *dst, const float *src, int64_t base, const int64_t (*pc)[2], int n) {
+  int64_t at = 0;
+  for (int i = 0; i < n; i++) {
+    memcpy(dst + at, src + (pc[i][0] - base), (size_t)(pc[i][1] - pc[i][0]) * 4);
+    at += pc[i][1] - pc[i][0];
+  }
+  return at;
+}
+
+static int64_t ep_unpack(float *block, const float *src, const int64_t (*pc)[2], int n) {
+  int64_t at = 0;
+  for (int i = 0; i < n; i++) {
+    memcpy(block + pc[i][0], src + at, (size_t)(pc[i][1] - pc[i][0]) * 4);
+    at += pc[i][1] - pc[i][0];
+  }
+  return at;
+}
+
+static int64_t ep_count(const int64_t (*pc)[2], int n) {
+  int64_t len = 0;
+  for (int i = 0; i < n; i++) len += pc[i][1] - pc[i][0];
+  return len;
+}
+
+// The load of chunk c's block, after the dense parts of this rank's shard came from home: the dense
+// parts of the other ranks' shards (what it sends, from its shard at home).
+static fy_status ep_gather(struct fy_offload *x, int c, float *block, const float *home) {
+  const int W = x->world;
+  int64_t pc[x->ep_n[c] + 1][2], *sc = x->ep_counts, *rc = sc + W;
+  float *send = x->ep_buf[0], *recv = x->ep_buf[1];
+  int64_t at = 0;
+  for (int q = 0; q < W; q++) {  // this rank's shard: the parts rank q needs
+    sc[q] = rc[q] = 0;
+    if (q == x->rank) continue;
+    sc[q] = ep_pack(send + at, home, x->lo, pc, ep_pieces(x, c, EP_DENSE, x->lo, x->lo + x->S, pc));
+    at += sc[q];
+    rc[q] = ep_count(pc, ep_pieces(x, c, EP_DENSE, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+  }
+  FY_TRY(fy_comm_all_to_all_v(x->c_gather, send, sc, recv, rc));
+  at = 0;
+  for (int q = 0; q < W; q++)
+    if (q != x->rank)
+      at += ep_unpack(block, recv + at, pc, ep_pieces(x, c, EP_DENSE, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+  return FY_OK;
+}
+
+// The write-back of chunk c's block: this rank's shard <- the ranks' gradients summed, each element
+// over the ranks that computed it, in rank order (comm.c's sum_f32: ((x0 + x1) + x2) ...).
+static fy_status ep_scatter(struct fy_offload *x, int c, float *block) {
+  const int W = x->world, P = x->ep_P;
+  int64_t pc[x->ep_n[c] + 1][2], run[2 * x->ep_n[c] + 1][3];
+  int64_t *sc = x->ep_counts + 2 * W, *rc = sc + W, *off = rc + W;
+  float *send = x->ep_buf[2], *recv = x->ep_buf[3];
+  int64_t at = 0, rat = 0;
+  for (int q = 0; q < W; q++) {  // rank q's shard: the parts this rank computed; this rank's: those q did
+    sc[q] = ep_pack(send + at, block, 0, pc, ep_pieces(x, c, x->ep_rank, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+    at += sc[q];
+    rc[q] = ep_count(pc, ep_pieces(x, c, q % P, x->lo, x->lo + x->S, pc));
+    off[q] = rat;
+    rat += rc[q];
+  }
+  FY_TRY(fy_comm_all_to_all_v(x->c_scatter, send, sc, recv, rc));
+  const int n = ep_runs(x, c, x->lo, x->lo + x->S, run);
+  for (int i = 0; i < n; i++) {
+    const int64_t len = run[i][1] - run[i][0];
+    const int j = (int)run[i][2];
+    float *dst = block + run[i][0];
+    bool first = true;
+    for (int q = 0; q < W; q++) {
+      if (j >= 0 && q % P != j) continue;  // (an expert's gradient: from the ranks holding it)
+      const float *v = recv + off[q];
+      off[q] += len;
+      if (first) memcpy(dst, v, (size_t)len * 4);
+      else
+        for (int64_t e = 0; e < len; e++) dst[e] += v[e];
+      first = false;
+    }
+    if (j >= 0)  // (the other ranks' zeros)
+      for (int64_t e = 0; e < len; e++) dst[e] += 0.0f;
+  }
+  return FY_OK;
+}
+
+struct ep_job {
+  struct fy_offload *x;
+  int chunk;
+  float *block;
+  const float *home;  // (the gather's: home[chunk] when it was enqueued, as the cache's own copy reads it)
+  bool scatter;
+};
+
+static void ep_fn(void *arg) {
+  struct ep_job *j = arg;
+  fy_status st = j->scatter ? ep_scatter(j->x, j->chunk, j->block) : ep_gather(j->x, j->chunk, j->block, j->home);
+  if (st != FY_OK) async_fail(j->x, st);
+  free(j);
+}
+
+// The gather or scatter hook of a chunk with mixtures: its host function on stream s (a job of its
+// own: a chunk may be loaded again, or its block reused, before an earlier one ran).
+static fy_status ep_enqueue(struct fy_offload *x, int chunk, float *block, fy_stream *s, bool scatter) {
+  struct ep_job *j = malloc(sizeof *j);
+  if (!j) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  *j = (struct ep_job){.x = x, .chunk = chunk, .block = block, .home = x->home[chunk], .scatter = scatter};
+  fy_status st = fy_stream_enqueue(s, ep_fn, j);
+  if (st != FY_OK) free(j);
+  return st;
+}
+
+// The cache's hook for a sharded load: this rank's shard from home, less every expert.
+static fy_status ep_load_home(struct fy_offload *x, int c, void *block, fy_stream *s, bool *done) {
+  if (x->ep_n[c] == 0) return FY_OK;
+  int64_t pc[x->ep_n[c] + 1][2];
+  const int n = ep_pieces(x, c, EP_DENSE, x->lo, x->lo + x->S, pc);
+  x->home_loads[c]++;  // (no expert is in the block: ep_experts loads them)
+  const char *home = (const char *)x->home[c];
+  for (int i = 0; i < n; i++)
+    FY_TRY(fy_copy_async(s, (char *)block + (size_t)pc[i][0] * x->esize, home + (size_t)(pc[i][0] - x->lo) * x->esize,
+                         (size_t)(pc[i][1] - pc[i][0]) * x->esize));
+  x->expert_parts += x->ep_E[c];
+  *done = true;
+  return FY_OK;
+}
+
+// ---- expert parallelism over sharded chunks: the experts that got tokens ----
+//
+// A load of a mixture's chunk brings its dense elements alone (ep_load_home, ep_gather). Before the
+// op's kernel in forward (and when recomputed) its router runs alone (moe_route_host), and the ranks
+// tell each other which experts their tokens chose (an all-gather of one flag an expert, on the host
+// thread's communicator c_mask): an expert got rows if a rank of its group chose it. Each rank then
+// needs its own experts that got rows and are not in its block yet, and every rank knows what every
+// rank needs (the groups' `used` and `valid`, one flag an expert of each group: expert e of group g
+// is one rank's), so one all-to-all on copy_in (ep_fetch) moves each needed expert's parts from the
+// shards' owners; the rank's own part comes from its home over the link. Backward (and a chunk
+// loaded again from home since the forward: every rank's cache loads alike) reuses the forward's
+// choice, as one rank's loads by need do. An expert of this rank without rows is never read; its
+// gradient, zero, is written by the kernels and summed by the ranged scatter as before.
+
+// A needed expert e's ranges within [a, b) of op ml's chunk, in order (k = 0..3).
+static int ep_expert_pieces(const struct moe_load *ml, int e, int64_t a, int64_t b, int64_t (*out)[2]) {
+  int n = 0;
+  for (int k = 0; k < 4; k++) {
+    if (ml->len[k] == 0) continue;
+    int64_t r0 = ml->off[k] + e * ml->len[k], r1 = r0 + ml->len[k];
+    if (r0 < a) r0 = a;
+    if (r1 > b) r1 = b;
+    if (r0 < r1) out[n][0] = r0, out[n][1] = r1, n++;
+  }
+  return n;
+}
+
+struct ep_fetch_job {
+  struct fy_offload *x;
+  int op;
+  float *block;
+  const float *home;
+  bool *need;  // world x E: rank q needs expert e
+};
+
+static fy_status ep_fetch(struct ep_fetch_job *j) {
+  struct fy_offload *x = j->x;
+  const struct moe_load *ml = &x->moe[j->op];
+  const int W = x->world, E = ml->E, me = x->rank;
+  int64_t pc[4][2], *sc = x->ep_counts, *rc = sc + W;
+  float *send = x->ep_buf[0], *recv = x->ep_buf[1];
+  int64_t at = 0;
+  for (int q = 0; q < W; q++) {  // what rank q needs of this rank's shard; what this rank needs of q's
+    sc[q] = rc[q] = 0;
+    if (q == me) continue;
+    for (int e = 0; e < E; e++) {
+      if (j->need[q * E + e]) {
+        const int64_t n = ep_pack(send + at, j->home, x->lo, pc, ep_expert_pieces(ml, e, x->lo, x->lo + x->S, pc));
+        sc[q] += n, at += n;
+      }
+      if (j->need[me * E + e])
+        rc[q] += ep_count(pc, ep_expert_pieces(ml, e, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+    }
+  }
+  FY_TRY(fy_comm_all_to_all_v(x->c_gather, send, sc, recv, rc));
+  at = 0;
+  for (int q = 0; q < W; q++)
+    for (int e = 0; q != me && e < E; e++)
+      if (j->need[me * E + e])
+        at += ep_unpack(j->block, recv + at, pc, ep_expert_pieces(ml, e, (int64_t)q * x->S, (int64_t)(q + 1) * x->S, pc));
+  return FY_OK;
+}
+
+static void ep_fetch_fn(void *arg) {
+  struct ep_fetch_job *j = arg;
+  fy_status st = ep_fetch(j);
+  if (st != FY_OK) async_fail(j->x, st);
+  free(j->need);
+  free(j);
+}
+
+static fy_status ep_experts(struct fy_offload *x, const struct fy_action *act, const struct fy_op_call *call,
+                            int micro, float *block) {
+  struct moe_load *ml = &x->moe[act->op];
+  const int W = x->world, P = x->ep_P, G = W / P, E = ml->E, El = E / P;
+  bool *used = ml->used + (size_t)micro * (size_t)(G * E);  // (per micro-batch, as moe_experts' choices)
+  if (ml->gen != x->home_loads[ml->chunk]) {  // loaded again from home: no expert is in any rank's block
+    memset(ml->valid, 0, (size_t)(G * E) * sizeof *ml->valid);
+    ml->gen = x->home_loads[ml->chunk];
+  }
+  if (act->kind != FY_ACT_BACKWARD) {  // which experts each group's tokens chose
+    FY_TRY(moe_route_host(x, act, call));
+    bool *mine = used + (size_t)(x->rank / P) * E;  // (scratch until the all-gather's flags are read)
+    memset(mine, 0, (size_t)E * sizeof *mine);
+    moe_chosen(x, act->op, mine);
+    float *flags = x->ep_masks + (size_t)x->rank * E;
+    for (int e = 0; e < E; e++) flags[e] = mine[e] ? 1.0f : 0.0f;
+    FY_TRY(fy_comm_all_gather(x->c_mask, flags, x->ep_masks, (size_t)E, FY_COMM_F32, NULL));
+    memset(used, 0, (size_t)(G * E) * sizeof *used);
+    for (int q = 0; q < W; q++)
+      for (int e = 0; e < E; e++)
+        if (x->ep_masks[(size_t)q * E + e] != 0.0f) used[(q / P) * E + e] = true;
+  }
+  bool *need = calloc((size_t)(W * E), sizeof *need);
+  if (!need) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  int any = 0, mine = 0;
+  for (int q = 0; q < W; q++)
+    for (int e = (q % P) * El; e < (q % P + 1) * El; e++) {
+      const int ge = (q / P) * E + e;
+      if (!used[ge] || ml->valid[ge]) continue;
+      need[q * E + e] = true;
+      any++;
+      if (q == x->rank) mine++;
+    }
+  for (int q = 0; q < W; q++)
+    for (int e = 0; e < E; e++)
+      if (need[q * E + e]) ml->valid[(q / P) * E + e] = true;
+  if (!any) {  // (every rank sees the same: no rank needs anything)
+    free(need);
+    return FY_OK;
+  }
+  // This rank's own parts of its needed experts from its shard at home, over the link; the rest
+  // from the other ranks' shards.
+  const float *home = x->home[ml->chunk];
+  int64_t pc[4][2];
+  for (int e = 0; e < E; e++) {
+    if (!need[x->rank * E + e]) continue;
+    const int n = ep_expert_pieces(ml, e, x->lo, x->lo + x->S, pc);
+    for (int i = 0; i < n; i++) {
+      fy_status st = fy_copy_async(x->copy_in, block + pc[i][0], home + (pc[i][0] - x->lo),
+                                   (size_t)(pc[i][1] - pc[i][0]) * 4);
+      if (st != FY_OK) {
+        free(need);
+        return st;
+      }
+    }
+  }
+  x->expert_loads += mine;
+  struct ep_fetch_job *j = malloc(sizeof *j);
+  if (!j) {
+    free(need);
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  *j = (struct ep_fetch_job){.x = x, .op = act->op, .block = block, .home = home, .need = need};
+  fy_status st = fy_stream_enqueue(x->copy_in, ep_fetch_fn, j);
+  if (st != FY_OK) {
+    free(need);
+    free(j);
+    return st;
+  }
+  FY_TRY(fy_event_record(x->moe_routed, x->copy_in));
+  return fy_wait_timed(x->wprof, x->compute, x->moe_routed, FY_STALL_LOAD, -1, NULL);
+}
+
+static int cut_cmp(const void *a, const void *b) {
+  const int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
+  return (x > y) - (x < y);
+}
+
+// Whether this engine's loads and write-backs are ranged (mixtures in chunks sharded on a
+// host-memory device, the mpi communicator's all-to-all; with expert parallelism, or without it as
+// one ep rank holding every expert, whose scatters stay whole), and each chunk's expert ranges.
+static fy_status ep_setup(struct fy_offload *x) {
+  struct fy_model *m = x->m;
+  const struct fy_graph *g = m->graph;
+  if (!x->sharded || launches_kernels(m) || x->esize != 4 || fy_comm_kind(x->c_gather) != FY_COMM_MPI) return FY_OK;
+  int P = 1, r = 0;  // (without --ep every rank holds every expert: one ep rank, P 1)
+  if (m->ep) {
+    if (!m->ep_comm || g->ep > 1) return FY_OK;
+    P = fy_comm_size(m->ep_comm), r = fy_comm_rank(m->ep_comm);
+    if (P < 2 || x->world % P != 0 || x->rank % P != r) return FY_OK;  // (whole chunks)
+  }
+  const int nc = m->layout->n_chunks;
+  x->ep_P = P;
+  x->ep_rank = r;
+  if (!(x->ep_n = calloc((size_t)nc, sizeof *x->ep_n)) || !(x->ep_E = calloc((size_t)nc, sizeof *x->ep_E)) ||
+      !(x->ep_cut = calloc((size_t)nc, sizeof *x->ep_cut)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int pass = 0; pass < 2; pass++) {  // count the ranges, then fill them in
+    for (int o = 0; o < g->n_ops; o++) {
+      const struct fy_op *op = &g->ops[o];
+      if (op->kind != FY_OP_MOE) continue;
+      const int b = op->has_bias, El = op->experts / P, c = g->params[op->params[0]].chunk;
+      const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
+      if (pass == 0) x->ep_E[c] += op->experts;
+      for (int k = 0; k < 4; k++) {
+        if (ids[k] < 0) continue;
+        const struct fy_param *p = &g->params[ids[k]];
+        FY_ASSERT(p->chunk == c);  // (an op's first-use group is one chunk)
+        const int64_t len = p->numel / op->experts * El;  // (ep rank j's experts' elements)
+        for (int j = 0; j < P; j++, x->ep_n[c]++)
+          if (pass == 1) {
+            int64_t *k3 = x->ep_cut[c][x->ep_n[c]];
+            k3[0] = p->chunk_offset + j * len, k3[1] = k3[0] + len, k3[2] = j;
+          }
+      }
+    }
+    for (int c = 0; c < nc; c++) {
+      if (pass == 0 && x->ep_n[c] > 0 && !(x->ep_cut[c] = malloc((size_t)x->ep_n[c] * sizeof *x->ep_cut[c])))
+        return fy_error_set(FY_ERR_NOMEM, "out of memory");
+      if (pass == 0) x->ep_n[c] = 0;
+      if (pass == 1 && x->ep_n[c] > 0) {
+        qsort(x->ep_cut[c], (size_t)x->ep_n[c], sizeof *x->ep_cut[c], cut_cmp);
+        x->ep_ranged = true;
+      }
+    }
+  }
+  if (!x->ep_ranged) return FY_OK;
+  // The mixtures' experts, loaded by need (ep_experts).
+  const int G = x->world / P;
+  int E_max = 0;
+  int64_t route_max = 0;
+  for (int o = 0; o < g->n_ops; o++) {
+    const struct fy_op *op = &g->ops[o];
+    if (op->kind != FY_OP_MOE) continue;
+    struct moe_load *ml = &x->moe[o];
+    const int b = op->has_bias;
+    const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
+    ml->chunk = g->params[op->params[0]].chunk;
+    ml->E = op->experts;
+    for (int k = 0; k < 4; k++)
+      if (ids[k] >= 0) ml->off[k] = g->params[ids[k]].chunk_offset, ml->len[k] = g->params[ids[k]].numel / ml->E;
+    ml->gen = -1;
+    if (!(ml->valid = calloc((size_t)(G * ml->E), sizeof *ml->valid)) ||
+        !(ml->used = calloc((size_t)(G * ml->E) * (size_t)x->max_micro, sizeof *ml->used)))
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    ml->ep = true;
+    if (op->experts > E_max) E_max = op->experts;
+    const int64_t r = g->B * g->T * (op->experts + 3 * op->top_k);
+    if (r > route_max) route_max = r;
+  }
+  FY_TRY(fy_comm_split(x->c_gather, 0, x->rank, &x->c_mask));
+  if (!(x->ep_masks = calloc((size_t)x->world * (size_t)E_max, sizeof *x->ep_masks)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (!x->moe_routed) FY_TRY(fy_event_create(x->dev, &x->moe_routed));
+  if (!x->route_host && !(x->route_host = malloc((size_t)route_max * 4))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int i = 0; i < 4 && x->ep_ranged; i++)
+    if (!(x->ep_buf[i] = malloc((size_t)m->layout->chunk_elems * 4))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  if (x->ep_ranged && !(x->ep_counts = calloc(5 * (size_t)x->world, sizeof *x->ep_counts)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  return FY_OK;
+}
+
+static void ep_free(struct fy_offload *x) {
+  for (int c = 0; x->ep_cut && c < x->m->layout->n_chunks; c++) free(x->ep_cut[c]);
+  free(x->ep_cut);
+  free(x->ep_n);
+  free(x->ep_E);
+  for (int i = 0; i < 4; i++) free(x->ep_buf[i]);
+  free(x->ep_counts);
+  free(x->ep_masks);
+  fy_comm_free(x->c_mask);
 }
 
 void fy_offload_experts(const struct fy_offload *x, int64_t *loaded, int64_t *total) {
@@ -1006,6 +1468,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
   if (st == FY_OK) st = create_pass(x, o);
   if (st == FY_OK) st = moe_setup(x);
+  if (st == FY_OK) st = ep_setup(x);
   if (st != FY_OK) {
     fy_offload_free(x);
     return st;
@@ -1040,7 +1503,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
                                     .staging = x->wb_staging, .elem_bytes = x->esize, .spill_alloc = spill_alloc,
                                     .spill_free = spill_free, .spill_ctx = m->host, .profile = x->wprof,
                                     .home_cause = x->home_cause};
-  if (x->moe_routed) {  // (a mixture whose experts load by need)
+  if (x->moe_routed || x->ep_ranged) {  // (a mixture whose experts load by need, or this rank's alone)
     co.load_home = moe_load_home;
     co.load_ctx = x;
   }
@@ -1163,6 +1626,7 @@ void fy_offload_free(struct fy_offload *x) {
   if (x->wb_staging) fy_host_dealloc(m->host, x->wb_staging, bytes);
   free(x->loss_sums);
   moe_free(x);
+  ep_free(x);
   pthread_mutex_destroy(&x->err_lock);
   free(x);
 }

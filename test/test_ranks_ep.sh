@@ -91,9 +91,9 @@ compare one2 res1 1e-6 0 && ok "an ep 2 checkpoint resumes on 1 rank bit for bit
 run res2 2 --ep 2 --clip 0 --resume "$tmp/ck_one"
 compare one2 res2 1e-6 0 && ok "a 1-rank checkpoint resumes under ep 2 bit for bit" || bad "1 rank -> ep 2 resume differs"
 
-# Starved experts: layer 1's and 3's final_layer_norm weight 0 and a gate that prefers experts 0 and
-# 1 for its bias make every token choose experts 0 and 1 (both on rank 0 under ep 2): rank 1's
-# experts get no row, rank 1 sends all of its rows away, and every gradient is still summed.
+# Starved experts: layer 1's and 3's final_layer_norm weight 0 and a gate that prefers experts 2 and
+# 3 for its bias make every token choose experts 2 and 3 (both on rank 1 under ep 2): rank 0's
+# experts get no row, rank 0 sends all of its rows away, and every gradient is still summed.
 python3 - "$tmp/one2/model.safetensors" "$tmp/starve" <<'PY'
 import json, os, struct, sys
 raw = open(sys.argv[1], "rb").read()
@@ -108,7 +108,7 @@ for l in (1, 3):
     C = hdr["model.decoder.layers.%d.final_layer_norm.weight" % l]["shape"][0]
     put("model.decoder.layers.%d.final_layer_norm.weight" % l, [0.0] * C)
     put("model.decoder.layers.%d.final_layer_norm.bias" % l, [1.0] * C)
-    put("model.decoder.layers.%d.block_sparse_moe.gate.weight" % l, sum(([c / C] * C for c in (3, 2, -3, -3)), []))
+    put("model.decoder.layers.%d.block_sparse_moe.gate.weight" % l, sum(([c / C] * C for c in (-3, -3, 3, 2)), []))
 os.makedirs(sys.argv[2])
 open(os.path.join(sys.argv[2], "model.safetensors"), "wb").write(raw[:8 + n] + bytes(data))
 cfg = os.path.join(os.path.dirname(sys.argv[1]), "config.json")
@@ -124,18 +124,18 @@ def t(path, name):
     a, b = h["data_offsets"]; return h["shape"], struct.unpack("<%df" % ((b - a) // 4), raw[8 + n + a:8 + n + b])
 name = "model.decoder.layers.1.block_sparse_moe.experts.fc1.weight"
 (shape, w0), (_, w1) = t(sys.argv[1], name), t(sys.argv[2], name)
-half = len(w0) // 2  # experts 2 and 3: the second half of the stacked rows
-r = [b / a for a, b in zip(w0[half:], w1[half:]) if abs(a) > 1e-3]
+half = len(w0) // 2  # experts 0 and 1 (rank 0's): the first half of the stacked rows
+r = [b / a for a, b in zip(w0[:half], w1[:half]) if abs(a) > 1e-3]
 assert r and max(r) - min(r) < 1e-5 and max(r) < 1, (min(r), max(r))  # one factor (1 - lr wd) a step for all
-assert any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(w0[:half], w1[:half]))  # the chosen ones trained
+assert any(abs(a - b) > 1e-3 * abs(a) for a, b in zip(w0[half:], w1[half:]))  # the chosen ones trained
 PY
 
 # Offloaded (--device sim, AdamW's state of 4 chunks on the disk tier): every chunk sharded across
 # the data-parallel ranks (zero), a mixture's rows moved to the ranks computing its experts inside
 # the engine's op call. ep 2 gives 1 rank's (and ep 2 on the cpu's) weights bit for bit; 2 groups of
 # ep 2 within 1e-5 (clipping); its checkpoint resumes on 1 rank and a 1-rank one under it, bit for
-# bit; starved experts (rank
-# 1's get no row; --recompute) still have their gradients reduced (the chunks' reduce-scatter).
+# bit; starved experts (rank 0's get no row; --recompute; it loads none of them) still have their
+# gradients reduced (the chunks' reduce-scatter).
 sim=(--device sim --blocks 4 --prefetch 2 --disk-chunks 4)
 run sep2 2 --ep 2 --clip 0 "${sim[@]}" --disk-dir "$tmp/d_sep2"
 compare one2 sep2 1e-6 0 && compare ep2 sep2 1e-6 0 && ok "ep 2 on sim, sharded, disk tier: 1 rank's and ep 2 on the cpu's weights bit for bit" \
@@ -143,6 +143,17 @@ compare one2 sep2 1e-6 0 && compare ep2 sep2 1e-6 0 && ok "ep 2 on sim, sharded,
 run sdp2ep2 4 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_sdp2ep2"
 compare one4 sdp2ep2 1e-5 && compare dp2ep2 sdp2ep2 1e-5 && ok "4 sim ranks as 2 groups of ep 2 within 1e-5 of 1 rank and of the cpu's" \
   || bad "2 groups of ep 2 on sim differ"
+# A rank loads its own experts alone, those that got rows (runtime/offload.c, "expert parallelism
+# over sharded chunks"): the log's expert chunks loaded are at most half of those its loads of the
+# mixtures' chunks hold (here every expert gets rows: half), every step.
+python3 - "$tmp/sep2.json" "$tmp/sdp2ep2.json" <<'PY' && ok "ep 2 on sim loads half of the experts (the log's expert chunks)" \
+  || bad "the expert chunks ep 2 on sim loads"
+import json, sys
+for f in sys.argv[1:]:
+    rs = [json.loads(l) for l in open(f)]
+    assert rs and all(r["expert_chunks"] > 0 and 2 * r["expert_chunks_loaded"] == r["expert_chunks"] for r in rs), \
+        [(r.get("expert_chunks_loaded"), r.get("expert_chunks")) for r in rs]
+PY
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --clip 0 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_ck" --save "$tmp/ck_sep" \
   --save-every 100 --stop-after 3 >"$tmp/ck_sep.out" 2>&1 || { bad "ep 2 on sim checkpoints"; cat "$tmp/ck_sep.out"; }
 run sres1 1 --grad-accum 2 --clip 0 --resume "$tmp/ck_sep"
@@ -152,6 +163,25 @@ compare one2 sres2 1e-6 0 && ok "a 1-rank checkpoint resumes under ep 2 on sim b
 run sstarve2 2 --ep 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --disk-dir "$tmp/d_starve"
 compare starve1 sstarve2 1e-6 0 && ok "experts that get no token on sim (and --recompute): bit for bit 1 rank's run" \
   || bad "starved experts under ep 2 on sim"
+# Rank 0's experts get no row: it loads none of them (the log is rank 0's), and its blocks' ranges
+# of them, never loaded, are never read (the bits above).
+python3 - "$tmp/sstarve2.json" <<'PY' && ok "a rank whose experts get no row loads none of them (sim)" || bad "starved experts loaded"
+import json, sys
+rs = [json.loads(l) for l in open(sys.argv[1])]
+assert rs and all(r["expert_chunks"] > 0 and r["expert_chunks_loaded"] == 0 for r in rs), \
+    [(r.get("expert_chunks_loaded"), r.get("expert_chunks")) for r in rs]
+PY
+# Without --ep, 2 sharded sim ranks load the experts their own tokens chose, the same way (every rank
+# one ep rank holding every expert; the reduce-scatter stays whole): here experts 2 and 3, half of
+# them; bit for bit 1 rank's run.
+run szero2 2 --clip 0 --init "$tmp/starve" --recompute "${sim[@]}" --disk-dir "$tmp/d_szero2"
+compare starve1 szero2 1e-6 0 && python3 - "$tmp/szero2.json" <<'PY' \
+  && ok "2 sharded sim ranks without --ep load the experts that got tokens, bit for bit 1 rank's run" || bad "2 sharded sim ranks' experts"
+import json, sys
+rs = [json.loads(l) for l in open(sys.argv[1])]
+assert rs and all(r["expert_chunks"] > 0 and 2 * r["expert_chunks_loaded"] == r["expert_chunks"] for r in rs), \
+    [(r.get("expert_chunks_loaded"), r.get("expert_chunks")) for r in rs]
+PY
 
 # 16-bit compute and compressed AdamW state, 3 steps each (docs/ranks.md, "16-bit numerics and
 # compressed AdamW state"). --precision bf16 and fp16: the pieces compute the whole op's 16-bit
