@@ -453,6 +453,8 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
 //   holds at once on 1F1B (min(pp - s, m): pp on the first, one on the last; each its ops' span of
 //   the activation arena, as runtime/pipeline.c allocates them), the activation-gradient arena,
 //   and on a GPU the kernels' scratch.
+// - On a GPU each stage's cycle also has its micro-batch's uploads (the batch and its positions,
+//   before the forward and again before the backward ops: runtime/engine.c), as a resident rank's.
 static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                                  const struct fy_probe *probe, struct fy_cost *out) {
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
@@ -553,6 +555,7 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
   const double scratch = gpu && st == FY_OK ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   const double fixed = st == FY_OK ? 4.0 * (double)(g->grad_elems + g->scratch_elems + g->B * g->T) + scratch : 0;
   const double hidden_bytes = (double)(k->micro_batch * k->seq * cfg->hidden_size) * pb;  // a stage's output
+  const double bt = (double)(k->micro_batch * k->seq);
   double c[FY_COST_MAX_STAGES], x[FY_COST_MAX_STAGES] = {0}, cmax = 0, csum = 0, xsum = 0, period = 0;
   double dp_max = 0, opt_max = 0, tp_max = 0;
   int worst = 0, worst_mem = 0;
@@ -562,7 +565,10 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
     const double sum = acc ? P[s] * ((double)(m - 1) * (gpu ? gpu_grad_sum_bytes(cb, false) : 12.0) +
                                      (gpu ? gpu_grad_sum_bytes(cb, true) : 4.0)) / (double)m / mem
                            : 0;
-    c[s] = F[s] + Bk[s] + sum;
+    // on a GPU each stage uploads the micro-batch's ids, targets, mask and positions before its
+    // forward ops and again before its backward ones (runtime/engine.c, stage_batch), on its path
+    const double up = gpu ? 2 * (4 * bt * 4 / (probe->h2d_gbps * 1e9) + 4 * probe->copy_latency_us * 1e-6) : 0;
+    c[s] = F[s] + Bk[s] + sum + up;
     out->stage_s[s] = c[s];
     if (c[s] > cmax) cmax = c[s], worst = s, tp_max = tpc[s];
     csum += c[s];
@@ -1248,9 +1254,10 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
                         pp, (long long)layers);
   if (pp > FY_COST_MAX_STAGES) return fy_error_set(FY_ERR_INVALID, "plan: pp %d: at most %d stages", pp, FY_COST_MAX_STAGES);
   if (k->optimizer_lag) return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag 1 does not run on pipeline stages");
-  if (strcmp(probe->device, "cuda") == 0)
-    return fy_error_set(FY_ERR_INVALID, "plan: pipeline stages (pp %d) on a GPU are planned resident, each stage's layers "
-                        "on its GPUs (resident true); offloaded stages are planned on the sim device", pp);
+  // A GPU stage's messages are its activations' dtype (bf16: 2 bytes a value), NCCL send/recv
+  // between the GPUs; the sim device's floats through host memory.
+  const bool gpu = strcmp(probe->device, "cuda") == 0;
+  const double vb = gpu && compute_dtype(k, probe) == FY_BF16 ? 2 : 4;
   // The two micro-batch counts: m itself (up to ACCUM_SIMULATED, the rest extrapolated as
   // fy_cost_simulate does) and one beside it, both accumulating when m does.
   const int64_t a = m < ACCUM_SIMULATED ? m : ACCUM_SIMULATED, b = a - 1 >= 2 ? a - 1 : a + 1;
@@ -1294,7 +1301,7 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
     if (f[s] > fmax) fmax = f[s];
     csum += c[s];
     if (s < pp - 1) {
-      x[s] = (double)(k->micro_batch * k->seq * cfg->hidden_size) * 4 /
+      x[s] = (double)(k->micro_batch * k->seq * cfg->hidden_size) * vb /
              (fy_cluster_p2p_gbps(&k->cluster, probe, s * tp, (s + 1) * tp, tp) * 1e9);
       xsum += x[s];
     }

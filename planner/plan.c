@@ -129,10 +129,33 @@ static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp,
   return n;
 }
 
-bool fy_plan_pp_runs(const char *device) {
-  // runtime/pipeline.c runs stages on the cpu device; plans run on sim and cuda, where they do not
-  // yet. (The merge that runs them there says so here.)
-  return device && (strcmp(device, "cpu") == 0 || strcmp(device, "sim") == 0);
+const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg, const struct fy_plan_knobs *k) {
+  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
+  const bool moe = cfg->num_local_experts > 0, zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
+  const bool lag = k->optimizer_lag > 0, compressed = k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0;
+  if (!device || strcmp(device, "cpu") == 0) return NULL;  // (priced, never run from a plan)
+  const bool cuda = strcmp(device, "cuda") == 0;
+  if (!cuda && strcmp(device, "sim") != 0) return "plans run on the sim device and on GPUs (cuda)";
+  if (k->resident && !cuda) return "a resident plan keeps the whole model on a GPU: it runs with --device cuda";
+  if (moe && pp > 1)  // (runtime/run.c: its load-balancing term is not carried across stages)
+    return "pipeline stages of a mixture of experts do not run";
+  if (k->ep > 1 && (pp > 1 || tp > 1)) return "expert parallelism runs over data-parallel ranks alone (pp 1, tp 1)";
+  if (moe && tp > 1) return "a mixture of experts is not split over tensor-parallel ranks";
+  if (dp > 1 && !k->resident && !zero)
+    return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
+  if (!cuda) return NULL;
+  // (runtime/run.c and train_opts.c: what a GPU run refuses)
+  if (k->ep > 1) return "expert parallelism runs on --device cpu and sim, not on GPUs";
+  if (moe && dp > 1 && !k->resident) return "a mixture of experts on several GPUs runs as resident replicas";
+  if (pp > 1 && lag) return "pipeline stages on GPUs run without --optimizer-lag";
+  if (pp > 1 && compressed) return "pipeline stages on GPUs keep fp32 AdamW state";
+  if (k->resident && dp > 1 && zero)
+    return "resident data-parallel ranks on GPUs run as replicas (pattern replicate), not with their optimizer state "
+           "sharded (zero: ZeRO-1)";
+  if (k->resident && tp > 1 && dp > 1)
+    return "resident tensor-parallel GPUs run with dp 1 (a grid of data- and tensor-parallel GPUs shards its chunks "
+           "offloaded: --offload)";
+  return NULL;
 }
 
 // One dp x pp x tp layout with offloaded stages (the sim device: runtime/run.c runs each stage on
@@ -149,10 +172,13 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
   FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
   const int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems, line = 16 * (int64_t)dp;
   fy_graph_free(g);
+  // (on a GPU, beside the resident and flat offloaded plans, the smallest chunk alone: its stages'
+  // search stays a few seconds for OPT-30B on 8 GPUs)
+  const int64_t most_mult = strcmp(probe->device, "cuda") == 0 ? 1 : 2;
   for (int64_t micro = per; micro >= 1; micro--) {
     if (per % micro) continue;
     for (int rc = 0; rc < 2; rc++)
-      for (int64_t mult = 1; mult <= 2; mult *= 2) {
+      for (int64_t mult = 1; mult <= most_mult; mult *= 2) {
         if (mult > 1 && min_chunk * mult / 2 > total) break;
         const int64_t ce = (min_chunk * mult + line - 1) / line * line;
         for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
@@ -161,6 +187,7 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
                                     .cluster = *cl};
           snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
           snprintf(k.precision, sizeof k.precision, "%s", prec);
+          if (fy_plan_refused(probe->device, cfg, &k)) return FY_OK;  // (none of this layout's runs)
           struct fy_cost c;
           FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
           ++*tried;
@@ -176,16 +203,19 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
   return FY_OK;
 }
 
-// The layouts of `ranks` a grid allows, each priced resident stage by stage (fy_plan_search_grid
-// with a cluster or a fixed axis; or, where pipelines run, the pp > 1 ones beside the other plans:
-// pp_only); on the sim device (offloaded) the pipelines' stages offloaded, each its own chunks.
+// The layouts of `ranks` a grid allows that ferry train runs (fy_plan_refused), each priced stage
+// by stage: resident on its GPUs (fy_plan_search_grid with a cluster or a fixed axis; or, beside
+// the other plans, the pp > 1 ones: pp_only), and offloaded stages, each its own chunks, on the sim
+// device and, beside the other plans, on GPUs (not on a cluster: offloaded plans are not priced
+// there). A layout of one stage is kept in *flat, one of several in *staged (the caller chooses).
 static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
-                                const struct fy_plan_grid *grid, bool pp_only, const struct fy_probe *probe,
-                                struct fy_plan *best, int *tried, int *layouts, double *least, char *least_what,
-                                size_t least_cap) {
+                                const struct fy_plan_grid *grid, bool pp_only, bool offload_only,
+                                const struct fy_probe *probe, struct fy_plan *flat, struct fy_plan *staged, int *tried,
+                                int *layouts, double *least, char *least_what, size_t least_cap) {
   const struct fy_cluster *cl = &grid->cluster;
   const int64_t layers = cfg->num_hidden_layers;
-  const bool offloaded = strcmp(probe->device, "sim") == 0;
+  const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
+  const bool resident = !sim && !offload_only, offloaded = sim || (cuda && pp_only);
   for (int tp = 1; tp <= ranks; tp++) {
     if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (grid->tp && tp != grid->tp)) continue;
     if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
@@ -195,12 +225,13 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
       if ((grid->dp && dp != grid->dp) || batch % dp) continue;
       const int64_t per = batch / dp;
       ++*layouts;
-      if (offloaded) {  // (each stage offloading its own chunks: the sim device's pipeline)
-        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, best, tried, least, least_what,
+      if (offloaded && pp > 1)  // (each stage offloading its own chunks)
+        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, staged, tried, least, least_what,
                                        least_cap));
-        continue;
-      }
-      for (int64_t micro = per; micro >= 1; micro--) {
+      if (offloaded && pp == 1 && sim)  // (one stage on sim: an offloaded rank of the grid)
+        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, flat, tried, least, least_what,
+                                       least_cap));
+      for (int64_t micro = per; resident && micro >= 1; micro--) {
         if (per % micro) continue;
         for (int rc = 0; rc < 2; rc++)
           for (int z = 0; z < (dp > 1 ? 2 : 1); z++) {
@@ -208,6 +239,11 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
                                       .dp = dp, .tp = tp, .pp = pp, .resident = true, .cluster = *cl};
             snprintf(k.pattern, sizeof k.pattern, "%s", z ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);
+            const char *no = fy_plan_refused(probe->device, cfg, &k);
+            if (no) {  // (said when no layout runs: while none was priced, the last refused)
+              if (!isfinite(*least)) snprintf(least_what, least_cap, "dp %d x pp %d x tp %d %s: %s", dp, pp, tp, k.pattern, no);
+              continue;
+            }
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             ++*tried;
@@ -215,12 +251,21 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
               *least = c.device_peak;
               snprintf(least_what, least_cap, "%s", c.why);
             }
-            consider(&k, &c, best);
+            consider(&k, &c, pp > 1 ? staged : flat);
           }
       }
     }
   }
   return FY_OK;
+}
+
+// A plan of pipeline stages is the more involved run (its bubble, its sends, a rank per stage):
+// the fastest plan without them stands when it is within 5% of the stages' (replicas before
+// stages when the model fits); stages are chosen when they are faster than that, or alone fit.
+static void choose_stages(struct fy_plan *best, const struct fy_plan *staged) {
+  if (!staged->predicted.fits) return;
+  if (best->predicted.fits && best->predicted.step_s <= 1.05 * staged->predicted.step_s) return;
+  *best = *staged;
 }
 
 fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
@@ -263,8 +308,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
     if ((offload_only && strcmp(probe->device, "sim") != 0) || optimizer_lag || sf != FY_STATE_F32)
       return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced resident, each stage "
                           "on its GPUs with fp32 AdamW state (no --offload, --optimizer-lag or --optimizer-state)");
-    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, probe, best, &tried, &grids, &least, least_why,
-                          sizeof least_why));
+    struct fy_plan staged = *best;
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, offload_only, probe, best, &staged, &tried, &grids,
+                          &least, least_why, sizeof least_why));
+    choose_stages(best, &staged);
     if (n_tried) *n_tried = tried;
     if (grids == 0)
       return fy_error_set(FY_ERR_INVALID, "plan: no dp x pp x tp layout of %d ranks for %s: tp must divide the %lld "
@@ -272,6 +319,9 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
                           model, (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim,
                           cl->nodes > 0 ? " and the GPUs of a node" : "", (long long)cfg->num_hidden_layers,
                           (long long)batch);
+    if (!best->predicted.fits && !isfinite(least))
+      return fy_error_set(FY_ERR_UNSUPPORTED, "plan: no dp x pp x tp layout of %d ranks for %s that ferry train runs on "
+                          "%s: %s", ranks, model, probe->device, least_why);
     if (!best->predicted.fits) {
       char have[32], need[32];
       return fy_error_set(FY_ERR_NOMEM, "no layout of %s with %lld x %lld tokens a step fits %s a GPU; the least any "
@@ -287,7 +337,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
   // A mixture of experts trains without tp (its experts are not split: core/opt.c), and on a GPU
   // on one rank or as resident replicas (runtime/run.c).
-  const bool moe = cfg->num_local_experts > 0, moe_gpu = moe && strcmp(probe->device, "cuda") == 0;
+  const bool moe = cfg->num_local_experts > 0;
   for (int tp = 1; tp <= ranks; tp++) {
     if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (moe && tp > 1)) continue;
     int dp = ranks / tp;
@@ -303,6 +353,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
                                   .dp = dp, .tp = 1, .resident = true};
         snprintf(k.pattern, sizeof k.pattern, "replicate");
         snprintf(k.precision, sizeof k.precision, "%s", prec);
+        if (fy_plan_refused(probe->device, cfg, &k)) continue;
         struct fy_cost c;
         FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
         tried++;
@@ -310,7 +361,12 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
         consider(&k, &c, &resident);
       }
     }
-    if (moe_gpu && dp > 1) continue;  // (its offloaded ranks would shard the chunks: not run yet)
+    {  // (the offloaded ranks of this grid, sharding the chunks over dp: when ferry train runs them)
+      struct fy_plan_knobs ko = {.dp = dp, .tp = tp, .optimizer_lag = optimizer_lag};
+      snprintf(ko.pattern, sizeof ko.pattern, "%s", dp > 1 ? "zero" : "replicate");
+      if (sf != FY_STATE_F32) snprintf(ko.optimizer_state, sizeof ko.optimizer_state, "%s", fy_state_format_name(sf));
+      if (fy_plan_refused(probe->device, cfg, &ko)) continue;
+    }
     // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
     struct fy_graph *g;
     FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
@@ -389,18 +445,22 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
         }
     }
   }
-  // Pipelines (pp > 1), where their stages run: each stage resident on its GPUs, beside the rest.
-  // (Not of a mixture of experts: its load-balancing term is not carried across stages, runtime/run.c.)
-  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32 && !moe) {
-    int layouts = 0;
-    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, probe, best, &tried, &layouts, &least, least_why,
-                          sizeof least_why));
-    grids += layouts;
-  }
   // A resident plan is the simpler run (no host tier, no cache): it stands when it is within 2% of
   // the fastest (an offloaded plan with every chunk on the device can come out a hair ahead).
   if (resident.predicted.fits && !best->k.resident && resident.predicted.step_s <= 1.02 * best->predicted.step_s)
     *best = resident;
+  // Pipelines (pp > 1) that ferry train runs (fy_plan_refused; search_layouts): each stage resident
+  // on its GPUs, or offloading its own chunks (sim; GPUs), beside the rest, chosen over them only
+  // when clearly faster or alone fitting (choose_stages).
+  if (!optimizer_lag && sf == FY_STATE_F32 && !moe) {
+    int layouts = 0;
+    struct fy_plan staged = resident, none = resident;
+    staged.predicted.fits = none.predicted.fits = false;
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, offload_only, probe, &none, &staged, &tried,
+                          &layouts, &least, least_why, sizeof least_why));
+    grids += layouts;
+    choose_stages(best, &staged);
+  }
   if (grids == 0)
     return fy_error_set(FY_ERR_INVALID, "plan: no way to lay %d ranks out for %s: the tensor-parallel size must divide "
                         "the %lld heads and the feed-forward size %lld, and the data-parallel size the batch of %lld",

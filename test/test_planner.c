@@ -193,31 +193,31 @@ static void check_pipeline(void) {
            "pp 4, m %d: %.4f s of passes, %.4f s = (m + 3) x %.4f", m, c.step_s - c.optim_s - c.p2p_s, (m + 3) * cyc, cyc);
   }
 
-  // A fixed layout priced (ferry plan --dp 2 --pp 4 --tp 2 on 4 nodes of 4 GPUs): the layout
-  // asked for, and its step put together as documented from the stages' cycles, the sends (a
-  // hidden state a micro-batch, each tp rank's own, stages 1 -> 2 across nodes at the node's
-  // link over its 2 senders, the others within a node) and the data-parallel reduction (each
-  // stage's ranks 8 apart: one a node, 4 such groups through each node's link).
+  // A fixed layout priced (ferry plan --dp 2 --pp 8 --tp 1 on 4 nodes of 4 GPUs; resident replicas of
+  // the stages, as ferry train runs them): the layout asked for, and its step put together as
+  // documented from the stages' cycles, the sends (a hidden state a micro-batch, stages 3 -> 4
+  // across nodes at the node's link, the others within a node) and the data-parallel reduction
+  // (each stage's ranks 8 apart: one a node, 4 such groups through each node's link).
   {
-    const struct fy_plan_grid grid = {.cluster = {4, 4, 100, 20}, .dp = 2, .pp = 4, .tp = 2};
+    const struct fy_plan_grid grid = {.cluster = {4, 4, 100, 20}, .dp = 2, .pp = 8, .tp = 1};
     struct fy_plan p;
     int tried = 0;
     CHECK_OK(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 16, false, "bf16", 0, NULL, &grid, &g, &p, &tried));
     fy_plan_print(&p, stderr);
     const struct fy_cost *c = &p.predicted;
-    CHECKF(p.dp == 2 && p.pp == 4 && p.tp == 2 && p.k.resident && c->fits && c->pp == 4, "layout dp %d x pp %d x tp %d",
-           p.dp, p.pp, p.tp);
+    CHECKF(p.dp == 2 && p.pp == 8 && p.tp == 1 && p.k.resident && c->fits && c->pp == 8 &&
+               strcmp(p.pattern, "replicate") == 0, "layout dp %d x pp %d x tp %d %s", p.dp, p.pp, p.tp, p.pattern);
     const double m = (double)p.k.grad_accum, hid = (double)p.k.micro_batch * 2048 * 5120 * 2;
-    const double x[3] = {hid / 100e9, hid / (20e9 / 2), hid / 100e9};
-    double period = 0, sum = 0, xs = x[0] + x[1] + x[2];
-    for (int s = 0; s < 4; s++) {
-      const double cyc = c->stage_s[s] + (s > 0 ? x[s - 1] : 0) + (s < 3 ? x[s] : 0);
+    double x[7], period = 0, sum = 0, xs = 0;
+    for (int s = 0; s < 7; s++) xs += x[s] = hid / (s == 3 ? 20e9 : 100e9);
+    for (int s = 0; s < 8; s++) {
+      const double cyc = c->stage_s[s] + (s > 0 ? x[s - 1] : 0) + (s < 7 ? x[s] : 0);
       if (cyc > period) period = cyc;
       sum += c->stage_s[s];
     }
-    // (and the tied embedding's gradient summed between stage 0, rank 0, and stage 3, rank 6, on
-    // the next node: 50272 x 5120 fp32 sums at 20 GB/s over the 2 ranks sending)
-    const double tied = 50272.0 * 5120 * 4 / (20e9 / 2);
+    // (and the tied embedding's gradient summed between stage 0, rank 0, and stage 7, rank 7, on
+    // the next node: 50272 x 5120 fp32 sums at 20 GB/s)
+    const double tied = 50272.0 * 5120 * 4 / 20e9;
     const double want = (m - 1) * period + sum + 2 * xs + tied + c->dp_comm_s + c->optim_s;
     CHECKF(fabs(c->step_s - want) < 1e-6 * want, "step %.6f s, put together %.6f s", c->step_s, want);
     // the data-parallel reduction: the largest stage's parameters, a ring of 2 at 20 GB/s / 4
@@ -238,7 +238,7 @@ static void check_pipeline(void) {
     CHECK_OK(fy_plan_write(path, &p));
     struct fy_plan back;
     CHECK_OK(fy_plan_read(path, &back));
-    CHECK(back.pp == 4 && back.dp == 2 && back.tp == 2 && back.k.grad_accum == p.k.grad_accum &&
+    CHECK(back.pp == 8 && back.dp == 2 && back.tp == 1 && back.k.grad_accum == p.k.grad_accum &&
           back.k.cluster.nodes == 4 && back.k.cluster.gpus_per_node == 4 && back.k.cluster.inter_gbps == 20);
     CHECK_OK(fy_plan_check(&c13, &back, &g));
     CHECKF(fabs(back.predicted.step_s - c->step_s) < 1e-9 * c->step_s, "read back: %g s, %g s", back.predicted.step_s,
