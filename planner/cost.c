@@ -318,16 +318,15 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks)
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
                         "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
-  if (k->pp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
+  if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
     if (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0 && strcmp(k->pattern, "zero") != 0)
       return fy_error_set(FY_ERR_INVALID, "plan: the data-parallel ranks of pipeline stages replicate their state or "
                           "shard it (zero), not %s", k->pattern);
     return FY_OK;
   }
-  if (k->tp > 1 || (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0))
-    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1, pattern replicate), "
-                        "not %d x %d %s; tensor parallelism on GPUs is planned through the chunks (all of them kept "
-                        "on the device when they fit)", k->dp > 1 ? k->dp : 1, k->tp > 1 ? k->tp : 1, k->pattern);
+  if (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: the data-parallel ranks of a resident plan of one stage are replicas "
+                        "(pattern replicate), not %s", k->pattern);
   return FY_OK;
 }
 
@@ -665,7 +664,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
                         "micro-batch a step (grad_accum 1)");
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
-    if (k->pp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
+    if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
     return simulate_resident(cfg, k, probe, out);
   }
   if (k->pp > 1 && stage < 0) {

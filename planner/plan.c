@@ -204,10 +204,11 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
 }
 
 // The layouts of `ranks` a grid allows that ferry train runs (fy_plan_refused), each priced stage
-// by stage: resident on its GPUs (fy_plan_search_grid with a cluster or a fixed axis; or, beside
-// the other plans, the pp > 1 ones: pp_only), and offloaded stages, each its own chunks, on the sim
-// device and, beside the other plans, on GPUs (not on a cluster: offloaded plans are not priced
-// there). A layout of one stage is kept in *flat, one of several in *staged (the caller chooses).
+// by stage (fy_plan_search_grid with a cluster or a fixed axis; or, beside the other plans,
+// pp_only: the pp > 1 ones, and on a GPU the resident tp > 1 ones of one stage): on a GPU resident on its GPUs unless offload_only, and offloaded, each
+// stage its own chunks, on the sim device, on GPUs beside the other plans (pp_only) and with
+// offload_only. A layout of one stage is kept in *flat, one of several in *staged (the caller
+// chooses between them).
 static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
                                 const struct fy_plan_grid *grid, bool pp_only, bool offload_only,
                                 const struct fy_probe *probe, struct fy_plan *flat, struct fy_plan *staged, int *tried,
@@ -215,11 +216,13 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
   const struct fy_cluster *cl = &grid->cluster;
   const int64_t layers = cfg->num_hidden_layers;
   const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
-  const bool resident = !sim && !offload_only, offloaded = sim || (cuda && pp_only);
+  const bool resident = !sim && !offload_only, offloaded = sim || (cuda && (pp_only || offload_only));
   for (int tp = 1; tp <= ranks; tp++) {
     if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (grid->tp && tp != grid->tp)) continue;
     if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
-    for (int pp = pp_only ? 2 : 1; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
+    // (beside the other plans: pp > 1, and the resident tensor-parallel ranks of one stage, which
+    // the search of dp x tp grids tries offloaded only)
+    for (int pp = pp_only && (tp == 1 || !cuda || !resident) ? 2 : 1; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
       if ((ranks / tp) % pp || layers % pp || pp > layers || (grid->pp && pp != grid->pp)) continue;
       const int dp = ranks / tp / pp;
       if ((grid->dp && dp != grid->dp) || batch % dp) continue;
@@ -228,7 +231,7 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
       if (offloaded && pp > 1)  // (each stage offloading its own chunks)
         FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, staged, tried, least, least_what,
                                        least_cap));
-      if (offloaded && pp == 1 && sim)  // (one stage on sim: an offloaded rank of the grid)
+      if (offloaded && pp == 1 && !pp_only)  // (one stage: an offloaded rank of the grid)
         FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, flat, tried, least, least_what,
                                        least_cap));
       for (int64_t micro = per; resident && micro >= 1; micro--) {
@@ -304,10 +307,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   int tried = 0, grids = 0;
   double least = INFINITY;
   char least_why[320] = "";
-  if (priced) {  // the layouts of the grid, resident stage by stage (on sim, offloaded)
-    if ((offload_only && strcmp(probe->device, "sim") != 0) || optimizer_lag || sf != FY_STATE_F32)
-      return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced resident, each stage "
-                          "on its GPUs with fp32 AdamW state (no --offload, --optimizer-lag or --optimizer-state)");
+  if (priced) {  // the layouts of the grid stage by stage: resident on GPUs, offloaded on sim or with --offload
+    if (optimizer_lag || sf != FY_STATE_F32)
+      return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced with fp32 AdamW state "
+                          "and the exact step (no --optimizer-lag or --optimizer-state)");
     struct fy_plan staged = *best;
     FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, offload_only, probe, best, &staged, &tried, &grids,
                           &least, least_why, sizeof least_why));
@@ -454,9 +457,9 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   // when clearly faster or alone fitting (choose_stages).
   if (!optimizer_lag && sf == FY_STATE_F32 && !moe) {
     int layouts = 0;
-    struct fy_plan staged = resident, none = resident;
-    staged.predicted.fits = none.predicted.fits = false;
-    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, offload_only, probe, &none, &staged, &tried,
+    struct fy_plan staged = resident;
+    staged.predicted.fits = false;
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, offload_only, probe, best, &staged, &tried,
                           &layouts, &least, least_why, sizeof least_why));
     grids += layouts;
     choose_stages(best, &staged);
@@ -567,7 +570,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
           fy_probe_gemm_gflops(&p->machine, strcmp(prec, "bf16") == 0), strcmp(prec, "bf16") == 0 ? "bf16" : "fp32",
           p->machine.h2d_gbps, p->machine.d2h_gbps);
-  const bool staged = (k->resident && (p->pp > 1 || k->cluster.nodes > 0)) || p->pp > 1;
+  const bool staged = (k->resident && (p->pp > 1 || p->tp > 1 || k->cluster.nodes > 0)) || p->pp > 1;
   if (k->cluster.nodes > 0)
     fprintf(f, "  cluster: %d nodes of %d GPUs, %.1f GB/s between a node's GPUs, %.1f GB/s a node between nodes\n",
             k->cluster.nodes, k->cluster.gpus_per_node, k->cluster.intra_gbps, k->cluster.inter_gbps);

@@ -55,14 +55,16 @@ struct fy_plan_grid {
   int dp, pp, tp;
 };
 // The same on a grid: without a cluster or a fixed axis, fy_plan_search_state's plans, and
-// pipelines (pp > 1), resident and offloaded, that ferry train runs (fy_plan_refused): chosen over
-// the plans without stages only when they are more than 5% faster (or alone fit). With a cluster or an axis fixed it
-// prices layouts: every dp x pp x tp grid of the ranks (tp dividing the heads, the feed-forward
-// size and a node's GPUs, pp the decoder layers, dp the batch; the fixed axes as given), each
-// micro-batch count, recomputation and data-parallel pattern (replicate, zero), each stage
-// resident on its GPUs (fy_cost_simulate's stage-by-stage cost); offloaded plans are not priced
-// on a cluster. FY_ERR_INVALID naming the numbers when the grid or a fixed axis cannot be laid
-// out; FY_ERR_NOMEM with the fixed layout's memory (or the least any layout needs) when none fits.
+// pipelines (pp > 1), resident and offloaded, that ferry train runs (fy_plan_refused), chosen over
+// the plans without stages only when more than 5% faster (or alone fitting). With a cluster or an
+// axis fixed it prices layouts: every dp x pp x tp grid of the ranks (tp dividing the heads, the
+// feed-forward size and a node's GPUs, pp the decoder layers, dp the batch; the fixed axes as
+// given) that ferry train runs, each micro-batch count, recomputation and data-parallel pattern
+// (replicate, zero) it runs, each stage resident on its GPUs (fy_cost_simulate's stage-by-stage
+// cost) or, on sim and with offload_only, offloaded; the same preference for one stage.
+// FY_ERR_INVALID naming the numbers when the grid or a fixed axis cannot be laid out;
+// FY_ERR_UNSUPPORTED with the reason when ferry train runs none of its layouts; FY_ERR_NOMEM with
+// the fixed layout's memory (or the least any layout needs) when none fits.
 fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                               int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
                               const struct fy_plan_grid *grid, const struct fy_probe *probe, struct fy_plan *best,

@@ -18,7 +18,8 @@
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
 # checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
-# checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint, and dp 2 x
+# checkpoint, and planned; plans of 2 resident stages, 2 resident tp slices and 2 offloaded stages
+# = 1 rank; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint, and dp 2 x
 # pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with four GPUs, dp 2 x pp 2 x
 # tp 2 with eight; two ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
@@ -237,6 +238,31 @@ else
   cat "$d/rplan_plan.out"
   echo "FAIL  the plan for 2 GPUs with room for the whole model is not 2 resident replicas"
 fi
+# Plans of other layouts that ferry train runs on GPUs, written by ferry plan with an axis fixed and
+# run from their file under mpirun (4 of the 8 steps each): two resident stages (--pp 2) and two
+# resident tensor-parallel slices (--tp 2, dp 1) = 1 rank in fp32; two offloaded stages (--pp 2
+# --offload, each its own chunks through its GPU's cache) = 1 rank in bf16.
+for lay in "pp 2 fp32 onefp32 1e-4" "tp 2 fp32 onefp32 1e-4" "pp 2 bf16 onebf16 2e-2 --offload"; do
+  set -- $lay
+  ax=$1 n=$2 p=$3 ref=$4 tol=$5 off=${6:-}
+  name="plan$ax$p${off:+off}"
+  lim=(--device-mem 2GiB --host-mem 64KiB)
+  [ -n "$off" ] && lim=(--device-mem "$mem" --host-mem 1GiB)
+  FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --"$ax" "$n" $off "${lim[@]}" --precision "$p" \
+    --model "$model" --batch 4 --seq "$seq" --out "$d/$name.json" >"$d/${name}_plan.out" 2>&1 || { cat "$d/${name}_plan.out"; exit 1; }
+  if grep -q "\"$ax\":$n" "$d/$name.json" && grep -q "\"resident\":$([ -n "$off" ] && echo false || echo true)" "$d/$name.json"; then
+    if [ -n "$off" ]; then
+      run "$name" 2 --plan "$d/$name.json" --stop-after 4 || exit 1
+    else
+      RES=1 run "$name" 2 --plan "$d/$name.json" --stop-after 4 || exit 1
+    fi
+    check "a plan of $ax $n${off:+ $off} for 2 GPUs, $p = 1 rank x 4" "$ref" "$name" "$tol"
+  else
+    fail=$((fail + 1))
+    cat "$d/${name}_plan.out"
+    echo "FAIL  ferry plan --gpus 2 --$ax $n${off:+ $off} on cuda is not that layout"
+  fi
+done
 
 # Without --offload, --tp keeps each rank's slices on its GPU with their gradients and AdamW state
 # (updated there; the cache is not used): = 1 rank in fp32, and a checkpoint of it resumes on
