@@ -243,8 +243,9 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
             snprintf(k.pattern, sizeof k.pattern, "%s", z ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);
             const char *no = fy_plan_refused(probe->device, cfg, &k);
-            if (no) {  // (said when no layout runs: while none was priced, the last refused)
-              if (!isfinite(*least)) snprintf(least_what, least_cap, "dp %d x pp %d x tp %d %s: %s", dp, pp, tp, k.pattern, no);
+            if (no) {  // (said when no layout runs: the first refused, while none was priced)
+              if (!isfinite(*least) && !least_what[0])
+                snprintf(least_what, least_cap, "dp %d x pp %d x tp %d resident, %s: %s", dp, pp, tp, k.pattern, no);
               continue;
             }
             struct fy_cost c;
@@ -324,7 +325,8 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
                           (long long)batch);
     if (!best->predicted.fits && !isfinite(least))
       return fy_error_set(FY_ERR_UNSUPPORTED, "plan: no dp x pp x tp layout of %d ranks for %s that ferry train runs on "
-                          "%s: %s", ranks, model, probe->device, least_why);
+                          "%s: %s%s", ranks, model, probe->device, least_why,
+                          offload_only ? "" : " (--offload prices the layout offloaded)");
     if (!best->predicted.fits) {
       char have[32], need[32];
       return fy_error_set(FY_ERR_NOMEM, "no layout of %s with %lld x %lld tokens a step fits %s a GPU; the least any "
