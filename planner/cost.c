@@ -429,6 +429,44 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   return FY_OK;
 }
 
+// A resident pipeline stage's bytes on its GPU as the runtime allocates them (one tp rank: the
+// cuda engine's model of the stage's parameters alone, runtime/model.c; then runtime/pipeline.c's
+// arenas, one span of the activations for each of the `held` micro-batches in flight, allocated
+// while the model's whole arena is still there: the peak). -1 when the graph cannot be built.
+static double resident_stage_bytes(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, bool bf16, int s,
+                                   int64_t held) {
+  struct fy_graph *g;
+  if (resident_graph(cfg, k->micro_batch, k->seq, k->recompute, true, bf16, &g) != FY_OK) return -1;
+  int lo, hi;
+  struct fy_chunk_layout *l = NULL;
+  double bytes = -1;
+  if (fy_graph_stage_ops(g, cfg->num_hidden_layers, k->pp, s, &lo, &hi) == FY_OK) {
+    fy_graph_set_stage(g, lo, hi);
+    if (fy_chunk_layout_create(g, 0, &l) == FY_OK) {
+      int64_t a_lo = g->act_elems, a_hi = 0;
+      for (int o = lo; o < hi; o++) {
+        const struct fy_op *op = &g->ops[o];
+        int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+        for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
+        touched[n++] = op->out;
+        for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
+        for (int j = 0; j < n; j++) {
+          const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
+          if (a < a_lo) a_lo = a;
+          if (b > a_hi) a_hi = b;
+        }
+      }
+      const size_t span = (size_t)(a_hi > a_lo ? a_hi - a_lo : 1) * 4;
+      bytes = fy_graph_model_bytes(g, cfg->hidden_size, true, bf16, k->grad_accum > 1, FY_CUDA_ALLOC_GRANULE) +
+              (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) +
+              (double)held * (double)fy_device_round(span, FY_CUDA_ALLOC_GRANULE);
+      fy_chunk_layout_free(l);
+    }
+  }
+  fy_graph_free(g);
+  return bytes;
+}
+
 // A resident layout costed stage by stage (knobs.pp > 1, or resident tensor-parallel ranks): each
 // of the pp stages runs its decoder layers (the embeddings with the first, the final norm, lm_head
 // and loss with the last: fy_graph_stage_ops, as runtime/pipeline.c splits them) on one rank of
@@ -577,6 +615,11 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
     }
     const int64_t held = pp - s < m ? pp - s : m;
     out->stage_bytes[s] = P[s] * per_param + (double)held * span[s] + fixed;
+    // one GPU a stage, its state whole (tp 1, replicated): the runtime's allocations, to the byte
+    if (gpu && tp == 1 && !zero && pp > 1) {
+      const double exact = resident_stage_bytes(cfg, k, act16, s, held);
+      if (exact > 0) out->stage_bytes[s] = exact;
+    }
     if (out->stage_bytes[s] > out->stage_bytes[worst_mem]) worst_mem = s;
     // the stage's gradients over its data-parallel group (its ranks pp x tp apart); zero's reduced
     // to their shards and the updated weights gathered back

@@ -241,7 +241,8 @@ fi
 # Plans of other layouts that ferry train runs on GPUs, written by ferry plan with an axis fixed and
 # run from their file under mpirun (4 of the 8 steps each): two resident stages (--pp 2) and two
 # resident tensor-parallel slices (--tp 2, dp 1) = 1 rank in fp32; two offloaded stages (--pp 2
-# --offload, each its own chunks through its GPU's cache) = 1 rank in bf16.
+# --offload, each its own chunks through its GPU's cache) = 1 rank in bf16; the stages' first
+# peaking where their plan says.
 for lay in "pp 2 fp32 onefp32 1e-4" "tp 2 fp32 onefp32 1e-4" "pp 2 bf16 onebf16 2e-2 --offload"; do
   set -- $lay
   ax=$1 n=$2 p=$3 ref=$4 tol=$5 off=${6:-}
@@ -257,6 +258,16 @@ for lay in "pp 2 fp32 onefp32 1e-4" "tp 2 fp32 onefp32 1e-4" "pp 2 bf16 onebf16 
       RES=1 run "$name" 2 --plan "$d/$name.json" --stop-after 4 || exit 1
     fi
     check "a plan of $ax $n${off:+ $off} for 2 GPUs, $p = 1 rank x 4" "$ref" "$name" "$tol"
+    # (a pipeline's stage 0, rank 0, peaks where the plan says, to the log's 100 bytes)
+    if [ "$ax" = pp ]; then
+      if python3 - "$d/$name.json" "$d/$name.jsonl" <<'PY'; then pass=$((pass + 1)); echo "ok    its stage 0's device peak as planned"; else fail=$((fail + 1)); echo "FAIL  $name: stage 0's device peak"; fi
+import json, sys
+said = json.load(open(sys.argv[1]))["predicted"]["stage_peak_bytes"][0]
+got = max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[2]) if l.startswith("{")) * 2 ** 20
+print("      stage 0: planned %.0f bytes, ran %.0f" % (said, got))
+sys.exit(0 if abs(got - said) <= 100 else 1)
+PY
+    fi
   else
     fail=$((fail + 1))
     cat "$d/${name}_plan.out"
