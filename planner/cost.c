@@ -490,6 +490,9 @@ static double resident_stage_bytes(const struct fy_opt_config *cfg, const struct
 //   holds at once on 1F1B (min(pp - s, m): pp on the first, one on the last; each its ops' span of
 //   the activation arena, as runtime/pipeline.c allocates them), the activation-gradient arena,
 //   and on a GPU the kernels' scratch.
+// - On a GPU with one GPU a stage and its state whole (tp 1, replicate), a stage's memory is the
+//   runtime's allocations to the byte instead (resident_stage_bytes), the model's whole activation
+//   arena among them at the peak.
 // - On a GPU each stage's cycle also has its micro-batch's uploads (the batch and its positions,
 //   before the forward and again before the backward ops: runtime/engine.c), as a resident rank's.
 static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
@@ -596,6 +599,7 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
   double c[FY_COST_MAX_STAGES], x[FY_COST_MAX_STAGES] = {0}, cmax = 0, csum = 0, xsum = 0, period = 0;
   double dp_max = 0, opt_max = 0, tp_max = 0;
   int worst = 0, worst_mem = 0;
+  bool exact_mem = false;  // (stage_bytes the runtime's allocations: resident_stage_bytes)
   out->pp = pp;
   for (int s = 0; s < pp && st == FY_OK; s++) {
     // with accumulation each micro-batch's gradients added to the fp32 sum (the first copied in)
@@ -618,7 +622,7 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
     // one GPU a stage, its state whole (tp 1, replicated): the runtime's allocations, to the byte
     if (gpu && tp == 1 && !zero && pp > 1) {
       const double exact = resident_stage_bytes(cfg, k, act16, s, held);
-      if (exact > 0) out->stage_bytes[s] = exact;
+      if (exact > 0) out->stage_bytes[s] = exact, exact_mem = true;
     }
     if (out->stage_bytes[s] > out->stage_bytes[worst_mem]) worst_mem = s;
     // the stage's gradients over its data-parallel group (its ranks pp x tp apart); zero's reduced
@@ -666,9 +670,12 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
       snprintf(out->why, sizeof out->why,
                "stage %d of %d (dp %d x pp %d x tp %d) needs %.2f GiB a GPU: weights, gradients and AdamW state of "
                "%.3g parameters %.2f GiB, activations of %lld micro-batch%s in flight %.2f GiB, gradient arena, "
-               "scratch and batch %.2f GiB; the device has %.2f GiB", s, pp, dp, pp, tp, out->device_peak / 1073741824.0,
+               "scratch and batch%s %.2f GiB; the device has %.2f GiB", s, pp, dp, pp, tp, out->device_peak / 1073741824.0,
                P[s], P[s] * per_param / 1073741824.0, (long long)held, held == 1 ? "" : "es",
-               (double)held * span[s] / 1073741824.0, fixed / 1073741824.0, probe->device_mem / 1073741824.0);
+               (double)held * span[s] / 1073741824.0,
+               exact_mem ? " (and the model's whole activation arena, kept until the stage's are allocated)" : "",
+               (out->device_peak - P[s] * per_param - (double)held * span[s]) / 1073741824.0,
+               probe->device_mem / 1073741824.0);
     }
     step_rates(out, k, probe);
   }
