@@ -124,8 +124,9 @@ struct fy_cost {
   double chunk_bytes;
   double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
   int64_t loads_per_step;
-  // A resident plan of pipeline stages (knobs.pp > 1), tensor-parallel ranks or on a cluster, costed stage by stage: the 1F1B bubble (the idle share of the slowest stage's step, (p - 1) / (m + p - 1) for
-  // p equal stages and m micro-batches), the point-to-point sends' seconds on the step's path
+  // A resident plan of pipeline stages (knobs.pp > 1), of tensor-parallel ranks or on a cluster,
+  // costed stage by stage: the 1F1B bubble (the idle share of the slowest stage's step,
+  // (p - 1) / (m + p - 1) for p equal stages and m micro-batches), the point-to-point sends' seconds on the step's path
   // (p2p_s), the data-parallel gradient reduction (dp_comm_s, the slowest stage's) and the
   // tensor-parallel collectives (tp_comm_s, inside the stages' compute); each stage's device bytes
   // (stage_bytes[s], s < FY_COST_MAX_STAGES; device_peak their largest), compute seconds a

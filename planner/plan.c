@@ -205,10 +205,10 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
 
 // The layouts of `ranks` a grid allows that ferry train runs (fy_plan_refused), each priced stage
 // by stage (fy_plan_search_grid with a cluster or a fixed axis; or, beside the other plans,
-// pp_only: the pp > 1 ones, and on a GPU the resident tp > 1 ones of one stage): on a GPU resident on its GPUs unless offload_only, and offloaded, each
-// stage its own chunks, on the sim device, on GPUs beside the other plans (pp_only) and with
-// offload_only. A layout of one stage is kept in *flat, one of several in *staged (the caller
-// chooses between them).
+// pp_only: the pp > 1 ones, and on a GPU the resident tp > 1 ones of one stage): on a GPU resident
+// on its GPUs unless offload_only, and offloaded, each stage its own chunks, on the sim device, on
+// GPUs beside the other plans (pp_only) and with offload_only. A layout of one stage is kept in
+// *flat, one of several in *staged (the caller chooses between them).
 static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
                                 const struct fy_plan_grid *grid, bool pp_only, bool offload_only,
                                 const struct fy_probe *probe, struct fy_plan *flat, struct fy_plan *staged, int *tried,
@@ -222,7 +222,8 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
     if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
     // (beside the other plans: pp > 1, and the resident tensor-parallel ranks of one stage, which
     // the search of dp x tp grids tries offloaded only)
-    for (int pp = pp_only && (tp == 1 || !cuda || !resident) ? 2 : 1; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
+    const int pp_lo = pp_only && (tp == 1 || !cuda || !resident) ? 2 : 1;
+    for (int pp = pp_lo; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
       if ((ranks / tp) % pp || layers % pp || pp > layers || (grid->pp && pp != grid->pp)) continue;
       const int dp = ranks / tp / pp;
       if ((grid->dp && dp != grid->dp) || batch % dp) continue;

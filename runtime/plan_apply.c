@@ -26,9 +26,9 @@
 // refuses a plan that does not fit when it sets up). A resident plan (ferry plan --device cuda
 // for a model that fits the GPU whole) runs with --device cuda without --offload, its ranks
 // replicas, pipeline stages (dp x pp) or, with dp 1, tensor-parallel slices kept on the GPUs;
-// an offloaded one with --offload, its layout any dp x pp x tp. With several ranks (comm), rank 0 alone reads or measures the machine (timing it while
-// the others time it too would measure them all) and every rank plans from its figures: the same
-// plan everywhere.
+// an offloaded one with --offload, its layout any dp x pp x tp. With several ranks (comm), rank 0
+// alone reads or measures the machine (timing it while the others time it too would measure them
+// all) and every rank plans from its figures: the same plan everywhere.
 // seq_given: --seq was given (not the default), so a plan for other sequences says it overrides it.
 fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_given) {
   const bool cuda = o->device && strcmp(o->device, "cuda") == 0, automatic = strcmp(o->plan, "auto") == 0;
