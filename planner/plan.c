@@ -205,8 +205,7 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
 
 // The layouts of `ranks` a grid allows that ferry train runs (fy_plan_refused), each priced stage
 // by stage (fy_plan_search_grid with a cluster or a fixed axis; or, beside the other plans,
-// pp_only: the pp > 1 ones, and on a GPU the resident tp > 1 ones of one stage): on a GPU resident
-// on its GPUs unless offload_only, and offloaded, each stage its own chunks, on the sim device, on
+// pp_only: the pp > 1 ones): on a GPU resident on its GPUs unless offload_only, and offloaded, each stage its own chunks, on the sim device, on
 // GPUs beside the other plans (pp_only) and with offload_only. A layout of one stage is kept in
 // *flat, one of several in *staged (the caller chooses between them).
 static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
@@ -220,10 +219,10 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
   for (int tp = 1; tp <= ranks; tp++) {
     if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (grid->tp && tp != grid->tp)) continue;
     if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
-    // (beside the other plans: pp > 1, and the resident tensor-parallel ranks of one stage, which
-    // the search of dp x tp grids tries offloaded only)
-    const int pp_lo = pp_only && (tp == 1 || !cuda || !resident) ? 2 : 1;
-    for (int pp = pp_lo; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
+    // (Beside the other plans: pp > 1. The resident tensor-parallel ranks of one stage run as an
+    // offload engine with every chunk on its GPU, which the search of dp x tp grids prices as such,
+    // device chunks and host memory included.)
+    for (int pp = pp_only ? 2 : 1; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
       if ((ranks / tp) % pp || layers % pp || pp > layers || (grid->pp && pp != grid->pp)) continue;
       const int dp = ranks / tp / pp;
       if ((grid->dp && dp != grid->dp) || batch % dp) continue;

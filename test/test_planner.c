@@ -428,12 +428,12 @@ static void check_gpu_layouts(void) {
       CHECKF(p.k.resident && p.pp > 1 && p.tp == 1 && p.predicted.fits && runs_on_gpu(&odd, &p),
              "%d GPUs of 20 GiB: dp %d x pp %d x tp %d", n, p.dp, p.pp, p.tp);
     }
-    // and where tensor parallelism splits it (the real OPT-1.3B), the best of what runs: stages
-    // or tp with dp 1
+    // and where tensor parallelism splits it (the real OPT-1.3B), the best of what runs: stages,
+    // resident (tp within them with dp 1), or offloaded tp with every chunk on the GPUs
     struct fy_plan p;
     CHECK_OK(fy_plan_search_ranks(&c1, "opt-1.3b", 8, 2048, 4, false, "bf16", &small, &p, NULL));
     fy_plan_print(&p, stderr);
-    CHECKF(p.k.resident && p.predicted.fits && (p.pp > 1 || p.tp > 1) && runs_on_gpu(&c1, &p),
+    CHECKF(p.predicted.fits && (p.pp > 1 || p.tp > 1) && runs_on_gpu(&c1, &p),
            "opt-1.3b on 4 GPUs of 20 GiB: dp %d x pp %d x tp %d", p.dp, p.pp, p.tp);
   }
 
