@@ -362,16 +362,15 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->chunk_elems || k->blocks || k->prefetch || k->disk_chunks > 0 || k->device_chunks)
     return fy_error_set(FY_ERR_INVALID, "plan: a resident plan has no chunks, cache blocks, prefetch, disk or device "
                         "chunks (chunk_elems, blocks, prefetch, disk_chunks and device_chunks must be 0)");
-  if (k->pp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
+  if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) {  // (costed stage by stage: replicate, or zero as ZeRO-1)
     if (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0 && strcmp(k->pattern, "zero") != 0)
       return fy_error_set(FY_ERR_INVALID, "plan: the data-parallel ranks of pipeline stages replicate their state or "
                           "shard it (zero), not %s", k->pattern);
     return FY_OK;
   }
-  if (k->tp > 1 || (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0))
-    return fy_error_set(FY_ERR_INVALID, "plan: the ranks of a resident plan are replicas (tp 1, pattern replicate), "
-                        "not %d x %d %s; tensor parallelism on GPUs is planned through the chunks (all of them kept "
-                        "on the device when they fit)", k->dp > 1 ? k->dp : 1, k->tp > 1 ? k->tp : 1, k->pattern);
+  if (k->dp > 1 && k->pattern[0] && strcmp(k->pattern, "replicate") != 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: the data-parallel ranks of a resident plan of one stage are replicas "
+                        "(pattern replicate), not %s", k->pattern);
   return FY_OK;
 }
 
@@ -474,6 +473,44 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
   return FY_OK;
 }
 
+// A resident pipeline stage's bytes on its GPU as the runtime allocates them (one tp rank: the
+// cuda engine's model of the stage's parameters alone, runtime/model.c; then runtime/pipeline.c's
+// arenas, one span of the activations for each of the `held` micro-batches in flight, allocated
+// while the model's whole arena is still there: the peak). -1 when the graph cannot be built.
+static double resident_stage_bytes(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k, bool bf16, int s,
+                                   int64_t held) {
+  struct fy_graph *g;
+  if (resident_graph(cfg, k->micro_batch, k->seq, k->recompute, true, bf16, &g) != FY_OK) return -1;
+  int lo, hi;
+  struct fy_chunk_layout *l = NULL;
+  double bytes = -1;
+  if (fy_graph_stage_ops(g, cfg->num_hidden_layers, k->pp, s, &lo, &hi) == FY_OK) {
+    fy_graph_set_stage(g, lo, hi);
+    if (fy_chunk_layout_create(g, 0, &l) == FY_OK) {
+      int64_t a_lo = g->act_elems, a_hi = 0;
+      for (int o = lo; o < hi; o++) {
+        const struct fy_op *op = &g->ops[o];
+        int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+        for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
+        touched[n++] = op->out;
+        for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
+        for (int j = 0; j < n; j++) {
+          const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
+          if (a < a_lo) a_lo = a;
+          if (b > a_hi) a_hi = b;
+        }
+      }
+      const size_t span = (size_t)(a_hi > a_lo ? a_hi - a_lo : 1) * 4;
+      bytes = fy_graph_model_bytes(g, cfg->hidden_size, true, bf16, k->grad_accum > 1, FY_CUDA_ALLOC_GRANULE) +
+              (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) +
+              (double)held * (double)fy_device_round(span, FY_CUDA_ALLOC_GRANULE);
+      fy_chunk_layout_free(l);
+    }
+  }
+  fy_graph_free(g);
+  return bytes;
+}
+
 // A resident layout costed stage by stage (knobs.pp > 1, or resident tensor-parallel ranks): each
 // of the pp stages runs its decoder layers (the embeddings with the first, the final norm, lm_head
 // and loss with the last: fy_graph_stage_ops, as runtime/pipeline.c splits them) on one rank of
@@ -497,6 +534,11 @@ static fy_status simulate_resident(const struct fy_opt_config *cfg, const struct
 //   holds at once on 1F1B (min(pp - s, m): pp on the first, one on the last; each its ops' span of
 //   the activation arena, as runtime/pipeline.c allocates them), the activation-gradient arena,
 //   and on a GPU the kernels' scratch.
+// - On a GPU with one GPU a stage and its state whole (tp 1, replicate), a stage's memory is the
+//   runtime's allocations to the byte instead (resident_stage_bytes), the model's whole activation
+//   arena among them at the peak.
+// - On a GPU each stage's cycle also has its micro-batch's uploads (the batch and its positions,
+//   before the forward and again before the backward ops: runtime/engine.c), as a resident rank's.
 static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                                  const struct fy_probe *probe, struct fy_cost *out) {
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
@@ -597,16 +639,21 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
   const double scratch = gpu && st == FY_OK ? (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) : 0;
   const double fixed = st == FY_OK ? 4.0 * (double)(g->grad_elems + g->scratch_elems + g->B * g->T) + scratch : 0;
   const double hidden_bytes = (double)(k->micro_batch * k->seq * cfg->hidden_size) * pb;  // a stage's output
+  const double bt = (double)(k->micro_batch * k->seq);
   double c[FY_COST_MAX_STAGES], x[FY_COST_MAX_STAGES] = {0}, cmax = 0, csum = 0, xsum = 0, period = 0;
   double dp_max = 0, opt_max = 0, tp_max = 0;
   int worst = 0, worst_mem = 0;
+  bool exact_mem = false;  // (stage_bytes the runtime's allocations: resident_stage_bytes)
   out->pp = pp;
   for (int s = 0; s < pp && st == FY_OK; s++) {
     // with accumulation each micro-batch's gradients added to the fp32 sum (the first copied in)
     const double sum = acc ? P[s] * ((double)(m - 1) * (gpu ? gpu_grad_sum_bytes(cb, false) : 12.0) +
                                      (gpu ? gpu_grad_sum_bytes(cb, true) : 4.0)) / (double)m / mem
                            : 0;
-    c[s] = F[s] + Bk[s] + sum;
+    // on a GPU each stage uploads the micro-batch's ids, targets, mask and positions before its
+    // forward ops and again before its backward ones (runtime/engine.c, stage_batch), on its path
+    const double up = gpu ? 2 * (4 * bt * 4 / (probe->h2d_gbps * 1e9) + 4 * probe->copy_latency_us * 1e-6) : 0;
+    c[s] = F[s] + Bk[s] + sum + up;
     out->stage_s[s] = c[s];
     if (c[s] > cmax) cmax = c[s], worst = s, tp_max = tpc[s];
     csum += c[s];
@@ -616,6 +663,11 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
     }
     const int64_t held = pp - s < m ? pp - s : m;
     out->stage_bytes[s] = P[s] * per_param + (double)held * span[s] + fixed;
+    // one GPU a stage, its state whole (tp 1, replicated): the runtime's allocations, to the byte
+    if (gpu && tp == 1 && !zero && pp > 1) {
+      const double exact = resident_stage_bytes(cfg, k, act16, s, held);
+      if (exact > 0) out->stage_bytes[s] = exact, exact_mem = true;
+    }
     if (out->stage_bytes[s] > out->stage_bytes[worst_mem]) worst_mem = s;
     // the stage's gradients over its data-parallel group (its ranks pp x tp apart); zero's reduced
     // to their shards and the updated weights gathered back
@@ -662,9 +714,12 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
       snprintf(out->why, sizeof out->why,
                "stage %d of %d (dp %d x pp %d x tp %d) needs %.2f GiB a GPU: weights, gradients and AdamW state of "
                "%.3g parameters %.2f GiB, activations of %lld micro-batch%s in flight %.2f GiB, gradient arena, "
-               "scratch and batch %.2f GiB; the device has %.2f GiB", s, pp, dp, pp, tp, out->device_peak / 1073741824.0,
+               "scratch and batch%s %.2f GiB; the device has %.2f GiB", s, pp, dp, pp, tp, out->device_peak / 1073741824.0,
                P[s], P[s] * per_param / 1073741824.0, (long long)held, held == 1 ? "" : "es",
-               (double)held * span[s] / 1073741824.0, fixed / 1073741824.0, probe->device_mem / 1073741824.0);
+               (double)held * span[s] / 1073741824.0,
+               exact_mem ? " (and the model's whole activation arena, kept until the stage's are allocated)" : "",
+               (out->device_peak - P[s] * per_param - (double)held * span[s]) / 1073741824.0,
+               probe->device_mem / 1073741824.0);
     }
     step_rates(out, k, probe);
   }
@@ -703,7 +758,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
                         "micro-batch a step (grad_accum 1)");
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
-    if (k->pp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
+    if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
     return simulate_resident(cfg, k, probe, out);
   }
   if (k->pp > 1 && stage < 0) {
@@ -1301,9 +1356,10 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
                         pp, (long long)layers);
   if (pp > FY_COST_MAX_STAGES) return fy_error_set(FY_ERR_INVALID, "plan: pp %d: at most %d stages", pp, FY_COST_MAX_STAGES);
   if (k->optimizer_lag) return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag 1 does not run on pipeline stages");
-  if (strcmp(probe->device, "cuda") == 0)
-    return fy_error_set(FY_ERR_INVALID, "plan: pipeline stages (pp %d) on a GPU are planned resident, each stage's layers "
-                        "on its GPUs (resident true); offloaded stages are planned on the sim device", pp);
+  // A GPU stage's messages are its activations' dtype (bf16: 2 bytes a value), NCCL send/recv
+  // between the GPUs; the sim device's floats through host memory.
+  const bool gpu = strcmp(probe->device, "cuda") == 0;
+  const double vb = gpu && compute_dtype(k, probe) == FY_BF16 ? 2 : 4;
   // The two micro-batch counts: m itself (up to ACCUM_SIMULATED, the rest extrapolated as
   // fy_cost_simulate does) and one beside it, both accumulating when m does.
   const int64_t a = m < ACCUM_SIMULATED ? m : ACCUM_SIMULATED, b = a - 1 >= 2 ? a - 1 : a + 1;
@@ -1347,7 +1403,7 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
     if (f[s] > fmax) fmax = f[s];
     csum += c[s];
     if (s < pp - 1) {
-      x[s] = (double)(k->micro_batch * k->seq * cfg->hidden_size) * 4 /
+      x[s] = (double)(k->micro_batch * k->seq * cfg->hidden_size) * vb /
              (fy_cluster_p2p_gbps(&k->cluster, probe, s * tp, (s + 1) * tp, tp) * 1e9);
       xsum += x[s];
     }

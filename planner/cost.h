@@ -74,9 +74,11 @@ struct fy_plan_knobs {
   struct fy_cluster cluster;
   // Everything resident on a GPU (probe "cuda" only): weights, gradients, AdamW's state and the
   // activations on the device, the optimizer there too; no chunks, blocks, prefetch or disk (the
-  // knobs above that say so are 0). Several ranks are replicas (tp 1, pattern "replicate") whose
-  // gradients are summed over the ranks once a step. What ferry train --device cuda runs without
-  // --offload.
+  // knobs above that say so are 0). Several ranks of one stage are replicas (pattern
+  // "replicate") whose gradients are summed over the ranks once a step; with tp > 1 (each rank
+  // its slices: ferry train --tp without --offload) or pp > 1 it is costed stage by stage. What
+  // ferry train --device cuda runs without --offload (planner/plan.h, fy_plan_refused: which
+  // layouts it runs).
   bool resident;
   // The compute precision the plan is for: "fp32", "bf16", or "fp16" (cpu and sim); "" means the
   // device's default (bf16 on a GPU, fp32 on cpu and sim: what ferry train runs without
@@ -122,8 +124,9 @@ struct fy_cost {
   double chunk_bytes;
   double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
   int64_t loads_per_step;
-  // A resident plan of pipeline stages (knobs.pp > 1) or on a cluster, costed stage by stage: the 1F1B bubble (the idle share of the slowest stage's step, (p - 1) / (m + p - 1) for
-  // p equal stages and m micro-batches), the point-to-point sends' seconds on the step's path
+  // A resident plan of pipeline stages (knobs.pp > 1), of tensor-parallel ranks or on a cluster,
+  // costed stage by stage: the 1F1B bubble (the idle share of the slowest stage's step,
+  // (p - 1) / (m + p - 1) for p equal stages and m micro-batches), the point-to-point sends' seconds on the step's path
   // (p2p_s), the data-parallel gradient reduction (dp_comm_s, the slowest stage's) and the
   // tensor-parallel collectives (tp_comm_s, inside the stages' compute); each stage's device bytes
   // (stage_bytes[s], s < FY_COST_MAX_STAGES; device_peak their largest), compute seconds a

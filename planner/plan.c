@@ -130,10 +130,30 @@ static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp,
   return n;
 }
 
-bool fy_plan_pp_runs(const char *device) {
-  // runtime/pipeline.c runs stages on the cpu device; plans run on sim and cuda, where they do not
-  // yet. (The merge that runs them there says so here.)
-  return device && (strcmp(device, "cpu") == 0 || strcmp(device, "sim") == 0);
+const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg, const struct fy_plan_knobs *k) {
+  const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
+  const bool moe = cfg->num_local_experts > 0, zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
+  const bool lag = k->optimizer_lag > 0, compressed = k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0;
+  if (!device || strcmp(device, "cpu") == 0) return NULL;  // (priced, never run from a plan)
+  const bool cuda = strcmp(device, "cuda") == 0;
+  if (!cuda && strcmp(device, "sim") != 0) return "plans run on the sim device and on GPUs (cuda)";
+  if (k->resident && !cuda) return "a resident plan keeps the whole model on a GPU: it runs with --device cuda";
+  // (runtime/run.c, ep_layout: expert-parallel groups within pipeline stages)
+  if (k->ep > 1 && pp > 1) return "expert parallelism runs without pipeline stages (pp 1)";
+  if (dp > 1 && !k->resident && !zero)
+    return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
+  if (!cuda) return NULL;
+  // (runtime/run.c and train_opts.c: what a GPU run refuses)
+  if (moe && tp > 1) return "a mixture of experts on GPUs is not split over tensor-parallel ranks";
+  if (k->resident && lag) return "a resident GPU run updates on the GPU: no --optimizer-lag";
+  if (k->resident && compressed) return "a resident GPU run keeps fp32 AdamW state";
+  if (k->resident && dp > 1 && zero)
+    return "resident data-parallel ranks on GPUs run as replicas (pattern replicate), not with their optimizer state "
+           "sharded (zero: ZeRO-1)";
+  if (k->resident && tp > 1 && dp > 1)
+    return "resident tensor-parallel GPUs run with dp 1 (a grid of data- and tensor-parallel GPUs shards its chunks "
+           "offloaded: --offload)";
+  return NULL;
 }
 
 // One dp x pp x tp layout with offloaded stages (the sim device: runtime/run.c runs each stage on
@@ -150,10 +170,13 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
   FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
   const int64_t min_chunk = fy_chunk_min_elems(g), total = g->n_param_elems, line = 16 * (int64_t)dp;
   fy_graph_free(g);
+  // (on a GPU, beside the resident and flat offloaded plans, the smallest chunk alone: its stages'
+  // search stays a few seconds for OPT-30B on 8 GPUs)
+  const int64_t most_mult = strcmp(probe->device, "cuda") == 0 ? 1 : 2;
   for (int64_t micro = per; micro >= 1; micro--) {
     if (per % micro) continue;
     for (int rc = 0; rc < 2; rc++)
-      for (int64_t mult = 1; mult <= 2; mult *= 2) {
+      for (int64_t mult = 1; mult <= most_mult; mult *= 2) {
         if (mult > 1 && min_chunk * mult / 2 > total) break;
         const int64_t ce = (min_chunk * mult + line - 1) / line * line;
         for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
@@ -162,6 +185,7 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
                                     .cluster = *cl};
           snprintf(k.pattern, sizeof k.pattern, "%s", dp > 1 ? "zero" : "replicate");
           snprintf(k.precision, sizeof k.precision, "%s", prec);
+          if (fy_plan_refused(probe->device, cfg, &k)) return FY_OK;  // (none of this layout's runs)
           struct fy_cost c;
           FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
           ++*tried;
@@ -177,31 +201,39 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
   return FY_OK;
 }
 
-// The layouts of `ranks` a grid allows, each priced resident stage by stage (fy_plan_search_grid
-// with a cluster or a fixed axis; or, where pipelines run, the pp > 1 ones beside the other plans:
-// pp_only); on the sim device (offloaded) the pipelines' stages offloaded, each its own chunks.
+// The layouts of `ranks` a grid allows that ferry train runs (fy_plan_refused), each priced stage
+// by stage (fy_plan_search_grid with a cluster or a fixed axis; or, beside the other plans,
+// pp_only: the pp > 1 ones): on a GPU resident on its GPUs unless offload_only, and offloaded, each stage its own chunks, on the sim device, on
+// GPUs beside the other plans (pp_only) and with offload_only. A layout of one stage is kept in
+// *flat, one of several in *staged (the caller chooses between them).
 static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, int64_t seq, int ranks, const char *prec,
-                                const struct fy_plan_grid *grid, bool pp_only, const struct fy_probe *probe,
-                                struct fy_plan *best, int *tried, int *layouts, double *least, char *least_what,
+                                const struct fy_plan_grid *grid, bool pp_only, bool offload_only,
+                                const struct fy_probe *probe, struct fy_plan *flat, struct fy_plan *staged,
+                                struct fy_plan *unrun, int *tried, int *layouts, double *least, char *least_what,
                                 size_t least_cap) {
   const struct fy_cluster *cl = &grid->cluster;
   const int64_t layers = cfg->num_hidden_layers;
-  const bool offloaded = strcmp(probe->device, "sim") == 0;
+  const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
+  const bool resident = !sim && !offload_only, offloaded = sim || (cuda && (pp_only || offload_only));
   for (int tp = 1; tp <= ranks; tp++) {
     if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (grid->tp && tp != grid->tp)) continue;
     if (cl->nodes > 0 && cl->gpus_per_node % tp) continue;  // (tp within a node)
+    // (Beside the other plans: pp > 1. The resident tensor-parallel ranks of one stage run as an
+    // offload engine with every chunk on its GPU, which the search of dp x tp grids prices as such,
+    // device chunks and host memory included.)
     for (int pp = pp_only ? 2 : 1; pp <= ranks / tp && pp <= FY_COST_MAX_STAGES; pp++) {
       if ((ranks / tp) % pp || layers % pp || pp > layers || (grid->pp && pp != grid->pp)) continue;
       const int dp = ranks / tp / pp;
       if ((grid->dp && dp != grid->dp) || batch % dp) continue;
       const int64_t per = batch / dp;
       ++*layouts;
-      if (offloaded) {  // (each stage offloading its own chunks: the sim device's pipeline)
-        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, best, tried, least, least_what,
+      if (offloaded && pp > 1)  // (each stage offloading its own chunks)
+        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, staged, tried, least, least_what,
                                        least_cap));
-        continue;
-      }
-      for (int64_t micro = per; micro >= 1; micro--) {
+      if (offloaded && pp == 1 && !pp_only)  // (one stage: an offloaded rank of the grid)
+        FY_TRY(search_offloaded_stages(cfg, per, seq, dp, pp, tp, prec, cl, probe, flat, tried, least, least_what,
+                                       least_cap));
+      for (int64_t micro = per; resident && micro >= 1; micro--) {
         if (per % micro) continue;
         for (int rc = 0; rc < 2; rc++)
           for (int z = 0; z < (dp > 1 ? 2 : 1); z++) {
@@ -209,6 +241,17 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
                                       .dp = dp, .tp = tp, .pp = pp, .resident = true, .cluster = *cl};
             snprintf(k.pattern, sizeof k.pattern, "%s", z ? "zero" : "replicate");
             snprintf(k.precision, sizeof k.precision, "%s", prec);
+            const char *no = fy_plan_refused(probe->device, cfg, &k);
+            if (no) {  // (said when no layout runs: the first refused, while none was priced)
+              if (!isfinite(*least) && !least_what[0])
+                snprintf(least_what, least_cap, "dp %d x pp %d x tp %d resident, %s: %s", dp, pp, tp, k.pattern, no);
+              if (!unrun) continue;
+              struct fy_cost c;  // (priced apart: the caller may show it, marked)
+              FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
+              ++*tried;
+              consider(&k, &c, unrun);
+              continue;
+            }
             struct fy_cost c;
             FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
             ++*tried;
@@ -216,12 +259,21 @@ static fy_status search_layouts(const struct fy_opt_config *cfg, int64_t batch, 
               *least = c.device_peak;
               snprintf(least_what, least_cap, "%s", c.why);
             }
-            consider(&k, &c, best);
+            consider(&k, &c, pp > 1 ? staged : flat);
           }
       }
     }
   }
   return FY_OK;
+}
+
+// A plan of pipeline stages is the more involved run (its bubble, its sends, a rank per stage):
+// the fastest plan without them stands when it is within 5% of the stages' (replicas before
+// stages when the model fits); stages are chosen when they are faster than that, or alone fit.
+static void choose_stages(struct fy_plan *best, const struct fy_plan *staged) {
+  if (!staged->predicted.fits) return;
+  if (best->predicted.fits && best->predicted.step_s <= 1.05 * staged->predicted.step_s) return;
+  *best = *staged;
 }
 
 fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
@@ -266,19 +318,35 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   int tried = 0, grids = 0;
   double least = INFINITY;
   char least_why[320] = "";
-  if (priced) {  // the layouts of the grid, resident stage by stage (on sim, offloaded)
-    if ((offload_only && strcmp(probe->device, "sim") != 0) || optimizer_lag || sf != FY_STATE_F32)
-      return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced resident, each stage "
-                          "on its GPUs with fp32 AdamW state (no --offload, --optimizer-lag or --optimizer-state)");
-    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, probe, best, &tried, &grids, &least, least_why,
-                          sizeof least_why));
+  if (priced) {  // the layouts of the grid stage by stage: resident on GPUs, offloaded on sim or with --offload
+    if (optimizer_lag || sf != FY_STATE_F32)
+      return fy_error_set(FY_ERR_INVALID, "plan: a cluster or a fixed --dp/--pp/--tp is priced with fp32 AdamW state "
+                          "and the exact step (no --optimizer-lag or --optimizer-state)");
+    struct fy_plan staged = *best, unrun = *best;
+    // A cluster's layouts, or those of the axes given (--dp, --pp, --tp: a published layout), are
+    // priced even where ferry train does not run them (resident ZeRO-1 ranks, resident dp x tp
+    // grids), so that a machine one does not have can be compared: the fastest of those stands
+    // when no layout that runs fits, marked so (plan->refused; --plan refuses it).
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, false, offload_only, probe, best, &staged, &unrun, &tried,
+                          &grids, &least, least_why, sizeof least_why));
+    choose_stages(best, &staged);
     if (n_tried) *n_tried = tried;
+    if (!best->predicted.fits && unrun.predicted.fits) {
+      struct fy_plan_knobs k = unrun.k;
+      const char *no = fy_plan_refused(probe->device, cfg, &k);
+      *best = unrun;
+      snprintf(best->refused, sizeof best->refused, "%s", no ? no : "");
+    }
     if (grids == 0)
       return fy_error_set(FY_ERR_INVALID, "plan: no dp x pp x tp layout of %d ranks for %s: tp must divide the %lld "
                           "heads, the feed-forward size %lld%s, pp the %lld decoder layers, dp the batch of %lld", ranks,
                           model, (long long)cfg->num_attention_heads, (long long)cfg->ffn_dim,
                           cl->nodes > 0 ? " and the GPUs of a node" : "", (long long)cfg->num_hidden_layers,
                           (long long)batch);
+    if (!best->predicted.fits && !isfinite(least))
+      return fy_error_set(FY_ERR_UNSUPPORTED, "plan: no dp x pp x tp layout of %d ranks for %s that ferry train runs on "
+                          "%s: %s%s", ranks, model, probe->device, least_why,
+                          offload_only ? "" : " (--offload prices the layout offloaded)");
     if (!best->predicted.fits) {
       char have[32], need[32];
       return fy_error_set(FY_ERR_NOMEM, "no layout of %s with %lld x %lld tokens a step fits %s a GPU; the least any "
@@ -310,6 +378,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
                                   .dp = dp, .tp = 1, .resident = true};
         snprintf(k.pattern, sizeof k.pattern, "replicate");
         snprintf(k.precision, sizeof k.precision, "%s", prec);
+        if (fy_plan_refused(probe->device, cfg, &k)) continue;
         struct fy_cost c;
         FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
         tried++;
@@ -317,7 +386,12 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
         consider(&k, &c, &resident);
       }
     }
-    if (moe_gpu && dp > 1) continue;  // (its offloaded ranks would shard the chunks: not run yet)
+    {  // (the offloaded ranks of this grid, sharding the chunks over dp: when ferry train runs them)
+      struct fy_plan_knobs ko = {.dp = dp, .tp = tp, .optimizer_lag = optimizer_lag};
+      snprintf(ko.pattern, sizeof ko.pattern, "%s", dp > 1 ? "zero" : "replicate");
+      if (sf != FY_STATE_F32) snprintf(ko.optimizer_state, sizeof ko.optimizer_state, "%s", fy_state_format_name(sf));
+      if (fy_plan_refused(probe->device, cfg, &ko)) continue;
+    }
     // The chunk sizes to try: the smallest that holds the largest group, and a few multiples.
     struct fy_graph *g;
     FY_TRY(fy_opt_build_graph_tp(cfg, 1, seq, tp, 0, &g));
@@ -396,18 +470,22 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
         }
     }
   }
-  // Pipelines (pp > 1), where their stages run: each stage resident on its GPUs, beside the rest.
-  // A mixture's stages each hold their layers' mixtures (runtime/pipeline.h), tp 1 (grid's, above).
-  if (fy_plan_pp_runs(probe->device) && !offload_only && !optimizer_lag && sf == FY_STATE_F32) {
-    int layouts = 0;
-    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, probe, best, &tried, &layouts, &least, least_why,
-                          sizeof least_why));
-    grids += layouts;
-  }
   // A resident plan is the simpler run (no host tier, no cache): it stands when it is within 2% of
   // the fastest (an offloaded plan with every chunk on the device can come out a hair ahead).
   if (resident.predicted.fits && !best->k.resident && resident.predicted.step_s <= 1.02 * best->predicted.step_s)
     *best = resident;
+  // Pipelines (pp > 1) that ferry train runs (fy_plan_refused; search_layouts): each stage resident
+  // on its GPUs, or offloading its own chunks (sim; GPUs), beside the rest, chosen over them only
+  // when clearly faster or alone fitting (choose_stages).
+  if (!optimizer_lag && sf == FY_STATE_F32) {
+    int layouts = 0;
+    struct fy_plan staged = resident;
+    staged.predicted.fits = false;
+    FY_TRY(search_layouts(cfg, batch, seq, ranks, prec, grid, true, offload_only, probe, best, &staged, NULL, &tried,
+                          &layouts, &least, least_why, sizeof least_why));
+    grids += layouts;
+    choose_stages(best, &staged);
+  }
   if (grids == 0)
     return fy_error_set(FY_ERR_INVALID, "plan: no way to lay %d ranks out for %s: the tensor-parallel size must divide "
                         "the %lld heads and the feed-forward size %lld, and the data-parallel size the batch of %lld",
@@ -514,7 +592,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
           fy_format_bytes(p->machine.host_mem, b2, sizeof b2),
           fy_probe_gemm_gflops(&p->machine, strcmp(prec, "bf16") == 0), strcmp(prec, "bf16") == 0 ? "bf16" : "fp32",
           p->machine.h2d_gbps, p->machine.d2h_gbps);
-  const bool staged = (k->resident && (p->pp > 1 || k->cluster.nodes > 0)) || p->pp > 1;
+  const bool staged = (k->resident && (p->pp > 1 || p->tp > 1 || k->cluster.nodes > 0)) || p->pp > 1;
   if (k->cluster.nodes > 0)
     fprintf(f, "  cluster: %d nodes of %d GPUs, %.1f GB/s between a node's GPUs, %.1f GB/s a node between nodes\n",
             k->cluster.nodes, k->cluster.gpus_per_node, k->cluster.intra_gbps, k->cluster.inter_gbps);
@@ -599,4 +677,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
   if (p->dp * p->tp > 1 && !staged)
     fprintf(f, "  collectives per step: %.3f s of the above at %.1f GB/s between ranks\n", c->comm_s,
             fy_probe_comm_gbps(&p->machine));
+  if (p->refused[0])
+    fprintf(f, "  priced only: ferry train does not run this layout on %s yet (%s); none of the layouts it "
+               "runs fits\n", p->machine.device, p->refused);
 }

@@ -21,6 +21,10 @@ struct fy_plan {
   int ep;                  // expert-parallel group size (knobs.ep; 1: none, as plan files without "ep")
   struct fy_probe machine; // the machine it was made for
   struct fy_cost predicted;
+  // Empty, or why ferry train does not run this layout (fy_plan_refused): a layout given whole
+  // (--dp, --pp and --tp, or a published one) is priced all the same when no layout that runs
+  // fits, so that it can be compared; --plan refuses such a plan file, saying this.
+  char refused[192];
 };
 
 // Searches plans for `batch` sequences of `seq` tokens per step (on one rank, in the device's
@@ -55,20 +59,31 @@ struct fy_plan_grid {
   int dp, pp, tp;
 };
 // The same on a grid: without a cluster or a fixed axis, fy_plan_search_state's plans, and
-// pipelines (pp > 1) where their stages run (fy_plan_pp_runs). With a cluster or an axis fixed it
-// prices layouts: every dp x pp x tp grid of the ranks (tp dividing the heads, the feed-forward
-// size and a node's GPUs, pp the decoder layers, dp the batch; the fixed axes as given), each
-// micro-batch count, recomputation and data-parallel pattern (replicate, zero), each stage
-// resident on its GPUs (fy_cost_simulate's stage-by-stage cost); offloaded plans are not priced
-// on a cluster. FY_ERR_INVALID naming the numbers when the grid or a fixed axis cannot be laid
-// out; FY_ERR_NOMEM with the fixed layout's memory (or the least any layout needs) when none fits.
+// pipelines (pp > 1), resident and offloaded, that ferry train runs (fy_plan_refused), chosen over
+// the plans without stages only when more than 5% faster (or alone fitting). With a cluster or an
+// axis fixed it prices layouts: every dp x pp x tp grid of the ranks (tp dividing the heads, the
+// feed-forward size and a node's GPUs, pp the decoder layers, dp the batch; the fixed axes as
+// given) that ferry train runs, each micro-batch count, recomputation and data-parallel pattern
+// (replicate, zero) it runs, each stage resident on its GPUs (fy_cost_simulate's stage-by-stage
+// cost) or, on sim and with offload_only, offloaded; the same preference for one stage.
+// FY_ERR_INVALID naming the numbers when the grid or a fixed axis cannot be laid out;
+// FY_ERR_UNSUPPORTED with the reason when ferry train runs none of its layouts; FY_ERR_NOMEM with
+// the fixed layout's memory (or the least any layout needs) when none fits.
 fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                               int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
                               const struct fy_plan_grid *grid, const struct fy_probe *probe, struct fy_plan *best,
                               int *n_tried);
-// Whether pipeline stages (pp > 1) run on `device` ("cpu", "sim", "cuda"): the one place that
-// says so, for the search and for ferry train --plan (runtime/plan_apply.c).
-bool fy_plan_pp_runs(const char *device);
+// Why ferry train does not run a plan of these knobs (its layout dp x pp x tp, pattern, resident
+// or offloaded, expert parallelism, lag and state format) for `cfg` on `device` ("sim" or "cuda",
+// where plans run; "cpu" is priced but not run from a plan), as a static sentence; NULL when it
+// runs it. The one place that says what runs: the search prices nothing it refuses, and ferry
+// train --plan (runtime/plan_apply.c) refuses with it. On cuda: resident replicas (pattern
+// replicate) and resident stages, dp x pp; resident tensor parallelism with dp 1 (pp x tp too);
+// offloaded (--offload) data-parallel ranks sharding the chunks (zero), tp, pp and dp x pp x tp;
+// a mixture of experts on one GPU or as resident replicas; no expert parallelism, and stages
+// without the lag or compressed AdamW state. On sim: offloaded, dp sharding the chunks, tp, pp
+// and ep (not a mixture's stages).
+const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg, const struct fy_plan_knobs *k);
 // Re-simulates a (perhaps hand-edited) plan on `probe`: FY_ERR_INVALID with the reason when it is
 // inconsistent (unknown pattern, a chunk size that is not a multiple of 16 floats or cannot hold
 // the largest parameter group, more blocks than the device holds, ...), FY_ERR_NOMEM when it does

@@ -409,11 +409,11 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
                              (int)a->lag, a->state, &grid, probe, &best, &tried));
   fy_plan_print(&best, stdout);
   printf("  (%d plans simulated)\n", tried);
-  if (best.pp > 1) {  // (how to run it: the plan file, and the same layout spelled out)
+  if (best.refused[0]) {  // (priced for comparison: no run line)
+  } else if (best.pp > 1) {  // (how to run it: the plan file, and the same layout spelled out)
     const bool gpu = strcmp(probe->device, "cuda") == 0;
-    printf("  run it: mpirun -np %d ./build/ferry train --plan %s%s --data DIR%s\n", best.dp * best.pp * best.tp,
-           a->out ? a->out : "FILE", gpu ? " --device cuda" : "",
-           fy_plan_pp_runs(gpu ? "cuda" : "sim") ? "" : "  (refused until pipeline stages run on sim and cuda)");
+    printf("  run it: mpirun -np %d ./build/ferry train --plan %s%s --data DIR\n", best.dp * best.pp * best.tp,
+           a->out ? a->out : "FILE", gpu ? " --device cuda" : "");
     printf("     or: mpirun -np %d ./build/ferry train --device cpu --model %s --data DIR --batch %lld --grad-accum %lld "
            "--seq %lld --pp %d --tp %d%s%s  (the cpu device's pipelines; dp %d replicated)\n", best.dp * best.pp * best.tp,
            a->model, (long long)best.k.micro_batch, (long long)best.k.grad_accum, (long long)best.k.seq, best.pp, best.tp,

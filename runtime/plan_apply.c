@@ -25,9 +25,10 @@
 // came from `ferry plan --device cuda`: this process cannot time a GPU, and the offload engine
 // refuses a plan that does not fit when it sets up). A resident plan (ferry plan --device cuda
 // for a model that fits the GPU whole) runs with --device cuda without --offload, its ranks
-// replicas. With several ranks (comm), rank 0 alone reads or measures the machine (timing it while
-// the others time it too would measure them all) and every rank plans from its figures: the same
-// plan everywhere.
+// replicas, pipeline stages (dp x pp) or, with dp 1, tensor-parallel slices kept on the GPUs;
+// an offloaded one with --offload, its layout any dp x pp x tp. With several ranks (comm), rank 0
+// alone reads or measures the machine (timing it while the others time it too would measure them
+// all) and every rank plans from its figures: the same plan everywhere.
 // seq_given: --seq was given (not the default), so a plan for other sequences says it overrides it.
 fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_given) {
   const bool cuda = o->device && strcmp(o->device, "cuda") == 0, automatic = strcmp(o->plan, "auto") == 0;
@@ -104,22 +105,16 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
       fy_log_info("--plan %s is for micro-batches of %lld sequences, %lld accumulated a step, not --batch %lld "
                   "--grad-accum %lld: the plan's are used", o->plan, (long long)plan.k.micro_batch,
                   (long long)plan.k.grad_accum, (long long)o->batch, (long long)o->grad_accum);
-    // Pipeline stages run where fy_plan_pp_runs says (planner/plan.c: the one place to relax
-    // when they run on sim and cuda); a plan runs on sim or on cuda.
-    if (plan.pp > 1 && !fy_plan_pp_runs(cuda ? "cuda" : "sim"))
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s lays out %d pipeline stages: dp %d x pp %d x tp %d; pipeline "
-                          "stages run on --device cpu for now, not on %s, where a plan runs: not supported yet (the "
-                          "same layout on the cpu device: mpirun -np %d ferry train --device cpu --pp %d --tp %d "
-                          "--batch %lld --grad-accum %lld)", o->plan, plan.pp, plan.dp, plan.pp, plan.tp,
-                          cuda ? "cuda" : "sim", plan.dp * plan.pp * plan.tp, plan.pp, plan.tp,
-                          (long long)plan.k.micro_batch, (long long)plan.k.grad_accum);
-    if (plan.k.resident && plan.dp > 1 && strcmp(plan.pattern, "replicate") != 0)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s shards the optimizer state of %d resident data-parallel ranks "
-                          "(%s, priced by ferry plan on a cluster): resident ranks run as replicas: not supported yet",
-                          o->plan, plan.dp, plan.pattern);
-    if (plan.k.resident && plan.tp > 1)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s keeps %d tensor-parallel ranks resident: tensor parallelism on "
-                          "a GPU runs offloaded (ferry plan --offload): not supported yet", o->plan, plan.tp);
+    // What ferry train runs of a plan is what the search prices (planner/plan.c, fy_plan_refused: the
+    // one place that says so); a plan runs on sim or on cuda.
+    struct fy_plan_knobs lk = plan.k;
+    lk.dp = plan.dp, lk.tp = plan.tp, lk.pp = plan.pp, lk.ep = plan.ep;
+    snprintf(lk.pattern, sizeof lk.pattern, "%s", plan.pattern);
+    const char *no = fy_plan_refused(cuda ? "cuda" : "sim", &cfg, &lk);
+    if (no)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s (dp %d x pp %d x tp %d, %s%s%s): %s: not supported yet",
+                          o->plan, plan.dp, plan.pp > 1 ? plan.pp : 1, plan.tp, plan.k.resident ? "resident" : "offloaded",
+                          plan.dp > 1 ? ", " : "", plan.dp > 1 ? plan.pattern : "", no);
     if (o->ep > 1 && o->ep != plan.ep)
       return fy_error_set(FY_ERR_INVALID, "--plan %s is for ep %d, not --ep %d: drop --ep, or write a plan for it",
                           o->plan, plan.ep, o->ep);
@@ -128,9 +123,6 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
                           plan.dp * plan.pp * plan.tp, plan.dp, plan.pp, plan.tp, ranks);
     fy_status st = cuda ? fy_plan_validate(&cfg, &plan) : fy_plan_check(&cfg, &plan, &probe);
     if (st != FY_OK) return fy_error_wrap(st, "--plan %s cannot run here", o->plan);
-    if (plan.dp > 1 && !plan.k.resident && strcmp(plan.pattern, "zero") != 0)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "--plan %s: the data-parallel ranks of an offloaded run shard the chunks "
-                          "(pattern zero), not %s", o->plan, plan.pattern);
   }
   // The plan's precision is the run's; another given with --precision is refused, as its memory
   // and speed are another plan's. (A plan file written before plans said theirs is for the
@@ -183,9 +175,19 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
   if (!cuda || automatic) {
     fy_plan_print(&plan, stdout);
   } else if (k->resident) {  // (not re-simulated here: the plan's own figures are those of ferry plan)
-    printf("plan %s for the GPU: the whole model resident%s; micro-batch %lld x %lld tokens, %lld accumulated, "
-           "recompute %s\n", o->plan, plan.dp > 1 ? " on every rank (replicas)" : "", (long long)k->micro_batch,
-           (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
+    char lay[96] = "";
+    if (plan.pp > 1 || plan.tp > 1)
+      snprintf(lay, sizeof lay, " (dp %d x pp %d x tp %d: each rank its stage's part)", plan.dp, plan.pp > 1 ? plan.pp : 1,
+               plan.tp);
+    printf("plan %s for the GPU: the whole model resident%s%s; micro-batch %lld x %lld tokens, %lld accumulated, "
+           "recompute %s\n", o->plan, plan.dp > 1 && plan.pp <= 1 ? " on every rank (replicas)" : "", lay,
+           (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum, k->recompute ? "on" : "off");
+  } else if (plan.pp > 1) {
+    printf("plan %s for the GPUs: dp %d x pp %d x tp %d, each stage offloading its own chunks (as many cache blocks as "
+           "fit, the state its host share cannot hold on disk); micro-batch %lld x %lld tokens, %lld a step (1F1B); "
+           "chunks of %.2f MiB, prefetch %d, recompute %s\n", o->plan, plan.dp, plan.pp, plan.tp,
+           (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch,
+           k->recompute ? "on" : "off");
   } else {
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state%s of %d chunks on disk, %d on the GPU\n", o->plan, (long long)k->micro_batch,

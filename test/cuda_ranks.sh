@@ -18,7 +18,8 @@
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
 # checkpoint, a grid without --offload refused; 2 resident replicas = 1 rank, with their
-# checkpoint, and planned; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint and
+# checkpoint, and planned; plans of 2 resident stages, 2 resident tp slices and 2 offloaded stages
+# = 1 rank; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint and
 # validation, offloaded with 8-bit AdamW state and with --optimizer-lag 1, and ferry eval --pp 2 =
 # 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
 # four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
@@ -300,6 +301,42 @@ else
   cat "$d/rplan_plan.out"
   echo "FAIL  the plan for 2 GPUs with room for the whole model is not 2 resident replicas"
 fi
+# Plans of other layouts that ferry train runs on GPUs, written by ferry plan with an axis fixed and
+# run from their file under mpirun (4 of the 8 steps each): two resident stages (--pp 2) and two
+# resident tensor-parallel slices (--tp 2, dp 1) = 1 rank in fp32; two offloaded stages (--pp 2
+# --offload, each its own chunks through its GPU's cache) = 1 rank in bf16; the stages' first
+# peaking where their plan says.
+for lay in "pp 2 fp32 onefp32 1e-4" "tp 2 fp32 onefp32 1e-4" "pp 2 bf16 onebf16 2e-2 --offload"; do
+  set -- $lay
+  ax=$1 n=$2 p=$3 ref=$4 tol=$5 off=${6:-}
+  name="plan$ax$p${off:+off}"
+  lim=(--device-mem 2GiB --host-mem 64KiB)
+  [ -n "$off" ] && lim=(--device-mem "$mem" --host-mem 1GiB)
+  FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --"$ax" "$n" $off "${lim[@]}" --precision "$p" \
+    --model "$model" --batch 4 --seq "$seq" --out "$d/$name.json" >"$d/${name}_plan.out" 2>&1 || { cat "$d/${name}_plan.out"; exit 1; }
+  if grep -q "\"$ax\":$n" "$d/$name.json" && grep -q "\"resident\":$([ -n "$off" ] && echo false || echo true)" "$d/$name.json"; then
+    if [ -n "$off" ]; then
+      run "$name" 2 --plan "$d/$name.json" --stop-after 4 || exit 1
+    else
+      RES=1 run "$name" 2 --plan "$d/$name.json" --stop-after 4 || exit 1
+    fi
+    check "a plan of $ax $n${off:+ $off} for 2 GPUs, $p = 1 rank x 4" "$ref" "$name" "$tol"
+    # (a pipeline's stage 0, rank 0, peaks where the plan says, to the log's 100 bytes)
+    if [ "$ax" = pp ]; then
+      if python3 - "$d/$name.json" "$d/$name.jsonl" <<'PY'; then pass=$((pass + 1)); echo "ok    its stage 0's device peak as planned"; else fail=$((fail + 1)); echo "FAIL  $name: stage 0's device peak"; fi
+import json, sys
+said = json.load(open(sys.argv[1]))["predicted"]["stage_peak_bytes"][0]
+got = max(json.loads(l)["device_peak_mib"] for l in open(sys.argv[2]) if l.startswith("{")) * 2 ** 20
+print("      stage 0: planned %.0f bytes, ran %.0f" % (said, got))
+sys.exit(0 if abs(got - said) <= 100 else 1)
+PY
+    fi
+  else
+    fail=$((fail + 1))
+    cat "$d/${name}_plan.out"
+    echo "FAIL  ferry plan --gpus 2 --$ax $n${off:+ $off} on cuda is not that layout"
+  fi
+done
 
 # Without --offload, --tp keeps each rank's slices on its GPU with their gradients and AdamW state
 # (updated there; the cache is not used): = 1 rank in fp32, and a checkpoint of it resumes on

@@ -193,31 +193,31 @@ static void check_pipeline(void) {
            "pp 4, m %d: %.4f s of passes, %.4f s = (m + 3) x %.4f", m, c.step_s - c.optim_s - c.p2p_s, (m + 3) * cyc, cyc);
   }
 
-  // A fixed layout priced (ferry plan --dp 2 --pp 4 --tp 2 on 4 nodes of 4 GPUs): the layout
-  // asked for, and its step put together as documented from the stages' cycles, the sends (a
-  // hidden state a micro-batch, each tp rank's own, stages 1 -> 2 across nodes at the node's
-  // link over its 2 senders, the others within a node) and the data-parallel reduction (each
-  // stage's ranks 8 apart: one a node, 4 such groups through each node's link).
+  // A fixed layout priced (ferry plan --dp 2 --pp 8 --tp 1 on 4 nodes of 4 GPUs; resident replicas of
+  // the stages, as ferry train runs them): the layout asked for, and its step put together as
+  // documented from the stages' cycles, the sends (a hidden state a micro-batch, stages 3 -> 4
+  // across nodes at the node's link, the others within a node) and the data-parallel reduction
+  // (each stage's ranks 8 apart: one a node, 4 such groups through each node's link).
   {
-    const struct fy_plan_grid grid = {.cluster = {4, 4, 100, 20}, .dp = 2, .pp = 4, .tp = 2};
+    const struct fy_plan_grid grid = {.cluster = {4, 4, 100, 20}, .dp = 2, .pp = 8, .tp = 1};
     struct fy_plan p;
     int tried = 0;
     CHECK_OK(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 16, false, "bf16", 0, NULL, &grid, &g, &p, &tried));
     fy_plan_print(&p, stderr);
     const struct fy_cost *c = &p.predicted;
-    CHECKF(p.dp == 2 && p.pp == 4 && p.tp == 2 && p.k.resident && c->fits && c->pp == 4, "layout dp %d x pp %d x tp %d",
-           p.dp, p.pp, p.tp);
+    CHECKF(p.dp == 2 && p.pp == 8 && p.tp == 1 && p.k.resident && c->fits && c->pp == 8 &&
+               strcmp(p.pattern, "replicate") == 0, "layout dp %d x pp %d x tp %d %s", p.dp, p.pp, p.tp, p.pattern);
     const double m = (double)p.k.grad_accum, hid = (double)p.k.micro_batch * 2048 * 5120 * 2;
-    const double x[3] = {hid / 100e9, hid / (20e9 / 2), hid / 100e9};
-    double period = 0, sum = 0, xs = x[0] + x[1] + x[2];
-    for (int s = 0; s < 4; s++) {
-      const double cyc = c->stage_s[s] + (s > 0 ? x[s - 1] : 0) + (s < 3 ? x[s] : 0);
+    double x[7], period = 0, sum = 0, xs = 0;
+    for (int s = 0; s < 7; s++) xs += x[s] = hid / (s == 3 ? 20e9 : 100e9);
+    for (int s = 0; s < 8; s++) {
+      const double cyc = c->stage_s[s] + (s > 0 ? x[s - 1] : 0) + (s < 7 ? x[s] : 0);
       if (cyc > period) period = cyc;
       sum += c->stage_s[s];
     }
-    // (and the tied embedding's gradient summed between stage 0, rank 0, and stage 3, rank 6, on
-    // the next node: 50272 x 5120 fp32 sums at 20 GB/s over the 2 ranks sending)
-    const double tied = 50272.0 * 5120 * 4 / (20e9 / 2);
+    // (and the tied embedding's gradient summed between stage 0, rank 0, and stage 7, rank 7, on
+    // the next node: 50272 x 5120 fp32 sums at 20 GB/s)
+    const double tied = 50272.0 * 5120 * 4 / 20e9;
     const double want = (m - 1) * period + sum + 2 * xs + tied + c->dp_comm_s + c->optim_s;
     CHECKF(fabs(c->step_s - want) < 1e-6 * want, "step %.6f s, put together %.6f s", c->step_s, want);
     // the data-parallel reduction: the largest stage's parameters, a ring of 2 at 20 GB/s / 4
@@ -238,7 +238,7 @@ static void check_pipeline(void) {
     CHECK_OK(fy_plan_write(path, &p));
     struct fy_plan back;
     CHECK_OK(fy_plan_read(path, &back));
-    CHECK(back.pp == 4 && back.dp == 2 && back.tp == 2 && back.k.grad_accum == p.k.grad_accum &&
+    CHECK(back.pp == 8 && back.dp == 2 && back.tp == 1 && back.k.grad_accum == p.k.grad_accum &&
           back.k.cluster.nodes == 4 && back.k.cluster.gpus_per_node == 4 && back.k.cluster.inter_gbps == 20);
     CHECK_OK(fy_plan_check(&c13, &back, &g));
     CHECKF(fabs(back.predicted.step_s - c->step_s) < 1e-9 * c->step_s, "read back: %g s, %g s", back.predicted.step_s,
@@ -338,6 +338,128 @@ static void check_pipeline(void) {
            slow.tp);
   }
   fprintf(stderr, "  pipelines and clusters: %.2f s\n", fy_now() - t0);
+}
+
+// What a GPU search lays out is what ferry train runs (planner/plan.c, fy_plan_refused, which
+// runtime/plan_apply.c refuses with too): resident replicas, resident stages (dp x pp, replicated),
+// resident tensor parallelism with dp 1, and offloaded grids; never resident ZeRO-1 ranks or a
+// resident dp x tp grid. Stages are chosen over the plans without them only when more than 5%
+// faster, or when nothing else fits. GPUs of 80 GiB, 312 TFLOP/s and 2 TB/s, nothing measured.
+static bool runs_on_gpu(const struct fy_opt_config *cfg, const struct fy_plan *p) {
+  struct fy_plan_knobs k = p->k;
+  k.dp = p->dp, k.tp = p->tp, k.pp = p->pp, k.ep = p->ep;
+  snprintf(k.pattern, sizeof k.pattern, "%s", p->pattern);
+  const char *no = fy_plan_refused("cuda", cfg, &k);
+  if (no) fprintf(stderr, "  refused: dp %d x pp %d x tp %d %s: %s\n", p->dp, p->pp, p->tp, p->pattern, no);
+  return !no;
+}
+
+static void check_gpu_layouts(void) {
+  const double t0 = fy_now();
+  struct fy_probe g = gpu_probe();
+  CHECK_OK(fy_probe_override(&g, "device_mem", "80GiB"));
+  CHECK_OK(fy_probe_override(&g, "device_mem_gbps", "2000"));
+  CHECK_OK(fy_probe_override(&g, "comm_gbps", "300"));  // (GPUs of one machine, NVLink-like)
+  struct fy_opt_config c1, c13, odd;
+  fy_opt_preset("opt-1.3b", &c1);
+  fy_opt_preset("opt-13b", &c13);
+  odd = c1;
+  odd.ffn_dim = 8191;  // (no tensor-parallel split of 2)
+
+  // The predicate itself.
+  {
+    struct fy_plan_knobs k = {.micro_batch = 1, .grad_accum = 1, .seq = 64, .dp = 2, .pp = 2, .resident = true};
+    snprintf(k.pattern, sizeof k.pattern, "zero");
+    CHECK(fy_plan_refused("cuda", &c1, &k) != NULL);  // resident ZeRO-1
+    snprintf(k.pattern, sizeof k.pattern, "replicate");
+    CHECK(fy_plan_refused("cuda", &c1, &k) == NULL);  // resident dp x pp replicas
+    k.tp = 2;
+    CHECK(fy_plan_refused("cuda", &c1, &k) != NULL);  // resident dp x pp x tp
+    k.dp = 1;
+    CHECK(fy_plan_refused("cuda", &c1, &k) == NULL);  // resident pp x tp
+    k.pp = 0;
+    CHECK(fy_plan_refused("cuda", &c1, &k) == NULL);  // resident tp
+    CHECK(fy_plan_refused("sim", &c1, &k) != NULL);   // (resident: GPUs only)
+    k.resident = false, k.dp = 2, k.pp = 2;
+    CHECK(fy_plan_refused("cuda", &c1, &k) != NULL);  // offloaded ranks replicated
+    snprintf(k.pattern, sizeof k.pattern, "zero");
+    CHECK(fy_plan_refused("cuda", &c1, &k) == NULL && fy_plan_refused("sim", &c1, &k) == NULL);
+    k.optimizer_lag = 1;  // (offloaded stages take the lag, on GPUs and on sim)
+    CHECK(fy_plan_refused("cuda", &c1, &k) == NULL && fy_plan_refused("sim", &c1, &k) == NULL);
+    k.resident = true, k.dp = 1;
+    snprintf(k.pattern, sizeof k.pattern, "replicate");
+    CHECK(fy_plan_refused("cuda", &c1, &k) != NULL);  // (a resident GPU updates on the GPU: no lag)
+  }
+
+  // Replicas win where the model fits each GPU and the link is fast: OPT-1.3B on 4 GPUs. Stages
+  // were priced beside them (--pp 2 alone fits), and a layout of ZeRO-1 or dp x tp resident is
+  // refused by name when fixed.
+  {
+    struct fy_plan p, pp2;
+    int tried = 0;
+    CHECK_OK(fy_plan_search_ranks(&c1, "opt-1.3b", 16, 2048, 4, false, "bf16", &g, &p, &tried));
+    fy_plan_print(&p, stderr);
+    CHECKF(p.k.resident && p.dp == 4 && p.pp == 1 && p.tp == 1 && strcmp(p.pattern, "replicate") == 0 &&
+               runs_on_gpu(&c1, &p), "opt-1.3b on 4 GPUs: dp %d x pp %d x tp %d %s", p.dp, p.pp, p.tp, p.pattern);
+    const struct fy_plan_grid two = {.pp = 2};
+    CHECK_OK(fy_plan_search_grid(&c1, "opt-1.3b", 16, 2048, 4, false, "bf16", 0, NULL, &two, &g, &pp2, NULL));
+    CHECKF(pp2.pp == 2 && pp2.predicted.fits && runs_on_gpu(&c1, &pp2) && pp2.predicted.step_s > p.predicted.step_s,
+           "pp 2: %.3f s, replicas %.3f s", pp2.predicted.step_s, p.predicted.step_s);
+    const struct fy_plan_grid dptp = {.dp = 2, .tp = 2};
+    // (priced all the same, for comparison, and marked: ferry train does not run it, --plan refuses it)
+    CHECK_OK(fy_plan_search_grid(&c1, "opt-1.3b", 16, 2048, 4, false, "bf16", 0, NULL, &dptp, &g, &pp2, NULL));
+    CHECKF(pp2.dp == 2 && pp2.tp == 2 && pp2.k.resident && pp2.predicted.fits && !runs_on_gpu(&c1, &pp2) &&
+               pp2.refused[0] != 0, "fixed resident dp 2 x tp 2: dp %d x tp %d, refused '%s'", pp2.dp,
+           pp2.tp, pp2.refused);
+    CHECK(p.refused[0] == 0);
+    // (with --offload the same fixed grid is priced offloaded, its chunks sharded: that runs)
+    struct fy_probe gh = g;
+    CHECK_OK(fy_probe_override(&gh, "device_mem", "8GiB"));
+    CHECK_OK(fy_plan_search_grid(&c1, "opt-1.3b", 16, 2048, 4, true, "bf16", 0, NULL, &dptp, &gh, &pp2, NULL));
+    CHECKF(!pp2.k.resident && pp2.dp == 2 && pp2.tp == 2 && strcmp(pp2.pattern, "zero") == 0 && runs_on_gpu(&c1, &pp2),
+           "--offload --dp 2 --tp 2: dp %d x tp %d %s resident %d", pp2.dp, pp2.tp, pp2.pattern, pp2.k.resident);
+  }
+
+  // Stages where nothing else fits: OPT-1.3B (its feed-forward size 8191: no tp of 2) on GPUs of
+  // 20 GiB with no host memory to offload to: 26 GB of state a replica does not fit, two resident
+  // stages do, on 2 GPUs and (replicated or deeper) on 4.
+  {
+    struct fy_probe small = g;
+    CHECK_OK(fy_probe_override(&small, "device_mem", "20GiB"));
+    CHECK_OK(fy_probe_override(&small, "host_mem", "64KiB"));
+    for (int n = 2; n <= 4; n += 2) {
+      struct fy_plan p;
+      CHECK_OK(fy_plan_search_ranks(&odd, "odd", 8, 2048, n, false, "bf16", &small, &p, NULL));
+      fy_plan_print(&p, stderr);
+      CHECKF(p.k.resident && p.pp > 1 && p.tp == 1 && p.predicted.fits && runs_on_gpu(&odd, &p),
+             "%d GPUs of 20 GiB: dp %d x pp %d x tp %d", n, p.dp, p.pp, p.tp);
+    }
+    // and where tensor parallelism splits it (the real OPT-1.3B), the best of what runs: stages,
+    // resident (tp within them with dp 1), or offloaded tp with every chunk on the GPUs
+    struct fy_plan p;
+    CHECK_OK(fy_plan_search_ranks(&c1, "opt-1.3b", 8, 2048, 4, false, "bf16", &small, &p, NULL));
+    fy_plan_print(&p, stderr);
+    CHECKF(p.predicted.fits && (p.pp > 1 || p.tp > 1) && runs_on_gpu(&c1, &p),
+           "opt-1.3b on 4 GPUs of 20 GiB: dp %d x pp %d x tp %d", p.dp, p.pp, p.tp);
+  }
+
+  // On a cluster: every searched layout one that runs (OPT-13B on 2 nodes of 4 GPUs of 80 and
+  // 48 GiB, fast and slow networks), never ZeRO-1 resident nor dp x tp resident.
+  {
+    const double mem[2] = {80, 48}, inter[2] = {100, 5};
+    for (int i = 0; i < 4; i++) {
+      struct fy_probe gm = g;
+      char v[32];
+      snprintf(v, sizeof v, "%.0fGiB", mem[i / 2]);
+      CHECK_OK(fy_probe_override(&gm, "device_mem", v));
+      const struct fy_plan_grid grid = {.cluster = {2, 4, 300, inter[i % 2]}};
+      struct fy_plan p;
+      CHECK_OK(fy_plan_search_grid(&c13, "opt-13b", 32, 2048, 8, false, "bf16", 0, NULL, &grid, &gm, &p, NULL));
+      CHECKF(p.predicted.fits && runs_on_gpu(&c13, &p), "%s, %g GB/s: dp %d x pp %d x tp %d %s", v, inter[i % 2], p.dp,
+             p.pp, p.tp, p.pattern);
+    }
+  }
+  fprintf(stderr, "  GPU layouts that run: %.2f s\n", fy_now() - t0);
 }
 
 // Expert parallelism on paper (planner/cost.c, check_ep and ep_skips; planner/plan.c, ep_sizes):
@@ -1259,8 +1381,13 @@ int main(int argc, char **argv) {
     struct fy_plan badr = res;
     CHECK_ERR(fy_plan_check(&cfg, &badr, &probe), FY_ERR_INVALID);  // (probe: the sim device)
     CHECK(strstr(fy_error_msg(), "GPU") != NULL);
+    // (resident tensor-parallel ranks with dp 1 are priced stage by stage and run; with dp 2 they
+    // are priced but ferry train refuses them: fy_plan_refused)
     badr.tp = 2;
-    CHECK_ERR(fy_plan_check(&cfg, &badr, &g), FY_ERR_INVALID);
+    CHECK_OK(fy_plan_check(&cfg, &badr, &g));
+    CHECK(runs_on_gpu(&cfg, &badr));
+    badr.dp = 2;
+    CHECK(!runs_on_gpu(&cfg, &badr));
     badr = res;
     badr.k.blocks = 3;
     CHECK_ERR(fy_plan_check(&cfg, &badr, &g), FY_ERR_INVALID);
@@ -1544,6 +1671,7 @@ int main(int argc, char **argv) {
   }
 
   check_pipeline();
+  check_gpu_layouts();
   check_pipeline_sim(&cfg);
 
   // Plan files: round trip, and what is refused.
