@@ -199,8 +199,6 @@ static fy_status check_ep(const struct fy_opt_config *cfg, const struct fy_plan_
   if (cfg->num_local_experts % k->ep || dp % k->ep)
     return fy_error_set(FY_ERR_INVALID, "plan: ep %d must divide the %lld experts and the %d data-parallel ranks", k->ep,
                         (long long)cfg->num_local_experts, dp);
-  if ((k->precision[0] && strcmp(k->precision, "fp32") != 0) || knob_state(k->optimizer_state) != FY_STATE_F32)
-    return fy_error_set(FY_ERR_INVALID, "plan: ep %d computes in fp32 with fp32 AdamW state (runtime/run.c)", k->ep);
   if (gpu || k->resident || (k->pp > 1) || dpp != &fy_pattern_zero)
     return fy_error_set(FY_ERR_INVALID, "plan: ep %d is planned offloaded on sim, its chunks sharded over the "
                         "data-parallel ranks (pattern zero, any tp, no pipeline): what runs expert parallelism "

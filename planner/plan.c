@@ -118,13 +118,13 @@ fy_status fy_plan_search_state(const struct fy_opt_config *cfg, const char *mode
 
 // The expert-parallel sizes the search tries on a dp x tp grid (into eps, ep 1 first; returns how
 // many): for a mixture on sim with its chunks sharded (dp > 1; with tp too, each rank its slices of
-// the experts) in fp32 with fp32 AdamW state, every divisor of the experts that divides dp
+// the experts; any precision and AdamW state format), every divisor of the experts that divides dp
 // (runtime/ep.c's offloaded expert parallelism); else 1 alone.
-static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp, int tp, bool fp32, int eps[16]) {
+static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp, int tp, int eps[16]) {
   (void)tp;  // (any tp: ep x tp runs, runtime/ep.c)
   int n = 0;
   eps[n++] = 1;
-  if (cfg->num_local_experts < 2 || strcmp(device, "sim") != 0 || dp < 2 || !fp32) return n;
+  if (cfg->num_local_experts < 2 || strcmp(device, "sim") != 0 || dp < 2) return n;
   for (int e = 2; e <= dp && n < 16; e++)
     if (dp % e == 0 && cfg->num_local_experts % e == 0) eps[n++] = e;
   return n;
@@ -413,7 +413,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
           struct fy_cost cbest = {0};
           // A mixture on sim's sharded chunks: each expert-parallel size (ep_sizes), ep 1 first (a
           // tie keeps it: the simpler run). kbest and the device chunks below are ep 1's.
-          int eps[16], n_ep = ep_sizes(cfg, probe->device, dp, tp, cdt == FY_F32 && sf == FY_STATE_F32, eps);
+          int eps[16], n_ep = ep_sizes(cfg, probe->device, dp, tp, eps);
           for (int e = 0; e < n_ep; e++)
           for (int pf = 0; pf <= 4; pf = pf ? pf * 2 : 1) {
             struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq,
