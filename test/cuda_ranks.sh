@@ -23,6 +23,7 @@
 # 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
 # four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
 # offloaded) = 1 rank; expert parallelism (--ep 2, resident, opt-moe-tiny) = 1 rank accumulating,
+# tensor parallelism on opt-moe-tiny (--tp 2, resident and offloaded) = 1 rank,
 # with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded; two
 # ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
@@ -349,6 +350,17 @@ rm -rf "$d/moeone" "$d/moeep2" "$d/moestarve"
 run moeone 1 --grad-accum 2 --save "$d/moeone" || exit 1
 LOUD=1 run moeep2 2 --ep 2 --save "$d/moeep2" || exit 1
 check "--ep 2 on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeep2 1e-6
+# Tensor parallelism on the mixture (--tp 2): each rank holds half of every expert's fc1 rows and
+# fc2 columns, the router and fc2's bias whole; the CUDA kernels sum the output, the routing
+# weights' gradients and the input gradient's part over the pair by NCCL on their stream. Resident
+# (the slices on the GPUs) and --offload, each = 1 rank on the same micro-batches, fp32 (within
+# 1e-5, loss and aux_loss: each sum in two halves; the emulator gives the same printed digits).
+run moetp 2 --tp 2 --grad-accum 2 || exit 1
+check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32" moeone moetp 1e-5
+check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetp 1e-5 aux_loss
+run moetpoff 2 --tp 2 --grad-accum 2 --offload || exit 1
+check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32" moeone moetpoff 1e-5
+check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetpoff 1e-5 aux_loss
 if [ -n "${FY_EMU_GPUS:-}" ]; then
   if cmp -s "$d/moeone/model.safetensors" "$d/moeep2/model.safetensors"; then
     pass=$((pass + 1)); echo "ok    --ep 2 on 2 emulated GPUs saves 1 rank's weights byte for byte"
