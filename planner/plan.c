@@ -235,10 +235,12 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   if (priced && one_node.cluster.nodes == 0)
     one_node.cluster = (struct fy_cluster){.nodes = 1, .gpus_per_node = ranks, .intra_gbps = fy_probe_comm_gbps(probe),
                                            .inter_gbps = fy_probe_comm_gbps(probe)};
-  // A mixture's experts split over tp on the cpu and sim (core/opt.c), not on GPUs (runtime/run.c).
+  // A mixture's experts split over tp (core/opt.c): on GPUs the search's own tp alone (all the
+  // ranks one offloaded tensor-parallel group, below), not a fixed layout's.
   if (cfg->num_local_experts > 0 && strcmp(probe->device, "cuda") == 0) {
     if (grid->tp > 1)
-      return fy_error_set(FY_ERR_INVALID, "plan: tp %d: a mixture of experts trains on GPUs without tp", grid->tp);
+      return fy_error_set(FY_ERR_INVALID, "plan: tp %d: a mixture of experts on GPUs gets tp from the search alone "
+                          "(all its GPUs one offloaded tensor-parallel group), not in a fixed layout", grid->tp);
     one_node.tp = 1;
   }
   grid = &one_node;
@@ -291,11 +293,11 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
-  // A mixture of experts trains with tp on cpu and sim (each expert split: core/opt.c), on a GPU
-  // without it, on one rank or as resident replicas (runtime/run.c).
+  // A mixture of experts trains with tp (each expert split: core/opt.c) on cpu and sim, and on GPUs
+  // on one rank, as resident replicas or as one offloaded tensor-parallel group (dp 1, below).
   const bool moe = cfg->num_local_experts > 0, moe_gpu = moe && strcmp(probe->device, "cuda") == 0;
   for (int tp = 1; tp <= ranks; tp++) {
-    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (moe_gpu && tp > 1)) continue;
+    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp) continue;
     int dp = ranks / tp;
     if (batch % dp) continue;
     int64_t per_rank = batch / dp;

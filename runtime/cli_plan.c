@@ -381,8 +381,8 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
   // A mixture of experts is planned where it trains (runtime/run.c): on sim with any number of
   // data-parallel ranks, its expert-parallel size searched, a fixed --dp / --tp (each expert split
   // over tp: core/opt.c) and pipelines of offloaded stages (planner/plan.c; a fixed --pp prices that
-  // layout's stages); on a GPU on one rank (resident or offloaded) or as resident replicas,
-  // without tp or ep. No cluster.
+  // layout's stages); on a GPU on one rank (resident or offloaded), as resident replicas or as
+  // one offloaded tensor-parallel group of all the GPUs (the search's tp), without ep. No cluster.
   if (cfg.num_local_experts > 0) {
     const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
     if (!sim && !cuda)
@@ -394,9 +394,11 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
                           sim ? "data-parallel ranks, the expert-parallel size, tensor-parallel experts and pipelines"
                               : "replicas on a GPU",
                           sim ? "layout" : "--dp, --pp or --tp");
-    if (cuda && a->gpus > 1 && a->offload_only)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: on several GPUs it trains as resident "
-                          "replicas; offloaded (--offload) on one GPU: not supported yet", a->model);
+    if (cuda && a->gpus > 1 && a->offload_only && (cfg.num_attention_heads % a->gpus || cfg.ffn_dim % a->gpus))
+      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: on %lld GPUs offloaded (--offload) it "
+                          "trains as one tensor-parallel group, whose %lld must divide its %lld heads and %lld "
+                          "feed-forward width (offloaded replicas: not supported yet)", a->model, (long long)a->gpus,
+                          (long long)a->gpus, (long long)cfg.num_attention_heads, (long long)cfg.ffn_dim);
   }
   // The cluster's links default to the probe's collectives' bandwidth.
   const double comm = fy_probe_comm_gbps(probe);

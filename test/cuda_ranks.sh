@@ -350,17 +350,6 @@ rm -rf "$d/moeone" "$d/moeep2" "$d/moestarve"
 run moeone 1 --grad-accum 2 --save "$d/moeone" || exit 1
 LOUD=1 run moeep2 2 --ep 2 --save "$d/moeep2" || exit 1
 check "--ep 2 on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeep2 1e-6
-# Tensor parallelism on the mixture (--tp 2): each rank holds half of every expert's fc1 rows and
-# fc2 columns, the router and fc2's bias whole; the CUDA kernels sum the output, the routing
-# weights' gradients and the input gradient's part over the pair by NCCL on their stream. Resident
-# (the slices on the GPUs) and --offload, each = 1 rank on the same micro-batches, fp32 (within
-# 1e-5, loss and aux_loss: each sum in two halves; the emulator gives the same printed digits).
-run moetp 2 --tp 2 --grad-accum 2 || exit 1
-check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32" moeone moetp 1e-5
-check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetp 1e-5 aux_loss
-run moetpoff 2 --tp 2 --grad-accum 2 --offload || exit 1
-check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32" moeone moetpoff 1e-5
-check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetpoff 1e-5 aux_loss
 if [ -n "${FY_EMU_GPUS:-}" ]; then
   if cmp -s "$d/moeone/model.safetensors" "$d/moeep2/model.safetensors"; then
     pass=$((pass + 1)); echo "ok    --ep 2 on 2 emulated GPUs saves 1 rank's weights byte for byte"
@@ -433,6 +422,31 @@ if [ -n "${FY_EMU_GPUS:-}" ]; then
     fail=$((fail + 1)); echo "FAIL  --ep 2 --offload on 2 emulated GPUs: its saved weights are not 1 rank's"
   fi
 fi
+# Tensor parallelism on the mixture (--tp 2): each rank holds half of every expert's fc1 rows and
+# fc2 columns, the router and fc2's bias whole; the CUDA kernels sum the output, the routing
+# weights' gradients and the input gradient's part over the pair by NCCL on their stream. Resident
+# (the slices on the GPUs) and --offload, each = 1 rank on the same micro-batches, fp32 (within
+# 1e-5, loss and aux_loss: each sum in two halves; the emulator gives the same printed digits).
+run moetp 2 --tp 2 --grad-accum 2 || exit 1
+check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32" moeone moetp 1e-5
+check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetp 1e-5 aux_loss
+run moetpoff 2 --tp 2 --grad-accum 2 --offload || exit 1
+check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32" moeone moetpoff 1e-5
+check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetpoff 1e-5 aux_loss
+# ferry plan --offload of the mixture for 2 GPUs: both one tensor-parallel group (tp 2, dp 1); its
+# plan, in fp32 on the micro-batches above, trains as --tp 2 --offload does.
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --offload --device-mem 2GiB --host-mem 1GiB \
+  --model opt-moe-tiny --batch 4 --seq 32 --out "$d/moetpplan.json" >"$d/moetpplan_plan.out" 2>&1 ||
+  { cat "$d/moetpplan_plan.out"; exit 1; }
+python3 - "$d/moetpplan.json" <<'PY' || exit 1
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert p["tp"] == 2 and p["dp"] == 1 and not p["resident"], "not one offloaded tp 2 group: %s" % p
+p.update(precision="fp32", micro_batch=2, grad_accum=2)
+json.dump(p, open(sys.argv[1], "w"))
+PY
+run moetpplan 2 --plan "$d/moetpplan.json" || exit 1
+check "ferry plan --offload of a mixture on 2 GPUs (tp 2) = 1 rank, fp32" moeone moetpplan 1e-5
 common=("${dense[@]}")
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last
