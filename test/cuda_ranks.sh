@@ -23,8 +23,8 @@
 # 1 GPU's loss; dp 2 x pp 2 and pp 2 x tp 2 (resident with its checkpoint, and offloaded) with
 # four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
 # offloaded) = 1 rank; expert parallelism (--ep 2, resident, opt-moe-tiny) = 1 rank accumulating,
-# tensor parallelism on opt-moe-tiny (--tp 2, resident and offloaded) = 1 rank,
-# with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded; two
+# with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded; tensor
+# parallelism on opt-moe-tiny (--tp 2 resident, and offloaded as ferry plan lays it out) = 1 rank; two
 # ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
@@ -425,16 +425,12 @@ fi
 # Tensor parallelism on the mixture (--tp 2): each rank holds half of every expert's fc1 rows and
 # fc2 columns, the router and fc2's bias whole; the CUDA kernels sum the output, the routing
 # weights' gradients and the input gradient's part over the pair by NCCL on their stream. Resident
-# (the slices on the GPUs) and --offload, each = 1 rank on the same micro-batches, fp32 (within
-# 1e-5, loss and aux_loss: each sum in two halves; the emulator gives the same printed digits).
+# (the slices on the GPUs), and offloaded as ferry plan --offload lays out 2 GPUs for it (one
+# tensor-parallel group, tp 2 dp 1; its plan in fp32 on the micro-batches above): each = 1 rank,
+# loss and aux_loss within 1e-5 (each sum in two halves; the emulator gives the printed digits).
 run moetp 2 --tp 2 --grad-accum 2 || exit 1
 check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32" moeone moetp 1e-5
 check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetp 1e-5 aux_loss
-run moetpoff 2 --tp 2 --grad-accum 2 --offload || exit 1
-check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32" moeone moetpoff 1e-5
-check "--tp 2 --offload on a mixture on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetpoff 1e-5 aux_loss
-# ferry plan --offload of the mixture for 2 GPUs: both one tensor-parallel group (tp 2, dp 1); its
-# plan, in fp32 on the micro-batches above, trains as --tp 2 --offload does.
 FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --offload --device-mem 2GiB --host-mem 1GiB \
   --model opt-moe-tiny --batch 4 --seq 32 --out "$d/moetpplan.json" >"$d/moetpplan_plan.out" 2>&1 ||
   { cat "$d/moetpplan_plan.out"; exit 1; }
@@ -445,8 +441,9 @@ assert p["tp"] == 2 and p["dp"] == 1 and not p["resident"], "not one offloaded t
 p.update(precision="fp32", micro_batch=2, grad_accum=2)
 json.dump(p, open(sys.argv[1], "w"))
 PY
-run moetpplan 2 --plan "$d/moetpplan.json" || exit 1
-check "ferry plan --offload of a mixture on 2 GPUs (tp 2) = 1 rank, fp32" moeone moetpplan 1e-5
+run moetpoff 2 --plan "$d/moetpplan.json" || exit 1
+check "--tp 2 --offload on a mixture (ferry plan's for 2 GPUs) = 1 rank, fp32" moeone moetpoff 1e-5
+check "--tp 2 --offload on a mixture (ferry plan's for 2 GPUs) = 1 rank, fp32: aux_losses" moeone moetpoff 1e-5 aux_loss
 common=("${dense[@]}")
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last
