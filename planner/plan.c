@@ -132,7 +132,7 @@ static int ep_sizes(const struct fy_opt_config *cfg, const char *device, int dp,
 
 const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg, const struct fy_plan_knobs *k) {
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
-  const bool moe = cfg->num_local_experts > 0, zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
+  const bool zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
   const bool lag = k->optimizer_lag > 0, compressed = k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0;
   if (!device || strcmp(device, "cpu") == 0) return NULL;  // (priced, never run from a plan)
   const bool cuda = strcmp(device, "cuda") == 0;
@@ -144,7 +144,6 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
     return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
   if (!cuda) return NULL;
   // (runtime/run.c and train_opts.c: what a GPU run refuses)
-  if (moe && tp > 1) return "a mixture of experts on GPUs is not split over tensor-parallel ranks";
   if (k->resident && lag) return "a resident GPU run updates on the GPU: no --optimizer-lag";
   if (k->resident && compressed) return "a resident GPU run keeps fp32 AdamW state";
   if (k->resident && dp > 1 && zero)
@@ -288,12 +287,6 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   if (priced && one_node.cluster.nodes == 0)
     one_node.cluster = (struct fy_cluster){.nodes = 1, .gpus_per_node = ranks, .intra_gbps = fy_probe_comm_gbps(probe),
                                            .inter_gbps = fy_probe_comm_gbps(probe)};
-  // A mixture's experts split over tp on the cpu and sim (core/opt.c), not on GPUs (runtime/run.c).
-  if (cfg->num_local_experts > 0 && strcmp(probe->device, "cuda") == 0) {
-    if (grid->tp > 1)
-      return fy_error_set(FY_ERR_INVALID, "plan: tp %d: a mixture of experts trains on GPUs without tp", grid->tp);
-    one_node.tp = 1;
-  }
   grid = &one_node;
   const struct fy_cluster *cl = &grid->cluster;
   enum fy_state_format sf = FY_STATE_F32;
@@ -360,11 +353,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
   struct fy_plan resident = *best;  // the fastest resident plan (none: predicted.fits false)
   // The grids: tp ranks split each layer (when they divide its heads and feed-forward size), the
   // rest shard the chunks (zero); each data-parallel rank takes batch / dp sequences per step.
-  // A mixture of experts trains with tp on cpu and sim (each expert split: core/opt.c), on a GPU
-  // without it, on one rank or as resident replicas (runtime/run.c).
-  const bool moe = cfg->num_local_experts > 0, moe_gpu = moe && strcmp(probe->device, "cuda") == 0;
+  // (A mixture of experts trains with tp too, each expert split: core/opt.c; fy_plan_refused says
+  // what does not run.)
   for (int tp = 1; tp <= ranks; tp++) {
-    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp || (moe_gpu && tp > 1)) continue;
+    if (ranks % tp || cfg->num_attention_heads % tp || cfg->ffn_dim % tp) continue;
     int dp = ranks / tp;
     if (batch % dp) continue;
     int64_t per_rank = batch / dp;

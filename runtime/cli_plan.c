@@ -378,25 +378,18 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
   int tried = 0;
   struct stat sb;
   FY_TRY(stat(a->model, &sb) == 0 ? fy_ckpt_config_read(a->model, &cfg) : fy_opt_preset(a->model, &cfg));
-  // A mixture of experts is planned where it trains (runtime/run.c): on sim with any number of
-  // data-parallel ranks, its expert-parallel size searched, a fixed --dp / --tp (each expert split
-  // over tp: core/opt.c) and pipelines of offloaded stages (planner/plan.c; a fixed --pp prices that
-  // layout's stages); on a GPU on one rank (resident or offloaded) or as resident replicas,
-  // without tp or ep. No cluster.
+  // A mixture of experts is planned where it trains (runtime/run.c; planner/plan.c, fy_plan_refused):
+  // on sim and on GPUs, with data-parallel ranks (on sim its expert-parallel size searched), tensor
+  // parallelism (each expert split: core/opt.c) and pipeline stages, searched or fixed. Not on a
+  // cluster: the expert pattern's all-to-alls are priced at one link.
   if (cfg.num_local_experts > 0) {
     const bool sim = strcmp(probe->device, "sim") == 0, cuda = strcmp(probe->device, "cuda") == 0;
     if (!sim && !cuda)
       return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: plans are made for --device sim and cuda "
                           "(the cpu device trains it resident without a plan)", a->model);
-    if (a->nodes || (cuda && (a->dp || a->pp || a->tp)))
-      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: its plans lay the ranks out by the search "
-                          "(%s), not on a cluster or with a fixed %s: not supported yet", a->model,
-                          sim ? "data-parallel ranks, the expert-parallel size, tensor-parallel experts and pipelines"
-                              : "replicas on a GPU",
-                          sim ? "layout" : "--dp, --pp or --tp");
-    if (cuda && a->gpus > 1 && a->offload_only)
-      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: on several GPUs it trains as resident "
-                          "replicas; offloaded (--offload) on one GPU: not supported yet", a->model);
+    if (a->nodes)
+      return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: its plans are made for the ranks of one "
+                          "machine, not a cluster (--nodes): not supported yet", a->model);
   }
   // The cluster's links default to the probe's collectives' bandwidth.
   const double comm = fy_probe_comm_gbps(probe);

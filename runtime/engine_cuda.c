@@ -299,6 +299,15 @@ static fy_status cross_entropy_bwd(const struct fy_op_args *a) {
                                        a->m->compute_dtype, a->BT, op->V, a->c->loss_scale, ctx_of(a->m)->st);
 }
 
+static fy_status all_reduce_cuda(struct fy_model *m, struct fy_comm *c, void *buf, size_t n, enum fy_reduce_dtype dt);
+
+// A tensor-parallel mixture's sums over the group (fy_moe_dims.tp_sum): device memory, fp32, by
+// NCCL on the kernels' stream, as the dense tp patterns' sums.
+static fy_status moe_tp_sum_cuda(void *ctx, float *buf, int64_t n) {
+  struct fy_model *m = ctx;
+  return all_reduce_cuda(m, m->tp_comm, buf, (size_t)n, FY_COMM_F32);
+}
+
 // A mixture of experts (ops/cuda/moe.cu): its parameters in op->params order, as runtime/engine.c's.
 
 // The targets not ignored of the call's first BT rows (the balance term's weight, struct fy_loss):
@@ -327,13 +336,14 @@ struct moe_call {
 static fy_status moe_begin(const struct fy_op_args *a, struct moe_call *mc) {
   const struct fy_op *op = a->op;
   struct cuda_ctx *x = ctx_of(a->m);
+  const bool tp = a->m->tp_comm && fy_comm_size(a->m->tp_comm) > 1;  // (its experts are slices: core/opt.c)
   *mc = (struct moe_call){.x = x, .route = fy_engine_act(a->m, op->aux[0]), .b = op->has_bias,
                           .d = {.BT = a->BT, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
-                                .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16, .mask = a->c->batch->mask}};
+                                .gelu = op->gelu, .bf16 = a->m->compute_dtype == FY_BF16, .mask = a->c->batch->mask,
+                                .tp_sum = tp ? moe_tp_sum_cuda : NULL, .tp_ctx = a->m}};
   FY_ASSERT(x->moe_work && fy_cuda_moe_workspace_bytes(&mc->d, a->m->compute_dtype) <= x->moe_work_bytes);
-  if (a->g->tp > 1)  // (runtime/run.c refuses it first: these kernels have no fy_moe_dims.tp_sum)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "a mixture of experts on the GPU with tensor parallelism: not supported "
-                        "yet (the cpu and sim devices run it)");
+  if (a->g->tp > 1 && !mc->d.tp_sum)  // (a tp graph's experts are slices: their sums need the group)
+    return fy_error_set(FY_ERR_INTERNAL, "cuda moe: a tensor-parallel graph without its group's communicator");
   return FY_OK;
 }
 
@@ -393,9 +403,10 @@ static fy_status moe_fwd(const struct fy_op_args *a) {
   double balance;
   const struct fy_ep_cuda_env env = {x->blas, x->moe_work, x->moe_pinned, x->launch};
   if (x->ep) FY_TRY(fy_ep_cuda_moe_forward(x->ep, a, &env, &balance));  // (experts over ranks: runtime/ep_cuda.c)
-  else
+  else  // (with tensor parallelism fc2's bias goes into the group's sum once, from its rank 0)
     FY_TRY(fy_cuda_moe_forward(x->blas, a->out, mc.route, fy_engine_act(m, op->aux[1]), &balance, a->in0, c->w[0],
-                               c->w[1], b ? c->w[2] : NULL, c->w[2 + b], b ? c->w[4] : NULL, m->compute_dtype, &mc.d,
+                               c->w[1], b ? c->w[2] : NULL, c->w[2 + b],
+                               b && (!mc.d.tp_sum || a->g->tp_rank == 0) ? c->w[4] : NULL, m->compute_dtype, &mc.d,
                                x->moe_work, x->moe_pinned, x->st));
   // (fy_cuda_moe_forward waited for the stream: the targets and the counts are down)
   const int64_t ntargets = targets ? moe_count(targets, a->BT) : -1;
@@ -658,7 +669,9 @@ static fy_status moe_buffers(struct fy_model *m, struct cuda_ctx *x, enum fy_dty
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
     if (op->kind != FY_OP_MOE) continue;
-    const struct fy_moe_dims d = {.BT = g->B * g->T, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k};
+    // (with tp, the workspace holds the sums' fp32 part: ops/cuda/ops_cuda.h)
+    const struct fy_moe_dims d = {.BT = g->B * g->T, .C = op->C, .F = op->OC, .E = op->experts, .K = op->top_k,
+                                  .tp_sum = g->tp > 1 ? moe_tp_sum_cuda : NULL};
     const size_t w = fy_cuda_moe_workspace_bytes(&d, dt), p = fy_cuda_moe_pinned_bytes(&d);
     work = w > work ? w : work;
     pinned = p > pinned ? p : pinned;

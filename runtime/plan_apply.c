@@ -37,6 +37,18 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
     return fy_error_set(FY_ERR_UNSUPPORTED, "--plan auto with --device cuda needs a ferry built with CUDA: write a "
                         "plan with ferry plan --device cuda%s --out FILE and train with --plan FILE",
                         ranks > 1 ? " --gpus N" : "");
+  struct fy_plan plan;
+  if (!automatic) {
+    FY_TRY(fy_plan_read(o->plan, &plan));
+    // A plan is for its model: the run's when --model (or --init DIR, --resume) does not say which.
+    static char plan_model[sizeof plan.model];
+    const bool named = o->model || o->resume || (o->init && strcmp(o->init, "random") != 0);
+    if (!named && plan.model[0]) {
+      snprintf(plan_model, sizeof plan_model, "%s", plan.model);
+      o->model = plan_model;
+      if (fy_comm_launch_rank() == 0) fy_log_info("--plan %s is for %s: training it", o->plan, plan_model);
+    }
+  }
   struct fy_opt_config cfg;
   FY_TRY(resolve_config(o, &cfg));
   cfg.train_dropout = train_dropout(o, &cfg);  // (the planner prices the graph that will run)
@@ -84,13 +96,11 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
       probe.disk_dir[0] = '\0';
     }
   }
-  struct fy_plan plan;
   if (automatic) {  // the global batch as if every rank were data-parallel, in this run's precision
     FY_TRY(fy_plan_search_state(&cfg, o->model ? o->model : cfg.name, o->batch * o->grad_accum * ranks, o->seq, ranks,
                                 cuda && o->offload, o->precision, o->optimizer_lag, o->optimizer_state, &probe, &plan,
                                 NULL));
   } else {
-    FY_TRY(fy_plan_read(o->plan, &plan));
     if (plan.k.resident && !cuda)
       return fy_error_set(FY_ERR_INVALID, "--plan %s keeps the whole model on a GPU (resident): train it with "
                           "--device cuda", o->plan);

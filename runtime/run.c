@@ -637,13 +637,13 @@ fy_status setup(const struct fy_train_opts *o, struct run *r, bool shuffle, bool
   FY_TRY(seq_fits(o->seq, &r->cfg));
   fy_status st;
   const char *device = o->device ? o->device : "cpu";
-  // A mixture of experts runs with the CPU's kernels (cpu, sim offloaded; with --tp too: each
-  // expert split as the dense feed-forward, core/opt.c) or the GPU's (resident or --offload), not
-  // with --tp on GPUs: the CUDA kernels have no tensor-parallel sums (ops/ops.h, fy_moe_dims.tp_sum).
+  // A mixture of experts runs with the CPU's kernels (cpu, sim offloaded) or the GPU's (resident or
+  // --offload); with --tp on each, every expert split as the dense feed-forward (core/opt.c), its
+  // partial sums over the group by the kernels (ops/ops.h, fy_moe_dims.tp_sum; NCCL on GPUs).
   if (r->cfg.num_local_experts > 0 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 &&
-      !(strcmp(device, "cuda") == 0 && r->tp == 1))
-    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu or sim (offloaded), "
-                        "with or without --tp, or cuda (resident or --offload) without --tp, for now", r->cfg.name);
+      strcmp(device, "cuda") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s is a mixture of experts: it runs on --device cpu, sim (offloaded) or "
+                        "cuda (resident or --offload), with or without --tp", r->cfg.name);
   if (r->ep > 1 && strcmp(device, "cpu") != 0 && strcmp(device, "sim") != 0 && strcmp(device, "cuda") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d on --device %s: expert parallelism runs on --device cpu, sim and "
                         "cuda", r->ep, device);

@@ -25,7 +25,8 @@
 # four GPUs, dp 2 x pp 2 x tp 2 with eight; a mixture of experts through 2 stages (resident and
 # offloaded) = 1 rank; expert parallelism (--ep 2, resident, opt-moe-tiny) = 1 rank accumulating,
 # with experts that get no token (2 groups of ep 2 with four GPUs), planned, and offloaded, and
-# in bf16 = 1 rank accumulating; two
+# in bf16 = 1 rank accumulating; tensor parallelism on opt-moe-tiny (--tp 2 resident, and offloaded
+# as ferry plan lays it out) = 1 rank; two
 # ranks on one GPU refused; a rank killed mid-run ends the job within
 # --comm-timeout plus 10 s.
 # Exit status: 0 when every check holds, 1 otherwise, 2 for bad usage, 77 with fewer than 2 GPUs
@@ -474,6 +475,28 @@ if [ -n "${FY_EMU_GPUS:-}" ]; then
     fail=$((fail + 1)); echo "FAIL  --ep 2 in bf16 on 2 emulated GPUs: its saved weights are not 1 rank's"
   fi
 fi
+# Tensor parallelism on the mixture (--tp 2): each rank holds half of every expert's fc1 rows and
+# fc2 columns, the router and fc2's bias whole; the CUDA kernels sum the output, the routing
+# weights' gradients and the input gradient's part over the pair by NCCL on their stream. Resident
+# (the slices on the GPUs), and offloaded as ferry plan --offload lays out 2 GPUs for it (one
+# tensor-parallel group, tp 2 dp 1; its plan in fp32 on the micro-batches above): each = 1 rank,
+# loss and aux_loss within 1e-5 (each sum in two halves; the emulator gives the printed digits).
+run moetp 2 --tp 2 --grad-accum 2 || exit 1
+check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32" moeone moetp 1e-5
+check "--tp 2 on a mixture, resident on 2 GPUs = 1 rank, fp32: aux_losses" moeone moetp 1e-5 aux_loss
+FERRY_PROBE="$d/probe.json" "$ferry" plan --device cuda --gpus 2 --offload --device-mem 2GiB --host-mem 1GiB \
+  --model opt-moe-tiny --batch 4 --seq 32 --out "$d/moetpplan.json" >"$d/moetpplan_plan.out" 2>&1 ||
+  { cat "$d/moetpplan_plan.out"; exit 1; }
+python3 - "$d/moetpplan.json" <<'PY' || exit 1
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert p["tp"] == 2 and p["dp"] == 1 and not p["resident"], "not one offloaded tp 2 group: %s" % p
+p.update(precision="fp32", micro_batch=2, grad_accum=2)
+json.dump(p, open(sys.argv[1], "w"))
+PY
+run moetpoff 2 --plan "$d/moetpplan.json" || exit 1
+check "--tp 2 --offload on a mixture (ferry plan's for 2 GPUs) = 1 rank, fp32" moeone moetpoff 1e-5
+check "--tp 2 --offload on a mixture (ferry plan's for 2 GPUs) = 1 rank, fp32: aux_losses" moeone moetpoff 1e-5 aux_loss
 common=("${dense[@]}")
 
 # The emulator's NCCL only (FY_EMU_NCCL_FAIL, test/cudaemu/emu_nccl.cc): every rank's last

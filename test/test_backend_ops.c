@@ -910,10 +910,104 @@ static void test_moe_case(struct fy_cuda_blas *h, enum fy_dtype dt, bool gelu, b
   free(mask);
 }
 
+// Tensor parallelism on the GPU's kernels (fy_moe_dims.tp_sum, device memory, fp32): a pair
+// emulated in one process as test_ops's is: rank 1 runs first and its sums keep copies of what it
+// would send, rank 0 then adds them in the same order, so that its results are the pair's. Rank
+// 0's (each expert's fc1 rows and fc2 columns [0, F/2), fc2's bias) against the cpu's one rank on
+// the whole experts (as test_moe_case, relu with biases).
+struct moe_tp_pair {
+  bool add;        // rank 0's turn
+  int k;           // the sums so far this turn
+  float *sent[3];  // rank 1's buffers (host copies), in order
+};
+static fy_status moe_tp_sum(void *ctx, float *buf, int64_t n) {
+  struct moe_tp_pair *x = ctx;
+  FY_ASSERT(x->k < 3);
+  float *h = check_fnew(n);
+  dget(h, buf, n, FY_F32);
+  if (x->add) {
+    for (int64_t i = 0; i < n; i++) h[i] += x->sent[x->k][i];
+    CHECK_OK(fy_copy_async(st, buf, h, (size_t)n * 4));
+    CHECK_OK(fy_stream_sync(st));
+    free(x->sent[x->k]);
+    free(h);
+  } else {
+    x->sent[x->k] = h;
+  }
+  x->k++;
+  return FY_OK;
+}
+static void test_moe_tp(struct fy_cuda_blas *h, enum fy_dtype dt) {
+  const int E = 5, K = 2;
+  const int64_t F = 40, Fl = F / 2, S = E + 3 * K, cap = fy_moe_rows_cap(BT, E, K);
+  const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K};
+  float *inp = frand_new(BT * C, 1.0f, dt), *gate = frand_new(E * C, 0.3f, dt);
+  float *w1 = frand_new(E * F * C, 0.2f, dt), *b1 = frand_new(E * F, 0.5f, dt);
+  float *w2 = frand_new(E * C * F, 0.2f, dt), *b2 = frand_new(E * C, 0.5f, dt);
+  float *dout = frand_new(BT * C, 1.0f, dt), *dinp0 = frand_new(BT * C, 1.0f, dt);
+  float *out = check_fnew(BT * C), *route = check_fnew(BT * S), *rows = check_fnew(cap * (F + C));
+  float *dinp = fdup(dinp0, BT * C), *dgate = check_fnew(E * C), *dw1 = check_fnew(E * F * C);
+  float *db1 = check_fnew(E * F), *dw2 = check_fnew(E * C * F), *db2 = check_fnew(E * C);
+  double bal = 0, gbal = 0;
+  CHECK_OK(fy_moe_forward(out, route, rows, &bal, inp, gate, w1, b1, w2, b2, &d));
+  CHECK_OK(fy_moe_backward(dinp, dgate, dw1, db1, dw2, db2, dout, inp, route, rows, gate, w1, w2, 0.37f, false, &d));
+  struct moe_tp_pair pair = {0};
+  struct fy_moe_dims dp = d;
+  dp.F = Fl, dp.tp_sum = moe_tp_sum, dp.tp_ctx = &pair;
+  // Rank r's slices: w1 rows [e F + r F/2, +F/2) of every expert (b1 likewise), w2 columns [r F/2, +F/2).
+  float *w1r = check_fnew(E * Fl * C), *b1r = check_fnew(E * Fl), *w2r = check_fnew(E * C * Fl);
+  void *d_inp = dput(inp, BT * C, dt), *d_gate = dput(gate, E * C, dt), *d_dout = dput(dout, BT * C, dt);
+  void *d_b2 = dput(b2, E * C, dt), *work = dalloc(fy_cuda_moe_workspace_bytes(&dp, dt));
+  void *pinned = NULL;
+  CHECKF(cudaMallocHost(&pinned, fy_cuda_moe_pinned_bytes(&dp)) == cudaSuccess, "moe tp test: pinned memory");
+  void *d_out = NULL, *d_dinp = NULL, *d_dgate = NULL, *d_dw1 = NULL, *d_db1 = NULL, *d_dw2 = NULL, *d_db2 = NULL;
+  for (int r = 1; r >= 0; r--) {
+    for (int64_t e = 0; e < E; e++) {
+      memcpy(w1r + e * Fl * C, w1 + (e * F + r * Fl) * C, (size_t)(Fl * C) * 4);
+      memcpy(b1r + e * Fl, b1 + e * F + r * Fl, (size_t)Fl * 4);
+    }
+    for (int64_t i = 0; i < E * C; i++) memcpy(w2r + i * Fl, w2 + i * F + r * Fl, (size_t)Fl * 4);
+    void *d_w1 = dput(w1r, E * Fl * C, dt), *d_b1 = dput(b1r, E * Fl, dt), *d_w2 = dput(w2r, E * C * Fl, dt);
+    d_out = dalloc((size_t)(BT * C) * fy_dtype_size(dt));
+    float *d_route = dalloc((size_t)(BT * S) * 4);
+    void *d_rows = dalloc((size_t)(cap * (Fl + C)) * fy_dtype_size(dt));
+    d_dinp = dput(dinp0, BT * C, dt), d_dgate = dalloc((size_t)(E * C) * fy_dtype_size(dt));
+    d_dw1 = dalloc((size_t)(E * Fl * C) * fy_dtype_size(dt)), d_db1 = dalloc((size_t)(E * Fl) * fy_dtype_size(dt));
+    d_dw2 = dalloc((size_t)(E * C * Fl) * fy_dtype_size(dt)), d_db2 = dalloc((size_t)(E * C) * fy_dtype_size(dt));
+    pair.add = r == 0, pair.k = 0;
+    CHECK_OK(fy_cuda_moe_forward(h, d_out, d_route, d_rows, &gbal, d_inp, d_gate, d_w1, d_b1, d_w2,
+                                 r == 0 ? d_b2 : NULL, dt, &dp, work, pinned, cs));
+    CHECKF(pair.k == 1, "moe tp rank %d: %d sums in forward, wanted 1 (the output)", r, pair.k);
+    CHECK_OK(fy_cuda_moe_backward(h, d_dinp, d_dgate, d_dw1, d_db1, d_dw2, d_db2, d_dout, d_inp, d_route, d_rows,
+                                  d_gate, d_w1, d_w2, 0.37f, false, dt, &dp, work, pinned, NULL, cs));
+    CHECKF(pair.k == 3, "moe tp rank %d: %d sums in backward, wanted 2", r, pair.k - 1);
+  }
+  // Rank 0's: the whole output and input gradient, the router's gradient, its slices' gradients.
+  for (int64_t e = 0; e < E; e++) {
+    memcpy(w1r + e * Fl * C, dw1 + e * F * C, (size_t)(Fl * C) * 4);
+    memcpy(b1r + e * Fl, db1 + e * F, (size_t)Fl * 4);
+  }
+  for (int64_t i = 0; i < E * C; i++) memcpy(w2r + i * Fl, dw2 + i * F, (size_t)Fl * 4);
+  cmp_dev("moe tp 2 forward (rank 0)", dt, d_out, out, BT * C, true);
+  CHECKF(fabs(gbal - bal) <= 1e-5 * fabs(bal), "moe tp balance: cuda %.9g, cpu %.9g", gbal, bal);
+  cmp_dev("moe tp 2 backward dinp +=", dt, d_dinp, dinp, BT * C, true);
+  cmp_dev("moe tp 2 backward dgate", dt, d_dgate, dgate, E * C, true);
+  cmp_dev("moe tp 2 backward dw1 (slice)", dt, d_dw1, w1r, E * Fl * C, true);
+  cmp_dev("moe tp 2 backward db1 (slice)", dt, d_db1, b1r, E * Fl, true);
+  cmp_dev("moe tp 2 backward dw2 (slice)", dt, d_dw2, w2r, E * C * Fl, true);
+  cmp_dev("moe tp 2 backward db2", dt, d_db2, db2, E * C, true);
+  CHECK_OK(fy_stream_sync(st));
+  cudaFreeHost(pinned);
+  dfree_all();
+  float *hb[] = {inp, gate, w1, b1, w2, b2, dout, dinp0, out, route, rows, dinp, dgate, dw1, db1, dw2, db2, w1r, b1r, w2r};
+  for (size_t i = 0; i < sizeof hb / sizeof *hb; i++) free(hb[i]);
+}
+
 static void test_moe(struct fy_cuda_blas *h, enum fy_dtype dt) {
   test_moe_case(h, dt, false, true, false);
   test_moe_case(h, dt, true, false, false);
   test_moe_case(h, dt, false, true, true);
+  test_moe_tp(h, dt);
 }
 
 // Mask kinds: 0 = none (NULL), 1 = padding: batch 1 left-padded by 5 and right-padded by 3 (its

@@ -171,9 +171,10 @@ __global__ void moe_pad_kernel(T *buf, const int *counts, int64_t W) {
 }
 
 // y (rows,C), route -> out (BT,C) = sum_j weight_j y[row_j], the choices in order (padding: 0).
-// One block a token.
-template <typename T>
-__global__ void moe_combine_kernel(T *out, const T *y, const float *route, int64_t C, int E, int K) {
+// One block a token. (TO fp32 with T bf16: tensor parallelism's partial output, summed over the
+// group in fp32.)
+template <typename TO, typename T>
+__global__ void moe_combine_kernel(TO *out, const T *y, const float *route, int64_t C, int E, int K) {
   const int64_t t = blockIdx.x, S = E + 3 * K;
   const float *r = route + t * S;
   const int k = moe_padding(r, E) ? 0 : K;
@@ -259,9 +260,10 @@ __global__ void moe_router_grad_kernel(T *dlog, const float *route, const float 
 }
 
 // dx (rows,C), route -> dinp (BT,C) += each token's K rows, in the choices' order (padding: none).
-// One block a token.
-template <typename T>
-__global__ void moe_scatter_add_kernel(T *dinp, const T *dx, const float *route, int64_t C, int E, int K) {
+// One block a token. (TO fp32: tensor parallelism's part of the input's gradient, summed over the
+// group in fp32.)
+template <typename TO, typename T>
+__global__ void moe_scatter_add_kernel(TO *dinp, const T *dx, const float *route, int64_t C, int E, int K) {
   const int64_t t = blockIdx.x, S = E + 3 * K;
   const float *r = route + t * S;
   if (moe_padding(r, E)) return;
@@ -272,33 +274,44 @@ __global__ void moe_scatter_add_kernel(T *dinp, const T *dx, const float *route,
   }
 }
 
+// dst (n) += src (n) fp32: tensor parallelism's summed part of the input's gradient added.
+template <typename T>
+__global__ void moe_add_f32_kernel(T *dst, const float *src, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    fy_st(dst + i, fy_ld(dst + i) + src[i]);
+}
+
 // ---- the host side ----
 
 // The workspace's parts (fy_cuda_moe_workspace_bytes), each 256-byte aligned: counts (E) int and
 // right after them psum (E) fp32 (one copy down brings both), xs (cap,C), as (cap,F), dy (cap,C), dh (cap,F), dx (cap,C) in dt, dw (BT,K) fp32,
-// dlog (BT,E) in dt. Forward uses the first three.
+// dlog (BT,E) in dt; with tensor parallelism (d->tp_sum) last tp (BT,C) fp32, the partial sums
+// that go over the group (in bf16, forward's output; in both dtypes, backward's input gradient's
+// part). Forward uses the first three (and tp).
 struct moe_ws {
   int *counts;
   float *psum;
   char *xs, *as, *dy, *dh, *dx;
   float *dw;
   char *dlog;
+  float *tp;
 };
 
 static size_t ws_round(size_t n) { return (n + 255) / 256 * 256; }
 
 static size_t moe_ws_layout(const struct fy_moe_dims *d, size_t es, char *base, struct moe_ws *w) {
   const size_t cap = (size_t)fy_moe_rows_cap(d->BT, d->E, d->K);
-  const size_t sizes[8] = {(size_t)d->E * 8, cap * d->C * es, cap * d->F * es, cap * d->C * es,
-                           cap * d->F * es, cap * d->C * es, (size_t)(d->BT * d->K) * 4, (size_t)(d->BT * d->E) * es};
-  char *p[8];
+  const size_t sizes[9] = {(size_t)d->E * 8, cap * d->C * es, cap * d->F * es, cap * d->C * es,
+                           cap * d->F * es, cap * d->C * es, (size_t)(d->BT * d->K) * 4, (size_t)(d->BT * d->E) * es,
+                           d->tp_sum ? (size_t)(d->BT * d->C) * 4 : 0};
+  char *p[9];
   size_t off = 0;
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < 9; i++) {
     p[i] = base ? base + off : NULL;
     off += ws_round(sizes[i]);
   }
   if (w) *w = (struct moe_ws){(int *)p[0], p[0] ? (float *)(p[0] + (size_t)d->E * 4) : NULL, p[1], p[2], p[3], p[4], p[5],
-                              (float *)p[6], p[7]};
+                              (float *)p[6], p[7], d->tp_sum ? (float *)p[8] : NULL};
   return off;
 }
 
@@ -378,9 +391,22 @@ extern "C" fy_status fy_cuda_moe_forward(struct fy_cuda_blas *h, void *out, floa
                                     b2 ? (const char *)b2 + (size_t)(e * C) * es : NULL, dt, R, F, C, st));
     off += R;
   }
-  FY_CUDA_DISPATCH("moe_forward", dt, T,
-                   moe_combine_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)out, (const T *)yb, route, C, E, K));
+  // Tensor parallelism: each rank's y rows are partial products (its F columns of fc2; fc2's bias
+  // from one rank), so the combine is too: summed over the group in fp32 (in place in fp32; in
+  // bf16 through tp, then rounded once), as the cpu's kernels sum it.
+  float *acc = d->tp_sum && dt != FY_F32 ? w.tp : NULL;
+  if (acc) {
+    FY_CUDA_DISPATCH("moe_forward", dt, T,
+                     moe_combine_kernel<float, T><<<(unsigned)BT, 128, 0, st>>>(acc, (const T *)yb, route, C, E, K));
+  } else {
+    FY_CUDA_DISPATCH("moe_forward", dt, T,
+                     moe_combine_kernel<T, T><<<(unsigned)BT, 128, 0, st>>>((T *)out, (const T *)yb, route, C, E, K));
+  }
   FY_TRY(fy_cuda_launched("moe_forward: combine"));
+  if (d->tp_sum) {
+    FY_TRY(d->tp_sum(d->tp_ctx, acc ? acc : (float *)out, BT * C));
+    if (acc) FY_TRY(fy_cuda_convert(out, dt, acc, FY_F32, BT * C, st));
+  }
   // E x sum_e f_e P_e, from the counts and the probabilities' sums (fp32 sums on the device), over
   // the N routed tokens (every token without a mask; none routed: 0).
   int64_t N = 0;
@@ -412,6 +438,9 @@ extern "C" fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, vo
                                                                               (const T *)yb, route, C, E, K);
                    moe_pad_kernel<T><<<E, MOE_THREADS, 0, st>>>((T *)w.dy, w.counts, C));
   FY_TRY(fy_cuda_launched("moe_backward: dispatch"));
+  // Tensor parallelism: y is this rank's part, so are the weights' gradients dw: summed over the
+  // group, the router's gradient is then the same on every rank, as the router is.
+  if (d->tp_sum) FY_TRY(d->tp_sum(d->tp_ctx, w.dw, BT * K));
   // The products' row counts: the forward's (no wait), else the ones just counted, brought down.
   const int *hc = counts;
   if (!hc) {
@@ -475,10 +504,27 @@ extern "C" fy_status fy_cuda_moe_backward(struct fy_cuda_blas *h, void *dinp, vo
   FY_TRY(fy_cuda_launched("moe_backward: router"));
   if (dinp) {
     FY_TRY(fy_cuda_matmul(h, dinp, w.dlog, gate, NULL, dt, BT, C, E, false, false, 1.0f, 1.0f, st));
-    FY_CUDA_DISPATCH("moe_backward", dt, T,
-                     moe_scatter_add_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)dinp, (const T *)w.dx, route, C, E,
-                                                                             K));
-    FY_TRY(fy_cuda_launched("moe_backward: scatter"));
+    if (d->tp_sum) {
+      // Tensor parallelism: dx is this rank's part (its F columns of fc1): the tokens' sums of it
+      // into tp (fp32, from zeros), summed over the group, then added (the router's term above is
+      // whole on every rank already), as the cpu's kernels do.
+      if (cudaMemsetAsync(w.tp, 0, (size_t)(BT * C) * 4, st) != cudaSuccess)
+        return fy_cuda_launched("moe_backward: the input gradient's part");
+      FY_CUDA_DISPATCH("moe_backward", dt, T,
+                       moe_scatter_add_kernel<float, T><<<(unsigned)BT, 128, 0, st>>>(w.tp, (const T *)w.dx, route,
+                                                                                       C, E, K));
+      FY_TRY(fy_cuda_launched("moe_backward: scatter"));
+      FY_TRY(d->tp_sum(d->tp_ctx, w.tp, BT * C));
+      FY_CUDA_DISPATCH("moe_backward", dt, T,
+                       moe_add_f32_kernel<T><<<(unsigned)((BT * C + 255) / 256 < 4096 ? (BT * C + 255) / 256 : 4096),
+                                               256, 0, st>>>((T *)dinp, w.tp, BT * C));
+      FY_TRY(fy_cuda_launched("moe_backward: the input gradient's sum"));
+    } else {
+      FY_CUDA_DISPATCH("moe_backward", dt, T,
+                       moe_scatter_add_kernel<T, T><<<(unsigned)BT, 128, 0, st>>>((T *)dinp, (const T *)w.dx, route,
+                                                                                  C, E, K));
+      FY_TRY(fy_cuda_launched("moe_backward: scatter"));
+    }
   }
   return fy_cuda_matmul(h, dgate, w.dlog, inp, NULL, dt, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f, st);
 }
@@ -554,7 +600,7 @@ extern "C" fy_status fy_cuda_moe_ep_experts_forward(struct fy_cuda_blas *h, void
 extern "C" fy_status fy_cuda_moe_ep_combine(void *out, const void *y, const float *route, enum fy_dtype dt,
                                             const struct fy_moe_dims *d, cudaStream_t st) {
   FY_CUDA_DISPATCH("moe_ep_combine", dt, T,
-                   moe_combine_kernel<T><<<(unsigned)d->BT, 128, 0, st>>>((T *)out, (const T *)y, route, d->C, d->E,
+                   moe_combine_kernel<T, T><<<(unsigned)d->BT, 128, 0, st>>>((T *)out, (const T *)y, route, d->C, d->E,
                                                                           d->K));
   return fy_cuda_launched("moe_ep_combine");
 }
@@ -641,8 +687,8 @@ extern "C" fy_status fy_cuda_moe_ep_route_backward(struct fy_cuda_blas *h, void 
   if (dinp) {
     FY_TRY(fy_cuda_matmul(h, dinp, w.dlog, gate, NULL, dt, BT, C, E, false, false, 1.0f, 1.0f, st));
     FY_CUDA_DISPATCH("moe_ep_route_backward", dt, T,
-                     moe_scatter_add_kernel<T><<<(unsigned)BT, 128, 0, st>>>((T *)dinp, (const T *)w.dx, route, C, E,
-                                                                             K));
+                     moe_scatter_add_kernel<T, T><<<(unsigned)BT, 128, 0, st>>>((T *)dinp, (const T *)w.dx, route, C,
+                                                                                E, K));
     FY_TRY(fy_cuda_launched("moe_ep_route_backward: scatter"));
   }
   return fy_cuda_matmul(h, dgate, w.dlog, inp, NULL, dt, E, C, BT, true, false, 1.0f, accumulate ? 1.0f : 0.0f, st);

@@ -243,7 +243,11 @@ fy_status fy_cuda_linear_backward_params(struct fy_cuda_blas *h, void *dweight, 
 // WAITS for the stream once: the experts' token counts come down (into pinned's first E ints) to
 // size their products; the backward reuses them when handed in (else it waits once too). An expert
 // with no token is skipped; its gradient is zero (=) or left as it is (accumulate). d->mask (BT,
-// device memory; NULL: none) marks padding, routed to no expert as fy_moe_forward's.
+// device memory; NULL: none) marks padding, routed to no expert as fy_moe_forward's. Tensor
+// parallelism as the cpu's (d->tp_sum, ops/ops.h): the callback gets device memory, fp32 whatever
+// dt (the bf16 output and input gradient's part go through an fp32 part of work), to sum over the
+// group in stream order (NCCL on st); work's size then includes that part (d->tp_sum set when
+// sizing it).
 size_t fy_cuda_moe_workspace_bytes(const struct fy_moe_dims *d, enum fy_dtype dt);
 size_t fy_cuda_moe_pinned_bytes(const struct fy_moe_dims *d);
 // inp (BT,C), gate (E,C), w1 (E*F,C), b1 (E*F) or NULL, w2 (E*C,F), b2 (E*C) or NULL -> out (BT,C),
