@@ -982,7 +982,7 @@ static fy_status ep_setup(struct fy_offload *x) {
   for (int pass = 0; pass < 2; pass++) {  // count the ranges, then fill them in
     for (int o = 0; o < g->n_ops; o++) {
       const struct fy_op *op = &g->ops[o];
-      if (op->kind != FY_OP_MOE) continue;
+      if (op->kind != FY_OP_MOE || g->params[op->params[0]].absent) continue;  // (another pipeline stage's)
       const int b = op->has_bias, El = op->experts / P, c = g->params[op->params[0]].chunk;
       const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};
       if (pass == 0) x->ep_E[c] += op->experts;
@@ -1015,7 +1015,7 @@ static fy_status ep_setup(struct fy_offload *x) {
   int64_t route_max = 0;
   for (int o = 0; o < g->n_ops; o++) {
     const struct fy_op *op = &g->ops[o];
-    if (op->kind != FY_OP_MOE) continue;
+    if (op->kind != FY_OP_MOE || g->params[op->params[0]].absent) continue;
     struct moe_load *ml = &x->moe[o];
     const int b = op->has_bias;
     const int ids[4] = {op->params[1], b ? op->params[2] : -1, op->params[2 + b], b ? op->params[4] : -1};

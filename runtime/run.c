@@ -577,12 +577,13 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   // same stage and tp_rank): a stage's graph holds E/ep experts of its own layers' mixtures, and
   // the stage's gradient sums, norm and checkpoints take their experts' parts as runtime/ep.c does
   // (fy_pipeline_all_reduce_grads, fy_pipeline_grad_norm; train_checkpoint.c's walk), each
-  // micro-batch in flight its own mixtures' state (fy_ep_set_arenas). On the cpu alone for now: the
-  // offload engine (sim, GPUs) runs a stage's passes on its own thread, which would have to pick a
-  // micro-batch's state itself.
-  if (r->pp > 1 && o->device && strcmp(o->device, "cpu") != 0)
+  // micro-batch in flight its own mixtures' state (fy_ep_set_arenas, picked by the host before each
+  // half-pass). On sim (offloaded, the graph keeping every expert in the stage's sharded chunks,
+  // setup_offload) the host waits for each half-pass's ops before the next (fy_offload_stage_pass);
+  // on GPUs it does not, so their compute stream would have to pick the state itself: not yet.
+  if (r->pp > 1 && o->device && strcmp(o->device, "cpu") != 0 && strcmp(o->device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --pp %d on --device %s: expert parallelism within "
-                        "pipeline stages runs on --device cpu for now", r->ep, r->pp, o->device);
+                        "pipeline stages runs on --device cpu and sim for now", r->ep, r->pp, o->device);
   if (r->dp % r->ep != 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
