@@ -329,7 +329,9 @@ grep -q "expert parallelism: ep 2" "$tmp/planeptprun.out" && compare tp2q planep
 # without --ep and 1 rank accumulating the 2 micro-batches bit for bit; with 2 micro-batches a rank
 # (1F1B: a stage runs the second's forward before the first's backward, each keeping its own rows)
 # and clipping, within 1e-5 of the grid without --ep; a checkpoint of it resumes on 1 rank bit for
-# bit; --device sim with both is refused (the cpu alone for now).
+# bit. On sim (the stages' chunks sharded over their data-parallel ranks, the graph keeping every
+# expert, a disk tier) 1 rank's weights bit for bit, and its checkpoint resumes on 1 rank bit for
+# bit; --device cuda with both is refused (not yet).
 mkdir -p "$tmp/cfg-moe4"
 python3 - "$tmp/cfg-moe4/config.json" <<'PY'
 import json, sys
@@ -353,9 +355,17 @@ compare m4ppc m4epppc 1e-5 && ok "ep 2 x pp 2, 2 micro-batches a rank in flight,
   --stop-after 2 >"$tmp/ck_eppp.out" 2>&1 || { bad "ep 2 x pp 2 checkpoints"; cat "$tmp/ck_eppp.out"; }
 run m4res1 1 --grad-accum 2 "${m4[@]}" --clip 0 --resume "$tmp/ck_eppp"
 compare m4one m4res1 1e-6 0 && ok "an ep 2 x pp 2 checkpoint resumes on 1 rank bit for bit" || bad "ep 2 x pp 2 -> 1 rank resume differs"
-out="$("${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${m4[@]}" --ep 2 --pp 2 --device sim 2>&1)"
-[ $? -ne 0 ] && grep -q -- "--ep 2 with --pp 2 on --device sim: expert parallelism within pipeline stages runs on --device cpu" <<<"$out" \
-  && ok "ep 2 x pp 2 on sim refused" || { bad "ep 2 x pp 2 on sim"; echo "$out" | tail -3; }
+run m4seppp 4 --ep 2 --pp 2 "${m4[@]}" --clip 0 "${sim[@]}" --disk-dir "$tmp/d_m4seppp"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${m4[@]}" --clip 0 --ep 2 --pp 2 "${sim[@]}" \
+  --disk-dir "$tmp/d_ck_seppp" --save "$tmp/ck_seppp" --save-every 100 --stop-after 2 >"$tmp/ck_seppp.out" 2>&1 \
+  || { bad "ep 2 x pp 2 on sim checkpoints"; cat "$tmp/ck_seppp.out"; }
+run m4sres1 1 --grad-accum 2 "${m4[@]}" --clip 0 --resume "$tmp/ck_seppp"
+compare m4one m4seppp 1e-6 0 && compare m4one m4sres1 1e-6 0 \
+  && ok "ep 2 x pp 2 on sim (sharded, disk tier): 1 rank's weights bit for bit; its checkpoint resumes on 1 rank bit for bit" \
+  || bad "ep 2 x pp 2 on sim differs"
+out="$("${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${m4[@]}" --ep 2 --pp 2 --device cuda 2>&1)"
+[ $? -ne 0 ] && grep -q -- "--ep 2 with --pp 2 on --device cuda: expert parallelism within pipeline stages runs on --device cpu and sim" <<<"$out" \
+  && ok "ep 2 x pp 2 on cuda refused" || { bad "ep 2 x pp 2 on cuda"; echo "$out" | tail -3; }
 
 # Layouts that do not fit, refused before anything is allocated.
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"
