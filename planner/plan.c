@@ -138,8 +138,9 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   const bool cuda = strcmp(device, "cuda") == 0;
   if (!cuda && strcmp(device, "sim") != 0) return "plans run on the sim device and on GPUs (cuda)";
   if (k->resident && !cuda) return "a resident plan keeps the whole model on a GPU: it runs with --device cuda";
-  // (runtime/run.c, ep_layout: expert-parallel groups within pipeline stages)
-  if (k->ep > 1 && pp > 1) return "expert parallelism runs without pipeline stages (pp 1)";
+  // (runtime/run.c, ep_layout: expert-parallel groups within pipeline stages run on cpu and sim;
+  // the planner does not price them: check_ep, planner/cost.c)
+  if (k->ep > 1 && pp > 1) return "expert parallelism within pipeline stages is not planned yet (plans keep pp 1)";
   if (dp > 1 && !k->resident && !zero)
     return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
   if (!cuda) return NULL;

@@ -29,6 +29,10 @@ struct fy_ep {
   int P, rank;
   bool whole;
   int n_ops;
+  // n_sets x n_ops: a pipeline stage keeps one set a micro-batch in flight (its activations'
+  // arena: 1F1B runs later micro-batches' forwards before an earlier one's backward), set the one
+  // in use (fy_ep_use_arena); 1 set otherwise.
+  int n_sets, set;
   struct ep_op *ops;
   // The flat gradient buffer as runs of experts' or dense elements (fy_ep_all_reduce_grads);
   // padding between parameters goes with the run before it.
@@ -74,6 +78,7 @@ fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
     return fy_error_set(FY_ERR_NOMEM, "out of memory");
   }
   ep->n_ops = g->n_ops;
+  ep->n_sets = 1;
   ep->whole = g->ep <= 1;
   ep->P = ep->whole ? (m->ep_comm ? fy_comm_size(m->ep_comm) : 1) : g->ep;
   ep->rank = ep->whole ? (m->ep_comm ? fy_comm_rank(m->ep_comm) : 0) : g->ep_rank;
@@ -107,7 +112,7 @@ fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out) {
 
 void fy_ep_free(struct fy_ep *ep) {
   if (!ep) return;
-  for (int o = 0; o < ep->n_ops; o++) {
+  for (int o = 0; o < ep->n_sets * ep->n_ops; o++) {
     free(ep->ops[o].n);
     free(ep->ops[o].recv_n);
     free(ep->ops[o].xpad);
@@ -117,6 +122,27 @@ void fy_ep_free(struct fy_ep *ep) {
   free(ep->runs);
   free(ep);
 }
+
+fy_status fy_ep_set_arenas(struct fy_ep *ep, const struct fy_graph *g, int n) {
+  if (n <= ep->n_sets) return FY_OK;
+  struct ep_op *ops = realloc(ep->ops, (size_t)n * (size_t)ep->n_ops * sizeof *ops);
+  if (!ops) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  ep->ops = ops;
+  memset(ops + (size_t)ep->n_sets * ep->n_ops, 0, (size_t)(n - ep->n_sets) * (size_t)ep->n_ops * sizeof *ops);
+  const int from = ep->n_sets;
+  ep->n_sets = n;  // (what is allocated below is freed with the rest)
+  for (int k = from; k < n; k++)
+    for (int o = 0; o < ep->n_ops; o++) {
+      if (g->ops[o].kind != FY_OP_MOE) continue;
+      struct ep_op *s = &ops[k * ep->n_ops + o];
+      s->n = calloc((size_t)g->ops[o].experts, sizeof *s->n);
+      s->recv_n = calloc((size_t)g->ops[o].experts, sizeof *s->recv_n);
+      if (!s->n || !s->recv_n) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    }
+  return FY_OK;
+}
+
+void fy_ep_use_arena(struct fy_ep *ep, int a) { ep->set = a < ep->n_sets ? a : 0; }
 
 // Tensor parallelism within the expert-parallel ranks (--ep with --tp): the sums over the
 // tensor-parallel group, in fp32, as a tensor-parallel mixture's (runtime/engine.c).
@@ -182,7 +208,7 @@ fy_status fy_ep_moe_forward(const struct fy_op_args *a, double *balance) {
   const struct fy_ep *ep = m->ep;
   const struct fy_op *op = a->op;
   const struct fy_op_call *c = a->c;
-  struct ep_op *s = &m->ep->ops[a->c->op];
+  struct ep_op *s = &m->ep->ops[m->ep->set * m->ep->n_ops + a->c->op];
   const struct fy_moe_dims d = dims(a);
   const int P = m->ep->P, El = op->experts / P, b = op->has_bias;
   const int64_t C = d.C, F = d.F, BTK = d.BT * d.K;
@@ -229,7 +255,7 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   const struct fy_ep *ep = m->ep;
   const struct fy_op *op = a->op;
   const struct fy_op_call *c = a->c;
-  const struct ep_op *s = &m->ep->ops[a->c->op];
+  const struct ep_op *s = &m->ep->ops[m->ep->set * m->ep->n_ops + a->c->op];
   const struct fy_moe_dims d = dims(a);
   const int P = m->ep->P, El = op->experts / P, b = op->has_bias;
   const int64_t C = d.C, F = d.F, BTK = d.BT * d.K;
@@ -292,6 +318,12 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
 // (grads_f32), as it reads one rank's sum of its micro-batches' rounded gradients: so ep 2 gives the
 // bits of 1 rank accumulating the same micro-batches (a 16-bit all-reduce would round the sum).
 fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep) {
+  return fy_ep_all_reduce_range(m, dp, rep, 0, m->graph->n_param_elems);
+}
+
+// (the runs clipped to [lo, hi): a pipeline stage's own parameters, whose runs are the whole
+// buffer's there, as its graph lays out only its own parameters and the others are absent)
+fy_status fy_ep_all_reduce_range(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep, int64_t lo, int64_t hi) {
   const struct fy_ep *ep = m->ep;
   fy_status st = FY_OK;
   const bool g16 = fy_model_grads_16(m);
@@ -299,14 +331,15 @@ fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct 
     return fy_error_set(FY_ERR_INTERNAL, "--ep: 16-bit gradients without the kernels to widen them");
   for (int i = 0; i < ep->n_runs && st == FY_OK; i++) {
     struct fy_comm *c = ep->runs[i].expert ? rep : dp;
-    const size_t n = (size_t)(ep->runs[i].hi - ep->runs[i].lo);
-    if (g16 && !ep->runs[i].expert && n)
-      st = m->kernels->chunk_add(m, m->grads + ep->runs[i].lo, (const uint16_t *)m->cgrads + ep->runs[i].lo,
-                                 m->compute_dtype, (int64_t)n, true);
-    if (st != FY_OK || !c || !n) continue;
+    const int64_t a = ep->runs[i].lo > lo ? ep->runs[i].lo : lo, b = ep->runs[i].hi < hi ? ep->runs[i].hi : hi;
+    if (a >= b) continue;
+    const size_t n = (size_t)(b - a);
+    if (g16 && !ep->runs[i].expert)
+      st = m->kernels->chunk_add(m, m->grads + a, (const uint16_t *)m->cgrads + a, m->compute_dtype, (int64_t)n, true);
+    if (st != FY_OK || !c) continue;
     // (on GPUs through the kernels' all-reduce: nccl on their stream, runtime/ep_cuda.h)
-    st = m->kernels->all_reduce ? m->kernels->all_reduce(m, c, m->grads + ep->runs[i].lo, n, FY_COMM_F32)
-                                : fy_comm_all_reduce(c, m->grads + ep->runs[i].lo, n, FY_COMM_F32, NULL);
+    st = m->kernels->all_reduce ? m->kernels->all_reduce(m, c, m->grads + a, n, FY_COMM_F32)
+                                : fy_comm_all_reduce(c, m->grads + a, n, FY_COMM_F32, NULL);
   }
   if (g16) m->grads_f32 = true;
   return st;

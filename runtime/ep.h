@@ -23,6 +23,11 @@ struct fy_ep;
 // graph->ep 1, of a graph that keeps every expert, split over m->ep_comm's ranks (at least 2).
 fy_status fy_ep_create(struct fy_model *m, struct fy_ep **out);
 void fy_ep_free(struct fy_ep *ep);
+// A pipeline stage's micro-batches in flight (runtime/pipeline.c): n sets of the mixtures' per-op
+// state (row counts, padded rows kept for the backward), one for each activation arena of the
+// graph g, and the one the next passes use (a: the arena's index).
+fy_status fy_ep_set_arenas(struct fy_ep *ep, const struct fy_graph *g, int n);
+void fy_ep_use_arena(struct fy_ep *ep, int a);
 // A mixture op's passes under expert parallelism (runtime/engine.c calls them for FY_OP_MOE):
 // collectives over the expert-parallel group, which every rank of it runs in the same order.
 // forward: the op's output and *balance (the load-balancing term of this rank's tokens).
@@ -33,5 +38,8 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance);
 // experts (NULL when there is one such rank: nothing to sum). Every expert's gradient every step,
 // whether or not it got a token.
 fy_status fy_ep_all_reduce_grads(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep);
+// The same for the elements [lo, hi) of the flat buffer alone (a pipeline stage's own parameters,
+// fy_pipeline_all_reduce_grads).
+fy_status fy_ep_all_reduce_range(struct fy_model *m, struct fy_comm *dp, struct fy_comm *rep, int64_t lo, int64_t hi);
 
 #endif

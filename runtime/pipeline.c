@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "runtime/engine.h"
+#include "runtime/ep.h"
 #include "runtime/offload.h"
 #include "runtime/pipeline_cuda.h"
 
@@ -176,6 +177,8 @@ static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm
     m->act_bytes = 4 * ((int64_t)p->n_arenas * (p->span_hi - p->span_lo) + g->grad_elems + g->scratch_elems +
                         g->B * g->T);
   }
+  // Expert parallelism within the stage: the mixtures' state of each micro-batch in flight.
+  if (st == FY_OK && m->ep) st = fy_ep_set_arenas(m->ep, g, p->n_arenas);
   if (st == FY_OK && p->in_slot >= 0 && !p->gpu &&  // (a GPU sends from the gradient arena: pipeline_cuda.h)
       !(p->grad_buf = malloc((size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float))))
     st = fy_error_set(FY_ERR_NOMEM, "out of memory");
@@ -250,6 +253,7 @@ static fy_status forward_one(struct fy_pipeline *p, struct fy_batch *const *mb, 
   FY_TRY(fy_comm_wait(p->comm, p->act_sends[a]));  // (long done: its micro-batch's backward has run)
   p->act_sends[a] = NULL;
   m->acts = p->arenas[a];
+  if (m->ep) fy_ep_use_arena(m->ep, a);  // (the mixtures' rows kept for this micro-batch's backward)
   if (p->in_slot >= 0 && p->gpu)
     FY_TRY(fy_pipeline_gpu_recv(p->gpu, m->acts + g->slots[p->in_slot].offset,
                                 (size_t)fy_graph_slot_floats(g, p->in_slot) * sizeof(float), p->stage - 1));
@@ -278,6 +282,7 @@ static fy_status backward_one(struct fy_pipeline *p, struct fy_batch *const *mb,
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;
   m->acts = p->arenas[i % p->n_arenas];
+  if (m->ep) fy_ep_use_arena(m->ep, i % p->n_arenas);
   if (p->out_slot >= 0 && p->gpu)
     FY_TRY(fy_pipeline_gpu_recv(p->gpu, m->dacts + g->slots[p->out_slot].grad_offset,
                                 (size_t)fy_graph_slot_floats(g, p->out_slot) * sizeof(float), p->stage + 1));
@@ -340,6 +345,7 @@ fy_status fy_pipeline_run(struct fy_pipeline *p, struct fy_batch *const *mb, int
   if (st == FY_OK && p->x) st = fy_offload_stage_losses(p->x, n, losses);
   for (int i = 0; st == FY_OK && p->x && !fy_pipeline_is_last(p) && i < n; i++) losses[i] = 0;
   p->m->acts = p->arenas[0];
+  if (p->m->ep) fy_ep_use_arena(p->m->ep, 0);
   return st;
 }
 
@@ -400,8 +406,10 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p) {
   return FY_OK;
 }
 
-fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp) {
+fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp, struct fy_comm *rep) {
   struct fy_model *m = p->m;
+  if (m->graph->ep > 1 && p->gpu)  // (refused by the trainer: runtime/run.c, ep_layout)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "expert parallelism within pipeline stages on GPUs");
   if (p->gpu) {  // dp a nccl communicator: summed where the kernels run, in the dtype the optimizer reads
     const bool b16 = fy_model_grads_16(m);
     char *base = b16 ? (char *)m->cgrads : (char *)m->grads;
@@ -414,7 +422,12 @@ fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp
                                     (size_t)m->graph->params[p->tied].numel, dt));
     return FY_OK;
   }
-  if (p->own_lo < p->own_hi)
+  // Expert parallelism within the stage (its graph holds E/ep experts of each of its mixtures):
+  // the experts' gradients summed over their replicas alone (rep: the same ep_rank of the stage's
+  // other groups), the dense ones over dp, as runtime/ep.c sums one rank's whole model.
+  if (m->graph->ep > 1 && p->own_lo < p->own_hi)
+    FY_TRY(fy_ep_all_reduce_range(m, dp, rep, p->own_lo, p->own_hi));
+  else if (p->own_lo < p->own_hi)
     FY_TRY(fy_comm_all_reduce(dp, m->grads + p->own_lo, (size_t)(p->own_hi - p->own_lo), FY_COMM_F32, NULL));
   if (p->tied >= 0 && !p->owned[p->tied])  // (the last stage's copy of the tied embedding's)
     FY_TRY(fy_comm_all_reduce(dp, fy_model_grad(m, p->tied), (size_t)m->graph->params[p->tied].numel, FY_COMM_F32,
@@ -425,13 +438,23 @@ fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp
 double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale) {
   struct fy_model *m = p->m;
   const struct fy_graph *g = m->graph;
-  double s = 0, split = 0, sums[g->n_params > 0 ? g->n_params : 1];
+  // experts[1]: the experts' tp slices (ep with tp), as fy_optimizer_grad_norm's
+  double s = 0, split = 0, experts[2] = {0, 0}, sums[g->n_params > 0 ? g->n_params : 1];
   if (m->kernels->grads_sumsq(m, sums) != FY_OK) return NAN;
   for (int i = 0; i < g->n_params; i++) {
     if (!p->owned[i]) continue;
-    if (g->params[i].split_dim >= 0) split += sums[i];
+    if (g->params[i].expert && g->ep > 1) experts[fy_param_split_tp(g, &g->params[i])] += sums[i];
+    else if (g->params[i].split_dim >= 0) split += sums[i];
     else s += sums[i];
   }
+  if (g->ep > 1) {  // the stage's experts over its expert-parallel group (its ranks: this stage's), in rank order
+    double all[2 * g->ep];
+    if (fy_comm_all_gather(m->ep_comm, experts, all, 4, FY_COMM_F32, NULL) != FY_OK) return NAN;
+    experts[0] = experts[1] = 0;
+    for (int r = 0; r < g->ep; r++) experts[0] += all[2 * r], experts[1] += all[2 * r + 1];
+  }
+  s += experts[0];
+  split += experts[1];
   if (g->tp > 1) {  // (as fy_optimizer_grad_norm: the group's parts in rank order)
     double all[g->tp];
     if (fy_comm_all_gather(m->tp_comm, &split, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;

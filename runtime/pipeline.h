@@ -86,10 +86,13 @@ fy_status fy_pipeline_sum_tied(struct fy_pipeline *p);
 // Data parallelism across pipelines: this stage's parameters' gradients (m->grads) summed over dp
 // (the ranks of the same stage in the other pipelines), in place, as fy_engine_all_reduce_grads
 // sums them (the same bits), the rest of the buffer left alone. On GPUs dp is a nccl
-// communicator, and the sum is queued on the kernels' stream.
-fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp);
+// communicator, and the sum is queued on the kernels' stream. With expert parallelism within the
+// stage (graph->ep > 1, the cpu alone) the experts' gradients are summed over rep instead (the
+// ranks holding the same experts: runtime/ep.h, fy_ep_all_reduce_grads; NULL when there is none).
+fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp, struct fy_comm *rep);
 // The global gradient norm (sum of squares of this stage's own parameters, with a tensor-parallel
-// group's parts, added over the stages in stage order; the tied weight counted once), scaled as
+// group's parts and the stage's expert-parallel group's experts, added over the stages in stage
+// order; the tied weight counted once), scaled as
 // fy_optimizer_grad_norm's. NAN when a sum failed (the step is refused).
 double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale);
 // AdamW on the parameters this stage uses (the tied weight on both ends), as fy_optimizer_step.

@@ -573,14 +573,17 @@ fy_status make_comm(const struct fy_train_opts *o, struct fy_comm **out) {
 static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   r->ep = o->ep > 1 ? o->ep : 1;
   if (r->ep == 1) return FY_OK;
-  // A mixture's pipeline stages each hold their layers' mixtures whole (their load-balancing terms
-  // added into the reported one: fy_pipeline_aux_sums); expert-parallel groups within the stages
-  // would need the stages' gradient sums, norm and checkpoints to take their experts' parts as
-  // runtime/ep.c does.
-  if (r->pp > 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --pp %d: expert parallelism within pipeline stages is not "
-                        "supported yet (use one of them: --pp with data-parallel replicas, or --ep without --pp)", r->ep,
-                        r->pp);
+  // Within pipeline stages (--pp) the groups are of each stage's data-parallel ranks (dp_comm's: the
+  // same stage and tp_rank): a stage's graph holds E/ep experts of its own layers' mixtures, and
+  // the stage's gradient sums, norm and checkpoints take their experts' parts as runtime/ep.c does
+  // (fy_pipeline_all_reduce_grads, fy_pipeline_grad_norm; train_checkpoint.c's walk), each
+  // micro-batch in flight its own mixtures' state (fy_ep_set_arenas, picked by the host before each
+  // half-pass). On sim (offloaded, the graph keeping every expert in the stage's sharded chunks,
+  // setup_offload) the host waits for each half-pass's ops before the next (fy_offload_stage_pass);
+  // on GPUs it does not, so their compute stream would have to pick the state itself: not yet.
+  if (r->pp > 1 && o->device && strcmp(o->device, "cpu") != 0 && strcmp(o->device, "sim") != 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --pp %d on --device %s: expert parallelism within "
+                        "pipeline stages runs on --device cpu and sim for now", r->ep, r->pp, o->device);
   if (r->dp % r->ep != 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,
@@ -592,7 +595,9 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   r->ep_rank = r->dp_rank % r->ep;
   FY_TRY(fy_comm_split(r->dp_comm, r->dp_rank / r->ep, r->ep_rank, &r->ep_comm));
   if (r->dp > r->ep) FY_TRY(fy_comm_split(r->dp_comm, r->ep_rank, r->dp_rank, &r->ep_rep));
-  if (r->tp > 1) FY_TRY(fy_comm_split(r->comm, r->dp_rank / r->ep, r->ep_rank * r->tp + r->tp_rank, &r->eptp_comm));
+  if (r->tp > 1)  // (the ep group's tp groups: one stage's)
+    FY_TRY(fy_comm_split(r->comm, r->dp_rank / r->ep * r->pp + r->pp_rank, r->ep_rank * r->tp + r->tp_rank,
+                         &r->eptp_comm));
   return FY_OK;
 }
 

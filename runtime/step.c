@@ -155,7 +155,8 @@ static fy_status step_pipeline(const struct fy_train_opts *o, struct run *r, int
   }
   model->grads_f32 = K > 1;
   FY_TRY(fy_pipeline_sum_tied(r->pipe));
-  if (r->dp > 1) FY_TRY(fy_pipeline_all_reduce_grads(r->pipe, r->pp_compute ? r->dp_compute : r->dp_comm));
+  if (r->dp > 1)  // (with --ep the experts' over ep_rep, their replicas in the stage's other ep groups)
+    FY_TRY(fy_pipeline_all_reduce_grads(r->pipe, r->pp_compute ? r->dp_compute : r->dp_comm, r->ep_rep));
   double t0 = fy_now();
   float unscale = (float)(1.0 / scale);
   *norm_out = fy_pipeline_grad_norm(r->pipe, unscale);  // (on GPUs: after the streams' messages and sums)

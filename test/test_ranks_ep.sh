@@ -8,7 +8,8 @@
 # bit; experts that get no token (routing forced onto two experts of one rank; with --recompute)
 # train in step with 1 rank, without a hang; bf16 and fp16 compute and bf16 and 8-bit AdamW state
 # against 1 rank in the same numbers (and their checkpoints); ep 2 x tp 2 against the tp grid and
-# 1 rank; layouts that do not fit are refused, naming the numbers.
+# 1 rank; ep 2 within pp 2 stages against the pp grid and 1 rank; layouts that do not fit are
+# refused, naming the numbers.
 # usage: test/test_ranks_ep.sh path/to/ferry            (exit 77 = skipped: no mpirun)
 set -u
 ferry="$1"
@@ -320,6 +321,51 @@ python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p["ep"] = 2; jso
 grep -q "expert parallelism: ep 2" "$tmp/planeptprun.out" && compare tp2q planeptprun 1e-6 0 \
   && ok "a plan file with ep 2 and tp 2 runs on 4 sim ranks: the tp grid's weights bit for bit" \
   || { bad "the plan with ep 2 x tp 2"; tail -5 "$tmp/planeptprun.out"; }
+
+# Expert parallelism within pipeline stages (docs/ranks.md, "Within pipeline stages"): test_ranks.sh's
+# 4-layer mixture (every layer 4 experts top 2, untied: its pipelines give 1 rank's bits) on 4 ranks
+# as dp 2 x pp 2 with --ep 2 (each stage's ep group its 2 data-parallel ranks, 2 experts a rank of
+# each of its layers' mixtures), 3 steps. With one micro-batch a rank and no clipping: the same grid
+# without --ep and 1 rank accumulating the 2 micro-batches bit for bit; with 2 micro-batches a rank
+# (1F1B: a stage runs the second's forward before the first's backward, each keeping its own rows)
+# and clipping, within 1e-5 of the grid without --ep; a checkpoint of it resumes on 1 rank bit for
+# bit. On sim (the stages' chunks sharded over their data-parallel ranks, the graph keeping every
+# expert, a disk tier) 1 rank's weights bit for bit, and its checkpoint resumes on 1 rank bit for
+# bit; --device cuda with both is refused (not yet).
+mkdir -p "$tmp/cfg-moe4"
+python3 - "$tmp/cfg-moe4/config.json" <<'PY'
+import json, sys
+json.dump({"model_type": "opt", "vocab_size": 97, "hidden_size": 32, "word_embed_proj_dim": 32, "ffn_dim": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 64,
+           "do_layer_norm_before": True, "activation_function": "relu", "pad_token_id": 1, "dropout": 0.0,
+           "tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "moe_layer_frequency": 1, "router_aux_loss_coef": 0.01}, open(sys.argv[1], "w"))
+PY
+m4=(--model "$tmp/cfg-moe4" --steps 3)
+run m4one 1 --grad-accum 2 "${m4[@]}" --clip 0
+run m4pp 4 --pp 2 "${m4[@]}" --clip 0
+run m4eppp 4 --ep 2 --pp 2 "${m4[@]}" --clip 0
+compare m4one m4eppp 1e-6 0 && compare m4pp m4eppp 1e-6 0 \
+  && ok "ep 2 within pp 2 stages (dp 2 x pp 2): 1 rank's and the pp grid's weights bit for bit" || bad "ep 2 x pp 2 differs"
+run m4ppc 4 --pp 2 "${m4[@]}" --grad-accum 2
+run m4epppc 4 --ep 2 --pp 2 "${m4[@]}" --grad-accum 2
+compare m4ppc m4epppc 1e-5 && ok "ep 2 x pp 2, 2 micro-batches a rank in flight, with clipping: within 1e-5 of the pp grid" \
+  || bad "ep 2 x pp 2 with 2 micro-batches differs"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${m4[@]}" --clip 0 --ep 2 --pp 2 --save "$tmp/ck_eppp" --save-every 100 \
+  --stop-after 2 >"$tmp/ck_eppp.out" 2>&1 || { bad "ep 2 x pp 2 checkpoints"; cat "$tmp/ck_eppp.out"; }
+run m4res1 1 --grad-accum 2 "${m4[@]}" --clip 0 --resume "$tmp/ck_eppp"
+compare m4one m4res1 1e-6 0 && ok "an ep 2 x pp 2 checkpoint resumes on 1 rank bit for bit" || bad "ep 2 x pp 2 -> 1 rank resume differs"
+run m4seppp 4 --ep 2 --pp 2 "${m4[@]}" --clip 0 "${sim[@]}" --disk-dir "$tmp/d_m4seppp"
+"${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${m4[@]}" --clip 0 --ep 2 --pp 2 "${sim[@]}" \
+  --disk-dir "$tmp/d_ck_seppp" --save "$tmp/ck_seppp" --save-every 100 --stop-after 2 >"$tmp/ck_seppp.out" 2>&1 \
+  || { bad "ep 2 x pp 2 on sim checkpoints"; cat "$tmp/ck_seppp.out"; }
+run m4sres1 1 --grad-accum 2 "${m4[@]}" --clip 0 --resume "$tmp/ck_seppp"
+compare m4one m4seppp 1e-6 0 && compare m4one m4sres1 1e-6 0 \
+  && ok "ep 2 x pp 2 on sim (sharded, disk tier): 1 rank's weights bit for bit; its checkpoint resumes on 1 rank bit for bit" \
+  || bad "ep 2 x pp 2 on sim differs"
+out="$("${mpi[@]}" -np 4 "$ferry" train "${common[@]}" "${m4[@]}" --ep 2 --pp 2 --device cuda 2>&1)"
+[ $? -ne 0 ] && grep -q -- "--ep 2 with --pp 2 on --device cuda: expert parallelism within pipeline stages runs on --device cpu and sim" <<<"$out" \
+  && ok "ep 2 x pp 2 on cuda refused" || { bad "ep 2 x pp 2 on cuda"; echo "$out" | tail -3; }
 
 # Layouts that do not fit, refused before anything is allocated.
 out="$("${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --ep 4 2>&1)"
