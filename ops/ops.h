@@ -204,6 +204,8 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
                           const float *w2, float dbalance, bool accumulate, const struct fy_moe_dims *d);
 // The kernels keep their gathered rows and scratch from call to call (fy_moe_rows_cap's rows of the
 // largest call so far); this frees them (fy_matmul_cache_clear calls it with the products' caches).
+// fy_moe_workspace: that scratch, at least `floats` of it (its contents not kept; NULL: no memory).
+float *fy_moe_workspace(size_t floats);
 void fy_moe_workspace_free(void);
 
 // ---- mixture of experts in pieces, for expert parallelism (ops/cpu/moe_ep.c; runtime/ep.c) ----
