@@ -28,6 +28,9 @@ struct fy_ep {
   // rank that computed it (x + 0 = x: the bits of the split graph's).
   int P, rank;
   bool whole;
+  // whole, and the others' experts' gradients are never read (the offload engine's write-back sends
+  // each rank's own experts' alone: fy_ep_others_unread): no zeros written for them.
+  bool others_unread;
   int n_ops;
   struct ep_op *ops;
   // The flat gradient buffer as runs of experts' or dense elements (fy_ep_all_reduce_grads);
@@ -118,6 +121,8 @@ void fy_ep_free(struct fy_ep *ep) {
   free(ep);
 }
 
+void fy_ep_others_unread(struct fy_ep *ep) { ep->others_unread = ep->whole; }
+
 // Tensor parallelism within the expert-parallel ranks (--ep with --tp): the sums over the
 // tensor-parallel group, in fp32, as a tensor-parallel mixture's (runtime/engine.c).
 static fy_status tp_sum(void *ctx, float *buf, int64_t n) {
@@ -150,7 +155,7 @@ static float *local(const struct fy_ep *ep, float *p, int El, int64_t n) {
 // whole, on a backward's first write: the other ranks' experts' gradients are zeros here (they add
 // nothing to the sum over the data-parallel ranks).
 static void zero_others(const struct fy_ep *ep, float *g, int E, int El, int64_t n) {
-  if (!g || !ep->whole) return;
+  if (!g || !ep->whole || ep->others_unread) return;
   memset(g, 0, (size_t)((int64_t)ep->rank * El * n) * 4);
   const int64_t hi = (int64_t)(ep->rank + 1) * El;
   memset(g + hi * n, 0, (size_t)((E - hi) * n) * 4);

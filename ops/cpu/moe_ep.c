@@ -224,10 +224,10 @@ fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, cons
   fy_moe_router_dlogits(dlog, route, dw, n, dbalance, d);  // (one rank's router gradient, the same bits)
   fy_status st = FY_OK;
   if (dinp) {
-    // dinp (BT,C) += dlog (BT,E) @ gate (E,C) (before dgate may overwrite gate, as fy_moe_backward),
-    // then each token's rows of dx in the choices' order;
-    // with tensor parallelism dx holds this rank's slices' part: its sums go to part, summed over
-    // the group and then added (fy_moe_backward's order: the same bits as a tp mixture's).
+    // dinp (BT,C) += dlog (BT,E) @ gate (E,C) (before dgate may overwrite gate, as in
+    // fy_moe_backward), then each token's rows of dx in the choices' order; with tensor
+    // parallelism dx holds this rank's slices' part: its sums go to part, summed over the group and
+    // then added (fy_moe_backward's order: the same bits as a tp mixture's).
     float *part = d->tp_sum ? dlog + BT * E : dinp;
     if (d->tp_sum) memset(part, 0, (size_t)(BT * C) * 4);
     st = fy_matmul(dinp, dlog, gate, BT, C, E, false, false, 1.0f, 1.0f);
