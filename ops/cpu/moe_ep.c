@@ -116,7 +116,9 @@ fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2,
   // calls: a fresh allocation each call (~19 MB at opt-125m's widths) cost its page faults.
   const int64_t gsz = 2 * F * C + F + C;
   float *as = fy_moe_workspace((size_t)(rows * (2 * F + C) + most * C + gsz) + 1);
-  bool *seen = calloc((size_t)(experts > 0 ? experts : 1), 1);
+  // seen[e]: a block named expert e; zero[e]: (without accumulate) its blocks so far had no rows, so
+  // its gradient is zero, not yet written (a block with rows writes its own over it and adds 0).
+  bool *seen = calloc(2 * (size_t)(experts > 0 ? experts : 1), 1), *zero = seen + (experts > 0 ? experts : 1);
   if (!as || !seen) {
     free(seen);
     return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)rows);
@@ -156,17 +158,15 @@ fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2,
     const bool first = !seen[e] && !accumulate;
     seen[e] = true;
     if (R == 0) {
-      if (first) {
-        memset(gw1, 0, (size_t)(F * C) * 4);
-        memset(gw2, 0, (size_t)(C * F) * 4);
-        if (gb1) memset(gb1, 0, (size_t)F * 4);
-        if (gb2) memset(gb2, 0, (size_t)C * 4);
-      } else {  // (+ 0, without a buffer of zeros)
+      if (first) zero[e] = true;
+      else if (!zero[e])  // (+ 0, without a buffer of zeros; nothing to add to a zero not yet written)
         add_grads(gw1, NULL, F * C), add_grads(gw2, NULL, C * F), add_grads(gb1, NULL, F), add_grads(gb2, NULL, C);
-      }
       continue;
     }
-    float *w1g = first ? gw1 : tw1, *w2g = first ? gw2 : tw2, *b1g = first ? gb1 : tb1, *b2g = first ? gb2 : tb2;
+    // Written straight into the gradient by the expert's first block with rows; after a block
+    // without rows (0 + x: x, its -0 turned into +0, as x + 0) and added 0.
+    const bool direct = first || zero[e];
+    float *w1g = direct ? gw1 : tw1, *w2g = direct ? gw2 : tw2, *b1g = direct ? gb1 : tb1, *b2g = direct ? gb2 : tb2;
     // dw2_e (C,F) = dy^T @ as, db2_e = column sums of dy (the rounding rows are zeros)
     st = fy_linear_backward_params(w2g, gb2 ? b2g : NULL, dyp + o * C, as + o * F, R, F, C, false, d->bf16);
     // dw1_e (F,C) = dh^T @ xs, db1_e = column sums of dh
@@ -182,15 +182,19 @@ fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2,
       if (gb1) fy_round_to_dtype(b1g, b1g, d->block_grads, (size_t)F);
       if (gb2) fy_round_to_dtype(b2g, b2g, d->block_grads, (size_t)C);
     }
-    if (!first) {
+    if (zero[e]) {
+      add_grads(gw1, NULL, F * C), add_grads(gw2, NULL, C * F), add_grads(gb1, NULL, F), add_grads(gb2, NULL, C);
+      zero[e] = false;
+    } else if (!first) {
       add_grads(gw1, tw1, F * C), add_grads(gw2, tw2, C * F);
       add_grads(gb1, gb1 ? tb1 : NULL, F), add_grads(gb2, gb2 ? tb2 : NULL, C);
     }
     o += R;
   }
-  // An expert no block named (no source sent it a row, and none was listed): a zero gradient.
+  // An expert no block named (no source sent it a row, and none was listed) or whose blocks had no
+  // rows: a zero gradient.
   for (int64_t e = 0; e < experts && st == FY_OK && !accumulate; e++) {
-    if (seen[e]) continue;
+    if (seen[e] && !zero[e]) continue;
     memset(dw1 + e * F * C, 0, (size_t)(F * C) * 4);
     memset(dw2 + e * C * F, 0, (size_t)(C * F) * 4);
     if (db1) memset(db1 + e * F, 0, (size_t)F * 4);
