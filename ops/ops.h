@@ -204,6 +204,8 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
                           const float *w2, float dbalance, bool accumulate, const struct fy_moe_dims *d);
 // The kernels keep their gathered rows and scratch from call to call (fy_moe_rows_cap's rows of the
 // largest call so far); this frees them (fy_matmul_cache_clear calls it with the products' caches).
+// fy_moe_workspace: that scratch, at least `floats` of it (its contents not kept; NULL: no memory).
+float *fy_moe_workspace(size_t floats);
 void fy_moe_workspace_free(void);
 
 // ---- mixture of experts in pieces, for expert parallelism (ops/cpu/moe_ep.c; runtime/ep.c) ----
@@ -228,7 +230,9 @@ fy_status fy_moe_experts_forward(float *y, float *xpad, float *hpad, const float
                                  const struct fy_moe_dims *d);
 // dy (sum cnt, C), forward's xpad, hpad -> dx (sum cnt, C); dw1, db1, dw2, db2 of the `experts`
 // held: the sum of their blocks' gradients in block order (=, or += with accumulate), each rounded
-// to d->block_grads first, zero for an expert without blocks or rows.
+// to d->block_grads first, zero for an expert without blocks or rows. Every block's products with
+// w1 and w2 come before any gradient is written, so that (without accumulate) dw1 and dw2 may be
+// w1's and w2's memory. The scratch is fy_moe_workspace's.
 fy_status fy_moe_experts_backward(float *dx, float *dw1, float *db1, float *dw2, float *db2, const float *dy,
                                   const float *xpad, const float *hpad, const int *ex, const int64_t *cnt, int nb,
                                   const float *w1, const float *w2, int experts, bool accumulate,
@@ -239,7 +243,7 @@ void fy_moe_combine(float *out, const float *route, const float *y, const struct
 void fy_moe_combine_backward(float *dy, float *dw, const float *dout, const float *route, const float *y,
                              const struct fy_moe_dims *d);
 // dw, dx (BT*K, C) in the dispatch order, inp, route, gate, n -> dinp (BT,C) += (NULL: not
-// wanted), dgate (E,C) = (+= with accumulate)
+// wanted), dgate (E,C) = (+= with accumulate; gate is read first: dgate may be its memory)
 fy_status fy_moe_route_backward(float *dinp, float *dgate, const float *dw, const float *dx, const float *inp,
                                 const float *route, const float *gate, const int64_t *n, float dbalance,
                                 bool accumulate, const struct fy_moe_dims *d);

@@ -28,6 +28,9 @@ struct fy_ep {
   // rank that computed it (x + 0 = x: the bits of the split graph's).
   int P, rank;
   bool whole;
+  // whole, and the others' experts' gradients are never read (the offload engine's write-back sends
+  // each rank's own experts' alone: fy_ep_others_unread): no zeros written for them.
+  bool others_unread;
   int n_ops;
   // n_sets x n_ops: a pipeline stage keeps one set a micro-batch in flight (its activations'
   // arena: 1F1B runs later micro-batches' forwards before an earlier one's backward), set the one
@@ -144,6 +147,8 @@ fy_status fy_ep_set_arenas(struct fy_ep *ep, const struct fy_graph *g, int n) {
 
 void fy_ep_use_arena(struct fy_ep *ep, int a) { ep->set = a < ep->n_sets ? a : 0; }
 
+void fy_ep_others_unread(struct fy_ep *ep) { ep->others_unread = ep->whole; }
+
 // Tensor parallelism within the expert-parallel ranks (--ep with --tp): the sums over the
 // tensor-parallel group, in fp32, as a tensor-parallel mixture's (runtime/engine.c).
 static fy_status tp_sum(void *ctx, float *buf, int64_t n) {
@@ -176,7 +181,7 @@ static float *local(const struct fy_ep *ep, float *p, int El, int64_t n) {
 // whole, on a backward's first write: the other ranks' experts' gradients are zeros here (they add
 // nothing to the sum over the data-parallel ranks).
 static void zero_others(const struct fy_ep *ep, float *g, int E, int El, int64_t n) {
-  if (!g || !ep->whole) return;
+  if (!g || !ep->whole || ep->others_unread) return;
   memset(g, 0, (size_t)((int64_t)ep->rank * El * n) * 4);
   const int64_t hi = (int64_t)(ep->rank + 1) * El;
   memset(g + hi * n, 0, (size_t)((E - hi) * n) * 4);
@@ -267,23 +272,10 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   int *ex = block_experts(P, El);
   fy_status st = dy && ex ? FY_OK : fy_error_set(FY_ERR_NOMEM, "%s: cannot allocate the rows' gradients", op->name);
   float *dx = dy + BTK * C, *dyr = dx + BTK * C, *dxr = dyr + rows_in * C, *dw = dxr + rows_in * C;
-  // Offloaded, the gradients land over the weights in the chunk's block (c->g[k] == c->w[k]); the
-  // pieces read the router's and the experts' weights after writing some gradients (the experts'
-  // second source block reads w2_e after the first wrote dw2_e; the router reads the gate after
-  // writing dgate), so they read copies, taken before anything is written.
+  // Offloaded, the gradients land over the weights in the chunk's block (c->g[k] == c->w[k]): the
+  // pieces read every weight before they write its gradient (the experts' products of all blocks
+  // before their gradients, the router's input gradient before dgate), so they need no copies.
   const float *gate = c->w[0], *w1 = local(ep, c->w[1], El, F * C), *w2 = local(ep, c->w[2 + b], El, C * F);
-  float *keep = NULL;
-  if (st == FY_OK && c->g[0] == c->w[0]) {
-    const int64_t ng = (int64_t)d.E * C, n1 = (int64_t)El * F * C;
-    if (!(keep = malloc((size_t)(ng + 2 * n1) * 4)))
-      st = fy_error_set(FY_ERR_NOMEM, "%s: cannot keep the weights the backward reads", op->name);
-    else {
-      memcpy(keep, gate, (size_t)ng * 4);
-      memcpy(keep + ng, w1, (size_t)n1 * 4);
-      memcpy(keep + ng + n1, w2, (size_t)n1 * 4);
-      gate = keep, w1 = keep + ng, w2 = keep + ng + n1;
-    }
-  }
   if (st == FY_OK) {
     fy_moe_combine_backward(dy, dw, a->dout, route, ys, &d);
     // (with --tp ys is this rank's part, so dw is: summed, the router's gradient is the group's)
@@ -304,7 +296,6 @@ fy_status fy_ep_moe_backward(const struct fy_op_args *a, float dbalance) {
   if (st == FY_OK)
     st = fy_moe_route_backward(fy_engine_dinput(m, op, 0), c->g[0], dw, dx, a->in0, route, gate, s->n, dbalance,
                                !a->first[0], &d);
-  free(keep);
   free(dy);
   free(ex);
   return st;

@@ -10,6 +10,7 @@
 #include "memory/device_cache.h"
 #include "ops/cuda/parts.h"
 #include "ops/ops.h"
+#include "runtime/ep.h"
 
 
 // One chunk's part of the optimizer, as a host function on the optimizer stream.
@@ -1010,6 +1011,7 @@ static fy_status ep_setup(struct fy_offload *x) {
     }
   }
   if (!x->ep_ranged) return FY_OK;
+  if (m->ep && P > 1) fy_ep_others_unread(m->ep);  // (ep_scatter sends this rank's experts' gradients alone)
   // The mixtures' experts, loaded by need (ep_experts).
   const int G = x->world / P;
   int E_max = 0;

@@ -4,7 +4,8 @@
 // owner computes its two experts block by block, and the results come back. Every output, input
 // gradient and router gradient must be the whole kernel's bit for bit on each rank's tokens, and
 // each expert's gradient the sum of the two ranks' in rank order; an expert no token chooses has a
-// zero gradient, or keeps its gradient when accumulating. With bf16 products (16-bit compute, as
+// zero gradient, or keeps its gradient when accumulating (also when only one rank's tokens skip it).
+// The gradients may be the weights' memory (an offloaded step writes them over the weights). With bf16 products (16-bit compute, as
 // the engine runs --precision bf16) the pieces' products are the whole kernel's too, and each
 // expert's gradient the sum of the two ranks' rounded to bf16 (fy_moe_dims.block_grads).
 #include <string.h>
@@ -25,22 +26,24 @@ static void fill(float *x, int64_t n, float scale, bool positive) {
 }
 static bool same(const float *a, const float *b, int64_t n) { return memcmp(a, b, (size_t)n * 4) == 0; }
 
-// Rows of expert e start at the sum of the counts before it (the unpadded dispatch order).
+// Rows of expert (or block) e start at the sum of the counts before it (the unpadded dispatch order).
 static int64_t first_row(const int64_t *n, int e) {
   int64_t r = 0;
   for (int i = 0; i < e; i++) r += n[i];
   return r;
 }
 
-static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
+// starve 1: no token of either rank chooses expert 3; 2: rank 0's alone (rank 1's do).
+static void run_case(int starve, bool gelu, bool accumulate, bool bf16) {
   const struct fy_moe_dims d = {.BT = BT, .C = C, .F = F, .E = E, .K = K, .gelu = gelu, .bf16 = bf16,
                                 .block_grads = bf16 ? FY_BF16 : FY_F32};
   const int64_t cap = fy_moe_rows_cap(BT, E, K);
   static float inp[P][BT * C], dout[P][BT * C], gate[E * C], w1[E * F * C], b1[E * F], w2[E * C * F], b2[E * C];
-  for (int s = 0; s < P; s++) fill(inp[s], BT * C, 2.0f, starve), fill(dout[s], BT * C, 1.0f, false);
+  for (int s = 0; s < P; s++)
+    fill(inp[s], BT * C, 2.0f, starve == 1 || (starve == 2 && s == 0)), fill(dout[s], BT * C, 1.0f, false);
   fill(gate, E * C, 1.0f, false), fill(w1, E * F * C, 0.5f, false), fill(b1, E * F, 0.1f, false);
   fill(w2, E * C * F, 0.5f, false), fill(b2, E * C, 0.1f, false);
-  if (starve)  // positive inputs and a negative row: expert 3 is never among the top 2
+  if (starve)  // positive inputs and a negative row: expert 3 is never among their top 2
     for (int c = 0; c < C; c++) gate[3 * C + c] = -4.0f;
   const float dbal = 0.37f;
   // The whole kernel on each rank's tokens; the experts' gradients summed in rank order.
@@ -71,7 +74,7 @@ static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
     CHECK(bal[s] == bal_r[s]);
     fy_moe_dispatch(xs[s], inp[s], route[s], &d);
   }
-  if (starve) CHECK(n[0][3] == 0 && n[1][3] == 0);
+  if (starve) CHECK(n[0][3] == 0 && (starve == 1 ? n[1][3] == 0 : n[1][3] > 0));
   // Owner q receives, source by source, its experts' rows: block (s, e) = n[s][q El + e] rows.
   static float xr[P][P * BT * K * C], yr[P][P * BT * K * C], xpad[P][(P * BT * K + P * El * 16) * C],
       hpad[P][(P * BT * K + P * El * 16) * F], dyr[P][P * BT * K * C], dxr[P][P * BT * K * C];
@@ -121,15 +124,24 @@ static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
     CHECK_OK(fy_moe_experts_backward(dxr[q], h1 + q * El * F * C, hb1 + q * El * F, h2 + q * El * C * F, hb2 + q * El * C,
                                      dyr[q], xpad[q], hpad[q], ex, cnt[q], P * El, w1 + q * El * F * C,
                                      w2 + q * El * C * F, El, accumulate, &d));
+    if (!accumulate) {  // the gradients over the weights: the same numbers
+      static float a1[El * F * C], a2[El * C * F], ab1[El * F], ab2[El * C], adx[P * BT * K * C];
+      memcpy(a1, w1 + q * El * F * C, sizeof a1), memcpy(a2, w2 + q * El * C * F, sizeof a2);
+      CHECK_OK(fy_moe_experts_backward(adx, a1, ab1, a2, ab2, dyr[q], xpad[q], hpad[q], ex, cnt[q], P * El, a1, a2, El,
+                                       false, &d));
+      CHECKF(same(a1, h1 + q * El * F * C, El * F * C) && same(a2, h2 + q * El * C * F, El * C * F) &&
+                 same(adx, dxr[q], first_row(cnt[q], P * El) * C),
+             "owner %d's gradients written over its weights (starve %d gelu %d bf16 %d)", q, starve, gelu, bf16);
+    }
   }
   if (!accumulate) {
     CHECKF(same(h1, s1, E * F * C) && same(hb1, sb1, E * F) && same(h2, s2, E * C * F) && same(hb2, sb2, E * C),
            "the experts' gradients against the whole kernel's summed over ranks (starve %d gelu %d bf16 %d)", starve, gelu,
            bf16);
-  } else if (starve) {  // expert 3: no token anywhere, its gradient left as it was
+  } else if (starve == 1) {  // expert 3: no token anywhere, its gradient left as it was
     CHECK(same(h1 + 3 * F * C, keep1 + 3 * F * C, F * C));
   }
-  if (starve && !accumulate) {
+  if (starve == 1 && !accumulate) {
     bool zero = true;
     for (int64_t i = 0; i < F * C; i++) zero &= h1[3 * F * C + i] == 0 && h2[3 * C * F + i] == 0;
     CHECK(zero);
@@ -144,6 +156,10 @@ static void run_case(bool starve, bool gelu, bool accumulate, bool bf16) {
   for (int s = 0; s < P; s++) {
     memset(din[s], 0, sizeof din[s]);
     CHECK_OK(fy_moe_route_backward(din[s], dg[s], dw[s], dx[s], inp[s], route[s], gate, n[s], dbal, false, &d));
+    static float ag[E * C], adin[BT * C];  // dgate over the gate: the same numbers
+    memcpy(ag, gate, sizeof ag), memset(adin, 0, sizeof adin);
+    CHECK_OK(fy_moe_route_backward(adin, ag, dw[s], dx[s], inp[s], route[s], ag, n[s], dbal, false, &d));
+    CHECK(same(ag, dg[s], E * C) && same(adin, din[s], BT * C));
     CHECKF(same(din[s], din_r[s], BT * C) && same(dg[s], dg_r[s], E * C),
            "rank %d's input and router gradients (starve %d gelu %d bf16 %d)", s, starve, gelu, bf16);
   }
@@ -156,5 +172,8 @@ int main(void) {
   run_case(true, false, true, false);
   run_case(false, true, false, true);
   run_case(true, false, true, true);
+  run_case(2, true, false, false);
+  run_case(2, false, false, true);
+  run_case(2, false, true, false);
   return check_summary("test_moe_ep");
 }

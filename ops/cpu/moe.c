@@ -27,11 +27,12 @@ static fy_status mm(float *c, const float *a, const float *b, int64_t M, int64_t
 // The gathered rows and the backward's scratch, kept from call to call and grown as needed (one
 // caller at a time, as every product: ops/cpu/matmul.c). Sized by the bound fy_moe_rows_cap, not by
 // a call's rows, so that a model's calls share one allocation: a fresh one each call touched ~165 MB
-// of new pages a step of opt-125m-moe8 at 4 x 128 (page faults, and the kernel zeroing them).
+// of new pages a step of opt-125m-moe8 at 4 x 128 (page faults, and the kernel zeroing them). The
+// expert-parallel pieces (ops/cpu/moe_ep.c) take their scratch from it too.
 static float *moe_ws;
 static size_t moe_ws_floats;
 
-static float *moe_workspace(size_t floats) {
+float *fy_moe_workspace(size_t floats) {
   if (floats > moe_ws_floats) {
     free(moe_ws);
     moe_ws = malloc(floats * 4);
@@ -140,7 +141,7 @@ fy_status fy_moe_forward(float *out, float *route, float *rows, double *balance,
       route[t * S + E + 2 * K + j] = (float)fill[(int64_t)route[t * S + E + j]]++;
   float *h = rows, *y = rows + cap * F;
   // xs (total,C), as (total,F) in the backward's workspace (its size, so that it is made once)
-  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E + C)));
+  float *xs = fy_moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E + C)));
   if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)cap);
   float *as = xs + total * C;
   moe_gather(xs, inp, route, d, n, off, total);
@@ -247,7 +248,7 @@ fy_status fy_moe_backward(float *dinp, float *dgate, float *dw1, float *db1, flo
   const float *h = rows, *y = rows + cap * F;
   // xs (total,C), as (total,F), dy (total,C), dh (total,F), dx (total,C), dw (BT,K), dlog (BT,E),
   // with tensor parallelism the input gradient's part (BT,C)
-  float *xs = moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E + C)));
+  float *xs = fy_moe_workspace((size_t)(cap * (3 * C + 2 * F) + BT * (K + E + C)));
   if (!xs) return fy_error_set(FY_ERR_NOMEM, "mixture of experts: cannot allocate %lld rows", (long long)cap);
   float *as = xs + total * C, *dy = as + total * F, *dh = dy + total * C, *dx = dh + total * F;
   float *dw = dx + total * C, *dlog = dw + BT * K;
