@@ -145,6 +145,8 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
     return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
   if (!cuda) return NULL;
   // (runtime/run.c and train_opts.c: what a GPU run refuses)
+  if (k->ep > 1 && (tp > 1 || pp > 1))
+    return "expert parallelism on GPUs runs without tensor-parallel slices or pipeline stages (tp 1, pp 1)";
   if (k->resident && lag) return "a resident GPU run updates on the GPU: no --optimizer-lag";
   if (k->resident && compressed) return "a resident GPU run keeps fp32 AdamW state";
   if (k->resident && dp > 1 && zero)

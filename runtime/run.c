@@ -584,6 +584,11 @@ static fy_status ep_layout(const struct fy_train_opts *o, struct run *r) {
   if (r->pp > 1 && o->device && strcmp(o->device, "cpu") != 0 && strcmp(o->device, "sim") != 0)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --pp %d on --device %s: expert parallelism within "
                         "pipeline stages runs on --device cpu and sim for now", r->ep, r->pp, o->device);
+  // On GPUs the expert-parallel pieces (runtime/ep_cuda.c) hold whole experts: no tensor-parallel sums.
+  if (r->tp > 1 && o->device && strcmp(o->device, "cuda") == 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--ep %d with --tp %d on --device cuda: expert parallelism on GPUs moves "
+                        "whole experts' rows, not tensor-parallel slices; --ep with --tp runs on --device cpu and sim "
+                        "for now", r->ep, r->tp);
   if (r->dp % r->ep != 0)
     return fy_error_set(FY_ERR_INVALID, "--ep %d does not divide the %d data-parallel rank%s (%d rank%s / tp %d / pp "
                         "%d): run a multiple of %d ranks", r->ep, r->dp, r->dp == 1 ? "" : "s", r->world,

@@ -785,8 +785,8 @@ refused "--pp 3 with 4 layers" "--pp 3 does not divide the model's 4 decoder lay
 refused "--pp 4 with opt-tiny's 2 layers" "more pipeline stages than the model's 2 decoder layers" 4 --model opt-tiny --batch 4 --pp 4
 refused "--pp 2 on 3 ranks" "= 2 ranks a pipeline does not divide the 3 ranks" 3 --model "$tmp/cfg-untied" --batch 4 --pp 2
 refused "--pp 2 --tp 2 on 2 ranks" "--pp 2 x --tp 2 = 4 ranks a pipeline does not divide the 2 ranks" 2 --model "$tmp/cfg-untied" --batch 4 --pp 2 --tp 2
-refused "--ep 2 with --pp 2 on cuda" "--ep 2 with --pp 2 on --device cuda: expert parallelism within pipeline stages runs on --device cpu and sim" 4 \
-  --model "$tmp/cfg-moe" --batch 2 --pp 2 --ep 2 --device cuda
+refused "--ep 2 with --tp 2 on cuda" "--ep 2 with --tp 2 on --device cuda: expert parallelism on GPUs moves whole experts' rows" 4 \
+  --model "$tmp/cfg-moe" --batch 2 --tp 2 --ep 2 --device cuda --offload
 # ferry eval through the stages: 1 rank's loss on pp 2, pp 2 x tp 2 (cpu) and pp 2 on sim.
 evals=(--init "$tmp/p1tied" --data "$tmp/data.bin" --seq 32 --batch 2 --batches 3 --threads 1)
 "$ferry" eval "${evals[@]}" >"$tmp/ev1.out" 2>&1 || bad "ferry eval on 1 rank"
