@@ -56,14 +56,15 @@ PY
 }
 
 # run_suite DIR LABEL [ARG...]: meson's tests in build dir DIR (those named, or all, less the
-# timing suite), their results added to the counts. Two at a time, but for those that wait on
-# timeouts or whose kernels slow down beside another test, which run alone (test/meson.build).
+# timing suite), their results added to the counts. Three at a time (the slowest ones wait on
+# processes most of the time), but for those that wait on timeouts, which run alone, last
+# (test/meson.build).
 run_suite() {
   local dir="$1" label="$2" p f s names
   shift 2
   section "$label: meson test in $dir${1:+ ($*)}"
   rm -f "$dir/meson-logs/testlog.json"
-  meson test -C "$dir" --print-errorlogs --num-processes 2 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
+  meson test -C "$dir" --print-errorlogs --num-processes 3 --timeout-multiplier 3 "$@" >"$dir.test.log" 2>&1
   tail -n 12 "$dir.test.log"
   read -r p f s names < <(meson_results "$dir")
   passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
@@ -128,7 +129,7 @@ if [ "$plain" = 1 ]; then
       count python3 test/reference/check_variants.py build/ferry
       # Random configurations, each trained along a random path (ranks, accumulation, offload, resume).
       section "random OPT configurations along random paths: ferry and transformers train them alike"
-      count_logged build/random_variants.log python3 test/reference/check_variants.py build/ferry --random 30 --seed 1
+      count_logged build/random_variants.log python3 test/reference/check_variants.py build/ferry --random 24 --seed 1
       # The same random cases on the cpu and on a random sim placement, fp32, bf16 or fp16: bit for bit.
       section "random OPT configurations: the sim device's placements give the cpu's bits"
       count_logged build/placements.log python3 test/reference/check_variants.py build/ferry --placements 30 --seed 1
@@ -187,7 +188,7 @@ if [ "$plain" = 1 ]; then
     if [ "$have_refs" = 1 ]; then
       section "random OPT configurations trained on 1 to 4 emulated GPUs: ferry and transformers train them alike"
       FY_EMU_GPUS=4 count_logged build-emu/random_variants.log python3 test/reference/check_variants.py build-emu/ferry \
-        --random 14 --seed 1 --gpu --gpus 4
+        --random 10 --seed 1 --gpu --gpus 4
     else
       section "skipped: random configurations on the emulated GPU (no torch and transformers: see above)"
       skipped=$((skipped + 1))
