@@ -120,6 +120,23 @@ void fy_graph_set_stage(struct fy_graph *g, int lo, int hi) {
     if (g->params[i].absent) g->params[i].offset = g->params[i].chunk_offset = -1, g->params[i].chunk = -1;
 }
 
+void fy_graph_ops_act_span(const struct fy_graph *g, int op_lo, int op_hi, int64_t *lo, int64_t *hi) {
+  *lo = g->act_elems, *hi = 0;
+  for (int o = op_lo; o < op_hi; o++) {
+    const struct fy_op *op = &g->ops[o];
+    int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
+    for (int k = 0; k < op->n_in; k++) touched[n++] = op->in[k];
+    touched[n++] = op->out;
+    for (int k = 0; k < op->n_aux; k++) touched[n++] = op->aux[k];
+    for (int k = 0; k < n; k++) {
+      const int64_t a = g->slots[touched[k]].offset, b = a + fy_graph_slot_floats(g, touched[k]);
+      if (a < *lo) *lo = a;
+      if (b > *hi) *hi = b;
+    }
+  }
+  if (*lo >= *hi) *lo = 0, *hi = 1;
+}
+
 fy_status fy_graph_set_experts(struct fy_graph *g, int ep, int ep_rank) {
   if (ep < 1 || ep_rank < 0 || ep_rank >= ep)
     return fy_error_set(FY_ERR_INVALID, "expert-parallel rank %d of %d", ep_rank, ep);

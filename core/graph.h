@@ -248,6 +248,10 @@ fy_status fy_graph_stage_ops(const struct fy_graph *g, int64_t layers, int pp, i
 // and the last stage), the others marked absent; before the parameters are packed into chunks
 // (memory/chunk.h), which lays out the kept ones alone.
 void fy_graph_set_stage(struct fy_graph *g, int lo, int hi);
+// The span [*lo, *hi) of the activation arena (floats) the slots of ops [op_lo, op_hi) lie in
+// (inputs, outputs and aux slots; slots are laid out in forward order): what a pipeline stage's
+// micro-batch in flight needs. No slot: [0, 1).
+void fy_graph_ops_act_span(const struct fy_graph *g, int op_lo, int op_hi, int64_t *lo, int64_t *hi);
 // Expert parallelism over ep ranks (docs/ranks.md): every mixture's experts (fc1, fc2 and their
 // biases, not the router) keep the rows of the E/ep experts of ep_rank (fy_param.expert; of a
 // tensor-parallel graph, its slices of them); before

@@ -485,20 +485,9 @@ static double resident_stage_bytes(const struct fy_opt_config *cfg, const struct
   if (fy_graph_stage_ops(g, cfg->num_hidden_layers, k->pp, s, &lo, &hi) == FY_OK) {
     fy_graph_set_stage(g, lo, hi);
     if (fy_chunk_layout_create(g, 0, &l) == FY_OK) {
-      int64_t a_lo = g->act_elems, a_hi = 0;
-      for (int o = lo; o < hi; o++) {
-        const struct fy_op *op = &g->ops[o];
-        int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
-        for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
-        touched[n++] = op->out;
-        for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
-        for (int j = 0; j < n; j++) {
-          const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
-          if (a < a_lo) a_lo = a;
-          if (b > a_hi) a_hi = b;
-        }
-      }
-      const size_t span = (size_t)(a_hi > a_lo ? a_hi - a_lo : 1) * 4;
+      int64_t a_lo, a_hi;
+      fy_graph_ops_act_span(g, lo, hi, &a_lo, &a_hi);
+      const size_t span = (size_t)(a_hi - a_lo) * 4;
       bytes = fy_graph_model_bytes(g, cfg->hidden_size, true, bf16, k->grad_accum > 1, FY_CUDA_ALLOC_GRANULE) +
               (double)fy_cuda_scratch_bytes(g->n_params, fy_graph_max_channels(g)) +
               (double)held * (double)fy_device_round(span, FY_CUDA_ALLOC_GRANULE);
@@ -580,22 +569,14 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
     int lo, hi;
     st = fy_graph_stage_ops(g, layers, pp, s, &lo, &hi);
     if (st != FY_OK) break;
-    int64_t a_lo = g->act_elems, a_hi = 0;
     for (int o = lo; o < hi; o++) {
       stage_of[o] = s;
       const struct fy_op *op = &g->ops[o];
       for (int j = 0; j < op->n_params; j++) used[op->params[j]] |= 1 << (s == 0 ? 0 : s == pp - 1 ? 1 : 2);
-      int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
-      for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
-      touched[n++] = op->out;
-      for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
-      for (int j = 0; j < n; j++) {  // (the stage's span of the arena: runtime/pipeline.c)
-        const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
-        if (a < a_lo) a_lo = a;
-        if (b > a_hi) a_hi = b;
-      }
     }
-    span[s] = a_hi > a_lo ? (double)(a_hi - a_lo) * 4 : 4;
+    int64_t a_lo, a_hi;  // (the stage's span of the arena: runtime/pipeline.c)
+    fy_graph_ops_act_span(g, lo, hi, &a_lo, &a_hi);
+    span[s] = (double)(a_hi - a_lo) * 4;
     for (int o = lo; o < hi; o++)  // (each parameter the stage's ops read, once)
       for (int j = 0; j < g->ops[o].n_params; j++) {
         const int i = g->ops[o].params[j];
@@ -866,20 +847,9 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   size_t stage_span = 0;
   int stage_held = 0;
   if (stage >= 0) {
-    int64_t a_lo = g->act_elems, a_hi = 0;
-    for (int o = st_lo; o < st_hi; o++) {
-      const struct fy_op *op = &g->ops[o];
-      int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
-      for (int j = 0; j < op->n_in; j++) touched[n++] = op->in[j];
-      touched[n++] = op->out;
-      for (int j = 0; j < op->n_aux; j++) touched[n++] = op->aux[j];
-      for (int j = 0; j < n; j++) {
-        const int64_t a = g->slots[touched[j]].offset, b = a + fy_graph_slot_floats(g, touched[j]);
-        if (a < a_lo) a_lo = a;
-        if (b > a_hi) a_hi = b;
-      }
-    }
-    stage_span = (size_t)(a_hi > a_lo ? a_hi - a_lo : 1) * 4;
+    int64_t a_lo, a_hi;
+    fy_graph_ops_act_span(g, st_lo, st_hi, &a_lo, &a_hi);
+    stage_span = (size_t)(a_hi - a_lo) * 4;
     stage_held = k->pp - stage < sched_m ? k->pp - stage : (int)sched_m;
     if (stage_held < 1) stage_held = 1;
     fixed_bytes += stage_held * (double)fy_device_round(stage_span, gran) - (double)fy_device_round(fixed[0], gran);

@@ -142,21 +142,7 @@ static fy_status create(struct fy_model *m, struct fy_comm *comm, struct fy_comm
   // order; with recomputation the layers' shared region is at its start): a micro-batch in flight
   // needs that span alone. Its arena is addressed as the model's is, from span_lo floats before
   // the allocation (never read or written there).
-  p->span_lo = g->act_elems;
-  p->span_hi = 0;
-  for (int o = p->lo; o < p->hi; o++) {
-    const struct fy_op *op = &g->ops[o];
-    int touched[FY_OP_MAX_IN + 1 + FY_OP_MAX_AUX], n = 0;
-    for (int k = 0; k < op->n_in; k++) touched[n++] = op->in[k];
-    touched[n++] = op->out;
-    for (int k = 0; k < op->n_aux; k++) touched[n++] = op->aux[k];
-    for (int k = 0; k < n; k++) {
-      const int64_t a = g->slots[touched[k]].offset, b = a + fy_graph_slot_floats(g, touched[k]);
-      if (a < p->span_lo) p->span_lo = a;
-      if (b > p->span_hi) p->span_hi = b;
-    }
-  }
-  if (p->span_lo >= p->span_hi) p->span_lo = 0, p->span_hi = 1;
+  fy_graph_ops_act_span(g, p->lo, p->hi, &p->span_lo, &p->span_hi);
   for (int a = 0; a < p->n_arenas && st == FY_OK; a++) {
     const size_t bytes = (size_t)(p->span_hi - p->span_lo) * 4;
     float *buf;
