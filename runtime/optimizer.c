@@ -9,13 +9,14 @@ struct fy_adamw fy_adamw_defaults(void) {
   return (struct fy_adamw){.beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .clip = 1.0f};
 }
 
-double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
+double fy_optimizer_grad_sumsq(const struct fy_model *m, const bool *only, bool experts_apart) {
   const struct fy_graph *g = m->graph;
   // experts[1]: the experts' tp slices (ep with tp), summed over ep and then with the split ones
   double s = 0, split = 0, experts[2] = {0, 0}, sums[g->n_params > 0 ? g->n_params : 1];
   if (m->kernels->grads_sumsq((struct fy_model *)m, sums) != FY_OK) return NAN;  // the step is then refused
   for (int i = 0; i < g->n_params; i++) {
-    if (g->params[i].expert) experts[fy_param_split_tp(g, &g->params[i])] += sums[i];
+    if (only && !only[i]) continue;
+    if (g->params[i].expert && experts_apart) experts[fy_param_split_tp(g, &g->params[i])] += sums[i];
     else if (g->params[i].split_dim >= 0) split += sums[i];
     else s += sums[i];
   }
@@ -33,7 +34,11 @@ double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
     split = 0;
     for (int r = 0; r < g->tp; r++) split += all[r];
   }
-  return sqrt(s + split) * fabs((double)grad_scale);
+  return s + split;
+}
+
+double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale) {
+  return sqrt(fy_optimizer_grad_sumsq(m, NULL, true)) * fabs((double)grad_scale);
 }
 
 static int range_cmp(const void *a, const void *b) {

@@ -17,6 +17,10 @@ struct fy_adamw fy_adamw_defaults(void);
 
 // The global L2 norm of the gradients scaled by grad_scale (a tied parameter counted once).
 double fy_optimizer_grad_norm(const struct fy_model *m, float grad_scale);
+// The sum of squares of the gradients (unscaled) of the parameters only[] marks (NULL: all), summed
+// over the tp group and, the experts' (kept apart when experts_apart), over the ep group, in rank
+// order; NAN when a collective fails. (A pipeline stage's part: fy_pipeline_grad_norm.)
+double fy_optimizer_grad_sumsq(const struct fy_model *m, const bool *only, bool experts_apart);
 // One AdamW step (t counts from 1) at learning rate lr on grads x grad_scale, clipped to the global
 // norm `norm` as torch.nn.utils.clip_grad_norm_ does (coefficient clip / (norm + 1e-6), at most 1).
 // Refuses a non-finite norm (nothing is updated then).

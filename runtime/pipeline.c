@@ -8,6 +8,7 @@
 #include "runtime/engine.h"
 #include "runtime/ep.h"
 #include "runtime/offload.h"
+#include "runtime/optimizer.h"
 #include "runtime/pipeline_cuda.h"
 
 // Message tags: a stage sends activations forward and gradients backward; between two ranks with
@@ -422,32 +423,9 @@ fy_status fy_pipeline_all_reduce_grads(struct fy_pipeline *p, struct fy_comm *dp
 }
 
 double fy_pipeline_grad_norm(struct fy_pipeline *p, float grad_scale) {
-  struct fy_model *m = p->m;
-  const struct fy_graph *g = m->graph;
-  // experts[1]: the experts' tp slices (ep with tp), as fy_optimizer_grad_norm's
-  double s = 0, split = 0, experts[2] = {0, 0}, sums[g->n_params > 0 ? g->n_params : 1];
-  if (m->kernels->grads_sumsq(m, sums) != FY_OK) return NAN;
-  for (int i = 0; i < g->n_params; i++) {
-    if (!p->owned[i]) continue;
-    if (g->params[i].expert && g->ep > 1) experts[fy_param_split_tp(g, &g->params[i])] += sums[i];
-    else if (g->params[i].split_dim >= 0) split += sums[i];
-    else s += sums[i];
-  }
-  if (g->ep > 1) {  // the stage's experts over its expert-parallel group (its ranks: this stage's), in rank order
-    double all[2 * g->ep];
-    if (fy_comm_all_gather(m->ep_comm, experts, all, 4, FY_COMM_F32, NULL) != FY_OK) return NAN;
-    experts[0] = experts[1] = 0;
-    for (int r = 0; r < g->ep; r++) experts[0] += all[2 * r], experts[1] += all[2 * r + 1];
-  }
-  s += experts[0];
-  split += experts[1];
-  if (g->tp > 1) {  // (as fy_optimizer_grad_norm: the group's parts in rank order)
-    double all[g->tp];
-    if (fy_comm_all_gather(m->tp_comm, &split, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;
-    split = 0;
-    for (int r = 0; r < g->tp; r++) split += all[r];
-  }
-  double mine = s + split, all[p->pp];
+  // The stage's own parameters over its tp and ep groups (its experts apart only under ep, in
+  // rank order), then the stages' sums.
+  double mine = fy_optimizer_grad_sumsq(p->m, p->owned, p->m->graph->ep > 1), all[p->pp];
   if (fy_comm_all_gather(p->comm, &mine, all, 2, FY_COMM_F32, NULL) != FY_OK) return NAN;  // (doubles as 2 words)
   double total = 0;
   for (int k = 0; k < p->pp; k++) total += all[k];
