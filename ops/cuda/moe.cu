@@ -619,6 +619,29 @@ extern "C" fy_status fy_cuda_moe_ep_dispatch_grad(const void *dout, const void *
   return fy_cuda_launched("moe_ep_dispatch_grad");
 }
 
+// One linear layer's backward over blocks of rows, block i (fy_moe_rows(cnt[i]) rows; none:
+// skipped) of expert ex[i], the blocks one after another in din, dout and in: din (R,IN) = dout
+// (R,OUT) @ w_e (OUT,IN), dw_e (OUT,IN) += dout^T @ in, db_e (OUT) += column sums of dout.
+static fy_status blocks_linear_backward(struct fy_cuda_blas *h, void *din, void *dw, void *db, const void *dout,
+                                        const void *in, const void *w, const int *ex, const int64_t *cnt, int nb,
+                                        int64_t IN, int64_t OUT, enum fy_dtype dt, cudaStream_t st) {
+  const size_t es = fy_dtype_size(dt);
+  int64_t off = 0;
+  for (int i = 0; i < nb; i++) {
+    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
+    if (!R) continue;
+    FY_TRY(fy_cuda_matmul(h, (char *)din + (size_t)(off * IN) * es, (const char *)dout + (size_t)(off * OUT) * es,
+                          (const char *)w + (size_t)(e * OUT * IN) * es, NULL, dt, R, IN, OUT, false, false, 1.0f,
+                          0.0f, st));
+    FY_TRY(fy_cuda_linear_backward_params(h, (char *)dw + (size_t)(e * OUT * IN) * es,
+                                          db ? (char *)db + (size_t)(e * OUT) * es : NULL,
+                                          (const char *)dout + (size_t)(off * OUT) * es,
+                                          (const char *)in + (size_t)(off * IN) * es, dt, R, IN, OUT, true, st));
+    off += R;
+  }
+  return FY_OK;
+}
+
 extern "C" fy_status fy_cuda_moe_ep_experts_backward(struct fy_cuda_blas *h, void *dx, void *dw1, void *db1, void *dw2,
                                                      void *db2, void *as, void *dh, const void *dy, const void *x,
                                                      const void *hrows, const int *ex, const int64_t *cnt, int nb,
@@ -641,33 +664,11 @@ extern "C" fy_status fy_cuda_moe_ep_experts_backward(struct fy_cuda_blas *h, voi
   if (!total) return FY_OK;
   FY_TRY(moe_act(as, hrows, d->gelu, dt, total * F, st));
   // Per block: dh (R,F) = dy (R,C) @ w2_e (C,F), dw2_e += dy^T @ as, db2_e += column sums of dy
-  int64_t off = 0;
-  for (int i = 0; i < nb; i++) {
-    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
-    if (!R) continue;
-    FY_TRY(fy_cuda_matmul(h, (char *)dh + (size_t)(off * F) * es, (const char *)dy + (size_t)(off * C) * es,
-                          (const char *)w2 + (size_t)(e * C * F) * es, NULL, dt, R, F, C, false, false, 1.0f, 0.0f, st));
-    FY_TRY(fy_cuda_linear_backward_params(h, (char *)dw2 + (size_t)(e * C * F) * es,
-                                          db2 ? (char *)db2 + (size_t)(e * C) * es : NULL,
-                                          (const char *)dy + (size_t)(off * C) * es,
-                                          (const char *)as + (size_t)(off * F) * es, dt, R, F, C, true, st));
-    off += R;
-  }
+  FY_TRY(blocks_linear_backward(h, dh, dw2, db2, dy, as, w2, ex, cnt, nb, F, C, dt, st));
   if (d->gelu) FY_TRY(fy_cuda_gelu_backward(dh, dh, hrows, dt, total * F, st));
   else FY_TRY(fy_cuda_relu_backward(dh, dh, as, dt, total * F, st));
   // Per block: dx (R,C) = dh (R,F) @ w1_e (F,C), dw1_e += dh^T @ x, db1_e += column sums of dh
-  off = 0;
-  for (int i = 0; i < nb; i++) {
-    const int64_t R = fy_moe_rows(cnt[i]), e = ex[i];
-    if (!R) continue;
-    FY_TRY(fy_cuda_matmul(h, (char *)dx + (size_t)(off * C) * es, (const char *)dh + (size_t)(off * F) * es,
-                          (const char *)w1 + (size_t)(e * F * C) * es, NULL, dt, R, C, F, false, false, 1.0f, 0.0f, st));
-    FY_TRY(fy_cuda_linear_backward_params(h, (char *)dw1 + (size_t)(e * F * C) * es,
-                                          db1 ? (char *)db1 + (size_t)(e * F) * es : NULL,
-                                          (const char *)dh + (size_t)(off * F) * es,
-                                          (const char *)x + (size_t)(off * C) * es, dt, R, C, F, true, st));
-    off += R;
-  }
+  FY_TRY(blocks_linear_backward(h, dx, dw1, db1, dh, x, w1, ex, cnt, nb, C, F, dt, st));
   return FY_OK;
 }
 
