@@ -381,6 +381,16 @@ random.seed(5)
 t = [(i * 7 + random.randrange(3)) % 97 for i in range(20000)]  # (below opt-moe-tiny's vocabulary)
 open(sys.argv[1], "wb").write(struct.pack("<256i", 20240520, 1, len(t), *([0] * 253)) + struct.pack("<%dH" % len(t), *t))
 PY
+# same_weights A B WHAT: on the emulator (deterministic kernels) runs A and B saved the same
+# weights byte for byte.
+same_weights() {
+  [ -n "${FY_EMU_GPUS:-}" ] || return 0
+  if cmp -s "$d/$1/model.safetensors" "$d/$2/model.safetensors"; then
+    pass=$((pass + 1)); echo "ok    $3"
+  else
+    fail=$((fail + 1)); echo "FAIL  $3: the saved weights differ"
+  fi
+}
 dense=("${common[@]}")
 common=(train --model opt-moe-tiny --data "$d/moe.bin" --seq 32 --batch 2 --steps 3 --seed 1 --lr 1e-3 --warmup 0
   --no-shuffle --device cuda --precision fp32 --clip 0 --quiet)
@@ -388,13 +398,7 @@ rm -rf "$d/moeone" "$d/moeep2" "$d/moestarve"
 run moeone 1 --grad-accum 2 --save "$d/moeone" || exit 1
 LOUD=1 run moeep2 2 --ep 2 --save "$d/moeep2" || exit 1
 check "--ep 2 on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeep2 1e-6
-if [ -n "${FY_EMU_GPUS:-}" ]; then
-  if cmp -s "$d/moeone/model.safetensors" "$d/moeep2/model.safetensors"; then
-    pass=$((pass + 1)); echo "ok    --ep 2 on 2 emulated GPUs saves 1 rank's weights byte for byte"
-  else
-    fail=$((fail + 1)); echo "FAIL  --ep 2 on 2 emulated GPUs: its saved weights are not 1 rank's"
-  fi
-fi
+same_weights moeone moeep2 "--ep 2 on 2 emulated GPUs saves 1 rank's weights byte for byte"
 # (layers 1 and 3 are the mixtures: their final_layer_norm makes every token's input the bias,
 # and a gate that prefers experts 0 and 1 for it)
 python3 - "$d/moeep2" "$d/moestarve" <<'PY' || exit 2
@@ -453,13 +457,7 @@ fi
 rm -rf "$d/moeoff"
 run moeoff 2 --ep 2 --offload --save "$d/moeoff" || exit 1
 check "--ep 2 --offload on 2 GPUs = 1 rank accumulating 2, fp32" moeone moeoff 1e-6
-if [ -n "${FY_EMU_GPUS:-}" ]; then
-  if cmp -s "$d/moeone/model.safetensors" "$d/moeoff/model.safetensors"; then
-    pass=$((pass + 1)); echo "ok    --ep 2 --offload on 2 emulated GPUs saves 1 rank's weights byte for byte"
-  else
-    fail=$((fail + 1)); echo "FAIL  --ep 2 --offload on 2 emulated GPUs: its saved weights are not 1 rank's"
-  fi
-fi
+same_weights moeone moeoff "--ep 2 --offload on 2 emulated GPUs saves 1 rank's weights byte for byte"
 # In bf16 (the GPU's default): each source's block of an expert's gradient rounded to bf16 as its
 # own backward rounds it, the blocks and the dense gradients summed in fp32 (runtime/ep_cuda.c,
 # fy_ep_all_reduce_grads), as 1 rank adds its micro-batches' rounded gradients: the same losses and,
@@ -468,13 +466,7 @@ rm -rf "$d/moeonebf16" "$d/moeep2bf16"
 run moeonebf16 1 --grad-accum 2 --precision bf16 --save "$d/moeonebf16" || exit 1
 run moeep2bf16 2 --ep 2 --precision bf16 --save "$d/moeep2bf16" || exit 1
 check "--ep 2 on 2 GPUs = 1 rank accumulating 2, bf16" moeonebf16 moeep2bf16 1e-6
-if [ -n "${FY_EMU_GPUS:-}" ]; then
-  if cmp -s "$d/moeonebf16/model.safetensors" "$d/moeep2bf16/model.safetensors"; then
-    pass=$((pass + 1)); echo "ok    --ep 2 in bf16 on 2 emulated GPUs saves 1 rank's weights byte for byte"
-  else
-    fail=$((fail + 1)); echo "FAIL  --ep 2 in bf16 on 2 emulated GPUs: its saved weights are not 1 rank's"
-  fi
-fi
+same_weights moeonebf16 moeep2bf16 "--ep 2 in bf16 on 2 emulated GPUs saves 1 rank's weights byte for byte"
 # Tensor parallelism on the mixture (--tp 2): each rank holds half of every expert's fc1 rows and
 # fc2 columns, the router and fc2's bias whole; the CUDA kernels sum the output, the routing
 # weights' gradients and the input gradient's part over the pair by NCCL on their stream. Resident

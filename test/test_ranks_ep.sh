@@ -242,20 +242,22 @@ json.dump({"model_type": "opt", "vocab_size": 97, "hidden_size": 256, "word_embe
            "do_layer_norm_before": True, "activation_function": "relu", "pad_token_id": 1, "dropout": 0.0,
            "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layer_frequency": 2}, open(sys.argv[1], "w"))
 PY
+# same_ckpt A B: 1 when A's and B's step-2 checkpoints hold the same model and optimizer bytes, else 0.
+same_ckpt() {
+  local f
+  for f in model.safetensors optimizer.safetensors; do
+    cmp -s "$tmp/$1.d/step-00000002/$f" "$tmp/$2.d/step-00000002/$f" || { echo 0; return; }
+  done
+  echo 1
+}
 stateq wide1 1 --grad-accum 2 --model "$tmp/cfg-wide"
 stateq wide2 2 --ep 2 --model "$tmp/cfg-wide"
-same=1
-for f in model.safetensors optimizer.safetensors; do
-  cmp -s "$tmp/wide1.d/step-00000002/$f" "$tmp/wide2.d/step-00000002/$f" || same=0
-done
+same=$(same_ckpt wide1 wide2)
 compare wide1 wide2 1e-6 0 && [ $same = 1 ] \
   && ok "experts' slices of whole 8-bit blocks: ep 2 on the cpu gives 1 rank's weights bit for bit, its checkpoint 1 rank's bytes" \
   || bad "ep 2 with 8-bit state of whole blocks differs from 1 rank (checkpoint the same bytes: $same)"
 stateq sep2s8bit 2 --ep 2 "${sim[@]}" --disk-dir "$tmp/d_sep2s"
-same=1
-for f in model.safetensors optimizer.safetensors; do
-  cmp -s "$tmp/one2s8bit.d/step-00000002/$f" "$tmp/sep2s8bit.d/step-00000002/$f" || same=0
-done
+same=$(same_ckpt one2s8bit sep2s8bit)
 compare one2s8bit sep2s8bit 1e-6 0 && [ $same = 1 ] \
   && ok "ep 2 with 8-bit AdamW state on sim: 1 rank's weights bit for bit, and its checkpoint 1 rank's bytes" \
   || bad "ep 2 with 8-bit state on sim differs (checkpoint the same bytes: $same)"
