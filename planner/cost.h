@@ -95,6 +95,14 @@ struct fy_plan_knobs {
   // device; 8-bit packs the chunks at multiples of 256 elements (runtime/model.h). Offloaded plans
   // only (a resident GPU keeps fp32 state).
   char optimizer_state[8];
+  // Speculative updates (ferry train --spec-chunks N): the host-tier chunks whose gradients come
+  // home first in the backward (the last host-tier chunks in forward order, neither device nor
+  // disk chunks), up to N of them, are updated on the host before the gradient norm is known, as
+  // if it will not clip, into a spare slot each (fp32 master, m and v at their stored size, the
+  // 16-bit copy: host memory, priced); the norm then keeps them (no clipping, finite) or has them
+  // redone from the untouched slot, so the bits are the exact step's either way. The rest are
+  // updated after the norm as without it. Offloaded, one rank or tp, no lag, no stages; 0: none.
+  int spec_chunks;
 };
 
 // The precision a device computes in by default (docs/design.md, "Numbers"): "bf16" on a GPU ("cuda"),

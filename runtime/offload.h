@@ -72,6 +72,15 @@ struct fy_offload_opts {
   // bytes a parameter more; each device chunk keeps its gradients a step, esize bytes a parameter
   // of device memory). fy_offload_drain applies what is pending. 0: the exact step.
   int optimizer_lag;
+  // Speculative updates: up to spec_chunks host-tier chunks (the first in the order the backward
+  // completes their gradients; neither device nor disk chunks) are updated by the host optimizer
+  // as soon as their gradients are home, before the norm is known, with the scale an unclipped
+  // step has, out of place into a spare slot each (master, m, v, 16-bit copy). When the norm
+  // shows the step neither clips nor skips, the slots swap roles and the update stands; else
+  // those chunks are updated again from their untouched slots with the norm's scale. The bits are
+  // the exact step's either way. After a step that clipped or skipped, the next step does not
+  // speculate. Not with optimizer_lag, sharding or pipeline stages (ignored there: 0).
+  int spec_chunks;
   // A pipeline stage (runtime/pipeline.h; the model made for it, fy_model_opts.pp): the engine runs
   // the graph's ops [stage_lo, stage_hi) alone, a micro-batch's forward and backward as two
   // half-passes (fy_offload_stage_pass), in the order schedule[0 .. n_schedule) gives for a step

@@ -64,6 +64,10 @@ struct fy_train_opts {
   // --save-every, and a resume gives the uninterrupted run's). Offloaded (sim, cuda --offload)
   // with 16-bit compute, and cpu; no --grad-accum. 0 (default): the exact step.
   int optimizer_lag;
+  // Offloaded: up to N host-tier chunks updated speculatively before the gradient norm is known
+  // (runtime/offload.h, spec_chunks), each with a spare copy of its master, m, v and 16-bit copy
+  // in host memory; the same bits as the exact step. 0 (default without a plan): none.
+  int spec_chunks;
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
   const char *save;       // without save_every: write a Hugging Face model here at the end;
