@@ -41,7 +41,7 @@ const struct option train_opts[] = {
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
     {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
     {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
-    {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG}, {"profile-waits", no_argument, 0, OPT_PROFILE_WAITS},
+    {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG}, {"spec-chunks", required_argument, 0, OPT_SPEC_CHUNKS}, {"profile-waits", no_argument, 0, OPT_PROFILE_WAITS},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
 const struct option eval_opts[] = {
@@ -222,6 +222,12 @@ void usage_train(FILE *f, bool eval) {
           "                     numbers, so opt-in); offloaded runs with --precision bf16 or fp16 and\n"
           "                     no --grad-accum, and cpu; pending updates are applied before a\n"
           "                     checkpoint and at the end. 0 (default): the exact step\n"
+          "  --spec-chunks N    sim, cuda --offload: update up to N host chunks as their gradients\n"
+          "                     come home, before the gradient norm is known, into a spare copy of\n"
+          "                     their weights and state each (host memory); kept when the norm does\n"
+          "                     not clip, redone otherwise: the exact step's numbers either way.\n"
+          "                     Default 0 (--plan chooses N); not with --optimizer-lag, --pp or\n"
+          "                     data-parallel ranks\n"
           "  --optimizer-state F  how AdamW's m and v are stored: fp32 (default, 8 bytes a\n"
           "                     parameter), bf16 (4) or 8bit (block-wise quantised, 2.03); on the\n"
           "                     cpu and offloaded (host, disk and device chunks), not on a resident\n"

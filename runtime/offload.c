@@ -24,6 +24,17 @@ struct chunk_job {
   void *copy;
 };
 
+// A speculative update (spec_fn): its buffers taken when it is enqueued, because the host may swap
+// the chunk's and its slot's (spec_settle) before it runs.
+struct spec_job {
+  struct fy_offload *x;
+  int chunk, q;
+  const float *w;
+  const void *m, *v, *grads;
+  float *w_out, *m_out, *v_out;
+  void *c_out;
+};
+
 struct step_args {
   struct fy_adamw h;
   float lr, scale, grad_scale;
@@ -137,6 +148,24 @@ struct fy_offload {
   // their events not in use this step. Device chunks keep their gradients of step s in dev_gl
   // (dev_pending) and are updated by the next fy_offload_update, after step s+1's passes, or by
   // fy_offload_drain.
+  // Speculative updates (fy_offload_opts.spec_chunks): n_spec host-tier chunks, the first in
+  // grad_order (spec_chunk[k], ascending in k by grad order; spec_slot[c] is k, or -1), are
+  // updated as soon as their gradients are home, with an unclipped step's scale, out of place
+  // into spare slot k (spare_w: master, spare_m/spare_v: m and v at the stored size, spare_c: the
+  // 16-bit copy), spec_done[k] recorded after. The norm then settles them (spec_settle): kept, the
+  // slot's buffers and the chunk's swap roles (and spec_done[k] becomes the chunk's home_ready);
+  // else the chunk is updated again in place from its untouched buffers. The chunk's master
+  // weights are its own (own_weights) so that they can swap. spare_m_all, spare_v_all: the
+  // spare moments' allocations (m_home and spare_m point into it and into m_all, in any order).
+  int n_spec;
+  int *spec_chunk, *spec_slot;
+  float **spare_w, **spare_m, **spare_v;
+  void **spare_c;
+  float *spare_m_all, *spare_v_all;
+  fy_event **spec_done;
+  struct spec_job *spec_jobs[2];     // per step parity, as jobs
+  bool spec_off_next;                 // the last step clipped or skipped: the next does not speculate
+  int64_t spec_steps, spec_redone;    // steps that speculated, and those whose norm had them redone
   bool profiling;  // fy_offload_profile
   bool lag, dev_pending;
   int dev_pending_q;
@@ -1208,7 +1237,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
       x->v_home[c] = (float *)((char *)x->v_all + (size_t)(c - x->n_dev) * x->mb);
     }
   }
-  if (x->sf != FY_STATE_F32 && !x->forward_only) {
+  if ((x->sf != FY_STATE_F32 || x->n_spec > 0) && !x->forward_only) {  // (the speculative kernel takes ranges)
     if (!(x->ranges = calloc((size_t)nc, sizeof *x->ranges)) || !(x->dev_ranges = calloc((size_t)nc, sizeof *x->dev_ranges)) ||
         !(x->n_ranges = calloc((size_t)nc, sizeof *x->n_ranges)))
       return fy_error_set(FY_ERR_NOMEM, "out of memory");
@@ -1224,7 +1253,7 @@ static fy_status create_chunks(struct fy_offload *x, const struct fy_offload_opt
   for (int c = 0; c < nc; c++) x->home[c] = x->chome ? (const float *)x->chome[c] : home_weights(x, c);
   if (x->lag) FY_TRY(create_lag(x));
   x->norm_stream = x->optim;
-  if (x->lag) {
+  if (x->lag || x->n_spec > 0) {  // (the optimizer stream runs updates before the norm is known)
     FY_TRY(fy_stream_create(x->dev, &x->sums));
     x->norm_stream = x->sums;
   }
@@ -1267,7 +1296,7 @@ static fy_status chunk_ranges(struct fy_offload *x, int c) {
   x->ranges[c] = r;
   x->n_ranges[c] = n;
   FY_TRY(fy_adamw_ranges_check(hi - lo, r, n));
-  if (c < x->n_dev && launches_kernels(x->m) && n > 0) {  // the kernels read them in device memory
+  if (c < x->n_dev && launches_kernels(x->m) && n > 0 && x->sf != FY_STATE_F32) {  // the kernels read them there
     fy_status st = fy_device_alloc(x->dev, (size_t)n * sizeof *r, (void **)&x->dev_ranges[c]);
     if (st != FY_OK) return fy_error_wrap(st, "keeping device chunk %d's parameter ranges on the device", c);
   }
@@ -1410,6 +1439,62 @@ static fy_status create_stage(struct fy_offload *x, const struct fy_offload_opts
   return FY_OK;
 }
 
+// Speculative updates: the chunks that take them (the first host-tier chunks whose gradients a
+// backward completes) and a spare slot each, in the same memory as the chunk's own buffers.
+static fy_status create_spec(struct fy_offload *x) {
+  struct fy_model *m = x->m;
+  const int nc = m->layout->n_chunks, first_disk = nc - x->n_disk_chunks;
+  if (!(x->spec_slot = malloc((size_t)nc * sizeof *x->spec_slot)) ||
+      !(x->spec_chunk = malloc((size_t)x->n_spec * sizeof *x->spec_chunk)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = 0; c < nc; c++) x->spec_slot[c] = -1;
+  int n = 0;
+  for (int i = 0; i < nc && n < x->n_spec; i++) {
+    const int c = x->grad_order[i];
+    if (c < x->n_dev || c >= first_disk) continue;
+    x->spec_slot[c] = n;
+    x->spec_chunk[n++] = c;
+  }
+  x->n_spec = n;  // (at most the host tier's chunks)
+  if (n == 0) return FY_OK;
+  if (!(x->spare_w = calloc((size_t)n, sizeof *x->spare_w)) || !(x->spare_m = calloc((size_t)n, sizeof *x->spare_m)) ||
+      !(x->spare_v = calloc((size_t)n, sizeof *x->spare_v)) || !(x->spare_c = calloc((size_t)n, sizeof *x->spare_c)) ||
+      !(x->spec_done = calloc((size_t)n, sizeof *x->spec_done)) ||
+      !(x->spec_jobs[0] = calloc((size_t)n, sizeof *x->spec_jobs[0])) ||
+      !(x->spec_jobs[1] = calloc((size_t)n, sizeof *x->spec_jobs[1])))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  FY_TRY(state_alloc(x, (size_t)n * x->mb, &x->spare_m_all));
+  FY_TRY(state_alloc(x, (size_t)n * x->mb, &x->spare_v_all));
+  for (int k = 0; k < n; k++) {
+    fy_status st = state_alloc(x, (size_t)x->S * 4, &x->spare_w[k]);
+    if (st == FY_OK && x->chome) st = fy_host_alloc(m->host, (size_t)x->S * x->esize, &x->spare_c[k]);
+    if (st != FY_OK) return fy_error_wrap(st, "the spare slots of %d speculative updates (--spec-chunks)", n);
+    x->spare_m[k] = (float *)((char *)x->spare_m_all + (size_t)k * x->mb);
+    x->spare_v[k] = (float *)((char *)x->spare_v_all + (size_t)k * x->mb);
+    FY_TRY(fy_event_create(x->dev, &x->spec_done[k]));
+  }
+  return FY_OK;
+}
+
+static void free_spec(struct fy_offload *x) {
+  for (int k = 0; k < x->n_spec; k++) {
+    if (x->spare_w && x->spare_w[k]) state_free(x, x->spare_w[k], (size_t)x->S * 4);
+    if (x->spare_c && x->spare_c[k]) fy_host_dealloc(x->m->host, x->spare_c[k], (size_t)x->S * x->esize);
+    if (x->spec_done && x->spec_done[k]) fy_event_free(x->spec_done[k]);
+  }
+  state_free(x, x->spare_m_all, (size_t)x->n_spec * x->mb);
+  state_free(x, x->spare_v_all, (size_t)x->n_spec * x->mb);
+  free(x->spare_w);
+  free(x->spare_m);
+  free(x->spare_v);
+  free(x->spare_c);
+  free(x->spec_done);
+  free(x->spec_jobs[0]);
+  free(x->spec_jobs[1]);
+  free(x->spec_slot);
+  free(x->spec_chunk);
+}
+
 static fy_status spill_alloc(void *host, size_t n, void **out) { return fy_host_alloc(host, n, out); }
 static void spill_free(void *host, void *p, size_t n) { fy_host_dealloc(host, p, n); }
 
@@ -1431,13 +1516,21 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   x->sharded = x->world > 1;
   x->shards_on_device = x->sharded && o->shards_on_device;
   x->disk_master = o->disk_master;
-  x->own_weights = x->sharded || x->disk_master;
+  // Speculative updates: each chunk's master weights its own, so that a chunk's and its spare
+  // slot's can swap (spec_settle).
+  const char *no_spec = x->lag ? "--optimizer-lag (whose updates run under the next step already)"
+                        : x->sharded ? "chunks sharded across ranks" : o->stage_hi > 0 ? "pipeline stages" : NULL;
+  if (o->spec_chunks > 0 && !x->forward_only && !no_spec) x->n_spec = o->spec_chunks;
+  x->own_weights = x->sharded || x->disk_master || x->n_spec > 0;
   x->S = ce / x->world;
   x->lo = (int64_t)x->rank * x->S;
   x->sf = m->state_format;
   x->mb = fy_state_moment_bytes(x->sf, x->S);
   fy_status st = FY_OK;
-  if (x->sharded && ce % (16 * x->world) != 0)
+  if (o->spec_chunks > 0 && !x->forward_only && no_spec)
+    st = fy_error_set(FY_ERR_UNSUPPORTED, "speculative updates (--spec-chunks %d) do not combine with %s", o->spec_chunks,
+                      no_spec);
+  if (st == FY_OK && x->sharded && ce % (16 * x->world) != 0)
     st = fy_error_set(FY_ERR_INVALID, "chunks of %lld elements do not split into %d shards of whole 64-byte lines",
                       (long long)ce, x->world);
   // 8-bit state quantises blocks of FY_Q8_BLOCK elements from each buffer's start: a chunk, and a
@@ -1470,6 +1563,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   for (int c = 0; st == FY_OK && c < m->layout->n_chunks; c++)
     x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
   if (st == FY_OK) st = create_pass(x, o);
+  if (st == FY_OK && x->n_spec > 0) st = create_spec(x);
   if (st == FY_OK) st = moe_setup(x);
   if (st == FY_OK) st = ep_setup(x);
   if (st != FY_OK) {
@@ -1537,6 +1631,7 @@ void fy_offload_free(struct fy_offload *x) {
   fy_stream_free(x->copy_out);
   fy_stream_free(x->optim);
   fy_stream_free(x->sums);
+  free_spec(x);  // (the spare slots, whichever chunk's buffers they hold now)
   int nc = m->layout->n_chunks;
   size_t bytes = (size_t)m->layout->chunk_elems * 4, bt = (size_t)(m->graph->B * m->graph->T);
   size_t sbytes = (size_t)x->S * 4;
@@ -2182,6 +2277,84 @@ static void adamw_fn(void *arg) {
   }
 }
 
+// A speculated chunk's update (spec_chunks) before the norm is known: the step's arguments with
+// the scale of a step that neither clips nor skips, from the chunk's master, m, v and gradients
+// into its spare slot k, which nothing reads until the norm has settled it (spec_settle). The
+// same kernels as adamw_fn's in-place update, so the same bits when the norm keeps it.
+static void spec_fn(void *arg) {
+  struct spec_job *j = arg;
+  struct fy_offload *x = j->x;
+  const struct step_args *a = &x->args[j->q];
+  const int c = j->chunk, nr = x->n_ranges[c];
+  struct fy_adamw_range *r = x->ranges[c] + nr;  // (the first nr say which parameters decay, with 1)
+  for (int i = 0; i < nr; i++) {
+    r[i] = x->ranges[c][i];
+    r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
+  }
+  const bool bf16_in_copy = grads_bf16(x, c);
+  const int64_t n = span(x, c);
+  // TEMPORARY (until the out-of-place kernel lands): copies, then the in-place kernels.
+  memcpy(j->w_out, j->w, (size_t)n * 4);
+  memcpy(j->m_out, j->m, x->mb);
+  memcpy(j->v_out, j->v, x->mb);
+  if (bf16_in_copy) memcpy(j->c_out, j->grads, (size_t)n * 2);
+  fy_status st = bf16_in_copy ? fy_adamw_state_update_bf16(x->sf, j->w_out, j->m_out, j->v_out, (uint16_t *)j->c_out, n,
+                                                           r, nr, a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, a->grad_scale)
+                              : fy_adamw_state_update(x->sf, j->w_out, j->m_out, j->v_out, j->grads, n, r, nr, a->lr,
+                                                      a->h.beta1, a->h.beta2, a->h.eps, a->t, a->grad_scale);
+  if (st != FY_OK) {
+    async_fail(x, st);
+    return;
+  }
+  if (j->c_out && !bf16_in_copy) compute_copy(x, j->c_out, j->w_out, x->lo, x->lo + n);
+}
+
+// After the norm of step q is known (the host waited for it): the speculated chunks' updates
+// stand when the step neither clipped nor skipped (the scale they used is the step's), and each
+// chunk's buffers swap with its slot's, the slot's event becoming the chunk's home_ready; else
+// each is updated again in place, in chunk order, from its untouched master, m, v and gradients
+// (the skip path rebuilds the copy over the gradients), after the step's other updates. The next
+// step speculates only when this one's updates stood.
+static fy_status spec_settle(struct fy_offload *x, int q) {
+  const struct step_args *a = &x->args[q];
+  const bool keep = !a->skip && a->scale == a->grad_scale;
+  x->spec_steps++;
+  x->spec_off_next = !keep;
+  if (!keep) {
+    x->spec_redone++;
+    for (int c = 0; c < x->m->layout->n_chunks; c++) {
+      if (x->spec_slot[c] < 0) continue;
+      x->jobs[q][c].grads = chunk_grads(x, c);
+      x->jobs[q][c].copy = x->chome ? x->chome[c] : NULL;
+      FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
+      FY_TRY(fy_event_record(x->home_ready[c], x->optim));
+    }
+    return FY_OK;
+  }
+  for (int k = 0; k < x->n_spec; k++) {
+    const int c = x->spec_chunk[k];
+    float *t = x->w_home[c];
+    x->w_home[c] = x->spare_w[k];
+    x->spare_w[k] = t;
+    t = x->m_home[c];
+    x->m_home[c] = x->spare_m[k];
+    x->spare_m[k] = t;
+    t = x->v_home[c];
+    x->v_home[c] = x->spare_v[k];
+    x->spare_v[k] = t;
+    if (x->chome) {
+      void *u = x->chome[c];
+      x->chome[c] = x->spare_c[k];
+      x->spare_c[k] = u;
+    }
+    x->home[c] = x->chome ? (const float *)x->chome[c] : x->w_home[c];
+    fy_event *e = x->home_ready[c];
+    x->home_ready[c] = x->spec_done[k];
+    x->spec_done[k] = e;
+  }
+  return FY_OK;
+}
+
 // Chunk c's parameters' sums of squares into dev_sums, from its gradients at grad in device memory
 // (dtype grads_dtype): kernels launched on the compute stream.
 static fy_status kernels_sumsq(struct fy_offload *x, int c, const void *grad) {
@@ -2390,6 +2563,18 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   FY_TRY(fy_stream_wait(x->norm_stream, x->dev_sumsq_done));
   FY_TRY(fy_stream_enqueue(x->norm_stream, norm_fn, &x->jobs[q][0]));
   FY_TRY(fy_event_record(x->norm_ready, x->norm_stream));
+  // Speculative updates: the chunks' updates as their gradients come home, before the norm.
+  const bool spec = x->n_spec > 0 && !x->spec_off_next;
+  for (int k = 0; spec && k < x->n_spec; k++) {
+    const int c = x->spec_chunk[k];
+    x->spec_jobs[q][k] = (struct spec_job){.x = x, .chunk = c, .q = q, .w = x->w_home[c], .m = x->m_home[c],
+                                           .v = x->v_home[c], .grads = chunk_grads(x, c), .w_out = x->spare_w[k],
+                                           .m_out = x->spare_m[k], .v_out = x->spare_v[k],
+                                           .c_out = x->chome ? x->spare_c[k] : NULL};
+    FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));
+    FY_TRY(fy_stream_enqueue(x->optim, spec_fn, &x->spec_jobs[q][k]));
+    FY_TRY(fy_event_record(x->spec_done[k], x->optim));
+  }
   if (x->norm_stream != x->optim) FY_TRY(fy_stream_wait(x->optim, x->norm_ready));  // (the updates' scale)
   if (x->lag) {  // the device chunks' update of the step before (its scale is known), then this one's kept
     FY_TRY(device_pending_update(x));
@@ -2407,17 +2592,24 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     FY_TRY(fy_event_record(x->dev_updates_done[q], x->compute));
   }
   for (int c = x->n_dev; c < nc; c++) {
+    if (spec && x->spec_slot[c] >= 0) continue;  // (updated already, or again by spec_settle)
     if (x->sums_on_device) FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));  // (not waited for by a sum)
     x->jobs[q][c].grads = chunk_grads(x, c);
     x->jobs[q][c].copy = x->chome ? x->chome[c] : NULL;
     FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
     FY_TRY(fy_event_record(x->home_ready[c], x->optim));
   }
-  FY_TRY(fy_event_record(x->updates_done[q], x->optim));
+  if (!spec) FY_TRY(fy_event_record(x->updates_done[q], x->optim));
   if (x->lag) swap_copies(x);
   FY_TRY(fy_wait_profile_gap_begin(x->wprof));  // (the step's work on the compute stream is enqueued)
   FY_TRY(fy_event_sync(x->norm_ready));
   FY_TRY(async_status(x));
+  if (spec) {  // (the next pass's loads are enqueued after this: they see the settled buffers)
+    FY_TRY(spec_settle(x, q));
+    FY_TRY(fy_event_record(x->updates_done[q], x->optim));
+  } else if (x->n_spec > 0) {  // a step that did not speculate: the next does if this one would have stood
+    x->spec_off_next = x->args[q].skip || x->args[q].scale != x->args[q].grad_scale;
+  }
   FY_TRY(fy_wait_profile_collect(x->wprof, false));
   *norm = x->args[q].norm;
   for (int i = 0; i < x->max_micro; i++) loss_sum[i] = x->loss_sums[i];
@@ -2450,6 +2642,12 @@ fy_status fy_offload_sync(struct fy_offload *x) {
     FY_TRY(fy_stream_sync(x->copy_out));
   }
   return async_status(x);
+}
+
+void fy_offload_spec_counts(const struct fy_offload *x, int *chunks, int64_t *steps, int64_t *redone) {
+  *chunks = x->n_spec;
+  *steps = x->spec_steps;
+  *redone = x->spec_redone;
 }
 
 bool fy_offload_profile(struct fy_offload *x, bool on) {
@@ -2626,5 +2824,7 @@ int64_t fy_offload_state_bytes(const struct fy_offload *x) {
   for (int c = x->n_dev; c < l->n_chunks; c++)
     if (grads_in_copy(x, c)) rest -= x->S * 4;  // the gradients come home over the 16-bit copy
   int64_t copies = x->chome ? (int64_t)l->n_chunks * x->S * (int64_t)x->esize : 0;  // 16-bit weights
-  return on_dev + rest + copies;
+  // speculation's spare slots: master, m, v, 16-bit copy
+  int64_t spare = (int64_t)x->n_spec * (x->S * 4 + 2 * (int64_t)x->mb + (x->chome ? x->S * (int64_t)x->esize : 0));
+  return on_dev + rest + copies + spare;
 }

@@ -166,6 +166,9 @@ fy_status fy_offload_sync(struct fy_offload *x);
 // syncs as fy_offload_sync; the next step then starts the lag again, reading those weights.
 // Without: fy_offload_sync.
 fy_status fy_offload_drain(struct fy_offload *x);
+// Speculative updates (fy_offload_opts.spec_chunks): the chunks that take them, the steps that
+// speculated and those of them whose norm had the updates redone (clipped or skipped).
+void fy_offload_spec_counts(const struct fy_offload *x, int *chunks, int64_t *steps, int64_t *redone);
 
 // AdamW state of one chunk (m and v point at chunk_elems floats each), wherever it lives (host
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard

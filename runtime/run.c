@@ -323,10 +323,16 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // --disk-master (the engine keeps each chunk's master, the disk chunks' on disk), and evaluation
   // (or sampling) in bf16 on a GPU, whose chunks' bf16 copies are the weights.
   const bool disk_master = o->disk_master && !r->eval;
+  // Speculative updates (--spec-chunks): the engine keeps each chunk's master weights itself too,
+  // so that a chunk's and its spare slot's can swap.
+  const bool spec = o->spec_chunks > 0 && !r->eval;
+  if (spec && r->dp > 1)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "--spec-chunks %d with %d data-parallel ranks: chunks sharded across "
+                        "ranks do not speculate yet", o->spec_chunks, r->dp);
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
                              .state_format = r->eval ? FY_STATE_F32 : sf,
-                             .no_params = r->dp > 1 || disk_master || (r->eval && cuda && cdt != FY_F32),
+                             .no_params = r->dp > 1 || disk_master || spec || (r->eval && cuda && cdt != FY_F32),
                              .act16 = cuda && cdt != FY_F32, .pp = r->pp, .pp_stage = r->pp_rank};
   FY_TRY(fy_model_create_with(cfg, o->batch, o->seq, r->dev, &mo, &r->model));
   r->model->dp_comm = r->dp_compute;
@@ -380,6 +386,13 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
     reserve += (size_t)(l->n_chunks - (r->dp == 1 ? n_dev : 0)) * (size_t)l->chunk_elems / (size_t)r->dp * esize;
   if (r->dp > 1 && !r->eval && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;  // the master's shards
   if (disk_master && r->dp == 1) reserve += (size_t)n_dev * shard_bytes;  // (the device chunks' masters' host copy)
+  // Speculation: the engine's masters (the model has none) and a spare slot per speculated chunk
+  // (master, m, v, 16-bit copy), for at most the chunks not on the device.
+  if (spec && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;
+  if (spec) {
+    const int most = l->n_chunks - n_dev, k = o->spec_chunks < most ? o->spec_chunks : most;
+    reserve += (size_t)(k > 0 ? k : 0) * (shard_bytes + mv_bytes + (cdt != FY_F32 ? (size_t)l->chunk_elems * esize : 0));
+  }
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;
   if (fit < l->n_chunks && !r->eval) {
@@ -458,7 +471,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .device_reserve = o->device_reserve, .max_micro = (int)o->grad_accum,
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
-                               .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master};
+                               .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master,
+                               .spec_chunks = spec ? o->spec_chunks : 0};
   // A pipeline stage: its activations' arenas (one per micro-batch in flight) before the cache's
   // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
   // (Evaluation: forward passes alone, one a step in the engine's trace.)

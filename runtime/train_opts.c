@@ -102,6 +102,17 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                          (strcmp(e->device, "cuda") == 0 && !e->offload)))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master is for offloaded runs (--device sim, --device cuda "
                         "--offload), whose chunks' state may live on disk");
+  if (e->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "--spec-chunks must not be negative");
+  if (e->spec_chunks > 0) {
+    const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
+    const char *why = !e->device || strcmp(e->device, "cpu") == 0 || (cuda && !e->offload)
+                          ? "it is for offloaded runs (--device sim, --device cuda --offload), whose host updates it "
+                            "starts before the gradient norm is known"
+                      : e->optimizer_lag > 0 ? "--optimizer-lag 1 runs each update under the next step already"
+                      : e->pp > 1            ? "pipeline stages do not speculate yet"
+                                             : NULL;
+    if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--spec-chunks %d: %s", e->spec_chunks, why);
+  }
   if (e->optimizer_lag > 0 && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 is for offloaded runs (--device cuda --offload, "
                         "--device sim) and the cpu: a resident GPU run updates on the GPU, where the lag hides nothing");

@@ -207,7 +207,13 @@ static void print_header(const struct training *t) {
            res->n_disk_chunks, r->disk ? " (" : "",
            r->disk ? fy_format_bytes(res->disk_tier_bytes, disk_b, sizeof disk_b) : "", r->disk ? ")" : "",
            o->disk_master && res->n_disk_chunks > 0 ? ", their master weights there too" : "", res->n_device_chunks);
-  else
+  int spec = 0;
+  int64_t spec_steps, spec_redone;
+  if (r->x) fy_offload_spec_counts(r->x, &spec, &spec_steps, &spec_redone);
+  if (spec > 0)
+    printf("ferry: speculative updates: %d host chunks updated as their gradients come home, before the gradient "
+           "norm (kept when it does not clip, else redone: the exact step's numbers)\n", spec);
+  if (!r->x)
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
   fflush(stdout);
@@ -538,6 +544,10 @@ static void print_summary(const struct training *t) {
          res->peak_rss_bytes / 1073741824.0, other);
   if (res->expert_parts > 0)  // (offloaded mixtures of experts: only the experts that got tokens are loaded)
     printf("ferry: expert chunks loaded: %lld of %lld\n", (long long)res->expert_loads, (long long)res->expert_parts);
+  if (res->spec_chunks > 0)  // (the next step after a redone one does not speculate)
+    printf("ferry: speculative updates of %d chunks: kept in %lld of %lld steps that speculated, redone in %lld (the "
+           "norm clipped or the step skipped)\n", res->spec_chunks, (long long)(res->spec_steps - res->spec_redone),
+           (long long)res->spec_steps, (long long)res->spec_redone);
 }
 
 // After the last step: the checkpoints written, every update applied, the weights' hash and the
@@ -558,6 +568,7 @@ static fy_status finish_run(struct training *t) {
     res->host_tier_bytes = (double)fy_host_in_use(r->host);
     res->device_state_bytes = (double)fy_offload_device_state_bytes(r->x);
     res->model_state_bytes = (double)fy_offload_state_bytes(r->x);
+    fy_offload_spec_counts(r->x, &res->spec_chunks, &res->spec_steps, &res->spec_redone);
   }
   // Sharded weights come together chunk by chunk for the hash and the final save, on the rank that
   // saves (with neither, not at all); tensor-parallel ranks' slices come together below.

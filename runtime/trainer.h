@@ -168,6 +168,8 @@ struct fy_train_result {
   bool interrupted;              // ended early by opts.stop
   int rank, world;               // this process among the ranks
   int64_t skipped_steps;         // steps skipped for gradient overflow (dynamic loss scaling)
+  int spec_chunks;               // --spec-chunks: the chunks that took speculative updates,
+  int64_t spec_steps, spec_redone;  // the steps that speculated, those whose updates were redone
   int64_t ignored_steps;         // steps whose every target is ignored (loss masks): nothing updated
   double final_loss_scale;
   double val_loss;               // the last validation's mean loss (NAN without val_data)

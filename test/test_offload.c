@@ -480,6 +480,63 @@ int main(int argc, char **argv) {
     CHECK_ERR(fy_train(&l, &r), FY_ERR_INVALID);
   }
 
+  // --spec-chunks: host chunks updated as their gradients come home, before the norm, into spare
+  // slots, kept when the norm neither clips nor skips and redone otherwise: every placement gives
+  // the cpu's exact bits, whichever way the norm goes, and both ways are taken.
+  {
+    struct fy_train_opts e = base(), p = s;
+    p.spec_chunks = 3;
+    struct fy_train_result ref, r;
+    e.adamw.clip = p.adamw.clip = 100.0f;  // (never clips: every step's speculation stands)
+    CHECK_OK(fy_train(&e, &ref));
+    CHECK_OK(fy_train(&p, &r));
+    same_as("sim fp32 spec 3, no clipping", p, &ref);
+    CHECKF(r.spec_chunks == 3 && r.spec_steps == p.steps && r.spec_redone == 0,
+           "spec, no clipping: %d chunks, %lld steps speculated, %lld redone", r.spec_chunks, (long long)r.spec_steps,
+           (long long)r.spec_redone);
+    e.precision = p.precision = "bf16";
+    e.adamw.clip = p.adamw.clip = 1.5f;  // (norms 1.1 to 2.7 here: some steps clip, some do not)
+    CHECK_OK(fy_train(&e, &ref));
+    p.sim_jitter_us = 300;
+    p.disk_dir = disk_dir;
+    p.disk_chunks = 1;
+    p.device_chunks = 1;
+    p.spec_chunks = 1000;  // (as many as the host tier's chunks)
+    CHECK_OK(fy_train(&p, &r));
+    CHECKF(r.spec_steps > 0 && r.spec_redone > 0 && r.spec_redone < r.spec_steps && r.spec_chunks == r.n_chunks - 2,
+           "spec, clip 1.5: %d of %d chunks, %lld steps speculated, %lld redone (both ways wanted)", r.spec_chunks,
+           r.n_chunks, (long long)r.spec_steps, (long long)r.spec_redone);
+    same_as("sim bf16 spec, clipping, jitter, device and disk chunks", p, &ref);
+    p.sim_jitter_us = 0;
+    p.disk_dir = NULL;
+    p.disk_chunks = -1;
+    p.device_chunks = 0;
+    // 8-bit state, fp32 gradients at home (summed over 2 micro-batches): against the same run
+    // without speculation.
+    struct fy_train_opts q = p;
+    q.grad_accum = 2;
+    q.optimizer_state = "8bit";
+    q.chunk_mib = 0.0625;  // (a multiple of 256 elements)
+    q.spec_chunks = 0;
+    CHECK_OK(fy_train(&q, &ref));
+    q.spec_chunks = 2;
+    same_as("sim bf16 8-bit state, accumulation 2, spec 2", q, &ref);
+    e.precision = p.precision = "fp16";  // skipped steps: redone as skipped, the copy rebuilt
+    e.loss_scale = p.loss_scale = 0x1p24f;
+    CHECK_OK(fy_train(&e, &ref));
+    CHECKF(ref.skipped_steps > 0, "spec fp16 from 2^24 skips steps");
+    same_as("sim fp16 spec, skipped steps", p, &ref);
+    e.loss_scale = p.loss_scale = 0;
+    // What it does not combine with is refused with the reason.
+    p.precision = "bf16";
+    p.optimizer_lag = 1;
+    CHECK_ERR(fy_train(&p, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "--optimizer-lag") != NULL);
+    e.spec_chunks = 2;  // (the cpu has no host updates to start early)
+    CHECK_ERR(fy_train(&e, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "offloaded") != NULL);
+  }
+
   // --profile times the compute stream's waits (the sim device's events keep when they were
   // reached): with a slow link and no prefetch most of a step is waiting for chunk loads, the
   // waits add up to no more than the steps, and the numbers are those of the run without it.
