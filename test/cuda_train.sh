@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16, with --optimizer-lag 1 and with --optimizer-state 8bit; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
+# fp32 and bf16, with --optimizer-lag 1, --spec-chunks and with --optimizer-state 8bit; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
 # with validation between steps; ferry sample on the GPU, resident and offloaded. bench/gpu/check.sh
 # runs it on a GPU with opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
@@ -321,6 +321,27 @@ close = lambda u, v, e: len(u) == len(v) > 0 and all(abs(x - y) <= e * max(1.0, 
 ok = close(cpu, lag, 2e-2) and disk == lag and close(lag, dev, 5e-3)
 ok = ok and lag[0] == exact[0] and lag[1:] != exact[1:]
 sys.exit(0 if ok else 1)
+PY
+# --spec-chunks offloaded on the GPU: host chunks updated as their gradients come home (summed on
+# the GPU), before the norm, into spare slots, kept or redone by the norm: the exact offloaded run's
+# losses, to the last digit, with every step clipping (the default --clip 1 here), with none
+# clipping (--clip 100, against its own exact run), and with two chunks on the GPU.
+spec=(--offload --device-mem "$offload_mem" "${blocks[@]}" --spec-chunks 1000)
+ferry_run spec16 "${common[@]}" "${b16[@]}" "${spec[@]}" --log "$d/spec16.jsonl" || exit 1
+ferry_run noclip16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --clip 100 \
+  --log "$d/noclip16.jsonl" || exit 1
+ferry_run specnoclip16 "${common[@]}" "${b16[@]}" "${spec[@]}" --clip 100 --device-chunks 2 \
+  --log "$d/specnoclip16.jsonl" || exit 1
+ferry_run devnoclip16 "${common[@]}" "${b16[@]}" --offload --device-mem "$offload_mem" "${blocks[@]}" --clip 100 \
+  --device-chunks 2 --log "$d/devnoclip16.jsonl" || exit 1
+grep -q "kept in 0 of" "$d/spec16.out" && grep -q "kept in 8 of 8" "$d/specnoclip16.out" ||
+  { echo "spec: the counts of kept and redone steps are not as expected"; grep "speculative" "$d/spec16.out" "$d/specnoclip16.out"; exit 1; }
+python3 - "$d/offload16.jsonl" "$d/spec16.jsonl" "$d/devnoclip16.jsonl" "$d/specnoclip16.jsonl" <<'PY' || exit 1
+import json, sys
+a, b, c, e = ([json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:])
+print("spec, clip 1     ", " ".join(f"{x:.5f}" for x in b), "(the same)" if a == b else "(not the same)")
+print("spec, clip 100   ", " ".join(f"{x:.5f}" for x in e), "(the same)" if c == e else "(not the same)")
+sys.exit(0 if a == b and c == e and len(a) > 0 and len(c) > 0 else 1)
 PY
 # --optimizer-state 8bit offloaded on the GPU: host chunks updated on the host, two chunks on the
 # GPU by its 8-bit kernel (the same codes as the CPU's), two on disk at their stored size: against

@@ -555,6 +555,9 @@ int main(int argc, char **argv) {
     check_resume("sim bf16 lag 1, master weights on disk", q);
     q.optimizer_lag = 0;
     q.disk_master = false;
+    q.spec_chunks = 1000;  // (the engine keeps every chunk's master, swapped with spare slots)
+    check_resume("sim bf16 speculative updates, AdamW state on disk", q);
+    q.spec_chunks = 0;
     q.steps = 1;
     CHECK_OK(fy_train(&q, &r));
     q.steps = o.steps;
