@@ -17,10 +17,12 @@
 // weights rounded to 16 bits, and their AdamW takes the gradients over that copy);
 // --optimizer-lag 1 gives the offloaded run the one-step-delayed update. --rounds R alternates
 // resident and offloaded runs R times and compares the medians of all their timed steps.
+// --spec-chunks K gives the offloaded run speculative updates (runtime/offload.h); --clip X sets
+// both runs' clipping (default 1; a fresh model clips its first steps, which speculation redoes).
 //
 // usage: overlap [--model opt-125m] [--batch 4] [--seq 128] [--steps 5] [--link-gbps 12]
 //                [--fraction 0.25] [--prefetch 2] [--threads N] [--precision fp32]
-//                [--optimizer-lag 0] [--rounds 1]
+//                [--optimizer-lag 0] [--rounds 1] [--spec-chunks 0] [--clip 1]
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,8 +38,8 @@
 
 struct setup {
   const char *model, *precision;
-  int64_t batch, seq, steps, prefetch, lag, rounds;
-  double link, fraction;
+  int64_t batch, seq, steps, prefetch, lag, rounds, spec;
+  double link, fraction, clip;
 };
 
 
@@ -47,6 +49,7 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
   fy_status st = bench_shard_make(&shard, cfg->vocab_size, u->batch * (u->seq + 1) * (u->steps + 2) + 1);
   struct fy_train_opts o = bench_train_opts(u->model, &shard, u->batch, u->seq, u->steps, threads);
   o.precision = u->precision;
+  o.adamw.clip = (float)u->clip;
   struct fy_train_opts r = o;  // (resident: the cpu device)
   struct fy_train_result res, off;
   if (st == FY_OK) st = fy_train(&r, &res);
@@ -64,6 +67,7 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
   o.sim_link_gbps = u->link;
   o.prefetch = (int)u->prefetch;
   o.optimizer_lag = (int)u->lag;
+  o.spec_chunks = (int)u->spec;
   if (st == FY_OK) st = fy_train(&o, &off);
   // More rounds, alternating: the medians of every round's median step.
   double rs[64] = {res.step_s}, os[64] = {off.step_s};
@@ -84,13 +88,15 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
     return 1;
   }
   int64_t steps = u->steps;
-  printf("{\"bench\":\"overlap\",\"model\":\"%s\",\"precision\":\"%s\",\"optimizer_lag\":%lld,\"rounds\":%d,"
+  printf("{\"bench\":\"overlap\",\"model\":\"%s\",\"precision\":\"%s\",\"optimizer_lag\":%lld,\"spec_chunks\":%d,"
+         "\"spec_steps_kept\":%lld,\"clip\":%g,\"rounds\":%d,"
          "\"batch\":%lld,\"seq\":%lld,\"threads\":%d,\"cores\":%d,"
          "\"kernels_share_cores\":%s,\"link_gbps\":%.1f,\"device_mib\":%.1f,\"cached_param_fraction\":%.3f,\"blocks\":%d,\"chunks\":%d,"
          "\"chunk_mib\":%.1f,\"prefetch\":%lld,\"resident_step_s\":%.4f,\"offload_step_s\":%.4f,"
          "\"offload_speed_vs_resident\":%.3f,\"h2d_mb_per_step\":%.1f,\"d2h_mb_per_step\":%.1f,"
          "\"copy_busy_s_per_step\":%.4f}\n",
-         u->model, u->precision, (long long)u->lag, n, (long long)u->batch, (long long)u->seq, threads, cores, threads >= cores ? "true" : "false",
+         u->model, u->precision, (long long)u->lag, off.spec_chunks, (long long)(off.spec_steps - off.spec_redone),
+         u->clip, n, (long long)u->batch, (long long)u->seq, threads, cores, threads >= cores ? "true" : "false",
          u->link, o.device_mem / 1048576.0, off.n_blocks * off.chunk_bytes / params_bytes, off.n_blocks, off.n_chunks, off.chunk_bytes / 1048576.0,
          (long long)u->prefetch, res.step_s, off.step_s, res.step_s / off.step_s, off.copy_bytes[0] / steps / 1e6,
          off.copy_bytes[1] / steps / 1e6, (off.copy_busy_s[0] + off.copy_busy_s[1]) / steps);
@@ -100,7 +106,7 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
 
 int main(int argc, char **argv) {
   struct setup u = {.model = "opt-125m", .precision = "fp32", .batch = 4, .seq = 128, .steps = 5, .prefetch = 2,
-                    .rounds = 1, .link = 12, .fraction = 0.25};
+                    .rounds = 1, .link = 12, .fraction = 0.25, .clip = 1.0};
   int64_t threads = 0;  // 0: all cores but one, then all
   for (int i = 1; i < argc; i++) {
     if (i + 1 < argc && strcmp(argv[i], "--model") == 0) u.model = argv[++i];
@@ -114,17 +120,20 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--precision") == 0) u.precision = argv[++i];
     else if (i + 1 < argc && strcmp(argv[i], "--optimizer-lag") == 0) u.lag = atoll(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--rounds") == 0) u.rounds = atoll(argv[++i]);
+    else if (i + 1 < argc && strcmp(argv[i], "--spec-chunks") == 0) u.spec = atoll(argv[++i]);
+    else if (i + 1 < argc && strcmp(argv[i], "--clip") == 0) u.clip = atof(argv[++i]);
     else {
       fprintf(stderr, "usage: overlap [--model P] [--batch B] [--seq T] [--steps N] [--link-gbps X] "
                       "[--fraction F] [--prefetch N] [--threads N] [--precision P] [--optimizer-lag L] "
-                      "[--rounds R]\n");
+                      "[--rounds R] [--spec-chunks K] [--clip X]\n");
       return 2;
     }
   }
   if (u.batch < 1 || u.seq < 1 || u.steps < 1 || u.prefetch < 0 || threads < 0 || !(u.link >= 0) ||
-      !(u.fraction > 0) || u.rounds < 1 || u.rounds > 64 || u.lag < 0 || u.lag > 1) {
+      !(u.fraction > 0) || u.rounds < 1 || u.rounds > 64 || u.lag < 0 || u.lag > 1 || u.spec < 0 || !(u.clip >= 0)) {
     fprintf(stderr, "overlap: --batch, --seq and --steps need whole numbers >= 1, --threads and --prefetch >= 0, "
-                    "--link-gbps >= 0, --fraction > 0, --rounds 1 to 64 and --optimizer-lag 0 or 1\n");
+                    "--link-gbps >= 0, --fraction > 0, --rounds 1 to 64, --optimizer-lag 0 or 1, --spec-chunks >= 0 "
+                    "and --clip >= 0\n");
     return 2;
   }
   struct fy_opt_config cfg;
