@@ -563,16 +563,18 @@ static void moe_ep_plans(void) {
   snprintf(k.precision, sizeof k.precision, "bf16");
   CHECK_OK(fy_cost_simulate(&moe, &k, &p, &c2, NULL));
   k.precision[0] = 0;
-  // The search tries ep 2 beside ep 1, in fp32 and in bf16 alike (the same plans each).
-  int tried32 = 0, tried16 = 0, tried1 = 0;
+  // The search tries ep 2 beside ep 1, in fp32 and in bf16 alike. (Not the same count of plans in
+  // each: the tp 2 plans' speculative updates are priced where their waits ask for it, try_spec.)
+  int tried32 = 0, tried16 = 0, tried1 = 0, tried1_16 = 0;
   CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", &p, &best, &tried32));
   CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "bf16", &p, &best, &tried16));
   struct fy_opt_config one = moe;
   one.num_local_experts = 1;  // (ep 2 cannot split one expert: the same search without ep 2's plans)
   one.num_experts_per_tok = 1;
   CHECK_OK(fy_plan_search_ranks(&one, "opt-moe-tiny-1", 4, 32, 2, false, "fp32", &p, &best, &tried1));
-  CHECKF(tried32 == tried16 && tried32 > tried1, "the fp32 search tried %d plans, bf16's %d, one expert's %d", tried32,
-         tried16, tried1);
+  CHECK_OK(fy_plan_search_ranks(&one, "opt-moe-tiny-1", 4, 32, 2, false, "bf16", &p, &best, &tried1_16));
+  CHECKF(tried32 > tried1 && tried16 > tried1_16, "the fp32 search tried %d plans (one expert's %d), bf16's %d (%d)",
+         tried32, tried1, tried16, tried1_16);
   // A plan with ep 2 is written, read back and checked as the one it was.
   struct fy_plan e1, e2;
   CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 8, 32, 2, false, "fp32", &slow, &e1, NULL));
