@@ -707,9 +707,10 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
       fprintf(f, "  the first %d chunks kept on the device with their gradients and AdamW state (updated there)\n",
               c->n_device_chunks);
     if (k->spec_chunks > 0)
-      fprintf(f, "  speculative updates: the last %d host chunks (the first whose gradients the backward completes) "
-                 "updated by the host as their gradients come home, before the norm, into a spare slot each (ferry "
-                 "train --spec-chunks %d; priced as if the norm does not clip)\n", k->spec_chunks, k->spec_chunks);
+      fprintf(f, "  speculative updates: %d host chunk%s (the first whose gradients the backward completes) updated "
+                 "by the host as their gradients come home, before the norm, into a spare slot each (ferry train "
+                 "--spec-chunks %d; priced as if the norm does not clip)\n", k->spec_chunks, k->spec_chunks > 1 ? "s" : "",
+              k->spec_chunks);
     if (k->disk_master)
       fprintf(f, "  the disk chunks' fp32 master weights on disk too, read and written with their AdamW state; host "
                  "memory keeps their 16-bit copy (ferry train --disk-master)\n");
