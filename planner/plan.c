@@ -502,9 +502,6 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
             if (!c.fits) break;  // more prefetch will not fit either
             if (better(&c, &cbest)) kbest = k, cbest = c;
           }
-          // One data-parallel rank: chunks kept on the device with their state (updated there),
-          // the cache taking what is left (at that prefetch): a quarter, half, three quarters or
-          // all of as many as fit beside the smallest cache.
           // Speculative updates for this chunk size's fastest prefetch (try_spec; kbest itself stays
           // without them, the device chunks' plans below trying their own).
           if (kbest.micro_batch && cbest.fits) {
@@ -513,6 +510,9 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
             FY_TRY(try_spec(cfg, probe, &ks, &cs, &tried));
             consider(&ks, &cs, best);
           }
+          // One data-parallel rank: chunks kept on the device with their state (updated there),
+          // the cache taking what is left (at that prefetch): a quarter, half, three quarters or
+          // all of as many as fit beside the smallest cache.
           double room = probe->device_mem - cbest.min_device_bytes;
           int most = kbest.micro_batch && cbest.device_chunk_bytes > 0 && room > 0 ? (int)(room / cbest.device_chunk_bytes)
                                                                                   : 0;
