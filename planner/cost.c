@@ -352,6 +352,21 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
                         "data-parallel ranks, whose chunks are sharded", k->dp);
   if (k->pp < 0 || k->pp > FY_COST_MAX_STAGES)
     return fy_error_set(FY_ERR_INVALID, "plan: pp %d: 1 to %d pipeline stages", k->pp, FY_COST_MAX_STAGES);
+  // Speculative updates hide the host optimizer of the exact step on one offload engine: the lag
+  // hides it already, a resident run has no host updates, sharded ranks' norm needs every rank's
+  // shards first, and a pipeline's every stage's (runtime/offload.h, spec_chunks).
+  if (k->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks must not be negative");
+  if (k->spec_chunks > 0) {
+    const char *no = k->resident           ? "a resident plan has no host updates"
+                     : k->optimizer_lag > 0 ? "optimizer_lag 1 hides the host optimizer already"
+                     : k->pp > 1            ? "pipeline stages wait for the norm over every stage"
+                     : k->dp > 1            ? "data-parallel ranks shard the chunks, whose norm needs every rank's shards"
+                                            : NULL;
+    if (no)
+      return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are for an offloaded run of one "
+                          "rank or tensor-parallel ranks without optimizer_lag or pipeline stages (%s); spec_chunks "
+                          "must be 0", k->spec_chunks, no);
+  }
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
     return fy_error_set(FY_ERR_INVALID, "plan: a cluster is nodes >= 1 of gpus_per_node >= 1 GPUs with positive "
@@ -902,6 +917,12 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   out->n_disk_chunks = n_disk;
   out->n_device_chunks = n_dev;
   out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
+  // Speculative updates (knobs.spec_chunks; fy_cost_check_knobs says where): up to that many
+  // host-tier chunks, each with a spare slot the update writes out of place: its fp32 master, m
+  // and v at their stored size and with 16-bit compute its 16-bit copy (runtime/offload.h).
+  const int n_spec = k->spec_chunks < nc - n_dev - n_disk ? k->spec_chunks : nc - n_dev - n_disk;
+  out->host_bytes += n_spec * ((double)ce * 4 + 2.0 * (double)fy_state_moment_bytes(sf, ce) +
+                               (cdt != FY_F32 ? (double)ce * pb : 0));
   // A disk chunk's slot: the same state, in whole 4 KiB pages (runtime/offload.c).
   out->disk_bytes = n_disk * ceil(per_chunk_state / 4096) * 4096;
   out->fits = true;
@@ -977,7 +998,9 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_in);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.copy_out);
   if (st == FY_OK) st = fy_stream_create(s.dev, &s.optim);
-  if (st == FY_OK && lag) st = fy_stream_create(s.dev, &s.sums);
+  // (the lag's sums and norm on a stream of their own, and speculation's: the speculative updates
+  // queued on the optimizer stream as the gradients come home hold no norm up)
+  if (st == FY_OK && (lag || n_spec > 0)) st = fy_stream_create(s.dev, &s.sums);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.batch_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.norm_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.dev_sums_ready);
@@ -1000,7 +1023,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     fy_timeline_name_stream(s.copy_out, "copy to host");
     fy_timeline_name_stream(s.optim, "host optimizer");
     fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
-    if (lag) fy_timeline_name_stream(s.sums, "gradient norm");
+    if (s.sums) fy_timeline_name_stream(s.sums, "gradient norm");
     s.n_actions = fy_graph_pass_actions(g, s.actions);
     if (stage >= 0) {  // (the stage's ops' actions: their forward, then their backward)
       int na = 0;
@@ -1057,6 +1080,11 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   int *dev_done = n_dev > 0 ? malloc((size_t)n_dev * sizeof *dev_done) : NULL;
   if (st == FY_OK && n_dev > 0 && !dev_done) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int c = 0; st == FY_OK && c < n_dev; c++) dev_done[c] = -1;
+  // Speculation: the host chunks in the order the backward completes their gradients (each
+  // step's last micro-batch), and which of them are updated before the norm.
+  int *bwd_order = n_spec > 0 ? malloc((size_t)nc * sizeof *bwd_order) : NULL, n_bwd = 0;
+  bool *speculated = n_spec > 0 ? calloc((size_t)nc, sizeof *speculated) : NULL;
+  if (st == FY_OK && n_spec > 0 && (!bwd_order || !speculated)) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int a = 0; st == FY_OK && n_dev > 0 && a < s.n_actions; a++) {
     if (s.actions[a].kind != FY_ACT_BACKWARD) continue;
     for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++)
@@ -1104,6 +1132,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     }
     bump(s.copy_in, host);
     bump(s.copy_out, host);
+    n_bwd = 0;
     for (int64_t micro = 0; st == FY_OK && micro < k->grad_accum; micro++) {
       // (the micro-batch: ids, targets, mask and positions, into the last of the fixed buffers)
       fy_copy_async(s.copy_in, dbatch, (const void *)FAKE_HOST, fixed[n_fixed - 1]);
@@ -1142,6 +1171,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
               if (last) busy[0] += ts;
             }
             const bool to_disk = c >= nc - n_disk && !g16;
+            if (bwd_order && micro == k->grad_accum - 1 && n_bwd < nc) bwd_order[n_bwd++] = c;
             st = fy_device_cache_write_back(s.cache, c, (float *)(FAKE_HOST + (uintptr_t)c * (uintptr_t)block),
                                             micro > 0, to_disk ? NULL : s.grad_ready[c]);
             if (st == FY_OK && to_disk) {  // and on to its disk slot
@@ -1164,10 +1194,29 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
         if (st == FY_OK) st = fy_device_cache_prefetch(s.cache, pos - 1);
       }
     }
+    // Speculative updates: the first n_spec host-tier chunks whose gradients the backward
+    // completes (no disk chunk), each updated as soon as its gradients are home, in that order,
+    // before the norm is known, as if it will not clip (the planner's assumption: a step that
+    // clips has them updated again after the norm, about the exact step's time). Out of place into
+    // the spare slot, so the same bytes read and written as the update in place.
+    fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
+    if (speculated) memset(speculated, 0, (size_t)nc * sizeof *speculated);
+    for (int i = 0, taken = 0; st == FY_OK && speculated && i < n_bwd && taken < n_spec; i++) {
+      const int c = bwd_order[i];
+      if (c < n_dev || c >= nc - n_disk || speculated[c]) continue;
+      speculated[c] = true;
+      taken++;
+      const double t = (double)l->chunks[c].used * share * adamw_b / adamw;
+      fy_stream_wait(s.optim, s.grad_ready[c]);
+      fy_timeline_run(s.optim, t, "AdamW (speculative)");
+      fy_event_record(s.home_ready[c], s.optim);
+      optim_step += t;
+      if (last) optim_own += t, busy[3] += t;
+    }
     // Once per step, the patterns' gradient reductions (replicate's all-reduce over dp; zero's
     // reduce-scatters were the cache's), before the norm, on the norm's stream: the optimizer's,
-    // or with the lag its own, beside the step before's updates.
-    fy_stream *ns = lag ? s.sums : s.optim;
+    // or with the lag or speculation its own, beside the updates on the optimizer stream.
+    fy_stream *ns = s.sums ? s.sums : s.optim;
     if (dp * tp > 1 && st == FY_OK) {
       double tg = 0;
       for (int o = 0; o < g->n_ops; o++) {
@@ -1178,7 +1227,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       for (int c = 0; c < nc; c++) fy_stream_wait(ns, s.grad_ready[c]);
       fy_timeline_run(ns, tg, "gradient all-reduce");
       optim_step += tg;
-      if (last && !lag) optim_own += tg;
+      if (last && ns == s.optim) optim_own += tg;
       if (last) busy[3] += tg, s.comm_s += tg;
     }
     // The device's chunks: their sums of squares on the compute stream, which the norm waits for
@@ -1200,13 +1249,13 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       double u = (double)l->chunks[c].used * share, t = u * (g16 ? pb : 4) / mem + (c >= nc - n_disk && !g16 ? u * 4 / dread : 0);
       fy_timeline_run(ns, t, "norm");
       norm_work += t;
-      if (last && !lag) optim_own += t;
+      if (last && ns == s.optim) optim_own += t;
       optim_step += t;
       if (last) busy[3] += t;
     }
     fy_event_record(s.norm_ready, ns);
     double norm_at = fy_timeline_clock(ns);
-    if (lag) fy_stream_wait(s.optim, s.norm_ready);  // (this step's updates need its norm)
+    if (ns != s.optim) fy_stream_wait(s.optim, s.norm_ready);  // (this step's updates need its norm)
     // (a GPU's AdamW at its memory rate; on sim the host's AdamW, on the compute thread; with the
     // lag the step before's, which waits for no norm)
     if (n_dev > 0) {
@@ -1216,6 +1265,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       if (last) busy[0] += t;
     }
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
+      if (speculated && speculated[c]) continue;  // (updated before the norm)
       double u = (double)l->chunks[c].used * share;
       double t = u * adamw_b / adamw;
       // A disk chunk: (its fp32 gradients,) m and v (and with disk_master the fp32 master) read,
@@ -1282,6 +1332,8 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   }
   sim_free(&s, nc);
   free(dev_done);
+  free(bwd_order);
+  free(speculated);
   if (st == FY_OK && timeline_out) {
     *timeline_out = s.dev;
   } else {

@@ -36,6 +36,49 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
   snprintf(best->pattern, sizeof best->pattern, "%s", k->pattern);
 }
 
+// Speculative updates (knobs.spec_chunks) for an offloaded plan of one engine (one rank or tp
+// ranks; no lag, stages or sharding: fy_cost_check_knobs) that fits, (k, c) with none: besides K
+// = 0, a quarter, half and all of the most host-tier chunks whose spare slots the host memory left
+// holds (every host chunk when their slots all fit: the host bytes of that plan tell a slot's
+// size). The fastest is kept in (k, c); a tie keeps the smaller K, so K > 0 only where it is
+// faster. A plan whose compute waits neither for the host optimizer nor for the norm has nothing
+// to hide: K stays 0 without pricing.
+static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe *probe, struct fy_plan_knobs *k,
+                          struct fy_cost *c, int *tried) {
+  if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1 || k->dp > 1 || k->spec_chunks) return FY_OK;
+  const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks;
+  if (host < 1 || c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s) return FY_OK;
+  struct fy_plan_knobs ka = *k;
+  ka.spec_chunks = host;
+  struct fy_cost ca;
+  FY_TRY(fy_cost_simulate(cfg, &ka, probe, &ca, NULL));
+  ++*tried;
+  int most = host;
+  if (!ca.fits) {
+    if (!(ca.host_bytes > probe->host_mem)) return FY_OK;  // (not for the host memory: no K fits)
+    const double slot = (ca.host_bytes - c->host_bytes) / host;
+    most = slot > 0 ? (int)floor((probe->host_mem - c->host_bytes) / slot) : 0;
+    if (most > host) most = host;
+  }
+  const int ks[3] = {most / 4, most / 2, most};
+  struct fy_plan_knobs kb = *k;
+  struct fy_cost cb = *c;
+  for (int i = 0; i < 3; i++) {
+    if (ks[i] < 1 || (i > 0 && ks[i] == ks[i - 1])) continue;
+    struct fy_plan_knobs kk = *k;
+    kk.spec_chunks = ks[i];
+    struct fy_cost cc = ca;
+    if (ks[i] != host || !ca.fits) {
+      FY_TRY(fy_cost_simulate(cfg, &kk, probe, &cc, NULL));
+      ++*tried;
+    }
+    if (better(&cc, &cb)) kb = kk, cb = cc;
+  }
+  *k = kb;
+  *c = cb;
+  return FY_OK;
+}
+
 // What the offloaded plans that did not fit needed, for the message when none does.
 struct misses {
   double smallest;    // the least device memory of a plan that fails for the device alone
@@ -143,6 +186,13 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   if (k->ep > 1 && pp > 1) return "expert parallelism within pipeline stages is not planned yet (plans keep pp 1)";
   if (dp > 1 && !k->resident && !zero)
     return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
+  // (speculative updates: one offload engine's exact step; fy_cost_check_knobs says so too)
+  if (k->spec_chunks > 0 && (k->resident || lag || pp > 1 || dp > 1))
+    return k->resident ? "speculative updates (spec_chunks) are for offloaded runs: a resident run has no host updates"
+           : lag       ? "speculative updates (spec_chunks) do not combine with --optimizer-lag, which hides the host "
+                         "optimizer already"
+           : pp > 1    ? "speculative updates (spec_chunks) do not run on pipeline stages"
+                       : "speculative updates (spec_chunks) do not run with data-parallel ranks sharding the chunks";
   if (!cuda) return NULL;
   // (runtime/run.c and train_opts.c: what a GPU run refuses)
   if (k->ep > 1 && (tp > 1 || pp > 1))
@@ -195,7 +245,10 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
             *least = c.min_device_bytes > c.device_peak ? c.min_device_bytes : c.device_peak;
             snprintf(least_what, least_cap, "%s", c.why);
           }
-          consider(&k, &c, best);
+          struct fy_plan_knobs ks = k;  // (one stage: speculative updates, where they apply)
+          struct fy_cost cs = c;
+          if (pp == 1) FY_TRY(try_spec(cfg, probe, &ks, &cs, tried));
+          consider(&ks, &cs, best);
           if (!c.fits) break;  // (more prefetch will not fit either)
         }
       }
@@ -449,6 +502,14 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
             if (!c.fits) break;  // more prefetch will not fit either
             if (better(&c, &cbest)) kbest = k, cbest = c;
           }
+          // Speculative updates for this chunk size's fastest prefetch (try_spec; kbest itself stays
+          // without them, the device chunks' plans below trying their own).
+          if (kbest.micro_batch && cbest.fits) {
+            struct fy_plan_knobs ks = kbest;
+            struct fy_cost cs = cbest;
+            FY_TRY(try_spec(cfg, probe, &ks, &cs, &tried));
+            consider(&ks, &cs, best);
+          }
           // One data-parallel rank: chunks kept on the device with their state (updated there),
           // the cache taking what is left (at that prefetch): a quarter, half, three quarters or
           // all of as many as fit beside the smallest cache.
@@ -464,8 +525,10 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
             FY_TRY(fy_cost_simulate(cfg, &kd, probe, &cd, NULL));
             tried++;
             note_miss(&cd, probe, &miss);
+            const double dev_bytes = cd.min_device_bytes;
+            FY_TRY(try_spec(cfg, probe, &kd, &cd, &tried));
             consider(&kd, &cd, best);
-            if (cd.min_device_bytes > probe->device_mem) break;  // more device chunks will not fit either
+            if (dev_bytes > probe->device_mem) break;  // more device chunks will not fit either
           }
         }
     }
@@ -643,6 +706,11 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     if (c->n_device_chunks > 0)
       fprintf(f, "  the first %d chunks kept on the device with their gradients and AdamW state (updated there)\n",
               c->n_device_chunks);
+    if (k->spec_chunks > 0)
+      fprintf(f, "  speculative updates: %d host chunk%s (the first whose gradients the backward completes) updated "
+                 "by the host as their gradients come home, before the norm, into a spare slot each (ferry train "
+                 "--spec-chunks %d; priced as if the norm does not clip)\n", k->spec_chunks, k->spec_chunks > 1 ? "s" : "",
+              k->spec_chunks);
     if (k->disk_master)
       fprintf(f, "  the disk chunks' fp32 master weights on disk too, read and written with their AdamW state; host "
                  "memory keeps their 16-bit copy (ferry train --disk-master)\n");

@@ -16,6 +16,7 @@
 #include "planner/plan.h"
 #include "planner/probe.h"
 #include "planner/profile.h"
+#include "planner/timeline.h"
 #include "runtime/data.h"
 #include "runtime/trainer.h"
 
@@ -563,16 +564,18 @@ static void moe_ep_plans(void) {
   snprintf(k.precision, sizeof k.precision, "bf16");
   CHECK_OK(fy_cost_simulate(&moe, &k, &p, &c2, NULL));
   k.precision[0] = 0;
-  // The search tries ep 2 beside ep 1, in fp32 and in bf16 alike (the same plans each).
-  int tried32 = 0, tried16 = 0, tried1 = 0;
+  // The search tries ep 2 beside ep 1, in fp32 and in bf16 alike. (Not the same count of plans in
+  // each: the tp 2 plans' speculative updates are priced where their waits ask for it, try_spec.)
+  int tried32 = 0, tried16 = 0, tried1 = 0, tried1_16 = 0;
   CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "fp32", &p, &best, &tried32));
   CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 4, 32, 2, false, "bf16", &p, &best, &tried16));
   struct fy_opt_config one = moe;
   one.num_local_experts = 1;  // (ep 2 cannot split one expert: the same search without ep 2's plans)
   one.num_experts_per_tok = 1;
   CHECK_OK(fy_plan_search_ranks(&one, "opt-moe-tiny-1", 4, 32, 2, false, "fp32", &p, &best, &tried1));
-  CHECKF(tried32 == tried16 && tried32 > tried1, "the fp32 search tried %d plans, bf16's %d, one expert's %d", tried32,
-         tried16, tried1);
+  CHECK_OK(fy_plan_search_ranks(&one, "opt-moe-tiny-1", 4, 32, 2, false, "bf16", &p, &best, &tried1_16));
+  CHECKF(tried32 > tried1 && tried16 > tried1_16, "the fp32 search tried %d plans (one expert's %d), bf16's %d (%d)",
+         tried32, tried1, tried16, tried1_16);
   // A plan with ep 2 is written, read back and checked as the one it was.
   struct fy_plan e1, e2;
   CHECK_OK(fy_plan_search_ranks(&moe, "opt-moe-tiny", 8, 32, 2, false, "fp32", &slow, &e1, NULL));
@@ -1495,6 +1498,131 @@ int main(int argc, char **argv) {
     k.grad_accum = 2;
     k.micro_batch = 2;
     CHECK_ERR(fy_cost_simulate(&cfg, &k, &g, &c1, NULL), FY_ERR_INVALID);
+  }
+  // Speculative updates (spec_chunks): with a slow host optimizer the search of the exact step
+  // takes K > 0 host chunks updated before the norm, and predicts a shorter step than its own knobs
+  // with K = 0; each speculated chunk's spare slot (fp32 master, m and v as stored, the bf16 copy)
+  // adds exactly its bytes to the host memory; K beyond the host chunks counts as all of them; the
+  // timeline has K speculative updates, all before the first one after the norm; the waits add up;
+  // the plan file keeps K (absent: 0); the lag, stages, sharded ranks and a resident plan refuse K
+  // > 0 (fy_cost_check_knobs, fy_plan_validate, fy_plan_refused), and their searches keep K = 0.
+  {
+    struct fy_probe g = gpu;
+    CHECK_OK(fy_probe_override(&g, "device_mem", "64MiB"));
+    CHECK_OK(fy_probe_override(&g, "device_tflops", "1"));
+    CHECK_OK(fy_probe_override(&g, "host_adamw_gbps", "1"));
+    struct fy_plan spec;
+    CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, true, "bf16", &g, &spec, NULL));
+    const struct fy_cost *cs = &spec.predicted;
+    const int host_chunks = cs->n_chunks - cs->n_device_chunks - cs->n_disk_chunks;
+    CHECKF(spec.k.spec_chunks > 0 && spec.k.spec_chunks <= host_chunks, "spec_chunks %d of %d host chunks",
+           spec.k.spec_chunks, host_chunks);
+    fy_plan_print(&spec, stderr);
+    struct fy_plan_knobs k = spec.k;
+    k.spec_chunks = 0;
+    struct fy_cost c0, c1, call;
+    struct fy_device *tl = NULL;
+    CHECK_OK(fy_cost_simulate(&cfg, &k, &g, &c0, NULL));
+    CHECK_OK(fy_cost_simulate(&cfg, &spec.k, &g, &c1, &tl));
+    CHECKF(c0.fits && c1.fits && c1.step_s < c0.step_s && c1.step_s == cs->step_s &&
+           c1.stall_s[FY_STALL_OPTIMIZER] < c0.stall_s[FY_STALL_OPTIMIZER],
+           "K %d: step %.4g s (optimizer waits %.4g), K 0: %.4g s (%.4g)", spec.k.spec_chunks, c1.step_s,
+           c1.stall_s[FY_STALL_OPTIMIZER], c0.step_s, c0.stall_s[FY_STALL_OPTIMIZER]);
+    const double ce = c0.chunk_bytes / 2;  // (bf16 chunks: 2 bytes an element)
+    const double slot = ce * 4 + 2 * ce * 4 + ce * 2;  // (fp32 master, fp32 m and v, the bf16 copy)
+    CHECKF(fabs(c1.host_bytes - c0.host_bytes - spec.k.spec_chunks * slot) < 1.0,
+           "K %d: host %.0f bytes, K 0 %.0f, slots of %.0f", spec.k.spec_chunks, c1.host_bytes, c0.host_bytes, slot);
+    k.spec_chunks = host_chunks + 5;  // (more than there are: all of them)
+    CHECK_OK(fy_cost_simulate(&cfg, &k, &g, &call, NULL));
+    CHECK(fabs(call.host_bytes - c0.host_bytes - host_chunks * slot) < 1.0);
+    for (int j = 0; j < 3; j++) {
+      const struct fy_cost *c = j == 0 ? &c0 : j == 1 ? &c1 : &call;
+      double waited = 0;
+      for (int i = 0; i < FY_STALL_COUNT; i++) waited += c->stall_s[i];
+      CHECKF(waited <= c->step_s * (1 + 1e-9) && c->compute_s + waited >= c->step_s * (1 - 1e-9),
+             "K case %d: waits %.4g s, compute %.4g s, step %.4g s", j, waited, c->compute_s, c->step_s);
+    }
+    if (tl) {  // (the last step's spans: K speculative updates, each before the updates after the norm)
+      const struct fy_timeline_span *sp;
+      int n = fy_timeline_spans(tl, &sp), n_spec = 0;
+      double last_spec = -1, first_after = INFINITY;
+      for (int i = 0; i < n; i++) {
+        if (!strcmp(sp[i].label, "AdamW (speculative)")) n_spec++, last_spec = fmax(last_spec, sp[i].start);
+        if (!strcmp(sp[i].label, "AdamW")) first_after = fmin(first_after, sp[i].start);
+      }
+      CHECKF(n_spec == spec.k.spec_chunks && last_spec < first_after, "%d speculative updates (K %d), the last at %.4g "
+             "s, the first after the norm at %.4g s", n_spec, spec.k.spec_chunks, last_spec, first_after);
+      fy_device_free(tl);
+    }
+    // 8-bit state: the slot's m and v at their stored size (codes and scales).
+    struct fy_plan_knobs k8 = spec.k;
+    snprintf(k8.optimizer_state, sizeof k8.optimizer_state, "8bit");
+    k8.chunk_elems = 0;
+    struct fy_cost c8a, c8b;
+    k8.spec_chunks = 0;
+    CHECK_OK(fy_cost_simulate(&cfg, &k8, &g, &c8a, NULL));
+    k8.spec_chunks = 1;
+    CHECK_OK(fy_cost_simulate(&cfg, &k8, &g, &c8b, NULL));
+    const int64_t ce8 = (int64_t)(c8a.chunk_bytes / 2);
+    const double slot8 = (double)ce8 * 6 + 2.0 * (double)fy_state_moment_bytes(FY_STATE_Q8, ce8);
+    CHECKF(fabs(c8b.host_bytes - c8a.host_bytes - slot8) < 1.0, "8-bit: a slot of %.0f bytes, %.0f expected",
+           c8b.host_bytes - c8a.host_bytes, slot8);
+    // The plan file.
+    char path[600];
+    snprintf(path, sizeof path, "%s/spec.json", dir);
+    CHECK_OK(fy_plan_write(path, &spec));
+    struct fy_plan back;
+    CHECK_OK(fy_plan_read(path, &back));
+    CHECK(back.k.spec_chunks == spec.k.spec_chunks);
+    CHECK_OK(fy_plan_validate(&cfg, &back));
+    CHECK(fy_plan_refused("cuda", &cfg, &back.k) == NULL);
+    char text[8192];
+    read_text(path, text, sizeof text);
+    char *key = strstr(text, "\"spec_chunks\"");
+    CHECK(key != NULL);
+    if (key) {
+      drop_key(key);
+      write_text(path, text);
+      CHECK_OK(fy_plan_read(path, &back));
+      CHECK(back.k.spec_chunks == 0);
+    }
+    // Refused with the lag, stages, sharded ranks, resident; and negative.
+    struct fy_plan bad = spec;
+    bad.k.optimizer_lag = 1;
+    CHECK_ERR(fy_plan_validate(&cfg, &bad), FY_ERR_INVALID);
+    CHECK(strstr(fy_error_msg(), "spec_chunks") != NULL);
+    CHECK(fy_plan_refused("cuda", &cfg, &bad.k) != NULL && fy_plan_refused("sim", &cfg, &bad.k) != NULL);
+    CHECK_ERR(fy_cost_simulate(&cfg, &bad.k, &g, &c0, NULL), FY_ERR_INVALID);
+    struct fy_plan_knobs kr = spec.k;
+    kr.pp = 2;
+    CHECK(fy_plan_refused("sim", &cfg, &kr) != NULL);
+    CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
+    kr = spec.k;
+    kr.dp = 2;
+    kr.device_chunks = 0;
+    snprintf(kr.pattern, sizeof kr.pattern, "zero");
+    CHECK(fy_plan_refused("sim", &cfg, &kr) != NULL);
+    CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
+    CHECK(strstr(fy_error_msg(), "spec_chunks") != NULL);
+    kr = (struct fy_plan_knobs){.micro_batch = 4, .grad_accum = 1, .seq = 96, .resident = true, .spec_chunks = 1};
+    CHECK(fy_plan_refused("cuda", &cfg, &kr) != NULL);
+    CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
+    kr = spec.k;
+    kr.spec_chunks = -1;
+    CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
+    // The searches where it does not apply keep K = 0: the lag, and on sim (whose host work
+    // shares the cores, slowed alike) two sharded ranks and two pipeline stages.
+    struct fy_plan other;
+    CHECK_OK(fy_plan_search_lag(&cfg, "tiny", 4, 96, 1, true, "bf16", 1, &g, &other, NULL));
+    CHECK(other.k.optimizer_lag == 1 && other.k.spec_chunks == 0);
+    struct fy_probe sim = g;
+    snprintf(sim.device, sizeof sim.device, "sim");
+    struct fy_plan_grid two = {.dp = 2};
+    CHECK_OK(fy_plan_search_grid(&cfg, "tiny", 4, 96, 2, true, NULL, 0, NULL, &two, &sim, &other, NULL));
+    CHECK(other.dp == 2 && other.k.spec_chunks == 0);
+    two = (struct fy_plan_grid){.pp = 2};
+    CHECK_OK(fy_plan_search_grid(&cfg, "tiny", 4, 96, 2, true, NULL, 0, NULL, &two, &sim, &other, NULL));
+    CHECK(other.pp == 2 && other.k.spec_chunks == 0);
   }
   // A plan's precision: on a GPU fp32 doubles the payload, the cache blocks and the activations
   // and runs the products at the fp32 rate (device_gflops / bf16_speedup); on sim the memory is the
