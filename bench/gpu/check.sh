@@ -423,7 +423,8 @@ PY
 # (--profile-waits, which drains nothing). Prints tokens/s, the ratios of medians, MFU (Megatron's FLOPs: 6 x parameters x
 # tokens plus 12 x layers x width x sequence per token, over the H200's 989 TFLOP/s dense bf16).
 offload_bf16_40g() {
-  local common=(train --device cuda --precision bf16 --model opt-6.7b --batch 8 --seq 2048 --recompute --steps 4 --quiet)
+  # (not --quiet: the waits' line, parsed below, is printed at the end of a run that is not quiet)
+  local common=(train --device cuda --precision bf16 --model opt-6.7b --batch 8 --seq 2048 --recompute --steps 4)
   local off=(--offload --device-mem 40GiB --plan auto --profile-waits)
   [ -f "$logs/probe.json" ] || FERRY_PROBE="$logs/probe.json" "$build/ferry" probe --device cuda --remeasure \
     >"$logs/probe.out" 2>&1 || return 1
@@ -466,6 +467,60 @@ print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib", "model": "opt-6.7b",
                   "lag_predicted_over_measured": round(p1 / lag[0], 3) if p1 else None,
                   "waits": waits(f"{d}/b40-off-2.out"), "lag_waits": waits(f"{d}/b40-lag-2.out"),
                   "predicted_waits": waits(f"{d}/b40-plan-0.txt"), "lag_predicted_waits": waits(f"{d}/b40-plan-1.txt")}))
+PY
+}
+# Issue 35's exact step: OPT-6.7B bf16 offloaded at 40 GiB with 8-bit AdamW state and no lag, the
+# plan ferry plan makes (speculative host updates where it prices them faster), against the resident
+# run, alternating, 2 rounds of 4 steps (the first of each run not timed). Speculation stands only
+# in steps whose norm does not clip, and a model trained from random weights clips its first steps
+# at the default --clip 1; so the offloaded run is measured twice, with the default --clip 1 and
+# with --clip 0 (no clipping, the resident run the same), which is the speed of a step whose
+# norm is below the clip (fine-tuning, later pretraining). Each offloaded run's summary line says
+# in how many steps the speculation stood.
+offload_exact8_40g() {
+  local common=(train --device cuda --precision bf16 --model opt-6.7b --batch 8 --seq 2048 --recompute --steps 4)
+  local off=(--offload --device-mem 40GiB --plan auto --optimizer-state 8bit --profile-waits)
+  [ -f "$logs/probe.json" ] || FERRY_PROBE="$logs/probe.json" "$build/ferry" probe --device cuda --remeasure \
+    >"$logs/probe.out" 2>&1 || return 1
+  local round kind
+  for round in 1 2; do
+    for kind in res res0 off8 off80; do
+      local args=("${common[@]}")
+      case "$kind" in
+        res0) args+=(--clip 0) ;;
+        off8) args+=("${off[@]}") ;;
+        off80) args+=("${off[@]}" --clip 0) ;;
+      esac
+      FERRY_PROBE="$logs/probe.json" "$build/ferry" "${args[@]}" --log "$logs/e8-$kind-$round.jsonl" \
+        >"$logs/e8-$kind-$round.out" 2>&1 || { cat "$logs/e8-$kind-$round.out"; return 1; }
+    done
+  done
+  FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --offload --device-mem 40GiB --precision bf16 \
+    --model opt-6.7b --batch 8 --seq 2048 --optimizer-state 8bit >"$logs/e8-plan.txt" 2>&1 || return 1
+  python3 - "$logs" <<'PY'
+import json, re, statistics, sys
+d = sys.argv[1]
+def rate(kind):
+    rows = [json.loads(l) for r in (1, 2) for l in list(open(f"{d}/e8-{kind}-{r}.jsonl"))[1:]]
+    return statistics.median(x["tokens_per_s"] for x in rows), statistics.median(x["gflops"] for x in rows)
+def spec(kind):
+    m = re.search(r"speculative updates of (\d+) chunks: kept in (\d+) of (\d+)", open(f"{d}/e8-{kind}-2.out").read())
+    return {"chunks": int(m.group(1)), "kept": int(m.group(2)), "speculated": int(m.group(3))} if m else None
+def waits(path):
+    m = re.search(r"compute waited per step(?: over \d+ steps)?: (.*)", open(path).read())
+    return m.group(1).strip() if m else None
+m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(f"{d}/e8-plan.txt").read())
+p = float(m.group(2)) if m else None
+res, res0, off, off0 = rate("res"), rate("res0"), rate("off8"), rate("off80")
+print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit", "model": "opt-6.7b",
+                  "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
+                  "ratio": round(off[0] / res[0], 3), "noclip_resident_tokens_per_s": round(res0[0], 1),
+                  "noclip_tokens_per_s": round(off0[0], 1), "noclip_ratio": round(off0[0] / res0[0], 3),
+                  "mfu_h200_bf16": round(off[1] / 989e3, 3), "noclip_mfu_h200_bf16": round(off0[1] / 989e3, 3),
+                  "spec": spec("off8"), "noclip_spec": spec("off80"), "predicted_tokens_per_s": p,
+                  "predicted_over_measured": round(p / off0[0], 3) if p else None,
+                  "waits": waits(f"{d}/e8-off8-2.out"), "noclip_waits": waits(f"{d}/e8-off80-2.out"),
+                  "predicted_waits": waits(f"{d}/e8-plan.txt")}))
 PY
 }
 # OPT-13B in bf16 offloaded at a 40 GiB cap on this machine (host tier, and a disk tier under the
@@ -708,6 +763,7 @@ if [ "$bench" = 1 ]; then
     # Issue 35: OPT-6.7B bf16 resident against offloaded at 40 GiB (and with the lag), alternating;
     # OPT-13B bf16 offloaded at 40 GiB.
     bench_step "bench offload 6.7b bf16 40 GiB" 420 offload_bf16_40g
+    bench_step "bench offload 6.7b bf16 40 GiB exact 8bit" 600 offload_exact8_40g
     bench_step "bench offload 13b bf16 40 GiB" 300 offload_13b_40g
   fi
   bench_step "bench offload 1.3b" 150 offload_ratio opt-1.3b 8 1024 --recompute --precision fp32
@@ -732,7 +788,7 @@ fi
 # Each benchmark's JSON, shortened to its rate, replaces the step's detail in the table.
 for bj in "${bench_json[@]}"; do
   name="${bj%%|*}" j="${bj#*|}"
-  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","mfu_h200_bf16_llmc","ratio","flop_ratio","efficiency","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
+  rate="$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(", ".join(f"{k} {r[k]}" for k in ("tokens_per_s","lag_tokens_per_s","lag_ratio","noclip_tokens_per_s","noclip_ratio","trained","prompt_tokens_per_s","gflops","step_s_median","mfu_h200_bf16","mfu_h200_bf16_llmc","ratio","flop_ratio","efficiency","speedup","faster","step_saving_ms","tuned_speedup","kernels_speedup","predicted_over_measured","bf16_speedup","device_mem_gbps","resident","env") if k in r))' "$j" 2>/dev/null)"
   for i in "${!rows[@]}"; do
     IFS='|' read -r n res sec det <<<"${rows[$i]}"
     [ "$n" = "$name" ] && rows[$i]="$n|$res|$sec|${rate:-$j}"
