@@ -517,6 +517,201 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
   return state_update(&u, lr, beta1, beta2, eps, t, grad_scale);
 }
 
+// ---- the out-of-place update ----
+//
+// fy_adamw_state_update_into runs the in-place update above on copies: tiles of TILE elements
+// (a multiple of FY_Q8_BLOCK, so a tile holds whole blocks and its blocks are the buffer's) are
+// copied into a thread's cache-resident buffers, updated there by the same code with the ranges
+// clipped to the tile, and copied out. Every kernel above gives the same bytes for any split into
+// whole blocks (8-bit) or elements (bf16, fp32), so the outputs are the in-place bytes, and the
+// inputs are read from memory once. The copies out are streaming stores where the machine has
+// them: the outputs are a spare slot, not read again soon, and a plain store would first read
+// each output line (write-allocate), a third more memory traffic for fp32 state.
+#define TILE (32 * FY_Q8_BLOCK)
+// A tile runs on one thread: below the kernels' parallel thresholds (fy_adamw_update's is 1 << 16)
+// none of them opens a team of its own.
+_Static_assert(TILE % FY_Q8_BLOCK == 0 && TILE <= FY_PAR_ELEMENTWISE && TILE <= (1 << 16), "tile size");
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+// dst <- src (bytes), dst bypassing the caches where SSE2's streaming stores exist (16-byte
+// aligned stores; the ragged ends plain). The caller fences (copy_out_fence) before others read.
+static void copy_out(void *restrict dst, const void *restrict src, size_t bytes) {
+#if defined(__SSE2__)
+  char *d = dst;
+  const char *s = src;
+  size_t head = (size_t)(-(uintptr_t)d & 15);
+  if (head > bytes) head = bytes;
+  memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+    _mm_stream_si128((__m128i *)(d + i), a);
+    _mm_stream_si128((__m128i *)(d + i + 16), b);
+    _mm_stream_si128((__m128i *)(d + i + 32), c);
+    _mm_stream_si128((__m128i *)(d + i + 48), e);
+  }
+  for (; i + 16 <= bytes; i += 16) _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+  memcpy(d + i, s + i, bytes - i);
+#else
+  memcpy(dst, src, bytes);
+#endif
+}
+
+// Streaming stores are weakly ordered: a thread fences its own before the region's end.
+static void copy_out_fence(void) {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// A thread's buffers for one tile: param, m, v (one moment's layout for TILE elements), the bf16
+// gradients/weights, and the ranges clipped to the tile.
+struct tile_buf {
+  float *p;
+  void *m, *v;
+  uint16_t *gw;
+  struct fy_adamw_range *r;
+};
+
+static size_t round64(size_t b) { return (b + 63) & ~(size_t)63; }
+
+// One tile's buffers' bytes (ranges: nr of them at most).
+static size_t tile_bytes(enum fy_state_format f, int nr) {
+  return round64(TILE * 4) + 2 * round64(fy_state_moment_bytes(f, TILE)) + round64(TILE * 2) +
+         round64((size_t)(nr > 0 ? nr : 1) * sizeof(struct fy_adamw_range));
+}
+
+static struct tile_buf tile_buf_at(char *base, enum fy_state_format f) {
+  struct tile_buf b;
+  const size_t mb = round64(fy_state_moment_bytes(f, TILE));
+  b.p = (float *)base;
+  base += round64(TILE * 4);
+  b.m = base;
+  b.v = base + mb;
+  base += 2 * mb;
+  b.gw = (uint16_t *)base;
+  b.r = (struct fy_adamw_range *)(base + round64(TILE * 2));
+  return b;
+}
+
+// The outputs and inputs of one fy_adamw_state_update_into call, shared by the threads.
+struct into {
+  float *p_out;
+  void *m_out, *v_out;
+  uint16_t *w_out;
+  const float *p;
+  const void *m, *v;
+  const float *grad;
+  const uint16_t *gw;
+  float lr, beta1, beta2, eps, gs;
+  int64_t t;
+};
+
+// One moment's tile [t0, t0 + tn) between the whole buffer (n elements, format f) and a tile's
+// buffer (tn elements, the same format: 8-bit codes, then the tile's blocks' scales at
+// fy_q8_scales_offset(tn)); in: whole -> tile, else tile -> whole by copy_out.
+static void moment_tile(enum fy_state_format f, int64_t n, int64_t t0, int64_t tn, void *whole, void *tile,
+                        bool in) {
+  const size_t es = f == FY_STATE_F32 ? 4 : f == FY_STATE_BF16 ? 2 : 1;
+  char *w = (char *)whole + (size_t)t0 * es, *t = tile;
+  if (in) memcpy(t, w, (size_t)tn * es);
+  else copy_out(w, t, (size_t)tn * es);
+  if (f != FY_STATE_Q8) return;
+  char *ws = (char *)whole + fy_q8_scales_offset(n) + (size_t)(t0 / FY_Q8_BLOCK) * 4;
+  char *ts = (char *)tile + fy_q8_scales_offset(tn);
+  const size_t sb = (size_t)fy_q8_blocks(tn) * 4;
+  if (in) memcpy(ts, ws, sb);
+  else copy_out(ws, ts, sb);
+}
+
+// Tile [t0, t0 + tn) of the call u (whole buffers; u->r the call's ranges): copied into b,
+// updated there by the in-place kernels, copied out to io's outputs.
+static void into_tile(const struct upd *u, const struct into *io, struct tile_buf *b, int64_t t0, int64_t tn) {
+  const int64_t end = t0 + tn;
+  // the ranges that reach into the tile (those the in-place kernels see for its blocks: from
+  // the first one ending after t0), clipped and shifted; a tile-sized run keeps its bounds
+  int nr = 0;
+  for (int r = first_range(u->r, u->nr, t0); r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > t0 ? u->r[r].off : t0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    b->r[nr++] = (struct fy_adamw_range){lo - t0, hi > lo ? hi - lo : 0, u->r[r].weight_decay};
+  }
+  memcpy(b->p, io->p + t0, (size_t)tn * 4);
+  moment_tile(u->f, u->n, t0, tn, (void *)io->m, b->m, true);
+  moment_tile(u->f, u->n, t0, tn, (void *)io->v, b->v, true);
+  if (io->gw) memcpy(b->gw, io->gw + t0, (size_t)tn * 2);
+  struct upd tu = {.f = u->f, .param = b->p, .m = b->m, .v = b->v, .gf = io->grad ? io->grad + t0 : NULL,
+                   .gh = io->gw ? b->gw : NULL, .n = tn, .r = b->r, .nr = nr, .k = u->k};
+  if (u->f == FY_STATE_F32) {  // state_update's calls, on the tile
+    for (int i = 0; i < nr; i++) {
+      const int64_t o = b->r[i].off;
+      if (b->r[i].n == 0) continue;
+      if (tu.gh)
+        fy_adamw_update_bf16(tu.param + o, (float *)tu.m + o, (float *)tu.v + o, tu.gh + o, b->r[i].n, io->lr,
+                             io->beta1, io->beta2, io->eps, b->r[i].weight_decay, io->t, io->gs);
+      else
+        fy_adamw_update(tu.param + o, (float *)tu.m + o, (float *)tu.v + o, tu.gf + o, b->r[i].n, io->lr, io->beta1,
+                        io->beta2, io->eps, b->r[i].weight_decay, io->t, io->gs);
+    }
+  } else if (u->f == FY_STATE_Q8) {
+    q8_run(&tu, 0, fy_q8_blocks(tn));
+  } else {
+    update_items_bf16(&tu, 0, tn);
+  }
+  copy_out(io->p_out + t0, b->p, (size_t)tn * 4);
+  moment_tile(u->f, u->n, t0, tn, io->m_out, b->m, false);
+  moment_tile(u->f, u->n, t0, tn, io->v_out, b->v, false);
+  if (io->gw) copy_out(io->w_out + t0, b->gw, (size_t)tn * 2);
+}
+
+fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, void *m_out, void *v_out,
+                                     uint16_t *w16_out, const float *param, const void *m, const void *v,
+                                     const float *grad, const uint16_t *gw, int64_t n,
+                                     const struct fy_adamw_range *ranges, int n_ranges, float lr, float beta1,
+                                     float beta2, float eps, int64_t t, float grad_scale) {
+  FY_TRY(check_args(f, n, ranges, n_ranges, t));
+  if (!grad == !gw || (grad && w16_out) || (gw && !w16_out))
+    return fy_error_set(FY_ERR_INVALID, "adamw state into: give fp32 gradients, or bf16 gradients and w16_out");
+  if (n == 0) return FY_OK;
+  if (!param_out || !m_out || !v_out || !param || !m || !v)
+    return fy_error_set(FY_ERR_INVALID, "adamw state into: a NULL buffer for %lld elements", (long long)n);
+  const int64_t ntiles = (n + TILE - 1) / TILE;
+  int nthr = n > FY_PAR_ELEMENTWISE ? omp_get_max_threads() : 1;
+  if (nthr > ntiles) nthr = (int)ntiles;
+  if (nthr < 1) nthr = 1;
+  const size_t tb = tile_bytes(f, n_ranges);
+  char *bufs = aligned_alloc(64, tb * (size_t)nthr);
+  if (!bufs)
+    return fy_error_set(FY_ERR_NOMEM, "adamw state into: %d threads' tile buffers of %zu bytes", nthr, tb);
+  const struct upd u = {.f = f, .n = n, .r = ranges, .nr = n_ranges,
+                        .k = step_consts(lr, beta1, beta2, eps, t, grad_scale)};
+  const struct into io = {.p_out = param_out, .m_out = m_out, .v_out = v_out, .w_out = w16_out, .p = param, .m = m,
+                          .v = v, .grad = grad, .gw = gw, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
+                          .gs = grad_scale, .t = t};
+  if (f == FY_STATE_Q8) {  // the padding between the codes and the scales, so that the buffers are equal whole
+    const size_t pad = fy_q8_scales_offset(n) - (size_t)n;
+    memcpy((char *)m_out + n, (const char *)m + n, pad);
+    memcpy((char *)v_out + n, (const char *)v + n, pad);
+  }
+#pragma omp parallel num_threads(nthr) if (parallel : nthr > 1)
+  {
+    struct tile_buf b = tile_buf_at(bufs + tb * (size_t)omp_get_thread_num(), f);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < ntiles; i++) {
+      const int64_t t0 = i * TILE;
+      into_tile(&u, &io, &b, t0, n - t0 < TILE ? n - t0 : TILE);
+    }
+    copy_out_fence();
+  }
+  free(bufs);
+  return FY_OK;
+}
+
 // ---- conversions ----
 
 void fy_state_encode(enum fy_state_format f, enum fy_moment which, void *dst, const float *src, int64_t n) {
