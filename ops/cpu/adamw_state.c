@@ -225,13 +225,19 @@ static int first_range(const struct fy_adamw_range *r, int nr, int64_t pos) {
   return lo;
 }
 
-// One call's arguments, shared by the workers.
+// One call's arguments, shared by the workers. In place, the inputs pin, min, vin and ghin are not
+// set: the kernels' instances with oop false read param, m, v and gh; out of place (oop true) they
+// read the inputs and write the outputs, which do not overlap them.
 struct upd {
   enum fy_state_format f;
   float *param;
   void *m, *v;
   const float *gf;  // fp32 gradients, or
   uint16_t *gh;     // bf16 gradients in, bf16 weights out
+  const float *pin;
+  const void *min, *vin;
+  const float *smin, *svin;  // 8-bit: the inputs' scales (of block 0 of min, vin)
+  const uint16_t *ghin;
   int64_t n;
   const struct fy_adamw_range *r;
   int nr;
@@ -248,20 +254,28 @@ static inline float adamw_elem(const struct step_k *k, float p, float decay, flo
   return p * decay - k->step * (*mi / (sqrtf(*vi) / k->bc2_sqrt + k->eps));
 }
 
+// The kernels below come in two instances, oop false (in place) and true (out of place): always
+// inlined with the flag a constant, each instance's loops see only its own pointers (the inputs'
+// restrict pointers are NULL and unused in place), so the in-place loops are the ones they were.
+#define KERNEL static inline __attribute__((always_inline))
+
 // 8-bit, a block's elements [lo, hi) of one range (decay): m and v (indexed from lo) read back
 // and updated in place; param and gradients at [lo, hi).
-static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m,
-                              float *restrict v) {
+KERNEL void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m, float *restrict v,
+                       const bool oop) {
   const int64_t len = hi - lo;
   const struct step_k k = u->k;
   float *restrict p = u->param + lo;
+  const float *restrict pi = oop ? u->pin + lo : NULL;
   if (u->gf) {
     const float *restrict g = u->gf + lo;
-    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, p[i], decay, m[i], v[i], g[i], m + i, v + i);
+    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, oop ? pi[i] : p[i], decay, m[i], v[i], g[i], m + i, v + i);
   } else {
     uint16_t *restrict g = u->gh + lo;
+    const uint16_t *restrict gi = oop ? u->ghin + lo : NULL;
     for (int64_t i = 0; i < len; i++) {
-      const float pn = adamw_elem(&k, p[i], decay, m[i], v[i], fy_bf16_to_f32(g[i]), m + i, v + i);
+      const float pn =
+          adamw_elem(&k, oop ? pi[i] : p[i], decay, m[i], v[i], fy_bf16_to_f32(oop ? gi[i] : g[i]), m + i, v + i);
       p[i] = pn;
       g[i] = fy_f32_to_bf16(pn);
     }
@@ -334,6 +348,14 @@ static struct q8_blk q8_blk_of(const struct upd *u, int64_t b0) {
                          .sv = (float *)((char *)u->v + fy_q8_scales_offset(u->n)) + b};
 }
 
+// The block's buffers to read: the inputs' out of place (only read through), else q8_blk_of's.
+KERNEL struct q8_blk q8_blk_in(const struct upd *u, int64_t b0, const bool oop) {
+  if (!oop) return q8_blk_of(u, b0);
+  const int64_t b = b0 / FY_Q8_BLOCK;
+  return (struct q8_blk){.cm = (int8_t *)u->min + b0, .cv = (uint8_t *)u->vin + b0,
+                         .sm = (float *)u->smin + b, .sv = (float *)u->svin + b};
+}
+
 // A thread's buffers: the codes of the block being updated (widened), the new m and v of it and
 // of the block before, the codes of the block before (int32).
 struct q8_pipe {
@@ -343,19 +365,20 @@ struct q8_pipe {
 
 // The plain path: elements [b0, b0 + len) read back, updated range by range (elements in no
 // range keep their m and v), stored.
-static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
-                           float *restrict vn) {
-  const struct q8_blk q = q8_blk_of(u, b0);
-  const float sm = *q.sm, sv = *q.sv;
+KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
+                           float *restrict vn, const bool oop) {
+  const struct q8_blk q = q8_blk_of(u, b0), qi = q8_blk_in(u, b0, oop);
+  const float sm = *qi.sm, sv = *qi.sv;
   const int64_t end = b0 + len;
   for (int64_t i = 0; i < len; i++) {
-    mn[i] = q8_val_m((uint8_t)q.cm[i]) * sm;
-    vn[i] = q8_val_v(q.cv[i]) * sv;
+    mn[i] = q8_val_m((uint8_t)qi.cm[i]) * sm;
+    vn[i] = q8_val_v(qi.cv[i]) * sv;
   }
   for (; r < u->nr && u->r[r].off < end; r++) {
     const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
     const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
-    if (lo < hi) update_run(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0));
+    if (lo < hi)
+      update_run(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0), oop);
   }
   q8_store(FY_MOMENT_M, q.cm, q.sm, mn, len, amax_bits_of(mn, len));
   q8_store(FY_MOMENT_V, q.cv, q.sv, vn, len, amax_bits_of(vn, len));
@@ -368,7 +391,7 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
 #define Q8_PIPE_ELEM(G)                                                                                  \
   const float mo = q8_read_m(w->cm[i], sm2), vo = q8_read_v(w->cv[i], sv2);                             \
   float mi, vi;                                                                                          \
-  const float pn = adamw_elem(&k, p[i], decay, mo, vo, (G), &mi, &vi);                                   \
+  const float pn = adamw_elem(&k, oop ? pi[i] : p[i], decay, mo, vo, (G), &mi, &vi);                     \
   p[i] = pn;                                                                                             \
   mn[i] = mi;                                                                                            \
   vn[i] = vi;                                                                                            \
@@ -378,12 +401,13 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
   w->qm[i] = q8_code_m(pm[i], 1.0f, inv_m);                                                              \
   w->qv[i] = (int32_t)q8_code_v(pv[i], 1.0f, inv_v);
 
-static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
+KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
                           struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
                           const float *restrict pm, const float *restrict pv, float inv_m, float inv_v, uint32_t *am,
-                          uint32_t *av) {
+                          uint32_t *av, const bool oop) {
   const struct step_k k = u->k;
   float *restrict p = u->param + b0;
+  const float *restrict pi = oop ? u->pin + b0 : NULL;
   uint32_t amm = 0, amv = 0;
   if (u->gf) {
     const float *restrict g = u->gf + b0;
@@ -392,8 +416,9 @@ static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
     }
   } else {
     uint16_t *restrict g = u->gh + b0;
+    const uint16_t *restrict gi = oop ? u->ghin + b0 : NULL;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
-      Q8_PIPE_ELEM(fy_bf16_to_f32(g[i]))
+      Q8_PIPE_ELEM(fy_bf16_to_f32(oop ? gi[i] : g[i]))
       g[i] = fy_f32_to_bf16(pn);
     }
   }
@@ -428,7 +453,7 @@ static inline float pipe_inv(uint32_t amax_bits, bool *ok) {
 }
 
 // Blocks [bb, be) of one thread.
-static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
+KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop) {
   struct q8_pipe w;
   memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
   memset(w.vn, 0, sizeof w.vn);
@@ -439,7 +464,7 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
   for (int64_t b = bb; b < be; b++) {
     const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
     const int r = first_range(u->r, u->nr, b0);
-    const struct q8_blk q = q8_blk_of(u, b0);
+    const struct q8_blk q = q8_blk_in(u, b0, oop);  // (only read here)
     // whole and inside one range, and scales whose folded read-back factors stay finite (< 2^16
     // for m, < 2^32 for v; NaN fails too)
     const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
@@ -447,7 +472,7 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
     if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
       if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
       pending = false;
-      q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
+      q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur], oop);
       continue;
     }
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
@@ -458,7 +483,7 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
     q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
-                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
+                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, oop);
     if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
     pb = b, pam = am, pav = av;
@@ -466,6 +491,9 @@ static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
   }
   if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
 }
+
+static void q8_run(const struct upd *u, int64_t bb, int64_t be) { q8_run_k(u, bb, be, false); }
+static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) { q8_run_k(u, bb, be, true); }
 
 static fy_status state_update(struct upd *u, float lr, float beta1, float beta2, float eps, int64_t t,
                               float grad_scale) {
@@ -519,154 +547,100 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 
 // ---- the out-of-place update ----
 //
-// fy_adamw_state_update_into runs the in-place update above on copies: tiles of TILE elements
-// (a multiple of FY_Q8_BLOCK, so a tile holds whole blocks and its blocks are the buffer's) are
-// copied into a thread's cache-resident buffers, updated there by the same code with the ranges
-// clipped to the tile, and copied out. Every kernel above gives the same bytes for any split into
-// whole blocks (8-bit) or elements (bf16, fp32), so the outputs are the in-place bytes, and the
-// inputs are read from memory once. The copies out are streaming stores where the machine has
-// them: the outputs are a spare slot, not read again soon, and a plain store would first read
-// each output line (write-allocate), a third more memory traffic for fp32 state.
-#define TILE (32 * FY_Q8_BLOCK)
-// A tile runs on one thread: below the kernels' parallel thresholds (fy_adamw_update's is 1 << 16)
-// none of them opens a team of its own.
-_Static_assert(TILE % FY_Q8_BLOCK == 0 && TILE <= FY_PAR_ELEMENTWISE && TILE <= (1 << 16), "tile size");
+// fy_adamw_state_update_into runs the 8-bit kernels above in their out-of-place instances, and
+// loops of its own for fp32 and bf16 state (their in-place elements), reading the inputs and writing the
+// outputs in one pass: each element's operations are the in-place ones, and every kernel gives
+// the same bytes for any split into whole blocks (8-bit) or elements, so the outputs are the
+// in-place bytes. What no range covers is copied.
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
-// dst <- src (bytes), dst bypassing the caches where SSE2's streaming stores exist (16-byte
-// aligned stores; the ragged ends plain). The caller fences (copy_out_fence) before others read.
-static void copy_out(void *restrict dst, const void *restrict src, size_t bytes) {
-#if defined(__SSE2__)
-  char *d = dst;
-  const char *s = src;
-  size_t head = (size_t)(-(uintptr_t)d & 15);
-  if (head > bytes) head = bytes;
-  memcpy(d, s, head);
-  d += head, s += head, bytes -= head;
-  size_t i = 0;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-    const __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-    _mm_stream_si128((__m128i *)(d + i), a);
-    _mm_stream_si128((__m128i *)(d + i + 16), b);
-    _mm_stream_si128((__m128i *)(d + i + 32), c);
-    _mm_stream_si128((__m128i *)(d + i + 48), e);
-  }
-  for (; i + 16 <= bytes; i += 16) _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
-  memcpy(d + i, s + i, bytes - i);
-#else
-  memcpy(dst, src, bytes);
-#endif
-}
-
-// Streaming stores are weakly ordered: a thread fences its own before the region's end.
-static void copy_out_fence(void) {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
-
-// A thread's buffers for one tile: param, m, v (one moment's layout for TILE elements), the bf16
-// gradients/weights, and the ranges clipped to the tile.
-struct tile_buf {
-  float *p;
-  void *m, *v;
-  uint16_t *gw;
-  struct fy_adamw_range *r;
-};
-
-static size_t round64(size_t b) { return (b + 63) & ~(size_t)63; }
-
-// One tile's buffers' bytes (ranges: nr of them at most).
-static size_t tile_bytes(enum fy_state_format f, int nr) {
-  return round64(TILE * 4) + 2 * round64(fy_state_moment_bytes(f, TILE)) + round64(TILE * 2) +
-         round64((size_t)(nr > 0 ? nr : 1) * sizeof(struct fy_adamw_range));
-}
-
-static struct tile_buf tile_buf_at(char *base, enum fy_state_format f) {
-  struct tile_buf b;
-  const size_t mb = round64(fy_state_moment_bytes(f, TILE));
-  b.p = (float *)base;
-  base += round64(TILE * 4);
-  b.m = base;
-  b.v = base + mb;
-  base += 2 * mb;
-  b.gw = (uint16_t *)base;
-  b.r = (struct fy_adamw_range *)(base + round64(TILE * 2));
-  return b;
-}
-
-// The outputs and inputs of one fy_adamw_state_update_into call, shared by the threads.
-struct into {
-  float *p_out;
-  void *m_out, *v_out;
-  uint16_t *w_out;
-  const float *p;
-  const void *m, *v;
-  const float *grad;
-  const uint16_t *gw;
-  float lr, beta1, beta2, eps, gs;
-  int64_t t;
-};
-
-// One moment's tile [t0, t0 + tn) between the whole buffer (n elements, format f) and a tile's
-// buffer (tn elements, the same format: 8-bit codes, then the tile's blocks' scales at
-// fy_q8_scales_offset(tn)); in: whole -> tile, else tile -> whole by copy_out.
-static void moment_tile(enum fy_state_format f, int64_t n, int64_t t0, int64_t tn, void *whole, void *tile,
-                        bool in) {
-  const size_t es = f == FY_STATE_F32 ? 4 : f == FY_STATE_BF16 ? 2 : 1;
-  char *w = (char *)whole + (size_t)t0 * es, *t = tile;
-  if (in) memcpy(t, w, (size_t)tn * es);
-  else copy_out(w, t, (size_t)tn * es);
-  if (f != FY_STATE_Q8) return;
-  char *ws = (char *)whole + fy_q8_scales_offset(n) + (size_t)(t0 / FY_Q8_BLOCK) * 4;
-  char *ts = (char *)tile + fy_q8_scales_offset(tn);
-  const size_t sb = (size_t)fy_q8_blocks(tn) * 4;
-  if (in) memcpy(ts, ws, sb);
-  else copy_out(ws, ts, sb);
-}
-
-// Tile [t0, t0 + tn) of the call u (whole buffers; u->r the call's ranges): copied into b,
-// updated there by the in-place kernels, copied out to io's outputs.
-static void into_tile(const struct upd *u, const struct into *io, struct tile_buf *b, int64_t t0, int64_t tn) {
-  const int64_t end = t0 + tn;
-  // the ranges that reach into the tile (those the in-place kernels see for its blocks: from
-  // the first one ending after t0), clipped and shifted; a tile-sized run keeps its bounds
-  int nr = 0;
-  for (int r = first_range(u->r, u->nr, t0); r < u->nr && u->r[r].off < end; r++) {
-    const int64_t lo = u->r[r].off > t0 ? u->r[r].off : t0;
-    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
-    b->r[nr++] = (struct fy_adamw_range){lo - t0, hi > lo ? hi - lo : 0, u->r[r].weight_decay};
-  }
-  memcpy(b->p, io->p + t0, (size_t)tn * 4);
-  moment_tile(u->f, u->n, t0, tn, (void *)io->m, b->m, true);
-  moment_tile(u->f, u->n, t0, tn, (void *)io->v, b->v, true);
-  if (io->gw) memcpy(b->gw, io->gw + t0, (size_t)tn * 2);
-  struct upd tu = {.f = u->f, .param = b->p, .m = b->m, .v = b->v, .gf = io->grad ? io->grad + t0 : NULL,
-                   .gh = io->gw ? b->gw : NULL, .n = tn, .r = b->r, .nr = nr, .k = u->k};
-  if (u->f == FY_STATE_F32) {  // state_update's calls, on the tile
-    for (int i = 0; i < nr; i++) {
-      const int64_t o = b->r[i].off;
-      if (b->r[i].n == 0) continue;
-      if (tu.gh)
-        fy_adamw_update_bf16(tu.param + o, (float *)tu.m + o, (float *)tu.v + o, tu.gh + o, b->r[i].n, io->lr,
-                             io->beta1, io->beta2, io->eps, b->r[i].weight_decay, io->t, io->gs);
-      else
-        fy_adamw_update(tu.param + o, (float *)tu.m + o, (float *)tu.v + o, tu.gf + o, b->r[i].n, io->lr, io->beta1,
-                        io->beta2, io->eps, b->r[i].weight_decay, io->t, io->gs);
-    }
-  } else if (u->f == FY_STATE_Q8) {
-    q8_run(&tu, 0, fy_q8_blocks(tn));
+// fp32 and bf16 state, out of place: one range's run of len elements (decay), the pointers at its
+// start, fp32 gradients g or bf16 gradients gh (the new bf16 weights to w): the element of
+// fy_adamw_update(_bf16), of update_run_bf16. Functions of their own, with restrict parameters: in
+// a caller's body gcc loses the restrict of local pointers and, with seven streams, gives up on
+// vectorising.
+static __attribute__((noinline)) void run_f32_into(const struct step_k *kp, float decay, int64_t len,
+                                                   float *restrict p, float *restrict m, float *restrict v,
+                                                   uint16_t *restrict w, const float *restrict pi,
+                                                   const float *restrict mi, const float *restrict vi,
+                                                   const float *restrict g, const uint16_t *restrict gh) {
+  const struct step_k k = *kp;
+  if (g) {
+    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, pi[i], decay, mi[i], vi[i], g[i], m + i, v + i);
   } else {
-    update_items_bf16(&tu, 0, tn);
+    for (int64_t i = 0; i < len; i++) {
+      const float pn = adamw_elem(&k, pi[i], decay, mi[i], vi[i], fy_bf16_to_f32(gh[i]), m + i, v + i);
+      p[i] = pn;
+      w[i] = fy_f32_to_bf16(pn);
+    }
   }
-  copy_out(io->p_out + t0, b->p, (size_t)tn * 4);
-  moment_tile(u->f, u->n, t0, tn, io->m_out, b->m, false);
-  moment_tile(u->f, u->n, t0, tn, io->v_out, b->v, false);
-  if (io->gw) copy_out(io->w_out + t0, b->gw, (size_t)tn * 2);
+}
+
+static __attribute__((noinline)) void run_bf16_into(const struct step_k *kp, float decay, int64_t len,
+                                                    float *restrict p, uint16_t *restrict m, uint16_t *restrict v,
+                                                    uint16_t *restrict w, const float *restrict pi,
+                                                    const uint16_t *restrict mi, const uint16_t *restrict vi,
+                                                    const float *restrict g, const uint16_t *restrict gh) {
+  const struct step_k k = *kp;
+  if (g) {
+    for (int64_t i = 0; i < len; i++) {
+      float mn, vn;
+      p[i] = adamw_elem(&k, pi[i], decay, fy_bf16_to_f32(mi[i]), fy_bf16_to_f32(vi[i]), g[i], &mn, &vn);
+      m[i] = fy_f32_to_bf16(mn);
+      v[i] = fy_f32_to_bf16(vn);
+    }
+  } else {
+    for (int64_t i = 0; i < len; i++) {
+      float mn, vn;
+      const float pn = adamw_elem(&k, pi[i], decay, fy_bf16_to_f32(mi[i]), fy_bf16_to_f32(vi[i]),
+                                  fy_bf16_to_f32(gh[i]), &mn, &vn);
+      m[i] = fy_f32_to_bf16(mn);
+      v[i] = fy_f32_to_bf16(vn);
+      p[i] = pn;
+      w[i] = fy_f32_to_bf16(pn);
+    }
+  }
+}
+
+// Elements [lo, hi) of u's outputs that no range covers <- the inputs: param, the bf16 weights
+// (the gradients, as in place), and m and v but in 8 bits (whose blocks the kernels store whole).
+static void copy_gaps(const struct upd *u, int64_t lo, int64_t hi) {
+  const size_t es = u->f == FY_STATE_F32 ? 4 : 2;
+  int64_t pos = lo;
+  for (int r = first_range(u->r, u->nr, lo);; r++) {
+    const int64_t g1 = r < u->nr && u->r[r].off < hi ? u->r[r].off : hi;
+    if (g1 > pos) {
+      memcpy(u->param + pos, u->pin + pos, (size_t)(g1 - pos) * 4);
+      if (u->gh) memcpy(u->gh + pos, u->ghin + pos, (size_t)(g1 - pos) * 2);
+      if (u->f != FY_STATE_Q8) {
+        memcpy((char *)u->m + pos * es, (const char *)u->min + pos * es, (size_t)(g1 - pos) * es);
+        memcpy((char *)u->v + pos * es, (const char *)u->vin + pos * es, (size_t)(g1 - pos) * es);
+      }
+    }
+    if (g1 == hi) break;
+    const int64_t e = u->r[r].off + u->r[r].n;
+    pos = e > pos ? e : pos;
+  }
+}
+
+// fp32 and bf16 state: a work item [b0, b0 + len), range by range, and what no range covers.
+static void into_items(const struct upd *u, int64_t b0, int64_t len) {
+  const int64_t end = b0 + len;
+  for (int r = first_range(u->r, u->nr, b0); r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    if (lo >= hi) continue;
+    const float decay = range_decay(&u->k, u->r[r].weight_decay);
+    const float *g = u->gf ? u->gf + lo : NULL;
+    const uint16_t *gh = u->ghin ? u->ghin + lo : NULL;
+    uint16_t *w = u->gh ? u->gh + lo : NULL;
+    if (u->f == FY_STATE_F32)
+      run_f32_into(&u->k, decay, hi - lo, u->param + lo, (float *)u->m + lo, (float *)u->v + lo, w, u->pin + lo,
+                   (const float *)u->min + lo, (const float *)u->vin + lo, g, gh);
+    else
+      run_bf16_into(&u->k, decay, hi - lo, u->param + lo, (uint16_t *)u->m + lo, (uint16_t *)u->v + lo, w,
+                    u->pin + lo, (const uint16_t *)u->min + lo, (const uint16_t *)u->vin + lo, g, gh);
+  }
+  copy_gaps(u, b0, end);
 }
 
 fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, void *m_out, void *v_out,
@@ -680,35 +654,31 @@ fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, v
   if (n == 0) return FY_OK;
   if (!param_out || !m_out || !v_out || !param || !m || !v)
     return fy_error_set(FY_ERR_INVALID, "adamw state into: a NULL buffer for %lld elements", (long long)n);
-  const int64_t ntiles = (n + TILE - 1) / TILE;
-  int nthr = n > FY_PAR_ELEMENTWISE ? omp_get_max_threads() : 1;
-  if (nthr > ntiles) nthr = (int)ntiles;
-  if (nthr < 1) nthr = 1;
-  const size_t tb = tile_bytes(f, n_ranges);
-  char *bufs = aligned_alloc(64, tb * (size_t)nthr);
-  if (!bufs)
-    return fy_error_set(FY_ERR_NOMEM, "adamw state into: %d threads' tile buffers of %zu bytes", nthr, tb);
-  const struct upd u = {.f = f, .n = n, .r = ranges, .nr = n_ranges,
-                        .k = step_consts(lr, beta1, beta2, eps, t, grad_scale)};
-  const struct into io = {.p_out = param_out, .m_out = m_out, .v_out = v_out, .w_out = w16_out, .p = param, .m = m,
-                          .v = v, .grad = grad, .gw = gw, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
-                          .gs = grad_scale, .t = t};
-  if (f == FY_STATE_Q8) {  // the padding between the codes and the scales, so that the buffers are equal whole
-    const size_t pad = fy_q8_scales_offset(n) - (size_t)n;
+  const bool q8 = f == FY_STATE_Q8;
+  const struct upd u = {.f = f, .param = param_out, .m = m_out, .v = v_out, .gf = grad, .gh = w16_out, .pin = param,
+                        .min = m, .vin = v,
+                        .smin = q8 ? (const float *)((const char *)m + fy_q8_scales_offset(n)) : NULL,
+                        .svin = q8 ? (const float *)((const char *)v + fy_q8_scales_offset(n)) : NULL, .ghin = gw,
+                        .n = n, .r = ranges, .nr = n_ranges, .k = step_consts(lr, beta1, beta2, eps, t, grad_scale)};
+  if (q8) {  // as in place, each thread a run of whole blocks
+    const size_t pad = fy_q8_scales_offset(n) - (size_t)n;  // (the bytes before the scales: the buffers equal whole)
     memcpy((char *)m_out + n, (const char *)m + n, pad);
     memcpy((char *)v_out + n, (const char *)v + n, pad);
-  }
-#pragma omp parallel num_threads(nthr) if (parallel : nthr > 1)
-  {
-    struct tile_buf b = tile_buf_at(bufs + tb * (size_t)omp_get_thread_num(), f);
-#pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < ntiles; i++) {
-      const int64_t t0 = i * TILE;
-      into_tile(&u, &io, &b, t0, n - t0 < TILE ? n - t0 : TILE);
+    const int64_t nb = fy_q8_blocks(n);
+#pragma omp parallel if (parallel : n > FY_PAR_ELEMENTWISE)
+    {
+      const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num(), bb = nb * th / nt, be = nb * (th + 1) / nt;
+      q8_run_into(&u, bb, be);
+      copy_gaps(&u, bb * FY_Q8_BLOCK, be * FY_Q8_BLOCK < n ? be * FY_Q8_BLOCK : n);
     }
-    copy_out_fence();
+    return FY_OK;
   }
-  free(bufs);
+  const int64_t nb = (n + WORK_BF16 - 1) / WORK_BF16;
+#pragma omp parallel for schedule(static) if (parallel : n > FY_PAR_ELEMENTWISE)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t b0 = b * WORK_BF16;
+    into_items(&u, b0, n - b0 < WORK_BF16 ? n - b0 : WORK_BF16);
+  }
   return FY_OK;
 }
 
