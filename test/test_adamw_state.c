@@ -386,13 +386,26 @@ static int random_ranges(int64_t n, struct fy_adamw_range *r, int cap) {
   return k;
 }
 
-// Copies of one call's buffers: param, m, v, fp32 and bf16 gradients.
-static struct state state_copy(enum fy_state_format f, int64_t n, const struct state *a) {
+// 64-byte aligned (the out-of-place update's streaming stores need outputs on 64 bytes).
+static void *xmalloc64(size_t n) {
+  void *p = aligned_alloc(64, (n + 64) & ~(size_t)63);
+  if (!p) abort();
+  return p;
+}
+
+// Copies of one call's buffers: param, m, v, fp32 and bf16 gradients; on 64 bytes if a64, else
+// where calloc puts them (16 bytes: the out-of-place update's plain path for fp32 state).
+static struct state state_copy_at(enum fy_state_format f, int64_t n, const struct state *a, bool a64) {
   const size_t mb = fy_state_moment_bytes(f, n);
-  struct state s = {xmalloc((size_t)n * 4), xmalloc(mb), xmalloc(mb), xmalloc((size_t)n * 4), xmalloc((size_t)n * 2)};
+  void *(*al)(size_t) = a64 ? xmalloc64 : xmalloc;
+  struct state s = {al((size_t)n * 4), al(mb), al(mb), al((size_t)n * 4), al((size_t)n * 2)};
   memcpy(s.p, a->p, (size_t)n * 4), memcpy(s.m, a->m, mb), memcpy(s.v, a->v, mb);
   memcpy(s.g, a->g, (size_t)n * 4), memcpy(s.gw, a->gw, (size_t)n * 2);
   return s;
+}
+
+static struct state state_copy(enum fy_state_format f, int64_t n, const struct state *a) {
+  return state_copy_at(f, n, a, false);
 }
 
 // fy_adamw_state_update_into: in -> out (out.gw the bf16 weights when bf).
@@ -404,10 +417,11 @@ static fy_status update_into(enum fy_state_format f, bool bf, struct state *out,
 
 // The out-of-place update against the in-place one, byte for byte: param, m and v whole (8-bit
 // scales included) and the bf16 weights, for the three formats, both gradient forms, n below a
-// block, below a tile, of several tiles, not a multiple of the block, and above the parallel
-// threshold (1 and 3 threads then give the same bytes); random ranges with gaps, blocks of zeros
-// (m, v and gradients) and blocks in no range; the inputs left as they were; and the refusals,
-// which write nothing.
+// block, of several 4096-element work items, not a multiple of the block, and above the parallel
+// threshold (1 and 3 threads then give the same bytes; the 1-thread outputs on 64 bytes, the
+// 3-thread ones where calloc puts them: the fp32 state's streaming and plain paths); random ranges
+// with gaps, blocks of zeros (m, v and gradients), a NaN and an infinite gradient, and blocks in
+// no range; the inputs left as they were; and the refusals, which write nothing.
 static void test_into(void) {
   static const int64_t ns[] = {1, 100, 256, 1000, 5000 + 3, 3 * 8192 + 77, 70000 + 133};
   enum { CAP = 256 };
@@ -424,6 +438,7 @@ static void test_into(void) {
       m[i] = b % 5 == 2 ? 0.0f : 0.1f * check_frand(1.0f) * (float)pow(10.0, -4.0 * check_urand());
       v[i] = b % 5 == 2 ? 0.0f : 0.01f * m[i] * m[i] + 1e-12f * (float)check_urand();
     }
+    if (n > 3000) g[n / 2 + 1] = NAN, g[n / 2 + 700] = INFINITY;  // NaN weights (and 8-bit blocks) from here
     const int nr = n < 8 ? (r[0] = (struct fy_adamw_range){0, n, 0.1f}, 1) : random_ranges(n, r, CAP);
     for (int fi = 0; fi < 3; fi++) {
       const enum fy_state_format f = (enum fy_state_format)fi;
@@ -433,7 +448,7 @@ static void test_into(void) {
         for (int64_t t = 1; t <= 2; t++) {
           const float gs = t == 2 ? 0.5f : 1.0f;
           struct state keep = state_copy(f, n, &in), ref = state_copy(f, n, &in);
-          struct state o1 = state_copy(f, n, &in), o3 = state_copy(f, n, &in);
+          struct state o1 = state_copy_at(f, n, &in, true), o3 = state_copy(f, n, &in);
           memset(o1.p, 0xa5, (size_t)n * 4), memset(o1.m, 0xa5, mb), memset(o1.v, 0xa5, mb), memset(o1.gw, 0xa5, (size_t)n * 2);
           memset(o3.p, 0x5a, (size_t)n * 4), memset(o3.m, 0x5a, mb), memset(o3.v, 0x5a, mb), memset(o3.gw, 0x5a, (size_t)n * 2);
           CHECK_OK(bf ? fy_adamw_state_update_bf16(f, ref.p, ref.m, ref.v, ref.gw, n, r, nr, LR, B1, B2, EPS, t, gs)
