@@ -29,7 +29,7 @@
 // T threads it reads as wall time would on T free cores.
 //
 // --into: instead, fy_adamw_state_update_into (speculative updates: into a spare slot, the inputs
-// kept) against the in-place fy_adamw_state_update, fp32 and 8-bit state, fp32 and bf16 gradients,
+// kept) against the in-place fy_adamw_state_update, fp32, bf16 and 8-bit state, fp32 and bf16 gradients,
 // one range over the whole buffer. Each rep runs the in-place update on one set of buffers and the
 // out-of-place one between two other sets (A -> B, then B -> A), alternating which goes first;
 // lines give wall ns a parameter (median, best), the calling thread's CPU ns a parameter (median,
@@ -138,16 +138,16 @@ static int bench_into(int64_t n, int threads, int reps) {
     for (int k = 0; k < 3; k++) p[k][i] = ((float)(h >> 8) / 16777216.0f - 0.5f) * 0.1f, gw[k][i] = fy_f32_to_bf16(grad[i]);
   }
   const struct fy_adamw_range all = {0, n, 0.01f};
-  enum { F32, F32G, Q8, Q8G, NR };
-  static const char *names[NR] = {"fp32", "fp32_bf16grad", "8bit", "8bit_bf16grad"};
+  enum { F32, F32G, B16, B16G, Q8, Q8G, NR };
+  static const char *names[NR] = {"fp32", "fp32_bf16grad", "bf16", "bf16_bf16grad", "8bit", "8bit_bf16grad"};
   double *t[NR][2], *tc[NR][2], *pair[NR];
   for (int k = 0; k < NR; k++) {
     pair[k] = malloc((size_t)reps * sizeof(double));
     for (int j = 0; j < 2; j++) t[k][j] = malloc((size_t)reps * sizeof(double)), tc[k][j] = malloc((size_t)reps * sizeof(double));
   }
   for (int k = 0; k < NR; k++) {
-    const enum fy_state_format f = k < Q8 ? FY_STATE_F32 : FY_STATE_Q8;
-    const bool bf = k == F32G || k == Q8G;
+    const enum fy_state_format f = k < B16 ? FY_STATE_F32 : k < Q8 ? FY_STATE_BF16 : FY_STATE_Q8;
+    const bool bf = k == F32G || k == B16G || k == Q8G;
     const size_t mb = fy_state_moment_bytes(f, n);
     void *m[3], *v[3];
     float *zero = calloc((size_t)n, 4);
