@@ -9,6 +9,10 @@
 #include "core/dtype.h"
 #include "ops/ops.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // ---- the 8-bit codes ----
 
 // A code's magnitude k (0..255) is a tiny float relative to the block's absmax (ops/ops.h): k =
@@ -234,14 +238,14 @@ struct upd {
   void *m, *v;
   const float *gf;  // fp32 gradients, or
   uint16_t *gh;     // bf16 gradients in, bf16 weights out
-  const float *pin;
-  const void *min, *vin;
-  const float *smin, *svin;  // 8-bit: the inputs' scales (of block 0 of min, vin)
-  const uint16_t *ghin;
   int64_t n;
   const struct fy_adamw_range *r;
   int nr;
   struct step_k k;
+  const float *pin;
+  const void *min, *vin;
+  const float *smin, *svin;  // 8-bit: the inputs' scales (of block 0 of min, vin)
+  const uint16_t *ghin;
 };
 
 // The AdamW element of ops/cpu/adamw.c, operation for operation: p, the moments read back mo, vo,
@@ -363,11 +367,41 @@ struct q8_pipe {
   float mn[2][FY_Q8_BLOCK], vn[2][FY_Q8_BLOCK];
 };
 
+// Out of place, a block's new weights, bf16 weights and codes on their way out (stream_copy); a
+// struct of its own, unused in place, so that the in-place frame is the one it was.
+struct q8_oop {
+  _Alignas(64) float po[FY_Q8_BLOCK];
+  uint16_t wo[FY_Q8_BLOCK];
+  uint8_t cb[2][FY_Q8_BLOCK];
+};
+
+// dst <- src (bytes) with streaming stores where the machine has AVX-512 and dst and bytes allow
+// (64 bytes), else memcpy. Out of place, the outputs are a spare slot, not read again soon, and
+// a plain store would first read each output line (write-allocate): more memory traffic than the
+// in-place update's. Streaming stores are weakly ordered: each thread fences its own once, at
+// the end of its share (stores_fence).
+static inline void stream_copy(void *restrict dst, const void *restrict src, size_t bytes) {
+#if defined(__AVX512F__)
+  if (!((uintptr_t)dst & 63) && !(bytes & 63)) {
+    for (size_t i = 0; i < bytes; i += 64)
+      _mm512_stream_si512((void *)((char *)dst + i), _mm512_loadu_si512((const char *)src + i));
+    return;
+  }
+#endif
+  memcpy(dst, src, bytes);
+}
+
+static void stores_fence(void) {
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
 // The plain path: elements [b0, b0 + len) read back, updated range by range (elements in no
 // range keep their m and v), stored.
 KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
                            float *restrict vn, const bool oop) {
-  const struct q8_blk q = q8_blk_of(u, b0), qi = q8_blk_in(u, b0, oop);
+  const struct q8_blk q = q8_blk_of(u, b0), qi = oop ? q8_blk_in(u, b0, oop) : q;
   const float sm = *qi.sm, sv = *qi.sv;
   const int64_t end = b0 + len;
   for (int64_t i = 0; i < len; i++) {
@@ -404,9 +438,9 @@ KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
 KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
                           struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
                           const float *restrict pm, const float *restrict pv, float inv_m, float inv_v, uint32_t *am,
-                          uint32_t *av, const bool oop) {
+                          uint32_t *av, struct q8_oop *restrict o, const bool oop) {
   const struct step_k k = u->k;
-  float *restrict p = u->param + b0;
+  float *restrict p = oop ? o->po : u->param + b0;  // (out of place: through o->po, streamed out)
   const float *restrict pi = oop ? u->pin + b0 : NULL;
   uint32_t amm = 0, amv = 0;
   if (u->gf) {
@@ -415,13 +449,15 @@ KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
       Q8_PIPE_ELEM(g[i])
     }
   } else {
-    uint16_t *restrict g = u->gh + b0;
+    uint16_t *restrict g = oop ? o->wo : u->gh + b0;
     const uint16_t *restrict gi = oop ? u->ghin + b0 : NULL;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
       Q8_PIPE_ELEM(fy_bf16_to_f32(oop ? gi[i] : g[i]))
       g[i] = fy_f32_to_bf16(pn);
     }
+    if (oop) stream_copy(u->gh + b0, o->wo, sizeof o->wo);
   }
+  if (oop) stream_copy(u->param + b0, o->po, sizeof o->po);
   *am = amm < 0x7f800000u ? amm : 0x7f800000u;
   *av = amv < 0x7f800000u ? amv : 0x7f800000u;
 }
@@ -429,19 +465,27 @@ KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
 // The block before's store after the pipelined loop: its codes from w->qm, w->qv, or, for a block
 // whose absmax is 0, not finite or outside [2^-126, 2^126) (pipe_inv said so: done false), by
 // the plain store from its values.
-static void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, const float *restrict pm,
-                          const float *restrict pv, uint32_t am, uint32_t av, bool done_m, bool done_v) {
+// Out of place the codes go through o->cb and stream_copy.
+KERNEL void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, const float *restrict pm,
+                          const float *restrict pv, uint32_t am, uint32_t av, bool done_m, bool done_v,
+                          struct q8_oop *restrict o, const bool oop) {
+  int8_t *cm = oop ? (int8_t *)o->cb[0] : q.cm;
+  uint8_t *cv = oop ? o->cb[1] : q.cv;
   if (done_m) {
     *q.sm = bits_f32(am);
-    for (int i = 0; i < FY_Q8_BLOCK; i++) q.cm[i] = (int8_t)w->qm[i];
+    for (int i = 0; i < FY_Q8_BLOCK; i++) cm[i] = (int8_t)w->qm[i];
   } else {
-    q8_store(FY_MOMENT_M, q.cm, q.sm, pm, FY_Q8_BLOCK, am);
+    q8_store(FY_MOMENT_M, cm, q.sm, pm, FY_Q8_BLOCK, am);
   }
   if (done_v) {
     *q.sv = bits_f32(av);
-    for (int i = 0; i < FY_Q8_BLOCK; i++) q.cv[i] = (uint8_t)w->qv[i];
+    for (int i = 0; i < FY_Q8_BLOCK; i++) cv[i] = (uint8_t)w->qv[i];
   } else {
-    q8_store(FY_MOMENT_V, q.cv, q.sv, pv, FY_Q8_BLOCK, av);
+    q8_store(FY_MOMENT_V, cv, q.sv, pv, FY_Q8_BLOCK, av);
+  }
+  if (oop) {
+    stream_copy(q.cm, o->cb[0], FY_Q8_BLOCK);
+    stream_copy(q.cv, o->cb[1], FY_Q8_BLOCK);
   }
 }
 
@@ -455,6 +499,7 @@ static inline float pipe_inv(uint32_t amax_bits, bool *ok) {
 // Blocks [bb, be) of one thread.
 KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop) {
   struct q8_pipe w;
+  struct q8_oop o;
   memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
   memset(w.vn, 0, sizeof w.vn);
   int cur = 0;
@@ -470,7 +515,8 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
                        *q.sm < 0x1p16f && *q.sv < 0x1p32f;
     if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
-      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+      if (pending)
+        q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0, &o, oop);
       pending = false;
       q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur], oop);
       continue;
@@ -483,13 +529,14 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
     q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
-                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, oop);
-    if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
+                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, &o, oop);
+    if (pending)
+      q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v, &o, oop);
     pending = true;
     pb = b, pam = am, pav = av;
     cur ^= 1;
   }
-  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0, &o, oop);
 }
 
 static void q8_run(const struct upd *u, int64_t bb, int64_t be) { q8_run_k(u, bb, be, false); }
@@ -575,8 +622,6 @@ static inline void f32_into_loop(const struct step_k *kp, float decay, int64_t i
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 // The fp32 state's out-of-place loop with AVX-512 and streaming stores: the outputs are a spare
 // slot, not read again soon, and a plain store first reads each output line (write-allocate),
 // which made the out-of-place fp32 update 1.7x the in-place one's time (bench/adamw --into); with
@@ -631,12 +676,6 @@ static int64_t f32_into_nt(const struct step_k *k, float decay, int64_t len, flo
   return i;
 }
 #endif
-
-static void stores_fence(void) {
-#if defined(__AVX512F__)
-  _mm_sfence();
-#endif
-}
 
 static __attribute__((noinline)) void run_f32_into(const struct step_k *kp, float decay, int64_t len,
                                                    float *restrict p, float *restrict m, float *restrict v,
@@ -786,6 +825,7 @@ fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, v
       const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num(), bb = nb * th / nt, be = nb * (th + 1) / nt;
       q8_run_into(&u, bb, be);
       copy_gaps(&u, bb * FY_Q8_BLOCK, be * FY_Q8_BLOCK < n ? be * FY_Q8_BLOCK : n);
+      stores_fence();
     }
     return FY_OK;
   }
