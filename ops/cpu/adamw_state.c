@@ -367,36 +367,6 @@ struct q8_pipe {
   float mn[2][FY_Q8_BLOCK], vn[2][FY_Q8_BLOCK];
 };
 
-// Out of place, a block's new weights, bf16 weights and codes on their way out (stream_copy); a
-// struct of its own, unused in place, so that the in-place frame is the one it was.
-struct q8_oop {
-  _Alignas(64) float po[FY_Q8_BLOCK];
-  uint16_t wo[FY_Q8_BLOCK];
-  uint8_t cb[2][FY_Q8_BLOCK];
-};
-
-// dst <- src (bytes) with streaming stores where the machine has AVX-512 and dst and bytes allow
-// (64 bytes), else memcpy. Out of place, the outputs are a spare slot, not read again soon, and
-// a plain store would first read each output line (write-allocate): more memory traffic than the
-// in-place update's. Streaming stores are weakly ordered: each thread fences its own once, at
-// the end of its share (stores_fence).
-static inline void stream_copy(void *restrict dst, const void *restrict src, size_t bytes) {
-#if defined(__AVX512F__)
-  if (!((uintptr_t)dst & 63) && !(bytes & 63)) {
-    for (size_t i = 0; i < bytes; i += 64)
-      _mm512_stream_si512((void *)((char *)dst + i), _mm512_loadu_si512((const char *)src + i));
-    return;
-  }
-#endif
-  memcpy(dst, src, bytes);
-}
-
-static void stores_fence(void) {
-#if defined(__AVX512F__)
-  _mm_sfence();
-#endif
-}
-
 // The plain path: elements [b0, b0 + len) read back, updated range by range (elements in no
 // range keep their m and v), stored.
 KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
@@ -438,9 +408,9 @@ KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
 KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
                           struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
                           const float *restrict pm, const float *restrict pv, float inv_m, float inv_v, uint32_t *am,
-                          uint32_t *av, struct q8_oop *restrict o, const bool oop) {
+                          uint32_t *av, const bool oop) {
   const struct step_k k = u->k;
-  float *restrict p = oop ? o->po : u->param + b0;  // (out of place: through o->po, streamed out)
+  float *restrict p = u->param + b0;
   const float *restrict pi = oop ? u->pin + b0 : NULL;
   uint32_t amm = 0, amv = 0;
   if (u->gf) {
@@ -449,15 +419,13 @@ KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
       Q8_PIPE_ELEM(g[i])
     }
   } else {
-    uint16_t *restrict g = oop ? o->wo : u->gh + b0;
+    uint16_t *restrict g = u->gh + b0;
     const uint16_t *restrict gi = oop ? u->ghin + b0 : NULL;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
       Q8_PIPE_ELEM(fy_bf16_to_f32(oop ? gi[i] : g[i]))
       g[i] = fy_f32_to_bf16(pn);
     }
-    if (oop) stream_copy(u->gh + b0, o->wo, sizeof o->wo);
   }
-  if (oop) stream_copy(u->param + b0, o->po, sizeof o->po);
   *am = amm < 0x7f800000u ? amm : 0x7f800000u;
   *av = amv < 0x7f800000u ? amv : 0x7f800000u;
 }
@@ -465,27 +433,19 @@ KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
 // The block before's store after the pipelined loop: its codes from w->qm, w->qv, or, for a block
 // whose absmax is 0, not finite or outside [2^-126, 2^126) (pipe_inv said so: done false), by
 // the plain store from its values.
-// Out of place the codes go through o->cb and stream_copy.
-KERNEL void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, const float *restrict pm,
-                          const float *restrict pv, uint32_t am, uint32_t av, bool done_m, bool done_v,
-                          struct q8_oop *restrict o, const bool oop) {
-  int8_t *cm = oop ? (int8_t *)o->cb[0] : q.cm;
-  uint8_t *cv = oop ? o->cb[1] : q.cv;
+static void q8_pipe_store(struct q8_blk q, const struct q8_pipe *restrict w, const float *restrict pm,
+                          const float *restrict pv, uint32_t am, uint32_t av, bool done_m, bool done_v) {
   if (done_m) {
     *q.sm = bits_f32(am);
-    for (int i = 0; i < FY_Q8_BLOCK; i++) cm[i] = (int8_t)w->qm[i];
+    for (int i = 0; i < FY_Q8_BLOCK; i++) q.cm[i] = (int8_t)w->qm[i];
   } else {
-    q8_store(FY_MOMENT_M, cm, q.sm, pm, FY_Q8_BLOCK, am);
+    q8_store(FY_MOMENT_M, q.cm, q.sm, pm, FY_Q8_BLOCK, am);
   }
   if (done_v) {
     *q.sv = bits_f32(av);
-    for (int i = 0; i < FY_Q8_BLOCK; i++) cv[i] = (uint8_t)w->qv[i];
+    for (int i = 0; i < FY_Q8_BLOCK; i++) q.cv[i] = (uint8_t)w->qv[i];
   } else {
-    q8_store(FY_MOMENT_V, cv, q.sv, pv, FY_Q8_BLOCK, av);
-  }
-  if (oop) {
-    stream_copy(q.cm, o->cb[0], FY_Q8_BLOCK);
-    stream_copy(q.cv, o->cb[1], FY_Q8_BLOCK);
+    q8_store(FY_MOMENT_V, q.cv, q.sv, pv, FY_Q8_BLOCK, av);
   }
 }
 
@@ -499,7 +459,6 @@ static inline float pipe_inv(uint32_t amax_bits, bool *ok) {
 // Blocks [bb, be) of one thread.
 KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop) {
   struct q8_pipe w;
-  struct q8_oop o;
   memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
   memset(w.vn, 0, sizeof w.vn);
   int cur = 0;
@@ -516,7 +475,7 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
                        *q.sm < 0x1p16f && *q.sv < 0x1p32f;
     if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
       if (pending)
-        q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0, &o, oop);
+        q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
       pending = false;
       q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur], oop);
       continue;
@@ -529,14 +488,14 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
     q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
-                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, &o, oop);
+                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, oop);
     if (pending)
-      q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v, &o, oop);
+      q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
     pb = b, pam = am, pav = av;
     cur ^= 1;
   }
-  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0, &o, oop);
+  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
 }
 
 static void q8_run(const struct upd *u, int64_t bb, int64_t be) { q8_run_k(u, bb, be, false); }
@@ -595,10 +554,25 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 // ---- the out-of-place update ----
 //
 // fy_adamw_state_update_into runs the 8-bit kernels above in their out-of-place instances, and
-// loops of its own for fp32 and bf16 state (their in-place elements), reading the inputs and writing the
-// outputs in one pass: each element's operations are the in-place ones, and every kernel gives
-// the same bytes for any split into whole blocks (8-bit) or elements, so the outputs are the
-// in-place bytes. What no range covers is copied.
+// loops of its own for fp32 and bf16 state (their in-place elements), reading the inputs and
+// writing the outputs in one pass: each element's operations are the in-place ones, and every
+// kernel gives the same bytes for any split into whole blocks (8-bit) or elements, so the outputs
+// are the in-place bytes. What no range covers is copied.
+//
+// fp32 and bf16 state store with AVX-512 streaming stores where the machine has them: the
+// outputs are a spare slot, not read again soon, and a plain store first reads each output line
+// (write-allocate), more memory traffic than the in-place update's (bench/adamw --into, 2-core
+// Zen 4: out of place 1.7x the in-place time with plain stores for fp32 state, 1.15-1.2x with
+// streaming ones; bf16 state 1.4-1.6x and 1.2-1.3x). The 8-bit update, which keeps the cores
+// busier than the memory, was no faster through a block's buffer and streaming stores (1.2-1.35x
+// either way): it stores directly. Streaming stores are weakly ordered: each thread fences its
+// own once, at the end of its share.
+
+static void stores_fence(void) {
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
 
 // fp32 and bf16 state, out of place: one range's run of len elements (decay), the pointers at its
 // start, fp32 gradients g or bf16 gradients gh (the new bf16 weights to w): the element of
@@ -622,11 +596,8 @@ static inline void f32_into_loop(const struct step_k *kp, float decay, int64_t i
 }
 
 #if defined(__AVX512F__)
-// The fp32 state's out-of-place loop with AVX-512 and streaming stores: the outputs are a spare
-// slot, not read again soon, and a plain store first reads each output line (write-allocate),
-// which made the out-of-place fp32 update 1.7x the in-place one's time (bench/adamw --into); with
-// streaming stores the memory traffic is the in-place update's. adamw_elem on 16 lanes, operation
-// for operation (IEEE operations, no fused multiply-adds: the same bits).
+// adamw_elem on 16 lanes, operation for operation (IEEE operations, no fused multiply-adds: the
+// same bits).
 static inline __m512 adamw_elem16(const struct step_k *k, __m512 p, float decay, __m512 mo, __m512 vo, __m512 g,
                                   __m512 *mn, __m512 *vn) {
   g = _mm512_mul_ps(g, _mm512_set1_ps(k->gs));
@@ -652,10 +623,8 @@ static inline __m256i f32_16_to_bf16(__m512 f) {
 }
 
 // Elements [h, end) of the run with streaming stores, h the first at which p, m and v sit on 64
-// bytes (and w on 32): the index reached (h, nothing done, where the outputs' alignments differ).
-// Streaming stores are weakly ordered: each thread fences its own once, at the end of its share
-// (stores_fence; a fence a run waits for the stores to drain, 10% of the time in 4096-element
-// work items).
+// bytes (and w on 32): the index reached (h, nothing done, where the outputs' alignments differ;
+// the caller's plain loop does the rest).
 static int64_t f32_into_nt(const struct step_k *k, float decay, int64_t len, float *restrict p, float *restrict m,
                            float *restrict v, uint16_t *restrict w, const float *restrict pi,
                            const float *restrict mi, const float *restrict vi, const float *restrict g,
@@ -825,7 +794,6 @@ fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, v
       const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num(), bb = nb * th / nt, be = nb * (th + 1) / nt;
       q8_run_into(&u, bb, be);
       copy_gaps(&u, bb * FY_Q8_BLOCK, be * FY_Q8_BLOCK < n ? be * FY_Q8_BLOCK : n);
-      stores_fence();
     }
     return FY_OK;
   }
