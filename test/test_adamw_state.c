@@ -419,9 +419,9 @@ static fy_status update_into(enum fy_state_format f, bool bf, struct state *out,
 // scales included) and the bf16 weights, for the three formats, both gradient forms, n below a
 // block, of several 4096-element work items, not a multiple of the block, and above the parallel
 // threshold (1 and 3 threads then give the same bytes; the 1-thread outputs on 64 bytes, the
-// 3-thread ones where calloc puts them: the fp32 state's streaming and plain paths); random ranges
-// with gaps, blocks of zeros (m, v and gradients), a NaN and an infinite gradient, and blocks in
-// no range; the inputs left as they were; and the refusals, which write nothing.
+// 3-thread ones where calloc puts them: fp32 and bf16 state's streaming and plain paths); random
+// ranges with gaps, blocks of zeros (m, v and gradients), a NaN and an infinite gradient, and
+// blocks in no range; the inputs left as they were; and the refusals, which write nothing.
 static void test_into(void) {
   static const int64_t ns[] = {1, 100, 256, 1000, 5000 + 3, 3 * 8192 + 77, 70000 + 133};
   enum { CAP = 256 };
