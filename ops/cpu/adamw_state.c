@@ -229,9 +229,9 @@ static int first_range(const struct fy_adamw_range *r, int nr, int64_t pos) {
   return lo;
 }
 
-// One call's arguments, shared by the workers. In place, the inputs pin, min, vin and ghin are not
-// set: the kernels' instances with oop false read param, m, v and gh; out of place (oop true) they
-// read the inputs and write the outputs, which do not overlap them.
+// One call's arguments, shared by the workers. In place the inputs (pin .. ghin) are not set: the
+// kernels' instances with oop false read param, m, v and gh; out of place (oop true) they read the
+// inputs and write the outputs, which do not overlap them.
 struct upd {
   enum fy_state_format f;
   float *param;
@@ -474,8 +474,7 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
                        *q.sm < 0x1p16f && *q.sv < 0x1p32f;
     if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
-      if (pending)
-        q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
       pending = false;
       q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur], oop);
       continue;
@@ -489,8 +488,7 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     uint32_t am, av;
     q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
                   w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, oop);
-    if (pending)
-      q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
+    if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
     pb = b, pam = am, pav = av;
     cur ^= 1;
@@ -561,12 +559,12 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 //
 // fp32 and bf16 state store with AVX-512 streaming stores where the machine has them: the
 // outputs are a spare slot, not read again soon, and a plain store first reads each output line
-// (write-allocate), more memory traffic than the in-place update's (bench/adamw --into, 2-core
-// Zen 4: out of place 1.7x the in-place time with plain stores for fp32 state, 1.15-1.2x with
-// streaming ones; bf16 state 1.4-1.6x and 1.2-1.3x). The 8-bit update, which keeps the cores
-// busier than the memory, was no faster through a block's buffer and streaming stores (1.2-1.35x
-// either way): it stores directly. Streaming stores are weakly ordered: each thread fences its
-// own once, at the end of its share.
+// (write-allocate), more memory traffic than the in-place update's (bench/adamw --into, 2 threads
+// on a shared 2-core Zen 4: out of place took 1.7x the in-place time with plain stores for fp32
+// state, 1.1-1.35x with streaming ones; bf16 state 1.4-1.6x and 1.2-1.4x). The 8-bit update,
+// which keeps the cores busier than the memory, was no faster through a block's buffer and
+// streaming stores (1.05-1.35x either way, the machine's noise): it stores directly. Streaming
+// stores are weakly ordered: each thread fences its own once, at the end of its share.
 
 static void stores_fence(void) {
 #if defined(__AVX512F__)
