@@ -135,7 +135,10 @@ static int bench_into(int64_t n, int threads, int reps) {
   for (int64_t i = 0; i < n; i++) {
     uint32_t h = (uint32_t)i * 2654435761u;
     grad[i] = ((float)((h * 2246822519u) >> 8) / 16777216.0f - 0.5f) * 0.01f;
-    for (int k = 0; k < 3; k++) p[k][i] = ((float)(h >> 8) / 16777216.0f - 0.5f) * 0.1f, gw[k][i] = fy_f32_to_bf16(grad[i]);
+    for (int k = 0; k < 3; k++) {
+      p[k][i] = ((float)(h >> 8) / 16777216.0f - 0.5f) * 0.1f;
+      gw[k][i] = fy_f32_to_bf16(grad[i]);
+    }
   }
   const struct fy_adamw_range all = {0, n, 0.01f};
   enum { F32, F32G, B16, B16G, Q8, Q8G, NR };
@@ -143,7 +146,10 @@ static int bench_into(int64_t n, int threads, int reps) {
   double *t[NR][2], *tc[NR][2], *pair[NR];
   for (int k = 0; k < NR; k++) {
     pair[k] = malloc((size_t)reps * sizeof(double));
-    for (int j = 0; j < 2; j++) t[k][j] = malloc((size_t)reps * sizeof(double)), tc[k][j] = malloc((size_t)reps * sizeof(double));
+    for (int j = 0; j < 2; j++) {
+      t[k][j] = malloc((size_t)reps * sizeof(double));
+      tc[k][j] = malloc((size_t)reps * sizeof(double));
+    }
   }
   for (int k = 0; k < NR; k++) {
     const enum fy_state_format f = k < B16 ? FY_STATE_F32 : k < Q8 ? FY_STATE_BF16 : FY_STATE_Q8;
@@ -166,8 +172,10 @@ static int bench_into(int64_t n, int threads, int reps) {
         const double w0 = fy_now(), c0 = cpu_s();
         fy_status st;
         if (in_place)
-          st = bf ? fy_adamw_state_update_bf16(f, p[0], m[0], v[0], gw[0], n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f)
-                  : fy_adamw_state_update(f, p[0], m[0], v[0], grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f);
+          st = bf ? fy_adamw_state_update_bf16(f, p[0], m[0], v[0], gw[0], n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
+                                               r + 2, 1.0f)
+                  : fy_adamw_state_update(f, p[0], m[0], v[0], grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2,
+                                          1.0f);
         else
           st = fy_adamw_state_update_into(f, p[b], m[b], v[b], bf ? gw[b] : NULL, p[a], m[a], v[a], bf ? NULL : grad,
                                           bf ? gw[a] : NULL, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f);

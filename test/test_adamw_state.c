@@ -1,7 +1,8 @@
 // AdamW with bf16 and 8-bit state (ops/cpu/adamw_state.c): the codes, the nearest-code rule
 // against a brute-force search, the round trip's error bound, zero, NaN and outlier blocks, short
 // last blocks, the fused update against decode + fy_adamw_update + encode, ranges with gaps and
-// different decay, the thread count, the out-of-place update against the in-place one, and the drift of 8-bit m and v from fp32 state over 100 steps.
+// different decay, the thread count, the out-of-place update against the in-place one, and the
+// drift of 8-bit m and v from fp32 state over 100 steps.
 //
 // usage: test_adamw_state                the checks
 //        test_adamw_state --dump DIR     writes inputs and results for test/reference/adamw_state_ref.py
@@ -408,6 +409,12 @@ static struct state state_copy(enum fy_state_format f, int64_t n, const struct s
   return state_copy_at(f, n, a, false);
 }
 
+// Every byte of s's param, m, v and bf16 weights <- byte.
+static void state_fill(enum fy_state_format f, int64_t n, struct state *s, int byte) {
+  const size_t mb = fy_state_moment_bytes(f, n);
+  memset(s->p, byte, (size_t)n * 4), memset(s->m, byte, mb), memset(s->v, byte, mb), memset(s->gw, byte, (size_t)n * 2);
+}
+
 // fy_adamw_state_update_into: in -> out (out.gw the bf16 weights when bf).
 static fy_status update_into(enum fy_state_format f, bool bf, struct state *out, const struct state *in, int64_t n,
                              const struct fy_adamw_range *r, int nr, int64_t t, float gs) {
@@ -442,15 +449,13 @@ static void test_into(void) {
     const int nr = n < 8 ? (r[0] = (struct fy_adamw_range){0, n, 0.1f}, 1) : random_ranges(n, r, CAP);
     for (int fi = 0; fi < 3; fi++) {
       const enum fy_state_format f = (enum fy_state_format)fi;
-      const size_t mb = fy_state_moment_bytes(f, n);
       for (int bf = 0; bf < 2; bf++) {
         struct state in = state_new(f, n, p, m, v, g);
         for (int64_t t = 1; t <= 2; t++) {
           const float gs = t == 2 ? 0.5f : 1.0f;
           struct state keep = state_copy(f, n, &in), ref = state_copy(f, n, &in);
           struct state o1 = state_copy_at(f, n, &in, true), o3 = state_copy(f, n, &in);
-          memset(o1.p, 0xa5, (size_t)n * 4), memset(o1.m, 0xa5, mb), memset(o1.v, 0xa5, mb), memset(o1.gw, 0xa5, (size_t)n * 2);
-          memset(o3.p, 0x5a, (size_t)n * 4), memset(o3.m, 0x5a, mb), memset(o3.v, 0x5a, mb), memset(o3.gw, 0x5a, (size_t)n * 2);
+          state_fill(f, n, &o1, 0xa5), state_fill(f, n, &o3, 0x5a);  // (outputs: every byte written)
           CHECK_OK(bf ? fy_adamw_state_update_bf16(f, ref.p, ref.m, ref.v, ref.gw, n, r, nr, LR, B1, B2, EPS, t, gs)
                       : fy_adamw_state_update(f, ref.p, ref.m, ref.v, ref.g, n, r, nr, LR, B1, B2, EPS, t, gs));
           omp_set_num_threads(1);
@@ -463,9 +468,9 @@ static void test_into(void) {
           const bool eq = state_equal(f, n, &o1, &ref), thr = state_equal(f, n, &o3, &o1);
           const bool same_in = state_equal(f, n, &in, &keep) && !memcmp(in.g, keep.g, (size_t)n * 4);
           if ((!eq || !thr || !same_in) && bad_eq + bad_thr + bad_in < 5)
-            fprintf(stderr, "  into %s %s grads n %lld step %lld: %s%s%s\n", fy_state_format_name(f), bf ? "bf16" : "fp32",
-                    (long long)n, (long long)t, eq ? "" : "unlike in place; ", thr ? "" : "3 threads unlike 1; ",
-                    same_in ? "" : "inputs written");
+            fprintf(stderr, "  into %s %s grads n %lld step %lld: %s%s%s\n", fy_state_format_name(f),
+                    bf ? "bf16" : "fp32", (long long)n, (long long)t, eq ? "" : "unlike in place; ",
+                    thr ? "" : "3 threads unlike 1; ", same_in ? "" : "inputs written");
           bad_eq += !eq, bad_thr += !thr, bad_in += !same_in;
           for (int64_t i = 0; i < n; i++) moved_total += o1.p[i] != in.p[i];
           cases++;
@@ -485,8 +490,7 @@ static void test_into(void) {
   const int64_t n = 3000;
   float *z = xmalloc((size_t)n * 4);
   struct state in = state_new(FY_STATE_Q8, n, z, z, z, z), out = state_new(FY_STATE_Q8, n, z, z, z, z);
-  const size_t mb = fy_state_moment_bytes(FY_STATE_Q8, n);
-  memset(out.p, 0x77, (size_t)n * 4), memset(out.m, 0x77, mb), memset(out.v, 0x77, mb), memset(out.gw, 0x77, (size_t)n * 2);
+  state_fill(FY_STATE_Q8, n, &out, 0x77);
   struct state keep = state_copy(FY_STATE_Q8, n, &out);
   struct fy_adamw_range ok[1] = {{0, n, 0}}, bad1[2] = {{0, 100, 0}, {50, 10, 0}}, bad2[1] = {{n - 5, 6, 0}};
 #define INTO(W, G, GW, R, NR, T)                                                                              \

@@ -229,9 +229,8 @@ static int first_range(const struct fy_adamw_range *r, int nr, int64_t pos) {
   return lo;
 }
 
-// One call's arguments, shared by the workers. In place the inputs (pin .. ghin) are not set: the
-// kernels' instances with oop false read param, m, v and gh; out of place (oop true) they read the
-// inputs and write the outputs, which do not overlap them.
+// One call's arguments, shared by the workers. Out of place (fy_adamw_state_update_into) param,
+// m, v and gh are the outputs and the inputs follow; in place the inputs are not set.
 struct upd {
   enum fy_state_format f;
   float *param;
@@ -245,7 +244,7 @@ struct upd {
   const float *pin;
   const void *min, *vin;
   const float *smin, *svin;  // 8-bit: the inputs' scales (of block 0 of min, vin)
-  const uint16_t *ghin;
+  const uint16_t *ghin;      // bf16 gradients in (gh: the bf16 weights out)
 };
 
 // The AdamW element of ops/cpu/adamw.c, operation for operation: p, the moments read back mo, vo,
@@ -258,28 +257,20 @@ static inline float adamw_elem(const struct step_k *k, float p, float decay, flo
   return p * decay - k->step * (*mi / (sqrtf(*vi) / k->bc2_sqrt + k->eps));
 }
 
-// The kernels below come in two instances, oop false (in place) and true (out of place): always
-// inlined with the flag a constant, each instance's loops see only its own pointers (the inputs'
-// restrict pointers are NULL and unused in place), so the in-place loops are the ones they were.
-#define KERNEL static inline __attribute__((always_inline))
-
 // 8-bit, a block's elements [lo, hi) of one range (decay): m and v (indexed from lo) read back
 // and updated in place; param and gradients at [lo, hi).
-KERNEL void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m, float *restrict v,
-                       const bool oop) {
+static inline void update_run(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m,
+                              float *restrict v) {
   const int64_t len = hi - lo;
   const struct step_k k = u->k;
   float *restrict p = u->param + lo;
-  const float *restrict pi = oop ? u->pin + lo : NULL;
   if (u->gf) {
     const float *restrict g = u->gf + lo;
-    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, oop ? pi[i] : p[i], decay, m[i], v[i], g[i], m + i, v + i);
+    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, p[i], decay, m[i], v[i], g[i], m + i, v + i);
   } else {
     uint16_t *restrict g = u->gh + lo;
-    const uint16_t *restrict gi = oop ? u->ghin + lo : NULL;
     for (int64_t i = 0; i < len; i++) {
-      const float pn =
-          adamw_elem(&k, oop ? pi[i] : p[i], decay, m[i], v[i], fy_bf16_to_f32(oop ? gi[i] : g[i]), m + i, v + i);
+      const float pn = adamw_elem(&k, p[i], decay, m[i], v[i], fy_bf16_to_f32(g[i]), m + i, v + i);
       p[i] = pn;
       g[i] = fy_f32_to_bf16(pn);
     }
@@ -352,14 +343,6 @@ static struct q8_blk q8_blk_of(const struct upd *u, int64_t b0) {
                          .sv = (float *)((char *)u->v + fy_q8_scales_offset(u->n)) + b};
 }
 
-// The block's buffers to read: the inputs' out of place (only read through), else q8_blk_of's.
-KERNEL struct q8_blk q8_blk_in(const struct upd *u, int64_t b0, const bool oop) {
-  if (!oop) return q8_blk_of(u, b0);
-  const int64_t b = b0 / FY_Q8_BLOCK;
-  return (struct q8_blk){.cm = (int8_t *)u->min + b0, .cv = (uint8_t *)u->vin + b0,
-                         .sm = (float *)u->smin + b, .sv = (float *)u->svin + b};
-}
-
 // A thread's buffers: the codes of the block being updated (widened), the new m and v of it and
 // of the block before, the codes of the block before (int32).
 struct q8_pipe {
@@ -369,20 +352,19 @@ struct q8_pipe {
 
 // The plain path: elements [b0, b0 + len) read back, updated range by range (elements in no
 // range keep their m and v), stored.
-KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
-                           float *restrict vn, const bool oop) {
-  const struct q8_blk q = q8_blk_of(u, b0), qi = oop ? q8_blk_in(u, b0, oop) : q;
-  const float sm = *qi.sm, sv = *qi.sv;
+static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
+                           float *restrict vn) {
+  const struct q8_blk q = q8_blk_of(u, b0);
+  const float sm = *q.sm, sv = *q.sv;
   const int64_t end = b0 + len;
   for (int64_t i = 0; i < len; i++) {
-    mn[i] = q8_val_m((uint8_t)qi.cm[i]) * sm;
-    vn[i] = q8_val_v(qi.cv[i]) * sv;
+    mn[i] = q8_val_m((uint8_t)q.cm[i]) * sm;
+    vn[i] = q8_val_v(q.cv[i]) * sv;
   }
   for (; r < u->nr && u->r[r].off < end; r++) {
     const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
     const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
-    if (lo < hi)
-      update_run(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0), oop);
+    if (lo < hi) update_run(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0));
   }
   q8_store(FY_MOMENT_M, q.cm, q.sm, mn, len, amax_bits_of(mn, len));
   q8_store(FY_MOMENT_V, q.cv, q.sv, vn, len, amax_bits_of(vn, len));
@@ -391,11 +373,11 @@ KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
 // The pipelined loop over one whole block at b0 (decay): its widened codes w->cm, w->cv read back
 // with the folded scales sm2 = 2^112 sm, sv2 = 2^96 sv (q8_read_m), updated, the new m and v to
 // mn, vn and their amax_bits_of to *am, *av; and the block before's new m and v pm, pv quantised
-// with inv_m, inv_v to w->qm, w->qv.
-#define Q8_PIPE_ELEM(G)                                                                                  \
+// with inv_m, inv_v to w->qm, w->qv; P the old weight (p[i], out of place the input's).
+#define Q8_PIPE_ELEM(P, G)                                                                               \
   const float mo = q8_read_m(w->cm[i], sm2), vo = q8_read_v(w->cv[i], sv2);                             \
   float mi, vi;                                                                                          \
-  const float pn = adamw_elem(&k, oop ? pi[i] : p[i], decay, mo, vo, (G), &mi, &vi);                     \
+  const float pn = adamw_elem(&k, (P), decay, mo, vo, (G), &mi, &vi);                                    \
   p[i] = pn;                                                                                             \
   mn[i] = mi;                                                                                            \
   vn[i] = vi;                                                                                            \
@@ -405,24 +387,22 @@ KERNEL void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
   w->qm[i] = q8_code_m(pm[i], 1.0f, inv_m);                                                              \
   w->qv[i] = (int32_t)q8_code_v(pv[i], 1.0f, inv_v);
 
-KERNEL void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
+static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
                           struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
                           const float *restrict pm, const float *restrict pv, float inv_m, float inv_v, uint32_t *am,
-                          uint32_t *av, const bool oop) {
+                          uint32_t *av) {
   const struct step_k k = u->k;
   float *restrict p = u->param + b0;
-  const float *restrict pi = oop ? u->pin + b0 : NULL;
   uint32_t amm = 0, amv = 0;
   if (u->gf) {
     const float *restrict g = u->gf + b0;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
-      Q8_PIPE_ELEM(g[i])
+      Q8_PIPE_ELEM(p[i], g[i])
     }
   } else {
     uint16_t *restrict g = u->gh + b0;
-    const uint16_t *restrict gi = oop ? u->ghin + b0 : NULL;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
-      Q8_PIPE_ELEM(fy_bf16_to_f32(oop ? gi[i] : g[i]))
+      Q8_PIPE_ELEM(p[i], fy_bf16_to_f32(g[i]))
       g[i] = fy_f32_to_bf16(pn);
     }
   }
@@ -457,7 +437,7 @@ static inline float pipe_inv(uint32_t amax_bits, bool *ok) {
 }
 
 // Blocks [bb, be) of one thread.
-KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop) {
+static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
   struct q8_pipe w;
   memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
   memset(w.vn, 0, sizeof w.vn);
@@ -468,7 +448,7 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
   for (int64_t b = bb; b < be; b++) {
     const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
     const int r = first_range(u->r, u->nr, b0);
-    const struct q8_blk q = q8_blk_in(u, b0, oop);  // (only read here)
+    const struct q8_blk q = q8_blk_of(u, b0);
     // whole and inside one range, and scales whose folded read-back factors stay finite (< 2^16
     // for m, < 2^32 for v; NaN fails too)
     const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
@@ -476,7 +456,7 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
       if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
       pending = false;
-      q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur], oop);
+      q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
       continue;
     }
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
@@ -487,7 +467,7 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
     q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
-                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av, oop);
+                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
     if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
     pb = b, pam = am, pav = av;
@@ -495,9 +475,6 @@ KERNEL void q8_run_k(const struct upd *u, int64_t bb, int64_t be, const bool oop
   }
   if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
 }
-
-static void q8_run(const struct upd *u, int64_t bb, int64_t be) { q8_run_k(u, bb, be, false); }
-static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) { q8_run_k(u, bb, be, true); }
 
 static fy_status state_update(struct upd *u, float lr, float beta1, float beta2, float eps, int64_t t,
                               float grad_scale) {
@@ -551,9 +528,9 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 
 // ---- the out-of-place update ----
 //
-// fy_adamw_state_update_into runs the 8-bit kernels above in their out-of-place instances, and
-// loops of its own for fp32 and bf16 state (their in-place elements), reading the inputs and
-// writing the outputs in one pass: each element's operations are the in-place ones, and every
+// fy_adamw_state_update_into runs out-of-place copies of the 8-bit kernels above, and loops of its
+// own for fp32 and bf16 state (their in-place elements), reading the inputs and writing the
+// outputs in one pass: each element's operations are the in-place ones, and every
 // kernel gives the same bytes for any split into whole blocks (8-bit) or elements, so the outputs
 // are the in-place bytes. What no range covers is copied.
 //
@@ -565,6 +542,122 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 // which keeps the cores busier than the memory, was no faster through a block's buffer and
 // streaming stores (1.05-1.35x either way, the machine's noise): it stores directly. Streaming
 // stores are weakly ordered: each thread fences its own once, at the end of its share.
+
+// The 8-bit kernels' out-of-place copies: update_run, q8_block_plain, q8_block_pipe and q8_run
+// operation for operation, reading the inputs and writing the outputs (test_adamw_state compares
+// the bytes with the in-place ones). Copies, not one kernel with a flag for both: gcc compiled the
+// in-place loops differently inside a shared always-inlined kernel (1-3% slower). The copies are
+// always inlined into q8_run_into (a few % faster than gcc's own choice here).
+#define INTO_KERNEL static inline __attribute__((always_inline))
+
+INTO_KERNEL void update_run_into(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m,
+                                 float *restrict v) {
+  const int64_t len = hi - lo;
+  const struct step_k k = u->k;
+  float *restrict p = u->param + lo;
+  const float *restrict pi = u->pin + lo;
+  if (u->gf) {
+    const float *restrict g = u->gf + lo;
+    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, pi[i], decay, m[i], v[i], g[i], m + i, v + i);
+  } else {
+    uint16_t *restrict w = u->gh + lo;
+    const uint16_t *restrict g = u->ghin + lo;
+    for (int64_t i = 0; i < len; i++) {
+      const float pn = adamw_elem(&k, pi[i], decay, m[i], v[i], fy_bf16_to_f32(g[i]), m + i, v + i);
+      p[i] = pn;
+      w[i] = fy_f32_to_bf16(pn);
+    }
+  }
+}
+
+// The input's block at b0 (only read through).
+static struct q8_blk q8_blk_in(const struct upd *u, int64_t b0) {
+  const int64_t b = b0 / FY_Q8_BLOCK;
+  return (struct q8_blk){.cm = (int8_t *)u->min + b0, .cv = (uint8_t *)u->vin + b0,
+                         .sm = (float *)u->smin + b, .sv = (float *)u->svin + b};
+}
+
+INTO_KERNEL void q8_block_plain_into(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
+                                     float *restrict vn) {
+  const struct q8_blk q = q8_blk_of(u, b0), qi = q8_blk_in(u, b0);
+  const float sm = *qi.sm, sv = *qi.sv;
+  const int64_t end = b0 + len;
+  for (int64_t i = 0; i < len; i++) {
+    mn[i] = q8_val_m((uint8_t)qi.cm[i]) * sm;
+    vn[i] = q8_val_v(qi.cv[i]) * sv;
+  }
+  for (; r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    if (lo < hi)
+      update_run_into(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0));
+  }
+  q8_store(FY_MOMENT_M, q.cm, q.sm, mn, len, amax_bits_of(mn, len));
+  q8_store(FY_MOMENT_V, q.cv, q.sv, vn, len, amax_bits_of(vn, len));
+}
+
+INTO_KERNEL void q8_block_pipe_into(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
+                                    struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
+                                    const float *restrict pm, const float *restrict pv, float inv_m, float inv_v,
+                                    uint32_t *am, uint32_t *av) {
+  const struct step_k k = u->k;
+  float *restrict p = u->param + b0;
+  const float *restrict pi = u->pin + b0;
+  uint32_t amm = 0, amv = 0;
+  if (u->gf) {
+    const float *restrict g = u->gf + b0;
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      Q8_PIPE_ELEM(pi[i], g[i])
+    }
+  } else {
+    uint16_t *restrict wo = u->gh + b0;
+    const uint16_t *restrict g = u->ghin + b0;
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      Q8_PIPE_ELEM(pi[i], fy_bf16_to_f32(g[i]))
+      wo[i] = fy_f32_to_bf16(pn);
+    }
+  }
+  *am = amm < 0x7f800000u ? amm : 0x7f800000u;
+  *av = amv < 0x7f800000u ? amv : 0x7f800000u;
+}
+
+// q8_run's loop: the blocks' codes and scales read from the inputs, stored to the outputs.
+static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) {
+  struct q8_pipe w;
+  memset(w.mn, 0, sizeof w.mn);
+  memset(w.vn, 0, sizeof w.vn);
+  int cur = 0;
+  bool pending = false;
+  int64_t pb = 0;
+  uint32_t pam = 0, pav = 0;
+  for (int64_t b = bb; b < be; b++) {
+    const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
+    const int r = first_range(u->r, u->nr, b0);
+    const struct q8_blk q = q8_blk_in(u, b0);
+    const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
+                       *q.sm < 0x1p16f && *q.sv < 0x1p32f;
+    if (!whole) {
+      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+      pending = false;
+      q8_block_plain_into(u, b0, len, r, w.mn[cur], w.vn[cur]);
+      continue;
+    }
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      w.cm[i] = q.cm[i];
+      w.cv[i] = q.cv[i];
+    }
+    bool ok_m = false, ok_v = false;
+    const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
+    uint32_t am, av;
+    q8_block_pipe_into(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
+                       w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
+    if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
+    pending = true;
+    pb = b, pam = am, pav = av;
+    cur ^= 1;
+  }
+  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+}
 
 static void stores_fence(void) {
 #if defined(__AVX512F__)
@@ -600,9 +693,12 @@ static inline __m512 adamw_elem16(const struct step_k *k, __m512 p, float decay,
                                   __m512 *mn, __m512 *vn) {
   g = _mm512_mul_ps(g, _mm512_set1_ps(k->gs));
   *mn = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(k->b1), mo), _mm512_mul_ps(_mm512_set1_ps(k->ob1), g));
-  *vn = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(k->b2), vo), _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k->ob2), g), g));
-  const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*vn), _mm512_set1_ps(k->bc2_sqrt)), _mm512_set1_ps(k->eps));
-  return _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(decay)), _mm512_mul_ps(_mm512_set1_ps(k->step), _mm512_div_ps(*mn, den)));
+  *vn = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(k->b2), vo),
+                      _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k->ob2), g), g));
+  const __m512 den =
+      _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*vn), _mm512_set1_ps(k->bc2_sqrt)), _mm512_set1_ps(k->eps));
+  return _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(decay)),
+                       _mm512_mul_ps(_mm512_set1_ps(k->step), _mm512_div_ps(*mn, den)));
 }
 
 // fy_bf16_to_f32 and fy_f32_to_bf16 (round to nearest even, NaN kept quiet) on 16 lanes.
