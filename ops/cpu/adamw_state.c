@@ -530,18 +530,18 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 //
 // fy_adamw_state_update_into runs out-of-place copies of the 8-bit kernels above, and loops of its
 // own for fp32 and bf16 state (their in-place elements), reading the inputs and writing the
-// outputs in one pass: each element's operations are the in-place ones, and every
-// kernel gives the same bytes for any split into whole blocks (8-bit) or elements, so the outputs
-// are the in-place bytes. What no range covers is copied.
+// outputs in one pass: each element's operations are the in-place ones, and every kernel gives
+// the same bytes for any split into whole blocks (8-bit) or elements, so the outputs are the
+// in-place bytes. What no range covers is copied.
 //
 // fp32 and bf16 state store with AVX-512 streaming stores where the machine has them: the
 // outputs are a spare slot, not read again soon, and a plain store first reads each output line
 // (write-allocate), more memory traffic than the in-place update's (bench/adamw --into, 2 threads
 // on a shared 2-core Zen 4: out of place took 1.7x the in-place time with plain stores for fp32
-// state, 1.1-1.35x with streaming ones; bf16 state 1.4-1.6x and 1.2-1.4x). The 8-bit update,
-// which keeps the cores busier than the memory, was no faster through a block's buffer and
-// streaming stores (1.05-1.35x either way, the machine's noise): it stores directly. Streaming
-// stores are weakly ordered: each thread fences its own once, at the end of its share.
+// state, 1.1-1.35x with streaming ones; bf16 state 1.4-1.6x and 1.2-1.45x). The 8-bit update was
+// no faster through a block's buffer and streaming stores (1.2-1.4x the in-place time either
+// way): it stores directly. Streaming stores are weakly ordered: each thread fences its own once,
+// at the end of its share.
 
 // The 8-bit kernels' out-of-place copies: update_run, q8_block_plain, q8_block_pipe and q8_run
 // operation for operation, reading the inputs and writing the outputs (test_adamw_state compares
