@@ -28,7 +28,15 @@
 // counts only while the thread spins). Per parameter it is divided by all n parameters, so with
 // T threads it reads as wall time would on T free cores.
 //
-// usage: adamw [--params 67108864] [--threads 2] [--reps 7]
+// --into: instead, fy_adamw_state_update_into (speculative updates: into a spare slot, the inputs
+// kept) against the in-place fy_adamw_state_update, fp32, bf16 and 8-bit state, fp32 and bf16 gradients,
+// one range over the whole buffer. Each rep runs the in-place update on one set of buffers and the
+// out-of-place one between two other sets (A -> B, then B -> A), alternating which goes first;
+// lines give wall ns a parameter (median, best), the calling thread's CPU ns a parameter (median,
+// as above), and into over in-place for each (ratio of the medians; ratio_paired: the median of
+// the per-rep ratios).
+//
+// usage: adamw [--params 67108864] [--threads 2] [--reps 7] [--into]
 #include <omp.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -107,15 +115,110 @@ static void print_stream(const char *name, int64_t n, int threads, int bytes, do
          name, (long long)n, threads, bytes, gbps);
 }
 
+static void *bench_alloc(size_t bytes) {
+  void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+  if (!p) {
+    fprintf(stderr, "adamw: out of memory for %zu bytes\n", bytes);
+    exit(1);
+  }
+  return p;
+}
+
+// --into (see the header).
+static int bench_into(int64_t n, int threads, int reps) {
+  float *grad = bench_alloc((size_t)n * 4);
+  uint16_t *gw[3];
+  for (int k = 0; k < 3; k++) gw[k] = bench_alloc((size_t)n * 2);
+  float *p[3];
+  for (int k = 0; k < 3; k++) p[k] = bench_alloc((size_t)n * 4);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t h = (uint32_t)i * 2654435761u;
+    grad[i] = ((float)((h * 2246822519u) >> 8) / 16777216.0f - 0.5f) * 0.01f;
+    for (int k = 0; k < 3; k++) {
+      p[k][i] = ((float)(h >> 8) / 16777216.0f - 0.5f) * 0.1f;
+      gw[k][i] = fy_f32_to_bf16(grad[i]);
+    }
+  }
+  const struct fy_adamw_range all = {0, n, 0.01f};
+  enum { F32, F32G, B16, B16G, Q8, Q8G, NR };
+  static const char *names[NR] = {"fp32", "fp32_bf16grad", "bf16", "bf16_bf16grad", "8bit", "8bit_bf16grad"};
+  double *t[NR][2], *tc[NR][2], *pair[NR];
+  for (int k = 0; k < NR; k++) {
+    pair[k] = malloc((size_t)reps * sizeof(double));
+    for (int j = 0; j < 2; j++) {
+      t[k][j] = malloc((size_t)reps * sizeof(double));
+      tc[k][j] = malloc((size_t)reps * sizeof(double));
+    }
+  }
+  for (int k = 0; k < NR; k++) {
+    const enum fy_state_format f = k < B16 ? FY_STATE_F32 : k < Q8 ? FY_STATE_BF16 : FY_STATE_Q8;
+    const bool bf = k == F32G || k == B16G || k == Q8G;
+    const size_t mb = fy_state_moment_bytes(f, n);
+    void *m[3], *v[3];
+    float *zero = calloc((size_t)n, 4);
+    if (!zero) return 1;
+    for (int j = 0; j < 3; j++) {
+      m[j] = bench_alloc(mb), v[j] = bench_alloc(mb);
+      fy_state_encode(f, FY_MOMENT_M, m[j], zero, n);  // (first touch on the threads)
+      fy_state_encode(f, FY_MOMENT_V, v[j], zero, n);
+    }
+    free(zero);
+    for (int r = -1; r < reps; r++) {
+      const int a = 1 + ((r + 1) & 1), b = 3 - a;  // into: a -> b; in place: set 0
+      double ti = 0, tci = 0, to = 0, tco = 0;
+      for (int o = 0; o < 2; o++) {
+        const bool in_place = (o == 0) == (r % 2 == 0);
+        const double w0 = fy_now(), c0 = cpu_s();
+        fy_status st;
+        if (in_place)
+          st = bf ? fy_adamw_state_update_bf16(f, p[0], m[0], v[0], gw[0], n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f,
+                                               r + 2, 1.0f)
+                  : fy_adamw_state_update(f, p[0], m[0], v[0], grad, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2,
+                                          1.0f);
+        else
+          st = fy_adamw_state_update_into(f, p[b], m[b], v[b], bf ? gw[b] : NULL, p[a], m[a], v[a], bf ? NULL : grad,
+                                          bf ? gw[a] : NULL, n, &all, 1, 1e-3f, 0.9f, 0.999f, 1e-8f, r + 2, 1.0f);
+        const double w1 = fy_now(), c1 = cpu_s();
+        if (st != FY_OK) {
+          fprintf(stderr, "adamw: %s\n", fy_error_msg());
+          return 1;
+        }
+        if (in_place) ti = w1 - w0, tci = c1 - c0;
+        else to = w1 - w0, tco = c1 - c0;
+      }
+      if (r < 0) continue;
+      t[k][0][r] = ti, t[k][1][r] = to, tc[k][0][r] = tci, tc[k][1][r] = tco, pair[k][r] = to / ti;
+    }
+    for (int j = 0; j < 3; j++) free(m[j]), free(v[j]);
+    const double bi = best(t[k][0], reps), bo = best(t[k][1], reps);
+    const double mi = median(t[k][0], reps), mo = median(t[k][1], reps);
+    const double ci = median(tc[k][0], reps), co = median(tc[k][1], reps);
+    const double ns = 1e9 / (double)n;
+    printf("{\"bench\":\"adamw_into_%s\",\"params\":%lld,\"threads\":%d,\"in_place_ns_per_param\":%.3f,"
+           "\"into_ns_per_param\":%.3f,\"ratio\":%.3f,\"ratio_paired\":%.3f,\"in_place_ns_best\":%.3f,"
+           "\"into_ns_best\":%.3f,\"ratio_best\":%.3f,\"in_place_ns_cpu\":%.3f,\"into_ns_cpu\":%.3f,"
+           "\"ratio_cpu\":%.3f}\n",
+           names[k], (long long)n, threads, mi * ns, mo * ns, mo / mi, median(pair[k], reps), bi * ns, bo * ns, bo / bi,
+           ci * ns, co * ns, co / ci);
+    fflush(stdout);
+  }
+  for (int k = 0; k < 3; k++) free(p[k]), free(gw[k]);
+  free(grad);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   int64_t n = 64ll << 20;
   int threads = 2, reps = 7;
+  bool into = false;
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--params") && i + 1 < argc) n = atoll(argv[++i]);
+    if (!strcmp(argv[i], "--into")) into = true;
+    else if (!strcmp(argv[i], "--params") && i + 1 < argc) n = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
     else {
-      fprintf(stderr, "usage: %s [--params N] [--threads N] [--reps N]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--params N] [--threads N] [--reps N] [--into]\n", argv[0]);
       return 2;
     }
   }
@@ -124,6 +227,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   omp_set_num_threads(threads);
+  if (into) return bench_into(n, threads, reps);
 
   // One set of four buffers for every kernel, so all see the same pages. The STREAM kernels keep
   // what AdamW reads sane (m bounded, v >= 0, all finite), and interleaving one run of each kernel

@@ -393,6 +393,21 @@ fy_status fy_adamw_state_update(enum fy_state_format f, float *param, void *m, v
 fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void *m, void *v, uint16_t *gw,
                                      int64_t n, const struct fy_adamw_range *ranges, int n_ranges, float lr,
                                      float beta1, float beta2, float eps, int64_t t, float grad_scale);
+// Out of place, for speculative updates (a chunk updated into a spare slot before the gradient
+// norm is known, its old weights and state kept for a redo): param, m, v (format f, n elements)
+// and either grad (fp32 gradients, w16_out NULL) or gw (bf16 gradients, w16_out non-NULL), the
+// other NULL -> param_out, m_out, v_out (and w16_out) = byte for byte what
+// fy_adamw_state_update(_bf16) would leave in param, m, v (and gw), the whole buffers (8-bit: the
+// padding before the scales copied too); the inputs are not written. Elements in no range are
+// copied (8-bit: requantised with their block, as in place). One pass over the buffers; the
+// outputs must not overlap the inputs. Parallel with OpenMP; the result does not depend on the
+// thread count. Fails (FY_ERR_INVALID) as the in-place update, and on a wrong choice of grad, gw
+// and w16_out, before anything is written.
+fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, void *m_out, void *v_out,
+                                     uint16_t *w16_out, const float *param, const void *m, const void *v,
+                                     const float *grad, const uint16_t *gw, int64_t n,
+                                     const struct fy_adamw_range *ranges, int n_ranges, float lr, float beta1,
+                                     float beta2, float eps, int64_t t, float grad_scale);
 // Conversions for checkpoints and for changing format: src (n) float -> dst, one moment's buffer
 // of format f (the stores of the update: bf16 round to nearest even, 8-bit as above); and back,
 // dst (n) = the values the update would read. In parallel over blocks for large n.

@@ -1,7 +1,8 @@
 // AdamW with bf16 and 8-bit state (ops/cpu/adamw_state.c): the codes, the nearest-code rule
 // against a brute-force search, the round trip's error bound, zero, NaN and outlier blocks, short
 // last blocks, the fused update against decode + fy_adamw_update + encode, ranges with gaps and
-// different decay, the thread count, and the drift of 8-bit m and v from fp32 state over 100 steps.
+// different decay, the thread count, the out-of-place update against the in-place one, and the
+// drift of 8-bit m and v from fp32 state over 100 steps.
 //
 // usage: test_adamw_state                the checks
 //        test_adamw_state --dump DIR     writes inputs and results for test/reference/adamw_state_ref.py
@@ -369,6 +370,145 @@ static void test_update(void) {
   free(p), free(m), free(v), free(g);
 }
 
+// Random ranges over [0, n) for the out-of-place test: gaps of 0 to 40 elements and now and then
+// one of several blocks (blocks in no range), runs of 1 to 5000 elements (across blocks and the
+// out-of-place update's tiles), zero-length ones, four weight decays, an uncovered tail.
+static int random_ranges(int64_t n, struct fy_adamw_range *r, int cap) {
+  static const float wd[4] = {0.0f, 0.01f, 0.1f, 0.5f};
+  int k = 0;
+  int64_t pos = (int64_t)(check_urand() * 3);
+  while (k < cap - 1) {
+    const double u = check_urand();
+    const int64_t len = u < 0.1 ? 0 : u < 0.3 ? 1 + (int64_t)(check_urand() * 20) : 1 + (int64_t)(check_urand() * 5000);
+    if (pos + len > n - 5) break;
+    r[k++] = (struct fy_adamw_range){pos, len, wd[(int)(check_urand() * 4)]};
+    pos += len + (check_urand() < 0.1 ? 3 * FY_Q8_BLOCK : (int64_t)(check_urand() * 41));
+  }
+  return k;
+}
+
+// 64-byte aligned (the out-of-place update's streaming stores need outputs on 64 bytes).
+static void *xmalloc64(size_t n) {
+  void *p = aligned_alloc(64, (n + 64) & ~(size_t)63);
+  if (!p) abort();
+  return p;
+}
+
+// Copies of one call's buffers: param, m, v, fp32 and bf16 gradients; on 64 bytes if a64, else
+// where calloc puts them (16 bytes: the out-of-place update's plain path for fp32 state).
+static struct state state_copy_at(enum fy_state_format f, int64_t n, const struct state *a, bool a64) {
+  const size_t mb = fy_state_moment_bytes(f, n);
+  void *(*al)(size_t) = a64 ? xmalloc64 : xmalloc;
+  struct state s = {al((size_t)n * 4), al(mb), al(mb), al((size_t)n * 4), al((size_t)n * 2)};
+  memcpy(s.p, a->p, (size_t)n * 4), memcpy(s.m, a->m, mb), memcpy(s.v, a->v, mb);
+  memcpy(s.g, a->g, (size_t)n * 4), memcpy(s.gw, a->gw, (size_t)n * 2);
+  return s;
+}
+
+static struct state state_copy(enum fy_state_format f, int64_t n, const struct state *a) {
+  return state_copy_at(f, n, a, false);
+}
+
+// Every byte of s's param, m, v and bf16 weights <- byte.
+static void state_fill(enum fy_state_format f, int64_t n, struct state *s, int byte) {
+  const size_t mb = fy_state_moment_bytes(f, n);
+  memset(s->p, byte, (size_t)n * 4), memset(s->m, byte, mb), memset(s->v, byte, mb), memset(s->gw, byte, (size_t)n * 2);
+}
+
+// fy_adamw_state_update_into: in -> out (out.gw the bf16 weights when bf).
+static fy_status update_into(enum fy_state_format f, bool bf, struct state *out, const struct state *in, int64_t n,
+                             const struct fy_adamw_range *r, int nr, int64_t t, float gs) {
+  return fy_adamw_state_update_into(f, out->p, out->m, out->v, bf ? out->gw : NULL, in->p, in->m, in->v,
+                                    bf ? NULL : in->g, bf ? in->gw : NULL, n, r, nr, LR, B1, B2, EPS, t, gs);
+}
+
+// The out-of-place update against the in-place one, byte for byte: param, m and v whole (8-bit
+// scales included) and the bf16 weights, for the three formats, both gradient forms, n below a
+// block, of several 4096-element work items, not a multiple of the block, and above the parallel
+// threshold (1 and 3 threads then give the same bytes; the 1-thread outputs on 64 bytes, the
+// 3-thread ones where calloc puts them: fp32 and bf16 state's streaming and plain paths); random
+// ranges with gaps, blocks of zeros (m, v and gradients), a NaN and an infinite gradient, and
+// blocks in no range; the inputs left as they were; and the refusals, which write nothing.
+static void test_into(void) {
+  static const int64_t ns[] = {1, 100, 256, 1000, 5000 + 3, 3 * 8192 + 77, 70000 + 133};
+  enum { CAP = 256 };
+  struct fy_adamw_range r[CAP];
+  int cases = 0, bad_eq = 0, bad_in = 0, bad_thr = 0, moved_total = 0;
+  for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+    const int64_t n = ns[ni];
+    float *p = xmalloc((size_t)n * 4), *m = xmalloc((size_t)n * 4), *v = xmalloc((size_t)n * 4);
+    float *g = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t b = i / FY_Q8_BLOCK;
+      p[i] = check_frand(0.1f);
+      g[i] = b % 7 == 3 ? 0.0f : check_frand(1.0f) * (float)pow(10.0, -4.0 * check_urand());
+      m[i] = b % 5 == 2 ? 0.0f : 0.1f * check_frand(1.0f) * (float)pow(10.0, -4.0 * check_urand());
+      v[i] = b % 5 == 2 ? 0.0f : 0.01f * m[i] * m[i] + 1e-12f * (float)check_urand();
+    }
+    if (n > 3000) g[n / 2 + 1] = NAN, g[n / 2 + 700] = INFINITY;  // NaN weights (and 8-bit blocks) from here
+    const int nr = n < 8 ? (r[0] = (struct fy_adamw_range){0, n, 0.1f}, 1) : random_ranges(n, r, CAP);
+    for (int fi = 0; fi < 3; fi++) {
+      const enum fy_state_format f = (enum fy_state_format)fi;
+      for (int bf = 0; bf < 2; bf++) {
+        struct state in = state_new(f, n, p, m, v, g);
+        for (int64_t t = 1; t <= 2; t++) {
+          const float gs = t == 2 ? 0.5f : 1.0f;
+          struct state keep = state_copy(f, n, &in), ref = state_copy(f, n, &in);
+          struct state o1 = state_copy_at(f, n, &in, true), o3 = state_copy(f, n, &in);
+          state_fill(f, n, &o1, 0xa5), state_fill(f, n, &o3, 0x5a);  // (outputs: every byte written)
+          CHECK_OK(bf ? fy_adamw_state_update_bf16(f, ref.p, ref.m, ref.v, ref.gw, n, r, nr, LR, B1, B2, EPS, t, gs)
+                      : fy_adamw_state_update(f, ref.p, ref.m, ref.v, ref.g, n, r, nr, LR, B1, B2, EPS, t, gs));
+          omp_set_num_threads(1);
+          CHECK_OK(update_into(f, bf, &o1, &in, n, r, nr, t, gs));
+          omp_set_num_threads(3);
+          CHECK_OK(update_into(f, bf, &o3, &in, n, r, nr, t, gs));
+          omp_set_num_threads(2);
+          if (!bf) memcpy(o1.gw, ref.gw, (size_t)n * 2), memcpy(o3.gw, ref.gw, (size_t)n * 2);  // (not outputs)
+          memcpy(o1.g, ref.g, (size_t)n * 4), memcpy(o3.g, ref.g, (size_t)n * 4);
+          const bool eq = state_equal(f, n, &o1, &ref), thr = state_equal(f, n, &o3, &o1);
+          const bool same_in = state_equal(f, n, &in, &keep) && !memcmp(in.g, keep.g, (size_t)n * 4);
+          if ((!eq || !thr || !same_in) && bad_eq + bad_thr + bad_in < 5)
+            fprintf(stderr, "  into %s %s grads n %lld step %lld: %s%s%s\n", fy_state_format_name(f),
+                    bf ? "bf16" : "fp32", (long long)n, (long long)t, eq ? "" : "unlike in place; ",
+                    thr ? "" : "3 threads unlike 1; ", same_in ? "" : "inputs written");
+          bad_eq += !eq, bad_thr += !thr, bad_in += !same_in;
+          for (int64_t i = 0; i < n; i++) moved_total += o1.p[i] != in.p[i];
+          cases++;
+          state_free(&in);  // the next step starts from this one's result
+          in = ref;
+          state_free(&keep), state_free(&o1), state_free(&o3);
+        }
+        state_free(&in);
+      }
+    }
+    free(p), free(m), free(v), free(g);
+  }
+  fprintf(stderr, "  into: %d cases (formats x gradients x n x steps), %d weights moved\n", cases, moved_total);
+  CHECKF(bad_eq == 0 && bad_thr == 0 && bad_in == 0 && moved_total > 100000,
+         "into: %d unlike in place, %d unlike 1 thread, %d wrote its inputs (of %d)", bad_eq, bad_thr, bad_in, cases);
+  // the refusals: nothing written
+  const int64_t n = 3000;
+  float *z = xmalloc((size_t)n * 4);
+  struct state in = state_new(FY_STATE_Q8, n, z, z, z, z), out = state_new(FY_STATE_Q8, n, z, z, z, z);
+  state_fill(FY_STATE_Q8, n, &out, 0x77);
+  struct state keep = state_copy(FY_STATE_Q8, n, &out);
+  struct fy_adamw_range ok[1] = {{0, n, 0}}, bad1[2] = {{0, 100, 0}, {50, 10, 0}}, bad2[1] = {{n - 5, 6, 0}};
+#define INTO(W, G, GW, R, NR, T)                                                                              \
+  fy_adamw_state_update_into(FY_STATE_Q8, out.p, out.m, out.v, (W), in.p, in.m, in.v, (G), (GW), n, (R), (NR), LR, \
+                             B1, B2, EPS, (T), 1.0f)
+  CHECK_ERR(INTO(NULL, in.g, in.gw, ok, 1, 1), FY_ERR_INVALID);    // both gradients
+  CHECK_ERR(INTO(out.gw, NULL, NULL, ok, 1, 1), FY_ERR_INVALID);   // neither
+  CHECK_ERR(INTO(out.gw, in.g, NULL, ok, 1, 1), FY_ERR_INVALID);   // fp32 gradients and w16_out
+  CHECK_ERR(INTO(NULL, NULL, in.gw, ok, 1, 1), FY_ERR_INVALID);    // bf16 gradients, no w16_out
+  CHECK_ERR(INTO(NULL, in.g, NULL, bad1, 2, 1), FY_ERR_INVALID);   // overlapping ranges
+  CHECK_ERR(INTO(NULL, in.g, NULL, bad2, 1, 1), FY_ERR_INVALID);   // a range past n
+  CHECK_ERR(INTO(out.gw, NULL, in.gw, ok, 1, 0), FY_ERR_INVALID);  // step 0
+#undef INTO
+  CHECK(state_equal(FY_STATE_Q8, n, &out, &keep));
+  state_free(&in), state_free(&out), state_free(&keep);
+  free(z);
+}
+
 // 100 steps of random gradients (with a heavy-tailed magnitude, so blocks hold values of several
 // decades) through fp32 state and 8-bit state: the 8-bit m and v against the fp32 ones.
 // Bound, per element: a store moves the unrounded new value x by at most |x| / 17 (+ roundings)
@@ -559,6 +699,7 @@ int main(int argc, char **argv) {
   test_nearest();
   test_round_trip();
   test_update();
+  test_into();
   test_drift();
   return check_summary("adamw_state");
 }

@@ -9,6 +9,10 @@
 #include "core/dtype.h"
 #include "ops/ops.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // ---- the 8-bit codes ----
 
 // A code's magnitude k (0..255) is a tiny float relative to the block's absmax (ops/ops.h): k =
@@ -225,7 +229,8 @@ static int first_range(const struct fy_adamw_range *r, int nr, int64_t pos) {
   return lo;
 }
 
-// One call's arguments, shared by the workers.
+// One call's arguments, shared by the workers. Out of place (fy_adamw_state_update_into) param,
+// m, v and gh are the outputs and the inputs follow; in place the inputs are not set.
 struct upd {
   enum fy_state_format f;
   float *param;
@@ -236,6 +241,10 @@ struct upd {
   const struct fy_adamw_range *r;
   int nr;
   struct step_k k;
+  const float *pin;
+  const void *min, *vin;
+  const float *smin, *svin;  // 8-bit: the inputs' scales (of block 0 of min, vin)
+  const uint16_t *ghin;      // bf16 gradients in (gh: the bf16 weights out)
 };
 
 // The AdamW element of ops/cpu/adamw.c, operation for operation: p, the moments read back mo, vo,
@@ -364,11 +373,11 @@ static void q8_block_plain(const struct upd *u, int64_t b0, int64_t len, int r, 
 // The pipelined loop over one whole block at b0 (decay): its widened codes w->cm, w->cv read back
 // with the folded scales sm2 = 2^112 sm, sv2 = 2^96 sv (q8_read_m), updated, the new m and v to
 // mn, vn and their amax_bits_of to *am, *av; and the block before's new m and v pm, pv quantised
-// with inv_m, inv_v to w->qm, w->qv.
-#define Q8_PIPE_ELEM(G)                                                                                  \
+// with inv_m, inv_v to w->qm, w->qv; P the old weight (p[i], out of place the input's).
+#define Q8_PIPE_ELEM(P, G)                                                                               \
   const float mo = q8_read_m(w->cm[i], sm2), vo = q8_read_v(w->cv[i], sv2);                             \
   float mi, vi;                                                                                          \
-  const float pn = adamw_elem(&k, p[i], decay, mo, vo, (G), &mi, &vi);                                   \
+  const float pn = adamw_elem(&k, (P), decay, mo, vo, (G), &mi, &vi);                                    \
   p[i] = pn;                                                                                             \
   mn[i] = mi;                                                                                            \
   vn[i] = vi;                                                                                            \
@@ -388,12 +397,12 @@ static void q8_block_pipe(const struct upd *u, int64_t b0, float decay, float sm
   if (u->gf) {
     const float *restrict g = u->gf + b0;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
-      Q8_PIPE_ELEM(g[i])
+      Q8_PIPE_ELEM(p[i], g[i])
     }
   } else {
     uint16_t *restrict g = u->gh + b0;
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
-      Q8_PIPE_ELEM(fy_bf16_to_f32(g[i]))
+      Q8_PIPE_ELEM(p[i], fy_bf16_to_f32(g[i]))
       g[i] = fy_f32_to_bf16(pn);
     }
   }
@@ -515,6 +524,384 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
                                      float beta1, float beta2, float eps, int64_t t, float grad_scale) {
   struct upd u = {.f = f, .param = param, .m = m, .v = v, .gh = gw, .n = n, .r = ranges, .nr = n_ranges};
   return state_update(&u, lr, beta1, beta2, eps, t, grad_scale);
+}
+
+// ---- the out-of-place update ----
+//
+// fy_adamw_state_update_into runs out-of-place copies of the 8-bit kernels above, and loops of its
+// own for fp32 and bf16 state (their in-place elements), reading the inputs and writing the
+// outputs in one pass: each element's operations are the in-place ones, and every kernel gives
+// the same bytes for any split into whole blocks (8-bit) or elements, so the outputs are the
+// in-place bytes. What no range covers is copied.
+//
+// fp32 and bf16 state store with AVX-512 streaming stores where the machine has them: the
+// outputs are a spare slot, not read again soon, and a plain store first reads each output line
+// (write-allocate), more memory traffic than the in-place update's (bench/adamw --into, 2 threads
+// on a shared 2-core Zen 4: out of place took 1.7x the in-place time with plain stores for fp32
+// state, 1.1-1.35x with streaming ones; bf16 state 1.4-1.6x and 1.2-1.45x). The 8-bit update was
+// no faster through a block's buffer and streaming stores (1.2-1.4x the in-place time either
+// way): it stores directly. Streaming stores are weakly ordered: each thread fences its own once,
+// at the end of its share.
+
+// The 8-bit kernels' out-of-place copies: update_run, q8_block_plain, q8_block_pipe and q8_run
+// operation for operation, reading the inputs and writing the outputs (test_adamw_state compares
+// the bytes with the in-place ones). Copies, not one kernel with a flag for both: gcc compiled the
+// in-place loops differently inside a shared always-inlined kernel (1-3% slower). The copies are
+// always inlined into q8_run_into (a few % faster than gcc's own choice here).
+#define INTO_KERNEL static inline __attribute__((always_inline))
+
+INTO_KERNEL void update_run_into(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m,
+                                 float *restrict v) {
+  const int64_t len = hi - lo;
+  const struct step_k k = u->k;
+  float *restrict p = u->param + lo;
+  const float *restrict pi = u->pin + lo;
+  if (u->gf) {
+    const float *restrict g = u->gf + lo;
+    for (int64_t i = 0; i < len; i++) p[i] = adamw_elem(&k, pi[i], decay, m[i], v[i], g[i], m + i, v + i);
+  } else {
+    uint16_t *restrict w = u->gh + lo;
+    const uint16_t *restrict g = u->ghin + lo;
+    for (int64_t i = 0; i < len; i++) {
+      const float pn = adamw_elem(&k, pi[i], decay, m[i], v[i], fy_bf16_to_f32(g[i]), m + i, v + i);
+      p[i] = pn;
+      w[i] = fy_f32_to_bf16(pn);
+    }
+  }
+}
+
+// The input's block at b0 (only read through).
+static struct q8_blk q8_blk_in(const struct upd *u, int64_t b0) {
+  const int64_t b = b0 / FY_Q8_BLOCK;
+  return (struct q8_blk){.cm = (int8_t *)u->min + b0, .cv = (uint8_t *)u->vin + b0,
+                         .sm = (float *)u->smin + b, .sv = (float *)u->svin + b};
+}
+
+INTO_KERNEL void q8_block_plain_into(const struct upd *u, int64_t b0, int64_t len, int r, float *restrict mn,
+                                     float *restrict vn) {
+  const struct q8_blk q = q8_blk_of(u, b0), qi = q8_blk_in(u, b0);
+  const float sm = *qi.sm, sv = *qi.sv;
+  const int64_t end = b0 + len;
+  for (int64_t i = 0; i < len; i++) {
+    mn[i] = q8_val_m((uint8_t)qi.cm[i]) * sm;
+    vn[i] = q8_val_v(qi.cv[i]) * sv;
+  }
+  for (; r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    if (lo < hi)
+      update_run_into(u, lo, hi, range_decay(&u->k, u->r[r].weight_decay), mn + (lo - b0), vn + (lo - b0));
+  }
+  q8_store(FY_MOMENT_M, q.cm, q.sm, mn, len, amax_bits_of(mn, len));
+  q8_store(FY_MOMENT_V, q.cv, q.sv, vn, len, amax_bits_of(vn, len));
+}
+
+INTO_KERNEL void q8_block_pipe_into(const struct upd *u, int64_t b0, float decay, float sm2, float sv2,
+                                    struct q8_pipe *restrict w, float *restrict mn, float *restrict vn,
+                                    const float *restrict pm, const float *restrict pv, float inv_m, float inv_v,
+                                    uint32_t *am, uint32_t *av) {
+  const struct step_k k = u->k;
+  float *restrict p = u->param + b0;
+  const float *restrict pi = u->pin + b0;
+  uint32_t amm = 0, amv = 0;
+  if (u->gf) {
+    const float *restrict g = u->gf + b0;
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      Q8_PIPE_ELEM(pi[i], g[i])
+    }
+  } else {
+    uint16_t *restrict wo = u->gh + b0;
+    const uint16_t *restrict g = u->ghin + b0;
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      Q8_PIPE_ELEM(pi[i], fy_bf16_to_f32(g[i]))
+      wo[i] = fy_f32_to_bf16(pn);
+    }
+  }
+  *am = amm < 0x7f800000u ? amm : 0x7f800000u;
+  *av = amv < 0x7f800000u ? amv : 0x7f800000u;
+}
+
+// q8_run's loop: the blocks' codes and scales read from the inputs, stored to the outputs.
+static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) {
+  struct q8_pipe w;
+  memset(w.mn, 0, sizeof w.mn);
+  memset(w.vn, 0, sizeof w.vn);
+  int cur = 0;
+  bool pending = false;
+  int64_t pb = 0;
+  uint32_t pam = 0, pav = 0;
+  for (int64_t b = bb; b < be; b++) {
+    const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
+    const int r = first_range(u->r, u->nr, b0);
+    const struct q8_blk q = q8_blk_in(u, b0);
+    const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
+                       *q.sm < 0x1p16f && *q.sv < 0x1p32f;
+    if (!whole) {
+      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+      pending = false;
+      q8_block_plain_into(u, b0, len, r, w.mn[cur], w.vn[cur]);
+      continue;
+    }
+    for (int i = 0; i < FY_Q8_BLOCK; i++) {
+      w.cm[i] = q.cm[i];
+      w.cv[i] = q.cv[i];
+    }
+    bool ok_m = false, ok_v = false;
+    const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
+    uint32_t am, av;
+    q8_block_pipe_into(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
+                       w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
+    if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
+    pending = true;
+    pb = b, pam = am, pav = av;
+    cur ^= 1;
+  }
+  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
+}
+
+static void stores_fence(void) {
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+}
+
+// fp32 and bf16 state, out of place: one range's run of len elements (decay), the pointers at its
+// start, fp32 gradients g or bf16 gradients gh (the new bf16 weights to w): the element of
+// fy_adamw_update(_bf16), of update_run_bf16. Functions of their own, with restrict parameters: in
+// a caller's body gcc loses the restrict of local pointers and, with seven streams, gives up on
+// vectorising. Elements [i0, i1) here.
+static inline void f32_into_loop(const struct step_k *kp, float decay, int64_t i0, int64_t i1, float *restrict p,
+                                 float *restrict m, float *restrict v, uint16_t *restrict w, const float *restrict pi,
+                                 const float *restrict mi, const float *restrict vi, const float *restrict g,
+                                 const uint16_t *restrict gh) {
+  const struct step_k k = *kp;
+  if (g) {
+    for (int64_t i = i0; i < i1; i++) p[i] = adamw_elem(&k, pi[i], decay, mi[i], vi[i], g[i], m + i, v + i);
+  } else {
+    for (int64_t i = i0; i < i1; i++) {
+      const float pn = adamw_elem(&k, pi[i], decay, mi[i], vi[i], fy_bf16_to_f32(gh[i]), m + i, v + i);
+      p[i] = pn;
+      w[i] = fy_f32_to_bf16(pn);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// adamw_elem on 16 lanes, operation for operation (IEEE operations, no fused multiply-adds: the
+// same bits).
+static inline __m512 adamw_elem16(const struct step_k *k, __m512 p, float decay, __m512 mo, __m512 vo, __m512 g,
+                                  __m512 *mn, __m512 *vn) {
+  g = _mm512_mul_ps(g, _mm512_set1_ps(k->gs));
+  *mn = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(k->b1), mo), _mm512_mul_ps(_mm512_set1_ps(k->ob1), g));
+  *vn = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(k->b2), vo),
+                      _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k->ob2), g), g));
+  const __m512 den =
+      _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*vn), _mm512_set1_ps(k->bc2_sqrt)), _mm512_set1_ps(k->eps));
+  return _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(decay)),
+                       _mm512_mul_ps(_mm512_set1_ps(k->step), _mm512_div_ps(*mn, den)));
+}
+
+// fy_bf16_to_f32 and fy_f32_to_bf16 (round to nearest even, NaN kept quiet) on 16 lanes.
+static inline __m512 bf16_16_to_f32(const uint16_t *h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+}
+
+static inline __m256i f32_16_to_bf16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, q));
+}
+
+// Elements [h, end) of the run with streaming stores, h the first at which p, m and v sit on 64
+// bytes (and w on 32): the index reached (h, nothing done, where the outputs' alignments differ;
+// the caller's plain loop does the rest).
+static int64_t f32_into_nt(const struct step_k *k, float decay, int64_t len, float *restrict p, float *restrict m,
+                           float *restrict v, uint16_t *restrict w, const float *restrict pi,
+                           const float *restrict mi, const float *restrict vi, const float *restrict g,
+                           const uint16_t *restrict gh, int64_t h) {
+  if (((uintptr_t)(p + h) | (uintptr_t)(m + h) | (uintptr_t)(v + h)) & 63 || (w && ((uintptr_t)(w + h) & 31)))
+    return h;
+  int64_t i = h;
+  for (; i + 16 <= len; i += 16) {
+    __m512 mn, vn;
+    const __m512 gi = g ? _mm512_loadu_ps(g + i) : bf16_16_to_f32(gh + i);
+    const __m512 pn =
+        adamw_elem16(k, _mm512_loadu_ps(pi + i), decay, _mm512_loadu_ps(mi + i), _mm512_loadu_ps(vi + i), gi, &mn, &vn);
+    _mm512_stream_ps(p + i, pn);
+    _mm512_stream_ps(m + i, mn);
+    _mm512_stream_ps(v + i, vn);
+    if (w) _mm256_stream_si256((__m256i *)(w + i), f32_16_to_bf16(pn));
+  }
+  return i;
+}
+#endif
+
+static __attribute__((noinline)) void run_f32_into(const struct step_k *kp, float decay, int64_t len,
+                                                   float *restrict p, float *restrict m, float *restrict v,
+                                                   uint16_t *restrict w, const float *restrict pi,
+                                                   const float *restrict mi, const float *restrict vi,
+                                                   const float *restrict g, const uint16_t *restrict gh) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  int64_t h = (int64_t)((-(uintptr_t)p & 63) / 4);  // (p holds floats: 4-byte aligned)
+  h = h < len ? h : len;
+  f32_into_loop(kp, decay, 0, h, p, m, v, w, pi, mi, vi, g, gh);
+  i = f32_into_nt(kp, decay, len, p, m, v, w, pi, mi, vi, g, gh, h);
+#endif
+  f32_into_loop(kp, decay, i, len, p, m, v, w, pi, mi, vi, g, gh);
+}
+
+// The same for bf16 state: elements [i0, i1) by the plain loop, [h, end) with streaming stores
+// (p on 64 bytes, m, v and w on 32, else nothing done: h returned), update_run_bf16's element.
+static inline void bf16_into_loop(const struct step_k *kp, float decay, int64_t i0, int64_t i1, float *restrict p,
+                                  uint16_t *restrict m, uint16_t *restrict v, uint16_t *restrict w,
+                                  const float *restrict pi, const uint16_t *restrict mi, const uint16_t *restrict vi,
+                                  const float *restrict g, const uint16_t *restrict gh) {
+  const struct step_k k = *kp;
+  if (g) {
+    for (int64_t i = i0; i < i1; i++) {
+      float mn, vn;
+      p[i] = adamw_elem(&k, pi[i], decay, fy_bf16_to_f32(mi[i]), fy_bf16_to_f32(vi[i]), g[i], &mn, &vn);
+      m[i] = fy_f32_to_bf16(mn);
+      v[i] = fy_f32_to_bf16(vn);
+    }
+  } else {
+    for (int64_t i = i0; i < i1; i++) {
+      float mn, vn;
+      const float pn = adamw_elem(&k, pi[i], decay, fy_bf16_to_f32(mi[i]), fy_bf16_to_f32(vi[i]),
+                                  fy_bf16_to_f32(gh[i]), &mn, &vn);
+      m[i] = fy_f32_to_bf16(mn);
+      v[i] = fy_f32_to_bf16(vn);
+      p[i] = pn;
+      w[i] = fy_f32_to_bf16(pn);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+static int64_t bf16_into_nt(const struct step_k *k, float decay, int64_t len, float *restrict p, uint16_t *restrict m,
+                            uint16_t *restrict v, uint16_t *restrict w, const float *restrict pi,
+                            const uint16_t *restrict mi, const uint16_t *restrict vi, const float *restrict g,
+                            const uint16_t *restrict gh, int64_t h) {
+  if ((uintptr_t)(p + h) & 63 || ((uintptr_t)(m + h) | (uintptr_t)(v + h)) & 31 || (w && ((uintptr_t)(w + h) & 31)))
+    return h;
+  int64_t i = h;
+  for (; i + 16 <= len; i += 16) {
+    __m512 mn, vn;
+    const __m512 gi = g ? _mm512_loadu_ps(g + i) : bf16_16_to_f32(gh + i);
+    const __m512 pn =
+        adamw_elem16(k, _mm512_loadu_ps(pi + i), decay, bf16_16_to_f32(mi + i), bf16_16_to_f32(vi + i), gi, &mn, &vn);
+    _mm512_stream_ps(p + i, pn);
+    _mm256_stream_si256((__m256i *)(m + i), f32_16_to_bf16(mn));
+    _mm256_stream_si256((__m256i *)(v + i), f32_16_to_bf16(vn));
+    if (w) _mm256_stream_si256((__m256i *)(w + i), f32_16_to_bf16(pn));
+  }
+  return i;
+}
+#endif
+
+static __attribute__((noinline)) void run_bf16_into(const struct step_k *kp, float decay, int64_t len,
+                                                    float *restrict p, uint16_t *restrict m, uint16_t *restrict v,
+                                                    uint16_t *restrict w, const float *restrict pi,
+                                                    const uint16_t *restrict mi, const uint16_t *restrict vi,
+                                                    const float *restrict g, const uint16_t *restrict gh) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  int64_t h = (int64_t)((-(uintptr_t)p & 63) / 4);
+  h = h < len ? h : len;
+  bf16_into_loop(kp, decay, 0, h, p, m, v, w, pi, mi, vi, g, gh);
+  i = bf16_into_nt(kp, decay, len, p, m, v, w, pi, mi, vi, g, gh, h);
+#endif
+  bf16_into_loop(kp, decay, i, len, p, m, v, w, pi, mi, vi, g, gh);
+}
+
+// Elements [lo, hi) of u's outputs that no range covers <- the inputs: param, the bf16 weights
+// (the gradients, as in place), and m and v but in 8 bits (whose blocks the kernels store whole).
+static void copy_gaps(const struct upd *u, int64_t lo, int64_t hi) {
+  const size_t es = u->f == FY_STATE_F32 ? 4 : 2;
+  int64_t pos = lo;
+  for (int r = first_range(u->r, u->nr, lo);; r++) {
+    const int64_t g1 = r < u->nr && u->r[r].off < hi ? u->r[r].off : hi;
+    if (g1 > pos) {
+      memcpy(u->param + pos, u->pin + pos, (size_t)(g1 - pos) * 4);
+      if (u->gh) memcpy(u->gh + pos, u->ghin + pos, (size_t)(g1 - pos) * 2);
+      if (u->f != FY_STATE_Q8) {
+        memcpy((char *)u->m + pos * es, (const char *)u->min + pos * es, (size_t)(g1 - pos) * es);
+        memcpy((char *)u->v + pos * es, (const char *)u->vin + pos * es, (size_t)(g1 - pos) * es);
+      }
+    }
+    if (g1 == hi) break;
+    const int64_t e = u->r[r].off + u->r[r].n;
+    pos = e > pos ? e : pos;
+  }
+}
+
+// fp32 and bf16 state: a work item [b0, b0 + len), range by range, and what no range covers.
+static void into_items(const struct upd *u, int64_t b0, int64_t len) {
+  const int64_t end = b0 + len;
+  for (int r = first_range(u->r, u->nr, b0); r < u->nr && u->r[r].off < end; r++) {
+    const int64_t lo = u->r[r].off > b0 ? u->r[r].off : b0;
+    const int64_t hi = u->r[r].off + u->r[r].n < end ? u->r[r].off + u->r[r].n : end;
+    if (lo >= hi) continue;
+    const float decay = range_decay(&u->k, u->r[r].weight_decay);
+    const float *g = u->gf ? u->gf + lo : NULL;
+    const uint16_t *gh = u->ghin ? u->ghin + lo : NULL;
+    uint16_t *w = u->gh ? u->gh + lo : NULL;
+    if (u->f == FY_STATE_F32)
+      run_f32_into(&u->k, decay, hi - lo, u->param + lo, (float *)u->m + lo, (float *)u->v + lo, w, u->pin + lo,
+                   (const float *)u->min + lo, (const float *)u->vin + lo, g, gh);
+    else
+      run_bf16_into(&u->k, decay, hi - lo, u->param + lo, (uint16_t *)u->m + lo, (uint16_t *)u->v + lo, w,
+                    u->pin + lo, (const uint16_t *)u->min + lo, (const uint16_t *)u->vin + lo, g, gh);
+  }
+  copy_gaps(u, b0, end);
+}
+
+fy_status fy_adamw_state_update_into(enum fy_state_format f, float *param_out, void *m_out, void *v_out,
+                                     uint16_t *w16_out, const float *param, const void *m, const void *v,
+                                     const float *grad, const uint16_t *gw, int64_t n,
+                                     const struct fy_adamw_range *ranges, int n_ranges, float lr, float beta1,
+                                     float beta2, float eps, int64_t t, float grad_scale) {
+  FY_TRY(check_args(f, n, ranges, n_ranges, t));
+  if (!grad == !gw || (grad && w16_out) || (gw && !w16_out))
+    return fy_error_set(FY_ERR_INVALID, "adamw state into: give fp32 gradients, or bf16 gradients and w16_out");
+  if (n == 0) return FY_OK;
+  if (!param_out || !m_out || !v_out || !param || !m || !v)
+    return fy_error_set(FY_ERR_INVALID, "adamw state into: a NULL buffer for %lld elements", (long long)n);
+  const bool q8 = f == FY_STATE_Q8;
+  const struct upd u = {.f = f, .param = param_out, .m = m_out, .v = v_out, .gf = grad, .gh = w16_out, .pin = param,
+                        .min = m, .vin = v,
+                        .smin = q8 ? (const float *)((const char *)m + fy_q8_scales_offset(n)) : NULL,
+                        .svin = q8 ? (const float *)((const char *)v + fy_q8_scales_offset(n)) : NULL, .ghin = gw,
+                        .n = n, .r = ranges, .nr = n_ranges, .k = step_consts(lr, beta1, beta2, eps, t, grad_scale)};
+  if (q8) {  // as in place, each thread a run of whole blocks
+    const size_t pad = fy_q8_scales_offset(n) - (size_t)n;  // (the bytes before the scales: the buffers equal whole)
+    memcpy((char *)m_out + n, (const char *)m + n, pad);
+    memcpy((char *)v_out + n, (const char *)v + n, pad);
+    const int64_t nb = fy_q8_blocks(n);
+#pragma omp parallel if (parallel : n > FY_PAR_ELEMENTWISE)
+    {
+      const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num(), bb = nb * th / nt, be = nb * (th + 1) / nt;
+      q8_run_into(&u, bb, be);
+      copy_gaps(&u, bb * FY_Q8_BLOCK, be * FY_Q8_BLOCK < n ? be * FY_Q8_BLOCK : n);
+    }
+    return FY_OK;
+  }
+  const int64_t nb = (n + WORK_BF16 - 1) / WORK_BF16;
+#pragma omp parallel if (parallel : n > FY_PAR_ELEMENTWISE)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t b0 = b * WORK_BF16;
+      into_items(&u, b0, n - b0 < WORK_BF16 ? n - b0 : WORK_BF16);
+    }
+    stores_fence();
+  }
+  return FY_OK;
 }
 
 // ---- conversions ----
