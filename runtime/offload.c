@@ -2293,15 +2293,10 @@ static void spec_fn(void *arg) {
   }
   const bool bf16_in_copy = grads_bf16(x, c);
   const int64_t n = span(x, c);
-  // TEMPORARY (until the out-of-place kernel lands): copies, then the in-place kernels.
-  memcpy(j->w_out, j->w, (size_t)n * 4);
-  memcpy(j->m_out, j->m, x->mb);
-  memcpy(j->v_out, j->v, x->mb);
-  if (bf16_in_copy) memcpy(j->c_out, j->grads, (size_t)n * 2);
-  fy_status st = bf16_in_copy ? fy_adamw_state_update_bf16(x->sf, j->w_out, j->m_out, j->v_out, (uint16_t *)j->c_out, n,
-                                                           r, nr, a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, a->grad_scale)
-                              : fy_adamw_state_update(x->sf, j->w_out, j->m_out, j->v_out, j->grads, n, r, nr, a->lr,
-                                                      a->h.beta1, a->h.beta2, a->h.eps, a->t, a->grad_scale);
+  fy_status st = fy_adamw_state_update_into(
+      x->sf, j->w_out, j->m_out, j->v_out, bf16_in_copy ? (uint16_t *)j->c_out : NULL, j->w, j->m, j->v,
+      bf16_in_copy ? NULL : (const float *)j->grads, bf16_in_copy ? (const uint16_t *)j->grads : NULL, n, r, nr, a->lr,
+      a->h.beta1, a->h.beta2, a->h.eps, a->t, a->grad_scale);
   if (st != FY_OK) {
     async_fail(x, st);
     return;
