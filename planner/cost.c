@@ -20,6 +20,9 @@
 // waking its OpenMP helpers (the probe's kernel_overhead_us; this when a probe file lacks it), and
 // host work takes its time from the kernels instead of overlapping with them.
 #define SIM_OP_OVERHEAD 30e-6
+// A speculative host update (knobs.spec_chunks) against the same update in place: its outputs go
+// to a spare slot (measured 1.1-1.6x on the 2-core dev machine; see the timeline below).
+#define SPEC_UPDATE_COST 1.25
 
 static double sim_op_overhead(const struct fy_probe *p) {
   // (On the cpu device the kernels run on the calling thread, whose team is the process's only
@@ -1198,7 +1201,10 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     // completes (no disk chunk), each updated as soon as its gradients are home, in that order,
     // before the norm is known, as if it will not clip (the planner's assumption: a step that
     // clips has them updated again after the norm, about the exact step's time). Out of place into
-    // the spare slot, so the same bytes read and written as the update in place.
+    // the spare slot: the same bytes read and written as the update in place, but the outputs are
+    // lines not read before, which the host writes more slowly than those it just read
+    // (fy_adamw_state_update_into took 1.1-1.6x the in-place update's time on the 2-core dev
+    // machine, `build/bench/adamw --into`): priced at SPEC_UPDATE_COST of it.
     fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
     if (speculated) memset(speculated, 0, (size_t)nc * sizeof *speculated);
     for (int i = 0, taken = 0; st == FY_OK && speculated && i < n_bwd && taken < n_spec; i++) {
@@ -1206,7 +1212,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       if (c < n_dev || c >= nc - n_disk || speculated[c]) continue;
       speculated[c] = true;
       taken++;
-      const double t = (double)l->chunks[c].used * share * adamw_b / adamw;
+      const double t = SPEC_UPDATE_COST * (double)l->chunks[c].used * share * adamw_b / adamw;
       fy_stream_wait(s.optim, s.grad_ready[c]);
       fy_timeline_run(s.optim, t, "AdamW (speculative)");
       fy_event_record(s.home_ready[c], s.optim);
