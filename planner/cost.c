@@ -355,20 +355,18 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
                         "data-parallel ranks, whose chunks are sharded", k->dp);
   if (k->pp < 0 || k->pp > FY_COST_MAX_STAGES)
     return fy_error_set(FY_ERR_INVALID, "plan: pp %d: 1 to %d pipeline stages", k->pp, FY_COST_MAX_STAGES);
-  // Speculative updates hide the host optimizer of the exact step on one offload engine: the lag
-  // hides it already, a resident run has no host updates, sharded ranks' norm needs every rank's
-  // shards first, and a pipeline's every stage's (runtime/offload.h, spec_chunks).
+  // Speculative updates hide the host optimizer of the exact step of offload engines (one rank,
+  // tp slices, sharded data-parallel ranks): the lag hides it already, a resident run has no host
+  // updates, and a pipeline's stages do not speculate yet (runtime/offload.h, spec_chunks).
   if (k->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks must not be negative");
   if (k->spec_chunks > 0) {
     const char *no = k->resident           ? "a resident plan has no host updates"
                      : k->optimizer_lag > 0 ? "optimizer_lag 1 hides the host optimizer already"
-                     : k->pp > 1            ? "pipeline stages wait for the norm over every stage"
-                     : k->dp > 1            ? "data-parallel ranks shard the chunks, whose norm needs every rank's shards"
+                     : k->pp > 1            ? "pipeline stages do not speculate yet"
                                             : NULL;
     if (no)
-      return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are for an offloaded run of one "
-                          "rank or tensor-parallel ranks without optimizer_lag or pipeline stages (%s); spec_chunks "
-                          "must be 0", k->spec_chunks, no);
+      return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are for offloaded runs without "
+                          "optimizer_lag or pipeline stages (%s); spec_chunks must be 0", k->spec_chunks, no);
   }
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
@@ -922,10 +920,12 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
   // Speculative updates (knobs.spec_chunks; fy_cost_check_knobs says where): up to that many
   // host-tier chunks, each with a spare slot the update writes out of place: its fp32 master, m
-  // and v at their stored size and with 16-bit compute its 16-bit copy (runtime/offload.h).
+  // and v at their stored size and with 16-bit compute its 16-bit copy (runtime/offload.h); a
+  // sharded rank's of its shard.
   const int n_spec = k->spec_chunks < nc - n_dev - n_disk ? k->spec_chunks : nc - n_dev - n_disk;
-  out->host_bytes += n_spec * ((double)ce * 4 + 2.0 * (double)fy_state_moment_bytes(sf, ce) +
-                               (cdt != FY_F32 ? (double)ce * pb : 0));
+  const int64_t spec_elems = sharded ? ce / dp : ce;
+  out->host_bytes += n_spec * ((double)spec_elems * 4 + 2.0 * (double)fy_state_moment_bytes(sf, spec_elems) +
+                               (cdt != FY_F32 ? (double)spec_elems * pb : 0));
   // A disk chunk's slot: the same state, in whole 4 KiB pages (runtime/offload.c).
   out->disk_bytes = n_disk * ceil(per_chunk_state / 4096) * 4096;
   out->fits = true;

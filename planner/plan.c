@@ -45,7 +45,7 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
 // to hide: K stays 0 without pricing.
 static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe *probe, struct fy_plan_knobs *k,
                           struct fy_cost *c, int *tried) {
-  if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1 || k->dp > 1 || k->spec_chunks) return FY_OK;
+  if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1 || k->spec_chunks) return FY_OK;
   const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks;
   // (A step bound by its optimizer stream's work may show no wait in the simulated steps: the
   // step is then the busiest stream's work, which speculation moves under the backward too.)
@@ -190,13 +190,12 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   if (k->ep > 1 && pp > 1) return "expert parallelism within pipeline stages is not planned yet (plans keep pp 1)";
   if (dp > 1 && !k->resident && !zero)
     return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
-  // (speculative updates: one offload engine's exact step; fy_cost_check_knobs says so too)
-  if (k->spec_chunks > 0 && (k->resident || lag || pp > 1 || dp > 1))
+  // (speculative updates: offload engines' exact step, no stages; fy_cost_check_knobs says so too)
+  if (k->spec_chunks > 0 && (k->resident || lag || pp > 1))
     return k->resident ? "speculative updates (spec_chunks) are for offloaded runs: a resident run has no host updates"
            : lag       ? "speculative updates (spec_chunks) do not combine with --optimizer-lag, which hides the host "
                          "optimizer already"
-           : pp > 1    ? "speculative updates (spec_chunks) do not run on pipeline stages"
-                       : "speculative updates (spec_chunks) do not run with data-parallel ranks sharding the chunks";
+                       : "speculative updates (spec_chunks) do not run on pipeline stages";
   if (!cuda) return NULL;
   // (runtime/run.c and train_opts.c: what a GPU run refuses)
   if (k->ep > 1 && (tp > 1 || pp > 1))

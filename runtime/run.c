@@ -326,9 +326,6 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   // Speculative updates (--spec-chunks): the engine keeps each chunk's master weights itself too,
   // so that a chunk's and its spare slot's can swap.
   const bool spec = o->spec_chunks > 0 && !r->eval;
-  if (spec && r->dp > 1)
-    return fy_error_set(FY_ERR_UNSUPPORTED, "--spec-chunks %d with %d data-parallel ranks: chunks sharded across "
-                        "ranks do not speculate yet", o->spec_chunks, r->dp);
   struct fy_model_opts mo = {.recompute = o->recompute, .inference = r->eval, .chunk_elems = ce0, .host = r->host,
                              .tp = r->tp, .tp_rank = r->tp_rank, .tp_comm = r->tp_compute,
                              .state_format = r->eval ? FY_STATE_F32 : sf,
@@ -388,10 +385,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (disk_master && r->dp == 1) reserve += (size_t)n_dev * shard_bytes;  // (the device chunks' masters' host copy)
   // Speculation: the engine's masters (the model has none) and a spare slot per speculated chunk
   // (master, m, v, 16-bit copy), for at most the chunks not on the device.
-  if (spec && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;
+  if (spec && r->dp == 1 && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;  // (sharded: counted above)
   if (spec) {
     const int most = l->n_chunks - n_dev, k = o->spec_chunks < most ? o->spec_chunks : most;
-    reserve += (size_t)(k > 0 ? k : 0) * (shard_bytes + mv_bytes + (cdt != FY_F32 ? (size_t)l->chunk_elems * esize : 0));
+    reserve += (size_t)(k > 0 ? k : 0) *
+               (shard_bytes + mv_bytes + (cdt != FY_F32 ? (size_t)l->chunk_elems / (size_t)r->dp * esize : 0));
   }
   size_t spare = host_cap > in_use + reserve ? host_cap - in_use - reserve : 0;
   int fit = per_chunk ? (int)(spare / per_chunk) : l->n_chunks;

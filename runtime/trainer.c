@@ -379,6 +379,12 @@ static void log_step(const struct training *t, int64_t step, const struct step_r
   if (s->validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, t->val_s);
   if (r->gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(r) / 1048576.0);
   if (r->disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);
+  int spec = 0;
+  int64_t spec_steps = 0, spec_redone = 0;  // (--spec-chunks: so far)
+  if (r->x) fy_offload_spec_counts(r->x, &spec, &spec_steps, &spec_redone);
+  if (spec > 0)
+    fprintf(log, ",\"spec_chunks\":%d,\"spec_steps\":%lld,\"spec_redone\":%lld", spec, (long long)spec_steps,
+            (long long)spec_redone);
   fprintf(log, "}\n");
 }
 

@@ -1586,7 +1586,7 @@ int main(int argc, char **argv) {
       CHECK_OK(fy_plan_read(path, &back));
       CHECK(back.k.spec_chunks == 0);
     }
-    // Refused with the lag, stages, sharded ranks, resident; and negative.
+    // Refused with the lag, stages, resident; and negative. Sharded ranks take it (their shards).
     struct fy_plan bad = spec;
     bad.k.optimizer_lag = 1;
     CHECK_ERR(fy_plan_validate(&cfg, &bad), FY_ERR_INVALID);
@@ -1601,17 +1601,28 @@ int main(int argc, char **argv) {
     kr.dp = 2;
     kr.device_chunks = 0;
     snprintf(kr.pattern, sizeof kr.pattern, "zero");
-    CHECK(fy_plan_refused("sim", &cfg, &kr) != NULL);
-    CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
-    CHECK(strstr(fy_error_msg(), "spec_chunks") != NULL);
+    CHECK(fy_plan_refused("sim", &cfg, &kr) == NULL);
+    CHECK_OK(fy_cost_check_knobs(&kr));
+    {  // a sharded rank's slots are of its shard
+      struct fy_cost s0, s1;
+      struct fy_plan_knobs kz = kr;
+      kz.spec_chunks = 0;
+      CHECK_OK(fy_cost_simulate(&cfg, &kz, &g, &s0, NULL));
+      kz.spec_chunks = 1;
+      CHECK_OK(fy_cost_simulate(&cfg, &kz, &g, &s1, NULL));
+      const int64_t se = (int64_t)(s0.chunk_bytes / 2) / 2;  // (bf16 blocks; half a chunk a rank)
+      const double slot_dp = (double)se * 6 + 2.0 * (double)fy_state_moment_bytes(FY_STATE_F32, se);
+      CHECKF(fabs(s1.host_bytes - s0.host_bytes - slot_dp) < 1.0, "dp 2: a slot of %.0f bytes, %.0f expected",
+             s1.host_bytes - s0.host_bytes, slot_dp);
+    }
     kr = (struct fy_plan_knobs){.micro_batch = 4, .grad_accum = 1, .seq = 96, .resident = true, .spec_chunks = 1};
     CHECK(fy_plan_refused("cuda", &cfg, &kr) != NULL);
     CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
     kr = spec.k;
     kr.spec_chunks = -1;
     CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
-    // The searches where it does not apply keep K = 0: the lag, and on sim (whose host work
-    // shares the cores, slowed alike) two sharded ranks and two pipeline stages.
+    // The searches where it does not apply keep K = 0: the lag and two pipeline stages; two
+    // sharded ranks take K > 0 only where it is faster than the same plan without.
     struct fy_plan other;
     CHECK_OK(fy_plan_search_lag(&cfg, "tiny", 4, 96, 1, true, "bf16", 1, &g, &other, NULL));
     CHECK(other.k.optimizer_lag == 1 && other.k.spec_chunks == 0);
@@ -1619,7 +1630,14 @@ int main(int argc, char **argv) {
     snprintf(sim.device, sizeof sim.device, "sim");
     struct fy_plan_grid two = {.dp = 2};
     CHECK_OK(fy_plan_search_grid(&cfg, "tiny", 4, 96, 2, true, NULL, 0, NULL, &two, &sim, &other, NULL));
-    CHECK(other.dp == 2 && other.k.spec_chunks == 0);
+    CHECK(other.dp == 2);
+    if (other.k.spec_chunks > 0) {
+      struct fy_plan_knobs kz = other.k;
+      kz.spec_chunks = 0;
+      struct fy_cost cz;
+      CHECK_OK(fy_cost_simulate(&cfg, &kz, &sim, &cz, NULL));
+      CHECK(other.predicted.step_s < cz.step_s);
+    }
     two = (struct fy_plan_grid){.pp = 2};
     CHECK_OK(fy_plan_search_grid(&cfg, "tiny", 4, 96, 2, true, NULL, 0, NULL, &two, &sim, &other, NULL));
     CHECK(other.pp == 2 && other.k.spec_chunks == 0);

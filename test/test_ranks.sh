@@ -172,6 +172,21 @@ compare repacc16 zeroacc16 0 && ok "2 sharded bf16 ranks with 2 micro-batches an
   --disk-master --log "$tmp/zerodm16.json" --save "$tmp/zerodm16" || bad "2 sharded bf16 ranks with master weights on disk train"
 compare repbf16 zerodm16 0 && ok "2 sharded bf16 ranks with 4 chunks' master shards on disk: the replicated run's bits" \
   || bad "sharded bf16 ranks with master weights on disk differ"
+# --spec-chunks: each sharded rank updates its shards of the last layers' chunks before the norm,
+# into spare slots; the norm (the same on both ranks) keeps or redoes them alike: the replicated
+# run's bits whether the steps clip (the default clip here) or not (--clip 100, against its own).
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --spec-chunks 100 \
+  --log "$tmp/zspec16.json" --save "$tmp/zspec16" >"$tmp/zspec16.out" 2>&1 || bad "2 sharded bf16 ranks speculate"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 2 --precision bf16 --clip 100 --log "$tmp/repnc16.json" \
+  --save "$tmp/repnc16" || bad "2 replicated bf16 ranks train without clipping"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --clip 100 --spec-chunks 100 \
+  --disk-dir "$tmp/disk" --disk-chunks 2 --log "$tmp/zspecnc16.json" --save "$tmp/zspecnc16" >"$tmp/zspecnc16.out" 2>&1 \
+  || bad "2 sharded bf16 ranks speculate without clipping"
+lastspec() { tail -n 1 "$tmp/$1.json" | grep -o '"spec_steps":[0-9]*,"spec_redone":[0-9]*'; }
+if compare repbf16 zspec16 0 && compare repnc16 zspecnc16 0 && [ -n "$(lastspec zspec16)" ] &&
+  [ "$(lastspec zspecnc16)" = '"spec_steps":12,"spec_redone":0' ]; then
+  ok "2 sharded bf16 ranks with speculative updates: the replicated run's bits, clipping ($(lastspec zspec16)) or not"
+else bad "sharded bf16 ranks with speculative updates differ: $(lastspec zspec16) $(lastspec zspecnc16)"; fi
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --save "$tmp/ckz16" --save-every 100 \
   --stop-after 6 >/dev/null 2>&1 || bad "2 sharded bf16 ranks checkpoint"
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --resume "$tmp/ckz16" \
