@@ -82,7 +82,8 @@ const struct option plan_opts[] = {
     {"seq", required_argument, 0, PLAN_SEQ}, {"out", required_argument, 0, PLAN_OUT},
     {"svg", required_argument, 0, PLAN_SVG}, {"gpus", required_argument, 0, PLAN_GPUS},
     {"help", no_argument, 0, PLAN_HELP}, {"profile", no_argument, 0, PLAN_PROFILE},
-    {"offload", no_argument, 0, PLAN_OFFLOAD}, {"optimizer-lag", required_argument, 0, PLAN_LAG},
+    {"offload", no_argument, 0, PLAN_OFFLOAD}, {"resident", no_argument, 0, PLAN_RESIDENT},
+    {"optimizer-lag", required_argument, 0, PLAN_LAG},
     {"precision", required_argument, 0, PLAN_PRECISION}, {"optimizer-state", required_argument, 0, PLAN_STATE},
     {"largest", no_argument, 0, PLAN_LARGEST},
     {"nodes", required_argument, 0, PLAN_NODES}, {"gpus-per-node", required_argument, 0, PLAN_GPN},
@@ -325,6 +326,9 @@ void usage_probe_or_plan(const char *cmd, bool plan) {
            "  --dp N --pp N --tp N  fix those axes and price just that layout (the others searched)\n"
            "  --comm-gbps X      collectives between ranks (default: derived, see ferry probe)\n"
            "  --offload          offloaded plans only (a GPU's default also tries it resident)\n"
+           "  --resident         cuda, one GPU: the resident run alone (ferry train --device cuda\n"
+           "                     without --offload), its micro-batch and recomputation chosen, to\n"
+           "                     compare an offloaded plan with\n"
            "  --precision P      the compute the plan is for: fp32 (default on cpu, sim), bf16\n"
            "                     (default on cuda; its products at bf16_speedup x the fp32 rate)\n"
            "                     or fp16 (cpu, sim); ferry train --plan FILE runs it in P\n"

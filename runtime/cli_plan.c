@@ -151,7 +151,7 @@ struct plan_args {
   struct machine_args machine;
   const char *model, *out, *svg, *precision, *state;
   int64_t batch, seq, gpus, lag;
-  bool profile, offload_only, largest, gpus_given;
+  bool profile, offload_only, resident_only, largest, gpus_given;
   int64_t nodes, gpus_per_node, dp, pp, tp;  // (0: not given)
   double intra_gbps, inter_gbps;
 };
@@ -231,6 +231,7 @@ static int parse_plan_args(int argc, char **argv, bool plan, struct plan_args *a
       }
       case PLAN_PROFILE: a->profile = true; break;
       case PLAN_OFFLOAD: a->offload_only = true; break;
+      case PLAN_RESIDENT: a->resident_only = true; break;
       case PLAN_LAG:
         if (!plan) {
           fprintf(stderr, "ferry probe: --optimizer-lag is ferry plan's\n");
@@ -370,6 +371,44 @@ static fy_status draw_plan(const struct fy_opt_config *cfg, const struct fy_plan
   return st;
 }
 
+// ferry plan --resident: the fastest resident plan of one GPU (the micro-batches dividing the
+// batch, recomputation off and on), the run an offloaded plan is compared with; FY_ERR_NOMEM with
+// the least memory one needs when none fits.
+static fy_status plan_resident(const struct fy_opt_config *cfg, const struct plan_args *a, const struct fy_probe *probe,
+                               struct fy_plan *best, int *tried) {
+  if (strcmp(probe->device, "cuda") != 0 || a->gpus > 1 || a->nodes || a->offload_only || a->lag || a->state)
+    return fy_error_set(FY_ERR_INVALID, "--resident plans the whole model on one GPU (--device cuda), without "
+                        "--offload, --gpus, --nodes, --optimizer-lag or --optimizer-state");
+  *best = (struct fy_plan){0};
+  double least = INFINITY;
+  for (int64_t micro = a->batch; micro >= 1; micro--) {
+    if (a->batch % micro) continue;
+    for (int rc = 0; rc < 2; rc++) {
+      struct fy_plan p = {.dp = 1, .tp = 1, .machine = *probe};
+      p.k = (struct fy_plan_knobs){.micro_batch = micro, .grad_accum = a->batch / micro, .seq = a->seq,
+                                   .recompute = rc, .dp = 1, .tp = 1, .resident = true};
+      snprintf(p.k.pattern, sizeof p.k.pattern, "replicate");
+      snprintf(p.pattern, sizeof p.pattern, "replicate");
+      snprintf(p.model, sizeof p.model, "%s", a->model);
+      snprintf(p.k.precision, sizeof p.k.precision, "%s", a->precision ? a->precision : "");
+      fy_status st = fy_cost_simulate(cfg, &p.k, probe, &p.predicted, NULL);
+      ++*tried;
+      if (st != FY_OK) return st;
+      if (!p.predicted.fits) {
+        if (p.predicted.min_device_bytes < least) least = p.predicted.min_device_bytes;
+        continue;
+      }
+      if (!best->predicted.fits || p.predicted.step_s < best->predicted.step_s) *best = p;
+    }
+  }
+  if (best->predicted.fits) return FY_OK;
+  char have[32], need[32];
+  return fy_error_set(FY_ERR_NOMEM, "%s does not fit resident on a GPU of %s at %lld x %lld tokens a step: the least "
+                      "it needs is %s (ferry plan without --resident offloads it)", a->model,
+                      fy_format_bytes(probe->device_mem, have, sizeof have), (long long)a->batch, (long long)a->seq,
+                      fy_format_bytes(least, need, sizeof need));
+}
+
 // ferry plan on the machine described: the fastest plan, explained (and written with --out), then
 // what --largest, --profile and --svg ask for.
 static fy_status plan_and_explain(const struct plan_args *a, const struct fy_probe *probe) {
@@ -398,8 +437,11 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
                   .intra_gbps = a->nodes ? (a->intra_gbps > 0 ? a->intra_gbps : comm) : 0,
                   .inter_gbps = a->nodes ? (a->inter_gbps > 0 ? a->inter_gbps : comm) : 0},
       .dp = (int)a->dp, .pp = (int)a->pp, .tp = (int)a->tp};
-  FY_TRY(fy_plan_search_grid(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision,
-                             (int)a->lag, a->state, &grid, probe, &best, &tried));
+  if (a->resident_only)
+    FY_TRY(plan_resident(&cfg, a, probe, &best, &tried));
+  else
+    FY_TRY(fy_plan_search_grid(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision,
+                               (int)a->lag, a->state, &grid, probe, &best, &tried));
   fy_plan_print(&best, stdout);
   printf("  (%d plans simulated)\n", tried);
   if (best.refused[0]) {  // (priced for comparison: no run line)

@@ -426,6 +426,14 @@ expect 2 "ferry plan --precision fp8" "fp32, bf16 or fp16" -- plan --device sim 
 expect 2 "ferry probe --precision" "ferry plan's" -- probe --precision bf16
 expect 1 "fp16 plans are no GPU's" "fp16 runs on cpu and sim" -- plan --device cuda --device-tflops 100 \
   --device-mem 8GiB --model opt-tiny --batch 4 --seq 32 --precision fp16
+# ferry plan --resident: the resident run alone, to compare an offloaded plan with (micro-batch and
+# recomputation chosen); refused off a GPU, and saying what it needs when the GPU is too small.
+expect 0 "ferry plan --resident prices the resident run" "resident: weights.*recompute" -- plan --device cuda \
+  --device-tflops 100 --device-mem 40GiB --model opt-1.3b --batch 8 --seq 2048 --resident
+expect 1 "ferry plan --resident on a GPU too small" "does not fit resident.*the least it needs" -- plan --device cuda \
+  --device-tflops 100 --device-mem 8GiB --model opt-1.3b --batch 8 --seq 2048 --resident
+expect 1 "ferry plan --resident off a GPU" "one GPU \\(--device cuda\\)" -- plan --device sim --model opt-tiny \
+  --batch 4 --seq 32 --resident
 expect 1 "a device too small for any plan" "smallest device memory that works" -- plan --device sim \
   --device-mem 64KiB --model opt-tiny --batch 4 --seq 32
 printf '{"micro_batch": 4, "colour": "blue"}' > "$tmp/badplan.json"
