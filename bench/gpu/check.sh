@@ -497,6 +497,8 @@ offload_exact8_40g() {
   done
   FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --offload --device-mem 40GiB --precision bf16 \
     --model opt-6.7b --batch 8 --seq 2048 --optimizer-state 8bit >"$logs/e8-plan.txt" 2>&1 || return 1
+  FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --resident --precision bf16 \
+    --model opt-6.7b --batch 8 --seq 2048 >"$logs/e8-plan-res.txt" 2>&1  # (a resident run that cannot fit: no figure)
   python3 - "$logs" <<'PY'
 import json, re, statistics, sys
 d = sys.argv[1]
@@ -509,8 +511,10 @@ def spec(kind):
 def waits(path):
     m = re.search(r"compute waited per step(?: over \d+ steps)?: (.*)", open(path).read())
     return m.group(1).strip() if m else None
-m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(f"{d}/e8-plan.txt").read())
-p = float(m.group(2)) if m else None
+def predicted(path):
+    m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(path).read())
+    return float(m.group(2)) if m else None
+p, pr = predicted(f"{d}/e8-plan.txt"), predicted(f"{d}/e8-plan-res.txt")
 res, res0, off, off0 = rate("res"), rate("res0"), rate("off8"), rate("off80")
 print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit", "model": "opt-6.7b",
                   "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
@@ -518,6 +522,7 @@ print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit", "model": 
                   "noclip_tokens_per_s": round(off0[0], 1), "noclip_ratio": round(off0[0] / res0[0], 3),
                   "mfu_h200_bf16": round(off[1] / 989e3, 3), "noclip_mfu_h200_bf16": round(off0[1] / 989e3, 3),
                   "spec": spec("off8"), "noclip_spec": spec("off80"), "predicted_tokens_per_s": p,
+                  "resident_predicted_tokens_per_s": pr, "predicted_ratio": round(p / pr, 3) if p and pr else None,
                   "predicted_over_measured": round(p / off0[0], 3) if p else None,
                   "waits": waits(f"{d}/e8-off8-2.out"), "noclip_waits": waits(f"{d}/e8-off80-2.out"),
                   "predicted_waits": waits(f"{d}/e8-plan.txt")}))
