@@ -2282,7 +2282,8 @@ static void adamw_fn(void *arg) {
 // A speculated chunk's update (spec_chunks) before the norm is known: the step's arguments with
 // the scale of a step that neither clips nor skips, from the chunk's master, m, v and gradients
 // into its spare slot k, which nothing reads until the norm has settled it (spec_settle). The
-// same kernels as adamw_fn's in-place update, so the same bits when the norm keeps it.
+// out-of-place update writes byte for byte what adamw_fn's in-place one would (test_adamw_state),
+// so the bits are the exact step's when the norm keeps it.
 static void spec_fn(void *arg) {
   struct spec_job *j = arg;
   struct fy_offload *x = j->x;
