@@ -362,10 +362,11 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->spec_chunks > 0) {
     const char *no = k->resident           ? "a resident plan has no host updates"
                      : k->optimizer_lag > 0 ? "optimizer_lag 1 hides the host optimizer already"
-                     : k->pp > 1            ? "pipeline stages do not speculate yet"
+                     : k->pp > 1            ? "the planner does not price it on pipeline stages yet (ferry train "
+                                              "--pp N --spec-chunks K runs it)"
                                             : NULL;
     if (no)
-      return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are for offloaded runs without "
+      return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are planned for offloaded runs without "
                           "optimizer_lag or pipeline stages (%s); spec_chunks must be 0", k->spec_chunks, no);
   }
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||

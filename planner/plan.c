@@ -195,7 +195,8 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
     return k->resident ? "speculative updates (spec_chunks) are for offloaded runs: a resident run has no host updates"
            : lag       ? "speculative updates (spec_chunks) do not combine with --optimizer-lag, which hides the host "
                          "optimizer already"
-                       : "speculative updates (spec_chunks) do not run on pipeline stages";
+                       : "speculative updates (spec_chunks) on pipeline stages are not priced yet (ferry train --pp "
+                         "--spec-chunks runs them)";
   if (!cuda) return NULL;
   // (runtime/run.c and train_opts.c: what a GPU run refuses)
   if (k->ep > 1 && (tp > 1 || pp > 1))

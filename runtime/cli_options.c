@@ -227,7 +227,7 @@ void usage_train(FILE *f, bool eval) {
           "                     come home, before the gradient norm is known, into a spare copy of\n"
           "                     their weights and state each (host memory); kept when the norm does\n"
           "                     not clip, redone otherwise: the exact step's numbers either way.\n"
-          "                     Default 0 (--plan chooses N); not with --optimizer-lag or --pp\n"
+          "                     Default 0 (--plan chooses N); not with --optimizer-lag\n"
           "  --optimizer-state F  how AdamW's m and v are stored: fp32 (default, 8 bytes a\n"
           "                     parameter), bf16 (4) or 8bit (block-wise quantised, 2.03); on the\n"
           "                     cpu and offloaded (host, disk and device chunks), not on a resident\n"

@@ -1520,7 +1520,6 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   // slot's can swap (spec_settle).
   const char *no_spec = x->lag ? "--optimizer-lag (whose updates run under the next step already)"
                         : x->shards_on_device ? "shards kept on the device"
-                        : o->stage_hi > 0     ? "pipeline stages"
                                               : NULL;
   if (o->spec_chunks > 0 && !x->forward_only && !no_spec) x->n_spec = o->spec_chunks;
   x->own_weights = x->sharded || x->disk_master || x->n_spec > 0;

@@ -80,7 +80,8 @@ struct fy_offload_opts {
   // those chunks are updated again from their untouched slots with the norm's scale. The bits are
   // the exact step's either way. After a step that clipped or skipped, the next step does not
   // speculate. Sharded ranks speculate on their shards (the norm, the same on every rank, settles
-  // every rank's alike). Not with optimizer_lag, shards on the device or pipeline stages.
+  // every rank's alike); so do pipeline stages (the norm is every stage's). Not with
+  // optimizer_lag or shards on the device.
   int spec_chunks;
   // A pipeline stage (runtime/pipeline.h; the model made for it, fy_model_opts.pp): the engine runs
   // the graph's ops [stage_lo, stage_hi) alone, a micro-batch's forward and backward as two

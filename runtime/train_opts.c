@@ -109,7 +109,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                           ? "it is for offloaded runs (--device sim, --device cuda --offload), whose host updates it "
                             "starts before the gradient norm is known"
                       : e->optimizer_lag > 0 ? "--optimizer-lag 1 runs each update under the next step already"
-                      : e->pp > 1            ? "pipeline stages do not speculate yet"
                                              : NULL;
     if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--spec-chunks %d: %s", e->spec_chunks, why);
   }

@@ -691,6 +691,16 @@ compare p1tied psd 1e-5 && ok "dp 2 x pp 2 on sim, chunks sharded, their state o
   --log "$tmp/psdc.json" --save "$tmp/psdc" >"$tmp/psdc.out" 2>&1 || { bad "pp 2 on sim with device chunks trains"; cat "$tmp/psdc.out"; }
 compare p1untied psdc 0 && ok "pp 2 on sim with 2 chunks a stage on the device: one rank's bits" \
   || bad "pp 2 on sim with device chunks differs from 1 rank"
+# --spec-chunks on stages: each stage's last chunks updated before the norm (every stage's), kept
+# or redone alike on every stage: one rank's bits (pp 2, untied), and dp 2 x pp 2 (tied, sharded)
+# within 1e-5 of 1 rank as without it.
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" --spec-chunks 100 \
+  --log "$tmp/psspec.json" --save "$tmp/psspec" >"$tmp/psspec.out" 2>&1 || { bad "pp 2 on sim speculating trains"; cat "$tmp/psspec.out"; }
+"${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-tied" --batch 2 --pp 2 "${psim[@]}" --spec-chunks 100 \
+  --log "$tmp/psdspec.json" --save "$tmp/psdspec" >"$tmp/psdspec.out" 2>&1 || { bad "dp 2 x pp 2 speculating trains"; cat "$tmp/psdspec.out"; }
+if compare p1untied psspec 0 && compare p1tied psdspec 1e-5 && tail -n 1 "$tmp/psspec.json" | grep -q '"spec_steps":[1-9]'; then
+  ok "pp 2 and dp 2 x pp 2 on sim with speculative updates: as without them ($(tail -n 1 "$tmp/psspec.json" | grep -o '"spec_steps":[0-9]*,"spec_redone":[0-9]*'))"
+else bad "pipeline stages with speculative updates differ"; fi
 # A sim pipeline's checkpoint is one rank's (bytes), and resumes on 1 rank: fp32 state, and 8-bit
 # AdamW state kept compressed in the stages' chunks.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" --save "$tmp/psck" \
