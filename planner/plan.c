@@ -36,6 +36,56 @@ static void consider(const struct fy_plan_knobs *k, const struct fy_cost *c, str
   snprintf(best->pattern, sizeof best->pattern, "%s", k->pattern);
 }
 
+// The whole model resident on each of dp GPUs (replicas; knobs.resident), per_rank sequences a
+// rank: every micro-batch dividing it, recomputation off and on, each kept in best and in
+// resident when fastest; *least (when not NULL) the least device memory of one that did not fit.
+static fy_status search_resident(const struct fy_opt_config *cfg, int dp, int64_t per_rank, int64_t seq, const char *prec,
+                                 const struct fy_probe *probe, struct fy_plan *best, struct fy_plan *resident,
+                                 int *tried, double *least) {
+  for (int64_t micro = per_rank; micro >= 1; micro--) {
+    if (per_rank % micro) continue;
+    for (int rc = 0; rc < 2; rc++) {
+      struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq, .recompute = rc,
+                                .dp = dp, .tp = 1, .resident = true};
+      snprintf(k.pattern, sizeof k.pattern, "replicate");
+      snprintf(k.precision, sizeof k.precision, "%s", prec);
+      if (fy_plan_refused(probe->device, cfg, &k)) continue;
+      struct fy_cost c;
+      FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
+      ++*tried;
+      if (least && !c.fits && c.min_device_bytes < *least) *least = c.min_device_bytes;
+      consider(&k, &c, best);
+      consider(&k, &c, resident);
+    }
+  }
+  return FY_OK;
+}
+
+fy_status fy_plan_search_resident(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                                  const char *precision, const struct fy_probe *probe, struct fy_plan *best,
+                                  int *n_tried) {
+  if (strcmp(probe->device, "cuda") != 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: a resident plan keeps the whole model on a GPU (device cuda)");
+  if (batch < 1 || seq < 1) return fy_error_set(FY_ERR_INVALID, "plan: batch and sequence must be positive");
+  enum fy_dtype cdt;
+  FY_TRY(fy_cost_check_precision(precision, probe->device, &cdt));
+  memset(best, 0, sizeof *best);
+  snprintf(best->model, sizeof best->model, "%s", model);
+  snprintf(best->pattern, sizeof best->pattern, "replicate");
+  best->dp = best->tp = best->pp = best->ep = 1;
+  best->machine = *probe;
+  struct fy_plan resident = *best;
+  int tried = 0;
+  double least = INFINITY;
+  FY_TRY(search_resident(cfg, 1, batch, seq, fy_precision_name(cdt), probe, best, &resident, &tried, &least));
+  if (n_tried) *n_tried = tried;
+  if (best->predicted.fits) return FY_OK;
+  char have[32], need[32];
+  return fy_error_set(FY_ERR_NOMEM, "%s does not fit resident on a GPU of %s at %lld x %lld tokens a step: the least "
+                      "it needs is %s", model, fy_format_bytes(probe->device_mem, have, sizeof have), (long long)batch,
+                      (long long)seq, fy_format_bytes(least, need, sizeof need));
+}
+
 // Speculative updates (knobs.spec_chunks) for an offloaded plan of one engine (one rank or tp
 // ranks; no lag, stages or sharding: fy_cost_check_knobs) that fits, (k, c) with none: besides K
 // = 0, a quarter, half and all of the most host-tier chunks whose spare slots the host memory left
@@ -422,22 +472,8 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
     int64_t per_rank = batch / dp;
     grids++;
     // On a GPU, the whole model resident (its ranks replicas) when it fits.
-    const bool try_resident = tp == 1 && !offload_only && strcmp(probe->device, "cuda") == 0;
-    for (int64_t micro = per_rank; try_resident && micro >= 1; micro--) {
-      if (per_rank % micro) continue;
-      for (int rc = 0; rc < 2; rc++) {
-        struct fy_plan_knobs k = {.micro_batch = micro, .grad_accum = per_rank / micro, .seq = seq, .recompute = rc,
-                                  .dp = dp, .tp = 1, .resident = true};
-        snprintf(k.pattern, sizeof k.pattern, "replicate");
-        snprintf(k.precision, sizeof k.precision, "%s", prec);
-        if (fy_plan_refused(probe->device, cfg, &k)) continue;
-        struct fy_cost c;
-        FY_TRY(fy_cost_simulate(cfg, &k, probe, &c, NULL));
-        tried++;
-        consider(&k, &c, best);
-        consider(&k, &c, &resident);
-      }
-    }
+    if (tp == 1 && !offload_only && strcmp(probe->device, "cuda") == 0)
+      FY_TRY(search_resident(cfg, dp, per_rank, seq, prec, probe, best, &resident, &tried, NULL));
     {  // (the offloaded ranks of this grid, sharding the chunks over dp: when ferry train runs them)
       struct fy_plan_knobs ko = {.dp = dp, .tp = tp, .optimizer_lag = optimizer_lag};
       snprintf(ko.pattern, sizeof ko.pattern, "%s", dp > 1 ? "zero" : "replicate");

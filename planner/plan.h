@@ -69,6 +69,12 @@ struct fy_plan_grid {
 // FY_ERR_INVALID naming the numbers when the grid or a fixed axis cannot be laid out;
 // FY_ERR_UNSUPPORTED with the reason when ferry train runs none of its layouts; FY_ERR_NOMEM with
 // the fixed layout's memory (or the least any layout needs) when none fits.
+// The resident plan of one GPU alone (ferry plan --resident): every micro-batch dividing batch,
+// recomputation off and on, the fastest that fits; FY_ERR_NOMEM with the least device memory one
+// needs when none does.
+fy_status fy_plan_search_resident(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
+                                  const char *precision, const struct fy_probe *probe, struct fy_plan *best,
+                                  int *n_tried);
 fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
                               int ranks, bool offload_only, const char *precision, int optimizer_lag, const char *state,
                               const struct fy_plan_grid *grid, const struct fy_probe *probe, struct fy_plan *best,

@@ -371,42 +371,15 @@ static fy_status draw_plan(const struct fy_opt_config *cfg, const struct fy_plan
   return st;
 }
 
-// ferry plan --resident: the fastest resident plan of one GPU (the micro-batches dividing the
-// batch, recomputation off and on), the run an offloaded plan is compared with; FY_ERR_NOMEM with
-// the least memory one needs when none fits.
+// ferry plan --resident: the resident plan of one GPU alone (fy_plan_search_resident), the run an
+// offloaded plan is compared with.
 static fy_status plan_resident(const struct fy_opt_config *cfg, const struct plan_args *a, const struct fy_probe *probe,
                                struct fy_plan *best, int *tried) {
   if (strcmp(probe->device, "cuda") != 0 || a->gpus > 1 || a->nodes || a->offload_only || a->lag || a->state)
     return fy_error_set(FY_ERR_INVALID, "--resident plans the whole model on one GPU (--device cuda), without "
                         "--offload, --gpus, --nodes, --optimizer-lag or --optimizer-state");
-  *best = (struct fy_plan){0};
-  double least = INFINITY;
-  for (int64_t micro = a->batch; micro >= 1; micro--) {
-    if (a->batch % micro) continue;
-    for (int rc = 0; rc < 2; rc++) {
-      struct fy_plan p = {.dp = 1, .tp = 1, .machine = *probe};
-      p.k = (struct fy_plan_knobs){.micro_batch = micro, .grad_accum = a->batch / micro, .seq = a->seq,
-                                   .recompute = rc, .dp = 1, .tp = 1, .resident = true};
-      snprintf(p.k.pattern, sizeof p.k.pattern, "replicate");
-      snprintf(p.pattern, sizeof p.pattern, "replicate");
-      snprintf(p.model, sizeof p.model, "%s", a->model);
-      snprintf(p.k.precision, sizeof p.k.precision, "%s", a->precision ? a->precision : "");
-      fy_status st = fy_cost_simulate(cfg, &p.k, probe, &p.predicted, NULL);
-      ++*tried;
-      if (st != FY_OK) return st;
-      if (!p.predicted.fits) {
-        if (p.predicted.min_device_bytes < least) least = p.predicted.min_device_bytes;
-        continue;
-      }
-      if (!best->predicted.fits || p.predicted.step_s < best->predicted.step_s) *best = p;
-    }
-  }
-  if (best->predicted.fits) return FY_OK;
-  char have[32], need[32];
-  return fy_error_set(FY_ERR_NOMEM, "%s does not fit resident on a GPU of %s at %lld x %lld tokens a step: the least "
-                      "it needs is %s (ferry plan without --resident offloads it)", a->model,
-                      fy_format_bytes(probe->device_mem, have, sizeof have), (long long)a->batch, (long long)a->seq,
-                      fy_format_bytes(least, need, sizeof need));
+  fy_status st = fy_plan_search_resident(cfg, a->model, a->batch, a->seq, a->precision, probe, best, tried);
+  return st == FY_ERR_NOMEM ? fy_error_wrap(st, "--resident (ferry plan without it offloads the model)") : st;
 }
 
 // ferry plan on the machine described: the fastest plan, explained (and written with --out), then
