@@ -436,45 +436,7 @@ static inline float pipe_inv(uint32_t amax_bits, bool *ok) {
   return *ok ? 1.0f / bits_f32(amax_bits) : 0.0f;
 }
 
-// Blocks [bb, be) of one thread.
-static void q8_run(const struct upd *u, int64_t bb, int64_t be) {
-  struct q8_pipe w;
-  memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
-  memset(w.vn, 0, sizeof w.vn);
-  int cur = 0;
-  bool pending = false;  // block pb waits for its store: its values in w.mn[cur ^ 1], w.vn[cur ^ 1]
-  int64_t pb = 0;
-  uint32_t pam = 0, pav = 0;
-  for (int64_t b = bb; b < be; b++) {
-    const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
-    const int r = first_range(u->r, u->nr, b0);
-    const struct q8_blk q = q8_blk_of(u, b0);
-    // whole and inside one range, and scales whose folded read-back factors stay finite (< 2^16
-    // for m, < 2^32 for v; NaN fails too)
-    const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
-                       *q.sm < 0x1p16f && *q.sv < 0x1p32f;
-    if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
-      if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
-      pending = false;
-      q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
-      continue;
-    }
-    for (int i = 0; i < FY_Q8_BLOCK; i++) {
-      w.cm[i] = q.cm[i];
-      w.cv[i] = q.cv[i];
-    }
-    bool ok_m = false, ok_v = false;
-    const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
-    uint32_t am, av;
-    q8_block_pipe(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
-                  w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
-    if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
-    pending = true;
-    pb = b, pam = am, pav = av;
-    cur ^= 1;
-  }
-  if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
-}
+static void q8_run(const struct upd *u, int64_t bb, int64_t be);
 
 static fy_status state_update(struct upd *u, float lr, float beta1, float beta2, float eps, int64_t t,
                               float grad_scale) {
@@ -543,11 +505,12 @@ fy_status fy_adamw_state_update_bf16(enum fy_state_format f, float *param, void 
 // way): it stores directly. Streaming stores are weakly ordered: each thread fences its own once,
 // at the end of its share.
 
-// The 8-bit kernels' out-of-place copies: update_run, q8_block_plain, q8_block_pipe and q8_run
-// operation for operation, reading the inputs and writing the outputs (test_adamw_state compares
-// the bytes with the in-place ones). Copies, not one kernel with a flag for both: gcc compiled the
-// in-place loops differently inside a shared always-inlined kernel (1-3% slower). The copies are
-// always inlined into q8_run_into (a few % faster than gcc's own choice here).
+// The 8-bit kernels' out-of-place copies: update_run, q8_block_plain and q8_block_pipe operation
+// for operation, reading the inputs and writing the outputs (test_adamw_state compares the bytes
+// with the in-place ones). Copies, not one kernel with a flag for both: gcc compiled the in-place
+// loops differently inside a shared always-inlined kernel (1-3% slower). The loop over a thread's
+// blocks that calls them is one for both (q8_blocks; the in-place update measured no slower). The
+// copies are always inlined into q8_run_into (a few % faster than gcc's own choice here).
 #define INTO_KERNEL static inline __attribute__((always_inline))
 
 INTO_KERNEL void update_run_into(const struct upd *u, int64_t lo, int64_t hi, float decay, float *restrict m,
@@ -621,25 +584,30 @@ INTO_KERNEL void q8_block_pipe_into(const struct upd *u, int64_t b0, float decay
   *av = amv < 0x7f800000u ? amv : 0x7f800000u;
 }
 
-// q8_run's loop: the blocks' codes and scales read from the inputs, stored to the outputs.
-static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) {
+// Blocks [bb, be) of one thread: each whole block inside one range pipelined (q8_block_pipe), the
+// others plain. into, a constant at each caller: out of place, the codes and scales read from the
+// inputs and the out-of-place kernels run (the same machine code as two loops written out).
+INTO_KERNEL void q8_blocks(const struct upd *u, int64_t bb, int64_t be, const bool into) {
   struct q8_pipe w;
-  memset(w.mn, 0, sizeof w.mn);
+  memset(w.mn, 0, sizeof w.mn);  // the "block before" of the first pipelined block: zeros
   memset(w.vn, 0, sizeof w.vn);
   int cur = 0;
-  bool pending = false;
+  bool pending = false;  // block pb waits for its store: its values in w.mn[cur ^ 1], w.vn[cur ^ 1]
   int64_t pb = 0;
   uint32_t pam = 0, pav = 0;
   for (int64_t b = bb; b < be; b++) {
     const int64_t b0 = b * FY_Q8_BLOCK, len = u->n - b0 < FY_Q8_BLOCK ? u->n - b0 : FY_Q8_BLOCK;
     const int r = first_range(u->r, u->nr, b0);
-    const struct q8_blk q = q8_blk_in(u, b0);
+    const struct q8_blk q = into ? q8_blk_in(u, b0) : q8_blk_of(u, b0);
+    // whole and inside one range, and scales whose folded read-back factors stay finite (< 2^16
+    // for m, < 2^32 for v; NaN fails too)
     const bool whole = len == FY_Q8_BLOCK && r < u->nr && u->r[r].off <= b0 && u->r[r].off + u->r[r].n >= b0 + len &&
                        *q.sm < 0x1p16f && *q.sv < 0x1p32f;
-    if (!whole) {
+    if (!whole) {  // (the next pipelined block's "block before" then holds stale values: unused)
       if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
       pending = false;
-      q8_block_plain_into(u, b0, len, r, w.mn[cur], w.vn[cur]);
+      if (into) q8_block_plain_into(u, b0, len, r, w.mn[cur], w.vn[cur]);
+      else q8_block_plain(u, b0, len, r, w.mn[cur], w.vn[cur]);
       continue;
     }
     for (int i = 0; i < FY_Q8_BLOCK; i++) {
@@ -649,8 +617,13 @@ static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) {
     bool ok_m = false, ok_v = false;
     const float inv_m = pending ? pipe_inv(pam, &ok_m) : 0.0f, inv_v = pending ? pipe_inv(pav, &ok_v) : 0.0f;
     uint32_t am, av;
-    q8_block_pipe_into(u, b0, range_decay(&u->k, u->r[r].weight_decay), *q.sm * 0x1p112f, *q.sv * 0x1p96f, &w,
-                       w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am, &av);
+    const float decay = range_decay(&u->k, u->r[r].weight_decay), sm2 = *q.sm * 0x1p112f, sv2 = *q.sv * 0x1p96f;
+    if (into)
+      q8_block_pipe_into(u, b0, decay, sm2, sv2, &w, w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v,
+                         &am, &av);
+    else
+      q8_block_pipe(u, b0, decay, sm2, sv2, &w, w.mn[cur], w.vn[cur], w.mn[cur ^ 1], w.vn[cur ^ 1], inv_m, inv_v, &am,
+                    &av);
     if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, ok_m, ok_v);
     pending = true;
     pb = b, pam = am, pav = av;
@@ -658,6 +631,9 @@ static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) {
   }
   if (pending) q8_pipe_store(q8_blk_of(u, pb * FY_Q8_BLOCK), &w, w.mn[cur ^ 1], w.vn[cur ^ 1], pam, pav, 0, 0);
 }
+
+static void q8_run(const struct upd *u, int64_t bb, int64_t be) { q8_blocks(u, bb, be, false); }
+static void q8_run_into(const struct upd *u, int64_t bb, int64_t be) { q8_blocks(u, bb, be, true); }
 
 static void stores_fence(void) {
 #if defined(__AVX512F__)
