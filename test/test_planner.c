@@ -48,6 +48,19 @@ static void drop_key(char *key) {
   char *end = strchr(key, ',');
   if (end) memmove(key, end + 1, strlen(end + 1) + 1);
 }
+// Reads the plan file at path again without its key `quoted` (as a ferry from before that key
+// wrote it) into out; false (a failed check) when the file has no such key.
+static bool read_without_key(const char *path, const char *quoted, struct fy_plan *out) {
+  char text[8192];
+  read_text(path, text, sizeof text);
+  char *key = strstr(text, quoted);
+  CHECK(key != NULL);
+  if (!key) return false;
+  drop_key(key);
+  write_text(path, text);
+  CHECK_OK(fy_plan_read(path, out));
+  return true;
+}
 
 static struct fy_train_opts run_opts(const struct fy_plan_knobs *k, size_t cap, double link) {
   struct fy_train_opts o;
@@ -1444,16 +1457,7 @@ int main(int argc, char **argv) {
     CHECK(rb.predicted.device_peak == res.predicted.device_peak);
     // A plan written before resident plans existed (no "resident" key) is an offloaded one.
     CHECK_OK(fy_plan_write(rpath, &off));
-    char text[8192];
-    read_text(rpath, text, sizeof text);
-    char *key = strstr(text, "\"resident\"");
-    CHECK(key != NULL);
-    if (key) {
-      drop_key(key);
-      write_text(rpath, text);
-      CHECK_OK(fy_plan_read(rpath, &rb));
-      CHECK(!rb.k.resident && rb.k.chunk_elems == off.k.chunk_elems);
-    }
+    if (read_without_key(rpath, "\"resident\"", &rb)) CHECK(!rb.k.resident && rb.k.chunk_elems == off.k.chunk_elems);
   }
   // The one-step-delayed update (optimizer_lag): offloaded, 16-bit, one micro-batch a step; a
   // second 16-bit copy of every chunk the host updates (2 bytes a parameter on a GPU); with a slow
@@ -1576,16 +1580,7 @@ int main(int argc, char **argv) {
     CHECK(back.k.spec_chunks == spec.k.spec_chunks);
     CHECK_OK(fy_plan_validate(&cfg, &back));
     CHECK(fy_plan_refused("cuda", &cfg, &back.k) == NULL);
-    char text[8192];
-    read_text(path, text, sizeof text);
-    char *key = strstr(text, "\"spec_chunks\"");
-    CHECK(key != NULL);
-    if (key) {
-      drop_key(key);
-      write_text(path, text);
-      CHECK_OK(fy_plan_read(path, &back));
-      CHECK(back.k.spec_chunks == 0);
-    }
+    if (read_without_key(path, "\"spec_chunks\"", &back)) CHECK(back.k.spec_chunks == 0);
     // Refused with the lag, stages, resident; and negative. Sharded ranks take it (their shards).
     struct fy_plan bad = spec;
     bad.k.optimizer_lag = 1;
