@@ -443,19 +443,12 @@ offload_bf16_40g() {
     FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --offload --device-mem 40GiB --precision bf16 \
       --model opt-6.7b --batch 8 --seq 2048 --optimizer-lag "$lag" "${q8[@]}" >"$logs/b40-plan-$lag.txt" 2>&1 || return 1
   done
-  python3 - "$logs" <<'PY'
-import json, re, statistics, sys
+  python3 - "$logs" "$root/bench/gpu" <<'PY'
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from runlogs import predicted, rate, waits
 d = sys.argv[1]
-def rate(kind):
-    rows = [json.loads(l) for r in (1, 2) for l in list(open(f"{d}/b40-{kind}-{r}.jsonl"))[1:]]
-    return statistics.median(x["tokens_per_s"] for x in rows), statistics.median(x["gflops"] for x in rows)
-def waits(path):
-    m = re.search(r"compute waited per step(?: over \d+ steps)?: (.*)", open(path).read())
-    return m.group(1).strip() if m else None
-def predicted(path):
-    m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(path).read())
-    return float(m.group(2)) if m else None
-res, off, lag = rate("res"), rate("off"), rate("lag")
+res, off, lag = rate(d, "b40-res"), rate(d, "b40-off"), rate(d, "b40-lag")
 p0, p1 = predicted(f"{d}/b40-plan-0.txt"), predicted(f"{d}/b40-plan-1.txt")
 print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib", "model": "opt-6.7b", "lag": "8bit state, lag 1",
                   "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
@@ -499,29 +492,19 @@ offload_exact8_40g() {
     --model opt-6.7b --batch 8 --seq 2048 --optimizer-state 8bit >"$logs/e8-plan.txt" 2>&1 || return 1
   FERRY_PROBE="$logs/probe.json" "$build/ferry" plan --device cuda --resident --precision bf16 \
     --model opt-6.7b --batch 8 --seq 2048 >"$logs/e8-plan-res.txt" 2>&1  # (a resident run that cannot fit: no figure)
-  python3 - "$logs" <<'PY'
-import json, re, statistics, sys
+  python3 - "$logs" "$root/bench/gpu" <<'PY'
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from runlogs import predicted, rate, spec, waits
 d = sys.argv[1]
-def rate(kind):
-    rows = [json.loads(l) for r in (1, 2) for l in list(open(f"{d}/e8-{kind}-{r}.jsonl"))[1:]]
-    return statistics.median(x["tokens_per_s"] for x in rows), statistics.median(x["gflops"] for x in rows)
-def spec(kind):
-    m = re.search(r"speculative updates of (\d+) chunks: kept in (\d+) of (\d+)", open(f"{d}/e8-{kind}-2.out").read())
-    return {"chunks": int(m.group(1)), "kept": int(m.group(2)), "speculated": int(m.group(3))} if m else None
-def waits(path):
-    m = re.search(r"compute waited per step(?: over \d+ steps)?: (.*)", open(path).read())
-    return m.group(1).strip() if m else None
-def predicted(path):
-    m = re.search(r"predicted: ([0-9.]+) s/step, ([0-9]+) tokens/s", open(path).read())
-    return float(m.group(2)) if m else None
 p, pr = predicted(f"{d}/e8-plan.txt"), predicted(f"{d}/e8-plan-res.txt")
-res, res0, off, off0 = rate("res"), rate("res0"), rate("off8"), rate("off80")
+res, res0, off, off0 = rate(d, "e8-res"), rate(d, "e8-res0"), rate(d, "e8-off8"), rate(d, "e8-off80")
 print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit", "model": "opt-6.7b",
                   "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
                   "ratio": round(off[0] / res[0], 3), "noclip_resident_tokens_per_s": round(res0[0], 1),
                   "noclip_tokens_per_s": round(off0[0], 1), "noclip_ratio": round(off0[0] / res0[0], 3),
                   "mfu_h200_bf16": round(off[1] / 989e3, 3), "noclip_mfu_h200_bf16": round(off0[1] / 989e3, 3),
-                  "spec": spec("off8"), "noclip_spec": spec("off80"), "predicted_tokens_per_s": p,
+                  "spec": spec(f"{d}/e8-off8-2.out"), "noclip_spec": spec(f"{d}/e8-off80-2.out"), "predicted_tokens_per_s": p,
                   "resident_predicted_tokens_per_s": pr, "predicted_ratio": round(p / pr, 3) if p and pr else None,
                   "predicted_over_measured": round(p / off0[0], 3) if p else None,
                   "waits": waits(f"{d}/e8-off8-2.out"), "noclip_waits": waits(f"{d}/e8-off80-2.out"),
