@@ -2596,17 +2596,15 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     FY_TRY(fy_stream_enqueue(x->optim, adamw_fn, &x->jobs[q][c]));
     FY_TRY(fy_event_record(x->home_ready[c], x->optim));
   }
-  if (!spec) FY_TRY(fy_event_record(x->updates_done[q], x->optim));
   if (x->lag) swap_copies(x);
   FY_TRY(fy_wait_profile_gap_begin(x->wprof));  // (the step's work on the compute stream is enqueued)
   FY_TRY(fy_event_sync(x->norm_ready));
   FY_TRY(async_status(x));
-  if (spec) {  // (the next pass's loads are enqueued after this: they see the settled buffers)
+  if (spec)  // (the next pass's loads are enqueued after this: they see the settled buffers)
     FY_TRY(spec_settle(x, q));
-    FY_TRY(fy_event_record(x->updates_done[q], x->optim));
-  } else if (x->n_spec > 0) {  // a step that did not speculate: the next does if this one would have stood
+  else if (x->n_spec > 0)  // a step that did not speculate: the next does if this one would have stood
     x->spec_off_next = x->args[q].skip || x->args[q].scale != x->args[q].grad_scale;
-  }
+  FY_TRY(fy_event_record(x->updates_done[q], x->optim));  // (after spec_settle's redone updates)
   FY_TRY(fy_wait_profile_collect(x->wprof, false));
   *norm = x->args[q].norm;
   for (int i = 0; i < x->max_micro; i++) loss_sum[i] = x->loss_sums[i];
