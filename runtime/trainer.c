@@ -174,6 +174,7 @@ static void size_run(struct training *t) {
     res->n_chunks = xs.n_chunks;
     res->n_disk_chunks = xs.n_disk_chunks;
     res->n_device_chunks = xs.n_device_chunks;
+    fy_offload_spec_counts(r->x, &res->spec_chunks, &res->spec_steps, &res->spec_redone);
     res->chunk_bytes = xs.chunk_bytes;
     res->disk_tier_bytes = r->disk ? (double)fy_disk_in_use(r->disk) : 0;
   }
@@ -207,12 +208,9 @@ static void print_header(const struct training *t) {
            res->n_disk_chunks, r->disk ? " (" : "",
            r->disk ? fy_format_bytes(res->disk_tier_bytes, disk_b, sizeof disk_b) : "", r->disk ? ")" : "",
            o->disk_master && res->n_disk_chunks > 0 ? ", their master weights there too" : "", res->n_device_chunks);
-  int spec = 0;
-  int64_t spec_steps, spec_redone;
-  if (r->x) fy_offload_spec_counts(r->x, &spec, &spec_steps, &spec_redone);
-  if (spec > 0)
+  if (res->spec_chunks > 0)
     printf("ferry: speculative updates: %d host chunks updated as their gradients come home, before the gradient "
-           "norm (kept when it does not clip, else redone: the exact step's numbers)\n", spec);
+           "norm (kept when it does not clip, else redone: the exact step's numbers)\n", res->spec_chunks);
   if (!r->x)
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
@@ -379,12 +377,9 @@ static void log_step(const struct training *t, int64_t step, const struct step_r
   if (s->validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, t->val_s);
   if (r->gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(r) / 1048576.0);
   if (r->disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);
-  int spec = 0;
-  int64_t spec_steps = 0, spec_redone = 0;  // (--spec-chunks: so far)
-  if (r->x) fy_offload_spec_counts(r->x, &spec, &spec_steps, &spec_redone);
-  if (spec > 0)
-    fprintf(log, ",\"spec_chunks\":%d,\"spec_steps\":%lld,\"spec_redone\":%lld", spec, (long long)spec_steps,
-            (long long)spec_redone);
+  if (res->spec_chunks > 0)  // (--spec-chunks: so far, report_step)
+    fprintf(log, ",\"spec_chunks\":%d,\"spec_steps\":%lld,\"spec_redone\":%lld", res->spec_chunks,
+            (long long)res->spec_steps, (long long)res->spec_redone);
   fprintf(log, "}\n");
 }
 
@@ -394,6 +389,8 @@ static void report_step(struct training *t, int64_t step, const struct step_repo
   const struct fy_train_opts *o = t->o;
   const struct fy_train_result *res = t->res;
   const struct run *r = &t->r;
+  if (r->x)  // (the speculative updates so far: the log line's and the result's)
+    fy_offload_spec_counts(r->x, &t->res->spec_chunks, &t->res->spec_steps, &t->res->spec_redone);
   if (t->log) log_step(t, step, s);
   if (o->quiet) return;
   if (t->tty) printf("\r\033[K");
@@ -574,7 +571,6 @@ static fy_status finish_run(struct training *t) {
     res->host_tier_bytes = (double)fy_host_in_use(r->host);
     res->device_state_bytes = (double)fy_offload_device_state_bytes(r->x);
     res->model_state_bytes = (double)fy_offload_state_bytes(r->x);
-    fy_offload_spec_counts(r->x, &res->spec_chunks, &res->spec_steps, &res->spec_redone);
   }
   // Sharded weights come together chunk by chunk for the hash and the final save, on the rank that
   // saves (with neither, not at all); tensor-parallel ranks' slices come together below.
