@@ -357,7 +357,8 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
     return fy_error_set(FY_ERR_INVALID, "plan: pp %d: 1 to %d pipeline stages", k->pp, FY_COST_MAX_STAGES);
   // Speculative updates hide the host optimizer of the exact step of offload engines (one rank,
   // tp slices, sharded data-parallel ranks): the lag hides it already, a resident run has no host
-  // updates, and a pipeline's stages do not speculate yet (runtime/offload.h, spec_chunks).
+  // updates, and the planner does not price it on a pipeline's stages yet, which ferry train runs
+  // (runtime/offload.h, spec_chunks).
   if (k->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks must not be negative");
   if (k->spec_chunks > 0) {
     const char *no = k->resident           ? "a resident plan has no host updates"

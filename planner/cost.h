@@ -101,7 +101,8 @@ struct fy_plan_knobs {
   // if it will not clip, into a spare slot each (fp32 master, m and v at their stored size, the
   // 16-bit copy: host memory, priced); the norm then keeps them (no clipping, finite) or has them
   // redone from the untouched slot, so the bits are the exact step's either way. The rest are
-  // updated after the norm as without it. Offloaded, one rank or tp, no lag, no stages; 0: none.
+  // updated after the norm as without it. Offloaded (one rank, tp, sharded dp; a rank its shards),
+  // no lag; not planned on pipeline stages (ferry train runs it there). 0: none.
   int spec_chunks;
 };
 

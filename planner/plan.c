@@ -86,8 +86,8 @@ fy_status fy_plan_search_resident(const struct fy_opt_config *cfg, const char *m
                       (long long)seq, fy_format_bytes(least, need, sizeof need));
 }
 
-// Speculative updates (knobs.spec_chunks) for an offloaded plan of one engine (one rank or tp
-// ranks; no lag, stages or sharding: fy_cost_check_knobs) that fits, (k, c) with none: besides K
+// Speculative updates (knobs.spec_chunks) for an offloaded plan (one rank, tp ranks or sharded
+// data-parallel ranks; no lag or stages: fy_cost_check_knobs) that fits, (k, c) with none: besides K
 // = 0, a quarter, half and all of the most host-tier chunks whose spare slots the host memory left
 // holds (every host chunk when their slots all fit: the host bytes of that plan tell a slot's
 // size). The fastest is kept in (k, c); a tie keeps the smaller K, so K > 0 only where it is
