@@ -2180,6 +2180,17 @@ static fy_status disk_wait_set(struct fy_offload *x, int b) {
   return s1 != FY_OK ? s1 : s2 != FY_OK ? s2 : s3;
 }
 
+// Chunk c's parameter ranges with weight decay wd where a parameter decays, written to the
+// scratch after them (the first n_ranges[c] say which parameters decay, with 1; chunk_ranges).
+static struct fy_adamw_range *decayed_ranges(struct fy_offload *x, int c, float wd) {
+  struct fy_adamw_range *r = x->ranges[c] + x->n_ranges[c];
+  for (int i = 0; i < x->n_ranges[c]; i++) {
+    r[i] = x->ranges[c][i];
+    r[i].weight_decay = r[i].weight_decay != 0.0f ? wd : 0.0f;
+  }
+  return r;
+}
+
 static void adamw_fn(void *arg) {
   struct chunk_job *j = arg;
   struct fy_offload *x = j->x;
@@ -2225,12 +2236,7 @@ static void adamw_fn(void *arg) {
     }
   }
   if (x->sf != FY_STATE_F32) {  // the chunk's whole buffer at once, a range a parameter (chunk_ranges)
-    const int nr = x->n_ranges[c];
-    struct fy_adamw_range *r = x->ranges[c] + nr;  // (the first nr say which parameters decay, with 1)
-    for (int i = 0; i < nr; i++) {
-      r[i] = x->ranges[c][i];
-      r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
-    }
+    const struct fy_adamw_range *r = decayed_ranges(x, c, a->h.weight_decay);
     fy_status st = bf16_in_copy
                        ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, (uint16_t *)j->copy, hi - lo, r, x->n_ranges[c],
                                                     a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale)
@@ -2288,11 +2294,7 @@ static void spec_fn(void *arg) {
   struct fy_offload *x = j->x;
   const struct step_args *a = &x->args[j->q];
   const int c = j->chunk, nr = x->n_ranges[c];
-  struct fy_adamw_range *r = x->ranges[c] + nr;  // (the first nr say which parameters decay, with 1)
-  for (int i = 0; i < nr; i++) {
-    r[i] = x->ranges[c][i];
-    r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
-  }
+  const struct fy_adamw_range *r = decayed_ranges(x, c, a->h.weight_decay);
   const bool bf16_in_copy = grads_bf16(x, c);
   const int64_t n = span(x, c);
   fy_status st = fy_adamw_state_update_into(
@@ -2388,11 +2390,7 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *gr
     const int nr = x->n_ranges[c];
     if (!x->dev_ranges_set || x->dev_ranges_wd != a->h.weight_decay) {  // (once: the decay is the run's)
       for (int d = 0; d < x->n_dev; d++) {
-        struct fy_adamw_range *r = x->ranges[d] + x->n_ranges[d];
-        for (int i = 0; i < x->n_ranges[d]; i++) {
-          r[i] = x->ranges[d][i];
-          r[i].weight_decay = r[i].weight_decay != 0.0f ? a->h.weight_decay : 0.0f;
-        }
+        const struct fy_adamw_range *r = decayed_ranges(x, d, a->h.weight_decay);
         if (x->n_ranges[d] > 0) FY_TRY(fy_copy_async(x->compute, x->dev_ranges[d], r, (size_t)x->n_ranges[d] * sizeof *r));
       }
       FY_TRY(fy_stream_sync(x->compute));  // (the host's ranges may change again only after the copy)
