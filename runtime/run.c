@@ -381,11 +381,11 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
   if (cdt != FY_F32) reserve += (size_t)l->n_chunks * (size_t)l->chunk_elems / (size_t)r->dp * esize;  // 16-bit weights
   if (cdt != FY_F32 && o->optimizer_lag > 0 && !r->eval)  // (their second copy, but for the device's chunks)
     reserve += (size_t)(l->n_chunks - (r->dp == 1 ? n_dev : 0)) * (size_t)l->chunk_elems / (size_t)r->dp * esize;
-  if (r->dp > 1 && !r->eval && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;  // the master's shards
+  // the master's shards, or with speculation its chunks: the engine's (the model has none)
+  if ((r->dp > 1 || spec) && !r->eval && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;
   if (disk_master && r->dp == 1) reserve += (size_t)n_dev * shard_bytes;  // (the device chunks' masters' host copy)
-  // Speculation: the engine's masters (the model has none) and a spare slot per speculated chunk
-  // (master, m, v, 16-bit copy), for at most the chunks not on the device.
-  if (spec && r->dp == 1 && !disk_master) reserve += (size_t)l->n_chunks * shard_bytes;  // (sharded: counted above)
+  // Speculation: a spare slot per speculated chunk (master, m, v, 16-bit copy), for at most the
+  // chunks not on the device.
   if (spec) {
     const int most = l->n_chunks - n_dev, k = o->spec_chunks < most ? o->spec_chunks : most;
     reserve += (size_t)(k > 0 ? k : 0) *
