@@ -41,7 +41,7 @@ const struct option train_opts[] = {
     {"offload", no_argument, 0, OPT_OFFLOAD}, {"dropout", required_argument, 0, OPT_DROPOUT},
     {"val-data", required_argument, 0, OPT_VAL_DATA}, {"val-every", required_argument, 0, OPT_VAL_EVERY},
     {"val-batches", required_argument, 0, OPT_VAL_BATCHES}, {"schedule", required_argument, 0, OPT_SCHEDULE},
-    {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG}, {"spec-chunks", required_argument, 0, OPT_SPEC_CHUNKS}, {"profile-waits", no_argument, 0, OPT_PROFILE_WAITS},
+    {"optimizer-lag", required_argument, 0, OPT_OPTIMIZER_LAG}, {"spec-chunks", required_argument, 0, OPT_SPEC_CHUNKS}, {"device-updates", required_argument, 0, OPT_DEVICE_UPDATES}, {"profile-waits", no_argument, 0, OPT_PROFILE_WAITS},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"help", no_argument, 0, OPT_HELP}, {0, 0, 0, 0}};
 const struct option eval_opts[] = {
@@ -228,6 +228,12 @@ void usage_train(FILE *f, bool eval) {
           "                     their weights and state each (host memory); kept when the norm does\n"
           "                     not clip, redone otherwise: the exact step's numbers either way.\n"
           "                     Default 0 (--plan chooses N); not with --optimizer-lag\n"
+          "  --device-updates N  sim, cuda --offload: up to N host chunks (the first in the model's\n"
+          "                     order, not speculated) updated by the device instead of the host:\n"
+          "                     after the norm their master, AdamW state and gradients cross the\n"
+          "                     link and come back updated (two staging sets in device memory), the\n"
+          "                     same bits; the link takes a share of the host's work. Default 0\n"
+          "                     (--plan chooses N); one rank or --tp, not with --optimizer-lag\n"
           "  --optimizer-state F  how AdamW's m and v are stored: fp32 (default, 8 bytes a\n"
           "                     parameter), bf16 (4) or 8bit (block-wise quantised, 2.03); on the\n"
           "                     cpu and offloaded (host, disk and device chunks), not on a resident\n"

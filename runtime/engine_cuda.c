@@ -601,6 +601,16 @@ static void set_stream_cuda(struct fy_model *m, fy_stream *s) {
   x->st = fy_cuda_stream(s);
 }
 
+static void launch_on_cuda(struct fy_model *m, fy_stream *s) {
+  struct cuda_ctx *x = ctx_of(m);
+  x->launch = s;
+  x->st = fy_cuda_stream(s);
+}
+
+static fy_status chunk_to16_cuda(struct fy_model *m, void *dst, const float *src, int64_t n) {
+  return fy_cuda_convert(dst, m->compute_dtype, src, FY_F32, n, ctx_of(m)->st);
+}
+
 static fy_status wait_cuda(struct fy_model *m) {
   if (cudaStreamSynchronize(ctx_of(m)->st) != cudaSuccess)
     return fy_error_set(FY_ERR_INTERNAL, "cuda: waiting for the kernels: %s", cudaGetErrorString(cudaGetLastError()));
@@ -641,6 +651,8 @@ static const struct fy_model_kernels cuda_kernels = {
     .prepare_weights = prepare_weights_cuda,
     .grads_sum = grads_sum_cuda,
     .set_stream = set_stream_cuda,
+    .launch_on = launch_on_cuda,
+    .chunk_to16 = chunk_to16_cuda,
     .chunk_sumsq = chunk_sumsq_cuda,
     .chunk_adamw = chunk_adamw_cuda,
     .chunk_adamw_state = chunk_adamw_state_cuda,

@@ -163,6 +163,7 @@ static int parse_train_args(int argc, char **argv, bool eval, struct fy_train_op
       }
       case OPT_DEVICE_CHUNKS: ok = parse_i64("--device-chunks", optarg, 0, &v); o->device_chunks = (int)v; break;
       case OPT_SPEC_CHUNKS: ok = parse_i64("--spec-chunks", optarg, 0, &v); o->spec_chunks = (int)v; break;
+      case OPT_DEVICE_UPDATES: ok = parse_i64("--device-updates", optarg, 0, &v); o->device_updates = (int)v; break;
       case OPT_OPTIMIZER_LAG: ok = parse_i64("--optimizer-lag", optarg, 0, &v); o->optimizer_lag = (int)v; break;
       case OPT_OPTIMIZER_STATE: o->optimizer_state = optarg; break;  // (checked by fy_train)
       case OPT_TP: ok = parse_i64("--tp", optarg, 1, &v); o->tp = (int)v; break;

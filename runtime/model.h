@@ -103,6 +103,9 @@ struct fy_model_kernels {
   // Kernels that launch on a stream (a device the host cannot address; NULL for the CPU's, which
   // are host functions): from now on launch on `s`. The offload engine hands its compute stream.
   void (*set_stream)(struct fy_model *m, fy_stream *s);
+  // The same without waiting for the old stream: the offload engine's device updates launch a few
+  // kernels on a stream of their own and switch back, their order kept by the engine's events.
+  void (*launch_on)(struct fy_model *m, fy_stream *s);
   void (*adamw)(struct fy_model *m, float *param, float *mom, float *var, const float *grad, int64_t n,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t, float grad_scale);
   // Chunks the offload engine keeps on such a device, launched on the stream of set_stream (NULL
@@ -127,6 +130,8 @@ struct fy_model_kernels {
   // dst (n, fp32) = src (first) or dst + src, src of dtype src_dt widened: the micro-batches' sum
   // of a chunk's gradients.
   fy_status (*chunk_add)(struct fy_model *m, float *dst, const void *src, enum fy_dtype src_dt, int64_t n, bool first);
+  // dst (n, the compute dtype) = src (n, fp32) rounded: a chunk's 16-bit copy from its master.
+  fy_status (*chunk_to16)(struct fy_model *m, void *dst, const float *src, int64_t n);
   // The host waits until every kernel launched so far has finished (NULL where kernels are host
   // functions, done when they return): fy_model_upload and fy_model_download copy on a stream of
   // their own, and a kernel still queued may read what an upload overwrites (the last

@@ -166,6 +166,22 @@ struct fy_offload {
   struct spec_job *spec_jobs[2];     // per step parity, as jobs
   bool spec_off_next;                 // the last step clipped or skipped: the next does not speculate
   int64_t spec_steps, spec_redone;    // steps that speculated, and those whose norm had them redone
+  // Device updates (fy_offload_opts.device_updates): n_dup host-tier chunks (dup_chunk[i], the
+  // first in chunk order neither speculated nor on disk; dup_slot[c] is i, or -1) updated by the
+  // device after the norm. Chunk i goes through staging set i % 2 in device memory (dup_w: master,
+  // dup_m, dup_v: m and v at the stored size, dup_g: the gradients as the host tier holds them,
+  // dup_w16: the next 16-bit copy): copied in on dup_up, updated on dup_run (kernels, or host
+  // functions on sim, reading the step's scale and skip flag from dup_scale), copied home on
+  // dup_down, where the chunk's home_ready and the set's dup_free are recorded. Each
+  // chunk's parameter ranges are in dev_ranges, as the device chunks' (compressed state on a GPU).
+  int n_dup;
+  int *dup_chunk, *dup_slot;
+  fy_stream *dup_up, *dup_run, *dup_down;
+  float *dup_w[2], *dup_m[2], *dup_v[2];
+  void *dup_g[2], *dup_w16[2];
+  fy_event *dup_in[2], *dup_ran[2], *dup_free[2], *dup_done[2];  // dup_done: a step's (parity) last copy home
+  float *dup_scale;
+  struct dup_job { struct fy_offload *x; int chunk, q, set; } *dup_jobs[2];  // per step parity, as jobs
   bool profiling;  // fy_offload_profile
   bool lag, dev_pending;
   int dev_pending_q;
@@ -1495,6 +1511,85 @@ static void free_spec(struct fy_offload *x) {
   free(x->spec_chunk);
 }
 
+// Device updates (fy_offload_opts.device_updates): the chunks (up to `want`, the first host-tier
+// ones in chunk order that are not speculated), their streams, events and the two staging sets in
+// device memory (before the cache takes what is left).
+static fy_status create_dup(struct fy_offload *x, int want) {
+  struct fy_model *m = x->m;
+  const int nc = m->layout->n_chunks, first_disk = nc - x->n_disk_chunks;
+  if (!(x->dup_slot = malloc((size_t)nc * sizeof *x->dup_slot)) ||
+      !(x->dup_chunk = malloc((size_t)want * sizeof *x->dup_chunk)))
+    return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  for (int c = 0; c < nc; c++) x->dup_slot[c] = -1;
+  int n = 0;
+  for (int c = x->n_dev; c < first_disk && n < want; c++) {
+    if (x->spec_slot && x->spec_slot[c] >= 0) continue;
+    x->dup_slot[c] = n;
+    x->dup_chunk[n++] = c;
+  }
+  x->n_dup = n;
+  if (n == 0) return FY_OK;
+  const struct fy_model_kernels *kt = m->kernels;
+  if (launches_kernels(m) && !(kt->launch_on && kt->chunk_adamw && kt->chunk_to16 &&
+                               (x->sf == FY_STATE_F32 || kt->chunk_adamw_state)))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "device updates (--device-updates): the %s device's kernels cannot update "
+                        "a chunk%s", x->dev->name, x->sf == FY_STATE_F32 ? "" : " in this state format");
+  fy_stream **streams[] = {&x->dup_up, &x->dup_run, &x->dup_down};
+  for (int i = 0; i < 3; i++) FY_TRY(fy_stream_create(x->dev, streams[i]));
+  for (int s = 0; s < 2; s++) {
+    fy_event **ev[] = {&x->dup_in[s], &x->dup_ran[s], &x->dup_free[s], &x->dup_done[s]};
+    for (int i = 0; i < 4; i++) FY_TRY(fy_event_create(x->dev, ev[i]));
+    if (!(x->dup_jobs[s] = calloc((size_t)n, sizeof *x->dup_jobs[s]))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  }
+  const size_t ce = (size_t)m->layout->chunk_elems, gb = ce * fy_dtype_size(grads_dtype(x, x->dup_chunk[0]));
+  for (int s = 0; s < 2; s++) {
+    fy_status st = fy_device_alloc(x->dev, ce * 4, (void **)&x->dup_w[s]);
+    if (st == FY_OK) st = fy_device_alloc(x->dev, x->mb, (void **)&x->dup_m[s]);
+    if (st == FY_OK) st = fy_device_alloc(x->dev, x->mb, (void **)&x->dup_v[s]);
+    if (st == FY_OK) st = fy_device_alloc(x->dev, gb, &x->dup_g[s]);
+    if (st == FY_OK && x->chome) st = fy_device_alloc(x->dev, ce * x->esize, &x->dup_w16[s]);
+    if (st != FY_OK)
+      return fy_error_wrap(st, "device updates of %d chunks (--device-updates): two staging sets of %.1f MiB in device "
+                           "memory", n, (ce * 4 + 2.0 * x->mb + gb + (x->chome ? ce * x->esize : 0)) / 1048576.0);
+  }
+  FY_TRY(fy_device_alloc(x->dev, 4 * sizeof(float), (void **)&x->dup_scale));
+  if (!x->host_scale) {
+    FY_TRY(fy_host_alloc(m->host, 4 * sizeof(float), (void **)&x->host_scale));
+    memset(x->host_scale, 0, 4 * sizeof(float));
+  }
+  for (int i = 0; i < n && launches_kernels(m) && x->sf != FY_STATE_F32; i++) {  // (the kernels read them there)
+    const int c = x->dup_chunk[i];
+    if (x->n_ranges[c] == 0) continue;
+    fy_status st = fy_device_alloc(x->dev, (size_t)x->n_ranges[c] * sizeof **x->dev_ranges, (void **)&x->dev_ranges[c]);
+    if (st != FY_OK) return fy_error_wrap(st, "keeping chunk %d's parameter ranges on the device", c);
+  }
+  for (int q = 0; q < 2; q++)
+    for (int i = 0; i < n; i++) x->dup_jobs[q][i] = (struct dup_job){.x = x, .chunk = x->dup_chunk[i], .q = q, .set = i & 1};
+  return FY_OK;
+}
+
+static void free_dup(struct fy_offload *x) {
+  fy_stream_free(x->dup_up);
+  fy_stream_free(x->dup_run);
+  fy_stream_free(x->dup_down);
+  const size_t ce = (size_t)x->m->layout->chunk_elems;
+  for (int s = 0; s < 2; s++) {
+    fy_event_free(x->dup_in[s]);
+    fy_event_free(x->dup_ran[s]);
+    fy_event_free(x->dup_free[s]);
+    fy_event_free(x->dup_done[s]);
+    free(x->dup_jobs[s]);
+    if (x->dup_w[s]) fy_device_dealloc(x->dev, x->dup_w[s], ce * 4);
+    if (x->dup_m[s]) fy_device_dealloc(x->dev, x->dup_m[s], x->mb);
+    if (x->dup_v[s]) fy_device_dealloc(x->dev, x->dup_v[s], x->mb);
+    if (x->dup_g[s]) fy_device_dealloc(x->dev, x->dup_g[s], ce * fy_dtype_size(grads_dtype(x, x->dup_chunk[0])));
+    if (x->dup_w16[s]) fy_device_dealloc(x->dev, x->dup_w16[s], ce * x->esize);
+  }
+  if (x->dup_scale) fy_device_dealloc(x->dev, x->dup_scale, 4 * sizeof(float));
+  free(x->dup_slot);
+  free(x->dup_chunk);
+}
+
 static fy_status spill_alloc(void *host, size_t n, void **out) { return fy_host_alloc(host, n, out); }
 static void spill_free(void *host, void *p, size_t n) { fy_host_dealloc(host, p, n); }
 
@@ -1565,6 +1660,15 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
     x->home_cause[c] = c >= m->layout->n_chunks - x->n_disk_chunks ? FY_STALL_DISK : FY_STALL_OPTIMIZER;
   if (st == FY_OK) st = create_pass(x, o);
   if (st == FY_OK && x->n_spec > 0) st = create_spec(x);
+  if (st == FY_OK && o->device_updates > 0 && !x->forward_only) {
+    const char *no = x->sharded ? "chunks sharded across ranks"
+                     : x->lag   ? "--optimizer-lag (whose updates run under the next step already)"
+                     : x->staged ? "pipeline stages"
+                                 : NULL;
+    st = no ? fy_error_set(FY_ERR_UNSUPPORTED, "device updates (--device-updates %d) do not combine with %s yet",
+                           o->device_updates, no)
+            : create_dup(x, o->device_updates);
+  }
   if (st == FY_OK) st = moe_setup(x);
   if (st == FY_OK) st = ep_setup(x);
   if (st != FY_OK) {
@@ -1633,6 +1737,7 @@ void fy_offload_free(struct fy_offload *x) {
   fy_stream_free(x->optim);
   fy_stream_free(x->sums);
   free_spec(x);  // (the spare slots, whichever chunk's buffers they hold now)
+  free_dup(x);
   int nc = m->layout->n_chunks;
   size_t bytes = (size_t)m->layout->chunk_elems * 4, bt = (size_t)(m->graph->B * m->graph->T);
   size_t sbytes = (size_t)x->S * 4;
@@ -2191,6 +2296,38 @@ static struct fy_adamw_range *decayed_ranges(struct fy_offload *x, int c, float 
   return r;
 }
 
+// The host's AdamW of chunk c's elements [lo, hi) (its part; the state buffers hold [lo, hi)):
+// master params, m and v mm, vv in the state format, from the fp32 gradients gg, or with copy16
+// from the bf16 gradients there, which receive the next bf16 weights in the same pass; step a's
+// arguments with the gradient scale `scale`.
+static fy_status host_update(struct fy_offload *x, const struct step_args *a, int c, float *params, float *mm, float *vv,
+                             const float *gg, void *copy16, int64_t lo, int64_t hi, float scale) {
+  const struct fy_graph *g = x->m->graph;
+  if (x->sf != FY_STATE_F32) {  // the chunk's whole buffer at once, a range a parameter (chunk_ranges)
+    const struct fy_adamw_range *r = decayed_ranges(x, c, a->h.weight_decay);
+    return copy16 ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, copy16, hi - lo, r, x->n_ranges[c], a->lr,
+                                               a->h.beta1, a->h.beta2, a->h.eps, a->t, scale)
+                  : fy_adamw_state_update(x->sf, params, mm, vv, gg, hi - lo, r, x->n_ranges[c], a->lr, a->h.beta1,
+                                          a->h.beta2, a->h.eps, a->t, scale);
+  }
+  // AdamW is elementwise: a parameter's part in [lo, hi) is updated as the whole would be.
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    int64_t b0 = p->chunk_offset > lo ? p->chunk_offset : lo;
+    int64_t b1 = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
+    if (b0 >= b1) continue;
+    int64_t o = b0 - lo;
+    float wd = p->decay ? a->h.weight_decay : 0.0f;
+    if (copy16)  // the bf16 gradients in, the next bf16 weights out, in one pass
+      fy_adamw_update_bf16(params + o, mm + o, vv + o, (uint16_t *)copy16 + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2,
+                           a->h.eps, wd, a->t, scale);
+    else
+      fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps, wd, a->t,
+                      scale);
+  }
+  return FY_OK;
+}
+
 static void adamw_fn(void *arg) {
   struct chunk_job *j = arg;
   struct fy_offload *x = j->x;
@@ -2204,7 +2341,6 @@ static void adamw_fn(void *arg) {
     return;
   }
   const float scale = dscale ? dscale[0] : a->scale;
-  const struct fy_graph *g = x->m->graph;
   size_t used = (size_t)span(x, c) * 4, sbytes = state_bytes(x, c);
   float *gg = (float *)j->grads, *mm = x->m_home[c], *vv = x->v_home[c];
   float *params = home_weights(x, c);
@@ -2235,30 +2371,8 @@ static void adamw_fn(void *arg) {
       return;
     }
   }
-  if (x->sf != FY_STATE_F32) {  // the chunk's whole buffer at once, a range a parameter (chunk_ranges)
-    const struct fy_adamw_range *r = decayed_ranges(x, c, a->h.weight_decay);
-    fy_status st = bf16_in_copy
-                       ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, (uint16_t *)j->copy, hi - lo, r, x->n_ranges[c],
-                                                    a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale)
-                       : fy_adamw_state_update(x->sf, params, mm, vv, gg, hi - lo, r, x->n_ranges[c], a->lr, a->h.beta1,
-                                               a->h.beta2, a->h.eps, a->t, scale);
-    if (st != FY_OK) async_fail(x, st);
-  }
-  // AdamW is elementwise: a parameter's part in [lo, hi) is updated as the whole would be.
-  for (int k = x->param_first[c]; x->sf == FY_STATE_F32 && k < x->param_first[c + 1]; k++) {
-    const struct fy_param *p = &g->params[x->param_ids[k]];
-    int64_t b0 = p->chunk_offset > lo ? p->chunk_offset : lo;
-    int64_t b1 = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
-    if (b0 >= b1) continue;
-    int64_t o = b0 - lo;
-    float wd = p->decay ? a->h.weight_decay : 0.0f;
-    if (bf16_in_copy)  // the bf16 gradients in, the next bf16 weights out, in one pass
-      fy_adamw_update_bf16(params + o, mm + o, vv + o, (uint16_t *)j->copy + o, b1 - b0, a->lr, a->h.beta1,
-                           a->h.beta2, a->h.eps, wd, a->t, scale);
-    else
-      fy_adamw_update(params + o, mm + o, vv + o, gg + o, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps, wd,
-                      a->t, scale);
-  }
+  fy_status ust = host_update(x, a, c, params, mm, vv, gg, bf16_in_copy ? j->copy : NULL, lo, hi, scale);
+  if (ust != FY_OK) async_fail(x, ust);
   if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (lo is 0)
     to_payload(x, x->dev_w16[c], params, hi);
   else if (x->chome && !bf16_in_copy)
@@ -2375,42 +2489,54 @@ static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
   return kernels_sumsq(x, c, chunk_grads(x, c));
 }
 
+// The device ranges (dev_ranges: the device chunks' and the device updates' chunks', compressed
+// state) with weight decay wd, copied there on the compute stream when it changed (once: the
+// decay is the run's).
+static fy_status dev_ranges_sync(struct fy_offload *x, float wd) {
+  if (x->dev_ranges_set && x->dev_ranges_wd == wd) return FY_OK;
+  for (int d = 0; d < x->m->layout->n_chunks; d++) {
+    if (!x->dev_ranges[d]) continue;
+    const struct fy_adamw_range *r = decayed_ranges(x, d, wd);
+    FY_TRY(fy_copy_async(x->compute, x->dev_ranges[d], r, (size_t)x->n_ranges[d] * sizeof *r));
+  }
+  FY_TRY(fy_stream_sync(x->compute));  // (the host's ranges may change again only after the copy)
+  x->dev_ranges_set = true;
+  x->dev_ranges_wd = wd;
+  return FY_OK;
+}
+
+// AdamW of chunk c's elements held in device memory (master w, m and v, gradients grads, the next
+// 16-bit copy w16 or NULL), with step q's arguments and the scale and skip flag at scale_skip
+// (device memory): the kernels, launched on the stream they launch on now.
+static fy_status kernels_adamw(struct fy_offload *x, int q, int c, float *w, void *mo, void *v, const void *grads,
+                               void *w16, const float *scale_skip) {
+  const struct fy_graph *g = x->m->graph;
+  const struct step_args *a = &x->args[q];
+  const char *gg = grads;
+  const enum fy_dtype dt = grads_dtype(x, c);
+  const int64_t n = x->m->layout->chunks[c].used;
+  if (x->sf != FY_STATE_F32)  // the chunk at once, its ranges in device memory (chunk_ranges)
+    return x->m->kernels->chunk_adamw_state(x->m, x->sf, w, mo, v, gg, dt, w16, n, x->dev_ranges[c], x->n_ranges[c],
+                                            a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale_skip);
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    const struct fy_param *p = &g->params[x->param_ids[k]];
+    int64_t o = p->chunk_offset;
+    void *p16 = w16 ? (char *)w16 + (size_t)o * x->esize : NULL;
+    FY_TRY(x->m->kernels->chunk_adamw(x->m, w + o, (float *)mo + o, (float *)v + o, gg + (size_t)o * fy_dtype_size(dt),
+                                      dt, p16, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
+                                      p->decay ? a->h.weight_decay : 0.0f, a->t, scale_skip));
+  }
+  return FY_OK;
+}
+
 // A device chunk's AdamW from the gradients grads, with step q's scale and skip flag from
 // dev_scale: kernels (GPU) or adamw_fn on the compute stream.
 static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *grads) {
   x->jobs[q][c].grads = grads;
   x->jobs[q][c].copy = NULL;
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
-  const struct fy_graph *g = x->m->graph;
-  const struct step_args *a = &x->args[q];
-  const char *gg = grads;
-  enum fy_dtype dt = grads_dtype(x, c);
-  if (x->sf != FY_STATE_F32) {  // the chunk at once, its ranges in device memory (chunk_ranges)
-    const struct fy_model_kernels *kt = x->m->kernels;
-    const int nr = x->n_ranges[c];
-    if (!x->dev_ranges_set || x->dev_ranges_wd != a->h.weight_decay) {  // (once: the decay is the run's)
-      for (int d = 0; d < x->n_dev; d++) {
-        const struct fy_adamw_range *r = decayed_ranges(x, d, a->h.weight_decay);
-        if (x->n_ranges[d] > 0) FY_TRY(fy_copy_async(x->compute, x->dev_ranges[d], r, (size_t)x->n_ranges[d] * sizeof *r));
-      }
-      FY_TRY(fy_stream_sync(x->compute));  // (the host's ranges may change again only after the copy)
-      x->dev_ranges_set = true;
-      x->dev_ranges_wd = a->h.weight_decay;
-    }
-    return kt->chunk_adamw_state(x->m, x->sf, x->dev_w[c], x->dev_m[c], x->dev_v[c], gg, dt, x->dev_w16[c],
-                                 x->m->layout->chunks[c].used, x->dev_ranges[c], nr, a->lr, a->h.beta1, a->h.beta2,
-                                 a->h.eps, a->t, x->dev_scale + 2 * q);
-  }
-  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
-    const struct fy_param *p = &g->params[x->param_ids[k]];
-    int64_t o = p->chunk_offset;
-    void *w16 = x->dev_w16[c] ? (char *)x->dev_w16[c] + (size_t)o * x->esize : NULL;
-    FY_TRY(x->m->kernels->chunk_adamw(x->m, x->dev_w[c] + o, x->dev_m[c] + o, x->dev_v[c] + o,
-                                      gg + (size_t)o * fy_dtype_size(dt), dt, w16, p->numel, a->lr, a->h.beta1,
-                                      a->h.beta2, a->h.eps, p->decay ? a->h.weight_decay : 0.0f, a->t,
-                                      x->dev_scale + 2 * q));
-  }
-  return FY_OK;
+  if (x->sf != FY_STATE_F32) FY_TRY(dev_ranges_sync(x, x->args[q].h.weight_decay));
+  return kernels_adamw(x, q, c, x->dev_w[c], x->dev_m[c], x->dev_v[c], grads, x->dev_w16[c], x->dev_scale + 2 * q);
 }
 
 // --optimizer-lag: the device chunks' update from the gradients kept by an earlier
@@ -2533,6 +2659,81 @@ static fy_status sum_tied(struct fy_offload *x) {
   return st == FY_OK ? FY_OK : fy_error_wrap(st, "summing the tied embedding's gradient between the pipeline's ends");
 }
 
+// ---- device updates ----
+
+// Sim: device update j's AdamW on its staging set as a host function on dup_run, the scale and
+// skip flag read from dup_scale as the kernels read them; then the next 16-bit copy from the
+// master (a skipped step's from the master as it was: the chunk's copy at home holds gradients).
+static void dup_fn(void *arg) {
+  struct dup_job *j = arg;
+  struct fy_offload *x = j->x;
+  const int c = j->chunk, s = j->set;
+  const float *ss = x->dup_scale + 2 * j->q;
+  const int64_t n = x->m->layout->chunks[c].used;
+  if (ss[1] == 0.0f) {
+    const bool b16 = grads_bf16(x, c);
+    fy_status st = host_update(x, &x->args[j->q], c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s],
+                               b16 ? x->dup_g[s] : NULL, 0, n, ss[0]);
+    if (st != FY_OK) {
+      async_fail(x, st);
+      return;
+    }
+  }
+  if (x->dup_w16[s]) to_payload(x, x->dup_w16[s], x->dup_w[s], n);
+}
+
+// Device update i's copies in, on dup_up, once its staging set is free (its last chunk's copies
+// home) and its gradients are home: the chunk's master, m, v and gradients. They need no norm, so
+// the first two are enqueued before it is known.
+static fy_status dup_upload(struct fy_offload *x, int i) {
+  const int c = x->dup_chunk[i], s = i & 1;
+  const int64_t n = x->m->layout->chunks[c].used;
+  FY_TRY(fy_stream_wait(x->dup_up, x->dup_free[s]));
+  FY_TRY(fy_stream_wait(x->dup_up, x->grad_ready[c]));
+  FY_TRY(fy_copy_async(x->dup_up, x->dup_w[s], home_weights(x, c), (size_t)n * 4));
+  FY_TRY(fy_copy_async(x->dup_up, x->dup_m[s], x->m_home[c], state_bytes(x, c)));
+  FY_TRY(fy_copy_async(x->dup_up, x->dup_v[s], x->v_home[c], state_bytes(x, c)));
+  FY_TRY(fy_copy_async(x->dup_up, x->dup_g[s], chunk_grads(x, c), (size_t)n * fy_dtype_size(grads_dtype(x, c))));
+  return fy_event_record(x->dup_in[s], x->dup_up);
+}
+
+// Step q's device updates, once the host knows its norm (host_scale holds the scale and the skip
+// flag): for each chunk in chunk order, AdamW on dup_run after its copies in (kernels with the
+// 16-bit copy first taken from the master, which a skipped step leaves as it is), its master, m,
+// v and 16-bit copy home on dup_down, then its home_ready; the copies in of the chunk two ahead
+// after them (uploads 0 and 1 were enqueued before the norm).
+static fy_status dup_updates(struct fy_offload *x, int q) {
+  const bool kernels = launches_kernels(x->m);
+  FY_TRY(fy_copy_async(x->dup_run, x->dup_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
+  if (kernels && x->sf != FY_STATE_F32) FY_TRY(dev_ranges_sync(x, x->args[q].h.weight_decay));
+  for (int i = 0; i < x->n_dup; i++) {
+    const int c = x->dup_chunk[i], s = i & 1;
+    const int64_t n = x->m->layout->chunks[c].used;
+    FY_TRY(fy_stream_wait(x->dup_run, x->dup_in[s]));
+    if (kernels) {
+      const struct fy_model_kernels *kt = x->m->kernels;
+      kt->launch_on(x->m, x->dup_run);
+      fy_status st = x->dup_w16[s] ? kt->chunk_to16(x->m, x->dup_w16[s], x->dup_w[s], n) : FY_OK;
+      if (st == FY_OK)
+        st = kernels_adamw(x, q, c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s], x->dup_w16[s], x->dup_scale + 2 * q);
+      kt->launch_on(x->m, x->compute);
+      FY_TRY(st);
+    } else {
+      FY_TRY(fy_stream_enqueue(x->dup_run, dup_fn, &x->dup_jobs[q][i]));
+    }
+    FY_TRY(fy_event_record(x->dup_ran[s], x->dup_run));
+    FY_TRY(fy_stream_wait(x->dup_down, x->dup_ran[s]));
+    FY_TRY(fy_copy_async(x->dup_down, home_weights(x, c), x->dup_w[s], (size_t)n * 4));
+    FY_TRY(fy_copy_async(x->dup_down, x->m_home[c], x->dup_m[s], state_bytes(x, c)));
+    FY_TRY(fy_copy_async(x->dup_down, x->v_home[c], x->dup_v[s], state_bytes(x, c)));
+    if (x->chome) FY_TRY(fy_copy_async(x->dup_down, x->chome[c], x->dup_w16[s], (size_t)n * x->esize));
+    FY_TRY(fy_event_record(x->home_ready[c], x->dup_down));
+    FY_TRY(fy_event_record(x->dup_free[s], x->dup_down));
+    if (i + 2 < x->n_dup) FY_TRY(dup_upload(x, i + 2));
+  }
+  return fy_event_record(x->dup_done[q], x->dup_down);
+}
+
 fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, float lr, int64_t t,
                             float grad_scale, double *norm, double *loss_sum, bool *skipped) {
   if (x->forward_only) return fy_error_set(FY_ERR_INVALID, "fy_offload_update: a forward-only engine");
@@ -2541,6 +2742,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   x->step_parity ^= 1;
   FY_TRY(fy_event_sync(x->updates_done[q]));  // the arguments of two steps ago are free
   FY_TRY(fy_event_sync(x->dev_updates_done[q]));
+  if (x->n_dup > 0) FY_TRY(fy_event_sync(x->dup_done[q]));
   x->args[q] = (struct step_args){.h = *h, .lr = lr, .t = t, .grad_scale = grad_scale};
   int nc = x->m->layout->n_chunks;
   // Chunks on the device: their sums of squares and updates run there, on the compute stream.
@@ -2570,6 +2772,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     FY_TRY(fy_stream_enqueue(x->optim, spec_fn, &x->spec_jobs[q][k]));
     FY_TRY(fy_event_record(x->spec_done[k], x->optim));
   }
+  for (int i = 0; i < x->n_dup && i < 2; i++) FY_TRY(dup_upload(x, i));  // (the device updates' first copies in)
   if (x->norm_stream != x->optim) FY_TRY(fy_stream_wait(x->optim, x->norm_ready));  // (the updates' scale)
   if (x->lag) {  // the device chunks' update of the step before (its scale is known), then this one's kept
     FY_TRY(device_pending_update(x));
@@ -2588,6 +2791,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
   }
   for (int c = x->n_dev; c < nc; c++) {
     if (spec && x->spec_slot[c] >= 0) continue;  // (updated already, or again by spec_settle)
+    if (x->n_dup > 0 && x->dup_slot[c] >= 0) continue;  // (the device's: dup_updates)
     if (x->sums_on_device) FY_TRY(fy_stream_wait(x->optim, x->grad_ready[c]));  // (not waited for by a sum)
     x->jobs[q][c].grads = chunk_grads(x, c);
     x->jobs[q][c].copy = x->chome ? x->chome[c] : NULL;
@@ -2602,6 +2806,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     FY_TRY(spec_settle(x, q));
   else if (x->n_spec > 0)  // a step that did not speculate: the next does if this one would have stood
     x->spec_off_next = x->args[q].skip || x->args[q].scale != x->args[q].grad_scale;
+  if (x->n_dup > 0) FY_TRY(dup_updates(x, q));
   FY_TRY(fy_event_record(x->updates_done[q], x->optim));  // (after spec_settle's redone updates)
   FY_TRY(fy_wait_profile_collect(x->wprof, false));
   *norm = x->args[q].norm;
@@ -2622,8 +2827,8 @@ fy_status fy_offload_drain(struct fy_offload *x) {
 }
 
 fy_status fy_offload_sync(struct fy_offload *x) {
-  fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->sums, x->optim};
-  for (int i = 0; i < 5; i++)
+  fy_stream *s[] = {x->compute, x->copy_in, x->copy_out, x->sums, x->optim, x->dup_up, x->dup_run, x->dup_down};
+  for (int i = 0; i < 8; i++)
     if (s[i]) FY_TRY(fy_stream_sync(s[i]));
   // The host's copy of the device's chunks (for checkpoints and saving), and of their 16-bit copy.
   if (x->dev_uploaded && x->copy_out) {
@@ -2642,6 +2847,8 @@ void fy_offload_spec_counts(const struct fy_offload *x, int *chunks, int64_t *st
   *steps = x->spec_steps;
   *redone = x->spec_redone;
 }
+
+int fy_offload_device_updates(const struct fy_offload *x) { return x->n_dup; }
 
 bool fy_offload_profile(struct fy_offload *x, bool on) {
   x->profiling = on && x->wprof;

@@ -83,6 +83,16 @@ struct fy_offload_opts {
   // every rank's alike); so do pipeline stages (the norm is every stage's). Not with
   // optimizer_lag or shards on the device.
   int spec_chunks;
+  // Device updates: up to device_updates host-tier chunks (the first in chunk order that are
+  // neither speculated nor on disk) are updated by the device's kernels instead of the host's
+  // optimizer: once the gradient norm is known, their fp32 master, m, v and gradients cross the
+  // link to a staging set in device memory (two sets, 4 + 2 x the moment's + the gradients' +
+  // the 16-bit copy's bytes an element each), the device's AdamW (the device chunks' kernels, the
+  // same bits) updates them, and master, m, v and the next 16-bit copy go home, on three streams
+  // of their own. The host optimizer updates the other chunks meanwhile: the link's idle time
+  // takes a share of the host's work. One rank or tensor-parallel ranks; not with sharded chunks,
+  // pipeline stages or optimizer_lag. 0: none.
+  int device_updates;
   // A pipeline stage (runtime/pipeline.h; the model made for it, fy_model_opts.pp): the engine runs
   // the graph's ops [stage_lo, stage_hi) alone, a micro-batch's forward and backward as two
   // half-passes (fy_offload_stage_pass), in the order schedule[0 .. n_schedule) gives for a step
@@ -171,6 +181,8 @@ fy_status fy_offload_drain(struct fy_offload *x);
 // Speculative updates (fy_offload_opts.spec_chunks): the chunks that take them, the steps that
 // speculated and those of them whose norm had the updates redone (clipped or skipped).
 void fy_offload_spec_counts(const struct fy_offload *x, int *chunks, int64_t *steps, int64_t *redone);
+// Device updates (fy_offload_opts.device_updates): the host-tier chunks the device updates.
+int fy_offload_device_updates(const struct fy_offload *x);
 
 // AdamW state of one chunk (m and v point at chunk_elems floats each), wherever it lives (host
 // tier, disk, device): copies it out, or with `store`, in; with sharding only this rank's shard

@@ -470,7 +470,8 @@ static fy_status setup_offload(const struct fy_train_opts *o, struct run *r, boo
                                .disk = r->disk, .n_disk_chunks = n_disk, .n_device_chunks = n_dev,
                                .comm = r->dp_comm, .block_comm = r->dp_blocks, .shards_on_device = shards_on_device,
                                .tp_comm = r->tp_comm, .optimizer_lag = o->optimizer_lag, .disk_master = disk_master,
-                               .spec_chunks = spec ? o->spec_chunks : 0};
+                               .spec_chunks = spec ? o->spec_chunks : 0,
+                               .device_updates = r->eval ? 0 : o->device_updates};
   // A pipeline stage: its activations' arenas (one per micro-batch in flight) before the cache's
   // blocks take what is left of the device; the engine runs the stage's ops in the 1F1B order.
   // (Evaluation: forward passes alone, one a step in the engine's trace.)

@@ -112,6 +112,17 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                                              : NULL;
     if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--spec-chunks %d: %s", e->spec_chunks, why);
   }
+  if (e->device_updates < 0) return fy_error_set(FY_ERR_INVALID, "--device-updates must not be negative");
+  if (e->device_updates > 0) {
+    const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
+    const char *why = !e->device || strcmp(e->device, "cpu") == 0 || (cuda && !e->offload)
+                          ? "it is for offloaded runs (--device sim, --device cuda --offload), whose host-tier chunks "
+                            "it has the device update"
+                      : e->optimizer_lag > 0 ? "--optimizer-lag 1 runs each update under the next step already"
+                      : e->pp > 1            ? "pipeline stages do not run it yet"
+                                             : NULL;
+    if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--device-updates %d: %s", e->device_updates, why);
+  }
   if (e->optimizer_lag > 0 && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 is for offloaded runs (--device cuda --offload, "
                         "--device sim) and the cpu: a resident GPU run updates on the GPU, where the lag hides nothing");

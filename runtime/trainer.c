@@ -175,6 +175,7 @@ static void size_run(struct training *t) {
     res->n_disk_chunks = xs.n_disk_chunks;
     res->n_device_chunks = xs.n_device_chunks;
     fy_offload_spec_counts(r->x, &res->spec_chunks, &res->spec_steps, &res->spec_redone);
+    res->device_updates = fy_offload_device_updates(r->x);
     res->chunk_bytes = xs.chunk_bytes;
     res->disk_tier_bytes = r->disk ? (double)fy_disk_in_use(r->disk) : 0;
   }
@@ -211,6 +212,9 @@ static void print_header(const struct training *t) {
   if (res->spec_chunks > 0)
     printf("ferry: speculative updates: %d host chunks updated as their gradients come home, before the gradient "
            "norm (kept when it does not clip, else redone: the exact step's numbers)\n", res->spec_chunks);
+  if (res->device_updates > 0)
+    printf("ferry: device updates: %d host chunks updated by the %s device after the norm, their master and AdamW "
+           "state over the link and back\n", res->device_updates, r->dev->name);
   if (!r->x)
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
@@ -377,6 +381,7 @@ static void log_step(const struct training *t, int64_t step, const struct step_r
   if (s->validated) fprintf(log, ",\"val_loss\":%s,\"val_s\":%.4f", val_json, t->val_s);
   if (r->gpu >= 0) fprintf(log, ",\"device_other_mib\":%.1f", gpu_other_bytes(r) / 1048576.0);
   if (r->disk) fprintf(log, ",\"disk_tier_mib\":%.4f", res->disk_tier_bytes / 1048576.0);
+  if (res->device_updates > 0) fprintf(log, ",\"device_updates\":%d", res->device_updates);
   if (res->spec_chunks > 0)  // (--spec-chunks: so far, report_step)
     fprintf(log, ",\"spec_chunks\":%d,\"spec_steps\":%lld,\"spec_redone\":%lld", res->spec_chunks,
             (long long)res->spec_steps, (long long)res->spec_redone);

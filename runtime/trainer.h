@@ -68,6 +68,10 @@ struct fy_train_opts {
   // (runtime/offload.h, spec_chunks), each with a spare copy of its master, m, v and 16-bit copy
   // in host memory; the same bits as the exact step. 0 (default without a plan): none.
   int spec_chunks;
+  // Offloaded: up to N host-tier chunks updated by the device after the norm, their master, m, v
+  // and gradients over the link and back (runtime/offload.h, device_updates); the same bits.
+  // 0 (default without a plan): none.
+  int device_updates;
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
   const char *save;       // without save_every: write a Hugging Face model here at the end;
@@ -170,6 +174,7 @@ struct fy_train_result {
   int64_t skipped_steps;         // steps skipped for gradient overflow (dynamic loss scaling)
   int spec_chunks;               // --spec-chunks: the chunks that took speculative updates,
   int64_t spec_steps, spec_redone;  // the steps that speculated, those whose updates were redone
+  int device_updates;            // --device-updates: the host-tier chunks the device updated
   int64_t ignored_steps;         // steps whose every target is ignored (loss masks): nothing updated
   double final_loss_scale;
   double val_loss;               // the last validation's mean loss (NAN without val_data)

@@ -537,6 +537,62 @@ int main(int argc, char **argv) {
     CHECK(strstr(fy_error_msg(), "offloaded") != NULL);
   }
 
+  // --device-updates: host chunks updated by the device after the norm, their master, m, v and
+  // gradients copied in and master, m, v and 16-bit copy home: every placement gives the cpu's
+  // bits, beside speculated, device and disk chunks, clipped and skipped steps, compressed state.
+  {
+    struct fy_train_opts e = base(), p = s;
+    p.device_updates = 2;
+    struct fy_train_result ref, r;
+    CHECK_OK(fy_train(&e, &ref));
+    CHECK_OK(fy_train(&p, &r));
+    same_as("sim fp32 device updates 2", p, &ref);
+    CHECKF(r.device_updates == 2, "device updates: %d chunks", r.device_updates);
+    e.precision = p.precision = "bf16";
+    e.adamw.clip = p.adamw.clip = 1.5f;  // (some steps clip, some do not)
+    CHECK_OK(fy_train(&e, &ref));
+    p.sim_jitter_us = 300;
+    p.disk_dir = disk_dir;
+    p.disk_chunks = 1;
+    p.device_chunks = 1;
+    p.spec_chunks = 1;
+    p.device_updates = 1000;  // (every host-tier chunk not speculated)
+    CHECK_OK(fy_train(&p, &r));
+    CHECKF(r.device_updates == r.n_chunks - 3 && r.spec_chunks == 1 && r.device_updates > 0,
+           "device updates beside speculation: %d of %d chunks (1 on the device, 1 on disk, 1 speculated)",
+           r.device_updates, r.n_chunks);
+    same_as("sim bf16 device updates, spec 1, clipping, jitter, device and disk chunks", p, &ref);
+    p.sim_jitter_us = 0;
+    p.disk_dir = NULL;
+    p.disk_chunks = -1;
+    p.device_chunks = 0;
+    p.spec_chunks = 0;
+    struct fy_train_opts q = p;  // 8-bit state, fp32 gradients summed over 2 micro-batches
+    q.grad_accum = 2;
+    q.optimizer_state = "8bit";
+    q.chunk_mib = 0.0625;  // (a multiple of 256 elements)
+    q.device_updates = 0;
+    CHECK_OK(fy_train(&q, &ref));
+    q.device_updates = 3;
+    same_as("sim bf16 8-bit state, accumulation 2, device updates 3", q, &ref);
+    e.precision = p.precision = "fp16";  // skipped steps: the copy from the master as it was
+    e.loss_scale = p.loss_scale = 0x1p24f;
+    CHECK_OK(fy_train(&e, &ref));
+    CHECKF(ref.skipped_steps > 0, "device updates fp16 from 2^24 skips steps");
+    same_as("sim fp16 device updates, skipped steps", p, &ref);
+    e.loss_scale = p.loss_scale = 0;
+    p.precision = "bf16";
+    p.optimizer_lag = 1;
+    CHECK_ERR(fy_train(&p, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "--optimizer-lag") != NULL);
+    p.optimizer_lag = 0;
+    p.device_updates = -1;
+    CHECK_ERR(fy_train(&p, &r), FY_ERR_INVALID);
+    e.device_updates = 2;  // (the cpu has no host tier to update elsewhere)
+    CHECK_ERR(fy_train(&e, &r), FY_ERR_UNSUPPORTED);
+    CHECK(strstr(fy_error_msg(), "offloaded") != NULL);
+  }
+
   // --profile times the compute stream's waits (the sim device's events keep when they were
   // reached): with a slow link and no prefetch most of a step is waiting for chunk loads, the
   // waits add up to no more than the steps, and the numbers are those of the run without it.
