@@ -2,7 +2,7 @@
 # test/cuda_train.sh: ferry train on --device cuda against --device cpu, a few steps of a small
 # model: fp32 losses to rounding; bf16 within bf16's rounding; accumulation and a resumed
 # checkpoint; offloaded (a chunk cache on the GPU, chunks and their AdamW state kept there) in
-# fp32 and bf16, with --optimizer-lag 1, --spec-chunks and with --optimizer-state 8bit; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
+# fp32 and bf16, with --optimizer-lag 1, --spec-chunks, --device-updates and with --optimizer-state 8bit; plans from ferry plan --device cuda (offloaded, resident; bf16 and fp32) and --plan auto; dropout
 # with validation between steps; ferry sample on the GPU, resident and offloaded. bench/gpu/check.sh
 # runs it on a GPU with opt-demo; ./test.sh on the CUDA emulator (test/cudaemu) with a smaller model.
 #
@@ -357,6 +357,29 @@ print("8-bit state cpu  ", " ".join(f"{x:.5f}" for x in cpu))
 print("8-bit state GPU  ", " ".join(f"{x:.5f}" for x in q8))
 close = lambda u, v, e: len(u) == len(v) > 0 and all(abs(x - y) <= e * max(1.0, abs(x)) for x, y in zip(u, v))
 sys.exit(0 if close(cpu, q8, 2e-2) and q8 != exact else 1)
+PY
+# --device-updates offloaded on the GPU: host chunks updated by the GPU's AdamW after the norm,
+# their master, m, v and gradients over the link and back: the exact offloaded runs' losses to the
+# last digit, in fp32, in bf16 (every step clipping), beside speculation and two chunks on the GPU
+# (no step clipping), and with 8-bit state beside GPU and disk chunks.
+du=(--offload --device-mem "$offload_mem" "${blocks[@]}" --device-updates 1000)
+ferry_run du32 "${common[@]}" --device cuda --precision fp32 "${du[@]}" --log "$d/du32.jsonl" || exit 1
+ferry_run du16 "${common[@]}" "${b16[@]}" "${du[@]}" --log "$d/du16.jsonl" || exit 1
+ferry_run duspec16 "${common[@]}" "${b16[@]}" "${du[@]}" --spec-chunks 2 --clip 100 --device-chunks 2 \
+  --log "$d/duspec16.jsonl" || exit 1
+ferry_run duq8 "${common[@]}" "${b16[@]}" "${q8[@]}" --device-chunks 2 --disk-dir "$d/diskduq8" --disk-chunks 2 \
+  --device-updates 1000 --log "$d/duq8.jsonl" || exit 1
+grep -q "device updates: [1-9][0-9]* host chunks" "$d/du16.out" ||
+  { echo "device updates: the run does not say how many chunks the GPU updates"; exit 1; }
+python3 - "$d/offload.jsonl" "$d/du32.jsonl" "$d/offload16.jsonl" "$d/du16.jsonl" "$d/devnoclip16.jsonl" \
+  "$d/duspec16.jsonl" "$d/q8.jsonl" "$d/duq8.jsonl" <<'PY' || exit 1
+import json, sys
+runs = [[json.loads(l)["loss"] for l in open(p) if l.startswith("{")] for p in sys.argv[1:]]
+ok = True
+for name, (a, b) in zip(("fp32", "bf16", "bf16 spec, 2 on GPU", "8-bit state"), zip(runs[0::2], runs[1::2])):
+    print(f"device updates {name:20s}", " ".join(f"{x:.5f}" for x in b), "(the same)" if a == b else "(not the same)")
+    ok = ok and a == b and len(a) > 0
+sys.exit(0 if ok else 1)
 PY
 # ferry sample on the GPU (a token at a time, the keys and values cached there) against the
 # CPU's: the same tokens drawn in fp32 (the same seed), past a window of 8 (the cache run again
