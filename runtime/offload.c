@@ -1661,7 +1661,7 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   if (st == FY_OK) st = create_pass(x, o);
   if (st == FY_OK && x->n_spec > 0) st = create_spec(x);
   if (st == FY_OK && o->device_updates > 0 && !x->forward_only) {
-    const char *no = x->sharded ? "chunks sharded across ranks"
+    const char *no = x->shards_on_device ? "shards kept on the device"
                      : x->lag   ? "--optimizer-lag (whose updates run under the next step already)"
                      : x->staged ? "pipeline stages"
                                  : NULL;
@@ -2505,25 +2505,29 @@ static fy_status dev_ranges_sync(struct fy_offload *x, float wd) {
   return FY_OK;
 }
 
-// AdamW of chunk c's elements held in device memory (master w, m and v, gradients grads, the next
-// 16-bit copy w16 or NULL), with step q's arguments and the scale and skip flag at scale_skip
-// (device memory): the kernels, launched on the stream they launch on now.
+// AdamW of chunk c's elements [lo, hi) held in device memory (master w, m and v, gradients grads,
+// the next 16-bit copy w16 or NULL; each buffer holds [lo, hi): a device chunk's used part, or a
+// host-tier chunk's as the host keeps it, this rank's shard with sharding), with step q's arguments
+// and the scale and skip flag at scale_skip (device memory): the kernels, launched on the stream
+// they launch on now.
 static fy_status kernels_adamw(struct fy_offload *x, int q, int c, float *w, void *mo, void *v, const void *grads,
-                               void *w16, const float *scale_skip) {
+                               void *w16, int64_t lo, int64_t hi, const float *scale_skip) {
   const struct fy_graph *g = x->m->graph;
   const struct step_args *a = &x->args[q];
   const char *gg = grads;
   const enum fy_dtype dt = grads_dtype(x, c);
-  const int64_t n = x->m->layout->chunks[c].used;
   if (x->sf != FY_STATE_F32)  // the chunk at once, its ranges in device memory (chunk_ranges)
-    return x->m->kernels->chunk_adamw_state(x->m, x->sf, w, mo, v, gg, dt, w16, n, x->dev_ranges[c], x->n_ranges[c],
-                                            a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale_skip);
-  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {
+    return x->m->kernels->chunk_adamw_state(x->m, x->sf, w, mo, v, gg, dt, w16, hi - lo, x->dev_ranges[c],
+                                            x->n_ranges[c], a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale_skip);
+  for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {  // (elementwise: a part as the whole)
     const struct fy_param *p = &g->params[x->param_ids[k]];
-    int64_t o = p->chunk_offset;
+    const int64_t b0 = p->chunk_offset > lo ? p->chunk_offset : lo;
+    const int64_t b1 = p->chunk_offset + p->numel < hi ? p->chunk_offset + p->numel : hi;
+    if (b0 >= b1) continue;
+    const int64_t o = b0 - lo;
     void *p16 = w16 ? (char *)w16 + (size_t)o * x->esize : NULL;
     FY_TRY(x->m->kernels->chunk_adamw(x->m, w + o, (float *)mo + o, (float *)v + o, gg + (size_t)o * fy_dtype_size(dt),
-                                      dt, p16, p->numel, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
+                                      dt, p16, b1 - b0, a->lr, a->h.beta1, a->h.beta2, a->h.eps,
                                       p->decay ? a->h.weight_decay : 0.0f, a->t, scale_skip));
   }
   return FY_OK;
@@ -2536,7 +2540,8 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *gr
   x->jobs[q][c].copy = NULL;
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
   if (x->sf != FY_STATE_F32) FY_TRY(dev_ranges_sync(x, x->args[q].h.weight_decay));
-  return kernels_adamw(x, q, c, x->dev_w[c], x->dev_m[c], x->dev_v[c], grads, x->dev_w16[c], x->dev_scale + 2 * q);
+  return kernels_adamw(x, q, c, x->dev_w[c], x->dev_m[c], x->dev_v[c], grads, x->dev_w16[c], 0,
+                       x->m->layout->chunks[c].used, x->dev_scale + 2 * q);
 }
 
 // --optimizer-lag: the device chunks' update from the gradients kept by an earlier
@@ -2669,11 +2674,11 @@ static void dup_fn(void *arg) {
   struct fy_offload *x = j->x;
   const int c = j->chunk, s = j->set;
   const float *ss = x->dup_scale + 2 * j->q;
-  const int64_t n = x->m->layout->chunks[c].used;
+  const int64_t n = span(x, c);
   if (ss[1] == 0.0f) {
     const bool b16 = grads_bf16(x, c);
     fy_status st = host_update(x, &x->args[j->q], c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s],
-                               b16 ? x->dup_g[s] : NULL, 0, n, ss[0]);
+                               b16 ? x->dup_g[s] : NULL, x->lo, x->lo + n, ss[0]);
     if (st != FY_OK) {
       async_fail(x, st);
       return;
@@ -2687,7 +2692,7 @@ static void dup_fn(void *arg) {
 // the first two are enqueued before it is known.
 static fy_status dup_upload(struct fy_offload *x, int i) {
   const int c = x->dup_chunk[i], s = i & 1;
-  const int64_t n = x->m->layout->chunks[c].used;
+  const int64_t n = span(x, c);
   FY_TRY(fy_stream_wait(x->dup_up, x->dup_free[s]));
   FY_TRY(fy_stream_wait(x->dup_up, x->grad_ready[c]));
   FY_TRY(fy_copy_async(x->dup_up, x->dup_w[s], home_weights(x, c), (size_t)n * 4));
@@ -2708,14 +2713,15 @@ static fy_status dup_updates(struct fy_offload *x, int q) {
   if (kernels && x->sf != FY_STATE_F32) FY_TRY(dev_ranges_sync(x, x->args[q].h.weight_decay));
   for (int i = 0; i < x->n_dup; i++) {
     const int c = x->dup_chunk[i], s = i & 1;
-    const int64_t n = x->m->layout->chunks[c].used;
+    const int64_t n = span(x, c);
     FY_TRY(fy_stream_wait(x->dup_run, x->dup_in[s]));
     if (kernels) {
       const struct fy_model_kernels *kt = x->m->kernels;
       kt->launch_on(x->m, x->dup_run);
       fy_status st = x->dup_w16[s] ? kt->chunk_to16(x->m, x->dup_w16[s], x->dup_w[s], n) : FY_OK;
       if (st == FY_OK)
-        st = kernels_adamw(x, q, c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s], x->dup_w16[s], x->dup_scale + 2 * q);
+        st = kernels_adamw(x, q, c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s], x->dup_w16[s], x->lo,
+                           x->lo + n, x->dup_scale + 2 * q);
       kt->launch_on(x->m, x->compute);
       FY_TRY(st);
     } else {

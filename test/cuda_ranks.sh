@@ -17,7 +17,7 @@
 # by 2 ranks resumed by 2 ranks (the straight run's losses) and by 1 rank; 3 ranks x 2 = 1 x 6 with
 # three GPUs; tensor parallelism (--tp 2) = 1 rank, with its checkpoint and saved model, and a
 # 2 x 2 grid with four GPUs; --tp 2 without --offload (slices on the GPUs) = 1 rank, with its
-# checkpoint, a grid without --offload refused; 2 sharded ranks with --spec-chunks = the exact run; 2 resident replicas = 1 rank, with their
+# checkpoint, a grid without --offload refused; 2 sharded ranks with --spec-chunks and --device-updates = the exact run; 2 resident replicas = 1 rank, with their
 # checkpoint, and planned; plans of 2 resident stages, 2 resident tp slices and 2 offloaded stages
 # = 1 rank; 2 pipeline stages (--pp 2) = 1 rank, with their checkpoint and
 # validation, offloaded with 8-bit AdamW state and with --optimizer-lag 1, and ferry eval --pp 2 =
@@ -126,6 +126,16 @@ if tail -n 1 "$d/twospecnc.jsonl" | grep -q '"spec_steps":8,"spec_redone":0' &&
   tail -n 1 "$d/twospec.jsonl" | grep -q '"spec_redone":[1-9]'; then
   pass=$((pass + 1)); echo "ok    2 sharded GPU ranks: every unclipped step's speculation stood, clipped ones redone"
 else fail=$((fail + 1)); echo "FAIL  spec counts: $(tail -n 1 "$d/twospecnc.jsonl") / $(tail -n 1 "$d/twospec.jsonl")"; fi
+# --device-updates on 2 sharded GPU ranks: each rank's GPU updates its shards of host chunks after
+# the norm, beside speculation: the exact run's losses (tolerance 0), and with 8-bit state.
+run twodu 2 --precision bf16 --batch 2 --device-updates 100 --spec-chunks 2 || exit 1
+check "2 sharded GPU ranks with device updates = the exact run" twobf16 twodu 0
+run twoq8 2 --precision bf16 --batch 2 --optimizer-state 8bit || exit 1
+run twoduq8 2 --precision bf16 --batch 2 --optimizer-state 8bit --device-updates 100 || exit 1
+check "2 sharded GPU ranks with device updates, 8-bit state = without" twoq8 twoduq8 0
+if tail -n 1 "$d/twodu.jsonl" | grep -q '"device_updates":[1-9]'; then
+  pass=$((pass + 1)); echo "ok    2 sharded GPU ranks: the log says how many chunks the GPU updates"
+else fail=$((fail + 1)); echo "FAIL  device updates not in the log: $(tail -n 1 "$d/twodu.jsonl")"; fi
 run twoacc 2 --precision bf16 --batch 1 --grad-accum 2 || exit 1
 check "2 ranks x 2 micro-batches of 1 = 1 rank x 4, bf16" onebf16 twoacc 2e-2
 dv=(--dropout 0.1 --val-data "$data" --val-every 4 --val-batches 2)

@@ -187,6 +187,14 @@ if compare repbf16 zspec16 0 && compare repnc16 zspecnc16 0 && [ -n "$(lastspec 
   [ "$(lastspec zspecnc16)" = '"spec_steps":12,"spec_redone":0' ]; then
   ok "2 sharded bf16 ranks with speculative updates: the replicated run's bits, clipping ($(lastspec zspec16)) or not"
 else bad "sharded bf16 ranks with speculative updates differ: $(lastspec zspec16) $(lastspec zspecnc16)"; fi
+# --device-updates: each sharded rank's shards of its host chunks updated by its (sim) device, beside
+# speculation and a disk chunk: the replicated run's bits.
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --device-updates 2 --spec-chunks 2 \
+  --disk-dir "$tmp/disk" --disk-chunks 1 --log "$tmp/zdu16.json" --save "$tmp/zdu16" >"$tmp/zdu16.out" 2>&1 \
+  || bad "2 sharded bf16 ranks with device updates train"
+if compare repbf16 zdu16 0 && grep -q "\"device_updates\":2" "$tmp/zdu16.json"; then
+  ok "2 sharded bf16 ranks with device updates of 2 chunks' shards: the replicated run's bits"
+else bad "sharded bf16 ranks with device updates differ"; fi
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --save "$tmp/ckz16" --save-every 100 \
   --stop-after 6 >/dev/null 2>&1 || bad "2 sharded bf16 ranks checkpoint"
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 --precision bf16 --resume "$tmp/ckz16" \
@@ -263,6 +271,14 @@ else grep -q "add --offload" "$tmp/cuda2.out" && ok "a 2 x 2 grid on GPUs withou
 "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" --batch 4 --tp 2 --log "$tmp/tp.json" --save "$tmp/tp" \
   || bad "2 tensor-parallel ranks train"
 compare one tp 1e-5 && ok "2 tensor-parallel ranks follow 1 rank" || bad "tensor-parallel ranks differ from 1 rank"
+# With --device-updates each tensor-parallel rank's host chunks are updated by its (sim) device, the
+# norm over both slices as before: the bits of the same ranks updating on the host.
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 4 --tp 2 --precision bf16 --log "$tmp/tpsim.json" \
+  --save "$tmp/tpsim" || bad "2 tensor-parallel offloaded ranks train"
+"${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 4 --tp 2 --precision bf16 --device-updates 100 \
+  --log "$tmp/tpdu.json" --save "$tmp/tpdu" || bad "2 tensor-parallel ranks with device updates train"
+compare tpsim tpdu 0 && ok "2 tensor-parallel ranks with device updates: the bits of host updates" \
+  || bad "tensor-parallel ranks with device updates differ"
 "${mpi[@]}" -np 4 "$ferry" train "${common[@]}" --batch 2 --tp 2 --log "$tmp/grid.json" --save "$tmp/grid" \
   || bad "a 2 x 2 grid trains"
 compare one grid 1e-5 && ok "a 2 x 2 grid (tensor-parallel pairs, data-parallel across) follows 1 rank" \
