@@ -558,6 +558,9 @@ int main(int argc, char **argv) {
     q.spec_chunks = 1000;  // (the engine keeps every chunk's master, swapped with spare slots)
     check_resume("sim bf16 speculative updates, AdamW state on disk", q);
     q.spec_chunks = 0;
+    q.device_updates = 1000;  // (the host chunks' state read back from the device before a checkpoint)
+    check_resume("sim bf16 device updates, AdamW state on disk", q);
+    q.device_updates = 0;
     q.steps = 1;
     CHECK_OK(fy_train(&q, &r));
     q.steps = o.steps;
