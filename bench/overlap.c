@@ -19,10 +19,11 @@
 // resident and offloaded runs R times and compares the medians of all their timed steps.
 // --spec-chunks K gives the offloaded run speculative updates (runtime/offload.h); --clip X sets
 // both runs' clipping (default 1; a fresh model clips its first steps, which speculation redoes).
+// --device-updates N has the offloaded run's device update N host chunks (runtime/offload.h).
 //
 // usage: overlap [--model opt-125m] [--batch 4] [--seq 128] [--steps 5] [--link-gbps 12]
 //                [--fraction 0.25] [--prefetch 2] [--threads N] [--precision fp32]
-//                [--optimizer-lag 0] [--rounds 1] [--spec-chunks 0] [--clip 1]
+//                [--optimizer-lag 0] [--rounds 1] [--spec-chunks 0] [--clip 1] [--device-updates 0]
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,7 +39,7 @@
 
 struct setup {
   const char *model, *precision;
-  int64_t batch, seq, steps, prefetch, lag, rounds, spec;
+  int64_t batch, seq, steps, prefetch, lag, rounds, spec, dup;
   double link, fraction, clip;
 };
 
@@ -68,6 +69,7 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
   o.prefetch = (int)u->prefetch;
   o.optimizer_lag = (int)u->lag;
   o.spec_chunks = (int)u->spec;
+  o.device_updates = (int)u->dup;
   if (st == FY_OK) st = fy_train(&o, &off);
   // More rounds, alternating: the medians of every round's median step.
   double rs[64] = {res.step_s}, os[64] = {off.step_s};
@@ -89,14 +91,14 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
   }
   int64_t steps = u->steps;
   printf("{\"bench\":\"overlap\",\"model\":\"%s\",\"precision\":\"%s\",\"optimizer_lag\":%lld,\"spec_chunks\":%d,"
-         "\"spec_steps_kept\":%lld,\"clip\":%g,\"rounds\":%d,"
+         "\"spec_steps_kept\":%lld,\"device_updates\":%d,\"clip\":%g,\"rounds\":%d,"
          "\"batch\":%lld,\"seq\":%lld,\"threads\":%d,\"cores\":%d,"
          "\"kernels_share_cores\":%s,\"link_gbps\":%.1f,\"device_mib\":%.1f,\"cached_param_fraction\":%.3f,\"blocks\":%d,\"chunks\":%d,"
          "\"chunk_mib\":%.1f,\"prefetch\":%lld,\"resident_step_s\":%.4f,\"offload_step_s\":%.4f,"
          "\"offload_speed_vs_resident\":%.3f,\"h2d_mb_per_step\":%.1f,\"d2h_mb_per_step\":%.1f,"
          "\"copy_busy_s_per_step\":%.4f}\n",
          u->model, u->precision, (long long)u->lag, off.spec_chunks, (long long)(off.spec_steps - off.spec_redone),
-         u->clip, n, (long long)u->batch, (long long)u->seq, threads, cores, threads >= cores ? "true" : "false",
+         off.device_updates, u->clip, n, (long long)u->batch, (long long)u->seq, threads, cores, threads >= cores ? "true" : "false",
          u->link, o.device_mem / 1048576.0, off.n_blocks * off.chunk_bytes / params_bytes, off.n_blocks, off.n_chunks, off.chunk_bytes / 1048576.0,
          (long long)u->prefetch, res.step_s, off.step_s, res.step_s / off.step_s, off.copy_bytes[0] / steps / 1e6,
          off.copy_bytes[1] / steps / 1e6, (off.copy_busy_s[0] + off.copy_busy_s[1]) / steps);
@@ -122,10 +124,11 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--rounds") == 0) u.rounds = atoll(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--spec-chunks") == 0) u.spec = atoll(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--clip") == 0) u.clip = atof(argv[++i]);
+    else if (i + 1 < argc && strcmp(argv[i], "--device-updates") == 0) u.dup = atoll(argv[++i]);
     else {
       fprintf(stderr, "usage: overlap [--model P] [--batch B] [--seq T] [--steps N] [--link-gbps X] "
                       "[--fraction F] [--prefetch N] [--threads N] [--precision P] [--optimizer-lag L] "
-                      "[--rounds R] [--spec-chunks K] [--clip X]\n");
+                      "[--rounds R] [--spec-chunks K] [--clip X] [--device-updates N]\n");
       return 2;
     }
   }

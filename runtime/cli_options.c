@@ -233,7 +233,7 @@ void usage_train(FILE *f, bool eval) {
           "                     after the norm their master, AdamW state and gradients cross the\n"
           "                     link and come back updated (two staging sets in device memory), the\n"
           "                     same bits; the link takes a share of the host's work. Default 0\n"
-          "                     (--plan chooses N); not with --optimizer-lag or --pp\n"
+          "                     (--plan chooses N); not with --optimizer-lag\n"
           "  --optimizer-state F  how AdamW's m and v are stored: fp32 (default, 8 bytes a\n"
           "                     parameter), bf16 (4) or 8bit (block-wise quantised, 2.03); on the\n"
           "                     cpu and offloaded (host, disk and device chunks), not on a resident\n"

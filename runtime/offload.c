@@ -1663,7 +1663,6 @@ fy_status fy_offload_create(struct fy_model *m, const struct fy_offload_opts *o,
   if (st == FY_OK && o->device_updates > 0 && !x->forward_only) {
     const char *no = x->shards_on_device ? "shards kept on the device"
                      : x->lag   ? "--optimizer-lag (whose updates run under the next step already)"
-                     : x->staged ? "pipeline stages"
                                  : NULL;
     st = no ? fy_error_set(FY_ERR_UNSUPPORTED, "device updates (--device-updates %d) do not combine with %s yet",
                            o->device_updates, no)
@@ -2022,6 +2021,7 @@ static fy_status run_actions(struct fy_offload *x, const struct fy_batch *batch,
   memset(x->dev_bwd_done, 0, (size_t)l->n_chunks * sizeof *x->dev_bwd_done);
   if (x->chome && !m->cparams_fresh) {  // the master weights were set (initialised, loaded, resumed)
     FY_TRY(fy_stream_sync(x->optim));
+    if (x->dup_down) FY_TRY(fy_stream_sync(x->dup_down));  // (a device update's copies home)
     FY_TRY(fy_stream_sync(x->copy_in));
     for (int c = 0; c < l->n_chunks; c++) {
       FY_TRY(compute_copy_all(x, x->chome[c], c, x->gather_buf));

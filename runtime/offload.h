@@ -90,8 +90,8 @@ struct fy_offload_opts {
   // the 16-bit copy's bytes an element each), the device's AdamW (the device chunks' kernels, the
   // same bits) updates them, and master, m, v and the next 16-bit copy go home, on three streams
   // of their own. The host optimizer updates the other chunks meanwhile: the link's idle time
-  // takes a share of the host's work. Sharded ranks update their shards so. Not with shards on the
-  // device, pipeline stages or optimizer_lag. 0: none.
+  // takes a share of the host's work. Sharded ranks update their shards so, pipeline stages their
+  // chunks. Not with shards on the device or optimizer_lag. 0: none.
   int device_updates;
   // A pipeline stage (runtime/pipeline.h; the model made for it, fy_model_opts.pp): the engine runs
   // the graph's ops [stage_lo, stage_hi) alone, a micro-batch's forward and backward as two

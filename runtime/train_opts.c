@@ -119,7 +119,6 @@ fy_status check_train_opts(struct fy_train_opts *e) {
                           ? "it is for offloaded runs (--device sim, --device cuda --offload), whose host-tier chunks "
                             "it has the device update"
                       : e->optimizer_lag > 0 ? "--optimizer-lag 1 runs each update under the next step already"
-                      : e->pp > 1            ? "pipeline stages do not run it yet"
                                              : NULL;
     if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--device-updates %d: %s", e->device_updates, why);
   }

@@ -230,6 +230,8 @@ run ppoff 2 --precision bf16 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 || e
 check "--pp 2 --offload on 2 GPUs = 1 rank x 4, bf16" onebf16 ppoff 2e-2
 run ppspec 2 --precision bf16 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 --spec-chunks 100 || exit 1
 check "--pp 2 --offload --spec-chunks on 2 GPUs = the same stages without speculation" ppoff ppspec 0
+run ppdu 2 --precision bf16 --batch 1 --grad-accum 4 --stop-after 4 --pp 2 --device-updates 100 || exit 1
+check "--pp 2 --offload --device-updates on 2 GPUs = the same stages updated on the host" ppoff ppdu 0
 RES=1 run ppres1 1 --precision fp32 --batch 1 --grad-accum 4 --stop-after 2 --resume "$d/ppck/step-00000002" || exit 1
 check "a --pp 2 checkpoint on GPUs resumed by 1 rank" ppfp32 ppres1 1e-5
 # Offloaded stages keep what one offloaded rank keeps: 8-bit AdamW state (fp32 compute, the same

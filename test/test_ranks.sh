@@ -717,6 +717,17 @@ compare p1untied psdc 0 && ok "pp 2 on sim with 2 chunks a stage on the device: 
 if compare p1untied psspec 0 && compare p1tied psdspec 1e-5 && tail -n 1 "$tmp/psspec.json" | grep -q '"spec_steps":[1-9]'; then
   ok "pp 2 and dp 2 x pp 2 on sim with speculative updates: as without them ($(tail -n 1 "$tmp/psspec.json" | grep -o '"spec_steps":[0-9]*,"spec_redone":[0-9]*'))"
 else bad "pipeline stages with speculative updates differ"; fi
+# --device-updates on stages: each stage's host chunks updated by its (sim) device after the norm:
+# one rank's bits (pp 2, untied), and dp 2 x pp 2 (tied, sharded, a disk chunk and a speculated one
+# a stage) within 1e-5 of 1 rank as without it.
+"${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" --device-updates 100 \
+  --log "$tmp/psdu.json" --save "$tmp/psdu" >"$tmp/psdu.out" 2>&1 || { bad "pp 2 on sim with device updates trains"; cat "$tmp/psdu.out"; }
+"${mpi[@]}" -np 4 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-tied" --batch 2 --pp 2 "${psim[@]}" --device-updates 100 \
+  --spec-chunks 1 --disk-dir "$tmp/disk" --disk-chunks 1 --log "$tmp/psddu.json" --save "$tmp/psddu" >"$tmp/psddu.out" 2>&1 \
+  || { bad "dp 2 x pp 2 with device updates trains"; cat "$tmp/psddu.out"; }
+if compare p1untied psdu 0 && compare p1tied psddu 1e-5 && tail -n 1 "$tmp/psdu.json" | grep -q '"device_updates":[1-9]'; then
+  ok "pp 2 and dp 2 x pp 2 on sim with device updates: as without them"
+else bad "pipeline stages with device updates differ"; fi
 # A sim pipeline's checkpoint is one rank's (bytes), and resumes on 1 rank: fp32 state, and 8-bit
 # AdamW state kept compressed in the stages' chunks.
 "${mpi[@]}" -np 2 "$ferry" train "${pcommon[@]}" --model "$tmp/cfg-untied" --batch 4 --pp 2 "${psim[@]}" --save "$tmp/psck" \
