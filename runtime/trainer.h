@@ -68,6 +68,7 @@ struct fy_train_opts {
   // (runtime/offload.h, spec_chunks), each with a spare copy of its master, m, v and 16-bit copy
   // in host memory; the same bits as the exact step. 0 (default without a plan): none.
   int spec_chunks;
+  int device_updates;     // --device-updates N: host-tier chunks updated by the device (runtime/offload.h); 0: none
   int blocks;             // device cache blocks (0: as many as fit)
   double chunk_mib;       // chunk size (0: the smallest that holds the largest parameter group)
   const char *save;       // without save_every: write a Hugging Face model here at the end;
