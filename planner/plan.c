@@ -174,10 +174,13 @@ static fy_status try_device_updates(const struct fy_opt_config *cfg, const struc
 
 // The host optimizer's levers for an offloaded plan that fits: speculation (K) first, then device
 // updates given K (N), then, with N > 0, K once more given N (fewer chunks left to speculate, or
-// none needed). A few simulations more a plan, not their product.
+// none needed). A few simulations more a plan, not their product; and none for device updates
+// where the plan's compute alone takes `bound` (the fastest plan's step so far) or more: no lever
+// of the optimizer's makes it the fastest.
 static fy_status try_host_levers(const struct fy_opt_config *cfg, const struct fy_probe *probe,
-                                 struct fy_plan_knobs *k, struct fy_cost *c, int *tried) {
+                                 struct fy_plan_knobs *k, struct fy_cost *c, int *tried, const struct fy_plan *best) {
   FY_TRY(try_spec(cfg, probe, k, c, tried));
+  if (best->predicted.fits && c->compute_s >= best->predicted.step_s) return FY_OK;
   FY_TRY(try_device_updates(cfg, probe, k, c, tried));
   if (k->device_updates > 0) FY_TRY(try_spec(cfg, probe, k, c, tried));
   return FY_OK;
@@ -361,7 +364,7 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
           }
           struct fy_plan_knobs ks = k;  // (one stage: speculative updates, where they apply)
           struct fy_cost cs = c;
-          if (pp == 1) FY_TRY(try_host_levers(cfg, probe, &ks, &cs, tried));
+          if (pp == 1) FY_TRY(try_host_levers(cfg, probe, &ks, &cs, tried, best));
           consider(&ks, &cs, best);
           if (!c.fits) break;  // (more prefetch will not fit either)
         }
@@ -607,7 +610,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
           if (kbest.micro_batch && cbest.fits) {
             struct fy_plan_knobs ks = kbest;
             struct fy_cost cs = cbest;
-            FY_TRY(try_host_levers(cfg, probe, &ks, &cs, &tried));
+            FY_TRY(try_host_levers(cfg, probe, &ks, &cs, &tried, best));
             consider(&ks, &cs, best);
           }
           // One data-parallel rank: chunks kept on the device with their state (updated there),
@@ -626,7 +629,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
             tried++;
             note_miss(&cd, probe, &miss);
             const double dev_bytes = cd.min_device_bytes;
-            FY_TRY(try_host_levers(cfg, probe, &kd, &cd, &tried));
+            FY_TRY(try_host_levers(cfg, probe, &kd, &cd, &tried, best));
             consider(&kd, &cd, best);
             if (dev_bytes > probe->device_mem) break;  // more device chunks will not fit either
           }
