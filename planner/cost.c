@@ -111,7 +111,8 @@ struct sim {
   // events of its upload, its update and its being free again; its buffers (dup_buf's order).
   fy_stream *dup_up, *dup_run, *dup_down;
   fy_event *dup_in[2], *dup_done[2], *dup_free[2];
-  void *dup_set[2][5];
+  void *dup_set[2][5], *dup_scale;
+  int64_t dup_shard;  // a sharded rank's elements of a chunk (its shard), else 0: the chunk's
   // The step's streamed chunks in order (dup_chunk[0 .. dup_n), dup_idx[c] the index of chunk c or
   // -1), and the next copy to queue: chunk dup_i's upload dup_copy (dup_flush).
   int *dup_chunk, *dup_idx, dup_n, dup_i, dup_copy;
@@ -398,21 +399,22 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
       return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are planned for offloaded runs without "
                           "optimizer_lag or pipeline stages (%s); spec_chunks must be 0", k->spec_chunks, no);
   }
-  // Device updates take host-tier chunks of one offload engine that owns whole chunks (one rank,
-  // tp slices) off the host optimizer of the exact step: not sharded chunks, stages or the lag,
-  // which ferry train refuses them with (runtime/offload.h, device_updates); the cpu device is
-  // refused by fy_cost_simulate, which knows the device.
+  // Device updates take host-tier chunks off the host optimizer of the exact step of offload
+  // engines (one rank, tp slices, sharded data-parallel ranks: a rank its shards); ferry train
+  // refuses them with the lag and without a host tier (a resident run, the cpu device: refused by
+  // fy_cost_simulate, which knows the device), and runs them on pipeline stages, which the planner
+  // does not price yet (runtime/offload.h, device_updates).
   if (k->device_updates < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_updates must not be negative");
   if (k->device_updates > 0) {
     const char *no = k->resident           ? "a resident plan updates everything on the device already"
-                     : k->optimizer_lag > 0 ? "optimizer_lag 1 runs the updates under the next step"
-                     : k->pp > 1            ? "pipeline stages do not run it"
-                     : k->dp > 1            ? "data-parallel ranks shard the chunks, and sharded chunks do not run it"
+                     : k->optimizer_lag > 0 ? "optimizer_lag 1 runs the updates under the next step already"
+                     : k->pp > 1            ? "the planner does not price them on pipeline stages yet (ferry train "
+                                              "--pp N --device-updates M runs them)"
                                             : NULL;
     if (no)
-      return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: device updates are for offloaded runs of one rank "
-                          "or tensor-parallel ranks without optimizer_lag or pipeline stages (%s); device_updates "
-                          "must be 0", k->device_updates, no);
+      return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: device updates are planned for offloaded runs "
+                          "without optimizer_lag or pipeline stages (%s); device_updates must be 0",
+                          k->device_updates, no);
   }
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
@@ -776,35 +778,37 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
 static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                                            const struct fy_probe *probe, struct fy_cost *out);
 
-// Device updates on the timeline (knobs.device_updates; runtime/offload.c): streamed chunk i goes
-// through staging set i % 2 once the norm is known: on dup_up, once the set is free (chunk i - 2's
-// copies home done), its master, m, v and gradients to the device; on dup_run, the conversion of
-// the master to the 16-bit copy and the device's AdamW (a GPU's kernels at its memory rate, as
-// the device chunks'; on sim host functions, which take the cores as the host optimizer does); on
-// dup_down, master, m, v and the new 16-bit copy home, then the chunk's home_ready (what its next
-// load waits for) and the set free.
+// Device updates on the timeline (knobs.device_updates; runtime/offload.c, dup_upload and
+// dup_updates): streamed chunk i goes through staging set i % 2. On dup_up, once the set is free
+// (chunk i - 2's copies home done) and the chunk's gradients are home, its master, m, v and
+// gradients to the device (no norm needed: the first two chunks' go before the norm is known). On
+// dup_run, once the norm is known, the step's scale to the device (once a step), then for each
+// chunk after its uploads the master converted to the 16-bit copy and the device's AdamW (a GPU's
+// kernels at its memory rate, as the device chunks'; on sim host functions, which take the cores
+// as the host optimizer does). On dup_down, master, m, v and the new 16-bit copy home, then the
+// chunk's home_ready (what its next load waits for) and the set free. A sharded rank moves and
+// updates its shard of each chunk.
 //
 // The link: the timeline serves a direction's copies in the order they are queued, each after the
 // one before (one resource a direction, shared with the cache's loads and write-backs). The
-// runtime queues a step's uploads right after the norm, but the copy engines take copies as they
-// become ready: the next step's batch and loads (ready early) go between the uploads (each waiting
-// for its set). So the uploads are queued here one copy at a time, in the order they become ready
-// among the other copies: before the simulation queues a copy (the batch, a load), dup_flush
-// queues the uploads that are ready before `t`, when that copy can start; and every upload of a
-// streamed chunk up to `through` (the index of one the cache is about to load: its home_ready must
-// be the new one). A copy in flight is not pre-empted. Each chunk's update and copies home are
-// queued with its last upload (the link's other direction carries nothing else until the next
-// backward's write-backs, which come after the chunk's next load).
+// runtime queues uploads ahead, each waiting for its set, but the copy engines take copies as they
+// become ready: the next step's batch and loads go between the uploads. So the uploads are queued
+// here one copy at a time, in the order they become ready among the other copies: before the
+// simulation queues a copy (the batch, a load), dup_flush queues the uploads that are ready before
+// `t`, when that copy can start; and every upload of a streamed chunk up to `through` (the index of
+// one the cache is about to load: its home_ready must be the new one). A copy in flight is not
+// pre-empted. Each chunk's update and copies home are queued with its last upload (the link's
+// other direction carries nothing else until the next backward's write-backs, which come after the
+// chunk's next load).
 static fy_status dup_flush(struct sim *s, double t, int through) {
   while (s->dup_i < s->dup_n) {
     const int i = s->dup_i, set = i % 2, c = s->dup_chunk[i];
-    const int64_t used = s->l->chunks[c].used;
+    const int64_t used = s->dup_shard > 0 ? s->dup_shard : s->l->chunks[c].used;
     const size_t mb = fy_state_moment_bytes(s->sf, used), gbytes = (size_t)used * (s->g16 ? s->pb : 4);
     void *const *d = s->dup_set[set];
     if (s->dup_copy == 0) {
-      fy_stream_wait(s->dup_up, s->norm_ready);
       fy_stream_wait(s->dup_up, s->dup_free[set]);
-      fy_stream_wait(s->dup_up, s->grad_ready[c]);  // (home before the norm; a GPU's norm does not wait for it)
+      fy_stream_wait(s->dup_up, s->grad_ready[c]);
     }
     if (i > through && !(fy_timeline_clock(s->dup_up) < t)) return FY_OK;  // (not ready before that copy)
     const size_t bytes[4] = {(size_t)used * 4, mb, mb, gbytes};
@@ -813,6 +817,10 @@ static fy_status dup_flush(struct sim *s, double t, int through) {
     s->dup_copy = 0;
     s->dup_i++;
     fy_event_record(s->dup_in[set], s->dup_up);
+    if (i == 0) {  // (the host enqueues the updates once it knows the norm: the scale first)
+      fy_stream_wait(s->dup_run, s->norm_ready);
+      FY_TRY(fy_copy_async(s->dup_run, s->dup_scale, (const void *)FAKE_HOST, 2 * sizeof(float)));
+    }
     fy_stream_wait(s->dup_run, s->dup_in[set]);
     const double u = (double)used, conv = s->f32 ? 0 : u * (4.0 + (double)s->pb);  // (the master read, the 16-bit copy written)
     const double tr = s->gpu ? (u * (8 + 4 * s->mv_bpp + (s->act16 ? 2 : 0)) + (double)gbytes + conv) / s->dev_mem
@@ -982,10 +990,13 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   // Device updates (knobs.device_updates): two staging sets, each a chunk's fp32 master, m and v
   // at their stored size, its gradients as the host tier holds them (the payload's dtype where
   // they come home over the 16-bit copy, else fp32) and with 16-bit compute the new 16-bit copy
-  // (runtime/offload.c, dup_w, dup_m, dup_v, dup_g, dup_w16). (Compressed state also puts each
-  // streamed chunk's parameter ranges there, a few bytes a parameter: not counted.)
+  // (runtime/offload.c, create_dup: dup_w, dup_m, dup_v, dup_g, dup_w16), and the steps' scales.
+  // (Compressed state on a GPU also puts each streamed chunk's parameter ranges there, a few bytes
+  // a parameter group: not counted.)
+  // A sharded rank's m and v buffers are of its shard (the rest of a chunk's size, as allocated).
   const bool dup = k->device_updates > 0;
-  const size_t dup_buf[] = {(size_t)ce * 4, fy_state_moment_bytes(sf, ce), fy_state_moment_bytes(sf, ce),
+  const int64_t dup_mv = sharded ? ce / dp : ce;
+  const size_t dup_buf[] = {(size_t)ce * 4, fy_state_moment_bytes(sf, dup_mv), fy_state_moment_bytes(sf, dup_mv),
                             (size_t)ce * (g16 ? (size_t)pb : 4), cdt != FY_F32 ? (size_t)ce * pb : 0};
   for (size_t i = 0; dup && i < sizeof dup_buf / sizeof *dup_buf; i++)
     if (dup_buf[i]) out->staging_bytes += 2 * (double)fy_device_round(dup_buf[i], gran);
@@ -993,7 +1004,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
                                             (double)fy_device_round((size_t)g->n_params * 8, gran) +
                                             (double)fy_device_round(16, gran)
                                       : 0) +
-                           out->staging_bytes;
+                           out->staging_bytes + (dup ? (double)fy_device_round(4 * sizeof(float), gran) : 0);
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * (double)k->grad_accum * dp;
@@ -1072,18 +1083,10 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   const int64_t spec_elems = sharded ? ce / dp : ce;
   out->host_bytes += n_spec * ((double)spec_elems * 4 + 2.0 * (double)fy_state_moment_bytes(sf, spec_elems) +
                                (cdt != FY_F32 ? (double)spec_elems * pb : 0));
-  // Device updates: the first n_up host-tier chunks in chunk order that are not speculated (the
-  // runtime refuses more than there are).
-  const int n_up = k->device_updates, n_eligible = nc - n_dev - n_disk - n_spec;
-  if (n_up > n_eligible) {
-    fy_chunk_layout_free(l);
-    free(pat);
-    fy_graph_free(whole);
-    fy_graph_free(g);
-    return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: only %d host-tier chunks are neither on the device, "
-                        "on disk nor speculated (%d chunks: %d on the device, %d on disk, %d speculated)", n_up,
-                        n_eligible > 0 ? n_eligible : 0, nc, n_dev, n_disk, n_spec);
-  }
+  // Device updates: the first n_up host-tier chunks in chunk order that are not speculated (more
+  // than there are: all of them, as the runtime takes them).
+  const int n_eligible = nc - n_dev - n_disk - n_spec;
+  const int n_up = k->device_updates < n_eligible ? k->device_updates : n_eligible > 0 ? n_eligible : 0;
   // A disk chunk's slot: the same state, in whole 4 KiB pages (runtime/offload.c).
   out->disk_bytes = n_disk * ceil(per_chunk_state / 4096) * 4096;
   out->fits = true;
@@ -1164,13 +1167,14 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   // queued on the optimizer stream as the gradients come home hold no norm up)
   if (st == FY_OK && (lag || n_spec > 0)) st = fy_stream_create(s.dev, &s.sums);
   // (device updates: their staging sets, allocated after the device chunks' buffers, and streams)
-  for (int i = 0; st == FY_OK && n_up > 0 && i < 2; i++) {
+  for (int i = 0; st == FY_OK && dup && i < 2; i++) {  // (as the fit check counts them: with no chunk to stream too)
     for (size_t b = 0; st == FY_OK && b < sizeof dup_buf / sizeof *dup_buf; b++)
       if (dup_buf[b]) st = fy_device_alloc(s.dev, dup_buf[b], &s.dup_set[i][b]);
     if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_in[i]);
     if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_done[i]);
     if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_free[i]);
   }
+  if (st == FY_OK && dup) st = fy_device_alloc(s.dev, 4 * sizeof(float), &s.dup_scale);  // (the steps' scales)
   if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_up);
   if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_run);
   if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_down);
@@ -1302,6 +1306,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   const double adamw_b = 12 + 4 * mv_bpp;
   s.l = l, s.sf = sf, s.gpu = gpu, s.act16 = act16, s.g16 = g16, s.f32 = cdt == FY_F32, s.pb = (size_t)pb;  // (dup_flush's)
   s.mv_bpp = mv_bpp, s.dev_mem = dev_mem, s.mem = mem, s.adamw = adamw, s.adamw_b = adamw_b, s.host_work = &optim_step;
+  s.dup_shard = sharded ? ce / dp : 0;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
     s.counting = last;

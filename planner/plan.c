@@ -140,16 +140,17 @@ static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe
 
 // Device updates (knobs.device_updates) for an offloaded plan that fits, (k, c) with none and its
 // K speculated chunks: N a quarter, half, three quarters and all of the host-tier chunks neither
-// speculated nor on disk, where ferry train runs them (one rank or tp ranks on a GPU or sim; no
-// lag, stages or sharded chunks: fy_plan_refused). The fastest is kept; N > 0 only where strictly
-// faster. As for speculation, a plan whose compute waits neither for the host optimizer nor for
-// the norm (nor is bound by the optimizer) is left without pricing.
+// speculated nor on disk, where ferry train runs them and the planner prices them (one rank, tp
+// ranks or sharded data-parallel ranks, on a GPU or sim; no lag or stages: fy_cost_check_knobs).
+// The fastest is kept; N > 0 only where strictly faster. As for speculation, a plan whose compute
+// waits neither for the host optimizer nor for the norm (nor is bound by the optimizer) is left
+// without pricing.
 static fy_status try_device_updates(const struct fy_opt_config *cfg, const struct fy_probe *probe,
                                     struct fy_plan_knobs *k, struct fy_cost *c, int *tried) {
   if (!c->fits || k->device_updates || strcmp(probe->device, "cpu") == 0) return FY_OK;
   struct fy_plan_knobs kt = *k;
   kt.device_updates = 1;
-  if (fy_cost_check_knobs(&kt) != FY_OK) return FY_OK;  // (resident, lag, stages, sharded chunks)
+  if (fy_cost_check_knobs(&kt) != FY_OK) return FY_OK;  // (resident, lag, stages)
   const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks;
   const int elig = host - (k->spec_chunks < host ? k->spec_chunks : host);
   if (elig < 1 || (c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
@@ -284,15 +285,15 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
   const bool zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
   const bool lag = k->optimizer_lag > 0, compressed = k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0;
-  // (device updates: one offload engine owning whole chunks, the exact step, on a GPU or sim;
-  // fy_cost_check_knobs says so too, and the cpu device's plans refuse them here, before the rest
-  // of what cpu plans are not checked for)
-  if (k->device_updates > 0 && (k->resident || lag || pp > 1 || dp > 1 || !device || strcmp(device, "cpu") == 0))
+  // (device updates: offload engines' exact step, a host tier, no stages priced; fy_cost_check_knobs
+  // says so too; and the cpu device's plans refuse them here, before the rest of what cpu plans
+  // are not checked for)
+  if (k->device_updates > 0 && (k->resident || lag || pp > 1 || !device || strcmp(device, "cpu") == 0))
     return k->resident ? "device updates (device_updates) are for offloaded runs: a resident run updates on the device "
                          "already"
            : lag       ? "device updates (device_updates) do not combine with --optimizer-lag"
-           : pp > 1    ? "device updates (device_updates) do not run on pipeline stages"
-           : dp > 1    ? "device updates (device_updates) do not run with sharded data-parallel chunks"
+           : pp > 1    ? "device updates (device_updates) on pipeline stages are not priced yet (ferry train --pp "
+                         "--device-updates runs them)"
                        : "device updates (device_updates) run on a GPU or the sim device, not the cpu device";
   if (!device || strcmp(device, "cpu") == 0) return NULL;  // (priced, never run from a plan)
   const bool cuda = strcmp(device, "cuda") == 0;

@@ -710,8 +710,9 @@ static void check_pipeline_sim(const struct fy_opt_config *cfg) {
 // forced to 0; the staging sets take exactly their bytes of device memory (fewer cache blocks fit
 // when blocks are chosen); the timeline has N device AdamW spans a step, each chunk's copies home
 // after its update; the waits add up. A host whose AdamW is fast keeps N = 0. The plan file keeps
-// N (absent: 0). Refused: negative; resident, the lag, stages, sharded ranks (fy_cost_check_knobs,
-// fy_plan_validate, fy_plan_refused); the cpu device; more than the eligible chunks.
+// N (absent: 0); N beyond the eligible chunks is all of them. Sharded ranks on sim take it, the
+// staging's m and v of a rank's shard. Refused: negative; resident, the lag, stages
+// (fy_cost_check_knobs, fy_plan_validate, fy_plan_refused); the cpu device.
 static void device_updates_plans(const struct fy_opt_config *tiny) {
   struct fy_probe h = gpu_probe();
   const char *ov[][2] = {{"device_mem", "40GiB"},         {"host_mem", "120GiB"},     {"device_tflops", "700"},
@@ -739,11 +740,14 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
          "N %d: step %.4g s (optimizer waits %.4g), N 0: %.4g s (%.4g)", best.k.device_updates, c1.step_s,
          c1.stall_s[FY_STALL_OPTIMIZER], c0.step_s, c0.stall_s[FY_STALL_OPTIMIZER]);
   // The staging: two sets of the fp32 master, m and v (fp32), the bf16 gradients and the bf16 copy,
-  // each buffer in whole 256-byte granules; with the blocks fixed, exactly the device peak's growth.
+  // each buffer in whole 256-byte granules; with the blocks fixed, exactly the device peak's growth
+  // with the steps' scales.
   const int64_t ce = best.k.chunk_elems;
   const double r4 = (double)fy_device_round((size_t)ce * 4, FY_CUDA_ALLOC_GRANULE),
                r2 = (double)fy_device_round((size_t)ce * 2, FY_CUDA_ALLOC_GRANULE), staging = 2 * (3 * r4 + 2 * r2);
-  CHECKF(c0.staging_bytes == 0 && c1.staging_bytes == staging && fabs(c1.device_peak - c0.device_peak - staging) < 1,
+  const double scales = (double)fy_device_round(16, FY_CUDA_ALLOC_GRANULE);  // (the steps' scales, dup_scale)
+  CHECKF(c0.staging_bytes == 0 && c1.staging_bytes == staging &&
+         fabs(c1.device_peak - c0.device_peak - staging - scales) < 1,
          "staging %.0f bytes (expected %.0f), device peak %.0f with, %.0f without", c1.staging_bytes, staging,
          c1.device_peak, c0.device_peak);
   {  // (blocks chosen: the staging leaves fewer)
@@ -798,12 +802,16 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
   CHECK_OK(fy_plan_validate(&c67, &back));
   CHECK(fy_plan_refused("cuda", &c67, &back.k) == NULL && fy_plan_refused("sim", &c67, &back.k) == NULL);
   if (read_without_key(path, "\"device_updates\"", &back)) CHECK(back.k.device_updates == 0);
-  // Refusals: more than the eligible chunks (simulated), the cpu device, negative, and what ferry
-  // train refuses: resident, the lag, stages, sharded data-parallel ranks.
+  // More than the eligible chunks: all of them (as the runtime takes them).
   struct fy_plan_knobs kr = best.k;
-  kr.device_updates = host - best.k.spec_chunks + 1;
-  CHECK_ERR(fy_cost_simulate(&c67, &kr, &h, &c0, NULL), FY_ERR_INVALID);
-  CHECK(strstr(fy_error_msg(), "device_updates") != NULL);
+  kr.device_updates = host - best.k.spec_chunks;
+  CHECK_OK(fy_cost_simulate(&c67, &kr, &h, &c0, NULL));
+  kr.device_updates += 5;
+  CHECK_OK(fy_cost_simulate(&c67, &kr, &h, &c1, NULL));
+  CHECKF(c0.fits && c1.step_s == c0.step_s, "N beyond the eligible chunks: %.6g s, all of them %.6g s", c1.step_s,
+         c0.step_s);
+  // Refusals: the cpu device, negative, and what ferry train refuses or the planner does not
+  // price: resident, the lag, stages. Sharded ranks take it (each rank its shards).
   struct fy_probe cpu = h;
   CHECK_OK(fy_probe_override(&cpu, "device", "cpu"));
   kr = (struct fy_plan_knobs){.micro_batch = 2, .grad_accum = 1, .seq = 32, .blocks = 0, .prefetch = 1,
@@ -818,14 +826,29 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
   CHECK(c0.fits && c0.staging_bytes > 0 && fy_plan_refused("sim", tiny, &kr) == NULL);
   kr.device_updates = -1;
   CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
-  for (int i = 0; i < 4; i++) {
+  {  // two sharded ranks on sim: the staging's m and v of a rank's shard, the rest a chunk's size
+    struct fy_plan_knobs kz = kr;
+    kz.device_updates = 1;
+    kz.dp = 2;
+    snprintf(kz.pattern, sizeof kz.pattern, "zero");
+    CHECK_OK(fy_cost_check_knobs(&kz));
+    CHECK(fy_plan_refused("sim", tiny, &kz) == NULL && fy_plan_refused("cuda", tiny, &kz) == NULL);
+    struct fy_cost z0, z1;
+    CHECK_OK(fy_cost_simulate(tiny, &kz, &sim, &z1, NULL));
+    kz.device_updates = 0;
+    CHECK_OK(fy_cost_simulate(tiny, &kz, &sim, &z0, NULL));
+    const int64_t zce = (int64_t)(z0.chunk_bytes / 4);  // (sim chunks: floats)
+    const double zs = 2.0 * ((double)fy_device_round((size_t)zce * 4, FY_HOST_ALLOC_GRANULE) * 2 +
+                             2.0 * (double)fy_device_round((size_t)zce / 2 * 4, FY_HOST_ALLOC_GRANULE));
+    CHECKF(z1.fits && z1.staging_bytes == zs, "dp 2: staging %.0f bytes, %.0f expected", z1.staging_bytes, zs);
+  }
+  for (int i = 0; i < 3; i++) {
     struct fy_plan bad = back;
     bad.k.device_updates = 2;
     bad.k.spec_chunks = 0;  // (refused with the lag and stages too: device_updates alone here)
     if (i == 0) bad.k.optimizer_lag = 1;
     if (i == 1) bad.pp = 2;
-    if (i == 2) bad.dp = 2, snprintf(bad.pattern, sizeof bad.pattern, "zero"), bad.k.device_chunks = 0;
-    if (i == 3) {
+    if (i == 2) {
       bad.k = (struct fy_plan_knobs){.micro_batch = 8, .grad_accum = 1, .seq = 2048, .resident = true,
                                      .device_updates = 2};
       snprintf(bad.k.precision, sizeof bad.k.precision, "bf16");
