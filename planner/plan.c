@@ -176,7 +176,7 @@ static fy_status try_device_updates(const struct fy_opt_config *cfg, const struc
 // The host optimizer's levers for an offloaded plan that fits: speculation (K) first, then device
 // updates given K (N), then, with N > 0, K once more given N (fewer chunks left to speculate, or
 // none needed). A few simulations more a plan, not their product; and none for device updates
-// where the plan's compute alone takes `bound` (the fastest plan's step so far) or more: no lever
+// where the plan's compute alone takes the step of `best` (the fastest so far) or more: no lever
 // of the optimizer's makes it the fastest.
 static fy_status try_host_levers(const struct fy_opt_config *cfg, const struct fy_probe *probe,
                                  struct fy_plan_knobs *k, struct fy_cost *c, int *tried, const struct fy_plan *best) {
