@@ -106,6 +106,23 @@ struct sim {
   fy_stream *sums;  // optimizer_lag: the sums of squares and the norm, beside the updates (offload.c)
   fy_event **home_ready, **grad_ready, *batch_ready, *norm_ready, *dev_sums_ready;
   fy_event **home_ready_alt;  // optimizer_lag: the other 16-bit copy's (runtime/offload.c)
+  // Device updates (knobs.device_updates; runtime/offload.c, dup_up, dup_run, dup_down): the
+  // streams that copy a streamed chunk in, update it and copy it home, and per staging set the
+  // events of its upload, its update and its being free again; its buffers (dup_buf's order).
+  fy_stream *dup_up, *dup_run, *dup_down;
+  fy_event *dup_in[2], *dup_done[2], *dup_free[2];
+  void *dup_set[2][5], *dup_scale;
+  int64_t dup_shard;  // a sharded rank's elements of a chunk (its shard), else 0: the chunk's
+  // The step's streamed chunks in order (dup_chunk[0 .. dup_n), dup_idx[c] the index of chunk c or
+  // -1), and the next copy to queue: chunk dup_i's upload dup_copy (dup_flush).
+  int *dup_chunk, *dup_idx, dup_n, dup_i, dup_copy;
+  int *dup_seen, dup_call;  // (dup_before_access: the chunks a prefetch's walk has met)
+  double *dup_home;         // when each queued chunk is home (its home_ready), by index
+  // What a streamed chunk's copies and update take (simulate_one fills them in).
+  const struct fy_chunk_layout *l;
+  enum fy_state_format sf;
+  bool gpu, act16, g16, f32;  // (and pb, the payload's bytes)
+  double mv_bpp, dev_mem, mem, adamw, adamw_b, *host_work;
   struct fy_device_cache *cache;
   struct fy_trace *trace;
   struct fy_action *actions;
@@ -133,6 +150,18 @@ static void sim_free(struct sim *s, int nc) {
   fy_stream_free(s->copy_out);
   fy_stream_free(s->optim);
   fy_stream_free(s->sums);
+  free(s->dup_chunk);
+  free(s->dup_idx);
+  free(s->dup_seen);
+  free(s->dup_home);
+  fy_stream_free(s->dup_up);
+  fy_stream_free(s->dup_run);
+  fy_stream_free(s->dup_down);
+  for (int i = 0; i < 2; i++) {
+    fy_event_free(s->dup_in[i]);
+    fy_event_free(s->dup_done[i]);
+    fy_event_free(s->dup_free[i]);
+  }
   free(s->actions);
   free(s->home);
   free(s->ep_skip);
@@ -369,6 +398,23 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
     if (no)
       return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are planned for offloaded runs without "
                           "optimizer_lag or pipeline stages (%s); spec_chunks must be 0", k->spec_chunks, no);
+  }
+  // Device updates take host-tier chunks off the host optimizer of the exact step of offload
+  // engines (one rank, tp slices, sharded data-parallel ranks: a rank its shards); ferry train
+  // refuses them with the lag and without a host tier (a resident run, the cpu device: refused by
+  // fy_cost_simulate, which knows the device), and runs them on pipeline stages, which the planner
+  // does not price yet (runtime/offload.h, device_updates).
+  if (k->device_updates < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_updates must not be negative");
+  if (k->device_updates > 0) {
+    const char *no = k->resident           ? "a resident plan updates everything on the device already"
+                     : k->optimizer_lag > 0 ? "optimizer_lag 1 runs the updates under the next step already"
+                     : k->pp > 1            ? "the planner does not price them on pipeline stages yet (ferry train "
+                                              "--pp N --device-updates M runs them)"
+                                            : NULL;
+    if (no)
+      return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: device updates are planned for offloaded runs "
+                          "without optimizer_lag or pipeline stages (%s); device_updates must be 0",
+                          k->device_updates, no);
   }
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
@@ -732,6 +778,98 @@ static fy_status simulate_staged(const struct fy_opt_config *cfg, const struct f
 static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, const struct fy_plan_knobs *k,
                                            const struct fy_probe *probe, struct fy_cost *out);
 
+// Device updates on the timeline (knobs.device_updates; runtime/offload.c, dup_upload and
+// dup_updates): streamed chunk i goes through staging set i % 2. On dup_up, once the set is free
+// (chunk i - 2's copies home done) and the chunk's gradients are home, its master, m, v and
+// gradients to the device (no norm needed: the first two chunks' go before the norm is known). On
+// dup_run, once the norm is known, the step's scale to the device (once a step), then for each
+// chunk after its uploads the master converted to the 16-bit copy and the device's AdamW (a GPU's
+// kernels at its memory rate, as the device chunks'; on sim host functions, which take the cores
+// as the host optimizer does). On dup_down, master, m, v and the new 16-bit copy home, then the
+// chunk's home_ready (what its next load waits for) and the set free. A sharded rank moves and
+// updates its shard of each chunk.
+//
+// The link: the timeline serves a direction's copies in the order they are queued, each after the
+// one before (one resource a direction, shared with the cache's loads and write-backs). The
+// runtime queues uploads ahead, each waiting for its set, but the copy engines take copies as they
+// become ready: the next step's batch and loads go between the uploads. So the uploads are queued
+// here one copy at a time, in the order they become ready among the other copies: before the
+// simulation queues a copy (the batch, a load), dup_flush queues the uploads that are ready before
+// `t`, when that copy can start; and every upload of a streamed chunk up to `through` (the index of
+// one the cache is about to load: its home_ready must be the new one). A copy in flight is not
+// pre-empted. Each chunk's update and copies home are queued with its last upload (the link's
+// other direction carries nothing else until the next backward's write-backs, which come after the
+// chunk's next load).
+static fy_status dup_flush(struct sim *s, double t, int through) {
+  while (s->dup_i < s->dup_n) {
+    const int i = s->dup_i, set = i % 2, c = s->dup_chunk[i];
+    const int64_t used = s->dup_shard > 0 ? s->dup_shard : s->l->chunks[c].used;
+    const size_t mb = fy_state_moment_bytes(s->sf, used), gbytes = (size_t)used * (s->g16 ? s->pb : 4);
+    void *const *d = s->dup_set[set];
+    if (s->dup_copy == 0) {
+      fy_stream_wait(s->dup_up, s->dup_free[set]);
+      fy_stream_wait(s->dup_up, s->grad_ready[c]);
+    }
+    if (i > through && !(fy_timeline_clock(s->dup_up) < t)) return FY_OK;  // (not ready before that copy)
+    const size_t bytes[4] = {(size_t)used * 4, mb, mb, gbytes};
+    FY_TRY(fy_copy_async(s->dup_up, d[s->dup_copy], (const void *)FAKE_HOST, bytes[s->dup_copy]));
+    if (++s->dup_copy < 4) continue;
+    s->dup_copy = 0;
+    s->dup_i++;
+    fy_event_record(s->dup_in[set], s->dup_up);
+    if (i == 0) {  // (the host enqueues the updates once it knows the norm: the scale first)
+      fy_stream_wait(s->dup_run, s->norm_ready);
+      FY_TRY(fy_copy_async(s->dup_run, s->dup_scale, (const void *)FAKE_HOST, 2 * sizeof(float)));
+    }
+    fy_stream_wait(s->dup_run, s->dup_in[set]);
+    const double u = (double)used, conv = s->f32 ? 0 : u * (4.0 + (double)s->pb);  // (the master read, the 16-bit copy written)
+    const double tr = s->gpu ? (u * (8 + 4 * s->mv_bpp + (s->act16 ? 2 : 0)) + (double)gbytes + conv) / s->dev_mem
+                             : u * s->adamw_b / s->adamw + conv / s->mem;
+    fy_timeline_run(s->dup_run, tr, "AdamW on the device");
+    fy_event_record(s->dup_done[set], s->dup_run);
+    if (!s->gpu) *s->host_work += tr;
+    fy_stream_wait(s->dup_down, s->dup_done[set]);
+    void *h = (void *)FAKE_HOST;
+    FY_TRY(fy_copy_async(s->dup_down, h, d[0], (size_t)used * 4));
+    FY_TRY(fy_copy_async(s->dup_down, h, d[1], mb));
+    FY_TRY(fy_copy_async(s->dup_down, h, d[2], mb));
+    if (!s->f32) FY_TRY(fy_copy_async(s->dup_down, h, d[4], (size_t)used * s->pb));
+    fy_event_record(s->home_ready[c], s->dup_down);
+    fy_event_record(s->dup_free[set], s->dup_down);
+    s->dup_home[i] = fy_timeline_clock(s->dup_down);
+  }
+  return FY_OK;
+}
+
+// Before the cache's access: its acquire of `chunk`, or (chunk -1) its prefetch from trace position
+// pos (fy_device_cache_prefetch's argument), which walks ahead to `prefetch` chunks of the pass as
+// the cache does. The streamed chunks it may load are queued to the end (their home_ready is what
+// the loads wait for); then the uploads that become ready before the first load can start (t, or
+// a streamed chunk's time home) go before it on the link (dup_flush).
+static fy_status dup_before_access(struct sim *s, int64_t pos, int chunk, int prefetch, double t) {
+  if (s->dup_i >= s->dup_n) return FY_OK;
+  int through = -1, first = -1;  // (the streamed chunks' last index to load; the chunk loaded first)
+  if (chunk >= 0 && s->l->chunks[chunk].block < 0) through = s->dup_idx[chunk], first = chunk;
+  const int64_t n = fy_trace_length(s->trace);
+  if (chunk < 0 && n > 0) {
+    const int64_t end = (pos / n + 1) * n;
+    const int call = ++s->dup_call;
+    int seen = 0;
+    for (int64_t j = pos + 1; j < end && seen < prefetch; j = fy_trace_run_end(s->trace, j)) {
+      const int c = fy_trace_at(s->trace, j);
+      if (s->dup_seen[c] == call) continue;
+      s->dup_seen[c] = call;
+      seen++;
+      if (s->l->chunks[c].block >= 0) continue;
+      if (first < 0) first = c;
+      if (s->dup_idx[c] > through) through = s->dup_idx[c];
+    }
+  }
+  FY_TRY(dup_flush(s, -INFINITY, through));
+  if (first >= 0 && s->dup_idx[first] >= 0 && s->dup_home[s->dup_idx[first]] > t) t = s->dup_home[s->dup_idx[first]];
+  return dup_flush(s, t, -1);
+}
+
 // stage >= 0: pipeline stage `stage` of k->pp alone, offloaded as runtime/run.c runs it (its
 // graph's other parameters absent, its chunk layout packing its own and counting its ops' uses,
 // its actions those of its ops, its activations one span of the arena for each micro-batch it
@@ -753,6 +891,9 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   if (lag && (k->resident || cdt == FY_F32 || k->grad_accum > 1))
     return fy_error_set(FY_ERR_INVALID, "plan: optimizer_lag 1 is for offloaded plans in 16-bit compute with one "
                         "micro-batch a step (grad_accum 1)");
+  if (k->device_updates > 0 && !gpu && strcmp(probe->device, "sim") != 0)
+    return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: device updates run on a GPU or the sim device, not "
+                        "on %s (whose optimizer is the host's already)", k->device_updates, probe->device);
   if (k->resident) {
     if (timeline_out) *timeline_out = NULL;
     if (k->pp > 1 || k->tp > 1 || k->cluster.nodes > 0) return simulate_staged(cfg, k, probe, out);
@@ -846,10 +987,24 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   for (int c = 0; c < n_dev; c++) dev_elems += (double)l->chunks[c].used;
   // (and their parameters' sums of squares and the update's scale)
   if (lag) out->device_chunk_bytes += (double)fy_device_round((size_t)ce * pb, gran);  // (its gradients kept a step)
-  const double dev_state = n_dev > 0 ? n_dev * out->device_chunk_bytes +
-                                           (double)fy_device_round((size_t)g->n_params * 8, gran) +
-                                           (double)fy_device_round(16, gran)
-                                     : 0;
+  // Device updates (knobs.device_updates): two staging sets, each a chunk's fp32 master, m and v
+  // at their stored size, its gradients as the host tier holds them (the payload's dtype where
+  // they come home over the 16-bit copy, else fp32) and with 16-bit compute the new 16-bit copy
+  // (runtime/offload.c, create_dup: dup_w, dup_m, dup_v, dup_g, dup_w16), and the steps' scales.
+  // (Compressed state on a GPU also puts each streamed chunk's parameter ranges there, a few bytes
+  // a parameter group: not counted.)
+  // A sharded rank's m and v buffers are of its shard (the rest of a chunk's size, as allocated).
+  const bool dup = k->device_updates > 0;
+  const int64_t dup_mv = sharded ? ce / dp : ce;
+  const size_t dup_buf[] = {(size_t)ce * 4, fy_state_moment_bytes(sf, dup_mv), fy_state_moment_bytes(sf, dup_mv),
+                            (size_t)ce * (g16 ? (size_t)pb : 4), cdt != FY_F32 ? (size_t)ce * pb : 0};
+  for (size_t i = 0; dup && i < sizeof dup_buf / sizeof *dup_buf; i++)
+    if (dup_buf[i]) out->staging_bytes += 2 * (double)fy_device_round(dup_buf[i], gran);
+  const double dev_state = (n_dev > 0 ? n_dev * out->device_chunk_bytes +
+                                            (double)fy_device_round((size_t)g->n_params * 8, gran) +
+                                            (double)fy_device_round(16, gran)
+                                      : 0) +
+                           out->staging_bytes + (dup ? (double)fy_device_round(4 * sizeof(float), gran) : 0);
   out->n_chunks = nc;
   out->chunk_bytes = chunk_bytes;
   out->flops_per_step = fy_opt_step_flops(cfg, k->micro_batch, k->seq, FY_FLOPS_PALM) * (double)k->grad_accum * dp;
@@ -928,6 +1083,10 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   const int64_t spec_elems = sharded ? ce / dp : ce;
   out->host_bytes += n_spec * ((double)spec_elems * 4 + 2.0 * (double)fy_state_moment_bytes(sf, spec_elems) +
                                (cdt != FY_F32 ? (double)spec_elems * pb : 0));
+  // Device updates: the first n_up host-tier chunks in chunk order that are not speculated (more
+  // than there are: all of them, as the runtime takes them).
+  const int n_eligible = nc - n_dev - n_disk - n_spec;
+  const int n_up = k->device_updates < n_eligible ? k->device_updates : n_eligible > 0 ? n_eligible : 0;
   // A disk chunk's slot: the same state, in whole 4 KiB pages (runtime/offload.c).
   out->disk_bytes = n_disk * ceil(per_chunk_state / 4096) * 4096;
   out->fits = true;
@@ -936,13 +1095,14 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     snprintf(out->why, sizeof out->why,
              "the device (%.1f MiB) cannot hold the smallest working set: %d blocks of %.1f MiB plus %.1f MiB of "
              "activations%s%s, %.1f MiB in all", probe->device_mem / 1048576.0, min_blocks, block / 1048576.0,
-             fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "", n_dev ? " and the device's chunks" : "",
+             fixed_bytes / 1048576.0, gpu ? " and kernel scratch" : "",
+             n_dev ? " and the device's chunks" : dup ? " and the device updates' staging" : "",
              out->min_device_bytes / 1048576.0);
   } else if (fixed_bytes + dev_state + n_blocks * block > probe->device_mem) {
     out->fits = false;
     snprintf(out->why, sizeof out->why, "%d blocks of %.1f MiB and %.1f MiB of activations%s%s need %.1f MiB; the device "
              "has %.1f MiB", n_blocks, block / 1048576.0, (fixed_bytes + dev_state) / 1048576.0,
-             gpu ? " and kernel scratch" : "", n_dev ? " and the device's chunks" : "",
+             gpu ? " and kernel scratch" : "", n_dev ? " and the device's chunks" : dup ? " and the device updates' staging" : "",
              (fixed_bytes + dev_state + n_blocks * block) / 1048576.0, probe->device_mem / 1048576.0);
   } else if (out->host_bytes > probe->host_mem) {
     out->fits = false;
@@ -1006,6 +1166,26 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   // (the lag's sums and norm on a stream of their own, and speculation's: the speculative updates
   // queued on the optimizer stream as the gradients come home hold no norm up)
   if (st == FY_OK && (lag || n_spec > 0)) st = fy_stream_create(s.dev, &s.sums);
+  // (device updates: their staging sets, allocated after the device chunks' buffers, and streams)
+  for (int i = 0; st == FY_OK && dup && i < 2; i++) {  // (as the fit check counts them: with no chunk to stream too)
+    for (size_t b = 0; st == FY_OK && b < sizeof dup_buf / sizeof *dup_buf; b++)
+      if (dup_buf[b]) st = fy_device_alloc(s.dev, dup_buf[b], &s.dup_set[i][b]);
+    if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_in[i]);
+    if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_done[i]);
+    if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_free[i]);
+  }
+  if (st == FY_OK && dup) st = fy_device_alloc(s.dev, 4 * sizeof(float), &s.dup_scale);  // (the steps' scales)
+  if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_up);
+  if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_run);
+  if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_down);
+  if (st == FY_OK && n_up > 0) {
+    s.dup_chunk = calloc((size_t)nc, sizeof *s.dup_chunk);
+    s.dup_idx = calloc((size_t)nc, sizeof *s.dup_idx);
+    s.dup_seen = calloc((size_t)nc, sizeof *s.dup_seen);
+    s.dup_home = calloc((size_t)nc, sizeof *s.dup_home);
+    if (!s.dup_chunk || !s.dup_idx || !s.dup_seen || !s.dup_home) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+    for (int c = 0; st == FY_OK && c < nc; c++) s.dup_idx[c] = -1;
+  }
   if (st == FY_OK) st = fy_event_create(s.dev, &s.batch_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.norm_ready);
   if (st == FY_OK) st = fy_event_create(s.dev, &s.dev_sums_ready);
@@ -1029,6 +1209,14 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     fy_timeline_name_stream(s.optim, "host optimizer");
     fy_timeline_set_cause(s.optim, FY_STALL_OPTIMIZER);
     if (s.sums) fy_timeline_name_stream(s.sums, "gradient norm");
+    if (s.dup_up) {  // (what the compute waits for on their account is the optimizer's)
+      fy_timeline_name_stream(s.dup_up, "updates to device");
+      fy_timeline_name_stream(s.dup_run, "device updates");
+      fy_timeline_name_stream(s.dup_down, "updates to host");
+      fy_timeline_set_cause(s.dup_up, FY_STALL_OPTIMIZER);
+      fy_timeline_set_cause(s.dup_run, FY_STALL_OPTIMIZER);
+      fy_timeline_set_cause(s.dup_down, FY_STALL_OPTIMIZER);
+    }
     s.n_actions = fy_graph_pass_actions(g, s.actions);
     if (stage >= 0) {  // (the stage's ops' actions: their forward, then their backward)
       int na = 0;
@@ -1090,6 +1278,8 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   int *bwd_order = n_spec > 0 ? malloc((size_t)nc * sizeof *bwd_order) : NULL, n_bwd = 0;
   bool *speculated = n_spec > 0 ? calloc((size_t)nc, sizeof *speculated) : NULL;
   if (st == FY_OK && n_spec > 0 && (!bwd_order || !speculated)) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
+  bool *streamed = n_up > 0 ? calloc((size_t)nc, sizeof *streamed) : NULL;  // (device updates)
+  if (st == FY_OK && n_up > 0 && !streamed) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int a = 0; st == FY_OK && n_dev > 0 && a < s.n_actions; a++) {
     if (s.actions[a].kind != FY_ACT_BACKWARD) continue;
     for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++)
@@ -1114,6 +1304,9 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   // 4 bytes each): the state's bytes as stored (bf16 20, 8-bit 16.06), its update kernel being
   // memory-bound as fp32's is (bench/adamw).
   const double adamw_b = 12 + 4 * mv_bpp;
+  s.l = l, s.sf = sf, s.gpu = gpu, s.act16 = act16, s.g16 = g16, s.f32 = cdt == FY_F32, s.pb = (size_t)pb;  // (dup_flush's)
+  s.mv_bpp = mv_bpp, s.dev_mem = dev_mem, s.mem = mem, s.adamw = adamw, s.adamw_b = adamw_b, s.host_work = &optim_step;
+  s.dup_shard = sharded ? ce / dp : 0;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
     s.counting = last;
@@ -1140,6 +1333,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     n_bwd = 0;
     for (int64_t micro = 0; st == FY_OK && micro < k->grad_accum; micro++) {
       // (the micro-batch: ids, targets, mask and positions, into the last of the fixed buffers)
+      if (st == FY_OK && streamed) st = dup_flush(&s, fy_timeline_clock(s.copy_in), -1);
       fy_copy_async(s.copy_in, dbatch, (const void *)FAKE_HOST, fixed[n_fixed - 1]);
       fy_event_record(s.batch_ready, s.copy_in);
       fy_stream_wait(s.compute, s.batch_ready);
@@ -1149,7 +1343,12 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
         int o = s.actions[a].op;
         float *base;
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++)
-          if (l->op_chunks[j] >= n_dev) st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
+          if (l->op_chunks[j] >= n_dev) {
+            if (streamed)
+              st = dup_before_access(&s, pos, l->op_chunks[j], 0,
+                                     fmax(fy_timeline_clock(s.compute), fy_timeline_clock(s.copy_in)));
+            if (st == FY_OK) st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
+          }
         if (st != FY_OK) break;
         bool bwd = s.actions[a].kind == FY_ACT_BACKWARD;
         struct fy_op_profile pr;
@@ -1196,6 +1395,9 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
           fy_timeline_run(s.compute, ta, "gradient sum");
           if (last) busy[0] += ta;
         }
+        if (st == FY_OK && streamed)
+          st = dup_before_access(&s, pos - 1, -1, k->prefetch,
+                                 fmax(fy_timeline_clock(s.compute), fy_timeline_clock(s.copy_in)));
         if (st == FY_OK) st = fy_device_cache_prefetch(s.cache, pos - 1);
       }
     }
@@ -1261,6 +1463,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       optim_step += t;
       if (last) busy[3] += t;
     }
+    if (st == FY_OK && streamed) st = dup_flush(&s, INFINITY, n_up);  // (the step before's: queued by now)
     fy_event_record(s.norm_ready, ns);
     double norm_at = fy_timeline_clock(ns);
     if (ns != s.optim) fy_stream_wait(s.optim, s.norm_ready);  // (this step's updates need its norm)
@@ -1272,8 +1475,22 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       fy_timeline_run(s.compute, t, "device AdamW");
       if (last) busy[0] += t;
     }
+    // Device updates: the first n_up host-tier chunks in chunk order not speculated, streamed
+    // after the norm (dup_flush queues their copies as they become ready, through the next step).
+    if (streamed) memset(streamed, 0, (size_t)nc * sizeof *streamed);
+    if (streamed) {
+      s.dup_n = s.dup_i = s.dup_copy = 0;
+      for (int c = 0; c < nc; c++) s.dup_idx[c] = -1;
+    }
+    for (int c = n_dev; streamed && c < nc - n_disk && s.dup_n < n_up; c++) {
+      if (speculated && speculated[c]) continue;
+      streamed[c] = true;
+      s.dup_idx[c] = s.dup_n;
+      s.dup_chunk[s.dup_n++] = c;
+    }
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       if (speculated && speculated[c]) continue;  // (updated before the norm)
+      if (streamed && streamed[c]) continue;      // (updated by the device)
       double u = (double)l->chunks[c].used * share;
       double t = u * adamw_b / adamw;
       // A disk chunk: (its fp32 gradients,) m and v (and with disk_master the fp32 master) read,
@@ -1342,6 +1559,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   free(dev_done);
   free(bwd_order);
   free(speculated);
+  free(streamed);
   if (st == FY_OK && timeline_out) {
     *timeline_out = s.dev;
   } else {

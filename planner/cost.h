@@ -104,6 +104,18 @@ struct fy_plan_knobs {
   // updated after the norm as without it. Offloaded (one rank, tp, sharded dp; a rank its shards),
   // no lag; not planned on pipeline stages (ferry train runs it there). 0: none.
   int spec_chunks;
+  // Device updates (ferry train --device-updates N): the first N host-tier chunks in chunk order
+  // (after the device chunks) that are not speculated are updated by the device instead of the
+  // host's optimizer: once the norm is known their fp32 master, m, v (at their stored size) and
+  // gradients cross the link to one of two staging sets in device memory (each a chunk's master,
+  // m, v, gradients and with 16-bit compute its 16-bit copy: device memory, priced, so fewer cache
+  // blocks fit), the device's AdamW (the device chunks' kernels) updates them, and master, m, v
+  // and the new 16-bit copy go home, on three streams of their own sharing the link with the
+  // cache's copies; the host updates the other chunks meanwhile. Offloaded on a GPU or sim, one
+  // rank or tp ranks: not sharded data-parallel chunks, pipeline stages, optimizer_lag, a
+  // resident plan or the cpu device; N at most the host-tier chunks neither speculated nor on
+  // disk. 0: none.
+  int device_updates;
 };
 
 // The precision a device computes in by default (docs/design.md, "Numbers"): "bf16" on a GPU ("cuda"),
@@ -132,6 +144,7 @@ struct fy_cost {
   int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;  // (0 for a resident plan)
   double chunk_bytes;
   double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
+  double staging_bytes;       // the device updates' two staging sets in device memory (device_updates)
   int64_t loads_per_step;
   // A resident plan of pipeline stages (knobs.pp > 1), of tensor-parallel ranks or on a cluster,
   // costed stage by stage: the 1F1B bubble (the idle share of the slowest stage's step,

@@ -87,42 +87,47 @@ fy_status fy_plan_search_resident(const struct fy_opt_config *cfg, const char *m
 }
 
 // Speculative updates (knobs.spec_chunks) for an offloaded plan (one rank, tp ranks or sharded
-// data-parallel ranks; no lag or stages: fy_cost_check_knobs) that fits, (k, c) with none: besides K
-// = 0, a quarter, half and all of the most host-tier chunks whose spare slots the host memory left
-// holds (every host chunk when their slots all fit: the host bytes of that plan tell a slot's
-// size). The fastest is kept in (k, c); a tie keeps the smaller K, so K > 0 only where it is
-// faster. A plan whose compute waits neither for the host optimizer nor for the norm has nothing
-// to hide: K stays 0 without pricing.
+// data-parallel ranks; no lag or stages: fy_cost_check_knobs) that fits, (k, c) with K0 of them
+// (0, or what an earlier call chose) and N device updates: besides K0, 0, a quarter, half and all
+// of the most host-tier chunks whose spare slots the host memory left holds (every host chunk not
+// updated on the device when their slots all fit: the host bytes of that plan tell a slot's
+// size). The fastest is kept in (k, c); a tie keeps K0, so another K only where it is faster. A
+// plan without either lever whose compute waits neither for the host optimizer nor for the norm
+// has nothing to hide: K stays 0 without pricing.
 static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe *probe, struct fy_plan_knobs *k,
                           struct fy_cost *c, int *tried) {
-  if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1 || k->spec_chunks) return FY_OK;
-  const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks;
+  if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1) return FY_OK;
+  const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks, cap = host - k->device_updates;
+  const int k0 = k->spec_chunks < host ? k->spec_chunks : host;
   // (A step bound by its optimizer stream's work may show no wait in the simulated steps: the
   // step is then the busiest stream's work, which speculation moves under the backward too.)
-  if (host < 1 || (c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
-                   strcmp(c->bottleneck, "optimizer") != 0))
+  if (cap < 1 || (k0 == 0 && k->device_updates == 0 &&
+                  c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
+                  strcmp(c->bottleneck, "optimizer") != 0))
     return FY_OK;
   struct fy_plan_knobs ka = *k;
-  ka.spec_chunks = host;
-  struct fy_cost ca;
-  FY_TRY(fy_cost_simulate(cfg, &ka, probe, &ca, NULL));
-  ++*tried;
-  int most = host;
-  if (!ca.fits) {
-    if (!(ca.host_bytes > probe->host_mem)) return FY_OK;  // (not for the host memory: no K fits)
-    const double slot = (ca.host_bytes - c->host_bytes) / host;
-    most = slot > 0 ? (int)floor((probe->host_mem - c->host_bytes) / slot) : 0;
-    if (most > host) most = host;
+  ka.spec_chunks = cap;
+  struct fy_cost ca = *c;
+  if (cap != k0) {
+    FY_TRY(fy_cost_simulate(cfg, &ka, probe, &ca, NULL));
+    ++*tried;
   }
-  const int ks[3] = {most / 4, most / 2, most};
+  int most = cap;
+  if (!ca.fits) {
+    if (!(ca.host_bytes > probe->host_mem) || cap == k0) return FY_OK;  // (not for the host memory: no more K fits)
+    const double slot = (ca.host_bytes - c->host_bytes) / (cap - k0);
+    most = slot > 0 ? k0 + (int)floor((probe->host_mem - c->host_bytes) / slot) : k0;
+    if (most > cap) most = cap;
+  }
+  const int ks[4] = {0, most / 4, most / 2, most};
   struct fy_plan_knobs kb = *k;
   struct fy_cost cb = *c;
-  for (int i = 0; i < 3; i++) {
-    if (ks[i] < 1 || (i > 0 && ks[i] == ks[i - 1])) continue;
+  for (int i = 0; i < 4; i++) {
+    if ((i > 0 && ks[i] < 1) || ks[i] == k0 || (i > 1 && ks[i] == ks[i - 1])) continue;
     struct fy_plan_knobs kk = *k;
     kk.spec_chunks = ks[i];
     struct fy_cost cc = ca;
-    if (ks[i] != host || !ca.fits) {
+    if (ks[i] != cap || !ca.fits) {
       FY_TRY(fy_cost_simulate(cfg, &kk, probe, &cc, NULL));
       ++*tried;
     }
@@ -130,6 +135,55 @@ static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe
   }
   *k = kb;
   *c = cb;
+  return FY_OK;
+}
+
+// Device updates (knobs.device_updates) for an offloaded plan that fits, (k, c) with none and its
+// K speculated chunks: N a quarter, half, three quarters and all of the host-tier chunks neither
+// speculated nor on disk, where ferry train runs them and the planner prices them (one rank, tp
+// ranks or sharded data-parallel ranks, on a GPU or sim; no lag or stages: fy_cost_check_knobs).
+// The fastest is kept; N > 0 only where strictly faster. As for speculation, a plan whose compute
+// waits neither for the host optimizer nor for the norm (nor is bound by the optimizer) is left
+// without pricing.
+static fy_status try_device_updates(const struct fy_opt_config *cfg, const struct fy_probe *probe,
+                                    struct fy_plan_knobs *k, struct fy_cost *c, int *tried) {
+  if (!c->fits || k->device_updates || strcmp(probe->device, "cpu") == 0) return FY_OK;
+  struct fy_plan_knobs kt = *k;
+  kt.device_updates = 1;
+  if (fy_cost_check_knobs(&kt) != FY_OK) return FY_OK;  // (resident, lag, stages)
+  const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks;
+  const int elig = host - (k->spec_chunks < host ? k->spec_chunks : host);
+  if (elig < 1 || (c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
+                   strcmp(c->bottleneck, "optimizer") != 0))
+    return FY_OK;
+  const int ns[4] = {elig / 4, elig / 2, elig * 3 / 4, elig};
+  struct fy_plan_knobs kb = *k;
+  struct fy_cost cb = *c;
+  for (int i = 0; i < 4; i++) {
+    if (ns[i] < 1 || (i > 0 && ns[i] == ns[i - 1])) continue;
+    struct fy_plan_knobs kk = *k;
+    kk.device_updates = ns[i];
+    struct fy_cost cc;
+    FY_TRY(fy_cost_simulate(cfg, &kk, probe, &cc, NULL));
+    ++*tried;
+    if (better(&cc, &cb)) kb = kk, cb = cc;
+  }
+  *k = kb;
+  *c = cb;
+  return FY_OK;
+}
+
+// The host optimizer's levers for an offloaded plan that fits: speculation (K) first, then device
+// updates given K (N), then, with N > 0, K once more given N (fewer chunks left to speculate, or
+// none needed). A few simulations more a plan, not their product; and none for device updates
+// where the plan's compute alone takes the step of `best` (the fastest so far) or more: no lever
+// of the optimizer's makes it the fastest.
+static fy_status try_host_levers(const struct fy_opt_config *cfg, const struct fy_probe *probe,
+                                 struct fy_plan_knobs *k, struct fy_cost *c, int *tried, const struct fy_plan *best) {
+  FY_TRY(try_spec(cfg, probe, k, c, tried));
+  if (best->predicted.fits && c->compute_s >= best->predicted.step_s) return FY_OK;
+  FY_TRY(try_device_updates(cfg, probe, k, c, tried));
+  if (k->device_updates > 0) FY_TRY(try_spec(cfg, probe, k, c, tried));
   return FY_OK;
 }
 
@@ -231,6 +285,16 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
   const bool zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
   const bool lag = k->optimizer_lag > 0, compressed = k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0;
+  // (device updates: offload engines' exact step, a host tier, no stages priced; fy_cost_check_knobs
+  // says so too; and the cpu device's plans refuse them here, before the rest of what cpu plans
+  // are not checked for)
+  if (k->device_updates > 0 && (k->resident || lag || pp > 1 || !device || strcmp(device, "cpu") == 0))
+    return k->resident ? "device updates (device_updates) are for offloaded runs: a resident run updates on the device "
+                         "already"
+           : lag       ? "device updates (device_updates) do not combine with --optimizer-lag"
+           : pp > 1    ? "device updates (device_updates) on pipeline stages are not priced yet (ferry train --pp "
+                         "--device-updates runs them)"
+                       : "device updates (device_updates) run on a GPU or the sim device, not the cpu device";
   if (!device || strcmp(device, "cpu") == 0) return NULL;  // (priced, never run from a plan)
   const bool cuda = strcmp(device, "cuda") == 0;
   if (!cuda && strcmp(device, "sim") != 0) return "plans run on the sim device and on GPUs (cuda)";
@@ -301,7 +365,7 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
           }
           struct fy_plan_knobs ks = k;  // (one stage: speculative updates, where they apply)
           struct fy_cost cs = c;
-          if (pp == 1) FY_TRY(try_spec(cfg, probe, &ks, &cs, tried));
+          if (pp == 1) FY_TRY(try_host_levers(cfg, probe, &ks, &cs, tried, best));
           consider(&ks, &cs, best);
           if (!c.fits) break;  // (more prefetch will not fit either)
         }
@@ -547,7 +611,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
           if (kbest.micro_batch && cbest.fits) {
             struct fy_plan_knobs ks = kbest;
             struct fy_cost cs = cbest;
-            FY_TRY(try_spec(cfg, probe, &ks, &cs, &tried));
+            FY_TRY(try_host_levers(cfg, probe, &ks, &cs, &tried, best));
             consider(&ks, &cs, best);
           }
           // One data-parallel rank: chunks kept on the device with their state (updated there),
@@ -566,7 +630,7 @@ fy_status fy_plan_search_grid(const struct fy_opt_config *cfg, const char *model
             tried++;
             note_miss(&cd, probe, &miss);
             const double dev_bytes = cd.min_device_bytes;
-            FY_TRY(try_spec(cfg, probe, &kd, &cd, &tried));
+            FY_TRY(try_host_levers(cfg, probe, &kd, &cd, &tried, best));
             consider(&kd, &cd, best);
             if (dev_bytes > probe->device_mem) break;  // more device chunks will not fit either
           }
@@ -751,6 +815,10 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
                  "by the host as their gradients come home, before the norm, into a spare slot each (ferry train "
                  "--spec-chunks %d; priced as if the norm does not clip)\n", k->spec_chunks, k->spec_chunks > 1 ? "s" : "",
               k->spec_chunks);
+    if (k->device_updates > 0)
+      fprintf(f, "  device updates: %d host chunk%s (the first after the device chunks) updated on the device each "
+                 "step, their master and AdamW state over the link and back (ferry train --device-updates %d)\n",
+              k->device_updates, k->device_updates > 1 ? "s" : "", k->device_updates);
     if (k->disk_master)
       fprintf(f, "  the disk chunks' fp32 master weights on disk too, read and written with their AdamW state; host "
                  "memory keeps their 16-bit copy (ferry train --disk-master)\n");

@@ -31,6 +31,7 @@ fy_status fy_plan_write(const char *path, const struct fy_plan *p) {
   if (k->disk_master) json_object_object_add(o, "disk_master", json_object_new_boolean(true));
   if (k->optimizer_lag) json_object_object_add(o, "optimizer_lag", json_object_new_int(k->optimizer_lag));
   if (k->spec_chunks) json_object_object_add(o, "spec_chunks", json_object_new_int(k->spec_chunks));
+  if (k->device_updates) json_object_object_add(o, "device_updates", json_object_new_int(k->device_updates));
   if (k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0)
     json_object_object_add(o, "optimizer_state", json_object_new_string(k->optimizer_state));
   json_object_object_add(o, "pattern", json_object_new_string(p->pattern));
@@ -105,7 +106,7 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   fy_status st = FY_OK;
   memset(p, 0, sizeof *p);
   static const char *const known[] = {"model", "micro_batch", "grad_accum", "seq", "chunk_elems", "blocks", "prefetch",
-                                      "recompute", "resident", "precision", "disk_chunks", "disk_master", "device_chunks", "optimizer_lag", "spec_chunks", "optimizer_state", "pattern", "dp", "tp", "pp", "ep",
+                                      "recompute", "resident", "precision", "disk_chunks", "disk_master", "device_chunks", "optimizer_lag", "spec_chunks", "device_updates", "optimizer_state", "pattern", "dp", "tp", "pp", "ep",
                                       "cluster", "machine", "predicted"};
   if (!json_object_is_type(o, json_type_object)) {  // (found by fuzz_plan: a bare number parsed)
     json_object_put(o);
@@ -138,6 +139,10 @@ fy_status fy_plan_read(const char *path, struct fy_plan *p) {
   if (st == FY_OK && json_object_object_get_ex(o, "spec_chunks", NULL) &&
       (st = get_int(o, path, "spec_chunks", 0, 1 << 24, &v)) == FY_OK)
     k->spec_chunks = (int)v;
+  // (Optional: no device updates when absent.)
+  if (st == FY_OK && json_object_object_get_ex(o, "device_updates", NULL) &&
+      (st = get_int(o, path, "device_updates", 0, 1 << 24, &v)) == FY_OK)
+    k->device_updates = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "dp", 1, 1 << 16, &v)) == FY_OK) p->dp = (int)v;
   if (st == FY_OK && (st = get_int(o, path, "tp", 1, 1 << 16, &v)) == FY_OK) p->tp = (int)v;
   p->pp = 1;  // (optional: no pipeline when absent)

@@ -169,6 +169,7 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
     o->disk_master = k->disk_master;
     o->device_chunks = k->device_chunks;
     o->spec_chunks = k->spec_chunks;
+    o->device_updates = k->device_updates;
   }
   if (k->optimizer_lag && !o->optimizer_lag && fy_comm_launch_rank() == 0)
     fy_log_info("--plan %s is for the one-step-delayed update: training with --optimizer-lag %d", o->plan,
@@ -202,9 +203,10 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
   } else {
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state%s of %d chunks on disk, %d on the GPU, %d updated speculatively "
-           "(--spec-chunks)\n", o->plan, (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum,
-           o->chunk_mib, k->prefetch, k->recompute ? "on" : "off", k->disk_master ? " and master weights" : "",
-           k->disk_chunks > 0 ? k->disk_chunks : 0, k->device_chunks, k->spec_chunks);
+           "(--spec-chunks), %d updated on the GPU (--device-updates)\n", o->plan, (long long)k->micro_batch,
+           (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch, k->recompute ? "on" : "off",
+           k->disk_master ? " and master weights" : "", k->disk_chunks > 0 ? k->disk_chunks : 0, k->device_chunks,
+           k->spec_chunks, k->device_updates);
   }
   return FY_OK;
 }

@@ -703,6 +703,164 @@ static void check_pipeline_sim(const struct fy_opt_config *cfg) {
          "the plan file prices %.6f s, the search %.6f s", back.predicted.step_s, plan.predicted.step_s);
 }
 
+// Device updates (knobs.device_updates; ferry train --device-updates N). On an H200-like machine
+// on paper (bf16 at 700 TFLOP/s, 40 GiB of it given to the run, a 50 GB/s link each way, a host
+// AdamW of 60 GB/s), OPT-6.7B in bf16 with fp32 AdamW state waits on the host optimizer: the
+// search streams N > 0 host-tier chunks through the device, and its step is shorter than with N
+// forced to 0; the staging sets take exactly their bytes of device memory (fewer cache blocks fit
+// when blocks are chosen); the timeline has N device AdamW spans a step, each chunk's copies home
+// after its update; the waits add up. A host whose AdamW is fast keeps N = 0. The plan file keeps
+// N (absent: 0); N beyond the eligible chunks is all of them. Sharded ranks on sim take it, the
+// staging's m and v of a rank's shard. Refused: negative; resident, the lag, stages
+// (fy_cost_check_knobs, fy_plan_validate, fy_plan_refused); the cpu device.
+static void device_updates_plans(const struct fy_opt_config *tiny) {
+  struct fy_probe h = gpu_probe();
+  const char *ov[][2] = {{"device_mem", "40GiB"},         {"host_mem", "120GiB"},     {"device_tflops", "700"},
+                         {"device_peak_tflops", "989"},  {"link_gbps", "50"},        {"host_adamw_gbps", "60"},
+                         {"host_mem_gbps", "60"},        {"device_mem_gbps", "4000"}, {"disk_read_gbps", "3"},
+                         {"disk_write_gbps", "2"}};
+  for (size_t i = 0; i < sizeof ov / sizeof *ov; i++) CHECK_OK(fy_probe_override(&h, ov[i][0], ov[i][1]));
+  struct fy_opt_config c67;
+  CHECK_OK(fy_opt_preset("opt-6.7b", &c67));
+  struct fy_plan best;
+  CHECK_OK(fy_plan_search_ranks(&c67, "opt-6.7b", 8, 2048, 1, true, "bf16", &h, &best, NULL));
+  fy_plan_print(&best, stderr);
+  const struct fy_cost *cb = &best.predicted;
+  const int host = cb->n_chunks - cb->n_device_chunks - cb->n_disk_chunks;
+  CHECKF(best.k.device_updates > 0 && best.k.device_updates <= host - best.k.spec_chunks,
+         "device_updates %d of %d host chunks, %d speculated", best.k.device_updates, host, best.k.spec_chunks);
+  struct fy_plan_knobs k0 = best.k;
+  k0.device_updates = 0;
+  struct fy_cost c0, c1;
+  struct fy_device *tl = NULL;
+  CHECK_OK(fy_cost_simulate(&c67, &k0, &h, &c0, NULL));
+  CHECK_OK(fy_cost_simulate(&c67, &best.k, &h, &c1, &tl));
+  CHECKF(c0.fits && c1.fits && c1.step_s == cb->step_s && c1.step_s < c0.step_s &&
+         c1.stall_s[FY_STALL_OPTIMIZER] < c0.stall_s[FY_STALL_OPTIMIZER],
+         "N %d: step %.4g s (optimizer waits %.4g), N 0: %.4g s (%.4g)", best.k.device_updates, c1.step_s,
+         c1.stall_s[FY_STALL_OPTIMIZER], c0.step_s, c0.stall_s[FY_STALL_OPTIMIZER]);
+  // The staging: two sets of the fp32 master, m and v (fp32), the bf16 gradients and the bf16 copy,
+  // each buffer in whole 256-byte granules; with the blocks fixed, exactly the device peak's growth
+  // with the steps' scales.
+  const int64_t ce = best.k.chunk_elems;
+  const double r4 = (double)fy_device_round((size_t)ce * 4, FY_CUDA_ALLOC_GRANULE),
+               r2 = (double)fy_device_round((size_t)ce * 2, FY_CUDA_ALLOC_GRANULE), staging = 2 * (3 * r4 + 2 * r2);
+  const double scales = (double)fy_device_round(16, FY_CUDA_ALLOC_GRANULE);  // (the steps' scales, dup_scale)
+  CHECKF(c0.staging_bytes == 0 && c1.staging_bytes == staging &&
+         fabs(c1.device_peak - c0.device_peak - staging - scales) < 1,
+         "staging %.0f bytes (expected %.0f), device peak %.0f with, %.0f without", c1.staging_bytes, staging,
+         c1.device_peak, c0.device_peak);
+  {  // (blocks chosen: the staging leaves fewer)
+    struct fy_plan_knobs ka = best.k, kb = best.k;
+    ka.blocks = kb.blocks = 0;
+    kb.device_updates = 0;
+    struct fy_cost ca, cz;
+    CHECK_OK(fy_cost_simulate(&c67, &ka, &h, &ca, NULL));
+    CHECK_OK(fy_cost_simulate(&c67, &kb, &h, &cz, NULL));
+    const double block = (double)fy_device_round((size_t)ce * 2, FY_CUDA_ALLOC_GRANULE);
+    CHECKF(ca.n_blocks < cz.n_blocks && cz.n_blocks - ca.n_blocks <= (int)ceil(staging / block),
+           "blocks %d with the staging, %d without", ca.n_blocks, cz.n_blocks);
+  }
+  for (int j = 0; j < 2; j++) {
+    const struct fy_cost *c = j ? &c1 : &c0;
+    double waited = 0;
+    for (int i = 0; i < FY_STALL_COUNT; i++) waited += c->stall_s[i];
+    CHECKF(waited <= c->step_s * (1 + 1e-9) && c->compute_s + waited >= c->step_s * (1 - 1e-9),
+           "N case %d: waits %.4g s, compute %.4g s, step %.4g s", j, waited, c->compute_s, c->step_s);
+  }
+  CHECKF(c1.h2d_s > c0.h2d_s && c1.d2h_s > c0.d2h_s, "to device %.4g s (N 0: %.4g), to host %.4g s (%.4g)", c1.h2d_s,
+         c0.h2d_s, c1.d2h_s, c0.d2h_s);
+  if (tl) {  // (N device updates a step, each chunk's copies home after its update)
+    const struct fy_timeline_span *sp;
+    int n = fy_timeline_spans(tl, &sp), n_up = 0, n_home = 0;
+    bool ordered = true;
+    double last_update = -1;
+    for (int i = 0; i < n; i++) {
+      const char *lane = fy_timeline_stream_name(tl, sp[i].stream);
+      if (!strcmp(sp[i].label, "AdamW on the device")) n_up++, last_update = sp[i].end;
+      if (!strcmp(lane, "updates to host")) n_home++, ordered &= sp[i].start >= last_update - 1e-12;
+    }
+    const int home_copies = 4;  // (master, m, v and the bf16 copy)
+    CHECKF(n_up == best.k.device_updates && n_home == home_copies * n_up && ordered,
+           "%d device updates (N %d), %d copies home, in order %d", n_up, best.k.device_updates, n_home, ordered);
+    fy_device_free(tl);
+  }
+  // A fast host keeps the host optimizer: N stays 0.
+  struct fy_probe fast = h;
+  CHECK_OK(fy_probe_override(&fast, "host_adamw_gbps", "100000"));
+  CHECK_OK(fy_probe_override(&fast, "host_mem_gbps", "100000"));
+  struct fy_plan quick;
+  CHECK_OK(fy_plan_search_ranks(&c67, "opt-6.7b", 8, 2048, 1, true, "bf16", &fast, &quick, NULL));
+  CHECKF(quick.k.device_updates == 0, "a fast host's plan streams %d chunks", quick.k.device_updates);
+  // The plan file.
+  char path[600];
+  snprintf(path, sizeof path, "%s/dup.json", dir);
+  CHECK_OK(fy_plan_write(path, &best));
+  struct fy_plan back;
+  CHECK_OK(fy_plan_read(path, &back));
+  CHECK(back.k.device_updates == best.k.device_updates);
+  CHECK_OK(fy_plan_validate(&c67, &back));
+  CHECK(fy_plan_refused("cuda", &c67, &back.k) == NULL && fy_plan_refused("sim", &c67, &back.k) == NULL);
+  if (read_without_key(path, "\"device_updates\"", &back)) CHECK(back.k.device_updates == 0);
+  // More than the eligible chunks: all of them (as the runtime takes them).
+  struct fy_plan_knobs kr = best.k;
+  kr.device_updates = host - best.k.spec_chunks;
+  CHECK_OK(fy_cost_simulate(&c67, &kr, &h, &c0, NULL));
+  kr.device_updates += 5;
+  CHECK_OK(fy_cost_simulate(&c67, &kr, &h, &c1, NULL));
+  CHECKF(c0.fits && c1.step_s == c0.step_s, "N beyond the eligible chunks: %.6g s, all of them %.6g s", c1.step_s,
+         c0.step_s);
+  // Refusals: the cpu device, negative, and what ferry train refuses or the planner does not
+  // price: resident, the lag, stages. Sharded ranks take it (each rank its shards).
+  struct fy_probe cpu = h;
+  CHECK_OK(fy_probe_override(&cpu, "device", "cpu"));
+  kr = (struct fy_plan_knobs){.micro_batch = 2, .grad_accum = 1, .seq = 32, .blocks = 0, .prefetch = 1,
+                              .disk_chunks = 0, .device_updates = 1};
+  snprintf(kr.precision, sizeof kr.precision, "fp32");
+  CHECK_ERR(fy_cost_simulate(tiny, &kr, &cpu, &c0, NULL), FY_ERR_INVALID);
+  CHECK(fy_plan_refused("cpu", tiny, &kr) != NULL && fy_plan_refused(NULL, tiny, &kr) != NULL);
+  struct fy_probe sim = h;  // (the sim device runs it)
+  CHECK_OK(fy_probe_override(&sim, "device", "sim"));
+  CHECK_OK(fy_probe_override(&sim, "device_mem", "1GiB"));
+  CHECK_OK(fy_cost_simulate(tiny, &kr, &sim, &c0, NULL));
+  CHECK(c0.fits && c0.staging_bytes > 0 && fy_plan_refused("sim", tiny, &kr) == NULL);
+  kr.device_updates = -1;
+  CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
+  {  // two sharded ranks on sim: the staging's m and v of a rank's shard, the rest a chunk's size
+    struct fy_plan_knobs kz = kr;
+    kz.device_updates = 1;
+    kz.dp = 2;
+    snprintf(kz.pattern, sizeof kz.pattern, "zero");
+    CHECK_OK(fy_cost_check_knobs(&kz));
+    CHECK(fy_plan_refused("sim", tiny, &kz) == NULL && fy_plan_refused("cuda", tiny, &kz) == NULL);
+    struct fy_cost z0, z1;
+    CHECK_OK(fy_cost_simulate(tiny, &kz, &sim, &z1, NULL));
+    kz.device_updates = 0;
+    CHECK_OK(fy_cost_simulate(tiny, &kz, &sim, &z0, NULL));
+    const int64_t zce = (int64_t)(z0.chunk_bytes / 4);  // (sim chunks: floats)
+    const double zs = 2.0 * ((double)fy_device_round((size_t)zce * 4, FY_HOST_ALLOC_GRANULE) * 2 +
+                             2.0 * (double)fy_device_round((size_t)zce / 2 * 4, FY_HOST_ALLOC_GRANULE));
+    CHECKF(z1.fits && z1.staging_bytes == zs, "dp 2: staging %.0f bytes, %.0f expected", z1.staging_bytes, zs);
+  }
+  for (int i = 0; i < 3; i++) {
+    struct fy_plan bad = back;
+    bad.k.device_updates = 2;
+    bad.k.spec_chunks = 0;  // (refused with the lag and stages too: device_updates alone here)
+    if (i == 0) bad.k.optimizer_lag = 1;
+    if (i == 1) bad.pp = 2;
+    if (i == 2) {
+      bad.k = (struct fy_plan_knobs){.micro_batch = 8, .grad_accum = 1, .seq = 2048, .resident = true,
+                                     .device_updates = 2};
+      snprintf(bad.k.precision, sizeof bad.k.precision, "bf16");
+    }
+    CHECKF(fy_plan_validate(&c67, &bad) == FY_ERR_INVALID && strstr(fy_error_msg(), "device_updates") != NULL,
+           "case %d: %s", i, fy_error_msg());
+    bad.k.dp = bad.dp, bad.k.pp = bad.pp > 1 ? bad.pp : 0;
+    snprintf(bad.k.pattern, sizeof bad.k.pattern, "%s", bad.pattern);
+    CHECKF(fy_plan_refused("cuda", &c67, &bad.k) != NULL && fy_plan_refused("sim", &c67, &bad.k) != NULL, "case %d", i);
+  }
+}
+
 int main(int argc, char **argv) {
   check_args(argc, argv);
   timing = check_part("timing");
@@ -728,6 +886,7 @@ int main(int argc, char **argv) {
   free(tok);
 
   if (!timing) moe_ep_plans();
+  if (!timing) device_updates_plans(&cfg);  // (1.0 s on the 2-core dev machine)
 
   struct fy_probe probe;
   CHECK_OK(fy_probe_measure("sim", 64 << 20, 0.5, NULL, &probe));
@@ -1517,6 +1676,9 @@ int main(int argc, char **argv) {
     CHECK_OK(fy_probe_override(&g, "host_adamw_gbps", "1"));
     struct fy_plan spec;
     CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, true, "bf16", &g, &spec, NULL));
+    // (speculation alone here: the device updates the search may add are checked below)
+    spec.k.device_updates = 0;
+    CHECK_OK(fy_cost_simulate(&cfg, &spec.k, &g, &spec.predicted, NULL));
     const struct fy_cost *cs = &spec.predicted;
     const int host_chunks = cs->n_chunks - cs->n_device_chunks - cs->n_disk_chunks;
     CHECKF(spec.k.spec_chunks > 0 && spec.k.spec_chunks <= host_chunks, "spec_chunks %d of %d host chunks",
