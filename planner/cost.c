@@ -347,6 +347,7 @@ static enum fy_dtype compute_dtype(const struct fy_plan_knobs *k, const struct f
 // What follows from a step's time and busy streams: tokens/s, MFU (of the device's measured GEMM
 // rate in the plan's precision, and of its peak where known) and the busiest stream's name.
 static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const struct fy_probe *probe) {
+  c->clip_step_s = c->step_s;
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
   c->tokens_per_s = (double)(k->micro_batch * k->seq * k->grad_accum * dp) / c->step_s;
   const bool bf16 = compute_dtype(k, probe) == FY_BF16;

@@ -134,6 +134,11 @@ struct fy_cost {
   // rank against the device's measured GEMM rate (mfu) and against its dense peak (mfu_peak,
   // fy_probe_peak_gflops; peak_gflops 0 when unknown, and mfu_peak then the same as mfu).
   double step_s, tokens_per_s, flops_per_step, mfu, mfu_peak, peak_gflops;
+  // The step while the gradient norm clips (or skips): with speculative updates (spec_chunks) the
+  // steps after one that clipped do not speculate until one would have stood, so a run that
+  // clips steps at the plan's step without them. The simulation sets it to step_s; the search
+  // (planner/plan.c, try_spec) to the same plan's without speculation.
+  double clip_step_s;
   double compute_s, h2d_s, d2h_s, optim_s;  // busy seconds per step of each stream
   double comm_s;           // collectives per step (inside the streams' busy time), 0 on one rank
   // Seconds per step the compute stream waited, by cause (core/stall.h): what ferry train

@@ -14,9 +14,15 @@
 #include "ops/ops.h"
 #include "planner/pattern.h"
 
+// A plan's score: the mean of its step when the gradient norm does not clip and when it does. The
+// two differ for speculative updates, which stand only in steps that do not clip: a model trained
+// from random weights clips its first steps at --clip 1, a fine-tuned one seldom does, and the
+// runtime cannot know which run it is; so a plan is chosen to hold up either way.
+static double score(const struct fy_cost *c) { return 0.5 * (c->step_s + c->clip_step_s); }
+
 static bool better(const struct fy_cost *a, const struct fy_cost *b) {
   if (!b->fits) return a->fits;
-  return a->fits && a->step_s < b->step_s * (1 - 1e-9);
+  return a->fits && score(a) < score(b) * (1 - 1e-9);
 }
 
 fy_status fy_plan_search(const struct fy_opt_config *cfg, const char *model, int64_t batch, int64_t seq,
@@ -93,7 +99,8 @@ fy_status fy_plan_search_resident(const struct fy_opt_config *cfg, const char *m
 // updated on the device when their slots all fit: the host bytes of that plan tell a slot's
 // size). The fastest is kept in (k, c); a tie keeps K0, so another K only where it is faster. A
 // plan without either lever whose compute waits neither for the host optimizer nor for the norm
-// has nothing to hide: K stays 0 without pricing.
+// has nothing to hide: K stays 0 without pricing. Each plan with K > 0 takes as its clipping step
+// (clip_step_s, what `better` weighs) the same plan's with K 0.
 static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe *probe, struct fy_plan_knobs *k,
                           struct fy_cost *c, int *tried) {
   if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1) return FY_OK;
@@ -105,13 +112,21 @@ static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe
                   c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
                   strcmp(c->bottleneck, "optimizer") != 0))
     return FY_OK;
-  struct fy_plan_knobs ka = *k;
+  struct fy_plan_knobs ka = *k, kz = *k;
+  struct fy_cost cz = *c;  // (the same plan without speculation: the step while the norm clips)
+  if (k0 != 0) {
+    kz.spec_chunks = 0;
+    FY_TRY(fy_cost_simulate(cfg, &kz, probe, &cz, NULL));
+    ++*tried;
+    c->clip_step_s = cz.step_s;
+  }
   ka.spec_chunks = cap;
   struct fy_cost ca = *c;
   if (cap != k0) {
     FY_TRY(fy_cost_simulate(cfg, &ka, probe, &ca, NULL));
     ++*tried;
   }
+  ca.clip_step_s = cz.step_s;
   int most = cap;
   if (!ca.fits) {
     if (!(ca.host_bytes > probe->host_mem) || cap == k0) return FY_OK;  // (not for the host memory: no more K fits)
@@ -126,11 +141,12 @@ static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe
     if ((i > 0 && ks[i] < 1) || ks[i] == k0 || (i > 1 && ks[i] == ks[i - 1])) continue;
     struct fy_plan_knobs kk = *k;
     kk.spec_chunks = ks[i];
-    struct fy_cost cc = ca;
-    if (ks[i] != cap || !ca.fits) {
+    struct fy_cost cc = ks[i] == 0 ? cz : ca;
+    if (ks[i] != 0 && (ks[i] != cap || !ca.fits)) {
       FY_TRY(fy_cost_simulate(cfg, &kk, probe, &cc, NULL));
       ++*tried;
     }
+    cc.clip_step_s = cz.step_s;
     if (better(&cc, &cb)) kb = kk, cb = cc;
   }
   *k = kb;
@@ -173,17 +189,22 @@ static fy_status try_device_updates(const struct fy_opt_config *cfg, const struc
   return FY_OK;
 }
 
-// The host optimizer's levers for an offloaded plan that fits: speculation (K) first, then device
-// updates given K (N), then, with N > 0, K once more given N (fewer chunks left to speculate, or
-// none needed). A few simulations more a plan, not their product; and none for device updates
-// where the plan's compute alone takes the step of `best` (the fastest so far) or more: no lever
-// of the optimizer's makes it the fastest.
+// The host optimizer's levers for an offloaded plan that fits, two ways, the better kept:
+// speculation (K) alone; and device updates (N) first, then K given N (fewer chunks left to
+// speculate, or none needed). Speculation alone is the faster while the norm does not clip;
+// device updates hold while it clips too, and `better` weighs both. A few simulations more a
+// plan, not their product; and none for device updates where the plan's compute alone takes the
+// step of `best` (the fastest so far) or more: no lever of the optimizer's makes it the fastest.
 static fy_status try_host_levers(const struct fy_opt_config *cfg, const struct fy_probe *probe,
                                  struct fy_plan_knobs *k, struct fy_cost *c, int *tried, const struct fy_plan *best) {
+  struct fy_plan_knobs kd = *k;
+  struct fy_cost cd = *c;
   FY_TRY(try_spec(cfg, probe, k, c, tried));
-  if (best->predicted.fits && c->compute_s >= best->predicted.step_s) return FY_OK;
-  FY_TRY(try_device_updates(cfg, probe, k, c, tried));
-  if (k->device_updates > 0) FY_TRY(try_spec(cfg, probe, k, c, tried));
+  if (best->predicted.fits && cd.compute_s >= score(&best->predicted)) return FY_OK;
+  FY_TRY(try_device_updates(cfg, probe, &kd, &cd, tried));
+  if (kd.device_updates == 0) return FY_OK;  // (the same plan as the first way's start)
+  FY_TRY(try_spec(cfg, probe, &kd, &cd, tried));
+  if (better(&cd, c)) *k = kd, *c = cd;
   return FY_OK;
 }
 

@@ -739,6 +739,32 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
          c1.stall_s[FY_STALL_OPTIMIZER] < c0.stall_s[FY_STALL_OPTIMIZER],
          "N %d: step %.4g s (optimizer waits %.4g), N 0: %.4g s (%.4g)", best.k.device_updates, c1.step_s,
          c1.stall_s[FY_STALL_OPTIMIZER], c0.step_s, c0.stall_s[FY_STALL_OPTIMIZER]);
+  // The plan is chosen by the mean of its step when the norm does not clip and when it does: with
+  // speculation, the clipping step is the same plan's without it (try_spec). With 8-bit state the
+  // plan speculation alone would give (K > 0, N = 0: the fastest while the norm does not clip)
+  // scores worse than the chosen one, which holds up while the norm clips.
+  if (best.k.spec_chunks > 0) {
+    struct fy_plan_knobs kz = best.k;
+    kz.spec_chunks = 0;
+    struct fy_cost cz;
+    CHECK_OK(fy_cost_simulate(&c67, &kz, &h, &cz, NULL));
+    CHECKF(cb->clip_step_s == cz.step_s, "clipping step %.6g s, the plan without speculation %.6g s", cb->clip_step_s,
+           cz.step_s);
+  }
+  {
+    struct fy_plan q8;
+    CHECK_OK(fy_plan_search_state(&c67, "opt-6.7b", 8, 2048, 1, true, "bf16", 0, "8bit", &h, &q8, NULL));
+    struct fy_plan_knobs ks = q8.k, kz = q8.k;
+    ks.device_updates = kz.device_updates = kz.spec_chunks = 0;
+    ks.spec_chunks = q8.predicted.n_chunks - q8.predicted.n_device_chunks - q8.predicted.n_disk_chunks;
+    struct fy_cost cs, cz;
+    CHECK_OK(fy_cost_simulate(&c67, &ks, &h, &cs, NULL));
+    CHECK_OK(fy_cost_simulate(&c67, &kz, &h, &cz, NULL));
+    const double chosen = q8.predicted.step_s + q8.predicted.clip_step_s, alone = cs.step_s + cz.step_s;
+    CHECKF(q8.predicted.fits && cs.fits && chosen < alone && q8.predicted.clip_step_s < cz.step_s,
+           "8-bit: chosen %.4g s unclipped, %.4g s clipping; speculation alone %.4g and %.4g s", q8.predicted.step_s,
+           q8.predicted.clip_step_s, cs.step_s, cz.step_s);
+  }
   // The staging: two sets of the fp32 master, m and v (fp32), the bf16 gradients and the bf16 copy,
   // each buffer in whole 256-byte granules; with the blocks fixed, exactly the device peak's growth
   // with the steps' scales.
@@ -1674,6 +1700,8 @@ int main(int argc, char **argv) {
     CHECK_OK(fy_probe_override(&g, "device_mem", "64MiB"));
     CHECK_OK(fy_probe_override(&g, "device_tflops", "1"));
     CHECK_OK(fy_probe_override(&g, "host_adamw_gbps", "1"));
+    // (a device whose memory is slow, so that device updates do not pay and speculation is the lever)
+    CHECK_OK(fy_probe_override(&g, "device_mem_gbps", "0.5"));
     struct fy_plan spec;
     CHECK_OK(fy_plan_search_ranks(&cfg, "tiny", 4, 96, 1, true, "bf16", &g, &spec, NULL));
     // (speculation alone here: the device updates the search may add are checked below)
