@@ -446,24 +446,30 @@ offload_bf16_40g() {
   python3 - "$logs" "$root/bench/gpu" <<'PY'
 import json, sys
 sys.path.insert(0, sys.argv[2])
-from runlogs import predicted, rate, waits
+from runlogs import clipping, device_updates, predicted, rate, waits
 d = sys.argv[1]
 res, off, lag = rate(d, "b40-res"), rate(d, "b40-off"), rate(d, "b40-lag")
 p0, p1 = predicted(f"{d}/b40-plan-0.txt"), predicted(f"{d}/b40-plan-1.txt")
+# (a fresh model clips at the default --clip 1: the offloaded run against the plan's clipping figure)
+p0c = clipping(f"{d}/b40-plan-0.txt") or p0
 print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib", "model": "opt-6.7b", "lag": "8bit state, lag 1",
                   "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
                   "lag_tokens_per_s": round(lag[0], 1), "ratio": round(off[0] / res[0], 3),
                   "lag_ratio": round(lag[0] / res[0], 3), "mfu_h200_bf16": round(off[1] / 989e3, 3),
                   "lag_mfu_h200_bf16": round(lag[1] / 989e3, 3), "resident_mfu_h200_bf16": round(res[1] / 989e3, 3),
                   "predicted_tokens_per_s": p0, "lag_predicted_tokens_per_s": p1,
+                  "predicted_clipping_tokens_per_s": p0c, "device_updates": device_updates(d, "b40-off"),
                   "predicted_over_measured": round(p0 / off[0], 3) if p0 else None,
+                  "clipping_predicted_over_measured": round(p0c / off[0], 3) if p0c else None,
                   "lag_predicted_over_measured": round(p1 / lag[0], 3) if p1 else None,
                   "waits": waits(f"{d}/b40-off-2.out"), "lag_waits": waits(f"{d}/b40-lag-2.out"),
                   "predicted_waits": waits(f"{d}/b40-plan-0.txt"), "lag_predicted_waits": waits(f"{d}/b40-plan-1.txt")}))
 PY
 }
 # Issue 35's exact step: OPT-6.7B bf16 offloaded at 40 GiB with 8-bit AdamW state and no lag, the
-# plan ferry plan makes (speculative host updates where it prices them faster), against the resident
+# plan ferry plan makes (speculative host updates and device updates, chosen by the mean of the
+# step that does not clip and the one that clips; each log says how many chunks the GPU updated,
+# and the clipped run is held against the plan's clipping figure), against the resident
 # run, alternating, 2 rounds of 4 steps (the first of each run not timed). Speculation stands only
 # in steps whose norm does not clip, and a model trained from random weights clips its first steps
 # at the default --clip 1; so the offloaded run is measured twice, with the default --clip 1 and
@@ -495,9 +501,10 @@ offload_exact8_40g() {
   python3 - "$logs" "$root/bench/gpu" <<'PY'
 import json, sys
 sys.path.insert(0, sys.argv[2])
-from runlogs import predicted, rate, spec, waits
+from runlogs import clipping, device_updates, predicted, rate, spec, waits
 d = sys.argv[1]
 p, pr = predicted(f"{d}/e8-plan.txt"), predicted(f"{d}/e8-plan-res.txt")
+pc = clipping(f"{d}/e8-plan.txt") or p  # (the plan's step while the norm clips: the default-clip run's)
 res, res0, off, off0 = rate(d, "e8-res"), rate(d, "e8-res0"), rate(d, "e8-off8"), rate(d, "e8-off80")
 print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit", "model": "opt-6.7b",
                   "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
@@ -506,7 +513,10 @@ print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit", "model": 
                   "mfu_h200_bf16": round(off[1] / 989e3, 3), "noclip_mfu_h200_bf16": round(off0[1] / 989e3, 3),
                   "spec": spec(f"{d}/e8-off8-2.out"), "noclip_spec": spec(f"{d}/e8-off80-2.out"), "predicted_tokens_per_s": p,
                   "resident_predicted_tokens_per_s": pr, "predicted_ratio": round(p / pr, 3) if p and pr else None,
+                  "predicted_clipping_tokens_per_s": pc, "device_updates": device_updates(d, "e8-off8"),
+                  "predicted_clipping_ratio": round(pc / pr, 3) if pc and pr else None,
                   "predicted_over_measured": round(p / off0[0], 3) if p else None,
+                  "clipping_predicted_over_measured": round(pc / off[0], 3) if pc else None,
                   "waits": waits(f"{d}/e8-off8-2.out"), "noclip_waits": waits(f"{d}/e8-off80-2.out"),
                   "predicted_waits": waits(f"{d}/e8-plan.txt")}))
 PY
