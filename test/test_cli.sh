@@ -384,6 +384,12 @@ if [ $? -eq 0 ] && ! printf '%s' "$out" | grep -qE "for sequences of|for micro-b
 else
   fail=$((fail + 1)); printf 'FAIL  --plan FILE without --seq or --batch\n%s\n' "$(printf '%s' "$out" | tail -5)"
 fi
+# A plan's device updates (and its chunks on the device) are the run's.
+python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p.update(device_chunks=2, device_updates=3); json.dump(p, open(sys.argv[2], "w"))' \
+  "$tmp/plan.json" "$tmp/plandu.json"
+expect 0 "ferry train --plan FILE runs its device updates" "device updates: 3 host chunks updated by the sim device" \
+  -- train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB --plan "$tmp/plandu.json" --steps 2
+expect 2 "--device-updates that is not a number" "--device-updates" -- train --model opt-tiny --device-updates many
 expect 0 "ferry train --plan auto" "cache blocks" -- train --model opt-tiny --data "$tmp/ok.bin" --device-mem 64MiB \
   --batch 4 --seq 32 --plan auto --steps 2
 # --plan auto with too little host memory for the state and a --disk-dir the cached probe has not
