@@ -128,7 +128,7 @@ if tail -n 1 "$d/twospecnc.jsonl" | grep -q '"spec_steps":8,"spec_redone":0' &&
 else fail=$((fail + 1)); echo "FAIL  spec counts: $(tail -n 1 "$d/twospecnc.jsonl") / $(tail -n 1 "$d/twospec.jsonl")"; fi
 # --device-updates on 2 sharded GPU ranks: each rank's GPU updates its shards of host chunks after
 # the norm, beside speculation: the exact run's losses (tolerance 0). (8-bit state with device
-# updates: test/cuda_train.sh on one GPU, test/test_ranks.sh on sharded sim ranks.)
+# updates: test/cuda_train.sh on one GPU, test/test_offload.c on sim.)
 run twodu 2 --precision bf16 --batch 2 --device-updates 100 --spec-chunks 2 || exit 1
 check "2 sharded GPU ranks with device updates = the exact run" twobf16 twodu 0
 if tail -n 1 "$d/twodu.jsonl" | grep -q '"device_updates":[1-9]'; then
