@@ -210,11 +210,12 @@ static void print_header(const struct training *t) {
            r->disk ? fy_format_bytes(res->disk_tier_bytes, disk_b, sizeof disk_b) : "", r->disk ? ")" : "",
            o->disk_master && res->n_disk_chunks > 0 ? ", their master weights there too" : "", res->n_device_chunks);
   if (res->spec_chunks > 0)
-    printf("ferry: speculative updates: %d host chunks updated as their gradients come home, before the gradient "
-           "norm (kept when it does not clip, else redone: the exact step's numbers)\n", res->spec_chunks);
+    printf("ferry: speculative updates: %d host chunk%s updated as their gradients come home, before the gradient "
+           "norm (kept when it does not clip, else redone: the exact step's numbers)\n", res->spec_chunks,
+           res->spec_chunks > 1 ? "s" : "");
   if (res->device_updates > 0)
-    printf("ferry: device updates: %d host chunks updated by the %s device after the norm, their master and AdamW "
-           "state over the link and back\n", res->device_updates, r->dev->name);
+    printf("ferry: device updates: %d host chunk%s updated by the %s device after the norm, their master and AdamW "
+           "state over the link and back\n", res->device_updates, res->device_updates > 1 ? "s" : "", r->dev->name);
   if (!r->x)
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);

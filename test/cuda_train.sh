@@ -369,7 +369,7 @@ ferry_run duspec16 "${common[@]}" "${b16[@]}" "${du[@]}" --spec-chunks 2 --clip 
   --log "$d/duspec16.jsonl" || exit 1
 ferry_run duq8 "${common[@]}" "${b16[@]}" "${q8[@]}" --device-chunks 2 --disk-dir "$d/diskduq8" --disk-chunks 2 \
   --device-updates 1000 --log "$d/duq8.jsonl" || exit 1
-grep -q "device updates: [1-9][0-9]* host chunks" "$d/du16.out" ||
+grep -q "device updates: [1-9][0-9]* host chunk" "$d/du16.out" ||
   { echo "device updates: the run does not say how many chunks the GPU updates"; exit 1; }
 python3 - "$d/offload.jsonl" "$d/du32.jsonl" "$d/offload16.jsonl" "$d/du16.jsonl" "$d/devnoclip16.jsonl" \
   "$d/duspec16.jsonl" "$d/q8.jsonl" "$d/duq8.jsonl" <<'PY' || exit 1
