@@ -111,10 +111,10 @@ struct fy_plan_knobs {
   // m, v, gradients and with 16-bit compute its 16-bit copy: device memory, priced, so fewer cache
   // blocks fit), the device's AdamW (the device chunks' kernels) updates them, and master, m, v
   // and the new 16-bit copy go home, on three streams of their own sharing the link with the
-  // cache's copies; the host updates the other chunks meanwhile. Offloaded on a GPU or sim, one
-  // rank or tp ranks: not sharded data-parallel chunks, pipeline stages, optimizer_lag, a
-  // resident plan or the cpu device; N at most the host-tier chunks neither speculated nor on
-  // disk. 0: none.
+  // cache's copies; the host updates the other chunks meanwhile. Offloaded on a GPU or sim: one
+  // rank, tp ranks, sharded data-parallel ranks (a rank its shards); not pipeline stages (run,
+  // not priced yet), optimizer_lag, a resident plan or the cpu device; N beyond the host-tier
+  // chunks neither speculated nor on disk counts as all of them. 0: none.
   int device_updates;
 };
 
