@@ -1549,8 +1549,9 @@ static fy_status create_dup(struct fy_offload *x, int want) {
     if (st == FY_OK) st = fy_device_alloc(x->dev, gb, &x->dup_g[s]);
     if (st == FY_OK && x->chome) st = fy_device_alloc(x->dev, ce * x->esize, &x->dup_w16[s]);
     if (st != FY_OK)
-      return fy_error_wrap(st, "device updates of %d chunks (--device-updates): two staging sets of %.1f MiB in device "
-                           "memory", n, (ce * 4 + 2.0 * x->mb + gb + (x->chome ? ce * x->esize : 0)) / 1048576.0);
+      return fy_error_wrap(st, "device updates of %d chunks (--device-updates) need two staging sets of %.1f MiB in "
+                           "device memory, whatever the number of chunks (give a larger --device-mem, or "
+                           "--device-updates 0)", n, (ce * 4 + 2.0 * x->mb + gb + (x->chome ? ce * x->esize : 0)) / 1048576.0);
   }
   FY_TRY(fy_device_alloc(x->dev, 4 * sizeof(float), (void **)&x->dup_scale));
   if (!x->host_scale) {
