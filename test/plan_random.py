@@ -129,6 +129,9 @@ def main():
         knobs = json.load(open(plan))
         lay = "dp %d x pp %d x tp %d, chunk %d, %s" % (knobs["dp"], knobs.get("pp", 1), knobs["tp"], knobs["chunk_elems"],
                                               "resident" if knobs.get("resident") else "%d blocks" % knobs["blocks"])
+        for key, name in (("spec_chunks", "speculated"), ("device_updates", "device updates")):
+            if knobs.get(key, 0) > 0:
+                lay += ", %d %s" % (knobs[key], name)
         train = ([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)] if ranks > 1 else []) + [
             ferry, "train", "--data", data, "--plan", plan, "--log", log, "--steps", "2", "--threads", "1", "--seq", str(seq)] + common
         if disk:
@@ -165,7 +168,8 @@ def main():
             auto += ["--disk-dir", tmp]
         r = subprocess.run(auto, capture_output=True, text=True, env=dict(env, FERRY_PROBE=ppath), timeout=600)
         def plan_lines(out):  # (not ferry plan's parenthesised notes, nor how to run it: its count of plans, its hints)
-            return [l for l in out.splitlines() if l.startswith("  ") and not l.startswith(("  (", "  run it:", "     or:"))]
+            return [l for l in out.splitlines() if l.startswith("  ") and not l.startswith(
+                ("  (", "  run it:", "     or:", "  a bigger global batch", "  while the norm clips"))]
         said_plan, auto_plan = plan_lines(plan_out), plan_lines(r.stdout)
         losses = [(x["step"], x["loss"]) for x in logged]
         if r.returncode != 0 or auto_plan != said_plan or losses != [
