@@ -1279,8 +1279,6 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   int *bwd_order = n_spec > 0 ? malloc((size_t)nc * sizeof *bwd_order) : NULL, n_bwd = 0;
   bool *speculated = n_spec > 0 ? calloc((size_t)nc, sizeof *speculated) : NULL;
   if (st == FY_OK && n_spec > 0 && (!bwd_order || !speculated)) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
-  bool *streamed = n_up > 0 ? calloc((size_t)nc, sizeof *streamed) : NULL;  // (device updates)
-  if (st == FY_OK && n_up > 0 && !streamed) st = fy_error_set(FY_ERR_NOMEM, "out of memory");
   for (int a = 0; st == FY_OK && n_dev > 0 && a < s.n_actions; a++) {
     if (s.actions[a].kind != FY_ACT_BACKWARD) continue;
     for (int j = l->op_first[s.actions[a].op]; j < l->op_first[s.actions[a].op + 1]; j++)
@@ -1334,7 +1332,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     n_bwd = 0;
     for (int64_t micro = 0; st == FY_OK && micro < k->grad_accum; micro++) {
       // (the micro-batch: ids, targets, mask and positions, into the last of the fixed buffers)
-      if (st == FY_OK && streamed) st = dup_flush(&s, fy_timeline_clock(s.copy_in), -1);
+      if (st == FY_OK && n_up > 0) st = dup_flush(&s, fy_timeline_clock(s.copy_in), -1);
       fy_copy_async(s.copy_in, dbatch, (const void *)FAKE_HOST, fixed[n_fixed - 1]);
       fy_event_record(s.batch_ready, s.copy_in);
       fy_stream_wait(s.compute, s.batch_ready);
@@ -1345,7 +1343,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
         float *base;
         for (int j = l->op_first[o]; st == FY_OK && j < l->op_first[o + 1]; j++)
           if (l->op_chunks[j] >= n_dev) {
-            if (streamed)
+            if (n_up > 0)
               st = dup_before_access(&s, pos, l->op_chunks[j], 0,
                                      fmax(fy_timeline_clock(s.compute), fy_timeline_clock(s.copy_in)));
             if (st == FY_OK) st = fy_device_cache_acquire(s.cache, pos++, l->op_chunks[j], &base);
@@ -1396,7 +1394,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
           fy_timeline_run(s.compute, ta, "gradient sum");
           if (last) busy[0] += ta;
         }
-        if (st == FY_OK && streamed)
+        if (st == FY_OK && n_up > 0)
           st = dup_before_access(&s, pos - 1, -1, k->prefetch,
                                  fmax(fy_timeline_clock(s.compute), fy_timeline_clock(s.copy_in)));
         if (st == FY_OK) st = fy_device_cache_prefetch(s.cache, pos - 1);
@@ -1464,7 +1462,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       optim_step += t;
       if (last) busy[3] += t;
     }
-    if (st == FY_OK && streamed) st = dup_flush(&s, INFINITY, n_up);  // (the step before's: queued by now)
+    if (st == FY_OK && n_up > 0) st = dup_flush(&s, INFINITY, n_up);  // (the step before's: queued by now)
     fy_event_record(s.norm_ready, ns);
     double norm_at = fy_timeline_clock(ns);
     if (ns != s.optim) fy_stream_wait(s.optim, s.norm_ready);  // (this step's updates need its norm)
@@ -1478,20 +1476,18 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     }
     // Device updates: the first n_up host-tier chunks in chunk order not speculated, streamed
     // after the norm (dup_flush queues their copies as they become ready, through the next step).
-    if (streamed) memset(streamed, 0, (size_t)nc * sizeof *streamed);
-    if (streamed) {
+    if (n_up > 0) {
       s.dup_n = s.dup_i = s.dup_copy = 0;
       for (int c = 0; c < nc; c++) s.dup_idx[c] = -1;
     }
-    for (int c = n_dev; streamed && c < nc - n_disk && s.dup_n < n_up; c++) {
+    for (int c = n_dev; n_up > 0 && c < nc - n_disk && s.dup_n < n_up; c++) {
       if (speculated && speculated[c]) continue;
-      streamed[c] = true;
       s.dup_idx[c] = s.dup_n;
       s.dup_chunk[s.dup_n++] = c;
     }
     for (int c = n_dev; st == FY_OK && c < nc; c++) {
       if (speculated && speculated[c]) continue;  // (updated before the norm)
-      if (streamed && streamed[c]) continue;      // (updated by the device)
+      if (n_up > 0 && s.dup_idx[c] >= 0) continue;  // (updated by the device)
       double u = (double)l->chunks[c].used * share;
       double t = u * adamw_b / adamw;
       // A disk chunk: (its fp32 gradients,) m and v (and with disk_master the fp32 master) read,
@@ -1560,7 +1556,6 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   free(dev_done);
   free(bwd_order);
   free(speculated);
-  free(streamed);
   if (st == FY_OK && timeline_out) {
     *timeline_out = s.dev;
   } else {
