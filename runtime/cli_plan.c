@@ -115,15 +115,14 @@ static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model,
 // A plan with speculative updates is priced for steps whose norm does not clip. A step that clips
 // (or skips) has them redone, and the steps after it do not speculate until one would have stood
 // (runtime/offload.c, spec_settle): while the norm clips, a step is the plan's without speculation.
-// Said with that figure, which is what a model trained from random weights gets at first.
-static void say_when_clipping(const struct fy_opt_config *cfg, const struct fy_plan *best, const struct fy_probe *probe) {
-  if (best->k.spec_chunks <= 0 || best->pp > 1 || best->refused[0]) return;
-  struct fy_plan_knobs k = best->k;
-  k.spec_chunks = 0;
-  struct fy_cost c;
-  if (fy_cost_simulate(cfg, &k, probe, &c, NULL) != FY_OK || !c.fits) return;
+// Said with that figure (the search priced it beside the plan: fy_cost.clip_step_s), which is what
+// a model trained from random weights gets at first.
+static void say_when_clipping(const struct fy_plan *best) {
+  const struct fy_cost *c = &best->predicted;
+  if (best->k.spec_chunks <= 0 || best->pp > 1 || best->refused[0] || !(c->clip_step_s > 0)) return;
+  const double tokens = c->tokens_per_s * c->step_s / c->clip_step_s;
   printf("  while the norm clips (as a fresh model's first steps do at --clip 1) speculation pauses: %.3f s/step, "
-         "%.0f tokens/s, %.2fx the figure above\n", c.step_s, c.tokens_per_s, c.tokens_per_s / best->predicted.tokens_per_s);
+         "%.0f tokens/s, %.2fx the figure above\n", c->clip_step_s, tokens, tokens / c->tokens_per_s);
 }
 
 // ferry plan --largest: for each AdamW state format, the largest OPT preset any plan fits on this
@@ -446,7 +445,7 @@ static fy_status plan_and_explain(const struct plan_args *a, const struct fy_pro
            a->out ? a->out : "FILE", strcmp(probe->device, "cuda") == 0 ? " --device cuda" : "",
            best.ep > 1 ? "  (its ep: the plan file's)" : "");
   }
-  say_when_clipping(&cfg, &best, probe);
+  say_when_clipping(&best);
   say_bigger_batch(&cfg, a->model, a->batch, a->seq, (int)a->gpus, a->offload_only, a->precision, (int)a->lag, a->state,
                    probe, &best);
   const double x = fy_probe_gemm_gflops(probe, true) / fy_probe_gemm_gflops(probe, false);
