@@ -53,6 +53,25 @@ fy_status resolve_seq(struct fy_train_opts *o) {
 
 // The run's defaults that depend on its device (precision, fp16's loss scale), and the checks of
 // its options.
+// The run offloads through a host tier: --device sim, or --device cuda --offload.
+static bool offloaded(const struct fy_train_opts *e) {
+  return e->device && strcmp(e->device, "cpu") != 0 && (strcmp(e->device, "cuda") != 0 || e->offload);
+}
+
+// A lever of the offloaded exact step's host optimizer (--spec-chunks, --device-updates), `flag`
+// asking for n chunks of it; `what` says what it does to an offloaded run's host updates.
+static fy_status check_host_lever(const struct fy_train_opts *e, const char *flag, int n, const char *what) {
+  if (n < 0) return fy_error_set(FY_ERR_INVALID, "%s must not be negative", flag);
+  if (n == 0) return FY_OK;
+  if (!offloaded(e))
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s %d: it is for offloaded runs (--device sim, --device cuda --offload), "
+                        "%s", flag, n, what);
+  if (e->optimizer_lag > 0)
+    return fy_error_set(FY_ERR_UNSUPPORTED, "%s %d: --optimizer-lag 1 runs each update under the next step already",
+                        flag, n);
+  return FY_OK;
+}
+
 fy_status check_train_opts(struct fy_train_opts *e) {
   if (!e->precision) e->precision = fy_cost_default_precision(e->device);
   // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
@@ -98,30 +117,13 @@ fy_status check_train_opts(struct fy_train_opts *e) {
     return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master needs 16-bit compute (--precision bf16 or fp16): the host "
                         "then keeps the 16-bit copy the device reads while the fp32 master is on disk; in fp32 the "
                         "master is what the device reads");
-  if (e->disk_master && (!e->device || strcmp(e->device, "cpu") == 0 ||
-                         (strcmp(e->device, "cuda") == 0 && !e->offload)))
+  if (e->disk_master && !offloaded(e))
     return fy_error_set(FY_ERR_UNSUPPORTED, "--disk-master is for offloaded runs (--device sim, --device cuda "
                         "--offload), whose chunks' state may live on disk");
-  if (e->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "--spec-chunks must not be negative");
-  if (e->spec_chunks > 0) {
-    const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
-    const char *why = !e->device || strcmp(e->device, "cpu") == 0 || (cuda && !e->offload)
-                          ? "it is for offloaded runs (--device sim, --device cuda --offload), whose host updates it "
-                            "starts before the gradient norm is known"
-                      : e->optimizer_lag > 0 ? "--optimizer-lag 1 runs each update under the next step already"
-                                             : NULL;
-    if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--spec-chunks %d: %s", e->spec_chunks, why);
-  }
-  if (e->device_updates < 0) return fy_error_set(FY_ERR_INVALID, "--device-updates must not be negative");
-  if (e->device_updates > 0) {
-    const bool cuda = e->device && strcmp(e->device, "cuda") == 0;
-    const char *why = !e->device || strcmp(e->device, "cpu") == 0 || (cuda && !e->offload)
-                          ? "it is for offloaded runs (--device sim, --device cuda --offload), whose host-tier chunks "
-                            "it has the device update"
-                      : e->optimizer_lag > 0 ? "--optimizer-lag 1 runs each update under the next step already"
-                                             : NULL;
-    if (why) return fy_error_set(FY_ERR_UNSUPPORTED, "--device-updates %d: %s", e->device_updates, why);
-  }
+  FY_TRY(check_host_lever(e, "--spec-chunks", e->spec_chunks,
+                          "whose host updates it starts before the gradient norm is known"));
+  FY_TRY(check_host_lever(e, "--device-updates", e->device_updates,
+                          "whose host-tier chunks it has the device update"));
   if (e->optimizer_lag > 0 && e->device && strcmp(e->device, "cuda") == 0 && !e->offload)
     return fy_error_set(FY_ERR_UNSUPPORTED, "--optimizer-lag 1 is for offloaded runs (--device cuda --offload, "
                         "--device sim) and the cpu: a resident GPU run updates on the GPU, where the lag hides nothing");
