@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "core/opt.h"
+#include "memory/chunk.h"
 #include "ops/ops.h"
 #include "runtime/data.h"
 #include "runtime/offload.h"
@@ -65,6 +66,9 @@ static int measure(const struct setup *u, const struct fy_opt_config *cfg, int t
   o.device = "sim";
   double extra = u->fraction * params_bytes, chunk_bytes = 4.0 * (double)chunk_elems;
   o.device_mem = need + (size_t)(extra > chunk_bytes ? extra : chunk_bytes);
+  // (device updates: their two staging sets besides, each a piece's master, m, v, gradients and
+  // 16-bit copy, floats on sim, and a granule each for the rounding)
+  if (u->dup > 0) o.device_mem += 2 * 5 * ((size_t)fy_chunk_piece_elems(chunk_elems) * 4 + 4096) + 4096;
   o.sim_link_gbps = u->link;
   o.prefetch = (int)u->prefetch;
   o.optimizer_lag = (int)u->lag;

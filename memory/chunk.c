@@ -169,3 +169,8 @@ int fy_chunk_min_blocks(const struct fy_chunk_layout *l, int n_ops) {
     if (l->op_first[o + 1] - l->op_first[o] > need) need = l->op_first[o + 1] - l->op_first[o];
   return need;
 }
+
+int64_t fy_chunk_piece_elems(int64_t n) {
+  const int64_t align = 256, piece = (n + FY_CHUNK_PIECES - 1) / FY_CHUNK_PIECES;
+  return n <= 0 ? 0 : (piece + align - 1) / align * align;
+}

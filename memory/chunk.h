@@ -50,6 +50,12 @@ struct fy_chunk_layout {
 
 // The smallest chunk (floats) that can hold every group of parameters an op uses first.
 int64_t fy_chunk_min_elems(const struct fy_graph *g);
+// A device update (runtime/offload.c, --device-updates) moves a chunk's n elements (its used part,
+// or a rank's shard) through device memory in pieces of this many (the last may be shorter), so
+// that its staging holds two pieces, not two chunks: n / FY_CHUNK_PIECES rounded up to a multiple
+// of 256 (an 8-bit state block: each piece's blocks are the chunk's).
+#define FY_CHUNK_PIECES 4
+int64_t fy_chunk_piece_elems(int64_t n);
 // Packs g's parameters into chunks of chunk_elems floats (0: one chunk for all), rewriting each
 // parameter's chunk, chunk_offset and offset and g->n_param_elems, g->chunk_elems.
 fy_status fy_chunk_layout_create(struct fy_graph *g, int64_t chunk_elems,

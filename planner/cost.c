@@ -108,14 +108,17 @@ struct sim {
   fy_event **home_ready_alt;  // optimizer_lag: the other 16-bit copy's (runtime/offload.c)
   // Device updates (knobs.device_updates; runtime/offload.c, dup_up, dup_run, dup_down): the
   // streams that copy a streamed chunk in, update it and copy it home, and per staging set the
-  // events of its upload, its update and its being free again; its buffers (dup_buf's order).
+  // events of its upload, its update and each of its buffers' copy home (master, m, v, 16-bit
+  // copy); its buffers (dup_buf's order).
   fy_stream *dup_up, *dup_run, *dup_down;
-  fy_event *dup_in[2], *dup_done[2], *dup_free[2];
+  fy_event *dup_in[2], *dup_done[2], *dup_free[2][4];
   void *dup_set[2][5], *dup_scale;
   int64_t dup_shard;  // a sharded rank's elements of a chunk (its shard), else 0: the chunk's
+  int64_t dup_piece;  // the elements of a piece (fy_chunk_piece_elems), what a staging set holds
   // The step's streamed chunks in order (dup_chunk[0 .. dup_n), dup_idx[c] the index of chunk c or
-  // -1), and the next copy to queue: chunk dup_i's upload dup_copy (dup_flush).
-  int *dup_chunk, *dup_idx, dup_n, dup_i, dup_copy;
+  // -1), and the next copy to queue: chunk dup_i's piece dup_k's upload dup_copy, the step's piece
+  // dup_p (dup_flush).
+  int *dup_chunk, *dup_idx, dup_n, dup_i, dup_k, dup_p, dup_copy;
   int *dup_seen, dup_call;  // (dup_before_access: the chunks a prefetch's walk has met)
   double *dup_home;         // when each queued chunk is home (its home_ready), by index
   // What a streamed chunk's copies and update take (simulate_one fills them in).
@@ -160,7 +163,7 @@ static void sim_free(struct sim *s, int nc) {
   for (int i = 0; i < 2; i++) {
     fy_event_free(s->dup_in[i]);
     fy_event_free(s->dup_done[i]);
-    fy_event_free(s->dup_free[i]);
+    for (int b = 0; b < 4; b++) fy_event_free(s->dup_free[i][b]);
   }
   free(s->actions);
   free(s->home);
@@ -780,14 +783,16 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
                                            const struct fy_probe *probe, struct fy_cost *out);
 
 // Device updates on the timeline (knobs.device_updates; runtime/offload.c, dup_upload and
-// dup_updates): streamed chunk i goes through staging set i % 2. On dup_up, once the set is free
-// (chunk i - 2's copies home done) and the chunk's gradients are home, its master, m, v and
-// gradients to the device (no norm needed: the first two chunks' go before the norm is known). On
-// dup_run, once the norm is known, the step's scale to the device (once a step), then for each
-// chunk after its uploads the master converted to the 16-bit copy and the device's AdamW (a GPU's
+// dup_updates): a streamed chunk goes through in pieces (fy_chunk_piece_elems), the step's piece p
+// through staging set p % 2. On dup_up the piece's gradients, once its chunk's are home and the
+// update of piece p - 2 has read the set's, then its master, m and v, each once piece p - 2's copy
+// of it is home (a buffer at a time, so that the uploads follow the copies home closely; no norm
+// needed: the first two pieces' go before the norm is known). On dup_run, once the norm is known,
+// the step's scale to the device (once a step), then for each piece after its uploads and piece p
+// - 2's 16-bit copy home the master converted to the 16-bit copy and the device's AdamW (a GPU's
 // kernels at its memory rate, as the device chunks'; on sim host functions, which take the cores
-// as the host optimizer does). On dup_down, master, m, v and the new 16-bit copy home, then the
-// chunk's home_ready (what its next load waits for) and the set free. A sharded rank moves and
+// as the host optimizer does). On dup_down, master, m, v and the new 16-bit copy home, and after a
+// chunk's last piece its home_ready (what its next load waits for). A sharded rank moves and
 // updates its shard of each chunk.
 //
 // The link: the timeline serves a direction's copies in the order they are queued, each after the
@@ -803,26 +808,35 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
 // chunk's next load).
 static fy_status dup_flush(struct sim *s, double t, int through) {
   while (s->dup_i < s->dup_n) {
-    const int i = s->dup_i, set = i % 2, c = s->dup_chunk[i];
-    const int64_t used = s->dup_shard > 0 ? s->dup_shard : s->l->chunks[c].used;
+    const int i = s->dup_i, set = s->dup_p % 2, c = s->dup_chunk[i];
+    const int64_t span = s->dup_shard > 0 ? s->dup_shard : s->l->chunks[c].used, off = s->dup_k * s->dup_piece;
+    const int64_t used = span - off < s->dup_piece ? span - off : s->dup_piece;  // (the piece's elements)
+    const bool last = off + used >= span;
     const size_t mb = fy_state_moment_bytes(s->sf, used), gbytes = (size_t)used * (s->g16 ? s->pb : 4);
     void *const *d = s->dup_set[set];
-    if (s->dup_copy == 0) {
-      fy_stream_wait(s->dup_up, s->dup_free[set]);
+    // (the gradients once the update of the set's piece before has read them, then master, m and
+    // v, each once its copy home is done)
+    const int k = s->dup_copy, buf[4] = {3, 0, 1, 2};
+    if (k == 0) {
+      fy_stream_wait(s->dup_up, s->dup_done[set]);
       fy_stream_wait(s->dup_up, s->grad_ready[c]);
+    } else {
+      fy_stream_wait(s->dup_up, s->dup_free[set][k - 1]);
     }
     if (i > through && !(fy_timeline_clock(s->dup_up) < t)) return FY_OK;  // (not ready before that copy)
-    const size_t bytes[4] = {(size_t)used * 4, mb, mb, gbytes};
-    FY_TRY(fy_copy_async(s->dup_up, d[s->dup_copy], (const void *)FAKE_HOST, bytes[s->dup_copy]));
+    const size_t bytes[4] = {gbytes, (size_t)used * 4, mb, mb};
+    FY_TRY(fy_copy_async(s->dup_up, d[buf[k]], (const void *)FAKE_HOST, bytes[k]));
     if (++s->dup_copy < 4) continue;
     s->dup_copy = 0;
-    s->dup_i++;
+    if (last) s->dup_i++, s->dup_k = 0;
+    else s->dup_k++;
     fy_event_record(s->dup_in[set], s->dup_up);
-    if (i == 0) {  // (the host enqueues the updates once it knows the norm: the scale first)
+    if (s->dup_p++ == 0) {  // (the host enqueues the updates once it knows the norm: the scale first)
       fy_stream_wait(s->dup_run, s->norm_ready);
       FY_TRY(fy_copy_async(s->dup_run, s->dup_scale, (const void *)FAKE_HOST, 2 * sizeof(float)));
     }
     fy_stream_wait(s->dup_run, s->dup_in[set]);
+    if (!s->f32) fy_stream_wait(s->dup_run, s->dup_free[set][3]);  // (its 16-bit copy's buffer home)
     const double u = (double)used, conv = s->f32 ? 0 : u * (4.0 + (double)s->pb);  // (the master read, the 16-bit copy written)
     const double tr = s->gpu ? (u * (8 + 4 * s->mv_bpp + (s->act16 ? 2 : 0)) + (double)gbytes + conv) / s->dev_mem
                              : u * s->adamw_b / s->adamw + conv / s->mem;
@@ -831,12 +845,13 @@ static fy_status dup_flush(struct sim *s, double t, int through) {
     if (!s->gpu) *s->host_work += tr;
     fy_stream_wait(s->dup_down, s->dup_done[set]);
     void *h = (void *)FAKE_HOST;
-    FY_TRY(fy_copy_async(s->dup_down, h, d[0], (size_t)used * 4));
-    FY_TRY(fy_copy_async(s->dup_down, h, d[1], mb));
-    FY_TRY(fy_copy_async(s->dup_down, h, d[2], mb));
-    if (!s->f32) FY_TRY(fy_copy_async(s->dup_down, h, d[4], (size_t)used * s->pb));
+    const size_t down[4] = {(size_t)used * 4, mb, mb, s->f32 ? 0 : (size_t)used * s->pb};
+    for (int b = 0; b < 4; b++) {
+      if (down[b]) FY_TRY(fy_copy_async(s->dup_down, h, d[b == 3 ? 4 : b], down[b]));
+      fy_event_record(s->dup_free[set][b], s->dup_down);
+    }
+    if (!last) continue;
     fy_event_record(s->home_ready[c], s->dup_down);
-    fy_event_record(s->dup_free[set], s->dup_down);
     s->dup_home[i] = fy_timeline_clock(s->dup_down);
   }
   return FY_OK;
@@ -988,17 +1003,17 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   for (int c = 0; c < n_dev; c++) dev_elems += (double)l->chunks[c].used;
   // (and their parameters' sums of squares and the update's scale)
   if (lag) out->device_chunk_bytes += (double)fy_device_round((size_t)ce * pb, gran);  // (its gradients kept a step)
-  // Device updates (knobs.device_updates): two staging sets, each a chunk's fp32 master, m and v
-  // at their stored size, its gradients as the host tier holds them (the payload's dtype where
-  // they come home over the 16-bit copy, else fp32) and with 16-bit compute the new 16-bit copy
-  // (runtime/offload.c, create_dup: dup_w, dup_m, dup_v, dup_g, dup_w16), and the steps' scales.
-  // (Compressed state on a GPU also puts each streamed chunk's parameter ranges there, a few bytes
-  // a parameter group: not counted.)
-  // A sharded rank's m and v buffers are of its shard (the rest of a chunk's size, as allocated).
+  // Device updates (knobs.device_updates): two staging sets, each a piece's (fy_chunk_piece_elems
+  // of a chunk, or of a sharded rank's shard) fp32 master, m and v at their stored size, its
+  // gradients as the host tier holds them (the payload's dtype where they come home over the
+  // 16-bit copy, else fp32) and with 16-bit compute the new 16-bit copy (runtime/offload.c,
+  // create_dup: dup_w, dup_m, dup_v, dup_g, dup_w16), and the steps' scales. (Compressed state on
+  // a GPU also puts each piece's parameter ranges there, a few bytes a parameter group: not
+  // counted.)
   const bool dup = k->device_updates > 0;
-  const int64_t dup_mv = sharded ? ce / dp : ce;
-  const size_t dup_buf[] = {(size_t)ce * 4, fy_state_moment_bytes(sf, dup_mv), fy_state_moment_bytes(sf, dup_mv),
-                            (size_t)ce * (g16 ? (size_t)pb : 4), cdt != FY_F32 ? (size_t)ce * pb : 0};
+  const int64_t piece = fy_chunk_piece_elems(sharded ? ce / dp : ce);
+  const size_t dup_buf[] = {(size_t)piece * 4, fy_state_moment_bytes(sf, piece), fy_state_moment_bytes(sf, piece),
+                            (size_t)piece * (g16 ? (size_t)pb : 4), cdt != FY_F32 ? (size_t)piece * pb : 0};
   for (size_t i = 0; dup && i < sizeof dup_buf / sizeof *dup_buf; i++)
     if (dup_buf[i]) out->staging_bytes += 2 * (double)fy_device_round(dup_buf[i], gran);
   const double dev_state = (n_dev > 0 ? n_dev * out->device_chunk_bytes +
@@ -1173,7 +1188,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       if (dup_buf[b]) st = fy_device_alloc(s.dev, dup_buf[b], &s.dup_set[i][b]);
     if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_in[i]);
     if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_done[i]);
-    if (st == FY_OK) st = fy_event_create(s.dev, &s.dup_free[i]);
+    for (int b = 0; st == FY_OK && b < 4; b++) st = fy_event_create(s.dev, &s.dup_free[i][b]);
   }
   if (st == FY_OK && dup) st = fy_device_alloc(s.dev, 4 * sizeof(float), &s.dup_scale);  // (the steps' scales)
   if (st == FY_OK && n_up > 0) st = fy_stream_create(s.dev, &s.dup_up);
@@ -1305,7 +1320,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   const double adamw_b = 12 + 4 * mv_bpp;
   s.l = l, s.sf = sf, s.gpu = gpu, s.act16 = act16, s.g16 = g16, s.f32 = cdt == FY_F32, s.pb = (size_t)pb;  // (dup_flush's)
   s.mv_bpp = mv_bpp, s.dev_mem = dev_mem, s.mem = mem, s.adamw = adamw, s.adamw_b = adamw_b, s.host_work = &optim_step;
-  s.dup_shard = sharded ? ce / dp : 0;
+  s.dup_shard = sharded ? ce / dp : 0, s.dup_piece = piece;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
     s.counting = last;
@@ -1477,7 +1492,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     // Device updates: the first n_up host-tier chunks in chunk order not speculated, streamed
     // after the norm (dup_flush queues their copies as they become ready, through the next step).
     if (n_up > 0) {
-      s.dup_n = s.dup_i = s.dup_copy = 0;
+      s.dup_n = s.dup_i = s.dup_k = s.dup_p = s.dup_copy = 0;
       for (int c = 0; c < nc; c++) s.dup_idx[c] = -1;
     }
     for (int c = n_dev; n_up > 0 && c < nc - n_disk && s.dup_n < n_up; c++) {

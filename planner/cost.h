@@ -107,8 +107,9 @@ struct fy_plan_knobs {
   // Device updates (ferry train --device-updates N): the first N host-tier chunks in chunk order
   // (after the device chunks) that are not speculated are updated by the device instead of the
   // host's optimizer: once the norm is known their fp32 master, m, v (at their stored size) and
-  // gradients cross the link to one of two staging sets in device memory (each a chunk's master,
-  // m, v, gradients and with 16-bit compute its 16-bit copy: device memory, priced, so fewer cache
+  // gradients cross the link, a piece (fy_chunk_piece_elems) at a time, to one of two staging sets
+  // in device memory (each a piece's master, m, v, gradients and with 16-bit compute its 16-bit
+  // copy: device memory, priced, so fewer cache
   // blocks fit), the device's AdamW (the device chunks' kernels) updates them, and master, m, v
   // and the new 16-bit copy go home, on three streams of their own sharing the link with the
   // cache's copies; the host updates the other chunks meanwhile. Offloaded on a GPU or sim: one

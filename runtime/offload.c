@@ -168,20 +168,31 @@ struct fy_offload {
   int64_t spec_steps, spec_redone;    // steps that speculated, and those whose norm had them redone
   // Device updates (fy_offload_opts.device_updates): n_dup host-tier chunks (dup_chunk[i], the
   // first in chunk order neither speculated nor on disk; dup_slot[c] is i, or -1) updated by the
-  // device after the norm. Chunk i goes through staging set i % 2 in device memory (dup_w: master,
-  // dup_m, dup_v: m and v at the stored size, dup_g: the gradients as the host tier holds them,
-  // dup_w16: the next 16-bit copy): copied in on dup_up, updated on dup_run (kernels, or host
-  // functions on sim, reading the step's scale and skip flag from dup_scale), copied home on
-  // dup_down, where the chunk's home_ready and the set's dup_free are recorded. Each
-  // chunk's parameter ranges are in dev_ranges, as the device chunks' (compressed state on a GPU).
-  int n_dup;
+  // device after the norm, in pieces of at most dup_piece_elems elements (fy_chunk_piece_elems of
+  // S): dup_pieces[0 .. n_pieces), chunk by chunk in order. The step's piece p goes through staging
+  // set p % 2 in device memory (dup_w: master, dup_m, dup_v: m and v at the stored size, dup_g: the
+  // gradients as the host tier holds them, dup_w16: the next 16-bit copy; each of a piece): copied
+  // in on dup_up, updated on dup_run (kernels, or host functions on sim, reading the step's scale
+  // and skip flag from dup_scale), copied home on dup_down, where each of the set's buffers'
+  // dup_free (master, m, v, 16-bit copy: the next piece of the set waits for each buffer alone)
+  // and, after a chunk's last piece, the chunk's home_ready are recorded.
+  int n_dup, n_pieces;
   int *dup_chunk, *dup_slot;
+  int64_t dup_piece_elems;
+  struct dup_piece {
+    int chunk;
+    int64_t off, n;  // the chunk's elements [lo + off, lo + off + n): of its part (span) from x->lo
+    // Compressed state: the parameters' ranges in the piece (as chunk_ranges': weight decay 1
+    // where it applies, then as many again for the step's decay), and on a GPU a copy there.
+    int n_ranges;
+    struct fy_adamw_range *ranges, *dev_ranges;
+  } *dup_pieces;
   fy_stream *dup_up, *dup_run, *dup_down;
   float *dup_w[2], *dup_m[2], *dup_v[2];
   void *dup_g[2], *dup_w16[2];
-  fy_event *dup_in[2], *dup_ran[2], *dup_free[2], *dup_done[2];  // dup_done: a step's (parity) last copy home
+  fy_event *dup_in[2], *dup_ran[2], *dup_free[2][4], *dup_done[2];  // dup_done: a step's (parity) last copy home
   float *dup_scale;
-  struct dup_job { struct fy_offload *x; int chunk, q, set; } *dup_jobs[2];  // per step parity, as jobs
+  struct dup_job { struct fy_offload *x; int piece, q; } *dup_jobs[2];  // per step parity, as jobs
   bool profiling;  // fy_offload_profile
   bool lag, dev_pending;
   int dev_pending_q;
@@ -1511,9 +1522,39 @@ static void free_spec(struct fy_offload *x) {
   free(x->spec_chunk);
 }
 
+// Device update pieces (dup_pieces) of the chunks dup_chunk: each chunk's part in pieces of
+// dup_piece_elems, and with compressed state each piece's parameter ranges (on a GPU in device
+// memory too, where the kernels read them).
+static fy_status dup_cut_pieces(struct fy_offload *x) {
+  const int64_t pe = x->dup_piece_elems;
+  int n = 0;
+  for (int i = 0; i < x->n_dup; i++) n += (int)((span(x, x->dup_chunk[i]) + pe - 1) / pe);
+  if (!(x->dup_pieces = calloc((size_t)n, sizeof *x->dup_pieces))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+  x->n_pieces = n;
+  struct dup_piece *p = x->dup_pieces;
+  for (int i = 0; i < x->n_dup; i++) {
+    const int c = x->dup_chunk[i];
+    for (int64_t off = 0; off < span(x, c); off += pe, p++) {
+      *p = (struct dup_piece){.chunk = c, .off = off, .n = span(x, c) - off < pe ? span(x, c) - off : pe};
+      if (x->sf == FY_STATE_F32) continue;
+      if (!(p->ranges = calloc((size_t)(2 * x->n_ranges[c] + 1), sizeof *p->ranges)))
+        return fy_error_set(FY_ERR_NOMEM, "out of memory");
+      for (int k = 0; k < x->n_ranges[c]; k++) {  // (the chunk's ranges, of its part from x->lo)
+        const struct fy_adamw_range *r = &x->ranges[c][k];
+        const int64_t a = r->off > off ? r->off : off, b = r->off + r->n < off + p->n ? r->off + r->n : off + p->n;
+        if (a < b) p->ranges[p->n_ranges++] = (struct fy_adamw_range){a - off, b - a, r->weight_decay};
+      }
+      if (!launches_kernels(x->m) || p->n_ranges == 0) continue;
+      fy_status st = fy_device_alloc(x->dev, (size_t)p->n_ranges * sizeof *p->ranges, (void **)&p->dev_ranges);
+      if (st != FY_OK) return fy_error_wrap(st, "keeping chunk %d's parameter ranges on the device", c);
+    }
+  }
+  return FY_OK;
+}
+
 // Device updates (fy_offload_opts.device_updates): the chunks (up to `want`, the first host-tier
-// ones in chunk order that are not speculated), their streams, events and the two staging sets in
-// device memory (before the cache takes what is left).
+// ones in chunk order that are not speculated), their pieces, streams, events and the two staging
+// sets in device memory (before the cache takes what is left).
 static fy_status create_dup(struct fy_offload *x, int want) {
   struct fy_model *m = x->m;
   const int nc = m->layout->n_chunks, first_disk = nc - x->n_disk_chunks;
@@ -1537,35 +1578,35 @@ static fy_status create_dup(struct fy_offload *x, int want) {
   fy_stream **streams[] = {&x->dup_up, &x->dup_run, &x->dup_down};
   for (int i = 0; i < 3; i++) FY_TRY(fy_stream_create(x->dev, streams[i]));
   for (int s = 0; s < 2; s++) {
-    fy_event **ev[] = {&x->dup_in[s], &x->dup_ran[s], &x->dup_free[s], &x->dup_done[s]};
-    for (int i = 0; i < 4; i++) FY_TRY(fy_event_create(x->dev, ev[i]));
-    if (!(x->dup_jobs[s] = calloc((size_t)n, sizeof *x->dup_jobs[s]))) return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    fy_event **ev[] = {&x->dup_in[s],      &x->dup_ran[s],     &x->dup_free[s][0], &x->dup_free[s][1],
+                       &x->dup_free[s][2], &x->dup_free[s][3], &x->dup_done[s]};
+    for (size_t i = 0; i < sizeof ev / sizeof *ev; i++) FY_TRY(fy_event_create(x->dev, ev[i]));
   }
-  const size_t ce = (size_t)m->layout->chunk_elems, gb = ce * fy_dtype_size(grads_dtype(x, x->dup_chunk[0]));
+  x->dup_piece_elems = fy_chunk_piece_elems(x->S);
+  FY_TRY(dup_cut_pieces(x));
+  const size_t pe = (size_t)x->dup_piece_elems, gb = pe * fy_dtype_size(grads_dtype(x, x->dup_chunk[0]));
+  const size_t mb = fy_state_moment_bytes(x->sf, (int64_t)pe);
   for (int s = 0; s < 2; s++) {
-    fy_status st = fy_device_alloc(x->dev, ce * 4, (void **)&x->dup_w[s]);
-    if (st == FY_OK) st = fy_device_alloc(x->dev, x->mb, (void **)&x->dup_m[s]);
-    if (st == FY_OK) st = fy_device_alloc(x->dev, x->mb, (void **)&x->dup_v[s]);
+    fy_status st = fy_device_alloc(x->dev, pe * 4, (void **)&x->dup_w[s]);
+    if (st == FY_OK) st = fy_device_alloc(x->dev, mb, (void **)&x->dup_m[s]);
+    if (st == FY_OK) st = fy_device_alloc(x->dev, mb, (void **)&x->dup_v[s]);
     if (st == FY_OK) st = fy_device_alloc(x->dev, gb, &x->dup_g[s]);
-    if (st == FY_OK && x->chome) st = fy_device_alloc(x->dev, ce * x->esize, &x->dup_w16[s]);
+    if (st == FY_OK && x->chome) st = fy_device_alloc(x->dev, pe * x->esize, &x->dup_w16[s]);
     if (st != FY_OK)
       return fy_error_wrap(st, "device updates of %d chunks (--device-updates) need two staging sets of %.1f MiB in "
                            "device memory, whatever the number of chunks (give a larger --device-mem, or "
-                           "--device-updates 0)", n, (ce * 4 + 2.0 * x->mb + gb + (x->chome ? ce * x->esize : 0)) / 1048576.0);
+                           "--device-updates 0)", n, (pe * 4 + 2.0 * mb + gb + (x->chome ? pe * x->esize : 0)) / 1048576.0);
   }
   FY_TRY(fy_device_alloc(x->dev, 4 * sizeof(float), (void **)&x->dup_scale));
   if (!x->host_scale) {
     FY_TRY(fy_host_alloc(m->host, 4 * sizeof(float), (void **)&x->host_scale));
     memset(x->host_scale, 0, 4 * sizeof(float));
   }
-  for (int i = 0; i < n && launches_kernels(m) && x->sf != FY_STATE_F32; i++) {  // (the kernels read them there)
-    const int c = x->dup_chunk[i];
-    if (x->n_ranges[c] == 0) continue;
-    fy_status st = fy_device_alloc(x->dev, (size_t)x->n_ranges[c] * sizeof **x->dev_ranges, (void **)&x->dev_ranges[c]);
-    if (st != FY_OK) return fy_error_wrap(st, "keeping chunk %d's parameter ranges on the device", c);
+  for (int q = 0; q < 2; q++) {
+    if (!(x->dup_jobs[q] = calloc((size_t)x->n_pieces, sizeof *x->dup_jobs[q])))
+      return fy_error_set(FY_ERR_NOMEM, "out of memory");
+    for (int j = 0; j < x->n_pieces; j++) x->dup_jobs[q][j] = (struct dup_job){.x = x, .piece = j, .q = q};
   }
-  for (int q = 0; q < 2; q++)
-    for (int i = 0; i < n; i++) x->dup_jobs[q][i] = (struct dup_job){.x = x, .chunk = x->dup_chunk[i], .q = q, .set = i & 1};
   return FY_OK;
 }
 
@@ -1573,20 +1614,26 @@ static void free_dup(struct fy_offload *x) {
   fy_stream_free(x->dup_up);
   fy_stream_free(x->dup_run);
   fy_stream_free(x->dup_down);
-  const size_t ce = (size_t)x->m->layout->chunk_elems;
+  const size_t pe = (size_t)x->dup_piece_elems, mb = fy_state_moment_bytes(x->sf, (int64_t)pe);
   for (int s = 0; s < 2; s++) {
     fy_event_free(x->dup_in[s]);
     fy_event_free(x->dup_ran[s]);
-    fy_event_free(x->dup_free[s]);
+    for (int b = 0; b < 4; b++) fy_event_free(x->dup_free[s][b]);
     fy_event_free(x->dup_done[s]);
     free(x->dup_jobs[s]);
-    if (x->dup_w[s]) fy_device_dealloc(x->dev, x->dup_w[s], ce * 4);
-    if (x->dup_m[s]) fy_device_dealloc(x->dev, x->dup_m[s], x->mb);
-    if (x->dup_v[s]) fy_device_dealloc(x->dev, x->dup_v[s], x->mb);
-    if (x->dup_g[s]) fy_device_dealloc(x->dev, x->dup_g[s], ce * fy_dtype_size(grads_dtype(x, x->dup_chunk[0])));
-    if (x->dup_w16[s]) fy_device_dealloc(x->dev, x->dup_w16[s], ce * x->esize);
+    if (x->dup_w[s]) fy_device_dealloc(x->dev, x->dup_w[s], pe * 4);
+    if (x->dup_m[s]) fy_device_dealloc(x->dev, x->dup_m[s], mb);
+    if (x->dup_v[s]) fy_device_dealloc(x->dev, x->dup_v[s], mb);
+    if (x->dup_g[s]) fy_device_dealloc(x->dev, x->dup_g[s], pe * fy_dtype_size(grads_dtype(x, x->dup_chunk[0])));
+    if (x->dup_w16[s]) fy_device_dealloc(x->dev, x->dup_w16[s], pe * x->esize);
   }
   if (x->dup_scale) fy_device_dealloc(x->dev, x->dup_scale, 4 * sizeof(float));
+  for (int j = 0; x->dup_pieces && j < x->n_pieces; j++) {
+    struct dup_piece *p = &x->dup_pieces[j];
+    if (p->dev_ranges) fy_device_dealloc(x->dev, p->dev_ranges, (size_t)p->n_ranges * sizeof *p->dev_ranges);
+    free(p->ranges);
+  }
+  free(x->dup_pieces);
   free(x->dup_slot);
   free(x->dup_chunk);
 }
@@ -2286,29 +2333,36 @@ static fy_status disk_wait_set(struct fy_offload *x, int b) {
   return s1 != FY_OK ? s1 : s2 != FY_OK ? s2 : s3;
 }
 
-// Chunk c's parameter ranges with weight decay wd where a parameter decays, written to the
-// scratch after them (the first n_ranges[c] say which parameters decay, with 1; chunk_ranges).
-static struct fy_adamw_range *decayed_ranges(struct fy_offload *x, int c, float wd) {
-  struct fy_adamw_range *r = x->ranges[c] + x->n_ranges[c];
-  for (int i = 0; i < x->n_ranges[c]; i++) {
-    r[i] = x->ranges[c][i];
+// Parameter ranges (n, saying which decay with 1: chunk_ranges, a device update's piece) with weight
+// decay wd where a parameter decays, written to the scratch after them (n more).
+static struct fy_adamw_range *with_decay(struct fy_adamw_range *ranges, int n, float wd) {
+  struct fy_adamw_range *r = ranges + n;
+  for (int i = 0; i < n; i++) {
+    r[i] = ranges[i];
     r[i].weight_decay = r[i].weight_decay != 0.0f ? wd : 0.0f;
   }
   return r;
 }
 
-// The host's AdamW of chunk c's elements [lo, hi) (its part; the state buffers hold [lo, hi)):
-// master params, m and v mm, vv in the state format, from the fp32 gradients gg, or with copy16
-// from the bf16 gradients there, which receive the next bf16 weights in the same pass; step a's
-// arguments with the gradient scale `scale`.
+// Chunk c's parameter ranges (x->ranges[c]) with weight decay wd.
+static struct fy_adamw_range *decayed_ranges(struct fy_offload *x, int c, float wd) {
+  return with_decay(x->ranges[c], x->n_ranges[c], wd);
+}
+
+// The host's AdamW of chunk c's elements [lo, hi) (its part, or a piece of it; the buffers hold
+// [lo, hi)): master params, m and v mm, vv in the state format, from the fp32 gradients gg, or
+// with copy16 from the bf16 gradients there, which receive the next bf16 weights in the same pass;
+// step a's arguments with the gradient scale `scale`. Compressed state updates the buffers at
+// once, a range a parameter: ranges (n_ranges, flagged as chunk_ranges', of [lo, hi)).
 static fy_status host_update(struct fy_offload *x, const struct step_args *a, int c, float *params, float *mm, float *vv,
-                             const float *gg, void *copy16, int64_t lo, int64_t hi, float scale) {
+                             const float *gg, void *copy16, int64_t lo, int64_t hi, float scale,
+                             struct fy_adamw_range *ranges, int n_ranges) {
   const struct fy_graph *g = x->m->graph;
-  if (x->sf != FY_STATE_F32) {  // the chunk's whole buffer at once, a range a parameter (chunk_ranges)
-    const struct fy_adamw_range *r = decayed_ranges(x, c, a->h.weight_decay);
-    return copy16 ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, copy16, hi - lo, r, x->n_ranges[c], a->lr,
+  if (x->sf != FY_STATE_F32) {
+    const struct fy_adamw_range *r = with_decay(ranges, n_ranges, a->h.weight_decay);
+    return copy16 ? fy_adamw_state_update_bf16(x->sf, params, mm, vv, copy16, hi - lo, r, n_ranges, a->lr,
                                                a->h.beta1, a->h.beta2, a->h.eps, a->t, scale)
-                  : fy_adamw_state_update(x->sf, params, mm, vv, gg, hi - lo, r, x->n_ranges[c], a->lr, a->h.beta1,
+                  : fy_adamw_state_update(x->sf, params, mm, vv, gg, hi - lo, r, n_ranges, a->lr, a->h.beta1,
                                           a->h.beta2, a->h.eps, a->t, scale);
   }
   // AdamW is elementwise: a parameter's part in [lo, hi) is updated as the whole would be.
@@ -2372,7 +2426,8 @@ static void adamw_fn(void *arg) {
       return;
     }
   }
-  fy_status ust = host_update(x, a, c, params, mm, vv, gg, bf16_in_copy ? j->copy : NULL, lo, hi, scale);
+  fy_status ust = host_update(x, a, c, params, mm, vv, gg, bf16_in_copy ? j->copy : NULL, lo, hi, scale,
+                              x->ranges ? x->ranges[c] : NULL, x->ranges ? x->n_ranges[c] : 0);
   if (ust != FY_OK) async_fail(x, ust);
   if (c < x->n_dev && x->dev_w16[c])  // the device's 16-bit copy (lo is 0)
     to_payload(x, x->dev_w16[c], params, hi);
@@ -2490,7 +2545,7 @@ static fy_status device_sumsq(struct fy_offload *x, int q, int c) {
   return kernels_sumsq(x, c, chunk_grads(x, c));
 }
 
-// The device ranges (dev_ranges: the device chunks' and the device updates' chunks', compressed
+// The device ranges (dev_ranges: the device chunks', and the device updates' pieces', compressed
 // state) with weight decay wd, copied there on the compute stream when it changed (once: the
 // decay is the run's).
 static fy_status dev_ranges_sync(struct fy_offload *x, float wd) {
@@ -2500,6 +2555,12 @@ static fy_status dev_ranges_sync(struct fy_offload *x, float wd) {
     const struct fy_adamw_range *r = decayed_ranges(x, d, wd);
     FY_TRY(fy_copy_async(x->compute, x->dev_ranges[d], r, (size_t)x->n_ranges[d] * sizeof *r));
   }
+  for (int j = 0; j < x->n_pieces; j++) {
+    struct dup_piece *p = &x->dup_pieces[j];
+    if (!p->dev_ranges) continue;
+    const struct fy_adamw_range *r = with_decay(p->ranges, p->n_ranges, wd);
+    FY_TRY(fy_copy_async(x->compute, p->dev_ranges, r, (size_t)p->n_ranges * sizeof *r));
+  }
   FY_TRY(fy_stream_sync(x->compute));  // (the host's ranges may change again only after the copy)
   x->dev_ranges_set = true;
   x->dev_ranges_wd = wd;
@@ -2508,18 +2569,20 @@ static fy_status dev_ranges_sync(struct fy_offload *x, float wd) {
 
 // AdamW of chunk c's elements [lo, hi) held in device memory (master w, m and v, gradients grads,
 // the next 16-bit copy w16 or NULL; each buffer holds [lo, hi): a device chunk's used part, or a
-// host-tier chunk's as the host keeps it, this rank's shard with sharding), with step q's arguments
-// and the scale and skip flag at scale_skip (device memory): the kernels, launched on the stream
-// they launch on now.
+// piece of a host-tier chunk's part as the host keeps it, this rank's shard with sharding), with
+// step q's arguments and the scale and skip flag at scale_skip (device memory): the kernels,
+// launched on the stream they launch on now. Compressed state updates the buffers at once, a
+// range a parameter: dev_ranges (n_ranges, with the step's decay: dev_ranges_sync) in device memory.
 static fy_status kernels_adamw(struct fy_offload *x, int q, int c, float *w, void *mo, void *v, const void *grads,
-                               void *w16, int64_t lo, int64_t hi, const float *scale_skip) {
+                               void *w16, int64_t lo, int64_t hi, const float *scale_skip,
+                               const struct fy_adamw_range *dev_ranges, int n_ranges) {
   const struct fy_graph *g = x->m->graph;
   const struct step_args *a = &x->args[q];
   const char *gg = grads;
   const enum fy_dtype dt = grads_dtype(x, c);
-  if (x->sf != FY_STATE_F32)  // the chunk at once, its ranges in device memory (chunk_ranges)
-    return x->m->kernels->chunk_adamw_state(x->m, x->sf, w, mo, v, gg, dt, w16, hi - lo, x->dev_ranges[c],
-                                            x->n_ranges[c], a->lr, a->h.beta1, a->h.beta2, a->h.eps, a->t, scale_skip);
+  if (x->sf != FY_STATE_F32)
+    return x->m->kernels->chunk_adamw_state(x->m, x->sf, w, mo, v, gg, dt, w16, hi - lo, dev_ranges, n_ranges, a->lr,
+                                            a->h.beta1, a->h.beta2, a->h.eps, a->t, scale_skip);
   for (int k = x->param_first[c]; k < x->param_first[c + 1]; k++) {  // (elementwise: a part as the whole)
     const struct fy_param *p = &g->params[x->param_ids[k]];
     const int64_t b0 = p->chunk_offset > lo ? p->chunk_offset : lo;
@@ -2542,7 +2605,8 @@ static fy_status device_adamw(struct fy_offload *x, int q, int c, const void *gr
   if (!launches_kernels(x->m)) return fy_stream_enqueue(x->compute, adamw_fn, &x->jobs[q][c]);
   if (x->sf != FY_STATE_F32) FY_TRY(dev_ranges_sync(x, x->args[q].h.weight_decay));
   return kernels_adamw(x, q, c, x->dev_w[c], x->dev_m[c], x->dev_v[c], grads, x->dev_w16[c], 0,
-                       x->m->layout->chunks[c].used, x->dev_scale + 2 * q);
+                       x->m->layout->chunks[c].used, x->dev_scale + 2 * q, x->dev_ranges ? x->dev_ranges[c] : NULL,
+                       x->ranges ? x->n_ranges[c] : 0);
 }
 
 // --optimizer-lag: the device chunks' update from the gradients kept by an earlier
@@ -2667,76 +2731,107 @@ static fy_status sum_tied(struct fy_offload *x) {
 
 // ---- device updates ----
 
-// Sim: device update j's AdamW on its staging set as a host function on dup_run, the scale and
-// skip flag read from dup_scale as the kernels read them; then the next 16-bit copy from the
+// Sim: device update piece j's AdamW on its staging set as a host function on dup_run, the scale
+// and skip flag read from dup_scale as the kernels read them; then the next 16-bit copy from the
 // master (a skipped step's from the master as it was: the chunk's copy at home holds gradients).
 static void dup_fn(void *arg) {
   struct dup_job *j = arg;
   struct fy_offload *x = j->x;
-  const int c = j->chunk, s = j->set;
+  struct dup_piece *p = &x->dup_pieces[j->piece];
+  const int c = p->chunk, s = j->piece & 1;
   const float *ss = x->dup_scale + 2 * j->q;
-  const int64_t n = span(x, c);
   if (ss[1] == 0.0f) {
     const bool b16 = grads_bf16(x, c);
     fy_status st = host_update(x, &x->args[j->q], c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s],
-                               b16 ? x->dup_g[s] : NULL, x->lo, x->lo + n, ss[0]);
+                               b16 ? x->dup_g[s] : NULL, x->lo + p->off, x->lo + p->off + p->n, ss[0], p->ranges,
+                               p->n_ranges);
     if (st != FY_OK) {
       async_fail(x, st);
       return;
     }
   }
-  if (x->dup_w16[s]) to_payload(x, x->dup_w16[s], x->dup_w[s], n);
+  if (x->dup_w16[s]) to_payload(x, x->dup_w16[s], x->dup_w[s], p->n);
 }
 
-// Device update i's copies in, on dup_up, once its staging set is free (its last chunk's copies
-// home) and its gradients are home: the chunk's master, m, v and gradients. They need no norm, so
-// the first two are enqueued before it is known.
-static fy_status dup_upload(struct fy_offload *x, int i) {
-  const int c = x->dup_chunk[i], s = i & 1;
-  const int64_t n = span(x, c);
-  FY_TRY(fy_stream_wait(x->dup_up, x->dup_free[s]));
+// Piece p's m or v between its chunk's buffer at home (state_elems of the chunk) and a staging
+// buffer `staged` of the piece's elements, on stream st (to the device, or home): the stored
+// values of its elements, and with 8-bit state its blocks' scales, where a buffer of the piece's
+// size keeps them (the piece starts on a block: fy_chunk_piece_elems).
+static fy_status dup_copy_moment(struct fy_offload *x, fy_stream *st, const struct dup_piece *p, void *home,
+                                 void *staged, bool to_device) {
+  const size_t es = x->sf == FY_STATE_F32 ? 4 : x->sf == FY_STATE_BF16 ? 2 : 1;
+  char *h = (char *)home + (size_t)p->off * es, *d = staged;
+  FY_TRY(to_device ? fy_copy_async(st, d, h, (size_t)p->n * es) : fy_copy_async(st, h, d, (size_t)p->n * es));
+  if (x->sf != FY_STATE_Q8) return FY_OK;
+  h = (char *)home + fy_q8_scales_offset(state_elems(x, p->chunk)) + (size_t)(p->off / FY_Q8_BLOCK) * 4;
+  d = (char *)staged + fy_q8_scales_offset(p->n);
+  const size_t sb = (size_t)fy_q8_blocks(p->n) * 4;
+  return to_device ? fy_copy_async(st, d, h, sb) : fy_copy_async(st, h, d, sb);
+}
+
+// Device update piece j's copies in, on dup_up, into staging set j % 2: its gradients once its
+// chunk's are home and the update of piece j - 2 has read the set's, then its master, m and v,
+// each once piece j - 2's copy of it is home (so that the copies in follow the copies home a
+// buffer behind, not a piece). They need no norm, so the first two pieces' are enqueued before it
+// is known.
+static fy_status dup_upload(struct fy_offload *x, int j) {
+  const struct dup_piece *p = &x->dup_pieces[j];
+  const int c = p->chunk, s = j & 1;
+  const size_t gs = fy_dtype_size(grads_dtype(x, c));
+  FY_TRY(fy_stream_wait(x->dup_up, x->dup_ran[s]));
   FY_TRY(fy_stream_wait(x->dup_up, x->grad_ready[c]));
-  FY_TRY(fy_copy_async(x->dup_up, x->dup_w[s], home_weights(x, c), (size_t)n * 4));
-  FY_TRY(fy_copy_async(x->dup_up, x->dup_m[s], x->m_home[c], state_bytes(x, c)));
-  FY_TRY(fy_copy_async(x->dup_up, x->dup_v[s], x->v_home[c], state_bytes(x, c)));
-  FY_TRY(fy_copy_async(x->dup_up, x->dup_g[s], chunk_grads(x, c), (size_t)n * fy_dtype_size(grads_dtype(x, c))));
+  FY_TRY(fy_copy_async(x->dup_up, x->dup_g[s], (const char *)chunk_grads(x, c) + (size_t)p->off * gs, (size_t)p->n * gs));
+  FY_TRY(fy_stream_wait(x->dup_up, x->dup_free[s][0]));
+  FY_TRY(fy_copy_async(x->dup_up, x->dup_w[s], home_weights(x, c) + p->off, (size_t)p->n * 4));
+  FY_TRY(fy_stream_wait(x->dup_up, x->dup_free[s][1]));
+  FY_TRY(dup_copy_moment(x, x->dup_up, p, x->m_home[c], x->dup_m[s], true));
+  FY_TRY(fy_stream_wait(x->dup_up, x->dup_free[s][2]));
+  FY_TRY(dup_copy_moment(x, x->dup_up, p, x->v_home[c], x->dup_v[s], true));
   return fy_event_record(x->dup_in[s], x->dup_up);
 }
 
 // Step q's device updates, once the host knows its norm (host_scale holds the scale and the skip
-// flag): for each chunk in chunk order, AdamW on dup_run after its copies in (kernels with the
-// 16-bit copy first taken from the master, which a skipped step leaves as it is), its master, m,
-// v and 16-bit copy home on dup_down, then its home_ready; the copies in of the chunk two ahead
-// after them (uploads 0 and 1 were enqueued before the norm).
+// flag): for each piece in order, AdamW on dup_run after its copies in and piece j - 2's 16-bit
+// copy home (kernels with the 16-bit copy first taken from the master, which a skipped step leaves
+// as it is), its master, m, v and
+// 16-bit copy home on dup_down, and after a chunk's last piece the chunk's home_ready; the copies
+// in of the piece two ahead after them (pieces 0 and 1 were enqueued before the norm).
 static fy_status dup_updates(struct fy_offload *x, int q) {
   const bool kernels = launches_kernels(x->m);
   FY_TRY(fy_copy_async(x->dup_run, x->dup_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));
   if (kernels && x->sf != FY_STATE_F32) FY_TRY(dev_ranges_sync(x, x->args[q].h.weight_decay));
-  for (int i = 0; i < x->n_dup; i++) {
-    const int c = x->dup_chunk[i], s = i & 1;
-    const int64_t n = span(x, c);
+  for (int j = 0; j < x->n_pieces; j++) {
+    const struct dup_piece *p = &x->dup_pieces[j];
+    const int c = p->chunk, s = j & 1;
+    const int64_t lo = x->lo + p->off;
     FY_TRY(fy_stream_wait(x->dup_run, x->dup_in[s]));
+    FY_TRY(fy_stream_wait(x->dup_run, x->dup_free[s][3]));  // (piece j - 2's 16-bit copy home)
     if (kernels) {
       const struct fy_model_kernels *kt = x->m->kernels;
       kt->launch_on(x->m, x->dup_run);
-      fy_status st = x->dup_w16[s] ? kt->chunk_to16(x->m, x->dup_w16[s], x->dup_w[s], n) : FY_OK;
+      fy_status st = x->dup_w16[s] ? kt->chunk_to16(x->m, x->dup_w16[s], x->dup_w[s], p->n) : FY_OK;
       if (st == FY_OK)
-        st = kernels_adamw(x, q, c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s], x->dup_w16[s], x->lo,
-                           x->lo + n, x->dup_scale + 2 * q);
+        st = kernels_adamw(x, q, c, x->dup_w[s], x->dup_m[s], x->dup_v[s], x->dup_g[s], x->dup_w16[s], lo, lo + p->n,
+                           x->dup_scale + 2 * q, p->dev_ranges, p->n_ranges);
       kt->launch_on(x->m, x->compute);
       FY_TRY(st);
     } else {
-      FY_TRY(fy_stream_enqueue(x->dup_run, dup_fn, &x->dup_jobs[q][i]));
+      FY_TRY(fy_stream_enqueue(x->dup_run, dup_fn, &x->dup_jobs[q][j]));
     }
     FY_TRY(fy_event_record(x->dup_ran[s], x->dup_run));
     FY_TRY(fy_stream_wait(x->dup_down, x->dup_ran[s]));
-    FY_TRY(fy_copy_async(x->dup_down, home_weights(x, c), x->dup_w[s], (size_t)n * 4));
-    FY_TRY(fy_copy_async(x->dup_down, x->m_home[c], x->dup_m[s], state_bytes(x, c)));
-    FY_TRY(fy_copy_async(x->dup_down, x->v_home[c], x->dup_v[s], state_bytes(x, c)));
-    if (x->chome) FY_TRY(fy_copy_async(x->dup_down, x->chome[c], x->dup_w16[s], (size_t)n * x->esize));
-    FY_TRY(fy_event_record(x->home_ready[c], x->dup_down));
-    FY_TRY(fy_event_record(x->dup_free[s], x->dup_down));
-    if (i + 2 < x->n_dup) FY_TRY(dup_upload(x, i + 2));
+    FY_TRY(fy_copy_async(x->dup_down, home_weights(x, c) + p->off, x->dup_w[s], (size_t)p->n * 4));
+    FY_TRY(fy_event_record(x->dup_free[s][0], x->dup_down));
+    FY_TRY(dup_copy_moment(x, x->dup_down, p, x->m_home[c], x->dup_m[s], false));
+    FY_TRY(fy_event_record(x->dup_free[s][1], x->dup_down));
+    FY_TRY(dup_copy_moment(x, x->dup_down, p, x->v_home[c], x->dup_v[s], false));
+    FY_TRY(fy_event_record(x->dup_free[s][2], x->dup_down));
+    if (x->chome)
+      FY_TRY(fy_copy_async(x->dup_down, (char *)x->chome[c] + (size_t)p->off * x->esize, x->dup_w16[s],
+                           (size_t)p->n * x->esize));
+    FY_TRY(fy_event_record(x->dup_free[s][3], x->dup_down));
+    if (j + 1 == x->n_pieces || x->dup_pieces[j + 1].chunk != c) FY_TRY(fy_event_record(x->home_ready[c], x->dup_down));
+    if (j + 2 < x->n_pieces) FY_TRY(dup_upload(x, j + 2));
   }
   return fy_event_record(x->dup_done[q], x->dup_down);
 }
@@ -2779,7 +2874,7 @@ fy_status fy_offload_update(struct fy_offload *x, const struct fy_adamw *h, floa
     FY_TRY(fy_stream_enqueue(x->optim, spec_fn, &x->spec_jobs[q][k]));
     FY_TRY(fy_event_record(x->spec_done[k], x->optim));
   }
-  for (int i = 0; i < x->n_dup && i < 2; i++) FY_TRY(dup_upload(x, i));  // (the device updates' first copies in)
+  for (int j = 0; j < x->n_pieces && j < 2; j++) FY_TRY(dup_upload(x, j));  // (the device updates' first copies in)
   if (x->norm_stream != x->optim) FY_TRY(fy_stream_wait(x->optim, x->norm_ready));  // (the updates' scale)
   if (x->lag) {  // the device chunks' update of the step before (its scale is known), then this one's kept
     FY_TRY(device_pending_update(x));

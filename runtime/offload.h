@@ -86,8 +86,9 @@ struct fy_offload_opts {
   // Device updates: up to device_updates host-tier chunks (the first in chunk order that are
   // neither speculated nor on disk) are updated by the device's kernels instead of the host's
   // optimizer: once the gradient norm is known, their fp32 master, m, v and gradients cross the
-  // link to a staging set in device memory (two sets, 4 + 2 x the moment's + the gradients' +
-  // the 16-bit copy's bytes an element each), the device's AdamW (the device chunks' kernels, the
+  // link in pieces (fy_chunk_piece_elems: a quarter of a chunk's part) to a staging set in device
+  // memory (two sets, 4 + 2 x the moment's + the gradients' + the 16-bit copy's bytes an element
+  // of a piece each), the device's AdamW (the device chunks' kernels, the
   // same bits) updates them, and master, m, v and the next 16-bit copy go home, on three streams
   // of their own. The host optimizer updates the other chunks meanwhile: the link's idle time
   // takes a share of the host's work. Sharded ranks update their shards so, pipeline stages their

@@ -177,9 +177,10 @@ sys.exit(0 if ok and abs(got - want) <= 0.03 * want else 1)
 PY
 # The same plan without chunks kept on the GPU, and again with 2 device updates (the plan file's
 # "device_updates"): the same losses to the last digit, and the second's device peak the first's
-# plus the two staging sets the planner counts (a chunk's fp32 master, m and v, its gradients as
+# plus the two staging sets the planner counts (a piece's fp32 master, m and v, its gradients as
 # they come home, bf16 with one micro-batch a step and else fp32, and its bf16 copy, each in
-# 256-byte granules) and the steps' scales: the staging is what the runtime allocates.
+# 256-byte granules; a piece a quarter of a chunk in whole 256-element blocks) and the steps'
+# scales: the staging is what the runtime allocates.
 for n in 0 2; do
   python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p.update(device_chunks=0, device_updates=int(sys.argv[3])); json.dump(p, open(sys.argv[2], "w"))' \
     "$d/plan.json" "$d/plandu$n.json" "$n"
@@ -192,7 +193,8 @@ a, b = ([json.loads(l) for l in open(p) if l.startswith("{")] for p in sys.argv[
 plan = json.load(open(sys.argv[3]))
 ce, gb = plan["chunk_elems"], 2 if plan["grad_accum"] == 1 else 4
 up = lambda n: (n + 255) // 256 * 256
-staging = (2 * (3 * up(ce * 4) + up(ce * gb) + up(ce * 2)) + up(16)) / 1048576.0
+pe = up((ce + 3) // 4)
+staging = (2 * (3 * up(pe * 4) + up(pe * gb) + up(pe * 2)) + up(16)) / 1048576.0
 grew = max(r["device_peak_mib"] for r in b) - max(r["device_peak_mib"] for r in a)
 same = [r["loss"] for r in a] == [r["loss"] for r in b]
 print("planned, 2 device updates: losses %s; device peak %.4f MiB more, the staging %.4f MiB" % (

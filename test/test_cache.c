@@ -406,7 +406,21 @@ static void test_device_cache_bf16(void) {
   fy_graph_free(g);
 }
 
+// A device update's pieces (fy_chunk_piece_elems): a quarter of a chunk's part, whole 256-element
+// blocks, so that FY_CHUNK_PIECES of them cover it and one fewer does not.
+static void test_piece_elems(void) {
+  const int64_t n[] = {1, 255, 256, 1000, 1024, 1025, 13107, 205914112, 205914112 / 3};
+  for (size_t i = 0; i < sizeof n / sizeof *n; i++) {
+    const int64_t p = fy_chunk_piece_elems(n[i]);
+    CHECKF(p > 0 && p % 256 == 0 && p * FY_CHUNK_PIECES >= n[i] && (p - 256) * FY_CHUNK_PIECES < n[i],
+           "%lld elements: pieces of %lld", (long long)n[i], (long long)p);
+  }
+  CHECK(fy_chunk_piece_elems(0) == 0 && fy_chunk_piece_elems(-5) == 0);
+  CHECK(fy_chunk_piece_elems(4096) == 1024 && fy_chunk_piece_elems(4097) == 1280);
+}
+
 int main(void) {
+  test_piece_elems();
   test_device_cache_bf16();
   test_next_use();
   test_optimal();

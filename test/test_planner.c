@@ -765,12 +765,14 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
            "8-bit: chosen %.4g s unclipped, %.4g s clipping; speculation alone %.4g and %.4g s", q8.predicted.step_s,
            q8.predicted.clip_step_s, cs.step_s, cz.step_s);
   }
-  // The staging: two sets of the fp32 master, m and v (fp32), the bf16 gradients and the bf16 copy,
-  // each buffer in whole 256-byte granules; with the blocks fixed, exactly the device peak's growth
-  // with the steps' scales.
-  const int64_t ce = best.k.chunk_elems;
-  const double r4 = (double)fy_device_round((size_t)ce * 4, FY_CUDA_ALLOC_GRANULE),
-               r2 = (double)fy_device_round((size_t)ce * 2, FY_CUDA_ALLOC_GRANULE), staging = 2 * (3 * r4 + 2 * r2);
+  // The staging: two sets of a piece's (a quarter of a chunk's) fp32 master, m and v (fp32), bf16
+  // gradients and bf16 copy, each buffer in whole 256-byte granules; with the blocks fixed, exactly
+  // the device peak's growth with the steps' scales.
+  const int64_t ce = best.k.chunk_elems, piece = fy_chunk_piece_elems(ce);
+  CHECKF(piece * (FY_CHUNK_PIECES - 1) < ce && piece * FY_CHUNK_PIECES >= ce && piece % 256 == 0,
+         "pieces of %lld elements of a chunk of %lld", (long long)piece, (long long)ce);
+  const double r4 = (double)fy_device_round((size_t)piece * 4, FY_CUDA_ALLOC_GRANULE),
+               r2 = (double)fy_device_round((size_t)piece * 2, FY_CUDA_ALLOC_GRANULE), staging = 2 * (3 * r4 + 2 * r2);
   const double scales = (double)fy_device_round(16, FY_CUDA_ALLOC_GRANULE);  // (the steps' scales, dup_scale)
   CHECKF(c0.staging_bytes == 0 && c1.staging_bytes == staging &&
          fabs(c1.device_peak - c0.device_peak - staging - scales) < 1,
@@ -796,7 +798,7 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
   }
   CHECKF(c1.h2d_s > c0.h2d_s && c1.d2h_s > c0.d2h_s, "to device %.4g s (N 0: %.4g), to host %.4g s (%.4g)", c1.h2d_s,
          c0.h2d_s, c1.d2h_s, c0.d2h_s);
-  if (tl) {  // (N device updates a step, each chunk's copies home after its update)
+  if (tl) {  // (N device updates a step, a piece at a time, each piece's copies home after its update)
     const struct fy_timeline_span *sp;
     int n = fy_timeline_spans(tl, &sp), n_up = 0, n_home = 0;
     bool ordered = true;
@@ -806,8 +808,8 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
       if (!strcmp(sp[i].label, "AdamW on the device")) n_up++, last_update = sp[i].end;
       if (!strcmp(lane, "updates to host")) n_home++, ordered &= sp[i].start >= last_update - 1e-12;
     }
-    const int home_copies = 4;  // (master, m, v and the bf16 copy)
-    CHECKF(n_up == best.k.device_updates && n_home == home_copies * n_up && ordered,
+    const int home_copies = 4;  // (master, m, v and the bf16 copy; the streamed chunks are layers': full, 4 pieces)
+    CHECKF(n_up == FY_CHUNK_PIECES * best.k.device_updates && n_home == home_copies * n_up && ordered,
            "%d device updates (N %d), %d copies home, in order %d", n_up, best.k.device_updates, n_home, ordered);
     fy_device_free(tl);
   }
@@ -852,7 +854,7 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
   CHECK(c0.fits && c0.staging_bytes > 0 && fy_plan_refused("sim", tiny, &kr) == NULL);
   kr.device_updates = -1;
   CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
-  {  // two sharded ranks on sim: the staging's m and v of a rank's shard, the rest a chunk's size
+  {  // two sharded ranks on sim: the staging holds pieces of a rank's shard (floats on sim)
     struct fy_plan_knobs kz = kr;
     kz.device_updates = 1;
     kz.dp = 2;
@@ -864,8 +866,7 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
     kz.device_updates = 0;
     CHECK_OK(fy_cost_simulate(tiny, &kz, &sim, &z0, NULL));
     const int64_t zce = (int64_t)(z0.chunk_bytes / 4);  // (sim chunks: floats)
-    const double zs = 2.0 * ((double)fy_device_round((size_t)zce * 4, FY_HOST_ALLOC_GRANULE) * 2 +
-                             2.0 * (double)fy_device_round((size_t)zce / 2 * 4, FY_HOST_ALLOC_GRANULE));
+    const double zs = 2.0 * 4 * (double)fy_device_round((size_t)fy_chunk_piece_elems(zce / 2) * 4, FY_HOST_ALLOC_GRANULE);
     CHECKF(z1.fits && z1.staging_bytes == zs, "dp 2: staging %.0f bytes, %.0f expected", z1.staging_bytes, zs);
   }
   for (int i = 0; i < 3; i++) {
