@@ -389,36 +389,30 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->pp < 0 || k->pp > FY_COST_MAX_STAGES)
     return fy_error_set(FY_ERR_INVALID, "plan: pp %d: 1 to %d pipeline stages", k->pp, FY_COST_MAX_STAGES);
   // Speculative updates hide the host optimizer of the exact step of offload engines (one rank,
-  // tp slices, sharded data-parallel ranks): the lag hides it already, a resident run has no host
-  // updates, and the planner does not price it on a pipeline's stages yet, which ferry train runs
-  // (runtime/offload.h, spec_chunks).
+  // tp slices, sharded data-parallel ranks, each offloaded pipeline stage its own chunks): the lag
+  // hides it already, and a resident run has no host updates (runtime/offload.h, spec_chunks).
   if (k->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks must not be negative");
   if (k->spec_chunks > 0) {
     const char *no = k->resident           ? "a resident plan has no host updates"
                      : k->optimizer_lag > 0 ? "optimizer_lag 1 hides the host optimizer already"
-                     : k->pp > 1            ? "the planner does not price it on pipeline stages yet (ferry train "
-                                              "--pp N --spec-chunks K runs it)"
                                             : NULL;
     if (no)
       return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are planned for offloaded runs without "
-                          "optimizer_lag or pipeline stages (%s); spec_chunks must be 0", k->spec_chunks, no);
+                          "optimizer_lag (%s); spec_chunks must be 0", k->spec_chunks, no);
   }
   // Device updates take host-tier chunks off the host optimizer of the exact step of offload
-  // engines (one rank, tp slices, sharded data-parallel ranks: a rank its shards); ferry train
-  // refuses them with the lag and without a host tier (a resident run, the cpu device: refused by
-  // fy_cost_simulate, which knows the device), and runs them on pipeline stages, which the planner
-  // does not price yet (runtime/offload.h, device_updates).
+  // engines (one rank, tp slices, sharded data-parallel ranks: a rank its shards; each offloaded
+  // pipeline stage its own chunks); ferry train refuses them with the lag and without a host tier
+  // (a resident run, the cpu device: refused by fy_cost_simulate, which knows the device)
+  // (runtime/offload.h, device_updates).
   if (k->device_updates < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_updates must not be negative");
   if (k->device_updates > 0) {
     const char *no = k->resident           ? "a resident plan updates everything on the device already"
                      : k->optimizer_lag > 0 ? "optimizer_lag 1 runs the updates under the next step already"
-                     : k->pp > 1            ? "the planner does not price them on pipeline stages yet (ferry train "
-                                              "--pp N --device-updates M runs them)"
                                             : NULL;
     if (no)
       return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: device updates are planned for offloaded runs "
-                          "without optimizer_lag or pipeline stages (%s); device_updates must be 0",
-                          k->device_updates, no);
+                          "without optimizer_lag (%s); device_updates must be 0", k->device_updates, no);
   }
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
@@ -1089,6 +1083,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   if (n_disk > nc - n_dev) n_disk = nc - n_dev;
   if (n_disk > 0) reserve += disk_reserve;
   out->n_disk_chunks = n_disk;
+  out->host_chunks = nc - n_dev - n_disk;
   out->n_device_chunks = n_dev;
   out->host_bytes = params_host + reserve + (nc - n_dev - n_disk) * per_chunk_state;
   // Speculative updates (knobs.spec_chunks; fy_cost_check_knobs says where): up to that many
@@ -1655,6 +1650,8 @@ static fy_status simulate_offloaded_staged(const struct fy_opt_config *cfg, cons
     if (ca.n_chunks > out->n_chunks) out->n_chunks = ca.n_chunks, out->chunk_bytes = ca.chunk_bytes;
     out->n_disk_chunks += ca.n_disk_chunks;
     out->n_device_chunks += ca.n_device_chunks;
+    if (ca.host_chunks > out->host_chunks) out->host_chunks = ca.host_chunks;
+    if (ca.staging_bytes > out->staging_bytes) out->staging_bytes = ca.staging_bytes;
     out->loads_per_step += ca.loads_per_step + (int64_t)(m - a) * (cb.loads_per_step - ca.loads_per_step) / (b - a);
     if (s == 0 || c[s] > cmax) cmax = c[s], worst = s, slow_a = ca, slow_b = cb;
     if (f[s] > fmax) fmax = f[s];

@@ -101,8 +101,8 @@ struct fy_plan_knobs {
   // if it will not clip, into a spare slot each (fp32 master, m and v at their stored size, the
   // 16-bit copy: host memory, priced); the norm then keeps them (no clipping, finite) or has them
   // redone from the untouched slot, so the bits are the exact step's either way. The rest are
-  // updated after the norm as without it. Offloaded (one rank, tp, sharded dp; a rank its shards),
-  // no lag; not planned on pipeline stages (ferry train runs it there). 0: none.
+  // updated after the norm as without it. Offloaded (one rank, tp, sharded dp: a rank its shards;
+  // pipeline stages: a stage N of its own chunks), no lag. 0: none.
   int spec_chunks;
   // Device updates (ferry train --device-updates N): the first N host-tier chunks in chunk order
   // (after the device chunks) that are not speculated are updated by the device instead of the
@@ -113,9 +113,9 @@ struct fy_plan_knobs {
   // blocks fit), the device's AdamW (the device chunks' kernels) updates them, and master, m, v
   // and the new 16-bit copy go home, on three streams of their own sharing the link with the
   // cache's copies; the host updates the other chunks meanwhile. Offloaded on a GPU or sim: one
-  // rank, tp ranks, sharded data-parallel ranks (a rank its shards); not pipeline stages (run,
-  // not priced yet), optimizer_lag, a resident plan or the cpu device; N beyond the host-tier
-  // chunks neither speculated nor on disk counts as all of them. 0: none.
+  // rank, tp ranks, sharded data-parallel ranks (a rank its shards), offloaded pipeline stages
+  // (each stage N of its own chunks); not optimizer_lag, a resident plan or the cpu device; N
+  // beyond the host-tier chunks neither speculated nor on disk counts as all of them. 0: none.
   int device_updates;
 };
 
@@ -148,6 +148,10 @@ struct fy_cost {
   char bottleneck[24];     // "compute", "copy to device", "copy to host", "optimizer"
   double device_peak, min_device_bytes, host_bytes, disk_bytes;
   int n_blocks, n_chunks, n_disk_chunks, n_device_chunks;  // (0 for a resident plan)
+  // The chunks whose state the host tier holds (neither device nor disk chunks): what speculative
+  // updates and device updates take theirs from (a stage's most with offloaded stages, where each
+  // stage's engine takes spec_chunks and device_updates of its own).
+  int host_chunks;
   double chunk_bytes;
   double device_chunk_bytes;  // what one chunk kept on the device takes there (device_chunks)
   double staging_bytes;       // the device updates' two staging sets in device memory (device_updates)

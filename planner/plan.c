@@ -92,19 +92,20 @@ fy_status fy_plan_search_resident(const struct fy_opt_config *cfg, const char *m
                       (long long)seq, fy_format_bytes(least, need, sizeof need));
 }
 
-// Speculative updates (knobs.spec_chunks) for an offloaded plan (one rank, tp ranks or sharded
-// data-parallel ranks; no lag or stages: fy_cost_check_knobs) that fits, (k, c) with K0 of them
-// (0, or what an earlier call chose) and N device updates: besides K0, 0, a quarter, half and all
-// of the most host-tier chunks whose spare slots the host memory left holds (every host chunk not
-// updated on the device when their slots all fit: the host bytes of that plan tell a slot's
-// size). The fastest is kept in (k, c); a tie keeps K0, so another K only where it is faster. A
-// plan without either lever whose compute waits neither for the host optimizer nor for the norm
-// has nothing to hide: K stays 0 without pricing. Each plan with K > 0 takes as its clipping step
-// (clip_step_s, what `better` weighs) the same plan's with K 0.
+// Speculative updates (knobs.spec_chunks) for an offloaded plan (one rank, tp ranks, sharded
+// data-parallel ranks or offloaded stages, each its own chunks; no lag: fy_cost_check_knobs) that
+// fits, (k, c) with K0 of them (0, or what an earlier call chose) and N device updates: besides
+// K0, 0, a quarter, half and all of the most host-tier chunks (host_chunks: a stage's most) whose
+// spare slots the host memory left holds (every host chunk not updated on the device when their
+// slots all fit: the host bytes of that plan tell a slot's size). The fastest is kept in (k, c); a
+// tie keeps K0, so another K only where it is faster. A plan without either lever whose compute
+// waits neither for the host optimizer nor for the norm has nothing to hide: K stays 0 without
+// pricing. Each plan with K > 0 takes as its clipping step (clip_step_s, what `better` weighs) the
+// same plan's with K 0.
 static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe *probe, struct fy_plan_knobs *k,
                           struct fy_cost *c, int *tried) {
-  if (!c->fits || k->resident || k->optimizer_lag || k->pp > 1) return FY_OK;
-  const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks, cap = host - k->device_updates;
+  if (!c->fits || k->resident || k->optimizer_lag) return FY_OK;
+  const int host = c->host_chunks, cap = host - k->device_updates;
   const int k0 = k->spec_chunks < host ? k->spec_chunks : host;
   // (A step bound by its optimizer stream's work may show no wait in the simulated steps: the
   // step is then the busiest stream's work, which speculation moves under the backward too.)
@@ -156,8 +157,9 @@ static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe
 
 // Device updates (knobs.device_updates) for an offloaded plan that fits, (k, c) with none and its
 // K speculated chunks: N a quarter, half, three quarters and all of the host-tier chunks neither
-// speculated nor on disk, where ferry train runs them and the planner prices them (one rank, tp
-// ranks or sharded data-parallel ranks, on a GPU or sim; no lag or stages: fy_cost_check_knobs).
+// speculated nor on disk (a stage's most), where ferry train runs them and the planner prices them
+// (one rank, tp ranks, sharded data-parallel ranks or offloaded stages, on a GPU or sim; no lag:
+// fy_cost_check_knobs).
 // The fastest is kept; N > 0 only where strictly faster. As for speculation, a plan whose compute
 // waits neither for the host optimizer nor for the norm (nor is bound by the optimizer) is left
 // without pricing.
@@ -166,8 +168,8 @@ static fy_status try_device_updates(const struct fy_opt_config *cfg, const struc
   if (!c->fits || k->device_updates || strcmp(probe->device, "cpu") == 0) return FY_OK;
   struct fy_plan_knobs kt = *k;
   kt.device_updates = 1;
-  if (fy_cost_check_knobs(&kt) != FY_OK) return FY_OK;  // (resident, lag, stages)
-  const int host = c->n_chunks - c->n_device_chunks - c->n_disk_chunks;
+  if (fy_cost_check_knobs(&kt) != FY_OK) return FY_OK;  // (resident, lag)
+  const int host = c->host_chunks;
   const int elig = host - (k->spec_chunks < host ? k->spec_chunks : host);
   if (elig < 1 || (c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
                    strcmp(c->bottleneck, "optimizer") != 0))
@@ -306,15 +308,13 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   const int dp = k->dp > 1 ? k->dp : 1, tp = k->tp > 1 ? k->tp : 1, pp = k->pp > 1 ? k->pp : 1;
   const bool zero = k->pattern[0] ? strcmp(k->pattern, "zero") == 0 : !k->resident;
   const bool lag = k->optimizer_lag > 0, compressed = k->optimizer_state[0] && strcmp(k->optimizer_state, "fp32") != 0;
-  // (device updates: offload engines' exact step, a host tier, no stages priced; fy_cost_check_knobs
-  // says so too; and the cpu device's plans refuse them here, before the rest of what cpu plans
-  // are not checked for)
-  if (k->device_updates > 0 && (k->resident || lag || pp > 1 || !device || strcmp(device, "cpu") == 0))
+  // (device updates: offload engines' exact step, a host tier; fy_cost_check_knobs says so too;
+  // and the cpu device's plans refuse them here, before the rest of what cpu plans are not checked
+  // for)
+  if (k->device_updates > 0 && (k->resident || lag || !device || strcmp(device, "cpu") == 0))
     return k->resident ? "device updates (device_updates) are for offloaded runs: a resident run updates on the device "
                          "already"
            : lag       ? "device updates (device_updates) do not combine with --optimizer-lag"
-           : pp > 1    ? "device updates (device_updates) on pipeline stages are not priced yet (ferry train --pp "
-                         "--device-updates runs them)"
                        : "device updates (device_updates) run on a GPU or the sim device, not the cpu device";
   if (!device || strcmp(device, "cpu") == 0) return NULL;  // (priced, never run from a plan)
   const bool cuda = strcmp(device, "cuda") == 0;
@@ -325,13 +325,11 @@ const char *fy_plan_refused(const char *device, const struct fy_opt_config *cfg,
   if (k->ep > 1 && pp > 1) return "expert parallelism within pipeline stages is not planned yet (plans keep pp 1)";
   if (dp > 1 && !k->resident && !zero)
     return "the data-parallel ranks of an offloaded run shard the chunks (pattern zero)";
-  // (speculative updates: offload engines' exact step, no stages; fy_cost_check_knobs says so too)
-  if (k->spec_chunks > 0 && (k->resident || lag || pp > 1))
+  // (speculative updates: offload engines' exact step; fy_cost_check_knobs says so too)
+  if (k->spec_chunks > 0 && (k->resident || lag))
     return k->resident ? "speculative updates (spec_chunks) are for offloaded runs: a resident run has no host updates"
-           : lag       ? "speculative updates (spec_chunks) do not combine with --optimizer-lag, which hides the host "
-                         "optimizer already"
-                       : "speculative updates (spec_chunks) on pipeline stages are not priced yet (ferry train --pp "
-                         "--spec-chunks runs them)";
+                       : "speculative updates (spec_chunks) do not combine with --optimizer-lag, which hides the host "
+                         "optimizer already";
   if (!cuda) return NULL;
   // (runtime/run.c and train_opts.c: what a GPU run refuses)
   if (k->ep > 1 && (tp > 1 || pp > 1))
@@ -384,9 +382,9 @@ static fy_status search_offloaded_stages(const struct fy_opt_config *cfg, int64_
             *least = c.min_device_bytes > c.device_peak ? c.min_device_bytes : c.device_peak;
             snprintf(least_what, least_cap, "%s", c.why);
           }
-          struct fy_plan_knobs ks = k;  // (one stage: speculative updates, where they apply)
+          struct fy_plan_knobs ks = k;  // (speculative and device updates, each stage's of its chunks)
           struct fy_cost cs = c;
-          if (pp == 1) FY_TRY(try_host_levers(cfg, probe, &ks, &cs, tried, best));
+          FY_TRY(try_host_levers(cfg, probe, &ks, &cs, tried, best));
           consider(&ks, &cs, best);
           if (!c.fits) break;  // (more prefetch will not fit either)
         }
@@ -770,6 +768,20 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
   return FY_OK;
 }
 
+// The host optimizer's levers of an offloaded plan, a line each (`whose`: "" for one engine,
+// "each stage's " where every stage's engine takes as many of its own chunks).
+static void print_host_levers(FILE *f, const struct fy_plan_knobs *k, const char *whose) {
+  if (k->spec_chunks > 0)
+    fprintf(f, "  speculative updates: %s%d host chunk%s (the first whose gradients the backward completes) updated "
+               "by the host as their gradients come home, before the norm, into a spare slot each (ferry train "
+               "--spec-chunks %d; priced as if the norm does not clip)\n", whose, k->spec_chunks,
+            k->spec_chunks > 1 ? "s" : "", k->spec_chunks);
+  if (k->device_updates > 0)
+    fprintf(f, "  device updates: %s%d host chunk%s (the first after the device chunks) updated on the device each "
+               "step, their master and AdamW state over the link and back (ferry train --device-updates %d)\n",
+            whose, k->device_updates, k->device_updates > 1 ? "s" : "", k->device_updates);
+}
+
 void fy_plan_print(const struct fy_plan *p, FILE *f) {
   const struct fy_plan_knobs *k = &p->k;
   const struct fy_cost *c = &p->predicted;
@@ -801,6 +813,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
               fy_format_bytes(c->chunk_bytes, b1, sizeof b1), p->dp > 1 ? ", sharded over dp" : "", k->prefetch,
               fy_format_bytes(c->stage_bytes[0], b2, sizeof b2), fy_format_bytes(c->stage_bytes[p->pp - 1], b3, sizeof b3),
               fy_format_bytes(c->host_bytes, b4, sizeof b4), fy_format_bytes(c->disk_bytes, b5, sizeof b5));
+      print_host_levers(f, k, "each stage's ");
     }
     fprintf(f, "  per step: the slowest stage (%d) computes %.3f s a micro-batch; pipeline bubble %.1f%% ((p - 1)/(m + p - 1) "
                "= %.1f%% for equal stages), sends on the path %.3f s, tp collectives %.3f s, dp gradients %.3f s, "
@@ -831,15 +844,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     if (c->n_device_chunks > 0)
       fprintf(f, "  the first %d chunks kept on the device with their gradients and AdamW state (updated there)\n",
               c->n_device_chunks);
-    if (k->spec_chunks > 0)
-      fprintf(f, "  speculative updates: %d host chunk%s (the first whose gradients the backward completes) updated "
-                 "by the host as their gradients come home, before the norm, into a spare slot each (ferry train "
-                 "--spec-chunks %d; priced as if the norm does not clip)\n", k->spec_chunks, k->spec_chunks > 1 ? "s" : "",
-              k->spec_chunks);
-    if (k->device_updates > 0)
-      fprintf(f, "  device updates: %d host chunk%s (the first after the device chunks) updated on the device each "
-                 "step, their master and AdamW state over the link and back (ferry train --device-updates %d)\n",
-              k->device_updates, k->device_updates > 1 ? "s" : "", k->device_updates);
+    print_host_levers(f, k, "");
     if (k->disk_master)
       fprintf(f, "  the disk chunks' fp32 master weights on disk too, read and written with their AdamW state; host "
                  "memory keeps their 16-bit copy (ferry train --disk-master)\n");

@@ -119,7 +119,7 @@ static void say_bigger_batch(const struct fy_opt_config *cfg, const char *model,
 // a model trained from random weights gets at first.
 static void say_when_clipping(const struct fy_plan *best) {
   const struct fy_cost *c = &best->predicted;
-  if (best->k.spec_chunks <= 0 || best->pp > 1 || best->refused[0] || !(c->clip_step_s > 0)) return;
+  if (best->k.spec_chunks <= 0 || best->refused[0] || !(c->clip_step_s > 0)) return;
   const double tokens = c->tokens_per_s * c->step_s / c->clip_step_s;
   printf("  while the norm clips (as a fresh model's first steps do at --clip 1) speculation pauses: %.3f s/step, "
          "%.0f tokens/s, %.2fx the figure above\n", c->clip_step_s, tokens, tokens / c->tokens_per_s);

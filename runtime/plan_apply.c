@@ -197,9 +197,10 @@ fy_status apply_plan(struct fy_train_opts *o, struct fy_comm *comm, bool seq_giv
   } else if (plan.pp > 1) {
     printf("plan %s for the GPUs: dp %d x pp %d x tp %d, each stage offloading its own chunks (as many cache blocks as "
            "fit, the state its host share cannot hold on disk); micro-batch %lld x %lld tokens, %lld a step (1F1B); "
-           "chunks of %.2f MiB, prefetch %d, recompute %s\n", o->plan, plan.dp, plan.pp, plan.tp,
+           "chunks of %.2f MiB, prefetch %d, recompute %s; each stage's %d chunks updated speculatively "
+           "(--spec-chunks), %d updated on the GPU (--device-updates)\n", o->plan, plan.dp, plan.pp, plan.tp,
            (long long)k->micro_batch, (long long)k->seq, (long long)k->grad_accum, o->chunk_mib, k->prefetch,
-           k->recompute ? "on" : "off");
+           k->recompute ? "on" : "off", k->spec_chunks, k->device_updates);
   } else {
     printf("plan %s for the GPU: micro-batch %lld x %lld tokens, %lld accumulated; chunks of %.2f MiB, prefetch %d, "
            "recompute %s, the AdamW state%s of %d chunks on disk, %d on the GPU, %d updated speculatively "

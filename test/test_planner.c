@@ -640,6 +640,65 @@ static void moe_ep_plans(void) {
 // step put together from the stages' cycles, the sends, the tied gradient and the largest
 // once-a-step part; the bubble against 1F1B's; the stages' sum against one rank's cycle; the
 // search with --pp fixed; the plan file.
+static void check_pipeline_sim(const struct fy_opt_config *cfg);
+
+// The host optimizer's levers on offloaded pipeline stages (each stage's engine takes spec_chunks
+// and device_updates of its own chunks; planner/cost.c prices each stage with them): OPT-1.3B on 2
+// GPUs of 8 GiB at pp 2, a slow host optimizer (fixed figures, nothing measured). The search's
+// plan updates host chunks on the device, and is faster than its knobs without either lever; the
+// clipping step is the same plan's without speculation; host_chunks is a stage's most (N beyond
+// it prices as all of them); the staging is counted; ferry train runs it (fy_plan_refused) and
+// the plan file keeps both knobs.
+static void check_pipeline_levers(void) {
+  struct fy_probe h = gpu_probe();
+  const char *ov[][2] = {{"device_mem", "8GiB"}, {"host_mem", "64GiB"}, {"device_tflops", "700"},
+                         {"link_gbps", "50"},    {"host_adamw_gbps", "60"}};
+  for (size_t i = 0; i < sizeof ov / sizeof *ov; i++) CHECK_OK(fy_probe_override(&h, ov[i][0], ov[i][1]));
+  struct fy_opt_config c13;
+  CHECK_OK(fy_opt_preset("opt-1.3b", &c13));
+  const struct fy_plan_grid grid = {.pp = 2};
+  struct fy_plan best;
+  CHECK_OK(fy_plan_search_grid(&c13, "opt-1.3b", 8, 2048, 2, true, "bf16", 0, NULL, &grid, &h, &best, NULL));
+  fy_plan_print(&best, stderr);
+  const struct fy_cost *cb = &best.predicted;
+  CHECKF(best.pp == 2 && !best.k.resident && cb->fits && best.k.device_updates > 0 && cb->staging_bytes > 0 &&
+             best.k.device_updates + best.k.spec_chunks <= cb->host_chunks,
+         "pp %d: N %d, K %d of %d host chunks a stage, staging %.0f bytes", best.pp, best.k.device_updates,
+         best.k.spec_chunks, cb->host_chunks, cb->staging_bytes);
+  struct fy_plan_knobs k0 = best.k;
+  k0.device_updates = k0.spec_chunks = 0;
+  struct fy_cost c0, cz, call, cmore;
+  CHECK_OK(fy_cost_simulate(&c13, &k0, &h, &c0, NULL));
+  CHECKF(c0.fits && cb->step_s < 0.9 * c0.step_s && c0.staging_bytes == 0 && c0.host_chunks == cb->host_chunks,
+         "pp 2 with the levers %.4g s, without %.4g s", cb->step_s, c0.step_s);
+  if (best.k.spec_chunks > 0) {
+    struct fy_plan_knobs kz = best.k;
+    kz.spec_chunks = 0;
+    CHECK_OK(fy_cost_simulate(&c13, &kz, &h, &cz, NULL));
+    CHECKF(cb->clip_step_s == cz.step_s, "pp 2 clipping step %.6g s, without speculation %.6g s", cb->clip_step_s,
+           cz.step_s);
+  }
+  struct fy_plan_knobs ka = best.k, km = best.k;
+  ka.spec_chunks = km.spec_chunks = 0;
+  ka.device_updates = cb->host_chunks;
+  km.device_updates = cb->host_chunks + 5;
+  CHECK_OK(fy_cost_simulate(&c13, &ka, &h, &call, NULL));
+  CHECK_OK(fy_cost_simulate(&c13, &km, &h, &cmore, NULL));
+  CHECKF(call.fits && cmore.step_s == call.step_s, "pp 2: N %d (all) %.6g s, N beyond %.6g s", cb->host_chunks,
+         call.step_s, cmore.step_s);
+  CHECK(fy_plan_refused("cuda", &c13, &best.k) == NULL && fy_plan_refused("sim", &c13, &best.k) == NULL);
+  CHECK_OK(fy_plan_validate(&c13, &best));
+  char path[600];
+  snprintf(path, sizeof path, "%s/pp-levers.json", dir);
+  CHECK_OK(fy_plan_write(path, &best));
+  struct fy_plan back;
+  CHECK_OK(fy_plan_read(path, &back));
+  CHECK(back.pp == 2 && back.k.device_updates == best.k.device_updates && back.k.spec_chunks == best.k.spec_chunks);
+  struct fy_plan_knobs kl = best.k;  // (the lag is refused on stages, with or without them)
+  kl.optimizer_lag = 1;
+  CHECK(fy_plan_refused("cuda", &c13, &kl) != NULL);
+}
+
 static void check_pipeline_sim(const struct fy_opt_config *cfg) {
   struct fy_probe p;
   memset(&p, 0, sizeof p);
@@ -711,7 +770,7 @@ static void check_pipeline_sim(const struct fy_opt_config *cfg) {
 // when blocks are chosen); the timeline has N device AdamW spans a step, each chunk's copies home
 // after its update; the waits add up. A host whose AdamW is fast keeps N = 0. The plan file keeps
 // N (absent: 0); N beyond the eligible chunks is all of them. Sharded ranks on sim take it, the
-// staging's m and v of a rank's shard. Refused: negative; resident, the lag, stages
+// staging's m and v of a rank's shard. Refused: negative; resident, the lag
 // (fy_cost_check_knobs, fy_plan_validate, fy_plan_refused); the cpu device.
 static void device_updates_plans(const struct fy_opt_config *tiny) {
   struct fy_probe h = gpu_probe();
@@ -870,11 +929,11 @@ static void device_updates_plans(const struct fy_opt_config *tiny) {
     CHECKF(z1.fits && z1.staging_bytes == zs, "dp 2: staging %.0f bytes, %.0f expected", z1.staging_bytes, zs);
   }
   for (int i = 0; i < 3; i++) {
+    if (i == 1) continue;  // (pipeline stages: priced, check_pipeline_levers)
     struct fy_plan bad = back;
     bad.k.device_updates = 2;
-    bad.k.spec_chunks = 0;  // (refused with the lag and stages too: device_updates alone here)
+    bad.k.spec_chunks = 0;  // (refused with the lag too: device_updates alone here)
     if (i == 0) bad.k.optimizer_lag = 1;
-    if (i == 1) bad.pp = 2;
     if (i == 2) {
       bad.k = (struct fy_plan_knobs){.micro_batch = 8, .grad_accum = 1, .seq = 2048, .resident = true,
                                      .device_updates = 2};
@@ -1772,7 +1831,8 @@ int main(int argc, char **argv) {
     CHECK_OK(fy_plan_validate(&cfg, &back));
     CHECK(fy_plan_refused("cuda", &cfg, &back.k) == NULL);
     if (read_without_key(path, "\"spec_chunks\"", &back)) CHECK(back.k.spec_chunks == 0);
-    // Refused with the lag, stages, resident; and negative. Sharded ranks take it (their shards).
+    // Refused with the lag, resident; and negative. Sharded ranks and stages take it (their
+    // shards, their chunks).
     struct fy_plan bad = spec;
     bad.k.optimizer_lag = 1;
     CHECK_ERR(fy_plan_validate(&cfg, &bad), FY_ERR_INVALID);
@@ -1781,8 +1841,8 @@ int main(int argc, char **argv) {
     CHECK_ERR(fy_cost_simulate(&cfg, &bad.k, &g, &c0, NULL), FY_ERR_INVALID);
     struct fy_plan_knobs kr = spec.k;
     kr.pp = 2;
-    CHECK(fy_plan_refused("sim", &cfg, &kr) != NULL);
-    CHECK_ERR(fy_cost_check_knobs(&kr), FY_ERR_INVALID);
+    CHECK(fy_plan_refused("sim", &cfg, &kr) == NULL);
+    CHECK_OK(fy_cost_check_knobs(&kr));
     kr = spec.k;
     kr.dp = 2;
     kr.device_chunks = 0;
@@ -2009,6 +2069,7 @@ int main(int argc, char **argv) {
   check_pipeline();
   check_gpu_layouts();
   check_pipeline_sim(&cfg);
+  check_pipeline_levers();
 
   // Plan files: round trip, and what is refused.
   char path[400];

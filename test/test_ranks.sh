@@ -865,6 +865,17 @@ else grep -q "ferry sample --pp 2: not supported (sampling decodes on one rank" 
 if grep -q "x 2 pipeline stages" "$tmp/plannedpp.out" && grep -q "each stage offloads its own chunks" "$tmp/plannedpp.out" \
   && compare one plannedpp 1e-5; then ok "a pp 2 plan file (sim, offloaded stages) runs under mpirun and follows 1 rank"
 else bad "the pp 2 plan file's run"; cat "$tmp/planpp.out" "$tmp/plannedpp.out"; fi
+# The same plan file with the host optimizer's levers (the planner prices them on stages): each
+# stage speculates on 1 of its chunks and has its device update 2; the same sequences, the levers
+# in the log, and rank 0 names them.
+python3 -c 'import json, sys; p = json.load(open(sys.argv[1])); p.update(spec_chunks=1, device_updates=2); json.dump(p, open(sys.argv[2], "w"))' \
+  "$tmp/planpp.json" "$tmp/planppl.json"
+"${mpi[@]}" -np 2 "$ferry" train "${loud[@]}" --device-mem 4MiB --plan "$tmp/planppl.json" --log "$tmp/plannedppl.json" \
+  --save "$tmp/plannedppl" >"$tmp/plannedppl.out" 2>&1 || { bad "2 ranks run a pipeline plan file with levers"; cat "$tmp/plannedppl.out"; }
+if grep -q "device updates: each stage's 2 host chunks" "$tmp/plannedppl.out" && compare one plannedppl 1e-5 \
+  && tail -n 1 "$tmp/plannedppl.json" | grep -q '"device_updates":2'; then
+  ok "a pp 2 plan file with spec_chunks and device_updates (sim) runs them and follows 1 rank"
+else bad "the pp 2 plan file with levers"; cat "$tmp/plannedppl.out"; fi
 # A dead stage ends the job within --comm-timeout (5 s here) and says what failed. Stage 1 (rank
 # 1, found by its OMPI_COMM_WORLD_RANK) is killed once training has started (its log has a step):
 # mpirun sees it die and ends the job, naming it (or stage 0 times out first). Then stage 1 is
