@@ -125,7 +125,7 @@ struct sim {
   const struct fy_chunk_layout *l;
   enum fy_state_format sf;
   bool gpu, act16, g16, f32;  // (and pb, the payload's bytes)
-  double mv_bpp, dev_mem, mem, adamw, adamw_b, *host_work;
+  double mv_bpp, dev_mem, mem, adamw_s, *host_work;
   struct fy_device_cache *cache;
   struct fy_trace *trace;
   struct fy_action *actions;
@@ -833,7 +833,7 @@ static fy_status dup_flush(struct sim *s, double t, int through) {
     if (!s->f32) fy_stream_wait(s->dup_run, s->dup_free[set][3]);  // (its 16-bit copy's buffer home)
     const double u = (double)used, conv = s->f32 ? 0 : u * (4.0 + (double)s->pb);  // (the master read, the 16-bit copy written)
     const double tr = s->gpu ? (u * (8 + 4 * s->mv_bpp + (s->act16 ? 2 : 0)) + (double)gbytes + conv) / s->dev_mem
-                             : u * s->adamw_b / s->adamw + conv / s->mem;
+                             : u * s->adamw_s + conv / s->mem;
     fy_timeline_run(s->dup_run, tr, "AdamW on the device");
     fy_event_record(s->dup_done[set], s->dup_run);
     if (!s->gpu) *s->host_work += tr;
@@ -1301,20 +1301,21 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
   double norm_work = 0, backlog_end = 0, adamw_end = 0;
   double optim_own = 0;  // the last step's work on the optimizer stream itself (not the lag's sums)
   int64_t pos = 0, loads0 = 0;
-  double mem = probe->host_mem_gbps * 1e9, adamw = probe->host_adamw_gbps * 1e9;
+  double mem = probe->host_mem_gbps * 1e9;
   const double dev_mem = fy_profile_mem_rate(probe);  // (memory-bound kernels on the device)
   // (A sim copy's memcpy runs on one thread: its rate, when the probe knows it.)
   const double cp = probe->host_copy_gbps > 0 ? probe->host_copy_gbps * 1e9 : mem;
   double dread = probe->disk_read_gbps * 1e9, dwrite = probe->disk_write_gbps * 1e9;
   // (one moment's bytes an element on disk: 4 in fp32, its stored size otherwise)
   const double mv_bpp = sf == FY_STATE_F32 ? 4.0 : (double)fy_state_moment_bytes(sf, ce) / (double)ce;
-  // The host AdamW's memory traffic an element (the probe's host_adamw_gbps is timed on fp32
-  // state's 28: the master and m and v read and written, a gradient read and a weight written,
-  // 4 bytes each): the state's bytes as stored (bf16 20, 8-bit 16.06), its update kernel being
-  // memory-bound as fp32's is (bench/adamw).
-  const double adamw_b = 12 + 4 * mv_bpp;
+  // The host AdamW's seconds an element (fy_probe_adamw_s): the state format's own measured rate
+  // (bf16 and 8-bit state convert each moment, which a few cores may not keep up with), or,
+  // unknown, the probe's host_adamw_gbps (timed on fp32 state's 28 bytes: the master and m and v
+  // read and written, a gradient read) on the state's bytes as stored (bf16 20, 8-bit 16.06), as a
+  // memory-bound update.
+  const double adamw_s = fy_probe_adamw_s(probe, sf);
   s.l = l, s.sf = sf, s.gpu = gpu, s.act16 = act16, s.g16 = g16, s.f32 = cdt == FY_F32, s.pb = (size_t)pb;  // (dup_flush's)
-  s.mv_bpp = mv_bpp, s.dev_mem = dev_mem, s.mem = mem, s.adamw = adamw, s.adamw_b = adamw_b, s.host_work = &optim_step;
+  s.mv_bpp = mv_bpp, s.dev_mem = dev_mem, s.mem = mem, s.adamw_s = adamw_s, s.host_work = &optim_step;
   s.dup_shard = sharded ? ce / dp : 0, s.dup_piece = piece;
   for (int step = 0; st == FY_OK && step < steps; step++) {
     bool last = step == steps - 1;
@@ -1425,7 +1426,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       if (c < n_dev || c >= nc - n_disk || speculated[c]) continue;
       speculated[c] = true;
       taken++;
-      const double t = SPEC_UPDATE_COST * (double)l->chunks[c].used * share * adamw_b / adamw;
+      const double t = SPEC_UPDATE_COST * (double)l->chunks[c].used * share * adamw_s;
       fy_stream_wait(s.optim, s.grad_ready[c]);
       fy_timeline_run(s.optim, t, "AdamW (speculative)");
       fy_event_record(s.home_ready[c], s.optim);
@@ -1480,7 +1481,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
     // lag the step before's, which waits for no norm)
     if (n_dev > 0) {
       if (!lag) fy_timeline_wait_until(s.compute, norm_at, FY_STALL_NORM);
-      double t = gpu ? dev_elems * (8 + 4 * mv_bpp + (act16 ? 2 : 0) + dev_gb) / dev_mem : dev_elems * adamw_b / adamw;
+      double t = gpu ? dev_elems * (8 + 4 * mv_bpp + (act16 ? 2 : 0) + dev_gb) / dev_mem : dev_elems * adamw_s;
       fy_timeline_run(s.compute, t, "device AdamW");
       if (last) busy[0] += t;
     }
@@ -1499,7 +1500,7 @@ static fy_status simulate_one(const struct fy_opt_config *cfg, const struct fy_p
       if (speculated && speculated[c]) continue;  // (updated before the norm)
       if (n_up > 0 && s.dup_idx[c] >= 0) continue;  // (updated by the device)
       double u = (double)l->chunks[c].used * share;
-      double t = u * adamw_b / adamw;
+      double t = u * adamw_s;
       // A disk chunk: (its fp32 gradients,) m and v (and with disk_master the fp32 master) read,
       // then the update while the chunk before's are written (runtime/offload.c: they go back
       // behind it).
@@ -1722,7 +1723,7 @@ static struct fy_probe rank_share(const struct fy_plan_knobs *k, const struct fy
   p.device_gflops *= f;
   p.host_gflops *= f;
   p.host_mem_gbps *= f;
-  p.host_adamw_gbps *= f;
+  p.host_adamw_gbps *= f, p.host_adamw_bf16_gbps *= f, p.host_adamw_8bit_gbps *= f;
   p.peak_gflops *= f;
   return p;
 }

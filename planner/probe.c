@@ -356,6 +356,42 @@ static fy_status measure_adamw(double *gbps) {
   return FY_OK;
 }
 
+// The same update with m and v stored as `sf` (fy_adamw_state_update, every core, one range of
+// n decayed parameters from fp32 gradients): GB/s of the bytes a parameter it moves.
+static fy_status measure_adamw_state(enum fy_state_format sf, double *gbps) {
+  const int64_t n = ADAMW_PARAMS;
+  const size_t mb = fy_state_moment_bytes(sf, n);
+  float *p = alloc_aligned((size_t)n * sizeof(float)), *g = alloc_aligned((size_t)n * sizeof(float));
+  void *m = alloc_aligned(mb), *v = alloc_aligned(mb);
+  fy_status st = p && g && m && v ? FY_OK : fy_error_set(FY_ERR_NOMEM, "probe: no memory for the AdamW test");
+  if (st == FY_OK) {
+    memset(m, 0, mb);
+    memset(v, 0, mb);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) p[i] = 1.0f, g[i] = 1e-3f * (float)(i & 15);
+  }
+  const struct fy_adamw_range all = {0, n, 0.1f};
+  double t[3];
+  for (int r = -1; r < 3 && st == FY_OK; r++) {
+    double t0 = fy_now();
+    st = fy_adamw_state_update(sf, p, m, v, g, n, &all, 1, 1e-4f, 0.9f, 0.95f, 1e-8f, r + 2, 1.0f);
+    if (r >= 0) t[r] = fy_now() - t0;
+  }
+  if (st == FY_OK) *gbps = fy_probe_adamw_bytes(sf) * (double)n / fy_probe_median(t, 3) / 1e9;
+  free(p), free(g), free(m), free(v);
+  return st;
+}
+
+double fy_probe_adamw_bytes(enum fy_state_format state) {
+  const int64_t n = ADAMW_PARAMS;
+  return state == FY_STATE_F32 ? ADAMW_BYTES_PER_PARAM : 12.0 + 4.0 * (double)fy_state_moment_bytes(state, n) / (double)n;
+}
+
+double fy_probe_adamw_s(const struct fy_probe *p, enum fy_state_format state) {
+  const double own = state == FY_STATE_BF16 ? p->host_adamw_bf16_gbps : state == FY_STATE_Q8 ? p->host_adamw_8bit_gbps : 0;
+  return fy_probe_adamw_bytes(state) / ((own > 0 ? own : p->host_adamw_gbps) * 1e9);
+}
+
 // Wall time of one copy of n bytes on stream s, from enqueue to the host seeing it done.
 static fy_status time_copy(fy_stream *s, void *dst, const void *src, size_t n, double *secs) {
   double t0 = fy_now();
@@ -625,11 +661,14 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_gemm(&p.host_gflops, &p.bf16_speedup));
   p.device_gflops = p.host_gflops;  // cpu and sim run their kernels on this CPU
   FY_TRY(measure_adamw(&p.host_adamw_gbps));
+  FY_TRY(measure_adamw_state(FY_STATE_BF16, &p.host_adamw_bf16_gbps));
+  FY_TRY(measure_adamw_state(FY_STATE_Q8, &p.host_adamw_8bit_gbps));
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
   if (sim) FY_TRY(measure_kernel_overhead(p.device_gflops, p.host_mem_gbps, &p.kernel_overhead_us));
   p.peak_gflops = fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL);
   double *rates[] = {&p.device_gflops, &p.host_gflops, &p.h2d_gbps, &p.d2h_gbps, &p.host_adamw_gbps,
-                     &p.host_mem_gbps, &p.bf16_speedup, &p.peak_gflops};
+                     &p.host_adamw_bf16_gbps, &p.host_adamw_8bit_gbps, &p.host_mem_gbps, &p.bf16_speedup,
+                     &p.peak_gflops};
   for (size_t i = 0; i < sizeof rates / sizeof *rates; i++) *rates[i] = round4(*rates[i]);
   bool measured;
   if (disk_dir && disk_dir[0]) FY_TRY(fy_probe_add_disk(&p, disk_dir, &measured));
@@ -696,6 +735,14 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
     // the file still reads in the ferry that wrote it.
     if (!cuda && strcmp(p->device, "cuda") != 0 && !(p->peak_gflops > 0))
       p->peak_gflops = round4(fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL));
+    // A file from before the state formats' AdamW rates: this host's, measured now (a fraction of
+    // a second), not written back either.
+    if (!(p->host_adamw_bf16_gbps > 0) && !(p->host_adamw_8bit_gbps > 0)) {
+      FY_TRY(measure_adamw_state(FY_STATE_BF16, &p->host_adamw_bf16_gbps));
+      FY_TRY(measure_adamw_state(FY_STATE_Q8, &p->host_adamw_8bit_gbps));
+      p->host_adamw_bf16_gbps = round4(p->host_adamw_bf16_gbps);
+      p->host_adamw_8bit_gbps = round4(p->host_adamw_8bit_gbps);
+    }
     bool timed = false;
     FY_TRY(fy_probe_add_disk(p, c->disk_dir, &timed));  // a --disk-dir the cached probe has not timed
     changed = changed || timed;
@@ -742,6 +789,8 @@ static const struct field fields[] = {
     NUM_OPTIONAL(bf16_speedup, "x"),
     NUM_OPTIONAL(device_mem_gbps, "GB/s"),
     NUM_OPTIONAL(peak_gflops, "GFLOP/s"),
+    NUM_OPTIONAL(host_adamw_bf16_gbps, "GB/s"),
+    NUM_OPTIONAL(host_adamw_8bit_gbps, "GB/s"),
 };
 #define NFIELDS (sizeof fields / sizeof *fields)
 
@@ -1105,6 +1154,14 @@ void fy_probe_print(const struct fy_probe *p, FILE *f) {
   fprintf(f, "%-16s %.2f GB/s (device -> host)\n", "d2h_gbps", p->d2h_gbps);
   fprintf(f, "%-16s %.2f GB/s (%.0f M params/s at 28 B/param)\n", "host_adamw_gbps",
           p->host_adamw_gbps, p->host_adamw_gbps * 1e9 / ADAMW_BYTES_PER_PARAM / 1e6);
+  const double own[] = {p->host_adamw_bf16_gbps, p->host_adamw_8bit_gbps};
+  const char *key[] = {"host_adamw_bf16_gbps", "host_adamw_8bit_gbps"};
+  for (int i = 0; i < 2; i++) {
+    const enum fy_state_format sf = i ? FY_STATE_Q8 : FY_STATE_BF16;
+    fprintf(f, "%s %.2f GB/s (%.0f M params/s at %.2f B/param, %s state%s)\n", key[i],
+            own[i] > 0 ? own[i] : p->host_adamw_gbps, 1e-6 / fy_probe_adamw_s(p, sf), fy_probe_adamw_bytes(sf),
+            i ? "8-bit" : "bf16", own[i] > 0 ? "" : "; unknown: host_adamw_gbps on its bytes");
+  }
   fprintf(f, "%-16s %.2f GB/s (triad)\n", "host_mem_gbps", p->host_mem_gbps);
   if (gpu && p->device_mem_gbps > 0)
     fprintf(f, "%-16s %.1f GB/s (a copy within the GPU, read and written)\n", "device_mem_gbps", p->device_mem_gbps);

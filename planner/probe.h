@@ -42,6 +42,7 @@
 #include <stdio.h>
 
 #include "core/status.h"
+#include "ops/ops.h"
 
 // The probe file's format, written as its "format". 1 (a file without the key): kernel_overhead_us
 // per kernel call. 2: per parallel region of a kernel, about 1.5x the same machine's format-1
@@ -60,6 +61,12 @@ struct fy_probe {
   double host_gflops;         // the same on the host CPU (for sim/cpu they are the same CPU)
   double h2d_gbps, d2h_gbps;  // copy bandwidth host->device and back (GB/s = 1e9 B/s)
   double host_adamw_gbps;     // host AdamW throughput in GB/s of the 28 B/param it moves
+  // The same with m and v stored as bf16 and as 8-bit blocks (--optimizer-state bf16, 8bit), in
+  // GB/s of the bytes they move a parameter (fy_probe_adamw_bytes: 20 and 16.06), measured: their
+  // updates convert each moment, so a few cores may not keep up with the memory (2 cores of the
+  // dev machine: 8-bit at 44% of fp32's bytes a second). 0 when unknown (an older probe file, or a
+  // machine described by --host-adamw-gbps alone): priced at host_adamw_gbps, as memory-bound.
+  double host_adamw_bf16_gbps, host_adamw_8bit_gbps;
   double host_mem_gbps;       // host memory bandwidth (memory-bound kernels: layernorm, relu, add)
   double disk_read_gbps, disk_write_gbps;  // 0 when no disk directory was probed
   char disk_dir[512];         // "" when none
@@ -88,6 +95,14 @@ struct fy_probe {
                               // override); 0: no bound known. Not in the file: it changes as the
                               // disk fills.
 };
+
+// Seconds a parameter of the host's AdamW with m and v stored in `state`: the format's measured
+// rate (host_adamw_bf16_gbps, host_adamw_8bit_gbps) or, unknown, host_adamw_gbps on its bytes
+// (memory-bound); fp32's is host_adamw_gbps on 28 bytes. fy_probe_adamw_bytes(state): the bytes
+// a parameter it moves (the master and m and v read and written, an fp32 gradient read; 8-bit
+// with its blocks' scales, as a chunk of many blocks has them).
+double fy_probe_adamw_s(const struct fy_probe *p, enum fy_state_format state);
+double fy_probe_adamw_bytes(enum fy_state_format state);
 
 // The bandwidth (GB/s) the device's memory-bound kernels run at: on cpu and sim the host's memory
 // bandwidth; on a GPU device_mem_gbps, or when unknown 1 byte per 100 FLOPs of its bf16 GEMM rate

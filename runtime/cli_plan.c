@@ -76,6 +76,15 @@ static fy_status load_machine(const struct machine_args *a, struct fy_probe *p, 
     FY_TRY(fy_probe_override(p, "link_gbps", v));
   }
   for (int i = 0; i < a->n_set; i++) FY_TRY(fy_probe_override(p, a->set_key[i], a->set_val[i]));
+  // A host AdamW rate given (--host-adamw-gbps: a machine described, not this one): the state
+  // formats' rates measured here are not that machine's, so they are priced from it (memory-bound,
+  // fy_probe_adamw_s) unless given too (--set host_adamw_8bit_gbps=X).
+  bool given[3] = {false, false, false};
+  const char *keys[3] = {"host_adamw_gbps", "host_adamw_bf16_gbps", "host_adamw_8bit_gbps"};
+  for (int i = 0; i < a->n_set; i++)
+    for (int j = 0; j < 3; j++) given[j] |= strcmp(a->set_key[i], keys[j]) == 0;
+  if (given[0] && !given[1]) p->host_adamw_bf16_gbps = 0;
+  if (given[0] && !given[2]) p->host_adamw_8bit_gbps = 0;
   return FY_OK;
 }
 

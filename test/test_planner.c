@@ -642,6 +642,37 @@ static void moe_ep_plans(void) {
 // search with --pp fixed; the plan file.
 static void check_pipeline_sim(const struct fy_opt_config *cfg);
 
+// The host AdamW of compressed state at the format's own measured rate (fy_probe_adamw_s): an
+// OPT-6.7B plan with 8-bit state, none of its chunks updated anywhere but the host, on the H200
+// figures; told that the 8-bit update runs at half the bytes a second of fp32's (a few cores
+// converting the codes), its optimizer stream takes twice as long; fp32 state does not change.
+static void check_state_rates(void) {
+  struct fy_probe h = gpu_probe(), slow;
+  const char *ov[][2] = {{"device_mem", "40GiB"}, {"host_mem", "120GiB"}, {"device_tflops", "700"},
+                         {"link_gbps", "50"},     {"host_adamw_gbps", "60"}};
+  for (size_t i = 0; i < sizeof ov / sizeof *ov; i++) CHECK_OK(fy_probe_override(&h, ov[i][0], ov[i][1]));
+  slow = h;
+  CHECK_OK(fy_probe_override(&slow, "host_adamw_8bit_gbps", "30"));
+  CHECK(fy_probe_adamw_s(&h, FY_STATE_Q8) < 0.6 * fy_probe_adamw_s(&h, FY_STATE_F32));  // (16.06 of 28 bytes)
+  CHECK(fabs(fy_probe_adamw_s(&slow, FY_STATE_Q8) - 2 * fy_probe_adamw_s(&h, FY_STATE_Q8)) < 1e-18);
+  struct fy_opt_config c67;
+  CHECK_OK(fy_opt_preset("opt-6.7b", &c67));
+  struct fy_plan_knobs k = {.micro_batch = 8, .grad_accum = 1, .seq = 2048, .chunk_elems = 205914112, .blocks = 0,
+                            .prefetch = 0, .recompute = true, .disk_chunks = -1};
+  snprintf(k.precision, sizeof k.precision, "bf16");
+  snprintf(k.optimizer_state, sizeof k.optimizer_state, "8bit");
+  struct fy_cost c0, c1;
+  CHECK_OK(fy_cost_simulate(&c67, &k, &h, &c0, NULL));
+  CHECK_OK(fy_cost_simulate(&c67, &k, &slow, &c1, NULL));
+  CHECKF(c0.fits && c1.fits && c1.optim_s > 1.9 * c0.optim_s && c1.optim_s < 2.1 * c0.optim_s && c1.step_s > c0.step_s,
+         "8-bit AdamW at its own rate: optimizer %.4g s (memory-bound %.4g s), step %.4g s (%.4g s)", c1.optim_s,
+         c0.optim_s, c1.step_s, c0.step_s);
+  snprintf(k.optimizer_state, sizeof k.optimizer_state, "fp32");
+  CHECK_OK(fy_cost_simulate(&c67, &k, &h, &c0, NULL));
+  CHECK_OK(fy_cost_simulate(&c67, &k, &slow, &c1, NULL));
+  CHECK(c0.fits && c1.step_s == c0.step_s);
+}
+
 // The host optimizer's levers on offloaded pipeline stages (each stage's engine takes spec_chunks
 // and device_updates of its own chunks; planner/cost.c prices each stage with them): OPT-1.3B on 2
 // GPUs of 8 GiB at pp 2, a slow host optimizer (fixed figures, nothing measured). The search's
@@ -2070,6 +2101,7 @@ int main(int argc, char **argv) {
   check_gpu_layouts();
   check_pipeline_sim(&cfg);
   check_pipeline_levers();
+  check_state_rates();
 
   // Plan files: round trip, and what is refused.
   char path[400];

@@ -39,7 +39,8 @@ static int probe_equal(const struct fy_probe *a, const struct fy_probe *b) {
          a->disk_write_gbps == b->disk_write_gbps && !strcmp(a->disk_dir, b->disk_dir) &&
          a->comm_gbps == b->comm_gbps && a->copy_latency_us == b->copy_latency_us &&
          a->host_copy_gbps == b->host_copy_gbps && a->kernel_overhead_us == b->kernel_overhead_us &&
-         a->bf16_speedup == b->bf16_speedup && a->device_mem_gbps == b->device_mem_gbps;
+         a->bf16_speedup == b->bf16_speedup && a->device_mem_gbps == b->device_mem_gbps &&
+         a->host_adamw_bf16_gbps == b->host_adamw_bf16_gbps && a->host_adamw_8bit_gbps == b->host_adamw_8bit_gbps;
 }
 
 // The timing part (`--part timing`, meson suite "timing": not built with the sanitizers, whose
@@ -61,6 +62,11 @@ static void timing_measure(void) {
   CHECKF(p.host_gflops > 1, "%g GFLOP/s", p.host_gflops);
   CHECKF(p.host_mem_gbps > 0.2, "%g", p.host_mem_gbps);
   CHECKF(p.host_adamw_gbps > 0.1, "%g", p.host_adamw_gbps);
+  // The state formats' updates timed too (their own rates: fy_probe_adamw_s prices with them).
+  CHECKF(p.host_adamw_bf16_gbps > 0.1 && p.host_adamw_8bit_gbps > 0.1, "bf16 %g, 8-bit %g GB/s", p.host_adamw_bf16_gbps,
+         p.host_adamw_8bit_gbps);
+  CHECK(fabs(fy_probe_adamw_s(&p, FY_STATE_Q8) - fy_probe_adamw_bytes(FY_STATE_Q8) / (p.host_adamw_8bit_gbps * 1e9)) <
+        1e-18);
   CHECKF(p.disk_read_gbps > 0.01 && p.disk_write_gbps > 0.01, "disk %g and %g GB/s", p.disk_read_gbps,
          p.disk_write_gbps);
   // A kernel handed to the sim's compute thread: far below a millisecond.
@@ -362,6 +368,19 @@ static void test_bad_files(void) {
   make_file(path, NULL, NULL, 0, "\"bf16_speedup\": -2");  // (optional, but checked when there)
   CHECK_ERR(fy_probe_read(path, &p), FY_ERR_FORMAT);
   CHECK(msg_has("bf16_speedup"));
+  memset(&p, 0x5a, sizeof p);
+  // The state formats' AdamW rates: optional (a file without them reads them as 0, unknown, and is
+  // priced at host_adamw_gbps on each format's bytes), read when there.
+  make_file(path, NULL, NULL, 0, NULL);
+  CHECK_OK(fy_probe_read(path, &p));
+  CHECK(p.host_adamw_bf16_gbps == 0 && p.host_adamw_8bit_gbps == 0);
+  CHECK(fy_probe_adamw_s(&p, FY_STATE_F32) == 28.0 / 5e9 && fy_probe_adamw_s(&p, FY_STATE_BF16) == 20.0 / 5e9);
+  CHECK(fabs(fy_probe_adamw_s(&p, FY_STATE_Q8) - (12.0 + 4 * (1.0 + 4.0 / 256)) / 5e9) < 1e-18);
+  memset(&p, 0x5a, sizeof p);
+  make_file(path, NULL, NULL, 0, "\"host_adamw_8bit_gbps\": 2.5");
+  CHECK_OK(fy_probe_read(path, &p));
+  CHECK(p.host_adamw_8bit_gbps == 2.5 && p.host_adamw_bf16_gbps == 0);
+  CHECK(fabs(fy_probe_adamw_s(&p, FY_STATE_Q8) - fy_probe_adamw_bytes(FY_STATE_Q8) / 2.5e9) < 1e-18);
   memset(&p, 0x5a, sizeof p);
 
   const char *not_json[] = {"", "not json", "{\"device\": \"sim\",", "{} trailing", "[1, 2]", "42",
