@@ -239,6 +239,12 @@ for sf in bf16 8bit; do
     --save "$tmp/sfdisk$sf" || bad "2 sharded ranks with $sf state on disk train"
   same_state "sf1${sf}bf16" "sfdisk$sf" && ok "$sf AdamW state: 2 sharded ranks with 4 chunks' shards on disk end with 1 rank's bits" \
     || bad "$sf AdamW state on disk: sharded ranks differ from 1 rank"
+  # (each rank's device updating its shards of every host chunk, a quarter shard at a time: a
+  # piece's m and v, 8-bit codes and their blocks' scales apart, cut from the shard's buffers)
+  "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${st[@]}" --device-updates 100 \
+    --log "$tmp/sfdu$sf.json" --save "$tmp/sfdu$sf" || bad "2 sharded ranks with $sf state and device updates train"
+  same_state "sf1${sf}bf16" "sfdu$sf" && grep -q '"device_updates":[1-9]' "$tmp/sfdu$sf.json" && ok "$sf AdamW state: 2 sharded ranks whose devices update their shards end with 1 rank's bits" \
+    || bad "$sf AdamW state with device updates: sharded ranks differ from 1 rank"
   st=(--optimizer-state $sf)
   "${mpi[@]}" -np 2 "$ferry" train "${common[@]}" "${sim[@]}" --batch 2 "${st[@]}" --save "$tmp/sfckz$sf" --save-every 100 --stop-after 6 \
     >/dev/null 2>&1 || bad "2 sharded ranks with $sf state checkpoint"

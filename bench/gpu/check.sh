@@ -510,6 +510,9 @@ p, pr = predicted(f"{d}/{tag}-plan.txt"), predicted(f"{d}/{tag}-plan-res.txt")
 pc = clipping(f"{d}/{tag}-plan.txt") or p  # (the plan's step while the norm clips)
 want = p if noclip else pc                 # (what this pair's offloaded run is held against)
 res, off = rate(d, f"{tag}-res"), rate(d, f"{tag}-off8")
+probe = json.load(open(f"{d}/probe.json"))  # (this host's AdamW by state format: the plan prices 8-bit's)
+adamw = {f: probe.get(k) for f, k in (("fp32", "host_adamw_gbps"), ("bf16", "host_adamw_bf16_gbps"),
+                                      ("8bit", "host_adamw_8bit_gbps"))}
 print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit" + ("_noclip" if noclip else ""),
                   "model": "opt-6.7b", "clip": 0 if noclip else 1,
                   "resident_tokens_per_s": round(res[0], 1), "tokens_per_s": round(off[0], 1),
@@ -521,7 +524,8 @@ print(json.dumps({"bench": "ferry_cuda_offload_bf16_40gib_exact_8bit" + ("_nocli
                   "predicted_ratio": round(want / pr, 3) if want and pr else None,
                   "predicted_over_measured": round(want / off[0], 3) if want else None,
                   "resident_predicted_over_measured": round(pr / res[0], 3) if pr else None,
-                  "waits": waits(f"{d}/{tag}-off8-2.out"), "predicted_waits": waits(f"{d}/{tag}-plan.txt")}))
+                  "waits": waits(f"{d}/{tag}-off8-2.out"), "predicted_waits": waits(f"{d}/{tag}-plan.txt"),
+                  "host_adamw_gbps": adamw}))
 PY
 }
 # OPT-13B in bf16 offloaded at a 40 GiB cap on this machine (host tier, and a disk tier under the
