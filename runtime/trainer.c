@@ -216,6 +216,12 @@ static void print_header(const struct training *t) {
   if (res->device_updates > 0)
     printf("ferry: device updates: %d host chunk%s updated by the %s device after the norm, their master and AdamW "
            "state over the link and back\n", res->device_updates, res->device_updates > 1 ? "s" : "", r->dev->name);
+  // (a GPU offloaded with none of the host optimizer's levers, and no plan that chose so: the
+  // step waits for the host's AdamW of every chunk after the norm, which in 16 bits is most of it)
+  if (r->x && o->device && strcmp(o->device, "cuda") == 0 && !o->plan && !o->optimizer_lag && res->n_device_chunks == 0 &&
+      res->spec_chunks == 0 && res->device_updates == 0)
+    printf("ferry: the host updates every chunk after the gradient norm (no --device-chunks, --spec-chunks or "
+           "--device-updates); --plan auto lets the planner choose them, and ferry plan says what they buy\n");
   if (!r->x)
     printf("ferry: model state %.1f MiB (params, grads, AdamW m and v), activations %.1f MiB\n",
            model->state_bytes / 1048576.0, model->act_bytes / 1048576.0);
