@@ -769,17 +769,21 @@ fy_status fy_plan_check(const struct fy_opt_config *cfg, struct fy_plan *p, cons
 }
 
 // The host optimizer's levers of an offloaded plan, a line each (`whose`: "" for one engine,
-// "each stage's " where every stage's engine takes as many of its own chunks).
-static void print_host_levers(FILE *f, const struct fy_plan_knobs *k, const char *whose) {
+// "each stage's " where every stage's engine takes as many of its own chunks), with the device
+// memory the device updates' staging takes (c->staging_bytes: a stage's most).
+static void print_host_levers(FILE *f, const struct fy_plan_knobs *k, const struct fy_cost *c, const char *whose) {
   if (k->spec_chunks > 0)
     fprintf(f, "  speculative updates: %s%d host chunk%s (the first whose gradients the backward completes) updated "
                "by the host as their gradients come home, before the norm, into a spare slot each (ferry train "
                "--spec-chunks %d; priced as if the norm does not clip)\n", whose, k->spec_chunks,
             k->spec_chunks > 1 ? "s" : "", k->spec_chunks);
+  char staging[32];
   if (k->device_updates > 0)
     fprintf(f, "  device updates: %s%d host chunk%s (the first after the device chunks) updated on the device each "
-               "step, their master and AdamW state over the link and back (ferry train --device-updates %d)\n",
-            whose, k->device_updates, k->device_updates > 1 ? "s" : "", k->device_updates);
+               "step, their master and AdamW state over the link and back, a quarter chunk at a time through %s of "
+               "staging in device memory (ferry train --device-updates %d)\n",
+            whose, k->device_updates, k->device_updates > 1 ? "s" : "",
+            fy_format_bytes(c->staging_bytes, staging, sizeof staging), k->device_updates);
 }
 
 void fy_plan_print(const struct fy_plan *p, FILE *f) {
@@ -813,7 +817,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
               fy_format_bytes(c->chunk_bytes, b1, sizeof b1), p->dp > 1 ? ", sharded over dp" : "", k->prefetch,
               fy_format_bytes(c->stage_bytes[0], b2, sizeof b2), fy_format_bytes(c->stage_bytes[p->pp - 1], b3, sizeof b3),
               fy_format_bytes(c->host_bytes, b4, sizeof b4), fy_format_bytes(c->disk_bytes, b5, sizeof b5));
-      print_host_levers(f, k, "each stage's ");
+      print_host_levers(f, k, c, "each stage's ");
     }
     fprintf(f, "  per step: the slowest stage (%d) computes %.3f s a micro-batch; pipeline bubble %.1f%% ((p - 1)/(m + p - 1) "
                "= %.1f%% for equal stages), sends on the path %.3f s, tp collectives %.3f s, dp gradients %.3f s, "
@@ -844,7 +848,7 @@ void fy_plan_print(const struct fy_plan *p, FILE *f) {
     if (c->n_device_chunks > 0)
       fprintf(f, "  the first %d chunks kept on the device with their gradients and AdamW state (updated there)\n",
               c->n_device_chunks);
-    print_host_levers(f, k, "");
+    print_host_levers(f, k, c, "");
     if (k->disk_master)
       fprintf(f, "  the disk chunks' fp32 master weights on disk too, read and written with their AdamW state; host "
                  "memory keeps their 16-bit copy (ferry train --disk-master)\n");
