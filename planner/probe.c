@@ -735,14 +735,6 @@ fy_status fy_probe_cached(const struct fy_probe_cache *c, struct fy_probe *p, bo
     // the file still reads in the ferry that wrote it.
     if (!cuda && strcmp(p->device, "cuda") != 0 && !(p->peak_gflops > 0))
       p->peak_gflops = round4(fy_probe_fma_peak_gflops(0, FY_PROBE_FMA_ITERATIONS, NULL));
-    // A file from before the state formats' AdamW rates: this host's, measured now (a fraction of
-    // a second), not written back either.
-    if (!(p->host_adamw_bf16_gbps > 0) && !(p->host_adamw_8bit_gbps > 0)) {
-      FY_TRY(measure_adamw_state(FY_STATE_BF16, &p->host_adamw_bf16_gbps));
-      FY_TRY(measure_adamw_state(FY_STATE_Q8, &p->host_adamw_8bit_gbps));
-      p->host_adamw_bf16_gbps = round4(p->host_adamw_bf16_gbps);
-      p->host_adamw_8bit_gbps = round4(p->host_adamw_8bit_gbps);
-    }
     bool timed = false;
     FY_TRY(fy_probe_add_disk(p, c->disk_dir, &timed));  // a --disk-dir the cached probe has not timed
     changed = changed || timed;

@@ -64,8 +64,9 @@ struct fy_probe {
   // The same with m and v stored as bf16 and as 8-bit blocks (--optimizer-state bf16, 8bit), in
   // GB/s of the bytes they move a parameter (fy_probe_adamw_bytes: 20 and 16.06), measured: their
   // updates convert each moment, so a few cores may not keep up with the memory (2 cores of the
-  // dev machine: 8-bit at 44% of fp32's bytes a second). 0 when unknown (an older probe file, or a
-  // machine described by --host-adamw-gbps alone): priced at host_adamw_gbps, as memory-bound.
+  // dev machine: 8-bit at 44% of fp32's bytes a second). 0 when unknown (a probe file from before
+  // them, until ferry probe --remeasure; a machine described by --host-adamw-gbps alone): priced at
+  // host_adamw_gbps, as memory-bound.
   double host_adamw_bf16_gbps, host_adamw_8bit_gbps;
   double host_mem_gbps;       // host memory bandwidth (memory-bound kernels: layernorm, relu, add)
   double disk_read_gbps, disk_write_gbps;  // 0 when no disk directory was probed
