@@ -367,6 +367,16 @@ static void step_rates(struct fy_cost *c, const struct fy_plan_knobs *k, const s
   snprintf(c->bottleneck, sizeof c->bottleneck, "%s", names[worst]);
 }
 
+// A knob of the host optimizer's levers (spec_chunks, device_updates: `key`, doing `what`), n of
+// them: not negative, and none where `no` says why the plan cannot have them (NULL: it can).
+static fy_status check_host_lever(int n, const char *key, const char *what, const char *no) {
+  if (n < 0) return fy_error_set(FY_ERR_INVALID, "plan: %s must not be negative", key);
+  if (n > 0 && no)
+    return fy_error_set(FY_ERR_INVALID, "plan: %s %d: %s are planned for offloaded runs without optimizer_lag (%s); %s "
+                        "must be 0", key, n, what, no, key);
+  return FY_OK;
+}
+
 fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   if (k->micro_batch < 1 || k->grad_accum < 1 || k->seq < 1 || k->prefetch < 0 || k->blocks < 0)
     return fy_error_set(FY_ERR_INVALID, "plan: micro_batch, grad_accum, seq must be positive, prefetch and blocks >= 0");
@@ -391,29 +401,19 @@ fy_status fy_cost_check_knobs(const struct fy_plan_knobs *k) {
   // Speculative updates hide the host optimizer of the exact step of offload engines (one rank,
   // tp slices, sharded data-parallel ranks, each offloaded pipeline stage its own chunks): the lag
   // hides it already, and a resident run has no host updates (runtime/offload.h, spec_chunks).
-  if (k->spec_chunks < 0) return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks must not be negative");
-  if (k->spec_chunks > 0) {
-    const char *no = k->resident           ? "a resident plan has no host updates"
-                     : k->optimizer_lag > 0 ? "optimizer_lag 1 hides the host optimizer already"
-                                            : NULL;
-    if (no)
-      return fy_error_set(FY_ERR_INVALID, "plan: spec_chunks %d: speculative updates are planned for offloaded runs without "
-                          "optimizer_lag (%s); spec_chunks must be 0", k->spec_chunks, no);
-  }
+  FY_TRY(check_host_lever(k->spec_chunks, "spec_chunks", "speculative updates",
+                          k->resident           ? "a resident plan has no host updates"
+                          : k->optimizer_lag > 0 ? "optimizer_lag 1 hides the host optimizer already"
+                                                 : NULL));
   // Device updates take host-tier chunks off the host optimizer of the exact step of offload
   // engines (one rank, tp slices, sharded data-parallel ranks: a rank its shards; each offloaded
   // pipeline stage its own chunks); ferry train refuses them with the lag and without a host tier
   // (a resident run, the cpu device: refused by fy_cost_simulate, which knows the device)
   // (runtime/offload.h, device_updates).
-  if (k->device_updates < 0) return fy_error_set(FY_ERR_INVALID, "plan: device_updates must not be negative");
-  if (k->device_updates > 0) {
-    const char *no = k->resident           ? "a resident plan updates everything on the device already"
-                     : k->optimizer_lag > 0 ? "optimizer_lag 1 runs the updates under the next step already"
-                                            : NULL;
-    if (no)
-      return fy_error_set(FY_ERR_INVALID, "plan: device_updates %d: device updates are planned for offloaded runs "
-                          "without optimizer_lag (%s); device_updates must be 0", k->device_updates, no);
-  }
+  FY_TRY(check_host_lever(k->device_updates, "device_updates", "device updates",
+                          k->resident           ? "a resident plan updates everything on the device already"
+                          : k->optimizer_lag > 0 ? "optimizer_lag 1 runs the updates under the next step already"
+                                                 : NULL));
   if (k->cluster.nodes < 0 || k->cluster.gpus_per_node < 0 || k->cluster.intra_gbps < 0 || k->cluster.inter_gbps < 0 ||
       (k->cluster.nodes > 0 && (k->cluster.gpus_per_node < 1 || !(k->cluster.intra_gbps > 0) || !(k->cluster.inter_gbps > 0))))
     return fy_error_set(FY_ERR_INVALID, "plan: a cluster is nodes >= 1 of gpus_per_node >= 1 GPUs with positive "
