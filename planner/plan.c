@@ -165,10 +165,8 @@ static fy_status try_spec(const struct fy_opt_config *cfg, const struct fy_probe
 // without pricing.
 static fy_status try_device_updates(const struct fy_opt_config *cfg, const struct fy_probe *probe,
                                     struct fy_plan_knobs *k, struct fy_cost *c, int *tried) {
-  if (!c->fits || k->device_updates || strcmp(probe->device, "cpu") == 0) return FY_OK;
-  struct fy_plan_knobs kt = *k;
-  kt.device_updates = 1;
-  if (fy_cost_check_knobs(&kt) != FY_OK) return FY_OK;  // (resident, lag)
+  if (!c->fits || k->device_updates || k->resident || k->optimizer_lag || strcmp(probe->device, "cpu") == 0)
+    return FY_OK;
   const int host = c->host_chunks;
   const int elig = host - (k->spec_chunks < host ? k->spec_chunks : host);
   if (elig < 1 || (c->stall_s[FY_STALL_OPTIMIZER] + c->stall_s[FY_STALL_NORM] <= 1e-3 * c->step_s &&
