@@ -335,40 +335,23 @@ static fy_status measure_memcpy(double *gbps) {
   return FY_OK;
 }
 
-static fy_status measure_adamw(double *gbps) {
-  const int64_t n = ADAMW_PARAMS;
-  float *p = alloc_aligned((size_t)n * sizeof(float)), *m = alloc_aligned((size_t)n * sizeof(float));
-  float *v = alloc_aligned((size_t)n * sizeof(float)), *g = alloc_aligned((size_t)n * sizeof(float));
-  if (!p || !m || !v || !g) {
-    free(p), free(m), free(v), free(g);
-    return fy_error_set(FY_ERR_NOMEM, "probe: no memory for the AdamW test");
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; i++) p[i] = 1.0f, m[i] = 0.0f, v[i] = 0.0f, g[i] = 1e-3f * (float)(i & 15);
-  double t[3];
-  for (int r = -1; r < 3; r++) {
-    double t0 = fy_now();
-    fy_adamw_update(p, m, v, g, n, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, r + 2, 1.0f);
-    if (r >= 0) t[r] = fy_now() - t0;
-  }
-  *gbps = ADAMW_BYTES_PER_PARAM * (double)n / fy_probe_median(t, 3) / 1e9;
-  free(p), free(m), free(v), free(g);
-  return FY_OK;
-}
-
-// The same update with m and v stored as `sf` (fy_adamw_state_update, every core, one range of
-// n decayed parameters from fp32 gradients): GB/s of the bytes a parameter it moves.
+// Host AdamW with m and v stored as `sf` (fy_adamw_state_update: fp32 state with fy_adamw_update,
+// the others with their conversions; every core, one range of n decayed parameters from fp32
+// gradients): GB/s of the bytes a parameter it moves (fy_probe_adamw_bytes).
 static fy_status measure_adamw_state(enum fy_state_format sf, double *gbps) {
   const int64_t n = ADAMW_PARAMS;
   const size_t mb = fy_state_moment_bytes(sf, n);
   float *p = alloc_aligned((size_t)n * sizeof(float)), *g = alloc_aligned((size_t)n * sizeof(float));
   void *m = alloc_aligned(mb), *v = alloc_aligned(mb);
   fy_status st = p && g && m && v ? FY_OK : fy_error_set(FY_ERR_NOMEM, "probe: no memory for the AdamW test");
-  if (st == FY_OK) {
-    memset(m, 0, mb);
-    memset(v, 0, mb);
+  if (st == FY_OK) {  // (each page first touched by the thread that updates it)
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) p[i] = 1.0f, g[i] = 1e-3f * (float)(i & 15);
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < mb; b += 4096) {
+      memset((char *)m + b, 0, mb - b < 4096 ? mb - b : 4096);
+      memset((char *)v + b, 0, mb - b < 4096 ? mb - b : 4096);
+    }
   }
   const struct fy_adamw_range all = {0, n, 0.1f};
   double t[3];
@@ -660,7 +643,7 @@ fy_status fy_probe_measure(const char *dev_kind, double device_mem, double link_
   FY_TRY(measure_memcpy(&p.host_copy_gbps));
   FY_TRY(measure_gemm(&p.host_gflops, &p.bf16_speedup));
   p.device_gflops = p.host_gflops;  // cpu and sim run their kernels on this CPU
-  FY_TRY(measure_adamw(&p.host_adamw_gbps));
+  FY_TRY(measure_adamw_state(FY_STATE_F32, &p.host_adamw_gbps));
   FY_TRY(measure_adamw_state(FY_STATE_BF16, &p.host_adamw_bf16_gbps));
   FY_TRY(measure_adamw_state(FY_STATE_Q8, &p.host_adamw_8bit_gbps));
   FY_TRY(measure_copies(sim, link_gbps, p.device_mem, &p.h2d_gbps, &p.d2h_gbps, sim ? &p.copy_latency_us : NULL));
