@@ -109,13 +109,13 @@ struct fy_plan_knobs {
   // host's optimizer: once the norm is known their fp32 master, m, v (at their stored size) and
   // gradients cross the link, a piece (fy_chunk_piece_elems) at a time, to one of two staging sets
   // in device memory (each a piece's master, m, v, gradients and with 16-bit compute its 16-bit
-  // copy: device memory, priced, so fewer cache
-  // blocks fit), the device's AdamW (the device chunks' kernels) updates them, and master, m, v
-  // and the new 16-bit copy go home, on three streams of their own sharing the link with the
-  // cache's copies; the host updates the other chunks meanwhile. Offloaded on a GPU or sim: one
-  // rank, tp ranks, sharded data-parallel ranks (a rank its shards), offloaded pipeline stages
-  // (each stage N of its own chunks); not optimizer_lag, a resident plan or the cpu device; N
-  // beyond the host-tier chunks neither speculated nor on disk counts as all of them. 0: none.
+  // copy: device memory, priced, so fewer cache blocks fit), the device's AdamW (the device
+  // chunks' kernels) updates them, and master, m, v and the new 16-bit copy go home, on three
+  // streams of their own sharing the link with the cache's copies; the host updates the other
+  // chunks meanwhile. Offloaded on a GPU or sim: one rank, tp ranks, sharded data-parallel ranks
+  // (a rank its shards), offloaded pipeline stages (each stage N of its own chunks); not
+  // optimizer_lag, a resident plan or the cpu device; N beyond the host-tier chunks neither
+  // speculated nor on disk counts as all of them. 0: none.
   int device_updates;
 };
 

@@ -2793,9 +2793,9 @@ static fy_status dup_upload(struct fy_offload *x, int j) {
 // Step q's device updates, once the host knows its norm (host_scale holds the scale and the skip
 // flag): for each piece in order, AdamW on dup_run after its copies in and piece j - 2's 16-bit
 // copy home (kernels with the 16-bit copy first taken from the master, which a skipped step leaves
-// as it is), its master, m, v and
-// 16-bit copy home on dup_down, and after a chunk's last piece the chunk's home_ready; the copies
-// in of the piece two ahead after them (pieces 0 and 1 were enqueued before the norm).
+// as it is), its master, m, v and 16-bit copy home on dup_down, each buffer's dup_free after its
+// copy, and after a chunk's last piece the chunk's home_ready; the copies in of the piece two
+// ahead after them (pieces 0 and 1 were enqueued before the norm).
 static fy_status dup_updates(struct fy_offload *x, int q) {
   const bool kernels = launches_kernels(x->m);
   FY_TRY(fy_copy_async(x->dup_run, x->dup_scale + 2 * q, x->host_scale + 2 * q, 2 * sizeof(float)));

@@ -51,8 +51,6 @@ fy_status resolve_seq(struct fy_train_opts *o) {
   return FY_OK;
 }
 
-// The run's defaults that depend on its device (precision, fp16's loss scale), and the checks of
-// its options.
 // The run offloads through a host tier: --device sim, or --device cuda --offload.
 static bool offloaded(const struct fy_train_opts *e) {
   return e->device && strcmp(e->device, "cpu") != 0 && (strcmp(e->device, "cuda") != 0 || e->offload);
@@ -72,6 +70,8 @@ static fy_status check_host_lever(const struct fy_train_opts *e, const char *fla
   return FY_OK;
 }
 
+// The run's defaults that depend on its device (precision, fp16's loss scale), and the checks of
+// its options.
 fy_status check_train_opts(struct fy_train_opts *e) {
   if (!e->precision) e->precision = fy_cost_default_precision(e->device);
   // fp16 overflows without loss scaling: dynamic scaling from 2^16 unless a scale was given.
